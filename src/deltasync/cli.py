@@ -1,0 +1,52 @@
+"""The ``deltasync`` command line: a thin projection of the config dataclasses.
+
+Each subcommand lives in its own module under :mod:`deltasync.commands` and exposes
+``register(subparsers)``; this module only wires them together and turns typed errors into a
+one-line message and a non-zero exit status. It knows nothing about what the commands do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from deltasync.errors import DeltaSyncError
+
+# (module under deltasync.commands) -- order is the order shown in --help.
+_COMMAND_MODULES = (
+    "demo",
+    "bench",
+    "layout",
+    "inspect_store",
+    "pull",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deltasync",
+        description="Sparse, bit-exact BF16 policy-weight sync from an RL trainer to rollout workers.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for mod_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"deltasync.commands.{mod_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"deltasync.commands.{mod_name}":
+                continue  # command not shipped in this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except DeltaSyncError as exc:
+        print(f"deltasync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)

@@ -1,0 +1,1 @@
+"""Subcommands of the ``deltasync`` CLI, one module each."""

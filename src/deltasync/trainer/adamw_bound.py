@@ -1,0 +1,121 @@
+"""The error bound that makes snapshot-free change detection a proof, not a heuristic.
+
+What this module knows: the arithmetic of one (decoupled or L2) Adam/AdamW step as PyTorch
+performs it in fp32 (``foreach=False``, ``foreach=True`` and ``fused=True``), and how far the
+fp32 reconstruction of the pre-step parameter can be from the truth. What it does not know:
+tensors, hooks, bitsets (see ``adamw_tracker.py`` and ``detect.py``).
+
+The argument
+------------
+Let ``u = 2**-24`` (fp32 unit roundoff; every IEEE op in round-to-nearest returns
+``fl(x) = x(1+d)`` with ``|d| <= u`` for normal results, and adds at most ``2**-150`` absolute
+error for subnormal ones). After step ``t`` the optimizer holds ``p = θ_t``, ``m = m_t`` and
+``v = v_t`` (``max_exp_avg_sq`` under amsgrad), exactly the values its update used. With
+``c = 1 - lr*wd`` (decoupled weight decay; ``c = 1`` otherwise), ``bc1 = 1 - β1**t``,
+``bc2 = 1 - β2**t`` (Python doubles) and the exact real update
+``U = (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps)``, every PyTorch implementation computes
+
+    p1  = fl(θ_{t-1} * c)                  (skipped when wd == 0: then p1 = θ_{t-1})
+    Uc  = U (1 + δ_U)                      (sqrt, /, +eps, /, * in some order; scalars
+                                            rounded to fp32, FMA or not: |δ_U| <= 12u)
+    θ_t = fl(p1 - Uc)                      (or an FMA of the same; one rounding)
+
+Hence ``θ_{t-1} = (θ_t + Uc + e1) / (c (1 + δ_c))`` with ``|e1| <= u|θ_t|`` (the last
+rounding) and ``|δ_c| <= 3u`` (the multiply, the rounding of ``c`` to fp32, and the fused
+kernel's alternative ``p - p*(lr*wd)``).
+
+We compute, in fp32, with the same scalars rounded to fp32 (``detect.c`` / ``detect.py``)
+
+    û = (m / (sqrt(v)/bc2s + eps)) * step_size,   s = fl(θ_t + û),   r = fl(s * fl(1/c)).
+
+``û`` differs from ``U`` by at most 12u relative (same operation count as above),
+``s`` adds u|s|, and ``r`` adds 2u relative. Collecting terms, with ``|θ_t| <= |s| + |û|``:
+
+    |θ_{t-1} - r| <= ((1 + 3 + 1 + 2 + 2) u |s| + (12 + 12 + 1 + 3) u |û|) / c + A
+                 <= (2**-20 |s| + 2**-10 |û|) / c + A =: E
+
+The two lines leave a factor of >= 1.7 on the |s| term (16u against 9u including the two
+roundings of ``r ± E`` below) and of >= 30 on the |û| term, which also absorbs bias
+corrections evaluated in double versus fp32 at small ``t`` for ``β2 <= 0.9999``. ``A`` covers
+subnormal arithmetic, including flush-to-zero/denormals-are-zero modes in which a subnormal
+``m`` or intermediate may be flushed: ``A = 2**-126 * 4 * (1 + step_size/eps) / c``.
+
+The true ``θ_{t-1}`` therefore lies in ``[r - E, r + E]``; computing ``fl(r - E)`` and
+``fl(r + E)`` moves each end by at most ``u|r|``, which the slack above covers. BF16 rounding
+(round to nearest even) is monotone, so if both computed ends and ``θ_t`` round to the same
+BF16 bit pattern, every candidate for ``θ_{t-1}`` does too and the element provably did not
+change. Otherwise it is reported (maybe an extra element, never a missed one). Non-finite
+values are always reported. Bit patterns are compared as integers, so ``-0.0`` and ``+0.0``
+differ, as they do on the receiver.
+
+What the bound does not cover, and the tracker therefore sends through an exact bitwise
+snapshot instead: non-fp32 parameters or states, ``capturable=True`` (bias corrections in fp32
+tensors can be off by ~1000u at step 1), ``differentiable=True``, ``eps <= 0``, any optimizer
+other than ``torch.optim.Adam``/``AdamW``, and parameters that are not in the optimizer.
+``maximize`` and ``amsgrad`` are covered: the former only negates the gradient, the latter
+stores the denominator state it used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+REL_S = 2.0**-20  # bound on |θ_{t-1} - r| per unit of |s|/c
+REL_U = 2.0**-10  # bound per unit of |û|/c
+_TINY = 2.0**-126
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value (as torch does with scalar arguments)."""
+    import struct
+
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepHyper:
+    """Hyperparameters of one optimizer step of one param group, recorded at step time."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    step: int  # the step count after the increment, as the optimizer used it
+
+
+@dataclass(frozen=True)
+class KernelScalars:
+    """The fp32 scalars the detection kernel needs for one (param group, step count)."""
+
+    bc2s: float
+    eps: float
+    step_size: float
+    inv_c: float
+    rel_s: float
+    rel_u: float
+    abs_e: float
+
+
+def kernel_scalars(h: StepHyper) -> KernelScalars:
+    bc1 = 1.0 - h.beta1**h.step
+    bc2 = 1.0 - h.beta2**h.step
+    step_size = h.lr / bc1
+    c = 1.0 - h.lr * h.weight_decay if (h.decoupled and h.weight_decay != 0) else 1.0
+    if not (c > 0.0) or not math.isfinite(c):
+        # lr*wd >= 1 zeroes or flips the weights; inversion is meaningless. The caller checks
+        # this before using the kernel and falls back to a snapshot.
+        raise ValueError(f"weight-decay factor 1 - lr*wd = {c} is not positive")
+    inv_c = _f32(1.0 / c)
+    abs_e = _TINY * 4.0 * (1.0 + step_size / h.eps) / c if h.eps > 0 else math.inf
+    return KernelScalars(
+        bc2s=_f32(math.sqrt(bc2)),
+        eps=_f32(h.eps),
+        step_size=_f32(step_size),
+        inv_c=inv_c,
+        rel_s=REL_S,
+        rel_u=REL_U,
+        abs_e=_f32(abs_e) if math.isfinite(abs_e) and abs_e < 3.0e38 else math.inf,
+    )

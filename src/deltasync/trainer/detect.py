@@ -1,0 +1,125 @@
+"""Guard-banded BF16 change detection over one parameter: the hot loop of the trainer side.
+
+``detect_adamw_`` ORs into a bitset the elements whose BF16 value may differ from the one
+before the last optimizer step (see ``adamw_bound.py`` for why this never misses one).
+On CPU it runs the compiled C kernel over 64-element-aligned chunks on a few threads (ctypes
+releases the GIL); elsewhere (CUDA, or no C compiler) it runs the same operations, in the same
+order and in fp32, as torch expressions over bounded chunks with reused scratch buffers.
+
+This module knows tensors and the kernel scalars; it knows nothing about optimizers or names.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from deltasync.trainer import native
+from deltasync.trainer.adamw_bound import KernelScalars
+
+_CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small for balance
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool, _pool_threads
+    if _pool is None or _pool_threads != threads:
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-detect")
+        _pool_threads = threads
+    return _pool
+
+
+def bitset_bytes(numel: int) -> int:
+    return (numel + 7) // 8
+
+
+def _use_native(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and native.load() is not None
+
+
+def detect_adamw_(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, bits: torch.Tensor,
+    *, threads: int | None = None, force_torch: bool = False,
+) -> None:
+    """OR the possibly-changed elements of one fp32 parameter into ``bits`` (uint8, LSB first)."""
+    n = p.numel()
+    if n == 0:
+        return
+    if not math.isfinite(k.abs_e):
+        bits.fill_(0xFF)  # bound unavailable (eps <= 0): everything is uncertain
+        return
+    if not force_torch and _use_native(p, m, v, bits):
+        lib = native.load()
+        assert lib is not None
+        pp, mp, vp, bp = p.data_ptr(), m.data_ptr(), v.data_ptr(), bits.data_ptr()
+
+        def run(start: int) -> int:
+            cnt = min(_CHUNK, n - start)
+            off = start * 4
+            return lib.ds_adamw_detect(pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps,
+                                       k.step_size, k.inv_c, k.rel_s, k.rel_u, k.abs_e,
+                                       bp + start // 8)
+
+        starts = range(0, n, _CHUNK)  # _CHUNK is a multiple of 64: no two chunks share a byte
+        t = threads or torch.get_num_threads()
+        if t <= 1 or n <= _CHUNK:
+            for s in starts:
+                run(s)
+        else:
+            list(_executor(t).map(run, starts))
+        return
+    _detect_torch(p.reshape(-1), m.reshape(-1), v.reshape(-1), k, bits)
+
+
+def _f32(x: float, dev: torch.device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32, device=dev)
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even BF16 bits of fp32 ``x`` as int32, matching detect.c exactly."""
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(torch.int32)
+
+
+def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
+                  bits: torch.Tensor) -> None:
+    dev = p.device
+    bc2s, eps, ss = _f32(k.bc2s, dev), _f32(k.eps, dev), _f32(k.step_size, dev)
+    inv_c, rs, ru, ae = _f32(k.inv_c, dev), _f32(k.rel_s, dev), _f32(k.rel_u, dev), _f32(k.abs_e, dev)
+    weights = (2 ** torch.arange(8, device=dev, dtype=torch.int32))
+    n = p.numel()
+    for start in range(0, n, _CHUNK):
+        end = min(n, start + _CHUNK)
+        pc, mc, vc = p[start:end], m[start:end], v[start:end]
+        d = torch.sqrt(vc) / bc2s + eps
+        u = (mc / d) * ss
+        s = pc + u
+        r = s * inv_c
+        e = (s.abs() * rs + u.abs() * ru) * inv_c + ae
+        lo, hi = r - e, r + e
+        blo, bhi, bcur = _bf16_bits(lo), _bf16_bits(hi), _bf16_bits(pc)
+        flag = (blo != bhi) | (blo != bcur) | ~torch.isfinite(lo) | ~torch.isfinite(hi) | ~torch.isfinite(pc)
+        pad = (-flag.numel()) % 8
+        if pad:
+            flag = torch.cat([flag, flag.new_zeros(pad)])
+        packed = (flag.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+        bits[start // 8 : start // 8 + packed.numel()] |= packed
+
+
+def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """Sorted int64 positions of the set bits among the first ``numel`` bits."""
+    nbytes = bitset_bytes(numel)
+    if bits.device.type == "cpu" and bits.is_contiguous() and native.load() is not None:
+        lib = native.load()
+        assert lib is not None
+        count = lib.ds_bits_count(bits.data_ptr(), nbytes)
+        out = torch.empty(count, dtype=torch.int64)
+        if count:
+            lib.ds_bits_to_indices(bits.data_ptr(), nbytes, 0, out.data_ptr())
+        return out[out < numel] if count and out[-1] >= numel else out
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    unpacked = ((bits[:nbytes].unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
+    return torch.nonzero(unpacked, as_tuple=False).reshape(-1).to(torch.int64)

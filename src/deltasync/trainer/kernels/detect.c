@@ -1,0 +1,96 @@
+/* deltasync detection kernels (plain C, loaded with ctypes; no Python or torch headers).
+ *
+ * ds_adamw_detect: for each element, reconstruct the pre-step fp32 value r by inverting one
+ * AdamW step, widen it to [r - E, r + E] with the rigorous bound E (see adamw_bound.py), and
+ * set bit i of `bits` (OR, never clear) unless both ends and the current value round to the
+ * same BF16 bit pattern.  Must be compiled WITHOUT -ffast-math and with -ffp-contract=off:
+ * the bound assumes IEEE round-to-nearest for every +, -, *, /, sqrt written here, in this
+ * order, and the torch fallback in detect.py performs the identical operations.
+ *
+ * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* round-to-nearest-even fp32 -> bf16 bits; only used on finite inputs (others are flagged). */
+static inline uint32_t bf16_rne(uint32_t x) {
+    return (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+}
+
+#define BLOCK 64
+
+/* Processes elements [0, n) of one parameter chunk. `bits` points at the byte holding element
+ * 0 of the chunk; callers split work at multiples of 64 elements so threads never share a byte. */
+int64_t ds_adamw_detect(const float *p, const float *m, const float *v, int64_t n,
+                        float bc2s, float eps, float step_size, float inv_scale_c,
+                        float rel_s, float rel_u, float abs_e, uint8_t *bits) {
+    int64_t flagged = 0;
+    uint8_t flags[BLOCK];
+    for (int64_t base = 0; base < n; base += BLOCK) {
+        int64_t len = n - base < BLOCK ? n - base : BLOCK;
+        for (int64_t j = 0; j < len; j++) {
+            int64_t i = base + j;
+            float d = sqrtf(v[i]) / bc2s + eps;
+            float u = (m[i] / d) * step_size;
+            float s = p[i] + u;
+            float r = s * inv_scale_c;
+            float e = (fabsf(s) * rel_s + fabsf(u) * rel_u) * inv_scale_c + abs_e;
+            float lo = r - e;
+            float hi = r + e;
+            uint32_t ulo = f2u(lo), uhi = f2u(hi), ucur = f2u(p[i]);
+            uint32_t blo = bf16_rne(ulo), bhi = bf16_rne(uhi), bcur = bf16_rne(ucur);
+            /* any non-finite value (inf/nan in lo, hi or current) is flagged as uncertain */
+            uint32_t nonfinite = ((ulo & 0x7F800000u) == 0x7F800000u) |
+                                 ((uhi & 0x7F800000u) == 0x7F800000u) |
+                                 ((ucur & 0x7F800000u) == 0x7F800000u);
+            flags[j] = (uint8_t)((blo != bhi) | (blo != bcur) | nonfinite);
+        }
+        for (int64_t j = len; j < BLOCK; j++) flags[j] = 0;
+        for (int k = 0; k < BLOCK / 8; k++) {
+            uint8_t byte = 0;
+            for (int b = 0; b < 8; b++) byte |= (uint8_t)(flags[k * 8 + b] << b);
+            int64_t bi = (base >> 3) + k;
+            if (bi * 8 < n) {
+                bits[bi] |= byte;
+                flagged += __builtin_popcount(byte);
+            }
+        }
+    }
+    return flagged;
+}
+
+int64_t ds_bits_count(const uint8_t *bits, int64_t nbytes) {
+    int64_t c = 0, i = 0;
+    for (; i + 8 <= nbytes; i += 8) {
+        uint64_t w; memcpy(&w, bits + i, 8);
+        c += __builtin_popcountll(w);
+    }
+    for (; i < nbytes; i++) c += __builtin_popcount(bits[i]);
+    return c;
+}
+
+/* Writes the positions of set bits (ascending) into out; returns how many were written.
+ * `first_index` is added to every position (chunked callers). */
+int64_t ds_bits_to_indices(const uint8_t *bits, int64_t nbytes, int64_t first_index, int64_t *out) {
+    int64_t k = 0, i = 0;
+    for (; i + 8 <= nbytes; i += 8) {
+        uint64_t w; memcpy(&w, bits + i, 8);
+        while (w) {
+            int t = __builtin_ctzll(w);
+            out[k++] = first_index + i * 8 + t;
+            w &= w - 1;
+        }
+    }
+    for (; i < nbytes; i++) {
+        uint32_t w = bits[i];
+        while (w) {
+            int t = __builtin_ctz(w);
+            out[k++] = first_index + i * 8 + t;
+            w &= w - 1;
+        }
+    }
+    return k;
+}
