@@ -1,0 +1,246 @@
+"""AdamWTracker against the bitwise truth (SnapshotTracker): never a missed element."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from deltasync import AdamWTracker, SnapshotTracker
+
+IMPLS = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+
+
+def _compare(tracked: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(missed, extra, true) element counts; also checks the output contract."""
+    missed = extra = true = 0
+    for name, idx in tracked.items():
+        assert idx.dtype == torch.int64 and idx.dim() == 1 and idx.numel() > 0
+        assert bool((idx[1:] > idx[:-1]).all()), f"{name}: indices not strictly increasing"
+    for name in set(tracked) | set(truth):
+        a = tracked.get(name, torch.empty(0, dtype=torch.int64))
+        b = truth.get(name, torch.empty(0, dtype=torch.int64))
+        inter = torch.isin(b, a).sum().item()
+        missed += b.numel() - inter
+        extra += a.numel() - inter
+        true += b.numel()
+    return missed, extra, true
+
+
+def _params(shapes, scale=0.02, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g) * scale) for s in shapes]
+
+
+def _run(ps, opt, steps_per_version=1, versions=3, grad_scale=1.0, seed=0, sched=None, skip=()):
+    named = [(f"p{i}", p) for i, p in enumerate(ps)]
+    tracker = AdamWTracker(opt, named)
+    truth = SnapshotTracker(named)
+    g = torch.Generator().manual_seed(seed)
+    totals = [0, 0, 0]
+    for v in range(versions):
+        for s in range(steps_per_version):
+            for i, p in enumerate(ps):
+                p.grad = None if (v, s, i) in skip else torch.randn(p.shape, generator=g) * grad_scale
+            opt.step()
+            if sched is not None:
+                sched.step()
+        missed, extra, true = _compare(tracker.changed(), truth.changed())
+        assert missed == 0, f"version {v}: {missed} changed elements missed"
+        totals = [totals[0] + missed, totals[1] + extra, totals[2] + true]
+        tracker.clear()
+        truth.clear()
+    tracker.close()
+    return totals
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("lr", [1e-7, 3e-6, 1e-4, 1e-3])
+@pytest.mark.parametrize("wd", [0.0, 1e-2, 1e-1])
+def test_tracker_never_misses_an_element_for_any_adamw_implementation(impl, lr, wd):
+    ps = _params([(64, 96), (1000,)], seed=int(lr * 1e7) + int(wd * 100))
+    opt = torch.optim.AdamW(ps, lr=lr, weight_decay=wd, **IMPLS[impl])
+    missed, extra, true = _run(ps, opt)
+    assert true > 0
+    assert extra <= 0.05 * true + 20, f"too loose: {extra} extra for {true} true"
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("betas,eps", [((0.9, 0.999), 1e-8), ((0.8, 0.95), 1e-6), ((0.0, 0.9999), 1e-12)])
+def test_betas_and_eps_variants_are_covered(impl, betas, eps):
+    ps = _params([(50, 70)], seed=3)
+    opt = torch.optim.AdamW(ps, lr=1e-5, betas=betas, eps=eps, weight_decay=0.01, **IMPLS[impl])
+    _run(ps, opt, versions=2)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_late_steps_with_converged_bias_correction_are_covered(impl):
+    ps = _params([(40, 40)], seed=4)
+    opt = torch.optim.AdamW(ps, lr=3e-6, weight_decay=0.1, **IMPLS[impl])
+    ps[0].grad = torch.randn_like(ps[0])
+    opt.step()
+    st = opt.state[ps[0]]
+    st["step"] = torch.tensor(1500.0) if isinstance(st["step"], torch.Tensor) else 1500
+    _run(ps, opt, versions=2)
+    assert float(opt.state[ps[0]]["step"]) == 1502
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_several_steps_per_version_with_a_scheduler_changing_lr_after_each_step(impl):
+    ps = _params([(32, 64), (500,)], seed=5)
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.05, **IMPLS[impl])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s))
+    _run(ps, opt, steps_per_version=4, versions=3, sched=sched)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_params_without_gradients_are_reported_unchanged(impl):
+    ps = _params([(30, 30), (30, 30)], seed=6)
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **IMPLS[impl])
+    named = [("a", ps[0]), ("b", ps[1])]
+    tracker = AdamWTracker(opt, named)
+    ps[0].grad = torch.randn_like(ps[0])
+    opt.step()
+    changed = tracker.changed()
+    assert "a" in changed and "b" not in changed
+    # b without grad again, a too: nothing moves, nothing is reported after clear
+    tracker.clear()
+    ps[0].grad = None
+    opt.step()
+    assert tracker.changed() == {}
+    _run(ps, opt, skip={(0, 0, 1), (1, 0, 0)})
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_steps_skipped_by_grad_scaler_report_nothing(impl):
+    ps = _params([(20, 20)], seed=7)
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **IMPLS[impl])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    named = [("w", ps[0])]
+    tracker, truth = AdamWTracker(opt, named), SnapshotTracker(named)
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        scaler.scale((ps[0] * x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step(torch.randn(20, 20))  # a finite step moves weights
+    m, _, t = _compare(tracker.changed(), truth.changed())
+    assert m == 0 and t > 0
+    tracker.clear(), truth.clear()
+    before = ps[0].detach().clone()
+    step(torch.full((20, 20), float("inf")))  # inf gradients: the scaler skips the step
+    assert torch.equal(before.view(torch.int32), ps[0].detach().view(torch.int32))
+    assert tracker.changed() == {} and truth.changed() == {}
+    step(torch.randn(20, 20))  # and the next finite step is tracked again
+    m, _, t = _compare(tracker.changed(), truth.changed())
+    assert m == 0 and t > 0
+
+
+def _adversarial_values(n_each: int, seed: int) -> torch.Tensor:
+    """fp32 values exactly at and a few ulps around BF16 rounding midpoints, ±0, subnormals,
+    huge magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    b = (torch.randn(n_each, generator=g) * 0.05).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    mid = (b << 16) | 0x8000  # fp32 bit pattern halfway between two BF16 values
+    parts = [mid + k for k in range(-3, 4)]
+    parts.append(torch.tensor([0, -(2**31)], dtype=torch.int32))  # +0, -0
+    parts.append(torch.randint(1, 0x7FFFFF, (n_each,), generator=g, dtype=torch.int32))  # +subnormal
+    parts.append(torch.randint(1, 0x7FFFFF, (n_each,), generator=g, dtype=torch.int32) | -(2**31))
+    parts.append(torch.randint(0x7E000000, 0x7F000000, (n_each,), generator=g, dtype=torch.int32))
+    parts.append(torch.randint(0x00800000, 0x01800000, (n_each,), generator=g, dtype=torch.int32))
+    return torch.cat(parts).view(torch.float32).clone()
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("lr,wd", [(1e-7, 0.0), (3e-6, 0.1), (1e-3, 1e-2)])
+def test_adversarial_values_at_bf16_midpoints_zeros_subnormals_and_large_exponents(impl, lr, wd):
+    for seed in range(3):
+        p = torch.nn.Parameter(_adversarial_values(400, seed))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, **IMPLS[impl])
+        g = torch.Generator().manual_seed(100 + seed)
+        # tiny and sign-mixed gradients so updates land on both sides of the midpoints
+        grads = [torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-12, 1, p.shape, generator=g)
+                 for _ in range(3)]
+        named = [("x", p)]
+        tracker, truth = AdamWTracker(opt, named), SnapshotTracker(named)
+        for gr in grads:
+            p.grad = gr
+            opt.step()
+            missed, _, _ = _compare(tracker.changed(), truth.changed())
+            assert missed == 0
+            tracker.clear(), truth.clear()
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_amsgrad_and_maximize_are_covered_by_the_bound(flag):
+    ps = _params([(40, 50)], seed=8)
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **{flag: True})
+    tracker = AdamWTracker(opt, [("p0", ps[0])])
+    assert tracker.fallback == {}
+    _run(ps, opt, versions=3)
+
+
+def test_plain_adam_with_l2_weight_decay_is_covered():
+    ps = _params([(40, 50)], seed=9)
+    opt = torch.optim.Adam(ps, lr=1e-4, weight_decay=0.01)
+    _run(ps, opt, versions=3)
+
+
+def test_uncovered_configurations_fall_back_to_an_exact_snapshot():
+    p_sgd = torch.nn.Parameter(torch.randn(100))
+    sgd = torch.optim.SGD([p_sgd], lr=0.1)
+    t = AdamWTracker(sgd, [("w", p_sgd)])
+    assert "SGD" in t.fallback["w"]
+    before = p_sgd.detach().to(torch.bfloat16).view(torch.int16).clone()
+    p_sgd.grad = torch.randn(100)
+    sgd.step()
+    after = p_sgd.detach().to(torch.bfloat16).view(torch.int16)
+    truth = torch.nonzero(before != after).reshape(-1)
+    assert truth.numel() > 0 and torch.equal(t.changed()["w"], truth)
+
+    p16 = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    p32 = torch.nn.Parameter(torch.randn(64))
+    outside = torch.nn.Parameter(torch.randn(64))
+    # capturable=True cannot step on CPU; the classification is what matters here
+    cap = AdamWTracker(torch.optim.AdamW([p32], lr=1e-3, capturable=True), [("cap", p32)])
+    assert "capturable" in cap.fallback["cap"]
+    cap.close()
+    opt = torch.optim.AdamW([p32, p16], lr=1e-3)
+    named = [("fp32", p32), ("bf16", p16), ("outside", outside)]
+    t2, oracle = AdamWTracker(opt, named), SnapshotTracker(named)
+    assert set(t2.fallback) == {"bf16", "outside"}
+    with torch.no_grad():
+        outside[5] += 1.0  # modified outside the optimizer: only a snapshot can see this
+    p32.grad, p16.grad = torch.randn(64), torch.randn(64).to(torch.bfloat16)
+    opt.step()
+    ch = t2.changed()
+    assert 5 in ch["outside"].tolist()
+    missed, extra, true = _compare(ch, oracle.changed())
+    assert missed == 0 and true > 0
+    for name in ("bf16", "outside"):  # the snapshot fallback is exact, not just a superset
+        assert torch.equal(ch[name], oracle.changed()[name])
+
+
+def test_native_kernel_and_torch_fallback_produce_the_same_mask():
+    from deltasync.trainer import native
+    from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
+    from deltasync.trainer.detect import bitset_bytes, detect_adamw_
+
+    if native.load() is None:
+        pytest.fail(f"C kernel did not build: {native.build_error}")
+    g = torch.Generator().manual_seed(11)
+    n = (1 << 20) + 77  # crosses a chunk boundary and ends mid-byte
+    p = torch.cat([_adversarial_values(1000, 1), torch.randn(n, generator=g) * 0.02])
+    m = torch.randn(p.shape, generator=g) * 1e-3
+    v = torch.rand(p.shape, generator=g) * 1e-6
+    for step, wd in itertools.product([1, 7, 5000], [0.0, 0.1]):
+        k = kernel_scalars(StepHyper(lr=3e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                                     decoupled=True, step=step))
+        a = torch.zeros(bitset_bytes(p.numel()), dtype=torch.uint8)
+        b = torch.zeros_like(a)
+        detect_adamw_(p, m, v, k, a, threads=2)
+        detect_adamw_(p, m, v, k, b, force_torch=True)
+        assert torch.equal(a, b)
