@@ -1,0 +1,38 @@
+"""The sparse wire format: one self-checking blob per (version, receiver shard, writer).
+
+Data flow through this package::
+
+    build.py    live tensors  -> TensorUpdate   (full_updates, sparse_update)
+    encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128)
+    decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
+    apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
+
+layout.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
+in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
+
+The package knows nothing about storage, manifests, layouts of models or processes.
+"""
+
+from deltasync.format.apply import apply_updates
+from deltasync.format.build import full_updates, sparse_update
+from deltasync.format.decode import decode_blob
+from deltasync.format.encode import encode_blob
+from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
+from deltasync.format.layout import FORMAT_VERSION
+from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlobBaseMismatchError",
+    "BlobHeader",
+    "BlobLimitError",
+    "DecodedBlob",
+    "InvalidUpdateError",
+    "TensorSpec",
+    "TensorUpdate",
+    "apply_updates",
+    "decode_blob",
+    "encode_blob",
+    "full_updates",
+    "sparse_update",
+]

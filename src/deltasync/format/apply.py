@@ -1,0 +1,110 @@
+"""apply_updates: scatter decoded values in place into live target tensors, all or nothing.
+
+Three phases, so that a bad update leaves every target bit-identical:
+1. validate every update against every target (name, shape, dtype, index range and order,
+   target memory that does not overlap itself);
+2. stage indices and values on each target's device (allocations that may fail happen here);
+3. write. Contiguous targets (including slices with a storage offset) get
+   ``target.view(-1).index_copy_``; non-contiguous targets (transposed or strided views) get the
+   row-major flat indices unravelled into coordinates and ``index_put_`` through the view, which
+   writes through the view's strides into the shared storage. (A ``reshape(-1)`` of a
+   non-contiguous tensor would be a copy, and writes into it would be lost.)
+
+This module knows TensorUpdate and torch tensors; it knows nothing about blobs, versions or
+journals (the receiver records progress before calling it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from deltasync.errors import ApplyError
+from deltasync.format.records import TensorUpdate
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True unless the strides prove no two elements share memory (the usual sufficient test:
+    sorted by stride, each stride exceeds the span of all smaller-stride dims)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    span = 0  # largest offset reachable with the dims seen so far
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _check(update: TensorUpdate, targets: Mapping[str, torch.Tensor], seen: set[str]) -> None:
+    if not isinstance(update, TensorUpdate):
+        raise ApplyError(f"apply_updates: {update!r} is not a TensorUpdate; nothing was written")
+    what = f"tensor {update.name!r}"
+    if update.name in seen:
+        raise ApplyError(f"{what} has two updates; merge them first. Nothing was written")
+    seen.add(update.name)
+    target = targets.get(update.name)
+    if target is None:
+        raise ApplyError(
+            f"{what}: no target of this name; the update and the receiver's layout disagree. "
+            "Nothing was written"
+        )
+    if tuple(target.shape) != update.shape or target.dtype != update.dtype:
+        raise ApplyError(
+            f"{what}: update is {update.shape} {update.dtype}, target is {tuple(target.shape)} "
+            f"{target.dtype}; the update and the receiver's layout disagree. Nothing was written"
+        )
+    if not target.is_contiguous() and update.nnz and _overlaps_itself(target):
+        raise ApplyError(
+            f"{what}: the target's strides {target.stride()} let elements share memory (an "
+            "expanded view?); pass the tensor that owns the memory. Nothing was written"
+        )
+    if update.indices is None or update.indices.numel() == 0:
+        return
+    idx = update.indices
+    first, last = int(idx[0]), int(idx[-1])
+    if first < 0 or last >= update.numel:
+        raise ApplyError(
+            f"{what}: indices span [{first}, {last}] outside [0, {update.numel}). Nothing was "
+            "written"
+        )
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise ApplyError(
+            f"{what}: indices are not strictly increasing; sort them and drop duplicates. "
+            "Nothing was written"
+        )
+
+
+def _write(target: torch.Tensor, update: TensorUpdate, idx: torch.Tensor | None,
+           values: torch.Tensor) -> None:
+    if idx is None:
+        target.copy_(values.view(update.shape))  # copy_ honours any strides of the target
+    elif target.is_contiguous():
+        target.view(-1).index_copy_(0, idx, values)
+    else:
+        coords = torch.unravel_index(idx, update.shape)
+        target.index_put_(coords, values)
+
+
+def apply_updates(updates: Sequence[TensorUpdate], targets: Mapping[str, torch.Tensor]) -> int:
+    """Write every update into ``targets[update.name]`` in place; return the elements written.
+
+    Raises ApplyError, with every target unchanged, if any update does not fit its target."""
+    seen: set[str] = set()
+    for update in updates:
+        _check(update, targets, seen)
+
+    staged = []
+    for update in updates:
+        target = targets[update.name]
+        if update.nnz == 0:
+            continue
+        idx = None if update.indices is None else update.indices.to(target.device)
+        staged.append((target, update, idx, update.values.to(target.device)))
+
+    written = 0
+    with torch.no_grad():  # targets may be leaf Parameters that require grad
+        for target, update, idx, values in staged:
+            _write(target, update, idx, values)
+            written += update.nnz
+    return written

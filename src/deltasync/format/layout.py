@@ -1,0 +1,60 @@
+"""The byte layout of a deltasync blob: magic, structs, codes and decoder limits.
+
+Every offset and width that docs/wire-format.md describes is defined here once, so the encoder,
+the decoder and the golden-bytes tests cannot drift apart. All integers are little-endian.
+
+This module knows bytes only: no tensors, no compression, no validation logic.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    # Values are written as raw in-memory bit patterns; a big-endian host would need byte swaps
+    # the codec does not implement.
+    raise ImportError("deltasync.format supports little-endian hosts only")
+
+MAGIC = b"DSYB"
+FORMAT_VERSION = 1
+
+# Header flags. Unknown bits are rejected by the decoder so a future flag cannot be ignored.
+FLAG_ZSTD = 0x0001  # the record section is one zstd frame (else it is stored raw)
+KNOWN_FLAGS = FLAG_ZSTD
+
+# Fixed header, 48 bytes:
+# magic, format_version, flags, version, base_version, section_len, raw_len, record_count,
+# shard_len, writer_len, reserved.
+HEADER = struct.Struct("<4sHHqqQQIBBH")
+assert HEADER.size == 48
+
+DIGEST_SIZE = 16  # xxh3-128, canonical (big-endian) form, over every byte before it
+MIN_BLOB_SIZE = HEADER.size + DIGEST_SIZE
+
+# Record header, 24 bytes:
+# name_len, dtype_code, encoding, ndim, gap_width, reserved, nnz, first_index.
+RECORD = struct.Struct("<HBBBBHQQ")
+assert RECORD.size == 24
+
+ENCODING_DENSE = 0
+ENCODING_SPARSE = 1
+
+GAP_WIDTHS = (1, 2, 4, 8)  # bytes per gap: u8, u16, u32, u64
+
+# Limits a decoder enforces before it allocates anything.
+MAX_NDIM = 64
+MAX_NUMEL = 1 << 62  # keeps every index, gap and partial sum inside int64 with room to spare
+MAX_NAME_BYTES = 0xFFFF
+MAX_ID_BYTES = 0xFF  # shard and writer ids
+MAX_RECORDS = 0xFFFFFFFF
+
+
+def blob_size(shard_len: int, writer_len: int, section_len: int) -> int:
+    """Total size in bytes of a blob with these variable parts."""
+    return HEADER.size + shard_len + writer_len + section_len + DIGEST_SIZE
+
+
+def shape_struct(ndim: int) -> struct.Struct:
+    """The ``ndim`` u64 dimensions that follow a record's name."""
+    return struct.Struct(f"<{ndim}Q")

@@ -1,0 +1,150 @@
+"""The in-memory records of the wire format: TensorSpec, TensorUpdate, BlobHeader, DecodedBlob.
+
+A TensorUpdate carries ABSOLUTE new values (never differences) for a set of flat, row-major
+element indices of one tensor, or for every element (dense). Construction checks only what is
+O(1) to check (types, ranks, lengths, dtypes); order and range of the indices are checked by
+encode_blob, decode_blob and apply_updates, which look at the data anyway.
+
+This module knows no bytes, no compression and no target tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.format.errors import InvalidUpdateError
+from deltasync.format.layout import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
+
+# Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact
+# inverse; values are always moved as integer bit patterns so -0.0 and NaN payloads survive.
+DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+BITS_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+}
+SUPPORTED = ", ".join(str(d) for d in DTYPE_CODES)
+
+
+def check_shape(shape: object, what: str, error: type[Exception]) -> tuple[int, ...]:
+    """Return ``shape`` as a tuple of non-negative ints within MAX_NDIM / MAX_NUMEL, else raise."""
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{what}: shape {shape!r} is not a sequence of ints") from None
+    if len(dims) > MAX_NDIM:
+        raise error(f"{what}: shape has {len(dims)} dims; at most {MAX_NDIM} are supported")
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise error(f"{what}: shape {dims!r} must hold non-negative ints")
+    if math.prod(dims) > MAX_NUMEL:
+        raise error(f"{what}: shape {dims!r} has more than 2^62 elements")
+    return dims
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver expects a tensor to be (its layout entry, as decode_blob checks it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", check_shape(self.shape, "TensorSpec", ConfigError))
+        if self.dtype not in DTYPE_CODES:
+            raise ConfigError(f"TensorSpec: dtype {self.dtype} is not one of {SUPPORTED}")
+
+
+# eq=False: the fields hold tensors, whose == is elementwise; identity is the only sane equality.
+@dataclass(frozen=True, eq=False)
+class TensorUpdate:
+    """New values for one tensor: at ``indices`` (1-D int64, strictly increasing, in
+    [0, numel)) or, when ``indices`` is None, at every element in row-major order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    indices: torch.Tensor | None
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidUpdateError(f"TensorUpdate name {self.name!r} must be a non-empty str")
+        if len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise InvalidUpdateError(
+                f"tensor {self.name[:60]!r}...: name is longer than {MAX_NAME_BYTES} UTF-8 bytes"
+            )
+        what = f"tensor {self.name!r}"
+        object.__setattr__(self, "shape", check_shape(self.shape, what, InvalidUpdateError))
+        if self.dtype not in DTYPE_CODES:
+            raise InvalidUpdateError(f"{what}: dtype {self.dtype} is not one of {SUPPORTED}")
+        if not isinstance(self.values, torch.Tensor) or self.values.dim() != 1:
+            raise InvalidUpdateError(f"{what}: values must be a 1-D tensor")
+        if self.values.dtype != self.dtype:
+            raise InvalidUpdateError(
+                f"{what}: values have dtype {self.values.dtype} but the update declares "
+                f"{self.dtype}; convert them first (sparse_update does this)"
+            )
+        if self.indices is None:
+            if self.values.numel() != self.numel:
+                raise InvalidUpdateError(
+                    f"{what}: a dense update needs {self.numel} values for shape {self.shape}, "
+                    f"got {self.values.numel()}"
+                )
+            return
+        if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 1:
+            raise InvalidUpdateError(f"{what}: indices must be a 1-D tensor or None")
+        if self.indices.dtype != torch.int64:
+            raise InvalidUpdateError(
+                f"{what}: indices must be int64 (tensors can exceed 2^31 elements), "
+                f"got {self.indices.dtype}"
+            )
+        if self.indices.numel() != self.values.numel():
+            raise InvalidUpdateError(
+                f"{what}: {self.indices.numel()} indices but {self.values.numel()} values"
+            )
+        if self.indices.numel() > self.numel:
+            raise InvalidUpdateError(
+                f"{what}: {self.indices.numel()} indices for only {self.numel} elements"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Number of elements this update writes."""
+        return self.numel if self.indices is None else self.indices.numel()
+
+    @property
+    def is_dense(self) -> bool:
+        return self.indices is None
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    format_version: int
+    version: int  # the version this blob brings the shard to
+    base_version: int  # the version it must be applied on; -1 for a full (anchor) blob
+    shard: str  # receiver shard id, e.g. "tp0" or "tp1-ep1"
+    writer: str  # trainer writer id, e.g. "w00000"
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.base_version == -1
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedBlob:
+    header: BlobHeader
+    updates: list[TensorUpdate]
+
+    def total_elements(self) -> int:
+        """Elements the updates write when applied."""
+        return sum(u.nnz for u in self.updates)
