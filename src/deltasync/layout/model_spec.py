@@ -1,0 +1,220 @@
+"""The canonical tensors of a Qwen3 / Qwen3-MoE checkpoint, derived from its config.
+
+Canonical coordinates are the tensor names and row-major flat indices of the published HF
+*checkpoint* (the safetensors files on the hub): one tensor per projection, and for Qwen3-MoE
+one tensor per expert (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``). Every
+other layout (the trainer's own parameters, an inference engine's fused shards) is mapped to
+and from these names by a table.
+
+This module knows configs and shapes only. It does not know any engine's layout, does not
+read files and does not import ``transformers`` (a ``PretrainedConfig`` is accepted, but only
+as an object with ``to_dict()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltasync.errors import LayoutError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def _pos_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LayoutError(f"model config field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shapes of a Qwen3 or Qwen3-MoE model, validated at construction.
+
+    ``moe_layers`` lists the decoder layers that hold a sparse MoE block; the other layers of a
+    MoE model hold a dense MLP of ``intermediate_size`` (``mlp_only_layers`` /
+    ``decoder_sparse_step`` in the HF config).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    # Every tensor of these checkpoints is bf16, the MoE router (mlp.gate) included.
+    dtype: torch.dtype = field(default=torch.bfloat16)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise LayoutError(
+                f"model_type {self.model_type!r} is not supported by the layout tables; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
+            _pos_int(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise LayoutError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.dtype != torch.bfloat16:
+            raise LayoutError(f"dtype must be torch.bfloat16 (BF16 sync only), got {self.dtype}")
+        if self.model_type == "qwen3":
+            if self.num_experts or self.moe_layers:
+                raise LayoutError("a 'qwen3' (dense) config cannot have experts or MoE layers")
+        else:
+            _pos_int("num_experts", self.num_experts)
+            _pos_int("moe_intermediate_size", self.moe_intermediate_size)
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
+            raise LayoutError(
+                f"moe_layers {self.moe_layers!r} must be sorted, distinct layer indices "
+                f"in 0..{self.num_hidden_layers - 1}"
+            )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | Any) -> ModelSpec:
+        """Build from a transformers ``config.json`` dict or a ``PretrainedConfig``.
+
+        Missing optional fields take transformers 5.19's defaults: ``tie_word_embeddings`` and
+        ``attention_bias`` False; ``head_dim`` 128 for ``qwen3`` (the Qwen3Config default) and
+        ``hidden_size // num_attention_heads`` for ``qwen3_moe`` (its modeling code falls back to
+        that; vLLM does the same); ``decoder_sparse_step`` 1; ``mlp_only_layers`` empty.
+        """
+        if not isinstance(config, Mapping):
+            to_dict = getattr(config, "to_dict", None)
+            if to_dict is None:
+                raise LayoutError(
+                    f"expected a config dict or a transformers PretrainedConfig, got {type(config).__name__}"
+                )
+            config = to_dict()
+        cfg = dict(config)
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise LayoutError(
+                f"model_type {model_type!r} is not supported: deltasync's layout tables cover "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}; add a table for this family first"
+            )
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise LayoutError(f"model config has no {key!r} (required for model_type {model_type!r})")
+            return cfg[key]
+
+        hidden = _pos_int("hidden_size", need("hidden_size"))
+        heads = _pos_int("num_attention_heads", need("num_attention_heads"))
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            head_dim = 128 if model_type == "qwen3" else hidden // heads
+        kwargs: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=head_dim,
+            intermediate_size=need("intermediate_size"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+        if model_type == "qwen3_moe":
+            # transformers 5.x serialises the expert count as num_local_experts (attribute_map).
+            num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if num_experts is None:
+                raise LayoutError("model config has no 'num_experts' (required for qwen3_moe)")
+            num_experts = _pos_int("num_experts", num_experts)
+            step = _pos_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(cfg.get("mlp_only_layers") or ())
+            n_layers = _pos_int("num_hidden_layers", kwargs["num_hidden_layers"])
+            # Same rule as Qwen3MoeDecoderLayer (transformers) and vLLM's qwen3_moe.py.
+            kwargs.update(
+                num_experts=num_experts,
+                moe_intermediate_size=need("moe_intermediate_size"),
+                moe_layers=tuple(
+                    i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0
+                ),
+            )
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ canonical tensors
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type == "qwen3_moe"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every canonical tensor name and shape, in checkpoint order."""
+        h, v = self.hidden_size, self.vocab_size
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            out[p + "self_attn.q_proj.weight"] = (self.q_size, h)
+            out[p + "self_attn.k_proj.weight"] = (self.kv_size, h)
+            out[p + "self_attn.v_proj.weight"] = (self.kv_size, h)
+            out[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.attention_bias:
+                out[p + "self_attn.q_proj.bias"] = (self.q_size,)
+                out[p + "self_attn.k_proj.bias"] = (self.kv_size,)
+                out[p + "self_attn.v_proj.bias"] = (self.kv_size,)
+                out[p + "self_attn.o_proj.bias"] = (h,)
+            out[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            if self.is_moe_layer(i):
+                im = self.moe_intermediate_size
+                out[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    out[p + f"mlp.experts.{e}.gate_proj.weight"] = (im, h)
+                    out[p + f"mlp.experts.{e}.up_proj.weight"] = (im, h)
+                    out[p + f"mlp.experts.{e}.down_proj.weight"] = (h, im)
+            else:
+                out[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+                out[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+                out[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+            out[p + "input_layernorm.weight"] = (h,)
+            out[p + "post_attention_layernorm.weight"] = (h,)
+        out["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (v, h)
+        return out
+
+    def numel(self) -> int:
+        total = 0
+        for shape in self.canonical_shapes().values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total

@@ -1,0 +1,128 @@
+"""Receiver layouts: canonical tensors → the shards inference workers actually hold.
+
+``ReceiverLayout.build(spec, engine, tp, ep)`` picks the table for an engine convention:
+
+- ``"hf"``: the transformers model's own parameters, one shard (TP = EP = 1);
+- ``"vllm"``: vLLM's fused, tensor- and expert-parallel layout (see ``vllm_rules``).
+
+A shard id names one distinct piece of the model (``tp{r}`` or ``tp{r}-ep{e}``); data-parallel
+replicas of an engine hold identical shards and share the id, so a blob is produced once per
+id. The publisher routes changed canonical elements here; receivers use ``local_specs`` to
+validate blobs before writing, and ``split``/``merge`` serve anchors, dense baselines and tests.
+
+This module knows engine conventions only through the rule modules; no I/O, no codec logic
+(it hands the codec's ``TensorSpec`` type out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from deltasync.errors import LayoutError
+from deltasync.format import TensorSpec
+from deltasync.layout.hf_rules import HF_SHARD, build_hf_table
+from deltasync.layout.model_spec import ModelSpec
+from deltasync.layout.table import LayoutTable, Routed
+from deltasync.layout.vllm_rules import build_vllm_table, vllm_shards
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One distinct receiver shard. ``ep_rank`` is 0 when expert parallelism is off."""
+
+    id: str
+    tp_rank: int
+    ep_rank: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"id": self.id, "tp_rank": self.tp_rank, "ep_rank": self.ep_rank}
+
+
+class ReceiverLayout:
+    """Canonical (HF checkpoint) tensors → every receiver shard of one engine convention."""
+
+    def __init__(self, *, spec: ModelSpec, engine: str, tp: int, ep: int, table: LayoutTable, shards: list[ShardInfo]):
+        self.spec = spec
+        self.engine = engine
+        self.tp = tp
+        self.ep = ep
+        self.table = table
+        self._shards = list(shards)
+        self._by_id = {s.id: s for s in shards}
+
+    @classmethod
+    def build(cls, spec: ModelSpec, engine: str = "vllm", tp: int = 1, ep: int = 1) -> ReceiverLayout:
+        for name, v in (("tp", tp), ("ep", ep)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+        if engine == "hf":
+            if tp != 1 or ep != 1:
+                raise LayoutError(f"engine 'hf' holds the whole model in one shard: tp and ep must be 1 (got tp={tp}, ep={ep})")
+            return cls(spec=spec, engine=engine, tp=1, ep=1, table=build_hf_table(spec), shards=[ShardInfo(HF_SHARD, 0, 0)])
+        if engine == "vllm":
+            table = build_vllm_table(spec, tp, ep)
+            shards = [ShardInfo(sid, t, e) for sid, t, e in vllm_shards(spec, tp, ep)]
+            return cls(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
+        raise LayoutError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+
+    # ------------------------------------------------------------------ metadata
+
+    def shards(self) -> list[ShardInfo]:
+        return list(self._shards)
+
+    def shard(self, shard_id: str) -> ShardInfo:
+        try:
+            return self._by_id[shard_id]
+        except KeyError:
+            raise LayoutError(f"shard {shard_id!r} is not in this layout; shards: {list(self._by_id)}") from None
+
+    def canonical_specs(self) -> dict[str, TensorSpec]:
+        return {n: TensorSpec(shape=s, dtype=self.spec.dtype) for n, s in self.table.src_shapes.items()}
+
+    def local_specs(self, shard_id: str) -> dict[str, TensorSpec]:
+        """Every tensor the shard holds (storage names only; see :meth:`aliases`)."""
+        self.shard(shard_id)
+        return {n: TensorSpec(shape=s, dtype=self.spec.dtype) for n, s in self.table.dst_shapes[shard_id].items()}
+
+    def aliases(self, shard_id: str) -> dict[str, str]:
+        """Names that are the same storage as another local tensor (tied ``lm_head.weight``).
+
+        Updates are routed to the target name only; an engine that lists the alias separately
+        sees the change through the shared storage.
+        """
+        self.shard(shard_id)
+        return dict(self.table.aliases[shard_id])
+
+    # ------------------------------------------------------------------ sparse
+
+    def route(self, canonical_name: str, indices: torch.Tensor) -> Routed:
+        """``{shard_id: {local_name: (local_indices, source_positions)}}``, both int64.
+
+        ``indices`` are sorted, distinct flat indices into the canonical tensor. ``local_indices``
+        come out sorted; ``values[source_positions]`` are their values. An element held by
+        several shards (replicated norms and kv heads, attention under EP) goes to each.
+        """
+        return self.table.route(canonical_name, indices)
+
+    def route_values(self, canonical_name: str, indices: torch.Tensor, values: torch.Tensor) -> Routed:
+        """Like :meth:`route` with the values already gathered: ``(local_indices, values)``."""
+        return self.table.route_values(canonical_name, indices, values)
+
+    def route_changes(self, changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> Routed:
+        """Many canonical tensors at once, merged per local tensor (sorted ``(indices, values)``)."""
+        return self.table.route_changes(changes)
+
+    # ------------------------------------------------------------------ dense
+
+    def split(self, full: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Full canonical state dict → ``{shard_id: {local_name: tensor}}`` (vLLM vocab padding zero)."""
+        return self.table.split(full)
+
+    def merge(self, shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Inverse of :meth:`split`; replicated copies (and tied aliases, if given) must agree bitwise."""
+        return self.table.merge(shards)

@@ -1,0 +1,130 @@
+"""Trainer parameters (whole, or an FSDP2 dim-0 shard) → canonical coordinates.
+
+The trainer's model is the transformers model (``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``),
+whose parameter names and fused expert tensors ``hf_rules`` describes; this is that table read
+backwards. A rank that holds an FSDP2 shard (``torch.distributed.fsdp.fully_shard``: dim 0 cut
+with ``torch.chunk`` semantics, chunk ``ceil(D0 / W)`` rows, trailing ranks short or empty,
+the padding not part of the parameter) maps its changed positions with its rank and world size
+alone: no collective, no other rank's data.
+
+This module knows parameter names and index arithmetic; it does not touch optimizers,
+process groups or DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from deltasync.errors import LayoutError
+from deltasync.layout.blocks import numel
+from deltasync.layout.hf_rules import TIED_ALIASES, build_hf_table
+from deltasync.layout.model_spec import ModelSpec
+from deltasync.layout.table import LayoutTable, bits
+
+_CANON = "canonical"
+
+
+def fsdp_dim0_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that FSDP2 gives ``rank`` of ``world_size`` (may be empty)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise LayoutError(f"rank {rank} is not in a world of size {world_size}")
+    chunk = -(-dim0 // world_size)
+    start = min(rank * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+class TrainerLayout:
+    """transformers-model parameter names → canonical (HF checkpoint) names and indices."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self._forward: LayoutTable = build_hf_table(spec)  # canonical → params
+        self._table: LayoutTable = self._forward.inverse(shard=_CANON)  # params → canonical
+        self._aliases = dict(TIED_ALIASES) if spec.tie_word_embeddings else {}
+
+    @classmethod
+    def build(cls, spec: ModelSpec) -> TrainerLayout:
+        return cls(spec)
+
+    # ------------------------------------------------------------------ names and shards
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and full shapes, as ``model.named_parameters()`` lists them."""
+        return dict(self._table.src_shapes)
+
+    def aliases(self) -> dict[str, str]:
+        """Tied names that ``state_dict()`` lists but ``named_parameters()`` does not."""
+        return dict(self._aliases)
+
+    def resolve(self, param_name: str) -> str:
+        name = self._aliases.get(param_name, param_name)
+        if name not in self._table.src_shapes:
+            raise LayoutError(f"{param_name!r} is not a parameter of this {self.spec.model_type} model")
+        return name
+
+    def shard_shape(self, param_name: str, rank: int = 0, world_size: int = 1) -> tuple[int, ...]:
+        shape = self._table.src_shapes[self.resolve(param_name)]
+        start, stop = fsdp_dim0_rows(shape[0], rank, world_size)
+        return (stop - start, *shape[1:])
+
+    # ------------------------------------------------------------------ sparse
+
+    def _param_indices(self, name: str, indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        shape = self._table.src_shapes[name]
+        start, stop = fsdp_dim0_rows(shape[0], rank, world_size)
+        per_row = numel(shape[1:])
+        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= (stop - start) * per_row):
+            raise LayoutError(
+                f"indices for {name!r} fall outside rank {rank}'s shard of {(stop - start) * per_row} elements"
+            )
+        offset = start * per_row
+        return indices + offset if offset else indices
+
+    def route(
+        self, param_name: str, indices: torch.Tensor, *, rank: int = 0, world_size: int = 1
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Sorted flat indices into (rank's shard of) a parameter → canonical coordinates.
+
+        Returns ``{canonical_name: (canonical_indices, source_positions)}``: sorted int64 indices
+        and, for each, its position in ``indices``.
+        """
+        name = self.resolve(param_name)
+        if indices.dtype != torch.int64:
+            indices = indices.to(torch.int64)
+        flat = self._param_indices(name, indices, rank, world_size)
+        return self._table.route(name, flat).get(_CANON, {})
+
+    def route_values(
+        self, param_name: str, indices: torch.Tensor, values: torch.Tensor, *, rank: int = 0, world_size: int = 1
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Like :meth:`route`, with values gathered: ``{canonical_name: (indices, values)}``."""
+        name = self.resolve(param_name)
+        if indices.dtype != torch.int64:
+            indices = indices.to(torch.int64)
+        flat = self._param_indices(name, indices, rank, world_size)
+        return self._table.route_values(name, flat, values).get(_CANON, {})
+
+    # ------------------------------------------------------------------ dense
+
+    def to_canonical(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full model state dict → the canonical (checkpoint-format) state dict.
+
+        Tied aliases (``lm_head.weight`` when embeddings are tied) may be present; they must equal
+        their target bitwise and are dropped.
+        """
+        params = {}
+        for name, t in state_dict.items():
+            target = self._aliases.get(name)
+            if target is not None:
+                if target in state_dict and not torch.equal(bits(t.detach()), bits(state_dict[target].detach())):
+                    raise LayoutError(f"{name!r} is tied to {target!r} but differs from it")
+                continue
+            params[name] = t.detach()
+        return self._table.split(params)[_CANON]
+
+    def from_canonical(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`to_canonical` (without aliases)."""
+        (shard,) = self._forward.dst_shapes
+        return self._forward.split(canonical)[shard]
