@@ -1,0 +1,165 @@
+"""The two-round exchange: every rank hands over ``{dst: bytes}`` and gets back ``{src: bytes}``.
+
+Round 1 is one fixed-size all_gather of each rank's byte counts, status and settings (see
+``handshake``). If any rank failed before it could send (the caller passed ``status=exc``, or
+its payloads were unusable), every rank raises the same PeerFailedError there, before a single
+payload byte moves, and the group stays usable. Round 2 plans from the gathered matrix
+(``plan_schedule``, identical on every rank) and carries the plan out (``run_schedule``). No
+rank waits for a message whose size it does not know, and every wait is bounded by
+``config.timeout_s``. A failure in round 2 leaves the group unusable: re-create it.
+
+Tensors live on the group's device (CUDA for NCCL, CPU otherwise) and only tensor collectives
+and point-to-point operations are used, so the same code runs on gloo and NCCL.
+
+This module knows nothing about what the bytes mean (blobs, versions, shards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deltasync.errors import ExchangeError, PeerFailedError
+from deltasync.exchange.config import ExchangeConfig
+from deltasync.exchange.executor import run_schedule
+from deltasync.exchange.handshake import decode_rows, describe, encode_row
+from deltasync.exchange.payloads import Payload, as_byte_tensors
+from deltasync.exchange.schedule import plan_schedule
+from deltasync.exchange.waits import wait
+
+
+@dataclass(frozen=True)
+class ExchangeStats:
+    """What one rank did in one exchange."""
+
+    bytes_sent: int  # to other ranks
+    bytes_received: int  # from other ranks
+    bytes_local: int  # copied from this rank to itself
+    messages: int  # point-to-point operations posted in round 2
+    batches: int  # round-2 batches this rank took part in
+    peak_staging_bytes: int  # staging buffers alive at once (0 when payloads are on-device)
+    round1_s: float
+    round2_s: float
+
+
+class Received(dict[int, torch.Tensor]):
+    """``{src: flat uint8 tensor}`` for every rank that sent this rank a non-empty payload,
+    on the group's device; ``stats`` says what the exchange did. A rank that sent nothing has
+    no entry."""
+
+    def __init__(self, items: Mapping[int, torch.Tensor], stats: ExchangeStats) -> None:
+        super().__init__(items)
+        self.stats = stats
+
+
+def exchange(
+    payloads: Mapping[int, Payload],
+    *,
+    group: dist.ProcessGroup | None = None,
+    config: ExchangeConfig = ExchangeConfig(),
+    status: BaseException | None = None,
+) -> Received:
+    """Send ``payloads[dst]`` to each rank ``dst`` of ``group``; return what the others sent.
+
+    Every rank of the group must call this together with the same ``config``. Pass
+    ``status=exc`` when this rank failed to produce its payloads: it still takes part in round
+    1, so all ranks raise the same PeerFailedError naming it instead of waiting for it.
+
+    Raises PeerFailedError (some rank failed before sending; the group is still usable),
+    ExchangeTimeoutError (a wait exceeded ``config.timeout_s``; names the round and peer) or
+    ExchangeError (a peer died, or ranks disagree on the config).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ExchangeError(
+            "torch.distributed is not initialized; call deltasync.exchange.init_from_env() "
+            "or torch.distributed.init_process_group() first"
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ExchangeError("this process is not a member of the given process group")
+    device = group_device(group)
+
+    cause = status
+    sources: dict[int, torch.Tensor] = {}
+    if cause is None:
+        try:
+            sources = as_byte_tensors(payloads, world)
+        except Exception as exc:  # reported to every peer in round 1, then raised there
+            cause = exc
+    counts = [int(sources[d].numel()) if d in sources else 0 for d in range(world)]
+
+    start = time.perf_counter()
+    try:
+        matrix = _round_one(counts, cause, config, group, device, world)
+    except PeerFailedError as err:
+        raise err from cause
+    round1_s = time.perf_counter() - start
+
+    schedule = plan_schedule(
+        matrix, max_chunk_bytes=config.max_chunk_bytes, max_inflight_ops=config.max_inflight_ops
+    )
+    outputs = {
+        src: torch.empty(row[rank], dtype=torch.uint8, device=device)
+        for src, row in enumerate(matrix)
+        if src != rank and row[rank] > 0
+    }
+    if rank in sources:  # a self-send is a local copy, never a message
+        outputs[rank] = torch.empty(counts[rank], dtype=torch.uint8, device=device)
+        outputs[rank].copy_(sources[rank])
+    start = time.perf_counter()
+    done = run_schedule(
+        schedule,
+        rank=rank,
+        sources=sources,
+        outputs=outputs,
+        group=group,
+        device=device,
+        timeout_s=config.timeout_s,
+    )
+    stats = ExchangeStats(
+        bytes_sent=done.bytes_sent,
+        bytes_received=done.bytes_received,
+        bytes_local=counts[rank],
+        messages=done.messages,
+        batches=done.batches,
+        peak_staging_bytes=done.peak_staging_bytes,
+        round1_s=round1_s,
+        round2_s=time.perf_counter() - start,
+    )
+    return Received(outputs, stats)
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the exchange keeps its tensors: the current CUDA device for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _round_one(
+    counts: list[int],
+    cause: BaseException | None,
+    config: ExchangeConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    world: int,
+) -> tuple[tuple[int, ...], ...]:
+    row = encode_row(
+        counts,
+        failure=None if cause is None else describe(cause),
+        max_chunk_bytes=config.max_chunk_bytes,
+        max_inflight_ops=config.max_inflight_ops,
+    ).to(device)
+    gathered = [torch.empty_like(row) for _ in range(world)]
+    work = dist.all_gather(gathered, row, group=group, async_op=True)
+    wait(
+        work,
+        timeout_s=config.timeout_s,
+        what=f"exchange round 1 (all_gather of the status rows of all {world} ranks)",
+        peers="some rank of the group",
+    )
+    return decode_rows(torch.stack(gathered).cpu())
