@@ -1,0 +1,138 @@
+"""Pure decisions over committed versions: which to apply, which to keep, when to anchor.
+
+Input is what the manifests say (version, kind, base), never the store itself, so every rule
+here is a table-tested function:
+
+- :func:`plan_chain` walks back from ``latest`` along base pointers until it reaches the
+  receiver's version (apply those deltas in order) or an anchor (restore it, then the deltas
+  after it), whichever comes first;
+- :func:`plan_retention` returns the versions safe to delete: never ``latest`` or anything
+  newer (a version may be committed before ``LATEST`` advances), never the newest keep_latest,
+  never the chain a fresh receiver needs (newest anchor and the deltas after it), and never
+  anything a live receiver still needs: every version above the one it holds (it may be in
+  the middle of replaying them) plus its planned chain;
+- :func:`should_anchor` is the publisher's every-K rule.
+
+Nothing here does I/O or knows about tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from deltasync.errors import ConfigError, VersionError
+
+
+class VersionInfo(NamedTuple):
+    """What the manifest of ``version`` says about its place in the chain."""
+
+    version: int
+    kind: str  # "delta" | "anchor"
+    base: int | None  # the delta's base version; ignored for anchors
+
+
+def _index(available: Iterable[VersionInfo | tuple]) -> dict[int, VersionInfo]:
+    by_version: dict[int, VersionInfo] = {}
+    for item in available:
+        info = VersionInfo(*item)
+        if info.kind not in ("delta", "anchor"):
+            raise VersionError(f"version {info.version} has unknown kind {info.kind!r}")
+        if info.kind == "delta" and (
+            not isinstance(info.base, int) or not 0 <= info.base < info.version
+        ):
+            raise VersionError(
+                f"delta version {info.version} has base {info.base!r}; a delta's base must be "
+                "an earlier version"
+            )
+        if info.version in by_version:
+            raise VersionError(f"version {info.version} is listed twice")
+        by_version[info.version] = info
+    return by_version
+
+
+def _walk(local_version: int | None, latest: int, by_version: dict[int, VersionInfo]) -> list[int]:
+    if local_version is not None and local_version > latest:
+        raise VersionError(
+            f"local version {local_version} is newer than the latest committed version {latest}: "
+            "the store regressed or belongs to another run; refusing to go backwards"
+        )
+    if local_version == latest:
+        return []
+    chain = []
+    v = latest
+    while True:
+        info = by_version.get(v)
+        if info is None:
+            start = "an empty state" if local_version is None else f"version {local_version}"
+            raise VersionError(
+                f"cannot reach version {latest} from {start}: version {v} on the way is not "
+                "available (deleted by retention or never committed) and no anchor comes later; "
+                "publish an anchor (full version) to let this receiver catch up"
+            )
+        chain.append(v)
+        if info.kind == "anchor" or info.base == local_version:
+            break
+        # A base below local_version means latest's ancestry skips the receiver's version:
+        # keep walking, an anchor further back can still restore it.
+        v = info.base
+    chain.reverse()
+    return chain
+
+
+def plan_chain(
+    local_version: int | None, latest: int, available: Iterable[VersionInfo | tuple]
+) -> list[int]:
+    """Versions to apply, in order, to go from ``local_version`` (None: empty) to ``latest``.
+
+    The first entry is an anchor unless the chain reaches ``local_version`` through deltas
+    first. Raises VersionError if no chain exists or ``local_version`` is ahead of ``latest``.
+    """
+    return _walk(local_version, latest, _index(available))
+
+
+def plan_retention(
+    available: Iterable[VersionInfo | tuple],
+    live_receiver_versions: Iterable[int | None],
+    *,
+    keep_latest: int = 1,
+    latest: int | None = None,
+) -> list[int]:
+    """Sorted versions that are safe to delete (see the module docstring for what is kept).
+
+    ``latest`` defaults to the newest available version; ``live_receiver_versions`` holds the
+    version each live receiver has (None for a receiver that has none yet).
+    """
+    if not isinstance(keep_latest, int) or isinstance(keep_latest, bool) or keep_latest < 1:
+        raise ConfigError(f"keep_latest must be an int >= 1, got {keep_latest!r}")
+    by_version = _index(available)
+    if not by_version:
+        return []
+    ordered = sorted(by_version)
+    if latest is None:
+        latest = ordered[-1]
+    keep = {v for v in ordered if v >= latest}
+    keep.update(ordered[-keep_latest:])
+    anchors = [v for v in ordered if v <= latest and by_version[v].kind == "anchor"]
+    if anchors:
+        keep.add(anchors[-1])
+    try:
+        keep.update(_walk(None, latest, by_version))
+    except VersionError:
+        pass  # no anchor chain to latest: nothing more to protect for fresh receivers
+    for held in live_receiver_versions:
+        if held is None:
+            continue  # needs the fresh-receiver chain, kept above
+        keep.update(v for v in ordered if held < v <= latest)
+        try:
+            keep.update(_walk(held, latest, by_version))
+        except VersionError:
+            pass  # it cannot reach latest anyway; what it might still read is kept above
+    return [v for v in ordered if v not in keep]
+
+
+def should_anchor(version: int, *, anchor_every: int, forced: bool = False) -> bool:
+    """Publish ``version`` as an anchor? Version 0 and every ``anchor_every``-th are anchors."""
+    if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 1:
+        raise ConfigError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
+    return forced or version % anchor_every == 0

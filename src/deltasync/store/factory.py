@@ -1,0 +1,72 @@
+"""open_store: turn a store URL into a Store.
+
+- a plain path or ``file:///abs/path``  -> LocalStore
+- ``s3://bucket`` or ``s3://bucket/prefix`` -> S3Store (endpoint, credentials and retries from
+  the ``s3`` config; nothing is read from environment variables here)
+- ``memory://``  -> a fresh MemoryStore; ``memory://NAME`` -> the process-wide MemoryStore of
+  that name, so two components opened from the same URL in one process share it.
+
+``throttle_gbps`` wraps the result in a ThrottledStore (benchmarks). This module only parses
+URLs; it knows nothing about what is stored.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import unquote, urlsplit
+
+from deltasync.errors import ConfigError
+from deltasync.store.local import LocalStore
+from deltasync.store.memory import MemoryStore
+from deltasync.store.protocol import Store
+from deltasync.store.s3 import S3Config, S3Store
+from deltasync.store.throttle import ThrottledStore
+
+_named_memory: dict[str, MemoryStore] = {}
+_named_lock = threading.Lock()
+
+
+def open_store(
+    url: str,
+    *,
+    s3: S3Config | None = None,
+    durable: bool = True,
+    throttle_gbps: float | None = None,
+) -> Store:
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"store URL must be a non-empty string, got {url!r}")
+    store: Store
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("", "file"):
+        if scheme == "file":
+            parts = urlsplit(url)
+            if parts.netloc not in ("", "localhost"):
+                raise ConfigError(f"file URL {url!r} names host {parts.netloc!r}; use file:///abs/path")
+            path = unquote(parts.path)
+        else:
+            path = url
+        if not path:
+            raise ConfigError(f"store URL {url!r} has no path")
+        store = LocalStore(path, durable=durable)
+    elif scheme == "s3":
+        rest = url[len("s3://"):]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
+        store = S3Store(bucket, prefix, config=s3)
+    elif scheme == "memory":
+        name = url[len("memory://"):]
+        if not name:
+            store = MemoryStore()
+        else:
+            with _named_lock:
+                store = _named_memory.setdefault(name, MemoryStore(name))
+    else:
+        raise ConfigError(
+            f"store URL {url!r} has unknown scheme {scheme!r}; use a path, file://, s3:// or memory://"
+        )
+    if s3 is not None and scheme != "s3":
+        raise ConfigError(f"an S3Config was given for the non-S3 store URL {url!r}")
+    if throttle_gbps is not None:
+        store = ThrottledStore(store, throttle_gbps)
+    return store

@@ -1,0 +1,142 @@
+"""The storage protocol: a handful of byte-level operations on string keys.
+
+A store holds immutable-ish blobs under keys relative to one run prefix (a directory, an S3
+``bucket/prefix``, or a dict). Keys use ``/`` separators and are checked by :func:`check_key`
+the same way on every backend, so a key that is rejected on S3 is rejected on disk too.
+
+Guarantees every implementation gives (and ``tests/store`` checks on each of them):
+
+- ``put`` is atomic per key: a reader sees the old bytes or the new bytes, never a mix or a
+  prefix of them;
+- ``put_if_absent`` is atomic and exclusive: among racing writers exactly one succeeds, the
+  others get :class:`~deltasync.errors.CommitConflictError`; this is the fencing primitive
+  that commits manifests;
+- ``delete`` of a missing key is not an error (retention may run twice);
+- ``list`` returns every key that starts with ``prefix``, sorted.
+
+This module knows nothing about versions, manifests or what the bytes mean: all policy lives
+above it (see :mod:`deltasync.manifest`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from deltasync.errors import StoreError
+
+MAX_KEY_LENGTH = 1024
+
+Bytes = bytes | bytearray | memoryview
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A key (or list prefix) is not a safe relative path; nothing was read or written."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Byte storage under string keys relative to one run prefix."""
+
+    def get(self, key: str) -> bytes:
+        """Whole object. Raises KeyNotFoundError if absent."""
+        ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from offset ``start``; the range must lie inside the object."""
+        ...
+
+    def put(self, key: str, data: Bytes) -> None:
+        """Create or replace atomically."""
+        ...
+
+    def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
+        """Create or replace atomically from chunks (multipart on S3); returns bytes written."""
+        ...
+
+    def put_if_absent(self, key: str, data: Bytes) -> None:
+        """Create atomically; raise CommitConflictError if the key already exists."""
+        ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key starting with ``prefix`` (a plain string prefix), sorted."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the key; a missing key is not an error."""
+        ...
+
+    def size(self, key: str) -> int:
+        """Object size in bytes. Raises KeyNotFoundError if absent."""
+        ...
+
+
+def _check_chars(what: str, value: str) -> None:
+    if "\\" in value:
+        raise InvalidKeyError(f"{what} {value!r} contains a backslash; use '/' separators")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        raise InvalidKeyError(f"{what} {value!r} contains a control character")
+    if value.startswith("/"):
+        raise InvalidKeyError(f"{what} {value!r} is absolute; keys are relative to the run prefix")
+    if len(value) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"{what} is {len(value)} characters long (at most {MAX_KEY_LENGTH})")
+
+
+def _check_component(what: str, value: str, component: str) -> None:
+    if component in ("", ".", ".."):
+        raise InvalidKeyError(
+            f"{what} {value!r} has an empty, '.' or '..' path component; "
+            "keys must not escape or alias the run prefix"
+        )
+    # Components starting with '.' are reserved for backends' temporary files, so a key can
+    # never name (or list) a half-written temp file.
+    if component.startswith("."):
+        raise InvalidKeyError(f"{what} {value!r} has a component starting with '.' (reserved)")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidKeyError naming it."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key must be a str, got {type(key).__name__}")
+    if key == "":
+        raise InvalidKeyError("key is empty")
+    _check_chars("key", key)
+    for component in key.split("/"):
+        _check_component("key", key, component)
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Like :func:`check_key`, but '' is allowed and the last component may be empty/partial."""
+    if not isinstance(prefix, str):
+        raise InvalidKeyError(f"prefix must be a str, got {type(prefix).__name__}")
+    if prefix == "":
+        return prefix
+    _check_chars("prefix", prefix)
+    components = prefix.split("/")
+    for component in components[:-1]:
+        _check_component("prefix", prefix, component)
+    last = components[-1]
+    if last in (".", "..") or last.startswith("."):
+        raise InvalidKeyError(f"prefix {prefix!r} ends in a '.'-component (reserved)")
+    return prefix
+
+
+def check_range(key: str, start: int, length: int) -> None:
+    for name, value in (("start", start), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise StoreError(f"get_range({key!r}): {name} must be a non-negative int, got {value!r}")
+
+
+def as_bytes(data: Bytes) -> bytes | memoryview:
+    """Accept bytes-like input without copying where the backend can write a memoryview."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        view = memoryview(data)
+        if view.c_contiguous:
+            return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        return memoryview(view.tobytes())
+    raise StoreError(f"data must be bytes-like, got {type(data).__name__}")

@@ -1,0 +1,90 @@
+"""Retry with capped exponential backoff and full jitter, for remote stores.
+
+:class:`RetryPolicy` is a keyword-only frozen config; :func:`backoff_delays` is the pure
+schedule (seeded, so tests can pin it); :func:`call_with_retries` runs an operation, retrying
+only what the caller's ``is_transient`` says is transient, and raises the last error once the
+attempts or the deadline are spent. It knows nothing about S3 or HTTP.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from deltasync.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """``max_attempts`` tries in all (1 = no retry), within ``deadline_s`` seconds of the first."""
+
+    max_attempts: int = 8
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    deadline_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigError(f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        for name in ("base_delay_s", "max_delay_s", "deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"RetryPolicy.{name} must be a number >= 0, got {value!r}")
+        if self.max_delay_s < self.base_delay_s:
+            raise ConfigError(
+                f"RetryPolicy.max_delay_s ({self.max_delay_s}) must be >= base_delay_s "
+                f"({self.base_delay_s})"
+            )
+
+
+def backoff_delays(policy: RetryPolicy, rng: random.Random | None = None) -> Iterator[float]:
+    """Sleep before attempt 2, 3, ...: uniform in [0, min(max, base * 2**i)] ("full jitter"),
+    which spreads out writers that all lost the server at the same moment."""
+    rng = rng or random.Random()
+    for i in range(policy.max_attempts - 1):
+        yield rng.uniform(0.0, min(policy.max_delay_s, policy.base_delay_s * (2**i)))
+
+
+class RetriesExhausted(Exception):
+    """Internal: carries the last transient error and how many attempts were made."""
+
+    def __init__(self, last: BaseException, attempts: int, elapsed_s: float) -> None:
+        super().__init__(str(last))
+        self.last = last
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s
+
+
+def call_with_retries(
+    op: Callable[[int], T],
+    *,
+    policy: RetryPolicy,
+    is_transient: Callable[[BaseException], bool],
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """Run ``op(attempt)`` (attempt counts from 0) until it returns or fails permanently.
+
+    A non-transient error propagates at once; a transient one is retried after a backoff delay
+    while attempts and the deadline last, then RetriesExhausted is raised from it.
+    """
+    t0 = clock()
+    delays = backoff_delays(policy)
+    attempt = 0
+    while True:
+        try:
+            return op(attempt)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            attempt += 1
+            delay = next(delays, None)
+            elapsed = clock() - t0
+            if delay is None or elapsed + delay > policy.deadline_s:
+                raise RetriesExhausted(exc, attempt, elapsed) from exc
+            sleep(delay)

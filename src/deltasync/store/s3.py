@@ -1,0 +1,423 @@
+"""S3Store: objects in an S3-compatible bucket under ``prefix/``, through boto3.
+
+- ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``: the server refuses (HTTP 412)
+  a second create of the same key, which fences a second publisher racing for one version.
+  A 409 ``ConditionalRequestConflict`` (another conditional write in flight) is retried; if it
+  persists it is reported as a commit conflict.
+- Transient failures (connection refused or reset while a server restarts, timeouts, 5xx,
+  throttling) are retried with backoff (:mod:`deltasync.store.retry`); every other failure
+  becomes a StoreError that names the endpoint, bucket and key.
+- A retried ``put_if_absent`` whose first attempt may have landed (the connection dropped
+  after the request was sent) reads the key back when it gets 412: if it holds exactly our
+  bytes, the earlier attempt won and the call succeeds. (So two writers that race with
+  byte-identical payloads can both succeed; both then agree on the stored bytes.)
+- ``put_stream`` uses multipart upload above one part size, aborting the upload on failure.
+
+boto3 is imported when an S3Store is created, so the package imports without it. Credentials
+come from :class:`S3Config`; when left unset, boto3's own default chain is used. Nothing here
+knows what the bytes mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
+from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.retry import RetriesExhausted, RetryPolicy, call_with_retries
+
+T = TypeVar("T")
+
+_MIN_PART = 5 * 2**20  # S3's minimum size of every part but the last
+_MAX_PART = 5 * 2**30
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_CONFLICT = {"PreconditionFailed", "412"}
+_IN_FLIGHT_CONFLICT = {"ConditionalRequestConflict", "409"}
+_TRANSIENT_CODES = {
+    "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestLimitExceeded", "500", "502", "503", "504",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Config:
+    """How to reach an S3-compatible server. ``endpoint_url=None`` means AWS itself."""
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    addressing_style: str = "auto"  # "path" for most self-hosted servers
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    max_pool_connections: int = 32
+    multipart_part_bytes: int = 64 * 2**20
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None and not (
+            isinstance(self.endpoint_url, str)
+            and self.endpoint_url.startswith(("http://", "https://"))
+        ):
+            raise ConfigError(
+                f"S3Config.endpoint_url must start with http:// or https://, got {self.endpoint_url!r}"
+            )
+        if not isinstance(self.region, str) or not self.region:
+            raise ConfigError(f"S3Config.region must be a non-empty string, got {self.region!r}")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError(
+                "S3Config.access_key_id and S3Config.secret_access_key must be given together "
+                "(or both left unset to use boto3's default credential chain)"
+            )
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError(
+                f"S3Config.addressing_style must be 'auto', 'path' or 'virtual', "
+                f"got {self.addressing_style!r}"
+            )
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"S3Config.{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.max_pool_connections, int) or self.max_pool_connections < 1:
+            raise ConfigError(
+                f"S3Config.max_pool_connections must be an int >= 1, got {self.max_pool_connections!r}"
+            )
+        if not isinstance(self.multipart_part_bytes, int) or not (
+            _MIN_PART <= self.multipart_part_bytes <= _MAX_PART
+        ):
+            raise ConfigError(
+                f"S3Config.multipart_part_bytes must be an int in [{_MIN_PART}, {_MAX_PART}], "
+                f"got {self.multipart_part_bytes!r}"
+            )
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigError(f"S3Config.retry must be a RetryPolicy, got {type(self.retry).__name__}")
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_transient(exc: BaseException) -> bool:
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionError,
+        HTTPClientError,
+        IncompleteReadError,
+    )
+
+    if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
+        return True
+    if isinstance(exc, ClientError):
+        code, status = _error_code(exc)
+        return code in _TRANSIENT_CODES or code in _IN_FLIGHT_CONFLICT or status >= 500
+    return False
+
+
+class S3Store:
+    """Keys live at ``s3://{bucket}/{prefix}/{key}``."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, config: S3Config | None = None) -> None:
+        if not isinstance(bucket, str) or not bucket or "/" in bucket:
+            raise ConfigError(f"S3Store bucket must be a bucket name without '/', got {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            check_key(prefix)
+        self.bucket = bucket
+        self.prefix = prefix
+        self.config = config or S3Config()
+        self._client = _make_client(self.config)
+
+    def __repr__(self) -> str:
+        where = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
+        return f"S3Store('s3://{self.bucket}/{self.prefix}'{where})"
+
+    def with_prefix(self, prefix: str) -> S3Store:
+        """A store for ``{self.prefix}/{prefix}`` sharing this one's client and connections
+        (creating a boto3 client costs ~0.1-0.3 s)."""
+        prefix = prefix.strip("/")
+        check_key(prefix)
+        child = object.__new__(S3Store)
+        child.bucket = self.bucket
+        child.prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        child.config = self.config
+        child._client = self._client
+        return child
+
+    def close(self) -> None:
+        """Close the client's connections (shared with stores made by ``with_prefix``)."""
+        self._client.close()
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _url(self, key: str) -> str:
+        endpoint = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
+        return f"s3://{self.bucket}/{self._full(key)}{endpoint}"
+
+    def _call(self, what: str, key: str, op: Callable[[int], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return call_with_retries(op, policy=self.config.retry, is_transient=_is_transient)
+        except RetriesExhausted as exc:
+            last = exc.last
+            if isinstance(last, ClientError) and _error_code(last)[0] in _IN_FLIGHT_CONFLICT:
+                raise CommitConflictError(
+                    f"S3 {what} of {self._url(key)}: another conditional write kept conflicting "
+                    f"for {exc.attempts} attempts; treat the key as taken"
+                ) from last
+            raise StoreError(
+                f"S3 {what} of {self._url(key)} failed after {exc.attempts} attempts over "
+                f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {last}. Is the server reachable? "
+                "Raise S3Config.retry to wait longer"
+            ) from last
+        except ClientError as exc:
+            raise self._map_client_error(what, key, exc) from exc
+        except BotoCoreError as exc:
+            raise StoreError(f"S3 {what} of {self._url(key)} failed: {exc}") from exc
+
+    def _map_client_error(self, what: str, key: str, exc: BaseException) -> StoreError:
+        code, status = _error_code(exc)
+        if code in _NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
+            return KeyNotFoundError(f"key {key!r} not found: {self._url(key)}")
+        if code in _CONFLICT or status == 412:
+            return CommitConflictError(
+                f"key {key!r} already exists at {self._url(key)}; another writer committed it first"
+            )
+        if code == "NoSuchBucket":
+            return StoreError(f"S3 bucket {self.bucket!r} does not exist ({what} of {self._url(key)})")
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+            return StoreError(
+                f"S3 {what} of {self._url(key)} was refused ({code}); check S3Config credentials"
+            )
+        return StoreError(f"S3 {what} of {self._url(key)} failed: {code or status}: {exc}")
+
+    # --- reads --------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        full = self._full(check_key(key))
+
+        def op(_: int) -> bytes:
+            response = self._client.get_object(Bucket=self.bucket, Key=full)
+            return response["Body"].read()  # inside op: a connection drop mid-body is retried
+
+        return self._call("get", key, op)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(key, start, length)
+        if length == 0:
+            size = self.size(key)
+            if start > size:
+                raise StoreError(f"get_range({key!r}, {start}, 0) starts past the end ({size} bytes)")
+            return b""
+        full = self._full(check_key(key))
+
+        def op(_: int) -> bytes:
+            from botocore.exceptions import ClientError
+
+            try:
+                response = self._client.get_object(
+                    Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}"
+                )
+            except ClientError as exc:
+                if _error_code(exc)[0] == "InvalidRange":
+                    return b""  # starts past the end: reported below like a short range
+                raise
+            return response["Body"].read()
+
+        data = self._call("get_range", key, op)
+        if len(data) != length:
+            raise StoreError(
+                f"get_range({key!r}, {start}, {length}) reads past the end of {self._url(key)} "
+                f"(got {len(data)} bytes)"
+            )
+        return data
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except KeyNotFoundError:
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        full = self._full(check_key(key))
+
+        def op(_: int) -> int:
+            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+
+        return self._call("size", key, op)
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        full_prefix = self._full(prefix) if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def op(_: int) -> list[str]:
+            keys = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
+                for obj in page.get("Contents", ()):
+                    keys.append(obj["Key"][strip:])
+            return keys
+
+        keys = self._call("list", prefix or "(all)", op)
+        valid = []
+        for key in keys:
+            try:
+                valid.append(check_key(key))
+            except StoreError:
+                continue  # objects this API could never address (written by someone else)
+        valid.sort()
+        return valid
+
+    # --- writes -------------------------------------------------------------------------
+
+    def put(self, key: str, data: Bytes) -> None:
+        full = self._full(check_key(key))
+        body = bytes(as_bytes(data))
+        self._call("put", key, lambda _: self._client.put_object(Bucket=self.bucket, Key=full, Body=body))
+
+    def put_if_absent(self, key: str, data: Bytes) -> None:
+        from botocore.exceptions import ClientError
+
+        full = self._full(check_key(key))
+        body = bytes(as_bytes(data))
+        maybe_landed = False
+
+        def op(attempt: int) -> None:
+            nonlocal maybe_landed
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+            except ClientError as exc:
+                code, status = _error_code(exc)
+                if maybe_landed and (code in _CONFLICT or status == 412):
+                    if self._read_quietly(full) == body:
+                        return  # our earlier attempt committed before its reply was lost
+                if _is_transient(exc):
+                    maybe_landed = True
+                raise
+            except Exception as exc:
+                if _is_transient(exc):
+                    maybe_landed = True
+                raise
+
+        self._call("put_if_absent", key, op)
+
+    def _read_quietly(self, full: str) -> bytes | None:
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+        except Exception:
+            return None
+
+    def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
+        full = self._full(check_key(key))
+        part_bytes = self.config.multipart_part_bytes
+        buf = bytearray()
+        upload_id: str | None = None
+        parts: list[dict[str, Any]] = []
+        total = 0
+
+        def upload(data: bytes) -> None:
+            number = len(parts) + 1
+            response = self._call(
+                "upload_part",
+                key,
+                lambda _: self._client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=data
+                ),
+            )
+            parts.append({"PartNumber": number, "ETag": response["ETag"]})
+
+        try:
+            for chunk in chunks:
+                view = as_bytes(chunk)
+                total += len(view)
+                buf += view
+                while len(buf) >= part_bytes:
+                    if upload_id is None:
+                        upload_id = self._call(
+                            "create_multipart_upload",
+                            key,
+                            lambda _: self._client.create_multipart_upload(
+                                Bucket=self.bucket, Key=full
+                            )["UploadId"],
+                        )
+                    upload(bytes(buf[:part_bytes]))
+                    del buf[:part_bytes]
+            if upload_id is None:
+                self.put(key, bytes(buf))
+                return total
+            if buf or not parts:
+                upload(bytes(buf))
+            self._call(
+                "complete_multipart_upload",
+                key,
+                lambda _: self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                ),
+            )
+        except BaseException:
+            if upload_id is not None:
+                try:
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                except Exception:
+                    pass  # the bucket's lifecycle rules reap uploads we cannot abort now
+            raise
+        return total
+
+    def delete(self, key: str) -> None:
+        full = self._full(check_key(key))
+        self._call("delete", key, lambda _: self._client.delete_object(Bucket=self.bucket, Key=full))
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (for tests, demos and fresh deployments)."""
+        from botocore.exceptions import ClientError
+
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self.config.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.config.region}
+
+        def op(_: int) -> None:
+            try:
+                self._client.create_bucket(**kwargs)
+            except ClientError as exc:
+                if _error_code(exc)[0] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+        self._call("create_bucket", "(bucket)", op)
+
+
+def _make_client(config: S3Config) -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ConfigError(
+            "S3 storage needs boto3: pip install 'deltasync[s3]' (boto3==1.43.117)"
+        ) from exc
+    session = boto3.session.Session(
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        aws_session_token=config.session_token,
+        region_name=config.region,
+    )
+    client_config = Config(
+        # One attempt per call inside botocore: retries are ours, so they are bounded by
+        # S3Config.retry and put_if_absent can tell a lost reply from a lost race.
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=config.connect_timeout_s,
+        read_timeout=config.read_timeout_s,
+        max_pool_connections=config.max_pool_connections,
+        s3={"addressing_style": config.addressing_style},
+    )
+    return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
