@@ -27,7 +27,7 @@ from deltasync.format.records import TensorUpdate
 def _overlaps_itself(t: torch.Tensor) -> bool:
     """True unless the strides prove no two elements share memory (the usual sufficient test:
     sorted by stride, each stride exceeds the span of all smaller-stride dims)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1)
     span = 0  # largest offset reachable with the dims seen so far
     for stride, size in dims:
         if stride <= span:
@@ -75,8 +75,9 @@ def _check(update: TensorUpdate, targets: Mapping[str, torch.Tensor], seen: set[
         )
 
 
-def _write(target: torch.Tensor, update: TensorUpdate, idx: torch.Tensor | None,
-           values: torch.Tensor) -> None:
+def _write(
+    target: torch.Tensor, update: TensorUpdate, idx: torch.Tensor | None, values: torch.Tensor
+) -> None:
     if idx is None:
         target.copy_(values.view(update.shape))  # copy_ honours any strides of the target
     elif target.is_contiguous():

@@ -34,7 +34,8 @@ _CONVERSIONS = {
 def _check_dtypes(name: str, source: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype not in DTYPE_CODES or source.dtype not in DTYPE_CODES:
         raise InvalidUpdateError(
-            f"tensor {name!r}: source {source.dtype} -> wire {dtype}; both must be one of {SUPPORTED}"
+            f"tensor {name!r}: source {source.dtype} -> wire {dtype}; both must be one of "
+            f"{SUPPORTED}"
         )
     if source.dtype != dtype and (source.dtype, dtype) not in _CONVERSIONS:
         raise InvalidUpdateError(
@@ -53,8 +54,13 @@ def full_updates(tensors: Mapping[str, torch.Tensor]) -> list[TensorUpdate]:
     for name, tensor in tensors.items():
         _check_dtypes(name, tensor, tensor.dtype)
         out.append(
-            TensorUpdate(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype, indices=None,
-                         values=_flat_values(tensor, tensor.dtype))
+            TensorUpdate(
+                name=name,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                indices=None,
+                values=_flat_values(tensor, tensor.dtype),
+            )
         )
     return out
 
@@ -92,8 +98,9 @@ def sparse_update(
     itemsize = dtype.itemsize
     sparse_bytes = n * itemsize + max(n - 1, 0) * gap_width(max_gap)
     if sparse_bytes >= numel * itemsize:
-        return TensorUpdate(name=name, shape=shape, dtype=dtype, indices=None,
-                            values=_flat_values(source, dtype))
+        return TensorUpdate(
+            name=name, shape=shape, dtype=dtype, indices=None, values=_flat_values(source, dtype)
+        )
     if source.is_contiguous():
         picked = source.detach().view(-1).index_select(0, idx)
     else:  # gather through the strides instead of copying the whole tensor with reshape

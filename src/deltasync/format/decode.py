@@ -88,8 +88,19 @@ def _check_digest(view: memoryview) -> None:
 def _read_header(view: memoryview) -> tuple[BlobHeader, int, int, int, int, int]:
     """Header fields after the digest matched: (header, flags, offset, section_len, raw_len,
     record_count)."""
-    (magic, fmt, flags, version, base, section_len, raw_len, count, shard_len, writer_len,
-     reserved) = HEADER.unpack_from(view)
+    (
+        magic,
+        fmt,
+        flags,
+        version,
+        base,
+        section_len,
+        raw_len,
+        count,
+        shard_len,
+        writer_len,
+        reserved,
+    ) = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise FormatError(f"not a deltasync blob: magic is {bytes(magic)!r}, expected {MAGIC!r}")
     if fmt != FORMAT_VERSION:
@@ -167,7 +178,9 @@ def decode_blob(
     the decompressed section (<= ``max_decompressed_bytes``) plus the decoded arrays (int64
     indices: at most 4x the section's bytes)."""
     if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
-        raise ValueError(f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}")
+        raise ValueError(
+            f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
+        )
     view = _bytes_view(blob)
     _check_digest(view)
     header, flags, at, section_len, raw_len, count = _read_header(view)

@@ -60,7 +60,9 @@ def _record(update: TensorUpdate) -> list[bytes | np.ndarray]:
         # length numel can only be 0..numel-1, so the values are already in row-major order.
         if update.indices is not None:
             _check_indices(update.indices.detach().to("cpu").numpy(), update.numel, what)
-        head = RECORD.pack(len(name), code, ENCODING_DENSE, len(update.shape), 0, 0, update.numel, 0)
+        head = RECORD.pack(
+            len(name), code, ENCODING_DENSE, len(update.shape), 0, 0, update.numel, 0
+        )
         return [head, name, dims, split_planes(values)]
 
     indices = update.indices.detach().to("cpu").numpy()
@@ -71,14 +73,24 @@ def _record(update: TensorUpdate) -> list[bytes | np.ndarray]:
     _check_indices(indices, update.numel, what, first=first, gaps=gaps)
     gaps = narrow(gaps)
     head = RECORD.pack(
-        len(name), code, ENCODING_SPARSE, len(update.shape), gaps.dtype.itemsize, 0,
-        indices.size, first,
+        len(name),
+        code,
+        ENCODING_SPARSE,
+        len(update.shape),
+        gaps.dtype.itemsize,
+        0,
+        indices.size,
+        first,
     )
     return [head, name, dims, split_planes(gaps), split_planes(values)]
 
 
 def _check_indices(
-    indices: np.ndarray, numel: int, what: str, *, first: int | None = None,
+    indices: np.ndarray,
+    numel: int,
+    what: str,
+    *,
+    first: int | None = None,
     gaps: np.ndarray | None = None,
 ) -> None:
     if indices.size == 0:
@@ -151,12 +163,21 @@ def encode_blob(
         seen.add(update.name)
         pieces.extend(_record(update))
 
-    raw = b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in pieces)
+    raw = b"".join(memoryview(p.reshape(-1)) if isinstance(p, np.ndarray) else p for p in pieces)
     body = section.compress(raw, level) if level else raw
     shard_b, writer_b = shard.encode("utf-8"), writer.encode("utf-8")
     header = HEADER.pack(
-        MAGIC, FORMAT_VERSION, FLAG_ZSTD if level else 0, version, base_version, len(body),
-        len(raw), len(updates), len(shard_b), len(writer_b), 0,
+        MAGIC,
+        FORMAT_VERSION,
+        FLAG_ZSTD if level else 0,
+        version,
+        base_version,
+        len(body),
+        len(raw),
+        len(updates),
+        len(shard_b),
+        len(writer_b),
+        0,
     )
     digest = xxhash.xxh3_128()
     for part in (header, shard_b, writer_b, body):

@@ -130,7 +130,8 @@ def _record(
                 f"{what}: a dense record needs gap width 0, first index 0 and {numel} values, "
                 f"has {width}, {first}, {nnz}; {_MALFORMED}"
             )
-        values = join_planes(cursor.array(numel * itemsize, f"tensor {name!r} values"), numel, value_dtype)
+        planes = cursor.array(numel * itemsize, f"tensor {name!r} values")
+        values = join_planes(planes, numel, value_dtype)
         return _update(name, shape, dtype, None, values)
 
     if width not in GAP_WIDTHS:
@@ -190,7 +191,10 @@ def _indices(first: int, gaps: np.ndarray, numel: int, what: str) -> np.ndarray:
 
 
 def _update(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, indices: np.ndarray | None,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    indices: np.ndarray | None,
     values: np.ndarray,
 ) -> TensorUpdate:
     return TensorUpdate(

@@ -1,0 +1,110 @@
+"""Golden bytes: the wire format is pinned byte for byte (docs/wire-format.md shows the same blob).
+
+The uncompressed (level 0) blob pins the layout itself. The level 1 blob additionally pins the
+zstd output of the pinned zstandard==0.25.0 (libzstd 1.5.7); if a zstandard upgrade changes its
+output, only that test fails, and the decode tests below show old blobs still read correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import zstandard
+from format_testkit import same_update
+
+from deltasync.format import TensorUpdate, decode_blob, encode_blob
+from deltasync.format.layout import HEADER
+
+HEAD = dict(version=7, base_version=6, shard="tp0", writer="w00000")
+
+# fmt: off
+GOLDEN_LEVEL0 = (
+    # header: magic, format 1, flags 0, version 7, base 6, section 156, raw 156, 3 records,
+    # shard 3 bytes, writer 6 bytes, reserved
+    "44535942" "0100" "0000" "0700000000000000" "0600000000000000" "9c00000000000000"
+    "9c00000000000000" "03000000" "03" "06" "0000"
+    "747030" "773030303030"  # "tp0", "w00000"
+    # record 0: embed.weight, bf16, sparse, 2 dims, u8 gaps, nnz 2, first 1, shape (2, 4),
+    # gap planes [05], value planes [80 00] [3f 80] (0x3f80 = 1.0, 0x8000 = -0.0)
+    "0c00" "01" "01" "02" "01" "0000" "0200000000000000" "0100000000000000"
+    "656d6265642e776569676874" "0200000000000000" "0400000000000000" "05" "8000" "3f80"
+    # record 1: norm.weight, fp32, dense, 1 dim, nnz 3, shape (3,), 4 value planes
+    # (0x7f800000 = inf, 0x7fc00001 = NaN with payload, 0xc0200000 = -2.5)
+    "0b00" "03" "00" "01" "00" "0000" "0300000000000000" "0000000000000000"
+    "6e6f726d2e776569676874" "0300000000000000" "000100" "000000" "80c020" "7f7fc0"
+    # record 2: q.bias, fp16, sparse, 1 dim, u16 gaps, nnz 2, first 0, shape (300,),
+    # gap planes [2b] [01] (gap 299), value planes [00 00] [3c fc] (1.0, -inf)
+    "0600" "02" "01" "01" "02" "0000" "0200000000000000" "0000000000000000"
+    "712e62696173" "2c01000000000000" "2b" "01" "0000" "3cfc"
+    # xxh3-128 digest of everything above
+    "664076f34f577a759275800535624cff"
+)
+# fmt: on
+
+GOLDEN_LEVEL1 = (
+    "44535942010001000700000000000000060000000000000071000000000000009c00000000000000"
+    "030000000306000074703077303030303028b52ffd209c450300d4040c0001010201000002000100"
+    "656d6265642e776569676874020004000580003f800b0003000100000003006e6f726d03000180c0"
+    "207f7fc0060002010102712e626961732c00002b0100003cfc0b004d090302e6b0095804996d9565"
+    "4056805b301418780048c045b21212df22d1713eb3b96dd0a766"
+)
+
+
+def _bits(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    int_dtype, width = (torch.int32, 32) if dtype == torch.float32 else (torch.int16, 16)
+    signed = [v - (1 << width) if v >= 1 << (width - 1) else v for v in values]
+    return torch.tensor(signed, dtype=int_dtype).view(dtype)
+
+
+def golden_updates() -> list[TensorUpdate]:
+    return [
+        TensorUpdate(
+            name="embed.weight",
+            shape=(2, 4),
+            dtype=torch.bfloat16,
+            indices=torch.tensor([1, 6]),
+            values=_bits([0x3F80, 0x8000], torch.bfloat16),
+        ),
+        TensorUpdate(
+            name="norm.weight",
+            shape=(3,),
+            dtype=torch.float32,
+            indices=None,
+            values=_bits([0x7F800000, 0x7FC00001, 0xC0200000], torch.float32),
+        ),
+        TensorUpdate(
+            name="q.bias",
+            shape=(300,),
+            dtype=torch.float16,
+            indices=torch.tensor([0, 299]),
+            values=_bits([0x3C00, 0xFC00], torch.float16),
+        ),
+    ]
+
+
+def test_the_uncompressed_blob_matches_the_pinned_bytes():
+    assert encode_blob(golden_updates(), **HEAD, level=0).hex() == GOLDEN_LEVEL0
+
+
+def test_the_level_1_blob_matches_the_pinned_bytes_of_zstandard_0_25_0():
+    blob = encode_blob(golden_updates(), **HEAD)
+    assert blob.hex() == GOLDEN_LEVEL1, (
+        f"zstd output changed (zstandard {zstandard.__version__}, libzstd "
+        f"{zstandard.ZSTD_VERSION}); the layout test above says whether the format changed too"
+    )
+    assert encode_blob(golden_updates(), **HEAD) == blob  # same process, same bytes
+
+
+def test_the_pinned_zstd_section_decompresses_to_the_pinned_record_bytes():
+    level0, level1 = bytes.fromhex(GOLDEN_LEVEL0), bytes.fromhex(GOLDEN_LEVEL1)
+    start = HEADER.size + 3 + 6
+    records = level0[start:-16]
+    section = level1[start:-16]
+    assert zstandard.ZstdDecompressor().decompress(section) == records
+
+
+def test_both_pinned_blobs_decode_to_the_golden_updates():
+    for hexed in (GOLDEN_LEVEL0, GOLDEN_LEVEL1):
+        decoded = decode_blob(bytes.fromhex(hexed), version=7, base_version=6, shard="tp0")
+        assert decoded.header.writer == "w00000"
+        pairs = zip(decoded.updates, golden_updates(), strict=True)
+        assert all(same_update(a, b) for a, b in pairs)
