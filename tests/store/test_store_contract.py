@@ -65,7 +65,9 @@ def test_get_range_returns_the_slice_and_refuses_to_read_past_the_end(any_store:
         any_store.get_range("r", -1, 1)
 
 
-def test_put_if_absent_creates_once_then_conflicts_and_keeps_the_first_bytes(any_store: Store) -> None:
+def test_put_if_absent_creates_once_then_conflicts_and_keeps_the_first_bytes(
+    any_store: Store,
+) -> None:
     key = names.manifest_key(3)
     any_store.put_if_absent(key, b"first")
     with pytest.raises(CommitConflictError, match="already exists"):
@@ -73,27 +75,32 @@ def test_put_if_absent_creates_once_then_conflicts_and_keeps_the_first_bytes(any
     assert any_store.get(key) == b"first"
 
 
+def _race_put_if_absent(store: Store, key: str, writers: int) -> list[str]:
+    barrier = threading.Barrier(writers)
+    outcomes = [""] * writers
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        try:
+            store.put_if_absent(key, f"writer {i}".encode() * 1000)
+            outcomes[i] = "won"
+        except CommitConflictError:
+            outcomes[i] = "lost"
+        except Exception as exc:  # surfaced by the caller's assertion
+            outcomes[i] = repr(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return outcomes
+
+
 def test_eight_racing_put_if_absent_writers_have_exactly_one_winner(any_store: Store) -> None:
     for round_ in range(4):
         key = names.manifest_key(100 + round_)
-        barrier = threading.Barrier(8)
-        outcomes: list[str] = [""] * 8
-
-        def writer(i: int) -> None:
-            barrier.wait()
-            try:
-                any_store.put_if_absent(key, f"writer {i}".encode() * 1000)
-                outcomes[i] = "won"
-            except CommitConflictError:
-                outcomes[i] = "lost"
-            except Exception as exc:  # surfaced by the assertion below
-                outcomes[i] = repr(exc)
-
-        threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        outcomes = _race_put_if_absent(any_store, key, 8)
         assert sorted(outcomes) == ["lost"] * 7 + ["won"], outcomes
         winner = outcomes.index("won")
         assert any_store.get(key) == f"writer {winner}".encode() * 1000
@@ -142,8 +149,23 @@ def test_put_stream_stores_the_concatenated_chunks(any_store: Store) -> None:
     assert any_store.get("streamed") == expected
 
 
-HOSTILE_KEYS = ["", "../x", "a/../../x", "/abs", "/etc/passwd", "a\\b", "a//b", "a/./b", "a/",
-                ".hidden", "a/.tmp-x", "..", "x\x00y", "x\ny", "k" * 2000]
+HOSTILE_KEYS = [
+    "",
+    "../x",
+    "a/../../x",
+    "/abs",
+    "/etc/passwd",
+    "a\\b",
+    "a//b",
+    "a/./b",
+    "a/",
+    ".hidden",
+    "a/.tmp-x",
+    "..",
+    "x\x00y",
+    "x\ny",
+    "k" * 2000,
+]
 
 
 @pytest.mark.parametrize("key", HOSTILE_KEYS)

@@ -84,8 +84,12 @@ def check_int(value: Any, *, what: str, lo: int, hi: int) -> int:
 
 
 def check_time(value: Any, *, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ManifestError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 

@@ -80,8 +80,13 @@ class BlobEntry:
         check_digest(self.digest, what=f"{what} {self.key!r} digest")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shard": self.shard, "writer": self.writer, "key": self.key, "size": self.size,
-                "digest": self.digest}
+        return {
+            "shard": self.shard,
+            "writer": self.writer,
+            "key": self.key,
+            "size": self.size,
+            "digest": self.digest,
+        }
 
     @classmethod
     def from_dict(cls, obj: Any, *, what: str = "blob") -> BlobEntry:
@@ -89,8 +94,13 @@ class BlobEntry:
         for f in ("shard", "writer", "key"):
             if not isinstance(obj[f], str):
                 raise ManifestError(f"{what} field {f!r} must be a string, got {obj[f]!r}")
-        return cls(shard=obj["shard"], writer=obj["writer"], key=obj["key"], size=obj["size"],
-                   digest=obj["digest"])
+        return cls(
+            shard=obj["shard"],
+            writer=obj["writer"],
+            key=obj["key"],
+            size=obj["size"],
+            digest=obj["digest"],
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +131,16 @@ class Manifest:
         elif self.version == 0:
             raise ManifestError("version 0 cannot be a delta: there is nothing before it")
         else:
-            check_int(self.base_version, what=f"delta manifest {self.version} base_version",
-                      lo=0, hi=self.version - 1)
+            check_int(
+                self.base_version,
+                what=f"delta manifest {self.version} base_version",
+                lo=0,
+                hi=self.version - 1,
+            )
         check_int(self.format_version, what="manifest format_version", lo=1, hi=MAX_FORMAT_VERSION)
-        object.__setattr__(self, "created_at", check_time(self.created_at, what="manifest created_at"))
+        object.__setattr__(
+            self, "created_at", check_time(self.created_at, what="manifest created_at")
+        )
 
         if not isinstance(self.writers, (tuple, list)) or not self.writers:
             raise ManifestError(f"manifest {self.version} writers must be a non-empty list")
@@ -139,7 +155,9 @@ class Manifest:
         for shard, digest in self.shard_digests.items():
             names.check_token("shard", shard)
             digests[shard] = check_digest(digest, what=f"shard_digests[{shard!r}]")
-        object.__setattr__(self, "shard_digests", types.MappingProxyType(dict(sorted(digests.items()))))
+        object.__setattr__(
+            self, "shard_digests", types.MappingProxyType(dict(sorted(digests.items())))
+        )
 
         if not isinstance(self.blobs, (tuple, list)):
             raise ManifestError(f"manifest {self.version} blobs must be a list")
@@ -149,13 +167,19 @@ class Manifest:
                 raise ManifestError(f"manifest {self.version} blobs[{i}] is not a BlobEntry")
             blob.check(self.version, what=f"blobs[{i}]")
             if blob.writer not in writers:
-                raise ManifestError(f"blob {blob.key!r} names writer {blob.writer!r}, not in writers")
+                raise ManifestError(
+                    f"blob {blob.key!r} names writer {blob.writer!r}, not in writers"
+                )
             if blob.shard not in digests:
-                raise ManifestError(f"blob {blob.key!r} is for shard {blob.shard!r}, which has no shard digest")
+                raise ManifestError(
+                    f"blob {blob.key!r} is for shard {blob.shard!r}, which has no shard digest"
+                )
             if (blob.shard, blob.writer) in seen:
                 raise ManifestError(f"blob {blob.key!r} is listed twice")
             seen.add((blob.shard, blob.writer))
-        object.__setattr__(self, "blobs", tuple(sorted(self.blobs, key=lambda b: (b.shard, b.writer))))
+        object.__setattr__(
+            self, "blobs", tuple(sorted(self.blobs, key=lambda b: (b.shard, b.writer)))
+        )
 
         if self.signature is not None and (
             not isinstance(self.signature, str) or not SIGNATURE_RE.match(self.signature)
@@ -230,21 +254,32 @@ class Manifest:
         expect_fields(
             obj,
             what="manifest",
-            required={"version", "base_version", "kind", "format_version", "created_at",
-                      "writers", "blobs", "shard_digests"},
+            required={
+                "version",
+                "base_version",
+                "kind",
+                "format_version",
+                "created_at",
+                "writers",
+                "blobs",
+                "shard_digests",
+            },
             optional={"signature"},
         )
         if not isinstance(obj["blobs"], list):
             raise ManifestError("manifest blobs must be a JSON list")
         if len(obj["blobs"]) > limits.max_blobs:
             raise ManifestError(
-                f"manifest lists {len(obj['blobs'])} blobs, more than the limit of {limits.max_blobs}"
+                f"manifest lists {len(obj['blobs'])} blobs, more than the limit of "
+                f"{limits.max_blobs}"
             )
         if not isinstance(obj["writers"], list):
             raise ManifestError("manifest writers must be a JSON list")
         if not isinstance(obj["shard_digests"], dict):
             raise ManifestError("manifest shard_digests must be a JSON object")
-        blobs = tuple(BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"]))
+        blobs = tuple(
+            BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
+        )
         manifest = cls(
             version=obj["version"],
             base_version=obj["base_version"],

@@ -35,7 +35,9 @@ _MAX_RECORD_BYTES = 16 * 2**20
 
 
 def encode_latest(version: int) -> bytes:
-    return canonical_json({"version": check_int(version, what="LATEST version", lo=0, hi=_MAX_VERSION)})
+    return canonical_json(
+        {"version": check_int(version, what="LATEST version", lo=0, hi=_MAX_VERSION)}
+    )
 
 
 def decode_latest(data: bytes | str) -> int:
@@ -56,7 +58,9 @@ class WriterMarker:
     def __post_init__(self) -> None:
         check_int(self.version, what="writer marker version", lo=0, hi=_MAX_VERSION)
         names.check_token("writer", self.writer)
-        object.__setattr__(self, "created_at", check_time(self.created_at, what="writer marker created_at"))
+        object.__setattr__(
+            self, "created_at", check_time(self.created_at, what="writer marker created_at")
+        )
         if not isinstance(self.blobs, (tuple, list)):
             raise ManifestError("writer marker blobs must be a list")
         shards = set()
@@ -66,10 +70,13 @@ class WriterMarker:
             blob.check(self.version, what=f"writer {self.writer} blobs[{i}]")
             if blob.writer != self.writer:
                 raise ManifestError(
-                    f"writer marker of {self.writer!r} lists blob {blob.key!r} of writer {blob.writer!r}"
+                    f"writer marker of {self.writer!r} lists blob {blob.key!r} of writer "
+                    f"{blob.writer!r}"
                 )
             if blob.shard in shards:
-                raise ManifestError(f"writer marker of {self.writer!r} lists shard {blob.shard!r} twice")
+                raise ManifestError(
+                    f"writer marker of {self.writer!r} lists shard {blob.shard!r} twice"
+                )
             shards.add(blob.shard)
         object.__setattr__(self, "blobs", tuple(sorted(self.blobs, key=lambda b: b.shard)))
 
@@ -78,22 +85,32 @@ class WriterMarker:
         return names.writer_marker_key(self.version, self.writer)
 
     def to_json(self) -> bytes:
-        return canonical_json({
-            "version": self.version, "writer": self.writer, "created_at": self.created_at,
-            "blobs": [b.to_dict() for b in self.blobs],
-        })
+        return canonical_json(
+            {
+                "version": self.version,
+                "writer": self.writer,
+                "created_at": self.created_at,
+                "blobs": [b.to_dict() for b in self.blobs],
+            }
+        )
 
     @classmethod
     def from_json(cls, data: bytes | str) -> WriterMarker:
         obj = strict_loads(data, what="writer marker", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(obj, what="writer marker", required={"version", "writer", "created_at", "blobs"})
+        expect_fields(
+            obj, what="writer marker", required={"version", "writer", "created_at", "blobs"}
+        )
         if not isinstance(obj["blobs"], list):
             raise ManifestError("writer marker blobs must be a JSON list")
         if not isinstance(obj["writer"], str):
             raise ManifestError(f"writer marker writer must be a string, got {obj['writer']!r}")
         return cls(
-            version=obj["version"], writer=obj["writer"], created_at=obj["created_at"],
-            blobs=tuple(BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])),
+            version=obj["version"],
+            writer=obj["writer"],
+            created_at=obj["created_at"],
+            blobs=tuple(
+                BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
+            ),
         )
 
 
@@ -127,8 +144,11 @@ class AckRecord:
 
     def to_json(self) -> bytes:
         obj: dict[str, Any] = {
-            "version": self.version, "receiver": self.receiver, "shard": self.shard,
-            "state_digest": self.state_digest, "created_at": self.created_at,
+            "version": self.version,
+            "receiver": self.receiver,
+            "shard": self.shard,
+            "state_digest": self.state_digest,
+            "created_at": self.created_at,
         }
         for f in ("pause_s", "total_s"):
             if getattr(self, f) is not None:
@@ -138,9 +158,12 @@ class AckRecord:
     @classmethod
     def from_json(cls, data: bytes | str) -> AckRecord:
         obj = strict_loads(data, what="ack", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(obj, what="ack",
-                      required={"version", "receiver", "shard", "state_digest", "created_at"},
-                      optional={"pause_s", "total_s"})
+        expect_fields(
+            obj,
+            what="ack",
+            required={"version", "receiver", "shard", "state_digest", "created_at"},
+            optional={"pause_s", "total_s"},
+        )
         for f in ("receiver", "shard"):
             if not isinstance(obj[f], str):
                 raise ManifestError(f"ack {f} must be a string, got {obj[f]!r}")
@@ -162,7 +185,9 @@ class ReceiverRecord:
         names.check_token("shard", self.shard)
         if self.version is not None:
             check_int(self.version, what="receiver version", lo=0, hi=_MAX_VERSION)
-        object.__setattr__(self, "updated_at", check_time(self.updated_at, what="receiver updated_at"))
+        object.__setattr__(
+            self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
+        )
 
     @property
     def key(self) -> str:
@@ -173,14 +198,21 @@ class ReceiverRecord:
         return now - self.updated_at <= ttl_s
 
     def to_json(self) -> bytes:
-        return canonical_json({"receiver": self.receiver, "shard": self.shard,
-                               "version": self.version, "updated_at": self.updated_at})
+        return canonical_json(
+            {
+                "receiver": self.receiver,
+                "shard": self.shard,
+                "version": self.version,
+                "updated_at": self.updated_at,
+            }
+        )
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ReceiverRecord:
         obj = strict_loads(data, what="receiver record", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(obj, what="receiver record",
-                      required={"receiver", "shard", "version", "updated_at"})
+        expect_fields(
+            obj, what="receiver record", required={"receiver", "shard", "version", "updated_at"}
+        )
         for f in ("receiver", "shard"):
             if not isinstance(obj[f], str):
                 raise ManifestError(f"receiver record {f} must be a string, got {obj[f]!r}")

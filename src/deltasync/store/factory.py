@@ -41,7 +41,9 @@ def open_store(
         if scheme == "file":
             parts = urlsplit(url)
             if parts.netloc not in ("", "localhost"):
-                raise ConfigError(f"file URL {url!r} names host {parts.netloc!r}; use file:///abs/path")
+                raise ConfigError(
+                    f"file URL {url!r} names host {parts.netloc!r}; use file:///abs/path"
+                )
             path = unquote(parts.path)
         else:
             path = url
@@ -49,13 +51,13 @@ def open_store(
             raise ConfigError(f"store URL {url!r} has no path")
         store = LocalStore(path, durable=durable)
     elif scheme == "s3":
-        rest = url[len("s3://"):]
+        rest = url[len("s3://") :]
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise ConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
         store = S3Store(bucket, prefix, config=s3)
     elif scheme == "memory":
-        name = url[len("memory://"):]
+        name = url[len("memory://") :]
         if not name:
             store = MemoryStore()
         else:

@@ -35,9 +35,16 @@ class LocalStore:
         self.root = Path(root).absolute()
         self.durable = durable
         if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create local store root {str(self.root)!r}: {exc}"
+                ) from exc
         if not self.root.is_dir():
-            raise StoreError(f"local store root {str(self.root)!r} is not a directory; create it first")
+            raise StoreError(
+                f"local store root {str(self.root)!r} is not a directory; create it first"
+            )
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -151,7 +158,9 @@ class LocalStore:
         except (FileNotFoundError, NotADirectoryError):
             return
         except IsADirectoryError:
-            raise StoreError(f"cannot delete {key!r} in {self!r}: it is a directory, not a key") from None
+            raise StoreError(
+                f"cannot delete {key!r} in {self!r}: it is a directory, not a key"
+            ) from None
         except OSError as exc:
             raise StoreError(f"deleting {key!r} in {self!r} failed: {exc}") from exc
         self._fsync_dir(path.parent)
@@ -185,7 +194,9 @@ class LocalStore:
                 if attempt == 2:
                     raise StoreError(f"directory for {key!r} in {self!r} keeps vanishing") from None
             except OSError as exc:
-                raise StoreError(f"creating a temp file for {key!r} in {self!r} failed: {exc}") from exc
+                raise StoreError(
+                    f"creating a temp file for {key!r} in {self!r} failed: {exc}"
+                ) from exc
         assert fd is not None
         written = 0
         try:

@@ -127,7 +127,9 @@ def check_prefix(prefix: str) -> str:
 def check_range(key: str, start: int, length: int) -> None:
     for name, value in (("start", start), ("length", length)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise StoreError(f"get_range({key!r}): {name} must be a non-negative int, got {value!r}")
+            raise StoreError(
+                f"get_range({key!r}): {name} must be a non-negative int, got {value!r}"
+            )
 
 
 def as_bytes(data: Bytes) -> bytes | memoryview:

@@ -30,7 +30,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ConfigError(f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}")
+            raise ConfigError(
+                f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}"
+            )
         for name in ("base_delay_s", "max_delay_s", "deadline_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:

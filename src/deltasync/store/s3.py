@@ -36,8 +36,17 @@ _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _CONFLICT = {"PreconditionFailed", "412"}
 _IN_FLIGHT_CONFLICT = {"ConditionalRequestConflict", "409"}
 _TRANSIENT_CODES = {
-    "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
-    "ThrottlingException", "RequestLimitExceeded", "500", "502", "503", "504",
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "500",
+    "502",
+    "503",
+    "504",
 }
 
 
@@ -63,7 +72,8 @@ class S3Config:
             and self.endpoint_url.startswith(("http://", "https://"))
         ):
             raise ConfigError(
-                f"S3Config.endpoint_url must start with http:// or https://, got {self.endpoint_url!r}"
+                "S3Config.endpoint_url must start with http:// or https://, "
+                f"got {self.endpoint_url!r}"
             )
         if not isinstance(self.region, str) or not self.region:
             raise ConfigError(f"S3Config.region must be a non-empty string, got {self.region!r}")
@@ -83,7 +93,8 @@ class S3Config:
                 raise ConfigError(f"S3Config.{name} must be a number > 0, got {value!r}")
         if not isinstance(self.max_pool_connections, int) or self.max_pool_connections < 1:
             raise ConfigError(
-                f"S3Config.max_pool_connections must be an int >= 1, got {self.max_pool_connections!r}"
+                "S3Config.max_pool_connections must be an int >= 1, "
+                f"got {self.max_pool_connections!r}"
             )
         if not isinstance(self.multipart_part_bytes, int) or not (
             _MIN_PART <= self.multipart_part_bytes <= _MAX_PART
@@ -93,7 +104,9 @@ class S3Config:
                 f"got {self.multipart_part_bytes!r}"
             )
         if not isinstance(self.retry, RetryPolicy):
-            raise ConfigError(f"S3Config.retry must be a RetryPolicy, got {type(self.retry).__name__}")
+            raise ConfigError(
+                f"S3Config.retry must be a RetryPolicy, got {type(self.retry).__name__}"
+            )
 
 
 def _error_code(exc: BaseException) -> tuple[str, int]:
@@ -193,7 +206,9 @@ class S3Store:
                 f"key {key!r} already exists at {self._url(key)}; another writer committed it first"
             )
         if code == "NoSuchBucket":
-            return StoreError(f"S3 bucket {self.bucket!r} does not exist ({what} of {self._url(key)})")
+            return StoreError(
+                f"S3 bucket {self.bucket!r} does not exist ({what} of {self._url(key)})"
+            )
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             return StoreError(
                 f"S3 {what} of {self._url(key)} was refused ({code}); check S3Config credentials"
@@ -216,7 +231,9 @@ class S3Store:
         if length == 0:
             size = self.size(key)
             if start > size:
-                raise StoreError(f"get_range({key!r}, {start}, 0) starts past the end ({size} bytes)")
+                raise StoreError(
+                    f"get_range({key!r}, {start}, 0) starts past the end ({size} bytes)"
+                )
             return b""
         full = self._full(check_key(key))
 
@@ -284,7 +301,9 @@ class S3Store:
     def put(self, key: str, data: Bytes) -> None:
         full = self._full(check_key(key))
         body = bytes(as_bytes(data))
-        self._call("put", key, lambda _: self._client.put_object(Bucket=self.bucket, Key=full, Body=body))
+        self._call(
+            "put", key, lambda _: self._client.put_object(Bucket=self.bucket, Key=full, Body=body)
+        )
 
     def put_if_absent(self, key: str, data: Bytes) -> None:
         from botocore.exceptions import ClientError
@@ -362,14 +381,18 @@ class S3Store:
                 "complete_multipart_upload",
                 key,
                 lambda _: self._client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
                 ),
             )
         except BaseException:
             if upload_id is not None:
                 try:
-                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=full, UploadId=upload_id
+                    )
                 except Exception:
                     pass  # the bucket's lifecycle rules reap uploads we cannot abort now
             raise
@@ -377,7 +400,9 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         full = self._full(check_key(key))
-        self._call("delete", key, lambda _: self._client.delete_object(Bucket=self.bucket, Key=full))
+        self._call(
+            "delete", key, lambda _: self._client.delete_object(Bucket=self.bucket, Key=full)
+        )
 
     def ensure_bucket(self) -> None:
         """Create the bucket if it does not exist (for tests, demos and fresh deployments)."""

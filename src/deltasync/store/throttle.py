@@ -77,13 +77,14 @@ def _sleep_until(deadline: float) -> None:
 class ThrottledStore:
     """A Store that moves bytes through ``inner`` no faster than ``gbps``."""
 
-    def __init__(self, inner: Store, gbps: float, *, burst_bytes: int = 1 * 2**20,
-                 full_duplex: bool = True) -> None:
+    def __init__(
+        self, inner: Store, gbps: float, *, burst_bytes: int = 1 * 2**20, full_duplex: bool = True
+    ) -> None:
         self.inner = inner
         self.config = ThrottleConfig(gbps=gbps, burst_bytes=burst_bytes, full_duplex=full_duplex)
         self._read = TokenBucket(self.config.bytes_per_s, burst_bytes)
-        self._write = self._read if not full_duplex else TokenBucket(
-            self.config.bytes_per_s, burst_bytes
+        self._write = (
+            self._read if not full_duplex else TokenBucket(self.config.bytes_per_s, burst_bytes)
         )
 
     def __repr__(self) -> str:

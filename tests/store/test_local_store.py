@@ -1,0 +1,134 @@
+"""LocalStore specifics: temp files stay invisible, cross-process fencing, directory hygiene;
+and open_store's URL parsing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from deltasync import names
+from deltasync.errors import CommitConflictError, ConfigError, StoreError
+from deltasync.store import LocalStore, MemoryStore, S3Config, S3Store, ThrottledStore, open_store
+
+
+def test_a_crashed_write_leaves_the_old_value_and_an_invisible_temp_file(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put("LATEST", b"old")
+    # What a writer killed between writing and publishing leaves behind:
+    path = tmp_path / "LATEST"
+    tmp, _ = store._write_temp("LATEST", path, [b"new-but-never-published"])
+    assert tmp.exists()
+    assert store.get("LATEST") == b"old"
+    assert store.list() == ["LATEST"]
+    assert store.sweep_temp_files() == 1
+    assert sorted(os.listdir(tmp_path)) == ["LATEST"]
+
+
+def test_put_if_absent_never_leaves_a_temp_file_behind(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put_if_absent("v00000001/MANIFEST.json", b"a")
+    with pytest.raises(CommitConflictError):
+        store.put_if_absent("v00000001/MANIFEST.json", b"b")
+    assert os.listdir(tmp_path / "v00000001") == ["MANIFEST.json"]
+
+
+def _race(root: str, key: str, i: int, start, results) -> None:
+    store = LocalStore(root)
+    start.wait()
+    try:
+        store.put_if_absent(key, f"process {i}".encode() * 4096)
+        results.put((i, "won"))
+    except CommitConflictError:
+        results.put((i, "lost"))
+
+
+@pytest.mark.timeout(60)
+def test_racing_writer_processes_have_exactly_one_winner(tmp_path: Path) -> None:
+    ctx = mp.get_context("fork")
+    key = names.manifest_key(42)
+    start = ctx.Event()
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_race, args=(str(tmp_path), key, i, start, results)) for i in range(6)
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    outcomes = dict(results.get(timeout=30) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    winners = [i for i, o in outcomes.items() if o == "won"]
+    assert len(winners) == 1 and len(outcomes) == 6
+    assert LocalStore(tmp_path).get(key) == f"process {winners[0]}".encode() * 4096
+
+
+def test_deleting_the_last_key_of_a_directory_prunes_it_but_not_the_root(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "root")
+    store.put("v00000001/tp0/w00000.blob", b"x")
+    store.delete("v00000001/tp0/w00000.blob")
+    assert not (tmp_path / "root" / "v00000001").exists()
+    assert (tmp_path / "root").is_dir()
+
+
+def test_a_key_below_an_existing_file_is_a_store_error(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put("LATEST", b"1")
+    with pytest.raises(StoreError, match="is a file|Not a directory"):
+        store.put("LATEST/x", b"2")
+
+
+def test_a_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(StoreError, match="root"):
+        LocalStore(tmp_path / "f")
+
+
+# --- open_store ------------------------------------------------------------------------------
+
+
+def test_open_store_maps_paths_and_file_urls_to_local_stores(tmp_path: Path) -> None:
+    plain = open_store(str(tmp_path / "a"))
+    assert isinstance(plain, LocalStore) and plain.root == tmp_path / "a"
+    url = open_store(f"file://{tmp_path}/b%20c")
+    assert isinstance(url, LocalStore) and url.root == tmp_path / "b c"
+
+
+def test_open_store_gives_fresh_or_named_shared_memory_stores() -> None:
+    assert open_store("memory://") is not open_store("memory://")
+    a = open_store("memory://shared-for-test")
+    a.put("k", b"v")
+    b = open_store("memory://shared-for-test")
+    assert isinstance(b, MemoryStore) and b.get("k") == b"v"
+
+
+def test_open_store_builds_an_s3_store_with_bucket_prefix_and_config() -> None:
+    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+    store = open_store("s3://my-bucket/runs/exp1/", s3=config)
+    assert isinstance(store, S3Store)
+    assert (store.bucket, store.prefix, store.config) == ("my-bucket", "runs/exp1", config)
+    store.close()
+
+
+def test_open_store_can_wrap_in_a_throttle() -> None:
+    store = open_store("memory://", throttle_gbps=1.0)
+    assert isinstance(store, ThrottledStore) and isinstance(store.inner, MemoryStore)
+
+
+@pytest.mark.parametrize(
+    "url, kwargs, match",
+    [
+        ("", {}, "non-empty"),
+        ("ftp://host/x", {}, "unknown scheme"),
+        ("s3://", {}, "no bucket"),
+        ("s3:///prefix", {}, "no bucket"),
+        ("file://otherhost/x", {}, "names host"),
+        ("memory://", {"s3": S3Config()}, "non-S3"),
+    ],
+)
+def test_open_store_rejects_bad_urls_with_a_config_error(url, kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        open_store(url, **kwargs)

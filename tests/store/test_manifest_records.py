@@ -1,0 +1,161 @@
+"""Commit-protocol records (LATEST, writer marker, ack, receiver registration) and digests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xxhash
+from store_manifest_samples import D1, D2, blob
+
+from deltasync import names
+from deltasync.errors import ManifestError
+from deltasync.manifest import (
+    AckRecord,
+    ReceiverRecord,
+    WriterMarker,
+    blob_digest,
+    combine_digests,
+    decode_latest,
+    encode_latest,
+    state_digest,
+    tensor_digest,
+)
+
+
+def test_latest_round_trips_and_rejects_garbage() -> None:
+    assert decode_latest(encode_latest(12)) == 12
+    assert encode_latest(12) == b'{"version":12}'
+    for bad in (b"12", b'{"version":"12"}', b'{"version":-1}', b'{"version":1,"x":2}', b"\x00"):
+        with pytest.raises(ManifestError):
+            decode_latest(bad)
+
+
+def test_a_writer_marker_round_trips_including_an_empty_one() -> None:
+    marker = WriterMarker(
+        version=7,
+        writer="w00000",
+        created_at=5.0,
+        blobs=(blob(7, "tp1", "w00000"), blob(7, "tp0", "w00000")),
+    )
+    again = WriterMarker.from_json(marker.to_json())
+    assert again == marker
+    assert [b.shard for b in again.blobs] == ["tp0", "tp1"]
+    assert marker.key == names.writer_marker_key(7, "w00000")
+    empty = WriterMarker(version=7, writer="w00003", created_at=5.0, blobs=())
+    assert WriterMarker.from_json(empty.to_json()) == empty
+
+
+def test_a_writer_marker_cannot_vouch_for_another_writers_or_versions_blobs() -> None:
+    with pytest.raises(ManifestError, match="of writer"):
+        WriterMarker(version=7, writer="w00000", created_at=0.0, blobs=(blob(7, "tp0", "w00001"),))
+    d = json.loads(
+        WriterMarker(
+            version=7, writer="w00000", created_at=0.0, blobs=(blob(7, "tp0", "w00000"),)
+        ).to_json()
+    )
+    d["version"] = 8
+    with pytest.raises(ManifestError, match="is not the key"):
+        WriterMarker.from_json(json.dumps(d))
+    d["version"] = 7
+    d["blobs"][0]["key"] = "../v00000007/tp0/w00000.blob"
+    with pytest.raises(ManifestError, match="is not the key"):
+        WriterMarker.from_json(json.dumps(d))
+
+
+def test_an_ack_round_trips_and_rejects_bad_digests_and_names() -> None:
+    ack = AckRecord(
+        version=7,
+        receiver="rcv-0",
+        shard="tp0",
+        state_digest=D1,
+        created_at=3.5,
+        pause_s=0.01,
+        total_s=0.2,
+    )
+    assert AckRecord.from_json(ack.to_json()) == ack
+    assert ack.key == names.ack_key(7, "rcv-0")
+    bare = AckRecord(version=7, receiver="rcv-0", shard="tp0", state_digest=D2, created_at=3.5)
+    assert AckRecord.from_json(bare.to_json()) == bare
+    d = json.loads(ack.to_json())
+    for field, value in (
+        ("state_digest", "abc"),
+        ("receiver", "../x"),
+        ("pause_s", -1),
+        ("total_s", float("nan")),
+        ("surprise", 1),
+    ):
+        bad = dict(d, **{field: value})
+        with pytest.raises(ManifestError):
+            AckRecord.from_json(json.dumps(bad))
+
+
+def test_a_receiver_record_round_trips_and_knows_whether_it_is_live() -> None:
+    fresh = ReceiverRecord(receiver="rcv-1", shard="tp1", version=None, updated_at=100.0)
+    assert ReceiverRecord.from_json(fresh.to_json()) == fresh
+    rec = ReceiverRecord(receiver="rcv-1", shard="tp1", version=9, updated_at=100.0)
+    assert ReceiverRecord.from_json(rec.to_json()) == rec
+    assert rec.key == names.receiver_key("rcv-1")
+    assert rec.is_live(now=130.0, ttl_s=30.0)
+    assert not rec.is_live(now=130.5, ttl_s=30.0)
+    with pytest.raises(ManifestError):
+        ReceiverRecord.from_json(b'{"receiver":"r","shard":"tp0","version":true,"updated_at":1}')
+
+
+# --- digests --------------------------------------------------------------------------------
+
+
+def test_blob_digest_is_the_hex_xxh3_128_of_the_bytes() -> None:
+    assert blob_digest(b"hello") == xxhash.xxh3_128_hexdigest(b"hello")
+    assert len(blob_digest(b"")) == 32
+
+
+def test_state_digest_pins_its_definition_on_a_tiny_state() -> None:
+    t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    inner = xxhash.xxh3_128(t.numpy().tobytes()).digest()
+    h = xxhash.xxh3_128()
+    h.update((1).to_bytes(4, "little") + b"t")
+    h.update((5).to_bytes(4, "little") + b"int16")
+    h.update((2).to_bytes(4, "little") + (2).to_bytes(8, "little") + (3).to_bytes(8, "little"))
+    h.update(inner)
+    assert state_digest({"t": t}) == h.hexdigest()
+    assert tensor_digest(t) == inner
+
+
+def test_state_digest_is_independent_of_mapping_order_and_memory_layout() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    b = torch.randn(17, generator=g).to(torch.bfloat16)
+    d = state_digest({"a": a, "b": b})
+    assert state_digest({"b": b, "a": a}) == d
+    strided = a.t().contiguous().t()  # same values, column-major storage
+    assert not strided.is_contiguous()
+    assert state_digest({"a": strided, "b": b}) == d
+    parts = [
+        ("a", "bfloat16", (64, 48), tensor_digest(a)),
+        ("b", "bfloat16", (17,), tensor_digest(b)),
+    ]
+    assert combine_digests(reversed(parts)) == d
+
+
+def test_state_digest_sees_one_flipped_bit_including_the_sign_of_zero() -> None:
+    a = torch.zeros(1000, dtype=torch.bfloat16)
+    d = state_digest({"a": a})
+    neg = a.clone()
+    neg[123] = -0.0  # equal as floats, different bits
+    assert torch.equal(neg, a) and state_digest({"a": neg}) != d
+    flipped = a.clone()
+    flipped.view(torch.int16)[999] ^= 1
+    assert state_digest({"a": flipped}) != d
+
+
+def test_state_digest_covers_names_dtypes_and_shapes_not_just_bytes() -> None:
+    x = torch.arange(12, dtype=torch.int16)
+    d = state_digest({"x": x})
+    assert state_digest({"y": x}) != d
+    assert state_digest({"x": x.view(3, 4)}) != d
+    assert state_digest({"x": x.view(torch.bfloat16)}) != d
+    assert state_digest({"x": x, "e": torch.empty(0)}) != d
+    with pytest.raises(ManifestError, match="twice"):
+        combine_digests([("x", "int16", (12,), tensor_digest(x))] * 2)

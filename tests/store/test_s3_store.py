@@ -1,0 +1,201 @@
+"""S3Store against a real S3 HTTP server on loopback (moto): outages, fencing, multipart."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from botocore.exceptions import ClientError, ConnectionClosedError
+
+from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
+from deltasync.store import RetryPolicy, S3Config, S3Store
+
+PATIENT = RetryPolicy(max_attempts=40, base_delay_s=0.05, max_delay_s=0.3, deadline_s=15.0)
+
+
+@pytest.fixture
+def own_server(s3_server):
+    """A second loopback server (same in-process moto state) that a test may stop and restart
+    without disturbing the session's server."""
+    server = type(s3_server)()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_s3_server_restart_mid_sequence_is_retried_and_no_data_is_lost(own_server) -> None:
+    store = S3Store(own_server.new_bucket(), "run", config=own_server.config(retry=PATIENT))
+    store.put("v00000001/MANIFEST.json", b"m1")
+    own_server.stop()
+    restarter = threading.Timer(0.6, own_server.start)
+    restarter.start()
+    t0 = time.monotonic()
+    try:
+        store.put_if_absent("v00000002/MANIFEST.json", b"m2")  # issued while the server is down
+    finally:
+        restarter.join()
+    waited = time.monotonic() - t0
+    assert waited >= 0.5, "the write did not wait for the restart, so no outage was exercised"
+    assert store.get("v00000001/MANIFEST.json") == b"m1"
+    assert store.get("v00000002/MANIFEST.json") == b"m2"
+    with pytest.raises(CommitConflictError):
+        store.put_if_absent("v00000002/MANIFEST.json", b"other")
+
+
+@pytest.mark.timeout(60)
+def test_a_lasting_outage_ends_in_a_store_error_naming_endpoint_bucket_and_key(own_server) -> None:
+    bucket = own_server.new_bucket()
+    endpoint = own_server.endpoint
+    store = S3Store(
+        bucket,
+        "run",
+        config=own_server.config(
+            retry=RetryPolicy(max_attempts=4, base_delay_s=0.01, max_delay_s=0.05, deadline_s=5.0)
+        ),
+    )
+    own_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as info:
+        store.get("v00000003/MANIFEST.json")
+    assert time.monotonic() - t0 < 5.0
+    message = str(info.value)
+    assert f"s3://{bucket}/run/v00000003/MANIFEST.json" in message
+    assert endpoint in message
+    assert "after 4 attempts" in message
+    assert not isinstance(info.value, KeyNotFoundError)
+
+
+def test_a_missing_bucket_is_a_store_error_that_names_it(s3_server) -> None:
+    store = S3Store("no-such-bucket-here", config=s3_server.config())
+    with pytest.raises(StoreError, match="no-such-bucket-here.*does not exist"):
+        store.put("k", b"x")
+    store.close()
+
+
+def test_stores_under_different_prefixes_do_not_see_each_other(s3_session_store) -> None:
+    a = s3_session_store.with_prefix("iso-a/run")
+    b = s3_session_store.with_prefix("iso-a/run2")
+    a.put("LATEST", b"a")
+    b.put("LATEST", b"b")
+    assert a.list() == ["LATEST"] and b.list() == ["LATEST"]
+    assert a.get("LATEST") == b"a" and b.get("LATEST") == b"b"
+
+
+def test_put_stream_above_the_part_size_uses_multipart_and_round_trips(s3_store) -> None:
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    chunks = [bytes([i]) * (2**20 + 7) for i in range(11)]  # ~11 MiB: three parts
+    n = store.put_stream("v00000001/tp0/w00000.blob", iter(chunks))
+    data = store.get("v00000001/tp0/w00000.blob")
+    assert n == len(data) == sum(map(len, chunks))
+    assert data == b"".join(chunks)
+    # Multipart uploads leave an ETag of the form "<md5>-<parts>".
+    head = store._client.head_object(
+        Bucket=store.bucket, Key=f"{store.prefix}/v00000001/tp0/w00000.blob"
+    )
+    assert head["ETag"].strip('"').endswith("-3")
+
+
+def test_a_failed_stream_aborts_its_multipart_upload_and_stores_nothing(s3_store) -> None:
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+
+    def chunks():
+        yield b"x" * (6 * 2**20)
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError, match="encoder failed"):
+        store.put_stream("blob", chunks())
+    assert not store.exists("blob")
+    uploads = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert uploads.get("Uploads", []) == []
+
+
+class _ReplyLost:
+    """A client wrapper whose first put_object loses its connection: after the request
+    reached the server (``delivered=True``) or before (``delivered=False``). The caller cannot
+    tell which, exactly as with a real connection reset."""
+
+    def __init__(self, client, *, delivered: bool) -> None:
+        self._client = client
+        self.delivered = delivered
+        self.calls = 0
+
+    def put_object(self, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            if self.delivered:
+                self._client.put_object(**kwargs)
+            raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+        return self._client.put_object(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_put_if_absent_whose_reply_was_lost_recognises_its_own_commit(s3_store) -> None:
+    s3_store._client = _ReplyLost(s3_store._client, delivered=True)
+    s3_store.put_if_absent("v00000004/MANIFEST.json", b"ours")
+    assert s3_store._client.calls == 2  # the retry got 412 and found our bytes
+    assert s3_store.get("v00000004/MANIFEST.json") == b"ours"
+
+
+def test_put_if_absent_after_a_lost_reply_still_loses_to_a_different_winner(s3_store) -> None:
+    s3_store._client = _ReplyLost(s3_store._client, delivered=False)
+    s3_store.put("v00000005/MANIFEST.json", b"theirs")  # another publisher, meanwhile
+    with pytest.raises(CommitConflictError):
+        s3_store.put_if_absent("v00000005/MANIFEST.json", b"ours")
+    assert s3_store._client.calls == 3  # theirs, our lost attempt, our retry that got 412
+    assert s3_store.get("v00000005/MANIFEST.json") == b"theirs"
+
+
+class _AlwaysInFlightConflict:
+    def __init__(self, client) -> None:
+        self._client = client
+
+    def put_object(self, **kwargs):
+        raise ClientError(
+            {
+                "Error": {"Code": "ConditionalRequestConflict", "Message": "in flight"},
+                "ResponseMetadata": {"HTTPStatusCode": 409},
+            },
+            "PutObject",
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_persistent_409_conditional_conflict_is_reported_as_a_commit_conflict(s3_store) -> None:
+    s3_store.config = replace(
+        s3_store.config,
+        retry=RetryPolicy(max_attempts=3, base_delay_s=0.0, max_delay_s=0.0, deadline_s=5.0),
+    )
+    s3_store._client = _AlwaysInFlightConflict(s3_store._client)
+    with pytest.raises(CommitConflictError, match="kept conflicting"):
+        s3_store.put_if_absent("v00000006/MANIFEST.json", b"x")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"endpoint_url": "127.0.0.1:9000"}, "endpoint_url"),
+        ({"access_key_id": "a"}, "together"),
+        ({"secret_access_key": "b"}, "together"),
+        ({"addressing_style": "sideways"}, "addressing_style"),
+        ({"multipart_part_bytes": 2**20}, "multipart_part_bytes"),
+        ({"read_timeout_s": 0}, "read_timeout_s"),
+        ({"region": ""}, "region"),
+    ],
+)
+def test_s3_config_rejects_bad_fields_naming_them(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        S3Config(**kwargs)
+
+
+def test_s3_config_never_prints_its_secret() -> None:
+    config = S3Config(access_key_id="AKIDEXAMPLE", secret_access_key="very-secret-value")
+    assert "very-secret-value" not in repr(config)

@@ -1,0 +1,198 @@
+"""Chain and retention planning: pure functions, checked against tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltasync.errors import ConfigError, VersionError
+from deltasync.manifest import plan_chain, plan_retention, should_anchor
+
+
+def history(last: int, anchors: set[int], missing: set[int] = frozenset(), bases=None):
+    """Versions 0..last, each a delta on the previous one except the anchors (version 0
+    exists only if it is an anchor)."""
+    bases = bases or {}
+    out = []
+    for v in range(last + 1):
+        if v in missing or (v == 0 and v not in anchors):
+            continue
+        if v in anchors:
+            out.append((v, "anchor", None))
+        else:
+            out.append((v, "delta", bases.get(v, v - 1)))
+    return out
+
+
+CHAIN_CASES = [
+    # (name, local, latest, available, expected)
+    ("up to date", 10, 10, history(10, {0}), []),
+    ("one behind", 9, 10, history(10, {0}), [10]),
+    ("seven behind through deltas", 3, 10, history(10, {0}), [4, 5, 6, 7, 8, 9, 10]),
+    ("fresh receiver restores the newest anchor", None, 10, history(10, {0, 4, 8}), [8, 9, 10]),
+    ("behind an anchor: restore it", 5, 10, history(10, {0, 8}), [8, 9, 10]),
+    ("deltas reach local before the anchor", 9, 10, history(10, {0, 8}), [10]),
+    ("latest is an anchor", 9, 10, history(10, {0, 10}), [10]),
+    (
+        "a deleted delta is bridged by a later anchor",
+        2,
+        10,
+        history(10, {0, 6}, missing={4}),
+        [6, 7, 8, 9, 10],
+    ),
+    (
+        "old history deleted, recent chain intact",
+        7,
+        10,
+        history(10, {0}, missing={0, 1, 2, 3}),
+        [8, 9, 10],
+    ),
+    (
+        "ancestry skipping the local version restores an anchor",
+        5,
+        7,
+        history(7, {2}, missing={5, 6}, bases={7: 4}),
+        [2, 3, 4, 7],
+    ),
+    ("tuples in any order", 8, 10, list(reversed(history(10, {0}))), [9, 10]),
+]
+
+
+@pytest.mark.parametrize(
+    "name, local, latest, available, expected", CHAIN_CASES, ids=[c[0] for c in CHAIN_CASES]
+)
+def test_plan_chain_table(name, local, latest, available, expected) -> None:
+    assert plan_chain(local, latest, available) == expected
+
+
+CHAIN_ERRORS = [
+    (
+        "a deleted delta with no later anchor",
+        2,
+        10,
+        history(10, {0}, missing={5}),
+        "version 5 on the way",
+    ),
+    ("fresh receiver without any anchor", None, 10, history(10, set()), "version 0 on the way"),
+    ("latest not committed", 3, 11, history(10, {0}), "version 11 on the way"),
+    ("local ahead of latest", 12, 10, history(10, {0}), "newer than the latest"),
+    ("duplicate version", 3, 5, history(5, {0}) + [(5, "delta", 4)], "listed twice"),
+    ("delta based on itself", 3, 5, history(4, {0}) + [(5, "delta", 5)], "earlier version"),
+    ("unknown kind", 3, 5, history(4, {0}) + [(5, "patch", 4)], "unknown kind"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, local, latest, available, match", CHAIN_ERRORS, ids=[c[0] for c in CHAIN_ERRORS]
+)
+def test_plan_chain_raises_version_error_when_no_chain_exists(
+    name, local, latest, available, match
+) -> None:
+    with pytest.raises(VersionError, match=match):
+        plan_chain(local, latest, available)
+
+
+RETENTION_CASES = [
+    # (name, available, live, kwargs, expected deletions)
+    (
+        "no receivers: keep newest anchor and what follows",
+        history(10, {0, 4, 8}),
+        [],
+        {},
+        [0, 1, 2, 3, 4, 5, 6, 7],
+    ),
+    ("receiver at 5 pins everything above it", history(10, {0, 4, 8}), [5], {}, [0, 1, 2, 3, 4, 5]),
+    (
+        "receiver without a version needs only the anchor chain",
+        history(10, {0, 4, 8}),
+        [None],
+        {},
+        [0, 1, 2, 3, 4, 5, 6, 7],
+    ),
+    (
+        "up-to-date receiver pins nothing extra",
+        history(10, {0, 4, 8}),
+        [10],
+        {},
+        [0, 1, 2, 3, 4, 5, 6, 7],
+    ),
+    ("keep_latest keeps the newest few", history(10, {0}), [], {"keep_latest": 3}, []),
+    (
+        "no anchor chain and no receivers: keep the newest",
+        history(10, {0}, missing={0}),
+        [],
+        {"keep_latest": 2},
+        [1, 2, 3, 4, 5, 6, 7, 8],
+    ),
+    (
+        "versions above LATEST are in flight and kept",
+        history(10, {0, 4, 8}),
+        [],
+        {"latest": 9},
+        [0, 1, 2, 3, 4, 5, 6, 7],
+    ),
+    (
+        "newest anchor kept even when the chain from it is broken",
+        history(10, {0, 4}, missing={6}),
+        [],
+        {},
+        [0, 1, 2, 3, 5, 7, 8, 9],
+    ),
+    (
+        "a receiver behind an anchor keeps the versions it may be replaying",
+        history(10, {0, 8}),
+        [3],
+        {},
+        [0, 1, 2, 3],
+    ),
+    (
+        "a receiver whose old base was deleted still pins versions above it",
+        history(10, {0, 8}, missing={5}),
+        [2],
+        {},
+        [0, 1, 2],
+    ),
+    ("empty store", [], [4], {}, []),
+]
+
+
+@pytest.mark.parametrize(
+    "name, available, live, kwargs, expected", RETENTION_CASES, ids=[c[0] for c in RETENTION_CASES]
+)
+def test_plan_retention_table(name, available, live, kwargs, expected) -> None:
+    deleted = plan_retention(available, live, **kwargs)
+    assert deleted == expected
+    # Whatever is deleted, every live receiver can still reach latest if it could before.
+    remaining = [a for a in available if a[0] not in set(deleted)]
+    if not available:
+        return
+    latest = kwargs.get("latest", max(a[0] for a in available))
+    for held in live:
+        try:
+            before = plan_chain(held, latest, available)
+        except VersionError:
+            continue
+        assert plan_chain(held, latest, remaining) == before
+
+
+def test_plan_retention_rejects_keeping_nothing() -> None:
+    with pytest.raises(ConfigError, match="keep_latest"):
+        plan_retention(history(3, {0}), [], keep_latest=0)
+
+
+@pytest.mark.parametrize(
+    "version, every, forced, expected",
+    [
+        (0, 4, False, True),
+        (3, 4, False, False),
+        (8, 4, False, True),
+        (9, 4, True, True),
+        (5, 1, False, True),
+    ],
+)
+def test_should_anchor_table(version, every, forced, expected) -> None:
+    assert should_anchor(version, anchor_every=every, forced=forced) is expected
+
+
+def test_should_anchor_rejects_a_zero_period() -> None:
+    with pytest.raises(ConfigError, match="anchor_every"):
+        should_anchor(3, anchor_every=0)
