@@ -20,6 +20,7 @@ from deltasync.trainer import native
 from deltasync.trainer.adamw_bound import KernelScalars
 
 _CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small for balance
+_PACK_MAGIC = 0x0102040810204080
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
@@ -79,9 +80,9 @@ def _f32(x: float, dev: torch.device) -> torch.Tensor:
 
 
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even BF16 bits of fp32 ``x`` as int32, matching detect.c exactly."""
-    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(torch.int32)
+    """Round-to-nearest-even BF16 bits of fp32 ``x``; equal to detect.c's for finite values
+    (non-finite ones are flagged regardless of their bits)."""
+    return x.to(torch.bfloat16).view(torch.int16)
 
 
 def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
@@ -89,7 +90,6 @@ def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelSc
     dev = p.device
     bc2s, eps, ss = _f32(k.bc2s, dev), _f32(k.eps, dev), _f32(k.step_size, dev)
     inv_c, rs, ru, ae = _f32(k.inv_c, dev), _f32(k.rel_s, dev), _f32(k.rel_u, dev), _f32(k.abs_e, dev)
-    weights = (2 ** torch.arange(8, device=dev, dtype=torch.int32))
     n = p.numel()
     for start in range(0, n, _CHUNK):
         end = min(n, start + _CHUNK)
@@ -105,7 +105,10 @@ def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelSc
         pad = (-flag.numel()) % 8
         if pad:
             flag = torch.cat([flag, flag.new_zeros(pad)])
-        packed = (flag.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+        # 8 one-byte flags -> one byte: a multiply gathers byte j's low bit into bit 56 + j
+        # (all partial products are distinct powers of two, so nothing carries).
+        q = flag.contiguous().view(torch.uint8).view(torch.int64)
+        packed = (((q * _PACK_MAGIC) >> 56) & 0xFF).to(torch.uint8)
         bits[start // 8 : start // 8 + packed.numel()] |= packed
 
 
