@@ -32,7 +32,9 @@ def check_token(kind: str, value: str) -> str:
 
 
 def check_version(version: int) -> int:
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= _MAX_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ManifestError(f"version must be an int, got {version!r}")
+    if not 0 <= version <= _MAX_VERSION:
         raise ManifestError(f"version {version!r} is out of range 0..{_MAX_VERSION}")
     return version
 
@@ -41,32 +43,103 @@ def version_dir(version: int) -> str:
     return f"v{check_version(version):0{_VERSION_DIGITS}d}"
 
 
+def version_prefix(version: int) -> str:
+    """List prefix of everything stored for one version (blobs, markers, manifest)."""
+    return f"{version_dir(version)}/"
+
+
+MANIFEST_FILE = "MANIFEST.json"
+VERSIONS_PREFIX = "v"  # list prefix under which every version directory lives
+
+
 def manifest_key(version: int) -> str:
-    return f"{version_dir(version)}/MANIFEST.json"
+    return f"{version_dir(version)}/{MANIFEST_FILE}"
+
+
+# Directory names inside a version directory that are not receiver shards.
+_RESERVED_SHARDS = frozenset({"writers"})
 
 
 def blob_key(version: int, shard: str, writer: str) -> str:
-    return f"{version_dir(version)}/{check_token('shard', shard)}/{check_token('writer', writer)}.blob"
+    shard = check_token("shard", shard)
+    if shard in _RESERVED_SHARDS:
+        raise ManifestError(f"shard id {shard!r} is reserved; pick another receiver shard id")
+    return f"{version_dir(version)}/{shard}/{check_token('writer', writer)}.blob"
 
 
 def writer_marker_key(version: int, writer: str) -> str:
-    return f"{version_dir(version)}/writers/{check_token('writer', writer)}.json"
+    return f"{writers_prefix(version)}{check_token('writer', writer)}.json"
+
+
+def writers_prefix(version: int) -> str:
+    return f"{version_dir(version)}/writers/"
 
 
 def ack_key(version: int, receiver: str) -> str:
-    return f"acks/{version_dir(version)}/{check_token('receiver', receiver)}.json"
+    return f"{acks_prefix(version)}{check_token('receiver', receiver)}.json"
+
+
+def acks_prefix(version: int) -> str:
+    return f"acks/{version_dir(version)}/"
+
+
+RECEIVERS_PREFIX = "receivers/"
 
 
 def receiver_key(receiver: str) -> str:
     """Registration record of a live receiver (its id and the version it holds)."""
-    return f"receivers/{check_token('receiver', receiver)}.json"
+    return f"{RECEIVERS_PREFIX}{check_token('receiver', receiver)}.json"
 
 
 def parse_version_dir(component: str) -> int:
-    m = re.fullmatch(r"v(\d{%d})" % _VERSION_DIGITS, component)
+    m = re.fullmatch(rf"v(\d{{{_VERSION_DIGITS}}})", component)
     if not m:
         raise ManifestError(f"{component!r} is not a version directory (expected v########)")
     return int(m.group(1))
+
+
+# --- parsers: exact inverses of the builders; anything else raises ManifestError ---------
+
+
+def _parse(kind: str, key: str, pattern: str) -> tuple[str, ...]:
+    m = re.fullmatch(pattern, key) if isinstance(key, str) else None
+    if not m:
+        raise ManifestError(f"{key!r} is not a {kind} key")
+    return m.groups()
+
+
+_V = rf"(v\d{{{_VERSION_DIGITS}}})"
+_T = r"([^/]+)"
+
+
+def parse_manifest_key(key: str) -> int:
+    (vdir,) = _parse("manifest", key, rf"{_V}/{re.escape(MANIFEST_FILE)}")
+    return parse_version_dir(vdir)
+
+
+def parse_blob_key(key: str) -> tuple[int, str, str]:
+    """``(version, shard, writer)`` of a blob key."""
+    vdir, shard, writer = _parse("blob", key, rf"{_V}/{_T}/{_T}\.blob")
+    version = parse_version_dir(vdir)
+    if blob_key(version, shard, writer) != key:  # also re-checks the tokens
+        raise ManifestError(f"{key!r} is not a blob key")
+    return version, shard, writer
+
+
+def parse_writer_marker_key(key: str) -> tuple[int, str]:
+    vdir, writer = _parse("writer marker", key, rf"{_V}/writers/{_T}\.json")
+    return parse_version_dir(vdir), check_token("writer", writer)
+
+
+def parse_ack_key(key: str) -> tuple[int, str]:
+    """``(version, receiver)`` of an ack key."""
+    vdir, receiver = _parse("ack", key, rf"acks/{_V}/{_T}\.json")
+    return parse_version_dir(vdir), check_token("receiver", receiver)
+
+
+def parse_receiver_key(key: str) -> str:
+    (receiver,) = _parse("receiver", key, rf"{re.escape(RECEIVERS_PREFIX)}{_T}\.json")
+    return check_token("receiver", receiver)
 
 
 def shard_id(tp_rank: int, ep_rank: int | None = None) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deltasync.errors import ConfigError, VersionError
+from deltasync import names
+from deltasync.errors import ConfigError, ManifestError, VersionError
 from deltasync.manifest import plan_chain, plan_retention, should_anchor
 
 
@@ -196,3 +197,43 @@ def test_should_anchor_table(version, every, forced, expected) -> None:
 def test_should_anchor_rejects_a_zero_period() -> None:
     with pytest.raises(ConfigError, match="anchor_every"):
         should_anchor(3, anchor_every=0)
+
+
+# --- names: parsers are exact inverses of the builders -----------------------------------
+
+
+def test_key_parsers_invert_the_builders() -> None:
+    assert names.parse_manifest_key(names.manifest_key(12)) == 12
+    assert names.parse_blob_key(names.blob_key(12, "tp1-ep0", "w00003")) == (
+        12,
+        "tp1-ep0",
+        "w00003",
+    )
+    assert names.parse_writer_marker_key(names.writer_marker_key(12, "w00003")) == (12, "w00003")
+    assert names.parse_ack_key(names.ack_key(12, "rcv-7")) == (12, "rcv-7")
+    assert names.parse_receiver_key(names.receiver_key("rcv-7")) == "rcv-7"
+    assert names.manifest_key(12).startswith(names.version_prefix(12))
+    assert names.ack_key(12, "r").startswith(names.acks_prefix(12))
+
+
+@pytest.mark.parametrize(
+    "parse, key",
+    [
+        (names.parse_manifest_key, "v0000012/MANIFEST.json"),
+        (names.parse_manifest_key, "v00000012/MANIFEST.json.bak"),
+        (names.parse_blob_key, "v00000012/tp0/../w00000.blob"),
+        (names.parse_blob_key, "v00000012/writers/w00000.blob"),
+        (names.parse_blob_key, "v00000012/tp0/w00000.json"),
+        (names.parse_ack_key, "acks/v00000012/../../x.json"),
+        (names.parse_receiver_key, "receivers/.hidden.json"),
+        (names.parse_writer_marker_key, "v00000012/writers/sub/w.json"),
+    ],
+)
+def test_key_parsers_reject_anything_the_builders_would_not_produce(parse, key) -> None:
+    with pytest.raises(ManifestError):
+        parse(key)
+
+
+def test_the_writers_directory_cannot_be_used_as_a_shard_id() -> None:
+    with pytest.raises(ManifestError, match="reserved"):
+        names.blob_key(1, "writers", "w00000")

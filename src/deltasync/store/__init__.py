@@ -10,7 +10,8 @@ from deltasync.store.local import LocalStore
 from deltasync.store.memory import MemoryStore
 from deltasync.store.protocol import InvalidKeyError, Store, check_key, check_prefix
 from deltasync.store.retry import RetryPolicy
-from deltasync.store.s3 import S3Config, S3Store
+from deltasync.store.s3 import S3Store
+from deltasync.store.s3_config import S3Config
 from deltasync.store.throttle import ThrottleConfig, ThrottledStore
 
 __all__ = [

@@ -21,115 +21,22 @@ knows what the bytes mean.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
 from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
-from deltasync.store.retry import RetriesExhausted, RetryPolicy, call_with_retries
+from deltasync.store.retry import RetriesExhausted, call_with_retries
+from deltasync.store.s3_config import (
+    CONFLICT,
+    IN_FLIGHTCONFLICT,
+    NOT_FOUND,
+    S3Config,
+    error_code,
+    is_transient,
+    make_client,
+)
 
 T = TypeVar("T")
-
-_MIN_PART = 5 * 2**20  # S3's minimum size of every part but the last
-_MAX_PART = 5 * 2**30
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_CONFLICT = {"PreconditionFailed", "412"}
-_IN_FLIGHT_CONFLICT = {"ConditionalRequestConflict", "409"}
-_TRANSIENT_CODES = {
-    "InternalError",
-    "ServiceUnavailable",
-    "SlowDown",
-    "RequestTimeout",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "500",
-    "502",
-    "503",
-    "504",
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3Config:
-    """How to reach an S3-compatible server. ``endpoint_url=None`` means AWS itself."""
-
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: str | None = field(default=None, repr=False)
-    session_token: str | None = field(default=None, repr=False)
-    addressing_style: str = "auto"  # "path" for most self-hosted servers
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
-    max_pool_connections: int = 32
-    multipart_part_bytes: int = 64 * 2**20
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-
-    def __post_init__(self) -> None:
-        if self.endpoint_url is not None and not (
-            isinstance(self.endpoint_url, str)
-            and self.endpoint_url.startswith(("http://", "https://"))
-        ):
-            raise ConfigError(
-                "S3Config.endpoint_url must start with http:// or https://, "
-                f"got {self.endpoint_url!r}"
-            )
-        if not isinstance(self.region, str) or not self.region:
-            raise ConfigError(f"S3Config.region must be a non-empty string, got {self.region!r}")
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ConfigError(
-                "S3Config.access_key_id and S3Config.secret_access_key must be given together "
-                "(or both left unset to use boto3's default credential chain)"
-            )
-        if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError(
-                f"S3Config.addressing_style must be 'auto', 'path' or 'virtual', "
-                f"got {self.addressing_style!r}"
-            )
-        for name in ("connect_timeout_s", "read_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"S3Config.{name} must be a number > 0, got {value!r}")
-        if not isinstance(self.max_pool_connections, int) or self.max_pool_connections < 1:
-            raise ConfigError(
-                "S3Config.max_pool_connections must be an int >= 1, "
-                f"got {self.max_pool_connections!r}"
-            )
-        if not isinstance(self.multipart_part_bytes, int) or not (
-            _MIN_PART <= self.multipart_part_bytes <= _MAX_PART
-        ):
-            raise ConfigError(
-                f"S3Config.multipart_part_bytes must be an int in [{_MIN_PART}, {_MAX_PART}], "
-                f"got {self.multipart_part_bytes!r}"
-            )
-        if not isinstance(self.retry, RetryPolicy):
-            raise ConfigError(
-                f"S3Config.retry must be a RetryPolicy, got {type(self.retry).__name__}"
-            )
-
-
-def _error_code(exc: BaseException) -> tuple[str, int]:
-    response = getattr(exc, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
-
-def _is_transient(exc: BaseException) -> bool:
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionError,
-        HTTPClientError,
-        IncompleteReadError,
-    )
-
-    if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
-        return True
-    if isinstance(exc, ClientError):
-        code, status = _error_code(exc)
-        return code in _TRANSIENT_CODES or code in _IN_FLIGHT_CONFLICT or status >= 500
-    return False
 
 
 class S3Store:
@@ -144,7 +51,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix
         self.config = config or S3Config()
-        self._client = _make_client(self.config)
+        self._client = make_client(self.config)
 
     def __repr__(self) -> str:
         where = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
@@ -179,10 +86,10 @@ class S3Store:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return call_with_retries(op, policy=self.config.retry, is_transient=_is_transient)
+            return call_with_retries(op, policy=self.config.retry, is_transient=is_transient)
         except RetriesExhausted as exc:
             last = exc.last
-            if isinstance(last, ClientError) and _error_code(last)[0] in _IN_FLIGHT_CONFLICT:
+            if isinstance(last, ClientError) and error_code(last)[0] in IN_FLIGHTCONFLICT:
                 raise CommitConflictError(
                     f"S3 {what} of {self._url(key)}: another conditional write kept conflicting "
                     f"for {exc.attempts} attempts; treat the key as taken"
@@ -198,10 +105,10 @@ class S3Store:
             raise StoreError(f"S3 {what} of {self._url(key)} failed: {exc}") from exc
 
     def _map_client_error(self, what: str, key: str, exc: BaseException) -> StoreError:
-        code, status = _error_code(exc)
-        if code in _NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
+        code, status = error_code(exc)
+        if code in NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
             return KeyNotFoundError(f"key {key!r} not found: {self._url(key)}")
-        if code in _CONFLICT or status == 412:
+        if code in CONFLICT or status == 412:
             return CommitConflictError(
                 f"key {key!r} already exists at {self._url(key)}; another writer committed it first"
             )
@@ -245,7 +152,7 @@ class S3Store:
                     Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}"
                 )
             except ClientError as exc:
-                if _error_code(exc)[0] == "InvalidRange":
+                if error_code(exc)[0] == "InvalidRange":
                     return b""  # starts past the end: reported below like a short range
                 raise
             return response["Body"].read()
@@ -317,15 +224,15 @@ class S3Store:
             try:
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
             except ClientError as exc:
-                code, status = _error_code(exc)
-                if maybe_landed and (code in _CONFLICT or status == 412):
+                code, status = error_code(exc)
+                if maybe_landed and (code in CONFLICT or status == 412):
                     if self._read_quietly(full) == body:
                         return  # our earlier attempt committed before its reply was lost
-                if _is_transient(exc):
+                if is_transient(exc):
                     maybe_landed = True
                 raise
             except Exception as exc:
-                if _is_transient(exc):
+                if is_transient(exc):
                     maybe_landed = True
                 raise
 
@@ -416,33 +323,7 @@ class S3Store:
             try:
                 self._client.create_bucket(**kwargs)
             except ClientError as exc:
-                if _error_code(exc)[0] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                if error_code(exc)[0] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
 
         self._call("create_bucket", "(bucket)", op)
-
-
-def _make_client(config: S3Config) -> Any:
-    try:
-        import boto3
-        from botocore.config import Config
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ConfigError(
-            "S3 storage needs boto3: pip install 'deltasync[s3]' (boto3==1.43.117)"
-        ) from exc
-    session = boto3.session.Session(
-        aws_access_key_id=config.access_key_id,
-        aws_secret_access_key=config.secret_access_key,
-        aws_session_token=config.session_token,
-        region_name=config.region,
-    )
-    client_config = Config(
-        # One attempt per call inside botocore: retries are ours, so they are bounded by
-        # S3Config.retry and put_if_absent can tell a lost reply from a lost race.
-        retries={"total_max_attempts": 1, "mode": "standard"},
-        connect_timeout=config.connect_timeout_s,
-        read_timeout=config.read_timeout_s,
-        max_pool_connections=config.max_pool_connections,
-        s3={"addressing_style": config.addressing_style},
-    )
-    return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
