@@ -1,8 +1,8 @@
 """Round 2's executor: carries out one rank's part of a finished Schedule, batch by batch.
 
-For each batch it posts every send and receive at once (``batch_isend_irecv``, which NCCL needs
-to pair a send and a receive on one connection without deadlock), then waits on each with the
-configured timeout. Receives land directly in slices of the output tensors; sends read
+For each batch it posts every send and receive before waiting on any (as one
+``batch_isend_irecv`` group on NCCL, which needs that to pair a send and a receive on one
+connection without deadlock), then waits on each with the configured timeout. Receives land directly in slices of the output tensors; sends read
 directly from the payload when it already lives on the group's device, and otherwise go
 through a staging buffer of at most ``max_chunk_bytes`` (e.g. host bytes on an NCCL group).
 Staging buffers are reused from batch to batch, so at most ``max_inflight_ops // 2`` of them
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deltasync.exchange.schedule import Batch, Chunk, Schedule
-from deltasync.exchange.waits import abandon, wait
+from deltasync.exchange.schedule import Chunk, Schedule
+from deltasync.exchange.waits import abandon, failure, wait
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,9 @@ class StagingPool:
 
     def stage(self, piece: torch.Tensor) -> torch.Tensor:
         if self._used == len(self._buffers):
-            self._buffers.append(torch.empty(self._buffer_bytes, dtype=torch.uint8, device=self._device))
+            self._buffers.append(
+                torch.empty(self._buffer_bytes, dtype=torch.uint8, device=self._device)
+            )
         buf = self._buffers[self._used][: piece.numel()]
         self._used += 1
         # Synchronous copy: the source may be pageable host memory owned by the caller.
@@ -84,20 +86,25 @@ def run_schedule(
     pool = StagingPool(device, max((c.nbytes for b in plan for c in b.sends), default=0))
     sent = received = messages = 0
     for batch in plan:
-        ops: list[dist.P2POp] = []
-        labels: list[tuple[str, int]] = []  # (what the operation is, its peer), as posted
+        prefix = f"exchange round 2, batch {batch.index + 1} of {schedule.num_batches}"
+        ops: list[_Op] = []
         for c in batch.sends:
             piece = sources[c.peer][c.offset : c.offset + c.nbytes]
             if piece.device != device:
                 piece = pool.stage(piece)
-            ops.append(dist.P2POp(dist.isend, piece, group=group, group_peer=c.peer))
-            labels.append((f"send of {_chunk_text(c)} to rank {c.peer}", c.peer))
+            what = f"{prefix}: send of {_chunk_text(c)} to rank {c.peer}"
+            ops.append(_Op(True, piece, c.peer, what))
         for c in batch.recvs:
             target = outputs[c.peer][c.offset : c.offset + c.nbytes]
-            ops.append(dist.P2POp(dist.irecv, target, group=group, group_peer=c.peer))
-            labels.append((f"receive of {_chunk_text(c)} from rank {c.peer}", c.peer))
-        works = dist.batch_isend_irecv(ops)
-        _finish(works, labels, batch, schedule.num_batches, timeout_s, backend)
+            what = f"{prefix}: receive of {_chunk_text(c)} from rank {c.peer}"
+            ops.append(_Op(False, target, c.peer, what))
+        posted = _post(ops, group=group, backend=backend, timeout_s=timeout_s)
+        for i, (work, what, peers) in enumerate(posted):
+            try:
+                wait(work, timeout_s=timeout_s, what=what, peers=peers)
+            except BaseException:
+                abandon([w for w, _, _ in posted[i + 1 :]], backend=backend)
+                raise
         pool.release_all()
         sent += sum(c.nbytes for c in batch.sends)
         received += sum(c.nbytes for c in batch.recvs)
@@ -105,28 +112,48 @@ def run_schedule(
     return RoundTwoStats(sent, received, messages, len(plan), pool.allocated_bytes)
 
 
-def _finish(
-    works: list[dist.Work],
-    labels: list[tuple[str, int]],
-    batch: Batch,
-    num_batches: int,
-    timeout_s: float,
-    backend: str,
-) -> None:
-    prefix = f"exchange round 2, batch {batch.index + 1} of {num_batches}"
-    if len(works) == len(labels):
-        named = [(f"{prefix}: {what}", f"rank {peer}") for what, peer in labels]
-    else:
-        # A coalescing backend (NCCL) returns one work for the whole batch.
-        peers = sorted({peer for _, peer in labels})
-        everything = "; ".join(what for what, _ in labels)
-        named = [(f"{prefix}: {everything}", _ranks_text(peers))] * len(works)
-    for i, work in enumerate(works):
+@dataclass(frozen=True)
+class _Op:
+    is_send: bool
+    tensor: torch.Tensor  # a slice of a payload, a staging buffer, or a slice of an output
+    peer: int
+    what: str  # names the round, batch, chunk and peer in every error
+
+
+def _post(
+    ops: list[_Op], *, group: dist.ProcessGroup | None, backend: str, timeout_s: float
+) -> list[tuple[dist.Work, str, str]]:
+    """Post every operation of a batch; return (work, what it is, who could be at fault)."""
+    if "nccl" in backend:
+        # NCCL must see a batch's sends and receives in one group call, or a send and a receive
+        # on the same connection deadlock; it returns one work for the whole batch.
+        what = "; ".join(op.what for op in ops)
+        peers = _ranks_text(sorted({op.peer for op in ops}))
+        p2p = [
+            dist.P2POp(
+                dist.isend if op.is_send else dist.irecv, op.tensor, group=group, group_peer=op.peer
+            )
+            for op in ops
+        ]
         try:
-            wait(work, timeout_s=timeout_s, what=named[i][0], peers=named[i][1])
-        except BaseException:
-            abandon(works[i + 1 :], backend=backend)
-            raise
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as exc:
+            raise failure(exc, what=what, peers=peers, timeout_s=timeout_s) from exc
+        return [(work, what, peers) for work in works]
+    # Elsewhere (gloo) each operation is posted on its own, so an error names its message, and
+    # the ones already posted can be abandoned. Posting fails when a peer is already gone.
+    posted: list[tuple[dist.Work, str, str]] = []
+    for op in ops:
+        try:
+            if op.is_send:
+                work = dist.isend(op.tensor, group=group, group_dst=op.peer)
+            else:
+                work = dist.irecv(op.tensor, group=group, group_src=op.peer)
+        except RuntimeError as exc:
+            abandon([w for w, _, _ in posted], backend=backend)
+            raise failure(exc, what=op.what, peers=f"rank {op.peer}", timeout_s=timeout_s) from exc
+        posted.append((work, op.what, f"rank {op.peer}"))
+    return posted
 
 
 def _chunk_text(c: Chunk) -> str:

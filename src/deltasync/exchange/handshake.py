@@ -57,8 +57,14 @@ def encode_row(
     if failure is not None:
         # Cut at a character boundary so peers never see half a UTF-8 sequence.
         message = failure.encode("utf-8")[:MESSAGE_BYTES].decode("utf-8", "ignore").encode("utf-8")
-    head = [MAGIC, _FAILED if failure is not None else _READY, max_chunk_bytes,
-            max_inflight_ops, w, len(message)]
+    head = [
+        MAGIC,
+        _FAILED if failure is not None else _READY,
+        max_chunk_bytes,
+        max_inflight_ops,
+        w,
+        len(message),
+    ]
     row[:_HEADER] = torch.tensor(head, dtype=torch.int64)
     if failure is None:
         row[_HEADER : _HEADER + w] = torch.tensor(list(counts), dtype=torch.int64)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from deltasync.errors import ConfigError, ExchangeError
 
 _LOOPBACK = "127.0.0.1"
-_REPORT_GRACE_S = 2.0  # a child that exited gets this long for its report to arrive
+_REPORT_GRACE_S = 0.5  # a child flushes its report before exiting; this covers the pipe
 _FAILURE_GRACE_S = 5.0  # after one child fails, the rest get this long before being killed
 
 
@@ -132,7 +132,8 @@ def _collect(procs: list[Any], reports: Any, timeout_s: float, may_die: set[int]
                 exited_at[rank] = now
         # A rank is pending until it reported, or exited long enough ago that no report is coming.
         pending = [
-            r for r in range(n)
+            r
+            for r in range(n)
             if r not in reported and now - exited_at.get(r, now) < _REPORT_GRACE_S
         ]
         if not pending:
@@ -157,7 +158,9 @@ def _collect(procs: list[Any], reports: Any, timeout_s: float, may_die: set[int]
     silent = {r: procs[r].exitcode for r in exited_at if r not in reported}
     unexpected = {r: code for r, code in silent.items() if r not in may_die}
     if unexpected or errors:
-        died = "".join(f"\nrank {r} exited with code {c} without a result" for r, c in unexpected.items())
+        died = "".join(
+            f"\nrank {r} exited with code {c} without a result" for r, c in unexpected.items()
+        )
         raise SpawnError(f"spawned processes failed:{died}{_error_text(errors)}")
     return results
 
@@ -183,7 +186,7 @@ def _child(
     )
     try:
         report = (rank, True, fn(rank, *args))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- the parent re-raises it with the traceback
         report = (rank, False, traceback.format_exc())
     reports.put(report)
     reports.close()

@@ -50,7 +50,9 @@ def _flat_bytes(dst: int, payload: object) -> torch.Tensor:
             )
         if not payload.is_contiguous():
             # A flat view of a strided tensor would be a full copy; refuse instead of hiding it.
-            raise ExchangeError(f"payload tensor for rank {dst} is not contiguous; call .contiguous()")
+            raise ExchangeError(
+                f"payload tensor for rank {dst} is not contiguous; call .contiguous()"
+            )
         return payload.reshape(-1)
     if isinstance(payload, (bytes, bytearray, memoryview)):
         view = memoryview(payload)

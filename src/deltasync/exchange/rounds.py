@@ -31,6 +31,8 @@ from deltasync.exchange.payloads import Payload, as_byte_tensors
 from deltasync.exchange.schedule import plan_schedule
 from deltasync.exchange.waits import wait
 
+DEFAULT_CONFIG = ExchangeConfig()
+
 
 @dataclass(frozen=True)
 class ExchangeStats:
@@ -60,7 +62,7 @@ def exchange(
     payloads: Mapping[int, Payload],
     *,
     group: dist.ProcessGroup | None = None,
-    config: ExchangeConfig = ExchangeConfig(),
+    config: ExchangeConfig = DEFAULT_CONFIG,
     status: BaseException | None = None,
 ) -> Received:
     """Send ``payloads[dst]`` to each rank ``dst`` of ``group``; return what the others sent.
@@ -88,7 +90,7 @@ def exchange(
     if cause is None:
         try:
             sources = as_byte_tensors(payloads, world)
-        except Exception as exc:  # reported to every peer in round 1, then raised there
+        except Exception as exc:  # noqa: BLE001 -- reported to every peer in round 1, raised there
             cause = exc
     counts = [int(sources[d].numel()) if d in sources else 0 for d in range(world)]
 

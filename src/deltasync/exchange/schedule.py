@@ -84,24 +84,40 @@ class Schedule:
 
     def batches_for(self, rank: int) -> tuple[Batch, ...]:
         """This rank's non-empty batches, in the order it must run them."""
-        w = self.world_size
+        w, size, per_batch = self.world_size, self.max_chunk_bytes, self.slots_per_batch
         if not 0 <= rank < w:
             raise ExchangeError(f"rank {rank} is outside a schedule for {w} ranks")
+        # Per step s (index s-1): the peer and byte count of this rank's send and receive.
+        send = [((rank + s) % w, self.matrix[rank][(rank + s) % w]) for s in range(1, w)]
+        recv = [((rank - s) % w, self.matrix[(rank - s) % w][rank]) for s in range(1, w)]
+        send_chunks = [_num_chunks(n, size) for _, n in send]
+        recv_chunks = [_num_chunks(n, size) for _, n in recv]
+        levels = max(send_chunks + recv_chunks, default=0)  # chunk indices this rank takes part in
         out: list[Batch] = []
         sends: list[Chunk] = []
         recvs: list[Chunk] = []
-        for k, (s, j) in enumerate(self.slots()):
-            dst, src = (rank + s) % w, (rank - s) % w
-            send = self._chunk(rank, dst, dst, j)
-            if send is not None:
-                sends.append(send)
-            recv = self._chunk(src, rank, src, j)
-            if recv is not None:
-                recvs.append(recv)
-            if (k + 1) % self.slots_per_batch == 0 or k + 1 == self.num_slots:
-                if sends or recvs:
-                    out.append(Batch(k // self.slots_per_batch, tuple(sends), tuple(recvs)))
-                sends, recvs = [], []
+        current = slot = 0
+        # Walk the global slot order (see slots()) only as far as this rank has work.
+        for j in range(levels):
+            for i, step_chunks in enumerate(self.chunks_per_step):
+                if j >= step_chunks:
+                    continue
+                k, slot = slot // per_batch, slot + 1
+                if j >= send_chunks[i] and j >= recv_chunks[i]:
+                    continue
+                if k != current and (sends or recvs):
+                    out.append(Batch(current, tuple(sends), tuple(recvs)))
+                    sends, recvs = [], []
+                current = k
+                offset = j * size
+                if j < send_chunks[i]:
+                    peer, n = send[i]
+                    sends.append(Chunk(peer, offset, min(size, n - offset), j, send_chunks[i]))
+                if j < recv_chunks[i]:
+                    peer, n = recv[i]
+                    recvs.append(Chunk(peer, offset, min(size, n - offset), j, recv_chunks[i]))
+        if sends or recvs:
+            out.append(Batch(current, tuple(sends), tuple(recvs)))
         return tuple(out)
 
     def sent_by(self, rank: int) -> int:
@@ -112,22 +128,22 @@ class Schedule:
         """Bytes this rank receives from other ranks (self-sends excluded)."""
         return sum(row[rank] for src, row in enumerate(self.matrix) if src != rank)
 
-    def _chunk(self, src: int, dst: int, peer: int, j: int) -> Chunk | None:
-        n = self.matrix[src][dst]
-        count = _num_chunks(n, self.max_chunk_bytes)
-        if j >= count:
-            return None
-        offset = j * self.max_chunk_bytes
-        return Chunk(peer, offset, min(self.max_chunk_bytes, n - offset), j, count)
-
 
 def plan_schedule(
     matrix: Sequence[Sequence[int]], *, max_chunk_bytes: int, max_inflight_ops: int
 ) -> Schedule:
     """Plan round 2 from the byte-count matrix (``matrix[src][dst]``), identically on all ranks."""
-    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 1:
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, int)
+        or max_chunk_bytes < 1
+    ):
         raise ConfigError(f"max_chunk_bytes must be an int >= 1, got {max_chunk_bytes!r}")
-    if isinstance(max_inflight_ops, bool) or not isinstance(max_inflight_ops, int) or max_inflight_ops < 2:
+    if (
+        isinstance(max_inflight_ops, bool)
+        or not isinstance(max_inflight_ops, int)
+        or max_inflight_ops < 2
+    ):
         raise ConfigError(f"max_inflight_ops must be an int >= 2, got {max_inflight_ops!r}")
     rows = _checked_matrix(matrix)
     w = len(rows)

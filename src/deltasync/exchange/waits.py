@@ -37,8 +37,10 @@ def wait(work: dist.Work, *, timeout_s: float, what: str, peers: str) -> None:
     """
     try:
         finished = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (or DistBackendError, a subclass)
-        raise _translate(exc, what=what, peers=peers, timeout_s=timeout_s) from exc
+    except (
+        RuntimeError
+    ) as exc:  # gloo and NCCL raise RuntimeError (or DistBackendError, a subclass)
+        raise failure(exc, what=what, peers=peers, timeout_s=timeout_s) from exc
     if finished is False:  # some backends report a timeout by returning False
         raise ExchangeTimeoutError(_timeout_message(what, peers, timeout_s))
 
@@ -54,7 +56,8 @@ def abandon(works: Iterable[dist.Work], *, backend: str) -> None:
             pass  # expected: the point is the side effect of closing the connection
 
 
-def _translate(exc: RuntimeError, *, what: str, peers: str, timeout_s: float) -> ExchangeError:
+def failure(exc: RuntimeError, *, what: str, peers: str, timeout_s: float) -> ExchangeError:
+    """The typed error for a backend's RuntimeError about ``what``."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     lowered = text.lower()
