@@ -84,23 +84,29 @@ class LoopbackS3:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackS3]:
+def aws_env_isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Hide the caller's AWS_* variables and ~/.aws files for the session, restoring them at
+    the end, so boto3 sees only what the tests pass explicitly."""
     empty = tmp_path_factory.mktemp("aws-empty")
     with pytest.MonkeyPatch.context() as mp:
         for name in list(os.environ):
             if name.startswith("AWS_"):
                 mp.delenv(name)
-        # Point boto3 at empty config files so nothing from ~/.aws is read.
         mp.setenv("AWS_CONFIG_FILE", str(empty / "config"))
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "credentials"))
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        server = LoopbackS3()
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(aws_env_isolated: None) -> Iterator[LoopbackS3]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = LoopbackS3()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -105,7 +105,7 @@ def test_open_store_gives_fresh_or_named_shared_memory_stores() -> None:
     assert isinstance(b, MemoryStore) and b.get("k") == b"v"
 
 
-def test_open_store_builds_an_s3_store_with_bucket_prefix_and_config() -> None:
+def test_open_store_builds_an_s3_store_with_bucket_prefix_and_config(aws_env_isolated) -> None:
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     store = open_store("s3://my-bucket/runs/exp1/", s3=config)
     assert isinstance(store, S3Store)

@@ -32,6 +32,7 @@ from deltasync.manifest.canonical import (
     expect_fields,
     strict_loads,
 )
+from deltasync.manifest.planning import VersionInfo
 
 KINDS = ("delta", "anchor")
 MAX_FORMAT_VERSION = 2**16 - 1
@@ -211,6 +212,11 @@ class Manifest:
 
     def blobs_for(self, shard: str) -> tuple[BlobEntry, ...]:
         return tuple(b for b in self.blobs if b.shard == shard)
+
+    @property
+    def info(self) -> VersionInfo:
+        """What chain and retention planning need from this manifest."""
+        return VersionInfo(self.version, self.kind, self.base_version)
 
     @property
     def total_bytes(self) -> int:
