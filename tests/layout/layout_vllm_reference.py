@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_vllm_shard(full, spec, tp: int, ep: int, tp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
+def reference_vllm_shard(
+    full, spec, tp: int, ep: int, tp_rank: int, ep_rank: int
+) -> dict[str, torch.Tensor]:
     h, hd, v = spec.hidden_size, spec.head_dim, spec.vocab_size
     out: dict[str, torch.Tensor] = {}
 
@@ -47,16 +49,24 @@ def reference_vllm_shard(full, spec, tp: int, ep: int, tp_rank: int, ep_rank: in
             ]
         )
         out[a + "o_proj.weight"] = full[a + "o_proj.weight"].narrow(1, tp_rank * q_l, q_l).clone()
-        for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
-                  "post_attention_layernorm.weight"):
+        for n in (
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ):
             out[p + n] = full[p + n].clone()
         if i not in spec.moe_layers:
             il = spec.intermediate_size // tp
             out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [full[p + "mlp.gate_proj.weight"].narrow(0, tp_rank * il, il),
-                 full[p + "mlp.up_proj.weight"].narrow(0, tp_rank * il, il)]
+                [
+                    full[p + "mlp.gate_proj.weight"].narrow(0, tp_rank * il, il),
+                    full[p + "mlp.up_proj.weight"].narrow(0, tp_rank * il, il),
+                ]
             )
-            out[p + "mlp.down_proj.weight"] = full[p + "mlp.down_proj.weight"].narrow(1, tp_rank * il, il).clone()
+            out[p + "mlp.down_proj.weight"] = (
+                full[p + "mlp.down_proj.weight"].narrow(1, tp_rank * il, il).clone()
+            )
             continue
         out[p + "mlp.gate.weight"] = full[p + "mlp.gate.weight"].clone()
         E, im = spec.num_experts, spec.moe_intermediate_size
@@ -78,8 +88,12 @@ def reference_vllm_shard(full, spec, tp: int, ep: int, tp_rank: int, ep_rank: in
             if j < 0:
                 continue
             ex = p + f"mlp.experts.{g}."
-            w13[j].narrow(0, 0, iml).copy_(full[ex + "gate_proj.weight"].narrow(0, moe_rank * iml, iml))
-            w13[j].narrow(0, iml, iml).copy_(full[ex + "up_proj.weight"].narrow(0, moe_rank * iml, iml))
+            w13[j].narrow(0, 0, iml).copy_(
+                full[ex + "gate_proj.weight"].narrow(0, moe_rank * iml, iml)
+            )
+            w13[j].narrow(0, iml, iml).copy_(
+                full[ex + "up_proj.weight"].narrow(0, moe_rank * iml, iml)
+            )
             w2[j].copy_(full[ex + "down_proj.weight"].narrow(1, moe_rank * iml, iml))
         out[p + "mlp.experts.w13_weight"] = w13
         out[p + "mlp.experts.w2_weight"] = w2

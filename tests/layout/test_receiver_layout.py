@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
+from layout_vllm_reference import reference_vllm_shard
 
 from deltasync.errors import LayoutError
 from deltasync.layout import ModelSpec, ReceiverLayout
-from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
-from layout_vllm_reference import reference_vllm_shard
 
 
 @pytest.mark.parametrize(("config", "tp", "ep"), CASES)
@@ -63,7 +63,10 @@ def test_shard_ids_name_tp_rank_and_ep_rank_when_expert_parallelism_is_on():
 def test_experts_are_placed_contiguously_with_the_first_ranks_taking_the_remainder():
     spec = ModelSpec.from_hf_config(CONFIGS["moe_untied"])  # 6 experts over 4 EP ranks: 2, 2, 1, 1
     layout = ReceiverLayout.build(spec, "vllm", 1, 4)
-    counts = [layout.local_specs(s.id)["model.layers.1.mlp.experts.w13_weight"].shape[0] for s in layout.shards()]
+    counts = [
+        layout.local_specs(s.id)["model.layers.1.mlp.experts.w13_weight"].shape[0]
+        for s in layout.shards()
+    ]
     assert counts == [2, 2, 1, 1]
     routed = layout.route("model.layers.1.mlp.experts.4.up_proj.weight", torch.tensor([0]))
     assert list(routed) == ["tp0-ep2"]
@@ -72,7 +75,9 @@ def test_experts_are_placed_contiguously_with_the_first_ranks_taking_the_remaind
 
 
 def test_vocab_padding_rows_are_zero_after_split_and_ignored_by_merge():
-    spec = ModelSpec.from_hf_config(CONFIGS["moe_untied"])  # vocab 77 -> padded 128, 32 rows per TP rank
+    spec = ModelSpec.from_hf_config(
+        CONFIGS["moe_untied"]
+    )  # vocab 77 -> padded 128, 32 rows per TP rank
     layout = ReceiverLayout.build(spec, "vllm", 4, 1)
     full = random_state(spec, seed=3)
     shards = layout.split(full)
@@ -80,8 +85,12 @@ def test_vocab_padding_rows_are_zero_after_split_and_ignored_by_merge():
     assert bitwise_equal(shards["tp2"]["lm_head.weight"][:13], full["lm_head.weight"][64:77])
     assert not shards["tp2"]["lm_head.weight"][13:].view(torch.int16).any()
     assert not shards["tp3"]["model.embed_tokens.weight"].view(torch.int16).any()
-    shards["tp3"]["model.embed_tokens.weight"].fill_(1.0)  # padding only: nothing canonical lives there
-    assert bitwise_equal(layout.merge(shards)["model.embed_tokens.weight"], full["model.embed_tokens.weight"])
+    shards["tp3"]["model.embed_tokens.weight"].fill_(
+        1.0
+    )  # padding only: nothing canonical lives there
+    assert bitwise_equal(
+        layout.merge(shards)["model.embed_tokens.weight"], full["model.embed_tokens.weight"]
+    )
 
 
 def test_tied_embeddings_give_one_tensor_and_lm_head_only_as_an_alias():
@@ -113,7 +122,9 @@ def test_merge_rejects_replicated_copies_that_disagree_by_one_bit():
     spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])  # 2 kv heads over TP 4: each held twice
     layout = ReceiverLayout.build(spec, "vllm", 4)
     shards = layout.split(random_state(spec, seed=2))
-    shards["tp3"]["model.layers.0.self_attn.qkv_proj.weight"].view(torch.int16)[-1, -1] ^= 1  # a v-head row
+    shards["tp3"]["model.layers.0.self_attn.qkv_proj.weight"].view(torch.int16)[-1, -1] ^= (
+        1  # a v-head row
+    )
     with pytest.raises(LayoutError, match="disagree"):
         layout.merge(shards)
     shards = layout.split(random_state(spec, seed=2))

@@ -34,12 +34,19 @@ def apply_through_codec(layout: ReceiverLayout, routed, targets_by_shard) -> int
     written = 0
     for shard, per_local in routed.items():
         updates = [
-            TensorUpdate(name=local, shape=tuple(targets_by_shard[shard][local].shape), dtype=torch.bfloat16,
-                         indices=idx, values=vals)
+            TensorUpdate(
+                name=local,
+                shape=tuple(targets_by_shard[shard][local].shape),
+                dtype=torch.bfloat16,
+                indices=idx,
+                values=vals,
+            )
             for local, (idx, vals) in sorted(per_local.items())
         ]
         blob = encode_blob(updates, version=2, base_version=1, shard=shard, writer="w00000")
-        decoded = decode_blob(blob, expected=layout.local_specs(shard), version=2, base_version=1, shard=shard)
+        decoded = decode_blob(
+            blob, expected=layout.local_specs(shard), version=2, base_version=1, shard=shard
+        )
         written += apply_updates(decoded.updates, targets_by_shard[shard])
     return written
 
@@ -56,8 +63,11 @@ def _run(layout: ReceiverLayout, spec: ModelSpec, seed: int, fraction: float) ->
             assert bitwise_equal(live[shard][name], t), (shard, name)
     # Exactly the routed elements differ from the old shards: nothing outside the change set moved.
     before = layout.split(old)
-    moved = sum(int((live[s][n].view(torch.int16) != before[s][n].view(torch.int16)).sum())
-                for s in live for n in live[s])
+    moved = sum(
+        int((live[s][n].view(torch.int16) != before[s][n].view(torch.int16)).sum())
+        for s in live
+        for n in live[s]
+    )
     assert moved == sum(idx.numel() for per in routed.values() for idx, _ in per.values())
 
 
@@ -122,13 +132,17 @@ def test_a_change_to_a_replicated_element_reaches_every_shard_that_holds_it():
     norm = layout.route("model.layers.1.input_layernorm.weight", torch.tensor([3]))
     assert sorted(norm) == [f"tp{r}" for r in range(8)]
     head_dim, hidden = 8, 32
-    second_kv_head = layout.route("model.layers.0.self_attn.k_proj.weight", torch.tensor([head_dim * hidden]))
+    second_kv_head = layout.route(
+        "model.layers.0.self_attn.k_proj.weight", torch.tensor([head_dim * hidden])
+    )
     assert sorted(second_kv_head) == ["tp4", "tp5", "tp6", "tp7"]
     q_rows = 8 // 8 * head_dim  # one q head per rank, then one k head
     for per in second_kv_head.values():
         assert per["model.layers.0.self_attn.qkv_proj.weight"][0].tolist() == [q_rows * hidden]
     moe = ModelSpec.from_hf_config(CONFIGS["moe_tied"])
-    ep_layout = ReceiverLayout.build(moe, "vllm", 2, 4)  # attention TP rank r is held by ep r and r+2
+    ep_layout = ReceiverLayout.build(
+        moe, "vllm", 2, 4
+    )  # attention TP rank r is held by ep r and r+2
     o = ep_layout.route("model.layers.2.self_attn.o_proj.weight", torch.tensor([0, 63]))
     assert sorted(o) == ["tp0-ep0", "tp0-ep2", "tp1-ep1", "tp1-ep3"]
 
@@ -169,19 +183,50 @@ def test_indices_beyond_2_to_the_31_route_exactly_in_int64():
     half = rows // 2
     table = LayoutTable(
         src_shapes={"w": (rows, cols)},
-        dst_shapes={"a": {"w": (half, cols)}, "b": {"w": (half, cols // 2), "w2": (half, cols // 2)}},
+        dst_shapes={
+            "a": {"w": (half, cols)},
+            "b": {"w": (half, cols // 2), "w2": (half, cols // 2)},
+        },
         placements={
             "w": [
-                Placement("a", "w", Block(src_cols=cols, dst_cols=cols, src_row=0, dst_row=0, rows=half)),
-                Placement("b", "w", Block(src_cols=cols, dst_cols=cols // 2, src_row=half, dst_row=0, rows=half,
-                                          src_col=0, dst_col=0, cols=cols // 2)),
-                Placement("b", "w2", Block(src_cols=cols, dst_cols=cols // 2, src_row=half, dst_row=0, rows=half,
-                                           src_col=cols // 2, dst_col=0, cols=cols // 2)),
+                Placement(
+                    "a", "w", Block(src_cols=cols, dst_cols=cols, src_row=0, dst_row=0, rows=half)
+                ),
+                Placement(
+                    "b",
+                    "w",
+                    Block(
+                        src_cols=cols,
+                        dst_cols=cols // 2,
+                        src_row=half,
+                        dst_row=0,
+                        rows=half,
+                        src_col=0,
+                        dst_col=0,
+                        cols=cols // 2,
+                    ),
+                ),
+                Placement(
+                    "b",
+                    "w2",
+                    Block(
+                        src_cols=cols,
+                        dst_cols=cols // 2,
+                        src_row=half,
+                        dst_row=0,
+                        rows=half,
+                        src_col=cols // 2,
+                        dst_col=0,
+                        cols=cols // 2,
+                    ),
+                ),
             ]
         },
     )
     last = rows * cols - 1
-    idx = torch.tensor([5, half * cols - 1, half * cols + 7, last - cols // 2, last], dtype=torch.int64)
+    idx = torch.tensor(
+        [5, half * cols - 1, half * cols + 7, last - cols // 2, last], dtype=torch.int64
+    )
     out = table.route("w", idx)
     assert out["a"]["w"][0].tolist() == [5, half * cols - 1]
     assert out["b"]["w"][0].tolist() == [7, (half - 1) * (cols // 2) + cols // 2 - 1]

@@ -58,7 +58,9 @@ def test_fsdp_shards_on_one_to_four_ranks_give_the_same_canonical_changes_as_one
                 cidx = torch.cat([p[0] for p in parts])
                 cvals = torch.cat([p[1] for p in parts])
                 order = torch.argsort(cidx)
-                assert torch.equal(cidx[order], one[cname][0]) and bitwise_equal(cvals[order], one[cname][1])
+                assert torch.equal(cidx[order], one[cname][0]) and bitwise_equal(
+                    cvals[order], one[cname][1]
+                )
 
 
 def test_route_positions_point_into_the_ranks_own_indices():
@@ -98,7 +100,9 @@ def test_tied_lm_head_routes_to_embed_tokens_and_must_equal_it_in_a_state_dict()
     spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
     layout = TrainerLayout(spec)
     out = layout.route("lm_head.weight", torch.tensor([1, 40]))
-    assert list(out) == ["model.embed_tokens.weight"] and out["model.embed_tokens.weight"][0].tolist() == [1, 40]
+    assert list(out) == ["model.embed_tokens.weight"] and out["model.embed_tokens.weight"][
+        0
+    ].tolist() == [1, 40]
     params = layout.from_canonical(random_state(spec, seed=24))
     state = {**params, "lm_head.weight": params["model.embed_tokens.weight"]}
     assert "lm_head.weight" not in layout.to_canonical(state)

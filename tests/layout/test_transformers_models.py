@@ -40,7 +40,9 @@ def test_hf_shard_has_the_names_and_shapes_of_the_models_state_dict(config_name)
     assert set(specs) | set(aliases) == set(state)
     for name, t in state.items():
         assert specs[aliases.get(name, name)].shape == tuple(t.shape), name
-        assert state[aliases.get(name, name)].data_ptr() == t.data_ptr()  # aliases really share storage
+        assert (
+            state[aliases.get(name, name)].data_ptr() == t.data_ptr()
+        )  # aliases really share storage
     # The hf shard of the model's own canonical tensors is the model's state, bitwise.
     trainer = TrainerLayout(spec)
     split = layout.split(trainer.to_canonical(state))[shard.id]
@@ -66,11 +68,15 @@ def test_canonical_checkpoint_loads_back_through_transformers_own_converter_bitw
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, dtype=torch.float32).to(p.dtype))
     canonical = layout.to_canonical(model.state_dict())
-    save_file({n: t.contiguous() for n, t in canonical.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["moe_untied"], "architectures": [MODELS["moe_untied"]]}))
+    save_file(
+        {n: t.contiguous() for n, t in canonical.items()}, str(tmp_path / "model.safetensors")
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({**CONFIGS["moe_untied"], "architectures": [MODELS["moe_untied"]]})
+    )
     loaded = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     theirs = dict(loaded.named_parameters())
     ours = dict(model.named_parameters())
     assert theirs.keys() == ours.keys()
-    for name in ours:
-        assert bitwise_equal(theirs[name].detach(), ours[name].detach()), name
+    for name, param in ours.items():
+        assert bitwise_equal(theirs[name].detach(), param.detach()), name

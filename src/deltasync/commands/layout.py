@@ -18,14 +18,21 @@ def _split(args: argparse.Namespace) -> int:
     from deltasync.layout.files import split_checkpoint
 
     shards = split_checkpoint(
-        config=args.config, checkpoint=args.checkpoint, engine=args.engine, tp=args.tp, ep=args.ep, out=args.out
+        config=args.config,
+        checkpoint=args.checkpoint,
+        engine=args.engine,
+        tp=args.tp,
+        ep=args.ep,
+        out=args.out,
     )
     print(f"wrote {len(shards)} shard(s) to {args.out}: {', '.join(s.id for s in shards)}")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("layout", help="receiver layouts: split a full checkpoint into engine shards")
+    p = sub.add_parser(
+        "layout", help="receiver layouts: split a full checkpoint into engine shards"
+    )
     inner = p.add_subparsers(dest="layout_command", metavar="ACTION")
     inner.required = True
     s = inner.add_parser(
@@ -35,8 +42,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "receiver shard (engine-local names) plus shards.json.",
     )
     s.add_argument("--config", required=True, help="transformers config.json of the model")
-    s.add_argument("--checkpoint", required=True, help="full checkpoint (.safetensors, checkpoint-format names)")
-    s.add_argument("--engine", choices=ENGINES, default="vllm", help="receiver convention (default: vllm)")
+    s.add_argument(
+        "--checkpoint",
+        required=True,
+        help="full checkpoint (.safetensors, checkpoint-format names)",
+    )
+    s.add_argument(
+        "--engine", choices=ENGINES, default="vllm", help="receiver convention (default: vllm)"
+    )
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     s.add_argument("--ep", type=int, default=1, help="expert-parallel size; 1 = off (default: 1)")
     s.add_argument("--out", required=True, help="output directory")

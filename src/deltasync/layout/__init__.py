@@ -14,8 +14,8 @@ from deltasync.layout.trainer import TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.vllm_rules import pad_vocab
 
 __all__ = [
-    "Block",
     "ENGINES",
+    "Block",
     "LayoutTable",
     "ModelSpec",
     "Placement",

@@ -36,7 +36,9 @@ def load_config(path: str | os.PathLike[str]) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg)
 
 
-def load_canonical_checkpoint(path: str | os.PathLike[str], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def load_canonical_checkpoint(
+    path: str | os.PathLike[str], spec: ModelSpec
+) -> dict[str, torch.Tensor]:
     """Read a full checkpoint and check it holds exactly the canonical bf16 tensors."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file

@@ -66,4 +66,6 @@ def build_hf_table(spec: ModelSpec) -> LayoutTable:
         block = Block(src_cols=cols, dst_cols=cols, src_row=0, dst_row=row, rows=shape[0])
         placements[name] = [Placement(HF_SHARD, local, block)]
     aliases = {HF_SHARD: dict(TIED_ALIASES)} if spec.tie_word_embeddings else {}
-    return LayoutTable(src_shapes=canon, dst_shapes={HF_SHARD: params}, placements=placements, aliases=aliases)
+    return LayoutTable(
+        src_shapes=canon, dst_shapes={HF_SHARD: params}, placements=placements, aliases=aliases
+    )

@@ -119,7 +119,9 @@ class ModelSpec:
 
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
-                raise LayoutError(f"model config has no {key!r} (required for model_type {model_type!r})")
+                raise LayoutError(
+                    f"model config has no {key!r} (required for model_type {model_type!r})"
+                )
             return cfg[key]
 
         hidden = _pos_int("hidden_size", need("hidden_size"))
@@ -127,18 +129,18 @@ class ModelSpec:
         head_dim = cfg.get("head_dim")
         if head_dim is None:
             head_dim = 128 if model_type == "qwen3" else hidden // heads
-        kwargs: dict[str, Any] = dict(
-            model_type=model_type,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=need("num_key_value_heads"),
-            head_dim=head_dim,
-            intermediate_size=need("intermediate_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-        )
+        kwargs: dict[str, Any] = {
+            "model_type": model_type,
+            "vocab_size": need("vocab_size"),
+            "hidden_size": hidden,
+            "num_hidden_layers": need("num_hidden_layers"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": need("num_key_value_heads"),
+            "head_dim": head_dim,
+            "intermediate_size": need("intermediate_size"),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "attention_bias": bool(cfg.get("attention_bias", False)),
+        }
         if model_type == "qwen3_moe":
             # transformers 5.x serialises the expert count as num_local_experts (attribute_map).
             num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))

@@ -46,7 +46,16 @@ class ShardInfo:
 class ReceiverLayout:
     """Canonical (HF checkpoint) tensors → every receiver shard of one engine convention."""
 
-    def __init__(self, *, spec: ModelSpec, engine: str, tp: int, ep: int, table: LayoutTable, shards: list[ShardInfo]):
+    def __init__(
+        self,
+        *,
+        spec: ModelSpec,
+        engine: str,
+        tp: int,
+        ep: int,
+        table: LayoutTable,
+        shards: list[ShardInfo],
+    ):
         self.spec = spec
         self.engine = engine
         self.tp = tp
@@ -56,14 +65,25 @@ class ReceiverLayout:
         self._by_id = {s.id: s for s in shards}
 
     @classmethod
-    def build(cls, spec: ModelSpec, engine: str = "vllm", tp: int = 1, ep: int = 1) -> ReceiverLayout:
+    def build(
+        cls, spec: ModelSpec, engine: str = "vllm", tp: int = 1, ep: int = 1
+    ) -> ReceiverLayout:
         for name, v in (("tp", tp), ("ep", ep)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {v!r}")
         if engine == "hf":
             if tp != 1 or ep != 1:
-                raise LayoutError(f"engine 'hf' holds the whole model in one shard: tp and ep must be 1 (got tp={tp}, ep={ep})")
-            return cls(spec=spec, engine=engine, tp=1, ep=1, table=build_hf_table(spec), shards=[ShardInfo(HF_SHARD, 0, 0)])
+                raise LayoutError(
+                    f"engine 'hf' holds the whole model in one shard: tp and ep must be 1 (got tp={tp}, ep={ep})"
+                )
+            return cls(
+                spec=spec,
+                engine=engine,
+                tp=1,
+                ep=1,
+                table=build_hf_table(spec),
+                shards=[ShardInfo(HF_SHARD, 0, 0)],
+            )
         if engine == "vllm":
             table = build_vllm_table(spec, tp, ep)
             shards = [ShardInfo(sid, t, e) for sid, t, e in vllm_shards(spec, tp, ep)]
@@ -79,15 +99,22 @@ class ReceiverLayout:
         try:
             return self._by_id[shard_id]
         except KeyError:
-            raise LayoutError(f"shard {shard_id!r} is not in this layout; shards: {list(self._by_id)}") from None
+            raise LayoutError(
+                f"shard {shard_id!r} is not in this layout; shards: {list(self._by_id)}"
+            ) from None
 
     def canonical_specs(self) -> dict[str, TensorSpec]:
-        return {n: TensorSpec(shape=s, dtype=self.spec.dtype) for n, s in self.table.src_shapes.items()}
+        return {
+            n: TensorSpec(shape=s, dtype=self.spec.dtype) for n, s in self.table.src_shapes.items()
+        }
 
     def local_specs(self, shard_id: str) -> dict[str, TensorSpec]:
         """Every tensor the shard holds (storage names only; see :meth:`aliases`)."""
         self.shard(shard_id)
-        return {n: TensorSpec(shape=s, dtype=self.spec.dtype) for n, s in self.table.dst_shapes[shard_id].items()}
+        return {
+            n: TensorSpec(shape=s, dtype=self.spec.dtype)
+            for n, s in self.table.dst_shapes[shard_id].items()
+        }
 
     def aliases(self, shard_id: str) -> dict[str, str]:
         """Names that are the same storage as another local tensor (tied ``lm_head.weight``).
@@ -109,7 +136,9 @@ class ReceiverLayout:
         """
         return self.table.route(canonical_name, indices)
 
-    def route_values(self, canonical_name: str, indices: torch.Tensor, values: torch.Tensor) -> Routed:
+    def route_values(
+        self, canonical_name: str, indices: torch.Tensor, values: torch.Tensor
+    ) -> Routed:
         """Like :meth:`route` with the values already gathered: ``(local_indices, values)``."""
         return self.table.route_values(canonical_name, indices, values)
 

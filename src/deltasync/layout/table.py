@@ -16,13 +16,22 @@ This module knows nothing about models, engines or files; rule modules build its
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from deltasync.errors import LayoutError
-from deltasync.layout.blocks import Block, find_overlap, numel, positions_tensor, view_cols, view_rows
+from deltasync.layout.blocks import (
+    Block,
+    find_overlap,
+    gather,
+    numel,
+    positions_tensor,
+    view_cols,
+    view_rows,
+)
 
 Shape = tuple[int, ...]
 Routed = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -57,8 +66,12 @@ class LayoutTable:
     ) -> None:
         self.src_shapes: dict[str, Shape] = dict(src_shapes)
         self.dst_shapes: dict[str, dict[str, Shape]] = {s: dict(m) for s, m in dst_shapes.items()}
-        self.placements: dict[str, tuple[Placement, ...]] = {k: tuple(v) for k, v in placements.items()}
-        self.aliases: dict[str, dict[str, str]] = {s: dict((aliases or {}).get(s, {})) for s in self.dst_shapes}
+        self.placements: dict[str, tuple[Placement, ...]] = {
+            k: tuple(v) for k, v in placements.items()
+        }
+        self.aliases: dict[str, dict[str, str]] = {
+            s: dict((aliases or {}).get(s, {})) for s in self.dst_shapes
+        }
         self._validate()
         # Sparse routing plan per source: placements grouped by identical block (replicas are
         # computed once), and all group spans as one tensor for a single searchsorted call.
@@ -70,7 +83,9 @@ class LayoutTable:
                 groups.setdefault(p.block, []).append((p.shard, p.local))
             items = sorted(groups.items(), key=lambda kv: kv[0].src_span())
             self._groups[name] = items
-            self._bounds[name] = torch.tensor([x for b, _ in items for x in b.src_span()], dtype=torch.int64)
+            self._bounds[name] = torch.tensor(
+                [x for b, _ in items for x in b.src_span()], dtype=torch.int64
+            )
         # Per destination tensor: blocks ordered by destination start, and whether their flat
         # extents are disjoint (then concatenating routed pieces in that order stays sorted).
         by_dst: dict[tuple[str, str], list[Block]] = {}
@@ -80,7 +95,7 @@ class LayoutTable:
         self._dst_concat_sorted: dict[tuple[str, str], bool] = {}
         for key, blocks in by_dst.items():
             ext = sorted(_dst_extent(b) for b in blocks if b.size)
-            self._dst_concat_sorted[key] = all(a[1] <= b[0] for a, b in zip(ext, ext[1:]))
+            self._dst_concat_sorted[key] = all(a[1] <= b[0] for a, b in itertools.pairwise(ext))
 
     # ------------------------------------------------------------------ validation
 
@@ -97,19 +112,25 @@ class LayoutTable:
             for p in pls:
                 dshape = self.dst_shapes.get(p.shard, {}).get(p.local)
                 if dshape is None:
-                    raise LayoutError(f"{name!r} is placed into unknown tensor {p.local!r} of shard {p.shard!r}")
+                    raise LayoutError(
+                        f"{name!r} is placed into unknown tensor {p.local!r} of shard {p.shard!r}"
+                    )
                 b = p.block
                 if b.src_cols != view_cols(shape) or b.src_row + b.rows > view_rows(shape):
                     raise LayoutError(f"block {b} does not fit source {name!r} of shape {shape}")
                 if b.dst_cols != view_cols(dshape) or b.dst_row + b.rows > view_rows(dshape):
-                    raise LayoutError(f"block {b} of {name!r} does not fit {p.shard}/{p.local} of shape {dshape}")
+                    raise LayoutError(
+                        f"block {b} of {name!r} does not fit {p.shard}/{p.local} of shape {dshape}"
+                    )
                 if b.size:
                     rects[b.src_rect()] = None
                     dst_blocks.setdefault((p.shard, p.local), []).append(b)
             distinct = list(rects)
             clash = find_overlap(distinct)
             if clash is not None:
-                raise LayoutError(f"{name!r}: blocks {distinct[clash[0]]} and {distinct[clash[1]]} overlap")
+                raise LayoutError(
+                    f"{name!r}: blocks {distinct[clash[0]]} and {distinct[clash[1]]} overlap"
+                )
             if sum(r[1] * r[3] for r in distinct) != numel(shape):
                 raise LayoutError(f"{name!r}: the table does not cover every element of {shape}")
         for (shard, local), blocks in dst_blocks.items():
@@ -121,7 +142,9 @@ class LayoutTable:
         for shard, amap in self.aliases.items():
             for alias, target in amap.items():
                 if target not in self.dst_shapes[shard] or alias in self.dst_shapes[shard]:
-                    raise LayoutError(f"shard {shard!r}: alias {alias!r} -> {target!r} is not a tied name")
+                    raise LayoutError(
+                        f"shard {shard!r}: alias {alias!r} -> {target!r} is not a tied name"
+                    )
 
     # ------------------------------------------------------------------ sparse routing
 
@@ -147,11 +170,18 @@ class LayoutTable:
     def _select(self, name: str, indices: torch.Tensor):
         indices = self._check_indices(name, indices)
         cuts = torch.searchsorted(indices, self._bounds[name]).tolist()
+        bases: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for g, (block, targets) in enumerate(self._groups[name]):
             lo, hi = cuts[2 * g], cuts[2 * g + 1]
             if lo == hi:
                 continue
-            dst, pos = block.map_sorted(indices, lo, hi)
+            if block.src_full_width:
+                dst, pos = block.map_sorted(indices, lo, hi)
+            else:  # column blocks over the same rows share one unravel of the indices
+                key = (lo, hi, block.dst_cols)
+                if key not in bases:
+                    bases[key] = block.column_basis(indices[lo:hi])
+                dst, pos = block.map_columns(bases[key], lo)
             if dst.numel():
                 yield block, targets, dst, pos
 
@@ -175,7 +205,7 @@ class LayoutTable:
             raise LayoutError(f"{name!r}: {values.numel()} values for {indices.numel()} indices")
         out: Routed = {}
         for _, targets, dst, pos in self._select(name, indices):
-            vals = values[pos]
+            vals = gather(values, pos)
             for shard, local in targets:
                 out.setdefault(shard, {})[local] = (dst, vals)
         return out
@@ -189,9 +219,11 @@ class LayoutTable:
         pieces: dict[tuple[str, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for name, (indices, values) in changes.items():
             if values.shape != indices.shape:
-                raise LayoutError(f"{name!r}: {values.numel()} values for {indices.numel()} indices")
+                raise LayoutError(
+                    f"{name!r}: {values.numel()} values for {indices.numel()} indices"
+                )
             for block, targets, dst, pos in self._select(name, indices):
-                vals = values[pos]
+                vals = gather(values, pos)
                 start = _dst_extent(block)[0]
                 for key in targets:
                     pieces.setdefault(key, []).append((start, dst, vals))
@@ -213,19 +245,26 @@ class LayoutTable:
         missing = [n for n in self.src_shapes if n not in full]
         extra = [n for n in full if n not in self.src_shapes]
         if missing or extra:
-            raise LayoutError(f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
+            raise LayoutError(
+                f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}"
+            )
         dtype = next(iter(full.values())).dtype if full else torch.bfloat16
         out: dict[str, dict[str, torch.Tensor]] = {
-            s: {n: torch.zeros(shape, dtype=dtype) for n, shape in locs.items()} for s, locs in self.dst_shapes.items()
+            s: {n: torch.zeros(shape, dtype=dtype) for n, shape in locs.items()}
+            for s, locs in self.dst_shapes.items()
         }
         for name, shape in self.src_shapes.items():
             t = full[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise LayoutError(f"split: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+                raise LayoutError(
+                    f"split: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+                )
             src2d = t.reshape(view_rows(shape), view_cols(shape))
             for p in self.placements[name]:
                 dst = out[p.shard][p.local]
-                p.block.dst_view(dst.view(view_rows(dst.shape), view_cols(dst.shape))).copy_(p.block.src_view(src2d))
+                p.block.dst_view(dst.view(view_rows(dst.shape), view_cols(dst.shape))).copy_(
+                    p.block.src_view(src2d)
+                )
         return out
 
     def merge(self, shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -61,7 +61,9 @@ class TrainerLayout:
     def resolve(self, param_name: str) -> str:
         name = self._aliases.get(param_name, param_name)
         if name not in self._table.src_shapes:
-            raise LayoutError(f"{param_name!r} is not a parameter of this {self.spec.model_type} model")
+            raise LayoutError(
+                f"{param_name!r} is not a parameter of this {self.spec.model_type} model"
+            )
         return name
 
     def shard_shape(self, param_name: str, rank: int = 0, world_size: int = 1) -> tuple[int, ...]:
@@ -71,11 +73,15 @@ class TrainerLayout:
 
     # ------------------------------------------------------------------ sparse
 
-    def _param_indices(self, name: str, indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    def _param_indices(
+        self, name: str, indices: torch.Tensor, rank: int, world_size: int
+    ) -> torch.Tensor:
         shape = self._table.src_shapes[name]
         start, stop = fsdp_dim0_rows(shape[0], rank, world_size)
         per_row = numel(shape[1:])
-        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= (stop - start) * per_row):
+        if indices.numel() and (
+            int(indices[0]) < 0 or int(indices[-1]) >= (stop - start) * per_row
+        ):
             raise LayoutError(
                 f"indices for {name!r} fall outside rank {rank}'s shard of {(stop - start) * per_row} elements"
             )
@@ -97,7 +103,13 @@ class TrainerLayout:
         return self._table.route(name, flat).get(_CANON, {})
 
     def route_values(
-        self, param_name: str, indices: torch.Tensor, values: torch.Tensor, *, rank: int = 0, world_size: int = 1
+        self,
+        param_name: str,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Like :meth:`route`, with values gathered: ``{canonical_name: (indices, values)}``."""
         name = self.resolve(param_name)
@@ -118,7 +130,9 @@ class TrainerLayout:
         for name, t in state_dict.items():
             target = self._aliases.get(name)
             if target is not None:
-                if target in state_dict and not torch.equal(bits(t.detach()), bits(state_dict[target].detach())):
+                if target in state_dict and not torch.equal(
+                    bits(t.detach()), bits(state_dict[target].detach())
+                ):
                     raise LayoutError(f"{name!r} is tied to {target!r} but differs from it")
                 continue
             params[name] = t.detach()

@@ -59,27 +59,41 @@ def check_parallelism(spec: ModelSpec, tp: int, ep: int) -> None:
     if tp < 1 or ep < 1:
         raise LayoutError(f"tp ({tp}) and ep ({ep}) must be >= 1")
     if spec.attention_bias:
-        raise LayoutError("vLLM's Qwen3 o_proj has no bias: a checkpoint with attention_bias=True cannot be held")
+        raise LayoutError(
+            "vLLM's Qwen3 o_proj has no bias: a checkpoint with attention_bias=True cannot be held"
+        )
     if spec.num_attention_heads % tp:
-        raise LayoutError(f"num_attention_heads ({spec.num_attention_heads}) is not divisible by tp ({tp})")
+        raise LayoutError(
+            f"num_attention_heads ({spec.num_attention_heads}) is not divisible by tp ({tp})"
+        )
     kv = spec.num_key_value_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise LayoutError(f"num_key_value_heads ({kv}) and tp ({tp}): one must divide the other")
     if pad_vocab(spec.vocab_size) % tp:
-        raise LayoutError(f"padded vocabulary ({pad_vocab(spec.vocab_size)}) is not divisible by tp ({tp})")
+        raise LayoutError(
+            f"padded vocabulary ({pad_vocab(spec.vocab_size)}) is not divisible by tp ({tp})"
+        )
     dense_layers = spec.num_hidden_layers - len(spec.moe_layers)
     if dense_layers and spec.intermediate_size % tp:
-        raise LayoutError(f"intermediate_size ({spec.intermediate_size}) is not divisible by tp ({tp})")
+        raise LayoutError(
+            f"intermediate_size ({spec.intermediate_size}) is not divisible by tp ({tp})"
+        )
     if ep > 1:
         if not spec.is_moe:
             raise LayoutError(f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts")
         if ep % tp:
-            raise LayoutError(f"ep ({ep}) must be a multiple of tp ({tp}): vLLM's EP spans tp*dp ranks")
+            raise LayoutError(
+                f"ep ({ep}) must be a multiple of tp ({tp}): vLLM's EP spans tp*dp ranks"
+            )
     if spec.is_moe and spec.moe_layers:
         if tp > spec.num_experts:
-            raise LayoutError(f"tp ({tp}) is greater than the number of experts ({spec.num_experts})")
+            raise LayoutError(
+                f"tp ({tp}) is greater than the number of experts ({spec.num_experts})"
+            )
         if ep == 1 and spec.moe_intermediate_size % tp:
-            raise LayoutError(f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by tp ({tp})")
+            raise LayoutError(
+                f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by tp ({tp})"
+            )
 
 
 def vllm_shards(spec: ModelSpec, tp: int, ep: int) -> list[tuple[str, int, int]]:
@@ -98,18 +112,34 @@ class _Builder:
     def local(self, shard: str, name: str, shape: Shape) -> None:
         self.dst.setdefault(shard, {})[name] = shape
 
-    def rows(self, canon: str, shard: str, local: str, src_row: int, dst_row: int, rows: int) -> None:
+    def rows(
+        self, canon: str, shard: str, local: str, src_row: int, dst_row: int, rows: int
+    ) -> None:
         """Full-width rows of ``canon`` into rows of ``local`` (same width)."""
         cols = view_cols(self.src[canon])
-        block = Block(src_cols=cols, dst_cols=view_cols(self.dst[shard][local]), src_row=src_row, dst_row=dst_row, rows=rows)
+        block = Block(
+            src_cols=cols,
+            dst_cols=view_cols(self.dst[shard][local]),
+            src_row=src_row,
+            dst_row=dst_row,
+            rows=rows,
+        )
         self.placements.setdefault(canon, []).append(Placement(shard, local, block))
 
-    def cols(self, canon: str, shard: str, local: str, src_col: int, dst_row: int, cols: int) -> None:
+    def cols(
+        self, canon: str, shard: str, local: str, src_col: int, dst_row: int, cols: int
+    ) -> None:
         """A column slice of all rows of ``canon`` into rows of ``local`` starting at ``dst_row``."""
         shape = self.src[canon]
         block = Block(
-            src_cols=shape[-1], dst_cols=self.dst[shard][local][-1], src_row=0, dst_row=dst_row,
-            rows=shape[0], src_col=src_col, dst_col=0, cols=cols,
+            src_cols=shape[-1],
+            dst_cols=self.dst[shard][local][-1],
+            src_row=0,
+            dst_row=dst_row,
+            rows=shape[0],
+            src_col=src_col,
+            dst_col=0,
+            cols=cols,
         )
         self.placements.setdefault(canon, []).append(Placement(shard, local, block))
 
@@ -130,10 +160,15 @@ def build_vllm_table(spec: ModelSpec, tp: int, ep: int) -> LayoutTable:
     aliases: dict[str, dict[str, str]] = {}
 
     for sid, t, e in vllm_shards(spec, tp, ep):
-        vocab_names = ["model.embed_tokens.weight"] + ([] if spec.tie_word_embeddings else ["lm_head.weight"])
+        vocab_names = ["model.embed_tokens.weight"] + (
+            [] if spec.tie_word_embeddings else ["lm_head.weight"]
+        )
         for name in vocab_names:
             b.local(sid, name, (per_rank_vocab, h))
-            lo, hi = min(t * per_rank_vocab, spec.vocab_size), min((t + 1) * per_rank_vocab, spec.vocab_size)
+            lo, hi = (
+                min(t * per_rank_vocab, spec.vocab_size),
+                min((t + 1) * per_rank_vocab, spec.vocab_size),
+            )
             if hi > lo:
                 b.rows(name, sid, name, lo, 0, hi - lo)
         if spec.tie_word_embeddings:
@@ -151,8 +186,12 @@ def build_vllm_table(spec: ModelSpec, tp: int, ep: int) -> LayoutTable:
             o = p + "self_attn.o_proj.weight"
             b.local(sid, o, (h, q_l))
             b.cols(o, sid, o, t * q_l, 0, q_l)
-            for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                         "input_layernorm.weight", "post_attention_layernorm.weight"):
+            for norm in (
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+            ):
                 b.replicated(p + norm, sid)
             if not spec.is_moe_layer(i):
                 i_l = spec.intermediate_size // tp

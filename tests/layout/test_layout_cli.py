@@ -1,0 +1,148 @@
+"""``deltasync layout split``: the exact command-line interface outside checks depend on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from layout_cases import CONFIGS, bitwise_equal, random_state
+from safetensors.torch import load_file, save_file
+
+from deltasync.cli import main
+from deltasync.layout import ModelSpec, ReceiverLayout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return subprocess.run(
+        [sys.executable, "-m", "deltasync", "layout", "split", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def run_in_process(capsys, *args: str) -> tuple[int, str]:
+    """The same entry point without a new interpreter (torch import costs seconds here)."""
+    rc = main(["layout", "split", *args])
+    return rc, capsys.readouterr().err
+
+
+def write_checkpoint(tmp_path: Path, config_name: str, **overrides):
+    cfg = dict(CONFIGS[config_name], **overrides)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.from_hf_config(cfg)
+    full = random_state(spec, seed=31)
+    save_file(full, str(tmp_path / "full.safetensors"))
+    return spec, full
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("config_name", "engine", "tp", "ep", "subprocess_"),
+    [
+        ("moe_untied", "vllm", 2, 4, True),
+        ("dense_tied", "vllm", 4, 1, False),
+        ("moe_tied", "hf", 1, 1, False),
+    ],
+)
+def test_split_writes_one_file_per_shard_and_shards_json_that_merge_back_bitwise(
+    tmp_path, capsys, config_name, engine, tp, ep, subprocess_
+):
+    spec, full = write_checkpoint(tmp_path, config_name)
+    args = [
+        "--config",
+        str(tmp_path / "config.json"),
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--engine",
+        engine,
+        "--tp",
+        str(tp),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    if ep != 1:
+        args += ["--ep", str(ep)]
+    if subprocess_:
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+    else:
+        rc, err = run_in_process(capsys, *args)
+        assert rc == 0, err
+    layout = ReceiverLayout.build(spec, engine, tp, ep)
+    listing = json.loads((tmp_path / "out" / "shards.json").read_text())
+    assert listing == [
+        {"id": s.id, "tp_rank": s.tp_rank, "ep_rank": s.ep_rank} for s in layout.shards()
+    ]
+    assert all(set(entry) == {"id", "tp_rank", "ep_rank"} for entry in listing)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == sorted([f"{e['id']}.safetensors" for e in listing] + ["shards.json"])
+    shards = {e["id"]: load_file(str(tmp_path / "out" / f"{e['id']}.safetensors")) for e in listing}
+    for e in listing:
+        specs = layout.local_specs(e["id"])
+        assert {n: tuple(t.shape) for n, t in shards[e["id"]].items()} == {
+            n: s.shape for n, s in specs.items()
+        }
+    merged = layout.merge(shards)
+    assert merged.keys() == full.keys() and all(bitwise_equal(merged[n], full[n]) for n in full)
+
+
+@pytest.mark.timeout(120)
+def test_split_names_vllm_shards_by_tp_rank_alone_when_expert_parallelism_is_off(tmp_path):
+    write_checkpoint(tmp_path, "moe_tied")
+    proc = run_cli(
+        "--config",
+        str(tmp_path / "config.json"),
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--engine",
+        "vllm",
+        "--tp",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    listing = json.loads((tmp_path / "out" / "shards.json").read_text())
+    assert listing == [
+        {"id": "tp0", "tp_rank": 0, "ep_rank": 0},
+        {"id": "tp1", "tp_rank": 1, "ep_rank": 0},
+    ]
+    tp1 = load_file(str(tmp_path / "out" / "tp1.safetensors"))
+    assert "model.layers.0.mlp.experts.w13_weight" in tp1 and "lm_head.weight" not in tp1
+
+
+@pytest.mark.timeout(120)
+def test_split_of_a_checkpoint_that_does_not_fit_its_config_fails_with_a_named_tensor(
+    tmp_path, capsys
+):
+    write_checkpoint(tmp_path, "dense_untied")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 32  # the checkpoint was written with 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, err = run_in_process(
+        capsys,
+        "--config",
+        str(tmp_path / "config.json"),
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--engine",
+        "vllm",
+        "--tp",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert rc == 2
+    assert "LayoutError" in err and "mlp.gate_proj.weight" in err
+    assert not (tmp_path / "out" / "shards.json").exists()

@@ -1,0 +1,74 @@
+"""ModelSpec: canonical tensors from a Qwen3 / Qwen3-MoE config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from layout_cases import CONFIGS
+
+from deltasync.errors import LayoutError
+from deltasync.layout import ModelSpec
+
+
+def test_dense_config_lists_every_checkpoint_tensor_with_an_explicit_head_dim():
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_untied"])  # head_dim 16 while hidden/heads = 6
+    shapes = spec.canonical_shapes()
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (8 * 16, 48)
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (8 * 16, 48)
+    assert shapes["model.layers.1.self_attn.o_proj.weight"] == (48, 8 * 16)
+    assert shapes["model.layers.1.self_attn.q_norm.weight"] == (16,)
+    assert shapes["lm_head.weight"] == (203, 48)
+    assert len(shapes) == 1 + 2 * 11 + 2
+    assert spec.numel() == sum(math.prod(s) for s in shapes.values())
+
+
+def test_moe_config_has_dense_layers_where_mlp_only_layers_or_the_sparse_step_say():
+    tied = ModelSpec.from_hf_config(CONFIGS["moe_tied"])
+    assert tied.moe_layers == (0, 2)
+    shapes = tied.canonical_shapes()
+    assert shapes["model.layers.1.mlp.gate_proj.weight"] == (40, 32)
+    assert shapes["model.layers.2.mlp.gate.weight"] == (8, 32)
+    assert shapes["model.layers.2.mlp.experts.7.down_proj.weight"] == (32, 16)
+    assert "lm_head.weight" not in shapes
+    assert ModelSpec.from_hf_config(CONFIGS["moe_untied"]).moe_layers == (
+        1,
+    )  # decoder_sparse_step 2
+
+
+def test_defaults_follow_transformers_when_fields_are_missing():
+    cfg = {
+        k: v
+        for k, v in CONFIGS["dense_untied"].items()
+        if k not in ("head_dim", "tie_word_embeddings")
+    }
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.head_dim == 128 and not spec.tie_word_embeddings  # Qwen3Config defaults
+    moe = {k: v for k, v in CONFIGS["moe_tied"].items() if k != "head_dim"}
+    assert ModelSpec.from_hf_config(moe).head_dim == 32 // 8  # Qwen3-MoE falls back to hidden/heads
+    legacy = dict(CONFIGS["moe_tied"])
+    legacy["num_local_experts"] = legacy.pop("num_experts")  # how transformers 5.x serialises it
+    assert ModelSpec.from_hf_config(legacy).num_experts == 8
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "llama"}, "not supported"),
+        ({"model_type": None}, "not supported"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_key_value_heads": 3}, "multiple of"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_unsupported_or_invalid_configs_raise_a_layout_error_naming_the_field(change, message):
+    with pytest.raises(LayoutError, match=message):
+        ModelSpec.from_hf_config(dict(CONFIGS["dense_tied"], **change))
+
+
+def test_a_moe_config_without_experts_is_refused():
+    cfg = {k: v for k, v in CONFIGS["moe_tied"].items() if k != "num_experts"}
+    with pytest.raises(LayoutError, match="num_experts"):
+        ModelSpec.from_hf_config(cfg)
+    with pytest.raises(LayoutError, match="PretrainedConfig"):
+        ModelSpec.from_hf_config(42)
