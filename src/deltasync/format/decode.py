@@ -5,7 +5,8 @@ Order of checks, each before the work it protects:
    digest is reported as truncation when the intact header declares more bytes than arrived);
 2. magic, format version, flags, declared total size, versions, shard and writer ids;
 3. the header against what the caller expects (version, base_version, shard);
-4. the declared decompressed size against ``max_decompressed_bytes``, then one exact zstd frame;
+4. the declared decompressed size against ``max_decompressed_bytes``, then one exact zstd frame
+   (section.py), streamed in chunks straight into the output arrays;
 5. every record (reader.py): lengths, dtype codes, shapes, index order and range, duplicate
    names, and names/shapes/dtypes against ``expected``.
 
@@ -196,14 +197,8 @@ def decode_blob(
             f"{where}: {count} records cannot fit in a {raw_len}-byte record section; the writer "
             "produced an inconsistent header: do not apply it"
         )
-    body = view[at : at + section_len]
-    if flags & FLAG_ZSTD:
-        raw = section.decompress(body, raw_len, where)
-    elif section_len != raw_len:
-        raise FormatError(
-            f"{where}: uncompressed record section is {section_len} bytes, header says {raw_len}"
-        )
-    else:
-        raw = bytes(body)
-    updates = parse_records(raw, count, where, expected)
+    body = section.SectionReader(
+        view[at : at + section_len], raw_len, bool(flags & FLAG_ZSTD), where
+    )
+    updates = parse_records(body, count, expected)
     return DecodedBlob(header=header, updates=updates)

@@ -1,13 +1,15 @@
 """encode_blob: TensorUpdates -> one self-checking blob (header, zstd records, xxh3-128 digest).
 
-Records keep the order of the given updates, so equal inputs give equal bytes. A sparse update
-is gap-coded in the narrowest width that fits its largest gap; an update that names every
-element is written dense (no indices), which is never larger. The choice "sparse would be larger
-than dense" for updates that do not name every element belongs to whoever holds the full tensor
-(see :func:`deltasync.format.build.sparse_update`); the encoder cannot invent missing values.
+Two steps: a pure plan per record (validation, encoding, gap width, exact byte size), then one
+streaming pass that writes the planned records through zstd. Records keep the order of the given
+updates, so equal inputs give equal bytes.
 
-The encoder refuses to write an invalid record (unsorted, duplicate or out-of-range indices,
-bad ids, bad versions): a blob it produces always passes decode_blob.
+A sparse update is gap-coded in the narrowest width that fits its largest gap; an update that
+names every element is written dense (no indices), which is never larger. The choice "sparse
+would be larger than dense" for updates that do not name every element belongs to whoever holds
+the full tensor (see :func:`deltasync.format.build.sparse_update`); the encoder cannot invent
+missing values. The encoder refuses to write an invalid record (unsorted, duplicate or
+out-of-range indices, bad ids, bad versions): a blob it produces always passes decode_blob.
 
 This module knows the byte layout and the TensorUpdate record; it knows nothing about
 receivers, layouts or storage.
@@ -16,13 +18,14 @@ receivers, layouts or storage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import xxhash
 
 from deltasync.errors import ManifestError
-from deltasync.format import section
+from deltasync.format import planes, section
 from deltasync.format.errors import InvalidUpdateError
 from deltasync.format.layout import (
     ENCODING_DENSE,
@@ -36,78 +39,60 @@ from deltasync.format.layout import (
     RECORD,
     shape_struct,
 )
-from deltasync.format.planes import narrow, split_planes, to_gaps
 from deltasync.format.records import BITS_DTYPES, DTYPE_CODES, TensorUpdate
 from deltasync.names import check_token
 
 
-def _bits(values: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """The raw bit patterns of ``values`` as a contiguous little-endian numpy integer array."""
-    host = values.detach().to("cpu").contiguous()
-    return host.view(BITS_DTYPES[dtype]).numpy()
+@dataclass(frozen=True, eq=False)
+class _RecordPlan:
+    head: bytes  # record header + name + shape
+    indices: np.ndarray | None  # int64, sparse records with nnz >= 2 only (gaps are written)
+    width: int  # bytes per gap
+    values: np.ndarray  # raw bit patterns, contiguous 1-D
+
+    @property
+    def size(self) -> int:
+        gaps = 0 if self.indices is None else (self.indices.size - 1) * self.width
+        return len(self.head) + gaps + self.values.nbytes
 
 
-def _record(update: TensorUpdate) -> list[bytes | np.ndarray]:
-    """The byte pieces of one record, in wire order."""
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def _plan(update: TensorUpdate) -> _RecordPlan:
     what = f"tensor {update.name!r}"
     name = update.name.encode("utf-8")
     dims = shape_struct(len(update.shape)).pack(*update.shape)
-    code = DTYPE_CODES[update.dtype]
-    values = _bits(update.values, update.dtype)
+    code, ndim = DTYPE_CODES[update.dtype], len(update.shape)
+    values = _host(update.values).view(BITS_DTYPES[update.dtype]).numpy()
 
-    if update.indices is None or update.nnz == update.numel:
-        # Naming every element: dense is smaller, and strictly increasing in-range indices of
-        # length numel can only be 0..numel-1, so the values are already in row-major order.
-        if update.indices is not None:
-            _check_indices(update.indices.detach().to("cpu").numpy(), update.numel, what)
-        head = RECORD.pack(
-            len(name), code, ENCODING_DENSE, len(update.shape), 0, 0, update.numel, 0
-        )
-        return [head, name, dims, split_planes(values)]
-
-    indices = update.indices.detach().to("cpu").numpy()
+    indices = None if update.indices is None else _host(update.indices).numpy()
+    if indices is not None and indices.size:
+        first, last = int(indices[0]), int(indices[-1])
+        if first < 0 or last >= update.numel:
+            raise InvalidUpdateError(
+                f"{what}: indices span [{first}, {last}] but the tensor has {update.numel} "
+                "elements; indices are flat row-major positions in [0, numel)"
+            )
+        low, high = planes.gap_range(indices) if indices.size > 1 else (1, 0)
+        if low < 1:
+            at = int(np.argmax(np.diff(indices) < 1))
+            raise InvalidUpdateError(
+                f"{what}: indices are not strictly increasing at position {at + 1} "
+                f"({int(indices[at])} then {int(indices[at + 1])}); sort them and drop duplicates"
+            )
+    if indices is None or indices.size == update.numel:
+        # Every element named: strictly increasing in-range indices of length numel can only be
+        # 0..numel-1, so the values are already in row-major order and dense is smaller.
+        head = RECORD.pack(len(name), code, ENCODING_DENSE, ndim, 0, 0, update.numel, 0)
+        return _RecordPlan(head + name + dims, None, 0, values)
     if indices.size == 0:
-        head = RECORD.pack(len(name), code, ENCODING_SPARSE, len(update.shape), 1, 0, 0, 0)
-        return [head, name, dims]
-    first, gaps = to_gaps(indices)
-    _check_indices(indices, update.numel, what, first=first, gaps=gaps)
-    gaps = narrow(gaps)
-    head = RECORD.pack(
-        len(name),
-        code,
-        ENCODING_SPARSE,
-        len(update.shape),
-        gaps.dtype.itemsize,
-        0,
-        indices.size,
-        first,
-    )
-    return [head, name, dims, split_planes(gaps), split_planes(values)]
-
-
-def _check_indices(
-    indices: np.ndarray,
-    numel: int,
-    what: str,
-    *,
-    first: int | None = None,
-    gaps: np.ndarray | None = None,
-) -> None:
-    if indices.size == 0:
-        return
-    if first is None or gaps is None:
-        first, gaps = to_gaps(indices)
-    if first < 0 or int(indices[-1]) >= numel:
-        raise InvalidUpdateError(
-            f"{what}: indices span [{first}, {int(indices[-1])}] but the tensor has {numel} "
-            "elements; indices are flat row-major positions in [0, numel)"
-        )
-    if gaps.size and int(gaps.min()) < 1:
-        at = int(np.argmax(gaps < 1))
-        raise InvalidUpdateError(
-            f"{what}: indices are not strictly increasing at position {at + 1} "
-            f"({int(indices[at])} then {int(indices[at + 1])}); sort them and drop duplicates"
-        )
+        head = RECORD.pack(len(name), code, ENCODING_SPARSE, ndim, 1, 0, 0, 0)
+        return _RecordPlan(head + name + dims, None, 1, values)
+    width = planes.gap_width(high)
+    head = RECORD.pack(len(name), code, ENCODING_SPARSE, ndim, width, 0, indices.size, first)
+    return _RecordPlan(head + name + dims, indices if indices.size > 1 else None, width, values)
 
 
 def _check_header(version: int, base_version: int, shard: str, writer: str, level: int) -> None:
@@ -152,7 +137,7 @@ def encode_blob(
     if len(updates) > MAX_RECORDS:
         raise InvalidUpdateError(f"encode_blob: {len(updates)} updates exceed {MAX_RECORDS}")
     seen: set[str] = set()
-    pieces: list[bytes | np.ndarray] = []
+    plans = []
     for update in updates:
         if not isinstance(update, TensorUpdate):
             raise InvalidUpdateError(f"encode_blob: {update!r} is not a TensorUpdate")
@@ -161,25 +146,23 @@ def encode_blob(
                 f"encode_blob: tensor {update.name!r} appears twice; merge its updates first"
             )
         seen.add(update.name)
-        pieces.extend(_record(update))
+        plans.append(_plan(update))
 
-    raw = b"".join(memoryview(p.reshape(-1)) if isinstance(p, np.ndarray) else p for p in pieces)
-    body = section.compress(raw, level) if level else raw
+    raw_len = sum(p.size for p in plans)
+    out = section.SectionWriter(raw_len, level)
+    for p in plans:
+        out.write(p.head)
+        if p.indices is not None:
+            planes.write_gap_planes(out.write, p.indices, p.width)
+        planes.write_value_planes(out.write, p.values)
+    body = out.finish()
+
     shard_b, writer_b = shard.encode("utf-8"), writer.encode("utf-8")
     header = HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        FLAG_ZSTD if level else 0,
-        version,
-        base_version,
-        len(body),
-        len(raw),
-        len(updates),
-        len(shard_b),
-        len(writer_b),
-        0,
-    )
+        MAGIC, FORMAT_VERSION, FLAG_ZSTD if level else 0, version, base_version,
+        sum(len(c) for c in body), raw_len, len(updates), len(shard_b), len(writer_b), 0,
+    )  # fmt: skip
     digest = xxhash.xxh3_128()
-    for part in (header, shard_b, writer_b, body):
+    for part in (header, shard_b, writer_b, *body):
         digest.update(part)
-    return b"".join((header, shard_b, writer_b, body, digest.digest()))
+    return b"".join((header, shard_b, writer_b, *body, digest.digest()))
