@@ -32,11 +32,10 @@ from deltasync.layout.blocks import (
     view_cols,
     view_rows,
 )
+from deltasync.layout.dense import merge_dense, split_dense
 
 Shape = tuple[int, ...]
 Routed = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,6 @@ class Placement:
     shard: str
     local: str
     block: Block
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """An integer view of ``t`` for bitwise comparison (float ``==`` conflates ±0 and NaNs)."""
-    return t.view(_INT_VIEW[t.element_size()])
 
 
 class LayoutTable:
@@ -234,7 +228,7 @@ class LayoutTable:
             vals = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
             if len(parts) > 1 and not self._dst_concat_sorted[key]:
                 order = torch.argsort(idx)
-                idx, vals = idx[order], vals[order]
+                idx, vals = idx.index_select(0, order), vals.index_select(0, order)
             out.setdefault(key[0], {})[key[1]] = (idx, vals)
         return out
 
@@ -242,73 +236,11 @@ class LayoutTable:
 
     def split(self, full: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """Every source tensor → every shard's local tensors (uncovered elements are zero)."""
-        missing = [n for n in self.src_shapes if n not in full]
-        extra = [n for n in full if n not in self.src_shapes]
-        if missing or extra:
-            raise LayoutError(
-                f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}"
-            )
-        dtype = next(iter(full.values())).dtype if full else torch.bfloat16
-        out: dict[str, dict[str, torch.Tensor]] = {
-            s: {n: torch.zeros(shape, dtype=dtype) for n, shape in locs.items()}
-            for s, locs in self.dst_shapes.items()
-        }
-        for name, shape in self.src_shapes.items():
-            t = full[name]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise LayoutError(
-                    f"split: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
-                )
-            src2d = t.reshape(view_rows(shape), view_cols(shape))
-            for p in self.placements[name]:
-                dst = out[p.shard][p.local]
-                p.block.dst_view(dst.view(view_rows(dst.shape), view_cols(dst.shape))).copy_(
-                    p.block.src_view(src2d)
-                )
-        return out
+        return split_dense(self, full)
 
     def merge(self, shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Inverse of :meth:`split`. Replicated copies must agree bitwise, else LayoutError."""
-        for s, locs in self.dst_shapes.items():
-            got = shards.get(s)
-            if got is None:
-                raise LayoutError(f"merge: shard {s!r} is missing")
-            for n, shape in locs.items():
-                t = got.get(n)
-                if t is None or tuple(t.shape) != shape:
-                    raise LayoutError(f"merge: {s}/{n} is missing or not of shape {shape}")
-            for n, t in got.items():
-                if n in locs:
-                    continue
-                target = self.aliases[s].get(n)
-                if target is None:
-                    raise LayoutError(f"merge: shard {s!r} has unexpected tensor {n!r}")
-                if not torch.equal(bits(t), bits(got[target])):
-                    raise LayoutError(f"merge: {s}/{n} is tied to {target!r} but differs from it")
-        extra = [s for s in shards if s not in self.dst_shapes]
-        if extra:
-            raise LayoutError(f"merge: unexpected shards {extra}")
-        out: dict[str, torch.Tensor] = {}
-        for name, shape in self.src_shapes.items():
-            pls = self.placements[name]
-            res = torch.empty(shape, dtype=shards[pls[0].shard][pls[0].local].dtype)
-            res2d = res.view(view_rows(shape), view_cols(shape))
-            done: set[tuple[int, int, int, int]] = set()
-            for p in pls:
-                loc = shards[p.shard][p.local]
-                piece = p.block.dst_view(loc.reshape(view_rows(loc.shape), view_cols(loc.shape)))
-                rect = p.block.src_rect()
-                if rect in done:
-                    if not torch.equal(bits(p.block.src_view(res2d)), bits(piece)):
-                        raise LayoutError(
-                            f"merge: replicas of {name!r} disagree ({p.shard}/{p.local} differs "
-                            "from another shard holding the same elements)"
-                        )
-                else:
-                    p.block.src_view(res2d).copy_(piece)
-                    done.add(rect)
-            out[name] = res
-        return out
+        return merge_dense(self, shards)
 
     # ------------------------------------------------------------------ inverse
 

@@ -19,9 +19,10 @@ import torch
 
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import numel
+from deltasync.layout.dense import bits
 from deltasync.layout.hf_rules import TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
-from deltasync.layout.table import LayoutTable, bits
+from deltasync.layout.table import LayoutTable
 
 _CANON = "canonical"
 
