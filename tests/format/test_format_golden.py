@@ -7,6 +7,9 @@ output, only that test fails, and the decode tests below show old blobs still re
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 import zstandard
 from format_testkit import same_update
@@ -108,3 +111,18 @@ def test_both_pinned_blobs_decode_to_the_golden_updates():
         assert decoded.header.writer == "w00000"
         pairs = zip(decoded.updates, golden_updates(), strict=True)
         assert all(same_update(a, b) for a, b in pairs)
+
+
+def test_the_example_in_docs_wire_format_md_is_the_pinned_blob():
+    doc = (Path(__file__).parents[2] / "docs" / "wire-format.md").read_text()
+    block = doc.split("### Example", 1)[1].split("```")[1]
+    hexed = []
+    for line in block.strip().splitlines():
+        tokens = line.split()
+        if not re.fullmatch(r"[0-9a-f]+", tokens[0]):
+            tokens = tokens[1:]  # a label: header, ids, record, digest
+        for token in tokens:
+            if not re.fullmatch(r"[0-9a-f]+", token):
+                break  # the rest of the line is a comment
+            hexed.append(token)
+    assert "".join(hexed) == GOLDEN_LEVEL0

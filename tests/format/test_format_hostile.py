@@ -182,7 +182,8 @@ def test_a_shape_beyond_2_pow_62_elements_is_rejected():
 
 
 def test_more_records_than_the_section_can_hold_are_rejected():
-    assert_rejected(craft(b"", 1 << 30), TruncatedBlobError, "records cannot fit")
+    assert_rejected(craft(b"", 1 << 30), BlobLimitError, "limit of 1048576")
+    assert_rejected(craft(b"", 1 << 19), TruncatedBlobError, "records cannot fit")
     rec = record("b", shape=(16,), nnz=0)
     assert_rejected(craft(rec + rec[:20], 2), TruncatedBlobError, "record 1 header")
 

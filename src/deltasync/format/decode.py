@@ -35,6 +35,7 @@ from deltasync.format.layout import (
     HEADER,
     KNOWN_FLAGS,
     MAGIC,
+    MAX_RECORDS,
     MIN_BLOB_SIZE,
     RECORD,
     blob_size,
@@ -175,9 +176,11 @@ def decode_blob(
     """Verify and decode a blob written by :func:`encode_blob`.
 
     Raises a FormatError subclass (TruncatedBlobError, DigestMismatchError, BlobLimitError,
-    BlobMismatchError, ...) on any problem; returns only fully validated updates. Peak memory is
-    the decompressed section (<= ``max_decompressed_bytes``) plus the decoded arrays (int64
-    indices: at most 4x the section's bytes)."""
+    BlobMismatchError, ...) on any problem; returns only fully validated updates.
+
+    Memory: the decoded arrays (values at their own size, indices widened to int64: at most ~4x
+    the section bytes that hold them, and the section is <= ``max_decompressed_bytes``) plus
+    chunk buffers of a few hundred KiB; the decompressed section is never held whole."""
     if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
         raise ValueError(
             f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
@@ -191,6 +194,11 @@ def decode_blob(
         raise BlobLimitError(
             f"{where}: record section declares {raw_len} bytes, above max_decompressed_bytes="
             f"{max_decompressed_bytes}; raise the limit if the blob is trusted, else drop it"
+        )
+    if count > MAX_RECORDS:
+        raise BlobLimitError(
+            f"{where}: {count} records exceed the limit of {MAX_RECORDS} per blob; split the "
+            "shard's updates over several writers"
         )
     if count * RECORD.size > raw_len:
         raise TruncatedBlobError(

@@ -47,7 +47,10 @@ MAX_NDIM = 64
 MAX_NUMEL = 1 << 62  # keeps every index, gap and partial sum inside int64 with room to spare
 MAX_NAME_BYTES = 0xFFFF
 MAX_ID_BYTES = 0xFF  # shard and writer ids
-MAX_RECORDS = 0xFFFFFFFF
+# Records per blob. A shard holds at most tens of thousands of tensors (a 128-expert MoE with one
+# tensor per expert and projection stays under 10^5); the limit keeps a hostile count from making
+# the decoder build millions of Python objects before it can fail.
+MAX_RECORDS = 1 << 20
 
 
 def blob_size(shard_len: int, writer_len: int, section_len: int) -> int:
