@@ -232,3 +232,25 @@ def test_indices_beyond_2_to_the_31_route_exactly_in_int64():
     assert out["b"]["w"][0].tolist() == [7, (half - 1) * (cols // 2) + cols // 2 - 1]
     assert out["b"]["w2"][0].tolist() == [(half - 1) * (cols // 2) + cols // 2 - 1]
     assert out["b"]["w2"][1].tolist() == [4]
+
+
+@pytest.mark.gpu
+def test_routing_cuda_indices_gives_the_cpu_result_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs a CUDA device")
+    spec = ModelSpec.from_hf_config(CONFIGS["moe_untied"])
+    layout = ReceiverLayout.build(spec, "vllm", 2, 1)
+    _, changes = change_some(random_state(spec, seed=41), 42, 0.2)
+    on_gpu = {n: (i.cuda(), v.cuda()) for n, (i, v) in changes.items()}
+    cpu = layout.route_changes(changes)
+    gpu = layout.route_changes(on_gpu)
+    assert cpu.keys() == gpu.keys()
+    for shard, per in cpu.items():
+        for local, (idx, vals) in per.items():
+            gi, gv = gpu[shard][local]
+            assert gi.is_cuda and torch.equal(gi.cpu(), idx) and bitwise_equal(gv.cpu(), vals)
+    for name, (idx, _) in changes.items():
+        for shard, per in layout.route(name, on_gpu[name][0]).items():
+            for local, (li, pos) in per.items():
+                ref_li, ref_pos = layout.route(name, idx)[shard][local]
+                assert torch.equal(li.cpu(), ref_li) and torch.equal(pos.cpu(), ref_pos)

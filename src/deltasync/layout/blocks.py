@@ -193,10 +193,10 @@ def gather(values: torch.Tensor, pos: slice | torch.Tensor) -> torch.Tensor:
     return values.index_select(0, pos)
 
 
-def positions_tensor(pos: slice | torch.Tensor) -> torch.Tensor:
-    """A slice from :meth:`Block.map_sorted` as an int64 index tensor."""
+def positions_tensor(pos: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A slice from :meth:`Block.map_sorted` as an int64 index tensor on ``device``."""
     if isinstance(pos, slice):
-        return torch.arange(pos.start, pos.stop, dtype=torch.int64)
+        return torch.arange(pos.start, pos.stop, dtype=torch.int64, device=device)
     return pos
 
 

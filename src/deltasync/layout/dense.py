@@ -43,15 +43,18 @@ def split_dense(
     extra = [n for n in full if n not in table.src_shapes]
     if missing or extra:
         raise LayoutError(f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
-    dtype = next(iter(full.values())).dtype if full else torch.bfloat16
+    first = next(iter(full.values()), None)
+    dtype = first.dtype if first is not None else torch.bfloat16
+    device = first.device if first is not None else torch.device("cpu")
     for name, shape in table.src_shapes.items():
         t = full[name]
-        if tuple(t.shape) != shape or t.dtype != dtype:
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
             raise LayoutError(
-                f"split: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+                f"split: {name!r} is {tuple(t.shape)} {t.dtype} on {t.device}, "
+                f"expected {shape} {dtype} on {device}"
             )
     out = {
-        s: {n: torch.zeros(shape, dtype=dtype) for n, shape in locs.items()}
+        s: {n: torch.zeros(shape, dtype=dtype, device=device) for n, shape in locs.items()}
         for s, locs in table.dst_shapes.items()
     }
     for name, pls in table.placements.items():
@@ -95,7 +98,8 @@ def merge_dense(
     out: dict[str, torch.Tensor] = {}
     for name, shape in table.src_shapes.items():
         pls = table.placements[name]
-        res = torch.empty(shape, dtype=shards[pls[0].shard][pls[0].local].dtype)
+        first = shards[pls[0].shard][pls[0].local]
+        res = torch.empty(shape, dtype=first.dtype, device=first.device)
         res2d = _as2d(res)
         done: set[tuple[int, int, int, int]] = set()
         for p in pls:

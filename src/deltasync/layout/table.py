@@ -163,7 +163,10 @@ class LayoutTable:
 
     def _select(self, name: str, indices: torch.Tensor):
         indices = self._check_indices(name, indices)
-        cuts = torch.searchsorted(indices, self._bounds[name]).tolist()
+        bounds = self._bounds[name]
+        if bounds.device != indices.device:  # indices may live on the trainer's GPU
+            bounds = bounds.to(indices.device)
+        cuts = torch.searchsorted(indices, bounds).tolist()
         bases: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for g, (block, targets) in enumerate(self._groups[name]):
             lo, hi = cuts[2 * g], cuts[2 * g + 1]
@@ -188,7 +191,7 @@ class LayoutTable:
         """
         out: Routed = {}
         for _, targets, dst, pos in self._select(name, indices):
-            pos_t = positions_tensor(pos)
+            pos_t = positions_tensor(pos, indices.device)
             for shard, local in targets:
                 out.setdefault(shard, {})[local] = (dst, pos_t)
         return out
