@@ -81,6 +81,8 @@ def test_indices_outside_the_ranks_shard_are_a_layout_error():
     with pytest.raises(LayoutError, match="rank 3"):
         layout.route(name, torch.tensor([0]), rank=3, world_size=4)
     assert layout.route(name, torch.empty(0, dtype=torch.int64), rank=3, world_size=4) == {}
+    with pytest.raises(LayoutError, match="integers"):
+        layout.route(name, torch.tensor([0.0]))
     with pytest.raises(LayoutError, match="not a parameter"):
         layout.route("model.layers.0.mlp.experts.0.gate_proj.weight", torch.tensor([0]))
 

@@ -77,6 +77,16 @@ class TrainerLayout:
     def _param_indices(
         self, name: str, indices: torch.Tensor, rank: int, world_size: int
     ) -> torch.Tensor:
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+            raise LayoutError(f"indices for {name!r} must be a 1-D tensor")
+        if (
+            indices.dtype.is_floating_point
+            or indices.dtype.is_complex
+            or indices.dtype == torch.bool
+        ):
+            raise LayoutError(f"indices for {name!r} must be integers, got {indices.dtype}")
+        if indices.dtype != torch.int64:
+            indices = indices.to(torch.int64)
         shape = self._table.src_shapes[name]
         start, stop = fsdp_dim0_rows(shape[0], rank, world_size)
         per_row = numel(shape[1:])
@@ -98,8 +108,6 @@ class TrainerLayout:
         and, for each, its position in ``indices``.
         """
         name = self.resolve(param_name)
-        if indices.dtype != torch.int64:
-            indices = indices.to(torch.int64)
         flat = self._param_indices(name, indices, rank, world_size)
         return self._table.route(name, flat).get(_CANON, {})
 
@@ -114,8 +122,6 @@ class TrainerLayout:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Like :meth:`route`, with values gathered: ``{canonical_name: (indices, values)}``."""
         name = self.resolve(param_name)
-        if indices.dtype != torch.int64:
-            indices = indices.to(torch.int64)
         flat = self._param_indices(name, indices, rank, world_size)
         return self._table.route_values(name, flat, values).get(_CANON, {})
 
