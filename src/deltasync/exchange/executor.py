@@ -2,9 +2,10 @@
 
 For each batch it posts every send and receive before waiting on any (as one
 ``batch_isend_irecv`` group on NCCL, which needs that to pair a send and a receive on one
-connection without deadlock), then waits on each with the configured timeout. Receives land directly in slices of the output tensors; sends read
-directly from the payload when it already lives on the group's device, and otherwise go
-through a staging buffer of at most ``max_chunk_bytes`` (e.g. host bytes on an NCCL group).
+connection without deadlock), then waits on each with the configured timeout. Receives land
+directly in slices of the output tensors; sends read directly from the payload when it already
+lives on the group's device, and otherwise go through a staging buffer of at most
+``max_chunk_bytes`` (e.g. host bytes on an NCCL group).
 Staging buffers are reused from batch to batch, so at most ``max_inflight_ops // 2`` of them
 ever exist.
 
