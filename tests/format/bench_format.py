@@ -41,8 +41,10 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dense", action="store_true", help="also time a dense anchor blob")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(0)
     per = args.elements // args.tensors
@@ -90,6 +92,7 @@ def main() -> None:
         ("zstd only: decompress", t_zd, len(z)),
     ]
     result = {
+        "torch_threads": torch.get_num_threads(),
         "elements": numel,
         "changed": nnz,
         "blob_bytes": len(blob),
