@@ -22,6 +22,7 @@ import xxhash
 
 from deltasync.errors import (
     BlobMismatchError,
+    ConfigError,
     DigestMismatchError,
     FormatError,
     TruncatedBlobError,
@@ -180,9 +181,10 @@ def decode_blob(
 
     Memory: the decoded arrays (values at their own size, indices widened to int64: at most ~4x
     the section bytes that hold them, and the section is <= ``max_decompressed_bytes``) plus
-    chunk buffers of a few hundred KiB; the decompressed section is never held whole."""
+    either the decompressed section (up to 32 MiB) or, above that, chunk buffers of a few
+    hundred KiB: a large section is streamed, never held whole."""
     if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
-        raise ValueError(
+        raise ConfigError(
             f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
         )
     view = _bytes_view(blob)
