@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
-from deltasync.trainer.detect import bits_to_indices, bitset_bytes, detect_adamw_
+from deltasync.trainer.detect import bits_to_indices, bitset_bytes, detect_adamw_, detect_adamw_indices
 from deltasync.trainer.snapshot_tracker import SnapshotTracker, named_unique
 
 
@@ -92,8 +92,10 @@ class AdamWTracker:
             else:
                 self.fallback[name] = reason
         self._snapshot = SnapshotTracker((n, params[n]) for n in self._order if n in self.fallback)
-        self._bits = {n: torch.zeros(bitset_bytes(p.numel()), dtype=torch.uint8, device=p.device)
-                      for n, (p, _) in self._covered.items()}
+        # Bitsets are allocated only for params that take a second step before changed()/clear()
+        # (several steps per version). With one step per version detection runs straight into
+        # indices and the tracker holds no per-element memory between versions.
+        self._bits: dict[str, torch.Tensor] = {}
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
@@ -128,36 +130,62 @@ class AdamWTracker:
 
     # -- detection -----------------------------------------------------------------------------
 
+    def _fold(self, name: str, hyper: StepHyper | None, v_key: str) -> None:
+        """OR one pending step's mask into the param's bitset (allocating it if needed)."""
+        p, _ = self._covered[name]
+        bits = self._bits.get(name)
+        if bits is None:
+            bits = self._bits[name] = torch.zeros(bitset_bytes(p.numel()), dtype=torch.uint8, device=p.device)
+        if hyper is None:
+            bits.fill_(0xFF)
+            return
+        state = self._opt.state[p]
+        detect_adamw_(p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper), bits,
+                      threads=self._threads)
+
     def _finalize(self) -> None:
-        for name, hyper, v_key in self._pending:
-            p, _ = self._covered[name]
-            bits = self._bits[name]
-            if hyper is None:
-                bits.fill_(0xFF)
-                continue
-            state = self._opt.state[p]
-            detect_adamw_(p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper), bits,
-                          threads=self._threads)
+        for entry in self._pending:
+            self._fold(*entry)
         self._pending.clear()
 
-    def changed(self) -> dict[str, torch.Tensor]:
-        self._finalize()
-        snap = self._snapshot.changed()
-        out: dict[str, torch.Tensor] = {}
+    def _indices(self, name: str, pending: tuple[str, StepHyper | None, str] | None) -> torch.Tensor:
+        p, _ = self._covered[name]
+        if name in self._bits:
+            if pending is not None:
+                self._fold(*pending)
+            return bits_to_indices(self._bits[name], p.numel())
+        if pending is None:
+            return torch.empty(0, dtype=torch.int64)
+        _, hyper, v_key = pending
+        if hyper is None:
+            return torch.arange(p.numel(), dtype=torch.int64, device=p.device)
+        state = self._opt.state[p]
+        return detect_adamw_indices(p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper),
+                                    threads=self._threads)
+
+    def iter_changed(self):
+        """Yield ``(name, indices)`` one parameter at a time, in ``named_params`` order, so a
+        publisher can encode and ship each while the next is still being detected."""
+        pending = {e[0]: e for e in self._pending}
+        # A pending step stays pending (its inputs are unchanged until the next step), so
+        # asking twice gives the same answer; folded ones are dropped from the list.
+        self._pending = [e for e in self._pending if e[0] not in self._bits]
+        snap = self._snapshot.changed() if self.fallback else {}
         for name in self._order:
-            if name in self._bits:
-                p, _ = self._covered[name]
-                idx = bits_to_indices(self._bits[name], p.numel())
-                if idx.numel():
-                    out[name] = idx
-            elif name in snap:
-                out[name] = snap[name]
-        return out
+            if name in self._covered:
+                idx = self._indices(name, pending.get(name))
+            else:
+                idx = snap.get(name)
+            if idx is not None and idx.numel():
+                yield name, idx
+
+    def changed(self) -> dict[str, torch.Tensor]:
+        return dict(self.iter_changed())
 
     def clear(self) -> None:
         self._pending.clear()  # steps before the new baseline no longer matter
         for bits in self._bits.values():
-            bits.zero_()
+            bits.zero_()  # kept: a caller with several steps per version will need it again
         self._snapshot.clear()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ This module knows tensors and the kernel scalars; it knows nothing about optimiz
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -126,3 +127,46 @@ def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
     shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
     unpacked = ((bits[:nbytes].unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
     return torch.nonzero(unpacked, as_tuple=False).reshape(-1).to(torch.int64)
+
+
+_scratch = threading.local()
+
+
+def detect_adamw_indices(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
+                         *, threads: int | None = None) -> torch.Tensor:
+    """Sorted int64 positions that may have changed in the last step, without a bitset.
+
+    Used when one optimizer step makes one version (the common case): each chunk is detected
+    into a small per-thread scratch bitset and expanded at once, so the tracker holds no
+    per-element memory at all between versions.
+    """
+    n = p.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if not (math.isfinite(k.abs_e) and _use_native(p, m, v)):
+        bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
+        detect_adamw_(p, m, v, k, bits, threads=threads)
+        return bits_to_indices(bits, n)
+    lib = native.load()
+    assert lib is not None
+    pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
+
+    def run(start: int) -> torch.Tensor:
+        buf = getattr(_scratch, "buf", None)
+        if buf is None:
+            buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
+        cnt = min(_CHUNK, n - start)
+        nbytes = bitset_bytes(cnt)
+        buf[:nbytes].zero_()
+        off = start * 4
+        found = lib.ds_adamw_detect(pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps, k.step_size,
+                                    k.inv_c, k.rel_s, k.rel_u, k.abs_e, buf.data_ptr())
+        out = torch.empty(found, dtype=torch.int64)
+        if found:
+            lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
+        return out
+
+    starts = range(0, n, _CHUNK)
+    t = threads or torch.get_num_threads()
+    parts = list(_executor(t).map(run, starts)) if t > 1 and n > _CHUNK else [run(s) for s in starts]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
