@@ -44,7 +44,7 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
             table.add_column(h, justify="right" if h != header[0] else "left")
         for r in rows:
             table.add_row(*[str(c) for c in r])
-        Console().print(table)
+        Console(width=200).print(table)
     except ImportError:  # rich is a dependency, but a table must never be why a bench fails
         print(title)
         print(" | ".join(header))

@@ -1,0 +1,97 @@
+"""The benchmark workload: a model shape, a learning rate, and the trainer's real AdamW steps.
+
+Weights are a ``transformers`` model built from a config (random init; no hub here) in fp32.
+Each step draws seeded Gaussian gradients and takes a real ``torch.optim.AdamW`` step, so the
+sparsity of BF16 changes is what AdamW at that learning rate produces, never hand-made. Every
+system's trainer process replays the identical sequence (same seeds), so their receivers must
+end at bit-identical weights.
+
+This module knows models and optimizers; it knows nothing about systems or transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MODELS: dict[str, dict] = {
+    # Qwen3-0.6B's shape (hidden 1024, 28 layers, GQA 16/8, head_dim 128, tied, 151936 vocab).
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
+    # A Qwen3-MoE shape sized for this machine (16 experts, top-4, 8 layers).
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=512, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            intermediate_size=1536, moe_intermediate_size=384, num_experts=16,
+                            num_experts_per_tok=4, vocab_size=32003, tie_word_embeddings=False),
+    # Small shapes for --preset small and tests.
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       intermediate_size=768, vocab_size=8003, tie_word_embeddings=False),
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           intermediate_size=384, moe_intermediate_size=96, num_experts=8,
+                           num_experts_per_tok=2, vocab_size=1001, tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    model: str = "qwen3-tiny"
+    lr: float = 3e-6
+    weight_decay: float = 0.01
+    grad_std: float = 1e-3
+    seed: int = 0
+    hf_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"Workload.model {self.model!r} is not one of {sorted(MODELS)}")
+        if not self.lr > 0:
+            raise ValueError("Workload.lr must be positive")
+
+    def hf_config(self) -> dict:
+        cfg = dict(MODELS[self.model])
+        cfg.update(self.hf_overrides)
+        cfg.setdefault("max_position_embeddings", 4096)
+        cfg.setdefault("rms_norm_eps", 1e-6)
+        return cfg
+
+
+def build_model(w: Workload) -> torch.nn.Module:
+    """The trainer's fp32 model (transformers class chosen by model_type)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = w.hf_config()
+    kind = cfg.pop("model_type")
+    torch.manual_seed(w.seed)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+    return model.float()
+
+
+class Trainer:
+    """fp32 model + AdamW; ``step(v)`` applies version v's seeded gradients."""
+
+    def __init__(self, w: Workload) -> None:
+        self.workload = w
+        self.model = build_model(w)
+        self.named = [(n, p) for n, p in self.model.named_parameters()]
+        self.opt = torch.optim.AdamW([p for _, p in self.named], lr=w.lr, weight_decay=w.weight_decay)
+
+    def step(self, version: int) -> None:
+        g = torch.Generator().manual_seed(self.workload.seed * 1_000_003 + version)
+        for _, p in self.named:
+            p.grad = torch.randn(p.shape, generator=g) * self.workload.grad_std
+        self.opt.step()
+        for _, p in self.named:
+            p.grad = None  # free gradients: steady-state memory is model + optimizer
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named}
+
+    def model_bytes_bf16(self) -> int:
+        return sum(p.numel() for _, p in self.named) * 2
