@@ -1,0 +1,161 @@
+"""The commit protocol of one version, as the committing writer (rank 0) runs it.
+
+1. wait until every writer of this attempt has stored its marker (each lists its blobs);
+2. build the manifest from the markers (pure: :func:`build_manifest`), with the shard digests
+   of the full resulting state, signed if a key is configured;
+3. ``put_if_absent`` the manifest: this is the commit, and it fences a racing publisher. On a
+   conflict the stored manifest is read back: if it describes the same resulting state (a
+   retry of our own commit whose reply was lost, or a replayed trainer), the version is
+   committed and we go on; otherwise CommitConflictError, and LATEST is not touched;
+4. advance ``LATEST`` (never backwards).
+
+This module knows keys, records and manifests; it knows nothing about tensors or layouts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from deltasync import names
+from deltasync.errors import CommitConflictError, DeltaSyncError, KeyNotFoundError, ManifestError
+from deltasync.format import FORMAT_VERSION
+from deltasync.manifest import Manifest, WriterMarker, encode_latest, sign
+from deltasync.publish.errors import CommitTimeoutError, MissingWritersError
+from deltasync.receiver.catalog import Catalog
+from deltasync.store import Store
+
+
+def build_manifest(
+    *,
+    version: int,
+    kind: str,
+    base_version: int | None,
+    writers: Sequence[str],
+    markers: Sequence[WriterMarker],
+    shard_digests: Mapping[str, str],
+    created_at: float,
+    signing_key: bytes | None = None,
+) -> Manifest:
+    """The manifest of ``version`` from exactly one marker per writer (pure)."""
+    by_writer = {}
+    for marker in markers:
+        if marker.version != version:
+            raise ManifestError(
+                f"writer marker of {marker.writer!r} is for version {marker.version}, not {version}"
+            )
+        if marker.writer in by_writer:
+            raise ManifestError(f"two markers of writer {marker.writer!r} for version {version}")
+        by_writer[marker.writer] = marker
+    if set(by_writer) != set(writers):
+        raise ManifestError(
+            f"version {version}: markers from {sorted(by_writer)} but the writers are "
+            f"{sorted(writers)}"
+        )
+    blobs = tuple(b for w in sorted(by_writer) for b in by_writer[w].blobs)
+    unknown = sorted({b.shard for b in blobs} - set(shard_digests))
+    if unknown:
+        raise ManifestError(
+            f"version {version}: writers sent blobs for shards {unknown} that the receiver "
+            "layout does not have; writers and committer disagree on the layout"
+        )
+    manifest = Manifest(
+        version=version,
+        base_version=base_version,
+        kind=kind,
+        format_version=FORMAT_VERSION,
+        created_at=created_at,
+        writers=tuple(writers),
+        blobs=blobs,
+        shard_digests=dict(shard_digests),
+    )
+    return sign(manifest, signing_key) if signing_key is not None else manifest
+
+
+def wait_for_markers(
+    store: Store, version: int, writers: Sequence[str], *, timeout_s: float, poll_s: float
+) -> list[WriterMarker]:
+    """Every writer's marker of ``version``; MissingWritersError names those that never came."""
+    found: dict[str, WriterMarker] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for writer in writers:
+            if writer in found:
+                continue
+            try:
+                data = store.get(names.writer_marker_key(version, writer))
+            except KeyNotFoundError:
+                continue
+            marker = WriterMarker.from_json(data)
+            if marker.version != version or marker.writer != writer:
+                raise ManifestError(
+                    f"marker at {names.writer_marker_key(version, writer)!r} describes writer "
+                    f"{marker.writer!r} version {marker.version}: misplaced marker"
+                )
+            found[writer] = marker
+        missing = [w for w in writers if w not in found]
+        if not missing:
+            return [found[w] for w in writers]
+        if time.monotonic() >= deadline:
+            raise MissingWritersError(
+                f"version {version}: waited {timeout_s:.1f} s for the markers of writers "
+                f"{missing} (have {sorted(found)}); those trainer ranks crashed or are stuck "
+                "before finishing their blobs. Nothing was committed; restart the attempt "
+                "(with a new session) or raise PublisherConfig.marker_timeout_s"
+            )
+        time.sleep(poll_s)
+
+
+def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
+    """Write the manifest if absent. True: we committed it; False: an equivalent manifest (same
+    resulting shard states) was already committed. CommitConflictError otherwise."""
+    key = names.manifest_key(manifest.version)
+    try:
+        store.put_if_absent(key, manifest.to_json())
+        catalog.forget(manifest.version)
+        return True
+    except CommitConflictError:
+        pass
+    catalog.forget(manifest.version)
+    try:
+        existing = catalog.manifest(manifest.version)
+    except DeltaSyncError as exc:
+        raise CommitConflictError(
+            f"version {manifest.version} already has a manifest that this publisher cannot "
+            f"read ({type(exc).__name__}: {exc}); another publisher wrote it. This attempt was "
+            "not committed and LATEST was not touched"
+        ) from exc
+    if dict(existing.shard_digests) == dict(manifest.shard_digests):
+        return False
+    raise CommitConflictError(
+        f"version {manifest.version} was committed first by another publisher (writers "
+        f"{list(existing.writers)}) with a different resulting state; this attempt "
+        f"(writers {list(manifest.writers)}) lost the race: its blobs are orphaned (gc removes "
+        "them) and LATEST was not touched. Publish the next version after resyncing, or stop "
+        "the second publisher"
+    )
+
+
+def advance_latest(store: Store, catalog: Catalog, version: int) -> bool:
+    """Point LATEST at ``version`` unless it already names that or a newer version."""
+    current = catalog.read_latest()
+    if current is not None and current >= version:
+        return False
+    store.put(names.LATEST, encode_latest(version))
+    return True
+
+
+def wait_for_manifest(
+    catalog: Catalog, version: int, *, timeout_s: float, poll_s: float
+) -> Manifest:
+    """A non-committing writer waits for the committer's manifest of ``version``."""
+    deadline = time.monotonic() + timeout_s
+    while not catalog.has_manifest(version):
+        if time.monotonic() >= deadline:
+            raise CommitTimeoutError(
+                f"version {version}: waited {timeout_s:.1f} s for the committing writer (rank 0) "
+                "to write the manifest; it crashed or is stuck. This writer's changes are kept "
+                "(its tracker is not cleared); retry the version"
+            )
+        time.sleep(poll_s)
+    return catalog.manifest(version)

@@ -1,0 +1,114 @@
+"""PublisherConfig: every knob of the trainer-side publisher, validated at construction.
+
+Keyword-only and frozen; each error names the field. Nothing is read from the environment.
+This module knows settings only.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+from deltasync import names
+from deltasync.errors import ConfigError
+from deltasync.manifest.signing import MIN_KEY_BYTES
+
+
+def _int(name: str, value: object, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ConfigError(f"PublisherConfig.{name} must be an int >= {lo}, got {value!r}")
+
+
+def _seconds(name: str, value: object) -> None:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"PublisherConfig.{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublisherConfig:
+    """How one writer (trainer rank) publishes.
+
+    - ``writer_rank`` / ``num_writers``: this writer among the trainer ranks that each hold a
+      dim-0 shard of every parameter; rank 0 commits.
+    - ``session``: a token shared by the writers of one attempt (e.g. the launcher's run id and
+      restart count). Writer ids are ``w{rank:05d}-{session}``, so blobs and markers of a crashed
+      or racing attempt never mix with this one. A single writer draws a random one; several
+      writers must be given the same one.
+    - ``anchor_every``: every K-th version (and version 0) is a full anchor.
+    - ``signing_key``: HMAC-SHA256 key for manifests (>= 16 bytes), or None.
+    - ``level``: zstd level of the blobs (1 = fast default, 0 = uncompressed).
+    - ``marker_timeout_s``: how long the committer waits for every writer's marker, and a
+      non-committer for the manifest.
+    - ``max_staleness``: bounded-staleness mode: ``publish`` waits (up to
+      ``staleness_timeout_s``) while a live registered receiver is more than this many
+      versions behind the newest committed version. None: never wait.
+    - ``receiver_ttl_s``: a receiver record older than this is not live (retention, staleness).
+    - ``keep_versions``: retention keeps at least this many newest versions.
+    - ``upload_threads``: blob uploads overlap with encoding the next shard.
+    """
+
+    writer_rank: int = 0
+    num_writers: int = 1
+    session: str | None = None
+    anchor_every: int = 50
+    signing_key: bytes | None = field(default=None, repr=False)
+    level: int = 1
+    marker_timeout_s: float = 120.0
+    poll_interval_s: float = 0.02
+    max_staleness: int | None = None
+    staleness_timeout_s: float = 600.0
+    receiver_ttl_s: float = 120.0
+    keep_versions: int = 2
+    upload_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _int("num_writers", self.num_writers, 1)
+        _int("writer_rank", self.writer_rank, 0)
+        if self.writer_rank >= self.num_writers:
+            raise ConfigError(
+                f"PublisherConfig.writer_rank {self.writer_rank} must be < num_writers "
+                f"{self.num_writers}"
+            )
+        if self.session is None:
+            if self.num_writers > 1:
+                raise ConfigError(
+                    "PublisherConfig.session is required with num_writers > 1: every writer of "
+                    "one attempt must pass the same token (e.g. the launcher's run id)"
+                )
+            object.__setattr__(self, "session", secrets.token_hex(4))
+        names.check_token("session", f"w00000-{self.session}")
+        _int("anchor_every", self.anchor_every, 1)
+        if self.signing_key is not None and (
+            not isinstance(self.signing_key, bytes) or len(self.signing_key) < MIN_KEY_BYTES
+        ):
+            raise ConfigError(
+                f"PublisherConfig.signing_key must be bytes of at least {MIN_KEY_BYTES} bytes "
+                "(e.g. secrets.token_bytes(32)) or None"
+            )
+        _int("level", self.level, 0)
+        if self.level > 22:
+            raise ConfigError(f"PublisherConfig.level must be in 0..22, got {self.level}")
+        for name in ("marker_timeout_s", "poll_interval_s", "staleness_timeout_s", "receiver_ttl_s"):
+            _seconds(name, getattr(self, name))
+        if self.max_staleness is not None:
+            _int("max_staleness", self.max_staleness, 0)
+        _int("keep_versions", self.keep_versions, 1)
+        _int("upload_threads", self.upload_threads, 1)
+
+    def writer_id(self, rank: int | None = None) -> str:
+        """``w{rank:05d}-{session}``: the id of ``rank`` (default: this writer) in this attempt."""
+        r = self.writer_rank if rank is None else rank
+        return f"{names.writer_id(r)}-{self.session}"
+
+    def all_writer_ids(self) -> list[str]:
+        return [self.writer_id(r) for r in range(self.num_writers)]
+
+    @property
+    def is_committer(self) -> bool:
+        return self.writer_rank == 0

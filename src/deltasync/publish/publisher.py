@@ -1,0 +1,338 @@
+"""Publisher: one trainer rank's side of a version on shared storage.
+
+``publish(version, changed, params)``, per writer:
+
+1. if ``version`` is already committed, check that this trainer's state is the committed one
+   (a retry or a replay) and return; a different state is a CommitConflictError;
+2. bounded staleness: wait while a live receiver is too far behind;
+3. decide delta or anchor: an anchor on request, every ``anchor_every`` versions, for the first
+   version, and whenever the caller's changes are not relative to the newest committed version
+   (``since``), because then a delta could miss an element;
+4. build each receiver shard's updates (:mod:`deltasync.publish.updates`), encode one blob per
+   shard and upload it while the next one is encoded; then store this writer's marker, also
+   when it sent nothing;
+5. the committer (rank 0) computes every shard's digest from the full state, waits for all
+   markers and commits (:mod:`deltasync.publish.commit`); the other writers wait for the
+   manifest and check it lists their blobs.
+
+Nothing in the store changes what a receiver sees until step 5 commits the manifest, so a
+crash anywhere leaves the previous version in force; a retry overwrites and re-commits.
+
+Shard digests need the full state. A single writer has it. With several writers (each holding
+a dim-0 shard), the committer must be given it (``full_state``: the full parameters, or a
+callable that gathers them, e.g. an FSDP full-state-dict gather); no writer can compute a local
+tensor's digest alone, since e.g. ``qkv_proj`` rows come from several trainer ranks.
+
+This class knows the protocol order and who does what; planning, encoding and commit records
+live in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from deltasync import names
+from deltasync.errors import (
+    CommitConflictError,
+    ConfigError,
+    DeltaSyncError,
+    KeyNotFoundError,
+    VersionError,
+)
+from deltasync.format import encode_blob, full_updates
+from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, blob_digest, should_anchor
+from deltasync.manifest.records import ReceiverRecord
+from deltasync.publish import acks as acks_mod
+from deltasync.publish import commit as commit_mod
+from deltasync.publish.config import PublisherConfig
+from deltasync.publish.report import PublishReport
+from deltasync.publish.retention import GcPlan, plan_deletions
+from deltasync.publish.updates import (
+    ShardTensors,
+    every_element,
+    full_shard_tensors,
+    shard_digests,
+    shard_updates,
+)
+from deltasync.receiver.catalog import Catalog
+from deltasync.store import Store
+
+Params = Mapping[str, torch.Tensor]
+FullState = Params | Callable[[], Params]
+_OWN = object()  # since= default: the version this publisher last committed or verified
+_CHUNK = 8 * 2**20  # put_stream pieces: lets S3 switch to multipart for big blobs
+
+
+class Publisher:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        receiver_layout: ReceiverLayout,
+        trainer_layout: TrainerLayout | None = None,
+        config: PublisherConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.layout = receiver_layout
+        self.trainer_layout = trainer_layout or TrainerLayout(receiver_layout.spec)
+        self.config = config or PublisherConfig()
+        self.writer = self.config.writer_id()
+        self.catalog = Catalog(store, signing_key=self.config.signing_key)
+        # The version whose state the caller's ``changed`` is relative to, as far as this
+        # process knows (None: unknown, so the next version is an anchor).
+        self.baseline: int | None = None
+        if self.config.is_committer:
+            self.repair_latest()
+
+    # --- store state ------------------------------------------------------------------
+
+    def committed(self) -> int | None:
+        """The newest committed version in the store (LATEST, then the manifests after it)."""
+        return self.catalog.latest()
+
+    def repair_latest(self) -> int | None:
+        """Point LATEST at the newest committed manifest (a crash can leave it behind)."""
+        newest = self.catalog.newest_committed()
+        if newest is not None:
+            commit_mod.advance_latest(self.store, self.catalog, newest)
+        return newest
+
+    # --- publish ----------------------------------------------------------------------
+
+    def publish(
+        self,
+        version: int,
+        changed: Mapping[str, torch.Tensor],
+        params: Params,
+        *,
+        anchor: bool = False,
+        since: int | None | object = _OWN,
+        full_state: FullState | None = None,
+    ) -> PublishReport:
+        """Publish ``version``: ``changed`` (a tracker's output: this rank's changed flat
+        indices per param) lists every element that differs from version ``since`` (default:
+        the version this publisher last committed); ``params`` are this rank's current
+        (fp32 master or BF16) parameters. Returns once the version is committed."""
+        t0 = time.perf_counter()
+        names.check_version(version)
+        cfg = self.config
+        since = self.baseline if since is _OWN else since
+        committed = self.committed()
+        if committed is not None and version <= committed:
+            return self._already_committed(version, committed, params, full_state, t0)
+
+        waited = 0.0
+        if cfg.max_staleness is not None:
+            waited = acks_mod.wait_for_staleness(
+                self.catalog, committed, max_staleness=cfg.max_staleness,
+                ttl_s=cfg.receiver_ttl_s, timeout_s=cfg.staleness_timeout_s,
+                poll_s=cfg.poll_interval_s,
+            )  # fmt: skip
+        reason = self._anchor_reason(version, committed, since, anchor)
+        kind = "delta" if reason is None else "anchor"
+        base = committed if kind == "delta" else None
+
+        t = time.perf_counter()
+        state: ShardTensors | None = None
+        if kind == "anchor" and cfg.num_writers == 1:
+            state = self._full_state_shards(params)
+            updates = {s: full_updates(tensors) for s, tensors in state.items()}
+        else:
+            wanted = every_element(params) if kind == "anchor" else changed
+            updates = shard_updates(
+                wanted, params, trainer_layout=self.trainer_layout, receiver_layout=self.layout,
+                rank=cfg.writer_rank, world_size=cfg.num_writers,
+            )  # fmt: skip
+        build_s = time.perf_counter() - t
+
+        with ThreadPoolExecutor(cfg.upload_threads, thread_name_prefix="ds-upload") as pool:
+            t = time.perf_counter()
+            entries, futures, shard_bytes, shard_elements = self._encode_and_upload(
+                pool, version, base, updates
+            )
+            encode_s = time.perf_counter() - t
+            t = time.perf_counter()
+            digests = None
+            if cfg.is_committer:  # overlaps with the uploads still running
+                if state is None:
+                    state = self._full_state_shards(self._resolve_full(params, full_state))
+                digests = shard_digests(state)
+            del state
+            digest_s = time.perf_counter() - t
+            t = time.perf_counter()
+            for f in futures:
+                f.result()  # re-raises an upload's StoreError: nothing gets committed
+            upload_s = time.perf_counter() - t
+
+        t = time.perf_counter()
+        marker = WriterMarker(
+            version=version, writer=self.writer, blobs=tuple(entries), created_at=time.time()
+        )
+        self.store.put(marker.key, marker.to_json())
+        if cfg.is_committer:
+            assert digests is not None
+            markers = commit_mod.wait_for_markers(
+                self.store, version, cfg.all_writer_ids(),
+                timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s,
+            )  # fmt: skip
+            manifest = commit_mod.build_manifest(
+                version=version, kind=kind, base_version=base, writers=cfg.all_writer_ids(),
+                markers=markers, shard_digests=digests, created_at=time.time(),
+                signing_key=cfg.signing_key,
+            )  # fmt: skip
+            ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
+            commit_mod.advance_latest(self.store, self.catalog, version)
+        else:
+            manifest = commit_mod.wait_for_manifest(
+                self.catalog, version, timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s
+            )
+            self._check_listed(manifest, entries)
+            ours = True
+        commit_s = time.perf_counter() - t
+        self.baseline = version
+        return PublishReport(
+            version=version, kind=manifest.kind, base_version=manifest.base_version,
+            writer=self.writer, already_committed=not ours, anchor_reason=reason,
+            blobs=tuple(entries), shard_bytes=shard_bytes, shard_elements=shard_elements,
+            build_s=build_s, encode_s=encode_s, upload_s=upload_s, digest_s=digest_s,
+            commit_s=commit_s, staleness_wait_s=waited, total_s=time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _anchor_reason(
+        self, version: int, committed: int | None, since: object, forced: bool
+    ) -> str | None:
+        if forced:
+            return "requested"
+        if committed is None:
+            return "first committed version"
+        if since is None:
+            return "the changes' baseline is unknown (fresh or restarted publisher)"
+        if since != committed:
+            return (
+                f"the changes are relative to version {since}, but the newest committed version "
+                f"is {committed}"
+            )
+        if should_anchor(version, anchor_every=self.config.anchor_every):
+            return f"every {self.config.anchor_every} versions"
+        return None
+
+    def _encode_and_upload(self, pool: ThreadPoolExecutor, version: int, base: int | None, updates):
+        entries: list[BlobEntry] = []
+        futures: list[Future] = []
+        shard_bytes: dict[str, int] = {}
+        shard_elements: dict[str, int] = {}
+        for info in self.layout.shards():
+            ups = updates.get(info.id, [])
+            if not ups:
+                continue  # nothing for this shard from this writer: no blob, the marker says so
+            blob = encode_blob(
+                ups, version=version, base_version=-1 if base is None else base,
+                shard=info.id, writer=self.writer, level=self.config.level,
+            )  # fmt: skip
+            key = names.blob_key(version, info.id, self.writer)
+            entries.append(BlobEntry(
+                shard=info.id, writer=self.writer, key=key, size=len(blob), digest=blob_digest(blob)
+            ))  # fmt: skip
+            shard_bytes[info.id] = len(blob)
+            shard_elements[info.id] = sum(u.nnz for u in ups)
+            view = memoryview(blob)
+            chunks = [view[i : i + _CHUNK] for i in range(0, len(blob), _CHUNK)]
+            futures.append(pool.submit(self.store.put_stream, key, chunks))
+        return entries, futures, shard_bytes, shard_elements
+
+    def _full_state_shards(self, params: Params) -> ShardTensors:
+        return full_shard_tensors(
+            params, trainer_layout=self.trainer_layout, receiver_layout=self.layout
+        )
+
+    def _resolve_full(self, params: Params, full_state: FullState | None) -> Params:
+        if self.config.num_writers == 1:
+            return params
+        if full_state is None:
+            raise ConfigError(
+                "the committing writer of a multi-writer publisher needs full_state (the full "
+                "parameters or a callable gathering them) to compute the shard digests"
+            )
+        return full_state() if callable(full_state) else full_state
+
+    def _already_committed(
+        self, version: int, committed: int, params: Params, full_state, t0: float
+    ) -> PublishReport:
+        try:
+            manifest = self.catalog.manifest(version)
+        except KeyNotFoundError:
+            raise VersionError(
+                f"version {version} is not newer than the newest committed version {committed}, "
+                "and it has no manifest to compare with; publish under a version above "
+                f"{committed}"
+            ) from None
+        if self.config.is_committer:
+            digests = shard_digests(self._full_state_shards(self._resolve_full(params, full_state)))
+            if digests != dict(manifest.shard_digests):
+                raise CommitConflictError(
+                    f"version {version} is already committed (writers {list(manifest.writers)}) "
+                    "with a different state than this trainer's; this publisher diverged from "
+                    f"what receivers hold. Publish under a version above {committed} (it will be "
+                    "an anchor)"
+                )
+            commit_mod.advance_latest(self.store, self.catalog, version)
+        self.baseline = version
+        return PublishReport(
+            version=version, kind=manifest.kind, base_version=manifest.base_version,
+            writer=self.writer, already_committed=True, total_s=time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _check_listed(self, manifest, entries: Iterable[BlobEntry]) -> None:
+        listed = {(b.key, b.digest) for b in manifest.blobs}
+        lost = [e.key for e in entries if (e.key, e.digest) not in listed]
+        if lost or self.writer not in manifest.writers:
+            raise CommitConflictError(
+                f"version {manifest.version} was committed without this writer's blobs {lost} "
+                f"(writers {list(manifest.writers)}): another publisher attempt won the commit. "
+                "This writer's changes are kept; resync before publishing again"
+            )
+
+    # --- joint commit, staleness, retention -------------------------------------------
+
+    def wait_for_acks(
+        self, version: int, receivers: Iterable[str] | None = None, timeout: float = 60.0
+    ) -> dict[str, AckRecord | None]:
+        """Block until every receiver in ``receivers`` (default: every live registered one)
+        holds ``version`` or later. AckTimeoutError names the missing ones."""
+        if receivers is None:
+            receivers = list(self.catalog.live_receivers(self.config.receiver_ttl_s))
+        return acks_mod.wait_for_acks(
+            self.catalog, version, receivers, timeout_s=timeout, poll_s=self.config.poll_interval_s
+        )
+
+    def live_receivers(self) -> dict[str, ReceiverRecord]:
+        return self.catalog.live_receivers(self.config.receiver_ttl_s)
+
+    def gc(self) -> GcPlan:
+        """Delete what retention allows (see :mod:`deltasync.publish.retention`)."""
+        committed = self.committed()
+        version_keys = self.catalog.version_dirs()
+        manifests = {}
+        for v, keys in list(version_keys.items()):
+            if names.manifest_key(v) not in keys:
+                continue
+            try:
+                manifests[v] = self.catalog.manifest(v)
+            except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
+                del version_keys[v]
+        ack_keys = {v: self.store.list(names.acks_prefix(v)) for v in manifests}
+        live = [r.version for r in self.live_receivers().values()]
+        plan = plan_deletions(
+            version_keys=version_keys, manifests=manifests, ack_keys=ack_keys,
+            committed=committed, live_versions=live, keep_versions=self.config.keep_versions,
+        )  # fmt: skip
+        for key in plan.keys:
+            self.store.delete(key)
+        for v in plan.versions:
+            self.catalog.forget(v)
+        return plan

@@ -1,0 +1,164 @@
+"""Pure planning of what each receiver shard gets: tracker output + trainer params -> updates.
+
+Data flow (no I/O, no store, no process group, so the in-cluster exchange reuses it as is)::
+
+    changed {param: sorted local flat indices}  (a tracker's ``changed()``)
+      -> gather the CURRENT values at those positions, cast to BF16 (round to nearest even,
+         exactly what the trainer's own BF16 copy would hold; never a difference)
+      -> TrainerLayout: param (or its FSDP dim-0 shard) coords -> canonical coords
+      -> ReceiverLayout.route_changes: canonical -> every shard holding the element, merged per
+         local tensor (q/k/v land in one sorted qkv_proj update)
+      -> {shard: [TensorUpdate, ...]} in the shard's local tensor order
+
+and for anchors and digests, :func:`full_shard_tensors` builds every shard's complete BF16
+state from the FULL parameters (never from a delta iterator), so an anchor cannot inherit a
+detection miss. Cost: a transient BF16 copy of the model (~3x its BF16 size at the peak:
+the cast, the canonical view, the shard split), which this module deliberately does not hide.
+
+This module knows layouts and TensorUpdate; it knows nothing about blobs, keys or stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from deltasync.errors import ConfigError, LayoutError
+from deltasync.format import TensorUpdate
+from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.manifest import state_digest
+
+ShardUpdates = dict[str, list[TensorUpdate]]
+ShardTensors = dict[str, dict[str, torch.Tensor]]
+
+# Sources whose cast to BF16 is the trainer's own (documented) rounding, or exact.
+_SOURCE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_param(name: str, p: torch.Tensor) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor):
+        raise ConfigError(f"param {name!r} is a {type(p).__name__}, not a tensor")
+    if p.dtype not in _SOURCE_DTYPES:
+        raise ConfigError(
+            f"param {name!r} is {p.dtype}; deltasync sends BF16 cast from an fp32 master or BF16 "
+            "params (a cast from another dtype would not be what the trainer's BF16 copy holds)"
+        )
+    return p.detach()
+
+
+def gather_bf16(name: str, param: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """BF16 values of ``param`` at sorted flat row-major ``indices`` (RNE cast from fp32)."""
+    p = _check_param(name, param)
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+        raise ConfigError(f"changed[{name!r}] must be a 1-D tensor of flat indices")
+    idx = indices.to(device=p.device, dtype=torch.int64)
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= p.numel()):
+        raise ConfigError(
+            f"changed[{name!r}] spans [{int(idx[0])}, {int(idx[-1])}] outside the param's "
+            f"{p.numel()} elements (are the indices local to this rank's shard?)"
+        )
+    if p.is_contiguous():
+        picked = p.view(-1).index_select(0, idx)
+    else:  # reshape(-1) of a strided tensor would copy all of it; gather through the strides
+        picked = p[torch.unravel_index(idx, tuple(p.shape))]
+    return picked.to(torch.bfloat16).cpu()
+
+
+def canonical_changes(
+    changed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{canonical name: (sorted int64 indices, bf16 values)}`` of every changed element.
+
+    ``params`` and the indices in ``changed`` are this rank's (FSDP dim-0 shard of the) trainer
+    parameters; ``rank``/``world_size`` place the shard in the full tensor."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, indices in changed.items():
+        if name not in params:
+            raise ConfigError(
+                f"the tracker reports changes in {name!r}, which is not in params; pass the same "
+                "named parameters the tracker watches"
+            )
+        if indices.numel() == 0:
+            continue
+        idx = indices.to(torch.int64).cpu()
+        values = gather_bf16(name, params[name], idx)
+        routed = trainer_layout.route_values(name, idx, values, rank=rank, world_size=world_size)
+        for canon, pair in routed.items():
+            if canon in out:  # the trainer table is a bijection; two params never share one
+                raise LayoutError(f"canonical tensor {canon!r} is reached from two params")
+            out[canon] = pair
+    return out
+
+
+def route_to_shards(
+    changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, receiver_layout: ReceiverLayout
+) -> ShardUpdates:
+    """Canonical changes -> one list of sparse updates per receiver shard (empty if none)."""
+    routed = receiver_layout.route_changes(changes) if changes else {}
+    out: ShardUpdates = {}
+    for info in receiver_layout.shards():
+        specs = receiver_layout.local_specs(info.id)
+        mine = routed.get(info.id, {})
+        updates = []
+        for local, spec in specs.items():  # the shard's own tensor order: deterministic bytes
+            pair = mine.get(local)
+            if pair is None or pair[0].numel() == 0:
+                continue
+            idx, vals = pair
+            updates.append(
+                TensorUpdate(
+                    name=local, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals
+                )
+            )
+        out[info.id] = updates
+    return out
+
+
+def shard_updates(
+    changed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    rank: int = 0,
+    world_size: int = 1,
+) -> ShardUpdates:
+    """Tracker output -> ``{shard: [TensorUpdate]}`` with current BF16 values."""
+    changes = canonical_changes(
+        changed, params, trainer_layout=trainer_layout, rank=rank, world_size=world_size
+    )
+    return route_to_shards(changes, receiver_layout=receiver_layout)
+
+
+def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``changed`` dict naming every element of every param (a writer's part of an anchor)."""
+    return {n: torch.arange(p.numel(), dtype=torch.int64) for n, p in params.items()}
+
+
+def full_shard_tensors(
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+) -> ShardTensors:
+    """Every receiver shard's complete BF16 state from the FULL trainer params (all names,
+    full shapes): what a dense refit writes, vLLM vocabulary padding zero."""
+    bf16 = {n: _check_param(n, p).to(torch.bfloat16).cpu() for n, p in params.items()}
+    canonical = trainer_layout.to_canonical(bf16)
+    del bf16
+    return receiver_layout.split(canonical)
+
+
+def shard_digests(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
+    """``{shard: state_digest}`` as the manifest lists them."""
+    return {shard: state_digest(tensors) for shard, tensors in shards.items()}
+
+
+def count_elements(updates: list[TensorUpdate]) -> int:
+    return sum(u.nnz for u in updates)

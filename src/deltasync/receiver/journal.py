@@ -1,0 +1,249 @@
+"""The receiver's local, durable record of where its live tensors are.
+
+Two small JSON files in the receiver's state directory (names from :mod:`deltasync.names`):
+
+- ``state.json``: the last VERIFIED version (its shard digest matched the manifest) and that
+  digest; ``dirty`` is set when an apply failed verification, i.e. the tensors are known not
+  to hold that version (the next pull restores the newest anchor);
+- ``journal.json``: written, durably, BEFORE the first write into live tensors: the version
+  the tensors held (``from_version``) and every step of the chain being applied (version,
+  kind, base, shard digest, blob keys, sizes and digests). Present at start-up = a crash in
+  the middle of an apply; the receiver replays the whole journaled chain. That is safe however
+  far the crash got: each delta overwrites every element that changed in its step with its
+  absolute value, elements outside all steps still hold ``from_version``, and an anchor rewrites
+  everything; replaying the steps in order therefore ends at the journaled target whether the
+  tensors held ``from_version``, any mix of the steps, or the target already.
+
+Each write goes to a temporary file, is fsynced, renamed over the old file, and the directory
+is fsynced. This module knows files and JSON; it knows nothing about stores or tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltasync import names
+from deltasync.errors import ManifestError
+from deltasync.manifest import Manifest
+from deltasync.manifest.canonical import canonical_json, check_digest, check_int
+from deltasync.receiver.errors import LocalStateError
+
+_MAX_VERSION = 10**8 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalState:
+    receiver: str
+    shard: str
+    version: int | None  # last verified version; None before the first one
+    state_digest: str | None
+    dirty: bool = False
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {
+                "receiver": self.receiver,
+                "shard": self.shard,
+                "version": self.version,
+                "state_digest": self.state_digest,
+                "dirty": self.dirty,
+            }
+        )
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> LocalState:
+        if not isinstance(obj, dict) or set(obj) != {
+            "receiver", "shard", "version", "state_digest", "dirty"
+        }:  # fmt: skip
+            raise ManifestError("state file must hold receiver, shard, version, state_digest, dirty")
+        version, digest = obj["version"], obj["state_digest"]
+        if version is not None:
+            check_int(version, what="state version", lo=0, hi=_MAX_VERSION)
+            check_digest(digest, what="state digest")
+        if not isinstance(obj["dirty"], bool):
+            raise ManifestError("state dirty must be a bool")
+        return cls(
+            receiver=names.check_token("receiver", obj["receiver"]),
+            shard=names.check_token("shard", obj["shard"]),
+            version=version,
+            state_digest=digest if version is not None else None,
+            dirty=obj["dirty"],
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JournalStep:
+    version: int
+    kind: str
+    base_version: int | None
+    shard_digest: str
+    blobs: tuple[tuple[str, int, str], ...]  # (key, size, digest) of this shard's blobs
+
+    @classmethod
+    def of(cls, manifest: Manifest, shard: str) -> JournalStep:
+        return cls(
+            version=manifest.version,
+            kind=manifest.kind,
+            base_version=manifest.base_version,
+            shard_digest=manifest.shard_digests[shard],
+            blobs=tuple((b.key, b.size, b.digest) for b in manifest.blobs_for(shard)),
+        )
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": self.kind,
+            "base_version": self.base_version,
+            "shard_digest": self.shard_digest,
+            "blobs": [list(b) for b in self.blobs],
+        }
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> JournalStep:
+        if not isinstance(obj, dict) or set(obj) != {
+            "version", "kind", "base_version", "shard_digest", "blobs"
+        }:  # fmt: skip
+            raise ManifestError("journal step has missing or unknown fields")
+        blobs = []
+        for b in obj["blobs"] if isinstance(obj["blobs"], list) else [None]:
+            if not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], str):
+                raise ManifestError("journal blob must be [key, size, digest]")
+            blobs.append((b[0], check_int(b[1], what="journal blob size", lo=1, hi=2**63 - 1),
+                          check_digest(b[2], what="journal blob digest")))  # fmt: skip
+        if obj["kind"] not in ("delta", "anchor"):
+            raise ManifestError(f"journal step kind {obj['kind']!r}")
+        return cls(
+            version=check_int(obj["version"], what="journal version", lo=0, hi=_MAX_VERSION),
+            kind=obj["kind"],
+            base_version=obj["base_version"],
+            shard_digest=check_digest(obj["shard_digest"], what="journal shard digest"),
+            blobs=tuple(blobs),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Journal:
+    receiver: str
+    shard: str
+    from_version: int | None
+    steps: tuple[JournalStep, ...]
+
+    @property
+    def target(self) -> int:
+        return self.steps[-1].version
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {
+                "receiver": self.receiver,
+                "shard": self.shard,
+                "from_version": self.from_version,
+                "steps": [s.to_obj() for s in self.steps],
+            }
+        )
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> Journal:
+        if not isinstance(obj, dict) or set(obj) != {"receiver", "shard", "from_version", "steps"}:
+            raise ManifestError("journal must hold receiver, shard, from_version, steps")
+        if not isinstance(obj["steps"], list) or not obj["steps"]:
+            raise ManifestError("journal steps must be a non-empty list")
+        fv = obj["from_version"]
+        if fv is not None:
+            check_int(fv, what="journal from_version", lo=0, hi=_MAX_VERSION)
+        return cls(
+            receiver=names.check_token("receiver", obj["receiver"]),
+            shard=names.check_token("shard", obj["shard"]),
+            from_version=fv,
+            steps=tuple(JournalStep.from_obj(s) for s in obj["steps"]),
+        )
+
+
+class StateDir:
+    """The state directory of one receiver: ``state.json`` and ``journal.json``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LocalStateError(f"cannot create receiver state dir {str(self.path)!r}: {exc}")
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / names.STATE_FILE
+
+    @property
+    def journal_path(self) -> Path:
+        return self.path / names.JOURNAL_FILE
+
+    def _read(self, path: Path) -> Any:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise LocalStateError(f"cannot read {str(path)!r}: {exc}") from exc
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise LocalStateError(
+                f"{str(path)!r} is not valid JSON ({exc}); it was not written by deltasync or "
+                "was damaged. Remove the state dir to bootstrap this receiver from an anchor"
+            ) from exc
+
+    def _write(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._fsync_dir()
+        except OSError as exc:
+            raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_state(self) -> LocalState | None:
+        obj = self._read(self.state_path)
+        if obj is None:
+            return None
+        try:
+            return LocalState.from_obj(obj)
+        except ManifestError as exc:
+            raise LocalStateError(f"{str(self.state_path)!r}: {exc}") from exc
+
+    def write_state(self, state: LocalState) -> None:
+        self._write(self.state_path, state.to_json())
+
+    def read_journal(self) -> Journal | None:
+        obj = self._read(self.journal_path)
+        if obj is None:
+            return None
+        try:
+            return Journal.from_obj(obj)
+        except ManifestError as exc:
+            raise LocalStateError(f"{str(self.journal_path)!r}: {exc}") from exc
+
+    def write_journal(self, journal: Journal) -> None:
+        self._write(self.journal_path, journal.to_json())
+
+    def clear_journal(self) -> None:
+        try:
+            self.journal_path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise LocalStateError(f"cannot remove {str(self.journal_path)!r}: {exc}") from exc
+        self._fsync_dir()

@@ -1,0 +1,300 @@
+"""Receiver: keeps one inference shard's live tensors at the newest committed version.
+
+``pull()``:
+
+1. read the newest committed version (``LATEST`` plus any manifest right after it) and plan
+   the chain from the local version (:meth:`Catalog.chain`: deltas in order, or the newest
+   anchor on the way and the deltas after it);
+2. stage (the engine keeps serving): verify each manifest (signature when a key is set) and
+   the chain's bases, fetch and verify every blob, decode against the shard's tensor specs,
+   fold the chain into one update per tensor (:mod:`deltasync.receiver.staging`);
+3. write the journal durably, then scatter into the live tensors: the pause;
+4. hash the resulting state and compare with the manifest's shard digest;
+5. write the ack, the state file, clear the journal, refresh the registration, and only then
+   report the new version.
+
+A failure before step 3 leaves the tensors untouched. A digest mismatch in step 4 raises
+IntegrityError and marks the local state dirty (version stays the last verified one; the next
+pull restores the newest anchor). A crash during step 3 leaves the journal, and the next
+Receiver on the same state dir repairs before anything else (see :mod:`.journal` for why
+replaying the whole journaled chain is always correct); if the journaled blobs are gone, it
+restores the newest anchor instead.
+
+This class knows the order of those steps; fetching, folding and files live in the modules it
+calls. It holds no copy of the model: only the staged updates of one pull.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from deltasync import names
+from deltasync.errors import (
+    ConfigError,
+    FormatError,
+    IntegrityError,
+    KeyNotFoundError,
+    ManifestError,
+    VersionError,
+)
+from deltasync.format import TensorSpec, apply_updates
+from deltasync.layout import ReceiverLayout
+from deltasync.manifest import AckRecord, Manifest, ReceiverRecord, state_digest
+from deltasync.receiver.catalog import Catalog
+from deltasync.receiver.config import ReceiverConfig
+from deltasync.receiver.errors import LocalStateError
+from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
+from deltasync.receiver.report import PullReport
+from deltasync.receiver.staging import check_chain, fetch_version, fold_chain
+from deltasync.store import Store
+
+PauseContext = Callable[[], contextlib.AbstractContextManager]
+# Errors that mean "the journaled chain cannot be replayed from the store any more".
+_UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
+
+
+class Receiver:
+    """One receiver shard. ``tensors`` are the live local tensors (storage names, BF16), written
+    in place; ``state_dir`` is this receiver's own durable directory.
+
+    ``pause`` is the engine's "stop reading weights" context, entered only around the scatter;
+    ``on_tensor_written(name)`` is called after each tensor is written (progress, tests)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        shard: str,
+        tensors: Mapping[str, torch.Tensor],
+        state_dir: str,
+        config: ReceiverConfig,
+        specs: Mapping[str, TensorSpec] | None = None,
+        pause: PauseContext | None = None,
+        on_tensor_written: Callable[[str], None] | None = None,
+    ) -> None:
+        try:
+            self.shard = names.check_token("shard", shard)
+        except ManifestError as exc:
+            raise ConfigError(f"Receiver shard: {exc}") from None
+        self.store = store
+        self.config = config
+        self.tensors = dict(tensors)
+        self.specs = dict(specs) if specs is not None else {
+            n: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for n, t in self.tensors.items()
+        }  # fmt: skip
+        self._check_tensors()
+        self._pause = pause or contextlib.nullcontext
+        self._on_tensor = on_tensor_written
+        self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
+        self.dir = StateDir(state_dir)
+        state = self.dir.read_state()
+        if state is not None and (state.shard != self.shard or state.receiver != config.receiver_id):
+            raise LocalStateError(
+                f"state dir {str(self.dir.path)!r} belongs to receiver {state.receiver!r} shard "
+                f"{state.shard!r}, not {config.receiver_id!r} shard {self.shard!r}"
+            )
+        self._state = state or LocalState(
+            receiver=config.receiver_id, shard=self.shard, version=None, state_digest=None
+        )
+        self.last_repair: PullReport | None = None
+        journal = self.dir.read_journal()
+        if journal is not None:
+            self.heartbeat()  # retention keeps what a registered receiver still needs
+            self.last_repair = self._repair(journal)
+        else:
+            if (
+                config.verify_on_open
+                and self._state.version is not None
+                and not self._state.dirty
+                and state_digest(self.tensors) != self._state.state_digest
+            ):
+                self._set_state(dirty=True)
+            self.heartbeat()
+
+    @classmethod
+    def for_layout(
+        cls,
+        store: Store,
+        layout: ReceiverLayout,
+        shard: str,
+        tensors: Mapping[str, torch.Tensor],
+        state_dir: str,
+        config: ReceiverConfig,
+        **kwargs,
+    ) -> Receiver:
+        """A receiver whose expected tensors are ``layout``'s local specs of ``shard``."""
+        return cls(
+            store, shard=shard, tensors=tensors, state_dir=state_dir, config=config,
+            specs=layout.local_specs(shard), **kwargs,
+        )  # fmt: skip
+
+    def _check_tensors(self) -> None:
+        missing = [n for n in self.specs if n not in self.tensors]
+        extra = [n for n in self.tensors if n not in self.specs]
+        if missing or extra:
+            raise ConfigError(
+                f"receiver shard {self.shard!r}: live tensors do not match the layout: missing "
+                f"{missing[:5]}, unexpected {extra[:5]} (pass storage names only; tied aliases "
+                "share storage and need no entry)"
+            )
+        for name, spec in self.specs.items():
+            t = self.tensors[name]
+            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                raise ConfigError(
+                    f"receiver shard {self.shard!r}: tensor {name!r} is {tuple(t.shape)} "
+                    f"{t.dtype}, the layout says {spec.shape} {spec.dtype}"
+                )
+
+    # --- state ------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The last verified version (see :attr:`dirty`)."""
+        return self._state.version
+
+    @property
+    def dirty(self) -> bool:
+        """True when the tensors are known not to hold :attr:`version` (a failed apply)."""
+        return self._state.dirty
+
+    def _set_state(self, **changes) -> None:
+        fields = {
+            "receiver": self._state.receiver, "shard": self._state.shard,
+            "version": self._state.version, "state_digest": self._state.state_digest,
+            "dirty": self._state.dirty,
+        }  # fmt: skip
+        fields.update(changes)
+        new = LocalState(**fields)
+        self.dir.write_state(new)
+        self._state = new
+
+    def heartbeat(self) -> None:
+        """Register (or refresh) this receiver and the version it verifiably holds."""
+        rec = ReceiverRecord(
+            receiver=self.config.receiver_id, shard=self.shard,
+            version=None if self.dirty else self.version, updated_at=time.time(),
+        )  # fmt: skip
+        self.store.put(rec.key, rec.to_json())
+
+    # --- pull -------------------------------------------------------------------------
+
+    def pull(self) -> PullReport:
+        """Bring the tensors to the newest committed version; see the module docstring."""
+        t0 = time.perf_counter()
+        journal = self.dir.read_journal()
+        if journal is not None:  # an earlier pull of this process failed after its journal
+            return self._repair(journal)
+        local = None if self.dirty else self.version
+        latest = self.catalog.latest()
+        if latest is None or latest == local:
+            self.heartbeat()
+            return PullReport(
+                version=self.version, previous_version=self.version,
+                total_s=time.perf_counter() - t0,
+            )  # fmt: skip
+        manifests = self.catalog.chain(local, latest)
+        return self._run(manifests, local, t0, repaired=False)
+
+    def _run(
+        self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
+    ) -> PullReport:
+        previous = self.version
+        check_chain(manifests, from_version, self.shard)
+        t = time.perf_counter()
+        steps, fetched = [], 0
+        for m in manifests:
+            updates, n = fetch_version(
+                self.store, m, self.shard, self.specs,
+                max_decompressed_bytes=self.config.max_decompressed_bytes,
+            )  # fmt: skip
+            steps.append((m.kind, updates))
+            fetched += n
+        final = fold_chain(steps, self.specs)
+        del steps
+        stage_s = time.perf_counter() - t
+
+        target = manifests[-1]
+        self.dir.write_journal(Journal(
+            receiver=self.config.receiver_id, shard=self.shard, from_version=from_version,
+            steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
+        ))  # fmt: skip
+        t = time.perf_counter()
+        written = 0
+        with self._pause():
+            for update in final:
+                written += apply_updates([update], self.tensors)
+                if self._on_tensor is not None:
+                    self._on_tensor(update.name)
+        pause_s = time.perf_counter() - t
+        del final
+
+        t = time.perf_counter()
+        digest = state_digest(self.tensors)
+        verify_s = time.perf_counter() - t
+        expected = target.shard_digests[self.shard]
+        if digest != expected:
+            self._set_state(dirty=True)
+            self.dir.clear_journal()
+            self.heartbeat()
+            raise IntegrityError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: after applying "
+                f"versions {[m.version for m in manifests]} the state digest is {digest}, but "
+                f"manifest {target.version} says {expected}. The tensors no longer hold version "
+                f"{previous}; it stays the last verified version and the next pull restores "
+                "the newest anchor. Check that publisher and receiver use the same layout"
+            )
+        total_s = time.perf_counter() - t0
+        ack = AckRecord(
+            version=target.version, receiver=self.config.receiver_id, shard=self.shard,
+            state_digest=digest, created_at=time.time(), pause_s=pause_s, total_s=total_s,
+        )  # fmt: skip
+        self.store.put(ack.key, ack.to_json())
+        self._set_state(version=target.version, state_digest=digest, dirty=False)
+        self.dir.clear_journal()
+        self.heartbeat()
+        return PullReport(
+            version=target.version, previous_version=previous,
+            chain=tuple(m.version for m in manifests), from_anchor=manifests[0].kind == "anchor",
+            repaired=repaired, bytes_fetched=fetched, elements_written=written,
+            stage_s=stage_s, pause_s=pause_s, verify_s=verify_s,
+            total_s=time.perf_counter() - t0,
+        )  # fmt: skip
+
+    # --- repair -----------------------------------------------------------------------
+
+    def _repair(self, journal: Journal) -> PullReport:
+        """Finish an apply a crash interrupted: replay the journaled chain (see journal.py),
+        or, if the store no longer has it, restore the newest anchor."""
+        t0 = time.perf_counter()
+        if journal.shard != self.shard or journal.receiver != self.config.receiver_id:
+            raise LocalStateError(
+                f"journal in {str(self.dir.path)!r} is for receiver {journal.receiver!r} shard "
+                f"{journal.shard!r}, not this one"
+            )
+        try:
+            manifests = [self.catalog.manifest(s.version) for s in journal.steps]
+            for m, step in zip(manifests, journal.steps, strict=True):
+                if JournalStep.of(m, self.shard) != step:
+                    raise ManifestError(
+                        f"manifest {m.version} no longer matches the journal (the store was "
+                        "rewritten under this receiver)"
+                    )
+            return self._run(manifests, journal.from_version, t0, repaired=True)
+        except _UNREPLAYABLE:
+            pass
+        # The tensors are a mix of journaled steps that can no longer be fetched: only a full
+        # anchor can restore them. Record that durably before dropping the journal.
+        self._set_state(dirty=True)
+        self.dir.clear_journal()
+        self.heartbeat()
+        latest = self.catalog.latest()
+        if latest is None:
+            raise VersionError(
+                "the journaled versions are gone and the store has no committed version: "
+                "this receiver cannot be repaired until an anchor is published"
+            )
+        return self._run(self.catalog.chain(None, latest), None, t0, repaired=True)
