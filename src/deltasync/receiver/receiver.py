@@ -157,6 +157,11 @@ class Receiver:
         return self._state.version
 
     @property
+    def state_digest(self) -> str | None:
+        """The digest of :attr:`version`'s state, as verified."""
+        return self._state.state_digest
+
+    @property
     def dirty(self) -> bool:
         """True when the tensors are known not to hold :attr:`version` (a failed apply)."""
         return self._state.dirty

@@ -1,0 +1,259 @@
+"""Test kit for tests/sync: a tiny Qwen3, deterministic trainers, receivers, fakes, children.
+
+- ``TinyTrainer``: the trainer's parameters (TrainerLayout names, fp32) under real AdamW steps
+  with a gradient on a random subset of elements, deterministic from its seed, cheap enough
+  for hundreds of versions. ``HFTrainer``: transformers' Qwen3ForCausalLM built from a config.
+- ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights.
+- ``GateStore`` / ``FaultyStore``: fakes over the Store protocol that stop at a chosen key
+  (so a child can be killed exactly there) or inject failures.
+- ``fork_child``: run a function in a forked process (torch is already imported, so a child
+  starts in milliseconds instead of the ~5-10 s a fresh interpreter takes on this machine).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable, Iterable
+
+import torch
+
+from deltasync.errors import StoreError
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+
+TINY = dict(
+    model_type="qwen3", vocab_size=251, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
+)  # fmt: skip
+KEY = b"k" * 32  # HMAC key of the signed tests
+
+
+def tiny_spec(**overrides) -> ModelSpec:
+    return ModelSpec.from_hf_config({**TINY, **overrides})
+
+
+def layouts(engine: str = "vllm", tp: int = 2, **overrides):
+    spec = tiny_spec(**overrides)
+    return spec, TrainerLayout(spec), ReceiverLayout.build(spec, engine, tp)
+
+
+class TinyTrainer:
+    """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int = 0, lr: float = 1e-3, density: float = 0.05):
+        self.gen = torch.Generator().manual_seed(seed)
+        shapes = TrainerLayout(spec).param_shapes()
+        self.params = {
+            n: torch.nn.Parameter(
+                torch.ones(s) if n.endswith("norm.weight") else torch.randn(s, generator=self.gen) * 0.02
+            )
+            for n, s in shapes.items()
+        }  # fmt: skip
+        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, foreach=False)
+        self.density = density
+        self.steps = 0
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        for p in self.params.values():
+            mask = torch.rand(p.shape, generator=self.gen) < self.density
+            target = torch.randn(p.shape, generator=self.gen) * 0.02
+            p.grad = torch.where(mask, p.detach() - target, torch.zeros(()))
+        self.opt.step()
+        self.steps += 1
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+
+class HFTrainer:
+    """transformers' Qwen3ForCausalLM from the tiny config, AdamW on next-token loss."""
+
+    def __init__(self, *, seed: int = 0, lr: float = 1e-3, **overrides):
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(seed)
+        cfg = {k: v for k, v in {**TINY, **overrides}.items() if k != "model_type"}
+        self.config = Qwen3Config(**cfg)
+        self.model = Qwen3ForCausalLM(self.config)
+        self.params = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.config.vocab_size, (2, 12), generator=self.gen)
+        self.opt.zero_grad()
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()
+
+
+def expected_shards(params, trainer_layout: TrainerLayout, receiver_layout: ReceiverLayout):
+    """Oracle: dense split of the canonical BF16 weights (what a full refit would write)."""
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+    return receiver_layout.split(trainer_layout.to_canonical(bf16))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
+
+
+def assert_same_bits(actual: dict, expected: dict, what: str = "") -> None:
+    assert actual.keys() == expected.keys(), what
+    bad = [n for n in expected if not torch.equal(bits(actual[n]), bits(expected[n]))]
+    assert not bad, f"{what}: tensors differ bitwise: {bad[:5]}"
+
+
+def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:
+    return {
+        n: torch.zeros(s.shape, dtype=s.dtype) for n, s in receiver_layout.local_specs(shard).items()
+    }
+
+
+# --- fakes over the Store protocol ---------------------------------------------------------
+
+
+class _Wrapper:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def get_range(self, key, start, length):
+        return self.inner.get_range(key, start, length)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+    def size(self, key):
+        return self.inner.size(key)
+
+
+class GateStore(_Wrapper):
+    """Calls ``gate(op, key)`` before every write; ``put_stream`` also after its first chunk
+    (op "mid-stream"), so a test can stop a writer in the middle of a blob."""
+
+    def __init__(self, inner, gate: Callable[[str, str], None]) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def put(self, key, data):
+        self.gate("put", key)
+        return self.inner.put(key, data)
+
+    def put_if_absent(self, key, data):
+        self.gate("put_if_absent", key)
+        return self.inner.put_if_absent(key, data)
+
+    def put_stream(self, key, chunks):
+        self.gate("put_stream", key)
+
+        def gated():
+            for i, c in enumerate(chunks):
+                yield c
+                if i == 0:
+                    self.gate("mid-stream", key)
+
+        return self.inner.put_stream(key, gated())
+
+
+class FaultyStore(_Wrapper):
+    """Injects failures with probability ``p`` per call, chosen by a seeded RNG:
+    a write that fails before landing, a write that lands but reports failure (lost reply), a
+    read that fails, and a blob read that comes back corrupted or truncated in transit."""
+
+    def __init__(self, inner, *, p: float, seed: int) -> None:
+        super().__init__(inner)
+        self.p = p
+        self.rng = random.Random(seed)
+        self.enabled = True
+        self.injected: dict[str, int] = {}
+
+    def _roll(self, kind: str) -> bool:
+        if self.enabled and self.rng.random() < self.p:
+            self.injected[kind] = self.injected.get(kind, 0) + 1
+            return True
+        return False
+
+    def get(self, key):
+        if self._roll("get-fails"):
+            raise StoreError(f"injected: read of {key!r} failed")
+        data = self.inner.get(key)
+        if key.endswith(".blob") and len(data) > 8 and self._roll("blob-damaged"):
+            if self.rng.random() < 0.5:
+                return data[: self.rng.randrange(len(data))]
+            pos = self.rng.randrange(len(data))
+            return data[:pos] + bytes([data[pos] ^ 0x10]) + data[pos + 1 :]
+        return data
+
+    def _write(self, op, key, data):
+        if self._roll("write-fails"):
+            raise StoreError(f"injected: {op} of {key!r} failed before landing")
+        getattr(self.inner, op)(key, data)
+        if self._roll("lost-reply"):
+            raise StoreError(f"injected: {op} of {key!r} landed but the reply was lost")
+
+    def put(self, key, data):
+        self._write("put", key, data)
+
+    def put_if_absent(self, key, data):
+        self._write("put_if_absent", key, data)
+
+    def put_stream(self, key, chunks):
+        data = b"".join(bytes(c) for c in chunks)
+        self._write("put", key, data)
+        return len(data)
+
+
+# --- children -------------------------------------------------------------------------------
+
+
+def _child_main(fn, args) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        fn(*args)
+    except BaseException:  # report and exit non-zero: the parent asserts the exit code
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def fork_child(fn: Callable, *args) -> mp.Process:
+    """Start ``fn(*args)`` in a forked process (exit code 0 iff it returned)."""
+    proc = mp.get_context("fork").Process(target=_child_main, args=(fn, args), daemon=True)
+    proc.start()
+    return proc
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def kill(proc: mp.Process) -> None:
+    proc.kill()  # SIGKILL
+    proc.join(10)
+    assert proc.exitcode == -9, f"child exit code {proc.exitcode}, expected SIGKILL"
+
+
+def drain(iterable: Iterable) -> list:
+    return list(iterable)

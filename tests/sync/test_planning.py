@@ -1,0 +1,231 @@
+"""Pure planning: tracker output -> shard updates, folding chains, checking chains, retention,
+manifests built from markers, config validation. No store, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync import names
+from deltasync.errors import BaseVersionMismatchError, BlobMismatchError, ConfigError, ManifestError
+from deltasync.format import TensorSpec, TensorUpdate
+from deltasync.layout import fsdp_dim0_rows
+from deltasync.manifest import BlobEntry, Manifest, WriterMarker
+from deltasync.publish import PublisherConfig, plan_deletions, shard_updates
+from deltasync.publish.commit import build_manifest
+from deltasync.receiver import check_chain, fold_chain, merge_writers
+
+from sync_kit import TinyTrainer, expected_shards, layouts
+
+BF = torch.bfloat16
+
+
+def _dense(updates):
+    return {u.name: u for u in updates}
+
+
+def test_q_k_v_changes_land_in_one_sorted_qkv_update_with_current_values():
+    spec, tl, rl = layouts()
+    tr = TinyTrainer(spec)
+    p = "model.layers.0.self_attn."
+    changed = {
+        p + "q_proj.weight": torch.tensor([5, 40 * 64], dtype=torch.int64),  # heads 0 and 2
+        p + "k_proj.weight": torch.tensor([3, 16 * 64 + 3], dtype=torch.int64),  # kv heads 0, 1
+        p + "v_proj.weight": torch.tensor([1000], dtype=torch.int64),
+    }
+    ups = shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl)
+    expected = expected_shards(tr.params, tl, rl)
+    for shard in ("tp0", "tp1"):
+        by_name = _dense(ups[shard])
+        qkv = by_name.get("model.layers.0.self_attn.qkv_proj.weight")
+        assert qkv is not None
+        idx = qkv.indices
+        assert bool((idx[1:] > idx[:-1]).all()), "indices must come out sorted"
+        want = expected[shard][qkv.name].reshape(-1)[idx]
+        assert torch.equal(qkv.values.view(torch.int16), want.view(torch.int16))
+    # TP=2: q heads 0-1, kv head 0 on tp0; q heads 2-3, kv head 1 on tp1
+    assert {s: sum(u.nnz for u in ups[s]) for s in ups} == {"tp0": 3, "tp1": 2}
+
+
+def test_values_are_the_round_to_nearest_even_bf16_of_the_fp32_master_never_differences():
+    spec, tl, rl = layouts(engine="hf", tp=1)
+    tr = TinyTrainer(spec)
+    name = "model.norm.weight"
+    with torch.no_grad():
+        # 1 + 2^-8 is a BF16 tie: RNE rounds it to 1.0; 1 + 3*2^-9 rounds up to 1 + 2^-7
+        tr.params[name][0] = 1.0 + 2.0**-8
+        tr.params[name][1] = 1.0 + 3 * 2.0**-9
+    ups = shard_updates({name: torch.tensor([0, 1])}, tr.params, trainer_layout=tl, receiver_layout=rl)
+    (u,) = ups["tp0"]
+    assert u.values.tolist() == [1.0, 1.0 + 2.0**-7]
+
+
+def test_fsdp_writer_shards_merged_equal_one_writer_holding_everything():
+    spec, tl, rl = layouts()
+    tr = TinyTrainer(spec, density=0.3)
+    tr.step()
+    gen = torch.Generator().manual_seed(1)
+    changed = {
+        n: torch.nonzero(torch.rand(p.numel(), generator=gen) < 0.1).reshape(-1)
+        for n, p in tr.params.items()
+    }
+    whole = shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl)
+    world = 3
+    per_writer = []
+    for rank in range(world):
+        local_params, local_changed = {}, {}
+        for n, p in tr.params.items():
+            start, stop = fsdp_dim0_rows(p.shape[0], rank, world)
+            local_params[n] = p.detach()[start:stop]
+            row = p[0].numel() if p.dim() > 1 else 1
+            idx = changed[n]
+            keep = (idx >= start * row) & (idx < stop * row)
+            local_changed[n] = idx[keep] - start * row
+        per_writer.append(shard_updates(
+            local_changed, local_params, trainer_layout=tl, receiver_layout=rl,
+            rank=rank, world_size=world,
+        ))  # fmt: skip
+    for shard in whole:
+        merged = _dense(merge_writers(1, [w[shard] for w in per_writer]))
+        single = _dense(whole[shard])
+        assert merged.keys() == single.keys()
+        for n, u in single.items():
+            assert torch.equal(merged[n].indices, u.indices), n
+            assert torch.equal(merged[n].values.view(torch.int16), u.values.view(torch.int16)), n
+
+
+def _sparse(name, idx, vals, shape=(4,)):
+    return TensorUpdate(
+        name=name, shape=shape, dtype=BF, indices=torch.tensor(idx, dtype=torch.int64),
+        values=torch.tensor(vals, dtype=BF),
+    )  # fmt: skip
+
+
+def _dense_up(name, vals):
+    return TensorUpdate(name=name, shape=(len(vals),), dtype=BF, indices=None,
+                        values=torch.tensor(vals, dtype=BF))  # fmt: skip
+
+
+SPECS = {"a": TensorSpec(shape=(4,), dtype=BF), "b": TensorSpec(shape=(4,), dtype=BF)}
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [
+        # later deltas win element by element; untouched tensors stay out of the result
+        ([("delta", [_sparse("a", [0, 2], [1, 2])]), ("delta", [_sparse("a", [2, 3], [5, 6])])],
+         {"a": ([0, 2, 3], [1, 5, 6])}),
+        # an anchor is the full state: what it does not list is zero, deltas patch it
+        ([("anchor", [_sparse("a", [1], [7])]), ("delta", [_sparse("a", [0], [3])])],
+         {"a": (None, [3, 7, 0, 0]), "b": (None, [0, 0, 0, 0])}),
+        # deltas before an anchor do not matter
+        ([("delta", [_sparse("b", [0], [9])]),
+          ("anchor", [_dense_up("a", [1, 2, 3, 4]), _dense_up("b", [5, 6, 7, 8])])],
+         {"a": (None, [1, 2, 3, 4]), "b": (None, [5, 6, 7, 8])}),
+        # a dense delta replaces a tensor; later sparse steps patch it
+        ([("delta", [_sparse("a", [0], [1])]), ("delta", [_dense_up("a", [2, 2, 2, 2])]),
+          ("delta", [_sparse("a", [3], [4])])],
+         {"a": (None, [2, 2, 2, 4])}),
+    ],
+)  # fmt: skip
+def test_folding_a_chain_gives_the_newest_value_of_every_element(steps, expected):
+    out = _dense(fold_chain(steps, SPECS))
+    assert out.keys() == expected.keys()
+    for name, (idx, vals) in expected.items():
+        u = out[name]
+        assert (u.indices is None) == (idx is None)
+        if idx is not None:
+            assert u.indices.tolist() == idx
+        assert u.values.float().tolist() == [float(v) for v in vals]
+
+
+def test_two_writers_sending_the_same_element_are_refused():
+    with pytest.raises(BlobMismatchError, match="same element"):
+        merge_writers(3, [[_sparse("a", [1, 2], [1, 1])], [_sparse("a", [2], [1])]])
+    with pytest.raises(BlobMismatchError, match="dense"):
+        merge_writers(3, [[_dense_up("a", [1, 2, 3, 4])], [_sparse("a", [2], [1])]])
+
+
+def _manifest(version, kind="delta", base=None, shards=("tp0",)):
+    return Manifest(
+        version=version, base_version=base if kind == "delta" else None, kind=kind,
+        format_version=1, created_at=1.0, writers=("w00000",), blobs=(),
+        shard_digests={s: "0" * 32 for s in shards},
+    )  # fmt: skip
+
+
+def test_a_chain_must_start_at_the_local_version_or_an_anchor_and_be_contiguous():
+    check_chain([_manifest(4, base=3), _manifest(5, base=4)], 3, "tp0")
+    check_chain([_manifest(4, kind="anchor"), _manifest(5, base=4)], None, "tp0")
+    with pytest.raises(BaseVersionMismatchError, match="hold version 2"):
+        check_chain([_manifest(4, base=3)], 2, "tp0")
+    with pytest.raises(BaseVersionMismatchError, match="no verified version"):
+        check_chain([_manifest(4, base=3)], None, "tp0")
+    with pytest.raises(BaseVersionMismatchError, match="hold version 4"):
+        check_chain([_manifest(4, base=3), _manifest(6, base=5)], 3, "tp0")
+    with pytest.raises(ManifestError, match="another layout"):
+        check_chain([_manifest(4, base=3, shards=("tp1",))], 3, "tp0")
+
+
+def _entry(v, shard="tp0", writer="w00000"):
+    return BlobEntry(shard=shard, writer=writer, key=names.blob_key(v, shard, writer), size=10,
+                     digest="1" * 32)  # fmt: skip
+
+
+def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
+    markers = [
+        WriterMarker(version=7, writer="w00000-s", blobs=(_entry(7, "tp1", "w00000-s"),), created_at=1.0),
+        WriterMarker(version=7, writer="w00001-s", blobs=(), created_at=1.0),
+    ]  # fmt: skip
+    m = build_manifest(
+        version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
+        markers=markers, shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
+    )  # fmt: skip
+    assert [b.key for b in m.blobs] == ["v00000007/tp1/w00000-s.blob"]
+    assert m.writers == ("w00000-s", "w00001-s")
+    with pytest.raises(ManifestError, match="markers from"):
+        build_manifest(
+            version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
+            markers=markers[:1], shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
+        )  # fmt: skip
+
+
+def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
+    ms = {v: _manifest(v, base=v - 1) for v in range(1, 9)}
+    ms[0] = _manifest(0, kind="anchor")
+    ms[5] = _manifest(5, kind="anchor")
+    keys = {v: [names.manifest_key(v), names.blob_key(v, "tp0", "w00000")] for v in ms}
+    keys[3].append(names.blob_key(3, "tp0", "w00000-lost"))  # orphan of a losing attempt
+    keys[9] = [names.blob_key(9, "tp0", "w00000")]  # in flight: newer than committed, no manifest
+    keys[2].append(names.writer_marker_key(2, "w00000"))
+    plan = plan_deletions(
+        version_keys=keys, manifests={v: m for v, m in ms.items()}, ack_keys={1: ["acks/v00000001/r.json"]},
+        committed=8, live_versions=[6], keep_versions=1,
+    )  # fmt: skip
+    assert plan.versions == (0, 1, 2, 3, 4)
+    manifest_keys = [k for k in plan.keys if k.endswith("MANIFEST.json")]
+    assert plan.keys[: len(manifest_keys)] == tuple(manifest_keys), "manifests go first"
+    assert "acks/v00000001/r.json" in plan.keys
+    assert not any(k.startswith("v00000009/") for k in plan.keys)
+    # a live receiver holding 2 needs 3..8 (the chain through deltas): only 0..2 may go
+    plan = plan_deletions(
+        version_keys=keys, manifests=ms, ack_keys={}, committed=8, live_versions=[2], keep_versions=1
+    )
+    assert plan.versions == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_writers=0), "num_writers"),
+        (dict(writer_rank=2, num_writers=2, session="s"), "writer_rank"),
+        (dict(num_writers=2), "session"),
+        (dict(anchor_every=0), "anchor_every"),
+        (dict(signing_key=b"short"), "signing_key"),
+        (dict(marker_timeout_s=float("nan")), "marker_timeout_s"),
+        (dict(max_staleness=-1), "max_staleness"),
+    ],
+)
+def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        PublisherConfig(**kwargs)
