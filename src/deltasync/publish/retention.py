@@ -3,8 +3,8 @@
 :func:`plan_deletions` is pure. It applies :func:`deltasync.manifest.plan_retention` (never a
 version a live receiver still needs, never the newest anchor and the chain after it, never the
 newest committed version or anything newer) and also removes leftovers that no manifest
-vouches for: blobs and markers of crashed or losing attempts in versions older than the newest
-committed one (newer ones may still be in flight).
+vouches for: blobs and markers of losing attempts in committed versions, and everything of
+uncommitted versions older than the newest committed one (newer ones may still be in flight).
 
 Deletion order: a version's manifest goes first, so the version disappears atomically for
 readers, then its blobs and markers, then its acks. This module knows keys and manifests.
@@ -50,16 +50,14 @@ def plan_deletions(
         rest.extend(sorted(ack_keys.get(v, ())))
     gone = set(doomed)
     for v, keys in sorted(version_keys.items()):
-        if v in gone or v >= committed:
+        if v in gone:
             continue
         m = manifests.get(v)
-        listed = set() if m is None else {b.key for b in m.blobs}
-        if m is not None:
-            listed.add(names.manifest_key(v))
-        for key in sorted(keys):
-            if key in listed:
-                continue
-            if m is not None and key.startswith(names.writers_prefix(v)):
-                continue  # markers of the committed attempt: small, and they document it
-            rest.append(key)
+        if m is None:
+            if v < committed:  # never committed, and never will be: publish only goes forward
+                rest.extend(sorted(keys))
+            continue  # newer: an attempt may still be in flight
+        keep = {names.manifest_key(v), *(b.key for b in m.blobs)}
+        keep.update(names.writer_marker_key(v, w) for w in m.writers)
+        rest.extend(k for k in sorted(keys) if k not in keep)  # a losing attempt's leftovers
     return GcPlan(tuple(doomed), tuple(first + rest))

@@ -94,7 +94,7 @@ def fetch_version(
             raise cls(
                 f"{where} is {len(data)} bytes but the manifest says {entry.size}: "
                 f"{'truncated' if len(data) < entry.size else 'extended'} in storage or "
-                "transit; nothing was applied"
+                "transit, or replaced by another blob; nothing was applied"
             )
         if blob_digest(data) != entry.digest:
             raise DigestMismatchError(

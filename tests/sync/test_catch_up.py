@@ -1,0 +1,159 @@
+"""Lagging receivers: catching up through the delta chain and through an anchor; retention
+that never deletes what a live receiver needs; joint commit (acks) and bounded staleness."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deltasync import names
+from deltasync.manifest import ReceiverRecord
+from deltasync.publish import (
+    AckTimeoutError,
+    Publisher,
+    PublisherConfig,
+    StalenessTimeoutError,
+    TrainerSync,
+)
+from deltasync.receiver import Receiver, ReceiverConfig
+from deltasync.store import LocalStore
+from deltasync.trainer import AdamWTracker
+
+from sync_kit import TinyTrainer, assert_same_bits, expected_shards, layouts, zero_tensors
+
+
+class Rig:
+    def __init__(self, tmp_path, **pub_config):
+        self.spec, self.tl, self.rl = layouts()
+        self.store = LocalStore(tmp_path / "store")
+        self.trainer = TinyTrainer(self.spec)
+        tracker = AdamWTracker(self.trainer.opt, self.trainer.named_parameters())
+        self.pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(**pub_config))
+        self.sync = TrainerSync(tracker, self.pub, self.trainer.params)
+        self.tmp = tmp_path
+        self.states = {}
+
+    def receiver(self, rid, shard="tp0"):
+        return Receiver.for_layout(
+            self.store, self.rl, shard, zero_tensors(self.rl, shard), str(self.tmp / rid),
+            ReceiverConfig(receiver_id=rid),
+        )  # fmt: skip
+
+    def publish(self, version):
+        if version:
+            self.trainer.step()
+        report = self.sync.step_published(version)[0]
+        self.states[version] = expected_shards(self.trainer.params, self.tl, self.rl)
+        return report
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_seven_versions_behind_catches_up_through_the_delta_chain(tmp_path):
+    rig = Rig(tmp_path, anchor_every=100)
+    lagging, follower = rig.receiver("lag"), rig.receiver("follow")
+    for v in range(11):
+        rig.publish(v)
+        follower.pull()
+        if v == 3:
+            assert lagging.pull().version == 3
+    report = lagging.pull()
+    assert report.chain == (4, 5, 6, 7, 8, 9, 10) and not report.from_anchor
+    assert report.previous_version == 3 and report.version == 10
+    assert_same_bits(lagging.tensors, rig.states[10]["tp0"])
+    assert report.pause_s > 0 and report.total_s > report.pause_s
+    # folding the chain writes each element once, never more than the seven deltas sent
+    assert 0 < report.elements_written
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_seven_versions_behind_catches_up_through_an_anchor(tmp_path):
+    rig = Rig(tmp_path, anchor_every=8)
+    lagging = rig.receiver("lag", "tp1")
+    for v in range(10):
+        rig.publish(v)
+        if v == 2:
+            lagging.pull()
+    report = lagging.pull()
+    assert report.chain == (8, 9) and report.from_anchor
+    assert_same_bits(lagging.tensors, rig.states[9]["tp1"])
+
+
+@pytest.mark.timeout(60)
+def test_gc_keeps_every_version_a_live_receiver_still_needs_and_drops_the_rest(tmp_path):
+    rig = Rig(tmp_path, anchor_every=4, keep_versions=1)
+    lagging, follower = rig.receiver("lag"), rig.receiver("follow")
+    for v in range(8):
+        rig.publish(v)
+        follower.pull()
+        if v == 2:
+            lagging.pull()
+        rig.pub.gc()
+    kept = rig.pub.catalog.versions()
+    assert kept == [3, 4, 5, 6, 7], "the lagging receiver holds 2: everything after it stays"
+    assert lagging.pull().chain == (4, 5, 6, 7)  # the anchor on the way comes first
+    assert_same_bits(lagging.tensors, rig.states[7]["tp0"])
+    rig.pub.gc()
+    assert rig.pub.catalog.versions() == [4, 5, 6, 7], "a fresh receiver needs anchor 4 and on"
+    # a fresh receiver can still start: an anchor is published on demand, older versions go
+    rig.trainer.step()
+    rig.sync.step_published(8, anchor=True)
+    rig.states[8] = expected_shards(rig.trainer.params, rig.tl, rig.rl)
+    lagging.pull(), follower.pull()
+    rig.pub.gc()
+    assert rig.pub.catalog.versions() == [8]
+    fresh = rig.receiver("fresh", "tp1")
+    assert fresh.pull().chain == (8,)
+    assert_same_bits(fresh.tensors, rig.states[8]["tp1"])
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_receivers_versions_are_collected_and_it_recovers_through_the_newest_anchor(tmp_path):
+    rig = Rig(tmp_path, anchor_every=5, keep_versions=1, receiver_ttl_s=0.5)
+    dead = rig.receiver("dead")
+    rig.publish(0)
+    dead.pull()
+    time.sleep(0.6)  # its heartbeat expires: retention no longer waits for it
+    for v in range(1, 8):
+        rig.publish(v)
+        rig.pub.gc()
+    assert rig.pub.catalog.versions() == [5, 6, 7]
+    report = dead.pull()
+    assert report.chain == (5, 6, 7) and report.from_anchor
+    assert_same_bits(dead.tensors, rig.states[7]["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_wait_for_acks_returns_when_all_named_receivers_hold_the_version_and_names_the_missing(tmp_path):
+    rig = Rig(tmp_path)
+    a, b = rig.receiver("a"), rig.receiver("b", "tp1")
+    rig.publish(0)
+    a.pull()
+    with pytest.raises(AckTimeoutError, match=r"\['b'\]"):
+        rig.pub.wait_for_acks(0, ["a", "b"], timeout=0.2)
+    b.pull()
+    acks = rig.pub.wait_for_acks(0, ["a", "b"], timeout=2)
+    assert {r: ack.shard for r, ack in acks.items()} == {"a": "tp0", "b": "tp1"}
+    # a receiver that jumped over a version through a chain counts as holding it
+    rig.publish(1), rig.publish(2)
+    a.pull()
+    assert rig.pub.wait_for_acks(1, ["a"], timeout=2) == {"a": None}
+
+
+@pytest.mark.timeout(60)
+def test_bounded_staleness_blocks_publishing_while_a_live_receiver_lags_too_far(tmp_path):
+    rig = Rig(tmp_path, max_staleness=1, staleness_timeout_s=0.3)
+    slow = rig.receiver("slow")
+    rig.publish(0)
+    rig.publish(1)  # slow holds nothing (-1): 0 - (-1) = 1 <= 1
+    with pytest.raises(StalenessTimeoutError, match="slow"):
+        rig.publish(2)  # committed 1, slow behind by 2
+    assert rig.pub.committed() == 1
+    slow.pull()
+    rig.sync.step_published(2)  # the tracker kept its bits: the retry sends everything since 1
+    slow.pull()
+    assert_same_bits(slow.tensors, expected_shards(rig.trainer.params, rig.tl, rig.rl)["tp0"])
+    # a receiver whose heartbeat expired no longer holds the trainer back
+    record = ReceiverRecord(receiver="gone", shard="tp0", version=0, updated_at=time.time() - 999)
+    rig.store.put(names.receiver_key("gone"), record.to_json())
+    rig.publish(3)
