@@ -19,13 +19,13 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
     num_kv_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 768
-    vocab_size: int = 8003  # odd on purpose: exercises vLLM's vocab padding
+    intermediate_size: int = 1024
+    vocab_size: int = 16003  # odd on purpose: exercises vLLM's vocab padding
     tie_word_embeddings: bool = False
     seed: int = 0
 
