@@ -23,6 +23,8 @@ import torch
 
 from deltasync.errors import StoreError
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.receiver import ReceiverConfig
+from deltasync.store import LocalStore
 
 TINY = dict(
     model_type="qwen3", vocab_size=251, hidden_size=64, num_hidden_layers=2,
@@ -30,6 +32,17 @@ TINY = dict(
     tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
 )  # fmt: skip
 KEY = b"k" * 32  # HMAC key of the signed tests
+
+
+def scratch_store(path) -> LocalStore:
+    """A LocalStore without fsyncs (~8 ms each here): these tests kill processes, not power;
+    the page cache survives SIGKILL. The end-to-end test keeps the durable default."""
+    return LocalStore(path, durable=False)
+
+
+def rconfig(receiver_id: str, **kwargs) -> ReceiverConfig:
+    """ReceiverConfig without fsyncs of the journal/state files (see scratch_store)."""
+    return ReceiverConfig(receiver_id=receiver_id, durable=False, **kwargs)
 
 
 def tiny_spec(**overrides) -> ModelSpec:

@@ -16,17 +16,24 @@ from deltasync.publish import (
     StalenessTimeoutError,
     TrainerSync,
 )
-from deltasync.receiver import Receiver, ReceiverConfig
-from deltasync.store import LocalStore
+from deltasync.receiver import Receiver
 from deltasync.trainer import AdamWTracker
 
-from sync_kit import TinyTrainer, assert_same_bits, expected_shards, layouts, zero_tensors
+from sync_kit import (
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    scratch_store,
+    zero_tensors,
+)
 
 
 class Rig:
     def __init__(self, tmp_path, **pub_config):
         self.spec, self.tl, self.rl = layouts()
-        self.store = LocalStore(tmp_path / "store")
+        self.store = scratch_store(tmp_path / "store")
         self.trainer = TinyTrainer(self.spec)
         tracker = AdamWTracker(self.trainer.opt, self.trainer.named_parameters())
         self.pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(**pub_config))
@@ -37,7 +44,7 @@ class Rig:
     def receiver(self, rid, shard="tp0"):
         return Receiver.for_layout(
             self.store, self.rl, shard, zero_tensors(self.rl, shard), str(self.tmp / rid),
-            ReceiverConfig(receiver_id=rid),
+            rconfig(rid),
         )  # fmt: skip
 
     def publish(self, version):

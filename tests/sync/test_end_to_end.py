@@ -59,7 +59,8 @@ def test_every_version_reaches_vllm_and_hf_receivers_bit_exactly(backend, tmp_pa
     )  # fmt: skip
 
     kinds = []
-    for version in range(7):
+    versions = 7 if backend == "local" else 5  # each S3 call costs ~10-50 ms on this machine
+    for version in range(versions):
         if version:
             trainer.step()
         reports = sync.step_published(version)
@@ -75,7 +76,7 @@ def test_every_version_reaches_vllm_and_hf_receivers_bit_exactly(backend, tmp_pa
         assert_same_bits(hf_receiver.tensors, expected_shards(trainer.params, tl, rl_hf)["tp0"])
         acks = pubs[0].wait_for_acks(version, list(receivers), timeout=5)
         assert all(a is not None and a.version == version for a in acks.values())
-    assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"]
+    assert kinds == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"][:versions]
     # The HF engine now computes exactly what the trainer's BF16 weights compute.
     ref = Qwen3ForCausalLM(trainer.config)
     ref.load_state_dict({n: p.detach() for n, p in trainer.model.state_dict().items()})

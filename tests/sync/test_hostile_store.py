@@ -26,17 +26,26 @@ from deltasync.errors import (
 from deltasync.format import encode_blob, sparse_update
 from deltasync.manifest import BlobEntry, Manifest, blob_digest, encode_latest, sign
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import MissingBlobError, Receiver, ReceiverConfig
-from deltasync.store import LocalStore
+from deltasync.receiver import MissingBlobError, Receiver
 from deltasync.trainer import SnapshotTracker
 
-from sync_kit import KEY, GateStore, TinyTrainer, assert_same_bits, expected_shards, layouts, zero_tensors
+from sync_kit import (
+    KEY,
+    GateStore,
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    scratch_store,
+    zero_tensors,
+)
 
 
 class Rig:
     def __init__(self, tmp_path, *, key=None):
         self.spec, self.tl, self.rl = layouts()
-        self.store = LocalStore(tmp_path / "store")
+        self.store = scratch_store(tmp_path / "store")
         self.trainer = TinyTrainer(self.spec, density=0.2)
         self.pub = Publisher(self.store, receiver_layout=self.rl,
                              config=PublisherConfig(anchor_every=100, signing_key=key))  # fmt: skip
@@ -44,7 +53,7 @@ class Rig:
                                 self.trainer.params)  # fmt: skip
         self.rec = Receiver.for_layout(
             self.store, self.rl, "tp0", zero_tensors(self.rl, "tp0"), str(tmp_path / "rec"),
-            ReceiverConfig(receiver_id="rec", signing_key=key),
+            rconfig("rec", signing_key=key),
         )  # fmt: skip
         self.states = {}
 
@@ -237,7 +246,7 @@ def test_a_receiver_with_a_key_rejects_unsigned_forged_and_foreign_key_manifests
 @pytest.mark.timeout(60)
 def test_two_publishers_racing_for_one_version_one_wins_the_other_gets_commit_conflict(tmp_path):
     spec, tl, rl = layouts()
-    store = LocalStore(tmp_path / "store")
+    store = scratch_store(tmp_path / "store")
     trainers = [TinyTrainer(spec, seed=s) for s in (1, 2)]
     barrier = threading.Barrier(2, timeout=10)
 
@@ -269,7 +278,7 @@ def test_two_publishers_racing_for_one_version_one_wins_the_other_gets_commit_co
     assert "lost the race" in str(outcome[loser])
     winner = 1 - loser
     rec = Receiver.for_layout(store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "r"),
-                              ReceiverConfig(receiver_id="r"))  # fmt: skip
+                              rconfig("r"))  # fmt: skip
     assert rec.pull().version == 0
     assert_same_bits(rec.tensors, expected_shards(trainers[winner].params, tl, rl)["tp1"])
     # the loser's blobs are orphans no manifest lists; gc removes them

@@ -21,7 +21,9 @@ class ReceiverConfig:
     - ``verify_on_open``: hash the live tensors at construction and compare with the digest
       of the version the state file records; a mismatch marks the state dirty (the next pull
       restores the newest anchor);
-    - ``limits``: bounds on manifests; ``max_decompressed_bytes``: bound per blob.
+    - ``limits``: bounds on manifests; ``max_decompressed_bytes``: bound per blob;
+    - ``durable``: fsync the journal and state file (False only for tests on scratch disks:
+      a power loss could then lose the journal and hide a torn apply).
     """
 
     receiver_id: str
@@ -29,6 +31,7 @@ class ReceiverConfig:
     verify_on_open: bool = True
     limits: ManifestLimits = field(default_factory=ManifestLimits)
     max_decompressed_bytes: int = 1 << 36
+    durable: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -42,8 +45,9 @@ class ReceiverConfig:
                 f"ReceiverConfig.signing_key must be bytes of at least {MIN_KEY_BYTES} bytes "
                 "or None"
             )
-        if not isinstance(self.verify_on_open, bool):
-            raise ConfigError("ReceiverConfig.verify_on_open must be a bool")
+        for name in ("verify_on_open", "durable"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ReceiverConfig.{name} must be a bool")
         if not isinstance(self.limits, ManifestLimits):
             raise ConfigError("ReceiverConfig.limits must be a ManifestLimits")
         v = self.max_decompressed_bytes

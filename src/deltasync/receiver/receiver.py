@@ -90,7 +90,7 @@ class Receiver:
         self._pause = pause or contextlib.nullcontext
         self._on_tensor = on_tensor_written
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
-        self.dir = StateDir(state_dir)
+        self.dir = StateDir(state_dir, durable=config.durable)
         state = self.dir.read_state()
         if state is not None and (state.shard != self.shard or state.receiver != config.receiver_id):
             raise LocalStateError(
