@@ -1,0 +1,64 @@
+"""In-cluster sync: trainer ranks send each version's changed BF16 elements straight to the
+rollout ranks over one torch.distributed group, and every rank commits the version jointly.
+
+    plan = RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"], replicas=2)
+    # a trainer rank                                 # a rollout rank
+    sender = ClusterSender(tracker, params,          receiver = ClusterReceiver(tensors,
+        plan=plan, trainer_layout=tl,                    plan=plan, layout=rl, version=0)
+        receiver_layout=rl, version=0)               receiver.sync()   # per version
+    sender.sync()   # per version, after optimizer.step()
+
+Data flow of one version, by module::
+
+    roles.py     who writes which trainer shard, who holds which receiver shard, who sends to
+                 whom (DP replicas: "direct" sends or a receiver-side "forward")      (pure)
+    sender.py    tracker -> publish.updates (routing) -> format (blobs) -> envelope.py
+                 -> exchange (round 1 carries a failed detection to every rank)
+    receiver.py  exchange -> staging.py (verify, decode, base check, merge writers; the
+                 storage path's staging functions) -> journal.py -> apply (the pause) -> digest
+    acks.py      the joint-commit row and its verdict                                 (pure)
+    commit.py    the all_gather of those rows: commit everywhere, or nowhere
+
+The wire format, the routing and the receiver-side merge and fold are the storage path's own;
+what this package adds is the process-group choreography. It knows nothing about stores.
+"""
+
+from deltasync.cluster.acks import Ack, Verdict, judge
+from deltasync.cluster.config import ClusterConfig
+from deltasync.cluster.envelope import Envelope, pack_envelope, unpack_envelope
+from deltasync.cluster.errors import AnchorRequiredError, EnvelopeError, SyncAbortedError
+from deltasync.cluster.journal import ClusterJournal, JournalState
+from deltasync.cluster.receiver import ClusterReceiver, Incoming
+from deltasync.cluster.reports import ApplyReport, Outgoing, ReceiveReport, SendReport
+from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES, ReceiverRole, RolePlan, WriterRole
+from deltasync.cluster.sender import ClusterSender
+from deltasync.cluster.staging import Staged, stage_payloads
+
+__all__ = [
+    "DEFAULT_DP_MODE",
+    "DP_MODES",
+    "Ack",
+    "AnchorRequiredError",
+    "ApplyReport",
+    "ClusterConfig",
+    "ClusterJournal",
+    "ClusterReceiver",
+    "ClusterSender",
+    "Envelope",
+    "EnvelopeError",
+    "Incoming",
+    "JournalState",
+    "Outgoing",
+    "ReceiveReport",
+    "ReceiverRole",
+    "RolePlan",
+    "SendReport",
+    "Staged",
+    "SyncAbortedError",
+    "Verdict",
+    "WriterRole",
+    "judge",
+    "pack_envelope",
+    "stage_payloads",
+    "unpack_envelope",
+]

@@ -1,0 +1,75 @@
+"""ClusterConfig: the settings of the in-cluster sync, one keyword-only frozen dataclass.
+
+Every rank of the group must use the same ``exchange`` chunking settings (the exchange itself
+refuses a mismatch in round 1); the other fields may differ per role. Each error names the
+field. Nothing is read from the environment.
+
+This module knows settings only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from deltasync.errors import ConfigError
+from deltasync.exchange import ExchangeConfig
+
+
+def _seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(
+            f"ClusterConfig.{name} must be a finite number of seconds > 0, got {value!r}"
+        )
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"ClusterConfig.{name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """How one rank takes part in the in-cluster sync.
+
+    exchange: chunking, pipelining and the per-wait timeout of every payload exchange.
+    wait_for_version_s: how long a RECEIVER waits in the first exchange of a version for the
+        trainer to arrive (the trainer may still be training when the rollout workers are
+        already waiting). Trainer ranks and every later wait use ``exchange.timeout_s``.
+    commit_timeout_s: how long any rank waits in the joint commit for the slowest rank, which
+        includes the receivers' decode, apply and digest. A dead or stuck rank is named.
+    level: zstd level of the blobs (1 = fast default, 0 = uncompressed).
+    digest_every: writer 0 sends each receiver shard's expected state digest with every K-th
+        version and with every anchor; 0 = never. Computing it needs the full parameters (a
+        transient BF16 copy of the model, ~3x its BF16 size at the peak, see
+        ``publish.updates.full_shard_tensors``), so it is off by default; a receiver always
+        checks a digest it is sent.
+    max_decompressed_bytes: a receiver refuses a blob that declares a larger record section.
+    """
+
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+    wait_for_version_s: float = 600.0
+    commit_timeout_s: float = 120.0
+    level: int = 1
+    digest_every: int = 0
+    max_decompressed_bytes: int = 1 << 36
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.exchange, ExchangeConfig):
+            raise ConfigError(
+                f"ClusterConfig.exchange must be an ExchangeConfig, got {type(self.exchange).__name__}"
+            )
+        _seconds("wait_for_version_s", self.wait_for_version_s)
+        _seconds("commit_timeout_s", self.commit_timeout_s)
+        _int("level", self.level, 0, 22)
+        _int("digest_every", self.digest_every, 0, 1 << 31)
+        _int("max_decompressed_bytes", self.max_decompressed_bytes, 1, 1 << 62)
+
+    def sends_digest(self, version: int, *, anchor: bool) -> bool:
+        """Whether writer 0 attaches expected state digests to ``version``."""
+        return self.digest_every > 0 and (anchor or version % self.digest_every == 0)

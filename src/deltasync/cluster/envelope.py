@@ -1,0 +1,129 @@
+"""The envelope: what one rank sends one rank in one exchange of a version.
+
+A writer sends each receiver one envelope holding its one blob (and, from writer 0 when
+configured, the shard's expected state digest); a forwarding replica sends each of its
+shard's other replicas one envelope holding every envelope it received, unopened (so
+forwarding never fails on, or hides, a damaged payload: each replica checks for itself).
+Blobs carry their own header and xxh3-128 digest; the envelope only frames them. Layout,
+little-endian::
+
+    magic        8 bytes  b"DSCENV01"
+    count        u32      number of parts
+    flags        u32      bit 0: a state digest follows; bit 1: parts are envelopes (forwarded)
+    digest       16 bytes expected state digest of the receiver shard (zero when absent)
+    lengths      count x u64
+    check        8 bytes  xxh3-64 of everything above (catches damaged framing)
+    parts        the parts, back to back; their lengths must add up to the rest exactly
+
+``pack_envelope`` / ``unpack_envelope`` are inverses. This module knows bytes only: nothing
+about blob contents, tensors or processes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from deltasync.cluster.errors import EnvelopeError
+
+MAGIC = b"DSCENV01"
+_HEAD = struct.Struct("<8sII16s")
+_CHECK = struct.Struct("<Q")
+FLAG_DIGEST = 1
+FLAG_NESTED = 2
+MAX_PARTS = 1 << 16
+
+Bytes = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, eq=False)
+class Envelope:
+    parts: list[memoryview]  # views into the received buffer: no copy
+    state_digest: str | None  # hex xxh3-128, as ``manifest.state_digest`` returns it
+    nested: bool  # parts are envelopes (a forwarded bundle)
+
+
+def pack_envelope(
+    parts: Sequence[Bytes], *, state_digest: str | None = None, nested: bool = False
+) -> bytes:
+    """Frame ``parts`` (blobs, or envelopes when ``nested``) into one payload."""
+    if len(parts) > MAX_PARTS:
+        raise EnvelopeError(f"an envelope holds at most {MAX_PARTS} parts, got {len(parts)}")
+    digest = b"\0" * 16
+    flags = FLAG_NESTED if nested else 0
+    if state_digest is not None:
+        try:
+            digest = bytes.fromhex(state_digest)
+        except ValueError:
+            digest = b""
+        if len(digest) != 16:
+            raise EnvelopeError(f"state digest {state_digest!r} is not 32 hex characters")
+        flags |= FLAG_DIGEST
+    views = [memoryview(p).cast("B") for p in parts]
+    head = _HEAD.pack(MAGIC, len(views), flags, digest)
+    lengths = struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
+    check = _CHECK.pack(xxhash.xxh3_64_intdigest(head + lengths))
+    return b"".join((head, lengths, check, *views))
+
+
+def as_view(payload: Bytes | torch.Tensor) -> memoryview:
+    """A flat byte view of a payload as the exchange returns it (a uint8 CPU tensor) or bytes."""
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise EnvelopeError(f"payload tensor must be 1-D uint8, got {payload.dtype} {tuple(payload.shape)}")
+        return memoryview(payload.cpu().numpy()).cast("B")
+    return memoryview(payload).cast("B")
+
+
+def unpack_envelope(payload: Bytes | torch.Tensor, *, where: str) -> Envelope:
+    """Parse one envelope; ``where`` names the payload in errors (e.g. "payload from rank 0")."""
+    view = as_view(payload)
+    if len(view) < _HEAD.size + _CHECK.size:
+        raise EnvelopeError(f"{where}: {len(view)} bytes is shorter than an envelope header")
+    magic, count, flags, digest = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise EnvelopeError(f"{where}: not a deltasync envelope (magic {bytes(magic)!r})")
+    if flags & ~(FLAG_DIGEST | FLAG_NESTED) or count > MAX_PARTS:
+        raise EnvelopeError(f"{where}: unknown flags {flags:#x} or {count} parts (max {MAX_PARTS})")
+    end = _HEAD.size + 8 * count
+    if len(view) < end + _CHECK.size:
+        raise EnvelopeError(f"{where}: {len(view)} bytes cannot hold {count} part lengths")
+    (check,) = _CHECK.unpack_from(view, end)
+    if xxhash.xxh3_64_intdigest(view[:end]) != check:
+        raise EnvelopeError(f"{where}: envelope header check failed: damaged in transit")
+    lengths = struct.unpack_from(f"<{count}Q", view, _HEAD.size)
+    at = end + _CHECK.size
+    if at + sum(lengths) != len(view):
+        raise EnvelopeError(
+            f"{where}: parts declare {sum(lengths)} bytes but {len(view) - at} follow the header"
+        )
+    parts = []
+    for n in lengths:
+        parts.append(view[at : at + n])
+        at += n
+    return Envelope(
+        parts=parts,
+        state_digest=bytes(digest).hex() if flags & FLAG_DIGEST else None,
+        nested=bool(flags & FLAG_NESTED),
+    )
+
+
+def flatten(payload: Bytes | torch.Tensor, *, where: str) -> tuple[list[memoryview], list[str]]:
+    """Every blob in a payload (one level of forwarding unwrapped) and every state digest."""
+    outer = unpack_envelope(payload, where=where)
+    if not outer.nested:
+        return outer.parts, [outer.state_digest] if outer.state_digest else []
+    blobs: list[memoryview] = []
+    digests = [outer.state_digest] if outer.state_digest else []
+    for i, part in enumerate(outer.parts):
+        inner = unpack_envelope(part, where=f"{where}, forwarded part {i}")
+        if inner.nested:
+            raise EnvelopeError(f"{where}, forwarded part {i}: forwarded twice (nested twice)")
+        blobs.extend(inner.parts)
+        if inner.state_digest:
+            digests.append(inner.state_digest)
+    return blobs, digests

@@ -1,0 +1,142 @@
+"""Where an in-cluster receiver's live tensors stand, recorded before the first write.
+
+Three facts, kept in memory and, when a path is given, in one small JSON file written to a
+temporary file, fsynced and renamed (so a crash leaves the old or the new record, never half):
+
+- ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet);
+- ``applying``: ``(version, base)`` of an apply that started and has not been committed: the
+  tensors hold ``base`` overwritten at some of that version's elements. A retry of a version on
+  the same base converges from there, because the trainer keeps its tracker's bits until the
+  joint commit, so the retry overwrites a superset of those elements with absolute values;
+- ``dirty``: the tensors are known not to hold ``committed`` in a way a retry cannot repair (a
+  state digest mismatch): only an anchor is accepted.
+
+Why not the storage path's ``receiver.journal``: that journal names the store keys of the chain
+so that a restarted receiver can replay it from the store. In-cluster nothing is stored; the
+only sources of repair are the trainer's retry of the same version and an anchor, which these
+three facts are enough to decide between (``accepts``). The rule is the same: the journal is
+written before the first byte of a live tensor changes.
+
+This module knows files and versions; it knows nothing about tensors or processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from deltasync.cluster.errors import AnchorRequiredError
+from deltasync.errors import ConfigError
+from deltasync.format import BlobBaseMismatchError
+from deltasync.receiver.errors import LocalStateError
+
+
+@dataclass(frozen=True)
+class JournalState:
+    committed: int | None
+    applying: tuple[int, int] | None = None
+    dirty: bool = False
+
+    def to_json(self) -> bytes:
+        obj = {"committed": self.committed, "applying": self.applying, "dirty": self.dirty}
+        return json.dumps(obj, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> JournalState:
+        try:
+            obj = json.loads(data)
+            committed, applying, dirty = obj["committed"], obj["applying"], obj["dirty"]
+            ok = (
+                set(obj) == {"committed", "applying", "dirty"}
+                and (committed is None or (type(committed) is int and committed >= 0))
+                and (applying is None or (len(applying) == 2 and all(type(v) is int for v in applying)))
+                and type(dirty) is bool
+            )
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            raise LocalStateError(
+                f"{where} is not a deltasync cluster journal; remove it and restore this "
+                "receiver from an anchor"
+            )
+        return cls(committed=committed, applying=None if applying is None else tuple(applying), dirty=dirty)
+
+
+class ClusterJournal:
+    """The receiver's record of its state; durable when ``path`` is given.
+
+    ``version`` is what the tensors hold when no journal file exists yet (None: nothing
+    verified; the first sync must be an anchor). An existing file wins over ``version``."""
+
+    def __init__(self, *, version: int | None, path: str | os.PathLike[str] | None = None) -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ConfigError(f"journal version must be None or an int >= 0, got {version!r}")
+        self.path = None if path is None else Path(path)
+        self._state = JournalState(committed=version)
+        if self.path is not None:
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                self._write(self._state)
+            except OSError as exc:
+                raise LocalStateError(f"cannot read journal {str(self.path)!r}: {exc}") from exc
+            else:
+                self._state = JournalState.from_json(data, repr(str(self.path)))
+
+    @property
+    def state(self) -> JournalState:
+        return self._state
+
+    def accepts(self, *, version: int, base: int, where: str) -> None:
+        """Raise unless a blob bringing ``version`` on ``base`` (-1: anchor) may be applied."""
+        if base == -1:
+            return
+        s = self._state
+        if s.committed is None or s.dirty:
+            why = "holds no verified version" if s.committed is None else (
+                f"is dirty (its state did not match the digest of a version after version {s.committed})"
+            )
+            raise AnchorRequiredError(
+                f"{where}: delta version {version} on base {base} refused before any write: this "
+                f"receiver {why}; the writers must send an anchor (sync(anchor=True))"
+            )
+        if base != s.committed:
+            raise BlobBaseMismatchError(
+                f"{where}: version {version} applies on base {base}, this receiver holds "
+                f"version {s.committed}; refused before any write (send an anchor, or the "
+                "version this receiver is missing)"
+            )
+
+    def begin(self, version: int, base: int) -> None:
+        """Record the apply of ``version`` on ``base``: call before the first write."""
+        self._set(replace(self._state, applying=(version, base)))
+
+    def commit(self, version: int) -> None:
+        self._set(JournalState(committed=version))
+
+    def mark_dirty(self) -> None:
+        self._set(replace(self._state, applying=None, dirty=True))
+
+    def _set(self, state: JournalState) -> None:
+        if self.path is not None:
+            self._write(state)
+        self._state = state
+
+    def _write(self, state: JournalState) -> None:
+        assert self.path is not None
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(state.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise LocalStateError(f"cannot write journal {str(self.path)!r}: {exc}") from exc

@@ -1,0 +1,77 @@
+"""What one in-cluster sync did on one rank, with its timings. Data only.
+
+The trainer is stalled for the whole of ``SendReport.total_s`` when it syncs synchronously;
+``stall_s`` is the part only it can shorten (detection, routing, encoding). ``transfer_s`` is the
+payload exchange(s) as this rank saw them. A receiver's engine must stop reading weights only
+for ``ReceiveReport.pause_s`` (journal + scatter); staging and the digest run while it serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outgoing:
+    """A writer's payloads of one version, ready for the exchange."""
+
+    version: int
+    base: int  # -1: anchor
+    payloads: dict[int, bytes]  # {receiver rank: envelope}
+    shard_bytes: dict[str, int]  # blob bytes per receiver shard
+    shard_elements: dict[str, int]
+    detect_s: float  # tracker: which elements changed
+    build_s: float  # gather current BF16 values, route to canonical and receiver shards
+    encode_s: float  # blobs and envelopes
+    digest_s: float  # expected shard digests (only when sent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendReport:
+    version: int
+    base: int
+    anchor: bool
+    bytes_sent: int  # payload bytes to other ranks
+    shard_bytes: dict[str, int] = field(default_factory=dict)
+    elements: int = 0  # changed elements routed to all shards (replicated ones counted per shard)
+    detect_s: float = 0.0
+    build_s: float = 0.0
+    encode_s: float = 0.0
+    digest_s: float = 0.0
+    transfer_s: float = 0.0
+    commit_s: float = 0.0  # waiting in the joint commit (receivers' staging and apply)
+    total_s: float = 0.0
+
+    @property
+    def stall_s(self) -> float:
+        return self.detect_s + self.build_s + self.encode_s + self.digest_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyReport:
+    """One receiver's staging and apply of one version (no collective involved)."""
+
+    version: int
+    base: int
+    payload_bytes: int
+    elements: int
+    stage_s: float  # unwrap, verify, decode, merge: the engine keeps serving
+    pause_s: float  # journal + scatter into the live tensors
+    verify_s: float  # state digest after the apply (0 when none was sent)
+    state_digest: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveReport:
+    version: int
+    base: int
+    previous_version: int | None
+    payload_bytes: int
+    elements: int
+    wait_s: float  # in the first exchange: waiting for the trainer, then its transfer
+    forward_s: float  # the second exchange (forward mode), 0 otherwise
+    stage_s: float
+    pause_s: float
+    verify_s: float
+    commit_s: float
+    total_s: float

@@ -1,0 +1,220 @@
+"""Worker functions for the in-cluster sync's multi-process tests (run in spawned processes).
+
+Every scenario runs a real trainer (a config-built transformers ``Qwen3ForCausalLM`` stepped by
+``torch.optim.AdamW`` on random tokens) on the writer ranks and live vLLM-layout shards on the
+receiver ranks, all in one gloo group started by ``deltasync.exchange.spawn``. Receivers start
+empty (version None) and get an anchor first.
+
+The check after a version is independent of the product's own digests: the trainer broadcasts
+its whole canonical BF16 state (as int16 bits) over the group, every receiver splits it with
+the layout and compares each local tensor with ``torch.equal`` on int16 views.
+
+Workers return plain Python summaries that the test process asserts on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from deltasync.cluster import (
+    ClusterConfig,
+    ClusterReceiver,
+    ClusterSender,
+    RolePlan,
+    SyncAbortedError,
+)
+from deltasync.errors import DeltaSyncError, ExchangeError, PeerFailedError
+from deltasync.exchange import ExchangeConfig, init_from_env
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.manifest import state_digest
+
+TINY = dict(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, vocab_size=251,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    num_writers: int = 1
+    tp: int = 2
+    replicas: int = 1
+    dp_mode: str = "direct"
+    versions: int = 10  # deltas after the anchor
+    lr: float = 1e-3
+    tracker: str = "adamw"  # "adamw", or "snapshot" over each writer's FSDP dim-0 slices
+    digest_every: int = 0
+    timeout_s: float = 20.0
+    forward_from: int | None = None  # switch to dp_mode "forward" from this version on
+    max_chunk_bytes: int = 64 << 20
+
+    def world_size(self) -> int:
+        return self.num_writers + self.tp * self.replicas
+
+    def plan(self, version: int = 0) -> RolePlan:
+        forward = self.forward_from is not None and version >= self.forward_from
+        return RolePlan.contiguous(
+            num_writers=self.num_writers, shards=[f"tp{r}" for r in range(self.tp)],
+            replicas=self.replicas, dp_mode="forward" if forward else self.dp_mode,
+        )  # fmt: skip
+
+    def config(self) -> ClusterConfig:
+        ex = ExchangeConfig(timeout_s=self.timeout_s, max_chunk_bytes=self.max_chunk_bytes)
+        return ClusterConfig(
+            exchange=ex, wait_for_version_s=max(self.timeout_s, 60.0),
+            commit_timeout_s=self.timeout_s, digest_every=self.digest_every,
+        )  # fmt: skip
+
+
+def policy_config():
+    from deltasync.demo.policy import PolicyConfig
+
+    return PolicyConfig(**TINY)
+
+
+def spec() -> ModelSpec:
+    return ModelSpec.from_hf_config(policy_config().hf_config())
+
+
+# ---------------------------------------------------------------------- trainer side
+
+
+class Trainer:
+    """The tiny Qwen3 and its AdamW; identical in every writer process (same seed, same data)."""
+
+    def __init__(self, setup: Setup, rank: int) -> None:
+        from deltasync.demo.policy import build_policy
+
+        self.setup = setup
+        self.model = build_policy(policy_config())
+        self.named = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
+        self.gen = torch.Generator().manual_seed(1234)
+        self.layout = TrainerLayout(spec())
+        writer = setup.plan().writer(rank)
+        if setup.tracker == "adamw":
+            from deltasync.trainer import AdamWTracker
+
+            assert writer.count == 1, "the AdamW tracker here watches full params"
+            self.params = self.named
+            self.tracker = AdamWTracker(self.opt, self.model.named_parameters())
+        else:
+            from deltasync.trainer import SnapshotTracker
+
+            # This writer's FSDP dim-0 shard of every param: views into the trained tensors.
+            self.params = {}
+            for name, p in self.named.items():
+                start, stop = fsdp_dim0_rows(p.shape[0], writer.index, writer.count)
+                self.params[name] = p.detach()[start:stop]
+            self.tracker = SnapshotTracker(self.params.items())
+
+    def step(self) -> None:
+        tokens = torch.randint(0, TINY["vocab_size"], (4, 16), generator=self.gen)
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+    def canonical_bits(self) -> torch.Tensor:
+        """The whole canonical BF16 state, flattened, as int16 bits (for the broadcast check)."""
+        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.named.items()}
+        canon = self.layout.to_canonical(bf16)
+        return torch.cat([canon[n].reshape(-1).view(torch.int16) for n in sorted(canon)])
+
+    def sender(self, setup: Setup, *, version: int | None = None, plan_at: int = 0) -> ClusterSender:
+        return ClusterSender(
+            self.tracker, self.params, plan=setup.plan(plan_at), trainer_layout=self.layout,
+            receiver_layout=receiver_layout(setup), version=version, config=setup.config(),
+            full_state=self.named,
+        )  # fmt: skip
+
+
+def receiver_layout(setup: Setup) -> ReceiverLayout:
+    return ReceiverLayout.build(spec(), "vllm", tp=setup.tp)
+
+
+def broadcast_truth(bits: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0 (a writer) sends its canonical bits to everyone."""
+    n = sum(int(torch.Size(s).numel()) for s in spec().canonical_shapes().values())
+    buf = bits if bits is not None else torch.empty(n, dtype=torch.int16)
+    dist.broadcast(buf.view(torch.uint8), src=0)  # gloo has no int16 collectives
+    return buf
+
+
+def expected_shard(bits: torch.Tensor, setup: Setup, shard: str) -> dict[str, torch.Tensor]:
+    shapes = spec().canonical_shapes()
+    canon, at = {}, 0
+    for name in sorted(shapes):
+        n = int(torch.Size(shapes[name]).numel())
+        canon[name] = bits[at : at + n].view(torch.bfloat16).reshape(shapes[name])
+        at += n
+    return receiver_layout(setup).split(canon)[shard]
+
+
+def mismatched(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    return [
+        n for n, t in tensors.items()
+        if not torch.equal(t.view(torch.int16), expected[n].view(torch.int16))
+    ]  # fmt: skip
+
+
+def empty_shard(setup: Setup, shard: str) -> dict[str, torch.Tensor]:
+    specs = receiver_layout(setup).local_specs(shard)
+    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
+
+
+def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+# ---------------------------------------------------------------------- scenario: many versions
+
+
+def run_versions(rank: int, setup: Setup) -> dict:
+    """An anchor, then ``setup.versions`` deltas, each checked bit for bit on every receiver.
+    From ``setup.forward_from`` on, every rank switches to a plan in ``forward`` mode."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # several processes share two busy cores
+    init_from_env(timeout_s=60)
+    role = setup.plan().role(rank)
+    out: dict = {"rank": rank, "versions": [], "bad": [], "digests": [], "exchanges": []}
+    if rank < setup.num_writers:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        out["setup_s"] = time.perf_counter() - t0
+        for v in range(setup.versions + 1):
+            if v == setup.forward_from:
+                sender = trainer.sender(setup, version=sender.version, plan_at=v)
+            if v:
+                trainer.step()
+            report = sender.sync(v, anchor=v == 0)
+            out["versions"].append(report.version)
+            out["exchanges"].append(sender.plan.exchanges)
+            out.setdefault("elements", []).append(report.elements)
+            out.setdefault("reports", []).append(report)
+            broadcast_truth(trainer.canonical_bits() if rank == 0 else None)
+        return out
+    tensors = empty_shard(setup, role.shard)
+    receiver = None
+    for v in range(setup.versions + 1):
+        if receiver is None or v == setup.forward_from:
+            receiver = ClusterReceiver(
+                tensors, plan=setup.plan(v), layout=receiver_layout(setup),
+                version=None if receiver is None else receiver.version, config=setup.config(),
+            )  # fmt: skip
+        report = receiver.sync()
+        out["versions"].append(receiver.version)
+        out.setdefault("reports", []).append(report)
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        bad = mismatched(receiver.tensors, truth)
+        if bad:
+            out["bad"].append((receiver.version, bad[:3]))
+        out["digests"].append(state_digest(receiver.tensors))
+    return out
