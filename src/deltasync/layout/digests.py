@@ -1,0 +1,82 @@
+"""Receiver-shard state digests straight from canonical tensors, without building the shards.
+
+``shard_state_digests(table, full)`` equals ``{s: state_digest(split_dense(table, full)[s])}``
+(the digest the manifest lists and a receiver recomputes from its live tensors), but feeds the
+hash with the canonical bytes each local tensor is made of, in local row-major order: row
+blocks are hashed in place, vocabulary padding as zero bytes, and only blocks that are column
+slices of their source (row-parallel ``o_proj``/``down_proj``) are copied, one at a time. So the
+publisher's per-version digest pass costs one read of the BF16 state instead of a full split.
+
+This module knows tables, blocks and the digest definition; it knows nothing about stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import xxhash
+
+from deltasync.layout.blocks import Block, view_cols, view_rows
+from deltasync.layout.table import LayoutTable
+from deltasync.manifest.digest import combine_digests, tensor_digest
+
+_ZEROS = bytes(1 << 20)
+
+
+def _feed_zeros(h: xxhash.xxh3_128, n: int) -> None:
+    while n > 0:
+        k = min(n, len(_ZEROS))
+        h.update(_ZEROS[:k] if k < len(_ZEROS) else _ZEROS)
+        n -= k
+
+
+def _feed(h: xxhash.xxh3_128, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        return
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t if t.is_contiguous() else t.contiguous()  # a column slice: one block's copy
+    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _as2d(t: torch.Tensor) -> torch.Tensor:
+    shape = tuple(t.shape)
+    return t.reshape(view_rows(shape), view_cols(shape))
+
+
+def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
+                        shards: Iterable[str] | None = None) -> dict[str, str]:
+    """``{shard: state digest}`` of the shards ``split_dense(table, full)`` would build."""
+    wanted = set(table.dst_shapes) if shards is None else set(shards)
+    by_dst: dict[tuple[str, str], list[tuple[str, Block]]] = {}
+    for name, pls in table.placements.items():
+        for p in pls:
+            if p.shard in wanted and p.block.size:
+                by_dst.setdefault((p.shard, p.local), []).append((name, p.block))
+    first = next(iter(full.values()))
+    dtype, esize = first.dtype, first.element_size()
+    dtype_s = str(dtype).removeprefix("torch.")
+    out: dict[str, str] = {}
+    for shard in sorted(wanted):
+        entries = []
+        for local, shape in table.dst_shapes[shard].items():
+            blocks = sorted(by_dst.get((shard, local), []), key=lambda nb: nb[1].dst_row)
+            rows, cols = view_rows(shape), view_cols(shape)
+            if all(b.dst_full_width for _, b in blocks):
+                h = xxhash.xxh3_128()
+                cursor = 0
+                for src, b in blocks:
+                    _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
+                    _feed(h, b.src_view(_as2d(full[src])))
+                    cursor = b.dst_row + b.rows
+                _feed_zeros(h, (rows - cursor) * cols * esize)
+                digest = h.digest()
+            else:  # blocks side by side within a row: build this one tensor
+                t = torch.zeros(shape, dtype=dtype)
+                for src, b in blocks:
+                    b.dst_view(_as2d(t)).copy_(b.src_view(_as2d(full[src])))
+                digest = tensor_digest(t)
+            entries.append((local, dtype_s, tuple(shape), digest))
+        out[shard] = combine_digests(entries)
+    return out
