@@ -15,6 +15,7 @@ Workers return plain Python summaries that the test process asserts on.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
 import time
@@ -217,4 +218,136 @@ def run_versions(rank: int, setup: Setup) -> dict:
         if bad:
             out["bad"].append((receiver.version, bad[:3]))
         out["digests"].append(state_digest(receiver.tensors))
+    return out
+
+
+# ---------------------------------------------------------------------- scenario: faults
+
+
+class FailingTracker:
+    """A real tracker whose ``changed()`` raises once when armed (a detection failure)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.fail_next = False
+
+    def changed(self) -> dict[str, torch.Tensor]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("change detection blew up on purpose")
+        return self.inner.changed()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+class CorruptingReceiver(ClusterReceiver):
+    """Flips one byte inside the blob of the next payload it receives, when armed."""
+
+    corrupt_next = False
+
+    def receive(self):
+        got = super().receive()
+        if self.corrupt_next:
+            self.corrupt_next = False
+            payload = got[min(got)]
+            payload[-40] ^= 0x10  # inside the blob's record section, before its digest
+        return got
+
+
+def _attempt(call) -> dict:
+    start = time.monotonic()
+    try:
+        call()
+    except DeltaSyncError as exc:
+        return {
+            "error": type(exc).__name__, "message": str(exc),
+            "peer_failed": isinstance(exc, PeerFailedError),
+            "exchange_error": isinstance(exc, ExchangeError),
+            "anchor_required": getattr(exc, "anchor_required", None),
+            "elapsed_s": time.monotonic() - start,
+        }  # fmt: skip
+    return {"error": None, "elapsed_s": time.monotonic() - start}
+
+
+def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, notes: str) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Versions: anchor 0, delta 1; a failed detection
+    of 2 then its retry; a corrupted payload on rank 2 for 3 then its retry; then rank
+    ``dying_rank`` is SIGKILLed ``death_after_s`` into version 4's exchange (it pickles what it
+    saw so far to ``notes`` first, since it cannot return it)."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    plan = setup.plan()
+    out: dict = {"rank": rank, "steps": []}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        tracker = FailingTracker(trainer.tracker)
+        trainer.tracker = tracker
+        sender = trainer.sender(setup)
+
+        def step(name: str, version: int, *, fail: bool = False, train: bool = True) -> None:
+            if train:
+                trainer.step()
+            tracker.fail_next = fail
+            result = _attempt(lambda: sender.sync(version, anchor=version == 0))
+            result.update(name=name, version_after=sender.version)
+            out["steps"].append(result)
+            broadcast_truth(trainer.canonical_bits())
+
+        step("anchor", 0, train=False)
+        step("delta", 1)
+        step("detection fails", 2, fail=True)
+        step("retry after detection failure", 2, train=False)
+        step("corrupt payload", 3)
+        step("retry after corruption", 3, train=False)
+        # The last version is an anchor in 64-byte chunks: thousands of messages, so that the
+        # death lands inside the exchange rather than before or after it.
+        slow = replace(setup, max_chunk_bytes=64)
+        sender = trainer.sender(slow, version=sender.version)
+        dist.barrier()
+        trainer.step()
+        result = _attempt(lambda: sender.sync(4, anchor=True))
+        result.update(name="receiver killed", version_after=sender.version)
+        out["steps"].append(result)
+        return out
+
+    role = plan.receiver(rank)
+    tensors = empty_shard(setup, role.shard)
+    receiver = CorruptingReceiver(
+        tensors, plan=plan, layout=receiver_layout(setup), version=None, config=setup.config()
+    )
+
+    def step(name: str, *, corrupt: bool = False) -> None:
+        before = snapshot(receiver.tensors)
+        receiver.corrupt_next = corrupt and rank == 2
+        result = _attempt(receiver.sync)
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        result.update(
+            name=name, version_after=receiver.version,
+            unchanged=not mismatched(receiver.tensors, before),
+            exact=not mismatched(receiver.tensors, truth),
+            journal=receiver.journal.state,
+        )  # fmt: skip
+        out["steps"].append(result)
+
+    for name, corrupt in (
+        ("anchor", False), ("delta", False), ("detection fails", False),
+        ("retry after detection failure", False), ("corrupt payload", True),
+        ("retry after corruption", False),
+    ):  # fmt: skip
+        step(name, corrupt=corrupt)
+    slow = replace(setup, max_chunk_bytes=64)
+    receiver = ClusterReceiver(
+        tensors, plan=plan, layout=receiver_layout(slow), version=receiver.version,
+        config=slow.config(),
+    )  # fmt: skip
+    if rank == dying_rank:
+        with open(notes, "wb") as f:
+            pickle.dump(out, f)
+    dist.barrier()
+    if rank == dying_rank:
+        threading.Timer(death_after_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    result = _attempt(receiver.sync)
+    result.update(name="receiver killed", version_after=receiver.version)
+    out["steps"].append(result)
     return out

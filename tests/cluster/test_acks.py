@@ -1,0 +1,80 @@
+"""The joint-commit rows and the verdict every rank derives from them (pure tables)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.cluster import RolePlan, judge
+from deltasync.cluster.acks import UNKNOWN, decode_acks, encode_ack
+from deltasync.errors import ExchangeError
+
+PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"], replicas=2)  # ranks 0-1 write
+D1 = "11" * 16
+D2 = "22" * 16
+
+
+def rows(*entries: dict) -> list:
+    return decode_acks(torch.stack([encode_ack(**e) for e in entries]))
+
+
+def ok(v: int = 5, b: int = 4, digest: str | None = None) -> dict:
+    return dict(version=v, base=b, state_digest=digest)
+
+
+def test_rows_round_trip_every_field() -> None:
+    (a, f) = rows(
+        dict(version=7, base=-1, state_digest=D1),
+        dict(version=None, base=None, failure="IntegrityError: ü" * 40, anchor_required=True),
+    )
+    assert (a.ok, a.version, a.base, a.state_digest, a.anchor_required) == (True, 7, -1, D1, False)
+    assert (f.ok, f.version, f.base, f.state_digest, f.anchor_required) == (
+        False, UNKNOWN, UNKNOWN, None, True,
+    )  # fmt: skip
+    assert f.message.startswith("IntegrityError: ü") and len(f.message.encode()) <= 256
+
+
+def test_every_rank_ok_on_the_same_version_commits() -> None:
+    verdict = judge(rows(ok(), ok(), ok(digest=D1), ok(), ok(digest=D1), ok()), PLAN)
+    assert verdict.ok and verdict.failures == {}
+
+
+# name -> (rows, ranks that must be named, text in the message, anchor_required)
+ABORTS = {
+    "a receiver failed": (
+        [ok(), ok(), ok(), dict(version=None, base=None, failure="DigestMismatchError: bad"),
+         ok(), ok()],
+        {3}, "rank 3 (receiver tp1 replica 0): DigestMismatchError: bad", False,
+    ),
+    "a receiver needs an anchor": (
+        [ok(), ok(), ok(), ok(), ok(),
+         dict(version=None, base=None, failure="AnchorRequiredError: x", anchor_required=True)],
+        {5}, "AnchorRequiredError", True,
+    ),
+    "a receiver applied another version": (
+        [ok(), ok(), ok(), ok(6, 5), ok(), ok()], {3}, "applied version 6 on base 5", False,
+    ),
+    "writers disagree": (
+        [ok(), ok(5, 3), ok(), ok(), ok(), ok()], {1}, "sent version 5 on base 3", False,
+    ),
+    "replicas hash differently": (
+        [ok(), ok(), ok(digest=D1), ok(), ok(digest=D2), ok()], {4}, "differs from replica", False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ABORTS))
+def test_any_failure_or_disagreement_aborts_naming_the_rank(name: str) -> None:
+    entries, ranks, text, anchor = ABORTS[name]
+    verdict = judge(rows(*entries), PLAN)
+    assert not verdict.ok
+    assert set(verdict.failures) == ranks
+    assert text in verdict.message
+    assert verdict.message.startswith("joint commit of version 5 aborted, nothing committed")
+    assert verdict.anchor_required is anchor
+
+
+def test_a_row_from_another_protocol_step_is_an_exchange_error() -> None:
+    bad = torch.stack([encode_ack(**ok()), torch.zeros_like(encode_ack(**ok()))])
+    with pytest.raises(ExchangeError, match="rank 1 sent a row that is not an ack"):
+        decode_acks(bad)

@@ -1,0 +1,64 @@
+"""The envelope: framing of blobs (and forwarded envelopes) in one exchange payload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.cluster import EnvelopeError, pack_envelope, unpack_envelope
+from deltasync.cluster.envelope import flatten
+
+DIGEST = "00112233445566778899aabbccddeeff"
+
+
+def test_packing_then_unpacking_gives_back_the_parts_and_the_digest() -> None:
+    parts = [b"first blob", b"", bytes(range(256)) * 3]
+    data = pack_envelope(parts, state_digest=DIGEST)
+    env = unpack_envelope(data, where="test")
+    assert [bytes(p) for p in env.parts] == parts
+    assert env.state_digest == DIGEST
+    assert not env.nested
+    # The exchange hands payloads over as uint8 tensors: same result, no copy of the parts.
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert [bytes(p) for p in unpack_envelope(tensor, where="t").parts] == parts
+
+
+def test_a_forwarded_bundle_flattens_to_every_blob_and_digest_inside() -> None:
+    a = pack_envelope([b"blob of writer 0"], state_digest=DIGEST)
+    b = pack_envelope([b"blob of writer 1"])
+    blobs, digests = flatten(pack_envelope([a, b], nested=True), where="test")
+    assert [bytes(x) for x in blobs] == [b"blob of writer 0", b"blob of writer 1"]
+    assert digests == [DIGEST]
+
+
+def test_an_envelope_without_a_digest_says_so() -> None:
+    assert unpack_envelope(pack_envelope([b"x"]), where="t").state_digest is None
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda d: d[:10], "shorter than an envelope header"),
+        (lambda d: b"NOTENVEL" + d[8:], "not a deltasync envelope"),
+        (lambda d: d[:8] + b"\x03" + d[9:], "header check failed"),  # count 2 -> 3
+        (lambda d: d[:12] + b"\x04" + d[13:], "unknown flags"),
+        (lambda d: d[:-1], "follow the header"),
+        (lambda d: d + b"\0", "follow the header"),
+        (lambda d: d[:36] + bytes([d[36] ^ 1]) + d[37:], "header check failed"),  # a length
+    ],
+)
+def test_a_damaged_envelope_is_refused_naming_what_is_wrong(damage, match: str) -> None:
+    data = pack_envelope([b"abc", b"defgh"], state_digest=DIGEST)
+    with pytest.raises(EnvelopeError, match=match):
+        unpack_envelope(damage(data), where="payload from rank 3")
+
+
+def test_a_bundle_forwarded_twice_is_refused() -> None:
+    inner = pack_envelope([pack_envelope([b"x"])], nested=True)
+    with pytest.raises(EnvelopeError, match="nested twice"):
+        flatten(pack_envelope([inner], nested=True), where="t")
+
+
+def test_a_digest_that_is_not_32_hex_characters_cannot_be_packed() -> None:
+    with pytest.raises(EnvelopeError, match="32 hex"):
+        pack_envelope([b"x"], state_digest="abc")

@@ -1,0 +1,89 @@
+"""Faults in real gloo processes: a failed detection, a corrupted payload, a receiver killed
+mid-exchange. Every rank fails together, nothing is committed, retries converge, none hangs."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from cluster_testkit import Setup, run_faults
+
+from deltasync.exchange import spawn
+
+SETUP = Setup(timeout_s=3.0)
+DEATH_AFTER_S = 0.5  # the killed version's exchange takes >1 s (64-byte chunks, an anchor)
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    notes = tmp_path_factory.mktemp("faults") / "rank2.pickle"
+    results = spawn(run_faults, 3, SETUP, 2, DEATH_AFTER_S, str(notes), timeout_s=100, may_die={2})
+    assert results[2] is None  # the receiver really died
+    with open(notes, "rb") as f:
+        results[2] = pickle.load(f)  # what it saw before its death
+    return {rank: {s["name"]: s for s in r["steps"]} for rank, r in enumerate(results)}
+
+
+@pytest.mark.timeout(150)
+def test_a_failed_detection_makes_every_rank_raise_the_same_peer_failed_error_promptly(faults) -> None:
+    steps = [faults[r]["detection fails"] for r in (0, 1)]
+    assert {s["error"] for s in steps} == {"PeerFailedError"}
+    assert len({s["message"] for s in steps}) == 1
+    assert "rank 0 failed before sending" in steps[0]["message"]
+    assert "change detection blew up on purpose" in steps[0]["message"]
+    assert all(s["elapsed_s"] < 2.0 for s in steps)
+    assert faults[0]["detection fails"]["version_after"] == 1  # baseline not advanced
+    for rank in (1, 2):
+        receiver = faults[rank]["detection fails"]
+        assert receiver["error"] == "PeerFailedError"
+        assert receiver["unchanged"] and receiver["version_after"] == 1
+
+
+@pytest.mark.timeout(150)
+def test_the_retry_after_a_failed_detection_converges(faults) -> None:
+    assert faults[0]["retry after detection failure"]["error"] is None
+    for rank in (1, 2):
+        step = faults[rank]["retry after detection failure"]
+        assert step["error"] is None and step["exact"] and step["version_after"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_a_corrupted_payload_aborts_the_version_on_every_rank_and_the_trainer_keeps_its_baseline(
+    faults,
+) -> None:
+    trainer = faults[0]["corrupt payload"]
+    assert trainer["error"] == "SyncAbortedError"
+    assert "rank 2 (receiver tp1 replica 0): DigestMismatchError" in trainer["message"]
+    assert trainer["version_after"] == 2
+    corrupt = faults[2]["corrupt payload"]
+    assert corrupt["error"] == "DigestMismatchError"  # the storage path's error for a bad blob
+    assert corrupt["unchanged"] and corrupt["version_after"] == 2
+    assert corrupt["journal"].applying is None  # refused before the journal: nothing written
+    other = faults[1]["corrupt payload"]
+    assert other["error"] == "SyncAbortedError" and other["message"] == trainer["message"]
+    assert other["version_after"] == 2
+    # It applied the attempt before learning of the failure; the journal says so.
+    assert other["journal"].applying == (3, 2) and other["journal"].committed == 2
+
+
+@pytest.mark.timeout(150)
+def test_the_retry_after_a_corrupted_payload_converges_on_every_receiver(faults) -> None:
+    assert faults[0]["retry after corruption"]["error"] is None
+    assert faults[0]["retry after corruption"]["version_after"] == 3
+    for rank in (1, 2):
+        step = faults[rank]["retry after corruption"]
+        assert step["error"] is None and step["exact"] and step["version_after"] == 3
+        assert step["journal"].applying is None
+
+
+@pytest.mark.timeout(150)
+def test_a_receiver_killed_mid_exchange_makes_the_others_raise_promptly_without_committing(
+    faults,
+) -> None:
+    for rank in (0, 1):
+        step = faults[rank]["receiver killed"]
+        assert step["exchange_error"] and not step["peer_failed"], step
+        assert "exchange round" in step["message"] or "joint commit" in step["message"], step
+        # the connection closes at once; a timeout would take SETUP.timeout_s at the worst
+        assert step["elapsed_s"] < DEATH_AFTER_S + SETUP.timeout_s + 2.0, step
+        assert step["version_after"] == 3

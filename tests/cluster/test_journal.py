@@ -1,0 +1,63 @@
+"""The in-cluster receiver journal: what it accepts, and that it survives a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltasync.cluster import AnchorRequiredError, ClusterJournal, JournalState
+from deltasync.errors import BaseVersionMismatchError
+from deltasync.receiver import LocalStateError
+
+
+def test_a_fresh_receiver_accepts_only_an_anchor() -> None:
+    j = ClusterJournal(version=None)
+    j.accepts(version=0, base=-1, where="t")
+    with pytest.raises(AnchorRequiredError, match="holds no verified version"):
+        j.accepts(version=1, base=0, where="t")
+
+
+def test_a_delta_on_another_base_is_refused_as_a_base_mismatch() -> None:
+    j = ClusterJournal(version=4)
+    j.accepts(version=5, base=4, where="t")
+    with pytest.raises(BaseVersionMismatchError, match="holds version 4"):
+        j.accepts(version=6, base=5, where="t")
+
+
+def test_an_uncommitted_apply_still_accepts_the_retry_on_the_same_base() -> None:
+    j = ClusterJournal(version=4)
+    j.begin(5, 4)
+    assert j.state == JournalState(committed=4, applying=(5, 4))
+    j.accepts(version=5, base=4, where="t")  # the retry converges: see the module docstring
+    j.commit(5)
+    assert j.state == JournalState(committed=5)
+
+
+def test_a_dirty_receiver_accepts_only_an_anchor_until_one_commits() -> None:
+    j = ClusterJournal(version=4)
+    j.begin(5, 4)
+    j.mark_dirty()
+    with pytest.raises(AnchorRequiredError, match="is dirty"):
+        j.accepts(version=5, base=4, where="t")
+    j.accepts(version=5, base=-1, where="t")
+    j.begin(5, -1)
+    assert j.state.dirty  # still dirty until the anchor is committed
+    j.commit(5)
+    assert j.state == JournalState(committed=5)
+
+
+def test_the_journal_file_survives_a_restart_and_wins_over_the_given_version(tmp_path: Path) -> None:
+    path = tmp_path / "journal.json"
+    j = ClusterJournal(version=2, path=path)
+    j.begin(3, 2)
+    again = ClusterJournal(version=0, path=path)  # a restarted receiver
+    assert again.state == JournalState(committed=2, applying=(3, 2))
+    assert not list(tmp_path.glob(".*tmp*"))  # written through a renamed temporary file
+
+
+def test_a_damaged_journal_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "journal.json"
+    path.write_text('{"committed": "two"}')
+    with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
+        ClusterJournal(version=None, path=path)

@@ -1,0 +1,251 @@
+"""The sender's payloads applied by receivers in one process, with no process group: the data
+path (detect, route, encode, frame; unwrap, verify, decode, merge, journal, apply, digest) and
+every refusal that must leave the live tensors bitwise untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.cluster import (
+    AnchorRequiredError,
+    ClusterConfig,
+    ClusterReceiver,
+    ClusterSender,
+    EnvelopeError,
+    JournalState,
+    RolePlan,
+    pack_envelope,
+)
+from deltasync.errors import (
+    BaseVersionMismatchError,
+    ConfigError,
+    DigestMismatchError,
+    IntegrityError,
+    VersionError,
+)
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.receiver import MissingBlobError
+from deltasync.trainer import SnapshotTracker
+
+CONFIG = dict(
+    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=251,
+    tie_word_embeddings=False,
+)  # fmt: skip
+SPEC = ModelSpec.from_hf_config(CONFIG)
+TRAINER = TrainerLayout(SPEC)
+RECEIVERS = ReceiverLayout.build(SPEC, "vllm", tp=2)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+class World:
+    """Writers (FSDP dim-0 halves of one fp32 model, exact snapshot trackers) and receivers
+    (two TP shards x ``replicas``), exchanging payloads by hand."""
+
+    def __init__(self, *, writers: int = 1, replicas: int = 1, mode: str = "direct", digest_every: int = 0):
+        g = torch.Generator().manual_seed(0)
+        self.full = {
+            n: torch.randn(s, generator=g) * 0.05 for n, s in TRAINER.param_shapes().items()
+        }
+        self.gen = torch.Generator().manual_seed(1)
+        self.plan = RolePlan.contiguous(
+            num_writers=writers, shards=["tp0", "tp1"], replicas=replicas, dp_mode=mode
+        )
+        config = ClusterConfig(digest_every=digest_every)
+        self.senders = []
+        for w in self.plan.writers:
+            mine = {}
+            for n, p in self.full.items():
+                start, stop = fsdp_dim0_rows(p.shape[0], w.index, w.count)
+                mine[n] = p[start:stop]  # a view: the writer sees the trained values
+            self.senders.append(ClusterSender(
+                SnapshotTracker(mine.items()), mine, plan=self.plan, rank=w.rank,
+                trainer_layout=TRAINER, receiver_layout=RECEIVERS, version=None,
+                config=config, full_state=self.full,
+            ))  # fmt: skip
+        self.receivers = {
+            r.rank: ClusterReceiver(
+                {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in RECEIVERS.local_specs(r.shard).items()},
+                plan=self.plan, rank=r.rank, layout=RECEIVERS, version=None, config=config,
+            )
+            for r in self.plan.receivers
+        }  # fmt: skip
+
+    def step(self, fraction: float = 0.02) -> None:
+        """Move a random ``fraction`` of every param by a BF16-visible amount."""
+        for p in self.full.values():
+            mask = torch.rand(p.shape, generator=self.gen) < fraction
+            p.add_(mask * 0.01)
+
+    def payloads(self, version: int, *, anchor: bool = False) -> dict[int, dict[int, bytes]]:
+        """``{receiver rank: {source rank: payload}}`` as the exchange(s) would deliver them."""
+        inbox: dict[int, dict[int, bytes]] = {r: {} for r in self.receivers}
+        for s in self.senders:
+            out = s.payloads_for_version(version, anchor=anchor)
+            for dst, payload in out.payloads.items():
+                inbox[dst][s.rank] = payload
+        for rank in self.receivers:  # the forward exchange, as ClusterReceiver.receive builds it
+            for target in self.plan.forward_targets(rank):
+                got = inbox[rank]
+                inbox[target] = {rank: pack_envelope([got[s] for s in sorted(got)], nested=True)}
+        return inbox
+
+    def commit(self, version: int, applied: dict[int, object]) -> None:
+        """What a positive joint commit does on every rank."""
+        for s in self.senders:
+            s.tracker.clear()
+            s.version = version
+        for rank in applied:
+            self.receivers[rank].journal.commit(version)
+
+    def sync(self, version: int, *, anchor: bool = False) -> None:
+        inbox = self.payloads(version, anchor=anchor)
+        reports = {r: self.receivers[r].apply_payload(inbox[r]) for r in self.receivers}
+        self.commit(version, reports)
+
+    def mismatches(self) -> list[tuple[int, str]]:
+        bf16 = {n: p.to(torch.bfloat16) for n, p in self.full.items()}
+        truth = RECEIVERS.split(TRAINER.to_canonical(bf16))
+        out = []
+        for rank, rec in self.receivers.items():
+            for n, t in rec.tensors.items():
+                if not torch.equal(bits(t), bits(truth[rec.shard][n])):
+                    out.append((rank, n))
+        return out
+
+    def snapshot(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {r: {n: t.clone() for n, t in rec.tensors.items()} for r, rec in self.receivers.items()}
+
+    def unchanged_since(self, snap: dict[int, dict[str, torch.Tensor]]) -> bool:
+        return all(
+            torch.equal(bits(t), bits(snap[r][n]))
+            for r, rec in self.receivers.items() for n, t in rec.tensors.items()
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("writers", "replicas", "mode"),
+    [(1, 1, "direct"), (2, 1, "direct"), (2, 2, "forward"), (1, 3, "direct")],
+)
+def test_an_anchor_then_deltas_leave_every_receiver_bit_identical_to_a_dense_split(
+    writers: int, replicas: int, mode: str
+) -> None:
+    world = World(writers=writers, replicas=replicas, mode=mode, digest_every=2)
+    world.sync(0, anchor=True)
+    assert world.mismatches() == []
+    for v in range(1, 5):
+        world.step()
+        world.sync(v)
+        assert world.mismatches() == [], v
+    assert {r.version for r in world.receivers.values()} == {4}
+
+
+def test_two_fsdp_writers_send_disjoint_halves_that_merge_into_one_writers_state() -> None:
+    one, two = World(writers=1), World(writers=2)
+    for world in (one, two):
+        world.sync(0, anchor=True)
+        world.step()
+        world.sync(1)
+    by_shard = {r.shard: r.tensors for r in two.receivers.values()}
+    for rec in one.receivers.values():
+        a, b = rec.tensors, by_shard[rec.shard]
+        assert all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
+    sizes = [s.payloads_for_version(2).shard_bytes["tp0"] for s in two.senders]
+    assert all(n > 0 for n in sizes)
+
+
+def test_a_delta_on_the_wrong_base_is_refused_before_any_write() -> None:
+    world = World()
+    world.sync(0, anchor=True)
+    world.step()
+    world.sync(1)
+    world.step()
+    stale = world.payloads(2)
+    world.senders[0].version = 0  # a trainer that lost track: base 0 while receivers hold 1
+    wrong = world.payloads(2)
+    before = world.snapshot()
+    for rank, rec in world.receivers.items():
+        with pytest.raises(BaseVersionMismatchError, match="holds version 1"):
+            rec.apply_payload(wrong[rank])
+        assert rec.journal.state == JournalState(committed=1)
+    assert world.unchanged_since(before)
+    for rank, rec in world.receivers.items():  # the right payload still applies afterwards
+        rec.apply_payload(stale[rank])
+
+
+def test_a_delta_to_a_receiver_holding_nothing_asks_for_an_anchor() -> None:
+    world = World()
+    world.senders[0].version = 0  # pretends receivers hold version 0
+    inbox = world.payloads(1)
+    rec = world.receivers[1]
+    with pytest.raises(AnchorRequiredError, match="anchor"):
+        rec.apply_payload(inbox[1])
+    assert all(int(t.abs().sum()) == 0 for t in rec.tensors.values())
+
+
+def test_the_first_sync_of_a_sender_must_be_an_anchor_and_versions_must_grow() -> None:
+    world = World()
+    with pytest.raises(AnchorRequiredError):
+        world.senders[0].payloads_for_version(0)
+    world.sync(0, anchor=True)
+    with pytest.raises(VersionError, match="not after the committed version 0"):
+        world.senders[0].payloads_for_version(0)
+
+
+def test_a_corrupted_payload_raises_the_storage_paths_error_and_writes_nothing() -> None:
+    world = World(writers=2)
+    world.sync(0, anchor=True)
+    world.step()
+    inbox = world.payloads(1)
+    damaged = bytearray(inbox[2][1])
+    damaged[-40] ^= 0x01  # inside writer 1's blob for tp1
+    before = world.snapshot()
+    with pytest.raises(DigestMismatchError):
+        world.receivers[2].apply_payload({0: inbox[2][0], 1: bytes(damaged)})
+    assert world.unchanged_since(before)
+    assert world.receivers[2].journal.state == JournalState(committed=0)
+
+
+def test_a_missing_writer_or_an_unexpected_source_is_refused() -> None:
+    world = World(writers=2)
+    world.sync(0, anchor=True)
+    inbox = world.payloads(1, anchor=True)
+    with pytest.raises(MissingBlobError, match=r"no payload from ranks \[1\]"):
+        world.receivers[2].apply_payload({0: inbox[2][0]})
+    with pytest.raises(EnvelopeError, match="does not name"):
+        world.receivers[2].apply_payload({**inbox[2], 3: inbox[3][0]})
+
+
+def test_a_state_that_does_not_match_the_trainers_digest_goes_dirty_until_an_anchor() -> None:
+    world = World(digest_every=1)
+    world.sync(0, anchor=True)
+    world.step()
+    inbox = world.payloads(1)
+    rec = world.receivers[1]
+    name = next(iter(rec.tensors))
+    rec.tensors[name].view(-1)[-1] += 1  # drift outside what any delta rewrites
+    with pytest.raises(IntegrityError, match="only an anchor is accepted"):
+        rec.apply_payload(inbox[1])
+    assert rec.journal.state.dirty
+    with pytest.raises(AnchorRequiredError, match="dirty"):
+        rec.apply_payload(inbox[1])
+    anchor = world.payloads(1, anchor=True)
+    for rank, r in world.receivers.items():
+        r.apply_payload(anchor[rank])
+    world.commit(1, world.receivers)
+    assert world.mismatches() == [] and not rec.journal.state.dirty
+
+
+def test_writer_zero_of_several_needs_the_full_state_for_digests() -> None:
+    plan = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"])
+    params = {n: torch.zeros(TRAINER.shard_shape(n, 0, 2)) for n in TRAINER.param_shapes()}
+    sender = ClusterSender(
+        SnapshotTracker(params.items()), params, plan=plan, rank=0, trainer_layout=TRAINER,
+        receiver_layout=RECEIVERS, version=None, config=ClusterConfig(digest_every=1),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="needs full_state"):
+        sender.payloads_for_version(0, anchor=True)
