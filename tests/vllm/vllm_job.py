@@ -22,7 +22,8 @@ import torch
 def main(path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    spec = json.load(open(path))
+    with open(path) as f:
+        spec = json.load(f)
     llm = LLM(
         model=spec["checkpoint"],
         skip_tokenizer_init=True,
@@ -55,7 +56,8 @@ def main(path: str) -> None:
             llm.collective_rpc("deltasync_load", args=(torch.load(spec["load"]), spec["version"]))
         written = 0
         for version, blob_path in spec.get("blobs", []):
-            blob = open(blob_path, "rb").read()
+            with open(blob_path, "rb") as f:
+                blob = f.read()
             written += sum(
                 llm.collective_rpc("deltasync_apply", args=({"tp0": blob}, version, version - 1))
             )
