@@ -86,6 +86,7 @@ class Publisher:
         # The version whose state the caller's ``changed`` is relative to, as far as this
         # process knows (None: unknown, so the next version is an anchor).
         self.baseline: int | None = None
+        self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         if self.config.is_committer:
             self.repair_latest()
 
@@ -150,12 +151,14 @@ class Publisher:
             )  # fmt: skip
         build_s = time.perf_counter() - t
 
-        with ThreadPoolExecutor(cfg.upload_threads, thread_name_prefix="ds-upload") as pool:
-            t = time.perf_counter()
-            entries, futures, shard_bytes, shard_elements = self._encode_and_upload(
-                pool, version, base, updates
-            )
-            encode_s = time.perf_counter() - t
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(cfg.upload_threads, thread_name_prefix="ds-upload")
+        t = time.perf_counter()
+        entries, futures, shard_bytes, shard_elements = self._encode_and_upload(
+            self._pool, version, base, updates
+        )
+        encode_s = time.perf_counter() - t
+        try:
             t = time.perf_counter()
             digests = None
             if cfg.is_committer:  # overlaps with the uploads still running
@@ -164,10 +167,13 @@ class Publisher:
                 digests = shard_digests(state)
             del state
             digest_s = time.perf_counter() - t
+        finally:
             t = time.perf_counter()
-            for f in futures:
-                f.result()  # re-raises an upload's StoreError: nothing gets committed
+            errors = [f.exception() for f in futures]  # wait for all before anything else
             upload_s = time.perf_counter() - t
+        for exc in errors:
+            if exc is not None:
+                raise exc  # an upload's StoreError: nothing gets committed
 
         t = time.perf_counter()
         marker = WriterMarker(
@@ -296,6 +302,12 @@ class Publisher:
                 f"(writers {list(manifest.writers)}): another publisher attempt won the commit. "
                 "This writer's changes are kept; resync before publishing again"
             )
+
+    def close(self) -> None:
+        """Stop the upload threads (a later publish starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # --- joint commit, staleness, retention -------------------------------------------
 
