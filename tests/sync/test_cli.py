@@ -1,0 +1,115 @@
+"""The command line: ``deltasync inspect`` shows versions, kinds, bytes, density and acks;
+``deltasync pull`` keeps ``DIR/<shard>.safetensors`` equal to the dense split of the newest
+version, bootstrapping from an anchor and then applying deltas across restarts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from deltasync.cli import main
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.receiver import Receiver
+from deltasync.trainer import SnapshotTracker
+
+from sync_kit import TINY, TinyTrainer, assert_same_bits, expected_shards, layouts, rconfig, scratch_store, zero_tensors
+
+
+class Rig:
+    def __init__(self, tmp_path):
+        self.spec, self.tl, self.rl = layouts()
+        self.path = tmp_path / "store"
+        self.store = scratch_store(self.path)
+        self.trainer = TinyTrainer(self.spec, density=0.02)
+        pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(anchor_every=3))
+        self.sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), pub,
+                                self.trainer.params)  # fmt: skip
+        self.version = -1
+
+    def publish(self, n=1):
+        for _ in range(n):
+            self.version += 1
+            if self.version:
+                self.trainer.step()
+            self.sync.step_published(self.version)
+        return expected_shards(self.trainer.params, self.tl, self.rl)
+
+
+@pytest.mark.timeout(60)
+def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
+    rig = Rig(tmp_path)
+    rec = Receiver.for_layout(rig.store, rig.rl, "tp1", zero_tensors(rig.rl, "tp1"),
+                              str(tmp_path / "r"), rconfig("watcher"))  # fmt: skip
+    rig.publish(3)
+    rec.pull()
+    rig.publish(1)
+    assert main(["inspect", str(rig.path)]) == 0
+    out = capsys.readouterr().out
+    assert "LATEST=3" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("0", "anchor", "-", "tp0"), ("0", "anchor", "-", "tp1"),
+        ("1", "delta", "0", "tp0"), ("1", "delta", "0", "tp1"),
+        ("2", "delta", "1", "tp0"), ("2", "delta", "1", "tp1"),
+        ("3", "anchor", "-", "tp0"), ("3", "anchor", "-", "tp1"),
+    ]  # fmt: skip
+    assert rows[5][-1] == "watcher" and rows[4][-1] == "-"  # acked by the tp1 receiver only
+    assert rows[0][-2] == "100.00%", "an anchor sends every element"
+    assert "watcher" in out.split("receivers:")[1]
+
+    assert main(["inspect", str(rig.path), "--json", "--last", "2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(r["version"], r["shard"]) for r in info["rows"]] == [
+        (2, "tp0"), (2, "tp1"), (3, "tp0"), (3, "tp1")
+    ]
+    delta = info["rows"][0]
+    numel = sum(s.shape[0] * (s.shape[1] if len(s.shape) > 1 else 1)
+                for s in rig.rl.local_specs("tp0").values())  # fmt: skip
+    assert 0 < delta["density"] < 1 and delta["density"] == delta["elements"] / numel
+    assert delta["bytes"] > 0
+
+
+def _pull(rig, tmp_path, *extra):
+    return main([
+        "pull", str(rig.path), "--engine", "vllm", "--tp", "2", "--shard", "tp1",
+        "--dir", str(tmp_path / "weights"), *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_pull_keeps_a_safetensors_file_equal_to_the_split_across_restarts(tmp_path, capsys):
+    rig = Rig(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    want = rig.publish(2)  # anchor 0, delta 1
+    assert _pull(rig, tmp_path, "--config", str(config), "--once") == 0
+    file = tmp_path / "weights" / "tp1.safetensors"
+    assert_same_bits(load_file(str(file)), want["tp1"])
+    with safe_open(str(file), framework="pt") as f:
+        assert f.metadata()["deltasync_version"] == "1"
+    assert "applied [0, 1]" in capsys.readouterr().out
+
+    want = rig.publish(1)  # a restarted sidecar continues from the file with a delta
+    assert _pull(rig, tmp_path, "--once") == 0  # no --config: specs from the newest anchor
+    assert "applied [2]" in capsys.readouterr().out
+    assert_same_bits(load_file(str(file)), want["tp1"])
+
+    want = rig.publish(2)  # a loop of two pulls picks up versions 3 (anchor) and 4
+    assert _pull(rig, tmp_path, "--interval", "0.01", "--iterations", "2") == 0
+    assert_same_bits(load_file(str(file)), want["tp1"])
+
+    # a file edited behind the sidecar's back no longer matches its digest: restored
+    tensors = load_file(str(file))
+    next(iter(tensors.values())).view(-1)[0] += 1
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(file), metadata=meta)
+    capsys.readouterr()
+    assert _pull(rig, tmp_path, "--once") == 0
+    assert "restoring an anchor" in capsys.readouterr().out
+    assert_same_bits(load_file(str(file)), want["tp1"])
