@@ -229,3 +229,14 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
 def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         PublisherConfig(**kwargs)
+
+
+@pytest.mark.parametrize("engine, tp", [("vllm", 2), ("hf", 1)])
+def test_digests_hashed_from_canonical_tensors_equal_digests_of_the_split_shards(engine, tp):
+    from deltasync.publish import full_shard_tensors, shard_digests, state_digests
+
+    spec, tl, rl = layouts(engine=engine, tp=tp)
+    tr = TinyTrainer(spec)
+    tr.step()
+    kw = dict(trainer_layout=tl, receiver_layout=rl)
+    assert state_digests(tr.params, **kw) == shard_digests(full_shard_tensors(tr.params, **kw))

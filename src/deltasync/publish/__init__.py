@@ -24,6 +24,7 @@ from deltasync.publish.updates import (
     route_to_shards,
     shard_digests,
     shard_updates,
+    state_digests,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "route_to_shards",
     "shard_digests",
     "shard_updates",
+    "state_digests",
 ]

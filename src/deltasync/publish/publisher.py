@@ -58,6 +58,7 @@ from deltasync.publish.updates import (
     full_shard_tensors,
     shard_digests,
     shard_updates,
+    state_digests,
 )
 from deltasync.receiver.catalog import Catalog
 from deltasync.store import Store
@@ -163,8 +164,9 @@ class Publisher:
             digests = None
             if cfg.is_committer:  # overlaps with the uploads still running
                 if state is None:
-                    state = self._full_state_shards(self._resolve_full(params, full_state))
-                digests = shard_digests(state)
+                    digests = self._digests(self._resolve_full(params, full_state))
+                else:
+                    digests = shard_digests(state)
             del state
             digest_s = time.perf_counter() - t
         finally:
@@ -251,6 +253,9 @@ class Publisher:
             futures.append(pool.submit(self.store.put_stream, key, chunks))
         return entries, futures, shard_bytes, shard_elements
 
+    def _digests(self, full: Params) -> dict[str, str]:
+        return state_digests(full, trainer_layout=self.trainer_layout, receiver_layout=self.layout)
+
     def _full_state_shards(self, params: Params) -> ShardTensors:
         return full_shard_tensors(
             params, trainer_layout=self.trainer_layout, receiver_layout=self.layout
@@ -278,7 +283,7 @@ class Publisher:
                 f"{committed}"
             ) from None
         if self.config.is_committer:
-            digests = shard_digests(self._full_state_shards(self._resolve_full(params, full_state)))
+            digests = self._digests(self._resolve_full(params, full_state))
             if digests != dict(manifest.shard_digests):
                 raise CommitConflictError(
                     f"version {version} is already committed (writers {list(manifest.writers)}) "

@@ -12,8 +12,10 @@ Data flow (no I/O, no store, no process group, so the in-cluster exchange reuses
 
 and for anchors and digests, :func:`full_shard_tensors` builds every shard's complete BF16
 state from the FULL parameters (never from a delta iterator), so an anchor cannot inherit a
-detection miss. Cost: a transient BF16 copy of the model (~3x its BF16 size at the peak:
-the cast, the canonical view, the shard split), which this module deliberately does not hide.
+detection miss. Cost: a transient BF16 copy of the model (the cast and the canonical view;
+anchors also the shard split), which this module deliberately does not hide. The digests of a
+delta's resulting state (:func:`state_digests`) are hashed from the canonical tensors without
+building the shards.
 
 This module knows layouts and TensorUpdate; it knows nothing about blobs, keys or stores.
 """
@@ -27,6 +29,7 @@ import torch
 from deltasync.errors import ConfigError, LayoutError
 from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.digests import shard_state_digests
 from deltasync.manifest import state_digest
 
 ShardUpdates = dict[str, list[TensorUpdate]]
@@ -141,6 +144,14 @@ def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {n: torch.arange(p.numel(), dtype=torch.int64) for n, p in params.items()}
 
 
+def canonical_bf16(
+    params: Mapping[str, torch.Tensor], *, trainer_layout: TrainerLayout
+) -> dict[str, torch.Tensor]:
+    """The FULL trainer params (all names, full shapes) as canonical BF16 tensors."""
+    bf16 = {n: _check_param(n, p).to(torch.bfloat16).cpu() for n, p in params.items()}
+    return trainer_layout.to_canonical(bf16)
+
+
 def full_shard_tensors(
     params: Mapping[str, torch.Tensor],
     *,
@@ -149,10 +160,19 @@ def full_shard_tensors(
 ) -> ShardTensors:
     """Every receiver shard's complete BF16 state from the FULL trainer params (all names,
     full shapes): what a dense refit writes, vLLM vocabulary padding zero."""
-    bf16 = {n: _check_param(n, p).to(torch.bfloat16).cpu() for n, p in params.items()}
-    canonical = trainer_layout.to_canonical(bf16)
-    del bf16
-    return receiver_layout.split(canonical)
+    return receiver_layout.split(canonical_bf16(params, trainer_layout=trainer_layout))
+
+
+def state_digests(
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+) -> dict[str, str]:
+    """``{shard: state_digest}`` of :func:`full_shard_tensors` without building the shards:
+    hashed straight from the canonical tensors (one read of the BF16 state)."""
+    canonical = canonical_bf16(params, trainer_layout=trainer_layout)
+    return shard_state_digests(receiver_layout.table, canonical)
 
 
 def shard_digests(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
