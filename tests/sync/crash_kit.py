@@ -18,7 +18,7 @@ from sync_kit import GateStore, TinyTrainer, layouts, rconfig, scratch_store
 FROZEN_S = 120  # a frozen child waits this long for its SIGKILL
 
 
-def publisher_child(make_store, versions: int, kill_at, frozen, seed: int, anchor_every: int) -> None:
+def publisher_child(make_store, versions, kill_at, frozen, seed, anchor_every) -> None:
     """Train deterministically and publish ``versions`` versions; freeze at ``kill_at``
     ((op, key predicate)) after setting ``frozen``, to be killed there."""
     spec, tl, rl = layouts()

@@ -17,7 +17,7 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -62,10 +62,12 @@ class TinyTrainer:
         shapes = TrainerLayout(spec).param_shapes()
         self.params = {
             n: torch.nn.Parameter(
-                torch.ones(s) if n.endswith("norm.weight") else torch.randn(s, generator=self.gen) * 0.02
+                torch.ones(s)
+                if n.endswith("norm.weight")
+                else torch.randn(s, generator=self.gen) * 0.02
             )
             for n, s in shapes.items()
-        }  # fmt: skip
+        }
         self.opt = torch.optim.AdamW(self.params.values(), lr=lr, foreach=False)
         self.density = density
         self.steps = 0
@@ -125,9 +127,8 @@ def assert_same_bits(actual: dict, expected: dict, what: str = "") -> None:
 
 
 def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:
-    return {
-        n: torch.zeros(s.shape, dtype=s.dtype) for n, s in receiver_layout.local_specs(shard).items()
-    }
+    specs = receiver_layout.local_specs(shard)
+    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
 
 
 # --- fakes over the Store protocol ---------------------------------------------------------
@@ -266,7 +267,3 @@ def kill(proc: mp.Process) -> None:
     proc.kill()  # SIGKILL
     proc.join(10)
     assert proc.exitcode == -9, f"child exit code {proc.exitcode}, expected SIGKILL"
-
-
-def drain(iterable: Iterable) -> list:
-    return list(iterable)

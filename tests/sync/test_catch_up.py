@@ -36,7 +36,8 @@ class Rig:
         self.store = scratch_store(tmp_path / "store")
         self.trainer = TinyTrainer(self.spec)
         tracker = AdamWTracker(self.trainer.opt, self.trainer.named_parameters())
-        self.pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(**pub_config))
+        config = PublisherConfig(**pub_config)
+        self.pub = Publisher(self.store, receiver_layout=self.rl, config=config)
         self.sync = TrainerSync(tracker, self.pub, self.trainer.params)
         self.tmp = tmp_path
         self.states = {}
@@ -115,7 +116,7 @@ def test_gc_keeps_every_version_a_live_receiver_still_needs_and_drops_the_rest(t
 
 
 @pytest.mark.timeout(60)
-def test_a_dead_receivers_versions_are_collected_and_it_recovers_through_the_newest_anchor(tmp_path):
+def test_a_dead_receivers_versions_are_collected_and_it_recovers_from_the_newest_anchor(tmp_path):
     rig = Rig(tmp_path, anchor_every=5, keep_versions=1, receiver_ttl_s=0.5)
     dead = rig.receiver("dead")
     rig.publish(0)
@@ -131,7 +132,7 @@ def test_a_dead_receivers_versions_are_collected_and_it_recovers_through_the_new
 
 
 @pytest.mark.timeout(60)
-def test_wait_for_acks_returns_when_all_named_receivers_hold_the_version_and_names_the_missing(tmp_path):
+def test_wait_for_acks_returns_once_all_named_receivers_hold_the_version_else_names_them(tmp_path):
     rig = Rig(tmp_path)
     a, b = rig.receiver("a"), rig.receiver("b", "tp1")
     rig.publish(0)

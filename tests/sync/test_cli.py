@@ -15,7 +15,16 @@ from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
 
-from sync_kit import TINY, TinyTrainer, assert_same_bits, expected_shards, layouts, rconfig, scratch_store, zero_tensors
+from sync_kit import (
+    TINY,
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    scratch_store,
+    zero_tensors,
+)
 
 
 class Rig:

@@ -137,7 +137,8 @@ def _receiver_rig(anchor_every, tmp_path, shard="tp0"):
 def _kill_receiver_mid_apply(tmp_path, stop_after, shard="tp0"):
     file, state_dir = tmp_path / f"{shard}.bin", tmp_path / "victim-state"
     frozen = mp.get_context("fork").Event()
-    child = fork_child(receiver_child, tmp_path / "store", shard, file, state_dir, stop_after, frozen)
+    store = tmp_path / "store"
+    child = fork_child(receiver_child, store, shard, file, state_dir, stop_after, frozen)
     assert frozen.wait(60), "the receiver never reached the pause"
     kill(child)
     return file, state_dir

@@ -81,6 +81,7 @@ def test_every_version_reaches_vllm_and_hf_receivers_bit_exactly(backend, tmp_pa
     ref = Qwen3ForCausalLM(trainer.config)
     ref.load_state_dict({n: p.detach() for n, p in trainer.model.state_dict().items()})
     ref = ref.to(torch.bfloat16).eval()
-    ids = torch.randint(0, trainer.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, trainer.config.vocab_size, (1, 8), generator=gen)
     with torch.no_grad():
         assert torch.equal(engine(ids).logits.view(torch.int16), ref(ids).logits.view(torch.int16))

@@ -55,7 +55,8 @@ def test_values_are_the_round_to_nearest_even_bf16_of_the_fp32_master_never_diff
         # 1 + 2^-8 is a BF16 tie: RNE rounds it to 1.0; 1 + 3*2^-9 rounds up to 1 + 2^-7
         tr.params[name][0] = 1.0 + 2.0**-8
         tr.params[name][1] = 1.0 + 3 * 2.0**-9
-    ups = shard_updates({name: torch.tensor([0, 1])}, tr.params, trainer_layout=tl, receiver_layout=rl)
+    changed = {name: torch.tensor([0, 1])}
+    ups = shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl)
     (u,) = ups["tp0"]
     assert u.values.tolist() == [1.0, 1.0 + 2.0**-7]
 
@@ -174,9 +175,11 @@ def _entry(v, shard="tp0", writer="w00000"):
 
 def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
     markers = [
-        WriterMarker(version=7, writer="w00000-s", blobs=(_entry(7, "tp1", "w00000-s"),), created_at=1.0),
+        WriterMarker(
+            version=7, writer="w00000-s", blobs=(_entry(7, "tp1", "w00000-s"),), created_at=1.0
+        ),
         WriterMarker(version=7, writer="w00001-s", blobs=(), created_at=1.0),
-    ]  # fmt: skip
+    ]
     m = build_manifest(
         version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
         markers=markers, shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
@@ -199,7 +202,7 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     keys[9] = [names.blob_key(9, "tp0", "w00000")]  # in flight: newer than committed, no manifest
     keys[2].append(names.writer_marker_key(2, "w00000"))
     plan = plan_deletions(
-        version_keys=keys, manifests={v: m for v, m in ms.items()}, ack_keys={1: ["acks/v00000001/r.json"]},
+        version_keys=keys, manifests=ms, ack_keys={1: ["acks/v00000001/r.json"]},
         committed=8, live_versions=[6], keep_versions=1,
     )  # fmt: skip
     assert plan.versions == (0, 1, 2, 3, 4)
@@ -209,8 +212,9 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     assert not any(k.startswith("v00000009/") for k in plan.keys)
     # a live receiver holding 2 needs 3..8 (the chain through deltas): only 0..2 may go
     plan = plan_deletions(
-        version_keys=keys, manifests=ms, ack_keys={}, committed=8, live_versions=[2], keep_versions=1
-    )
+        version_keys=keys, manifests=ms, ack_keys={}, committed=8, live_versions=[2],
+        keep_versions=1,
+    )  # fmt: skip
     assert plan.versions == (0, 1, 2)
 
 

@@ -17,7 +17,15 @@ from deltasync.receiver import Receiver
 from deltasync.store import RetryPolicy, S3Store
 from deltasync.trainer import SnapshotTracker
 
-from sync_kit import GateStore, TinyTrainer, assert_same_bits, expected_shards, layouts, rconfig, zero_tensors
+from sync_kit import (
+    GateStore,
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    zero_tensors,
+)
 
 
 @pytest.fixture
@@ -50,7 +58,9 @@ def _rig(s3_server, s3_session_store, tmp_path, retry):
 
 
 @pytest.mark.timeout(60)
-def test_an_s3_restart_mid_publish_is_ridden_out_by_the_retries(s3_outage, s3_session_store, tmp_path):
+def test_an_s3_restart_mid_publish_is_ridden_out_by_the_retries(
+    s3_outage, s3_session_store, tmp_path
+):
     retry = RetryPolicy(max_attempts=30, base_delay_s=0.05, max_delay_s=0.2, deadline_s=15.0)
     tl, rl, trainer, sync, rec, outage, store = _rig(s3_outage, s3_session_store, tmp_path, retry)
     sync.step_published(0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from deltasync.errors import DeltaSyncError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
@@ -89,7 +88,7 @@ def test_hundreds_of_versions_with_random_faults_stay_bit_exact(tmp_path):
         if version:
             trainer.step()
         expected[version] = expected_shards(trainer.params, tl, rl)
-        for attempt in range(rng.choice([1, 1, 3])):  # sometimes retry the same version
+        for _ in range(rng.choice([1, 1, 3])):  # sometimes retry the same version
             try:
                 sync.step_published(version)
                 break
@@ -137,4 +136,3 @@ def test_hundreds_of_versions_with_random_faults_stay_bit_exact(tmp_path):
         f"{failed_publishes} failed publishes, faults {faulty.injected}, receiver crashes "
         f"{[f.crashes for f in flaky]}, flaky checks {flaky_checks}"
     )
-    assert torch.is_tensor(next(iter(trainer.params.values())))

@@ -21,7 +21,9 @@ from deltasync.publish.errors import AckTimeoutError, StalenessTimeoutError
 from deltasync.receiver.catalog import Catalog
 
 
-def _lagging(catalog: Catalog, committed: int, max_staleness: int, ttl_s: float) -> dict[str, int | None]:
+def _lagging(
+    catalog: Catalog, committed: int, max_staleness: int, ttl_s: float
+) -> dict[str, int | None]:
     out = {}
     for rid, rec in catalog.live_receivers(ttl_s).items():
         held = -1 if rec.version is None else rec.version  # nothing yet: behind everything

@@ -27,7 +27,9 @@ def _seconds(name: str, value: object) -> None:
         or not math.isfinite(value)
         or value <= 0
     ):
-        raise ConfigError(f"PublisherConfig.{name} must be a finite number of seconds > 0, got {value!r}")
+        raise ConfigError(
+            f"PublisherConfig.{name} must be a finite number of seconds > 0, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +96,9 @@ class PublisherConfig:
         _int("level", self.level, 0)
         if self.level > 22:
             raise ConfigError(f"PublisherConfig.level must be in 0..22, got {self.level}")
-        for name in ("marker_timeout_s", "poll_interval_s", "staleness_timeout_s", "receiver_ttl_s"):
+        for name in (
+            "marker_timeout_s", "poll_interval_s", "staleness_timeout_s", "receiver_ttl_s"
+        ):  # fmt: skip
             _seconds(name, getattr(self, name))
         if self.max_staleness is not None:
             _int("max_staleness", self.max_staleness, 0)

@@ -52,4 +52,6 @@ class ReceiverConfig:
             raise ConfigError("ReceiverConfig.limits must be a ManifestLimits")
         v = self.max_decompressed_bytes
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"ReceiverConfig.max_decompressed_bytes must be an int >= 1, got {v!r}")
+            raise ConfigError(
+                f"ReceiverConfig.max_decompressed_bytes must be an int >= 1, got {v!r}"
+            )

@@ -59,7 +59,9 @@ class LocalState:
         if not isinstance(obj, dict) or set(obj) != {
             "receiver", "shard", "version", "state_digest", "dirty"
         }:  # fmt: skip
-            raise ManifestError("state file must hold receiver, shard, version, state_digest, dirty")
+            raise ManifestError(
+                "state file must hold receiver, shard, version, state_digest, dirty"
+            )
         version, digest = obj["version"], obj["state_digest"]
         if version is not None:
             check_int(version, what="state version", lo=0, hi=_MAX_VERSION)

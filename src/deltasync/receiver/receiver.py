@@ -92,7 +92,8 @@ class Receiver:
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
         self.dir = StateDir(state_dir, durable=config.durable)
         state = self.dir.read_state()
-        if state is not None and (state.shard != self.shard or state.receiver != config.receiver_id):
+        mine = (config.receiver_id, self.shard)
+        if state is not None and (state.receiver, state.shard) != mine:
             raise LocalStateError(
                 f"state dir {str(self.dir.path)!r} belongs to receiver {state.receiver!r} shard "
                 f"{state.shard!r}, not {config.receiver_id!r} shard {self.shard!r}"

@@ -152,7 +152,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _last_wins(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _last_wins(pieces: list[Pair]) -> Pair:
     if len(pieces) == 1:
         return pieces[0]
     idx = torch.cat([p[0] for p in pieces])
