@@ -1,6 +1,7 @@
 """vLLM tier: deltas applied through the worker extension give the outputs of a fresh engine.
 
-Run with ``.venv-vllm/bin/python -m pytest tests/vllm -m vllm`` after ``scripts/vllm_env.sh``.
+Run with ``pytest tests/vllm -m vllm`` after ``scripts/vllm_env.sh``: the engines run in
+``.venv-vllm`` (one subprocess each), this module in whichever venv runs pytest.
 A config-built tiny Qwen3 (head_dim 64: the CPU attention kernels' smallest) is trained with
 AdamW; version 0 is written as a checkpoint and served; N deltas go through the wire format
 into the engine with ``collective_rpc``; a second engine is started fresh from the dense BF16
@@ -19,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vllm tier runs in .venv-vllm (scripts/vllm_env.sh)")
-
 from deltasync.demo.policy import PolicyConfig
 from deltasync.format import TensorUpdate, encode_blob
 from deltasync.layout import ReceiverLayout
@@ -31,6 +30,7 @@ from engines_helpers import TinyTrainer
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 JOB = Path(__file__).with_name("vllm_job.py")
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
 N_DELTAS = 3
 
@@ -85,12 +85,13 @@ def run(tmp_path_factory):
 
 
 def _job(run, name: str, **spec) -> dict:
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
     tmp = run["tmp"]
     spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(tmp / f"{name}.pt"), **spec}
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(
-        [sys.executable, str(JOB), str(tmp / f"{name}.json")],
+        [str(VLLM_PYTHON), str(JOB), str(tmp / f"{name}.json")],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
