@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "layout",
     "inspect_store",
     "pull",
+    "rl_demo",
 )
 
 
@@ -31,13 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for mod_name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"deltasync.commands.{mod_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"deltasync.commands.{mod_name}":
-                continue  # command not shipped in this build
-            raise
-        module.register(sub)
+        importlib.import_module(f"deltasync.commands.{mod_name}").register(sub)
     return parser
 
 

@@ -68,8 +68,6 @@ def _serve(conn, handler) -> None:
 def trainer_main(spec: RoleSpec, conn) -> None:
     from deltasync.bench.compare.systems import make_trainer_side
     from deltasync.exchange import ExchangeConfig, exchange
-    from deltasync.manifest import state_digest
-
     tlayout, rlayout = _init(spec)
     trainer = Trainer(spec.workload)
     trainer.step(0)  # allocates AdamW's m and v: the baseline is model + optimizer state
@@ -81,9 +79,10 @@ def trainer_main(spec: RoleSpec, conn) -> None:
 
     def expected() -> dict[str, str]:
         from deltasync.bench.compare.systems.base import canonical_bf16
+        from deltasync.layout.digests import shard_state_digests
 
-        shards = rlayout.split(canonical_bf16(trainer.params(), tlayout))
-        return {s: state_digest(t) for s, t in shards.items()}
+        # digests of split(bf16(trainer)) without materializing the split (memory)
+        return shard_state_digests(rlayout.table, canonical_bf16(trainer.params(), tlayout))
 
     def handle(op, *args):
         if op == "bootstrap":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from deltasync.bench.compare.systems.base import SyncTimes, baseline_key, canonical_bf16, empty_live
 from deltasync.format import decode_blob, encode_blob, apply_updates, TensorUpdate
@@ -50,7 +52,17 @@ class SnapshotTrainer:
         return total
 
     def bootstrap(self, store: Store) -> int:
-        return self.store_sync(0, store)
+        # Version 0 is a full checkpoint (safetensors per shard), as PULSE-style systems start
+        # from; the retained BF16 copy is taken here.
+        cur = canonical_bf16(self.params, self.tlayout)
+        total = 0
+        shards = self.rlayout.split(cur)
+        for shard in list(shards):
+            data = st_save({n: t.contiguous() for n, t in shards.pop(shard).items()})
+            store.put(baseline_key("snapshot", 0, shard), data)
+            total += len(data)
+        self.prev = {n: t.reshape(-1) for n, t in cur.items()}
+        return total
 
     def cluster_payloads(self, version: int) -> dict[str, bytes]:
         return self._payloads(version)
@@ -73,7 +85,10 @@ class SnapshotReceiver:
         return SyncTimes(transfer_s=t1 - t0, pause_s=t2 - t1, bytes=len(data))
 
     def bootstrap(self, store: Store) -> None:
-        self.store_pull(0, store)
+        loaded = st_load(store.get(baseline_key("snapshot", 0, self.shard)))
+        for n, t in self.host.items():
+            t.copy_(loaded[n])
+            self._live[n].copy_(loaded[n])
 
     def store_pull(self, version: int, store: Store) -> SyncTimes:
         t0 = time.perf_counter()
