@@ -62,7 +62,9 @@ def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict
         "receiver_wait_ms": med(
             med(rep["wait_s"] for rep in r["reports"][1:]) for r in receivers
         ) * 1e3,
-        "forward_ms": max(med(rep["forward_s"] for rep in r["reports"][1:]) for r in receivers) * 1e3,
+        "forward_ms": max(
+            med(rep["forward_s"] for rep in r["reports"][1:]) for r in receivers
+        ) * 1e3,
         "writer_bytes": sent,
         "forwarded_bytes": forwarded,
         "busiest_sender_bytes": busiest,

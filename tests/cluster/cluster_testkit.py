@@ -24,13 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster import (
-    ClusterConfig,
-    ClusterReceiver,
-    ClusterSender,
-    RolePlan,
-    SyncAbortedError,
-)
+from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender, RolePlan
 from deltasync.errors import DeltaSyncError, ExchangeError, PeerFailedError
 from deltasync.exchange import ExchangeConfig, init_from_env
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
@@ -129,7 +123,9 @@ class Trainer:
         canon = self.layout.to_canonical(bf16)
         return torch.cat([canon[n].reshape(-1).view(torch.int16) for n in sorted(canon)])
 
-    def sender(self, setup: Setup, *, version: int | None = None, plan_at: int = 0) -> ClusterSender:
+    def sender(
+        self, setup: Setup, *, version: int | None = None, plan_at: int = 0
+    ) -> ClusterSender:
         return ClusterSender(
             self.tracker, self.params, plan=setup.plan(plan_at), trainer_layout=self.layout,
             receiver_layout=receiver_layout(setup), version=version, config=setup.config(),
@@ -300,9 +296,9 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         step("retry after detection failure", 2, train=False)
         step("corrupt payload", 3)
         step("retry after corruption", 3, train=False)
-        # The last version is an anchor in 64-byte chunks: thousands of messages, so that the
+        # The last version is an anchor in 32-byte chunks: thousands of messages, so that the
         # death lands inside the exchange rather than before or after it.
-        slow = replace(setup, max_chunk_bytes=64)
+        slow = replace(setup, max_chunk_bytes=32)
         sender = trainer.sender(slow, version=sender.version)
         dist.barrier()
         trainer.step()
@@ -336,7 +332,7 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         ("retry after corruption", False),
     ):  # fmt: skip
         step(name, corrupt=corrupt)
-    slow = replace(setup, max_chunk_bytes=64)
+    slow = replace(setup, max_chunk_bytes=32)
     receiver = ClusterReceiver(
         tensors, plan=plan, layout=receiver_layout(slow), version=receiver.version,
         config=slow.config(),

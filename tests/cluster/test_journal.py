@@ -47,7 +47,9 @@ def test_a_dirty_receiver_accepts_only_an_anchor_until_one_commits() -> None:
     assert j.state == JournalState(committed=5)
 
 
-def test_the_journal_file_survives_a_restart_and_wins_over_the_given_version(tmp_path: Path) -> None:
+def test_the_journal_file_survives_a_restart_and_wins_over_the_given_version(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "journal.json"
     j = ClusterJournal(version=2, path=path)
     j.begin(3, 2)

@@ -76,28 +76,26 @@ def test_traffic_model_moves_writer_bytes_to_replica_zero_when_forwarding() -> N
         assert sum(row[dst] for row in direct[0]) == sum(h[s][dst] for h in hops for s in range(6))
 
 
+W1 = [WriterRole(0, 0, 1)]
+
+
+def recv(*triples: tuple[int, str, int]) -> list[ReceiverRole]:
+    return [ReceiverRole(*t) for t in triples]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(2, "tp0", 0)]), "no role"),
+        (dict(writers=W1, receivers=recv((2, "tp0", 0))), "no role"),
+        (dict(writers=W1, receivers=recv((0, "tp0", 0), (1, "tp0", 1))), "two roles"),
         (
-            dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(0, "tp0", 0), ReceiverRole(1, "tp0", 1)]),
-            "two roles",
-        ),
-        (
-            dict(writers=[WriterRole(0, 1, 2)], receivers=[ReceiverRole(1, "tp0", 0), ReceiverRole(2, "tp0", 1)]),
+            dict(writers=[WriterRole(0, 1, 2)], receivers=recv((1, "tp0", 0), (2, "tp0", 1))),
             "dim-0 shards 0..count-1",
         ),
-        (
-            dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(1, "tp0", 1), ReceiverRole(2, "tp1", 0)]),
-            "numbered 0..n-1",
-        ),
-        (
-            dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(1, "../x", 0), ReceiverRole(2, "tp1", 0)]),
-            "not a safe name",
-        ),
-        (dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(1, "tp0", 0)], dp_mode="relay", world_size=2), "dp_mode"),
-        (dict(writers=[WriterRole(0, 0, 1)], receivers=[ReceiverRole(5, "tp0", 0)], world_size=2), r"not in \[0, 2\)"),
+        (dict(writers=W1, receivers=recv((1, "tp0", 1), (2, "tp1", 0))), "numbered 0..n-1"),
+        (dict(writers=W1, receivers=recv((1, "../x", 0), (2, "tp1", 0))), "not a safe name"),
+        (dict(writers=W1, receivers=recv((1, "tp0", 0)), dp_mode="relay", world_size=2), "dp_mode"),
+        (dict(writers=W1, receivers=recv((5, "tp0", 0)), world_size=2), r"not in \[0, 2\)"),
     ],
 )
 def test_an_inconsistent_plan_is_refused_naming_the_problem(kwargs: dict, match: str) -> None:

@@ -46,7 +46,9 @@ class World:
     """Writers (FSDP dim-0 halves of one fp32 model, exact snapshot trackers) and receivers
     (two TP shards x ``replicas``), exchanging payloads by hand."""
 
-    def __init__(self, *, writers: int = 1, replicas: int = 1, mode: str = "direct", digest_every: int = 0):
+    def __init__(
+        self, *, writers: int = 1, replicas: int = 1, mode: str = "direct", digest_every: int = 0
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.full = {
             n: torch.randn(s, generator=g) * 0.05 for n, s in TRAINER.param_shapes().items()
@@ -69,7 +71,10 @@ class World:
             ))  # fmt: skip
         self.receivers = {
             r.rank: ClusterReceiver(
-                {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in RECEIVERS.local_specs(r.shard).items()},
+                {
+                    n: torch.zeros(s.shape, dtype=s.dtype)
+                    for n, s in RECEIVERS.local_specs(r.shard).items()
+                },
                 plan=self.plan, rank=r.rank, layout=RECEIVERS, version=None, config=config,
             )
             for r in self.plan.receivers
@@ -118,7 +123,9 @@ class World:
         return out
 
     def snapshot(self) -> dict[int, dict[str, torch.Tensor]]:
-        return {r: {n: t.clone() for n, t in rec.tensors.items()} for r, rec in self.receivers.items()}
+        return {
+            r: {n: t.clone() for n, t in rec.tensors.items()} for r, rec in self.receivers.items()
+        }
 
     def unchanged_since(self, snap: dict[int, dict[str, torch.Tensor]]) -> bool:
         return all(

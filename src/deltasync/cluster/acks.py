@@ -95,7 +95,8 @@ def decode_acks(rows: torch.Tensor) -> list[Ack]:
     for rank, row in enumerate(data):
         if int(row[0]) != MAGIC:
             raise ExchangeError(
-                f"joint commit: rank {rank} sent a row that is not an ack (magic {int(row[0]):#x}); "
+                f"joint commit: rank {rank} sent a row that is not an ack "
+                f"(magic {int(row[0]):#x}); "
                 "the ranks are not running the same protocol step: re-create the group"
             )
         n = min(max(int(row[7]), 0), MESSAGE_BYTES)

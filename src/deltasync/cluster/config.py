@@ -62,7 +62,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.exchange, ExchangeConfig):
             raise ConfigError(
-                f"ClusterConfig.exchange must be an ExchangeConfig, got {type(self.exchange).__name__}"
+                "ClusterConfig.exchange must be an ExchangeConfig, got "
+                f"{type(self.exchange).__name__}"
             )
         _seconds("wait_for_version_s", self.wait_for_version_s)
         _seconds("commit_timeout_s", self.commit_timeout_s)

@@ -74,7 +74,9 @@ def as_view(payload: Bytes | torch.Tensor) -> memoryview:
     """A flat byte view of a payload as the exchange returns it (a uint8 CPU tensor) or bytes."""
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise EnvelopeError(f"payload tensor must be 1-D uint8, got {payload.dtype} {tuple(payload.shape)}")
+            raise EnvelopeError(
+                f"payload tensor must be 1-D uint8, got {payload.dtype} {tuple(payload.shape)}"
+            )
         return memoryview(payload.cpu().numpy()).cast("B")
     return memoryview(payload).cast("B")
 

@@ -51,7 +51,10 @@ class JournalState:
             ok = (
                 set(obj) == {"committed", "applying", "dirty"}
                 and (committed is None or (type(committed) is int and committed >= 0))
-                and (applying is None or (len(applying) == 2 and all(type(v) is int for v in applying)))
+                and (
+                    applying is None
+                    or (len(applying) == 2 and all(type(v) is int for v in applying))
+                )
                 and type(dirty) is bool
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
@@ -61,7 +64,8 @@ class JournalState:
                 f"{where} is not a deltasync cluster journal; remove it and restore this "
                 "receiver from an anchor"
             )
-        return cls(committed=committed, applying=None if applying is None else tuple(applying), dirty=dirty)
+        pair = None if applying is None else (applying[0], applying[1])
+        return cls(committed=committed, applying=pair, dirty=dirty)
 
 
 class ClusterJournal:
@@ -71,7 +75,9 @@ class ClusterJournal:
     verified; the first sync must be an anchor). An existing file wins over ``version``."""
 
     def __init__(self, *, version: int | None, path: str | os.PathLike[str] | None = None) -> None:
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
             raise ConfigError(f"journal version must be None or an int >= 0, got {version!r}")
         self.path = None if path is None else Path(path)
         self._state = JournalState(committed=version)
@@ -95,8 +101,11 @@ class ClusterJournal:
             return
         s = self._state
         if s.committed is None or s.dirty:
-            why = "holds no verified version" if s.committed is None else (
-                f"is dirty (its state did not match the digest of a version after version {s.committed})"
+            why = (
+                "holds no verified version"
+                if s.committed is None
+                else "is dirty (its state did not match the digest of a version after version "
+                f"{s.committed})"
             )
             raise AnchorRequiredError(
                 f"{where}: delta version {version} on base {base} refused before any write: this "

@@ -59,7 +59,9 @@ PauseContext = Callable[[], contextlib.AbstractContextManager]
 class Incoming(dict[int, torch.Tensor]):
     """``{source rank: payload}`` of one version, with how long receiving took."""
 
-    def __init__(self, items: Mapping[int, torch.Tensor], *, wait_s: float, forward_s: float) -> None:
+    def __init__(
+        self, items: Mapping[int, torch.Tensor], *, wait_s: float, forward_s: float
+    ) -> None:
         super().__init__(items)
         self.wait_s = wait_s  # the first exchange: waiting for the trainer, then its transfer
         self.forward_s = forward_s  # the second exchange (forward mode)
@@ -215,7 +217,7 @@ class ClusterReceiver:
         report, failure = None, None
         try:
             report = self.apply_payload(received)
-        except Exception as exc:  # noqa: BLE001 -- told to every rank in the joint commit, then raised
+        except Exception as exc:  # noqa: BLE001 -- told to every rank in the commit, then raised
             failure = exc
         timings = received.wait_s, received.forward_s
         del received  # the payload bytes are dead weight from here on

@@ -90,7 +90,9 @@ class RolePlan:
         for role in (*self.writers, *self.receivers):
             rank = _rank(role.rank, world_size, f"RolePlan {role}")
             if rank in self._by_rank:
-                raise ConfigError(f"RolePlan: rank {rank} has two roles: {self._by_rank[rank]} and {role}")
+                raise ConfigError(
+                    f"RolePlan: rank {rank} has two roles: {self._by_rank[rank]} and {role}"
+                )
             self._by_rank[rank] = role
         missing = [r for r in range(world_size) if r not in self._by_rank]
         if missing:
@@ -146,7 +148,9 @@ class RolePlan:
                 raise ConfigError(f"RolePlan.contiguous {name} must be an int >= 1, got {v!r}")
         shards = list(shards)
         if len(set(shards)) != len(shards) or not shards:
-            raise ConfigError(f"RolePlan.contiguous shards must be distinct and non-empty: {shards}")
+            raise ConfigError(
+                f"RolePlan.contiguous shards must be distinct and non-empty: {shards}"
+            )
         writers = [WriterRole(rank=i, index=i, count=num_writers) for i in range(num_writers)]
         receivers = [
             ReceiverRole(rank=num_writers + d * len(shards) + i, shard=s, replica=d)

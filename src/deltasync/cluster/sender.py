@@ -102,7 +102,9 @@ class ClusterSender:
         self.config = config or ClusterConfig()
         self._params = params
         self._full_state = full_state
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
             raise ConfigError(f"ClusterSender version must be None or an int >= 0, got {version!r}")
         self.version = version
         self.use_group(group)

@@ -99,7 +99,8 @@ def stage_payloads(
             journal.accepts(version=version, base=base, where=where)
         if h.writer in per_writer:
             raise BlobMismatchError(
-                f"{where}: two blobs of version {version} from writer {h.writer!r}; nothing was applied"
+                f"{where}: two blobs of version {version} from writer {h.writer!r}; nothing "
+                "was applied"
             )
         per_writer[h.writer] = decoded.updates
     writers = set(plan.writer_ids())
@@ -110,7 +111,8 @@ def stage_payloads(
         )
     if writers - set(per_writer):
         raise MissingBlobError(
-            f"{where}: version {version}: no blob from writers {sorted(writers - set(per_writer))}; "
+            f"{where}: version {version}: no blob from writers "
+            f"{sorted(writers - set(per_writer))}; "
             "nothing was applied"
         )
     assert version is not None and base is not None  # at least one writer, so one blob

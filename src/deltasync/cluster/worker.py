@@ -67,7 +67,8 @@ class ClusterJob:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ClusterJob.{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.versions, bool) or not isinstance(self.versions, int) or self.versions < 0:
+        v = self.versions
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"ClusterJob.versions must be an int >= 0, got {self.versions!r}")
         if self.writers > 1 and self.cluster.digest_every:
             raise ConfigError(
@@ -111,7 +112,8 @@ class ShardTrainer:
     def step(self, version: int) -> None:
         g = torch.Generator().manual_seed(self.job.seed * 1_000_003 + version)
         for name, p in self.params.items():
-            p.grad = (torch.randn(self.shapes[name], generator=g) * self.job.grad_std)[self._rows(name)]
+            full = torch.randn(self.shapes[name], generator=g) * self.job.grad_std
+            p.grad = full[self._rows(name)]
         self.opt.step()
         for p in self.params.values():
             p.grad = None
@@ -161,7 +163,7 @@ def run_cluster_sync(rank: int | None, job: ClusterJob) -> dict:
     return {
         "rank": rank, **summary, "dp_mode": plan.dp_mode, "exact": exact,
         "median_delta": {f: statistics.median(getattr(r, f) for r in deltas) for f in fields},
-        "bytes": [getattr(r, "bytes_sent", None) or getattr(r, "payload_bytes", 0) for r in reports],
+        "bytes": [getattr(r, "bytes_sent", 0) or getattr(r, "payload_bytes", 0) for r in reports],
         "reports": [asdict(r) for r in reports],
     }  # fmt: skip
 
@@ -185,4 +187,6 @@ def _check(job, plan, tl, rl, rank, mine, tensors) -> bool | None:
         return None
     full = {n: torch.cat(parts) for n, parts in rows.items()}
     truth = rl.split(tl.to_canonical(full))[plan.receiver(rank).shard]
-    return all(torch.equal(t.view(torch.int16), truth[n].view(torch.int16)) for n, t in tensors.items())
+    return all(
+        torch.equal(t.view(torch.int16), truth[n].view(torch.int16)) for n, t in tensors.items()
+    )

@@ -43,7 +43,8 @@ def _run(args: argparse.Namespace) -> int:
         med = summary["median_delta"]
         print(
             f"cluster-worker: {job.versions} deltas, {job.writers} writer(s) -> tp={job.tp} x "
-            f"{job.replicas} replica(s) ({summary['dp_mode']}): median sync {med['total_s'] * 1e3:.1f} ms "
+            f"{job.replicas} replica(s) ({summary['dp_mode']}): "
+            f"median sync {med['total_s'] * 1e3:.1f} ms "
             f"(stall {sum(med[k] for k in ('detect_s', 'build_s', 'encode_s')) * 1e3:.1f} ms, "
             f"transfer {med['transfer_s'] * 1e3:.1f} ms, commit {med['commit_s'] * 1e3:.1f} ms)",
             file=sys.stderr,
@@ -59,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-mode", choices=DP_MODES, default=DEFAULT_DP_MODE)
     p.add_argument("--versions", type=int, default=10, help="delta versions after the anchor")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: 1e-5)")
-    p.add_argument("--digest-every", type=int, default=0, help="send state digests every K versions")
+    p.add_argument(
+        "--digest-every", type=int, default=0, help="send state digests every K versions"
+    )
     p.add_argument("--timeout-s", type=float, default=60.0, help="every wait's timeout")
     p.add_argument("--chunk-mib", type=int, default=64, help="exchange chunk size in MiB")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -67,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cluster-worker", help="one rank of an in-cluster sync job (run under torchrun)")
+    p = sub.add_parser(
+        "cluster-worker", help="one rank of an in-cluster sync job (run under torchrun)"
+    )
     add_arguments(p)
     p.set_defaults(func=_run)
 
