@@ -256,3 +256,14 @@ def test_writer_zero_of_several_needs_the_full_state_for_digests() -> None:
     )  # fmt: skip
     with pytest.raises(ConfigError, match="needs full_state"):
         sender.payloads_for_version(0, anchor=True)
+
+
+def test_a_version_without_changes_still_sends_one_empty_blob_per_writer_and_commits() -> None:
+    world = World(writers=2, replicas=2, mode="forward")
+    world.sync(0, anchor=True)
+    inbox = world.payloads(1)  # nothing trained since the anchor
+    reports = {r: rec.apply_payload(inbox[r]) for r, rec in world.receivers.items()}
+    assert {rep.elements for rep in reports.values()} == {0}
+    assert all(rep.payload_bytes > 0 for rep in reports.values())  # the writers did report
+    world.commit(1, reports)
+    assert world.mismatches() == []
