@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "inspect_store",
     "pull",
     "rl_demo",
+    "cluster_worker",
 )
 
 
