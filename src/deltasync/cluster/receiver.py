@@ -45,13 +45,14 @@ from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
-from deltasync.cluster.roles import RolePlan
+from deltasync.cluster.roles import RolePlan, check_group
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
-from deltasync.errors import ConfigError, ExchangeError, IntegrityError
+from deltasync.errors import ConfigError, IntegrityError
 from deltasync.exchange import exchange
 from deltasync.format import apply_updates
 from deltasync.layout import ReceiverLayout
 from deltasync.manifest import state_digest
+from deltasync.receiver.live import check_live_tensors
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -111,35 +112,14 @@ class ClusterReceiver:
         self.use_group(group)
 
     def _check_tensors(self) -> None:
-        missing = [n for n in self.specs if n not in self.tensors]
-        extra = [n for n in self.tensors if n not in self.specs]
-        if missing or extra:
-            raise ConfigError(
-                f"receiver shard {self.shard!r}: live tensors do not match the layout: missing "
-                f"{missing[:5]}, unexpected {extra[:5]} (pass storage names only; tied aliases "
-                "share storage and need no entry)"
-            )
-        for name, spec in self.specs.items():
-            t = self.tensors[name]
-            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                raise ConfigError(
-                    f"receiver shard {self.shard!r}: tensor {name!r} is {tuple(t.shape)} "
-                    f"{t.dtype}, the layout says {spec.shape} {spec.dtype}"
-                )
+        check_live_tensors(self.shard, self.tensors, self.specs)
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group
 
     def _check_group(self) -> None:
-        if not dist.is_initialized():
-            raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if world != self.plan.world_size or rank != self.rank:
-            raise ConfigError(
-                f"this process is rank {rank} of a group of {world}, but was built as rank "
-                f"{self.rank} of the role plan's {self.plan.world_size}"
-            )
+        check_group(self.group, self.plan, self.rank)
 
     @property
     def version(self) -> int | None:

@@ -251,3 +251,19 @@ class RolePlan:
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+def check_group(group, plan: RolePlan, rank: int) -> None:
+    """Refuse a process group that does not match the role plan this rank was built for."""
+    import torch.distributed as dist
+
+    from deltasync.errors import ConfigError, ExchangeError
+
+    if not dist.is_initialized():
+        raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
+    world, actual = dist.get_world_size(group), dist.get_rank(group)
+    if world != plan.world_size or actual != rank:
+        raise ConfigError(
+            f"this process is rank {actual} of a group of {world}, but was built as rank "
+            f"{rank} of the role plan's {plan.world_size}"
+        )

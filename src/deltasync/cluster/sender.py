@@ -41,8 +41,8 @@ from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.reports import Outgoing, SendReport
-from deltasync.cluster.roles import RolePlan
-from deltasync.errors import ConfigError, ExchangeError, VersionError
+from deltasync.cluster.roles import RolePlan, check_group
+from deltasync.errors import ConfigError, VersionError
 from deltasync.exchange import exchange
 from deltasync.format import encode_blob
 from deltasync.layout import ReceiverLayout, TrainerLayout
@@ -114,14 +114,7 @@ class ClusterSender:
         self.group = group
 
     def _check_group(self) -> None:
-        if not dist.is_initialized():
-            raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if world != self.plan.world_size or rank != self.rank:
-            raise ConfigError(
-                f"this process is rank {rank} of a group of {world}, but was built as rank "
-                f"{self.rank} of the role plan's {self.plan.world_size}"
-            )
+        check_group(self.group, self.plan, self.rank)
 
     # ------------------------------------------------------------------ steps 1-3
 

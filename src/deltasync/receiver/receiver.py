@@ -48,6 +48,7 @@ from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.errors import LocalStateError
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
+from deltasync.receiver.live import check_live_tensors
 from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version, fold_chain
 from deltasync.store import Store
@@ -134,21 +135,7 @@ class Receiver:
         )  # fmt: skip
 
     def _check_tensors(self) -> None:
-        missing = [n for n in self.specs if n not in self.tensors]
-        extra = [n for n in self.tensors if n not in self.specs]
-        if missing or extra:
-            raise ConfigError(
-                f"receiver shard {self.shard!r}: live tensors do not match the layout: missing "
-                f"{missing[:5]}, unexpected {extra[:5]} (pass storage names only; tied aliases "
-                "share storage and need no entry)"
-            )
-        for name, spec in self.specs.items():
-            t = self.tensors[name]
-            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                raise ConfigError(
-                    f"receiver shard {self.shard!r}: tensor {name!r} is {tuple(t.shape)} "
-                    f"{t.dtype}, the layout says {spec.shape} {spec.dtype}"
-                )
+        check_live_tensors(self.shard, self.tensors, self.specs)
 
     # --- state ------------------------------------------------------------------------
 
