@@ -41,3 +41,36 @@ def test_streaming_shard_digests_equal_the_digest_of_the_dense_split(name, engin
     full[name0].view(torch.int16).reshape(-1)[0] ^= 1
     got = shard_state_digests(layout.table, full)
     assert got != want
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_canonical_views_equal_to_canonical_and_share_memory_where_they_can(name):
+    from deltasync.layout import TrainerLayout
+
+    spec = ModelSpec.from_hf_config(CONFIGS[name])
+    tl = TrainerLayout.build(spec)
+    g = torch.Generator().manual_seed(3)
+    params = {n: torch.randn(s, generator=g) for n, s in tl.param_shapes().items()}
+    views = tl.canonical_views(params)
+    full = tl.to_canonical(params)
+    assert views.keys() == full.keys()
+    for n in full:
+        assert torch.equal(views[n].view(torch.int32), full[n].view(torch.int32))
+    bases = {p.data_ptr() for p in params.values()}
+    shared = sum(any(v.untyped_storage().data_ptr() == b for b in bases) for v in views.values())
+    assert shared == len(views)  # every Qwen3 / Qwen3-MoE canonical tensor is a view
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_digests_of_fp32_views_cast_on_the_fly_equal_digests_of_the_bf16_split(name):
+    from deltasync.layout import TrainerLayout
+
+    spec = ModelSpec.from_hf_config(CONFIGS[name])
+    tl = TrainerLayout.build(spec)
+    layout = ReceiverLayout.build(spec, engine="vllm", tp=2)
+    g = torch.Generator().manual_seed(4)
+    params = {n: torch.randn(s, generator=g) for n, s in tl.param_shapes().items()}
+    want = {s: state_digest(t) for s, t in
+            layout.split(tl.to_canonical({n: p.to(torch.bfloat16) for n, p in params.items()})).items()}
+    got = shard_state_digests(layout.table, tl.canonical_views(params), dtype=torch.bfloat16)
+    assert got == want

@@ -46,8 +46,15 @@ def _as2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
-                        shards: Iterable[str] | None = None) -> dict[str, str]:
-    """``{shard: state digest}`` of the shards ``split_dense(table, full)`` would build."""
+                        shards: Iterable[str] | None = None, *,
+                        dtype: torch.dtype | None = None) -> dict[str, str]:
+    """``{shard: state digest}`` of the shards ``split_dense(table, full)`` would build.
+
+    With ``dtype`` (e.g. bf16 while ``full`` holds fp32 master weights) each source tensor is
+    cast when first needed and dropped after the local tensors that use it are hashed, so the
+    pass holds only one local tensor's sources at a time. Local tensors are visited name-major
+    across shards, so a source replicated into several shards is cast once.
+    """
     wanted = set(table.dst_shapes) if shards is None else set(shards)
     by_dst: dict[tuple[str, str], list[tuple[str, Block]]] = {}
     for name, pls in table.placements.items():
@@ -55,12 +62,28 @@ def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
             if p.shard in wanted and p.block.size:
                 by_dst.setdefault((p.shard, p.local), []).append((name, p.block))
     first = next(iter(full.values()))
-    dtype, esize = first.dtype, first.element_size()
+    dtype = dtype or first.dtype
+    esize = torch.empty(0, dtype=dtype).element_size()
     dtype_s = str(dtype).removeprefix("torch.")
-    out: dict[str, str] = {}
+    locals_in_order: dict[str, None] = {}
     for shard in sorted(wanted):
-        entries = []
-        for local, shape in table.dst_shapes[shard].items():
+        for local in table.dst_shapes[shard]:
+            locals_in_order[local] = None
+    entries: dict[str, list] = {s: [] for s in wanted}
+    for local in locals_in_order:
+        cast: dict[str, torch.Tensor] = {}  # this local name's sources, in ``dtype``
+
+        def source(name: str) -> torch.Tensor:
+            t = cast.get(name)
+            if t is None:
+                t = full[name]
+                t = cast[name] = t if t.dtype == dtype else t.to(dtype)
+            return _as2d(t)
+
+        for shard in sorted(wanted):
+            shape = table.dst_shapes[shard].get(local)
+            if shape is None:
+                continue
             blocks = sorted(by_dst.get((shard, local), []), key=lambda nb: nb[1].dst_row)
             rows, cols = view_rows(shape), view_cols(shape)
             if all(b.dst_full_width for _, b in blocks):
@@ -68,15 +91,14 @@ def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
                 cursor = 0
                 for src, b in blocks:
                     _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
-                    _feed(h, b.src_view(_as2d(full[src])))
+                    _feed(h, b.src_view(source(src)))
                     cursor = b.dst_row + b.rows
                 _feed_zeros(h, (rows - cursor) * cols * esize)
                 digest = h.digest()
             else:  # blocks side by side within a row: build this one tensor
                 t = torch.zeros(shape, dtype=dtype)
                 for src, b in blocks:
-                    b.dst_view(_as2d(t)).copy_(b.src_view(_as2d(full[src])))
+                    b.dst_view(_as2d(t)).copy_(b.src_view(source(src)))
                 digest = tensor_digest(t)
-            entries.append((local, dtype_s, tuple(shape), digest))
-        out[shard] = combine_digests(entries)
-    return out
+            entries[shard].append((local, dtype_s, tuple(shape), digest))
+    return {s: combine_digests(entries[s]) for s in sorted(wanted)}

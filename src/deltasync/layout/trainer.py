@@ -145,6 +145,31 @@ class TrainerLayout:
             params[name] = t.detach()
         return self._table.split(params)[_CANON]
 
+    def canonical_views(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Like :meth:`to_canonical` but without copying: every canonical tensor that is one
+        contiguous row range of one parameter (all of Qwen3's, and each expert of a fused
+        Qwen3-MoE expert tensor) is returned as a view of it; any other is built by copying.
+        Values keep the parameters' dtype (e.g. fp32 master weights)."""
+        views: dict[str, torch.Tensor] = {}
+        by_dst: dict[str, list[tuple[str, object]]] = {}
+        for src, pls in self._table.placements.items():
+            for p in pls:
+                by_dst.setdefault(p.local, []).append((src, p.block))
+        rest: set[str] = set()
+        for name, shape in self._table.dst_shapes[_CANON].items():
+            pieces = [(s, b) for s, b in by_dst.get(name, []) if b.size]
+            if len(pieces) == 1 and pieces[0][1].contiguous and pieces[0][1].size == numel(shape):
+                src, b = pieces[0]
+                flat = state_dict[src].detach().reshape(-1)
+                start, stop = b.src_span()
+                views[name] = flat[start:stop].view(shape)
+            else:
+                rest.add(name)
+        if rest:
+            full = self.to_canonical(state_dict)
+            views.update({n: full[n] for n in rest})
+        return views
+
     def from_canonical(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`to_canonical` (without aliases)."""
         (shard,) = self._forward.dst_shapes

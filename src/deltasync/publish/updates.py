@@ -171,8 +171,10 @@ def state_digests(
 ) -> dict[str, str]:
     """``{shard: state_digest}`` of :func:`full_shard_tensors` without building the shards:
     hashed straight from the canonical tensors (one read of the BF16 state)."""
-    canonical = canonical_bf16(params, trainer_layout=trainer_layout)
-    return shard_state_digests(receiver_layout.table, canonical)
+    # fp32 views of the master weights, cast to BF16 one local tensor's sources at a time:
+    # no full BF16 copy and no canonical copy (memory and time of the per-version digest).
+    views = trainer_layout.canonical_views({n: _check_param(n, p) for n, p in params.items()})
+    return shard_state_digests(receiver_layout.table, views, dtype=torch.bfloat16)
 
 
 def shard_digests(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:

@@ -70,7 +70,8 @@ def trainer_main(spec: RoleSpec, conn) -> None:
     from deltasync.exchange import ExchangeConfig, exchange
     tlayout, rlayout = _init(spec)
     trainer = Trainer(spec.workload)
-    trainer.step(0)  # allocates AdamW's m and v: the baseline is model + optimizer state
+    for k in range(spec.workload.pre_steps + 1):  # also allocates AdamW's m and v
+        trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
     rss_model_opt = current_rss()
     side = make_trainer_side(spec.system, params=trainer.params(), tlayout=tlayout, rlayout=rlayout,
                              trainer=trainer)

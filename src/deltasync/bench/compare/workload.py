@@ -42,6 +42,9 @@ class Workload:
     lr: float = 3e-6
     weight_decay: float = 0.01
     grad_std: float = 1e-3
+    # Optimizer steps before version 0 (not synced): AdamW's first steps move every element by
+    # about lr (m/sqrt(v) ~ 1), later ones by a fraction of it. Steady state is what RL syncs.
+    pre_steps: int = 10
     seed: int = 0
     hf_overrides: dict = field(default_factory=dict)
 
