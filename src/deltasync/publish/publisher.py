@@ -88,6 +88,7 @@ class Publisher:
         # process knows (None: unknown, so the next version is an anchor).
         self.baseline: int | None = None
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
+        self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         if self.config.is_committer:
             self.repair_latest()
 
@@ -141,6 +142,14 @@ class Publisher:
 
         t = time.perf_counter()
         state: ShardTensors | None = None
+        digest_job = None
+        if cfg.is_committer and not (kind == "anchor" and cfg.num_writers == 1):
+            # The full-state digest pass only reads the params: run it beside routing and
+            # encoding (casts and hashing release the GIL), not after them.
+            if self._digest_pool is None:
+                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
+            full = self._resolve_full(params, full_state)
+            digest_job = self._digest_pool.submit(self._digests, full)
         if kind == "anchor" and cfg.num_writers == 1:
             state = self._full_state_shards(params)
             updates = {s: full_updates(tensors) for s, tensors in state.items()}
@@ -163,8 +172,8 @@ class Publisher:
             t = time.perf_counter()
             digests = None
             if cfg.is_committer:  # overlaps with the uploads still running
-                if state is None:
-                    digests = self._digests(self._resolve_full(params, full_state))
+                if digest_job is not None:
+                    digests = digest_job.result()
                 else:
                     digests = shard_digests(state)
             del state
@@ -309,10 +318,12 @@ class Publisher:
             )
 
     def close(self) -> None:
-        """Stop the upload threads (a later publish starts them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the upload and digest threads (a later publish starts them again)."""
+        for attr in ("_pool", "_digest_pool"):
+            pool = getattr(self, attr)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, attr, None)
 
     # --- joint commit, staleness, retention -------------------------------------------
 
