@@ -22,6 +22,7 @@ from deltasync.layout.table import LayoutTable
 from deltasync.manifest.digest import combine_digests, tensor_digest
 
 _ZEROS = bytes(1 << 20)
+_CAST_ELEMENTS = 1 << 21  # rows per cast chunk: ~4 MiB of BF16
 
 
 def _feed_zeros(h: xxhash.xxh3_128, n: int) -> None:
@@ -40,6 +41,17 @@ def _feed(h: xxhash.xxh3_128, t: torch.Tensor) -> None:
     h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
+def _feed_cast(h: xxhash.xxh3_128, block: torch.Tensor, dtype: torch.dtype) -> None:
+    """Feed a 2-D block, cast to ``dtype`` a few MiB of rows at a time (never a whole copy of a
+    large source such as the embedding: the digest pass must not cost model-sized memory)."""
+    if block.dtype == dtype:
+        _feed(h, block)
+        return
+    step = max(1, _CAST_ELEMENTS // max(1, block.shape[1]))
+    for r in range(0, block.shape[0], step):
+        _feed(h, block[r : r + step].to(dtype))
+
+
 def _as2d(t: torch.Tensor) -> torch.Tensor:
     shape = tuple(t.shape)
     return t.reshape(view_rows(shape), view_cols(shape))
@@ -50,10 +62,9 @@ def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
                         dtype: torch.dtype | None = None) -> dict[str, str]:
     """``{shard: state digest}`` of the shards ``split_dense(table, full)`` would build.
 
-    With ``dtype`` (e.g. bf16 while ``full`` holds fp32 master weights) each source tensor is
-    cast when first needed and dropped after the local tensors that use it are hashed, so the
-    pass holds only one local tensor's sources at a time. Local tensors are visited name-major
-    across shards, so a source replicated into several shards is cast once.
+    With ``dtype`` (e.g. bf16 while ``full`` holds fp32 master weights) each block is cast a
+    few MiB of rows at a time as it is hashed, so the pass never holds a cast copy of a whole
+    tensor (replicated blocks are cast once per shard that holds them; they are small).
     """
     wanted = set(table.dst_shapes) if shards is None else set(shards)
     by_dst: dict[tuple[str, str], list[tuple[str, Block]]] = {}
@@ -71,15 +82,6 @@ def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
             locals_in_order[local] = None
     entries: dict[str, list] = {s: [] for s in wanted}
     for local in locals_in_order:
-        cast: dict[str, torch.Tensor] = {}  # this local name's sources, in ``dtype``
-
-        def source(name: str) -> torch.Tensor:
-            t = cast.get(name)
-            if t is None:
-                t = full[name]
-                t = cast[name] = t if t.dtype == dtype else t.to(dtype)
-            return _as2d(t)
-
         for shard in sorted(wanted):
             shape = table.dst_shapes[shard].get(local)
             if shape is None:
@@ -91,14 +93,14 @@ def shard_state_digests(table: LayoutTable, full: Mapping[str, torch.Tensor],
                 cursor = 0
                 for src, b in blocks:
                     _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
-                    _feed(h, b.src_view(source(src)))
+                    _feed_cast(h, b.src_view(_as2d(full[src])), dtype)
                     cursor = b.dst_row + b.rows
                 _feed_zeros(h, (rows - cursor) * cols * esize)
                 digest = h.digest()
             else:  # blocks side by side within a row: build this one tensor
                 t = torch.zeros(shape, dtype=dtype)
                 for src, b in blocks:
-                    b.dst_view(_as2d(t)).copy_(b.src_view(source(src)))
+                    b.dst_view(_as2d(t)).copy_(b.src_view(_as2d(full[src])))
                 digest = tensor_digest(t)
             entries[shard].append((local, dtype_s, tuple(shape), digest))
     return {s: combine_digests(entries[s]) for s in sorted(wanted)}
