@@ -45,9 +45,9 @@ from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
-from deltasync.cluster.roles import RolePlan, check_group
+from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
-from deltasync.errors import ConfigError, IntegrityError
+from deltasync.errors import IntegrityError
 from deltasync.exchange import exchange
 from deltasync.format import apply_updates
 from deltasync.layout import ReceiverLayout
@@ -92,13 +92,7 @@ class ClusterReceiver:
         journal_path: str | None = None,
         pause: PauseContext | None = None,
     ) -> None:
-        if rank is None:
-            if not dist.is_initialized():
-                raise ConfigError(
-                    "pass rank, or initialize torch.distributed first (init_from_env())"
-                )
-            rank = dist.get_rank(group)
-        self.rank = rank
+        self.rank = resolve_rank(rank, group)
         self.role = plan.receiver(self.rank)
         plan.check_shards(s.id for s in layout.shards())
         self.plan = plan

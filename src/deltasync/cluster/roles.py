@@ -267,3 +267,16 @@ def check_group(group, plan: RolePlan, rank: int) -> None:
             f"this process is rank {actual} of a group of {world}, but was built as rank "
             f"{rank} of the role plan's {plan.world_size}"
         )
+
+
+def resolve_rank(rank: int | None, group) -> int:
+    """``rank`` if given, else this process's rank in ``group`` (torch.distributed must be up)."""
+    if rank is not None:
+        return rank
+    import torch.distributed as dist
+
+    from deltasync.errors import ConfigError
+
+    if not dist.is_initialized():
+        raise ConfigError("pass rank, or initialize torch.distributed first (init_from_env())")
+    return dist.get_rank(group)

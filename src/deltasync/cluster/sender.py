@@ -41,7 +41,7 @@ from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.reports import Outgoing, SendReport
-from deltasync.cluster.roles import RolePlan, check_group
+from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.errors import ConfigError, VersionError
 from deltasync.exchange import exchange
 from deltasync.format import encode_blob
@@ -86,13 +86,7 @@ class ClusterSender:
         config: ClusterConfig | None = None,
         full_state: Params | Callable[[], Params] | None = None,
     ) -> None:
-        if rank is None:
-            if not dist.is_initialized():
-                raise ConfigError(
-                    "pass rank, or initialize torch.distributed first (init_from_env())"
-                )
-            rank = dist.get_rank(group)
-        self.rank = rank
+        self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
         plan.check_shards(s.id for s in receiver_layout.shards())
         self.plan = plan

@@ -61,8 +61,8 @@ def run(cfg: DemoConfig, console=None) -> dict:
 
     from deltasync import AdamWTracker
     from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
-    from deltasync.manifest import state_digest
     from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+    from deltasync.publish.updates import full_shard_tensors, state_digests
     from deltasync.store import LocalStore
 
     if console is None:  # wide enough for the tables even when stdout is not a terminal
@@ -103,8 +103,8 @@ def run(cfg: DemoConfig, console=None) -> dict:
         _call(c, "pull", 0)
 
     def expected() -> dict[str, str]:
-        full = tlayout.to_canonical({n: t.to(torch.bfloat16) for n, t in params.items()})
-        return {s: state_digest(t) for s, t in rlayout.split(full).items()}
+        # digests of split(bf16(trainer)), hashed from the fp32 params without building shards
+        return state_digests(params, trainer_layout=tlayout, receiver_layout=rlayout)
 
     table = Table(title="per step")
     for h in ["step", "reward", "changed", "sent", "dense", "stall s", "pull s", "pause ms", "dense s", "verified"]:
@@ -126,9 +126,9 @@ def run(cfg: DemoConfig, console=None) -> dict:
             ok = all(g["version"] == v and g["digest"] == exp[s] for g, s in zip(got, shards))
             # dense refit of the same version, measured: write full shard files, receivers load them
             t1 = time.perf_counter()
-            full = tlayout.to_canonical({n: t.to(torch.bfloat16) for n, t in params.items()})
             dense_bytes = 0
-            for s, tensors in rlayout.split(full).items():
+            shards_full = full_shard_tensors(params, trainer_layout=tlayout, receiver_layout=rlayout)
+            for s, tensors in shards_full.items():
                 data = st_save({n: t.contiguous() for n, t in tensors.items()})
                 store.put(f"dense-refit/{s}.safetensors", data)
                 dense_bytes += len(data)

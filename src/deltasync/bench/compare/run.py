@@ -99,9 +99,9 @@ class _Roles:
             self.procs.append(p)
         self.timeout_s = cfg.timeout_s
         for r in range(world):
-            self._recv(r)
+            self.recv(r)
 
-    def _recv(self, rank: int) -> dict:
+    def recv(self, rank: int) -> dict:
         if not self.conns[rank].poll(self.timeout_s):
             raise TimeoutError(f"role rank {rank} did not answer within {self.timeout_s} s")
         msg = self.conns[rank].recv()
@@ -111,7 +111,7 @@ class _Roles:
 
     def call(self, rank: int, *cmd) -> dict:
         self.conns[rank].send(cmd)
-        return self._recv(rank)
+        return self.recv(rank)
 
     def send(self, rank: int, *cmd) -> None:
         self.conns[rank].send(cmd)
@@ -163,14 +163,14 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         roles.send(0, "step", *args)
         for r in range(1, 1 + n):
             roles.send(r, "pull", *args)
-        tr = roles._recv(0)
-        rx = [roles._recv(r) for r in range(1, 1 + n)]
+        tr = roles.recv(0)
+        rx = [roles.recv(r) for r in range(1, 1 + n)]
         transfer = max(x["t_recv"] - tr["t_exchange"] + x["transfer_s"] for x in rx)
     else:
         tr = roles.call(0, "step", *args)
         for r in range(1, 1 + n):  # receivers pull concurrently, each through its own link
             roles.send(r, "pull", *args)
-        rx = [roles._recv(r) for r in range(1, 1 + n)]
+        rx = [roles.recv(r) for r in range(1, 1 + n)]
         transfer = max(x["transfer_s"] for x in rx)
     exact = all(x["digest"] == tr["expected"][x["shard"]] for x in rx)
     return SyncRecord(

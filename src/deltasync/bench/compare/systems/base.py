@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.publish import updates
 from deltasync.store import Store
 
 
@@ -33,8 +34,8 @@ class ReceiverSide(Protocol):
 
 
 def canonical_bf16(params: dict[str, torch.Tensor], tlayout: TrainerLayout) -> dict[str, torch.Tensor]:
-    """The full canonical BF16 state (round-to-nearest-even from fp32), one tensor at a time."""
-    return tlayout.to_canonical({n: p.to(torch.bfloat16) for n, p in params.items()})
+    """The full canonical BF16 state (round-to-nearest-even from fp32)."""
+    return updates.canonical_bf16(params, trainer_layout=tlayout)
 
 
 def baseline_key(system: str, version: int, shard: str) -> str:

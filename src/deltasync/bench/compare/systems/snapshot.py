@@ -10,7 +10,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from deltasync.bench.compare.systems.base import SyncTimes, baseline_key, canonical_bf16, empty_live
-from deltasync.format import decode_blob, encode_blob, apply_updates, TensorUpdate
+from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.store import Store
 
