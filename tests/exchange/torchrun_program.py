@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch.distributed as dist
 
@@ -14,5 +15,8 @@ if __name__ == "__main__":
     got = exchange(
         {dst: f"{rank}->{dst}".encode() for dst in range(w)}, config=ExchangeConfig(timeout_s=10)
     )
-    print(json.dumps({"rank": rank, "got": {s: bytes(t.numpy()).decode() for s, t in got.items()}}))
+    line = json.dumps({"rank": rank, "got": {s: bytes(t.numpy()).decode() for s, t in got.items()}})
+    # One write(2) per line: both ranks share torchrun's stdout pipe, and a buffered print can be
+    # split across writes and interleave with the other rank's line (seen once in CI-like load).
+    os.write(1, (line + "\n").encode())
     dist.destroy_process_group()
