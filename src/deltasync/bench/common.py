@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from deltasync.jsonline import emit_json_line
 
 
 def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
@@ -54,4 +55,4 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
 
 def emit_json(obj: dict) -> None:
     """The last stdout line of every benchmark."""
-    print(json.dumps(obj, sort_keys=True), flush=True)
+    emit_json_line(obj, sort_keys=True)

@@ -16,6 +16,7 @@ import json
 import sys
 
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
+from deltasync.jsonline import emit_json_line
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -38,7 +39,7 @@ def _run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     summary = run_cluster_sync(None, job)
     summary.pop("reports")
-    print(json.dumps(summary), flush=True)
+    emit_json_line(summary)
     if summary["rank"] == 0:
         med = summary["median_delta"]
         print(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
+
+from deltasync.jsonline import emit_json_line
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,5 +19,5 @@ def _main(args: argparse.Namespace) -> int:
     from deltasync.demo.run import DemoConfig, run
 
     res = run(DemoConfig(steps=args.steps, lr=args.lr, store=args.store))
-    print(json.dumps(res, sort_keys=True))
+    emit_json_line(res, sort_keys=True)
     return 0 if res["exact"] else 1

@@ -11,12 +11,12 @@ line instead. It only reads. The store options here are shared with ``deltasync 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
 from deltasync.errors import ConfigError, DeltaSyncError
+from deltasync.jsonline import emit_json_line
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
     info = collect(store, last=args.last, signing_key=read_key(args))
     if args.json:
-        print(json.dumps(info, sort_keys=True))
+        emit_json_line(info, sort_keys=True)
     else:
         _print_table(info)
     return 0

@@ -13,8 +13,9 @@ false) is still printed, then the error, and the status is 2. A thin projection 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from deltasync.jsonline import emit_json_line
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -36,9 +37,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         summary = run_rl(cfg, log=log)
     except ProbeMismatchError as exc:
-        print(json.dumps(exc.summary), flush=True)
+        emit_json_line(exc.summary)
         raise
-    print(json.dumps(summary), flush=True)
+    emit_json_line(summary)
     if not summary["probe_exact"]:
         print("deltasync rl-demo: probe logits were not bit-exact", file=sys.stderr)
         return 2
