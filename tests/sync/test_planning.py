@@ -244,3 +244,32 @@ def test_digests_hashed_from_canonical_tensors_equal_digests_of_the_split_shards
     tr.step()
     kw = dict(trainer_layout=tl, receiver_layout=rl)
     assert state_digests(tr.params, **kw) == shard_digests(full_shard_tensors(tr.params, **kw))
+
+
+def test_values_captured_by_the_tracker_give_the_same_updates_and_bad_ones_are_refused():
+    spec, tl, rl = layouts()
+    tr = TinyTrainer(spec)
+    g = torch.Generator().manual_seed(5)
+    changed = {
+        n: torch.nonzero(torch.rand(p.numel(), generator=g) < 0.05).reshape(-1)
+        for n, p in tr.params.items()
+    }
+    values = {n: tr.params[n].reshape(-1)[i].to(BF) for n, i in changed.items()}
+    plain = shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl)
+    given = shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl, values=values)
+    assert plain.keys() == given.keys()
+    for shard in plain:
+        assert [u.name for u in plain[shard]] == [u.name for u in given[shard]]
+        for a, b in zip(plain[shard], given[shard]):
+            assert torch.equal(a.indices, b.indices)
+            assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+    name = next(iter(changed))
+    short = dict(values, **{name: values[name][:-1]})
+    with pytest.raises(ConfigError, match=f"values\\[{name!r}\\] holds"):
+        shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl, values=short)
+    fp32 = dict(values, **{name: values[name].float()})
+    with pytest.raises(ConfigError, match="must be a BF16 tensor"):
+        shard_updates(changed, tr.params, trainer_layout=tl, receiver_layout=rl, values=fp32)
+    unsorted = dict(changed, **{name: changed[name].flip(0)})
+    with pytest.raises(ConfigError, match="not strictly increasing"):
+        shard_updates(unsorted, tr.params, trainer_layout=tl, receiver_layout=rl)

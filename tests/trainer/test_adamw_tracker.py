@@ -28,6 +28,20 @@ def _compare(tracked: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -
     return missed, extra, true
 
 
+def _check_values(tracker, named) -> dict[str, torch.Tensor]:
+    """``changed_values()`` gives the indices of ``changed()`` and, bit for bit, torch's BF16
+    cast of the current params at them (the values a delta carries)."""
+    params = dict(named)
+    pairs = tracker.changed_values()
+    changed = tracker.changed()  # asking twice gives the same answer
+    assert set(pairs) == set(changed)
+    for name, (idx, vals) in pairs.items():
+        assert torch.equal(idx, changed[name])
+        want = params[name].detach().reshape(-1)[idx].to(torch.bfloat16)
+        assert vals.dtype == torch.bfloat16 and torch.equal(vals.view(torch.int16), want.view(torch.int16))
+    return changed
+
+
 def _params(shapes, scale=0.02, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(*s, generator=g) * scale) for s in shapes]
@@ -46,7 +60,7 @@ def _run(ps, opt, steps_per_version=1, versions=3, grad_scale=1.0, seed=0, sched
             opt.step()
             if sched is not None:
                 sched.step()
-        missed, extra, true = _compare(tracker.changed(), truth.changed())
+        missed, extra, true = _compare(_check_values(tracker, named), truth.changed())
         assert missed == 0, f"version {v}: {missed} changed elements missed"
         totals = [totals[0] + missed, totals[1] + extra, totals[2] + true]
         tracker.clear()
@@ -169,7 +183,7 @@ def test_adversarial_values_at_bf16_midpoints_zeros_subnormals_and_large_exponen
         for gr in grads:
             p.grad = gr
             opt.step()
-            missed, _, _ = _compare(tracker.changed(), truth.changed())
+            missed, _, _ = _compare(_check_values(tracker, named), truth.changed())
             assert missed == 0
             tracker.clear(), truth.clear()
 
@@ -216,7 +230,7 @@ def test_uncovered_configurations_fall_back_to_an_exact_snapshot():
         outside[5] += 1.0  # modified outside the optimizer: only a snapshot can see this
     p32.grad, p16.grad = torch.randn(64), torch.randn(64).to(torch.bfloat16)
     opt.step()
-    ch = t2.changed()
+    ch = _check_values(t2, named)
     assert 5 in ch["outside"].tolist()
     missed, extra, true = _compare(ch, oracle.changed())
     assert missed == 0 and true > 0
@@ -244,3 +258,26 @@ def test_native_kernel_and_torch_fallback_produce_the_same_mask():
         detect_adamw_(p, m, v, k, a, threads=2)
         detect_adamw_(p, m, v, k, b, force_torch=True)
         assert torch.equal(a, b)
+
+
+def test_changed_values_cover_a_chunk_boundary_and_values_the_kernel_declines():
+    # > 1 M elements crosses a detection chunk; NaN-free subnormals and huge values among the
+    # flagged ones make the C gather decline a chunk, which torch then casts.
+    n = (1 << 20) + 300
+    g = torch.Generator().manual_seed(21)
+    base = torch.randn(n, generator=g) * 0.02
+    base[: 4000] = _adversarial_values(500, 3)[: 4000]
+    p = torch.nn.Parameter(base)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+    named = [("w", p)]
+    tracker, truth = AdamWTracker(opt, named), SnapshotTracker(named)
+    for _ in range(2):
+        p.grad = torch.randn(n, generator=g)
+        opt.step()
+        missed, _, _ = _compare(_check_values(tracker, named), truth.changed())
+        assert missed == 0
+        pairs = truth.changed_values()  # the oracle's values are the same cast
+        for _name, (idx, vals) in pairs.items():
+            want = p.detach().reshape(-1)[idx].to(torch.bfloat16)
+            assert torch.equal(vals.view(torch.int16), want.view(torch.int16))
+        tracker.clear(), truth.clear()

@@ -47,7 +47,12 @@ from deltasync.exchange import exchange
 from deltasync.format import encode_blob
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.manifest import state_digest
-from deltasync.publish.updates import every_element, full_shard_tensors, shard_updates
+from deltasync.publish.updates import (
+    every_element,
+    full_shard_tensors,
+    shard_updates,
+    tracker_changes,
+)
 
 Params = Mapping[str, torch.Tensor]
 
@@ -118,20 +123,20 @@ class ClusterSender:
         base = self._base(version, anchor)
         params = self._params() if callable(self._params) else self._params
         t = time.perf_counter()
+        values = None
         if anchor:
             changed = every_element(params)
         else:
-            it = getattr(self.tracker, "iter_changed", None)
-            changed = dict(it()) if callable(it) else self.tracker.changed()
+            changed, values = tracker_changes(self.tracker)
         detect_s = time.perf_counter() - t
 
         t = time.perf_counter()
         updates = shard_updates(
             changed, params, trainer_layout=self.trainer_layout,
             receiver_layout=self.receiver_layout, rank=self.role.index,
-            world_size=self.role.count,
+            world_size=self.role.count, values=values,
         )  # fmt: skip
-        del changed
+        del changed, values
         build_s = time.perf_counter() - t
 
         t = time.perf_counter()

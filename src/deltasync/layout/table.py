@@ -33,6 +33,7 @@ from deltasync.layout.blocks import (
     view_rows,
 )
 from deltasync.layout.dense import merge_dense, split_dense
+from deltasync.sparse_ops import first_not_increasing
 
 Shape = tuple[int, ...]
 Routed = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -157,8 +158,12 @@ class LayoutTable:
             if int(indices[0]) < 0 or int(indices[-1]) >= total:
                 raise LayoutError(f"indices for {name!r} fall outside 0..{total - 1}")
             # searchsorted below relies on strict order; an unsorted input would route silently wrong.
-            if n > 1 and not bool((indices[1:] > indices[:-1]).all()):
-                raise LayoutError(f"indices for {name!r} must be sorted and distinct")
+            bad = first_not_increasing(indices)
+            if bad >= 0:
+                raise LayoutError(
+                    f"indices for {name!r} must be sorted and distinct (position {bad}: "
+                    f"{int(indices[bad - 1])} then {int(indices[bad])})"
+                )
         return indices
 
     def _select(self, name: str, indices: torch.Tensor):

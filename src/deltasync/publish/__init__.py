@@ -25,6 +25,7 @@ from deltasync.publish.updates import (
     shard_digests,
     shard_updates,
     state_digests,
+    tracker_changes,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "shard_digests",
     "shard_updates",
     "state_digests",
+    "tracker_changes",
 ]

@@ -116,11 +116,15 @@ class Publisher:
         anchor: bool = False,
         since: int | None | object = _OWN,
         full_state: FullState | None = None,
+        values: Params | None = None,
     ) -> PublishReport:
         """Publish ``version``: ``changed`` (a tracker's output: this rank's changed flat
         indices per param) lists every element that differs from version ``since`` (default:
         the version this publisher last committed); ``params`` are this rank's current
-        (fp32 master or BF16) parameters. Returns once the version is committed."""
+        (fp32 master or BF16) parameters. ``values`` optionally holds, per param, the current
+        BF16 values at the changed indices (a tracker's ``changed_values()`` reads them during
+        detection; otherwise they are gathered from ``params``). Returns once the version is
+        committed."""
         t0 = time.perf_counter()
         names.check_version(version)
         cfg = self.config
@@ -158,6 +162,7 @@ class Publisher:
             updates = shard_updates(
                 wanted, params, trainer_layout=self.trainer_layout, receiver_layout=self.layout,
                 rank=cfg.writer_rank, world_size=cfg.num_writers,
+                values=values if kind == "delta" else None,
             )  # fmt: skip
         build_s = time.perf_counter() - t
 

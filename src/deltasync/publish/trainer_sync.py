@@ -9,7 +9,8 @@ elements sent twice are harmless.
 ``synchronous=True`` also waits for the acknowledgements of the given receivers after each
 commit (synchronous RL); the version stays committed if that wait times out.
 
-This class knows the tracker contract (``changed()``, ``clear()``) and Publisher; nothing else.
+This class knows the tracker contract (``changed()``, ``clear()``, optionally
+``changed_values()``) and Publisher; nothing else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.publish.publisher import Publisher
 from deltasync.publish.report import PublishReport
+from deltasync.publish.updates import tracker_changes
 
 
 class Tracker(Protocol):
@@ -71,11 +73,11 @@ class TrainerSync:
         clear the tracker. On any failure the tracker keeps its bits and the exception
         propagates: call again (same or a later version) to retry."""
         params = self._params() if callable(self._params) else self._params
-        changed = self.tracker.changed()
+        changed, values = tracker_changes(self.tracker)
         reports = [
             pub.publish(
                 version, changed, params, anchor=anchor, since=self.baseline,
-                full_state=self._full_state,
+                full_state=self._full_state, values=values,
             )  # fmt: skip
             for pub in self.publishers
         ]

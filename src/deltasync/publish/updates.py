@@ -31,6 +31,7 @@ from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digests import shard_state_digests
 from deltasync.manifest import state_digest
+from deltasync.sparse_ops import bf16_at
 
 ShardUpdates = dict[str, list[TensorUpdate]]
 ShardTensors = dict[str, dict[str, torch.Tensor]]
@@ -61,11 +62,25 @@ def gather_bf16(name: str, param: torch.Tensor, indices: torch.Tensor) -> torch.
             f"changed[{name!r}] spans [{int(idx[0])}, {int(idx[-1])}] outside the param's "
             f"{p.numel()} elements (are the indices local to this rank's shard?)"
         )
-    if p.is_contiguous():
-        picked = p.view(-1).index_select(0, idx)
-    else:  # reshape(-1) of a strided tensor would copy all of it; gather through the strides
-        picked = p[torch.unravel_index(idx, tuple(p.shape))]
-    return picked.to(torch.bfloat16).cpu()
+    try:
+        return bf16_at(p, idx)
+    except ConfigError as e:
+        raise ConfigError(f"changed[{name!r}]: {e}") from None
+
+
+def _given_values(name: str, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Values the caller captured with the indices (a tracker's ``changed_values()``)."""
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.bfloat16:
+        raise ConfigError(
+            f"values[{name!r}] must be a BF16 tensor (the current params' BF16 values at the "
+            f"changed indices), got {getattr(values, 'dtype', type(values).__name__)}"
+        )
+    if values.shape != indices.shape:
+        raise ConfigError(
+            f"values[{name!r}] holds {values.numel()} values for {indices.numel()} changed "
+            "indices; pass the pair from one changed_values() call"
+        )
+    return values.cpu()
 
 
 def canonical_changes(
@@ -75,11 +90,14 @@ def canonical_changes(
     trainer_layout: TrainerLayout,
     rank: int = 0,
     world_size: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{canonical name: (sorted int64 indices, bf16 values)}`` of every changed element.
 
     ``params`` and the indices in ``changed`` are this rank's (FSDP dim-0 shard of the) trainer
-    parameters; ``rank``/``world_size`` place the shard in the full tensor."""
+    parameters; ``rank``/``world_size`` place the shard in the full tensor. ``values``, when
+    given, are the params' current BF16 values at those indices (captured by the detection
+    pass); otherwise they are gathered from ``params`` here."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, indices in changed.items():
         if name not in params:
@@ -90,8 +108,12 @@ def canonical_changes(
         if indices.numel() == 0:
             continue
         idx = indices.to(torch.int64).cpu()
-        values = gather_bf16(name, params[name], idx)
-        routed = trainer_layout.route_values(name, idx, values, rank=rank, world_size=world_size)
+        if values is not None and name in values:
+            _check_param(name, params[name])
+            vals = _given_values(name, idx, values[name])
+        else:
+            vals = gather_bf16(name, params[name], idx)
+        routed = trainer_layout.route_values(name, idx, vals, rank=rank, world_size=world_size)
         for canon, pair in routed.items():
             if canon in out:  # the trainer table is a bijection; two params never share one
                 raise LayoutError(f"canonical tensor {canon!r} is reached from two params")
@@ -131,12 +153,28 @@ def shard_updates(
     receiver_layout: ReceiverLayout,
     rank: int = 0,
     world_size: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> ShardUpdates:
-    """Tracker output -> ``{shard: [TensorUpdate]}`` with current BF16 values."""
+    """Tracker output -> ``{shard: [TensorUpdate]}`` with current BF16 values (``values``:
+    see :func:`canonical_changes`)."""
     changes = canonical_changes(
-        changed, params, trainer_layout=trainer_layout, rank=rank, world_size=world_size
+        changed, params, trainer_layout=trainer_layout, rank=rank, world_size=world_size,
+        values=values,
     )
     return route_to_shards(changes, receiver_layout=receiver_layout)
+
+
+def tracker_changes(
+    tracker: object,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """``(changed, values)`` from a tracker: with ``changed_values()`` (AdamWTracker,
+    SnapshotTracker) the BF16 values come from the detection pass itself, saving a second,
+    cache-cold pass over the params; with only ``changed()``, ``values`` is None."""
+    with_values = getattr(tracker, "changed_values", None)
+    if not callable(with_values):
+        return tracker.changed(), None  # type: ignore[attr-defined]
+    pairs = with_values()
+    return {n: idx for n, (idx, _) in pairs.items()}, {n: v for n, (_, v) in pairs.items()}
 
 
 def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,11 +17,19 @@ This module knows optimizers, hooks and bitsets; it knows nothing about layouts 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
 import torch
 
+from deltasync.sparse_ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
-from deltasync.trainer.detect import bits_to_indices, bitset_bytes, detect_adamw_, detect_adamw_indices
+from deltasync.trainer.detect import (
+    bits_to_indices,
+    bitset_bytes,
+    detect_adamw_,
+    detect_adamw_changes,
+    detect_adamw_indices,
+)
 from deltasync.trainer.snapshot_tracker import SnapshotTracker, named_unique
 
 
@@ -72,6 +80,7 @@ class AdamWTracker:
         self._threads = threads
         params = named_unique(named_params)
         self._order = list(params)
+        self._params = params
         group_of: dict[int, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -148,24 +157,27 @@ class AdamWTracker:
             self._fold(*entry)
         self._pending.clear()
 
-    def _indices(self, name: str, pending: tuple[str, StepHyper | None, str] | None) -> torch.Tensor:
+    def _detect(self, name: str, pending: tuple[str, StepHyper | None, str] | None,
+                values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         p, _ = self._covered[name]
         if name in self._bits:
             if pending is not None:
                 self._fold(*pending)
-            return bits_to_indices(self._bits[name], p.numel())
+            idx = bits_to_indices(self._bits[name], p.numel())
+            return idx, (bf16_at(p.detach(), idx, trusted=True) if values else None)
         if pending is None:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
         _, hyper, v_key = pending
         if hyper is None:
-            return torch.arange(p.numel(), dtype=torch.int64, device=p.device)
+            idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device)
+            return idx, (p.detach().reshape(-1).to(torch.bfloat16).cpu() if values else None)
         state = self._opt.state[p]
-        return detect_adamw_indices(p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper),
-                                    threads=self._threads)
+        args = (p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper))
+        if values:
+            return detect_adamw_changes(*args, threads=self._threads)
+        return detect_adamw_indices(*args, threads=self._threads), None
 
-    def iter_changed(self):
-        """Yield ``(name, indices)`` one parameter at a time, in ``named_params`` order, so a
-        publisher can encode and ship each while the next is still being detected."""
+    def _iter(self, values: bool) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.
@@ -173,14 +185,35 @@ class AdamWTracker:
         snap = self._snapshot.changed() if self.fallback else {}
         for name in self._order:
             if name in self._covered:
-                idx = self._indices(name, pending.get(name))
+                idx, vals = self._detect(name, pending.get(name), values)
             else:
                 idx = snap.get(name)
+                vals = None
+                if idx is not None and values:
+                    vals = bf16_at(self._params[name].detach(), idx, trusted=True)
             if idx is not None and idx.numel():
-                yield name, idx
+                yield name, idx, vals
+
+    def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, indices)`` one parameter at a time, in ``named_params`` order, so a
+        publisher can encode and ship each while the next is still being detected."""
+        for name, idx, _ in self._iter(values=False):
+            yield name, idx
 
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())
+
+    def iter_changed_values(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Like :meth:`iter_changed`, plus the params' current BF16 values at those indices
+        (exactly ``p.reshape(-1)[indices].to(torch.bfloat16)``), read by the detection pass
+        itself while each chunk is in cache: one pass over the params instead of two."""
+        for name, idx, vals in self._iter(values=True):
+            assert vals is not None
+            yield name, idx, vals
+
+    def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (indices, bf16 values)}``; the same indices as :meth:`changed`."""
+        return {name: (idx, vals) for name, idx, vals in self.iter_changed_values()}
 
     def clear(self) -> None:
         self._pending.clear()  # steps before the new baseline no longer matter

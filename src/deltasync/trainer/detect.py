@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from deltasync.sparse_ops import bf16_at
 from deltasync.trainer import native
 from deltasync.trainer.adamw_bound import KernelScalars
 
@@ -140,33 +141,58 @@ def detect_adamw_indices(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: K
     into a small per-thread scratch bitset and expanded at once, so the tracker holds no
     per-element memory at all between versions.
     """
+    return _detect_chunked(p, m, v, k, threads=threads, values=False)[0]
+
+
+def detect_adamw_changes(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
+                         *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`detect_adamw_indices`, plus the current BF16 values at those positions,
+    gathered from each chunk right after it was detected (while it is still in cache): the
+    publisher then needs no second, cache-cold pass over the parameter."""
+    idx, vals = _detect_chunked(p, m, v, k, threads=threads, values=True)
+    assert vals is not None
+    return idx, vals
+
+
+def _detect_chunked(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, *,
+                    threads: int | None, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = p.numel()
     if n == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
     if not (math.isfinite(k.abs_e) and _use_native(p, m, v)):
         bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
         detect_adamw_(p, m, v, k, bits, threads=threads)
-        return bits_to_indices(bits, n)
+        idx = bits_to_indices(bits, n)
+        return idx, (bf16_at(p, idx, trusted=True) if values else None)
     lib = native.load()
     assert lib is not None
     pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
+    flat = p.view(-1)
 
-    def run(start: int) -> torch.Tensor:
+    def run(start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cnt = min(_CHUNK, n - start)
+        off = start * 4
         buf = getattr(_scratch, "buf", None)
         if buf is None:
             buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
-        cnt = min(_CHUNK, n - start)
         nbytes = bitset_bytes(cnt)
         buf[:nbytes].zero_()
-        off = start * 4
         found = lib.ds_adamw_detect(pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps, k.step_size,
                                     k.inv_c, k.rel_s, k.rel_u, k.abs_e, buf.data_ptr())
         out = torch.empty(found, dtype=torch.int64)
         if found:
             lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
-        return out
+        if not values:
+            return out, None
+        # Gathered now, while this chunk of the param is still in cache (measured: +15% over
+        # detection alone, vs. a separate cache-cold pass costing ~40%; a kernel writing values
+        # as it tests each element was slower than this, 0.24 s vs 0.19 s per 100 M elements).
+        return out, bf16_at(flat, out, trusted=True)
 
     starts = range(0, n, _CHUNK)
     t = threads or torch.get_num_threads()
     parts = list(_executor(t).map(run, starts)) if t > 1 and n > _CHUNK else [run(s) for s in starts]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    idx = torch.cat([a for a, _ in parts])
+    return idx, (torch.cat([b for _, b in parts]) if values else None)

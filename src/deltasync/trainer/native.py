@@ -1,4 +1,5 @@
-"""Builds and loads the small C detection kernels (``kernels/detect.c``) with ctypes.
+"""Builds and loads the small C kernels in ``kernels/detect.c`` (detection, BF16 gather,
+order check) with ctypes.
 
 The library is compiled on first use with the system C compiler into a per-user cache
 directory keyed by the source hash, the flags and the machine, written to a temporary name and
@@ -70,6 +71,10 @@ def _build() -> ctypes.CDLL:
     lib.ds_bits_count.restype = i64
     lib.ds_bits_to_indices.argtypes = [p, i64, i64, p]
     lib.ds_bits_to_indices.restype = i64
+    lib.ds_gather_bf16.argtypes = [p, p, i64, p]
+    lib.ds_gather_bf16.restype = i64
+    lib.ds_first_not_increasing.argtypes = [p, i64]
+    lib.ds_first_not_increasing.restype = i64
     return lib
 
 

@@ -64,6 +64,15 @@ class SnapshotTracker:
                 out[name] = idx.to(torch.int64)
         return out
 
+    def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (indices, current bf16 values)}``; the indices of :meth:`changed`."""
+        from deltasync.sparse_ops import bf16_at  # sparse_ops loads the kernels package
+
+        return {
+            name: (idx, bf16_at(self._params[name].detach(), idx, trusted=True))
+            for name, idx in self.changed().items()
+        }
+
     def clear(self) -> None:
         for name, p in self._params.items():
             bits = bf16_bits(p)

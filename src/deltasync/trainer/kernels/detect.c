@@ -94,3 +94,34 @@ int64_t ds_bits_to_indices(const uint8_t *bits, int64_t nbytes, int64_t first_in
     }
     return k;
 }
+
+/* ds_gather_bf16: out[k] = BF16 bits (round to nearest even) of p[idx[k]], for k < n.
+ * Returns n, or -1 (out partly written) as soon as a value is NaN or an fp32 subnormal: torch's
+ * own cast is the reference for what the trainer's BF16 copy holds, and CPUs with AVX512-BF16
+ * conversion instructions treat subnormal inputs as zero while this integer rounding does not,
+ * and NaN payloads differ between cast paths; the caller then casts that tensor with torch.
+ * Finite normal values, zeros and infinities round identically on every path. */
+int64_t ds_gather_bf16(const float *p, const int64_t *idx, int64_t n, uint16_t *out) {
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t u = f2u(p[idx[k]]);
+        uint32_t ex = u & 0x7F800000u, man = u & 0x007FFFFFu;
+        if ((ex == 0x7F800000u && man) || (ex == 0 && man)) return -1;
+        out[k] = (uint16_t)bf16_rne(u);
+    }
+    return n;
+}
+
+/* ds_first_not_increasing: the first k >= 1 with x[k] <= x[k-1], or -1 if x[0..n) strictly
+ * increases (the routing tables rely on sorted, distinct indices). */
+int64_t ds_first_not_increasing(const int64_t *x, int64_t n) {
+    int64_t bad = 0;
+    const int64_t B = 4096;
+    for (int64_t base = 1; base < n; base += B) {  /* branch-free blocks, exact position after */
+        int64_t end = base + B < n ? base + B : n;
+        for (int64_t k = base; k < end; k++) bad |= (x[k] <= x[k - 1]);
+        if (bad) {
+            for (int64_t k = base; k < end; k++) if (x[k] <= x[k - 1]) return k;
+        }
+    }
+    return -1;
+}

@@ -15,7 +15,7 @@ import torch
 from deltasync.bench.compare.systems.base import SyncTimes, empty_live
 from deltasync.format import apply_updates, decode_blob, encode_blob
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.publish import Publisher, PublisherConfig, TrainerSync, shard_updates
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync, shard_updates, tracker_changes
 from deltasync.receiver import Receiver, ReceiverConfig
 from deltasync.store import Store
 from deltasync.trainer import AdamWTracker
@@ -50,8 +50,9 @@ class DeltasyncTrainer:
 
     def cluster_payloads(self, version: int) -> dict[str, bytes]:
         assert self.sync is not None
-        changed = self.tracker.changed()
-        ups = shard_updates(changed, self.params, trainer_layout=self.tlayout, receiver_layout=self.rlayout)
+        changed, values = tracker_changes(self.tracker)
+        ups = shard_updates(changed, self.params, trainer_layout=self.tlayout, receiver_layout=self.rlayout,
+                            values=values)
         out = {shard: encode_blob(u, version=version, base_version=version - 1, shard=shard,
                                   writer="w00000-bench")
                for shard, u in ups.items()}

@@ -1,0 +1,81 @@
+"""Two hot operations on sorted flat index lists, shared by the trainer, publisher and layouts.
+
+* :func:`bf16_at`: the BF16 values (round to nearest even, exactly torch's cast) of a tensor at
+  sorted flat positions -- what a delta carries for each changed element;
+* :func:`first_not_increasing`: where a list stops being strictly increasing, the precondition
+  of every searchsorted-based routing step.
+
+Both run a small C kernel when it is built (:mod:`deltasync.trainer.native`, one pass, no
+temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
+declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
+bit-identical on both paths; the tests compare them.
+
+This module knows tensors and index lists; nothing about names, layouts or optimizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.trainer import native
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and (
+        native.load() is not None
+    )
+
+
+def first_not_increasing(indices: torch.Tensor) -> int:
+    """The first position ``k >= 1`` with ``indices[k] <= indices[k-1]``, or -1 (1-D int64)."""
+    n = indices.numel()
+    if n < 2:
+        return -1
+    if indices.dtype == torch.int64 and _native_ok(indices):
+        lib = native.load()
+        assert lib is not None
+        return int(lib.ds_first_not_increasing(indices.data_ptr(), n))
+    bad = torch.nonzero(indices[1:] <= indices[:-1])
+    return -1 if bad.numel() == 0 else int(bad[0, 0]) + 1
+
+
+def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
+    """BF16 copies of ``values.reshape(-1)[indices]`` for sorted, distinct int64 ``indices``.
+
+    ``values`` is fp32 (cast with round-to-nearest-even, as ``Tensor.to(torch.bfloat16)``) or
+    already BF16. Unless ``trusted`` (the caller produced the indices itself, e.g. the detection
+    kernel), the order and bounds are checked first, since the C gather does not bounds-check.
+    The result lives on the CPU."""
+    n = indices.numel()
+    total = values.numel()
+    if not trusted and n:
+        if indices.dim() != 1:
+            raise ConfigError("bf16_at: indices must be 1-D")
+        bad = first_not_increasing(indices)
+        if bad >= 0:
+            raise ConfigError(
+                f"bf16_at: indices are not strictly increasing at position {bad} "
+                f"({int(indices[bad - 1])} then {int(indices[bad])})"
+            )
+        if int(indices[0]) < 0 or int(indices[-1]) >= total:
+            raise ConfigError(
+                f"bf16_at: indices span [{int(indices[0])}, {int(indices[-1])}] outside the "
+                f"tensor's {total} elements"
+            )
+    if (
+        n
+        and values.dtype == torch.float32
+        and indices.dtype == torch.int64
+        and _native_ok(values, indices)
+    ):
+        lib = native.load()
+        assert lib is not None
+        out = torch.empty(n, dtype=torch.bfloat16)
+        if lib.ds_gather_bf16(values.data_ptr(), indices.data_ptr(), n, out.data_ptr()) == n:
+            return out
+    if values.is_contiguous():
+        picked = values.view(-1).index_select(0, indices.to(values.device, torch.int64))
+    else:  # reshape(-1) of a strided tensor would copy all of it; gather through the strides
+        picked = values[torch.unravel_index(indices.to(values.device), tuple(values.shape))]
+    return picked.to(torch.bfloat16).cpu()

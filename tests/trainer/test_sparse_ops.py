@@ -1,0 +1,77 @@
+"""The C kernels behind bf16_at / first_not_increasing against torch, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.sparse_ops import bf16_at, first_not_increasing
+from deltasync.trainer import native
+
+
+def _special_fp32(n: int, seed: int) -> torch.Tensor:
+    """Midpoints, ±0, subnormals, infinities, huge values, ordinary values."""
+    g = torch.Generator().manual_seed(seed)
+    mids = (torch.randint(0, 1 << 16, (n,), generator=g, dtype=torch.int32) << 16) | 0x8000
+    sub = torch.randint(1, 0x7FFFFF, (n,), generator=g, dtype=torch.int32)
+    huge = torch.randint(0x7F000000, 0x7F800000, (n,), generator=g, dtype=torch.int32)
+    fixed = torch.tensor([0, -(2**31), 0x7F800000, 0xFF800000 - 2**32, 0x7F7FFFFF], dtype=torch.int32)
+    bits = torch.cat([mids & 0x7FFFFFFF, mids | -(2**31), sub, huge, fixed])
+    vals = torch.cat([bits.view(torch.float32), torch.randn(4 * n, generator=g)])
+    return vals[torch.randperm(vals.numel(), generator=g)]
+
+
+def test_the_kernels_are_built_here():
+    assert native.load() is not None, native.build_error
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_at_equals_torchs_cast_on_every_kind_of_value(seed):
+    x = _special_fp32(2000, seed)
+    g = torch.Generator().manual_seed(seed)
+    for keep in (1.0, 0.3, 0.01):
+        idx = torch.nonzero(torch.rand(x.numel(), generator=g) < keep).reshape(-1)
+        got = bf16_at(x, idx)
+        want = x[idx].to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_bf16_at_with_nan_falls_back_to_torchs_cast_and_handles_strides_and_bf16():
+    x = torch.randn(64, 33)
+    x[3, 4] = float("nan")
+    idx = torch.arange(0, 64 * 33, 5)
+    want = x.reshape(-1)[idx].to(torch.bfloat16)
+    assert torch.equal(bf16_at(x, idx).view(torch.int16), want.view(torch.int16))
+    xt = x.t()  # non-contiguous: gathered through the strides, never copied whole
+    want_t = xt.reshape(-1)[idx].to(torch.bfloat16)
+    assert torch.equal(bf16_at(xt, idx).view(torch.int16), want_t.view(torch.int16))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(bf16_at(xb, idx).view(torch.int16), xb.reshape(-1)[idx].view(torch.int16))
+    assert bf16_at(x, torch.empty(0, dtype=torch.int64)).numel() == 0
+
+
+def test_bf16_at_refuses_unsorted_or_out_of_range_indices_before_reading():
+    x = torch.randn(100)
+    with pytest.raises(ConfigError, match="not strictly increasing at position 2"):
+        bf16_at(x, torch.tensor([1, 5, 5, 7]))
+    with pytest.raises(ConfigError, match="outside the tensor's 100 elements"):
+        bf16_at(x, torch.tensor([3, 100]))
+    with pytest.raises(ConfigError, match="outside"):
+        bf16_at(x, torch.tensor([-1, 3]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_not_increasing_matches_torch(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 20000, (1,), generator=g))
+    x = torch.sort(torch.randperm(10 * n, generator=g)[:n]).values
+    assert first_not_increasing(x) == -1
+    for _ in range(3):
+        y = x.clone()
+        at = int(torch.randint(1, n, (1,), generator=g))
+        y[at] = y[at - 1] - int(torch.randint(0, 2, (1,), generator=g))  # equal or smaller
+        bad = torch.nonzero(y[1:] <= y[:-1]).reshape(-1)
+        assert first_not_increasing(y) == int(bad[0]) + 1
+        assert first_not_increasing(y.to(torch.int32)) == int(bad[0]) + 1  # torch path
+    assert first_not_increasing(torch.tensor([7])) == -1
