@@ -6,9 +6,10 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from cluster_testkit import Setup, run_faults
 
 from deltasync.exchange import spawn
+
+from cluster_testkit import Setup, run_faults
 
 SETUP = Setup(timeout_s=3.0)
 # The killed version is an anchor in 32-byte chunks: its exchange takes ~2.5 s here undisturbed,

@@ -4,9 +4,10 @@ is bit-identical to a dense split of the trainer's BF16 state at every version."
 from __future__ import annotations
 
 import pytest
-from cluster_testkit import Setup, run_versions
 
 from deltasync.exchange import spawn
+
+from cluster_testkit import Setup, run_versions
 
 VERSIONS = 100
 

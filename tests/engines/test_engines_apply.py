@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from deltasync.engines import EngineAdapter, HFEngine, TensorDictEngine, TPQwen3Engine
+from deltasync.errors import ApplyError, ConfigError
+from deltasync.format import TensorUpdate
+from deltasync.layout import ReceiverLayout
+
 from engines_helpers import (
     TinyTrainer,
     bits_equal,
@@ -11,11 +17,6 @@ from engines_helpers import (
     through_the_wire,
     tiny_hf_config,
 )
-
-from deltasync.engines import EngineAdapter, HFEngine, TensorDictEngine, TPQwen3Engine
-from deltasync.errors import ApplyError, ConfigError
-from deltasync.format import TensorUpdate
-from deltasync.layout import ReceiverLayout
 
 
 def _assert_equal_to_split(engine: EngineAdapter, expected: dict[str, torch.Tensor]) -> None:

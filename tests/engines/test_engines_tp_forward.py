@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines_helpers import tiny_hf_config
 
 from deltasync.engines import HFEngine, TPQwen3Engine
 from deltasync.errors import ConfigError, VersionError
 from deltasync.layout import TrainerLayout
+
+from engines_helpers import tiny_hf_config
 
 TOLERANCE = 1e-9
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 
 import pytest
+
+from deltasync.exchange import spawn
+
 from exchange_testkit import (
     die_in_round_two,
     fail_before_round_one,
     never_call_round_one,
     unmatched_messages,
 )
-
-from deltasync.exchange import spawn
 
 
 @pytest.fixture(scope="module")

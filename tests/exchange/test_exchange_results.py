@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from exchange_testkit import Case, run_cases
 
 from deltasync.exchange import spawn
+
+from exchange_testkit import Case, run_cases
 
 
 def cases_for(w: int) -> list[Case]:

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from exchange_testkit import exit_on_rank_one, raise_on_rank_one, report_environment, sleep_forever
 
 from deltasync.errors import ConfigError
 from deltasync.exchange import SpawnError, init_from_env, spawn
+
+from exchange_testkit import exit_on_rank_one, raise_on_rank_one, report_environment, sleep_forever
 
 HERE = Path(__file__).parent
 

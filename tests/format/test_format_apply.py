@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_testkit import all_same, clone_all, same_bits
 
 from deltasync.errors import ApplyError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
+
+from format_testkit import all_same, clone_all, same_bits
 
 BF16 = torch.bfloat16
 

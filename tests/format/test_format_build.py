@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_testkit import same_bits
 
 from deltasync.errors import ConfigError
 from deltasync.format import (
@@ -17,6 +16,8 @@ from deltasync.format import (
     full_updates,
     sparse_update,
 )
+
+from format_testkit import same_bits
 
 HEAD = dict(version=3, base_version=2, shard="tp0", writer="w00000")
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 import zstandard
-from format_testkit import same_update
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
 from deltasync.format.layout import HEADER
+
+from format_testkit import same_update
 
 HEAD = dict(version=7, base_version=6, shard="tp0", writer="w00000")
 

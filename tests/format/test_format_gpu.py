@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_testkit import same_bits
 
 from deltasync.errors import ApplyError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob, sparse_update
+
+from format_testkit import same_bits
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,6 @@ import struct
 import pytest
 import torch
 import zstandard
-from format_testkit import all_same, clone_all, craft, patch_header, record, reseal
 
 from deltasync.errors import (
     BaseVersionMismatchError,
@@ -30,6 +29,8 @@ from deltasync.format import (
     encode_blob,
 )
 from deltasync.format.layout import FORMAT_VERSION
+
+from format_testkit import all_same, clone_all, craft, patch_header, record, reseal
 
 HEAD = dict(version=5, base_version=4, shard="tp0", writer="w00000")
 BF16 = torch.bfloat16

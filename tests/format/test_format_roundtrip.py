@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from format_testkit import same_bits, same_update
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,8 @@ from deltasync.format import (
     encode_blob,
 )
 from deltasync.format.layout import HEADER, RECORD
+
+from format_testkit import same_bits, same_update
 
 HEAD = dict(version=12, base_version=11, shard="tp1-ep0", writer="w00003")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from format_testkit import craft, record, reseal, same_update
 
 from deltasync.errors import FormatError
 from deltasync.format import TensorUpdate, decode_blob, encode_blob, planes, section
+
+from format_testkit import craft, record, reseal, same_update
 
 HEAD = dict(version=9, base_version=8, shard="tp0", writer="w00001")
 

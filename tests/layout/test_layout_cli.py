@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from layout_cases import CONFIGS, bitwise_equal, random_state
 from safetensors.torch import load_file, save_file
 
 from deltasync.cli import main
 from deltasync.layout import ModelSpec, ReceiverLayout
+
+from layout_cases import CONFIGS, bitwise_equal, random_state
 
 REPO = Path(__file__).resolve().parents[2]
 

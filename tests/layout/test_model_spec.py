@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from layout_cases import CONFIGS
 
 from deltasync.errors import LayoutError
 from deltasync.layout import ModelSpec
+
+from layout_cases import CONFIGS
 
 
 def test_dense_config_lists_every_checkpoint_tensor_with_an_explicit_head_dim():

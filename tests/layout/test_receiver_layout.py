@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
-from layout_vllm_reference import reference_vllm_shard
 
 from deltasync.errors import LayoutError
 from deltasync.layout import ModelSpec, ReceiverLayout
+
+from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
+from layout_vllm_reference import reference_vllm_shard
 
 
 @pytest.mark.parametrize(("config", "tp", "ep"), CASES)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
 
 from deltasync.errors import LayoutError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
 from deltasync.layout import Block, LayoutTable, ModelSpec, Placement, ReceiverLayout
+
+from layout_cases import CASES, CONFIGS, bitwise_equal, random_config, random_state
 
 
 def change_some(full: dict[str, torch.Tensor], seed: int, fraction: float):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_cases import bitwise_equal
 
 from deltasync.errors import LayoutError
 from deltasync.layout import Block, LayoutTable, Placement
+
+from layout_cases import bitwise_equal
 
 
 def rows(src_row: int, dst_row: int, n: int, cols: int = 4) -> Block:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_cases import CONFIGS, bitwise_equal, random_state
 
 from deltasync.errors import LayoutError
 from deltasync.layout import ModelSpec, TrainerLayout, fsdp_dim0_rows
+
+from layout_cases import CONFIGS, bitwise_equal, random_state
 
 MOE_5 = dict(CONFIGS["moe_untied"], num_experts=5, decoder_sparse_step=1)  # dim 0 of 5 over 4 ranks
 

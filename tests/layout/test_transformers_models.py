@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from layout_cases import CONFIGS, bitwise_equal
 
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+
+from layout_cases import CONFIGS, bitwise_equal
 
 transformers = pytest.importorskip("transformers")  # the "models" extra; pinned in pyproject
 

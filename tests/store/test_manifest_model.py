@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from store_manifest_samples import D1, D2, blob, make_manifest
 
 from deltasync.errors import ManifestError
 from deltasync.manifest import Manifest, ManifestLimits
+
+from store_manifest_samples import D1, D2, blob, make_manifest
 
 
 def good_dict() -> dict:

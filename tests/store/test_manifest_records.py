@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import xxhash
-from store_manifest_samples import D1, D2, blob
 
 from deltasync import names
 from deltasync.errors import ManifestError
@@ -22,6 +21,8 @@ from deltasync.manifest import (
     state_digest,
     tensor_digest,
 )
+
+from store_manifest_samples import D1, D2, blob
 
 
 def test_latest_round_trips_and_rejects_garbage() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from store_manifest_samples import D2, make_manifest
 
 from deltasync.errors import ConfigError, SignatureError
 from deltasync.manifest import Manifest, check_signature, sign, verify
+
+from store_manifest_samples import D2, make_manifest
 
 KEY = b"0123456789abcdef-shared-secret"
 

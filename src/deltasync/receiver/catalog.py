@@ -15,6 +15,7 @@ This module knows keys, manifests and records; it knows nothing about tensors or
 from __future__ import annotations
 
 import time
+
 from deltasync import names
 from deltasync.errors import KeyNotFoundError, ManifestError
 from deltasync.format import FORMAT_VERSION

@@ -15,7 +15,13 @@ import torch
 from deltasync.bench.compare.systems.base import SyncTimes, empty_live
 from deltasync.format import apply_updates, decode_blob, encode_blob
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.publish import Publisher, PublisherConfig, TrainerSync, shard_updates, tracker_changes
+from deltasync.publish import (
+    Publisher,
+    PublisherConfig,
+    TrainerSync,
+    shard_updates,
+    tracker_changes,
+)
 from deltasync.receiver import Receiver, ReceiverConfig
 from deltasync.store import Store
 from deltasync.trainer import AdamWTracker
