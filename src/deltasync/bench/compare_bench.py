@@ -84,8 +84,8 @@ def main(args: argparse.Namespace) -> int:
                        f"{model}, lr={lr:g}, vLLM TP={args.tp}")
             if png:
                 print(f"plot: {png}")
-    if headline is None and runs:
-        r0 = runs[0]
+    if headline is None and runs:  # no lr 3e-6 run: the first run on the first emulated link
+        r0 = next((r for r in runs if r["link_gbps"] == links[0]), runs[0])
         headline = {"workload": {"model": r0["model"], "lr": r0["lr"]}, "link_gbps": r0["link_gbps"],
                     "results": r0["results"]}
     emit_json({**(headline or {}), "exact": all_exact, "runs": runs})

@@ -1,0 +1,51 @@
+"""The benchmark programs run end to end on tiny inputs and report their self-checks.
+
+Not timed tests: they only guard the programs against bit-rot and check that the last stdout
+line is the documented JSON with ``exact`` / ``missed`` filled in by the benchmark's own
+verification (receiver state digests against the trainer's; the tracker against a snapshot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DELTASYNC = [str(Path(sys.executable).with_name("deltasync"))]
+
+
+def _last_json(args: list[str], timeout: float) -> dict:
+    done = subprocess.run(
+        DELTASYNC + args, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    return json.loads(last)
+
+
+@pytest.mark.timeout(240)
+def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) -> None:
+    out = _last_json(
+        ["bench", "--model", "qwen3-moe-tiny", "--lr", "1e-4", "--steps", "1", "--link-gbps",
+         "1", "--systems", "snapshot,deltasync", "--out", str(tmp_path)],
+        timeout=220,
+    )  # fmt: skip
+    assert out["exact"] is True and out["link_gbps"] == 1.0
+    assert set(out["results"]) == {"snapshot", "deltasync"}
+    for res in out["results"].values():
+        for key in ("total_s", "trainer_stall_s", "transfer_s", "receiver_pause_s", "bytes",
+                    "trainer_peak_rss_bytes", "receiver_peak_rss_bytes", "changed_fraction"):
+            assert isinstance(res[key], (int, float)) and res[key] >= 0, key
+        assert 0 < res["changed_fraction"] <= 1 and res["bytes"] > 0
+    assert {r["path"] for r in out["runs"]} >= {"store (unthrottled)", "store @ 1 Gbit/s"}
+    assert list(tmp_path.glob("*.png")), "the plot was not written"
+
+
+@pytest.mark.timeout(120)
+def test_detect_bench_on_a_small_set_misses_nothing() -> None:
+    out = _last_json(["bench", "detect", "--elements", "3000000", "--tensors", "3"], timeout=110)
+    assert out["missed"] == 0
+    assert out["detect_elements_per_s"] > 0 and out["memory_read_gbps"] > 0
+    assert 0 <= out["extra_over_true"] <= 0.05
