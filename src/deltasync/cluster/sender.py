@@ -44,7 +44,7 @@ from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.errors import ConfigError, VersionError
 from deltasync.exchange import exchange
-from deltasync.format import encode_blob
+from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.manifest import state_digest
 from deltasync.publish.updates import (
@@ -146,11 +146,11 @@ class ClusterSender:
         t = time.perf_counter()
         envelopes: dict[str, bytes] = {}
         shard_bytes: dict[str, int] = {}
-        for shard in self.plan.shards():
-            blob = encode_blob(
-                updates[shard], version=version, base_version=base, shard=shard,
-                writer=self.role.writer_id, level=self.config.level,
-            )  # fmt: skip
+        blobs = encode_blobs(
+            {shard: updates[shard] for shard in self.plan.shards()}, version=version,
+            base_version=base, writer=self.role.writer_id, level=self.config.level,
+        )  # fmt: skip
+        for shard, blob in blobs:
             shard_bytes[shard] = len(blob)
             envelopes[shard] = pack_envelope([blob], state_digest=digests.get(shard))
         # DP replicas of a shard share one envelope object: no copy per replica.

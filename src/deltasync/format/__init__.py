@@ -4,6 +4,7 @@ Data flow through this package::
 
     build.py    live tensors  -> TensorUpdate   (full_updates, sparse_update)
     encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128)
+    encode_many.py  {shard: TensorUpdates} -> blobs, on a few threads
     decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
 
@@ -17,6 +18,7 @@ from deltasync.format.apply import apply_updates
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import decode_blob
 from deltasync.format.encode import encode_blob
+from deltasync.format.encode_many import encode_blobs
 from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
 from deltasync.format.layout import FORMAT_VERSION
 from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
@@ -33,6 +35,7 @@ __all__ = [
     "apply_updates",
     "decode_blob",
     "encode_blob",
+    "encode_blobs",
     "full_updates",
     "sparse_update",
 ]

@@ -43,7 +43,7 @@ from deltasync.errors import (
     KeyNotFoundError,
     VersionError,
 )
-from deltasync.format import encode_blob, full_updates
+from deltasync.format import encode_blobs, full_updates
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, blob_digest, should_anchor
 from deltasync.manifest.records import ReceiverRecord
@@ -248,20 +248,20 @@ class Publisher:
         futures: list[Future] = []
         shard_bytes: dict[str, int] = {}
         shard_elements: dict[str, int] = {}
-        for info in self.layout.shards():
-            ups = updates.get(info.id, [])
-            if not ups:
-                continue  # nothing for this shard from this writer: no blob, the marker says so
-            blob = encode_blob(
-                ups, version=version, base_version=-1 if base is None else base,
-                shard=info.id, writer=self.writer, level=self.config.level,
-            )  # fmt: skip
-            key = names.blob_key(version, info.id, self.writer)
+        # Shards with nothing from this writer get no blob (the marker says so); the others
+        # are encoded concurrently and each is uploaded as soon as it is ready.
+        wanted = {info.id: updates[info.id] for info in self.layout.shards() if updates.get(info.id)}
+        blobs = encode_blobs(
+            wanted, version=version, base_version=-1 if base is None else base,
+            writer=self.writer, level=self.config.level,
+        )  # fmt: skip
+        for shard, blob in blobs:
+            key = names.blob_key(version, shard, self.writer)
             entries.append(BlobEntry(
-                shard=info.id, writer=self.writer, key=key, size=len(blob), digest=blob_digest(blob)
+                shard=shard, writer=self.writer, key=key, size=len(blob), digest=blob_digest(blob)
             ))  # fmt: skip
-            shard_bytes[info.id] = len(blob)
-            shard_elements[info.id] = sum(u.nnz for u in ups)
+            shard_bytes[shard] = len(blob)
+            shard_elements[shard] = sum(u.nnz for u in wanted[shard])
             view = memoryview(blob)
             chunks = [view[i : i + _CHUNK] for i in range(0, len(blob), _CHUNK)]
             futures.append(pool.submit(self.store.put_stream, key, chunks))

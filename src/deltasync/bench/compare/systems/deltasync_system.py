@@ -13,7 +13,7 @@ import time
 import torch
 
 from deltasync.bench.compare.systems.base import SyncTimes, empty_live
-from deltasync.format import apply_updates, decode_blob, encode_blob
+from deltasync.format import apply_updates, decode_blob, encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.publish import (
     Publisher,
@@ -59,12 +59,9 @@ class DeltasyncTrainer:
         changed, values = tracker_changes(self.tracker)
         ups = shard_updates(changed, self.params, trainer_layout=self.tlayout, receiver_layout=self.rlayout,
                             values=values)
-        out = {shard: encode_blob(u, version=version, base_version=version - 1, shard=shard,
-                                  writer="w00000-bench")
-               for shard, u in ups.items()}
-        for s in self.rlayout.shards():  # a shard with nothing changed still gets its (empty) blob
-            out.setdefault(s.id, encode_blob([], version=version, base_version=version - 1,
-                                             shard=s.id, writer="w00000-bench"))
+        # every shard gets a blob, an empty one if nothing of it changed
+        jobs = {s.id: ups.get(s.id, []) for s in self.rlayout.shards()}
+        out = dict(encode_blobs(jobs, version=version, base_version=version - 1, writer="w00000-bench"))
         self.tracker.clear()  # the bench's exchange is its commit (receivers verify digests)
         self.sync.baseline = version
         return out
