@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.format import InvalidUpdateError, TensorUpdate, decode_blob, encode_blob, encode_blobs
+from deltasync.format import (
+    InvalidUpdateError,
+    TensorUpdate,
+    decode_blob,
+    encode_blob,
+    encode_blobs,
+)
 
 
 def _updates(seed: int, n: int) -> list[TensorUpdate]:
