@@ -228,6 +228,7 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
         (dict(signing_key=b"short"), "signing_key"),
         (dict(marker_timeout_s=float("nan")), "marker_timeout_s"),
         (dict(max_staleness=-1), "max_staleness"),
+        (dict(encode_threads=0), "encode_threads"),
     ],
 )
 def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):
@@ -273,3 +274,10 @@ def test_values_captured_by_the_tracker_give_the_same_updates_and_bad_ones_are_r
     unsorted = dict(changed, **{name: changed[name].flip(0)})
     with pytest.raises(ConfigError, match="not strictly increasing"):
         shard_updates(unsorted, tr.params, trainer_layout=tl, receiver_layout=rl)
+
+
+def test_cluster_config_rejects_zero_encode_threads():
+    from deltasync.cluster.config import ClusterConfig
+
+    with pytest.raises(ConfigError, match="encode_threads"):
+        ClusterConfig(encode_threads=0)

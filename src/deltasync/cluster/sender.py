@@ -149,6 +149,7 @@ class ClusterSender:
         blobs = encode_blobs(
             {shard: updates[shard] for shard in self.plan.shards()}, version=version,
             base_version=base, writer=self.role.writer_id, level=self.config.level,
+            threads=self.config.encode_threads,
         )  # fmt: skip
         for shard, blob in blobs:
             shard_bytes[shard] = len(blob)

@@ -53,6 +53,10 @@ class PublisherConfig:
     - ``receiver_ttl_s``: a receiver record older than this is not live (retention, staleness).
     - ``keep_versions``: retention keeps at least this many newest versions.
     - ``upload_threads``: blob uploads overlap with encoding the next shard.
+    - ``encode_threads``: how many per-shard blobs are encoded at once (1 = one after another,
+      the default). More helps a node with cores to spare and several shards; each concurrent
+      encode holds its own buffers (on this project's 2-core VM it gave no speed-up, and the
+      trainer's peak memory read higher in the run that used it).
     """
 
     writer_rank: int = 0
@@ -68,6 +72,7 @@ class PublisherConfig:
     receiver_ttl_s: float = 120.0
     keep_versions: int = 2
     upload_threads: int = 2
+    encode_threads: int = 1
 
     def __post_init__(self) -> None:
         _int("num_writers", self.num_writers, 1)
@@ -104,6 +109,7 @@ class PublisherConfig:
             _int("max_staleness", self.max_staleness, 0)
         _int("keep_versions", self.keep_versions, 1)
         _int("upload_threads", self.upload_threads, 1)
+        _int("encode_threads", self.encode_threads, 1)
 
     def writer_id(self, rank: int | None = None) -> str:
         """``w{rank:05d}-{session}``: the id of ``rank`` (default: this writer) in this attempt."""

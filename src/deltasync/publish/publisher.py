@@ -248,12 +248,12 @@ class Publisher:
         futures: list[Future] = []
         shard_bytes: dict[str, int] = {}
         shard_elements: dict[str, int] = {}
-        # Shards with nothing from this writer get no blob (the marker says so); the others
-        # are encoded concurrently and each is uploaded as soon as it is ready.
+        # Shards with nothing from this writer get no blob (the marker says so); the others are
+        # encoded (``encode_threads`` at a time) and each is uploaded as soon as it is ready.
         wanted = {info.id: updates[info.id] for info in self.layout.shards() if updates.get(info.id)}
         blobs = encode_blobs(
             wanted, version=version, base_version=-1 if base is None else base,
-            writer=self.writer, level=self.config.level,
+            writer=self.writer, level=self.config.level, threads=self.config.encode_threads,
         )  # fmt: skip
         for shard, blob in blobs:
             key = names.blob_key(version, shard, self.writer)
