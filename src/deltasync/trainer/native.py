@@ -71,6 +71,8 @@ def _build() -> ctypes.CDLL:
     lib.ds_bits_count.restype = i64
     lib.ds_bits_to_indices.argtypes = [p, i64, i64, p]
     lib.ds_bits_to_indices.restype = i64
+    lib.ds_adamw_detect_list.argtypes = [p, p, p, i64, f, f, f, f, f, f, f, i64, p, p]
+    lib.ds_adamw_detect_list.restype = i64
     lib.ds_gather_bf16.argtypes = [p, p, i64, p]
     lib.ds_gather_bf16.restype = i64
     lib.ds_first_not_increasing.argtypes = [p, i64]

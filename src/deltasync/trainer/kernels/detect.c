@@ -7,6 +7,7 @@
  * the bound assumes IEEE round-to-nearest for every +, -, *, /, sqrt written here, in this
  * order, and the torch fallback in detect.py performs the identical operations.
  *
+ * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  */
 #include <stdint.h>
@@ -18,6 +19,27 @@ static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 /* round-to-nearest-even fp32 -> bf16 bits; only used on finite inputs (others are flagged). */
 static inline uint32_t bf16_rne(uint32_t x) {
     return (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+}
+
+/* The test for element i (one inverted AdamW step, widened by the bound, three BF16 roundings);
+ * 1 = may have changed. Shared by both detection kernels so they cannot drift apart. */
+static inline uint8_t flag_at(const float *p, const float *m, const float *v, int64_t i,
+                              float bc2s, float eps, float step_size, float inv_scale_c,
+                              float rel_s, float rel_u, float abs_e) {
+    float d = sqrtf(v[i]) / bc2s + eps;
+    float u = (m[i] / d) * step_size;
+    float s = p[i] + u;
+    float r = s * inv_scale_c;
+    float e = (fabsf(s) * rel_s + fabsf(u) * rel_u) * inv_scale_c + abs_e;
+    float lo = r - e;
+    float hi = r + e;
+    uint32_t ulo = f2u(lo), uhi = f2u(hi), ucur = f2u(p[i]);
+    uint32_t blo = bf16_rne(ulo), bhi = bf16_rne(uhi), bcur = bf16_rne(ucur);
+    /* any non-finite value (inf/nan in lo, hi or current) is flagged as uncertain */
+    uint32_t nonfinite = ((ulo & 0x7F800000u) == 0x7F800000u) |
+                         ((uhi & 0x7F800000u) == 0x7F800000u) |
+                         ((ucur & 0x7F800000u) == 0x7F800000u);
+    return (uint8_t)((blo != bhi) | (blo != bcur) | nonfinite);
 }
 
 #define BLOCK 64
@@ -33,20 +55,7 @@ int64_t ds_adamw_detect(const float *p, const float *m, const float *v, int64_t 
         int64_t len = n - base < BLOCK ? n - base : BLOCK;
         for (int64_t j = 0; j < len; j++) {
             int64_t i = base + j;
-            float d = sqrtf(v[i]) / bc2s + eps;
-            float u = (m[i] / d) * step_size;
-            float s = p[i] + u;
-            float r = s * inv_scale_c;
-            float e = (fabsf(s) * rel_s + fabsf(u) * rel_u) * inv_scale_c + abs_e;
-            float lo = r - e;
-            float hi = r + e;
-            uint32_t ulo = f2u(lo), uhi = f2u(hi), ucur = f2u(p[i]);
-            uint32_t blo = bf16_rne(ulo), bhi = bf16_rne(uhi), bcur = bf16_rne(ucur);
-            /* any non-finite value (inf/nan in lo, hi or current) is flagged as uncertain */
-            uint32_t nonfinite = ((ulo & 0x7F800000u) == 0x7F800000u) |
-                                 ((uhi & 0x7F800000u) == 0x7F800000u) |
-                                 ((ucur & 0x7F800000u) == 0x7F800000u);
-            flags[j] = (uint8_t)((blo != bhi) | (blo != bcur) | nonfinite);
+            flags[j] = flag_at(p, m, v, i, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e);
         }
         for (int64_t j = len; j < BLOCK; j++) flags[j] = 0;
         for (int k = 0; k < BLOCK / 8; k++) {
@@ -124,4 +133,40 @@ int64_t ds_first_not_increasing(const int64_t *x, int64_t n) {
         }
     }
     return -1;
+}
+
+/* ds_adamw_detect_list: ds_adamw_detect's test, element for element, but the flagged positions
+ * (first_index + i, ascending) go straight into idx_out -- no bitset to clear, fill and expand --
+ * and, if val_out is not NULL, the current value's BF16 bits into val_out, read while the
+ * 64-element block is still in L1. Both outputs must hold n entries. Returns the count, or -1
+ * if val_out was asked for and a flagged current value is NaN or an fp32 subnormal (see
+ * ds_gather_bf16: the caller then lets torch cast those). */
+int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int64_t n,
+                             float bc2s, float eps, float step_size, float inv_scale_c,
+                             float rel_s, float rel_u, float abs_e, int64_t first_index,
+                             int64_t *idx_out, uint16_t *val_out) {
+    int64_t k = 0;
+    uint8_t flags[BLOCK];
+    for (int64_t base = 0; base < n; base += BLOCK) {
+        int64_t len = n - base < BLOCK ? n - base : BLOCK;
+        for (int64_t j = 0; j < len; j++) {
+            int64_t i = base + j;
+            flags[j] = flag_at(p, m, v, i, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e);
+        }
+        uint64_t mask = 0;
+        for (int64_t j = 0; j < len; j++) mask |= (uint64_t)flags[j] << j;
+        while (mask) {
+            int t = __builtin_ctzll(mask);
+            mask &= mask - 1;
+            idx_out[k] = first_index + base + t;
+            if (val_out) {
+                uint32_t u = f2u(p[base + t]);
+                uint32_t ex = u & 0x7F800000u, man = u & 0x007FFFFFu;
+                if ((ex == 0x7F800000u && man) || (ex == 0 && man)) return -1;
+                val_out[k] = (uint16_t)bf16_rne(u);
+            }
+            k++;
+        }
+    }
+    return k;
 }
