@@ -21,18 +21,12 @@ from deltasync.errors import ConfigError
 from deltasync.trainer import native
 
 
-def _native_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and (
-        native.load() is not None
-    )
-
-
 def first_not_increasing(indices: torch.Tensor) -> int:
     """The first position ``k >= 1`` with ``indices[k] <= indices[k-1]``, or -1 (1-D int64)."""
     n = indices.numel()
     if n < 2:
         return -1
-    if indices.dtype == torch.int64 and _native_ok(indices):
+    if indices.dtype == torch.int64 and native.usable(indices):
         lib = native.load()
         assert lib is not None
         return int(lib.ds_first_not_increasing(indices.data_ptr(), n))
@@ -67,7 +61,7 @@ def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = Fals
         n
         and values.dtype == torch.float32
         and indices.dtype == torch.int64
-        and _native_ok(values, indices)
+        and native.usable(values, indices)
     ):
         lib = native.load()
         assert lib is not None

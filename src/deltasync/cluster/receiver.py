@@ -49,10 +49,9 @@ from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
 from deltasync.errors import IntegrityError
 from deltasync.exchange import exchange
-from deltasync.format import apply_updates
+from deltasync.format import apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
 from deltasync.manifest import state_digest
-from deltasync.receiver.live import check_live_tensors
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -106,7 +105,10 @@ class ClusterReceiver:
         self.use_group(group)
 
     def _check_tensors(self) -> None:
-        check_live_tensors(self.shard, self.tensors, self.specs)
+        check_tensors_match(
+            self.tensors, self.specs, what=f"receiver shard {self.shard!r}",
+            hint="pass storage names only; tied aliases share storage and need no entry",
+        )  # fmt: skip
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""

@@ -25,8 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from deltasync.errors import ApplyError, ConfigError
-from deltasync.format import TensorSpec, TensorUpdate, apply_updates
+from deltasync.errors import ApplyError
+from deltasync.format import TensorUpdate, apply_updates
 
 UNLOADED = -1
 
@@ -40,30 +40,6 @@ class EngineAdapter(Protocol):
     def params(self) -> Mapping[str, torch.Tensor]: ...
 
     def apply(self, updates: Sequence[TensorUpdate]) -> int: ...
-
-
-def check_params_match(
-    params: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, what: str
-) -> None:
-    """Raise ConfigError unless ``params`` holds exactly the tensors ``specs`` describes.
-
-    Run once at construction, so a layout/engine mismatch is found before the first sync
-    instead of as a half-applied update.
-    """
-    missing = [n for n in specs if n not in params]
-    extra = [n for n in params if n not in specs]
-    if missing or extra:
-        raise ConfigError(
-            f"{what}: tensors do not match the receiver layout; missing {missing[:4]}, "
-            f"unexpected {extra[:4]}. Build the engine and the layout from the same config"
-        )
-    for name, spec in specs.items():
-        t = params[name]
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise ConfigError(
-                f"{what}: {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
-                f"{spec.shape} {spec.dtype}"
-            )
 
 
 def load_dense(params: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from deltasync.engines.base import UNLOADED, check_params_match, load_dense
+from deltasync.engines.base import UNLOADED, load_dense
 from deltasync.errors import ConfigError
-from deltasync.format import TensorUpdate, apply_updates
+from deltasync.format import TensorUpdate, apply_updates, check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout
 from deltasync.layout.hf_rules import HF_SHARD
 
@@ -52,10 +52,10 @@ class HFEngine:
         self.version = version
         self.spec = ModelSpec.from_hf_config(model.config)
         self._params = dict(model.named_parameters())
-        check_params_match(
+        check_tensors_match(
             {n: p.data for n, p in self._params.items()},
             ReceiverLayout.build(self.spec, engine="hf").local_specs(HF_SHARD),
-            what="HFEngine",
+            what="HFEngine", hint="build the engine and the layout from the same config",
         )
 
     @classmethod

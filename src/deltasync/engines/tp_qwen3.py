@@ -38,8 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deltasync.engines.base import UNLOADED, TensorDictEngine, check_params_match
+from deltasync.engines.base import UNLOADED, TensorDictEngine
 from deltasync.errors import ConfigError, VersionError
+from deltasync.format import check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -123,7 +124,10 @@ class TPQwen3Engine:
                 if info.id not in shards:
                     raise ConfigError(f"TPQwen3Engine: no tensors for shard {info.id!r}")
                 tensors = dict(shards[info.id])
-                check_params_match(tensors, specs, what=f"TPQwen3Engine shard {info.id!r}")
+                check_tensors_match(
+                    tensors, specs, what=f"TPQwen3Engine shard {info.id!r}",
+                    hint="build the engine and the layout from the same config",
+                )  # fmt: skip
             self.ranks[info.id] = TensorDictEngine(tensors, version=version)
 
     @classmethod

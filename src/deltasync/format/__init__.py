@@ -21,7 +21,13 @@ from deltasync.format.encode import encode_blob
 from deltasync.format.encode_many import encode_blobs
 from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
 from deltasync.format.layout import FORMAT_VERSION
-from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
+from deltasync.format.records import (
+    BlobHeader,
+    DecodedBlob,
+    TensorSpec,
+    TensorUpdate,
+    check_tensors_match,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -33,6 +39,7 @@ __all__ = [
     "TensorSpec",
     "TensorUpdate",
     "apply_updates",
+    "check_tensors_match",
     "decode_blob",
     "encode_blob",
     "encode_blobs",

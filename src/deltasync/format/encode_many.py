@@ -36,10 +36,12 @@ def encode_blobs(
     base_version: int,
     writer: str,
     level: int = 1,
-    threads: int | None = None,
+    threads: int | None = 1,
 ) -> Iterator[tuple[str, bytes]]:
     """Yield ``(shard, blob)`` for every shard of ``updates``, in its order; ``blob`` equals
     ``encode_blob(updates[shard], version=..., base_version=..., shard=shard, writer=...)``.
+    ``threads``: blobs encoded at once (1, the default, = one after another; None = one per
+    core, see :func:`default_threads`).
 
     An error while encoding one blob (e.g. InvalidUpdateError) is raised when that blob's turn
     comes; blobs not yet yielded are still finished (or cancelled) before it propagates."""

@@ -11,6 +11,7 @@ This module knows no bytes, no compression and no target tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -148,3 +149,26 @@ class DecodedBlob:
     def total_elements(self) -> int:
         """Elements the updates write when applied."""
         return sum(u.nnz for u in self.updates)
+
+
+def check_tensors_match(
+    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, what: str, hint: str
+) -> None:
+    """Raise ConfigError unless ``tensors`` holds exactly the tensors ``specs`` describes (names,
+    shapes, dtypes). Receivers and engines run it before their first sync, so a layout/engine
+    mismatch is refused before anything is fetched or written, never half-applied. ``what``
+    names the holder, ``hint`` says how to fix a name mismatch."""
+    missing = [n for n in specs if n not in tensors]
+    extra = [n for n in tensors if n not in specs]
+    if missing or extra:
+        raise ConfigError(
+            f"{what}: tensors do not match the receiver layout: missing {missing[:5]}, "
+            f"unexpected {extra[:5]} ({hint})"
+        )
+    for name, spec in specs.items():
+        t = tensors[name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ConfigError(
+                f"{what}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
+                f"{spec.shape} {spec.dtype}"
+            )

@@ -41,14 +41,13 @@ from deltasync.errors import (
     ManifestError,
     VersionError,
 )
-from deltasync.format import TensorSpec, apply_updates
+from deltasync.format import TensorSpec, apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
 from deltasync.manifest import AckRecord, Manifest, ReceiverRecord, state_digest
 from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.errors import LocalStateError
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
-from deltasync.receiver.live import check_live_tensors
 from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version, fold_chain
 from deltasync.store import Store
@@ -135,7 +134,10 @@ class Receiver:
         )  # fmt: skip
 
     def _check_tensors(self) -> None:
-        check_live_tensors(self.shard, self.tensors, self.specs)
+        check_tensors_match(
+            self.tensors, self.specs, what=f"receiver shard {self.shard!r}",
+            hint="pass storage names only; tied aliases share storage and need no entry",
+        )  # fmt: skip
 
     # --- state ------------------------------------------------------------------------
 

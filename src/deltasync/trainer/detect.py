@@ -39,10 +39,6 @@ def bitset_bytes(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def _use_native(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and native.load() is not None
-
-
 def detect_adamw_(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, bits: torch.Tensor,
     *, threads: int | None = None, force_torch: bool = False,
@@ -54,7 +50,7 @@ def detect_adamw_(
     if not math.isfinite(k.abs_e):
         bits.fill_(0xFF)  # bound unavailable (eps <= 0): everything is uncertain
         return
-    if not force_torch and _use_native(p, m, v, bits):
+    if not force_torch and native.usable(p, m, v, bits):
         lib = native.load()
         assert lib is not None
         pp, mp, vp, bp = p.data_ptr(), m.data_ptr(), v.data_ptr(), bits.data_ptr()
@@ -117,7 +113,7 @@ def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelSc
 def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted int64 positions of the set bits among the first ``numel`` bits."""
     nbytes = bitset_bytes(numel)
-    if bits.device.type == "cpu" and bits.is_contiguous() and native.load() is not None:
+    if native.usable(bits):
         lib = native.load()
         assert lib is not None
         count = lib.ds_bits_count(bits.data_ptr(), nbytes)
@@ -174,7 +170,7 @@ def _detect_chunked(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: Kernel
     n = p.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
-    if not (math.isfinite(k.abs_e) and _use_native(p, m, v)):
+    if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
         bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
         detect_adamw_(p, m, v, k, bits, threads=threads)
         idx = bits_to_indices(bits, n)

@@ -92,3 +92,9 @@ def load() -> ctypes.CDLL | None:
                 build_error = str(exc)
                 _lib = None
         return _lib
+
+
+def usable(*tensors) -> bool:
+    """Whether the kernels can take these tensors: every one a contiguous CPU tensor (they
+    read raw pointers) and the library built here."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and load() is not None

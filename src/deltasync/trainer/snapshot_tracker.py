@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from deltasync.errors import ConfigError
+from deltasync.sparse_ops import bf16_at
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,6 @@ class SnapshotTracker:
 
     def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (indices, current bf16 values)}``; the indices of :meth:`changed`."""
-        from deltasync.sparse_ops import bf16_at  # sparse_ops loads the kernels package
-
         return {
             name: (idx, bf16_at(self._params[name].detach(), idx, trusted=True))
             for name, idx in self.changed().items()

@@ -44,6 +44,16 @@ static inline uint8_t flag_at(const float *p, const float *m, const float *v, in
 
 #define BLOCK 64
 
+/* flags[j] = flag_at(base + j) for one block of len <= BLOCK elements (vectorized). */
+static inline void block_flags(const float *p, const float *m, const float *v, int64_t base,
+                               int64_t len, float bc2s, float eps, float step_size,
+                               float inv_scale_c, float rel_s, float rel_u, float abs_e,
+                               uint8_t *flags) {
+    for (int64_t j = 0; j < len; j++)
+        flags[j] = flag_at(p, m, v, base + j, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u,
+                           abs_e);
+}
+
 /* Processes elements [0, n) of one parameter chunk. `bits` points at the byte holding element
  * 0 of the chunk; callers split work at multiples of 64 elements so threads never share a byte. */
 int64_t ds_adamw_detect(const float *p, const float *m, const float *v, int64_t n,
@@ -53,10 +63,7 @@ int64_t ds_adamw_detect(const float *p, const float *m, const float *v, int64_t 
     uint8_t flags[BLOCK];
     for (int64_t base = 0; base < n; base += BLOCK) {
         int64_t len = n - base < BLOCK ? n - base : BLOCK;
-        for (int64_t j = 0; j < len; j++) {
-            int64_t i = base + j;
-            flags[j] = flag_at(p, m, v, i, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e);
-        }
+        block_flags(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e, flags);
         for (int64_t j = len; j < BLOCK; j++) flags[j] = 0;
         for (int k = 0; k < BLOCK / 8; k++) {
             uint8_t byte = 0;
@@ -149,10 +156,7 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
     uint8_t flags[BLOCK];
     for (int64_t base = 0; base < n; base += BLOCK) {
         int64_t len = n - base < BLOCK ? n - base : BLOCK;
-        for (int64_t j = 0; j < len; j++) {
-            int64_t i = base + j;
-            flags[j] = flag_at(p, m, v, i, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e);
-        }
+        block_flags(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e, flags);
         uint64_t mask = 0;
         for (int64_t j = 0; j < len; j++) mask |= (uint64_t)flags[j] << j;
         while (mask) {

@@ -61,8 +61,7 @@ class DeltasyncTrainer:
                             values=values)
         # every shard gets a blob, an empty one if nothing of it changed
         jobs = {s.id: ups.get(s.id, []) for s in self.rlayout.shards()}
-        out = dict(encode_blobs(jobs, version=version, base_version=version - 1, writer="w00000-bench",
-                                threads=1))  # as the product's default (PublisherConfig.encode_threads)
+        out = dict(encode_blobs(jobs, version=version, base_version=version - 1, writer="w00000-bench"))
         self.tracker.clear()  # the bench's exchange is its commit (receivers verify digests)
         self.sync.baseline = version
         return out
