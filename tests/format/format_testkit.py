@@ -13,7 +13,17 @@ import xxhash
 import zstandard
 
 from deltasync.format import TensorUpdate
-from deltasync.format.layout import DIGEST_SIZE, FLAG_ZSTD, FORMAT_VERSION, HEADER, MAGIC, RECORD
+from deltasync.format.layout import (
+    DIGEST_SIZE,
+    END_MAGIC,
+    FLAG_ZSTD,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    RECORD,
+    SEGMENT,
+    TRAILER,
+)
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -51,24 +61,64 @@ def reseal(blob: bytes) -> bytes:
     return body + xxhash.xxh3_128_digest(body)
 
 
+_HEADER_FIELDS = [
+    "magic", "format_version", "flags", "version", "base_version", "shard_len", "writer_len",
+    "reserved",
+]  # fmt: skip
+_SEGMENT_FIELDS = ["section_len", "raw_len", "record_count"]
+_TRAILER_FIELDS = ["end_magic", "segment_count", "total_records", "total_raw", "body_len"]
+
+
+def assemble(head: dict, ids: bytes, segments: list[tuple[dict, bytes]], trailer: dict) -> bytes:
+    body = b"".join(
+        SEGMENT.pack(*(f[n] for n in _SEGMENT_FIELDS)) + section for f, section in segments
+    )
+    blob = (
+        HEADER.pack(*(head[n] for n in _HEADER_FIELDS))
+        + ids
+        + body
+        + TRAILER.pack(*(trailer[n] for n in _TRAILER_FIELDS))
+    )
+    return blob + xxhash.xxh3_128_digest(blob)
+
+
+def totals(segments: list[tuple[dict, bytes]]) -> dict:
+    return dict(
+        end_magic=END_MAGIC,
+        segment_count=len(segments),
+        total_records=sum(f["record_count"] for f, _ in segments),
+        total_raw=sum(f["raw_len"] for f, _ in segments),
+        body_len=sum(SEGMENT.size + len(section) for _, section in segments),
+    )
+
+
+def split_blob(blob: bytes) -> tuple[dict, bytes, list[tuple[dict, bytes]], dict]:
+    """(header fields, id bytes, [(segment fields, section bytes)], trailer fields) of a blob."""
+    head = dict(zip(_HEADER_FIELDS, HEADER.unpack_from(blob), strict=True))
+    at = HEADER.size + head["shard_len"] + head["writer_len"]
+    ids = blob[HEADER.size : at]
+    end = len(blob) - DIGEST_SIZE - TRAILER.size
+    trailer = dict(zip(_TRAILER_FIELDS, TRAILER.unpack_from(blob, end), strict=True))
+    segments = []
+    while at < end:
+        fields = dict(zip(_SEGMENT_FIELDS, SEGMENT.unpack_from(blob, at), strict=True))
+        at += SEGMENT.size
+        segments.append((fields, blob[at : at + fields["section_len"]]))
+        at += fields["section_len"]
+    return head, ids, segments, trailer
+
+
 def patch_header(blob: bytes, **fields: int | bytes) -> bytes:
-    """Rewrite fixed-header fields of a blob by name and reseal it."""
-    names = [
-        "magic",
-        "format_version",
-        "flags",
-        "version",
-        "base_version",
-        "section_len",
-        "raw_len",
-        "record_count",
-        "shard_len",
-        "writer_len",
-        "reserved",
-    ]
-    values = dict(zip(names, HEADER.unpack_from(blob), strict=True))
-    values.update(fields)
-    return reseal(HEADER.pack(*(values[n] for n in names)) + blob[HEADER.size :])
+    """Rewrite fields of a blob by name and reseal it: header fields; ``section_len``,
+    ``raw_len``, ``record_count`` of its first segment (the trailer's totals follow them unless
+    given too); trailer fields (``end_magic``, ``segment_count``, ``total_records``,
+    ``total_raw``, ``body_len``)."""
+    head, ids, segments, _ = split_blob(blob)
+    head.update({k: v for k, v in fields.items() if k in _HEADER_FIELDS})
+    segments[0][0].update({k: v for k, v in fields.items() if k in _SEGMENT_FIELDS})
+    trailer = totals(segments)
+    trailer.update({k: v for k, v in fields.items() if k in _TRAILER_FIELDS})
+    return assemble(head, ids, segments, trailer)
 
 
 def record(
@@ -101,26 +151,22 @@ def craft(
     writer: str = "w00000",
     compress: bool = True,
     tail: bytes = b"",
-    **header: int | bytes,
+    **fields: int | bytes,
 ) -> bytes:
-    """A blob around raw record bytes, with a correct digest; ``header`` overrides fields and
-    ``tail`` is appended to the (compressed) record section."""
+    """A one-segment blob around raw record bytes, with a correct digest; ``fields`` override
+    header, segment and trailer fields (see :func:`patch_header`) and ``tail`` is appended to
+    the (compressed) record section."""
     body = zstandard.ZstdCompressor(level=1).compress(records) if compress else records
     body += tail
-    fields = dict(
-        magic=MAGIC,
-        format_version=FORMAT_VERSION,
-        flags=FLAG_ZSTD if compress else 0,
-        version=version,
-        base_version=base_version,
-        section_len=len(body),
-        raw_len=len(records),
-        record_count=count,
-        shard_len=len(shard),
-        writer_len=len(writer),
-        reserved=0,
-    )
-    fields.update(header)
-    head = HEADER.pack(*fields.values())
-    blob = head + shard.encode() + writer.encode() + body
-    return blob + xxhash.xxh3_128_digest(blob)
+    head = dict(
+        magic=MAGIC, format_version=FORMAT_VERSION, flags=FLAG_ZSTD if compress else 0,
+        version=version, base_version=base_version, shard_len=len(shard),
+        writer_len=len(writer), reserved=0,
+    )  # fmt: skip
+    head.update({k: v for k, v in fields.items() if k in _HEADER_FIELDS})
+    segment = dict(section_len=len(body), raw_len=len(records), record_count=count)
+    segment.update({k: v for k, v in fields.items() if k in _SEGMENT_FIELDS})
+    segments = [(segment, body)]
+    trailer = totals(segments)
+    trailer.update({k: v for k, v in fields.items() if k in _TRAILER_FIELDS})
+    return assemble(head, shard.encode() + writer.encode(), segments, trailer)

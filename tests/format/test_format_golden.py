@@ -14,7 +14,7 @@ import torch
 import zstandard
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
-from deltasync.format.layout import HEADER
+from deltasync.format.layout import HEADER, SEGMENT, TRAILER
 
 from format_testkit import same_update
 
@@ -22,11 +22,11 @@ HEAD = dict(version=7, base_version=6, shard="tp0", writer="w00000")
 
 # fmt: off
 GOLDEN_LEVEL0 = (
-    # header: magic, format 1, flags 0, version 7, base 6, section 156, raw 156, 3 records,
-    # shard 3 bytes, writer 6 bytes, reserved
-    "44535942" "0100" "0000" "0700000000000000" "0600000000000000" "9c00000000000000"
-    "9c00000000000000" "03000000" "03" "06" "0000"
+    # header: magic, format 2, flags 0, version 7, base 6, shard 3 bytes, writer 6 bytes, reserved
+    "44535942" "0200" "0000" "0700000000000000" "0600000000000000" "03" "06" "0000"
     "747030" "773030303030"  # "tp0", "w00000"
+    # segment 0: section 156 bytes, raw 156 bytes, 3 records
+    "9c00000000000000" "9c00000000000000" "03000000"
     # record 0: embed.weight, bf16, sparse, 2 dims, u8 gaps, nnz 2, first 1, shape (2, 4),
     # gap planes [05], value planes [80 00] [3f 80] (0x3f80 = 1.0, 0x8000 = -0.0)
     "0c00" "01" "01" "02" "01" "0000" "0200000000000000" "0100000000000000"
@@ -39,17 +39,20 @@ GOLDEN_LEVEL0 = (
     # gap planes [2b] [01] (gap 299), value planes [00 00] [3c fc] (1.0, -inf)
     "0600" "02" "01" "01" "02" "0000" "0200000000000000" "0000000000000000"
     "712e62696173" "2c01000000000000" "2b" "01" "0000" "3cfc"
+    # trailer: "DSYE", 1 segment, 3 records, raw 156, body 176 (20-byte segment header + 156)
+    "44535945" "01000000" "03000000" "9c00000000000000" "b000000000000000"
     # xxh3-128 digest of everything above
-    "664076f34f577a759275800535624cff"
+    "f8108d987c62c72209d1590148104f73"
 )
 # fmt: on
 
 GOLDEN_LEVEL1 = (
-    "44535942010001000700000000000000060000000000000071000000000000009c00000000000000"
-    "030000000306000074703077303030303028b52ffd209c450300d4040c0001010201000002000100"
+    "44535942020001000700000000000000060000000000000003060000747030773030303030710000"
+    "00000000009c000000000000000300000028b52ffd209c450300d4040c0001010201000002000100"
     "656d6265642e776569676874020004000580003f800b0003000100000003006e6f726d03000180c0"
     "207f7fc0060002010102712e626961732c00002b0100003cfc0b004d090302e6b0095804996d9565"
-    "4056805b301418780048c045b21212df22d1713eb3b96dd0a766"
+    "4056805b3014187800484453594501000000030000009c00000000000000850000000000000084a3"
+    "b53fe5ba85d167d92a3ab149ae49"
 )
 
 
@@ -100,9 +103,9 @@ def test_the_level_1_blob_matches_the_pinned_bytes_of_zstandard_0_25_0():
 
 def test_the_pinned_zstd_section_decompresses_to_the_pinned_record_bytes():
     level0, level1 = bytes.fromhex(GOLDEN_LEVEL0), bytes.fromhex(GOLDEN_LEVEL1)
-    start = HEADER.size + 3 + 6
-    records = level0[start:-16]
-    section = level1[start:-16]
+    start = HEADER.size + 3 + 6 + SEGMENT.size
+    records = level0[start : -16 - TRAILER.size]
+    section = level1[start : -16 - TRAILER.size]
     assert zstandard.ZstdDecompressor().decompress(section) == records
 
 
@@ -121,7 +124,7 @@ def test_the_example_in_docs_wire_format_md_is_the_pinned_blob():
     for line in block.strip().splitlines():
         tokens = line.split()
         if not re.fullmatch(r"[0-9a-f]+", tokens[0]):
-            tokens = tokens[1:]  # a label: header, ids, record, digest
+            tokens = tokens[1:]  # a label: header, ids, segment, record, trailer, digest
         for token in tokens:
             if not re.fullmatch(r"[0-9a-f]+", token):
                 break  # the rest of the line is a comment

@@ -28,7 +28,7 @@ from deltasync.format import (
     decode_blob,
     encode_blob,
 )
-from deltasync.format.layout import FORMAT_VERSION
+from deltasync.format.layout import DIGEST_SIZE, FORMAT_VERSION, HEADER, SEGMENT, TRAILER
 
 from format_testkit import all_same, clone_all, craft, patch_header, record, reseal
 
@@ -97,10 +97,22 @@ def test_a_good_blob_is_accepted_by_the_same_receiver_path():
 
 def test_a_flipped_bit_in_the_record_section_or_digest_is_a_digest_mismatch():
     blob = good_blob()
-    for pos in range(60, len(blob)):
+    start = HEADER.size + 3 + 6 + SEGMENT.size  # the first record section's first byte
+    positions = [*range(start, len(blob) - DIGEST_SIZE - TRAILER.size)]
+    positions += range(len(blob) - DIGEST_SIZE, len(blob))
+    for pos in positions:
         damaged = bytearray(blob)
         damaged[pos] ^= 0x10
         assert_rejected(bytes(damaged), DigestMismatchError, "corrupted")
+
+
+def test_a_damaged_trailer_is_reported_as_a_cut_or_extended_blob():
+    blob = good_blob()
+    at = len(blob) - DIGEST_SIZE - TRAILER.size
+    for pos in range(at, at + 4):  # the trailer's magic: the blob does not end where it should
+        damaged = bytearray(blob)
+        damaged[pos] ^= 0x10
+        assert_rejected(bytes(damaged), TruncatedBlobError, "does not end with its trailer")
 
 
 def test_a_flipped_bit_anywhere_raises_a_format_error():
@@ -119,7 +131,7 @@ def test_a_blob_cut_at_every_byte_position_is_reported_as_truncated():
 
 
 def test_bytes_appended_after_the_digest_are_rejected():
-    assert_rejected(good_blob() + b"\x00", FormatError, "extra bytes")
+    assert_rejected(good_blob() + b"\x00", FormatError, "appended")
 
 
 def test_bad_magic_is_rejected_even_with_a_correct_digest():
@@ -128,7 +140,16 @@ def test_bad_magic_is_rejected_even_with_a_correct_digest():
 
 def test_an_unknown_format_version_is_rejected_and_names_the_remedy():
     blob = patch_header(good_blob(), format_version=FORMAT_VERSION + 1)
-    assert_rejected(blob, FormatError, "format version 2.*upgrade")
+    assert_rejected(blob, FormatError, f"format version {FORMAT_VERSION + 1}.*upgrade")
+
+
+def test_a_format_1_blob_is_refused_with_the_remedy():
+    # Format 1 pledged its totals in a 48-byte header; its golden blob (the last release's)
+    # keeps its digest, so only the version check can refuse it.
+    v1_header = struct.Struct("<4sHHqqQQIBBH")
+    old = v1_header.pack(b"DSYB", 1, 0, 7, 6, 24, 24, 1, 3, 6, 0) + b"tp0w00000" + bytes(24)
+    old = reseal(old + bytes(DIGEST_SIZE))
+    assert_rejected(old, FormatError, "format version 1; this deltasync reads version 2")
 
 
 def test_unknown_header_flags_are_rejected():
@@ -184,7 +205,7 @@ def test_a_shape_beyond_2_pow_62_elements_is_rejected():
 
 def test_more_records_than_the_section_can_hold_are_rejected():
     assert_rejected(craft(b"", 1 << 30), BlobLimitError, "limit of 1048576")
-    assert_rejected(craft(b"", 1 << 19), TruncatedBlobError, "records cannot fit")
+    assert_rejected(craft(b"", 1 << 19), TruncatedBlobError, "records in 1 segments cannot fit")
     rec = record("b", shape=(16,), nnz=0)
     assert_rejected(craft(rec + rec[:20], 2), TruncatedBlobError, "record 1 header")
 

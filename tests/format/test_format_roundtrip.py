@@ -13,7 +13,7 @@ from deltasync.format import (
     decode_blob,
     encode_blob,
 )
-from deltasync.format.layout import HEADER, RECORD
+from deltasync.format.layout import HEADER, RECORD, SEGMENT
 
 from format_testkit import same_bits, same_update
 
@@ -27,7 +27,7 @@ def roundtrip(updates, level=1, **decode_kwargs):
 
 def first_record_header(blob: bytes) -> tuple[int, ...]:
     """Record header fields of a level-0 (uncompressed) blob's first record."""
-    at = HEADER.size + len(HEAD["shard"]) + len(HEAD["writer"])
+    at = HEADER.size + len(HEAD["shard"]) + len(HEAD["writer"]) + SEGMENT.size
     return RECORD.unpack_from(blob, at)
 
 

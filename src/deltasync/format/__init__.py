@@ -3,12 +3,13 @@
 Data flow through this package::
 
     build.py    live tensors  -> TensorUpdate   (full_updates, sparse_update)
-    encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128)
+    encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128);
+                BlobWriter streams a blob segment by segment, encode_blob is one segment
     encode_many.py  {shard: TensorUpdates} -> blobs, on a few threads
     decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
 
-layout.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
+layout.py holds the byte layout (documented byte by byte in docs/wire-format.md and the README), records.py the
 in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
 
 The package knows nothing about storage, manifests, layouts of models or processes.
@@ -17,7 +18,7 @@ The package knows nothing about storage, manifests, layouts of models or process
 from deltasync.format.apply import apply_updates
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import decode_blob
-from deltasync.format.encode import encode_blob
+from deltasync.format.encode import BlobWriter, encode_blob
 from deltasync.format.encode_many import encode_blobs
 from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
 from deltasync.format.layout import FORMAT_VERSION
@@ -34,6 +35,7 @@ __all__ = [
     "BlobBaseMismatchError",
     "BlobHeader",
     "BlobLimitError",
+    "BlobWriter",
     "DecodedBlob",
     "InvalidUpdateError",
     "TensorSpec",

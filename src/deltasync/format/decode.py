@@ -2,13 +2,17 @@
 
 Order of checks, each before the work it protects:
 1. size >= the fixed minimum, then the xxh3-128 digest over every byte before it (a failed
-   digest is reported as truncation when the intact header declares more bytes than arrived);
-2. magic, format version, flags, declared total size, versions, shard and writer ids;
+   digest is reported as truncation when the blob does not end with an intact trailer, or the
+   trailer declares more bytes than arrived);
+2. magic, format version, flags, versions, shard and writer ids; the trailer: its magic and
+   the total size it declares;
 3. the header against what the caller expects (version, base_version, shard);
-4. the declared decompressed size against ``max_decompressed_bytes``, then one exact zstd frame
-   (section.py), streamed in chunks straight into the output arrays;
+4. the trailer's totals (decompressed bytes against ``max_decompressed_bytes``, records
+   against MAX_RECORDS) before any segment is read; then per segment its header against what
+   remains of the body and of the totals, and one exact zstd frame (section.py), streamed in
+   chunks straight into the output arrays; at the end, the segments add up to the totals;
 5. every record (reader.py): lengths, dtype codes, shapes, index order and range, duplicate
-   names, and names/shapes/dtypes against ``expected``.
+   names (across segments), and names/shapes/dtypes against ``expected``.
 
 This module knows the blob header and its digest; it does not know how updates are applied.
 """
@@ -31,6 +35,7 @@ from deltasync.format import section
 from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError
 from deltasync.format.layout import (
     DIGEST_SIZE,
+    END_MAGIC,
     FLAG_ZSTD,
     FORMAT_VERSION,
     HEADER,
@@ -39,6 +44,8 @@ from deltasync.format.layout import (
     MAX_RECORDS,
     MIN_BLOB_SIZE,
     RECORD,
+    SEGMENT,
+    TRAILER,
     blob_size,
 )
 from deltasync.format.reader import parse_records
@@ -55,31 +62,43 @@ def _bytes_view(blob: bytes | bytearray | memoryview) -> memoryview:
     return view
 
 
+def _trailer(view: memoryview) -> tuple[bytes, int, int, int, int]:
+    """(end magic, segment_count, record_count, raw_len, body_len) of the (unverified) trailer."""
+    return TRAILER.unpack_from(view, len(view) - DIGEST_SIZE - TRAILER.size)
+
+
 def _declared_size(view: memoryview) -> int | None:
-    """Total size the (unverified) fixed header declares, or None if it is not a header."""
-    magic, *_, section_len, _raw, _count, shard_len, writer_len, _ = HEADER.unpack_from(view)
-    if magic != MAGIC:
+    """Total size the (unverified) header and trailer declare, or None if they are not intact
+    (a blob cut short has lost its trailer)."""
+    magic, *_, shard_len, writer_len, _ = HEADER.unpack_from(view)
+    end_magic, *_, body_len = _trailer(view)
+    if magic != MAGIC or end_magic != END_MAGIC:
         return None
-    return blob_size(shard_len, writer_len, section_len)
+    return blob_size(shard_len, writer_len, body_len)
 
 
 def _check_digest(view: memoryview) -> None:
     n = len(view)
     if n < MIN_BLOB_SIZE:
         raise TruncatedBlobError(
-            f"blob is {n} bytes, shorter than the {MIN_BLOB_SIZE}-byte minimum (header and "
-            f"digest); it was cut short: {_REFETCH}"
+            f"blob is {n} bytes, shorter than the {MIN_BLOB_SIZE}-byte minimum (header, ids, "
+            f"trailer and digest); it was cut short: {_REFETCH}"
         )
     if xxhash.xxh3_128_digest(view[: n - DIGEST_SIZE]) == view[n - DIGEST_SIZE :]:
         return
     declared = _declared_size(view)
-    if declared is not None and declared > n:
+    if declared is None:
         raise TruncatedBlobError(
-            f"blob is {n} bytes but its header declares {declared}; it was cut short: {_REFETCH}"
+            f"blob of {n} bytes does not end with its trailer and digest; it was cut short (or "
+            f"bytes were appended in transit): {_REFETCH}"
         )
-    if declared is not None and declared < n:
+    if declared > n:
+        raise TruncatedBlobError(
+            f"blob is {n} bytes but its trailer declares {declared}; it was cut short: {_REFETCH}"
+        )
+    if declared < n:
         raise FormatError(
-            f"blob is {n} bytes but its header declares {declared}: {n - declared} extra bytes "
+            f"blob is {n} bytes but its trailer declares {declared}: {n - declared} extra bytes "
             f"were appended (concatenated or padded in transit): {_REFETCH}"
         )
     raise DigestMismatchError(
@@ -88,22 +107,9 @@ def _check_digest(view: memoryview) -> None:
     )
 
 
-def _read_header(view: memoryview) -> tuple[BlobHeader, int, int, int, int, int]:
-    """Header fields after the digest matched: (header, flags, offset, section_len, raw_len,
-    record_count)."""
-    (
-        magic,
-        fmt,
-        flags,
-        version,
-        base,
-        section_len,
-        raw_len,
-        count,
-        shard_len,
-        writer_len,
-        reserved,
-    ) = HEADER.unpack_from(view)
+def _read_header(view: memoryview) -> tuple[BlobHeader, int, int]:
+    """Header fields after the digest matched: (header, flags, offset of the first segment)."""
+    magic, fmt, flags, version, base, shard_len, writer_len, reserved = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise FormatError(f"not a deltasync blob: magic is {bytes(magic)!r}, expected {MAGIC!r}")
     if fmt != FORMAT_VERSION:
@@ -116,12 +122,10 @@ def _read_header(view: memoryview) -> tuple[BlobHeader, int, int, int, int, int]
             f"blob header has unknown flags {flags:#06x} or reserved {reserved}: it was written "
             "by an incompatible writer; upgrade the receiver"
         )
-    declared = blob_size(shard_len, writer_len, section_len)
-    if declared != len(view):
-        cls = TruncatedBlobError if declared > len(view) else FormatError
-        raise cls(
-            f"blob is {len(view)} bytes but its header declares {declared} (record section "
-            f"{section_len} bytes); the writer produced an inconsistent header: do not apply it"
+    if HEADER.size + shard_len + writer_len + TRAILER.size + DIGEST_SIZE > len(view):
+        raise FormatError(
+            f"blob header declares ids of {shard_len} + {writer_len} bytes, more than the "
+            f"{len(view)}-byte blob holds; the writer produced an inconsistent header"
         )
     ids = []
     at = HEADER.size
@@ -141,7 +145,7 @@ def _read_header(view: memoryview) -> tuple[BlobHeader, int, int, int, int, int]
             "and version must be >= 0; the writer produced an invalid header: do not apply it"
         )
     header = BlobHeader(FORMAT_VERSION, version, base, ids[0], ids[1])
-    return header, flags, at, section_len, raw_len, count
+    return header, flags, at
 
 
 def _check_wanted(
@@ -174,41 +178,80 @@ def decode_blob(
     shard: str | None = None,
     max_decompressed_bytes: int = 1 << 36,
 ) -> DecodedBlob:
-    """Verify and decode a blob written by :func:`encode_blob`.
+    """Verify and decode a blob written by :class:`BlobWriter` / :func:`encode_blob`.
 
     Raises a FormatError subclass (TruncatedBlobError, DigestMismatchError, BlobLimitError,
     BlobMismatchError, ...) on any problem; returns only fully validated updates.
 
     Memory: the decoded arrays (values at their own size, indices widened to int64: at most ~4x
     the section bytes that hold them, and the section is <= ``max_decompressed_bytes``) plus
-    either the decompressed section (up to 32 MiB) or, above that, chunk buffers of a few
-    hundred KiB: a large section is streamed, never held whole."""
+    one segment's decompressed section at a time (up to 32 MiB) or, above that, chunk buffers of
+    a few hundred KiB: a large section is streamed, never held whole."""
     if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
         raise ConfigError(
             f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
         )
     view = _bytes_view(blob)
     _check_digest(view)
-    header, flags, at, section_len, raw_len, count = _read_header(view)
+    header, flags, at = _read_header(view)
     _check_wanted(header, version, base_version, shard)
     where = f"blob {header.shard}/{header.writer} v{header.version}"
+    end_magic, segments, count, raw_len, body_len = _trailer(view)
+    if end_magic != END_MAGIC:
+        raise FormatError(f"{where}: trailer magic is {bytes(end_magic)!r}, expected {END_MAGIC!r}")
+    end = len(view) - DIGEST_SIZE - TRAILER.size
+    if at + body_len != end:
+        raise FormatError(
+            f"{where}: trailer declares {body_len} bytes of segments, the blob holds {end - at}; "
+            "the writer produced an inconsistent trailer: do not apply it"
+        )
     if raw_len > max_decompressed_bytes:
         raise BlobLimitError(
-            f"{where}: record section declares {raw_len} bytes, above max_decompressed_bytes="
-            f"{max_decompressed_bytes}; raise the limit if the blob is trusted, else drop it"
+            f"{where}: segments declare {raw_len} decompressed bytes, above "
+            f"max_decompressed_bytes={max_decompressed_bytes}; raise the limit if the blob is "
+            "trusted, else drop it"
         )
     if count > MAX_RECORDS:
         raise BlobLimitError(
             f"{where}: {count} records exceed the limit of {MAX_RECORDS} per blob; split the "
             "shard's updates over several writers"
         )
-    if count * RECORD.size > raw_len:
+    if count * RECORD.size > raw_len or segments > count or (count and not segments):
         raise TruncatedBlobError(
-            f"{where}: {count} records cannot fit in a {raw_len}-byte record section; the writer "
-            "produced an inconsistent header: do not apply it"
+            f"{where}: {count} records in {segments} segments cannot fit in {raw_len} "
+            "decompressed bytes; the writer produced an inconsistent trailer: do not apply it"
         )
-    body = section.SectionReader(
-        view[at : at + section_len], raw_len, bool(flags & FLAG_ZSTD), where
-    )
-    updates = parse_records(body, count, expected)
+    updates: list = []
+    seen: set[str] = set()
+    left_raw, left_count = raw_len, count
+    for k in range(segments):
+        seg = f"{where} segment {k}"
+        if at + SEGMENT.size > end:
+            raise TruncatedBlobError(f"{seg}: its header runs past the segments' end")
+        section_len, seg_raw, seg_count = SEGMENT.unpack_from(view, at)
+        at += SEGMENT.size
+        if section_len > end - at or seg_raw > left_raw or seg_count > left_count:
+            raise TruncatedBlobError(
+                f"{seg} declares {section_len} bytes, {seg_raw} decompressed bytes and "
+                f"{seg_count} records; only {end - at}, {left_raw} and {left_count} remain: "
+                "the blob is malformed although its digest matched: do not apply it"
+            )
+        if not seg_count or seg_count * RECORD.size > seg_raw:
+            raise FormatError(
+                f"{seg}: {seg_count} records cannot fill {seg_raw} decompressed bytes (a segment "
+                "holds at least one record); do not apply it"
+            )
+        body = section.SectionReader(
+            view[at : at + section_len], seg_raw, bool(flags & FLAG_ZSTD), seg
+        )
+        updates += parse_records(body, seg_count, expected, seen=seen)
+        at += section_len
+        left_raw -= seg_raw
+        left_count -= seg_count
+    if at != end or left_raw or left_count:
+        raise FormatError(
+            f"{where}: the segments end at byte {at} with {left_raw} decompressed bytes and "
+            f"{left_count} records unaccounted for; the trailer says they end at {end}: do not "
+            "apply it"
+        )
     return DecodedBlob(header=header, updates=updates)

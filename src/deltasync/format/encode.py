@@ -1,8 +1,14 @@
-"""encode_blob: TensorUpdates -> one self-checking blob (header, zstd records, xxh3-128 digest).
+"""BlobWriter / encode_blob: TensorUpdates -> one self-checking blob (header, segments of zstd
+records, trailer, xxh3-128 digest).
 
-Two steps: a pure plan per record (validation, encoding, gap width, exact byte size), then one
-streaming pass that writes the planned records through zstd. Records keep the order of the given
-updates, so equal inputs give equal bytes.
+:class:`BlobWriter` streams: the header goes out first, then each :meth:`BlobWriter.segment`
+call turns a batch of updates into one segment as soon as the caller has them (a publisher
+hands over each group of tensors while detection of the next is still running), and
+:meth:`BlobWriter.finish` writes the totals and the digest. Per segment, two steps: a pure plan
+per record (validation, encoding, gap width, exact byte size), then one pass that writes the
+planned records through zstd. Records keep the order of the given updates and segments the
+order of the calls, so equal inputs give equal bytes. :func:`encode_blob` is the one-segment
+case.
 
 A sparse update is gap-coded in the narrowest width that fits its largest gap; an update that
 names every element is written dense (no indices), which is never larger. The choice "sparse
@@ -17,7 +23,7 @@ receivers, layouts or storage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +34,7 @@ from deltasync.errors import ManifestError
 from deltasync.format import planes, section
 from deltasync.format.errors import InvalidUpdateError
 from deltasync.format.layout import (
+    END_MAGIC,
     ENCODING_DENSE,
     ENCODING_SPARSE,
     FLAG_ZSTD,
@@ -37,6 +44,8 @@ from deltasync.format.layout import (
     MAX_ID_BYTES,
     MAX_RECORDS,
     RECORD,
+    SEGMENT,
+    TRAILER,
     shape_struct,
 )
 from deltasync.format.records import BITS_DTYPES, DTYPE_CODES, TensorUpdate
@@ -120,6 +129,95 @@ def _check_header(version: int, base_version: int, shard: str, writer: str, leve
             raise InvalidUpdateError(f"encode_blob: {field} is longer than {MAX_ID_BYTES} bytes")
 
 
+Sink = Callable[[bytes], None]
+
+
+class BlobWriter:
+    """Writes one blob for one (version, receiver shard, writer) piece by piece into ``sink``.
+
+    ``sink`` receives the blob's bytes in order (header, then each segment, then trailer and
+    digest); the writer keeps nothing of a segment once it is handed over, so a blob of any size
+    streams in the memory of its largest segment. ``size`` and ``digest`` (hex xxh3-128 of the
+    whole blob, what the manifest lists) are final after :meth:`finish`. A tensor may appear in
+    one segment only: the decoder refuses a name seen twice."""
+
+    def __init__(
+        self, sink: Sink, *, version: int, base_version: int, shard: str, writer: str,
+        level: int = 1,
+    ) -> None:  # fmt: skip
+        _check_header(version, base_version, shard, writer, level)
+        self._sink, self._level = sink, level
+        self._inner = xxhash.xxh3_128()  # the digest the blob ends with
+        self._outer = xxhash.xxh3_128()  # the digest of every byte, digest included
+        self._seen: set[str] = set()
+        self.size = self.segments = self.records = self.raw_len = self.body_len = 0
+        self.digest: str | None = None
+        shard_b, writer_b = shard.encode("utf-8"), writer.encode("utf-8")
+        self._put(HEADER.pack(
+            MAGIC, FORMAT_VERSION, FLAG_ZSTD if level else 0, version, base_version,
+            len(shard_b), len(writer_b), 0,
+        ) + shard_b + writer_b)  # fmt: skip
+
+    def _put(self, data: bytes, *, inner: bool = True) -> None:
+        if inner:
+            self._inner.update(data)
+        self._outer.update(data)
+        self.size += len(data)
+        self._sink(data)
+
+    def segment(self, updates: Sequence[TensorUpdate]) -> int:
+        """Write ``updates`` as one segment (nothing for an empty list); returns its bytes."""
+        if self.digest is not None:
+            raise InvalidUpdateError("BlobWriter.segment: the blob is already finished")
+        if not updates:
+            return 0
+        if self.records + len(updates) > MAX_RECORDS:
+            raise InvalidUpdateError(
+                f"encode_blob: {self.records + len(updates)} updates exceed {MAX_RECORDS}"
+            )
+        plans = []
+        names: set[str] = set()
+        for update in updates:
+            if not isinstance(update, TensorUpdate):
+                raise InvalidUpdateError(f"encode_blob: {update!r} is not a TensorUpdate")
+            if update.name in self._seen or update.name in names:
+                raise InvalidUpdateError(
+                    f"encode_blob: tensor {update.name!r} appears twice; merge its updates first"
+                )
+            names.add(update.name)
+            plans.append(_plan(update))
+        self._seen |= names  # only once every record of the segment is valid
+
+        raw_len = sum(p.size for p in plans)
+        out = section.SectionWriter(raw_len, self._level)
+        for p in plans:
+            out.write(p.head)
+            if p.indices is not None:
+                planes.write_gap_planes(out.write, p.indices, p.width)
+            planes.write_value_planes(out.write, p.values)
+        body = out.finish()
+        section_len = sum(len(c) for c in body)
+        self._put(SEGMENT.pack(section_len, raw_len, len(plans)))
+        for chunk in body:
+            self._put(chunk)
+        self.segments += 1
+        self.records += len(plans)
+        self.raw_len += raw_len
+        self.body_len += SEGMENT.size + section_len
+        return SEGMENT.size + section_len
+
+    def finish(self) -> str:
+        """Write the trailer and the digest; returns the blob digest (hex xxh3-128 of every
+        byte, what the manifest lists)."""
+        if self.digest is None:
+            self._put(TRAILER.pack(
+                END_MAGIC, self.segments, self.records, self.raw_len, self.body_len
+            ))  # fmt: skip
+            self._put(self._inner.digest(), inner=False)
+            self.digest = self._outer.hexdigest()
+        return self.digest
+
+
 def encode_blob(
     updates: Sequence[TensorUpdate],
     *,
@@ -129,40 +227,15 @@ def encode_blob(
     writer: str,
     level: int = 1,
 ) -> bytes:
-    """Encode ``updates`` for one (version, receiver shard, writer) into a blob.
+    """Encode ``updates`` for one (version, receiver shard, writer) into a blob of one segment.
 
     ``base_version`` is -1 for an anchor (full) blob. ``level`` is the zstd level (1 = fast
     default; 0 = no compression, for links faster than zstd)."""
-    _check_header(version, base_version, shard, writer, level)
-    if len(updates) > MAX_RECORDS:
-        raise InvalidUpdateError(f"encode_blob: {len(updates)} updates exceed {MAX_RECORDS}")
-    seen: set[str] = set()
-    plans = []
-    for update in updates:
-        if not isinstance(update, TensorUpdate):
-            raise InvalidUpdateError(f"encode_blob: {update!r} is not a TensorUpdate")
-        if update.name in seen:
-            raise InvalidUpdateError(
-                f"encode_blob: tensor {update.name!r} appears twice; merge its updates first"
-            )
-        seen.add(update.name)
-        plans.append(_plan(update))
-
-    raw_len = sum(p.size for p in plans)
-    out = section.SectionWriter(raw_len, level)
-    for p in plans:
-        out.write(p.head)
-        if p.indices is not None:
-            planes.write_gap_planes(out.write, p.indices, p.width)
-        planes.write_value_planes(out.write, p.values)
-    body = out.finish()
-
-    shard_b, writer_b = shard.encode("utf-8"), writer.encode("utf-8")
-    header = HEADER.pack(
-        MAGIC, FORMAT_VERSION, FLAG_ZSTD if level else 0, version, base_version,
-        sum(len(c) for c in body), raw_len, len(updates), len(shard_b), len(writer_b), 0,
+    chunks: list[bytes] = []
+    blob = BlobWriter(
+        chunks.append, version=version, base_version=base_version, shard=shard, writer=writer,
+        level=level,
     )  # fmt: skip
-    digest = xxhash.xxh3_128()
-    for part in (header, shard_b, writer_b, *body):
-        digest.update(part)
-    return b"".join((header, shard_b, writer_b, *body, digest.digest()))
+    blob.segment(updates)
+    blob.finish()
+    return b"".join(chunks)

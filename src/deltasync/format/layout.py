@@ -17,20 +17,33 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("deltasync.format supports little-endian hosts only")
 
 MAGIC = b"DSYB"
-FORMAT_VERSION = 1
+END_MAGIC = b"DSYE"  # opens the trailer: lets a decoder tell a cut-short blob from a corrupt one
+# Format 2 (this one) moved the totals from the header into a trailer and split the record
+# section into segments, so a writer can stream a blob while it is still producing records.
+# Format 1 pledged every total in the header, which forced the whole blob to be built first.
+FORMAT_VERSION = 2
 
 # Header flags. Unknown bits are rejected by the decoder so a future flag cannot be ignored.
-FLAG_ZSTD = 0x0001  # the record section is one zstd frame (else it is stored raw)
+FLAG_ZSTD = 0x0001  # each segment's record section is one zstd frame (else it is stored raw)
 KNOWN_FLAGS = FLAG_ZSTD
 
-# Fixed header, 48 bytes:
-# magic, format_version, flags, version, base_version, section_len, raw_len, record_count,
-# shard_len, writer_len, reserved.
-HEADER = struct.Struct("<4sHHqqQQIBBH")
-assert HEADER.size == 48
+# Fixed header, 28 bytes: magic, format_version, flags, version, base_version, shard_len,
+# writer_len, reserved. Nothing in it depends on the records, so it is written first.
+HEADER = struct.Struct("<4sHHqqBBH")
+assert HEADER.size == 28
+
+# Segment header, 20 bytes: section_len, raw_len, record_count; the section follows.
+SEGMENT = struct.Struct("<QQI")
+assert SEGMENT.size == 20
+
+# Trailer, 28 bytes: end magic, segment_count, record_count, raw_len (all segments, uncompressed),
+# body_len (bytes of all segments with their headers: from the end of the writer id to the
+# trailer). Written last; the decoder reads it first.
+TRAILER = struct.Struct("<4sIIQQ")
+assert TRAILER.size == 28
 
 DIGEST_SIZE = 16  # xxh3-128, canonical (big-endian) form, over every byte before it
-MIN_BLOB_SIZE = HEADER.size + DIGEST_SIZE
+MIN_BLOB_SIZE = HEADER.size + 2 + TRAILER.size + DIGEST_SIZE  # ids are >= 1 byte each
 
 # Record header, 24 bytes:
 # name_len, dtype_code, encoding, ndim, gap_width, reserved, nnz, first_index.
@@ -49,13 +62,13 @@ MAX_NAME_BYTES = 0xFFFF
 MAX_ID_BYTES = 0xFF  # shard and writer ids
 # Records per blob. A shard holds at most tens of thousands of tensors (a 128-expert MoE with one
 # tensor per expert and projection stays under 10^5); the limit keeps a hostile count from making
-# the decoder build millions of Python objects before it can fail.
+# the decoder build millions of Python objects before it can fail. Segments hold >= 1 record.
 MAX_RECORDS = 1 << 20
 
 
-def blob_size(shard_len: int, writer_len: int, section_len: int) -> int:
+def blob_size(shard_len: int, writer_len: int, body_len: int) -> int:
     """Total size in bytes of a blob with these variable parts."""
-    return HEADER.size + shard_len + writer_len + section_len + DIGEST_SIZE
+    return HEADER.size + shard_len + writer_len + body_len + TRAILER.size + DIGEST_SIZE
 
 
 def shape_struct(ndim: int) -> struct.Struct:

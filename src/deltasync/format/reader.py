@@ -42,10 +42,16 @@ _VALUE_NP = {torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4")}
 
 
 def parse_records(
-    reader: SectionReader, count: int, expected: Mapping[str, TensorSpec] | None
+    reader: SectionReader,
+    count: int,
+    expected: Mapping[str, TensorSpec] | None,
+    *,
+    seen: set[str] | None = None,
 ) -> list[TensorUpdate]:
+    """``count`` records from ``reader``; ``seen`` (names of earlier segments' records, updated
+    here) makes a name repeated anywhere in the blob an error."""
     updates: list[TensorUpdate] = []
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     for k in range(count):
         updates.append(_record(reader, k, seen, expected))
     reader.finish()
