@@ -34,9 +34,9 @@ from deltasync.errors import ManifestError
 from deltasync.format import planes, section
 from deltasync.format.errors import InvalidUpdateError
 from deltasync.format.layout import (
-    END_MAGIC,
     ENCODING_DENSE,
     ENCODING_SPARSE,
+    END_MAGIC,
     FLAG_ZSTD,
     FORMAT_VERSION,
     HEADER,
