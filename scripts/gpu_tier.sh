@@ -34,12 +34,12 @@ if torch.cuda.is_available():
     print(f"device {pr.name}, {pr.multi_processor_count} SMs, {pr.total_memory / 2**30:.0f} GiB")
 lib = native.load()
 print(f"native C kernels (CPU only): {'built' if lib is not None else 'NOT built: ' + str(native.build_error)}")
-for mod in ("zstandard", "xxhash", "transformers", "pytest_timeout"):
+from importlib import metadata
+for dist in ("numpy", "safetensors", "zstandard", "xxhash", "transformers", "pytest", "pytest-timeout"):
     try:
-        m = __import__(mod)
-        print(f"  {mod} {getattr(m, '__version__', '?')}")
-    except ImportError as exc:
-        print(f"  {mod} missing ({exc})")
+        print(f"  {dist} {metadata.version(dist)}")
+    except metadata.PackageNotFoundError:
+        print(f"  {dist} missing")
 EOF
 
   echo "== pytest -m gpu"
@@ -158,7 +158,7 @@ print(f"device {dev}, {nparams} params x {per} = {total} fp32 elements, AdamW lr
       f"measured version = step 2 (one step per version)")
 if copy_tbs:
     print(f"device-to-device copy here: {copy_tbs:.2f} TB/s (read+write); KINDS.md: {COPY_TBS} TB/s")
-print(f"optimizer step (foreach, reference): {step_s * 1e3:.1f} ms")
+print(f"optimizer step (default implementation, for reference): {step_s * 1e3:.1f} ms")
 print(f"{'what (GB/s counts 12 B read per element)':<42} {'time':>12} {'rate':>16} {'GB/s':>14}")
 res = {"changed": row("changed() (indices)", t_changed),
        "changed_values": row("changed_values() (indices + bf16 values)", t_values)}
