@@ -63,6 +63,8 @@ class ReceiverLayout:
         self.table = table
         self._shards = list(shards)
         self._by_id = {s.id: s for s in shards}
+        # Position of each local tensor in its shard's order, for ordering routed pieces.
+        self._order = {sid: {n: i for i, n in enumerate(m)} for sid, m in table.dst_shapes.items()}
 
     @classmethod
     def build(
@@ -116,6 +118,10 @@ class ReceiverLayout:
             for n, s in self.table.dst_shapes[shard_id].items()
         }
 
+    def local_position(self, shard_id: str, local_name: str) -> int:
+        """Position of a local tensor in its shard's tensor order (:meth:`local_specs`)."""
+        return self._order[shard_id][local_name]
+
     def aliases(self, shard_id: str) -> dict[str, str]:
         """Names that are the same storage as another local tensor (tied ``lm_head.weight``).
 
@@ -124,6 +130,14 @@ class ReceiverLayout:
         """
         self.shard(shard_id)
         return dict(self.table.aliases[shard_id])
+
+    def holders(self, canonical_name: str) -> tuple[tuple[str, str], ...]:
+        """``(shard_id, local_name)`` of every local tensor holding elements of the canonical
+        tensor (several shards for replicated or split tensors; one local tensor may hold
+        several canonical ones, e.g. fused ``qkv_proj``)."""
+        if canonical_name not in self.table.placements:
+            raise LayoutError(f"{canonical_name!r} is not a tensor of this layout")
+        return tuple(dict.fromkeys((p.shard, p.local) for p in self.table.placements[canonical_name]))
 
     # ------------------------------------------------------------------ sparse
 

@@ -67,6 +67,11 @@ class TrainerLayout:
             )
         return name
 
+    def canonical_names(self, param_name: str) -> tuple[str, ...]:
+        """The canonical (checkpoint) tensors that hold elements of ``param_name``."""
+        placements = self._table.placements[self.resolve(param_name)]
+        return tuple(dict.fromkeys(p.local for p in placements))
+
     def shard_shape(self, param_name: str, rank: int = 0, world_size: int = 1) -> tuple[int, ...]:
         shape = self._table.src_shapes[self.resolve(param_name)]
         start, stop = fsdp_dim0_rows(shape[0], rank, world_size)

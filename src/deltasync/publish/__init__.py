@@ -26,6 +26,7 @@ from deltasync.publish.updates import (
     shard_updates,
     state_digests,
     tracker_changes,
+    tracker_stream,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "shard_updates",
     "state_digests",
     "tracker_changes",
+    "tracker_stream",
 ]

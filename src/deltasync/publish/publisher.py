@@ -8,9 +8,11 @@
 3. decide delta or anchor: an anchor on request, every ``anchor_every`` versions, for the first
    version, and whenever the caller's changes are not relative to the newest committed version
    (``since``), because then a delta could miss an element;
-4. build each receiver shard's updates (:mod:`deltasync.publish.updates`), encode one blob per
-   shard and upload it while the next one is encoded; then store this writer's marker, also
-   when it sent nothing;
+4. stream one blob per receiver shard (:mod:`deltasync.publish.streams`): the changes are
+   consumed parameter group by parameter group (:mod:`deltasync.publish.groups`; given a
+   tracker's lazy stream, detection of the next group runs while the previous one uploads),
+   each group routed (:mod:`deltasync.publish.updates`) and appended as one segment to every
+   shard's blob that it touches; then store this writer's marker, also when it sent nothing;
 5. the committer (rank 0) computes every shard's digest from the full state, waits for all
    markers and commits (:mod:`deltasync.publish.commit`); the other writers wait for the
    manifest and check it lists their blobs.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,18 +45,21 @@ from deltasync.errors import (
     KeyNotFoundError,
     VersionError,
 )
-from deltasync.format import encode_blobs, full_updates
+from deltasync.format import full_updates
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, blob_digest, should_anchor
+from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, should_anchor
 from deltasync.manifest.records import ReceiverRecord
 from deltasync.publish import acks as acks_mod
 from deltasync.publish import commit as commit_mod
 from deltasync.publish.config import PublisherConfig
+from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.report import PublishReport
 from deltasync.publish.retention import GcPlan, plan_deletions
+from deltasync.publish.streams import ShardStreams
 from deltasync.publish.updates import (
     ShardTensors,
-    every_element,
+    change_source,
+    every_element_stream,
     full_shard_tensors,
     shard_digests,
     shard_updates,
@@ -66,7 +71,6 @@ from deltasync.store import Store
 Params = Mapping[str, torch.Tensor]
 FullState = Params | Callable[[], Params]
 _OWN = object()  # since= default: the version this publisher last committed or verified
-_CHUNK = 8 * 2**20  # put_stream pieces: lets S3 switch to multipart for big blobs
 
 
 class Publisher:
@@ -89,6 +93,9 @@ class Publisher:
         self.baseline: int | None = None
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
+        self._groups_key: tuple[str, ...] | None = None  # params the cached groups are for
+        self._groups_cache: list[ParamGroup] = []
+        self._group_of: dict[str, int] = {}
         if self.config.is_committer:
             self.repair_latest()
 
@@ -110,7 +117,7 @@ class Publisher:
     def publish(
         self,
         version: int,
-        changed: Mapping[str, torch.Tensor],
+        changed: Mapping[str, torch.Tensor] | Iterable[tuple],
         params: Params,
         *,
         anchor: bool = False,
@@ -121,10 +128,14 @@ class Publisher:
         """Publish ``version``: ``changed`` (a tracker's output: this rank's changed flat
         indices per param) lists every element that differs from version ``since`` (default:
         the version this publisher last committed); ``params`` are this rank's current
-        (fp32 master or BF16) parameters. ``values`` optionally holds, per param, the current
-        BF16 values at the changed indices (a tracker's ``changed_values()`` reads them during
-        detection; otherwise they are gathered from ``params``). Returns once the version is
-        committed."""
+        (fp32 master or BF16) parameters. Returns once the version is committed.
+
+        ``changed`` is a dict ``{name: indices}`` (with ``values`` optionally holding, per
+        param, the current BF16 values at those indices, as a tracker's ``changed_values()``
+        returns them; otherwise they are gathered from ``params``), or a lazy stream of
+        ``(name, indices[, values])`` tuples in ``params`` order, e.g.
+        ``tracker_stream(tracker)``: then detection runs as this method consumes it, and each
+        group of parameters is routed, encoded and uploading while the next is detected."""
         t0 = time.perf_counter()
         names.check_version(version)
         cfg = self.config
@@ -143,53 +154,50 @@ class Publisher:
         reason = self._anchor_reason(version, committed, since, anchor)
         kind = "delta" if reason is None else "anchor"
         base = committed if kind == "delta" else None
+        if kind == "anchor":  # a full version from the full state, never from the changes
+            source = None if cfg.num_writers == 1 else every_element_stream(params)
+        else:
+            source = change_source(changed, params, values)  # a dict is checked here
 
         t = time.perf_counter()
-        state: ShardTensors | None = None
         digest_job = None
         if cfg.is_committer and not (kind == "anchor" and cfg.num_writers == 1):
-            # The full-state digest pass only reads the params: run it beside routing and
-            # encoding (casts and hashing release the GIL), not after them.
+            # The full-state digest pass only reads the params: run it beside detection,
+            # routing and encoding (casts and hashing release the GIL), not after them.
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
             digest_job = self._digest_pool.submit(self._digests, full)
-        if kind == "anchor" and cfg.num_writers == 1:
-            state = self._full_state_shards(params)
-            updates = {s: full_updates(tensors) for s, tensors in state.items()}
-        else:
-            wanted = every_element(params) if kind == "anchor" else changed
-            updates = shard_updates(
-                wanted, params, trainer_layout=self.trainer_layout, receiver_layout=self.layout,
-                rank=cfg.writer_rank, world_size=cfg.num_writers,
-                values=values if kind == "delta" else None,
-            )  # fmt: skip
-        build_s = time.perf_counter() - t
-
         if self._pool is None:
             self._pool = ThreadPoolExecutor(cfg.upload_threads, thread_name_prefix="ds-upload")
-        t = time.perf_counter()
-        entries, futures, shard_bytes, shard_elements = self._encode_and_upload(
-            self._pool, version, base, updates
-        )
-        encode_s = time.perf_counter() - t
+        streams = ShardStreams(
+            self.store, self._pool, version=version, base_version=-1 if base is None else base,
+            writer=self.writer, level=cfg.level,
+        )  # fmt: skip
         try:
-            t = time.perf_counter()
             digests = None
-            if cfg.is_committer:  # overlaps with the uploads still running
-                if digest_job is not None:
-                    digests = digest_job.result()
-                else:
+            if source is None:
+                state = self._full_state_shards(params)
+                streams.add({s: full_updates(tensors) for s, tensors in state.items()})
+                if cfg.is_committer:
                     digests = shard_digests(state)
-            del state
-            digest_s = time.perf_counter() - t
-        finally:
+                del state
+            else:
+                self._stream_groups(streams, source, params)
+            build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
-            errors = [f.exception() for f in futures]  # wait for all before anything else
+            if digest_job is not None:  # overlaps with the uploads still running
+                digests = digest_job.result()
+            digest_s = time.perf_counter() - t
+            t = time.perf_counter()
+            entries, shard_bytes, shard_elements = streams.finish()
             upload_s = time.perf_counter() - t
-        for exc in errors:
-            if exc is not None:
-                raise exc  # an upload's StoreError: nothing gets committed
+        except BaseException:
+            streams.abort()  # no partial blob lands under a blob key; nothing is committed
+            if digest_job is not None:
+                digest_job.cancel()
+            raise
+        encode_s = streams.encode_s
 
         t = time.perf_counter()
         marker = WriterMarker(
@@ -243,29 +251,60 @@ class Publisher:
             return f"every {self.config.anchor_every} versions"
         return None
 
-    def _encode_and_upload(self, pool: ThreadPoolExecutor, version: int, base: int | None, updates):
-        entries: list[BlobEntry] = []
-        futures: list[Future] = []
-        shard_bytes: dict[str, int] = {}
-        shard_elements: dict[str, int] = {}
-        # Shards with nothing from this writer get no blob (the marker says so); the others are
-        # encoded (``encode_threads`` at a time) and each is uploaded as soon as it is ready.
-        wanted = {info.id: updates[info.id] for info in self.layout.shards() if updates.get(info.id)}
-        blobs = encode_blobs(
-            wanted, version=version, base_version=-1 if base is None else base,
-            writer=self.writer, level=self.config.level, threads=self.config.encode_threads,
-        )  # fmt: skip
-        for shard, blob in blobs:
-            key = names.blob_key(version, shard, self.writer)
-            entries.append(BlobEntry(
-                shard=shard, writer=self.writer, key=key, size=len(blob), digest=blob_digest(blob)
+    def _stream_groups(self, streams: ShardStreams, source, params: Params) -> None:
+        """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
+        straight from a tracker's detection pass) and hand each parameter group's routed
+        updates to ``streams`` as soon as its last parameter has been seen."""
+        cfg = self.config
+        groups = self._groups(params)
+        position = {name: i for i, name in enumerate(params)}
+        pending: dict[int, dict[str, tuple]] = {}
+        group_of = self._group_of
+        done = 0  # groups[:done] are flushed
+        last, last_name = -1, None
+
+        def flush(g: int) -> None:
+            changes = pending.pop(g, None)
+            if not changes:
+                return
+            changed = {n: idx for n, (idx, _) in changes.items()}
+            given = {n: v for n, (_, v) in changes.items() if v is not None}
+            streams.add(shard_updates(
+                changed, params, trainer_layout=self.trainer_layout, receiver_layout=self.layout,
+                rank=cfg.writer_rank, world_size=cfg.num_writers, values=given or None,
             ))  # fmt: skip
-            shard_bytes[shard] = len(blob)
-            shard_elements[shard] = sum(u.nnz for u in wanted[shard])
-            view = memoryview(blob)
-            chunks = [view[i : i + _CHUNK] for i in range(0, len(blob), _CHUNK)]
-            futures.append(pool.submit(self.store.put_stream, key, chunks))
-        return entries, futures, shard_bytes, shard_elements
+
+        for name, indices, vals in source:
+            pos = position.get(name)
+            if pos is None:
+                raise ConfigError(
+                    f"the tracker reports changes in {name!r}, which is not in params; pass the "
+                    "same named parameters the tracker watches"
+                )
+            if pos <= last:
+                raise ConfigError(
+                    f"changes for {name!r} came after those for {last_name!r}; a stream of "
+                    "changes must follow the order of params (a tracker built on the same "
+                    "named parameters does), each parameter at most once"
+                )
+            last, last_name = pos, name
+            while done < len(groups) and groups[done].last < pos:
+                flush(done)
+                done += 1
+            pending.setdefault(group_of[name], {})[name] = (indices, vals)
+        while done < len(groups):
+            flush(done)
+            done += 1
+
+    def _groups(self, params: Params) -> list[ParamGroup]:
+        key = tuple(params)
+        if self._groups_key != key:
+            self._groups_cache = param_groups(
+                key, trainer_layout=self.trainer_layout, receiver_layout=self.layout
+            )
+            self._group_of = {n: g for g, grp in enumerate(self._groups_cache) for n in grp.params}
+            self._groups_key = key
+        return self._groups_cache
 
     def _digests(self, full: Params) -> dict[str, str]:
         return state_digests(full, trainer_layout=self.trainer_layout, receiver_layout=self.layout)

@@ -23,7 +23,7 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.publish.publisher import Publisher
 from deltasync.publish.report import PublishReport
-from deltasync.publish.updates import tracker_changes
+from deltasync.publish.updates import tracker_changes, tracker_stream
 
 
 class Tracker(Protocol):
@@ -73,7 +73,11 @@ class TrainerSync:
         clear the tracker. On any failure the tracker keeps its bits and the exception
         propagates: call again (same or a later version) to retry."""
         params = self._params() if callable(self._params) else self._params
-        changed, values = tracker_changes(self.tracker)
+        if len(self.publishers) == 1:
+            # Lazy: each group is detected while the previous one is encoded and uploading.
+            changed, values = tracker_stream(self.tracker), None
+        else:  # every publisher needs the same changes: detect once, keep them
+            changed, values = tracker_changes(self.tracker)
         reports = [
             pub.publish(
                 version, changed, params, anchor=anchor, since=self.baseline,

@@ -22,7 +22,7 @@ This module knows layouts and TensorUpdate; it knows nothing about blobs, keys o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -34,6 +34,7 @@ from deltasync.manifest import state_digest
 from deltasync.sparse_ops import bf16_at
 
 ShardUpdates = dict[str, list[TensorUpdate]]
+Change = tuple[str, torch.Tensor, torch.Tensor | None]  # (param, sorted indices, bf16 values)
 ShardTensors = dict[str, dict[str, torch.Tensor]]
 
 # Sources whose cast to BF16 is the trainer's own (documented) rounding, or exact.
@@ -124,24 +125,27 @@ def canonical_changes(
 def route_to_shards(
     changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, receiver_layout: ReceiverLayout
 ) -> ShardUpdates:
-    """Canonical changes -> one list of sparse updates per receiver shard (empty if none)."""
+    """Canonical changes -> one list of sparse updates per receiver shard (empty if none), in
+    each shard's own tensor order (deterministic bytes). Costs what was routed, not the size of
+    the layout: a streaming publisher calls it once per parameter group."""
     routed = receiver_layout.route_changes(changes) if changes else {}
+    dtype = receiver_layout.spec.dtype
     out: ShardUpdates = {}
     for info in receiver_layout.shards():
-        specs = receiver_layout.local_specs(info.id)
-        mine = routed.get(info.id, {})
-        updates = []
-        for local, spec in specs.items():  # the shard's own tensor order: deterministic bytes
-            pair = mine.get(local)
-            if pair is None or pair[0].numel() == 0:
-                continue
-            idx, vals = pair
-            updates.append(
-                TensorUpdate(
-                    name=local, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals
-                )
-            )
-        out[info.id] = updates
+        mine = routed.get(info.id)
+        if not mine:
+            out[info.id] = []
+            continue
+        shapes = receiver_layout.table.dst_shapes[info.id]
+        locals_ = sorted(mine, key=lambda n, s=info.id: receiver_layout.local_position(s, n))
+        out[info.id] = [
+            TensorUpdate(
+                name=local, shape=shapes[local], dtype=dtype, indices=mine[local][0],
+                values=mine[local][1],
+            )  # fmt: skip
+            for local in locals_
+            if mine[local][0].numel()
+        ]
     return out
 
 
@@ -180,6 +184,67 @@ def tracker_changes(
 def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A ``changed`` dict naming every element of every param (a writer's part of an anchor)."""
     return {n: torch.arange(p.numel(), dtype=torch.int64) for n, p in params.items()}
+
+
+def every_element_stream(params: Mapping[str, torch.Tensor]) -> Iterator[Change]:
+    """:func:`every_element` as a change stream, one param at a time, so the index tensors
+    never exist all at once."""
+    for n, p in params.items():
+        yield n, torch.arange(p.numel(), dtype=torch.int64), None
+
+
+def change_source(
+    changed: Mapping[str, torch.Tensor] | Iterable[tuple],
+    params: Mapping[str, torch.Tensor],
+    values: Mapping[str, torch.Tensor] | None = None,
+) -> Iterator[Change]:
+    """What a publisher streams from: ``(name, indices, values or None)`` in ``params`` order.
+
+    ``changed`` is either a dict ``{name: indices}`` (a tracker's ``changed()``; ``values``
+    optionally holds the BF16 values per name), checked against ``params`` before anything is
+    produced, or an iterable of ``(name, indices)`` / ``(name, indices, values)`` tuples that is
+    consumed lazily (a tracker's ``iter_changed()`` / ``iter_changed_values()``: detection runs
+    as the publisher consumes it)."""
+    if isinstance(changed, Mapping):
+        unknown = [n for n in changed if n not in params]
+        if unknown:
+            raise ConfigError(
+                f"the tracker reports changes in {unknown[:3]}, which are not in params; pass "
+                "the same named parameters the tracker watches"
+            )
+        if values is not None and not isinstance(values, Mapping):
+            raise ConfigError("values must be a dict {name: bf16 values} when changed is a dict")
+        given = values or {}
+        return (
+            (n, changed[n], given.get(n)) for n in params if n in changed and changed[n].numel()
+        )
+    if values is not None:
+        raise ConfigError(
+            "values= goes with a changed dict; a stream of changes carries its values in each "
+            "(name, indices, values) tuple"
+        )
+    return _tuples(changed)
+
+
+def _tuples(items: Iterable[tuple]) -> Iterator[Change]:
+    for item in items:
+        if not isinstance(item, tuple) or len(item) not in (2, 3):
+            raise ConfigError(
+                f"a stream of changes yields (name, indices) or (name, indices, values) tuples, "
+                f"got {type(item).__name__}"
+            )
+        yield (item[0], item[1], item[2] if len(item) == 3 else None)
+
+
+def tracker_stream(tracker: object) -> Iterator[Change]:
+    """A tracker's changes as a lazy stream: detection of each parameter runs when the
+    publisher asks for it (``iter_changed_values()`` where the tracker has it, which also
+    reads the BF16 values in the detection pass; else ``iter_changed()``; else ``changed()``)."""
+    for attr in ("iter_changed_values", "iter_changed"):
+        method = getattr(tracker, attr, None)
+        if callable(method):
+            return _tuples(method())
+    return _tuples((n, idx) for n, idx in tracker.changed().items())  # type: ignore[attr-defined]
 
 
 def canonical_bf16(

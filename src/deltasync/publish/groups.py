@@ -1,0 +1,70 @@
+"""Which trainer parameters must be routed together: the unit a publisher streams.
+
+A receiver's local tensor can be fed by several trainer parameters (vLLM's fused ``qkv_proj``
+from ``q/k/v_proj``, ``gate_up_proj`` from ``gate/up_proj``, stacked experts from every
+expert's projections). Its sorted update can only be built once all of them are detected. So
+parameters are grouped into the connected components of "feeds a common local tensor": a group
+is routed as one, and its local tensors are fed by no other group, so each group's records are
+final the moment it is routed and can go out as one segment of every shard's blob while later
+groups are still being detected.
+
+Groups are ordered by their last parameter in the caller's parameter order (a tracker's
+detection order), which is when a streaming publisher can close them.
+
+This module is pure planning over layout tables: no tensors, no stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deltasync.errors import ConfigError
+from deltasync.layout import ReceiverLayout, TrainerLayout
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters (in the caller's order) whose changes are routed and encoded together;
+    ``last`` is the position of the last of them in that order."""
+
+    params: tuple[str, ...]
+    last: int
+
+
+def param_groups(
+    param_names: Sequence[str],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+) -> list[ParamGroup]:
+    """Group ``param_names`` (a trainer's named parameters, in detection order) by the receiver
+    local tensors they feed; groups come sorted by their last parameter."""
+    position = {}
+    for i, name in enumerate(param_names):
+        if name in position:
+            raise ConfigError(f"parameter {name!r} is listed twice")
+        position[name] = i
+    parent = {name: name for name in param_names}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]  # path halving keeps the trees flat
+            name = parent[name]
+        return name
+
+    owner: dict[tuple[str, str], str] = {}  # local tensor -> a param that feeds it
+    for name in param_names:
+        for canon in trainer_layout.canonical_names(name):
+            for holder in receiver_layout.holders(canon):
+                other = owner.setdefault(holder, name)
+                a, b = root(other), root(name)
+                if a != b:
+                    parent[max(a, b, key=position.__getitem__)] = min(
+                        a, b, key=position.__getitem__
+                    )
+    members: dict[str, list[str]] = {}
+    for name in param_names:
+        members.setdefault(root(name), []).append(name)
+    groups = [ParamGroup(tuple(ps), position[ps[-1]]) for ps in members.values()]
+    return sorted(groups, key=lambda g: g.last)

@@ -1,0 +1,142 @@
+"""ShardStreams: one blob per receiver shard, uploaded while its segments are still produced.
+
+The publisher hands over each group's routed updates (``add``); every shard that got records
+gets one more segment in its blob (:class:`deltasync.format.BlobWriter`), whose bytes go
+straight into that blob's upload (``Store.put_stream``: a temp file renamed into place on
+POSIX, a multipart upload on S3) on an upload thread. A blob's upload starts with its first
+segment, so uploads run while the caller goes on detecting; ``finish`` closes every blob and
+waits for the stores. An abort (an error anywhere) ends every upload with an exception, which
+makes each store discard its partial object: nothing half-written ever lands under a blob key,
+and nothing is visible to receivers before the manifest anyway.
+
+Memory: encoded bytes wait in a queue until their upload thread takes them, so at most the
+compressed bytes not yet sent (with ``upload_threads`` smaller than the number of shards, a
+waiting shard's whole blob) are held; the routed tensors of a group are dropped once encoded.
+
+This module knows blobs, keys and stores; it knows nothing about trackers or layouts.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from deltasync import names
+from deltasync.format import BlobWriter, TensorUpdate
+from deltasync.manifest import BlobEntry
+from deltasync.store import Store
+
+_END = object()  # the blob is complete
+_ABORT = object()  # the blob must not be stored
+
+
+class StreamAborted(Exception):
+    """Raised inside an upload's chunk iterator so the store discards the partial object."""
+
+
+@dataclass
+class _Stream:
+    key: str
+    writer: BlobWriter
+    chunks: queue.SimpleQueue
+    upload: Future
+    elements: int = 0
+    pending: list[bytes] = field(default_factory=list)
+
+
+def _drain(chunks: queue.SimpleQueue) -> Iterator[bytes]:
+    while True:
+        item = chunks.get()
+        if item is _END:
+            return
+        if item is _ABORT:
+            raise StreamAborted("publish aborted; the partial blob is discarded")
+        yield item
+
+
+class ShardStreams:
+    """Streamed blobs of one (version, writer); ``add`` per group, then ``finish`` or ``abort``."""
+
+    def __init__(
+        self,
+        store: Store,
+        pool: ThreadPoolExecutor,
+        *,
+        version: int,
+        base_version: int,
+        writer: str,
+        level: int,
+    ) -> None:
+        self.store, self._pool = store, pool
+        self._head = dict(version=version, base_version=base_version, writer=writer, level=level)
+        self._streams: dict[str, _Stream] = {}
+        self.encode_s = 0.0  # time spent encoding segments and handing them over
+
+    def _open(self, shard: str) -> _Stream:
+        key = names.blob_key(self._head["version"], shard, self._head["writer"])
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        stream = _Stream(key=key, writer=None, chunks=chunks, upload=None)  # type: ignore[arg-type]
+        stream.writer = BlobWriter(lambda b: self._hand_over(stream, b), shard=shard, **self._head)
+        stream.upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
+        self._streams[shard] = stream
+        return stream
+
+    @staticmethod
+    def _hand_over(stream: _Stream, data: bytes) -> None:
+        stream.pending.append(data)
+
+    @staticmethod
+    def _flush(stream: _Stream) -> None:
+        # One chunk per segment (with the header before the first, the trailer after the
+        # last): the upload sees whole segments as soon as they exist, in few writes; S3's
+        # put_stream gathers them into parts.
+        if stream.pending:
+            stream.chunks.put(b"".join(stream.pending))
+            stream.pending = []
+
+    def add(self, updates: Mapping[str, Sequence[TensorUpdate]]) -> None:
+        """One segment in each shard's blob that has updates here (in ``updates``' order)."""
+        t = time.perf_counter()
+        for shard, ups in updates.items():
+            if not ups:
+                continue
+            stream = self._streams.get(shard) or self._open(shard)
+            stream.writer.segment(ups)
+            self._flush(stream)
+            stream.elements += sum(u.nnz for u in ups)
+        self.encode_s += time.perf_counter() - t
+
+    def finish(self) -> tuple[list[BlobEntry], dict[str, int], dict[str, int]]:
+        """Close every blob and wait for its upload: ``(entries, shard_bytes, shard_elements)``.
+        An upload's error is raised after every upload has ended."""
+        t = time.perf_counter()
+        for stream in self._streams.values():
+            stream.writer.finish()
+            self._flush(stream)
+            stream.chunks.put(_END)
+        self.encode_s += time.perf_counter() - t
+        errors = [s.upload.exception() for s in self._streams.values()]
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        entries = []
+        for shard, s in sorted(self._streams.items()):
+            entries.append(BlobEntry(
+                shard=shard, writer=self._head["writer"], key=s.key, size=s.writer.size,
+                digest=s.writer.digest,
+            ))  # fmt: skip
+        return (
+            entries,
+            {shard: s.writer.size for shard, s in self._streams.items()},
+            {shard: s.elements for shard, s in self._streams.items()},
+        )
+
+    def abort(self) -> None:
+        """End every upload without storing it; waits for the upload threads."""
+        for stream in self._streams.values():
+            stream.chunks.put(_ABORT)
+        for stream in self._streams.values():
+            stream.upload.exception()  # StreamAborted (or the store's own error): expected
