@@ -116,7 +116,7 @@ for name, p, b in zip([n for n, _ in named], ps, before):
     bad_values += int((vals.view(torch.int16) != want).sum())
 
 # the bitset kernel alone (what several steps per version run), as shipped and with larger
-# chunks patched in for this measurement only (the torch path is launch-bound at 2**20)
+# other chunk sizes patched in for this measurement only (the torch path is launch-bound at 2**20)
 state = opt.state
 k = kernel_scalars(StepHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
                              decoupled=True, step=int(float(state[ps[0]]["step"]))))
@@ -128,17 +128,17 @@ def bitset_pass():
         detect.detect_adamw_(p.detach(), state[p]["exp_avg"], state[p]["exp_avg_sq"], k, bb)
     return None
 
-shipped = detect._CHUNK
+shipped = detect._DEVICE_CHUNK if dev.type != "cpu" else detect._CHUNK
 kernel_rows = []
 ref_bits = None
-for chunk in (shipped, 1 << 24, 1 << 26):
+for chunk in (shipped, 1 << 20, 1 << 24, 1 << 26):
     if dev.type != "cuda" and chunk != shipped:
         continue
-    detect._CHUNK = chunk
+    detect._DEVICE_CHUNK = chunk
     try:
         t, _ = timed(bitset_pass)
     finally:
-        detect._CHUNK = shipped
+        detect._DEVICE_CHUNK = shipped
     same = True
     if ref_bits is None:
         ref_bits = [bb.clone() for bb in bits]

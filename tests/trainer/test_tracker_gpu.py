@@ -22,6 +22,7 @@ import torch
 from test_adamw_tracker import IMPLS, _adversarial_values
 
 from deltasync import AdamWTracker, SnapshotTracker
+from deltasync.trainer import detect
 
 DEV = torch.device("cuda")
 
@@ -77,7 +78,8 @@ def _check_against_truth(pairs, changed, truth, params, names=None) -> tuple[int
 
 def _cuda_params(seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    shapes = [(64, 96), (1000,), ((1 << 20) + 77,)]  # the last crosses a detection chunk
+    # the last crosses a detection chunk on both devices (CPU 2^20, GPU 2^23 elements)
+    shapes = [(64, 96), (1000,), (max(detect._CHUNK, detect._DEVICE_CHUNK) + 77,)]
     ps = [torch.randn(*s, generator=g) * 0.02 for s in shapes]
     ps.append(_adversarial_values(400, seed))  # midpoints, ±0, subnormals, huge values
     return [torch.nn.Parameter(p.to(DEV)) for p in ps]
