@@ -44,7 +44,8 @@ EOF
 
   echo "== pytest -m gpu"
   timeout 270 "$PY" -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra --durations=8 \
-    tests/format/test_format_gpu.py tests/layout/test_routing.py tests/trainer/test_tracker_gpu.py
+    tests/format/test_format_gpu.py tests/layout/test_routing.py tests/trainer/test_tracker_gpu.py \
+    tests/sync/test_publish_gpu.py
   local rc_tests=$?
 
   echo "== detection throughput on the device"
