@@ -9,6 +9,7 @@ middle of the stream leaves no blob behind and nothing committed."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -238,3 +239,54 @@ def test_moe_expert_parallel_receivers_get_streamed_blobs_bit_exactly(tmp_path):
                                  rconfig(f"rx-{s.id}"))  # fmt: skip
         rx.pull()
         assert_same_bits(rx.tensors, expected[s.id], s.id)
+
+
+def test_a_failed_upload_stops_the_stream_early_and_commits_nothing():
+    from deltasync.errors import StoreError
+
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+
+    failed = threading.Event()
+
+    class BrokenUploads(MemoryStore):
+        def put_stream(self, key, chunks):
+            if key.endswith(".blob") and key.startswith("v00000001/"):
+                next(iter(chunks))
+                failed.set()
+                raise StoreError(f"upload of {key} failed (simulated)")
+            return super().put_stream(key, chunks)
+
+    def slow_after_first_groups(source):
+        for k, item in enumerate(source):
+            yield item
+            if k == 3:  # let the upload threads see their first segment and fail
+                assert failed.wait(10)
+                time.sleep(0.2)
+
+    store = BrokenUploads()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl)
+    pub.publish(0, {}, trainer.params, anchor=True)
+    tracker.clear()
+    trainer.step()
+    log: list = []
+    with pytest.raises(StoreError, match="simulated"):
+        pub.publish(1, logged_stream(slow_after_first_groups(tracker_stream(tracker)), log),
+                    trainer.params)  # fmt: skip
+    assert pub.committed() == 0 and _no_blobs(store, 1)
+    # it stopped consuming detection once the failure was seen (not after the whole model)
+    assert len(log) < len(trainer.params)
+
+
+def test_params_the_layout_does_not_know_are_fine_while_they_carry_no_changes():
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    store = MemoryStore()
+    params = {**trainer.params, "extra.buffer": torch.zeros(3)}
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl)
+    pub.publish(0, {}, trainer.params, anchor=True)
+    tracker.clear()
+    trainer.step()
+    assert pub.publish(1, tracker_stream(tracker), params).kind == "delta"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, LayoutError
 from deltasync.layout import ReceiverLayout, TrainerLayout
 
 
@@ -55,7 +55,13 @@ def param_groups(
 
     owner: dict[tuple[str, str], str] = {}  # local tensor -> a param that feeds it
     for name in param_names:
-        for canon in trainer_layout.canonical_names(name):
+        try:
+            canonical = trainer_layout.canonical_names(name)
+        except LayoutError:
+            # Not a parameter of the model (say, an extra tensor in the caller's dict): its own
+            # group, which fails with the routing error only if it ever carries changes.
+            continue
+        for canon in canonical:
             for holder in receiver_layout.holders(canon):
                 other = owner.setdefault(holder, name)
                 a, b = root(other), root(name)

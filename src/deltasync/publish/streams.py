@@ -104,6 +104,8 @@ class ShardStreams:
             if not ups:
                 continue
             stream = self._streams.get(shard) or self._open(shard)
+            if stream.upload.done():  # before _END only a failed upload is done: fail fast
+                raise stream.upload.exception() or RuntimeError(f"upload of {stream.key} ended")
             stream.writer.segment(ups)
             self._flush(stream)
             stream.elements += sum(u.nnz for u in ups)
