@@ -52,7 +52,11 @@ class PublisherConfig:
       versions behind the newest committed version. None: never wait.
     - ``receiver_ttl_s``: a receiver record older than this is not live (retention, staleness).
     - ``keep_versions``: retention keeps at least this many newest versions.
-    - ``upload_threads``: blob uploads overlap with encoding the next shard.
+    - ``upload_threads``: blob uploads running at once (None: one per receiver shard, at most
+      32). Each shard's blob uploads from its first segment while a thread is free for it;
+      with fewer threads than shards, a waiting shard's segments queue in memory until one is.
+    - ``prefetch``: a lazy change stream (a tracker's detection) runs this many parameters
+      ahead on its own thread, so detection overlaps routing and encoding (0: no thread).
     - ``encode_threads``: how many per-shard blobs are encoded at once (1 = one after another,
       the default). More helps a node with cores to spare and several shards; each concurrent
       encode holds its own buffers (on this project's 2-core VM it gave no speed-up, and the
@@ -71,8 +75,9 @@ class PublisherConfig:
     staleness_timeout_s: float = 600.0
     receiver_ttl_s: float = 120.0
     keep_versions: int = 2
-    upload_threads: int = 2
+    upload_threads: int | None = None
     encode_threads: int = 1
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         _int("num_writers", self.num_writers, 1)
@@ -108,8 +113,10 @@ class PublisherConfig:
         if self.max_staleness is not None:
             _int("max_staleness", self.max_staleness, 0)
         _int("keep_versions", self.keep_versions, 1)
-        _int("upload_threads", self.upload_threads, 1)
+        if self.upload_threads is not None:
+            _int("upload_threads", self.upload_threads, 1)
         _int("encode_threads", self.encode_threads, 1)
+        _int("prefetch", self.prefetch, 0)
 
     def writer_id(self, rank: int | None = None) -> str:
         """``w{rank:05d}-{session}``: the id of ``rank`` (default: this writer) in this attempt."""

@@ -53,6 +53,7 @@ from deltasync.publish import acks as acks_mod
 from deltasync.publish import commit as commit_mod
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
+from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.report import PublishReport
 from deltasync.publish.retention import GcPlan, plan_deletions
 from deltasync.publish.streams import ShardStreams
@@ -169,7 +170,8 @@ class Publisher:
             full = self._resolve_full(params, full_state)
             digest_job = self._digest_pool.submit(self._digests, full)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(cfg.upload_threads, thread_name_prefix="ds-upload")
+            threads = cfg.upload_threads or min(32, len(self.layout.shards()))
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-upload")
         streams = ShardStreams(
             self.store, self._pool, version=version, base_version=-1 if base is None else base,
             writer=self.writer, level=cfg.level,
@@ -253,15 +255,13 @@ class Publisher:
 
     def _stream_groups(self, streams: ShardStreams, source, params: Params) -> None:
         """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
-        straight from a tracker's detection pass) and hand each parameter group's routed
-        updates to ``streams`` as soon as its last parameter has been seen."""
+        straight from a tracker's detection pass, run ``prefetch`` parameters ahead on its own
+        thread) and hand each parameter group's routed updates to ``streams`` as soon as its
+        last parameter has been seen."""
         cfg = self.config
         groups = self._groups(params)
         position = {name: i for i, name in enumerate(params)}
         pending: dict[int, dict[str, tuple]] = {}
-        group_of = self._group_of
-        done = 0  # groups[:done] are flushed
-        last, last_name = -1, None
 
         def flush(g: int) -> None:
             changes = pending.pop(g, None)
@@ -274,24 +274,27 @@ class Publisher:
                 rank=cfg.writer_rank, world_size=cfg.num_writers, values=given or None,
             ))  # fmt: skip
 
-        for name, indices, vals in source:
-            pos = position.get(name)
-            if pos is None:
-                raise ConfigError(
-                    f"the tracker reports changes in {name!r}, which is not in params; pass the "
-                    "same named parameters the tracker watches"
-                )
-            if pos <= last:
-                raise ConfigError(
-                    f"changes for {name!r} came after those for {last_name!r}; a stream of "
-                    "changes must follow the order of params (a tracker built on the same "
-                    "named parameters does), each parameter at most once"
-                )
-            last, last_name = pos, name
-            while done < len(groups) and groups[done].last < pos:
-                flush(done)
-                done += 1
-            pending.setdefault(group_of[name], {})[name] = (indices, vals)
+        done = 0  # groups[:done] are flushed
+        last, last_name = -1, None
+        with Prefetch(source, depth=cfg.prefetch) as items:
+            for name, indices, vals in items:
+                pos = position.get(name)
+                if pos is None:
+                    raise ConfigError(
+                        f"the tracker reports changes in {name!r}, which is not in params; pass "
+                        "the same named parameters the tracker watches"
+                    )
+                if pos <= last:
+                    raise ConfigError(
+                        f"changes for {name!r} came after those for {last_name!r}; a stream of "
+                        "changes must follow the order of params (a tracker built on the same "
+                        "named parameters does), each parameter at most once"
+                    )
+                last, last_name = pos, name
+                while done < len(groups) and groups[done].last < pos:
+                    flush(done)
+                    done += 1
+                pending.setdefault(self._group_of[name], {})[name] = (indices, vals)
         while done < len(groups):
             flush(done)
             done += 1

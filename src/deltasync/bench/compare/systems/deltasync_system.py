@@ -38,7 +38,7 @@ class DeltasyncTrainer:
     def _publisher(self, store: Store) -> Publisher:
         pub = self._pubs.get(id(store))
         if pub is None:
-            cfg = PublisherConfig(anchor_every=1_000_000, session="bench", upload_threads=1)
+            cfg = PublisherConfig(anchor_every=1_000_000, session="bench")
             pub = self._pubs[id(store)] = Publisher(store, receiver_layout=self.rlayout,
                                                     trainer_layout=self.tlayout, config=cfg)
         return pub
