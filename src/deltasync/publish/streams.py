@@ -22,7 +22,7 @@ import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deltasync import names
 from deltasync.format import BlobWriter, TensorUpdate
@@ -41,10 +41,10 @@ class StreamAborted(Exception):
 class _Stream:
     key: str
     writer: BlobWriter
-    chunks: queue.SimpleQueue
+    pending: list[bytes]  # the writer's sink: bytes of the segment being written
+    chunks: queue.SimpleQueue  # whole segments, waiting for the upload thread
     upload: Future
     elements: int = 0
-    pending: list[bytes] = field(default_factory=list)
 
 
 def _drain(chunks: queue.SimpleQueue) -> Iterator[bytes]:
@@ -77,16 +77,12 @@ class ShardStreams:
 
     def _open(self, shard: str) -> _Stream:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
+        pending: list[bytes] = []
+        writer = BlobWriter(pending.append, shard=shard, **self._head)
         chunks: queue.SimpleQueue = queue.SimpleQueue()
-        stream = _Stream(key=key, writer=None, chunks=chunks, upload=None)  # type: ignore[arg-type]
-        stream.writer = BlobWriter(lambda b: self._hand_over(stream, b), shard=shard, **self._head)
-        stream.upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
-        self._streams[shard] = stream
+        upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
+        stream = self._streams[shard] = _Stream(key, writer, pending, chunks, upload)
         return stream
-
-    @staticmethod
-    def _hand_over(stream: _Stream, data: bytes) -> None:
-        stream.pending.append(data)
 
     @staticmethod
     def _flush(stream: _Stream) -> None:
@@ -95,7 +91,7 @@ class ShardStreams:
         # put_stream gathers them into parts.
         if stream.pending:
             stream.chunks.put(b"".join(stream.pending))
-            stream.pending = []
+            stream.pending.clear()  # the same list: it is the writer's sink
 
     def add(self, updates: Mapping[str, Sequence[TensorUpdate]]) -> None:
         """One segment in each shard's blob that has updates here (in ``updates``' order)."""
