@@ -6,13 +6,17 @@
 #      checked against the BF16 ground truth (missed must be 0), ending with one JSON line.
 # Wheels for packages that machine lacks (zstandard) travel in .whl/ and are installed into
 # /tmp/site. The whole log goes to $OUT/gpu_tier.log (or /tmp/gpu_tier/gpu_tier.log).
+#   3. bench/gpu_sync_bench.py: a CUDA trainer's streamed store-path sync to CPU receivers
+#      (GPU_TIER_SYNC_MODEL, default qwen3-0.6b), bit-exact per version.
 # Environment: PYTHON (default python3), GPU_TIER_ELEMS, GPU_TIER_DEVICE (default cuda; cpu
-# only to dry-run the script's logic on a machine without one).
+# only to dry-run the script's logic on a machine without one), GPU_TIER_SYNC_MODEL,
+# GPU_TIER_SKIP_TESTS=1 / GPU_TIER_SKIP_DETECT=1 to run only the later stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-/tmp/gpu_tier}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
+GPU_TIER_SYNC_MODEL=${GPU_TIER_SYNC_MODEL:-qwen3-0.6b}
 export PYTHONUNBUFFERED=1
 
 tier() {
@@ -42,12 +46,16 @@ for dist in ("numpy", "safetensors", "zstandard", "xxhash", "transformers", "pyt
         print(f"  {dist} missing")
 EOF
 
+  local rc_tests=0 rc_bench=0
+  if [ "${GPU_TIER_SKIP_TESTS:-0}" != 1 ]; then
   echo "== pytest -m gpu"
   timeout 270 "$PY" -m pytest -m gpu -p no:cacheprovider -q -o addopts=-ra --durations=8 \
     tests/format/test_format_gpu.py tests/layout/test_routing.py tests/trainer/test_tracker_gpu.py \
     tests/sync/test_publish_gpu.py
-  local rc_tests=$?
+  rc_tests=$?
+  fi
 
+  if [ "${GPU_TIER_SKIP_DETECT:-0}" != 1 ]; then
   echo "== detection throughput on the device"
   timeout 150 "$PY" - <<'EOF'
 import json, os, time
@@ -132,7 +140,7 @@ def bitset_pass():
 shipped = detect._DEVICE_CHUNK if dev.type != "cpu" else detect._CHUNK
 kernel_rows = []
 ref_bits = None
-for chunk in (shipped, 1 << 20, 1 << 24, 1 << 26):
+for chunk in dict.fromkeys((shipped, 1 << 20, 1 << 24, 1 << 26)):
     if dev.type != "cuda" and chunk != shipped:
         continue
     detect._DEVICE_CHUNK = chunk
@@ -183,9 +191,14 @@ except ImportError:
 if missed or bad_values:
     raise SystemExit(f"gpu_tier bench: {missed} missed elements, {bad_values} wrong values")
 EOF
-  local rc_bench=$?
-  echo "== gpu_tier: pytest rc=$rc_tests, bench rc=$rc_bench"
-  [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+  rc_bench=$?
+  fi
+
+  echo "== store-path sync from a CUDA trainer ($GPU_TIER_SYNC_MODEL)"
+  timeout 300 "$PY" bench/gpu_sync_bench.py --model "$GPU_TIER_SYNC_MODEL" --versions 3
+  local rc_sync=$?
+  echo "== gpu_tier: pytest rc=$rc_tests, bench rc=$rc_bench, sync rc=$rc_sync"
+  [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_sync" -eq 0 ]
 }
 
 tier 2>&1 | tee "$LOG_DIR/gpu_tier.log"
