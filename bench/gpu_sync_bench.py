@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--pre-steps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="cProfile the last publish")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = Workload(model=args.model, lr=args.lr)
@@ -78,9 +79,20 @@ def main() -> None:
     exact = True
     for version in range(1, args.versions + 1):
         step(version)
+        prof = None
+        if args.profile and version == args.versions:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t = time.perf_counter()
         (report,) = sync.step_published(version)
         stall = time.perf_counter() - t
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         pulls = []
         for rx in receivers.values():
             t = time.perf_counter()
