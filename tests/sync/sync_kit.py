@@ -55,19 +55,21 @@ def layouts(engine: str = "vllm", tp: int = 2, **overrides):
 
 
 class TinyTrainer:
-    """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss."""
+    """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss.
+    ``device`` holds params and optimizer state; the random draws are made on the CPU, so the
+    same seed gives the same trajectory on any device."""
 
-    def __init__(self, spec: ModelSpec, *, seed: int = 0, lr: float = 1e-3, density: float = 0.05):
+    def __init__(self, spec: ModelSpec, *, seed: int = 0, lr: float = 1e-3, density: float = 0.05,
+                 device: str | torch.device = "cpu"):
         self.gen = torch.Generator().manual_seed(seed)
         shapes = TrainerLayout(spec).param_shapes()
         self.params = {
             n: torch.nn.Parameter(
-                torch.ones(s)
-                if n.endswith("norm.weight")
-                else torch.randn(s, generator=self.gen) * 0.02
+                (torch.ones(s) if n.endswith("norm.weight")
+                 else torch.randn(s, generator=self.gen) * 0.02).to(device)
             )
             for n, s in shapes.items()
-        }
+        }  # fmt: skip
         self.opt = torch.optim.AdamW(self.params.values(), lr=lr, foreach=False)
         self.density = density
         self.steps = 0
@@ -75,9 +77,9 @@ class TinyTrainer:
     def step(self) -> None:
         self.opt.zero_grad()
         for p in self.params.values():
-            mask = torch.rand(p.shape, generator=self.gen) < self.density
-            target = torch.randn(p.shape, generator=self.gen) * 0.02
-            p.grad = torch.where(mask, p.detach() - target, torch.zeros(()))
+            mask = (torch.rand(p.shape, generator=self.gen) < self.density).to(p.device)
+            target = (torch.randn(p.shape, generator=self.gen) * 0.02).to(p.device)
+            p.grad = torch.where(mask, p.detach() - target, 0.0)
         self.opt.step()
         self.steps += 1
 

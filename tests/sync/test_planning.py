@@ -228,7 +228,7 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
         (dict(signing_key=b"short"), "signing_key"),
         (dict(marker_timeout_s=float("nan")), "marker_timeout_s"),
         (dict(max_staleness=-1), "max_staleness"),
-        (dict(encode_threads=0), "encode_threads"),
+        (dict(prefetch=-1), "prefetch"),
     ],
 )
 def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):

@@ -23,20 +23,7 @@ def test_a_cuda_trainer_streams_versions_that_cpu_receivers_apply_bit_exactly(tm
     if not torch.cuda.is_available():
         pytest.skip("the gpu tier needs a CUDA device")
     spec, tl, rl = layouts(tp=2)
-    trainer = TinyTrainer(spec, lr=1e-3, density=0.1)
-    trainer.params = {
-        n: torch.nn.Parameter(p.detach().cuda()) for n, p in trainer.params.items()
-    }
-    trainer.opt = torch.optim.AdamW(trainer.params.values(), lr=1e-3)
-
-    def step():  # TinyTrainer.step with gradients made on the CPU generator, moved over
-        trainer.opt.zero_grad()
-        for p in trainer.params.values():
-            mask = torch.rand(p.shape, generator=trainer.gen) < trainer.density
-            target = torch.randn(p.shape, generator=trainer.gen) * 0.02
-            p.grad = torch.where(mask.cuda(), p.detach() - target.cuda(), 0.0)
-        trainer.opt.step()
-
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.1, device="cuda")
     tracker = AdamWTracker(trainer.opt, list(trainer.params.items()))
     store = MemoryStore()
     pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
@@ -49,7 +36,7 @@ def test_a_cuda_trainer_streams_versions_that_cpu_receivers_apply_bit_exactly(tm
     }  # fmt: skip
     sync.step_published(0, anchor=True)
     for version in range(1, 6):
-        step()
+        trainer.step()
         (report,) = sync.step_published(version)
         assert report.kind == ("anchor" if version % 4 == 0 else "delta")
         cpu = {n: p.detach().cpu() for n, p in trainer.params.items()}

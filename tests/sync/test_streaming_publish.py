@@ -214,7 +214,6 @@ def test_a_dict_of_changes_and_its_stream_give_the_same_blobs():
                         config=PublisherConfig(session="s"))  # fmt: skip
         pub.publish(0, {}, {n: torch.zeros_like(p) for n, p in trainer.params.items()},
                     anchor=True)  # fmt: skip
-        pub.baseline = 0
         changed = tracker.changed() if changes == "dict" else tracker_stream(tracker)
         pub.publish(1, changed, trainer.params)
         blobs.append({k: store.get(k) for k in store.list("v00000001/") if k.endswith(".blob")})
@@ -290,3 +289,29 @@ def test_params_the_layout_does_not_know_are_fine_while_they_carry_no_changes():
     tracker.clear()
     trainer.step()
     assert pub.publish(1, tracker_stream(tracker), params).kind == "delta"
+
+
+def test_tracker_stream_takes_the_detection_pass_values_of_every_kind_of_tracker():
+    from deltasync.publish import tracker_changes
+    from deltasync.trainer import SnapshotTracker
+
+    spec, _, _ = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
+    trackers = [AdamWTracker(trainer.opt, trainer.named_parameters()),
+                SnapshotTracker(trainer.named_parameters())]  # fmt: skip
+    trainer.step()
+    for tracker in trackers:
+        items = list(tracker_stream(tracker))
+        assert items and all(vals is not None for _, _, vals in items), type(tracker).__name__
+        for name, idx, vals in items:
+            want = trainer.params[name].detach().reshape(-1)[idx].to(torch.bfloat16)
+            assert torch.equal(vals.view(torch.int16), want.view(torch.int16))
+        changed, values = tracker_changes(tracker)
+        assert list(changed) == [n for n, _, _ in items] and values is not None
+
+    class IndicesOnly:  # a tracker with only changed(): values are gathered later
+        def changed(self):
+            return trackers[0].changed()
+
+    changed, values = tracker_changes(IndicesOnly())
+    assert values is None and changed.keys() == trackers[0].changed().keys()

@@ -57,10 +57,6 @@ class PublisherConfig:
       with fewer threads than shards, a waiting shard's segments queue in memory until one is.
     - ``prefetch``: a lazy change stream (a tracker's detection) runs this many parameters
       ahead on its own thread, so detection overlaps routing and encoding (0: no thread).
-    - ``encode_threads``: how many per-shard blobs are encoded at once (1 = one after another,
-      the default). More helps a node with cores to spare and several shards; each concurrent
-      encode holds its own buffers (on this project's 2-core VM it gave no speed-up, and the
-      trainer's peak memory read higher in the run that used it).
     """
 
     writer_rank: int = 0
@@ -76,7 +72,6 @@ class PublisherConfig:
     receiver_ttl_s: float = 120.0
     keep_versions: int = 2
     upload_threads: int | None = None
-    encode_threads: int = 1
     prefetch: int = 2
 
     def __post_init__(self) -> None:
@@ -115,7 +110,6 @@ class PublisherConfig:
         _int("keep_versions", self.keep_versions, 1)
         if self.upload_threads is not None:
             _int("upload_threads", self.upload_threads, 1)
-        _int("encode_threads", self.encode_threads, 1)
         _int("prefetch", self.prefetch, 0)
 
     def writer_id(self, rank: int | None = None) -> str:

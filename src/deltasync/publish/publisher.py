@@ -94,9 +94,8 @@ class Publisher:
         self.baseline: int | None = None
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
-        self._groups_key: tuple[str, ...] | None = None  # params the cached groups are for
-        self._groups_cache: list[ParamGroup] = []
-        self._group_of: dict[str, int] = {}
+        # (param names, their groups, param -> group index), for the params last published
+        self._grouping: tuple[tuple[str, ...], list[ParamGroup], dict[str, int]] | None = None
         if self.config.is_committer:
             self.repair_latest()
 
@@ -259,7 +258,7 @@ class Publisher:
         thread) and hand each parameter group's routed updates to ``streams`` as soon as its
         last parameter has been seen."""
         cfg = self.config
-        groups = self._groups(params)
+        groups, group_of = self._groups(params)
         position = {name: i for i, name in enumerate(params)}
         pending: dict[int, dict[str, tuple]] = {}
 
@@ -294,20 +293,21 @@ class Publisher:
                 while done < len(groups) and groups[done].last < pos:
                     flush(done)
                     done += 1
-                pending.setdefault(self._group_of[name], {})[name] = (indices, vals)
+                pending.setdefault(group_of[name], {})[name] = (indices, vals)
         while done < len(groups):
             flush(done)
             done += 1
 
-    def _groups(self, params: Params) -> list[ParamGroup]:
+    def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
+        """The parameter groups of ``params`` and each param's group (cached per name list)."""
         key = tuple(params)
-        if self._groups_key != key:
-            self._groups_cache = param_groups(
+        if self._grouping is None or self._grouping[0] != key:
+            groups = param_groups(
                 key, trainer_layout=self.trainer_layout, receiver_layout=self.layout
             )
-            self._group_of = {n: g for g, grp in enumerate(self._groups_cache) for n in grp.params}
-            self._groups_key = key
-        return self._groups_cache
+            group_of = {n: g for g, grp in enumerate(groups) for n in grp.params}
+            self._grouping = (key, groups, group_of)
+        return self._grouping[1], self._grouping[2]
 
     def _digests(self, full: Params) -> dict[str, str]:
         return state_digests(full, trainer_layout=self.trainer_layout, receiver_layout=self.layout)

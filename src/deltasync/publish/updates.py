@@ -23,6 +23,7 @@ This module knows layouts and TensorUpdate; it knows nothing about blobs, keys o
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -171,26 +172,25 @@ def shard_updates(
 def tracker_changes(
     tracker: object,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """``(changed, values)`` from a tracker: with ``changed_values()`` (AdamWTracker,
-    SnapshotTracker) the BF16 values come from the detection pass itself, saving a second,
+    """``(changed, values)`` dicts from :func:`tracker_stream`, detected all at once (for
+    callers that need every change before they start, or several times): with a tracker that
+    reads values in its detection pass (AdamWTracker, SnapshotTracker) they save a second,
     cache-cold pass over the params; with only ``changed()``, ``values`` is None."""
-    with_values = getattr(tracker, "changed_values", None)
-    if not callable(with_values):
-        return tracker.changed(), None  # type: ignore[attr-defined]
-    pairs = with_values()
-    return {n: idx for n, (idx, _) in pairs.items()}, {n: v for n, (_, v) in pairs.items()}
-
-
-def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ``changed`` dict naming every element of every param (a writer's part of an anchor)."""
-    return {n: torch.arange(p.numel(), dtype=torch.int64) for n, p in params.items()}
+    items = list(tracker_stream(tracker))
+    values = {n: v for n, _, v in items if v is not None}
+    return {n: idx for n, idx, _ in items}, values or None
 
 
 def every_element_stream(params: Mapping[str, torch.Tensor]) -> Iterator[Change]:
-    """:func:`every_element` as a change stream, one param at a time, so the index tensors
-    never exist all at once."""
+    """A change stream naming every element of every param (a writer's part of an anchor), one
+    param at a time, so the index tensors never exist all at once."""
     for n, p in params.items():
         yield n, torch.arange(p.numel(), dtype=torch.int64), None
+
+
+def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`every_element_stream` as a ``changed`` dict."""
+    return {n: idx for n, idx, _ in every_element_stream(params)}
 
 
 def change_source(
@@ -237,14 +237,18 @@ def _tuples(items: Iterable[tuple]) -> Iterator[Change]:
 
 
 def tracker_stream(tracker: object) -> Iterator[Change]:
-    """A tracker's changes as a lazy stream: detection of each parameter runs when the
-    publisher asks for it (``iter_changed_values()`` where the tracker has it, which also
-    reads the BF16 values in the detection pass; else ``iter_changed()``; else ``changed()``)."""
-    for attr in ("iter_changed_values", "iter_changed"):
-        method = getattr(tracker, attr, None)
-        if callable(method):
-            return _tuples(method())
-    return _tuples((n, idx) for n, idx in tracker.changed().items())  # type: ignore[attr-defined]
+    """A tracker's changes as a stream, the richest the tracker offers: ``iter_changed_values()``
+    (lazy: each parameter is detected when the publisher asks for it, its BF16 values read in
+    the same pass), else ``changed_values()`` (values from the detection pass, detected at
+    once), else ``iter_changed()``, else ``changed()`` (values gathered later from params)."""
+    t: Any = tracker
+    if callable(getattr(t, "iter_changed_values", None)):
+        return _tuples(t.iter_changed_values())
+    if callable(getattr(t, "changed_values", None)):
+        return _tuples((n, idx, vals) for n, (idx, vals) in t.changed_values().items())
+    if callable(getattr(t, "iter_changed", None)):
+        return _tuples(t.iter_changed())
+    return _tuples(t.changed().items())
 
 
 def canonical_bf16(
