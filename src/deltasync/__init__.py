@@ -1,10 +1,42 @@
 """deltasync: sparse, bit-exact BF16 policy-weight sync from an RL trainer to rollout workers.
 
-The public API is small and comes in inverse pairs; see the README for the data flow.
+The public API is re-exported flat from here; the README's module tree says where each part
+lives. Subpackages expose more for advanced callers, but these names are the stable surface.
 """
 
+from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender
+from deltasync.errors import DeltaSyncError
+from deltasync.exchange import ExchangeConfig
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.publish import Publisher, PublisherConfig, PublishReport, TrainerSync
+from deltasync.receiver import PullReport, Receiver, ReceiverConfig
+from deltasync.store import LocalStore, MemoryStore, S3Config, S3Store, Store, open_store
 from deltasync.trainer import AdamWTracker, SnapshotTracker
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamWTracker", "SnapshotTracker", "__version__"]
+__all__ = [
+    "AdamWTracker",
+    "ClusterConfig",
+    "ClusterReceiver",
+    "ClusterSender",
+    "DeltaSyncError",
+    "ExchangeConfig",
+    "LocalStore",
+    "MemoryStore",
+    "ModelSpec",
+    "PublishReport",
+    "Publisher",
+    "PublisherConfig",
+    "PullReport",
+    "Receiver",
+    "ReceiverConfig",
+    "S3Config",
+    "S3Store",
+    "SnapshotTracker",
+    "Store",
+    "TrainerLayout",
+    "TrainerSync",
+    "__version__",
+    "open_store",
+]

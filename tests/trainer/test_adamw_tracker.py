@@ -239,7 +239,7 @@ def test_uncovered_configurations_fall_back_to_an_exact_snapshot():
 
 
 def test_native_kernel_and_torch_fallback_produce_the_same_mask():
-    from deltasync.trainer import native
+    from deltasync.native import loader as native
     from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
     from deltasync.trainer.detect import bitset_bytes, detect_adamw_
 

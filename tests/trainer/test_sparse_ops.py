@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.sparse_ops import bf16_at, first_not_increasing
-from deltasync.trainer import native
+from deltasync.native.ops import bf16_at, first_not_increasing
+from deltasync.native import loader as native
 
 
 def _special_fp32(n: int, seed: int) -> torch.Tensor:

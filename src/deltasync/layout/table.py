@@ -33,7 +33,7 @@ from deltasync.layout.blocks import (
     view_rows,
 )
 from deltasync.layout.dense import merge_dense, split_dense
-from deltasync.sparse_ops import first_not_increasing
+from deltasync.native.ops import first_not_increasing
 
 Shape = tuple[int, ...]
 Routed = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]

@@ -32,7 +32,7 @@ from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digests import shard_state_digests
 from deltasync.manifest import state_digest
-from deltasync.sparse_ops import bf16_at
+from deltasync.native.ops import bf16_at
 
 ShardUpdates = dict[str, list[TensorUpdate]]
 Change = tuple[str, torch.Tensor, torch.Tensor | None]  # (param, sorted indices, bf16 values)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from deltasync.sparse_ops import bf16_at
+from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
     bits_to_indices,

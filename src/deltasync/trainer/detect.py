@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deltasync.sparse_ops import bf16_at
-from deltasync.trainer import native
+from deltasync.native.ops import bf16_at
+from deltasync.native import loader as native
 from deltasync.trainer.adamw_bound import KernelScalars
 
 _CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small for balance

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.sparse_ops import bf16_at
+from deltasync.native.ops import bf16_at
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:

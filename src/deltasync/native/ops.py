@@ -5,7 +5,7 @@
 * :func:`first_not_increasing`: where a list stops being strictly increasing, the precondition
   of every searchsorted-based routing step.
 
-Both run a small C kernel when it is built (:mod:`deltasync.trainer.native`, one pass, no
+Both run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.trainer import native
+from deltasync.native import loader as native
 
 
 def first_not_increasing(indices: torch.Tensor) -> int:
