@@ -59,7 +59,10 @@ def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
-        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
         decoupled=bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))),
         step=step,
@@ -74,8 +77,13 @@ class AdamWTracker:
     (or construction), possibly with a few extra elements. Unchanged params are omitted.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 named_params: Iterable[tuple[str, torch.Tensor]], *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_params: Iterable[tuple[str, torch.Tensor]],
+        *,
+        threads: int | None = None,
+    ) -> None:
         self._opt = optimizer
         self._threads = threads
         params = named_unique(named_params)
@@ -108,8 +116,10 @@ class AdamWTracker:
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
-                       optimizer.register_step_post_hook(self._post_step)]
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -131,9 +141,16 @@ class AdamWTracker:
             group, bad = group_hyper[gi]
             v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
             m, v = state.get("exp_avg"), state.get(v_key)
-            ok = (bad is None and m is not None and v is not None and m.dtype == torch.float32
-                  and v.dtype == torch.float32 and m.shape == p.shape and v.shape == p.shape
-                  and after == int(after))
+            ok = (
+                bad is None
+                and m is not None
+                and v is not None
+                and m.dtype == torch.float32
+                and v.dtype == torch.float32
+                and m.shape == p.shape
+                and v.shape == p.shape
+                and after == int(after)
+            )
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
             self._pending.append((name, _hyper(opt, group, int(after)) if ok else None, v_key))
 
@@ -144,21 +161,30 @@ class AdamWTracker:
         p, _ = self._covered[name]
         bits = self._bits.get(name)
         if bits is None:
-            bits = self._bits[name] = torch.zeros(bitset_bytes(p.numel()), dtype=torch.uint8, device=p.device)
+            bits = self._bits[name] = torch.zeros(
+                bitset_bytes(p.numel()), dtype=torch.uint8, device=p.device
+            )
         if hyper is None:
             bits.fill_(0xFF)
             return
         state = self._opt.state[p]
-        detect_adamw_(p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper), bits,
-                      threads=self._threads)
+        detect_adamw_(
+            p.detach(),
+            state["exp_avg"],
+            state[v_key],
+            kernel_scalars(hyper),
+            bits,
+            threads=self._threads,
+        )
 
     def _finalize(self) -> None:
         for entry in self._pending:
             self._fold(*entry)
         self._pending.clear()
 
-    def _detect(self, name: str, pending: tuple[str, StepHyper | None, str] | None,
-                values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _detect(
+        self, name: str, pending: tuple[str, StepHyper | None, str] | None, values: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         p, _ = self._covered[name]
         if name in self._bits:
             if pending is not None:
@@ -203,17 +229,23 @@ class AdamWTracker:
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())
 
-    def iter_changed_values(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Like :meth:`iter_changed`, plus the params' current BF16 values at those indices
-        (exactly ``p.reshape(-1)[indices].to(torch.bfloat16)``), read by the detection pass
-        itself while each chunk is in cache: one pass over the params instead of two."""
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
+        changed param, in ``named_params`` order, detected lazily one param at a time, the
+        values read by the detection pass itself."""
         for name, idx, vals in self._iter(values=True):
             assert vals is not None
             yield name, idx, vals
 
+    def iter_changed_values(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Like :meth:`iter_changed`, plus the params' current BF16 values at those indices
+        (exactly ``p.reshape(-1)[indices].to(torch.bfloat16)``), read by the detection pass
+        itself while each chunk is in cache: one pass over the params instead of two."""
+        return self.iter_changes()
+
     def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (indices, bf16 values)}``; the same indices as :meth:`changed`."""
-        return {name: (idx, vals) for name, idx, vals in self.iter_changed_values()}
+        return {name: (idx, vals) for name, idx, vals in self.iter_changes()}
 
     def clear(self) -> None:
         self._pending.clear()  # steps before the new baseline no longer matter
@@ -230,4 +262,3 @@ class AdamWTracker:
     def memory_bytes(self) -> int:
         """Host/device bytes this tracker holds (bitsets + fallback snapshot)."""
         return sum(b.numel() for b in self._bits.values()) + self._snapshot.snapshot_bytes()
-

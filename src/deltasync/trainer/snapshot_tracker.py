@@ -10,12 +10,11 @@ It knows parameters and BF16 bit patterns; it knows nothing about optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.native.ops import bf16_at
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -28,11 +27,17 @@ def named_unique(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     for name, p in named_params:
         if not isinstance(name, str) or not isinstance(p, torch.Tensor):
-            raise ConfigError(f"named_params must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(p).__name__})")
+            raise ConfigError(
+                f"named_params must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(p).__name__})"
+            )
         if name in out:
-            raise ConfigError(f"parameter name {name!r} appears twice in named_params; names must be unique")
+            raise ConfigError(
+                f"parameter name {name!r} appears twice in named_params; names must be unique"
+            )
         if not p.is_floating_point():
-            raise ConfigError(f"parameter {name!r} has dtype {p.dtype}; only floating-point tensors can be tracked")
+            raise ConfigError(
+                f"parameter {name!r} has dtype {p.dtype}; only floating-point tensors can be tracked"
+            )
         out[name] = p
     return out
 
@@ -65,12 +70,19 @@ class SnapshotTracker:
                 out[name] = idx.to(torch.int64)
         return out
 
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
+        changed param, in ``named_params`` order, one param compared at a time."""
+        for name, p in self._params.items():
+            cur = bf16_bits(p)
+            idx = torch.nonzero(cur != self._snap[name], as_tuple=False).reshape(-1)
+            if idx.numel():
+                # the values come from the bits just compared: no second read of the param
+                yield name, idx.to(torch.int64), cur.index_select(0, idx).view(torch.bfloat16).cpu()
+
     def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (indices, current bf16 values)}``; the indices of :meth:`changed`."""
-        return {
-            name: (idx, bf16_at(self._params[name].detach(), idx, trusted=True))
-            for name, idx in self.changed().items()
-        }
+        return {name: (idx, vals) for name, idx, vals in self.iter_changes()}
 
     def clear(self) -> None:
         for name, p in self._params.items():

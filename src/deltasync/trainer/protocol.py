@@ -1,0 +1,76 @@
+"""The one contract between change detection and publishing: what a tracker yields.
+
+A tracker (``AdamWTracker``, ``SnapshotTracker``, or any user class with these methods)
+reports, per parameter, the flat row-major positions *into the tensor this process holds*
+whose BF16 bits may differ from those at the last ``clear()``, with the BF16 values at those
+positions read by the detection pass itself. For an FSDP2 (``fully_shard``) parameter that
+tensor is the rank's local shard; :class:`LocalShard` says where it sits in the full
+parameter, so a publisher can map local positions to canonical ones without a collective.
+
+This module knows the shape of the contract; nothing about optimizers, layouts or transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What a publisher consumes from a tracker.
+
+    ``iter_changes()`` yields ``(name, indices, values)`` per changed parameter, in the order
+    the parameters were given: ``indices`` a sorted, unique, 1-D int64 CPU tensor of flat
+    positions into the locally held tensor (the whole parameter, or the rank's FSDP2 shard),
+    ``values`` the BF16 values at those positions (CPU, same length). Unchanged parameters are
+    omitted. Every element whose BF16 bits changed is included; a few unchanged ones may be.
+    ``clear()`` makes the current values the new baseline.
+    """
+
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalShard:
+    """Where a rank's local tensor sits in the full parameter: rows ``[row_start, row_stop)``
+    of dim 0 of ``global_shape`` (FSDP2's ``Shard(0)``: ``torch.chunk`` semantics, chunk
+    ``ceil(D0 / world_size)`` rows, trailing ranks short or empty, padding excluded).
+
+    A whole (unsharded or replicated) parameter has ``row_start == 0`` and
+    ``row_stop == global_shape[0]``; ``rank``/``world_size`` are the shard mesh coordinates
+    (``0``/``1`` for a whole parameter).
+    """
+
+    global_shape: tuple[int, ...]
+    row_start: int
+    row_stop: int
+    rank: int = 0
+    world_size: int = 1
+    replicated: bool = False  # the same whole tensor is held by every rank (DDP, Replicate())
+
+    @property
+    def offset(self) -> int:
+        """Flat position in the full parameter of the local tensor's element 0."""
+        per_row = 1
+        for d in self.global_shape[1:]:
+            per_row *= d
+        return self.row_start * per_row
+
+    @property
+    def local_numel(self) -> int:
+        per_row = 1
+        for d in self.global_shape[1:]:
+            per_row *= d
+        return (self.row_stop - self.row_start) * per_row
+
+    @property
+    def is_whole(self) -> bool:
+        return self.row_start == 0 and (
+            not self.global_shape or self.row_stop == self.global_shape[0]
+        )
