@@ -4,10 +4,15 @@ Every error a user can trigger is a subclass of :class:`DeltaSyncError` and its 
 what was wrong (tensor, version, file, rank) and what to do about it. ``assert`` is used only
 for internal invariants, never for user input.
 
-This module knows nothing about tensors, stores or processes; it only names failure kinds.
+This is the library's one error hierarchy: every error class lives here, so callers catch by
+kind (``FormatError``, ``StoreError``, ``VersionError``, ...) without knowing which package
+raised it. This module knows nothing about tensors, stores or processes; it only names failure
+kinds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 
 class DeltaSyncError(Exception):
@@ -45,6 +50,21 @@ class BlobMismatchError(FormatError):
     version, base version or shard."""
 
 
+class InvalidUpdateError(FormatError, ValueError):
+    """A TensorUpdate (or the arguments of encode_blob) cannot be written: it would make an
+    invalid record. Raised on the writer's side, before any byte is produced."""
+
+
+class BlobLimitError(FormatError):
+    """A blob declares a size beyond a decoder limit (max_decompressed_bytes, MAX_NUMEL, ...).
+    Raised before anything of that size is allocated."""
+
+
+class EnvelopeError(FormatError):
+    """An in-cluster payload is not a well-formed envelope (damaged in transit, or not from
+    deltasync)."""
+
+
 # --- layouts ------------------------------------------------------------------------------
 
 
@@ -70,6 +90,24 @@ class BaseVersionMismatchError(VersionError):
     """A delta's base version is not the receiver's current version."""
 
 
+class BlobBaseMismatchError(BlobMismatchError, BaseVersionMismatchError):
+    """A well-formed blob must be applied on a different base version than the receiver holds.
+    It is both a BlobMismatchError (format view) and a BaseVersionMismatchError (version view)."""
+
+
+class AnchorRequiredError(BaseVersionMismatchError):
+    """A receiver that holds no verified version (fresh, or dirty after a failed digest check)
+    was sent a delta; only an anchor (``sync(anchor=True)`` on the writers) can restore it."""
+
+
+class StalenessTimeoutError(VersionError, TimeoutError):
+    """Bounded staleness: some live receiver stayed too far behind for too long."""
+
+
+class AckTimeoutError(VersionError, TimeoutError):
+    """``wait_for_acks`` ran out of time; the message names the receivers still missing."""
+
+
 class StoreError(DeltaSyncError):
     """A storage backend operation failed."""
 
@@ -78,8 +116,20 @@ class KeyNotFoundError(StoreError, KeyError):
     """A key is not present in the store."""
 
 
+class InvalidKeyError(StoreError, ValueError):
+    """A key (or list prefix) is not a safe relative path; nothing was read or written."""
+
+
 class CommitConflictError(StoreError):
     """Another writer committed the same key first (conditional write lost)."""
+
+
+class MissingWritersError(StoreError, TimeoutError):
+    """The committer waited for writer markers that never came (the message names them)."""
+
+
+class CommitTimeoutError(StoreError, TimeoutError):
+    """A non-committing writer waited for the committer's manifest that never came."""
 
 
 class ManifestError(DeltaSyncError):
@@ -90,8 +140,17 @@ class SignatureError(ManifestError):
     """A manifest is unsigned or its signature does not verify with the configured key."""
 
 
+class MissingBlobError(ManifestError, KeyNotFoundError):
+    """A committed manifest lists a blob the store does not have (deleted or never uploaded)."""
+
+
 class IntegrityError(DeltaSyncError):
     """After an apply, a receiver's state digest does not match the committed manifest."""
+
+
+class LocalStateError(IntegrityError):
+    """The receiver's local state directory (state file, journal) is unreadable or belongs to
+    another receiver or shard."""
 
 
 # --- in-cluster exchange ------------------------------------------------------------------
@@ -107,3 +166,39 @@ class PeerFailedError(ExchangeError):
 
 class ExchangeTimeoutError(ExchangeError):
     """A wait in the exchange exceeded its timeout; the message names the peer and the round."""
+
+
+class SpawnError(ExchangeError):
+    """A spawned child raised, died without reporting, or outlived the hard timeout."""
+
+
+class SyncAbortedError(PeerFailedError):
+    """Another rank failed its part of a version; every other rank raises this, with the same
+    message, and nobody commits the version: the trainer keeps its baseline and the receivers
+    their committed version, so calling ``sync`` again on every rank retries it.
+
+    ``failures`` maps each failed rank to its error (``"ClassName: message"``);
+    ``anchor_required`` is True when a failed receiver can only be restored by an anchor."""
+
+    def __init__(self, message: str, *, failures: Mapping[int, str], anchor_required: bool) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)
+        self.anchor_required = anchor_required
+
+
+# --- internal signals (never reach a caller) ----------------------------------------------
+
+
+class StreamAborted(Exception):  # noqa: N818 - a signal, not an error a caller sees
+    """Raised inside an upload's chunk iterator so the store discards the partial object."""
+
+
+class RetriesExhausted(Exception):  # noqa: N818 - a signal, not an error a caller sees
+    """Carries the last transient error and how many attempts were made; the backend turns it
+    into a StoreError naming the operation."""
+
+    def __init__(self, last: BaseException, attempts: int, elapsed_s: float) -> None:
+        super().__init__(str(last))
+        self.last = last
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s

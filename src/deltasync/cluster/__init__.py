@@ -26,13 +26,13 @@ what this package adds is the process-group choreography. It knows nothing about
 from deltasync.cluster.acks import Ack, Verdict, judge
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import Envelope, pack_envelope, unpack_envelope
-from deltasync.cluster.errors import AnchorRequiredError, EnvelopeError, SyncAbortedError
 from deltasync.cluster.journal import ClusterJournal, JournalState
 from deltasync.cluster.receiver import ClusterReceiver, Incoming
 from deltasync.cluster.reports import ApplyReport, Outgoing, ReceiveReport, SendReport
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES, ReceiverRole, RolePlan, WriterRole
 from deltasync.cluster.sender import ClusterSender
 from deltasync.cluster.staging import Staged, stage_payloads
+from deltasync.errors import AnchorRequiredError, EnvelopeError, SyncAbortedError
 
 __all__ = [
     "DEFAULT_DP_MODE",

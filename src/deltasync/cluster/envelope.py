@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from deltasync.cluster.errors import EnvelopeError
+from deltasync.errors import EnvelopeError
 
 MAGIC = b"DSCENV01"
 _HEAD = struct.Struct("<8sII16s")

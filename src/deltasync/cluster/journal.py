@@ -27,10 +27,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deltasync.cluster.errors import AnchorRequiredError
-from deltasync.errors import ConfigError
+from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
 from deltasync.format import BlobBaseMismatchError
-from deltasync.receiver.errors import LocalStateError
 
 
 @dataclass(frozen=True)

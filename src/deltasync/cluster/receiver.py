@@ -42,12 +42,11 @@ from deltasync.cluster.acks import describe, encode_ack
 from deltasync.cluster.commit import joint_commit
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import as_view, pack_envelope
-from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
-from deltasync.errors import IntegrityError
+from deltasync.errors import AnchorRequiredError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
 from deltasync.format import apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout

@@ -39,10 +39,9 @@ from deltasync.cluster.acks import encode_ack
 from deltasync.cluster.commit import joint_commit
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import pack_envelope
-from deltasync.cluster.errors import AnchorRequiredError, SyncAbortedError
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
-from deltasync.errors import ConfigError, VersionError
+from deltasync.errors import AnchorRequiredError, ConfigError, SyncAbortedError, VersionError
 from deltasync.exchange import exchange
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout

@@ -24,12 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from deltasync.cluster.envelope import flatten
-from deltasync.cluster.errors import EnvelopeError
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.roles import RolePlan
-from deltasync.errors import BlobMismatchError
+from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
 from deltasync.format import TensorSpec, TensorUpdate, decode_blob
-from deltasync.receiver.errors import MissingBlobError
 from deltasync.receiver.staging import fold_chain, merge_writers
 
 

@@ -28,15 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deltasync.errors import ConfigError, ExchangeError
+from deltasync.errors import ConfigError, SpawnError
 
 _LOOPBACK = "127.0.0.1"
 _REPORT_GRACE_S = 0.5  # a child flushes its report before exiting; this covers the pipe
 _FAILURE_GRACE_S = 5.0  # after one child fails, the rest get this long before being killed
-
-
-class SpawnError(ExchangeError):
-    """A spawned child raised, died without reporting, or outlived the hard timeout."""
 
 
 def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> dist.ProcessGroup:

@@ -15,12 +15,12 @@ in-memory records, planes.py the numpy kernels, section.py the zstd frame handli
 The package knows nothing about storage, manifests, layouts of models or processes.
 """
 
+from deltasync.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
 from deltasync.format.apply import apply_updates
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob
 from deltasync.format.encode_many import encode_blobs
-from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
 from deltasync.format.layout import FORMAT_VERSION
 from deltasync.format.records import (
     BlobHeader,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from deltasync.format.errors import InvalidUpdateError
+from deltasync.errors import InvalidUpdateError
 from deltasync.format.planes import gap_width
 from deltasync.format.records import DTYPE_CODES, SUPPORTED, TensorUpdate
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 import xxhash
 
 from deltasync.errors import (
+    BlobBaseMismatchError,
+    BlobLimitError,
     BlobMismatchError,
     ConfigError,
     DigestMismatchError,
@@ -32,7 +34,6 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import section
-from deltasync.format.errors import BlobBaseMismatchError, BlobLimitError
 from deltasync.format.layout import (
     DIGEST_SIZE,
     END_MAGIC,

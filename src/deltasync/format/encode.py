@@ -30,9 +30,8 @@ import numpy as np
 import torch
 import xxhash
 
-from deltasync.errors import ManifestError
+from deltasync.errors import InvalidUpdateError, ManifestError
 from deltasync.format import planes, section
-from deltasync.format.errors import InvalidUpdateError
 from deltasync.format.layout import (
     ENCODING_DENSE,
     ENCODING_SPARSE,

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from deltasync.errors import BlobMismatchError, FormatError
-from deltasync.format.errors import BlobLimitError
+from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
 from deltasync.format.layout import (
     ENCODING_DENSE,
     ENCODING_SPARSE,

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltasync.errors import ConfigError
-from deltasync.format.errors import InvalidUpdateError
+from deltasync.errors import ConfigError, InvalidUpdateError
 from deltasync.format.layout import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
 
 # Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact

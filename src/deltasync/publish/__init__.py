@@ -6,13 +6,13 @@
 - :class:`TrainerSync`: tracker + publishers, clearing the tracker only after a commit.
 """
 
-from deltasync.publish.config import PublisherConfig
-from deltasync.publish.errors import (
+from deltasync.errors import (
     AckTimeoutError,
     CommitTimeoutError,
     MissingWritersError,
     StalenessTimeoutError,
 )
+from deltasync.publish.config import PublisherConfig
 from deltasync.publish.publisher import Publisher
 from deltasync.publish.report import PublishReport
 from deltasync.publish.retention import GcPlan, plan_deletions

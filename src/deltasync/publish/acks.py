@@ -15,9 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from deltasync.errors import IntegrityError
+from deltasync.errors import AckTimeoutError, IntegrityError, StalenessTimeoutError
 from deltasync.manifest import AckRecord
-from deltasync.publish.errors import AckTimeoutError, StalenessTimeoutError
 from deltasync.receiver.catalog import Catalog
 
 

@@ -18,10 +18,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from deltasync import names
-from deltasync.errors import CommitConflictError, DeltaSyncError, KeyNotFoundError, ManifestError
+from deltasync.errors import (
+    CommitConflictError,
+    CommitTimeoutError,
+    DeltaSyncError,
+    KeyNotFoundError,
+    ManifestError,
+    MissingWritersError,
+)
 from deltasync.format import FORMAT_VERSION
 from deltasync.manifest import Manifest, WriterMarker, encode_latest, sign
-from deltasync.publish.errors import CommitTimeoutError, MissingWritersError
 from deltasync.receiver.catalog import Catalog
 from deltasync.store import Store
 

@@ -25,16 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from deltasync import names
+from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
 from deltasync.manifest import BlobEntry
 from deltasync.store import Store
 
 _END = object()  # the blob is complete
 _ABORT = object()  # the blob must not be stored
-
-
-class StreamAborted(Exception):
-    """Raised inside an upload's chunk iterator so the store discards the partial object."""
 
 
 @dataclass

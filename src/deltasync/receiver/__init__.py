@@ -6,9 +6,9 @@
 - :func:`mapped_shard_tensors`: live tensors in a shared file that outlives the writer.
 """
 
+from deltasync.errors import LocalStateError, MissingBlobError
 from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
-from deltasync.receiver.errors import LocalStateError, MissingBlobError
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.mapped import mapped_shard_tensors
 from deltasync.receiver.receiver import Receiver

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from deltasync import names
-from deltasync.errors import ManifestError
+from deltasync.errors import LocalStateError, ManifestError
 from deltasync.manifest import Manifest
 from deltasync.manifest.canonical import canonical_json, check_digest, check_int
-from deltasync.receiver.errors import LocalStateError
 
 _MAX_VERSION = 10**8 - 1
 

@@ -38,6 +38,7 @@ from deltasync.errors import (
     FormatError,
     IntegrityError,
     KeyNotFoundError,
+    LocalStateError,
     ManifestError,
     VersionError,
 )
@@ -46,7 +47,6 @@ from deltasync.layout import ReceiverLayout
 from deltasync.manifest import AckRecord, Manifest, ReceiverRecord, state_digest
 from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
-from deltasync.receiver.errors import LocalStateError
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version, fold_chain

@@ -29,11 +29,11 @@ from deltasync.errors import (
     FormatError,
     KeyNotFoundError,
     ManifestError,
+    MissingBlobError,
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, decode_blob
 from deltasync.manifest import Manifest, blob_digest
-from deltasync.receiver.errors import MissingBlobError
 from deltasync.store import Store
 
 

@@ -23,15 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from deltasync.errors import StoreError
+from deltasync.errors import InvalidKeyError, StoreError
 
 MAX_KEY_LENGTH = 1024
 
 Bytes = bytes | bytearray | memoryview
-
-
-class InvalidKeyError(StoreError, ValueError):
-    """A key (or list prefix) is not a safe relative path; nothing was read or written."""
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, RetriesExhausted
 
 T = TypeVar("T")
 
@@ -50,16 +50,6 @@ def backoff_delays(policy: RetryPolicy, rng: random.Random | None = None) -> Ite
     rng = rng or random.Random()
     for i in range(policy.max_attempts - 1):
         yield rng.uniform(0.0, min(policy.max_delay_s, policy.base_delay_s * (2**i)))
-
-
-class RetriesExhausted(Exception):
-    """Internal: carries the last transient error and how many attempts were made."""
-
-    def __init__(self, last: BaseException, attempts: int, elapsed_s: float) -> None:
-        super().__init__(str(last))
-        self.last = last
-        self.attempts = attempts
-        self.elapsed_s = elapsed_s
 
 
 def call_with_retries(
