@@ -186,6 +186,12 @@ class SyncAbortedError(PeerFailedError):
         self.anchor_required = anchor_required
 
 
+class ApplicationMissingError(DeltaSyncError):
+    """A CLI command's application (``deltasync_examples`` or ``deltasync_bench``, installed
+    beside the library from the repository's ``examples/`` and ``bench/``) is not importable;
+    the message names the package and how to install it."""
+
+
 # --- internal signals (never reach a caller) ----------------------------------------------
 
 
