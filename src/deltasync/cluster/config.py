@@ -9,28 +9,13 @@ This module knows settings only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from deltasync.errors import ConfigError
 from deltasync.exchange import ExchangeConfig
+from deltasync.validate import check_int, check_seconds
 
-
-def _seconds(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(
-            f"ClusterConfig.{name} must be a finite number of seconds > 0, got {value!r}"
-        )
-
-
-def _int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"ClusterConfig.{name} must be an int in [{lo}, {hi}], got {value!r}")
+_OWNER = "ClusterConfig"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +55,12 @@ class ClusterConfig:
                 "ClusterConfig.exchange must be an ExchangeConfig, got "
                 f"{type(self.exchange).__name__}"
             )
-        _seconds("wait_for_version_s", self.wait_for_version_s)
-        _seconds("commit_timeout_s", self.commit_timeout_s)
-        _int("level", self.level, 0, 22)
-        _int("encode_threads", self.encode_threads, 1, 1024)
-        _int("digest_every", self.digest_every, 0, 1 << 31)
-        _int("max_decompressed_bytes", self.max_decompressed_bytes, 1, 1 << 62)
+        check_seconds(_OWNER, "wait_for_version_s", self.wait_for_version_s)
+        check_seconds(_OWNER, "commit_timeout_s", self.commit_timeout_s)
+        check_int(_OWNER, "level", self.level, lo=0, hi=22)
+        check_int(_OWNER, "encode_threads", self.encode_threads, lo=1, hi=1024)
+        check_int(_OWNER, "digest_every", self.digest_every, lo=0, hi=1 << 31)
+        check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1, hi=1 << 62)
 
     def sends_digest(self, version: int, *, anchor: bool) -> bool:
         """Whether writer 0 attaches expected state digests to ``version``."""

@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from deltasync.atomic import write_atomic
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
 from deltasync.format import BlobBaseMismatchError
 
@@ -133,17 +134,7 @@ class ClusterJournal:
 
     def _write(self, state: JournalState) -> None:
         assert self.path is not None
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(state.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_atomic(self.path, state.to_json())
         except OSError as exc:
             raise LocalStateError(f"cannot write journal {str(self.path)!r}: {exc}") from exc

@@ -17,12 +17,12 @@ it, their names and shapes come from the newest anchor's blobs for the shard.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from deltasync.atomic import write_atomic
 from deltasync.commands.inspect_store import add_store_arguments, open_store_from_args, read_key
 from deltasync.errors import ConfigError, DeltaSyncError
 
@@ -83,17 +83,9 @@ def _load(path: Path, specs):
 def _write(path: Path, tensors, version: int, digest: str, shard: str) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     meta = {META_VERSION: str(version), META_DIGEST: digest, META_SHARD: shard}
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    contiguous = {n: t.contiguous() for n, t in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata=meta))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -10,10 +10,11 @@ This module knows nothing about processes, tensors or the schedule itself.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from deltasync.errors import ConfigError
+from deltasync.validate import check_int, check_seconds
+
+_OWNER = "ExchangeConfig"
 
 # A chunk size must fit the int64 fields of round 1 and gloo's int sizes comfortably.
 _MAX_CHUNK_LIMIT = 1 << 40
@@ -36,20 +37,6 @@ class ExchangeConfig:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _check_int("max_chunk_bytes", self.max_chunk_bytes, 1, _MAX_CHUNK_LIMIT)
-        _check_int("max_inflight_ops", self.max_inflight_ops, 2, 1 << 16)
-        timeout = self.timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ConfigError(
-                f"ExchangeConfig.timeout_s must be a finite number of seconds > 0, got {timeout!r}"
-            )
-
-
-def _check_int(field: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"ExchangeConfig.{field} must be an int in [{lo}, {hi}], got {value!r}")
+        check_int(_OWNER, "max_chunk_bytes", self.max_chunk_bytes, lo=1, hi=_MAX_CHUNK_LIMIT)
+        check_int(_OWNER, "max_inflight_ops", self.max_inflight_ops, lo=2, hi=1 << 16)
+        check_seconds(_OWNER, "timeout_s", self.timeout_s)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from deltasync.atomic import write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver import ReceiverLayout, ShardInfo
@@ -67,12 +68,6 @@ def load_canonical_checkpoint(
     return tensors
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def split_checkpoint(
     *,
     config: str | os.PathLike[str],
@@ -94,7 +89,7 @@ def split_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     for info in layout.shards():
         tensors = {n: t.contiguous() for n, t in shards.pop(info.id).items()}
-        _write_atomic(out_dir / f"{info.id}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
+        write_atomic(out_dir / f"{info.id}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
     listing = json.dumps([s.to_json() for s in layout.shards()], indent=1) + "\n"
-    _write_atomic(out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"))
+    write_atomic(out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"))
     return layout.shards()

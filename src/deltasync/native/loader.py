@@ -1,10 +1,17 @@
 """Builds and loads the small C kernels in ``kernels/detect.c`` (detection, BF16 gather,
 order check) with ctypes.
 
-The library is compiled on first use with the system C compiler into a per-user cache
-directory keyed by the source hash, the flags and the machine, written to a temporary name and
-renamed so concurrent processes never load a half-written file. If no compiler is available,
-:func:`load` returns ``None`` and callers use the bit-identical torch implementation.
+The library is compiled on first use with the system C compiler into a private per-user cache
+directory (``$XDG_CACHE_HOME/deltasync`` or ``~/.cache/deltasync``; mode 0700, owned by the
+user, checked with ``lstat`` so a symlink or someone else's directory is never used), keyed by
+the source hash, the flags and the machine, and written through the atomic write helper so
+concurrent processes never load a half-written file. The SHA-256 of the built library is
+recorded next to it and checked before every load; a mismatch rebuilds it. If no directory
+passes the checks, the library is built into a fresh ``mkdtemp`` directory for this process.
+
+If no compiler is available (or ``DELTASYNC_NATIVE=0``), :func:`load` returns ``None``,
+logs the reason and the remedy once, and callers use the bit-identical torch implementation
+(~20x slower detection).
 
 This module knows how to build and call the kernels; it knows nothing about optimizers.
 """
@@ -13,13 +20,22 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+import torch
+
+from deltasync.atomic import write_atomic
+from deltasync.native.inputs import kernel_ready
+
+log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("kernels") / "detect.c"
 # No -ffast-math: the error bound assumes IEEE semantics for every operation, in source order.
@@ -31,38 +47,88 @@ _tried = False
 build_error: str | None = None
 
 
-def _cache_dir() -> Path:
-    base = Path(os.path.expanduser("~")) / ".cache" / "deltasync"
+class CacheDirError(RuntimeError):
+    """A kernel cache directory failed the ownership/permission checks."""
+
+
+def check_private_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700) if missing and check, with ``lstat``, that it is a real
+    directory (not a symlink) owned by this user and not accessible to group or others.
+
+    Raises:
+        CacheDirError: naming the path and what is wrong with it.
+    """
     try:
-        base.mkdir(parents=True, exist_ok=True)
-        probe = base / ".w"
-        probe.touch()
-        probe.unlink()
-        return base
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise CacheDirError(f"{path}: {exc}") from exc
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CacheDirError(f"{path} is not a plain directory (a symlink or a file)")
+    if st.st_uid != os.getuid():
+        raise CacheDirError(f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        try:  # ours, just too open (e.g. created under a lax umask before): tighten it
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise CacheDirError(f"{path} has mode {oct(st.st_mode & 0o777)} and cannot be made 0700") from exc
+        if os.lstat(path).st_mode & 0o077:
+            raise CacheDirError(f"{path} is still accessible to group/others")
+    return path
+
+
+def _cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path(os.path.expanduser("~")) / ".cache"
+    try:
+        return check_private_dir(base / "deltasync")
+    except CacheDirError as exc:
+        log.warning("native kernel cache %s; building into a private temporary directory", exc)
+    # never a predictable shared-temp name: a fresh directory only this process knows
+    return Path(tempfile.mkdtemp(prefix="deltasync-kernels-"))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(out: Path, digest_file: Path) -> bool:
+    """Whether ``out`` is a regular file of ours whose hash is the recorded one."""
+    try:
+        st = os.lstat(out)
+        want = digest_file.read_text().strip()
     except OSError:
-        d = Path(tempfile.gettempdir()) / f"deltasync-{os.getuid()}"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return False
+    return _sha256(out) == want
 
 
 def _build() -> ctypes.CDLL:
+    if os.environ.get("DELTASYNC_NATIVE", "1") == "0":
+        raise RuntimeError("disabled by DELTASYNC_NATIVE=0")
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) on PATH")
     src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.node().encode())
     out = _cache_dir() / f"detect-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
+    digest_file = out.with_name(out.name + ".sha256")
+    for _attempt in range(3):  # another process may replace the file mid-check: rebuild
+        if _verified(out, digest_file):
+            break
+
+        def compile_to(tmp: Path) -> None:
+            subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            os.chmod(tmp, 0o700)
+
         try:
-            subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp], check=True, capture_output=True, text=True)
-            os.replace(tmp, out)
+            write_atomic(out, compile_to, durable=False)  # a lost cache file is rebuilt
         except subprocess.CalledProcessError as exc:
             raise RuntimeError(f"compiling {_SRC.name} failed: {exc.stderr.strip()[:500]}") from exc
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomic(digest_file, _sha256(out).encode(), durable=False)
+    if not _verified(out, digest_file):
+        raise RuntimeError(f"{out} does not match its recorded SHA-256 after 3 builds")
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     lib.ds_adamw_detect.argtypes = [p, p, p, i64, f, f, f, f, f, f, f, p]
@@ -81,7 +147,8 @@ def _build() -> ctypes.CDLL:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None if they cannot be built here (reason in ``build_error``)."""
+    """The compiled kernels, or None if they cannot be built here (reason in ``build_error``,
+    logged once with the remedy)."""
     global _lib, _tried, build_error
     with _lock:
         if not _tried:
@@ -91,10 +158,17 @@ def load() -> ctypes.CDLL | None:
             except (RuntimeError, OSError) as exc:
                 build_error = str(exc)
                 _lib = None
+                log.warning(
+                    "deltasync native kernels unavailable (%s): change detection runs on the "
+                    "exact torch path, ~20x slower on CPU. Remedy: install a C compiler "
+                    "(e.g. apt-get install gcc) and make ~/.cache/deltasync writable, or set "
+                    "XDG_CACHE_HOME to a private directory.",
+                    build_error,
+                )
         return _lib
 
 
-def usable(*tensors) -> bool:
-    """Whether the kernels can take these tensors: every one a contiguous CPU tensor (they
-    read raw pointers) and the library built here."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and load() is not None
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors: every one kernel-ready (a plain, contiguous,
+    aligned CPU tensor: see :mod:`deltasync.native.inputs`) and the library built here."""
+    return all(kernel_ready(t) for t in tensors) and load() is not None

@@ -6,30 +6,15 @@ This module knows settings only.
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 
 from deltasync import names
 from deltasync.errors import ConfigError
 from deltasync.manifest.signing import MIN_KEY_BYTES
+from deltasync.validate import check_int, check_seconds, check_signing_key
 
-
-def _int(name: str, value: object, lo: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ConfigError(f"PublisherConfig.{name} must be an int >= {lo}, got {value!r}")
-
-
-def _seconds(name: str, value: object) -> None:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(
-            f"PublisherConfig.{name} must be a finite number of seconds > 0, got {value!r}"
-        )
+_OWNER = "PublisherConfig"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +60,8 @@ class PublisherConfig:
     prefetch: int = 2
 
     def __post_init__(self) -> None:
-        _int("num_writers", self.num_writers, 1)
-        _int("writer_rank", self.writer_rank, 0)
+        check_int(_OWNER, "num_writers", self.num_writers, lo=1)
+        check_int(_OWNER, "writer_rank", self.writer_rank, lo=0)
         if self.writer_rank >= self.num_writers:
             raise ConfigError(
                 f"PublisherConfig.writer_rank {self.writer_rank} must be < num_writers "
@@ -90,27 +75,19 @@ class PublisherConfig:
                 )
             object.__setattr__(self, "session", secrets.token_hex(4))
         names.check_token("session", f"w00000-{self.session}")
-        _int("anchor_every", self.anchor_every, 1)
-        if self.signing_key is not None and (
-            not isinstance(self.signing_key, bytes) or len(self.signing_key) < MIN_KEY_BYTES
-        ):
-            raise ConfigError(
-                f"PublisherConfig.signing_key must be bytes of at least {MIN_KEY_BYTES} bytes "
-                "(e.g. secrets.token_bytes(32)) or None"
-            )
-        _int("level", self.level, 0)
-        if self.level > 22:
-            raise ConfigError(f"PublisherConfig.level must be in 0..22, got {self.level}")
+        check_int(_OWNER, "anchor_every", self.anchor_every, lo=1)
+        check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
+        check_int(_OWNER, "level", self.level, lo=0, hi=22)
         for name in (
             "marker_timeout_s", "poll_interval_s", "staleness_timeout_s", "receiver_ttl_s"
         ):  # fmt: skip
-            _seconds(name, getattr(self, name))
+            check_seconds(_OWNER, name, getattr(self, name))
         if self.max_staleness is not None:
-            _int("max_staleness", self.max_staleness, 0)
-        _int("keep_versions", self.keep_versions, 1)
+            check_int(_OWNER, "max_staleness", self.max_staleness, lo=0)
+        check_int(_OWNER, "keep_versions", self.keep_versions, lo=1)
         if self.upload_threads is not None:
-            _int("upload_threads", self.upload_threads, 1)
-        _int("prefetch", self.prefetch, 0)
+            check_int(_OWNER, "upload_threads", self.upload_threads, lo=1)
+        check_int(_OWNER, "prefetch", self.prefetch, lo=0)
 
     def writer_id(self, rank: int | None = None) -> str:
         """``w{rank:05d}-{session}``: the id of ``rank`` (default: this writer) in this attempt."""

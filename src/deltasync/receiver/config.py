@@ -11,6 +11,9 @@ from deltasync import names
 from deltasync.errors import ConfigError, ManifestError
 from deltasync.manifest import ManifestLimits
 from deltasync.manifest.signing import MIN_KEY_BYTES
+from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
+
+_OWNER = "ReceiverConfig"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,20 +41,8 @@ class ReceiverConfig:
             names.check_token("receiver", self.receiver_id)
         except ManifestError as exc:
             raise ConfigError(f"ReceiverConfig.receiver_id: {exc}") from None
-        if self.signing_key is not None and (
-            not isinstance(self.signing_key, bytes) or len(self.signing_key) < MIN_KEY_BYTES
-        ):
-            raise ConfigError(
-                f"ReceiverConfig.signing_key must be bytes of at least {MIN_KEY_BYTES} bytes "
-                "or None"
-            )
+        check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
         for name in ("verify_on_open", "durable"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"ReceiverConfig.{name} must be a bool")
-        if not isinstance(self.limits, ManifestLimits):
-            raise ConfigError("ReceiverConfig.limits must be a ManifestLimits")
-        v = self.max_decompressed_bytes
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(
-                f"ReceiverConfig.max_decompressed_bytes must be an int >= 1, got {v!r}"
-            )
+            check_bool(_OWNER, name, getattr(self, name))
+        check_instance(_OWNER, "limits", self.limits, ManifestLimits)
+        check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync import names
+from deltasync.atomic import fsync_dir, write_atomic
 from deltasync.errors import LocalStateError, ManifestError
 from deltasync.manifest import Manifest
 from deltasync.manifest.canonical import canonical_json, check_digest, check_int
@@ -199,26 +200,14 @@ class StateDir:
             ) from exc
 
     def _write(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            self._fsync_dir()
+            write_atomic(path, data, durable=self.durable)
         except OSError as exc:
             raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
 
     def _fsync_dir(self) -> None:
-        if not self.durable:
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.durable:
+            fsync_dir(self.path)
 
     def read_state(self) -> LocalState | None:
         obj = self._read(self.state_path)

@@ -18,14 +18,12 @@ This module knows nothing about what the bytes mean.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from deltasync.atomic import TMP_MARK, fsync_dir, unlink_quietly, write_temp
 from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
 from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
-
-_TMP_MARK = ".tmp-"
 
 
 class LocalStore:
@@ -130,7 +128,7 @@ class LocalStore:
         try:
             os.replace(tmp, path)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise StoreError(f"publishing {key!r} in {self!r} failed: {exc}") from exc
         self._fsync_dir(path.parent)
         return written
@@ -148,7 +146,7 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"publishing {key!r} in {self!r} failed: {exc}") from exc
         finally:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
         self._fsync_dir(path.parent)
 
     def delete(self, key: str) -> None:
@@ -174,47 +172,25 @@ class LocalStore:
         removed = 0
         for dirpath, _, filenames in os.walk(self.root):
             for name in filenames:
-                if name.startswith(".") and _TMP_MARK in name:
-                    _unlink_quietly(Path(dirpath) / name)
+                if name.startswith(".") and TMP_MARK in name:
+                    unlink_quietly(Path(dirpath) / name)
                     removed += 1
         return removed
 
     # --- helpers ------------------------------------------------------------------------
 
     def _write_temp(self, key: str, path: Path, chunks: Iterable[Bytes]) -> tuple[Path, int]:
-        tmp = path.parent / f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}"
-        fd = None
         # A concurrent delete may prune the (empty) directory between mkdir and open: retry.
         for attempt in range(3):
             self._ensure_dir(key, path.parent)
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                break
+                return write_temp(path, (as_bytes(c) for c in chunks), durable=self.durable)
             except FileNotFoundError:
                 if attempt == 2:
                     raise StoreError(f"directory for {key!r} in {self!r} keeps vanishing") from None
             except OSError as exc:
-                raise StoreError(
-                    f"creating a temp file for {key!r} in {self!r} failed: {exc}"
-                ) from exc
-        assert fd is not None
-        written = 0
-        try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                for chunk in chunks:
-                    view = as_bytes(chunk)
-                    while view:
-                        n = f.write(view)
-                        written += n
-                        view = memoryview(view)[n:]
-                if self.durable:
-                    os.fsync(f.fileno())
-        except BaseException as exc:
-            _unlink_quietly(tmp)
-            if isinstance(exc, OSError):
                 raise StoreError(f"writing {key!r} to {self!r} failed: {exc}") from exc
-            raise
-        return tmp, written
+        raise AssertionError("unreachable")
 
     def _ensure_dir(self, key: str, directory: Path) -> None:
         if directory.is_dir():
@@ -236,16 +212,8 @@ class LocalStore:
             self._fsync_dir(d.parent)
 
     def _fsync_dir(self, directory: Path) -> None:
-        if not self.durable:
-            return
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
-            return
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.durable:
+            fsync_dir(directory)
 
     def _prune_empty_dirs(self, directory: Path) -> None:
         while directory != self.root and self.root in directory.parents:
@@ -254,10 +222,3 @@ class LocalStore:
             except OSError:
                 return  # not empty (or already gone): stop climbing
             directory = directory.parent
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

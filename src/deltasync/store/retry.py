@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from deltasync.errors import ConfigError, RetriesExhausted
+from deltasync.validate import check_int, check_number
 
 T = TypeVar("T")
 
@@ -29,14 +30,16 @@ class RetryPolicy:
     deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ConfigError(
-                f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}"
-            )
+        check_int("RetryPolicy", "max_attempts", self.max_attempts, lo=1)
         for name in ("base_delay_s", "max_delay_s", "deadline_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"RetryPolicy.{name} must be a number >= 0, got {value!r}")
+            check_number(
+                "RetryPolicy",
+                name,
+                getattr(self, name),
+                positive=False,
+                finite=False,
+                unit="seconds",
+            )
         if self.max_delay_s < self.base_delay_s:
             raise ConfigError(
                 f"RetryPolicy.max_delay_s ({self.max_delay_s}) must be >= base_delay_s "

@@ -13,6 +13,9 @@ from typing import Any
 
 from deltasync.errors import ConfigError
 from deltasync.store.retry import RetryPolicy
+from deltasync.validate import check_instance, check_int, check_number
+
+_OWNER = "S3Config"
 
 MIN_PART = 5 * 2**20  # S3's minimum size of every part but the last
 MAX_PART = 5 * 2**30
@@ -72,25 +75,12 @@ class S3Config:
                 f"got {self.addressing_style!r}"
             )
         for name in ("connect_timeout_s", "read_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"S3Config.{name} must be a number > 0, got {value!r}")
-        if not isinstance(self.max_pool_connections, int) or self.max_pool_connections < 1:
-            raise ConfigError(
-                "S3Config.max_pool_connections must be an int >= 1, "
-                f"got {self.max_pool_connections!r}"
-            )
-        if not isinstance(self.multipart_part_bytes, int) or not (
-            MIN_PART <= self.multipart_part_bytes <= MAX_PART
-        ):
-            raise ConfigError(
-                f"S3Config.multipart_part_bytes must be an int in [{MIN_PART}, {MAX_PART}], "
-                f"got {self.multipart_part_bytes!r}"
-            )
-        if not isinstance(self.retry, RetryPolicy):
-            raise ConfigError(
-                f"S3Config.retry must be a RetryPolicy, got {type(self.retry).__name__}"
-            )
+            check_number(_OWNER, name, getattr(self, name), unit="seconds")
+        check_int(_OWNER, "max_pool_connections", self.max_pool_connections, lo=1)
+        check_int(
+            _OWNER, "multipart_part_bytes", self.multipart_part_bytes, lo=MIN_PART, hi=MAX_PART
+        )
+        check_instance(_OWNER, "retry", self.retry, RetryPolicy)
 
 
 def error_code(exc: BaseException) -> tuple[str, int]:
