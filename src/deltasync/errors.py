@@ -30,6 +30,12 @@ class UnsupportedOptimizerError(ConfigError):
     """The optimizer (or one of its settings) is outside what the AdamW error bound covers."""
 
 
+class TensorInputError(ConfigError):
+    """A tensor handed to a native kernel entry point (or a tracker) cannot be read as asked:
+    wrong dtype, shape, device or kind (meta, sparse, a tensor subclass such as DTensor); the
+    message names the tensor and what to pass instead."""
+
+
 # --- wire format --------------------------------------------------------------------------
 
 

@@ -71,7 +71,9 @@ def check_private_dir(path: Path) -> Path:
         try:  # ours, just too open (e.g. created under a lax umask before): tighten it
             os.chmod(path, 0o700)
         except OSError as exc:
-            raise CacheDirError(f"{path} has mode {oct(st.st_mode & 0o777)} and cannot be made 0700") from exc
+            raise CacheDirError(
+                f"{path} has mode {oct(st.st_mode & 0o777)} and cannot be made 0700"
+            ) from exc
         if os.lstat(path).st_mode & 0o077:
             raise CacheDirError(f"{path} is still accessible to group/others")
     return path
@@ -111,7 +113,9 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) on PATH")
     src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.node().encode())
+    key = hashlib.sha256(
+        src + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.node().encode()
+    )
     out = _cache_dir() / f"detect-{key.hexdigest()[:16]}.so"
     digest_file = out.with_name(out.name + ".sha256")
     for _attempt in range(3):  # another process may replace the file mid-check: rebuild
@@ -119,7 +123,9 @@ def _build() -> ctypes.CDLL:
             break
 
         def compile_to(tmp: Path) -> None:
-            subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            subprocess.run(
+                [cc, *_FLAGS, str(_SRC), "-o", str(tmp)], check=True, capture_output=True, text=True
+            )
             os.chmod(tmp, 0o700)
 
         try:

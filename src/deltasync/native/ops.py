@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
+from deltasync.native.inputs import check_readable
+
+_INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def first_not_increasing(indices: torch.Tensor) -> int:
     """The first position ``k >= 1`` with ``indices[k] <= indices[k-1]``, or -1 (1-D int64)."""
+    check_readable("indices", indices, dtypes=_INT)
+    if indices.dim() != 1:
+        raise TensorInputError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
     n = indices.numel()
     if n < 2:
         return -1
@@ -41,11 +47,13 @@ def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = Fals
     already BF16. Unless ``trusted`` (the caller produced the indices itself, e.g. the detection
     kernel), the order and bounds are checked first, since the C gather does not bounds-check.
     The result lives on the CPU."""
+    check_readable("bf16_at values", values, dtypes=(torch.float32, torch.bfloat16))
+    check_readable("bf16_at indices", indices, dtypes=_INT)
     n = indices.numel()
     total = values.numel()
+    if indices.dim() != 1:
+        raise TensorInputError(f"bf16_at: indices must be 1-D, got shape {tuple(indices.shape)}")
     if not trusted and n:
-        if indices.dim() != 1:
-            raise ConfigError("bf16_at: indices must be 1-D")
         bad = first_not_increasing(indices)
         if bad >= 0:
             raise ConfigError(

@@ -6,6 +6,13 @@ On CPU it runs the compiled C kernel over 64-element-aligned chunks on a few thr
 releases the GIL); elsewhere (CUDA, or no C compiler) it runs the same operations, in the same
 order and in fp32, as torch expressions over bounded chunks with reused scratch buffers.
 
+Every entry point checks what it is handed first (:mod:`deltasync.native.inputs`): θ, m and v
+must be readable fp32 tensors of one shape on one device, the bitset a 1-D uint8 tensor large
+enough and not overlapping them. The C kernel runs only on kernel-ready (plain, contiguous,
+aligned CPU) tensors; strided, offset, transposed or expanded views and CUDA tensors take the
+torch path, which is bit-identical. DTensors, meta tensors and wrong dtypes raise
+:class:`~deltasync.errors.TensorInputError` naming the tensor: the kernels never see them.
+
 This module knows tensors and the kernel scalars; it knows nothing about optimizers or names.
 """
 
@@ -17,8 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deltasync.native.ops import bf16_at
+from deltasync.errors import TensorInputError
 from deltasync.native import loader as native
+from deltasync.native.inputs import check_bitset, check_readable, check_same_shape, overlaps
+from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import KernelScalars
 
 _CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small for balance
@@ -44,11 +53,48 @@ def bitset_bytes(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def detect_adamw_(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, bits: torch.Tensor,
-    *, threads: int | None = None, force_torch: bool = False,
+def check_state(
+    p: object,
+    m: object,
+    v: object,
+    *,
+    names: tuple[str, str, str] = ("param", "exp_avg", "exp_avg_sq"),
 ) -> None:
-    """OR the possibly-changed elements of one fp32 parameter into ``bits`` (uint8, LSB first)."""
+    """Raise :class:`TensorInputError` unless θ, m, v are readable fp32 tensors of one shape
+    on one device (what both detection paths need)."""
+    f32 = (torch.float32,)
+    pt = check_readable(names[0], p, dtypes=f32)
+    mt = check_readable(names[1], m, dtypes=f32)
+    vt = check_readable(names[2], v, dtypes=f32)
+    check_same_shape((names[0], pt), (names[1], mt), (names[2], vt))
+
+
+def detect_adamw_(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    bits: torch.Tensor,
+    *,
+    threads: int | None = None,
+    force_torch: bool = False,
+) -> None:
+    """OR the possibly-changed elements of one fp32 parameter into ``bits`` (uint8, LSB first).
+
+    Args:
+        p, m, v: the parameter and its two Adam states after the step (fp32, one shape).
+        k: the step's kernel scalars.
+        bits: 1-D uint8, at least ``ceil(p.numel() / 8)`` bytes, on ``p``'s device.
+        threads: C kernel threads (None: torch's intra-op thread count).
+        force_torch: take the torch path even where the C kernel could run.
+
+    Raises:
+        TensorInputError: an input the detection cannot read (named in the message).
+    """
+    check_state(p, m, v)
+    check_bitset("bits", bits, p.numel(), p.device)
+    if any(overlaps(bits, t) for t in (p, m, v)):
+        raise TensorInputError("bits overlaps the parameter or its states in memory")
     n = p.numel()
     if n == 0:
         return
@@ -63,9 +109,20 @@ def detect_adamw_(
         def run(start: int) -> int:
             cnt = min(_CHUNK, n - start)
             off = start * 4
-            return lib.ds_adamw_detect(pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps,
-                                       k.step_size, k.inv_c, k.rel_s, k.rel_u, k.abs_e,
-                                       bp + start // 8)
+            return lib.ds_adamw_detect(
+                pp + off,
+                mp + off,
+                vp + off,
+                cnt,
+                k.bc2s,
+                k.eps,
+                k.step_size,
+                k.inv_c,
+                k.rel_s,
+                k.rel_u,
+                k.abs_e,
+                bp + start // 8,
+            )
 
         starts = range(0, n, _CHUNK)  # _CHUNK is a multiple of 64: no two chunks share a byte
         t = threads or torch.get_num_threads()
@@ -75,7 +132,8 @@ def detect_adamw_(
         else:
             list(_executor(t).map(run, starts))
         return
-    _detect_torch(p.reshape(-1), m.reshape(-1), v.reshape(-1), k, bits)
+    with torch.no_grad():  # never build an autograd graph over a parameter
+        _detect_torch(p.reshape(-1), m.reshape(-1), v.reshape(-1), k, bits)
 
 
 def _f32(x: float, dev: torch.device) -> torch.Tensor:
@@ -88,11 +146,17 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 
 
-def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
-                  bits: torch.Tensor) -> None:
+def _detect_torch(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, bits: torch.Tensor
+) -> None:
     dev = p.device
     bc2s, eps, ss = _f32(k.bc2s, dev), _f32(k.eps, dev), _f32(k.step_size, dev)
-    inv_c, rs, ru, ae = _f32(k.inv_c, dev), _f32(k.rel_s, dev), _f32(k.rel_u, dev), _f32(k.abs_e, dev)
+    inv_c, rs, ru, ae = (
+        _f32(k.inv_c, dev),
+        _f32(k.rel_s, dev),
+        _f32(k.rel_u, dev),
+        _f32(k.abs_e, dev),
+    )
     n = p.numel()
     chunk = _CHUNK if dev.type == "cpu" else _DEVICE_CHUNK  # both multiples of 8: whole bytes
     for start in range(0, n, chunk):
@@ -105,7 +169,13 @@ def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelSc
         e = (s.abs() * rs + u.abs() * ru) * inv_c + ae
         lo, hi = r - e, r + e
         blo, bhi, bcur = _bf16_bits(lo), _bf16_bits(hi), _bf16_bits(pc)
-        flag = (blo != bhi) | (blo != bcur) | ~torch.isfinite(lo) | ~torch.isfinite(hi) | ~torch.isfinite(pc)
+        flag = (
+            (blo != bhi)
+            | (blo != bcur)
+            | ~torch.isfinite(lo)
+            | ~torch.isfinite(hi)
+            | ~torch.isfinite(pc)
+        )
         pad = (-flag.numel()) % 8
         if pad:
             flag = torch.cat([flag, flag.new_zeros(pad)])
@@ -118,7 +188,12 @@ def _detect_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelSc
 
 def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted int64 positions of the set bits among the first ``numel`` bits."""
+    if numel < 0:
+        raise TensorInputError(f"bits_to_indices: numel {numel} is negative")
+    check_bitset("bits", bits, numel)
     nbytes = bitset_bytes(numel)
+    if numel == 0:
+        return torch.empty(0, dtype=torch.int64)
     if native.usable(bits):
         lib = native.load()
         assert lib is not None
@@ -147,8 +222,14 @@ def _list_scratch() -> tuple[torch.Tensor, torch.Tensor]:
     return bufs
 
 
-def detect_adamw_indices(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
-                         *, threads: int | None = None) -> torch.Tensor:
+def detect_adamw_indices(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    *,
+    threads: int | None = None,
+) -> torch.Tensor:
     """Sorted int64 positions that may have changed in the last step, without a bitset.
 
     Used when one optimizer step makes one version (the common case): each chunk is detected
@@ -158,8 +239,14 @@ def detect_adamw_indices(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: K
     return _detect_chunked(p, m, v, k, threads=threads, values=False)[0]
 
 
-def detect_adamw_changes(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars,
-                         *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def detect_adamw_changes(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    *,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`detect_adamw_indices`, plus the current BF16 values at those positions.
 
     The C kernel writes each flagged position and its value as it finishes each 64-element
@@ -171,8 +258,16 @@ def detect_adamw_changes(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: K
     return idx, vals
 
 
-def _detect_chunked(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, *,
-                    threads: int | None, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _detect_chunked(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    *,
+    threads: int | None,
+    values: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_state(p, m, v)
     n = p.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
@@ -203,8 +298,20 @@ def _detect_chunked(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: Kernel
             buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
         nbytes = bitset_bytes(cnt)
         buf[:nbytes].zero_()
-        found = lib.ds_adamw_detect(pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps, k.step_size,
-                                    k.inv_c, k.rel_s, k.rel_u, k.abs_e, buf.data_ptr())
+        found = lib.ds_adamw_detect(
+            pp + off,
+            mp + off,
+            vp + off,
+            cnt,
+            k.bc2s,
+            k.eps,
+            k.step_size,
+            k.inv_c,
+            k.rel_s,
+            k.rel_u,
+            k.abs_e,
+            buf.data_ptr(),
+        )
         out = torch.empty(found, dtype=torch.int64)
         if found:
             lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
@@ -214,7 +321,9 @@ def _detect_chunked(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: Kernel
 
     starts = range(0, n, _CHUNK)
     t = threads or torch.get_num_threads()
-    parts = list(_executor(t).map(run, starts)) if t > 1 and n > _CHUNK else [run(s) for s in starts]
+    parts = (
+        list(_executor(t).map(run, starts)) if t > 1 and n > _CHUNK else [run(s) for s in starts]
+    )
     if len(parts) == 1:
         return parts[0]
     idx = torch.cat([a for a, _ in parts])

@@ -24,9 +24,10 @@ class Tracker(Protocol):
     """What a publisher consumes from a tracker.
 
     ``iter_changes()`` yields ``(name, indices, values)`` per changed parameter, in the order
-    the parameters were given: ``indices`` a sorted, unique, 1-D int64 CPU tensor of flat
+    the parameters were given: ``indices`` a sorted, unique, 1-D int64 tensor of flat
     positions into the locally held tensor (the whole parameter, or the rank's FSDP2 shard),
-    ``values`` the BF16 values at those positions (CPU, same length). Unchanged parameters are
+    ``values`` the BF16 values at those positions (CPU, same length; the indices live on
+    the parameter's device). Unchanged parameters are
     omitted. Every element whose BF16 bits changed is included; a few unchanged ones may be.
     ``clear()`` makes the current values the new baseline.
     """
