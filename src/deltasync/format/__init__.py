@@ -9,7 +9,7 @@ Data flow through this package::
     decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
 
-layout.py holds the byte layout (documented byte by byte in docs/wire-format.md and the README), records.py the
+layout.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
 in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
 
 The package knows nothing about storage, manifests, layouts of models or processes.
