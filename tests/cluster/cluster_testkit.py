@@ -28,7 +28,7 @@ from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender, Rol
 from deltasync.errors import DeltaSyncError, ExchangeError, PeerFailedError
 from deltasync.exchange import ExchangeConfig, init_from_env
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
-from deltasync.manifest import state_digest
+from deltasync.layout.digest import state_digest
 
 TINY = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

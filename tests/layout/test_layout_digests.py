@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from deltasync.layout import ModelSpec, ReceiverLayout
-from deltasync.layout.digests import shard_state_digests
-from deltasync.manifest import state_digest
+from deltasync.layout.digest import shard_state_digests, state_digest
 
 CONFIGS = {
     "qwen3_odd_vocab_kv_lt_tp": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2,

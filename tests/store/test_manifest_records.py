@@ -10,16 +10,14 @@ import xxhash
 
 from deltasync import names
 from deltasync.errors import ManifestError
+from deltasync.layout.digest import combine_digests, state_digest, tensor_digest
 from deltasync.manifest import (
     AckRecord,
     ReceiverRecord,
     WriterMarker,
     blob_digest,
-    combine_digests,
     decode_latest,
     encode_latest,
-    state_digest,
-    tensor_digest,
 )
 
 from store_manifest_samples import D1, D2, blob

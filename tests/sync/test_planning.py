@@ -10,8 +10,9 @@ from deltasync import names
 from deltasync.errors import BaseVersionMismatchError, BlobMismatchError, ConfigError, ManifestError
 from deltasync.format import TensorSpec, TensorUpdate
 from deltasync.layout import fsdp_dim0_rows
+from deltasync.layout.routing import shard_updates
 from deltasync.manifest import BlobEntry, Manifest, WriterMarker
-from deltasync.publish import PublisherConfig, plan_deletions, shard_updates
+from deltasync.publish import PublisherConfig, plan_deletions
 from deltasync.publish.commit import build_manifest
 from deltasync.receiver import check_chain, fold_chain, merge_writers
 
@@ -238,7 +239,8 @@ def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):
 
 @pytest.mark.parametrize("engine, tp", [("vllm", 2), ("hf", 1)])
 def test_digests_hashed_from_canonical_tensors_equal_digests_of_the_split_shards(engine, tp):
-    from deltasync.publish import full_shard_tensors, shard_digests, state_digests
+    from deltasync.layout.digest import shard_digests, state_digests
+    from deltasync.layout.routing import full_shard_tensors
 
     spec, tl, rl = layouts(engine=engine, tp=tp)
     tr = TinyTrainer(spec)

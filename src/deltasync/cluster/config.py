@@ -32,7 +32,7 @@ class ClusterConfig:
     digest_every: writer 0 sends each receiver shard's expected state digest with every K-th
         version and with every anchor; 0 = never. Computing it needs the full parameters (a
         transient BF16 copy of the model, ~3x its BF16 size at the peak, see
-        ``publish.updates.full_shard_tensors``), so it is off by default; a receiver always
+        ``layout.routing.full_shard_tensors``), so it is off by default; a receiver always
         checks a digest it is sent.
     max_decompressed_bytes: a receiver refuses a blob that declares a larger record section.
     encode_threads: how many of a version's per-shard blobs are encoded at once (1 = one

@@ -50,7 +50,7 @@ from deltasync.errors import AnchorRequiredError, IntegrityError, SyncAbortedErr
 from deltasync.exchange import exchange
 from deltasync.format import apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
-from deltasync.manifest import state_digest
+from deltasync.layout.digest import state_digest
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 

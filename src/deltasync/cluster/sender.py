@@ -5,7 +5,7 @@
 1. detection: the tracker's changed elements since its baseline (``iter_changed`` when the
    tracker streams, else ``changed``); every element for an anchor;
 2. routing: current BF16 values -> canonical -> every receiver shard
-   (``publish.updates.shard_updates``, the storage path's own planning);
+   (``layout.routing.shard_updates``, the storage path's own planning);
 3. encoding: one blob per receiver shard (the storage path's wire format and header: version,
    base version, shard, writer ``w{index:05d}``), framed in an envelope per destination, with
    the shards' expected state digests from writer 0 when configured;
@@ -45,13 +45,9 @@ from deltasync.errors import AnchorRequiredError, ConfigError, SyncAbortedError,
 from deltasync.exchange import exchange
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.manifest import state_digest
-from deltasync.publish.updates import (
-    every_element,
-    full_shard_tensors,
-    shard_updates,
-    tracker_changes,
-)
+from deltasync.layout.digest import state_digests
+from deltasync.layout.routing import every_element, shard_updates
+from deltasync.publish.updates import tracker_changes
 
 Params = Mapping[str, torch.Tensor]
 
@@ -191,14 +187,9 @@ class ClusterSender:
                 "writer 0 of several needs full_state (the full parameters, or a callable "
                 "gathering them) to send expected state digests; or set digest_every=0"
             )
-        shards = full_shard_tensors(
+        return state_digests(
             full, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
         )
-        out = {}
-        for shard, tensors in shards.items():
-            specs = self.receiver_layout.local_specs(shard)  # storage names, as receivers hash
-            out[shard] = state_digest({n: tensors[n] for n in specs})
-        return out
 
     # ------------------------------------------------------------------ the whole version
 

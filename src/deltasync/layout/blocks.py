@@ -216,3 +216,11 @@ def find_overlap(rects: list[tuple[int, int, int, int]]) -> tuple[int, int] | No
         if rects[i][1] and rects[i][3]:
             active.append(i)
     return None
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of ``t`` for bitwise comparison (float ``==`` conflates ±0 and NaNs)."""
+    return t.view(_INT_VIEW[t.element_size()])

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from deltasync.errors import LayoutError
-from deltasync.layout.blocks import numel
-from deltasync.layout.dense import bits
+from deltasync.layout.blocks import bits, numel
 from deltasync.layout.hf_rules import TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.table import LayoutTable

@@ -4,8 +4,7 @@ records, and the pure planning rules over versions (chain, retention, anchors).
 Nothing in this package does I/O; callers move the bytes through a :mod:`deltasync.store`.
 """
 
-from deltasync.manifest.digest import blob_digest, combine_digests, state_digest, tensor_digest
-from deltasync.manifest.model import KINDS, BlobEntry, Manifest, ManifestLimits
+from deltasync.manifest.model import KINDS, BlobEntry, Manifest, ManifestLimits, blob_digest
 from deltasync.manifest.planning import VersionInfo, plan_chain, plan_retention, should_anchor
 from deltasync.manifest.records import (
     AckRecord,
@@ -27,7 +26,6 @@ __all__ = [
     "WriterMarker",
     "blob_digest",
     "check_signature",
-    "combine_digests",
     "decode_latest",
     "encode_latest",
     "plan_chain",
@@ -35,7 +33,5 @@ __all__ = [
     "should_anchor",
     "sign",
     "signing_bytes",
-    "state_digest",
-    "tensor_digest",
     "verify",
 ]

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import xxhash
+
 from deltasync import names
 from deltasync.errors import ConfigError, ManifestError
 from deltasync.manifest.canonical import (
@@ -37,6 +39,11 @@ from deltasync.manifest.planning import VersionInfo
 KINDS = ("delta", "anchor")
 MAX_FORMAT_VERSION = 2**16 - 1
 _MAX_VERSION = 10**8 - 1
+
+
+def blob_digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex xxh3-128 of a blob's bytes, as listed in the manifest."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 @dataclass(frozen=True, kw_only=True)

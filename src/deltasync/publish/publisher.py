@@ -47,6 +47,13 @@ from deltasync.errors import (
 )
 from deltasync.format import full_updates
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.digest import shard_digests, state_digests
+from deltasync.layout.routing import (
+    ShardTensors,
+    every_element_stream,
+    full_shard_tensors,
+    shard_updates,
+)
 from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, should_anchor
 from deltasync.manifest.records import ReceiverRecord
 from deltasync.publish import acks as acks_mod
@@ -57,15 +64,7 @@ from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.report import PublishReport
 from deltasync.publish.retention import GcPlan, plan_deletions
 from deltasync.publish.streams import ShardStreams
-from deltasync.publish.updates import (
-    ShardTensors,
-    change_source,
-    every_element_stream,
-    full_shard_tensors,
-    shard_digests,
-    shard_updates,
-    state_digests,
-)
+from deltasync.publish.updates import change_source
 from deltasync.receiver.catalog import Catalog
 from deltasync.store import Store
 

@@ -44,7 +44,8 @@ from deltasync.errors import (
 )
 from deltasync.format import TensorSpec, apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
-from deltasync.manifest import AckRecord, Manifest, ReceiverRecord, state_digest
+from deltasync.layout.digest import state_digest
+from deltasync.manifest import AckRecord, Manifest, ReceiverRecord
 from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir

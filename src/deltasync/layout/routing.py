@@ -1,0 +1,208 @@
+"""Routing: trainer coordinates -> canonical coordinates -> every receiver shard that holds them.
+
+Pure tensor planning (no I/O, no store, no process group; the storage publisher and the
+in-cluster sender both call it)::
+
+    (param, sorted local flat indices, BF16 values)   one tracker change, or every element
+      -> TrainerLayout: param (or its FSDP dim-0 shard) coords -> canonical coords
+      -> ReceiverLayout.route_changes: canonical -> every shard holding the element, merged per
+         local tensor (q/k/v land in one sorted qkv_proj update)
+      -> {shard: [TensorUpdate, ...]} in the shard's local tensor order
+
+Values are absolute BF16 values (round to nearest even from an fp32 master, exactly what the
+trainer's own BF16 copy holds; never a difference). For anchors, :func:`full_shard_tensors`
+builds every shard's complete BF16 state from the FULL parameters (never from a delta), so an
+anchor cannot inherit a detection miss; its cost is a transient BF16 copy of the model, which
+this module deliberately does not hide.
+
+This module knows layouts and TensorUpdate; it knows nothing about trackers, blobs, keys or
+stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from deltasync.errors import ConfigError, LayoutError
+from deltasync.format import TensorUpdate
+from deltasync.layout.receiver import ReceiverLayout
+from deltasync.layout.trainer import TrainerLayout
+from deltasync.native.ops import bf16_at
+
+ShardUpdates = dict[str, list[TensorUpdate]]
+Change = tuple[str, torch.Tensor, torch.Tensor | None]  # (param, sorted indices, bf16 values)
+ShardTensors = dict[str, dict[str, torch.Tensor]]
+
+# Sources whose cast to BF16 is the trainer's own (documented) rounding, or exact.
+_SOURCE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_param(name: str, p: torch.Tensor) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor):
+        raise ConfigError(f"param {name!r} is a {type(p).__name__}, not a tensor")
+    if p.dtype not in _SOURCE_DTYPES:
+        raise ConfigError(
+            f"param {name!r} is {p.dtype}; deltasync sends BF16 cast from an fp32 master or BF16 "
+            "params (a cast from another dtype would not be what the trainer's BF16 copy holds)"
+        )
+    return p.detach()
+
+
+def gather_bf16(name: str, param: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """BF16 values of ``param`` at sorted flat row-major ``indices`` (RNE cast from fp32)."""
+    p = check_param(name, param)
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+        raise ConfigError(f"changed[{name!r}] must be a 1-D tensor of flat indices")
+    idx = indices.to(device=p.device, dtype=torch.int64)
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= p.numel()):
+        raise ConfigError(
+            f"changed[{name!r}] spans [{int(idx[0])}, {int(idx[-1])}] outside the param's "
+            f"{p.numel()} elements (are the indices local to this rank's shard?)"
+        )
+    try:
+        return bf16_at(p, idx)
+    except ConfigError as e:
+        raise ConfigError(f"changed[{name!r}]: {e}") from None
+
+
+def _given_values(name: str, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Values the caller captured with the indices (a tracker's ``changed_values()``)."""
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.bfloat16:
+        raise ConfigError(
+            f"values[{name!r}] must be a BF16 tensor (the current params' BF16 values at the "
+            f"changed indices), got {getattr(values, 'dtype', type(values).__name__)}"
+        )
+    if values.shape != indices.shape:
+        raise ConfigError(
+            f"values[{name!r}] holds {values.numel()} values for {indices.numel()} changed "
+            "indices; pass the pair from one changed_values() call"
+        )
+    return values.cpu()
+
+
+def canonical_changes(
+    changed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    rank: int = 0,
+    world_size: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{canonical name: (sorted int64 indices, bf16 values)}`` of every changed element.
+
+    ``params`` and the indices in ``changed`` are this rank's (FSDP dim-0 shard of the) trainer
+    parameters; ``rank``/``world_size`` place the shard in the full tensor. ``values``, when
+    given, are the params' current BF16 values at those indices (captured by the detection
+    pass); otherwise they are gathered from ``params`` here."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, indices in changed.items():
+        if name not in params:
+            raise ConfigError(
+                f"the tracker reports changes in {name!r}, which is not in params; pass the same "
+                "named parameters the tracker watches"
+            )
+        if indices.numel() == 0:
+            continue
+        idx = indices.to(torch.int64).cpu()
+        if values is not None and name in values:
+            check_param(name, params[name])
+            vals = _given_values(name, idx, values[name])
+        else:
+            vals = gather_bf16(name, params[name], idx)
+        routed = trainer_layout.route_values(name, idx, vals, rank=rank, world_size=world_size)
+        for canon, pair in routed.items():
+            if canon in out:  # the trainer table is a bijection; two params never share one
+                raise LayoutError(f"canonical tensor {canon!r} is reached from two params")
+            out[canon] = pair
+    return out
+
+
+def route_to_shards(
+    changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, receiver_layout: ReceiverLayout
+) -> ShardUpdates:
+    """Canonical changes -> one list of sparse updates per receiver shard (empty if none), in
+    each shard's own tensor order (deterministic bytes). Costs what was routed, not the size of
+    the layout: a streaming publisher calls it once per parameter group."""
+    routed = receiver_layout.route_changes(changes) if changes else {}
+    dtype = receiver_layout.spec.dtype
+    out: ShardUpdates = {}
+    for info in receiver_layout.shards():
+        mine = routed.get(info.id)
+        if not mine:
+            out[info.id] = []
+            continue
+        shapes = receiver_layout.table.dst_shapes[info.id]
+        locals_ = sorted(mine, key=lambda n, s=info.id: receiver_layout.local_position(s, n))
+        out[info.id] = [
+            TensorUpdate(
+                name=local,
+                shape=shapes[local],
+                dtype=dtype,
+                indices=mine[local][0],
+                values=mine[local][1],
+            )  # fmt: skip
+            for local in locals_
+            if mine[local][0].numel()
+        ]
+    return out
+
+
+def shard_updates(
+    changed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    rank: int = 0,
+    world_size: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
+) -> ShardUpdates:
+    """Tracker output -> ``{shard: [TensorUpdate]}`` with current BF16 values (``values``:
+    see :func:`canonical_changes`)."""
+    changes = canonical_changes(
+        changed,
+        params,
+        trainer_layout=trainer_layout,
+        rank=rank,
+        world_size=world_size,
+        values=values,
+    )
+    return route_to_shards(changes, receiver_layout=receiver_layout)
+
+
+def every_element_stream(params: Mapping[str, torch.Tensor]) -> Iterator[Change]:
+    """A change stream naming every element of every param (a writer's part of an anchor), one
+    param at a time, so the index tensors never exist all at once."""
+    for n, p in params.items():
+        yield n, torch.arange(p.numel(), dtype=torch.int64), None
+
+
+def every_element(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`every_element_stream` as a ``changed`` dict."""
+    return {n: idx for n, idx, _ in every_element_stream(params)}
+
+
+def canonical_bf16(
+    params: Mapping[str, torch.Tensor], *, trainer_layout: TrainerLayout
+) -> dict[str, torch.Tensor]:
+    """The FULL trainer params (all names, full shapes) as canonical BF16 tensors."""
+    bf16 = {n: check_param(n, p).to(torch.bfloat16).cpu() for n, p in params.items()}
+    return trainer_layout.to_canonical(bf16)
+
+
+def full_shard_tensors(
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+) -> ShardTensors:
+    """Every receiver shard's complete BF16 state from the FULL trainer params (all names,
+    full shapes): what a dense refit writes, vLLM vocabulary padding zero."""
+    return receiver_layout.split(canonical_bf16(params, trainer_layout=trainer_layout))
+
+
+def count_elements(updates: list[TensorUpdate]) -> int:
+    return sum(u.nnz for u in updates)
