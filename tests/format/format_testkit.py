@@ -13,7 +13,7 @@ import xxhash
 import zstandard
 
 from deltasync.format import TensorUpdate
-from deltasync.format.layout import (
+from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,
     FLAG_ZSTD,

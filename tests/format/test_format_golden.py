@@ -14,7 +14,7 @@ import torch
 import zstandard
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
-from deltasync.format.layout import HEADER, SEGMENT, TRAILER
+from deltasync.format.wire import HEADER, SEGMENT, TRAILER
 
 from format_testkit import same_update
 

@@ -28,7 +28,7 @@ from deltasync.format import (
     decode_blob,
     encode_blob,
 )
-from deltasync.format.layout import DIGEST_SIZE, FORMAT_VERSION, HEADER, SEGMENT, TRAILER
+from deltasync.format.wire import DIGEST_SIZE, FORMAT_VERSION, HEADER, SEGMENT, TRAILER
 
 from format_testkit import all_same, clone_all, craft, patch_header, record, reseal
 

@@ -13,7 +13,7 @@ from deltasync.format import (
     decode_blob,
     encode_blob,
 )
-from deltasync.format.layout import HEADER, RECORD, SEGMENT
+from deltasync.format.wire import HEADER, RECORD, SEGMENT
 
 from format_testkit import same_bits, same_update
 

@@ -8,13 +8,13 @@ import torch
 
 from deltasync import names
 from deltasync.errors import BaseVersionMismatchError, BlobMismatchError, ConfigError, ManifestError
-from deltasync.format import TensorSpec, TensorUpdate
+from deltasync.format import TensorSpec, TensorUpdate, fold_chain, merge_writers
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.layout.routing import shard_updates
 from deltasync.manifest import BlobEntry, Manifest, WriterMarker
 from deltasync.publish import PublisherConfig, plan_deletions
 from deltasync.publish.commit import build_manifest
-from deltasync.receiver import check_chain, fold_chain, merge_writers
+from deltasync.receiver import check_chain
 
 from sync_kit import TinyTrainer, expected_shards, layouts
 

@@ -16,7 +16,7 @@ import torch
 
 from deltasync import names
 from deltasync.errors import ConfigError
-from deltasync.format.layout import HEADER, SEGMENT
+from deltasync.format.wire import HEADER, SEGMENT
 from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync, tracker_stream
 from deltasync.publish.groups import param_groups

@@ -8,7 +8,7 @@ For the payloads one receiver got in a version (``{source rank: envelope}``):
    shard's tensor specs); all blobs bring the same version on the same base and are for this
    shard, and the receiver's journal accepts that base (a wrong base is refused here);
 4. exactly one blob per writer of the plan (writer ids as on the storage path);
-5. the writers' updates are merged per tensor (``receiver.staging.merge_writers``: disjoint or
+5. the writers' updates are merged per tensor (``format.merge_writers``: disjoint or
    refused) and folded as the storage path folds one step (``fold_chain``: an anchor defines the
    whole state, elements it does not list are zero).
 
@@ -27,8 +27,7 @@ from deltasync.cluster.envelope import flatten
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.roles import RolePlan
 from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
-from deltasync.format import TensorSpec, TensorUpdate, decode_blob
-from deltasync.receiver.staging import fold_chain, merge_writers
+from deltasync.format import TensorSpec, TensorUpdate, decode_blob, fold_chain, merge_writers
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,9 +7,10 @@ Data flow through this package::
                 BlobWriter streams a blob segment by segment, encode_blob is one segment
     encode_many.py  {shard: TensorUpdates} -> blobs, on a few threads
     decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
+    merge.py    several writers' / versions' TensorUpdates -> one per tensor
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
 
-layout.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
+wire.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
 in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
 
 The package knows nothing about storage, manifests, layouts of models or processes.
@@ -21,7 +22,7 @@ from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob
 from deltasync.format.encode_many import encode_blobs
-from deltasync.format.layout import FORMAT_VERSION
+from deltasync.format.merge import fold_chain, merge_writers
 from deltasync.format.records import (
     BlobHeader,
     DecodedBlob,
@@ -29,6 +30,7 @@ from deltasync.format.records import (
     TensorUpdate,
     check_tensors_match,
 )
+from deltasync.format.wire import FORMAT_VERSION
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,6 +47,8 @@ __all__ = [
     "decode_blob",
     "encode_blob",
     "encode_blobs",
+    "fold_chain",
     "full_updates",
+    "merge_writers",
     "sparse_update",
 ]

@@ -34,7 +34,9 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import section
-from deltasync.format.layout import (
+from deltasync.format.reader import parse_records
+from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec
+from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,
     FLAG_ZSTD,
@@ -49,8 +51,6 @@ from deltasync.format.layout import (
     TRAILER,
     blob_size,
 )
-from deltasync.format.reader import parse_records
-from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")  # same rule as names.check_token
 _REFETCH = "fetch it again"

@@ -32,7 +32,8 @@ import xxhash
 
 from deltasync.errors import InvalidUpdateError, ManifestError
 from deltasync.format import planes, section
-from deltasync.format.layout import (
+from deltasync.format.records import BITS_DTYPES, DTYPE_CODES, TensorUpdate
+from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,
     END_MAGIC,
@@ -47,7 +48,6 @@ from deltasync.format.layout import (
     TRAILER,
     shape_struct,
 )
-from deltasync.format.records import BITS_DTYPES, DTYPE_CODES, TensorUpdate
 from deltasync.names import check_token
 
 

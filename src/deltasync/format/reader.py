@@ -19,7 +19,10 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
-from deltasync.format.layout import (
+from deltasync.format.planes import read_gaps_as_indices, read_planes_into, sum_gaps
+from deltasync.format.records import BITS_DTYPES, CODE_DTYPES, TensorSpec, TensorUpdate
+from deltasync.format.section import SectionReader
+from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,
     GAP_WIDTHS,
@@ -28,9 +31,6 @@ from deltasync.format.layout import (
     RECORD,
     shape_struct,
 )
-from deltasync.format.planes import read_gaps_as_indices, read_planes_into, sum_gaps
-from deltasync.format.records import BITS_DTYPES, CODE_DTYPES, TensorSpec, TensorUpdate
-from deltasync.format.section import SectionReader
 
 _MALFORMED = (
     "the blob is malformed although its digest matched, so its writer produced it this way: "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deltasync.errors import ConfigError, InvalidUpdateError
-from deltasync.format.layout import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
+from deltasync.format.wire import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
 
 # Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact
 # inverse; values are always moved as integer bit patterns so -0.0 and NaN payloads survive.

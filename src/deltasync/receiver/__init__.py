@@ -13,7 +13,7 @@ from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDi
 from deltasync.receiver.mapped import mapped_shard_tensors
 from deltasync.receiver.receiver import Receiver
 from deltasync.receiver.report import PullReport
-from deltasync.receiver.staging import check_chain, fetch_version, fold_chain, merge_writers
+from deltasync.receiver.staging import check_chain, fetch_version
 
 __all__ = [
     "Catalog",
@@ -28,7 +28,5 @@ __all__ = [
     "StateDir",
     "check_chain",
     "fetch_version",
-    "fold_chain",
     "mapped_shard_tensors",
-    "merge_writers",
 ]

@@ -42,7 +42,7 @@ from deltasync.errors import (
     ManifestError,
     VersionError,
 )
-from deltasync.format import TensorSpec, apply_updates, check_tensors_match
+from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.manifest import AckRecord, Manifest, ReceiverRecord
@@ -50,7 +50,7 @@ from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.report import PullReport
-from deltasync.receiver.staging import check_chain, fetch_version, fold_chain
+from deltasync.receiver.staging import check_chain, fetch_version
 from deltasync.store import Store
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
