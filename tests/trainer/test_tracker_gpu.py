@@ -37,7 +37,9 @@ def _bf16_int(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.bfloat16).view(torch.int16).to("cpu", copy=True)
 
 
-def _truth(before: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _truth(
+    before: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in params.items():
         idx = torch.nonzero(before[name] != _bf16_int(p)).reshape(-1)
@@ -46,7 +48,9 @@ def _truth(before: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> 
     return out
 
 
-def _on_cpu(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _on_cpu(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {n: (i.cpu(), v.cpu()) for n, (i, v) in pairs.items()}
 
 
@@ -56,7 +60,9 @@ def _check_against_truth(pairs, changed, truth, params, names=None) -> tuple[int
     assert set(pairs) == set(changed)
     missed = extra = true = 0
     for name in set(pairs) | set(truth):
-        idx, vals = pairs.get(name, (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)))
+        idx, vals = pairs.get(
+            name, (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16))
+        )
         if name in pairs:
             assert idx.dtype == torch.int64 and idx.dim() == 1 and idx.numel() > 0
             assert bool((idx[1:] > idx[:-1]).all()), f"{name}: indices not strictly increasing"
@@ -131,8 +137,12 @@ def test_cuda_tracker_never_misses_and_matches_the_cpu_tracker(impl, lr, wd):
         truth = _truth(before, params)
         # the adversarial p3 (subnormals: a wide absolute guard band) is left out of the
         # looseness count, as in the CPU tests; a miss anywhere still fails
-        missed, extra, true = _check_against_truth(pairs, changed, truth, params, names={"p0", "p1", "p2"})
-        assert missed == 0, f"{impl} lr={lr} wd={wd} version {v}: {missed} of {true} changed elements missed"
+        missed, extra, true = _check_against_truth(
+            pairs, changed, truth, params, names={"p0", "p1", "p2"}
+        )
+        assert missed == 0, (
+            f"{impl} lr={lr} wd={wd} version {v}: {missed} of {true} changed elements missed"
+        )
         assert true > 0
         assert extra <= 0.05 * true + 20, f"too loose: {extra} extra for {true} true"
 
@@ -161,7 +171,7 @@ def test_cuda_fallbacks_capturable_and_bf16_params_are_exact():
     opt = torch.optim.AdamW([p32, p16], lr=1e-4, weight_decay=0.01)
     named_cap, named = [("cap", p_cap)], [("fp32", p32), ("bf16", p16)]
     t_cap, t = AdamWTracker(cap, named_cap), AdamWTracker(opt, named)
-    assert "capturable" in t_cap.fallback["cap"] and set(t.fallback) == {"bf16"}
+    assert "capturable" in t_cap.fallback["cap"].reason and set(t.fallback) == {"bf16"}
     for _ in range(2):
         params = dict(named_cap + named)
         before = {n: _bf16_int(p) for n, p in params.items()}
@@ -199,7 +209,9 @@ def test_cuda_snapshot_tracker_is_exact_and_keeps_its_snapshot_on_the_device():
         assert changed.keys() == truth.keys()
         for name in truth:
             assert torch.equal(changed[name], truth[name])
-        missed, extra, _ = _check_against_truth(_on_cpu(snap.changed_values()), changed, truth, dict(named))
+        missed, extra, _ = _check_against_truth(
+            _on_cpu(snap.changed_values()), changed, truth, dict(named)
+        )
         assert missed == 0 and extra == 0
         snap.clear()
         assert snap.changed() == {}

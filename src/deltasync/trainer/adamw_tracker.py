@@ -8,19 +8,34 @@ error bound of ``adamw_bound.py`` and ORs the possibly-changed elements into a 1
 bitset, so several steps per published version are covered. A parameter whose step count did
 not advance (no gradient, a step skipped by ``GradScaler``) did not change.
 
+FSDP2 (``fully_shard``) parameters and their optimizer states are DTensors: detection runs on
+this rank's local shards, and indices are positions in the local shard (``shards`` says where
+each sits in the full parameter; see ``params.py``).
+
+Edits outside the optimizer: every parameter's version counter is recorded right after each
+step and at ``clear()``, and compared before the next step and at detection; a parameter whose
+counter moved is reported changed in full for that version (``out_of_band`` names it, and a
+warning says so). Writes through ``.data`` bypass the counter: call ``mark_changed(name)``.
+
 Parameters the bound does not cover go through an exact bitwise snapshot
-(:class:`SnapshotTracker`); ``fallback`` says which and why. Memory: 1 bit per covered element
-plus 2 bytes per fallback element.
+(:class:`SnapshotTracker`); ``fallback`` says which, why, and the bytes held, and construction
+logs it (``strict=True`` raises :class:`~deltasync.errors.UnsupportedOptimizerError`
+instead). Frozen parameters outside the optimizer are constants: no snapshot, only the
+version check. Memory: 1 bit per covered element when several steps make one version, plus
+2 bytes per fallback element.
 
 This module knows optimizers, hooks and bitsets; it knows nothing about layouts or transport.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
+from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
@@ -30,7 +45,22 @@ from deltasync.trainer.detect import (
     detect_adamw_changes,
     detect_adamw_indices,
 )
-from deltasync.trainer.snapshot_tracker import SnapshotTracker, named_unique
+from deltasync.trainer.params import Version, Watched, local_of, watch
+from deltasync.trainer.protocol import LocalShard
+from deltasync.trainer.snapshot_tracker import SnapshotTracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why a parameter takes the exact snapshot path, and the bytes its snapshot holds."""
+
+    reason: str
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.reason} ({self.bytes} bytes held)"
 
 
 def _step_count(state: dict) -> float | None:
@@ -59,22 +89,23 @@ def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(group["eps"]),
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
         decoupled=bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))),
         step=step,
-    )
+    )  # fmt: skip
+
+
+Change = tuple[str, torch.Tensor, torch.Tensor | None]
 
 
 class AdamWTracker:
     """Which BF16 elements changed since the last ``clear()``, without a snapshot.
 
     ``changed()`` maps a parameter name to a sorted, unique, 1-D int64 tensor of row-major flat
-    indices containing every element whose BF16 bits differ from those at the last ``clear()``
-    (or construction), possibly with a few extra elements. Unchanged params are omitted.
+    indices (into the local shard, for an FSDP2 parameter) containing every element whose BF16
+    bits differ from those at the last ``clear()`` (or construction), possibly with a few
+    extra elements. Unchanged params are omitted.
     """
 
     def __init__(
@@ -83,22 +114,42 @@ class AdamWTracker:
         named_params: Iterable[tuple[str, torch.Tensor]],
         *,
         threads: int | None = None,
+        strict: bool = False,
+        track_frozen: bool = False,
     ) -> None:
+        """Args:
+            optimizer: the optimizer stepping (some of) the parameters.
+            named_params: ``model.named_parameters()``: plain tensors or FSDP2 DTensors.
+            threads: C kernel threads for detection (None: torch's intra-op thread count).
+            strict: raise :class:`UnsupportedOptimizerError` instead of falling back to a
+                snapshot for any parameter the bound does not cover.
+            track_frozen: snapshot frozen parameters (``requires_grad=False``, in no param
+                group) too; by default they are constants whose in-place edits the version
+                check catches.
+
+        Raises:
+            UnsupportedOptimizerError: with ``strict=True``, naming each uncovered parameter.
+            ConfigError: a bad ``named_params`` entry or an unsupported DTensor placement.
+        """
         self._opt = optimizer
         self._threads = threads
-        params = named_unique(named_params)
-        self._order = list(params)
-        self._params = params
+        self._watched: dict[str, Watched] = watch(named_params)
+        self._order = list(self._watched)
         group_of: dict[int, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 group_of[id(p)] = gi
-        self.fallback: dict[str, str] = {}
+        reasons: dict[str, str] = {}
         self._covered: dict[str, tuple[torch.Tensor, int]] = {}
-        for name, p in params.items():
+        constant: list[str] = []
+        for name, w in self._watched.items():
+            p = w.param
             gi = group_of.get(id(p))
             reason = None
             if gi is None:
+                if not p.requires_grad and not track_frozen:
+                    constant.append(name)
+                    continue
                 reason = "not in the optimizer (may be changed outside it)"
             elif p.dtype != torch.float32:
                 reason = f"dtype {p.dtype} is not float32"
@@ -107,8 +158,33 @@ class AdamWTracker:
             if reason is None:
                 self._covered[name] = (p, gi)
             else:
-                self.fallback[name] = reason
-        self._snapshot = SnapshotTracker((n, params[n]) for n in self._order if n in self.fallback)
+                reasons[name] = reason
+        if strict and reasons:
+            listed = "; ".join(f"{n}: {r}" for n, r in list(reasons.items())[:5])
+            raise UnsupportedOptimizerError(
+                f"{len(reasons)} parameter(s) are outside the AdamW bound ({listed}); use "
+                "torch.optim.AdamW/Adam with fp32 parameters, capturable=False, eps > 0, or "
+                "pass strict=False to snapshot them (2 bytes per element)"
+            )
+        self.constant: tuple[str, ...] = tuple(constant)
+        self._snapshot = SnapshotTracker({n: self._watched[n] for n in self._order if n in reasons})
+        self.fallback: dict[str, Fallback] = {
+            n: Fallback(r, self._watched[n].local_bytes()) for n, r in reasons.items()
+        }
+        if self.fallback:
+            total = sum(f.bytes for f in self.fallback.values())
+            log.warning(
+                "AdamWTracker: %d parameter(s) take the exact snapshot path, holding %d bytes "
+                "(+100%% of their BF16 size): %s",
+                len(self.fallback), total,
+                "; ".join(f"{n}: {f.reason}" for n, f in list(self.fallback.items())[:8]),
+            )  # fmt: skip
+        if self.constant:
+            log.info(
+                "AdamWTracker: %d frozen parameter(s) outside the optimizer are constants "
+                "(no snapshot; in-place edits are caught by their version counters)",
+                len(self.constant),
+            )
         # Bitsets are allocated only for params that take a second step before changed()/clear()
         # (several steps per version). With one step per version detection runs straight into
         # indices and the tracker holds no per-element memory between versions.
@@ -116,19 +192,76 @@ class AdamWTracker:
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._pre_step),
-            optimizer.register_step_post_hook(self._post_step),
-        ]
+        self._versions: dict[str, Version] = {}
+        self._oob: dict[str, str] = {}  # changed outside the optimizer since clear(): why
+        self._record_versions()
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
+                       optimizer.register_step_post_hook(self._post_step)]  # fmt: skip
 
-    # -- hooks ---------------------------------------------------------------------------------
+    # -- where things are --------------------------------------------------------------------
+
+    @property
+    def shards(self) -> dict[str, LocalShard]:
+        """Per param, where this process's local tensor sits in the full parameter."""
+        return {n: w.shard for n, w in self._watched.items()}
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """Per param, the plain tensor the indices refer to (a DTensor's local shard)."""
+        return {n: w.local() for n, w in self._watched.items()}
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def _record_versions(self) -> None:
+        for name, w in self._watched.items():
+            self._versions[name] = w.version()
+
+    def _check_versions(self) -> None:
+        """Flag every parameter whose in-place write counter moved since it was recorded."""
+        for name, w in self._watched.items():
+            if name in self.fallback:
+                continue  # the snapshot compares bits: exact whatever wrote them
+            now = w.version()
+            before = self._versions[name]
+            if now != before:
+                self._versions[name] = now
+                if name not in self._oob:
+                    self._flag(name, f"modified outside the optimizer (version {before} -> {now})")
+
+    def _flag(self, name: str, why: str) -> None:
+        self._oob[name] = why
+        log.warning(
+            "parameter %r was %s: all %d local elements are reported changed for this version",
+            name, why, self._watched[name].shard.local_numel,
+        )  # fmt: skip
+
+    @property
+    def out_of_band(self) -> tuple[str, ...]:
+        """Parameters changed outside the optimizer since the last ``clear()`` (reported in
+        full), in ``named_params`` order."""
+        self._check_versions()
+        return tuple(n for n in self._order if n in self._oob)
+
+    def mark_changed(self, *names: str) -> None:
+        """Report these parameters changed in full for this version: the remedy for writes the
+        version counter cannot see (through ``.data``, or by code holding another alias)."""
+        for name in names:
+            if name not in self._watched:
+                raise KeyError(f"{name!r} is not a tracked parameter")
+            if name not in self._oob and name not in self.fallback:
+                self._flag(name, "marked changed by the caller")
+
+    # -- hooks -------------------------------------------------------------------------------
 
     def _pre_step(self, opt, args, kwargs) -> None:
+        # Edits since the last step or clear() must be seen before this step moves the
+        # counters again (a param edited, then stepped).
+        self._check_versions()
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
 
     def _post_step(self, opt, args, kwargs) -> None:
+        self._record_versions()  # the step's own writes are not out of band
         group_hyper: dict[int, tuple[dict, str | None]] = {}
         for name, (p, gi) in self._covered.items():
             state = opt.state.get(p, {})
@@ -141,84 +274,91 @@ class AdamWTracker:
             group, bad = group_hyper[gi]
             v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
             m, v = state.get("exp_avg"), state.get(v_key)
+            shape = tuple(local_of(p).shape)
             ok = (
-                bad is None
-                and m is not None
-                and v is not None
-                and m.dtype == torch.float32
-                and v.dtype == torch.float32
-                and m.shape == p.shape
-                and v.shape == p.shape
+                bad is None and m is not None and v is not None
+                and m.dtype == torch.float32 and v.dtype == torch.float32
+                and tuple(local_of(m).shape) == shape and tuple(local_of(v).shape) == shape
                 and after == int(after)
-            )
+            )  # fmt: skip
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
             self._pending.append((name, _hyper(opt, group, int(after)) if ok else None, v_key))
 
-    # -- detection -----------------------------------------------------------------------------
+    # -- detection ---------------------------------------------------------------------------
+
+    def _state(self, name: str, v_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p, _ = self._covered[name]
+        state = self._opt.state[p]
+        return local_of(p), local_of(state["exp_avg"]), local_of(state[v_key])
 
     def _fold(self, name: str, hyper: StepHyper | None, v_key: str) -> None:
         """OR one pending step's mask into the param's bitset (allocating it if needed)."""
-        p, _ = self._covered[name]
+        local = self._watched[name].local()
         bits = self._bits.get(name)
         if bits is None:
-            bits = self._bits[name] = torch.zeros(
-                bitset_bytes(p.numel()), dtype=torch.uint8, device=p.device
-            )
+            bits = torch.zeros(bitset_bytes(local.numel()), dtype=torch.uint8, device=local.device)
+            self._bits[name] = bits
         if hyper is None:
             bits.fill_(0xFF)
             return
-        state = self._opt.state[p]
-        detect_adamw_(
-            p.detach(),
-            state["exp_avg"],
-            state[v_key],
-            kernel_scalars(hyper),
-            bits,
-            threads=self._threads,
-        )
+        p, m, v = self._state(name, v_key)
+        detect_adamw_(p, m, v, kernel_scalars(hyper), bits, threads=self._threads)
 
     def _finalize(self) -> None:
         for entry in self._pending:
             self._fold(*entry)
         self._pending.clear()
 
-    def _detect(
-        self, name: str, pending: tuple[str, StepHyper | None, str] | None, values: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        p, _ = self._covered[name]
+    def _everything(self, name: str, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        local = self._watched[name].local()
+        idx = torch.arange(local.numel(), dtype=torch.int64, device=local.device)
+        return idx, (local.reshape(-1).to(torch.bfloat16).cpu() if values else None)
+
+    def _detect(self, name: str, pending: tuple[str, StepHyper | None, str] | None,
+                values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         if name in self._bits:
             if pending is not None:
                 self._fold(*pending)
-            idx = bits_to_indices(self._bits[name], p.numel())
-            return idx, (bf16_at(p.detach(), idx, trusted=True) if values else None)
+            local = self._watched[name].local()
+            idx = bits_to_indices(self._bits[name], local.numel())
+            return idx, (bf16_at(local, idx, trusted=True) if values else None)
         if pending is None:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
         _, hyper, v_key = pending
         if hyper is None:
-            idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device)
-            return idx, (p.detach().reshape(-1).to(torch.bfloat16).cpu() if values else None)
-        state = self._opt.state[p]
-        args = (p.detach(), state["exp_avg"], state[v_key], kernel_scalars(hyper))
+            return self._everything(name, values)
+        args = (*self._state(name, v_key), kernel_scalars(hyper))
         if values:
             return detect_adamw_changes(*args, threads=self._threads)
         return detect_adamw_indices(*args, threads=self._threads), None
 
-    def _iter(self, values: bool) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    def _iter(self, values: bool) -> Iterator[Change]:
+        self._check_versions()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.
         self._pending = [e for e in self._pending if e[0] not in self._bits]
-        snap = self._snapshot.changed() if self.fallback else {}
+        snap = {n: (i, v) for n, i, v in self._snapshot.iter_changes()} if self.fallback else {}
         for name in self._order:
-            if name in self._covered:
+            vals: torch.Tensor | None
+            if name in self._oob:
+                idx, vals = self._everything(name, values)
+            elif name in self._covered:
                 idx, vals = self._detect(name, pending.get(name), values)
+            elif name in snap:
+                idx, vals = snap[name]
             else:
-                idx = snap.get(name)
-                vals = None
-                if idx is not None and values:
-                    vals = bf16_at(self._params[name].detach(), idx, trusted=True)
-            if idx is not None and idx.numel():
+                continue  # a constant, unedited
+            if idx.numel():
                 yield name, idx, vals
+
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
+        changed param, in ``named_params`` order, detected lazily one param at a time, the
+        values read by the detection pass itself."""
+        for name, idx, vals in self._iter(values=True):
+            assert vals is not None
+            yield name, idx, vals
 
     def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, indices)`` one parameter at a time, in ``named_params`` order, so a
@@ -228,14 +368,6 @@ class AdamWTracker:
 
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())
-
-    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
-        changed param, in ``named_params`` order, detected lazily one param at a time, the
-        values read by the detection pass itself."""
-        for name, idx, vals in self._iter(values=True):
-            assert vals is not None
-            yield name, idx, vals
 
     def iter_changed_values(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """Like :meth:`iter_changed`, plus the params' current BF16 values at those indices
@@ -252,6 +384,8 @@ class AdamWTracker:
         for bits in self._bits.values():
             bits.zero_()  # kept: a caller with several steps per version will need it again
         self._snapshot.clear()
+        self._oob.clear()
+        self._record_versions()
 
     def close(self) -> None:
         """Remove the optimizer hooks."""

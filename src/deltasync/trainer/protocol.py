@@ -44,8 +44,11 @@ class LocalShard:
     ``ceil(D0 / world_size)`` rows, trailing ranks short or empty, padding excluded).
 
     A whole (unsharded or replicated) parameter has ``row_start == 0`` and
-    ``row_stop == global_shape[0]``; ``rank``/``world_size`` are the shard mesh coordinates
-    (``0``/``1`` for a whole parameter).
+    ``row_stop == global_shape[0]``; ``rank``/``world_size`` are the coordinate and size of
+    the mesh dimension that shards dim 0 (``0``/``1`` when none does). ``replica`` of
+    ``replicas`` counts the ``Replicate()`` mesh dimensions (HSDP's replica groups, or a
+    ``replicate()``d module): ranks with the same ``rank`` and different ``replica`` hold the
+    same bits, and only ``replica == 0`` needs to publish them.
     """
 
     global_shape: tuple[int, ...]
@@ -53,7 +56,8 @@ class LocalShard:
     row_stop: int
     rank: int = 0
     world_size: int = 1
-    replicated: bool = False  # the same whole tensor is held by every rank (DDP, Replicate())
+    replica: int = 0
+    replicas: int = 1
 
     @property
     def offset(self) -> int:

@@ -2,8 +2,9 @@
 
 This is the oracle the tests compare :class:`~deltasync.AdamWTracker` against, and the exact
 fallback the AdamW tracker uses for parameters its error bound does not cover. It costs two
-bytes per element of host memory (the retained BF16 copy), which is exactly what the AdamW
-tracker avoids for the parameters it covers.
+bytes per (local) element of host memory (the retained BF16 copy), which is exactly what the
+AdamW tracker avoids for the parameters it covers. FSDP2 DTensor parameters are compared on
+this rank's local shard (see :mod:`deltasync.trainer.params`); indices are local to it.
 
 It knows parameters and BF16 bit patterns; it knows nothing about optimizers.
 """
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from deltasync.errors import ConfigError
+from deltasync.trainer.params import Watched, watch
+from deltasync.trainer.protocol import LocalShard
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -24,22 +27,8 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def named_unique(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, p in named_params:
-        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
-            raise ConfigError(
-                f"named_params must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(p).__name__})"
-            )
-        if name in out:
-            raise ConfigError(
-                f"parameter name {name!r} appears twice in named_params; names must be unique"
-            )
-        if not p.is_floating_point():
-            raise ConfigError(
-                f"parameter {name!r} has dtype {p.dtype}; only floating-point tensors can be tracked"
-            )
-        out[name] = p
-    return out
+    """``{name: tensor}`` after the checks of :func:`deltasync.trainer.params.watch`."""
+    return {name: w.param for name, w in watch(named_params).items()}
 
 
 class SnapshotTracker:
@@ -49,46 +38,60 @@ class SnapshotTracker:
     ``clear()`` (or construction): no extra elements, no missed ones.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._params = named_unique(named_params)
+    def __init__(
+        self, named_params: Iterable[tuple[str, torch.Tensor]] | dict[str, Watched]
+    ) -> None:
+        """Args:
+        named_params: ``model.named_parameters()`` (plain tensors or FSDP2 DTensors).
+        """
+        self._watched = named_params if isinstance(named_params, dict) else watch(named_params)
+        for name, w in self._watched.items():
+            if not isinstance(w, Watched):
+                raise ConfigError(f"parameter {name!r}: expected (name, tensor) pairs")
         self._snap: dict[str, torch.Tensor] = {}
         self.clear()
 
     @property
     def names(self) -> list[str]:
-        return list(self._params)
+        return list(self._watched)
+
+    @property
+    def shards(self) -> dict[str, LocalShard]:
+        """Per param, where this process's local tensor sits in the full parameter."""
+        return {n: w.shard for n, w in self._watched.items()}
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """Per param, the plain tensor the indices refer to (a DTensor's local shard)."""
+        return {n: w.local() for n, w in self._watched.items()}
 
     def snapshot_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._snap.values())
 
-    def changed(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self._params.items():
-            diff = bf16_bits(p) != self._snap[name]
-            idx = torch.nonzero(diff, as_tuple=False).reshape(-1)
-            if idx.numel():
-                out[name] = idx.to(torch.int64)
-        return out
-
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
         changed param, in ``named_params`` order, one param compared at a time."""
-        for name, p in self._params.items():
-            cur = bf16_bits(p)
+        for name, w in self._watched.items():
+            cur = bf16_bits(w.local())
             idx = torch.nonzero(cur != self._snap[name], as_tuple=False).reshape(-1)
             if idx.numel():
                 # the values come from the bits just compared: no second read of the param
                 yield name, idx.to(torch.int64), cur.index_select(0, idx).view(torch.bfloat16).cpu()
+
+    def changed(self) -> dict[str, torch.Tensor]:
+        return {name: idx for name, idx, _ in self.iter_changes()}
 
     def changed_values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (indices, current bf16 values)}``; the indices of :meth:`changed`."""
         return {name: (idx, vals) for name, idx, vals in self.iter_changes()}
 
     def clear(self) -> None:
-        for name, p in self._params.items():
-            bits = bf16_bits(p)
+        for name, w in self._watched.items():
+            local = w.local()
+            bits = bf16_bits(local)
             prev = self._snap.get(name)
             if prev is not None and prev.shape == bits.shape:
                 prev.copy_(bits)  # reuse the buffer: no fresh allocation per version
+            elif bits.numel() and bits.data_ptr() == local.data_ptr():
+                self._snap[name] = bits.clone()  # a BF16 param: bits are a view of it
             else:
-                self._snap[name] = bits.clone() if bits.data_ptr() == p.data_ptr() else bits
+                self._snap[name] = bits

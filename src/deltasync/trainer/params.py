@@ -1,0 +1,179 @@
+"""What a tracker holds of each parameter: its local tensor, where that sits, its version.
+
+A tracker is given ``model.named_parameters()`` and nothing else. A parameter is either a plain
+tensor (the whole parameter on this process) or an FSDP2 DTensor (``fully_shard``), whose
+local shard is what this rank stores, steps and publishes. :func:`watch` derives, from the
+DTensor itself, where that local shard sits in the full parameter (:class:`LocalShard`: mesh
+coordinate, placements, global shape, FSDP2's uneven last shard; the padding FSDP2 keeps
+behind the last rows is not part of the local tensor) and refuses placements it cannot map
+(tensor parallel ``Shard(d)`` with ``d > 0``, ``Partial``, strided shards of FSDP2 + TP),
+naming the parameter and the placement.
+
+It also reads each parameter's *version*: PyTorch bumps a per-tensor counter on every
+in-place write through the tensor or any view of it (an optimizer step, ``copy_`` in
+``load_state_dict``, ``mul_`` under ``no_grad``). A DTensor has two counters, its own (writes
+through the DTensor) and its local tensor's (writes to ``to_local()``); both are read. Writes
+through ``.data`` go to a tensor with its own counter and are invisible here.
+
+This module knows tensors and DTensor placements; nothing about optimizers or publishing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.trainer.protocol import LocalShard
+
+Version = tuple[int, ...]
+
+
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed tensors
+        return None
+    return DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor this process holds for ``t`` (a DTensor's local shard), detached.
+
+    Shares storage and version counter with what the optimizer updates in place."""
+    with torch.no_grad():
+        if is_dtensor(t):
+            return t.to_local().detach()  # type: ignore[attr-defined]
+        return t.detach()
+
+
+def version_of(t: torch.Tensor) -> Version:
+    """The in-place write counters of ``t`` (and of its local shard, for a DTensor)."""
+    if is_dtensor(t):
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            with torch.no_grad():
+                inner = t.to_local()  # type: ignore[attr-defined]
+        return (t._version, inner._version)
+    return (t._version,)
+
+
+def chunk_rows(dim0: int, index: int, count: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 that ``torch.chunk`` semantics give shard ``index`` of
+    ``count`` (FSDP2 and DTensor ``Shard(0)``: chunk ``ceil(dim0 / count)``, trailing shards
+    short or empty)."""
+    chunk = -(-dim0 // count)
+    start = min(index * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+def shard_of(name: str, t: torch.Tensor) -> LocalShard:
+    """Where ``t``'s local tensor sits in the full parameter.
+
+    Raises:
+        ConfigError: a DTensor placement other than ``Replicate()`` or one ``Shard(0)``, or a
+            local shard whose shape is not the one ``Shard(0)`` implies.
+    """
+    shape = tuple(int(d) for d in t.shape)
+    if not is_dtensor(t):
+        return LocalShard(global_shape=shape, row_start=0, row_stop=shape[0] if shape else 1)
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ConfigError(f"parameter {name!r}: this rank is not in its device mesh {mesh}")
+    shard_dim: int | None = None
+    replica, replicas = 0, 1
+    for dim, pl in enumerate(placements):
+        if type(pl) is Replicate:
+            replica = replica * mesh.size(dim) + coord[dim]
+            replicas *= mesh.size(dim)
+        elif type(pl) is Shard and pl.dim == 0 and shard_dim is None and shape:
+            shard_dim = dim
+        else:
+            raise ConfigError(
+                f"parameter {name!r} has DTensor placement {pl!r} (placements {placements}); "
+                "only FSDP2's Shard(0) on one mesh dimension and Replicate() are supported. "
+                "Tensor-parallel or partial placements: track the full tensor per TP rank "
+                "(e.g. its to_local() under a name of its own) or gather it first"
+            )
+    if shard_dim is None:
+        start, stop, rank, world = 0, (shape[0] if shape else 1), 0, 1
+    else:
+        rank, world = coord[shard_dim], mesh.size(shard_dim)
+        start, stop = chunk_rows(shape[0], rank, world)
+    spec = LocalShard(
+        global_shape=shape, row_start=start, row_stop=stop, rank=rank, world_size=world,
+        replica=replica, replicas=replicas,
+    )  # fmt: skip
+    local = t.to_local()  # type: ignore[attr-defined]
+    want = (stop - start, *shape[1:]) if shape else ()
+    if tuple(local.shape) != want:
+        raise ConfigError(
+            f"parameter {name!r}: local shard has shape {tuple(local.shape)}, but {placements} "
+            f"of global shape {shape} on mesh coordinate {coord} implies {want}"
+        )
+    return spec
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One tracked parameter: the object given (plain or DTensor) and its local view."""
+
+    name: str
+    param: torch.Tensor
+    shard: LocalShard
+
+    def local(self) -> torch.Tensor:
+        return local_of(self.param)
+
+    def version(self) -> Version:
+        return version_of(self.param)
+
+    def local_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return self.shard.local_numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def watch(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Watched]:
+    """Validate ``named_params`` (unique names, floating-point tensors, supported placements)
+    and describe each parameter, in the given order.
+
+    Raises:
+        ConfigError: naming the parameter.
+    """
+    out: dict[str, Watched] = {}
+    for item in named_params:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ConfigError(
+                f"named_params must yield (name, tensor) pairs, got {type(item).__name__}"
+            )
+        name, p = item
+        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
+            raise ConfigError(
+                f"named_params must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(p).__name__})"
+            )
+        if name in out:
+            raise ConfigError(
+                f"parameter name {name!r} appears twice in named_params; names must be unique"
+            )
+        if not p.is_floating_point():
+            raise ConfigError(
+                f"parameter {name!r} has dtype {p.dtype}; only floating-point tensors can be tracked"
+            )
+        if p.is_meta:
+            raise ConfigError(
+                f"parameter {name!r} is on the meta device; materialize the model first"
+            )
+        out[name] = Watched(name, p, shard_of(name, p))
+    return out
