@@ -7,9 +7,9 @@ import pytest
 import torch
 import xxhash
 
+from deltasync.commit import blob_digest
 from deltasync.errors import FormatError, TruncatedBlobError
 from deltasync.format import BlobWriter, InvalidUpdateError, decode_blob, encode_blob, sparse_update
-from deltasync.manifest import blob_digest
 
 from format_testkit import assemble, same_update, split_blob, totals
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltasync import names
-from deltasync.manifest import BlobEntry, Manifest
+from deltasync.commit import BlobEntry, Manifest
 
 D1 = "0123456789abcdef0123456789abcdef"
 D2 = "fedcba9876543210fedcba9876543210"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from deltasync.commit import Manifest, ManifestLimits
 from deltasync.errors import ManifestError
-from deltasync.manifest import Manifest, ManifestLimits
 
 from store_manifest_samples import D1, D2, blob, make_manifest
 

@@ -9,9 +9,7 @@ import torch
 import xxhash
 
 from deltasync import names
-from deltasync.errors import ManifestError
-from deltasync.layout.digest import combine_digests, state_digest, tensor_digest
-from deltasync.manifest import (
+from deltasync.commit import (
     AckRecord,
     ReceiverRecord,
     WriterMarker,
@@ -19,6 +17,8 @@ from deltasync.manifest import (
     decode_latest,
     encode_latest,
 )
+from deltasync.errors import ManifestError
+from deltasync.layout.digest import combine_digests, state_digest, tensor_digest
 
 from store_manifest_samples import D1, D2, blob
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from deltasync.commit import Manifest, check_signature, sign, verify
 from deltasync.errors import ConfigError, SignatureError
-from deltasync.manifest import Manifest, check_signature, sign, verify
 
 from store_manifest_samples import D2, make_manifest
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltasync import names
+from deltasync.commit import plan_chain, plan_retention, should_anchor
 from deltasync.errors import ConfigError, ManifestError, VersionError
-from deltasync.manifest import plan_chain, plan_retention, should_anchor
 
 
 def history(last: int, anchors: set[int], missing: set[int] = frozenset(), bases=None):

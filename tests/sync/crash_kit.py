@@ -8,9 +8,10 @@ import time
 import torch
 
 from deltasync import names
+from deltasync.commit import Catalog
 from deltasync.format import apply_updates, fold_chain
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import Catalog, Receiver, fetch_version, mapped_shard_tensors
+from deltasync.receiver import Receiver, fetch_version, mapped_shard_tensors
 from deltasync.trainer import AdamWTracker
 
 from sync_kit import GateStore, TinyTrainer, layouts, rconfig, scratch_store

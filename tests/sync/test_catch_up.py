@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deltasync import names
-from deltasync.manifest import ReceiverRecord
+from deltasync.commit import ReceiverRecord
 from deltasync.publish import (
     AckTimeoutError,
     Publisher,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deltasync import names
+from deltasync.commit import Manifest, blob_digest, encode_latest, sign
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobMismatchError,
@@ -24,7 +25,6 @@ from deltasync.errors import (
     VersionError,
 )
 from deltasync.format import encode_blob, sparse_update
-from deltasync.manifest import Manifest, blob_digest, encode_latest, sign
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import MissingBlobError, Receiver
 from deltasync.trainer import SnapshotTracker

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltasync.commit import Catalog
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.publish import MissingWritersError, Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import Catalog, Receiver
+from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
 
 from crash_kit import replay_version

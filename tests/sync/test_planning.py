@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from deltasync import names
+from deltasync.commit import BlobEntry, Manifest, WriterMarker, plan_deletions
+from deltasync.commit.committer import build_manifest
 from deltasync.errors import BaseVersionMismatchError, BlobMismatchError, ConfigError, ManifestError
 from deltasync.format import TensorSpec, TensorUpdate, fold_chain, merge_writers
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.layout.routing import shard_updates
-from deltasync.manifest import BlobEntry, Manifest, WriterMarker
-from deltasync.publish import PublisherConfig, plan_deletions
-from deltasync.publish.commit import build_manifest
+from deltasync.publish import PublisherConfig
 from deltasync.receiver import check_chain
 
 from sync_kit import TinyTrainer, expected_shards, layouts

@@ -88,8 +88,8 @@ def _shard_elements(store, catalog, versions: list[int]) -> dict[str, int]:
 
 def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     """Everything ``inspect`` shows, as plain data (also what ``--json`` prints)."""
+    from deltasync.commit import Catalog
     from deltasync.format import decode_blob
-    from deltasync.receiver import Catalog
 
     catalog = Catalog(store, signing_key=signing_key)
     versions = catalog.versions()

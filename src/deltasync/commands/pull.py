@@ -32,8 +32,8 @@ META_SHARD = "deltasync_shard"
 
 
 def _specs(args, store, key):
+    from deltasync.commit import Catalog
     from deltasync.format import TensorSpec, decode_blob
-    from deltasync.receiver import Catalog
 
     if args.config:
         from deltasync.layout import ReceiverLayout

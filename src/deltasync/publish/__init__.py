@@ -1,4 +1,4 @@
-"""Trainer side of the sync through shared storage: plan updates, publish, commit, retain.
+"""Trainer side of the sync through shared storage: stream updates into blobs and commit them.
 
 - :class:`Publisher`: one writer's ``publish``, ``wait_for_acks``, ``gc``;
 - :class:`TrainerSync`: tracker + publishers, clearing the tracker only after a commit.
@@ -13,18 +13,15 @@ from deltasync.errors import (
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.publisher import Publisher
 from deltasync.publish.report import PublishReport
-from deltasync.publish.retention import GcPlan, plan_deletions
 from deltasync.publish.trainer_sync import TrainerSync
 
 __all__ = [
     "AckTimeoutError",
     "CommitTimeoutError",
-    "GcPlan",
     "MissingWritersError",
     "PublishReport",
     "Publisher",
     "PublisherConfig",
     "StalenessTimeoutError",
     "TrainerSync",
-    "plan_deletions",
 ]

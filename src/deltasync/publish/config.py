@@ -10,8 +10,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from deltasync import names
+from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import ConfigError
-from deltasync.manifest.signing import MIN_KEY_BYTES
 from deltasync.validate import check_int, check_seconds, check_signing_key
 
 _OWNER = "PublisherConfig"

@@ -14,7 +14,7 @@
    each group routed (:mod:`deltasync.publish.updates`) and appended as one segment to every
    shard's blob that it touches; then store this writer's marker, also when it sent nothing;
 5. the committer (rank 0) computes every shard's digest from the full state, waits for all
-   markers and commits (:mod:`deltasync.publish.commit`); the other writers wait for the
+   markers and commits (:mod:`deltasync.commit.committer`); the other writers wait for the
    manifest and check it lists their blobs.
 
 Nothing in the store changes what a receiver sees until step 5 commits the manifest, so a
@@ -38,6 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from deltasync import names
+from deltasync.commit import AckRecord, BlobEntry, WriterMarker, should_anchor
+from deltasync.commit import acks as acks_mod
+from deltasync.commit import committer as commit_mod
+from deltasync.commit.catalog import Catalog
+from deltasync.commit.records import ReceiverRecord
+from deltasync.commit.retention import GcPlan, plan_deletions
 from deltasync.errors import (
     CommitConflictError,
     ConfigError,
@@ -54,18 +60,12 @@ from deltasync.layout.routing import (
     full_shard_tensors,
     shard_updates,
 )
-from deltasync.manifest import AckRecord, BlobEntry, WriterMarker, should_anchor
-from deltasync.manifest.records import ReceiverRecord
-from deltasync.publish import acks as acks_mod
-from deltasync.publish import commit as commit_mod
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.report import PublishReport
-from deltasync.publish.retention import GcPlan, plan_deletions
 from deltasync.publish.streams import ShardStreams
 from deltasync.publish.updates import change_source
-from deltasync.receiver.catalog import Catalog
 from deltasync.store import Store
 
 Params = Mapping[str, torch.Tensor]
@@ -388,7 +388,7 @@ class Publisher:
         return self.catalog.live_receivers(self.config.receiver_ttl_s)
 
     def gc(self) -> GcPlan:
-        """Delete what retention allows (see :mod:`deltasync.publish.retention`)."""
+        """Delete what retention allows (see :mod:`deltasync.commit.retention`)."""
         committed = self.committed()
         version_keys = self.catalog.version_dirs()
         manifests = {}

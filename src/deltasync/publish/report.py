@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltasync.manifest import BlobEntry
+from deltasync.commit import BlobEntry
 
 
 @dataclass(frozen=True, kw_only=True)

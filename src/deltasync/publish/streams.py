@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from deltasync import names
+from deltasync.commit import BlobEntry
 from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
-from deltasync.manifest import BlobEntry
 from deltasync.store import Store
 
 _END = object()  # the blob is complete

@@ -1,13 +1,10 @@
 """Receiver side of the sync through shared storage: stage, journal, apply, verify, ack.
 
 - :class:`Receiver`: one inference shard's live tensors kept at the newest committed version;
-- :class:`Catalog`: the read-only view of committed versions (also used by the publisher and
-  ``deltasync inspect``);
 - :func:`mapped_shard_tensors`: live tensors in a shared file that outlives the writer.
 """
 
 from deltasync.errors import LocalStateError, MissingBlobError
-from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.mapped import mapped_shard_tensors
@@ -16,7 +13,6 @@ from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version
 
 __all__ = [
-    "Catalog",
     "Journal",
     "JournalStep",
     "LocalState",

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltasync import names
+from deltasync.commit import ManifestLimits
+from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import ConfigError, ManifestError
-from deltasync.manifest import ManifestLimits
-from deltasync.manifest.signing import MIN_KEY_BYTES
 from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
 
 _OWNER = "ReceiverConfig"

@@ -28,9 +28,9 @@ from typing import Any
 
 from deltasync import names
 from deltasync.atomic import fsync_dir, write_atomic
+from deltasync.commit import Manifest
+from deltasync.commit.canonical import canonical_json, check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
-from deltasync.manifest import Manifest
-from deltasync.manifest.canonical import canonical_json, check_digest, check_int
 
 _MAX_VERSION = 10**8 - 1
 

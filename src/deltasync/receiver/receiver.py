@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deltasync import names
+from deltasync.commit import AckRecord, Manifest, ReceiverRecord
+from deltasync.commit.catalog import Catalog
 from deltasync.errors import (
     ConfigError,
     FormatError,
@@ -45,8 +47,6 @@ from deltasync.errors import (
 from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
-from deltasync.manifest import AckRecord, Manifest, ReceiverRecord
-from deltasync.receiver.catalog import Catalog
 from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.report import PullReport

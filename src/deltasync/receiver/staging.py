@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from deltasync.commit import Manifest, blob_digest
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobMismatchError,
@@ -27,7 +28,6 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, decode_blob, merge_writers
-from deltasync.manifest import Manifest, blob_digest
 from deltasync.store import Store
 
 

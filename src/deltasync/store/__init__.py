@@ -2,7 +2,7 @@
 
 ``LocalStore`` (the embedded default), ``S3Store`` (S3-compatible, boto3 imported lazily),
 ``MemoryStore`` (tests), ``ThrottledStore`` (emulated link rate), and ``open_store(url)``.
-What is stored where is decided above, in :mod:`deltasync.names` and :mod:`deltasync.manifest`.
+What is stored where is decided above, in :mod:`deltasync.names` and :mod:`deltasync.commit`.
 """
 
 from deltasync.store.factory import open_store

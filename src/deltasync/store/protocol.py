@@ -15,7 +15,7 @@ Guarantees every implementation gives (and ``tests/store`` checks on each of the
 - ``list`` returns every key that starts with ``prefix``, sorted.
 
 This module knows nothing about versions, manifests or what the bytes mean: all policy lives
-above it (see :mod:`deltasync.manifest`).
+above it (see :mod:`deltasync.commit`).
 """
 
 from __future__ import annotations

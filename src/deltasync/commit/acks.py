@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from deltasync.commit.catalog import Catalog
+from deltasync.commit.records import AckRecord
 from deltasync.errors import AckTimeoutError, IntegrityError, StalenessTimeoutError
-from deltasync.manifest import AckRecord
-from deltasync.receiver.catalog import Catalog
 
 
 def _lagging(

@@ -17,17 +17,12 @@ from __future__ import annotations
 import time
 
 from deltasync import names
+from deltasync.commit.model import Manifest, ManifestLimits
+from deltasync.commit.planning import plan_chain
+from deltasync.commit.records import AckRecord, ReceiverRecord, decode_latest
+from deltasync.commit.signing import check_signature
 from deltasync.errors import KeyNotFoundError, ManifestError
 from deltasync.format import FORMAT_VERSION
-from deltasync.manifest import (
-    AckRecord,
-    Manifest,
-    ManifestLimits,
-    ReceiverRecord,
-    check_signature,
-    decode_latest,
-    plan_chain,
-)
 from deltasync.store import Store
 
 _PROBE_LIMIT = 10_000  # a runaway forward probe means a hostile or broken store

@@ -23,8 +23,7 @@ from typing import Any
 import xxhash
 
 from deltasync import names
-from deltasync.errors import ConfigError, ManifestError
-from deltasync.manifest.canonical import (
+from deltasync.commit.canonical import (
     SIGNATURE_RE,
     canonical_json,
     check_choice,
@@ -34,7 +33,8 @@ from deltasync.manifest.canonical import (
     expect_fields,
     strict_loads,
 )
-from deltasync.manifest.planning import VersionInfo
+from deltasync.commit.planning import VersionInfo
+from deltasync.errors import ConfigError, ManifestError
 
 KINDS = ("delta", "anchor")
 MAX_FORMAT_VERSION = 2**16 - 1

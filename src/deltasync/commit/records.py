@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltasync import names
-from deltasync.errors import ManifestError
-from deltasync.manifest.canonical import (
+from deltasync.commit.canonical import (
     canonical_json,
     check_digest,
     check_int,
@@ -28,7 +27,8 @@ from deltasync.manifest.canonical import (
     expect_fields,
     strict_loads,
 )
-from deltasync.manifest.model import BlobEntry
+from deltasync.commit.model import BlobEntry
+from deltasync.errors import ManifestError
 
 _MAX_VERSION = 10**8 - 1
 _MAX_RECORD_BYTES = 16 * 2**20

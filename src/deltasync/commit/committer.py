@@ -18,6 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from deltasync import names
+from deltasync.commit.catalog import Catalog
+from deltasync.commit.model import Manifest
+from deltasync.commit.records import WriterMarker, encode_latest
+from deltasync.commit.signing import sign
 from deltasync.errors import (
     CommitConflictError,
     CommitTimeoutError,
@@ -27,8 +31,6 @@ from deltasync.errors import (
     MissingWritersError,
 )
 from deltasync.format import FORMAT_VERSION
-from deltasync.manifest import Manifest, WriterMarker, encode_latest, sign
-from deltasync.receiver.catalog import Catalog
 from deltasync.store import Store
 
 

@@ -1,6 +1,6 @@
 """Retention: which stored keys are safe to delete, and deleting them in a safe order.
 
-:func:`plan_deletions` is pure. It applies :func:`deltasync.manifest.plan_retention` (never a
+:func:`plan_deletions` is pure. It applies :func:`deltasync.commit.plan_retention` (never a
 version a live receiver still needs, never the newest anchor and the chain after it, never the
 newest committed version or anything newer) and also removes leftovers that no manifest
 vouches for: blobs and markers of losing attempts in committed versions, and everything of
@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from deltasync import names
-from deltasync.manifest import Manifest, plan_retention
+from deltasync.commit.model import Manifest
+from deltasync.commit.planning import plan_retention
 
 
 @dataclass(frozen=True)

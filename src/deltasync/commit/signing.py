@@ -16,9 +16,9 @@ import hashlib
 import hmac
 from dataclasses import replace
 
+from deltasync.commit.canonical import canonical_json
+from deltasync.commit.model import Manifest
 from deltasync.errors import ConfigError, SignatureError
-from deltasync.manifest.canonical import canonical_json
-from deltasync.manifest.model import Manifest
 
 _DOMAIN = b"deltasync-manifest-hmac-sha256-v1\n"
 MIN_KEY_BYTES = 16
