@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.native.ops import bf16_at, first_not_increasing
 from deltasync.native import loader as native
+from deltasync.native.ops import bf16_at, first_not_increasing
 
 
 def _special_fp32(n: int, seed: int) -> torch.Tensor:
@@ -16,7 +16,9 @@ def _special_fp32(n: int, seed: int) -> torch.Tensor:
     mids = (torch.randint(0, 1 << 16, (n,), generator=g, dtype=torch.int32) << 16) | 0x8000
     sub = torch.randint(1, 0x7FFFFF, (n,), generator=g, dtype=torch.int32)
     huge = torch.randint(0x7F000000, 0x7F800000, (n,), generator=g, dtype=torch.int32)
-    fixed = torch.tensor([0, -(2**31), 0x7F800000, 0xFF800000 - 2**32, 0x7F7FFFFF], dtype=torch.int32)
+    fixed = torch.tensor(
+        [0, -(2**31), 0x7F800000, 0xFF800000 - 2**32, 0x7F7FFFFF], dtype=torch.int32
+    )
     bits = torch.cat([mids & 0x7FFFFFFF, mids | -(2**31), sub, huge, fixed])
     vals = torch.cat([bits.view(torch.float32), torch.randn(4 * n, generator=g)])
     return vals[torch.randperm(vals.numel(), generator=g)]
@@ -34,7 +36,9 @@ def test_bf16_at_equals_torchs_cast_on_every_kind_of_value(seed):
         idx = torch.nonzero(torch.rand(x.numel(), generator=g) < keep).reshape(-1)
         got = bf16_at(x, idx)
         want = x[idx].to(torch.bfloat16)
-        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert got.dtype == torch.bfloat16 and torch.equal(
+            got.view(torch.int16), want.view(torch.int16)
+        )
 
 
 def test_bf16_at_with_nan_falls_back_to_torchs_cast_and_handles_strides_and_bf16():

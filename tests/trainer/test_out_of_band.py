@@ -1,0 +1,155 @@
+"""Edits outside the optimizer are never missed: the version counter of every parameter is
+recorded after each step and at clear(), and a parameter whose counter moved is reported in
+full for that version. The truth is a SnapshotTracker over the same parameters."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from deltasync import AdamWTracker, SnapshotTracker
+
+
+def _missed(tracked: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> int:
+    empty = torch.empty(0, dtype=torch.int64)
+    return sum(int((~torch.isin(idx, tracked.get(n, empty))).sum()) for n, idx in truth.items())
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(32, 48)
+        self.b = torch.nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _setup(**kw):
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
+    tracker = AdamWTracker(opt, model.named_parameters())
+    truth = SnapshotTracker(model.named_parameters())
+    return model, opt, tracker, truth
+
+
+def _step(model, opt, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def _check(tracker, truth, expect_oob: set[str]) -> dict[str, torch.Tensor]:
+    changed = tracker.changed()
+    assert _missed(changed, truth.changed()) == 0
+    assert set(tracker.out_of_band) == expect_oob
+    for name in expect_oob:  # reported in full, values included
+        full = dict(tracker.local_params())[name].numel()
+        assert changed[name].numel() == full
+    return changed
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_an_in_place_edit_between_versions_is_reported_in_full(impl, caplog):
+    model, opt, tracker, truth = _setup(**impl)
+    _step(model, opt, 1)
+    _check(tracker, truth, set())
+    tracker.clear(), truth.clear()
+    with torch.no_grad():
+        model.a.weight[7:11].mul_(1.5)
+    caplog.set_level(logging.WARNING, logger="deltasync.trainer.adamw_tracker")
+    _check(tracker, truth, {"a.weight"})
+    assert "'a.weight' was modified outside the optimizer" in caplog.text
+    tracker.clear(), truth.clear()
+    _step(model, opt, 2)
+    _check(tracker, truth, set())  # clear() took the edit as the new baseline
+
+
+def test_an_edit_between_steps_of_a_multi_step_version_is_caught_before_the_next_step():
+    model, opt, tracker, truth = _setup()
+    _step(model, opt, 1)
+    with torch.no_grad():
+        model.b.bias.clamp_(-0.01, 0.01)
+    _step(model, opt, 2)
+    _step(model, opt, 3)
+    _check(tracker, truth, {"b.bias"})
+
+
+def test_a_param_edited_then_stepped_is_still_reported():
+    model, opt, tracker, truth = _setup()
+    with torch.no_grad():
+        model.a.bias.add_(0.25)  # the step right after moves the counter again
+    _step(model, opt, 1)
+    _check(tracker, truth, {"a.bias"})
+
+
+def test_an_edit_through_a_view_bumps_the_shared_counter():
+    model, opt, tracker, truth = _setup()
+    row = model.b.weight.detach()[3]  # a view: shares the parameter's version counter
+    row.zero_()
+    _check(tracker, truth, {"b.weight"})
+
+
+def test_load_state_dict_reports_every_loaded_param():
+    model, opt, tracker, truth = _setup()
+    other = Model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.load_state_dict(other.state_dict())
+    _check(tracker, truth, {"a.weight", "a.bias", "b.weight", "b.bias"})
+
+
+def test_a_lora_style_merge_into_a_base_weight_is_reported():
+    model, opt, tracker, truth = _setup()
+    _step(model, opt, 1)
+    tracker.clear(), truth.clear()
+    g = torch.Generator().manual_seed(5)
+    lora_a, lora_b = torch.randn(4, 32, generator=g), torch.randn(48, 4, generator=g) * 1e-2
+    with torch.no_grad():
+        model.a.weight.addmm_(lora_b, lora_a, alpha=2.0)  # W += scale * B @ A
+    _step(model, opt, 2)
+    _check(tracker, truth, {"a.weight"})
+
+
+def test_writes_through_data_bypass_the_counter_and_mark_changed_is_the_remedy():
+    model, opt, tracker, truth = _setup()
+    model.a.bias.data[0] += 1.0  # .data has its own version counter: invisible
+    assert tracker.out_of_band == ()
+    assert _missed(tracker.changed(), truth.changed()) == 1  # the documented blind spot
+    tracker.mark_changed("a.bias")
+    _check(tracker, truth, {"a.bias"})
+    with pytest.raises(KeyError, match="'nope' is not a tracked parameter"):
+        tracker.mark_changed("nope")
+
+
+def test_a_frozen_param_outside_the_optimizer_is_a_constant_until_edited(caplog):
+    model = Model()
+    model.a.requires_grad_(False)
+    opt = torch.optim.AdamW(model.b.parameters(), lr=1e-3)
+    caplog.set_level(logging.INFO, logger="deltasync.trainer.adamw_tracker")
+    tracker = AdamWTracker(opt, model.named_parameters(), strict=True)
+    truth = SnapshotTracker(model.named_parameters())
+    assert tracker.constant == ("a.weight", "a.bias") and tracker.fallback == {}
+    assert tracker.memory_bytes() == 0  # no snapshot of the frozen params
+    assert "2 frozen parameter(s)" in caplog.text
+    _step(model, opt, 1)
+    assert "a.weight" not in tracker.changed()
+    with torch.no_grad():
+        model.a.weight[0, 0] = 3.0
+    _check(tracker, truth, {"a.weight"})
+
+
+def test_frozen_params_are_snapshotted_when_asked():
+    model = Model()
+    model.a.requires_grad_(False)
+    opt = torch.optim.AdamW(model.b.parameters(), lr=1e-3)
+    tracker = AdamWTracker(opt, model.named_parameters(), track_frozen=True)
+    assert set(tracker.fallback) == {"a.weight", "a.bias"} and tracker.constant == ()
+    assert tracker.memory_bytes() == (32 * 48 + 48) * 2
+    model.a.bias.data[1] = 7.0  # even through .data: the snapshot compares bits
+    assert tracker.changed()["a.bias"].tolist() == [1]
