@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from kit import TINY_QWEN3, build_model
 
 from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender, RolePlan
 from deltasync.errors import DeltaSyncError, ExchangeError, PeerFailedError
@@ -30,10 +31,7 @@ from deltasync.exchange import ExchangeConfig, init_from_env
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.digest import state_digest
 
-TINY = dict(
-    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=251,
-)  # fmt: skip
+TINY = TINY_QWEN3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +66,8 @@ class Setup:
         )  # fmt: skip
 
 
-def policy_config():
-    from deltasync.demo.policy import PolicyConfig
-
-    return PolicyConfig(**TINY)
-
-
 def spec() -> ModelSpec:
-    return ModelSpec.from_hf_config(policy_config().hf_config())
+    return ModelSpec.from_hf_config(TINY)
 
 
 # ---------------------------------------------------------------------- trainer side
@@ -85,10 +77,8 @@ class Trainer:
     """The tiny Qwen3 and its AdamW; identical in every writer process (same seed, same data)."""
 
     def __init__(self, setup: Setup, rank: int) -> None:
-        from deltasync.demo.policy import build_policy
-
         self.setup = setup
-        self.model = build_policy(policy_config())
+        self.model = build_model(TINY)
         self.named = dict(self.model.named_parameters())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
         self.gen = torch.Generator().manual_seed(1234)
@@ -221,17 +211,17 @@ def run_versions(rank: int, setup: Setup) -> dict:
 
 
 class FailingTracker:
-    """A real tracker whose ``changed()`` raises once when armed (a detection failure)."""
+    """A real tracker whose ``iter_changes()`` raises once when armed (a detection failure)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.fail_next = False
 
-    def changed(self) -> dict[str, torch.Tensor]:
+    def iter_changes(self):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("change detection blew up on purpose")
-        return self.inner.changed()
+        return self.inner.iter_changes()
 
     def clear(self) -> None:
         self.inner.clear()

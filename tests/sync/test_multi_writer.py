@@ -42,14 +42,12 @@ class RankTracker:
     def __init__(self, inner, params, rank):
         self.inner, self.params, self.rank = inner, params, rank
 
-    def changed(self):
-        out = {}
-        for name, idx in self.inner.changed().items():
+    def iter_changes(self):
+        for name, idx, vals in self.inner.iter_changes():
             start, stop, row = _rows(self.params[name], self.rank)
-            keep = idx[(idx >= start * row) & (idx < stop * row)] - start * row
-            if keep.numel():
-                out[name] = keep
-        return out
+            mine = (idx >= start * row) & (idx < stop * row)
+            if bool(mine.any()):
+                yield name, idx[mine] - start * row, vals[mine]
 
     def clear(self):
         self.inner.clear()

@@ -1,5 +1,5 @@
 """Device tier: a trainer whose params and AdamW state live on a CUDA device publishes
-through the streaming path (tracker_stream -> groups -> segments) to a store, and CPU
+through the streaming path (tracker.iter_changes() -> groups -> segments) to a store, and CPU
 receivers end bit-identical to a dense split of the trainer's BF16 weights.
 
 Deselected by default (``-m 'not gpu'``); run with ``pytest -m gpu`` on a CUDA machine."""

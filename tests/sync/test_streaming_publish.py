@@ -18,7 +18,7 @@ from deltasync import names
 from deltasync.errors import ConfigError
 from deltasync.format.wire import HEADER, SEGMENT
 from deltasync.layout import ReceiverLayout
-from deltasync.publish import Publisher, PublisherConfig, TrainerSync, tracker_stream
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.publish.groups import param_groups
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
@@ -111,7 +111,7 @@ def test_blobs_upload_while_detection_of_later_groups_is_still_running(tmp_path)
     tracker.clear()
     trainer.step()
     log.clear()
-    report = pub.publish(1, logged_stream(tracker_stream(tracker), log), trainer.params)
+    report = pub.publish(1, logged_stream(tracker.iter_changes(), log), trainer.params)
     assert report.kind == "delta"
 
     detected = [i for i, e in enumerate(log) if e[0] == "detected"]
@@ -180,41 +180,43 @@ def test_an_error_mid_stream_leaves_no_blob_and_a_retry_commits_exactly(backend,
             yield item
 
     with pytest.raises(RuntimeError, match="simulated"):
-        pub.publish(1, failing(tracker_stream(tracker), 10), trainer.params)
+        pub.publish(1, failing(tracker.iter_changes(), 10), trainer.params)
     assert pub.committed() == 0 and _no_blobs(store, 1)
     if backend == "local":  # no temp file left behind either
         assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "v00000001" in str(p)]
 
     # out of order: refused with the reason, nothing stored
-    pairs = list(tracker_stream(tracker))
+    triples = list(tracker.iter_changes())
     with pytest.raises(ConfigError, match="must follow the order of params"):
-        pub.publish(1, iter([pairs[1], pairs[0]]), trainer.params)
+        pub.publish(1, iter([triples[1], triples[0]]), trainer.params)
     with pytest.raises(ConfigError, match="not in params"):
-        pub.publish(1, iter([("nope.weight", pairs[0][1])]), trainer.params)
-    with pytest.raises(ConfigError, match="not in params"):
-        pub.publish(1, {"nope.weight": pairs[0][1]}, trainer.params)
+        pub.publish(1, iter([("nope.weight", *triples[0][1:])]), trainer.params)
+    with pytest.raises(ConfigError, match="triples"):
+        pub.publish(1, iter([("nope.weight", triples[0][1])]), trainer.params)
+    with pytest.raises(ConfigError, match="not a dict"):
+        pub.publish(1, {"nope.weight": triples[0][1]}, trainer.params)
     assert pub.committed() == 0 and _no_blobs(store, 1)
 
-    pub.publish(1, tracker_stream(tracker), trainer.params)  # the tracker kept its bits
+    pub.publish(1, tracker.iter_changes(), trainer.params)  # the tracker kept its bits
     rx = Receiver.for_layout(store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "rx"),
                              rconfig("rx"))  # fmt: skip
     rx.pull()
     assert_same_bits(rx.tensors, expected_shards(trainer.params, tl, rl)["tp1"])
 
 
-def test_a_dict_of_changes_and_its_stream_give_the_same_blobs():
+def test_a_list_of_changes_and_the_lazy_stream_give_the_same_blobs():
     spec, tl, rl = layouts()
     trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     trainer.step()
     blobs = []
-    for changes in ("dict", "stream"):
+    for changes in ("list", "stream"):
         store = MemoryStore()
         pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
                         config=PublisherConfig(session="s"))  # fmt: skip
         pub.publish(0, {}, {n: torch.zeros_like(p) for n, p in trainer.params.items()},
                     anchor=True)  # fmt: skip
-        changed = tracker.changed() if changes == "dict" else tracker_stream(tracker)
+        changed = list(tracker.iter_changes()) if changes == "list" else tracker.iter_changes()
         pub.publish(1, changed, trainer.params)
         blobs.append({k: store.get(k) for k in store.list("v00000001/") if k.endswith(".blob")})
     assert blobs[0] == blobs[1] and blobs[0]
@@ -271,7 +273,7 @@ def test_a_failed_upload_stops_the_stream_early_and_commits_nothing():
     trainer.step()
     log: list = []
     with pytest.raises(StoreError, match="simulated"):
-        pub.publish(1, logged_stream(slow_after_first_groups(tracker_stream(tracker)), log),
+        pub.publish(1, logged_stream(slow_after_first_groups(tracker.iter_changes()), log),
                     trainer.params)  # fmt: skip
     assert pub.committed() == 0 and _no_blobs(store, 1)
     # it stopped consuming detection once the failure was seen (not after the whole model)
@@ -288,11 +290,10 @@ def test_params_the_layout_does_not_know_are_fine_while_they_carry_no_changes():
     pub.publish(0, {}, trainer.params, anchor=True)
     tracker.clear()
     trainer.step()
-    assert pub.publish(1, tracker_stream(tracker), params).kind == "delta"
+    assert pub.publish(1, tracker.iter_changes(), params).kind == "delta"
 
 
-def test_tracker_stream_takes_the_detection_pass_values_of_every_kind_of_tracker():
-    from deltasync.publish import tracker_changes
+def test_every_kind_of_tracker_streams_the_detection_pass_values():
     from deltasync.trainer import SnapshotTracker
 
     spec, _, _ = layouts()
@@ -301,17 +302,9 @@ def test_tracker_stream_takes_the_detection_pass_values_of_every_kind_of_tracker
                 SnapshotTracker(trainer.named_parameters())]  # fmt: skip
     trainer.step()
     for tracker in trackers:
-        items = list(tracker_stream(tracker))
+        items = list(tracker.iter_changes())
         assert items and all(vals is not None for _, _, vals in items), type(tracker).__name__
         for name, idx, vals in items:
             want = trainer.params[name].detach().reshape(-1)[idx].to(torch.bfloat16)
             assert torch.equal(vals.view(torch.int16), want.view(torch.int16))
-        changed, values = tracker_changes(tracker)
-        assert list(changed) == [n for n, _, _ in items] and values is not None
-
-    class IndicesOnly:  # a tracker with only changed(): values are gathered later
-        def changed(self):
-            return trackers[0].changed()
-
-    changed, values = tracker_changes(IndicesOnly())
-    assert values is None and changed.keys() == trackers[0].changed().keys()
+        assert [n for n, _, _ in items] == list(tracker.changed())

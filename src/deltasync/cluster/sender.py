@@ -2,8 +2,8 @@
 
 ``sync()`` runs, on one writer rank:
 
-1. detection: the tracker's changed elements since its baseline (``iter_changed`` when the
-   tracker streams, else ``changed``); every element for an anchor;
+1. detection: the tracker's changed elements and their BF16 values since its baseline
+   (``tracker.iter_changes()``); every element for an anchor;
 2. routing: current BF16 values -> canonical -> every receiver shard
    (``layout.routing.shard_updates``, the storage path's own planning);
 3. encoding: one blob per receiver shard (the storage path's wire format and header: version,
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,22 +45,16 @@ from deltasync.exchange import exchange
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
-from deltasync.layout.routing import every_element, shard_updates
-from deltasync.publish.updates import tracker_changes
+from deltasync.layout.routing import checked_changes, every_element, shard_updates
+from deltasync.trainer import Tracker
 
 Params = Mapping[str, torch.Tensor]
-
-
-class Tracker(Protocol):
-    def changed(self) -> dict[str, torch.Tensor]: ...
-
-    def clear(self) -> None: ...
 
 
 class ClusterSender:
     """One writer rank of a :class:`RolePlan`.
 
-    tracker: an ``AdamWTracker`` (or any object with ``changed()``/``clear()``) watching
+    tracker: a :class:`~deltasync.trainer.Tracker` (``iter_changes()``, ``clear()``) watching
         ``params``, cleared at ``version``.
     params: this rank's named parameters (full names as ``model.named_parameters()`` gives
         them; under FSDP2 the local dim-0 shards, ``p.to_local()``), or a callable returning
@@ -122,7 +115,10 @@ class ClusterSender:
         if anchor:
             changed = every_element(params)
         else:
-            changed, values = tracker_changes(self.tracker)
+            items = list(checked_changes(self.tracker.iter_changes()))
+            changed = {name: idx for name, idx, _ in items}
+            values = {name: vals for name, _, vals in items}
+            del items
         detect_s = time.perf_counter() - t
 
         t = time.perf_counter()

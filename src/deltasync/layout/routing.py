@@ -21,7 +21,7 @@ stores.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -80,6 +80,35 @@ def _given_values(name: str, indices: torch.Tensor, values: torch.Tensor) -> tor
             "indices; pass the pair from one changed_values() call"
         )
     return values.cpu()
+
+
+def checked_changes(changes: Iterable[Change]) -> Iterator[Change]:
+    """A tracker's change stream (``iter_changes()``), checked lazily item by item.
+
+    Args:
+        changes: ``(name, sorted int64 indices, bf16 values)`` triples.
+
+    Returns:
+        The same triples; a malformed item raises ConfigError when it is reached, before
+        anything of it is routed.
+    """
+    if isinstance(changes, Mapping):
+        raise ConfigError(
+            "changes must be a stream of (name, indices, bf16 values) triples, e.g. "
+            "tracker.iter_changes(), not a dict"
+        )
+    for item in changes:
+        if not isinstance(item, tuple) or len(item) != 3 or not isinstance(item[0], str):
+            raise ConfigError(
+                "a stream of changes yields (name, indices, bf16 values) triples (a tracker's "
+                f"iter_changes()), got {type(item).__name__}"
+                + (f" of length {len(item)}" if isinstance(item, tuple) else "")
+            )
+        name, indices, values = item
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+            raise ConfigError(f"changes for {name!r}: indices must be a 1-D tensor of flat indices")
+        _given_values(name, indices, values)
+        yield item
 
 
 def canonical_changes(

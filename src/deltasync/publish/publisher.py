@@ -55,7 +55,9 @@ from deltasync.format import full_updates
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import shard_digests, state_digests
 from deltasync.layout.routing import (
+    Change,
     ShardTensors,
+    checked_changes,
     every_element_stream,
     full_shard_tensors,
     shard_updates,
@@ -65,7 +67,6 @@ from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.report import PublishReport
 from deltasync.publish.streams import ShardStreams
-from deltasync.publish.updates import change_source
 from deltasync.store import Store
 
 Params = Mapping[str, torch.Tensor]
@@ -116,25 +117,33 @@ class Publisher:
     def publish(
         self,
         version: int,
-        changed: Mapping[str, torch.Tensor] | Iterable[tuple],
+        changes: Iterable[Change],
         params: Params,
         *,
         anchor: bool = False,
         since: int | None | object = _OWN,
         full_state: FullState | None = None,
-        values: Params | None = None,
     ) -> PublishReport:
-        """Publish ``version``: ``changed`` (a tracker's output: this rank's changed flat
-        indices per param) lists every element that differs from version ``since`` (default:
-        the version this publisher last committed); ``params`` are this rank's current
-        (fp32 master or BF16) parameters. Returns once the version is committed.
+        """Publish ``version`` and return once it is committed.
 
-        ``changed`` is a dict ``{name: indices}`` (with ``values`` optionally holding, per
-        param, the current BF16 values at those indices, as a tracker's ``changed_values()``
-        returns them; otherwise they are gathered from ``params``), or a lazy stream of
-        ``(name, indices[, values])`` tuples in ``params`` order, e.g.
-        ``tracker_stream(tracker)``: then detection runs as this method consumes it, and each
-        group of parameters is routed, encoded and uploading while the next is detected."""
+        Args:
+            version: the version number to commit (a retry of a committed one is recognised).
+            changes: ``(name, sorted int64 indices, bf16 values)`` per changed parameter, in
+                ``params`` order, each parameter at most once: a tracker's ``iter_changes()``
+                (then detection runs as this method consumes it, and each group of parameters
+                is routed, encoded and uploading while the next is detected), or a list of
+                such triples. The indices are this rank's flat indices and list every element
+                that differs from version ``since``. Ignored for an anchor.
+            params: this rank's current (fp32 master or BF16) parameters.
+            anchor: publish a full version from ``params`` instead of a delta.
+            since: the version ``changes`` are relative to (default: the version this
+                publisher last committed); None when unknown, which makes this an anchor.
+            full_state: the FULL parameters (or a callable returning them) when this rank
+                holds a shard of them: the committer hashes the resulting state from them.
+
+        Returns:
+            A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
+        """
         t0 = time.perf_counter()
         names.check_version(version)
         cfg = self.config
@@ -156,7 +165,7 @@ class Publisher:
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
-            source = change_source(changed, params, values)  # a dict is checked here
+            source = checked_changes(changes)
 
         t = time.perf_counter()
         digest_job = None

@@ -9,28 +9,20 @@ elements sent twice are harmless.
 ``synchronous=True`` also waits for the acknowledgements of the given receivers after each
 commit (synchronous RL); the version stays committed if that wait times out.
 
-This class knows the tracker contract (``changed()``, ``clear()``, optionally
-``changed_values()``) and Publisher; nothing else.
+This class knows the tracker protocol (:class:`deltasync.trainer.Tracker`: ``iter_changes()``
+and ``clear()``) and Publisher; nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from deltasync.errors import ConfigError
 from deltasync.publish.publisher import Publisher
 from deltasync.publish.report import PublishReport
-from deltasync.publish.updates import tracker_changes, tracker_stream
-
-
-class Tracker(Protocol):
-    def changed(self) -> dict[str, torch.Tensor]: ...
-
-    def clear(self) -> None: ...
-
+from deltasync.trainer import Tracker
 
 Params = Mapping[str, torch.Tensor]
 
@@ -73,16 +65,16 @@ class TrainerSync:
         clear the tracker. On any failure the tracker keeps its bits and the exception
         propagates: call again (same or a later version) to retry."""
         params = self._params() if callable(self._params) else self._params
-        if len(self.publishers) == 1:
-            # Lazy: each group is detected while the previous one is encoded and uploading.
-            changed, values = tracker_stream(self.tracker), None
-        else:  # every publisher needs the same changes: detect once, keep them
-            changed, values = tracker_changes(self.tracker)
+        changes: Iterable = self.tracker.iter_changes()
+        if len(self.publishers) > 1:  # every publisher needs the same changes: detect once
+            changes = list(changes)
+        # With one publisher the stream is lazy: each group is detected while the previous
+        # one is encoded and uploading.
         reports = [
             pub.publish(
-                version, changed, params, anchor=anchor, since=self.baseline,
-                full_state=self._full_state, values=values,
-            )  # fmt: skip
+                version, changes, params, anchor=anchor, since=self.baseline,
+                full_state=self._full_state,
+            )
             for pub in self.publishers
         ]
         # Committed everywhere: the new baseline is this version's state.
