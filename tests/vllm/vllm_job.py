@@ -1,10 +1,17 @@
-"""One vLLM engine in its own process (vLLM keeps global state; one engine per process).
+"""One vLLM engine in its own process (vLLM keeps global state: one engine per process).
 
-``python vllm_job.py SPEC.json``: start an engine from ``spec["checkpoint"]`` with the deltasync
-worker extension, optionally prepare it (``mode``), dense-load ``load`` (a torch file of
-``{shard: {name: tensor}}``), apply the blobs in ``blobs`` (``[[version, path], ...]``), and
-generate greedily with logprobs from ``prompts`` before and after; save both, and the shard's
-state, to ``spec["out"]``.
+``python vllm_job.py SPEC.json`` runs in ``.venv-vllm``. Two kinds of job:
+
+- ``"fresh"``: start an engine from the dense checkpoint ``spec["checkpoint"]`` and generate;
+- ``"synced"``: the trainer and the engine of an RL loop in one process. A transformers Qwen3
+  (fp32 masters, AdamW) publishes version 0 (an anchor) to a store with ``TrainerSync`` and
+  writes it as the checkpoint the engine starts from; then for each version it steps,
+  publishes, and tells the engine to take it through vLLM's weight-transfer API with backend
+  ``"deltasync"`` (``DeltaSyncTrainerEngine`` over ``LLMClient``); a raw ``Receiver`` on plain
+  tensors pulls the same versions for comparison. Last, one more version is published, one
+  byte of its blob is flipped in the store, and the engine is told to take it: the error and
+  the generation after it are recorded. Saves generations, the worker's tensors, the dense
+  split and checkpoint of the last good version, and timings to ``spec["out"]``.
 """
 
 from __future__ import annotations
@@ -12,58 +19,317 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc runs in-process
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and RPCs in-process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
 
 
-def main(path: str) -> None:
-    from vllm import LLM, SamplingParams
+def start_llm(spec: dict, checkpoint: str, *, backend: bool):
+    from vllm import LLM
 
-    with open(path) as f:
-        spec = json.load(f)
-    llm = LLM(
-        model=spec["checkpoint"],
+    kwargs = {"weight_transfer_config": {"backend": "deltasync"}} if backend else {}
+    return LLM(
+        model=checkpoint,
         skip_tokenizer_init=True,
         dtype=spec["dtype"],
-        enforce_eager=True,  # a compiled graph would keep the kernels it captured
+        enforce_eager=True,  # packed CPU kernels are rebuilt after updates
         max_model_len=64,
         max_num_seqs=8,
         seed=0,
-        worker_extension_cls="deltasync.engines.vllm_ext.VllmWorkerExtension",
+        **kwargs,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=5,
-                            detokenize=False)  # fmt: skip
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
-    def generate() -> tuple[list, list]:
-        results = llm.generate(prompts, params, use_tqdm=False)
-        tokens = [list(r.outputs[0].token_ids) for r in results]
-        logprobs = [
-            [{tok: lp.logprob for tok, lp in step.items()} for step in r.outputs[0].logprobs]
-            for r in results
-        ]
-        return tokens, logprobs
 
-    out: dict = {"before": generate()}
-    if spec.get("mode"):
-        out["prepare"] = llm.collective_rpc(
-            "deltasync_prepare", args=(spec["mode"], spec["version"])
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, detokenize=False)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(r.outputs[0].token_ids) for r in results]
+    logprobs = [
+        [{tok: lp.logprob for tok, lp in step.items()} for step in r.outputs[0].logprobs]
+        for r in results
+    ]
+    return tokens, logprobs
+
+
+def worker_state(worker) -> dict:
+    """Runs inside the worker (collective_rpc): the backend's view of its shard."""
+    engine = worker.weight_transfer_engine
+    report = engine.last_report
+    return {
+        "shard": engine.shard.shard,
+        "path": engine.shard.path,
+        "packed": engine.shard.packed,
+        "mirrored": engine.shard.mirrored,
+        "weight_version": engine.weight_version,
+        "tensors": {n: t.detach().cpu().clone() for n, t in engine.shard.targets.items()},
+        "report": None if report is None else vars(report),
+        "pause_s": engine.last_pause_s,
+        "update_s": engine.last_update_s,
+    }
+
+
+def save_checkpoint(directory: Path, cfg: dict, canonical: dict) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in canonical.items()}, str(directory / "model.safetensors")
+    )
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+def corrupt_blob(store_dir: Path, version: int) -> str:
+    (blob,) = sorted((store_dir / f"v{version:08d}").rglob("*.blob"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    return str(blob)
+
+
+class Trainer:
+    """A transformers Qwen3 (fp32 masters, AdamW) publishing every version with TrainerSync."""
+
+    def __init__(self, spec: dict) -> None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from deltasync import (
+            AdamWTracker,
+            LocalStore,
+            ModelSpec,
+            Publisher,
+            PublisherConfig,
+            ReceiverLayout,
+            TrainerLayout,
+            TrainerSync,
         )
-        if spec.get("load"):
-            llm.collective_rpc("deltasync_load", args=(torch.load(spec["load"]), spec["version"]))
-        written = 0
-        for version, blob_path in spec.get("blobs", []):
-            with open(blob_path, "rb") as f:
-                blob = f.read()
-            written += sum(
-                llm.collective_rpc("deltasync_apply", args=({"tp0": blob}, version, version - 1))
-            )
-        out["written"] = written
-        out["state"] = llm.collective_rpc("deltasync_state")[0]
-    out["tokens"], out["logprobs"] = generate()
+
+        cfg = spec["config"]
+        self.vocab = cfg["vocab_size"]
+        torch.manual_seed(0)
+        hf = Qwen3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+        self.model = Qwen3ForCausalLM(hf)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"], weight_decay=0.01)
+        mspec = ModelSpec.from_hf_config(cfg)
+        self.trainer_layout = TrainerLayout(mspec)
+        self.layout = ReceiverLayout.build(mspec, engine="vllm", tp=1)
+        self.store_dir = Path(spec["tmp"]) / "store"
+        publisher = Publisher(
+            LocalStore(self.store_dir, durable=False), receiver_layout=self.layout,
+            config=PublisherConfig(anchor_every=50),
+        )  # fmt: skip
+        self.params = dict(self.model.named_parameters())
+        tracker = AdamWTracker(self.opt, self.model.named_parameters())
+        self.sync = TrainerSync(tracker, publisher, self.params)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.vocab, (4, 12), generator=self.gen)
+        self.opt.zero_grad()
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()
+
+    def publish(self, version: int) -> None:
+        self.sync.step_published(version)
+
+    def canonical(self) -> dict:
+        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
+        return self.trainer_layout.to_canonical(bf16)
+
+
+def synced(spec: dict) -> dict:
+    from deltasync import LocalStore, Receiver, ReceiverConfig
+    from deltasync.engines.vllm_trainer import (
+        DeltaSyncTrainerEngine,
+        DeltaSyncTrainerInitInfo,
+        LLMClient,
+    )
+
+    tmp = Path(spec["tmp"])
+    cfg = spec["config"]
+    trainer = Trainer(spec)
+    layout, store_dir = trainer.layout, trainer.store_dir
+    train_step, canonical = trainer.step, trainer.canonical
+    trainer.publish(0)
+    save_checkpoint(tmp / "v0", cfg, canonical())
+    llm = start_llm(spec, str(tmp / "v0"), backend=True)
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    out: dict = {"gen": {0: generate(llm, prompts, max_tokens)}, "timings": []}
+    info = DeltaSyncTrainerInitInfo(
+        rank=0, store=str(store_dir), receiver_id="engine0", state_dir=str(tmp / "engine-state"),
+        durable=False,
+    )  # fmt: skip
+    engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
+    raw_tensors = {
+        n: torch.zeros(s.shape, dtype=s.dtype) for n, s in layout.local_specs("tp0").items()
+    }
+    raw = Receiver.for_layout(
+        LocalStore(store_dir, durable=False), layout, "tp0", raw_tensors, str(tmp / "raw-state"),
+        ReceiverConfig(receiver_id="raw", durable=False),
+    )  # fmt: skip
+    raw.pull()  # version 0, so both receivers then apply the same deltas
+    n = spec["versions"]
+    for version in range(1, n + 1):
+        train_step()
+        trainer.publish(version)
+        t0 = time.perf_counter()
+        if version == 2:  # stage, serve while the workers fetch and verify, then apply
+            engine.stage(version)
+            out["gen_while_staging"] = generate(llm, prompts, max_tokens)
+            engine.apply(version)
+        else:
+            engine.send_weights(version)
+        api_s = time.perf_counter() - t0
+        (state,) = llm.collective_rpc(lambda worker: {
+            k: v for k, v in worker_state(worker).items() if k != "tensors"
+        })  # fmt: skip
+        raw_report = raw.pull()
+        out["timings"].append({
+            "version": version, "api_s": api_s, "worker_update_s": state["update_s"],
+            "worker_pause_s": state["pause_s"], "worker_report": state["report"],
+            "raw_total_s": raw_report.total_s, "raw_pause_s": raw_report.pause_s,
+            "raw_stage_s": raw_report.stage_s, "raw_verify_s": raw_report.verify_s,
+        })  # fmt: skip
+        out["gen"][version] = generate(llm, prompts, max_tokens)
+    (out["state"],) = llm.collective_rpc(worker_state)
+    out["split"] = layout.split(canonical())["tp0"]
+    out["raw_tensors"] = {k: v.clone() for k, v in raw_tensors.items()}
+    out["weight_version_api"] = llm.get_weight_version()
+    save_checkpoint(tmp / f"v{n}", cfg, canonical())
+
+    # A corrupted blob: the update must raise through vLLM's API and change nothing.
+    train_step()
+    trainer.publish(n + 1)
+    out["corrupted_blob"] = corrupt_blob(store_dir, n + 1)
+    try:
+        engine.send_weights(n + 1)
+        out["corrupt_error"] = None
+    except Exception as exc:  # recorded for the test to judge
+        out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
+    (after,) = llm.collective_rpc(worker_state)
+    out["state_after_corrupt"] = {k: after[k] for k in ("weight_version", "tensors")}
+    out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
+    return out
+
+
+def served(spec: dict) -> dict:
+    """``vllm serve``'s OpenAI server with the RL routes, driven over HTTP by the trainer."""
+    import socket
+    import subprocess
+
+    import requests
+
+    from deltasync.engines.vllm_trainer import (
+        DeltaSyncTrainerEngine,
+        DeltaSyncTrainerInitInfo,
+        HTTPClient,
+    )
+
+    tmp = Path(spec["tmp"])
+    trainer = Trainer(spec)
+    trainer.publish(0)
+    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: engine core process
+    log = open(tmp / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp / "v0"),
+         "--skip-tokenizer-init", "--dtype", spec["dtype"], "--enforce-eager",
+         "--max-model-len", "64", "--max-num-seqs", "8", "--seed", "0", "--host", "127.0.0.1",
+         "--port", str(port), "--weight-transfer-config", json.dumps({"backend": "deltasync"})],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    out: dict = {"gen": {}, "timings": []}
+    try:
+        deadline = time.monotonic() + spec.get("start_timeout_s", 400)
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode}; see server.log")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not answer /health in time")
+            time.sleep(1)
+
+        def complete() -> tuple[list, list]:
+            tokens, logprobs = [], []
+            for prompt in spec["prompts"]:
+                r = requests.post(f"{url}/v1/completions", json={
+                    "model": str(tmp / "v0"), "prompt": prompt, "max_tokens": spec["max_tokens"],
+                    "temperature": 0.0, "logprobs": 5, "return_tokens_as_token_ids": True,
+                    "return_token_ids": True,
+                }, timeout=60)  # fmt: skip
+                r.raise_for_status()
+                choice = r.json()["choices"][0]
+                tokens.append(choice["token_ids"])
+                logprobs.append([
+                    {int(k.split(":")[1]): v for k, v in step.items()}
+                    for step in choice["logprobs"]["top_logprobs"]
+                ])  # fmt: skip
+            return tokens, logprobs
+
+        out["gen"][0] = complete()
+        client = HTTPClient(url)
+        info = DeltaSyncTrainerInitInfo(
+            rank=0, store=str(trainer.store_dir), receiver_id="served0",
+            state_dir=str(tmp / "served-state"), durable=False,
+        )  # fmt: skip
+        engine = DeltaSyncTrainerEngine.trainer_init(info, client=client)
+        n = spec["versions"]
+        for version in range(1, n + 1):
+            trainer.step()
+            trainer.publish(version)
+            t0 = time.perf_counter()
+            engine.send_weights(version)
+            out["timings"].append({"version": version, "api_s": time.perf_counter() - t0,
+                                   **engine.last_timings})  # fmt: skip
+            out["gen"][version] = complete()
+        out["weight_info"] = requests.get(f"{url}/weight_info", timeout=10).json()
+        out["split"] = trainer.layout.split(trainer.canonical())["tp0"]
+        save_checkpoint(tmp / f"v{n}", spec["config"], trainer.canonical())
+        trainer.step()
+        trainer.publish(n + 1)
+        corrupt_blob(trainer.store_dir, n + 1)
+        try:
+            engine.send_weights(n + 1)
+            out["corrupt_error"] = None
+        except requests.HTTPError as exc:
+            out["corrupt_error"] = f"HTTP {exc.response.status_code}: {exc.response.text[:500]}"
+        out["paused_after_corrupt"] = requests.get(f"{url}/is_paused", timeout=10).json()
+        out["gen_after_corrupt"] = complete()
+        out["weight_info_after_corrupt"] = requests.get(f"{url}/weight_info", timeout=10).json()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    return out
+
+
+def main(path: str) -> None:
+    spec = json.loads(Path(path).read_text())
+    if spec["kind"] == "fresh":
+        llm = start_llm(spec, spec["checkpoint"], backend=False)
+        out = {"gen": generate(llm, spec["prompts"], spec["max_tokens"])}
+    elif spec["kind"] == "served":
+        out = served(spec)
+    else:
+        out = synced(spec)
     torch.save(out, spec["out"])
 
 

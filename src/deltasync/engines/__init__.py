@@ -4,8 +4,10 @@
 - :class:`HFEngine` (``hf``): a transformers model, the ``hf`` shard, written in place;
 - :class:`TPQwen3Engine` (``tp_qwen3``): vLLM-convention TP shards with a forward pass that
   proves them right;
-- ``vllm_ext.VllmWorkerExtension``: inside a vLLM worker (imported by vLLM by its dotted name,
-  never from here, so this package does not need vLLM installed).
+- vLLM's weight-transfer backend ``"deltasync"``: ``vllm_plugin`` (the ``vllm.general_plugins``
+  entry point), ``vllm_backend`` (worker side), ``vllm_trainer`` (trainer side),
+  ``vllm_shard`` (a worker's live tensors and packed CPU kernels). Imported by vLLM or by the
+  caller, never from here, so this package does not need vLLM installed.
 """
 
 from deltasync.engines.base import UNLOADED, EngineAdapter, TensorDictEngine, load_dense

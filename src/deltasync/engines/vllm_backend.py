@@ -1,0 +1,336 @@
+"""deltasync as a vLLM weight-transfer backend (worker side): versions pulled from a store.
+
+vLLM's four-phase weight-transfer API calls, on every worker:
+
+1. ``init_weight_transfer_engine(init_info)`` -> :meth:`DeltaSyncWeightTransferEngine.init_transfer_engine`:
+   find this worker's receiver shard (:class:`~deltasync.engines.vllm_shard.VllmShard`: TP/EP
+   rank from vLLM's parallel state, layout from its HF config, the live parameters as targets)
+   and open a :class:`~deltasync.Receiver` on the store named in ``init_info``
+   (:class:`DeltaSyncInitInfo`);
+2. per update ``start_weight_update()``: begin a session (nothing is read yet);
+3. ``update_weights(update_info)`` (:class:`DeltaSyncUpdateInfo`), one or two calls:
+
+   - ``{"version": N, "phase": "stage"}`` starts the pull on a worker-side thread and returns at
+     once: the manifests, blobs, digests and decoding are fetched and checked while the
+     engine keeps serving; the thread then waits before its first write;
+   - ``{"version": N}`` (phase ``"apply"``) lets a staged pull write, or runs the whole pull
+     now if none was staged: journal, scatter in place, post-load refresh of packed CPU
+     kernels, digest check. vLLM runs this RPC between model steps, so this call is the
+     engine's pause; with ``"stage"`` first it covers the scatter only.
+
+4. ``finish_weight_update()``: close the session and record the verified version
+   (:attr:`DeltaSyncWeightTransferEngine.weight_version`). The prefix cache is the
+   scheduler's, not the worker's: the trainer side resets it after this call
+   (:mod:`deltasync.engines.vllm_trainer`).
+
+``version`` must be the newest committed version of the store: a receiver pulls the newest
+version, and takes nothing else. Any failure raises through vLLM's API (the RPC re-raises on
+the caller) and leaves the worker at its previous verified version: a bad manifest, blob or
+chain is found while staging, before anything is written.
+
+Registered as backend ``"deltasync"`` by :mod:`deltasync.engines.vllm_plugin` (a
+``vllm.general_plugins`` entry point). This module imports vLLM: only vLLM's factory loads it.
+It knows the weight-transfer protocol and the pull's threading; stores, chains and digests are
+the Receiver's, kernels and layouts the shard's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from deltasync import PullReport, Receiver, ReceiverConfig, S3Config, open_store
+from deltasync.engines.vllm_shard import ShardPlace, VllmShard
+from deltasync.errors import ApplyError, ConfigError, VersionError
+
+log = logging.getLogger(__name__)
+
+PHASES = ("stage", "apply")
+
+
+@dataclass
+class DeltaSyncInitInfo(WeightTransferInitInfo):
+    """What ``init_weight_transfer_engine`` receives (JSON-safe: it also travels over HTTP).
+
+    - ``store``: the store URL the trainer publishes to (a path, ``file://``, ``s3://``);
+    - ``receiver_id``: this engine replica's name; each worker acks as
+      ``{receiver_id}-{shard}`` (data-parallel replicas need distinct ids);
+    - ``state_dir``: a directory of this engine's own; each worker keeps its journal and
+      verified version in ``{state_dir}/{receiver_id}-{shard}``;
+    - ``signing_key_hex``: the manifests' HMAC key as hex, when the trainer signs;
+    - ``s3``: :class:`~deltasync.S3Config` fields for an ``s3://`` store;
+    - ``path``: ``"auto"``, ``"inplace"`` or ``"repack"`` (see :mod:`.vllm_shard`);
+    - ``durable``: fsync the journal and state file (False only on scratch disks).
+    """
+
+    store: str
+    receiver_id: str
+    state_dir: str
+    signing_key_hex: str | None = None
+    s3: dict[str, Any] | None = None
+    path: str = "auto"
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("store", "receiver_id", "state_dir"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"DeltaSyncInitInfo.{name} must be a non-empty string")
+        if self.s3 is not None and not isinstance(self.s3, dict):
+            raise ConfigError("DeltaSyncInitInfo.s3 must be a dict of S3Config fields or None")
+        if not isinstance(self.durable, bool):
+            raise ConfigError("DeltaSyncInitInfo.durable must be a bool")
+
+    def signing_key(self) -> bytes | None:
+        if self.signing_key_hex is None:
+            return None
+        try:
+            return bytes.fromhex(self.signing_key_hex)
+        except ValueError:
+            raise ConfigError("DeltaSyncInitInfo.signing_key_hex is not hex") from None
+
+
+@dataclass
+class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+    """What one ``update_weights`` call receives: the version to take and the phase."""
+
+    version: int
+    phase: str = "apply"
+    extra: dict[str, Any] = field(default_factory=dict)  # ignored; room for later fields
+
+    def __post_init__(self) -> None:
+        v = self.version
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"DeltaSyncUpdateInfo.version must be an int >= 0, got {v!r}")
+        if self.phase not in PHASES:
+            raise ConfigError(
+                f"DeltaSyncUpdateInfo.phase must be one of {PHASES}, got {self.phase!r}"
+            )
+
+
+class _StagedPull:
+    """One pull on its own thread, held before its first write until :meth:`release`.
+
+    The Receiver enters :meth:`gate` right before its scatter (after the journal is written);
+    the gate waits there until the worker thread, inside ``update_weights``, releases it."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.staged = threading.Event()
+        self._go = threading.Event()
+        self._cancelled = False
+        self.report: PullReport | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def gate(self) -> Iterator[None]:
+        self.staged.set()
+        self._go.wait()
+        if self._cancelled:
+            raise ApplyError(
+                f"the staged update to version {self.version} was cancelled before its first "
+                "write; nothing was written (the journal is replayed by the next update)"
+            )
+        yield
+
+    def release(self) -> None:
+        self._go.set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._go.set()
+
+
+class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
+    """The worker side of backend ``"deltasync"``; see the module docstring."""
+
+    init_info_cls = DeltaSyncInitInfo
+    update_info_cls = DeltaSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.shard: VllmShard | None = None
+        self.receiver: Receiver | None = None
+        self.weight_version: int | None = None  # recorded by finish_weight_update
+        self.last_report: PullReport | None = None
+        self.last_update_s = 0.0  # wall time of the last apply call (this worker)
+        self.last_pause_s = 0.0  # the scatter and kernel refresh (this worker)
+        self._staged: _StagedPull | None = None
+        self._gate: _StagedPull | None = None  # the staged pull whose scatter waits for apply
+        self._touched: set[str] = set()
+        self._active = False
+
+    # --- phase 1 --------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        """Build this worker's shard and its receiver. Args: ``init_info``, see
+        :class:`DeltaSyncInitInfo`."""
+        place = ShardPlace.from_vllm(self.parallel_config)
+        eager = bool(getattr(self.model_config, "enforce_eager", False))
+        self.shard = VllmShard(
+            self.model, self.model_config.hf_config, place, path=init_info.path, eager=eager
+        )
+        s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
+        store = open_store(init_info.store, s3=s3, durable=init_info.durable)
+        rid = f"{init_info.receiver_id}-{self.shard.shard}"
+        state_dir = Path(init_info.state_dir) / rid
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.receiver = Receiver.for_layout(
+            store, self.shard.layout, self.shard.shard, self.shard.targets, str(state_dir),
+            ReceiverConfig(
+                receiver_id=rid, signing_key=init_info.signing_key(), durable=init_info.durable
+            ),
+            pause=self._pause, on_tensor_written=self._touched.add,
+        )  # fmt: skip
+        self.weight_version = None if self.receiver.dirty else self.receiver.version
+        log.info(
+            "deltasync receiver %s on %s: shard %s, path %s, at version %s",
+            rid, init_info.store, self.shard.shard, self.shard.path, self.weight_version,
+        )  # fmt: skip
+
+    def _receiver(self) -> Receiver:
+        if self.receiver is None:
+            raise ConfigError(
+                "backend 'deltasync' is not initialised: call init_weight_transfer_engine "
+                "with DeltaSyncInitInfo fields first"
+            )
+        return self.receiver
+
+    # --- phases 2-4 -----------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        self._receiver()
+        self._cancel_staged()
+        self._active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # No device synchronize: the scatter runs on this thread (CPU) or on the current
+        # stream, and the digest check after it reads every written tensor back.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
+        """Stage or apply ``update_info.version``; raises on any failure, with the worker at
+        its previous verified version."""
+        receiver = self._receiver()
+        if not self._active:
+            raise ConfigError("call start_weight_update before update_weights")
+        version = update_info.version
+        if update_info.phase == "stage":
+            self._cancel_staged()
+            self._check_newest(receiver, version)
+            self._staged = self._start_staging(receiver, version)
+            return
+        t0 = time.perf_counter()
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.version != version:
+            staged.cancel()
+            staged.thread.join()
+            staged = None
+        if staged is None:
+            if not receiver.dirty and receiver.version == version:
+                return  # already there (a retried update)
+            self._check_newest(receiver, version)
+            report = self._pull(receiver)
+        else:
+            staged.release()
+            staged.thread.join()
+            if staged.error is not None:
+                raise staged.error
+            report = staged.report
+        self.last_update_s = time.perf_counter() - t0
+        self.last_report = report
+        if report.version != version:
+            raise VersionError(
+                f"shard {self.shard.shard!r} now holds version {report.version} (verified), not "
+                f"the requested {version}: the store committed a newer version meanwhile"
+            )
+        log.info(
+            "deltasync shard %s: version %s -> %s (chain %s, %d elements, pause %.3f s)",
+            self.shard.shard, report.previous_version, report.version, report.chain,
+            report.elements_written, self.last_pause_s,
+        )  # fmt: skip
+
+    def finish_weight_update(self) -> None:
+        receiver = self._receiver()
+        if self._staged is not None:
+            self._cancel_staged()
+            raise ApplyError(
+                "finish_weight_update with a staged update that was never applied: call "
+                "update_weights with phase 'apply' first; nothing was written"
+            )
+        self._active = False
+        self.weight_version = None if receiver.dirty else receiver.version
+
+    def shutdown(self) -> None:
+        self._cancel_staged()
+        self._active = False
+
+    # --- the pull -------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_newest(receiver: Receiver, version: int) -> None:
+        latest = receiver.catalog.latest()
+        if latest is None or latest < version:
+            raise VersionError(
+                f"version {version} is not committed in the store (newest: {latest}); publish "
+                "it (TrainerSync.step_published) before telling the engines to take it"
+            )
+        if latest > version:
+            raise VersionError(
+                f"version {version} is older than the store's newest committed version {latest}; "
+                f"a receiver takes the newest: request version {latest}. Nothing was written"
+            )
+
+    def _pull(self, receiver: Receiver, gate: _StagedPull | None = None) -> PullReport:
+        # One pull at a time per worker: the apply call joins a staged thread before it pulls.
+        self._gate = gate
+        self._touched.clear()
+        return receiver.pull()
+
+    def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
+        staged = _StagedPull(version)
+
+        def run() -> None:
+            try:
+                staged.report = self._pull(receiver, staged)
+            except BaseException as exc:  # re-raised on the worker thread by the apply call
+                staged.error = exc
+            finally:
+                staged.staged.set()
+
+        staged.thread = threading.Thread(target=run, name="deltasync-stage", daemon=True)
+        staged.thread.start()
+        return staged
+
+    def _cancel_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.cancel()
+            staged.thread.join()
+
+    @contextlib.contextmanager
+    def _pause(self) -> Iterator[None]:
+        """The receiver's pause: entered right before the scatter, left after it."""
+        gate, self._gate = self._gate, None
+        with gate.gate() if gate is not None else contextlib.nullcontext():
+            t = time.perf_counter()
+            yield
+            # Packed CPU kernels are rebuilt from the masters that changed, before the
+            # engine may compute again (vLLM's post-load processing; see vllm_shard).
+            self.shard.refresh(self._touched)
+            self.last_pause_s = time.perf_counter() - t

@@ -1,0 +1,254 @@
+"""The live tensors of one vLLM worker's receiver shard, and how writes reach its kernels.
+
+:class:`VllmShard` is built inside a vLLM worker from the worker's own model and configs: the
+TP/EP rank and sizes come from vLLM's parallel state, the model family from its HF config, and
+the receiver layout (``ReceiverLayout.build(spec, engine="vllm", tp=..., ep=...)``) says which
+local tensors the shard holds. ``targets`` are what a :class:`~deltasync.Receiver` writes into.
+
+Where a write lands (:attr:`VllmShard.path`):
+
+- ``inplace`` (GPU workers, and CPU builds whose linear kernels read ``layer.weight`` on every
+  call): every target *is* the parameter the engine computes with. An update is a scatter of
+  the changed elements, O(changed); nothing else runs.
+- ``repack`` (vLLM's CPU backend where linear kernels prepack): after loading, vLLM's
+  post-load processing (``quant_method.process_weights_after_loading`` ->
+  ``dispatch_cpu_unquantized_gemm``) reorders each linear weight into a oneDNN / SGL-kernel
+  buffer of its own and replaces ``layer.weight`` with an empty tensor (``lm_head`` keeps its
+  tensor but computes with the packed copy). Writes into the parameter never reach such a
+  kernel. Here each packed layer gets a plain BF16 *master* of its receiver-shard shape, the
+  receiver scatters into the master, and :meth:`refresh` re-runs vLLM's own post-load
+  processing for the layers whose masters changed, from the master. Same kernel choice, same
+  packing code, so outputs equal a fresh engine loaded with the same weights bit for bit.
+  Costs: one extra copy of the packed layers' weights (master + packed), and each touched
+  layer is repacked, O(layer size), per update. The packed layers' values are gone after
+  load, so the masters start unknown and the first update restores the newest anchor.
+
+Which layers are packed is measured, not assumed (:func:`kernel_reads_weight`). A packed CPU
+engine must run with ``enforce_eager=True``: a compiled graph keeps the kernel it captured.
+
+This module imports vLLM only inside functions that run in a worker. It knows the model's
+modules and the receiver layout; nothing about stores, versions or the weight-transfer API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltasync import ModelSpec, ReceiverLayout
+from deltasync.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PATHS = ("inplace", "repack")
+
+
+def kernel_reads_weight(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """True if ``layer.cpu_linear`` computes with the weight it is called with (so in-place
+    writes reach it); False if it computes with a packed copy of its own.
+
+    Probe: call it with a random weight and with its negation. A kernel that reads the argument
+    returns different outputs; a packed kernel returns the same bits both times."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.ones((1, weight.shape[1]), dtype=weight.dtype)
+    probe = torch.randn(tuple(weight.shape), generator=gen).to(weight.dtype)
+    with torch.no_grad():
+        a = layer.cpu_linear(x, probe, None)
+        b = layer.cpu_linear(x, -probe, None)
+    return not torch.equal(a, b)
+
+
+@dataclass(frozen=True)
+class ShardPlace:
+    """Where a vLLM worker sits: its TP rank/size and EP rank/size (EP = 1 when off)."""
+
+    tp_rank: int
+    tp: int
+    ep_rank: int = 0
+    ep: int = 1
+
+    @classmethod
+    def from_vllm(cls, parallel_config: Any) -> ShardPlace:
+        """Read this worker's place from vLLM's parallel state and config (in a worker)."""
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        tp_rank = get_tensor_model_parallel_rank()
+        tp = get_tensor_model_parallel_world_size()
+        if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
+            raise ConfigError(
+                "deltasync's vLLM layouts cover TP and EP; pipeline_parallel_size must be 1"
+            )
+        if not getattr(parallel_config, "enable_expert_parallel", False):
+            return cls(tp_rank=tp_rank, tp=tp)
+        # vLLM's expert-parallel group spans TP x DP: EP rank = dp_rank * tp + tp_rank.
+        dp = int(getattr(parallel_config, "data_parallel_size", 1))
+        dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0))
+        return cls(tp_rank=tp_rank, tp=tp, ep_rank=dp_rank * tp + tp_rank, ep=tp * dp)
+
+
+class VllmShard:
+    """One worker's receiver shard: layout, shard id, write targets, packed layers.
+
+    ``model`` is the worker's live model (``model_runner.get_model()``), ``hf_config`` its
+    ``model_config.hf_config``. ``path`` is ``"auto"`` (measure), ``"inplace"`` (refuse a
+    packed kernel) or ``"repack"``. ``eager``: whether the engine runs without a compiled
+    graph (required for ``repack``)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config: Any,
+        place: ShardPlace,
+        *,
+        path: str = "auto",
+        eager: bool = True,
+    ) -> None:
+        if path not in ("auto", *PATHS):
+            raise ConfigError(f"path must be one of {('auto', *PATHS)}, got {path!r}")
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.layout = ReceiverLayout.build(self.spec, engine="vllm", tp=place.tp, ep=place.ep)
+        self.place = place
+        self.shard = self._shard_id(place)
+        self.specs = self.layout.local_specs(self.shard)
+        live = dict(model.named_parameters())
+        missing = [n for n in self.specs if n not in live]
+        if missing:
+            raise ConfigError(
+                f"the vLLM model has no parameters {missing[:4]} of receiver shard "
+                f"{self.shard!r}; is this the model of the store, served with tp={place.tp}?"
+            )
+        self.targets: dict[str, torch.Tensor] = {}
+        # local name -> the engine tensor a BF16 master mirrors (None: packing dropped it),
+        # its dtype, and the layers whose packed kernels are built from it
+        self._mirrors: dict[str, tuple[torch.Tensor | None, torch.dtype, list[torch.nn.Module]]]
+        self._mirrors = {}
+        self._lost = False
+        for name, spec in self.specs.items():
+            p = live[name].data
+            layer = model.get_submodule(name.rpartition(".")[0])
+            packed = _is_packed(layer, p)
+            if p.numel() and tuple(p.shape) != spec.shape:
+                raise ConfigError(
+                    f"vLLM parameter {name!r} is {tuple(p.shape)}; the receiver layout of "
+                    f"shard {self.shard!r} says {spec.shape}"
+                )
+            if not p.is_floating_point():
+                raise ConfigError(f"vLLM parameter {name!r} is {p.dtype}, not a float tensor")
+            if not packed and p.dtype == spec.dtype:
+                self.targets[name] = p  # the engine computes with this very tensor
+                continue
+            # A BF16 master the receiver writes into: the packed kernel owns the values (the
+            # parameter is empty, or for lm_head a tensor the kernel ignores), or the engine
+            # computes in a wider dtype (fp32 holds BF16 values exactly, so widening is exact).
+            if p.numel():
+                master = p.to(spec.dtype)
+            else:
+                master = torch.zeros(spec.shape, dtype=spec.dtype, device=p.device)
+                self._lost = True
+            self.targets[name] = master
+            self._mirrors[name] = (p if p.numel() else None, p.dtype, [layer] if packed else [])
+        self._tied: dict[str, list[torch.nn.Module]] = {}
+        self._add_tied_kernels(model)
+        if path == "auto":
+            path = "repack" if self._mirrors else "inplace"
+        if path == "inplace" and self._mirrors:
+            raise ConfigError(
+                f"path 'inplace' cannot reach {sorted(self._mirrors)[:3]} (packed CPU kernels or "
+                "a non-BF16 engine dtype); use path 'repack'"
+            )
+        if path == "repack" and self.packed and not eager:
+            raise ConfigError(
+                "packed CPU kernels are re-built after each update; a compiled graph would keep "
+                "the old ones: start the engine with enforce_eager=True"
+            )
+        self.path = path
+        log.info(
+            "vLLM shard %s: %d tensors, path %s, %d BF16 masters, %d packed",
+            self.shard, len(self.targets), self.path, len(self._mirrors), len(self.packed),
+        )  # fmt: skip
+
+    def _shard_id(self, place: ShardPlace) -> str:
+        for info in self.layout.shards():
+            if info.tp_rank == place.tp_rank and info.ep_rank == place.ep_rank:
+                return info.id
+        raise ConfigError(f"no receiver shard for {place} in the vLLM layout")
+
+    def _add_tied_kernels(self, model: torch.nn.Module) -> None:
+        """A packed kernel built from an in-place target's storage (a tied ``lm_head``) is
+        rebuilt when that target changes."""
+        by_ptr = {t.data_ptr(): n for n, t in self.targets.items() if n not in self._mirrors}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor):
+                continue
+            name = by_ptr.get(weight.data_ptr()) if weight.numel() else None
+            if name is not None and weight.ndim == 2 and not kernel_reads_weight(module, weight):
+                self._tied.setdefault(name, []).append(module)
+
+    @property
+    def packed(self) -> list[str]:
+        """Targets whose kernels compute with a packed copy (rebuilt after a write)."""
+        return sorted(
+            {n for n, (_, _, layers) in self._mirrors.items() if layers} | set(self._tied)
+        )
+
+    @property
+    def mirrored(self) -> list[str]:
+        """Targets that are BF16 masters of an engine tensor (the ``repack`` path)."""
+        return sorted(self._mirrors)
+
+    @property
+    def values_lost(self) -> bool:
+        """True when load-time packing dropped values (those masters hold zeros): the shard
+        holds no version until a full one (an anchor) is written."""
+        return self._lost
+
+    def refresh(self, names: Iterable[str]) -> int:
+        """Bring the engine's tensors and kernels up to date with the masters in ``names``:
+        widen into the engine tensor, and re-run vLLM's post-load processing for packed
+        layers. Returns the number of tensors refreshed (0 on the in-place path)."""
+        done = 0
+        with torch.no_grad():
+            for name in names:
+                for layer in self._tied.get(name, ()):
+                    _repack(layer, layer.weight)
+                    done += 1
+                if name not in self._mirrors:
+                    continue
+                engine_tensor, dtype, layers = self._mirrors[name]
+                master = self.targets[name]
+                if engine_tensor is not None:
+                    engine_tensor.copy_(master)  # BF16 -> the engine's dtype: exact
+                for layer in layers:
+                    weight = engine_tensor if engine_tensor is not None else master.to(dtype)
+                    _repack(layer, weight)
+                done += 1
+        return done
+
+
+def _is_packed(layer: torch.nn.Module, p: torch.Tensor) -> bool:
+    if not hasattr(layer, "cpu_linear"):
+        return False
+    return p.numel() == 0 or (p.ndim == 2 and not kernel_reads_weight(layer, p))
+
+
+def _repack(layer: torch.nn.Module, weight: torch.Tensor) -> None:
+    """vLLM's own post-load step for this layer, from ``weight``. A linear layer's processing
+    (``remove_weight=True``) swaps ``layer.weight`` for an empty tensor again; the master
+    survives on the shard. Embedding-type layers (``lm_head``) keep ``weight``."""
+    if layer.weight.data_ptr() != weight.data_ptr() or layer.weight.shape != weight.shape:
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    quant_method = getattr(layer, "quant_method", None)
+    if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+        quant_method.process_weights_after_loading(layer)
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)

@@ -1,0 +1,196 @@
+"""deltasync as a vLLM weight-transfer backend (trainer side): tell the engines which version.
+
+The trainer publishes with :class:`~deltasync.TrainerSync` (the store carries the bytes); this
+engine only drives vLLM's control plane, through any ``VLLMWeightSyncClient`` (four methods:
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``):
+
+- offline: :class:`LLMClient` wraps a ``vllm.LLM`` in the same process;
+- ``vllm serve`` (started with ``VLLM_SERVER_DEV_MODE=1``, which mounts the RL routes):
+  :class:`HTTPClient`, vLLM's ``HTTPVLLMWeightSyncClient`` plus ``/reset_prefix_cache``,
+  ``/pause`` and ``/resume``.
+
+Per version, :meth:`DeltaSyncTrainerEngine.send_weights` runs ``start_weight_update`` ->
+``update_weights(phase="stage")`` (the workers fetch and verify while serving) ->
+[``/pause?mode=keep`` over HTTP] -> ``update_weights(phase="apply")`` (the scatter) ->
+``finish_weight_update(weight_version=str(version))`` -> reset the prefix cache (cached KV
+blocks were computed with the old weights) -> [``/resume``]. :meth:`stage` and :meth:`apply`
+split it, so a trainer can stage, keep training, and apply later.
+
+Only the sender (trainer rank 0) touches the client; every rank may call the methods. This
+module imports vLLM (its base classes); it knows the control-plane order, nothing of stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Self
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from deltasync.engines.vllm_backend import DeltaSyncInitInfo
+from deltasync.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeltaSyncTrainerInitInfo(TrainerInitInfo):
+    """The engines' :class:`~deltasync.engines.vllm_backend.DeltaSyncInitInfo` fields, plus
+    ``rank`` (this trainer rank; rank 0 drives the engines) and ``pause_mode``: vLLM's pause
+    mode around the scatter for clients that offer ``pause``/``resume`` (``"keep"`` freezes
+    in-flight requests and resumes them; None: no pause call)."""
+
+    backend: ClassVar[str] = "deltasync"
+
+    store: str
+    receiver_id: str
+    state_dir: str
+    signing_key_hex: str | None = None
+    s3: dict[str, Any] | None = None
+    path: str = "auto"
+    durable: bool = True
+    pause_mode: str | None = "keep"
+
+    def worker_init_info(self) -> dict[str, Any]:
+        """The dict each worker's ``init_weight_transfer_engine`` receives (validated here)."""
+        info = {k: v for k, v in asdict(self).items() if k not in ("rank", "pause_mode")}
+        DeltaSyncInitInfo(**info)
+        return info
+
+
+class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInfo]):
+    """Trainer side of backend ``"deltasync"``; see the module docstring."""
+
+    init_info_cls = DeltaSyncTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        pause_mode: str | None = "keep",
+    ) -> None:
+        if source is not None:
+            raise ConfigError(
+                "backend 'deltasync' takes no WeightSource: the trainer publishes with "
+                "TrainerSync and send_weights(version) names the version"
+            )
+        super().__init__(client=client, source=None, is_sender=is_sender)
+        self.pause_mode = pause_mode
+        self.last_timings: dict[str, float] = {}
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: DeltaSyncTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        """Build the engine; the sender initialises every worker's receiver.
+
+        Args:
+            init_info: the store, receiver id and state dir the workers use.
+            client: vLLM's control plane (:class:`LLMClient`, :class:`HTTPClient`, Ray...).
+            source: must be None (the store carries the weights).
+
+        Returns:
+            A ready engine; call :meth:`send_weights` after each ``step_published``.
+        """
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender,
+            pause_mode=init_info.pause_mode,
+        )  # fmt: skip
+        if engine.is_sender:
+            client.init_weight_transfer_engine(init_info.worker_init_info())
+        return engine
+
+    def send_weights(self, version: int) -> None:  # type: ignore[override]
+        """Make every engine worker take committed ``version`` (stage, then apply).
+
+        Args:
+            version: a version ``TrainerSync.step_published`` has committed; the newest one.
+        """
+        self.stage(version)
+        self.apply(version)
+
+    def stage(self, version: int) -> None:
+        """Open an update and let the workers fetch and verify ``version`` while serving."""
+        if not self.is_sender:
+            return
+        t0 = time.perf_counter()
+        self.client.start_weight_update()
+        self.client.update_weights({"version": version, "phase": "stage"})
+        self.last_timings = {"stage_call_s": time.perf_counter() - t0}
+
+    def apply(self, version: int) -> None:
+        """Write the staged ``version`` (the engine's pause), finish, reset the prefix cache.
+        Raises what a worker raised; the workers then hold their previous verified version."""
+        if not self.is_sender:
+            return
+        t0 = time.perf_counter()
+        pause = getattr(self.client, "pause", None) if self.pause_mode else None
+        if pause is not None:
+            pause(self.pause_mode)
+        try:
+            t1 = time.perf_counter()
+            self.client.update_weights({"version": version, "phase": "apply"})
+            apply_s = time.perf_counter() - t1
+            self.client.finish_weight_update(weight_version=str(version))
+            reset = getattr(self.client, "reset_prefix_cache", None)
+            if reset is not None:
+                reset()
+        finally:
+            if pause is not None:
+                self.client.resume()
+        self.last_timings.update(apply_call_s=apply_s, apply_total_s=time.perf_counter() - t0)
+        log.info("engines took version %d (apply %.3f s)", version, apply_s)
+
+
+class LLMClient:
+    """``VLLMWeightSyncClient`` over an offline ``vllm.LLM`` in this process.
+
+    ``LLM`` calls are synchronous: nothing generates while an update runs, so there is no
+    pause to request; the prefix cache is reset through ``LLM.reset_prefix_cache``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+class HTTPClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP client plus the routes this backend's sequence uses (all mounted by
+    ``VLLM_SERVER_DEV_MODE=1``): ``/reset_prefix_cache``, ``/pause``, ``/resume``."""
+
+    def reset_prefix_cache(self) -> None:
+        self._post("reset_prefix_cache")
+
+    def pause(self, mode: str = "keep") -> None:
+        self._post(f"pause?mode={mode}")
+
+    def resume(self) -> None:
+        self._post("resume")

@@ -1,0 +1,156 @@
+"""vLLM tier: versions taken through vLLM's weight-transfer API (backend ``deltasync``) give
+exactly the engine a fresh start from that version's checkpoint gives.
+
+Run with ``pytest tests/vllm -m vllm`` after ``scripts/vllm_env.sh``: the engines run in
+``.venv-vllm`` (one subprocess each, ``vllm_job.py``), this module in whichever venv runs
+pytest. A config-built tiny Qwen3 (head_dim 64: the CPU attention kernels' smallest) is
+trained with AdamW in the job; every version is published to a directory store with
+TrainerSync and taken by ``LLM(..., weight_transfer_config={"backend": "deltasync"})`` through
+the four phases. Per engine dtype:
+
+- BF16: the parameters the engine computes with are the receiver's targets (on this AVX2 CPU
+  vLLM's BF16 linear layers fall back to ``F.linear``, which reads them; where they pack,
+  the ``repack`` path below takes over);
+- float32: vLLM's CPU backend packs every linear weight (oneDNN), so the receiver writes BF16
+  masters and the backend re-runs vLLM's post-load processing for the touched layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+JOB = Path(__file__).with_name("vllm_job.py")
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
+VERSIONS = 3
+CONFIG = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"], torch_dtype="bfloat16",
+    vocab_size=203, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, intermediate_size=256, tie_word_embeddings=False,
+    rms_norm_eps=1e-6, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _job(tmp: Path, name: str, **spec) -> dict:
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
+    spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(tmp / f"{name}.pt"), **spec}
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(JOB), str(tmp / f"{name}.json")],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(spec["out"], weights_only=False)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def run(request, tmp_path_factory):
+    """The synced engine's record, and a fresh engine started from the last good version."""
+    dtype = request.param
+    tmp = tmp_path_factory.mktemp(f"vllm-{dtype}")
+    synced = _job(
+        tmp, "synced", kind="synced", tmp=str(tmp), dtype=dtype, lr=1e-3, versions=VERSIONS,
+        config=CONFIG,
+    )  # fmt: skip
+    fresh = _job(tmp, "fresh", kind="fresh", checkpoint=str(tmp / f"v{VERSIONS}"), dtype=dtype)
+    return {"dtype": dtype, "synced": synced, "fresh": fresh}
+
+
+def _same_bits(a: dict, b: dict) -> list[str]:
+    assert set(a) == set(b)
+    return [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))]
+
+
+def test_each_version_through_vllms_api_generates_what_a_fresh_engine_at_that_version_does(run):
+    synced, fresh = run["synced"], run["fresh"]
+    tokens, logprobs = synced["gen"][VERSIONS]
+    assert tokens == fresh["gen"][0]
+    assert logprobs == fresh["gen"][1]  # exact floats: same kernels on the same bits
+    assert synced["gen"][0] != synced["gen"][VERSIONS]  # the versions changed what it says
+
+
+def test_the_workers_tensors_equal_the_dense_split_bitwise_and_vllm_records_the_version(run):
+    state = run["synced"]["state"]
+    assert state["shard"] == "tp0"
+    assert _same_bits(state["tensors"], run["synced"]["split"]) == []
+    assert state["weight_version"] == VERSIONS
+    assert run["synced"]["weight_version_api"] == str(VERSIONS)
+    # the raw receiver pulled the same versions into plain tensors: same bits
+    assert _same_bits(run["synced"]["raw_tensors"], run["synced"]["split"]) == []
+
+
+def test_every_update_after_the_first_applies_one_delta(run):
+    chains = [t["worker_report"]["chain"] for t in run["synced"]["timings"]]
+    # the first update restores the anchor the engine's checkpoint came from, then deltas
+    assert chains == [(0, 1)] + [(v,) for v in range(2, VERSIONS + 1)]
+    assert all(t["worker_report"]["elements_written"] > 0 for t in run["synced"]["timings"])
+
+
+def test_an_engine_serves_its_previous_version_while_the_next_one_is_staged(run):
+    # version 2 was staged, then the engine generated, then it was applied
+    assert run["synced"]["gen_while_staging"] == run["synced"]["gen"][1]
+    assert run["synced"]["gen"][2] != run["synced"]["gen"][1]
+
+
+def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):
+    synced = run["synced"]
+    assert synced["corrupt_error"] is not None
+    assert "DigestMismatchError" in synced["corrupt_error"], synced["corrupt_error"]
+    after = synced["state_after_corrupt"]
+    assert after["weight_version"] == VERSIONS
+    assert _same_bits(after["tensors"], synced["split"]) == []
+    assert synced["gen_after_corrupt"] == synced["gen"][VERSIONS]
+
+
+def test_the_write_path_matches_what_vllms_cpu_kernels_do_with_the_weights(run):
+    state = run["synced"]["state"]
+    if run["dtype"] == "float32":
+        # oneDNN packs fp32 linear weights on every x86 CPU: BF16 masters + repack, for real
+        assert state["path"] == "repack"
+        assert "model.layers.0.self_attn.qkv_proj.weight" in state["packed"]
+        assert set(state["mirrored"]) == set(state["tensors"])
+    elif state["path"] == "inplace":
+        assert state["packed"] == [] and state["mirrored"] == []
+    else:  # a CPU whose BF16 kernels pack (AVX512-BF16 / AMX)
+        assert state["path"] == "repack" and state["packed"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``vllm serve`` (its OpenAI server, RL routes on) driven over HTTP, and a fresh engine."""
+    tmp = tmp_path_factory.mktemp("vllm-served")
+    served = _job(
+        tmp, "served", kind="served", tmp=str(tmp), dtype="bfloat16", lr=1e-3,
+        versions=VERSIONS, config=CONFIG,
+    )  # fmt: skip
+    fresh = _job(tmp, "fresh", kind="fresh", checkpoint=str(tmp / f"v{VERSIONS}"), dtype="bfloat16")
+    return {"served": served, "fresh": fresh}
+
+
+def test_vllm_serve_takes_each_version_over_http_and_answers_like_a_fresh_engine(served):
+    out = served["served"]
+    tokens, logprobs = out["gen"][VERSIONS]
+    assert tokens == served["fresh"]["gen"][0]
+    assert logprobs == served["fresh"]["gen"][1]
+    assert out["gen"][0] != out["gen"][VERSIONS]
+    assert out["weight_info"] == {"weight_version": str(VERSIONS)}
+
+
+def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_last_version(
+    served,
+):
+    out = served["served"]
+    assert out["corrupt_error"] is not None and out["corrupt_error"].startswith("HTTP 500")
+    assert "does not match the manifest's digest" in out["corrupt_error"]
+    assert out["paused_after_corrupt"] == {"is_paused": False}  # resumed after the failure
+    assert out["weight_info_after_corrupt"] == {"weight_version": str(VERSIONS)}
+    assert out["gen_after_corrupt"] == out["gen"][VERSIONS]
