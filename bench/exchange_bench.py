@@ -28,8 +28,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from deltasync_bench.common import emit_json, peak_rss_bytes, print_table
 
-from deltasync.bench.common import emit_json, peak_rss_bytes, print_table
 from deltasync.exchange import ExchangeConfig, exchange, init_from_env, spawn
 
 DEFAULT = ExchangeConfig()

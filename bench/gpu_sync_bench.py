@@ -17,8 +17,8 @@ import tempfile
 import time
 
 import torch
+from deltasync_bench.compare.workload import Workload, build_model
 
-from deltasync.bench.compare.workload import Workload, build_model
 from deltasync.jsonline import emit_json_line
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
@@ -59,8 +59,13 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="ds-gpu-sync-")
     store = LocalStore(root + "/store")
     tracker = AdamWTracker(opt, named)
-    sync = TrainerSync(tracker, Publisher(store, receiver_layout=rl, trainer_layout=tl,
-                                          config=PublisherConfig(anchor_every=10**6)), params)
+    sync = TrainerSync(
+        tracker,
+        Publisher(
+            store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(anchor_every=10**6)
+        ),
+        params,
+    )
     receivers = {
         s.id: Receiver.for_layout(
             store, rl, s.id,
@@ -110,14 +115,20 @@ def main() -> None:
 
     numel = sum(p.numel() for _, p in named)
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    print(f"{args.model} on {name}: {numel / 1e6:.0f} M params, lr {args.lr}, vLLM TP=2 "
-          f"receivers on CPU, local store; anchor publish {anchor_s:.2f} s")
-    print(f"{'version':>7} {'stall s':>8} {'build s':>8} {'encode s':>9} {'upload s':>9} "
-          f"{'digest s':>9} {'pull s':>7} {'MiB':>8} {'changed':>8}")
+    print(
+        f"{args.model} on {name}: {numel / 1e6:.0f} M params, lr {args.lr}, vLLM TP=2 "
+        f"receivers on CPU, local store; anchor publish {anchor_s:.2f} s"
+    )
+    print(
+        f"{'version':>7} {'stall s':>8} {'build s':>8} {'encode s':>9} {'upload s':>9} "
+        f"{'digest s':>9} {'pull s':>7} {'MiB':>8} {'changed':>8}"
+    )
     for r in rows:
-        print(f"{r['version']:>7} {r['stall_s']:>8.3f} {r['build_s']:>8.3f} {r['encode_s']:>9.3f} "
-              f"{r['upload_s']:>9.3f} {r['digest_s']:>9.3f} {r['pull_s']:>7.3f} "
-              f"{r['bytes'] / 2**20:>8.2f} {100 * r['elements'] / numel:>7.2f}%")
+        print(
+            f"{r['version']:>7} {r['stall_s']:>8.3f} {r['build_s']:>8.3f} {r['encode_s']:>9.3f} "
+            f"{r['upload_s']:>9.3f} {r['digest_s']:>9.3f} {r['pull_s']:>7.3f} "
+            f"{r['bytes'] / 2**20:>8.2f} {100 * r['elements'] / numel:>7.2f}%"
+        )
     print(f"exact on every version: {exact}")
     emit_json_line({
         "bench": "gpu_sync", "device": name, "model": args.model, "lr": args.lr,

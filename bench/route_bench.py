@@ -26,8 +26,8 @@ import math
 import time
 
 import torch
+from deltasync_bench.common import emit_json, memory_read_gbps, print_table
 
-from deltasync.bench.common import emit_json, memory_read_gbps, print_table
 from deltasync.layout import ModelSpec, ReceiverLayout
 
 QWEN3_06B = {

@@ -30,7 +30,7 @@ tier() {
   nvidia-smi -L 2>&1 || echo "(no nvidia-smi)"
   "$PY" - <<'EOF'
 import platform, sys, torch
-from deltasync.trainer import native
+from deltasync.native import loader as native
 print(f"python {sys.version.split()[0]} ({sys.executable}), {platform.machine()}")
 print(f"torch {torch.__version__}, cuda {torch.version.cuda}, available {torch.cuda.is_available()}")
 if torch.cuda.is_available():

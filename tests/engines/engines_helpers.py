@@ -7,6 +7,7 @@ layout -> TensorUpdate -> wire format) so the engine tests exercise what a recei
 from __future__ import annotations
 
 import torch
+from kit import bits_equal, tiny_qwen3  # noqa: F401 - bits_equal is re-exported
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
@@ -14,12 +15,11 @@ from deltasync.trainer import AdamWTracker
 
 
 def tiny_hf_config(*, heads=4, kv_heads=2, tie=False, vocab=203, hidden=64, layers=2) -> dict:
-    from deltasync.demo.policy import PolicyConfig
-
-    return PolicyConfig(
-        hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=16, intermediate_size=96, vocab_size=vocab, tie_word_embeddings=tie,
-    ).hf_config()  # fmt: skip
+    return tiny_qwen3(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=16, intermediate_size=96, vocab_size=vocab,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
 
 
 class TinyTrainer:
@@ -84,7 +84,3 @@ def through_the_wire(
     """Encode and decode, validated against the shard's layout, as a receiver would."""
     blob = encode_blob(updates, version=version, base_version=version - 1, shard=shard, writer="w0")
     return decode_blob(blob, expected=layout.local_specs(shard), shard=shard).updates
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))

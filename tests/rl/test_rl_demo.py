@@ -11,8 +11,7 @@ import itertools
 import json
 
 import pytest
-
-from deltasync.rl import ProbeMismatchError, RLConfig, run_rl
+from deltasync_examples.rl import ProbeMismatchError, RLConfig, run_rl
 
 SMALL = {"prompts_per_step": 4, "group_size": 4, "timeout_s": 60.0}
 
@@ -48,7 +47,7 @@ def test_short_run_with_a_killed_worker_is_exact_monotone_and_within_staleness(t
 
 @pytest.mark.timeout(90)
 def test_a_reference_that_differs_by_one_bit_fails_the_run_loudly(tmp_path, monkeypatch):
-    from deltasync.rl import loop
+    from deltasync_examples.rl import loop
 
     original = loop._Trainer.publish
 

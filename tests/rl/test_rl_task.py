@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deltasync_examples.rl import CharTokenizer, ReverseTask, RLConfig
+from deltasync_examples.rl.grpo import group_advantages
+from deltasync_examples.rl.tokenizer import BOS, EOS
 
 from deltasync.errors import ConfigError
-from deltasync.rl import CharTokenizer, ReverseTask, RLConfig
-from deltasync.rl.grpo import group_advantages
-from deltasync.rl.tokenizer import BOS, EOS
 
 
 def test_tokenizer_round_trips_and_stops_at_eos():

@@ -1,9 +1,7 @@
-"""Test kit for tests/sync: a tiny Qwen3, deterministic trainers, receivers, fakes, children.
+"""Test kit for tests/sync: receivers, fakes and children, over the shared kit (``tests/kit``).
 
-- ``TinyTrainer``: the trainer's parameters (TrainerLayout names, fp32) under real AdamW steps
-  with a gradient on a random subset of elements, deterministic from its seed, cheap enough
-  for hundreds of versions. ``HFTrainer``: transformers' Qwen3ForCausalLM built from a config.
-- ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights.
+- The tiny Qwen3 (``TINY``, ``tiny_spec``, ``layouts``), the trainers (``TinyTrainer``,
+  ``HFTrainer``), the oracle ``expected_shards`` and the bitwise helpers come from ``kit``.
 - ``GateStore`` / ``FaultyStore``: fakes over the Store protocol that stop at a chosen key
   (so a child can be killed exactly there) or inject failures.
 - ``fork_child``: run a function in a forked process (torch is already imported, so a child
@@ -20,17 +18,25 @@ import traceback
 from collections.abc import Callable
 
 import torch
+from kit import (  # noqa: F401 - the shared kit, re-exported for the tests of this folder
+    TINY_QWEN3,
+    HFTrainer,
+    TinyTrainer,
+    assert_same_bits,
+    bits,
+    expected_shards,
+    same_bits,
+    tiny_layouts,
+    tiny_spec,
+)
 
 from deltasync.errors import StoreError
-from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.layout import ReceiverLayout
 from deltasync.receiver import ReceiverConfig
 from deltasync.store import LocalStore
 
-TINY = dict(
-    model_type="qwen3", vocab_size=251, hidden_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
-)  # fmt: skip
+TINY = TINY_QWEN3
+layouts = tiny_layouts
 KEY = b"k" * 32  # HMAC key of the signed tests
 
 
@@ -43,89 +49,6 @@ def scratch_store(path) -> LocalStore:
 def rconfig(receiver_id: str, **kwargs) -> ReceiverConfig:
     """ReceiverConfig without fsyncs of the journal/state files (see scratch_store)."""
     return ReceiverConfig(receiver_id=receiver_id, durable=False, **kwargs)
-
-
-def tiny_spec(**overrides) -> ModelSpec:
-    return ModelSpec.from_hf_config({**TINY, **overrides})
-
-
-def layouts(engine: str = "vllm", tp: int = 2, **overrides):
-    spec = tiny_spec(**overrides)
-    return spec, TrainerLayout(spec), ReceiverLayout.build(spec, engine, tp)
-
-
-class TinyTrainer:
-    """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss.
-    ``device`` holds params and optimizer state; the random draws are made on the CPU, so the
-    same seed gives the same trajectory on any device."""
-
-    def __init__(self, spec: ModelSpec, *, seed: int = 0, lr: float = 1e-3, density: float = 0.05,
-                 device: str | torch.device = "cpu"):
-        self.gen = torch.Generator().manual_seed(seed)
-        shapes = TrainerLayout(spec).param_shapes()
-        self.params = {
-            n: torch.nn.Parameter(
-                (torch.ones(s) if n.endswith("norm.weight")
-                 else torch.randn(s, generator=self.gen) * 0.02).to(device)
-            )
-            for n, s in shapes.items()
-        }  # fmt: skip
-        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, foreach=False)
-        self.density = density
-        self.steps = 0
-
-    def step(self) -> None:
-        self.opt.zero_grad()
-        for p in self.params.values():
-            mask = (torch.rand(p.shape, generator=self.gen) < self.density).to(p.device)
-            target = (torch.randn(p.shape, generator=self.gen) * 0.02).to(p.device)
-            p.grad = torch.where(mask, p.detach() - target, 0.0)
-        self.opt.step()
-        self.steps += 1
-
-    def named_parameters(self):
-        return list(self.params.items())
-
-
-class HFTrainer:
-    """transformers' Qwen3ForCausalLM from the tiny config, AdamW on next-token loss."""
-
-    def __init__(self, *, seed: int = 0, lr: float = 1e-3, **overrides):
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        torch.manual_seed(seed)
-        cfg = {k: v for k, v in {**TINY, **overrides}.items() if k != "model_type"}
-        self.config = Qwen3Config(**cfg)
-        self.model = Qwen3ForCausalLM(self.config)
-        self.params = dict(self.model.named_parameters())
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def step(self) -> None:
-        ids = torch.randint(0, self.config.vocab_size, (2, 12), generator=self.gen)
-        self.opt.zero_grad()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        self.opt.step()
-
-
-def expected_shards(params, trainer_layout: TrainerLayout, receiver_layout: ReceiverLayout):
-    """Oracle: dense split of the canonical BF16 weights (what a full refit would write)."""
-    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
-    return receiver_layout.split(trainer_layout.to_canonical(bf16))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
-def same_bits(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
-
-
-def assert_same_bits(actual: dict, expected: dict, what: str = "") -> None:
-    assert actual.keys() == expected.keys(), what
-    bad = [n for n in expected if not torch.equal(bits(actual[n]), bits(expected[n]))]
-    assert not bad, f"{what}: tensors differ bitwise: {bad[:5]}"
 
 
 def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:

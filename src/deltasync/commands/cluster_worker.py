@@ -6,7 +6,7 @@
 shards with real AdamW steps and send every version; the others are receivers (``--tp`` shards
 x ``--replicas``). Each rank prints one JSON line with its median timings per delta version and
 its bitwise check; rank 0 also prints a one-line summary. A thin projection of
-:class:`deltasync.cluster.worker.ClusterJob`.
+:class:`deltasync_examples.cluster_job.ClusterJob`, imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -16,28 +16,35 @@ import json
 import sys
 
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
+from deltasync.commands.apps import import_app
 from deltasync.jsonline import emit_json_line
 
 
 def _run(args: argparse.Namespace) -> int:
-    from deltasync.cluster.config import ClusterConfig
-    from deltasync.cluster.worker import TINY_QWEN3, ClusterJob, run_cluster_sync
-    from deltasync.exchange import ExchangeConfig
+    from deltasync import ClusterConfig, ExchangeConfig
 
-    model = dict(TINY_QWEN3)
+    app = import_app("deltasync_examples.cluster_job", "cluster-worker")
+    model = dict(app.TINY_QWEN3)
     if args.config:
         with open(args.config) as f:
             model = json.load(f)
-    job = ClusterJob(
-        model=model, tp=args.tp, writers=args.writers, replicas=args.replicas,
-        dp_mode=args.dp_mode, versions=args.versions, lr=args.lr, check=not args.no_check,
+    job = app.ClusterJob(
+        model=model,
+        tp=args.tp,
+        writers=args.writers,
+        replicas=args.replicas,
+        dp_mode=args.dp_mode,
+        versions=args.versions,
+        lr=args.lr,
+        check=not args.no_check,
         threads=args.threads,
         cluster=ClusterConfig(
             exchange=ExchangeConfig(timeout_s=args.timeout_s, max_chunk_bytes=args.chunk_mib << 20),
-            commit_timeout_s=args.timeout_s, digest_every=args.digest_every,
+            commit_timeout_s=args.timeout_s,
+            digest_every=args.digest_every,
         ),
-    )  # fmt: skip
-    summary = run_cluster_sync(None, job)
+    )
+    summary = app.run_cluster_sync(None, job)
     summary.pop("reports")
     emit_json_line(summary)
     if summary["rank"] == 0:

@@ -1,0 +1,190 @@
+"""The benchmark's processes: one trainer and N receivers per system run, driven over pipes.
+
+Every role runs in its own process (spawned through :mod:`deltasync_examples.harness`, so
+each starts clean) and measures its own time and peak RSS. All roles join one gloo group at
+start, used only by the in-cluster path. The orchestrator (run.py) sends commands; each
+answer is a plain dict. Times that two processes compare are wall-clock (``time.time()``).
+
+This module knows the roles' life cycle; what a system ships lives in systems/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak
+from deltasync_bench.compare.workload import Workload, build_trainer
+from deltasync_examples.harness import serve
+
+# Every collective of a run waits at most this long (a 0.6B anchor takes minutes here).
+TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSpec:
+    system: str
+    workload: Workload
+    engine: str
+    tp: int
+    ep: int
+    store_root: str
+    rank: int
+    world_size: int
+    port: int
+    threads: int
+
+
+def _init(spec: RoleSpec):
+    import torch.distributed as dist
+
+    from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+
+    torch.set_num_threads(spec.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec.port}",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+    mspec = ModelSpec.from_hf_config(spec.workload.hf_config())
+    return TrainerLayout.build(mspec), ReceiverLayout.build(
+        mspec, engine=spec.engine, tp=spec.tp, ep=spec.ep
+    )
+
+
+def _store(spec: RoleSpec, gbps: float | None):
+    from deltasync import LocalStore
+    from deltasync.store import ThrottledStore
+
+    inner = LocalStore(spec.store_root, durable=False)  # page-cache speed; the link is emulated
+    return ThrottledStore(inner, gbps) if gbps else inner
+
+
+def trainer_main(spec: RoleSpec, conn) -> None:
+    from deltasync_bench.compare.systems import make_trainer_side
+    from deltasync_examples.oracle import dense_digests
+
+    st: dict = {}
+
+    def ready() -> dict:
+        tlayout, rlayout = _init(spec)
+        trainer = build_trainer(spec.workload)
+        for k in range(spec.workload.pre_steps + 1):  # also allocates AdamW's m and v
+            trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
+        st.update(tlayout=tlayout, rlayout=rlayout, trainer=trainer, rss_model_opt=current_rss())
+        st["side"] = make_trainer_side(
+            spec.system,
+            params=trainer.params(),
+            tlayout=tlayout,
+            rlayout=rlayout,
+            trainer=trainer,
+            timeout_s=TIMEOUT_S,
+            store_root=spec.store_root,
+        )
+        return {"ready": True}
+
+    def expected() -> dict[str, str]:
+        return dense_digests(st["trainer"].params(), st["tlayout"], st["rlayout"])
+
+    def handle(op, *args) -> dict:
+        side, trainer = st["side"], st["trainer"]
+        if op == "bootstrap":
+            n = side.bootstrap(_store(spec, None))
+            return {
+                "bytes": n,
+                "expected": expected(),
+                "model_bf16_bytes": trainer.model_bytes_bf16(),
+            }
+        if op == "step":
+            version, path, gbps = args
+            trainer.step(version)  # untimed: the optimizer step itself is not the sync
+            rss0 = current_rss()
+            reset_peak()
+            t0 = time.time()
+            if path == "store":
+                nbytes = side.store_sync(version, _store(spec, gbps))
+                t_x = t1 = time.time()
+            else:
+                sent = side.cluster_sync(version)
+                t1 = time.time()
+                nbytes, t_x = sent.bytes, t0 + sent.stall_s
+            peak = peak_rss()
+            return {
+                "t0": t0,
+                "t_exchange": t_x,
+                "t1": t1,
+                "stall_s": t1 - t0,
+                "bytes": nbytes,
+                "rss_before": rss0,
+                "peak_rss": peak,
+                "overhead_bytes": max(0, peak - st["rss_model_opt"]),
+                "changed_elements": getattr(side, "last_changed_elements", None),
+            }
+        if op == "expected":
+            # The bench's own oracle (a full read of the model), asked for only after every
+            # receiver is done: inside "step" it delayed the receivers' pulls and was counted in
+            # every system's total (~1 s at 0.6B on this machine).
+            return {"expected": expected()}
+        raise ValueError(f"unknown trainer command {op!r}")
+
+    serve(conn, handle, ready=ready)
+
+
+def receiver_main(spec: RoleSpec, conn) -> None:
+    from deltasync_bench.compare.systems import make_receiver_side
+    from deltasync_examples.oracle import bits_digest
+
+    st: dict = {}
+
+    def ready() -> dict:
+        tlayout, rlayout = _init(spec)
+        shard = rlayout.shards()[spec.rank - 1].id
+        rss_base = current_rss()  # interpreter + torch, before the shard exists
+        side = make_receiver_side(
+            spec.system,
+            rlayout=rlayout,
+            shard=shard,
+            store_root=spec.store_root,
+            timeout_s=TIMEOUT_S,
+        )
+        shard_bytes = sum(t.numel() * t.element_size() for t in side.live().values())
+        st.update(side=side, shard=shard, rss_base=rss_base, shard_bytes=shard_bytes)
+        return {"ready": True}
+
+    def handle(op, *args) -> dict:
+        side, shard = st["side"], st["shard"]
+        if op == "bootstrap":
+            side.bootstrap(_store(spec, None))
+            return {"digest": bits_digest(side.live()), "shard": shard}
+        if op == "pull":
+            version, path, gbps = args
+            rss0 = current_rss()
+            reset_peak()
+            t_call = time.time()
+            if path == "store":
+                t0 = t_call
+                got = side.store_pull(version, _store(spec, gbps))
+            else:
+                got = side.cluster_sync(version)
+                t0 = t_call + got.wait_s  # when this rank's payload had arrived
+            t1 = time.time()
+            return {
+                "t_recv": t0,
+                "t_done": t1,
+                "transfer_s": got.transfer_s,
+                "pause_s": got.pause_s,
+                "bytes": got.bytes,
+                "digest": bits_digest(side.live()),
+                "shard": shard,
+                "shard_bytes": st["shard_bytes"],
+                "rss_base": st["rss_base"],
+                "rss_before": rss0,
+                "peak_rss": peak_rss(),
+            }
+        raise ValueError(f"unknown receiver command {op!r}")
+
+    serve(conn, handle, ready=ready)

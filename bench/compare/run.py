@@ -1,0 +1,220 @@
+"""The orchestrator: for each system, spawn its roles, sync the same versions, verify, collect.
+
+Per (system, learning rate) it spawns one trainer and one receiver per distinct shard, joined in
+a gloo group, on a fresh local store. After a bootstrap (version 0, untimed) and warm-up
+versions, it runs ``steps`` measured versions on each path: the shared store unthrottled, behind
+each emulated link rate, and in-cluster. Every receiver's state digest must equal the trainer's
+expected digest of ``split(bf16(trainer))`` at every version, or the run is not exact.
+
+This module knows processes and bookkeeping; it knows nothing about what systems ship.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+
+from deltasync_bench.compare.roles import RoleSpec, receiver_main, trainer_main
+from deltasync_bench.compare.workload import Workload
+from deltasync_examples.harness import recv_all, spawn
+
+
+@dataclass(frozen=True, kw_only=True)
+class PathSpec:
+    kind: str  # "store" or "cluster"
+    gbps: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cluster":
+            return "in-cluster (gloo)"
+        return f"store @ {self.gbps:g} Gbit/s" if self.gbps else "store (unthrottled)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    workload: Workload
+    systems: tuple[str, ...] = ("dense", "snapshot", "deltasync")
+    paths: tuple[PathSpec, ...] = (
+        PathSpec(kind="store"),
+        PathSpec(kind="store", gbps=1.0),
+        PathSpec(kind="cluster"),
+    )
+    engine: str = "vllm"
+    tp: int = 2
+    ep: int = 1
+    warmup: int = 1
+    steps: int = 2
+    threads: int = 1
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class SyncRecord:
+    system: str
+    path: str
+    version: int
+    total_s: float
+    trainer_stall_s: float
+    transfer_s: float
+    receiver_pause_s: float
+    bytes: int
+    trainer_peak_rss_bytes: int
+    trainer_overhead_bytes: int
+    receiver_peak_rss_bytes: int
+    receiver_overhead_bytes: int
+    shard_bytes: int
+    exact: bool
+    changed_elements: int | None = None
+
+
+@dataclass
+class SystemRun:
+    system: str
+    model_bf16_bytes: int = 0
+    records: list[SyncRecord] = field(default_factory=list)
+    exact: bool = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Roles:
+    """One trainer (rank 0) and ``n_receivers`` receivers, spawned and ready."""
+
+    def __init__(self, cfg: RunConfig, system: str, store_root: str, n_receivers: int) -> None:
+        port, world = _free_port(), 1 + n_receivers
+        self.timeout_s = cfg.timeout_s
+        self.children = []
+        for rank in range(world):
+            spec = RoleSpec(
+                system=system,
+                workload=cfg.workload,
+                engine=cfg.engine,
+                tp=cfg.tp,
+                ep=cfg.ep,
+                store_root=store_root,
+                rank=rank,
+                world_size=world,
+                port=port,
+                threads=cfg.threads,
+            )
+            role = "trainer" if rank == 0 else f"receiver rank {rank}"
+            self.children.append(
+                spawn(
+                    trainer_main if rank == 0 else receiver_main,
+                    spec,
+                    name=f"bench {system} {role}",
+                )
+            )
+        recv_all(self.children, self.timeout_s)  # a role that fails to start raises here
+
+    def recv(self, rank: int) -> dict:
+        return self.children[rank].recv(self.timeout_s)
+
+    def call(self, rank: int, *cmd) -> dict:
+        return self.children[rank].call(*cmd, timeout_s=self.timeout_s)
+
+    def send(self, rank: int, *cmd) -> None:
+        self.children[rank].send(*cmd)
+
+    def recv_all(self, ranks: range) -> list[dict]:
+        return recv_all([self.children[r] for r in ranks], self.timeout_s)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
+def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> SystemRun:
+    out = SystemRun(system=system)
+    with tempfile.TemporaryDirectory(prefix=f"deltasync-bench-{system}-") as root:
+        roles = _Roles(cfg, system, root, n_receivers)
+        try:
+            boot = roles.call(0, "bootstrap")
+            out.model_bf16_bytes = boot["model_bf16_bytes"]
+            for r in range(1, 1 + n_receivers):
+                got = roles.call(r, "bootstrap")
+                if got["digest"] != boot["expected"][got["shard"]]:
+                    raise RuntimeError(f"{system}: receiver {got['shard']} wrong after bootstrap")
+            version = 0
+            plan = [(PathSpec(kind="store"), False)] * cfg.warmup
+            for path in cfg.paths:
+                plan += [(path, True)] * cfg.steps
+            for path, measured in plan:
+                version += 1
+                rec = _one_version(roles, system, path, version, n_receivers)
+                out.exact &= rec.exact
+                if measured:
+                    out.records.append(rec)
+                    log(
+                        f"  {system:9s} {path.label:22s} v{version:<3d} total {rec.total_s:7.3f}s "
+                        f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
+                        f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact}"
+                    )
+        finally:
+            roles.close()
+    return out
+
+
+def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: int) -> SyncRecord:
+    args = (version, path.kind, path.gbps)
+    if path.kind == "cluster":  # collective: every role enters the exchange together
+        roles.send(0, "step", *args)
+        for r in range(1, 1 + n):
+            roles.send(r, "pull", *args)
+        tr, *rx = roles.recv_all(range(1 + n))  # one failed role raises, none hangs
+        transfer = max(x["t_recv"] - tr["t_exchange"] + x["transfer_s"] for x in rx)
+    else:
+        tr = roles.call(0, "step", *args)
+        for r in range(1, 1 + n):  # receivers pull concurrently, each through its own link
+            roles.send(r, "pull", *args)
+        rx = roles.recv_all(range(1, 1 + n))
+        transfer = max(x["transfer_s"] for x in rx)
+    expected = roles.call(0, "expected")["expected"]  # after the timed part, see roles.py
+    exact = all(x["digest"] == expected[x["shard"]] for x in rx)
+    return SyncRecord(
+        system=system,
+        path=path.label,
+        version=version,
+        total_s=max(x["t_done"] for x in rx) - tr["t0"],
+        trainer_stall_s=tr["stall_s"],
+        transfer_s=transfer,
+        receiver_pause_s=max(x["pause_s"] for x in rx),
+        bytes=tr["bytes"],
+        trainer_peak_rss_bytes=tr["peak_rss"],
+        trainer_overhead_bytes=tr["overhead_bytes"],
+        receiver_peak_rss_bytes=max(x["peak_rss"] for x in rx),
+        receiver_overhead_bytes=max(x["peak_rss"] - x["rss_base"] for x in rx),
+        shard_bytes=max(x["shard_bytes"] for x in rx),
+        exact=exact,
+        changed_elements=tr.get("changed_elements"),
+    )
+
+
+def medians(records: list[SyncRecord]) -> dict:
+    def med(attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in records)
+
+    keys = [
+        "total_s",
+        "trainer_stall_s",
+        "transfer_s",
+        "receiver_pause_s",
+        "bytes",
+        "trainer_peak_rss_bytes",
+        "trainer_overhead_bytes",
+        "receiver_peak_rss_bytes",
+        "receiver_overhead_bytes",
+        "shard_bytes",
+    ]
+    out = {k: med(k) for k in keys}
+    ch = [r.changed_elements for r in records if r.changed_elements is not None]
+    out["changed_elements"] = statistics.median(ch) if ch else None
+    out["exact"] = all(r.exact for r in records)
+    return out

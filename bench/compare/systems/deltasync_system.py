@@ -1,0 +1,176 @@
+"""deltasync in the benchmark: the product's own trainer and receiver paths, as users run them.
+
+Store path: ``TrainerSync`` (AdamWTracker + Publisher: detection, routing, encoding, marker,
+manifest with shard digests, LATEST) and ``Receiver.pull`` (stage, journal, scatter, digest
+check, ack). In-cluster path: ``ClusterSender.sync`` / ``ClusterReceiver.sync`` on the
+benchmark's gloo group (rank 0 the trainer, rank 1 + i shard i): detection, routing, blobs in
+envelopes, the two-round exchange, staging, the receiver's journal, the scatter and the joint
+commit that alone advances the tracker's baseline. Both paths share the one tracker; the
+in-cluster versions come after the store-path ones (the run's order), starting from the
+version the store path left every receiver at.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live
+
+from deltasync import (
+    AdamWTracker,
+    ClusterConfig,
+    ClusterReceiver,
+    ClusterSender,
+    ExchangeConfig,
+    Publisher,
+    PublisherConfig,
+    Receiver,
+    ReceiverConfig,
+    ReceiverLayout,
+    Store,
+    TrainerLayout,
+    TrainerSync,
+)
+from deltasync.cluster import RolePlan
+
+
+def _plan(rlayout: ReceiverLayout) -> RolePlan:
+    # The roles' ranks: the trainer is rank 0, receiver shard i is rank 1 + i.
+    return RolePlan.contiguous(num_writers=1, shards=[s.id for s in rlayout.shards()])
+
+
+def _cluster_config(timeout_s: float) -> ClusterConfig:
+    return ClusterConfig(
+        exchange=ExchangeConfig(timeout_s=timeout_s),
+        wait_for_version_s=timeout_s,
+        commit_timeout_s=timeout_s,
+    )
+
+
+class DeltasyncTrainer:
+    def __init__(
+        self,
+        *,
+        params,
+        tlayout: TrainerLayout,
+        rlayout: ReceiverLayout,
+        trainer,
+        timeout_s: float,
+        **_,
+    ) -> None:
+        self.params, self.tlayout, self.rlayout = params, tlayout, rlayout
+        self.tracker = AdamWTracker(trainer.opt, trainer.named)
+        self.timeout_s = timeout_s
+        self.sync: TrainerSync | None = None
+        self.sender: ClusterSender | None = None
+        self._pubs: dict[int, Publisher] = {}
+        self.last_changed_elements: int | None = None
+        self._version = 0  # the version every receiver holds
+
+    def _publisher(self, store: Store) -> Publisher:
+        pub = self._pubs.get(id(store))
+        if pub is None:
+            cfg = PublisherConfig(anchor_every=1_000_000, session="bench")
+            pub = self._pubs[id(store)] = Publisher(
+                store, receiver_layout=self.rlayout, trainer_layout=self.tlayout, config=cfg
+            )
+        return pub
+
+    def bootstrap(self, store: Store) -> int:
+        self.sync = TrainerSync(self.tracker, self._publisher(store), self.params)
+        return sum(r.bytes_sent for r in self.sync.step_published(0, anchor=True))
+
+    def store_sync(self, version: int, store: Store) -> int:
+        assert self.sync is not None
+        if self.sender is not None:
+            raise RuntimeError(
+                "the benchmark runs every store-path version before the in-cluster ones"
+            )
+        self.sync.publishers = [self._publisher(store)]
+        reports = self.sync.step_published(version)
+        self.last_changed_elements = sum(r.elements_sent for r in reports)
+        self._version = version
+        return sum(r.bytes_sent for r in reports)
+
+    def cluster_sync(self, version: int) -> ClusterSent:
+        if self.sender is None:  # receivers hold the store path's last version
+            self.sender = ClusterSender(
+                self.tracker,
+                self.params,
+                plan=_plan(self.rlayout),
+                trainer_layout=self.tlayout,
+                receiver_layout=self.rlayout,
+                version=self._version,
+                config=_cluster_config(self.timeout_s),
+            )
+        rep = self.sender.sync(version)
+        self._version = version
+        self.last_changed_elements = rep.elements
+        return ClusterSent(bytes=rep.bytes_sent, stall_s=rep.stall_s)
+
+
+class DeltasyncReceiver:
+    def __init__(
+        self, *, rlayout: ReceiverLayout, shard: str, store_root: str, timeout_s: float, **_
+    ) -> None:
+        self.rlayout, self.shard, self.timeout_s = rlayout, shard, timeout_s
+        self._live = empty_live(rlayout, shard)
+        self.state_dir = f"{store_root}-rx-{shard}"
+        self._rx: dict[int, Receiver] = {}
+        self.cluster: ClusterReceiver | None = None
+        self.version = 0
+
+    def _receiver(self, store: Store) -> Receiver:
+        rx = self._rx.get(id(store))
+        if rx is None:
+            rx = self._rx[id(store)] = Receiver.for_layout(
+                store,
+                self.rlayout,
+                self.shard,
+                self._live,
+                self.state_dir,
+                ReceiverConfig(receiver_id=f"rx-{self.shard}", verify_on_open=False),
+            )
+        return rx
+
+    def bootstrap(self, store: Store) -> None:
+        self._receiver(store).pull()
+
+    def store_pull(self, version: int, store: Store) -> SyncTimes:
+        rep = self._receiver(store).pull()
+        if rep.version != version:
+            raise RuntimeError(
+                f"receiver {self.shard} reached version {rep.version}, expected {version}"
+            )
+        self.version = version
+        return SyncTimes(
+            transfer_s=rep.stage_s + rep.verify_s, pause_s=rep.pause_s, bytes=rep.bytes_fetched
+        )
+
+    def cluster_sync(self, version: int) -> SyncTimes:
+        if self.cluster is None:  # the live tensors hold the store path's last version
+            os.makedirs(self.state_dir, exist_ok=True)
+            self.cluster = ClusterReceiver(
+                self._live,
+                plan=_plan(self.rlayout),
+                layout=self.rlayout,
+                version=self.version,
+                config=_cluster_config(self.timeout_s),
+                journal_path=os.path.join(self.state_dir, "cluster-journal.json"),
+            )
+        rep = self.cluster.sync()
+        if rep.version != version:
+            raise RuntimeError(
+                f"receiver {self.shard} reached version {rep.version}, expected {version}"
+            )
+        self.version = version
+        return SyncTimes(
+            transfer_s=rep.stage_s + rep.verify_s,
+            pause_s=rep.pause_s,
+            bytes=rep.payload_bytes,
+            wait_s=rep.wait_s + rep.forward_s,
+        )
+
+    def live(self) -> dict[str, torch.Tensor]:
+        return self._live

@@ -1,0 +1,133 @@
+"""``deltasync bench compare`` (also plain ``deltasync bench``): dense vs snapshot vs deltasync.
+
+Presets: ``small`` (a tiny Qwen3, lr 3e-6, store unthrottled / 1 Gbit/s / in-cluster; a few
+minutes here) and ``full`` (Qwen3-0.6B shape at lr 1e-6/3e-6/1e-5 and a Qwen3-MoE shape at
+3e-6; store unthrottled / 1 / 10 Gbit/s and in-cluster) -- the README's results run. The last
+stdout line is JSON; its headline block is lr 3e-6 at the first emulated link rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict
+
+from deltasync_bench.common import emit_json
+from deltasync_bench.compare.report import plot, table
+from deltasync_bench.compare.run import PathSpec, RunConfig, medians, run_system
+from deltasync_bench.compare.workload import MODELS, Workload
+
+PRESETS = {
+    "small": dict(models=["qwen3-small"], lrs=[3e-6], links=[1.0], steps=2, warmup=1),
+    "full": dict(
+        models=["qwen3-0.6b", "qwen3-moe-small"],
+        lrs=[1e-6, 3e-6, 1e-5],
+        links=[1.0, 10.0],
+        steps=2,
+        warmup=1,
+        moe_lrs=[3e-6],
+    ),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    p.add_argument(
+        "--model", choices=sorted(MODELS), action="append", help="override the preset's models"
+    )
+    p.add_argument("--lr", type=float, action="append", help="override the preset's learning rates")
+    p.add_argument("--link-gbps", type=float, action="append", help="emulated per-node link rates")
+    p.add_argument("--steps", type=int, help="measured versions per path")
+    p.add_argument("--systems", default="dense,snapshot,deltasync")
+    p.add_argument("--no-cluster", action="store_true", help="skip the in-cluster (gloo) path")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--out", default="bench_out", help="directory for the PNG plot")
+
+
+def main(args: argparse.Namespace) -> int:
+    pre = dict(PRESETS[args.preset])
+    models = args.model or pre["models"]
+    links = args.link_gbps or pre["links"]
+    steps = args.steps or pre["steps"]
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    paths = [PathSpec(kind="store")] + [PathSpec(kind="store", gbps=g) for g in links]
+    if not args.no_cluster:
+        paths.append(PathSpec(kind="cluster"))
+    os.makedirs(args.out, exist_ok=True)
+    runs, all_exact, headline = [], True, None
+    for model in models:
+        lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
+        for lr in lrs:
+            wl = Workload(model=model, lr=lr)
+            cfg = RunConfig(
+                workload=wl,
+                systems=systems,
+                paths=tuple(paths),
+                tp=args.tp,
+                steps=steps,
+                warmup=pre["warmup"],
+            )
+            print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
+            sys_runs = {}
+            for s in systems:
+                from deltasync.layout import ModelSpec, ReceiverLayout
+
+                n_rx = len(
+                    ReceiverLayout.build(
+                        ModelSpec.from_hf_config(wl.hf_config()), engine="vllm", tp=args.tp
+                    ).shards()
+                )
+                sys_runs[s] = run_system(cfg, s, n_rx)
+            model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
+            changed = [
+                r.changed_elements
+                for r in sys_runs.get("snapshot", sys_runs[systems[0]]).records
+                if r.changed_elements is not None
+            ]
+            by_path = {}
+            for path in paths:
+                res = {}
+                for s, sr in sys_runs.items():
+                    recs = [r for r in sr.records if r.path == path.label]
+                    m = medians(recs)
+                    m["changed_fraction"] = (
+                        (sorted(changed)[len(changed) // 2] / (model_bytes / 2))
+                        if changed
+                        else None
+                    )
+                    res[s] = m
+                    all_exact &= sr.exact and m["exact"]
+                by_path[path.label] = res
+                table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes)
+                runs.append(
+                    {
+                        "model": model,
+                        "lr": lr,
+                        "path": path.label,
+                        "link_gbps": path.gbps,
+                        "model_bf16_bytes": model_bytes,
+                        "results": res,
+                    }
+                )
+                if headline is None and lr == 3e-6 and path.gbps == links[0]:
+                    headline = {
+                        "workload": {**asdict(wl), "tp": args.tp, "model_bf16_bytes": model_bytes},
+                        "link_gbps": path.gbps,
+                        "results": res,
+                    }
+            png = plot(
+                by_path,
+                os.path.join(args.out, f"bench_{model}_lr{lr:g}.png"),
+                f"{model}, lr={lr:g}, vLLM TP={args.tp}",
+            )
+            if png:
+                print(f"plot: {png}")
+    if headline is None and runs:  # no lr 3e-6 run: the first run on the first emulated link
+        r0 = next((r for r in runs if r["link_gbps"] == links[0]), runs[0])
+        headline = {
+            "workload": {"model": r0["model"], "lr": r0["lr"]},
+            "link_gbps": r0["link_gbps"],
+            "results": r0["results"],
+        }
+    emit_json({**(headline or {}), "exact": all_exact, "runs": runs})
+    return 0 if all_exact else 1

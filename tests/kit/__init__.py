@@ -1,0 +1,148 @@
+"""The one test kit: the tiny Qwen3, bitwise equality, the dense-refit oracle and the trainers.
+
+Imported by bare name (``from kit import ...``): ``tests/`` is on ``sys.path`` through the
+root conftest. Everything model- or oracle-shaped comes from the applications' own modules
+(``deltasync_examples.models`` / ``.oracle``), so tests, examples and benchmarks share one
+tiny config, one synthetic trainer and one oracle.
+
+- ``TINY_QWEN3`` / ``tiny_qwen3(**overrides)`` / ``tiny_spec`` / ``tiny_layouts``: the tiny
+  Qwen3 (hidden 64, 2 layers, GQA 4/2, head_dim 16, vocab 251) and its layouts;
+- ``bits``, ``bits_equal``, ``same_bits``, ``assert_same_bits``: equality on integer views
+  (float ``==`` treats -0.0 == +0.0 and NaN != NaN), for one tensor or a dict of tensors;
+- ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights;
+- ``SyntheticTrainer`` (seeded Gaussian gradients, any FSDP split), ``TinyTrainer`` (a masked
+  quadratic loss: a chosen fraction of elements gets a gradient each step), ``HFTrainer``
+  (transformers' Qwen3ForCausalLM on random tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
+
+from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+
+__all__ = [
+    "TINY_QWEN3",
+    "HFTrainer",
+    "SyntheticTrainer",
+    "TinyTrainer",
+    "assert_same_bits",
+    "bits",
+    "bits_equal",
+    "build_model",
+    "expected_shards",
+    "same_bits",
+    "tiny_layouts",
+    "tiny_qwen3",
+    "tiny_spec",
+]
+
+
+def tiny_spec(**overrides: object) -> ModelSpec:
+    return ModelSpec.from_hf_config(tiny_qwen3(**overrides))
+
+
+def tiny_layouts(engine: str = "vllm", tp: int = 2, **overrides: object):
+    """``(spec, TrainerLayout, ReceiverLayout)`` of the tiny Qwen3 (with ``overrides``)."""
+    spec = tiny_spec(**overrides)
+    return spec, TrainerLayout(spec), ReceiverLayout.build(spec, engine, tp)
+
+
+# ---------------------------------------------------------------------- bitwise equality
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a 16-bit tensor as int16 (BF16 / FP16 weights)."""
+    return t.view(torch.int16)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bit pattern (integer views: ±0 and NaN payloads count)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.element_size() == 2:
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    """Same names and every tensor :func:`bits_equal`."""
+    return a.keys() == b.keys() and all(bits_equal(a[n], b[n]) for n in a)
+
+
+def assert_same_bits(actual: dict, expected: dict, what: str = "") -> None:
+    assert actual.keys() == expected.keys(), f"{what}: names differ"
+    bad = [n for n in expected if not bits_equal(actual[n], expected[n])]
+    assert not bad, f"{what}: tensors differ bitwise: {bad[:5]}"
+
+
+def expected_shards(params, trainer_layout: TrainerLayout, receiver_layout: ReceiverLayout):
+    """Oracle: dense split of the canonical BF16 weights (what a full refit would write)."""
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+    return receiver_layout.split(trainer_layout.to_canonical(bf16))
+
+
+# ---------------------------------------------------------------------- trainers
+
+
+class TinyTrainer:
+    """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss.
+    ``device`` holds params and optimizer state; the random draws are made on the CPU, so the
+    same seed gives the same trajectory on any device."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        seed: int = 0,
+        lr: float = 1e-3,
+        density: float = 0.05,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        shapes = TrainerLayout(spec).param_shapes()
+        self.params = {
+            n: torch.nn.Parameter(
+                (
+                    torch.ones(s)
+                    if n.endswith("norm.weight")
+                    else torch.randn(s, generator=self.gen) * 0.02
+                ).to(device)
+            )
+            for n, s in shapes.items()
+        }
+        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, foreach=False)
+        self.density = density
+        self.steps = 0
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        for p in self.params.values():
+            mask = (torch.rand(p.shape, generator=self.gen) < self.density).to(p.device)
+            target = (torch.randn(p.shape, generator=self.gen) * 0.02).to(p.device)
+            p.grad = torch.where(mask, p.detach() - target, 0.0)
+        self.opt.step()
+        self.steps += 1
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+
+class HFTrainer:
+    """transformers' Qwen3ForCausalLM from the tiny config, AdamW on next-token loss."""
+
+    def __init__(self, *, seed: int = 0, lr: float = 1e-3, **overrides: object) -> None:
+        cfg = tiny_qwen3(**overrides)
+        self.vocab_size = cfg["vocab_size"]
+        self.model = build_model(cfg, seed=seed)
+        self.config = self.model.config
+        self.params = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.vocab_size, (2, 12), generator=self.gen)
+        self.opt.zero_grad()
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()

@@ -1,0 +1,63 @@
+"""``deltasync demo`` (what ``make demo`` runs) end to end, and the CLI without its applications.
+
+The demo runs as a user runs it: the installed ``deltasync`` script in a fresh process, real
+receiver processes, a real local store; the tiny model and two steps keep it short. Its own
+check (every receiver's digest against a dense split of the trainer, and the dense refit
+loaded next to the live shard) must say exact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DELTASYNC = str(Path(sys.executable).with_name("deltasync"))
+
+# Runs the CLI with the application packages made unimportable, as in an install without them.
+WITHOUT_APPS = """
+import sys
+class _Gone:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("deltasync_examples", "deltasync_bench"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Gone())
+from deltasync.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_syncs_every_step_bit_exactly(tmp_path) -> None:
+    done = subprocess.run(
+        [DELTASYNC, "demo", "--steps", "2", "--small", "--store", str(tmp_path)],
+        capture_output=True, text=True, timeout=220, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["exact"] is True and out["steps"] == 2
+    assert 0 < out["medians"]["bytes"] < out["medians"]["dense_bytes"]
+    assert (tmp_path / "store").is_dir(), "the demo did not use the store it was given"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("argv", "package"),
+    [
+        (["demo", "--steps", "1"], "deltasync_examples"),
+        (["cluster-worker", "--versions", "1"], "deltasync_examples"),
+        (["bench", "--preset", "small"], "deltasync_bench"),
+    ],
+)
+def test_a_command_whose_application_is_missing_names_the_remedy(argv, package) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_APPS, *argv],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "ApplicationMissingError" in done.stderr and package in done.stderr
+    assert "pip install -e ." in done.stderr
+    assert "Traceback" not in done.stderr
