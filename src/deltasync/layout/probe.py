@@ -1,0 +1,541 @@
+"""Learn one receiver shard's layout from the engine's own weight loader.
+
+``probe_shard(loader, canonical)`` drives ``loader.load_weights`` (the ``Iterable[(name,
+tensor)]`` entry point vLLM and SGLang models have, and :mod:`~deltasync.layout.loaders` gives
+a transformers model) with checkpoint tensors whose values identify every element, reads every
+parameter back, and compresses where each canonical element landed into the same
+:class:`~deltasync.layout.blocks.Block` maps the hand-written rules build.
+
+How an element is identified: the canonical tensors are fed in *rounds* (whole loader groups,
+about ``ProbeConfig.round_elements`` elements each, so memory stays bounded by the round, not
+the model). Within a round every element has an id (its offset in the round's tensors laid end
+to end). Pass ``k`` feeds ``1 + (id >> 8k) & 255``: integers 1..256, exact in BF16, so any
+loader that only moves elements delivers them unchanged; every parameter is zero-filled first,
+so 0 means "no canonical element here" (padding, or another round's). A final *check* pass
+feeds a pseudo-random BF16 bit pattern derived from each id (full mantissa, both signs, a
+spread of exponents) and every read-back element must equal, bit for bit, the pattern of the id
+the digit passes decoded. A loader that scales, offsets, casts to a narrower type, quantizes,
+sums or shuffles bytes fails one of these checks; the round is then re-probed group by group
+and the tensors at fault are refused (:class:`~deltasync.errors.LayoutProbeError` naming each,
+with the reason), never placed.
+
+The probe overwrites every parameter of the model it is given: run it on a freshly built model
+(or before the real weights are loaded). It knows nothing about model families or engines
+beyond the ``load_weights`` / ``named_parameters`` shape, and does no file I/O; turning shard
+probes into a table and caching them is :mod:`~deltasync.layout.probed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from deltasync.errors import LayoutError
+from deltasync.layout.blocks import Block, numel, view_cols, view_rows
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+DIGIT_BITS = 8
+_DIGIT_MASK = (1 << DIGIT_BITS) - 1
+
+
+class LayoutProbeError(LayoutError):
+    """The probe cannot learn a layout: a loader transforms values, or elements go nowhere.
+
+    ``refused`` maps each canonical tensor at fault to the reason.
+    """
+
+    def __init__(self, message: str, refused: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.refused: dict[str, str] = dict(refused or {})
+
+
+class WeightLoader(Protocol):
+    """What the probe needs of an engine model: its loader and its parameters."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """How the probe feeds the loader.
+
+    ``round_elements``: canonical elements fed per round (a loader group larger than this is
+    one round of its own); bounds the probe's extra memory at about 6 bytes per element of the
+    round plus 4-8 bytes per element of the parameters it touches.
+    ``max_blocks_per_tensor``: a canonical tensor that lands in more blocks than this on one
+    shard is refused (its elements are shuffled, e.g. transposed, not moved as rows/columns).
+    ``chunk_elements``: parameters are read back this many elements at a time.
+    """
+
+    round_elements: int = 1 << 25
+    max_blocks_per_tensor: int = 1 << 16
+    chunk_elements: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for name in ("round_elements", "max_blocks_per_tensor", "chunk_elements"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"ProbeConfig.{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ShardProbe:
+    """What one shard's loader did with the canonical tensors.
+
+    ``local_shapes``: every parameter the shard holds (storage names, aliases left out);
+    ``placements``: canonical name -> ``(local name, Block)`` pieces (canonical tensors this
+    shard holds none of, e.g. other EP ranks' experts, are absent); ``aliases``: parameter
+    names that are the same storage as another (tied ``lm_head.weight``); ``padding``: per
+    local tensor, elements no canonical element landed in.
+    """
+
+    local_shapes: dict[str, Shape]
+    placements: dict[str, tuple[tuple[str, Block], ...]]
+    aliases: dict[str, str] = field(default_factory=dict)
+    padding: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    passes: int = 0
+
+    def dropped(self, canonical: Iterable[str]) -> list[str]:
+        """Canonical tensors of which this shard holds no element."""
+        return [n for n in canonical if n not in self.placements]
+
+
+# ---------------------------------------------------------------------- element values
+
+
+def digit_values(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Pass ``k``'s BF16 value for each id: ``1 + ((id >> 8k) & 255)``, exact in BF16."""
+    return (((ids >> (DIGIT_BITS * k)) & _DIGIT_MASK) + 1).to(torch.bfloat16)
+
+
+def check_bits(ids: torch.Tensor) -> torch.Tensor:
+    """The check pass's BF16 bit pattern (as int16) for each id.
+
+    A multiplicative hash picks sign, 7 mantissa bits and one of 32 exponents (2^-15..2^16):
+    finite, normal, never zero, so a loader that rescales, rounds or reorders bytes cannot keep
+    them all.
+    """
+    h = (ids * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    sign = (h >> 20) & 1
+    exponent = 112 + ((h >> 8) & 31)
+    mantissa = h & 127
+    u = (sign << 15) | (exponent << 7) | mantissa
+    return torch.where(u >= 1 << 15, u - (1 << 16), u).to(torch.int16)
+
+
+def _passes_for(total: int) -> int:
+    return max(1, -(-max(1, (total - 1).bit_length()) // DIGIT_BITS))
+
+
+# ---------------------------------------------------------------------- parameters
+
+
+def loader_params(loader: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The loader's parameters (storage names) and aliases (a name sharing another's storage)."""
+    if hasattr(loader, "named_parameters"):
+        try:
+            items = list(loader.named_parameters(remove_duplicate=False))
+        except TypeError:
+            items = list(loader.named_parameters())
+    elif hasattr(loader, "params"):
+        items = list(loader.params().items())
+    else:
+        raise LayoutError(
+            f"{type(loader).__name__} has neither named_parameters() nor params(): "
+            "the probe cannot read its weights back"
+        )
+    params: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, p in items:
+        t = p.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen.setdefault(key, name)
+        params[name] = t
+    return params, aliases
+
+
+def default_groups(names: Sequence[str]) -> list[list[str]]:
+    """Tensors a loader needs in one call: a layer's experts (fused loaders stack them all)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(re.sub(r"\.experts\.\d+\..*$", ".experts", n), []).append(n)
+    return list(groups.values())
+
+
+def _rounds(
+    groups: list[list[str]], canonical: Mapping[str, Shape], budget: int
+) -> Iterator[list[list[str]]]:
+    """Consecutive groups, about ``budget`` elements per round (a larger group alone)."""
+    current: list[list[str]] = []
+    size = 0
+    for g in groups:
+        n = sum(numel(canonical[x]) for x in g)
+        if current and size + n > budget:
+            yield current
+            current, size = [], 0
+        current.append(g)
+        size += n
+    if current:
+        yield current
+
+
+# ---------------------------------------------------------------------- one round
+
+
+@dataclass
+class _Touched:
+    """Read-back state of one parameter that received elements in the current round."""
+
+    ids: torch.Tensor  # id per element (int32/int64), valid where ``covered``
+    covered: torch.Tensor  # bool
+
+
+class _Round:
+    def __init__(self, probe: _ShardProber, names: list[str]) -> None:
+        self.p = probe
+        self.names = names
+        sizes = [numel(probe.canonical[n]) for n in names]
+        self.offsets = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
+        self.total = int(self.offsets[-1])
+        self.id_dtype = torch.int32 if self.total < 2**31 else torch.int64
+        self.passes = _passes_for(self.total)
+        self.faults: dict[str, list[str]] = {}  # param -> what went wrong there
+
+    def _feed(self, values) -> None:
+        def gen() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, n in enumerate(self.names):
+                start = int(self.offsets[i])
+                ids = torch.arange(start, start + numel(self.p.canonical[n]), dtype=torch.int64)
+                yield n, values(ids).reshape(self.p.canonical[n])
+
+        try:
+            with torch.no_grad():
+                self.p.loader.load_weights(gen())
+        except Exception as exc:
+            raise LayoutProbeError(
+                f"the engine's load_weights failed while probing {_describe(self.names)}: "
+                f"{type(exc).__name__}: {exc}",
+                {n: f"load_weights raised {type(exc).__name__}" for n in self.names},
+            ) from exc
+
+    def _fault(self, param: str, what: str) -> None:
+        self.faults.setdefault(param, []).append(what)
+
+    def run(self) -> dict[str, _Touched]:
+        chunk = self.p.config.chunk_elements
+        touched: dict[str, _Touched] = {}
+        for k in range(self.passes):
+            self._feed(lambda ids, k=k: digit_values(ids, k))
+            params, _ = loader_params(self.p.loader)
+            if k == 0:
+                for name, t in params.items():
+                    if t.numel() and torch.count_nonzero(t):
+                        if t.dtype != torch.bfloat16:
+                            self._fault(name, f"it is {t.dtype}, not torch.bfloat16")
+                            continue
+                        touched[name] = _Touched(
+                            ids=torch.zeros(t.numel(), dtype=self.id_dtype),
+                            covered=torch.zeros(t.numel(), dtype=torch.bool),
+                        )
+            for name, st in touched.items():
+                flat = params[name].reshape(-1)
+                for lo in range(0, flat.numel(), chunk):
+                    v = flat[lo : lo + chunk].float()
+                    nz = v != 0
+                    if k == 0:
+                        st.covered[lo : lo + chunk] = nz
+                    elif not torch.equal(nz, st.covered[lo : lo + chunk]):
+                        self._fault(name, f"pass {k} wrote other elements than pass 0")
+                        break
+                    ok = (v >= 1) & (v <= 256) & (v == torch.round(v))
+                    if not bool(ok[nz].all()):
+                        self._fault(name, f"pass {k} read back values that are not the ones fed")
+                        break
+                    digit = (v - 1).clamp_(0, 255).to(self.id_dtype)
+                    st.ids[lo : lo + chunk] |= torch.where(nz, digit << (DIGIT_BITS * k), 0)
+        for name, st in touched.items():
+            ids = st.ids[st.covered]
+            if ids.numel() and int(ids.max()) >= self.total:
+                self._fault(name, "decoded element ids beyond the tensors fed")
+        # Check pass: every element must come back as the exact bit pattern of its decoded id.
+        self._feed(lambda ids: check_bits(ids).view(torch.bfloat16))
+        params, _ = loader_params(self.p.loader)
+        for name, st in touched.items():
+            if name in self.faults:
+                continue
+            got = params[name].reshape(-1).view(torch.int16)
+            for lo in range(0, got.numel(), chunk):
+                cov = st.covered[lo : lo + chunk]
+                g = got[lo : lo + chunk]
+                want = check_bits(st.ids[lo : lo + chunk].to(torch.int64))
+                bad = (g != want) & cov
+                if bool(bad.any()) or bool((g[~cov] != 0).any()):
+                    self._fault(
+                        name,
+                        "the check pass read back different bits (the loader "
+                        "transforms values: scales, casts, quantizes, sums or permutes)",
+                    )
+                    break
+        # Leave every parameter this round wrote zero again for the next round.
+        with torch.no_grad():
+            for name in set(touched) | set(self.faults):
+                params[name].zero_()
+        return touched
+
+
+def _describe(names: Sequence[str]) -> str:
+    if len(names) <= 3:
+        return ", ".join(repr(n) for n in names)
+    return f"{names[0]!r} ... {names[-1]!r} ({len(names)} tensors)"
+
+
+# ---------------------------------------------------------------------- compression
+
+
+@dataclass
+class _Runs:
+    """Row runs of one parameter: contiguous elements of one source row in one dest row."""
+
+    src: list[np.ndarray] = field(default_factory=list)  # canonical ordinal
+    src_row: list[np.ndarray] = field(default_factory=list)
+    src_col: list[np.ndarray] = field(default_factory=list)
+    dst_row: list[np.ndarray] = field(default_factory=list)
+    dst_col: list[np.ndarray] = field(default_factory=list)
+    length: list[np.ndarray] = field(default_factory=list)
+
+
+def _row_runs(
+    runs: _Runs,
+    covered: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    ordinals: torch.Tensor,
+    src_cols: torch.Tensor,
+    dst_cols: int,
+) -> None:
+    pos = torch.nonzero(covered).squeeze(1)
+    if not pos.numel():
+        return
+    gid = ids.index_select(0, pos).to(torch.int64)
+    t = torch.searchsorted(offsets, gid, right=True) - 1
+    f = gid - offsets.index_select(0, t)
+    cs = src_cols.index_select(0, t)
+    s_row = f // cs
+    d_row = pos // dst_cols
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[1:] = (
+        (pos[1:] != pos[:-1] + 1)
+        | (d_row[1:] != d_row[:-1])
+        | (t[1:] != t[:-1])
+        | (f[1:] != f[:-1] + 1)
+        | (s_row[1:] != s_row[:-1])
+    )
+    first = torch.nonzero(start).squeeze(1)
+    length = torch.diff(first, append=torch.tensor([pos.numel()]))
+    runs.src.append(ordinals.index_select(0, t.index_select(0, first)).numpy())
+    runs.src_row.append(s_row.index_select(0, first).numpy())
+    runs.src_col.append((f - s_row * cs).index_select(0, first).numpy())
+    runs.dst_row.append(d_row.index_select(0, first).numpy())
+    runs.dst_col.append((pos - d_row * dst_cols).index_select(0, first).numpy())
+    runs.length.append(length.numpy())
+
+
+def _blocks(
+    runs: _Runs, names: list[str], canonical: Mapping[str, Shape], dst_shape: Shape
+) -> dict[str, list[Block]]:
+    """Merge row runs that continue each other row after row into rectangles."""
+    if not runs.src:
+        return {}
+    src, s_row, s_col, d_row, d_col, ln = (
+        np.concatenate(getattr(runs, a))
+        for a in ("src", "src_row", "src_col", "dst_row", "dst_col", "length")
+    )
+    order = np.lexsort((d_row, ln, s_col, d_col, src))
+    src, s_row, s_col, d_row, d_col, ln = (a[order] for a in (src, s_row, s_col, d_row, d_col, ln))
+    new = np.ones(len(src), dtype=bool)
+    new[1:] = (
+        (src[1:] != src[:-1])
+        | (d_col[1:] != d_col[:-1])
+        | (s_col[1:] != s_col[:-1])
+        | (ln[1:] != ln[:-1])
+        | (d_row[1:] != d_row[:-1] + 1)
+        | (s_row[1:] != s_row[:-1] + 1)
+    )
+    starts = np.flatnonzero(new)
+    rows = np.diff(np.append(starts, len(src)))
+    dcols = view_cols(dst_shape)
+    out: dict[str, list[Block]] = {}
+    for i, r in zip(starts.tolist(), rows.tolist(), strict=True):
+        name = names[int(src[i])]
+        out.setdefault(name, []).append(
+            Block(
+                src_cols=view_cols(canonical[name]),
+                dst_cols=dcols,
+                src_row=int(s_row[i]),
+                dst_row=int(d_row[i]),
+                rows=int(r),
+                src_col=int(s_col[i]),
+                dst_col=int(d_col[i]),
+                cols=int(ln[i]),
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------- the shard probe
+
+
+class _ShardProber:
+    def __init__(self, loader: Any, canonical: Mapping[str, Shape], config: ProbeConfig) -> None:
+        self.loader = loader
+        self.canonical = dict(canonical)
+        self.config = config
+        self.names = list(self.canonical)
+        self.ordinal = {n: i for i, n in enumerate(self.names)}
+
+    def run(self) -> ShardProbe:
+        t0 = time.perf_counter()
+        params, aliases = loader_params(self.loader)
+        with torch.no_grad():
+            for t in params.values():
+                t.zero_()
+        groups_fn = getattr(self.loader, "probe_groups", None)
+        groups = groups_fn(self.names) if groups_fn is not None else default_groups(self.names)
+        runs: dict[str, _Runs] = {}
+        refused: dict[str, str] = {}
+        passes = 0
+        for part in _rounds(groups, self.canonical, self.config.round_elements):
+            names = [n for g in part for n in g]
+            passes += self._probe(names, part, runs, refused)
+        if refused:
+            raise LayoutProbeError(
+                "the engine's loader does not move these tensors' elements unchanged, so no "
+                "layout can be learned for them: "
+                + "; ".join(f"{n}: {why}" for n, why in refused.items()),
+                refused,
+            )
+        params, aliases = loader_params(self.loader)
+        placements: dict[str, list[tuple[str, Block]]] = {}
+        padding: dict[str, int] = {}
+        for local, t in params.items():
+            if not t.numel():
+                continue
+            blocks = _blocks(runs.get(local, _Runs()), self.names, self.canonical, tuple(t.shape))
+            held = 0
+            for name, bl in blocks.items():
+                placements.setdefault(name, []).extend((local, b) for b in bl)
+                held += sum(b.size for b in bl)
+            padding[local] = t.numel() - held
+        too_many = {
+            n: f"it lands in {len(p)} blocks (> {self.config.max_blocks_per_tensor}): its "
+            "elements are shuffled, not moved as rows or columns"
+            for n, p in placements.items()
+            if len(p) > self.config.max_blocks_per_tensor
+        }
+        if too_many:
+            raise LayoutProbeError(
+                "layout not expressible as blocks: "
+                + "; ".join(f"{n}: {why}" for n, why in too_many.items()),
+                too_many,
+            )
+        local_shapes = {n: tuple(t.shape) for n, t in params.items() if t.numel()}
+        untouched = [n for n, pad in padding.items() if pad == numel(local_shapes[n])]
+        if untouched:
+            log.info(
+                "probe: %d parameter(s) received no checkpoint element: %s",
+                len(untouched),
+                _describe(untouched),
+            )
+        seconds = time.perf_counter() - t0
+        log.info("probe: %d canonical tensors, %d passes, %.2f s", len(self.names), passes, seconds)
+        return ShardProbe(
+            local_shapes=local_shapes,
+            placements={n: tuple(p) for n, p in placements.items()},
+            aliases=aliases,
+            padding=padding,
+            seconds=seconds,
+            passes=passes,
+        )
+
+    def _probe(
+        self,
+        names: list[str],
+        groups: list[list[str]],
+        runs: dict[str, _Runs],
+        refused: dict[str, str],
+    ) -> int:
+        rnd = _Round(self, names)
+        touched = rnd.run()
+        if rnd.faults:
+            if len(groups) > 1:  # bisect the round's groups to find the ones at fault
+                half = len(groups) // 2
+                return (
+                    rnd.passes
+                    + 1
+                    + sum(
+                        self._probe([n for g in part for n in g], part, runs, refused)
+                        for part in (groups[:half], groups[half:])
+                    )
+                )
+            why = "; ".join(f"{p}: {', '.join(w)}" for p, w in rnd.faults.items())
+            for n in names:
+                refused[n] = why
+            return rnd.passes + 1
+        ordinals = torch.tensor([self.ordinal[n] for n in names], dtype=torch.int64)
+        src_cols = torch.tensor([view_cols(self.canonical[n]) for n in names], dtype=torch.int64)
+        params, _ = loader_params(self.loader)
+        for local, st in touched.items():
+            shape = tuple(params[local].shape)
+            _row_runs(
+                runs.setdefault(local, _Runs()),
+                st.covered,
+                st.ids,
+                rnd.offsets,
+                ordinals,
+                src_cols,
+                view_cols(shape),
+            )
+        assert all(view_rows(self.canonical[n]) >= 0 for n in names)
+        return rnd.passes + 1
+
+
+def probe_shard(
+    loader: WeightLoader | Any,
+    canonical: Mapping[str, Shape],
+    *,
+    config: ProbeConfig | None = None,
+) -> ShardProbe:
+    """Learn where ``loader`` puts every element of the ``canonical`` checkpoint tensors.
+
+    Args:
+        loader: an engine model (or adapter) with ``load_weights(Iterable[(name, tensor)])``
+            and ``named_parameters()`` (or ``params()``), holding one shard. Its parameters are
+            overwritten.
+        canonical: checkpoint tensor names and shapes, in checkpoint order.
+        config: round size and limits (:class:`ProbeConfig`).
+
+    Returns:
+        The shard's :class:`ShardProbe`.
+
+    Raises:
+        LayoutProbeError: some tensors' elements do not arrive unchanged (each named, with the
+            reason), or are shuffled beyond row/column blocks.
+    """
+    return _ShardProber(loader, canonical, config or ProbeConfig()).run()

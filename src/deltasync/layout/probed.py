@@ -1,0 +1,274 @@
+"""Probed layouts as data: shard probes assembled into one table, saved as JSON, cached.
+
+``assemble_table(canonical, probes)`` joins the :class:`~deltasync.layout.probe.ShardProbe` of
+every distinct receiver shard into one :class:`~deltasync.layout.table.LayoutTable` (the same
+type the hand-written rules build, so routing, split/merge, digests and the receivers' checks
+run unchanged). A canonical tensor must be held, whole, by the shards together: an element no
+shard holds is an error naming the tensor, never a silently unsynced weight.
+
+``layout_to_json`` / ``layout_from_json`` write and read a table with its shard list and the
+key it was probed for (model config, engine, parallel config): the file ``deltasync layout
+probe`` prints, that a user inspects, caches and ships to receivers. ``ProbeCache`` keeps one
+such file per key digest in a directory, so the probe runs once per (model config, engine,
+parallel config).
+
+This module knows tables, blocks and JSON; it does not drive loaders (``probe``) and knows no
+model family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltasync.atomic import write_atomic
+from deltasync.errors import LayoutError
+from deltasync.layout.blocks import Block, numel
+from deltasync.layout.probe import LayoutProbeError, ShardProbe
+from deltasync.layout.table import LayoutTable, Placement, Shape
+
+log = logging.getLogger(__name__)
+
+LAYOUT_FORMAT = "deltasync-layout"
+LAYOUT_FORMAT_VERSION = 1
+# Bumped when what the probe computes changes, so stale cache entries are not reused.
+PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard's id and ranks (``ep_rank`` 0 when expert parallelism is off)."""
+
+    id: str
+    tp_rank: int = 0
+    ep_rank: int = 0
+
+
+def assemble_table(canonical: Mapping[str, Shape], probes: Mapping[str, ShardProbe]) -> LayoutTable:
+    """One table from every distinct shard's probe.
+
+    Args:
+        canonical: checkpoint tensor names and shapes (the table's sources).
+        probes: ``{shard id: ShardProbe}``, one per distinct shard.
+
+    Returns:
+        A validated :class:`LayoutTable`.
+
+    Raises:
+        LayoutProbeError: a canonical tensor (or part of one) is held by no shard.
+    """
+    placements: dict[str, list[Placement]] = {}
+    for sid, pr in probes.items():
+        for name, pieces in pr.placements.items():
+            if name not in canonical:
+                raise LayoutError(f"shard {sid!r} places unknown tensor {name!r}")
+            placements.setdefault(name, []).extend(Placement(sid, loc, b) for loc, b in pieces)
+    missing = {n: "no shard holds any of its elements" for n in canonical if n not in placements}
+    for name, pls in placements.items():
+        rects = {p.block.src_rect(): p.block.size for p in pls}
+        if sum(rects.values()) < numel(canonical[name]):
+            missing[name] = (
+                f"the shards hold {sum(rects.values())} of its {numel(canonical[name])} elements"
+            )
+    if missing:
+        raise LayoutProbeError(
+            "the engine's loaders drop checkpoint elements (an element no receiver shard "
+            "holds could never be synced): "
+            + "; ".join(f"{n}: {why}" for n, why in list(missing.items())[:8])
+            + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""),
+            missing,
+        )
+    return LayoutTable(
+        src_shapes=canonical,
+        dst_shapes={sid: pr.local_shapes for sid, pr in probes.items()},
+        placements={n: placements[n] for n in canonical},
+        aliases={sid: pr.aliases for sid, pr in probes.items() if pr.aliases},
+    )
+
+
+def probe_key(
+    model_config: Mapping[str, Any], engine: str, parallel: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The identity of a probe: what it was run for, in a JSON-able, order-free form."""
+    return {
+        "model_config": json.loads(json.dumps(dict(model_config), sort_keys=True, default=str)),
+        "engine": engine,
+        "parallel": dict(sorted(parallel.items())),
+        "probe_version": PROBE_VERSION,
+    }
+
+
+def key_digest(key: Mapping[str, Any]) -> str:
+    raw = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------- JSON
+
+
+def _block_row(p: Placement) -> list[Any]:
+    b = p.block
+    return [
+        p.shard,
+        p.local,
+        b.src_cols,
+        b.dst_cols,
+        b.src_row,
+        b.dst_row,
+        b.rows,
+        b.src_col,
+        b.dst_col,
+        b.cols,
+    ]
+
+
+def layout_to_json(
+    table: LayoutTable, shards: Sequence[ShardRef], key: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A table and its shard list as a JSON object (see :func:`layout_from_json`)."""
+    return {
+        "format": LAYOUT_FORMAT,
+        "format_version": LAYOUT_FORMAT_VERSION,
+        "key": dict(key or {}),
+        "shards": [{"id": s.id, "tp_rank": s.tp_rank, "ep_rank": s.ep_rank} for s in shards],
+        "canonical": {n: list(s) for n, s in table.src_shapes.items()},
+        "locals": {sid: {n: list(s) for n, s in m.items()} for sid, m in table.dst_shapes.items()},
+        "aliases": {sid: dict(a) for sid, a in table.aliases.items() if a},
+        "placements": {n: [_block_row(p) for p in pls] for n, pls in table.placements.items()},
+    }
+
+
+def _shape(value: Any, what: str) -> Shape:
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise LayoutError(f"layout file: {what} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef], dict[str, Any]]:
+    """Read what :func:`layout_to_json` wrote; the table is validated as any table is.
+
+    Returns:
+        ``(table, shards, key)``.
+
+    Raises:
+        LayoutError: not a layout file, a malformed field (named), or an invalid table.
+    """
+    if not isinstance(doc, Mapping) or doc.get("format") != LAYOUT_FORMAT:
+        raise LayoutError(f"not a deltasync layout file (format is not {LAYOUT_FORMAT!r})")
+    if doc.get("format_version") != LAYOUT_FORMAT_VERSION:
+        raise LayoutError(
+            f"layout file format_version {doc.get('format_version')!r} is not supported "
+            f"(this deltasync reads {LAYOUT_FORMAT_VERSION}); re-run deltasync layout probe"
+        )
+    try:
+        shards = [
+            ShardRef(str(s["id"]), int(s["tp_rank"]), int(s["ep_rank"])) for s in doc["shards"]
+        ]
+        canonical = {str(n): _shape(s, f"canonical[{n!r}]") for n, s in doc["canonical"].items()}
+        locals_ = {
+            str(sid): {str(n): _shape(s, f"locals[{sid!r}][{n!r}]") for n, s in m.items()}
+            for sid, m in doc["locals"].items()
+        }
+        aliases = {
+            str(sid): {str(a): str(t) for a, t in m.items()}
+            for sid, m in doc.get("aliases", {}).items()
+        }
+        placements: dict[str, list[Placement]] = {}
+        for name, rows in doc["placements"].items():
+            for row in rows:
+                if len(row) != 10 or not all(isinstance(x, int) for x in row[2:]):
+                    raise LayoutError(f"layout file: a placement of {name!r} is malformed: {row!r}")
+                sid, local, *nums = row
+                sc, dc, sr, dr, r, scol, dcol, c = nums
+                if min(nums) < 0 or scol + c > sc or dcol + c > dc:
+                    raise LayoutError(f"layout file: a block of {name!r} is out of range: {row!r}")
+                block = Block(
+                    src_cols=sc,
+                    dst_cols=dc,
+                    src_row=sr,
+                    dst_row=dr,
+                    rows=r,
+                    src_col=scol,
+                    dst_col=dcol,
+                    cols=c,
+                )
+                placements.setdefault(str(name), []).append(Placement(str(sid), str(local), block))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise LayoutError(f"layout file is malformed: {type(exc).__name__}: {exc}") from exc
+    if {s.id for s in shards} != set(locals_):
+        raise LayoutError("layout file: 'shards' and 'locals' name different shards")
+    table = LayoutTable(
+        src_shapes=canonical, dst_shapes=locals_, placements=placements, aliases=aliases
+    )
+    return table, shards, dict(doc.get("key", {}))
+
+
+def save_layout(
+    path: str | os.PathLike[str],
+    table: LayoutTable,
+    shards: Sequence[ShardRef],
+    key: Mapping[str, Any] | None = None,
+) -> None:
+    """Write the layout file atomically."""
+    text = json.dumps(layout_to_json(table, shards, key), indent=1) + "\n"
+    write_atomic(path, text.encode(), durable=False)
+
+
+def load_layout(path: str | os.PathLike[str]) -> tuple[LayoutTable, list[ShardRef], dict[str, Any]]:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"cannot read layout file {str(path)!r}: {exc}") from exc
+    return layout_from_json(doc)
+
+
+# ---------------------------------------------------------------------- cache
+
+
+class ProbeCache:
+    """One layout file per probe key under ``root`` (``<key digest>.json``)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def path(self, key: Mapping[str, Any]) -> Path:
+        return self.root / f"{key_digest(key)}.json"
+
+    def get(self, key: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef]] | None:
+        """The cached layout for ``key``, or None. A file whose stored key differs is ignored."""
+        p = self.path(key)
+        if not p.exists():
+            return None
+        table, shards, stored = load_layout(p)
+        if stored != json.loads(json.dumps(dict(key))):
+            log.warning("probe cache: %s holds another key; probing again", p)
+            return None
+        return table, shards
+
+    def put(self, key: Mapping[str, Any], table: LayoutTable, shards: Sequence[ShardRef]) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        p = self.path(key)
+        save_layout(p, table, shards, key)
+        return p
+
+    def get_or_probe(
+        self,
+        key: Mapping[str, Any],
+        probe: Callable[[], tuple[LayoutTable, Sequence[ShardRef]]],
+    ) -> tuple[LayoutTable, list[ShardRef]]:
+        """The cached layout, or ``probe()``'s result, stored for next time."""
+        hit = self.get(key)
+        if hit is not None:
+            log.info("probe cache hit: %s", self.path(key))
+            return hit
+        table, shards = probe()
+        self.put(key, table, shards)
+        return table, list(shards)

@@ -1,0 +1,250 @@
+"""The layout probe: learned tables equal the hand-written ones; transforming loaders are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deltasync.layout import ModelSpec
+from deltasync.layout.hf_rules import build_hf_table
+from deltasync.layout.probe import (
+    LayoutProbeError,
+    ProbeConfig,
+    check_bits,
+    digit_values,
+    probe_shard,
+)
+from deltasync.layout.probed import (
+    ProbeCache,
+    ShardRef,
+    assemble_table,
+    layout_from_json,
+    layout_to_json,
+    probe_key,
+)
+from deltasync.layout.reference_loader import VllmReferenceLoader
+from deltasync.layout.vllm_rules import build_vllm_table, pad_vocab, vllm_shards
+
+from layout_cases import CASES, CONFIGS, bitwise_equal, random_state
+
+PROBE_CASES = [c for c in CASES if c[1] <= 4]
+
+
+def table_key(table):
+    placements = {
+        n: sorted((p.shard, p.local, p.block) for p in pls) for n, pls in table.placements.items()
+    }
+    return placements, table.dst_shapes, table.aliases
+
+
+def probe_vllm_reference(spec, tp, ep, config=None):
+    probes = {
+        sid: probe_shard(
+            VllmReferenceLoader(spec, tp=tp, tp_rank=t, ep=ep, ep_rank=e),
+            spec.canonical_shapes(),
+            config=config,
+        )
+        for sid, t, e in vllm_shards(spec, tp, ep)
+    }
+    return assemble_table(spec.canonical_shapes(), probes), probes
+
+
+@pytest.mark.parametrize("name,tp,ep", PROBE_CASES)
+def test_probed_vllm_tables_equal_the_hand_written_rules_element_for_element(name, tp, ep):
+    spec = ModelSpec.from_hf_config(CONFIGS[name])
+    probed, _ = probe_vllm_reference(spec, tp, ep)
+    hand = build_vllm_table(spec, tp, ep)
+    assert table_key(probed) == table_key(hand)
+    # Element for element: the same state split by both tables is the same, bit for bit.
+    state = random_state(spec, seed=tp * 10 + ep)
+    a, b = probed.split(state), hand.split(state)
+    assert a.keys() == b.keys()
+    for sid in a:
+        assert a[sid].keys() == b[sid].keys()
+        assert all(bitwise_equal(a[sid][n], b[sid][n]) for n in a[sid]), sid
+    merged = probed.merge(a)
+    assert all(bitwise_equal(merged[n], state[n]) for n in state)
+
+
+def test_small_rounds_learn_the_same_table_as_one_round():
+    spec = ModelSpec.from_hf_config(CONFIGS["moe_untied"])
+    small, probes = probe_vllm_reference(spec, 2, 4, ProbeConfig(round_elements=500))
+    big, _ = probe_vllm_reference(spec, 2, 4)
+    assert table_key(small) == table_key(big)
+    assert all(p.passes > 3 for p in probes.values())  # several rounds really ran
+
+
+def test_other_ep_ranks_experts_are_dropped_and_vocab_padding_is_recognised():
+    spec = ModelSpec.from_hf_config(CONFIGS["moe_untied"])  # 6 experts, EP 4: 2,2,1,1
+    _, probes = probe_vllm_reference(spec, 4, 4)
+    canon = spec.canonical_shapes()
+    layer = 1  # decoder_sparse_step 2: layer 1 is sparse
+    for sid, t, e in vllm_shards(spec, 4, 4):
+        held = {
+            int(n.split(".")[5])
+            for n in probes[sid].placements
+            if n.startswith(f"model.layers.{layer}.mlp.experts.")
+        }
+        assert held == {0: {0, 1}, 1: {2, 3}, 2: {4}, 3: {5}}[e]
+        per_rank = pad_vocab(spec.vocab_size) // 4
+        real = max(0, min(spec.vocab_size - t * per_rank, per_rank))
+        dropped = probes[sid].dropped(canon)
+        # rank 3's vocabulary rows are all padding: it holds no embedding or lm_head row
+        assert len(dropped) == 3 * (6 - len(held)) + (2 if real == 0 else 0)
+        assert probes[sid].padding["model.embed_tokens.weight"] == (per_rank - real) * 16
+        assert probes[sid].padding[f"model.layers.{layer}.self_attn.qkv_proj.weight"] == 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_probing_the_transformers_model_learns_the_hf_table(name):
+    transformers = pytest.importorskip("transformers")
+    from deltasync.layout.hf_loader import TransformersLoader, checkpoint_shapes, empty_model
+
+    config = transformers.AutoConfig.for_model(**CONFIGS[name])
+    spec = ModelSpec.from_hf_config(config)
+    model = empty_model(config)
+    assert checkpoint_shapes(model) == spec.canonical_shapes()
+    probe = probe_shard(TransformersLoader(model), spec.canonical_shapes())
+    probed = assemble_table(spec.canonical_shapes(), {"tp0": probe})
+    assert table_key(probed) == table_key(build_hf_table(spec))
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+class Transforming(VllmReferenceLoader):
+    """The reference loader, with one checkpoint tensor's values changed on the way in."""
+
+    def __init__(self, spec, target: str, fn, **kw):
+        super().__init__(spec, **kw)
+        self.target, self.fn = target, fn
+
+    def load_weights(self, weights):
+        return super().load_weights((n, self.fn(w) if n == self.target else w) for n, w in weights)
+
+
+def _byteswap(w):
+    b = w.contiguous().view(torch.uint8).reshape(-1, 2).flip(1)
+    return b.reshape(-1).view(torch.bfloat16).reshape(w.shape)
+
+
+def _fp8(w):
+    return w.to(torch.float8_e4m3fn).to(torch.bfloat16)
+
+
+TRANSFORMS = {
+    "scale by 2": lambda w: w * 2,
+    "add one (a folded norm offset)": lambda w: w + 1,
+    "fp8 round trip": _fp8,
+    "byte swap": _byteswap,
+    "negate": lambda w: -w,
+    "sum of rows": lambda w: w + w.roll(1, 0),
+}
+
+
+@pytest.mark.parametrize("kind", list(TRANSFORMS))
+@pytest.mark.parametrize("target", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight"])
+def test_a_value_transforming_loader_is_refused_for_that_tensor_only(kind, target):
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
+    loader = Transforming(spec, target, TRANSFORMS[kind], tp=2, tp_rank=1)
+    with pytest.raises(LayoutProbeError) as err:
+        probe_shard(loader, spec.canonical_shapes())
+    assert set(err.value.refused) == {target}
+    assert target in str(err.value)
+
+
+def test_a_transposing_loader_is_refused_as_not_expressible_in_blocks():
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_untied"])
+    target = "model.layers.0.self_attn.o_proj.weight"  # (48, 128) at TP 1
+
+    def transpose_square(w):
+        out = w.clone()
+        out[:, :48] = w[:, :48].t()
+        return out
+
+    loader = Transforming(spec, target, transpose_square)
+    with pytest.raises(LayoutProbeError) as err:
+        probe_shard(loader, spec.canonical_shapes(), config=ProbeConfig(max_blocks_per_tensor=64))
+    assert set(err.value.refused) == {target}
+
+
+def test_a_loader_that_drops_a_tensor_everywhere_is_an_error_naming_it():
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
+    target = "model.layers.0.mlp.up_proj.weight"
+
+    class Dropping(VllmReferenceLoader):
+        def load_weights(self, weights):
+            return super().load_weights((n, w) for n, w in weights if n != target)
+
+    probes = {
+        sid: probe_shard(Dropping(spec, tp=2, tp_rank=t), spec.canonical_shapes())
+        for sid, t, _ in vllm_shards(spec, 2, 1)
+    }
+    with pytest.raises(LayoutProbeError) as err:
+        assemble_table(spec.canonical_shapes(), probes)
+    assert set(err.value.refused) == {target}
+
+
+def test_a_float32_parameter_is_refused():
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
+    loader = VllmReferenceLoader(spec)
+    loader._params["model.norm.weight"] = torch.zeros(32, dtype=torch.float32)
+    with pytest.raises(LayoutProbeError) as err:
+        probe_shard(loader, spec.canonical_shapes())
+    assert set(err.value.refused) == {"model.norm.weight"}
+    assert "float32" in str(err.value)
+
+
+def test_probe_values_are_exact_in_bf16_and_check_patterns_are_finite_and_distinct():
+    ids = torch.arange(0, 1 << 16, dtype=torch.int64)
+    for k in range(3):
+        v = digit_values(ids, k)
+        assert torch.equal(v.to(torch.int64), ((ids >> (8 * k)) & 255) + 1)
+    bits = check_bits(ids)
+    vals = bits.view(torch.bfloat16).float()
+    assert bool(torch.isfinite(vals).all()) and bool((vals != 0).all())
+    assert torch.unique(bits).numel() > 8000  # of 2^13: sign, 32 exponents, 7 mantissa bits
+    assert float((bits[1:] != bits[:-1]).float().mean()) > 0.99  # neighbours differ
+
+
+# ---------------------------------------------------------------------- JSON and cache
+
+
+def test_a_probed_layout_survives_json_and_the_cache_probes_once(tmp_path):
+    spec = ModelSpec.from_hf_config(CONFIGS["moe_tied"])
+    shards = [ShardRef(sid, t, e) for sid, t, e in vllm_shards(spec, 2, 2)]
+    key = probe_key(CONFIGS["moe_tied"], "vllm-reference", {"tp": 2, "ep": 2})
+    calls = []
+
+    def run():
+        calls.append(1)
+        return probe_vllm_reference(spec, 2, 2)[0], shards
+
+    cache = ProbeCache(tmp_path)
+    t1, s1 = cache.get_or_probe(key, run)
+    t2, s2 = cache.get_or_probe(key, run)
+    assert len(calls) == 1 and s1 == s2 == shards
+    assert table_key(t1) == table_key(t2) == table_key(build_vllm_table(spec, 2, 2))
+    doc = json.loads(json.dumps(layout_to_json(t1, shards, key)))
+    t3, s3, k3 = layout_from_json(doc)
+    assert table_key(t3) == table_key(t1) and k3 == key
+    other = probe_key(CONFIGS["moe_tied"], "vllm-reference", {"tp": 2, "ep": 1})
+    assert cache.get(other) is None
+
+
+def test_a_corrupted_layout_file_is_a_layout_error():
+    from deltasync.errors import LayoutError
+
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
+    table = build_vllm_table(spec, 2, 1)
+    doc = layout_to_json(table, [ShardRef("tp0", 0), ShardRef("tp1", 1)])
+    bad = json.loads(json.dumps(doc))
+    bad["placements"]["model.norm.weight"][0][6] = 999  # rows beyond the tensor
+    with pytest.raises(LayoutError):
+        layout_from_json(bad)
+    bad = json.loads(json.dumps(doc))
+    del bad["placements"]["model.norm.weight"]
+    with pytest.raises(LayoutError, match="model.norm.weight"):
+        layout_from_json(bad)
