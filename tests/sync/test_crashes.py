@@ -11,9 +11,9 @@ import random
 import pytest
 
 from deltasync import names
+from deltasync.commit import Catalog
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import (
-    Catalog,
     MissingBlobError,
     Receiver,
     StateDir,
