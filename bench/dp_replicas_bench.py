@@ -26,10 +26,16 @@ from deltasync.cluster import ClusterConfig
 from deltasync.exchange import ExchangeConfig, spawn
 
 MEDIUM_QWEN3 = dict(
-    model_type="qwen3", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, intermediate_size=768, vocab_size=8003,
+    model_type="qwen3",
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=8003,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 
 CASES = [  # (name, model, lr)
     ("tiny lr=1e-5", TINY_QWEN3, 1e-5),
@@ -40,9 +46,14 @@ CASES = [  # (name, model, lr)
 
 def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict:
     job = ClusterJob(
-        model=model, tp=2, replicas=replicas, dp_mode=mode, versions=versions, lr=lr,
+        model=model,
+        tp=2,
+        replicas=replicas,
+        dp_mode=mode,
+        versions=versions,
+        lr=lr,
         cluster=ClusterConfig(exchange=ExchangeConfig(timeout_s=60)),
-    )  # fmt: skip
+    )
     world = 1 + 2 * replicas
     results = spawn(run_cluster_sync, world, job, timeout_s=600)
     writer, receivers = results[0], results[1:]
@@ -50,13 +61,28 @@ def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict
     deltas = writer["reports"][1:]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     sent = med(r["bytes_sent"] for r in deltas)
-    forwarded = sum(
-        med(rep["payload_bytes"] for rep in r["reports"][1:])
-        for r in receivers if r["replica"] > 0
-    ) if mode == "forward" else 0  # fmt: skip
-    busiest = max(sent, max((med(rep["payload_bytes"] for rep in r["reports"][1:]) * (replicas - 1)
-                             for r in receivers if r["replica"] == 0), default=0)
-                  if mode == "forward" else 0)  # fmt: skip
+    forwarded = (
+        sum(
+            med(rep["payload_bytes"] for rep in r["reports"][1:])
+            for r in receivers
+            if r["replica"] > 0
+        )
+        if mode == "forward"
+        else 0
+    )
+    busiest = max(
+        sent,
+        max(
+            (
+                med(rep["payload_bytes"] for rep in r["reports"][1:]) * (replicas - 1)
+                for r in receivers
+                if r["replica"] == 0
+            ),
+            default=0,
+        )
+        if mode == "forward"
+        else 0,
+    )
     return {
         "sync_ms": med(r["total_s"] for r in deltas) * 1e3,
         "writer_transfer_ms": med(r["transfer_s"] for r in deltas) * 1e3,
@@ -73,8 +99,10 @@ def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict
 def main() -> None:
     versions = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     rows = []
-    print(f"{'case':16} {'R':>2} {'mode':8} {'sync ms':>8} {'w.xfer ms':>9} {'fwd ms':>7} "
-          f"{'writer MB':>9} {'busiest MB':>10}")  # fmt: skip
+    print(
+        f"{'case':16} {'R':>2} {'mode':8} {'sync ms':>8} {'w.xfer ms':>9} {'fwd ms':>7} "
+        f"{'writer MB':>9} {'busiest MB':>10}"
+    )
     for name, model, lr in CASES:
         for replicas in (2, 3):
             for mode in ("direct", "forward"):
@@ -82,10 +110,12 @@ def main() -> None:
                 r = run(model, lr, replicas, mode, versions)
                 r.update(case=name, replicas=replicas, mode=mode, wall_s=time.perf_counter() - t)
                 rows.append(r)
-                print(f"{name:16} {replicas:>2} {mode:8} {r['sync_ms']:8.1f} "
-                      f"{r['writer_transfer_ms']:9.1f} {r['forward_ms']:7.1f} "
-                      f"{r['writer_bytes'] / 1e6:9.3f} {r['busiest_sender_bytes'] / 1e6:10.3f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{name:16} {replicas:>2} {mode:8} {r['sync_ms']:8.1f} "
+                    f"{r['writer_transfer_ms']:9.1f} {r['forward_ms']:7.1f} "
+                    f"{r['writer_bytes'] / 1e6:9.3f} {r['busiest_sender_bytes'] / 1e6:10.3f}",
+                    flush=True,
+                )
     print(json.dumps({"bench": "dp_replicas", "versions": versions, "rows": rows}))
 
 

@@ -17,14 +17,21 @@ import tempfile
 import time
 
 import torch
-from deltasync_bench.compare.workload import Workload, build_model
+from deltasync_bench.compare.workload import Workload, build_trainer
 
+from deltasync import (
+    AdamWTracker,
+    LocalStore,
+    ModelSpec,
+    Publisher,
+    PublisherConfig,
+    Receiver,
+    ReceiverConfig,
+    ReceiverLayout,
+    TrainerLayout,
+    TrainerSync,
+)
 from deltasync.jsonline import emit_json_line
-from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
-from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import Receiver, ReceiverConfig
-from deltasync.store import LocalStore
-from deltasync.trainer import AdamWTracker
 
 
 def main() -> None:
@@ -37,18 +44,11 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = Workload(model=args.model, lr=args.lr)
-    model = build_model(w).to(dev)
-    named = list(model.named_parameters())
-    params = {n: p.detach() for n, p in named}
-    opt = torch.optim.AdamW([p for _, p in named], lr=w.lr, weight_decay=w.weight_decay)
+    trainer = build_trainer(w).to(dev)
+    named, params, opt = trainer.named, trainer.params(), trainer.opt
 
     def step(version: int) -> None:
-        g = torch.Generator(device=dev).manual_seed(1_000_003 + version)
-        for _, p in named:
-            p.grad = torch.randn(p.shape, generator=g, device=dev) * w.grad_std
-        opt.step()
-        for _, p in named:
-            p.grad = None
+        trainer.step(version)  # seeded on the device's own generator
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
@@ -68,12 +68,15 @@ def main() -> None:
     )
     receivers = {
         s.id: Receiver.for_layout(
-            store, rl, s.id,
+            store,
+            rl,
+            s.id,
             {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in rl.local_specs(s.id).items()},
-            f"{root}/rx-{s.id}", ReceiverConfig(receiver_id=f"rx-{s.id}", verify_on_open=False),
+            f"{root}/rx-{s.id}",
+            ReceiverConfig(receiver_id=f"rx-{s.id}", verify_on_open=False),
         )
         for s in rl.shards()
-    }  # fmt: skip
+    }
     t = time.perf_counter()
     sync.step_published(0, anchor=True)
     anchor_s = time.perf_counter() - t
@@ -108,10 +111,19 @@ def main() -> None:
         for sid, rx in receivers.items():
             for name, want in expected[sid].items():
                 exact &= torch.equal(rx.tensors[name].view(torch.int16), want.view(torch.int16))
-        rows.append(dict(version=version, stall_s=stall, pull_s=max(pulls),
-                         build_s=report.build_s, encode_s=report.encode_s,
-                         upload_s=report.upload_s, digest_s=report.digest_s,
-                         bytes=report.bytes_sent, elements=report.elements_sent))  # fmt: skip
+        rows.append(
+            dict(
+                version=version,
+                stall_s=stall,
+                pull_s=max(pulls),
+                build_s=report.build_s,
+                encode_s=report.encode_s,
+                upload_s=report.upload_s,
+                digest_s=report.digest_s,
+                bytes=report.bytes_sent,
+                elements=report.elements_sent,
+            )
+        )
 
     numel = sum(p.numel() for _, p in named)
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
@@ -130,13 +142,20 @@ def main() -> None:
             f"{r['bytes'] / 2**20:>8.2f} {100 * r['elements'] / numel:>7.2f}%"
         )
     print(f"exact on every version: {exact}")
-    emit_json_line({
-        "bench": "gpu_sync", "device": name, "model": args.model, "lr": args.lr,
-        "params": numel, "exact": exact, "anchor_s": round(anchor_s, 3),
-        "median_stall_s": round(statistics.median(r["stall_s"] for r in rows), 4),
-        "median_pull_s": round(statistics.median(r["pull_s"] for r in rows), 4),
-        "versions": rows,
-    })  # fmt: skip
+    emit_json_line(
+        {
+            "bench": "gpu_sync",
+            "device": name,
+            "model": args.model,
+            "lr": args.lr,
+            "params": numel,
+            "exact": exact,
+            "anchor_s": round(anchor_s, 3),
+            "median_stall_s": round(statistics.median(r["stall_s"] for r in rows), 4),
+            "median_pull_s": round(statistics.median(r["pull_s"] for r in rows), 4),
+            "versions": rows,
+        }
+    )
     if not exact:
         raise SystemExit("receivers differ from the trainer's BF16 weights")
 

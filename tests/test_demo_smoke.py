@@ -34,8 +34,11 @@ raise SystemExit(main(sys.argv[1:]))
 def test_the_demo_syncs_every_step_bit_exactly(tmp_path) -> None:
     done = subprocess.run(
         [DELTASYNC, "demo", "--steps", "2", "--small", "--store", str(tmp_path)],
-        capture_output=True, text=True, timeout=220, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["exact"] is True and out["steps"] == 2
@@ -55,8 +58,11 @@ def test_the_demo_syncs_every_step_bit_exactly(tmp_path) -> None:
 def test_a_command_whose_application_is_missing_names_the_remedy(argv, package) -> None:
     done = subprocess.run(
         [sys.executable, "-c", WITHOUT_APPS, *argv],
-        capture_output=True, text=True, timeout=100, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ApplicationMissingError" in done.stderr and package in done.stderr
     assert "pip install -e ." in done.stderr

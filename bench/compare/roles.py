@@ -123,6 +123,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 "peak_rss": peak,
                 "overhead_bytes": max(0, peak - st["rss_model_opt"]),
                 "changed_elements": getattr(side, "last_changed_elements", None),
+                "phases": getattr(side, "last_phases", None) if path == "cluster" else None,
             }
         if op == "expected":
             # The bench's own oracle (a full read of the model), asked for only after every

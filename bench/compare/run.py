@@ -68,6 +68,7 @@ class SyncRecord:
     shard_bytes: int
     exact: bool
     changed_elements: int | None = None
+    phases: dict | None = None  # the trainer's own breakdown, where the system reports one
 
 
 @dataclass
@@ -156,6 +157,7 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                         f"  {system:9s} {path.label:22s} v{version:<3d} total {rec.total_s:7.3f}s "
                         f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
                         f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact}"
+                        + "".join(f" {k} {v:.3f}s" for k, v in (rec.phases or {}).items())
                     )
         finally:
             roles.close()
@@ -194,6 +196,7 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         shard_bytes=max(x["shard_bytes"] for x in rx),
         exact=exact,
         changed_elements=tr.get("changed_elements"),
+        phases=tr.get("phases"),
     )
 
 

@@ -73,9 +73,11 @@ class _Trainer:
         layout = RolloutEngine(cfg.engine, self.hf_config, cfg.tp).layout
         self.store_root = os.path.join(root, "store")
         publisher = Publisher(
-            LocalStore(self.store_root), receiver_layout=layout, trainer_layout=self.tlayout,
+            LocalStore(self.store_root),
+            receiver_layout=layout,
+            trainer_layout=self.tlayout,
             config=PublisherConfig(anchor_every=20),
-        )  # fmt: skip
+        )
         self.sync = TrainerSync(AdamWTracker(self.opt, named), publisher, self.params)
         self.probe = probe_batch(self.hf_config["vocab_size"])
         self.refs: dict[int, np.ndarray] = {}
@@ -99,13 +101,23 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> dict:
     trainer = _Trainer(cfg, root)
     task, gen = cfg.task, torch.Generator().manual_seed(cfg.seed)
     trainer.publish(0)
-    fleet = Fleet([
-        WorkerArgs(index=i, incarnation=0, store_root=trainer.store_root,
-                   state_root=os.path.join(root, "workers"), engine=cfg.engine, tp=cfg.tp,
-                   hf_config=trainer.hf_config, temperature=cfg.temperature, seed=cfg.seed,
-                   timeout_s=cfg.timeout_s)
-        for i in range(cfg.workers)
-    ])  # fmt: skip
+    fleet = Fleet(
+        [
+            WorkerArgs(
+                index=i,
+                incarnation=0,
+                store_root=trainer.store_root,
+                state_root=os.path.join(root, "workers"),
+                engine=cfg.engine,
+                tp=cfg.tp,
+                hf_config=trainer.hf_config,
+                temperature=cfg.temperature,
+                seed=cfg.seed,
+                timeout_s=cfg.timeout_s,
+            )
+            for i in range(cfg.workers)
+        ]
+    )
     state = {"next_id": 0, "probes": [], "killed": None, "rejoined": None, "inbox": []}
 
     def wait(pred: Callable[[dict], bool], what: str) -> dict:
@@ -152,8 +164,15 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> dict:
             prompts = task.prompts(n, gen).repeat_interleave(cfg.group_size, dim=0)
             rid = state["next_id"]
             state["next_id"] += 1
-            fleet.assign({"id": rid, "step": step, "min_version": min_version,
-                          "prompts": prompts.numpy(), "gen_len": task.answer_len})  # fmt: skip
+            fleet.assign(
+                {
+                    "id": rid,
+                    "step": step,
+                    "min_version": min_version,
+                    "prompts": prompts.numpy(),
+                    "gen_len": task.answer_len,
+                }
+            )
             ids.add(rid)
         return ids
 
@@ -186,18 +205,27 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> dict:
             prompts = torch.cat([torch.from_numpy(req["prompts"]) for req, _ in rows])
             answers = torch.cat([torch.from_numpy(m["answers"]) for _, m in rows])
             batch = Batch(
-                prompts=prompts, answers=answers,
+                prompts=prompts,
+                answers=answers,
                 logprobs=torch.cat([torch.from_numpy(m["logprobs"]) for _, m in rows]),
-                rewards=task.rewards(prompts, answers), group_size=cfg.group_size,
-            )  # fmt: skip
-            stats = grpo_step(trainer.model, trainer.opt, batch, clip=cfg.clip,
-                              temperature=cfg.temperature)  # fmt: skip
+                rewards=task.rewards(prompts, answers),
+                group_size=cfg.group_size,
+            )
+            stats = grpo_step(
+                trainer.model, trainer.opt, batch, clip=cfg.clip, temperature=cfg.temperature
+            )
             trainer.publish(step)
             fleet.broadcast_ref(step, trainer.refs[step])
             versions = sorted({m["version"] for _, m in rows})
-            history.append({"step": step, "reward": float(batch.rewards.mean()),
-                            "sampled_versions": versions,
-                            "staleness": max(policy_version - v for v in versions), **stats})  # fmt: skip
+            history.append(
+                {
+                    "step": step,
+                    "reward": float(batch.rewards.mean()),
+                    "sampled_versions": versions,
+                    "staleness": max(policy_version - v for v in versions),
+                    **stats,
+                }
+            )
             log(
                 f"step {step:3d}  reward {history[-1]['reward']:.3f}  sampled at v{versions}  "
                 f"-> published v{step}"

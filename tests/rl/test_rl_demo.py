@@ -22,8 +22,15 @@ def _strictly_increasing(xs: list[int]) -> bool:
 
 @pytest.mark.timeout(150)
 def test_short_run_with_a_killed_worker_is_exact_monotone_and_within_staleness(tmp_path):
-    cfg = RLConfig(steps=6, workers=2, max_staleness=1, kill_worker_at=2, restart_after=1,
-                   store=str(tmp_path), **SMALL)  # fmt: skip
+    cfg = RLConfig(
+        steps=6,
+        workers=2,
+        max_staleness=1,
+        kill_worker_at=2,
+        restart_after=1,
+        store=str(tmp_path),
+        **SMALL,
+    )
     out = run_rl(cfg, log=lambda _line: None)
 
     assert out["probe_exact"] is True
@@ -70,10 +77,25 @@ def test_cli_with_the_hf_engine_ends_with_one_json_line(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     rl_demo.register(parser.add_subparsers())
-    args = parser.parse_args([
-        "rl-demo", "--steps", "2", "--workers", "1", "--engine", "hf", "--max-staleness", "0",
-        "--prompts-per-step", "4", "--group-size", "4", "--store", str(tmp_path),
-    ])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "rl-demo",
+            "--steps",
+            "2",
+            "--workers",
+            "1",
+            "--engine",
+            "hf",
+            "--max-staleness",
+            "0",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--store",
+            str(tmp_path),
+        ]
+    )
     assert args.func(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     out = json.loads(lines[-1])

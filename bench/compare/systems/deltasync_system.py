@@ -66,6 +66,7 @@ class DeltasyncTrainer:
         self.sender: ClusterSender | None = None
         self._pubs: dict[int, Publisher] = {}
         self.last_changed_elements: int | None = None
+        self.last_phases: dict[str, float] | None = None
         self._version = 0  # the version every receiver holds
 
     def _publisher(self, store: Store) -> Publisher:
@@ -107,6 +108,11 @@ class DeltasyncTrainer:
         rep = self.sender.sync(version)
         self._version = version
         self.last_changed_elements = rep.elements
+        # where the trainer's time went (the joint commit waits for the receivers' apply)
+        self.last_phases = {
+            k: getattr(rep, k)
+            for k in ("detect_s", "build_s", "encode_s", "transfer_s", "commit_s")
+        }
         return ClusterSent(bytes=rep.bytes_sent, stall_s=rep.stall_s)
 
 
