@@ -1,7 +1,7 @@
 """Where an in-cluster receiver's live tensors stand, recorded before the first write.
 
-Three facts, kept in memory and, when a path is given, in one small JSON file written to a
-temporary file, fsynced and renamed (so a crash leaves the old or the new record, never half):
+Three facts, kept in memory and, when a path is given, in one record of
+:mod:`deltasync.journal_file` (the file format the storage receiver's journal uses too):
 
 - ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet);
 - ``applying``: ``(version, base)`` of an apply that started and has not been committed: the
@@ -26,10 +26,11 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from deltasync.atomic import write_atomic
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
 from deltasync.format import BlobBaseMismatchError
+from deltasync.journal_file import REMEDY, encode_record, read_record, write_record
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,22 @@ class JournalState:
     dirty: bool = False
 
     def to_json(self) -> bytes:
-        obj = {"committed": self.committed, "applying": self.applying, "dirty": self.dirty}
-        return json.dumps(obj, sort_keys=True).encode()
+        return encode_record(self.to_obj())
+
+    def to_obj(self) -> dict[str, Any]:
+        applying = None if self.applying is None else list(self.applying)
+        return {"committed": self.committed, "applying": applying, "dirty": self.dirty}
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> JournalState:
         try:
-            obj = json.loads(data)
+            return cls.from_obj(json.loads(data), where)
+        except (ValueError, UnicodeDecodeError):
+            return cls.from_obj(None, where)
+
+    @classmethod
+    def from_obj(cls, obj: Any, where: str) -> JournalState:
+        try:
             committed, applying, dirty = obj["committed"], obj["applying"], obj["dirty"]
             ok = (
                 set(obj) == {"committed", "applying", "dirty"}
@@ -56,13 +66,10 @@ class JournalState:
                 )
                 and type(dirty) is bool
             )
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        except (TypeError, KeyError):
             ok = False
         if not ok:
-            raise LocalStateError(
-                f"{where} is not a deltasync cluster journal; remove it and restore this "
-                "receiver from an anchor"
-            )
+            raise LocalStateError(f"{where} is not a deltasync cluster journal: {REMEDY}")
         pair = None if applying is None else (applying[0], applying[1])
         return cls(committed=committed, applying=pair, dirty=dirty)
 
@@ -81,14 +88,11 @@ class ClusterJournal:
         self.path = None if path is None else Path(path)
         self._state = JournalState(committed=version)
         if self.path is not None:
-            try:
-                data = self.path.read_bytes()
-            except FileNotFoundError:
+            obj = read_record(self.path)
+            if obj is None:
                 self._write(self._state)
-            except OSError as exc:
-                raise LocalStateError(f"cannot read journal {str(self.path)!r}: {exc}") from exc
             else:
-                self._state = JournalState.from_json(data, repr(str(self.path)))
+                self._state = JournalState.from_obj(obj, repr(str(self.path)))
 
     @property
     def state(self) -> JournalState:
@@ -134,7 +138,4 @@ class ClusterJournal:
 
     def _write(self, state: JournalState) -> None:
         assert self.path is not None
-        try:
-            write_atomic(self.path, state.to_json())
-        except OSError as exc:
-            raise LocalStateError(f"cannot write journal {str(self.path)!r}: {exc}") from exc
+        write_record(self.path, state.to_obj())

@@ -14,8 +14,8 @@ Two small JSON files in the receiver's state directory (names from :mod:`deltasy
   everything; replaying the steps in order therefore ends at the journaled target whether the
   tensors held ``from_version``, any mix of the steps, or the target already.
 
-Each write goes to a temporary file, is fsynced, renamed over the old file, and the directory
-is fsynced. This module knows files and JSON; it knows nothing about stores or tensors.
+Both files are records of :mod:`deltasync.journal_file` (canonical JSON, written atomically
+and durably). This module knows the records' fields; it knows nothing about stores or tensors.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from deltasync import names
-from deltasync.atomic import fsync_dir, write_atomic
 from deltasync.commit import Manifest
-from deltasync.commit.canonical import canonical_json, check_digest, check_int
+from deltasync.commit.canonical import check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
+from deltasync.journal_file import encode_record, read_record, remove_record, write_record
 
 _MAX_VERSION = 10**8 - 1
 
@@ -44,7 +44,7 @@ class LocalState:
     dirty: bool = False
 
     def to_json(self) -> bytes:
-        return canonical_json(
+        return encode_record(
             {
                 "receiver": self.receiver,
                 "shard": self.shard,
@@ -139,7 +139,7 @@ class Journal:
         return self.steps[-1].version
 
     def to_json(self) -> bytes:
-        return canonical_json(
+        return encode_record(
             {
                 "receiver": self.receiver,
                 "shard": self.shard,
@@ -184,33 +184,8 @@ class StateDir:
     def journal_path(self) -> Path:
         return self.path / names.JOURNAL_FILE
 
-    def _read(self, path: Path) -> Any:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise LocalStateError(f"cannot read {str(path)!r}: {exc}") from exc
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise LocalStateError(
-                f"{str(path)!r} is not valid JSON ({exc}); it was not written by deltasync or "
-                "was damaged. Remove the state dir to bootstrap this receiver from an anchor"
-            ) from exc
-
-    def _write(self, path: Path, data: bytes) -> None:
-        try:
-            write_atomic(path, data, durable=self.durable)
-        except OSError as exc:
-            raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
-
-    def _fsync_dir(self) -> None:
-        if self.durable:
-            fsync_dir(self.path)
-
     def read_state(self) -> LocalState | None:
-        obj = self._read(self.state_path)
+        obj = read_record(self.state_path)
         if obj is None:
             return None
         try:
@@ -219,10 +194,10 @@ class StateDir:
             raise LocalStateError(f"{str(self.state_path)!r}: {exc}") from exc
 
     def write_state(self, state: LocalState) -> None:
-        self._write(self.state_path, state.to_json())
+        write_record(self.state_path, json.loads(state.to_json()), durable=self.durable)
 
     def read_journal(self) -> Journal | None:
-        obj = self._read(self.journal_path)
+        obj = read_record(self.journal_path)
         if obj is None:
             return None
         try:
@@ -231,13 +206,7 @@ class StateDir:
             raise LocalStateError(f"{str(self.journal_path)!r}: {exc}") from exc
 
     def write_journal(self, journal: Journal) -> None:
-        self._write(self.journal_path, journal.to_json())
+        write_record(self.journal_path, json.loads(journal.to_json()), durable=self.durable)
 
     def clear_journal(self) -> None:
-        try:
-            self.journal_path.unlink()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise LocalStateError(f"cannot remove {str(self.journal_path)!r}: {exc}") from exc
-        self._fsync_dir()
+        remove_record(self.journal_path, durable=self.durable)
