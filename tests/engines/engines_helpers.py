@@ -84,3 +84,121 @@ def through_the_wire(
     """Encode and decode, validated against the shard's layout, as a receiver would."""
     blob = encode_blob(updates, version=version, base_version=version - 1, shard=shard, writer="w0")
     return decode_blob(blob, expected=layout.local_specs(shard), shard=shard).updates
+
+
+# --- engine-side fakes for the vLLM shard and the SGLang loader (no vLLM/SGLang needed) -------
+
+
+class FakeLinear(torch.nn.Module):
+    """A linear layer following vLLM's CPU contract: ``cpu_linear(x, weight, bias)`` computes
+    the layer, and ``quant_method.process_weights_after_loading(layer)`` is its post-load step.
+
+    ``packs=True`` behaves like vLLM's oneDNN / SGL-kernel dispatch: the post-load step copies
+    the weight into a buffer of the kernel's own and (``remove_weight``) replaces
+    ``layer.weight`` with an empty tensor; the kernel then ignores the weight it is given.
+    ``packs=False`` is the ``F.linear`` fallback: the kernel reads the weight argument."""
+
+    def __init__(self, weight: torch.Tensor, *, packs: bool, remove_weight: bool = True) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.packs = packs
+        self.remove_weight = remove_weight
+        self.quant_method = self
+        self.packed_copy: torch.Tensor | None = None
+        self.repacks = 0
+        self.process_weights_after_loading(self)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        assert layer is self
+        if not self.packs:
+            self.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+            return
+        packed = self.weight.detach().clone()  # the kernel's own copy
+        self.packed_copy = packed
+        self.repacks += 1
+        self.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, packed, b)
+        if self.remove_weight:
+            self.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=packed.dtype), requires_grad=False
+            )
+
+    def served_weight(self) -> torch.Tensor:
+        """What the kernel computes with."""
+        return self.packed_copy if self.packs else self.weight.data
+
+
+def module_tree(tensors: dict[str, torch.Tensor], *, packs: bool = False, dtype=None):
+    """An ``nn.Module`` whose ``named_parameters()`` are ``tensors`` (dotted names, as an engine
+    names them). 2-D ``*_proj.weight`` / ``lm_head.weight`` tensors become :class:`FakeLinear`
+    layers (``lm_head`` keeps its weight after packing, as vLLM's embedding method does)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        t = t.clone() if dtype is None else t.to(dtype)
+        *path, leaf = name.split(".")
+        owner_path, attr = path[:-1], path[-1]
+        node = root
+        for part in owner_path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        linear = leaf == "weight" and t.ndim == 2 and (attr.endswith("_proj") or attr == "lm_head")
+        if linear:
+            node.add_module(attr, FakeLinear(t, packs=packs, remove_weight=attr != "lm_head"))
+        else:
+            if not hasattr(node, attr):
+                node.add_module(attr, torch.nn.Module())
+            getattr(node, attr).register_parameter(
+                leaf, torch.nn.Parameter(t, requires_grad=False)
+            )
+    return root
+
+
+class StoreTrainer:
+    """fp32 params (TrainerLayout names) under AdamW on a masked quadratic loss, publishing
+    each version to a store with TrainerSync, as a trainer process would."""
+
+    def __init__(self, hf_config: dict, store, *, tp: int = 1, seed: int = 0) -> None:
+        from deltasync import AdamWTracker, Publisher, PublisherConfig, TrainerSync
+
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.trainer_layout = TrainerLayout(self.spec)
+        self.layout = ReceiverLayout.build(self.spec, engine="vllm", tp=tp)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.params = {
+            n: torch.nn.Parameter(
+                torch.ones(s) if n.endswith("norm.weight")
+                else torch.randn(s, generator=self.gen) * 0.02
+            )
+            for n, s in self.trainer_layout.param_shapes().items()
+        }  # fmt: skip
+        self.opt = torch.optim.AdamW(self.params.values(), lr=1e-3)
+        publisher = Publisher(
+            store, receiver_layout=self.layout, config=PublisherConfig(anchor_every=50)
+        )
+        tracker = AdamWTracker(self.opt, list(self.params.items()))
+        self.sync = TrainerSync(tracker, publisher, self.params)
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        for p in self.params.values():
+            mask = torch.rand(p.shape, generator=self.gen) < 0.1
+            p.grad = torch.where(mask, p.detach() - torch.randn(p.shape, generator=self.gen), 0.0)
+        self.opt.step()
+
+    def publish(self, version: int) -> None:
+        self.sync.step_published(version)
+
+    def split(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The oracle: a dense split of the canonical BF16 weights."""
+        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
+        return self.layout.split(self.trainer_layout.to_canonical(bf16))
+
+
+def corrupt_one_blob(store_dir, version: int, shard: str) -> None:
+    """Flip one byte in the middle of ``shard``'s blob of ``version`` in a directory store."""
+    from pathlib import Path
+
+    (blob,) = sorted((Path(store_dir) / f"v{version:08d}" / shard).glob("*.blob"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))

@@ -1,0 +1,217 @@
+"""deltasync inside SGLang: a custom weight loader that pulls a version into the live params.
+
+SGLang's route for custom weight updates: start the server with
+``--custom-weight-loader deltasync.engines.sglang_loader.load_deltasync``, then call
+``update_weights_from_tensor`` (HTTP ``/update_weights_from_tensor`` or
+``Engine.update_weights_from_tensor``) with ``load_format`` set to that same dotted path and
+the named tensors :func:`request_tensors` builds. SGLang then calls
+``load_deltasync(model, named_tensors)`` on every TP rank's model runner; the tensors carry
+only a small JSON request (store, receiver id, state dir, version). Each rank opens (once) a
+:class:`~deltasync.Receiver` over its model's own parameters as targets and pulls the
+version: staging, journal, scatter in place (O(changed)), digest check. A failure raises
+(SGLang answers ``success: false`` with the message) and leaves the rank at its previous
+verified version. ``update_weights_from_disk`` is a full reload through SGLang's model loader
+(O(model), what deltasync avoids); use it only to restart from a dense checkpoint.
+
+SGLang's Qwen3 / Qwen3-MoE conventions are vLLM's (its ``linear.py`` and
+``vocab_parallel_embedding.py`` descend from vLLM's): fused ``qkv_proj`` (per rank q, k, v
+heads; kv heads replicated when fewer than TP ranks, rank r holding kv head
+``r // replicas``), merged ``gate_up_proj``, row-parallel ``o_proj``/``down_proj``, vocab
+padded to 64 and split evenly, ``FusedMoE`` ``w13_weight``/``w2_weight``, tied ``lm_head``
+being ``embed_tokens`` itself. So the vLLM receiver layout is SGLang's, with one exception:
+when the 64-padded vocabulary does not divide by TP, SGLang pads to ``64 * tp`` (vLLM refuses
+such a TP); :func:`sglang_layout` raises for that case rather than guess.
+
+This module imports SGLang only inside :func:`load_deltasync` (to read the TP rank); it knows
+the loader contract and the request, nothing of chains or digests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltasync import (
+    ModelSpec,
+    PullReport,
+    Receiver,
+    ReceiverConfig,
+    ReceiverLayout,
+    S3Config,
+    open_store,
+)
+from deltasync.errors import ConfigError, VersionError
+
+log = logging.getLogger(__name__)
+
+LOADER = "deltasync.engines.sglang_loader.load_deltasync"
+REQUEST_NAME = "deltasync.request"
+_VOCAB_PAD = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangRequest:
+    """What one ``update_weights_from_tensor`` call asks every rank to do: take ``version``
+    from ``store``; ranks ack as ``{receiver_id}-{shard}`` and keep their state in
+    ``{state_dir}/{receiver_id}-{shard}``."""
+
+    store: str
+    receiver_id: str
+    state_dir: str
+    version: int
+    signing_key_hex: str | None = None
+    s3: dict[str, Any] | None = None
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("store", "receiver_id", "state_dir"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"SglangRequest.{name} must be a non-empty string")
+        v = self.version
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"SglangRequest.version must be an int >= 0, got {v!r}")
+
+
+def request_tensors(request: SglangRequest) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` of an ``update_weights_from_tensor`` call for :data:`LOADER`.
+
+    Args:
+        request: the version to take and where from.
+
+    Returns:
+        One ``(REQUEST_NAME, uint8 tensor of the request's JSON)`` pair (SGLang serializes
+        tensors, not dicts; the same pair serves every TP rank).
+    """
+    data = json.dumps(asdict(request), sort_keys=True).encode()
+    return [(REQUEST_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+
+
+def parse_request(named_tensors: list[tuple[str, Any]]) -> SglangRequest:
+    """The request in ``named_tensors`` (raises ConfigError naming what is wrong)."""
+    found = [t for n, t in named_tensors if n == REQUEST_NAME]
+    if len(found) != 1 or not isinstance(found[0], torch.Tensor) or found[0].dtype != torch.uint8:
+        raise ConfigError(
+            f"load_format {LOADER!r} expects exactly one {REQUEST_NAME!r} uint8 tensor "
+            "(build it with deltasync.engines.sglang_loader.request_tensors)"
+        )
+    try:
+        fields = json.loads(bytes(found[0].cpu().numpy().tobytes()).decode())
+        return SglangRequest(**fields)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{REQUEST_NAME!r} does not hold a deltasync request: {exc}") from None
+
+
+def sglang_layout(spec: ModelSpec, tp: int, ep: int = 1) -> ReceiverLayout:
+    """SGLang's receiver layout for ``spec`` at this TP/EP: vLLM's (see the module docstring)."""
+    padded = -(-spec.vocab_size // _VOCAB_PAD) * _VOCAB_PAD
+    if padded % tp:
+        raise ConfigError(
+            f"SGLang pads a vocabulary of {spec.vocab_size} to a multiple of {_VOCAB_PAD * tp} at tp={tp} "
+            f"({padded} does not divide by {tp}); deltasync has no layout for that padding"
+        )
+    return ReceiverLayout.build(spec, engine="vllm", tp=tp, ep=ep)
+
+
+class SglangShard:
+    """One SGLang TP rank's receiver: the model's own parameters as targets."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: Any, *, tp_rank: int, tp: int) -> None:
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.layout = sglang_layout(self.spec, tp)
+        self.shard = next(s.id for s in self.layout.shards() if s.tp_rank == tp_rank)
+        live = dict(model.named_parameters())
+        self.targets: dict[str, torch.Tensor] = {}
+        for name, spec in self.layout.local_specs(self.shard).items():
+            p = live.get(name)
+            if p is None:
+                raise ConfigError(
+                    f"the SGLang model has no parameter {name!r} of receiver shard {self.shard!r}"
+                )
+            if tuple(p.shape) != spec.shape or p.dtype != spec.dtype:
+                raise ConfigError(
+                    f"SGLang parameter {name!r} is {tuple(p.shape)} {p.dtype}; the layout of "
+                    f"shard {self.shard!r} says {spec.shape} {spec.dtype} (serve in bfloat16)"
+                )
+            self.targets[name] = p.data
+        self.receiver: Receiver | None = None
+        self.key: tuple[str, str] | None = None
+
+    def open(self, request: SglangRequest) -> Receiver:
+        """The receiver of ``request``'s store and id (opened once, then reused)."""
+        key = (request.store, request.receiver_id)
+        if self.receiver is None or self.key != key:
+            s3 = S3Config(**request.s3) if request.s3 is not None else None
+            rid = f"{request.receiver_id}-{self.shard}"
+            state_dir = Path(request.state_dir) / rid
+            state_dir.mkdir(parents=True, exist_ok=True)
+            key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
+            self.receiver = Receiver.for_layout(
+                open_store(request.store, s3=s3, durable=request.durable), self.layout,
+                self.shard, self.targets, str(state_dir),
+                ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
+            )  # fmt: skip
+            self.key = key
+        return self.receiver
+
+    def take(self, request: SglangRequest) -> PullReport | None:
+        """Pull ``request.version`` (the store's newest); None if already there."""
+        receiver = self.open(request)
+        if not receiver.dirty and receiver.version == request.version:
+            return None
+        latest = receiver.catalog.latest()
+        if latest != request.version:
+            raise VersionError(
+                f"SGLang rank shard {self.shard!r}: version {request.version} is not the store's "
+                f"newest committed version ({latest}); a receiver takes the newest. Nothing "
+                "was written"
+            )
+        report = receiver.pull()
+        if report.version != request.version:
+            raise VersionError(
+                f"shard {self.shard!r} now holds version {report.version}, not "
+                f"{request.version}: the store committed a newer version meanwhile"
+            )
+        log.info(
+            "deltasync SGLang shard %s: version %s -> %s (%d elements, pause %.3f s)",
+            self.shard, report.previous_version, report.version, report.elements_written,
+            report.pause_s,
+        )  # fmt: skip
+        return report
+
+
+def take_version(
+    model: torch.nn.Module, named_tensors: list[tuple[str, Any]], *, tp_rank: int, tp: int
+) -> PullReport | None:
+    """:func:`load_deltasync` with the rank given (what it does once SGLang said where it is).
+
+    The shard is kept on the model object, so its receiver (journal, verified version) lives
+    as long as the model runner."""
+    request = parse_request(named_tensors)
+    shard = getattr(model, "_deltasync_shard", None)
+    if shard is None:
+        shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
+        model._deltasync_shard = shard
+    return shard.take(request)
+
+
+def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader (``--custom-weight-loader`` and ``load_format``).
+
+    Args:
+        model: the rank's model (SGLang passes ``model_runner.model``).
+        named_tensors: :func:`request_tensors` output.
+    """
+    from sglang.srt.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    take_version(
+        model, named_tensors,
+        tp_rank=get_tensor_model_parallel_rank(), tp=get_tensor_model_parallel_world_size(),
+    )  # fmt: skip

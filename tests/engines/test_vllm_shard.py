@@ -1,0 +1,140 @@
+"""VllmShard: where a vLLM worker's receiver writes, and how the writes reach its kernels.
+
+No vLLM here: the model is a module tree named as vLLM names its parameters, whose linear
+layers follow vLLM's CPU contract (``cpu_linear`` + ``quant_method.process_weights_after_
+loading``; packing ones copy the weight into a buffer of their own and empty the parameter).
+A real trainer publishes versions with TrainerSync to a directory store; a real Receiver pulls
+them into the shard's targets; after each pull the shard refreshes what was written, as the
+vLLM backend does inside its pause. The vLLM tier (tests/vllm) runs the same code in vLLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync import LocalStore, Receiver, ReceiverConfig
+from deltasync.engines.vllm_shard import ShardPlace, VllmShard
+from deltasync.errors import ConfigError
+
+from engines_helpers import FakeLinear, StoreTrainer, module_tree
+
+CONFIG = dict(
+    model_type="qwen3", vocab_size=203, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _served(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The values the engine computes with for local tensor ``name``."""
+    layer = model.get_submodule(name.rpartition(".")[0])
+    if isinstance(layer, FakeLinear):
+        return layer.served_weight()
+    return dict(model.named_parameters())[name].data
+
+
+def _sync(tmp_path, *, packs: bool, dtype=None, tp: int = 1, versions: int = 3):
+    """Publish versions 0..N, pull each into every TP rank's shard; yield per version."""
+    store = LocalStore(tmp_path / "store", durable=False)
+    trainer = StoreTrainer(CONFIG, store, tp=tp)
+    trainer.publish(0)
+    split0 = trainer.split()
+    ranks = []
+    for r in range(tp):
+        model = module_tree(split0[f"tp{r}"], packs=packs, dtype=dtype)
+        shard = VllmShard(model, CONFIG, ShardPlace(tp_rank=r, tp=tp))
+        touched: set[str] = set()
+        receiver = Receiver.for_layout(
+            store, shard.layout, shard.shard, shard.targets, str(tmp_path / f"state{r}"),
+            ReceiverConfig(receiver_id=f"r{r}", durable=False), on_tensor_written=touched.add,
+        )  # fmt: skip
+        ranks.append((model, shard, receiver, touched))
+    for version in range(versions + 1):
+        if version:
+            trainer.step()
+            trainer.publish(version)
+        reports = []
+        for _, shard, receiver, touched in ranks:
+            touched.clear()
+            reports.append(receiver.pull())
+            shard.refresh(touched)
+        yield version, trainer.split(), ranks, reports
+
+
+def test_unpacked_bf16_layers_are_written_in_place_and_nothing_is_copied(tmp_path):
+    for version, split, ranks, reports in _sync(tmp_path, packs=False, tp=2):
+        for r, (model, shard, _, _) in enumerate(ranks):
+            assert shard.path == "inplace" and shard.mirrored == [] and shard.packed == []
+            live = dict(model.named_parameters())
+            for name, target in shard.targets.items():
+                assert target.data_ptr() == live[name].data_ptr()  # the engine's own tensor
+                assert torch.equal(_bits(live[name].data), _bits(split[f"tp{r}"][name])), name
+        assert all(rep.version == version for rep in reports)
+
+
+def test_packed_cpu_kernels_are_rebuilt_from_bf16_masters_and_compute_with_each_version(
+    tmp_path,
+):
+    for version, split, ranks, reports in _sync(tmp_path, packs=True):
+        model, shard, _, _ = ranks[0]
+        assert shard.path == "repack" and shard.values_lost
+        assert "model.layers.0.self_attn.qkv_proj.weight" in shard.packed
+        assert "lm_head.weight" in shard.packed  # packed, but keeps its (ignored) weight
+        for name in shard.targets:
+            served = _served(model, name)
+            assert torch.equal(_bits(served), _bits(split["tp0"][name])), (version, name)
+        # a packing layer drops its weight again after the refresh; the master survives
+        qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+        assert qkv.weight.numel() == 0
+        # the packed layers' values were lost at load: the first pull restores the anchor
+        expected_chain = (0,) if version == 0 else (version,)
+        assert reports[0].chain == expected_chain
+
+
+def test_an_fp32_engine_gets_bf16_masters_widened_exactly_into_its_tensors(tmp_path):
+    for version, split, ranks, _ in _sync(tmp_path, packs=False, dtype=torch.float32):
+        model, shard, _, _ = ranks[0]
+        assert shard.path == "repack" and not shard.values_lost
+        assert set(shard.mirrored) == set(shard.targets)
+        for name in shard.targets:
+            served = _served(model, name)
+            assert served.dtype == torch.float32
+            expected = split["tp0"][name].to(torch.float32)
+            assert torch.equal(_bits(served), _bits(expected)), (version, name)
+
+
+def test_only_the_layers_a_pull_wrote_are_repacked(tmp_path):
+    store = LocalStore(tmp_path / "store", durable=False)
+    trainer = StoreTrainer(CONFIG, store)
+    trainer.publish(0)
+    model = module_tree(trainer.split()["tp0"], packs=True)
+    shard = VllmShard(model, CONFIG, ShardPlace(tp_rank=0, tp=1))
+    layers = [m for m in model.modules() if isinstance(m, FakeLinear)]
+    before = {id(m): m.repacks for m in layers}
+    assert shard.refresh(["model.layers.1.mlp.down_proj.weight"]) == 1
+    changed = [m for m in layers if m.repacks != before[id(m)]]
+    assert changed == [model.get_submodule("model.layers.1.mlp.down_proj")]
+    assert shard.refresh(["model.norm.weight"]) == 0  # in place: nothing to rebuild
+
+
+def test_a_packed_engine_refuses_the_inplace_path_and_a_compiled_graph(tmp_path):
+    split = StoreTrainer(CONFIG, LocalStore(tmp_path / "s", durable=False)).split()
+    with pytest.raises(ConfigError, match="path 'inplace' cannot reach"):
+        VllmShard(module_tree(split["tp0"], packs=True), CONFIG, ShardPlace(0, 1), path="inplace")
+    with pytest.raises(ConfigError, match="enforce_eager=True"):
+        VllmShard(module_tree(split["tp0"], packs=True), CONFIG, ShardPlace(0, 1), eager=False)
+
+
+def test_a_model_that_is_not_the_layouts_is_refused_naming_the_tensor(tmp_path):
+    split = StoreTrainer(CONFIG, LocalStore(tmp_path / "s", durable=False)).split()["tp0"]
+    del split["model.layers.1.self_attn.o_proj.weight"]
+    with pytest.raises(ConfigError, match="o_proj"):
+        VllmShard(module_tree(split), CONFIG, ShardPlace(0, 1))
+    wrong = StoreTrainer(CONFIG, LocalStore(tmp_path / "t", durable=False), tp=2).split()["tp0"]
+    with pytest.raises(ConfigError, match="the receiver layout of shard 'tp0' says"):
+        VllmShard(module_tree(wrong), CONFIG, ShardPlace(0, 1))  # a TP=2 shard served as TP=1
