@@ -40,6 +40,7 @@ def start_llm(spec: dict, checkpoint: str, *, backend: bool):
         max_model_len=64,
         max_num_seqs=8,
         seed=0,
+        tensor_parallel_size=spec.get("tp", 1),
         **kwargs,
     )
 
@@ -96,7 +97,7 @@ class Trainer:
     """A transformers Qwen3 (fp32 masters, AdamW) publishing every version with TrainerSync."""
 
     def __init__(self, spec: dict) -> None:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        import transformers
 
         from deltasync import (
             AdamWTracker,
@@ -112,12 +113,14 @@ class Trainer:
         cfg = spec["config"]
         self.vocab = cfg["vocab_size"]
         torch.manual_seed(0)
-        hf = Qwen3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
-        self.model = Qwen3ForCausalLM(hf)
+        moe = cfg["model_type"] == "qwen3_moe"
+        config_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+        model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+        self.model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"], weight_decay=0.01)
         mspec = ModelSpec.from_hf_config(cfg)
         self.trainer_layout = TrainerLayout(mspec)
-        self.layout = ReceiverLayout.build(mspec, engine="vllm", tp=1)
+        self.layout = ReceiverLayout.build(mspec, engine="vllm", tp=spec.get("tp", 1))
         self.store_dir = Path(spec["tmp"]) / "store"
         publisher = Publisher(
             LocalStore(self.store_dir, durable=False), receiver_layout=self.layout,
@@ -185,7 +188,7 @@ def synced(spec: dict) -> dict:
         else:
             engine.send_weights(version)
         api_s = time.perf_counter() - t0
-        (state,) = llm.collective_rpc(lambda worker: {
+        state, *_ = llm.collective_rpc(lambda worker: {
             k: v for k, v in worker_state(worker).items() if k != "tensors"
         })  # fmt: skip
         raw_report = raw.pull()
@@ -196,7 +199,9 @@ def synced(spec: dict) -> dict:
             "raw_stage_s": raw_report.stage_s, "raw_verify_s": raw_report.verify_s,
         })  # fmt: skip
         out["gen"][version] = generate(llm, prompts, max_tokens)
-    (out["state"],) = llm.collective_rpc(worker_state)
+    out["states"] = llm.collective_rpc(worker_state)
+    out["state"] = out["states"][0]
+    out["splits"] = layout.split(canonical())
     out["split"] = layout.split(canonical())["tp0"]
     out["raw_tensors"] = {k: v.clone() for k, v in raw_tensors.items()}
     out["weight_version_api"] = llm.get_weight_version()
@@ -211,7 +216,7 @@ def synced(spec: dict) -> dict:
         out["corrupt_error"] = None
     except Exception as exc:  # recorded for the test to judge
         out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
-    (after,) = llm.collective_rpc(worker_state)
+    after, *_ = llm.collective_rpc(worker_state)
     out["state_after_corrupt"] = {k: after[k] for k in ("weight_version", "tensors")}
     out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
     return out
