@@ -12,7 +12,7 @@ This module knows the shape of the contract; nothing about optimizers, layouts o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -79,3 +79,41 @@ class LocalShard:
         return self.row_start == 0 and (
             not self.global_shape or self.row_stop == self.global_shape[0]
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishRole:
+    """Whether this process publishes, and as which writer (``PublisherConfig.writer_rank``
+    / ``num_writers``)."""
+
+    writes: bool
+    writer_rank: int
+    num_writers: int
+
+
+def publish_role(shards: Mapping[str, LocalShard], *, dp_rank: int = 0) -> PublishRole:
+    """Who writes, derived from where each local tensor sits (a tracker's ``shards``).
+
+    Replicated state is written by ONE rank, never deduplicated after the fact: ranks holding
+    the same bits (``replica > 0`` of a ``Replicate()`` mesh dimension, or ``dp_rank > 0``
+    under DDP, whose plain tensors do not say they are replicated) do not publish. Sharded
+    parameters make every shard rank a writer, ``writer_rank`` its mesh coordinate.
+
+    Args:
+        shards: per param, its :class:`LocalShard` (``tracker.shards``).
+        dp_rank: this rank's index among data-parallel replicas that the tensors themselves do
+            not describe (DDP: ``dist.get_rank()``; FSDP2 or a single process: 0).
+
+    Raises:
+        ValueError: params sharded over different mesh sizes or coordinates (one publisher
+            cannot route them with one ``writer_rank``).
+    """
+    sharded = {(s.rank, s.world_size) for s in shards.values() if s.world_size > 1}
+    if len(sharded) > 1:
+        raise ValueError(
+            f"params are sharded over different mesh coordinates {sorted(sharded)}; one "
+            "publisher routes one (writer_rank, num_writers)"
+        )
+    rank, world = sharded.pop() if sharded else (0, 1)
+    replica = max((s.replica for s in shards.values()), default=0)
+    return PublishRole(writes=replica == 0 and dp_rank == 0, writer_rank=rank, num_writers=world)

@@ -1,0 +1,256 @@
+"""One torchrun rank of the tests in this folder (launched by ``fsdp_kit.torchrun``).
+
+``--job MODEL:IMPL:MODE:DIR`` (repeatable, run in order in one launch):
+
+- ``fsdp``: a config-built transformers model wrapped with ``fully_shard`` per decoder layer
+  and at the root over all ranks, AdamW (IMPL: foreach / single / fused) with a scheduler;
+  every rank tracks its local shards and is a writer; versions (2 optimizer steps for odd
+  ones, anchors at 0 and 3, an in-place edit outside the optimizer at version 4) go through a
+  local store in DIR to the receivers the test started. Rank 0 writes each version's oracle
+  (a dense split of the gathered full state) before publishing it.
+- ``ddp``: the same model under DistributedDataParallel; one rank (0) writes.
+- ``cluster`` (4 ranks): ranks 0-1 train under FSDP2 on their own mesh and are the cluster
+  writers, ranks 2-3 are the TP=2 receivers, in one process group; every version is checked
+  against rank 0's gathered canonical state, broadcast to all.
+
+Every rank also checks its tracker against an exact snapshot of the same params: zero missed
+elements at every version. Exits non-zero (a failed assertion) on any miss or mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fsdp_kit import ANCHOR_EVERY, CONFIGS, VERSIONS, layouts  # noqa: E402
+
+from deltasync import (  # noqa: E402
+    AdamWTracker,
+    ClusterConfig,
+    ClusterReceiver,
+    ClusterSender,
+    ExchangeConfig,
+    LocalStore,
+    Publisher,
+    PublisherConfig,
+    SnapshotTracker,
+    TrainerLayout,
+    TrainerSync,
+)
+from deltasync.cluster import RolePlan  # noqa: E402
+from deltasync.trainer import publish_role  # noqa: E402
+
+IMPLS = {"foreach": dict(foreach=True), "single": dict(foreach=False), "fused": dict(fused=True)}
+
+
+def build(model: str) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = {k: v for k, v in CONFIGS[model].items() if k != "model_type"}
+    torch.manual_seed(0)  # identical initial weights on every rank
+    if model == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**cfg))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+
+
+def shard_fsdp(model: torch.nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class Training:
+    """Model + AdamW + scheduler + the tracker and its exact oracle, on this rank."""
+
+    def __init__(self, model: torch.nn.Module, impl: str, data_seed: int,
+                 forward: torch.nn.Module | None = None) -> None:  # fmt: skip
+        self.model = model
+        self.forward = forward or model  # a DDP wrapper all-reduces the gradients
+        self.opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, **IMPLS[impl])
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+        self.tracker = AdamWTracker(self.opt, model.named_parameters(), strict=True)
+        self.truth = SnapshotTracker(model.named_parameters())
+        self.gen = torch.Generator().manual_seed(data_seed)
+        self.vocab = model.config.vocab_size
+
+    def advance(self, version: int) -> None:
+        for _ in range(2 if version % 2 else 1):
+            ids = torch.randint(0, self.vocab, (2, 10), generator=self.gen)
+            self.opt.zero_grad()
+            self.forward(input_ids=ids, labels=ids).loss.backward()
+            self.opt.step()
+            self.sched.step()
+        if version == 4:  # an edit outside the optimizer: must be reported in full
+            with torch.no_grad():
+                self.model.model.layers[1].self_attn.o_proj.weight.mul_(1.01)
+
+    def check_tracker(self, version: int) -> None:
+        """Zero missed elements against the exact snapshot, then both advance their baseline
+        only when the caller clears (the publisher path clears the tracker itself)."""
+        got = self.tracker.changed()
+        empty = torch.empty(0, dtype=torch.int64)
+        for name, idx in self.truth.changed().items():
+            missed = int((~torch.isin(idx, got.get(name, empty))).sum())
+            assert missed == 0, f"v{version} {name}: {missed} changed elements missed"
+        if version == 4:
+            assert self.tracker.out_of_band, "the edit at version 4 was not seen"
+        self.truth.clear()
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gathered full parameters (a collective over the FSDP mesh for DTensors)."""
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[n] = t.detach()
+    return out
+
+
+def oracle(model_name: str, full: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    spec, rl = layouts(model_name)
+    canon = TrainerLayout(spec).to_canonical({n: t.to(torch.bfloat16) for n, t in full.items()})
+    return rl.split(canon)
+
+
+def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(model_name)
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard_fsdp(model, init_device_mesh("cpu", (world,)))
+        train = Training(model, impl, data_seed=100 + rank)
+        role = publish_role(train.tracker.shards)
+        assert role.writes and (role.writer_rank, role.num_writers) == (rank, world), role
+    else:  # DDP: replicated plain params; one rank writes
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        train = Training(model, impl, data_seed=100 + rank, forward=ddp)
+        role = publish_role(train.tracker.shards, dp_rank=rank)
+        assert role.writes == (rank == 0) and role.num_writers == 1, role
+    _, rl = layouts(model_name)
+    sync = None
+    holder: dict[str, dict[str, torch.Tensor]] = {}
+    if role.writes:
+        config = PublisherConfig(
+            writer_rank=role.writer_rank, num_writers=role.num_writers, session=f"{mode}-{impl}",
+            anchor_every=ANCHOR_EVERY, max_staleness=0, staleness_timeout_s=60,
+            marker_timeout_s=60,
+        )  # fmt: skip
+        pub = Publisher(LocalStore(out / "store", durable=False), receiver_layout=rl, config=config)
+        sync = TrainerSync(train.tracker, pub, train.tracker.local_params, full_state=lambda: holder["full"])
+    for v in range(VERSIONS):
+        if v:
+            train.advance(v)
+        full = full_state(train.model)  # every rank: a collective under FSDP2
+        if mode == "ddp":
+            _assert_replicas_identical(full)
+        train.check_tracker(v)
+        if rank == 0:
+            (out / "oracle").mkdir(exist_ok=True)
+            torch.save(oracle(model_name, full), out / "oracle" / f"v{v}.pt")
+        holder["full"] = full
+        if sync is not None:
+            report = sync.step_published(v)[0]
+            assert report.version == v
+        else:
+            train.tracker.clear()  # a non-writing replica keeps no backlog
+    print(f"rank {rank} {model_name}:{impl}:{mode} published {VERSIONS} versions", flush=True)
+
+
+def _assert_replicas_identical(full: dict[str, torch.Tensor]) -> None:
+    """One rank writes replicated state: that is exact only if every replica holds its bits."""
+    h = hashlib.sha256()
+    for n in sorted(full):
+        h.update(full[n].detach().contiguous().view(torch.int32).numpy().tobytes())
+    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "DDP replicas diverged"
+
+
+def run_cluster(model_name: str, impl: str, out: Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4
+    spec, rl = layouts(model_name)
+    writers = dist.new_group([0, 1])  # every rank creates every group
+    plan = RolePlan.contiguous(num_writers=2, shards=[s.id for s in rl.shards()])
+    config = ClusterConfig(exchange=ExchangeConfig(timeout_s=60), wait_for_version_s=90, commit_timeout_s=60,
+                           digest_every=2)  # fmt: skip
+    tl = TrainerLayout(spec)
+    n_canon = sum(int(torch.Size(s).numel()) for s in spec.canonical_shapes().values())
+    if rank < 2:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        model = build(model_name)
+        shard_fsdp(model, DeviceMesh.from_group(writers, "cpu"))
+        train = Training(model, impl, data_seed=200 + rank)
+        holder: dict[str, dict[str, torch.Tensor]] = {}
+        sender = ClusterSender(
+            train.tracker, train.tracker.local_params, plan=plan, trainer_layout=tl,
+            receiver_layout=rl, version=None, config=config, full_state=lambda: holder["full"],
+        )  # fmt: skip
+    else:
+        shard = plan.receiver(rank).shard
+        specs = rl.local_specs(shard)
+        receiver = ClusterReceiver(
+            {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}, plan=plan,
+            layout=rl, version=None, config=config,
+        )  # fmt: skip
+    for v in range(VERSIONS):
+        bits = torch.empty(n_canon, dtype=torch.int16)
+        if rank < 2:
+            if v:
+                train.advance(v)
+            full = full_state(train.model)  # a collective over the writers' mesh only
+            train.check_tracker(v)
+            holder["full"] = full
+            sender.sync(v, anchor=v % ANCHOR_EVERY == 0)
+            if rank == 0:
+                canon = tl.to_canonical({n: t.to(torch.bfloat16) for n, t in full.items()})
+                bits = torch.cat([canon[n].reshape(-1).view(torch.int16) for n in sorted(canon)])
+        else:
+            receiver.sync()
+            assert receiver.version == v, (receiver.version, v)
+        dist.broadcast(bits.view(torch.uint8), src=0)  # gloo: no int16 collectives
+        if rank >= 2:
+            canon, at = {}, 0
+            for name, shape in sorted(spec.canonical_shapes().items()):
+                n = int(torch.Size(shape).numel())
+                canon[name] = bits[at : at + n].view(torch.bfloat16).reshape(shape)
+                at += n
+            want = rl.split(canon)[shard]
+            bad = [n for n, t in receiver.tensors.items() if not torch.equal(t.view(torch.int16), want[n].view(torch.int16))]
+            assert not bad, f"receiver {shard} v{v}: differs in {bad[:5]}"
+    print(f"rank {rank} cluster {model_name}:{impl} synced {VERSIONS} versions", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--job", action="append", required=True, help="MODEL:IMPL:MODE:DIR")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    try:
+        for spec in args.job:
+            model_name, impl, mode, out = spec.split(":", 3)
+            if mode == "cluster":
+                run_cluster(model_name, impl, Path(out))
+            else:
+                run_store(model_name, impl, mode, Path(out))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
