@@ -31,6 +31,7 @@ updates of one version.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -53,6 +54,8 @@ from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
+
+log = logging.getLogger(__name__)
 
 
 class Incoming(dict[int, torch.Tensor]):
@@ -167,6 +170,11 @@ class ClusterReceiver:
             digest = state_digest(self.tensors)
             verify_s = time.perf_counter() - t
             if digest != staged.state_digest:
+                log.error(
+                    "receiver %s replica %s (rank %d): state digest after version %d does not "
+                    "match the trainer's; marked dirty, only an anchor is accepted from now on",
+                    self.shard, self.role.replica, self.rank, staged.version,
+                )  # fmt: skip
                 self.journal.mark_dirty()
                 raise IntegrityError(
                     f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): after "

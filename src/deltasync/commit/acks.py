@@ -12,12 +12,15 @@ Every wait names what it waits for. This module knows records and manifests, not
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
 from deltasync.commit.catalog import Catalog
 from deltasync.commit.records import AckRecord
 from deltasync.errors import AckTimeoutError, IntegrityError, StalenessTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 def _lagging(
@@ -45,10 +48,20 @@ def wait_for_staleness(
     if committed is None:
         return 0.0
     t0 = time.monotonic()
+    logged = False
     while True:
         lagging = _lagging(catalog, committed, max_staleness, ttl_s)
         if not lagging:
+            if logged:
+                log.info("bounded staleness: receivers caught up after %.1f s", time.monotonic() - t0)
             return time.monotonic() - t0
+        if not logged:
+            log.info(
+                "bounded staleness %d: waiting (up to %.0f s) for receivers %s (receiver: version "
+                "held) to come within %d versions of committed version %d",
+                max_staleness, timeout_s, lagging, max_staleness, committed,
+            )  # fmt: skip
+            logged = True
         if time.monotonic() - t0 >= timeout_s:
             raise StalenessTimeoutError(
                 f"bounded staleness {max_staleness}: after {timeout_s:.1f} s receivers "

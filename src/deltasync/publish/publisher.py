@@ -31,6 +31,7 @@ live in the modules it calls.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,8 @@ from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.report import PublishReport
 from deltasync.publish.streams import ShardStreams
 from deltasync.store import Store
+
+log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
 FullState = Params | Callable[[], Params]
@@ -161,6 +164,8 @@ class Publisher:
             )  # fmt: skip
         reason = self._anchor_reason(version, committed, since, anchor)
         kind = "delta" if reason is None else "anchor"
+        if reason is not None:
+            log.info("writer %s: version %d is an anchor: %s", self.writer, version, reason)
         base = committed if kind == "delta" else None
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)

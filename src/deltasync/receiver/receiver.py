@@ -27,6 +27,7 @@ calls. It holds no copy of the model: only the staged updates of one pull.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 
@@ -52,6 +53,8 @@ from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDi
 from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version
 from deltasync.store import Store
+
+log = logging.getLogger(__name__)
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 # Errors that mean "the journaled chain cannot be replayed from the store any more".
@@ -193,6 +196,17 @@ class Receiver:
                 total_s=time.perf_counter() - t0,
             )  # fmt: skip
         manifests = self.catalog.chain(local, latest)
+        if manifests and manifests[0].kind == "anchor":
+            why = (
+                "it holds no verified version" if self.version is None
+                else "its state is dirty" if self.dirty
+                else f"the chain from version {local} starts over at an anchor"
+            )  # fmt: skip
+            log.info(
+                "receiver %r shard %r: restoring anchor %d (%s), then %d version(s) to %d",
+                self.config.receiver_id, self.shard, manifests[0].version, why,
+                len(manifests) - 1, latest,
+            )  # fmt: skip
         return self._run(manifests, local, t0, repaired=False)
 
     def _run(
@@ -233,6 +247,11 @@ class Receiver:
         verify_s = time.perf_counter() - t
         expected = target.shard_digests[self.shard]
         if digest != expected:
+            log.error(
+                "receiver %r shard %r: state digest after version %d does not match the "
+                "manifest; marked dirty, the next pull restores the newest anchor",
+                self.config.receiver_id, self.shard, target.version,
+            )  # fmt: skip
             self._set_state(dirty=True)
             self.dir.clear_journal()
             self.heartbeat()
@@ -279,9 +298,19 @@ class Receiver:
                         f"manifest {m.version} no longer matches the journal (the store was "
                         "rewritten under this receiver)"
                     )
+            log.warning(
+                "receiver %r shard %r: found the journal of an interrupted apply (versions %s "
+                "from %s); replaying it", self.config.receiver_id, self.shard,
+                [s.version for s in journal.steps], journal.from_version,
+            )  # fmt: skip
             return self._run(manifests, journal.from_version, t0, repaired=True)
-        except _UNREPLAYABLE:
-            pass
+        except _UNREPLAYABLE as exc:
+            log.warning(
+                "receiver %r shard %r: the journaled chain %s cannot be replayed (%s: %s); "
+                "marking the state dirty and restoring the newest anchor",
+                self.config.receiver_id, self.shard, [s.version for s in journal.steps],
+                type(exc).__name__, exc,
+            )  # fmt: skip
         # The tensors are a mix of journaled steps that can no longer be fetched: only a full
         # anchor can restore them. Record that durably before dropping the journal.
         self._set_state(dirty=True)

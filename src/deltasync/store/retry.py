@@ -8,6 +8,7 @@ attempts or the deadline are spent. It knows nothing about S3 or HTTP.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,8 @@ from typing import TypeVar
 
 from deltasync.errors import ConfigError, RetriesExhausted
 from deltasync.validate import check_int, check_number
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -81,5 +84,13 @@ def call_with_retries(
             delay = next(delays, None)
             elapsed = clock() - t0
             if delay is None or elapsed + delay > policy.deadline_s:
+                log.warning(
+                    "store operation failed after %d attempt(s) in %.1f s: %s: %s",
+                    attempt, elapsed, type(exc).__name__, exc,
+                )  # fmt: skip
                 raise RetriesExhausted(exc, attempt, elapsed) from exc
+            log.info(
+                "transient store error on attempt %d (%s: %s); retrying in %.2f s",
+                attempt, type(exc).__name__, exc, delay,
+            )  # fmt: skip
             sleep(delay)
