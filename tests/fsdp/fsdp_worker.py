@@ -147,7 +147,9 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
             marker_timeout_s=60,
         )  # fmt: skip
         pub = Publisher(LocalStore(out / "store", durable=False), receiver_layout=rl, config=config)
-        sync = TrainerSync(train.tracker, pub, train.tracker.local_params, full_state=lambda: holder["full"])
+        sync = TrainerSync(
+            train.tracker, pub, train.tracker.local_params, full_state=lambda: holder["full"]
+        )
     for v in range(VERSIONS):
         if v:
             train.advance(v)
@@ -229,7 +231,11 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
                 canon[name] = bits[at : at + n].view(torch.bfloat16).reshape(shape)
                 at += n
             want = rl.split(canon)[shard]
-            bad = [n for n, t in receiver.tensors.items() if not torch.equal(t.view(torch.int16), want[n].view(torch.int16))]
+            bad = [
+                n
+                for n, t in receiver.tensors.items()
+                if not torch.equal(t.view(torch.int16), want[n].view(torch.int16))
+            ]
             assert not bad, f"receiver {shard} v{v}: differs in {bad[:5]}"
     print(f"rank {rank} cluster {model_name}:{impl} synced {VERSIONS} versions", flush=True)
 

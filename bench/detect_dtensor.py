@@ -1,0 +1,97 @@
+"""Detection throughput on FSDP2-style DTensor shards vs plain tensors, and the cost of the
+version-counter check that catches edits outside the optimizer.
+
+One process, a one-rank gloo group: the same fp32 parameters (``--params`` tensors of
+``--rows`` x ``--cols``) are tracked once as plain ``nn.Parameter`` and once as DTensors
+(``Shard(0)`` on a one-rank mesh, so the local shard is the whole tensor and both runs detect
+the same elements). After one AdamW step each, ``changed_values()`` is timed (best of
+``--repeat``), and so is the version check alone (``tracker.out_of_band``).
+
+Prints a table, then one JSON line.
+
+    .venv/bin/python bench/detect_dtensor.py --params 64 --rows 1024 --cols 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from deltasync import AdamWTracker
+
+
+def _best(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _run(params: list[torch.nn.Parameter], grads: list[torch.Tensor], repeat: int) -> dict:
+    opt = torch.optim.AdamW(params, lr=3e-6, weight_decay=0.01, foreach=False)
+    tracker = AdamWTracker(opt, [(f"p{i}", p) for i, p in enumerate(params)], strict=True)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone() if not hasattr(p, "device_mesh") else _like(p, g)
+    opt.step()
+    found = sum(int(i.numel()) for i, _ in tracker.changed_values().values())
+    detect_s = _best(tracker.changed_values, repeat)
+    check_s = _best(lambda: tracker.out_of_band, max(repeat, 20))
+    return {"detect_s": detect_s, "version_check_s": check_s, "changed": found}
+
+
+def _like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(g, p.device_mesh, p.placements)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--cols", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(args.rows, args.cols, generator=g) * 0.02 for _ in range(args.params)]
+    grads = [torch.randn(args.rows, args.cols, generator=g) for _ in range(args.params)]
+    plain = [torch.nn.Parameter(b.clone()) for b in base]
+    dt = [torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Shard(0)])) for b in base]
+    res = {"plain": _run(plain, grads, args.repeat), "dtensor": _run(dt, grads, args.repeat)}
+    dist.destroy_process_group()
+    n = args.params * args.rows * args.cols
+    print(f"{'params':>8} {'elements':>12} {'kind':>8} {'detect s':>10} {'M elem/s':>10} "
+          f"{'changed':>10} {'version check us':>17}")  # fmt: skip
+    for kind, r in res.items():
+        print(f"{args.params:>8} {n:>12} {kind:>8} {r['detect_s']:>10.4f} "
+              f"{n / r['detect_s'] / 1e6:>10.1f} {r['changed']:>10} "
+              f"{r['version_check_s'] * 1e6:>17.1f}")  # fmt: skip
+    assert res["plain"]["changed"] == res["dtensor"]["changed"], "the two runs must agree"
+    out = {
+        "bench": "detect_dtensor", "params": args.params, "elements": n,
+        "threads": torch.get_num_threads(),
+        **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
+        "dtensor_over_plain": res["dtensor"]["detect_s"] / res["plain"]["detect_s"],
+        "version_check_us_per_param": res["dtensor"]["version_check_s"] * 1e6 / args.params,
+    }  # fmt: skip
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
