@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltasync.cluster import RolePlan, judge
-from deltasync.cluster.acks import UNKNOWN, decode_acks, encode_ack
+from deltasync.cluster.joint_commit import UNKNOWN, decode_commit_rows, encode_commit_row
 from deltasync.errors import ExchangeError
 
 PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"], replicas=2)  # ranks 0-1 write
@@ -15,7 +15,7 @@ D2 = "22" * 16
 
 
 def rows(*entries: dict) -> list:
-    return decode_acks(torch.stack([encode_ack(**e) for e in entries]))
+    return decode_commit_rows(torch.stack([encode_commit_row(**e) for e in entries]))
 
 
 def ok(v: int = 5, b: int = 4, digest: str | None = None) -> dict:
@@ -75,6 +75,6 @@ def test_any_failure_or_disagreement_aborts_naming_the_rank(name: str) -> None:
 
 
 def test_a_row_from_another_protocol_step_is_an_exchange_error() -> None:
-    bad = torch.stack([encode_ack(**ok()), torch.zeros_like(encode_ack(**ok()))])
-    with pytest.raises(ExchangeError, match="rank 1 sent a row that is not an ack"):
-        decode_acks(bad)
+    bad = torch.stack([encode_commit_row(**ok()), torch.zeros_like(encode_commit_row(**ok()))])
+    with pytest.raises(ExchangeError, match="rank 1 sent a row that is not a commit row"):
+        decode_commit_rows(bad)

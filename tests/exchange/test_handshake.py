@@ -9,14 +9,9 @@ import torch
 
 from deltasync.errors import ConfigError, ExchangeError, PeerFailedError
 from deltasync.exchange import ExchangeConfig
-from deltasync.exchange.handshake import (
-    MESSAGE_BYTES,
-    decode_rows,
-    describe,
-    encode_row,
-    row_length,
-)
+from deltasync.exchange.handshake import MESSAGE_BYTES, decode_rows, encode_row, row_length
 from deltasync.exchange.payloads import as_byte_tensors
+from deltasync.exchange.status_row import describe
 
 
 def rows_for(matrix, failures=None, settings=None):

@@ -12,20 +12,20 @@ Data flow of one version, by module::
 
     roles.py     who writes which trainer shard, who holds which receiver shard, who sends to
                  whom (DP replicas: "direct" sends or a receiver-side "forward")      (pure)
-    sender.py    tracker -> publish.updates (routing) -> format (blobs) -> envelope.py
+    sender.py    tracker.iter_changes() -> layout.routing -> format (blobs) -> envelope.py
                  -> exchange (round 1 carries a failed detection to every rank)
-    receiver.py  exchange -> staging.py (verify, decode, base check, merge writers; the
-                 storage path's staging functions) -> journal.py -> apply (the pause) -> digest
-    acks.py      the joint-commit row and its verdict                                 (pure)
-    commit.py    the all_gather of those rows: commit everywhere, or nowhere
+    receiver.py  exchange -> staging.py (verify, decode, base check; format's merge of the
+                 writers and fold) -> journal.py -> apply (the pause) -> digest
+    joint_commit.py  every rank's status row, one all_gather, the same verdict: commit
+                 everywhere, or nowhere
 
 The wire format, the routing and the receiver-side merge and fold are the storage path's own;
 what this package adds is the process-group choreography. It knows nothing about stores.
 """
 
-from deltasync.cluster.acks import Ack, Verdict, judge
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import Envelope, pack_envelope, unpack_envelope
+from deltasync.cluster.joint_commit import CommitRow, Verdict, judge
 from deltasync.cluster.journal import ClusterJournal, JournalState
 from deltasync.cluster.receiver import ClusterReceiver, Incoming
 from deltasync.cluster.reports import ApplyReport, Outgoing, ReceiveReport, SendReport
@@ -37,7 +37,7 @@ from deltasync.errors import AnchorRequiredError, EnvelopeError, SyncAbortedErro
 __all__ = [
     "DEFAULT_DP_MODE",
     "DP_MODES",
-    "Ack",
+    "CommitRow",
     "AnchorRequiredError",
     "ApplyReport",
     "ClusterConfig",

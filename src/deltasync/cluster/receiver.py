@@ -39,16 +39,16 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster.acks import describe, encode_ack
-from deltasync.cluster.commit import joint_commit
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import as_view, pack_envelope
+from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
 from deltasync.errors import AnchorRequiredError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
+from deltasync.exchange.status_row import describe
 from deltasync.format import apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
@@ -206,12 +206,12 @@ class ClusterReceiver:
         del received  # the payload bytes are dead weight from here on
         if failure is None:
             assert report is not None
-            row = encode_ack(
+            row = encode_commit_row(
                 version=report.version, base=report.base, state_digest=report.state_digest
             )
         else:
             state = self.journal.state
-            row = encode_ack(
+            row = encode_commit_row(
                 version=None, base=None, failure=describe(failure),
                 anchor_required=isinstance(failure, (AnchorRequiredError, IntegrityError))
                 or state.dirty or state.committed is None,

@@ -34,10 +34,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster.acks import encode_ack
-from deltasync.cluster.commit import joint_commit
 from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import pack_envelope
+from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
 from deltasync.errors import AnchorRequiredError, ConfigError, SyncAbortedError, VersionError
@@ -214,7 +213,7 @@ class ClusterSender:
 
         t = time.perf_counter()
         verdict = joint_commit(
-            encode_ack(version=out.version, base=out.base), plan=self.plan, group=self.group,
+            encode_commit_row(version=out.version, base=out.base), plan=self.plan, group=self.group,
             timeout_s=self.config.commit_timeout_s,
         )  # fmt: skip
         commit_s = time.perf_counter() - t

@@ -3,7 +3,8 @@
 Every rank contributes one row of ``world_size + 38`` int64 values to a single all_gather:
 
     [0] magic        "dsxchg01", so a rank calling some other collective is not misread
-    [1] status       0 = ready, 1 = failed before sending
+    [1] status       0 = ready, 1 = failed before sending (``status_row``: magic, status and
+                     the message words are the status part every gathered row shares)
     [2] max_chunk_bytes   } round 2's schedule depends on these, so all ranks must agree
     [3] max_inflight_ops  }
     [4] world size as this rank sees it
@@ -22,25 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from deltasync.errors import ExchangeError, PeerFailedError
+from deltasync.exchange import status_row
 
-MAGIC = int.from_bytes(b"dsxchg01", "little")
-MESSAGE_BYTES = 256
+MAGIC = status_row.magic(b"dsxchg01")
+MESSAGE_BYTES = status_row.MESSAGE_BYTES
 _HEADER = 6
-_READY, _FAILED = 0, 1
+_READY = status_row.OK
 
 
 def row_length(world_size: int) -> int:
     return _HEADER + world_size + MESSAGE_BYTES // 8
-
-
-def describe(exc: BaseException) -> str:
-    """The one-line text a failed rank sends to its peers."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def encode_row(
@@ -53,23 +48,12 @@ def encode_row(
     """This rank's row, on the CPU. A failed rank sends zero counts and its message."""
     w = len(counts)
     row = torch.zeros(row_length(w), dtype=torch.int64)
-    message = b""
-    if failure is not None:
-        # Cut at a character boundary so peers never see half a UTF-8 sequence.
-        message = failure.encode("utf-8")[:MESSAGE_BYTES].decode("utf-8", "ignore").encode("utf-8")
-    head = [
-        MAGIC,
-        _FAILED if failure is not None else _READY,
-        max_chunk_bytes,
-        max_inflight_ops,
-        w,
-        len(message),
-    ]
+    length, words = status_row.encode_message(failure)
+    head = [MAGIC, status_row.status(failure), max_chunk_bytes, max_inflight_ops, w, length]
     row[:_HEADER] = torch.tensor(head, dtype=torch.int64)
     if failure is None:
         row[_HEADER : _HEADER + w] = torch.tensor(list(counts), dtype=torch.int64)
-    padded = message.ljust(MESSAGE_BYTES, b"\0")
-    row[_HEADER + w :] = torch.from_numpy(np.frombuffer(padded, dtype=np.int64).copy())
+    row[_HEADER + w :] = torch.from_numpy(words)
     return row
 
 
@@ -118,9 +102,7 @@ def decode_rows(rows: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 
 def _message(row: torch.Tensor, length: int, w: int) -> str:
-    raw = row[_HEADER + w :].cpu().numpy().tobytes()
-    length = min(max(length, 0), MESSAGE_BYTES)
-    return raw[:length].decode("utf-8", "replace") or "(no message)"
+    return status_row.decode_message(row[_HEADER + w :].cpu().numpy(), length) or "(no message)"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

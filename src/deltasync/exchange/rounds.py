@@ -26,9 +26,10 @@ import torch.distributed as dist
 from deltasync.errors import ExchangeError, PeerFailedError
 from deltasync.exchange.config import ExchangeConfig
 from deltasync.exchange.executor import run_schedule
-from deltasync.exchange.handshake import decode_rows, describe, encode_row
+from deltasync.exchange.handshake import decode_rows, encode_row
 from deltasync.exchange.payloads import Payload, as_byte_tensors
 from deltasync.exchange.schedule import plan_schedule
+from deltasync.exchange.status_row import describe
 from deltasync.exchange.waits import wait
 
 DEFAULT_CONFIG = ExchangeConfig()

@@ -1,7 +1,7 @@
-"""The joint-commit row and its verdict: did every rank do its part of a version?
+"""The in-cluster joint commit: every rank's status row, one gather, the same verdict everywhere.
 
 After the payload exchange(s) every rank contributes one fixed-size int64 row to a single
-all_gather (``commit.py``), so no rank waits for a message whose size it does not know:
+all_gather (:func:`joint_commit`), so no rank waits for a message whose size it does not know:
 
     [0] magic        "dsclack1", so a rank calling some other collective is not misread
     [1] status       0 = ok, 1 = failed
@@ -12,12 +12,22 @@ all_gather (``commit.py``), so no rank waits for a message whose size it does no
     [7] length of the message in bytes
     [8:40]           up to 256 bytes of UTF-8: what failed
 
+Magic, status and message are the status part every gathered row shares
+(:mod:`deltasync.exchange.status_row`). A :class:`CommitRow` is one rank's vote in this
+collective; it is not the storage path's ``AckRecord`` (a receiver's record in the store).
+
 :func:`judge` is a pure function of the gathered rows and the role plan, so every rank reaches
 the same verdict: commit, or abort with the same message naming every failed rank. Beyond the
 status flags it cross-checks that every receiver applied exactly the version and base the
 writers sent, and that DP replicas of a shard that hashed their state agree.
 
-This module knows the row layout and roles; no process groups, no waiting.
+A rank commits (the trainer clears its tracker, a receiver advances its version) only after
+:func:`joint_commit` returns a positive verdict, so either every rank commits the version or
+none does, except when a rank dies inside this very collective, which no protocol over a dying
+group can exclude; the receivers' journal and the overwrite semantics make a retry of the same
+version converge in that case too.
+
+This module knows the row layout, roles and the one collective; nothing about tensors' data.
 """
 
 from __future__ import annotations
@@ -27,20 +37,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from deltasync.cluster.roles import ReceiverRole, RolePlan, WriterRole
 from deltasync.errors import ExchangeError
+from deltasync.exchange import group_device, status_row
+from deltasync.exchange.waits import wait
 
-MAGIC = int.from_bytes(b"dsclack1", "little")
-MESSAGE_BYTES = 256
-ROW_LENGTH = 8 + MESSAGE_BYTES // 8
+MAGIC = status_row.magic(b"dsclack1")
+ROW_LENGTH = 8 + status_row.MESSAGE_WORDS
 UNKNOWN = -(1 << 62)
-_OK, _FAILED = 0, 1
 _HAS_DIGEST, _NEEDS_ANCHOR = 1, 2
 
 
 @dataclass(frozen=True)
-class Ack:
+class CommitRow:
+    """One rank's row in the joint commit, decoded."""
+
     rank: int
     ok: bool
     version: int
@@ -50,13 +63,7 @@ class Ack:
     message: str
 
 
-def describe(exc: BaseException) -> str:
-    """The one-line text a failed rank sends its peers."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def encode_ack(
+def encode_commit_row(
     *,
     version: int | None,
     base: int | None,
@@ -65,29 +72,24 @@ def encode_ack(
     anchor_required: bool = False,
 ) -> torch.Tensor:
     row = np.zeros(ROW_LENGTH, dtype=np.int64)
-    message = b""
-    if failure is not None:
-        # Cut at a character boundary so peers never see half a UTF-8 sequence.
-        message = failure.encode("utf-8")[:MESSAGE_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    length, words = status_row.encode_message(failure)
     flags = (_HAS_DIGEST if state_digest else 0) | (_NEEDS_ANCHOR if anchor_required else 0)
     row[:5] = [
         MAGIC,
-        _FAILED if failure is not None else _OK,
+        status_row.status(failure),
         UNKNOWN if version is None else version,
         UNKNOWN if base is None else base,
         flags,
     ]
     if state_digest:
         row[5:7] = np.frombuffer(bytes.fromhex(state_digest), dtype="<i8")
-    row[7] = len(message)
-    text = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
-    text[: len(message)] = np.frombuffer(message, dtype=np.uint8)
-    row[8:] = text.view("<i8")
+    row[7] = length
+    row[8:] = words
     return torch.from_numpy(row)
 
 
-def decode_acks(rows: torch.Tensor) -> list[Ack]:
-    """Rows gathered from every rank (``(world, ROW_LENGTH)`` int64) -> one Ack per rank."""
+def decode_commit_rows(rows: torch.Tensor) -> list[CommitRow]:
+    """Rows gathered from every rank (``(world, ROW_LENGTH)`` int64) -> one CommitRow per rank."""
     data = rows.cpu().numpy().astype("<i8", copy=False)
     if data.ndim != 2 or data.shape[1] != ROW_LENGTH:
         raise ExchangeError(f"joint commit: gathered rows have shape {data.shape}")
@@ -95,17 +97,16 @@ def decode_acks(rows: torch.Tensor) -> list[Ack]:
     for rank, row in enumerate(data):
         if int(row[0]) != MAGIC:
             raise ExchangeError(
-                f"joint commit: rank {rank} sent a row that is not an ack "
+                f"joint commit: rank {rank} sent a row that is not a commit row "
                 f"(magic {int(row[0]):#x}); "
                 "the ranks are not running the same protocol step: re-create the group"
             )
-        n = min(max(int(row[7]), 0), MESSAGE_BYTES)
-        text = row[8:].view(np.uint8)[:n].tobytes().decode("utf-8", "replace")
+        text = status_row.decode_message(row[8:], int(row[7]))
         flags = int(row[4])
         out.append(
-            Ack(
+            CommitRow(
                 rank=rank,
-                ok=int(row[1]) == _OK,
+                ok=int(row[1]) == status_row.OK,
                 version=int(row[2]),
                 base=int(row[3]),
                 state_digest=row[5:7].tobytes().hex() if flags & _HAS_DIGEST else None,
@@ -135,14 +136,14 @@ def _show(v: int) -> str:
     return "?" if v == UNKNOWN else str(v)
 
 
-def judge(acks: Sequence[Ack], plan: RolePlan) -> Verdict:
+def judge(votes: Sequence[CommitRow], plan: RolePlan) -> Verdict:
     """Commit only if every rank succeeded and all agree on what was committed."""
-    failures = {a.rank: a.message for a in acks if not a.ok}
+    failures = {a.rank: a.message for a in votes if not a.ok}
     if not failures:
-        failures = _disagreements(acks, plan)
+        failures = _disagreements(votes, plan)
     if not failures:
         return Verdict(ok=True, message="", failures={}, anchor_required=False)
-    writer_rows = [a for a in acks if isinstance(plan.role(a.rank), WriterRole)]
+    writer_rows = [a for a in votes if isinstance(plan.role(a.rank), WriterRole)]
     sent = writer_rows[0] if writer_rows else None
     what = f"version {_show(sent.version)}" if sent else "this version"
     lines = "; ".join(f"{_who(plan, r)}: {m}" for r, m in sorted(failures.items()))
@@ -150,13 +151,13 @@ def judge(acks: Sequence[Ack], plan: RolePlan) -> Verdict:
         ok=False,
         message=f"joint commit of {what} aborted, nothing committed: {lines}",
         failures=failures,
-        anchor_required=any(a.anchor_required for a in acks),
+        anchor_required=any(a.anchor_required for a in votes),
     )
 
 
-def _disagreements(acks: Sequence[Ack], plan: RolePlan) -> dict[int, str]:
+def _disagreements(votes: Sequence[CommitRow], plan: RolePlan) -> dict[int, str]:
     out: dict[int, str] = {}
-    writers = [a for a in acks if isinstance(plan.role(a.rank), WriterRole)]
+    writers = [a for a in votes if isinstance(plan.role(a.rank), WriterRole)]
     first = writers[0]
     for a in writers[1:]:
         if (a.version, a.base) != (first.version, first.base):
@@ -165,7 +166,7 @@ def _disagreements(acks: Sequence[Ack], plan: RolePlan) -> dict[int, str]:
                 f"{first.rank} sent version {_show(first.version)} on base {_show(first.base)}"
             )
     digests: dict[str, tuple[int, str]] = {}
-    for a in acks:
+    for a in votes:
         role = plan.role(a.rank)
         if not isinstance(role, ReceiverRole):
             continue
@@ -182,3 +183,26 @@ def _disagreements(acks: Sequence[Ack], plan: RolePlan) -> dict[int, str]:
                     f"{seen[1]} of the same shard"
                 )
     return out
+
+
+def joint_commit(
+    row: torch.Tensor,
+    *,
+    plan: RolePlan,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> Verdict:
+    """Gather ``row`` from every rank and judge. Raises ExchangeTimeoutError / ExchangeError
+    (naming the joint commit) when a rank does not arrive in time or is dead."""
+    world = dist.get_world_size(group)
+    device = group_device(group)
+    mine = row.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    wait(
+        work,
+        timeout_s=timeout_s,
+        what=f"joint commit (all_gather of the commit rows of all {world} ranks)",
+        peers="some rank of the group (a receiver still applying, or a dead rank)",
+    )
+    return judge(decode_commit_rows(torch.stack(gathered)), plan)
