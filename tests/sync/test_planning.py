@@ -9,8 +9,8 @@ import torch
 from deltasync import names
 from deltasync.commit import BlobEntry, Manifest, WriterMarker, plan_deletions
 from deltasync.commit.committer import build_manifest
-from deltasync.errors import BaseVersionMismatchError, BlobMismatchError, ConfigError, ManifestError
-from deltasync.format import TensorSpec, TensorUpdate, fold_chain, merge_writers
+from deltasync.errors import BaseVersionMismatchError, ConfigError, ManifestError
+from deltasync.format import merge_writers
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.layout.routing import shard_updates
 from deltasync.publish import PublisherConfig
@@ -94,58 +94,6 @@ def test_fsdp_writer_shards_merged_equal_one_writer_holding_everything():
         for n, u in single.items():
             assert torch.equal(merged[n].indices, u.indices), n
             assert torch.equal(merged[n].values.view(torch.int16), u.values.view(torch.int16)), n
-
-
-def _sparse(name, idx, vals, shape=(4,)):
-    return TensorUpdate(
-        name=name, shape=shape, dtype=BF, indices=torch.tensor(idx, dtype=torch.int64),
-        values=torch.tensor(vals, dtype=BF),
-    )  # fmt: skip
-
-
-def _dense_up(name, vals):
-    return TensorUpdate(name=name, shape=(len(vals),), dtype=BF, indices=None,
-                        values=torch.tensor(vals, dtype=BF))  # fmt: skip
-
-
-SPECS = {"a": TensorSpec(shape=(4,), dtype=BF), "b": TensorSpec(shape=(4,), dtype=BF)}
-
-
-@pytest.mark.parametrize(
-    "steps, expected",
-    [
-        # later deltas win element by element; untouched tensors stay out of the result
-        ([("delta", [_sparse("a", [0, 2], [1, 2])]), ("delta", [_sparse("a", [2, 3], [5, 6])])],
-         {"a": ([0, 2, 3], [1, 5, 6])}),
-        # an anchor is the full state: what it does not list is zero, deltas patch it
-        ([("anchor", [_sparse("a", [1], [7])]), ("delta", [_sparse("a", [0], [3])])],
-         {"a": (None, [3, 7, 0, 0]), "b": (None, [0, 0, 0, 0])}),
-        # deltas before an anchor do not matter
-        ([("delta", [_sparse("b", [0], [9])]),
-          ("anchor", [_dense_up("a", [1, 2, 3, 4]), _dense_up("b", [5, 6, 7, 8])])],
-         {"a": (None, [1, 2, 3, 4]), "b": (None, [5, 6, 7, 8])}),
-        # a dense delta replaces a tensor; later sparse steps patch it
-        ([("delta", [_sparse("a", [0], [1])]), ("delta", [_dense_up("a", [2, 2, 2, 2])]),
-          ("delta", [_sparse("a", [3], [4])])],
-         {"a": (None, [2, 2, 2, 4])}),
-    ],
-)  # fmt: skip
-def test_folding_a_chain_gives_the_newest_value_of_every_element(steps, expected):
-    out = _dense(fold_chain(steps, SPECS))
-    assert out.keys() == expected.keys()
-    for name, (idx, vals) in expected.items():
-        u = out[name]
-        assert (u.indices is None) == (idx is None)
-        if idx is not None:
-            assert u.indices.tolist() == idx
-        assert u.values.float().tolist() == [float(v) for v in vals]
-
-
-def test_two_writers_sending_the_same_element_are_refused():
-    with pytest.raises(BlobMismatchError, match="same element"):
-        merge_writers(3, [[_sparse("a", [1, 2], [1, 1])], [_sparse("a", [2], [1])]])
-    with pytest.raises(BlobMismatchError, match="dense"):
-        merge_writers(3, [[_dense_up("a", [1, 2, 3, 4])], [_sparse("a", [2], [1])]])
 
 
 def _manifest(version, kind="delta", base=None, shards=("tp0",)):
