@@ -12,7 +12,7 @@ FSDP2 (``fully_shard``) parameters and their optimizer states are DTensors: dete
 this rank's local shards, and indices are positions in the local shard (``shards`` says where
 each sits in the full parameter; see ``params.py``).
 
-Edits outside the optimizer: every parameter's version counter is recorded right after each
+Edits outside the optimizer (``versions.py``): every parameter's version counter is recorded after each
 step and at ``clear()``, and compared before the next step and at detection; a parameter whose
 counter moved is reported changed in full for that version (``out_of_band`` names it, and a
 warning says so). Writes through ``.data`` bypass the counter: call ``mark_changed(name)``.
@@ -45,9 +45,10 @@ from deltasync.trainer.detect import (
     detect_adamw_changes,
     detect_adamw_indices,
 )
-from deltasync.trainer.params import Version, Watched, local_of, watch
+from deltasync.trainer.params import Watched, local_of, watch
 from deltasync.trainer.protocol import LocalShard
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
+from deltasync.trainer.versions import OutOfBandWatch
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,10 @@ class AdamWTracker:
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
-        self._versions: dict[str, Version] = {}
-        self._oob: dict[str, str] = {}  # changed outside the optimizer since clear(): why
-        self._record_versions()
+        # Edits outside the optimizer; the snapshot path compares bits and needs no counter.
+        self._oob = OutOfBandWatch(
+            {n: w for n, w in self._watched.items() if n not in self.fallback}
+        )
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]  # fmt: skip
 
@@ -211,34 +213,11 @@ class AdamWTracker:
 
     # -- versions ----------------------------------------------------------------------------
 
-    def _record_versions(self) -> None:
-        for name, w in self._watched.items():
-            self._versions[name] = w.version()
-
-    def _check_versions(self) -> None:
-        """Flag every parameter whose in-place write counter moved since it was recorded."""
-        for name, w in self._watched.items():
-            if name in self.fallback:
-                continue  # the snapshot compares bits: exact whatever wrote them
-            now = w.version()
-            before = self._versions[name]
-            if now != before:
-                self._versions[name] = now
-                if name not in self._oob:
-                    self._flag(name, f"modified outside the optimizer (version {before} -> {now})")
-
-    def _flag(self, name: str, why: str) -> None:
-        self._oob[name] = why
-        log.warning(
-            "parameter %r was %s: all %d local elements are reported changed for this version",
-            name, why, self._watched[name].shard.local_numel,
-        )  # fmt: skip
-
     @property
     def out_of_band(self) -> tuple[str, ...]:
         """Parameters changed outside the optimizer since the last ``clear()`` (reported in
         full), in ``named_params`` order."""
-        self._check_versions()
+        self._oob.check()
         return tuple(n for n in self._order if n in self._oob)
 
     def mark_changed(self, *names: str) -> None:
@@ -247,21 +226,20 @@ class AdamWTracker:
         for name in names:
             if name not in self._watched:
                 raise KeyError(f"{name!r} is not a tracked parameter")
-            if name not in self._oob and name not in self.fallback:
-                self._flag(name, "marked changed by the caller")
+            self._oob.mark(name)  # a snapshot-path param needs no mark: its bits are compared
 
     # -- hooks -------------------------------------------------------------------------------
 
     def _pre_step(self, opt, args, kwargs) -> None:
         # Edits since the last step or clear() must be seen before this step moves the
         # counters again (a param edited, then stepped).
-        self._check_versions()
+        self._oob.check()
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
 
     def _post_step(self, opt, args, kwargs) -> None:
-        self._record_versions()  # the step's own writes are not out of band
+        self._oob.record()  # the step's own writes are not out of band
         group_hyper: dict[int, tuple[dict, str | None]] = {}
         for name, (p, gi) in self._covered.items():
             state = opt.state.get(p, {})
@@ -333,7 +311,7 @@ class AdamWTracker:
         return detect_adamw_indices(*args, threads=self._threads), None
 
     def _iter(self, values: bool) -> Iterator[Change]:
-        self._check_versions()
+        self._oob.check()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.
@@ -385,7 +363,6 @@ class AdamWTracker:
             bits.zero_()  # kept: a caller with several steps per version will need it again
         self._snapshot.clear()
         self._oob.clear()
-        self._record_versions()
 
     def close(self) -> None:
         """Remove the optimizer hooks."""
