@@ -1,6 +1,6 @@
 """DP replicas: one send per replica ("direct") or a receiver-side forward ("forward")?
 
-A program, not a test (``python tests/cluster/bench_dp_replicas.py``). For each payload size
+A program, not a test (``python -m deltasync_bench.dp_replicas_bench``). For each payload size
 and replica count it runs the same in-cluster job (1 writer, vLLM TP=2, real AdamW steps) in
 both modes over gloo on this machine, and reports per delta version the median of:
 

@@ -1,6 +1,6 @@
 """Throughput of the wire format on a ~100M-element BF16 tensor set with 1% of elements changed.
 
-A program, not a test (pytest does not collect it): ``python tests/format/bench_format.py``.
+A program, not a test: ``python -m deltasync_bench.format_bench``.
 Prints a table, checks that the receiver ends bit-identical to the source, and ends with one
 JSON line. Compare the MB/s columns with this machine's memory bandwidth (~12 GB/s read) and
 with zstd level 1 alone (the "zstd only" rows time the same bytes through zstandard directly).

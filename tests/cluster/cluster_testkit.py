@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from kit import TINY_QWEN3, build_model
+from kit import TINY_QWEN3, HFTrainer
 
 from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender, RolePlan
 from deltasync.errors import DeltaSyncError, ExchangeError, PeerFailedError
@@ -78,10 +78,8 @@ class Trainer:
 
     def __init__(self, setup: Setup, rank: int) -> None:
         self.setup = setup
-        self.model = build_model(TINY)
-        self.named = dict(self.model.named_parameters())
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.lr)
-        self.gen = torch.Generator().manual_seed(1234)
+        self.hf = HFTrainer(lr=setup.lr, batch=(4, 16), data_seed=1234)
+        self.model, self.named, self.opt = self.hf.model, self.hf.params, self.hf.opt
         self.layout = TrainerLayout(spec())
         writer = setup.plan().writer(rank)
         if setup.tracker == "adamw":
@@ -101,11 +99,7 @@ class Trainer:
             self.tracker = SnapshotTracker(self.params.items())
 
     def step(self) -> None:
-        tokens = torch.randint(0, TINY["vocab_size"], (4, 16), generator=self.gen)
-        loss = self.model(input_ids=tokens, labels=tokens).loss
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
+        self.hf.step()
 
     def canonical_bits(self) -> torch.Tensor:
         """The whole canonical BF16 state, flattened, as int16 bits (for the broadcast check)."""

@@ -7,7 +7,7 @@ layout -> TensorUpdate -> wire format) so the engine tests exercise what a recei
 from __future__ import annotations
 
 import torch
-from kit import bits_equal, tiny_qwen3  # noqa: F401 - bits_equal is re-exported
+from kit import HFTrainer, bits_equal, tiny_qwen3  # noqa: F401 - bits_equal is re-exported
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
@@ -22,30 +22,14 @@ def tiny_hf_config(*, heads=4, kv_heads=2, tie=False, vocab=203, hidden=64, laye
     )  # fmt: skip
 
 
-class TinyTrainer:
+class TinyTrainer(HFTrainer):
     """fp32 master weights, AdamW at a high lr (so most elements change), a tracker."""
 
     def __init__(self, hf_config: dict, *, seed: int = 0, lr: float = 1e-3) -> None:
-        from deltasync.engines import build_hf_model
-
-        torch.manual_seed(seed)
-        self.model = build_hf_model(hf_config, dtype=torch.float32).train()
+        super().__init__(seed=seed, lr=lr, hf_config=hf_config, batch=(4, 9))
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.trainer_layout = TrainerLayout(self.spec)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.tracker = AdamWTracker(self.opt, self.model.named_parameters())
-        self.vocab = hf_config["vocab_size"]
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def step(self) -> None:
-        ids = torch.randint(0, self.vocab, (4, 9), generator=self.gen)
-        logits = self.model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1)
-        )
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
 
     def canonical_bf16(self) -> dict[str, torch.Tensor]:
         sd = {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}

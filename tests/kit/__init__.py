@@ -130,19 +130,32 @@ class TinyTrainer:
 
 
 class HFTrainer:
-    """transformers' Qwen3ForCausalLM from the tiny config, AdamW on next-token loss."""
+    """transformers' Qwen3ForCausalLM (the tiny config with ``overrides``, or ``hf_config``),
+    AdamW on next-token loss over random tokens; the same seeds give the same trajectory in
+    every process."""
 
-    def __init__(self, *, seed: int = 0, lr: float = 1e-3, **overrides: object) -> None:
-        cfg = tiny_qwen3(**overrides)
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        lr: float = 1e-3,
+        hf_config: dict | None = None,
+        batch: tuple[int, int] = (2, 12),
+        data_seed: int | None = None,
+        **overrides: object,
+    ) -> None:
+        cfg = tiny_qwen3(**overrides) if hf_config is None else {**hf_config, **overrides}
+        self.hf_config = cfg
         self.vocab_size = cfg["vocab_size"]
+        self.batch = batch
         self.model = build_model(cfg, seed=seed)
         self.config = self.model.config
         self.params = dict(self.model.named_parameters())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.gen = torch.Generator().manual_seed(seed + 1 if data_seed is None else data_seed)
 
     def step(self) -> None:
-        ids = torch.randint(0, self.vocab_size, (2, 12), generator=self.gen)
-        self.opt.zero_grad()
+        ids = torch.randint(0, self.vocab_size, self.batch, generator=self.gen)
+        self.opt.zero_grad(set_to_none=True)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
