@@ -140,7 +140,8 @@ class SyntheticTrainer:
 
     def to(self, device: torch.device | str) -> SyntheticTrainer:
         """Move the parameters (before the first step: the optimizer holds no state yet)."""
-        assert not self.opt.state, "move a SyntheticTrainer before its first step"
+        if self.opt.state:  # AdamW's m and v would stay behind on the old device
+            raise RuntimeError("SyntheticTrainer.to: move the trainer before its first step")
         for _, p in self.named:
             p.data = p.data.to(device)
         return self
