@@ -17,6 +17,7 @@ the four phases. Per engine dtype:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -39,13 +40,25 @@ CONFIG = dict(
 )  # fmt: skip
 
 
-def _job(tmp: Path, name: str, **spec) -> dict:
+MOE_CONFIG = dict(
+    CONFIG, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+    moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True,
+)  # fmt: skip
+_FRESH: dict[tuple, dict] = {}  # fresh engines by (checkpoint bytes, dtype, tp): started once
+
+
+def _job(where: Path, name: str, **spec) -> dict:
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
-    spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(tmp / f"{name}.pt"), **spec}
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(where / f"{name}.pt"), **spec}
+    (where / f"{name}.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if spec.get("tp", 1) > 1:
+        # vLLM-CPU binds each worker to a NUMA node and refuses 2 workers on one node; bind
+        # one core each instead (this machine has one node and 2 cores)
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run(
-        [str(VLLM_PYTHON), str(JOB), str(tmp / f"{name}.json")],
+        [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -61,8 +74,20 @@ def run(request, tmp_path_factory):
         tmp, "synced", kind="synced", tmp=str(tmp), dtype=dtype, lr=1e-3, versions=VERSIONS,
         config=CONFIG,
     )  # fmt: skip
-    fresh = _job(tmp, "fresh", kind="fresh", checkpoint=str(tmp / f"v{VERSIONS}"), dtype=dtype)
-    return {"dtype": dtype, "synced": synced, "fresh": fresh}
+    return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
+
+
+def _fresh(tmp: Path, version: int, dtype: str, tp: int = 1) -> dict:
+    """A fresh engine from the dense checkpoint of ``version`` in ``tmp`` (one per distinct
+    checkpoint: the trainers are seeded, so several runs write the same bytes)."""
+    ckpt = tmp / f"v{version}"
+    digest = hashlib.sha256(
+        (ckpt / "model.safetensors").read_bytes() + (ckpt / "config.json").read_bytes()
+    ).hexdigest()
+    key = (digest, dtype, tp)
+    if key not in _FRESH:
+        _FRESH[key] = _job(tmp, "fresh", kind="fresh", checkpoint=str(ckpt), dtype=dtype, tp=tp)
+    return _FRESH[key]
 
 
 def _same_bits(a: dict, b: dict) -> list[str]:
@@ -132,8 +157,7 @@ def served(tmp_path_factory):
         tmp, "served", kind="served", tmp=str(tmp), dtype="bfloat16", lr=1e-3,
         versions=VERSIONS, config=CONFIG,
     )  # fmt: skip
-    fresh = _job(tmp, "fresh", kind="fresh", checkpoint=str(tmp / f"v{VERSIONS}"), dtype="bfloat16")
-    return {"served": served, "fresh": fresh}
+    return {"served": served, "fresh": _fresh(tmp, VERSIONS, "bfloat16")}
 
 
 def test_vllm_serve_takes_each_version_over_http_and_answers_like_a_fresh_engine(served):
@@ -154,3 +178,31 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
     assert out["paused_after_corrupt"] == {"is_paused": False}  # resumed after the failure
     assert out["weight_info_after_corrupt"] == {"weight_version": str(VERSIONS)}
     assert out["gen_after_corrupt"] == out["gen"][VERSIONS]
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "tp2"])
+def variant(request, tmp_path_factory):
+    """Qwen3-MoE (vLLM 0.32 names its experts ``mlp.experts.routed_experts.w13_weight``) and
+    TP=2 (two worker processes, each its own shard), two versions each."""
+    tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    moe = request.param == "qwen3-moe"
+    tp = 1 if moe else 2
+    synced = _job(
+        tmp, "synced", kind="synced", tmp=str(tmp), dtype="bfloat16", lr=1e-3, versions=2,
+        config=MOE_CONFIG if moe else CONFIG, tp=tp,
+    )  # fmt: skip
+    return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
+
+
+def test_qwen3_moe_and_tp2_engines_take_versions_exactly_and_refuse_a_corrupted_one(variant):
+    synced, fresh = variant["synced"], variant["fresh"]
+    assert synced["gen"][2] == fresh["gen"]  # tokens and logprobs, exact
+    assert synced["gen"][0] != synced["gen"][2]
+    states = synced["states"]
+    assert [s["shard"] for s in states] == [f"tp{r}" for r in range(variant["tp"])]
+    for state in states:
+        assert _same_bits(state["tensors"], synced["splits"][state["shard"]]) == []
+        assert state["weight_version"] == 2
+    assert "DigestMismatchError" in synced["corrupt_error"]
+    assert synced["gen_after_corrupt"] == synced["gen"][2]
+    assert synced["state_after_corrupt"]["weight_version"] == 2

@@ -86,7 +86,9 @@ def save_checkpoint(directory: Path, cfg: dict, canonical: dict) -> None:
 
 
 def corrupt_blob(store_dir: Path, version: int) -> str:
-    (blob,) = sorted((store_dir / f"v{version:08d}").rglob("*.blob"))
+    """Flip one byte of shard tp0's blob of ``version`` (with TP > 1, the other ranks' blobs
+    stay good: every rank must still refuse the version, as the manifest names all)."""
+    (blob,) = sorted((store_dir / f"v{version:08d}" / "tp0").glob("*.blob"))
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))

@@ -117,7 +117,10 @@ class VllmShard:
         self.place = place
         self.shard = self._shard_id(place)
         self.specs = self.layout.local_specs(self.shard)
-        live = dict(model.named_parameters())
+        params = dict(model.named_parameters())
+        # layout name -> vLLM's parameter name (the same but for renamings listed in _ALIASES)
+        self.engine_names = {n: _engine_name(n, params) for n in self.specs}
+        live = {n: params[e] for n, e in self.engine_names.items() if e in params}
         missing = [n for n in self.specs if n not in live]
         if missing:
             raise ConfigError(
@@ -132,7 +135,7 @@ class VllmShard:
         self._lost = False
         for name, spec in self.specs.items():
             p = live[name].data
-            layer = model.get_submodule(name.rpartition(".")[0])
+            layer = model.get_submodule(self.engine_names[name].rpartition(".")[0])
             packed = _is_packed(layer, p)
             if p.numel() and tuple(p.shape) != spec.shape:
                 raise ConfigError(
@@ -231,6 +234,21 @@ class VllmShard:
                     _repack(layer, weight)
                 done += 1
         return done
+
+
+# Parameter renamings between vLLM releases, tried in order when a layout name is absent:
+# vLLM 0.32's FusedMoE keeps the routed experts' weights in a ``routed_experts`` submodule.
+_ALIASES = ((".mlp.experts.w13_weight", ".mlp.experts.routed_experts.w13_weight"),
+            (".mlp.experts.w2_weight", ".mlp.experts.routed_experts.w2_weight"))  # fmt: skip
+
+
+def _engine_name(name: str, params: dict[str, torch.Tensor]) -> str:
+    if name in params:
+        return name
+    for old, new in _ALIASES:
+        if name.endswith(old) and (alias := name[: -len(old)] + new) in params:
+            return alias
+    return name
 
 
 def _is_packed(layer: torch.nn.Module, p: torch.Tensor) -> bool:
