@@ -4,6 +4,7 @@
   train, gather and publish a handful of versions in seconds.
 - ``torchrun``: launch ``fsdp_worker.py`` under ``torch.distributed.run`` with a hard timeout;
   its stdout/stderr come back for the assertion message.
+- ``launch``: start receivers for every store job, then run all jobs in one torchrun launch.
 - ``receiver_main``: a vLLM-convention TP receiver shard in its own process, pulling every
   version from a local store and comparing it, bit for bit, with the dense split of the
   gathered full state that trainer rank 0 wrote for that version (the oracle).
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -129,3 +131,36 @@ def check_receivers(procs: list, out: Path, log: str) -> None:
             assert s["same_names"] and s["bad"] == [], (
                 f"{shard} v{s['version']} differs: {s['bad'][:5]}"
             )
+
+
+@dataclass
+class Launch:
+    returncode: int
+    stdout: str
+    log: str
+    receivers: dict[str, tuple[list, Path]]
+
+
+def launch(root: Path, nproc: int, jobs: list[tuple[str, str, str]], timeout: float) -> Launch:
+    """Start receivers for every store job, then run all ``jobs`` in one torchrun launch."""
+    args: list[str] = []
+    receivers: dict[str, tuple[list, Path]] = {}
+    try:
+        for model, impl, mode in jobs:
+            out = root / f"{model}-{impl}-{mode}"
+            out.mkdir()
+            if mode in ("fsdp", "ddp"):
+                receivers[f"{model}:{impl}:{mode}"] = (
+                    start_receivers(out / "store", model, out),
+                    out,
+                )
+            args += ["--job", f"{model}:{impl}:{mode}:{out}"]
+        done = torchrun(nproc, *args, timeout=timeout)
+    except BaseException:
+        for procs, _ in receivers.values():
+            stop(procs)
+        raise
+    if done.returncode:
+        for procs, _ in receivers.values():
+            stop(procs)
+    return Launch(done.returncode, done.stdout, (done.stdout + done.stderr)[-6000:], receivers)

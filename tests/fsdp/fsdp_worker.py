@@ -9,6 +9,10 @@
   local store in DIR to the receivers the test started. Rank 0 writes each version's oracle
   (a dense split of the gathered full state) before publishing it.
 - ``ddp``: the same model under DistributedDataParallel; one rank (0) writes.
+- ``tracker``: a small ``nn.Sequential`` under ``fully_shard`` whose dim-0 sizes split
+  unevenly over the ranks (one rank's shard of a 1-row weight is empty): the tracker's
+  ``shards`` against ``torch.chunk``, zero missed elements through steps and through edits
+  both via the DTensor and via ``to_local()``, and a tensor-parallel placement refused.
 - ``cluster`` (4 ranks): ranks 0-1 train under FSDP2 on their own mesh and are the cluster
   writers, ranks 2-3 are the TP=2 receivers, in one process group; every version is checked
   against rank 0's gathered canonical state, broadcast to all.
@@ -240,6 +244,65 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
     print(f"rank {rank} cluster {model_name}:{impl} synced {VERSIONS} versions", flush=True)
 
 
+def run_tracker(impl: str, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from deltasync.errors import ConfigError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 5), torch.nn.Linear(5, 1), torch.nn.Linear(1, 7)
+    )
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **IMPLS[impl])
+    tracker = AdamWTracker(opt, model.named_parameters(), strict=True)
+    truth = SnapshotTracker(model.named_parameters())
+    for name, p in model.named_parameters():
+        shard = tracker.shards[name]
+        rows = torch.arange(full_shapes[name][0]).chunk(world)
+        want = rows[rank] if rank < len(rows) else torch.empty(0, dtype=torch.int64)
+        start = int(want[0]) if want.numel() else full_shapes[name][0]
+        assert (shard.row_start, shard.row_stop) == (start, start + want.numel()), (name, shard)
+        assert shard.global_shape == full_shapes[name] and (shard.rank, shard.world_size) == (
+            rank,
+            world,
+        )
+        assert tuple(tracker.local_params()[name].shape) == tuple(p.to_local().shape)
+    gen = torch.Generator().manual_seed(rank)
+    empty = torch.empty(0, dtype=torch.int64)
+    for v in range(4):
+        for _ in range(1 + v % 2):
+            opt.zero_grad()
+            model(torch.randn(4, 16, generator=gen)).pow(2).sum().backward()
+            opt.step()
+        with torch.no_grad():
+            if v == 1:
+                model[0].weight.mul_(0.5)  # through the DTensor
+            if v == 2:
+                model[2].bias.to_local()[:1].add_(1.0)  # through the local shard
+        got = tracker.changed()
+        for name, idx in truth.changed().items():
+            assert int((~torch.isin(idx, got.get(name, empty))).sum()) == 0, (v, name)
+        oob = set(tracker.out_of_band)
+        assert oob == {1: {"0.weight"}, 2: {"2.bias"}}.get(v, set()), (v, oob)
+        tracker.clear(), truth.clear()
+    tp = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    try:
+        AdamWTracker(torch.optim.AdamW([tp]), [("tp.weight", tp)])
+    except ConfigError as exc:
+        assert "'tp.weight'" in str(exc) and "Shard(dim=1)" in str(exc), exc
+    else:
+        raise AssertionError("a tensor-parallel placement was accepted")
+    print(f"rank {rank} tracker {impl} ok", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--job", action="append", required=True, help="MODEL:IMPL:MODE:DIR")
@@ -251,6 +314,8 @@ def main() -> None:
             model_name, impl, mode, out = spec.split(":", 3)
             if mode == "cluster":
                 run_cluster(model_name, impl, Path(out))
+            elif mode == "tracker":
+                run_tracker(impl, Path(out))
             else:
                 run_store(model_name, impl, mode, Path(out))
             dist.barrier()

@@ -1,0 +1,29 @@
+"""The shared two-rank torchrun launch of tests/fsdp.
+
+Starting a rank (importing torch and transformers, a gloo rendezvous) costs seconds per
+process on this 2-core machine, so every two-rank job of the folder runs in ONE launch,
+started once per session: the tracker checks, then the store-path jobs, each with its own
+store and its own receiver processes. Each test then checks its own job's lines and results.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fsdp_kit import launch, stop
+
+TRACKER_JOBS = [("none", impl, "tracker") for impl in ("foreach", "single", "fused")]
+STORE_JOBS = [
+    ("qwen3", "foreach", "fsdp"),
+    ("qwen3", "single", "fsdp"),
+    ("qwen3", "fused", "fsdp"),
+    ("qwen3_moe", "foreach", "fsdp"),
+    ("qwen3", "single", "ddp"),
+]
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    done = launch(tmp_path_factory.mktemp("fsdp"), 2, TRACKER_JOBS + STORE_JOBS, timeout=110)
+    yield done
+    for procs, _ in done.receivers.values():
+        stop(procs)
