@@ -1,0 +1,130 @@
+"""Where a tracked parameter's local tensor sits, derived from the tensor itself; who writes.
+
+Single process: a one-rank gloo group for real DTensors (the two-rank FSDP2 cases, uneven
+and empty shards, run under torchrun in tests/fsdp)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deltasync import AdamWTracker, SnapshotTracker
+from deltasync.errors import ConfigError
+from deltasync.trainer import LocalShard, publish_role
+from deltasync.trainer.params import chunk_rows, watch
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this test process")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_chunk_rows_are_torch_chunk_rows_for_every_rank_including_empty_ones():
+    for dim0 in range(0, 23):
+        for world in range(1, 9):
+            parts = torch.arange(dim0).chunk(world) if dim0 else ()
+            for rank in range(world):
+                start, stop = chunk_rows(dim0, rank, world)
+                want = parts[rank] if rank < len(parts) else torch.empty(0, dtype=torch.int64)
+                assert stop - start == want.numel(), (dim0, world, rank)
+                if want.numel():
+                    assert start == int(want[0])
+
+
+def test_plain_params_are_whole_and_their_local_tensor_is_the_param():
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    w = watch([("p", p)])["p"]
+    assert w.shard == LocalShard(global_shape=(6, 4), row_start=0, row_stop=6)
+    assert w.shard.is_whole and w.shard.offset == 0 and w.shard.local_numel == 24
+    assert w.local().data_ptr() == p.data_ptr()
+
+
+def test_bad_named_params_are_refused_naming_the_param():
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ConfigError, match="'p' appears twice"):
+        watch([("p", p), ("p", p)])
+    with pytest.raises(ConfigError, match="'i' has dtype torch.int64"):
+        watch([("i", torch.arange(3))])
+    with pytest.raises(ConfigError, match="'m' is on the meta device"):
+        watch([("m", torch.zeros(3, device="meta"))])
+    with pytest.raises(ConfigError, match=r"\(name, tensor\) pairs"):
+        watch([p])
+
+
+def test_dtensor_shard0_and_replicate_placements_are_mapped(mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    s = torch.nn.Parameter(distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)]))
+    r = torch.nn.Parameter(distribute_tensor(torch.randn(4), mesh, [Replicate()]))
+    got = watch([("s", s), ("r", r)])
+    assert got["s"].shard == LocalShard(
+        global_shape=(5, 3), row_start=0, row_stop=5, rank=0, world_size=1
+    )
+    assert got["r"].shard.replicas == 1 and got["r"].shard.is_whole
+    assert type(got["s"].local()) is torch.Tensor and got["s"].local().shape == (5, 3)
+
+
+def test_partial_and_tensor_parallel_placements_are_refused_at_construction(mesh):
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    tp = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    with pytest.raises(
+        ConfigError, match=r"'layers.0.o_proj.weight' has DTensor placement Shard\(dim=1\)"
+    ):
+        AdamWTracker(torch.optim.AdamW([tp]), [("layers.0.o_proj.weight", tp)])
+    part = torch.nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Partial()]))
+    with pytest.raises(ConfigError, match=r"'bias' has DTensor placement Partial"):
+        SnapshotTracker([("bias", part)])
+
+
+def test_a_dtensor_tracker_detects_on_the_local_tensor_and_misses_nothing(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(
+        distribute_tensor(torch.randn(40, 30, generator=g) * 0.02, mesh, [Shard(0)])
+    )
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1)
+    tracker, truth = AdamWTracker(opt, [("w", p)], strict=True), SnapshotTracker([("w", p)])
+    for step in range(3):
+        p.grad = distribute_tensor(torch.randn(40, 30, generator=g), mesh, [Shard(0)])
+        opt.step()
+        (idx, vals), want = tracker.changed_values()["w"], truth.changed()["w"]
+        assert bool(torch.isin(want, idx).all()) and want.numel() > 0
+        local = p.to_local().reshape(-1)[idx].to(torch.bfloat16)
+        assert torch.equal(vals.view(torch.int16), local.view(torch.int16))
+        tracker.clear(), truth.clear()
+
+
+def test_publish_role_one_writer_for_replicated_state_every_shard_rank_for_sharded():
+    whole = {"a": LocalShard(global_shape=(4,), row_start=0, row_stop=4)}
+    assert publish_role(whole).writes and publish_role(whole).num_writers == 1
+    assert not publish_role(whole, dp_rank=1).writes  # DDP rank 1: rank 0 writes
+    sharded = {
+        "a": LocalShard(global_shape=(5, 2), row_start=3, row_stop=5, rank=1, world_size=2),
+        "b": LocalShard(global_shape=(3,), row_start=2, row_stop=3, rank=1, world_size=2),
+    }
+    role = publish_role(sharded)
+    assert role.writes and (role.writer_rank, role.num_writers) == (1, 2)
+    hsdp = {
+        n: LocalShard(**{**s.__dict__, "replica": 1, "replicas": 2}) for n, s in sharded.items()
+    }
+    assert not publish_role(hsdp).writes  # replica 1 of the shard holds replica 0's bits
+    mixed = {
+        **sharded,
+        "c": LocalShard(global_shape=(8,), row_start=0, row_stop=2, rank=0, world_size=4),
+    }
+    with pytest.raises(ValueError, match="different mesh coordinates"):
+        publish_role(mixed)
