@@ -122,10 +122,10 @@ def test_no_two_modules_import_each_other_even_through_others():
 def test_the_checks_catch_a_backward_import_and_a_circle():
     graph = _graph()
     graph["deltasync.publish.publisher"] = graph["deltasync.publish.publisher"] | {
-        "deltasync.receiver.receiver"
+        "deltasync.receiver.store_receiver"
     }
     assert _violations(graph) == [
-        "deltasync.publish.publisher imports deltasync.receiver.receiver (publish -> receiver)"
+        "deltasync.publish.publisher imports deltasync.receiver.store_receiver (publish -> receiver)"
     ]
     graph = _graph()
     graph["deltasync.layout.blocks"] = graph["deltasync.layout.blocks"] | {"deltasync.layout.table"}

@@ -13,10 +13,10 @@ from deltasync.cluster import (
     ClusterReceiver,
     ClusterSender,
     EnvelopeError,
-    JournalState,
     RolePlan,
-    pack_envelope,
 )
+from deltasync.cluster.envelope import pack_envelope
+from deltasync.cluster.journal import JournalState
 from deltasync.errors import (
     BaseVersionMismatchError,
     ConfigError,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.cluster import EnvelopeError, pack_envelope, unpack_envelope
-from deltasync.cluster.envelope import flatten
+from deltasync.cluster import EnvelopeError
+from deltasync.cluster.envelope import flatten, pack_envelope, unpack_envelope
 
 DIGEST = "00112233445566778899aabbccddeeff"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.cluster import RolePlan, judge
-from deltasync.cluster.joint_commit import UNKNOWN, decode_commit_rows, encode_commit_row
+from deltasync.cluster import RolePlan
+from deltasync.cluster.joint_commit import UNKNOWN, decode_commit_rows, encode_commit_row, judge
 from deltasync.errors import ExchangeError
 
 PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"], replicas=2)  # ranks 0-1 write

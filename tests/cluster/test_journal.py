@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deltasync.cluster import AnchorRequiredError, ClusterJournal, JournalState
+from deltasync.cluster import AnchorRequiredError
+from deltasync.cluster.journal import ClusterJournal, JournalState
 from deltasync.errors import BaseVersionMismatchError
 from deltasync.receiver import LocalStateError
 

@@ -227,7 +227,7 @@ def test_values_captured_by_the_tracker_give_the_same_updates_and_bad_ones_are_r
 
 
 def test_cluster_config_rejects_zero_encode_threads():
-    from deltasync.cluster.config import ClusterConfig
+    from deltasync.cluster.roles import ClusterConfig
 
     with pytest.raises(ConfigError, match="encode_threads"):
         ClusterConfig(encode_threads=0)

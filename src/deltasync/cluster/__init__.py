@@ -23,42 +23,32 @@ The wire format, the routing and the receiver-side merge and fold are the storag
 what this package adds is the process-group choreography. It knows nothing about stores.
 """
 
-from deltasync.cluster.config import ClusterConfig
-from deltasync.cluster.envelope import Envelope, pack_envelope, unpack_envelope
-from deltasync.cluster.joint_commit import CommitRow, Verdict, judge
-from deltasync.cluster.journal import ClusterJournal, JournalState
-from deltasync.cluster.receiver import ClusterReceiver, Incoming
-from deltasync.cluster.reports import ApplyReport, Outgoing, ReceiveReport, SendReport
-from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES, ReceiverRole, RolePlan, WriterRole
-from deltasync.cluster.sender import ClusterSender
-from deltasync.cluster.staging import Staged, stage_payloads
+from deltasync.cluster.cluster_receiver import ClusterReceiver
+from deltasync.cluster.cluster_sender import ClusterSender
+from deltasync.cluster.reports import ApplyReport, ReceiveReport, SendReport
+from deltasync.cluster.roles import (
+    DEFAULT_DP_MODE,
+    DP_MODES,
+    ClusterConfig,
+    ReceiverRole,
+    RolePlan,
+    WriterRole,
+)
 from deltasync.errors import AnchorRequiredError, EnvelopeError, SyncAbortedError
 
 __all__ = [
     "DEFAULT_DP_MODE",
     "DP_MODES",
-    "CommitRow",
     "AnchorRequiredError",
     "ApplyReport",
     "ClusterConfig",
-    "ClusterJournal",
     "ClusterReceiver",
     "ClusterSender",
-    "Envelope",
     "EnvelopeError",
-    "Incoming",
-    "JournalState",
-    "Outgoing",
     "ReceiveReport",
     "ReceiverRole",
     "RolePlan",
     "SendReport",
-    "Staged",
     "SyncAbortedError",
-    "Verdict",
     "WriterRole",
-    "judge",
-    "pack_envelope",
-    "stage_payloads",
-    "unpack_envelope",
 ]

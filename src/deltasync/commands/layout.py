@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from deltasync.layout.receiver import ENGINES
+from deltasync.layout.receiver_layout import ENGINES
 
 
 def _split(args: argparse.Namespace) -> int:

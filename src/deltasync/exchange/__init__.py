@@ -10,11 +10,10 @@ timeout or a dead peer, and ``launch`` for starting groups from torchrun or in t
 This package moves opaque bytes; it knows nothing about blobs, versions or model layouts.
 """
 
-from deltasync.exchange.config import ExchangeConfig
 from deltasync.exchange.executor import RoundTwoStats, run_schedule
 from deltasync.exchange.launch import SpawnError, init_from_env, spawn
 from deltasync.exchange.rounds import ExchangeStats, Received, exchange, group_device
-from deltasync.exchange.schedule import Batch, Chunk, Schedule, plan_schedule
+from deltasync.exchange.schedule import Batch, Chunk, ExchangeConfig, Schedule, plan_schedule
 
 __all__ = [
     "Batch",

@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 
 from deltasync.errors import ExchangeError, PeerFailedError
-from deltasync.exchange.config import ExchangeConfig
 from deltasync.exchange.executor import run_schedule
 from deltasync.exchange.handshake import decode_rows, encode_row
 from deltasync.exchange.payloads import Payload, as_byte_tensors
-from deltasync.exchange.schedule import plan_schedule
+from deltasync.exchange.schedule import ExchangeConfig, plan_schedule
 from deltasync.exchange.status_row import describe
 from deltasync.exchange.waits import wait
 

@@ -1,7 +1,8 @@
 """Round 2's plan: which bytes each rank sends and receives, in which batch, in what order.
 
-Pure: a function of the byte-count matrix and two numbers, so every rank derives the same plan
-from the same round-1 result without talking, and the plan is tested as a table.
+Pure: a function of the byte-count matrix and two numbers of :class:`ExchangeConfig` (defined
+here with the timeout of every wait), so every rank derives the same plan from the same round-1
+result without talking, and the plan is tested as a table.
 
 The pairing is the classic shifted ring: at step ``s`` (1 .. W-1) rank ``r`` sends to
 ``(r + s) % W`` and receives from ``(r - s) % W``. The bytes of each ordered pair are cut into
@@ -28,6 +29,34 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from deltasync.errors import ConfigError, ExchangeError
+from deltasync.validate import check_int, check_seconds
+
+_OWNER = "ExchangeConfig"
+
+# A chunk size must fit the int64 fields of round 1 and gloo's int sizes comfortably.
+_MAX_CHUNK_LIMIT = 1 << 40
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeConfig:
+    """How the two-round exchange chunks, pipelines and waits.
+
+    max_chunk_bytes: no staging buffer and no single point-to-point message exceeds this.
+    max_inflight_ops: at most this many sends and receives are posted and unfinished on a rank
+        at once. At least 2, because one step may pair a send and a receive that only complete
+        together.
+    timeout_s: the longest any single wait (round 1 or one round-2 message) may take before the
+        exchange raises ExchangeTimeoutError naming the peer and the round.
+    """
+
+    max_chunk_bytes: int = 64 << 20
+    max_inflight_ops: int = 8
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        check_int(_OWNER, "max_chunk_bytes", self.max_chunk_bytes, lo=1, hi=_MAX_CHUNK_LIMIT)
+        check_int(_OWNER, "max_inflight_ops", self.max_inflight_ops, lo=2, hi=1 << 16)
+        check_seconds(_OWNER, "timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@
 
 from deltasync.layout.blocks import Block
 from deltasync.layout.model_spec import ModelSpec
-from deltasync.layout.receiver import ENGINES, ReceiverLayout, ShardInfo
+from deltasync.layout.receiver_layout import ENGINES, ReceiverLayout, ShardInfo
 from deltasync.layout.table import LayoutTable, Placement
-from deltasync.layout.trainer import TrainerLayout, fsdp_dim0_rows
+from deltasync.layout.trainer_layout import TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.vllm_rules import pad_vocab
 
 __all__ = [

@@ -37,10 +37,10 @@ import xxhash
 
 from deltasync.errors import ManifestError
 from deltasync.layout.blocks import Block, view_cols, view_rows
-from deltasync.layout.receiver import ReceiverLayout
+from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.routing import check_param
 from deltasync.layout.table import LayoutTable
-from deltasync.layout.trainer import TrainerLayout
+from deltasync.layout.trainer_layout import TrainerLayout
 
 _CHUNK_BYTES = 64 * 2**20  # host staging bound when hashing device tensors
 

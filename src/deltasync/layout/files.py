@@ -21,7 +21,7 @@ import torch
 from deltasync.atomic import write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
-from deltasync.layout.receiver import ReceiverLayout, ShardInfo
+from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 
 SHARDS_FILE = "shards.json"
 

@@ -27,8 +27,8 @@ import torch
 
 from deltasync.errors import ConfigError, LayoutError
 from deltasync.format import TensorUpdate
-from deltasync.layout.receiver import ReceiverLayout
-from deltasync.layout.trainer import TrainerLayout
+from deltasync.layout.receiver_layout import ReceiverLayout
+from deltasync.layout.trainer_layout import TrainerLayout
 from deltasync.native.ops import bf16_at
 
 ShardUpdates = dict[str, list[TensorUpdate]]

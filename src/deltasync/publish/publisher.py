@@ -390,8 +390,16 @@ class Publisher:
     def wait_for_acks(
         self, version: int, receivers: Iterable[str] | None = None, timeout: float = 60.0
     ) -> dict[str, AckRecord | None]:
-        """Block until every receiver in ``receivers`` (default: every live registered one)
-        holds ``version`` or later. AckTimeoutError names the missing ones."""
+        """Block until every receiver in ``receivers`` holds ``version`` or later, verified.
+
+        Args:
+            version: the version to wait for.
+            receivers: receiver ids (default: every live registered one).
+            timeout: seconds; AckTimeoutError then names the receivers still missing.
+
+        Returns:
+            ``{receiver: its ack of exactly version, or None if it registered a later one}``.
+        """
         if receivers is None:
             receivers = list(self.catalog.live_receivers(self.config.receiver_ttl_s))
         return acks_mod.wait_for_acks(

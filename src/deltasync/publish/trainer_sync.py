@@ -63,7 +63,15 @@ class TrainerSync:
     def step_published(self, version: int, *, anchor: bool = False) -> list[PublishReport]:
         """Publish the changes since the baseline as ``version`` on every publisher, then
         clear the tracker. On any failure the tracker keeps its bits and the exception
-        propagates: call again (same or a later version) to retry."""
+        propagates: call again (same or a later version) to retry.
+
+        Args:
+            version: the version to commit on every publisher.
+            anchor: publish a full version instead of the tracker's changes.
+
+        Returns:
+            One :class:`PublishReport` per publisher, in order.
+        """
         params = self._params() if callable(self._params) else self._params
         changes: Iterable = self.tracker.iter_changes()
         if len(self.publishers) > 1:  # every publisher needs the same changes: detect once

@@ -5,12 +5,10 @@
 """
 
 from deltasync.errors import LocalStateError, MissingBlobError
-from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.mapped import mapped_shard_tensors
-from deltasync.receiver.receiver import Receiver
-from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version
+from deltasync.receiver.store_receiver import PullReport, Receiver, ReceiverConfig
 
 __all__ = [
     "Journal",

@@ -39,12 +39,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
-from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
+from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
 from deltasync.errors import AnchorRequiredError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
@@ -192,7 +191,12 @@ class ClusterReceiver:
     # ------------------------------------------------------------------ the whole version
 
     def sync(self) -> ReceiveReport:
-        """Receive, apply and jointly commit the version the writers send."""
+        """Receive, apply and jointly commit the version the writers send.
+
+        Returns:
+            A :class:`ReceiveReport`: the version now held, the previous one and timings
+            (wait, stage, pause, verify, commit).
+        """
         t0 = time.perf_counter()
         previous = self.version
         received = self.receive()

@@ -34,11 +34,10 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster.config import ClusterConfig
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.reports import Outgoing, SendReport
-from deltasync.cluster.roles import RolePlan, check_group, resolve_rank
+from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
 from deltasync.errors import AnchorRequiredError, ConfigError, SyncAbortedError, VersionError
 from deltasync.exchange import exchange
 from deltasync.format import encode_blobs
@@ -189,8 +188,18 @@ class ClusterSender:
     # ------------------------------------------------------------------ the whole version
 
     def sync(self, version: int | None = None, *, anchor: bool = False) -> SendReport:
-        """Send ``version`` (default: the committed version + 1, or 0) to every receiver and
-        commit it jointly; see the module docstring for what each failure leaves behind."""
+        """Send ``version`` to every receiver and commit it jointly.
+
+        Every rank of the group calls its ``sync`` for the same version; see the module
+        docstring for what each failure leaves behind (SyncAbortedError on every rank).
+
+        Args:
+            version: the version to send (default: the committed version + 1, or 0).
+            anchor: send every element (restores receivers that hold no verified version).
+
+        Returns:
+            A :class:`SendReport` with the version, base, bytes per receiver and timings.
+        """
         self._check_group()
         if version is None:
             version = 0 if self.version is None else self.version + 1

@@ -20,8 +20,9 @@ Receiver on the same state dir repairs before anything else (see :mod:`.journal`
 replaying the whole journaled chain is always correct); if the journaled blobs are gone, it
 restores the newest anchor instead.
 
-This class knows the order of those steps; fetching, folding and files live in the modules it
-calls. It holds no copy of the model: only the staged updates of one pull.
+:class:`ReceiverConfig` (its settings) and :class:`PullReport` (what one pull did) live here
+with the receiver. This class knows the order of those steps; fetching, folding and files live
+in the modules it calls. It holds no copy of the model: only the staged updates of one pull.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from deltasync import names
-from deltasync.commit import AckRecord, Manifest, ReceiverRecord
+from deltasync.commit import AckRecord, Manifest, ManifestLimits, ReceiverRecord
 from deltasync.commit.catalog import Catalog
+from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import (
     ConfigError,
     FormatError,
@@ -48,11 +51,64 @@ from deltasync.errors import (
 from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
-from deltasync.receiver.config import ReceiverConfig
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
-from deltasync.receiver.report import PullReport
 from deltasync.receiver.staging import check_chain, fetch_version
 from deltasync.store import Store
+from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
+
+_OWNER = "ReceiverConfig"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    """- ``receiver_id``: this receiver's name in acks and registrations (data-parallel
+      replicas of one shard need distinct ids);
+    - ``signing_key``: when set, every manifest must carry a valid HMAC-SHA256 signature;
+    - ``verify_on_open``: hash the live tensors at construction and compare with the digest
+      of the version the state file records; a mismatch marks the state dirty (the next pull
+      restores the newest anchor);
+    - ``limits``: bounds on manifests; ``max_decompressed_bytes``: bound per blob;
+    - ``durable``: fsync the journal and state file (False only for tests on scratch disks:
+      a power loss could then lose the journal and hide a torn apply).
+    """
+
+    receiver_id: str
+    signing_key: bytes | None = field(default=None, repr=False)
+    verify_on_open: bool = True
+    limits: ManifestLimits = field(default_factory=ManifestLimits)
+    max_decompressed_bytes: int = 1 << 36
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            names.check_token("receiver", self.receiver_id)
+        except ManifestError as exc:
+            raise ConfigError(f"ReceiverConfig.receiver_id: {exc}") from None
+        check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
+        for name in ("verify_on_open", "durable"):
+            check_bool(_OWNER, name, getattr(self, name))
+        check_instance(_OWNER, "limits", self.limits, ManifestLimits)
+        check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullReport:
+    version: int | None  # the verified version the tensors hold now
+    previous_version: int | None  # what they held before (None: nothing verified)
+    chain: tuple[int, ...] = ()  # versions applied, in order (first may be an anchor)
+    from_anchor: bool = False
+    repaired: bool = False  # this finished an apply a crash interrupted
+    bytes_fetched: int = 0
+    elements_written: int = 0
+    stage_s: float = 0.0  # fetch, verify, decode, fold: the engine keeps serving
+    pause_s: float = 0.0  # scatter into the live tensors: the engine must not read them
+    verify_s: float = 0.0  # digest of the resulting state (after the pause)
+    total_s: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.chain)
+
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +238,15 @@ class Receiver:
     # --- pull -------------------------------------------------------------------------
 
     def pull(self) -> PullReport:
-        """Bring the tensors to the newest committed version; see the module docstring."""
+        """Bring the tensors to the newest committed version; see the module docstring.
+
+        Repairs an interrupted apply first (its journal), then applies the chain from the
+        local version, or from the newest anchor when the local state cannot be a base.
+
+        Returns:
+            A :class:`PullReport`: the version now held, the chain applied, bytes fetched,
+            elements written and the stage / pause / verify times.
+        """
         t0 = time.perf_counter()
         journal = self.dir.read_journal()
         if journal is not None:  # an earlier pull of this process failed after its journal
