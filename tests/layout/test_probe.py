@@ -13,7 +13,8 @@ from deltasync.layout.probe import (
     LayoutProbeError,
     ProbeConfig,
     check_bits,
-    digit_values,
+    decode_payload,
+    pass_values,
     probe_shard,
 )
 from deltasync.layout.probed import (
@@ -197,16 +198,26 @@ def test_a_float32_parameter_is_refused():
     assert "float32" in str(err.value)
 
 
-def test_probe_values_are_exact_in_bf16_and_check_patterns_are_finite_and_distinct():
+def test_probe_values_are_exact_bf16_integers_and_check_patterns_are_finite_and_distinct():
+    ids = torch.arange(0, 1 << 28, 1 << 9, dtype=torch.int64)
+    for k in range(2):
+        v = pass_values(ids, k)
+        assert bool((v.float() == v.float().round()).all()) and bool((v != 0).all())
+        assert bool((v.float().to(torch.bfloat16).view(torch.int16) == v.view(torch.int16)).all())
+        payload = decode_payload(v.view(torch.int16))
+        assert torch.equal(payload.to(torch.int64), (ids >> (14 * k)) & (2**14 - 1))
+    assert torch.equal(
+        decode_payload(torch.zeros(3, dtype=torch.int16)), torch.full((3,), -1, dtype=torch.int32)
+    )
     ids = torch.arange(0, 1 << 16, dtype=torch.int64)
-    for k in range(3):
-        v = digit_values(ids, k)
-        assert torch.equal(v.to(torch.int64), ((ids >> (8 * k)) & 255) + 1)
     bits = check_bits(ids)
     vals = bits.view(torch.bfloat16).float()
     assert bool(torch.isfinite(vals).all()) and bool((vals != 0).all())
-    assert torch.unique(bits).numel() > 8000  # of 2^13: sign, 32 exponents, 7 mantissa bits
+    assert torch.unique(bits).numel() == 1 << 13  # sign, 32 exponents, 7 significand bits
     assert float((bits[1:] != bits[:-1]).float().mean()) > 0.99  # neighbours differ
+    assert not bool(
+        ((bits.view(torch.bfloat16).float() * 2).to(torch.bfloat16).view(torch.int16) == bits).any()
+    )
 
 
 # ---------------------------------------------------------------------- JSON and cache

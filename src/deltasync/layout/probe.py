@@ -1,23 +1,25 @@
 """Learn one receiver shard's layout from the engine's own weight loader.
 
 ``probe_shard(loader, canonical)`` drives ``loader.load_weights`` (the ``Iterable[(name,
-tensor)]`` entry point vLLM and SGLang models have, and :mod:`~deltasync.layout.loaders` gives
-a transformers model) with checkpoint tensors whose values identify every element, reads every
-parameter back, and compresses where each canonical element landed into the same
+tensor)]`` entry point vLLM and SGLang models have, and :mod:`~deltasync.layout.hf_loader`
+gives a transformers model) with checkpoint tensors whose values identify every element, reads
+every parameter back, and compresses where each canonical element landed into the same
 :class:`~deltasync.layout.blocks.Block` maps the hand-written rules build.
 
 How an element is identified: the canonical tensors are fed in *rounds* (whole loader groups,
 about ``ProbeConfig.round_elements`` elements each, so memory stays bounded by the round, not
-the model). Within a round every element has an id (its offset in the round's tensors laid end
-to end). Pass ``k`` feeds ``1 + (id >> 8k) & 255``: integers 1..256, exact in BF16, so any
-loader that only moves elements delivers them unchanged; every parameter is zero-filled first,
-so 0 means "no canonical element here" (padding, or another round's). A final *check* pass
-feeds a pseudo-random BF16 bit pattern derived from each id (full mantissa, both signs, a
-spread of exponents) and every read-back element must equal, bit for bit, the pattern of the id
-the digit passes decoded. A loader that scales, offsets, casts to a narrower type, quantizes,
-sums or shuffles bytes fails one of these checks; the round is then re-probed group by group
-and the tensors at fault are refused (:class:`~deltasync.errors.LayoutProbeError` naming each,
-with the reason), never placed.
+the model; each tensor is built chunk by chunk as the loader asks for it). Within a round
+every element has an id (its offset in the round's tensors laid end to end). Pass ``k`` feeds
+bits ``14k .. 14k+13`` of the id as a BF16 *integer* (sign, 7 significand bits, one of 64
+exponents from 2^7 up: exact in BF16, never zero), so a loader that only moves elements
+delivers them unchanged; every parameter is zero-filled first, so 0 means "no canonical element
+here" (padding, or another round's). Two passes cover a round of 2^28 elements. A final
+*check* pass feeds a fixed pseudo-random BF16 pattern per id (both signs, 32 exponents around
+1.0, all significand bits) and every read-back element must equal, bit for bit, the pattern of
+the id the passes decoded. A loader that scales, offsets, casts to a narrower type, quantizes,
+sums or shuffles bytes fails one of these checks; the round is then bisected down to the
+loader groups at fault, whose tensors are refused (:class:`LayoutProbeError` naming each, with
+the reason), never placed.
 
 The probe overwrites every parameter of the model it is given: run it on a freshly built model
 (or before the real weights are loaded). It knows nothing about model families or engines
@@ -43,8 +45,6 @@ from deltasync.layout.blocks import Block, numel, view_cols, view_rows
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
-DIGIT_BITS = 8
-_DIGIT_MASK = (1 << DIGIT_BITS) - 1
 
 
 class LayoutProbeError(LayoutError):
@@ -114,30 +114,52 @@ class ShardProbe:
 
 # ---------------------------------------------------------------------- element values
 
+# A pass carries 14 bits of each element's id as a BF16 integer: sign, 7 significand bits and
+# one of 64 exponents that make it an integer (2^7 .. 2^70 times 1.m). Every such value is
+# exact in BF16 and in float32, never zero, never NaN/inf; zero is the "nothing landed" mark.
+PAYLOAD_BITS = 14
+_EXP0 = 134  # biased exponent of 2^7: with 7 significand bits the value is an integer
 
-def digit_values(ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Pass ``k``'s BF16 value for each id: ``1 + ((id >> 8k) & 255)``, exact in BF16."""
-    return (((ids >> (DIGIT_BITS * k)) & _DIGIT_MASK) + 1).to(torch.bfloat16)
+
+def _build_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = torch.arange(1 << PAYLOAD_BITS, dtype=torch.int32)
+    u = ((p >> 13) << 15) | ((_EXP0 + ((p >> 7) & 63)) << 7) | (p & 127)
+    enc = torch.where(u >= 1 << 15, u - (1 << 16), u).to(torch.int16)
+    dec = torch.full((1 << 16,), -1, dtype=torch.int32)
+    dec[enc.to(torch.int32) & 0xFFFF] = p
+    # Check patterns: fixed pseudo-random finite normal BF16 values (sign, 7 significand
+    # bits, 32 exponents around 1.0), so a loader that rescales, offsets, rounds or reorders
+    # bytes cannot keep them all.
+    g = torch.Generator().manual_seed(20261201)
+    r = torch.randperm(1 << 13, generator=g).to(torch.int32)
+    c = ((r >> 12) << 15) | ((112 + ((r >> 7) & 31)) << 7) | (r & 127)
+    check = torch.where(c >= 1 << 15, c - (1 << 16), c).to(torch.int16)
+    return enc, dec, check
+
+
+_ENC, _DEC, _CHECK = _build_tables()
+_CHECK_MASK = (1 << 13) - 1
+
+
+def pass_values(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Pass ``k``'s BF16 value for each id: bits ``14k .. 14k+13`` of the id, as an integer."""
+    return _ENC.index_select(0, (ids >> (PAYLOAD_BITS * k)) & ((1 << PAYLOAD_BITS) - 1)).view(
+        torch.bfloat16
+    )
+
+
+def decode_payload(bits: torch.Tensor) -> torch.Tensor:
+    """The 14-bit payload of each read-back BF16 value (int16 bits), or -1 if none fits."""
+    return _DEC.index_select(0, bits.to(torch.int32) & 0xFFFF)
 
 
 def check_bits(ids: torch.Tensor) -> torch.Tensor:
-    """The check pass's BF16 bit pattern (as int16) for each id.
-
-    A multiplicative hash picks sign, 7 mantissa bits and one of 32 exponents (2^-15..2^16):
-    finite, normal, never zero, so a loader that rescales, rounds or reorders bytes cannot keep
-    them all.
-    """
-    h = (ids * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
-    h = h ^ (h >> 13)
-    sign = (h >> 20) & 1
-    exponent = 112 + ((h >> 8) & 31)
-    mantissa = h & 127
-    u = (sign << 15) | (exponent << 7) | mantissa
-    return torch.where(u >= 1 << 15, u - (1 << 16), u).to(torch.int16)
+    """The check pass's BF16 bit pattern (as int16) for each id."""
+    return _CHECK.index_select(0, ids & _CHECK_MASK)
 
 
 def _passes_for(total: int) -> int:
-    return max(1, -(-max(1, (total - 1).bit_length()) // DIGIT_BITS))
+    return max(1, -(-max(1, (total - 1).bit_length()) // PAYLOAD_BITS))
 
 
 # ---------------------------------------------------------------------- parameters
@@ -219,11 +241,19 @@ class _Round:
         self.faults: dict[str, list[str]] = {}  # param -> what went wrong there
 
     def _feed(self, values) -> None:
+        chunk = self.p.config.chunk_elements
+
         def gen() -> Iterator[tuple[str, torch.Tensor]]:
+            # One tensor at a time, built chunk by chunk: no int64 id array of a whole tensor.
             for i, n in enumerate(self.names):
-                start = int(self.offsets[i])
-                ids = torch.arange(start, start + numel(self.p.canonical[n]), dtype=torch.int64)
-                yield n, values(ids).reshape(self.p.canonical[n])
+                start, size = int(self.offsets[i]), numel(self.p.canonical[n])
+                out = torch.empty(size, dtype=torch.bfloat16)
+                for lo in range(0, size, chunk):
+                    hi = min(size, lo + chunk)
+                    ids = torch.arange(start + lo, start + hi, dtype=self.id_dtype)
+                    out[lo:hi] = values(ids)
+                yield n, out.reshape(self.p.canonical[n])
+                del out
 
         try:
             with torch.no_grad():
@@ -242,7 +272,7 @@ class _Round:
         chunk = self.p.config.chunk_elements
         touched: dict[str, _Touched] = {}
         for k in range(self.passes):
-            self._feed(lambda ids, k=k: digit_values(ids, k))
+            self._feed(lambda ids, k=k: pass_values(ids, k))
             params, _ = loader_params(self.p.loader)
             if k == 0:
                 for name, t in params.items():
@@ -255,21 +285,25 @@ class _Round:
                             covered=torch.zeros(t.numel(), dtype=torch.bool),
                         )
             for name, st in touched.items():
-                flat = params[name].reshape(-1)
+                if name in self.faults:
+                    continue
+                flat = params[name].reshape(-1).view(torch.int16)
                 for lo in range(0, flat.numel(), chunk):
-                    v = flat[lo : lo + chunk].float()
-                    nz = v != 0
+                    bits = flat[lo : lo + chunk]
+                    nz = bits != 0
                     if k == 0:
                         st.covered[lo : lo + chunk] = nz
                     elif not torch.equal(nz, st.covered[lo : lo + chunk]):
                         self._fault(name, f"pass {k} wrote other elements than pass 0")
                         break
-                    ok = (v >= 1) & (v <= 256) & (v == torch.round(v))
-                    if not bool(ok[nz].all()):
+                    payload = decode_payload(bits)
+                    if bool(((payload < 0) & nz).any()):
                         self._fault(name, f"pass {k} read back values that are not the ones fed")
                         break
-                    digit = (v - 1).clamp_(0, 255).to(self.id_dtype)
-                    st.ids[lo : lo + chunk] |= torch.where(nz, digit << (DIGIT_BITS * k), 0)
+                    payload.clamp_(min=0)
+                    if k:
+                        payload <<= PAYLOAD_BITS * k
+                    st.ids[lo : lo + chunk] |= payload.to(self.id_dtype)
         for name, st in touched.items():
             ids = st.ids[st.covered]
             if ids.numel() and int(ids.max()) >= self.total:
@@ -284,7 +318,7 @@ class _Round:
             for lo in range(0, got.numel(), chunk):
                 cov = st.covered[lo : lo + chunk]
                 g = got[lo : lo + chunk]
-                want = check_bits(st.ids[lo : lo + chunk].to(torch.int64))
+                want = check_bits(st.ids[lo : lo + chunk])
                 bad = (g != want) & cov
                 if bool(bad.any()) or bool((g[~cov] != 0).any()):
                     self._fault(
@@ -329,32 +363,78 @@ def _row_runs(
     ordinals: torch.Tensor,
     src_cols: torch.Tensor,
     dst_cols: int,
+    chunk: int,
 ) -> None:
-    pos = torch.nonzero(covered).squeeze(1)
-    if not pos.numel():
-        return
+    # Runs never cross a destination row, so row-aligned chunks do not change them.
+    step = max(1, chunk // dst_cols) * dst_cols
+    for lo in range(0, covered.numel(), step):
+        pos = torch.nonzero(covered[lo : lo + step]).squeeze(1)
+        if pos.numel():
+            _chunk_runs(runs, pos + lo, ids, offsets, ordinals, src_cols, dst_cols)
+
+
+def _chunk_runs(
+    runs: _Runs,
+    pos: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    ordinals: torch.Tensor,
+    src_cols: torch.Tensor,
+    dst_cols: int,
+) -> None:
+    # 1. Flat segments: where destination position and element id both step by one (a whole
+    #    row-major copy is one segment), cut where the source tensor changes.
     gid = ids.index_select(0, pos).to(torch.int64)
-    t = torch.searchsorted(offsets, gid, right=True) - 1
-    f = gid - offsets.index_select(0, t)
+    cut = torch.ones_like(pos, dtype=torch.bool)
+    cut[1:] = (pos[1:] != pos[:-1] + 1) | (gid[1:] != gid[:-1] + 1)
+    starts = torch.nonzero(cut).squeeze(1)
+    ends = torch.cat([starts[1:], torch.tensor([pos.numel()])])
+    seg_pos, seg_gid = pos.index_select(0, starts), gid.index_select(0, starts)
+    seg_len = ends - starts
+    t = torch.searchsorted(offsets, seg_gid, right=True) - 1
+    t_last = torch.searchsorted(offsets, seg_gid + seg_len - 1, right=True) - 1
+    if bool((t != t_last).any()):  # a segment running from one tensor into the next
+        p_l, g_l, n_l = [], [], []
+        for p0, g0, n0, a, z in zip(
+            seg_pos.tolist(),
+            seg_gid.tolist(),
+            seg_len.tolist(),
+            t.tolist(),
+            t_last.tolist(),
+            strict=True,
+        ):
+            while a < z:
+                k = int(offsets[a + 1]) - g0
+                p_l.append(p0), g_l.append(g0), n_l.append(k)
+                p0, g0, n0, a = p0 + k, g0 + k, n0 - k, a + 1
+            p_l.append(p0), g_l.append(g0), n_l.append(n0)
+        seg_pos, seg_gid, seg_len = (torch.tensor(x, dtype=torch.int64) for x in (p_l, g_l, n_l))
+        t = torch.searchsorted(offsets, seg_gid, right=True) - 1
+    f = seg_gid - offsets.index_select(0, t)
     cs = src_cols.index_select(0, t)
-    s_row = f // cs
-    d_row = pos // dst_cols
-    start = torch.ones_like(pos, dtype=torch.bool)
-    start[1:] = (
-        (pos[1:] != pos[:-1] + 1)
-        | (d_row[1:] != d_row[:-1])
-        | (t[1:] != t[:-1])
-        | (f[1:] != f[:-1] + 1)
-        | (s_row[1:] != s_row[:-1])
-    )
-    first = torch.nonzero(start).squeeze(1)
-    length = torch.diff(first, append=torch.tensor([pos.numel()]))
-    runs.src.append(ordinals.index_select(0, t.index_select(0, first)).numpy())
-    runs.src_row.append(s_row.index_select(0, first).numpy())
-    runs.src_col.append((f - s_row * cs).index_select(0, first).numpy())
-    runs.dst_row.append(d_row.index_select(0, first).numpy())
-    runs.dst_col.append((pos - d_row * dst_cols).index_select(0, first).numpy())
-    runs.length.append(length.numpy())
+    sp, sf, sn = seg_pos.numpy(), f.numpy(), seg_len.numpy()
+    st, scs = t.numpy(), cs.numpy()
+    # 2. Row runs: a segment breaks where a destination row or a source row ends.
+    d_room = dst_cols - sp % dst_cols
+    s_room = scs - sf % scs
+    one = (sn <= d_room) & (sn <= s_room)  # the common case: the segment is one run already
+    parts = [(sp[one], sf[one], sn[one], st[one], scs[one])]
+    for i in np.flatnonzero(~one).tolist():
+        p0, f0, n0, c = int(sp[i]), int(sf[i]), int(sn[i]), int(scs[i])
+        d_cuts = np.arange((-p0) % dst_cols or dst_cols, n0, dst_cols)
+        s_cuts = np.arange((-f0) % c or c, n0, c)
+        rel = np.concatenate([[0], np.union1d(d_cuts, s_cuts)]).astype(np.int64)
+        lens = np.diff(np.append(rel, n0))
+        parts.append((p0 + rel, f0 + rel, lens, np.full(len(rel), st[i]), np.full(len(rel), c)))
+    p_all, f_all, n_all, t_all, c_all = (np.concatenate([x[j] for x in parts]) for j in range(5))
+    s_row = f_all // c_all
+    d_row = p_all // dst_cols
+    runs.src.append(ordinals.numpy()[t_all])
+    runs.src_row.append(s_row)
+    runs.src_col.append(f_all - s_row * c_all)
+    runs.dst_row.append(d_row)
+    runs.dst_col.append(p_all - d_row * dst_cols)
+    runs.length.append(n_all)
 
 
 def _blocks(
@@ -511,6 +591,7 @@ class _ShardProber:
                 ordinals,
                 src_cols,
                 view_cols(shape),
+                self.config.chunk_elements,
             )
         assert all(view_rows(self.canonical[n]) >= 0 for n in names)
         return rnd.passes + 1
