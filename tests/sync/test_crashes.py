@@ -5,6 +5,7 @@ Receivers never observe a partial version, and everything converges bit-exactly.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import random
 
@@ -204,7 +205,10 @@ def test_a_receiver_killed_right_after_an_anchor_restore_replays_from_the_anchor
 
 
 @pytest.mark.timeout(60)
-def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor(tmp_path):
+def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor(
+    tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="deltasync.receiver.store_receiver")
     store, rl, publish, states = _receiver_rig(100, tmp_path)
     publish(0), publish(1)
     _reopen(store, rl, tmp_path).pull()
@@ -229,3 +233,7 @@ def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor
     rec = _reopen(store, rl, tmp_path)
     assert rec.last_repair.chain == (9,) and rec.last_repair.from_anchor and rec.version == 9
     assert_same_bits(rec.tensors, states[9])
+    # an operator can see why: the journal could not be replayed, an anchor was restored
+    said = [r.getMessage() for r in caplog.records]
+    assert any("cannot be replayed" in m and "restoring the newest anchor" in m for m in said)
+    assert any("restoring anchor 9" in m and "state is dirty" in m for m in said)

@@ -386,4 +386,10 @@ class Receiver:
                 "the journaled versions are gone and the store has no committed version: "
                 "this receiver cannot be repaired until an anchor is published"
             )
-        return self._run(self.catalog.chain(None, latest), None, t0, repaired=True)
+        manifests = self.catalog.chain(None, latest)
+        log.info(
+            "receiver %r shard %r: restoring anchor %d (its state is dirty: the journal could "
+            "not be replayed), then %d version(s) to %d", self.config.receiver_id, self.shard,
+            manifests[0].version, len(manifests) - 1, latest,
+        )  # fmt: skip
+        return self._run(manifests, None, t0, repaired=True)
