@@ -15,8 +15,8 @@ from deltasync.cluster import (
     EnvelopeError,
     RolePlan,
 )
+from deltasync.cluster.cluster_journal import JournalState
 from deltasync.cluster.envelope import pack_envelope
-from deltasync.cluster.journal import JournalState
 from deltasync.errors import (
     BaseVersionMismatchError,
     ConfigError,

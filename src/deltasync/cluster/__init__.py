@@ -15,7 +15,7 @@ Data flow of one version, by module::
     sender.py    tracker.iter_changes() -> layout.routing -> format (blobs) -> envelope.py
                  -> exchange (round 1 carries a failed detection to every rank)
     receiver.py  exchange -> staging.py (verify, decode, base check; format's merge of the
-                 writers and fold) -> journal.py -> apply (the pause) -> digest
+                 writers and fold) -> cluster_journal.py -> apply (the pause) -> digest
     joint_commit.py  every rank's status row, one all_gather, the same verdict: commit
                  everywhere, or nowhere
 

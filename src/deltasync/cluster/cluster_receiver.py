@@ -39,9 +39,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
-from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads

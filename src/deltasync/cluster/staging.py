@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import flatten
-from deltasync.cluster.journal import ClusterJournal
 from deltasync.cluster.roles import RolePlan
 from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
 from deltasync.format import TensorSpec, TensorUpdate, decode_blob, fold_chain, merge_writers

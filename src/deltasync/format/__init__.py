@@ -10,7 +10,7 @@ Data flow through this package::
     merge.py    several writers' / versions' TensorUpdates -> one per tensor
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
 
-wire.py holds the byte layout (documented byte by byte in docs/wire-format.md), records.py the
+wire.py holds the byte layout (documented byte by byte in docs/wire-format.md), updates.py the
 in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
 
 The package knows nothing about storage, manifests, layouts of models or processes.
@@ -23,7 +23,7 @@ from deltasync.format.decode import decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob
 from deltasync.format.encode_many import encode_blobs
 from deltasync.format.merge import fold_chain, merge_writers
-from deltasync.format.records import (
+from deltasync.format.updates import (
     BlobHeader,
     DecodedBlob,
     TensorSpec,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltasync.errors import ApplyError
-from deltasync.format.records import TensorUpdate
+from deltasync.format.updates import TensorUpdate
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

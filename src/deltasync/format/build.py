@@ -20,7 +20,7 @@ import torch
 
 from deltasync.errors import InvalidUpdateError
 from deltasync.format.planes import gap_width
-from deltasync.format.records import DTYPE_CODES, SUPPORTED, TensorUpdate
+from deltasync.format.updates import DTYPE_CODES, SUPPORTED, TensorUpdate
 
 # (source dtype, wire dtype) pairs that are either exact or the documented rounding.
 _CONVERSIONS = {

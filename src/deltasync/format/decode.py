@@ -35,7 +35,7 @@ from deltasync.errors import (
 )
 from deltasync.format import section
 from deltasync.format.reader import parse_records
-from deltasync.format.records import BlobHeader, DecodedBlob, TensorSpec
+from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec
 from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,

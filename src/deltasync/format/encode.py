@@ -32,7 +32,7 @@ import xxhash
 
 from deltasync.errors import InvalidUpdateError, ManifestError
 from deltasync.format import planes, section
-from deltasync.format.records import BITS_DTYPES, DTYPE_CODES, TensorUpdate
+from deltasync.format.updates import BITS_DTYPES, DTYPE_CODES, TensorUpdate
 from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,

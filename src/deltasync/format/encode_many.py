@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deltasync.format.encode import encode_blob
-from deltasync.format.records import TensorUpdate
+from deltasync.format.updates import TensorUpdate
 
 
 def default_threads(jobs: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltasync.errors import BlobMismatchError
-from deltasync.format.records import TensorSpec, TensorUpdate
+from deltasync.format.updates import TensorSpec, TensorUpdate
 
 
 def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> list[TensorUpdate]:

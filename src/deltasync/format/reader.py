@@ -20,8 +20,8 @@ import torch
 
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
 from deltasync.format.planes import read_gaps_as_indices, read_planes_into, sum_gaps
-from deltasync.format.records import BITS_DTYPES, CODE_DTYPES, TensorSpec, TensorUpdate
 from deltasync.format.section import SectionReader
+from deltasync.format.updates import BITS_DTYPES, CODE_DTYPES, TensorSpec, TensorUpdate
 from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,

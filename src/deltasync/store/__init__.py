@@ -5,10 +5,10 @@
 What is stored where is decided above, in :mod:`deltasync.names` and :mod:`deltasync.commit`.
 """
 
+from deltasync.store.base import InvalidKeyError, Store, check_key, check_prefix
 from deltasync.store.factory import open_store
 from deltasync.store.local import LocalStore
 from deltasync.store.memory import MemoryStore
-from deltasync.store.protocol import InvalidKeyError, Store, check_key, check_prefix
 from deltasync.store.retry import RetryPolicy
 from deltasync.store.s3 import S3Store
 from deltasync.store.s3_config import S3Config

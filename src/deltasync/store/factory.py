@@ -16,9 +16,9 @@ import threading
 from urllib.parse import unquote, urlsplit
 
 from deltasync.errors import ConfigError
+from deltasync.store.base import Store
 from deltasync.store.local import LocalStore
 from deltasync.store.memory import MemoryStore
-from deltasync.store.protocol import Store
 from deltasync.store.s3 import S3Store
 from deltasync.store.s3_config import S3Config
 from deltasync.store.throttle import ThrottledStore

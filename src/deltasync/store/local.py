@@ -23,7 +23,7 @@ from pathlib import Path
 
 from deltasync.atomic import TMP_MARK, fsync_dir, unlink_quietly, write_temp
 from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
-from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.base import Bytes, as_bytes, check_key, check_prefix, check_range
 
 
 class LocalStore:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 
 from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
-from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.base import Bytes, as_bytes, check_key, check_prefix, check_range
 
 
 class MemoryStore:

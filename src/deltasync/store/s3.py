@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
-from deltasync.store.protocol import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.base import Bytes, as_bytes, check_key, check_prefix, check_range
 from deltasync.store.retry import RetriesExhausted, call_with_retries
 from deltasync.store.s3_config import (
     CONFLICT,

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from deltasync.errors import ConfigError
-from deltasync.store.protocol import Bytes, Store, as_bytes
+from deltasync.store.base import Bytes, Store, as_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deltasync.cluster import AnchorRequiredError
-from deltasync.cluster.journal import ClusterJournal, JournalState
+from deltasync.cluster.cluster_journal import ClusterJournal, JournalState
 from deltasync.errors import BaseVersionMismatchError
 from deltasync.receiver import LocalStateError
 
