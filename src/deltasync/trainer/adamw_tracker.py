@@ -12,10 +12,11 @@ FSDP2 (``fully_shard``) parameters and their optimizer states are DTensors: dete
 this rank's local shards, and indices are positions in the local shard (``shards`` says where
 each sits in the full parameter; see ``params.py``).
 
-Edits outside the optimizer (``versions.py``): every parameter's version counter is recorded after each
-step and at ``clear()``, and compared before the next step and at detection; a parameter whose
-counter moved is reported changed in full for that version (``out_of_band`` names it, and a
-warning says so). Writes through ``.data`` bypass the counter: call ``mark_changed(name)``.
+Edits outside the optimizer (``versions.py``): every parameter's version counter is recorded
+after each step and at ``clear()``, and compared before the next step and at detection; a
+parameter whose counter moved is reported changed in full for that version (``out_of_band``
+names it, and a warning says so). Writes through ``.data`` bypass the counter: call
+``mark_changed(name)``.
 
 Parameters the bound does not cover go through an exact bitwise snapshot
 (:class:`SnapshotTracker`); ``fallback`` says which, why, and the bytes held, and construction

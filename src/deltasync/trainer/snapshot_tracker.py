@@ -26,11 +26,6 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.int16).reshape(-1)
 
 
-def named_unique(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` after the checks of :func:`deltasync.trainer.params.watch`."""
-    return {name: w.param for name, w in watch(named_params).items()}
-
-
 class SnapshotTracker:
     """Same contract as :class:`~deltasync.AdamWTracker`, by bitwise comparison to a snapshot.
 
