@@ -11,7 +11,7 @@ from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
 from deltasync.publish import Publisher, PublisherConfig, PublishReport, TrainerSync
 from deltasync.receiver import PullReport, Receiver, ReceiverConfig
 from deltasync.store import LocalStore, MemoryStore, S3Config, S3Store, Store, open_store
-from deltasync.trainer import AdamWTracker, SnapshotTracker
+from deltasync.trainer import AdamWTracker, SnapshotTracker, Tracker
 
 __version__ = "0.1.0"
 
@@ -31,10 +31,12 @@ __all__ = [
     "PullReport",
     "Receiver",
     "ReceiverConfig",
+    "ReceiverLayout",
     "S3Config",
     "S3Store",
     "SnapshotTracker",
     "Store",
+    "Tracker",
     "TrainerLayout",
     "TrainerSync",
     "__version__",
