@@ -11,7 +11,8 @@ from deltasync import names
 from deltasync.commit import Catalog
 from deltasync.format import apply_updates, fold_chain
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import Receiver, fetch_version, mapped_shard_tensors
+from deltasync.receiver import Receiver, mapped_shard_tensors
+from deltasync.receiver.staging import fetch_version
 from deltasync.trainer import AdamWTracker
 
 from sync_kit import GateStore, TinyTrainer, layouts, rconfig, scratch_store

@@ -14,7 +14,7 @@ from deltasync.format import merge_writers
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.layout.routing import shard_updates
 from deltasync.publish import PublisherConfig
-from deltasync.receiver import check_chain
+from deltasync.receiver.staging import check_chain
 
 from sync_kit import TinyTrainer, expected_shards, layouts
 
