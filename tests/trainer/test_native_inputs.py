@@ -98,14 +98,14 @@ def test_detection_entry_points_match_the_torch_path_on_every_kind_of_view(seed)
     assert native.load() is not None, native.build_error
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(25):
+    for _ in range(40):
         rows, cols = rng.randint(1, 40), rng.randint(1, 70)
         made = [
             _views(rng, gen, rows, cols, sc, pos)
             for sc, pos in ((0.02, False), (1e-3, False), (1e-6, True))
         ]
         kinds, (p, m, v) = zip(*made, strict=True)
-        if rng.random() < 0.3:  # same kind of view for all three, so shapes agree more often
+        if rng.random() < 0.5:  # states of the param's shape, so the paths are compared more often
             m = torch.randn(p.shape, generator=gen) * 1e-3
             v = torch.rand(p.shape, generator=gen) * 1e-6
         if tuple(p.shape) != tuple(m.shape) or tuple(p.shape) != tuple(v.shape):
