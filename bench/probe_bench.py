@@ -67,10 +67,10 @@ def _same(a, b) -> bool:
 
 def run_case(case: str, tp: int, round_elements: int, cache_dir: str) -> dict:
     """One case in this process; returns its measurements."""
-    from deltasync.layout import ModelSpec
+    from deltasync.layout import ModelSpec, ShardInfo
     from deltasync.layout.hf_rules import build_hf_table
     from deltasync.layout.probe import ProbeConfig, probe_shard
-    from deltasync.layout.probed import ProbeCache, ShardRef, assemble_table, probe_key
+    from deltasync.layout.probed import ProbeCache, assemble_table, probe_key
     from deltasync.layout.reference_loader import VllmReferenceLoader
     from deltasync.layout.vllm_rules import build_vllm_table, vllm_shards
 
@@ -91,7 +91,7 @@ def run_case(case: str, tp: int, round_elements: int, cache_dir: str) -> dict:
         table = assemble_table(canon, probes)
         out["exact"] = _same(table, build_vllm_table(spec, tp, 1))
         out["passes"] = sum(p.passes for p in probes.values())
-        shards = [ShardRef(sid, t, e) for sid, t, e in vllm_shards(spec, tp, 1)]
+        shards = [ShardInfo(sid, t, e) for sid, t, e in vllm_shards(spec, tp, 1)]
         ProbeCache(cache_dir).put(probe_key(QWEN3_06B, case, {"tp": tp, "ep": 1}), table, shards)
     elif case == "transformers":
         import transformers

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from deltasync.layout import ModelSpec
+from deltasync.layout import ModelSpec, ShardInfo
 from deltasync.layout.hf_rules import build_hf_table
 from deltasync.layout.probe import (
     LayoutProbeError,
@@ -19,7 +19,6 @@ from deltasync.layout.probe import (
 )
 from deltasync.layout.probed import (
     ProbeCache,
-    ShardRef,
     assemble_table,
     layout_from_json,
     layout_to_json,
@@ -225,7 +224,7 @@ def test_probe_values_are_exact_bf16_integers_and_check_patterns_are_finite_and_
 
 def test_a_probed_layout_survives_json_and_the_cache_probes_once(tmp_path):
     spec = ModelSpec.from_hf_config(CONFIGS["moe_tied"])
-    shards = [ShardRef(sid, t, e) for sid, t, e in vllm_shards(spec, 2, 2)]
+    shards = [ShardInfo(sid, t, e) for sid, t, e in vllm_shards(spec, 2, 2)]
     key = probe_key(CONFIGS["moe_tied"], "vllm-reference", {"tp": 2, "ep": 2})
     calls = []
 
@@ -250,7 +249,7 @@ def test_a_corrupted_layout_file_is_a_layout_error():
 
     spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
     table = build_vllm_table(spec, 2, 1)
-    doc = layout_to_json(table, [ShardRef("tp0", 0), ShardRef("tp1", 1)])
+    doc = layout_to_json(table, [ShardInfo("tp0", 0, 0), ShardInfo("tp1", 1, 0)])
     bad = json.loads(json.dumps(doc))
     bad["placements"]["model.norm.weight"][0][6] = 999  # rows beyond the tensor
     with pytest.raises(LayoutError):

@@ -63,9 +63,10 @@ def job(spec_path: str) -> None:
     def probe(worker) -> dict:
         import transformers as tf
 
+        from deltasync.layout import ShardInfo
         from deltasync.layout.hf_loader import checkpoint_shapes, meta_model
         from deltasync.layout.probe import probe_shard
-        from deltasync.layout.probed import ShardRef, assemble_table, layout_to_json
+        from deltasync.layout.probed import assemble_table, layout_to_json
 
         canon = checkpoint_shapes(meta_model(tf.AutoConfig.for_model(**config_dict)))
         if config_dict.get("tie_word_embeddings"):
@@ -73,7 +74,7 @@ def job(spec_path: str) -> None:
         engine_model = worker.model_runner.model
         shard = probe_shard(engine_model, canon)
         table = assemble_table(canon, {"tp0": shard})
-        return layout_to_json(table, [ShardRef("tp0", 0, 0)])
+        return layout_to_json(table, [ShardInfo("tp0", 0, 0)])
 
     (doc,) = llm.collective_rpc(probe)
     Path(spec["out"]).write_text(json.dumps(doc))

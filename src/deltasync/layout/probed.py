@@ -18,20 +18,22 @@ model family.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deltasync.atomic import write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import Block, numel
-from deltasync.layout.probe import LayoutProbeError, ShardProbe
+from deltasync.layout.probe import LayoutProbeError, ProbeConfig, ShardProbe, probe_shard
+from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 from deltasync.layout.table import LayoutTable, Placement, Shape
+from deltasync.names import shard_id
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,6 @@ LAYOUT_FORMAT = "deltasync-layout"
 LAYOUT_FORMAT_VERSION = 1
 # Bumped when what the probe computes changes, so stale cache entries are not reused.
 PROBE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """A shard's id and ranks (``ep_rank`` 0 when expert parallelism is off)."""
-
-    id: str
-    tp_rank: int = 0
-    ep_rank: int = 0
 
 
 def assemble_table(canonical: Mapping[str, Shape], probes: Mapping[str, ShardProbe]) -> LayoutTable:
@@ -129,7 +122,7 @@ def _block_row(p: Placement) -> list[Any]:
 
 
 def layout_to_json(
-    table: LayoutTable, shards: Sequence[ShardRef], key: Mapping[str, Any] | None = None
+    table: LayoutTable, shards: Sequence[ShardInfo], key: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """A table and its shard list as a JSON object (see :func:`layout_from_json`)."""
     return {
@@ -152,7 +145,7 @@ def _shape(value: Any, what: str) -> Shape:
     return tuple(value)
 
 
-def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef], dict[str, Any]]:
+def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
     """Read what :func:`layout_to_json` wrote; the table is validated as any table is.
 
     Returns:
@@ -170,7 +163,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef
         )
     try:
         shards = [
-            ShardRef(str(s["id"]), int(s["tp_rank"]), int(s["ep_rank"])) for s in doc["shards"]
+            ShardInfo(str(s["id"]), int(s["tp_rank"]), int(s["ep_rank"])) for s in doc["shards"]
         ]
         canonical = {str(n): _shape(s, f"canonical[{n!r}]") for n, s in doc["canonical"].items()}
         locals_ = {
@@ -214,7 +207,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef
 def save_layout(
     path: str | os.PathLike[str],
     table: LayoutTable,
-    shards: Sequence[ShardRef],
+    shards: Sequence[ShardInfo],
     key: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the layout file atomically."""
@@ -222,7 +215,9 @@ def save_layout(
     write_atomic(path, text.encode(), durable=False)
 
 
-def load_layout(path: str | os.PathLike[str]) -> tuple[LayoutTable, list[ShardRef], dict[str, Any]]:
+def load_layout(
+    path: str | os.PathLike[str],
+) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -242,7 +237,7 @@ class ProbeCache:
     def path(self, key: Mapping[str, Any]) -> Path:
         return self.root / f"{key_digest(key)}.json"
 
-    def get(self, key: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardRef]] | None:
+    def get(self, key: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInfo]] | None:
         """The cached layout for ``key``, or None. A file whose stored key differs is ignored."""
         p = self.path(key)
         if not p.exists():
@@ -253,7 +248,7 @@ class ProbeCache:
             return None
         return table, shards
 
-    def put(self, key: Mapping[str, Any], table: LayoutTable, shards: Sequence[ShardRef]) -> Path:
+    def put(self, key: Mapping[str, Any], table: LayoutTable, shards: Sequence[ShardInfo]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         p = self.path(key)
         save_layout(p, table, shards, key)
@@ -262,8 +257,8 @@ class ProbeCache:
     def get_or_probe(
         self,
         key: Mapping[str, Any],
-        probe: Callable[[], tuple[LayoutTable, Sequence[ShardRef]]],
-    ) -> tuple[LayoutTable, list[ShardRef]]:
+        probe: Callable[[], tuple[LayoutTable, Sequence[ShardInfo]]],
+    ) -> tuple[LayoutTable, list[ShardInfo]]:
         """The cached layout, or ``probe()``'s result, stored for next time."""
         hit = self.get(key)
         if hit is not None:
@@ -272,3 +267,63 @@ class ProbeCache:
         table, shards = probe()
         self.put(key, table, shards)
         return table, list(shards)
+
+
+# ---------------------------------------------------------------------- receiver layouts
+
+
+def probe_receiver_layout(
+    spec: Any,
+    make_loader: Callable[[int, int], Any],
+    *,
+    engine: str,
+    tp: int = 1,
+    ep: int = 1,
+    config: ProbeConfig | None = None,
+    cache: ProbeCache | None = None,
+    model_config: Mapping[str, Any] | None = None,
+) -> ReceiverLayout:
+    """A :class:`ReceiverLayout` learned from every distinct shard's own loader.
+
+    Args:
+        spec: the model's :class:`~deltasync.layout.model_spec.ModelSpec` (canonical tensors).
+        make_loader: ``(tp_rank, ep_rank) -> loader`` building one shard's engine model (see
+            :func:`~deltasync.layout.probe.probe_shard`); each is dropped after its probe, so
+            one shard's model is alive at a time.
+        engine: the convention's name, recorded in the layout and the cache key.
+        tp, ep: tensor- and expert-parallel sizes; shards are named as vLLM's (``tp{r}`` or
+            ``tp{r}-ep{e}`` with attention TP rank ``e % tp``).
+        config: probe settings.
+        cache: where probed layouts are kept per (model config, engine, parallel config).
+        model_config: the key's model config (default: the spec's fields).
+
+    Returns:
+        The layout; its table is what the loaders did, validated like any table.
+    """
+    for name, v in (("tp", tp), ("ep", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+    if ep > 1 and ep % tp:
+        raise LayoutError(f"ep ({ep}) must be a multiple of tp ({tp}): EP spans tp*dp ranks")
+    if ep == 1:
+        shards = [ShardInfo(shard_id(t), t, 0) for t in range(tp)]
+    else:
+        shards = [ShardInfo(shard_id(e % tp, e), e % tp, e) for e in range(ep)]
+    canonical = spec.canonical_shapes()
+
+    def run() -> tuple[LayoutTable, list[ShardInfo]]:
+        probes: dict[str, ShardProbe] = {}
+        for s in shards:
+            loader = make_loader(s.tp_rank, s.ep_rank)
+            probes[s.id] = probe_shard(loader, canonical, config=config)
+            del loader
+        return assemble_table(canonical, probes), shards
+
+    if cache is None:
+        table, _ = run()
+    else:
+        base = model_config if model_config is not None else dataclasses.asdict(spec)
+        table, cached = cache.get_or_probe(probe_key(base, engine, {"tp": tp, "ep": ep}), run)
+        if [s.id for s in cached] != [s.id for s in shards]:
+            raise LayoutError(f"cached layout for {engine} tp={tp} ep={ep} names other shards")
+    return ReceiverLayout(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
