@@ -11,8 +11,7 @@ from deltasync.errors import (
     StalenessTimeoutError,
 )
 from deltasync.publish.config import PublisherConfig
-from deltasync.publish.publisher import Publisher
-from deltasync.publish.report import PublishReport
+from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.trainer_sync import TrainerSync
 
 __all__ = [

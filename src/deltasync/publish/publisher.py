@@ -25,8 +25,9 @@ a dim-0 shard), the committer must be given it (``full_state``: the full paramet
 callable that gathers them, e.g. an FSDP full-state-dict gather); no writer can compute a local
 tensor's digest alone, since e.g. ``qkv_proj`` rows come from several trainer ranks.
 
-This class knows the protocol order and who does what; planning, encoding and commit records
-live in the modules it calls.
+:class:`PublishReport` (what one ``publish`` did, with its timings) lives here with it. This
+class knows the protocol order and who does what; planning, encoding and commit records live in
+the modules it calls.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,9 +68,39 @@ from deltasync.layout.routing import (
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch
-from deltasync.publish.report import PublishReport
 from deltasync.publish.streams import ShardStreams
 from deltasync.store import Store
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishReport:
+    version: int
+    kind: str  # "delta" | "anchor"
+    base_version: int | None
+    writer: str
+    # True when the version was already committed with this same state (a retry after a lost
+    # reply, or a replayed trainer): nothing new was stored, the baseline still advanced.
+    already_committed: bool = False
+    anchor_reason: str | None = None  # why this version is an anchor
+    blobs: tuple[BlobEntry, ...] = ()
+    shard_bytes: dict[str, int] = field(default_factory=dict)
+    shard_elements: dict[str, int] = field(default_factory=dict)
+    build_s: float = 0.0  # gather, cast, route, (anchor: split)
+    encode_s: float = 0.0
+    upload_s: float = 0.0  # waiting for uploads after the last encode
+    digest_s: float = 0.0  # full-state shard digests (committer)
+    commit_s: float = 0.0  # markers, manifest, LATEST
+    staleness_wait_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(self.shard_bytes.values())
+
+    @property
+    def elements_sent(self) -> int:
+        return sum(self.shard_elements.values())
+
 
 log = logging.getLogger(__name__)
 

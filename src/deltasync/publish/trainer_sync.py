@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.publish.publisher import Publisher
-from deltasync.publish.report import PublishReport
+from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.trainer import Tracker
 
 Params = Mapping[str, torch.Tensor]
