@@ -2,8 +2,9 @@
 
 Starting a rank (importing torch and transformers, a gloo rendezvous) costs seconds per
 process on this 2-core machine, so every two-rank job of the folder runs in ONE launch,
-started once per session: the tracker checks, then the store-path jobs, each with its own
-store and its own receiver processes. Each test then checks its own job's lines and results.
+started once per session (the tracker checks, then the store-path jobs, each with its own
+store and its own receiver processes), and every four-rank job in another (HSDP, then the
+in-cluster path). Each test then checks its own job's lines and results.
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ STORE_JOBS = [
 ]
 
 
+FOUR_RANK_JOBS = [("none", "foreach", "hsdp"), ("qwen3", "fused", "cluster")]
+
+
+@pytest.fixture(scope="session")
+def four_ranks(tmp_path_factory):
+    done = launch(tmp_path_factory.mktemp("fsdp4"), 4, FOUR_RANK_JOBS, timeout=150)
+    yield done
+
+
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory):
-    done = launch(tmp_path_factory.mktemp("fsdp"), 2, TRACKER_JOBS + STORE_JOBS, timeout=110)
+    done = launch(tmp_path_factory.mktemp("fsdp"), 2, TRACKER_JOBS + STORE_JOBS, timeout=150)
     yield done
     for procs, _ in done.receivers.values():
         stop(procs)

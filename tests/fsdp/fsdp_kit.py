@@ -93,7 +93,7 @@ def receiver_main(
     Path(out, f"seen-{shard}.json").write_text(json.dumps(seen))
 
 
-def start_receivers(store_path: Path, model: str, out: Path, deadline_s: float = 90.0) -> list:
+def start_receivers(store_path: Path, model: str, out: Path, deadline_s: float = 160.0) -> list:
     """One forked process per TP shard, each registered before this returns."""
     ctx = mp.get_context("fork")
     procs = []

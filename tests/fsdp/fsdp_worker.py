@@ -13,6 +13,9 @@
   unevenly over the ranks (one rank's shard of a 1-row weight is empty): the tracker's
   ``shards`` against ``torch.chunk``, zero missed elements through steps and through edits
   both via the DTensor and via ``to_local()``, and a tensor-parallel placement refused.
+- ``hsdp`` (4 ranks): the same small model under ``fully_shard`` on a 2 x 2 (replicate, shard)
+  mesh: each rank's ``shards`` name its shard coordinate and its replica, only replica 0
+  writes (``publish_role``), and nothing is missed.
 - ``cluster`` (4 ranks): ranks 0-1 train under FSDP2 on their own mesh and are the cluster
   writers, ranks 2-3 are the TP=2 receivers, in one process group; every version is checked
   against rank 0's gathered canonical state, broadcast to all.
@@ -303,6 +306,49 @@ def run_tracker(impl: str, out: Path) -> None:
     print(f"rank {rank} tracker {impl} ok", flush=True)
 
 
+def run_hsdp(impl: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica, shard_rank = divmod(rank, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 5), torch.nn.Linear(5, 3))
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **IMPLS[impl])
+    tracker = AdamWTracker(opt, model.named_parameters(), strict=True)
+    truth = SnapshotTracker(model.named_parameters())
+    for name, shard in tracker.shards.items():
+        rows = torch.arange(full_shapes[name][0]).chunk(2)[shard_rank]
+        assert (shard.row_start, shard.row_stop) == (int(rows[0]), int(rows[-1]) + 1), (name, shard)
+        assert (shard.rank, shard.world_size, shard.replica, shard.replicas) == (
+            shard_rank,
+            2,
+            replica,
+            2,
+        )
+    role = publish_role(tracker.shards)
+    assert role.writes == (replica == 0) and (role.writer_rank, role.num_writers) == (
+        shard_rank,
+        2,
+    ), role
+    gen = torch.Generator().manual_seed(rank)
+    empty = torch.empty(0, dtype=torch.int64)
+    for v in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 16, generator=gen)).pow(2).sum().backward()
+        opt.step()
+        got = tracker.changed()
+        for name, idx in truth.changed().items():
+            assert int((~torch.isin(idx, got.get(name, empty))).sum()) == 0, (v, name)
+        tracker.clear(), truth.clear()
+    print(f"rank {rank} hsdp {impl} ok", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--job", action="append", required=True, help="MODEL:IMPL:MODE:DIR")
@@ -316,6 +362,8 @@ def main() -> None:
                 run_cluster(model_name, impl, Path(out))
             elif mode == "tracker":
                 run_tracker(impl, Path(out))
+            elif mode == "hsdp":
+                run_hsdp(impl)
             else:
                 run_store(model_name, impl, mode, Path(out))
             dist.barrier()
