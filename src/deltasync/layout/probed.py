@@ -19,10 +19,12 @@ model family.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -327,3 +329,89 @@ def probe_receiver_layout(
         if [s.id for s in cached] != [s.id for s in shards]:
             raise LayoutError(f"cached layout for {engine} tp={tp} ep={ep} names other shards")
     return ReceiverLayout(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
+
+
+PROBE_ENGINES = ("transformers", "vllm-reference")
+
+
+def _hf_config(model_config: Mapping[str, Any]) -> Any:
+    import transformers
+
+    return transformers.AutoConfig.for_model(**dict(model_config))
+
+
+def probe_engine_layout(
+    model_config: Mapping[str, Any],
+    engine: str,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    config: ProbeConfig | None = None,
+    cache: ProbeCache | None = None,
+) -> tuple[ReceiverLayout, dict[str, Any], float]:
+    """Probe one of the engines this process can build, for a ``config.json`` dict.
+
+    Args:
+        model_config: the transformers config dict.
+        engine: ``"vllm-reference"`` (:class:`VllmReferenceLoader` per TP/EP rank) or
+            ``"transformers"`` (the transformers class's own loading; TP = EP = 1).
+        tp, ep, config, cache: as :func:`probe_receiver_layout`.
+
+    Returns:
+        ``(layout, probe key, seconds)``.
+    """
+    from deltasync.layout.model_spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(model_config)
+    t0 = time.perf_counter()
+    if engine == "vllm-reference":
+        from deltasync.layout.reference_loader import VllmReferenceLoader
+
+        def make(t: int, e: int) -> Any:
+            return VllmReferenceLoader(spec, tp=tp, tp_rank=t, ep=ep, ep_rank=e)
+    elif engine == "transformers":
+        if tp != 1 or ep != 1:
+            raise LayoutError(
+                f"engine 'transformers' is one shard: tp and ep must be 1 (got {tp}, {ep})"
+            )
+        from deltasync.layout.hf_loader import TransformersLoader, empty_model
+
+        hf_config = _hf_config(model_config)
+
+        def make(t: int, e: int) -> Any:
+            return TransformersLoader(empty_model(hf_config))
+    else:
+        raise LayoutError(f"unknown probe engine {engine!r}; known: {', '.join(PROBE_ENGINES)}")
+    layout = probe_receiver_layout(
+        spec,
+        make,
+        engine=engine,
+        tp=tp,
+        ep=ep,
+        config=config,
+        cache=cache,
+        model_config=model_config,
+    )
+    return layout, probe_key(model_config, engine, {"tp": tp, "ep": ep}), time.perf_counter() - t0
+
+
+@functools.lru_cache(maxsize=32)
+def reference_vllm_layout(spec: Any, tp: int, ep: int) -> ReceiverLayout:
+    """The ``vllm`` layout of a family without hand-written rules: probed once per process
+    from :class:`VllmReferenceLoader` (vLLM's loader conventions re-stated)."""
+    from deltasync.layout.reference_loader import VllmReferenceLoader
+
+    log.info(
+        "no hand-written vLLM table for %r: probing the vLLM-convention reference loader "
+        "(tp=%d, ep=%d)",
+        spec.model_type,
+        tp,
+        ep,
+    )
+    return probe_receiver_layout(
+        spec,
+        lambda t, e: VllmReferenceLoader(spec, tp=tp, tp_rank=t, ep=ep, ep_rank=e),
+        engine="vllm",
+        tp=tp,
+        ep=ep,
+    )

@@ -46,6 +46,30 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$"
 Loader = Callable[..., None]
 
 
+def _check_sizes(spec, tp: int, ep: int) -> None:
+    """The TP/EP sizes vLLM's layers accept for this model (LayoutError naming the field)."""
+    kv = spec.num_key_value_heads
+    checks = [
+        (spec.num_attention_heads % tp == 0, f"num_attention_heads ({spec.num_attention_heads})"),
+        ((kv % tp == 0) if kv >= tp else (tp % kv == 0), f"num_key_value_heads ({kv})"),
+        (-(-spec.vocab_size // VOCAB_PADDING) * VOCAB_PADDING % tp == 0, "the padded vocabulary"),
+    ]
+    if spec.num_hidden_layers > len(spec.moe_layers):  # some layer has a dense MLP
+        checks.append(
+            (spec.intermediate_size % tp == 0, f"intermediate_size ({spec.intermediate_size})")
+        )
+    if spec.num_experts:
+        if ep > 1:
+            checks.append((ep % tp == 0, f"ep ({ep}), which must be a multiple of tp"))
+        else:
+            checks.append((spec.moe_intermediate_size % tp == 0, "moe_intermediate_size"))
+    elif ep > 1:
+        raise LayoutError(f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts")
+    for ok, what in checks:
+        if not ok:
+            raise LayoutError(f"{what} does not split over tp={tp} the way vLLM's layers need")
+
+
 class VllmReferenceLoader:
     """The parameters of one vLLM rank, filled by vLLM-style weight loaders.
 
@@ -61,6 +85,7 @@ class VllmReferenceLoader:
         if not 0 <= tp_rank < tp or not 0 <= ep_rank < ep:
             raise LayoutError(f"rank tp{tp_rank}/ep{ep_rank} is outside tp={tp}, ep={ep}")
         self.spec, self.tp, self.tp_rank, self.ep, self.ep_rank = spec, tp, tp_rank, ep, ep_rank
+        _check_sizes(spec, tp, ep)
         self._params: dict[str, torch.Tensor] = {}
         self._loaders: dict[str, Loader] = {}
         self._aliases: dict[str, str] = {}
