@@ -88,3 +88,18 @@ def test_without_a_compiler_detection_is_exact_on_the_torch_path_and_says_so_onc
     assert "OK no C compiler" in out.stdout
     lines = [ln for ln in out.stderr.splitlines() if "native kernels unavailable" in ln]
     assert len(lines) == 1 and "install a C compiler" in lines[0]
+
+
+def test_a_step_whose_state_the_kernels_cannot_read_marks_the_param_changed_in_full():
+    p = torch.nn.Parameter(torch.randn(50) * 0.02)
+    opt = torch.optim.AdamW([p], lr=1e-6)
+    tracker = AdamWTracker(opt, [("p", p)], strict=True)
+    p.grad = torch.randn(50)
+    opt.step()
+    assert tracker.changed()["p"].numel() < 50  # a tiny lr moves few BF16 values
+    tracker.clear()
+    st = opt.state[p]
+    st["exp_avg_sq"] = st["exp_avg_sq"].double()  # e.g. a state kept in another precision
+    p.grad = torch.randn(50)
+    opt.step()
+    assert torch.equal(tracker.changed()["p"], torch.arange(50))  # never a miss: all of it

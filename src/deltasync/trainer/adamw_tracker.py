@@ -101,6 +101,18 @@ def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
 Change = tuple[str, torch.Tensor, torch.Tensor | None]
 
 
+def _state_usable(p: torch.Tensor, m: object, v: object) -> bool:
+    """Whether the detection kernels can read these Adam states next to the local param:
+    fp32, the param's local shape and device (e.g. not offloaded elsewhere)."""
+    if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    ml, vl = local_of(m), local_of(v)
+    return all(
+        t.dtype == torch.float32 and tuple(t.shape) == tuple(p.shape) and t.device == p.device
+        for t in (ml, vl)
+    )
+
+
 class AdamWTracker:
     """Which BF16 elements changed since the last ``clear()``, without a snapshot.
 
@@ -253,13 +265,7 @@ class AdamWTracker:
             group, bad = group_hyper[gi]
             v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
             m, v = state.get("exp_avg"), state.get(v_key)
-            shape = tuple(local_of(p).shape)
-            ok = (
-                bad is None and m is not None and v is not None
-                and m.dtype == torch.float32 and v.dtype == torch.float32
-                and tuple(local_of(m).shape) == shape and tuple(local_of(v).shape) == shape
-                and after == int(after)
-            )  # fmt: skip
+            ok = bad is None and _state_usable(local_of(p), m, v) and after == int(after)
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
             self._pending.append((name, _hyper(opt, group, int(after)) if ok else None, v_key))
 
