@@ -33,7 +33,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,21 +41,11 @@ import torch
 
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import Block, numel, view_cols, view_rows
+from deltasync.layout.probe_blocks import LayoutProbeError, Runs, ShardProbe, merge_runs, row_runs
 
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
-
-
-class LayoutProbeError(LayoutError):
-    """The probe cannot learn a layout: a loader transforms values, or elements go nowhere.
-
-    ``refused`` maps each canonical tensor at fault to the reason.
-    """
-
-    def __init__(self, message: str, refused: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.refused: dict[str, str] = dict(refused or {})
 
 
 class WeightLoader(Protocol):
@@ -87,29 +77,6 @@ class ProbeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"ProbeConfig.{name} must be a positive integer, got {v!r}")
-
-
-@dataclass(frozen=True)
-class ShardProbe:
-    """What one shard's loader did with the canonical tensors.
-
-    ``local_shapes``: every parameter the shard holds (storage names, aliases left out);
-    ``placements``: canonical name -> ``(local name, Block)`` pieces (canonical tensors this
-    shard holds none of, e.g. other EP ranks' experts, are absent); ``aliases``: parameter
-    names that are the same storage as another (tied ``lm_head.weight``); ``padding``: per
-    local tensor, elements no canonical element landed in.
-    """
-
-    local_shapes: dict[str, Shape]
-    placements: dict[str, tuple[tuple[str, Block], ...]]
-    aliases: dict[str, str] = field(default_factory=dict)
-    padding: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    passes: int = 0
-
-    def dropped(self, canonical: Iterable[str]) -> list[str]:
-        """Canonical tensors of which this shard holds no element."""
-        return [n for n in canonical if n not in self.placements]
 
 
 # ---------------------------------------------------------------------- element values
@@ -340,145 +307,6 @@ def _describe(names: Sequence[str]) -> str:
     return f"{names[0]!r} ... {names[-1]!r} ({len(names)} tensors)"
 
 
-# ---------------------------------------------------------------------- compression
-
-
-@dataclass
-class _Runs:
-    """Row runs of one parameter: contiguous elements of one source row in one dest row."""
-
-    src: list[np.ndarray] = field(default_factory=list)  # canonical ordinal
-    src_row: list[np.ndarray] = field(default_factory=list)
-    src_col: list[np.ndarray] = field(default_factory=list)
-    dst_row: list[np.ndarray] = field(default_factory=list)
-    dst_col: list[np.ndarray] = field(default_factory=list)
-    length: list[np.ndarray] = field(default_factory=list)
-
-
-def _row_runs(
-    runs: _Runs,
-    covered: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    ordinals: torch.Tensor,
-    src_cols: torch.Tensor,
-    dst_cols: int,
-    chunk: int,
-) -> None:
-    # Runs never cross a destination row, so row-aligned chunks do not change them.
-    step = max(1, chunk // dst_cols) * dst_cols
-    for lo in range(0, covered.numel(), step):
-        pos = torch.nonzero(covered[lo : lo + step]).squeeze(1)
-        if pos.numel():
-            _chunk_runs(runs, pos + lo, ids, offsets, ordinals, src_cols, dst_cols)
-
-
-def _chunk_runs(
-    runs: _Runs,
-    pos: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    ordinals: torch.Tensor,
-    src_cols: torch.Tensor,
-    dst_cols: int,
-) -> None:
-    # 1. Flat segments: where destination position and element id both step by one (a whole
-    #    row-major copy is one segment), cut where the source tensor changes.
-    gid = ids.index_select(0, pos).to(torch.int64)
-    cut = torch.ones_like(pos, dtype=torch.bool)
-    cut[1:] = (pos[1:] != pos[:-1] + 1) | (gid[1:] != gid[:-1] + 1)
-    starts = torch.nonzero(cut).squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([pos.numel()])])
-    seg_pos, seg_gid = pos.index_select(0, starts), gid.index_select(0, starts)
-    seg_len = ends - starts
-    t = torch.searchsorted(offsets, seg_gid, right=True) - 1
-    t_last = torch.searchsorted(offsets, seg_gid + seg_len - 1, right=True) - 1
-    if bool((t != t_last).any()):  # a segment running from one tensor into the next
-        p_l, g_l, n_l = [], [], []
-        for p0, g0, n0, a, z in zip(
-            seg_pos.tolist(),
-            seg_gid.tolist(),
-            seg_len.tolist(),
-            t.tolist(),
-            t_last.tolist(),
-            strict=True,
-        ):
-            while a < z:
-                k = int(offsets[a + 1]) - g0
-                p_l.append(p0), g_l.append(g0), n_l.append(k)
-                p0, g0, n0, a = p0 + k, g0 + k, n0 - k, a + 1
-            p_l.append(p0), g_l.append(g0), n_l.append(n0)
-        seg_pos, seg_gid, seg_len = (torch.tensor(x, dtype=torch.int64) for x in (p_l, g_l, n_l))
-        t = torch.searchsorted(offsets, seg_gid, right=True) - 1
-    f = seg_gid - offsets.index_select(0, t)
-    cs = src_cols.index_select(0, t)
-    sp, sf, sn = seg_pos.numpy(), f.numpy(), seg_len.numpy()
-    st, scs = t.numpy(), cs.numpy()
-    # 2. Row runs: a segment breaks where a destination row or a source row ends.
-    d_room = dst_cols - sp % dst_cols
-    s_room = scs - sf % scs
-    one = (sn <= d_room) & (sn <= s_room)  # the common case: the segment is one run already
-    parts = [(sp[one], sf[one], sn[one], st[one], scs[one])]
-    for i in np.flatnonzero(~one).tolist():
-        p0, f0, n0, c = int(sp[i]), int(sf[i]), int(sn[i]), int(scs[i])
-        d_cuts = np.arange((-p0) % dst_cols or dst_cols, n0, dst_cols)
-        s_cuts = np.arange((-f0) % c or c, n0, c)
-        rel = np.concatenate([[0], np.union1d(d_cuts, s_cuts)]).astype(np.int64)
-        lens = np.diff(np.append(rel, n0))
-        parts.append((p0 + rel, f0 + rel, lens, np.full(len(rel), st[i]), np.full(len(rel), c)))
-    p_all, f_all, n_all, t_all, c_all = (np.concatenate([x[j] for x in parts]) for j in range(5))
-    s_row = f_all // c_all
-    d_row = p_all // dst_cols
-    runs.src.append(ordinals.numpy()[t_all])
-    runs.src_row.append(s_row)
-    runs.src_col.append(f_all - s_row * c_all)
-    runs.dst_row.append(d_row)
-    runs.dst_col.append(p_all - d_row * dst_cols)
-    runs.length.append(n_all)
-
-
-def _blocks(
-    runs: _Runs, names: list[str], canonical: Mapping[str, Shape], dst_shape: Shape
-) -> dict[str, list[Block]]:
-    """Merge row runs that continue each other row after row into rectangles."""
-    if not runs.src:
-        return {}
-    src, s_row, s_col, d_row, d_col, ln = (
-        np.concatenate(getattr(runs, a))
-        for a in ("src", "src_row", "src_col", "dst_row", "dst_col", "length")
-    )
-    order = np.lexsort((d_row, ln, s_col, d_col, src))
-    src, s_row, s_col, d_row, d_col, ln = (a[order] for a in (src, s_row, s_col, d_row, d_col, ln))
-    new = np.ones(len(src), dtype=bool)
-    new[1:] = (
-        (src[1:] != src[:-1])
-        | (d_col[1:] != d_col[:-1])
-        | (s_col[1:] != s_col[:-1])
-        | (ln[1:] != ln[:-1])
-        | (d_row[1:] != d_row[:-1] + 1)
-        | (s_row[1:] != s_row[:-1] + 1)
-    )
-    starts = np.flatnonzero(new)
-    rows = np.diff(np.append(starts, len(src)))
-    dcols = view_cols(dst_shape)
-    out: dict[str, list[Block]] = {}
-    for i, r in zip(starts.tolist(), rows.tolist(), strict=True):
-        name = names[int(src[i])]
-        out.setdefault(name, []).append(
-            Block(
-                src_cols=view_cols(canonical[name]),
-                dst_cols=dcols,
-                src_row=int(s_row[i]),
-                dst_row=int(d_row[i]),
-                rows=int(r),
-                src_col=int(s_col[i]),
-                dst_col=int(d_col[i]),
-                cols=int(ln[i]),
-            )
-        )
-    return out
-
-
 # ---------------------------------------------------------------------- the shard probe
 
 
@@ -498,7 +326,7 @@ class _ShardProber:
                 t.zero_()
         groups_fn = getattr(self.loader, "probe_groups", None)
         groups = groups_fn(self.names) if groups_fn is not None else default_groups(self.names)
-        runs: dict[str, _Runs] = {}
+        runs: dict[str, Runs] = {}
         refused: dict[str, str] = {}
         passes = 0
         for part in _rounds(groups, self.canonical, self.config.round_elements):
@@ -517,7 +345,7 @@ class _ShardProber:
         for local, t in params.items():
             if not t.numel():
                 continue
-            blocks = _blocks(runs.get(local, _Runs()), self.names, self.canonical, tuple(t.shape))
+            blocks = merge_runs(runs.get(local, Runs()), self.names, self.canonical, tuple(t.shape))
             held = 0
             for name, bl in blocks.items():
                 placements.setdefault(name, []).extend((local, b) for b in bl)
@@ -558,7 +386,7 @@ class _ShardProber:
         self,
         names: list[str],
         groups: list[list[str]],
-        runs: dict[str, _Runs],
+        runs: dict[str, Runs],
         refused: dict[str, str],
     ) -> int:
         rnd = _Round(self, names)
@@ -583,8 +411,8 @@ class _ShardProber:
         params, _ = loader_params(self.loader)
         for local, st in touched.items():
             shape = tuple(params[local].shape)
-            _row_runs(
-                runs.setdefault(local, _Runs()),
+            row_runs(
+                runs.setdefault(local, Runs()),
                 st.covered,
                 st.ids,
                 rnd.offsets,

@@ -1,10 +1,10 @@
-"""Probed layouts as data: shard probes assembled into one table, saved as JSON, cached.
+"""Probed layouts as data: receiver layouts learned per shard, saved as JSON, cached.
 
-``assemble_table(canonical, probes)`` joins the :class:`~deltasync.layout.probe.ShardProbe` of
-every distinct receiver shard into one :class:`~deltasync.layout.table.LayoutTable` (the same
-type the hand-written rules build, so routing, split/merge, digests and the receivers' checks
-run unchanged). A canonical tensor must be held, whole, by the shards together: an element no
-shard holds is an error naming the tensor, never a silently unsynced weight.
+``probe_receiver_layout(spec, make_loader, ...)`` probes every distinct receiver shard's own
+loader (one shard's model alive at a time) and joins them into a :class:`ReceiverLayout` whose
+table is the same type the hand-written rules build, so routing, split/merge, digests and the
+receivers' checks run unchanged; ``probe_engine_layout`` does it for the engines this process
+can build from a ``config.json`` dict (the CLI's entry point).
 
 ``layout_to_json`` / ``layout_from_json`` write and read a table with its shard list and the
 key it was probed for (model config, engine, parallel config): the file ``deltasync layout
@@ -31,8 +31,9 @@ from typing import Any
 
 from deltasync.atomic import write_atomic
 from deltasync.errors import LayoutError
-from deltasync.layout.blocks import Block, numel
-from deltasync.layout.probe import LayoutProbeError, ProbeConfig, ShardProbe, probe_shard
+from deltasync.layout.blocks import Block
+from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
+from deltasync.layout.probe_blocks import assemble_table
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 from deltasync.layout.table import LayoutTable, Placement, Shape
 from deltasync.names import shard_id
@@ -43,48 +44,6 @@ LAYOUT_FORMAT = "deltasync-layout"
 LAYOUT_FORMAT_VERSION = 1
 # Bumped when what the probe computes changes, so stale cache entries are not reused.
 PROBE_VERSION = 1
-
-
-def assemble_table(canonical: Mapping[str, Shape], probes: Mapping[str, ShardProbe]) -> LayoutTable:
-    """One table from every distinct shard's probe.
-
-    Args:
-        canonical: checkpoint tensor names and shapes (the table's sources).
-        probes: ``{shard id: ShardProbe}``, one per distinct shard.
-
-    Returns:
-        A validated :class:`LayoutTable`.
-
-    Raises:
-        LayoutProbeError: a canonical tensor (or part of one) is held by no shard.
-    """
-    placements: dict[str, list[Placement]] = {}
-    for sid, pr in probes.items():
-        for name, pieces in pr.placements.items():
-            if name not in canonical:
-                raise LayoutError(f"shard {sid!r} places unknown tensor {name!r}")
-            placements.setdefault(name, []).extend(Placement(sid, loc, b) for loc, b in pieces)
-    missing = {n: "no shard holds any of its elements" for n in canonical if n not in placements}
-    for name, pls in placements.items():
-        rects = {p.block.src_rect(): p.block.size for p in pls}
-        if sum(rects.values()) < numel(canonical[name]):
-            missing[name] = (
-                f"the shards hold {sum(rects.values())} of its {numel(canonical[name])} elements"
-            )
-    if missing:
-        raise LayoutProbeError(
-            "the engine's loaders drop checkpoint elements (an element no receiver shard "
-            "holds could never be synced): "
-            + "; ".join(f"{n}: {why}" for n, why in list(missing.items())[:8])
-            + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""),
-            missing,
-        )
-    return LayoutTable(
-        src_shapes=canonical,
-        dst_shapes={sid: pr.local_shapes for sid, pr in probes.items()},
-        placements={n: placements[n] for n in canonical},
-        aliases={sid: pr.aliases for sid, pr in probes.items() if pr.aliases},
-    )
 
 
 def probe_key(

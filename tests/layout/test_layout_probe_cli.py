@@ -1,0 +1,176 @@
+"""``deltasync layout probe`` / ``split`` (sharded checkpoints, directories) / ``merge``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltasync.cli import main
+from deltasync.layout import ModelSpec
+from deltasync.layout.hf_rules import build_hf_table
+from deltasync.layout.probed import layout_from_json, load_layout
+from deltasync.layout.vllm_rules import build_vllm_table
+
+from layout_cases import CONFIGS, bitwise_equal, random_state
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 157,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+}
+
+
+def table_key(table):
+    placements = {
+        n: sorted((p.shard, p.local, p.block) for p in pls) for n, pls in table.placements.items()
+    }
+    return placements, table.dst_shapes, table.aliases
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["layout", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def write_config(tmp_path: Path, cfg: dict) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.from_hf_config(cfg)
+    return spec, random_state(spec, seed=5)
+
+
+def write_sharded(tmp_path: Path, full: dict[str, torch.Tensor], parts: int = 3) -> Path:
+    """A sharded HF checkpoint: ``parts`` files and model.safetensors.index.json."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    names = list(full)
+    weight_map = {}
+    for i in range(parts):
+        fname = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {n: full[n] for n in names[i::parts]}
+        save_file(chunk, str(ckpt / fname))
+        weight_map.update(dict.fromkeys(chunk, fname))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return ckpt
+
+
+@pytest.mark.timeout(120)
+def test_probe_saves_the_vllm_layout_the_rules_give_and_the_cache_keeps_one_file(tmp_path, capsys):
+    spec, _ = write_config(tmp_path, CONFIGS["moe_tied"])
+    args = ["probe", "--config", str(tmp_path / "config.json"), "--engine", "vllm-reference",
+            "--tp", "2", "--ep", "2", "--out", str(tmp_path / "layout.json"),
+            "--cache", str(tmp_path / "cache")]  # fmt: skip
+    rc, out, err = cli(capsys, *args)
+    assert rc == 0, err
+    assert "tensors into 2 shard(s)" in out
+    table, shards, key = load_layout(tmp_path / "layout.json")
+    assert table_key(table) == table_key(build_vllm_table(spec, 2, 2))
+    assert [s.id for s in shards] == ["tp0-ep0", "tp1-ep1"]
+    assert key["engine"] == "vllm-reference" and key["parallel"] == {"ep": 2, "tp": 2}
+    rc, _, err = cli(capsys, *args)
+    assert rc == 0, err
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@pytest.mark.timeout(120)
+def test_probe_without_out_prints_the_layout_json_of_the_transformers_class(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    spec, _ = write_config(tmp_path, CONFIGS["moe_untied"])
+    rc, out, err = cli(
+        capsys, "probe", "--config", str(tmp_path / "config.json"), "--engine", "transformers"
+    )
+    assert rc == 0, err
+    table, shards, _ = layout_from_json(json.loads(out))
+    assert table_key(table) == table_key(build_hf_table(spec))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("form", ["index", "directory"])
+def test_split_accepts_a_sharded_checkpoint_and_merge_rebuilds_it_bitwise(tmp_path, capsys, form):
+    spec, full = write_config(tmp_path, CONFIGS["moe_untied"])
+    ckpt = write_sharded(tmp_path, full)
+    source = ckpt / "model.safetensors.index.json" if form == "index" else ckpt
+    rc, _, err = cli(capsys, "split", "--config", str(tmp_path / "config.json"),
+                     "--checkpoint", str(source), "--engine", "vllm", "--tp", "2", "--ep", "4",
+                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    assert rc == 0, err
+    want = build_vllm_table(spec, 2, 4).split(full)
+    for sid, tensors in want.items():
+        got = load_file(str(tmp_path / "shards" / f"{sid}.safetensors"))
+        assert got.keys() == tensors.keys() and all(bitwise_equal(got[n], tensors[n]) for n in got)
+    rc, out, err = cli(capsys, "merge", "--config", str(tmp_path / "config.json"),
+                       "--shards", str(tmp_path / "shards"), "--engine", "vllm",
+                       "--out", str(tmp_path / "full.safetensors"))  # fmt: skip
+    assert rc == 0, err
+    merged = load_file(str(tmp_path / "full.safetensors"))
+    assert merged.keys() == full.keys() and all(bitwise_equal(merged[n], full[n]) for n in full)
+
+
+@pytest.mark.timeout(120)
+def test_a_probed_layout_file_splits_and_merges_a_family_without_hand_written_rules(
+    tmp_path, capsys
+):
+    spec, full = write_config(tmp_path, LLAMA)
+    save_file(full, str(tmp_path / "full.safetensors"))
+    config = str(tmp_path / "config.json")
+    rc, _, err = cli(capsys, "probe", "--config", config, "--tp", "2",
+                     "--out", str(tmp_path / "layout.json"))  # fmt: skip
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "split", "--config", config, "--checkpoint",
+                     str(tmp_path / "full.safetensors"), "--layout", str(tmp_path / "layout.json"),
+                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    assert rc == 0, err
+    tp1 = load_file(str(tmp_path / "shards" / "tp1.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.bias" in tp1
+    rc, _, err = cli(capsys, "merge", "--config", config, "--shards", str(tmp_path / "shards"),
+                     "--layout", str(tmp_path / "layout.json"),
+                     "--out", str(tmp_path / "back.safetensors"))  # fmt: skip
+    assert rc == 0, err
+    merged = load_file(str(tmp_path / "back.safetensors"))
+    assert merged.keys() == full.keys() and all(bitwise_equal(merged[n], full[n]) for n in full)
+
+
+@pytest.mark.timeout(120)
+def test_an_index_that_disagrees_with_its_files_is_refused_naming_the_tensor(tmp_path, capsys):
+    _, full = write_config(tmp_path, CONFIGS["dense_tied"])
+    ckpt = write_sharded(tmp_path, full, parts=2)
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.norm.weight"
+    other = {f for f in index["weight_map"].values() if f != index["weight_map"][name]}.pop()
+    index["weight_map"][name] = other
+    index_path.write_text(json.dumps(index))
+    rc, _, err = cli(capsys, "split", "--config", str(tmp_path / "config.json"),
+                     "--checkpoint", str(ckpt), "--tp", "2", "--out", str(tmp_path / "shards"))  # fmt: skip
+    assert rc == 2 and "LayoutError" in err and name in err
+    assert not (tmp_path / "shards" / "shards.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_merge_refuses_replicas_that_disagree(tmp_path, capsys):
+    _, full = write_config(tmp_path, CONFIGS["dense_tied"])
+    save_file(full, str(tmp_path / "full.safetensors"))
+    config = str(tmp_path / "config.json")
+    rc, _, err = cli(capsys, "split", "--config", config, "--checkpoint",
+                     str(tmp_path / "full.safetensors"), "--tp", "2",
+                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    assert rc == 0, err
+    tp1 = load_file(str(tmp_path / "shards" / "tp1.safetensors"))
+    tp1["model.norm.weight"] = tp1["model.norm.weight"].clone()
+    tp1["model.norm.weight"][3] += 1
+    save_file(tp1, str(tmp_path / "shards" / "tp1.safetensors"))
+    rc, _, err = cli(capsys, "merge", "--config", config, "--shards", str(tmp_path / "shards"),
+                     "--out", str(tmp_path / "back.safetensors"))  # fmt: skip
+    assert rc == 2 and "model.norm.weight" in err
+    assert not (tmp_path / "back.safetensors").exists()
