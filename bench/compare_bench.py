@@ -2,7 +2,7 @@
 
 Presets: ``small`` (a tiny Qwen3, lr 3e-6, store unthrottled / 1 Gbit/s / in-cluster; a few
 minutes here) and ``full`` (Qwen3-0.6B shape at lr 1e-6/3e-6/1e-5 and a Qwen3-MoE shape at
-3e-6; store unthrottled / 1 / 10 Gbit/s and in-cluster) -- the README's results run. The last
+3e-6; store unthrottled / 1 / 10 Gbit/s and in-cluster) -- docs/benchmarks.md's run. The last
 stdout line is JSON; its headline block is lr 3e-6 at the first emulated link rate.
 """
 
