@@ -198,6 +198,18 @@ class ApplicationMissingError(DeltaSyncError):
     the message names the package and how to install it."""
 
 
+class PublishFailedError(DeltaSyncError):
+    """A version published in the background (``TrainerSync(overlap=True)``) did not commit.
+    Raised at the next call, naming the version; its changed positions are kept and go out
+    with the next version, so nothing is lost: call ``step_published`` again.
+
+    ``version`` is the version that failed; the original error is the ``__cause__``."""
+
+    def __init__(self, message: str, *, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 # --- internal signals (never reach a caller) ----------------------------------------------
 
 

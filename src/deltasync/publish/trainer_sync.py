@@ -1,29 +1,112 @@
 """TrainerSync: detection -> publish -> clear, in the order that keeps every delta exact.
 
-The tracker's baseline (``clear()``) may advance only after the version is committed on every
-publisher (several publishers serve several receiver layouts, e.g. a vLLM TP=2 fleet and an
-HF evaluator, each on its own store prefix). Until then the tracker keeps its bits, so a retry
-resends everything since the last committed version; values are absolute overwrites, so
-elements sent twice are harmless.
+The tracker's baseline may advance only after the version is committed on every publisher
+(several publishers serve several receiver layouts, e.g. a vLLM TP=2 fleet and an HF
+evaluator, each on its own store prefix). Values are absolute overwrites, so elements sent
+twice are harmless: a retry may always resend more than needed, never less.
+
+Two modes:
+
+- ``overlap=False`` (default): ``step_published`` runs the whole publish (detection, routing,
+  encoding, upload, digests, commit) and clears the tracker only after the commit; on a
+  failure the tracker keeps its bits.
+- ``overlap=True``: ``step_published`` blocks only while the tracker's detection captures
+  every parameter's changed indices and BF16 values (O(changed) memory), clears the tracker
+  and returns a :class:`PendingVersion`; routing, encoding, upload, digest assembly and the
+  commit run on a background thread while the caller's next forward/backward runs. The
+  background reads ``params`` (the digests), which nothing changes until the next optimizer
+  step, so that step is the barrier: a pre-step hook on ``optimizer`` waits for the version in
+  flight (as does the next ``step_published``). Until a version commits, its changed positions
+  stay here (the *carry*); a version that fails is never lost: its positions join the next
+  version's, with values re-read from ``params`` then, and the error is raised at the next
+  call (``step_published``, ``wait``, ``close``) as :class:`PublishFailedError` naming it.
 
 ``synchronous=True`` also waits for the acknowledgements of the given receivers after each
 commit (synchronous RL); the version stays committed if that wait times out.
 
 This class knows the tracker protocol (:class:`deltasync.trainer.Tracker`: ``iter_changes()``
-and ``clear()``) and Publisher; nothing else.
+and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, PublishFailedError
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.trainer import Tracker
 
+log = logging.getLogger(__name__)
+
 Params = Mapping[str, torch.Tensor]
+Captured = list[tuple[str, torch.Tensor, torch.Tensor]]
+
+
+class PendingVersion:
+    """A version captured by ``TrainerSync(overlap=True)`` and publishing in the background.
+
+    ``captured_s`` is how long the caller was blocked (detection and capture); ``done()``
+    says whether the background has finished; ``result()`` waits and returns the reports (or
+    raises the publish error; the TrainerSync still raises it at its next call)."""
+
+    def __init__(self, version: int, future: Future, captured_s: float) -> None:
+        self.version = version
+        self.captured_s = captured_s
+        self._future = future
+        self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[PublishReport]:
+        return self._future.result(timeout)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+def _narrow(idx: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    # Held across versions: int32 halves it wherever every position fits (< 2^31 elements).
+    return idx.to(torch.int32) if _local(param).numel() < 2**31 else idx
+
+
+def merge_carry(
+    changes: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+    carry: Mapping[str, torch.Tensor],
+    params: Params,
+) -> Captured:
+    """The tracker's changes since the last capture joined with ``carry`` (sorted positions,
+    int32 or int64, of earlier versions that never committed), in ``params`` order, as sorted
+    unique int64 indices.
+
+    A carried parameter's values are re-read from ``params`` at the union of positions (its
+    bits now, which is what the receivers must end with); the others keep the tracker's."""
+    fresh = {name: (idx, vals) for name, idx, vals in changes}
+    out: Captured = []
+    for name in params:
+        got, old = fresh.pop(name, None), carry.get(name)
+        if old is None:
+            if got is not None:
+                out.append((name, got[0], got[1]))
+            continue
+        old = old.to(torch.int64)
+        idx = old if got is None else torch.unique(torch.cat([old, got[0].to(old.device)]))
+        flat = _local(params[name]).reshape(-1)
+        vals = flat.index_select(0, idx.to(flat.device)).to(torch.bfloat16)
+        out.append((name, idx, vals))
+    if fresh:
+        raise ConfigError(
+            f"the tracker reports changes in {sorted(fresh)[:3]}, which are not in params; pass "
+            "the same named parameters the tracker watches"
+        )
+    return out
 
 
 class TrainerSync:
@@ -33,7 +116,9 @@ class TrainerSync:
     ``baseline`` is the committed version they equal when the tracker was created or last
     cleared, if the caller knows it (e.g. after loading the checkpoint of that version); None
     makes the first publish an anchor (a version already committed with the same state is
-    recognised instead, see :meth:`Publisher.publish`)."""
+    recognised instead, see :meth:`Publisher.publish`). ``overlap=True`` publishes in the
+    background (see the module docstring) and needs the ``optimizer`` whose next step is the
+    barrier."""
 
     def __init__(
         self,
@@ -46,10 +131,18 @@ class TrainerSync:
         synchronous: bool = False,
         ack_receivers: Sequence[str] | None = None,
         ack_timeout_s: float = 60.0,
+        overlap: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         pubs = [publishers] if isinstance(publishers, Publisher) else list(publishers)
         if not pubs:
             raise ConfigError("TrainerSync needs at least one publisher")
+        if overlap and optimizer is None:
+            raise ConfigError(
+                "TrainerSync.optimizer is required with overlap=True: its next step must wait "
+                "for the version publishing in the background (pass the optimizer the tracker "
+                "hooks)"
+            )
         self.tracker = tracker
         self.publishers = pubs
         self._params = params
@@ -58,36 +151,168 @@ class TrainerSync:
         self.synchronous = synchronous
         self.ack_receivers = ack_receivers
         self.ack_timeout_s = ack_timeout_s
+        self.overlap = overlap
+        # overlap mode: positions captured since the last commit, per param (sorted int64)
+        self._carry: dict[str, torch.Tensor] = {}
+        self._inflight: PendingVersion | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self.last_reports: list[PublishReport] = []  # of the newest committed version
+        self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
+        self._hook = (
+            optimizer.register_step_pre_hook(lambda *_: self._barrier())
+            if overlap and optimizer is not None
+            else None
+        )
 
-    def step_published(self, version: int, *, anchor: bool = False) -> list[PublishReport]:
-        """Publish the changes since the baseline as ``version`` on every publisher, then
-        clear the tracker. On any failure the tracker keeps its bits and the exception
-        propagates: call again (same or a later version) to retry.
+    # --- the synchronous path -----------------------------------------------------------
+
+    def step_published(
+        self, version: int, *, anchor: bool = False
+    ) -> list[PublishReport] | PendingVersion:
+        """Publish the changes since the baseline as ``version`` on every publisher.
+
+        Without overlap: returns once committed everywhere, then clears the tracker; on any
+        failure the tracker keeps its bits and the exception propagates: call again (same or
+        a later version) to retry. With overlap: waits for the version in flight (raising
+        :class:`PublishFailedError` if it failed; its changes are kept for the next call),
+        captures this version's changes and returns while it publishes in the background.
 
         Args:
             version: the version to commit on every publisher.
             anchor: publish a full version instead of the tracker's changes.
 
         Returns:
-            One :class:`PublishReport` per publisher, in order.
+            One :class:`PublishReport` per publisher, in order; with overlap, the
+            :class:`PendingVersion` whose ``result()`` gives them.
         """
+        if self.overlap:
+            return self._step_overlapped(version, anchor)
         params = self._params() if callable(self._params) else self._params
         changes: Iterable = self.tracker.iter_changes()
         if len(self.publishers) > 1:  # every publisher needs the same changes: detect once
             changes = list(changes)
         # With one publisher the stream is lazy: each group is detected while the previous
         # one is encoded and uploading.
-        reports = [
+        reports = self._publish_all(version, changes, params, anchor)
+        # Committed everywhere: the new baseline is this version's state.
+        self.tracker.clear()
+        self.baseline = version
+        self.last_reports = reports
+        self._wait_acks(version)
+        return reports
+
+    def _publish_all(self, version: int, changes, params: Params, anchor: bool):
+        return [
             pub.publish(
                 version, changes, params, anchor=anchor, since=self.baseline,
                 full_state=self._full_state,
             )
             for pub in self.publishers
-        ]
-        # Committed everywhere: the new baseline is this version's state.
-        self.tracker.clear()
-        self.baseline = version
+        ]  # fmt: skip
+
+    def _wait_acks(self, version: int) -> None:
         if self.synchronous:
             for pub in self.publishers:
                 pub.wait_for_acks(version, self.ack_receivers, timeout=self.ack_timeout_s)
+
+    # --- the overlapped path ------------------------------------------------------------
+
+    def _step_overlapped(self, version: int, anchor: bool) -> PendingVersion:
+        self.wait()  # the barrier; raises the failed version's error (its carry is kept)
+        t = time.perf_counter()
+        params = self._params() if callable(self._params) else self._params
+        # Detection on the caller's thread: it reads θ, m, v, and the tracker is cleared
+        # right after, so no other thread ever touches the tracker.
+        captured = merge_carry(self.tracker.iter_changes(), self._carry, params)
+        self.tracker.clear()
+        # Until this version commits, its positions (relative to the committed baseline) are
+        # the carry; the captured values go to the background and are dropped after.
+        self._carry = {name: _narrow(idx, params[name]) for name, idx, _ in captured}
+        captured_s = time.perf_counter() - t
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
+        pending = PendingVersion(version, Future(), captured_s)
+        pending._future = self._worker.submit(self._background, pending, captured, params, anchor)
+        self._inflight = pending
+        return pending
+
+    def _background(
+        self, pending: PendingVersion, captured: Captured, params: Params, anchor: bool
+    ) -> list[PublishReport]:
+        try:
+            reports = self._publish_all(pending.version, captured, params, anchor)
+            # Committed everywhere: the baseline moves now (wait() reads it after result());
+            # the carry is dropped when the caller's thread settles the version.
+            self.baseline = pending.version
+            self._wait_acks(pending.version)
+            return reports
+        finally:
+            del captured  # the values are not needed once encoded (or failed)
+            pending.finished_at = time.time()
+
+    def _barrier(self) -> None:
+        """The optimizer's pre-step hook: the version in flight must be done before the
+        step changes ``params`` (its digests read them). Errors wait for the next call."""
+        pending = self._inflight
+        if pending is not None and not pending.done():
+            t = time.perf_counter()
+            try:
+                pending.result()
+            except Exception:  # raised at the next call, naming the version
+                pass
+            self.barrier_wait_s = time.perf_counter() - t
+        elif pending is not None:
+            self.barrier_wait_s = 0.0
+
+    def wait(self) -> list[PublishReport] | None:
+        """Wait for the version in flight (overlap mode) and settle it.
+
+        Returns:
+            Its reports, or None when nothing was in flight.
+
+        Raises:
+            PublishFailedError: it did not commit (or its acknowledgement wait failed); its
+                changed positions are kept and go out with the next version.
+        """
+        pending, self._inflight = self._inflight, None
+        if pending is None:
+            return None
+        try:
+            reports = pending.result()
+        except Exception as exc:
+            committed = self.baseline == pending.version  # only the ack wait failed
+            if committed:
+                self._carry = {}
+            else:
+                log.warning(
+                    "version %d did not commit (%s: %s); its %d changed parameter(s) go out "
+                    "with the next version", pending.version, type(exc).__name__, exc,
+                    len(self._carry),
+                )  # fmt: skip
+            raise PublishFailedError(
+                f"version {pending.version} "
+                + ("committed, but waiting for its acknowledgements failed" if committed else
+                   "did not commit; its changes are kept and go out with the next version: "
+                   "call step_published again")
+                + f" ({type(exc).__name__}: {exc})",
+                version=pending.version,
+            ) from exc  # fmt: skip
+        self._carry = {}  # committed everywhere: the baseline is this version's state
+        self.last_reports = reports
         return reports
+
+    def close(self) -> None:
+        """Wait for the version in flight, remove the optimizer hook, stop the thread.
+
+        Raises:
+            PublishFailedError: the version in flight did not commit.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
