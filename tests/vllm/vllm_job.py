@@ -218,8 +218,11 @@ def synced(spec: dict) -> dict:
         out["corrupt_error"] = None
     except Exception as exc:  # recorded for the test to judge
         out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
-    after, *_ = llm.collective_rpc(worker_state)
-    out["state_after_corrupt"] = {k: after[k] for k in ("weight_version", "tensors")}
+    afters = llm.collective_rpc(worker_state)
+    out["states_after_corrupt"] = [
+        {k: a[k] for k in ("shard", "weight_version", "tensors")} for a in afters
+    ]
+    out["state_after_corrupt"] = out["states_after_corrupt"][0]
     out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
     return out
 

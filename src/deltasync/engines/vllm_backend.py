@@ -12,11 +12,14 @@ vLLM's four-phase weight-transfer API calls, on every worker:
 
    - ``{"version": N, "phase": "stage"}`` starts the pull on a worker-side thread and returns at
      once: the manifests, blobs, digests and decoding are fetched and checked while the
-     engine keeps serving; the thread then waits before its first write;
-   - ``{"version": N}`` (phase ``"apply"``) lets a staged pull write, or runs the whole pull
-     now if none was staged: journal, scatter in place, post-load refresh of packed CPU
-     kernels, digest check. vLLM runs this RPC between model steps, so this call is the
-     engine's pause; with ``"stage"`` first it covers the scatter only.
+     engine keeps serving; the thread then waits before its first write (its errors are
+     raised by the apply call);
+   - ``{"version": N}`` (phase ``"apply"``) waits for the staged pull (or stages now if
+     nothing was staged), then the TP ranks agree (one flag each, reduced over vLLM's TP CPU
+     group): if any rank failed to stage, no rank writes; otherwise each writes: journal,
+     scatter in place, post-load refresh of packed CPU kernels, digest check. vLLM runs this
+     RPC between model steps, so this call is the engine's pause; with ``"stage"`` first it
+     covers the scatter only.
 
 4. ``finish_weight_update()``: close the session and record the verified version
    (:attr:`DeltaSyncWeightTransferEngine.weight_version`). The prefix cache is the
@@ -219,20 +222,19 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._active = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # No device synchronize: the scatter runs on this thread (CPU) or on the current
-        # stream, and the digest check after it reads every written tensor back.
         self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()  # the scatter ran on the staging thread's stream
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
-        """Stage or apply ``update_info.version``; raises on any failure, with the worker at
-        its previous verified version."""
+        """Stage or apply ``update_info.version``; raises on any failure, with every rank at
+        its previous verified version when staging failed anywhere."""
         receiver = self._receiver()
         if not self._active:
             raise ConfigError("call start_weight_update before update_weights")
         version = update_info.version
         if update_info.phase == "stage":
             self._cancel_staged()
-            self._check_newest(receiver, version)
             self._staged = self._start_staging(receiver, version)
             return
         t0 = time.perf_counter()
@@ -241,17 +243,25 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             staged.cancel()
             staged.thread.join()
             staged = None
-        if staged is None:
-            if not receiver.dirty and receiver.version == version:
-                return  # already there (a retried update)
-            self._check_newest(receiver, version)
-            report = self._pull(receiver)
-        else:
-            staged.release()
+        if staged is None:  # nothing staged while serving: stage now, inside this call
+            staged = self._start_staging(receiver, version)
+        staged.staged.wait()  # fetched and verified (held before its first write) or failed
+        # Every TP rank writes, or none does: each rank's staging outcome is gathered over
+        # vLLM's own CPU group. (Every rank makes exactly these two collectives per apply, so
+        # none can hang on a rank that returned early.)
+        failures = self._gather_failures(staged.error)
+        if failures:
+            staged.cancel()
             staged.thread.join()
-            if staged.error is not None:
-                raise staged.error
-            report = staged.report
+            self._fail(version, failures, staged.error, written=False)
+            return
+        staged.release()
+        staged.thread.join()
+        failures = self._gather_failures(staged.error)  # after the first write: dirty ranks
+        if failures:
+            self._fail(version, failures, staged.error, written=True)
+            return
+        report = staged.report
         self.last_update_s = time.perf_counter() - t0
         self.last_report = report
         if report.version != version:
@@ -264,6 +274,55 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.shard.shard, report.previous_version, report.version, report.chain,
             report.elements_written, self.last_pause_s,
         )  # fmt: skip
+
+    def _gather_failures(self, error: BaseException | None) -> list[tuple[str, str]]:
+        """Every TP rank's ``(shard, error)``, for the ranks whose pull failed."""
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        if self.shard.place.tp == 1:
+            outcomes = [(self.shard.shard, mine)]
+        else:
+            import torch.distributed as dist
+            from vllm.distributed import get_tp_group
+
+            outcomes = [None] * self.shard.place.tp
+            dist.all_gather_object(
+                outcomes, (self.shard.shard, mine), group=get_tp_group().cpu_group
+            )
+        return [(shard, err) for shard, err in outcomes if err is not None]
+
+    def _fail(
+        self,
+        version: int,
+        failures: list[tuple[str, str]],
+        own: BaseException | None,
+        *,
+        written: bool,
+    ) -> None:
+        """Raise the update's failure on this worker, or (TP > 1) only on the last rank.
+
+        vLLM 0.32's multiprocess executor stops reading worker replies at the first rank that
+        failed, and the next RPC then reads the rest: so one rank (the last, read last) raises,
+        naming every rank's error, and the others log and return. The trainer engine closes
+        the session with ``finish_weight_update`` (see :mod:`.vllm_trainer`)."""
+        receiver = self._receiver()
+        where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
+        if self.shard.place.tp == 1 and own is not None:
+            raise own
+        state = (
+            "some ranks wrote it and failed their digest check; they are dirty and the next update restores the newest anchor"
+            if written
+            else "no rank wrote anything; every rank stays at its previous verified version"
+        )
+        message = f"version {version} was not taken ({state}): {where}"
+        if self.shard.place.tp_rank != self.shard.place.tp - 1:
+            log.error(
+                "deltasync shard %s (at version %s): %s",
+                self.shard.shard,
+                receiver.version,
+                message,
+            )
+            return
+        raise ApplyError(message)
 
     def finish_weight_update(self) -> None:
         receiver = self._receiver()
@@ -307,6 +366,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
         def run() -> None:
             try:
+                if self.device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
+                self._check_newest(receiver, version)
                 staged.report = self._pull(receiver, staged)
             except BaseException as exc:  # re-raised on the worker thread by the apply call
                 staged.error = exc

@@ -23,7 +23,11 @@ Where a write lands (:attr:`VllmShard.path`):
   layer is repacked, O(layer size), per update. The packed layers' values are gone after
   load, so the masters start unknown and the first update restores the newest anchor.
 
-Which layers are packed is measured, not assumed (:func:`kernel_reads_weight`). A packed CPU
+  vLLM's CPU MoE experts are packed differently: ``cpu_prepack_moe_weight`` reorders
+  ``w13_weight``/``w2_weight`` *inside* the parameter (same shape and dtype). Their masters
+  are prepacked into the parameter again with vLLM's own op (``prepack_moe_weight``).
+
+Which linear layers are packed is measured, not assumed (:func:`kernel_reads_weight`). A packed CPU
 engine must run with ``enforce_eager=True``: a compiled graph keeps the kernel it captured.
 
 This module imports vLLM only inside functions that run in a worker. It knows the model's
@@ -132,10 +136,27 @@ class VllmShard:
         # its dtype, and the layers whose packed kernels are built from it
         self._mirrors: dict[str, tuple[torch.Tensor | None, torch.dtype, list[torch.nn.Module]]]
         self._mirrors = {}
+        # local name -> (the expert parameter vLLM's CPU MoE kernel reads, its prepack ISA)
+        self._moe: dict[str, tuple[torch.Tensor, str]] = {}
         self._lost = False
         for name, spec in self.specs.items():
             p = live[name].data
             layer = model.get_submodule(self.engine_names[name].rpartition(".")[0])
+            isa = _moe_prepack_isa(layer, self.engine_names[name])
+            if isa is not None:
+                # vLLM's CPU MoE experts hold their weights prepacked *in the parameter*
+                # (same shape and dtype, bytes reordered for the kernel): its values cannot be
+                # read back, and a write in checkpoint order would scramble them. A BF16 master
+                # takes the writes; the refresh prepacks it into the parameter.
+                if tuple(p.shape) != spec.shape or p.dtype != spec.dtype:
+                    raise ConfigError(
+                        f"vLLM expert weight {name!r} is {tuple(p.shape)} {p.dtype} (padded by "
+                        f"the CPU MoE kernel?); the layout says {spec.shape} {spec.dtype}"
+                    )
+                self.targets[name] = torch.zeros(spec.shape, dtype=spec.dtype)
+                self._moe[name] = (p, isa)
+                self._lost = True
+                continue
             packed = _is_packed(layer, p)
             if p.numel() and tuple(p.shape) != spec.shape:
                 raise ConfigError(
@@ -160,10 +181,10 @@ class VllmShard:
         self._tied: dict[str, list[torch.nn.Module]] = {}
         self._add_tied_kernels(model)
         if path == "auto":
-            path = "repack" if self._mirrors else "inplace"
-        if path == "inplace" and self._mirrors:
+            path = "repack" if self._mirrors or self._moe else "inplace"
+        if path == "inplace" and (self._mirrors or self._moe):
             raise ConfigError(
-                f"path 'inplace' cannot reach {sorted(self._mirrors)[:3]} (packed CPU kernels or "
+                f"path 'inplace' cannot reach {sorted({*self._mirrors, *self._moe})[:3]} (packed CPU kernels or "
                 "a non-BF16 engine dtype); use path 'repack'"
             )
         if path == "repack" and self.packed and not eager:
@@ -198,14 +219,13 @@ class VllmShard:
     @property
     def packed(self) -> list[str]:
         """Targets whose kernels compute with a packed copy (rebuilt after a write)."""
-        return sorted(
-            {n for n, (_, _, layers) in self._mirrors.items() if layers} | set(self._tied)
-        )
+        packed = {n for n, (_, _, layers) in self._mirrors.items() if layers}
+        return sorted(packed | set(self._tied) | set(self._moe))
 
     @property
     def mirrored(self) -> list[str]:
         """Targets that are BF16 masters of an engine tensor (the ``repack`` path)."""
-        return sorted(self._mirrors)
+        return sorted({*self._mirrors, *self._moe})
 
     @property
     def values_lost(self) -> bool:
@@ -222,6 +242,11 @@ class VllmShard:
             for name in names:
                 for layer in self._tied.get(name, ()):
                     _repack(layer, layer.weight)
+                    done += 1
+                if name in self._moe:
+                    param, isa = self._moe[name]
+                    # vLLM's own prepack (cpu_prepack_moe_weight), into the parameter's storage
+                    torch.ops._C.prepack_moe_weight(self.targets[name].contiguous(), param, isa)
                     done += 1
                 if name not in self._mirrors:
                     continue
@@ -249,6 +274,20 @@ def _engine_name(name: str, params: dict[str, torch.Tensor]) -> str:
         if name.endswith(old) and (alias := name[: -len(old)] + new) in params:
             return alias
     return name
+
+
+def _moe_prepack_isa(layer: torch.nn.Module, engine_name: str) -> str | None:
+    """The ISA vLLM's CPU MoE experts prepacked ``engine_name`` with, or None if the layer's
+    expert weights are read as loaded (GPU kernels, zentorch, not an expert weight)."""
+    if engine_name.rpartition(".")[2] not in ("w13_weight", "w2_weight"):
+        return None
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or "CPU" not in type(experts).__name__ or not hasattr(experts, "isa"):
+        return None
+    if getattr(experts, "_use_zentorch", False):
+        return None
+    return experts.isa
 
 
 def _is_packed(layer: torch.nn.Module, p: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ module imports vLLM (its base classes); it knows the control-plane order, nothin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -144,7 +145,15 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             pause(self.pause_mode)
         try:
             t1 = time.perf_counter()
-            self.client.update_weights({"version": version, "phase": "apply"})
+            try:
+                self.client.update_weights({"version": version, "phase": "apply"})
+            except BaseException:
+                # With TP > 1 only the last worker raises (vLLM's multiprocess executor stops
+                # reading replies at the first failed rank); the others still hold an open
+                # update session. Close it there; the failed rank refuses this call.
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
+                raise
             apply_s = time.perf_counter() - t1
             self.client.finish_weight_update(weight_version=str(version))
             reset = getattr(self.client, "reset_prefix_cache", None)
