@@ -131,9 +131,7 @@ def module_tree(tensors: dict[str, torch.Tensor], *, packs: bool = False, dtype=
         else:
             if not hasattr(node, attr):
                 node.add_module(attr, torch.nn.Module())
-            getattr(node, attr).register_parameter(
-                leaf, torch.nn.Parameter(t, requires_grad=False)
-            )
+            getattr(node, attr).register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return root
 
 
