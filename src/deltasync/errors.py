@@ -146,6 +146,11 @@ class SignatureError(ManifestError):
     """A manifest is unsigned or its signature does not verify with the configured key."""
 
 
+class LayoutMismatchError(ManifestError):
+    """A version was published for another receiver layout (engine, TP/EP, model config) than
+    the receiver's; refused before anything is fetched, naming both layouts."""
+
+
 class MissingBlobError(ManifestError, KeyNotFoundError):
     """A committed manifest lists a blob the store does not have (deleted or never uploaded)."""
 

@@ -1,22 +1,45 @@
-"""``deltasync inspect STORE``: what is committed on a store, version by version.
+"""``deltasync inspect STORE``: a read-only diagnostic of what is committed on a store.
 
     deltasync inspect STORE [--last N] [--json] [--key-file F] [--s3-endpoint URL ...]
 
-prints one row per (version, receiver shard): kind, base, blob bytes, elements sent, density
-(elements sent / the shard's elements, the latter read from the newest anchor's blobs), and
-the receivers that acknowledged it; then the registered receivers. ``--json`` prints one JSON
-line instead. It only reads. The store options here are shared with ``deltasync pull``.
+refuses a path that is not a deltasync store (rc 2, nothing created), then prints the newest
+version's layout (engine, TP, EP, model fingerprint) and lineage (run id), and one row per
+(version, receiver shard): a status with its reason, kind, base, run id, blob bytes, elements
+sent, density (elements sent / the shard's elements, both from the manifest: no blob is
+decoded) and the receivers that acknowledged it; then the registered receivers. Statuses:
+
+- ``ok``: the manifest verifies and every blob is present with its size and digest;
+- ``corrupt`` / ``truncated`` / ``missing blob``: a blob does not match its manifest entry;
+- ``gap``: a delta whose base version has no manifest in the store (receivers below it
+  restore an anchor);
+- ``unsigned`` / ``bad signature`` (with ``--key-file``), ``unreadable``: the manifest;
+- ``uncommitted``: a version directory without a manifest (an attempt in flight, or a crash).
+
+``--json`` prints one JSON line instead. Blobs are read (bounded by their manifest size) to
+check their digests; nothing is written. The store options here are shared with ``deltasync
+pull``. A closed output pipe ends it quietly.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
+import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from deltasync.errors import ConfigError, DeltaSyncError
+from deltasync.errors import (
+    ConfigError,
+    DeltaSyncError,
+    DigestMismatchError,
+    KeyNotFoundError,
+    SignatureError,
+    TruncatedBlobError,
+)
 from deltasync.jsonline import emit_json_line
+
+EXIT_NOT_A_STORE = 2
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,9 +53,25 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def open_store_from_args(args: argparse.Namespace):
+def local_path(url: str) -> Path | None:
+    """The directory of a local store URL (None for other schemes)."""
+    if url.startswith("file://"):
+        return Path(unquote(urlsplit(url).path))
+    if "://" in url:
+        return None
+    return Path(url)
+
+
+def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
+    """The store the arguments name; ``must_exist`` refuses a local path that is not an
+    existing directory instead of creating it."""
     from deltasync.store import S3Config, open_store
 
+    path = local_path(args.store)
+    if must_exist and path is not None and not path.is_dir():
+        raise ConfigError(
+            f"{args.store!r} is not a directory: not a deltasync store (nothing was created)"
+        )
     s3 = None
     if args.store.startswith("s3://"):
         s3 = S3Config(
@@ -63,59 +102,80 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _shard_elements(store, catalog, versions: list[int]) -> dict[str, int]:
-    """Elements of each shard, from the newest readable anchor (it names every local tensor;
-    with several writers each names the same tensors, so each tensor counts once)."""
-    from deltasync.format import decode_blob
+def is_store(store) -> bool:
+    """Does ``store`` hold anything deltasync writes (LATEST, a version, a registration)?"""
+    from deltasync import names
 
-    for v in reversed(versions):
+    return bool(
+        store.exists(names.LATEST)
+        or store.list(names.VERSIONS_PREFIX)
+        or store.list(names.RECEIVERS_PREFIX)
+    )
+
+
+def _blob_status(store, manifest, shard: str) -> tuple[str, str]:
+    """(status, reason) of ``shard``'s blobs in ``manifest``, each read and checked as a
+    receiver would (size, digest), never decoded."""
+    from deltasync.errors import MissingBlobError
+    from deltasync.receiver.staging import fetch_blob
+
+    for entry in manifest.blobs_for(shard):
         try:
-            m = catalog.manifest(v)
-            if m.kind != "anchor":
-                continue
-            out = {}
-            for shard in m.shards:
-                numel: dict[str, int] = {}
-                for entry in m.blobs_for(shard):
-                    for u in decode_blob(store.get(entry.key)).updates:
-                        numel[u.name] = u.numel
-                out[shard] = sum(numel.values())
-            return out
-        except DeltaSyncError:
-            continue
-    return {}
+            fetch_blob(store, manifest, entry)
+        except MissingBlobError:
+            return "missing blob", f"{entry.key} is not in the store"
+        except TruncatedBlobError as exc:
+            return "truncated", str(exc)
+        except DigestMismatchError as exc:
+            return "corrupt", str(exc)
+        except DeltaSyncError as exc:
+            return "corrupt", f"{type(exc).__name__}: {exc}"
+    return "ok", ""
 
 
 def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     """Everything ``inspect`` shows, as plain data (also what ``--json`` prints)."""
     from deltasync.commit import Catalog
-    from deltasync.format import decode_blob
 
     catalog = Catalog(store, signing_key=signing_key)
-    versions = catalog.versions()
-    shown = versions[-last:] if last else versions
-    totals = _shard_elements(store, catalog, versions)
+    dirs = catalog.version_dirs()
+    committed = catalog.versions()
+    every = sorted(set(dirs) | set(committed))
+    shown = every[-last:] if last else every
     rows = []
+    head_layout = head_run = None
     for v in shown:
+        if v not in committed:
+            rows.append({"version": v, "status": "uncommitted",
+                         "reason": "a version directory without a manifest"})  # fmt: skip
+            continue
         try:
             m = catalog.manifest(v)
-        except DeltaSyncError as exc:
-            rows.append({"version": v, "error": f"{type(exc).__name__}: {exc}"})
+        except SignatureError as exc:
+            status = "unsigned" if "unsigned" in str(exc) else "bad signature"
+            rows.append({"version": v, "status": status, "reason": str(exc)})
             continue
+        except (DeltaSyncError, KeyNotFoundError) as exc:
+            rows.append({"version": v, "status": "unreadable", "reason": str(exc)})
+            continue
+        head_layout = m.layout.to_dict() if m.layout is not None else None
+        head_run = m.run_id
         acks = catalog.acks(v)
+        gap = m.kind == "delta" and m.base_version not in committed
         for shard in m.shards:
             blobs = m.blobs_for(shard)
-            elements = 0
-            for entry in blobs:
-                try:
-                    elements += decode_blob(store.get(entry.key)).total_elements()
-                except DeltaSyncError:
-                    elements = -1
-                    break
-            total = totals.get(shard)
-            density = elements / total if total and elements >= 0 else None
+            status, reason = _blob_status(store, m, shard)
+            if status == "ok" and gap:
+                status, reason = "gap", f"base version {m.base_version} has no manifest"
+            counts = [b.elements for b in blobs]
+            elements = None if any(c is None for c in counts) else sum(counts)
+            numel = None
+            if m.layout is not None and shard in m.layout.shards:
+                numel = m.layout.shards[shard].numel
+            density = elements / numel if elements is not None and numel else None
             rows.append({
-                "version": v, "kind": m.kind, "base": m.base_version, "shard": shard,
+                "version": v, "status": status, "reason": reason, "kind": m.kind,
+                "base": m.base_version, "run_id": m.run_id, "shard": shard,
                 "bytes": sum(b.size for b in blobs), "elements": elements, "density": density,
                 "acks": sorted(r for r, a in acks.items() if a.shard == shard),
                 "signed": m.signature is not None,
@@ -128,8 +188,10 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     ]  # fmt: skip
     return {
         "latest": catalog.read_latest(),
-        "newest_committed": versions[-1] if versions else None,
-        "versions": len(versions),
+        "newest_committed": committed[-1] if committed else None,
+        "versions": len(committed),
+        "layout": head_layout,
+        "run_id": head_run,
         "rows": rows,
         "receivers": receivers,
     }
@@ -138,24 +200,32 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
 def _print_table(info: dict) -> None:
     print(
         f"LATEST={info['latest']}  newest committed={info['newest_committed']}  "
-        f"committed versions stored={info['versions']}"
+        f"committed versions stored={info['versions']}  run={info['run_id']}"
     )
+    lay = info["layout"]
+    if lay is not None:
+        print(
+            f"layout: engine {lay['engine']} tp={lay['tp']} ep={lay['ep']} model "
+            f"{lay['model']} shards {list(lay['shards'])}"
+        )
     head = f"{'version':>8}  {'kind':<6}  {'base':>6}  {'shard':<12}  {'bytes':>10}  " \
-           f"{'elements':>9}  {'density':>8}  acks"  # fmt: skip
+           f"{'elements':>9}  {'density':>8}  {'status':<12}  acks"  # fmt: skip
     print(head)
     for row in info["rows"]:
-        if "error" in row:
-            print(f"{row['version']:>8}  unreadable: {row['error']}")
+        if "shard" not in row:
+            print(f"{row['version']:>8}  {row['status']}: {row['reason']}")
             continue
         base = "-" if row["base"] is None else str(row["base"])
         d = row["density"]
-        dens = "?" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{100 * d:.2f}%"
-        elems = "?" if row["elements"] < 0 else str(row["elements"])
+        dens = "?" if d is None else f"{100 * d:.2f}%"
+        elems = "?" if row["elements"] is None else str(row["elements"])
         acks = ",".join(row["acks"]) or "-"
         print(
             f"{row['version']:>8}  {row['kind']:<6}  {base:>6}  {row['shard']:<12}  "
-            f"{_human(row['bytes']):>10}  {elems:>9}  {dens:>8}  {acks}"
+            f"{_human(row['bytes']):>10}  {elems:>9}  {dens:>8}  {row['status']:<12}  {acks}"
         )
+        if row["reason"]:
+            print(f"{'':>10}{row['status']}: {row['reason']}")
     if info["receivers"]:
         print("receivers:")
         for r in info["receivers"]:
@@ -168,21 +238,39 @@ def _print_table(info: dict) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.last < 0:
         raise ConfigError(f"--last must be >= 0, got {args.last}")
-    store = open_store_from_args(args)
+    try:
+        store = open_store_from_args(args, must_exist=True)
+    except ConfigError as exc:
+        print(f"deltasync inspect: {exc}", file=sys.stderr)
+        return EXIT_NOT_A_STORE
+    if not is_store(store):
+        print(
+            f"deltasync inspect: {args.store!r} holds no LATEST, version or registration: not "
+            "a deltasync store (or an empty one)",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_A_STORE
     info = collect(store, last=args.last, signing_key=read_key(args))
-    if args.json:
-        emit_json_line(info, sort_keys=True)
-    else:
-        _print_table(info)
+    try:
+        if args.json:
+            emit_json_line(info, sort_keys=True)
+        else:
+            _print_table(info)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `| head`: the reader is gone, and so is our output
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="list committed versions on a store: kinds, bytes, density, acks",
-        description="Read-only view of a deltasync store: per version and receiver shard, the "
-        "kind, base, bytes, elements sent, density and acknowledgements.",
+        help="diagnose a store: per version a status, kind, bytes, density, lineage, acks",
+        description="Read-only diagnostic of a deltasync store: its layout and lineage, and per "
+        "version and receiver shard a status (ok / corrupt / truncated / missing blob / gap / "
+        "unsigned) with the reason, kind, base, bytes, elements sent, density and "
+        "acknowledgements. Refuses a path that is not a store.",
     )
     add_store_arguments(p)
     p.add_argument("--last", type=int, default=20, help="show the N newest versions (0 = all)")

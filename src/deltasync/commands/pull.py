@@ -3,63 +3,126 @@
     deltasync pull STORE --engine E --tp N [--ep M] --shard ID --dir DIR [--config CONFIG.json]
         [--receiver-id ID] [--key-file F] [--once | --interval S [--iterations K]]
 
-For engines that reload weights from disk. The sidecar holds the shard in memory as a
-:class:`~deltasync.receiver.Receiver` (bootstrap from the newest anchor, then deltas), and after
-each new version writes the file atomically (temporary file, fsync, rename, directory fsync)
-with the version and state digest in its safetensors metadata. Only the file is durable: on
-start the sidecar loads it and its metadata, verifies the digest, and continues from there
-(a crash between a pull and the file write just repeats that pull).
+For engines that reload weights from disk. The file holds the shard's tensors under the
+receiver layout's local names: with ``--engine hf`` an HF-format checkpoint file (what
+transformers' ``from_pretrained`` and engines loading HF safetensors read); with ``--engine
+vllm`` the vLLM worker's own (fused) parameter names for that TP/EP rank, which deltasync's
+vLLM backend or a loader that copies tensors by parameter name reloads (vLLM's own safetensors
+loader expects HF checkpoint names).
 
-With ``--config`` the tensors are checked against the engine layout of that model; without
-it, their names and shapes come from the newest anchor's blobs for the shard.
+The sidecar holds the shard in memory as a :class:`~deltasync.receiver.Receiver` (bootstrap
+from the newest anchor, then deltas), and after each new verified version writes the file
+atomically (temporary file, fsync, rename, directory fsync; mode from the umask, so the
+engine's user can read it) with the version, run id and state digest in its safetensors
+metadata. Only the file is durable: on start the sidecar loads it and its metadata, verifies
+the digest, and continues from there (a crash between a pull and the file write just repeats
+that pull).
+
+Started before the trainer's first commit (the normal order), it waits. It registers with the
+store only once it holds a verified version (and removes its registration if its first pull
+fails), so a bounded-staleness trainer never waits on it; repeated errors back off (up to 60 s)
+with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls.
+
+The layout is checked against the store before anything is fetched: the manifests record the
+engine, TP, EP and model fingerprint they were built for. With ``--config`` the tensor specs
+come from that model's layout; without it from the newest anchor's blobs, read as a receiver
+reads them (size and digest against the manifest, decompression capped relative to the blob
+size, every tensor complete).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 
 from deltasync.atomic import write_atomic
 from deltasync.commands.inspect_store import add_store_arguments, open_store_from_args, read_key
-from deltasync.errors import ConfigError, DeltaSyncError
+from deltasync.errors import ConfigError, DeltaSyncError, LayoutMismatchError
 
 META_VERSION = "deltasync_version"
 META_DIGEST = "deltasync_state_digest"
 META_SHARD = "deltasync_shard"
+META_RUN = "deltasync_run_id"
+MAX_BACKOFF_S = 60.0
+# An anchor blob decompresses to at most this many times its stored size (BF16 weights
+# compress ~1.1-1.5x; zero-filled padding far more); a bigger claim is refused, not allocated.
+MAX_EXPANSION = 256
 
 
-def _specs(args, store, key):
-    from deltasync.commit import Catalog
+class _Stop:
+    """SIGINT/SIGTERM set this; the loop ends between pulls."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signal = signum
+        self.event.set()
+
+    def install(self) -> dict:
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self)
+        return old
+
+
+def _check_layout(args, head) -> None:
+    """Refuse a store published for another engine/TP/EP than asked, before any fetch."""
+    rec = head.layout
+    if rec is None:
+        return
+    asked = (args.engine, args.tp, args.ep)
+    if (rec.engine, rec.tp, rec.ep) != asked or args.shard not in rec.shards:
+        raise LayoutMismatchError(
+            f"the store's version {head.version} was published for {rec.describe()} (shards "
+            f"{list(rec.shards)[:8]}); this sidecar was asked for engine {args.engine} "
+            f"tp={args.tp} ep={args.ep} shard {args.shard!r}. Nothing was fetched: pass the "
+            "publisher's --engine/--tp/--ep and one of its shards"
+        )
+
+
+def _specs(args, store, catalog, head):
     from deltasync.format import TensorSpec, decode_blob
+    from deltasync.receiver.staging import fetch_blob
 
     if args.config:
         from deltasync.layout import ReceiverLayout
         from deltasync.layout.files import load_config
 
         layout = ReceiverLayout.build(load_config(args.config), args.engine, args.tp, args.ep)
-        return layout.local_specs(args.shard)
-    catalog = Catalog(store, signing_key=key)
-    latest = catalog.latest()
-    if latest is None:
-        raise ConfigError("the store has no committed version yet; pass --config to start early")
-    anchor = catalog.chain(None, latest)[0]
+        return layout, layout.local_specs(args.shard)
+    anchor = catalog.shard_chain(args.shard, None, head)[0]
     specs: dict[str, TensorSpec] = {}
     for entry in anchor.blobs_for(args.shard):
-        for u in decode_blob(store.get(entry.key), shard=args.shard).updates:
+        data = fetch_blob(store, anchor, entry)
+        decoded = decode_blob(
+            data, version=anchor.version, base_version=-1, shard=args.shard,
+            max_decompressed_bytes=max(1 << 20, MAX_EXPANSION * len(data)),
+        )  # fmt: skip
+        for u in decoded.updates:
+            if u.nnz != u.numel and len(anchor.writers) == 1:
+                raise ConfigError(
+                    f"anchor version {anchor.version} blob {entry.key!r} holds {u.nnz} of the "
+                    f"{u.numel} elements of {u.name!r}: an incomplete anchor cannot define the "
+                    "shard; pass --config"
+                )
             specs[u.name] = TensorSpec(shape=u.shape, dtype=u.dtype)
     if not specs:
         raise ConfigError(
             f"the newest anchor (version {anchor.version}) has no blobs for shard {args.shard!r}; "
             f"shards: {list(anchor.shards)}"
         )
-    return dict(sorted(specs.items()))
+    return None, dict(sorted(specs.items()))
 
 
 def _load(path: Path, specs):
-    """Tensors and (version, digest) from the file, or zeros and None."""
+    """Tensors and (version, digest, run id) from the file, or zeros and None."""
     import torch
     from safetensors import safe_open
 
@@ -74,78 +137,154 @@ def _load(path: Path, specs):
             "shard's layout does not (or lacks them): it belongs to another shard or model"
         )
     try:
-        held = (int(meta[META_VERSION]), meta[META_DIGEST])
+        held = (int(meta[META_VERSION]), meta[META_DIGEST], meta.get(META_RUN))
     except (KeyError, ValueError):
         held = None
     return tensors, held
 
 
-def _write(path: Path, tensors, version: int, digest: str, shard: str) -> None:
+def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: str | None):
     from safetensors.torch import save_file
 
     meta = {META_VERSION: str(version), META_DIGEST: digest, META_SHARD: shard}
+    if run_id is not None:
+        meta[META_RUN] = run_id
     contiguous = {n: t.contiguous() for n, t in tensors.items()}
-    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata=meta))
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def save(tmp) -> None:
+        save_file(contiguous, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~umask)  # readable by the engine's user, as the umask allows
+
+    write_atomic(path, save)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _say(line: str, *, err: bool = False) -> None:
+    print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _start(args, store, key, stop: _Stop):
+    """Wait for the first commit, check the layout, load the file: the Receiver."""
+    from deltasync.commit import Catalog
     from deltasync.receiver import LocalState, Receiver, ReceiverConfig, StateDir
 
-    if args.interval <= 0:
-        raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
-    store = open_store_from_args(args)
-    key = read_key(args)
+    catalog = Catalog(store, signing_key=key)
+    waited = False
+    while True:
+        head = catalog.head()
+        if head is not None:
+            break
+        if args.once:
+            raise ConfigError("the store has no committed version yet (nothing to pull)")
+        if not waited:
+            _say(f"deltasync pull: waiting for the first committed version in {args.store}")
+            waited = True
+        if stop.event.wait(args.interval):
+            return None, None
+    _check_layout(args, head)
+    layout, specs = _specs(args, store, catalog, head)
     out_dir = Path(args.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = _specs(args, store, key)
     path = out_dir / f"{args.shard}.safetensors"
     tensors, held = _load(path, specs)
     receiver_id = args.receiver_id or f"pull-{args.shard}"
-
     # The in-memory tensors are exactly the file: seed the receiver's state from it and drop
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
     state_dir = out_dir / f".{args.shard}.deltasync"
-    if state_dir.exists():
-        shutil.rmtree(state_dir)
-    if held is not None:
-        StateDir(state_dir).write_state(LocalState(
-            receiver=receiver_id, shard=args.shard, version=held[0], state_digest=held[1]
-        ))  # fmt: skip
+    StateDir(state_dir).clear_journal()
+    StateDir(state_dir).write_state(LocalState(
+        receiver=receiver_id, shard=args.shard,
+        version=None if held is None else held[0],
+        state_digest=None if held is None else held[1],
+        run_id=None if held is None else held[2],
+    ))  # fmt: skip
     receiver = Receiver(
         store, shard=args.shard, tensors=tensors, state_dir=str(state_dir),
         config=ReceiverConfig(receiver_id=receiver_id, signing_key=key), specs=specs,
+        layout=layout, register=False,
     )  # fmt: skip
     if receiver.dirty:
-        print(f"{path}: contents do not match its recorded version; restoring an anchor")
-    done = 0
-    while True:
+        _say(f"{path}: contents do not match its recorded version; restoring an anchor")
+    _say(
+        f"deltasync pull: {path} for shard {args.shard!r} of {head.layout.describe() if head.layout else 'an unrecorded layout'}"
+        f" (run {head.run_id}); engines reload it from disk (see `deltasync pull --help`)"
+    )
+    return receiver, path
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
+    stop = _Stop()
+    old = stop.install()
+    try:
+        return _loop(args, stop)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _loop(args: argparse.Namespace, stop: _Stop) -> int:
+    store = open_store_from_args(args)
+    key = read_key(args)
+    receiver, path = _start(args, store, key, stop)
+    if receiver is None:
+        _say("deltasync pull: stopped before the first commit")
+        return 0
+    done = failures = 0
+    last_error = None
+    while not stop.event.is_set():
         try:
             report = receiver.pull()
-            if report.changed or not path.exists():
-                _write(path, receiver.tensors, receiver.version, receiver.state_digest, args.shard)
-            print(
-                f"version {report.version} (from {report.previous_version}, applied "
-                f"{list(report.chain)}): {report.bytes_fetched} bytes, "
-                f"{report.elements_written} elements, pause {report.pause_s * 1e3:.2f} ms, "
-                f"total {report.total_s * 1e3:.1f} ms -> {path}",
-                flush=True,
-            )
+            if report.version is not None and (report.changed or not path.exists()):
+                _write(path, receiver.tensors, report.version, receiver.state_digest,
+                       args.shard, report.run_id)  # fmt: skip
+            if last_error is not None:
+                _say(f"deltasync pull: recovered after {failures} failed pull(s)")
+            if report.changed or done == 0 or last_error is not None:
+                _say(
+                    f"version {report.version} (from {report.previous_version}, applied "
+                    f"{list(report.chain)}): {report.bytes_fetched} bytes, "
+                    f"{report.elements_written} elements, pause {report.pause_s * 1e3:.2f} ms, "
+                    f"total {report.total_s * 1e3:.1f} ms -> {path}"
+                )
+            failures, last_error = 0, None
         except DeltaSyncError as exc:
+            if receiver.version is None or receiver.dirty:
+                receiver.deregister()  # never leave a registration without a verified version
             if args.once:
                 raise
-            print(f"deltasync pull: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failures += 1
+            line = f"{type(exc).__name__}: {exc}"
+            if line != last_error:
+                _say(f"deltasync pull: {line} (retrying with backoff)", err=True)
+                last_error = line
         done += 1
         if args.once or (args.iterations and done >= args.iterations):
-            return 0
-        time.sleep(args.interval)
+            break
+        delay = (
+            min(MAX_BACKOFF_S, args.interval * 2 ** min(failures, 16))
+            if failures
+            else args.interval
+        )
+        if stop.event.wait(delay):
+            break
+    if stop.signal is not None:
+        _say(f"deltasync pull: stopped by signal {signal.Signals(stop.signal).name}")
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pull",
         help="sidecar: keep DIR/<shard>.safetensors at the newest committed version",
-        description="Keep a local safetensors copy of one receiver shard current: bootstrap "
-        "from the newest anchor, then apply deltas; the file is replaced atomically.",
+        description="Keep a local safetensors copy of one receiver shard current: wait for the "
+        "first commit, bootstrap from the newest anchor, then apply deltas; the file is "
+        "replaced atomically after each verified version. With --engine hf the file is an "
+        "HF-format checkpoint (transformers from_pretrained, engines loading HF safetensors); "
+        "with --engine vllm it holds the vLLM worker's own parameter names for that rank "
+        "(reload it with deltasync's vLLM backend or a by-name loader).",
     )
     add_store_arguments(p)
     p.add_argument("--engine", choices=("hf", "vllm"), default="vllm", help="receiver convention")

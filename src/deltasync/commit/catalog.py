@@ -7,25 +7,36 @@ signature checked when a key is configured, its format version one this build re
 
 ``LATEST`` is a hint. A publisher can crash after committing a manifest and before moving
 ``LATEST``, so :meth:`latest` probes the following versions' manifests, and
-:meth:`newest_committed` lists every manifest when ``LATEST`` is missing altogether.
+:meth:`newest_committed` lists every manifest when ``LATEST`` is missing altogether. A
+``LATEST`` that names a version without a manifest (a store restored out of order, a stray
+write) is treated as absent, so it never wedges a reader.
+
+Caches follow verification: a manifest is cached only once it parsed and verified, a caller
+calls :meth:`forget` for the versions of a chain that failed to stage or verify (a repaired store then
+heals on the next read), and :meth:`head` reads the newest manifest from the store every time:
+when it differs from what the cache holds for that version (the store was rewritten, another
+lineage), the whole cache is dropped before any chain is planned from it.
 
 This module knows keys, manifests and records; it knows nothing about tensors or applying.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from deltasync import names
 from deltasync.commit.model import Manifest, ManifestLimits
-from deltasync.commit.planning import plan_chain
-from deltasync.commit.records import AckRecord, ReceiverRecord, decode_latest
+from deltasync.commit.planning import ChainLink, plan_chain, plan_shard_chain, starts_chain
+from deltasync.commit.records import AckRecord, ReceiverRecord, decode_latest, decode_latest_run
 from deltasync.commit.signing import check_signature
-from deltasync.errors import KeyNotFoundError, ManifestError
+from deltasync.errors import KeyNotFoundError, ManifestError, VersionError
 from deltasync.format import FORMAT_VERSION
 from deltasync.store import Store
 
 _PROBE_LIMIT = 10_000  # a runaway forward probe means a hostile or broken store
+
+log = logging.getLogger(__name__)
 
 
 class Catalog:
@@ -52,9 +63,25 @@ class Catalog:
         except KeyNotFoundError:
             return None
 
+    def read_latest_run(self) -> str | None:
+        """The run id ``LATEST`` records (None: absent or written without one)."""
+        try:
+            return decode_latest_run(self.store.get(names.LATEST))
+        except KeyNotFoundError:
+            return None
+
     def latest(self) -> int | None:
-        """The newest committed version: ``LATEST``, then any manifests right after it."""
+        """The newest committed version: ``LATEST``, then any manifests right after it.
+        A ``LATEST`` naming a version that has no manifest is treated as absent."""
         hint = self.read_latest()
+        if hint is not None and not self.store.exists(names.manifest_key(hint)):
+            newest = self.newest_committed()
+            log.warning(
+                "LATEST names version %d, which has no manifest (a store restored out of "
+                "order, or a stray write); using the newest committed manifest (%s) instead",
+                hint, newest,
+            )  # fmt: skip
+            hint = newest
         if hint is None:
             return self.newest_committed()
         v = hint
@@ -98,24 +125,86 @@ class Catalog:
 
     # --- manifests --------------------------------------------------------------------
 
-    def manifest(self, version: int) -> Manifest:
-        """The verified manifest of ``version``; KeyNotFoundError if it is not committed."""
+    def manifest(self, version: int, *, fresh: bool = False) -> Manifest:
+        """The verified manifest of ``version`` (``fresh``: read from the store even if
+        cached); KeyNotFoundError if it is not committed, ManifestError (naming the key, the
+        version and what to do) if it does not parse or verify."""
         cached = self._cache.get(version)
-        if cached is not None:
+        if cached is not None and not fresh:
             return cached
-        data = self.store.get(names.manifest_key(version))
-        m = Manifest.from_json(data, limits=self._limits, expected_version=version)
-        check_signature(m, self._key)
+        key = names.manifest_key(version)
+        data = self.store.get(key)
+        try:
+            m = Manifest.from_json(data, limits=self._limits, expected_version=version)
+            check_signature(m, self._key)
+        except ManifestError as exc:
+            self._cache.pop(version, None)
+            raise type(exc)(
+                f"{key} (version {version}): {exc}. Nothing was applied from it; repair or "
+                "re-publish that version (receivers re-read it on their next pull)"
+            ) from None
         if m.format_version != FORMAT_VERSION:
             raise ManifestError(
-                f"manifest {version} declares wire format {m.format_version}; this deltasync "
-                f"reads format {FORMAT_VERSION}: upgrade the receiver or the publisher"
+                f"{key} (version {version}) declares wire format {m.format_version}; this "
+                f"deltasync reads format {FORMAT_VERSION}: upgrade the receiver or the publisher"
             )
+        if cached is not None and cached != m:
+            log.warning(
+                "manifest %d changed in the store since it was read (the store was rewritten "
+                "or holds another lineage); dropping every cached manifest", version,
+            )  # fmt: skip
+            self._cache.clear()
         self._cache[version] = m
         return m
 
+    def head(self) -> Manifest | None:
+        """The newest committed manifest, read from the store (never only from the cache)."""
+        v = self.latest()
+        return None if v is None else self.manifest(v, fresh=True)
+
     def forget(self, version: int) -> None:
+        """Drop ``version`` from the cache (it failed to stage or verify)."""
         self._cache.pop(version, None)
+
+    def forget_all(self) -> None:
+        self._cache.clear()
+
+    def shard_chain(
+        self, shard: str, held: tuple[int, str] | None, head: Manifest
+    ) -> list[Manifest]:
+        """Manifests to apply, in order, to take ``shard`` from ``held`` (verified version
+        and state digest; None: nothing usable) to ``head`` (:func:`plan_shard_chain`).
+
+        Reads manifests back from ``head`` only as far as the walk needs. A broken link (a
+        cached manifest of a lost lineage) drops the cache and plans once more from the store.
+        """
+        for attempt in (0, 1):
+            seen: dict[int, Manifest] = {head.version: head}
+            links: dict[int, ChainLink] = {}
+            m: Manifest | None = head
+            while m is not None:
+                if shard not in m.shard_digests:
+                    raise ManifestError(
+                        f"version {m.version} does not define receiver shard {shard!r} (it has "
+                        f"{list(m.shard_digests)[:8]}): this store is published for another "
+                        "layout"
+                    )
+                links[m.version] = link = m.link(shard)
+                if starts_chain(link, held) or link.base is None:
+                    break
+                try:
+                    m = seen[link.base] = self.manifest(link.base)
+                except KeyNotFoundError:
+                    m = None  # plan_shard_chain names the gap
+            try:
+                plan = plan_shard_chain(held, head.version, links)
+            except VersionError:
+                if attempt == 0 and len(seen) > 1:
+                    self._cache.clear()
+                    continue
+                raise
+            return [seen[v] for v in plan]
+        raise AssertionError("unreachable")
 
     def chain(self, local_version: int | None, latest: int) -> list[Manifest]:
         """Manifests to apply, in order, to go from ``local_version`` (None: nothing) to
@@ -168,4 +257,3 @@ class Catalog:
     def live_receivers(self, ttl_s: float, now: float | None = None) -> dict[str, ReceiverRecord]:
         now = time.time() if now is None else now
         return {r: rec for r, rec in self.receivers().items() if rec.is_live(now, ttl_s)}
-

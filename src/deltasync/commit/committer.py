@@ -7,7 +7,8 @@
    conflict the stored manifest is read back: if it describes the same resulting state (a
    retry of our own commit whose reply was lost, or a replayed trainer), the version is
    committed and we go on; otherwise CommitConflictError, and LATEST is not touched;
-4. advance ``LATEST`` (never backwards).
+4. advance ``LATEST`` (never backwards; :func:`repair_latest` is the one move that may lower
+   it: to the newest committed manifest when ``LATEST`` names a version without one).
 
 This module knows keys, records and manifests; it knows nothing about tensors or layouts.
 """
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from deltasync import names
 from deltasync.commit.catalog import Catalog
-from deltasync.commit.model import Manifest
+from deltasync.commit.model import LayoutRecord, Manifest
 from deltasync.commit.records import WriterMarker, encode_latest
 from deltasync.commit.signing import sign
 from deltasync.errors import (
@@ -43,9 +44,14 @@ def build_manifest(
     markers: Sequence[WriterMarker],
     shard_digests: Mapping[str, str],
     created_at: float,
+    run_id: str,
+    base_digests: Mapping[str, str] | None = None,
+    layout: LayoutRecord | None = None,
     signing_key: bytes | None = None,
 ) -> Manifest:
-    """The manifest of ``version`` from exactly one marker per writer (pure)."""
+    """The manifest of ``version`` from exactly one marker per writer (pure). ``run_id`` is
+    the lineage, ``base_digests`` (deltas) every shard's state digest of the base version,
+    ``layout`` the receiver layout the blobs were built for."""
     by_writer = {}
     for marker in markers:
         if marker.version != version:
@@ -76,6 +82,9 @@ def build_manifest(
         writers=tuple(writers),
         blobs=blobs,
         shard_digests=dict(shard_digests),
+        run_id=run_id,
+        base_digests=dict(base_digests or {}),
+        layout=layout,
     )
     return sign(manifest, signing_key) if signing_key is not None else manifest
 
@@ -144,13 +153,28 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
     )
 
 
-def advance_latest(store: Store, catalog: Catalog, version: int) -> bool:
-    """Point LATEST at ``version`` unless it already names that or a newer version."""
+def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | None = None) -> bool:
+    """Point LATEST at ``version`` unless it already names that or a newer committed
+    version (a LATEST naming a version without a manifest does not hold it back)."""
     current = catalog.read_latest()
-    if current is not None and current >= version:
+    if current is not None and current >= version and store.exists(names.manifest_key(current)):
         return False
-    store.put(names.LATEST, encode_latest(version))
+    store.put(names.LATEST, encode_latest(version, run_id))
     return True
+
+
+def repair_latest(store: Store, catalog: Catalog) -> int | None:
+    """Point LATEST at the newest committed manifest, up (a crash after the commit) or down
+    (LATEST names a version with no manifest); returns that version (None: nothing
+    committed, LATEST left alone)."""
+    newest = catalog.newest_committed()
+    if newest is None:
+        return None
+    current = catalog.read_latest()
+    run_id = catalog.manifest(newest).run_id
+    if current != newest or catalog.read_latest_run() != run_id:
+        store.put(names.LATEST, encode_latest(newest, run_id))
+    return newest
 
 
 def wait_for_manifest(

@@ -2,8 +2,23 @@
 
 A version exists for a receiver only once ``v{version}/MANIFEST.json`` is committed; blobs
 without a manifest are ignored. The manifest lists every blob (receiver shard, writer, key,
-size, digest) and the digest of each receiver shard's full state after applying the version,
-so a receiver can check that it ended where the trainer meant it to.
+size, digest, elements sent) and the digest of each receiver shard's full state after applying
+the version, so a receiver can check, before it writes, that it will end where the trainer
+meant it to.
+
+A version is known by its lineage as well as its number:
+
+- ``run_id``: a random token chosen when a lineage starts (the first anchor of a store, or an
+  anchor of a publisher that could not verify its baseline against the store), carried by
+  every later version of that lineage;
+- ``base_digests`` (deltas): each shard's state digest of the base version, i.e. the exact
+  state the delta applies to. A receiver uses its local state as the base only when its
+  version AND its digest are the ones named here.
+
+``layout`` (:class:`LayoutRecord`) records the receiver layout the version was built for
+(engine, TP, EP, a fingerprint of the model config, and per shard a fingerprint of its tensor
+specs and its element count), so a receiver built for another layout is refused before it
+fetches anything, and ``inspect`` computes density without reading a blob.
 
 Parsing is strict because the store may be shared with (or written by) someone hostile: every
 key must be exactly ``names.blob_key(version, shard, writer)`` (so no path traversal), sizes
@@ -15,6 +30,8 @@ This module knows nothing about stores, tensors or signing keys (see ``signing.p
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -33,8 +50,9 @@ from deltasync.commit.canonical import (
     expect_fields,
     strict_loads,
 )
-from deltasync.commit.planning import VersionInfo
+from deltasync.commit.planning import ChainLink, VersionInfo
 from deltasync.errors import ConfigError, ManifestError
+from deltasync.format import TensorSpec
 
 KINDS = ("delta", "anchor")
 MAX_FORMAT_VERSION = 2**16 - 1
@@ -74,6 +92,7 @@ class BlobEntry:
     key: str
     size: int
     digest: str
+    elements: int | None = None  # elements the blob carries (density); None: not recorded
 
     def check(self, version: int, *, what: str = "blob") -> None:
         names.check_token("shard", self.shard)
@@ -86,19 +105,27 @@ class BlobEntry:
             )
         check_int(self.size, what=f"{what} {self.key!r} size", lo=1, hi=_MAX_SIZE)
         check_digest(self.digest, what=f"{what} {self.key!r} digest")
+        if self.elements is not None:
+            check_int(self.elements, what=f"{what} {self.key!r} elements", lo=0, hi=_MAX_SIZE)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "shard": self.shard,
             "writer": self.writer,
             "key": self.key,
             "size": self.size,
             "digest": self.digest,
         }
+        if self.elements is not None:
+            obj["elements"] = self.elements
+        return obj
 
     @classmethod
     def from_dict(cls, obj: Any, *, what: str = "blob") -> BlobEntry:
-        expect_fields(obj, what=what, required={"shard", "writer", "key", "size", "digest"})
+        expect_fields(
+            obj, what=what, required={"shard", "writer", "key", "size", "digest"},
+            optional={"elements"},
+        )  # fmt: skip
         for f in ("shard", "writer", "key"):
             if not isinstance(obj[f], str):
                 raise ManifestError(f"{what} field {f!r} must be a string, got {obj[f]!r}")
@@ -108,14 +135,153 @@ class BlobEntry:
             key=obj["key"],
             size=obj["size"],
             digest=obj["digest"],
+            elements=obj.get("elements"),
+        )
+
+
+def _fingerprint(obj: Any) -> str:
+    """32 hex characters of BLAKE2b over canonical JSON: a stable name for a description."""
+    return hashlib.blake2b(canonical_json(obj), digest_size=16).hexdigest()
+
+
+def specs_fingerprint(specs: Mapping[str, TensorSpec]) -> str:
+    """Fingerprint of one shard's tensor specs (names, dtypes, shapes; order-insensitive)."""
+    return _fingerprint(
+        sorted(
+            [name, str(s.dtype).removeprefix("torch."), [int(d) for d in s.shape]]
+            for name, s in specs.items()
+        )
+    )
+
+
+def model_fingerprint(fields: Mapping[str, Any]) -> str:
+    """Fingerprint of a model config's fields (values that are not JSON are named by str)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (bool, int, str)) or v is None:
+            return v
+        if isinstance(v, float):
+            return repr(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, Mapping):
+            return {str(k): plain(x) for k, x in v.items()}
+        return str(v)
+
+    return _fingerprint({str(k): plain(v) for k, v in fields.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    """One receiver shard as the publisher's layout built it."""
+
+    specs: str  # specs_fingerprint of its local tensors
+    numel: int  # elements it holds (the denominator of density)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRecord:
+    """The receiver layout a version was built for: engine convention, TP, EP, the model
+    config's fingerprint and every shard's specs fingerprint and size."""
+
+    engine: str
+    tp: int
+    ep: int
+    model: str
+    shards: Mapping[str, ShardRecord]
+
+    def __post_init__(self) -> None:
+        names.check_token("layout engine", self.engine)
+        check_int(self.tp, what="layout tp", lo=1, hi=2**20)
+        check_int(self.ep, what="layout ep", lo=1, hi=2**20)
+        check_digest(self.model, what="layout model fingerprint")
+        if not isinstance(self.shards, Mapping) or not self.shards:
+            raise ManifestError("layout shards must be a non-empty object")
+        for shard, rec in self.shards.items():
+            names.check_token("shard", shard)
+            if not isinstance(rec, ShardRecord):
+                raise ManifestError(f"layout shard {shard!r} is not a ShardRecord")
+            check_digest(rec.specs, what=f"layout shard {shard!r} specs fingerprint")
+            check_int(rec.numel, what=f"layout shard {shard!r} numel", lo=0, hi=_MAX_SIZE)
+        object.__setattr__(
+            self, "shards", types.MappingProxyType(dict(sorted(self.shards.items())))
+        )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        engine: str,
+        tp: int,
+        ep: int,
+        model_fields: Mapping[str, Any],
+        shard_specs: Mapping[str, Mapping[str, TensorSpec]],
+    ) -> LayoutRecord:
+        """The record of a layout, from plain values (the caller reads them off its layout)."""
+        shards = {}
+        for shard, specs in shard_specs.items():
+            numel = 0
+            for s in specs.values():
+                n = 1
+                for d in s.shape:
+                    n *= int(d)
+                numel += n
+            shards[shard] = ShardRecord(specs=specs_fingerprint(specs), numel=numel)
+        return cls(
+            engine=engine, tp=tp, ep=ep, model=model_fingerprint(model_fields), shards=shards
+        )
+
+    @classmethod
+    def of(cls, layout: Any) -> LayoutRecord:
+        """The record of a :class:`deltasync.layout.ReceiverLayout` (read through its
+        ``engine``, ``tp``, ``ep``, ``spec``, ``shards()`` and ``local_specs()``; this package
+        does not import layouts)."""
+        spec = layout.spec
+        fields = (
+            {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+            if dataclasses.is_dataclass(spec) else {"spec": repr(spec)}
+        )  # fmt: skip
+        return cls.build(
+            engine=layout.engine, tp=layout.tp, ep=layout.ep, model_fields=fields,
+            shard_specs={s.id: layout.local_specs(s.id) for s in layout.shards()},
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        return f"engine {self.engine} tp={self.tp} ep={self.ep} model {self.model[:12]}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "tp": self.tp,
+            "ep": self.ep,
+            "model": self.model,
+            "shards": {s: {"specs": r.specs, "numel": r.numel} for s, r in self.shards.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> LayoutRecord:
+        expect_fields(
+            obj, what="manifest layout", required={"engine", "tp", "ep", "model", "shards"}
+        )
+        if not isinstance(obj["engine"], str):
+            raise ManifestError(f"manifest layout engine must be a string, got {obj['engine']!r}")
+        if not isinstance(obj["shards"], dict):
+            raise ManifestError("manifest layout shards must be a JSON object")
+        shards = {}
+        for shard, rec in obj["shards"].items():
+            expect_fields(rec, what=f"manifest layout shard {shard!r}", required={"specs", "numel"})
+            shards[shard] = ShardRecord(specs=rec["specs"], numel=rec["numel"])
+        return cls(
+            engine=obj["engine"], tp=obj["tp"], ep=obj["ep"], model=obj["model"], shards=shards
         )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     """A committed version. ``base_version`` is None for anchors (full state) and the version
-    the delta applies on top of for deltas. Blobs are kept sorted by (shard, writer) and
-    writers sorted, so equal manifests have equal canonical bytes."""
+    the delta applies on top of for deltas; ``base_digests`` (deltas only) is every shard's
+    state digest of that base, ``run_id`` the lineage. Blobs are kept sorted by (shard, writer)
+    and writers sorted, so equal manifests have equal canonical bytes."""
 
     version: int
     base_version: int | None
@@ -125,6 +291,9 @@ class Manifest:
     writers: tuple[str, ...]
     blobs: tuple[BlobEntry, ...]
     shard_digests: Mapping[str, str]
+    run_id: str
+    base_digests: Mapping[str, str] = field(default_factory=dict)
+    layout: LayoutRecord | None = None
     signature: str | None = field(default=None, compare=True)
 
     def __post_init__(self) -> None:
@@ -166,6 +335,29 @@ class Manifest:
         object.__setattr__(
             self, "shard_digests", types.MappingProxyType(dict(sorted(digests.items())))
         )
+        names.check_token("run_id", self.run_id)
+        if not isinstance(self.base_digests, Mapping):
+            raise ManifestError(f"manifest {self.version} base_digests must be an object")
+        if self.kind == "anchor" and self.base_digests:
+            raise ManifestError(f"anchor manifest {self.version} must have empty base_digests")
+        if self.kind == "delta" and set(self.base_digests) != set(digests):
+            raise ManifestError(
+                f"delta manifest {self.version} base_digests name shards "
+                f"{sorted(self.base_digests)[:8]}, its shard_digests {sorted(digests)[:8]}: every "
+                "shard's base state must be named"
+            )
+        base = {
+            s: check_digest(d, what=f"base_digests[{s!r}]") for s, d in self.base_digests.items()
+        }
+        object.__setattr__(self, "base_digests", types.MappingProxyType(dict(sorted(base.items()))))
+        if self.layout is not None:
+            if not isinstance(self.layout, LayoutRecord):
+                raise ManifestError(f"manifest {self.version} layout is not a LayoutRecord")
+            if set(self.layout.shards) != set(digests):
+                raise ManifestError(
+                    f"manifest {self.version} layout names shards {sorted(self.layout.shards)[:8]}, "
+                    f"its shard_digests {sorted(digests)[:8]}"
+                )
 
         if not isinstance(self.blobs, (tuple, list)):
             raise ManifestError(f"manifest {self.version} blobs must be a list")
@@ -225,6 +417,14 @@ class Manifest:
         """What chain and retention planning need from this manifest."""
         return VersionInfo(self.version, self.kind, self.base_version)
 
+    def link(self, shard: str) -> ChainLink:
+        """What lineage-aware chain planning needs from this manifest for ``shard``."""
+        return ChainLink(
+            version=self.version, kind=self.kind, base=self.base_version,
+            base_digest=self.base_digests.get(shard), digest=self.shard_digests[shard],
+            run_id=self.run_id,
+        )  # fmt: skip
+
     @property
     def total_bytes(self) -> int:
         return sum(b.size for b in self.blobs)
@@ -244,7 +444,11 @@ class Manifest:
             "writers": list(self.writers),
             "blobs": [b.to_dict() for b in self.blobs],
             "shard_digests": dict(self.shard_digests),
+            "run_id": self.run_id,
+            "base_digests": dict(self.base_digests),
         }
+        if self.layout is not None:
+            obj["layout"] = self.layout.to_dict()
         if include_signature and self.signature is not None:
             obj["signature"] = self.signature
         return obj
@@ -276,8 +480,10 @@ class Manifest:
                 "writers",
                 "blobs",
                 "shard_digests",
+                "run_id",
+                "base_digests",
             },
-            optional={"signature"},
+            optional={"signature", "layout"},
         )
         if not isinstance(obj["blobs"], list):
             raise ManifestError("manifest blobs must be a JSON list")
@@ -288,8 +494,11 @@ class Manifest:
             )
         if not isinstance(obj["writers"], list):
             raise ManifestError("manifest writers must be a JSON list")
-        if not isinstance(obj["shard_digests"], dict):
-            raise ManifestError("manifest shard_digests must be a JSON object")
+        for f in ("shard_digests", "base_digests"):
+            if not isinstance(obj[f], dict):
+                raise ManifestError(f"manifest {f} must be a JSON object")
+        if not isinstance(obj["run_id"], str):
+            raise ManifestError(f"manifest run_id must be a string, got {obj['run_id']!r}")
         blobs = tuple(
             BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
         )
@@ -302,6 +511,9 @@ class Manifest:
             writers=tuple(obj["writers"]),
             blobs=blobs,
             shard_digests=obj["shard_digests"],
+            run_id=obj["run_id"],
+            base_digests=obj["base_digests"],
+            layout=None if obj.get("layout") is None else LayoutRecord.from_dict(obj["layout"]),
             signature=obj.get("signature"),
         )
         manifest.check_limits(limits)

@@ -6,6 +6,9 @@ here is a table-tested function:
 - :func:`plan_chain` walks back from ``latest`` along base pointers until it reaches the
   receiver's version (apply those deltas in order) or an anchor (restore it, then the deltas
   after it), whichever comes first;
+- :func:`plan_shard_chain` is the same walk for one shard with lineage: a delta starts the
+  chain only if it names the receiver's version AND its state digest as its base, and every
+  step's base digest must be the digest of the step before it (else the store mixes lineages);
 - :func:`plan_retention` returns the versions safe to delete: never ``latest`` or anything
   newer (a version may be committed before ``LATEST`` advances), never the newest keep_latest,
   never the chain a fresh receiver needs (newest anchor and the deltas after it), and never
@@ -22,6 +25,65 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from deltasync.errors import ConfigError, VersionError
+
+
+class ChainLink(NamedTuple):
+    """One version as seen by one receiver shard (what :func:`plan_shard_chain` needs)."""
+
+    version: int
+    kind: str  # "delta" | "anchor"
+    base: int | None  # the delta's base version
+    base_digest: str | None  # the delta's base state digest of this shard
+    digest: str  # this version's state digest of this shard
+    run_id: str
+
+
+def starts_chain(link: ChainLink, held: tuple[int, str] | None) -> bool:
+    """True when the chain to apply starts at ``link``: an anchor, or a delta whose base is
+    exactly the held ``(version, state digest)``."""
+    if link.kind == "anchor":
+        return True
+    return held is not None and link.base == held[0] and link.base_digest == held[1]
+
+
+def plan_shard_chain(
+    held: tuple[int, str] | None, head: int, links: dict[int, ChainLink]
+) -> list[int]:
+    """Versions to apply, in order, to take a shard from ``held`` (its verified version and
+    state digest; None: nothing usable) to ``head``.
+
+    Walks back from ``head`` along base pointers until :func:`starts_chain`. A held state that
+    no delta names (another lineage, a store that regressed, a renumbered trainer) is never
+    used as a base: the walk goes on to an anchor. VersionError names a gap (a version on the
+    way has no manifest and no anchor comes later) or a broken link (a delta whose base digest
+    is not its base version's digest: manifests of two lineages mixed).
+    """
+    chain: list[int] = []
+    v: int | None = head
+    while True:
+        link = links.get(v) if v is not None else None
+        if link is None:
+            start = "an empty state" if held is None else f"version {held[0]}"
+            raise VersionError(
+                f"cannot reach version {head} from {start}: version {v} on the way is not "
+                "available (deleted by retention or never committed) and no anchor comes later; "
+                "publish an anchor (full version) to let this receiver catch up"
+            )
+        if chain:
+            after = links[chain[-1]]
+            if after.base_digest != link.digest or after.run_id != link.run_id:
+                raise VersionError(
+                    f"delta {after.version} (run {after.run_id}) applies on version {v} with "
+                    f"state digest {after.base_digest}, but manifest {v} (run {link.run_id}) "
+                    f"says {link.digest}: the store mixes manifests of two lineages. Publish an "
+                    "anchor, or restore the store consistently"
+                )
+        chain.append(link.version)
+        if starts_chain(link, held):
+            break
+        v = link.base
+    chain.reverse()
+    return chain
 
 
 class VersionInfo(NamedTuple):

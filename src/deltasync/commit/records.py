@@ -34,16 +34,32 @@ _MAX_VERSION = 10**8 - 1
 _MAX_RECORD_BYTES = 16 * 2**20
 
 
-def encode_latest(version: int) -> bytes:
-    return canonical_json(
-        {"version": check_int(version, what="LATEST version", lo=0, hi=_MAX_VERSION)}
-    )
+def encode_latest(version: int, run_id: str | None = None) -> bytes:
+    """``LATEST``: the newest committed version and (when known) its lineage's run id."""
+    obj: dict[str, Any] = {
+        "version": check_int(version, what="LATEST version", lo=0, hi=_MAX_VERSION)
+    }
+    if run_id is not None:
+        obj["run_id"] = names.check_token("LATEST run_id", run_id)
+    return canonical_json(obj)
+
+
+def _latest_obj(data: bytes | str) -> dict[str, Any]:
+    obj = strict_loads(data, what="LATEST", max_bytes=4096)
+    expect_fields(obj, what="LATEST", required={"version"}, optional={"run_id"})
+    check_int(obj["version"], what="LATEST version", lo=0, hi=_MAX_VERSION)
+    if "run_id" in obj:
+        names.check_token("LATEST run_id", obj["run_id"])
+    return obj
 
 
 def decode_latest(data: bytes | str) -> int:
-    obj = strict_loads(data, what="LATEST", max_bytes=4096)
-    expect_fields(obj, what="LATEST", required={"version"})
-    return check_int(obj["version"], what="LATEST version", lo=0, hi=_MAX_VERSION)
+    return _latest_obj(data)["version"]
+
+
+def decode_latest_run(data: bytes | str) -> str | None:
+    """The run id ``LATEST`` records, or None when it has none."""
+    return _latest_obj(data).get("run_id")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,12 @@
    (a retry or a replay) and return; a different state is a CommitConflictError;
 2. bounded staleness: wait while a live receiver is too far behind;
 3. decide delta or anchor: an anchor on request, every ``anchor_every`` versions, for the first
-   version, and whenever the caller's changes are not relative to the newest committed version
-   (``since``), because then a delta could miss an element;
+   version, whenever the caller's changes are not relative to the newest committed version
+   (``since``), because then a delta could miss an element, and whenever this publisher has
+   not itself verified that its baseline IS the stored state of that version (its own commit,
+   a recognised replay, or :meth:`Publisher.resume` after a restart): a delta on a foreign
+   base (a wiped or restored store, a trainer restarted from another checkpoint) would be
+   refused by every receiver;
 4. stream one blob per receiver shard (:mod:`deltasync.publish.streams`): the changes are
    consumed parameter group by parameter group (:mod:`deltasync.publish.groups`; given a
    tracker's lazy stream, detection of the next group runs while the previous one uploads),
@@ -19,6 +23,12 @@
 
 Nothing in the store changes what a receiver sees until step 5 commits the manifest, so a
 crash anywhere leaves the previous version in force; a retry overwrites and re-commits.
+
+Lineage: every manifest carries a run id. A delta keeps its base's run id and names the base's
+shard digests; an anchor keeps the run id when this publisher verified its baseline on the
+newest committed version (a periodic anchor) and starts a new lineage (a fresh random run id)
+otherwise. The manifest also records the receiver layout (:class:`LayoutRecord`) and each
+blob's element count (density for ``inspect``).
 
 Shard digests need the full state. A single writer has it. With several writers (each holding
 a dim-0 shard), the committer must be given it (``full_state``: the full parameters, or a
@@ -33,6 +43,7 @@ the modules it calls.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +52,11 @@ from dataclasses import dataclass, field
 import torch
 
 from deltasync import names
-from deltasync.commit import AckRecord, BlobEntry, WriterMarker, should_anchor
+from deltasync.commit import AckRecord, BlobEntry, Manifest, WriterMarker, should_anchor
 from deltasync.commit import acks as acks_mod
 from deltasync.commit import committer as commit_mod
 from deltasync.commit.catalog import Catalog
+from deltasync.commit.model import LayoutRecord
 from deltasync.commit.records import ReceiverRecord
 from deltasync.commit.retention import GcPlan, plan_deletions
 from deltasync.errors import (
@@ -124,9 +136,13 @@ class Publisher:
         self.config = config or PublisherConfig()
         self.writer = self.config.writer_id()
         self.catalog = Catalog(store, signing_key=self.config.signing_key)
-        # The version whose state the caller's ``changed`` is relative to, as far as this
-        # process knows (None: unknown, so the next version is an anchor).
+        # The committed version whose stored state this publisher verified its trainer holds
+        # (its own commit, a recognised replay, or resume()); None: unknown, so the next
+        # version is an anchor. ``run_id`` is that version's lineage.
         self.baseline: int | None = None
+        self.run_id: str | None = None
+        self._baseline_digests: dict[str, str] | None = None  # its shard digests
+        self.layout_record = LayoutRecord.of(receiver_layout)
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         # (param names, their groups, param -> group index), for the params last published
@@ -141,11 +157,78 @@ class Publisher:
         return self.catalog.latest()
 
     def repair_latest(self) -> int | None:
-        """Point LATEST at the newest committed manifest (a crash can leave it behind)."""
-        newest = self.catalog.newest_committed()
-        if newest is not None:
-            commit_mod.advance_latest(self.store, self.catalog, newest)
-        return newest
+        """Point LATEST at the newest committed manifest, up (a crash can leave it behind) or
+        down (it names a version that has no manifest)."""
+        return commit_mod.repair_latest(self.store, self.catalog)
+
+    def next_version(self) -> int:
+        """The version number to publish next: one above the newest committed (0 on an empty
+        store). After a restart, publish this, never a number the store already holds."""
+        committed = self.committed()
+        return 0 if committed is None else committed + 1
+
+    def resume(
+        self, version: int | None, params: Params, *, full_state: FullState | None = None
+    ) -> bool:
+        """After a restart: check that ``params`` (just loaded from the checkpoint of
+        ``version``, before any optimizer step) are the stored state of ``version``.
+
+        Args:
+            version: the version the checkpoint was taken at (None: unknown).
+            params: this rank's parameters as loaded.
+            full_state: the full parameters (or a callable gathering them) when this rank
+                holds a shard; every writer of a multi-writer publisher needs it here, so that
+                all writers reach the same decision.
+
+        Returns:
+            True when the store's manifest of ``version`` lists exactly this state: the next
+            version may then be a delta on it. False (logged with the reason) when the store
+            lost it, holds another lineage or another state: the next version is an anchor
+            that starts a new lineage.
+        """
+        self._set_baseline(None)
+        if version is None:
+            return False
+        try:
+            manifest = self.catalog.manifest(version, fresh=True)
+        except KeyNotFoundError:
+            log.warning(
+                "writer %s: resume from version %d: the store has no manifest of it (wiped, "
+                "restored or another store); the next version is an anchor", self.writer, version,
+            )  # fmt: skip
+            return False
+        if self.config.num_writers > 1 and full_state is None:
+            raise ConfigError(
+                "Publisher.resume with num_writers > 1 needs full_state on every writer (each "
+                "checks the same digests, so all writers agree on delta or anchor)"
+            )
+        full = (
+            params if full_state is None else (full_state() if callable(full_state) else full_state)
+        )
+        if self._digests(full) != dict(manifest.shard_digests):
+            log.warning(
+                "writer %s: resume from version %d: the stored version %d (run %s) holds another "
+                "state than this checkpoint; the next version is an anchor", self.writer,
+                version, version, manifest.run_id,
+            )  # fmt: skip
+            return False
+        self._set_baseline(manifest)
+        return True
+
+    def _set_baseline(self, manifest: Manifest | None) -> None:
+        self.baseline = None if manifest is None else manifest.version
+        self.run_id = None if manifest is None else manifest.run_id
+        self._baseline_digests = None if manifest is None else dict(manifest.shard_digests)
+
+    def _on_lineage(self, head: Manifest | None) -> bool:
+        """True when the newest committed version is exactly the state this publisher
+        verified as its baseline (number, run id and every shard digest)."""
+        return (
+            head is not None
+            and self.baseline == head.version
+            and self.run_id == head.run_id
+            and self._baseline_digests == dict(head.shard_digests)
+        )
 
     # --- publish ----------------------------------------------------------------------
 
@@ -183,7 +266,8 @@ class Publisher:
         names.check_version(version)
         cfg = self.config
         since = self.baseline if since is _OWN else since
-        committed = self.committed()
+        head = self.catalog.head()
+        committed = None if head is None else head.version
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
 
@@ -194,11 +278,15 @@ class Publisher:
                 ttl_s=cfg.receiver_ttl_s, timeout_s=cfg.staleness_timeout_s,
                 poll_s=cfg.poll_interval_s,
             )  # fmt: skip
-        reason = self._anchor_reason(version, committed, since, anchor)
+        reason = self._anchor_reason(version, head, since, anchor)
         kind = "delta" if reason is None else "anchor"
         if reason is not None:
             log.info("writer %s: version %d is an anchor: %s", self.writer, version, reason)
         base = committed if kind == "delta" else None
+        # A lineage continues only on a base this publisher verified; otherwise a new one.
+        on_lineage = self._on_lineage(head)
+        run_id = head.run_id if on_lineage and head is not None else secrets.token_hex(8)
+        base_digests = self._baseline_digests if kind == "delta" else None
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
@@ -259,10 +347,13 @@ class Publisher:
             manifest = commit_mod.build_manifest(
                 version=version, kind=kind, base_version=base, writers=cfg.all_writer_ids(),
                 markers=markers, shard_digests=digests, created_at=time.time(),
+                run_id=run_id, base_digests=base_digests, layout=self.layout_record,
                 signing_key=cfg.signing_key,
             )  # fmt: skip
             ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
-            commit_mod.advance_latest(self.store, self.catalog, version)
+            if not ours:  # an equivalent manifest was committed first: its lineage is ours
+                manifest = self.catalog.manifest(version)
+            commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
         else:
             manifest = commit_mod.wait_for_manifest(
                 self.catalog, version, timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s
@@ -270,7 +361,7 @@ class Publisher:
             self._check_listed(manifest, entries)
             ours = True
         commit_s = time.perf_counter() - t
-        self.baseline = version
+        self._set_baseline(manifest)
         return PublishReport(
             version=version, kind=manifest.kind, base_version=manifest.base_version,
             writer=self.writer, already_committed=not ours, anchor_reason=reason,
@@ -280,18 +371,24 @@ class Publisher:
         )  # fmt: skip
 
     def _anchor_reason(
-        self, version: int, committed: int | None, since: object, forced: bool
+        self, version: int, head: Manifest | None, since: object, forced: bool
     ) -> str | None:
         if forced:
             return "requested"
-        if committed is None:
+        if head is None:
             return "first committed version"
+        committed = head.version
         if since is None:
             return "the changes' baseline is unknown (fresh or restarted publisher)"
         if since != committed:
             return (
                 f"the changes are relative to version {since}, but the newest committed version "
                 f"is {committed}"
+            )
+        if not self._on_lineage(head):
+            return (
+                f"this publisher has not verified that its baseline is the stored version "
+                f"{committed} (run {head.run_id}): a restarted publisher calls resume() first"
             )
         if should_anchor(version, anchor_every=self.config.anchor_every):
             return f"every {self.config.anchor_every} versions"
@@ -392,8 +489,8 @@ class Publisher:
                     f"what receivers hold. Publish under a version above {committed} (it will be "
                     "an anchor)"
                 )
-            commit_mod.advance_latest(self.store, self.catalog, version)
-        self.baseline = version
+            commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
+        self._set_baseline(manifest)
         return PublishReport(
             version=version, kind=manifest.kind, base_version=manifest.base_version,
             writer=self.writer, already_committed=True, total_s=time.perf_counter() - t0,

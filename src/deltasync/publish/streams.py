@@ -121,7 +121,7 @@ class ShardStreams:
         for shard, s in sorted(self._streams.items()):
             entries.append(BlobEntry(
                 shard=shard, writer=self._head["writer"], key=s.key, size=s.writer.size,
-                digest=s.writer.digest,
+                digest=s.writer.digest, elements=s.elements,
             ))  # fmt: skip
         return (
             entries,

@@ -114,11 +114,15 @@ class TrainerSync:
 
     ``params`` are the named parameters the tracker watches (or a callable returning them);
     ``baseline`` is the committed version they equal when the tracker was created or last
-    cleared, if the caller knows it (e.g. after loading the checkpoint of that version); None
-    makes the first publish an anchor (a version already committed with the same state is
-    recognised instead, see :meth:`Publisher.publish`). ``overlap=True`` publishes in the
-    background (see the module docstring) and needs the ``optimizer`` whose next step is the
-    barrier."""
+    cleared, if the caller knows it; a publisher still publishes an anchor until it verified
+    that state against its store (after a restart: :meth:`resume`). None makes the first
+    publish an anchor (a version already committed with the same state is recognised instead,
+    see :meth:`Publisher.publish`). ``overlap=True`` publishes in the background (see the
+    module docstring) and needs the ``optimizer`` whose next step is the barrier.
+
+    Restart recipe: checkpoint the model, the optimizer and the committed version the params
+    equal; on restart load them, build the tracker and this TrainerSync, call
+    ``resume(version)``, then publish ``next_version()`` after the next optimizer step."""
 
     def __init__(
         self,
@@ -165,6 +169,31 @@ class TrainerSync:
         )
 
     # --- the synchronous path -----------------------------------------------------------
+
+    def resume(self, version: int | None) -> bool:
+        """After a restart: the params were just loaded from the checkpoint taken at committed
+        ``version`` and the tracker was built on them (before any optimizer step). Check, on
+        every publisher, that the store still holds exactly this state as ``version``.
+
+        Args:
+            version: the version recorded in the checkpoint (None: unknown).
+
+        Returns:
+            True when every publisher verified it: the next version is a delta on it. False
+            when a store lost it or holds another state: the next version is an anchor (a new
+            lineage), so no receiver ever applies a delta on a foreign base.
+        """
+        params = self._params() if callable(self._params) else self._params
+        verified = [
+            pub.resume(version, params, full_state=self._full_state) for pub in self.publishers
+        ]
+        self.baseline = version if version is not None and all(verified) else None
+        return self.baseline is not None
+
+    def next_version(self) -> int:
+        """The version to publish next: one above the newest committed on every publisher
+        (never a number some store already holds)."""
+        return max(pub.next_version() for pub in self.publishers)
 
     def step_published(
         self, version: int, *, anchor: bool = False

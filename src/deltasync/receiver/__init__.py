@@ -6,12 +6,13 @@
   ``pull`` reads it).
 """
 
-from deltasync.errors import LocalStateError, MissingBlobError
+from deltasync.errors import LayoutMismatchError, LocalStateError, MissingBlobError
 from deltasync.receiver.journal import LocalState, StateDir
 from deltasync.receiver.mapped import mapped_shard_tensors
 from deltasync.receiver.store_receiver import PullReport, Receiver, ReceiverConfig
 
 __all__ = [
+    "LayoutMismatchError",
     "LocalState",
     "LocalStateError",
     "MissingBlobError",

@@ -2,9 +2,10 @@
 
 Two small JSON files in the receiver's state directory (names from :mod:`deltasync.names`):
 
-- ``state.json``: the last VERIFIED version (its shard digest matched the manifest) and that
-  digest; ``dirty`` is set when an apply failed verification, i.e. the tensors are known not
-  to hold that version (the next pull restores the newest anchor);
+- ``state.json``: the last VERIFIED version (its shard digest matched the manifest), that
+  digest and its lineage's run id; ``dirty`` is set when the tensors are known not to hold
+  that version (a torn apply that cannot be replayed, live tensors that no longer hash to it):
+  the next pull restores the newest anchor, and until then the receiver reports no version;
 - ``journal.json``: written, durably, BEFORE the first write into live tensors: the version
   the tensors held (``from_version``) and every step of the chain being applied (version,
   kind, base, shard digest, blob keys, sizes and digests). Present at start-up = a crash in
@@ -42,26 +43,31 @@ class LocalState:
     version: int | None  # last verified version; None before the first one
     state_digest: str | None
     dirty: bool = False
+    run_id: str | None = None  # the lineage of ``version`` (None: not recorded)
 
     def to_json(self) -> bytes:
-        return encode_record(
-            {
-                "receiver": self.receiver,
-                "shard": self.shard,
-                "version": self.version,
-                "state_digest": self.state_digest,
-                "dirty": self.dirty,
-            }
-        )
+        obj: dict[str, Any] = {
+            "receiver": self.receiver,
+            "shard": self.shard,
+            "version": self.version,
+            "state_digest": self.state_digest,
+            "dirty": self.dirty,
+        }
+        if self.run_id is not None:
+            obj["run_id"] = self.run_id
+        return encode_record(obj)
 
     @classmethod
     def from_obj(cls, obj: Any) -> LocalState:
-        if not isinstance(obj, dict) or set(obj) != {
-            "receiver", "shard", "version", "state_digest", "dirty"
-        }:  # fmt: skip
+        required = {"receiver", "shard", "version", "state_digest", "dirty"}
+        if not isinstance(obj, dict) or not required <= set(obj) <= required | {"run_id"}:
             raise ManifestError(
-                "state file must hold receiver, shard, version, state_digest, dirty"
+                "state file must hold receiver, shard, version, state_digest, dirty (and "
+                "optionally run_id)"
             )
+        run_id = obj.get("run_id")
+        if run_id is not None:
+            names.check_token("state run_id", run_id)
         version, digest = obj["version"], obj["state_digest"]
         if version is not None:
             check_int(version, what="state version", lo=0, hi=_MAX_VERSION)
@@ -74,6 +80,7 @@ class LocalState:
             version=version,
             state_digest=digest if version is not None else None,
             dirty=obj["dirty"],
+            run_id=run_id if version is not None else None,
         )
 
 

@@ -3,10 +3,13 @@
 - :func:`check_chain`: the chain starts where the tensors are (an anchor, or a delta whose
   base is the local version) and every later step builds on the one before; a wrong base is
   refused here, before anything is fetched;
+- :func:`fetch_blob`: one blob's bytes, checked against its manifest entry (present, exact
+  size, digest), as ``pull`` and ``inspect`` read them too;
 - :func:`fetch_version`: fetch this shard's blobs of one version and verify each against the
   manifest (present, exact size, xxh3-128 digest) and then itself (``decode_blob`` with the
   shard's expected tensor specs, version, base and shard; writer id);
-  and merge the writers' updates per tensor (:func:`deltasync.format.merge_writers`).
+  and merge the writers' updates per tensor (:func:`deltasync.format.merge_writers`); an
+  anchor must then cover every element of every local tensor (checked before any write).
 
 The engine keeps serving during all of this; only the final scatter pauses it. This module
 knows manifests, blobs and TensorUpdate; it never touches live tensors.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from deltasync.commit import Manifest, blob_digest
+from deltasync.commit import BlobEntry, Manifest, blob_digest
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobMismatchError,
@@ -60,6 +63,32 @@ def check_chain(manifests: Sequence[Manifest], from_version: int | None, shard: 
         prev = m.version
 
 
+def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
+    """The bytes of one blob of ``manifest``, checked against its entry: present, exactly the
+    listed size, the listed digest. Nothing is decoded here."""
+    where = f"version {manifest.version} blob {entry.key!r}"
+    try:
+        data = store.get(entry.key)
+    except KeyNotFoundError:
+        raise MissingBlobError(
+            f"{where} is listed in the committed manifest but missing from the store "
+            "(deleted by retention or never uploaded); nothing was applied"
+        ) from None
+    if len(data) != entry.size:
+        cls = TruncatedBlobError if len(data) < entry.size else FormatError
+        raise cls(
+            f"{where} is {len(data)} bytes but the manifest says {entry.size}: "
+            f"{'truncated' if len(data) < entry.size else 'extended'} in storage or "
+            "transit, or replaced by another blob; nothing was applied"
+        )
+    if blob_digest(data) != entry.digest:
+        raise DigestMismatchError(
+            f"{where} does not match the manifest's digest {entry.digest}: corrupted, or "
+            "replaced by another blob (a replay or a racing publisher); nothing was applied"
+        )
+    return data
+
+
 def fetch_version(
     store: Store,
     manifest: Manifest,
@@ -75,26 +104,8 @@ def fetch_version(
     base = -1 if manifest.kind == "anchor" else manifest.base_version
     for entry in manifest.blobs_for(shard):
         where = f"version {manifest.version} blob {entry.key!r}"
-        try:
-            data = store.get(entry.key)
-        except KeyNotFoundError:
-            raise MissingBlobError(
-                f"{where} is listed in the committed manifest but missing from the store "
-                "(deleted by retention or never uploaded); nothing was applied"
-            ) from None
+        data = fetch_blob(store, manifest, entry)
         fetched += len(data)
-        if len(data) != entry.size:
-            cls = TruncatedBlobError if len(data) < entry.size else FormatError
-            raise cls(
-                f"{where} is {len(data)} bytes but the manifest says {entry.size}: "
-                f"{'truncated' if len(data) < entry.size else 'extended'} in storage or "
-                "transit, or replaced by another blob; nothing was applied"
-            )
-        if blob_digest(data) != entry.digest:
-            raise DigestMismatchError(
-                f"{where} does not match the manifest's digest {entry.digest}: corrupted, or "
-                "replaced by another blob (a replay or a racing publisher); nothing was applied"
-            )
         decoded = decode_blob(
             data, expected=specs, version=manifest.version, base_version=base, shard=shard,
             max_decompressed_bytes=max_decompressed_bytes,
@@ -105,4 +116,27 @@ def fetch_version(
                 f"{entry.writer!r}: a blob copied from another writer; nothing was applied"
             )
         per_blob.append(decoded.updates)
-    return merge_writers(manifest.version, per_blob), fetched
+    merged = merge_writers(manifest.version, per_blob)
+    if manifest.kind == "anchor":
+        _check_complete(manifest, shard, merged, specs)
+    return merged, fetched
+
+
+def _check_complete(
+    manifest: Manifest, shard: str, updates: Sequence[TensorUpdate], specs: Mapping[str, TensorSpec]
+) -> None:
+    """An anchor restores every element: refuse one that leaves a local tensor (or a part of
+    one) out, before anything is written."""
+    given = {u.name: u for u in updates}
+    for name, spec in specs.items():
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        u = given.get(name)
+        have = 0 if u is None else u.nnz
+        if have != numel:
+            raise BlobMismatchError(
+                f"anchor version {manifest.version} holds {have} of the {numel} elements of "
+                f"tensor {name!r} for shard {shard!r}: an incomplete anchor cannot restore the "
+                "shard; nothing was applied. Publish a new anchor"
+            )

@@ -2,27 +2,33 @@
 
 ``pull()``:
 
-1. read the newest committed version (``LATEST`` plus any manifest right after it) and plan
-   the chain from the local version (:meth:`Catalog.chain`: deltas in order, or the newest
-   anchor on the way and the deltas after it);
-2. stage (the engine keeps serving): verify each manifest (signature when a key is set) and
+1. read the newest committed manifest from the store (``LATEST`` plus any manifest right after
+   it; a ``LATEST`` naming no manifest is ignored) and plan the chain for this shard
+   (:meth:`Catalog.shard_chain`): the local state is a base only when a delta names its
+   version AND its state digest; otherwise (nothing verified, dirty, another lineage, a store
+   that regressed or was renumbered) the newest anchor of the current lineage is restored;
+2. check the layout the manifests were built for against this receiver's tensors, before
+   anything is fetched;
+3. stage (the engine keeps serving): verify each manifest (signature when a key is set) and
    the chain's bases, fetch and verify every blob, decode against the shard's tensor specs,
    fold the chain into one update per tensor (:mod:`deltasync.receiver.staging`);
-3. write the journal durably, then scatter into the live tensors: the pause;
-4. hash the resulting state and compare with the manifest's shard digest;
-5. write the ack, the state file, clear the journal, refresh the registration, and only then
-   report the new version.
+4. verify before write: hash the tensors as they WILL be after the update, chunk by chunk
+   (:mod:`deltasync.receiver.verify`), and compare with the manifest's shard digest. A
+   mismatch refuses the pull with every live element untouched;
+5. write the journal durably, then scatter into the live tensors: the pause, and only that;
+6. record the new verified version in the state file and clear the journal, THEN write the
+   ack and refresh the registration. A failed ack or heartbeat is logged and retried on the
+   next pull; it never turns a verified apply into an error.
 
-A failure before step 3 leaves the tensors untouched. A digest mismatch in step 4 raises
-IntegrityError and marks the local state dirty (version stays the last verified one; the next
-pull restores the newest anchor). A crash during step 3 leaves the journal, and the next
-Receiver on the same state dir repairs before anything else (see :mod:`.journal` for why
-replaying the whole journaled chain is always correct); if the journaled blobs are gone, it
-restores the newest anchor instead.
+A crash during step 5 leaves the journal, and the next Receiver on the same state dir repairs
+before anything else (see :mod:`.journal` for why replaying the whole journaled chain is always
+correct); if the journaled blobs are gone, it restores the newest anchor instead. A dirty
+receiver reports no version (:attr:`PullReport.version` is None, :attr:`PullReport.dirty`).
 
 :class:`ReceiverConfig` (its settings) and :class:`PullReport` (what one pull did) live here
-with the receiver. This class knows the order of those steps; fetching, folding and files live
-in the modules it calls. It holds no copy of the model: only the staged updates of one pull.
+with the receiver. This class knows the order of those steps; fetching, folding, verifying and
+files live in the modules it calls. It holds no copy of the model: only the staged updates of
+one pull.
 """
 
 from __future__ import annotations
@@ -38,14 +44,18 @@ import torch
 from deltasync import names
 from deltasync.commit import AckRecord, Manifest, ManifestLimits, ReceiverRecord
 from deltasync.commit.catalog import Catalog
+from deltasync.commit.model import LayoutRecord, specs_fingerprint
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import (
     ConfigError,
+    DeltaSyncError,
     FormatError,
     IntegrityError,
     KeyNotFoundError,
+    LayoutMismatchError,
     LocalStateError,
     ManifestError,
+    StoreError,
     VersionError,
 )
 from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
@@ -53,6 +63,7 @@ from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, fetch_version
+from deltasync.receiver.verify import updated_state_digest
 from deltasync.store import Store
 from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
 
@@ -67,6 +78,9 @@ class ReceiverConfig:
     - ``verify_on_open``: hash the live tensors at construction and compare with the digest
       of the version the state file records; a mismatch marks the state dirty (the next pull
       restores the newest anchor);
+    - ``verify_after_write``: also hash the live tensors after the scatter (a second full read
+      per pull; the state is already verified before the write, so this only guards against
+      something else writing the tensors during the pause);
     - ``limits``: bounds on manifests; ``max_decompressed_bytes``: bound per blob;
     - ``durable``: fsync the journal and state file (False only for tests on scratch disks:
       a power loss could then lose the journal and hide a torn apply).
@@ -75,6 +89,7 @@ class ReceiverConfig:
     receiver_id: str
     signing_key: bytes | None = field(default=None, repr=False)
     verify_on_open: bool = True
+    verify_after_write: bool = False
     limits: ManifestLimits = field(default_factory=ManifestLimits)
     max_decompressed_bytes: int = 1 << 36
     durable: bool = True
@@ -85,7 +100,7 @@ class ReceiverConfig:
         except ManifestError as exc:
             raise ConfigError(f"ReceiverConfig.receiver_id: {exc}") from None
         check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
-        for name in ("verify_on_open", "durable"):
+        for name in ("verify_on_open", "verify_after_write", "durable"):
             check_bool(_OWNER, name, getattr(self, name))
         check_instance(_OWNER, "limits", self.limits, ManifestLimits)
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)
@@ -93,16 +108,22 @@ class ReceiverConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PullReport:
-    version: int | None  # the verified version the tensors hold now
+    """What one pull did. ``version`` is the verified version the tensors hold now, and None
+    while ``dirty`` (the tensors are known not to hold any verified version)."""
+
+    version: int | None
     previous_version: int | None  # what they held before (None: nothing verified)
     chain: tuple[int, ...] = ()  # versions applied, in order (first may be an anchor)
     from_anchor: bool = False
     repaired: bool = False  # this finished an apply a crash interrupted
+    dirty: bool = False
+    run_id: str | None = None  # the lineage of ``version``
+    records_pending: bool = False  # the ack or heartbeat failed; retried on the next pull
     bytes_fetched: int = 0
     elements_written: int = 0
     stage_s: float = 0.0  # fetch, verify, decode, fold: the engine keeps serving
+    verify_s: float = 0.0  # digest of the resulting state, before the write (still serving)
     pause_s: float = 0.0  # scatter into the live tensors: the engine must not read them
-    verify_s: float = 0.0  # digest of the resulting state (after the pause)
     total_s: float = 0.0
 
     @property
@@ -135,6 +156,8 @@ class Receiver:
         specs: Mapping[str, TensorSpec] | None = None,
         pause: PauseContext | None = None,
         on_tensor_written: Callable[[str], None] | None = None,
+        layout: ReceiverLayout | None = None,
+        register: bool = True,
     ) -> None:
         try:
             self.shard = names.check_token("shard", shard)
@@ -147,10 +170,20 @@ class Receiver:
             n: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for n, t in self.tensors.items()
         }  # fmt: skip
         self._check_tensors()
+        self._specs_fp = specs_fingerprint(self.specs)
+        self._layout_desc = (
+            LayoutRecord.of(layout).describe() if layout is not None
+            else "the tensors it was given"
+        )  # fmt: skip
         self._pause = pause or contextlib.nullcontext
         self._on_tensor = on_tensor_written
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
         self.dir = StateDir(state_dir, durable=config.durable)
+        self._pending_ack: AckRecord | None = None
+        self._heartbeat_owed = False
+        # register=False: no registration until this receiver holds a verified version
+        # (a sidecar that must not stall a bounded-staleness trainer before its first pull).
+        self._register = register
         state = self.dir.read_state()
         mine = (config.receiver_id, self.shard)
         if state is not None and (state.receiver, state.shard) != mine:
@@ -173,8 +206,24 @@ class Receiver:
                 and not self._state.dirty
                 and state_digest(self.tensors) != self._state.state_digest
             ):
+                log.warning(
+                    "receiver %r shard %r: the tensors do not hash to version %d as recorded; "
+                    "marked dirty, the next pull restores the newest anchor",
+                    config.receiver_id, self.shard, self._state.version,
+                )  # fmt: skip
                 self._set_state(dirty=True)
-            self.heartbeat()
+            elif (
+                config.verify_on_open
+                and self._held() is not None
+                and self.catalog.has_manifest(self._state.version)
+            ):
+                # Verified what it holds: owe the ack of it (a process killed between its
+                # scatter and its ack comes back here, and the trainer's wait completes).
+                self._pending_ack = AckRecord(
+                    version=self._state.version, receiver=config.receiver_id, shard=self.shard,
+                    state_digest=self._state.state_digest, created_at=time.time(),
+                )  # fmt: skip
+            self._flush_records()
 
     @classmethod
     def for_layout(
@@ -190,7 +239,7 @@ class Receiver:
         """A receiver whose expected tensors are ``layout``'s local specs of ``shard``."""
         return cls(
             store, shard=shard, tensors=tensors, state_dir=state_dir, config=config,
-            specs=layout.local_specs(shard), **kwargs,
+            specs=layout.local_specs(shard), layout=layout, **kwargs,
         )  # fmt: skip
 
     def _check_tensors(self) -> None:
@@ -203,7 +252,8 @@ class Receiver:
 
     @property
     def version(self) -> int | None:
-        """The last verified version (see :attr:`dirty`)."""
+        """The last verified version (see :attr:`dirty`: while dirty, the tensors do not
+        hold it and a pull reports no version)."""
         return self._state.version
 
     @property
@@ -212,28 +262,86 @@ class Receiver:
         return self._state.state_digest
 
     @property
+    def run_id(self) -> str | None:
+        """The lineage of :attr:`version`."""
+        return self._state.run_id
+
+    @property
     def dirty(self) -> bool:
-        """True when the tensors are known not to hold :attr:`version` (a failed apply)."""
+        """True when the tensors are known not to hold :attr:`version`."""
         return self._state.dirty
+
+    def _held(self) -> tuple[int, str] | None:
+        """The verified (version, state digest) usable as a base, or None."""
+        if self.dirty or self.version is None or self.state_digest is None:
+            return None
+        return self.version, self.state_digest
 
     def _set_state(self, **changes) -> None:
         fields = {
             "receiver": self._state.receiver, "shard": self._state.shard,
             "version": self._state.version, "state_digest": self._state.state_digest,
-            "dirty": self._state.dirty,
+            "dirty": self._state.dirty, "run_id": self._state.run_id,
         }  # fmt: skip
         fields.update(changes)
         new = LocalState(**fields)
         self.dir.write_state(new)
         self._state = new
 
-    def heartbeat(self) -> None:
-        """Register (or refresh) this receiver and the version it verifiably holds."""
+    # --- records in the store (after the local state, never instead of it) -------------
+
+    def heartbeat(self) -> bool:
+        """Register (or refresh) this receiver and the version it verifiably holds. A store
+        failure is logged and retried on the next pull; returns whether it was written."""
         rec = ReceiverRecord(
             receiver=self.config.receiver_id, shard=self.shard,
             version=None if self.dirty else self.version, updated_at=time.time(),
         )  # fmt: skip
-        self.store.put(rec.key, rec.to_json())
+        if rec.version is None and not self._register:
+            return True
+        try:
+            self.store.put(rec.key, rec.to_json())
+        except StoreError as exc:
+            self._heartbeat_owed = True
+            log.warning(
+                "receiver %r shard %r: registration not written (%s); retried on the next pull",
+                self.config.receiver_id, self.shard, exc,
+            )  # fmt: skip
+            return False
+        self._heartbeat_owed = False
+        return True
+
+    def deregister(self) -> None:
+        """Remove this receiver's registration (best effort): e.g. a sidecar whose first pull
+        failed, so that no trainer waits on a receiver that holds nothing."""
+        try:
+            self.store.delete(names.receiver_key(self.config.receiver_id))
+        except StoreError as exc:
+            log.warning("receiver %r: registration not removed (%s)", self.config.receiver_id, exc)
+
+    def _flush_records(self) -> bool:
+        """Write the owed ack (if any) and the registration; True when nothing is owed."""
+        ack = self._pending_ack
+        if ack is not None:
+            try:
+                self.store.put(ack.key, ack.to_json())
+                self._pending_ack = None
+            except StoreError as exc:
+                log.warning(
+                    "receiver %r shard %r: ack of version %d not written (%s); retried on the "
+                    "next pull", self.config.receiver_id, self.shard, ack.version, exc,
+                )  # fmt: skip
+        beat = self.heartbeat()
+        return beat and self._pending_ack is None
+
+    def _report(self, t0: float, **fields) -> PullReport:
+        dirty = self.dirty
+        return PullReport(
+            version=None if dirty else self.version, dirty=dirty,
+            run_id=None if dirty else self.run_id,
+            records_pending=self._pending_ack is not None or self._heartbeat_owed,
+            total_s=time.perf_counter() - t0, **fields,
+        )  # fmt: skip
 
     # --- pull -------------------------------------------------------------------------
 
@@ -241,44 +349,74 @@ class Receiver:
         """Bring the tensors to the newest committed version; see the module docstring.
 
         Repairs an interrupted apply first (its journal), then applies the chain from the
-        local version, or from the newest anchor when the local state cannot be a base.
+        local state, or from the newest anchor when the local state cannot be a base.
 
         Returns:
-            A :class:`PullReport`: the version now held, the chain applied, bytes fetched,
-            elements written and the stage / pause / verify times.
+            A :class:`PullReport`: the version now held (None while dirty), the chain applied,
+            bytes fetched, elements written and the stage / verify / pause times.
         """
         t0 = time.perf_counter()
         journal = self.dir.read_journal()
         if journal is not None:  # an earlier pull of this process failed after its journal
             return self._repair(journal)
-        local = None if self.dirty else self.version
-        latest = self.catalog.latest()
-        if latest is None or latest == local:
-            self.heartbeat()
-            return PullReport(
-                version=self.version, previous_version=self.version,
-                total_s=time.perf_counter() - t0,
-            )  # fmt: skip
-        manifests = self.catalog.chain(local, latest)
-        if manifests and manifests[0].kind == "anchor":
+        head = self.catalog.head()
+        held = self._held()
+        previous = None if held is None else held[0]
+        if head is None or (
+            held is not None
+            and head.version == held[0]
+            and head.shard_digests.get(self.shard) == held[1]
+        ):
+            self._flush_records()
+            return self._report(t0, previous_version=previous)
+        self._check_layout(head)
+        manifests = self.catalog.shard_chain(self.shard, held, head)
+        if manifests[0].kind == "anchor":
             why = (
                 "it holds no verified version" if self.version is None
                 else "its state is dirty" if self.dirty
-                else f"the chain from version {local} starts over at an anchor"
+                else f"the store regressed below its version {held[0]}"
+                if held is not None and head.version < held[0]
+                else f"no delta builds on its version {self.version} and state digest (another "
+                "lineage, or the chain starts over)"
             )  # fmt: skip
             log.info(
-                "receiver %r shard %r: restoring anchor %d (%s), then %d version(s) to %d",
-                self.config.receiver_id, self.shard, manifests[0].version, why,
-                len(manifests) - 1, latest,
+                "receiver %r shard %r: restoring anchor %d of run %s (%s), then %d version(s) "
+                "to %d", self.config.receiver_id, self.shard, manifests[0].version,
+                manifests[0].run_id, why, len(manifests) - 1, head.version,
             )  # fmt: skip
-        return self._run(manifests, local, t0, repaired=False)
+            start = None
+        else:
+            start = previous
+        return self._run(manifests, start, t0, repaired=False)
 
-    def _run(
-        self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
-    ) -> PullReport:
-        previous = self.version
+    def _check_layout(self, manifest: Manifest) -> None:
+        """Refuse, before any fetch, a version built for another layout than this shard's."""
+        rec = manifest.layout
+        if rec is None:
+            return
+        mine = rec.shards.get(self.shard)
+        if mine is None:
+            raise LayoutMismatchError(
+                f"version {manifest.version} was published for {rec.describe()}, shards "
+                f"{list(rec.shards)[:8]}; this receiver holds shard {self.shard!r} of "
+                f"{self._layout_desc}. Nothing was fetched or written: build the receiver for "
+                "the publisher's layout (or publish for this one)"
+            )
+        if mine.specs != self._specs_fp:
+            numel = sum(_numel(s.shape) for s in self.specs.values())
+            raise LayoutMismatchError(
+                f"version {manifest.version} was published for {rec.describe()}: shard "
+                f"{self.shard!r} has {mine.numel} elements (specs {mine.specs}); this receiver "
+                f"holds {self._layout_desc}: {len(self.specs)} tensors, {numel} elements "
+                f"(specs {self._specs_fp}). Nothing was fetched or written: the publisher and "
+                "this receiver use different model configs, engines or TP/EP"
+            )
+
+    def _stage(self, manifests: list[Manifest], from_version: int | None):
         check_chain(manifests, from_version, self.shard)
-        t = time.perf_counter()
+        for m in manifests:
+            self._check_layout(m)
         steps, fetched = [], 0
         for m in manifests:
             updates, n = fetch_version(
@@ -287,11 +425,32 @@ class Receiver:
             )  # fmt: skip
             steps.append((m.kind, updates))
             fetched += n
-        final = fold_chain(steps, self.specs)
-        del steps
+        return fold_chain(steps, self.specs), fetched
+
+    def _run(
+        self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
+    ) -> PullReport:
+        previous = None if self.dirty else self.version
+        target = manifests[-1]
+        versions = [m.version for m in manifests]
+        t = time.perf_counter()
+        try:
+            final, fetched = self._stage(manifests, from_version)
+        except DeltaSyncError:
+            for m in manifests:  # a repaired store heals on the next pull
+                self.catalog.forget(m.version)
+            raise
         stage_s = time.perf_counter() - t
 
-        target = manifests[-1]
+        t = time.perf_counter()
+        expected = target.shard_digests[self.shard]
+        digest = updated_state_digest(self.tensors, final)
+        verify_s = time.perf_counter() - t
+        if digest != expected:
+            for m in manifests:
+                self.catalog.forget(m.version)
+            self._refused(versions, digest, expected, from_version)
+
         self.dir.write_journal(Journal(
             receiver=self.config.receiver_id, shard=self.shard, from_version=from_version,
             steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
@@ -306,42 +465,67 @@ class Receiver:
         pause_s = time.perf_counter() - t
         del final
 
-        t = time.perf_counter()
-        digest = state_digest(self.tensors)
-        verify_s = time.perf_counter() - t
-        expected = target.shard_digests[self.shard]
-        if digest != expected:
+        if self.config.verify_after_write and state_digest(self.tensors) != expected:
             log.error(
-                "receiver %r shard %r: state digest after version %d does not match the "
-                "manifest; marked dirty, the next pull restores the newest anchor",
+                "receiver %r shard %r: the tensors changed during the scatter of version %d; "
+                "marked dirty, the next pull restores the newest anchor",
                 self.config.receiver_id, self.shard, target.version,
             )  # fmt: skip
             self._set_state(dirty=True)
             self.dir.clear_journal()
-            self.heartbeat()
+            self._flush_records()
             raise IntegrityError(
-                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: after applying "
-                f"versions {[m.version for m in manifests]} the state digest is {digest}, but "
-                f"manifest {target.version} says {expected}. The tensors no longer hold version "
-                f"{previous}; it stays the last verified version and the next pull restores "
-                "the newest anchor. Check that publisher and receiver use the same layout"
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: the state verified "
+                f"before the write of versions {versions} did not survive it (something else "
+                "wrote the live tensors during the pause); marked dirty, the next pull restores "
+                "the newest anchor"
             )
-        total_s = time.perf_counter() - t0
-        ack = AckRecord(
-            version=target.version, receiver=self.config.receiver_id, shard=self.shard,
-            state_digest=digest, created_at=time.time(), pause_s=pause_s, total_s=total_s,
-        )  # fmt: skip
-        self.store.put(ack.key, ack.to_json())
-        self._set_state(version=target.version, state_digest=digest, dirty=False)
+        # Local state first: the verified version is durable before the store hears of it.
+        self._set_state(
+            version=target.version, state_digest=expected, dirty=False, run_id=target.run_id
+        )
         self.dir.clear_journal()
-        self.heartbeat()
-        return PullReport(
-            version=target.version, previous_version=previous,
-            chain=tuple(m.version for m in manifests), from_anchor=manifests[0].kind == "anchor",
-            repaired=repaired, bytes_fetched=fetched, elements_written=written,
-            stage_s=stage_s, pause_s=pause_s, verify_s=verify_s,
+        self._pending_ack = AckRecord(
+            version=target.version, receiver=self.config.receiver_id, shard=self.shard,
+            state_digest=expected, created_at=time.time(), pause_s=pause_s,
             total_s=time.perf_counter() - t0,
         )  # fmt: skip
+        self._flush_records()
+        return self._report(
+            t0, previous_version=previous, chain=tuple(versions),
+            from_anchor=manifests[0].kind == "anchor", repaired=repaired,
+            bytes_fetched=fetched, elements_written=written, stage_s=stage_s,
+            verify_s=verify_s, pause_s=pause_s,
+        )  # fmt: skip
+
+    def _refused(
+        self, versions: list[int], digest: str, expected: str, from_version: int | None
+    ) -> None:
+        """The chain does not lead to the manifest's state: refuse it, nothing written. If
+        the live tensors no longer hash to the recorded version either, they are dirty."""
+        held = self._held()
+        still = held is None or state_digest(self.tensors) == held[1]
+        if not still:
+            self._set_state(dirty=True)
+            self._flush_records()
+        log.error(
+            "receiver %r shard %r: versions %s would lead to state digest %s, the manifest "
+            "says %s; refused before any write%s", self.config.receiver_id, self.shard,
+            versions, digest, expected,
+            "" if still else " (and the live tensors no longer hash to the recorded version: "
+            "marked dirty)",
+        )  # fmt: skip
+        where = (
+            f"version {self.version}" if still and held is not None
+            else "no verified version (the next pull restores the newest anchor)"
+        )  # fmt: skip
+        raise IntegrityError(
+            f"receiver {self.config.receiver_id!r} shard {self.shard!r}: applying versions "
+            f"{versions} (from {from_version}) would give state digest {digest}, but manifest "
+            f"{versions[-1]} says {expected}. Refused before any write: the tensors still hold "
+            f"{where}. Check that publisher and receiver use the same layout and model config, "
+            "or repair the manifest"
+        )
 
     # --- repair -----------------------------------------------------------------------
 
@@ -354,8 +538,9 @@ class Receiver:
                 f"journal in {str(self.dir.path)!r} is for receiver {journal.receiver!r} shard "
                 f"{journal.shard!r}, not this one"
             )
+        journaled = [s.version for s in journal.steps]
         try:
-            manifests = [self.catalog.manifest(s.version) for s in journal.steps]
+            manifests = [self.catalog.manifest(s.version, fresh=True) for s in journal.steps]
             for m, step in zip(manifests, journal.steps, strict=True):
                 if JournalStep.of(m, self.shard) != step:
                     raise ManifestError(
@@ -365,31 +550,42 @@ class Receiver:
             log.warning(
                 "receiver %r shard %r: found the journal of an interrupted apply (versions %s "
                 "from %s); replaying it", self.config.receiver_id, self.shard,
-                [s.version for s in journal.steps], journal.from_version,
+                journaled, journal.from_version,
             )  # fmt: skip
             return self._run(manifests, journal.from_version, t0, repaired=True)
-        except _UNREPLAYABLE as exc:
+        except LocalStateError:
+            raise
+        except (*_UNREPLAYABLE, IntegrityError) as exc:
             log.warning(
                 "receiver %r shard %r: the journaled chain %s cannot be replayed (%s: %s); "
                 "marking the state dirty and restoring the newest anchor",
-                self.config.receiver_id, self.shard, [s.version for s in journal.steps],
-                type(exc).__name__, exc,
+                self.config.receiver_id, self.shard, journaled, type(exc).__name__, exc,
             )  # fmt: skip
         # The tensors are a mix of journaled steps that can no longer be fetched: only a full
         # anchor can restore them. Record that durably before dropping the journal.
         self._set_state(dirty=True)
         self.dir.clear_journal()
-        self.heartbeat()
-        latest = self.catalog.latest()
-        if latest is None:
+        self._flush_records()
+        head = self.catalog.head()
+        if head is None:
             raise VersionError(
-                "the journaled versions are gone and the store has no committed version: "
-                "this receiver cannot be repaired until an anchor is published"
+                f"the journaled versions {journaled} (from {journal.from_version}) are gone "
+                "and the store has no committed version: this receiver cannot be repaired "
+                "until an anchor is published"
             )
-        manifests = self.catalog.chain(None, latest)
+        self._check_layout(head)
+        manifests = self.catalog.shard_chain(self.shard, None, head)
         log.info(
-            "receiver %r shard %r: restoring anchor %d (its state is dirty: the journal could "
-            "not be replayed), then %d version(s) to %d", self.config.receiver_id, self.shard,
-            manifests[0].version, len(manifests) - 1, latest,
+            "receiver %r shard %r: restoring anchor %d (its state is dirty: the journal of "
+            "versions %s could not be replayed), then %d version(s) to %d",
+            self.config.receiver_id, self.shard, manifests[0].version, journaled,
+            len(manifests) - 1, head.version,
         )  # fmt: skip
         return self._run(manifests, None, t0, repaired=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,179 @@
+"""``deltasync pull`` is a dependable sidecar and ``deltasync inspect`` a read-only diagnostic:
+pull waits for the first commit, registers only once it holds a verified version, refuses a
+layout other than the store's before fetching, exits cleanly on SIGTERM and writes a file the
+engine's user can read; inspect refuses what is not a store without creating anything, shows a
+status with its reason per version, the layout and lineage, and survives a closed pipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from truth_kit import Rig, assert_same_bits
+
+from deltasync import LocalStore, names
+from deltasync.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deltasync", *args], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "store"
+
+
+@pytest.mark.timeout(120)
+def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_sigterm(
+    store_path, tmp_path
+):
+    store = LocalStore(store_path, durable=False)
+    weights = tmp_path / "weights"
+    proc = _cli("pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
+                "--dir", str(weights), "--interval", "0.05")  # fmt: skip
+    try:
+        time.sleep(2.0)
+        assert proc.poll() is None, proc.communicate()
+        assert not store.list(names.RECEIVERS_PREFIX), "registered before holding anything"
+        rig = Rig(store, tmp_path)
+        rig.publish(0)
+        file = weights / "tp0.safetensors"
+        deadline = time.monotonic() + 60
+        while not file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        run = rig.trainer.pub.run_id
+        assert_same_bits(load_file(str(file)), rig.oracle[(run, 0)]["tp0"])
+        umask = os.umask(0)
+        os.umask(umask)
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask
+        assert names.receiver_key("pull-tp0") in store.list(names.RECEIVERS_PREFIX)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert "waiting for the first committed version" in out
+        assert "stopped by signal SIGTERM" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(60)
+def test_pull_refuses_another_layout_before_fetching_and_leaves_no_registration(
+    store_path, tmp_path, capsys
+):
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    assert main(["pull", str(store_path), "--engine", "vllm", "--tp", "4", "--shard", "tp0",
+                 "--dir", str(tmp_path / "w"), "--once"]) != 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "LayoutMismatchError" in err and "was published for engine vllm tp=2" in err
+    assert not [k for k in store.list(names.RECEIVERS_PREFIX) if "pull" in k]
+    assert not (tmp_path / "w" / "tp0.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pull_without_config_takes_the_specs_from_a_verified_anchor(store_path, tmp_path):
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    assert main(["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp1",
+                 "--dir", str(tmp_path / "w"), "--once"]) == 0  # fmt: skip
+    run = rig.trainer.pub.run_id
+    assert_same_bits(
+        load_file(str(tmp_path / "w" / "tp1.safetensors")), rig.oracle[(run, 1)]["tp1"]
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["missing", "empty-dir", "checkpoint-dir"])
+def test_inspect_refuses_a_path_that_is_not_a_store_and_creates_nothing(tmp_path, kind, capsys):
+    path = tmp_path / "x"
+    if kind == "empty-dir":
+        path.mkdir()
+    elif kind == "checkpoint-dir":
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"\0" * 16)
+        (path / "config.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["inspect", str(path)]) != 0
+    assert "not a deltasync store" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if kind == "empty-dir":
+        assert not list(path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_inspect_shows_status_reason_layout_lineage_and_density_from_the_manifest(
+    store_path, tmp_path, capsys
+):
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    for v in range(4):
+        rig.publish(v)
+    (b1,) = store.list("v00000001/tp0/")
+    store.put(b1, store.get(b1)[:-5])  # truncated
+    (b2,) = store.list("v00000002/tp1/")
+    data = bytearray(store.get(b2))
+    data[len(data) // 2] ^= 0xFF
+    store.put(b2, bytes(data))  # corrupt, same size
+    (b3,) = store.list("v00000003/tp0/")
+    store.delete(b3)  # missing
+    store.put("v00000009/tp0/w00000-x.blob", b"in flight")  # a version without a manifest
+    assert main(["inspect", str(store_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    status = {(r["version"], r.get("shard")): r for r in info["rows"]}
+    assert status[(0, "tp0")]["status"] == "ok"
+    assert status[(1, "tp0")]["status"] == "truncated" and "bytes" in status[(1, "tp0")]["reason"]
+    assert status[(2, "tp1")]["status"] == "corrupt" and "digest" in status[(2, "tp1")]["reason"]
+    assert status[(3, "tp0")]["status"] == "missing blob"
+    assert status[(9, None)]["status"] == "uncommitted"
+    assert info["layout"]["engine"] == "vllm" and info["layout"]["tp"] == 2
+    assert info["run_id"] == rig.trainer.pub.run_id
+    row = status[(1, "tp1")]
+    assert row["density"] == row["elements"] / info["layout"]["shards"]["tp1"]["numel"]
+    assert 0 < row["density"] < 1 and status[(0, "tp1")]["density"] == 1.0
+    # a gap: the base of version 3 disappears
+    store.delete(names.manifest_key(2))
+    assert main(["inspect", str(store_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {r["status"] for r in info["rows"] if r["version"] == 3 and r.get("shard") == "tp1"} == {
+        "gap"
+    }
+    assert main(["inspect", str(store_path)]) == 0
+    table = capsys.readouterr().out
+    assert "layout: engine vllm tp=2" in table and "truncated:" in table
+
+
+@pytest.mark.timeout(60)
+def test_inspect_does_not_die_on_a_closed_pipe(store_path, tmp_path):
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    for v in range(3):
+        rig.publish(v)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away before the first line (`| head -0`)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltasync", "inspect", str(store_path), "--last", "0"],
+        cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(write_end)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err

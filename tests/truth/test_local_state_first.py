@@ -1,0 +1,165 @@
+"""Local state first, store records after: a receiver records its verified version durably
+before it writes its ack and registration; a failed ack or heartbeat (the S3 server killed
+between the scatter and the ack, a receiver SIGKILLed right there) never leaves the tensors
+at one version and the state at another, and a dirty receiver never reports a version."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+
+import pytest
+from truth_kit import FailingPuts, Rig, assert_same_bits, rconfig, wipe
+
+from deltasync import LocalStore, Receiver, names
+from deltasync.commit import AckRecord, ReceiverRecord
+from deltasync.receiver import StateDir, mapped_shard_tensors
+from deltasync.store import RetryPolicy, S3Store
+
+
+class StopBeforeAck:
+    """Store wrapper: the first put of an ack key runs ``hook`` first (e.g. stops the server)."""
+
+    def __init__(self, inner, hook) -> None:
+        self.inner, self.hook = inner, hook
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data, *args, **kwargs):
+        if key.startswith("acks/") and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return self.inner.put(key, data, *args, **kwargs)
+
+
+@pytest.mark.timeout(90)
+def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_and_the_ack_follows(
+    s3_server, s3_session_store, tmp_path
+):
+    prefix = f"truth-{uuid.uuid4().hex[:8]}"
+    pub_store = s3_session_store.with_prefix(prefix)
+    retry = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.02, deadline_s=0.5)
+    rx_s3 = S3Store(s3_session_store.bucket, prefix, config=s3_server.config(retry=retry))
+    try:
+        rig = Rig(pub_store, tmp_path)
+        rig.publish(0)
+        rig.rec = rig.receiver(StopBeforeAck(rx_s3, s3_server.stop))
+        report = rig.rec.pull()  # the server dies after the scatter, before the ack
+        assert not s3_server.running
+        rig.check(report)
+        assert report.version == 0 and report.records_pending
+        state = StateDir(tmp_path / "rec").read_state()
+        assert state.version == 0 and not state.dirty, "the verified version is recorded locally"
+        assert not (tmp_path / "rec" / names.JOURNAL_FILE).exists()
+        s3_server.start()
+        assert not pub_store.exists(names.ack_key(0, "rec"))
+        report = rig.rec.pull()  # nothing new: the owed ack and registration are written now
+        assert report.version == 0 and not report.records_pending and not report.chain
+        ack = AckRecord.from_json(pub_store.get(names.ack_key(0, "rec")))
+        assert ack.state_digest == rig.rec.state_digest
+        rig.publish(1)
+        rig.check(rig.rec.pull())
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+        rx_s3.close()
+
+
+def _receiver_child(store_path, state_dir, mapped, ready):
+    from truth_kit import tiny_layouts
+
+    _, _, rl = tiny_layouts()
+    tensors = mapped_shard_tensors(mapped, rl.local_specs("tp0"))
+
+    def hang(key):
+        if key.startswith("acks/"):
+            open(ready, "w").close()
+            time.sleep(600)  # the parent SIGKILLs us here: after the scatter, before the ack
+
+    store = FailingHook(LocalStore(store_path, durable=False), hang)
+    Receiver.for_layout(store, rl, "tp0", tensors, state_dir, rconfig("rec")).pull()
+
+
+class FailingHook:
+    def __init__(self, inner, hook) -> None:
+        self.inner, self.hook = inner, hook
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data, *args, **kwargs):
+        self.hook(key)
+        return self.inner.put(key, data, *args, **kwargs)
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_version(tmp_path):
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    mapped = tmp_path / "tp0.bin"
+    ready = tmp_path / "ready"
+    proc = mp.get_context("fork").Process(
+        target=_receiver_child,
+        args=(str(tmp_path / "store"), str(tmp_path / "rec"), str(mapped), str(ready)),
+        daemon=True,
+    )
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.is_alive() and time.monotonic() < deadline, "the child never reached its ack"
+        time.sleep(0.01)
+    proc.kill()
+    proc.join(10)
+    assert proc.exitcode == -9
+    assert not store.exists(names.ack_key(0, "rec"))
+    tensors = mapped_shard_tensors(mapped, rig.rl.local_specs("tp0"), create=False)
+    rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.version == 0 and not rec.dirty and rec.last_repair is None
+    assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
+    # the restarted receiver owes the ack of what it verifiably holds, and writes it
+    assert AckRecord.from_json(store.get(names.ack_key(0, "rec"))).version == 0
+    assert rig.trainer.pub.wait_for_acks(0, ["rec"], timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_heartbeat_never_turns_a_verified_apply_into_an_error(tmp_path):
+    inner = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(inner, tmp_path)
+    rig.publish(0)
+    flaky = FailingPuts(inner, lambda key: key.startswith(("receivers/", "acks/")))
+    rig.rec = rig.receiver(flaky)
+    report = rig.rec.pull()
+    rig.check(report)
+    assert report.records_pending and flaky.failed
+    flaky.armed = False
+    rig.publish(1)
+    report = rig.rec.pull()
+    rig.check(report)
+    assert not report.records_pending
+    rec = ReceiverRecord.from_json(inner.get(names.receiver_key("rec")))
+    assert rec.version == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_dirty_receiver_reports_no_version_until_an_anchor_restores_it(tmp_path):
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.check(rig.rec.pull())
+    next(iter(rig.tensors.values())).view(-1)[0] += 1  # the tensors no longer hold version 0
+    wipe(store)  # and the store has nothing to restore from
+    rig.rec = rig.receiver()
+    assert rig.rec.dirty
+    report = rig.rec.pull()
+    assert report.version is None and report.dirty and report.run_id is None
+    assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version is None
+    from truth_kit import Trainer
+
+    rig.trainer = Trainer(store, rig.rl, rig.tl, rig.spec, seed=7)
+    rig.trainer.publish(0, rig.oracle, step=False)
+    report = rig.rec.pull()
+    assert report.from_anchor and not report.dirty
+    rig.check(report)
