@@ -126,6 +126,11 @@ class InvalidKeyError(StoreError, ValueError):
     """A key (or list prefix) is not a safe relative path; nothing was read or written."""
 
 
+class ObjectTooLargeError(StoreError):
+    """An object is larger than the bound its reader passed (``Store.get(key, max_bytes=...)``);
+    refused from its size, before it was read whole."""
+
+
 class CommitConflictError(StoreError):
     """Another writer committed the same key first (conditional write lost)."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deltasync import names
+from deltasync.atomic import TMP_MARK
 from deltasync.errors import CommitConflictError, ConfigError, StoreError
 from deltasync.store import LocalStore, MemoryStore, S3Config, S3Store, ThrottledStore, open_store
 
@@ -18,9 +19,8 @@ def test_a_crashed_write_leaves_the_old_value_and_an_invisible_temp_file(tmp_pat
     store = LocalStore(tmp_path)
     store.put("LATEST", b"old")
     # What a writer killed between writing and publishing leaves behind:
-    path = tmp_path / "LATEST"
-    tmp, _ = store._write_temp("LATEST", path, [b"new-but-never-published"])
-    assert tmp.exists()
+    tmp = tmp_path / f".LATEST{TMP_MARK}0123abcd"
+    tmp.write_bytes(b"new-but-never-published")
     assert store.get("LATEST") == b"old"
     assert store.list() == ["LATEST"]
     assert store.sweep_temp_files() == 1

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from deltasync import names
-from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
+from deltasync.errors import CommitConflictError, KeyNotFoundError, ObjectTooLargeError, StoreError
 from deltasync.store import InvalidKeyError, Store
 
 ALL_BYTES = bytes(range(256)) * 17
@@ -216,3 +216,19 @@ def test_a_reader_never_sees_a_partial_object_while_a_writer_replaces_it(any_sto
         t.join(timeout=30)
     assert not bad, bad
     assert seen  # the reader really read while the writer wrote
+
+
+def test_get_with_max_bytes_returns_objects_within_the_bound_and_refuses_larger_ones(
+    any_store: Store,
+) -> None:
+    any_store.put("bounded", ALL_BYTES)
+    assert any_store.get("bounded", max_bytes=len(ALL_BYTES)) == ALL_BYTES
+    assert any_store.get("bounded", max_bytes=None) == ALL_BYTES
+    with pytest.raises(ObjectTooLargeError, match=f"more than the {len(ALL_BYTES) - 1}"):
+        any_store.get("bounded", max_bytes=len(ALL_BYTES) - 1)
+    any_store.put("nothing", b"")
+    assert any_store.get("nothing", max_bytes=0) == b""
+    with pytest.raises(KeyNotFoundError):
+        any_store.get("absent", max_bytes=10)
+    with pytest.raises(StoreError, match="max_bytes"):
+        any_store.get("bounded", max_bytes=-1)

@@ -12,7 +12,11 @@ Guarantees every implementation gives (and ``tests/store`` checks on each of the
   others get :class:`~deltasync.errors.CommitConflictError`; this is the fencing primitive
   that commits manifests;
 - ``delete`` of a missing key is not an error (retention may run twice);
-- ``list`` returns every key that starts with ``prefix``, sorted.
+- ``list`` returns every key that starts with ``prefix``, sorted;
+- ``get(key, max_bytes=n)`` raises :class:`~deltasync.errors.ObjectTooLargeError` for an
+  object larger than ``n`` bytes before reading it whole (the size is checked first), so a
+  reader of a store shared with others bounds its memory by what it expects; every failure is
+  a :class:`~deltasync.errors.StoreError` naming the key.
 
 This module knows nothing about versions, manifests or what the bytes mean: all policy lives
 above it (see :mod:`deltasync.commit`).
@@ -23,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from deltasync.errors import InvalidKeyError, StoreError
+from deltasync.errors import InvalidKeyError, ObjectTooLargeError, StoreError
 
 MAX_KEY_LENGTH = 1024
+MAX_COMPONENT_BYTES = 255  # NAME_MAX of every common filesystem, and so of LocalStore
 
 Bytes = bytes | bytearray | memoryview
 
@@ -34,8 +39,9 @@ Bytes = bytes | bytearray | memoryview
 class Store(Protocol):
     """Byte storage under string keys relative to one run prefix."""
 
-    def get(self, key: str) -> bytes:
-        """Whole object. Raises KeyNotFoundError if absent."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Whole object. Raises KeyNotFoundError if absent, ObjectTooLargeError if it is
+        larger than ``max_bytes`` (None: no bound)."""
         ...
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -78,6 +84,10 @@ def _check_chars(what: str, value: str) -> None:
         raise InvalidKeyError(f"{what} {value!r} is absolute; keys are relative to the run prefix")
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidKeyError(f"{what} is {len(value)} characters long (at most {MAX_KEY_LENGTH})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKeyError(f"{what} {value!r} is not valid Unicode (a lone surrogate)") from None
 
 
 def _check_component(what: str, value: str, component: str) -> None:
@@ -90,6 +100,12 @@ def _check_component(what: str, value: str, component: str) -> None:
     # never name (or list) a half-written temp file.
     if component.startswith("."):
         raise InvalidKeyError(f"{what} {value!r} has a component starting with '.' (reserved)")
+    size = len(component.encode("utf-8"))
+    if size > MAX_COMPONENT_BYTES:
+        raise InvalidKeyError(
+            f"{what} {value[:64]!r}... has a {size}-byte path component (at most "
+            f"{MAX_COMPONENT_BYTES} bytes in UTF-8)"
+        )
 
 
 def check_key(key: str) -> str:
@@ -117,7 +133,28 @@ def check_prefix(prefix: str) -> str:
     last = components[-1]
     if last in (".", "..") or last.startswith("."):
         raise InvalidKeyError(f"prefix {prefix!r} ends in a '.'-component (reserved)")
+    if len(last.encode("utf-8")) > MAX_COMPONENT_BYTES:
+        raise InvalidKeyError(
+            f"prefix {prefix[:64]!r}... ends in a component over {MAX_COMPONENT_BYTES} bytes"
+        )
     return prefix
+
+
+def check_max_bytes(key: str, max_bytes: int | None) -> None:
+    """Refuse a ``max_bytes`` that is not None or an int >= 0 (StoreError naming the key)."""
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+    ):
+        raise StoreError(f"get({key!r}): max_bytes must be None or an int >= 0, got {max_bytes!r}")
+
+
+def too_large(key: str, store: object, size: int | str, max_bytes: int) -> ObjectTooLargeError:
+    """The error of a read that would exceed its bound (``size``: what the store reports)."""
+    return ObjectTooLargeError(
+        f"{key!r} in {store!r} is {size} bytes, more than the {max_bytes} this read allows: "
+        "the store holds something other than what was committed (a broken or hostile "
+        "writer); nothing was read past the bound"
+    )
 
 
 def check_range(key: str, start: int, length: int) -> None:

@@ -12,7 +12,15 @@ import threading
 from collections.abc import Iterable
 
 from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
-from deltasync.store.base import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.base import (
+    Bytes,
+    as_bytes,
+    check_key,
+    check_max_bytes,
+    check_prefix,
+    check_range,
+    too_large,
+)
 
 
 class MemoryStore:
@@ -24,13 +32,17 @@ class MemoryStore:
     def __repr__(self) -> str:
         return f"MemoryStore({self.name!r})" if self.name else "MemoryStore()"
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_key(key)
+        check_max_bytes(key, max_bytes)
         with self._lock:
             try:
-                return self._objects[key]
+                data = self._objects[key]
             except KeyError:
                 raise KeyNotFoundError(f"key {key!r} not found in {self!r}") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise too_large(key, self, len(data), max_bytes)
+        return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)

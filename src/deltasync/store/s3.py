@@ -24,7 +24,15 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
-from deltasync.store.base import Bytes, as_bytes, check_key, check_prefix, check_range
+from deltasync.store.base import (
+    Bytes,
+    as_bytes,
+    check_key,
+    check_max_bytes,
+    check_prefix,
+    check_range,
+    too_large,
+)
 from deltasync.store.retry import RetriesExhausted, call_with_retries
 from deltasync.store.s3_config import (
     CONFLICT,
@@ -34,6 +42,7 @@ from deltasync.store.s3_config import (
     error_code,
     is_transient,
     make_client,
+    redact_url,
 )
 
 T = TypeVar("T")
@@ -54,8 +63,11 @@ class S3Store:
         self._client = make_client(self.config)
 
     def __repr__(self) -> str:
-        where = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
-        return f"S3Store('s3://{self.bucket}/{self.prefix}'{where})"
+        return f"S3Store('s3://{self.bucket}/{self.prefix}'{self._at()})"
+
+    def _at(self) -> str:
+        endpoint = self.config.endpoint_url
+        return f" at {redact_url(endpoint)}" if endpoint else ""
 
     def with_prefix(self, prefix: str) -> S3Store:
         """A store for ``{self.prefix}/{prefix}`` sharing this one's client and connections
@@ -79,8 +91,7 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _url(self, key: str) -> str:
-        endpoint = f" at {self.config.endpoint_url}" if self.config.endpoint_url else ""
-        return f"s3://{self.bucket}/{self._full(key)}{endpoint}"
+        return f"s3://{self.bucket}/{self._full(key)}{self._at()}"
 
     def _call(self, what: str, key: str, op: Callable[[int], T]) -> T:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -124,12 +135,27 @@ class S3Store:
 
     # --- reads --------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         full = self._full(check_key(key))
+        check_max_bytes(key, max_bytes)
 
         def op(_: int) -> bytes:
             response = self._client.get_object(Bucket=self.bucket, Key=full)
-            return response["Body"].read()  # inside op: a connection drop mid-body is retried
+            body = response["Body"]
+            try:
+                # The object's size comes with the response headers: refuse before the body.
+                size = response.get("ContentLength")
+                if max_bytes is not None and isinstance(size, int) and size > max_bytes:
+                    raise too_large(key, self, size, max_bytes)
+                if max_bytes is None:
+                    return body.read()  # inside op: a connection drop mid-body is retried
+                # A server that under-reports the length still cannot make us read more.
+                data = body.read(max_bytes + 1)
+                if len(data) > max_bytes:
+                    raise too_large(key, self, f"more than {max_bytes}", max_bytes)
+                return data
+            finally:
+                body.close()
 
         return self._call("get", key, op)
 

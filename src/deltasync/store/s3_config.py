@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from deltasync.errors import ConfigError
 from deltasync.store.retry import RetryPolicy
@@ -37,9 +38,23 @@ TRANSIENT_CODES = {
 }
 
 
+def redact_url(url: str) -> str:
+    """``url`` without user info, query or fragment: what may appear in reprs, logs and errors."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return "<unparseable endpoint URL>"
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class S3Config:
-    """How to reach an S3-compatible server. ``endpoint_url=None`` means AWS itself."""
+    """How to reach an S3-compatible server. ``endpoint_url=None`` means AWS itself.
+
+    Credentials go in ``access_key_id`` / ``secret_access_key`` (never printed); an endpoint URL
+    that embeds user info is refused, so it cannot leak through reprs, logs or errors."""
 
     endpoint_url: str | None = None
     region: str = "us-east-1"
@@ -58,10 +73,31 @@ class S3Config:
             isinstance(self.endpoint_url, str)
             and self.endpoint_url.startswith(("http://", "https://"))
         ):
-            raise ConfigError(
-                "S3Config.endpoint_url must start with http:// or https://, "
-                f"got {self.endpoint_url!r}"
+            shown = (
+                redact_url(self.endpoint_url)
+                if isinstance(self.endpoint_url, str)
+                else type(self.endpoint_url).__name__
             )
+            raise ConfigError(
+                f"S3Config.endpoint_url must start with http:// or https://, got {shown!r}"
+            )
+        if self.endpoint_url is not None:
+            try:
+                parts = urlsplit(self.endpoint_url)
+                _ = parts.port  # raises ValueError for a malformed port
+            except ValueError:
+                raise ConfigError(
+                    f"S3Config.endpoint_url {redact_url(self.endpoint_url)!r} is not a valid URL"
+                ) from None
+            if parts.username is not None or parts.password is not None:
+                raise ConfigError(
+                    f"S3Config.endpoint_url {redact_url(self.endpoint_url)!r} embeds user "
+                    "info; pass credentials as access_key_id / secret_access_key instead"
+                )
+            if not parts.hostname:
+                raise ConfigError(
+                    f"S3Config.endpoint_url {redact_url(self.endpoint_url)!r} has no host"
+                )
         if not isinstance(self.region, str) or not self.region:
             raise ConfigError(f"S3Config.region must be a non-empty string, got {self.region!r}")
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -81,6 +117,15 @@ class S3Config:
             _OWNER, "multipart_part_bytes", self.multipart_part_bytes, lo=MIN_PART, hi=MAX_PART
         )
         check_instance(_OWNER, "retry", self.retry, RetryPolicy)
+
+    def __repr__(self) -> str:
+        # Secrets are never shown; the endpoint only without query or fragment.
+        endpoint = None if self.endpoint_url is None else redact_url(self.endpoint_url)
+        creds = "explicit" if self.access_key_id is not None else "boto3 default chain"
+        return (
+            f"S3Config(endpoint_url={endpoint!r}, region={self.region!r}, "
+            f"credentials={creds!r}, addressing_style={self.addressing_style!r})"
+        )
 
 
 def error_code(exc: BaseException) -> tuple[str, int]:

@@ -90,8 +90,8 @@ class ThrottledStore:
     def __repr__(self) -> str:
         return f"ThrottledStore({self.inner!r}, gbps={self.config.gbps})"
 
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        data = self.inner.get(key, max_bytes=max_bytes)
         _sleep_until(self._read.reserve(len(data)))
         return data
 
