@@ -78,6 +78,15 @@ class LayoutError(DeltaSyncError):
     """A model config, tensor name or shape does not fit the layout table."""
 
 
+class LayoutProbeError(LayoutError):
+    """The layout probe cannot learn a layout: an engine's loader changes values on the way in
+    or drops elements. ``refused`` maps each checkpoint tensor at fault to the reason."""
+
+    def __init__(self, message: str, refused: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.refused: dict[str, str] = dict(refused or {})
+
+
 # --- applying to targets ------------------------------------------------------------------
 
 

@@ -55,7 +55,8 @@ def test_defaults_follow_transformers_when_fields_are_missing():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "llama"}, "not supported"),
+        ({"model_type": "gpt2"}, "not supported"),
+        ({"model_type": "qwen2", "mlp_bias": True}, "mlp_bias"),
         ({"model_type": None}, "not supported"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_key_value_heads": 3}, "multiple of"),
@@ -65,6 +66,33 @@ def test_defaults_follow_transformers_when_fields_are_missing():
 def test_unsupported_or_invalid_configs_raise_a_layout_error_naming_the_field(change, message):
     with pytest.raises(LayoutError, match=message):
         ModelSpec.from_hf_config(dict(CONFIGS["dense_tied"], **change))
+
+
+def test_a_dense_family_with_experts_is_refused():
+    from deltasync.layout import ModelSpec as Spec
+
+    with pytest.raises(LayoutError, match="experts"):
+        Spec(
+            model_type="llama", vocab_size=10, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=8,
+            num_experts=4,
+        )  # fmt: skip
+
+
+def test_family_defaults_follow_transformers_when_the_config_leaves_them_out():
+    base = {
+        k: v
+        for k, v in CONFIGS["dense_tied"].items()
+        if k not in ("head_dim", "tie_word_embeddings")
+    }
+    gemma = ModelSpec.from_hf_config(dict(base, model_type="gemma"))
+    assert gemma.tie_word_embeddings and gemma.head_dim == 256 and not gemma.qk_norm
+    llama = ModelSpec.from_hf_config(dict(base, model_type="llama"))
+    assert not llama.tie_word_embeddings and llama.head_dim == 32 // 8
+    qwen2 = ModelSpec.from_hf_config(dict(base, model_type="qwen2"))
+    assert qwen2.attention_biases == ("q_proj", "k_proj", "v_proj")
+    assert "model.layers.0.self_attn.o_proj.bias" not in qwen2.canonical_shapes()
+    assert qwen2.canonical_shapes()["model.layers.0.self_attn.k_proj.bias"] == (qwen2.kv_size,)
 
 
 def test_a_moe_config_without_experts_is_refused():

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from deltasync.errors import LayoutProbeError
 from deltasync.layout import ModelSpec, ShardInfo
 from deltasync.layout.hf_rules import build_hf_table
 from deltasync.layout.probe import (
-    LayoutProbeError,
     ProbeConfig,
     check_bits,
     decode_payload,

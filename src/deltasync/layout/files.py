@@ -1,20 +1,26 @@
-"""Dense split of a full HF-format checkpoint into per-shard safetensors files.
+"""Dense checkpoint files: a full HF checkpoint split into per-shard safetensors, and back.
 
 ``split_checkpoint`` reads a transformers ``config.json`` and a full bf16 checkpoint with
-checkpoint-format (canonical) names, splits it with a :class:`ReceiverLayout`, and writes
+checkpoint-format (canonical) names (one ``.safetensors`` file, a sharded checkpoint's
+``model.safetensors.index.json``, or a directory holding either), splits it with a
+:class:`ReceiverLayout` (an engine's rules, or a probed layout file), and writes
 ``<out>/<shard id>.safetensors`` per distinct shard (the engine's local parameter names) plus
-``<out>/shards.json`` (``[{"id", "tp_rank", "ep_rank"}, ...]``). Each file is written to a
-temporary name and renamed, so a reader never sees half a file.
+``<out>/shards.json`` (``[{"id", "tp_rank", "ep_rank"}, ...]``). ``merge_checkpoint`` is its
+inverse: the shard files back into one full checkpoint, replicated copies checked bit for bit.
+Each file is written to a temporary name and renamed, so a reader never sees half a file.
 
-The whole checkpoint is held in memory while splitting (this serves anchors, dense baselines
-and tests, not the sparse sync path). This module is the only I/O in ``deltasync.layout``.
+The whole checkpoint is held in memory while splitting or merging (this serves anchors, dense
+baselines and tests, not the sparse sync path). This module is the file I/O of
+``deltasync.layout`` (probed layout files are read and written by ``probed``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,30 +30,105 @@ from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 
 SHARDS_FILE = "shards.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``config.json`` as a dict (a directory means its ``config.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        with open(p, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"cannot read model config {str(p)!r}: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise LayoutError(f"model config {str(p)!r} is not a JSON object")
+    return cfg
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelSpec:
+    return ModelSpec.from_hf_config(load_config_dict(path))
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint given as a file, an index file or a directory.
+
+    A directory with ``model.safetensors.index.json`` means the files its ``weight_map``
+    names; a directory without one, every ``*.safetensors`` file in it.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / SHARDS_FILE).exists():
+            raise LayoutError(
+                f"{str(p)!r} holds receiver shards ({SHARDS_FILE}), not a checkpoint: "
+                "use 'deltasync layout merge' to rebuild the full checkpoint"
+            )
+        if (p / INDEX_FILE).exists():
+            return _index_files(p / INDEX_FILE)
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise LayoutError(f"checkpoint directory {str(p)!r} has no .safetensors files")
+        return files
+    if p.name.endswith(".index.json"):
+        return _index_files(p)
+    return [p]
+
+
+def _index_files(index: Path) -> list[Path]:
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LayoutError(f"cannot read model config {str(path)!r}: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise LayoutError(f"model config {str(path)!r} is not a JSON object")
-    return ModelSpec.from_hf_config(cfg)
+        doc = json.loads(index.read_text(encoding="utf-8"))
+        weight_map = doc["weight_map"]
+        names = list(dict.fromkeys(str(v) for v in weight_map.values()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise LayoutError(f"cannot read checkpoint index {str(index)!r}: {exc}") from exc
+    for n in names:
+        if Path(n).name != n:
+            raise LayoutError(f"checkpoint index {str(index)!r} names a file outside it: {n!r}")
+    return [index.parent / n for n in names]
+
+
+def _index_map(path: Path) -> dict[str, str] | None:
+    index = path / INDEX_FILE if path.is_dir() else path
+    if not index.name.endswith(".index.json") or not index.exists():
+        return None
+    return {
+        str(k): str(v)
+        for k, v in json.loads(index.read_text(encoding="utf-8"))["weight_map"].items()
+    }
 
 
 def load_canonical_checkpoint(
     path: str | os.PathLike[str], spec: ModelSpec
 ) -> dict[str, torch.Tensor]:
-    """Read a full checkpoint and check it holds exactly the canonical bf16 tensors."""
+    """Read a full checkpoint (file, index or directory) and check it holds exactly the
+    canonical bf16 tensors, each once, where its index says."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise LayoutError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for f in checkpoint_files(path):
+        try:
+            part = load_file(str(f))
+        except (OSError, SafetensorError) as exc:
+            raise LayoutError(f"cannot read checkpoint {str(f)!r}: {exc}") from exc
+        for name, t in part.items():
+            if name in tensors:
+                raise LayoutError(
+                    f"checkpoint tensor {name!r} is in both {where[name]!r} and {f.name!r}"
+                )
+            tensors[name], where[name] = t, f.name
+    index = _index_map(Path(path))
+    if index is not None:
+        wrong = [n for n, f in index.items() if where.get(n) != f]
+        if wrong or set(where) - set(index):
+            n = (wrong or sorted(set(where) - set(index)))[0]
+            raise LayoutError(
+                f"checkpoint index {str(path)!r} does not match its files: {n!r} is in "
+                f"{where.get(n)!r}, the index says {index.get(n)!r}"
+            )
     if spec.tie_word_embeddings:
         # Like vLLM's loader: with tied embeddings a checkpoint's lm_head.weight is skipped.
         tensors.pop("lm_head.weight", None)
@@ -57,15 +138,40 @@ def load_canonical_checkpoint(
     if missing or extra:
         raise LayoutError(
             f"checkpoint {str(path)!r} does not match its config: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+            f"{' ...' if len(extra) > 5 else ''}"
         )
     for name, shape in shapes.items():
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != spec.dtype:
             raise LayoutError(
-                f"checkpoint tensor {name!r} is {tuple(t.shape)} {t.dtype}; the config says {shape} {spec.dtype}"
+                f"checkpoint tensor {name!r} is {tuple(t.shape)} {t.dtype}; "
+                f"the config says {shape} {spec.dtype}"
             )
     return tensors
+
+
+def _layout(
+    spec: ModelSpec, engine: str, tp: int, ep: int, layout_file: str | os.PathLike[str] | None
+) -> ReceiverLayout:
+    if layout_file is None:
+        return ReceiverLayout.build(spec, engine, tp, ep)
+    from deltasync.layout.probed import load_layout
+
+    table, shards, key = load_layout(layout_file)
+    if table.src_shapes != spec.canonical_shapes():
+        raise LayoutError(
+            f"layout file {str(layout_file)!r} was made for other tensors than this config's"
+        )
+    parallel = key.get("parallel", {})
+    return ReceiverLayout(
+        spec=spec,
+        engine=str(key.get("engine", "probed")),
+        tp=int(parallel.get("tp", 1 + max(s.tp_rank for s in shards))),
+        ep=int(parallel.get("ep", 1 + max(s.ep_rank for s in shards))),
+        table=table,
+        shards=shards,
+    )
 
 
 def split_checkpoint(
@@ -76,12 +182,24 @@ def split_checkpoint(
     tp: int,
     ep: int,
     out: str | os.PathLike[str],
+    layout_file: str | os.PathLike[str] | None = None,
 ) -> list[ShardInfo]:
-    """Write one safetensors file per distinct receiver shard and ``shards.json``; return the shards."""
+    """Write one safetensors file per distinct receiver shard and ``shards.json``.
+
+    Args:
+        config: the model's ``config.json`` (or its directory).
+        checkpoint: a ``.safetensors`` file, a ``model.safetensors.index.json`` or a directory.
+        engine, tp, ep: the receiver convention (ignored with ``layout_file``).
+        out: the output directory.
+        layout_file: a probed layout (``deltasync layout probe``) to split by instead.
+
+    Returns:
+        The shards written.
+    """
     from safetensors.torch import save_file
 
     spec = load_config(config)
-    layout = ReceiverLayout.build(spec, engine, tp, ep)
+    layout = _layout(spec, engine, tp, ep, layout_file)
     full = load_canonical_checkpoint(checkpoint, spec)
     shards = layout.split(full)
     del full
@@ -93,3 +211,64 @@ def split_checkpoint(
     listing = json.dumps([s.to_json() for s in layout.shards()], indent=1) + "\n"
     write_atomic(out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"))
     return layout.shards()
+
+
+def _read_listing(shards_dir: Path) -> list[ShardInfo]:
+    try:
+        listing = json.loads((shards_dir / SHARDS_FILE).read_text(encoding="utf-8"))
+        return [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"cannot read {str(shards_dir / SHARDS_FILE)!r}: {exc}") from exc
+
+
+def merge_checkpoint(
+    *,
+    config: str | os.PathLike[str],
+    shards_dir: str | os.PathLike[str],
+    engine: str,
+    out: str | os.PathLike[str],
+    layout_file: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """The inverse of :func:`split_checkpoint`: shard files back into one full checkpoint.
+
+    TP and EP sizes come from ``shards.json``; replicated elements (norms, kv heads, attention
+    under EP) must agree bit for bit across shards, and the shard files must hold exactly the
+    layout's tensors, else LayoutError naming the tensor.
+
+    Args:
+        config: the model's ``config.json`` (or its directory).
+        shards_dir: a directory :func:`split_checkpoint` wrote.
+        engine: the receiver convention the shards are in (ignored with ``layout_file``).
+        out: the full checkpoint to write (one ``.safetensors`` file, canonical names).
+        layout_file: a probed layout the shards were split by.
+
+    Returns:
+        ``{"tensors": count, "elements": count, "shards": [ids]}``.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    spec = load_config(config)
+    src = Path(shards_dir)
+    listing = _read_listing(src)
+    tp = 1 + max(s.tp_rank for s in listing)
+    ep = 1 + max(s.ep_rank for s in listing) if any("-ep" in s.id for s in listing) else 1
+    layout = _layout(spec, engine, tp, ep, layout_file)
+    if [s.id for s in layout.shards()] != [s.id for s in listing]:
+        raise LayoutError(
+            f"{str(src / SHARDS_FILE)!r} lists shards {[s.id for s in listing]}; "
+            f"the {layout.engine} layout at tp={tp} ep={ep} has {[s.id for s in layout.shards()]}"
+        )
+    shards: dict[str, Mapping[str, torch.Tensor]] = {}
+    for s in listing:
+        try:
+            shards[s.id] = load_file(str(src / f"{s.id}.safetensors"))
+        except (OSError, SafetensorError) as exc:
+            raise LayoutError(f"cannot read shard file {s.id}.safetensors: {exc}") from exc
+    full = {n: t.contiguous() for n, t in layout.merge(shards).items()}
+    write_atomic(Path(out), lambda p: save_file(full, str(p), metadata={"format": "pt"}))
+    return {
+        "tensors": len(full),
+        "elements": sum(t.numel() for t in full.values()),
+        "shards": [s.id for s in listing],
+    }

@@ -1,10 +1,18 @@
-"""The canonical tensors of a Qwen3 / Qwen3-MoE checkpoint, derived from its config.
+"""The canonical tensors of a decoder-only checkpoint, derived from its config.
 
 Canonical coordinates are the tensor names and row-major flat indices of the published HF
 *checkpoint* (the safetensors files on the hub): one tensor per projection, and for Qwen3-MoE
 one tensor per expert (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``). Every
 other layout (the trainer's own parameters, an inference engine's fused shards) is mapped to
 and from these names by a table.
+
+Families (checked against transformers 5.19's modeling code and the state dicts it builds):
+Qwen3 and Qwen3-MoE (``q_norm``/``k_norm`` per layer, optional attention biases on q/k/v/o),
+Llama and Mistral (optional ``attention_bias`` on q/k/v/o, Llama's optional ``mlp_bias`` on
+gate/up/down), Qwen2 / Qwen2.5 (biases on q/k/v, none on o) and Gemma (tied embeddings by
+default, ``head_dim`` 256 by default; its ``1 + w`` norm scaling happens in the forward pass, the
+checkpoint holds ``w``). The hand-written engine tables cover Qwen3 and Qwen3-MoE; the other
+families get theirs from the layout probe.
 
 This module knows configs and shapes only. It does not know any engine's layout, does not
 read files and does not import ``transformers`` (a ``PretrainedConfig`` is accepted, but only
@@ -21,7 +29,11 @@ import torch
 
 from deltasync.errors import LayoutError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mistral", "qwen2", "gemma")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# transformers 5.19's config defaults where a config.json leaves the field out.
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256}  # others: hidden_size // num_attention_heads
+_TIED_DEFAULT = {"gemma": True}
 
 
 def _pos_int(name: str, value: Any) -> int:
@@ -32,9 +44,10 @@ def _pos_int(name: str, value: Any) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Shapes of a Qwen3 or Qwen3-MoE model, validated at construction.
+    """Shapes of a model of one of the supported families, validated at construction.
 
-    ``moe_layers`` lists the decoder layers that hold a sparse MoE block; the other layers of a
+    ``attention_bias``: biases on q/k/v/o (Qwen2 always has q/k/v biases and no o bias, so the
+    field is ignored there); ``mlp_bias``: biases on gate/up/down (Llama). ``moe_layers`` lists the decoder layers that hold a sparse MoE block; the other layers of a
     MoE model hold a dense MLP of ``intermediate_size`` (``mlp_only_layers`` /
     ``decoder_sparse_step`` in the HF config).
     """
@@ -49,6 +62,7 @@ class ModelSpec:
     intermediate_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
     num_experts: int = 0
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
@@ -78,12 +92,16 @@ class ModelSpec:
             )
         if self.dtype != torch.bfloat16:
             raise LayoutError(f"dtype must be torch.bfloat16 (BF16 sync only), got {self.dtype}")
-        if self.model_type == "qwen3":
+        if self.model_type != "qwen3_moe":
             if self.num_experts or self.moe_layers:
-                raise LayoutError("a 'qwen3' (dense) config cannot have experts or MoE layers")
+                raise LayoutError(
+                    f"a {self.model_type!r} (dense) config cannot have experts or MoE layers"
+                )
         else:
             _pos_int("num_experts", self.num_experts)
             _pos_int("moe_intermediate_size", self.moe_intermediate_size)
+        if self.mlp_bias and self.model_type != "llama":
+            raise LayoutError(f"mlp_bias is a Llama option; {self.model_type!r} has no MLP biases")
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
             raise LayoutError(
@@ -97,10 +115,11 @@ class ModelSpec:
     def from_hf_config(cls, config: Mapping[str, Any] | Any) -> ModelSpec:
         """Build from a transformers ``config.json`` dict or a ``PretrainedConfig``.
 
-        Missing optional fields take transformers 5.19's defaults: ``tie_word_embeddings`` and
-        ``attention_bias`` False; ``head_dim`` 128 for ``qwen3`` (the Qwen3Config default) and
-        ``hidden_size // num_attention_heads`` for ``qwen3_moe`` (its modeling code falls back to
-        that; vLLM does the same); ``decoder_sparse_step`` 1; ``mlp_only_layers`` empty.
+        Missing optional fields take transformers 5.19's defaults: ``tie_word_embeddings``
+        False (True for ``gemma``); ``attention_bias`` and ``mlp_bias`` False; ``head_dim`` 128
+        for ``qwen3`` (the Qwen3Config default), 256 for ``gemma``, else ``hidden_size //
+        num_attention_heads`` (the modeling code falls back to that; vLLM does the same);
+        ``decoder_sparse_step`` 1; ``mlp_only_layers`` empty.
         """
         if not isinstance(config, Mapping):
             to_dict = getattr(config, "to_dict", None)
@@ -113,8 +132,8 @@ class ModelSpec:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise LayoutError(
-                f"model_type {model_type!r} is not supported: deltasync's layout tables cover "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}; add a table for this family first"
+                f"model_type {model_type!r} is not supported: deltasync's model specs cover "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}; add this family's canonical tensors first"
             )
 
         def need(key: str) -> Any:
@@ -128,7 +147,7 @@ class ModelSpec:
         heads = _pos_int("num_attention_heads", need("num_attention_heads"))
         head_dim = cfg.get("head_dim")
         if head_dim is None:
-            head_dim = 128 if model_type == "qwen3" else hidden // heads
+            head_dim = _HEAD_DIM_DEFAULT.get(model_type, hidden // heads)
         kwargs: dict[str, Any] = {
             "model_type": model_type,
             "vocab_size": need("vocab_size"),
@@ -138,8 +157,11 @@ class ModelSpec:
             "num_key_value_heads": need("num_key_value_heads"),
             "head_dim": head_dim,
             "intermediate_size": need("intermediate_size"),
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "tie_word_embeddings": bool(
+                cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False))
+            ),
             "attention_bias": bool(cfg.get("attention_bias", False)),
+            "mlp_bias": bool(cfg.get("mlp_bias", False)),
         }
         if model_type == "qwen3_moe":
             # transformers 5.x serialises the expert count as num_local_experts (attribute_map).
@@ -170,6 +192,18 @@ class ModelSpec:
         return layer in self.moe_layers
 
     @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k (``self_attn.q_norm`` / ``k_norm``): the Qwen3 families."""
+        return self.model_type in QK_NORM_MODEL_TYPES
+
+    @property
+    def attention_biases(self) -> tuple[str, ...]:
+        """The attention projections that carry a bias."""
+        if self.model_type == "qwen2":
+            return ("q_proj", "k_proj", "v_proj")
+        return ("q_proj", "k_proj", "v_proj", "o_proj") if self.attention_bias else ()
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -187,13 +221,12 @@ class ModelSpec:
             out[p + "self_attn.k_proj.weight"] = (self.kv_size, h)
             out[p + "self_attn.v_proj.weight"] = (self.kv_size, h)
             out[p + "self_attn.o_proj.weight"] = (h, self.q_size)
-            if self.attention_bias:
-                out[p + "self_attn.q_proj.bias"] = (self.q_size,)
-                out[p + "self_attn.k_proj.bias"] = (self.kv_size,)
-                out[p + "self_attn.v_proj.bias"] = (self.kv_size,)
-                out[p + "self_attn.o_proj.bias"] = (h,)
-            out[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-            out[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            bias_sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+            for proj in self.attention_biases:
+                out[p + f"self_attn.{proj}.bias"] = (bias_sizes.get(proj, h),)
+            if self.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                out[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             if self.is_moe_layer(i):
                 im = self.moe_intermediate_size
                 out[p + "mlp.gate.weight"] = (self.num_experts, h)
@@ -205,6 +238,10 @@ class ModelSpec:
                 out[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
                 out[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
                 out[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+                if self.mlp_bias:
+                    out[p + "mlp.gate_proj.bias"] = (self.intermediate_size,)
+                    out[p + "mlp.up_proj.bias"] = (self.intermediate_size,)
+                    out[p + "mlp.down_proj.bias"] = (h,)
             out[p + "input_layernorm.weight"] = (h,)
             out[p + "post_attention_layernorm.weight"] = (h,)
         out["model.norm.weight"] = (h,)

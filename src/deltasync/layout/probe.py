@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from deltasync.errors import LayoutError
+from deltasync.errors import LayoutError, LayoutProbeError
 from deltasync.layout.blocks import Block, numel, view_cols, view_rows
-from deltasync.layout.probe_blocks import LayoutProbeError, Runs, ShardProbe, merge_runs, row_runs
+from deltasync.layout.probe_blocks import Runs, ShardProbe, merge_runs, row_runs
 
 log = logging.getLogger(__name__)
 

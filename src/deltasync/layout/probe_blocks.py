@@ -21,22 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deltasync.errors import LayoutError
+from deltasync.errors import LayoutError, LayoutProbeError
 from deltasync.layout.blocks import Block, numel, view_cols
 from deltasync.layout.table import LayoutTable, Placement
 
 Shape = tuple[int, ...]
-
-
-class LayoutProbeError(LayoutError):
-    """The probe cannot learn a layout: a loader transforms values, or elements go nowhere.
-
-    ``refused`` maps each canonical tensor at fault to the reason.
-    """
-
-    def __init__(self, message: str, refused: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.refused: dict[str, str] = dict(refused or {})
 
 
 @dataclass(frozen=True)

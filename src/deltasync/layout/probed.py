@@ -19,7 +19,6 @@ model family.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -352,25 +351,3 @@ def probe_engine_layout(
         model_config=model_config,
     )
     return layout, probe_key(model_config, engine, {"tp": tp, "ep": ep}), time.perf_counter() - t0
-
-
-@functools.lru_cache(maxsize=32)
-def reference_vllm_layout(spec: Any, tp: int, ep: int) -> ReceiverLayout:
-    """The ``vllm`` layout of a family without hand-written rules: probed once per process
-    from :class:`VllmReferenceLoader` (vLLM's loader conventions re-stated)."""
-    from deltasync.layout.reference_loader import VllmReferenceLoader
-
-    log.info(
-        "no hand-written vLLM table for %r: probing the vLLM-convention reference loader "
-        "(tp=%d, ep=%d)",
-        spec.model_type,
-        tp,
-        ep,
-    )
-    return probe_receiver_layout(
-        spec,
-        lambda t, e: VllmReferenceLoader(spec, tp=tp, tp_rank=t, ep=ep, ep_rank=e),
-        engine="vllm",
-        tp=tp,
-        ep=ep,
-    )

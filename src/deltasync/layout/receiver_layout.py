@@ -3,7 +3,12 @@
 ``ReceiverLayout.build(spec, engine, tp, ep)`` picks the table for an engine convention:
 
 - ``"hf"``: the transformers model's own parameters, one shard (TP = EP = 1);
-- ``"vllm"``: vLLM's fused, tensor- and expert-parallel layout (see ``vllm_rules``).
+- ``"vllm"``: vLLM's fused, tensor- and expert-parallel layout: the hand-written
+  ``vllm_rules`` for Qwen3 / Qwen3-MoE; for the other families, learned once per process by
+  probing the vLLM-convention reference loader (``reference_loader``, ``probe``).
+
+A layout learned from an engine's own loader (``probed.probe_receiver_layout``, ``deltasync
+layout probe``) is a ``ReceiverLayout`` too, built with its table and shards directly.
 
 A shard id names one distinct piece of the model (``tp{r}`` or ``tp{r}-ep{e}``); data-parallel
 replicas of an engine hold identical shards and share the id, so a blob is produced once per
@@ -16,6 +21,8 @@ This module knows engine conventions only through the rule modules; no I/O, no c
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,7 +33,9 @@ from deltasync.format import TensorSpec
 from deltasync.layout.hf_rules import HF_SHARD, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.table import LayoutTable, Routed
-from deltasync.layout.vllm_rules import build_vllm_table, vllm_shards
+from deltasync.layout.vllm_rules import RULE_MODEL_TYPES, build_vllm_table, vllm_shards
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("hf", "vllm")
 
@@ -87,7 +96,10 @@ class ReceiverLayout:
                 shards=[ShardInfo(HF_SHARD, 0, 0)],
             )
         if engine == "vllm":
-            table = build_vllm_table(spec, tp, ep)
+            if spec.model_type in RULE_MODEL_TYPES:
+                table = build_vllm_table(spec, tp, ep)
+            else:
+                table = _reference_vllm_table(spec, tp, ep)
             shards = [ShardInfo(sid, t, e) for sid, t, e in vllm_shards(spec, tp, ep)]
             return cls(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
         raise LayoutError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
@@ -137,7 +149,9 @@ class ReceiverLayout:
         several canonical ones, e.g. fused ``qkv_proj``)."""
         if canonical_name not in self.table.placements:
             raise LayoutError(f"{canonical_name!r} is not a tensor of this layout")
-        return tuple(dict.fromkeys((p.shard, p.local) for p in self.table.placements[canonical_name]))
+        return tuple(
+            dict.fromkeys((p.shard, p.local) for p in self.table.placements[canonical_name])
+        )
 
     # ------------------------------------------------------------------ sparse
 
@@ -169,3 +183,26 @@ class ReceiverLayout:
     def merge(self, shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Inverse of :meth:`split`; replicated copies (and tied aliases, if given) must agree bitwise."""
         return self.table.merge(shards)
+
+
+@functools.lru_cache(maxsize=32)
+def _reference_vllm_table(spec: ModelSpec, tp: int, ep: int) -> LayoutTable:
+    """The ``vllm`` table of a family without hand-written rules, probed once per process from
+    :class:`~deltasync.layout.reference_loader.VllmReferenceLoader` (vLLM's loaders re-stated)."""
+    from deltasync.layout.probe import probe_shard
+    from deltasync.layout.probe_blocks import assemble_table
+    from deltasync.layout.reference_loader import VllmReferenceLoader
+
+    log.info(
+        "no hand-written vLLM table for %r: probing the vLLM-convention reference loader "
+        "(tp=%d, ep=%d)",
+        spec.model_type,
+        tp,
+        ep,
+    )
+    canonical = spec.canonical_shapes()
+    probes = {
+        sid: probe_shard(VllmReferenceLoader(spec, tp=tp, tp_rank=t, ep=ep, ep_rank=e), canonical)
+        for sid, t, e in vllm_shards(spec, tp, ep)
+    }
+    return assemble_table(canonical, probes)

@@ -19,11 +19,13 @@ import torch
 
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import bits, numel
-from deltasync.layout.hf_rules import TIED_ALIASES, build_hf_table
+from deltasync.layout.hf_rules import HF_SHARD, TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
+from deltasync.layout.probe import ProbeConfig
 from deltasync.layout.table import LayoutTable
 
 _CANON = "canonical"
+_MODEL = HF_SHARD  # the probed table has the hf receiver layout's one shard
 
 
 def fsdp_dim0_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -36,17 +38,62 @@ def fsdp_dim0_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class TrainerLayout:
-    """transformers-model parameter names → canonical (HF checkpoint) names and indices."""
+    """transformers-model parameter names → canonical (HF checkpoint) names and indices.
 
-    def __init__(self, spec: ModelSpec) -> None:
+    ``table`` (canonical → the model's parameters, one shard) defaults to the hand-written
+    ``hf_rules``; :meth:`from_transformers` learns it from the transformers class instead.
+    """
+
+    def __init__(self, spec: ModelSpec, *, table: LayoutTable | None = None) -> None:
         self.spec = spec
-        self._forward: LayoutTable = build_hf_table(spec)  # canonical → params
+        self._forward: LayoutTable = build_hf_table(spec) if table is None else table
+        if len(self._forward.dst_shapes) != 1:
+            raise LayoutError("a trainer layout table maps into exactly one shard (the model)")
         self._table: LayoutTable = self._forward.inverse(shard=_CANON)  # params → canonical
-        self._aliases = dict(TIED_ALIASES) if spec.tie_word_embeddings else {}
+        if table is None:
+            self._aliases = dict(TIED_ALIASES) if spec.tie_word_embeddings else {}
+        else:
+            self._aliases = dict(next(iter(self._forward.aliases.values()), {}))
 
     @classmethod
     def build(cls, spec: ModelSpec) -> TrainerLayout:
         return cls(spec)
+
+    @classmethod
+    def from_transformers(
+        cls, model: torch.nn.Module, *, config: ProbeConfig | None = None
+    ) -> TrainerLayout:
+        """The layout of a transformers model, probed from its class's own checkpoint loading.
+
+        The probe runs on a twin built from ``model.config`` with uninitialised storage (as
+        much memory as the model, for the duration of the probe); ``model`` is not touched.
+
+        Args:
+            model: the trainer's transformers model (its ``config`` names the family).
+            config: a :class:`~deltasync.layout.probe.ProbeConfig`.
+
+        Raises:
+            LayoutError: the model's parameters are not those of its class built from its
+                config, or the class's loader does not move elements unchanged.
+        """
+        from deltasync.layout.hf_loader import TransformersLoader, empty_model
+        from deltasync.layout.probe import probe_shard
+        from deltasync.layout.probe_blocks import assemble_table
+
+        spec = ModelSpec.from_hf_config(model.config)
+        canonical = spec.canonical_shapes()
+        twin = empty_model(model.config)
+        shard = probe_shard(TransformersLoader(twin), canonical, config=config)
+        del twin
+        table = assemble_table(canonical, {_MODEL: shard})
+        own = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if own != table.dst_shapes[_MODEL]:
+            diff = sorted(set(own) ^ set(table.dst_shapes[_MODEL]))[:3]
+            raise LayoutError(
+                f"{type(model).__name__}'s parameters differ from its class built from its "
+                f"config (e.g. {diff}): the trainer layout cannot be probed for it"
+            )
+        return cls(spec, table=table)
 
     # ------------------------------------------------------------------ names and shards
 

@@ -41,6 +41,7 @@ from deltasync.layout.table import LayoutTable, Placement, Shape
 from deltasync.names import shard_id
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+RULE_MODEL_TYPES = ("qwen3", "qwen3_moe")  # the families these rules are written for
 
 
 def pad_vocab(vocab: int, pad_to: int = VOCAB_PADDING) -> int:
@@ -58,6 +59,11 @@ def check_parallelism(spec: ModelSpec, tp: int, ep: int) -> None:
     """Raise LayoutError naming the first TP/EP size vLLM would refuse for this model."""
     if tp < 1 or ep < 1:
         raise LayoutError(f"tp ({tp}) and ep ({ep}) must be >= 1")
+    if spec.model_type not in RULE_MODEL_TYPES:
+        raise LayoutError(
+            f"the hand-written vLLM rules cover {', '.join(RULE_MODEL_TYPES)}, not "
+            f"{spec.model_type!r}: ReceiverLayout.build probes the reference loader for it"
+        )
     if spec.attention_bias:
         raise LayoutError(
             "vLLM's Qwen3 o_proj has no bias: a checkpoint with attention_bias=True cannot be held"
