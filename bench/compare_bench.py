@@ -4,6 +4,15 @@ Presets: ``small`` (a tiny Qwen3, lr 3e-6, store unthrottled / 1 Gbit/s / in-clu
 minutes here) and ``full`` (Qwen3-0.6B shape at lr 1e-6/3e-6/1e-5 and a Qwen3-MoE shape at
 3e-6; store unthrottled / 1 / 10 Gbit/s and in-cluster) -- docs/benchmarks.md's run. The last
 stdout line is JSON; its headline block is lr 3e-6 at the first emulated link rate.
+
+Per system and path, in one run: ``trainer_overhead_s`` (wall time of a training step with
+sync minus without: the trainer runs a stand-in forward/backward of ``--fwd-bwd-s`` after each
+sync, once alone and once with the sync in flight), ``detect_s`` (the system's detection
+alone), ``latency_s`` (= ``total_s``: end of the optimizer step -> every receiver verified at
+v), ``floor_s`` and ``latency_over_floor`` (see ``compare/floor.py``), ``bytes``, and the peak
+memory of each role (``trainer_overhead_bytes`` above model + optimizer,
+``receiver_peak_rss_bytes``, ``receiver_overhead_bytes`` above interpreter + torch). Every
+version is checked exact: each receiver's state digest against the trainer's dense split.
 """
 
 from __future__ import annotations
@@ -13,12 +22,15 @@ import os
 from dataclasses import asdict
 
 from deltasync_bench.common import emit_json
+from deltasync_bench.compare.floor import floor_of, measure_memory_gbps
 from deltasync_bench.compare.report import plot, table
 from deltasync_bench.compare.run import PathSpec, RunConfig, medians, run_system
 from deltasync_bench.compare.workload import MODELS, Workload
 
 PRESETS = {
-    "small": dict(models=["qwen3-small"], lrs=[3e-6], links=[1.0], steps=2, warmup=1),
+    "small": dict(
+        models=["qwen3-small"], lrs=[3e-6], links=[1.0], steps=2, warmup=1, fwd_bwd_s=0.25
+    ),
     "full": dict(
         models=["qwen3-0.6b", "qwen3-moe-small"],
         lrs=[1e-6, 3e-6, 1e-5],
@@ -26,6 +38,7 @@ PRESETS = {
         steps=2,
         warmup=1,
         moe_lrs=[3e-6],
+        fwd_bwd_s=2.0,
     ),
 }
 
@@ -41,7 +54,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default="dense,snapshot,deltasync")
     p.add_argument("--no-cluster", action="store_true", help="skip the in-cluster (gloo) path")
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument(
+        "--fwd-bwd-s",
+        type=float,
+        help="seconds of the stand-in forward/backward after each sync (default: the preset's)",
+    )
     p.add_argument("--out", default="bench_out", help="directory for the PNG plot")
+
+
+def _floor(res: dict[str, dict], model_bytes: int, gbps: float | None, memory_gbps: float):
+    """The path's floor from its measured medians: the fewest bytes any system sent, and the
+    busiest shard's changed elements (the exact change set where a system reports it)."""
+    payload = min(m["bytes"] for m in res.values())
+    per_shard = [m["max_shard_elements"] for m in res.values() if m.get("max_shard_elements")]
+    changed = [m["changed_elements"] for m in res.values() if m.get("changed_elements")]
+    shard_elements = int(max(m["shard_bytes"] for m in res.values()) // 2)
+    scatter = min(per_shard) if per_shard else (min(changed) if changed else 0)
+    return floor_of(
+        trainer_elements=model_bytes // 2, payload_bytes=payload, link_gbps=gbps,
+        memory_gbps=memory_gbps, shard_elements=shard_elements, scatter_elements=int(scatter),
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,7 +85,10 @@ def main(args: argparse.Namespace) -> int:
     paths = [PathSpec(kind="store")] + [PathSpec(kind="store", gbps=g) for g in links]
     if not args.no_cluster:
         paths.append(PathSpec(kind="cluster"))
+    fwd_bwd_s = pre["fwd_bwd_s"] if args.fwd_bwd_s is None else args.fwd_bwd_s
     os.makedirs(args.out, exist_ok=True)
+    memory_gbps = measure_memory_gbps()
+    print(f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s")
     runs, all_exact, headline = [], True, None
     for model in models:
         lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
@@ -66,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
                 tp=args.tp,
                 steps=steps,
                 warmup=pre["warmup"],
+                fwd_bwd_s=fwd_bwd_s,
             )
             print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
             sys_runs = {}
@@ -84,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
                 for r in sys_runs.get("snapshot", sys_runs[systems[0]]).records
                 if r.changed_elements is not None
             ]
-            by_path = {}
+            by_path, floors = {}, {}
             for path in paths:
                 res = {}
                 for s, sr in sys_runs.items():
@@ -97,8 +133,13 @@ def main(args: argparse.Namespace) -> int:
                     )
                     res[s] = m
                     all_exact &= sr.exact and m["exact"]
+                fl = _floor(res, model_bytes, path.gbps, memory_gbps)
+                floors[path.label] = fl.total_s
+                for m in res.values():
+                    m["floor_s"] = fl.total_s
+                    m["latency_over_floor"] = m["total_s"] / fl.total_s if fl.total_s else None
                 by_path[path.label] = res
-                table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes)
+                table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes, fl.total_s)
                 runs.append(
                     {
                         "model": model,
@@ -106,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
                         "path": path.label,
                         "link_gbps": path.gbps,
                         "model_bf16_bytes": model_bytes,
+                        "floor": fl.to_json(),
                         "results": res,
                     }
                 )
@@ -113,12 +155,15 @@ def main(args: argparse.Namespace) -> int:
                     headline = {
                         "workload": {**asdict(wl), "tp": args.tp, "model_bf16_bytes": model_bytes},
                         "link_gbps": path.gbps,
+                        "floor": fl.to_json(),
+                        "fwd_bwd_s": fwd_bwd_s,
                         "results": res,
                     }
             png = plot(
                 by_path,
                 os.path.join(args.out, f"bench_{model}_lr{lr:g}.png"),
                 f"{model}, lr={lr:g}, vLLM TP={args.tp}",
+                floors,
             )
             if png:
                 print(f"plot: {png}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak
-from deltasync_bench.compare.workload import Workload, build_trainer
+from deltasync_bench.compare.workload import ForwardBackward, Workload, build_trainer
 from deltasync_examples.harness import serve
 
 # Every collective of a run waits at most this long (a 0.6B anchor takes minutes here).
@@ -35,6 +35,7 @@ class RoleSpec:
     world_size: int
     port: int
     threads: int
+    fwd_bwd_s: float = 0.0  # the stand-in forward/backward after each sync (trainer)
 
 
 def _init(spec: RoleSpec):
@@ -56,12 +57,39 @@ def _init(spec: RoleSpec):
     )
 
 
-def _store(spec: RoleSpec, gbps: float | None):
-    from deltasync import LocalStore
-    from deltasync.store import ThrottledStore
+class _Link:
+    """The role's one store for its whole life, behind the link rate of the current path.
 
-    inner = LocalStore(spec.store_root, durable=False)  # page-cache speed; the link is emulated
-    return ThrottledStore(inner, gbps) if gbps else inner
+    A system keeps one publisher or receiver (thread pools, caches, journal, its verified
+    baseline) across versions and paths, as a deployment does; only the emulated link rate
+    changes between paths. Metadata calls stay free, as in ThrottledStore."""
+
+    def __init__(self, root: str) -> None:
+        from deltasync import LocalStore
+
+        self.inner = LocalStore(root, durable=False)  # page cache; the link is emulated
+        self._links: dict = {None: self.inner}
+        self.current = self.inner
+
+    def use(self, gbps: float | None) -> _Link:
+        from deltasync.store import ThrottledStore
+
+        if gbps not in self._links:
+            self._links[gbps] = ThrottledStore(self.inner, gbps)
+        self.current = self._links[gbps]
+        return self
+
+    def __getattr__(self, name: str):
+        return getattr(self.current, name)
+
+
+_LINK: list[_Link] = []
+
+
+def _store(spec: RoleSpec, gbps: float | None) -> _Link:
+    if not _LINK:
+        _LINK.append(_Link(spec.store_root))
+    return _LINK[0].use(gbps)
 
 
 def trainer_main(spec: RoleSpec, conn) -> None:
@@ -75,7 +103,11 @@ def trainer_main(spec: RoleSpec, conn) -> None:
         trainer = build_trainer(spec.workload)
         for k in range(spec.workload.pre_steps + 1):  # also allocates AdamW's m and v
             trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
-        st.update(tlayout=tlayout, rlayout=rlayout, trainer=trainer, rss_model_opt=current_rss())
+        fwd_bwd = ForwardBackward(spec.fwd_bwd_s)
+        st.update(
+            tlayout=tlayout, rlayout=rlayout, trainer=trainer, fwd_bwd=fwd_bwd,
+            rss_model_opt=current_rss(),
+        )  # fmt: skip
         st["side"] = make_trainer_side(
             spec.system,
             params=trainer.params(),
@@ -100,11 +132,19 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 "model_bf16_bytes": trainer.model_bytes_bf16(),
             }
         if op == "step":
+            # One training step: [forward/backward] optimizer step, sync, next forward/backward.
+            # The same forward/backward is run once with no sync in flight first, so its
+            # slowdown by a background publish is a paired difference, not a guess.
             version, path, gbps = args
-            trainer.step(version)  # untimed: the optimizer step itself is not the sync
+            fb = st["fwd_bwd"]
+            fb_alone = fb.run()
+            trainer.step(
+                version
+            )  # the optimizer step (deltasync: its pre-step hook is the barrier)
+            detect_s = side.detect_alone()  # changes nothing: the sync detects again
             rss0 = current_rss()
             reset_peak()
-            t0 = time.time()
+            t0 = time.time()  # the end of the optimizer step: latency counts from here
             if path == "store":
                 nbytes = side.store_sync(version, _store(spec, gbps))
                 t_x = t1 = time.time()
@@ -112,17 +152,33 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 sent = side.cluster_sync(version)
                 t1 = time.time()
                 nbytes, t_x = sent.bytes, t0 + sent.stall_s
+            fb_with = fb.run()
+            t_fb = time.time()
+            t_commit = side.settle()
+            # What the next optimizer step would wait for: the background still running after
+            # the forward/backward ended.
+            barrier_s = max(0.0, t_commit - t_fb)
+            if path == "store" and getattr(side, "last_bytes", None) is not None:
+                nbytes = side.last_bytes  # an overlapped publish knows its bytes at commit
             peak = peak_rss()
             return {
                 "t0": t0,
                 "t_exchange": t_x,
                 "t1": t1,
+                "t_commit": t_commit,
                 "stall_s": t1 - t0,
+                "detect_s": detect_s,
+                "fwd_bwd_alone_s": fb_alone,
+                "fwd_bwd_with_s": fb_with,
+                "barrier_s": barrier_s,
+                # wall of a training step with sync minus without
+                "overhead_s": (t1 - t0) + (fb_with - fb_alone) + barrier_s,
                 "bytes": nbytes,
                 "rss_before": rss0,
                 "peak_rss": peak,
                 "overhead_bytes": max(0, peak - st["rss_model_opt"]),
                 "changed_elements": getattr(side, "last_changed_elements", None),
+                "shard_elements": getattr(side, "last_shard_elements", None),
                 "phases": getattr(side, "last_phases", None) if path == "cluster" else None,
             }
         if op == "expected":

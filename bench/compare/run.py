@@ -49,6 +49,7 @@ class RunConfig:
     steps: int = 2
     threads: int = 1
     timeout_s: float = 1800.0
+    fwd_bwd_s: float = 0.5  # the stand-in forward/backward after each sync
 
 
 @dataclass
@@ -69,6 +70,10 @@ class SyncRecord:
     exact: bool
     changed_elements: int | None = None
     phases: dict | None = None  # the trainer's own breakdown, where the system reports one
+    trainer_overhead_s: float = 0.0  # wall of a training step with sync minus without
+    detect_s: float | None = None  # the system's change detection alone (None: it has none)
+    barrier_s: float = 0.0  # the next optimizer step's wait for a background publish
+    max_shard_elements: int | None = None  # elements sent to the busiest receiver shard
 
 
 @dataclass
@@ -104,6 +109,7 @@ class _Roles:
                 world_size=world,
                 port=port,
                 threads=cfg.threads,
+                fwd_bwd_s=cfg.fwd_bwd_s,
             )
             role = "trainer" if rank == 0 else f"receiver rank {rank}"
             self.children.append(
@@ -173,10 +179,13 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         tr, *rx = roles.recv_all(range(1 + n))  # one failed role raises, none hangs
         transfer = max(x["t_recv"] - tr["t_exchange"] + x["transfer_s"] for x in rx)
     else:
-        tr = roles.call(0, "step", *args)
-        for r in range(1, 1 + n):  # receivers pull concurrently, each through its own link
+        # Receivers wait for the version to appear in the store (polling metadata, which the
+        # emulated link does not charge) while the trainer syncs and runs on; each pulls
+        # through its own link.
+        roles.send(0, "step", *args)
+        for r in range(1, 1 + n):
             roles.send(r, "pull", *args)
-        rx = roles.recv_all(range(1, 1 + n))
+        tr, *rx = roles.recv_all(range(1 + n))
         transfer = max(x["transfer_s"] for x in rx)
     expected = roles.call(0, "expected")["expected"]  # after the timed part, see roles.py
     exact = all(x["digest"] == expected[x["shard"]] for x in rx)
@@ -197,6 +206,10 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         exact=exact,
         changed_elements=tr.get("changed_elements"),
         phases=tr.get("phases"),
+        trainer_overhead_s=tr["overhead_s"],
+        detect_s=tr["detect_s"],
+        barrier_s=tr["barrier_s"],
+        max_shard_elements=tr.get("shard_elements"),
     )
 
 
@@ -215,9 +228,13 @@ def medians(records: list[SyncRecord]) -> dict:
         "receiver_peak_rss_bytes",
         "receiver_overhead_bytes",
         "shard_bytes",
+        "trainer_overhead_s",
+        "barrier_s",
     ]
     out = {k: med(k) for k in keys}
-    ch = [r.changed_elements for r in records if r.changed_elements is not None]
-    out["changed_elements"] = statistics.median(ch) if ch else None
+    for k in ("changed_elements", "detect_s", "max_shard_elements"):
+        got = [getattr(r, k) for r in records if getattr(r, k) is not None]
+        out[k] = statistics.median(got) if got else None
+    out["latency_s"] = out["total_s"]  # end of the optimizer step -> every receiver verified
     out["exact"] = all(r.exact for r in records)
     return out

@@ -12,6 +12,7 @@ This module knows model shapes and the trainer; nothing about systems or transpo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -113,3 +114,31 @@ def build_trainer(w: Workload) -> SyntheticTrainer:
     return SyntheticTrainer(
         params, lr=w.lr, weight_decay=w.weight_decay, grad_std=w.grad_std, seed=w.seed
     )
+
+
+class ForwardBackward:
+    """Stand-in for the trainer's next forward/backward: a fixed amount of real compute (fp32
+    matmuls on two preallocated 1 MiB buffers, so it allocates nothing and its memory is not
+    counted as the sync's), calibrated once to take ``seconds`` in this process. It holds the
+    GIL only between matmuls, as a real forward/backward does between kernels, so the time a
+    background publish steals from it shows up as a longer ``run``."""
+
+    def __init__(self, seconds: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        self._a = torch.randn(512, 512, generator=g)
+        self._out = torch.empty(512, 512)
+        self.iters = 0
+        if seconds <= 0:
+            return
+        n, t = 0, time.perf_counter()
+        while time.perf_counter() - t < min(0.3, seconds):
+            torch.mm(self._a, self._a, out=self._out)
+            n += 1
+        self.iters = max(1, round(seconds * n / (time.perf_counter() - t)))
+
+    def run(self) -> float:
+        """Do the work; its wall time in seconds."""
+        t = time.perf_counter()
+        for _ in range(self.iters):
+            torch.mm(self._a, self._a, out=self._out)
+        return time.perf_counter() - t

@@ -30,6 +30,11 @@ class TrainerSide(Protocol):
     def bootstrap(self, store: Store) -> int: ...
     def store_sync(self, version: int, store: Store) -> int: ...
     def cluster_sync(self, version: int) -> ClusterSent: ...
+    # Seconds its change detection alone takes on the current step (None: it has none); it
+    # must leave nothing changed, the sync right after it detects again.
+    def detect_alone(self) -> float | None: ...
+    # Wait until the last version is committed; returns when that happened (time.time()).
+    def settle(self) -> float: ...
 
 
 class ReceiverSide(Protocol):
@@ -37,6 +42,16 @@ class ReceiverSide(Protocol):
     def store_pull(self, version: int, store: Store) -> SyncTimes: ...
     def cluster_sync(self, version: int) -> SyncTimes: ...
     def live(self) -> dict[str, torch.Tensor]: ...
+
+
+def wait_for_key(store: Store, key: str, *, timeout_s: float, poll_s: float = 0.002) -> None:
+    """Poll until ``key`` exists (a receiver waiting for a version to be published): metadata
+    calls are free on the emulated link."""
+    deadline = time.monotonic() + timeout_s
+    while not store.exists(key):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key!r} did not appear within {timeout_s} s")
+        time.sleep(poll_s)
 
 
 def canonical_bf16(

@@ -1,8 +1,10 @@
 """deltasync in the benchmark: the product's own trainer and receiver paths, as users run them.
 
-Store path: ``TrainerSync`` (AdamWTracker + Publisher: detection, routing, encoding, marker,
-manifest with shard digests, LATEST) and ``Receiver.pull`` (stage, journal, scatter, digest
-check, ack). In-cluster path: ``ClusterSender.sync`` / ``ClusterReceiver.sync`` on the
+Store path: ``TrainerSync(overlap=True)`` (AdamWTracker + Publisher: the trainer waits for
+detection only; routing, encoding, marker, manifest with shard digests and LATEST run in the
+background while the next forward/backward runs, and the optimizer's next step is the barrier)
+and ``Receiver.pull`` (stage, journal, scatter, digest check, ack), started when the version's
+manifest appears. In-cluster path: ``ClusterSender.sync`` / ``ClusterReceiver.sync`` on the
 benchmark's gloo group (rank 0 the trainer, rank 1 + i shard i): detection, routing, blobs in
 envelopes, the two-round exchange, staging, the receiver's journal, the scatter and the joint
 commit that alone advances the tracker's baseline. Both paths share the one tracker; the
@@ -13,9 +15,10 @@ version the store path left every receiver at.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
-from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live
+from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live, wait_for_key
 
 from deltasync import (
     AdamWTracker,
@@ -31,6 +34,7 @@ from deltasync import (
     Store,
     TrainerLayout,
     TrainerSync,
+    names,
 )
 from deltasync.cluster import RolePlan
 
@@ -60,6 +64,7 @@ class DeltasyncTrainer:
         **_,
     ) -> None:
         self.params, self.tlayout, self.rlayout = params, tlayout, rlayout
+        self.opt = trainer.opt
         self.tracker = AdamWTracker(trainer.opt, trainer.named)
         self.timeout_s = timeout_s
         self.sync: TrainerSync | None = None
@@ -79,20 +84,45 @@ class DeltasyncTrainer:
         return pub
 
     def bootstrap(self, store: Store) -> int:
-        self.sync = TrainerSync(self.tracker, self._publisher(store), self.params)
-        return sum(r.bytes_sent for r in self.sync.step_published(0, anchor=True))
+        self.sync = TrainerSync(
+            self.tracker, self._publisher(store), self.params, overlap=True, optimizer=self.opt
+        )
+        self.sync.step_published(0, anchor=True)
+        return sum(r.bytes_sent for r in self.sync.wait() or [])
+
+    def detect_alone(self) -> float | None:
+        """The tracker's detection pass (indices and values) on the current step; asking
+        again gives the same answer, so the sync right after detects it again."""
+        t = time.perf_counter()
+        for _ in self.tracker.iter_changes():
+            pass
+        return time.perf_counter() - t
 
     def store_sync(self, version: int, store: Store) -> int:
+        """Returns once the changes are captured (the commit runs on); bytes come at settle."""
         assert self.sync is not None
         if self.sender is not None:
             raise RuntimeError(
                 "the benchmark runs every store-path version before the in-cluster ones"
             )
         self.sync.publishers = [self._publisher(store)]
-        reports = self.sync.step_published(version)
-        self.last_changed_elements = sum(r.elements_sent for r in reports)
+        self.sync.step_published(version)
         self._version = version
-        return sum(r.bytes_sent for r in reports)
+        return 0
+
+    def settle(self) -> float:
+        """Wait for the version in flight; when it committed (time.time())."""
+        pending = None if self.sync is None else self.sync.in_flight
+        if pending is None:
+            return time.time()
+        reports = self.sync.wait() or []
+        self.last_changed_elements = sum(r.elements_sent for r in reports)
+        self.last_bytes = sum(r.bytes_sent for r in reports)
+        self.last_shard_elements = max(
+            (n for r in reports for n in r.shard_elements.values()), default=0
+        )
+        assert pending.finished_at is not None
+        return pending.finished_at
 
     def cluster_sync(self, version: int) -> ClusterSent:
         if self.sender is None:  # receivers hold the store path's last version
@@ -144,6 +174,8 @@ class DeltasyncReceiver:
         self._receiver(store).pull()
 
     def store_pull(self, version: int, store: Store) -> SyncTimes:
+        # A receiver learns of a version when its manifest appears (free metadata polls).
+        wait_for_key(store, names.manifest_key(version), timeout_s=self.timeout_s)
         rep = self._receiver(store).pull()
         if rep.version != version:
             raise RuntimeError(

@@ -14,6 +14,7 @@ from deltasync_bench.compare.systems.base import (
     empty_live,
     receive_payload,
     send_payloads,
+    wait_for_key,
 )
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -43,6 +44,12 @@ class DenseTrainer:
     def bootstrap(self, store: Store) -> int:
         return self.store_sync(0, store)
 
+    def detect_alone(self) -> float | None:
+        return None  # a dense refit detects nothing
+
+    def settle(self) -> float:
+        return time.time()  # store_sync returns once every shard is stored
+
     def cluster_sync(self, version: int) -> ClusterSent:
         t0 = time.perf_counter()
         payloads = dict(self._payloads())
@@ -66,8 +73,10 @@ class DenseReceiver:
         self.store_pull(0, store)
 
     def store_pull(self, version: int, store: Store) -> SyncTimes:
+        key = baseline_key("dense", version, self.shard)
+        wait_for_key(store, key, timeout_s=self.timeout_s)
         t0 = time.perf_counter()
-        return self._load(store.get(baseline_key("dense", version, self.shard)), t0)
+        return self._load(store.get(key), t0)
 
     def cluster_sync(self, version: int) -> SyncTimes:
         payload, wait_s = receive_payload(timeout_s=self.timeout_s)

@@ -14,6 +14,7 @@ from deltasync_bench.compare.systems.base import (
     empty_live,
     receive_payload,
     send_payloads,
+    wait_for_key,
 )
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -30,8 +31,7 @@ class SnapshotTrainer:
         self.timeout_s = timeout_s
         self.prev: dict[str, torch.Tensor] = {}  # the retained BF16 copy (canonical): 1x model
 
-    def _payloads(self, version: int) -> dict[str, bytes]:
-        cur = canonical_bf16(self.params, self.tlayout)
+    def _diff(self, cur: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         changes = {}
         for name, t in cur.items():
             flat = t.reshape(-1)
@@ -42,6 +42,20 @@ class SnapshotTrainer:
                 idx = torch.nonzero(flat.view(torch.int16) != prev.view(torch.int16)).reshape(-1)
             if idx.numel():
                 changes[name] = (idx, flat.index_select(0, idx))
+        return changes
+
+    def detect_alone(self) -> float | None:
+        """Its detection: cast to BF16 and diff against the retained copy (nothing kept)."""
+        t = time.perf_counter()
+        self._diff(canonical_bf16(self.params, self.tlayout))
+        return time.perf_counter() - t
+
+    def settle(self) -> float:
+        return time.time()  # store_sync returns once every shard is stored
+
+    def _payloads(self, version: int) -> dict[str, bytes]:
+        cur = canonical_bf16(self.params, self.tlayout)
+        changes = self._diff(cur)
         self.prev = {n: t.reshape(-1) for n, t in cur.items()}
         self.last_changed_elements = sum(int(i.numel()) for i, _ in changes.values())
         routed = self.rlayout.route_changes(changes)
@@ -118,8 +132,10 @@ class SnapshotReceiver:
             self._live[n].copy_(loaded[n])
 
     def store_pull(self, version: int, store: Store) -> SyncTimes:
+        key = baseline_key("snapshot", version, self.shard)
+        wait_for_key(store, key, timeout_s=self.timeout_s)
         t0 = time.perf_counter()
-        return self._apply(store.get(baseline_key("snapshot", version, self.shard)), t0)
+        return self._apply(store.get(key), t0)
 
     def cluster_sync(self, version: int) -> SyncTimes:
         payload, wait_s = receive_payload(timeout_s=self.timeout_s)

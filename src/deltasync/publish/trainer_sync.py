@@ -279,6 +279,11 @@ class TrainerSync:
             del captured  # the values are not needed once encoded (or failed)
             pending.finished_at = time.time()
 
+    @property
+    def in_flight(self) -> PendingVersion | None:
+        """The version captured and not yet settled by :meth:`wait` (overlap mode)."""
+        return self._inflight
+
     def _barrier(self) -> None:
         """The optimizer's pre-step hook: the version in flight must be done before the
         step changes ``params`` (its digests read them). Errors wait for the next call."""
