@@ -29,6 +29,10 @@ def make_manifest(**overrides) -> Manifest:
         writers=("w00001", "w00000"),
         blobs=(blob(7, "tp1", "w00000"), blob(7, "tp0", "w00001"), blob(7, "tp0", "w00000")),
         shard_digests={"tp1": D2, "tp0": D1},
+        run_id="run0",
+        base_digests={"tp1": D1, "tp0": D2},
     )
     fields.update(overrides)
+    if fields["kind"] == "anchor" and "base_digests" not in overrides:
+        fields["base_digests"] = {}  # an anchor builds on nothing
     return Manifest(**fields)

@@ -335,6 +335,28 @@ class Manifest:
         object.__setattr__(
             self, "shard_digests", types.MappingProxyType(dict(sorted(digests.items())))
         )
+        if not isinstance(self.blobs, (tuple, list)):
+            raise ManifestError(f"manifest {self.version} blobs must be a list")
+        seen = set()
+        for i, blob in enumerate(self.blobs):
+            if not isinstance(blob, BlobEntry):
+                raise ManifestError(f"manifest {self.version} blobs[{i}] is not a BlobEntry")
+            blob.check(self.version, what=f"blobs[{i}]")
+            if blob.writer not in writers:
+                raise ManifestError(
+                    f"blob {blob.key!r} names writer {blob.writer!r}, not in writers"
+                )
+            if blob.shard not in digests:
+                raise ManifestError(
+                    f"blob {blob.key!r} is for shard {blob.shard!r}, which has no shard digest"
+                )
+            if (blob.shard, blob.writer) in seen:
+                raise ManifestError(f"blob {blob.key!r} is listed twice")
+            seen.add((blob.shard, blob.writer))
+        object.__setattr__(
+            self, "blobs", tuple(sorted(self.blobs, key=lambda b: (b.shard, b.writer)))
+        )
+
         names.check_token("run_id", self.run_id)
         if not isinstance(self.base_digests, Mapping):
             raise ManifestError(f"manifest {self.version} base_digests must be an object")
@@ -358,28 +380,6 @@ class Manifest:
                     f"manifest {self.version} layout names shards {sorted(self.layout.shards)[:8]}, "
                     f"its shard_digests {sorted(digests)[:8]}"
                 )
-
-        if not isinstance(self.blobs, (tuple, list)):
-            raise ManifestError(f"manifest {self.version} blobs must be a list")
-        seen = set()
-        for i, blob in enumerate(self.blobs):
-            if not isinstance(blob, BlobEntry):
-                raise ManifestError(f"manifest {self.version} blobs[{i}] is not a BlobEntry")
-            blob.check(self.version, what=f"blobs[{i}]")
-            if blob.writer not in writers:
-                raise ManifestError(
-                    f"blob {blob.key!r} names writer {blob.writer!r}, not in writers"
-                )
-            if blob.shard not in digests:
-                raise ManifestError(
-                    f"blob {blob.key!r} is for shard {blob.shard!r}, which has no shard digest"
-                )
-            if (blob.shard, blob.writer) in seen:
-                raise ManifestError(f"blob {blob.key!r} is listed twice")
-            seen.add((blob.shard, blob.writer))
-        object.__setattr__(
-            self, "blobs", tuple(sorted(self.blobs, key=lambda b: (b.shard, b.writer)))
-        )
 
         if self.signature is not None and (
             not isinstance(self.signature, str) or not SIGNATURE_RE.match(self.signature)
