@@ -19,7 +19,6 @@ from deltasync.cluster.cluster_journal import JournalState
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.errors import (
     BaseVersionMismatchError,
-    ConfigError,
     DigestMismatchError,
     IntegrityError,
     VersionError,
@@ -47,7 +46,13 @@ class World:
     (two TP shards x ``replicas``), exchanging payloads by hand."""
 
     def __init__(
-        self, *, writers: int = 1, replicas: int = 1, mode: str = "direct", digest_every: int = 0
+        self,
+        *,
+        writers: int = 1,
+        replicas: int = 1,
+        mode: str = "direct",
+        digest_every: int = 0,
+        full_state: bool = True,
     ) -> None:
         g = torch.Generator().manual_seed(0)
         self.full = {
@@ -67,7 +72,7 @@ class World:
             self.senders.append(ClusterSender(
                 SnapshotTracker(mine.items()), mine, plan=self.plan, rank=w.rank,
                 trainer_layout=TRAINER, receiver_layout=RECEIVERS, version=None,
-                config=config, full_state=self.full,
+                config=config, full_state=self.full if full_state else None,
             ))  # fmt: skip
         self.receivers = {
             r.rank: ClusterReceiver(
@@ -91,6 +96,7 @@ class World:
         inbox: dict[int, dict[int, bytes]] = {r: {} for r in self.receivers}
         for s in self.senders:
             out = s.payloads_for_version(version, anchor=anchor)
+            s.mark_sent(out)  # as sync() does once the preflight passed
             for dst, payload in out.payloads.items():
                 inbox[dst][s.rank] = payload
         for rank in self.receivers:  # the forward exchange, as ClusterReceiver.receive builds it
@@ -104,6 +110,7 @@ class World:
         for s in self.senders:
             s.tracker.clear()
             s.version = version
+            s._pending, s._pending_anchor = {}, False  # what a positive joint commit drops
         for rank in applied:
             self.receivers[rank].journal.commit(version)
 
@@ -247,15 +254,56 @@ def test_a_state_that_does_not_match_the_trainers_digest_goes_dirty_until_an_anc
     assert world.mismatches() == [] and not rec.journal.state.dirty
 
 
-def test_writer_zero_of_several_needs_the_full_state_for_digests() -> None:
-    plan = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"])
-    params = {n: torch.zeros(TRAINER.shard_shape(n, 0, 2)) for n in TRAINER.param_shapes()}
-    sender = ClusterSender(
-        SnapshotTracker(params.items()), params, plan=plan, rank=0, trainer_layout=TRAINER,
-        receiver_layout=RECEIVERS, version=None, config=ClusterConfig(digest_every=1),
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="needs full_state"):
-        sender.payloads_for_version(0, anchor=True)
+def test_several_writers_without_the_full_state_send_part_digests_that_catch_drift() -> None:
+    world = World(writers=2, digest_every=1, full_state=False)
+    world.sync(0, anchor=True)
+    world.step()
+    world.sync(1)
+    assert world.mismatches() == []
+    world.step()
+    inbox = world.payloads(2)
+    rec = world.receivers[2]
+    name = "model.layers.1.mlp.down_proj.weight"  # row-parallel: rows split by the writers
+    rec.tensors[name].view(torch.int16)[-1, 0] ^= 1  # drift in the last rows: writer 1's part
+    with pytest.raises(IntegrityError, match=r"writers \['w00001'\]"):
+        rec.apply_payload(inbox[2])
+    assert rec.journal.state.dirty and rec.version is None
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+def test_a_retry_resends_what_an_aborted_attempt_sent_even_where_it_went_back_to_base(
+    writers: int,
+) -> None:
+    world = World(writers=writers)
+    world.sync(0, anchor=True)
+    world.step()
+    world.sync(1)
+    base = {n: p.clone() for n, p in world.full.items()}
+    world.step()
+    attempt = world.payloads(2)
+    applied = world.receivers[writers]  # tp0 applies the attempt; tp1 fails: nothing commits
+    applied.apply_payload(attempt[applied.rank])
+    world.step()  # training goes on before the retry
+    reverted = 0
+    for n, p in world.full.items():  # and some elements the attempt moved go back to base
+        moved = torch.nonzero(p.to(torch.bfloat16) != base[n].to(torch.bfloat16)).reshape(-1)
+        flat = p.view(-1)
+        flat[moved[::3]] = base[n].view(-1)[moved[::3]]
+        reverted += int(moved[::3].numel())
+    assert reverted > 0
+    assert applied.version is None  # it holds the attempt, not version 1
+    world.sync(2)  # the retry
+    assert world.mismatches() == []
+    assert sum(s.pending_elements for s in world.senders) == 0  # dropped at the commit
+
+
+def test_an_uncommitted_anchor_attempt_makes_the_retry_an_anchor() -> None:
+    world = World()
+    world.sync(0, anchor=True)
+    world.step()
+    sender = world.senders[0]
+    sender.mark_sent(sender.payloads_for_version(1, anchor=True))
+    assert sender._pending_anchor
 
 
 def test_a_version_without_changes_still_sends_one_empty_blob_per_writer_and_commits() -> None:

@@ -26,9 +26,13 @@ def test_packing_then_unpacking_gives_back_the_parts_and_the_digest() -> None:
 def test_a_forwarded_bundle_flattens_to_every_blob_and_digest_inside() -> None:
     a = pack_envelope([b"blob of writer 0"], state_digest=DIGEST)
     b = pack_envelope([b"blob of writer 1"])
-    blobs, digests = flatten(pack_envelope([a, b], nested=True), where="test")
-    assert [bytes(x) for x in blobs] == [b"blob of writer 0", b"blob of writer 1"]
-    assert digests == [DIGEST]
+    c = pack_envelope([b"blob of writer 2"], state_digest=DIGEST, part_digest=True)
+    items = flatten(pack_envelope([a, b, c], nested=True), where="test")
+    assert [(bytes(x), d, part) for x, d, part in items] == [
+        (b"blob of writer 0", DIGEST, False),
+        (b"blob of writer 1", None, False),
+        (b"blob of writer 2", DIGEST, True),  # a writer's part digest stays with its blob
+    ]
 
 
 def test_an_envelope_without_a_digest_says_so() -> None:
@@ -41,7 +45,7 @@ def test_an_envelope_without_a_digest_says_so() -> None:
         (lambda d: d[:10], "shorter than an envelope header"),
         (lambda d: b"NOTENVEL" + d[8:], "not a deltasync envelope"),
         (lambda d: d[:8] + b"\x03" + d[9:], "header check failed"),  # count 2 -> 3
-        (lambda d: d[:12] + b"\x04" + d[13:], "unknown flags"),
+        (lambda d: d[:12] + b"\x08" + d[13:], "unknown flags"),
         (lambda d: d[:-1], "follow the header"),
         (lambda d: d + b"\0", "follow the header"),
         (lambda d: d[:36] + bytes([d[36] ^ 1]) + d[37:], "header check failed"),  # a length

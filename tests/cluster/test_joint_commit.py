@@ -25,13 +25,14 @@ def ok(v: int = 5, b: int = 4, digest: str | None = None) -> dict:
 def test_rows_round_trip_every_field() -> None:
     (a, f) = rows(
         dict(version=7, base=-1, state_digest=D1),
-        dict(version=None, base=None, failure="IntegrityError: ü" * 40, anchor_required=True),
+        dict(version=None, base=None, failure="IntegrityError: ü" * 80, anchor_required=True),
     )
     assert (a.ok, a.version, a.base, a.state_digest, a.anchor_required) == (True, 7, -1, D1, False)
     assert (f.ok, f.version, f.base, f.state_digest, f.anchor_required) == (
         False, UNKNOWN, UNKNOWN, None, True,
     )  # fmt: skip
-    assert f.message.startswith("IntegrityError: ü") and len(f.message.encode()) <= 256
+    assert f.message.startswith("IntegrityError: ü") and len(f.message.encode()) <= 1024
+    assert f.message.endswith(" [cut]")  # 40 x 18 bytes fit; the cut is marked, not silent
 
 
 def test_every_rank_ok_on_the_same_version_commits() -> None:

@@ -11,7 +11,7 @@ from deltasync.errors import ConfigError, ExchangeError, PeerFailedError
 from deltasync.exchange import ExchangeConfig
 from deltasync.exchange.handshake import MESSAGE_BYTES, decode_rows, encode_row, row_length
 from deltasync.exchange.payloads import as_byte_tensors
-from deltasync.exchange.status_row import describe
+from deltasync.exchange.status_row import describe, fit
 
 
 def rows_for(matrix, failures=None, settings=None):
@@ -57,13 +57,24 @@ def test_several_failed_ranks_are_all_named_in_one_message() -> None:
 
 
 def test_a_long_message_is_cut_at_a_character_boundary_within_the_fixed_field() -> None:
-    text = "é" * 300  # 600 bytes of UTF-8, two per character
+    text = "é" * 600  # 1200 bytes of UTF-8, two per character: more than the field holds
     rows = rows_for([[0, 0], [0, 0]], failures={0: text})
     with pytest.raises(PeerFailedError) as info:
         decode_rows(rows)
-    assert "é" * (MESSAGE_BYTES // 2) in str(info.value)
-    assert "é" * (MESSAGE_BYTES // 2 + 1) not in str(info.value)
+    assert "é" * (MESSAGE_BYTES // 2 - 4) + " [cut]" in str(info.value)
     assert "\ufffd" not in str(info.value)
+
+
+def test_a_long_reason_is_cut_between_clauses_and_marked_never_mid_word() -> None:
+    clauses = "; ".join(f"writer w{i:05d} lost its shard of layer {i}" for i in range(60))
+    cut = fit(clauses).decode()
+    assert len(cut.encode()) <= MESSAGE_BYTES and cut.endswith(" [cut]")
+    assert cut.removesuffix(" [cut]").endswith(";")  # the last whole clause, then the mark
+    assert fit("short").decode() == "short"
+
+
+def test_a_failure_on_several_lines_keeps_every_line() -> None:
+    assert describe(ValueError("first\nthe reason")) == "ValueError: first the reason"
 
 
 def test_ranks_with_different_settings_raise_naming_every_ranks_settings() -> None:

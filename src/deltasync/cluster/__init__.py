@@ -12,10 +12,12 @@ Data flow of one version, by module::
 
     roles.py     who writes which trainer shard, who holds which receiver shard, who sends to
                  whom (DP replicas: "direct" sends or a receiver-side "forward")      (pure)
-    sender.py    tracker.iter_changes() -> layout.routing -> format (blobs) -> envelope.py
-                 -> exchange (round 1 carries a failed detection to every rank)
-    receiver.py  exchange -> staging.py (verify, decode, base check; format's merge of the
-                 writers and fold) -> cluster_journal.py -> apply (the pause) -> digest
+    cluster_sender.py  tracker.iter_changes() (united with uncommitted attempts) ->
+                 layout.routing -> format (blobs) -> envelope.py (+ writer_digests.py)
+    preflight.py every rank's fingerprint, versions and status in one all_gather: refused
+                 everywhere before any payload moves, or cleared
+    cluster_receiver.py  exchange -> staging.py (verify, decode, base check; format's merge of
+                 the writers and fold) -> cluster_journal.py -> apply (the pause) -> digests
     joint_commit.py  every rank's status row, one all_gather, the same verdict: commit
                  everywhere, or nowhere
 
@@ -34,7 +36,12 @@ from deltasync.cluster.roles import (
     RolePlan,
     WriterRole,
 )
-from deltasync.errors import AnchorRequiredError, EnvelopeError, SyncAbortedError
+from deltasync.errors import (
+    AnchorRequiredError,
+    EnvelopeError,
+    FingerprintMismatchError,
+    SyncAbortedError,
+)
 
 __all__ = [
     "DEFAULT_DP_MODE",
@@ -45,6 +52,7 @@ __all__ = [
     "ClusterReceiver",
     "ClusterSender",
     "EnvelopeError",
+    "FingerprintMismatchError",
     "ReceiveReport",
     "ReceiverRole",
     "RolePlan",

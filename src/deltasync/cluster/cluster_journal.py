@@ -5,9 +5,11 @@ Three facts, kept in memory and, when a path is given, in one record of
 
 - ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet);
 - ``applying``: ``(version, base)`` of an apply that started and has not been committed: the
-  tensors hold ``base`` overwritten at some of that version's elements. A retry of a version on
-  the same base converges from there, because the trainer keeps its tracker's bits until the
-  joint commit, so the retry overwrites a superset of those elements with absolute values;
+  tensors hold ``base`` overwritten at some of that version's elements. With it, ``window``:
+  the writers' attempt-window token the apply came with. A retry on the same base converges
+  from there because the writers resend the union of every attempt of that window with
+  absolute values (see ``cluster_sender``); the preflight refuses a delta from another window
+  (a restarted writer does not know what the attempt sent), so only an anchor repairs that;
 - ``dirty``: the tensors are known not to hold ``committed`` in a way a retry cannot repair (a
   state digest mismatch): only an anchor is accepted.
 
@@ -38,13 +40,17 @@ class JournalState:
     committed: int | None
     applying: tuple[int, int] | None = None
     dirty: bool = False
+    window: int = 0  # the writers' attempt window of ``applying`` (0: none or unknown)
 
     def to_json(self) -> bytes:
         return encode_record(self.to_obj())
 
     def to_obj(self) -> dict[str, Any]:
         applying = None if self.applying is None else list(self.applying)
-        return {"committed": self.committed, "applying": applying, "dirty": self.dirty}
+        return {
+            "committed": self.committed, "applying": applying, "dirty": self.dirty,
+            "window": self.window,
+        }  # fmt: skip
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> JournalState:
@@ -57,8 +63,10 @@ class JournalState:
     def from_obj(cls, obj: Any, where: str) -> JournalState:
         try:
             committed, applying, dirty = obj["committed"], obj["applying"], obj["dirty"]
+            window = obj.get("window", 0)  # absent in journals written before windows existed
             ok = (
-                set(obj) == {"committed", "applying", "dirty"}
+                set(obj) - {"window"} == {"committed", "applying", "dirty"}
+                and type(window) is int
                 and (committed is None or (type(committed) is int and committed >= 0))
                 and (
                     applying is None
@@ -71,7 +79,7 @@ class JournalState:
         if not ok:
             raise LocalStateError(f"{where} is not a deltasync cluster journal: {REMEDY}")
         pair = None if applying is None else (applying[0], applying[1])
-        return cls(committed=committed, applying=pair, dirty=dirty)
+        return cls(committed=committed, applying=pair, dirty=dirty, window=window)
 
 
 class ClusterJournal:
@@ -121,15 +129,16 @@ class ClusterJournal:
                 "version this receiver is missing)"
             )
 
-    def begin(self, version: int, base: int) -> None:
-        """Record the apply of ``version`` on ``base``: call before the first write."""
-        self._set(replace(self._state, applying=(version, base)))
+    def begin(self, version: int, base: int, *, window: int = 0) -> None:
+        """Record the apply of ``version`` on ``base`` from the writers' attempt ``window``:
+        call before the first write."""
+        self._set(replace(self._state, applying=(version, base), window=window))
 
     def commit(self, version: int) -> None:
         self._set(JournalState(committed=version))
 
     def mark_dirty(self) -> None:
-        self._set(replace(self._state, applying=None, dirty=True))
+        self._set(replace(self._state, applying=None, dirty=True, window=0))
 
     def _set(self, state: JournalState) -> None:
         if self.path is not None:

@@ -2,27 +2,39 @@
 
 ``sync()`` runs, on one receiver rank:
 
-1. receive (``receive``): the first exchange (this rank sends nothing), waiting up to
-   ``config.wait_for_version_s`` for the trainer; in ``forward`` mode replica 0 of a shard then
-   forwards what it got, unopened, to the shard's other replicas in a second exchange;
-2. stage (``staging.stage_payloads``): verify and decode everything, refuse a wrong base,
+1. preflight (:mod:`deltasync.cluster.preflight`): this rank's fingerprint (model config,
+   engine, TP/EP, role plan, writer count, layout table, lineage) and journal state go to every
+   rank in one all_gather, waiting up to ``config.wait_for_version_s`` for the trainer to
+   arrive. A mismatch anywhere, or a delta this receiver cannot take, is refused on every rank
+   before any payload moves;
+2. receive (``receive``): the first exchange (this rank sends nothing); in ``forward`` mode
+   replica 0 of a shard then forwards what it got, unopened, to the shard's other replicas in a
+   second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
+3. stage (``staging.stage_payloads``): verify and decode everything, refuse a wrong base,
    merge the writers' updates. The engine keeps serving; nothing has been written;
-3. apply: journal the apply (``applying = (version, base)``), then scatter in place inside
-   the engine's ``pause`` context: the only moment the engine must not read weights;
-4. verify: when the trainer sent the shard's expected state digest, hash the live tensors
-   and compare; a mismatch marks the journal dirty (only an anchor is accepted from then on);
-5. acknowledge in the joint commit; advance ``version`` only when every rank succeeded.
+4. apply: journal the apply (``applying = (version, base)`` and the writers' attempt window),
+   then scatter in place inside the engine's ``pause`` context;
+5. verify: the shard's state digest (one writer) or every writer's part digest (several,
+   :mod:`deltasync.cluster.writer_digests`), against what the writers sent; a mismatch marks the
+   journal dirty (only an anchor is accepted from then on);
+6. acknowledge in the joint commit; the journal commits the version only when every rank
+   succeeded.
 
-A failure in 2-4 is raised on this rank as the storage path raises it (DigestMismatchError,
+:attr:`version` is the version the tensors hold: the committed one, or None while they hold
+an uncommitted attempt's values (after a failed sync) or are dirty, so a caller never serves
+weights under a version they no longer are. The retry of the same base converges from an
+attempt because the writers resend the union of every uncommitted attempt
+(:mod:`deltasync.cluster.cluster_sender`); the preflight checks the writers' window token
+against the one recorded with the apply, so a retry that cannot prove it covers the attempt is
+refused (anchor).
+
+A failure in 3-5 is raised on this rank as the storage path raises it (DigestMismatchError,
 BlobBaseMismatchError, IntegrityError, ...) after this rank has told every other rank in the
-joint commit, where they raise SyncAbortedError; so nobody commits, and a failure in 2 leaves
-the tensors bitwise untouched. If another rank failed, this one raises SyncAbortedError; its
-tensors may already hold the failed attempt's values, which the journal records and the retry
-of the same version overwrites (see ``journal``).
+joint commit, where they raise SyncAbortedError; a failure in 3 leaves the tensors bitwise
+untouched. After an ExchangeError that is not a PeerFailedError the group is broken: re-create
+it and call :meth:`use_group` (``docs/cluster.md``, "Recovery").
 
-``apply_payload`` is 2-4 with no collective (benchmarks and tests drive it directly). After an
-ExchangeError that is not a PeerFailedError the group is broken: re-create it and call
-:meth:`use_group`.
+``apply_payload`` is 3-5 with no collective (benchmarks and tests drive it directly).
 
 This class knows the order of those steps; it holds no copy of the model, only the staged
 updates of one version.
@@ -34,18 +46,26 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from deltasync import names
 from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
+from deltasync.cluster.preflight import (
+    RECEIVER,
+    Cleared,
+    encode_preflight_row,
+    fingerprint,
+    preflight,
+)
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
 from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
-from deltasync.errors import AnchorRequiredError, IntegrityError, SyncAbortedError
+from deltasync.cluster.writer_digests import receiver_part_digests
+from deltasync.errors import AnchorRequiredError, ExchangeError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_updates, check_tensors_match
@@ -61,11 +81,17 @@ class Incoming(dict[int, torch.Tensor]):
     """``{source rank: payload}`` of one version, with how long receiving took."""
 
     def __init__(
-        self, items: Mapping[int, torch.Tensor], *, wait_s: float, forward_s: float
+        self,
+        items: Mapping[int, torch.Tensor],
+        *,
+        wait_s: float,
+        forward_s: float,
+        cleared: Cleared | None = None,
     ) -> None:
         super().__init__(items)
-        self.wait_s = wait_s  # the first exchange: waiting for the trainer, then its transfer
+        self.wait_s = wait_s  # the preflight (waiting for the trainer) and the first exchange
         self.forward_s = forward_s  # the second exchange (forward mode)
+        self.cleared = cleared  # what the preflight agreed on
 
 
 class ClusterReceiver:
@@ -77,6 +103,7 @@ class ClusterReceiver:
         verified; the first sync must be an anchor).
     journal_path: a file for the durable journal; None keeps it in memory.
     pause: the engine's "stop reading weights" context, entered only around the scatter.
+    lineage: the run id of the model's lineage, if the job has one (part of the fingerprint).
     """
 
     def __init__(
@@ -91,17 +118,21 @@ class ClusterReceiver:
         config: ClusterConfig | None = None,
         journal_path: str | None = None,
         pause: PauseContext | None = None,
+        lineage: str | None = None,
     ) -> None:
         self.rank = resolve_rank(rank, group)
         self.role = plan.receiver(self.rank)
         plan.check_shards(s.id for s in layout.shards())
         self.plan = plan
+        self.layout = layout
         self.shard = self.role.shard
         self.specs = layout.local_specs(self.shard)
         self.tensors = dict(tensors)
         self._check_tensors()
         self.config = config or ClusterConfig()
         self.journal = ClusterJournal(version=version, path=journal_path)
+        self.fingerprint = fingerprint(layout, plan, lineage=lineage)
+        self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
         self.use_group(group)
 
@@ -120,36 +151,77 @@ class ClusterReceiver:
 
     @property
     def version(self) -> int | None:
-        """The jointly committed version the tensors hold (see ``journal.state``)."""
+        """The version the tensors hold: the committed one, or None while they hold an
+        uncommitted attempt (``journal.state.applying``) or are dirty."""
+        s = self.journal.state
+        return None if s.applying is not None or s.dirty else s.committed
+
+    @property
+    def committed_version(self) -> int | None:
+        """The last jointly committed version (the base a retry applies on)."""
         return self.journal.state.committed
 
     # ------------------------------------------------------------------ step 1
 
-    def receive(self) -> Incoming:
-        """The exchange(s) of one version: ``{source rank: payload}`` for this rank (CPU)."""
-        self._check_group()
+    def _preflight(self) -> Cleared:
+        """Show every rank this receiver's fingerprint and state; wait for the trainer (up to
+        ``config.wait_for_version_s``) and for the verdict."""
+        if not dist.is_initialized():
+            raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
+        failure = None
+        try:
+            self._check_group()
+        except Exception as exc:  # noqa: BLE001 -- named to every rank in the preflight
+            failure = f"{self._who}: {self.fingerprint.summary}; {describe(exc)}"
+        s = self.journal.state
+        row = encode_preflight_row(
+            role=RECEIVER, fingerprint=self.fingerprint, who=self._who, version=s.committed,
+            base=None if s.applying is None else s.applying[0], window=s.window,
+            applying_base=None if s.applying is None else s.applying[1], dirty=s.dirty,
+            failure=failure,
+        )  # fmt: skip
+        return preflight(
+            row, plan=self.plan, group=self.group, timeout_s=self.config.wait_for_version_s,
+            what="waiting for the trainer to arrive (wait_for_version_s)",
+        )  # fmt: skip
+
+    def receive(self, cleared: Cleared | None = None) -> Incoming:
+        """The preflight (unless ``cleared`` is given) and the exchange(s) of one version:
+        ``{source rank: payload}`` for this rank (CPU). Only the preflight waits up to
+        ``wait_for_version_s``; every exchange wait is bounded by ``exchange.timeout_s``."""
         t = time.perf_counter()
-        first = replace(self.config.exchange, timeout_s=self.config.wait_for_version_s)
-        got = as_cpu_bytes(exchange({}, group=self.group, config=first))
+        if cleared is None:
+            cleared = self._preflight()
+        tag = f"{cleared.window:x}-{cleared.version}"
+        got = as_cpu_bytes(
+            exchange({}, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
+        )
         wait_s = time.perf_counter() - t
         if self.plan.exchanges == 1:
-            return Incoming(got, wait_s=wait_s, forward_s=0.0)
+            return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared)
         t = time.perf_counter()
         targets = self.plan.forward_targets(self.rank)
         bundle = (
             pack_envelope([as_view(got[s]) for s in sorted(got)], nested=True) if targets else b""
         )
         forwarded = exchange(
-            {t: bundle for t in targets}, group=self.group, config=self.config.exchange
-        )
+            {t: bundle for t in targets}, group=self.group, config=self.config.exchange,
+            tag=f"{tag}-x2",
+        )  # fmt: skip
         mine = got if self.role.replica == 0 else as_cpu_bytes(forwarded)
-        return Incoming(mine, wait_s=wait_s, forward_s=time.perf_counter() - t)
+        return Incoming(mine, wait_s=wait_s, forward_s=time.perf_counter() - t, cleared=cleared)
 
-    # ------------------------------------------------------------------ steps 2-4
+    # ------------------------------------------------------------------ steps 3-5
 
-    def apply_payload(self, received: Mapping[int, object]) -> ApplyReport:
+    def apply_payload(
+        self, received: Mapping[int, object], *, window: int | None = None
+    ) -> ApplyReport:
         """Stage, journal, apply and verify one version's payloads; no collective. Raises a
-        typed error; before the journal entry nothing has been written."""
+        typed error; before the journal entry nothing has been written. ``window``: the
+        writers' attempt window the preflight agreed on (recorded with the apply)."""
+        if window is None:
+            cleared = getattr(received, "cleared", None)
+            window = 0 if cleared is None else cleared.window
         t = time.perf_counter()
         staged = stage_payloads(
             received, plan=self.plan, rank=self.rank, specs=self.specs, journal=self.journal,
@@ -157,36 +229,55 @@ class ClusterReceiver:
         )  # fmt: skip
         stage_s = time.perf_counter() - t
 
-        self.journal.begin(staged.version, staged.base)  # before the first write
+        self.journal.begin(staged.version, staged.base, window=window)  # before the first write
         t = time.perf_counter()
         with self._pause():
             apply_updates(staged.updates, self.tensors)
         pause_s = time.perf_counter() - t
 
         digest, verify_s = None, 0.0
+        t = time.perf_counter()
         if staged.state_digest is not None:
-            t = time.perf_counter()
             digest = state_digest(self.tensors)
-            verify_s = time.perf_counter() - t
             if digest != staged.state_digest:
-                log.error(
-                    "receiver %s replica %s (rank %d): state digest after version %d does not "
-                    "match the trainer's; marked dirty, only an anchor is accepted from now on",
-                    self.shard, self.role.replica, self.rank, staged.version,
-                )  # fmt: skip
-                self.journal.mark_dirty()
-                raise IntegrityError(
-                    f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): after "
-                    f"applying version {staged.version} the state digest is {digest}, the trainer "
-                    f"says {staged.state_digest}. The tensors no longer hold version "
-                    f"{self.version}; only an anchor is accepted from now on. Check that trainer "
-                    "and receiver use the same layout"
+                self._diverged(
+                    staged.version,
+                    f"the state digest is {digest}, the trainer says {staged.state_digest}",
                 )
+        elif staged.part_digests:
+            count = len(self.plan.writers)
+            mine = receiver_part_digests(
+                self.tensors, layout=self.layout, shard=self.shard, count=count
+            )
+            bad = [
+                names.writer_id(k) for k in range(count)
+                if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
+            ]  # fmt: skip
+            if bad:
+                self._diverged(
+                    staged.version,
+                    f"the parts owned by writers {bad} do not match those writers' part digests",
+                )
+        verify_s = time.perf_counter() - t
         return ApplyReport(
             version=staged.version, base=staged.base, payload_bytes=staged.payload_bytes,
             elements=staged.elements, stage_s=stage_s, pause_s=pause_s, verify_s=verify_s,
             state_digest=digest,
         )  # fmt: skip
+
+    def _diverged(self, version: int, why: str) -> None:
+        log.error(
+            "receiver %s replica %s (rank %d): after version %d %s; marked dirty, only an "
+            "anchor is accepted from now on",
+            self.shard, self.role.replica, self.rank, version, why,
+        )  # fmt: skip
+        self.journal.mark_dirty()
+        raise IntegrityError(
+            f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): after "
+            f"applying version {version} {why}. The tensors hold neither that version nor the "
+            "previous one; only an anchor is accepted from now on. Check that trainer and "
+            "receiver use the same layout"
+        )
 
     # ------------------------------------------------------------------ the whole version
 
@@ -196,6 +287,15 @@ class ClusterReceiver:
         Returns:
             A :class:`ReceiveReport`: the version now held, the previous one and timings
             (wait, stage, pause, verify, commit).
+
+        Raises:
+            PeerFailedError: some rank failed before sending; nothing moved or was written.
+            FingerprintMismatchError: the ranks were built for different models or plans.
+            SyncAbortedError: this version cannot be taken here (``anchor_required``) or another
+                rank failed; nothing committed.
+            ExchangeError: a rank died or hung (named); re-create the group.
+            the storage path's errors (DigestMismatchError, IntegrityError, ...) for a failure
+                on this rank, after telling every other rank.
         """
         t0 = time.perf_counter()
         previous = self.version
@@ -207,6 +307,8 @@ class ClusterReceiver:
         except Exception as exc:  # noqa: BLE001 -- told to every rank in the commit, then raised
             failure = exc
         timings = received.wait_s, received.forward_s
+        cleared = received.cleared
+        assert cleared is not None
         del received  # the payload bytes are dead weight from here on
         if failure is None:
             assert report is not None
@@ -222,8 +324,9 @@ class ClusterReceiver:
             )  # fmt: skip
         t = time.perf_counter()
         verdict = joint_commit(
-            row, plan=self.plan, group=self.group, timeout_s=self.config.commit_timeout_s
-        )
+            row, plan=self.plan, group=self.group, timeout_s=self.config.commit_timeout_s,
+            tag=f"{cleared.window:x}-{cleared.version}-commit",
+        )  # fmt: skip
         commit_s = time.perf_counter() - t
         if failure is not None:
             raise failure

@@ -3,31 +3,47 @@
 ``sync()`` runs, on one writer rank:
 
 1. detection: the tracker's changed elements and their BF16 values since its baseline
-   (``tracker.iter_changes()``); every element for an anchor;
+   (``tracker.iter_changes()``), united with every element an uncommitted attempt since the
+   baseline sent (see "Retries" below); every element for an anchor;
 2. routing: current BF16 values -> canonical -> every receiver shard
    (``layout.routing.shard_updates``, the storage path's own planning);
 3. encoding: one blob per receiver shard (the storage path's wire format and header: version,
    base version, shard, writer ``w{index:05d}``), framed in an envelope per destination, with
-   the shards' expected state digests from writer 0 when configured;
-4. the exchange. If any of 1-3 raised, this rank passes the exception as its round-1 status,
-   so every rank raises the same PeerFailedError before a payload byte moves, and nothing is
-   applied anywhere; in ``forward`` mode it then takes part in the (empty, for it) second
-   exchange;
-5. the joint commit: only when every receiver reports its apply ok does the tracker's
+   the expected digests (``config.digest_every``: each shard's state digest from a single
+   writer, or each writer's digest of the part of each shard it owns, see
+   :mod:`deltasync.cluster.writer_digests`);
+4. the preflight (:mod:`deltasync.cluster.preflight`): every rank's fingerprint, versions and
+   status in one all_gather. If 1-3 raised here, or any rank was built for another model, plan
+   or layout, or some receiver cannot take this delta, every rank raises the same error before
+   a payload byte moves, and nothing is applied anywhere;
+5. the exchange (in ``forward`` mode then the, for a writer empty, second exchange);
+6. the joint commit: only when every receiver reports its apply ok does the tracker's
    baseline advance (``clear()``) and ``version`` move on. Otherwise every rank raises, the
-   tracker keeps its bits, and calling ``sync`` again retries the same version: the retry
-   resends a superset of the elements as absolute values, so receivers that already applied
-   the failed attempt converge too.
+   tracker keeps its bits, and calling ``sync`` again retries.
+
+Retries are supersets by construction. A tracker reports what differs from its baseline *now*
+(``SnapshotTracker``), or what changed since it (``AdamWTracker``); neither remembers what an
+aborted attempt sent, and an element that changed in the attempt and went back to its baseline
+bits by the retry would be missed by the first kind, leaving a receiver that applied the attempt
+with the attempt's value. So the sender keeps the union of the indices of every attempt that
+passed the preflight since the last commit (O(changed) int64 per element, dropped at the
+commit) and every retry sends the union of that and the tracker's current changes, with current
+values. A pending anchor attempt makes the retry an anchor. The union belongs to an attempt
+window with a random token; receivers record the token with their apply, and the preflight
+refuses a delta whose writers' tokens no longer match (a writer restarted and lost its union):
+only an anchor repairs that.
 
 ``payloads_for_version`` is steps 1-3 alone, with no collective (benchmarks time it). After an
 ExchangeError that is not a PeerFailedError the group is broken: re-create it and pass the new
-one to :meth:`use_group`.
+one to :meth:`use_group` (see ``docs/cluster.md``, "Recovery").
 
 This class knows the order of those steps; it holds no copy of the model.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 
@@ -36,10 +52,20 @@ import torch.distributed as dist
 
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
+from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
-from deltasync.errors import AnchorRequiredError, ConfigError, SyncAbortedError, VersionError
+from deltasync.cluster.writer_digests import writer_part_digests
+from deltasync.errors import (
+    AnchorRequiredError,
+    ConfigError,
+    DeltaSyncError,
+    ExchangeError,
+    SyncAbortedError,
+    VersionError,
+)
 from deltasync.exchange import exchange
+from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
@@ -47,6 +73,12 @@ from deltasync.layout.routing import checked_changes, every_element, shard_updat
 from deltasync.trainer import Tracker
 
 Params = Mapping[str, torch.Tensor]
+
+log = logging.getLogger(__name__)
+
+
+def _new_window() -> int:
+    return secrets.randbits(62) | 1  # never 0 ("no window")
 
 
 class ClusterSender:
@@ -59,8 +91,11 @@ class ClusterSender:
         them.
     version: the version every receiver holds and the tracker's baseline; None when receivers
         hold nothing yet (the first sync must be an anchor).
-    full_state: the FULL parameters (or a callable gathering them), needed by writer 0 for
-        expected state digests when there are several writers (``config.digest_every``).
+    full_state: the FULL parameters (or a callable gathering them). Optional: with several
+        writers each writer digests the part of each shard it owns; given, writer 0 sends each
+        shard's whole state digest instead.
+    lineage: the run id of the model's lineage, if the job has one; part of the fingerprint
+        every rank must agree on.
     """
 
     def __init__(
@@ -76,15 +111,23 @@ class ClusterSender:
         group: dist.ProcessGroup | None = None,
         config: ClusterConfig | None = None,
         full_state: Params | Callable[[], Params] | None = None,
+        lineage: str | None = None,
     ) -> None:
         self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
         plan.check_shards(s.id for s in receiver_layout.shards())
+        if trainer_layout.spec != receiver_layout.spec:
+            raise ConfigError(
+                "ClusterSender: trainer_layout and receiver_layout were built from different "
+                f"model configs ({trainer_layout.spec} vs {receiver_layout.spec})"
+            )
         self.plan = plan
         self.tracker = tracker
         self.trainer_layout = trainer_layout
         self.receiver_layout = receiver_layout
         self.config = config or ClusterConfig()
+        self.lineage = lineage
+        self.fingerprint = fingerprint(receiver_layout, plan, lineage=lineage)
         self._params = params
         self._full_state = full_state
         if version is not None and (
@@ -92,31 +135,46 @@ class ClusterSender:
         ):
             raise ConfigError(f"ClusterSender version must be None or an int >= 0, got {version!r}")
         self.version = version
+        # The union of what uncommitted attempts since the baseline sent (see the docstring).
+        self._window = _new_window()
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_anchor = False
         self.use_group(group)
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group
 
-    def _check_group(self) -> None:
-        check_group(self.group, self.plan, self.rank)
+    @property
+    def pending_elements(self) -> int:
+        """Elements the next retry resends beyond the tracker's own changes (at most)."""
+        return sum(int(t.numel()) for t in self._pending.values())
 
     # ------------------------------------------------------------------ steps 1-3
 
     def payloads_for_version(self, version: int, *, anchor: bool = False) -> Outgoing:
         """Detect, route and encode ``version`` (on the committed version, or as an anchor)
-        into ``{receiver rank: envelope}``. No collective; the tracker is not cleared."""
+        into ``{receiver rank: envelope}``. No collective; the tracker is not cleared and the
+        union of uncommitted attempts is not extended (``sync`` does that)."""
         base = self._base(version, anchor)
         params = self._params() if callable(self._params) else self._params
         t = time.perf_counter()
         values = None
+        sent: dict[str, torch.Tensor] | None = None
         if anchor:
             changed = every_element(params)
         else:
-            items = list(checked_changes(self.tracker.iter_changes()))
-            changed = {name: idx for name, idx, _ in items}
-            values = {name: vals for name, _, vals in items}
-            del items
+            changed, values = {}, {}
+            for name, idx, vals in checked_changes(self.tracker.iter_changes()):
+                changed[name] = idx
+                values[name] = vals
+            for name, before in self._pending.items():
+                if name in changed:
+                    changed[name] = torch.unique(torch.cat([before, changed[name].to(torch.int64)]))
+                    del values[name]  # gathered from the params at the union
+                else:
+                    changed[name] = before
+            sent = changed
         detect_s = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -129,7 +187,9 @@ class ClusterSender:
         build_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        digests = self._digests(params) if self._sends_digest(version, anchor) else {}
+        digests, part = {}, False
+        if self.config.sends_digest(version, anchor=anchor):
+            digests, part = self._digests(params)
         digest_s = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -142,7 +202,9 @@ class ClusterSender:
         )  # fmt: skip
         for shard, blob in blobs:
             shard_bytes[shard] = len(blob)
-            envelopes[shard] = pack_envelope([blob], state_digest=digests.get(shard))
+            envelopes[shard] = pack_envelope(
+                [blob], state_digest=digests.get(shard), part_digest=part
+            )
         # DP replicas of a shard share one envelope object: no copy per replica.
         payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}
         encode_s = time.perf_counter() - t
@@ -150,7 +212,17 @@ class ClusterSender:
             version=version, base=base, payloads=payloads, shard_bytes=shard_bytes,
             shard_elements={s: sum(u.nnz for u in us) for s, us in updates.items()},
             detect_s=detect_s, build_s=build_s, encode_s=encode_s, digest_s=digest_s,
+            sent_indices=sent,
         )  # fmt: skip
+
+    def mark_sent(self, out: Outgoing) -> None:
+        """Record that ``out``'s payloads may reach receivers: until the next commit every
+        delta also resends what it sent (``sync`` calls this after the preflight; call it when
+        driving ``payloads_for_version`` by hand)."""
+        if out.sent_indices is None:
+            self._pending_anchor = True
+        else:
+            self._pending = dict(out.sent_indices)
 
     def _base(self, version: int, anchor: bool) -> int:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -168,22 +240,20 @@ class ClusterSender:
             )
         return self.version
 
-    def _sends_digest(self, version: int, anchor: bool) -> bool:
-        return self.role.index == 0 and self.config.sends_digest(version, anchor=anchor)
-
-    def _digests(self, params: Params) -> dict[str, str]:
-        if self.role.count == 1:
-            full = params
-        elif self._full_state is not None:
-            full = self._full_state() if callable(self._full_state) else self._full_state
-        else:
-            raise ConfigError(
-                "writer 0 of several needs full_state (the full parameters, or a callable "
-                "gathering them) to send expected state digests; or set digest_every=0"
-            )
-        return state_digests(
-            full, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
-        )
+    def _digests(self, params: Params) -> tuple[dict[str, str], bool]:
+        """``({shard: digest}, whether they are this writer's part digests)``."""
+        if self.role.count == 1 or self._full_state is not None:
+            if self.role.index != 0:
+                return {}, False  # writer 0 sends the whole-state digests
+            full = params if self.role.count == 1 else self._full_state
+            full = full() if callable(full) else full
+            return state_digests(
+                full, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
+            ), False
+        return writer_part_digests(
+            params, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout,
+            index=self.role.index, count=self.role.count,
+        ), True  # fmt: skip
 
     # ------------------------------------------------------------------ the whole version
 
@@ -191,39 +261,69 @@ class ClusterSender:
         """Send ``version`` to every receiver and commit it jointly.
 
         Every rank of the group calls its ``sync`` for the same version; see the module
-        docstring for what each failure leaves behind (SyncAbortedError on every rank).
+        docstring and ``docs/cluster.md`` for what each failure leaves behind.
 
         Args:
             version: the version to send (default: the committed version + 1, or 0).
             anchor: send every element (restores receivers that hold no verified version).
+                An uncommitted anchor attempt makes every retry an anchor too.
 
         Returns:
             A :class:`SendReport` with the version, base, bytes per receiver and timings.
+
+        Raises:
+            PeerFailedError: some rank failed before sending (this one included); nothing moved.
+            FingerprintMismatchError: the ranks were built for different models or plans.
+            SyncAbortedError: a receiver failed or cannot take this delta; nothing committed.
+            ExchangeError: a rank died or hung; the group must be re-created.
         """
-        self._check_group()
         if version is None:
             version = 0 if self.version is None else self.version + 1
+        if self._pending_anchor and not anchor:
+            log.warning(
+                "writer %s: an anchor attempt since version %s was not committed; version %d "
+                "is sent as an anchor too, so receivers that applied it converge",
+                self.role.writer_id, self.version, version,
+            )  # fmt: skip
+            anchor = True
         t0 = time.perf_counter()
-        out, status = None, None
+        if not dist.is_initialized():
+            raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
+        out, failure = None, None
         try:
+            check_group(self.group, self.plan, self.rank)
             out = self.payloads_for_version(version, anchor=anchor)
-        except Exception as exc:  # noqa: BLE001 -- every rank raises it together in round 1
-            status = exc
-        t = time.perf_counter()
-        got = exchange(
-            out.payloads if out is not None else {}, group=self.group,
-            config=self.config.exchange, status=status,
+        except Exception as exc:  # noqa: BLE001 -- every rank raises it together in the preflight
+            failure = exc
+        row = encode_preflight_row(
+            role=WRITER, fingerprint=self.fingerprint, who=f"writer {self.role.writer_id}",
+            version=version, base=None if out is None else out.base, window=self._window,
+            failure=None if failure is None else describe(failure),
         )  # fmt: skip
+        try:
+            cleared = preflight(
+                row, plan=self.plan, group=self.group, timeout_s=self.config.exchange.timeout_s,
+                what="waiting for every rank to arrive",
+            )  # fmt: skip
+        except DeltaSyncError as exc:
+            if failure is not None:
+                raise exc from failure
+            raise
+        assert out is not None  # a failure raised PeerFailedError in the preflight
+        self.mark_sent(out)
+        tag = f"{cleared.window:x}-{version}"
+
+        t = time.perf_counter()
+        got = exchange(out.payloads, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
         sent = got.stats.bytes_sent
         if self.plan.exchanges == 2:
-            exchange({}, group=self.group, config=self.config.exchange)
+            exchange({}, group=self.group, config=self.config.exchange, tag=f"{tag}-x2")
         transfer_s = time.perf_counter() - t
-        assert out is not None  # a failed status raised PeerFailedError in the exchange
 
         t = time.perf_counter()
         verdict = joint_commit(
             encode_commit_row(version=out.version, base=out.base), plan=self.plan, group=self.group,
-            timeout_s=self.config.commit_timeout_s,
+            timeout_s=self.config.commit_timeout_s, tag=f"{tag}-commit",
         )  # fmt: skip
         commit_s = time.perf_counter() - t
         if not verdict.ok:
@@ -233,6 +333,7 @@ class ClusterSender:
         # Every receiver holds the version: only now may the baseline move.
         self.tracker.clear()
         self.version = version
+        self._pending, self._pending_anchor, self._window = {}, False, _new_window()
         return SendReport(
             version=version, base=out.base, anchor=anchor, bytes_sent=sent,
             shard_bytes=out.shard_bytes, elements=sum(out.shard_elements.values()),

@@ -1,7 +1,9 @@
 """The envelope: what one rank sends one rank in one exchange of a version.
 
-A writer sends each receiver one envelope holding its one blob (and, from writer 0 when
-configured, the shard's expected state digest); a forwarding replica sends each of its
+A writer sends each receiver one envelope holding its one blob and, when configured, an
+expected digest: the shard's state digest (from writer 0 of a single writer, or of writers
+given the full state), or this writer's digest of the part of the shard it owns (several
+writers, see ``writer_digests``); a forwarding replica sends each of its
 shard's other replicas one envelope holding every envelope it received, unopened (so
 forwarding never fails on, or hides, a damaged payload: each replica checks for itself).
 Blobs carry their own header and xxh3-128 digest; the envelope only frames them. Layout,
@@ -9,8 +11,9 @@ little-endian::
 
     magic        8 bytes  b"DSCENV01"
     count        u32      number of parts
-    flags        u32      bit 0: a state digest follows; bit 1: parts are envelopes (forwarded)
-    digest       16 bytes expected state digest of the receiver shard (zero when absent)
+    flags        u32      bit 0: a digest follows; bit 1: parts are envelopes (forwarded);
+                          bit 2: the digest is the sending writer's part digest
+    digest       16 bytes expected digest (xxh3-128; zero when absent)
     lengths      count x u64
     check        8 bytes  xxh3-64 of everything above (catches damaged framing)
     parts        the parts, back to back; their lengths must add up to the rest exactly
@@ -35,6 +38,7 @@ _HEAD = struct.Struct("<8sII16s")
 _CHECK = struct.Struct("<Q")
 FLAG_DIGEST = 1
 FLAG_NESTED = 2
+FLAG_PART = 4
 MAX_PARTS = 1 << 16
 
 Bytes = bytes | bytearray | memoryview
@@ -43,14 +47,20 @@ Bytes = bytes | bytearray | memoryview
 @dataclass(frozen=True, eq=False)
 class Envelope:
     parts: list[memoryview]  # views into the received buffer: no copy
-    state_digest: str | None  # hex xxh3-128, as ``manifest.state_digest`` returns it
+    state_digest: str | None  # hex xxh3-128: the shard's state, or the writer's part
     nested: bool  # parts are envelopes (a forwarded bundle)
+    part: bool = False  # ``state_digest`` is the sending writer's part digest
 
 
 def pack_envelope(
-    parts: Sequence[Bytes], *, state_digest: str | None = None, nested: bool = False
+    parts: Sequence[Bytes],
+    *,
+    state_digest: str | None = None,
+    nested: bool = False,
+    part_digest: bool = False,
 ) -> bytes:
-    """Frame ``parts`` (blobs, or envelopes when ``nested``) into one payload."""
+    """Frame ``parts`` (blobs, or envelopes when ``nested``) into one payload; ``part_digest``:
+    ``state_digest`` is the writer's part digest, not the whole shard's."""
     if len(parts) > MAX_PARTS:
         raise EnvelopeError(f"an envelope holds at most {MAX_PARTS} parts, got {len(parts)}")
     digest = b"\0" * 16
@@ -62,7 +72,7 @@ def pack_envelope(
             digest = b""
         if len(digest) != 16:
             raise EnvelopeError(f"state digest {state_digest!r} is not 32 hex characters")
-        flags |= FLAG_DIGEST
+        flags |= FLAG_DIGEST | (FLAG_PART if part_digest else 0)
     views = [memoryview(p).cast("B") for p in parts]
     head = _HEAD.pack(MAGIC, len(views), flags, digest)
     lengths = struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
@@ -89,7 +99,7 @@ def unpack_envelope(payload: Bytes | torch.Tensor, *, where: str) -> Envelope:
     magic, count, flags, digest = _HEAD.unpack_from(view)
     if magic != MAGIC:
         raise EnvelopeError(f"{where}: not a deltasync envelope (magic {bytes(magic)!r})")
-    if flags & ~(FLAG_DIGEST | FLAG_NESTED) or count > MAX_PARTS:
+    if flags & ~(FLAG_DIGEST | FLAG_NESTED | FLAG_PART) or count > MAX_PARTS:
         raise EnvelopeError(f"{where}: unknown flags {flags:#x} or {count} parts (max {MAX_PARTS})")
     end = _HEAD.size + 8 * count
     if len(view) < end + _CHECK.size:
@@ -111,21 +121,25 @@ def unpack_envelope(payload: Bytes | torch.Tensor, *, where: str) -> Envelope:
         parts=parts,
         state_digest=bytes(digest).hex() if flags & FLAG_DIGEST else None,
         nested=bool(flags & FLAG_NESTED),
+        part=bool(flags & FLAG_PART),
     )
 
 
-def flatten(payload: Bytes | torch.Tensor, *, where: str) -> tuple[list[memoryview], list[str]]:
-    """Every blob in a payload (one level of forwarding unwrapped) and every state digest."""
+Item = tuple[memoryview, str | None, bool]  # (blob, digest of its envelope, part digest?)
+
+
+def flatten(payload: Bytes | torch.Tensor, *, where: str) -> list[Item]:
+    """Every blob in a payload (one level of forwarding unwrapped), each with the digest its
+    envelope carried and whether that is a part digest."""
     outer = unpack_envelope(payload, where=where)
     if not outer.nested:
-        return outer.parts, [outer.state_digest] if outer.state_digest else []
-    blobs: list[memoryview] = []
-    digests = [outer.state_digest] if outer.state_digest else []
+        return [(p, outer.state_digest, outer.part) for p in outer.parts]
+    if outer.state_digest:
+        raise EnvelopeError(f"{where}: a forwarded bundle carries a digest of its own")
+    items: list[Item] = []
     for i, part in enumerate(outer.parts):
         inner = unpack_envelope(part, where=f"{where}, forwarded part {i}")
         if inner.nested:
             raise EnvelopeError(f"{where}, forwarded part {i}: forwarded twice (nested twice)")
-        blobs.extend(inner.parts)
-        if inner.state_digest:
-            digests.append(inner.state_digest)
-    return blobs, digests
+        items.extend((p, inner.state_digest, inner.part) for p in inner.parts)
+    return items

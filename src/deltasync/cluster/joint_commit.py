@@ -10,7 +10,7 @@ all_gather (:func:`joint_commit`), so no rank waits for a message whose size it 
     [4] flags        bit 0: a state digest follows; bit 1: this receiver needs an anchor
     [5:7]            16-byte state digest of the receiver's shard after the apply
     [7] length of the message in bytes
-    [8:40]           up to 256 bytes of UTF-8: what failed
+    [8:136]          up to 1024 bytes of UTF-8: what failed (``status_row``)
 
 Magic, status and message are the status part every gathered row shares
 (:mod:`deltasync.exchange.status_row`). A :class:`CommitRow` is one rank's vote in this
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from deltasync.cluster.roles import ReceiverRole, RolePlan, WriterRole
 from deltasync.errors import ExchangeError
 from deltasync.exchange import group_device, status_row
+from deltasync.exchange.notes import FailureNotes, blame
 from deltasync.exchange.waits import wait
 
 MAGIC = status_row.magic(b"dsclack1")
@@ -191,18 +192,30 @@ def joint_commit(
     plan: RolePlan,
     group: dist.ProcessGroup | None,
     timeout_s: float,
+    tag: str | None = None,
 ) -> Verdict:
     """Gather ``row`` from every rank and judge. Raises ExchangeTimeoutError / ExchangeError
-    (naming the joint commit) when a rank does not arrive in time or is dead."""
+    (naming the joint commit, and with ``tag`` the rank that never arrived: see
+    ``exchange.notes``) when a rank does not arrive in time or is dead."""
     world = dist.get_world_size(group)
+    notes = None
+    if tag is not None:
+        notes = FailureNotes(group, tag=tag, rank=dist.get_rank(group), world=world)
+        notes.arrive()
     device = group_device(group)
     mine = row.to(device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    wait(
-        work,
-        timeout_s=timeout_s,
-        what=f"joint commit (all_gather of the commit rows of all {world} ranks)",
-        peers="some rank of the group (a receiver still applying, or a dead rank)",
-    )
+    try:
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        wait(
+            work,
+            timeout_s=timeout_s,
+            what=f"joint commit (all_gather of the commit rows of all {world} ranks)",
+            peers="some rank of the group (a receiver still applying, or a dead rank)",
+        )
+    except ExchangeError as err:
+        raise (err if notes is None else type(err)(blame(notes, None, str(err)))) from err
+    except RuntimeError as exc:  # posting fails when a peer is already gone
+        err = ExchangeError(f"joint commit could not start: {exc}")
+        raise (err if notes is None else ExchangeError(blame(notes, None, str(err)))) from exc
     return judge(decode_commit_rows(torch.stack(gathered)), plan)

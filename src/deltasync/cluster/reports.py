@@ -24,6 +24,9 @@ class Outgoing:
     build_s: float  # gather current BF16 values, route to canonical and receiver shards
     encode_s: float  # blobs and envelopes
     digest_s: float  # expected shard digests (only when sent)
+    # Per param, every index this delta sends (the union with uncommitted attempts); None for
+    # an anchor. The sender keeps it once the payloads may reach a receiver.
+    sent_indices: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,17 +44,18 @@ class ClusterConfig:
     """How one rank takes part in the in-cluster sync.
 
     exchange: chunking, pipelining and the per-wait timeout of every payload exchange.
-    wait_for_version_s: how long a RECEIVER waits in the first exchange of a version for the
-        trainer to arrive (the trainer may still be training when the rollout workers are
-        already waiting). Trainer ranks and every later wait use ``exchange.timeout_s``.
+    wait_for_version_s: how long a RECEIVER waits in the preflight of a version for the trainer
+        to arrive (the trainer may still be training when the rollout workers are already
+        waiting). It bounds nothing else: trainer ranks' preflight and every later wait of a
+        version (both exchanges) use ``exchange.timeout_s``.
     commit_timeout_s: how long any rank waits in the joint commit for the slowest rank, which
-        includes the receivers' decode, apply and digest. A dead or stuck rank is named.
+        includes the receivers' decode, apply and digest. A rank that never arrives is named.
     level: zstd level of the blobs (1 = fast default, 0 = uncompressed).
-    digest_every: writer 0 sends each receiver shard's expected state digest with every K-th
-        version and with every anchor; 0 = never. Computing it needs the full parameters (a
-        transient BF16 copy of the model, ~3x its BF16 size at the peak, see
-        ``layout.routing.full_shard_tensors``), so it is off by default; a receiver always
-        checks a digest it is sent.
+    digest_every: expected digests go with every K-th version and with every anchor; 0 =
+        never. On by default (every version): a single writer sends each receiver shard's state
+        digest; several writers each send the digest of the part of every shard they own
+        (``cluster.writer_digests``), or writer 0 the whole-state digests when given
+        ``full_state``. A receiver always checks what it is sent, before it acknowledges.
     max_decompressed_bytes: a receiver refuses a blob that declares a larger record section.
     encode_threads: how many of a version's per-shard blobs are encoded at once (1 = one
         after another, the default). More helps a node with cores to spare and several shards;
@@ -66,7 +67,7 @@ class ClusterConfig:
     wait_for_version_s: float = 600.0
     commit_timeout_s: float = 120.0
     level: int = 1
-    digest_every: int = 0
+    digest_every: int = 1
     max_decompressed_bytes: int = 1 << 36
     encode_threads: int = 1
 
@@ -84,7 +85,7 @@ class ClusterConfig:
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1, hi=1 << 62)
 
     def sends_digest(self, version: int, *, anchor: bool) -> bool:
-        """Whether writer 0 attaches expected state digests to ``version``."""
+        """Whether the writers attach expected digests to ``version``."""
         return self.digest_every > 0 and (anchor or version % self.digest_every == 0)
 
 

@@ -38,6 +38,7 @@ class Staged:
     base: int  # -1: anchor
     updates: list[TensorUpdate]  # one per local tensor, in the shard's tensor order
     state_digest: str | None  # what the shard must hash to afterwards, if the trainer said
+    part_digests: dict[str, str]  # {writer id: its part digest}, from several writers
     payload_bytes: int
     elements: int
 
@@ -73,19 +74,19 @@ def stage_payloads(
             "nothing was applied"
         )
 
-    blobs, digests, total = [], set(), 0
+    items, total = [], 0
     for src in sorted(received):
-        payload = received[src]
-        got, ds = flatten(payload, where=f"{where}: payload from rank {src}")
-        blobs.extend(got)
-        digests.update(ds)
-        total += sum(len(b) for b in got)
+        got = flatten(received[src], where=f"{where}: payload from rank {src}")
+        items.extend(got)
+        total += sum(len(b) for b, _, _ in got)
+    digests = {d for _, d, part in items if d is not None and not part}
     if len(digests) > 1:
         raise EnvelopeError(f"{where}: the payloads carry {len(digests)} different state digests")
 
     per_writer: dict[str, list[TensorUpdate]] = {}
+    part_digests: dict[str, str] = {}
     version = base = None
-    for blob in blobs:
+    for blob, digest, part in items:
         decoded = decode_blob(
             blob, expected=specs, version=version, base_version=base, shard=role.shard,
             max_decompressed_bytes=max_decompressed_bytes,
@@ -100,6 +101,8 @@ def stage_payloads(
                 "was applied"
             )
         per_writer[h.writer] = decoded.updates
+        if part and digest is not None:
+            part_digests[h.writer] = digest
     writers = set(plan.writer_ids())
     if set(per_writer) - writers:
         raise BlobMismatchError(
@@ -120,6 +123,7 @@ def stage_payloads(
         base=base,
         updates=updates,
         state_digest=digests.pop() if digests else None,
+        part_digests=part_digests,
         payload_bytes=total,
         elements=sum(u.nnz for u in updates),
     )

@@ -12,18 +12,23 @@ ever exist.
 Operations between the same two ranks in the same direction match in posting order, and both
 sides post chunks in ascending order, which is what the schedule relies on.
 
+On a failure the executor calls ``on_failure(peer, error)`` (the peer of the failed message, or
+None) *before* it abandons its other messages, which closes their connections: that is when a
+caller leaves its failure note (``exchange.notes``) so that peers reading it find the culprit.
+
 This module does not decide anything: not what to send, not in which order, not what a failure
 means for the other ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from deltasync.errors import ExchangeError
 from deltasync.exchange.schedule import Chunk, Schedule
 from deltasync.exchange.waits import abandon, failure, wait
 
@@ -75,12 +80,15 @@ def run_schedule(
     group: dist.ProcessGroup | None,
     device: torch.device,
     timeout_s: float,
+    on_failure: Callable[[int | None, ExchangeError], ExchangeError] | None = None,
 ) -> RoundTwoStats:
     """Send ``sources[dst]`` and fill ``outputs[src]`` (preallocated, exact sizes) as planned.
 
     sources/outputs: flat uint8 tensors keyed by peer rank, sized as ``schedule.matrix`` says.
-    Raises ExchangeTimeoutError or ExchangeError naming the round, batch, chunk and peer.
+    Raises ExchangeTimeoutError or ExchangeError naming the round, batch, chunk and peer (or
+    what ``on_failure`` makes of it).
     """
+    hook = on_failure or (lambda _peer, err: err)
     backend = str(dist.get_backend(group))
     plan = schedule.batches_for(rank)
     # Chunks never exceed max_chunk_bytes, so neither does a staging buffer.
@@ -99,12 +107,16 @@ def run_schedule(
             target = outputs[c.peer][c.offset : c.offset + c.nbytes]
             what = f"{prefix}: receive of {_chunk_text(c)} from rank {c.peer}"
             ops.append(_Op(False, target, c.peer, what))
-        posted = _post(ops, group=group, backend=backend, timeout_s=timeout_s)
-        for i, (work, what, peers) in enumerate(posted):
+        posted = _post(ops, group=group, backend=backend, timeout_s=timeout_s, hook=hook)
+        for i, (work, what, peers, peer) in enumerate(posted):
             try:
                 wait(work, timeout_s=timeout_s, what=what, peers=peers)
+            except ExchangeError as exc:
+                err = hook(peer, exc)  # before closing anything: see the module docstring
+                abandon([w for w, _, _, _ in posted[i + 1 :]], backend=backend)
+                raise err from exc
             except BaseException:
-                abandon([w for w, _, _ in posted[i + 1 :]], backend=backend)
+                abandon([w for w, _, _, _ in posted[i + 1 :]], backend=backend)
                 raise
         pool.release_all()
         sent += sum(c.nbytes for c in batch.sends)
@@ -121,10 +133,19 @@ class _Op:
     what: str  # names the round, batch, chunk and peer in every error
 
 
+Posted = tuple[dist.Work, str, str, int | None]  # work, what, who could be at fault, that peer
+
+
 def _post(
-    ops: list[_Op], *, group: dist.ProcessGroup | None, backend: str, timeout_s: float
-) -> list[tuple[dist.Work, str, str]]:
-    """Post every operation of a batch; return (work, what it is, who could be at fault)."""
+    ops: list[_Op],
+    *,
+    group: dist.ProcessGroup | None,
+    backend: str,
+    timeout_s: float,
+    hook: Callable[[int | None, ExchangeError], ExchangeError],
+) -> list[Posted]:
+    """Post every operation of a batch; return (work, what it is, who could be at fault, and
+    that peer when it is one rank)."""
     if "nccl" in backend:
         # NCCL must see a batch's sends and receives in one group call, or a send and a receive
         # on the same connection deadlock; it returns one work for the whole batch.
@@ -136,14 +157,16 @@ def _post(
             )
             for op in ops
         ]
+        single = ops[0].peer if len({op.peer for op in ops}) == 1 else None
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as exc:
-            raise failure(exc, what=what, peers=peers, timeout_s=timeout_s) from exc
-        return [(work, what, peers) for work in works]
+            err = failure(exc, what=what, peers=peers, timeout_s=timeout_s)
+            raise hook(single, err) from exc
+        return [(work, what, peers, single) for work in works]
     # Elsewhere (gloo) each operation is posted on its own, so an error names its message, and
     # the ones already posted can be abandoned. Posting fails when a peer is already gone.
-    posted: list[tuple[dist.Work, str, str]] = []
+    posted: list[Posted] = []
     for op in ops:
         try:
             if op.is_send:
@@ -151,9 +174,12 @@ def _post(
             else:
                 work = dist.irecv(op.tensor, group=group, group_src=op.peer)
         except RuntimeError as exc:
-            abandon([w for w, _, _ in posted], backend=backend)
-            raise failure(exc, what=op.what, peers=f"rank {op.peer}", timeout_s=timeout_s) from exc
-        posted.append((work, op.what, f"rank {op.peer}"))
+            err = hook(
+                op.peer, failure(exc, what=op.what, peers=f"rank {op.peer}", timeout_s=timeout_s)
+            )
+            abandon([w for w, _, _, _ in posted], backend=backend)
+            raise err from exc
+        posted.append((work, op.what, f"rank {op.peer}", op.peer))
     return posted
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from deltasync.errors import ExchangeError, PeerFailedError
 from deltasync.exchange.executor import run_schedule
 from deltasync.exchange.handshake import decode_rows, encode_row
+from deltasync.exchange.notes import FailureNotes, blame
 from deltasync.exchange.payloads import Payload, as_byte_tensors
 from deltasync.exchange.schedule import ExchangeConfig, plan_schedule
 from deltasync.exchange.status_row import describe
@@ -64,12 +65,17 @@ def exchange(
     group: dist.ProcessGroup | None = None,
     config: ExchangeConfig = DEFAULT_CONFIG,
     status: BaseException | None = None,
+    tag: str | None = None,
 ) -> Received:
     """Send ``payloads[dst]`` to each rank ``dst`` of ``group``; return what the others sent.
 
     Every rank of the group must call this together with the same ``config``. Pass
     ``status=exc`` when this rank failed to produce its payloads: it still takes part in round
     1, so all ranks raise the same PeerFailedError naming it instead of waiting for it.
+
+    Pass ``tag`` (the same on every rank, fresh for every exchange) to have a failing rank
+    leave a note in the group's store and follow the others', so that every survivor names the
+    rank that died or hung (``notes``), not just the peer it was waiting on.
 
     Raises PeerFailedError (some rank failed before sending; the group is still usable),
     ExchangeTimeoutError (a wait exceeded ``config.timeout_s``; names the round and peer) or
@@ -93,10 +99,16 @@ def exchange(
         except Exception as exc:  # noqa: BLE001 -- reported to every peer in round 1, raised there
             cause = exc
     counts = [int(sources[d].numel()) if d in sources else 0 for d in range(world)]
+    notes = None if tag is None else FailureNotes(group, tag=tag, rank=rank, world=world)
+    if notes is not None:
+        notes.arrive()
+
+    def on_failure(peer: int | None, err: ExchangeError) -> ExchangeError:
+        return err if notes is None else type(err)(blame(notes, peer, str(err)))
 
     start = time.perf_counter()
     try:
-        matrix = _round_one(counts, cause, config, group, device, world)
+        matrix = _round_one(counts, cause, config, group, device, world, on_failure)
     except PeerFailedError as err:
         raise err from cause
     round1_s = time.perf_counter() - start
@@ -121,6 +133,7 @@ def exchange(
         group=group,
         device=device,
         timeout_s=config.timeout_s,
+        on_failure=on_failure,
     )
     stats = ExchangeStats(
         bytes_sent=done.bytes_sent,
@@ -149,6 +162,7 @@ def _round_one(
     group: dist.ProcessGroup | None,
     device: torch.device,
     world: int,
+    on_failure,
 ) -> tuple[tuple[int, ...], ...]:
     row = encode_row(
         counts,
@@ -157,11 +171,16 @@ def _round_one(
         max_inflight_ops=config.max_inflight_ops,
     ).to(device)
     gathered = [torch.empty_like(row) for _ in range(world)]
-    work = dist.all_gather(gathered, row, group=group, async_op=True)
-    wait(
-        work,
-        timeout_s=config.timeout_s,
-        what=f"exchange round 1 (all_gather of the status rows of all {world} ranks)",
-        peers="some rank of the group",
-    )
+    try:
+        work = dist.all_gather(gathered, row, group=group, async_op=True)
+        wait(
+            work,
+            timeout_s=config.timeout_s,
+            what=f"exchange round 1 (all_gather of the status rows of all {world} ranks)",
+            peers="some rank of the group",
+        )
+    except ExchangeError as err:
+        raise on_failure(None, err) from err
+    except RuntimeError as exc:  # posting the collective fails when a peer is already gone
+        raise on_failure(None, ExchangeError(f"exchange round 1 could not start: {exc}")) from exc
     return decode_rows(torch.stack(gathered).cpu())

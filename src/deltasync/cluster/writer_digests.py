@@ -1,0 +1,197 @@
+"""Writer part digests: with several FSDP writers, each writer digests the part of every
+receiver shard it owns, and each receiver hashes the same parts of its live tensors, so that a
+divergence is caught after every version without any rank holding the full model.
+
+A writer's *part* of a receiver shard is every rectangle of every local tensor whose source
+elements live in the writer's FSDP dim-0 rows. The pieces are derived from metadata alone (the
+model's HF table: canonical tensor -> trainer parameter; the receiver layout: canonical tensor
+-> local tensors; the writer count), identically on every rank, once per sender or receiver:
+
+    piece = (shard, local tensor, rectangle of its 2-D view, parameter, rectangle of its 2-D view)
+
+Every map between them is a shift, so element (i, j) of the local rectangle is element (i, j) of
+the parameter rectangle. The part digest of (writer, shard) is one xxh3-128 stream over the BF16
+bytes of the writer's pieces of that shard in a fixed order (local tensor order, then rectangle
+start), each rectangle in row-major order: the writer feeds its fp32 masters cast to BF16 a few
+MiB of rows at a time; a receiver feeds its local rectangles (full-width ones in place).
+
+It is a transit check for the in-cluster path, built from the same xxh3-128 primitive as the
+one shard-state digest (:mod:`deltasync.layout.digest`), which stays what a receiver reports
+and what replicas of a shard compare in the joint commit. Elements no writer owns (vLLM's
+vocabulary padding) are in no part; an anchor writes them zero and deltas never touch them.
+
+This module knows tables, blocks and bytes; it knows nothing about processes or envelopes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import xxhash
+
+from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.layout.blocks import view_cols, view_rows
+from deltasync.layout.hf_rules import build_hf_table
+
+_CAST_ELEMENTS = 1 << 21  # elements per cast chunk: ~4 MiB of BF16
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rectangle: ``rows x cols`` at (``local_row``, ``local_col``) of local tensor ``local``
+    of shard ``shard``, holding the same rectangle at (``param_row``, ``param_col``) of the FULL
+    parameter ``param`` (2-D views)."""
+
+    shard: str
+    local: str
+    local_row: int
+    local_col: int
+    rows: int
+    cols: int
+    param: str
+    param_row: int
+    param_col: int
+
+
+def _owned_rows(shape: tuple[int, ...], index: int, count: int) -> tuple[int, int]:
+    """Rows of the parameter's 2-D view in FSDP dim-0 shard ``index`` of ``count``."""
+    start, stop = fsdp_dim0_rows(shape[0], index, count)
+    per = view_rows(shape) // shape[0] if shape[0] else 0
+    return start * per, stop * per
+
+
+def _overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
+    lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+    return lo, max(0, hi - lo)
+
+
+def writer_pieces(layout: ReceiverLayout, index: int, count: int) -> dict[str, list[Piece]]:
+    """``{shard: [Piece]}`` of writer ``index`` of ``count``, in digest order."""
+    return _pieces(layout, index, count)
+
+
+@lru_cache(maxsize=64)
+def _pieces(layout: ReceiverLayout, index: int, count: int) -> dict[str, list[Piece]]:
+    hf = build_hf_table(layout.spec)  # canonical -> trainer parameters (one shard)
+    (hf_shard,) = hf.dst_shapes
+    params = hf.dst_shapes[hf_shard]
+    out: dict[str, list[Piece]] = {s.id: [] for s in layout.shards()}
+    for canon, hf_pls in hf.placements.items():
+        for hp in hf_pls:
+            hb = hp.block
+            o0, o1 = _owned_rows(tuple(params[hp.local]), index, count)
+            # canonical rows of this block whose parameter rows this writer owns
+            prow, prows = _overlap(hb.dst_row, hb.rows, o0, o1 - o0)
+            if not prows or not hb.cols:
+                continue
+            crow = hb.src_row + (prow - hb.dst_row)
+            for rp in layout.table.placements[canon]:
+                rb = rp.block
+                r0, nr = _overlap(crow, prows, rb.src_row, rb.rows)
+                c0, nc = _overlap(hb.src_col, hb.cols, rb.src_col, rb.cols)
+                if not nr or not nc:
+                    continue
+                out[rp.shard].append(
+                    Piece(
+                        shard=rp.shard,
+                        local=rp.local,
+                        local_row=rb.dst_row + (r0 - rb.src_row),
+                        local_col=rb.dst_col + (c0 - rb.src_col),
+                        rows=nr,
+                        cols=nc,
+                        param=hp.local,
+                        param_row=hb.dst_row + (r0 - hb.src_row),
+                        param_col=hb.dst_col + (c0 - hb.src_col),
+                    )  # fmt: skip
+                )
+    for shard, pieces in out.items():
+        pieces.sort(key=lambda p: (layout.local_position(shard, p.local), p.local_row, p.local_col))
+    return out
+
+
+def _as2d(t: torch.Tensor) -> torch.Tensor:
+    shape = tuple(t.shape)
+    return t.reshape(view_rows(shape), view_cols(shape))
+
+
+def _feed(h: xxhash.xxh3_128, block: torch.Tensor) -> None:
+    """Feed a 2-D block's BF16 bytes in row-major order, a few MiB of rows at a time."""
+    if block.numel() == 0:
+        return
+    step = max(1, _CAST_ELEMENTS // max(1, block.shape[1]))
+    for r in range(0, block.shape[0], step):
+        piece = block[r : r + step]
+        if piece.dtype != torch.bfloat16:
+            piece = piece.to(torch.bfloat16)
+        if piece.device.type != "cpu":
+            piece = piece.cpu()
+        piece = piece if piece.is_contiguous() else piece.contiguous()
+        h.update(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _digest(pieces: list[Piece], rect_of) -> str:
+    h = xxhash.xxh3_128()
+    for p in pieces:
+        _feed(h, rect_of(p))
+    return h.hexdigest()
+
+
+def writer_part_digests(
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    index: int,
+    count: int,
+) -> dict[str, str]:
+    """``{shard: part digest}`` of writer ``index`` of ``count`` from its local dim-0 shards.
+
+    Args:
+        params: this writer's parameters (FSDP dim-0 shards, fp32 masters or BF16).
+        trainer_layout: the trainer's layout (its model config must be the receivers').
+        receiver_layout: the receivers' layout.
+        index: this writer's FSDP shard index; count: the number of writers.
+
+    Returns:
+        What :func:`receiver_part_digests` computes from the receivers' tensors after an exact
+        apply.
+    """
+    del trainer_layout  # the HF table of the shared model config is the trainer's own map
+    hf = build_hf_table(receiver_layout.spec)
+    (hf_shard,) = hf.dst_shapes
+    full_shapes = hf.dst_shapes[hf_shard]
+    views: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def rect(p: Piece) -> torch.Tensor:
+        if p.param not in views:
+            first = _owned_rows(tuple(full_shapes[p.param]), index, count)[0]
+            views[p.param] = (_as2d(params[p.param].detach()), first)
+        view, first = views[p.param]
+        row = p.param_row - first
+        return view[row : row + p.rows, p.param_col : p.param_col + p.cols]
+
+    pieces = writer_pieces(receiver_layout, index, count)
+    return {shard: _digest(pieces[shard], rect) for shard in sorted(pieces)}
+
+
+def receiver_part_digests(
+    tensors: Mapping[str, torch.Tensor], *, layout: ReceiverLayout, shard: str, count: int
+) -> dict[int, str]:
+    """``{writer index: part digest}`` of receiver shard ``shard`` from its live tensors."""
+    views = {n: _as2d(t.detach()) for n, t in tensors.items()}
+
+    def rect(p: Piece) -> torch.Tensor:
+        v = views[p.local]
+        return v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols]
+
+    return {k: _digest(writer_pieces(layout, k, count)[shard], rect) for k in range(count)}
+
+
+def iter_pieces(layout: ReceiverLayout, count: int) -> Iterator[Piece]:
+    """Every writer's pieces (tests check they tile each shard exactly once)."""
+    for k in range(count):
+        for pieces in writer_pieces(layout, k, count).values():
+            yield from pieces

@@ -1,0 +1,156 @@
+"""Failure notes: when a wait of an exchange (or of the in-cluster joint commit) fails on a
+rank, the rank leaves a note in the process group's key-value store naming the peer it
+suspects, and follows the others' notes, so that every survivor names the rank that actually
+died or hung, not a peer that merely gave up on it.
+
+Why: after a rank dies, gloo tells only the ranks that were talking to it ("connection
+closed"). A rank that gives up closes its own connections, so its peers see a closed connection
+too and would blame it. Each rank writes its note *before* it closes anything, so a chain such
+as "rank 1 suspects rank 0; rank 0's note suspects rank 2; rank 2 left none" ends at the
+culprit whoever reads it. For collectives (round 1, the joint commit) a rank cannot tell which
+peer is missing; every rank marks its arrival instead, and a rank that never arrived is named.
+
+Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived) and
+``deltasync/{tag}/fail/{rank}`` holding ``"{suspect}|{text}"`` (suspect -1: unknown). ``tag``
+is chosen by the caller, the same on every rank and fresh for each exchange (the in-cluster sync
+uses its preflight's window token, the version and the step), so notes of an earlier group are
+never read. The store is the one the group was created with (torchrun's agent store,
+``exchange.spawn``'s); when there is none to reach, notes are skipped and an error names only
+the peer this rank waited on.
+
+This module knows store keys and text; it knows nothing about payloads or schedules.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_TEXT_LIMIT = 2000
+GRACE_S = 0.5  # how long a failing rank waits for its suspect's note before blaming it
+
+
+def group_store(group: dist.ProcessGroup | None) -> Any:
+    """The key-value store ``group`` was created with, or None if it cannot be reached."""
+    try:  # a private torch API: without it, notes are skipped (errors stay correct, less precise)
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_process_group_store(
+            group if group is not None else c10d._get_default_group()
+        )
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class FailureNotes:
+    """The notes of one exchange (or commit) of one group, as ``rank`` of ``world`` sees them."""
+
+    def __init__(self, group: dist.ProcessGroup | None, *, tag: str, rank: int, world: int) -> None:
+        self._store = group_store(group)
+        self._prefix = f"deltasync/{tag}"
+        self.rank = rank
+        self.world = world
+
+    def _set(self, key: str, value: str) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self._prefix}/{key}", value)
+        except Exception as exc:  # noqa: BLE001 -- the store's host may be the rank that died
+            log.warning(
+                "could not write %s/%s to the process group's store: %s", self._prefix, key, exc
+            )
+            self._store = None
+
+    def _get(self, key: str) -> str | None:
+        if self._store is None:
+            return None
+        full = f"{self._prefix}/{key}"
+        try:
+            if not self._store.check([full]):
+                return None
+            return self._store.get(full).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001
+            return None
+
+    def arrive(self) -> None:
+        """Mark that this rank entered the exchange (read by ranks whose collective fails)."""
+        self._set(f"in/{self.rank}", "1")
+
+    def post(self, suspect: int | None, text: str) -> None:
+        """Leave this rank's note; call before closing any connection."""
+        self._set(f"fail/{self.rank}", f"{-1 if suspect is None else suspect}|{text[:_TEXT_LIMIT]}")
+
+    def _note(self, rank: int) -> tuple[int | None, str] | None:
+        raw = self._get(f"fail/{rank}")
+        if raw is None:
+            return None
+        head, _, text = raw.partition("|")
+        try:
+            suspect = int(head)
+        except ValueError:
+            suspect = -1
+        return (None if suspect < 0 else suspect), text
+
+    def culprit(self, suspect: int | None) -> tuple[int | None, list[str]]:
+        """Follow suspects from this rank's own through the notes.
+
+        Returns the rank at the end of the chain (one that left no note: dead or hung; None
+        when nobody can tell) and the notes passed on the way, as text.
+        """
+        if self._store is None:
+            return suspect, []
+        trail: list[str] = []
+        seen = {self.rank}
+        current = suspect
+        if current is None:
+            missing = self._never_arrived()
+            if len(missing) == 1:
+                current = missing[0]
+            elif missing:
+                return None, [f"ranks {missing} never arrived"]
+        while current is not None and current not in seen:
+            note = self._note(current)
+            deadline = time.monotonic() + GRACE_S
+            while note is None and time.monotonic() < deadline:
+                time.sleep(0.02)  # its own wait may fail a moment after ours
+                note = self._note(current)
+            if note is None:
+                return current, trail
+            seen.add(current)
+            nxt, text = note
+            trail.append(f"rank {current} reported: {text}")
+            if nxt is None:
+                return None, trail
+            current = nxt
+        return None, trail
+
+    def _never_arrived(self) -> list[int]:
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            missing = [r for r in range(self.world) if self._get(f"in/{r}") is None]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.02)
+
+
+def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
+    """Post this rank's note and return the text naming the culprit to put in its error."""
+    if notes is None:
+        return text
+    notes.post(suspect, text)
+    culprit, trail = notes.culprit(suspect)
+    if culprit is None and not trail:
+        return text
+    head = (
+        f"rank {culprit} died or stopped responding"
+        if culprit is not None
+        else "the failing rank could not be determined"
+    )
+    seen = f" ({'; '.join(trail)})" if trail else ""
+    return f"{head}{seen}. This rank (rank {notes.rank}): {text}"

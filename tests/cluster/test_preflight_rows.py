@@ -1,0 +1,105 @@
+"""The preflight's rows and verdict (pure tables): fingerprints, versions and attempt windows
+decide before any payload moves, with the same text on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.cluster import RolePlan
+from deltasync.cluster.preflight import (
+    RECEIVER,
+    WRITER,
+    combined_window,
+    decode_preflight_rows,
+    encode_preflight_row,
+    fingerprint,
+    judge,
+)
+from deltasync.errors import FingerprintMismatchError, PeerFailedError, SyncAbortedError
+from deltasync.layout import ModelSpec, ReceiverLayout
+
+CONFIG = dict(
+    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
+    tie_word_embeddings=False,
+)  # fmt: skip
+PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"])  # ranks 0-1 write
+
+
+def layout(**overrides) -> ReceiverLayout:
+    return ReceiverLayout.build(ModelSpec.from_hf_config({**CONFIG, **overrides}), "vllm", tp=2)
+
+
+GOOD = fingerprint(layout(), PLAN)
+
+
+def writer(v=3, b=2, window=11, fp=GOOD, failure=None):
+    return encode_preflight_row(
+        role=WRITER, fingerprint=fp, who="writer", version=v, base=b, window=window,
+        failure=failure,
+    )  # fmt: skip
+
+
+def receiver(committed=2, applying=None, window=0, dirty=False, fp=GOOD):
+    return encode_preflight_row(
+        role=RECEIVER, fingerprint=fp, who="receiver", version=committed,
+        base=None if applying is None else applying[0], window=window,
+        applying_base=None if applying is None else applying[1], dirty=dirty,
+    )  # fmt: skip
+
+
+def verdict(*rows):
+    return judge(decode_preflight_rows(torch.stack(list(rows))), PLAN)
+
+
+def test_ranks_that_agree_clear_the_version_with_the_writers_combined_window() -> None:
+    cleared = verdict(writer(window=11), writer(window=12), receiver(), receiver())
+    assert (cleared.version, cleared.base) == (3, 2)
+    assert cleared.window == combined_window([11, 12]) != combined_window([11, 13])
+
+
+def test_a_vocabulary_of_1010_padded_like_1000_has_another_fingerprint() -> None:
+    odd = fingerprint(layout(vocab_size=1010), PLAN)
+    assert layout(vocab_size=1010).local_specs("tp0") == layout().local_specs("tp0")
+    with pytest.raises(FingerprintMismatchError, match=r"differ in model, layout") as info:
+        verdict(writer(), writer(), receiver(), receiver(fp=odd))
+    assert "rank 3: receiver: qwen3 V=1010" in str(info.value)
+    assert "rank 0: writer: qwen3 V=1000" in str(info.value)
+
+
+def test_a_failed_writer_is_named_on_every_rank_before_anything_moves() -> None:
+    with pytest.raises(
+        PeerFailedError, match=r"rank 1 failed before sending \(rank 1: RuntimeError: x\)"
+    ):
+        verdict(writer(), writer(failure="RuntimeError: x"), receiver(), receiver())
+
+
+@pytest.mark.parametrize(
+    ("row", "why"),
+    [
+        (receiver(committed=None), "holds no verified version"),
+        (receiver(dirty=True), "is dirty"),
+        (receiver(committed=1), "holds version 1, not the base 2"),
+        (receiver(applying=(3, 2), window=combined_window([99, 12])), "does not cover"),
+    ],
+)
+def test_a_delta_some_receiver_cannot_take_is_refused_everywhere_asking_for_an_anchor(
+    row, why: str
+) -> None:
+    with pytest.raises(SyncAbortedError, match=why) as info:
+        verdict(writer(window=11), writer(window=12), receiver(), row)
+    assert info.value.anchor_required and set(info.value.failures) == {3}
+
+
+def test_an_attempt_of_the_same_window_is_covered_by_the_retry_and_an_anchor_by_anything() -> None:
+    same = combined_window([11, 12])
+    verdict(
+        writer(window=11), writer(window=12), receiver(), receiver(applying=(3, 2), window=same)
+    )
+    verdict(writer(b=-1), writer(b=-1), receiver(committed=None), receiver(dirty=True))
+
+
+def test_writers_sending_different_versions_are_refused() -> None:
+    with pytest.raises(SyncAbortedError, match="different versions"):
+        verdict(writer(v=3), writer(v=4), receiver(), receiver())

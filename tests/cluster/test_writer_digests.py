@@ -1,0 +1,71 @@
+"""Writer part digests: the pieces of every writer tile each receiver shard exactly once, and a
+writer's digest from its own dim-0 rows equals the receiver's digest of its live tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.cluster.writer_digests import iter_pieces, receiver_part_digests, writer_part_digests
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+
+CONFIG = dict(
+    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=251,
+    tie_word_embeddings=False,
+)  # fmt: skip
+SPEC = ModelSpec.from_hf_config(CONFIG)
+TRAINER = TrainerLayout(SPEC)
+
+
+@pytest.mark.parametrize(("tp", "writers"), [(1, 2), (2, 2), (2, 3), (4, 3)])
+def test_every_writers_pieces_cover_each_element_a_writer_owns_exactly_once(
+    tp: int, writers: int
+) -> None:
+    layout = ReceiverLayout.build(SPEC, "vllm", tp=tp)
+    hits = {
+        (s, n): torch.zeros(spec.shape, dtype=torch.int32).reshape(-1)
+        for s in (i.id for i in layout.shards())
+        for n, spec in layout.local_specs(s).items()
+    }
+    for p in iter_pieces(layout, writers):
+        t = hits[(p.shard, p.local)]
+        shape = layout.local_specs(p.shard)[p.local].shape
+        cols = shape[-1] if len(shape) > 1 else 1
+        view = t.view(-1, cols)
+        view[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols] += 1
+    for (shard, name), t in hits.items():
+        assert int(t.max()) <= 1, (shard, name)
+        if "embed" not in name and "lm_head" not in name:  # vocabulary padding is nobody's
+            assert int(t.min()) == 1, (shard, name)
+
+
+@pytest.mark.parametrize(("tp", "writers"), [(2, 2), (2, 3)])
+def test_a_writers_part_digest_equals_the_receivers_after_an_exact_split(
+    tp: int, writers: int
+) -> None:
+    layout = ReceiverLayout.build(SPEC, "vllm", tp=tp)
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in TRAINER.param_shapes().items()}
+    shards = layout.split(TRAINER.to_canonical({n: p.to(torch.bfloat16) for n, p in full.items()}))
+    for k in range(writers):
+        mine = {}
+        for n, p in full.items():
+            start, stop = fsdp_dim0_rows(p.shape[0], k, writers)
+            mine[n] = p[start:stop]
+        sent = writer_part_digests(
+            mine, trainer_layout=TRAINER, receiver_layout=layout, index=k, count=writers
+        )
+        for shard, tensors in shards.items():
+            got = receiver_part_digests(tensors, layout=layout, shard=shard, count=writers)
+            assert got[k] == sent[shard]
+    # one flipped bit in writer 1's part changes writer 1's digest only
+    shard = "tp0"
+    tensors = {n: t.clone() for n, t in shards[shard].items()}
+    before = receiver_part_digests(tensors, layout=layout, shard=shard, count=writers)
+    name = "model.layers.1.mlp.down_proj.weight"
+    rows = tensors[name].shape[0]
+    tensors[name].view(torch.int16)[rows - 1, 0] ^= 1  # the last row: the last writer's
+    after = receiver_part_digests(tensors, layout=layout, shard=shard, count=writers)
+    changed = [k for k in range(writers) if before[k] != after[k]]
+    assert changed == [writers - 1]
