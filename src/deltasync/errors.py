@@ -211,6 +211,13 @@ class SyncAbortedError(PeerFailedError):
         self.anchor_required = anchor_required
 
 
+class FingerprintMismatchError(ConfigError):
+    """The ranks of one in-cluster group were built for different models, engines, TP/EP,
+    role plans, layouts or lineages. Every rank raises it in the preflight of a version, before
+    any payload moves, with a message naming each rank's configuration; nothing was written and
+    the group is still usable."""
+
+
 class ApplicationMissingError(DeltaSyncError):
     """A CLI command's application (``deltasync_examples`` or ``deltasync_bench``, installed
     beside the library from the repository's ``examples/`` and ``bench/``) is not importable;
