@@ -124,3 +124,37 @@ def test_a_family_without_hand_written_tables_syncs_bit_exactly_through_probed_l
             bad = [n for n in want if not _bits_equal(got[n], want[n])]
             assert not bad, f"{family} v{version} {s.id}: {bad[:4]}"
     assert changed >= 2  # real deltas were synced, not only anchors
+
+
+@pytest.mark.parametrize("family", ["llama_untied_biases", "gemma"])
+def test_the_vllm_layout_of_a_family_without_rules_is_the_probed_reference_loader(family):
+    from deltasync.errors import LayoutError
+    from deltasync.layout import ReceiverLayout
+    from deltasync.layout.vllm_rules import build_vllm_table
+
+    spec = ModelSpec.from_hf_config(FAMILIES[family])
+    built = ReceiverLayout.build(spec, "vllm", tp=2)
+    probed = probe_receiver_layout(
+        spec, lambda t, e: VllmReferenceLoader(spec, tp=2, tp_rank=t), engine="x", tp=2
+    )
+    assert _table_key(built.table) == _table_key(probed.table)
+    assert [s.id for s in built.shards()] == ["tp0", "tp1"]
+    with pytest.raises(LayoutError, match="hand-written vLLM rules"):
+        build_vllm_table(spec, 2, 1)
+    with pytest.raises(LayoutError, match="num_attention_heads"):
+        ReceiverLayout.build(spec, "vllm", tp=8)
+
+
+@pytest.mark.parametrize("name", ["moe_tied", "dense_untied"])
+def test_the_trainer_layout_probed_from_transformers_equals_the_hand_written_one(name):
+    from layout_cases import CONFIGS
+
+    config = transformers.AutoConfig.for_model(**CONFIGS[name])
+    spec = ModelSpec.from_hf_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    probed = TrainerLayout.from_transformers(model)
+    assert _table_key(probed._forward) == _table_key(TrainerLayout(spec)._forward)
+    assert probed.aliases() == TrainerLayout(spec).aliases()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)  # the model was not touched
