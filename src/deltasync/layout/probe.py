@@ -61,8 +61,9 @@ class ProbeConfig:
     """How the probe feeds the loader.
 
     ``round_elements``: canonical elements fed per round (a loader group larger than this is
-    one round of its own); bounds the probe's extra memory at about 6 bytes per element of the
-    round plus 4-8 bytes per element of the parameters it touches.
+    one round of its own). The probe's own memory is about 2 bytes per element of the tensor
+    being fed plus 5 bytes (9 past 2^31 elements) per element of the parameters the round
+    writes, so a round bounds it unless one tensor (an embedding) is larger.
     ``max_blocks_per_tensor``: a canonical tensor that lands in more blocks than this on one
     shard is refused (its elements are shuffled, e.g. transposed, not moved as rows/columns).
     ``chunk_elements``: parameters are read back this many elements at a time.
