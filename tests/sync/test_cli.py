@@ -66,7 +66,8 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
         ("3", "anchor", "-", "tp0"), ("3", "anchor", "-", "tp1"),
     ]  # fmt: skip
     assert rows[5][-1] == "watcher" and rows[4][-1] == "-"  # acked by the tp1 receiver only
-    assert rows[0][-2] == "100.00%", "an anchor sends every element"
+    assert {r[-2] for r in rows} == {"ok"}, "every blob present, sized and digested as listed"
+    assert rows[0][-3] == "100.00%", "an anchor sends every element"
     assert "watcher" in out.split("receivers:")[1]
 
     assert main(["inspect", str(rig.path), "--json", "--last", "2"]) == 0

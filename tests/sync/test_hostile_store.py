@@ -186,34 +186,32 @@ def test_a_stale_latest_behind_a_committed_manifest_still_reaches_the_newest_ver
 
 
 @pytest.mark.timeout(60)
-def test_latest_naming_an_uncommitted_version_is_refused(rig):
-    rig.store.put(names.LATEST, encode_latest(9))
-    with pytest.raises(VersionError, match="version 9 on the way is not available"):
-        rig.rec.pull()
-    rig.assert_untouched(1)
+def test_latest_naming_an_uncommitted_version_is_treated_as_absent(rig):
+    rig.store.put(names.LATEST, encode_latest(9))  # restored out of order, or a stray write
+    assert rig.rec.pull().version == 2
+    assert_same_bits(rig.rec.tensors, rig.states[2]["tp0"])
 
 
 @pytest.mark.timeout(60)
-def test_a_store_that_regressed_below_the_receiver_is_refused(rig):
+def test_a_store_that_regressed_below_the_receiver_restores_its_newest_anchor(rig):
     rig.rec.pull()
     for key in rig.store.list("v00000002/"):
         rig.store.delete(key)
     rig.store.put(names.LATEST, encode_latest(1))
-    with pytest.raises(VersionError, match="newer than the latest committed"):
-        rig.rec.pull()
-    assert rig.rec.version == 2
+    report = rig.rec.pull()  # its v2 is on no chain of the store any more
+    assert report.version == 1 and report.chain == (0, 1) and report.from_anchor
+    assert_same_bits(rig.rec.tensors, rig.states[1]["tp0"])
 
 
 @pytest.mark.timeout(60)
-def test_a_wrong_shard_digest_raises_integrity_error_and_never_reports_the_version(rig):
+def test_a_wrong_shard_digest_is_refused_before_any_write_and_never_reports_the_version(rig):
     m = rig.manifest(2)
     rig.put_manifest(dataclasses.replace(m, shard_digests={**m.shard_digests, "tp0": "0" * 32}))
-    with pytest.raises(IntegrityError, match="no longer hold version 1"):
+    with pytest.raises(IntegrityError, match="Refused before any write: the tensors still hold"):
         rig.rec.pull()
-    assert rig.rec.version == 1 and rig.rec.dirty
+    rig.assert_untouched(1)
     assert not rig.store.list(names.acks_prefix(2))
-    assert not rig.rec.dir.journal_path.exists()
-    # the next pull restores an anchor: the tensors are known to be wrong until then
+    # a later anchor (the trainer carries on) is applied: the tensors were never wrong
     rig.trainer.step()
     rig.sync.step_published(3, anchor=True)
     report = rig.rec.pull()

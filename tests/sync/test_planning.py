@@ -100,7 +100,8 @@ def _manifest(version, kind="delta", base=None, shards=("tp0",)):
     return Manifest(
         version=version, base_version=base if kind == "delta" else None, kind=kind,
         format_version=1, created_at=1.0, writers=("w00000",), blobs=(),
-        shard_digests={s: "0" * 32 for s in shards},
+        shard_digests={s: "0" * 32 for s in shards}, run_id="run0",
+        base_digests={s: "0" * 32 for s in shards} if kind == "delta" else {},
     )  # fmt: skip
 
 
@@ -132,6 +133,7 @@ def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
     m = build_manifest(
         version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
         markers=markers, shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
+        run_id="run0", base_digests={"tp0": "c" * 32, "tp1": "d" * 32},
     )  # fmt: skip
     assert [b.key for b in m.blobs] == ["v00000007/tp1/w00000-s.blob"]
     assert m.writers == ("w00000-s", "w00001-s")
@@ -139,6 +141,7 @@ def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
         build_manifest(
             version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
             markers=markers[:1], shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
+            run_id="run0",
         )  # fmt: skip
 
 

@@ -9,7 +9,7 @@
   manifest (present, exact size, xxh3-128 digest) and then itself (``decode_blob`` with the
   shard's expected tensor specs, version, base and shard; writer id);
   and merge the writers' updates per tensor (:func:`deltasync.format.merge_writers`); an
-  anchor must then cover every element of every local tensor (checked before any write).
+  anchor must then hold values for every local tensor (checked before any write).
 
 The engine keeps serving during all of this; only the final scatter pauses it. This module
 knows manifests, blobs and TensorUpdate; it never touches live tensors.
@@ -125,18 +125,14 @@ def fetch_version(
 def _check_complete(
     manifest: Manifest, shard: str, updates: Sequence[TensorUpdate], specs: Mapping[str, TensorSpec]
 ) -> None:
-    """An anchor restores every element: refuse one that leaves a local tensor (or a part of
-    one) out, before anything is written."""
-    given = {u.name: u for u in updates}
-    for name, spec in specs.items():
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        u = given.get(name)
-        have = 0 if u is None else u.nnz
-        if have != numel:
-            raise BlobMismatchError(
-                f"anchor version {manifest.version} holds {have} of the {numel} elements of "
-                f"tensor {name!r} for shard {shard!r}: an incomplete anchor cannot restore the "
-                "shard; nothing was applied. Publish a new anchor"
-            )
+    """An anchor restores every local tensor: refuse one that leaves a tensor out, before
+    anything is written. (Elements it does not list, e.g. vLLM's vocabulary padding, are zero;
+    the state digest, checked before the write, proves that they are.)"""
+    given = {u.name for u in updates}
+    missing = [name for name in specs if name not in given]
+    if missing:
+        raise BlobMismatchError(
+            f"anchor version {manifest.version} has no values for tensors {missing[:5]} of shard "
+            f"{shard!r} ({len(missing)} of {len(specs)}): an incomplete anchor cannot restore the "
+            "shard; nothing was applied. Publish a new anchor"
+        )
