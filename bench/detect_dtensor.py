@@ -44,7 +44,12 @@ def _run(params: list[torch.nn.Parameter], grads: list[torch.Tensor], repeat: in
     detect_s = _best(tracker.changed_values, repeat)
     check_s = _best(lambda: tracker.out_of_band, max(repeat, 20))
     local_s = _best(tracker.local_params, max(repeat, 20))  # resolving every local shard
-    return {"detect_s": detect_s, "version_check_s": check_s, "local_view_s": local_s, "changed": found}
+    return {
+        "detect_s": detect_s,
+        "version_check_s": check_s,
+        "local_view_s": local_s,
+        "changed": found,
+    }
 
 
 def _like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
