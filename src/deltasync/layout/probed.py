@@ -286,6 +286,11 @@ def probe_receiver_layout(
         table, cached = cache.get_or_probe(probe_key(base, engine, {"tp": tp, "ep": ep}), run)
         if [s.id for s in cached] != [s.id for s in shards]:
             raise LayoutError(f"cached layout for {engine} tp={tp} ep={ep} names other shards")
+        if table.src_shapes != canonical:
+            raise LayoutError(
+                f"cached layout for {engine} tp={tp} ep={ep} was probed for other tensors "
+                "than this model's: remove it from the cache"
+            )
     return ReceiverLayout(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
 
 
