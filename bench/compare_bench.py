@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds of the stand-in forward/backward after each sync (default: the preset's)",
     )
+    p.add_argument(
+        "--fwd-bwd-on",
+        choices=["cpu", "device"],
+        default="cpu",
+        help="cpu: the forward/backward computes on the trainer's cores; device: the host "
+        "waits, as for a GPU trainer, leaving its cores to a background publish",
+    )
     p.add_argument("--out", default="bench_out", help="directory for the PNG plot")
 
 
@@ -88,7 +95,10 @@ def main(args: argparse.Namespace) -> int:
     fwd_bwd_s = pre["fwd_bwd_s"] if args.fwd_bwd_s is None else args.fwd_bwd_s
     os.makedirs(args.out, exist_ok=True)
     memory_gbps = measure_memory_gbps()
-    print(f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s")
+    print(
+        f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s on "
+        f"{args.fwd_bwd_on}"
+    )
     runs, all_exact, headline = [], True, None
     for model in models:
         lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
@@ -102,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
                 steps=steps,
                 warmup=pre["warmup"],
                 fwd_bwd_s=fwd_bwd_s,
+                fwd_bwd_on=args.fwd_bwd_on,
             )
             print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
             sys_runs = {}
@@ -157,6 +168,7 @@ def main(args: argparse.Namespace) -> int:
                         "link_gbps": path.gbps,
                         "floor": fl.to_json(),
                         "fwd_bwd_s": fwd_bwd_s,
+                        "fwd_bwd_on": args.fwd_bwd_on,
                         "results": res,
                     }
             png = plot(

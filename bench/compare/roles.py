@@ -36,6 +36,7 @@ class RoleSpec:
     port: int
     threads: int
     fwd_bwd_s: float = 0.0  # the stand-in forward/backward after each sync (trainer)
+    fwd_bwd_on: str = "cpu"  # where it runs: "cpu" (computes) or "device" (the host waits)
 
 
 def _init(spec: RoleSpec):
@@ -103,7 +104,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
         trainer = build_trainer(spec.workload)
         for k in range(spec.workload.pre_steps + 1):  # also allocates AdamW's m and v
             trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
-        fwd_bwd = ForwardBackward(spec.fwd_bwd_s)
+        fwd_bwd = ForwardBackward(spec.fwd_bwd_s, on=spec.fwd_bwd_on)
         st.update(
             tlayout=tlayout, rlayout=rlayout, trainer=trainer, fwd_bwd=fwd_bwd,
             rss_model_opt=current_rss(),

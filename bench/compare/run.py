@@ -50,6 +50,7 @@ class RunConfig:
     threads: int = 1
     timeout_s: float = 1800.0
     fwd_bwd_s: float = 0.5  # the stand-in forward/backward after each sync
+    fwd_bwd_on: str = "cpu"  # "cpu": it computes; "device": the host waits (a GPU trainer)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class _Roles:
                 port=port,
                 threads=cfg.threads,
                 fwd_bwd_s=cfg.fwd_bwd_s,
+                fwd_bwd_on=cfg.fwd_bwd_on,
             )
             role = "trainer" if rank == 0 else f"receiver rank {rank}"
             self.children.append(

@@ -117,18 +117,24 @@ def build_trainer(w: Workload) -> SyntheticTrainer:
 
 
 class ForwardBackward:
-    """Stand-in for the trainer's next forward/backward: a fixed amount of real compute (fp32
-    matmuls on two preallocated 1 MiB buffers, so it allocates nothing and its memory is not
-    counted as the sync's), calibrated once to take ``seconds`` in this process. It holds the
-    GIL only between matmuls, as a real forward/backward does between kernels, so the time a
-    background publish steals from it shows up as a longer ``run``."""
+    """Stand-in for the trainer's next forward/backward, taking ``seconds`` in this process.
 
-    def __init__(self, seconds: float) -> None:
+    ``on="cpu"``: a fixed amount of real compute (fp32 matmuls on two preallocated 1 MiB
+    buffers, so it allocates nothing and its memory is not counted as the sync's), calibrated
+    once; it holds the GIL only between matmuls, as a CPU trainer's forward/backward does
+    between kernels, so CPU time a background publish takes from it shows up as a longer
+    ``run``. ``on="device"``: the host only waits (a GPU trainer's forward/backward leaves the
+    host's cores free for the background)."""
+
+    def __init__(self, seconds: float, *, on: str = "cpu") -> None:
+        if on not in ("cpu", "device"):
+            raise ValueError(f"ForwardBackward.on must be 'cpu' or 'device', got {on!r}")
+        self.seconds, self.on = seconds, on
         g = torch.Generator().manual_seed(0)
         self._a = torch.randn(512, 512, generator=g)
         self._out = torch.empty(512, 512)
         self.iters = 0
-        if seconds <= 0:
+        if seconds <= 0 or on == "device":
             return
         n, t = 0, time.perf_counter()
         while time.perf_counter() - t < min(0.3, seconds):
@@ -139,6 +145,8 @@ class ForwardBackward:
     def run(self) -> float:
         """Do the work; its wall time in seconds."""
         t = time.perf_counter()
+        if self.on == "device":
+            time.sleep(max(0.0, self.seconds))
         for _ in range(self.iters):
             torch.mm(self._a, self._a, out=self._out)
         return time.perf_counter() - t
