@@ -20,6 +20,10 @@ Two modes:
   stay here (the *carry*); a version that fails is never lost: its positions join the next
   version's, with values re-read from ``params`` then, and the error is raised at the next
   call (``step_published``, ``wait``, ``close``) as :class:`PublishFailedError` naming it.
+  Between ``step_published`` and the next optimizer step (or ``wait()``) nothing else may write
+  the params (``load_state_dict``, a clamp): the background is hashing them. A ``full_state``
+  callable runs on the background thread too, so one that runs collectives (an FSDP
+  full-state gather) must not be combined with overlap: use ``overlap=False`` there.
 
 ``synchronous=True`` also waits for the acknowledgements of the given receivers after each
 commit (synchronous RL); the version stays committed if that wait times out.
