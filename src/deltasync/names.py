@@ -18,12 +18,13 @@ _VERSION_DIGITS = 8
 _MAX_VERSION = 10**_VERSION_DIGITS - 1
 
 # Shard ids and writer ids are short, path-safe tokens (no '/', no '..', no leading dot).
-_TOKEN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")
+_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}")
 
 
 def check_token(kind: str, value: str) -> str:
     """Return ``value`` if it is a safe path component, else raise ManifestError naming it."""
-    if not isinstance(value, str) or not _TOKEN.match(value) or ".." in value:
+    # fullmatch: ``re.match`` with ``$`` would also accept a trailing newline.
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value) or ".." in value:
         raise ManifestError(
             f"{kind} {value!r} is not a safe name: use 1-128 characters from [A-Za-z0-9_.=-], "
             "starting with a letter or digit, without '..'"

@@ -87,8 +87,8 @@ class GateStore(_Wrapper):
         super().__init__(inner)
         self.gate = gate
 
-    def get(self, key):
-        return self.inner.get(key)
+    def get(self, key, **kwargs):  # max_bytes=...
+        return self.inner.get(key, **kwargs)
 
     def put(self, key, data):
         self.gate("put", key)
@@ -128,10 +128,10 @@ class FaultyStore(_Wrapper):
             return True
         return False
 
-    def get(self, key):
+    def get(self, key, **kwargs):  # max_bytes=...
         if self._roll("get-fails"):
             raise StoreError(f"injected: read of {key!r} failed")
-        data = self.inner.get(key)
+        data = self.inner.get(key, **kwargs)
         if key.endswith(".blob") and len(data) > 8 and self._roll("blob-damaged"):
             if self.rng.random() < 0.5:
                 return data[: self.rng.randrange(len(data))]

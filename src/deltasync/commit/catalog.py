@@ -28,9 +28,16 @@ import time
 from deltasync import names
 from deltasync.commit.model import Manifest, ManifestLimits
 from deltasync.commit.planning import ChainLink, plan_chain, plan_shard_chain, starts_chain
-from deltasync.commit.records import AckRecord, ReceiverRecord, decode_latest, decode_latest_run
-from deltasync.commit.signing import check_signature
-from deltasync.errors import KeyNotFoundError, ManifestError, VersionError
+from deltasync.commit.records import (
+    MAX_LATEST_BYTES,
+    MAX_RECORD_BYTES,
+    AckRecord,
+    ReceiverRecord,
+    decode_latest,
+    decode_latest_run,
+)
+from deltasync.commit.signing import check_signature, check_signature_bytes
+from deltasync.errors import KeyNotFoundError, ManifestError, ObjectTooLargeError, VersionError
 from deltasync.format import FORMAT_VERSION
 from deltasync.store import Store
 
@@ -59,14 +66,14 @@ class Catalog:
     def read_latest(self) -> int | None:
         """What ``LATEST`` says, or None if it does not exist yet."""
         try:
-            return decode_latest(self.store.get(names.LATEST))
+            return decode_latest(self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES))
         except KeyNotFoundError:
             return None
 
     def read_latest_run(self) -> str | None:
         """The run id ``LATEST`` records (None: absent or written without one)."""
         try:
-            return decode_latest_run(self.store.get(names.LATEST))
+            return decode_latest_run(self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES))
         except KeyNotFoundError:
             return None
 
@@ -133,8 +140,9 @@ class Catalog:
         if cached is not None and not fresh:
             return cached
         key = names.manifest_key(version)
-        data = self.store.get(key)
+        data = self.store.get(key, max_bytes=self._limits.max_manifest_bytes)
         try:
+            check_signature_bytes(data, self._key, what="the manifest")  # before parsing
             m = Manifest.from_json(data, limits=self._limits, expected_version=version)
             check_signature(m, self._key)
         except ManifestError as exc:
@@ -235,8 +243,9 @@ class Catalog:
         for key in self.store.list(names.acks_prefix(version)):
             try:
                 _, receiver = names.parse_ack_key(key)
-                ack = AckRecord.from_json(self.store.get(key))
-            except (ManifestError, KeyNotFoundError):
+                data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
+                ack = AckRecord.from_json(data, signing_key=self._key, what=f"ack {key!r}")
+            except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
                 continue  # malformed or vanished: not an acknowledgement
             if ack.version == version and ack.receiver == receiver:
                 out[receiver] = ack
@@ -247,8 +256,9 @@ class Catalog:
         for key in self.store.list(names.RECEIVERS_PREFIX):
             try:
                 receiver = names.parse_receiver_key(key)
-                rec = ReceiverRecord.from_json(self.store.get(key))
-            except (ManifestError, KeyNotFoundError):
+                data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
+                rec = ReceiverRecord.from_json(data, signing_key=self._key, what=f"record {key!r}")
+            except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
                 continue
             if rec.receiver == receiver:
                 out[receiver] = rec

@@ -1,6 +1,9 @@
 """The commit protocol of one version, as the committing writer (rank 0) runs it.
 
-1. wait until every writer of this attempt has stored its marker (each lists its blobs);
+1. wait until every writer of this attempt has stored its marker (each lists its blobs). The
+   committer's own marker is taken from memory, never read back from the store; the others'
+   must carry a valid MAC when a signing key is set (a marker rewritten or pre-planted by
+   anyone without the key is ignored, and named if the wait times out);
 2. build the manifest from the markers (pure: :func:`build_manifest`), with the shard digests
    of the full resulting state, signed if a key is configured;
 3. ``put_if_absent`` the manifest: this is the commit, and it fences a racing publisher. On a
@@ -15,13 +18,14 @@ This module knows keys, records and manifests; it knows nothing about tensors or
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
 from deltasync import names
 from deltasync.commit.catalog import Catalog
 from deltasync.commit.model import LayoutRecord, Manifest
-from deltasync.commit.records import WriterMarker, encode_latest
+from deltasync.commit.records import MAX_MARKER_BYTES, WriterMarker, encode_latest
 from deltasync.commit.signing import sign
 from deltasync.errors import (
     CommitConflictError,
@@ -33,6 +37,8 @@ from deltasync.errors import (
 )
 from deltasync.format import FORMAT_VERSION
 from deltasync.store import Store
+
+log = logging.getLogger(__name__)
 
 
 def build_manifest(
@@ -90,35 +96,65 @@ def build_manifest(
 
 
 def wait_for_markers(
-    store: Store, version: int, writers: Sequence[str], *, timeout_s: float, poll_s: float
+    store: Store,
+    version: int,
+    writers: Sequence[str],
+    *,
+    timeout_s: float,
+    poll_s: float,
+    own: WriterMarker | None = None,
+    signing_key: bytes | None = None,
 ) -> list[WriterMarker]:
-    """Every writer's marker of ``version``; MissingWritersError names those that never came."""
+    """Every writer's marker of ``version``; MissingWritersError names those that never came.
+
+    ``own`` is the caller's marker as it wrote it (used as is: what the store holds under its
+    key may have been rewritten since). With ``signing_key``, a stored marker counts only once
+    its MAC verifies; an unreadable or forged one is skipped until the real writer's replaces
+    it, and the timeout error names it."""
     found: dict[str, WriterMarker] = {}
+    if own is not None:
+        if own.version != version or own.writer not in writers:
+            raise ManifestError(
+                f"the committer's own marker is for writer {own.writer!r} version "
+                f"{own.version}, not one of {list(writers)} at version {version}"
+            )
+        found[own.writer] = own
+    rejected: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
         for writer in writers:
             if writer in found:
                 continue
+            key = names.writer_marker_key(version, writer)
             try:
-                data = store.get(names.writer_marker_key(version, writer))
+                data = store.get(key, max_bytes=MAX_MARKER_BYTES)
+                marker = WriterMarker.from_json(
+                    data, signing_key=signing_key, what=f"writer marker {key!r}"
+                )
             except KeyNotFoundError:
                 continue
-            marker = WriterMarker.from_json(data)
+            except DeltaSyncError as exc:
+                if writer not in rejected:
+                    log.warning("version %d: ignoring the marker at %r: %s", version, key, exc)
+                rejected[writer] = f"{type(exc).__name__}: {exc}"
+                continue
             if marker.version != version or marker.writer != writer:
-                raise ManifestError(
-                    f"marker at {names.writer_marker_key(version, writer)!r} describes writer "
-                    f"{marker.writer!r} version {marker.version}: misplaced marker"
+                rejected[writer] = (
+                    f"it describes writer {marker.writer!r} version {marker.version}: misplaced"
                 )
+                continue
             found[writer] = marker
+            rejected.pop(writer, None)
         missing = [w for w in writers if w not in found]
         if not missing:
             return [found[w] for w in writers]
         if time.monotonic() >= deadline:
+            why = "".join(f"; the marker of {w} was refused: {r}" for w, r in rejected.items())
             raise MissingWritersError(
                 f"version {version}: waited {timeout_s:.1f} s for the markers of writers "
                 f"{missing} (have {sorted(found)}); those trainer ranks crashed or are stuck "
                 "before finishing their blobs. Nothing was committed; restart the attempt "
-                "(with a new session) or raise PublisherConfig.marker_timeout_s"
+                f"(with a new session) or raise PublisherConfig.marker_timeout_s{why}"
             )
         time.sleep(poll_s)
 

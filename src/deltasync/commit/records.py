@@ -9,13 +9,26 @@
 - receiver registration (``receivers/{receiver}.json``): a live receiver, its shard and the
   version it holds, refreshed as a heartbeat; retention keeps what these still need.
 
-Each record round-trips through canonical JSON and is validated strictly on the way in.
-This module knows nothing about stores: callers put and get the bytes.
+The store may be shared with someone hostile, so:
+
+- with a signing key, every record carries a ``mac`` (HMAC-SHA256 under the key and a tag of
+  its kind, :mod:`deltasync.commit.signing`) and ``from_json(..., signing_key=key)`` refuses
+  one that does not verify; without a key records are advisory (anyone who can write the
+  store can forge them, see docs/security.md);
+- timestamps in the future (beyond :data:`MAX_CLOCK_SKEW_S`) are refused: a heartbeat dated
+  next year must not keep a receiver "live" forever;
+- every parse error is a ManifestError naming the record; sizes are bounded
+  (:data:`MAX_RECORD_BYTES`, :data:`MAX_MARKER_BYTES`, :data:`MAX_LATEST_BYTES`; pass them as
+  ``Store.get(..., max_bytes=...)``) and numbers range-checked before use.
+
+Each record round-trips through canonical JSON. This module knows nothing about stores:
+callers put and get the bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deltasync import names
@@ -23,15 +36,24 @@ from deltasync.commit.canonical import (
     canonical_json,
     check_digest,
     check_int,
+    check_mac,
     check_time,
     expect_fields,
+    parsing,
+    show,
     strict_loads,
 )
 from deltasync.commit.model import BlobEntry
+from deltasync.commit.signing import check_record_mac, record_mac
 from deltasync.errors import ManifestError
 
 _MAX_VERSION = 10**8 - 1
-_MAX_RECORD_BYTES = 16 * 2**20
+MAX_LATEST_BYTES = 4096
+MAX_RECORD_BYTES = 64 * 2**10  # an ack or a receiver registration
+MAX_MARKER_BYTES = 16 * 2**20  # a writer marker lists one entry per shard it sent to
+# A record may be dated this far ahead of the reader's clock (hosts' clocks differ a little);
+# anything later is refused, so a future heartbeat cannot stay live or pin retention.
+MAX_CLOCK_SKEW_S = 300.0
 
 
 def encode_latest(version: int, run_id: str | None = None) -> bytes:
@@ -45,12 +67,13 @@ def encode_latest(version: int, run_id: str | None = None) -> bytes:
 
 
 def _latest_obj(data: bytes | str) -> dict[str, Any]:
-    obj = strict_loads(data, what="LATEST", max_bytes=4096)
-    expect_fields(obj, what="LATEST", required={"version"}, optional={"run_id"})
-    check_int(obj["version"], what="LATEST version", lo=0, hi=_MAX_VERSION)
-    if "run_id" in obj:
-        names.check_token("LATEST run_id", obj["run_id"])
-    return obj
+    with parsing("LATEST"):
+        obj = strict_loads(data, what="LATEST", max_bytes=MAX_LATEST_BYTES)
+        expect_fields(obj, what="LATEST", required={"version"}, optional={"run_id"})
+        check_int(obj["version"], what="LATEST version", lo=0, hi=_MAX_VERSION)
+        if "run_id" in obj:
+            names.check_token("LATEST run_id", obj["run_id"])
+        return obj
 
 
 def decode_latest(data: bytes | str) -> int:
@@ -62,14 +85,64 @@ def decode_latest_run(data: bytes | str) -> str | None:
     return _latest_obj(data).get("run_id")
 
 
+def _check_not_future(value: float, *, what: str, now: float | None) -> None:
+    now = time.time() if now is None else now
+    if value > now + MAX_CLOCK_SKEW_S:
+        raise ManifestError(
+            f"{what} {value:.0f} lies {value - now:.0f} s in the future (more than the "
+            f"{MAX_CLOCK_SKEW_S:.0f} s of clock skew allowed): a forged or broken record"
+        )
+
+
+def _strings(obj: dict[str, Any], fields: tuple[str, ...], *, what: str) -> None:
+    for f in fields:
+        if not isinstance(obj[f], str):
+            raise ManifestError(f"{what} {f} must be a string, got {show(obj[f])}")
+
+
+class _Signed:
+    """What the three records share: a ``mac`` over the canonical JSON of the other fields."""
+
+    KIND = ""
+    mac: str | None
+
+    def _fields(self) -> dict[str, Any]:  # the JSON object without ``mac``
+        raise NotImplementedError
+
+    def _check_mac_field(self) -> None:
+        if self.mac is not None:
+            check_mac(self.mac, what=f"{self.KIND} mac")
+
+    def signed(self, signing_key: bytes):
+        """A copy carrying the MAC of this record under ``signing_key``."""
+        return replace(self, mac=record_mac(self.KIND, canonical_json(self._fields()), signing_key))
+
+    def to_json(self, signing_key: bytes | None = None) -> bytes:
+        """Canonical JSON; signed first when ``signing_key`` is given."""
+        rec = self.signed(signing_key) if signing_key is not None else self
+        obj = rec._fields()
+        if rec.mac is not None:
+            obj["mac"] = rec.mac
+        return canonical_json(obj)
+
+    def verify(self, signing_key: bytes | None, *, what: str) -> None:
+        """With a key, raise SignatureError unless ``mac`` authenticates this record."""
+        check_record_mac(
+            self.KIND, canonical_json(self._fields()), self.mac, signing_key, what=what
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
-class WriterMarker:
+class WriterMarker(_Signed):
     """Writer ``writer`` has stored all its blobs of ``version``; ``blobs`` may be empty."""
+
+    KIND = "writer marker"
 
     version: int
     writer: str
     blobs: tuple[BlobEntry, ...]
     created_at: float
+    mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="writer marker version", lo=0, hi=_MAX_VERSION)
@@ -77,6 +150,7 @@ class WriterMarker:
         object.__setattr__(
             self, "created_at", check_time(self.created_at, what="writer marker created_at")
         )
+        self._check_mac_field()
         if not isinstance(self.blobs, (tuple, list)):
             raise ManifestError("writer marker blobs must be a list")
         shards = set()
@@ -100,40 +174,47 @@ class WriterMarker:
     def key(self) -> str:
         return names.writer_marker_key(self.version, self.writer)
 
-    def to_json(self) -> bytes:
-        return canonical_json(
-            {
-                "version": self.version,
-                "writer": self.writer,
-                "created_at": self.created_at,
-                "blobs": [b.to_dict() for b in self.blobs],
-            }
-        )
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "writer": self.writer,
+            "created_at": self.created_at,
+            "blobs": [b.to_dict() for b in self.blobs],
+        }
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> WriterMarker:
-        obj = strict_loads(data, what="writer marker", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(
-            obj, what="writer marker", required={"version", "writer", "created_at", "blobs"}
-        )
-        if not isinstance(obj["blobs"], list):
-            raise ManifestError("writer marker blobs must be a JSON list")
-        if not isinstance(obj["writer"], str):
-            raise ManifestError(f"writer marker writer must be a string, got {obj['writer']!r}")
-        return cls(
-            version=obj["version"],
-            writer=obj["writer"],
-            created_at=obj["created_at"],
-            blobs=tuple(
-                BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
-            ),
-        )
+    def from_json(
+        cls, data: bytes | str, *, signing_key: bytes | None = None, what: str = "writer marker"
+    ) -> WriterMarker:
+        """Parse and validate; with ``signing_key``, also require a valid MAC."""
+        with parsing(what):
+            obj = strict_loads(data, what=what, max_bytes=MAX_MARKER_BYTES)
+            expect_fields(
+                obj, what=what, required={"version", "writer", "created_at", "blobs"},
+                optional={"mac"},
+            )  # fmt: skip
+            if not isinstance(obj["blobs"], list):
+                raise ManifestError(f"{what} blobs must be a JSON list")
+            _strings(obj, ("writer",), what=what)
+            marker = cls(
+                version=obj["version"],
+                writer=obj["writer"],
+                created_at=obj["created_at"],
+                blobs=tuple(
+                    BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
+                ),
+                mac=obj.get("mac"),
+            )
+        marker.verify(signing_key, what=what)
+        return marker
 
 
 @dataclass(frozen=True, kw_only=True)
-class AckRecord:
+class AckRecord(_Signed):
     """Receiver ``receiver`` (holding ``shard``) applied ``version`` and verified
     ``state_digest``; ``pause_s``/``total_s`` are what it measured (for inspect)."""
+
+    KIND = "ack"
 
     version: int
     receiver: str
@@ -142,6 +223,7 @@ class AckRecord:
     created_at: float
     pause_s: float | None = None
     total_s: float | None = None
+    mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="ack version", lo=0, hi=_MAX_VERSION)
@@ -153,12 +235,13 @@ class AckRecord:
             value = getattr(self, f)
             if value is not None:
                 object.__setattr__(self, f, check_time(value, what=f"ack {f}"))
+        self._check_mac_field()
 
     @property
     def key(self) -> str:
         return names.ack_key(self.version, self.receiver)
 
-    def to_json(self) -> bytes:
+    def _fields(self) -> dict[str, Any]:
         obj: dict[str, Any] = {
             "version": self.version,
             "receiver": self.receiver,
@@ -169,32 +252,46 @@ class AckRecord:
         for f in ("pause_s", "total_s"):
             if getattr(self, f) is not None:
                 obj[f] = getattr(self, f)
-        return canonical_json(obj)
+        return obj
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> AckRecord:
-        obj = strict_loads(data, what="ack", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(
-            obj,
-            what="ack",
-            required={"version", "receiver", "shard", "state_digest", "created_at"},
-            optional={"pause_s", "total_s"},
-        )
-        for f in ("receiver", "shard"):
-            if not isinstance(obj[f], str):
-                raise ManifestError(f"ack {f} must be a string, got {obj[f]!r}")
-        return cls(**obj)
+    def from_json(
+        cls,
+        data: bytes | str,
+        *,
+        signing_key: bytes | None = None,
+        now: float | None = None,
+        what: str = "ack",
+    ) -> AckRecord:
+        """Parse and validate (``now``: the reader's clock, for the future-date check); with
+        ``signing_key``, also require a valid MAC."""
+        with parsing(what):
+            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
+            expect_fields(
+                obj,
+                what=what,
+                required={"version", "receiver", "shard", "state_digest", "created_at"},
+                optional={"pause_s", "total_s", "mac"},
+            )
+            _strings(obj, ("receiver", "shard"), what=what)
+            ack = cls(**obj)
+            _check_not_future(ack.created_at, what=f"{what} created_at", now=now)
+        ack.verify(signing_key, what=what)
+        return ack
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReceiverRecord:
+class ReceiverRecord(_Signed):
     """A registered receiver: which shard it holds, the version it has (None before its
     first version), and when it last said so (its heartbeat)."""
+
+    KIND = "receiver record"
 
     receiver: str
     shard: str
     version: int | None
     updated_at: float
+    mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         names.check_token("receiver", self.receiver)
@@ -204,32 +301,46 @@ class ReceiverRecord:
         object.__setattr__(
             self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
         )
+        self._check_mac_field()
 
     @property
     def key(self) -> str:
         return names.receiver_key(self.receiver)
 
     def is_live(self, now: float, ttl_s: float) -> bool:
-        """Live if its heartbeat is at most ``ttl_s`` old (clock skew counts as fresh)."""
-        return now - self.updated_at <= ttl_s
+        """Live if its heartbeat is at most ``ttl_s`` old. A heartbeat up to
+        MAX_CLOCK_SKEW_S ahead of ``now`` counts as fresh (clock skew); one further in the
+        future is not live: it would otherwise stay live forever."""
+        age = now - self.updated_at
+        return -MAX_CLOCK_SKEW_S <= age <= ttl_s
 
-    def to_json(self) -> bytes:
-        return canonical_json(
-            {
-                "receiver": self.receiver,
-                "shard": self.shard,
-                "version": self.version,
-                "updated_at": self.updated_at,
-            }
-        )
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "receiver": self.receiver,
+            "shard": self.shard,
+            "version": self.version,
+            "updated_at": self.updated_at,
+        }
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> ReceiverRecord:
-        obj = strict_loads(data, what="receiver record", max_bytes=_MAX_RECORD_BYTES)
-        expect_fields(
-            obj, what="receiver record", required={"receiver", "shard", "version", "updated_at"}
-        )
-        for f in ("receiver", "shard"):
-            if not isinstance(obj[f], str):
-                raise ManifestError(f"receiver record {f} must be a string, got {obj[f]!r}")
-        return cls(**obj)
+    def from_json(
+        cls,
+        data: bytes | str,
+        *,
+        signing_key: bytes | None = None,
+        now: float | None = None,
+        what: str = "receiver record",
+    ) -> ReceiverRecord:
+        """Parse and validate (``now``: the reader's clock, for the future-date check); with
+        ``signing_key``, also require a valid MAC."""
+        with parsing(what):
+            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
+            expect_fields(
+                obj, what=what, required={"receiver", "shard", "version", "updated_at"},
+                optional={"mac"},
+            )  # fmt: skip
+            _strings(obj, ("receiver", "shard"), what=what)
+            rec = cls(**obj)
+            _check_not_future(rec.updated_at, what=f"{what} updated_at", now=now)
+        rec.verify(signing_key, what=what)
+        return rec

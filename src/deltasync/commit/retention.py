@@ -6,18 +6,58 @@ newest committed version or anything newer) and also removes leftovers that no m
 vouches for: blobs and markers of losing attempts in committed versions, and everything of
 uncommitted versions older than the newest committed one (newer ones may still be in flight).
 
+Only keys that parse as what retention expects under that version are ever deleted (a
+manifest, a blob or a writer marker of the version, an ack of the version): anything else
+found under a doomed version's prefixes was not written by deltasync and is left alone (with
+a warning), so a store shared with others cannot steer the trainer into deleting it.
+
 Deletion order: a version's manifest goes first, so the version disappears atomically for
 readers, then its blobs and markers, then its acks. This module knows keys and manifests.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from deltasync import names
 from deltasync.commit.model import Manifest
 from deltasync.commit.planning import plan_retention
+from deltasync.errors import ManifestError
+
+log = logging.getLogger(__name__)
+
+
+def _version_of(key: str) -> int | None:
+    """The version a deltasync version-directory key belongs to, or None for any other key."""
+    for parse in (names.parse_manifest_key, names.parse_writer_marker_key, names.parse_blob_key):
+        try:
+            parsed = parse(key)
+        except ManifestError:
+            continue
+        return parsed if isinstance(parsed, int) else parsed[0]
+    return None
+
+
+def _ack_version(key: str) -> int | None:
+    try:
+        return names.parse_ack_key(key)[0]
+    except ManifestError:
+        return None
+
+
+def _ours(keys: Iterable[str], version: int, parse) -> list[str]:
+    out, foreign = [], []
+    for key in keys:
+        (out if parse(key) == version else foreign).append(key)
+    if foreign:
+        log.warning(
+            "retention: %d key(s) under version %d are not deltasync's and are left alone "
+            "(e.g. %r); someone else writes into this store",
+            len(foreign), version, foreign[0],
+        )  # fmt: skip
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -45,20 +85,21 @@ def plan_deletions(
     )
     first: list[str] = []
     rest: list[str] = []
+    own = {v: _ours(keys, v, _version_of) for v, keys in version_keys.items()}
     for v in doomed:
         first.append(names.manifest_key(v))
-        rest.extend(k for k in sorted(version_keys.get(v, ())) if k != names.manifest_key(v))
-        rest.extend(sorted(ack_keys.get(v, ())))
+        rest.extend(k for k in own.get(v, ()) if k != names.manifest_key(v))
+        rest.extend(_ours(ack_keys.get(v, ()), v, _ack_version))
     gone = set(doomed)
-    for v, keys in sorted(version_keys.items()):
+    for v, keys in sorted(own.items()):
         if v in gone:
             continue
         m = manifests.get(v)
         if m is None:
             if v < committed:  # never committed, and never will be: publish only goes forward
-                rest.extend(sorted(keys))
+                rest.extend(keys)
             continue  # newer: an attempt may still be in flight
         keep = {names.manifest_key(v), *(b.key for b in m.blobs)}
         keep.update(names.writer_marker_key(v, w) for w in m.writers)
-        rest.extend(k for k in sorted(keys) if k not in keep)  # a losing attempt's leftovers
+        rest.extend(k for k in keys if k not in keep)  # a losing attempt's leftovers
     return GcPlan(tuple(doomed), tuple(first + rest))

@@ -337,12 +337,14 @@ class Publisher:
         marker = WriterMarker(
             version=version, writer=self.writer, blobs=tuple(entries), created_at=time.time()
         )
-        self.store.put(marker.key, marker.to_json())
+        self.store.put(marker.key, marker.to_json(cfg.signing_key))  # MAC'd when keyed
         if cfg.is_committer:
             assert digests is not None
+            # Our own marker from memory: the store's copy may have been rewritten since.
             markers = commit_mod.wait_for_markers(
                 self.store, version, cfg.all_writer_ids(),
                 timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s,
+                own=marker, signing_key=cfg.signing_key,
             )  # fmt: skip
             manifest = commit_mod.build_manifest(
                 version=version, kind=kind, base_version=base, writers=cfg.all_writer_ids(),

@@ -28,6 +28,7 @@ from deltasync.errors import (
     KeyNotFoundError,
     ManifestError,
     MissingBlobError,
+    ObjectTooLargeError,
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, decode_blob, merge_writers
@@ -68,11 +69,16 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     listed size, the listed digest. Nothing is decoded here."""
     where = f"version {manifest.version} blob {entry.key!r}"
     try:
-        data = store.get(entry.key)
+        data = store.get(entry.key, max_bytes=entry.size)  # refused by its size, unread
     except KeyNotFoundError:
         raise MissingBlobError(
             f"{where} is listed in the committed manifest but missing from the store "
             "(deleted by retention or never uploaded); nothing was applied"
+        ) from None
+    except ObjectTooLargeError:
+        raise FormatError(
+            f"{where} is larger than the manifest's {entry.size} bytes: extended in storage, "
+            "or replaced by another blob; not read, nothing was applied"
         ) from None
     if len(data) != entry.size:
         cls = TruncatedBlobError if len(data) < entry.size else FormatError

@@ -300,7 +300,7 @@ class Receiver:
         if rec.version is None and not self._register:
             return True
         try:
-            self.store.put(rec.key, rec.to_json())
+            self.store.put(rec.key, rec.to_json(self.config.signing_key))
         except StoreError as exc:
             self._heartbeat_owed = True
             log.warning(
@@ -324,7 +324,7 @@ class Receiver:
         ack = self._pending_ack
         if ack is not None:
             try:
-                self.store.put(ack.key, ack.to_json())
+                self.store.put(ack.key, ack.to_json(self.config.signing_key))
                 self._pending_ack = None
             except StoreError as exc:
                 log.warning(

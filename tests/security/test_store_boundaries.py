@@ -1,0 +1,176 @@
+"""The trainer's garbage collection deletes only what it wrote; receivers read bounded objects;
+a signed manifest's MAC is checked on the raw bytes before parsing; secrets stay out of reprs,
+logs and errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from kit import TinyTrainer, expected_shards, same_bits, tiny_layouts
+
+from deltasync import (
+    LocalStore,
+    MemoryStore,
+    Publisher,
+    PublisherConfig,
+    Receiver,
+    ReceiverConfig,
+    S3Config,
+    S3Store,
+    SnapshotTracker,
+    TrainerSync,
+    names,
+)
+from deltasync.commit import Catalog
+from deltasync.commit.signing import load_key_file
+from deltasync.errors import (
+    ConfigError,
+    DeltaSyncError,
+    ManifestError,
+    ObjectTooLargeError,
+    SignatureError,
+)
+
+KEY = b"boundary-signing-key-0123456789a"
+
+
+def _zeros(rl, shard):
+    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(shard).items()}
+
+
+class Rig:
+    def __init__(self, store, *, key=None, keep_versions=2):
+        self.spec, self.tl, self.rl = tiny_layouts()
+        self.store = store
+        self.trainer = TinyTrainer(self.spec, density=0.2)
+        self.pub = Publisher(store, receiver_layout=self.rl, config=PublisherConfig(
+            anchor_every=2, keep_versions=keep_versions, signing_key=key))  # fmt: skip
+        self.sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), self.pub,
+                                self.trainer.params)  # fmt: skip
+
+    def publish(self, version):
+        if version:
+            self.trainer.step()
+        self.sync.step_published(version)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_gc_never_deletes_through_a_symlinked_acks_directory_nor_foreign_keys(tmp_path):
+    root, home = tmp_path / "store", tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / "notes.json").write_bytes(b"mine")
+    (home / ".ssh" / "id_ed25519").write_bytes(b"private")
+    rig = Rig(LocalStore(root, durable=False), keep_versions=1)
+    for v in range(5):
+        rig.publish(v)
+    (root / "acks").mkdir(exist_ok=True)
+    os.symlink(home, root / "acks" / "v00000000")  # the attack: acks/v00000000 -> $HOME
+    (root / "v00000001" / "README.txt").write_bytes(b"someone else's file")
+    before = _tree(home)
+    plan = rig.pub.gc()
+    assert 0 in plan.versions and 1 in plan.versions
+    assert _tree(home) == before
+    assert (root / "v00000001" / "README.txt").read_bytes() == b"someone else's file"
+    assert not any(k.startswith("acks/v00000000/") for k in plan.keys)
+    assert rig.store.exists(names.manifest_key(4))
+
+
+def test_a_blob_larger_than_its_manifest_entry_is_refused_without_reading_it_whole(tmp_path):
+    rig = Rig(LocalStore(tmp_path / "store", durable=False))
+    rig.publish(0)
+    rig.publish(1)
+    entry = Catalog(rig.store).manifest(1).blobs_for("tp0")[0]
+    path = tmp_path / "store" / entry.key
+    os.truncate(path, 8 * 2**30)  # sparse: reading it whole would need 8 GiB
+    rec = Receiver.for_layout(rig.store, rig.rl, "tp0", _zeros(rig.rl, "tp0"),
+                              str(tmp_path / "r"), ReceiverConfig(receiver_id="r", durable=False))  # fmt: skip
+    with pytest.raises(DeltaSyncError, match="larger than the manifest"):
+        rec.pull()
+    assert rec.version is None
+    assert all(not t.view(torch.int16).any() for t in rec.tensors.values())
+
+
+def test_with_a_key_a_huge_unsigned_manifest_is_refused_before_it_is_parsed(tmp_path):
+    store = MemoryStore()
+    rig = Rig(store, key=KEY)
+    rig.publish(0)
+    catalog = Catalog(store, signing_key=KEY)
+    store.put(names.manifest_key(1), b"[" * (8 * 2**20))  # would be a deep, slow parse
+    with pytest.raises(SignatureError, match="unsigned"):
+        catalog.manifest(1)
+    genuine = store.get(names.manifest_key(0))
+    tampered = genuine.replace(b'"kind":"anchor"', b'"kind":"anchor" ')
+    store.put(names.manifest_key(2), tampered)
+    with pytest.raises(SignatureError, match="before parsing"):
+        catalog.manifest(2)
+    without_key = Catalog(store)
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        without_key.manifest(1)
+
+
+def test_a_receiver_reads_manifest_latest_and_records_with_small_bounds(tmp_path):
+    store = MemoryStore()
+    rig = Rig(store)
+    rig.publish(0)
+    store.put(names.LATEST, b" " * 10_000 + b'{"version":0}')
+    with pytest.raises(ObjectTooLargeError):
+        Catalog(store).read_latest()
+    store.put(names.receiver_key("big"), b'{"receiver":"big"' + b" " * 2**20 + b"}")
+    assert "big" not in Catalog(store).receivers()
+
+
+def test_an_s3_endpoint_with_credentials_is_refused_without_echoing_them():
+    with pytest.raises(ConfigError) as info:
+        S3Config(endpoint_url="https://AKIAEXAMPLE:hunter2secret@s3.example.com/?token=abc")
+    assert "hunter2secret" not in str(info.value) and "abc" not in str(info.value)
+    config = S3Config(endpoint_url="http://127.0.0.1:9/?X-Token=t0ps3cret",
+                      access_key_id="AKIA-ID", secret_access_key="s3cr3t-value",
+                      session_token="sess-t0ken")  # fmt: skip
+    for text in (repr(config), str(config)):
+        assert "s3cr3t-value" not in text and "sess-t0ken" not in text
+        assert "t0ps3cret" not in text and "AKIA-ID" not in text
+    store = S3Store("bucket", "run", config=config)
+    assert "t0ps3cret" not in repr(store)
+    store.close()
+
+
+def test_a_key_file_readable_by_others_draws_a_warning_and_a_private_one_does_not(tmp_path, caplog):
+    path = tmp_path / "key"
+    path.write_bytes(KEY + b"\n")
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="deltasync.commit.signing"):
+        assert load_key_file(path) == KEY
+    assert "readable by its group or others" in caplog.text
+    caplog.clear()
+    os.chmod(path, 0o600)
+    with caplog.at_level(logging.WARNING, logger="deltasync.commit.signing"):
+        assert load_key_file(path) == KEY
+    assert caplog.text == ""
+    path.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_key_file(path)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_key_file(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_with_a_key_still_reaches_every_version_through_the_bounded_reads(tmp_path):
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, key=KEY)
+    rec = Receiver.for_layout(store, rig.rl, "tp1", _zeros(rig.rl, "tp1"), str(tmp_path / "r"),
+                              ReceiverConfig(receiver_id="r", durable=False, signing_key=KEY))  # fmt: skip
+    for v in range(4):
+        rig.publish(v)
+        assert rec.pull().version == v
+        assert same_bits(rec.tensors, expected_shards(rig.trainer.params, rig.tl, rig.rl)["tp1"])
+    assert set(Catalog(store, signing_key=KEY).acks(3)) == {"r"}
+    assert set(rig.pub.live_receivers()) == {"r"}
