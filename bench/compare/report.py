@@ -112,7 +112,7 @@ def plot(
         ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(paths))])
         ax.set_xticklabels(paths, rotation=15, fontsize=8)
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)  # linear axes from zero: bar heights compare as ratios
+        ax.axhline(0, color="gray", linewidth=0.5)  # linear axes; a negative overhead shows
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
