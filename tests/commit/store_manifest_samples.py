@@ -7,9 +7,12 @@ from deltasync.commit import BlobEntry, Manifest
 
 D1 = "0123456789abcdef0123456789abcdef"
 D2 = "fedcba9876543210fedcba9876543210"
+# Blob digests are BLAKE2b-256 (64 hex characters); state digests xxh3-128 (32).
+B1 = "0123456789abcdef" * 4
+B2 = "fedcba9876543210" * 4
 
 
-def blob(version: int, shard: str, writer: str, size: int = 1234, digest: str = D1) -> BlobEntry:
+def blob(version: int, shard: str, writer: str, size: int = 1234, digest: str = B1) -> BlobEntry:
     return BlobEntry(
         shard=shard,
         writer=writer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -105,9 +106,9 @@ def test_a_receiver_record_round_trips_and_knows_whether_it_is_live() -> None:
 # --- digests --------------------------------------------------------------------------------
 
 
-def test_blob_digest_is_the_hex_xxh3_128_of_the_bytes() -> None:
-    assert blob_digest(b"hello") == xxhash.xxh3_128_hexdigest(b"hello")
-    assert len(blob_digest(b"")) == 32
+def test_blob_digest_is_the_hex_blake2b_256_of_the_bytes() -> None:
+    assert blob_digest(b"hello") == hashlib.blake2b(b"hello", digest_size=32).hexdigest()
+    assert len(blob_digest(b"")) == 64
 
 
 def test_state_digest_pins_its_definition_on_a_tiny_state() -> None:

@@ -9,7 +9,7 @@ import pytest
 from deltasync.commit import Manifest, ManifestLimits
 from deltasync.errors import ManifestError
 
-from store_manifest_samples import D1, D2, blob, make_manifest
+from store_manifest_samples import B1, D1, D2, blob, make_manifest
 
 
 def good_dict() -> dict:
@@ -94,9 +94,11 @@ HOSTILE = {
     "negative size": (_set(("blobs", 0, "size"), -5), "size"),
     "float size": (_set(("blobs", 0, "size"), 12.0), "size"),
     "bool size": (_set(("blobs", 0, "size"), True), "size"),
-    "short digest": (_set(("blobs", 0, "digest"), D1[:31]), "32 lowercase hex"),
-    "uppercase digest": (_set(("blobs", 0, "digest"), D1.upper()), "32 lowercase hex"),
-    "non-hex digest": (_set(("blobs", 0, "digest"), "g" * 32), "32 lowercase hex"),
+    "short digest": (_set(("blobs", 0, "digest"), B1[:63]), "64 lowercase hex"),
+    "xxh3 digest": (_set(("blobs", 0, "digest"), D1), "64 lowercase hex"),
+    "uppercase digest": (_set(("blobs", 0, "digest"), B1.upper()), "64 lowercase hex"),
+    "non-hex digest": (_set(("blobs", 0, "digest"), "g" * 64), "64 lowercase hex"),
+    "digest with a newline": (_set(("blobs", 0, "digest"), B1 + "\n"), "64 lowercase hex"),
     "bad shard digest": (_set(("shard_digests", "tp0"), "x"), "32 lowercase hex"),
     "unknown kind": (_set(("kind",), "patch"), "kind"),
     "extra top-level field": (_set(("extra",), 1), "unknown field"),

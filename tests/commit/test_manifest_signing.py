@@ -9,7 +9,7 @@ import pytest
 from deltasync.commit import Manifest, check_signature, sign, verify
 from deltasync.errors import ConfigError, SignatureError
 
-from store_manifest_samples import D2, make_manifest
+from store_manifest_samples import B2, D2, make_manifest
 
 KEY = b"0123456789abcdef-shared-secret"
 
@@ -43,7 +43,7 @@ def test_a_manifest_signed_with_another_key_is_rejected() -> None:
 @pytest.mark.parametrize(
     "field, value",
     [
-        (("blobs", 0, "digest"), D2),
+        (("blobs", 0, "digest"), B2),
         (("blobs", 0, "size"), 1235),
         (("shard_digests", "tp0"), D2),
         (("version",), 8),

@@ -120,7 +120,7 @@ def test_a_chain_must_start_at_the_local_version_or_an_anchor_and_be_contiguous(
 
 def _entry(v, shard="tp0", writer="w00000"):
     return BlobEntry(shard=shard, writer=writer, key=names.blob_key(v, shard, writer), size=10,
-                     digest="1" * 32)  # fmt: skip
+                     digest="1" * 64)  # fmt: skip
 
 
 def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():

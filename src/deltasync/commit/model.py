@@ -22,8 +22,9 @@ fetches anything, and ``inspect`` computes density without reading a blob.
 
 Parsing is strict because the store may be shared with (or written by) someone hostile: every
 key must be exactly ``names.blob_key(version, shard, writer)`` (so no path traversal), sizes
-are bounded by :class:`ManifestLimits`, digests are 32 hex characters, unknown fields and
-duplicate JSON keys are rejected. A Manifest object is valid by construction.
+are bounded by :class:`ManifestLimits`, blob digests are 64 hex characters (BLAKE2b-256) and
+state digests 32 (xxh3-128), unknown fields and duplicate JSON keys are rejected. A Manifest
+object is valid by construction.
 
 This module knows nothing about stores, tensors or signing keys (see ``signing.py``).
 """
@@ -37,12 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import xxhash
-
 from deltasync import names
 from deltasync.commit.canonical import (
     SIGNATURE_RE,
     canonical_json,
+    check_blob_digest,
     check_choice,
     check_digest,
     check_int,
@@ -59,9 +59,18 @@ MAX_FORMAT_VERSION = 2**16 - 1
 _MAX_VERSION = 10**8 - 1
 
 
+def blob_hasher() -> Any:
+    """The streaming hasher of :func:`blob_digest` (``update`` chunk by chunk, ``hexdigest``)."""
+    return hashlib.blake2b(digest_size=32)
+
+
 def blob_digest(data: bytes | bytearray | memoryview) -> str:
-    """Hex xxh3-128 of a blob's bytes, as listed in the manifest."""
-    return xxhash.xxh3_128_hexdigest(data)
+    """Hex BLAKE2b-256 of a blob's bytes, as listed in the manifest. Collision resistant (unlike
+    the xxh3-128 transit digest in the blob's trailer), so a signature over the manifest binds
+    every blob byte."""
+    h = blob_hasher()
+    h.update(data)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +113,7 @@ class BlobEntry:
                 f"{self.shard!r}, writer {self.writer!r} (expected {expected!r})"
             )
         check_int(self.size, what=f"{what} {self.key!r} size", lo=1, hi=_MAX_SIZE)
-        check_digest(self.digest, what=f"{what} {self.key!r} digest")
+        check_blob_digest(self.digest, what=f"{what} {self.key!r} digest")
         if self.elements is not None:
             check_int(self.elements, what=f"{what} {self.key!r} elements", lo=0, hi=_MAX_SIZE)
 

@@ -23,10 +23,12 @@ import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from deltasync import names
 from deltasync.commit import BlobEntry
+from deltasync.commit.model import blob_hasher
 from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
 from deltasync.store import Store
@@ -46,6 +48,8 @@ class _Stream:
     upload: Future
     elements: int = 0
     started: bool = False  # the first segment was handed to the upload
+    # The manifest's digest of the blob (BLAKE2b-256), over exactly the bytes uploaded.
+    hasher: Any = field(default_factory=blob_hasher)
 
 
 def _drain(chunks: queue.SimpleQueue) -> Iterator[bytes]:
@@ -97,7 +101,9 @@ class ShardStreams:
             return
         size = sum(len(b) for b in stream.pending)
         if final or not stream.started or size >= COALESCE_BYTES:
-            stream.chunks.put(b"".join(stream.pending))
+            data = b"".join(stream.pending)
+            stream.hasher.update(data)
+            stream.chunks.put(data)
             stream.pending.clear()  # the same list: it is the writer's sink
             stream.started = True
 
@@ -132,7 +138,7 @@ class ShardStreams:
         for shard, s in sorted(self._streams.items()):
             entries.append(BlobEntry(
                 shard=shard, writer=self._head["writer"], key=s.key, size=s.writer.size,
-                digest=s.writer.digest, elements=s.elements,
+                digest=s.hasher.hexdigest(), elements=s.elements,
             ))  # fmt: skip
         return (
             entries,
