@@ -4,7 +4,8 @@ A reader of ``path`` sees the old file or the new one, never a prefix, and after
 the new file is either fully there or not there at all:
 
 1. the bytes go to a hidden temp file next to ``path`` (``.{name}.tmp-{uuid}``; the same
-   directory, so the rename below never crosses a filesystem);
+   directory, so the rename below never crosses a filesystem), created ``O_EXCL |
+   O_NOFOLLOW`` (a link planted under that name is never followed) with ``mode``;
 2. the temp file is fsynced (its contents are on disk before its name is);
 3. ``os.replace`` publishes it under ``path`` in one directory operation;
 4. the directory is fsynced (the new name itself is on disk).
@@ -55,13 +56,16 @@ def unlink_quietly(path: Path) -> None:
         pass
 
 
-def write_temp(path: Path, chunks: Chunks, *, durable: bool = True) -> tuple[Path, int]:
+def write_temp(
+    path: Path, chunks: Chunks, *, durable: bool = True, mode: int = 0o644
+) -> tuple[Path, int]:
     """Write ``chunks`` to a new temp file next to ``path``; fsync it when ``durable``.
 
     Args:
         path: the file the temp file will later be published as (its directory must exist).
         chunks: bytes, or an iterable of bytes-like chunks (a stream is written as it comes).
         durable: fsync the temp file.
+        mode: the file's permissions, exactly (the umask does not widen or narrow them).
 
     Returns:
         ``(temp_path, bytes_written)``. The caller publishes it (``os.replace`` or
@@ -69,9 +73,10 @@ def write_temp(path: Path, chunks: Chunks, *, durable: bool = True) -> tuple[Pat
         and the error re-raised.
     """
     tmp = temp_path_for(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     written = 0
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb", buffering=0) as f:
             for chunk in (
                 (chunks,) if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks
@@ -94,6 +99,7 @@ def write_atomic(
     data: Chunks | Callable[[Path], None],
     *,
     durable: bool = True,
+    mode: int | None = None,
 ) -> int:
     """Atomically and durably replace ``path`` with ``data``.
 
@@ -102,6 +108,7 @@ def write_atomic(
         data: bytes, an iterable of bytes chunks, or a callable that writes the temp file
             itself given its path (e.g. ``safetensors.torch.save_file`` or a compiler).
         durable: fsync the file and its directory (False: atomic for readers only).
+        mode: the file's permissions (None: 0o644 for bytes; a callable's own choice).
 
     Returns:
         The number of bytes now in ``path``.
@@ -111,6 +118,8 @@ def write_atomic(
         tmp = temp_path_for(path)
         try:
             data(tmp)
+            if mode is not None:
+                os.chmod(tmp, mode, follow_symlinks=False)
             if durable:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
@@ -119,7 +128,7 @@ def write_atomic(
             unlink_quietly(tmp)
             raise
     else:
-        tmp, written = write_temp(path, data, durable=durable)
+        tmp, written = write_temp(path, data, durable=durable, mode=0o644 if mode is None else mode)
     try:
         os.replace(tmp, path)
     except BaseException:

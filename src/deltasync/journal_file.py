@@ -7,7 +7,8 @@ replay, the other the version being applied); the file is the same:
 
 - one JSON object, canonical: sorted keys, no whitespace, ASCII, no NaN;
 - written through :func:`deltasync.atomic.write_atomic` (temp file, fsync, rename, directory
-  fsync), so a crash leaves the old record or the new one, never half of either;
+  fsync), so a crash leaves the old record or the new one, never half of either; readable by
+  their owner only (``RECORD_MODE``);
 - read back strictly: a missing file is ``None`` (nothing recorded), an unreadable or
   non-JSON file is a :class:`~deltasync.errors.LocalStateError` naming the file and the remedy
   (restore the receiver from an anchor); checking the fields is the caller's.
@@ -25,6 +26,8 @@ from deltasync.atomic import fsync_dir, write_atomic
 from deltasync.errors import LocalStateError
 
 REMEDY = "remove it and restore this receiver from an anchor"
+RECORD_MODE = 0o600  # a receiver's local records are its own business
+STATE_DIR_MODE = 0o700
 
 
 def encode_record(obj: dict[str, Any]) -> bytes:
@@ -67,7 +70,7 @@ def write_record(path: Path, obj: dict[str, Any], *, durable: bool = True) -> No
         durable: fsync file and directory (False only on scratch disks in tests).
     """
     try:
-        write_atomic(path, encode_record(obj), durable=durable)
+        write_atomic(path, encode_record(obj), durable=durable, mode=RECORD_MODE)
     except OSError as exc:
         raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
 

@@ -31,7 +31,13 @@ from deltasync import names
 from deltasync.commit import Manifest
 from deltasync.commit.canonical import check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
-from deltasync.journal_file import encode_record, read_record, remove_record, write_record
+from deltasync.journal_file import (
+    STATE_DIR_MODE,
+    encode_record,
+    read_record,
+    remove_record,
+    write_record,
+)
 
 _MAX_VERSION = 10**8 - 1
 
@@ -179,7 +185,7 @@ class StateDir:
         self.path = Path(path)
         self.durable = durable  # False skips fsync: scratch directories in tests only
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)  # private
         except OSError as exc:
             raise LocalStateError(f"cannot create receiver state dir {str(self.path)!r}: {exc}")
 
