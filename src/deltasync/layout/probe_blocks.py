@@ -76,28 +76,40 @@ def row_runs(
     # Runs never cross a destination row, so row-aligned chunks do not change them.
     step = max(1, chunk // dst_cols) * dst_cols
     for lo in range(0, covered.numel(), step):
-        pos = torch.nonzero(covered[lo : lo + step]).squeeze(1)
+        cov = covered[lo : lo + step]
+        if bool(cov.all()):  # the common case: no gather, positions are the chunk itself
+            gid = ids[lo : lo + step].to(torch.int64)
+            _chunk_runs(runs, None, lo, gid, offsets, ordinals, src_cols, dst_cols)
+            continue
+        pos = torch.nonzero(cov).squeeze(1)
         if pos.numel():
-            _chunk_runs(runs, pos + lo, ids, offsets, ordinals, src_cols, dst_cols)
+            pos += lo
+            gid = ids.index_select(0, pos).to(torch.int64)
+            _chunk_runs(runs, pos, lo, gid, offsets, ordinals, src_cols, dst_cols)
 
 
 def _chunk_runs(
     runs: Runs,
-    pos: torch.Tensor,
-    ids: torch.Tensor,
+    pos: torch.Tensor | None,
+    lo: int,
+    gid: torch.Tensor,
     offsets: torch.Tensor,
     ordinals: torch.Tensor,
     src_cols: torch.Tensor,
     dst_cols: int,
 ) -> None:
+    """Row runs of the covered elements at ``pos`` (None: every element from ``lo``) whose
+    element ids are ``gid``."""
     # 1. Flat segments: where destination position and element id both step by one (a whole
     #    row-major copy is one segment), cut where the source tensor changes.
-    gid = ids.index_select(0, pos).to(torch.int64)
-    cut = torch.ones_like(pos, dtype=torch.bool)
-    cut[1:] = (pos[1:] != pos[:-1] + 1) | (gid[1:] != gid[:-1] + 1)
+    cut = torch.ones_like(gid, dtype=torch.bool)
+    cut[1:] = gid[1:] != gid[:-1] + 1
+    if pos is not None:
+        cut[1:] |= pos[1:] != pos[:-1] + 1
     starts = torch.nonzero(cut).squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([pos.numel()])])
-    seg_pos, seg_gid = pos.index_select(0, starts), gid.index_select(0, starts)
+    ends = torch.cat([starts[1:], torch.tensor([gid.numel()])])
+    seg_pos = starts + lo if pos is None else pos.index_select(0, starts)
+    seg_gid = gid.index_select(0, starts)
     seg_len = ends - starts
     t = torch.searchsorted(offsets, seg_gid, right=True) - 1
     t_last = torch.searchsorted(offsets, seg_gid + seg_len - 1, right=True) - 1
