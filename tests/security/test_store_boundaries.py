@@ -174,3 +174,33 @@ def test_a_receiver_with_a_key_still_reaches_every_version_through_the_bounded_r
         assert same_bits(rec.tensors, expected_shards(rig.trainer.params, rig.tl, rig.rl)["tp1"])
     assert set(Catalog(store, signing_key=KEY).acks(3)) == {"r"}
     assert set(rig.pub.live_receivers()) == {"r"}
+
+
+def test_the_cli_reads_its_key_file_through_the_checked_loader(tmp_path, caplog):
+    import argparse
+
+    from deltasync.commands.inspect_store import read_key
+
+    path = tmp_path / "run.key"
+    path.write_bytes(KEY)
+    os.chmod(path, 0o640)
+    with caplog.at_level(logging.WARNING, logger="deltasync.commit.signing"):
+        assert read_key(argparse.Namespace(key_file=str(path))) == KEY
+    assert "chmod 600" in caplog.text
+    path.write_bytes(b"12345")
+    with pytest.raises(ConfigError, match="at least 16"):
+        read_key(argparse.Namespace(key_file=str(path)))
+    assert read_key(argparse.Namespace(key_file=None)) is None
+
+
+def test_the_run_identity_is_inside_the_signed_bytes(tmp_path):
+    store = MemoryStore()
+    rig = Rig(store, key=KEY)
+    rig.publish(0)
+    data = store.get(names.manifest_key(0))
+    run_id = Catalog(store, signing_key=KEY).manifest(0).run_id
+    other = data.replace(f'"run_id":"{run_id}"'.encode(), b'"run_id":"another-run-0001"')
+    assert other != data
+    store.put(names.manifest_key(0), other)
+    with pytest.raises(SignatureError, match="does not verify"):
+        Catalog(store, signing_key=KEY).manifest(0)

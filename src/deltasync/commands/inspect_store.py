@@ -87,11 +87,10 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
 def read_key(args: argparse.Namespace) -> bytes | None:
     if not args.key_file:
         return None
-    try:
-        data = Path(args.key_file).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --key-file {args.key_file!r}: {exc}") from exc
-    return data[:-1] if data.endswith(b"\n") else data
+    from deltasync.commit.signing import load_key_file
+
+    # Warns when the file is readable by its group or others; refuses a too-short key.
+    return load_key_file(args.key_file)
 
 
 def _human(n: int) -> str:
