@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow  # the same job as the spawn-based tests, under torchrun
 @pytest.mark.timeout(90)
 def test_two_fsdp_writers_and_a_receiver_under_torchrun_end_bit_identical() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -53,6 +53,7 @@ def test_20_versions_keep_both_tp_receivers_bit_identical_to_a_dense_split(tp2_r
     assert len(set(receivers[0]["digests"])) == VERSIONS + 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_dp_replicas_get_every_version_directly_then_forwarded_with_identical_results() -> None:
     # 1 trainer + 2 TP shards x 2 DP replicas; versions 11.. switch to receiver-side forwarding.
