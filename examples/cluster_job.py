@@ -72,11 +72,6 @@ class ClusterJob:
         v = self.versions
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"ClusterJob.versions must be an int >= 0, got {self.versions!r}")
-        if self.writers > 1 and self.cluster.digest_every:
-            raise ConfigError(
-                "ClusterJob: with several writers no rank holds the full state that expected "
-                "digests need; set cluster.digest_every=0 (the final check is bitwise anyway)"
-            )
         for name in ("lr", "grad_std"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

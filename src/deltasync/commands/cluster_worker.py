@@ -69,7 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", type=int, default=10, help="delta versions after the anchor")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: 1e-5)")
     p.add_argument(
-        "--digest-every", type=int, default=0, help="send state digests every K versions"
+        "--digest-every",
+        type=int,
+        default=1,
+        help="send expected digests every K versions (default: 1; 0 = never)",
     )
     p.add_argument("--timeout-s", type=float, default=60.0, help="every wait's timeout")
     p.add_argument("--chunk-mib", type=int, default=64, help="exchange chunk size in MiB")
