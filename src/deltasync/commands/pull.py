@@ -33,6 +33,7 @@ size, every tensor complete).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -88,6 +89,7 @@ def _check_layout(args, head) -> None:
 
 
 def _specs(args, store, catalog, head):
+    from deltasync.commit.model import specs_fingerprint
     from deltasync.format import TensorSpec, decode_blob
     from deltasync.receiver.staging import fetch_blob
 
@@ -99,6 +101,7 @@ def _specs(args, store, catalog, head):
         return layout, layout.local_specs(args.shard)
     anchor = catalog.shard_chain(args.shard, None, head)[0]
     specs: dict[str, TensorSpec] = {}
+    budget = 0  # bytes the anchor's blobs may decompress to, in all
     for entry in anchor.blobs_for(args.shard):
         data = fetch_blob(store, anchor, entry)
         decoded = decode_blob(
@@ -113,10 +116,24 @@ def _specs(args, store, catalog, head):
                     "shard; pass --config"
                 )
             specs[u.name] = TensorSpec(shape=u.shape, dtype=u.dtype)
+        budget += MAX_EXPANSION * len(data)
     if not specs:
         raise ConfigError(
             f"the newest anchor (version {anchor.version}) has no blobs for shard {args.shard!r}; "
             f"shards: {list(anchor.shards)}"
+        )
+    numel = sum(math.prod(s.shape) for s in specs.values())
+    if numel * 2 > budget:  # BF16: the tensors would be bigger than the blobs could hold
+        raise ConfigError(
+            f"anchor version {anchor.version} declares {numel} elements for shard {args.shard!r}, "
+            "more than its blobs can hold; refusing to allocate them (pass --config)"
+        )
+    rec = anchor.layout.shards.get(args.shard) if anchor.layout is not None else None
+    if rec is not None and (rec.numel != numel or rec.specs != specs_fingerprint(specs)):
+        raise ConfigError(
+            f"anchor version {anchor.version}'s blobs for shard {args.shard!r} ({numel} "
+            f"elements) disagree with its manifest's layout record ({rec.numel} elements): a "
+            "damaged or foreign anchor; pass --config"
         )
     return None, dict(sorted(specs.items()))
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from deltasync import names
 from deltasync.commit import Manifest
-from deltasync.commit.canonical import check_digest, check_int
+from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
 from deltasync.journal_file import (
     STATE_DIR_MODE,
@@ -128,7 +128,7 @@ class JournalStep:
             if not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], str):
                 raise ManifestError("journal blob must be [key, size, digest]")
             blobs.append((b[0], check_int(b[1], what="journal blob size", lo=1, hi=2**63 - 1),
-                          check_digest(b[2], what="journal blob digest")))  # fmt: skip
+                          check_blob_digest(b[2], what="journal blob digest")))  # fmt: skip
         if obj["kind"] not in ("delta", "anchor"):
             raise ManifestError(f"journal step kind {obj['kind']!r}")
         return cls(
