@@ -62,6 +62,15 @@ def run(cfg: DemoConfig, console=None) -> dict:
         console = Console() if Console().is_terminal else Console(width=150)
     root = cfg.store or tempfile.mkdtemp(prefix="deltasync-demo-")
     store_root = os.path.join(root, "store")
+    if cfg.store and os.path.isdir(root) and os.listdir(root):
+        # A used store holds another run's versions and receiver states: the demo's exactness
+        # check compares against this run only, so refuse instead of reporting a false mismatch.
+        from deltasync.errors import ConfigError
+
+        raise ConfigError(
+            f"--store {cfg.store!r} is not empty (it holds an earlier demo run); pass an empty "
+            "or new directory, or omit --store for a fresh temporary one"
+        )
     hf_config = cfg.policy.hf_config()
     spec = ModelSpec.from_hf_config(hf_config)
     rlayout = ReceiverLayout.build(spec, engine="vllm", tp=cfg.tp)

@@ -177,3 +177,12 @@ def test_inspect_does_not_die_on_a_closed_pipe(store_path, tmp_path):
     os.close(write_end)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_demo_refuses_a_used_store_instead_of_reporting_a_false_mismatch(tmp_path, capsys):
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "LATEST").write_text('{"version":3}')
+    assert main(["demo", "--steps", "1", "--small", "--store", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "MISMATCH" not in err
