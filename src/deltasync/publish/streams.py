@@ -9,10 +9,9 @@ waits for the stores. An abort (an error anywhere) ends every upload with an exc
 makes each store discard its partial object: nothing half-written ever lands under a blob key,
 and nothing is visible to receivers before the manifest anyway.
 
-Memory: encoded bytes wait (up to ``COALESCE_BYTES`` per blob, then in a queue) until their
-upload thread takes them, so at most the compressed bytes not yet sent (with
-``upload_threads`` smaller than the number of shards, a waiting shard's whole blob) are held;
-the routed tensors of a group are dropped once encoded.
+Memory: encoded bytes wait in a queue until their upload thread takes them, so at most the
+compressed bytes not yet sent (with ``upload_threads`` smaller than the number of shards, a
+waiting shard's whole blob) are held; the routed tensors of a group are dropped once encoded.
 
 This module knows blobs, keys and stores; it knows nothing about trackers or layouts.
 """
@@ -33,8 +32,6 @@ from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
 from deltasync.store import Store
 
-# Encoded bytes gathered before they are handed to a blob's upload thread (after its first).
-COALESCE_BYTES = 1 << 20
 _END = object()  # the blob is complete
 _ABORT = object()  # the blob must not be stored
 
@@ -47,7 +44,6 @@ class _Stream:
     chunks: queue.SimpleQueue  # whole segments, waiting for the upload thread
     upload: Future
     elements: int = 0
-    started: bool = False  # the first segment was handed to the upload
     # The manifest's digest of the blob (BLAKE2b-256), over exactly the bytes uploaded.
     hasher: Any = field(default_factory=blob_hasher)
 
@@ -90,22 +86,15 @@ class ShardStreams:
         return stream
 
     @staticmethod
-    def _flush(stream: _Stream, *, final: bool = False) -> None:
-        # Whole segments only (with the header before the first, the trailer after the last).
-        # The first goes at once, so the upload starts while later groups are detected; after
-        # that segments are gathered up to COALESCE_BYTES per hand-over: each hand-over wakes
-        # the upload thread, a GIL round trip that cost ~1 ms per segment on a busy host, and
-        # a small model makes hundreds of tiny segments per version. S3's put_stream gathers
-        # chunks into parts anyway.
-        if not stream.pending:
-            return
-        size = sum(len(b) for b in stream.pending)
-        if final or not stream.started or size >= COALESCE_BYTES:
+    def _flush(stream: _Stream) -> None:
+        # One chunk per segment (with the header before the first, the trailer after the
+        # last): the upload sees whole segments as soon as they exist, in few writes; S3's
+        # put_stream gathers them into parts.
+        if stream.pending:
             data = b"".join(stream.pending)
             stream.hasher.update(data)
             stream.chunks.put(data)
             stream.pending.clear()  # the same list: it is the writer's sink
-            stream.started = True
 
     def add(self, updates: Mapping[str, Sequence[TensorUpdate]]) -> None:
         """One segment in each shard's blob that has updates here (in ``updates``' order)."""
@@ -127,7 +116,7 @@ class ShardStreams:
         t = time.perf_counter()
         for stream in self._streams.values():
             stream.writer.finish()
-            self._flush(stream, final=True)
+            self._flush(stream)
             stream.chunks.put(_END)
         self.encode_s += time.perf_counter() - t
         errors = [s.upload.exception() for s in self._streams.values()]
