@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import uuid
 
 import pytest
 from truth_kit import Rig, Trainer, wipe
@@ -20,8 +21,17 @@ def rig(tmp_path):
     return Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
 
 
-@pytest.mark.timeout(90)
-def test_a_wiped_store_and_a_renumbering_trainer_with_other_data_never_fool_a_receiver(rig):
+@pytest.fixture(params=["local", "s3"])
+def any_rig(request, tmp_path):
+    if request.param == "local":
+        return Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    s3 = request.getfixturevalue("s3_session_store")
+    return Rig(s3.with_prefix(f"lineage-{uuid.uuid4().hex[:8]}"), tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_wiped_store_and_a_renumbering_trainer_with_other_data_never_fool_a_receiver(any_rig):
+    rig = any_rig
     for v in range(6):
         rig.publish(v)
     rig.check(rig.rec.pull())
