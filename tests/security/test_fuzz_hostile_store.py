@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import time
@@ -49,7 +50,7 @@ from deltasync.commit import Catalog
 SEED = 1818
 KEY = b"fuzz-signing-key-0123456789abcdef"
 SECRET = b"OUTSIDE-SECRET"
-HUGE = "1" + "0" * 308  # 10**308 as JSON digits; 10**309 overflows a float
+HUGE = "9" * 309  # a 309-digit integer: float() of it overflows
 ODD_STRINGS = ["\x00", "w00000\n", "é\u202e", "a" * 300, "../../x", "", " ", "v00000001"]
 
 
@@ -234,6 +235,24 @@ def m_json(rng, root, outside):
     return f"json {p.name} {list(path)} := {kind}"
 
 
+def m_huge_number(rng, root, outside):
+    """A 309-digit integer (or its negative) in place of a numeric field of a manifest or
+    record: ``float()`` of it overflows, which once crashed every reader."""
+    candidates = [p for p in _files(root) if p.suffix == ".json" or p.name == "LATEST"]
+    manifests = [p for p in candidates if p.name == "MANIFEST.json"]
+    p = rng.choice(manifests if manifests and rng.random() < 0.6 else candidates)
+    text = p.read_text(errors="replace")
+    numbers = list(re.finditer(r'"(\w+)":(-?[0-9][0-9.e+-]*)', text))
+    times = [m for m in numbers if m.group(1).endswith(("_at", "_s"))]
+    if not numbers:
+        return m_json(rng, root, outside)
+    # Times are where a float conversion happens: aim there more often than not.
+    m = rng.choice(times if times and rng.random() < 0.7 else numbers)
+    huge = rng.choice([HUGE, HUGE, "-" + HUGE, "1e400", "9" * 5000])
+    p.write_text(text[: m.start(2)] + huge + text[m.end(2) :])
+    return f"huge number in {p.name}"
+
+
 def m_replay_manifest(rng, root, outside):
     manifests = sorted(root.glob("v*/MANIFEST.json"))
     a, b = rng.sample(manifests, 2)
@@ -265,7 +284,8 @@ def m_delete(rng, root, outside):
 
 
 MUTATIONS = [m_flip, m_truncate, m_extend, m_sparse, m_link_outside, m_dev_zero, m_fifo,
-             m_dir_in_place, m_link_dir, m_json, m_json, m_json, m_replay_manifest, m_foreign,
+             m_dir_in_place, m_link_dir, m_json, m_json, m_huge_number, m_huge_number,
+             m_replay_manifest, m_foreign,
              m_future_heartbeat, m_delete]  # fmt: skip
 
 

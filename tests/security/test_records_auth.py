@@ -176,7 +176,21 @@ def test_a_heartbeat_dated_in_the_far_future_is_refused_and_never_live():
         AckRecord.from_json(late.to_json(), now=now)
 
 
-HUGE = "1" + "0" * 308
+HUGE = "9" * 309  # float() of it overflows
+
+
+def _manifest_text(**raw: str) -> str:
+    """A valid manifest's JSON with the given fields replaced by raw JSON text."""
+    m = Manifest(version=1, base_version=0, kind="delta", format_version=1, created_at=1.0,
+                 writers=("w",), blobs=(), shard_digests={"tp0": D}, run_id="run0",
+                 base_digests={"tp0": D})  # fmt: skip
+    obj = json.loads(m.to_json())
+    for k in raw:
+        obj[k] = f"@{k}@"
+    text = json.dumps(obj)
+    for k, v in raw.items():
+        text = text.replace(f'"@{k}@"', v)
+    return text
 
 
 @pytest.mark.parametrize(
@@ -192,9 +206,9 @@ HUGE = "1" + "0" * 308
         (ReceiverRecord.from_json,
          '{"receiver":"r","shard":"tp0","version":' + HUGE + ',"updated_at":1}'),
         (WriterMarker.from_json, '{"version":1,"writer":"w","blobs":[],"created_at":1e400}'),
-        (Manifest.from_json, '{"version":1,"base_version":0,"kind":"delta","format_version":1,'
-         '"created_at":' + HUGE + ',"writers":["w"],"blobs":[],"shard_digests":{"tp0":"' + D
-         + '"}}'),
+        (Manifest.from_json, _manifest_text(created_at=HUGE)),
+        (Manifest.from_json, _manifest_text(version=HUGE)),
+        (Manifest.from_json, _manifest_text(format_version="-" + HUGE)),
         (ReceiverRecord.from_json, '{"receiver":"r","shard":"tp0","version":1,"updated_at":'
          + "9" * 5000 + "}"),
         (ReceiverRecord.from_json, '{"receiver":["r"],"shard":{},"version":1,"updated_at":1}'),
