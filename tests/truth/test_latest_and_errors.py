@@ -80,3 +80,14 @@ def test_a_repair_whose_journal_cannot_be_replayed_lists_the_journaled_versions(
     wipe(rig.store)
     with pytest.raises(VersionError, match=r"journaled versions \[0, 1\]"):
         rig.receiver()
+
+
+@pytest.mark.timeout(60)
+def test_a_garbage_latest_is_treated_as_absent_and_overwritten_by_the_next_commit(rig):
+    rig.store.put(names.LATEST, b"\xff not json")
+    report = rig.rec.pull()
+    assert report.version == 1
+    rig.check(report)
+    rig.publish(2)
+    assert decode_latest(rig.store.get(names.LATEST)) == 2
+    rig.check(rig.rec.pull())

@@ -63,18 +63,31 @@ class Catalog:
 
     # --- versions ---------------------------------------------------------------------
 
-    def read_latest(self) -> int | None:
-        """What ``LATEST`` says, or None if it does not exist yet."""
+    def _latest_bytes(self) -> bytes | None:
         try:
-            return decode_latest(self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES))
+            return self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES)
         except KeyNotFoundError:
+            return None
+        except ObjectTooLargeError:
+            log.warning("LATEST is larger than %d bytes: treated as absent", MAX_LATEST_BYTES)
+            return None
+
+    def read_latest(self) -> int | None:
+        """What ``LATEST`` says, or None if it does not exist yet. A malformed ``LATEST`` is a
+        hint nobody can use: treated as absent (the next commit overwrites it)."""
+        data = self._latest_bytes()
+        try:
+            return None if data is None else decode_latest(data)
+        except ManifestError as exc:
+            log.warning("LATEST is not readable (%s): treated as absent", exc)
             return None
 
     def read_latest_run(self) -> str | None:
-        """The run id ``LATEST`` records (None: absent or written without one)."""
+        """The run id ``LATEST`` records (None: absent, malformed or written without one)."""
+        data = self._latest_bytes()
         try:
-            return decode_latest_run(self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES))
-        except KeyNotFoundError:
+            return None if data is None else decode_latest_run(data)
+        except ManifestError:
             return None
 
     def latest(self) -> int | None:

@@ -207,7 +207,10 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
     if newest is None:
         return None
     current = catalog.read_latest()
-    run_id = catalog.manifest(newest).run_id
+    try:
+        run_id = catalog.manifest(newest).run_id
+    except DeltaSyncError:
+        return newest  # an unreadable newest manifest: readers refuse it; leave LATEST alone
     if current != newest or catalog.read_latest_run() != run_id:
         store.put(names.LATEST, encode_latest(newest, run_id))
     return newest
