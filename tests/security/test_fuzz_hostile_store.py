@@ -392,3 +392,48 @@ def test_a_mutated_signed_store_never_makes_a_receiver_report_a_version_it_does_
     tmp_path,
 ):
     _fuzz(tmp_path, key=KEY, rounds=45, seed=SEED + 1)
+
+
+HOSTILE_KEY_PARTS = ["..", ".", "", ".tmp-x", "a\x00b", "a\nb", "\x7f", "é" * 128, "x" * 256,
+                     "\udc80", "a\\b", "/", "v00000001", "MANIFEST.json", "ok"]  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_random_hostile_keys_through_every_store_call_give_only_store_errors(tmp_path, backend):
+    from deltasync import MemoryStore
+    from deltasync.errors import StoreError
+
+    rng = random.Random(SEED)
+    store = LocalStore(tmp_path / "store", durable=False) if backend == "local" else MemoryStore()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(SECRET)
+    calls = [
+        lambda k: store.put(k, b"x"),
+        lambda k: store.put_if_absent(k, b"x"),
+        lambda k: store.put_stream(k, [b"x", b"y"]),
+        lambda k: store.get(k, max_bytes=rng.choice([None, 0, 1, 10])),
+        lambda k: store.get_range(k, rng.randrange(3), rng.randrange(3)),
+        store.exists,
+        store.size,
+        store.delete,
+        store.list,
+    ]
+    written = set()
+    for _ in range(600):
+        key = "/".join(rng.choice(HOSTILE_KEY_PARTS) for _ in range(rng.randint(1, 4)))
+        call = rng.choice(calls)
+        try:
+            result = call(key)
+        except StoreError:
+            continue
+        except Exception as exc:
+            raise AssertionError(f"{key!r}: untyped {type(exc).__name__}: {exc}") from exc
+        if call in calls[:3]:
+            written.add(key)
+        assert not isinstance(result, bytes) or SECRET not in result
+    assert _tree(outside) == {"precious": SECRET}
+    listed = set(store.list())
+    for key in written:  # whatever was accepted is an ordinary key: listed while it exists
+        assert key in listed or not store.exists(key)
