@@ -212,11 +212,7 @@ class Receiver:
                     config.receiver_id, self.shard, self._state.version,
                 )  # fmt: skip
                 self._set_state(dirty=True)
-            elif (
-                config.verify_on_open
-                and self._held() is not None
-                and self.catalog.has_manifest(self._state.version)
-            ):
+            elif config.verify_on_open and self._held() is not None and self._still_committed():
                 # Verified what it holds: owe the ack of it (a process killed between its
                 # scatter and its ack comes back here, and the trainer's wait completes).
                 self._pending_ack = AckRecord(
@@ -224,6 +220,14 @@ class Receiver:
                     state_digest=self._state.state_digest, created_at=time.time(),
                 )  # fmt: skip
             self._flush_records()
+
+    def _still_committed(self) -> bool:
+        """Does the store still hold the manifest of the held version? (False when it cannot
+        say: the ack is an optimisation, never a reason to fail.)"""
+        try:
+            return self.catalog.has_manifest(self._state.version)
+        except StoreError:
+            return False
 
     @classmethod
     def for_layout(
