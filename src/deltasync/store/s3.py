@@ -252,7 +252,7 @@ class S3Store:
             except ClientError as exc:
                 code, status = error_code(exc)
                 if maybe_landed and (code in CONFLICT or status == 412):
-                    if self._read_quietly(full) == body:
+                    if self._read_quietly(full, len(body)) == body:
                         return  # our earlier attempt committed before its reply was lost
                 if is_transient(exc):
                     maybe_landed = True
@@ -264,9 +264,15 @@ class S3Store:
 
         self._call("put_if_absent", key, op)
 
-    def _read_quietly(self, full: str) -> bytes | None:
+    def _read_quietly(self, full: str, expected: int) -> bytes | None:
+        """The object if it is at most one byte longer than ``expected`` (enough to tell it
+        from our bytes; a huge object planted there is never read whole), else None."""
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            try:
+                return body.read(expected + 1)
+            finally:
+                body.close()
         except Exception:
             return None
 
