@@ -171,7 +171,7 @@ def test_merged_carry_rereads_current_values_at_the_union_of_positions():
     fresh = [("a", torch.tensor([1, 5]), params["a"][[1, 5]].to(torch.bfloat16)),
              ("c", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))]  # fmt: skip
     carry = {"a": torch.tensor([0, 5, 9], dtype=torch.int32), "b": torch.tensor([2])}
-    out = merge_carry(fresh, carry, params)
+    out = list(merge_carry(fresh, carry, params))
     assert [n for n, _, _ in out] == ["a", "b", "c"]
     (_, ia, va), (_, ib, vb), (_, ic, vc) = out
     assert ia.tolist() == [0, 1, 5, 9] and ia.dtype == torch.int64
@@ -182,7 +182,8 @@ def test_merged_carry_rereads_current_values_at_the_union_of_positions():
     )
     assert ic.tolist() == [0] and vc.view(torch.int16).tolist() == [0]  # not carried: as given
     with pytest.raises(ConfigError, match="not in params"):
-        merge_carry([("zz", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))], {}, params)
+        list(merge_carry([("zz", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))], {},
+                         params))  # fmt: skip
 
 
 def test_overlap_without_the_optimizer_is_refused_naming_it():
