@@ -36,38 +36,49 @@ def store_path(tmp_path):
     return tmp_path / "store"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_sigterm(
     store_path, tmp_path
 ):
     store = LocalStore(store_path, durable=False)
     weights = tmp_path / "weights"
-    proc = _cli("pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
-                "--dir", str(weights), "--interval", "0.05")  # fmt: skip
+    out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_file, "w") as out, open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltasync", "pull", str(store_path), "--engine", "vllm",
+             "--tp", "2", "--shard", "tp0", "--dir", str(weights), "--interval", "0.05"],
+            cwd=REPO, stdout=out, stderr=err, text=True,
+        )  # fmt: skip
     try:
-        time.sleep(2.0)
-        assert proc.poll() is None, proc.communicate()
+        deadline = time.monotonic() + 120
+        while "waiting for the first committed version" not in out_file.read_text():
+            assert proc.poll() is None, err_file.read_text()
+            assert time.monotonic() < deadline, "the sidecar never said it waits"
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more polls of the empty store
+        assert proc.poll() is None, err_file.read_text()
         assert not store.list(names.RECEIVERS_PREFIX), "registered before holding anything"
         rig = Rig(store, tmp_path)
         rig.publish(0)
         file = weights / "tp0.safetensors"
-        deadline = time.monotonic() + 60
         while not file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None, err_file.read_text()
+            assert time.monotonic() < deadline + 60, "the sidecar never wrote the file"
             time.sleep(0.05)
-        time.sleep(0.2)
         run = rig.trainer.pub.run_id
         assert_same_bits(load_file(str(file)), rig.oracle[(run, 0)]["tp0"])
         umask = os.umask(0)
         os.umask(umask)
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask
-        assert names.receiver_key("pull-tp0") in store.list(names.RECEIVERS_PREFIX)
+        deadline = time.monotonic() + 30
+        while names.receiver_key("pull-tp0") not in store.list(names.RECEIVERS_PREFIX):
+            assert time.monotonic() < deadline, "the sidecar never registered"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-        assert "Traceback" not in err
-        assert "waiting for the first committed version" in out
-        assert "stopped by signal SIGTERM" in out
+        proc.wait(timeout=30)
+        assert proc.returncode == 0, err_file.read_text()
+        assert "Traceback" not in err_file.read_text()
+        assert "stopped by signal SIGTERM" in out_file.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
