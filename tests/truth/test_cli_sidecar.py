@@ -197,3 +197,27 @@ def test_demo_refuses_a_used_store_instead_of_reporting_a_false_mismatch(tmp_pat
     assert main(["demo", "--steps", "1", "--small", "--store", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "is not empty" in err and "MISMATCH" not in err
+
+
+@pytest.mark.timeout(90)
+def test_pull_backs_off_a_damaged_store_with_one_line_and_recovers_when_it_is_repaired(
+    store_path, tmp_path, capsys
+):
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    key = names.manifest_key(1)
+    good = store.get(key)
+    store.put(key, good[:20])
+    args = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
+            "--dir", str(tmp_path / "w"), "--interval", "0.01"]  # fmt: skip
+    assert main([*args, "--iterations", "4"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("ManifestError") == 1 and "retrying with backoff" in err
+    store.put(key, good)
+    assert main([*args, "--iterations", "1"]) == 0
+    run = rig.trainer.pub.run_id
+    assert_same_bits(
+        load_file(str(tmp_path / "w" / "tp0.safetensors")), rig.oracle[(run, 1)]["tp0"]
+    )

@@ -245,20 +245,22 @@ def _run(args: argparse.Namespace) -> int:
 def _loop(args: argparse.Namespace, stop: _Stop) -> int:
     store = open_store_from_args(args)
     key = read_key(args)
-    receiver, path = _start(args, store, key, stop)
-    if receiver is None:
-        _say("deltasync pull: stopped before the first commit")
-        return 0
+    receiver = path = None
     done = failures = 0
     last_error = None
     while not stop.event.is_set():
         try:
+            if receiver is None:  # the start is retried like a pull: a damaged store heals
+                receiver, path = _start(args, store, key, stop)
+                if receiver is None:
+                    _say("deltasync pull: stopped before the first commit")
+                    return 0
             report = receiver.pull()
             if report.version is not None and (report.changed or not path.exists()):
                 _write(path, receiver.tensors, report.version, receiver.state_digest,
                        args.shard, report.run_id)  # fmt: skip
             if last_error is not None:
-                _say(f"deltasync pull: recovered after {failures} failed pull(s)")
+                _say(f"deltasync pull: recovered after {failures} failed attempt(s)")
             if report.changed or done == 0 or last_error is not None:
                 _say(
                     f"version {report.version} (from {report.previous_version}, applied "
@@ -267,14 +269,16 @@ def _loop(args: argparse.Namespace, stop: _Stop) -> int:
                     f"total {report.total_s * 1e3:.1f} ms -> {path}"
                 )
             failures, last_error = 0, None
+        except (LayoutMismatchError, ConfigError):
+            raise  # another layout, a bad argument: waiting does not change it
         except DeltaSyncError as exc:
-            if receiver.version is None or receiver.dirty:
+            if receiver is not None and (receiver.version is None or receiver.dirty):
                 receiver.deregister()  # never leave a registration without a verified version
             if args.once:
                 raise
             failures += 1
             line = f"{type(exc).__name__}: {exc}"
-            if line != last_error:
+            if line != last_error:  # one line per change of state, not one per attempt
                 _say(f"deltasync pull: {line} (retrying with backoff)", err=True)
                 last_error = line
         done += 1
