@@ -73,7 +73,10 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
     assert main(["inspect", str(rig.path), "--json", "--last", "2"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert [(r["version"], r["shard"]) for r in info["rows"]] == [
-        (2, "tp0"), (2, "tp1"), (3, "tp0"), (3, "tp1")
+        (2, "tp0"),
+        (2, "tp1"),
+        (3, "tp0"),
+        (3, "tp1"),
     ]
     delta = info["rows"][0]
     numel = sum(s.shape[0] * (s.shape[1] if len(s.shape) > 1 else 1)

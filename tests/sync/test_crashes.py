@@ -205,9 +205,7 @@ def test_a_receiver_killed_right_after_an_anchor_restore_replays_from_the_anchor
 
 
 @pytest.mark.timeout(60)
-def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor(
-    tmp_path, caplog
-):
+def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="deltasync.receiver.store_receiver")
     store, rl, publish, states = _receiver_rig(100, tmp_path)
     publish(0), publish(1)

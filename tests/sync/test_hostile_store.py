@@ -22,7 +22,6 @@ from deltasync.errors import (
     ManifestError,
     SignatureError,
     TruncatedBlobError,
-    VersionError,
 )
 from deltasync.format import encode_blob, sparse_update
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
