@@ -78,9 +78,13 @@ def _floor(res: dict[str, dict], model_bytes: int, gbps: float | None, memory_gb
     shard_elements = int(max(m["shard_bytes"] for m in res.values()) // 2)
     scatter = min(per_shard) if per_shard else (min(changed) if changed else 0)
     return floor_of(
-        trainer_elements=model_bytes // 2, payload_bytes=payload, link_gbps=gbps,
-        memory_gbps=memory_gbps, shard_elements=shard_elements, scatter_elements=int(scatter),
-    )  # fmt: skip
+        trainer_elements=model_bytes // 2,
+        payload_bytes=payload,
+        link_gbps=gbps,
+        memory_gbps=memory_gbps,
+        shard_elements=shard_elements,
+        scatter_elements=int(scatter),
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from deltasync_bench.common import emit_json, memory_read_gbps, print_table, timed
 
 from deltasync.trainer import AdamWTracker, SnapshotTracker
 from deltasync.trainer.adamw_bound import kernel_scalars
 from deltasync.trainer.detect import bitset_bytes, detect_adamw_
+from deltasync_bench.common import emit_json, memory_read_gbps, print_table, timed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +67,7 @@ def run(cfg: DetectBenchConfig) -> dict:
     bits = [torch.zeros(bitset_bytes(p.numel()), dtype=torch.uint8) for p in params]
 
     def kernel_pass(force_torch: bool = False) -> None:
-        for p, b in zip(params, bits):
+        for p, b in zip(params, bits, strict=False):
             st = opt.state[p]
             detect_adamw_(
                 p.detach(), st["exp_avg"], st["exp_avg_sq"], scal, b, force_torch=force_torch

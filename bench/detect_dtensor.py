@@ -82,20 +82,26 @@ def main() -> None:
     res = {"plain": _run(plain, grads, args.repeat), "dtensor": _run(dt, grads, args.repeat)}
     dist.destroy_process_group()
     n = args.params * args.rows * args.cols
-    print(f"{'params':>8} {'elements':>12} {'kind':>8} {'detect s':>10} {'M elem/s':>10} "
-          f"{'changed':>10} {'version check us':>17} {'local views us':>15}")  # fmt: skip
+    print(
+        f"{'params':>8} {'elements':>12} {'kind':>8} {'detect s':>10} {'M elem/s':>10} "
+        f"{'changed':>10} {'version check us':>17} {'local views us':>15}"
+    )
     for kind, r in res.items():
-        print(f"{args.params:>8} {n:>12} {kind:>8} {r['detect_s']:>10.4f} "
-              f"{n / r['detect_s'] / 1e6:>10.1f} {r['changed']:>10} "
-              f"{r['version_check_s'] * 1e6:>17.1f} {r['local_view_s'] * 1e6:>15.1f}")  # fmt: skip
+        print(
+            f"{args.params:>8} {n:>12} {kind:>8} {r['detect_s']:>10.4f} "
+            f"{n / r['detect_s'] / 1e6:>10.1f} {r['changed']:>10} "
+            f"{r['version_check_s'] * 1e6:>17.1f} {r['local_view_s'] * 1e6:>15.1f}"
+        )
     assert res["plain"]["changed"] == res["dtensor"]["changed"], "the two runs must agree"
     out = {
-        "bench": "detect_dtensor", "params": args.params, "elements": n,
+        "bench": "detect_dtensor",
+        "params": args.params,
+        "elements": n,
         "threads": torch.get_num_threads(),
         **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
         "dtensor_over_plain": res["dtensor"]["detect_s"] / res["plain"]["detect_s"],
         "version_check_us_per_param": res["dtensor"]["version_check_s"] * 1e6 / args.params,
-    }  # fmt: skip
+    }
     print(json.dumps(out))
 
 

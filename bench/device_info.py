@@ -13,6 +13,7 @@ import sys
 from importlib import metadata
 
 import torch
+
 from deltasync_bench.common import emit_json
 
 PACKAGES = (

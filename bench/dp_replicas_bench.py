@@ -20,10 +20,9 @@ import statistics
 import sys
 import time
 
-from deltasync_examples.cluster_job import TINY_QWEN3, ClusterJob, run_cluster_sync
-
 from deltasync.cluster import ClusterConfig
 from deltasync.exchange import ExchangeConfig, spawn
+from deltasync_examples.cluster_job import TINY_QWEN3, ClusterJob, run_cluster_sync
 
 MEDIUM_QWEN3 = dict(
     model_type="qwen3",
@@ -59,7 +58,7 @@ def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict
     writer, receivers = results[0], results[1:]
     assert all(r["exact"] for r in receivers), "a receiver is not bit-identical"
     deltas = writer["reports"][1:]
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = lambda xs: statistics.median(xs)
     sent = med(r["bytes_sent"] for r in deltas)
     forwarded = (
         sum(

@@ -28,9 +28,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from deltasync_bench.common import emit_json, peak_rss_bytes, print_table
 
 from deltasync.exchange import ExchangeConfig, exchange, init_from_env, spawn
+from deltasync_bench.common import emit_json, peak_rss_bytes, print_table
 
 DEFAULT = ExchangeConfig()
 CHUNK_ROWS_MB = (1, 8, DEFAULT.max_chunk_bytes >> 20)

@@ -18,11 +18,11 @@ import argparse
 import time
 
 import torch
-from deltasync_bench.common import emit_json
 
 from deltasync import AdamWTracker
 from deltasync.trainer import detect
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
+from deltasync_bench.common import emit_json
 
 LR, WD, BETAS, EPS = 3e-6, 0.01, (0.9, 0.999), 1e-8
 NPARAMS = 8

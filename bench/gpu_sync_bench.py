@@ -17,7 +17,6 @@ import tempfile
 import time
 
 import torch
-from deltasync_bench.compare.workload import Workload, build_trainer
 
 from deltasync import (
     AdamWTracker,
@@ -32,6 +31,7 @@ from deltasync import (
     TrainerSync,
 )
 from deltasync.jsonline import emit_json_line
+from deltasync_bench.compare.workload import Workload, build_trainer
 
 
 def main() -> None:

@@ -26,9 +26,9 @@ import math
 import time
 
 import torch
-from deltasync_bench.common import emit_json, memory_read_gbps, print_table
 
 from deltasync.layout import ModelSpec, ReceiverLayout
+from deltasync_bench.common import emit_json, memory_read_gbps, print_table
 
 QWEN3_06B = {
     "model_type": "qwen3",

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer
 
 from deltasync import (
     AdamWTracker,
@@ -43,6 +42,7 @@ from deltasync.cluster import DEFAULT_DP_MODE, RolePlan, WriterRole
 from deltasync.errors import ConfigError
 from deltasync.exchange import init_from_env
 from deltasync.layout import fsdp_dim0_rows
+from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,11 +41,20 @@ from deltasync import (
 )
 
 TINY_QWEN3 = dict(
-    model_type="qwen3", architectures=["Qwen3ForCausalLM"], torch_dtype="bfloat16",
-    vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, intermediate_size=512, tie_word_embeddings=False,
-    rms_norm_eps=1e-6, max_position_embeddings=128,
-)  # fmt: skip
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    torch_dtype="bfloat16",
+    vocab_size=1024,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+)
 
 
 def _worker_tensors(worker) -> dict:
@@ -105,10 +114,15 @@ def main() -> None:
     (ckpt / "config.json").write_text(json.dumps(cfg))
 
     llm = LLM(
-        model=str(ckpt), skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
-        max_model_len=128, max_num_seqs=8, seed=0,
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        seed=0,
         weight_transfer_config={"backend": "deltasync"},
-    )  # fmt: skip
+    )
     engine = DeltaSyncTrainerEngine.trainer_init(
         DeltaSyncTrainerInitInfo(
             rank=0,
@@ -143,12 +157,29 @@ def main() -> None:
             for n in want
         )
         tokens = list(llm.generate(prompt, sampling, use_tqdm=False)[0].outputs[0].token_ids)
-        rows.append({"version": version, "api_s": api_s, "pause_s": state["pause_s"],
-                     "elements": state["elements"], "exact": exact})  # fmt: skip
-        print(f"{version:>7} {api_s:>8.4f} {state['pause_s']:>8.4f} {state['elements']:>9} "
-              f"{str(exact):>6}  {tokens}")  # fmt: skip
-    print(json.dumps({"path": state["path"], "weight_version": llm.get_weight_version(),
-                      "all_exact": all(r["exact"] for r in rows), "rows": rows}))  # fmt: skip
+        rows.append(
+            {
+                "version": version,
+                "api_s": api_s,
+                "pause_s": state["pause_s"],
+                "elements": state["elements"],
+                "exact": exact,
+            }
+        )
+        print(
+            f"{version:>7} {api_s:>8.4f} {state['pause_s']:>8.4f} {state['elements']:>9} "
+            f"{exact!s:>6}  {tokens}"
+        )
+    print(
+        json.dumps(
+            {
+                "path": state["path"],
+                "weight_version": llm.get_weight_version(),
+                "all_exact": all(r["exact"] for r in rows),
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

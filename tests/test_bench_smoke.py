@@ -28,15 +28,36 @@ def _last_json(args: list[str], timeout: float) -> dict:
 @pytest.mark.timeout(240)
 def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) -> None:
     out = _last_json(
-        ["bench", "--model", "qwen3-moe-tiny", "--lr", "1e-4", "--steps", "1", "--link-gbps",
-         "1", "--systems", "snapshot,deltasync", "--out", str(tmp_path)],
+        [
+            "bench",
+            "--model",
+            "qwen3-moe-tiny",
+            "--lr",
+            "1e-4",
+            "--steps",
+            "1",
+            "--link-gbps",
+            "1",
+            "--systems",
+            "snapshot,deltasync",
+            "--out",
+            str(tmp_path),
+        ],
         timeout=220,
-    )  # fmt: skip
+    )
     assert out["exact"] is True and out["link_gbps"] == 1.0
     assert set(out["results"]) == {"snapshot", "deltasync"}
     for res in out["results"].values():
-        for key in ("total_s", "trainer_stall_s", "transfer_s", "receiver_pause_s", "bytes",
-                    "trainer_peak_rss_bytes", "receiver_peak_rss_bytes", "changed_fraction"):
+        for key in (
+            "total_s",
+            "trainer_stall_s",
+            "transfer_s",
+            "receiver_pause_s",
+            "bytes",
+            "trainer_peak_rss_bytes",
+            "receiver_peak_rss_bytes",
+            "changed_fraction",
+        ):
             assert isinstance(res[key], (int, float)) and res[key] >= 0, key
         assert 0 < res["changed_fraction"] <= 1 and res["bytes"] > 0
     assert {r["path"] for r in out["runs"]} >= {"store (unthrottled)", "store @ 1 Gbit/s"}

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
 from deltasync_bench.common import memory_read_gbps
 
 

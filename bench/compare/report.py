@@ -95,7 +95,7 @@ def plot(
     paths = list(results_by_path)
     systems = sorted({s for r in results_by_path.values() for s in r})
     fig, axes = plt.subplots(1, len(_PANELS), figsize=(6 * len(_PANELS), 4.8))
-    for ax, (ylabel, fields) in zip(axes, _PANELS):
+    for ax, (ylabel, fields) in zip(axes, _PANELS, strict=False):
         bars = [(s, key, label) for s in systems for key, label in fields]
         width = 0.8 / max(len(bars), 1)
         for i, (sysname, key, label) in enumerate(bars):
@@ -106,9 +106,14 @@ def plot(
         if floors and ylabel.startswith("seconds"):
             for j, p in enumerate(paths):
                 if p in floors:
-                    ax.hlines(floors[p], j - width / 2, j + width * (len(bars) - 0.5),
-                              colors="black", linestyles="dashed",
-                              label="floor" if j == 0 else None)  # fmt: skip
+                    ax.hlines(
+                        floors[p],
+                        j - width / 2,
+                        j + width * (len(bars) - 0.5),
+                        colors="black",
+                        linestyles="dashed",
+                        label="floor" if j == 0 else None,
+                    )
         ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(paths))])
         ax.set_xticklabels(paths, rotation=15, fontsize=8)
         ax.set_ylabel(ylabel)

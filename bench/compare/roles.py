@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak
 from deltasync_bench.compare.workload import ForwardBackward, Workload, build_trainer
 from deltasync_examples.harness import serve
@@ -106,9 +107,12 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
         fwd_bwd = ForwardBackward(spec.fwd_bwd_s, on=spec.fwd_bwd_on)
         st.update(
-            tlayout=tlayout, rlayout=rlayout, trainer=trainer, fwd_bwd=fwd_bwd,
+            tlayout=tlayout,
+            rlayout=rlayout,
+            trainer=trainer,
+            fwd_bwd=fwd_bwd,
             rss_model_opt=current_rss(),
-        )  # fmt: skip
+        )
         st["side"] = make_trainer_side(
             spec.system,
             params=trainer.params(),
@@ -199,7 +203,7 @@ def receiver_main(spec: RoleSpec, conn) -> None:
     st: dict = {}
 
     def ready() -> dict:
-        tlayout, rlayout = _init(spec)
+        _tlayout, rlayout = _init(spec)
         shard = rlayout.shards()[spec.rank - 1].id
         rss_base = current_rss()  # interpreter + torch, before the shard exists
         side = make_receiver_side(

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer
 from deltasync_examples.models import build_model as build_hf_model
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deltasync_examples.models import TINY_QWEN3, build_model, tiny_qwen3
 
 from deltasync.errors import ConfigError
+from deltasync_examples.models import TINY_QWEN3, build_model, tiny_qwen3
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,16 +15,16 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import save as st_save
+
+from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig, RolloutConfig, build_policy, pg_step
 from deltasync_examples.demo.receiver_proc import receiver_main
 from deltasync_examples.harness import spawn
 from deltasync_examples.oracle import dense_digests, dense_shards
-from safetensors.torch import save as st_save
-
-from deltasync.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +33,8 @@ class DemoConfig:
     lr: float = 3e-6
     tp: int = 2
     store: str | None = None  # a directory; default: a fresh temporary one
-    policy: PolicyConfig = PolicyConfig()
-    rollout: RolloutConfig = RolloutConfig()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -148,7 +148,10 @@ def run(cfg: DemoConfig, console=None) -> dict:
             got = [c.recv() for c in conns]
             pull_wall = time.perf_counter() - t0 - stall
             exp = expected()
-            ok = all(g["version"] == v and g["digest"] == exp[s] for g, s in zip(got, shards))
+            ok = all(
+                g["version"] == v and g["digest"] == exp[s]
+                for g, s in zip(got, shards, strict=False)
+            )
             # dense refit of the same version, measured: write full shard files, receivers load them
             t1 = time.perf_counter()
             dense_bytes = 0
@@ -159,7 +162,8 @@ def run(cfg: DemoConfig, console=None) -> dict:
                 dense_bytes += len(data)
             dense_stall = time.perf_counter() - t1
             dense_rx = [
-                c.call("dense", f"dense-refit/{s}.safetensors") for c, s in zip(conns, shards)
+                c.call("dense", f"dense-refit/{s}.safetensors")
+                for c, s in zip(conns, shards, strict=False)
             ]
             ok &= all(d["same"] for d in dense_rx)
             all_ok &= ok

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig
 from deltasync_examples.models import TINY_QWEN3
 from deltasync_examples.rl.task import ReverseTask
-
-from deltasync.errors import ConfigError
 
 ENGINES = ("tp", "hf")
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 
 import numpy as np
+
 from deltasync_examples.harness import Child, spawn
 from deltasync_examples.rl.worker import WorkerArgs, worker_main
 

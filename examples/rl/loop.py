@@ -28,14 +28,14 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from deltasync.errors import DeltaSyncError, IntegrityError
 from deltasync_examples.rl.config import RLConfig
 from deltasync_examples.rl.fleet import Fleet, WorkerGone
 from deltasync_examples.rl.grpo import Batch, grpo_step
 from deltasync_examples.rl.policy_engine import RolloutEngine
 from deltasync_examples.rl.sampling import logits_bits, probe_batch
 from deltasync_examples.rl.worker import WorkerArgs
-
-from deltasync.errors import DeltaSyncError, IntegrityError
 
 
 class ProbeMismatchError(IntegrityError):

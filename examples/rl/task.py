@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deltasync_examples.rl.tokenizer import BOS, CharTokenizer
 
 from deltasync.errors import ConfigError
+from deltasync_examples.rl.tokenizer import BOS, CharTokenizer
 
 SEPARATOR = "="
 

@@ -51,10 +51,9 @@ class WorkerArgs:
 
 class _Worker:
     def __init__(self, args: WorkerArgs, conn) -> None:
+        from deltasync import LocalStore, Receiver, ReceiverConfig
         from deltasync_examples.rl.policy_engine import RolloutEngine
         from deltasync_examples.rl.sampling import probe_batch
-
-        from deltasync import LocalStore, Receiver, ReceiverConfig
 
         self.args, self.conn = args, conn
         self.engine = RolloutEngine(args.engine, args.hf_config, args.tp)

@@ -21,6 +21,7 @@ This module knows files only: nothing about keys, JSON or tensors. Errors are th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterable
@@ -50,10 +51,8 @@ def fsync_dir(directory: Path) -> None:
 
 def unlink_quietly(path: Path) -> None:
     """Remove ``path`` if it exists; used to clean up temp files on every failure path."""
-    try:
+    with contextlib.suppress(OSError):
         path.unlink()
-    except OSError:
-        pass
 
 
 def write_temp(

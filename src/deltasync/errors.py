@@ -239,11 +239,11 @@ class PublishFailedError(DeltaSyncError):
 # --- internal signals (never reach a caller) ----------------------------------------------
 
 
-class StreamAborted(Exception):  # noqa: N818 - a signal, not an error a caller sees
+class StreamAborted(Exception):
     """Raised inside an upload's chunk iterator so the store discards the partial object."""
 
 
-class RetriesExhausted(Exception):  # noqa: N818 - a signal, not an error a caller sees
+class RetriesExhausted(Exception):
     """Carries the last transient error and how many attempts were made; the backend turns it
     into a StoreError naming the operation."""
 

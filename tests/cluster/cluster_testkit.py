@@ -54,16 +54,20 @@ class Setup:
     def plan(self, version: int = 0) -> RolePlan:
         forward = self.forward_from is not None and version >= self.forward_from
         return RolePlan.contiguous(
-            num_writers=self.num_writers, shards=[f"tp{r}" for r in range(self.tp)],
-            replicas=self.replicas, dp_mode="forward" if forward else self.dp_mode,
-        )  # fmt: skip
+            num_writers=self.num_writers,
+            shards=[f"tp{r}" for r in range(self.tp)],
+            replicas=self.replicas,
+            dp_mode="forward" if forward else self.dp_mode,
+        )
 
     def config(self) -> ClusterConfig:
         ex = ExchangeConfig(timeout_s=self.timeout_s, max_chunk_bytes=self.max_chunk_bytes)
         return ClusterConfig(
-            exchange=ex, wait_for_version_s=max(self.timeout_s, 60.0),
-            commit_timeout_s=self.timeout_s, digest_every=self.digest_every,
-        )  # fmt: skip
+            exchange=ex,
+            wait_for_version_s=max(self.timeout_s, 60.0),
+            commit_timeout_s=self.timeout_s,
+            digest_every=self.digest_every,
+        )
 
 
 def spec() -> ModelSpec:
@@ -111,10 +115,15 @@ class Trainer:
         self, setup: Setup, *, version: int | None = None, plan_at: int = 0
     ) -> ClusterSender:
         return ClusterSender(
-            self.tracker, self.params, plan=setup.plan(plan_at), trainer_layout=self.layout,
-            receiver_layout=receiver_layout(setup), version=version, config=setup.config(),
+            self.tracker,
+            self.params,
+            plan=setup.plan(plan_at),
+            trainer_layout=self.layout,
+            receiver_layout=receiver_layout(setup),
+            version=version,
+            config=setup.config(),
             full_state=self.named,
-        )  # fmt: skip
+        )
 
 
 def receiver_layout(setup: Setup) -> ReceiverLayout:
@@ -141,9 +150,10 @@ def expected_shard(bits: torch.Tensor, setup: Setup, shard: str) -> dict[str, to
 
 def mismatched(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
     return [
-        n for n, t in tensors.items()
+        n
+        for n, t in tensors.items()
         if not torch.equal(t.view(torch.int16), expected[n].view(torch.int16))
-    ]  # fmt: skip
+    ]
 
 
 def empty_shard(setup: Setup, shard: str) -> dict[str, torch.Tensor]:
@@ -187,9 +197,12 @@ def run_versions(rank: int, setup: Setup) -> dict:
     for v in range(setup.versions + 1):
         if receiver is None or v == setup.forward_from:
             receiver = ClusterReceiver(
-                tensors, plan=setup.plan(v), layout=receiver_layout(setup),
-                version=None if receiver is None else receiver.version, config=setup.config(),
-            )  # fmt: skip
+                tensors,
+                plan=setup.plan(v),
+                layout=receiver_layout(setup),
+                version=None if receiver is None else receiver.version,
+                config=setup.config(),
+            )
         report = receiver.sync()
         out["versions"].append(receiver.version)
         out.setdefault("reports", []).append(report)
@@ -241,12 +254,13 @@ def _attempt(call) -> dict:
         call()
     except DeltaSyncError as exc:
         return {
-            "error": type(exc).__name__, "message": str(exc),
+            "error": type(exc).__name__,
+            "message": str(exc),
             "peer_failed": isinstance(exc, PeerFailedError),
             "exchange_error": isinstance(exc, ExchangeError),
             "anchor_required": getattr(exc, "anchor_required", None),
             "elapsed_s": time.monotonic() - start,
-        }  # fmt: skip
+        }
     return {"error": None, "elapsed_s": time.monotonic() - start}
 
 
@@ -303,24 +317,31 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         result = _attempt(receiver.sync)
         truth = expected_shard(broadcast_truth(None), setup, role.shard)
         result.update(
-            name=name, version_after=receiver.version,
+            name=name,
+            version_after=receiver.version,
             unchanged=not mismatched(receiver.tensors, before),
             exact=not mismatched(receiver.tensors, truth),
             journal=receiver.journal.state,
-        )  # fmt: skip
+        )
         out["steps"].append(result)
 
     for name, corrupt in (
-        ("anchor", False), ("delta", False), ("detection fails", False),
-        ("retry after detection failure", False), ("corrupt payload", True),
+        ("anchor", False),
+        ("delta", False),
+        ("detection fails", False),
+        ("retry after detection failure", False),
+        ("corrupt payload", True),
         ("retry after corruption", False),
-    ):  # fmt: skip
+    ):
         step(name, corrupt=corrupt)
     slow = replace(setup, max_chunk_bytes=32)
     receiver = ClusterReceiver(
-        tensors, plan=plan, layout=receiver_layout(slow), version=receiver.version,
+        tensors,
+        plan=plan,
+        layout=receiver_layout(slow),
+        version=receiver.version,
         config=slow.config(),
-    )  # fmt: skip
+    )
     if rank == dying_rank:
         with open(notes, "wb") as f:
             pickle.dump(out, f)

@@ -47,10 +47,11 @@ def outcome(call) -> dict:
         call()
     except DeltaSyncError as exc:
         return {
-            "error": type(exc).__name__, "message": str(exc),
+            "error": type(exc).__name__,
+            "message": str(exc),
             "anchor_required": getattr(exc, "anchor_required", None),
             "elapsed_s": time.monotonic() - start,
-        }  # fmt: skip
+        }
     return {"error": None, "elapsed_s": time.monotonic() - start}
 
 
@@ -105,8 +106,9 @@ class RetrySetup:
     def config(self) -> ClusterConfig:
         return ClusterConfig(
             exchange=ExchangeConfig(timeout_s=self.timeout_s),
-            wait_for_version_s=60.0, commit_timeout_s=self.timeout_s,
-        )  # fmt: skip
+            wait_for_version_s=60.0,
+            commit_timeout_s=self.timeout_s,
+        )
 
 
 def run_retry(rank: int, setup: RetrySetup) -> dict:
@@ -131,9 +133,14 @@ def run_retry(rank: int, setup: RetrySetup) -> dict:
                 params[name] = p.detach()[start:stop]
             tracker = SnapshotTracker(params.items())
         sender = ClusterSender(
-            tracker, params, plan=plan, trainer_layout=tl, receiver_layout=rl, version=None,
+            tracker,
+            params,
+            plan=plan,
+            trainer_layout=tl,
+            receiver_layout=rl,
+            version=None,
             config=setup.config(),
-        )  # fmt: skip
+        )
 
         def step(name: str, call) -> None:
             out["steps"][name] = outcome(call)
@@ -159,10 +166,14 @@ def run_retry(rank: int, setup: RetrySetup) -> dict:
         now = {n: p.detach().to(torch.bfloat16) for n, p in hf.params.items()}
         out["reverted"] = reverted
         out["back_at_base"] = sum(
-            int(((attempt[n].view(torch.int16) != base[n].view(torch.int16))
-                 & (now[n].view(torch.int16) == base[n].view(torch.int16))).sum())
+            int(
+                (
+                    (attempt[n].view(torch.int16) != base[n].view(torch.int16))
+                    & (now[n].view(torch.int16) == base[n].view(torch.int16))
+                ).sum()
+            )
             for n in now
-        )  # fmt: skip
+        )
         out["pending_elements"] = sender.pending_elements
         step("retry", lambda: sender.sync())
         out["version"] = sender.version
@@ -180,9 +191,11 @@ def run_retry(rank: int, setup: RetrySetup) -> dict:
         result = outcome(receiver.sync)
         bits = share_truth(None, tl)
         result.update(
-            exact=exact(receiver.tensors, bits, tl, rl, role.shard), version=receiver.version,
-            committed=receiver.committed_version, journal=receiver.journal.state,
-        )  # fmt: skip
+            exact=exact(receiver.tensors, bits, tl, rl, role.shard),
+            version=receiver.version,
+            committed=receiver.committed_version,
+            journal=receiver.journal.state,
+        )
         out["steps"][name] = result
 
     step("anchor")
@@ -224,9 +237,14 @@ def run_preflight(rank: int, kinds: list[str]) -> dict:
         gen = torch.Generator().manual_seed(0)
         full = {n: torch.randn(s, generator=gen) * 0.05 for n, s in tl.param_shapes().items()}
         sender = ClusterSender(
-            SnapshotTracker(full.items()), full, plan=plan, trainer_layout=tl,
-            receiver_layout=rl, version=None, config=config,
-        )  # fmt: skip
+            SnapshotTracker(full.items()),
+            full,
+            plan=plan,
+            trainer_layout=tl,
+            receiver_layout=rl,
+            version=None,
+            config=config,
+        )
         out["steps"]["anchor"] = outcome(lambda: sender.sync(0, anchor=True))
         for p in full.values():
             p.add_((torch.rand(p.shape, generator=gen) < 0.05) * 0.01)
@@ -246,9 +264,13 @@ def run_preflight(rank: int, kinds: list[str]) -> dict:
             _, odd_rl = layouts(odd_cfg, tp)
             odd_plan = RolePlan.contiguous(num_writers=1, shards=[f"tp{r}" for r in range(tp)])
             receiver = ClusterReceiver(
-                zeros(odd_rl, "tp1"), plan=odd_plan, layout=odd_rl, version=0, config=config,
+                zeros(odd_rl, "tp1"),
+                plan=odd_plan,
+                layout=odd_rl,
+                version=0,
+                config=config,
                 rank=2,
-            )  # fmt: skip
+            )
         result = outcome(receiver.sync)
         bits = share_truth(None, tl)
         result["untouched"] = all(
@@ -297,22 +319,28 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
     everywhere (the replacement holds nothing), the anchor commits, every receiver is exact."""
     torch.set_num_threads(1)
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     config = ClusterConfig(
         exchange=ExchangeConfig(timeout_s=timeout_s, max_chunk_bytes=32),
-        wait_for_version_s=120.0, commit_timeout_s=timeout_s,
-    )  # fmt: skip
+        wait_for_version_s=120.0,
+        commit_timeout_s=timeout_s,
+    )
     tl, rl = layouts(TINY, 2)
     plan = RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"])
     out: dict = {"rank": rank}
 
     def join(prefix: str, group_rank: int) -> None:
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore(prefix, store), rank=group_rank, world_size=3,
+            "gloo",
+            store=dist.PrefixStore(prefix, store),
+            rank=group_rank,
+            world_size=3,
             timeout=timedelta(seconds=60),
-        )  # fmt: skip
+        )
 
     sender = receiver = hf = None
     if rank != standby:
@@ -320,9 +348,14 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
         if rank == 0:
             hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
             sender = ClusterSender(
-                SnapshotTracker(hf.params.items()), hf.params, plan=plan, trainer_layout=tl,
-                receiver_layout=rl, version=None, config=config,
-            )  # fmt: skip
+                SnapshotTracker(hf.params.items()),
+                hf.params,
+                plan=plan,
+                trainer_layout=tl,
+                receiver_layout=rl,
+                version=None,
+                config=config,
+            )
             sender.sync(0, anchor=True)
             hf.step()
             sender.sync(1)

@@ -28,10 +28,16 @@ from deltasync.receiver import MissingBlobError
 from deltasync.trainer import SnapshotTracker
 
 CONFIG = dict(
-    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=251,
+    model_type="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=251,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 SPEC = ModelSpec.from_hf_config(CONFIG)
 TRAINER = TrainerLayout(SPEC)
 RECEIVERS = ReceiverLayout.build(SPEC, "vllm", tp=2)
@@ -69,21 +75,33 @@ class World:
             for n, p in self.full.items():
                 start, stop = fsdp_dim0_rows(p.shape[0], w.index, w.count)
                 mine[n] = p[start:stop]  # a view: the writer sees the trained values
-            self.senders.append(ClusterSender(
-                SnapshotTracker(mine.items()), mine, plan=self.plan, rank=w.rank,
-                trainer_layout=TRAINER, receiver_layout=RECEIVERS, version=None,
-                config=config, full_state=self.full if full_state else None,
-            ))  # fmt: skip
+            self.senders.append(
+                ClusterSender(
+                    SnapshotTracker(mine.items()),
+                    mine,
+                    plan=self.plan,
+                    rank=w.rank,
+                    trainer_layout=TRAINER,
+                    receiver_layout=RECEIVERS,
+                    version=None,
+                    config=config,
+                    full_state=self.full if full_state else None,
+                )
+            )
         self.receivers = {
             r.rank: ClusterReceiver(
                 {
                     n: torch.zeros(s.shape, dtype=s.dtype)
                     for n, s in RECEIVERS.local_specs(r.shard).items()
                 },
-                plan=self.plan, rank=r.rank, layout=RECEIVERS, version=None, config=config,
+                plan=self.plan,
+                rank=r.rank,
+                layout=RECEIVERS,
+                version=None,
+                config=config,
             )
             for r in self.plan.receivers
-        }  # fmt: skip
+        }
 
     def step(self, fraction: float = 0.02) -> None:
         """Move a random ``fraction`` of every param by a BF16-visible amount."""
@@ -137,8 +155,9 @@ class World:
     def unchanged_since(self, snap: dict[int, dict[str, torch.Tensor]]) -> bool:
         return all(
             torch.equal(bits(t), bits(snap[r][n]))
-            for r, rec in self.receivers.items() for n, t in rec.tensors.items()
-        )  # fmt: skip
+            for r, rec in self.receivers.items()
+            for n, t in rec.tensors.items()
+        )
 
 
 @pytest.mark.parametrize(

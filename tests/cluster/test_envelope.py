@@ -71,6 +71,12 @@ def test_a_digest_that_is_not_32_hex_characters_cannot_be_packed() -> None:
 def test_the_envelope_bytes_are_pinned() -> None:
     # magic | count=2 | flags=digest | digest | lengths 2, 1 | xxh3-64 of all that | "ab" "c"
     assert pack_envelope([b"ab", b"c"], state_digest=DIGEST).hex() == (
-        "445343454e563031" "02000000" "01000000" "00112233445566778899aabbccddeeff"
-        "0200000000000000" "0100000000000000" "dc4860937d56ab62" "616263"
-    )  # fmt: skip
+        "445343454e563031"
+        "02000000"
+        "01000000"
+        "00112233445566778899aabbccddeeff"
+        "0200000000000000"
+        "0100000000000000"
+        "dc4860937d56ab62"
+        "616263"
+    )

@@ -29,8 +29,12 @@ def test_rows_round_trip_every_field() -> None:
     )
     assert (a.ok, a.version, a.base, a.state_digest, a.anchor_required) == (True, 7, -1, D1, False)
     assert (f.ok, f.version, f.base, f.state_digest, f.anchor_required) == (
-        False, UNKNOWN, UNKNOWN, None, True,
-    )  # fmt: skip
+        False,
+        UNKNOWN,
+        UNKNOWN,
+        None,
+        True,
+    )
     assert f.message.startswith("IntegrityError: ü") and len(f.message.encode()) <= 1024
     assert f.message.endswith(" [cut]")  # 40 x 18 bytes fit; the cut is marked, not silent
 
@@ -43,25 +47,50 @@ def test_every_rank_ok_on_the_same_version_commits() -> None:
 # name -> (rows, ranks that must be named, text in the message, anchor_required)
 ABORTS = {
     "a receiver failed": (
-        [ok(), ok(), ok(), dict(version=None, base=None, failure="DigestMismatchError: bad"),
-         ok(), ok()],
-        {3}, "rank 3 (receiver tp1 replica 0): DigestMismatchError: bad", False,
+        [
+            ok(),
+            ok(),
+            ok(),
+            dict(version=None, base=None, failure="DigestMismatchError: bad"),
+            ok(),
+            ok(),
+        ],
+        {3},
+        "rank 3 (receiver tp1 replica 0): DigestMismatchError: bad",
+        False,
     ),
     "a receiver needs an anchor": (
-        [ok(), ok(), ok(), ok(), ok(),
-         dict(version=None, base=None, failure="AnchorRequiredError: x", anchor_required=True)],
-        {5}, "AnchorRequiredError", True,
+        [
+            ok(),
+            ok(),
+            ok(),
+            ok(),
+            ok(),
+            dict(version=None, base=None, failure="AnchorRequiredError: x", anchor_required=True),
+        ],
+        {5},
+        "AnchorRequiredError",
+        True,
     ),
     "a receiver applied another version": (
-        [ok(), ok(), ok(), ok(6, 5), ok(), ok()], {3}, "applied version 6 on base 5", False,
+        [ok(), ok(), ok(), ok(6, 5), ok(), ok()],
+        {3},
+        "applied version 6 on base 5",
+        False,
     ),
     "writers disagree": (
-        [ok(), ok(5, 3), ok(), ok(), ok(), ok()], {1}, "sent version 5 on base 3", False,
+        [ok(), ok(5, 3), ok(), ok(), ok(), ok()],
+        {1},
+        "sent version 5 on base 3",
+        False,
     ),
     "replicas hash differently": (
-        [ok(), ok(), ok(digest=D1), ok(), ok(digest=D2), ok()], {4}, "differs from replica", False,
+        [ok(), ok(), ok(digest=D1), ok(), ok(digest=D2), ok()],
+        {4},
+        "differs from replica",
+        False,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(ABORTS))

@@ -18,11 +18,27 @@ def test_two_fsdp_writers_and_a_receiver_under_torchrun_end_bit_identical() -> N
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=3", "-m",
-         "deltasync.commands.cluster_worker", "--writers", "2", "--tp", "1", "--versions", "3",
-         "--timeout-s", "20"],
-        capture_output=True, text=True, timeout=80, env=env, check=False,
-    )  # fmt: skip
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=3",
+            "-m",
+            "deltasync.commands.cluster_worker",
+            "--writers",
+            "2",
+            "--tp",
+            "1",
+            "--versions",
+            "3",
+            "--timeout-s",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(s) for s in done.stdout.splitlines() if s.startswith("{")]
     by_rank = {line["rank"]: line for line in lines}

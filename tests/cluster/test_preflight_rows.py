@@ -20,10 +20,16 @@ from deltasync.errors import FingerprintMismatchError, PeerFailedError, SyncAbor
 from deltasync.layout import ModelSpec, ReceiverLayout
 
 CONFIG = dict(
-    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
+    model_type="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=1000,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"])  # ranks 0-1 write
 
 
@@ -36,17 +42,27 @@ GOOD = fingerprint(layout(), PLAN)
 
 def writer(v=3, b=2, window=11, fp=GOOD, failure=None):
     return encode_preflight_row(
-        role=WRITER, fingerprint=fp, who="writer", version=v, base=b, window=window,
+        role=WRITER,
+        fingerprint=fp,
+        who="writer",
+        version=v,
+        base=b,
+        window=window,
         failure=failure,
-    )  # fmt: skip
+    )
 
 
 def receiver(committed=2, applying=None, window=0, dirty=False, fp=GOOD):
     return encode_preflight_row(
-        role=RECEIVER, fingerprint=fp, who="receiver", version=committed,
-        base=None if applying is None else applying[0], window=window,
-        applying_base=None if applying is None else applying[1], dirty=dirty,
-    )  # fmt: skip
+        role=RECEIVER,
+        fingerprint=fp,
+        who="receiver",
+        version=committed,
+        base=None if applying is None else applying[0],
+        window=window,
+        applying_base=None if applying is None else applying[1],
+        dirty=dirty,
+    )
 
 
 def verdict(*rows):

@@ -10,10 +10,16 @@ from deltasync.cluster.writer_digests import iter_pieces, receiver_part_digests,
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 
 CONFIG = dict(
-    model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=251,
+    model_type="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=251,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 SPEC = ModelSpec.from_hf_config(CONFIG)
 TRAINER = TrainerLayout(SPEC)
 

@@ -76,9 +76,9 @@ CHAIN_ERRORS = [
     ("fresh receiver without any anchor", None, 10, history(10, set()), "version 0 on the way"),
     ("latest not committed", 3, 11, history(10, {0}), "version 11 on the way"),
     ("local ahead of latest", 12, 10, history(10, {0}), "newer than the latest"),
-    ("duplicate version", 3, 5, history(5, {0}) + [(5, "delta", 4)], "listed twice"),
-    ("delta based on itself", 3, 5, history(4, {0}) + [(5, "delta", 5)], "earlier version"),
-    ("unknown kind", 3, 5, history(4, {0}) + [(5, "patch", 4)], "unknown kind"),
+    ("duplicate version", 3, 5, [*history(5, {0}), (5, "delta", 4)], "listed twice"),
+    ("delta based on itself", 3, 5, [*history(4, {0}), (5, "delta", 5)], "earlier version"),
+    ("unknown kind", 3, 5, [*history(4, {0}), (5, "patch", 4)], "unknown kind"),
 ]
 
 

@@ -16,10 +16,15 @@ from deltasync.trainer import AdamWTracker
 
 def tiny_hf_config(*, heads=4, kv_heads=2, tie=False, vocab=203, hidden=64, layers=2) -> dict:
     return tiny_qwen3(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=16, intermediate_size=96, vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=vocab,
         tie_word_embeddings=tie,
-    )  # fmt: skip
+    )
 
 
 class TinyTrainer(HFTrainer):
@@ -55,10 +60,11 @@ def shard_updates(
     specs = {s.id: layout.local_specs(s.id) for s in layout.shards()}
     for shard, locals_ in layout.route_changes(changes).items():
         out[shard] = [
-            TensorUpdate(name=n, shape=specs[shard][n].shape, dtype=torch.bfloat16,
-                         indices=i, values=v)
+            TensorUpdate(
+                name=n, shape=specs[shard][n].shape, dtype=torch.bfloat16, indices=i, values=v
+            )
             for n, (i, v) in locals_.items()
-        ]  # fmt: skip
+        ]
     return out
 
 
@@ -148,11 +154,12 @@ class StoreTrainer:
         self.gen = torch.Generator().manual_seed(seed)
         self.params = {
             n: torch.nn.Parameter(
-                torch.ones(s) if n.endswith("norm.weight")
+                torch.ones(s)
+                if n.endswith("norm.weight")
                 else torch.randn(s, generator=self.gen) * 0.02
             )
             for n, s in self.trainer_layout.param_shapes().items()
-        }  # fmt: skip
+        }
         self.opt = torch.optim.AdamW(self.params.values(), lr=1e-3)
         publisher = Publisher(
             store, receiver_layout=self.layout, config=PublisherConfig(anchor_every=50)

@@ -77,8 +77,13 @@ def test_an_update_for_an_unknown_tensor_writes_nothing_to_any_tensor():
         indices=torch.tensor([1]),
         values=torch.ones(1, dtype=torch.bfloat16),
     )
-    bad = TensorUpdate(name="b", shape=(4,), dtype=torch.bfloat16,
-                       indices=torch.tensor([1]), values=torch.ones(1, dtype=torch.bfloat16))  # fmt: skip
+    bad = TensorUpdate(
+        name="b",
+        shape=(4,),
+        dtype=torch.bfloat16,
+        indices=torch.tensor([1]),
+        values=torch.ones(1, dtype=torch.bfloat16),
+    )
     with pytest.raises(ApplyError, match="no target"):
         engine.apply([good, bad])
     assert torch.count_nonzero(engine.params()["a"]) == 0
@@ -90,7 +95,7 @@ def test_hf_engine_refuses_weights_of_another_shape_before_writing():
     before = {n: t.clone() for n, t in hf.params().items()}
     weights = {n: torch.ones_like(t) for n, t in hf.params().items()}
     weights["model.norm.weight"] = torch.ones(3, dtype=torch.bfloat16)
-    with pytest.raises(ApplyError, match="model.norm.weight"):
+    with pytest.raises(ApplyError, match=r"model.norm.weight"):
         hf.load(weights, version=1)
     assert all(bits_equal(hf.params()[n], before[n]) for n in before)
     assert hf.version == -1
@@ -106,5 +111,6 @@ def test_tp_engine_refuses_shards_that_do_not_match_the_layout():
     from deltasync.layout import ModelSpec
 
     with pytest.raises(ConfigError, match="missing"):
-        TPQwen3Engine(ModelSpec.from_hf_config(cfg), Qwen3Arch.from_hf_config(cfg), tp=2,
-                      shards=good)  # fmt: skip
+        TPQwen3Engine(
+            ModelSpec.from_hf_config(cfg), Qwen3Arch.from_hf_config(cfg), tp=2, shards=good
+        )

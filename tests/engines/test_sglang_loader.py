@@ -27,10 +27,18 @@ from deltasync.errors import ConfigError, DigestMismatchError, VersionError
 from engines_helpers import StoreTrainer, corrupt_one_blob, module_tree
 
 CONFIG = dict(
-    model_type="qwen3", vocab_size=203, hidden_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
-)  # fmt: skip
+    model_type="qwen3",
+    vocab_size=203,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+)
 
 
 class _Cfg(dict):
@@ -58,9 +66,12 @@ def _same(model: torch.nn.Module, expected: dict) -> bool:
 
 def _request(tmp_path, version: int) -> list:
     req = SglangRequest(
-        store=str(tmp_path / "store"), receiver_id="sgl0", state_dir=str(tmp_path / "state"),
-        version=version, durable=False,
-    )  # fmt: skip
+        store=str(tmp_path / "store"),
+        receiver_id="sgl0",
+        state_dir=str(tmp_path / "state"),
+        version=version,
+        durable=False,
+    )
     return request_tensors(req)
 
 
@@ -131,8 +142,9 @@ def test_the_request_travels_as_one_uint8_tensor_and_bad_ones_are_refused():
 
 
 def test_sglangs_wider_vocab_padding_at_a_tp_that_vllm_refuses_is_refused_by_name():
-    spec = ModelSpec.from_hf_config({**CONFIG, "num_attention_heads": 6, "num_key_value_heads": 3,
-                                     "vocab_size": 200})  # fmt: skip
+    spec = ModelSpec.from_hf_config(
+        {**CONFIG, "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 200}
+    )
     with pytest.raises(ConfigError, match="pads a vocabulary of 200 to a multiple of 192"):
         sglang_layout(spec, tp=3)
     assert sglang_layout(ModelSpec.from_hf_config(CONFIG), tp=2).tp == 2

@@ -20,10 +20,18 @@ from deltasync.errors import ConfigError
 from engines_helpers import FakeLinear, StoreTrainer, module_tree
 
 CONFIG = dict(
-    model_type="qwen3", vocab_size=203, hidden_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=64,
-)  # fmt: skip
+    model_type="qwen3",
+    vocab_size=203,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -50,9 +58,14 @@ def _sync(tmp_path, *, packs: bool, dtype=None, tp: int = 1, versions: int = 3):
         shard = VllmShard(model, CONFIG, ShardPlace(tp_rank=r, tp=tp))
         touched: set[str] = set()
         receiver = Receiver.for_layout(
-            store, shard.layout, shard.shard, shard.targets, str(tmp_path / f"state{r}"),
-            ReceiverConfig(receiver_id=f"r{r}", durable=False), on_tensor_written=touched.add,
-        )  # fmt: skip
+            store,
+            shard.layout,
+            shard.shard,
+            shard.targets,
+            str(tmp_path / f"state{r}"),
+            ReceiverConfig(receiver_id=f"r{r}", durable=False),
+            on_tensor_written=touched.add,
+        )
         ranks.append((model, shard, receiver, touched))
     for version in range(versions + 1):
         if version:

@@ -45,7 +45,7 @@ def test_a_group_of_one_gets_a_copy_of_its_own_payload(group_of_one: None) -> No
 def test_a_group_of_one_reports_its_own_failure_as_a_peer_failure(group_of_one: None) -> None:
     cause = OSError("shard file missing")
     with pytest.raises(
-        PeerFailedError, match="rank 0 failed .*OSError: shard file missing"
+        PeerFailedError, match=r"rank 0 failed .*OSError: shard file missing"
     ) as info:
         exchange({0: b"x"}, status=cause)
     assert info.value.__cause__ is cause

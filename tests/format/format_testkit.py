@@ -62,9 +62,15 @@ def reseal(blob: bytes) -> bytes:
 
 
 _HEADER_FIELDS = [
-    "magic", "format_version", "flags", "version", "base_version", "shard_len", "writer_len",
+    "magic",
+    "format_version",
+    "flags",
+    "version",
+    "base_version",
+    "shard_len",
+    "writer_len",
     "reserved",
-]  # fmt: skip
+]
 _SEGMENT_FIELDS = ["section_len", "raw_len", "record_count"]
 _TRAILER_FIELDS = ["end_magic", "segment_count", "total_records", "total_raw", "body_len"]
 
@@ -159,10 +165,15 @@ def craft(
     body = zstandard.ZstdCompressor(level=1).compress(records) if compress else records
     body += tail
     head = dict(
-        magic=MAGIC, format_version=FORMAT_VERSION, flags=FLAG_ZSTD if compress else 0,
-        version=version, base_version=base_version, shard_len=len(shard),
-        writer_len=len(writer), reserved=0,
-    )  # fmt: skip
+        magic=MAGIC,
+        format_version=FORMAT_VERSION,
+        flags=FLAG_ZSTD if compress else 0,
+        version=version,
+        base_version=base_version,
+        shard_len=len(shard),
+        writer_len=len(writer),
+        reserved=0,
+    )
     head.update({k: v for k, v in fields.items() if k in _HEADER_FIELDS})
     segment = dict(section_len=len(body), raw_len=len(records), record_count=count)
     segment.update({k: v for k, v in fields.items() if k in _SEGMENT_FIELDS})

@@ -21,8 +21,11 @@ def _updates(seed: int, n: int) -> list[TensorUpdate]:
         numel = 1000 + 97 * t
         idx = torch.nonzero(torch.rand(numel, generator=g) < 0.1).reshape(-1)
         vals = torch.randn(idx.numel(), generator=g).to(torch.bfloat16)
-        out.append(TensorUpdate(name=f"w{t}", shape=(numel,), dtype=torch.bfloat16,
-                                indices=idx, values=vals))
+        out.append(
+            TensorUpdate(
+                name=f"w{t}", shape=(numel,), dtype=torch.bfloat16, indices=idx, values=vals
+            )
+        )
     return out[:n]
 
 
@@ -33,13 +36,20 @@ def test_blobs_equal_encode_blob_and_come_in_shard_order(threads):
     got = list(encode_blobs(jobs, version=7, base_version=6, writer="w00000", threads=threads))
     assert [s for s, _ in got] == list(jobs)
     for shard, blob in got:
-        assert blob == encode_blob(jobs[shard], version=7, base_version=6, shard=shard, writer="w00000")
+        assert blob == encode_blob(
+            jobs[shard], version=7, base_version=6, shard=shard, writer="w00000"
+        )
         assert decode_blob(blob, shard=shard, version=7).header.shard == shard
 
 
 def test_an_invalid_update_raises_the_encoders_typed_error():
-    bad = TensorUpdate(name="w", shape=(10,), dtype=torch.bfloat16,
-                       indices=torch.tensor([3, 2]), values=torch.zeros(2, dtype=torch.bfloat16))
+    bad = TensorUpdate(
+        name="w",
+        shape=(10,),
+        dtype=torch.bfloat16,
+        indices=torch.tensor([3, 2]),
+        values=torch.zeros(2, dtype=torch.bfloat16),
+    )
     jobs = {"tp0": _updates(0, 2), "tp1": [bad], "tp2": _updates(2, 1)}
     it = encode_blobs(jobs, version=1, base_version=0, writer="w00000", threads=2)
     assert next(it)[0] == "tp0"

@@ -37,10 +37,12 @@ def test_decoded_updates_scatter_into_cuda_targets_bit_for_bit():
 def test_a_bad_update_leaves_cuda_targets_unchanged():
     live = {"a": torch.randn(16, device="cuda"), "b": torch.randn(16, device="cuda")}
     before = {k: v.clone() for k, v in live.items()}
-    ok = TensorUpdate(name="a", shape=(16,), dtype=torch.float32, indices=torch.tensor([1]),
-                      values=torch.ones(1))  # fmt: skip
-    bad = TensorUpdate(name="b", shape=(16,), dtype=torch.float32, indices=torch.tensor([16]),
-                       values=torch.ones(1))  # fmt: skip
+    ok = TensorUpdate(
+        name="a", shape=(16,), dtype=torch.float32, indices=torch.tensor([1]), values=torch.ones(1)
+    )
+    bad = TensorUpdate(
+        name="b", shape=(16,), dtype=torch.float32, indices=torch.tensor([16]), values=torch.ones(1)
+    )
     with pytest.raises(ApplyError):
         apply_updates([ok, bad], live)
     assert all(same_bits(live[k], before[k]) for k in live)

@@ -17,14 +17,18 @@ def _dense(updates):
 
 def _sparse(name, idx, vals, shape=(4,)):
     return TensorUpdate(
-        name=name, shape=shape, dtype=BF, indices=torch.tensor(idx, dtype=torch.int64),
+        name=name,
+        shape=shape,
+        dtype=BF,
+        indices=torch.tensor(idx, dtype=torch.int64),
         values=torch.tensor(vals, dtype=BF),
-    )  # fmt: skip
+    )
 
 
 def _dense_up(name, vals):
-    return TensorUpdate(name=name, shape=(len(vals),), dtype=BF, indices=None,
-                        values=torch.tensor(vals, dtype=BF))  # fmt: skip
+    return TensorUpdate(
+        name=name, shape=(len(vals),), dtype=BF, indices=None, values=torch.tensor(vals, dtype=BF)
+    )
 
 
 SPECS = {"a": TensorSpec(shape=(4,), dtype=BF), "b": TensorSpec(shape=(4,), dtype=BF)}
@@ -34,21 +38,34 @@ SPECS = {"a": TensorSpec(shape=(4,), dtype=BF), "b": TensorSpec(shape=(4,), dtyp
     "steps, expected",
     [
         # later deltas win element by element; untouched tensors stay out of the result
-        ([("delta", [_sparse("a", [0, 2], [1, 2])]), ("delta", [_sparse("a", [2, 3], [5, 6])])],
-         {"a": ([0, 2, 3], [1, 5, 6])}),
+        (
+            [("delta", [_sparse("a", [0, 2], [1, 2])]), ("delta", [_sparse("a", [2, 3], [5, 6])])],
+            {"a": ([0, 2, 3], [1, 5, 6])},
+        ),
         # an anchor is the full state: what it does not list is zero, deltas patch it
-        ([("anchor", [_sparse("a", [1], [7])]), ("delta", [_sparse("a", [0], [3])])],
-         {"a": (None, [3, 7, 0, 0]), "b": (None, [0, 0, 0, 0])}),
+        (
+            [("anchor", [_sparse("a", [1], [7])]), ("delta", [_sparse("a", [0], [3])])],
+            {"a": (None, [3, 7, 0, 0]), "b": (None, [0, 0, 0, 0])},
+        ),
         # deltas before an anchor do not matter
-        ([("delta", [_sparse("b", [0], [9])]),
-          ("anchor", [_dense_up("a", [1, 2, 3, 4]), _dense_up("b", [5, 6, 7, 8])])],
-         {"a": (None, [1, 2, 3, 4]), "b": (None, [5, 6, 7, 8])}),
+        (
+            [
+                ("delta", [_sparse("b", [0], [9])]),
+                ("anchor", [_dense_up("a", [1, 2, 3, 4]), _dense_up("b", [5, 6, 7, 8])]),
+            ],
+            {"a": (None, [1, 2, 3, 4]), "b": (None, [5, 6, 7, 8])},
+        ),
         # a dense delta replaces a tensor; later sparse steps patch it
-        ([("delta", [_sparse("a", [0], [1])]), ("delta", [_dense_up("a", [2, 2, 2, 2])]),
-          ("delta", [_sparse("a", [3], [4])])],
-         {"a": (None, [2, 2, 2, 4])}),
+        (
+            [
+                ("delta", [_sparse("a", [0], [1])]),
+                ("delta", [_dense_up("a", [2, 2, 2, 2])]),
+                ("delta", [_sparse("a", [3], [4])]),
+            ],
+            {"a": (None, [2, 2, 2, 4])},
+        ),
     ],
-)  # fmt: skip
+)
 def test_folding_a_chain_gives_the_newest_value_of_every_element(steps, expected):
     out = _dense(fold_chain(steps, SPECS))
     assert out.keys() == expected.keys()

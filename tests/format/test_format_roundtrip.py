@@ -60,7 +60,7 @@ def test_an_anchor_header_has_base_version_minus_one():
 
 def test_a_tensor_with_zero_changed_elements_round_trips_as_an_empty_sparse_record():
     u = sparse("a", (3, 4), [])
-    blob, decoded = roundtrip([u])
+    _blob, decoded = roundtrip([u])
     assert same_update(decoded.updates[0], u)
     assert decoded.total_elements() == 0
 

@@ -133,7 +133,7 @@ def test_a_segment_longer_than_the_body_is_refused_before_reading_it():
 
 def test_a_blob_cut_between_segments_is_truncated_not_misread():
     blob = two_segment_blob()
-    head, ids, segs, _ = split_blob(blob)
+    _head, ids, segs, _ = split_blob(blob)
     cut = 28 + len(ids) + 20 + len(segs[0][1])  # right after the first segment
     with pytest.raises(TruncatedBlobError, match="cut short"):
         decode_blob(blob[:cut])

@@ -23,9 +23,14 @@ def updates() -> list[TensorUpdate]:
         idx = None if nnz is None else torch.randperm(numel, generator=g)[:nnz].sort().values
         nnz = numel if nnz is None else nnz
         out.append(
-            TensorUpdate(name=f"t{k}", shape=(numel,), dtype=dtype, indices=idx,
-                         values=torch.randn(nnz, generator=g).to(dtype))
-        )  # fmt: skip
+            TensorUpdate(
+                name=f"t{k}",
+                shape=(numel,),
+                dtype=dtype,
+                indices=idx,
+                values=torch.randn(nnz, generator=g).to(dtype),
+            )
+        )
     return out
 
 

@@ -31,17 +31,35 @@ ANCHOR_EVERY = 3
 
 CONFIGS: dict[str, dict] = {
     "qwen3": dict(
-        model_type="qwen3", vocab_size=97, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32,
+        model_type="qwen3",
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32,
     ),
     "qwen3_moe": dict(
-        model_type="qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=5, num_experts_per_tok=2,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32,
+        model_type="qwen3_moe",
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=5,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32,
     ),
-}  # fmt: skip
+}
 
 
 def layouts(model: str) -> tuple[ModelSpec, ReceiverLayout]:
@@ -53,9 +71,14 @@ def torchrun(nproc: int, *args: str, timeout: float = 100.0) -> subprocess.Compl
     """Run ``fsdp_worker.py args`` on ``nproc`` local gloo ranks (CPU), killed at ``timeout``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(HERE / "fsdp_worker.py"), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(HERE / "fsdp_worker.py"),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -68,9 +91,13 @@ def receiver_main(
     specs = rl.local_specs(shard)
     tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
     rec = Receiver.for_layout(
-        LocalStore(store_path, durable=False), rl, shard, tensors,
-        str(Path(out) / f"state-{shard}"), ReceiverConfig(receiver_id=f"r-{shard}", durable=False),
-    )  # fmt: skip
+        LocalStore(store_path, durable=False),
+        rl,
+        shard,
+        tensors,
+        str(Path(out) / f"state-{shard}"),
+        ReceiverConfig(receiver_id=f"r-{shard}", durable=False),
+    )
     ready.set()  # registered: the publisher's bounded staleness now waits for this receiver
     seen: list[dict] = []
     t0 = time.monotonic()

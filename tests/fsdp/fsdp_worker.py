@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_kit import ANCHOR_EVERY, CONFIGS, VERSIONS, layouts  # noqa: E402
+from fsdp_kit import ANCHOR_EVERY, CONFIGS, VERSIONS, layouts
 
-from deltasync import (  # noqa: E402
+from deltasync import (
     AdamWTracker,
     ClusterConfig,
     ClusterReceiver,
@@ -52,8 +52,8 @@ from deltasync import (  # noqa: E402
     TrainerLayout,
     TrainerSync,
 )
-from deltasync.cluster import RolePlan  # noqa: E402
-from deltasync.trainer import publish_role  # noqa: E402
+from deltasync.cluster import RolePlan
+from deltasync.trainer import publish_role
 
 IMPLS = {"foreach": dict(foreach=True), "single": dict(foreach=False), "fused": dict(fused=True)}
 
@@ -79,8 +79,13 @@ def shard_fsdp(model: torch.nn.Module, mesh) -> None:
 class Training:
     """Model + AdamW + scheduler + the tracker and its exact oracle, on this rank."""
 
-    def __init__(self, model: torch.nn.Module, impl: str, data_seed: int,
-                 forward: torch.nn.Module | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        impl: str,
+        data_seed: int,
+        forward: torch.nn.Module | None = None,
+    ) -> None:
         self.model = model
         self.forward = forward or model  # a DDP wrapper all-reduces the gradients
         self.opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, **IMPLS[impl])
@@ -149,10 +154,14 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
     holder: dict[str, dict[str, torch.Tensor]] = {}
     if role.writes:
         config = PublisherConfig(
-            writer_rank=role.writer_rank, num_writers=role.num_writers, session=f"{mode}-{impl}",
-            anchor_every=ANCHOR_EVERY, max_staleness=0, staleness_timeout_s=60,
+            writer_rank=role.writer_rank,
+            num_writers=role.num_writers,
+            session=f"{mode}-{impl}",
+            anchor_every=ANCHOR_EVERY,
+            max_staleness=0,
+            staleness_timeout_s=60,
             marker_timeout_s=60,
-        )  # fmt: skip
+        )
         pub = Publisher(LocalStore(out / "store", durable=False), receiver_layout=rl, config=config)
         sync = TrainerSync(
             train.tracker, pub, train.tracker.local_params, full_state=lambda: holder["full"]
@@ -193,8 +202,12 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
     spec, rl = layouts(model_name)
     writers = dist.new_group([0, 1])  # every rank creates every group
     plan = RolePlan.contiguous(num_writers=2, shards=[s.id for s in rl.shards()])
-    config = ClusterConfig(exchange=ExchangeConfig(timeout_s=60), wait_for_version_s=90, commit_timeout_s=60,
-                           digest_every=2)  # fmt: skip
+    config = ClusterConfig(
+        exchange=ExchangeConfig(timeout_s=60),
+        wait_for_version_s=90,
+        commit_timeout_s=60,
+        digest_every=2,
+    )
     tl = TrainerLayout(spec)
     n_canon = sum(int(torch.Size(s).numel()) for s in spec.canonical_shapes().values())
     if rank < 2:
@@ -205,16 +218,25 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
         train = Training(model, impl, data_seed=200 + rank)
         holder: dict[str, dict[str, torch.Tensor]] = {}
         sender = ClusterSender(
-            train.tracker, train.tracker.local_params, plan=plan, trainer_layout=tl,
-            receiver_layout=rl, version=None, config=config, full_state=lambda: holder["full"],
-        )  # fmt: skip
+            train.tracker,
+            train.tracker.local_params,
+            plan=plan,
+            trainer_layout=tl,
+            receiver_layout=rl,
+            version=None,
+            config=config,
+            full_state=lambda: holder["full"],
+        )
     else:
         shard = plan.receiver(rank).shard
         specs = rl.local_specs(shard)
         receiver = ClusterReceiver(
-            {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}, plan=plan,
-            layout=rl, version=None, config=config,
-        )  # fmt: skip
+            {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()},
+            plan=plan,
+            layout=rl,
+            version=None,
+            config=config,
+        )
     for v in range(VERSIONS):
         bits = torch.empty(n_canon, dtype=torch.int16)
         if rank < 2:

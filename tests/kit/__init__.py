@@ -18,9 +18,9 @@ tiny config, one synthetic trainer and one oracle.
 from __future__ import annotations
 
 import torch
-from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
 
 from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
 
 __all__ = [
     "TINY_QWEN3",

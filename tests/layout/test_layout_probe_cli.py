@@ -68,9 +68,21 @@ def write_sharded(tmp_path: Path, full: dict[str, torch.Tensor], parts: int = 3)
 @pytest.mark.timeout(120)
 def test_probe_saves_the_vllm_layout_the_rules_give_and_the_cache_keeps_one_file(tmp_path, capsys):
     spec, _ = write_config(tmp_path, CONFIGS["moe_tied"])
-    args = ["probe", "--config", str(tmp_path / "config.json"), "--engine", "vllm-reference",
-            "--tp", "2", "--ep", "2", "--out", str(tmp_path / "layout.json"),
-            "--cache", str(tmp_path / "cache")]  # fmt: skip
+    args = [
+        "probe",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--engine",
+        "vllm-reference",
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--out",
+        str(tmp_path / "layout.json"),
+        "--cache",
+        str(tmp_path / "cache"),
+    ]
     rc, out, err = cli(capsys, *args)
     assert rc == 0, err
     assert "tensors into 2 shard(s)" in out
@@ -91,7 +103,7 @@ def test_probe_without_out_prints_the_layout_json_of_the_transformers_class(tmp_
         capsys, "probe", "--config", str(tmp_path / "config.json"), "--engine", "transformers"
     )
     assert rc == 0, err
-    table, shards, _ = layout_from_json(json.loads(out))
+    table, _shards, _ = layout_from_json(json.loads(out))
     assert table_key(table) == table_key(build_hf_table(spec))
 
 
@@ -101,17 +113,39 @@ def test_split_accepts_a_sharded_checkpoint_and_merge_rebuilds_it_bitwise(tmp_pa
     spec, full = write_config(tmp_path, CONFIGS["moe_untied"])
     ckpt = write_sharded(tmp_path, full)
     source = ckpt / "model.safetensors.index.json" if form == "index" else ckpt
-    rc, _, err = cli(capsys, "split", "--config", str(tmp_path / "config.json"),
-                     "--checkpoint", str(source), "--engine", "vllm", "--tp", "2", "--ep", "4",
-                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--checkpoint",
+        str(source),
+        "--engine",
+        "vllm",
+        "--tp",
+        "2",
+        "--ep",
+        "4",
+        "--out",
+        str(tmp_path / "shards"),
+    )
     assert rc == 0, err
     want = build_vllm_table(spec, 2, 4).split(full)
     for sid, tensors in want.items():
         got = load_file(str(tmp_path / "shards" / f"{sid}.safetensors"))
         assert got.keys() == tensors.keys() and all(bitwise_equal(got[n], tensors[n]) for n in got)
-    rc, out, err = cli(capsys, "merge", "--config", str(tmp_path / "config.json"),
-                       "--shards", str(tmp_path / "shards"), "--engine", "vllm",
-                       "--out", str(tmp_path / "full.safetensors"))  # fmt: skip
+    rc, _out, err = cli(
+        capsys,
+        "merge",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--shards",
+        str(tmp_path / "shards"),
+        "--engine",
+        "vllm",
+        "--out",
+        str(tmp_path / "full.safetensors"),
+    )
     assert rc == 0, err
     merged = load_file(str(tmp_path / "full.safetensors"))
     assert merged.keys() == full.keys() and all(bitwise_equal(merged[n], full[n]) for n in full)
@@ -121,21 +155,40 @@ def test_split_accepts_a_sharded_checkpoint_and_merge_rebuilds_it_bitwise(tmp_pa
 def test_a_probed_layout_file_splits_and_merges_a_family_without_hand_written_rules(
     tmp_path, capsys
 ):
-    spec, full = write_config(tmp_path, LLAMA)
+    _spec, full = write_config(tmp_path, LLAMA)
     save_file(full, str(tmp_path / "full.safetensors"))
     config = str(tmp_path / "config.json")
-    rc, _, err = cli(capsys, "probe", "--config", config, "--tp", "2",
-                     "--out", str(tmp_path / "layout.json"))  # fmt: skip
+    rc, _, err = cli(
+        capsys, "probe", "--config", config, "--tp", "2", "--out", str(tmp_path / "layout.json")
+    )
     assert rc == 0, err
-    rc, _, err = cli(capsys, "split", "--config", config, "--checkpoint",
-                     str(tmp_path / "full.safetensors"), "--layout", str(tmp_path / "layout.json"),
-                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        config,
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--layout",
+        str(tmp_path / "layout.json"),
+        "--out",
+        str(tmp_path / "shards"),
+    )
     assert rc == 0, err
     tp1 = load_file(str(tmp_path / "shards" / "tp1.safetensors"))
     assert "model.layers.0.self_attn.qkv_proj.bias" in tp1
-    rc, _, err = cli(capsys, "merge", "--config", config, "--shards", str(tmp_path / "shards"),
-                     "--layout", str(tmp_path / "layout.json"),
-                     "--out", str(tmp_path / "back.safetensors"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "merge",
+        "--config",
+        config,
+        "--shards",
+        str(tmp_path / "shards"),
+        "--layout",
+        str(tmp_path / "layout.json"),
+        "--out",
+        str(tmp_path / "back.safetensors"),
+    )
     assert rc == 0, err
     merged = load_file(str(tmp_path / "back.safetensors"))
     assert merged.keys() == full.keys() and all(bitwise_equal(merged[n], full[n]) for n in full)
@@ -151,8 +204,18 @@ def test_an_index_that_disagrees_with_its_files_is_refused_naming_the_tensor(tmp
     other = {f for f in index["weight_map"].values() if f != index["weight_map"][name]}.pop()
     index["weight_map"][name] = other
     index_path.write_text(json.dumps(index))
-    rc, _, err = cli(capsys, "split", "--config", str(tmp_path / "config.json"),
-                     "--checkpoint", str(ckpt), "--tp", "2", "--out", str(tmp_path / "shards"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--checkpoint",
+        str(ckpt),
+        "--tp",
+        "2",
+        "--out",
+        str(tmp_path / "shards"),
+    )
     assert rc == 2 and "LayoutError" in err and name in err
     assert not (tmp_path / "shards" / "shards.json").exists()
 
@@ -162,15 +225,32 @@ def test_merge_refuses_replicas_that_disagree(tmp_path, capsys):
     _, full = write_config(tmp_path, CONFIGS["dense_tied"])
     save_file(full, str(tmp_path / "full.safetensors"))
     config = str(tmp_path / "config.json")
-    rc, _, err = cli(capsys, "split", "--config", config, "--checkpoint",
-                     str(tmp_path / "full.safetensors"), "--tp", "2",
-                     "--out", str(tmp_path / "shards"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        config,
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--tp",
+        "2",
+        "--out",
+        str(tmp_path / "shards"),
+    )
     assert rc == 0, err
     tp1 = load_file(str(tmp_path / "shards" / "tp1.safetensors"))
     tp1["model.norm.weight"] = tp1["model.norm.weight"].clone()
     tp1["model.norm.weight"].view(torch.int16)[3] ^= 1  # one bit of one replica
     save_file(tp1, str(tmp_path / "shards" / "tp1.safetensors"))
-    rc, _, err = cli(capsys, "merge", "--config", config, "--shards", str(tmp_path / "shards"),
-                     "--out", str(tmp_path / "back.safetensors"))  # fmt: skip
+    rc, _, err = cli(
+        capsys,
+        "merge",
+        "--config",
+        config,
+        "--shards",
+        str(tmp_path / "shards"),
+        "--out",
+        str(tmp_path / "back.safetensors"),
+    )
     assert rc == 2 and "model.norm.weight" in err
     assert not (tmp_path / "back.safetensors").exists()

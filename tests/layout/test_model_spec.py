@@ -73,10 +73,16 @@ def test_a_dense_family_with_experts_is_refused():
 
     with pytest.raises(LayoutError, match="experts"):
         Spec(
-            model_type="llama", vocab_size=10, hidden_size=8, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=8,
+            model_type="llama",
+            vocab_size=10,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            intermediate_size=8,
             num_experts=4,
-        )  # fmt: skip
+        )
 
 
 def test_family_defaults_follow_transformers_when_the_config_leaves_them_out():

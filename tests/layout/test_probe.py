@@ -238,7 +238,7 @@ def test_a_probed_layout_survives_json_and_the_cache_probes_once(tmp_path):
     assert len(calls) == 1 and s1 == s2 == shards
     assert table_key(t1) == table_key(t2) == table_key(build_vllm_table(spec, 2, 2))
     doc = json.loads(json.dumps(layout_to_json(t1, shards, key)))
-    t3, s3, k3 = layout_from_json(doc)
+    t3, _s3, k3 = layout_from_json(doc)
     assert table_key(t3) == table_key(t1) and k3 == key
     other = probe_key(CONFIGS["moe_tied"], "vllm-reference", {"tp": 2, "ep": 1})
     assert cache.get(other) is None
@@ -256,5 +256,5 @@ def test_a_corrupted_layout_file_is_a_layout_error():
         layout_from_json(bad)
     bad = json.loads(json.dumps(doc))
     del bad["placements"]["model.norm.weight"]
-    with pytest.raises(LayoutError, match="model.norm.weight"):
+    with pytest.raises(LayoutError, match=r"model.norm.weight"):
         layout_from_json(bad)

@@ -30,9 +30,14 @@ from deltasync.layout.reference_loader import VllmReferenceLoader
 transformers = pytest.importorskip("transformers")
 
 BASE = dict(
-    vocab_size=157, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=157,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=64,
+)
 FAMILIES = {
     "llama_tied": dict(BASE, model_type="llama", tie_word_embeddings=True),
     "llama_untied_biases": dict(

@@ -130,7 +130,7 @@ def test_merge_rejects_replicated_copies_that_disagree_by_one_bit():
         layout.merge(shards)
     shards = layout.split(random_state(spec, seed=2))
     shards["tp1"]["model.norm.weight"].view(torch.int16)[0] ^= 1
-    with pytest.raises(LayoutError, match="model.norm.weight"):
+    with pytest.raises(LayoutError, match=r"model.norm.weight"):
         layout.merge(shards)
 
 
@@ -140,7 +140,7 @@ def test_merge_and_split_reject_missing_and_unexpected_tensors():
     full = random_state(spec, seed=4)
     shards = layout.split(full)
     del shards["tp1"]["model.norm.weight"]
-    with pytest.raises(LayoutError, match="tp1/model.norm.weight"):
+    with pytest.raises(LayoutError, match=r"tp1/model.norm.weight"):
         layout.merge(shards)
     shards = layout.split(full)
     shards["tp0"]["model.extra.weight"] = torch.zeros(1, dtype=torch.bfloat16)

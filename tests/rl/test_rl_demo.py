@@ -11,6 +11,7 @@ import itertools
 import json
 
 import pytest
+
 from deltasync_examples.rl import ProbeMismatchError, RLConfig, run_rl
 
 SMALL = {"prompts_per_step": 4, "group_size": 4, "timeout_s": 60.0}

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from deltasync.errors import ConfigError
 from deltasync_examples.rl import CharTokenizer, ReverseTask, RLConfig
 from deltasync_examples.rl.grpo import group_advantages
 from deltasync_examples.rl.tokenizer import BOS, EOS
-
-from deltasync.errors import ConfigError
 
 
 def test_tokenizer_round_trips_and_stops_at_eos():
     tok = CharTokenizer("abc=")
     ids = tok.encode("ca=b")
     assert ids == [5, 3, 6, 4]
-    assert tok.decode(ids + [EOS] + tok.encode("a")) == "ca=b"
+    assert tok.decode([*ids, EOS, *tok.encode("a")]) == "ca=b"
     assert tok.decode([BOS, *ids]) == "ca=b"
     assert tok.vocab_size == 7
 

@@ -63,10 +63,14 @@ class World:
         root = base / "pristine"
         store = LocalStore(root, durable=False)
         self.trainer = TinyTrainer(self.spec, density=0.2)
-        pub = Publisher(store, receiver_layout=self.rl,
-                        config=PublisherConfig(anchor_every=100, signing_key=key))  # fmt: skip
-        sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), pub,
-                           self.trainer.params)  # fmt: skip
+        pub = Publisher(
+            store,
+            receiver_layout=self.rl,
+            config=PublisherConfig(anchor_every=100, signing_key=key),
+        )
+        sync = TrainerSync(
+            SnapshotTracker(self.trainer.named_parameters()), pub, self.trainer.params
+        )
         self.states = {}
         for v in range(3):
             if v:
@@ -74,8 +78,9 @@ class World:
             sync.step_published(v)
             self.states[v] = expected_shards(self.trainer.params, self.tl, self.rl)
         pub.close()
-        rec = Receiver.for_layout(store, self.rl, "tp0", self.zeros("tp0"), str(base / "rs"),
-                                  self.rconfig("r0"))  # fmt: skip
+        rec = Receiver.for_layout(
+            store, self.rl, "tp0", self.zeros("tp0"), str(base / "rs"), self.rconfig("r0")
+        )
         rec.pull()
         self.files = {
             p.relative_to(root).as_posix(): p.read_bytes()
@@ -115,8 +120,11 @@ def _tree(path: Path) -> dict[str, bytes | None]:
 
 
 def _files(root: Path, suffix: str = "") -> list[Path]:
-    return [p for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
-            and p.name.endswith(suffix)]  # fmt: skip
+    return [
+        p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name.endswith(suffix)
+    ]
 
 
 def _dirs(root: Path) -> list[Path]:
@@ -185,7 +193,7 @@ def m_dir_in_place(rng, root, outside):
 
 
 def m_link_dir(rng, root, outside):
-    d = rng.choice(_dirs(root) + [root / "acks" / "v00000000", root / "v00000003"])
+    d = rng.choice([*_dirs(root), root / "acks" / "v00000000", root / "v00000003"])
     if d.exists() or d.is_symlink():
         _replace(d, lambda q: os.symlink(outside, q))
     else:
@@ -212,12 +220,21 @@ def m_json(rng, root, outside):
     except ValueError:
         return m_flip(rng, root, outside)
     path = rng.choice(list(_leaves(obj)))
-    kind = rng.choice(["huge", "huge-neg", "neg", "float", "bool", "null", "string", "newline",
-                       "nest", "future"])  # fmt: skip
-    values = {"huge": "@HUGE@", "huge-neg": "@NHUGE@", "neg": -1, "float": 1e308,
-              "bool": True, "null": None, "string": rng.choice(ODD_STRINGS),
-              "nest": [[[[[[[[[[[[[[[[{}]]]]]]]]]]]]]]]], "future": time.time() + 1e9,
-              "newline": "@NEWLINE@"}  # fmt: skip
+    kind = rng.choice(
+        ["huge", "huge-neg", "neg", "float", "bool", "null", "string", "newline", "nest", "future"]
+    )
+    values = {
+        "huge": "@HUGE@",
+        "huge-neg": "@NHUGE@",
+        "neg": -1,
+        "float": 1e308,
+        "bool": True,
+        "null": None,
+        "string": rng.choice(ODD_STRINGS),
+        "nest": [[[[[[[[[[[[[[[[{}]]]]]]]]]]]]]]]],
+        "future": time.time() + 1e9,
+        "newline": "@NEWLINE@",
+    }
     value = values[kind]
     if not path:
         obj = value
@@ -262,8 +279,14 @@ def m_replay_manifest(rng, root, outside):
 
 def m_foreign(rng, root, outside):
     name = rng.choice(["notes\n.txt", "ünïcode.json", "x" * 255, "r\x01.json", "w00000.blob "])
-    where = rng.choice([root / "receivers", root / "v00000001", root / "acks" / "v00000001",
-                        root / "v00000002" / "tp0"])  # fmt: skip
+    where = rng.choice(
+        [
+            root / "receivers",
+            root / "v00000001",
+            root / "acks" / "v00000001",
+            root / "v00000002" / "tp0",
+        ]
+    )
     where.mkdir(parents=True, exist_ok=True)
     (where / name).write_bytes(b'{"version":' + HUGE.encode() + b"}")
     return f"foreign file {name!r} in {where.relative_to(root)}"
@@ -271,9 +294,11 @@ def m_foreign(rng, root, outside):
 
 def m_future_heartbeat(rng, root, outside):
     (root / "receivers").mkdir(exist_ok=True)
-    (root / "receivers" / "ghost.json").write_text(json.dumps(
-        {"receiver": "ghost", "shard": "tp0", "version": 0, "updated_at": time.time() + 3e8}
-    ))  # fmt: skip
+    (root / "receivers" / "ghost.json").write_text(
+        json.dumps(
+            {"receiver": "ghost", "shard": "tp0", "version": 0, "updated_at": time.time() + 3e8}
+        )
+    )
     return "future heartbeat"
 
 
@@ -283,10 +308,25 @@ def m_delete(rng, root, outside):
     return f"delete {p.name}"
 
 
-MUTATIONS = [m_flip, m_truncate, m_extend, m_sparse, m_link_outside, m_dev_zero, m_fifo,
-             m_dir_in_place, m_link_dir, m_json, m_json, m_huge_number, m_huge_number,
-             m_replay_manifest, m_foreign,
-             m_future_heartbeat, m_delete]  # fmt: skip
+MUTATIONS = [
+    m_flip,
+    m_truncate,
+    m_extend,
+    m_sparse,
+    m_link_outside,
+    m_dev_zero,
+    m_fifo,
+    m_dir_in_place,
+    m_link_dir,
+    m_json,
+    m_json,
+    m_huge_number,
+    m_huge_number,
+    m_replay_manifest,
+    m_foreign,
+    m_future_heartbeat,
+    m_delete,
+]
 
 
 # --- what the public API does on a mutated store --------------------------------------------
@@ -309,8 +349,9 @@ def _exercise(world: World, root: Path, scratch: Path, rng: random.Random) -> li
     tensors = world.zeros(shard)
 
     def pull():
-        rec = Receiver.for_layout(store, world.rl, shard, tensors, str(scratch / "state"),
-                                  world.rconfig("fuzz"))  # fmt: skip
+        rec = Receiver.for_layout(
+            store, world.rl, shard, tensors, str(scratch / "state"), world.rconfig("fuzz")
+        )
         try:
             report = rec.pull()
         except DeltaSyncError:
@@ -327,16 +368,21 @@ def _exercise(world: World, root: Path, scratch: Path, rng: random.Random) -> li
     _typed("receiver pull", pull, log)
 
     def publisher_side():
-        pub = Publisher(store, receiver_layout=world.rl,
-                        config=PublisherConfig(anchor_every=100, signing_key=world.key,
-                                               marker_timeout_s=0.2))  # fmt: skip
+        pub = Publisher(
+            store,
+            receiver_layout=world.rl,
+            config=PublisherConfig(anchor_every=100, signing_key=world.key, marker_timeout_s=0.2),
+        )
         try:
             _typed("committed", pub.committed, log)
             _typed("live receivers", pub.live_receivers, log)
             _typed("gc", pub.gc, log)
             if rng.random() < 0.3:
-                _typed("anchor publish", lambda: pub.publish(
-                    3, [], world.trainer.params, anchor=True), log)  # fmt: skip
+                _typed(
+                    "anchor publish",
+                    lambda: pub.publish(3, [], world.trainer.params, anchor=True),
+                    log,
+                )
         finally:
             pub.close()
 
@@ -394,8 +440,23 @@ def test_a_mutated_signed_store_never_makes_a_receiver_report_a_version_it_does_
     _fuzz(tmp_path, key=KEY, rounds=45, seed=SEED + 1)
 
 
-HOSTILE_KEY_PARTS = ["..", ".", "", ".tmp-x", "a\x00b", "a\nb", "\x7f", "é" * 128, "x" * 256,
-                     "\udc80", "a\\b", "/", "v00000001", "MANIFEST.json", "ok"]  # fmt: skip
+HOSTILE_KEY_PARTS = [
+    "..",
+    ".",
+    "",
+    ".tmp-x",
+    "a\x00b",
+    "a\nb",
+    "\x7f",
+    "é" * 128,
+    "x" * 256,
+    "\udc80",
+    "a\\b",
+    "/",
+    "v00000001",
+    "MANIFEST.json",
+    "ok",
+]
 
 
 @pytest.mark.timeout(60)

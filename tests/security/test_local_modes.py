@@ -26,7 +26,7 @@ def _mode(path) -> int:
 
 
 def test_a_receivers_state_dir_and_records_are_private_whatever_the_umask(tmp_path):
-    spec, tl, rl = tiny_layouts()
+    spec, _tl, rl = tiny_layouts()
     store = MemoryStore()
     trainer = TinyTrainer(spec)
     pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
@@ -34,8 +34,14 @@ def test_a_receivers_state_dir_and_records_are_private_whatever_the_umask(tmp_pa
     zeros = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs("tp0").items()}
     old = os.umask(0)  # the most permissive umask: modes must not depend on it
     try:
-        rec = Receiver.for_layout(store, rl, "tp0", zeros, str(tmp_path / "state"),
-                                  ReceiverConfig(receiver_id="r", durable=False))  # fmt: skip
+        rec = Receiver.for_layout(
+            store,
+            rl,
+            "tp0",
+            zeros,
+            str(tmp_path / "state"),
+            ReceiverConfig(receiver_id="r", durable=False),
+        )
         assert rec.pull().version == 0
     finally:
         os.umask(old)

@@ -43,13 +43,22 @@ FORGED = blob_digest(b"the attacker's blob")
 
 
 def _blob(version: int, shard: str, writer: str, digest: str = B) -> BlobEntry:
-    return BlobEntry(shard=shard, writer=writer, key=names.blob_key(version, shard, writer),
-                     size=10, digest=digest)  # fmt: skip
+    return BlobEntry(
+        shard=shard,
+        writer=writer,
+        key=names.blob_key(version, shard, writer),
+        size=10,
+        digest=digest,
+    )
 
 
 def _marker(version=3, writer="w00001-s", digest=B) -> WriterMarker:
-    return WriterMarker(version=version, writer=writer, created_at=time.time(),
-                        blobs=(_blob(version, "tp0", writer, digest),))  # fmt: skip
+    return WriterMarker(
+        version=version,
+        writer=writer,
+        created_at=time.time(),
+        blobs=(_blob(version, "tp0", writer, digest),),
+    )
 
 
 def test_a_signed_marker_round_trips_and_an_unsigned_forged_or_foreign_key_one_is_refused():
@@ -84,8 +93,7 @@ def test_the_committer_ignores_a_forged_marker_and_names_it_when_the_wait_times_
     forged = _marker(writer="w00001-s", digest=FORGED)
     store.put(forged.key, forged.to_json())  # pre-planted by someone without the key
     with pytest.raises(MissingWritersError, match=r"w00001-s.*refused.*unsigned"):
-        wait_for_markers(store, 3, writers, timeout_s=0.1, poll_s=0.01, own=own,
-                         signing_key=KEY)  # fmt: skip
+        wait_for_markers(store, 3, writers, timeout_s=0.1, poll_s=0.01, own=own, signing_key=KEY)
     genuine = _marker(writer="w00001-s")
     store.put(genuine.key, genuine.to_json(KEY))  # the real writer's marker replaces it
     got = wait_for_markers(store, 3, writers, timeout_s=1, poll_s=0.01, own=own, signing_key=KEY)
@@ -97,8 +105,9 @@ def test_the_committer_uses_its_own_marker_from_memory_not_what_the_store_now_ho
     own = _marker(writer="w00000-s")
     tampered = _marker(writer="w00000-s", digest=FORGED)
     store.put(tampered.key, tampered.to_json(KEY))  # even a validly signed replay is not read
-    (got,) = wait_for_markers(store, 3, ["w00000-s"], timeout_s=0.1, poll_s=0.01, own=own,
-                              signing_key=KEY)  # fmt: skip
+    (got,) = wait_for_markers(
+        store, 3, ["w00000-s"], timeout_s=0.1, poll_s=0.01, own=own, signing_key=KEY
+    )
     assert got.blobs == own.blobs
 
 
@@ -121,8 +130,9 @@ def test_a_marker_rewritten_after_its_put_never_reaches_the_signed_manifest(tmp_
     spec, tl, rl = tiny_layouts()
     store = RewritingStore()
     trainer = TinyTrainer(spec, density=0.2)
-    pub = Publisher(store, receiver_layout=rl,
-                    config=PublisherConfig(signing_key=key, anchor_every=100))  # fmt: skip
+    pub = Publisher(
+        store, receiver_layout=rl, config=PublisherConfig(signing_key=key, anchor_every=100)
+    )
     sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
     for v in range(2):
         if v:
@@ -131,8 +141,14 @@ def test_a_marker_rewritten_after_its_put_never_reaches_the_signed_manifest(tmp_
         manifest = Catalog(store, signing_key=key).manifest(v)
         assert {b.digest for b in manifest.blobs} == {b.digest for b in report.blobs}
     zeros = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs("tp1").items()}
-    rec = Receiver.for_layout(store, rl, "tp1", zeros, str(tmp_path / "r"),
-                              ReceiverConfig(receiver_id="r", durable=False, signing_key=key))  # fmt: skip
+    rec = Receiver.for_layout(
+        store,
+        rl,
+        "tp1",
+        zeros,
+        str(tmp_path / "r"),
+        ReceiverConfig(receiver_id="r", durable=False, signing_key=key),
+    )
     assert rec.pull().version == 1
     assert same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp1"])
     pub.close()
@@ -170,8 +186,9 @@ def test_a_heartbeat_dated_in_the_far_future_is_refused_and_never_live():
     store = MemoryStore()
     store.put(future.key, future.to_json())
     assert Catalog(store).live_receivers(120) == {}
-    late = AckRecord(version=1, receiver="r", shard="tp0", state_digest=D,
-                     created_at=now + 2 * MAX_CLOCK_SKEW_S)  # fmt: skip
+    late = AckRecord(
+        version=1, receiver="r", shard="tp0", state_digest=D, created_at=now + 2 * MAX_CLOCK_SKEW_S
+    )
     with pytest.raises(ManifestError, match="in the future"):
         AckRecord.from_json(late.to_json(), now=now)
 
@@ -181,9 +198,18 @@ HUGE = "9" * 309  # float() of it overflows
 
 def _manifest_text(**raw: str) -> str:
     """A valid manifest's JSON with the given fields replaced by raw JSON text."""
-    m = Manifest(version=1, base_version=0, kind="delta", format_version=1, created_at=1.0,
-                 writers=("w",), blobs=(), shard_digests={"tp0": D}, run_id="run0",
-                 base_digests={"tp0": D})  # fmt: skip
+    m = Manifest(
+        version=1,
+        base_version=0,
+        kind="delta",
+        format_version=1,
+        created_at=1.0,
+        writers=("w",),
+        blobs=(),
+        shard_digests={"tp0": D},
+        run_id="run0",
+        base_digests={"tp0": D},
+    )
     obj = json.loads(m.to_json())
     for k in raw:
         obj[k] = f"@{k}@"
@@ -197,25 +223,43 @@ def _manifest_text(**raw: str) -> str:
     "parse, text",
     [
         (decode_latest, '{"version":' + HUGE + "}"),
-        (AckRecord.from_json, '{"version":1,"receiver":"r","shard":"tp0","state_digest":"' + D
-         + '","created_at":' + HUGE + "}"),
-        (AckRecord.from_json, '{"version":1,"receiver":"r","shard":"tp0","state_digest":"' + D
-         + '","created_at":1,"pause_s":-' + HUGE + "}"),
-        (ReceiverRecord.from_json,
-         '{"receiver":"r","shard":"tp0","version":1,"updated_at":' + HUGE + "}"),
-        (ReceiverRecord.from_json,
-         '{"receiver":"r","shard":"tp0","version":' + HUGE + ',"updated_at":1}'),
+        (
+            AckRecord.from_json,
+            '{"version":1,"receiver":"r","shard":"tp0","state_digest":"'
+            + D
+            + '","created_at":'
+            + HUGE
+            + "}",
+        ),
+        (
+            AckRecord.from_json,
+            '{"version":1,"receiver":"r","shard":"tp0","state_digest":"'
+            + D
+            + '","created_at":1,"pause_s":-'
+            + HUGE
+            + "}",
+        ),
+        (
+            ReceiverRecord.from_json,
+            '{"receiver":"r","shard":"tp0","version":1,"updated_at":' + HUGE + "}",
+        ),
+        (
+            ReceiverRecord.from_json,
+            '{"receiver":"r","shard":"tp0","version":' + HUGE + ',"updated_at":1}',
+        ),
         (WriterMarker.from_json, '{"version":1,"writer":"w","blobs":[],"created_at":1e400}'),
         (Manifest.from_json, _manifest_text(created_at=HUGE)),
         (Manifest.from_json, _manifest_text(version=HUGE)),
         (Manifest.from_json, _manifest_text(format_version="-" + HUGE)),
-        (ReceiverRecord.from_json, '{"receiver":"r","shard":"tp0","version":1,"updated_at":'
-         + "9" * 5000 + "}"),
+        (
+            ReceiverRecord.from_json,
+            '{"receiver":"r","shard":"tp0","version":1,"updated_at":' + "9" * 5000 + "}",
+        ),
         (ReceiverRecord.from_json, '{"receiver":["r"],"shard":{},"version":1,"updated_at":1}'),
         (ReceiverRecord.from_json, "[" * 100000 + "]" * 100000),
         (AckRecord.from_json, b"\xff\xfe{}"),
     ],
-)  # fmt: skip
+)
 def test_huge_integers_and_malformed_records_raise_manifest_error_not_untyped_errors(parse, text):
     with pytest.raises(ManifestError):
         parse(text)

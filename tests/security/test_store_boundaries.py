@@ -46,10 +46,14 @@ class Rig:
         self.spec, self.tl, self.rl = tiny_layouts()
         self.store = store
         self.trainer = TinyTrainer(self.spec, density=0.2)
-        self.pub = Publisher(store, receiver_layout=self.rl, config=PublisherConfig(
-            anchor_every=2, keep_versions=keep_versions, signing_key=key))  # fmt: skip
-        self.sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), self.pub,
-                                self.trainer.params)  # fmt: skip
+        self.pub = Publisher(
+            store,
+            receiver_layout=self.rl,
+            config=PublisherConfig(anchor_every=2, keep_versions=keep_versions, signing_key=key),
+        )
+        self.sync = TrainerSync(
+            SnapshotTracker(self.trainer.named_parameters()), self.pub, self.trainer.params
+        )
 
     def publish(self, version):
         if version:
@@ -58,8 +62,9 @@ class Rig:
 
 
 def _tree(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.mark.timeout(60)
@@ -90,8 +95,14 @@ def test_a_blob_larger_than_its_manifest_entry_is_refused_without_reading_it_who
     entry = Catalog(rig.store).manifest(1).blobs_for("tp0")[0]
     path = tmp_path / "store" / entry.key
     os.truncate(path, 8 * 2**30)  # sparse: reading it whole would need 8 GiB
-    rec = Receiver.for_layout(rig.store, rig.rl, "tp0", _zeros(rig.rl, "tp0"),
-                              str(tmp_path / "r"), ReceiverConfig(receiver_id="r", durable=False))  # fmt: skip
+    rec = Receiver.for_layout(
+        rig.store,
+        rig.rl,
+        "tp0",
+        _zeros(rig.rl, "tp0"),
+        str(tmp_path / "r"),
+        ReceiverConfig(receiver_id="r", durable=False),
+    )
     with pytest.raises(DeltaSyncError, match="larger than the manifest"):
         rec.pull()
     assert rec.version is None
@@ -140,9 +151,12 @@ def test_an_s3_endpoint_with_credentials_is_refused_without_echoing_them():
     with pytest.raises(ConfigError) as info:
         S3Config(endpoint_url="https://AKIAEXAMPLE:hunter2secret@s3.example.com/?token=abc")
     assert "hunter2secret" not in str(info.value) and "abc" not in str(info.value)
-    config = S3Config(endpoint_url="http://127.0.0.1:9/?X-Token=t0ps3cret",
-                      access_key_id="AKIA-ID", secret_access_key="s3cr3t-value",
-                      session_token="sess-t0ken")  # fmt: skip
+    config = S3Config(
+        endpoint_url="http://127.0.0.1:9/?X-Token=t0ps3cret",
+        access_key_id="AKIA-ID",
+        secret_access_key="s3cr3t-value",
+        session_token="sess-t0ken",
+    )
     for text in (repr(config), str(config)):
         assert "s3cr3t-value" not in text and "sess-t0ken" not in text
         assert "t0ps3cret" not in text and "AKIA-ID" not in text
@@ -174,8 +188,14 @@ def test_a_key_file_readable_by_others_draws_a_warning_and_a_private_one_does_no
 def test_a_receiver_with_a_key_still_reaches_every_version_through_the_bounded_reads(tmp_path):
     store = LocalStore(tmp_path / "store", durable=False)
     rig = Rig(store, key=KEY)
-    rec = Receiver.for_layout(store, rig.rl, "tp1", _zeros(rig.rl, "tp1"), str(tmp_path / "r"),
-                              ReceiverConfig(receiver_id="r", durable=False, signing_key=KEY))  # fmt: skip
+    rec = Receiver.for_layout(
+        store,
+        rig.rl,
+        "tp1",
+        _zeros(rig.rl, "tp1"),
+        str(tmp_path / "r"),
+        ReceiverConfig(receiver_id="r", durable=False, signing_key=KEY),
+    )
     for v in range(4):
         rig.publish(v)
         assert rec.pull().version == v

@@ -3,6 +3,7 @@ reads are bounded before they start, and every OS failure is a StoreError naming
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -134,10 +135,10 @@ def test_key_components_over_255_bytes_are_invalid_keys_not_os_errors(tmp_path: 
     store = LocalStore(tmp_path / "store")
     for key in ("a" * 256, "v00000001/" + "é" * 128, "x/" + "b" * 300 + "/c"):
         for call in (
-            lambda: store.put(key, b"x"),
-            lambda: store.get(key),
-            lambda: store.exists(key),
-            lambda: store.delete(key),
+            lambda key=key: store.put(key, b"x"),
+            lambda key=key: store.get(key),
+            lambda key=key: store.exists(key),
+            lambda key=key: store.delete(key),
         ):
             with pytest.raises(InvalidKeyError, match="255 bytes"):
                 call()
@@ -158,7 +159,7 @@ def test_files_and_directories_get_the_configured_modes_whatever_the_umask(
         default.put("v00000001/MANIFEST.json", b"x")
     finally:
         os.umask(old)
-    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
     assert mode(tmp_path / "private" / "v00000001" / "tp0" / "w.blob") == 0o600
     assert mode(tmp_path / "private" / "v00000001" / "tp0") == 0o700
     assert mode(tmp_path / "default" / "v00000001" / "MANIFEST.json") == 0o640
@@ -192,10 +193,8 @@ def test_a_directory_swapped_for_a_link_mid_write_is_refused_not_followed(
     t.start()
     try:
         for i in range(200):
-            try:
+            with contextlib.suppress(StoreError):
                 store.put(f"v00000009/k{i}.blob", b"data")
-            except StoreError:
-                pass
     finally:
         stop.set()
         t.join(10)

@@ -70,7 +70,7 @@ def test_a_lasting_outage_ends_in_a_store_error_naming_endpoint_bucket_and_key(o
 
 def test_a_missing_bucket_is_a_store_error_that_names_it(s3_server) -> None:
     store = S3Store("no-such-bucket-here", config=s3_server.config())
-    with pytest.raises(StoreError, match="no-such-bucket-here.*does not exist"):
+    with pytest.raises(StoreError, match=r"no-such-bucket-here.*does not exist"):
         store.put("k", b"x")
     store.close()
 

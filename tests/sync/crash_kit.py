@@ -23,7 +23,7 @@ FROZEN_S = 120  # a frozen child waits this long for its SIGKILL
 def publisher_child(make_store, versions, kill_at, frozen, seed, anchor_every) -> None:
     """Train deterministically and publish ``versions`` versions; freeze at ``kill_at``
     ((op, key predicate)) after setting ``frozen``, to be killed there."""
-    spec, tl, rl = layouts()
+    spec, _tl, rl = layouts()
     inner = make_store()
 
     def gate(op, key):
@@ -32,8 +32,11 @@ def publisher_child(make_store, versions, kill_at, frozen, seed, anchor_every) -
             time.sleep(FROZEN_S)
 
     trainer = TinyTrainer(spec, seed=seed)
-    pub = Publisher(GateStore(inner, gate), receiver_layout=rl,
-                    config=PublisherConfig(anchor_every=anchor_every))  # fmt: skip
+    pub = Publisher(
+        GateStore(inner, gate),
+        receiver_layout=rl,
+        config=PublisherConfig(anchor_every=anchor_every),
+    )
     sync = TrainerSync(AdamWTracker(trainer.opt, trainer.named_parameters()), pub, trainer.params)
     for v in range(versions):
         if v:
@@ -81,9 +84,14 @@ def receiver_child(store_path, shard, file, state_dir, stop_after, frozen) -> No
 
     tensors = mapped_shard_tensors(file, rl.local_specs(shard))
     rec = Receiver.for_layout(
-        scratch_store(store_path), rl, shard, tensors, str(state_dir),
-        rconfig("victim"), on_tensor_written=on_tensor,
-    )  # fmt: skip
+        scratch_store(store_path),
+        rl,
+        shard,
+        tensors,
+        str(state_dir),
+        rconfig("victim"),
+        on_tensor_written=on_tensor,
+    )
     rec.pull()
 
 

@@ -34,8 +34,9 @@ class Rig:
         self.store = scratch_store(self.path)
         self.trainer = TinyTrainer(self.spec, density=0.02)
         pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(anchor_every=3))
-        self.sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), pub,
-                                self.trainer.params)  # fmt: skip
+        self.sync = TrainerSync(
+            SnapshotTracker(self.trainer.named_parameters()), pub, self.trainer.params
+        )
         self.version = -1
 
     def publish(self, n=1):
@@ -50,8 +51,14 @@ class Rig:
 @pytest.mark.timeout(60)
 def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
     rig = Rig(tmp_path)
-    rec = Receiver.for_layout(rig.store, rig.rl, "tp1", zero_tensors(rig.rl, "tp1"),
-                              str(tmp_path / "r"), rconfig("watcher"))  # fmt: skip
+    rec = Receiver.for_layout(
+        rig.store,
+        rig.rl,
+        "tp1",
+        zero_tensors(rig.rl, "tp1"),
+        str(tmp_path / "r"),
+        rconfig("watcher"),
+    )
     rig.publish(3)
     rec.pull()
     rig.publish(1)
@@ -60,11 +67,15 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
     assert "LATEST=3" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        ("0", "anchor", "-", "tp0"), ("0", "anchor", "-", "tp1"),
-        ("1", "delta", "0", "tp0"), ("1", "delta", "0", "tp1"),
-        ("2", "delta", "1", "tp0"), ("2", "delta", "1", "tp1"),
-        ("3", "anchor", "-", "tp0"), ("3", "anchor", "-", "tp1"),
-    ]  # fmt: skip
+        ("0", "anchor", "-", "tp0"),
+        ("0", "anchor", "-", "tp1"),
+        ("1", "delta", "0", "tp0"),
+        ("1", "delta", "0", "tp1"),
+        ("2", "delta", "1", "tp0"),
+        ("2", "delta", "1", "tp1"),
+        ("3", "anchor", "-", "tp0"),
+        ("3", "anchor", "-", "tp1"),
+    ]
     assert rows[5][-1] == "watcher" and rows[4][-1] == "-"  # acked by the tp1 receiver only
     assert {r[-2] for r in rows} == {"ok"}, "every blob present, sized and digested as listed"
     assert rows[0][-3] == "100.00%", "an anchor sends every element"
@@ -79,17 +90,30 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
         (3, "tp1"),
     ]
     delta = info["rows"][0]
-    numel = sum(s.shape[0] * (s.shape[1] if len(s.shape) > 1 else 1)
-                for s in rig.rl.local_specs("tp0").values())  # fmt: skip
+    numel = sum(
+        s.shape[0] * (s.shape[1] if len(s.shape) > 1 else 1)
+        for s in rig.rl.local_specs("tp0").values()
+    )
     assert 0 < delta["density"] < 1 and delta["density"] == delta["elements"] / numel
     assert delta["bytes"] > 0
 
 
 def _pull(rig, tmp_path, *extra):
-    return main([
-        "pull", str(rig.path), "--engine", "vllm", "--tp", "2", "--shard", "tp1",
-        "--dir", str(tmp_path / "weights"), *extra,
-    ])  # fmt: skip
+    return main(
+        [
+            "pull",
+            str(rig.path),
+            "--engine",
+            "vllm",
+            "--tp",
+            "2",
+            "--shard",
+            "tp1",
+            "--dir",
+            str(tmp_path / "weights"),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.timeout(60)

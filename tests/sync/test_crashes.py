@@ -76,17 +76,19 @@ def test_a_publisher_killed_anywhere_never_exposes_a_partial_version_and_a_resta
     anchor_every = rng.choice([3, 100])
     where = f"kill point {kind} at version {k}, anchor_every={anchor_every}"
     path = tmp_path / "store"
-    make_store = lambda: scratch_store(path)  # noqa: E731 -- the child opens its own store
+    make_store = lambda: scratch_store(path)
     _, _, rl = layouts()
     receivers = {
-        s: Receiver.for_layout(scratch_store(path), rl, s, zero_tensors(rl, s), str(tmp_path / s),
-                               rconfig(f"r-{s}"))
+        s: Receiver.for_layout(
+            scratch_store(path), rl, s, zero_tensors(rl, s), str(tmp_path / s), rconfig(f"r-{s}")
+        )
         for s in ("tp0", "tp1")
-    }  # fmt: skip
+    }
 
     frozen = mp.get_context("fork").Event()
-    child = fork_child(publisher_child, make_store, VERSIONS, _kill_point(kind, k), frozen, SEED,
-                       anchor_every)  # fmt: skip
+    child = fork_child(
+        publisher_child, make_store, VERSIONS, _kill_point(kind, k), frozen, SEED, anchor_every
+    )
     assert frozen.wait(60), f"{where}: the publisher never reached its kill point"
     committed = k if kind == "after-manifest-before-latest" else k - 1
     for shard, rec in receivers.items():  # while the publisher hangs there, and after it died
@@ -148,9 +150,13 @@ def _kill_receiver_mid_apply(tmp_path, stop_after, shard="tp0"):
 def _reopen(store, rl, tmp_path, shard="tp0"):
     file, state_dir = tmp_path / f"{shard}.bin", tmp_path / "victim-state"
     return Receiver.for_layout(
-        store, rl, shard, mapped_shard_tensors(file, rl.local_specs(shard)), str(state_dir),
+        store,
+        rl,
+        shard,
+        mapped_shard_tensors(file, rl.local_specs(shard)),
+        str(state_dir),
         rconfig("victim"),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(60)

@@ -37,26 +37,39 @@ def test_every_version_reaches_vllm_and_hf_receivers_bit_exactly(backend, tmp_pa
     rl_hf = ReceiverLayout.build(spec, "hf")
     tracker = AdamWTracker(trainer.opt, trainer.model.named_parameters())
     pubs = [
-        Publisher(vllm_store, receiver_layout=rl_vllm,
-                  config=PublisherConfig(anchor_every=4, signing_key=KEY)),
+        Publisher(
+            vllm_store,
+            receiver_layout=rl_vllm,
+            config=PublisherConfig(anchor_every=4, signing_key=KEY),
+        ),
         Publisher(hf_store, receiver_layout=rl_hf, config=PublisherConfig(anchor_every=4)),
-    ]  # fmt: skip
+    ]
     sync = TrainerSync(tracker, pubs, trainer.params)
 
     def vllm_receiver(rid, shard):
         return Receiver.for_layout(
-            vllm_store, rl_vllm, shard, zero_tensors(rl_vllm, shard), str(tmp_path / rid),
+            vllm_store,
+            rl_vllm,
+            shard,
+            zero_tensors(rl_vllm, shard),
+            str(tmp_path / rid),
             ReceiverConfig(receiver_id=rid, signing_key=KEY),
-        )  # fmt: skip
+        )
 
-    receivers = {"r-tp0-a": vllm_receiver("r-tp0-a", "tp0"),
-                 "r-tp0-b": vllm_receiver("r-tp0-b", "tp0"),
-                 "r-tp1": vllm_receiver("r-tp1", "tp1")}  # fmt: skip
+    receivers = {
+        "r-tp0-a": vllm_receiver("r-tp0-a", "tp0"),
+        "r-tp0-b": vllm_receiver("r-tp0-b", "tp0"),
+        "r-tp1": vllm_receiver("r-tp1", "tp1"),
+    }
     engine = Qwen3ForCausalLM(trainer.config).to(torch.bfloat16).eval()
     hf_receiver = Receiver.for_layout(
-        hf_store, rl_hf, "tp0", {n: p.data for n, p in engine.named_parameters()},
-        str(tmp_path / "r-hf"), ReceiverConfig(receiver_id="r-hf"),
-    )  # fmt: skip
+        hf_store,
+        rl_hf,
+        "tp0",
+        {n: p.data for n, p in engine.named_parameters()},
+        str(tmp_path / "r-hf"),
+        ReceiverConfig(receiver_id="r-hf"),
+    )
 
     kinds = []
     versions = 7 if backend == "local" else 5  # each S3 call costs ~10-50 ms on this machine
@@ -95,21 +108,33 @@ def test_qwen3_moe_expert_parallel_shards_stay_bit_exact(tp, ep, upload_threads,
 
     from sync_kit import TINY, TinyTrainer, rconfig
 
-    cfg = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
-           "num_experts_per_tok": 2, "mlp_only_layers": [1]}  # fmt: skip
+    cfg = {
+        **TINY,
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    }
     spec = ModelSpec.from_hf_config(cfg)
     tl, rl = TrainerLayout(spec), ReceiverLayout.build(spec, "vllm", tp=tp, ep=ep)
     store = MemoryStore()
     trainer = TinyTrainer(spec, density=0.1)  # fused expert params, as transformers holds them
-    sync = TrainerSync(AdamWTracker(trainer.opt, trainer.named_parameters()),
-                       Publisher(store, receiver_layout=rl,
-                                 config=PublisherConfig(anchor_every=3, upload_threads=upload_threads)),
-                       trainer.params)  # fmt: skip
+    sync = TrainerSync(
+        AdamWTracker(trainer.opt, trainer.named_parameters()),
+        Publisher(
+            store,
+            receiver_layout=rl,
+            config=PublisherConfig(anchor_every=3, upload_threads=upload_threads),
+        ),
+        trainer.params,
+    )
     receivers = [
-        Receiver.for_layout(store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id),
-                            rconfig(f"r-{s.id}"))
+        Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"r-{s.id}")
+        )
         for s in rl.shards()
-    ]  # fmt: skip
+    ]
     for version in range(5):
         if version:
             trainer.step()

@@ -46,14 +46,22 @@ class Rig:
         self.spec, self.tl, self.rl = layouts()
         self.store = scratch_store(tmp_path / "store")
         self.trainer = TinyTrainer(self.spec, density=0.2)
-        self.pub = Publisher(self.store, receiver_layout=self.rl,
-                             config=PublisherConfig(anchor_every=100, signing_key=key))  # fmt: skip
-        self.sync = TrainerSync(SnapshotTracker(self.trainer.named_parameters()), self.pub,
-                                self.trainer.params)  # fmt: skip
+        self.pub = Publisher(
+            self.store,
+            receiver_layout=self.rl,
+            config=PublisherConfig(anchor_every=100, signing_key=key),
+        )
+        self.sync = TrainerSync(
+            SnapshotTracker(self.trainer.named_parameters()), self.pub, self.trainer.params
+        )
         self.rec = Receiver.for_layout(
-            self.store, self.rl, "tp0", zero_tensors(self.rl, "tp0"), str(tmp_path / "rec"),
+            self.store,
+            self.rl,
+            "tp0",
+            zero_tensors(self.rl, "tp0"),
+            str(tmp_path / "rec"),
             rconfig("rec", signing_key=key),
-        )  # fmt: skip
+        )
         self.states = {}
 
     def publish(self, version):
@@ -253,10 +261,13 @@ def test_two_publishers_racing_for_one_version_one_wins_the_other_gets_commit_co
             barrier.wait()
 
     syncs = [
-        TrainerSync(SnapshotTracker(t.named_parameters()),
-                    Publisher(GateStore(store, gate), receiver_layout=rl), t.params)
+        TrainerSync(
+            SnapshotTracker(t.named_parameters()),
+            Publisher(GateStore(store, gate), receiver_layout=rl),
+            t.params,
+        )
         for t in trainers
-    ]  # fmt: skip
+    ]
     outcome: dict[int, object] = {}
 
     def run(i):
@@ -275,8 +286,9 @@ def test_two_publishers_racing_for_one_version_one_wins_the_other_gets_commit_co
     (loser,) = losers
     assert "lost the race" in str(outcome[loser])
     winner = 1 - loser
-    rec = Receiver.for_layout(store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "r"),
-                              rconfig("r"))  # fmt: skip
+    rec = Receiver.for_layout(
+        store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "r"), rconfig("r")
+    )
     assert rec.pull().version == 0
     assert_same_bits(rec.tensors, expected_shards(trainers[winner].params, tl, rl)["tp1"])
     # the loser's blobs are orphans no manifest lists; gc removes them

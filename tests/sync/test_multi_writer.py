@@ -55,14 +55,15 @@ class RankTracker:
 
 def writer(path, rank: int, session: str) -> None:
     """One trainer rank: the same deterministic training, publishing its shard of each step."""
-    spec, tl, rl = layouts()
+    spec, _tl, rl = layouts()
     trainer = TinyTrainer(spec, seed=7)
     local = {}
     for name, p in trainer.params.items():
         start, stop, _ = _rows(p, rank)
         local[name] = p.detach()[start:stop]  # a view: follows the optimizer's updates
-    config = PublisherConfig(writer_rank=rank, num_writers=WORLD, session=session,
-                             anchor_every=3, marker_timeout_s=30)  # fmt: skip
+    config = PublisherConfig(
+        writer_rank=rank, num_writers=WORLD, session=session, anchor_every=3, marker_timeout_s=30
+    )
     pub = Publisher(scratch_store(path), receiver_layout=rl, config=config)
     tracker = RankTracker(SnapshotTracker(trainer.named_parameters()), trainer.params, rank)
     sync = TrainerSync(tracker, pub, local, full_state=trainer.params if rank == 0 else None)
@@ -95,15 +96,16 @@ def test_writers_in_separate_processes_commit_one_bit_exact_version_per_step(tmp
         assert m.kind == ("anchor" if v % 3 == 0 else "delta")
         for shard in ("tp0", "tp1"):
             assert same_bits(replay_version(store, shard, v), want[shard]), f"v{v} {shard}"
-    rec = Receiver.for_layout(store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"),
-                              rconfig("r"))  # fmt: skip
+    rec = Receiver.for_layout(
+        store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
     assert rec.pull().chain == (3, 4)
     assert_same_bits(rec.tensors, want["tp0"])
 
 
 @pytest.mark.timeout(30)
 def test_the_committer_names_the_writers_whose_markers_never_came(tmp_path):
-    spec, tl, rl = layouts()
+    spec, _tl, rl = layouts()
     trainer = TinyTrainer(spec)
     config = PublisherConfig(writer_rank=0, num_writers=3, session="lonely", marker_timeout_s=0.3)
     pub = Publisher(scratch_store(tmp_path / "store"), receiver_layout=rl, config=config)

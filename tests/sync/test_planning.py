@@ -83,10 +83,16 @@ def test_fsdp_writer_shards_merged_equal_one_writer_holding_everything():
             idx = changed[n]
             keep = (idx >= start * row) & (idx < stop * row)
             local_changed[n] = idx[keep] - start * row
-        per_writer.append(shard_updates(
-            local_changed, local_params, trainer_layout=tl, receiver_layout=rl,
-            rank=rank, world_size=world,
-        ))  # fmt: skip
+        per_writer.append(
+            shard_updates(
+                local_changed,
+                local_params,
+                trainer_layout=tl,
+                receiver_layout=rl,
+                rank=rank,
+                world_size=world,
+            )
+        )
     for shard in whole:
         merged = _dense(merge_writers(1, [w[shard] for w in per_writer]))
         single = _dense(whole[shard])
@@ -98,11 +104,17 @@ def test_fsdp_writer_shards_merged_equal_one_writer_holding_everything():
 
 def _manifest(version, kind="delta", base=None, shards=("tp0",)):
     return Manifest(
-        version=version, base_version=base if kind == "delta" else None, kind=kind,
-        format_version=1, created_at=1.0, writers=("w00000",), blobs=(),
-        shard_digests={s: "0" * 32 for s in shards}, run_id="run0",
+        version=version,
+        base_version=base if kind == "delta" else None,
+        kind=kind,
+        format_version=1,
+        created_at=1.0,
+        writers=("w00000",),
+        blobs=(),
+        shard_digests={s: "0" * 32 for s in shards},
+        run_id="run0",
         base_digests={s: "0" * 32 for s in shards} if kind == "delta" else {},
-    )  # fmt: skip
+    )
 
 
 def test_a_chain_must_start_at_the_local_version_or_an_anchor_and_be_contiguous():
@@ -119,8 +131,9 @@ def test_a_chain_must_start_at_the_local_version_or_an_anchor_and_be_contiguous(
 
 
 def _entry(v, shard="tp0", writer="w00000"):
-    return BlobEntry(shard=shard, writer=writer, key=names.blob_key(v, shard, writer), size=10,
-                     digest="1" * 64)  # fmt: skip
+    return BlobEntry(
+        shard=shard, writer=writer, key=names.blob_key(v, shard, writer), size=10, digest="1" * 64
+    )
 
 
 def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
@@ -131,18 +144,29 @@ def test_the_manifest_lists_every_writers_blobs_and_needs_every_marker():
         WriterMarker(version=7, writer="w00001-s", blobs=(), created_at=1.0),
     ]
     m = build_manifest(
-        version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
-        markers=markers, shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
-        run_id="run0", base_digests={"tp0": "c" * 32, "tp1": "d" * 32},
-    )  # fmt: skip
+        version=7,
+        kind="delta",
+        base_version=6,
+        writers=["w00000-s", "w00001-s"],
+        markers=markers,
+        shard_digests={"tp0": "a" * 32, "tp1": "b" * 32},
+        created_at=2.0,
+        run_id="run0",
+        base_digests={"tp0": "c" * 32, "tp1": "d" * 32},
+    )
     assert [b.key for b in m.blobs] == ["v00000007/tp1/w00000-s.blob"]
     assert m.writers == ("w00000-s", "w00001-s")
     with pytest.raises(ManifestError, match="markers from"):
         build_manifest(
-            version=7, kind="delta", base_version=6, writers=["w00000-s", "w00001-s"],
-            markers=markers[:1], shard_digests={"tp0": "a" * 32, "tp1": "b" * 32}, created_at=2.0,
+            version=7,
+            kind="delta",
+            base_version=6,
+            writers=["w00000-s", "w00001-s"],
+            markers=markers[:1],
+            shard_digests={"tp0": "a" * 32, "tp1": "b" * 32},
+            created_at=2.0,
             run_id="run0",
-        )  # fmt: skip
+        )
 
 
 def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
@@ -154,9 +178,13 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     keys[9] = [names.blob_key(9, "tp0", "w00000")]  # in flight: newer than committed, no manifest
     keys[2].append(names.writer_marker_key(2, "w00000"))
     plan = plan_deletions(
-        version_keys=keys, manifests=ms, ack_keys={1: ["acks/v00000001/r.json"]},
-        committed=8, live_versions=[6], keep_versions=1,
-    )  # fmt: skip
+        version_keys=keys,
+        manifests=ms,
+        ack_keys={1: ["acks/v00000001/r.json"]},
+        committed=8,
+        live_versions=[6],
+        keep_versions=1,
+    )
     assert plan.versions == (0, 1, 2, 3, 4)
     manifest_keys = [k for k in plan.keys if k.endswith("MANIFEST.json")]
     assert plan.keys[: len(manifest_keys)] == tuple(manifest_keys), "manifests go first"
@@ -164,9 +192,13 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     assert not any(k.startswith("v00000009/") for k in plan.keys)
     # a live receiver holding 2 needs 3..8 (the chain through deltas): only 0..2 may go
     plan = plan_deletions(
-        version_keys=keys, manifests=ms, ack_keys={}, committed=8, live_versions=[2],
+        version_keys=keys,
+        manifests=ms,
+        ack_keys={},
+        committed=8,
+        live_versions=[2],
         keep_versions=1,
-    )  # fmt: skip
+    )
     assert plan.versions == (0, 1, 2)
 
 
@@ -214,7 +246,7 @@ def test_values_captured_by_the_tracker_give_the_same_updates_and_bad_ones_are_r
     assert plain.keys() == given.keys()
     for shard in plain:
         assert [u.name for u in plain[shard]] == [u.name for u in given[shard]]
-        for a, b in zip(plain[shard], given[shard]):
+        for a, b in zip(plain[shard], given[shard], strict=False):
             assert torch.equal(a.indices, b.indices)
             assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
     name = next(iter(changed))

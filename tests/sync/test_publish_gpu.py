@@ -26,14 +26,16 @@ def test_a_cuda_trainer_streams_versions_that_cpu_receivers_apply_bit_exactly(tm
     trainer = TinyTrainer(spec, lr=1e-3, density=0.1, device="cuda")
     tracker = AdamWTracker(trainer.opt, list(trainer.params.items()))
     store = MemoryStore()
-    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
-                    config=PublisherConfig(anchor_every=4))  # fmt: skip
+    pub = Publisher(
+        store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(anchor_every=4)
+    )
     sync = TrainerSync(tracker, pub, trainer.params)
     receivers = {
-        s.id: Receiver.for_layout(store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id),
-                                  rconfig(f"rx-{s.id}"))
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
         for s in rl.shards()
-    }  # fmt: skip
+    }
     sync.step_published(0, anchor=True)
     for version in range(1, 6):
         trainer.step()

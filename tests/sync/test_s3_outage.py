@@ -52,8 +52,9 @@ def _rig(s3_server, s3_session_store, tmp_path, retry):
 
     pub = Publisher(GateStore(store, gate), receiver_layout=rl, config=PublisherConfig())
     sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
-    rec = Receiver.for_layout(reader, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "r"),
-                              rconfig("r"))  # fmt: skip
+    rec = Receiver.for_layout(
+        reader, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "r"), rconfig("r")
+    )
     return tl, rl, trainer, sync, rec, outage, store
 
 

@@ -70,10 +70,16 @@ def segments(blob: bytes) -> int:
 # --- parameter groups ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine, tp, ep, moe", [
-    ("vllm", 2, 1, False), ("vllm", 4, 1, False), ("hf", 1, 1, False),
-    ("vllm", 2, 2, True), ("vllm", 1, 4, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine, tp, ep, moe",
+    [
+        ("vllm", 2, 1, False),
+        ("vllm", 4, 1, False),
+        ("hf", 1, 1, False),
+        ("vllm", 2, 2, True),
+        ("vllm", 1, 4, True),
+    ],
+)
 def test_groups_partition_the_params_and_never_share_a_local_tensor(engine, tp, ep, moe):
     overrides = dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32) if moe else {}
     spec, tl, _ = layouts(**overrides)
@@ -105,8 +111,9 @@ def test_blobs_upload_while_detection_of_later_groups_is_still_running(tmp_path)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     log: list = []
     store = LoggingStore(log)
-    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
-                    config=PublisherConfig(upload_threads=4))  # fmt: skip
+    pub = Publisher(
+        store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(upload_threads=4)
+    )
     pub.publish(0, {}, trainer.params, anchor=True)
     tracker.clear()
     trainer.step()
@@ -126,8 +133,14 @@ def test_blobs_upload_while_detection_of_later_groups_is_still_running(tmp_path)
         assert segments(store.get(key)) > 3
 
     for shard in rl.shards():
-        rx = Receiver.for_layout(store, rl, shard.id, zero_tensors(rl, shard.id),
-                                 str(tmp_path / shard.id), rconfig(f"rx-{shard.id}"))  # fmt: skip
+        rx = Receiver.for_layout(
+            store,
+            rl,
+            shard.id,
+            zero_tensors(rl, shard.id),
+            str(tmp_path / shard.id),
+            rconfig(f"rx-{shard.id}"),
+        )
         rx.pull()
         assert rx.version == 1
         assert_same_bits(rx.tensors, expected_shards(trainer.params, tl, rl)[shard.id], shard.id)
@@ -138,14 +151,19 @@ def test_trainer_sync_streams_and_stays_exact_over_versions_on_a_local_store(tmp
     trainer = TinyTrainer(spec, lr=3e-3, density=0.1)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     store = scratch_store(tmp_path / "store")
-    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
-                    config=PublisherConfig(anchor_every=5, upload_threads=1))  # fmt: skip
+    pub = Publisher(
+        store,
+        receiver_layout=rl,
+        trainer_layout=tl,
+        config=PublisherConfig(anchor_every=5, upload_threads=1),
+    )
     sync = TrainerSync(tracker, pub, trainer.params)
     receivers = {
-        s.id: Receiver.for_layout(store, rl, s.id, zero_tensors(rl, s.id),
-                                  str(tmp_path / s.id), rconfig(f"rx-{s.id}"))
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
         for s in rl.shards()
-    }  # fmt: skip
+    }
     sync.step_published(0, anchor=True)
     for version in range(1, 8):
         trainer.step()
@@ -198,8 +216,9 @@ def test_an_error_mid_stream_leaves_no_blob_and_a_retry_commits_exactly(backend,
     assert pub.committed() == 0 and _no_blobs(store, 1)
 
     pub.publish(1, tracker.iter_changes(), trainer.params)  # the tracker kept its bits
-    rx = Receiver.for_layout(store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "rx"),
-                             rconfig("rx"))  # fmt: skip
+    rx = Receiver.for_layout(
+        store, rl, "tp1", zero_tensors(rl, "tp1"), str(tmp_path / "rx"), rconfig("rx")
+    )
     rx.pull()
     assert_same_bits(rx.tensors, expected_shards(trainer.params, tl, rl)["tp1"])
 
@@ -212,10 +231,10 @@ def test_a_list_of_changes_and_the_lazy_stream_give_the_same_blobs():
     blobs = []
     for changes in ("list", "stream"):
         store = MemoryStore()
-        pub = Publisher(store, receiver_layout=rl, trainer_layout=tl,
-                        config=PublisherConfig(session="s"))  # fmt: skip
-        pub.publish(0, {}, {n: torch.zeros_like(p) for n, p in trainer.params.items()},
-                    anchor=True)  # fmt: skip
+        pub = Publisher(
+            store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(session="s")
+        )
+        pub.publish(0, {}, {n: torch.zeros_like(p) for n, p in trainer.params.items()}, anchor=True)
         changed = list(tracker.iter_changes()) if changes == "list" else tracker.iter_changes()
         pub.publish(1, changed, trainer.params)
         blobs.append({k: store.get(k) for k in store.list("v00000001/") if k.endswith(".blob")})
@@ -228,16 +247,18 @@ def test_moe_expert_parallel_receivers_get_streamed_blobs_bit_exactly(tmp_path):
     trainer = TinyTrainer(spec, lr=1e-3, density=0.1)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     store = MemoryStore()
-    sync = TrainerSync(tracker, Publisher(store, receiver_layout=rl, trainer_layout=tl),
-                       trainer.params)  # fmt: skip
+    sync = TrainerSync(
+        tracker, Publisher(store, receiver_layout=rl, trainer_layout=tl), trainer.params
+    )
     sync.step_published(0, anchor=True)
     for version in (1, 2):
         trainer.step()
         sync.step_published(version)
     expected = expected_shards(trainer.params, tl, rl)
     for s in rl.shards():
-        rx = Receiver.for_layout(store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id),
-                                 rconfig(f"rx-{s.id}"))  # fmt: skip
+        rx = Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
         rx.pull()
         assert_same_bits(rx.tensors, expected[s.id], s.id)
 
@@ -273,8 +294,9 @@ def test_a_failed_upload_stops_the_stream_early_and_commits_nothing():
     trainer.step()
     log: list = []
     with pytest.raises(StoreError, match="simulated"):
-        pub.publish(1, logged_stream(slow_after_first_groups(tracker.iter_changes()), log),
-                    trainer.params)  # fmt: skip
+        pub.publish(
+            1, logged_stream(slow_after_first_groups(tracker.iter_changes()), log), trainer.params
+        )
     assert pub.committed() == 0 and _no_blobs(store, 1)
     # it stopped consuming detection once the failure was seen (not after the whole model)
     assert len(log) < len(trainer.params)
@@ -298,8 +320,10 @@ def test_every_kind_of_tracker_streams_the_detection_pass_values():
 
     spec, _, _ = layouts()
     trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
-    trackers = [AdamWTracker(trainer.opt, trainer.named_parameters()),
-                SnapshotTracker(trainer.named_parameters())]  # fmt: skip
+    trackers = [
+        AdamWTracker(trainer.opt, trainer.named_parameters()),
+        SnapshotTracker(trainer.named_parameters()),
+    ]
     trainer.step()
     for tracker in trackers:
         items = list(tracker.iter_changes())

@@ -64,10 +64,11 @@ def _setup(tmp_path, gate, *, density=0.05, seed=0):
     pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
     sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
     receivers = {
-        s.id: Receiver.for_layout(store, rl, s.id, zero_tensors(rl, s.id),
-                                  str(tmp_path / s.id), rconfig(f"rx-{s.id}"))
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
         for s in rl.shards()
-    }  # fmt: skip
+    }
     return trainer, tracker, sync, pub, receivers, (tl, rl)
 
 
@@ -118,8 +119,10 @@ def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
     t.start()
     assert not stepped.wait(0.5), "the optimizer stepped while version 1 was in flight"
     # the params the background hashes are untouched while it runs
-    assert all(torch.equal(before[n].view(torch.int32), p.detach().view(torch.int32))
-               for n, p in trainer.params.items())  # fmt: skip
+    assert all(
+        torch.equal(before[n].view(torch.int32), p.detach().view(torch.int32))
+        for n, p in trainer.params.items()
+    )
     gate.release()
     t.join(30)
     assert stepped.is_set() and pending.done() and pub.committed() == 1
@@ -128,7 +131,7 @@ def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
 
 def test_a_failed_version_is_carried_into_the_next_and_its_error_names_it(tmp_path):
     gate = ManifestGate(2, fail=True)
-    trainer, tracker, sync, pub, receivers, lay = _setup(tmp_path, gate, density=0.02)
+    trainer, _tracker, sync, pub, receivers, lay = _setup(tmp_path, gate, density=0.02)
     sync.step_published(0, anchor=True)
     sync.wait()
     trainer.step()
@@ -168,22 +171,28 @@ def test_close_raises_the_error_of_the_version_in_flight(tmp_path):
 
 def test_merged_carry_rereads_current_values_at_the_union_of_positions():
     params = {"a": torch.randn(10), "b": torch.randn(4), "c": torch.randn(3)}
-    fresh = [("a", torch.tensor([1, 5]), params["a"][[1, 5]].to(torch.bfloat16)),
-             ("c", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))]  # fmt: skip
+    fresh = [
+        ("a", torch.tensor([1, 5]), params["a"][[1, 5]].to(torch.bfloat16)),
+        ("c", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16)),
+    ]
     carry = {"a": torch.tensor([0, 5, 9], dtype=torch.int32), "b": torch.tensor([2])}
     out = list(merge_carry(fresh, carry, params))
     assert [n for n, _, _ in out] == ["a", "b", "c"]
     (_, ia, va), (_, ib, vb), (_, ic, vc) = out
     assert ia.tolist() == [0, 1, 5, 9] and ia.dtype == torch.int64
-    assert torch.equal(va.view(torch.int16), params["a"][[0, 1, 5, 9]].to(torch.bfloat16).view(
-        torch.int16))  # fmt: skip
+    assert torch.equal(
+        va.view(torch.int16), params["a"][[0, 1, 5, 9]].to(torch.bfloat16).view(torch.int16)
+    )
     assert ib.tolist() == [2] and torch.equal(
         vb.view(torch.int16), params["b"][[2]].to(torch.bfloat16).view(torch.int16)
     )
     assert ic.tolist() == [0] and vc.view(torch.int16).tolist() == [0]  # not carried: as given
     with pytest.raises(ConfigError, match="not in params"):
-        list(merge_carry([("zz", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))], {},
-                         params))  # fmt: skip
+        list(
+            merge_carry(
+                [("zz", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))], {}, params
+            )
+        )
 
 
 def test_overlap_without_the_optimizer_is_refused_naming_it():
@@ -191,5 +200,5 @@ def test_overlap_without_the_optimizer_is_refused_naming_it():
     trainer = TinyTrainer(spec)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     pub = Publisher(MemoryStore(), receiver_layout=rl, trainer_layout=tl)
-    with pytest.raises(ConfigError, match="TrainerSync.optimizer"):
+    with pytest.raises(ConfigError, match=r"TrainerSync.optimizer"):
         TrainerSync(tracker, pub, trainer.params, overlap=True)

@@ -55,7 +55,7 @@ def test_bad_named_params_are_refused_naming_the_param():
     p = torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ConfigError, match="'p' appears twice"):
         watch([("p", p), ("p", p)])
-    with pytest.raises(ConfigError, match="'i' has dtype torch.int64"):
+    with pytest.raises(ConfigError, match=r"'i' has dtype torch.int64"):
         watch([("i", torch.arange(3))])
     with pytest.raises(ConfigError, match="'m' is on the meta device"):
         watch([("m", torch.zeros(3, device="meta"))])
@@ -98,7 +98,7 @@ def test_a_dtensor_tracker_detects_on_the_local_tensor_and_misses_nothing(mesh):
     )
     opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1)
     tracker, truth = AdamWTracker(opt, [("w", p)], strict=True), SnapshotTracker([("w", p)])
-    for step in range(3):
+    for _step in range(3):
         p.grad = distribute_tensor(torch.randn(40, 30, generator=g), mesh, [Shard(0)])
         opt.step()
         (idx, vals), want = tracker.changed_values()["w"], truth.changed()["w"]

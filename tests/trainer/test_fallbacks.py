@@ -46,7 +46,7 @@ def test_strict_raises_unsupported_optimizer_error_naming_the_params():
     ps = _named()
     with pytest.raises(UnsupportedOptimizerError, match=r"2 parameter\(s\).*w: optimizer SGD"):
         AdamWTracker(torch.optim.SGD(ps.values(), lr=0.1), ps.items(), strict=True)
-    with pytest.raises(UnsupportedOptimizerError, match="h: dtype torch.bfloat16"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"h: dtype torch.bfloat16"):
         AdamWTracker(torch.optim.AdamW(ps.values(), lr=1e-3), ps.items(), strict=True)
     outside = torch.nn.Parameter(torch.randn(4))  # trainable but in no param group
     with pytest.raises(UnsupportedOptimizerError, match="x: not in the optimizer"):
@@ -82,8 +82,9 @@ _NO_COMPILER = textwrap.dedent(
 @pytest.mark.timeout(60)
 def test_without_a_compiler_detection_is_exact_on_the_torch_path_and_says_so_once(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "OK no C compiler" in out.stdout
     lines = [ln for ln in out.stderr.splitlines() if "native kernels unavailable" in ln]

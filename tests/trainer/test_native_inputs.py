@@ -149,17 +149,17 @@ def test_wrong_dtypes_meta_sparse_and_bad_bitsets_raise_typed_errors_naming_the_
             detect_adamw_(*args, K, torch.zeros(10, dtype=torch.uint8))
     with pytest.raises(TensorInputError, match="bits holds 3 bytes; 80 elements need 10"):
         detect_adamw_(p, m, v, K, torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(TensorInputError, match="bits has dtype torch.int32"):
+    with pytest.raises(TensorInputError, match=r"bits has dtype torch.int32"):
         detect_adamw_(p, m, v, K, torch.zeros(10, dtype=torch.int32))
     with pytest.raises(TensorInputError, match="expanded view"):
         detect_adamw_(p, m, v, K, torch.zeros(1, dtype=torch.uint8).expand(10))
     with pytest.raises(TensorInputError, match="overlaps"):
         detect_adamw_(p, m, v, K, p.view(torch.uint8).reshape(-1))
-    with pytest.raises(TensorInputError, match="indices has dtype torch.float32"):
+    with pytest.raises(TensorInputError, match=r"indices has dtype torch.float32"):
         first_not_increasing(torch.tensor([1.0, 2.0]))
     with pytest.raises(TensorInputError, match="must be 1-D"):
         first_not_increasing(torch.zeros(2, 2, dtype=torch.int64))
-    with pytest.raises(TensorInputError, match="values has dtype torch.int64"):
+    with pytest.raises(TensorInputError, match=r"values has dtype torch.int64"):
         bf16_at(torch.arange(5), torch.tensor([1]))
     with pytest.raises(TensorInputError, match="meta"):
         bf16_at(torch.zeros(5, device="meta"), torch.tensor([1]))
@@ -208,5 +208,5 @@ def test_dtensors_are_refused_by_every_entry_point_with_the_remedy(mesh):
         first_not_increasing(distribute_tensor(torch.arange(4), mesh, [Shard(0)]))
     # the local shard is a plain tensor: the kernel takes it
     idx, vals = detect_adamw_changes(p.to_local(), m, v, K)
-    ref_bits, ref_idx, ref_vals = _reference(p.to_local(), m, v)
+    _ref_bits, ref_idx, ref_vals = _reference(p.to_local(), m, v)
     assert torch.equal(idx, ref_idx) and torch.equal(_bits16(vals), _bits16(ref_vals))

@@ -88,14 +88,14 @@ def test_a_param_edited_then_stepped_is_still_reported():
 
 
 def test_an_edit_through_a_view_bumps_the_shared_counter():
-    model, opt, tracker, truth = _setup()
+    model, _opt, tracker, truth = _setup()
     row = model.b.weight.detach()[3]  # a view: shares the parameter's version counter
     row.zero_()
     _check(tracker, truth, {"b.weight"})
 
 
 def test_load_state_dict_reports_every_loaded_param():
-    model, opt, tracker, truth = _setup()
+    model, _opt, tracker, truth = _setup()
     other = Model()
     with torch.no_grad():
         for p in other.parameters():
@@ -117,7 +117,7 @@ def test_a_lora_style_merge_into_a_base_weight_is_reported():
 
 
 def test_writes_through_data_bypass_the_counter_and_mark_changed_is_the_remedy():
-    model, opt, tracker, truth = _setup()
+    model, _opt, tracker, truth = _setup()
     model.a.bias.data[0] += 1.0  # .data has its own version counter: invisible
     assert tracker.out_of_band == ()
     assert _missed(tracker.changed(), truth.changed()) == 1  # the documented blind spot

@@ -106,7 +106,7 @@ def test_cuda_tracker_never_misses_and_matches_the_cpu_tracker(impl, lr, wd):
     # its tracker records the same steps), whose params and states are then overwritten with
     # the CUDA ones before detection runs (detection is lazy): the same tracker, same inputs.
     cps = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in ps]
-    cnamed = [(n, cp) for (n, _), cp in zip(named, cps)]
+    cnamed = [(n, cp) for (n, _), cp in zip(named, cps, strict=False)]
     copt = torch.optim.AdamW(cps, lr=lr, weight_decay=wd)
     ctracker = AdamWTracker(copt, cnamed)
 
@@ -121,12 +121,12 @@ def test_cuda_tracker_never_misses_and_matches_the_cpu_tracker(impl, lr, wd):
                 if i == 3:  # tiny, sign-mixed gradients on the adversarial values
                     gr *= 10.0 ** torch.randint(-12, 1, p.shape, generator=g)
                 grads.append(gr)
-            for p, cp, gr in zip(ps, cps, grads):
+            for p, cp, gr in zip(ps, cps, grads, strict=False):
                 p.grad, cp.grad = gr.to(DEV), gr.clone()
             opt.step()
             copt.step()
             with torch.no_grad():
-                for p, cp in zip(ps, cps):
+                for p, cp in zip(ps, cps, strict=False):
                     cp.copy_(p.cpu())
                     for key in ("exp_avg", "exp_avg_sq"):
                         copt.state[cp][key].copy_(opt.state[p][key].cpu())

@@ -26,9 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _cli(*args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltasync", *args], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, **kwargs,
-    )  # fmt: skip
+        [sys.executable, "-m", "deltasync", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -45,10 +49,28 @@ def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_
     out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out_file, "w") as out, open(err_file, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deltasync", "pull", str(store_path), "--engine", "vllm",
-             "--tp", "2", "--shard", "tp0", "--dir", str(weights), "--interval", "0.05"],
-            cwd=REPO, stdout=out, stderr=err, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "deltasync",
+                "pull",
+                str(store_path),
+                "--engine",
+                "vllm",
+                "--tp",
+                "2",
+                "--shard",
+                "tp0",
+                "--dir",
+                str(weights),
+                "--interval",
+                "0.05",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while "waiting for the first committed version" not in out_file.read_text():
@@ -91,8 +113,24 @@ def test_pull_refuses_another_layout_before_fetching_and_leaves_no_registration(
     store = LocalStore(store_path, durable=False)
     rig = Rig(store, tmp_path)
     rig.publish(0)
-    assert main(["pull", str(store_path), "--engine", "vllm", "--tp", "4", "--shard", "tp0",
-                 "--dir", str(tmp_path / "w"), "--once"]) != 0  # fmt: skip
+    assert (
+        main(
+            [
+                "pull",
+                str(store_path),
+                "--engine",
+                "vllm",
+                "--tp",
+                "4",
+                "--shard",
+                "tp0",
+                "--dir",
+                str(tmp_path / "w"),
+                "--once",
+            ]
+        )
+        != 0
+    )
     err = capsys.readouterr().err
     assert "LayoutMismatchError" in err and "was published for engine vllm tp=2" in err
     assert not [k for k in store.list(names.RECEIVERS_PREFIX) if "pull" in k]
@@ -105,8 +143,24 @@ def test_pull_without_config_takes_the_specs_from_a_verified_anchor(store_path, 
     rig = Rig(store, tmp_path)
     rig.publish(0)
     rig.publish(1)
-    assert main(["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp1",
-                 "--dir", str(tmp_path / "w"), "--once"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "pull",
+                str(store_path),
+                "--engine",
+                "vllm",
+                "--tp",
+                "2",
+                "--shard",
+                "tp1",
+                "--dir",
+                str(tmp_path / "w"),
+                "--once",
+            ]
+        )
+        == 0
+    )
     run = rig.trainer.pub.run_id
     assert_same_bits(
         load_file(str(tmp_path / "w" / "tp1.safetensors")), rig.oracle[(run, 1)]["tp1"]
@@ -183,8 +237,11 @@ def test_inspect_does_not_die_on_a_closed_pipe(store_path, tmp_path):
     os.close(read_end)  # the reader went away before the first line (`| head -0`)
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltasync", "inspect", str(store_path), "--last", "0"],
-        cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     os.close(write_end)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in err, err
@@ -210,8 +267,20 @@ def test_pull_backs_off_a_damaged_store_with_one_line_and_recovers_when_it_is_re
     key = names.manifest_key(1)
     good = store.get(key)
     store.put(key, good[:20])
-    args = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
-            "--dir", str(tmp_path / "w"), "--interval", "0.01"]  # fmt: skip
+    args = [
+        "pull",
+        str(store_path),
+        "--engine",
+        "vllm",
+        "--tp",
+        "2",
+        "--shard",
+        "tp0",
+        "--dir",
+        str(tmp_path / "w"),
+        "--interval",
+        "0.01",
+    ]
     assert main([*args, "--iterations", "4"]) == 0
     err = capsys.readouterr().err
     assert err.count("ManifestError") == 1 and "retrying with backoff" in err

@@ -102,10 +102,12 @@ def test_a_restarted_publisher_continues_with_a_delta_only_after_resume_verified
     from deltasync import Publisher, PublisherConfig, TrainerSync
     from deltasync.trainer import SnapshotTracker
 
-    restarted.pub = Publisher(rig.store, receiver_layout=rig.rl,
-                              config=PublisherConfig(anchor_every=100))  # fmt: skip
-    restarted.sync = TrainerSync(SnapshotTracker(model.named_parameters()), restarted.pub,
-                                 model.params)  # fmt: skip
+    restarted.pub = Publisher(
+        rig.store, receiver_layout=rig.rl, config=PublisherConfig(anchor_every=100)
+    )
+    restarted.sync = TrainerSync(
+        SnapshotTracker(model.named_parameters()), restarted.pub, model.params
+    )
     assert restarted.sync.resume(2)
     assert restarted.sync.next_version() == 3
     report = restarted.publish(3, rig.oracle)

@@ -39,7 +39,7 @@ class Frozen:
 
 def _trainer(store, seed, steps):
     """The trainer's state after ``steps`` optimizer steps (deterministic: its checkpoint)."""
-    spec, tl, rl = tiny_layouts()
+    spec, _tl, rl = tiny_layouts()
     model = TinyTrainer(spec, seed=seed, density=0.2)
     for _ in range(steps):
         model.step()
@@ -50,7 +50,7 @@ def _trainer(store, seed, steps):
 
 def _first_run(path, flag):
     store = LocalStore(path, durable=False)
-    model, pub, sync = _trainer(Frozen(store, 4, flag), SEED, 0)
+    model, _pub, sync = _trainer(Frozen(store, 4, flag), SEED, 0)
     for v in range(5):
         if v:
             model.step()
@@ -58,7 +58,7 @@ def _first_run(path, flag):
 
 
 def _restarted(path, seed, resume_at, expect_resume, result):
-    model, pub, sync = _trainer(LocalStore(path, durable=False), seed, resume_at)
+    model, _pub, sync = _trainer(LocalStore(path, durable=False), seed, resume_at)
     resumed = sync.resume(resume_at)
     model.step()
     report = sync.step_published(sync.next_version())[0]
@@ -98,8 +98,14 @@ def test_a_killed_publisher_resumes_its_lineage_from_a_matching_checkpoint_and_s
 ):
     path, flag = tmp_path / "store", tmp_path / "frozen"
     _, _, rl = tiny_layouts()
-    rec = Receiver.for_layout(LocalStore(path, durable=False), rl, "tp1", zero_tensors(rl, "tp1"),
-                              str(tmp_path / "rec"), rconfig("rec"))  # fmt: skip
+    rec = Receiver.for_layout(
+        LocalStore(path, durable=False),
+        rl,
+        "tp1",
+        zero_tensors(rl, "tp1"),
+        str(tmp_path / "rec"),
+        rconfig("rec"),
+    )
     first = _child(_first_run, path, flag)
     deadline = time.monotonic() + 120
     while not flag.exists():

@@ -107,9 +107,14 @@ class Watched:
     def pull(self):
         if self.rec is None:
             self.rec = Receiver.for_layout(
-                self.store, self.rl, self.shard, self.tensors, self.dir,
-                rconfig(f"rx-{self.shard}"), on_tensor_written=self._hook,
-            )  # fmt: skip
+                self.store,
+                self.rl,
+                self.shard,
+                self.tensors,
+                self.dir,
+                rconfig(f"rx-{self.shard}"),
+                on_tensor_written=self._hook,
+            )
         return self.rec.pull()
 
 
@@ -228,8 +233,11 @@ def test_hundreds_of_versions_with_every_fault_interleaved_never_report_a_wrong_
             if report.version is None:
                 assert report.dirty or w.rec.version is None
                 continue
-            assert_same_bits(w.tensors, oracle[(report.run_id, report.version)][w.shard],
-                             f"seed {seed}: {w.shard} v{report.version}")  # fmt: skip
+            assert_same_bits(
+                w.tensors,
+                oracle[(report.run_id, report.version)][w.shard],
+                f"seed {seed}: {w.shard} v{report.version}",
+            )
             w.checks += 1
         if repairs and rng.random() < 0.5:
             for key, good in repairs:
@@ -249,8 +257,15 @@ def test_hundreds_of_versions_with_every_fault_interleaved_never_report_a_wrong_
         assert report.version == trainer.pub.committed()
         assert_same_bits(w.tensors, oracle[(report.run_id, report.version)][w.shard], "final")
     assert sum(w.checks for w in receivers) >= VERSIONS
-    for kind in ("edited-digest", "damaged-manifest", "dangling-latest", "wiped-and-renumbered",
-                 "restored-older-copy", "publisher-restarted", "publish-failed"):  # fmt: skip
+    for kind in (
+        "edited-digest",
+        "damaged-manifest",
+        "dangling-latest",
+        "wiped-and-renumbered",
+        "restored-older-copy",
+        "publisher-restarted",
+        "publish-failed",
+    ):
         assert faults.get(kind), f"seed {seed}: no {kind} fault happened"
     assert store.injected and sum(w.crashes for w in receivers), f"seed {seed}: no crash"
     print(

@@ -58,8 +58,9 @@ def test_a_receiver_built_for_one_layer_more_is_refused_before_any_fetch(rig, tm
     _, _, bigger = tiny_layouts(num_hidden_layers=3)
     counting = CountingStore(rig.store)
     tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in bigger.local_specs("tp0").items()}
-    rec = Receiver.for_layout(counting, bigger, "tp0", tensors, str(tmp_path / "big"),
-                              rconfig("big"))  # fmt: skip
+    rec = Receiver.for_layout(
+        counting, bigger, "tp0", tensors, str(tmp_path / "big"), rconfig("big")
+    )
     before = snapshot(tensors)
     with pytest.raises(LayoutMismatchError) as err:
         rec.pull()
@@ -81,10 +82,16 @@ def test_an_incomplete_anchor_is_refused_before_any_write(tmp_path):
     specs = rig.rl.local_specs("tp0")
     first = next(iter(specs))
     partial = [  # every tensor but the first: a blob consistent with its manifest entry
-        TensorUpdate(name=n, shape=s.shape, dtype=s.dtype, indices=None,
-                     values=torch.zeros(s.shape, dtype=s.dtype).reshape(-1))
-        for n, s in specs.items() if n != first
-    ]  # fmt: skip
+        TensorUpdate(
+            name=n,
+            shape=s.shape,
+            dtype=s.dtype,
+            indices=None,
+            values=torch.zeros(s.shape, dtype=s.dtype).reshape(-1),
+        )
+        for n, s in specs.items()
+        if n != first
+    ]
     blob = encode_blob(partial, version=0, base_version=-1, shard="tp0", writer=entry.writer)
     from deltasync.commit import blob_digest
 
@@ -107,14 +114,18 @@ def _random_updates(tensors, rng):
             continue
         if pick < 0.3:
             values = torch.randn(n).to(t.dtype)
-            out.append(TensorUpdate(name=name, shape=tuple(t.shape), dtype=t.dtype,
-                                    indices=None, values=values))  # fmt: skip
+            out.append(
+                TensorUpdate(
+                    name=name, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=values
+                )
+            )
             continue
         k = rng.randrange(1, n + 1)
         idx = torch.tensor(sorted(rng.sample(range(n), k)), dtype=torch.int64)
         values = torch.randn(k).to(t.dtype)
-        out.append(TensorUpdate(name=name, shape=tuple(t.shape), dtype=t.dtype, indices=idx,
-                                values=values))  # fmt: skip
+        out.append(
+            TensorUpdate(name=name, shape=tuple(t.shape), dtype=t.dtype, indices=idx, values=values)
+        )
     return out
 
 
@@ -137,7 +148,7 @@ def test_the_patched_digest_works_chunk_by_chunk_across_every_boundary():
     rng = random.Random(99)
     t = torch.randn(1000).to(torch.bfloat16)
     for chunk in (1, 7, 64, 999, 1000, 4096):
-        idx = torch.tensor(sorted(rng.sample(range(1000), 50)) + [999], dtype=torch.int64).unique()
+        idx = torch.tensor([*sorted(rng.sample(range(1000), 50)), 999], dtype=torch.int64).unique()
         vals = torch.randn(idx.numel()).to(torch.bfloat16)
         want = t.clone()
         want.index_copy_(0, idx, vals)

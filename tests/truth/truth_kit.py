@@ -8,7 +8,7 @@ by (run id, version): after a lineage restarts, the same number names another st
 from __future__ import annotations
 
 import torch
-from kit import TinyTrainer, assert_same_bits, expected_shards, tiny_layouts  # noqa: F401
+from kit import TinyTrainer, assert_same_bits, expected_shards, tiny_layouts
 
 from deltasync import Publisher, PublisherConfig, Receiver, ReceiverConfig, TrainerSync
 from deltasync.errors import StoreError
@@ -38,8 +38,9 @@ class Trainer:
             receiver_layout=rl,
             config=PublisherConfig(anchor_every=anchor_every, signing_key=key),
         )
-        self.sync = TrainerSync(SnapshotTracker(self.model.named_parameters()), self.pub,
-                                self.model.params)  # fmt: skip
+        self.sync = TrainerSync(
+            SnapshotTracker(self.model.named_parameters()), self.pub, self.model.params
+        )
 
     def publish(self, version, oracle: dict, *, step=True, anchor=False):
         if step:
@@ -61,9 +62,14 @@ class Rig:
 
     def receiver(self, store=None, **kwargs) -> Receiver:
         return Receiver.for_layout(
-            store or self.store, self.rl, self.shard, self.tensors, str(self.tmp / "rec"),
-            rconfig("rec", signing_key=self.key), **kwargs,
-        )  # fmt: skip
+            store or self.store,
+            self.rl,
+            self.shard,
+            self.tensors,
+            str(self.tmp / "rec"),
+            rconfig("rec", signing_key=self.key),
+            **kwargs,
+        )
 
     def publish(self, version, **kwargs):
         first = not self.oracle

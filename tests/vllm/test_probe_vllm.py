@@ -20,10 +20,17 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 BASE = dict(
-    torch_dtype="bfloat16", vocab_size=203, hidden_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256,
-    rms_norm_eps=1e-6, max_position_embeddings=64,
-)  # fmt: skip
+    torch_dtype="bfloat16",
+    vocab_size=203,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+)
 CASES = {
     "qwen3_untied": dict(
         BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False
@@ -72,9 +79,14 @@ def job(spec_path: str) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(ckpt)
     llm = LLM(
-        model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        max_model_len=64, max_num_seqs=4, seed=0,
-    )  # fmt: skip
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+    )
     config_dict = spec["config"]
 
     def probe(worker) -> dict:
@@ -102,7 +114,7 @@ if __name__ == "__main__":
     sys.exit(0)
 
 
-import pytest  # noqa: E402  (the job above runs without the test machinery)
+import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -114,8 +126,12 @@ def _run_job(tmp: Path, config: dict) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(
         [str(VLLM_PYTHON), __file__, str(tmp / "spec.json")],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((tmp / "layout.json").read_text())
 

@@ -33,18 +33,33 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
 VERSIONS = 3
 CONFIG = dict(
-    model_type="qwen3", architectures=["Qwen3ForCausalLM"], torch_dtype="bfloat16",
-    vocab_size=203, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, intermediate_size=256, tie_word_embeddings=False,
-    rms_norm_eps=1e-6, max_position_embeddings=64,
-)  # fmt: skip
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    torch_dtype="bfloat16",
+    vocab_size=203,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=256,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+)
 
 
 MOE_CONFIG = dict(
-    CONFIG, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-    moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-    mlp_only_layers=[], norm_topk_prob=True,
-)  # fmt: skip
+    CONFIG,
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    moe_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
 _FRESH: dict[tuple, dict] = {}  # fresh engines by (checkpoint bytes, dtype, tp): started once
 
 
@@ -59,8 +74,12 @@ def _job(where: Path, name: str, **spec) -> dict:
         env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(spec["out"], weights_only=False)
 
@@ -71,9 +90,15 @@ def run(request, tmp_path_factory):
     dtype = request.param
     tmp = tmp_path_factory.mktemp(f"vllm-{dtype}")
     synced = _job(
-        tmp, "synced", kind="synced", tmp=str(tmp), dtype=dtype, lr=1e-3, versions=VERSIONS,
+        tmp,
+        "synced",
+        kind="synced",
+        tmp=str(tmp),
+        dtype=dtype,
+        lr=1e-3,
+        versions=VERSIONS,
         config=CONFIG,
-    )  # fmt: skip
+    )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
 
@@ -154,9 +179,15 @@ def served(tmp_path_factory):
     """``vllm serve`` (its OpenAI server, RL routes on) driven over HTTP, and a fresh engine."""
     tmp = tmp_path_factory.mktemp("vllm-served")
     served = _job(
-        tmp, "served", kind="served", tmp=str(tmp), dtype="bfloat16", lr=1e-3,
-        versions=VERSIONS, config=CONFIG,
-    )  # fmt: skip
+        tmp,
+        "served",
+        kind="served",
+        tmp=str(tmp),
+        dtype="bfloat16",
+        lr=1e-3,
+        versions=VERSIONS,
+        config=CONFIG,
+    )
     return {"served": served, "fresh": _fresh(tmp, VERSIONS, "bfloat16")}
 
 
@@ -188,9 +219,16 @@ def variant(request, tmp_path_factory):
     moe = request.param == "qwen3-moe"
     tp = 1 if moe else 2
     synced = _job(
-        tmp, "synced", kind="synced", tmp=str(tmp), dtype="bfloat16", lr=1e-3, versions=2,
-        config=MOE_CONFIG if moe else CONFIG, tp=tp,
-    )  # fmt: skip
+        tmp,
+        "synced",
+        kind="synced",
+        tmp=str(tmp),
+        dtype="bfloat16",
+        lr=1e-3,
+        versions=2,
+        config=MOE_CONFIG if moe else CONFIG,
+        tp=tp,
+    )
     return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
 
 

@@ -125,9 +125,10 @@ class Trainer:
         self.layout = ReceiverLayout.build(mspec, engine="vllm", tp=spec.get("tp", 1))
         self.store_dir = Path(spec["tmp"]) / "store"
         publisher = Publisher(
-            LocalStore(self.store_dir, durable=False), receiver_layout=self.layout,
+            LocalStore(self.store_dir, durable=False),
+            receiver_layout=self.layout,
             config=PublisherConfig(anchor_every=50),
-        )  # fmt: skip
+        )
         self.params = dict(self.model.named_parameters())
         tracker = AdamWTracker(self.opt, self.model.named_parameters())
         self.sync = TrainerSync(tracker, publisher, self.params)
@@ -166,17 +167,24 @@ def synced(spec: dict) -> dict:
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
     out: dict = {"gen": {0: generate(llm, prompts, max_tokens)}, "timings": []}
     info = DeltaSyncTrainerInitInfo(
-        rank=0, store=str(store_dir), receiver_id="engine0", state_dir=str(tmp / "engine-state"),
+        rank=0,
+        store=str(store_dir),
+        receiver_id="engine0",
+        state_dir=str(tmp / "engine-state"),
         durable=False,
-    )  # fmt: skip
+    )
     engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
     raw_tensors = {
         n: torch.zeros(s.shape, dtype=s.dtype) for n, s in layout.local_specs("tp0").items()
     }
     raw = Receiver.for_layout(
-        LocalStore(store_dir, durable=False), layout, "tp0", raw_tensors, str(tmp / "raw-state"),
+        LocalStore(store_dir, durable=False),
+        layout,
+        "tp0",
+        raw_tensors,
+        str(tmp / "raw-state"),
         ReceiverConfig(receiver_id="raw", durable=False),
-    )  # fmt: skip
+    )
     raw.pull()  # version 0, so both receivers then apply the same deltas
     n = spec["versions"]
     for version in range(1, n + 1):
@@ -190,16 +198,23 @@ def synced(spec: dict) -> dict:
         else:
             engine.send_weights(version)
         api_s = time.perf_counter() - t0
-        state, *_ = llm.collective_rpc(lambda worker: {
-            k: v for k, v in worker_state(worker).items() if k != "tensors"
-        })  # fmt: skip
+        state, *_ = llm.collective_rpc(
+            lambda worker: {k: v for k, v in worker_state(worker).items() if k != "tensors"}
+        )
         raw_report = raw.pull()
-        out["timings"].append({
-            "version": version, "api_s": api_s, "worker_update_s": state["update_s"],
-            "worker_pause_s": state["pause_s"], "worker_report": state["report"],
-            "raw_total_s": raw_report.total_s, "raw_pause_s": raw_report.pause_s,
-            "raw_stage_s": raw_report.stage_s, "raw_verify_s": raw_report.verify_s,
-        })  # fmt: skip
+        out["timings"].append(
+            {
+                "version": version,
+                "api_s": api_s,
+                "worker_update_s": state["update_s"],
+                "worker_pause_s": state["pause_s"],
+                "worker_report": state["report"],
+                "raw_total_s": raw_report.total_s,
+                "raw_pause_s": raw_report.pause_s,
+                "raw_stage_s": raw_report.stage_s,
+                "raw_verify_s": raw_report.verify_s,
+            }
+        )
         out["gen"][version] = generate(llm, prompts, max_tokens)
     out["states"] = llm.collective_rpc(worker_state)
     out["state"] = out["states"][0]
@@ -250,14 +265,35 @@ def served(spec: dict) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: engine core process
-    log = open(tmp / "server.log", "w")
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until stopped
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp / "v0"),
-         "--skip-tokenizer-init", "--dtype", spec["dtype"], "--enforce-eager",
-         "--max-model-len", "64", "--max-num-seqs", "8", "--seed", "0", "--host", "127.0.0.1",
-         "--port", str(port), "--weight-transfer-config", json.dumps({"backend": "deltasync"})],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tmp / "v0"),
+            "--skip-tokenizer-init",
+            "--dtype",
+            spec["dtype"],
+            "--enforce-eager",
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--weight-transfer-config",
+            json.dumps({"backend": "deltasync"}),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     out: dict = {"gen": {}, "timings": []}
     try:
         deadline = time.monotonic() + spec.get("start_timeout_s", 400)
@@ -276,26 +312,39 @@ def served(spec: dict) -> dict:
         def complete() -> tuple[list, list]:
             tokens, logprobs = [], []
             for prompt in spec["prompts"]:
-                r = requests.post(f"{url}/v1/completions", json={
-                    "model": str(tmp / "v0"), "prompt": prompt, "max_tokens": spec["max_tokens"],
-                    "temperature": 0.0, "logprobs": 5, "return_tokens_as_token_ids": True,
-                    "return_token_ids": True,
-                }, timeout=60)  # fmt: skip
+                r = requests.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": str(tmp / "v0"),
+                        "prompt": prompt,
+                        "max_tokens": spec["max_tokens"],
+                        "temperature": 0.0,
+                        "logprobs": 5,
+                        "return_tokens_as_token_ids": True,
+                        "return_token_ids": True,
+                    },
+                    timeout=60,
+                )
                 r.raise_for_status()
                 choice = r.json()["choices"][0]
                 tokens.append(choice["token_ids"])
-                logprobs.append([
-                    {int(k.split(":")[1]): v for k, v in step.items()}
-                    for step in choice["logprobs"]["top_logprobs"]
-                ])  # fmt: skip
+                logprobs.append(
+                    [
+                        {int(k.split(":")[1]): v for k, v in step.items()}
+                        for step in choice["logprobs"]["top_logprobs"]
+                    ]
+                )
             return tokens, logprobs
 
         out["gen"][0] = complete()
         client = HTTPClient(url)
         info = DeltaSyncTrainerInitInfo(
-            rank=0, store=str(trainer.store_dir), receiver_id="served0",
-            state_dir=str(tmp / "served-state"), durable=False,
-        )  # fmt: skip
+            rank=0,
+            store=str(trainer.store_dir),
+            receiver_id="served0",
+            state_dir=str(tmp / "served-state"),
+            durable=False,
+        )
         engine = DeltaSyncTrainerEngine.trainer_init(info, client=client)
         n = spec["versions"]
         for version in range(1, n + 1):
@@ -303,8 +352,9 @@ def served(spec: dict) -> dict:
             trainer.publish(version)
             t0 = time.perf_counter()
             engine.send_weights(version)
-            out["timings"].append({"version": version, "api_s": time.perf_counter() - t0,
-                                   **engine.last_timings})  # fmt: skip
+            out["timings"].append(
+                {"version": version, "api_s": time.perf_counter() - t0, **engine.last_timings}
+            )
             out["gen"][version] = complete()
         out["weight_info"] = requests.get(f"{url}/weight_info", timeout=10).json()
         out["split"] = trainer.layout.split(trainer.canonical())["tp0"]

@@ -18,7 +18,6 @@ import os
 import time
 
 import torch
-from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live, wait_for_key
 
 from deltasync import (
     AdamWTracker,
@@ -37,6 +36,7 @@ from deltasync import (
     names,
 )
 from deltasync.cluster import RolePlan
+from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live, wait_for_key
 
 
 def _plan(rlayout: ReceiverLayout) -> RolePlan:

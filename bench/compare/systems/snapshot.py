@@ -6,6 +6,11 @@ from __future__ import annotations
 import time
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from deltasync import ReceiverLayout, Store, TrainerLayout
+from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
 from deltasync_bench.compare.systems.base import (
     ClusterSent,
     SyncTimes,
@@ -16,11 +21,6 @@ from deltasync_bench.compare.systems.base import (
     send_payloads,
     wait_for_key,
 )
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
-from deltasync import ReceiverLayout, Store, TrainerLayout
-from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
 
 
 class SnapshotTrainer:

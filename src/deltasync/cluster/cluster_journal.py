@@ -48,9 +48,11 @@ class JournalState:
     def to_obj(self) -> dict[str, Any]:
         applying = None if self.applying is None else list(self.applying)
         return {
-            "committed": self.committed, "applying": applying, "dirty": self.dirty,
+            "committed": self.committed,
+            "applying": applying,
+            "dirty": self.dirty,
             "window": self.window,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> JournalState:

@@ -138,9 +138,11 @@ class ClusterReceiver:
 
     def _check_tensors(self) -> None:
         check_tensors_match(
-            self.tensors, self.specs, what=f"receiver shard {self.shard!r}",
+            self.tensors,
+            self.specs,
+            what=f"receiver shard {self.shard!r}",
             hint="pass storage names only; tied aliases share storage and need no entry",
-        )  # fmt: skip
+        )
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
@@ -171,19 +173,27 @@ class ClusterReceiver:
         failure = None
         try:
             self._check_group()
-        except Exception as exc:  # noqa: BLE001 -- named to every rank in the preflight
+        except Exception as exc:
             failure = f"{self._who}: {self.fingerprint.summary}; {describe(exc)}"
         s = self.journal.state
         row = encode_preflight_row(
-            role=RECEIVER, fingerprint=self.fingerprint, who=self._who, version=s.committed,
-            base=None if s.applying is None else s.applying[0], window=s.window,
-            applying_base=None if s.applying is None else s.applying[1], dirty=s.dirty,
+            role=RECEIVER,
+            fingerprint=self.fingerprint,
+            who=self._who,
+            version=s.committed,
+            base=None if s.applying is None else s.applying[0],
+            window=s.window,
+            applying_base=None if s.applying is None else s.applying[1],
+            dirty=s.dirty,
             failure=failure,
-        )  # fmt: skip
+        )
         return preflight(
-            row, plan=self.plan, group=self.group, timeout_s=self.config.wait_for_version_s,
+            row,
+            plan=self.plan,
+            group=self.group,
+            timeout_s=self.config.wait_for_version_s,
             what="waiting for the trainer to arrive (wait_for_version_s)",
-        )  # fmt: skip
+        )
 
     def receive(self, cleared: Cleared | None = None) -> Incoming:
         """The preflight (unless ``cleared`` is given) and the exchange(s) of one version:
@@ -205,9 +215,11 @@ class ClusterReceiver:
             pack_envelope([as_view(got[s]) for s in sorted(got)], nested=True) if targets else b""
         )
         forwarded = exchange(
-            {t: bundle for t in targets}, group=self.group, config=self.config.exchange,
+            {t: bundle for t in targets},
+            group=self.group,
+            config=self.config.exchange,
             tag=f"{tag}-x2",
-        )  # fmt: skip
+        )
         mine = got if self.role.replica == 0 else as_cpu_bytes(forwarded)
         return Incoming(mine, wait_s=wait_s, forward_s=time.perf_counter() - t, cleared=cleared)
 
@@ -224,9 +236,13 @@ class ClusterReceiver:
             window = 0 if cleared is None else cleared.window
         t = time.perf_counter()
         staged = stage_payloads(
-            received, plan=self.plan, rank=self.rank, specs=self.specs, journal=self.journal,
+            received,
+            plan=self.plan,
+            rank=self.rank,
+            specs=self.specs,
+            journal=self.journal,
             max_decompressed_bytes=self.config.max_decompressed_bytes,
-        )  # fmt: skip
+        )
         stage_s = time.perf_counter() - t
 
         self.journal.begin(staged.version, staged.base, window=window)  # before the first write
@@ -250,9 +266,10 @@ class ClusterReceiver:
                 self.tensors, layout=self.layout, shard=self.shard, count=count
             )
             bad = [
-                names.writer_id(k) for k in range(count)
+                names.writer_id(k)
+                for k in range(count)
                 if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
-            ]  # fmt: skip
+            ]
             if bad:
                 self._diverged(
                     staged.version,
@@ -260,17 +277,26 @@ class ClusterReceiver:
                 )
         verify_s = time.perf_counter() - t
         return ApplyReport(
-            version=staged.version, base=staged.base, payload_bytes=staged.payload_bytes,
-            elements=staged.elements, stage_s=stage_s, pause_s=pause_s, verify_s=verify_s,
+            version=staged.version,
+            base=staged.base,
+            payload_bytes=staged.payload_bytes,
+            elements=staged.elements,
+            stage_s=stage_s,
+            pause_s=pause_s,
+            verify_s=verify_s,
             state_digest=digest,
-        )  # fmt: skip
+        )
 
     def _diverged(self, version: int, why: str) -> None:
         log.error(
             "receiver %s replica %s (rank %d): after version %d %s; marked dirty, only an "
             "anchor is accepted from now on",
-            self.shard, self.role.replica, self.rank, version, why,
-        )  # fmt: skip
+            self.shard,
+            self.role.replica,
+            self.rank,
+            version,
+            why,
+        )
         self.journal.mark_dirty()
         raise IntegrityError(
             f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): after "
@@ -304,7 +330,7 @@ class ClusterReceiver:
         report, failure = None, None
         try:
             report = self.apply_payload(received)
-        except Exception as exc:  # noqa: BLE001 -- told to every rank in the commit, then raised
+        except Exception as exc:
             failure = exc
         timings = received.wait_s, received.forward_s
         cleared = received.cleared
@@ -318,15 +344,21 @@ class ClusterReceiver:
         else:
             state = self.journal.state
             row = encode_commit_row(
-                version=None, base=None, failure=describe(failure),
+                version=None,
+                base=None,
+                failure=describe(failure),
                 anchor_required=isinstance(failure, (AnchorRequiredError, IntegrityError))
-                or state.dirty or state.committed is None,
-            )  # fmt: skip
+                or state.dirty
+                or state.committed is None,
+            )
         t = time.perf_counter()
         verdict = joint_commit(
-            row, plan=self.plan, group=self.group, timeout_s=self.config.commit_timeout_s,
+            row,
+            plan=self.plan,
+            group=self.group,
+            timeout_s=self.config.commit_timeout_s,
             tag=f"{cleared.window:x}-{cleared.version}-commit",
-        )  # fmt: skip
+        )
         commit_s = time.perf_counter() - t
         if failure is not None:
             raise failure
@@ -337,8 +369,16 @@ class ClusterReceiver:
         assert report is not None
         self.journal.commit(report.version)
         return ReceiveReport(
-            version=report.version, base=report.base, previous_version=previous,
-            payload_bytes=report.payload_bytes, elements=report.elements,
-            wait_s=timings[0], forward_s=timings[1], stage_s=report.stage_s, pause_s=report.pause_s,
-            verify_s=report.verify_s, commit_s=commit_s, total_s=time.perf_counter() - t0,
-        )  # fmt: skip
+            version=report.version,
+            base=report.base,
+            previous_version=previous,
+            payload_bytes=report.payload_bytes,
+            elements=report.elements,
+            wait_s=timings[0],
+            forward_s=timings[1],
+            stage_s=report.stage_s,
+            pause_s=report.pause_s,
+            verify_s=report.verify_s,
+            commit_s=commit_s,
+            total_s=time.perf_counter() - t0,
+        )

@@ -187,10 +187,14 @@ class ClusterSender:
 
         t = time.perf_counter()
         updates = shard_updates(
-            changed, params, trainer_layout=self.trainer_layout,
-            receiver_layout=self.receiver_layout, rank=self.role.index,
-            world_size=self.role.count, values=values,
-        )  # fmt: skip
+            changed,
+            params,
+            trainer_layout=self.trainer_layout,
+            receiver_layout=self.receiver_layout,
+            rank=self.role.index,
+            world_size=self.role.count,
+            values=values,
+        )
         del changed, values
         build_s = time.perf_counter() - t
 
@@ -204,10 +208,13 @@ class ClusterSender:
         envelopes: dict[str, bytes] = {}
         shard_bytes: dict[str, int] = {}
         blobs = encode_blobs(
-            {shard: updates[shard] for shard in self.plan.shards()}, version=version,
-            base_version=base, writer=self.role.writer_id, level=self.config.level,
+            {shard: updates[shard] for shard in self.plan.shards()},
+            version=version,
+            base_version=base,
+            writer=self.role.writer_id,
+            level=self.config.level,
             threads=self.config.encode_threads,
-        )  # fmt: skip
+        )
         for shard, blob in blobs:
             shard_bytes[shard] = len(blob)
             envelopes[shard] = pack_envelope(
@@ -217,11 +224,17 @@ class ClusterSender:
         payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}
         encode_s = time.perf_counter() - t
         return Outgoing(
-            version=version, base=base, payloads=payloads, shard_bytes=shard_bytes,
+            version=version,
+            base=base,
+            payloads=payloads,
+            shard_bytes=shard_bytes,
             shard_elements={s: sum(u.nnz for u in us) for s, us in updates.items()},
-            detect_s=detect_s, build_s=build_s, encode_s=encode_s, digest_s=digest_s,
+            detect_s=detect_s,
+            build_s=build_s,
+            encode_s=encode_s,
+            digest_s=digest_s,
             sent_indices=sent,
-        )  # fmt: skip
+        )
 
     def mark_sent(self, out: Outgoing) -> None:
         """Record that ``out``'s payloads may reach receivers: until the next commit every
@@ -261,9 +274,12 @@ class ClusterSender:
                 full, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
             ), False
         return writer_part_digests(
-            params, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout,
-            index=self.role.index, count=self.role.count,
-        ), True  # fmt: skip
+            params,
+            trainer_layout=self.trainer_layout,
+            receiver_layout=self.receiver_layout,
+            index=self.role.index,
+            count=self.role.count,
+        ), True
 
     # ------------------------------------------------------------------ the whole version
 
@@ -293,8 +309,10 @@ class ClusterSender:
             log.warning(
                 "writer %s: an anchor attempt since version %s was not committed; version %d "
                 "is sent as an anchor too, so receivers that applied it converge",
-                self.role.writer_id, self.version, version,
-            )  # fmt: skip
+                self.role.writer_id,
+                self.version,
+                version,
+            )
             anchor = True
         t0 = time.perf_counter()
         if not dist.is_initialized():
@@ -303,18 +321,25 @@ class ClusterSender:
         try:
             check_group(self.group, self.plan, self.rank)
             out = self.payloads_for_version(version, anchor=anchor)
-        except Exception as exc:  # noqa: BLE001 -- every rank raises it together in the preflight
+        except Exception as exc:
             failure = exc
         row = encode_preflight_row(
-            role=WRITER, fingerprint=self.fingerprint, who=f"writer {self.role.writer_id}",
-            version=version, base=None if out is None else out.base, window=self._window,
+            role=WRITER,
+            fingerprint=self.fingerprint,
+            who=f"writer {self.role.writer_id}",
+            version=version,
+            base=None if out is None else out.base,
+            window=self._window,
             failure=None if failure is None else describe(failure),
-        )  # fmt: skip
+        )
         try:
             cleared = preflight(
-                row, plan=self.plan, group=self.group, timeout_s=self.config.exchange.timeout_s,
+                row,
+                plan=self.plan,
+                group=self.group,
+                timeout_s=self.config.exchange.timeout_s,
                 what="waiting for every rank to arrive",
-            )  # fmt: skip
+            )
         except DeltaSyncError as exc:
             if failure is not None:
                 raise exc from failure
@@ -332,9 +357,12 @@ class ClusterSender:
 
         t = time.perf_counter()
         verdict = joint_commit(
-            encode_commit_row(version=out.version, base=out.base), plan=self.plan, group=self.group,
-            timeout_s=self.config.commit_timeout_s, tag=f"{tag}-commit",
-        )  # fmt: skip
+            encode_commit_row(version=out.version, base=out.base),
+            plan=self.plan,
+            group=self.group,
+            timeout_s=self.config.commit_timeout_s,
+            tag=f"{tag}-commit",
+        )
         commit_s = time.perf_counter() - t
         if not verdict.ok:
             raise SyncAbortedError(
@@ -345,9 +373,17 @@ class ClusterSender:
         self.version = version
         self._pending, self._pending_anchor, self._window = {}, False, _new_window()
         return SendReport(
-            version=version, base=out.base, anchor=anchor, bytes_sent=sent,
-            shard_bytes=out.shard_bytes, elements=sum(out.shard_elements.values()),
-            detect_s=out.detect_s, build_s=out.build_s, encode_s=out.encode_s,
-            digest_s=out.digest_s, transfer_s=transfer_s, commit_s=commit_s,
+            version=version,
+            base=out.base,
+            anchor=anchor,
+            bytes_sent=sent,
+            shard_bytes=out.shard_bytes,
+            elements=sum(out.shard_elements.values()),
+            detect_s=out.detect_s,
+            build_s=out.build_s,
+            encode_s=out.encode_s,
+            digest_s=out.digest_s,
+            transfer_s=transfer_s,
+            commit_s=commit_s,
             total_s=time.perf_counter() - t0,
-        )  # fmt: skip
+        )

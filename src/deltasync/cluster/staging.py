@@ -88,9 +88,13 @@ def stage_payloads(
     version = base = None
     for blob, digest, part in items:
         decoded = decode_blob(
-            blob, expected=specs, version=version, base_version=base, shard=role.shard,
+            blob,
+            expected=specs,
+            version=version,
+            base_version=base,
+            shard=role.shard,
             max_decompressed_bytes=max_decompressed_bytes,
-        )  # fmt: skip
+        )
         h = decoded.header
         if version is None:
             version, base = h.version, h.base_version

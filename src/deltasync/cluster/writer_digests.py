@@ -105,7 +105,7 @@ def _pieces(layout: ReceiverLayout, index: int, count: int) -> dict[str, list[Pi
                         param=hp.local,
                         param_row=hb.dst_row + (r0 - hb.src_row),
                         param_col=hb.dst_col + (c0 - hb.src_col),
-                    )  # fmt: skip
+                    )
                 )
     for shard, pieces in out.items():
         pieces.sort(key=lambda p: (layout.local_position(shard, p.local), p.local_row, p.local_col))

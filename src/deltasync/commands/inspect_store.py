@@ -48,9 +48,11 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--s3-endpoint", help="S3 endpoint URL for self-hosted servers")
     p.add_argument("--s3-region", default="us-east-1", help="S3 region (default: us-east-1)")
     p.add_argument(
-        "--s3-addressing-style", default="auto", choices=("auto", "path", "virtual"),
+        "--s3-addressing-style",
+        default="auto",
+        choices=("auto", "path", "virtual"),
         help="S3 addressing style (default: auto; path for most self-hosted servers)",
-    )  # fmt: skip
+    )
 
 
 def local_path(url: str) -> Path | None:
@@ -145,8 +147,13 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     head_layout = head_run = None
     for v in shown:
         if v not in committed:
-            rows.append({"version": v, "status": "uncommitted",
-                         "reason": "a version directory without a manifest"})  # fmt: skip
+            rows.append(
+                {
+                    "version": v,
+                    "status": "uncommitted",
+                    "reason": "a version directory without a manifest",
+                }
+            )
             continue
         try:
             m = catalog.manifest(v)
@@ -172,19 +179,32 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
             if m.layout is not None and shard in m.layout.shards:
                 numel = m.layout.shards[shard].numel
             density = elements / numel if elements is not None and numel else None
-            rows.append({
-                "version": v, "status": status, "reason": reason, "kind": m.kind,
-                "base": m.base_version, "run_id": m.run_id, "shard": shard,
-                "bytes": sum(b.size for b in blobs), "elements": elements, "density": density,
-                "acks": sorted(r for r, a in acks.items() if a.shard == shard),
-                "signed": m.signature is not None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "version": v,
+                    "status": status,
+                    "reason": reason,
+                    "kind": m.kind,
+                    "base": m.base_version,
+                    "run_id": m.run_id,
+                    "shard": shard,
+                    "bytes": sum(b.size for b in blobs),
+                    "elements": elements,
+                    "density": density,
+                    "acks": sorted(r for r, a in acks.items() if a.shard == shard),
+                    "signed": m.signature is not None,
+                }
+            )
     now = time.time()
     receivers = [
-        {"receiver": r.receiver, "shard": r.shard, "version": r.version,
-         "age_s": round(now - r.updated_at, 1)}
+        {
+            "receiver": r.receiver,
+            "shard": r.shard,
+            "version": r.version,
+            "age_s": round(now - r.updated_at, 1),
+        }
         for r in catalog.receivers().values()
-    ]  # fmt: skip
+    ]
     return {
         "latest": catalog.read_latest(),
         "newest_committed": committed[-1] if committed else None,
@@ -207,8 +227,10 @@ def _print_table(info: dict) -> None:
             f"layout: engine {lay['engine']} tp={lay['tp']} ep={lay['ep']} model "
             f"{lay['model']} shards {list(lay['shards'])}"
         )
-    head = f"{'version':>8}  {'kind':<6}  {'base':>6}  {'shard':<12}  {'bytes':>10}  " \
-           f"{'elements':>9}  {'density':>8}  {'status':<12}  acks"  # fmt: skip
+    head = (
+        f"{'version':>8}  {'kind':<6}  {'base':>6}  {'shard':<12}  {'bytes':>10}  "
+        f"{'elements':>9}  {'density':>8}  {'status':<12}  acks"
+    )
     print(head)
     for row in info["rows"]:
         if "shard" not in row:

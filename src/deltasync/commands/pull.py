@@ -105,9 +105,12 @@ def _specs(args, store, catalog, head):
     for entry in anchor.blobs_for(args.shard):
         data = fetch_blob(store, anchor, entry)
         decoded = decode_blob(
-            data, version=anchor.version, base_version=-1, shard=args.shard,
+            data,
+            version=anchor.version,
+            base_version=-1,
+            shard=args.shard,
             max_decompressed_bytes=max(1 << 20, MAX_EXPANSION * len(data)),
-        )  # fmt: skip
+        )
         for u in decoded.updates:
             if u.nnz != u.numel and len(anchor.writers) == 1:
                 raise ConfigError(
@@ -210,17 +213,25 @@ def _start(args, store, key, stop: _Stop):
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
     state_dir = out_dir / f".{args.shard}.deltasync"
     StateDir(state_dir).clear_journal()
-    StateDir(state_dir).write_state(LocalState(
-        receiver=receiver_id, shard=args.shard,
-        version=None if held is None else held[0],
-        state_digest=None if held is None else held[1],
-        run_id=None if held is None else held[2],
-    ))  # fmt: skip
+    StateDir(state_dir).write_state(
+        LocalState(
+            receiver=receiver_id,
+            shard=args.shard,
+            version=None if held is None else held[0],
+            state_digest=None if held is None else held[1],
+            run_id=None if held is None else held[2],
+        )
+    )
     receiver = Receiver(
-        store, shard=args.shard, tensors=tensors, state_dir=str(state_dir),
-        config=ReceiverConfig(receiver_id=receiver_id, signing_key=key), specs=specs,
-        layout=layout, register=False,
-    )  # fmt: skip
+        store,
+        shard=args.shard,
+        tensors=tensors,
+        state_dir=str(state_dir),
+        config=ReceiverConfig(receiver_id=receiver_id, signing_key=key),
+        specs=specs,
+        layout=layout,
+        register=False,
+    )
     if receiver.dirty:
         _say(f"{path}: contents do not match its recorded version; restoring an anchor")
     _say(
@@ -257,8 +268,14 @@ def _loop(args: argparse.Namespace, stop: _Stop) -> int:
                     return 0
             report = receiver.pull()
             if report.version is not None and (report.changed or not path.exists()):
-                _write(path, receiver.tensors, report.version, receiver.state_digest,
-                       args.shard, report.run_id)  # fmt: skip
+                _write(
+                    path,
+                    receiver.tensors,
+                    report.version,
+                    receiver.state_digest,
+                    args.shard,
+                    report.run_id,
+                )
             if last_error is not None:
                 _say(f"deltasync pull: recovered after {failures} failed attempt(s)")
             if report.changed or done == 0 or last_error is not None:

@@ -53,14 +53,20 @@ def wait_for_staleness(
         lagging = _lagging(catalog, committed, max_staleness, ttl_s)
         if not lagging:
             if logged:
-                log.info("bounded staleness: receivers caught up after %.1f s", time.monotonic() - t0)
+                log.info(
+                    "bounded staleness: receivers caught up after %.1f s", time.monotonic() - t0
+                )
             return time.monotonic() - t0
         if not logged:
             log.info(
                 "bounded staleness %d: waiting (up to %.0f s) for receivers %s (receiver: version "
                 "held) to come within %d versions of committed version %d",
-                max_staleness, timeout_s, lagging, max_staleness, committed,
-            )  # fmt: skip
+                max_staleness,
+                timeout_s,
+                lagging,
+                max_staleness,
+                committed,
+            )
             logged = True
         if time.monotonic() - t0 >= timeout_s:
             raise StalenessTimeoutError(

@@ -99,8 +99,9 @@ class Catalog:
             log.warning(
                 "LATEST names version %d, which has no manifest (a store restored out of "
                 "order, or a stray write); using the newest committed manifest (%s) instead",
-                hint, newest,
-            )  # fmt: skip
+                hint,
+                newest,
+            )
             hint = newest
         if hint is None:
             return self.newest_committed()
@@ -172,8 +173,9 @@ class Catalog:
         if cached is not None and cached != m:
             log.warning(
                 "manifest %d changed in the store since it was read (the store was rewritten "
-                "or holds another lineage); dropping every cached manifest", version,
-            )  # fmt: skip
+                "or holds another lineage); dropping every cached manifest",
+                version,
+            )
             self._cache.clear()
         self._cache[version] = m
         return m

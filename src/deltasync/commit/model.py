@@ -132,9 +132,11 @@ class BlobEntry:
     @classmethod
     def from_dict(cls, obj: Any, *, what: str = "blob") -> BlobEntry:
         expect_fields(
-            obj, what=what, required={"shard", "writer", "key", "size", "digest"},
+            obj,
+            what=what,
+            required={"shard", "writer", "key", "size", "digest"},
             optional={"elements"},
-        )  # fmt: skip
+        )
         for f in ("shard", "writer", "key"):
             if not isinstance(obj[f], str):
                 raise ManifestError(f"{what} field {f!r} must be a string, got {obj[f]!r}")
@@ -248,12 +250,16 @@ class LayoutRecord:
         spec = layout.spec
         fields = (
             {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-            if dataclasses.is_dataclass(spec) else {"spec": repr(spec)}
-        )  # fmt: skip
+            if dataclasses.is_dataclass(spec)
+            else {"spec": repr(spec)}
+        )
         return cls.build(
-            engine=layout.engine, tp=layout.tp, ep=layout.ep, model_fields=fields,
+            engine=layout.engine,
+            tp=layout.tp,
+            ep=layout.ep,
+            model_fields=fields,
             shard_specs={s.id: layout.local_specs(s.id) for s in layout.shards()},
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         return f"engine {self.engine} tp={self.tp} ep={self.ep} model {self.model[:12]}"
@@ -429,10 +435,13 @@ class Manifest:
     def link(self, shard: str) -> ChainLink:
         """What lineage-aware chain planning needs from this manifest for ``shard``."""
         return ChainLink(
-            version=self.version, kind=self.kind, base=self.base_version,
-            base_digest=self.base_digests.get(shard), digest=self.shard_digests[shard],
+            version=self.version,
+            kind=self.kind,
+            base=self.base_version,
+            base_digest=self.base_digests.get(shard),
+            digest=self.shard_digests[shard],
             run_id=self.run_id,
-        )  # fmt: skip
+        )
 
     @property
     def total_bytes(self) -> int:

@@ -190,9 +190,11 @@ class WriterMarker(_Signed):
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_MARKER_BYTES)
             expect_fields(
-                obj, what=what, required={"version", "writer", "created_at", "blobs"},
+                obj,
+                what=what,
+                required={"version", "writer", "created_at", "blobs"},
                 optional={"mac"},
-            )  # fmt: skip
+            )
             if not isinstance(obj["blobs"], list):
                 raise ManifestError(f"{what} blobs must be a JSON list")
             _strings(obj, ("writer",), what=what)
@@ -336,9 +338,11 @@ class ReceiverRecord(_Signed):
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
             expect_fields(
-                obj, what=what, required={"receiver", "shard", "version", "updated_at"},
+                obj,
+                what=what,
+                required={"receiver", "shard", "version", "updated_at"},
                 optional={"mac"},
-            )  # fmt: skip
+            )
             _strings(obj, ("receiver", "shard"), what=what)
             rec = cls(**obj)
             _check_not_future(rec.updated_at, what=f"{what} updated_at", now=now)

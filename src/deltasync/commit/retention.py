@@ -55,8 +55,10 @@ def _ours(keys: Iterable[str], version: int, parse) -> list[str]:
         log.warning(
             "retention: %d key(s) under version %d are not deltasync's and are left alone "
             "(e.g. %r); someone else writes into this store",
-            len(foreign), version, foreign[0],
-        )  # fmt: skip
+            len(foreign),
+            version,
+            foreign[0],
+        )
     return sorted(out)
 
 

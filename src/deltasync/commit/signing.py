@@ -169,8 +169,9 @@ def load_key_file(path: str | os.PathLike[str]) -> bytes:
             log.warning(
                 "key file %r is readable by its group or others (mode %o): anyone who can "
                 "read it can sign versions every receiver applies; chmod 600 it",
-                str(p), stat.S_IMODE(st.st_mode),
-            )  # fmt: skip
+                str(p),
+                stat.S_IMODE(st.st_mode),
+            )
         data = os.read(fd, 4097)
     except OSError as exc:
         raise ConfigError(f"cannot read key file {str(p)!r}: {exc.strerror}") from None

@@ -55,7 +55,8 @@ class HFEngine:
         check_tensors_match(
             {n: p.data for n, p in self._params.items()},
             ReceiverLayout.build(self.spec, engine="hf").local_specs(HF_SHARD),
-            what="HFEngine", hint="build the engine and the layout from the same config",
+            what="HFEngine",
+            hint="build the engine and the layout from the same config",
         )
 
     @classmethod

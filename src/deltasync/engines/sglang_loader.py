@@ -151,10 +151,13 @@ class SglangShard:
             state_dir.mkdir(parents=True, exist_ok=True)
             key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
             self.receiver = Receiver.for_layout(
-                open_store(request.store, s3=s3, durable=request.durable), self.layout,
-                self.shard, self.targets, str(state_dir),
+                open_store(request.store, s3=s3, durable=request.durable),
+                self.layout,
+                self.shard,
+                self.targets,
+                str(state_dir),
                 ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
-            )  # fmt: skip
+            )
             self.key = key
         return self.receiver
 
@@ -178,9 +181,12 @@ class SglangShard:
             )
         log.info(
             "deltasync SGLang shard %s: version %s -> %s (%d elements, pause %.3f s)",
-            self.shard, report.previous_version, report.version, report.elements_written,
+            self.shard,
+            report.previous_version,
+            report.version,
+            report.elements_written,
             report.pause_s,
-        )  # fmt: skip
+        )
         return report
 
 
@@ -212,6 +218,8 @@ def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]])
     )
 
     take_version(
-        model, named_tensors,
-        tp_rank=get_tensor_model_parallel_rank(), tp=get_tensor_model_parallel_world_size(),
-    )  # fmt: skip
+        model,
+        named_tensors,
+        tp_rank=get_tensor_model_parallel_rank(),
+        tp=get_tensor_model_parallel_world_size(),
+    )

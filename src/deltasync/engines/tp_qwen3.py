@@ -125,9 +125,11 @@ class TPQwen3Engine:
                     raise ConfigError(f"TPQwen3Engine: no tensors for shard {info.id!r}")
                 tensors = dict(shards[info.id])
                 check_tensors_match(
-                    tensors, specs, what=f"TPQwen3Engine shard {info.id!r}",
+                    tensors,
+                    specs,
+                    what=f"TPQwen3Engine shard {info.id!r}",
                     hint="build the engine and the layout from the same config",
-                )  # fmt: skip
+                )
             self.ranks[info.id] = TensorDictEngine(tensors, version=version)
 
     @classmethod

@@ -194,17 +194,26 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         state_dir = Path(init_info.state_dir) / rid
         state_dir.mkdir(parents=True, exist_ok=True)
         self.receiver = Receiver.for_layout(
-            store, self.shard.layout, self.shard.shard, self.shard.targets, str(state_dir),
+            store,
+            self.shard.layout,
+            self.shard.shard,
+            self.shard.targets,
+            str(state_dir),
             ReceiverConfig(
                 receiver_id=rid, signing_key=init_info.signing_key(), durable=init_info.durable
             ),
-            pause=self._pause, on_tensor_written=self._touched.add,
-        )  # fmt: skip
+            pause=self._pause,
+            on_tensor_written=self._touched.add,
+        )
         self.weight_version = None if self.receiver.dirty else self.receiver.version
         log.info(
             "deltasync receiver %s on %s: shard %s, path %s, at version %s",
-            rid, init_info.store, self.shard.shard, self.shard.path, self.weight_version,
-        )  # fmt: skip
+            rid,
+            init_info.store,
+            self.shard.shard,
+            self.shard.path,
+            self.weight_version,
+        )
 
     def _receiver(self) -> Receiver:
         if self.receiver is None:
@@ -271,9 +280,13 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             )
         log.info(
             "deltasync shard %s: version %s -> %s (chain %s, %d elements, pause %.3f s)",
-            self.shard.shard, report.previous_version, report.version, report.chain,
-            report.elements_written, self.last_pause_s,
-        )  # fmt: skip
+            self.shard.shard,
+            report.previous_version,
+            report.version,
+            report.chain,
+            report.elements_written,
+            self.last_pause_s,
+        )
 
     def _gather_failures(self, error: BaseException | None) -> list[tuple[str, str]]:
         """Every TP rank's ``(shard, error)``, for the ranks whose pull failed."""

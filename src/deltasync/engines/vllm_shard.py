@@ -195,8 +195,12 @@ class VllmShard:
         self.path = path
         log.info(
             "vLLM shard %s: %d tensors, path %s, %d BF16 masters, %d packed",
-            self.shard, len(self.targets), self.path, len(self._mirrors), len(self.packed),
-        )  # fmt: skip
+            self.shard,
+            len(self.targets),
+            self.path,
+            len(self._mirrors),
+            len(self.packed),
+        )
 
     def _shard_id(self, place: ShardPlace) -> str:
         for info in self.layout.shards():
@@ -263,8 +267,10 @@ class VllmShard:
 
 # Parameter renamings between vLLM releases, tried in order when a layout name is absent:
 # vLLM 0.32's FusedMoE keeps the routed experts' weights in a ``routed_experts`` submodule.
-_ALIASES = ((".mlp.experts.w13_weight", ".mlp.experts.routed_experts.w13_weight"),
-            (".mlp.experts.w2_weight", ".mlp.experts.routed_experts.w2_weight"))  # fmt: skip
+_ALIASES = (
+    (".mlp.experts.w13_weight", ".mlp.experts.routed_experts.w13_weight"),
+    (".mlp.experts.w2_weight", ".mlp.experts.routed_experts.w2_weight"),
+)
 
 
 def _engine_name(name: str, params: dict[str, torch.Tensor]) -> str:

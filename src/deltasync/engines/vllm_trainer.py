@@ -109,9 +109,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             A ready engine; call :meth:`send_weights` after each ``step_published``.
         """
         engine = cls(
-            client=client, source=source, is_sender=init_info.is_sender,
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
             pause_mode=init_info.pause_mode,
-        )  # fmt: skip
+        )
         if engine.is_sender:
             client.init_weight_transfer_engine(init_info.worker_init_info())
         return engine

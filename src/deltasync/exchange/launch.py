@@ -182,7 +182,7 @@ def _child(
     )
     try:
         report = (rank, True, fn(rank, *args))
-    except BaseException:  # noqa: BLE001 -- the parent re-raises it with the traceback
+    except BaseException:
         report = (rank, False, traceback.format_exc())
     reports.put(report)
     reports.close()

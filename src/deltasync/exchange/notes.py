@@ -43,7 +43,7 @@ def group_store(group: dist.ProcessGroup | None) -> Any:
         return c10d._get_process_group_store(
             group if group is not None else c10d._get_default_group()
         )
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -61,7 +61,7 @@ class FailureNotes:
             return
         try:
             self._store.set(f"{self._prefix}/{key}", value)
-        except Exception as exc:  # noqa: BLE001 -- the store's host may be the rank that died
+        except Exception as exc:
             log.warning(
                 "could not write %s/%s to the process group's store: %s", self._prefix, key, exc
             )
@@ -75,7 +75,7 @@ class FailureNotes:
             if not self._store.check([full]):
                 return None
             return self._store.get(full).decode("utf-8", "replace")
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
     def arrive(self) -> None:

@@ -96,7 +96,7 @@ def exchange(
     if cause is None:
         try:
             sources = as_byte_tensors(payloads, world)
-        except Exception as exc:  # noqa: BLE001 -- reported to every peer in round 1, raised there
+        except Exception as exc:
             cause = exc
     counts = [int(sources[d].numel()) if d in sources else 0 for d in range(world)]
     notes = None if tag is None else FailureNotes(group, tag=tag, rank=rank, world=world)

@@ -141,9 +141,15 @@ class BlobWriter:
     one segment only: the decoder refuses a name seen twice."""
 
     def __init__(
-        self, sink: Sink, *, version: int, base_version: int, shard: str, writer: str,
+        self,
+        sink: Sink,
+        *,
+        version: int,
+        base_version: int,
+        shard: str,
+        writer: str,
         level: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         _check_header(version, base_version, shard, writer, level)
         self._sink, self._level = sink, level
         self._inner = xxhash.xxh3_128()  # the digest the blob ends with
@@ -152,10 +158,20 @@ class BlobWriter:
         self.size = self.segments = self.records = self.raw_len = self.body_len = 0
         self.digest: str | None = None
         shard_b, writer_b = shard.encode("utf-8"), writer.encode("utf-8")
-        self._put(HEADER.pack(
-            MAGIC, FORMAT_VERSION, FLAG_ZSTD if level else 0, version, base_version,
-            len(shard_b), len(writer_b), 0,
-        ) + shard_b + writer_b)  # fmt: skip
+        self._put(
+            HEADER.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                FLAG_ZSTD if level else 0,
+                version,
+                base_version,
+                len(shard_b),
+                len(writer_b),
+                0,
+            )
+            + shard_b
+            + writer_b
+        )
 
     def _put(self, data: bytes, *, inner: bool = True) -> None:
         if inner:
@@ -209,9 +225,9 @@ class BlobWriter:
         """Write the trailer and the digest; returns the blob digest (hex xxh3-128 of every
         byte, what the manifest lists)."""
         if self.digest is None:
-            self._put(TRAILER.pack(
-                END_MAGIC, self.segments, self.records, self.raw_len, self.body_len
-            ))  # fmt: skip
+            self._put(
+                TRAILER.pack(END_MAGIC, self.segments, self.records, self.raw_len, self.body_len)
+            )
             self._put(self._inner.digest(), inner=False)
             self.digest = self._outer.hexdigest()
         return self.digest
@@ -232,9 +248,13 @@ def encode_blob(
     default; 0 = no compression, for links faster than zstd)."""
     chunks: list[bytes] = []
     blob = BlobWriter(
-        chunks.append, version=version, base_version=base_version, shard=shard, writer=writer,
+        chunks.append,
+        version=version,
+        base_version=base_version,
+        shard=shard,
+        writer=writer,
         level=level,
-    )  # fmt: skip
+    )
     blob.segment(updates)
     blob.finish()
     return b"".join(chunks)

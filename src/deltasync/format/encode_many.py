@@ -49,21 +49,33 @@ def encode_blobs(
     n = default_threads(len(shards)) if threads is None else max(1, threads)
     if n == 1 or len(shards) <= 1:
         for shard in shards:
-            yield shard, encode_blob(
-                updates[shard], version=version, base_version=base_version, shard=shard,
-                writer=writer, level=level,
-            )  # fmt: skip
+            yield (
+                shard,
+                encode_blob(
+                    updates[shard],
+                    version=version,
+                    base_version=base_version,
+                    shard=shard,
+                    writer=writer,
+                    level=level,
+                ),
+            )
         return
     with ThreadPoolExecutor(n, thread_name_prefix="ds-encode") as pool:
         futures = [
             pool.submit(
-                encode_blob, updates[shard], version=version, base_version=base_version,
-                shard=shard, writer=writer, level=level,
-            )  # fmt: skip
+                encode_blob,
+                updates[shard],
+                version=version,
+                base_version=base_version,
+                shard=shard,
+                writer=writer,
+                level=level,
+            )
             for shard in shards
         ]
         try:
-            for shard, fut in zip(shards, futures):
+            for shard, fut in zip(shards, futures, strict=False):
                 yield shard, fut.result()
         finally:
             for fut in futures:

@@ -46,9 +46,9 @@ def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> l
                 "writers' elements must be disjoint (publisher bug)"
             )
         u0 = ups[0]
-        out.append(TensorUpdate(
-            name=name, shape=u0.shape, dtype=u0.dtype, indices=idx, values=vals[order]
-        ))  # fmt: skip
+        out.append(
+            TensorUpdate(name=name, shape=u0.shape, dtype=u0.dtype, indices=idx, values=vals[order])
+        )
     return out
 
 
@@ -110,12 +110,16 @@ def fold_chain(
     out = []
     for name, spec in specs.items():
         if name in dense:
-            out.append(TensorUpdate(
-                name=name, shape=spec.shape, dtype=spec.dtype, indices=None, values=dense[name]
-            ))  # fmt: skip
+            out.append(
+                TensorUpdate(
+                    name=name, shape=spec.shape, dtype=spec.dtype, indices=None, values=dense[name]
+                )
+            )
         elif name in sparse:
             idx, vals = _last_wins(sparse[name])
-            out.append(TensorUpdate(
-                name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals
-            ))  # fmt: skip
+            out.append(
+                TensorUpdate(
+                    name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals
+                )
+            )
     return out

@@ -57,8 +57,8 @@ class Block:
             object.__setattr__(self, "cols", self.src_cols)
         # Internal invariants of the tables: violations are bugs, not user errors.
         assert self.rows >= 0 and self.cols >= 0
-        assert 0 <= self.src_col and self.src_col + self.cols <= self.src_cols
-        assert 0 <= self.dst_col and self.dst_col + self.cols <= self.dst_cols
+        assert self.src_col >= 0 and self.src_col + self.cols <= self.src_cols
+        assert self.dst_col >= 0 and self.dst_col + self.cols <= self.dst_cols
 
     # -- geometry -------------------------------------------------------------------------
 

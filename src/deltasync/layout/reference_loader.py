@@ -126,12 +126,9 @@ class VllmReferenceLoader:
                 continue
             stacked = next(((f, p, sid) for f, p, sid in _STACKED if p in name), None)
             if stacked is not None:
-                fused, part, sid = stacked
+                fused, part, _sid = stacked
                 target = name.replace(part, fused)
-                if fused == ".qkv_proj.":
-                    rows = q_l + 2 * kv_l
-                else:
-                    rows = 2 * (shape[0] // tp)
+                rows = q_l + 2 * kv_l if fused == ".qkv_proj." else 2 * (shape[0] // tp)
                 self._param(target, (rows, *shape[1:]), self._load_stacked)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 self._param(name, (self._per_rank_vocab, shape[1]), self._load_vocab)

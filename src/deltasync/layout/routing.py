@@ -172,7 +172,7 @@ def route_to_shards(
                 dtype=dtype,
                 indices=mine[local][0],
                 values=mine[local][1],
-            )  # fmt: skip
+            )
             for local in locals_
             if mine[local][0].numel()
         ]

@@ -79,8 +79,11 @@ class PublisherConfig:
         check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
         check_int(_OWNER, "level", self.level, lo=0, hi=22)
         for name in (
-            "marker_timeout_s", "poll_interval_s", "staleness_timeout_s", "receiver_ttl_s"
-        ):  # fmt: skip
+            "marker_timeout_s",
+            "poll_interval_s",
+            "staleness_timeout_s",
+            "receiver_ttl_s",
+        ):
             check_seconds(_OWNER, name, getattr(self, name))
         if self.max_staleness is not None:
             check_int(_OWNER, "max_staleness", self.max_staleness, lo=0)

@@ -16,6 +16,7 @@ This module knows threads and iterators only.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -73,8 +74,6 @@ class Prefetch(Generic[T]):
             return
         self._stop.set()
         while self._thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
         self._thread.join()

@@ -194,8 +194,10 @@ class Publisher:
         except KeyNotFoundError:
             log.warning(
                 "writer %s: resume from version %d: the store has no manifest of it (wiped, "
-                "restored or another store); the next version is an anchor", self.writer, version,
-            )  # fmt: skip
+                "restored or another store); the next version is an anchor",
+                self.writer,
+                version,
+            )
             return False
         if self.config.num_writers > 1 and full_state is None:
             raise ConfigError(
@@ -208,9 +210,12 @@ class Publisher:
         if self._digests(full) != dict(manifest.shard_digests):
             log.warning(
                 "writer %s: resume from version %d: the stored version %d (run %s) holds another "
-                "state than this checkpoint; the next version is an anchor", self.writer,
-                version, version, manifest.run_id,
-            )  # fmt: skip
+                "state than this checkpoint; the next version is an anchor",
+                self.writer,
+                version,
+                version,
+                manifest.run_id,
+            )
             return False
         self._set_baseline(manifest)
         return True
@@ -239,7 +244,7 @@ class Publisher:
         params: Params,
         *,
         anchor: bool = False,
-        since: int | None | object = _OWN,
+        since: int | object | None = _OWN,
         full_state: FullState | None = None,
     ) -> PublishReport:
         """Publish ``version`` and return once it is committed.
@@ -274,10 +279,13 @@ class Publisher:
         waited = 0.0
         if cfg.max_staleness is not None:
             waited = acks_mod.wait_for_staleness(
-                self.catalog, committed, max_staleness=cfg.max_staleness,
-                ttl_s=cfg.receiver_ttl_s, timeout_s=cfg.staleness_timeout_s,
+                self.catalog,
+                committed,
+                max_staleness=cfg.max_staleness,
+                ttl_s=cfg.receiver_ttl_s,
+                timeout_s=cfg.staleness_timeout_s,
                 poll_s=cfg.poll_interval_s,
-            )  # fmt: skip
+            )
         reason = self._anchor_reason(version, head, since, anchor)
         kind = "delta" if reason is None else "anchor"
         if reason is not None:
@@ -305,9 +313,13 @@ class Publisher:
             threads = cfg.upload_threads or min(32, len(self.layout.shards()))
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-upload")
         streams = ShardStreams(
-            self.store, self._pool, version=version, base_version=-1 if base is None else base,
-            writer=self.writer, level=cfg.level,
-        )  # fmt: skip
+            self.store,
+            self._pool,
+            version=version,
+            base_version=-1 if base is None else base,
+            writer=self.writer,
+            level=cfg.level,
+        )
         try:
             digests = None
             if source is None:
@@ -342,16 +354,27 @@ class Publisher:
             assert digests is not None
             # Our own marker from memory: the store's copy may have been rewritten since.
             markers = commit_mod.wait_for_markers(
-                self.store, version, cfg.all_writer_ids(),
-                timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s,
-                own=marker, signing_key=cfg.signing_key,
-            )  # fmt: skip
-            manifest = commit_mod.build_manifest(
-                version=version, kind=kind, base_version=base, writers=cfg.all_writer_ids(),
-                markers=markers, shard_digests=digests, created_at=time.time(),
-                run_id=run_id, base_digests=base_digests, layout=self.layout_record,
+                self.store,
+                version,
+                cfg.all_writer_ids(),
+                timeout_s=cfg.marker_timeout_s,
+                poll_s=cfg.poll_interval_s,
+                own=marker,
                 signing_key=cfg.signing_key,
-            )  # fmt: skip
+            )
+            manifest = commit_mod.build_manifest(
+                version=version,
+                kind=kind,
+                base_version=base,
+                writers=cfg.all_writer_ids(),
+                markers=markers,
+                shard_digests=digests,
+                created_at=time.time(),
+                run_id=run_id,
+                base_digests=base_digests,
+                layout=self.layout_record,
+                signing_key=cfg.signing_key,
+            )
             ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
             if not ours:  # an equivalent manifest was committed first: its lineage is ours
                 manifest = self.catalog.manifest(version)
@@ -365,12 +388,23 @@ class Publisher:
         commit_s = time.perf_counter() - t
         self._set_baseline(manifest)
         return PublishReport(
-            version=version, kind=manifest.kind, base_version=manifest.base_version,
-            writer=self.writer, already_committed=not ours, anchor_reason=reason,
-            blobs=tuple(entries), shard_bytes=shard_bytes, shard_elements=shard_elements,
-            build_s=build_s, encode_s=encode_s, upload_s=upload_s, digest_s=digest_s,
-            commit_s=commit_s, staleness_wait_s=waited, total_s=time.perf_counter() - t0,
-        )  # fmt: skip
+            version=version,
+            kind=manifest.kind,
+            base_version=manifest.base_version,
+            writer=self.writer,
+            already_committed=not ours,
+            anchor_reason=reason,
+            blobs=tuple(entries),
+            shard_bytes=shard_bytes,
+            shard_elements=shard_elements,
+            build_s=build_s,
+            encode_s=encode_s,
+            upload_s=upload_s,
+            digest_s=digest_s,
+            commit_s=commit_s,
+            staleness_wait_s=waited,
+            total_s=time.perf_counter() - t0,
+        )
 
     def _anchor_reason(
         self, version: int, head: Manifest | None, since: object, forced: bool
@@ -412,10 +446,17 @@ class Publisher:
                 return
             changed = {n: idx for n, (idx, _) in changes.items()}
             given = {n: v for n, (_, v) in changes.items() if v is not None}
-            streams.add(shard_updates(
-                changed, params, trainer_layout=self.trainer_layout, receiver_layout=self.layout,
-                rank=cfg.writer_rank, world_size=cfg.num_writers, values=given or None,
-            ))  # fmt: skip
+            streams.add(
+                shard_updates(
+                    changed,
+                    params,
+                    trainer_layout=self.trainer_layout,
+                    receiver_layout=self.layout,
+                    rank=cfg.writer_rank,
+                    world_size=cfg.num_writers,
+                    values=given or None,
+                )
+            )
 
         done = 0  # groups[:done] are flushed
         last, last_name = -1, None
@@ -494,9 +535,13 @@ class Publisher:
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
         self._set_baseline(manifest)
         return PublishReport(
-            version=version, kind=manifest.kind, base_version=manifest.base_version,
-            writer=self.writer, already_committed=True, total_s=time.perf_counter() - t0,
-        )  # fmt: skip
+            version=version,
+            kind=manifest.kind,
+            base_version=manifest.base_version,
+            writer=self.writer,
+            already_committed=True,
+            total_s=time.perf_counter() - t0,
+        )
 
     def _check_listed(self, manifest, entries: Iterable[BlobEntry]) -> None:
         listed = {(b.key, b.digest) for b in manifest.blobs}
@@ -555,9 +600,13 @@ class Publisher:
         ack_keys = {v: self.store.list(names.acks_prefix(v)) for v in manifests}
         live = [r.version for r in self.live_receivers().values()]
         plan = plan_deletions(
-            version_keys=version_keys, manifests=manifests, ack_keys=ack_keys,
-            committed=committed, live_versions=live, keep_versions=self.config.keep_versions,
-        )  # fmt: skip
+            version_keys=version_keys,
+            manifests=manifests,
+            ack_keys=ack_keys,
+            committed=committed,
+            live_versions=live,
+            keep_versions=self.config.keep_versions,
+        )
         for key in plan.keys:
             self.store.delete(key)
         for v in plan.versions:

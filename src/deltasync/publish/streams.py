@@ -125,10 +125,16 @@ class ShardStreams:
                 raise exc
         entries = []
         for shard, s in sorted(self._streams.items()):
-            entries.append(BlobEntry(
-                shard=shard, writer=self._head["writer"], key=s.key, size=s.writer.size,
-                digest=s.hasher.hexdigest(), elements=s.elements,
-            ))  # fmt: skip
+            entries.append(
+                BlobEntry(
+                    shard=shard,
+                    writer=self._head["writer"],
+                    key=s.key,
+                    size=s.writer.size,
+                    digest=s.hasher.hexdigest(),
+                    elements=s.elements,
+                )
+            )
         return (
             entries,
             {shard: s.writer.size for shard, s in self._streams.items()},

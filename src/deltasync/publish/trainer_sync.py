@@ -240,11 +240,15 @@ class TrainerSync:
     def _publish_all(self, version: int, changes, params: Params, anchor: bool):
         return [
             pub.publish(
-                version, changes, params, anchor=anchor, since=self.baseline,
+                version,
+                changes,
+                params,
+                anchor=anchor,
+                since=self.baseline,
                 full_state=self._full_state,
             )
             for pub in self.publishers
-        ]  # fmt: skip
+        ]
 
     def _wait_acks(self, version: int) -> None:
         if self.synchronous:
@@ -332,17 +336,23 @@ class TrainerSync:
             else:
                 log.warning(
                     "version %d did not commit (%s: %s); its %d changed parameter(s) go out "
-                    "with the next version", pending.version, type(exc).__name__, exc,
+                    "with the next version",
+                    pending.version,
+                    type(exc).__name__,
+                    exc,
                     len(self._carry),
-                )  # fmt: skip
+                )
             raise PublishFailedError(
                 f"version {pending.version} "
-                + ("committed, but waiting for its acknowledgements failed" if committed else
-                   "did not commit; its changes are kept and go out with the next version: "
-                   "call step_published again")
+                + (
+                    "committed, but waiting for its acknowledgements failed"
+                    if committed
+                    else "did not commit; its changes are kept and go out with the next version: "
+                    "call step_published again"
+                )
                 + f" ({type(exc).__name__}: {exc})",
                 version=pending.version,
-            ) from exc  # fmt: skip
+            ) from exc
         self._carry = {}  # committed everywhere: the baseline is this version's state
         self.last_reports = reports
         return reports

@@ -120,15 +120,24 @@ class JournalStep:
     @classmethod
     def from_obj(cls, obj: Any) -> JournalStep:
         if not isinstance(obj, dict) or set(obj) != {
-            "version", "kind", "base_version", "shard_digest", "blobs"
-        }:  # fmt: skip
+            "version",
+            "kind",
+            "base_version",
+            "shard_digest",
+            "blobs",
+        }:
             raise ManifestError("journal step has missing or unknown fields")
         blobs = []
         for b in obj["blobs"] if isinstance(obj["blobs"], list) else [None]:
             if not isinstance(b, list) or len(b) != 3 or not isinstance(b[0], str):
                 raise ManifestError("journal blob must be [key, size, digest]")
-            blobs.append((b[0], check_int(b[1], what="journal blob size", lo=1, hi=2**63 - 1),
-                          check_blob_digest(b[2], what="journal blob digest")))  # fmt: skip
+            blobs.append(
+                (
+                    b[0],
+                    check_int(b[1], what="journal blob size", lo=1, hi=2**63 - 1),
+                    check_blob_digest(b[2], what="journal blob digest"),
+                )
+            )
         if obj["kind"] not in ("delta", "anchor"):
             raise ManifestError(f"journal step kind {obj['kind']!r}")
         return cls(
@@ -187,7 +196,9 @@ class StateDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)  # private
         except OSError as exc:
-            raise LocalStateError(f"cannot create receiver state dir {str(self.path)!r}: {exc}")
+            raise LocalStateError(
+                f"cannot create receiver state dir {str(self.path)!r}: {exc}"
+            ) from exc
 
     @property
     def state_path(self) -> Path:

@@ -113,9 +113,13 @@ def fetch_version(
         data = fetch_blob(store, manifest, entry)
         fetched += len(data)
         decoded = decode_blob(
-            data, expected=specs, version=manifest.version, base_version=base, shard=shard,
+            data,
+            expected=specs,
+            version=manifest.version,
+            base_version=base,
+            shard=shard,
             max_decompressed_bytes=max_decompressed_bytes,
-        )  # fmt: skip
+        )
         if decoded.header.writer != entry.writer:
             raise BlobMismatchError(
                 f"{where} was written by {decoded.header.writer!r}, the manifest says "

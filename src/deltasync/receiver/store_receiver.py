@@ -166,15 +166,18 @@ class Receiver:
         self.store = store
         self.config = config
         self.tensors = dict(tensors)
-        self.specs = dict(specs) if specs is not None else {
-            n: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for n, t in self.tensors.items()
-        }  # fmt: skip
+        self.specs = (
+            dict(specs)
+            if specs is not None
+            else {
+                n: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for n, t in self.tensors.items()
+            }
+        )
         self._check_tensors()
         self._specs_fp = specs_fingerprint(self.specs)
         self._layout_desc = (
-            LayoutRecord.of(layout).describe() if layout is not None
-            else "the tensors it was given"
-        )  # fmt: skip
+            LayoutRecord.of(layout).describe() if layout is not None else "the tensors it was given"
+        )
         self._pause = pause or contextlib.nullcontext
         self._on_tensor = on_tensor_written
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
@@ -209,16 +212,21 @@ class Receiver:
                 log.warning(
                     "receiver %r shard %r: the tensors do not hash to version %d as recorded; "
                     "marked dirty, the next pull restores the newest anchor",
-                    config.receiver_id, self.shard, self._state.version,
-                )  # fmt: skip
+                    config.receiver_id,
+                    self.shard,
+                    self._state.version,
+                )
                 self._set_state(dirty=True)
             elif config.verify_on_open and self._held() is not None and self._still_committed():
                 # Verified what it holds: owe the ack of it (a process killed between its
                 # scatter and its ack comes back here, and the trainer's wait completes).
                 self._pending_ack = AckRecord(
-                    version=self._state.version, receiver=config.receiver_id, shard=self.shard,
-                    state_digest=self._state.state_digest, created_at=time.time(),
-                )  # fmt: skip
+                    version=self._state.version,
+                    receiver=config.receiver_id,
+                    shard=self.shard,
+                    state_digest=self._state.state_digest,
+                    created_at=time.time(),
+                )
             self._flush_records()
 
     def _still_committed(self) -> bool:
@@ -242,15 +250,23 @@ class Receiver:
     ) -> Receiver:
         """A receiver whose expected tensors are ``layout``'s local specs of ``shard``."""
         return cls(
-            store, shard=shard, tensors=tensors, state_dir=state_dir, config=config,
-            specs=layout.local_specs(shard), layout=layout, **kwargs,
-        )  # fmt: skip
+            store,
+            shard=shard,
+            tensors=tensors,
+            state_dir=state_dir,
+            config=config,
+            specs=layout.local_specs(shard),
+            layout=layout,
+            **kwargs,
+        )
 
     def _check_tensors(self) -> None:
         check_tensors_match(
-            self.tensors, self.specs, what=f"receiver shard {self.shard!r}",
+            self.tensors,
+            self.specs,
+            what=f"receiver shard {self.shard!r}",
             hint="pass storage names only; tied aliases share storage and need no entry",
-        )  # fmt: skip
+        )
 
     # --- state ------------------------------------------------------------------------
 
@@ -283,10 +299,13 @@ class Receiver:
 
     def _set_state(self, **changes) -> None:
         fields = {
-            "receiver": self._state.receiver, "shard": self._state.shard,
-            "version": self._state.version, "state_digest": self._state.state_digest,
-            "dirty": self._state.dirty, "run_id": self._state.run_id,
-        }  # fmt: skip
+            "receiver": self._state.receiver,
+            "shard": self._state.shard,
+            "version": self._state.version,
+            "state_digest": self._state.state_digest,
+            "dirty": self._state.dirty,
+            "run_id": self._state.run_id,
+        }
         fields.update(changes)
         new = LocalState(**fields)
         self.dir.write_state(new)
@@ -298,9 +317,11 @@ class Receiver:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
         failure is logged and retried on the next pull; returns whether it was written."""
         rec = ReceiverRecord(
-            receiver=self.config.receiver_id, shard=self.shard,
-            version=None if self.dirty else self.version, updated_at=time.time(),
-        )  # fmt: skip
+            receiver=self.config.receiver_id,
+            shard=self.shard,
+            version=None if self.dirty else self.version,
+            updated_at=time.time(),
+        )
         if rec.version is None and not self._register:
             return True
         try:
@@ -309,8 +330,10 @@ class Receiver:
             self._heartbeat_owed = True
             log.warning(
                 "receiver %r shard %r: registration not written (%s); retried on the next pull",
-                self.config.receiver_id, self.shard, exc,
-            )  # fmt: skip
+                self.config.receiver_id,
+                self.shard,
+                exc,
+            )
             return False
         self._heartbeat_owed = False
         return True
@@ -333,19 +356,25 @@ class Receiver:
             except StoreError as exc:
                 log.warning(
                     "receiver %r shard %r: ack of version %d not written (%s); retried on the "
-                    "next pull", self.config.receiver_id, self.shard, ack.version, exc,
-                )  # fmt: skip
+                    "next pull",
+                    self.config.receiver_id,
+                    self.shard,
+                    ack.version,
+                    exc,
+                )
         beat = self.heartbeat()
         return beat and self._pending_ack is None
 
     def _report(self, t0: float, **fields) -> PullReport:
         dirty = self.dirty
         return PullReport(
-            version=None if dirty else self.version, dirty=dirty,
+            version=None if dirty else self.version,
+            dirty=dirty,
             run_id=None if dirty else self.run_id,
             records_pending=self._pending_ack is not None or self._heartbeat_owed,
-            total_s=time.perf_counter() - t0, **fields,
-        )  # fmt: skip
+            total_s=time.perf_counter() - t0,
+            **fields,
+        )
 
     # --- pull -------------------------------------------------------------------------
 
@@ -377,18 +406,26 @@ class Receiver:
         manifests = self.catalog.shard_chain(self.shard, held, head)
         if manifests[0].kind == "anchor":
             why = (
-                "it holds no verified version" if self.version is None
-                else "its state is dirty" if self.dirty
+                "it holds no verified version"
+                if self.version is None
+                else "its state is dirty"
+                if self.dirty
                 else f"the store regressed below its version {held[0]}"
                 if held is not None and head.version < held[0]
                 else f"no delta builds on its version {self.version} and state digest (another "
                 "lineage, or the chain starts over)"
-            )  # fmt: skip
+            )
             log.info(
                 "receiver %r shard %r: restoring anchor %d of run %s (%s), then %d version(s) "
-                "to %d", self.config.receiver_id, self.shard, manifests[0].version,
-                manifests[0].run_id, why, len(manifests) - 1, head.version,
-            )  # fmt: skip
+                "to %d",
+                self.config.receiver_id,
+                self.shard,
+                manifests[0].version,
+                manifests[0].run_id,
+                why,
+                len(manifests) - 1,
+                head.version,
+            )
             start = None
         else:
             start = previous
@@ -424,9 +461,12 @@ class Receiver:
         steps, fetched = [], 0
         for m in manifests:
             updates, n = fetch_version(
-                self.store, m, self.shard, self.specs,
+                self.store,
+                m,
+                self.shard,
+                self.specs,
                 max_decompressed_bytes=self.config.max_decompressed_bytes,
-            )  # fmt: skip
+            )
             steps.append((m.kind, updates))
             fetched += n
         return fold_chain(steps, self.specs), fetched
@@ -455,10 +495,14 @@ class Receiver:
                 self.catalog.forget(m.version)
             self._refused(versions, digest, expected, from_version)
 
-        self.dir.write_journal(Journal(
-            receiver=self.config.receiver_id, shard=self.shard, from_version=from_version,
-            steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
-        ))  # fmt: skip
+        self.dir.write_journal(
+            Journal(
+                receiver=self.config.receiver_id,
+                shard=self.shard,
+                from_version=from_version,
+                steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
+            )
+        )
         t = time.perf_counter()
         written = 0
         with self._pause():
@@ -473,8 +517,10 @@ class Receiver:
             log.error(
                 "receiver %r shard %r: the tensors changed during the scatter of version %d; "
                 "marked dirty, the next pull restores the newest anchor",
-                self.config.receiver_id, self.shard, target.version,
-            )  # fmt: skip
+                self.config.receiver_id,
+                self.shard,
+                target.version,
+            )
             self._set_state(dirty=True)
             self.dir.clear_journal()
             self._flush_records()
@@ -490,17 +536,27 @@ class Receiver:
         )
         self.dir.clear_journal()
         self._pending_ack = AckRecord(
-            version=target.version, receiver=self.config.receiver_id, shard=self.shard,
-            state_digest=expected, created_at=time.time(), pause_s=pause_s,
+            version=target.version,
+            receiver=self.config.receiver_id,
+            shard=self.shard,
+            state_digest=expected,
+            created_at=time.time(),
+            pause_s=pause_s,
             total_s=time.perf_counter() - t0,
-        )  # fmt: skip
+        )
         self._flush_records()
         return self._report(
-            t0, previous_version=previous, chain=tuple(versions),
-            from_anchor=manifests[0].kind == "anchor", repaired=repaired,
-            bytes_fetched=fetched, elements_written=written, stage_s=stage_s,
-            verify_s=verify_s, pause_s=pause_s,
-        )  # fmt: skip
+            t0,
+            previous_version=previous,
+            chain=tuple(versions),
+            from_anchor=manifests[0].kind == "anchor",
+            repaired=repaired,
+            bytes_fetched=fetched,
+            elements_written=written,
+            stage_s=stage_s,
+            verify_s=verify_s,
+            pause_s=pause_s,
+        )
 
     def _refused(
         self, versions: list[int], digest: str, expected: str, from_version: int | None
@@ -514,15 +570,21 @@ class Receiver:
             self._flush_records()
         log.error(
             "receiver %r shard %r: versions %s would lead to state digest %s, the manifest "
-            "says %s; refused before any write%s", self.config.receiver_id, self.shard,
-            versions, digest, expected,
-            "" if still else " (and the live tensors no longer hash to the recorded version: "
-            "marked dirty)",
-        )  # fmt: skip
+            "says %s; refused before any write%s",
+            self.config.receiver_id,
+            self.shard,
+            versions,
+            digest,
+            expected,
+            ""
+            if still
+            else " (and the live tensors no longer hash to the recorded version: marked dirty)",
+        )
         where = (
-            f"version {self.version}" if still and held is not None
+            f"version {self.version}"
+            if still and held is not None
             else "no verified version (the next pull restores the newest anchor)"
-        )  # fmt: skip
+        )
         raise IntegrityError(
             f"receiver {self.config.receiver_id!r} shard {self.shard!r}: applying versions "
             f"{versions} (from {from_version}) would give state digest {digest}, but manifest "
@@ -553,9 +615,12 @@ class Receiver:
                     )
             log.warning(
                 "receiver %r shard %r: found the journal of an interrupted apply (versions %s "
-                "from %s); replaying it", self.config.receiver_id, self.shard,
-                journaled, journal.from_version,
-            )  # fmt: skip
+                "from %s); replaying it",
+                self.config.receiver_id,
+                self.shard,
+                journaled,
+                journal.from_version,
+            )
             return self._run(manifests, journal.from_version, t0, repaired=True)
         except LocalStateError:
             raise
@@ -563,8 +628,12 @@ class Receiver:
             log.warning(
                 "receiver %r shard %r: the journaled chain %s cannot be replayed (%s: %s); "
                 "marking the state dirty and restoring the newest anchor",
-                self.config.receiver_id, self.shard, journaled, type(exc).__name__, exc,
-            )  # fmt: skip
+                self.config.receiver_id,
+                self.shard,
+                journaled,
+                type(exc).__name__,
+                exc,
+            )
         # The tensors are a mix of journaled steps that can no longer be fetched: only a full
         # anchor can restore them. Record that durably before dropping the journal.
         self._set_state(dirty=True)
@@ -582,9 +651,13 @@ class Receiver:
         log.info(
             "receiver %r shard %r: restoring anchor %d (its state is dirty: the journal of "
             "versions %s could not be replayed), then %d version(s) to %d",
-            self.config.receiver_id, self.shard, manifests[0].version, journaled,
-            len(manifests) - 1, head.version,
-        )  # fmt: skip
+            self.config.receiver_id,
+            self.shard,
+            manifests[0].version,
+            journaled,
+            len(manifests) - 1,
+            head.version,
+        )
         return self._run(manifests, None, t0, repaired=True)
 
 

@@ -36,7 +36,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from deltasync.atomic import TMP_MARK
@@ -60,11 +60,11 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 
 
-class _Missing(Exception):  # noqa: N818 - internal signal: a directory of the key is absent
+class _Missing(Exception):
     pass
 
 
-class _LinkRefused(StoreError):  # noqa: N818 - a StoreError: the key passes through a link
+class _LinkRefused(StoreError):
     pass
 
 
@@ -409,10 +409,8 @@ class LocalStore:
 
     @staticmethod
     def _unlink_quietly(dfd: int, name: str) -> None:
-        try:
+        with suppress(OSError):
             os.unlink(name, dir_fd=dfd)
-        except OSError:
-            pass
 
     def delete(self, key: str) -> None:
         parts = self._split(key)

@@ -86,11 +86,17 @@ def call_with_retries(
             if delay is None or elapsed + delay > policy.deadline_s:
                 log.warning(
                     "store operation failed after %d attempt(s) in %.1f s: %s: %s",
-                    attempt, elapsed, type(exc).__name__, exc,
-                )  # fmt: skip
+                    attempt,
+                    elapsed,
+                    type(exc).__name__,
+                    exc,
+                )
                 raise RetriesExhausted(exc, attempt, elapsed) from exc
             log.info(
                 "transient store error on attempt %d (%s: %s); retrying in %.2f s",
-                attempt, type(exc).__name__, exc, delay,
-            )  # fmt: skip
+                attempt,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
             sleep(delay)

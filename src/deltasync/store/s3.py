@@ -251,9 +251,12 @@ class S3Store:
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
             except ClientError as exc:
                 code, status = error_code(exc)
-                if maybe_landed and (code in CONFLICT or status == 412):
-                    if self._read_quietly(full, len(body)) == body:
-                        return  # our earlier attempt committed before its reply was lost
+                if (
+                    maybe_landed
+                    and (code in CONFLICT or status == 412)
+                    and self._read_quietly(full, len(body)) == body
+                ):
+                    return  # our earlier attempt committed before its reply was lost
                 if is_transient(exc):
                     maybe_landed = True
                 raise

@@ -91,11 +91,14 @@ def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
-        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
         decoupled=bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))),
         step=step,
-    )  # fmt: skip
+    )
 
 
 Change = tuple[str, torch.Tensor, torch.Tensor | None]
@@ -190,9 +193,10 @@ class AdamWTracker:
             log.warning(
                 "AdamWTracker: %d parameter(s) take the exact snapshot path, holding %d bytes "
                 "(+100%% of their BF16 size): %s",
-                len(self.fallback), total,
+                len(self.fallback),
+                total,
                 "; ".join(f"{n}: {f.reason}" for n, f in list(self.fallback.items())[:8]),
-            )  # fmt: skip
+            )
         if self.constant:
             log.info(
                 "AdamWTracker: %d frozen parameter(s) outside the optimizer are constants "
@@ -210,8 +214,10 @@ class AdamWTracker:
         self._oob = OutOfBandWatch(
             {n: w for n, w in self._watched.items() if n not in self.fallback}
         )
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
-                       optimizer.register_step_post_hook(self._post_step)]  # fmt: skip
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
 
     # -- where things are --------------------------------------------------------------------
 
@@ -299,8 +305,9 @@ class AdamWTracker:
         idx = torch.arange(local.numel(), dtype=torch.int64, device=local.device)
         return idx, (local.reshape(-1).to(torch.bfloat16).cpu() if values else None)
 
-    def _detect(self, name: str, pending: tuple[str, StepHyper | None, str] | None,
-                values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def _detect(
+        self, name: str, pending: tuple[str, StepHyper | None, str] | None, values: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if name in self._bits:
             if pending is not None:
                 self._fold(*pending)

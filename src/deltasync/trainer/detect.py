@@ -287,9 +287,21 @@ def _detect_chunked(
         if values:  # positions and BF16 values straight from the kernel, block by block
             ibuf, vbuf = _list_scratch()
             found = lib.ds_adamw_detect_list(
-                pp + off, mp + off, vp + off, cnt, k.bc2s, k.eps, k.step_size, k.inv_c, k.rel_s,
-                k.rel_u, k.abs_e, start, ibuf.data_ptr(), vbuf.data_ptr(),
-            )  # fmt: skip
+                pp + off,
+                mp + off,
+                vp + off,
+                cnt,
+                k.bc2s,
+                k.eps,
+                k.step_size,
+                k.inv_c,
+                k.rel_s,
+                k.rel_u,
+                k.abs_e,
+                start,
+                ibuf.data_ptr(),
+                vbuf.data_ptr(),
+            )
             if found >= 0:
                 return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values

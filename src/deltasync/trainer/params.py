@@ -114,9 +114,14 @@ def shard_of(name: str, t: torch.Tensor) -> LocalShard:
         rank, world = coord[shard_dim], mesh.size(shard_dim)
         start, stop = chunk_rows(shape[0], rank, world)
     spec = LocalShard(
-        global_shape=shape, row_start=start, row_stop=stop, rank=rank, world_size=world,
-        replica=replica, replicas=replicas,
-    )  # fmt: skip
+        global_shape=shape,
+        row_start=start,
+        row_stop=stop,
+        rank=rank,
+        world_size=world,
+        replica=replica,
+        replicas=replicas,
+    )
     local = t.to_local()  # type: ignore[attr-defined]
     want = (stop - start, *shape[1:]) if shape else ()
     if tuple(local.shape) != want:

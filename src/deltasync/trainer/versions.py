@@ -59,8 +59,10 @@ class OutOfBandWatch:
         self._flags[name] = why
         log.warning(
             "parameter %r was %s: all %d local elements are reported changed for this version",
-            name, why, self._watched[name].shard.local_numel,
-        )  # fmt: skip
+            name,
+            why,
+            self._watched[name].shard.local_numel,
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self._flags
