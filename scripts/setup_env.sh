@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 STAMP=.venv/.deltasync-installed
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
   .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[models,s3,bench,test]"
   touch "$STAMP"
