@@ -136,3 +136,20 @@ def test_a_publisher_restarted_from_a_checkpoint_with_other_data_publishes_a_new
     fresh.sync.baseline = 3
     assert fresh.publish(4, rig.oracle).kind == "anchor"
     rig.check(rig.rec.pull())
+
+
+@pytest.mark.timeout(90)
+def test_a_publisher_resuming_on_a_damaged_manifest_publishes_an_anchor_instead_of_raising(rig):
+    from deltasync import names
+
+    for v in range(3):
+        rig.publish(v)
+    rig.check(rig.rec.pull())
+    key = names.manifest_key(2)
+    good = rig.store.get(key)
+    rig.store.put(key, good[: len(good) // 2])  # a torn or tampered copy of v2's manifest
+    restarted = Trainer(rig.store, rig.rl, rig.tl, rig.spec, model=rig.trainer.model)
+    assert not restarted.sync.resume(2)
+    report = restarted.publish(restarted.sync.next_version(), rig.oracle)
+    assert report.kind == "anchor"
+    rig.check(rig.rec.pull())

@@ -64,6 +64,7 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     KeyNotFoundError,
+    ManifestError,
     VersionError,
 )
 from deltasync.format import full_updates
@@ -183,8 +184,9 @@ class Publisher:
         Returns:
             True when the store's manifest of ``version`` lists exactly this state: the next
             version may then be a delta on it. False (logged with the reason) when the store
-            lost it, holds another lineage or another state: the next version is an anchor
-            that starts a new lineage.
+            lost it, holds another lineage or another state, or its manifest is unusable (damaged,
+            badly signed, another layout): the next version is an anchor that starts a new
+            lineage.
         """
         self._set_baseline(None)
         if version is None:
@@ -197,6 +199,16 @@ class Publisher:
                 "restored or another store); the next version is an anchor",
                 self.writer,
                 version,
+            )
+            return False
+        except ManifestError as exc:
+            # Damaged, forged or built for another layout: it cannot vouch for this checkpoint.
+            log.warning(
+                "writer %s: resume from version %d: its manifest is unusable (%s); the next "
+                "version is an anchor",
+                self.writer,
+                version,
+                exc,
             )
             return False
         if self.config.num_writers > 1 and full_state is None:
@@ -271,8 +283,14 @@ class Publisher:
         names.check_version(version)
         cfg = self.config
         since = self.baseline if since is _OWN else since
-        head = self.catalog.head()
-        committed = None if head is None else head.version
+        try:
+            head = self.catalog.head()
+            committed = None if head is None else head.version
+        except ManifestError as exc:
+            # The newest manifest is unreadable (torn, tampered): nothing vouches for a base,
+            # so this version is an anchor of a new lineage above it.
+            log.warning("writer %s: version %d is an anchor: %s", self.writer, version, exc)
+            head, committed, anchor = None, self.catalog.latest(), True
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
 
