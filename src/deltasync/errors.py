@@ -218,6 +218,25 @@ class FingerprintMismatchError(ConfigError):
     the group is still usable."""
 
 
+class SendFailedError(DeltaSyncError):
+    """A version sent in the background (``ClusterSender(overlap=True)``) did not commit
+    jointly. Raised at the writer's next call (``sync``, ``wait``, ``close``), naming the
+    version; its changed positions are kept and go out with the next version, so nothing is
+    lost: call ``sync`` again on every rank.
+
+    ``version`` is the version that failed; ``anchor_required`` is True when some receiver can
+    only be restored by an anchor; ``group_broken`` is True when a rank died or hung, so the
+    group must be re-created first (``use_group``). The original error is the ``__cause__``."""
+
+    def __init__(
+        self, message: str, *, version: int, anchor_required: bool, group_broken: bool
+    ) -> None:
+        super().__init__(message)
+        self.version = version
+        self.anchor_required = anchor_required
+        self.group_broken = group_broken
+
+
 class ApplicationMissingError(DeltaSyncError):
     """A CLI command's application (``deltasync_examples`` or ``deltasync_bench``, installed
     beside the library from the repository's ``examples/`` and ``bench/``) is not importable;

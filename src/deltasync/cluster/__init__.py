@@ -7,6 +7,8 @@ rollout ranks over one torch.distributed group, and every rank commits the versi
         plan=plan, trainer_layout=tl,                    plan=plan, layout=rl, version=0)
         receiver_layout=rl, version=0)               receiver.sync()   # per version
     sender.sync()   # per version, after optimizer.step()
+    # or ClusterSender(..., overlap=True, optimizer=opt): sync() returns once the changes are
+    # captured; the rest runs while the next forward/backward does (opt's next step waits)
 
 Data flow of one version, by module::
 
@@ -25,6 +27,7 @@ The wire format, the routing and the receiver-side merge and fold are the storag
 what this package adds is the process-group choreography. It knows nothing about stores.
 """
 
+from deltasync.cluster.background import PendingSend
 from deltasync.cluster.cluster_receiver import ClusterReceiver
 from deltasync.cluster.cluster_sender import ClusterSender
 from deltasync.cluster.reports import ApplyReport, ReceiveReport, SendReport
@@ -40,6 +43,7 @@ from deltasync.errors import (
     AnchorRequiredError,
     EnvelopeError,
     FingerprintMismatchError,
+    SendFailedError,
     SyncAbortedError,
 )
 
@@ -53,9 +57,11 @@ __all__ = [
     "ClusterSender",
     "EnvelopeError",
     "FingerprintMismatchError",
+    "PendingSend",
     "ReceiveReport",
     "ReceiverRole",
     "RolePlan",
+    "SendFailedError",
     "SendReport",
     "SyncAbortedError",
     "WriterRole",

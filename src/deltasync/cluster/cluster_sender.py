@@ -33,6 +33,19 @@ window with a random token; receivers record the token with their apply, and the
 refuses a delta whose writers' tokens no longer match (a writer restarted and lost its union):
 only an anchor repairs that.
 
+Overlap (``overlap=True, optimizer=opt``): ``sync`` blocks only for step 1, capturing every
+parameter's changed positions (int32 where they fit) and the BF16 values the detection read,
+then clears the tracker and returns a :class:`~deltasync.cluster.background.PendingSend`; steps
+2-6 run on one background thread while the trainer's next forward/backward runs. Routing and
+the digests (steps 2-3) are the last reads of the parameters; the optimizer's pre-step hook
+waits for them, and the next ``sync`` for the whole version. Until the version commits its
+captured positions are the union above (the *carry*): a version that fails is never lost, its
+positions go out with the next one with values re-read then, and the failure is raised at the
+next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
+the version. Every collective of an overlapped version runs on the background thread: the
+exchange's group must be one the trainer's own collectives (FSDP) do not use, and a
+``full_state`` callable that runs collectives must not be combined with overlap.
+
 ``payloads_for_version`` is steps 1-3 alone, with no collective (benchmarks time it). After an
 ExchangeError that is not a PeerFailedError the group is broken: re-create it and pass the new
 one to :meth:`use_group` (see ``docs/cluster.md``, "Recovery").
@@ -46,10 +59,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from deltasync.cluster.background import Background, PendingSend
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
@@ -61,6 +76,8 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     ExchangeError,
+    PeerFailedError,
+    SendFailedError,
     SyncAbortedError,
     VersionError,
 )
@@ -102,6 +119,8 @@ class ClusterSender:
         shard's whole state digest instead.
     lineage: the run id of the model's lineage, if the job has one; part of the fingerprint
         every rank must agree on.
+    overlap: return from ``sync`` once the changes are captured and send in the background
+        (see the module docstring); needs ``optimizer``, whose next step is the barrier.
     """
 
     def __init__(
@@ -118,7 +137,17 @@ class ClusterSender:
         config: ClusterConfig | None = None,
         full_state: Params | Callable[[], Params] | None = None,
         lineage: str | None = None,
+        overlap: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"ClusterSender.overlap must be a bool, got {overlap!r}")
+        if overlap and optimizer is None:
+            raise ConfigError(
+                "ClusterSender.optimizer is required with overlap=True: its next step must wait "
+                "until the version sent in the background no longer reads the parameters (pass "
+                "the optimizer the tracker watches)"
+            )
         self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
         plan.check_shards(s.id for s in receiver_layout.shards())
@@ -145,11 +174,22 @@ class ClusterSender:
         self._window = _new_window()
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_anchor = False
+        self.last_report: SendReport | None = None  # of the newest version settled by wait()
+        self._background = (
+            Background(optimizer, thread_name=f"ds-send-{self.role.writer_id}")
+            if overlap and optimizer is not None
+            else None
+        )
         self.use_group(group)
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
-        """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
+        """Sync over ``group`` from now on (e.g. a new group after a round-2 failure). With
+        overlap, call it only when nothing is in flight (after :meth:`wait` raised)."""
         self.group = group
+
+    @property
+    def overlap(self) -> bool:
+        return self._background is not None
 
     @property
     def pending_elements(self) -> int:
@@ -163,29 +203,42 @@ class ClusterSender:
         into ``{receiver rank: envelope}``. No collective; the tracker is not cleared and the
         union of uncommitted attempts is not extended (``sync`` does that)."""
         base = self._base(version, anchor)
-        params = self._params() if callable(self._params) else self._params
-        t = time.perf_counter()
-        values = None
-        sent: dict[str, torch.Tensor] | None = None
-        if anchor:
-            changed = every_element(params)
-        else:
-            changed, values = {}, {}
-            for name, idx, vals in checked_changes(self.tracker.iter_changes()):
-                changed[name] = idx
-                values[name] = vals
-            for name, before in self._pending.items():
-                if name in changed:
-                    idx = changed[name].to(torch.int64)
-                    both = torch.cat([before.to(idx.device, torch.int64), idx])
-                    changed[name] = torch.unique(both)  # sorted, unique
-                    del values[name]  # gathered from the params at the union
-                else:
-                    changed[name] = before.to(torch.int64)
-            sent = changed
-        detect_s = time.perf_counter() - t
+        params = self._current_params()
+        return self._build(version, base, self._capture(anchor, narrow=False), params)
 
+    def _current_params(self) -> Params:
+        return self._params() if callable(self._params) else self._params
+
+    def _capture(self, anchor: bool, *, narrow: bool) -> _Changes:
+        """Step 1: the tracker's changes united with the union of uncommitted attempts (None
+        for an anchor: every element, listed by the build). ``narrow``: each parameter's
+        positions become a private int32 copy where they fit (< 2^31), the one tensor that the
+        background routes and that stays as the carry until the version commits."""
         t = time.perf_counter()
+        if anchor:
+            return _Changes(changed=None, values=None, detect_s=time.perf_counter() - t)
+        changed: dict[str, torch.Tensor] = {}
+        values: dict[str, torch.Tensor] = {}
+        for name, idx, vals in checked_changes(self.tracker.iter_changes()):
+            if not idx.numel():
+                continue
+            changed[name] = _compact(idx) if narrow else idx
+            values[name] = vals
+        for name, before in self._pending.items():
+            if name in changed:
+                idx = changed[name].to(torch.int64)
+                both = torch.unique(torch.cat([before.to(idx.device, torch.int64), idx]))
+                changed[name] = _compact(both) if narrow else both  # sorted, unique
+                del values[name]  # gathered from the params at the union
+            else:
+                changed[name] = before if narrow else before.to(torch.int64)
+        return _Changes(changed=changed, values=values, detect_s=time.perf_counter() - t)
+
+    def _build(self, version: int, base: int, caps: _Changes, params: Params) -> Outgoing:
+        """Steps 2-3: route, digest and encode captured changes (the last reads of
+        ``params``)."""
+        t = time.perf_counter()
+        changed = every_element(params) if caps.changed is None else caps.changed
         updates = shard_updates(
             changed,
             params,
@@ -193,12 +246,13 @@ class ClusterSender:
             receiver_layout=self.receiver_layout,
             rank=self.role.index,
             world_size=self.role.count,
-            values=values,
+            values=caps.values,
         )
-        del changed, values
+        del changed
         build_s = time.perf_counter() - t
 
         t = time.perf_counter()
+        anchor = caps.changed is None
         digests, part = {}, False
         if self.config.sends_digest(version, anchor=anchor):
             digests, part = self._digests(params)
@@ -229,11 +283,11 @@ class ClusterSender:
             payloads=payloads,
             shard_bytes=shard_bytes,
             shard_elements={s: sum(u.nnz for u in us) for s, us in updates.items()},
-            detect_s=detect_s,
+            detect_s=caps.detect_s,
             build_s=build_s,
             encode_s=encode_s,
             digest_s=digest_s,
-            sent_indices=sent,
+            sent_indices=caps.changed,
         )
 
     def mark_sent(self, out: Outgoing) -> None:
@@ -283,11 +337,15 @@ class ClusterSender:
 
     # ------------------------------------------------------------------ the whole version
 
-    def sync(self, version: int | None = None, *, anchor: bool = False) -> SendReport:
+    def sync(self, version: int | None = None, *, anchor: bool = False) -> SendReport | PendingSend:
         """Send ``version`` to every receiver and commit it jointly.
 
         Every rank of the group calls its ``sync`` for the same version; see the module
-        docstring and ``docs/cluster.md`` for what each failure leaves behind.
+        docstring and ``docs/cluster.md`` for what each failure leaves behind. With
+        ``overlap=True`` it first waits for the version in flight (raising its error, see
+        below), captures this version's changes and returns while the rest runs in the
+        background; the optimizer's next step waits until the background no longer reads the
+        parameters.
 
         Args:
             version: the version to send (default: the committed version + 1, or 0).
@@ -295,14 +353,31 @@ class ClusterSender:
                 An uncommitted anchor attempt makes every retry an anchor too.
 
         Returns:
-            A :class:`SendReport` with the version, base, bytes per receiver and timings.
+            A :class:`SendReport` with the version, base, bytes per receiver and timings; with
+            overlap, the :class:`PendingSend` whose ``result()`` gives it.
 
         Raises:
             PeerFailedError: some rank failed before sending (this one included); nothing moved.
             FingerprintMismatchError: the ranks were built for different models or plans.
             SyncAbortedError: a receiver failed or cannot take this delta; nothing committed.
             ExchangeError: a rank died or hung; the group must be re-created.
+            SendFailedError: (overlap) the version in flight failed with one of the above;
+                nothing of this version was captured, its changes are kept: call again.
         """
+        if self._background is not None:
+            return self._sync_overlapped(version, anchor)
+        version, anchor = self._next(version, anchor)
+        t0 = time.perf_counter()
+        _require_initialized()
+        out, failure = None, None
+        try:
+            check_group(self.group, self.plan, self.rank)
+            out = self.payloads_for_version(version, anchor=anchor)
+        except Exception as exc:
+            failure = exc
+        return self._send(version, anchor, out, failure, t0=t0, captured_s=None)
+
+    def _next(self, version: int | None, anchor: bool) -> tuple[int, bool]:
         if version is None:
             version = 0 if self.version is None else self.version + 1
         if self._pending_anchor and not anchor:
@@ -314,15 +389,22 @@ class ClusterSender:
                 version,
             )
             anchor = True
-        t0 = time.perf_counter()
-        if not dist.is_initialized():
-            raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
-        out, failure = None, None
-        try:
-            check_group(self.group, self.plan, self.rank)
-            out = self.payloads_for_version(version, anchor=anchor)
-        except Exception as exc:
-            failure = exc
+        return version, anchor
+
+    def _send(
+        self,
+        version: int,
+        anchor: bool,
+        out: Outgoing | None,
+        failure: Exception | None,
+        *,
+        t0: float,
+        captured_s: float | None,
+    ) -> SendReport:
+        """Steps 4-6: the preflight (where ``failure`` is this rank's status), the exchange and
+        the joint commit. ``captured_s`` is None when the caller waits for all of it (the
+        tracker is cleared here on commit), else the capture time of an overlapped version (the
+        tracker was cleared at the capture and the carry recorded)."""
         row = encode_preflight_row(
             role=WRITER,
             fingerprint=self.fingerprint,
@@ -345,7 +427,8 @@ class ClusterSender:
                 raise exc from failure
             raise
         assert out is not None  # a failure raised PeerFailedError in the preflight
-        self.mark_sent(out)
+        if captured_s is None:
+            self.mark_sent(out)
         tag = f"{cleared.window:x}-{version}"
 
         t = time.perf_counter()
@@ -368,8 +451,10 @@ class ClusterSender:
             raise SyncAbortedError(
                 verdict.message, failures=verdict.failures, anchor_required=verdict.anchor_required
             )
-        # Every receiver holds the version: only now may the baseline move.
-        self.tracker.clear()
+        # Every receiver holds the version: only now may the baseline move (an overlapped
+        # version's tracker moved at its capture; its carry is dropped here).
+        if captured_s is None:
+            self.tracker.clear()
         self.version = version
         self._pending, self._pending_anchor, self._window = {}, False, _new_window()
         return SendReport(
@@ -386,4 +471,129 @@ class ClusterSender:
             transfer_s=transfer_s,
             commit_s=commit_s,
             total_s=time.perf_counter() - t0,
+            overlapped=captured_s is not None,
+            captured_s=captured_s or 0.0,
         )
+
+    # ------------------------------------------------------------------ overlap
+
+    def _sync_overlapped(self, version: int | None, anchor: bool) -> PendingSend:
+        background = self._background
+        assert background is not None
+        self.wait()  # one version at a time; raises the failed version's error
+        version, anchor = self._next(version, anchor)
+        _require_initialized()
+        t0 = time.perf_counter()
+        caps, base, failure = None, -1, None
+        try:
+            check_group(self.group, self.plan, self.rank)
+            base = self._base(version, anchor)
+            caps = self._capture(anchor, narrow=True)
+            # The tracker's baseline moves now (no other thread ever touches the tracker); until
+            # the version commits, what it reported is the carry, sent again by every retry.
+            self.tracker.clear()
+        except Exception as exc:
+            failure = exc
+        if caps is not None:
+            if caps.changed is None:
+                self._pending_anchor = True
+            else:
+                self._pending = {n: t for n, t in caps.changed.items() if t.numel()}
+        pending = PendingSend(version, time.perf_counter() - t0)
+
+        def work(p: PendingSend) -> SendReport:
+            out, err = None, failure
+            if caps is not None and err is None:
+                try:
+                    out = self._build(version, base, caps, self._current_params())
+                except Exception as exc:
+                    err = exc
+            p.release()  # the parameters are read no more: the optimizer may step
+            return self._send(version, anchor, out, err, t0=t0, captured_s=p.captured_s)
+
+        background.submit(pending, work)
+        return pending
+
+    @property
+    def in_flight(self) -> PendingSend | None:
+        """The version captured and not yet settled by :meth:`wait` (overlap mode)."""
+        return None if self._background is None else self._background.in_flight
+
+    @property
+    def barrier_wait_s(self) -> float:
+        """How long the optimizer's last step waited for the background (overlap mode)."""
+        return 0.0 if self._background is None else self._background.barrier_wait_s
+
+    def wait(self) -> SendReport | None:
+        """Wait for the version in flight (overlap mode) and settle it.
+
+        Returns:
+            Its report, or None when nothing was in flight.
+
+        Raises:
+            SendFailedError: it did not commit; its changed positions are kept and go out with
+                the next version (``anchor_required`` / ``group_broken`` say what the retry
+                needs first).
+        """
+        pending = None if self._background is None else self._background.take()
+        if pending is None:
+            return None
+        try:
+            report = pending.result()
+        except Exception as exc:
+            broken = isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError)
+            needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
+            log.warning(
+                "writer %s: version %d did not commit (%s: %s); its changes (%d element(s)) go "
+                "out with the next version",
+                self.role.writer_id,
+                pending.version,
+                type(exc).__name__,
+                exc,
+                self.pending_elements,
+            )
+            remedy = "call sync again on every rank"
+            if broken:
+                remedy = "re-create the group (use_group) and " + remedy
+            if needs_anchor:
+                remedy += " with anchor=True"
+            raise SendFailedError(
+                f"writer {self.role.writer_id}: version {pending.version} did not commit; its "
+                f"changes are kept and go out with the next version: {remedy} "
+                f"({type(exc).__name__}: {exc})",
+                version=pending.version,
+                anchor_required=needs_anchor,
+                group_broken=broken,
+            ) from exc
+        self.last_report = report
+        return report
+
+    def close(self) -> None:
+        """Wait for the version in flight, remove the optimizer hook, stop the thread (overlap
+        mode; a no-op otherwise).
+
+        Raises:
+            SendFailedError: the version in flight did not commit.
+        """
+        if self._background is None:
+            return
+        try:
+            self.wait()
+        finally:
+            self._background.close()
+            self._background = None
+
+
+def _require_initialized() -> None:
+    if not dist.is_initialized():
+        raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
+
+
+@dataclass(frozen=True, eq=False)
+class _Changes:
+    """One version's captured changes: ``changed`` per param (None: an anchor, every element),
+    the BF16 values the detection read (params absent here are gathered at routing)."""
+
+    changed: dict[str, torch.Tensor] | None
+    values: dict[str, torch.Tensor] | None
+    detect_s: float

@@ -42,8 +42,7 @@ import torch.distributed as dist
 from deltasync.cluster.roles import ReceiverRole, RolePlan, WriterRole
 from deltasync.errors import ExchangeError
 from deltasync.exchange import group_device, status_row
-from deltasync.exchange.notes import FailureNotes, blame
-from deltasync.exchange.waits import wait
+from deltasync.exchange.notes import FailureNotes, blame, wait
 
 MAGIC = status_row.magic(b"dsclack1")
 ROW_LENGTH = 8 + status_row.MESSAGE_WORDS

@@ -56,7 +56,7 @@ from deltasync.errors import (
     SyncAbortedError,
 )
 from deltasync.exchange import group_device, status_row
-from deltasync.exchange.waits import wait
+from deltasync.exchange.notes import wait
 from deltasync.layout import ReceiverLayout
 
 MAGIC = status_row.magic(b"dsclpf01")

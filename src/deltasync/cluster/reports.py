@@ -1,7 +1,9 @@
 """What one in-cluster sync did on one rank, with its timings. Data only.
 
 The trainer is stalled for the whole of ``SendReport.total_s`` when it syncs synchronously;
-``stall_s`` is the part only it can shorten (detection, routing, encoding). ``transfer_s`` is the
+``stall_s`` is the part only it can shorten (detection, routing, encoding, digests). An
+overlapped send (``overlapped``) blocked the trainer for ``captured_s`` only (``stall_s``), and
+its ``total_s`` runs from the capture to the joint commit. ``transfer_s`` is the
 payload exchange(s) as this rank saw them. A receiver's engine must stop reading weights only
 for ``ReceiveReport.pause_s`` (journal + scatter); staging and the digest run while it serves.
 """
@@ -44,9 +46,14 @@ class SendReport:
     transfer_s: float = 0.0
     commit_s: float = 0.0  # waiting in the joint commit (receivers' staging and apply)
     total_s: float = 0.0
+    overlapped: bool = False  # sent in the background (ClusterSender(overlap=True))
+    captured_s: float = 0.0  # overlapped: how long sync() blocked (detection and capture)
 
     @property
     def stall_s(self) -> float:
+        """How long ``sync`` kept the trainer from training."""
+        if self.overlapped:
+            return self.captured_s
         return self.detect_s + self.build_s + self.encode_s + self.digest_s
 
 

@@ -1,0 +1,113 @@
+"""The background half of an overlapped in-cluster send: one worker thread, the version in
+flight, and the optimizer barrier.
+
+``ClusterSender(overlap=True)`` captures a version's changes on the caller's thread and hands
+the rest (routing, digests, encoding, the preflight, the exchange, the joint commit) to the one
+thread here. Two moments of that work matter to the trainer:
+
+- *released*: the background no longer reads the parameters (routing has gathered every value
+  it needs and the expected digests are computed). The optimizer's next step may change the
+  parameters only after this, so the optimizer's pre-step hook waits for it and nothing else;
+- *done*: the version committed jointly or failed. The next ``sync`` waits for this, because
+  versions go out one at a time and each one's base is the previous one's commit.
+
+Every collective of the send runs on this one thread, in order, so the exchange's process
+group is only ever used from here while a version is in flight (gloo and NCCL both require
+that a group's collectives are issued in the same order on every rank; the trainer's own
+collectives must use other groups).
+
+This module knows threads, futures and the optimizer's hook API; it knows nothing about
+payloads, tensors or ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from deltasync.cluster.reports import SendReport
+
+
+class PendingSend:
+    """A version captured by ``ClusterSender(overlap=True)`` and sent in the background.
+
+    ``captured_s`` is how long the caller was blocked (detection and capture). ``released()``
+    says whether the background stopped reading the parameters, ``done()`` whether it finished;
+    ``result()`` waits and returns the :class:`SendReport` (or raises the send's error; the
+    sender still raises :class:`~deltasync.errors.SendFailedError` at its next call)."""
+
+    def __init__(self, version: int, captured_s: float) -> None:
+        self.version = version
+        self.captured_s = captured_s
+        self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
+        self._released = threading.Event()
+        self._future: Future[SendReport] = Future()
+
+    def release(self) -> None:
+        """The background reads the parameters no more (called from the worker)."""
+        self._released.set()
+
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def wait_released(self) -> None:
+        self._released.wait()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SendReport:
+        return self._future.result(timeout)
+
+
+class Background:
+    """One worker thread for the versions of one sender, and the barrier on ``optimizer``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, thread_name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._inflight: PendingSend | None = None
+        self.barrier_wait_s = 0.0  # how long the last optimizer step waited for the background
+        self._hook = optimizer.register_step_pre_hook(lambda *_: self.barrier())
+
+    @property
+    def in_flight(self) -> PendingSend | None:
+        return self._inflight
+
+    def submit(self, pending: PendingSend, work: Callable[[PendingSend], SendReport]) -> None:
+        """Run ``work(pending)`` on the worker; ``pending`` is released when ``work`` releases
+        it or ends, and done when it ends."""
+        assert self._inflight is None, "settle the version in flight first"
+
+        def run() -> SendReport:
+            try:
+                return work(pending)
+            finally:
+                pending.release()  # a failure before the release must not hold the barrier
+                pending.finished_at = time.time()
+
+        pending._future = self._pool.submit(run)
+        self._inflight = pending
+
+    def barrier(self) -> None:
+        """The optimizer's pre-step hook: the step may change the parameters only once the
+        version in flight no longer reads them. Errors wait for the sender's next call."""
+        pending = self._inflight
+        if pending is None or pending.released():
+            self.barrier_wait_s = 0.0
+            return
+        t = time.perf_counter()
+        pending.wait_released()
+        self.barrier_wait_s = time.perf_counter() - t
+
+    def take(self) -> PendingSend | None:
+        """The version in flight, no longer in flight (the caller waits for its result)."""
+        pending, self._inflight = self._inflight, None
+        return pending
+
+    def close(self) -> None:
+        self._hook.remove()
+        self._pool.shutdown(wait=True)
