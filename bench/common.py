@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deltasync.jsonline import emit_json_line
+from deltasync.commands.apps import emit_json_line
 
 
 def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:

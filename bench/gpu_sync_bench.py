@@ -30,7 +30,7 @@ from deltasync import (
     TrainerLayout,
     TrainerSync,
 )
-from deltasync.jsonline import emit_json_line
+from deltasync.commands.apps import emit_json_line
 from deltasync_bench.compare.workload import Workload, build_trainer
 
 

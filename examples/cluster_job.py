@@ -1,7 +1,7 @@
 """A complete in-cluster sync job for one rank: ``run_cluster_sync(rank, job)``.
 
 The same function runs under ``torchrun`` (``deltasync cluster-worker``, or ``python -m
-deltasync.commands.cluster_worker``) and under ``deltasync.exchange.spawn(run_cluster_sync,
+deltasync cluster-worker``) and under ``deltasync.exchange.spawn(run_cluster_sync,
 world, job)``: it initialises from the launcher's environment, takes its role from a
 :class:`RolePlan`, and runs ``job.versions`` versions (an anchor first).
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from deltasync.jsonline import emit_json_line
+from deltasync.commands.apps import emit_json_line
 
 _WRITER = """
 import sys
-from deltasync.jsonline import emit_json_line
+from deltasync.commands.apps import emit_json_line
 rank = int(sys.argv[1])
 for i in range(300):
     emit_json_line({"rank": rank, "i": i, "pad": "x" * 900})

@@ -1,7 +1,8 @@
 """The ``deltasync`` command line: a thin projection of the config dataclasses.
 
-Each subcommand lives in its own module under :mod:`deltasync.commands` and exposes
-``register(subparsers)``; this module only wires them together and turns typed errors into a
+Each subcommand module under :mod:`deltasync.commands` exposes ``register(subparsers)``
+(``apps`` registers the application commands: demo, bench, rl-demo, cluster-worker); this
+module only wires them together and turns typed errors into a
 one-line message and a non-zero exit status. It knows nothing about what the commands do.
 """
 
@@ -14,15 +15,7 @@ import sys
 from deltasync.errors import DeltaSyncError
 
 # (module under deltasync.commands) -- order is the order shown in --help.
-_COMMAND_MODULES = (
-    "demo",
-    "bench",
-    "layout",
-    "inspect_store",
-    "pull",
-    "rl_demo",
-    "cluster_worker",
-)
+_COMMAND_MODULES = ("apps", "layout", "inspect_store", "pull")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,15 @@ import torch
 
 from deltasync.errors import ConfigError, ExchangeError, PeerFailedError
 from deltasync.exchange import ExchangeConfig
-from deltasync.exchange.handshake import MESSAGE_BYTES, decode_rows, encode_row, row_length
-from deltasync.exchange.payloads import as_byte_tensors
-from deltasync.exchange.status_row import describe, fit
+from deltasync.exchange.rounds import as_byte_tensors
+from deltasync.exchange.status_row import (
+    MESSAGE_BYTES,
+    decode_rows,
+    describe,
+    encode_row,
+    fit,
+    row_length,
+)
 
 
 def rows_for(matrix, failures=None, settings=None):

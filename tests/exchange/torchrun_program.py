@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from deltasync.commands.apps import emit_json_line
 from deltasync.exchange import ExchangeConfig, exchange, init_from_env
-from deltasync.jsonline import emit_json_line
 
 if __name__ == "__main__":
     init_from_env(backend="gloo", timeout_s=30)

@@ -74,10 +74,10 @@ def test_a_reference_that_differs_by_one_bit_fails_the_run_loudly(tmp_path, monk
 
 @pytest.mark.timeout(90)
 def test_cli_with_the_hf_engine_ends_with_one_json_line(tmp_path, capsys):
-    from deltasync.commands import rl_demo
+    from deltasync.commands import apps
 
     parser = argparse.ArgumentParser()
-    rl_demo.register(parser.add_subparsers())
+    apps.register(parser.add_subparsers())
     args = parser.parse_args(
         [
             "rl-demo",

@@ -1,1 +1,2 @@
-"""Subcommands of the ``deltasync`` CLI, one module each."""
+"""Subcommands of the ``deltasync`` CLI: the application commands (``apps``), ``layout``,
+``inspect`` (``inspect_store``) and ``pull``."""

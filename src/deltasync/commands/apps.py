@@ -1,17 +1,34 @@
-"""Lazy imports of the applications behind ``demo``, ``rl-demo``, ``bench`` and ``cluster-worker``.
+"""The application commands: ``deltasync demo``, ``rl-demo``, ``bench`` and ``cluster-worker``.
 
-The library does not depend on its applications: they live outside the package (the
-repository's ``examples/`` and ``bench/``, installed beside it as ``deltasync_examples`` and
-``deltasync_bench``) and a command imports its application only when it runs. When one is
-missing (a wheel built without them, a checkout on ``PYTHONPATH=src``), the command fails with
-a typed error that says how to get it, instead of an ImportError traceback.
+Each is a thin projection of an application's config dataclass. The library does not depend
+on its applications: they live outside the package (the repository's ``examples/`` and
+``bench/``, installed beside it as ``deltasync_examples`` and ``deltasync_bench``), and a
+command imports its application only when it runs (:func:`import_app`). When one is missing (a
+wheel built without them, a checkout on ``PYTHONPATH=src``), the command still parses and fails
+with a typed error that says how to get it, instead of an ImportError traceback.
+
+Every command ends with one machine-readable JSON line (:func:`emit_json_line`), which tests,
+benchmarks and users' scripts parse, also when several ranks of one job share a stdout pipe.
+
+    deltasync demo [--steps N] [--lr LR] [--store DIR] [--small]
+    deltasync rl-demo [--steps N] [--workers W] [--engine tp|hf] [--tp T] ...
+    deltasync bench [compare|detect] ...
+    torchrun --standalone --nproc-per-node=3 -m deltasync cluster-worker --tp 2
+
+This module knows the applications' names and flags, nothing about what they do inside.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
+import os
+import sys
 from types import ModuleType
+from typing import Any
 
+from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
 from deltasync.errors import ApplicationMissingError
 
 _FOLDERS = {"deltasync_examples": "examples/", "deltasync_bench": "bench/"}
@@ -41,3 +58,266 @@ def import_app(module: str, command: str) -> ModuleType:
             f"the deltasync repository), which is not installed; from a clone run "
             f"`pip install -e .` (or `make setup`) there"
         ) from exc
+
+
+def emit_json_line(obj: Any, *, sort_keys: bool = False) -> None:
+    """Write ``json.dumps(obj) + "\\n"`` to stdout as one ``write(2)`` (after flushing what
+    ``print`` buffered, so the order of this process's output is kept).
+
+    Several ranks of one job (torchrun, ``mp.spawn``) share one stdout pipe. ``print(s)`` is not
+    one write: CPython writes the text and the ``"\\n"`` separately (always when unbuffered, and
+    often when flushing), so two ranks finishing together would produce ``{...}{...}\\n\\n``. A
+    single write of at most ``PIPE_BUF`` (4096) bytes to a pipe is atomic on POSIX, so lines from
+    different processes never mix; longer lines are still one call, but the kernel may split them.
+
+    Args:
+        obj: anything ``json.dumps`` takes.
+        sort_keys: passed to ``json.dumps``.
+    """
+    data = (json.dumps(obj, sort_keys=sort_keys) + "\n").encode()
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured (pytest capsys, StringIO)
+        sys.stdout.write(data.decode())
+        sys.stdout.flush()
+        return
+    view = memoryview(data)
+    while view:  # a pipe or file takes it whole; the loop is for signals and odd files
+        view = view[os.write(fd, view) :]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``demo``, ``bench``, ``rl-demo`` and ``cluster-worker`` to the CLI's subparsers."""
+    _register_demo(sub)
+    _register_bench(sub)
+    _register_rl_demo(sub)
+    _register_cluster_worker(sub)
+
+
+# --- deltasync demo: the main job on embedded defaults (local store, CPU, two receivers) ------
+
+
+def _register_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="train a small Qwen3 with AdamW and sync two TP=2 receivers every step"
+    )
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--store", default=None, help="directory for the store (default: a temp dir)")
+    p.add_argument(
+        "--small", action="store_true", help="a two-layer model (a quick check, ~10x faster)"
+    )
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    demo = import_app("deltasync_examples.demo.run", "demo")
+    policy = demo.PolicyConfig.small() if args.small else demo.PolicyConfig()
+    res = demo.run(demo.DemoConfig(steps=args.steps, lr=args.lr, store=args.store, policy=policy))
+    emit_json_line(res, sort_keys=True)
+    return 0 if res["exact"] else 1
+
+
+# --- deltasync bench [compare|detect]: the benchmark programs of deltasync_bench --------------
+
+# name -> (module under deltasync_bench, help)
+_BENCHES = {
+    "compare": ("compare_bench", "dense refit vs snapshot delta vs deltasync (the default)"),
+    "detect": ("detect_bench", "detection + codec throughput vs the memory-bandwidth floor"),
+}
+
+
+def _bench_module(name: str) -> ModuleType | ApplicationMissingError:
+    try:
+        return import_app(f"deltasync_bench.{_BENCHES[name][0]}", "bench")
+    except ApplicationMissingError as exc:
+        return exc
+
+
+def _register_bench(sub: argparse._SubParsersAction) -> None:
+    # Each benchmark declares its own flags (``add_arguments``) and runs through ``main``.
+    help_ = "run a benchmark (prints a table, ends with one JSON line)"
+    compare = _bench_module("compare")
+    if isinstance(compare, ApplicationMissingError):
+        # No option prefixes: any arguments parse (into `rest`); running reports the remedy.
+        p = sub.add_parser("bench", help=help_, prefix_chars="\x00")
+        p.add_argument("rest", nargs="*")
+        p.set_defaults(func=_raiser(compare))
+        return
+    p = sub.add_parser("bench", help=help_)
+    inner = p.add_subparsers(dest="bench", metavar="BENCH")
+    for name, (_, bench_help) in _BENCHES.items():
+        module = _bench_module(name)
+        q = inner.add_parser(name, help=bench_help)
+        if isinstance(module, ApplicationMissingError):  # a partial install
+            q.set_defaults(func=_raiser(module))
+            continue
+        module.add_arguments(q)
+        q.set_defaults(func=module.main)
+    # plain `deltasync bench [--preset ...]` runs the comparison
+    compare.add_arguments(p)
+    p.set_defaults(func=compare.main)
+
+
+def _raiser(exc: ApplicationMissingError):
+    def run(args: argparse.Namespace) -> int:
+        raise exc
+
+    return run
+
+
+# --- deltasync rl-demo: online GRPO with rollout worker processes synced by deltasync --------
+
+
+def _register_rl_demo(sub: argparse._SubParsersAction) -> None:
+    # Prints one line per step and ends with one JSON line: ``steps``, ``versions``,
+    # ``reward_first``, ``reward_last``, ``probe_exact``, ``max_staleness`` (observed), and
+    # details. Exit status 0 when every probe was bit-exact; on a mismatch the JSON line
+    # (``probe_exact`` false) is still printed, then the error, and the status is 2.
+    p = sub.add_parser(
+        "rl-demo",
+        help="online GRPO on a toy task; rollout workers pull deltas and prove exact logits",
+    )
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps (= published versions)")
+    p.add_argument("--workers", type=int, default=2, help="rollout worker processes")
+    p.add_argument(
+        "--engine",
+        choices=("tp", "hf"),
+        default="tp",
+        help="tp: vLLM-convention TP shards; hf: the transformers model",
+    )
+    p.add_argument(
+        "--tp", type=int, default=None, help="TP ranks per worker (tp engine; default 2)"
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="versions a trajectory may lag the policy it trains",
+    )
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--letters", default="abcd", help="alphabet of the strings to reverse")
+    p.add_argument("--length", type=int, default=3, help="length of the strings to reverse")
+    p.add_argument(
+        "--kill-worker-at",
+        type=int,
+        default=None,
+        help="SIGKILL worker 0 after publishing this version (fault injection)",
+    )
+    p.add_argument(
+        "--restart-after", type=int, default=2, help="versions later the killed worker is restarted"
+    )
+    p.add_argument("--store", default=None, help="run directory (default: a fresh temp dir)")
+    p.add_argument("--timeout", type=float, default=120.0, help="longest single wait, seconds")
+    p.add_argument("--quiet", action="store_true", help="print only the JSON line")
+    p.set_defaults(func=_run_rl_demo)
+
+
+def _run_rl_demo(args: argparse.Namespace) -> int:
+    rl = import_app("deltasync_examples.rl", "rl-demo")
+    tp = args.tp if args.tp is not None else (2 if args.engine == "tp" else 1)
+    cfg = rl.RLConfig(
+        steps=args.steps,
+        workers=args.workers,
+        engine=args.engine,
+        tp=tp,
+        max_staleness=args.max_staleness,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        lr=args.lr,
+        seed=args.seed,
+        task=rl.ReverseTask(letters=args.letters, length=args.length),
+        kill_worker_at=args.kill_worker_at,
+        restart_after=args.restart_after,
+        store=args.store,
+        timeout_s=args.timeout,
+    )
+
+    def log(line: str) -> None:
+        if not args.quiet:
+            print(line, flush=True)
+
+    try:
+        summary = rl.run_rl(cfg, log=log)
+    except rl.ProbeMismatchError as exc:
+        emit_json_line(exc.summary)
+        raise
+    emit_json_line(summary)
+    if not summary["probe_exact"]:
+        print("deltasync rl-demo: probe logits were not bit-exact", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --- deltasync cluster-worker: one rank of an in-cluster sync job, under torchrun ------------
+
+
+def _register_cluster_worker(sub: argparse._SubParsersAction) -> None:
+    # Ranks 0..writers-1 train FSDP-style shards with real AdamW steps and send every version;
+    # the others are receivers (--tp shards x --replicas). Each rank prints one JSON line with
+    # its median timings per delta version and its bitwise check; rank 0 also a summary line.
+    p = sub.add_parser(
+        "cluster-worker", help="one rank of an in-cluster sync job (run under torchrun)"
+    )
+    p.add_argument("--config", help="transformers config.json of a Qwen3/Qwen3-MoE (default: tiny)")
+    p.add_argument("--tp", type=int, default=2, help="receiver tensor-parallel size (default: 2)")
+    p.add_argument("--writers", type=int, default=1, help="FSDP trainer ranks (default: 1)")
+    p.add_argument("--replicas", type=int, default=1, help="DP replicas of each shard (default: 1)")
+    p.add_argument("--dp-mode", choices=DP_MODES, default=DEFAULT_DP_MODE)
+    p.add_argument("--versions", type=int, default=10, help="delta versions after the anchor")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: 1e-5)")
+    p.add_argument(
+        "--digest-every",
+        type=int,
+        default=1,
+        help="send expected digests every K versions (default: 1; 0 = never)",
+    )
+    p.add_argument("--timeout-s", type=float, default=60.0, help="every wait's timeout")
+    p.add_argument("--chunk-mib", type=int, default=64, help="exchange chunk size in MiB")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--no-check", action="store_true", help="skip the final bitwise check")
+    p.set_defaults(func=_run_cluster_worker)
+
+
+def _run_cluster_worker(args: argparse.Namespace) -> int:
+    from deltasync import ClusterConfig, ExchangeConfig
+
+    app = import_app("deltasync_examples.cluster_job", "cluster-worker")
+    model = dict(app.TINY_QWEN3)
+    if args.config:
+        with open(args.config) as f:
+            model = json.load(f)
+    job = app.ClusterJob(
+        model=model,
+        tp=args.tp,
+        writers=args.writers,
+        replicas=args.replicas,
+        dp_mode=args.dp_mode,
+        versions=args.versions,
+        lr=args.lr,
+        check=not args.no_check,
+        threads=args.threads,
+        cluster=ClusterConfig(
+            exchange=ExchangeConfig(timeout_s=args.timeout_s, max_chunk_bytes=args.chunk_mib << 20),
+            commit_timeout_s=args.timeout_s,
+            digest_every=args.digest_every,
+        ),
+    )
+    summary = app.run_cluster_sync(None, job)
+    summary.pop("reports")
+    emit_json_line(summary)
+    if summary["rank"] == 0:
+        med = summary["median_delta"]
+        print(
+            f"cluster-worker: {job.versions} deltas, {job.writers} writer(s) -> tp={job.tp} x "
+            f"{job.replicas} replica(s) ({summary['dp_mode']}): "
+            f"median sync {med['total_s'] * 1e3:.1f} ms "
+            f"(stall {sum(med[k] for k in ('detect_s', 'build_s', 'encode_s')) * 1e3:.1f} ms, "
+            f"transfer {med['transfer_s'] * 1e3:.1f} ms, commit {med['commit_s'] * 1e3:.1f} ms)",
+            file=sys.stderr,
+        )
+    return 0 if summary["exact"] in (True, None) else 1

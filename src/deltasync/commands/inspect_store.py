@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from deltasync.commands.apps import emit_json_line
 from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -37,7 +38,6 @@ from deltasync.errors import (
     SignatureError,
     TruncatedBlobError,
 )
-from deltasync.jsonline import emit_json_line
 
 EXIT_NOT_A_STORE = 2
 

@@ -4,8 +4,9 @@
 
 Round 1 gathers every rank's byte counts and status in one fixed-size collective; round 2 moves
 the bytes by a plan every rank derives identically (``plan_schedule``). See ``rounds`` for the
-contract, ``schedule`` for why the plan cannot deadlock, ``waits`` for how gloo behaves on a
-timeout or a dead peer, and ``launch`` for starting groups from torchrun or in tests.
+contract, ``status_row`` for the fixed-size rows, ``schedule`` for why the plan cannot deadlock,
+``notes`` for how gloo behaves on a timeout or a dead peer and how survivors name the culprit,
+and ``launch`` for starting groups from torchrun or in tests.
 
 This package moves opaque bytes; it knows nothing about blobs, versions or model layouts.
 """

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from deltasync.errors import ExchangeError
+from deltasync.exchange.notes import abandon, failure, wait
 from deltasync.exchange.schedule import Chunk, Schedule
-from deltasync.exchange.waits import abandon, failure, wait
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The two-round exchange: every rank hands over ``{dst: bytes}`` and gets back ``{src: bytes}``.
 
 Round 1 is one fixed-size all_gather of each rank's byte counts, status and settings (see
-``handshake``). If any rank failed before it could send (the caller passed ``status=exc``, or
+``status_row``). If any rank failed before it could send (the caller passed ``status=exc``, or
 its payloads were unusable), every rank raises the same PeerFailedError there, before a single
 payload byte moves, and the group stays usable. Round 2 plans from the gathered matrix
-(``plan_schedule``, identical on every rank) and carries the plan out (``run_schedule``). No
+(``plan_schedule``, identical on every rank) and carries the plan out (``run_schedule``). The
+caller's payloads become flat uint8 tensors without a copy (``as_byte_tensors``). No
 rank waits for a message whose size it does not know, and every wait is bounded by
 ``config.timeout_s``. A failure in round 2 leaves the group unusable: re-create it.
 
@@ -17,6 +18,7 @@ This module knows nothing about what the bytes mean (blobs, versions, shards).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,14 +27,13 @@ import torch.distributed as dist
 
 from deltasync.errors import ExchangeError, PeerFailedError
 from deltasync.exchange.executor import run_schedule
-from deltasync.exchange.handshake import decode_rows, encode_row
-from deltasync.exchange.notes import FailureNotes, blame
-from deltasync.exchange.payloads import Payload, as_byte_tensors
+from deltasync.exchange.notes import FailureNotes, blame, wait
 from deltasync.exchange.schedule import ExchangeConfig, plan_schedule
-from deltasync.exchange.status_row import describe
-from deltasync.exchange.waits import wait
+from deltasync.exchange.status_row import decode_rows, describe, encode_row
 
 DEFAULT_CONFIG = ExchangeConfig()
+
+Payload = bytes | bytearray | memoryview | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -184,3 +185,60 @@ def _round_one(
     except RuntimeError as exc:  # posting the collective fails when a peer is already gone
         raise on_failure(None, ExchangeError(f"exchange round 1 could not start: {exc}")) from exc
     return decode_rows(torch.stack(gathered).cpu())
+
+
+# Caller payloads as flat uint8 tensors, without copying them: ``bytes``, ``bytearray`` and
+# ``memoryview`` become CPU tensors sharing the caller's memory (``torch.frombuffer`` keeps the
+# buffer alive); contiguous uint8 tensors become flat views. Whether a chunk must be staged onto
+# the group's device is the executor's business, chunk by chunk, so no copy ever exceeds
+# ``max_chunk_bytes``. Errors raised here happen before round 1, which reports them to every peer.
+
+
+def as_byte_tensors(payloads: Mapping[int, Payload], world_size: int) -> dict[int, torch.Tensor]:
+    """``{dst: flat uint8 tensor}`` for every non-empty payload; raises ExchangeError naming
+    the destination whose payload is unusable."""
+    if not isinstance(payloads, Mapping):
+        raise ExchangeError(
+            f"payloads must be a mapping of destination rank to bytes, got {type(payloads).__name__}"
+        )
+    out: dict[int, torch.Tensor] = {}
+    for dst, payload in payloads.items():
+        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world_size:
+            raise ExchangeError(
+                f"payload key {dst!r} is not a rank of this group (ints 0..{world_size - 1})"
+            )
+        flat = _flat_bytes(dst, payload)
+        if flat.numel() > 0:
+            out[dst] = flat
+    return out
+
+
+def _flat_bytes(dst: int, payload: object) -> torch.Tensor:
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8:
+            raise ExchangeError(
+                f"payload for rank {dst} is a {payload.dtype} tensor; pass bytes as uint8 "
+                "(for other dtypes use tensor.view(torch.uint8))"
+            )
+        if not payload.is_contiguous():
+            # A flat view of a strided tensor would be a full copy; refuse instead of hiding it.
+            raise ExchangeError(
+                f"payload tensor for rank {dst} is not contiguous; call .contiguous()"
+            )
+        return payload.reshape(-1)
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        view = memoryview(payload)
+        if not view.c_contiguous:
+            raise ExchangeError(f"payload memoryview for rank {dst} is not C-contiguous")
+        if view.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        with warnings.catch_warnings():
+            # Read-only buffers (bytes) are only ever read by the exchange: sends and copies.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(view, dtype=torch.uint8)
+    raise ExchangeError(
+        f"payload for rank {dst} is a {type(payload).__name__}; expected bytes, bytearray, "
+        "memoryview or a uint8 tensor"
+    )

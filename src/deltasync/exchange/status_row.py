@@ -1,24 +1,46 @@
-"""The status part of every fixed-size int64 row the collectives gather.
+"""The fixed-size int64 rows the collectives gather: the status part every row shares, and
+round 1's row of the exchange.
 
-Round 1 of the exchange (``handshake.py``) and the in-cluster joint commit
-(``cluster/joint_commit.py``) each gather one int64 row per rank in a single collective, so that no
-rank waits for a message whose size it does not know. Both rows carry the same status part,
-encoded here once:
+Round 1 of the exchange and the in-cluster joint commit and preflight
+(``cluster/joint_commit.py``, ``cluster/preflight.py``) each gather one int64 row per rank in a
+single collective, so that no rank waits for a message whose size it does not know. A fixed
+size is what lets each be one collective with no size exchange before it. Every row carries the
+same status part, encoded here once:
 
-    [0]          magic: 8 ASCII bytes naming the row kind (``dsxchg01``, ``dsclack1``), so a
-                 rank calling some other collective is not misread
-    [1]          status: 0 = ok, 1 = failed
+    magic        8 ASCII bytes naming the row kind (``dsxchg01``, ``dsclack1``), so a rank
+                 calling some other collective is not misread
+    status       0 = ok, 1 = failed
     a length word and MESSAGE_WORDS words: up to 1024 bytes of UTF-8 saying what failed; a
                  longer text is cut at the last clause or word boundary that fits and marked
                  " [cut]", never inside a character
 
 Where the length and message words sit, and what the other words mean, is each row's own
-layout. This module knows int64 words and text; no process groups, no waiting.
+layout. Round 1's row (``encode_row`` / ``decode_rows``) is ``world_size + 6 + MESSAGE_WORDS``
+int64 values:
+
+    [0] magic        "dsxchg01"
+    [1] status       0 = ready, 1 = failed before sending
+    [2] max_chunk_bytes   } round 2's schedule depends on these, so all ranks must agree
+    [3] max_inflight_ops  }
+    [4] world size as this rank sees it
+    [5] length of the message in bytes
+    [6 : 6+W]        bytes this rank will send to each rank (its row of the matrix)
+    [6+W : ...]      the message words: what failed, when status is 1
+
+Decoding is a pure function of the gathered rows, so every rank reaches the same verdict and
+raises the same error with the same message.
+
+This module knows int64 words, text and round 1's layout; no process groups, no waiting.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import torch
+
+from deltasync.errors import ExchangeError, PeerFailedError
 
 OK, FAILED = 0, 1
 MESSAGE_BYTES = 1024
@@ -72,3 +94,85 @@ def decode_message(words: np.ndarray, length: int) -> str:
     raw = np.ascontiguousarray(words, dtype="<i8").tobytes()
     n = min(max(int(length), 0), MESSAGE_BYTES)
     return raw[:n].decode("utf-8", "replace")
+
+
+# --- round 1 of the exchange -----------------------------------------------------------------
+
+MAGIC = magic(b"dsxchg01")  # round 1's row
+_HEADER = 6
+_READY = OK
+
+
+def row_length(world_size: int) -> int:
+    return _HEADER + world_size + MESSAGE_BYTES // 8
+
+
+def encode_row(
+    counts: Sequence[int],
+    *,
+    failure: str | None,
+    max_chunk_bytes: int,
+    max_inflight_ops: int,
+) -> torch.Tensor:
+    """This rank's row, on the CPU. A failed rank sends zero counts and its message."""
+    w = len(counts)
+    row = torch.zeros(row_length(w), dtype=torch.int64)
+    length, words = encode_message(failure)
+    head = [MAGIC, status(failure), max_chunk_bytes, max_inflight_ops, w, length]
+    row[:_HEADER] = torch.tensor(head, dtype=torch.int64)
+    if failure is None:
+        row[_HEADER : _HEADER + w] = torch.tensor(list(counts), dtype=torch.int64)
+    row[_HEADER + w :] = torch.from_numpy(words)
+    return row
+
+
+def decode_rows(rows: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The byte-count matrix ``matrix[src][dst]`` from the gathered (W, row_length(W)) rows.
+
+    Raises, identically on every rank: ExchangeError when a rank sent something that is not an
+    exchange row or used different settings, PeerFailedError when any rank reported a failure.
+    """
+    w = rows.shape[0]
+    if rows.dim() != 2 or rows.shape[1] != row_length(w) or rows.dtype != torch.int64:
+        raise ExchangeError(
+            f"round 1: gathered rows have shape {tuple(rows.shape)} and dtype {rows.dtype}, "
+            f"expected ({w}, {row_length(w)}) int64"
+        )
+    table = rows.cpu().tolist()
+    alien = [r for r, row in enumerate(table) if row[0] != MAGIC or row[4] != w]
+    if alien:
+        raise ExchangeError(
+            f"round 1: rank(s) {_ranks(alien)} sent a row that is not a deltasync exchange row "
+            f"for {w} ranks; every rank of the group must call exchange() together"
+        )
+    failed = [r for r, row in enumerate(table) if row[1] != _READY]
+    if failed:
+        reasons = "; ".join(f"rank {r}: {_message(rows[r], table[r][5], w)}" for r in failed)
+        noun = "rank" if len(failed) == 1 else "ranks"
+        raise PeerFailedError(
+            f"exchange round 1: {noun} {_ranks(failed)} failed before sending ({reasons}); "
+            "no payload was sent and the group is still usable"
+        )
+    settings = {(row[2], row[3]) for row in table}
+    if len(settings) > 1:
+        each = ", ".join(
+            f"rank {r}: max_chunk_bytes={row[2]} max_inflight_ops={row[3]}"
+            for r, row in enumerate(table)
+        )
+        raise ExchangeError(
+            "exchange round 1: ranks disagree on the ExchangeConfig that shapes round 2 "
+            f"({each}); use one config on every rank"
+        )
+    matrix = tuple(tuple(row[_HEADER : _HEADER + w]) for row in table)
+    negative = [(s, d) for s, row in enumerate(matrix) for d, n in enumerate(row) if n < 0]
+    if negative:
+        raise ExchangeError(f"round 1: negative byte counts for (src, dst) pairs {negative}")
+    return matrix
+
+
+def _message(row: torch.Tensor, length: int, w: int) -> str:
+    return decode_message(row[_HEADER + w :].cpu().numpy(), length) or "(no message)"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
