@@ -4,8 +4,8 @@ Data flow through this package::
 
     build.py    live tensors  -> TensorUpdate   (full_updates, sparse_update)
     encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128);
-                BlobWriter streams a blob segment by segment, encode_blob is one segment
-    encode_many.py  {shard: TensorUpdates} -> blobs, on a few threads
+                BlobWriter streams a blob segment by segment, encode_blob is one segment,
+                encode_blobs one blob per shard on a few threads
     decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
     merge.py    several writers' / versions' TensorUpdates -> one per tensor
     apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
@@ -20,8 +20,7 @@ from deltasync.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdat
 from deltasync.format.apply import apply_updates
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import decode_blob
-from deltasync.format.encode import BlobWriter, encode_blob
-from deltasync.format.encode_many import encode_blobs
+from deltasync.format.encode import BlobWriter, encode_blob, encode_blobs
 from deltasync.format.merge import fold_chain, merge_writers
 from deltasync.format.updates import (
     BlobHeader,

@@ -8,7 +8,10 @@ hands over each group of tensors while detection of the next is still running), 
 per record (validation, encoding, gap width, exact byte size), then one pass that writes the
 planned records through zstd. Records keep the order of the given updates and segments the
 order of the calls, so equal inputs give equal bytes. :func:`encode_blob` is the one-segment
-case.
+case. :func:`encode_blobs` encodes one blob per receiver shard on a few threads: the
+expensive parts (numpy gap planes, zstd) release the GIL, and each blob is exactly what
+:func:`encode_blob` returns for it, yielded in shard order as soon as it and those before it
+are done, so the caller can upload while the rest encode.
 
 A sparse update is gap-coded in the narrowest width that fits its largest gap; an update that
 names every element is written dense (no indices), which is never larger. The choice "sparse
@@ -17,13 +20,15 @@ the full tensor (see :func:`deltasync.format.build.sparse_update`); the encoder 
 missing values. The encoder refuses to write an invalid record (unsorted, duplicate or
 out-of-range indices, bad ids, bad versions): a blob it produces always passes decode_blob.
 
-This module knows the byte layout and the TensorUpdate record; it knows nothing about
+This module knows the byte layout, the TensorUpdate record and threads; it knows nothing about
 receivers, layouts or storage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,3 +263,65 @@ def encode_blob(
     blob.segment(updates)
     blob.finish()
     return b"".join(chunks)
+
+
+def default_threads(jobs: int) -> int:
+    """One thread per blob, at most one per CPU core this process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(jobs, cores))
+
+
+def encode_blobs(
+    updates: Mapping[str, Sequence[TensorUpdate]],
+    *,
+    version: int,
+    base_version: int,
+    writer: str,
+    level: int = 1,
+    threads: int | None = 1,
+) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(shard, blob)`` for every shard of ``updates``, in its order; ``blob`` equals
+    ``encode_blob(updates[shard], version=..., base_version=..., shard=shard, writer=...)``.
+    ``threads``: blobs encoded at once (1, the default, = one after another; None = one per
+    core, see :func:`default_threads`).
+
+    An error while encoding one blob (e.g. InvalidUpdateError) is raised when that blob's turn
+    comes; blobs not yet yielded are still finished (or cancelled) before it propagates."""
+    shards = list(updates)
+    n = default_threads(len(shards)) if threads is None else max(1, threads)
+    if n == 1 or len(shards) <= 1:
+        for shard in shards:
+            yield (
+                shard,
+                encode_blob(
+                    updates[shard],
+                    version=version,
+                    base_version=base_version,
+                    shard=shard,
+                    writer=writer,
+                    level=level,
+                ),
+            )
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="ds-encode") as pool:
+        futures = [
+            pool.submit(
+                encode_blob,
+                updates[shard],
+                version=version,
+                base_version=base_version,
+                shard=shard,
+                writer=writer,
+                level=level,
+            )
+            for shard in shards
+        ]
+        try:
+            for shard, fut in zip(shards, futures, strict=False):
+                yield shard, fut.result()
+        finally:
+            for fut in futures:
+                fut.cancel()

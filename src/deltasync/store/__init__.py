@@ -10,8 +10,7 @@ from deltasync.store.factory import open_store
 from deltasync.store.local import LocalStore
 from deltasync.store.memory import MemoryStore
 from deltasync.store.retry import RetryPolicy
-from deltasync.store.s3 import S3Store
-from deltasync.store.s3_config import S3Config
+from deltasync.store.s3 import S3Config, S3Store
 from deltasync.store.throttle import ThrottleConfig, ThrottledStore
 
 __all__ = [

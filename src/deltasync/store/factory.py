@@ -19,8 +19,7 @@ from deltasync.errors import ConfigError
 from deltasync.store.base import Store
 from deltasync.store.local import LocalStore
 from deltasync.store.memory import MemoryStore
-from deltasync.store.s3 import S3Store
-from deltasync.store.s3_config import S3Config
+from deltasync.store.s3 import S3Config, S3Store
 from deltasync.store.throttle import ThrottledStore
 
 _named_memory: dict[str, MemoryStore] = {}
