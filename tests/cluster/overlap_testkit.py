@@ -1,0 +1,252 @@
+"""Worker function for the overlapped in-cluster sender's multi-process test (spawned processes).
+
+One gloo group: rank 0 trains the tiny Qwen3 (transformers, AdamW, AdamWTracker) and sends with
+``ClusterSender(overlap=True, optimizer=opt)``; ranks 1 and 2 hold the vLLM TP=2 shards and sync
+as usual. State digests are on (the default). Versions, in order:
+
+- 0: the anchor; 1-3: deltas, the receivers entering each sync 0.3 s late (so the exchange
+  cannot have finished when the trainer's ``sync`` returns);
+- 4: the background's read of the params is slowed by 1 s and the trainer steps right away: the
+  optimizer's pre-step hook must hold the step until the background no longer reads them;
+- 5: a plain delta;
+- 6: rank 2 corrupts its payload, the joint commit fails in the background; the trainer learns
+  it at its next ``sync`` (for 7), then calls ``sync(7)`` again, whose carry must repair rank 2
+  (it never applied 6, and the tracker was cleared when 6 was captured);
+- 8: an anchor in 32-byte chunks, rank 2 SIGKILLed 0.25 s into it; the trainer learns it at its
+  next call (it pickles what it saw first, since it cannot return it).
+
+After every committed version the trainer broadcasts its canonical BF16 bits (the oracle,
+independent of the product's digests; over the group only once its version has settled) and
+each receiver compares its shard on int16 views.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from kit import HFTrainer
+
+from deltasync.cluster import ClusterReceiver, ClusterSender
+from deltasync.errors import DeltaSyncError, ExchangeError
+from deltasync.exchange import init_from_env
+from deltasync.layout import TrainerLayout
+from deltasync.trainer import AdamWTracker
+
+from cluster_testkit import (
+    CorruptingReceiver,
+    Setup,
+    broadcast_truth,
+    empty_shard,
+    expected_shard,
+    mismatched,
+    receiver_layout,
+    spec,
+)
+
+LATE_S = 0.3  # receivers' late arrival in versions 1-3
+SLOW_READ_S = 1.0  # the background's slowed read of the params in version 4
+DEATH_AFTER_S = 0.25
+
+
+def _failure(exc: BaseException, start: float) -> dict:
+    return {
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "version": getattr(exc, "version", None),
+        "anchor_required": getattr(exc, "anchor_required", None),
+        "group_broken": getattr(exc, "group_broken", None),
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+        "exchange_error": isinstance(exc, ExchangeError),
+        "elapsed_s": time.monotonic() - start,
+    }
+
+
+class _Writer:
+    def __init__(self, setup: Setup) -> None:
+        self.hf = HFTrainer(lr=setup.lr, batch=(4, 16), data_seed=1234)
+        self.layout = TrainerLayout(spec())
+        self.tracker = AdamWTracker(self.hf.opt, self.hf.model.named_parameters())
+        self.slow_next_read = False
+        self.step_saw_released: list[bool] = []
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The sender's params callable: in overlap mode only the background calls it."""
+        if self.slow_next_read:
+            self.slow_next_read = False
+            time.sleep(SLOW_READ_S)
+        return self.hf.params
+
+    def bits(self) -> torch.Tensor:
+        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.hf.params.items()}
+        canon = self.layout.to_canonical(bf16)
+        return torch.cat([canon[n].reshape(-1).view(torch.int16) for n in sorted(canon)])
+
+    def sender(self, setup: Setup, version: int | None) -> ClusterSender:
+        sender = ClusterSender(
+            self.tracker,
+            self.params,
+            plan=setup.plan(),
+            trainer_layout=self.layout,
+            receiver_layout=receiver_layout(setup),
+            version=version,
+            config=setup.config(),
+            overlap=True,
+            optimizer=self.hf.opt,
+        )
+
+        def record(*_: object) -> None:  # runs after the sender's own pre-step hook
+            pending = sender.in_flight
+            self.step_saw_released.append(pending is None or pending.released())
+
+        self.hf.opt.register_step_pre_hook(record)
+        return sender
+
+
+def _run_writer(setup: Setup, notes: str) -> dict:
+    del notes
+    w = _Writer(setup)
+    sender = w.sender(setup, None)
+    out: dict = {"versions": {}}
+
+    def settle(version: int, bits: torch.Tensor | None = None) -> None:
+        report = sender.wait()
+        assert report is not None and report.version == version
+        out["versions"][version] = {
+            "stall_s": report.stall_s,
+            "overlapped": report.overlapped,
+            "total_s": report.total_s,
+            "elements": report.elements,
+            "version_after": sender.version,
+        }
+        broadcast_truth(w.bits() if bits is None else bits)
+
+    pending = sender.sync(0, anchor=True)
+    settle(0)
+    for v in (1, 2, 3):
+        w.hf.step()
+        pending = sender.sync(v)
+        out.setdefault("returned_before_done", []).append(not pending.done())
+        out.setdefault("captured_s", []).append(pending.captured_s)
+        settle(v)
+
+    # 4: the background reads the params slowly; the next optimizer step must wait for it.
+    w.hf.step()
+    w.slow_next_read = True
+    pending = sender.sync(4)
+    bits4 = w.bits()  # reading alongside the background is fine; the step would change them
+    w.step_saw_released.clear()
+    w.hf.step()  # its pre-step hook is the barrier
+    out["barrier"] = {
+        "step_saw_released": list(w.step_saw_released),
+        "barrier_wait_s": sender.barrier_wait_s,
+    }
+    settle(4, bits4)
+    pending = sender.sync(5)  # the step above is version 5's
+    settle(5)
+
+    # 6: rank 2 corrupts its payload; the joint commit fails in the background.
+    w.hf.step()
+    pending = sender.sync(6)
+    out["pending_after_6"] = sender.pending_elements
+    w.hf.step()
+    start = time.monotonic()
+    try:
+        sender.sync(7)
+        out["after_failure"] = {"error": None}
+    except DeltaSyncError as exc:
+        out["after_failure"] = _failure(exc, start)
+    out["after_failure"]["version_after"] = sender.version
+    pending = sender.sync(7)  # the retry: 7's changes and 6's carry
+    settle(7)
+
+    # 8: an anchor in 32-byte chunks (thousands of messages); rank 2 dies inside it.
+    sender.close()
+    slow = replace(setup, max_chunk_bytes=32)
+    sender = w.sender(slow, sender.version)
+    dist.barrier()
+    w.hf.step()
+    pending = sender.sync(8, anchor=True)
+    out["kill_returned_before_done"] = not pending.done()
+    start = time.monotonic()
+    try:
+        sender.sync(9)
+        out["after_kill"] = {"error": None}
+    except DeltaSyncError as exc:
+        out["after_kill"] = _failure(exc, start)
+    out["after_kill"]["version_after"] = sender.version
+    out["pending_after_kill"] = sender.pending_elements
+    return out
+
+
+def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
+    plan = setup.plan()
+    role = plan.receiver(rank)
+    receiver = CorruptingReceiver(
+        empty_shard(setup, role.shard),
+        plan=plan,
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    out: dict = {"versions": {}, "bad": []}
+
+    def check() -> None:
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        bad = mismatched(receiver.tensors, truth)
+        out["versions"][receiver.version] = not bad
+        if bad:
+            out["bad"].append((receiver.version, bad[:3]))
+
+    for v in range(8):
+        if v in (1, 2, 3):
+            time.sleep(LATE_S)
+        if v == 6:
+            receiver.corrupt_next = rank == 2
+            try:
+                receiver.sync()
+                out["corrupted"] = {"error": None}
+            except DeltaSyncError as exc:
+                out["corrupted"] = {"error": type(exc).__name__}
+            out["corrupted"]["version_after"] = receiver.version
+            continue  # nothing committed: the trainer broadcasts nothing
+        receiver.sync()
+        check()
+
+    slow = replace(setup, max_chunk_bytes=32)
+    receiver = ClusterReceiver(
+        receiver.tensors,
+        plan=plan,
+        layout=receiver_layout(slow),
+        version=receiver.version,
+        config=slow.config(),
+    )
+    if rank == 2:
+        with open(notes, "wb") as f:
+            pickle.dump(out, f)
+    dist.barrier()
+    if rank == 2:
+        threading.Timer(DEATH_AFTER_S, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        receiver.sync()
+        out["killed"] = {"error": None}
+    except DeltaSyncError as exc:
+        out["killed"] = _failure(exc, start)
+    return out
+
+
+def run_overlap(rank: int, setup: Setup, notes: str) -> dict:
+    """1 overlapped writer (rank 0) + vLLM TP=2 receivers (ranks 1, 2); see the module
+    docstring for the versions."""
+    torch.set_num_threads(1)  # several processes share two busy cores
+    init_from_env(timeout_s=60)
+    if rank == 0:
+        return {"rank": 0, **_run_writer(setup, notes)}
+    return {"rank": rank, **_run_receiver(rank, setup, notes)}

@@ -1,0 +1,117 @@
+"""The overlapped in-cluster sender in real gloo processes: ``sync`` returns before the
+exchange is done, the optimizer's next step waits for the background's last read of the params,
+a failed joint commit or a receiver SIGKILLed during a background version surfaces at the next
+call naming that version, and the carry makes the retry bit-exact (int16 views against a dense
+split). State digests are on, as by default."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from kit import TINY_QWEN3, HFTrainer
+from overlap_testkit import DEATH_AFTER_S, LATE_S, SLOW_READ_S, run_overlap
+
+from deltasync import ClusterSender, ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.cluster import RolePlan
+from deltasync.errors import ConfigError
+from deltasync.exchange import spawn
+from deltasync.trainer import AdamWTracker
+
+from cluster_testkit import Setup
+
+SETUP = Setup(timeout_s=3.0, digest_every=1)
+
+
+@pytest.fixture(scope="module")
+def overlap(tmp_path_factory) -> list[dict]:
+    notes = tmp_path_factory.mktemp("overlap") / "rank2.pickle"
+    results = spawn(run_overlap, 3, SETUP, str(notes), timeout_s=120, may_die={2})
+    assert results[2] is None  # the receiver really died in version 8
+    with open(notes, "rb") as f:
+        results[2] = pickle.load(f)
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_sync_returns_once_the_changes_are_captured_before_the_exchange_is_done(overlap) -> None:
+    writer = overlap[0]
+    assert writer["returned_before_done"] == [True, True, True]
+    # the receivers arrived LATE_S after the trainer: sync did not wait for them
+    assert max(writer["captured_s"]) < LATE_S
+    for v in (1, 2, 3):
+        rep = writer["versions"][v]
+        assert rep["overlapped"] and rep["stall_s"] < LATE_S / 3 < rep["total_s"]
+        assert rep["elements"] > 0 and rep["version_after"] == v
+
+
+@pytest.mark.timeout(180)
+def test_every_committed_version_is_bit_exact_on_both_receivers(overlap) -> None:
+    for r in overlap[1:]:
+        assert r["bad"] == []
+        assert r["versions"] == {v: True for v in (0, 1, 2, 3, 4, 5, 7)}
+
+
+@pytest.mark.timeout(180)
+def test_the_optimizer_step_waits_until_the_background_no_longer_reads_the_params(
+    overlap,
+) -> None:
+    barrier = overlap[0]["barrier"]
+    assert barrier["step_saw_released"] == [True]
+    assert barrier["barrier_wait_s"] > SLOW_READ_S / 3
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_joint_commit_surfaces_at_the_next_sync_naming_the_version(overlap) -> None:
+    writer = overlap[0]
+    failure = writer["after_failure"]
+    assert failure["error"] == "SendFailedError" and failure["version"] == 6
+    assert "version 6 did not commit" in failure["message"]
+    assert "DigestMismatchError" in failure["message"]  # rank 2's own error, as gathered
+    assert failure["cause"] == "SyncAbortedError"
+    assert not failure["group_broken"] and not failure["anchor_required"]
+    assert failure["version_after"] == 5  # the baseline did not move
+    assert writer["pending_after_6"] > 0  # the carry: 6's positions
+    assert overlap[2]["corrupted"] == {"error": "DigestMismatchError", "version_after": 5}
+    assert overlap[1]["corrupted"] == {"error": "SyncAbortedError", "version_after": None}
+
+
+@pytest.mark.timeout(180)
+def test_the_retry_carries_the_failed_version_and_is_exact_where_it_was_never_applied(
+    overlap,
+) -> None:
+    assert overlap[0]["versions"][7]["version_after"] == 7
+    # rank 2 refused 6 and the tracker was cleared at 6's capture: only the carry repairs it
+    assert overlap[2]["versions"][7] is True
+    assert overlap[1]["versions"][7] is True  # it held 6's attempt
+
+
+@pytest.mark.timeout(180)
+def test_a_receiver_killed_during_a_background_version_surfaces_at_the_next_call(overlap) -> None:
+    writer = overlap[0]
+    assert writer["kill_returned_before_done"]
+    failure = writer["after_kill"]
+    assert failure["error"] == "SendFailedError" and failure["version"] == 8, failure
+    assert failure["group_broken"] and failure["anchor_required"]
+    assert "re-create the group" in failure["message"]
+    assert failure["elapsed_s"] < DEATH_AFTER_S + SETUP.timeout_s + 3.0
+    assert failure["version_after"] == 7
+    survivor = overlap[1]["killed"]
+    assert survivor["exchange_error"], survivor
+
+
+def test_overlap_needs_the_optimizer_whose_step_is_the_barrier() -> None:
+    trainer = HFTrainer()
+    spec = ModelSpec.from_hf_config(TINY_QWEN3)
+    rl = ReceiverLayout.build(spec, "vllm", tp=2)
+    with pytest.raises(ConfigError, match="optimizer is required with overlap=True"):
+        ClusterSender(
+            AdamWTracker(trainer.opt, trainer.model.named_parameters()),
+            trainer.params,
+            plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
+            trainer_layout=TrainerLayout(spec),
+            receiver_layout=rl,
+            version=None,
+            rank=0,
+            overlap=True,
+        )
