@@ -9,9 +9,11 @@ concurrent processes never load a half-written file. The SHA-256 of the built li
 recorded next to it and checked before every load; a mismatch rebuilds it. If no directory
 passes the checks, the library is built into a fresh ``mkdtemp`` directory for this process.
 
-If no compiler is available (or ``DELTASYNC_NATIVE=0``), :func:`load` returns ``None``,
-logs the reason and the remedy once, and callers use the bit-identical torch implementation
-(~20x slower detection).
+If no compiler is available, :func:`load` returns ``None``, logs the reason and the remedy
+once, and callers use the bit-identical torch implementation (~20x slower detection). A user
+who wants the torch path anyway (to compare the two, or to rule the kernels out while
+debugging) calls :func:`disable` (and :func:`enable` to undo it): an explicit call in the
+process, not an environment variable, so the choice is visible in the code that makes it.
 
 This module knows how to build and call the kernels; it knows nothing about optimizers.
 """
@@ -44,6 +46,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_disabled = False
 build_error: str | None = None
 
 
@@ -107,8 +110,6 @@ def _verified(out: Path, digest_file: Path) -> bool:
 
 
 def _build() -> ctypes.CDLL:
-    if os.environ.get("DELTASYNC_NATIVE", "1") == "0":
-        raise RuntimeError("disabled by DELTASYNC_NATIVE=0")
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) on PATH")
@@ -152,11 +153,39 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+def disable() -> None:
+    """Run every kernel user of this process (detection, BF16 gathers, order checks) on the
+    bit-identical torch path from now on, as if no compiler were installed.
+
+    Results do not change (the two paths are bit-identical; tests compare them), only speed:
+    detection is ~20x slower on CPU. Call it before building trackers when comparing the paths
+    or ruling the kernels out; :func:`enable` undoes it.
+    """
+    global _disabled
+    with _lock:
+        if not _disabled:
+            log.info("deltasync native kernels disabled by disable(): the torch path runs")
+        _disabled = True
+
+
+def enable() -> None:
+    """Undo :func:`disable`: the kernels run again where they build (the next :func:`load`)."""
+    global _disabled
+    with _lock:
+        _disabled = False
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None if they cannot be built here (reason in ``build_error``,
-    logged once with the remedy)."""
+    logged once with the remedy) or :func:`disable` was called.
+
+    Returns:
+        The loaded library, or None.
+    """
     global _lib, _tried, build_error
     with _lock:
+        if _disabled:
+            return None
         if not _tried:
             _tried = True
             try:
