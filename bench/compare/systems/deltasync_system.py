@@ -4,10 +4,13 @@ Store path: ``TrainerSync(overlap=True)`` (AdamWTracker + Publisher: the trainer
 detection only; routing, encoding, marker, manifest with shard digests and LATEST run in the
 background while the next forward/backward runs, and the optimizer's next step is the barrier)
 and ``Receiver.pull`` (stage, journal, scatter, digest check, ack), started when the version's
-manifest appears. In-cluster path: ``ClusterSender.sync`` / ``ClusterReceiver.sync`` on the
-benchmark's gloo group (rank 0 the trainer, rank 1 + i shard i): detection, routing, blobs in
-envelopes, the two-round exchange, staging, the receiver's journal, the scatter and the joint
-commit that alone advances the tracker's baseline. Both paths share the one tracker; the
+manifest appears. In-cluster path: ``ClusterSender(overlap=True)`` / ``ClusterReceiver.sync``
+on the benchmark's gloo group (rank 0 the trainer, rank 1 + i shard i): the trainer waits for
+detection only; routing, blobs in envelopes with the shard state digests (on, the default),
+the two-round exchange, the receivers' staging, journal, scatter and digest check, and the
+joint commit run in the background, and the optimizer's next step waits until the background
+no longer reads the params. The tracker's positions stay in the sender's carry until the
+joint commit. Both paths share the one tracker; the
 in-cluster versions come after the store-path ones (the run's order), starting from the
 version the store path left every receiver at.
 """
@@ -112,6 +115,8 @@ class DeltasyncTrainer:
 
     def settle(self) -> float:
         """Wait for the version in flight; when it committed (time.time())."""
+        if self.sender is not None:
+            return self._settle_cluster()
         pending = None if self.sync is None else self.sync.in_flight
         if pending is None:
             return time.time()
@@ -125,7 +130,10 @@ class DeltasyncTrainer:
         return pending.finished_at
 
     def cluster_sync(self, version: int) -> ClusterSent:
+        """Returns once the changes are captured (the send runs on); bytes come at settle."""
         if self.sender is None:  # receivers hold the store path's last version
+            if self.sync is not None:
+                self.sync.close()  # its optimizer hook: the store path is done
             self.sender = ClusterSender(
                 self.tracker,
                 self.params,
@@ -134,16 +142,37 @@ class DeltasyncTrainer:
                 receiver_layout=self.rlayout,
                 version=self._version,
                 config=_cluster_config(self.timeout_s),
+                overlap=True,
+                optimizer=self.opt,
             )
-        rep = self.sender.sync(version)
+        pending = self.sender.sync(version)
         self._version = version
+        return ClusterSent(bytes=0, stall_s=pending.captured_s)
+
+    def _settle_cluster(self) -> float:
+        assert self.sender is not None
+        pending = self.sender.in_flight
+        if pending is None:
+            return time.time()
+        rep = self.sender.wait()
+        assert rep is not None and pending.finished_at is not None
         self.last_changed_elements = rep.elements
-        # where the trainer's time went (the joint commit waits for the receivers' apply)
+        self.last_bytes = rep.bytes_sent
+        self.last_shard_elements = max(rep.shard_elements.values(), default=0)
+        # where the background's time went (the joint commit waits for the receivers' apply)
         self.last_phases = {
             k: getattr(rep, k)
-            for k in ("detect_s", "build_s", "encode_s", "transfer_s", "commit_s")
+            for k in (
+                "captured_s",
+                "detect_s",
+                "build_s",
+                "digest_s",
+                "encode_s",
+                "transfer_s",
+                "commit_s",
+            )
         }
-        return ClusterSent(bytes=rep.bytes_sent, stall_s=rep.stall_s)
+        return pending.finished_at
 
 
 class DeltasyncReceiver:

@@ -463,6 +463,7 @@ class ClusterSender:
             anchor=anchor,
             bytes_sent=sent,
             shard_bytes=out.shard_bytes,
+            shard_elements=out.shard_elements,
             elements=sum(out.shard_elements.values()),
             detect_s=out.detect_s,
             build_s=out.build_s,

@@ -38,6 +38,7 @@ class SendReport:
     anchor: bool
     bytes_sent: int  # payload bytes to other ranks
     shard_bytes: dict[str, int] = field(default_factory=dict)
+    shard_elements: dict[str, int] = field(default_factory=dict)
     elements: int = 0  # changed elements routed to all shards (replicated ones counted per shard)
     detect_s: float = 0.0
     build_s: float = 0.0
