@@ -16,9 +16,10 @@ A version is known by its lineage as well as its number:
   version AND its digest are the ones named here.
 
 ``layout`` (:class:`LayoutRecord`) records the receiver layout the version was built for
-(engine, TP, EP, a fingerprint of the model config, and per shard a fingerprint of its tensor
-specs and its element count), so a receiver built for another layout is refused before it
-fetches anything, and ``inspect`` computes density without reading a blob.
+(engine, TP, EP, a fingerprint of the model config, and per shard fingerprints of its tensor
+specs and of its placements (which block of which canonical tensor lands where) and its
+element count), so a receiver built for another layout, or for the same tensors placed
+differently, is refused before it fetches anything, and ``inspect`` computes density without reading a blob.
 
 Parsing is strict because the store may be shared with (or written by) someone hostile: every
 key must be exactly ``names.blob_key(version, shard, writer)`` (so no path traversal), sizes
@@ -165,6 +166,27 @@ def specs_fingerprint(specs: Mapping[str, TensorSpec]) -> str:
     )
 
 
+def placements_fingerprint(table: Any, shard: str) -> str:
+    """Fingerprint of where one shard's elements come from: every block of every canonical
+    tensor placed in ``shard`` (canonical name, local name, the block's geometry) and the
+    shard's aliases, order-insensitive. ``table`` is read through ``placements`` (canonical
+    name -> placements with ``shard``, ``local``, ``block``) and ``aliases`` (this package
+    does not import layouts). Two tables that place every element alike but cut it into
+    other blocks get different fingerprints: a refusal, never a silent mismatch."""
+    rows = []
+    for name, pls in table.placements.items():
+        for p in pls:
+            if p.shard != shard:
+                continue
+            b = p.block
+            geometry = (b.src_cols, b.dst_cols, b.src_row, b.dst_row, b.rows)
+            rows.append(
+                [str(name), str(p.local), *map(int, (*geometry, b.src_col, b.dst_col, b.cols))]
+            )
+    aliases = sorted([str(a), str(t)] for a, t in table.aliases.get(shard, {}).items())
+    return _fingerprint({"blocks": sorted(rows), "aliases": aliases})
+
+
 def model_fingerprint(fields: Mapping[str, Any]) -> str:
     """Fingerprint of a model config's fields (values that are not JSON are named by str)."""
 
@@ -188,6 +210,8 @@ class ShardRecord:
 
     specs: str  # specs_fingerprint of its local tensors
     numel: int  # elements it holds (the denominator of density)
+    # placements_fingerprint of its blocks (None: a manifest written before it was recorded)
+    placements: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +237,8 @@ class LayoutRecord:
             if not isinstance(rec, ShardRecord):
                 raise ManifestError(f"layout shard {shard!r} is not a ShardRecord")
             check_digest(rec.specs, what=f"layout shard {shard!r} specs fingerprint")
+            if rec.placements is not None:
+                check_digest(rec.placements, what=f"layout shard {shard!r} placements fingerprint")
             check_int(rec.numel, what=f"layout shard {shard!r} numel", lo=0, hi=_MAX_SIZE)
         object.__setattr__(
             self, "shards", types.MappingProxyType(dict(sorted(self.shards.items())))
@@ -227,8 +253,10 @@ class LayoutRecord:
         ep: int,
         model_fields: Mapping[str, Any],
         shard_specs: Mapping[str, Mapping[str, TensorSpec]],
+        shard_placements: Mapping[str, str] | None = None,
     ) -> LayoutRecord:
-        """The record of a layout, from plain values (the caller reads them off its layout)."""
+        """The record of a layout, from plain values (the caller reads them off its layout;
+        ``shard_placements``: each shard's :func:`placements_fingerprint`)."""
         shards = {}
         for shard, specs in shard_specs.items():
             numel = 0
@@ -237,7 +265,11 @@ class LayoutRecord:
                 for d in s.shape:
                     n *= int(d)
                 numel += n
-            shards[shard] = ShardRecord(specs=specs_fingerprint(specs), numel=numel)
+            shards[shard] = ShardRecord(
+                specs=specs_fingerprint(specs),
+                numel=numel,
+                placements=(shard_placements or {}).get(shard),
+            )
         return cls(
             engine=engine, tp=tp, ep=ep, model=model_fingerprint(model_fields), shards=shards
         )
@@ -245,8 +277,8 @@ class LayoutRecord:
     @classmethod
     def of(cls, layout: Any) -> LayoutRecord:
         """The record of a :class:`deltasync.layout.ReceiverLayout` (read through its
-        ``engine``, ``tp``, ``ep``, ``spec``, ``shards()`` and ``local_specs()``; this package
-        does not import layouts)."""
+        ``engine``, ``tp``, ``ep``, ``spec``, ``shards()``, ``local_specs()`` and ``table``;
+        this package does not import layouts)."""
         spec = layout.spec
         fields = (
             {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
@@ -259,6 +291,11 @@ class LayoutRecord:
             ep=layout.ep,
             model_fields=fields,
             shard_specs={s.id: layout.local_specs(s.id) for s in layout.shards()},
+            shard_placements=(
+                None
+                if getattr(layout, "table", None) is None
+                else {s.id: placements_fingerprint(layout.table, s.id) for s in layout.shards()}
+            ),
         )
 
     def describe(self) -> str:
@@ -270,7 +307,11 @@ class LayoutRecord:
             "tp": self.tp,
             "ep": self.ep,
             "model": self.model,
-            "shards": {s: {"specs": r.specs, "numel": r.numel} for s, r in self.shards.items()},
+            "shards": {
+                s: {"specs": r.specs, "numel": r.numel}
+                | ({} if r.placements is None else {"placements": r.placements})
+                for s, r in self.shards.items()
+            },
         }
 
     @classmethod
@@ -284,8 +325,15 @@ class LayoutRecord:
             raise ManifestError("manifest layout shards must be a JSON object")
         shards = {}
         for shard, rec in obj["shards"].items():
-            expect_fields(rec, what=f"manifest layout shard {shard!r}", required={"specs", "numel"})
-            shards[shard] = ShardRecord(specs=rec["specs"], numel=rec["numel"])
+            expect_fields(
+                rec,
+                what=f"manifest layout shard {shard!r}",
+                required={"specs", "numel"},
+                optional={"placements"},
+            )
+            shards[shard] = ShardRecord(
+                specs=rec["specs"], numel=rec["numel"], placements=rec.get("placements")
+            )
         return cls(
             engine=obj["engine"], tp=obj["tp"], ep=obj["ep"], model=obj["model"], shards=shards
         )

@@ -175,9 +175,11 @@ class Receiver:
         )
         self._check_tensors()
         self._specs_fp = specs_fingerprint(self.specs)
-        self._layout_desc = (
-            LayoutRecord.of(layout).describe() if layout is not None else "the tensors it was given"
-        )
+        record = LayoutRecord.of(layout) if layout is not None else None
+        self._layout_desc = record.describe() if record is not None else "the tensors it was given"
+        # where this shard's elements come from (None: built from tensors alone, not checked)
+        shard_record = record.shards.get(self.shard) if record is not None else None
+        self._placements_fp = shard_record.placements if shard_record is not None else None
         self._pause = pause or contextlib.nullcontext
         self._on_tensor = on_tensor_written
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
@@ -452,6 +454,16 @@ class Receiver:
                 f"holds {self._layout_desc}: {len(self.specs)} tensors, {numel} elements "
                 f"(specs {self._specs_fp}). Nothing was fetched or written: the publisher and "
                 "this receiver use different model configs, engines or TP/EP"
+            )
+        if None not in (mine.placements, self._placements_fp) and (
+            mine.placements != self._placements_fp
+        ):
+            raise LayoutMismatchError(
+                f"version {manifest.version} was published for {rec.describe()}: shard "
+                f"{self.shard!r} holds the same tensors but places canonical elements "
+                f"differently (placements {mine.placements}; this receiver's "
+                f"{self._placements_fp}). Nothing was fetched or written: give the publisher "
+                "and this receiver the same layout (e.g. the same probed layout file)"
             )
 
     def _stage(self, manifests: list[Manifest], from_version: int | None):
