@@ -12,6 +12,16 @@ full shapes and keeps its rows, so any W gives the same trajectory (no transform
 hub: the point is AdamW's real update sparsity at ``job.lr``, not a useful model). Receivers
 start empty and hold their shard's live tensors.
 
+Writers send with ``ClusterSender(overlap=job.overlap)`` (on by default): ``sync`` returns once
+the changes are captured, the rest runs in the background, and the next ``trainer.step`` (the
+optimizer's pre-step hook) waits until the background no longer reads the params. Between the
+sync and the next step the host waits ``job.fwd_bwd_s`` seconds, a stand-in for a GPU
+trainer's forward/backward (its cores stay free, as a GPU trainer's host's do). Per delta
+version the writer records what the trainer was kept from training: ``blocked_s`` (inside
+``sync``), ``barrier_s`` (the next step's wait) and their sum ``overhead_s``; with
+``job.measure_detection`` also ``detect_alone_s``, one extra detection pass before the sync
+(the tracker answers the same again).
+
 With ``job.check``, after the last version every writer broadcasts its BF16 rows and every
 receiver compares its shard with a dense split of the whole state, bit for bit.
 
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -63,6 +74,9 @@ class ClusterJob:
     check: bool = True
     threads: int = 1  # torch intra-op threads per rank (ranks often share cores)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    overlap: bool = True  # ClusterSender(overlap=True): the trainer waits for detection only
+    fwd_bwd_s: float = 0.0  # stand-in forward/backward after each sync (the host waits)
+    measure_detection: bool = False  # time one extra detection pass per version
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "writers", "replicas", "threads"):
@@ -72,6 +86,11 @@ class ClusterJob:
         v = self.versions
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"ClusterJob.versions must be an int >= 0, got {self.versions!r}")
+        for name in ("overlap", "measure_detection"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ClusterJob.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fwd_bwd_s, (int, float)) or not 0 <= self.fwd_bwd_s < math.inf:
+            raise ConfigError(f"ClusterJob.fwd_bwd_s must be a number >= 0, got {self.fwd_bwd_s!r}")
         for name in ("lr", "grad_std"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -120,13 +139,23 @@ def run_cluster_sync(rank: int | None, job: ClusterJob) -> dict:
             version=None,
             config=job.cluster,
             group=None,
+            overlap=job.overlap,
+            optimizer=trainer.opt if job.overlap else None,
         )
-        for v in range(job.versions + 1):
-            if v:
-                trainer.step(v)
-            reports.append(sender.sync(v, anchor=v == 0))
+        reports, steps = _train_and_send(job, trainer, tracker, sender)
         exact = _check(job, plan, tl, rl, rank, trainer.params(), None) if job.check else None
-        summary = {"role": "writer", "writer": role.writer_id}
+        summary = {
+            "role": "writer",
+            "writer": role.writer_id,
+            "overlap": job.overlap,
+            "median_step": {
+                k: statistics.median(st[k] for st in steps)
+                for k in steps[0]
+                if all(st[k] is not None for st in steps)
+            }
+            if steps
+            else {},
+        }
     else:
         specs = rl.local_specs(role.shard)
         tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
@@ -146,6 +175,41 @@ def run_cluster_sync(rank: int | None, job: ClusterJob) -> dict:
         "bytes": [getattr(r, "bytes_sent", 0) or getattr(r, "payload_bytes", 0) for r in reports],
         "reports": [asdict(r) for r in reports],
     }
+
+
+def _train_and_send(job, trainer, tracker, sender) -> tuple[list, list[dict]]:
+    """The writer's loop: ``(one SendReport per version, per delta: what blocked the trainer)``.
+    With overlap a version's report is known once it settled (the next sync waits for it)."""
+    sent, steps = [], []
+    for v in range(job.versions + 1):
+        if v:
+            trainer.step(v)  # overlap: its pre-step hook waits for the previous background
+            if v > 1:
+                steps[-1]["barrier_s"] = sender.barrier_wait_s
+                steps[-1]["overhead_s"] = steps[-1]["blocked_s"] + steps[-1]["barrier_s"]
+        detect_s = None
+        if job.measure_detection and v:
+            t = time.perf_counter()
+            for _ in tracker.iter_changes():
+                pass
+            detect_s = time.perf_counter() - t
+        t = time.perf_counter()
+        sent.append(sender.sync(v, anchor=v == 0))
+        blocked = time.perf_counter() - t
+        if v:
+            steps.append(
+                {
+                    "blocked_s": blocked,
+                    "barrier_s": 0.0,
+                    "overhead_s": blocked,
+                    "detect_alone_s": detect_s,
+                }
+            )
+        if job.fwd_bwd_s:
+            time.sleep(job.fwd_bwd_s)
+    sender.close()  # settles the last version (its barrier would be the next step's)
+    reports = [s.result() if job.overlap else s for s in sent]
+    return reports, steps[:-1] if job.overlap and len(steps) > 1 else steps
 
 
 def _check(job, plan, tl, rl, rank, mine, tensors) -> bool | None:
