@@ -18,7 +18,7 @@ from deltasync.errors import BlobMismatchError, IntegrityError, LayoutMismatchEr
 from deltasync.format import TensorUpdate, apply_updates, encode_blob
 from deltasync.layout.digest import state_digest, tensor_digest
 from deltasync.receiver import Receiver
-from deltasync.receiver.verify import patched_tensor_digest, updated_state_digest
+from deltasync.layout.verify import patched_tensor_digest, updated_state_digest
 
 
 @pytest.fixture

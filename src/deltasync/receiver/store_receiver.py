@@ -13,7 +13,7 @@
    the chain's bases, fetch and verify every blob, decode against the shard's tensor specs,
    fold the chain into one update per tensor (:mod:`deltasync.receiver.staging`);
 4. verify before write: hash the tensors as they WILL be after the update, chunk by chunk
-   (:mod:`deltasync.receiver.verify`), and compare with the manifest's shard digest. A
+   (:mod:`deltasync.layout.verify`), and compare with the manifest's shard digest. A
    mismatch refuses the pull with every live element untouched;
 5. write the journal durably, then scatter into the live tensors: the pause, and only that;
 6. record the new verified version in the state file and clear the journal, THEN write the
@@ -63,7 +63,7 @@ from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, fetch_version
-from deltasync.receiver.verify import updated_state_digest
+from deltasync.layout.verify import updated_state_digest
 from deltasync.store import Store
 from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
 

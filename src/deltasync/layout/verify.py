@@ -1,6 +1,7 @@
 """Verify before write: the digest a shard WILL have after an update, from its live tensors.
 
-The receiver checks the state a chain leads to against the manifest's shard digest while the
+A receiver checks the state an update leads to against the digest the trainer sent (the
+manifest's shard digest on the storage path, the envelope's on the in-cluster path) while the
 engine still serves, before the first live element is overwritten. It hashes each tensor as it
 would be after the update, chunk by chunk: a chunk no update touches is hashed in place, a
 chunk with updated elements is copied into one small scratch buffer, patched there and hashed.
