@@ -16,7 +16,8 @@ import torch
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.publish.trainer_sync import PendingVersion, merge_carry
+from deltasync.publish.positions import Positions
+from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
 from deltasync.trainer import AdamWTracker
@@ -138,17 +139,18 @@ def test_a_failed_version_is_carried_into_the_next_and_its_error_names_it(tmp_pa
     sync.step_published(1)
     trainer.step()  # waits for version 1 (committed)
     sync.step_published(2)  # its manifest write fails in the background
-    carried = {n: i.clone() for n, i in sync._carry.items()}
+    carried = {n: p.indices() for n, p in sync._carry.items()}
     trainer.step()  # a different random mask: elements changed only at step 2 exist
     with pytest.raises(PublishFailedError, match="version 2 did not commit") as err:
         sync.step_published(3)
     assert err.value.version == 2 and isinstance(err.value.__cause__, StoreError)
     assert pub.committed() == 1 and sync.baseline == 1  # the baseline did not move
-    # the carry is the failed version's positions, O(changed), int32 (every tensor < 2^31)
+    # the carry is the failed version's positions, O(changed), 2 bytes each (16-bit gaps)
     assert sync._carry.keys() == carried.keys()
-    for n, idx in sync._carry.items():
-        assert idx.dtype == torch.int32 and torch.equal(idx, carried[n])
-    assert sum(i.numel() for i in sync._carry.values()) < 0.2 * sum(
+    for n, positions in sync._carry.items():
+        assert torch.equal(positions.indices(), carried[n])
+        assert positions.nbytes <= 2 * len(positions)
+    assert sum(len(p) for p in sync._carry.values()) < 0.2 * sum(
         p.numel() for p in trainer.params.values()
     )
     (report,) = sync.step_published(3).result()  # the retry: version 3 = steps 2 and 3
@@ -156,6 +158,52 @@ def test_a_failed_version_is_carried_into_the_next_and_its_error_names_it(tmp_pa
     assert report.kind == "delta" and report.base_version == 1
     _assert_receivers_exact(receivers, trainer, lay, 3)  # nothing of step 2 was lost
     assert sync._carry == {}
+    sync.close()
+
+
+class StagedTracker:
+    """An AdamWTracker whose positions stream raises ``fail`` once, after ``after``
+    parameters."""
+
+    def __init__(self, inner: AdamWTracker, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.fail: Exception | None = None
+
+    def iter_changed(self):
+        for k, item in enumerate(self.inner.iter_changed()):
+            if k == self.after and self.fail is not None:
+                exc, self.fail = self.fail, None
+                raise exc
+            yield item
+
+    def iter_changes(self):
+        return self.inner.iter_changes()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+def _staged(tmp_path, gate):
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, gate)
+    staged = StagedTracker(tracker, after=3)
+    sync = TrainerSync(staged, pub, trainer.params, overlap=True, optimizer=trainer.opt)
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    return trainer, staged, sync, pub, receivers, lay
+
+
+def test_a_detection_error_midway_stores_nothing_and_keeps_the_trackers_changes(tmp_path):
+    trainer, staged, sync, pub, receivers, lay = _staged(tmp_path, lambda op, key: None)
+    trainer.step()
+    staged.fail = RuntimeError("injected: detection failed")
+    with pytest.raises(RuntimeError, match="injected"):
+        sync.step_published(1)
+    assert sync.in_flight is None and pub.committed() == 0 and sync._carry == {}
+    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
+    trainer.step()  # the tracker kept step 1's changes: version 1 = steps 1 and 2
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
     sync.close()
 
 
@@ -169,30 +217,50 @@ def test_close_raises_the_error_of_the_version_in_flight(tmp_path):
         sync.close()
 
 
-def test_merged_carry_rereads_current_values_at_the_union_of_positions():
+def test_merged_carry_joins_positions_and_the_background_reads_current_values():
     params = {"a": torch.randn(10), "b": torch.randn(4), "c": torch.randn(3)}
-    fresh = [
-        ("a", torch.tensor([1, 5]), params["a"][[1, 5]].to(torch.bfloat16)),
-        ("c", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16)),
-    ]
-    carry = {"a": torch.tensor([0, 5, 9], dtype=torch.int32), "b": torch.tensor([2])}
-    out = list(merge_carry(fresh, carry, params))
-    assert [n for n, _, _ in out] == ["a", "b", "c"]
-    (_, ia, va), (_, ib, vb), (_, ic, vc) = out
-    assert ia.tolist() == [0, 1, 5, 9] and ia.dtype == torch.int64
-    assert torch.equal(
-        va.view(torch.int16), params["a"][[0, 1, 5, 9]].to(torch.bfloat16).view(torch.int16)
-    )
-    assert ib.tolist() == [2] and torch.equal(
-        vb.view(torch.int16), params["b"][[2]].to(torch.bfloat16).view(torch.int16)
-    )
-    assert ic.tolist() == [0] and vc.view(torch.int16).tolist() == [0]  # not carried: as given
-    with pytest.raises(ConfigError, match="not in params"):
-        list(
-            merge_carry(
-                [("zz", torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))], {}, params
-            )
+    fresh = [("a", torch.tensor([1, 5])), ("c", torch.tensor([0]))]
+    carry = {"a": Positions.of(torch.tensor([0, 5, 9])), "b": Positions.of(torch.tensor([2]))}
+    out = list(merge_positions(fresh, carry, params))
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    assert [p.indices().tolist() for _, p in out] == [[0, 1, 5, 9], [2], [0]]
+    for name, positions in out:
+        got, idx, vals = with_values((name, positions), params)
+        assert got == name and idx.dtype == torch.int64
+        assert torch.equal(
+            vals.view(torch.int16), params[name][idx].to(torch.bfloat16).view(torch.int16)
         )
+    with pytest.raises(ConfigError, match="not in params"):
+        list(merge_positions([("zz", torch.tensor([0]))], {}, params))
+
+
+@pytest.mark.parametrize("numel, density", [(1, 1.0), (50, 1.0), (10_000, 0.03), (10_000, 0.0005)])
+def test_positions_round_trip_bit_exactly_in_two_bytes_where_every_gap_fits(numel, density):
+    g = torch.Generator().manual_seed(numel)
+    idx = torch.nonzero(torch.rand(numel, generator=g) < density).reshape(-1)
+    pos = Positions.of(idx)
+    assert torch.equal(pos.indices(), idx) and len(pos) == idx.numel()
+    assert pos.nbytes <= 2 * max(0, idx.numel() - 1)
+
+
+def test_positions_with_a_gap_too_wide_for_16_bits_stay_exact_as_int32():
+    idx = torch.tensor([0, 3, 3 + 65536, 3 + 65537 + 70_000, 2**31 - 2])
+    pos = Positions.of(idx)
+    assert pos.wide is not None and pos.wide.dtype == torch.int32
+    assert torch.equal(pos.indices(), idx)
+    edge = torch.tensor([7, 7 + 65536, 7 + 2 * 65536])  # exactly the widest 16-bit gap
+    assert Positions.of(edge).gaps is not None
+    assert torch.equal(Positions.of(edge).indices(), edge)
+    big = torch.tensor([5, 2**33])  # beyond int32: int64 kept
+    assert Positions.of(big).wide.dtype == torch.int64
+    assert torch.equal(Positions.of(big).indices(), big)
+    assert Positions.of(edge).union(torch.tensor([8, 2**20])).indices().tolist() == [
+        7,
+        8,
+        7 + 65536,
+        7 + 2 * 65536,
+        2**20,
+    ]
 
 
 def test_overlap_without_the_optimizer_is_refused_naming_it():

@@ -11,7 +11,8 @@ the producer and joins it, so the tracker behind the stream is never used by two
 is idle again when the publisher returns (a TrainerSync clears it right after). An exception
 raised by the stream is re-raised in the consumer, at the position it happened.
 
-This module knows threads and iterators only.
+:class:`Ready` marks a stream that needs no prefetch thread. This module knows threads and
+iterators only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
+
+
+class Ready(Generic[T]):
+    """A lazy stream whose items are already detected (e.g. captured positions whose values
+    are read as each is reached): a prefetch thread would only add a hop, so a publisher
+    iterates it in its own thread, as it does a list."""
+
+    def __init__(self, source: Iterable[T]) -> None:
+        self._source = source
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._source)
 
 
 class Prefetch(Generic[T]):

@@ -80,7 +80,7 @@ from deltasync.layout.routing import (
 )
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
-from deltasync.publish.prefetch import Prefetch
+from deltasync.publish.prefetch import Prefetch, Ready
 from deltasync.publish.streams import ShardStreams
 from deltasync.store import Store
 
@@ -347,7 +347,10 @@ class Publisher:
                     digests = shard_digests(state)
                 del state
             else:
-                self._stream_groups(streams, source, params)
+                # A list (or a Ready stream) was detected already: a prefetch thread would
+                # only add a hop.
+                ahead = 0 if isinstance(changes, (list, tuple, Ready)) else cfg.prefetch
+                self._stream_groups(streams, source, params, prefetch=ahead)
             build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
             if digest_job is not None:  # overlaps with the uploads still running
@@ -448,10 +451,12 @@ class Publisher:
             return f"every {self.config.anchor_every} versions"
         return None
 
-    def _stream_groups(self, streams: ShardStreams, source, params: Params) -> None:
+    def _stream_groups(
+        self, streams: ShardStreams, source, params: Params, *, prefetch: int
+    ) -> None:
         """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
         straight from a tracker's detection pass, run ``prefetch`` parameters ahead on its own
-        thread) and hand each parameter group's routed updates to ``streams`` as soon as its
+        thread; 0: in this thread) and hand each parameter group's routed updates to ``streams`` as soon as its
         last parameter has been seen."""
         cfg = self.config
         groups, group_of = self._groups(params)
@@ -478,7 +483,7 @@ class Publisher:
 
         done = 0  # groups[:done] are flushed
         last, last_name = -1, None
-        with Prefetch(source, depth=cfg.prefetch) as items:
+        with Prefetch(source, depth=prefetch) as items:
             for name, indices, vals in items:
                 pos = position.get(name)
                 if pos is None:

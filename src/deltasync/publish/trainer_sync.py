@@ -11,15 +11,17 @@ Two modes:
   encoding, upload, digests, commit) and clears the tracker only after the commit; on a
   failure the tracker keeps its bits.
 - ``overlap=True``: ``step_published`` blocks only while the tracker's detection captures
-  every parameter's changed indices and BF16 values (O(changed) memory), clears the tracker
-  and returns a :class:`PendingVersion`; routing, encoding, upload, digest assembly and the
-  commit run on a background thread while the caller's next forward/backward runs. The
-  background reads ``params`` (the digests), which nothing changes until the next optimizer
-  step, so that step is the barrier: a pre-step hook on ``optimizer`` waits for the version in
-  flight (as does the next ``step_published``). Until a version commits, its changed positions
-  stay here (the *carry*); a version that fails is never lost: its positions join the next
-  version's, with values re-read from ``params`` then, and the error is raised at the next
-  call (``step_published``, ``wait``, ``close``) as :class:`PublishFailedError` naming it.
+  every parameter's changed positions (held as 16-bit gaps, :mod:`.positions`: about 2 bytes
+  per changed element), clears the tracker and returns a :class:`PendingVersion`; value
+  reads, routing, encoding, upload, digest assembly and the commit run on a background thread
+  while the caller's next forward/backward runs. The background reads
+  ``params`` (the values at the captured positions, the digests), which nothing changes until
+  the next optimizer step, so that step is the barrier: a pre-step hook on ``optimizer`` waits
+  for the version in flight (as does the next ``step_published``). Until a version commits,
+  its changed positions stay here (the *carry*); a version that fails is never lost: its
+  positions join the next version's, values read from ``params`` then, and the error is
+  raised at the next call (``step_published``, ``wait``, ``close``) as
+  :class:`PublishFailedError` naming it.
   Between ``step_published`` and the next optimizer step (or ``wait()``) nothing else may write
   the params (``load_state_dict``, a clamp): the background is hashing them. A ``full_state``
   callable runs on the background thread too, so one that runs collectives (an FSDP
@@ -42,13 +44,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from deltasync.errors import ConfigError, PublishFailedError
+from deltasync.native.ops import bf16_at
+from deltasync.publish.positions import Positions
+from deltasync.publish.prefetch import Ready
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.trainer import Tracker
 
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
-Captured = list[tuple[str, torch.Tensor, torch.Tensor]]
+Change = tuple[str, torch.Tensor, torch.Tensor]
+Captured = dict[str, Positions]
 
 
 class PendingVersion:
@@ -76,44 +82,54 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
 
 
-def _narrow(idx: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    # Held across versions: int32 halves it wherever every position fits (< 2^31 elements).
-    return idx.to(torch.int32) if _local(param).numel() < 2**31 else idx
+def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tracker's changed positions; without values where the tracker can (the background
+    reads the values from the params, which nothing changes until the next optimizer step)."""
+    positions_only = getattr(tracker, "iter_changed", None)
+    if callable(positions_only):
+        yield from positions_only()
+        return
+    for name, idx, _ in tracker.iter_changes():
+        yield name, idx
 
 
-def merge_carry(
-    changes: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
-    carry: Mapping[str, torch.Tensor],
+def merge_positions(
+    changes: Iterable[tuple[str, torch.Tensor]],
+    carry: Mapping[str, Positions],
     params: Params,
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """The tracker's changes since the last capture joined with ``carry`` (sorted positions,
-    int32 or int64, of earlier versions that never committed), in ``params`` order, as sorted
-    unique int64 indices; lazily, one parameter at a time, so a caller can narrow each before
-    the next is detected.
-
-    A carried parameter's values are re-read from ``params`` at the union of positions (its
-    bits now, which is what the receivers must end with); the others keep the tracker's."""
+) -> Iterator[tuple[str, Positions]]:
+    """The tracker's changed positions since the last capture joined with ``carry`` (the
+    positions of earlier versions that never committed), in ``params`` order, compactly
+    encoded (:class:`Positions`); lazily, one parameter at a time, so each parameter's int64
+    indices are dropped before the next one is detected."""
     stream = iter(changes)
     nxt = next(stream, None)
     for name in params:
         got = None
         if nxt is not None and nxt[0] == name:
-            got, nxt = (nxt[1], nxt[2]), next(stream, None)
+            got, nxt = nxt[1], next(stream, None)
         old = carry.get(name)
         if old is None:
-            if got is not None:
-                yield name, got[0], got[1]
-            continue
-        old = old.to(torch.int64)
-        idx = old if got is None else torch.unique(torch.cat([old, got[0].to(old.device)]))
-        flat = _local(params[name]).reshape(-1)
-        vals = flat.index_select(0, idx.to(flat.device)).to(torch.bfloat16)
-        yield name, idx, vals
+            if got is not None and got.numel():
+                yield name, Positions.of(got)
+        elif got is None:
+            yield name, old
+        else:
+            yield name, old.union(got)
     if nxt is not None:
         raise ConfigError(
             f"the tracker reports changes in {nxt[0]!r}, which is not in params (or out of "
             "params order); pass the same named parameters the tracker watches"
         )
+
+
+def with_values(item: tuple[str, Positions], params: Params) -> Change:
+    """``(name, sorted int64 indices, BF16 values)`` of one captured parameter, its values
+    read from ``params`` now (the bits the receivers must end with)."""
+    name, positions = item
+    local = _local(params[name])
+    idx = positions.indices().to(local.device)
+    return name, idx, bf16_at(local, idx, trusted=True)
 
 
 class TrainerSync:
@@ -163,8 +179,8 @@ class TrainerSync:
         self.ack_receivers = ack_receivers
         self.ack_timeout_s = ack_timeout_s
         self.overlap = overlap
-        # overlap mode: positions captured since the last commit, per param (sorted int64)
-        self._carry: dict[str, torch.Tensor] = {}
+        # overlap mode: positions captured since the last commit, per param
+        self._carry: Captured = {}
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.last_reports: list[PublishReport] = []  # of the newest committed version
@@ -261,18 +277,18 @@ class TrainerSync:
         self.wait()  # the barrier; raises the failed version's error (its carry is kept)
         t = time.perf_counter()
         params = self._params() if callable(self._params) else self._params
-        # Detection on the caller's thread: it reads θ, m, v, and the tracker is cleared
-        # right after, so no other thread ever touches the tracker.
-        # Each parameter's positions are narrowed (int32 below 2^31 elements) as it is
-        # detected, and that one tensor is both what the background routes (routing widens
-        # per group) and, until this version commits, the carry: 6 bytes per changed element
-        # held, not 8 + 2 + 4.
-        captured: Captured = [
-            (name, _narrow(idx, params[name]), vals)
-            for name, idx, vals in merge_carry(self.tracker.iter_changes(), self._carry, params)
-        ]
+        # Detection on the caller's thread (it reads θ, m, v; the tracker is cleared right
+        # after, so no other thread ever touches the tracker), positions only: each
+        # parameter's are held compactly (about 2 bytes per changed element, positions.py) as
+        # soon as it is detected. They are both what the background routes, values read from
+        # params there, and until this version commits, the carry. The background starts only
+        # once detection is done: a Python thread running beside it would make every return
+        # from a detection kernel wait for the GIL.
+        captured: Captured = dict(
+            merge_positions(_positions_stream(self.tracker), self._carry, params)
+        )
         self.tracker.clear()
-        self._carry = {name: idx for name, idx, _ in captured}
+        self._carry = captured
         captured_s = time.perf_counter() - t
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
@@ -285,14 +301,24 @@ class TrainerSync:
         self, pending: PendingVersion, captured: Captured, params: Params, anchor: bool
     ) -> list[PublishReport]:
         try:
-            reports = self._publish_all(pending.version, captured, params, anchor)
+            reports = [
+                pub.publish(
+                    pending.version,
+                    # values read here, one parameter at a time as the publisher routes it
+                    Ready(with_values(item, params) for item in captured.items()),
+                    params,
+                    anchor=anchor,
+                    since=self.baseline,
+                    full_state=self._full_state,
+                )
+                for pub in self.publishers
+            ]
             # Committed everywhere: the baseline moves now (wait() reads it after result());
             # the carry is dropped when the caller's thread settles the version.
             self.baseline = pending.version
             self._wait_acks(pending.version)
             return reports
         finally:
-            del captured  # the values are not needed once encoded (or failed)
             pending.finished_at = time.time()
 
     @property
