@@ -7,7 +7,7 @@ layout -> TensorUpdate -> wire format) so the engine tests exercise what a recei
 from __future__ import annotations
 
 import torch
-from kit import HFTrainer, bits_equal, tiny_qwen3  # noqa: F401 - bits_equal is re-exported
+from kit import HFTrainer, TinyTrainer, bits_equal, expected_shards, tiny_qwen3  # noqa: F401 - bits_equal is re-exported
 
 from deltasync.format import TensorUpdate, decode_blob, encode_blob
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
@@ -15,6 +15,7 @@ from deltasync.trainer import AdamWTracker
 
 
 def tiny_hf_config(*, heads=4, kv_heads=2, tie=False, vocab=203, hidden=64, layers=2) -> dict:
+    """The kit's tiny Qwen3 with the engine tests' sizes (vocab 203: padded to 256 by vLLM)."""
     return tiny_qwen3(
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -27,7 +28,11 @@ def tiny_hf_config(*, heads=4, kv_heads=2, tie=False, vocab=203, hidden=64, laye
     )
 
 
-class TinyTrainer(HFTrainer):
+# The engine-side tests' model: the tiny config as the SGLang loader and the vLLM shard see it.
+ENGINE_CONFIG = tiny_hf_config()
+
+
+class TrackedHFTrainer(HFTrainer):
     """fp32 master weights, AdamW at a high lr (so most elements change), a tracker."""
 
     def __init__(self, hf_config: dict, *, seed: int = 0, lr: float = 1e-3) -> None:
@@ -141,46 +146,29 @@ def module_tree(tensors: dict[str, torch.Tensor], *, packs: bool = False, dtype=
     return root
 
 
-class StoreTrainer:
-    """fp32 params (TrainerLayout names) under AdamW on a masked quadratic loss, publishing
-    each version to a store with TrainerSync, as a trainer process would."""
+class StoreTrainer(TinyTrainer):
+    """The kit's masked-quadratic AdamW trainer (10% of the elements get a gradient each step),
+    publishing each version to a store with TrainerSync, as a trainer process would."""
 
     def __init__(self, hf_config: dict, store, *, tp: int = 1, seed: int = 0) -> None:
         from deltasync import AdamWTracker, Publisher, PublisherConfig, TrainerSync
 
+        super().__init__(ModelSpec.from_hf_config(hf_config), seed=seed, lr=1e-3, density=0.1)
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.trainer_layout = TrainerLayout(self.spec)
         self.layout = ReceiverLayout.build(self.spec, engine="vllm", tp=tp)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.params = {
-            n: torch.nn.Parameter(
-                torch.ones(s)
-                if n.endswith("norm.weight")
-                else torch.randn(s, generator=self.gen) * 0.02
-            )
-            for n, s in self.trainer_layout.param_shapes().items()
-        }
-        self.opt = torch.optim.AdamW(self.params.values(), lr=1e-3)
         publisher = Publisher(
             store, receiver_layout=self.layout, config=PublisherConfig(anchor_every=50)
         )
         tracker = AdamWTracker(self.opt, list(self.params.items()))
         self.sync = TrainerSync(tracker, publisher, self.params)
 
-    def step(self) -> None:
-        self.opt.zero_grad()
-        for p in self.params.values():
-            mask = torch.rand(p.shape, generator=self.gen) < 0.1
-            p.grad = torch.where(mask, p.detach() - torch.randn(p.shape, generator=self.gen), 0.0)
-        self.opt.step()
-
     def publish(self, version: int) -> None:
         self.sync.step_published(version)
 
     def split(self) -> dict[str, dict[str, torch.Tensor]]:
         """The oracle: a dense split of the canonical BF16 weights."""
-        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
-        return self.layout.split(self.trainer_layout.to_canonical(bf16))
+        return expected_shards(self.params, self.trainer_layout, self.layout)
 
 
 def corrupt_one_blob(store_dir, version: int, shard: str) -> None:

@@ -11,7 +11,7 @@ from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout
 
 from engines_helpers import (
-    TinyTrainer,
+    TrackedHFTrainer,
     bits_equal,
     shard_updates,
     through_the_wire,
@@ -29,7 +29,7 @@ def _assert_equal_to_split(engine: EngineAdapter, expected: dict[str, torch.Tens
 @pytest.mark.parametrize("tie", [False, True])
 def test_hf_and_tp_engines_equal_the_dense_split_after_five_applied_deltas(tie):
     cfg = tiny_hf_config(tie=tie)
-    trainer = TinyTrainer(cfg)
+    trainer = TrackedHFTrainer(cfg)
     hf_layout = ReceiverLayout.build(trainer.spec, engine="hf")
     tp_layout = ReceiverLayout.build(trainer.spec, engine="vllm", tp=2)
     start = trainer.canonical_bf16()
@@ -63,7 +63,7 @@ def test_hf_and_tp_engines_equal_the_dense_split_after_five_applied_deltas(tie):
 
 def test_engines_satisfy_the_adapter_protocol():
     cfg = tiny_hf_config()
-    tpe = TPQwen3Engine.from_canonical(cfg, TinyTrainer(cfg).canonical_bf16(), tp=2)
+    tpe = TPQwen3Engine.from_canonical(cfg, TrackedHFTrainer(cfg).canonical_bf16(), tp=2)
     assert isinstance(HFEngine.from_config(cfg), EngineAdapter)
     assert isinstance(tpe.rank("tp1"), EngineAdapter)
 
@@ -103,8 +103,8 @@ def test_hf_engine_refuses_weights_of_another_shape_before_writing():
 
 def test_tp_engine_refuses_shards_that_do_not_match_the_layout():
     cfg = tiny_hf_config()
-    good = ReceiverLayout.build(TinyTrainer(cfg).spec, engine="vllm", tp=2).split(
-        TinyTrainer(cfg).canonical_bf16()
+    good = ReceiverLayout.build(TrackedHFTrainer(cfg).spec, engine="vllm", tp=2).split(
+        TrackedHFTrainer(cfg).canonical_bf16()
     )
     good["tp1"].pop("model.norm.weight")
     from deltasync.engines import Qwen3Arch

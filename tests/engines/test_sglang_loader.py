@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import same_bits
 
 from deltasync import LocalStore, ModelSpec
 from deltasync.engines.sglang_loader import (
@@ -24,21 +25,7 @@ from deltasync.engines.sglang_loader import (
 )
 from deltasync.errors import ConfigError, DigestMismatchError, VersionError
 
-from engines_helpers import StoreTrainer, corrupt_one_blob, module_tree
-
-CONFIG = dict(
-    model_type="qwen3",
-    vocab_size=203,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-)
+from engines_helpers import ENGINE_CONFIG, StoreTrainer, corrupt_one_blob, module_tree
 
 
 class _Cfg(dict):
@@ -51,17 +38,13 @@ def _models(split: dict, tp: int) -> list[torch.nn.Module]:
     models = []
     for r in range(tp):
         model = module_tree(split[f"tp{r}"])
-        model.config = _Cfg(CONFIG)
+        model.config = _Cfg(ENGINE_CONFIG)
         models.append(model)
     return models
 
 
 def _same(model: torch.nn.Module, expected: dict) -> bool:
-    live = dict(model.named_parameters())
-    return set(live) == set(expected) and all(
-        torch.equal(live[n].data.view(torch.int16), t.view(torch.int16))
-        for n, t in expected.items()
-    )
+    return same_bits({n: p.data for n, p in model.named_parameters()}, expected)
 
 
 def _request(tmp_path, version: int) -> list:
@@ -77,7 +60,7 @@ def _request(tmp_path, version: int) -> list:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_each_rank_takes_each_version_in_place_through_the_loader_call(tmp_path, tp):
-    trainer = StoreTrainer(CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
     trainer.publish(0)
     models = _models(trainer.split(), tp)
     ptrs = [{n: p.data_ptr() for n, p in m.named_parameters()} for m in models]
@@ -97,7 +80,7 @@ def test_each_rank_takes_each_version_in_place_through_the_loader_call(tmp_path,
 
 
 def test_a_corrupted_blob_raises_and_leaves_the_rank_at_its_previous_version(tmp_path):
-    trainer = StoreTrainer(CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
     take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
@@ -112,7 +95,7 @@ def test_a_corrupted_blob_raises_and_leaves_the_rank_at_its_previous_version(tmp
 
 
 def test_a_version_that_is_not_the_newest_is_refused_before_anything_is_written(tmp_path):
-    trainer = StoreTrainer(CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
     take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
@@ -143,8 +126,8 @@ def test_the_request_travels_as_one_uint8_tensor_and_bad_ones_are_refused():
 
 def test_sglangs_wider_vocab_padding_at_a_tp_that_vllm_refuses_is_refused_by_name():
     spec = ModelSpec.from_hf_config(
-        {**CONFIG, "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 200}
+        {**ENGINE_CONFIG, "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 200}
     )
     with pytest.raises(ConfigError, match="pads a vocabulary of 200 to a multiple of 192"):
         sglang_layout(spec, tp=3)
-    assert sglang_layout(ModelSpec.from_hf_config(CONFIG), tp=2).tp == 2
+    assert sglang_layout(ModelSpec.from_hf_config(ENGINE_CONFIG), tp=2).tp == 2

@@ -17,25 +17,7 @@ from deltasync import LocalStore, Receiver, ReceiverConfig
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ConfigError
 
-from engines_helpers import FakeLinear, StoreTrainer, module_tree
-
-CONFIG = dict(
-    model_type="qwen3",
-    vocab_size=203,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+from engines_helpers import ENGINE_CONFIG, FakeLinear, StoreTrainer, bits_equal, module_tree
 
 
 def _served(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -49,13 +31,13 @@ def _served(model: torch.nn.Module, name: str) -> torch.Tensor:
 def _sync(tmp_path, *, packs: bool, dtype=None, tp: int = 1, versions: int = 3):
     """Publish versions 0..N, pull each into every TP rank's shard; yield per version."""
     store = LocalStore(tmp_path / "store", durable=False)
-    trainer = StoreTrainer(CONFIG, store, tp=tp)
+    trainer = StoreTrainer(ENGINE_CONFIG, store, tp=tp)
     trainer.publish(0)
     split0 = trainer.split()
     ranks = []
     for r in range(tp):
         model = module_tree(split0[f"tp{r}"], packs=packs, dtype=dtype)
-        shard = VllmShard(model, CONFIG, ShardPlace(tp_rank=r, tp=tp))
+        shard = VllmShard(model, ENGINE_CONFIG, ShardPlace(tp_rank=r, tp=tp))
         touched: set[str] = set()
         receiver = Receiver.for_layout(
             store,
@@ -86,7 +68,7 @@ def test_unpacked_bf16_layers_are_written_in_place_and_nothing_is_copied(tmp_pat
             live = dict(model.named_parameters())
             for name, target in shard.targets.items():
                 assert target.data_ptr() == live[name].data_ptr()  # the engine's own tensor
-                assert torch.equal(_bits(live[name].data), _bits(split[f"tp{r}"][name])), name
+                assert bits_equal(live[name].data, split[f"tp{r}"][name]), name
         assert all(rep.version == version for rep in reports)
 
 
@@ -100,7 +82,7 @@ def test_packed_cpu_kernels_are_rebuilt_from_bf16_masters_and_compute_with_each_
         assert "lm_head.weight" in shard.packed  # packed, but keeps its (ignored) weight
         for name in shard.targets:
             served = _served(model, name)
-            assert torch.equal(_bits(served), _bits(split["tp0"][name])), (version, name)
+            assert bits_equal(served, split["tp0"][name]), (version, name)
         # a packing layer drops its weight again after the refresh; the master survives
         qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
         assert qkv.weight.numel() == 0
@@ -118,15 +100,15 @@ def test_an_fp32_engine_gets_bf16_masters_widened_exactly_into_its_tensors(tmp_p
             served = _served(model, name)
             assert served.dtype == torch.float32
             expected = split["tp0"][name].to(torch.float32)
-            assert torch.equal(_bits(served), _bits(expected)), (version, name)
+            assert bits_equal(served, expected), (version, name)
 
 
 def test_only_the_layers_a_pull_wrote_are_repacked(tmp_path):
     store = LocalStore(tmp_path / "store", durable=False)
-    trainer = StoreTrainer(CONFIG, store)
+    trainer = StoreTrainer(ENGINE_CONFIG, store)
     trainer.publish(0)
     model = module_tree(trainer.split()["tp0"], packs=True)
-    shard = VllmShard(model, CONFIG, ShardPlace(tp_rank=0, tp=1))
+    shard = VllmShard(model, ENGINE_CONFIG, ShardPlace(tp_rank=0, tp=1))
     layers = [m for m in model.modules() if isinstance(m, FakeLinear)]
     before = {id(m): m.repacks for m in layers}
     assert shard.refresh(["model.layers.1.mlp.down_proj.weight"]) == 1
@@ -136,18 +118,26 @@ def test_only_the_layers_a_pull_wrote_are_repacked(tmp_path):
 
 
 def test_a_packed_engine_refuses_the_inplace_path_and_a_compiled_graph(tmp_path):
-    split = StoreTrainer(CONFIG, LocalStore(tmp_path / "s", durable=False)).split()
+    split = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "s", durable=False)).split()
     with pytest.raises(ConfigError, match="path 'inplace' cannot reach"):
-        VllmShard(module_tree(split["tp0"], packs=True), CONFIG, ShardPlace(0, 1), path="inplace")
+        VllmShard(
+            module_tree(split["tp0"], packs=True), ENGINE_CONFIG, ShardPlace(0, 1), path="inplace"
+        )
     with pytest.raises(ConfigError, match="enforce_eager=True"):
-        VllmShard(module_tree(split["tp0"], packs=True), CONFIG, ShardPlace(0, 1), eager=False)
+        VllmShard(
+            module_tree(split["tp0"], packs=True), ENGINE_CONFIG, ShardPlace(0, 1), eager=False
+        )
 
 
 def test_a_model_that_is_not_the_layouts_is_refused_naming_the_tensor(tmp_path):
-    split = StoreTrainer(CONFIG, LocalStore(tmp_path / "s", durable=False)).split()["tp0"]
+    split = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "s", durable=False)).split()["tp0"]
     del split["model.layers.1.self_attn.o_proj.weight"]
     with pytest.raises(ConfigError, match="o_proj"):
-        VllmShard(module_tree(split), CONFIG, ShardPlace(0, 1))
-    wrong = StoreTrainer(CONFIG, LocalStore(tmp_path / "t", durable=False), tp=2).split()["tp0"]
+        VllmShard(module_tree(split), ENGINE_CONFIG, ShardPlace(0, 1))
+    wrong = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "t", durable=False), tp=2).split()[
+        "tp0"
+    ]
     with pytest.raises(ConfigError, match="the receiver layout of shard 'tp0' says"):
-        VllmShard(module_tree(wrong), CONFIG, ShardPlace(0, 1))  # a TP=2 shard served as TP=1
+        VllmShard(
+            module_tree(wrong), ENGINE_CONFIG, ShardPlace(0, 1)
+        )  # a TP=2 shard served as TP=1

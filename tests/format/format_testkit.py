@@ -1,4 +1,5 @@
-"""Helpers for the format tests: bitwise comparisons and hand-crafted (hostile) blobs.
+"""Helpers for the format tests: update comparison and hand-crafted (hostile) blobs (bitwise
+equality of tensors comes from the test kit).
 
 Crafted blobs carry a CORRECT digest, so the decoder's structural checks, not the digest, are
 what the hostile tests exercise.
@@ -11,6 +12,7 @@ import struct
 import torch
 import xxhash
 import zstandard
+from kit import bits_equal
 
 from deltasync.format import TensorUpdate
 from deltasync.format.wire import (
@@ -25,17 +27,6 @@ from deltasync.format.wire import (
     TRAILER,
 )
 
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (tells -0.0 from +0.0 and compares NaN payloads)."""
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.detach().cpu().view(BITS[a.dtype]), b.detach().cpu().view(BITS[b.dtype]))
-    )
-
 
 def same_update(a: TensorUpdate, b: TensorUpdate) -> bool:
     if (a.name, a.shape, a.dtype) != (b.name, b.shape, b.dtype):
@@ -44,15 +35,11 @@ def same_update(a: TensorUpdate, b: TensorUpdate) -> bool:
         return False
     if a.indices is not None and not torch.equal(a.indices.cpu(), b.indices.cpu()):
         return False
-    return same_bits(a.values, b.values)
+    return bits_equal(a.values, b.values)
 
 
 def clone_all(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in targets.items()}
-
-
-def all_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
 
 
 def reseal(blob: bytes) -> bytes:

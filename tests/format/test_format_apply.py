@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits_equal, same_bits
 
 from deltasync.errors import ApplyError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob
 
-from format_testkit import all_same, clone_all, same_bits
+from format_testkit import clone_all
 
 BF16 = torch.bfloat16
 
@@ -45,7 +46,7 @@ def test_sparse_values_land_at_their_flat_indices_of_a_contiguous_target():
     want = expected_after(target, u)
     storage = target.data_ptr()
     assert apply_updates([u], {"w": target}) == 4
-    assert same_bits(target, want)
+    assert bits_equal(target, want)
     assert target.data_ptr() == storage  # in place
 
 
@@ -59,7 +60,7 @@ def test_a_dense_update_overwrites_every_element():
         values=rand(12, dtype=torch.float32, seed=9),
     )
     assert apply_updates([u], {"w": target}) == 12
-    assert same_bits(target.reshape(-1), u.values)
+    assert bits_equal(target.reshape(-1), u.values)
 
 
 def test_a_transposed_view_is_written_through_its_strides_into_the_owning_tensor():
@@ -69,15 +70,15 @@ def test_a_transposed_view_is_written_through_its_strides_into_the_owning_tensor
     u = update("w", (7, 5), [0, 1, 6, 17, 34])
     want_view = expected_after(view, u)
     apply_updates([u], {"w": view})
-    assert same_bits(view, want_view)
-    assert same_bits(owner, want_view.t())  # the writes reached the owner's storage
+    assert bits_equal(view, want_view)
+    assert bits_equal(owner, want_view.t())  # the writes reached the owner's storage
 
 
 def test_a_dense_update_into_a_transposed_view_reaches_the_owner():
     owner = rand(4, 3)
     u = TensorUpdate(name="w", shape=(3, 4), dtype=BF16, indices=None, values=rand(12, seed=5))
     apply_updates([u], {"w": owner.t()})
-    assert same_bits(owner.t().contiguous().view(-1), u.values)
+    assert bits_equal(owner.t().contiguous().view(-1), u.values)
 
 
 def test_a_strided_slice_is_written_without_touching_the_skipped_columns():
@@ -87,8 +88,8 @@ def test_a_strided_slice_is_written_without_touching_the_skipped_columns():
     u = update("w", (4, 5), [0, 4, 12, 19])
     want_view = expected_after(view, u)
     apply_updates([u], {"w": view})
-    assert same_bits(view, want_view)
-    assert same_bits(owner[:, 1::2], before[:, 1::2])
+    assert bits_equal(view, want_view)
+    assert bits_equal(owner[:, 1::2], before[:, 1::2])
 
 
 def test_a_slice_with_a_storage_offset_is_written_in_place_and_its_neighbours_are_not():
@@ -99,15 +100,15 @@ def test_a_slice_with_a_storage_offset_is_written_in_place_and_its_neighbours_ar
     u = update("w", (4, 5), [0, 3, 19])
     want = expected_after(target, u)
     apply_updates([u], {"w": target})
-    assert same_bits(big[30:50].view(4, 5), want)
-    assert same_bits(big[:30], before[:30]) and same_bits(big[50:], before[50:])
+    assert bits_equal(big[30:50].view(4, 5), want)
+    assert bits_equal(big[:30], before[:30]) and bits_equal(big[50:], before[50:])
 
 
 def test_a_parameter_that_requires_grad_is_written_in_place():
     p = torch.nn.Parameter(rand(4, 4, dtype=torch.float32))
     u = update("p", (4, 4), [3, 9], dtype=torch.float32)
     apply_updates([u], {"p": p})
-    assert same_bits(p.detach().view(-1)[u.indices], u.values)
+    assert bits_equal(p.detach().view(-1)[u.indices], u.values)
 
 
 def test_updates_decoded_from_a_blob_apply_to_reproduce_the_source_bit_for_bit():
@@ -122,8 +123,8 @@ def test_updates_decoded_from_a_blob_apply_to_reproduce_the_source_bit_for_bit()
     ]
     blob = encode_blob(ups, version=1, base_version=0, shard="tp0", writer="w00000")
     apply_updates(decode_blob(blob).updates, live)
-    assert same_bits(live["a"].view(-1)[idx_a], source["a"].view(-1)[idx_a])
-    assert same_bits(live["b"], source["b"])
+    assert bits_equal(live["a"].view(-1)[idx_a], source["a"].view(-1)[idx_a])
+    assert bits_equal(live["b"], source["b"])
 
 
 # --- nothing is written when anything is wrong ---------------------------------------------------
@@ -151,7 +152,7 @@ def test_a_bad_update_raises_and_leaves_every_target_bit_identical(case):
     with pytest.raises(ApplyError) as info:
         apply_updates(bad_cases()[case], live)
     assert "Nothing was written" in str(info.value) or "nothing was written" in str(info.value)
-    assert all_same(live, before)
+    assert same_bits(live, before)
 
 
 def test_an_expanded_target_whose_elements_share_memory_is_refused():
@@ -160,11 +161,11 @@ def test_an_expanded_target_whose_elements_share_memory_is_refused():
     before_a, before_base = live["a"].clone(), base.clone()
     with pytest.raises(ApplyError, match="share memory"):
         apply_updates([update("a", (4, 4), [0]), update("e", (3, 5), [2])], live)
-    assert same_bits(live["a"], before_a) and same_bits(base, before_base)
+    assert bits_equal(live["a"], before_a) and bits_equal(base, before_base)
 
 
 def test_an_update_with_nothing_to_write_is_accepted_on_any_target():
     target = rand(3, 3)
     before = target.clone()
     assert apply_updates([update("w", (3, 3), [])], {"w": target.t()}) == 0
-    assert same_bits(target, before)
+    assert bits_equal(target, before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits_equal
 
 from deltasync.errors import ConfigError
 from deltasync.format import (
@@ -16,8 +17,6 @@ from deltasync.format import (
     full_updates,
     sparse_update,
 )
-
-from format_testkit import same_bits
 
 HEAD = dict(version=3, base_version=2, shard="tp0", writer="w00000")
 
@@ -32,14 +31,14 @@ def test_sparse_update_takes_the_current_values_at_the_indices():
     u = sparse_update("w", src, idx)
     assert u.shape == (8, 8) and u.dtype == torch.bfloat16
     assert torch.equal(u.indices, idx)
-    assert same_bits(u.values, src.view(-1)[idx])
+    assert bits_equal(u.values, src.view(-1)[idx])
 
 
 def test_sparse_update_from_fp32_rounds_to_nearest_even_like_torch():
     src = rand(1000, seed=1)
     idx = torch.arange(0, 1000, 50)
     u = sparse_update("w", src, idx, dtype=torch.bfloat16)
-    assert same_bits(u.values, src[idx].to(torch.bfloat16))
+    assert bits_equal(u.values, src[idx].to(torch.bfloat16))
     # A tie: 1 + 2^-8 lies exactly between two bf16 values; even rounds down to 1.0.
     tie = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])
     got = sparse_update("t", tie, torch.tensor([0]), dtype=torch.bfloat16).values
@@ -56,14 +55,14 @@ def test_sparse_update_of_a_transposed_source_reads_row_major_positions_of_the_v
     view = owner.t()
     idx = torch.tensor([1, 5, 23])
     u = sparse_update("w", view, idx)
-    assert same_bits(u.values, view.contiguous().view(-1)[idx])
+    assert bits_equal(u.values, view.contiguous().view(-1)[idx])
 
 
 def test_sparse_update_goes_dense_when_indices_would_outweigh_the_saved_values():
     src = rand(100, dtype=torch.bfloat16)
     # 70 of 100 bf16 with u8 gaps: 70*3 = 210 bytes > 200 dense bytes.
     dense = sparse_update("w", src, torch.arange(70))
-    assert dense.indices is None and same_bits(dense.values, src)
+    assert dense.indices is None and bits_equal(dense.values, src)
     # 60 of 100: 60*2 + 59 = 179 bytes < 200.
     assert sparse_update("w", src, torch.arange(60)).indices is not None
 
@@ -93,7 +92,7 @@ def test_full_updates_round_trip_a_state_dict_bit_for_bit():
     blob = encode_blob(ups, version=0, base_version=-1, shard="tp0", writer="w00000")
     spec = {k: TensorSpec(shape=tuple(v.shape), dtype=v.dtype) for k, v in live.items()}
     apply_updates(decode_blob(blob, expected=spec).updates, live)
-    assert all(same_bits(live[k], state[k].contiguous()) for k in state)
+    assert all(bits_equal(live[k], state[k].contiguous()) for k in state)
 
 
 def test_full_updates_rejects_unsupported_dtypes():

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits_equal
 
 from deltasync.errors import ApplyError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob, sparse_update
-
-from format_testkit import same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +29,8 @@ def test_decoded_updates_scatter_into_cuda_targets_bit_for_bit():
     ]
     blob = encode_blob(ups, version=1, base_version=0, shard="tp0", writer="w00000")
     assert apply_updates(decode_blob(blob).updates, live) == 600 + 64
-    assert same_bits(live["w"].reshape(-1)[idx.cuda()], new.reshape(-1)[idx].cuda())
-    assert same_bits(live["d"].reshape(-1), dense.cuda())
+    assert bits_equal(live["w"].reshape(-1)[idx.cuda()], new.reshape(-1)[idx].cuda())
+    assert bits_equal(live["d"].reshape(-1), dense.cuda())
 
 
 def test_a_bad_update_leaves_cuda_targets_unchanged():
@@ -45,4 +44,4 @@ def test_a_bad_update_leaves_cuda_targets_unchanged():
     )
     with pytest.raises(ApplyError):
         apply_updates([ok, bad], live)
-    assert all(same_bits(live[k], before[k]) for k in live)
+    assert all(bits_equal(live[k], before[k]) for k in live)

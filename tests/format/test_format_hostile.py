@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 import zstandard
+from kit import same_bits
 
 from deltasync.errors import (
     BaseVersionMismatchError,
@@ -30,7 +31,7 @@ from deltasync.format import (
 )
 from deltasync.format.wire import DIGEST_SIZE, FORMAT_VERSION, HEADER, SEGMENT, TRAILER
 
-from format_testkit import all_same, clone_all, craft, patch_header, record, reseal
+from format_testkit import clone_all, craft, patch_header, record, reseal
 
 HEAD = dict(version=5, base_version=4, shard="tp0", writer="w00000")
 BF16 = torch.bfloat16
@@ -84,7 +85,7 @@ def assert_rejected(
     before = clone_all(live)
     with pytest.raises(error, match=match):
         receive(blob, live, layout=layout, **kwargs)
-    assert all_same(live, before)
+    assert same_bits(live, before)
 
 
 def test_a_good_blob_is_accepted_by_the_same_receiver_path():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import bits_equal
 
 from deltasync.format import (
     FORMAT_VERSION,
@@ -15,7 +16,7 @@ from deltasync.format import (
 )
 from deltasync.format.wire import HEADER, RECORD, SEGMENT
 
-from format_testkit import same_bits, same_update
+from format_testkit import same_update
 
 HEAD = dict(version=12, base_version=11, shard="tp1-ep0", writer="w00003")
 
@@ -77,7 +78,7 @@ def test_a_tensor_with_every_element_changed_is_written_dense():
     blob, decoded = roundtrip([u], level=0)
     assert first_record_header(blob)[2] == 0  # encoding: dense
     got = decoded.updates[0]
-    assert got.indices is None and same_bits(got.values, u.values)
+    assert got.indices is None and bits_equal(got.values, u.values)
 
 
 def test_a_dense_update_round_trips():
@@ -205,6 +206,6 @@ def test_random_updates_round_trip_bit_exactly(data, dtype, shape, level):
     )
     got = decode_blob(encode_blob([u], **HEAD, level=level)).updates[0]
     if len(chosen) == numel:  # every element named: written dense
-        assert got.indices is None and same_bits(got.values, u.values)
+        assert got.indices is None and bits_equal(got.values, u.values)
     else:
         assert same_update(got, u)

@@ -52,17 +52,25 @@ def tiny_layouts(engine: str = "vllm", tp: int = 2, **overrides: object):
 # ---------------------------------------------------------------------- bitwise equality
 
 
+# An integer dtype of each element size: a view as it needs no contiguity (any strides, also
+# the stride-0 elements of an expanded tensor) and compares bit patterns, not float values.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit pattern of a 16-bit tensor as int16 (BF16 / FP16 weights)."""
+    """The bit pattern of a 16-bit tensor as int16 (BF16 / FP16 weights); any strides."""
     return t.view(torch.int16)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bit pattern (integer views: ±0 and NaN payloads count)."""
+    """Same shape, dtype and bit pattern (integer views: ±0 and NaN payloads count), on any
+    devices (both are compared on the CPU)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.element_size() == 2:
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.element_size() in _INT_OF_SIZE:
+        as_int = _INT_OF_SIZE[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 

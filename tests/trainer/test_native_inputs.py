@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from kit import bits_equal
 
 from deltasync.errors import TensorInputError
 from deltasync.native import loader as native
@@ -42,10 +43,6 @@ def mesh():
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
-
-
-def _bits16(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
 
 
 def _reference(p, m, v):
@@ -115,7 +112,7 @@ def test_detection_entry_points_match_the_torch_path_on_every_kind_of_view(seed)
         ref_bits, ref_idx, ref_vals = _reference(p, m, v)
         idx, vals = detect_adamw_changes(p, m, v, K, threads=2)
         assert torch.equal(idx, ref_idx), kinds
-        assert torch.equal(_bits16(vals), _bits16(ref_vals)), kinds
+        assert bits_equal(vals, ref_vals), kinds
         assert torch.equal(detect_adamw_indices(p, m, v, K), ref_idx), kinds
         nbytes = bitset_bytes(p.numel()) + rng.randint(0, 3)
         if rng.random() < 0.3:  # a strided bitset view: the torch path writes through it
@@ -126,7 +123,7 @@ def test_detection_entry_points_match_the_torch_path_on_every_kind_of_view(seed)
         assert torch.equal(bits[: ref_bits.numel()], ref_bits), kinds
         assert torch.equal(bits_to_indices(bits, p.numel()), ref_idx), kinds
         if p.numel():
-            assert torch.equal(_bits16(bf16_at(p, ref_idx)), _bits16(ref_vals)), kinds
+            assert bits_equal(bf16_at(p, ref_idx), ref_vals), kinds
 
 
 def test_wrong_dtypes_meta_sparse_and_bad_bitsets_raise_typed_errors_naming_the_tensor():
@@ -183,8 +180,8 @@ def test_order_check_and_gather_take_the_torch_path_on_views_and_narrow_ints():
     vals = torch.randn(300)
     want = vals[x].to(torch.bfloat16)
     for idx in (x, x.to(torch.int32), x[::1]):
-        assert torch.equal(_bits16(bf16_at(vals, idx)), _bits16(want))
-    assert torch.equal(_bits16(bf16_at(vals.expand(2, -1)[1], x)), _bits16(want))
+        assert bits_equal(bf16_at(vals, idx), want)
+    assert bits_equal(bf16_at(vals.expand(2, -1)[1], x), want)
 
 
 def test_dtensors_are_refused_by_every_entry_point_with_the_remedy(mesh):
@@ -209,4 +206,4 @@ def test_dtensors_are_refused_by_every_entry_point_with_the_remedy(mesh):
     # the local shard is a plain tensor: the kernel takes it
     idx, vals = detect_adamw_changes(p.to_local(), m, v, K)
     _ref_bits, ref_idx, ref_vals = _reference(p.to_local(), m, v)
-    assert torch.equal(idx, ref_idx) and torch.equal(_bits16(vals), _bits16(ref_vals))
+    assert torch.equal(idx, ref_idx) and bits_equal(vals, ref_vals)
