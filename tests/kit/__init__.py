@@ -12,12 +12,19 @@ tiny config, one synthetic trainer and one oracle.
 - ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights;
 - ``SyntheticTrainer`` (seeded Gaussian gradients, any FSDP split), ``TinyTrainer`` (a masked
   quadratic loss: a chosen fraction of elements gets a gradient each step), ``HFTrainer``
-  (transformers' Qwen3ForCausalLM on random tokens).
+  (transformers' Qwen3ForCausalLM on random tokens);
+- ``one_rank_mesh()``: a one-rank gloo group and its CPU device mesh in this process, so real
+  DTensors can be built without spawning.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
 
 from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
 from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
@@ -32,6 +39,7 @@ __all__ = [
     "bits_equal",
     "build_model",
     "expected_shards",
+    "one_rank_mesh",
     "same_bits",
     "tiny_layouts",
     "tiny_qwen3",
@@ -167,3 +175,23 @@ class HFTrainer:
         self.opt.zero_grad(set_to_none=True)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
+
+
+# ---------------------------------------------------------------------- process groups
+
+
+@contextmanager
+def one_rank_mesh() -> Iterator[object]:
+    """A one-rank gloo group (an in-memory store, no ports) and its 1-D CPU device mesh,
+    destroyed on exit. Fails if this process already has a group: two tests must not share one
+    by accident."""
+    if dist.is_initialized():
+        raise AssertionError("a process group is already initialized in this test process")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

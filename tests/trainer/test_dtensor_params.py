@@ -5,11 +5,9 @@ and empty shards, run under torchrun in tests/fsdp)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
+from kit import one_rank_mesh
 
 from deltasync import AdamWTracker, SnapshotTracker
 from deltasync.errors import ConfigError
@@ -19,16 +17,8 @@ from deltasync.trainer.params import chunk_rows, watch
 
 @pytest.fixture(scope="module")
 def mesh():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this test process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh() as m:
+        yield m
 
 
 def test_chunk_rows_are_torch_chunk_rows_for_every_rank_including_empty_ones():

@@ -5,13 +5,11 @@ exactly what the torch path returns on a contiguous copy of the same values."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-import torch.distributed as dist
-from kit import bits_equal
+from kit import bits_equal, one_rank_mesh
 
 from deltasync.errors import TensorInputError
 from deltasync.native import loader as native
@@ -33,16 +31,8 @@ K = kernel_scalars(
 @pytest.fixture(scope="module")
 def mesh():
     """A one-rank gloo group, so real DTensors can be built in this process."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this test process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh() as m:
+        yield m
 
 
 def _reference(p, m, v):
