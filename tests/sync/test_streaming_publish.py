@@ -16,9 +16,11 @@ import torch
 
 from deltasync import names
 from deltasync.errors import ConfigError
+from deltasync.format import decode_blob
 from deltasync.format.wire import HEADER, SEGMENT
 from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.publish import publisher as publisher_mod
 from deltasync.publish.groups import param_groups
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
@@ -223,7 +225,7 @@ def test_an_error_mid_stream_leaves_no_blob_and_a_retry_commits_exactly(backend,
     assert_same_bits(rx.tensors, expected_shards(trainer.params, tl, rl)["tp1"])
 
 
-def test_a_list_of_changes_and_the_lazy_stream_give_the_same_blobs():
+def test_a_list_of_changes_goes_out_in_fewer_segments_with_the_same_records():
     spec, tl, rl = layouts()
     trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
@@ -238,7 +240,33 @@ def test_a_list_of_changes_and_the_lazy_stream_give_the_same_blobs():
         changed = list(tracker.iter_changes()) if changes == "list" else tracker.iter_changes()
         pub.publish(1, changed, trainer.params)
         blobs.append({k: store.get(k) for k in store.list("v00000001/") if k.endswith(".blob")})
-    assert blobs[0] == blobs[1] and blobs[0]
+    listed, streamed = blobs
+    assert listed.keys() == streamed.keys() and listed
+    for key in listed:
+        # detected already: the groups are batched into one segment per blob (they hold far
+        # fewer than SEGMENT_ELEMENTS changes); streamed: one segment per group
+        assert segments(listed[key]) == 1 < segments(streamed[key])
+        a = {u.name: u for u in decode_blob(listed[key]).updates}
+        b = {u.name: u for u in decode_blob(streamed[key]).updates}
+        assert a.keys() == b.keys()
+        for name, x in a.items():
+            assert torch.equal(x.indices, b[name].indices), name
+            assert torch.equal(x.values.view(torch.int16), b[name].values.view(torch.int16)), name
+
+
+def test_batched_segments_stop_at_the_element_bound(monkeypatch):
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    trainer.step()
+    changes = list(tracker.iter_changes())
+    monkeypatch.setattr(publisher_mod, "SEGMENT_ELEMENTS", 1)  # every group its own segment
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    pub.publish(0, {}, trainer.params, anchor=True)
+    pub.publish(1, changes, trainer.params, since=0)
+    keys = [k for k in store.list("v00000001/") if k.endswith(".blob")]
+    assert keys and all(segments(store.get(k)) > 3 for k in keys)
 
 
 def test_moe_expert_parallel_receivers_get_streamed_blobs_bit_exactly(tmp_path):
