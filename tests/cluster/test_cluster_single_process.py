@@ -261,9 +261,11 @@ def test_a_state_that_does_not_match_the_trainers_digest_goes_dirty_until_an_anc
     rec = world.receivers[1]
     name = next(iter(rec.tensors))
     rec.tensors[name].view(-1)[-1] += 1  # drift outside what any delta rewrites
-    with pytest.raises(IntegrityError, match="only an anchor is accepted"):
+    before = world.snapshot()
+    with pytest.raises(IntegrityError, match=r"Refused before any write.*only an anchor"):
         rec.apply_payload(inbox[1])
-    assert rec.journal.state.dirty
+    assert world.unchanged_since(before)  # verified before the first live write
+    assert rec.journal.state.dirty and rec.journal.state.applying is None
     with pytest.raises(AnchorRequiredError, match="dirty"):
         rec.apply_payload(inbox[1])
     anchor = world.payloads(1, anchor=True)
@@ -284,8 +286,10 @@ def test_several_writers_without_the_full_state_send_part_digests_that_catch_dri
     rec = world.receivers[2]
     name = "model.layers.1.mlp.down_proj.weight"  # row-parallel: rows split by the writers
     rec.tensors[name].view(torch.int16)[-1, 0] ^= 1  # drift in the last rows: writer 1's part
+    before = world.snapshot()
     with pytest.raises(IntegrityError, match=r"writers \['w00001'\]"):
         rec.apply_payload(inbox[2])
+    assert world.unchanged_since(before)  # verified before the first live write
     assert rec.journal.state.dirty and rec.version is None
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltasync.cluster.writer_digests import iter_pieces, receiver_part_digests, writer_part_digests
+from deltasync.format import TensorUpdate, apply_updates
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 
 CONFIG = dict(
@@ -75,3 +76,40 @@ def test_a_writers_part_digest_equals_the_receivers_after_an_exact_split(
     after = receiver_part_digests(tensors, layout=layout, shard=shard, count=writers)
     changed = [k for k in range(writers) if before[k] != after[k]]
     assert changed == [writers - 1]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_part_digests_before_a_write_equal_those_after_it_and_the_tensors_stay_untouched(
+    dense: bool,
+) -> None:
+    layout = ReceiverLayout.build(SPEC, "vllm", tp=2)
+    g = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(s, generator=g) for n, s in TRAINER.param_shapes().items()}
+    shard = "tp1"
+    tensors = layout.split(
+        TRAINER.to_canonical({n: p.to(torch.bfloat16) for n, p in full.items()})
+    )[shard]
+    updates = []
+    for i, (name, t) in enumerate(tensors.items()):
+        if i % 3 == 2:
+            continue  # some tensors get no update
+        n = t.numel()
+        if dense and i % 3 == 1:
+            idx = None
+            vals = torch.randn(n, generator=g).to(torch.bfloat16)
+        else:  # a sparse few, the first and last elements included (chunk edges)
+            picked = torch.randperm(n, generator=g)[: max(1, n // 50)]
+            idx = torch.unique(torch.cat([picked, torch.tensor([0, n - 1])]))
+            vals = torch.randn(idx.numel(), generator=g).to(torch.bfloat16)
+        updates.append(
+            TensorUpdate(name=name, shape=tuple(t.shape), dtype=t.dtype, indices=idx, values=vals)
+        )
+    live = {n: t.clone() for n, t in tensors.items()}
+    predicted = receiver_part_digests(live, layout=layout, shard=shard, count=3, updates=updates)
+    assert all(
+        torch.equal(live[n].view(torch.int16), t.view(torch.int16)) for n, t in tensors.items()
+    )
+    apply_updates(updates, live)
+    after = receiver_part_digests(live, layout=layout, shard=shard, count=3)
+    assert predicted == after
+    assert predicted != receiver_part_digests(tensors, layout=layout, shard=shard, count=3)

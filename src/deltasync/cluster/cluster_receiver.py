@@ -12,11 +12,14 @@
    second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
 3. stage (``staging.stage_payloads``): verify and decode everything, refuse a wrong base,
    merge the writers' updates. The engine keeps serving; nothing has been written;
-4. apply: journal the apply (``applying = (version, base)`` and the writers' attempt window),
+4. verify before write (still serving): the state digest the shard WILL have (one writer,
+   :mod:`deltasync.layout.verify`) or every writer's part digest of it (several,
+   :mod:`deltasync.cluster.writer_digests`), against what the writers sent, hashed chunk by
+   chunk with the updates patched into a small scratch copy; a mismatch refuses the version
+   with nothing written and marks the journal dirty (the base has drifted from the trainer's:
+   only an anchor is accepted from then on);
+5. apply: journal the apply (``applying = (version, base)`` and the writers' attempt window),
    then scatter in place inside the engine's ``pause`` context;
-5. verify: the shard's state digest (one writer) or every writer's part digest (several,
-   :mod:`deltasync.cluster.writer_digests`), against what the writers sent; a mismatch marks the
-   journal dirty (only an anchor is accepted from then on);
 6. acknowledge in the joint commit; the journal commits the version only when every rank
    succeeded.
 
@@ -30,7 +33,7 @@ refused (anchor).
 
 A failure in 3-5 is raised on this rank as the storage path raises it (DigestMismatchError,
 BlobBaseMismatchError, IntegrityError, ...) after this rank has told every other rank in the
-joint commit, where they raise SyncAbortedError; a failure in 3 leaves the tensors bitwise
+joint commit, where they raise SyncAbortedError; a failure in 3-4 leaves the tensors bitwise
 untouched. After an ExchangeError that is not a PeerFailedError the group is broken: re-create
 it and call :meth:`use_group` (``docs/cluster.md``, "Recovery").
 
@@ -63,14 +66,14 @@ from deltasync.cluster.preflight import (
 )
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
-from deltasync.cluster.staging import as_cpu_bytes, stage_payloads
+from deltasync.cluster.staging import Staged, as_cpu_bytes, stage_payloads
 from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import AnchorRequiredError, ExchangeError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_updates, check_tensors_match
 from deltasync.layout import ReceiverLayout
-from deltasync.layout.digest import state_digest
+from deltasync.layout.verify import updated_state_digest
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -245,37 +248,17 @@ class ClusterReceiver:
         )
         stage_s = time.perf_counter() - t
 
+        # Verify before write: hash the tensors as they WILL be (the engine still serves); a
+        # mismatch refuses the version with nothing written.
+        t = time.perf_counter()
+        digest = self._verify(staged)
+        verify_s = time.perf_counter() - t
+
         self.journal.begin(staged.version, staged.base, window=window)  # before the first write
         t = time.perf_counter()
         with self._pause():
             apply_updates(staged.updates, self.tensors)
         pause_s = time.perf_counter() - t
-
-        digest, verify_s = None, 0.0
-        t = time.perf_counter()
-        if staged.state_digest is not None:
-            digest = state_digest(self.tensors)
-            if digest != staged.state_digest:
-                self._diverged(
-                    staged.version,
-                    f"the state digest is {digest}, the trainer says {staged.state_digest}",
-                )
-        elif staged.part_digests:
-            count = len(self.plan.writers)
-            mine = receiver_part_digests(
-                self.tensors, layout=self.layout, shard=self.shard, count=count
-            )
-            bad = [
-                names.writer_id(k)
-                for k in range(count)
-                if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
-            ]
-            if bad:
-                self._diverged(
-                    staged.version,
-                    f"the parts owned by writers {bad} do not match those writers' part digests",
-                )
-        verify_s = time.perf_counter() - t
         return ApplyReport(
             version=staged.version,
             base=staged.base,
@@ -287,10 +270,43 @@ class ClusterReceiver:
             state_digest=digest,
         )
 
+    def _verify(self, staged: Staged) -> str | None:
+        """The digests the tensors will have after ``staged`` against what the writers sent;
+        returns the resulting state digest (one writer), raises IntegrityError otherwise."""
+        if staged.state_digest is not None:
+            digest = updated_state_digest(self.tensors, staged.updates)
+            if digest != staged.state_digest:
+                self._diverged(
+                    staged.version,
+                    f"would give state digest {digest}, the trainer says {staged.state_digest}",
+                )
+            return digest
+        if staged.part_digests:
+            count = len(self.plan.writers)
+            mine = receiver_part_digests(
+                self.tensors,
+                layout=self.layout,
+                shard=self.shard,
+                count=count,
+                updates=staged.updates,
+            )
+            bad = [
+                names.writer_id(k)
+                for k in range(count)
+                if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
+            ]
+            if bad:
+                self._diverged(
+                    staged.version,
+                    f"would not match the part digests of writers {bad} in the parts they own",
+                )
+        return None
+
     def _diverged(self, version: int, why: str) -> None:
         log.error(
-            "receiver %s replica %s (rank %d): after version %d %s; marked dirty, only an "
-            "anchor is accepted from now on",
+            "receiver %s replica %s (rank %d): version %d %s; refused before any write and "
+            "marked dirty (its base no longer matches the trainer's), only an anchor is "
+            "accepted from now on",
             self.shard,
             self.role.replica,
             self.rank,
@@ -299,10 +315,11 @@ class ClusterReceiver:
         )
         self.journal.mark_dirty()
         raise IntegrityError(
-            f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): after "
-            f"applying version {version} {why}. The tensors hold neither that version nor the "
-            "previous one; only an anchor is accepted from now on. Check that trainer and "
-            "receiver use the same layout"
+            f"receiver {self.shard} replica {self.role.replica} (rank {self.rank}): applying "
+            f"version {version} {why}. Refused before any write, but the tensors no longer "
+            "match the trainer's base (drift), so only an anchor is accepted from now on. Check "
+            "that trainer and receiver use the same layout and that nothing else writes the "
+            "receiver's tensors"
         )
 
     # ------------------------------------------------------------------ the whole version

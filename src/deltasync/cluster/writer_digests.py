@@ -13,7 +13,9 @@ Every map between them is a shift, so element (i, j) of the local rectangle is e
 the parameter rectangle. The part digest of (writer, shard) is one xxh3-128 stream over the BF16
 bytes of the writer's pieces of that shard in a fixed order (local tensor order, then rectangle
 start), each rectangle in row-major order: the writer feeds its fp32 masters cast to BF16 a few
-MiB of rows at a time; a receiver feeds its local rectangles (full-width ones in place).
+MiB of rows at a time; a receiver feeds its local rectangles (full-width ones in place), or,
+to verify before it writes, the rectangles as they WILL be after a version's updates (a chunk of
+rows with updated elements is copied, patched and hashed; never a copy of the shard).
 
 It is a transit check for the in-cluster path, built from the same xxh3-128 primitive as the
 one shard-state digest (:mod:`deltasync.layout.digest`), which stays what a receiver reports
@@ -25,13 +27,14 @@ This module knows tables, blocks and bytes; it knows nothing about processes or 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import xxhash
 
+from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.blocks import view_cols, view_rows
 from deltasync.layout.hf_rules import build_hf_table
@@ -132,10 +135,33 @@ def _feed(h: xxhash.xxh3_128, block: torch.Tensor) -> None:
         h.update(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _digest(pieces: list[Piece], rect_of) -> str:
+def _feed_patched(
+    h: xxhash.xxh3_128, live: torch.Tensor, p: Piece, idx: torch.Tensor, vals: torch.Tensor
+) -> None:
+    """Feed piece ``p`` of the 2-D ``live`` tensor as it will be once ``vals`` are written at
+    the sorted flat ``idx`` (CPU int64), a few MiB of rows at a time; ``live`` is not written."""
+    width = live.shape[1]
+    step = max(1, _CAST_ELEMENTS // max(1, p.cols))
+    stop = p.local_row + p.rows
+    for r0 in range(p.local_row, stop, step):
+        r1 = min(stop, r0 + step)
+        piece = live[r0:r1, p.local_col : p.local_col + p.cols]
+        lo, hi = torch.searchsorted(idx, torch.tensor([r0 * width, r1 * width])).tolist()
+        if lo == hi:
+            _feed(h, piece)  # no update in these rows
+            continue
+        piece = piece.clone(memory_format=torch.contiguous_format)  # never the live bits
+        hits = idx[lo:hi]
+        rows, cols = hits // width - r0, hits % width - p.local_col
+        inside = (cols >= 0) & (cols < p.cols)
+        piece[rows[inside], cols[inside]] = vals[lo:hi][inside]
+        _feed(h, piece)
+
+
+def _digest(pieces: list[Piece], feed_piece: Callable[[xxhash.xxh3_128, Piece], None]) -> str:
     h = xxhash.xxh3_128()
     for p in pieces:
-        _feed(h, rect_of(p))
+        feed_piece(h, p)
     return h.hexdigest()
 
 
@@ -174,20 +200,49 @@ def writer_part_digests(
         return view[row : row + p.rows, p.param_col : p.param_col + p.cols]
 
     pieces = writer_pieces(receiver_layout, index, count)
-    return {shard: _digest(pieces[shard], rect) for shard in sorted(pieces)}
+    return {
+        shard: _digest(pieces[shard], lambda h, p: _feed(h, rect(p))) for shard in sorted(pieces)
+    }
 
 
 def receiver_part_digests(
-    tensors: Mapping[str, torch.Tensor], *, layout: ReceiverLayout, shard: str, count: int
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout: ReceiverLayout,
+    shard: str,
+    count: int,
+    updates: Iterable[TensorUpdate] = (),
 ) -> dict[int, str]:
-    """``{writer index: part digest}`` of receiver shard ``shard`` from its live tensors."""
+    """``{writer index: part digest}`` of receiver shard ``shard`` from its live tensors, or,
+    given ``updates`` (at most one per tensor, a folded version), of the tensors as they will be
+    after ``apply_updates(updates, tensors)``, without writing them (verify before write).
+
+    Args:
+        tensors: the live local tensors (read only).
+        layout: the receivers' layout; shard: this receiver's shard; count: the writers.
+        updates: the version about to be applied (none: the tensors as they are).
+
+    Returns:
+        What :func:`writer_part_digests` gives each writer for ``shard`` when the state is exact.
+    """
     views = {n: _as2d(t.detach()) for n, t in tensors.items()}
+    sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for u in updates:
+        if not u.nnz:
+            continue
+        if u.indices is None:  # dense: the values are the whole new tensor
+            views[u.name] = _as2d(u.values.reshape(tuple(u.shape)))
+        else:
+            sparse[u.name] = (u.indices.to("cpu", torch.int64), u.values.to("cpu"))
 
-    def rect(p: Piece) -> torch.Tensor:
+    def feed_piece(h: xxhash.xxh3_128, p: Piece) -> None:
         v = views[p.local]
-        return v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols]
+        if p.local in sparse:
+            _feed_patched(h, v, p, *sparse[p.local])
+        else:
+            _feed(h, v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols])
 
-    return {k: _digest(writer_pieces(layout, k, count)[shard], rect) for k in range(count)}
+    return {k: _digest(writer_pieces(layout, k, count)[shard], feed_piece) for k in range(count)}
 
 
 def iter_pieces(layout: ReceiverLayout, count: int) -> Iterator[Piece]:
