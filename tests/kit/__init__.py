@@ -10,6 +10,8 @@ tiny config, one synthetic trainer and one oracle.
 - ``bits``, ``bits_equal``, ``same_bits``, ``assert_same_bits``: equality on integer views
   (float ``==`` treats -0.0 == +0.0 and NaN != NaN), for one tensor or a dict of tensors;
 - ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights;
+- ``zero_tensors``: a receiver shard's live tensors, all zeros; ``rconfig``: a
+  ``ReceiverConfig`` without fsyncs (tests kill processes, not power);
 - ``SyntheticTrainer`` (seeded Gaussian gradients, any FSDP split), ``TinyTrainer`` (a masked
   quadratic loss: a chosen fraction of elements gets a gradient each step), ``HFTrainer``
   (transformers' Qwen3ForCausalLM on random tokens);
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync import ModelSpec, ReceiverConfig, ReceiverLayout, TrainerLayout
 from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
 
 __all__ = [
@@ -40,10 +42,12 @@ __all__ = [
     "build_model",
     "expected_shards",
     "one_rank_mesh",
+    "rconfig",
     "same_bits",
     "tiny_layouts",
     "tiny_qwen3",
     "tiny_spec",
+    "zero_tensors",
 ]
 
 
@@ -97,6 +101,18 @@ def expected_shards(params, trainer_layout: TrainerLayout, receiver_layout: Rece
     """Oracle: dense split of the canonical BF16 weights (what a full refit would write)."""
     bf16 = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
     return receiver_layout.split(trainer_layout.to_canonical(bf16))
+
+
+def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:
+    """A receiver shard's live tensors before its first pull: zeros of every local spec."""
+    specs = receiver_layout.local_specs(shard)
+    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
+
+
+def rconfig(receiver_id: str, **kwargs: object) -> ReceiverConfig:
+    """A ReceiverConfig without fsyncs of the journal and state files: the tests kill
+    processes, not power, and the page cache survives SIGKILL."""
+    return ReceiverConfig(receiver_id=receiver_id, durable=False, **kwargs)
 
 
 # ---------------------------------------------------------------------- trainers

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TinyTrainer, expected_shards, same_bits, tiny_layouts
+from kit import TinyTrainer, expected_shards, rconfig, same_bits, tiny_layouts, zero_tensors
 
 from deltasync import (
     DeltaSyncError,
@@ -89,12 +89,10 @@ class World:
         }
 
     def zeros(self, shard: str) -> dict[str, torch.Tensor]:
-        return {
-            n: torch.zeros(s.shape, dtype=s.dtype) for n, s in self.rl.local_specs(shard).items()
-        }
+        return zero_tensors(self.rl, shard)
 
     def rconfig(self, rid: str) -> ReceiverConfig:
-        return ReceiverConfig(receiver_id=rid, durable=False, signing_key=self.key)
+        return rconfig(rid, signing_key=self.key)
 
     def materialize(self, where: Path) -> tuple[Path, Path]:
         root, outside = where / "store", where / "outside"

@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import stat
 
-import torch
-from kit import TinyTrainer, tiny_layouts
+from kit import TinyTrainer, rconfig, tiny_layouts, zero_tensors
 
 from deltasync import (
     MemoryStore,
     Publisher,
     PublisherConfig,
     Receiver,
-    ReceiverConfig,
     SnapshotTracker,
     TrainerSync,
 )
@@ -31,7 +29,7 @@ def test_a_receivers_state_dir_and_records_are_private_whatever_the_umask(tmp_pa
     trainer = TinyTrainer(spec)
     pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
     TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params).step_published(0)
-    zeros = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs("tp0").items()}
+    zeros = zero_tensors(rl, "tp0")
     old = os.umask(0)  # the most permissive umask: modes must not depend on it
     try:
         rec = Receiver.for_layout(
@@ -40,7 +38,7 @@ def test_a_receivers_state_dir_and_records_are_private_whatever_the_umask(tmp_pa
             "tp0",
             zeros,
             str(tmp_path / "state"),
-            ReceiverConfig(receiver_id="r", durable=False),
+            rconfig("r"),
         )
         assert rec.pull().version == 0
     finally:

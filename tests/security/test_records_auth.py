@@ -9,15 +9,13 @@ import json
 import time
 
 import pytest
-import torch
-from kit import TinyTrainer, expected_shards, same_bits, tiny_layouts
+from kit import TinyTrainer, expected_shards, rconfig, same_bits, tiny_layouts, zero_tensors
 
 from deltasync import (
     MemoryStore,
     Publisher,
     PublisherConfig,
     Receiver,
-    ReceiverConfig,
     SnapshotTracker,
     TrainerSync,
     names,
@@ -140,14 +138,14 @@ def test_a_marker_rewritten_after_its_put_never_reaches_the_signed_manifest(tmp_
         (report,) = sync.step_published(v)
         manifest = Catalog(store, signing_key=key).manifest(v)
         assert {b.digest for b in manifest.blobs} == {b.digest for b in report.blobs}
-    zeros = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs("tp1").items()}
+    zeros = zero_tensors(rl, "tp1")
     rec = Receiver.for_layout(
         store,
         rl,
         "tp1",
         zeros,
         str(tmp_path / "r"),
-        ReceiverConfig(receiver_id="r", durable=False, signing_key=key),
+        rconfig("r", signing_key=key),
     )
     assert rec.pull().version == 1
     assert same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp1"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TinyTrainer, expected_shards, same_bits, tiny_layouts
+from kit import TinyTrainer, expected_shards, rconfig, same_bits, tiny_layouts, zero_tensors
 
 from deltasync import (
     LocalStore,
@@ -18,7 +18,6 @@ from deltasync import (
     Publisher,
     PublisherConfig,
     Receiver,
-    ReceiverConfig,
     S3Config,
     S3Store,
     SnapshotTracker,
@@ -35,10 +34,6 @@ from deltasync.errors import (
 )
 
 KEY = b"boundary-signing-key-0123456789a"
-
-
-def _zeros(rl, shard):
-    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(shard).items()}
 
 
 class Rig:
@@ -99,9 +94,9 @@ def test_a_blob_larger_than_its_manifest_entry_is_refused_without_reading_it_who
         rig.store,
         rig.rl,
         "tp0",
-        _zeros(rig.rl, "tp0"),
+        zero_tensors(rig.rl, "tp0"),
         str(tmp_path / "r"),
-        ReceiverConfig(receiver_id="r", durable=False),
+        rconfig("r"),
     )
     with pytest.raises(DeltaSyncError, match="larger than the manifest"):
         rec.pull()
@@ -192,9 +187,9 @@ def test_a_receiver_with_a_key_still_reaches_every_version_through_the_bounded_r
         store,
         rig.rl,
         "tp1",
-        _zeros(rig.rl, "tp1"),
+        zero_tensors(rig.rl, "tp1"),
         str(tmp_path / "r"),
-        ReceiverConfig(receiver_id="r", durable=False, signing_key=KEY),
+        rconfig("r", signing_key=KEY),
     )
     for v in range(4):
         rig.publish(v)

@@ -25,14 +25,14 @@ from kit import (  # noqa: F401 - the shared kit, re-exported for the tests of t
     assert_same_bits,
     bits,
     expected_shards,
+    rconfig,
     same_bits,
     tiny_layouts,
     tiny_spec,
+    zero_tensors,
 )
 
 from deltasync.errors import StoreError
-from deltasync.layout import ReceiverLayout
-from deltasync.receiver import ReceiverConfig
 from deltasync.store import LocalStore
 
 TINY = TINY_QWEN3
@@ -44,16 +44,6 @@ def scratch_store(path) -> LocalStore:
     """A LocalStore without fsyncs (~8 ms each here): these tests kill processes, not power;
     the page cache survives SIGKILL. The end-to-end test keeps the durable default."""
     return LocalStore(path, durable=False)
-
-
-def rconfig(receiver_id: str, **kwargs) -> ReceiverConfig:
-    """ReceiverConfig without fsyncs of the journal/state files (see scratch_store)."""
-    return ReceiverConfig(receiver_id=receiver_id, durable=False, **kwargs)
-
-
-def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:
-    specs = receiver_layout.local_specs(shard)
-    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
 
 
 # --- fakes over the Store protocol ---------------------------------------------------------

@@ -8,19 +8,18 @@ by (run id, version): after a lineage restarts, the same number names another st
 from __future__ import annotations
 
 import torch
-from kit import TinyTrainer, assert_same_bits, expected_shards, tiny_layouts
+from kit import (
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    rconfig,
+    tiny_layouts,
+    zero_tensors,
+)
 
-from deltasync import Publisher, PublisherConfig, Receiver, ReceiverConfig, TrainerSync
+from deltasync import Publisher, PublisherConfig, Receiver, TrainerSync
 from deltasync.errors import StoreError
 from deltasync.trainer import SnapshotTracker
-
-
-def rconfig(receiver_id: str, **kwargs) -> ReceiverConfig:
-    return ReceiverConfig(receiver_id=receiver_id, durable=False, **kwargs)
-
-
-def zero_tensors(rl, shard: str) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(shard).items()}
 
 
 def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
