@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -292,33 +293,15 @@ def encode_blobs(
     comes; blobs not yet yielded are still finished (or cancelled) before it propagates."""
     shards = list(updates)
     n = default_threads(len(shards)) if threads is None else max(1, threads)
+    encode = partial(
+        encode_blob, version=version, base_version=base_version, writer=writer, level=level
+    )
     if n == 1 or len(shards) <= 1:
         for shard in shards:
-            yield (
-                shard,
-                encode_blob(
-                    updates[shard],
-                    version=version,
-                    base_version=base_version,
-                    shard=shard,
-                    writer=writer,
-                    level=level,
-                ),
-            )
+            yield shard, encode(updates[shard], shard=shard)
         return
     with ThreadPoolExecutor(n, thread_name_prefix="ds-encode") as pool:
-        futures = [
-            pool.submit(
-                encode_blob,
-                updates[shard],
-                version=version,
-                base_version=base_version,
-                shard=shard,
-                writer=writer,
-                level=level,
-            )
-            for shard in shards
-        ]
+        futures = [pool.submit(encode, updates[shard], shard=shard) for shard in shards]
         try:
             for shard, fut in zip(shards, futures, strict=False):
                 yield shard, fut.result()
