@@ -24,40 +24,25 @@ from pathlib import Path
 import torch
 
 from deltasync import LocalStore, ModelSpec, Receiver, ReceiverConfig, ReceiverLayout
+from deltasync_examples.models import tiny_qwen3
 
 HERE = Path(__file__).resolve().parent
 VERSIONS = 5  # anchors at 0 and 3 (anchor_every=3); 2 optimizer steps for odd versions
 ANCHOR_EVERY = 3
 
+# The one tiny Qwen3, smaller still (hidden 32, vocab 97): four torchrun ranks share two cores.
+_SMALL = dict(
+    vocab_size=97, hidden_size=32, head_dim=8, intermediate_size=48, max_position_embeddings=32
+)
 CONFIGS: dict[str, dict] = {
-    "qwen3": dict(
-        model_type="qwen3",
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32,
-    ),
-    "qwen3_moe": dict(
+    "qwen3": tiny_qwen3(**_SMALL),
+    "qwen3_moe": tiny_qwen3(
+        **_SMALL,
         model_type="qwen3_moe",
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
+        architectures=["Qwen3MoeForCausalLM"],
         moe_intermediate_size=16,
         num_experts=5,
         num_experts_per_tok=2,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32,
     ),
 }
 
