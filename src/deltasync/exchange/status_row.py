@@ -104,7 +104,7 @@ _READY = OK
 
 
 def row_length(world_size: int) -> int:
-    return _HEADER + world_size + MESSAGE_BYTES // 8
+    return _HEADER + world_size + MESSAGE_WORDS
 
 
 def encode_row(
