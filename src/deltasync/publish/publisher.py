@@ -499,17 +499,19 @@ class Publisher:
             changes, batch, held = batch, {}, 0
             changed = {n: idx for n, (idx, _) in changes.items()}
             given = {n: v for n, (_, v) in changes.items() if v is not None}
-            streams.add(
-                shard_updates(
-                    changed,
-                    params,
-                    trainer_layout=self.trainer_layout,
-                    receiver_layout=self.layout,
-                    rank=cfg.writer_rank,
-                    world_size=cfg.num_writers,
-                    values=given or None,
-                )
+            routed = shard_updates(
+                changed,
+                params,
+                trainer_layout=self.trainer_layout,
+                receiver_layout=self.layout,
+                rank=cfg.writer_rank,
+                world_size=cfg.num_writers,
+                values=given or None,
             )
+            # The routed updates replace the group's input: drop it before encoding, so the
+            # largest group (the embedding) is held once, not twice, at the peak.
+            del changes, changed, given
+            streams.add(routed)
 
         done = 0  # groups[:done] are flushed
         last, last_name = -1, None
