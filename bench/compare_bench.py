@@ -51,6 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, action="append", help="override the preset's learning rates")
     p.add_argument("--link-gbps", type=float, action="append", help="emulated per-node link rates")
     p.add_argument("--steps", type=int, help="measured versions per path")
+    p.add_argument(
+        "--warmup", type=int, help="untimed delta versions after the bootstrap (default: 1)"
+    )
+    p.add_argument(
+        "--pre-steps",
+        type=int,
+        help="unsynced AdamW steps before version 0 (default 10; fewer move more elements "
+        "per version, which favours the baselines)",
+    )
+    p.add_argument(
+        "--no-unthrottled",
+        action="store_true",
+        help="skip the unthrottled store path (only the --link-gbps rates, and in-cluster)",
+    )
     p.add_argument("--systems", default="dense,snapshot,deltasync")
     p.add_argument("--no-cluster", action="store_true", help="skip the in-cluster (gloo) path")
     p.add_argument("--tp", type=int, default=2)
@@ -93,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
     links = args.link_gbps or pre["links"]
     steps = args.steps or pre["steps"]
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    paths = [PathSpec(kind="store")] + [PathSpec(kind="store", gbps=g) for g in links]
+    paths = [] if args.no_unthrottled else [PathSpec(kind="store")]
+    paths += [PathSpec(kind="store", gbps=g) for g in links]
     if not args.no_cluster:
         paths.append(PathSpec(kind="cluster"))
     fwd_bwd_s = pre["fwd_bwd_s"] if args.fwd_bwd_s is None else args.fwd_bwd_s
@@ -107,14 +122,15 @@ def main(args: argparse.Namespace) -> int:
     for model in models:
         lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
         for lr in lrs:
-            wl = Workload(model=model, lr=lr)
+            extra = {} if args.pre_steps is None else {"pre_steps": args.pre_steps}
+            wl = Workload(model=model, lr=lr, **extra)
             cfg = RunConfig(
                 workload=wl,
                 systems=systems,
                 paths=tuple(paths),
                 tp=args.tp,
                 steps=steps,
-                warmup=pre["warmup"],
+                warmup=pre["warmup"] if args.warmup is None else args.warmup,
                 fwd_bwd_s=fwd_bwd_s,
                 fwd_bwd_on=args.fwd_bwd_on,
             )

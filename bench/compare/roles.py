@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak
+from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak, trim
 from deltasync_bench.compare.workload import ForwardBackward, Workload, build_trainer
 from deltasync_examples.harness import serve
 
@@ -106,6 +106,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
         for k in range(spec.workload.pre_steps + 1):  # also allocates AdamW's m and v
             trainer.step(-1 - k)  # negative seeds: never the same gradients as a synced version
         fwd_bwd = ForwardBackward(spec.fwd_bwd_s, on=spec.fwd_bwd_on)
+        trim()  # the baseline holds what is live: model, optimizer states, buffers
         st.update(
             tlayout=tlayout,
             rlayout=rlayout,
@@ -147,6 +148,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 version
             )  # the optimizer step (deltasync: its pre-step hook is the barrier)
             detect_s = side.detect_alone()  # changes nothing: the sync detects again
+            trim()  # free heap kept from earlier steps is not this sync's memory
             rss0 = current_rss()
             reset_peak()
             t0 = time.time()  # the end of the optimizer step: latency counts from here
@@ -205,6 +207,7 @@ def receiver_main(spec: RoleSpec, conn) -> None:
     def ready() -> dict:
         _tlayout, rlayout = _init(spec)
         shard = rlayout.shards()[spec.rank - 1].id
+        trim()
         rss_base = current_rss()  # interpreter + torch, before the shard exists
         side = make_receiver_side(
             spec.system,
@@ -221,7 +224,9 @@ def receiver_main(spec: RoleSpec, conn) -> None:
         side, shard = st["side"], st["shard"]
         if op == "bootstrap":
             side.bootstrap(_store(spec, None))
-            return {"digest": bits_digest(side.live()), "shard": shard}
+            digest = bits_digest(side.live())
+            trim()  # the anchor's freed buffers are not the next pull's memory
+            return {"digest": digest, "shard": shard}
         if op == "pull":
             version, path, gbps = args
             rss0 = current_rss()
@@ -234,7 +239,8 @@ def receiver_main(spec: RoleSpec, conn) -> None:
                 got = side.cluster_sync(version)
                 t0 = t_call + got.wait_s  # when this rank's payload had arrived
             t1 = time.time()
-            return {
+            peak = peak_rss()  # before the bench's own digest below
+            out = {
                 "t_recv": t0,
                 "t_done": t1,
                 "transfer_s": got.transfer_s,
@@ -245,8 +251,10 @@ def receiver_main(spec: RoleSpec, conn) -> None:
                 "shard_bytes": st["shard_bytes"],
                 "rss_base": st["rss_base"],
                 "rss_before": rss0,
-                "peak_rss": peak_rss(),
+                "peak_rss": peak,
             }
+            trim()  # after the timed part: the next pull's baseline holds what is live
+            return out
         raise ValueError(f"unknown receiver command {op!r}")
 
     serve(conn, handle, ready=ready)
