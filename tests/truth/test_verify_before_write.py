@@ -17,8 +17,8 @@ from deltasync.commit import Manifest
 from deltasync.errors import BlobMismatchError, IntegrityError, LayoutMismatchError
 from deltasync.format import TensorUpdate, apply_updates, encode_blob
 from deltasync.layout.digest import state_digest, tensor_digest
-from deltasync.receiver import Receiver
 from deltasync.layout.verify import patched_tensor_digest, updated_state_digest
+from deltasync.receiver import Receiver
 
 
 @pytest.fixture

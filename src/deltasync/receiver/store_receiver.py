@@ -61,9 +61,9 @@ from deltasync.errors import (
 from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
+from deltasync.layout.verify import updated_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, fetch_version
-from deltasync.layout.verify import updated_state_digest
 from deltasync.store import Store
 from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
 
