@@ -18,19 +18,13 @@ the four phases. Per engine dtype:
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+from vllm_runs import run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-JOB = Path(__file__).with_name("vllm_job.py")
-VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
 VERSIONS = 3
 CONFIG = dict(
     model_type="qwen3",
@@ -63,33 +57,12 @@ MOE_CONFIG = dict(
 _FRESH: dict[tuple, dict] = {}  # fresh engines by (checkpoint bytes, dtype, tp): started once
 
 
-def _job(where: Path, name: str, **spec) -> dict:
-    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
-    spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(where / f"{name}.pt"), **spec}
-    (where / f"{name}.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    if spec.get("tp", 1) > 1:
-        # vLLM-CPU binds each worker to a NUMA node and refuses 2 workers on one node; bind
-        # one core each instead (this machine has one node and 2 cores)
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(spec["out"], weights_only=False)
-
-
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def run(request, tmp_path_factory):
     """The synced engine's record, and a fresh engine started from the last good version."""
     dtype = request.param
     tmp = tmp_path_factory.mktemp(f"vllm-{dtype}")
-    synced = _job(
+    synced = run_job(
         tmp,
         "synced",
         kind="synced",
@@ -111,13 +84,8 @@ def _fresh(tmp: Path, version: int, dtype: str, tp: int = 1) -> dict:
     ).hexdigest()
     key = (digest, dtype, tp)
     if key not in _FRESH:
-        _FRESH[key] = _job(tmp, "fresh", kind="fresh", checkpoint=str(ckpt), dtype=dtype, tp=tp)
+        _FRESH[key] = run_job(tmp, "fresh", kind="fresh", checkpoint=str(ckpt), dtype=dtype, tp=tp)
     return _FRESH[key]
-
-
-def _same_bits(a: dict, b: dict) -> list[str]:
-    assert set(a) == set(b)
-    return [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))]
 
 
 def test_each_version_through_vllms_api_generates_what_a_fresh_engine_at_that_version_does(run):
@@ -131,11 +99,11 @@ def test_each_version_through_vllms_api_generates_what_a_fresh_engine_at_that_ve
 def test_the_workers_tensors_equal_the_dense_split_bitwise_and_vllm_records_the_version(run):
     state = run["synced"]["state"]
     assert state["shard"] == "tp0"
-    assert _same_bits(state["tensors"], run["synced"]["split"]) == []
+    assert same_bits(state["tensors"], run["synced"]["split"]) == []
     assert state["weight_version"] == VERSIONS
     assert run["synced"]["weight_version_api"] == str(VERSIONS)
     # the raw receiver pulled the same versions into plain tensors: same bits
-    assert _same_bits(run["synced"]["raw_tensors"], run["synced"]["split"]) == []
+    assert same_bits(run["synced"]["raw_tensors"], run["synced"]["split"]) == []
 
 
 def test_every_update_after_the_first_applies_one_delta(run):
@@ -157,7 +125,7 @@ def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_versi
     assert "DigestMismatchError" in synced["corrupt_error"], synced["corrupt_error"]
     after = synced["state_after_corrupt"]
     assert after["weight_version"] == VERSIONS
-    assert _same_bits(after["tensors"], synced["split"]) == []
+    assert same_bits(after["tensors"], synced["split"]) == []
     assert synced["gen_after_corrupt"] == synced["gen"][VERSIONS]
 
 
@@ -178,7 +146,7 @@ def test_the_write_path_matches_what_vllms_cpu_kernels_do_with_the_weights(run):
 def served(tmp_path_factory):
     """``vllm serve`` (its OpenAI server, RL routes on) driven over HTTP, and a fresh engine."""
     tmp = tmp_path_factory.mktemp("vllm-served")
-    served = _job(
+    served = run_job(
         tmp,
         "served",
         kind="served",
@@ -214,11 +182,12 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
 @pytest.fixture(scope="module", params=["qwen3-moe", "tp2"])
 def variant(request, tmp_path_factory):
     """Qwen3-MoE (vLLM 0.32 names its experts ``mlp.experts.routed_experts.w13_weight``) and
-    TP=2 (two worker processes, each its own shard), two versions each."""
+    TP=2 (two worker processes, each its own shard), two versions each. The TP=2 run's layout
+    is probed from both workers' own loaders (and both sides use it)."""
     tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
     moe = request.param == "qwen3-moe"
     tp = 1 if moe else 2
-    synced = _job(
+    synced = run_job(
         tmp,
         "synced",
         kind="synced",
@@ -228,6 +197,7 @@ def variant(request, tmp_path_factory):
         versions=2,
         config=MOE_CONFIG if moe else CONFIG,
         tp=tp,
+        probe_layout=not moe,
     )
     return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
 
@@ -239,11 +209,24 @@ def test_qwen3_moe_and_tp2_engines_take_versions_exactly_and_refuse_a_corrupted_
     states = synced["states"]
     assert [s["shard"] for s in states] == [f"tp{r}" for r in range(variant["tp"])]
     for state in states:
-        assert _same_bits(state["tensors"], synced["splits"][state["shard"]]) == []
+        assert same_bits(state["tensors"], synced["splits"][state["shard"]]) == []
         assert state["weight_version"] == 2
     assert "DigestMismatchError" in synced["corrupt_error"]
     assert synced["gen_after_corrupt"] == synced["gen"][2]
     # only tp0's blob was corrupted; with TP=2 the ranks agree first, so tp1 wrote nothing
     for after in synced["states_after_corrupt"]:
         assert after["weight_version"] == 2
-        assert _same_bits(after["tensors"], synced["splits"][after["shard"]]) == [], after["shard"]
+        assert same_bits(after["tensors"], synced["splits"][after["shard"]]) == [], after["shard"]
+
+
+def test_qwen3_probed_from_both_tp2_workers_loaders_equals_the_hand_written_table(variant):
+    from deltasync.layout import ModelSpec
+    from deltasync.layout.probed import layout_from_json
+    from deltasync.layout.vllm_rules import build_vllm_table
+
+    if variant["tp"] == 1:
+        assert "probed_layout" not in variant["synced"]  # the MoE run uses the hand table
+        return
+    table, shards, _ = layout_from_json(variant["synced"]["probed_layout"])
+    assert [(s.id, s.tp_rank, s.ep_rank) for s in shards] == [("tp0", 0, 0), ("tp1", 1, 0)]
+    assert table_key(table) == table_key(build_vllm_table(ModelSpec.from_hf_config(CONFIG), 2, 1))

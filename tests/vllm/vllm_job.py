@@ -96,43 +96,53 @@ def corrupt_blob(store_dir: Path, version: int) -> str:
 
 
 class Trainer:
-    """A transformers Qwen3 (fp32 masters, AdamW) publishing every version with TrainerSync."""
+    """A transformers model of the config's family (fp32 masters, AdamW) publishing every
+    version with TrainerSync. :meth:`start` takes the receiver layout (hand-written, or probed
+    from the running engine), so the checkpoint the engine starts from can be written first."""
 
     def __init__(self, spec: dict) -> None:
         import transformers
 
+        from deltasync import ModelSpec, TrainerLayout
+
+        cfg = spec["config"]
+        self.spec = spec
+        self.vocab = cfg["vocab_size"]
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**cfg)
+        # fp32 masters whatever the config's torch_dtype says (the engine serves BF16)
+        self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"], weight_decay=0.01)
+        self.mspec = ModelSpec.from_hf_config(cfg)
+        # the trainer side's layout, probed from the transformers class's own loading
+        self.trainer_layout = TrainerLayout.from_transformers(self.model)
+        self.store_dir = Path(spec["tmp"]) / "store"
+        self.params = dict(self.model.named_parameters())
+        self.gen = torch.Generator().manual_seed(1)
+        self.layout = None
+        self.sync = None
+
+    def start(self, layout=None) -> None:
+        """Publish to the store for ``layout`` (default: the ``vllm`` convention's table)."""
         from deltasync import (
             AdamWTracker,
             LocalStore,
-            ModelSpec,
             Publisher,
             PublisherConfig,
             ReceiverLayout,
-            TrainerLayout,
             TrainerSync,
         )
 
-        cfg = spec["config"]
-        self.vocab = cfg["vocab_size"]
-        torch.manual_seed(0)
-        moe = cfg["model_type"] == "qwen3_moe"
-        config_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
-        model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
-        self.model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"], weight_decay=0.01)
-        mspec = ModelSpec.from_hf_config(cfg)
-        self.trainer_layout = TrainerLayout(mspec)
-        self.layout = ReceiverLayout.build(mspec, engine="vllm", tp=spec.get("tp", 1))
-        self.store_dir = Path(spec["tmp"]) / "store"
+        if layout is None:
+            layout = ReceiverLayout.build(self.mspec, engine="vllm", tp=self.spec.get("tp", 1))
+        self.layout = layout
         publisher = Publisher(
             LocalStore(self.store_dir, durable=False),
-            receiver_layout=self.layout,
+            receiver_layout=layout,
             config=PublisherConfig(anchor_every=50),
         )
-        self.params = dict(self.model.named_parameters())
         tracker = AdamWTracker(self.opt, self.model.named_parameters())
         self.sync = TrainerSync(tracker, publisher, self.params)
-        self.gen = torch.Generator().manual_seed(1)
 
     def step(self) -> None:
         ids = torch.randint(0, self.vocab, (4, 12), generator=self.gen)
@@ -148,6 +158,20 @@ class Trainer:
         return self.trainer_layout.to_canonical(bf16)
 
 
+def live_tensors(worker) -> dict:
+    """Runs inside the worker: the tensors vLLM computes with now, by layout name (read from
+    the model, not the backend's targets: a reload may give parameters new storage)."""
+    shard = worker.weight_transfer_engine.shard
+    params = dict(worker.model_runner.model.named_parameters())
+    return {n: params[e].detach().cpu().clone() for n, e in shard.engine_names.items()}
+
+
+def reload_checkpoint(worker, path: str) -> None:
+    """Runs inside the worker: vLLM's own loader reads the dense checkpoint at ``path`` into
+    the live model (in place), the authority the probed layout is checked against."""
+    worker.model_runner.reload_weights(weights_path=path)
+
+
 def synced(spec: dict) -> dict:
     from deltasync import LocalStore, Receiver, ReceiverConfig
     from deltasync.engines.vllm_trainer import (
@@ -159,19 +183,37 @@ def synced(spec: dict) -> dict:
     tmp = Path(spec["tmp"])
     cfg = spec["config"]
     trainer = Trainer(spec)
-    layout, store_dir = trainer.layout, trainer.store_dir
+    store_dir = trainer.store_dir
     train_step, canonical = trainer.step, trainer.canonical
-    trainer.publish(0)
     save_checkpoint(tmp / "v0", cfg, canonical())
     llm = start_llm(spec, str(tmp / "v0"), backend=True)
+    out: dict = {"timings": []}
+    layout_file = None
+    if spec.get("probe_layout"):
+        # the receiver layout learned from the running engine's own model code, every worker
+        from deltasync.engines.vllm_probe import probe_vllm_layout
+        from deltasync.layout.probed import layout_to_json, save_receiver_layout
+
+        t0 = time.perf_counter()
+        probed = probe_vllm_layout(llm, cfg)
+        out["probe_s"] = time.perf_counter() - t0
+        layout_file = str(tmp / "layout.json")
+        save_receiver_layout(layout_file, probed)
+        out["probed_layout"] = layout_to_json(probed.table, probed.shards())
+        trainer.start(probed)
+    else:
+        trainer.start()
+    layout = trainer.layout
+    trainer.publish(0)
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    out: dict = {"gen": {0: generate(llm, prompts, max_tokens)}, "timings": []}
+    out["gen"] = {0: generate(llm, prompts, max_tokens)}
     info = DeltaSyncTrainerInitInfo(
         rank=0,
         store=str(store_dir),
         receiver_id="engine0",
         state_dir=str(tmp / "engine-state"),
         durable=False,
+        layout=layout_file,
     )
     engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
     raw_tensors = {
@@ -239,6 +281,12 @@ def synced(spec: dict) -> dict:
     ]
     out["state_after_corrupt"] = out["states_after_corrupt"][0]
     out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
+    if spec.get("reload_check"):
+        # vLLM's own loader reads the last good version's dense checkpoint into the live
+        # model: if every delta landed where vLLM puts each element, nothing changes
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / f"v{n}"),))
+        out["live_after_reload"] = llm.collective_rpc(live_tensors)
+        out["gen_after_reload"] = generate(llm, prompts, max_tokens)
     return out
 
 
@@ -257,6 +305,7 @@ def served(spec: dict) -> dict:
 
     tmp = Path(spec["tmp"])
     trainer = Trainer(spec)
+    trainer.start()
     trainer.publish(0)
     save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
     with socket.socket() as sock:

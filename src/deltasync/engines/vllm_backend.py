@@ -55,9 +55,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync import PullReport, Receiver, ReceiverConfig, S3Config, open_store
+from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, open_store
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, VersionError
+from deltasync.layout.probed import load_receiver_layout
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     - ``signing_key_hex``: the manifests' HMAC key as hex, when the trainer signs;
     - ``s3``: :class:`~deltasync.S3Config` fields for an ``s3://`` store;
     - ``path``: ``"auto"``, ``"inplace"`` or ``"repack"`` (see :mod:`.vllm_shard`);
-    - ``durable``: fsync the journal and state file (False only on scratch disks).
+    - ``durable``: fsync the journal and state file (False only on scratch disks);
+    - ``layout``: a layout file the publisher uses too (probed from this engine's own loader:
+      :func:`~deltasync.engines.vllm_probe.probe_vllm_layout`, or ``deltasync layout probe``);
+      None: the ``vllm`` convention's table (hand-written for Qwen3/Qwen3-MoE).
     """
 
     store: str
@@ -86,6 +90,7 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     s3: dict[str, Any] | None = None
     path: str = "auto"
     durable: bool = True
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("store", "receiver_id", "state_dir"):
@@ -96,6 +101,8 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
             raise ConfigError("DeltaSyncInitInfo.s3 must be a dict of S3Config fields or None")
         if not isinstance(self.durable, bool):
             raise ConfigError("DeltaSyncInitInfo.durable must be a bool")
+        if self.layout is not None and (not isinstance(self.layout, str) or not self.layout):
+            raise ConfigError("DeltaSyncInitInfo.layout must be a layout file's path or None")
 
     def signing_key(self) -> bytes | None:
         if self.signing_key_hex is None:
@@ -185,8 +192,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         :class:`DeltaSyncInitInfo`."""
         place = ShardPlace.from_vllm(self.parallel_config)
         eager = bool(getattr(self.model_config, "enforce_eager", False))
+        hf_config = self.model_config.hf_config
+        layout = None
+        if init_info.layout is not None:
+            layout = load_receiver_layout(init_info.layout, ModelSpec.from_hf_config(hf_config))
         self.shard = VllmShard(
-            self.model, self.model_config.hf_config, place, path=init_info.path, eager=eager
+            self.model, hf_config, place, layout=layout, path=init_info.path, eager=eager
         )
         s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
         store = open_store(init_info.store, s3=s3, durable=init_info.durable)

@@ -101,7 +101,9 @@ class VllmShard:
     """One worker's receiver shard: layout, shard id, write targets, packed layers.
 
     ``model`` is the worker's live model (``model_runner.get_model()``), ``hf_config`` its
-    ``model_config.hf_config``. ``path`` is ``"auto"`` (measure), ``"inplace"`` (refuse a
+    ``model_config.hf_config``. ``layout``: the receiver layout to hold (one probed from this
+    engine's own loader, :mod:`.vllm_probe`); None builds the ``vllm`` convention's
+    (``ReceiverLayout.build``). ``path`` is ``"auto"`` (measure), ``"inplace"`` (refuse a
     packed kernel) or ``"repack"``. ``eager``: whether the engine runs without a compiled
     graph (required for ``repack``)."""
 
@@ -111,13 +113,26 @@ class VllmShard:
         hf_config: Any,
         place: ShardPlace,
         *,
+        layout: ReceiverLayout | None = None,
         path: str = "auto",
         eager: bool = True,
     ) -> None:
         if path not in ("auto", *PATHS):
             raise ConfigError(f"path must be one of {('auto', *PATHS)}, got {path!r}")
         self.spec = ModelSpec.from_hf_config(hf_config)
-        self.layout = ReceiverLayout.build(self.spec, engine="vllm", tp=place.tp, ep=place.ep)
+        if layout is None:
+            layout = ReceiverLayout.build(self.spec, engine="vllm", tp=place.tp, ep=place.ep)
+        elif layout.table.src_shapes != self.spec.canonical_shapes() or (layout.tp, layout.ep) != (
+            place.tp,
+            place.ep,
+        ):
+            raise ConfigError(
+                f"the receiver layout given is for tp={layout.tp} ep={layout.ep} and "
+                f"{len(layout.table.src_shapes)} canonical tensors; this worker runs "
+                f"tp={place.tp} ep={place.ep} with a {self.spec.model_type!r} model of "
+                f"{len(self.spec.canonical_shapes())}: probe this engine's model again"
+            )
+        self.layout = layout
         self.place = place
         self.shard = self._shard_id(place)
         self.specs = self.layout.local_specs(self.shard)

@@ -59,6 +59,7 @@ class DeltaSyncTrainerInitInfo(TrainerInitInfo):
     s3: dict[str, Any] | None = None
     path: str = "auto"
     durable: bool = True
+    layout: str | None = None
     pause_mode: str | None = "keep"
 
     def worker_init_info(self) -> dict[str, Any]:

@@ -185,6 +185,38 @@ def load_layout(
     return layout_from_json(doc)
 
 
+def save_receiver_layout(
+    path: str | os.PathLike[str], layout: ReceiverLayout, key: Mapping[str, Any] | None = None
+) -> None:
+    """Write a receiver layout's table and shards as a layout file (atomically)."""
+    save_layout(path, layout.table, layout.shards(), key)
+
+
+def load_receiver_layout(
+    path: str | os.PathLike[str], spec: Any, *, engine: str = "vllm"
+) -> ReceiverLayout:
+    """A :class:`ReceiverLayout` from a layout file, for the model ``spec`` describes.
+
+    Args:
+        path: a file :func:`save_layout` / ``deltasync layout probe`` wrote.
+        spec: the model's :class:`~deltasync.layout.model_spec.ModelSpec`.
+        engine: the convention's name, recorded in manifests (publisher and receivers must
+            agree on it; the placements themselves are part of the manifests' layout record).
+
+    Raises:
+        LayoutError: not a layout file, or one made for other tensors than ``spec``'s.
+    """
+    table, shards, _ = load_layout(path)
+    if table.src_shapes != spec.canonical_shapes():
+        raise LayoutError(
+            f"layout file {str(path)!r} was made for other tensors than this "
+            f"{spec.model_type!r} config's: probe the engine for this model"
+        )
+    tp = 1 + max(s.tp_rank for s in shards)
+    ep = 1 + max(s.ep_rank for s in shards)
+    return ReceiverLayout(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
+
+
 # ---------------------------------------------------------------------- cache
 
 

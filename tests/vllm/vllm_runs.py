@@ -1,0 +1,54 @@
+"""Running ``vllm_job.py`` in ``.venv-vllm`` and comparing what it saved, for the vLLM tier.
+
+One vLLM engine per subprocess (vLLM keeps global state); the job writes its record with
+``torch.save`` and the tests, in whichever venv runs pytest, read it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+JOB = Path(__file__).with_name("vllm_job.py")
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
+
+
+def run_job(where: Path, name: str, **spec) -> dict:
+    """Run one job (``spec["kind"]``: fresh, synced, served) and return its record."""
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
+    spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(where / f"{name}.pt"), **spec}
+    (where / f"{name}.json").write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if spec.get("tp", 1) > 1:
+        # vLLM-CPU binds each worker to a NUMA node and refuses 2 workers on one node; bind
+        # one core each instead (this machine has one node and 2 cores)
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(spec["out"], weights_only=False)
+
+
+def same_bits(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ in any bit (BF16 compared as int16); the key sets must match."""
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    return [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))]
+
+
+def table_key(table) -> tuple:
+    """A table as comparable data: every placement (shard, local, block), shapes, aliases."""
+    placements = {
+        n: sorted((p.shard, p.local, p.block) for p in pls) for n, pls in table.placements.items()
+    }
+    return placements, table.dst_shapes, table.aliases
