@@ -2,10 +2,11 @@
 
 Run with ``pytest tests/vllm -m vllm`` after ``scripts/vllm_env.sh``. Each case starts one
 vLLM engine in ``.venv-vllm`` (this file, run as a script, is the job: vLLM keeps global state,
-one engine per process), probes the worker's model through its own ``load_weights``
-(``collective_rpc``), and writes the learned layout as JSON; the test, in whichever venv runs
-pytest, compares it with the ``vllm`` rules (Qwen3) or with the probe of the vLLM-convention
-reference loader (other families), block for block.
+one engine per process), probes it with :func:`deltasync.engines.vllm_probe.probe_vllm_layout`
+(every worker builds a fresh instance of its own model class and probes its ``load_weights``)
+and writes the learned layout as JSON; the test, in whichever venv runs pytest, compares it
+with the hand-written ``vllm`` rules block for block. Families without hand-written rules are
+probed, and synced end to end, in ``test_vllm_families.py``.
 """
 
 from __future__ import annotations
@@ -38,20 +39,6 @@ CASES = {
     "qwen3_tied": dict(
         BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True
     ),
-    "llama_untied": dict(
-        BASE, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False
-    ),
-    # vLLM's Qwen2 takes head_dim = hidden_size // num_attention_heads (transformers honours a
-    # head_dim field): with BASE's head_dim it holds half of q, which the probe reports.
-    "qwen2_tied": dict(
-        BASE,
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        tie_word_embeddings=True,
-        hidden_size=256,
-        intermediate_size=512,
-    ),
-    "gemma": dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"]),
     "qwen3_moe": dict(
         BASE,
         model_type="qwen3_moe",
@@ -87,26 +74,11 @@ def job(spec_path: str) -> None:
         max_num_seqs=4,
         seed=0,
     )
-    config_dict = spec["config"]
+    from deltasync.engines.vllm_probe import probe_vllm_layout
+    from deltasync.layout.probed import layout_to_json
 
-    def probe(worker) -> dict:
-        import transformers as tf
-
-        from deltasync.layout import ShardInfo
-        from deltasync.layout.hf_loader import checkpoint_shapes, meta_model
-        from deltasync.layout.probe import probe_shard
-        from deltasync.layout.probed import assemble_table, layout_to_json
-
-        canon = checkpoint_shapes(meta_model(tf.AutoConfig.for_model(**config_dict)))
-        if config_dict.get("tie_word_embeddings"):
-            canon.pop("lm_head.weight", None)
-        engine_model = worker.model_runner.model
-        shard = probe_shard(engine_model, canon)
-        table = assemble_table(canon, {"tp0": shard})
-        return layout_to_json(table, [ShardInfo("tp0", 0, 0)])
-
-    (doc,) = llm.collective_rpc(probe)
-    Path(spec["out"]).write_text(json.dumps(doc))
+    layout = probe_vllm_layout(llm, spec["config"])
+    Path(spec["out"]).write_text(json.dumps(layout_to_json(layout.table, layout.shards())))
 
 
 if __name__ == "__main__":
@@ -115,6 +87,7 @@ if __name__ == "__main__":
 
 
 import pytest
+from vllm_runs import table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -136,31 +109,18 @@ def _run_job(tmp: Path, config: dict) -> dict:
     return json.loads((tmp / "layout.json").read_text())
 
 
-def _key(table):
-    placements = {
-        n: sorted((p.shard, p.local, p.block) for p in pls) for n, pls in table.placements.items()
-    }
-    return placements, table.dst_shapes, table.aliases
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_probing_a_vllm_cpu_model_learns_the_vllm_convention_table(case, tmp_path):
+def test_probing_a_running_vllm_cpu_engine_learns_the_hand_written_table(case, tmp_path):
     from deltasync.layout import ModelSpec
-    from deltasync.layout.probe import probe_shard
-    from deltasync.layout.probed import assemble_table, layout_from_json
-    from deltasync.layout.reference_loader import VllmReferenceLoader
+    from deltasync.layout.probed import layout_from_json
     from deltasync.layout.vllm_rules import build_vllm_table
 
     config = CASES[case]
     probed, shards, _ = layout_from_json(_run_job(tmp_path, config))
     spec = ModelSpec.from_hf_config(config)
-    if spec.model_type in ("qwen3", "qwen3_moe"):
-        expected = build_vllm_table(spec, 1, 1)
-    else:
-        canon = spec.canonical_shapes()
-        expected = assemble_table(canon, {"tp0": probe_shard(VllmReferenceLoader(spec), canon)})
+    expected = build_vllm_table(spec, 1, 1)
     assert [s.id for s in shards] == ["tp0"]
-    got = _key(probed)
+    got = table_key(probed)
     if spec.is_moe:
         # vLLM 0.32 holds the experts under its MoE runner (``mlp.experts.routed_experts.
         # w13_weight``) and lists the router a second time as ``mlp.experts.gate.weight`` (the
@@ -174,7 +134,7 @@ def test_probing_a_vllm_cpu_model_learns_the_vllm_convention_table(case, tmp_pat
             and got[2]["tp0"]
         )
         got = _renamed(got, ".mlp.experts.routed_experts.", ".mlp.experts.")
-    assert got == _key(expected)
+    assert got == table_key(expected)
 
 
 def _renamed(key, old: str, new: str):

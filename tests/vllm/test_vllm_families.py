@@ -55,7 +55,8 @@ FAMILIES = {
         ),
         2,
     ),
-    # Qwen2.5: biases on q/k/v; vLLM's Qwen2 takes head_dim = hidden / heads, so hidden 256
+    # Qwen2.5 (the 0.5B/1.5B shapes: tied): biases on q/k/v; vLLM's Qwen2 takes
+    # head_dim = hidden / heads (transformers honours a head_dim field), so hidden 256
     "qwen2.5": (
         dict(
             BASE,
@@ -63,7 +64,7 @@ FAMILIES = {
             architectures=["Qwen2ForCausalLM"],
             hidden_size=256,
             intermediate_size=512,
-            tie_word_embeddings=False,
+            tie_word_embeddings=True,
         ),
         1,
     ),

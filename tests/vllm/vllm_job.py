@@ -1,17 +1,22 @@
 """One vLLM engine in its own process (vLLM keeps global state: one engine per process).
 
-``python vllm_job.py SPEC.json`` runs in ``.venv-vllm``. Two kinds of job:
+``python vllm_job.py SPEC.json`` runs in ``.venv-vllm``. Three kinds of job:
 
 - ``"fresh"``: start an engine from the dense checkpoint ``spec["checkpoint"]`` and generate;
-- ``"synced"``: the trainer and the engine of an RL loop in one process. A transformers Qwen3
-  (fp32 masters, AdamW) publishes version 0 (an anchor) to a store with ``TrainerSync`` and
-  writes it as the checkpoint the engine starts from; then for each version it steps,
-  publishes, and tells the engine to take it through vLLM's weight-transfer API with backend
-  ``"deltasync"`` (``DeltaSyncTrainerEngine`` over ``LLMClient``); a raw ``Receiver`` on plain
-  tensors pulls the same versions for comparison. Last, one more version is published, one
-  byte of its blob is flipped in the store, and the engine is told to take it: the error and
-  the generation after it are recorded. Saves generations, the worker's tensors, the dense
-  split and checkpoint of the last good version, and timings to ``spec["out"]``.
+- ``"synced"``: the trainer and the engine of an RL loop in one process. A transformers model
+  of the config's family (fp32 masters, AdamW) writes version 0 as the checkpoint the engine
+  starts from; with ``spec["probe_layout"]`` the receiver layout is then probed from the
+  running engine's workers and saved as the layout file both sides use (else the ``vllm``
+  table); version 0 is published (an anchor) with ``TrainerSync``; then for each version it
+  steps, publishes, and tells the engine to take it through vLLM's weight-transfer API with
+  backend ``"deltasync"`` (``DeltaSyncTrainerEngine`` over ``LLMClient``); a raw ``Receiver``
+  on plain tensors pulls the same versions for comparison. Then one more version is published,
+  one byte of its blob is flipped in the store, and the engine is told to take it: the error
+  and the generation after it are recorded. With ``spec["reload_check"]``, last, vLLM's own
+  loader reads the last good version's checkpoint into the live model and the live tensors
+  and generations after it are recorded. Saves generations, the worker's tensors, the dense
+  split and checkpoint of the last good version, and timings to ``spec["out"]``;
+- ``"served"``: the same trainer driving ``vllm serve`` over HTTP.
 """
 
 from __future__ import annotations
