@@ -47,6 +47,7 @@ class Setup:
     timeout_s: float = 20.0
     forward_from: int | None = None  # switch to dp_mode "forward" from this version on
     max_chunk_bytes: int = 64 << 20
+    overlap: bool = False  # ClusterSender(overlap=True); each version settled before the check
 
     def world_size(self) -> int:
         return self.num_writers + self.tp * self.replicas
@@ -123,6 +124,8 @@ class Trainer:
             version=version,
             config=setup.config(),
             full_state=self.named,
+            overlap=setup.overlap,
+            optimizer=self.opt if setup.overlap else None,
         )
 
 
@@ -182,10 +185,13 @@ def run_versions(rank: int, setup: Setup) -> dict:
         out["setup_s"] = time.perf_counter() - t0
         for v in range(setup.versions + 1):
             if v == setup.forward_from:
+                sender.close()
                 sender = trainer.sender(setup, version=sender.version, plan_at=v)
             if v:
                 trainer.step()
             report = sender.sync(v, anchor=v == 0)
+            if setup.overlap:  # the check below reads the group: settle the version first
+                report = sender.wait()
             out["versions"].append(report.version)
             out["exchanges"].append(sender.plan.exchanges)
             out.setdefault("elements", []).append(report.elements)

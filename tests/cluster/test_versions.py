@@ -83,3 +83,20 @@ def test_two_fsdp_writers_give_exactly_the_receiver_states_of_one_writer(tp2_run
     for i, r in enumerate(receivers):
         assert r["bad"] == []
         assert r["digests"] == one_writer[i][:16]
+
+
+@pytest.mark.timeout(150)
+def test_two_overlapped_fsdp_writers_give_exactly_the_receiver_states_of_one_writer(
+    tp2_run,
+) -> None:
+    # As above, with every writer sending in the background (the tracker cleared at capture,
+    # its positions carried until the joint commit, the collectives on the sender's thread).
+    setup = Setup(num_writers=2, tracker="snapshot", versions=8, digest_every=1, overlap=True)
+    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    writers, receivers = results[:2], results[2:]
+    assert [w["versions"] for w in writers] == [list(range(9))] * 2
+    assert all(r.overlapped for w in writers for r in w["reports"])
+    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == one_writer[i][:9]
