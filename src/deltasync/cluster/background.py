@@ -14,7 +14,9 @@ thread here. Two moments of that work matter to the trainer:
 Every collective of the send runs on this one thread, in order, so the exchange's process
 group is only ever used from here while a version is in flight (gloo and NCCL both require
 that a group's collectives are issued in the same order on every rank; the trainer's own
-collectives must use other groups).
+collectives must use other groups). The CUDA runtime's current device is per thread, and a new
+thread starts on device 0, so the worker takes the submitting thread's current device first:
+NCCL's tensors then live where the caller's do.
 
 This module knows threads, futures and the optimizer's hook API; it knows nothing about
 payloads, tensors or ranks.
@@ -64,6 +66,14 @@ class PendingSend:
         return self._future.result(timeout)
 
 
+def _current_cuda_device() -> int | None:
+    """The caller's current CUDA device, or None where CUDA is not in use (never initialises
+    CUDA on a CPU-only job)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
 class Background:
     """One worker thread for the versions of one sender, and the barrier on ``optimizer``."""
 
@@ -81,9 +91,12 @@ class Background:
         """Run ``work(pending)`` on the worker; ``pending`` is released when ``work`` releases
         it or ends, and done when it ends."""
         assert self._inflight is None, "settle the version in flight first"
+        device = _current_cuda_device()
 
         def run() -> SendReport:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 return work(pending)
             finally:
                 pending.release()  # a failure before the release must not hold the barrier
