@@ -68,7 +68,7 @@ def _same(a, b) -> bool:
 def run_case(case: str, tp: int, round_elements: int, cache_dir: str) -> dict:
     """One case in this process; returns its measurements."""
     from deltasync.layout import ModelSpec, ShardInfo
-    from deltasync.layout.hf_rules import build_hf_table
+    from deltasync.layout.hf_model import build_hf_table
     from deltasync.layout.probe import ProbeConfig, probe_shard
     from deltasync.layout.probed import ProbeCache, assemble_table, probe_key
     from deltasync.layout.reference_loader import VllmReferenceLoader
@@ -96,7 +96,7 @@ def run_case(case: str, tp: int, round_elements: int, cache_dir: str) -> dict:
     elif case == "transformers":
         import transformers
 
-        from deltasync.layout.hf_loader import TransformersLoader, empty_model
+        from deltasync.layout.hf_model import TransformersLoader, empty_model
 
         model = empty_model(transformers.AutoConfig.for_model(**QWEN3_06B))
         model_rss = _rss() - base

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from deltasync.cli import main
 from deltasync.layout import ModelSpec
-from deltasync.layout.hf_rules import build_hf_table
+from deltasync.layout.hf_model import build_hf_table
 from deltasync.layout.probed import layout_from_json, load_layout
 from deltasync.layout.vllm_rules import build_vllm_table
 

@@ -9,7 +9,7 @@ import torch
 
 from deltasync.errors import LayoutProbeError
 from deltasync.layout import ModelSpec, ShardInfo
-from deltasync.layout.hf_rules import build_hf_table
+from deltasync.layout.hf_model import build_hf_table
 from deltasync.layout.probe import (
     ProbeConfig,
     check_bits,
@@ -100,7 +100,7 @@ def test_other_ep_ranks_experts_are_dropped_and_vocab_padding_is_recognised():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_probing_the_transformers_model_learns_the_hf_table(name):
     transformers = pytest.importorskip("transformers")
-    from deltasync.layout.hf_loader import TransformersLoader, checkpoint_shapes, empty_model
+    from deltasync.layout.hf_model import TransformersLoader, checkpoint_shapes, empty_model
 
     config = transformers.AutoConfig.for_model(**CONFIGS[name])
     spec = ModelSpec.from_hf_config(config)

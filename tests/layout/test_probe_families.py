@@ -67,7 +67,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_a_family_without_hand_written_tables_syncs_bit_exactly_through_probed_layouts(
     family, tmp_path
 ):
-    from deltasync.layout.hf_loader import checkpoint_shapes, meta_model
+    from deltasync.layout.hf_model import checkpoint_shapes, meta_model
 
     cfg = FAMILIES[family]
     config = transformers.AutoConfig.for_model(**cfg)

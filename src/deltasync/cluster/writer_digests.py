@@ -37,7 +37,7 @@ import xxhash
 from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.blocks import view_cols, view_rows
-from deltasync.layout.hf_rules import build_hf_table
+from deltasync.layout.hf_model import build_hf_table
 
 _CAST_ELEMENTS = 1 << 21  # elements per cast chunk: ~4 MiB of BF16
 

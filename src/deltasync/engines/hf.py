@@ -21,7 +21,7 @@ from deltasync.engines.base import UNLOADED, load_dense
 from deltasync.errors import ConfigError
 from deltasync.format import TensorUpdate, apply_updates, check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout
-from deltasync.layout.hf_rules import HF_SHARD
+from deltasync.layout.hf_model import HF_SHARD
 
 _CONFIG_ONLY_KEYS = ("model_type", "architectures", "torch_dtype", "dtype")
 

@@ -1,7 +1,7 @@
 """Learn one receiver shard's layout from the engine's own weight loader.
 
 ``probe_shard(loader, canonical)`` drives ``loader.load_weights`` (the ``Iterable[(name,
-tensor)]`` entry point vLLM and SGLang models have, and :mod:`~deltasync.layout.hf_loader`
+tensor)]`` entry point vLLM and SGLang models have, and :mod:`~deltasync.layout.hf_model`
 gives a transformers model) with checkpoint tensors whose values identify every element, reads
 every parameter back, and compresses where each canonical element landed into the same
 :class:`~deltasync.layout.blocks.Block` maps the hand-written rules build.

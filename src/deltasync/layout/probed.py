@@ -369,7 +369,7 @@ def probe_engine_layout(
             raise LayoutError(
                 f"engine 'transformers' is one shard: tp and ep must be 1 (got {tp}, {ep})"
             )
-        from deltasync.layout.hf_loader import TransformersLoader, empty_model
+        from deltasync.layout.hf_model import TransformersLoader, empty_model
 
         hf_config = _hf_config(model_config)
 

@@ -30,7 +30,7 @@ import torch
 
 from deltasync.errors import LayoutError
 from deltasync.format import TensorSpec
-from deltasync.layout.hf_rules import HF_SHARD, build_hf_table
+from deltasync.layout.hf_model import HF_SHARD, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.table import LayoutTable, Routed
 from deltasync.layout.vllm_rules import RULE_MODEL_TYPES, build_vllm_table, vllm_shards

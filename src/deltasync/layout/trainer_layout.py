@@ -1,7 +1,7 @@
 """Trainer parameters (whole, or an FSDP2 dim-0 shard) → canonical coordinates.
 
 The trainer's model is the transformers model (``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``),
-whose parameter names and fused expert tensors ``hf_rules`` describes; this is that table read
+whose parameter names and fused expert tensors ``hf_model`` describes; this is that table read
 backwards. A rank that holds an FSDP2 shard (``torch.distributed.fsdp.fully_shard``: dim 0 cut
 with ``torch.chunk`` semantics, chunk ``ceil(D0 / W)`` rows, trailing ranks short or empty,
 the padding not part of the parameter) maps its changed positions with its rank and world size
@@ -19,7 +19,7 @@ import torch
 
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import bits, numel
-from deltasync.layout.hf_rules import HF_SHARD, TIED_ALIASES, build_hf_table
+from deltasync.layout.hf_model import HF_SHARD, TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.probe import ProbeConfig
 from deltasync.layout.table import LayoutTable
@@ -41,7 +41,7 @@ class TrainerLayout:
     """transformers-model parameter names → canonical (HF checkpoint) names and indices.
 
     ``table`` (canonical → the model's parameters, one shard) defaults to the hand-written
-    ``hf_rules``; :meth:`from_transformers` learns it from the transformers class instead.
+    ``hf_model``; :meth:`from_transformers` learns it from the transformers class instead.
     """
 
     def __init__(self, spec: ModelSpec, *, table: LayoutTable | None = None) -> None:
@@ -76,7 +76,7 @@ class TrainerLayout:
             LayoutError: the model's parameters are not those of its class built from its
                 config, or the class's loader does not move elements unchanged.
         """
-        from deltasync.layout.hf_loader import TransformersLoader, empty_model
+        from deltasync.layout.hf_model import TransformersLoader, empty_model
         from deltasync.layout.probe import probe_shard
         from deltasync.layout.probe_blocks import assemble_table
 
