@@ -571,7 +571,7 @@ class ClusterSender:
 
     def close(self) -> None:
         """Wait for the version in flight, remove the optimizer hook, stop the thread (overlap
-        mode; a no-op otherwise).
+        mode; a no-op otherwise). Later ``sync`` calls block, as without overlap.
 
         Raises:
             SendFailedError: the version in flight did not commit.
