@@ -6,7 +6,7 @@ as usual. State digests are on (the default). Versions, in order:
 
 - 0: the anchor; 1-3: deltas, the receivers entering each sync 0.3 s late (so the exchange
   cannot have finished when the trainer's ``sync`` returns);
-- 4: the background's read of the params is slowed by 1 s and the trainer steps right away: the
+- 4: the background's read of the params is slowed by 1.5 s and the trainer steps right away: the
   optimizer's pre-step hook must hold the step until the background no longer reads them;
 - 5: a plain delta;
 - 6: rank 2 corrupts its payload, the joint commit fails in the background; the trainer learns
@@ -51,7 +51,7 @@ from cluster_testkit import (
 )
 
 LATE_S = 0.3  # receivers' late arrival in versions 1-3
-SLOW_READ_S = 1.0  # the background's slowed read of the params in version 4
+SLOW_READ_S = 1.5  # the background's slowed read of the params in version 4
 DEATH_AFTER_S = 0.25
 
 

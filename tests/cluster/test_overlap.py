@@ -58,7 +58,8 @@ def test_the_optimizer_step_waits_until_the_background_no_longer_reads_the_param
 ) -> None:
     barrier = overlap[0]["barrier"]
     assert barrier["step_saw_released"] == [True]
-    assert barrier["barrier_wait_s"] > SLOW_READ_S / 3
+    # it waited (the forward/backward before the step is far shorter than the slowed read)
+    assert barrier["barrier_wait_s"] > SLOW_READ_S / 10
 
 
 @pytest.mark.timeout(180)
