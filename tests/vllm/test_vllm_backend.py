@@ -21,7 +21,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from vllm_runs import run_job, same_bits, table_key
+from vllm_runs import as_rule_names, run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -182,8 +182,8 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
 @pytest.fixture(scope="module", params=["qwen3-moe", "tp2"])
 def variant(request, tmp_path_factory):
     """Qwen3-MoE (vLLM 0.32 names its experts ``mlp.experts.routed_experts.w13_weight``) and
-    TP=2 (two worker processes, each its own shard), two versions each. The TP=2 run's layout
-    is probed from both workers' own loaders (and both sides use it)."""
+    TP=2 (two worker processes, each its own shard), two versions each. Both publish with the
+    layout probed from the running engine's workers (and the workers hold the same file)."""
     tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
     moe = request.param == "qwen3-moe"
     tp = 1 if moe else 2
@@ -197,7 +197,7 @@ def variant(request, tmp_path_factory):
         versions=2,
         config=MOE_CONFIG if moe else CONFIG,
         tp=tp,
-        probe_layout=not moe,
+        probe_layout=True,
     )
     return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
 
@@ -219,14 +219,16 @@ def test_qwen3_moe_and_tp2_engines_take_versions_exactly_and_refuse_a_corrupted_
         assert same_bits(after["tensors"], synced["splits"][after["shard"]]) == [], after["shard"]
 
 
-def test_qwen3_probed_from_both_tp2_workers_loaders_equals_the_hand_written_table(variant):
+def test_the_layout_probed_from_every_worker_equals_the_hand_written_table(variant):
     from deltasync.layout import ModelSpec
     from deltasync.layout.probed import layout_from_json
     from deltasync.layout.vllm_rules import build_vllm_table
 
-    if variant["tp"] == 1:
-        assert "probed_layout" not in variant["synced"]  # the MoE run uses the hand table
-        return
+    tp = variant["tp"]
+    config = CONFIG if tp > 1 else MOE_CONFIG
     table, shards, _ = layout_from_json(variant["synced"]["probed_layout"])
-    assert [(s.id, s.tp_rank, s.ep_rank) for s in shards] == [("tp0", 0, 0), ("tp1", 1, 0)]
-    assert table_key(table) == table_key(build_vllm_table(ModelSpec.from_hf_config(CONFIG), 2, 1))
+    assert [(s.id, s.tp_rank, s.ep_rank) for s in shards] == [(f"tp{r}", r, 0) for r in range(tp)]
+    got = table_key(table)
+    if tp == 1:  # the MoE engine: vLLM's live expert names, the rules' geometry
+        got = as_rule_names(got)
+    assert got == table_key(build_vllm_table(ModelSpec.from_hf_config(config), tp, 1))

@@ -52,3 +52,26 @@ def table_key(table) -> tuple:
         n: sorted((p.shard, p.local, p.block) for p in pls) for n, pls in table.placements.items()
     }
     return placements, table.dst_shapes, table.aliases
+
+
+def as_rule_names(key: tuple) -> tuple:
+    """A probed Qwen3-MoE table's key under the hand-written rules' names.
+
+    vLLM 0.32 holds the experts under its MoE runner (``mlp.experts.routed_experts.w13_weight``)
+    and lists the router a second time as ``mlp.experts.gate.weight`` (the same storage); the
+    rules keep the names of vLLM's FusedMoE (``VllmShard`` maps them). The probe sees the live
+    names; the geometry must be the rules'. Checks the router aliases, then renames."""
+    placements, shapes, aliases = key
+    for sid, shard_aliases in aliases.items():
+        assert shard_aliases, sid
+        assert all(
+            a.endswith(".mlp.experts.gate.weight") and t.endswith(".mlp.gate.weight")
+            for a, t in shard_aliases.items()
+        ), shard_aliases
+    old, new = ".mlp.experts.routed_experts.", ".mlp.experts."
+    placements = {
+        n: sorted((s, loc.replace(old, new), b) for s, loc, b in pls)
+        for n, pls in placements.items()
+    }
+    shapes = {sid: {n.replace(old, new): v for n, v in m.items()} for sid, m in shapes.items()}
+    return placements, shapes, {sid: {} for sid in shapes}

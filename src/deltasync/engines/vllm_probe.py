@@ -74,15 +74,21 @@ def shard_info(place: ShardPlace) -> ShardInfo:
 
 @contextlib.contextmanager
 def _scratch_layers(vllm_config: Any) -> Iterator[None]:
-    """Layers a model registers in the compilation config while it is built (attention, MoE)
+    """Layers a model registers in the compilation config while it is built (attention and
+    MoE layers by name; MoE layers also in an ordered list that the forward pass may index)
     are forgotten again afterwards, so the serving engine never sees the probe's model."""
-    context = vllm_config.compilation_config.static_forward_context
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
     before = set(context)
+    moe_layers = getattr(compilation, "static_all_moe_layers", None)
+    moe_before = list(moe_layers) if moe_layers is not None else None
     try:
         yield
     finally:
         for name in set(context) - before:
             del context[name]
+        if moe_before is not None:
+            moe_layers[:] = moe_before
 
 
 def fresh_model(vllm_config: Any) -> torch.nn.Module:
