@@ -149,6 +149,8 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             )  # the optimizer step (deltasync: its pre-step hook is the barrier)
             detect_s = side.detect_alone()  # changes nothing: the sync detects again
             trim()  # free heap kept from earlier steps is not this sync's memory
+            if hasattr(side, "last_bytes"):
+                side.last_bytes = None  # an overlapped sync sets it at settle: this version's
             rss0 = current_rss()
             reset_peak()
             t0 = time.time()  # the end of the optimizer step: latency counts from here
@@ -165,8 +167,8 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             # What the next optimizer step would wait for: the background still running after
             # the forward/backward ended.
             barrier_s = max(0.0, t_commit - t_fb)
-            if path == "store" and getattr(side, "last_bytes", None) is not None:
-                nbytes = side.last_bytes  # an overlapped publish knows its bytes at commit
+            if getattr(side, "last_bytes", None) is not None:
+                nbytes = side.last_bytes  # an overlapped sync knows its bytes at commit
             peak = peak_rss()
             return {
                 "t0": t0,
