@@ -163,3 +163,35 @@ def test_a_dirty_receiver_reports_no_version_until_an_anchor_restores_it(tmp_pat
     report = rig.rec.pull()
     assert report.from_anchor and not report.dirty
     rig.check(report)
+
+
+def test_a_journal_whose_removal_was_lost_is_replayed_to_the_same_verified_version(
+    tmp_path, monkeypatch
+):
+    # The journal is removed without an fsync after the state file recorded the version: a
+    # power cut can bring it back. The next receiver on the state dir replays it, harmlessly.
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    rig.publish(0)
+    rig.check(rig.rec.pull())
+    rig.publish(1)
+    state_dir = StateDir(str(tmp_path / "rec"))
+    journals: list = []
+    real_clear = StateDir.clear_journal
+
+    def keep_a_copy(self) -> None:
+        journals.append(self.read_journal())
+        real_clear(self)
+
+    monkeypatch.setattr(StateDir, "clear_journal", keep_a_copy)
+    report = rig.rec.pull()
+    monkeypatch.undo()
+    rig.check(report)
+    assert report.version == 1 and journals and journals[-1] is not None
+    state_dir.write_journal(journals[-1])  # the removal "did not reach the disk"
+    rig.rec = rig.receiver()
+    repaired = rig.rec.last_repair
+    assert repaired is not None and repaired.repaired and repaired.version == 1
+    rig.check(repaired)
+    assert rig.rec.version == 1 and state_dir.read_journal() is None
+    rig.publish(2)
+    rig.check(rig.rec.pull())
