@@ -11,7 +11,8 @@ worker of a running engine, and joins the answers into one :class:`~deltasync.Re
    parallel linear layer takes this rank's slice), drives its ``load_weights`` with the
    probe's element-identifying tensors (:func:`~deltasync.layout.probe.probe_shard`), and
    drops it. The serving model is never touched: its weights, packed kernels and KV cache
-   stay as they are, and the engine can serve while the probe runs between steps. The probe
+   stay as they are. The RPC runs between engine steps, so the engine does not generate
+   while a worker probes (a pause of the probe's length) and serves as before after. The probe
    reads the parameters right after ``load_weights``, before vLLM's post-load processing, so
    it learns the checkpoint-to-parameter map; what the CPU kernels do after that (packing)
    is :class:`~deltasync.engines.vllm_shard.VllmShard`'s business.
@@ -20,7 +21,7 @@ worker of a running engine, and joins the answers into one :class:`~deltasync.Re
    (:func:`~deltasync.layout.assemble_table`), checked like any table (every canonical
    element held somewhere, no overlaps).
 
-Save the result with :func:`~deltasync.layout.probed.save_layout` and give its path to the
+Save the result with :func:`~deltasync.layout.probed.save_receiver_layout`, give its path to the
 publisher's side (``ReceiverLayout`` from :func:`~deltasync.layout.probed.load_receiver_layout`)
 and to the engines (``DeltaSyncInitInfo.layout``): both then route and check against the same
 placements, and the manifests' layout record names them, so a receiver built for another
