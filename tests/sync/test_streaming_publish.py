@@ -360,3 +360,53 @@ def test_every_kind_of_tracker_streams_the_detection_pass_values():
             want = trainer.params[name].detach().reshape(-1)[idx].to(torch.bfloat16)
             assert torch.equal(vals.view(torch.int16), want.view(torch.int16))
         assert [n for n, _, _ in items] == list(tracker.changed())
+
+
+def test_a_slow_link_holds_back_the_encoder_instead_of_queueing_the_blobs(tmp_path):
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.2)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    link_open = threading.Event()
+
+    class StalledLink(MemoryStore):
+        def put_stream(self, key, chunks):
+            if key.startswith("v00000001/") and key.endswith(".blob"):
+                assert link_open.wait(30), "the test never opened the link"
+            return super().put_stream(key, chunks)
+
+    store = StalledLink()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    pub.publish(0, {}, trainer.params, anchor=True)
+    tracker.clear()
+    trainer.step()
+    log: list = []
+    done = threading.Event()
+
+    def publish() -> None:
+        pub.publish(1, logged_stream(tracker.iter_changes(), log), trainer.params)
+        done.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    # The encoder runs until every blob's queue is full, then waits: detection stops early.
+    deadline, seen = time.monotonic() + 30, -1
+    while len(log) != seen and time.monotonic() < deadline:
+        seen = len(log)
+        time.sleep(1.0)
+    total = sum(1 for _ in tracker.iter_changes())
+    assert not done.is_set() and len(log) < total, (len(log), total)
+    link_open.set()
+    t.join(60)
+    assert done.is_set() and len(log) == total
+    for shard in rl.shards():
+        rx = Receiver.for_layout(
+            store,
+            rl,
+            shard.id,
+            zero_tensors(rl, shard.id),
+            str(tmp_path / shard.id),
+            rconfig(f"rx-{shard.id}"),
+        )
+        rx.pull()
+        assert rx.version == 1
+        assert_same_bits(rx.tensors, expected_shards(trainer.params, tl, rl)[shard.id], shard.id)

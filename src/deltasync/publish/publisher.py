@@ -81,7 +81,7 @@ from deltasync.layout.routing import (
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch, Ready
-from deltasync.publish.streams import ShardStreams
+from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
 
 
@@ -331,8 +331,9 @@ class Publisher:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
             digest_job = self._digest_pool.submit(self._digests, full)
+        shards = len(self.layout.shards())
+        threads = cfg.upload_threads or min(32, shards)
         if self._pool is None:
-            threads = cfg.upload_threads or min(32, len(self.layout.shards()))
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-upload")
         streams = ShardStreams(
             self.store,
@@ -341,6 +342,9 @@ class Publisher:
             base_version=-1 if base is None else base,
             writer=self.writer,
             level=cfg.level,
+            # every blob uploads on its own thread: a slow link holds back the encoder instead
+            # of queueing the blobs in memory
+            queued=QUEUED_SEGMENTS if threads >= shards else 0,
         )
         try:
             digests = None

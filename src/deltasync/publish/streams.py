@@ -9,15 +9,19 @@ waits for the stores. An abort (an error anywhere) ends every upload with an exc
 makes each store discard its partial object: nothing half-written ever lands under a blob key,
 and nothing is visible to receivers before the manifest anyway.
 
-Memory: encoded bytes wait in a queue until their upload thread takes them, so at most the
-compressed bytes not yet sent (with ``upload_threads`` smaller than the number of shards, a
-waiting shard's whole blob) are held; the routed tensors of a group are dropped once encoded.
+Memory: encoded segments wait in a queue per blob until its upload thread takes them. When
+every blob has an upload thread of its own the queue is bounded (``queued``, the publisher
+passes ``QUEUED_SEGMENTS``): when a slow link lets it fill, ``add`` waits for the upload
+(backpressure) instead of holding the blob in memory, and an upload that fails meanwhile is
+raised there. With fewer upload threads than shards the queues are unbounded (a waiting
+shard's whole blob is held). The routed tensors of a group are dropped once encoded.
 
 This module knows blobs, keys and stores; it knows nothing about trackers or layouts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +38,8 @@ from deltasync.store import Store
 
 _END = object()  # the blob is complete
 _ABORT = object()  # the blob must not be stored
+QUEUED_SEGMENTS = 4  # per blob: encoded segments waiting for their upload thread
+_WAIT_S = 0.05  # how often a waiting add checks that its upload is still alive
 
 
 @dataclass
@@ -41,14 +47,14 @@ class _Stream:
     key: str
     writer: BlobWriter
     pending: list[bytes]  # the writer's sink: bytes of the segment being written
-    chunks: queue.SimpleQueue  # whole segments, waiting for the upload thread
+    chunks: queue.Queue  # whole segments, waiting for the upload thread (bounded)
     upload: Future
     elements: int = 0
     # The manifest's digest of the blob (BLAKE2b-256), over exactly the bytes uploaded.
     hasher: Any = field(default_factory=blob_hasher)
 
 
-def _drain(chunks: queue.SimpleQueue) -> Iterator[bytes]:
+def _drain(chunks: queue.Queue) -> Iterator[bytes]:
     while True:
         item = chunks.get()
         if item is _END:
@@ -70,8 +76,13 @@ class ShardStreams:
         base_version: int,
         writer: str,
         level: int,
+        queued: int = 0,
     ) -> None:
+        """``queued``: segments each blob may hold waiting for its upload before ``add``
+        waits (0: unbounded). Bound it only when every blob has an upload thread of its own:
+        a blob whose upload waits for a thread would make ``add`` wait forever."""
         self.store, self._pool = store, pool
+        self._queued = queued
         self._head = dict(version=version, base_version=base_version, writer=writer, level=level)
         self._streams: dict[str, _Stream] = {}
         self.encode_s = 0.0  # time spent encoding segments and handing them over
@@ -80,21 +91,35 @@ class ShardStreams:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
         pending: list[bytes] = []
         writer = BlobWriter(pending.append, shard=shard, **self._head)
-        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        chunks: queue.Queue = queue.Queue(maxsize=self._queued)
         upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
         stream = self._streams[shard] = _Stream(key, writer, pending, chunks, upload)
         return stream
 
     @staticmethod
-    def _flush(stream: _Stream) -> None:
+    def _put(stream: _Stream, item: object) -> None:
+        """Queue ``item`` for the upload, waiting while the queue is full (backpressure); an
+        upload that ended meanwhile (it failed: before _END nothing else ends it) raises."""
+        while True:
+            try:
+                stream.chunks.put(item, timeout=_WAIT_S)
+                return
+            except queue.Full:
+                if stream.upload.done():
+                    raise stream.upload.exception() or RuntimeError(
+                        f"upload of {stream.key} ended"
+                    ) from None
+
+    @classmethod
+    def _flush(cls, stream: _Stream) -> None:
         # One chunk per segment (with the header before the first, the trailer after the
         # last): the upload sees whole segments as soon as they exist, in few writes; S3's
         # put_stream gathers them into parts.
         if stream.pending:
             data = b"".join(stream.pending)
             stream.hasher.update(data)
-            stream.chunks.put(data)
             stream.pending.clear()  # the same list: it is the writer's sink
+            cls._put(stream, data)
 
     def add(self, updates: Mapping[str, Sequence[TensorUpdate]]) -> None:
         """One segment in each shard's blob that has updates here (in ``updates``' order)."""
@@ -117,7 +142,7 @@ class ShardStreams:
         for stream in self._streams.values():
             stream.writer.finish()
             self._flush(stream)
-            stream.chunks.put(_END)
+            self._put(stream, _END)
         self.encode_s += time.perf_counter() - t
         errors = [s.upload.exception() for s in self._streams.values()]
         for exc in errors:
@@ -144,6 +169,13 @@ class ShardStreams:
     def abort(self) -> None:
         """End every upload without storing it; waits for the upload threads."""
         for stream in self._streams.values():
-            stream.chunks.put(_ABORT)
+            # Drop what is still queued (it must not be stored anyway), so that _ABORT fits.
+            while not stream.upload.done():
+                try:
+                    stream.chunks.put(_ABORT, timeout=_WAIT_S)
+                    break
+                except queue.Full:
+                    with contextlib.suppress(queue.Empty):
+                        stream.chunks.get_nowait()
         for stream in self._streams.values():
             stream.upload.exception()  # StreamAborted (or the store's own error): expected
