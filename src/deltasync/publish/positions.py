@@ -2,14 +2,16 @@
 
 ``TrainerSync(overlap=True)`` keeps the positions of every version not yet committed (they are
 what the background routes, and what a failed version carries into the next one). At RL
-densities the gaps between neighbouring changed elements are small (a few dozen at 3%), so
-the positions are held as 16-bit gaps: 2 bytes per changed element, instead of 8 (int64) or
-4 (int32). A parameter with any gap above 65536 keeps its positions as int32 (int64 at 2^31
-elements or more). Decoding is one cumsum; the round trip is exact (a test pins it).
+densities the gaps between neighbouring changed elements are small (a few dozen at 3%, and
+above 255 for a handful of elements in a million), so the positions are held as 8-bit gaps
+with escapes: about 1 byte per changed element, instead of 8 (int64) or 4 (int32). Where the
+escapes would cost more than that (a sparse parameter, gaps of thousands), the positions are
+kept as int32 (int64 at 2^31 elements or more). Decoding is one cumsum; the round trip is
+exact (tests pin it).
 
-Encoding: ``first`` (the smallest position, a Python int) and ``gaps[i] = p[i+1] - p[i] -
-_OFFSET`` as int16, so that gaps 1..65536 fill the whole int16 range. Tensors stay on the
-device the positions came from (a GPU tracker's positions are encoded on the GPU).
+Encoding: ``first`` (the smallest position, a Python int), ``gaps[i] = p[i+1] - p[i] - 1`` as
+uint8 when it is below 255, else the escape 255 with the gap itself in ``escapes`` (in order).
+Tensors stay on the device the positions came from (a GPU tracker's are encoded there).
 
 This module knows sorted integer tensors only: nothing about trackers, layouts or stores.
 """
@@ -18,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-_OFFSET = 32769  # gap g in [1, 65536] is stored as g - 32769 in [-32768, 32767]
-_MAX_GAP = 65536
+_ESCAPE = 255  # a gap byte of 255: the gap is the next entry of ``escapes``
 
 
 class Positions:
@@ -27,19 +28,21 @@ class Positions:
 
     Build with :meth:`of`; :meth:`indices` gives them back as sorted int64."""
 
-    __slots__ = ("count", "device", "first", "gaps", "wide")
+    __slots__ = ("count", "device", "escapes", "first", "gaps", "wide")
 
     def __init__(
         self,
         *,
         count: int,
         first: int,
-        gaps: torch.Tensor | None,
-        wide: torch.Tensor | None,
         device: torch.device,
+        gaps: torch.Tensor | None = None,
+        escapes: torch.Tensor | None = None,
+        wide: torch.Tensor | None = None,
     ) -> None:
-        assert (gaps is None) != (wide is None) or count <= 1
-        self.count, self.first, self.gaps, self.wide, self.device = count, first, gaps, wide, device
+        assert count <= 1 or (gaps is None) != (wide is None)
+        self.count, self.first, self.device = count, first, device
+        self.gaps, self.escapes, self.wide = gaps, escapes, wide
 
     @classmethod
     def of(cls, indices: torch.Tensor) -> Positions:
@@ -49,20 +52,21 @@ class Positions:
         ``torch.unique``): nothing here re-checks it beyond what the encoding needs."""
         n = indices.numel()
         device = indices.device
-        if n == 0:
-            return cls(count=0, first=0, gaps=None, wide=None, device=device)
-        first = int(indices[0])
-        if n == 1:
-            return cls(count=1, first=first, gaps=None, wide=None, device=device)
+        if n <= 1:
+            return cls(count=n, first=int(indices[0]) if n else 0, device=device)
+        first, last = int(indices[0]), int(indices[-1])
+        wide_dtype = torch.int32 if last < 2**31 else torch.int64
+        wide_size = torch.empty(0, dtype=wide_dtype).element_size()
         # One parameter at a time: the int64 diff is the transient (8 bytes per position).
         diff = torch.diff(indices.to(torch.int64))
-        if int(diff.max()) <= _MAX_GAP:
-            diff.sub_(_OFFSET)
-            return cls(count=n, first=first, gaps=diff.to(torch.int16), wide=None, device=device)
-        del diff
-        last = int(indices[-1])
-        wide = indices.to(torch.int32 if last < 2**31 else torch.int64)
-        return cls(count=n, first=first, gaps=None, wide=wide, device=device)
+        escaped = diff > _ESCAPE
+        n_escaped = int(torch.count_nonzero(escaped))
+        if (n - 1) + n_escaped * wide_size >= n * wide_size:  # gaps too wide to pay off
+            del diff, escaped
+            return cls(count=n, first=first, device=device, wide=indices.to(wide_dtype))
+        escapes = diff[escaped].to(wide_dtype)
+        diff.sub_(1).clamp_(max=_ESCAPE)  # every escaped gap is >= 256 - 1: it becomes 255
+        return cls(count=n, first=first, device=device, gaps=diff.to(torch.uint8), escapes=escapes)
 
     def indices(self) -> torch.Tensor:
         """The positions as a sorted int64 tensor on their device."""
@@ -75,27 +79,32 @@ class Positions:
         if self.gaps is not None:
             rest = out[1:]
             rest.copy_(self.gaps)  # widen in place: no second int64 temporary
-            rest.add_(_OFFSET)
+            if self.escapes is not None and self.escapes.numel():
+                rest[self.gaps == _ESCAPE] = self.escapes.to(torch.int64) - 1
+            rest.add_(1)
             rest.cumsum_(0)
             rest.add_(self.first)
         return out
 
     def union(self, indices: torch.Tensor) -> Positions:
         """These positions joined with sorted ``indices`` (a later version's), encoded again."""
-        old = self.indices()
         if indices.numel() == 0:
             return self
+        old = self.indices()
         return Positions.of(torch.unique(torch.cat([old, indices.to(old.device, torch.int64)])))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held per this parameter's positions (the tensors, not the object)."""
-        held = self.gaps if self.gaps is not None else self.wide
-        return 0 if held is None else held.numel() * held.element_size()
+        """Bytes held for this parameter's positions (the tensors, not the object)."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.gaps, self.escapes, self.wide)
+            if t is not None
+        )
 
     def __len__(self) -> int:
         return self.count
 
     def __repr__(self) -> str:
-        kind = "gaps16" if self.gaps is not None else ("wide" if self.wide is not None else "small")
+        kind = "gaps8" if self.gaps is not None else ("wide" if self.wide is not None else "small")
         return f"Positions(count={self.count}, {kind}, {self.nbytes} bytes)"

@@ -11,7 +11,7 @@ Two modes:
   encoding, upload, digests, commit) and clears the tracker only after the commit; on a
   failure the tracker keeps its bits.
 - ``overlap=True``: ``step_published`` blocks only while the tracker's detection captures
-  every parameter's changed positions (held as 16-bit gaps, :mod:`.positions`: about 2 bytes
+  every parameter's changed positions (held as 8-bit gaps, :mod:`.positions`: about 1 byte
   per changed element), clears the tracker and returns a :class:`PendingVersion`; value
   reads, routing, encoding, upload, digest assembly and the commit run on a background thread
   while the caller's next forward/backward runs. The background reads
@@ -279,7 +279,7 @@ class TrainerSync:
         params = self._params() if callable(self._params) else self._params
         # Detection on the caller's thread (it reads θ, m, v; the tracker is cleared right
         # after, so no other thread ever touches the tracker), positions only: each
-        # parameter's are held compactly (about 2 bytes per changed element, positions.py) as
+        # parameter's are held compactly (about 1 byte per changed element, positions.py) as
         # soon as it is detected. They are both what the background routes, values read from
         # params there, and until this version commits, the carry. The background starts only
         # once detection is done: a Python thread running beside it would make every return
