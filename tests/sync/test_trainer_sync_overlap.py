@@ -16,6 +16,7 @@ import torch
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.publish import positions as positions_mod
 from deltasync.publish.positions import Positions
 from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
 from deltasync.receiver import Receiver
@@ -245,6 +246,17 @@ def test_positions_round_trip_bit_exactly_in_about_a_byte_each_where_gaps_are_sm
     assert pos.nbytes <= 4 * idx.numel()  # never more than int32 positions
     if idx.numel() > 1 and density >= 0.03:  # gaps above 255 are rare: a byte each
         assert pos.gaps is not None and pos.nbytes <= 1.01 * idx.numel() + 64
+
+
+def test_positions_encoded_slice_by_slice_equal_one_slice(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    idx = torch.nonzero(torch.rand(200_000, generator=g) < 0.03).reshape(-1)
+    idx = torch.cat([idx, torch.tensor([10**6, 10**6 + 1])])  # an escape in the last slice
+    whole = Positions.of(idx)
+    monkeypatch.setattr(positions_mod, "CHUNK", 97)
+    sliced = Positions.of(idx)
+    assert torch.equal(sliced.gaps, whole.gaps) and torch.equal(sliced.escapes, whole.escapes)
+    assert torch.equal(sliced.indices(), idx)
 
 
 def test_positions_with_gaps_too_wide_for_a_byte_stay_exact():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 _ESCAPE = 255  # a gap byte of 255: the gap is the next entry of ``escapes``
+CHUNK = 1 << 20  # positions encoded per slice: the int64 gaps never exist for a whole tensor
 
 
 class Positions:
@@ -57,16 +58,29 @@ class Positions:
         first, last = int(indices[0]), int(indices[-1])
         wide_dtype = torch.int32 if last < 2**31 else torch.int64
         wide_size = torch.empty(0, dtype=wide_dtype).element_size()
-        # One parameter at a time: the int64 diff is the transient (8 bytes per position).
-        diff = torch.diff(indices.to(torch.int64))
-        escaped = diff > _ESCAPE
-        n_escaped = int(torch.count_nonzero(escaped))
-        if (n - 1) + n_escaped * wide_size >= n * wide_size:  # gaps too wide to pay off
-            del diff, escaped
-            return cls(count=n, first=first, device=device, wide=indices.to(wide_dtype))
-        escapes = diff[escaped].to(wide_dtype)
-        diff.sub_(1).clamp_(max=_ESCAPE)  # every escaped gap is >= 256 - 1: it becomes 255
-        return cls(count=n, first=first, device=device, gaps=diff.to(torch.uint8), escapes=escapes)
+        gaps = torch.empty(n - 1, dtype=torch.uint8, device=device)
+        escapes, n_escaped = [], 0
+        # Slice by slice, so the int64 gaps are a CHUNK-sized transient, not 8 bytes per
+        # position of the largest parameter (the embedding) next to its indices.
+        for lo in range(0, n - 1, CHUNK):
+            hi = min(n - 1, lo + CHUNK)
+            diff = indices[lo + 1 : hi + 1].to(torch.int64) - indices[lo:hi].to(torch.int64)
+            escaped = diff > _ESCAPE
+            k = int(torch.count_nonzero(escaped))
+            if k:
+                escapes.append(diff[escaped].to(wide_dtype))
+                n_escaped += k
+                if (n - 1) + n_escaped * wide_size >= n * wide_size:  # too wide to pay off
+                    return cls(count=n, first=first, device=device, wide=indices.to(wide_dtype))
+            diff.sub_(1).clamp_(max=_ESCAPE)  # an escaped gap is >= 256 - 1: it becomes 255
+            gaps[lo:hi] = diff
+        return cls(
+            count=n,
+            first=first,
+            device=device,
+            gaps=gaps,
+            escapes=torch.cat(escapes) if escapes else torch.empty(0, dtype=wide_dtype),
+        )
 
     def indices(self) -> torch.Tensor:
         """The positions as a sorted int64 tensor on their device."""
