@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits, tiny_layouts
 
 from deltasync.cluster import (
     AnchorRequiredError,
@@ -23,28 +24,11 @@ from deltasync.errors import (
     IntegrityError,
     VersionError,
 )
-from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.layout import fsdp_dim0_rows
 from deltasync.receiver import MissingBlobError
 from deltasync.trainer import SnapshotTracker
 
-CONFIG = dict(
-    model_type="qwen3",
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=251,
-    tie_word_embeddings=False,
-)
-SPEC = ModelSpec.from_hf_config(CONFIG)
-TRAINER = TrainerLayout(SPEC)
-RECEIVERS = ReceiverLayout.build(SPEC, "vllm", tp=2)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
 
 
 class World:
