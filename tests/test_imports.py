@@ -35,7 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": BASE | {"native", "trainer", "format", "layout", "exchange"},
     "engines": BASE | {"format", "layout", "store", "commit", "receiver"},
     "cli": BASE | {"commands"},
-    "commands": BASE | {"format", "store", "layout", "commit", "receiver", "cluster", "exchange"},
+    # commands may start an engine (``layout probe --engine vllm``); engines never see commands
+    "commands": BASE
+    | {"format", "store", "layout", "commit", "receiver", "cluster", "exchange", "engines"},
     "__main__": {"cli"},
 }
 # The package root re-exports the public API, so it may import every package below the top

