@@ -17,30 +17,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+from vllm_runs import TINY, VLLM_PYTHON, vllm_env
 
-BASE = dict(
-    torch_dtype="bfloat16",
-    vocab_size=203,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=256,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-)
 CASES = {
     "qwen3_untied": dict(
-        BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False
+        TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False
     ),
     "qwen3_tied": dict(
-        BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True
+        TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True
     ),
     "qwen3_moe": dict(
-        BASE,
+        TINY,
         model_type="qwen3_moe",
         architectures=["Qwen3MoeForCausalLM"],
         tie_word_embeddings=False,
@@ -99,12 +86,9 @@ def _run_job(tmp: Path, config: dict, tp: int) -> dict:
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
     spec = {"tmp": str(tmp), "config": config, "tp": tp, "out": str(tmp / "layout.json")}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    if tp > 1:  # one core per worker (vLLM-CPU refuses two workers on one NUMA node)
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run(
         [str(VLLM_PYTHON), __file__, str(tmp / "spec.json")],
-        env=env,
+        env=vllm_env(tp),
         capture_output=True,
         text=True,
         timeout=600,

@@ -21,25 +21,13 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from vllm_runs import as_rule_names, run_job, same_bits, table_key
+from vllm_runs import TINY, as_rule_names, run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 VERSIONS = 3
 CONFIG = dict(
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
-    torch_dtype="bfloat16",
-    vocab_size=203,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=256,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
+    TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False
 )
 
 

