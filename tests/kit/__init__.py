@@ -15,6 +15,9 @@ tiny config, one synthetic trainer and one oracle.
 - ``SyntheticTrainer`` (seeded Gaussian gradients, any FSDP split), ``TinyTrainer`` (a masked
   quadratic loss: a chosen fraction of elements gets a gradient each step), ``HFTrainer``
   (transformers' Qwen3ForCausalLM on random tokens);
+- ``one_torch_thread``: an autouse-able fixture running a test module's torch single-threaded
+  (tiny tensors; forked children must not inherit a busy OpenMP pool: on a shared 2-core
+  machine it made small AdamW steps ~10x slower);
 - ``one_rank_mesh()``: a one-rank gloo group and its CPU device mesh in this process, so real
   DTensors can be built without spawning.
 """
@@ -25,6 +28,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,6 +46,7 @@ __all__ = [
     "build_model",
     "expected_shards",
     "one_rank_mesh",
+    "one_torch_thread",
     "rconfig",
     "same_bits",
     "tiny_layouts",
@@ -211,3 +216,11 @@ def one_rank_mesh() -> Iterator[object]:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

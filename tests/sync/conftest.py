@@ -1,15 +1,3 @@
-"""tests/sync runs torch single-threaded: its tensors are tiny, and on this shared 2-core
-machine OpenMP threads made an AdamW step on them ~10x slower (spinning against other load)."""
+"""tests/sync runs torch single-threaded (the kit's ``one_torch_thread``): its tensors are tiny."""
 
-from __future__ import annotations
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from kit import one_torch_thread  # noqa: F401 - a fixture: pytest finds it by name here
