@@ -16,8 +16,8 @@ import torch
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.publish import positions as positions_mod
-from deltasync.publish.positions import Positions
+from deltasync.trainer import positions as positions_mod
+from deltasync.trainer.positions import Positions
 from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore

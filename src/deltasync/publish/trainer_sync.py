@@ -45,7 +45,7 @@ import torch
 
 from deltasync.errors import ConfigError, PublishFailedError
 from deltasync.native.ops import bf16_at
-from deltasync.publish.positions import Positions
+from deltasync.trainer.positions import Positions
 from deltasync.publish.prefetch import Ready
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.trainer import Tracker

@@ -1,7 +1,8 @@
 """Positions: one parameter's sorted changed positions, held compactly between versions.
 
-``TrainerSync(overlap=True)`` keeps the positions of every version not yet committed (they are
-what the background routes, and what a failed version carries into the next one). At RL
+The overlapped senders (``TrainerSync(overlap=True)``, ``ClusterSender(overlap=True)``) keep the
+positions of every version not yet committed: they are what the background routes, and what a
+failed version carries into the next one. At RL
 densities the gaps between neighbouring changed elements are small (a few dozen at 3%, and
 above 255 for a handful of elements in a million), so the positions are held as 8-bit gaps
 with escapes: about 1 byte per changed element, instead of 8 (int64) or 4 (int32). Where the
