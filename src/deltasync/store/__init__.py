@@ -5,13 +5,11 @@
 What is stored where is decided above, in :mod:`deltasync.names` and :mod:`deltasync.commit`.
 """
 
-from deltasync.store.base import InvalidKeyError, Store, check_key, check_prefix
+from deltasync.store.base import InvalidKeyError, RetryPolicy, Store, check_key, check_prefix
+from deltasync.store.emulated import MemoryStore, ThrottleConfig, ThrottledStore
 from deltasync.store.factory import open_store
 from deltasync.store.local import LocalStore
-from deltasync.store.memory import MemoryStore
-from deltasync.store.retry import RetryPolicy
 from deltasync.store.s3 import S3Config, S3Store
-from deltasync.store.throttle import ThrottleConfig, ThrottledStore
 
 __all__ = [
     "InvalidKeyError",

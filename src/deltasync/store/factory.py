@@ -17,10 +17,9 @@ from urllib.parse import unquote, urlsplit
 
 from deltasync.errors import ConfigError
 from deltasync.store.base import Store
+from deltasync.store.emulated import MemoryStore, ThrottledStore
 from deltasync.store.local import LocalStore
-from deltasync.store.memory import MemoryStore
 from deltasync.store.s3 import S3Config, S3Store
-from deltasync.store.throttle import ThrottledStore
 
 _named_memory: dict[str, MemoryStore] = {}
 _named_lock = threading.Lock()

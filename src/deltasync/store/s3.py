@@ -5,7 +5,7 @@
   A 409 ``ConditionalRequestConflict`` (another conditional write in flight) is retried; if it
   persists it is reported as a commit conflict.
 - Transient failures (connection refused or reset while a server restarts, timeouts, 5xx,
-  throttling) are retried with backoff (:mod:`deltasync.store.retry`); every other failure
+  throttling) are retried with backoff (:mod:`deltasync.store.base`); every other failure
   becomes a StoreError that names the endpoint, bucket and key.
 - A retried ``put_if_absent`` whose first attempt may have landed (the connection dropped
   after the request was sent) reads the key back when it gets 412: if it holds exactly our
@@ -30,14 +30,16 @@ from urllib.parse import urlsplit
 from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
 from deltasync.store.base import (
     Bytes,
+    RetriesExhausted,
+    RetryPolicy,
     as_bytes,
+    call_with_retries,
     check_key,
     check_max_bytes,
     check_prefix,
     check_range,
     too_large,
 )
-from deltasync.store.retry import RetriesExhausted, RetryPolicy, call_with_retries
 from deltasync.validate import check_instance, check_int, check_number
 
 _OWNER = "S3Config"
