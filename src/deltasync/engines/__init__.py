@@ -10,8 +10,14 @@
   caller, never from here, so this package does not need vLLM installed.
 """
 
-from deltasync.engines.base import UNLOADED, EngineAdapter, TensorDictEngine, load_dense
-from deltasync.engines.hf import HFEngine, build_hf_model
+from deltasync.engines.adapters import (
+    UNLOADED,
+    EngineAdapter,
+    HFEngine,
+    TensorDictEngine,
+    build_hf_model,
+    load_dense,
+)
 from deltasync.engines.tp_qwen3 import Qwen3Arch, TPQwen3Engine
 
 __all__ = [

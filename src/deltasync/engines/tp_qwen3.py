@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deltasync.engines.base import UNLOADED, TensorDictEngine
+from deltasync.engines.adapters import UNLOADED, TensorDictEngine
 from deltasync.errors import ConfigError, VersionError
 from deltasync.format import check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout

@@ -1,11 +1,27 @@
-"""HFEngine: a ``transformers`` Qwen3 / Qwen3-MoE model whose parameters are the ``hf`` shard.
+"""The engine adapter interface, and the adapters that run in the receiver's own process.
 
-The receiver layout ``ReceiverLayout.build(spec, engine="hf")`` names exactly the model's
-``named_parameters()`` (fused expert tensors for Qwen3-MoE, no tied ``lm_head`` alias), so the
-adapter hands those parameters out as they are and updates are scattered straight into them:
-no copy of the model, no reload. The model stays in BF16, the dtype the trainer publishes.
+An adapter exposes the engine's *live* local tensors by local name, in the layout of its
+receiver shard (``ReceiverLayout.local_specs(shard_id)``), applies decoded updates into them
+in place, and carries the version those tensors are at. That is all a receiver needs: it never
+copies the model, and it never learns how the engine computes.
 
-This module knows transformers models and the adapter interface; it knows nothing about
+- ``params()``: local name -> the tensor the engine computes with (not a copy). Tied aliases
+  (``lm_head.weight`` under tied embeddings) are not listed; the layout routes to the target.
+- ``apply(updates)``: validate every update against every target first, then write; a bad
+  update raises :class:`~deltasync.errors.ApplyError` with every tensor unchanged. Returns
+  the number of elements written.
+- ``version``: the version the tensors are at. The receiver sets it after a verified apply
+  (the engine does not decide what a version is); ``-1`` means "not loaded yet".
+
+:class:`TensorDictEngine` is the plain implementation over a dict of tensors (one TP rank of
+:class:`~deltasync.engines.tp_qwen3.TPQwen3Engine`, tests). :class:`HFEngine` is a
+``transformers`` Qwen3 / Qwen3-MoE model whose parameters are the ``hf`` shard: the layout
+``ReceiverLayout.build(spec, engine="hf")`` names exactly the model's ``named_parameters()``
+(fused expert tensors for Qwen3-MoE, no tied ``lm_head`` alias), so updates are scattered
+straight into them: no copy of the model, no reload. The model stays in BF16, the dtype the
+trainer publishes.
+
+This module knows tensors, the codec's ``TensorUpdate`` and transformers models; nothing about
 stores, versions or how updates are produced.
 """
 
@@ -13,15 +29,62 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from deltasync.engines.base import UNLOADED, load_dense
-from deltasync.errors import ConfigError
+from deltasync.errors import ApplyError, ConfigError
 from deltasync.format import TensorUpdate, apply_updates, check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout
 from deltasync.layout.hf_model import HF_SHARD
+
+UNLOADED = -1
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Live local tensors of one receiver shard, written in place."""
+
+    version: int
+
+    def params(self) -> Mapping[str, torch.Tensor]: ...
+
+    def apply(self, updates: Sequence[TensorUpdate]) -> int: ...
+
+
+def load_dense(params: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite every live tensor with a full dense copy (initial load or anchor restore)."""
+    if set(tensors) != set(params):
+        raise ApplyError(
+            f"dense load: names differ from the engine's; missing "
+            f"{sorted(set(params) - set(tensors))[:4]}, unexpected "
+            f"{sorted(set(tensors) - set(params))[:4]}. Nothing was written"
+        )
+    for name, t in tensors.items():
+        p = params[name]
+        if p.shape != t.shape or p.dtype != t.dtype:
+            raise ApplyError(
+                f"dense load: {name!r} is {tuple(t.shape)} {t.dtype}, the engine holds "
+                f"{tuple(p.shape)} {p.dtype}. Nothing was written"
+            )
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].copy_(t)
+
+
+class TensorDictEngine:
+    """An engine adapter over a plain ``{local_name: tensor}`` dict it owns."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, version: int = UNLOADED) -> None:
+        self._tensors = dict(tensors)
+        self.version = version
+
+    def params(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors
+
+    def apply(self, updates: Sequence[TensorUpdate]) -> int:
+        return apply_updates(updates, self._tensors)
+
 
 _CONFIG_ONLY_KEYS = ("model_type", "architectures", "torch_dtype", "dtype")
 
