@@ -15,6 +15,10 @@ as usual. State digests are on (the default). Versions, in order:
 - 8: an anchor in 32-byte chunks, rank 2 SIGKILLed 0.25 s into it; the trainer learns it at its
   next call (it pickles what it saw first, since it cannot return it).
 
+The writer's tracker counts which stream the sender asks it for (positions only, never values),
+and after each capture the writer records the carry's elements and bytes (about one byte per
+changed element).
+
 After every committed version the trainer broadcasts its canonical BF16 bits (the oracle,
 independent of the product's digests; over the group only once its version has settled) and
 each receiver compares its shard on int16 views.
@@ -27,6 +31,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -68,11 +73,30 @@ def _failure(exc: BaseException, start: float) -> dict:
     }
 
 
+class CountingTracker:
+    """A real AdamWTracker that counts which of its streams were asked for."""
+
+    def __init__(self, inner: AdamWTracker) -> None:
+        self.inner = inner
+        self.calls = {"iter_changes": 0, "iter_changed": 0}
+
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        self.calls["iter_changes"] += 1
+        return self.inner.iter_changes()
+
+    def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.calls["iter_changed"] += 1
+        return self.inner.iter_changed()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
 class _Writer:
     def __init__(self, setup: Setup) -> None:
         self.hf = HFTrainer(lr=setup.lr, batch=(4, 16), data_seed=1234)
         self.layout = TrainerLayout(spec())
-        self.tracker = AdamWTracker(self.hf.opt, self.hf.model.named_parameters())
+        self.tracker = CountingTracker(AdamWTracker(self.hf.opt, self.hf.model.named_parameters()))
         self.slow_next_read = False
         self.step_saw_released: list[bool] = []
 
@@ -134,6 +158,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         pending = sender.sync(v)
         out.setdefault("returned_before_done", []).append(not pending.done())
         out.setdefault("captured_s", []).append(pending.captured_s)
+        out.setdefault("carry", []).append((sender.pending_elements, sender.carry_bytes))
         settle(v)
 
     # 4: the background reads the params slowly; the next optimizer step must wait for it.
@@ -155,6 +180,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     w.hf.step()
     pending = sender.sync(6)
     out["pending_after_6"] = sender.pending_elements
+    out["carry_bytes_after_6"] = sender.carry_bytes
     w.hf.step()
     start = time.monotonic()
     try:
@@ -182,6 +208,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         out["after_kill"] = _failure(exc, start)
     out["after_kill"]["version_after"] = sender.version
     out["pending_after_kill"] = sender.pending_elements
+    out["tracker_calls"] = dict(w.tracker.calls)
     return out
 
 

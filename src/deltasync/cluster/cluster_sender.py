@@ -26,22 +26,24 @@ Retries are supersets by construction. A tracker reports what differs from its b
 aborted attempt sent, and an element that changed in the attempt and went back to its baseline
 bits by the retry would be missed by the first kind, leaving a receiver that applied the attempt
 with the attempt's value. So the sender keeps the union of the indices of every attempt that
-passed the preflight since the last commit (O(changed) int64 per element, dropped at the
-commit) and every retry sends the union of that and the tracker's current changes, with current
+passed the preflight since the last commit (the *carry*: per parameter its
+:class:`~deltasync.trainer.positions.Positions`, about 1 byte per changed element, dropped at
+the commit; see :mod:`deltasync.cluster.capture`) and every retry sends the union of that and the tracker's current changes, with current
 values. A pending anchor attempt makes the retry an anchor. The union belongs to an attempt
 window with a random token; receivers record the token with their apply, and the preflight
 refuses a delta whose writers' tokens no longer match (a writer restarted and lost its union):
 only an anchor repairs that.
 
 Overlap (``overlap=True, optimizer=opt``): ``sync`` blocks only for step 1, capturing every
-parameter's changed positions (int32 where they fit) and the BF16 values the detection read,
-then clears the tracker and returns a :class:`~deltasync.cluster.background.PendingSend`; steps
-2-6 run on one background thread while the trainer's next forward/backward runs. Routing and
-the digests (steps 2-3) are the last reads of the parameters; the optimizer's pre-step hook
-waits for them, and the next ``sync`` for the whole version. Until the version commits its
-captured positions are the union above (the *carry*): a version that fails is never lost, its
-positions go out with the next one with values re-read then, and the failure is raised at the
-next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
+parameter's changed positions, joined with the carry, as ``Positions`` (no values: the tracker
+is asked for positions only), then clears the tracker and returns a
+:class:`~deltasync.cluster.background.PendingSend`; steps 2-6 run on one background thread
+while the trainer's next forward/backward runs. Routing (which reads the BF16 values at the
+captured positions) and the digests (steps 2-3) are the last reads of the parameters; the
+optimizer's pre-step hook waits for them, and the next ``sync`` for the whole version. Until
+the version commits its captured positions are the carry: a version that fails is never lost,
+its positions go out with the next one with values re-read then, and the failure is raised at
+the next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
 the version. Every collective of an overlapped version runs on the background thread: the
 exchange's group must be one the trainer's own collectives (FSDP) do not use, and a
 ``full_state`` callable that runs collectives must not be combined with overlap.
@@ -59,12 +61,20 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from deltasync.cluster.background import Background, PendingSend
+from deltasync.cluster.capture import (
+    Capture,
+    Carry,
+    capture_positions,
+    capture_with_values,
+    carry_bytes,
+    carry_of,
+    route_positions,
+)
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
@@ -86,18 +96,12 @@ from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
-from deltasync.layout.routing import checked_changes, every_element, shard_updates
+from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
 
 Params = Mapping[str, torch.Tensor]
 
 log = logging.getLogger(__name__)
-
-
-def _compact(indices: torch.Tensor) -> torch.Tensor:
-    """A private copy of sorted ``indices``, int32 when the largest fits."""
-    dtype = torch.int32 if int(indices[-1]) < 2**31 else torch.int64
-    return indices.to(dtype, copy=True)
 
 
 def _new_window() -> int:
@@ -172,7 +176,7 @@ class ClusterSender:
         self.version = version
         # The union of what uncommitted attempts since the baseline sent (see the docstring).
         self._window = _new_window()
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: Carry = {}
         self._pending_anchor = False
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
         self._background = (
@@ -194,7 +198,12 @@ class ClusterSender:
     @property
     def pending_elements(self) -> int:
         """Elements the next retry resends beyond the tracker's own changes (at most)."""
-        return sum(int(t.numel()) for t in self._pending.values())
+        return sum(len(p) for p in self._pending.values())
+
+    @property
+    def carry_bytes(self) -> int:
+        """Bytes held for those elements' positions (about 1 per element at RL densities)."""
+        return carry_bytes(self._pending)
 
     # ------------------------------------------------------------------ steps 1-3
 
@@ -204,55 +213,28 @@ class ClusterSender:
         union of uncommitted attempts is not extended (``sync`` does that)."""
         base = self._base(version, anchor)
         params = self._current_params()
-        return self._build(version, base, self._capture(anchor, narrow=False), params)
+        caps = Capture() if anchor else capture_with_values(self.tracker, self._pending)
+        return self._build(version, base, caps, params)
 
     def _current_params(self) -> Params:
         return self._params() if callable(self._params) else self._params
 
-    def _capture(self, anchor: bool, *, narrow: bool) -> _Changes:
-        """Step 1: the tracker's changes united with the union of uncommitted attempts (None
-        for an anchor: every element, listed by the build). ``narrow``: each parameter's
-        positions become a private int32 copy where they fit (< 2^31), the one tensor that the
-        background routes and that stays as the carry until the version commits."""
+    def _build(self, version: int, base: int, caps: Capture, params: Params) -> Outgoing:
+        """Steps 2-3: route (reading the values of captured positions), digest and encode
+        captured changes (the last reads of ``params``)."""
         t = time.perf_counter()
-        if anchor:
-            return _Changes(changed=None, values=None, detect_s=time.perf_counter() - t)
-        changed: dict[str, torch.Tensor] = {}
-        values: dict[str, torch.Tensor] = {}
-        for name, idx, vals in checked_changes(self.tracker.iter_changes()):
-            if not idx.numel():
-                continue
-            changed[name] = _compact(idx) if narrow else idx
-            values[name] = vals
-        for name, before in self._pending.items():
-            if name in changed:
-                idx = changed[name].to(torch.int64)
-                both = torch.unique(torch.cat([before.to(idx.device, torch.int64), idx]))
-                changed[name] = _compact(both) if narrow else both  # sorted, unique
-                del values[name]  # gathered from the params at the union
-            else:
-                changed[name] = before if narrow else before.to(torch.int64)
-        return _Changes(changed=changed, values=values, detect_s=time.perf_counter() - t)
-
-    def _build(self, version: int, base: int, caps: _Changes, params: Params) -> Outgoing:
-        """Steps 2-3: route, digest and encode captured changes (the last reads of
-        ``params``)."""
-        t = time.perf_counter()
-        changed = every_element(params) if caps.changed is None else caps.changed
-        updates = shard_updates(
-            changed,
-            params,
-            trainer_layout=self.trainer_layout,
-            receiver_layout=self.receiver_layout,
-            rank=self.role.index,
-            world_size=self.role.count,
-            values=caps.values,
-        )
-        del changed
+        where = {"rank": self.role.index, "world_size": self.role.count}
+        layouts = {"trainer_layout": self.trainer_layout, "receiver_layout": self.receiver_layout}
+        if caps.positions is not None:
+            updates = route_positions(caps.positions, params, **layouts, **where)
+        else:
+            changed = every_element(params) if caps.changed is None else caps.changed
+            updates = shard_updates(changed, params, **layouts, **where, values=caps.values)
+            del changed
         build_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        anchor = caps.changed is None
+        anchor = caps.anchor
         digests, part = {}, False
         if self.config.sends_digest(version, anchor=anchor):
             digests, part = self._digests(params)
@@ -287,7 +269,7 @@ class ClusterSender:
             build_s=build_s,
             encode_s=encode_s,
             digest_s=digest_s,
-            sent_indices=caps.changed,
+            sent_indices=caps.sent,
         )
 
     def mark_sent(self, out: Outgoing) -> None:
@@ -297,9 +279,8 @@ class ClusterSender:
         if out.sent_indices is None:
             self._pending_anchor = True
         else:
-            # Kept until the commit: a copy (a tracker may reuse its buffers), int32 where the
-            # indices fit, half the memory of the int64 indices routing held.
-            self._pending = {n: _compact(t) for n, t in out.sent_indices.items() if t.numel()}
+            # Kept until the commit, compactly (about 1 byte per element, not routing's 8).
+            self._pending = carry_of(out.sent_indices)
 
     def _base(self, version: int, anchor: bool) -> int:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -489,17 +470,18 @@ class ClusterSender:
         try:
             check_group(self.group, self.plan, self.rank)
             base = self._base(version, anchor)
-            caps = self._capture(anchor, narrow=True)
+            # Positions only, joined with the carry: the values are read in the background.
+            caps = Capture() if anchor else capture_positions(self.tracker, self._pending)
             # The tracker's baseline moves now (no other thread ever touches the tracker); until
             # the version commits, what it reported is the carry, sent again by every retry.
             self.tracker.clear()
         except Exception as exc:
             failure = exc
         if caps is not None:
-            if caps.changed is None:
+            if caps.positions is None:
                 self._pending_anchor = True
             else:
-                self._pending = {n: t for n, t in caps.changed.items() if t.numel()}
+                self._pending = caps.positions  # the one copy: routed, and carried
         pending = PendingSend(version, time.perf_counter() - t0)
 
         def work(p: PendingSend) -> SendReport:
@@ -588,13 +570,3 @@ class ClusterSender:
 def _require_initialized() -> None:
     if not dist.is_initialized():
         raise ExchangeError("torch.distributed is not initialized; call init_from_env() first")
-
-
-@dataclass(frozen=True, eq=False)
-class _Changes:
-    """One version's captured changes: ``changed`` per param (None: an anchor, every element),
-    the BF16 values the detection read (params absent here are gathered at routing)."""
-
-    changed: dict[str, torch.Tensor] | None
-    values: dict[str, torch.Tensor] | None
-    detect_s: float

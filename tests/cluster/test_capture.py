@@ -1,0 +1,165 @@
+"""The in-cluster capture in one process: an overlapped version is captured as positions only
+(about one byte per changed element, no BF16 values), joined exactly with the carry of failed
+attempts, and its routing with values read later gives the same bits as routing the values the
+detection read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kit import (
+    SyntheticTrainer,
+    bits,
+    one_torch_thread,  # noqa: F401 - an autouse fixture: pytest finds it by name here
+    tiny_layouts,
+)
+
+from deltasync.cluster.capture import (
+    capture_positions,
+    capture_with_values,
+    carry_bytes,
+    carry_of,
+    route_positions,
+)
+from deltasync.errors import ConfigError
+from deltasync.layout.routing import shard_updates
+from deltasync.trainer import AdamWTracker, SnapshotTracker
+from deltasync.trainer.positions import Positions
+
+SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
+RL_LR = 3e-6
+
+
+class CountingTracker:
+    """A real AdamWTracker that counts which of its streams the sender asked for."""
+
+    def __init__(self, inner: AdamWTracker) -> None:
+        self.inner = inner
+        self.calls = {"iter_changes": 0, "iter_changed": 0}
+
+    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        self.calls["iter_changes"] += 1
+        return self.inner.iter_changes()
+
+    def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.calls["iter_changed"] += 1
+        return self.inner.iter_changed()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+def trained(steps: int = 3) -> tuple[SyntheticTrainer, AdamWTracker]:
+    """A trainer of the tiny Qwen3 at an RL learning rate, its tracker cleared after
+    ``steps`` warm-up steps and one more step taken."""
+    trainer = SyntheticTrainer.gaussian(TRAINER.param_shapes(), seed=3, lr=RL_LR)
+    tracker = AdamWTracker(trainer.opt, trainer.named)
+    for v in range(steps):
+        trainer.step(v)
+    tracker.clear()
+    trainer.step(steps)
+    return trainer, tracker
+
+
+def same_updates(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for shard in a:
+        ua, ub = a[shard], b[shard]
+        if [u.name for u in ua] != [u.name for u in ub]:
+            return False
+        for x, y in zip(ua, ub, strict=True):
+            if not torch.equal(x.indices, y.indices) or not torch.equal(
+                bits(x.values), bits(y.values)
+            ):
+                return False
+    return True
+
+
+def test_an_overlapped_capture_asks_for_positions_only_and_holds_about_a_byte_per_element() -> None:
+    trainer, inner = trained()
+    tracker = CountingTracker(inner)
+    caps = capture_positions(tracker, {})
+    assert tracker.calls == {"iter_changes": 0, "iter_changed": 1}  # no values read
+    assert caps.values is None and caps.changed is None and caps.positions
+    elements = sum(len(p) for p in caps.positions.values())
+    total = sum(p.numel() for _, p in trainer.named)
+    assert 0.001 * total < elements < 0.5 * total  # an RL step: a few percent changed
+    # int32 indices would be 4 bytes per element, int32 + BF16 values 6
+    assert carry_bytes(caps.positions) <= 1.2 * elements
+    expected = dict(inner.iter_changed())
+    for name, pos in caps.positions.items():
+        assert torch.equal(pos.indices(), expected.pop(name).to(torch.int64))
+    assert expected == {} or all(not t.numel() for t in expected.values())
+
+
+def test_positions_routed_with_values_read_later_equal_the_values_the_detection_read() -> None:
+    trainer, tracker = trained()
+    params = trainer.params()
+    where = {"trainer_layout": TRAINER, "receiver_layout": RECEIVERS}
+    caps = capture_positions(tracker, {})
+    assert caps.positions is not None
+    late = route_positions(caps.positions, params, **where)
+    triples = list(tracker.iter_changes())
+    at_detection = shard_updates(
+        {n: i for n, i, _ in triples}, params, **where, values={n: v for n, _, v in triples}
+    )
+    assert same_updates(late, at_detection)
+    assert sum(u.nnz for us in late.values() for u in us) > 0
+
+
+def test_the_carry_joins_the_next_capture_as_the_sorted_union_in_both_forms() -> None:
+    trainer, tracker = trained()
+    first = capture_positions(tracker, {}).positions
+    assert first is not None
+    tracker.clear()  # as the overlapped sender does at the capture
+    trainer.step(10)
+    carry = carry_of(first)
+    later = capture_positions(tracker, carry).positions
+    blocking = capture_with_values(tracker, carry)
+    assert later is not None and blocking.changed is not None and blocking.values is not None
+    now = dict(tracker.iter_changed())
+    names = set(first) | {n for n, i in now.items() if i.numel()}
+    assert set(later) == names == set(blocking.changed)
+    for name in names:
+        parts = [first[name].indices()] if name in first else []
+        if name in now:
+            parts.append(now[name].to(torch.int64))
+        union = torch.unique(torch.cat(parts))
+        assert torch.equal(later[name].indices(), union), name
+        assert torch.equal(blocking.changed[name], union), name
+    # a carried param's values are gathered at routing (at the union), never the tracker's
+    assert not set(blocking.values) & set(carry)
+    params = trainer.params()
+    where = {"trainer_layout": TRAINER, "receiver_layout": RECEIVERS}
+    assert same_updates(
+        route_positions(later, params, **where),
+        shard_updates(blocking.changed, params, **where, values=blocking.values),
+    )
+    assert first is not None and all(isinstance(p, Positions) for p in carry.values())
+
+
+def test_a_tracker_without_a_positions_stream_is_captured_from_its_triples() -> None:
+    p = torch.zeros(64)
+    tracker = SnapshotTracker([("w", p)])
+    p[[3, 9, 300 % 64]] = 1.0
+    caps = capture_positions(tracker, {})
+    assert caps.positions is not None
+    assert caps.positions["w"].indices().tolist() == [3, 9, 44]
+
+
+def test_a_positions_stream_with_float_indices_is_refused_naming_the_param() -> None:
+    class Bad:
+        def iter_changed(self):
+            yield "w", torch.tensor([1.0, 2.0])
+
+        def iter_changes(self):
+            return iter(())
+
+        def clear(self) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match="'w'"):
+        capture_positions(Bad(), {})
