@@ -1,7 +1,7 @@
 """Where an in-cluster receiver's live tensors stand, recorded before the first write.
 
 Three facts, kept in memory and, when a path is given, in one record of
-:mod:`deltasync.journal_file` (the file format the storage receiver's journal uses too):
+:mod:`deltasync.atomic` (the file format the storage receiver's journal uses too):
 
 - ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet);
 - ``applying``: ``(version, base)`` of an apply that started and has not been committed: the
@@ -32,7 +32,7 @@ from typing import Any
 
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
 from deltasync.format import BlobBaseMismatchError
-from deltasync.journal_file import REMEDY, encode_record, read_record, write_record
+from deltasync.atomic import REMEDY, encode_record, read_record, write_record
 
 
 @dataclass(frozen=True)

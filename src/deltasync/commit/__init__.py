@@ -5,8 +5,8 @@ how it becomes one.
   small records (writer markers, receiver registrations, acks, ``LATEST``) and the planning
   rules over versions (chain, retention, anchors);
 - over a :class:`~deltasync.store.Store`: :class:`Catalog` (the one read model of what is
-  committed), :mod:`~deltasync.commit.committer` (writer markers, the manifest commit,
-  ``LATEST``), :mod:`~deltasync.commit.acks` (waiting for acks and for bounded staleness) and
+  committed, and the waits for acks and bounded staleness on it),
+  :mod:`~deltasync.commit.committer` (writer markers, the manifest commit, ``LATEST``) and
   :mod:`~deltasync.commit.retention` (what is safe to delete).
 
 The publisher and the receiver both build on this package and never on each other. It knows

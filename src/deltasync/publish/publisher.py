@@ -53,9 +53,8 @@ import torch
 
 from deltasync import names
 from deltasync.commit import AckRecord, BlobEntry, Manifest, WriterMarker, should_anchor
-from deltasync.commit import acks as acks_mod
 from deltasync.commit import committer as commit_mod
-from deltasync.commit.catalog import Catalog
+from deltasync.commit.catalog import Catalog, wait_for_acks, wait_for_staleness
 from deltasync.commit.model import LayoutRecord
 from deltasync.commit.records import ReceiverRecord
 from deltasync.commit.retention import GcPlan, plan_deletions
@@ -300,7 +299,7 @@ class Publisher:
 
         waited = 0.0
         if cfg.max_staleness is not None:
-            waited = acks_mod.wait_for_staleness(
+            waited = wait_for_staleness(
                 self.catalog,
                 committed,
                 max_staleness=cfg.max_staleness,
@@ -638,7 +637,7 @@ class Publisher:
         """
         if receivers is None:
             receivers = list(self.catalog.live_receivers(self.config.receiver_ttl_s))
-        return acks_mod.wait_for_acks(
+        return wait_for_acks(
             self.catalog, version, receivers, timeout_s=timeout, poll_s=self.config.poll_interval_s
         )
 

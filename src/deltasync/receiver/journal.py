@@ -15,7 +15,7 @@ Two small JSON files in the receiver's state directory (names from :mod:`deltasy
   everything; replaying the steps in order therefore ends at the journaled target whether the
   tensors held ``from_version``, any mix of the steps, or the target already.
 
-Both files are records of :mod:`deltasync.journal_file` (canonical JSON, written atomically
+Both files are records of :mod:`deltasync.atomic` (canonical JSON, written atomically
 and durably). This module knows the records' fields; it knows nothing about stores or tensors.
 """
 
@@ -31,7 +31,7 @@ from deltasync import names
 from deltasync.commit import Manifest
 from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
-from deltasync.journal_file import (
+from deltasync.atomic import (
     STATE_DIR_MODE,
     encode_record,
     read_record,
