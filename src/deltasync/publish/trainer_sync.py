@@ -45,10 +45,10 @@ import torch
 
 from deltasync.errors import ConfigError, PublishFailedError
 from deltasync.native.ops import bf16_at
-from deltasync.trainer.positions import Positions
 from deltasync.publish.prefetch import Ready
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.trainer import Tracker
+from deltasync.trainer.positions import Positions
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
 
 
-def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor]]:
+def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Positions]]:
     """The tracker's changed positions; without values where the tracker can (the background
-    reads the values from the params, which nothing changes until the next optimizer step)."""
+    reads the values from the params, which nothing changes until the next optimizer step),
+    already encoded where it can (``iter_positions``: chunk by chunk as detection runs)."""
+    encoded = getattr(tracker, "iter_positions", None)
+    if callable(encoded):
+        yield from encoded()
+        return
     positions_only = getattr(tracker, "iter_changed", None)
     if callable(positions_only):
         yield from positions_only()
@@ -94,7 +99,7 @@ def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def merge_positions(
-    changes: Iterable[tuple[str, torch.Tensor]],
+    changes: Iterable[tuple[str, torch.Tensor | Positions]],
     carry: Mapping[str, Positions],
     params: Params,
 ) -> Iterator[tuple[str, Positions]]:
@@ -110,12 +115,12 @@ def merge_positions(
             got, nxt = nxt[1], next(stream, None)
         old = carry.get(name)
         if old is None:
-            if got is not None and got.numel():
-                yield name, Positions.of(got)
+            if got is not None and len(got):
+                yield name, got if isinstance(got, Positions) else Positions.of(got)
         elif got is None:
             yield name, old
         else:
-            yield name, old.union(got)
+            yield name, old.union(got.indices() if isinstance(got, Positions) else got)
     if nxt is not None:
         raise ConfigError(
             f"the tracker reports changes in {nxt[0]!r}, which is not in params (or out of "

@@ -44,9 +44,11 @@ from deltasync.trainer.detect import (
     bitset_bytes,
     detect_adamw_,
     detect_adamw_changes,
+    detect_adamw_index_chunks,
     detect_adamw_indices,
 )
 from deltasync.trainer.params import Watched, local_of, watch
+from deltasync.trainer.positions import Positions
 from deltasync.trainer.protocol import LocalShard
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
 from deltasync.trainer.versions import OutOfBandWatch
@@ -324,7 +326,7 @@ class AdamWTracker:
             return detect_adamw_changes(*args, threads=self._threads)
         return detect_adamw_indices(*args, threads=self._threads), None
 
-    def _iter(self, values: bool) -> Iterator[Change]:
+    def _iter(self, values: bool, positions: bool = False) -> Iterator[Change]:
         self._oob.check()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
@@ -336,13 +338,29 @@ class AdamWTracker:
             if name in self._oob:
                 idx, vals = self._everything(name, values)
             elif name in self._covered:
-                idx, vals = self._detect(name, pending.get(name), values)
+                entry = pending.get(name)
+                if (
+                    positions
+                    and name not in self._bits
+                    and entry is not None
+                    and entry[1] is not None
+                ):
+                    # One step per version: the kernel's chunks go straight into Positions.
+                    _, hyper, v_key = entry
+                    chunks = detect_adamw_index_chunks(
+                        *self._state(name, v_key), kernel_scalars(hyper), threads=self._threads
+                    )
+                    pos = Positions.from_chunks(chunks, device=self._watched[name].local().device)
+                    if len(pos):
+                        yield name, pos, None  # type: ignore[misc]
+                    continue
+                idx, vals = self._detect(name, entry, values)
             elif name in snap:
                 idx, vals = snap[name]
             else:
                 continue  # a constant, unedited
             if idx.numel():
-                yield name, idx, vals
+                yield name, (Positions.of(idx) if positions else idx), vals  # type: ignore[misc]
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
@@ -357,6 +375,16 @@ class AdamWTracker:
         publisher can encode and ship each while the next is still being detected."""
         for name, idx, _ in self._iter(values=False):
             yield name, idx
+
+    def iter_positions(self) -> Iterator[tuple[str, Positions]]:
+        """Like :meth:`iter_changed`, each parameter's positions encoded compactly
+        (:class:`Positions`, about 1 byte per changed element) as detection hands them over
+        chunk by chunk: what an overlapped sender keeps, without the int64 positions of a
+        whole parameter ever existing (one optimizer step per version; with a bitset, a
+        snapshot or an edit outside the optimizer the parameter's indices are built first,
+        as in :meth:`iter_changed`)."""
+        for name, pos, _ in self._iter(values=False, positions=True):
+            yield name, pos
 
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())

@@ -18,8 +18,11 @@ This module knows tensors and the kernel scalars; it knows nothing about optimiz
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -237,6 +240,84 @@ def detect_adamw_indices(
     per-element memory at all between versions.
     """
     return _detect_chunked(p, m, v, k, threads=threads, values=False)[0]
+
+
+def detect_adamw_index_chunks(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    *,
+    threads: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """:func:`detect_adamw_indices` chunk by chunk: the sorted int64 positions of each
+    ``_CHUNK``-element chunk, in order, as each is detected (a few chunks ahead on the kernel
+    threads). The caller encodes each as it comes (:meth:`Positions.from_chunks`), so the
+    int64 positions of a whole parameter (the embedding's: tens of MiB) never exist."""
+    check_state(p, m, v)
+    n = p.numel()
+    if n == 0:
+        return
+    if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
+        yield detect_adamw_indices(p, m, v, k, threads=threads)  # the bitset path, whole
+        return
+    lib = native.load()
+    assert lib is not None
+    pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
+
+    def run(start: int) -> torch.Tensor:
+        cnt = min(_CHUNK, n - start)
+        off = start * 4
+        buf = getattr(_scratch, "buf", None)
+        if buf is None:
+            buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
+        nbytes = bitset_bytes(cnt)
+        buf[:nbytes].zero_()
+        found = lib.ds_adamw_detect(
+            pp + off,
+            mp + off,
+            vp + off,
+            cnt,
+            k.bc2s,
+            k.eps,
+            k.step_size,
+            k.inv_c,
+            k.rel_s,
+            k.rel_u,
+            k.abs_e,
+            buf.data_ptr(),
+        )
+        out = torch.empty(found, dtype=torch.int64)
+        if found:
+            lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
+        return out
+
+    starts = range(0, n, _CHUNK)
+    t = threads or torch.get_num_threads()
+    if t <= 1 or n <= _CHUNK:
+        for s in starts:
+            yield run(s)
+        return
+    # A bounded window of chunks in flight: the kernel threads stay busy while the caller
+    # encodes, and at most ``2 * t`` chunks' positions wait.
+    pool = _executor(t)
+    window: collections.deque = collections.deque()
+    it = iter(starts)
+    try:
+        for s in itertools.islice(it, 2 * t):
+            window.append(pool.submit(run, s))
+        while window:
+            out = window.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                window.append(pool.submit(run, nxt))
+            yield out
+    finally:
+        for f in window:  # an abandoned generator: let the submitted chunks finish
+            f.cancel()
+        for f in window:
+            if not f.cancelled():
+                f.result()
 
 
 def detect_adamw_changes(

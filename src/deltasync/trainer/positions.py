@@ -19,6 +19,8 @@ This module knows sorted integer tensors only: nothing about trackers, layouts o
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
+
 import torch
 
 _ESCAPE = 255  # a gap byte of 255: the gap is the next entry of ``escapes``
@@ -52,36 +54,68 @@ class Positions:
 
         The caller vouches for the order (a tracker's output, or a union from
         ``torch.unique``): nothing here re-checks it beyond what the encoding needs."""
-        n = indices.numel()
-        device = indices.device
-        if n <= 1:
-            return cls(count=n, first=int(indices[0]) if n else 0, device=device)
-        first, last = int(indices[0]), int(indices[-1])
+        return cls.from_chunks([indices], device=indices.device)
+
+    @classmethod
+    def from_chunks(
+        cls, chunks: Iterable[torch.Tensor], *, device: torch.device | None = None
+    ) -> Positions:
+        """Encode the concatenation of ``chunks`` (each sorted, unique, non-negative 1-D
+        integers, every chunk above the one before) without ever building it: a detection
+        pass hands over each chunk's positions as it finishes the chunk, and only the 8-bit
+        gaps (about 1 byte per position) are kept. Equal to ``of(torch.cat(chunks))``.
+
+        Args:
+            chunks: the positions in order, in pieces of any size (empty ones are skipped).
+            device: where the encoding lives when ``chunks`` is empty (default: CPU).
+
+        Returns:
+            The encoded positions.
+        """
+        first: int | None = None
+        prev = last = 0
+        n = n_escaped = 0
+        gap_parts: list[torch.Tensor] = []
+        escapes: list[torch.Tensor] = []
+        for chunk in chunks:
+            m = chunk.numel()
+            if m == 0:
+                continue
+            device = chunk.device
+            if first is None:
+                first = prev = int(chunk[0])
+                start = 1
+            else:
+                start = 0
+            # Slice by slice, so the int64 gaps are a CHUNK-sized transient, not 8 bytes per
+            # position of the largest parameter (the embedding) next to its indices.
+            for lo in range(start, m, CHUNK):
+                hi = min(m, lo + CHUNK)
+                cur = chunk[lo:hi].to(torch.int64)
+                diff = torch.empty_like(cur)
+                diff[0] = cur[0] - (int(chunk[lo - 1]) if lo else prev)
+                torch.sub(cur[1:], cur[:-1], out=diff[1:])
+                escaped = diff > _ESCAPE
+                k = int(torch.count_nonzero(escaped))
+                if k:
+                    escapes.append(diff[escaped])
+                    n_escaped += k
+                diff.sub_(1).clamp_(max=_ESCAPE)  # an escaped gap is >= 256 - 1: it becomes 255
+                gap_parts.append(diff.to(torch.uint8))
+            prev = last = int(chunk[-1])
+            n += m
+        device = torch.device("cpu") if device is None else device
+        if first is None or n <= 1:
+            return cls(count=n, first=first or 0, device=device)
         wide_dtype = torch.int32 if last < 2**31 else torch.int64
         wide_size = torch.empty(0, dtype=wide_dtype).element_size()
-        gaps = torch.empty(n - 1, dtype=torch.uint8, device=device)
-        escapes, n_escaped = [], 0
-        # Slice by slice, so the int64 gaps are a CHUNK-sized transient, not 8 bytes per
-        # position of the largest parameter (the embedding) next to its indices.
-        for lo in range(0, n - 1, CHUNK):
-            hi = min(n - 1, lo + CHUNK)
-            diff = indices[lo + 1 : hi + 1].to(torch.int64) - indices[lo:hi].to(torch.int64)
-            escaped = diff > _ESCAPE
-            k = int(torch.count_nonzero(escaped))
-            if k:
-                escapes.append(diff[escaped].to(wide_dtype))
-                n_escaped += k
-                if (n - 1) + n_escaped * wide_size >= n * wide_size:  # too wide to pay off
-                    return cls(count=n, first=first, device=device, wide=indices.to(wide_dtype))
-            diff.sub_(1).clamp_(max=_ESCAPE)  # an escaped gap is >= 256 - 1: it becomes 255
-            gaps[lo:hi] = diff
-        return cls(
-            count=n,
-            first=first,
-            device=device,
-            gaps=gaps,
-            escapes=torch.cat(escapes) if escapes else torch.empty(0, dtype=wide_dtype),
-        )
+        gaps = torch.cat(gap_parts) if len(gap_parts) > 1 else gap_parts[0]
+        del gap_parts
+        esc = torch.cat(escapes) if escapes else torch.empty(0, dtype=torch.int64, device=device)
+        out = cls(count=n, first=first, device=device, gaps=gaps, escapes=esc.to(wide_dtype))
+        if (n - 1) + n_escaped * wide_size >= n * wide_size:  # escapes too wide to pay off
+            return cls(count=n, first=first, device=device, wide=out.indices().to(wide_dtype))
+        return out
 
     def indices(self) -> torch.Tensor:
         """The positions as a sorted int64 tensor on their device."""
@@ -100,6 +134,62 @@ class Positions:
             rest.cumsum_(0)
             rest.add_(self.first)
         return out
+
+    def slices(self, size: int = CHUNK) -> Iterator[torch.Tensor]:
+        """The positions in order as sorted int64 tensors of at most ``size`` (>= 1) each,
+        decoded one at a time: never the int64 positions of a whole parameter."""
+        assert size >= 1
+        if self.count == 0:
+            return
+        if self.wide is not None:
+            for lo in range(0, self.count, size):
+                yield self.wide[lo : lo + size].to(torch.int64)
+            return
+        yield torch.tensor([self.first], dtype=torch.int64, device=self.device)
+        if self.gaps is None:
+            return
+        prev, e = self.first, 0
+        for lo in range(0, self.count - 1, size):
+            raw = self.gaps[lo : lo + size]
+            out = raw.to(torch.int64)
+            if self.escapes is not None and self.escapes.numel():
+                escaped = raw == _ESCAPE
+                k = int(torch.count_nonzero(escaped))
+                if k:
+                    out[escaped] = self.escapes[e : e + k].to(torch.int64) - 1
+                    e += k
+            out.add_(1).cumsum_(0).add_(prev)
+            prev = int(out[-1])
+            yield out
+
+    def ranges(self, bounds: Sequence[int], *, size: int = CHUNK) -> Iterator[torch.Tensor]:
+        """Per range ``[bounds[i], bounds[i + 1])`` (ascending), the positions inside it as a
+        sorted int64 tensor, one range at a time: two decoding passes (the first counts), so
+        only one range's int64 positions ever exist, never the whole parameter's."""
+        if len(bounds) < 2:
+            return
+        cuts = torch.tensor(list(bounds), dtype=torch.int64, device=self.device)
+        counts = [0] * (len(bounds) - 1)
+        for part in self.slices(size):
+            at = torch.searchsorted(part, cuts).tolist()
+            for i in range(len(counts)):
+                counts[i] += at[i + 1] - at[i]
+        parts = self.slices(size)
+        part = next(parts, None)
+        used = 0  # of ``part``
+        for i, count in enumerate(counts):
+            out = torch.empty(count, dtype=torch.int64, device=self.device)
+            filled = 0
+            while filled < count and part is not None:
+                lo = used + int(torch.searchsorted(part[used:], cuts[i]))
+                take = min(count - filled, part.numel() - lo)
+                out[filled : filled + take] = part[lo : lo + take]
+                filled += take
+                used = lo + take
+                if used == part.numel():
+                    part, used = next(parts, None), 0
+            assert filled == count
+            yield out
 
     def union(self, indices: torch.Tensor) -> Positions:
         """These positions joined with sorted ``indices`` (a later version's), encoded again."""

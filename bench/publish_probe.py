@@ -1,0 +1,167 @@
+"""Where one store-path version's trainer memory and background CPU go, in one process.
+
+The store path as users run it (``AdamWTracker`` + ``TrainerSync(overlap=True)`` +
+``Publisher`` on a local store, vLLM TP=2), on a Qwen3 shape with Qwen3-0.6B's vocabulary and
+width and ``--layers`` decoder layers (the embedding, the trainer's memory peak, is the
+0.6B's), under real AdamW steps. Per measured version:
+
+- *capture*: the time ``step_published`` blocked (detection, positions only), and the peak RSS
+  above the trimmed baseline while it ran;
+- *background*: the process CPU seconds from the end of the capture to the commit (the caller
+  only waits meanwhile, so they are the background's: value reads, routing, encoding, uploads,
+  the digest pass, the commit) and its wall time, and the peak RSS above the baseline;
+- the publisher's own phase timings (build, encode, digest, upload, commit).
+
+Memory is reported as a fraction of the BF16 model (the issue's unit). ``--profile`` runs the
+last version's background under cProfile on the caller's thread instead (the same calls) and
+prints the top functions by cumulative time. Ends with one JSON line; every version's
+receiver-visible state is checked against the manifest's digests (``exact``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import tempfile
+import time
+
+import torch
+
+from deltasync import (
+    AdamWTracker,
+    LocalStore,
+    ModelSpec,
+    Publisher,
+    PublisherConfig,
+    ReceiverLayout,
+    TrainerLayout,
+    TrainerSync,
+)
+from deltasync.layout.digest import state_digests
+from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak, trim
+from deltasync_bench.compare.workload import Workload, build_trainer
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0.6B: 28)")
+    ap.add_argument("--lr", type=float, default=3e-6)
+    ap.add_argument("--pre-steps", type=int, default=3)
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="cProfile the last background")
+    ap.add_argument("--top", type=int, default=25)
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = _args()
+    torch.set_num_threads(a.threads)
+    w = Workload(
+        model=a.model, lr=a.lr, pre_steps=a.pre_steps, hf_overrides={"num_hidden_layers": a.layers}
+    )
+    trainer = build_trainer(w)
+    for s in range(w.pre_steps):
+        trainer.step(-1 - s)
+    params = trainer.params()
+    spec = ModelSpec.from_hf_config(w.hf_config())
+    tlayout = TrainerLayout.build(spec)
+    rlayout = ReceiverLayout.build(spec, engine="vllm", tp=a.tp)
+    bf16_bytes = 2 * sum(p.numel() for p in params.values())
+    tracker = AdamWTracker(trainer.opt, trainer.named)
+    rows = []
+    exact = True
+    with tempfile.TemporaryDirectory() as root:
+        store = LocalStore(root)
+        pub = Publisher(
+            store,
+            receiver_layout=rlayout,
+            trainer_layout=tlayout,
+            config=PublisherConfig(anchor_every=1_000_000, session="probe"),
+        )
+        sync = TrainerSync(tracker, pub, params, overlap=True, optimizer=trainer.opt)
+        sync.step_published(0, anchor=True)
+        sync.wait()
+        for v in range(1, a.versions + 1):
+            trainer.step(v)
+            trim()
+            base = current_rss()
+            reset_peak()
+            profiling = a.profile and v == a.versions
+            if profiling:  # the same background, on this thread, under the profiler
+                sync.overlap = False
+                prof = cProfile.Profile()
+                t = time.perf_counter()
+                prof.enable()
+                reports = sync.step_published(v)
+                prof.disable()
+                wall = time.perf_counter() - t
+                sync.overlap = True
+                assert isinstance(reports, list)
+                row = dict(version=v, profiled_wall_s=wall)
+            else:
+                c0, t0 = time.process_time(), time.perf_counter()
+                pending = sync.step_published(v)
+                captured_s = time.perf_counter() - t0
+                capture_cpu = time.process_time() - c0
+                cap_peak = peak_rss() - base
+                reset_peak()
+                c1, t1 = time.process_time(), time.perf_counter()
+                reports = sync.wait() or []
+                bg_cpu = time.process_time() - c1
+                bg_wall = time.perf_counter() - t1
+                del pending
+                row = dict(
+                    version=v,
+                    captured_s=captured_s,
+                    capture_cpu_s=capture_cpu,
+                    capture_mem=cap_peak / bf16_bytes,
+                    background_cpu_s=bg_cpu,
+                    background_wall_s=bg_wall,
+                    background_mem=(peak_rss() - base) / bf16_bytes,
+                )
+            rep = reports[0]
+            row.update(
+                elements=rep.elements_sent,
+                mib=rep.bytes_sent / 2**20,
+                build_s=rep.build_s,
+                encode_s=rep.encode_s,
+                digest_s=rep.digest_s,
+                upload_s=rep.upload_s,
+                commit_s=rep.commit_s,
+            )
+            manifest = pub.catalog.manifest(v)
+            truth = state_digests(params, trainer_layout=tlayout, receiver_layout=rlayout)
+            exact = exact and truth == dict(manifest.shard_digests)
+            rows.append(row)
+            print(
+                " ".join(
+                    f"{k}={val:.3f}" if isinstance(val, float) else f"{k}={val}"
+                    for k, val in row.items()
+                ),
+                flush=True,
+            )
+            if profiling:
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
+        sync.close()
+        pub.close()
+    print(
+        json.dumps(
+            dict(
+                bench="publish_probe",
+                model=a.model,
+                layers=a.layers,
+                bf16_bytes=bf16_bytes,
+                exact=exact,
+                versions=rows,
+            )
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
