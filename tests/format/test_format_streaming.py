@@ -56,6 +56,7 @@ def test_a_streamed_zstd_section_decodes_like_a_one_shot_one(monkeypatch):
 @pytest.mark.parametrize("one_shot_max", [section.ONE_SHOT_MAX, 0])
 def test_a_corrupt_zstd_block_behind_a_correct_digest_is_a_format_error(monkeypatch, one_shot_max):
     monkeypatch.setattr(section, "ONE_SHOT_MAX", one_shot_max)
+    monkeypatch.setattr(section, "READ_ONE_SHOT_MAX", one_shot_max)
     records = b"".join(
         record(f"n{k}", shape=(4096,), nnz=0) for k in range(200)
     )  # compressible, so the frame holds a compressed block

@@ -6,9 +6,12 @@ Data flow through this package::
     encode.py   TensorUpdates -> blob bytes     (gap coding, byte planes, zstd, xxh3-128);
                 BlobWriter streams a blob segment by segment, encode_blob is one segment,
                 encode_blobs one blob per shard on a few threads
-    decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record)
-    merge.py    several writers' / versions' TensorUpdates -> one per tensor
-    apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place)
+    decode.py   blob bytes    -> DecodedBlob    (digest, header; reader.py: every record);
+                BlobRecords reads a blob record by record
+    merge.py    several writers' / versions' TensorUpdates -> one per tensor; iter_chain
+                streams a chain's records one tensor at a time (TensorPieces)
+    apply.py    TensorUpdates -> live tensors   (validate all, then scatter in place);
+                apply_pieces writes one tensor's pieces of a chain
 
 wire.py holds the byte layout (documented byte by byte in docs/wire-format.md), updates.py the
 in-memory records, planes.py the numpy kernels, section.py the zstd frame handling.
@@ -17,11 +20,11 @@ The package knows nothing about storage, manifests, layouts of models or process
 """
 
 from deltasync.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
-from deltasync.format.apply import apply_updates
+from deltasync.format.apply import apply_pieces, apply_updates
 from deltasync.format.build import full_updates, sparse_update
-from deltasync.format.decode import decode_blob
+from deltasync.format.decode import BlobRecords, decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob, encode_blobs
-from deltasync.format.merge import fold_chain, merge_writers
+from deltasync.format.merge import Records, TensorPieces, fold_chain, iter_chain, merge_writers
 from deltasync.format.updates import (
     BlobHeader,
     DecodedBlob,
@@ -36,11 +39,15 @@ __all__ = [
     "BlobBaseMismatchError",
     "BlobHeader",
     "BlobLimitError",
+    "BlobRecords",
     "BlobWriter",
     "DecodedBlob",
     "InvalidUpdateError",
+    "Records",
+    "TensorPieces",
     "TensorSpec",
     "TensorUpdate",
+    "apply_pieces",
     "apply_updates",
     "check_tensors_match",
     "decode_blob",
@@ -48,6 +55,7 @@ __all__ = [
     "encode_blobs",
     "fold_chain",
     "full_updates",
+    "iter_chain",
     "merge_writers",
     "sparse_update",
 ]

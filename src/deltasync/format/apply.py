@@ -10,6 +10,10 @@ Three phases, so that a bad update leaves every target bit-identical:
    writes through the view's strides into the shared storage. (A ``reshape(-1)`` of a
    non-contiguous tensor would be a copy, and writes into it would be lost.)
 
+:func:`apply_pieces` writes one tensor's pieces of a chain (:class:`TensorPieces`, streamed by
+:func:`deltasync.format.merge.iter_chain`) in chain order, so a chain is applied one tensor at a
+time without folding it first.
+
 This module knows TensorUpdate and torch tensors; it knows nothing about blobs, versions or
 journals (the receiver records progress before calling it).
 """
@@ -21,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltasync.errors import ApplyError
+from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
 
 
@@ -108,4 +113,33 @@ def apply_updates(updates: Sequence[TensorUpdate], targets: Mapping[str, torch.T
         for target, update, idx, values in staged:
             _write(target, update, idx, values)
             written += update.nnz
+    return written
+
+
+def apply_pieces(tensor: TensorPieces, targets: Mapping[str, torch.Tensor]) -> int:
+    """Write one tensor's pieces of a chain (see :class:`TensorPieces`) into
+    ``targets[tensor.name]`` in place, in chain order; return the elements written.
+
+    Every piece is validated against the target before the first write into it (raises
+    ApplyError with the target unchanged); the chain as a whole was verified by the caller."""
+    target = targets.get(tensor.name)
+    seen: set[str] = set()
+    for piece in tensor.pieces:
+        seen.clear()  # the pieces of one tensor share its name by construction
+        _check(piece, targets, seen)
+    if target is None:  # no pieces: nothing was checked against a target
+        raise ApplyError(f"tensor {tensor.name!r}: no target of this name. Nothing was written")
+    start = tensor.start()
+    pieces = tensor.pieces[start:]
+    written = 0
+    with torch.no_grad():
+        if tensor.from_zero and not (pieces and pieces[0].is_dense):
+            target.zero_()  # an anchor defines the whole tensor: unlisted elements are zero
+            written += target.numel()
+        for piece in pieces:
+            if piece.nnz == 0:
+                continue
+            idx = None if piece.indices is None else piece.indices.to(target.device)
+            _write(target, piece, idx, piece.values.to(target.device))
+            written += piece.nnz
     return written

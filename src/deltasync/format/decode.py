@@ -20,7 +20,7 @@ This module knows the blob header and its digest; it does not know how updates a
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import xxhash
 
@@ -34,8 +34,8 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import section
-from deltasync.format.reader import parse_records
-from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec
+from deltasync.format.reader import iter_records
+from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
 from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,
@@ -170,6 +170,117 @@ def _check_wanted(
         )
 
 
+class BlobRecords:
+    """A blob whose digest, header and trailer are verified, read record by record.
+
+    Construction runs checks 1-4 of the module docstring up to the first segment; each
+    iteration decodes the records afresh, segment by segment (checks 4-5 as it goes, the
+    totals at the end), so a caller can hold one record at a time instead of the whole blob.
+    A record yielded before the iteration ends is not yet proven to come from a well-formed
+    blob: whoever writes anything must first iterate to the end once (the bytes are immutable,
+    so a second iteration yields the same records). ``names()`` walks the record headers only.
+    """
+
+    def __init__(
+        self,
+        blob: bytes | bytearray | memoryview,
+        *,
+        expected: Mapping[str, TensorSpec] | None = None,
+        version: int | None = None,
+        base_version: int | None = None,
+        shard: str | None = None,
+        max_decompressed_bytes: int = 1 << 36,
+    ) -> None:
+        if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
+            raise ConfigError(
+                f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
+            )
+        view = _bytes_view(blob)
+        _check_digest(view)
+        header, flags, at = _read_header(view)
+        _check_wanted(header, version, base_version, shard)
+        where = f"blob {header.shard}/{header.writer} v{header.version}"
+        end_magic, segments, count, raw_len, body_len = _trailer(view)
+        if end_magic != END_MAGIC:
+            raise FormatError(
+                f"{where}: trailer magic is {bytes(end_magic)!r}, expected {END_MAGIC!r}"
+            )
+        end = len(view) - DIGEST_SIZE - TRAILER.size
+        if at + body_len != end:
+            raise FormatError(
+                f"{where}: trailer declares {body_len} bytes of segments, the blob holds "
+                f"{end - at}; the writer produced an inconsistent trailer: do not apply it"
+            )
+        if raw_len > max_decompressed_bytes:
+            raise BlobLimitError(
+                f"{where}: segments declare {raw_len} decompressed bytes, above "
+                f"max_decompressed_bytes={max_decompressed_bytes}; raise the limit if the blob "
+                "is trusted, else drop it"
+            )
+        if count > MAX_RECORDS:
+            raise BlobLimitError(
+                f"{where}: {count} records exceed the limit of {MAX_RECORDS} per blob; split "
+                "the shard's updates over several writers"
+            )
+        if count * RECORD.size > raw_len or segments > count or (count and not segments):
+            raise TruncatedBlobError(
+                f"{where}: {count} records in {segments} segments cannot fit in {raw_len} "
+                "decompressed bytes; the writer produced an inconsistent trailer: do not apply it"
+            )
+        self.header = header
+        self.record_count = count
+        self.raw_len = raw_len  # decompressed bytes of all segments (bounded above)
+        self._view, self._flags, self._start, self._end = view, flags, at, end
+        self._segments, self._expected, self._where = segments, expected, where
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return self._records(headers_only=False)
+
+    def names(self) -> list[str]:
+        """The tensor names in record order, from the record headers alone (payloads are
+        decompressed but not decoded; they are checked when the records are iterated)."""
+        return [name for name, _ in self._records(headers_only=True)]
+
+    def _records(self, *, headers_only: bool) -> Iterator:
+        view, end, where = self._view, self._end, self._where
+        at = self._start
+        seen: set[str] = set()
+        left_raw, left_count = self.raw_len, self.record_count
+        for k in range(self._segments):
+            seg = f"{where} segment {k}"
+            if at + SEGMENT.size > end:
+                raise TruncatedBlobError(f"{seg}: its header runs past the segments' end")
+            section_len, seg_raw, seg_count = SEGMENT.unpack_from(view, at)
+            at += SEGMENT.size
+            if section_len > end - at or seg_raw > left_raw or seg_count > left_count:
+                raise TruncatedBlobError(
+                    f"{seg} declares {section_len} bytes, {seg_raw} decompressed bytes and "
+                    f"{seg_count} records; only {end - at}, {left_raw} and {left_count} remain: "
+                    "the blob is malformed although its digest matched: do not apply it"
+                )
+            if not seg_count or seg_count * RECORD.size > seg_raw:
+                raise FormatError(
+                    f"{seg}: {seg_count} records cannot fill {seg_raw} decompressed bytes (a "
+                    "segment holds at least one record); do not apply it"
+                )
+            body = section.SectionReader(
+                view[at : at + section_len], seg_raw, bool(self._flags & FLAG_ZSTD), seg
+            )
+            yield from iter_records(
+                body, seg_count, self._expected, seen=seen, headers_only=headers_only
+            )
+            del body  # one segment's decompressed section at a time
+            at += section_len
+            left_raw -= seg_raw
+            left_count -= seg_count
+        if at != end or left_raw or left_count:
+            raise FormatError(
+                f"{where}: the segments end at byte {at} with {left_raw} decompressed bytes and "
+                f"{left_count} records unaccounted for; the trailer says they end at {end}: do "
+                "not apply it"
+            )
+
+
 def decode_blob(
     blob: bytes | bytearray | memoryview,
     *,
@@ -187,72 +298,14 @@ def decode_blob(
     Memory: the decoded arrays (values at their own size, indices widened to int64: at most ~4x
     the section bytes that hold them, and the section is <= ``max_decompressed_bytes``) plus
     one segment's decompressed section at a time (up to 32 MiB) or, above that, chunk buffers of
-    a few hundred KiB: a large section is streamed, never held whole."""
-    if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
-        raise ConfigError(
-            f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
-        )
-    view = _bytes_view(blob)
-    _check_digest(view)
-    header, flags, at = _read_header(view)
-    _check_wanted(header, version, base_version, shard)
-    where = f"blob {header.shard}/{header.writer} v{header.version}"
-    end_magic, segments, count, raw_len, body_len = _trailer(view)
-    if end_magic != END_MAGIC:
-        raise FormatError(f"{where}: trailer magic is {bytes(end_magic)!r}, expected {END_MAGIC!r}")
-    end = len(view) - DIGEST_SIZE - TRAILER.size
-    if at + body_len != end:
-        raise FormatError(
-            f"{where}: trailer declares {body_len} bytes of segments, the blob holds {end - at}; "
-            "the writer produced an inconsistent trailer: do not apply it"
-        )
-    if raw_len > max_decompressed_bytes:
-        raise BlobLimitError(
-            f"{where}: segments declare {raw_len} decompressed bytes, above "
-            f"max_decompressed_bytes={max_decompressed_bytes}; raise the limit if the blob is "
-            "trusted, else drop it"
-        )
-    if count > MAX_RECORDS:
-        raise BlobLimitError(
-            f"{where}: {count} records exceed the limit of {MAX_RECORDS} per blob; split the "
-            "shard's updates over several writers"
-        )
-    if count * RECORD.size > raw_len or segments > count or (count and not segments):
-        raise TruncatedBlobError(
-            f"{where}: {count} records in {segments} segments cannot fit in {raw_len} "
-            "decompressed bytes; the writer produced an inconsistent trailer: do not apply it"
-        )
-    updates: list = []
-    seen: set[str] = set()
-    left_raw, left_count = raw_len, count
-    for k in range(segments):
-        seg = f"{where} segment {k}"
-        if at + SEGMENT.size > end:
-            raise TruncatedBlobError(f"{seg}: its header runs past the segments' end")
-        section_len, seg_raw, seg_count = SEGMENT.unpack_from(view, at)
-        at += SEGMENT.size
-        if section_len > end - at or seg_raw > left_raw or seg_count > left_count:
-            raise TruncatedBlobError(
-                f"{seg} declares {section_len} bytes, {seg_raw} decompressed bytes and "
-                f"{seg_count} records; only {end - at}, {left_raw} and {left_count} remain: "
-                "the blob is malformed although its digest matched: do not apply it"
-            )
-        if not seg_count or seg_count * RECORD.size > seg_raw:
-            raise FormatError(
-                f"{seg}: {seg_count} records cannot fill {seg_raw} decompressed bytes (a segment "
-                "holds at least one record); do not apply it"
-            )
-        body = section.SectionReader(
-            view[at : at + section_len], seg_raw, bool(flags & FLAG_ZSTD), seg
-        )
-        updates += parse_records(body, seg_count, expected, seen=seen)
-        at += section_len
-        left_raw -= seg_raw
-        left_count -= seg_count
-    if at != end or left_raw or left_count:
-        raise FormatError(
-            f"{where}: the segments end at byte {at} with {left_raw} decompressed bytes and "
-            f"{left_count} records unaccounted for; the trailer says they end at {end}: do not "
-            "apply it"
-        )
-    return DecodedBlob(header=header, updates=updates)
+    a few hundred KiB: a large section is streamed, never held whole. :class:`BlobRecords`
+    reads the same blob one record at a time."""
+    records = BlobRecords(
+        blob,
+        expected=expected,
+        version=version,
+        base_version=base_version,
+        shard=shard,
+        max_decompressed_bytes=max_decompressed_bytes,
+    )
+    return DecodedBlob(header=records.header, updates=list(records))

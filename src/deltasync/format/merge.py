@@ -13,7 +13,9 @@ about stores, manifests or live tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -123,3 +125,160 @@ def fold_chain(
                 )
             )
     return out
+
+
+# --- streaming: a chain's records grouped per tensor, one tensor at a time ---------------
+
+
+class RecordStream(Protocol):
+    """One blob's records in blob order (a :class:`~deltasync.format.decode.BlobRecords`,
+    or :class:`Records` over a decoded list): iterable more than once, same records each time."""
+
+    def __iter__(self) -> Iterator[TensorUpdate]: ...
+
+    def names(self) -> list[str]: ...
+
+
+class Records:
+    """A decoded list of updates as a :class:`RecordStream`."""
+
+    def __init__(self, updates: Sequence[TensorUpdate]) -> None:
+        self.updates = list(updates)
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return iter(self.updates)
+
+    def names(self) -> list[str]:
+        return [u.name for u in self.updates]
+
+
+@dataclass(frozen=True, eq=False)
+class TensorPieces:
+    """Everything a chain writes into one tensor, in chain order: the tensor starts from its
+    live values, or from zeros when ``from_zero`` (the chain starts with an anchor: elements
+    it does not list are zero), then each piece overwrites its elements (later pieces win;
+    the pieces of one version come from different writers and are disjoint)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    from_zero: bool
+    pieces: tuple[TensorUpdate, ...]
+
+    @property
+    def nnz(self) -> int:
+        """Elements the pieces list (an element listed by two versions counts twice)."""
+        return sum(p.nnz for p in self.pieces)
+
+    def start(self) -> int:
+        """Index of the first piece that matters: the last dense one (it overwrites everything
+        before it), else 0."""
+        for k in range(len(self.pieces) - 1, -1, -1):
+            if self.pieces[k].is_dense:
+                return k
+        return 0
+
+
+# (version, kind, the streams of that version's writers) in chain order
+ChainStep = tuple[int, str, Sequence[RecordStream]]
+
+
+def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> None:
+    if len(ups) < 2:
+        return
+    if any(u.is_dense for u in ups):
+        raise BlobMismatchError(
+            f"version {version}: tensor {name!r} has a dense update and another update from "
+            "a second writer; writers' elements must be disjoint (publisher bug)"
+        )
+    idx = torch.sort(torch.cat([u.indices for u in ups])).values  # type: ignore[misc]
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise BlobMismatchError(
+            f"version {version}: two writers sent the same element of tensor {name!r}; "
+            "writers' elements must be disjoint (publisher bug)"
+        )
+
+
+def iter_chain(
+    steps: Sequence[ChainStep], specs: Mapping[str, TensorSpec], *, check: bool = True
+) -> Iterator[TensorPieces]:
+    """The chain's updates one tensor at a time (tensors no step touches are not yielded).
+
+    Holds one tensor's pieces (plus, per stream, the records read ahead of the tensor being
+    gathered: none when every blob lists its tensors in the same order, as one publisher's
+    writers do). One stream is read once; several are read through their record headers
+    first (``names()``) to know where each tensor's pieces are. With ``check`` the writers
+    of one version are proven disjoint and an anchor proven complete, both before the last
+    tensor is yielded: a caller that consumes the whole iterator before writing anything has
+    every check behind it.
+
+    Raises BlobMismatchError (an incomplete anchor, overlapping writers); the streams raise
+    their own FormatErrors."""
+    if any(kind == "anchor" for _, kind, _ in steps[1:]):
+        raise BlobMismatchError("an anchor in the middle of a chain: plan it first")
+    from_zero = bool(steps) and steps[0][1] == "anchor"
+    flat = [(version, stream) for version, _, streams in steps for stream in streams]
+    if len(flat) == 1:
+        grouped = ((u.name, [(flat[0][0], u)]) for u in flat[0][1])
+    else:
+        grouped = _lockstep(flat)
+    given: set[str] = set()
+    for name, pieces in grouped:
+        spec = specs.get(name)
+        if spec is None:  # the streams check names against the specs; this guards Records
+            raise BlobMismatchError(f"tensor {name!r} is not one of the shard's tensors")
+        if check:
+            by_version: dict[int, list[TensorUpdate]] = {}
+            for version, u in pieces:
+                by_version.setdefault(version, []).append(u)
+            for version, ups in by_version.items():
+                _check_disjoint(version, name, ups)
+        if from_zero and pieces[0][0] == steps[0][0]:
+            given.add(name)
+        yield TensorPieces(
+            name=name,
+            shape=spec.shape,
+            dtype=spec.dtype,
+            from_zero=from_zero,
+            pieces=tuple(u for _, u in pieces),
+        )
+    if check and from_zero:
+        missing = [name for name in specs if name not in given]
+        if missing:
+            raise BlobMismatchError(
+                f"anchor version {steps[0][0]} has no values for tensors {missing[:5]} "
+                f"({len(missing)} of {len(specs)}): an incomplete anchor cannot restore the "
+                "shard; nothing was applied. Publish a new anchor"
+            )
+
+
+def _lockstep(
+    flat: Sequence[tuple[int, RecordStream]],
+) -> Iterator[tuple[str, list[tuple[int, TensorUpdate]]]]:
+    """Group several streams' records per tensor, reading every stream front to back once."""
+    listed = [stream.names() for _, stream in flat]
+    holders: dict[str, list[int]] = {}
+    rank: dict[str, float] = {}
+    for s, names in enumerate(listed):
+        for pos, name in enumerate(names):
+            holders.setdefault(name, []).append(s)
+            # visit tensors where the streams list them (relative position), so that aligned
+            # streams never read ahead
+            rank[name] = min(rank.get(name, 1.0), pos / max(1, len(names)))
+    iters = [iter(stream) for _, stream in flat]
+    ahead: list[dict[str, TensorUpdate]] = [{} for _ in flat]
+    for name in sorted(holders, key=lambda n: rank[n]):
+        pieces = []
+        for s in holders[name]:  # stream order is chain order
+            u = ahead[s].pop(name, None)
+            while u is None:
+                nxt = next(iters[s])  # the headers said this stream holds ``name``
+                if nxt.name == name:
+                    u = nxt
+                else:
+                    ahead[s][nxt.name] = nxt
+            pieces.append((flat[s][0], u))
+        yield name, pieces
+    for it in iters:  # run each stream's end-of-blob checks
+        for extra in it:
+            raise AssertionError(f"record {extra.name!r} not in the stream's headers")

@@ -13,7 +13,7 @@ decode.py, zstd in section.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -40,6 +40,25 @@ _LAYOUT = "writer and receiver disagree on the layout: check both use the same l
 _VALUE_NP = {torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4")}
 
 
+def iter_records(
+    reader: SectionReader,
+    count: int,
+    expected: Mapping[str, TensorSpec] | None,
+    *,
+    seen: set[str] | None = None,
+    headers_only: bool = False,
+) -> Iterator:
+    """The ``count`` records of ``reader``, one at a time; ``seen`` (names of earlier
+    segments' records, updated here) makes a name repeated anywhere in the blob an error.
+
+    Yields TensorUpdates, or with ``headers_only`` ``(name, nnz)`` pairs whose payloads are
+    skipped unread (their lengths are still checked against what remains)."""
+    seen = set() if seen is None else seen
+    for k in range(count):
+        yield _record(reader, k, seen, expected, headers_only)
+    reader.finish()
+
+
 def parse_records(
     reader: SectionReader,
     count: int,
@@ -47,19 +66,17 @@ def parse_records(
     *,
     seen: set[str] | None = None,
 ) -> list[TensorUpdate]:
-    """``count`` records from ``reader``; ``seen`` (names of earlier segments' records, updated
-    here) makes a name repeated anywhere in the blob an error."""
-    updates: list[TensorUpdate] = []
-    seen = set() if seen is None else seen
-    for k in range(count):
-        updates.append(_record(reader, k, seen, expected))
-    reader.finish()
-    return updates
+    """All ``count`` records of ``reader`` as a list (see :func:`iter_records`)."""
+    return list(iter_records(reader, count, expected, seen=seen))
 
 
 def _record(
-    reader: SectionReader, k: int, seen: set[str], expected: Mapping[str, TensorSpec] | None
-) -> TensorUpdate:
+    reader: SectionReader,
+    k: int,
+    seen: set[str],
+    expected: Mapping[str, TensorSpec] | None,
+    headers_only: bool = False,
+) -> TensorUpdate | tuple[str, int]:
     where = reader.where
     head = reader.read(RECORD.size, f"record {k} header")
     name_len, code, encoding, ndim, width, reserved, nnz, first = RECORD.unpack(head)
@@ -106,6 +123,9 @@ def _record(
                 f"{what}: a dense record needs gap width 0, first index 0 and {numel} values, "
                 f"has {width}, {first}, {nnz}; {_MALFORMED}"
             )
+        if headers_only:
+            reader.skip(numel * itemsize, f"tensor {name!r} values")
+            return name, numel
         reader.check(numel * itemsize, f"tensor {name!r} values")
         return _update(name, shape, dtype, None, _values(reader, numel, value_dtype, name))
 
@@ -116,6 +136,8 @@ def _record(
     if nnz == 0:
         if first:
             raise FormatError(f"{what}: first index {first} in an empty record; {_MALFORMED}")
+        if headers_only:
+            return name, 0
         return _update(name, shape, dtype, np.empty(0, np.int64), np.empty(0, value_dtype))
     if first >= numel:
         raise FormatError(
@@ -123,6 +145,9 @@ def _record(
         )
     # Both payload lengths are checked before either array is allocated.
     reader.check((nnz - 1) * width + nnz * itemsize, f"tensor {name!r} gaps and values")
+    if headers_only:
+        reader.skip((nnz - 1) * width + nnz * itemsize, f"tensor {name!r} gaps and values")
+        return name, nnz
     indices = read_gaps_as_indices(reader.read_into, first, nnz, width, f"tensor {name!r} gaps")
     _check_and_sum(indices, width, numel, what)
     return _update(name, shape, dtype, indices, _values(reader, nnz, value_dtype, name))

@@ -1,9 +1,10 @@
 """The record section as a stream: written through zstd (or raw) and read back in chunks.
 
 The record code sees a byte sink and a byte source that it feeds and drains in bounded chunks
-(planes.CHUNK bytes). Behind them, sections up to ONE_SHOT_MAX are compressed / decompressed in
-one zstd call (smaller and faster); larger ones (anchors, as large as the shard) stream, so the
-uncompressed section is never held whole and no second shard-sized buffer exists. Both give a
+(planes.CHUNK bytes). Behind them, sections up to ONE_SHOT_MAX are compressed in one zstd call
+(smaller and faster), and sections up to READ_ONE_SHOT_MAX decompressed in one call; larger ones
+stream, so the uncompressed section is never held whole and no second shard-sized buffer
+exists. Both give a
 single standard zstd frame. (Fresh buffers are not free here: first-touch page faults measured
 ~1-2 ms per MiB on this machine, more than zstd level 1 spends compressing that MiB.)
 
@@ -29,6 +30,13 @@ MAX_LEVEL = 22
 # delta), and the whole-section copy is small. Larger sections (anchors) stream in chunks, so no
 # second shard-sized buffer exists.
 ONE_SHOT_MAX = 32 << 20
+# The reader decompresses larger sections as a stream: a receiver reads a version's sections
+# twice (verify, then the scatter) and holds one per blob at a time, so a one-shot buffer is
+# memory the pull holds next to the shard. Streaming through planes.CHUNK-sized reads measured
+# no slower than one-shot on 13 MB sections here (the one-shot buffer's first-touch page faults
+# cost what the stream's per-call overhead does).
+READ_ONE_SHOT_MAX = 1 << 20
+_SKIP_CHUNK = 1 << 20  # scratch bytes when skipping through a streamed section
 
 
 class SectionWriter:
@@ -128,7 +136,7 @@ class SectionReader:
                 f"{where}: {len(section) - used} bytes follow the zstd frame inside the record "
                 "section"
             )
-        if raw_len > ONE_SHOT_MAX:
+        if raw_len > READ_ONE_SHOT_MAX:
             self._zstd = zstandard.ZstdDecompressor().stream_reader(
                 section, read_across_frames=False, closefd=False
             )
@@ -149,6 +157,20 @@ class SectionReader:
                 "record section; the blob is malformed although its digest matched: do not "
                 "apply it; re-publish this version from a fixed writer"
             )
+
+    def skip(self, n: int, what: str) -> None:
+        """Pass over the next ``n`` bytes (a one-shot section moves its position; a stream is
+        decompressed through a bounded scratch buffer)."""
+        self.check(n, what)
+        if self._zstd is None:
+            self._pos += n
+            self.left -= n
+            return
+        scratch = memoryview(bytearray(min(n, _SKIP_CHUNK)))
+        while n:
+            step = min(n, len(scratch))
+            self.read_into(scratch[:step], what)
+            n -= step
 
     def read(self, n: int, what: str) -> bytes:
         buf = bytearray(n)

@@ -11,6 +11,11 @@ The digest is the one definition of :mod:`deltasync.layout.digest` (its ``combin
 per-tensor xxh3-128 digests of row-major bytes): xxh3 fed in pieces equals xxh3 of the whole,
 so the value is exactly ``state_digest`` of the tensors after a scatter.
 
+A chain of several versions is verified the same way without folding it first: each tensor's
+pieces (:class:`deltasync.format.merge.TensorPieces`) patch each chunk in chain order, and a
+caller that streams them (:func:`chain_state_digest` over ``iter_chain``) holds one tensor's
+pieces at a time.
+
 This module knows tensors, TensorUpdate and the digest definition; it knows nothing about
 stores, manifests or journals.
 """
@@ -23,6 +28,7 @@ import torch
 import xxhash
 
 from deltasync.format import TensorUpdate
+from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
 
 CHUNK_ELEMENTS = 1 << 20  # 2 MiB of BF16 per scratch chunk
@@ -37,6 +43,26 @@ def patched_tensor_digest(
 ) -> bytes:
     """``tensor_digest`` of ``live`` with ``values`` written at the sorted flat ``indices``,
     without writing ``live`` and without a copy of it (one ``chunk``-element buffer)."""
+    spec = (tuple(live.shape), live.dtype)
+    piece = TensorUpdate(
+        name="patched", shape=spec[0], dtype=spec[1], indices=indices, values=values.to("cpu")
+    )
+    return pieces_tensor_digest(
+        live,
+        TensorPieces(
+            name="patched", shape=spec[0], dtype=spec[1], from_zero=False, pieces=(piece,)
+        ),
+        chunk=chunk,
+    )
+
+
+def pieces_tensor_digest(
+    live: torch.Tensor, tensor: TensorPieces, *, chunk: int = CHUNK_ELEMENTS
+) -> bytes:
+    """``tensor_digest`` of ``live`` after ``apply_pieces(tensor, ...)``, without writing
+    ``live``: chunk by chunk, the chunk's base (the live bytes, the last dense piece's values,
+    or zeros for an anchor) is patched with every later piece's elements in that chunk, in
+    chain order, in one ``chunk``-element buffer. Untouched chunks are hashed in place."""
     flat = live.detach()
     if not flat.is_contiguous():
         flat = flat.contiguous()  # a strided view: one copy of this tensor (rare: fused views)
@@ -45,24 +71,42 @@ def patched_tensor_digest(
     h = xxhash.xxh3_128()
     if n == 0:
         return h.digest()
-    idx = indices.to("cpu")
-    vals = values.to("cpu")
+    first = tensor.start()
+    pieces = tensor.pieces[first:]
+    dense = None
+    if pieces and pieces[0].is_dense:
+        dense = pieces[0].values.to("cpu")
+        pieces = pieces[1:]
+    zeros = tensor.from_zero and dense is None
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
-    bounds = torch.searchsorted(idx, starts).tolist()
+    sparse = []  # (indices, values, chunk bounds) of each sparse piece, chain order
+    for p in pieces:
+        if p.nnz == 0:
+            continue
+        idx = p.indices.to("cpu")  # type: ignore[union-attr]
+        bounds = torch.searchsorted(idx, starts.to(idx.dtype)).tolist()
+        sparse.append((idx, p.values.to("cpu"), bounds))
     scratch = torch.empty(min(chunk, n), dtype=flat.dtype)
     on_cpu = flat.device.type == "cpu"
-    for i in range(len(bounds) - 1):
+    for i in range(len(starts) - 1):
         start, end = int(starts[i]), int(starts[i + 1])
         if start >= end:
             break
-        lo, hi = bounds[i], bounds[i + 1]
-        if lo == hi and on_cpu:
-            h.update(_bytes(flat[start:end]))  # untouched: hashed in place
-            continue
+        touched = [(idx, vals, b[i], b[i + 1]) for idx, vals, b in sparse if b[i + 1] > b[i]]
+        if not touched and not zeros:
+            if dense is not None:
+                h.update(_bytes(dense[start:end]))  # the new values themselves
+                continue
+            if on_cpu:
+                h.update(_bytes(flat[start:end]))  # untouched: hashed in place
+                continue
         piece = scratch[: end - start]
-        piece.copy_(flat[start:end])
-        if hi > lo:
-            piece.index_copy_(0, idx[lo:hi] - start, vals[lo:hi])
+        if zeros:
+            piece.zero_()
+        else:
+            piece.copy_((dense if dense is not None else flat)[start:end])
+        for idx, vals, lo, hi in touched:
+            piece.index_copy_(0, (idx[lo:hi] - start).to(torch.int64), vals[lo:hi])
         h.update(_bytes(piece))
     return h.digest()
 
@@ -79,15 +123,41 @@ def updated_state_digest(
     Returns:
         The hex state digest, equal to ``state_digest`` of the tensors after the scatter.
     """
-    by_name = {u.name: u for u in updates}
+    return chain_state_digest(
+        tensors,
+        (
+            TensorPieces(name=u.name, shape=u.shape, dtype=u.dtype, from_zero=False, pieces=(u,))
+            for u in updates
+        ),
+    )
+
+
+def chain_state_digest(tensors: Mapping[str, torch.Tensor], chain: Iterable[TensorPieces]) -> str:
+    """The state digest ``tensors`` would have after ``apply_pieces`` of every item of
+    ``chain`` (at most one per tensor; e.g. :func:`deltasync.format.merge.iter_chain`),
+    consuming ``chain`` one tensor at a time.
+
+    Args:
+        tensors: the live tensors (read only).
+        chain: each touched tensor's pieces, each tensor once.
+
+    Returns:
+        The hex state digest, equal to ``state_digest`` of the tensors after the writes.
+    """
+    digests: dict[str, bytes] = {}
+    for item in chain:
+        t = tensors[item.name]
+        assert item.name not in digests, item.name  # iter_chain yields each tensor once
+        if not item.pieces or (item.nnz == 0 and not item.from_zero):
+            digests[item.name] = tensor_digest(t)
+        elif item.pieces[-1].is_dense:
+            digests[item.name] = tensor_digest(item.pieces[-1].values)  # the whole new tensor
+        else:
+            digests[item.name] = pieces_tensor_digest(t, item)
     entries = []
     for name, t in tensors.items():
-        u = by_name.get(name)
-        if u is None or u.nnz == 0:
+        digest = digests.get(name)
+        if digest is None:
             digest = tensor_digest(t)
-        elif u.indices is None:
-            digest = tensor_digest(u.values)  # dense: the values are the whole new tensor
-        else:
-            digest = patched_tensor_digest(t, u.indices, u.values)
         entries.append((name, dtype_name(t), tuple(t.shape), digest))
     return combine_digests(entries)

@@ -5,11 +5,15 @@
   refused here, before anything is fetched;
 - :func:`fetch_blob`: one blob's bytes, checked against its manifest entry (present, exact
   size, digest), as ``pull`` and ``inspect`` read them too;
-- :func:`fetch_version`: fetch this shard's blobs of one version and verify each against the
-  manifest (present, exact size, xxh3-128 digest) and then itself (``decode_blob`` with the
-  shard's expected tensor specs, version, base and shard; writer id);
-  and merge the writers' updates per tensor (:func:`deltasync.format.merge_writers`); an
-  anchor must then hold values for every local tensor (checked before any write).
+- :func:`open_version`: fetch this shard's blobs of one version and verify each against the
+  manifest (present, exact size, xxh3-128 digest) and then its own digest, header and trailer
+  (:class:`deltasync.format.decode.BlobRecords` with the shard's expected tensor specs,
+  version, base and shard; writer id), without decoding the records: a pull reads them one
+  tensor at a time (verify before write, then the scatter), and every record is validated by
+  the first of those reads, before any write;
+- :func:`fetch_version`: the same, decoded whole and merged per tensor
+  (:func:`deltasync.format.merge_writers`); an anchor must then hold values for every local
+  tensor.
 
 The engine keeps serving during all of this; only the final scatter pauses it. This module
 knows manifests, blobs and TensorUpdate; it never touches live tensors.
@@ -31,7 +35,8 @@ from deltasync.errors import (
     ObjectTooLargeError,
     TruncatedBlobError,
 )
-from deltasync.format import TensorSpec, TensorUpdate, decode_blob, merge_writers
+from deltasync.format import TensorSpec, TensorUpdate, merge_writers
+from deltasync.format.decode import BlobRecords
 from deltasync.store import Store
 
 
@@ -95,6 +100,41 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     return data
 
 
+def open_version(
+    store: Store,
+    manifest: Manifest,
+    shard: str,
+    specs: Mapping[str, TensorSpec],
+    *,
+    max_decompressed_bytes: int = 1 << 36,
+) -> tuple[list[BlobRecords], int]:
+    """This shard's blobs of ``manifest``, fetched and verified (size, digest, header, trailer,
+    writer id) but not decoded: their records are read by iterating them (against ``specs``),
+    and the bytes fetched."""
+    out: list[BlobRecords] = []
+    fetched = 0
+    base = -1 if manifest.kind == "anchor" else manifest.base_version
+    for entry in manifest.blobs_for(shard):
+        where = f"version {manifest.version} blob {entry.key!r}"
+        data = fetch_blob(store, manifest, entry)
+        fetched += len(data)
+        records = BlobRecords(
+            data,
+            expected=specs,
+            version=manifest.version,
+            base_version=base,
+            shard=shard,
+            max_decompressed_bytes=max_decompressed_bytes,
+        )
+        if records.header.writer != entry.writer:
+            raise BlobMismatchError(
+                f"{where} was written by {records.header.writer!r}, the manifest says "
+                f"{entry.writer!r}: a blob copied from another writer; nothing was applied"
+            )
+        out.append(records)
+    return out, fetched
+
+
 def fetch_version(
     store: Store,
     manifest: Manifest,
@@ -104,29 +144,12 @@ def fetch_version(
     max_decompressed_bytes: int = 1 << 36,
 ) -> tuple[list[TensorUpdate], int]:
     """Verified, decoded updates of ``shard`` in ``manifest`` (one per local tensor) and the
-    bytes fetched."""
-    per_blob: list[list[TensorUpdate]] = []
-    fetched = 0
-    base = -1 if manifest.kind == "anchor" else manifest.base_version
-    for entry in manifest.blobs_for(shard):
-        where = f"version {manifest.version} blob {entry.key!r}"
-        data = fetch_blob(store, manifest, entry)
-        fetched += len(data)
-        decoded = decode_blob(
-            data,
-            expected=specs,
-            version=manifest.version,
-            base_version=base,
-            shard=shard,
-            max_decompressed_bytes=max_decompressed_bytes,
-        )
-        if decoded.header.writer != entry.writer:
-            raise BlobMismatchError(
-                f"{where} was written by {decoded.header.writer!r}, the manifest says "
-                f"{entry.writer!r}: a blob copied from another writer; nothing was applied"
-            )
-        per_blob.append(decoded.updates)
-    merged = merge_writers(manifest.version, per_blob)
+    bytes fetched: the whole version decoded at once (a pull streams it instead, see
+    :func:`open_version`)."""
+    blobs, fetched = open_version(
+        store, manifest, shard, specs, max_decompressed_bytes=max_decompressed_bytes
+    )
+    merged = merge_writers(manifest.version, [list(b) for b in blobs])
     if manifest.kind == "anchor":
         _check_complete(manifest, shard, merged, specs)
     return merged, fetched

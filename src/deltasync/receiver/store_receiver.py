@@ -58,12 +58,18 @@ from deltasync.errors import (
     StoreError,
     VersionError,
 )
-from deltasync.format import TensorSpec, apply_updates, check_tensors_match, fold_chain
+from deltasync.format import (
+    Records,
+    TensorSpec,
+    apply_pieces,
+    check_tensors_match,
+    iter_chain,
+)
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
-from deltasync.layout.verify import updated_state_digest
+from deltasync.layout.verify import chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
-from deltasync.receiver.staging import check_chain, fetch_version
+from deltasync.receiver.staging import check_chain, open_version
 from deltasync.store import Store
 from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
 
@@ -83,7 +89,11 @@ class ReceiverConfig:
       something else writing the tensors during the pause);
     - ``limits``: bounds on manifests; ``max_decompressed_bytes``: bound per blob;
     - ``durable``: fsync the journal and state file (False only for tests on scratch disks:
-      a power loss could then lose the journal and hide a torn apply).
+      a power loss could then lose the journal and hide a torn apply);
+    - ``max_staged_bytes``: a pull whose decoded chain is estimated at most this size decodes
+      it once and holds it from verify to scatter; a larger one decodes it twice, one tensor
+      at a time (verify, then the scatter), so the pull holds the compressed blobs plus one
+      tensor's changes instead of the whole decoded chain. None: 1/16 of the shard's bytes.
     """
 
     receiver_id: str
@@ -93,6 +103,7 @@ class ReceiverConfig:
     limits: ManifestLimits = field(default_factory=ManifestLimits)
     max_decompressed_bytes: int = 1 << 36
     durable: bool = True
+    max_staged_bytes: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -104,6 +115,8 @@ class ReceiverConfig:
             check_bool(_OWNER, name, getattr(self, name))
         check_instance(_OWNER, "limits", self.limits, ManifestLimits)
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)
+        if self.max_staged_bytes is not None:
+            check_int(_OWNER, "max_staged_bytes", self.max_staged_bytes, lo=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +147,9 @@ class PullReport:
 log = logging.getLogger(__name__)
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
+# Decoded bytes per decompressed section byte, at most: int64 indices from 1-byte gaps plus
+# BF16 values (8 + 2 for 1 + 2 bytes) is 3.3x; fp32 values and wider gaps are less.
+_DECODED_PER_RAW = 4
 # Errors that mean "the journaled chain cannot be replayed from the store any more".
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
@@ -175,6 +191,7 @@ class Receiver:
         )
         self._check_tensors()
         self._specs_fp = specs_fingerprint(self.specs)
+        self._shard_bytes = sum(_numel(sp.shape) * sp.dtype.itemsize for sp in self.specs.values())
         record = LayoutRecord.of(layout) if layout is not None else None
         self._layout_desc = record.describe() if record is not None else "the tensors it was given"
         # where this shard's elements come from (None: built from tensors alone, not checked)
@@ -467,21 +484,29 @@ class Receiver:
             )
 
     def _stage(self, manifests: list[Manifest], from_version: int | None):
+        """Fetch and check the chain's blobs; decode them now when small (``staged``), else
+        leave them to be read one tensor at a time by verify and again by the scatter."""
         check_chain(manifests, from_version, self.shard)
         for m in manifests:
             self._check_layout(m)
-        steps, fetched = [], 0
+        steps, fetched, raw = [], 0, 0
         for m in manifests:
-            updates, n = fetch_version(
+            blobs, n = open_version(
                 self.store,
                 m,
                 self.shard,
                 self.specs,
                 max_decompressed_bytes=self.config.max_decompressed_bytes,
             )
-            steps.append((m.kind, updates))
+            steps.append((m.version, m.kind, blobs))
             fetched += n
-        return fold_chain(steps, self.specs), fetched
+            raw += sum(b.raw_len for b in blobs)
+        budget = self.config.max_staged_bytes
+        if budget is None:
+            budget = self._shard_bytes // 16
+        if raw * _DECODED_PER_RAW <= budget:
+            steps = [(v, kind, [Records(list(b)) for b in blobs]) for v, kind, blobs in steps]
+        return steps, fetched
 
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
@@ -489,19 +514,21 @@ class Receiver:
         previous = None if self.dirty else self.version
         target = manifests[-1]
         versions = [m.version for m in manifests]
-        t = time.perf_counter()
+        expected = target.shard_digests[self.shard]
         try:
-            final, fetched = self._stage(manifests, from_version)
+            t = time.perf_counter()
+            steps, fetched = self._stage(manifests, from_version)
+            stage_s = time.perf_counter() - t
+            # Verify before write: one full read of the chain's records (every record's
+            # structure and every writer/anchor check) and of the resulting state, tensor by
+            # tensor; nothing is written until it has finished.
+            t = time.perf_counter()
+            digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
+            verify_s = time.perf_counter() - t
         except DeltaSyncError:
             for m in manifests:  # a repaired store heals on the next pull
                 self.catalog.forget(m.version)
             raise
-        stage_s = time.perf_counter() - t
-
-        t = time.perf_counter()
-        expected = target.shard_digests[self.shard]
-        digest = updated_state_digest(self.tensors, final)
-        verify_s = time.perf_counter() - t
         if digest != expected:
             for m in manifests:
                 self.catalog.forget(m.version)
@@ -518,12 +545,14 @@ class Receiver:
         t = time.perf_counter()
         written = 0
         with self._pause():
-            for update in final:
-                written += apply_updates([update], self.tensors)
+            # The same records again (the blobs' bytes are immutable and fully checked above),
+            # one tensor at a time, in chain order.
+            for item in iter_chain(steps, self.specs, check=False):
+                written += apply_pieces(item, self.tensors)
                 if self._on_tensor is not None:
-                    self._on_tensor(update.name)
+                    self._on_tensor(item.name)
         pause_s = time.perf_counter() - t
-        del final
+        del steps
 
         if self.config.verify_after_write and state_digest(self.tensors) != expected:
             log.error(

@@ -1,0 +1,147 @@
+"""Streaming a chain one tensor at a time (BlobRecords -> iter_chain -> apply_pieces) writes
+exactly what decoding, folding and scattering the whole chain writes, and checks the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kit import assert_same_bits
+
+from deltasync.errors import BlobMismatchError, FormatError
+from deltasync.format import (
+    BlobRecords,
+    Records,
+    TensorSpec,
+    TensorUpdate,
+    apply_pieces,
+    apply_updates,
+    decode_blob,
+    encode_blob,
+    fold_chain,
+    iter_chain,
+    merge_writers,
+)
+
+from format_testkit import same_update
+
+SPECS = {
+    "a": TensorSpec(shape=(64, 32), dtype=torch.bfloat16),
+    "b": TensorSpec(shape=(5000,), dtype=torch.bfloat16),
+    "c": TensorSpec(shape=(17,), dtype=torch.float32),
+}
+
+
+def _sparse(name, gen, density, keep=None):
+    spec = SPECS[name]
+    n = spec.shape[0] * (spec.shape[1] if len(spec.shape) > 1 else 1)
+    mask = torch.rand(n, generator=gen) < density
+    if keep is not None:
+        mask &= keep
+    idx = torch.nonzero(mask).view(-1)
+    vals = torch.randn(idx.numel(), generator=gen).to(spec.dtype)
+    return TensorUpdate(name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals)
+
+
+def _blob(version, base, updates, writer="w00000", order=None):
+    ups = updates if order is None else [updates[k] for k in order]
+    return encode_blob(ups, version=version, base_version=base, shard="tp0", writer=writer)
+
+
+def _records(blob):
+    return BlobRecords(blob, expected=SPECS, shard="tp0")
+
+
+def _live(gen):
+    return {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in SPECS.items()}
+
+
+def _folded(live, steps):
+    """The reference: decode everything, merge writers, fold, scatter."""
+    out = {n: t.clone() for n, t in live.items()}
+    decoded = [
+        (kind, merge_writers(v, [decode_blob(b).updates for b in blobs]))
+        for v, kind, blobs in steps
+    ]
+    apply_updates(fold_chain(decoded, SPECS), out)
+    return out
+
+
+def _streamed(live, steps, wrap):
+    out = {n: t.clone() for n, t in live.items()}
+    chain = [(v, kind, [wrap(b) for b in blobs]) for v, kind, blobs in steps]
+    list(iter_chain(chain, SPECS))  # the verify pass: every check, nothing written
+    for item in iter_chain(chain, SPECS, check=False):
+        apply_pieces(item, out)
+    return out
+
+
+def _records_list(blob):
+    return Records(decode_blob(blob).updates)
+
+
+def test_blob_records_yield_what_decode_blob_returns_and_names_read_headers_only():
+    gen = torch.Generator().manual_seed(1)
+    ups = [_sparse("a", gen, 0.1), _sparse("b", gen, 0.3)]
+    blob = _blob(3, 2, ups)
+    records = _records(blob)
+    assert records.names() == ["a", "b"]
+    for _ in range(2):  # iterable more than once, same records each time
+        assert all(same_update(x, y) for x, y in zip(records, ups, strict=True))
+
+
+@pytest.mark.parametrize("wrap", [_records, _records_list])
+def test_a_three_delta_chain_with_two_writers_streams_to_the_folded_result(wrap):
+    gen = torch.Generator().manual_seed(2)
+    live = _live(gen)
+    steps = []
+    for v in (5, 6, 7):
+        half = torch.zeros(5000, dtype=torch.bool)
+        half[::2] = True
+        w0 = [_sparse("a", gen, 0.2), _sparse("b", gen, 0.2, keep=half)]
+        w1 = [_sparse("b", gen, 0.2, keep=~half), _sparse("c", gen, 0.5)]
+        # the second writer lists its tensors in another order: the lockstep reads ahead
+        steps.append(
+            (v, "delta", [_blob(v, v - 1, w0), _blob(v, v - 1, w1, "w00001", order=[1, 0])])
+        )
+    assert_same_bits(_streamed(live, steps, wrap), _folded(live, steps), "3-delta chain")
+
+
+def test_an_anchor_with_sparse_records_then_deltas_streams_to_the_folded_result():
+    gen = torch.Generator().manual_seed(3)
+    live = _live(gen)
+    dense_a = TensorUpdate(
+        name="a",
+        shape=SPECS["a"].shape,
+        dtype=torch.bfloat16,
+        indices=None,
+        values=torch.randn(64 * 32, generator=gen).to(torch.bfloat16),
+    )
+    anchor = [dense_a, _sparse("b", gen, 0.9), _sparse("c", gen, 1.0)]
+    steps = [(0, "anchor", [_blob(0, -1, anchor)])]
+    steps.append((1, "delta", [_blob(1, 0, [_sparse("a", gen, 0.1), _sparse("b", gen, 0.1)])]))
+    streamed = _streamed(live, steps, _records)
+    assert_same_bits(streamed, _folded(live, steps), "anchor + delta")
+    assert int((streamed["b"].view(torch.int16) == 0).sum()) > 0  # unlisted elements: zero
+
+
+def test_an_anchor_missing_a_tensor_is_refused_by_the_checking_pass():
+    gen = torch.Generator().manual_seed(4)
+    steps = [(0, "anchor", [_records(_blob(0, -1, [_sparse("a", gen, 1.0)]))])]
+    with pytest.raises(BlobMismatchError, match="no values for tensors"):
+        list(iter_chain(steps, SPECS))
+
+
+def test_two_writers_sending_the_same_element_are_refused_by_the_checking_pass():
+    gen = torch.Generator().manual_seed(5)
+    b = _sparse("b", gen, 0.1)
+    w0, w1 = _blob(1, 0, [b]), _blob(1, 0, [b], "w00001")
+    with pytest.raises(BlobMismatchError, match="same element"):
+        list(iter_chain([(1, "delta", [_records(w0), _records(w1)])], SPECS))
+
+
+def test_a_malformed_record_fails_while_streaming_before_the_end_of_the_blob():
+    gen = torch.Generator().manual_seed(6)
+    ups = [_sparse("a", gen, 0.1), _sparse("b", gen, 0.1)]
+    records = BlobRecords(_blob(1, 0, ups), expected={"a": SPECS["a"]}, shard="tp0")
+    with pytest.raises(FormatError):
+        list(iter_chain([(1, "delta", [records])], SPECS))
