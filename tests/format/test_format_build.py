@@ -110,9 +110,17 @@ def test_tensor_update_construction_checks_cheap_invariants():
             name="w",
             shape=(4,),
             dtype=torch.bfloat16,
-            indices=torch.tensor([0, 1], dtype=torch.int32),
+            indices=torch.tensor([0, 1], dtype=torch.int16),
             values=v,
         )
+    # int32 indices are the decoder's compact form, only where every index fits
+    TensorUpdate(
+        name="w",
+        shape=(4,),
+        dtype=torch.bfloat16,
+        indices=torch.tensor([0, 1], dtype=torch.int32),
+        values=v,
+    )
     with pytest.raises(InvalidUpdateError, match="2 indices but 3 values"):
         TensorUpdate(
             name="w",

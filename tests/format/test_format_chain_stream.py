@@ -89,7 +89,21 @@ def test_blob_records_yield_what_decode_blob_returns_and_names_read_headers_only
         assert all(same_update(x, y) for x, y in zip(records, ups, strict=True))
 
 
-@pytest.mark.parametrize("wrap", [_records, _records_list])
+def _narrow(blob):
+    return BlobRecords(blob, expected=SPECS, shard="tp0", narrow_indices=True)
+
+
+def test_narrow_records_carry_the_same_indices_as_int32():
+    gen = torch.Generator().manual_seed(7)
+    ups = [_sparse("a", gen, 0.3), _sparse("b", gen, 0.01)]
+    got = list(_narrow(_blob(3, 2, ups)))
+    for a, b in zip(got, ups, strict=True):
+        assert a.indices.dtype == torch.int32
+        assert torch.equal(a.indices.to(torch.int64), b.indices)
+        assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+
+
+@pytest.mark.parametrize("wrap", [_records, _records_list, _narrow])
 def test_a_three_delta_chain_with_two_writers_streams_to_the_folded_result(wrap):
     gen = torch.Generator().manual_seed(2)
     live = _live(gen)

@@ -23,6 +23,7 @@ from deltasync.errors import (
 from deltasync.format import (
     BlobBaseMismatchError,
     BlobLimitError,
+    BlobRecords,
     TensorSpec,
     TensorUpdate,
     apply_updates,
@@ -86,6 +87,10 @@ def assert_rejected(
     with pytest.raises(error, match=match):
         receive(blob, live, layout=layout, **kwargs)
     assert same_bits(live, before)
+    # the receiver's streamed path (int32 indices where a tensor allows) refuses it the same way
+    spec = {k: TensorSpec(shape=tuple(v.shape), dtype=v.dtype) for k, v in live.items()}
+    with pytest.raises(error, match=match):
+        list(BlobRecords(blob, expected=spec if layout else None, narrow_indices=True, **kwargs))
 
 
 def test_a_good_blob_is_accepted_by_the_same_receiver_path():
@@ -278,6 +283,13 @@ def test_a_decreasing_index_via_a_wrapping_u64_gap_is_rejected():
     # 5 + (2^64 - 2) wraps to 3 in u64 arithmetic: an unsorted pair disguised as a gap.
     blob = craft(sparse_record(5, [(1 << 64) - 2], 8), 1)
     assert_rejected(blob, FormatError, "out of range")
+
+
+def test_gaps_summing_past_int32_are_rejected_not_wrapped_in_compact_indices():
+    n = (1 << 31) - 1
+    gaps = [(1 << 31) - 2] * 3  # each gap < numel, but the int32 sum wraps
+    blob = craft(sparse_record(0, gaps, 4, numel=n), 1)
+    assert_rejected(blob, FormatError, "overflow|out of range", layout=False)
 
 
 def test_gaps_summing_past_int64_are_rejected_not_wrapped():

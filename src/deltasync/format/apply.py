@@ -28,6 +28,8 @@ from deltasync.errors import ApplyError
 from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
 
+SLICE = 1 << 20  # int32 indices widened to int64 this many at a time (8 MiB)
+
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
     """True unless the strides prove no two elements share memory (the usual sufficient test:
@@ -139,7 +141,12 @@ def apply_pieces(tensor: TensorPieces, targets: Mapping[str, torch.Tensor]) -> i
         for piece in pieces:
             if piece.nnz == 0:
                 continue
-            idx = None if piece.indices is None else piece.indices.to(target.device)
-            _write(target, piece, idx, piece.values.to(target.device))
+            if piece.indices is None or piece.indices.dtype == torch.int64:
+                idx = None if piece.indices is None else piece.indices.to(target.device)
+                _write(target, piece, idx, piece.values.to(target.device))
+            else:  # compact indices: index_copy_ takes int64, widened a slice at a time
+                for a in range(0, piece.nnz, SLICE):
+                    idx = piece.indices[a : a + SLICE].to(target.device, torch.int64)
+                    _write(target, piece, idx, piece.values[a : a + SLICE].to(target.device))
             written += piece.nnz
     return written

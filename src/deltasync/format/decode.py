@@ -179,6 +179,7 @@ class BlobRecords:
     A record yielded before the iteration ends is not yet proven to come from a well-formed
     blob: whoever writes anything must first iterate to the end once (the bytes are immutable,
     so a second iteration yields the same records). ``names()`` walks the record headers only.
+    With ``narrow_indices`` a tensor of at most 2^31 elements gets int32 indices.
     """
 
     def __init__(
@@ -190,6 +191,7 @@ class BlobRecords:
         base_version: int | None = None,
         shard: str | None = None,
         max_decompressed_bytes: int = 1 << 36,
+        narrow_indices: bool = False,
     ) -> None:
         if not isinstance(max_decompressed_bytes, int) or max_decompressed_bytes < 0:
             raise ConfigError(
@@ -232,6 +234,7 @@ class BlobRecords:
         self.raw_len = raw_len  # decompressed bytes of all segments (bounded above)
         self._view, self._flags, self._start, self._end = view, flags, at, end
         self._segments, self._expected, self._where = segments, expected, where
+        self._narrow = narrow_indices
 
     def __iter__(self) -> Iterator[TensorUpdate]:
         return self._records(headers_only=False)
@@ -267,7 +270,12 @@ class BlobRecords:
                 view[at : at + section_len], seg_raw, bool(self._flags & FLAG_ZSTD), seg
             )
             yield from iter_records(
-                body, seg_count, self._expected, seen=seen, headers_only=headers_only
+                body,
+                seg_count,
+                self._expected,
+                seen=seen,
+                headers_only=headers_only,
+                narrow=self._narrow,
             )
             del body  # one segment's decompressed section at a time
             at += section_len

@@ -97,16 +97,21 @@ def read_planes_into(source: Source, columns: np.ndarray, what: str) -> None:
             columns[a : a + m, k] = buf[:m]
 
 
-def read_gaps_as_indices(source: Source, first: int, n: int, width: int, what: str) -> np.ndarray:
-    """int64 array: ``first``, then the n-1 gaps (NOT yet summed: the caller validates the gaps,
-    then sums them in place with :func:`sum_gaps`)."""
-    out = np.zeros(n, dtype=np.int64)  # zeroed: the bytes above ``width`` must read as 0
+def read_gaps_as_indices(
+    source: Source, first: int, n: int, width: int, what: str, dtype: type = np.int64
+) -> np.ndarray:
+    """``dtype`` (int64, or int32 when ``width`` <= 4) array: ``first``, then the n-1 gaps (NOT
+    yet summed: the caller validates the gaps, then sums them in place with :func:`sum_gaps`)."""
+    out = np.zeros(n, dtype=dtype)  # zeroed: the bytes above ``width`` must read as 0
+    size = out.dtype.itemsize
+    assert width <= size, (width, size)
     out[0] = first
-    read_planes_into(source, out.view(np.uint8).reshape(n, 8)[1:, :width], what)
+    read_planes_into(source, out.view(np.uint8).reshape(n, size)[1:, :width], what)
     return out
 
 
 def sum_gaps(indices: np.ndarray) -> np.ndarray:
-    """In place: turn ``first, gap, gap, ...`` into the running sums (int64; overflow is the
-    caller's to rule out)."""
-    return np.cumsum(indices, out=indices)
+    """In place: turn ``first, gap, gap, ...`` into the running sums (int64 or int32; overflow
+    is the caller's to rule out)."""
+    # the accumulator is the array's own dtype: no int64 temporary for int32 indices
+    return np.cumsum(indices, dtype=indices.dtype, out=indices)

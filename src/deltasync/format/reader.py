@@ -21,7 +21,13 @@ import torch
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
 from deltasync.format.planes import read_gaps_as_indices, read_planes_into, sum_gaps
 from deltasync.format.section import SectionReader
-from deltasync.format.updates import BITS_DTYPES, CODE_DTYPES, TensorSpec, TensorUpdate
+from deltasync.format.updates import (
+    BITS_DTYPES,
+    CODE_DTYPES,
+    INT32_NUMEL,
+    TensorSpec,
+    TensorUpdate,
+)
 from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,
@@ -47,15 +53,18 @@ def iter_records(
     *,
     seen: set[str] | None = None,
     headers_only: bool = False,
+    narrow: bool = False,
 ) -> Iterator:
     """The ``count`` records of ``reader``, one at a time; ``seen`` (names of earlier
     segments' records, updated here) makes a name repeated anywhere in the blob an error.
 
     Yields TensorUpdates, or with ``headers_only`` ``(name, nnz)`` pairs whose payloads are
-    skipped unread (their lengths are still checked against what remains)."""
+    skipped unread (their lengths are still checked against what remains). With ``narrow``,
+    the indices of a tensor of at most 2^31 elements come as int32 (6 bytes per decoded
+    element instead of 10)."""
     seen = set() if seen is None else seen
     for k in range(count):
-        yield _record(reader, k, seen, expected, headers_only)
+        yield _record(reader, k, seen, expected, headers_only, narrow)
     reader.finish()
 
 
@@ -76,6 +85,7 @@ def _record(
     seen: set[str],
     expected: Mapping[str, TensorSpec] | None,
     headers_only: bool = False,
+    narrow: bool = False,
 ) -> TensorUpdate | tuple[str, int]:
     where = reader.where
     head = reader.read(RECORD.size, f"record {k} header")
@@ -148,7 +158,15 @@ def _record(
     if headers_only:
         reader.skip((nnz - 1) * width + nnz * itemsize, f"tensor {name!r} gaps and values")
         return name, nnz
-    indices = read_gaps_as_indices(reader.read_into, first, nnz, width, f"tensor {name!r} gaps")
+    small = narrow and numel <= INT32_NUMEL and width <= 4
+    indices = read_gaps_as_indices(
+        reader.read_into,
+        first,
+        nnz,
+        width,
+        f"tensor {name!r} gaps",
+        np.int32 if small else np.int64,
+    )
     _check_and_sum(indices, width, numel, what)
     return _update(name, shape, dtype, indices, _values(reader, nnz, value_dtype, name))
 
@@ -168,8 +186,12 @@ def _check_and_sum(indices: np.ndarray, width: int, numel: int, what: str) -> No
     Every gap is checked to be in [1, numel) with numel <= 2^62. If the int64 running sum ever
     wrapped, it would land in [-2^63, -2^62) (a step is < 2^62, too short to jump over the
     negative half), so "no wrap" follows from the minimum being >= 0; that check runs only when
-    the widest possible sum could wrap at all."""
-    gaps = indices[1:] if width < 8 else indices[1:].view(np.uint64)  # u64 gaps: no sign
+    the widest possible sum could wrap at all. int32 indices (numel <= 2^31, every step below
+    2^31) cannot wrap from a non-negative sum to a non-negative one either: the first wrap
+    lands below zero, and the minimum over all sums sees it."""
+    size = indices.dtype.itemsize
+    # gaps as wide as the array: read unsigned (a hostile gap must not look negative here)
+    gaps = indices[1:] if width < size else indices[1:].view(np.uint64 if size == 8 else np.uint32)
     high = 0
     if gaps.size:
         low = int(gaps.min())
@@ -189,7 +211,7 @@ def _check_and_sum(indices: np.ndarray, width: int, numel: int, what: str) -> No
             high = (1 << (8 * width)) - 1
     first = int(indices[0])
     sum_gaps(indices)
-    if first + high * gaps.size >= 1 << 63 and int(indices.min()) < 0:
+    if first + high * gaps.size >= 1 << (8 * size - 1) and int(indices.min()) < 0:
         raise FormatError(f"{what}: indices overflow int64; {_MALFORMED}")
     last = int(indices[-1])
     if last >= numel:

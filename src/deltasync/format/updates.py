@@ -29,6 +29,7 @@ BITS_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.int32,
 }
 SUPPORTED = ", ".join(str(d) for d in DTYPE_CODES)
+INT32_NUMEL = (1 << 31) - 1  # tensors of at most this many elements may carry int32 indices
 
 
 def check_shape(shape: object, what: str, error: type[Exception]) -> tuple[int, ...]:
@@ -63,8 +64,8 @@ class TensorSpec:
 # eq=False: the fields hold tensors, whose == is elementwise; identity is the only sane equality.
 @dataclass(frozen=True, eq=False)
 class TensorUpdate:
-    """New values for one tensor: at ``indices`` (1-D int64, strictly increasing, in
-    [0, numel)) or, when ``indices`` is None, at every element in row-major order."""
+    """New values for one tensor: at ``indices`` (1-D int64, or int32 for tensors of at most
+    2^31 elements; strictly increasing, in [0, numel)) or, when ``indices`` is None, at every element in row-major order."""
 
     name: str
     shape: tuple[int, ...]
@@ -99,10 +100,14 @@ class TensorUpdate:
             return
         if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 1:
             raise InvalidUpdateError(f"{what}: indices must be a 1-D tensor or None")
-        if self.indices.dtype != torch.int64:
+        # int32 only where every index fits: a decoder's compact form of a tensor's indices
+        # (int64 is the one form every producer uses; tensors can exceed 2^31 elements).
+        if self.indices.dtype != torch.int64 and not (
+            self.indices.dtype == torch.int32 and self.numel <= INT32_NUMEL
+        ):
             raise InvalidUpdateError(
-                f"{what}: indices must be int64 (tensors can exceed 2^31 elements), "
-                f"got {self.indices.dtype}"
+                f"{what}: indices must be int64 (tensors can exceed 2^31 elements; int32 only "
+                f"below that), got {self.indices.dtype}"
             )
         if self.indices.numel() != self.values.numel():
             raise InvalidUpdateError(

@@ -28,9 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from deltasync import names
-from deltasync.commit import Manifest
-from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
-from deltasync.errors import LocalStateError, ManifestError
 from deltasync.atomic import (
     STATE_DIR_MODE,
     encode_record,
@@ -38,6 +35,9 @@ from deltasync.atomic import (
     remove_record,
     write_record,
 )
+from deltasync.commit import Manifest
+from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
+from deltasync.errors import LocalStateError, ManifestError
 
 _MAX_VERSION = 10**8 - 1
 

@@ -107,10 +107,11 @@ def open_version(
     specs: Mapping[str, TensorSpec],
     *,
     max_decompressed_bytes: int = 1 << 36,
+    narrow_indices: bool = False,
 ) -> tuple[list[BlobRecords], int]:
     """This shard's blobs of ``manifest``, fetched and verified (size, digest, header, trailer,
-    writer id) but not decoded: their records are read by iterating them (against ``specs``),
-    and the bytes fetched."""
+    writer id) but not decoded: their records are read by iterating them (against ``specs``;
+    with ``narrow_indices``, int32 indices where a tensor allows), and the bytes fetched."""
     out: list[BlobRecords] = []
     fetched = 0
     base = -1 if manifest.kind == "anchor" else manifest.base_version
@@ -125,6 +126,7 @@ def open_version(
             base_version=base,
             shard=shard,
             max_decompressed_bytes=max_decompressed_bytes,
+            narrow_indices=narrow_indices,
         )
         if records.header.writer != entry.writer:
             raise BlobMismatchError(

@@ -147,9 +147,9 @@ class PullReport:
 log = logging.getLogger(__name__)
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
-# Decoded bytes per decompressed section byte, at most: int64 indices from 1-byte gaps plus
-# BF16 values (8 + 2 for 1 + 2 bytes) is 3.3x; fp32 values and wider gaps are less.
-_DECODED_PER_RAW = 4
+# Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
+# BF16 values (4 + 2 for 1 + 2 bytes) is 2x; int64 indices (tensors above 2^31 elements) 3.3x.
+_DECODED_PER_RAW = 2
 # Errors that mean "the journaled chain cannot be replayed from the store any more".
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
@@ -497,6 +497,7 @@ class Receiver:
                 self.shard,
                 self.specs,
                 max_decompressed_bytes=self.config.max_decompressed_bytes,
+                narrow_indices=True,  # 6 bytes per decoded element instead of 10
             )
             steps.append((m.version, m.kind, blobs))
             fetched += n
