@@ -1,7 +1,7 @@
 """The in-cluster capture in one process: an overlapped version is captured as positions only
 (about one byte per changed element, no BF16 values), joined exactly with the carry of failed
 attempts, and its routing with values read later gives the same bits as routing the values the
-detection read."""
+detection read; built batch by batch, its blobs decode to the same updates."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from deltasync.cluster.capture import (
     carry_of,
     route_positions,
 )
+from deltasync.cluster.segments import closing_points, streamed_blobs
 from deltasync.errors import ConfigError
+from deltasync.format import decode_blob, encode_blob
 from deltasync.layout.routing import shard_updates
 from deltasync.trainer import AdamWTracker, SnapshotTracker
 from deltasync.trainer.positions import Positions
@@ -163,3 +165,46 @@ def test_a_positions_stream_with_float_indices_is_refused_naming_the_param() -> 
 
     with pytest.raises(ConfigError, match="'w'"):
         capture_positions(Bad(), {})
+
+
+@pytest.mark.parametrize("batch_elements", [1, 500, 1 << 20])
+def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
+    batch_elements: int,
+) -> None:
+    trainer, tracker = trained()
+    params = trainer.params()
+    where = {"trainer_layout": TRAINER, "receiver_layout": RECEIVERS}
+    caps = capture_positions(tracker, {})
+    assert caps.positions is not None
+    shards = [s.id for s in RECEIVERS.shards()]
+    blobs, elements = streamed_blobs(
+        caps.positions,
+        params,
+        shards=shards,
+        **where,
+        version=4,
+        base_version=3,
+        writer="w00000",
+        batch_elements=batch_elements,
+    )
+    whole = route_positions(caps.positions, params, **where)
+    for shard in shards:
+        got = decode_blob(blobs[shard], version=4, base_version=3, shard=shard)
+        by_name = {u.name: u for u in got.updates}
+        assert same_updates({shard: [by_name[u.name] for u in whole[shard]]}, {shard: whole[shard]})
+        assert len(by_name) == len(whole[shard])
+        assert elements[shard] == sum(u.nnz for u in whole[shard]) > 0
+        one = encode_blob(whole[shard], version=4, base_version=3, shard=shard, writer="w00000")
+        assert (blobs[shard] == one) == (batch_elements >= 1 << 20)  # one segment: same bytes
+
+
+def test_a_batch_never_closes_inside_the_params_of_one_fused_local_tensor() -> None:
+    names = list(TRAINER.param_shapes())
+    reach = closing_points(names, trainer_layout=TRAINER, receiver_layout=RECEIVERS)
+    at = {n: i for i, n in enumerate(names)}
+    q, v = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    assert reach[at[q]] >= at[v] and reach[at[gate]] >= at[up]  # qkv_proj, gate_up_proj
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert reach[at[down]] == at[down]  # a tensor of its own: a batch may close there
+    assert reach == sorted(reach) and all(r >= i for i, r in enumerate(reach))

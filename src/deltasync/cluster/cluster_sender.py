@@ -73,13 +73,13 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
-    route_positions,
 )
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
+from deltasync.cluster.segments import streamed_blobs
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
@@ -225,46 +225,60 @@ class ClusterSender:
         t = time.perf_counter()
         where = {"rank": self.role.index, "world_size": self.role.count}
         layouts = {"trainer_layout": self.trainer_layout, "receiver_layout": self.receiver_layout}
+        head = {"version": version, "base_version": base, "writer": self.role.writer_id}
+        shards = self.plan.shards()
         if caps.positions is not None:
-            updates = route_positions(caps.positions, params, **layouts, **where)
+            # Batch by batch: only the blobs and the positions are O(changed) at once.
+            blobs, shard_elements = streamed_blobs(
+                caps.positions,
+                params,
+                shards=shards,
+                **layouts,
+                **head,
+                **where,
+                level=self.config.level,
+            )
+            build_s, encode_s = time.perf_counter() - t, 0.0
         else:
             changed = every_element(params) if caps.changed is None else caps.changed
             updates = shard_updates(changed, params, **layouts, **where, values=caps.values)
             del changed
-        build_s = time.perf_counter() - t
+            build_s = time.perf_counter() - t
+            t = time.perf_counter()
+            shard_elements = {s: sum(u.nnz for u in updates[s]) for s in shards}
+            blobs = dict(
+                encode_blobs(
+                    {shard: updates[shard] for shard in shards},
+                    **head,
+                    level=self.config.level,
+                    threads=self.config.encode_threads,
+                )
+            )
+            del updates
+            encode_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        anchor = caps.anchor
         digests, part = {}, False
-        if self.config.sends_digest(version, anchor=anchor):
+        if self.config.sends_digest(version, anchor=caps.anchor):
             digests, part = self._digests(params)
         digest_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        envelopes: dict[str, bytes] = {}
-        shard_bytes: dict[str, int] = {}
-        blobs = encode_blobs(
-            {shard: updates[shard] for shard in self.plan.shards()},
-            version=version,
-            base_version=base,
-            writer=self.role.writer_id,
-            level=self.config.level,
-            threads=self.config.encode_threads,
-        )
-        for shard, blob in blobs:
-            shard_bytes[shard] = len(blob)
-            envelopes[shard] = pack_envelope(
-                [blob], state_digest=digests.get(shard), part_digest=part
-            )
+        envelopes = {
+            shard: pack_envelope([blob], state_digest=digests.get(shard), part_digest=part)
+            for shard, blob in blobs.items()
+        }
+        shard_bytes = {shard: len(blob) for shard, blob in blobs.items()}
+        del blobs
         # DP replicas of a shard share one envelope object: no copy per replica.
         payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}
-        encode_s = time.perf_counter() - t
+        encode_s += time.perf_counter() - t
         return Outgoing(
             version=version,
             base=base,
             payloads=payloads,
             shard_bytes=shard_bytes,
-            shard_elements={s: sum(u.nnz for u in us) for s, us in updates.items()},
+            shard_elements=shard_elements,
             detect_s=caps.detect_s,
             build_s=build_s,
             encode_s=encode_s,

@@ -23,8 +23,10 @@ class Outgoing:
     shard_bytes: dict[str, int]  # blob bytes per receiver shard
     shard_elements: dict[str, int]
     detect_s: float  # tracker: which elements changed
-    build_s: float  # gather current BF16 values, route to canonical and receiver shards
-    encode_s: float  # blobs and envelopes
+    # gather current BF16 values, route to canonical and receiver shards; with overlap also
+    # the blobs, built batch by batch as each batch is routed (cluster.segments)
+    build_s: float
+    encode_s: float  # blobs (without overlap) and envelopes
     digest_s: float  # expected shard digests (only when sent)
     # Per param, every index this delta sends (the union with uncommitted attempts); None for
     # an anchor. The sender keeps it once the payloads may reach a receiver.
