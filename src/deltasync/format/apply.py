@@ -28,7 +28,7 @@ from deltasync.errors import ApplyError
 from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
 
-SLICE = 1 << 20  # int32 indices widened to int64 this many at a time (8 MiB)
+SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
