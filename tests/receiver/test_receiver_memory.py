@@ -15,6 +15,7 @@ import torch
 from kit import assert_same_bits, rconfig, tiny_layouts, zero_tensors
 
 from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync.format import section
 
 # int64 index + BF16 value of one decoded element
 DECODED_PER_ELEMENT = 10
@@ -100,7 +101,10 @@ def test_a_large_delta_is_verified_and_scattered_holding_one_tensors_changes_at_
 
 
 @pytest.mark.timeout(120)
-def test_a_chain_of_deltas_streams_per_tensor_and_ends_exact(tmp_path):
+def test_a_chain_of_deltas_streams_per_tensor_and_ends_exact(tmp_path, monkeypatch):
+    # every section streamed: each of the three blobs then holds a few chunk buffers, not a
+    # one-shot section (up to READ_ONE_SHOT_MAX each), and the bound is the tensors' pieces
+    monkeypatch.setattr(section, "READ_ONE_SHOT_MAX", 0)
     rig = Rig(tmp_path, versions=3, density=0.1, max_staged_bytes=0)
     report, extra = rig.traced_pull()
     assert report.chain == (1, 2, 3) and report.version == 3 and not report.from_anchor
