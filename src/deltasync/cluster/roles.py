@@ -60,7 +60,9 @@ class ClusterConfig:
     encode_threads: how many of a version's per-shard blobs are encoded at once (1 = one
         after another, the default). More helps a node with cores to spare and several shards;
         each concurrent encode holds its own buffers (on this project's 2-core VM it gave no
-        speed-up, and the trainer's peak memory read higher in the run that used it).
+        speed-up, and the trainer's peak memory read higher in the run that used it). The
+        overlapped sender ignores it: it encodes batch by batch as it routes, on its one
+        background thread (``cluster.segments``).
     """
 
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
