@@ -13,8 +13,8 @@ width and ``--layers`` decoder layers (the embedding, the trainer's memory peak,
 - the publisher's own phase timings (build, encode, digest, upload, commit).
 
 Memory is reported as a fraction of the BF16 model (the issue's unit). ``--profile`` runs the
-last version's background under cProfile on the caller's thread instead (the same calls) and
-prints the top functions by cumulative time. Ends with one JSON line; every version's
+last version's background thread under cProfile and prints the top functions by cumulative
+time (the digest and upload threads are not in it). Ends with one JSON line; every version's
 receiver-visible state is checked against the manifest's digests (``exact``).
 """
 
@@ -92,38 +92,38 @@ def main() -> None:
             base = current_rss()
             reset_peak()
             profiling = a.profile and v == a.versions
-            if profiling:  # the same background, on this thread, under the profiler
-                sync.overlap = False
+            if profiling:  # the background's own thread under the profiler
                 prof = cProfile.Profile()
-                t = time.perf_counter()
-                prof.enable()
-                reports = sync.step_published(v)
-                prof.disable()
-                wall = time.perf_counter() - t
-                sync.overlap = True
-                assert isinstance(reports, list)
-                row = dict(version=v, profiled_wall_s=wall)
-            else:
-                c0, t0 = time.process_time(), time.perf_counter()
-                pending = sync.step_published(v)
-                captured_s = time.perf_counter() - t0
-                capture_cpu = time.process_time() - c0
-                cap_peak = peak_rss() - base
-                reset_peak()
-                c1, t1 = time.process_time(), time.perf_counter()
-                reports = sync.wait() or []
-                bg_cpu = time.process_time() - c1
-                bg_wall = time.perf_counter() - t1
-                del pending
-                row = dict(
-                    version=v,
-                    captured_s=captured_s,
-                    capture_cpu_s=capture_cpu,
-                    capture_mem=cap_peak / bf16_bytes,
-                    background_cpu_s=bg_cpu,
-                    background_wall_s=bg_wall,
-                    background_mem=(peak_rss() - base) / bf16_bytes,
-                )
+                background = sync._background
+
+                def profiled(*args, _run=background, _prof=prof):
+                    _prof.enable()
+                    try:
+                        return _run(*args)
+                    finally:
+                        _prof.disable()
+
+                sync._background = profiled  # type: ignore[method-assign]
+            c0, t0 = time.process_time(), time.perf_counter()
+            pending = sync.step_published(v)
+            captured_s = time.perf_counter() - t0
+            capture_cpu = time.process_time() - c0
+            cap_peak = peak_rss() - base
+            reset_peak()
+            c1, t1 = time.process_time(), time.perf_counter()
+            reports = sync.wait() or []
+            bg_cpu = time.process_time() - c1
+            bg_wall = time.perf_counter() - t1
+            del pending
+            row = dict(
+                version=v,
+                captured_s=captured_s,
+                capture_cpu_s=capture_cpu,
+                capture_mem=cap_peak / bf16_bytes,
+                background_cpu_s=bg_cpu,
+                background_wall_s=bg_wall,
+                background_mem=(peak_rss() - base) / bf16_bytes,
+            )
             rep = reports[0]
             row.update(
                 elements=rep.elements_sent,
@@ -146,6 +146,7 @@ def main() -> None:
                 flush=True,
             )
             if profiling:
+                del sync._background
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
         sync.close()
         pub.close()

@@ -41,6 +41,7 @@ from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.routing import check_param
 from deltasync.layout.table import LayoutTable
 from deltasync.layout.trainer_layout import TrainerLayout
+from deltasync.native.ops import cast_bf16_into
 
 _CHUNK_BYTES = 64 * 2**20  # host staging bound when hashing device tensors
 
@@ -120,15 +121,24 @@ def _feed(h: xxhash.xxh3_128, t: torch.Tensor) -> None:
     h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _feed_cast(h: xxhash.xxh3_128, block: torch.Tensor, dtype: torch.dtype) -> None:
+def _feed_cast(
+    h: xxhash.xxh3_128, block: torch.Tensor, dtype: torch.dtype, buf: torch.Tensor | None
+) -> None:
     """Feed a 2-D block, cast to ``dtype`` a few MiB of rows at a time (never a whole copy of a
-    large source such as the embedding: the digest pass must not cost model-sized memory)."""
+    large source such as the embedding: the digest pass must not cost model-sized memory).
+    fp32 -> BF16 goes through ``buf`` (one reused staging buffer, so the pass allocates
+    nothing per chunk) and the C cast where it applies."""
     if block.dtype == dtype:
         _feed(h, block)
         return
     step = max(1, _CAST_ELEMENTS // max(1, block.shape[1]))
     for r in range(0, block.shape[0], step):
-        _feed(h, block[r : r + step].to(dtype))
+        rows = block[r : r + step]
+        if buf is not None and rows.device.type == "cpu" and rows.numel() <= buf.numel():
+            cast = cast_bf16_into(rows, buf)
+            h.update(memoryview(cast.view(torch.uint8).numpy()))
+        else:
+            _feed(h, rows.to(dtype))
 
 
 def _as2d(t: torch.Tensor) -> torch.Tensor:
@@ -164,6 +174,7 @@ def shard_state_digests(
         for local in table.dst_shapes[shard]:
             locals_in_order[local] = None
     entries: dict[str, list] = {s: [] for s in wanted}
+    staging = torch.empty(_CAST_ELEMENTS, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
     for local in locals_in_order:
         for shard in sorted(wanted):
             shape = table.dst_shapes[shard].get(local)
@@ -176,7 +187,7 @@ def shard_state_digests(
                 cursor = 0
                 for src, b in blocks:
                     _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
-                    _feed_cast(h, b.src_view(_as2d(full[src])), dtype)
+                    _feed_cast(h, b.src_view(_as2d(full[src])), dtype, staging)
                     cursor = b.dst_row + b.rows
                 _feed_zeros(h, (rows - cursor) * cols * esize)
                 digest = h.digest()

@@ -21,15 +21,18 @@ stores.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from deltasync.errors import ConfigError, LayoutError
 from deltasync.format import TensorUpdate
+from deltasync.layout.blocks import numel
 from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.trainer_layout import TrainerLayout
-from deltasync.native.ops import bf16_at
+from deltasync.native.ops import bf16_at, first_not_increasing
 
 ShardUpdates = dict[str, list[TensorUpdate]]
 Change = tuple[str, torch.Tensor, torch.Tensor | None]  # (param, sorted indices, bf16 values)
@@ -82,11 +85,13 @@ def _given_values(name: str, indices: torch.Tensor, values: torch.Tensor) -> tor
     return values.cpu()
 
 
-def checked_changes(changes: Iterable[Change]) -> Iterator[Change]:
+def checked_changes(changes: Iterable[Change], *, lazy: tuple[type, ...] = ()) -> Iterator[Change]:
     """A tracker's change stream (``iter_changes()``), checked lazily item by item.
 
     Args:
         changes: ``(name, sorted int64 indices, bf16 values)`` triples.
+        lazy: types the caller decodes itself, passed through unchecked when they stand in
+            for the indices with values None (the publisher's captured positions).
 
     Returns:
         The same triples; a malformed item raises ConfigError when it is reached, before
@@ -105,6 +110,9 @@ def checked_changes(changes: Iterable[Change]) -> Iterator[Change]:
                 + (f" of length {len(item)}" if isinstance(item, tuple) else "")
             )
         name, indices, values = item
+        if lazy and isinstance(indices, lazy) and values is None:
+            yield item
+            continue
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ConfigError(f"changes for {name!r}: indices must be a 1-D tensor of flat indices")
         _given_values(name, indices, values)
@@ -200,6 +208,132 @@ def shard_updates(
         values=values,
     )
     return route_to_shards(changes, receiver_layout=receiver_layout)
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """A flat range ``[start, stop)`` of one trainer parameter whose elements land, by a
+    constant shift, in receiver tensors that no other piece of the parameter writes:
+    ``targets`` are ``(shard, local, shift, local shape)``. Routing a parameter piece by piece
+    (:func:`piece_updates`) gives each target its complete, final update from that piece
+    alone, so only one piece's indices ever exist (the vocab-parallel embedding: one piece
+    per TP rank)."""
+
+    start: int
+    stop: int
+    targets: tuple[tuple[str, str, int, tuple[int, ...]], ...]
+
+
+def row_pieces(
+    param_name: str,
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    world_size: int = 1,
+) -> tuple[RowPiece, ...] | None:
+    """The pieces of ``param_name`` (see :class:`RowPiece`), or None when the parameter is not
+    one contiguous canonical tensor split into full-width row blocks with two or more distinct
+    row ranges (then it is routed whole, by :func:`shard_updates`). Pure planning over the
+    tables; an FSDP writer's shard (``world_size > 1``) is routed whole."""
+    if world_size != 1:
+        return None
+    try:
+        tname = trainer_layout.resolve(param_name)
+    except LayoutError:
+        return None
+    tpls = trainer_layout._table.placements.get(tname, [])  # params -> canonical
+    if len(tpls) != 1 or not tpls[0].block.contiguous:
+        return None
+    tb, canon = tpls[0].block, tpls[0].local
+    p_start, p_stop = tb.src_span()
+    if p_start != 0 or p_stop != numel(trainer_layout._table.src_shapes[tname]):
+        return None
+    c_start = tb.dst_span()[0]  # canonical flat = param flat + c_start
+    ranges: dict[tuple[int, int], list[tuple[str, str, int, tuple[int, ...]]]] = {}
+    owner: dict[tuple[str, str], tuple[int, int]] = {}
+    table = receiver_layout.table
+    for pl in table.placements.get(canon, []):
+        b = pl.block
+        if not b.size:
+            continue
+        if not b.contiguous:
+            return None
+        a, z = b.src_span()
+        key = (a - c_start, z - c_start)
+        if owner.setdefault((pl.shard, pl.local), key) != key:
+            return None  # one receiver tensor fed from two row ranges: route whole
+        shift = b.dst_span()[0] - a + c_start
+        ranges.setdefault(key, []).append(
+            (pl.shard, pl.local, shift, tuple(table.dst_shapes[pl.shard][pl.local]))
+        )
+    if len(ranges) < 2:
+        return None
+    ordered = sorted(ranges)
+    if any(x[1] != y[0] for x, y in itertools.pairwise(ordered)):
+        return None  # not a partition of the parameter into consecutive ranges
+    if ordered[0][0] != 0 or ordered[-1][1] != p_stop:
+        return None
+    return tuple(
+        RowPiece(
+            start=a,
+            stop=z,
+            targets=tuple(
+                sorted(ranges[(a, z)], key=lambda t: receiver_layout.local_position(t[0], t[1]))
+            ),
+        )
+        for a, z in ordered
+    )
+
+
+def piece_updates(
+    name: str,
+    piece: RowPiece,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    receiver_layout: ReceiverLayout,
+) -> ShardUpdates:
+    """One piece's changes (sorted int64 flat indices of ``name`` inside the piece, and their
+    BF16 values) as ``{shard: [TensorUpdate]}``: each target's complete update. ``indices``
+    is consumed: shifted in place into the first target's coordinates (no copy of the piece's
+    indices; replicas with another shift get their own).
+
+    Raises:
+        ConfigError: indices outside the piece, unsorted or duplicated, or not one value each.
+    """
+    if indices.dtype != torch.int64 or indices.dim() != 1 or values.shape != indices.shape:
+        raise ConfigError(
+            f"changes for {name!r}: a piece needs 1-D int64 indices and one BF16 value each"
+        )
+    n = indices.numel()
+    if n == 0:
+        return {}
+    if int(indices[0]) < piece.start or int(indices[-1]) >= piece.stop:
+        raise ConfigError(
+            f"changes for {name!r} span [{int(indices[0])}, {int(indices[-1])}] outside the "
+            f"piece [{piece.start}, {piece.stop})"
+        )
+    bad = first_not_increasing(indices) if indices.device.type == "cpu" else -1
+    if bad >= 0:
+        raise ConfigError(f"changes for {name!r} are not strictly increasing at position {bad}")
+    values = values.cpu()
+    dtype = receiver_layout.spec.dtype
+    out: ShardUpdates = {}
+    current = 0  # the shift ``indices`` holds now
+    shifted: dict[int, torch.Tensor] = {}
+    for shard, local, shift, shape in piece.targets:
+        dst = shifted.get(shift)
+        if dst is None:
+            if not shifted:
+                dst = indices.add_(shift - current) if shift != current else indices
+                current = shift
+            else:
+                dst = indices + (shift - current)
+            shifted[shift] = dst
+        out.setdefault(shard, []).append(
+            TensorUpdate(name=local, shape=shape, dtype=dtype, indices=dst.cpu(), values=values)
+        )
+    return out
 
 
 def every_element_stream(params: Mapping[str, torch.Tensor]) -> Iterator[Change]:

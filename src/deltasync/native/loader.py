@@ -148,6 +148,14 @@ def _build() -> ctypes.CDLL:
     lib.ds_adamw_detect_list.restype = i64
     lib.ds_gather_bf16.argtypes = [p, p, i64, p]
     lib.ds_gather_bf16.restype = i64
+    lib.ds_cast_bf16.argtypes = [p, i64, p]
+    lib.ds_cast_bf16.restype = i64
+    lib.ds_gaps_encode.argtypes = [p, i64, i64, p, p]
+    lib.ds_gaps_encode.restype = i64
+    lib.ds_gaps_decode.argtypes = [p, i64, p, i64, p]
+    lib.ds_gaps_decode.restype = i64
+    lib.ds_cast_bf16_rows.argtypes = [p, i64, i64, i64, p]
+    lib.ds_cast_bf16_rows.restype = i64
     lib.ds_first_not_increasing.argtypes = [p, i64]
     lib.ds_first_not_increasing.restype = i64
     return lib

@@ -3,9 +3,11 @@
 * :func:`bf16_at`: the BF16 values (round to nearest even, exactly torch's cast) of a tensor at
   sorted flat positions -- what a delta carries for each changed element;
 * :func:`first_not_increasing`: where a list stops being strictly increasing, the precondition
-  of every searchsorted-based routing step.
+  of every searchsorted-based routing step;
+* :func:`cast_bf16_into`: a contiguous fp32 range cast to BF16 into a caller's buffer (what the
+  shard-state digest hashes), at memory speed.
 
-Both run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All three run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -81,3 +83,42 @@ def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = Fals
     else:  # reshape(-1) of a strided tensor would copy all of it; gather through the strides
         picked = values[torch.unravel_index(indices.to(values.device), tuple(values.shape))]
     return picked.to(torch.bfloat16).cpu()
+
+
+def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``src`` (fp32, any shape) cast to BF16 (round to nearest even, exactly
+    ``src.to(torch.bfloat16)``) into the first ``src.numel()`` elements of the 1-D BF16
+    buffer ``out``; returns that view of ``out``, flat. The C kernel runs on kernel-ready
+    tensors whose values it can round exactly; otherwise (NaN, fp32 subnormals, strided or
+    device tensors) torch casts."""
+    n = src.numel()
+    if out.dtype != torch.bfloat16 or out.dim() != 1 or out.numel() < n:
+        raise TensorInputError(
+            f"cast_bf16_into: out must be a 1-D bfloat16 tensor of at least {n} elements"
+        )
+    dst = out[:n]
+    if n == 0:
+        return dst
+    if src.dtype == torch.float32 and native.usable(src, out):
+        lib = native.load()
+        assert lib is not None
+        if lib.ds_cast_bf16(src.data_ptr(), n, dst.data_ptr()) == n:
+            return dst
+    elif (
+        src.dtype == torch.float32
+        and src.dim() == 2
+        and src.stride(1) == 1
+        and src.device.type == "cpu"
+        and type(src) is torch.Tensor
+        and src.data_ptr() % 4 == 0
+        and native.usable(out)
+    ):
+        # Rows contiguous, apart by a stride (a column slice): row by row in the kernel. The
+        # view lies inside its storage (torch checked that when it was made).
+        lib = native.load()
+        assert lib is not None
+        rows, cols = src.shape
+        if lib.ds_cast_bf16_rows(src.data_ptr(), rows, cols, src.stride(0), dst.data_ptr()) == n:
+            return dst
+    dst.view(src.shape).copy_(src) if src.is_contiguous() else dst.copy_(src.reshape(-1))
+    return dst

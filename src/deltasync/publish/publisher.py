@@ -71,17 +71,22 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import shard_digests, state_digests
 from deltasync.layout.routing import (
     Change,
+    RowPiece,
     ShardTensors,
     checked_changes,
     every_element_stream,
     full_shard_tensors,
+    piece_updates,
+    row_pieces,
     shard_updates,
 )
+from deltasync.native.ops import bf16_at
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch, Ready
 from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
+from deltasync.trainer.positions import Positions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +126,13 @@ log = logging.getLogger(__name__)
 SEGMENT_ELEMENTS = 1 << 20
 
 Params = Mapping[str, torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
 FullState = Params | Callable[[], Params]
 _OWN = object()  # since= default: the version this publisher last committed or verified
 
@@ -151,6 +163,7 @@ class Publisher:
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         # (param names, their groups, param -> group index), for the params last published
         self._grouping: tuple[tuple[str, ...], list[ParamGroup], dict[str, int]] | None = None
+        self._piece_cache: dict[str, tuple[RowPiece, ...] | None] = {}
         if self.config.is_committer:
             self.repair_latest()
 
@@ -271,7 +284,10 @@ class Publisher:
                 (then detection runs as this method consumes it, and each group of parameters
                 is routed, encoded and uploading while the next is detected), or a list of
                 such triples. The indices are this rank's flat indices and list every element
-                that differs from version ``since``. Ignored for an anchor.
+                that differs from version ``since``. An item may also be ``(name,
+                Positions, None)`` (an overlapped sender's capture): the values are then read
+                from ``params`` as the parameter is routed, a vocab-parallel parameter range
+                by range. Ignored for an anchor.
             params: this rank's current (fp32 master or BF16) parameters.
             anchor: publish a full version from ``params`` instead of a delta.
             since: the version ``changes`` are relative to (default: the version this
@@ -319,7 +335,7 @@ class Publisher:
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
-            source = checked_changes(changes)
+            source = checked_changes(changes, lazy=(Positions,))
 
         t = time.perf_counter()
         digest_job = None
@@ -489,19 +505,15 @@ class Publisher:
         batch: dict[str, tuple] = {}  # complete groups not yet routed
         held = 0  # their changed elements
 
-        def flush(g: int | None) -> None:
-            nonlocal batch, held
-            if g is not None:
-                got = pending.pop(g, None) or {}
-                batch.update(got)
-                held += sum(int(idx.numel()) for idx, _ in got.values())
-                if held < batch_elements or not batch:
-                    return
-            if not batch:
-                return
-            changes, batch, held = batch, {}, 0
-            changed = {n: idx for n, (idx, _) in changes.items()}
-            given = {n: v for n, (_, v) in changes.items() if v is not None}
+        def route(changes: dict[str, tuple]) -> None:
+            changed, given = {}, {}
+            for n, (idx, vals) in changes.items():
+                if isinstance(idx, Positions):  # captured positions: the values are read now
+                    idx = idx.indices()
+                    vals = bf16_at(_local(params[n]), idx, trusted=True)
+                changed[n] = idx
+                if vals is not None:
+                    given[n] = vals
             routed = shard_updates(
                 changed,
                 params,
@@ -512,9 +524,34 @@ class Publisher:
                 values=given or None,
             )
             # The routed updates replace the group's input: drop it before encoding, so the
-            # largest group (the embedding) is held once, not twice, at the peak.
-            del changes, changed, given
+            # largest group is held once, not twice, at the peak.
+            changes.clear()
+            del changed, given
             streams.add(routed)
+
+        def flush(g: int | None) -> None:
+            nonlocal batch, held
+            if g is not None:
+                got = pending.pop(g, None) or {}
+                if len(got) == 1:
+                    ((name, (idx, _)),) = got.items()
+                    pieces = self._pieces(name) if isinstance(idx, Positions) else None
+                    if pieces is not None:
+                        if batch:  # the groups before it go out first: segment order is stable
+                            route(batch)
+                            batch, held = {}, 0
+                        got.clear()
+                        self._route_pieces(streams, name, idx, pieces, params)
+                        return
+                batch.update(got)
+                held += sum(len(idx) for idx, _ in got.values())
+                got.clear()
+                if held < batch_elements or not batch:
+                    return
+            if not batch:
+                return
+            changes, batch, held = batch, {}, 0
+            route(changes)
 
         done = 0  # groups[:done] are flushed
         last, last_name = -1, None
@@ -541,6 +578,47 @@ class Publisher:
             flush(done)
             done += 1
         flush(None)  # what the batch still holds
+
+    def _pieces(self, name: str) -> tuple[RowPiece, ...] | None:
+        """The row pieces ``name`` is routed in (:func:`row_pieces`; cached per name)."""
+        if name not in self._piece_cache:
+            self._piece_cache[name] = row_pieces(
+                name,
+                trainer_layout=self.trainer_layout,
+                receiver_layout=self.layout,
+                world_size=self.config.num_writers,
+            )
+        return self._piece_cache[name]
+
+    def _route_pieces(
+        self,
+        streams: ShardStreams,
+        name: str,
+        positions: Positions,
+        pieces: tuple[RowPiece, ...],
+        params: Params,
+    ) -> None:
+        """One captured parameter routed piece by piece (the vocab-parallel embedding: one
+        piece per TP rank): each piece's positions decoded, its values read and its targets'
+        updates encoded before the next piece is decoded, so one piece's indices are the most
+        this parameter ever holds as int64 (never the whole parameter's)."""
+        local = _local(params[name])
+        bounds = [p.start for p in pieces] + [pieces[-1].stop]
+        seen = 0
+        for piece, idx in zip(pieces, positions.ranges(bounds), strict=True):
+            seen += idx.numel()
+            if not idx.numel():
+                continue
+            vals = bf16_at(local, idx, trusted=True)  # inside [0, numel): ranges() clips
+            updates = piece_updates(name, piece, idx, vals, receiver_layout=self.layout)
+            del idx, vals
+            streams.add(updates)
+            del updates
+        if seen != len(positions):
+            raise ConfigError(
+                f"the tracker reports {len(positions) - seen} changed position(s) of {name!r} "
+                f"outside its {pieces[-1].stop} elements (are the indices local to this rank?)"
+            )
 
     def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
         """The parameter groups of ``params`` and each param's group (cached per name list)."""

@@ -309,8 +309,9 @@ class TrainerSync:
             reports = [
                 pub.publish(
                     pending.version,
-                    # values read here, one parameter at a time as the publisher routes it
-                    Ready(with_values(item, params) for item in captured.items()),
+                    # positions only: the publisher reads the values as it routes each
+                    # parameter (the embedding piece by piece), never all at once
+                    Ready((name, pos, None) for name, pos in captured.items()),
                     params,
                     anchor=anchor,
                     since=self.baseline,

@@ -19,12 +19,38 @@ This module knows sorted integer tensors only: nothing about trackers, layouts o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from deltasync.errors import TensorInputError
+from deltasync.native import loader as native
+
 _ESCAPE = 255  # a gap byte of 255: the gap is the next entry of ``escapes``
 CHUNK = 1 << 20  # positions encoded per slice: the int64 gaps never exist for a whole tensor
+
+
+_tls = threading.local()
+
+
+def _scratch_esc(n: int) -> torch.Tensor:
+    """This thread's reused int64 buffer for a slice's escapes (at most ``CHUNK``)."""
+    buf = getattr(_tls, "esc", None)
+    if buf is None or buf.numel() < n:
+        buf = _tls.esc = torch.empty(max(n, CHUNK), dtype=torch.int64)
+    return buf
+
+
+def _encode_native(cur: torch.Tensor, before: int) -> tuple[torch.Tensor, int]:
+    """Gap bytes of int64 ``cur`` after position ``before``, and how many escapes went to
+    :func:`_scratch_esc` (-1: not strictly increasing)."""
+    lib = native.load()
+    assert lib is not None
+    gaps = torch.empty(cur.numel(), dtype=torch.uint8)
+    esc = _scratch_esc(cur.numel())
+    k = lib.ds_gaps_encode(cur.data_ptr(), cur.numel(), before, gaps.data_ptr(), esc.data_ptr())
+    return gaps, int(k)
 
 
 class Positions:
@@ -92,8 +118,18 @@ class Positions:
             for lo in range(start, m, CHUNK):
                 hi = min(m, lo + CHUNK)
                 cur = chunk[lo:hi].to(torch.int64)
+                before = int(chunk[lo - 1]) if lo else prev
+                if native.usable(cur):  # one C pass: gap bytes and escapes, no temporaries
+                    g, k = _encode_native(cur, before)
+                    if k < 0:
+                        raise TensorInputError("Positions: the positions do not strictly increase")
+                    if k:
+                        escapes.append(_scratch_esc(hi - lo)[:k].clone())
+                        n_escaped += k
+                    gap_parts.append(g)
+                    continue
                 diff = torch.empty_like(cur)
-                diff[0] = cur[0] - (int(chunk[lo - 1]) if lo else prev)
+                diff[0] = cur[0] - before
                 torch.sub(cur[1:], cur[:-1], out=diff[1:])
                 escaped = diff > _ESCAPE
                 k = int(torch.count_nonzero(escaped))
@@ -149,6 +185,23 @@ class Positions:
         if self.gaps is None:
             return
         prev, e = self.first, 0
+        if native.usable(self.gaps):  # one C pass per slice
+            lib = native.load()
+            assert lib is not None
+            esc = (
+                self.escapes.to(torch.int64).contiguous()
+                if self.escapes is not None and self.escapes.numel()
+                else torch.zeros(1, dtype=torch.int64)
+            )
+            for lo in range(0, self.count - 1, size):
+                m = min(size, self.count - 1 - lo)
+                out = torch.empty(m, dtype=torch.int64)
+                e += lib.ds_gaps_decode(
+                    self.gaps.data_ptr() + lo, m, esc.data_ptr() + 8 * e, prev, out.data_ptr()
+                )
+                prev = int(out[-1])
+                yield out
+            return
         for lo in range(0, self.count - 1, size):
             raw = self.gaps[lo : lo + size]
             out = raw.to(torch.int64)
@@ -167,6 +220,9 @@ class Positions:
         sorted int64 tensor, one range at a time: two decoding passes (the first counts), so
         only one range's int64 positions ever exist, never the whole parameter's."""
         if len(bounds) < 2:
+            return
+        if self.gaps is not None and native.usable(self.gaps):
+            yield from self._ranges_native(bounds, size)
             return
         cuts = torch.tensor(list(bounds), dtype=torch.int64, device=self.device)
         counts = [0] * (len(bounds) - 1)
@@ -189,6 +245,69 @@ class Positions:
                 if used == part.numel():
                     part, used = next(parts, None), 0
             assert filled == count
+            yield out
+
+    def _ranges_native(self, bounds: Sequence[int], size: int) -> Iterator[torch.Tensor]:
+        """:meth:`ranges` through the C decoder: the counting pass decodes into one reused
+        buffer, the second decodes each range's positions straight into its output (they are
+        the next ``count`` positions of the sequence), so nothing else is allocated."""
+        assert self.gaps is not None and self.count >= 2
+        lib = native.load()
+        assert lib is not None
+        esc = (
+            self.escapes.to(torch.int64).contiguous()
+            if self.escapes is not None and self.escapes.numel()
+            else torch.zeros(1, dtype=torch.int64)
+        )
+        gaps_ptr, esc_ptr, n_gaps = self.gaps.data_ptr(), esc.data_ptr(), self.count - 1
+        cuts = torch.tensor(list(bounds), dtype=torch.int64)
+        ranges = len(bounds) - 1
+        counts = [0] * ranges
+        below = 0  # positions under bounds[0]: skipped
+
+        def tally(values: torch.Tensor) -> None:
+            nonlocal below
+            at = torch.searchsorted(values, cuts).tolist()
+            below += at[0]
+            for i in range(ranges):
+                counts[i] += at[i + 1] - at[i]
+
+        tally(torch.tensor([self.first], dtype=torch.int64))
+        scratch = torch.empty(min(size, n_gaps), dtype=torch.int64)
+        lo = e = 0
+        prev = self.first
+        while lo < n_gaps:
+            m = min(scratch.numel(), n_gaps - lo)
+            e += lib.ds_gaps_decode(gaps_ptr + lo, m, esc_ptr + 8 * e, prev, scratch.data_ptr())
+            prev, lo = int(scratch[m - 1]), lo + m
+            tally(scratch[:m])
+
+        state = {"lo": 0, "e": 0, "prev": self.first, "started": False}
+
+        def take(k: int, out: torch.Tensor) -> None:
+            """The next ``k`` positions of the sequence into ``out[:k]``."""
+            at = 0
+            if k and not state["started"]:
+                out[0] = self.first
+                state["started"], at, k = True, 1, k - 1
+            if k:
+                state["e"] += lib.ds_gaps_decode(
+                    gaps_ptr + state["lo"],
+                    k,
+                    esc_ptr + 8 * state["e"],
+                    state["prev"],
+                    out.data_ptr() + 8 * at,
+                )
+                state["lo"] += k
+                state["prev"] = int(out[at + k - 1])
+
+        while below:  # positions under the first range: decoded into the buffer, dropped
+            k = min(below, scratch.numel())
+            take(k, scratch)
+            below -= k
+        for count in counts:
+            out = torch.empty(count, dtype=torch.int64)
+            take(count, out)
             yield out
 
     def union(self, indices: torch.Tensor) -> Positions:

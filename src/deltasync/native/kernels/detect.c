@@ -118,13 +118,78 @@ int64_t ds_bits_to_indices(const uint8_t *bits, int64_t nbytes, int64_t first_in
  * and NaN payloads differ between cast paths; the caller then casts that tensor with torch.
  * Finite normal values, zeros and infinities round identically on every path. */
 int64_t ds_gather_bf16(const float *p, const int64_t *idx, int64_t n, uint16_t *out) {
+    /* Sorted positions walk the source forward with small gaps; a prefetch a few dozen
+     * positions ahead keeps the loads in flight across the 4 KiB pages the hardware
+     * prefetcher stops at (measured: ~2x on a 620 MB embedding at 4.5% density). */
+    const int64_t AHEAD = 32;
     for (int64_t k = 0; k < n; k++) {
+        if (k + AHEAD < n) __builtin_prefetch(p + idx[k + AHEAD], 0, 0);
         uint32_t u = f2u(p[idx[k]]);
         uint32_t ex = u & 0x7F800000u, man = u & 0x007FFFFFu;
         if ((ex == 0x7F800000u && man) || (ex == 0 && man)) return -1;
         out[k] = (uint16_t)bf16_rne(u);
     }
     return n;
+}
+
+/* ds_cast_bf16: out[k] = BF16 bits (round to nearest even) of p[k], for k < n: the cast the
+ * shard-state digest hashes, at memory speed (a branch-free loop the compiler vectorizes;
+ * torch's own cast ran at ~0.25 G elements/s here). Returns n, or -1 (out fully written but
+ * not to be used) if any value is NaN or an fp32 subnormal, for the reason given at
+ * ds_gather_bf16: the caller then casts that range with torch. */
+int64_t ds_cast_bf16(const float *p, int64_t n, uint16_t *out) {
+    uint32_t bad = 0;
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t u = f2u(p[k]);
+        uint32_t ex = u & 0x7F800000u, man = u & 0x007FFFFFu;
+        bad |= ((ex == 0x7F800000u) & (man != 0)) | ((ex == 0) & (man != 0));
+        out[k] = (uint16_t)bf16_rne(u);
+    }
+    return bad ? -1 : n;
+}
+
+/* ds_cast_bf16_rows: ds_cast_bf16 over a 2-D fp32 view with contiguous rows (``cols``
+ * elements each, ``stride`` elements apart: a column slice such as a row-parallel shard's part
+ * of o_proj) into a dense rows x cols output. Same return convention. */
+int64_t ds_cast_bf16_rows(const float *p, int64_t rows, int64_t cols, int64_t stride,
+                          uint16_t *out) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        bad |= ds_cast_bf16(p + r * stride, cols, out + r * cols) < 0;
+    return bad ? -1 : rows * cols;
+}
+
+/* ds_gaps_encode: the 8-bit gap code of sorted positions (trainer/positions.py): for each
+ * idx[k] (k < n), g = idx[k] - prev - 1 with prev the position before it (``prev`` for k = 0);
+ * gaps[k] = g when g < 255, else 255 and the whole difference g + 1 goes to esc (in order).
+ * Returns the number of escapes written (esc must hold n entries), or -1 if the positions do
+ * not strictly increase. */
+int64_t ds_gaps_encode(const int64_t *idx, int64_t n, int64_t prev, uint8_t *gaps, int64_t *esc) {
+    int64_t e = 0;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t d = idx[k] - prev;
+        if (d < 1) return -1;
+        if (d > 255) {
+            gaps[k] = 255;
+            esc[e++] = d;
+        } else {
+            gaps[k] = (uint8_t)(d - 1);
+        }
+        prev = idx[k];
+    }
+    return e;
+}
+
+/* ds_gaps_decode: the inverse: out[k] = prev + sum over j <= k of (g_j + 1), where g_j =
+ * gaps[j] below 255 and esc[next] - 1 for 255 (esc in order). Returns the escapes consumed. */
+int64_t ds_gaps_decode(const uint8_t *gaps, int64_t n, const int64_t *esc, int64_t prev,
+                       int64_t *out) {
+    int64_t e = 0;
+    for (int64_t k = 0; k < n; k++) {
+        prev += gaps[k] == 255 ? esc[e++] : (int64_t)gaps[k] + 1;
+        out[k] = prev;
+    }
+    return e;
 }
 
 /* ds_first_not_increasing: the first k >= 1 with x[k] <= x[k-1], or -1 if x[0..n) strictly
