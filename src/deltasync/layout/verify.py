@@ -5,7 +5,7 @@ manifest's shard digest on the storage path, the envelope's on the in-cluster pa
 engine still serves, before the first live element is overwritten. It hashes each tensor as it
 would be after the update, chunk by chunk: a chunk no update touches is hashed in place, a
 chunk with updated elements is copied into one small scratch buffer, patched there and hashed.
-The extra memory is that buffer (512 KiB) and never a copy of the shard.
+The extra memory is that buffer (2 MiB) and never a copy of the shard.
 
 The digest is the one definition of :mod:`deltasync.layout.digest` (its ``combine_digests`` over
 per-tensor xxh3-128 digests of row-major bytes): xxh3 fed in pieces equals xxh3 of the whole,
@@ -31,7 +31,7 @@ from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
 
-CHUNK_ELEMENTS = 1 << 18  # 512 KiB of BF16 per scratch chunk: small next to any shard
+CHUNK_ELEMENTS = 1 << 20  # 2 MiB of BF16 per scratch chunk
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

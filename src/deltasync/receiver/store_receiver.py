@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -93,7 +94,9 @@ class ReceiverConfig:
     - ``max_staged_bytes``: a pull whose decoded chain is estimated at most this size decodes
       it once and holds it from verify to scatter; a larger one decodes it twice, one tensor
       at a time (verify, then the scatter), so the pull holds the compressed blobs plus one
-      tensor's changes instead of the whole decoded chain. None: 1/16 of the shard's bytes.
+      tensor's changes instead of the whole decoded chain. None: 1/16 of the shard's bytes,
+      at least 4 MiB (a small model's pull then decodes once: a second decode would cost more
+      time in the pause than the few MiB it saves).
     """
 
     receiver_id: str
@@ -147,6 +150,7 @@ class PullReport:
 log = logging.getLogger(__name__)
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
+MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
 # Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
 # BF16 values (4 + 2 for 1 + 2 bytes) is 2x; int64 indices (tensors above 2^31 elements) 3.3x.
 _DECODED_PER_RAW = 2
@@ -504,7 +508,7 @@ class Receiver:
             raw += sum(b.raw_len for b in blobs)
         budget = self.config.max_staged_bytes
         if budget is None:
-            budget = self._shard_bytes // 16
+            budget = max(self._shard_bytes // 16, MIN_STAGED_BYTES)
         if raw * _DECODED_PER_RAW <= budget:
             steps = [(v, kind, [Records(list(b)) for b in blobs]) for v, kind, blobs in steps]
         return steps, fetched
@@ -520,29 +524,45 @@ class Receiver:
             t = time.perf_counter()
             steps, fetched = self._stage(manifests, from_version)
             stage_s = time.perf_counter() - t
+        except DeltaSyncError:
+            for m in manifests:  # a repaired store heals on the next pull
+                self.catalog.forget(m.version)
+            raise
+        # The journal's fsyncs overlap the verify pass (they release the GIL): it only has to
+        # be durable before the first live write, and a refused or failed verify removes it.
+        # (Killed in between, the next start replays a chain that writes what verify checked,
+        # or, for a chain verify would have refused, fails its replay and restores an anchor.)
+        # A repair replays the journal it found: that one stays until the replay has ended.
+        journal = _InBackground(
+            (lambda _: None) if repaired else self.dir.write_journal,
+            Journal(
+                receiver=self.config.receiver_id,
+                shard=self.shard,
+                from_version=from_version,
+                steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
+            ),
+        )
+        try:
             # Verify before write: one full read of the chain's records (every record's
             # structure and every writer/anchor check) and of the resulting state, tensor by
             # tensor; nothing is written until it has finished.
             t = time.perf_counter()
             digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
             verify_s = time.perf_counter() - t
-        except DeltaSyncError:
-            for m in manifests:  # a repaired store heals on the next pull
-                self.catalog.forget(m.version)
+        except BaseException as exc:
+            self._drop_journal(journal, repaired)
+            if isinstance(exc, DeltaSyncError):
+                for m in manifests:
+                    self.catalog.forget(m.version)
             raise
         if digest != expected:
+            self._drop_journal(journal, repaired)
             for m in manifests:
                 self.catalog.forget(m.version)
             self._refused(versions, digest, expected, from_version)
-
-        self.dir.write_journal(
-            Journal(
-                receiver=self.config.receiver_id,
-                shard=self.shard,
-                from_version=from_version,
-                steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
-            )
-        )
+        error = journal.wait()  # durable before the first live write
+        if error is not None:
+            raise error
         t = time.perf_counter()
         written = 0
         with self._pause():
@@ -599,6 +619,12 @@ class Receiver:
             verify_s=verify_s,
             pause_s=pause_s,
         )
+
+    def _drop_journal(self, journal: _InBackground, repaired: bool) -> None:
+        """Nothing was written: remove the journal the background write left (if it wrote).
+        A repair's journal is the crash's and stays (the repair decides what follows)."""
+        if journal.wait() is None and not repaired:
+            self.dir.clear_journal()
 
     def _refused(
         self, versions: list[int], digest: str, expected: str, from_version: int | None
@@ -701,6 +727,27 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
+
+
+class _InBackground:
+    """``fn(*args)`` on its own thread; :meth:`wait` joins it and returns what it raised."""
+
+    def __init__(self, fn: Callable[..., object], *args: object) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args), name="deltasync-receiver-record", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., object], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
 
 
 def _numel(shape: tuple[int, ...]) -> int:
