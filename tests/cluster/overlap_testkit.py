@@ -43,6 +43,7 @@ from deltasync.errors import DeltaSyncError, ExchangeError
 from deltasync.exchange import init_from_env
 from deltasync.layout import TrainerLayout
 from deltasync.trainer import AdamWTracker
+from deltasync.trainer.positions import Positions
 
 from cluster_testkit import (
     CorruptingReceiver,
@@ -78,7 +79,7 @@ class CountingTracker:
 
     def __init__(self, inner: AdamWTracker) -> None:
         self.inner = inner
-        self.calls = {"iter_changes": 0, "iter_changed": 0}
+        self.calls = {"iter_changes": 0, "iter_changed": 0, "iter_positions": 0}
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         self.calls["iter_changes"] += 1
@@ -87,6 +88,10 @@ class CountingTracker:
     def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.calls["iter_changed"] += 1
         return self.inner.iter_changed()
+
+    def iter_positions(self) -> Iterator[tuple[str, Positions]]:
+        self.calls["iter_positions"] += 1
+        return self.inner.iter_positions()
 
     def clear(self) -> None:
         self.inner.clear()

@@ -5,7 +5,8 @@ The carry is the union of the changed positions of every attempt since the last 
 about 1 byte per changed element at RL densities. A version is captured in one of two forms:
 
 - *positions* (the overlapped sender): the tracker is asked for positions only
-  (``iter_changed()`` where it has one, so the detection reads no values), each parameter's
+  (``iter_positions()`` or ``iter_changed()`` where it has one, so the detection reads no
+  values), each parameter's
   are joined with its carry and encoded as ``Positions`` as soon as it is detected, and that
   dict is both what the background routes and, until the version commits, the carry. No BF16
   value is held between the capture and the background: :func:`route_positions` reads the
@@ -68,17 +69,24 @@ class Capture:
         return self.positions if self.positions is not None else self.changed
 
 
-def _position_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tracker's changed positions, without values where the tracker can give them so."""
-    positions_only = getattr(tracker, "iter_changed", None)
+def _position_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Positions]]:
+    """The tracker's changed positions, without values where the tracker can give them so:
+    already encoded (``iter_positions()``: a whole parameter's int64 positions never exist),
+    else as indices (``iter_changed()``), else from its triples."""
+    encoded = getattr(tracker, "iter_positions", None)
+    method = "iter_positions" if callable(encoded) else "iter_changed"
+    positions_only = encoded if callable(encoded) else getattr(tracker, "iter_changed", None)
     if callable(positions_only):
         for item in positions_only():
             if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
                 raise ConfigError(
-                    "a tracker's iter_changed() yields (name, indices) pairs, got "
+                    f"a tracker's {method}() yields (name, positions) pairs, got "
                     f"{type(item).__name__}"
                 )
             name, idx = item
+            if isinstance(idx, Positions):
+                yield name, idx
+                continue
             if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.dtype not in _INTEGER:
                 raise ConfigError(
                     f"changes for {name!r}: indices must be a 1-D integer tensor of flat indices"
@@ -94,7 +102,8 @@ def capture_positions(tracker: Tracker, carry: Mapping[str, Positions]) -> Captu
     parameter's int64 indices are dropped once encoded, before the next one is detected).
 
     Args:
-        tracker: asked for positions only (``iter_changed()``) where it offers that.
+        tracker: asked for positions only (``iter_positions()`` or ``iter_changed()``) where
+            it offers that.
         carry: the positions of attempts since the last commit (not modified).
 
     Returns:
@@ -102,11 +111,14 @@ def capture_positions(tracker: Tracker, carry: Mapping[str, Positions]) -> Captu
     """
     t = time.perf_counter()
     out: Carry = {}
-    for name, idx in _position_stream(tracker):
-        if not idx.numel():
+    for name, got in _position_stream(tracker):
+        if not len(got):
             continue
         old = out.get(name, carry.get(name))  # a name given twice: both are sent
-        out[name] = Positions.of(idx) if old is None else old.union(idx)
+        if isinstance(got, Positions):
+            out[name] = got if old is None else old.union(got.indices())
+        else:
+            out[name] = Positions.of(got) if old is None else old.union(got)
     for name, old in carry.items():
         if name not in out and len(old):
             out[name] = old

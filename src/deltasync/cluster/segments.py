@@ -11,7 +11,10 @@ tensor may be fed by several parameters (vLLM's fused ``qkv_proj``, ``gate_up_pr
 experts) and may appear in one segment only, so a batch never ends inside such a set: it
 closes only after the last changed parameter that feeds any local tensor it feeds
 (:func:`closing_points`). Batches gather at least ``batch_elements`` changed elements (fewer,
-larger zstd frames) unless the version ends first.
+larger zstd frames) unless the version ends first. A parameter that splits into row pieces
+whose receiver tensors no other piece writes (the vocab-parallel embedding,
+:func:`~deltasync.layout.routing.row_pieces`) is routed piece by piece, one segment each, so
+only one piece's indices ever exist.
 
 The bytes differ from a one-segment blob of the same updates; what a receiver decodes from
 them is the same (tests pin both).
@@ -22,14 +25,16 @@ groups or trackers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from deltasync.cluster.capture import route_positions
-from deltasync.errors import LayoutError
+from deltasync.errors import ConfigError, LayoutError
 from deltasync.format import BlobWriter
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.routing import ShardUpdates, check_param, piece_updates, row_pieces
+from deltasync.native.ops import bf16_at
 from deltasync.trainer.positions import Positions
 
 BATCH_ELEMENTS = 1 << 18  # changed elements per segment, at least (~5 MiB of transients)
@@ -58,6 +63,43 @@ def closing_points(
         reach = max([reach, i, *(last[h] for h in mine)])
         out.append(reach)
     return out
+
+
+def _piece_updates(
+    name: str,
+    positions: Positions,
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    world_size: int,
+) -> Iterator[ShardUpdates] | None:
+    """``name``'s updates piece by piece (None when it is not routed in row pieces)."""
+    if name not in params:
+        return None
+    pieces = row_pieces(
+        name, trainer_layout=trainer_layout, receiver_layout=receiver_layout, world_size=world_size
+    )
+    if pieces is None:
+        return None
+    local = check_param(name, params[name])
+    local = local.to_local() if hasattr(local, "to_local") else local
+
+    def gen() -> Iterator[ShardUpdates]:
+        bounds = [p.start for p in pieces] + [pieces[-1].stop]
+        seen = 0
+        for piece, idx in zip(pieces, positions.ranges(bounds), strict=True):
+            seen += idx.numel()
+            if idx.numel():
+                vals = bf16_at(local, idx, trusted=True)  # inside [0, numel): ranges() clips
+                yield piece_updates(name, piece, idx, vals, receiver_layout=receiver_layout)
+        if seen != len(positions):
+            raise ConfigError(
+                f"{len(positions) - seen} changed position(s) of {name!r} lie outside its "
+                f"{pieces[-1].stop} elements (are the indices local to this rank?)"
+            )
+
+    return gen()
 
 
 def streamed_blobs(
@@ -104,24 +146,33 @@ def streamed_blobs(
     elements = dict.fromkeys(shards, 0)
     batch: dict[str, Positions] = {}
     size = 0
+
+    def write(updates: ShardUpdates) -> None:
+        for shard, ups in updates.items():
+            writers[shard].segment(ups)
+            elements[shard] += sum(u.nnz for u in ups)
+
+    layouts = {"trainer_layout": trainer_layout, "receiver_layout": receiver_layout}
     for i, name in enumerate(names):
+        # feeds tensors no other changed param feeds: the batch so far may close before it
+        alone = reach[i] == i and (i == 0 or reach[i - 1] < i)
+        pieces = None
+        if alone and len(positions[name]) >= batch_elements:
+            pieces = _piece_updates(name, positions[name], params, **layouts, world_size=world_size)
+        if pieces is not None:
+            if batch:
+                write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
+                batch, size = {}, 0
+            for updates in pieces:
+                write(updates)
+                del updates  # this piece's pairs: gone before the next piece
+            continue
         batch[name] = positions[name]
         size += len(positions[name])
         if reach[i] > i or (size < batch_elements and i + 1 < len(names)):
             continue
-        updates = route_positions(
-            batch,
-            params,
-            trainer_layout=trainer_layout,
-            receiver_layout=receiver_layout,
-            rank=rank,
-            world_size=world_size,
-        )
-        for shard, ups in updates.items():
-            writers[shard].segment(ups)
-            elements[shard] += sum(u.nnz for u in ups)
-        del updates  # this batch's canonical and shard pairs: gone before the next batch
-        batch, size = {}, 0
+        write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
+        batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
     blobs = {}
     for s in shards:
         writers[s].finish()
