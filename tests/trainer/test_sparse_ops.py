@@ -79,3 +79,40 @@ def test_first_not_increasing_matches_torch(seed):
         assert first_not_increasing(y) == int(bad[0]) + 1
         assert first_not_increasing(y.to(torch.int32)) == int(bad[0]) + 1  # torch path
     assert first_not_increasing(torch.tensor([7])) == -1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_bf16_cast_kernel_rounds_every_value_exactly_as_torch(seed: int) -> None:
+    from deltasync.native.ops import cast_bf16_into
+
+    vals = _special_fp32(5000, seed)  # includes subnormals: the torch path takes those
+    out = torch.empty(vals.numel() + 7, dtype=torch.bfloat16)
+    got = cast_bf16_into(vals, out)
+    assert torch.equal(got.view(torch.int16), vals.to(torch.bfloat16).view(torch.int16))
+    normal = vals[(vals.view(torch.int32) & 0x7F800000) != 0]  # the kernel's own path
+    got = cast_bf16_into(normal, out)
+    assert torch.equal(got.view(torch.int16), normal.to(torch.bfloat16).view(torch.int16))
+
+
+def test_the_bf16_cast_of_a_column_slice_equals_torch_row_for_row() -> None:
+    from deltasync.native.ops import cast_bf16_into
+
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(64, 300, generator=g)
+    out = torch.empty(64 * 300, dtype=torch.bfloat16)
+    for view in (full[:, :150], full[:, 150:], full[3:40, 7:261]):
+        got = cast_bf16_into(view, out)
+        want = view.to(torch.bfloat16).reshape(-1)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    full[10, 200] = float("nan")  # declined by the kernel: torch casts this one
+    got = cast_bf16_into(full[:, 150:], out)
+    want = full[:, 150:].to(torch.bfloat16).reshape(-1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_bf16_cast_into_a_too_small_buffer_is_refused() -> None:
+    from deltasync.errors import TensorInputError
+    from deltasync.native.ops import cast_bf16_into
+
+    with pytest.raises(TensorInputError, match="at least 10 elements"):
+        cast_bf16_into(torch.zeros(10), torch.empty(9, dtype=torch.bfloat16))

@@ -233,7 +233,8 @@ def row_pieces(
 ) -> tuple[RowPiece, ...] | None:
     """The pieces of ``param_name`` (see :class:`RowPiece`), or None when the parameter is not
     one contiguous canonical tensor split into full-width row blocks with two or more distinct
-    row ranges (then it is routed whole, by :func:`shard_updates`). Pure planning over the
+    row ranges, each into receiver tensors no other tensor feeds (then it is routed whole, by
+    :func:`shard_updates`). Pure planning over the
     tables; an FSDP writer's shard (``world_size > 1``) is routed whole."""
     if world_size != 1:
         return None
@@ -268,6 +269,11 @@ def row_pieces(
         )
     if len(ranges) < 2:
         return None
+    # A target must be fed by this canonical tensor alone (not a fused qkv_proj that q, k and
+    # v share): its update is then complete from this parameter's pieces.
+    for other, pls in table.placements.items():
+        if other != canon and any((pl.shard, pl.local) in owner for pl in pls if pl.block.size):
+            return None
     ordered = sorted(ranges)
     if any(x[1] != y[0] for x, y in itertools.pairwise(ordered)):
         return None  # not a partition of the parameter into consecutive ranges

@@ -35,10 +35,10 @@ _tls = threading.local()
 
 
 def _scratch_esc(n: int) -> torch.Tensor:
-    """This thread's reused int64 buffer for a slice's escapes (at most ``CHUNK``)."""
+    """This thread's reused int64 buffer for a slice's escapes (grown to the largest slice)."""
     buf = getattr(_tls, "esc", None)
     if buf is None or buf.numel() < n:
-        buf = _tls.esc = torch.empty(max(n, CHUNK), dtype=torch.int64)
+        buf = _tls.esc = torch.empty(max(n, 1 << 16), dtype=torch.int64)
     return buf
 
 

@@ -1,0 +1,59 @@
+"""Positions: chunked encoding, slice and range decoding equal the whole-tensor round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.errors import TensorInputError
+from deltasync.trainer.positions import Positions
+
+
+def _sorted_positions(n: int, spread: int, seed: int, offset: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.unique(torch.randint(0, max(1, n * spread), (n,), generator=g)) + offset
+
+
+CASES = [
+    (3000, 2, 0, 0),
+    (3000, 40, 1, 0),
+    (3000, 400, 2, 0),
+    (500, 10**6, 3, 0),
+    (800, 30, 4, 2**31),
+]
+
+
+@pytest.mark.parametrize(("n", "spread", "seed", "offset"), CASES)
+def test_positions_encoded_chunk_by_chunk_equal_the_whole_encoding(n, spread, seed, offset):
+    idx = _sorted_positions(n, spread, seed, offset)
+    whole = Positions.of(idx)
+    for size in (1, 7, 1000, n + 5):
+        chunked = Positions.from_chunks(list(torch.split(idx, size)))
+        assert repr(chunked) == repr(whole)
+        assert torch.equal(chunked.indices(), idx)
+
+
+@pytest.mark.parametrize(("n", "spread", "seed", "offset"), CASES)
+def test_slices_and_ranges_decode_exactly_the_positions_inside(n, spread, seed, offset):
+    idx = _sorted_positions(n, spread, seed, offset)
+    pos = Positions.of(idx)
+    lo, hi = int(idx[0]), int(idx[-1])
+    bounds = [lo + 1, lo + (hi - lo) // 3, lo + (hi - lo) // 2, hi]  # drops the first and last
+    for size in (1, 13, 10**6):
+        assert torch.equal(torch.cat(list(pos.slices(size))), idx)
+        ranges = list(pos.ranges(bounds, size=size))
+        assert len(ranges) == len(bounds) - 1
+        for i, got in enumerate(ranges):
+            assert torch.equal(got, idx[(idx >= bounds[i]) & (idx < bounds[i + 1])])
+
+
+def test_escapes_at_the_255_256_edge_round_trip_through_chunks() -> None:
+    idx = torch.tensor([0, 255, 511, 512, 768, 1024, 1025, 1281, 100_000])
+    got = Positions.from_chunks([idx[:3], idx[3:4], idx[4:]])
+    assert torch.equal(got.indices(), idx)
+    assert torch.equal(torch.cat(list(got.ranges([0, 512, 100_001], size=2))), idx)
+
+
+def test_positions_that_do_not_strictly_increase_are_refused() -> None:
+    with pytest.raises(TensorInputError, match="strictly increase"):
+        Positions.from_chunks([torch.tensor([1, 5, 9]), torch.tensor([9, 12])])
