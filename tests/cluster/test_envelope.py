@@ -80,3 +80,14 @@ def test_the_envelope_bytes_are_pinned() -> None:
         "dc4860937d56ab62"
         "616263"
     )
+
+
+def test_a_part_given_as_its_pieces_packs_to_the_same_bytes_as_the_joined_part() -> None:
+    pieces = [b"head", b"", b"segment one", bytearray(b"segment two"), b"trailer"]
+    joined = b"".join(pieces)
+    for digest in (None, "ab" * 16):
+        assert pack_envelope([pieces, b"other"], state_digest=digest) == pack_envelope(
+            [joined, b"other"], state_digest=digest
+        )
+    env = unpack_envelope(pack_envelope([tuple(pieces)]), where="test")
+    assert [bytes(p) for p in env.parts] == [joined]

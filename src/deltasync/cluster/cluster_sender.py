@@ -268,7 +268,10 @@ class ClusterSender:
             shard: pack_envelope([blob], state_digest=digests.get(shard), part_digest=part)
             for shard, blob in blobs.items()
         }
-        shard_bytes = {shard: len(blob) for shard, blob in blobs.items()}
+        shard_bytes = {
+            shard: sum(map(len, blob)) if isinstance(blob, list) else len(blob)
+            for shard, blob in blobs.items()
+        }
         del blobs
         # DP replicas of a shard share one envelope object: no copy per replica.
         payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}

@@ -53,14 +53,16 @@ class Envelope:
 
 
 def pack_envelope(
-    parts: Sequence[Bytes],
+    parts: Sequence[Bytes | Sequence[Bytes]],
     *,
     state_digest: str | None = None,
     nested: bool = False,
     part_digest: bool = False,
 ) -> bytes:
     """Frame ``parts`` (blobs, or envelopes when ``nested``) into one payload; ``part_digest``:
-    ``state_digest`` is the writer's part digest, not the whole shard's."""
+    ``state_digest`` is the writer's part digest, not the whole shard's. A part may be given
+    as the list of its pieces in order (a blob as its writer streamed it): they are copied
+    once, into the payload, instead of being joined first."""
     if len(parts) > MAX_PARTS:
         raise EnvelopeError(f"an envelope holds at most {MAX_PARTS} parts, got {len(parts)}")
     digest = b"\0" * 16
@@ -73,11 +75,16 @@ def pack_envelope(
         if len(digest) != 16:
             raise EnvelopeError(f"state digest {state_digest!r} is not 32 hex characters")
         flags |= FLAG_DIGEST | (FLAG_PART if part_digest else 0)
-    views = [memoryview(p).cast("B") for p in parts]
-    head = _HEAD.pack(MAGIC, len(views), flags, digest)
-    lengths = struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
+    pieces = [
+        [memoryview(c).cast("B") for c in p]
+        if isinstance(p, (list, tuple))
+        else [memoryview(p).cast("B")]
+        for p in parts
+    ]
+    head = _HEAD.pack(MAGIC, len(pieces), flags, digest)
+    lengths = struct.pack(f"<{len(pieces)}Q", *(sum(len(v) for v in p) for p in pieces))
     check = _CHECK.pack(xxhash.xxh3_64_intdigest(head + lengths))
-    return b"".join((head, lengths, check, *views))
+    return b"".join((head, lengths, check, *(v for p in pieces for v in p)))
 
 
 def as_view(payload: Bytes | torch.Tensor) -> memoryview:

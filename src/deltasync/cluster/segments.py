@@ -116,7 +116,7 @@ def streamed_blobs(
     world_size: int = 1,
     level: int = 1,
     batch_elements: int = BATCH_ELEMENTS,
-) -> tuple[dict[str, bytes], dict[str, int]]:
+) -> tuple[dict[str, list[bytes]], dict[str, int]]:
     """Every shard's blob of the captured ``positions``, values read from ``params`` now.
 
     Args:
@@ -126,7 +126,8 @@ def streamed_blobs(
         batch_elements: changed elements gathered per batch before it is routed.
 
     Returns:
-        ``({shard: blob}, {shard: elements routed to it})``.
+        ``({shard: the blob's pieces in order}, {shard: elements routed to it})``: the pieces
+        are framed without joining them first (``pack_envelope`` takes a list).
     """
     names = [n for n in params if n in positions]
     names += [n for n in positions if n not in params]  # routing names the error
@@ -173,8 +174,6 @@ def streamed_blobs(
             continue
         write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
         batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
-    blobs = {}
     for s in shards:
         writers[s].finish()
-        blobs[s] = b"".join(chunks.pop(s))
-    return blobs, elements
+    return chunks, elements
