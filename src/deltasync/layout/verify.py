@@ -78,6 +78,14 @@ def pieces_tensor_digest(
         dense = pieces[0].values.to("cpu")
         pieces = pieces[1:]
     zeros = tensor.from_zero and dense is None
+    if n <= chunk and dense is None and not zeros:  # one chunk: skip the chunk bookkeeping
+        piece = flat.to("cpu", copy=True)
+        for p in pieces:
+            if p.nnz:
+                idx = p.indices.to("cpu", torch.int64)  # type: ignore[union-attr]
+                piece.index_copy_(0, idx, p.values.to("cpu"))
+        h.update(_bytes(piece))
+        return h.digest()
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
     sparse = []  # (indices, values, chunk bounds) of each sparse piece, chain order
     for p in pieces:
@@ -132,7 +140,12 @@ def updated_state_digest(
     )
 
 
-def chain_state_digest(tensors: Mapping[str, torch.Tensor], chain: Iterable[TensorPieces]) -> str:
+def chain_state_digest(
+    tensors: Mapping[str, torch.Tensor],
+    chain: Iterable[TensorPieces],
+    *,
+    chunk: int = CHUNK_ELEMENTS,
+) -> str:
     """The state digest ``tensors`` would have after ``apply_pieces`` of every item of
     ``chain`` (at most one per tensor; e.g. :func:`deltasync.format.merge.iter_chain`),
     consuming ``chain`` one tensor at a time.
@@ -140,6 +153,7 @@ def chain_state_digest(tensors: Mapping[str, torch.Tensor], chain: Iterable[Tens
     Args:
         tensors: the live tensors (read only).
         chain: each touched tensor's pieces, each tensor once.
+        chunk: elements per scratch chunk.
 
     Returns:
         The hex state digest, equal to ``state_digest`` of the tensors after the writes.
@@ -153,7 +167,7 @@ def chain_state_digest(tensors: Mapping[str, torch.Tensor], chain: Iterable[Tens
         elif item.pieces[-1].is_dense:
             digests[item.name] = tensor_digest(item.pieces[-1].values)  # the whole new tensor
         else:
-            digests[item.name] = pieces_tensor_digest(t, item)
+            digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk)
     entries = []
     for name, t in tensors.items():
         digest = digests.get(name)
