@@ -16,12 +16,12 @@ import torch
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.trainer import positions as positions_mod
-from deltasync.trainer.positions import Positions
 from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
 from deltasync.trainer import AdamWTracker
+from deltasync.trainer import positions as positions_mod
+from deltasync.trainer.positions import Positions
 
 from sync_kit import (
     GateStore,
@@ -64,7 +64,11 @@ def _setup(tmp_path, gate, *, density=0.05, seed=0):
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     store = GateStore(MemoryStore(), gate)
     pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
-    sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
+    # inline_below=0: every version goes to the background, however small (this file tests
+    # the background path; the inline one has its own test below)
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
     receivers = {
         s.id: Receiver.for_layout(
             store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
@@ -187,7 +191,9 @@ class StagedTracker:
 def _staged(tmp_path, gate):
     trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, gate)
     staged = StagedTracker(tracker, after=3)
-    sync = TrainerSync(staged, pub, trainer.params, overlap=True, optimizer=trainer.opt)
+    sync = TrainerSync(
+        staged, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
     sync.step_published(0, anchor=True)
     sync.wait()
     return trainer, staged, sync, pub, receivers, lay
@@ -286,3 +292,29 @@ def test_overlap_without_the_optimizer_is_refused_naming_it():
     pub = Publisher(MemoryStore(), receiver_layout=rl, trainer_layout=tl)
     with pytest.raises(ConfigError, match=r"TrainerSync.optimizer"):
         TrainerSync(tracker, pub, trainer.params, overlap=True)
+
+
+def test_a_small_version_publishes_before_step_published_returns_with_the_same_contract(
+    tmp_path,
+):
+    gate = ManifestGate(2, fail=True)  # version 2's manifest write fails once
+    trainer, _, sync, pub, receivers, lay = _setup(tmp_path, gate)
+    sync.inline_below = 1 << 30  # every delta of this tiny model is "small"
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+    pending = sync.step_published(1)
+    assert pending.done() and pub.committed() == 1  # committed on the caller's thread
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    trainer.step()
+    failed = sync.step_published(2)
+    assert failed.done() and pub.committed() == 1
+    with pytest.raises(PublishFailedError, match="version 2 did not commit"):
+        sync.wait()  # raised at the next call, as in the background, and the carry is kept
+    assert sync._carry
+    trainer.step()
+    sync.step_published(3)
+    (report,) = sync.wait()
+    assert report.version == 3 and pub.committed() == 3
+    _assert_receivers_exact(receivers, trainer, lay, 3)
+    sync.close()

@@ -22,6 +22,11 @@ Two modes:
   positions join the next version's, values read from ``params`` then, and the error is
   raised at the next call (``step_published``, ``wait``, ``close``) as
   :class:`PublishFailedError` naming it.
+  A delta with fewer than ``inline_below`` changed elements (2^18 by default: a small model)
+  is published on the caller's thread instead, before ``step_published`` returns, with the
+  same contract (errors at the next call, the carry until settled): on a two-core trainer a
+  background thread competing with the forward/backward made such a version's latency about
+  twice the inline publish (the small preset: 0.53 s, inline 0.26 s).
   Between ``step_published`` and the next optimizer step (or ``wait()``) nothing else may write
   the params (``load_state_dict``, a clamp): the background is hashing them. A ``full_state``
   callable runs on the background thread too, so one that runs collectives (an FSDP
@@ -53,6 +58,9 @@ from deltasync.trainer.positions import Positions
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
+# Overlapped versions with fewer changed elements publish on the caller's thread (see
+# TrainerSync.inline_below): about 25-50 ms of routing, encoding and commit on this machine.
+INLINE_BELOW = 1 << 18
 Change = tuple[str, torch.Tensor, torch.Tensor]
 Captured = dict[str, Positions]
 
@@ -146,7 +154,10 @@ class TrainerSync:
     that state against its store (after a restart: :meth:`resume`). None makes the first
     publish an anchor (a version already committed with the same state is recognised instead,
     see :meth:`Publisher.publish`). ``overlap=True`` publishes in the background (see the
-    module docstring) and needs the ``optimizer`` whose next step is the barrier.
+    module docstring) and needs the ``optimizer`` whose next step is the barrier; a delta with
+    fewer than ``inline_below`` changed elements (a small model) is published on the caller's
+    thread before ``step_published`` returns, because a background thread competing with the
+    forward/backward would only delay it (0: always in the background).
 
     Restart recipe: checkpoint the model, the optimizer and the committed version the params
     equal; on restart load them, build the tracker and this TrainerSync, call
@@ -165,6 +176,7 @@ class TrainerSync:
         ack_timeout_s: float = 60.0,
         overlap: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
+        inline_below: int = INLINE_BELOW,
     ) -> None:
         pubs = [publishers] if isinstance(publishers, Publisher) else list(publishers)
         if not pubs:
@@ -184,6 +196,11 @@ class TrainerSync:
         self.ack_receivers = ack_receivers
         self.ack_timeout_s = ack_timeout_s
         self.overlap = overlap
+        if not isinstance(inline_below, int) or inline_below < 0:
+            raise ConfigError(
+                f"TrainerSync.inline_below must be a non-negative int, got {inline_below!r}"
+            )
+        self.inline_below = inline_below
         # overlap mode: positions captured since the last commit, per param
         self._carry: Captured = {}
         self._inflight: PendingVersion | None = None
@@ -295,11 +312,21 @@ class TrainerSync:
         self.tracker.clear()
         self._carry = captured
         captured_s = time.perf_counter() - t
+        pending = PendingVersion(version, Future(), captured_s)
+        self._inflight = pending
+        if not anchor and sum(len(p) for p in captured.values()) < self.inline_below:
+            # A version this small publishes in a few tens of milliseconds: handing it to a
+            # thread that then competes with the forward/backward for the cores costs more
+            # latency than the caller waiting for it here. Same contract: errors surface at
+            # the next call, the carry stays until it is settled.
+            try:
+                pending._future.set_result(self._background(pending, captured, params, anchor))
+            except Exception as exc:
+                pending._future.set_exception(exc)
+            return pending
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
-        pending = PendingVersion(version, Future(), captured_s)
         pending._future = self._worker.submit(self._background, pending, captured, params, anchor)
-        self._inflight = pending
         return pending
 
     def _background(
