@@ -548,7 +548,10 @@ class Receiver:
             # structure and every writer/anchor check) and of the resulting state, tensor by
             # tensor; nothing is written until it has finished.
             t = time.perf_counter()
-            digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
+            chain = iter_chain(steps, self.specs)
+            streamed = any(not isinstance(b, Records) for _, _, blobs in steps for b in blobs)
+            with _Prefetch(chain) if streamed else contextlib.nullcontext(chain) as ahead:
+                digest = chain_state_digest(self.tensors, ahead)
             verify_s = time.perf_counter() - t
         except BaseException as exc:
             self._drop_journal(journal, repaired)
@@ -565,11 +568,10 @@ class Receiver:
         if error is not None:
             raise error
         # The same records again (the blobs' bytes are immutable and fully checked above),
-        # one tensor at a time, in chain order. A streamed chain is decoded on a thread one or
-        # two tensors ahead of the scatter (started before the pause): the pause then costs
-        # about the larger of decode and scatter, not their sum.
+        # one tensor at a time, in chain order. A streamed chain is decoded on a thread one
+        # tensor ahead of the scatter (started before the pause): the pause then costs about
+        # the larger of decode and scatter, not their sum.
         items = iter_chain(steps, self.specs, check=False)
-        streamed = any(not isinstance(b, Records) for _, _, blobs in steps for b in blobs)
         written = 0
         with _Prefetch(items) if streamed else contextlib.nullcontext(items) as ahead:
             t = time.perf_counter()
@@ -736,32 +738,48 @@ class Receiver:
 
 
 class _Prefetch:
-    """Runs ``items`` on a thread at most ``depth`` items ahead of the consumer (a context
-    manager: leaving it, also by an exception, stops the thread and joins it)."""
+    """Runs ``items`` on a thread one item ahead of the consumer: the thread produces item
+    k + 1 while the consumer works on item k, and waits before k + 2, so at most two items are
+    alive (decoded tensors are the memory a pull is bounded by). A context manager: leaving
+    it, also by an exception, stops the thread and joins it. Both passes of a pull decode on
+    such a thread, so their allocations come from one malloc arena, not two."""
 
-    def __init__(self, items: Iterator, depth: int = 2) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    def __init__(self, items: Iterator) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._slot = threading.Semaphore(1)  # taken per item produced, given back per item taken
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(items,), name="deltasync-receiver-decode", daemon=True
         )
         self._thread.start()
 
-    def _put(self, message: tuple) -> bool:
+    def _wait(self, acquire: Callable[[], bool]) -> bool:
         while not self._stop.is_set():
+            if acquire():
+                return True
+        return False
+
+    def _put(self, message: tuple) -> bool:
+        def put() -> bool:
             try:
                 self._queue.put(message, timeout=0.05)
                 return True
             except queue.Full:
-                continue
-        return False
+                return False
+
+        return self._wait(put)
 
     def _run(self, items: Iterator) -> None:
         try:
-            for item in items:
+            while self._wait(lambda: self._slot.acquire(timeout=0.05)):
+                try:
+                    item = next(items)
+                except StopIteration:
+                    self._put(("end", None))
+                    return
                 if not self._put(("item", item)):
                     return
-            self._put(("end", None))
+                del item
         except BaseException as exc:  # raised in the consumer
             self._put(("error", exc))
 
@@ -775,7 +793,9 @@ class _Prefetch:
                 return
             if kind == "error":
                 raise item
+            self._slot.release()  # the thread may produce the next while this one is used
             yield item
+            del item
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
