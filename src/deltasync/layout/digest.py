@@ -146,6 +146,10 @@ def _as2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(view_rows(shape), view_cols(shape))
 
 
+TensorEntry = tuple[str, tuple[int, ...], bytes]  # (dtype name, shape, tensor_digest)
+TensorEntries = dict[str, dict[str, TensorEntry]]  # {shard: {local: entry}}
+
+
 def shard_state_digests(
     table: LayoutTable,
     full: Mapping[str, torch.Tensor],
@@ -159,6 +163,27 @@ def shard_state_digests(
     few MiB of rows at a time as it is hashed, so the pass never holds a cast copy of a whole
     tensor (replicated blocks are cast once per shard that holds them; they are small).
     """
+    return combine_entries(shard_tensor_digests(table, full, shards, dtype=dtype))
+
+
+def combine_entries(entries: TensorEntries) -> dict[str, str]:
+    """``{shard: state digest}`` from every shard's per-tensor entries."""
+    return {
+        s: combine_digests((local, *e) for local, e in entries[s].items()) for s in sorted(entries)
+    }
+
+
+def shard_tensor_digests(
+    table: LayoutTable,
+    full: Mapping[str, torch.Tensor],
+    shards: Iterable[str] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    keep: TensorEntries | None = None,
+) -> TensorEntries:
+    """Every local tensor's entry (dtype name, shape, :func:`tensor_digest`) of the shards
+    :func:`shard_state_digests` hashes; a tensor listed in ``keep`` takes that entry without
+    being read (the caller vouches that its bytes are those the entry was computed from)."""
     wanted = set(table.dst_shapes) if shards is None else set(shards)
     by_dst: dict[tuple[str, str], list[tuple[str, Block]]] = {}
     for name, pls in table.placements.items():
@@ -173,12 +198,16 @@ def shard_state_digests(
     for shard in sorted(wanted):
         for local in table.dst_shapes[shard]:
             locals_in_order[local] = None
-    entries: dict[str, list] = {s: [] for s in wanted}
+    entries: TensorEntries = {s: {} for s in wanted}
     staging = torch.empty(_CAST_ELEMENTS, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
     for local in locals_in_order:
         for shard in sorted(wanted):
             shape = table.dst_shapes[shard].get(local)
             if shape is None:
+                continue
+            kept = None if keep is None else keep.get(shard, {}).get(local)
+            if kept is not None and kept[0] == dtype_s and tuple(kept[1]) == tuple(shape):
+                entries[shard][local] = kept
                 continue
             blocks = sorted(by_dst.get((shard, local), []), key=lambda nb: nb[1].dst_row)
             rows, cols = view_rows(shape), view_cols(shape)
@@ -196,8 +225,8 @@ def shard_state_digests(
                 for src, b in blocks:
                     b.dst_view(_as2d(t)).copy_(b.src_view(_as2d(full[src])))
                 digest = tensor_digest(t)
-            entries[shard].append((local, dtype_s, tuple(shape), digest))
-    return {s: combine_digests(entries[s]) for s in sorted(wanted)}
+            entries[shard][local] = (dtype_s, tuple(shape), digest)
+    return entries
 
 
 def shard_digests(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
@@ -222,7 +251,22 @@ def state_digests(
         ``{shard: state_digest}``, equal to hashing ``receiver_layout.split`` of the BF16
         canonical tensors, without building the shards or a BF16 copy of the model.
     """
+    return combine_entries(
+        state_tensor_digests(params, trainer_layout=trainer_layout, receiver_layout=receiver_layout)
+    )
+
+
+def state_tensor_digests(
+    params: Mapping[str, torch.Tensor],
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    keep: TensorEntries | None = None,
+) -> TensorEntries:
+    """:func:`state_digests` one level down: every receiver tensor's entry, those in ``keep``
+    taken as given (a publisher keeps the entries of tensors no changed parameter feeds:
+    their bytes are the committed ones). :func:`combine_entries` gives the shard digests."""
     # fp32 views of the master weights, cast to BF16 one local tensor's sources at a time:
     # no full BF16 copy and no canonical copy (memory and time of the per-version digest).
     views = trainer_layout.canonical_views({n: check_param(n, p) for n, p in params.items()})
-    return shard_state_digests(receiver_layout.table, views, dtype=torch.bfloat16)
+    return shard_tensor_digests(receiver_layout.table, views, dtype=torch.bfloat16, keep=keep)

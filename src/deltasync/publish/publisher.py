@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -63,12 +63,19 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     KeyNotFoundError,
+    LayoutError,
     ManifestError,
     VersionError,
 )
 from deltasync.format import full_updates
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.layout.digest import shard_digests, state_digests
+from deltasync.layout.digest import (
+    TensorEntries,
+    combine_entries,
+    shard_digests,
+    state_digests,
+    state_tensor_digests,
+)
 from deltasync.layout.routing import (
     Change,
     RowPiece,
@@ -164,6 +171,8 @@ class Publisher:
         # (param names, their groups, param -> group index), for the params last published
         self._grouping: tuple[tuple[str, ...], list[ParamGroup], dict[str, int]] | None = None
         self._piece_cache: dict[str, tuple[RowPiece, ...] | None] = {}
+        # (version, its per-tensor digest entries) of the state this publisher last committed
+        self._entries: tuple[int, TensorEntries] | None = None
         if self.config.is_committer:
             self.repair_latest()
 
@@ -274,6 +283,7 @@ class Publisher:
         anchor: bool = False,
         since: int | object | None = _OWN,
         full_state: FullState | None = None,
+        touched: Collection[str] | None = None,
     ) -> PublishReport:
         """Publish ``version`` and return once it is committed.
 
@@ -294,6 +304,11 @@ class Publisher:
                 publisher last committed); None when unknown, which makes this an anchor.
             full_state: the FULL parameters (or a callable returning them) when this rank
                 holds a shard of them: the committer hashes the resulting state from them.
+            touched: when known up front, every parameter ``changes`` names (an overlapped
+                sender's capture): the receiver tensors no other parameter feeds keep the
+                digests this publisher computed when it committed ``since`` (their bytes are
+                that state's), so the digest pass reads only the touched ones. A change for
+                a parameter outside ``touched`` raises ConfigError.
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
@@ -345,7 +360,8 @@ class Publisher:
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
-            digest_job = self._digest_pool.submit(self._digests, full)
+            keep = self._kept_entries(kind, since, committed, touched)
+            digest_job = self._digest_pool.submit(self._tensor_entries, full, keep)
         shards = len(self.layout.shards())
         threads = cfg.upload_threads or min(32, shards)
         if self._pool is None:
@@ -381,11 +397,14 @@ class Publisher:
                     params,
                     prefetch=0 if detected else cfg.prefetch,
                     batch_elements=SEGMENT_ELEMENTS if detected else 0,
+                    touched=touched,
                 )
             build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
+            tensor_entries = None
             if digest_job is not None:  # overlaps with the uploads still running
-                digests = digest_job.result()
+                tensor_entries = digest_job.result()
+                digests = combine_entries(tensor_entries)
             digest_s = time.perf_counter() - t
             t = time.perf_counter()
             entries, shard_bytes, shard_elements = streams.finish()
@@ -439,6 +458,8 @@ class Publisher:
             ours = True
         commit_s = time.perf_counter() - t
         self._set_baseline(manifest)
+        # this state's per-tensor digests, for the next delta's unchanged tensors
+        self._entries = (version, tensor_entries) if tensor_entries is not None and ours else None
         return PublishReport(
             version=version,
             kind=manifest.kind,
@@ -490,6 +511,7 @@ class Publisher:
         *,
         prefetch: int,
         batch_elements: int = 0,
+        touched: Collection[str] | None = None,
     ) -> None:
         """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
         straight from a tracker's detection pass, run ``prefetch`` parameters ahead on its own
@@ -570,6 +592,11 @@ class Publisher:
                         "named parameters does), each parameter at most once"
                     )
                 last, last_name = pos, name
+                if touched is not None and name not in touched:
+                    raise ConfigError(
+                        f"changes for {name!r}, which the caller's touched parameters do not "
+                        "name: its receiver tensors' digests would be reused unread"
+                    )
                 while done < len(groups) and groups[done].last < pos:
                     flush(done)
                     done += 1
@@ -630,6 +657,38 @@ class Publisher:
             group_of = {n: g for g, grp in enumerate(groups) for n in grp.params}
             self._grouping = (key, groups, group_of)
         return self._grouping[1], self._grouping[2]
+
+    def _kept_entries(
+        self, kind: str, since: object, committed: int | None, touched: Collection[str] | None
+    ) -> TensorEntries | None:
+        """The per-tensor digest entries the digest pass may reuse: only for a delta on the
+        state this publisher itself hashed when it committed ``since`` (the newest version),
+        one writer, and ``touched`` known; then every tensor no touched parameter feeds."""
+        if (
+            kind != "delta"
+            or touched is None
+            or self.config.num_writers != 1
+            or self._entries is None
+            or not (self._entries[0] == since == committed == self.baseline)
+        ):
+            return None
+        fed: set[tuple[str, str]] = set()
+        for name in touched:
+            try:
+                canonical = self.trainer_layout.canonical_names(name)
+            except LayoutError:
+                continue  # not a model parameter: routing refuses it if it carries changes
+            for canon in canonical:
+                fed.update(self.layout.holders(canon))
+        return {
+            shard: {local: e for local, e in locals_.items() if (shard, local) not in fed}
+            for shard, locals_ in self._entries[1].items()
+        }
+
+    def _tensor_entries(self, full: Params, keep: TensorEntries | None) -> TensorEntries:
+        return state_tensor_digests(
+            full, trainer_layout=self.trainer_layout, receiver_layout=self.layout, keep=keep
+        )
 
     def _digests(self, full: Params) -> dict[str, str]:
         return state_digests(full, trainer_layout=self.trainer_layout, receiver_layout=self.layout)

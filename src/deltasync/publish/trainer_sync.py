@@ -343,6 +343,9 @@ class TrainerSync:
                     anchor=anchor,
                     since=self.baseline,
                     full_state=self._full_state,
+                    # the receiver tensors only untouched params feed keep their digests,
+                    # when the tracker watches every param (else nothing proves the rest)
+                    touched=frozenset(captured) if self._watches_all(params) else None,
                 )
                 for pub in self.publishers
             ]
@@ -353,6 +356,12 @@ class TrainerSync:
             return reports
         finally:
             pending.finished_at = time.time()
+
+    def _watches_all(self, params: Params) -> bool:
+        """Whether the tracker watches every one of ``params`` (an AdamWTracker's ``shards``
+        names them): only then does its silence about a param prove it unchanged."""
+        watched = getattr(self.tracker, "shards", None)
+        return isinstance(watched, Mapping) and all(n in watched for n in params)
 
     @property
     def in_flight(self) -> PendingVersion | None:
