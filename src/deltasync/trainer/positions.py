@@ -161,6 +161,18 @@ class Positions:
         if self.count == 0:
             return out
         out[0] = self.first
+        if self.gaps is not None and native.usable(self.gaps):  # one C pass
+            lib = native.load()
+            assert lib is not None
+            esc = (
+                self.escapes.to(torch.int64).contiguous()
+                if self.escapes is not None and self.escapes.numel()
+                else torch.zeros(1, dtype=torch.int64)
+            )
+            lib.ds_gaps_decode(
+                self.gaps.data_ptr(), self.count - 1, esc.data_ptr(), self.first, out.data_ptr() + 8
+            )
+            return out
         if self.gaps is not None:
             rest = out[1:]
             rest.copy_(self.gaps)  # widen in place: no second int64 temporary
