@@ -6,7 +6,20 @@ import pytest
 import torch
 
 from deltasync.errors import TensorInputError
+from deltasync.native import loader
 from deltasync.trainer.positions import Positions
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request):
+    """Both implementations: the C passes and the torch expressions (GPU tensors, no compiler)."""
+    if request.param == "torch":
+        loader.disable()
+        yield request.param
+        loader.enable()
+    else:
+        assert loader.load() is not None, loader.build_error
+        yield request.param
 
 
 def _sorted_positions(n: int, spread: int, seed: int, offset: int = 0) -> torch.Tensor:
@@ -24,7 +37,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("n", "spread", "seed", "offset"), CASES)
-def test_positions_encoded_chunk_by_chunk_equal_the_whole_encoding(n, spread, seed, offset):
+def test_positions_encoded_chunk_by_chunk_equal_the_whole_encoding(n, spread, seed, offset, path):
     idx = _sorted_positions(n, spread, seed, offset)
     whole = Positions.of(idx)
     for size in (1, 7, 1000, n + 5):
@@ -34,7 +47,7 @@ def test_positions_encoded_chunk_by_chunk_equal_the_whole_encoding(n, spread, se
 
 
 @pytest.mark.parametrize(("n", "spread", "seed", "offset"), CASES)
-def test_slices_and_ranges_decode_exactly_the_positions_inside(n, spread, seed, offset):
+def test_slices_and_ranges_decode_exactly_the_positions_inside(n, spread, seed, offset, path):
     idx = _sorted_positions(n, spread, seed, offset)
     pos = Positions.of(idx)
     lo, hi = int(idx[0]), int(idx[-1])
@@ -47,13 +60,13 @@ def test_slices_and_ranges_decode_exactly_the_positions_inside(n, spread, seed, 
             assert torch.equal(got, idx[(idx >= bounds[i]) & (idx < bounds[i + 1])])
 
 
-def test_escapes_at_the_255_256_edge_round_trip_through_chunks() -> None:
+def test_escapes_at_the_255_256_edge_round_trip_through_chunks(path) -> None:
     idx = torch.tensor([0, 255, 511, 512, 768, 1024, 1025, 1281, 100_000])
     got = Positions.from_chunks([idx[:3], idx[3:4], idx[4:]])
     assert torch.equal(got.indices(), idx)
     assert torch.equal(torch.cat(list(got.ranges([0, 512, 100_001], size=2))), idx)
 
 
-def test_positions_that_do_not_strictly_increase_are_refused() -> None:
+def test_positions_that_do_not_strictly_increase_are_refused() -> None:  # the C pass checks
     with pytest.raises(TensorInputError, match="strictly increase"):
         Positions.from_chunks([torch.tensor([1, 5, 9]), torch.tensor([9, 12])])
