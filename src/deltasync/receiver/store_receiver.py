@@ -10,12 +10,16 @@
 2. check the layout the manifests were built for against this receiver's tensors, before
    anything is fetched;
 3. stage (the engine keeps serving): verify each manifest (signature when a key is set) and
-   the chain's bases, fetch and verify every blob, decode against the shard's tensor specs,
-   fold the chain into one update per tensor (:mod:`deltasync.receiver.staging`);
-4. verify before write: hash the tensors as they WILL be after the update, chunk by chunk
-   (:mod:`deltasync.layout.verify`), and compare with the manifest's shard digest. A
-   mismatch refuses the pull with every live element untouched;
-5. write the journal durably, then scatter into the live tensors: the pause, and only that;
+   the chain's bases, fetch every blob and verify its size, digest, header and trailer
+   (:mod:`deltasync.receiver.staging`); decode it here only when the decoded chain is small
+   (``max_staged_bytes``);
+4. verify before write: read the chain one tensor at a time (:func:`deltasync.format.iter_chain`:
+   every record checked, writers disjoint, an anchor complete) and hash each tensor as it
+   WILL be after its pieces, chunk by chunk (:mod:`deltasync.layout.verify`); compare with the
+   manifest's shard digest. A mismatch refuses the pull with every live element untouched.
+   The journal is written durably meanwhile, on a thread, and waited for before step 5;
+5. scatter into the live tensors: the pause, and only that (the records read again, one
+   tensor at a time, decoded a tensor ahead on a thread);
 6. record the new verified version in the state file and clear the journal, THEN write the
    ack and refresh the registration. A failed ack or heartbeat is logged and retried on the
    next pull; it never turns a verified apply into an error.
@@ -26,9 +30,10 @@ correct); if the journaled blobs are gone, it restores the newest anchor instead
 receiver reports no version (:attr:`PullReport.version` is None, :attr:`PullReport.dirty`).
 
 :class:`ReceiverConfig` (its settings) and :class:`PullReport` (what one pull did) live here
-with the receiver. This class knows the order of those steps; fetching, folding, verifying and
-files live in the modules it calls. It holds no copy of the model: only the staged updates of
-one pull.
+with the receiver. This class knows the order of those steps; fetching, decoding, verifying and
+files live in the modules it calls. It holds no copy of the model: the fetched blobs of one
+pull and one or two tensors' decoded changes at a time (or, within ``max_staged_bytes``, the
+whole decoded chain).
 """
 
 from __future__ import annotations
