@@ -70,3 +70,14 @@ def test_escapes_at_the_255_256_edge_round_trip_through_chunks(path) -> None:
 def test_positions_that_do_not_strictly_increase_are_refused() -> None:  # the C pass checks
     with pytest.raises(TensorInputError, match="strictly increase"):
         Positions.from_chunks([torch.tensor([1, 5, 9]), torch.tensor([9, 12])])
+
+
+def test_reused_ranges_are_views_of_one_buffer_and_each_is_exact_when_yielded(path) -> None:
+    idx = _sorted_positions(4000, 30, 9)
+    pos = Positions.of(idx)
+    bounds = [0, int(idx[1000]), int(idx[3500]), int(idx[-1]) + 1]
+    storages = set()
+    for i, got in enumerate(pos.ranges(bounds, size=64, reuse=True)):
+        assert torch.equal(got, idx[(idx >= bounds[i]) & (idx < bounds[i + 1])])
+        storages.add(got.untyped_storage().data_ptr())
+    assert len(storages) == 1

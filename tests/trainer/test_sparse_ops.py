@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
 from deltasync.native.ops import bf16_at, first_not_increasing
 
@@ -116,3 +116,18 @@ def test_a_bf16_cast_into_a_too_small_buffer_is_refused() -> None:
 
     with pytest.raises(TensorInputError, match="at least 10 elements"):
         cast_bf16_into(torch.zeros(10), torch.empty(9, dtype=torch.bfloat16))
+
+
+def test_bf16_at_into_a_reused_buffer_equals_a_fresh_gather() -> None:
+    vals = _special_fp32(2000, 3)
+    idx = torch.arange(0, vals.numel(), 3)
+    buf = torch.empty(idx.numel() + 10, dtype=torch.bfloat16)
+    got = bf16_at(vals, idx, out=buf)  # subnormals in there: the torch path copies into buf
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got.view(torch.int16), bf16_at(vals, idx).view(torch.int16))
+    normal = torch.randn(vals.numel())
+    got = bf16_at(normal, idx, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got.view(torch.int16), normal[idx].to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(TensorInputError, match="at least"):
+        bf16_at(normal, idx, out=buf[:5])

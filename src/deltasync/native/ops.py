@@ -42,13 +42,29 @@ def first_not_increasing(indices: torch.Tensor) -> int:
     return -1 if bad.numel() == 0 else int(bad[0, 0]) + 1
 
 
-def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
+def bf16_at(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    trusted: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """BF16 copies of ``values.reshape(-1)[indices]`` for sorted, distinct int64 ``indices``.
 
     ``values`` is fp32 (cast with round-to-nearest-even, as ``Tensor.to(torch.bfloat16)``) or
     already BF16. Unless ``trusted`` (the caller produced the indices itself, e.g. the detection
     kernel), the order and bounds are checked first, since the C gather does not bounds-check.
-    The result lives on the CPU."""
+    The result lives on the CPU: in the first ``len(indices)`` elements of ``out`` when given
+    (a reused 1-D BF16 CPU buffer), else in a new tensor."""
+    if out is not None and (
+        out.dtype != torch.bfloat16
+        or out.dim() != 1
+        or out.numel() < indices.numel()
+        or out.device.type != "cpu"
+    ):
+        raise TensorInputError(
+            f"bf16_at: out must be a 1-D bfloat16 CPU tensor of at least {indices.numel()} elements"
+        )
     check_readable("bf16_at values", values, dtypes=(torch.float32, torch.bfloat16))
     check_readable("bf16_at indices", indices, dtypes=_INT)
     n = indices.numel()
@@ -75,14 +91,20 @@ def bf16_at(values: torch.Tensor, indices: torch.Tensor, *, trusted: bool = Fals
     ):
         lib = native.load()
         assert lib is not None
-        out = torch.empty(n, dtype=torch.bfloat16)
-        if lib.ds_gather_bf16(values.data_ptr(), indices.data_ptr(), n, out.data_ptr()) == n:
-            return out
+        dst = torch.empty(n, dtype=torch.bfloat16) if out is None else out[:n]
+        if native.usable(dst) and (
+            lib.ds_gather_bf16(values.data_ptr(), indices.data_ptr(), n, dst.data_ptr()) == n
+        ):
+            return dst
     if values.is_contiguous():
         picked = values.view(-1).index_select(0, indices.to(values.device, torch.int64))
     else:  # reshape(-1) of a strided tensor would copy all of it; gather through the strides
         picked = values[torch.unravel_index(indices.to(values.device), tuple(values.shape))]
-    return picked.to(torch.bfloat16).cpu()
+    result = picked.to(torch.bfloat16).cpu()
+    if out is None:
+        return result
+    out[:n].copy_(result)
+    return out[:n]
 
 
 def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

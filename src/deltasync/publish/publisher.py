@@ -632,11 +632,18 @@ class Publisher:
         local = _local(params[name])
         bounds = [p.start for p in pieces] + [pieces[-1].stop]
         seen = 0
-        for piece, idx in zip(pieces, positions.ranges(bounds), strict=True):
+        # One index buffer and one value buffer for every piece (each piece is encoded before
+        # the next is decoded): the second piece reuses the first's memory instead of leaving
+        # its freed block in the heap beside a new one.
+        vals_buf: torch.Tensor | None = None
+        for piece, idx in zip(pieces, positions.ranges(bounds, reuse=True), strict=True):
             seen += idx.numel()
             if not idx.numel():
                 continue
-            vals = bf16_at(local, idx, trusted=True)  # inside [0, numel): ranges() clips
+            if vals_buf is None:  # as large as the index buffer: the largest piece
+                largest = idx.untyped_storage().nbytes() // idx.element_size()
+                vals_buf = torch.empty(largest, dtype=torch.bfloat16)
+            vals = bf16_at(local, idx, trusted=True, out=vals_buf)  # ranges() clips to numel
             updates = piece_updates(name, piece, idx, vals, receiver_layout=self.layout)
             del idx, vals
             streams.add(updates)

@@ -227,14 +227,19 @@ class Positions:
             prev = int(out[-1])
             yield out
 
-    def ranges(self, bounds: Sequence[int], *, size: int = CHUNK) -> Iterator[torch.Tensor]:
+    def ranges(
+        self, bounds: Sequence[int], *, size: int = CHUNK, reuse: bool = False
+    ) -> Iterator[torch.Tensor]:
         """Per range ``[bounds[i], bounds[i + 1])`` (ascending), the positions inside it as a
         sorted int64 tensor, one range at a time: two decoding passes (the first counts), so
-        only one range's int64 positions ever exist, never the whole parameter's."""
+        only one range's int64 positions ever exist, never the whole parameter's. With
+        ``reuse`` every range is a view of one buffer sized to the largest (the caller is done
+        with each range before it asks for the next): no allocation per range, so the heap
+        does not keep the freed block of one range next to the next one's."""
         if len(bounds) < 2:
             return
         if self.gaps is not None and native.usable(self.gaps):
-            yield from self._ranges_native(bounds, size)
+            yield from self._ranges_native(bounds, size, reuse)
             return
         cuts = torch.tensor(list(bounds), dtype=torch.int64, device=self.device)
         counts = [0] * (len(bounds) - 1)
@@ -245,8 +250,13 @@ class Positions:
         parts = self.slices(size)
         part = next(parts, None)
         used = 0  # of ``part``
+        buf = torch.empty(max(counts), dtype=torch.int64, device=self.device) if reuse else None
         for i, count in enumerate(counts):
-            out = torch.empty(count, dtype=torch.int64, device=self.device)
+            out = (
+                buf[:count]
+                if buf is not None
+                else torch.empty(count, dtype=torch.int64, device=self.device)
+            )
             filled = 0
             while filled < count and part is not None:
                 lo = used + int(torch.searchsorted(part[used:], cuts[i]))
@@ -259,7 +269,9 @@ class Positions:
             assert filled == count
             yield out
 
-    def _ranges_native(self, bounds: Sequence[int], size: int) -> Iterator[torch.Tensor]:
+    def _ranges_native(
+        self, bounds: Sequence[int], size: int, reuse: bool
+    ) -> Iterator[torch.Tensor]:
         """:meth:`ranges` through the C decoder: the counting pass decodes into one reused
         buffer, the second decodes each range's positions straight into its output (they are
         the next ``count`` positions of the sequence), so nothing else is allocated."""
@@ -317,8 +329,9 @@ class Positions:
             k = min(below, scratch.numel())
             take(k, scratch)
             below -= k
+        buf = torch.empty(max(counts), dtype=torch.int64) if reuse else None
         for count in counts:
-            out = torch.empty(count, dtype=torch.int64)
+            out = buf[:count] if buf is not None else torch.empty(count, dtype=torch.int64)
             take(count, out)
             yield out
 
