@@ -51,14 +51,13 @@ class Trainer:
         self.states[v] = self._state()
 
 
-def _receiver(store, rl, tmp_path, **kwargs):
+def _receiver(store, rl, tmp_path, staged=None):
     tensors = mapped_shard_tensors(tmp_path / "shard.bin", rl.local_specs(SHARD))
-    return Receiver.for_layout(
-        store, rl, SHARD, tensors, str(tmp_path / "state"), rconfig("rx"), **kwargs
-    )
+    config = rconfig("rx", max_staged_bytes=staged)
+    return Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "state"), config)
 
 
-def _killed_in_verify(store, rl, tmp_path) -> None:
+def _killed_in_verify(store, rl, tmp_path, staged) -> None:
     """Child: pull, and SIGKILL itself inside verify once the journal is on disk."""
     import deltasync.receiver.store_receiver as sr
 
@@ -73,12 +72,14 @@ def _killed_in_verify(store, rl, tmp_path) -> None:
         return real(tensors, chain)
 
     sr.chain_state_digest = dying
-    _receiver(store, rl, tmp_path).pull()
+    _receiver(store, rl, tmp_path, staged).pull()
 
 
+# None: the tiny chain is decoded once and held; 0: it is streamed (decoded on a thread)
+@pytest.mark.parametrize("staged", [None, 0])
 @pytest.mark.timeout(120)
 def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exact_target(
-    tmp_path,
+    tmp_path, staged
 ):
     _, tl, rl = tiny_layouts()
     store = MemoryStore()
@@ -86,12 +87,14 @@ def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exa
     assert _receiver(store, rl, tmp_path).pull().version == 0
     trainer.publish(1)
     trainer.publish(2)
-    child = mp.get_context("fork").Process(target=_killed_in_verify, args=(store, rl, tmp_path))
+    child = mp.get_context("fork").Process(
+        target=_killed_in_verify, args=(store, rl, tmp_path, staged)
+    )
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
     assert (tmp_path / "state" / "journal.json").exists()  # durable before the kill
-    again = _receiver(store, rl, tmp_path)
+    again = _receiver(store, rl, tmp_path, staged)
     assert again.last_repair is not None and again.last_repair.repaired
     assert again.last_repair.chain == (1, 2) and not again.last_repair.from_anchor
     assert again.version == 2 and not again.dirty
@@ -99,14 +102,16 @@ def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exa
     assert_same_bits(again.tensors, trainer.states[2], "after the replayed chain")
 
 
+@pytest.mark.parametrize("staged", [None, 0])
 @pytest.mark.timeout(120)
-def test_a_refused_chain_leaves_no_journal_and_the_tensors_untouched(tmp_path, monkeypatch):
+def test_a_refused_chain_leaves_no_journal_and_the_tensors_untouched(tmp_path, monkeypatch, staged):
     _, tl, rl = tiny_layouts()
     store = MemoryStore()
     trainer = Trainer(store, tl, rl)
     trainer.publish(1)
     trainer.publish(2)
-    rx = _receiver(store, rl, tmp_path)
+    rx = _receiver(store, rl, tmp_path, staged)
+    before = {n: t.clone() for n, t in rx.tensors.items()}
     import deltasync.receiver.store_receiver as sr
 
     monkeypatch.setattr(sr, "chain_state_digest", lambda tensors, chain: "0" * 32)
@@ -114,6 +119,7 @@ def test_a_refused_chain_leaves_no_journal_and_the_tensors_untouched(tmp_path, m
         rx.pull()
     assert not (tmp_path / "state" / "journal.json").exists()
     assert rx.version is None
+    assert_same_bits(rx.tensors, before, "after the refused pull")
     monkeypatch.undo()
     assert rx.pull().version == 2
     assert_same_bits(rx.tensors, trainer.states[2], "after the healed pull")
