@@ -18,8 +18,8 @@
    WILL be after its pieces, chunk by chunk (:mod:`deltasync.layout.verify`); compare with the
    manifest's shard digest. A mismatch refuses the pull with every live element untouched.
    The journal is written durably meanwhile, on a thread, and waited for before step 5;
-5. scatter into the live tensors: the pause, and only that (the records read again, one
-   tensor at a time, decoded a tensor ahead on a thread);
+5. scatter into the live tensors: the pause, and only that (the records read again and
+   decoded one tensor at a time, unless the chain is held);
 6. record the new verified version in the state file and clear the journal, THEN write the
    ack and refresh the registration. A failed ack or heartbeat is logged and retried on the
    next pull; it never turns a verified apply into an error.
@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -553,10 +552,7 @@ class Receiver:
             # structure and every writer/anchor check) and of the resulting state, tensor by
             # tensor; nothing is written until it has finished.
             t = time.perf_counter()
-            chain = iter_chain(steps, self.specs)
-            streamed = any(not isinstance(b, Records) for _, _, blobs in steps for b in blobs)
-            with _Prefetch(chain) if streamed else contextlib.nullcontext(chain) as ahead:
-                digest = chain_state_digest(self.tensors, ahead)
+            digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
             verify_s = time.perf_counter() - t
         except BaseException as exc:
             self._drop_journal(journal, repaired)
@@ -573,20 +569,18 @@ class Receiver:
         if error is not None:
             raise error
         # The same records again (the blobs' bytes are immutable and fully checked above),
-        # one tensor at a time, in chain order. A streamed chain is decoded on a thread one
-        # tensor ahead of the scatter (started before the pause): the pause then costs about
-        # the larger of decode and scatter, not their sum.
-        items = iter_chain(steps, self.specs, check=False)
+        # one tensor at a time, in chain order. Decoded on this thread: a decode thread would
+        # shorten the pause, but its malloc arena kept ~30 MiB resident after an anchor pull
+        # of a 61 MiB shard (memory that malloc_trim did not return), more than it saves.
+        t = time.perf_counter()
         written = 0
-        with _Prefetch(items) if streamed else contextlib.nullcontext(items) as ahead:
-            t = time.perf_counter()
-            with self._pause():
-                for item in ahead:
-                    written += apply_pieces(item, self.tensors)
-                    if self._on_tensor is not None:
-                        self._on_tensor(item.name)
-            pause_s = time.perf_counter() - t
-        del steps, items
+        with self._pause():
+            for item in iter_chain(steps, self.specs, check=False):
+                written += apply_pieces(item, self.tensors)
+                if self._on_tensor is not None:
+                    self._on_tensor(item.name)
+        pause_s = time.perf_counter() - t
+        del steps
 
         if self.config.verify_after_write and state_digest(self.tensors) != expected:
             log.error(
@@ -740,77 +734,6 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
-
-
-class _Prefetch:
-    """Runs ``items`` on a thread one item ahead of the consumer: the thread produces item
-    k + 1 while the consumer works on item k, and waits before k + 2, so at most two items are
-    alive (decoded tensors are the memory a pull is bounded by). A context manager: leaving
-    it, also by an exception, stops the thread and joins it. Both passes of a pull decode on
-    such a thread, so their allocations come from one malloc arena, not two."""
-
-    def __init__(self, items: Iterator) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._slot = threading.Semaphore(1)  # taken per item produced, given back per item taken
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(items,), name="deltasync-receiver-decode", daemon=True
-        )
-        self._thread.start()
-
-    def _wait(self, acquire: Callable[[], bool]) -> bool:
-        while not self._stop.is_set():
-            if acquire():
-                return True
-        return False
-
-    def _put(self, message: tuple) -> bool:
-        def put() -> bool:
-            try:
-                self._queue.put(message, timeout=0.05)
-                return True
-            except queue.Full:
-                return False
-
-        return self._wait(put)
-
-    def _run(self, items: Iterator) -> None:
-        try:
-            while self._wait(lambda: self._slot.acquire(timeout=0.05)):
-                try:
-                    item = next(items)
-                except StopIteration:
-                    self._put(("end", None))
-                    return
-                if not self._put(("item", item)):
-                    return
-                del item
-        except BaseException as exc:  # raised in the consumer
-            self._put(("error", exc))
-
-    def __enter__(self) -> Iterator:
-        return self._consume()
-
-    def _consume(self) -> Iterator:
-        while True:
-            kind, item = self._queue.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise item
-            self._slot.release()  # the thread may produce the next while this one is used
-            yield item
-            del item
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                while True:
-                    self._queue.get_nowait()  # unblock a put
-            except queue.Empty:
-                pass
-            self._thread.join(0.05)
 
 
 class _InBackground:
