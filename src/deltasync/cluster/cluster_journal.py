@@ -30,9 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deltasync.atomic import REMEDY, encode_record, read_record, write_record
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
 from deltasync.format import BlobBaseMismatchError
-from deltasync.atomic import REMEDY, encode_record, read_record, write_record
 
 
 @dataclass(frozen=True)
