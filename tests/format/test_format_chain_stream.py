@@ -159,3 +159,15 @@ def test_a_malformed_record_fails_while_streaming_before_the_end_of_the_blob():
     records = BlobRecords(_blob(1, 0, ups), expected={"a": SPECS["a"]}, shard="tp0")
     with pytest.raises(FormatError):
         list(iter_chain([(1, "delta", [records])], SPECS))
+
+
+def test_apply_updates_takes_compact_int32_indices_like_int64_ones():
+    gen = torch.Generator().manual_seed(10)
+    live = _live(gen)
+    ups = [_sparse("a", gen, 0.2), _sparse("b", gen, 0.1)]
+    narrow = list(_narrow(_blob(1, 0, ups)))
+    assert all(u.indices.dtype == torch.int32 for u in narrow)
+    wide, compact = ({n: t.clone() for n, t in live.items()} for _ in range(2))
+    apply_updates(ups, wide)
+    apply_updates(narrow, compact)
+    assert_same_bits(compact, wide, "int32 vs int64 indices")

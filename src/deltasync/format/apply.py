@@ -107,7 +107,8 @@ def apply_updates(updates: Sequence[TensorUpdate], targets: Mapping[str, torch.T
         target = targets[update.name]
         if update.nnz == 0:
             continue
-        idx = None if update.indices is None else update.indices.to(target.device)
+        # int32 indices (a decoder's compact form) widen here: index_copy_ takes int64
+        idx = None if update.indices is None else update.indices.to(target.device, torch.int64)
         staged.append((target, update, idx, update.values.to(target.device)))
 
     written = 0
