@@ -95,7 +95,7 @@ def fold_chain(
                     continue
                 buf = torch.zeros(_numel(spec.shape), dtype=spec.dtype)
                 if u is not None and u.nnz:
-                    buf.index_copy_(0, u.indices, u.values)
+                    buf.index_copy_(0, u.indices.long(), u.values)  # type: ignore[union-attr]
                 dense[name] = buf
             continue
         for u in updates:
@@ -103,7 +103,7 @@ def fold_chain(
                 if u.is_dense:
                     dense[u.name].copy_(u.values)
                 elif u.nnz:
-                    dense[u.name].index_copy_(0, u.indices, u.values)
+                    dense[u.name].index_copy_(0, u.indices.long(), u.values)  # type: ignore[union-attr]
             elif u.is_dense:
                 dense[u.name] = u.values
                 sparse.pop(u.name, None)
