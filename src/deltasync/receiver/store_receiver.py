@@ -576,7 +576,7 @@ class Receiver:
         written = 0
         with self._pause():
             for item in iter_chain(steps, self.specs, check=False):
-                written += apply_pieces(item, self.tensors)
+                written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
                 if self._on_tensor is not None:
                     self._on_tensor(item.name)
         pause_s = time.perf_counter() - t
