@@ -12,7 +12,7 @@ FSDP2 (``fully_shard``) parameters and their optimizer states are DTensors: dete
 this rank's local shards, and indices are positions in the local shard (``shards`` says where
 each sits in the full parameter; see ``params.py``).
 
-Edits outside the optimizer (``versions.py``): every parameter's version counter is recorded
+Edits outside the optimizer (``params.OutOfBandWatch``): every parameter's version counter is recorded
 after each step and at ``clear()``, and compared before the next step and at detection; a
 parameter whose counter moved is reported changed in full for that version (``out_of_band``
 names it, and a warning says so). Writes through ``.data`` bypass the counter: call
@@ -47,11 +47,10 @@ from deltasync.trainer.detect import (
     detect_adamw_index_chunks,
     detect_adamw_indices,
 )
-from deltasync.trainer.params import Watched, local_of, watch
+from deltasync.trainer.params import OutOfBandWatch, Watched, local_of, watch
 from deltasync.trainer.positions import Positions
 from deltasync.trainer.protocol import LocalShard
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
-from deltasync.trainer.versions import OutOfBandWatch
 
 log = logging.getLogger(__name__)
 
