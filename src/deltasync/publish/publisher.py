@@ -13,7 +13,8 @@
    base (a wiped or restored store, a trainer restarted from another checkpoint) would be
    refused by every receiver;
 4. stream one blob per receiver shard (:mod:`deltasync.publish.streams`): the changes are
-   consumed parameter group by parameter group (:mod:`deltasync.publish.groups`; given a
+   consumed parameter group by parameter group (:mod:`deltasync.publish.segments` over the
+   groups of :mod:`deltasync.publish.groups`; given a
    tracker's lazy stream, detection of the next group runs while the previous one uploads),
    each group routed (:mod:`deltasync.publish.updates`) and appended as one segment to every
    shard's blob that it touches; then store this writer's marker, also when it sent nothing;
@@ -78,19 +79,14 @@ from deltasync.layout.digest import (
 )
 from deltasync.layout.routing import (
     Change,
-    RowPiece,
     ShardTensors,
     checked_changes,
     every_element_stream,
     full_shard_tensors,
-    piece_updates,
-    row_pieces,
-    shard_updates,
 )
-from deltasync.native.ops import bf16_at
 from deltasync.publish.config import PublisherConfig
-from deltasync.publish.groups import ParamGroup, param_groups
-from deltasync.publish.prefetch import Prefetch, Ready
+from deltasync.publish.prefetch import Ready
+from deltasync.publish.segments import GroupRouter
 from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
 from deltasync.trainer.positions import Positions
@@ -135,11 +131,6 @@ SEGMENT_ELEMENTS = 1 << 20
 Params = Mapping[str, torch.Tensor]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-
-
 FullState = Params | Callable[[], Params]
 _OWN = object()  # since= default: the version this publisher last committed or verified
 
@@ -168,9 +159,12 @@ class Publisher:
         self.layout_record = LayoutRecord.of(receiver_layout)
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
-        # (param names, their groups, param -> group index), for the params last published
-        self._grouping: tuple[tuple[str, ...], list[ParamGroup], dict[str, int]] | None = None
-        self._piece_cache: dict[str, tuple[RowPiece, ...] | None] = {}
+        self._router = GroupRouter(
+            trainer_layout=self.trainer_layout,
+            receiver_layout=receiver_layout,
+            rank=self.config.writer_rank,
+            world_size=self.config.num_writers,
+        )
         # (version, its per-tensor digest entries) of the state this publisher last committed
         self._entries: tuple[int, TensorEntries] | None = None
         if self.config.is_committer:
@@ -391,7 +385,7 @@ class Publisher:
                 # Detected already, so no upload waits for detection: consecutive small
                 # groups go out as one segment (fewer routing calls, zstd frames and writes).
                 detected = isinstance(changes, (list, tuple, Ready))
-                self._stream_groups(
+                self._router.stream(
                     streams,
                     source,
                     params,
@@ -502,168 +496,6 @@ class Publisher:
         if should_anchor(version, anchor_every=self.config.anchor_every):
             return f"every {self.config.anchor_every} versions"
         return None
-
-    def _stream_groups(
-        self,
-        streams: ShardStreams,
-        source,
-        params: Params,
-        *,
-        prefetch: int,
-        batch_elements: int = 0,
-        touched: Collection[str] | None = None,
-    ) -> None:
-        """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
-        straight from a tracker's detection pass, run ``prefetch`` parameters ahead on its own
-        thread; 0: in this thread) and hand each parameter group's routed updates to
-        ``streams`` as soon as its last parameter has been seen; with ``batch_elements``,
-        consecutive complete groups are routed and appended together as one segment until
-        they hold that many changed elements (the routed buffers stay bounded by it, or by
-        the largest group)."""
-        cfg = self.config
-        groups, group_of = self._groups(params)
-        position = {name: i for i, name in enumerate(params)}
-        pending: dict[int, dict[str, tuple]] = {}
-        batch: dict[str, tuple] = {}  # complete groups not yet routed
-        held = 0  # their changed elements
-
-        def route(changes: dict[str, tuple]) -> None:
-            changed, given = {}, {}
-            for n, (idx, vals) in changes.items():
-                if isinstance(idx, Positions):  # captured positions: the values are read now
-                    idx = idx.indices()
-                    vals = bf16_at(_local(params[n]), idx, trusted=True)
-                changed[n] = idx
-                if vals is not None:
-                    given[n] = vals
-            routed = shard_updates(
-                changed,
-                params,
-                trainer_layout=self.trainer_layout,
-                receiver_layout=self.layout,
-                rank=cfg.writer_rank,
-                world_size=cfg.num_writers,
-                values=given or None,
-            )
-            # The routed updates replace the group's input: drop it before encoding, so the
-            # largest group is held once, not twice, at the peak.
-            changes.clear()
-            del changed, given
-            streams.add(routed)
-
-        def flush(g: int | None) -> None:
-            nonlocal batch, held
-            if g is not None:
-                got = pending.pop(g, None) or {}
-                if len(got) == 1:
-                    ((name, (idx, _)),) = got.items()
-                    pieces = self._pieces(name) if isinstance(idx, Positions) else None
-                    if pieces is not None:
-                        if batch:  # the groups before it go out first: segment order is stable
-                            route(batch)
-                            batch, held = {}, 0
-                        got.clear()
-                        self._route_pieces(streams, name, idx, pieces, params)
-                        return
-                batch.update(got)
-                held += sum(len(idx) for idx, _ in got.values())
-                got.clear()
-                if held < batch_elements or not batch:
-                    return
-            if not batch:
-                return
-            changes, batch, held = batch, {}, 0
-            route(changes)
-
-        done = 0  # groups[:done] are flushed
-        last, last_name = -1, None
-        with Prefetch(source, depth=prefetch) as items:
-            for name, indices, vals in items:
-                pos = position.get(name)
-                if pos is None:
-                    raise ConfigError(
-                        f"the tracker reports changes in {name!r}, which is not in params; pass "
-                        "the same named parameters the tracker watches"
-                    )
-                if pos <= last:
-                    raise ConfigError(
-                        f"changes for {name!r} came after those for {last_name!r}; a stream of "
-                        "changes must follow the order of params (a tracker built on the same "
-                        "named parameters does), each parameter at most once"
-                    )
-                last, last_name = pos, name
-                if touched is not None and name not in touched:
-                    raise ConfigError(
-                        f"changes for {name!r}, which the caller's touched parameters do not "
-                        "name: its receiver tensors' digests would be reused unread"
-                    )
-                while done < len(groups) and groups[done].last < pos:
-                    flush(done)
-                    done += 1
-                pending.setdefault(group_of[name], {})[name] = (indices, vals)
-        while done < len(groups):
-            flush(done)
-            done += 1
-        flush(None)  # what the batch still holds
-
-    def _pieces(self, name: str) -> tuple[RowPiece, ...] | None:
-        """The row pieces ``name`` is routed in (:func:`row_pieces`; cached per name)."""
-        if name not in self._piece_cache:
-            self._piece_cache[name] = row_pieces(
-                name,
-                trainer_layout=self.trainer_layout,
-                receiver_layout=self.layout,
-                world_size=self.config.num_writers,
-            )
-        return self._piece_cache[name]
-
-    def _route_pieces(
-        self,
-        streams: ShardStreams,
-        name: str,
-        positions: Positions,
-        pieces: tuple[RowPiece, ...],
-        params: Params,
-    ) -> None:
-        """One captured parameter routed piece by piece (the vocab-parallel embedding: one
-        piece per TP rank): each piece's positions decoded, its values read and its targets'
-        updates encoded before the next piece is decoded, so one piece's indices are the most
-        this parameter ever holds as int64 (never the whole parameter's)."""
-        local = _local(params[name])
-        bounds = [p.start for p in pieces] + [pieces[-1].stop]
-        seen = 0
-        # One index buffer and one value buffer for every piece (each piece is encoded before
-        # the next is decoded): the second piece reuses the first's memory instead of leaving
-        # its freed block in the heap beside a new one.
-        vals_buf: torch.Tensor | None = None
-        for piece, idx in zip(pieces, positions.ranges(bounds, reuse=True), strict=True):
-            seen += idx.numel()
-            if not idx.numel():
-                continue
-            if vals_buf is None:  # as large as the index buffer: the largest piece
-                largest = idx.untyped_storage().nbytes() // idx.element_size()
-                vals_buf = torch.empty(largest, dtype=torch.bfloat16)
-            vals = bf16_at(local, idx, trusted=True, out=vals_buf)  # ranges() clips to numel
-            updates = piece_updates(name, piece, idx, vals, receiver_layout=self.layout)
-            del idx, vals
-            streams.add(updates)
-            del updates
-        if seen != len(positions):
-            raise ConfigError(
-                f"the tracker reports {len(positions) - seen} changed position(s) of {name!r} "
-                f"outside its {pieces[-1].stop} elements (are the indices local to this rank?)"
-            )
-
-    def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
-        """The parameter groups of ``params`` and each param's group (cached per name list)."""
-        key = tuple(params)
-        if self._grouping is None or self._grouping[0] != key:
-            groups = param_groups(
-                key, trainer_layout=self.trainer_layout, receiver_layout=self.layout
-            )
-            group_of = {n: g for g, grp in enumerate(groups) for n in grp.params}
-            self._grouping = (key, groups, group_of)
-        return self._grouping[1], self._grouping[2]
 
     def _kept_entries(
         self, kind: str, since: object, committed: int | None, touched: Collection[str] | None

@@ -1,0 +1,217 @@
+"""GroupRouter: a publisher's change stream -> routed segments, parameter group by group.
+
+A publisher hands over a stream of ``(name, indices, values or None)`` in ``params`` order (a
+tracker's lazy detection, a list, or an overlapped sender's captured ``Positions`` with no
+values). Each parameter group (:mod:`.groups`: the params feeding common receiver tensors) is
+routed (:mod:`deltasync.layout.routing`) and appended as one segment of every shard's blob
+(:class:`.streams.ShardStreams`) as soon as its last parameter has been seen; consecutive
+small groups may be batched into one segment. Captured positions are decoded and their values
+read here, group by group; a parameter whose receiver tensors no other tensor feeds and that
+splits into row pieces (the vocab-parallel embedding: one piece per TP rank) is decoded,
+read, routed and encoded piece by piece, so its int64 positions never exist whole.
+
+This module knows the stream's order rules, groups, pieces and ShardStreams; it knows
+nothing about versions, manifests or the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.routing import RowPiece, piece_updates, row_pieces, shard_updates
+from deltasync.native.ops import bf16_at
+from deltasync.publish.groups import ParamGroup, param_groups
+from deltasync.publish.prefetch import Prefetch
+from deltasync.publish.streams import ShardStreams
+from deltasync.trainer.positions import Positions
+
+Params = Mapping[str, torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+class GroupRouter:
+    """Routes one writer's change streams for one (trainer layout, receiver layout) pair;
+    caches the parameter groups and row pieces between versions."""
+
+    def __init__(
+        self,
+        *,
+        trainer_layout: TrainerLayout,
+        receiver_layout: ReceiverLayout,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.trainer_layout, self.receiver_layout = trainer_layout, receiver_layout
+        self.rank, self.world_size = rank, world_size
+        # (param names, their groups, param -> group index), for the params last routed
+        self._grouping: tuple[tuple[str, ...], list[ParamGroup], dict[str, int]] | None = None
+        self._piece_cache: dict[str, tuple[RowPiece, ...] | None] = {}
+
+    def stream(
+        self,
+        streams: ShardStreams,
+        source,
+        params: Params,
+        *,
+        prefetch: int,
+        batch_elements: int = 0,
+        touched: Collection[str] | None = None,
+    ) -> None:
+        """Consume ``source`` (``(name, indices, values or None)`` in ``params`` order, e.g.
+        straight from a tracker's detection pass, run ``prefetch`` parameters ahead on its own
+        thread; 0: in this thread) and hand each parameter group's routed updates to
+        ``streams`` as soon as its last parameter has been seen; with ``batch_elements``,
+        consecutive complete groups are routed and appended together as one segment until
+        they hold that many changed elements (the routed buffers stay bounded by it, or by
+        the largest group)."""
+        groups, group_of = self._groups(params)
+        position = {name: i for i, name in enumerate(params)}
+        pending: dict[int, dict[str, tuple]] = {}
+        batch: dict[str, tuple] = {}  # complete groups not yet routed
+        held = 0  # their changed elements
+
+        def route(changes: dict[str, tuple]) -> None:
+            changed, given = {}, {}
+            for n, (idx, vals) in changes.items():
+                if isinstance(idx, Positions):  # captured positions: the values are read now
+                    idx = idx.indices()
+                    vals = bf16_at(_local(params[n]), idx, trusted=True)
+                changed[n] = idx
+                if vals is not None:
+                    given[n] = vals
+            routed = shard_updates(
+                changed,
+                params,
+                trainer_layout=self.trainer_layout,
+                receiver_layout=self.receiver_layout,
+                rank=self.rank,
+                world_size=self.world_size,
+                values=given or None,
+            )
+            # The routed updates replace the group's input: drop it before encoding, so the
+            # largest group is held once, not twice, at the peak.
+            changes.clear()
+            del changed, given
+            streams.add(routed)
+
+        def flush(g: int | None) -> None:
+            nonlocal batch, held
+            if g is not None:
+                got = pending.pop(g, None) or {}
+                if len(got) == 1:
+                    ((name, (idx, _)),) = got.items()
+                    pieces = self._pieces(name) if isinstance(idx, Positions) else None
+                    if pieces is not None:
+                        if batch:  # the groups before it go out first: segment order is stable
+                            route(batch)
+                            batch, held = {}, 0
+                        got.clear()
+                        self._route_pieces(streams, name, idx, pieces, params)
+                        return
+                batch.update(got)
+                held += sum(len(idx) for idx, _ in got.values())
+                got.clear()
+                if held < batch_elements or not batch:
+                    return
+            if not batch:
+                return
+            changes, batch, held = batch, {}, 0
+            route(changes)
+
+        done = 0  # groups[:done] are flushed
+        last, last_name = -1, None
+        with Prefetch(source, depth=prefetch) as items:
+            for name, indices, vals in items:
+                pos = position.get(name)
+                if pos is None:
+                    raise ConfigError(
+                        f"the tracker reports changes in {name!r}, which is not in params; pass "
+                        "the same named parameters the tracker watches"
+                    )
+                if pos <= last:
+                    raise ConfigError(
+                        f"changes for {name!r} came after those for {last_name!r}; a stream of "
+                        "changes must follow the order of params (a tracker built on the same "
+                        "named parameters does), each parameter at most once"
+                    )
+                last, last_name = pos, name
+                if touched is not None and name not in touched:
+                    raise ConfigError(
+                        f"changes for {name!r}, which the caller's touched parameters do not "
+                        "name: its receiver tensors' digests would be reused unread"
+                    )
+                while done < len(groups) and groups[done].last < pos:
+                    flush(done)
+                    done += 1
+                pending.setdefault(group_of[name], {})[name] = (indices, vals)
+        while done < len(groups):
+            flush(done)
+            done += 1
+        flush(None)  # what the batch still holds
+
+    def _pieces(self, name: str) -> tuple[RowPiece, ...] | None:
+        """The row pieces ``name`` is routed in (:func:`row_pieces`; cached per name)."""
+        if name not in self._piece_cache:
+            self._piece_cache[name] = row_pieces(
+                name,
+                trainer_layout=self.trainer_layout,
+                receiver_layout=self.receiver_layout,
+                world_size=self.world_size,
+            )
+        return self._piece_cache[name]
+
+    def _route_pieces(
+        self,
+        streams: ShardStreams,
+        name: str,
+        positions: Positions,
+        pieces: tuple[RowPiece, ...],
+        params: Params,
+    ) -> None:
+        """One captured parameter routed piece by piece (the vocab-parallel embedding: one
+        piece per TP rank): each piece's positions decoded, its values read and its targets'
+        updates encoded before the next piece is decoded, so one piece's indices are the most
+        this parameter ever holds as int64 (never the whole parameter's)."""
+        local = _local(params[name])
+        bounds = [p.start for p in pieces] + [pieces[-1].stop]
+        seen = 0
+        # One index buffer and one value buffer for every piece (each piece is encoded before
+        # the next is decoded): the second piece reuses the first's memory instead of leaving
+        # its freed block in the heap beside a new one.
+        vals_buf: torch.Tensor | None = None
+        for piece, idx in zip(pieces, positions.ranges(bounds, reuse=True), strict=True):
+            seen += idx.numel()
+            if not idx.numel():
+                continue
+            if vals_buf is None:  # as large as the index buffer: the largest piece
+                largest = idx.untyped_storage().nbytes() // idx.element_size()
+                vals_buf = torch.empty(largest, dtype=torch.bfloat16)
+            vals = bf16_at(local, idx, trusted=True, out=vals_buf)  # ranges() clips to numel
+            updates = piece_updates(name, piece, idx, vals, receiver_layout=self.receiver_layout)
+            del idx, vals
+            streams.add(updates)
+            del updates
+        if seen != len(positions):
+            raise ConfigError(
+                f"the tracker reports {len(positions) - seen} changed position(s) of {name!r} "
+                f"outside its {pieces[-1].stop} elements (are the indices local to this rank?)"
+            )
+
+    def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
+        """The parameter groups of ``params`` and each param's group (cached per name list)."""
+        key = tuple(params)
+        if self._grouping is None or self._grouping[0] != key:
+            groups = param_groups(
+                key, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
+            )
+            group_of = {n: g for g, grp in enumerate(groups) for n in grp.params}
+            self._grouping = (key, groups, group_of)
+        return self._grouping[1], self._grouping[2]
