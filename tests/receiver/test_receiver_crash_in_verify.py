@@ -14,7 +14,7 @@ import pytest
 import torch
 from kit import assert_same_bits, rconfig, tiny_layouts
 
-from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver, names
 from deltasync.errors import IntegrityError
 from deltasync.receiver import mapped_shard_tensors
 
@@ -62,7 +62,7 @@ def _killed_in_verify(store, rl, tmp_path, staged) -> None:
     import deltasync.receiver.store_receiver as sr
 
     real = sr.chain_state_digest
-    journal = tmp_path / "state" / "journal.json"
+    journal = tmp_path / "state" / names.JOURNAL_FILE
 
     def dying(tensors, chain):
         deadline = time.monotonic() + 20
@@ -93,12 +93,12 @@ def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exa
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
-    assert (tmp_path / "state" / "journal.json").exists()  # durable before the kill
+    assert (tmp_path / "state" / names.JOURNAL_FILE).exists()  # durable before the kill
     again = _receiver(store, rl, tmp_path, staged)
     assert again.last_repair is not None and again.last_repair.repaired
     assert again.last_repair.chain == (1, 2) and not again.last_repair.from_anchor
     assert again.version == 2 and not again.dirty
-    assert not (tmp_path / "state" / "journal.json").exists()
+    assert not (tmp_path / "state" / names.JOURNAL_FILE).exists()
     assert_same_bits(again.tensors, trainer.states[2], "after the replayed chain")
 
 
@@ -117,7 +117,7 @@ def test_a_refused_chain_leaves_no_journal_and_the_tensors_untouched(tmp_path, m
     monkeypatch.setattr(sr, "chain_state_digest", lambda tensors, chain: "0" * 32)
     with pytest.raises(IntegrityError, match="Refused before any write"):
         rx.pull()
-    assert not (tmp_path / "state" / "journal.json").exists()
+    assert not (tmp_path / "state" / names.JOURNAL_FILE).exists()
     assert rx.version is None
     assert_same_bits(rx.tensors, before, "after the refused pull")
     monkeypatch.undo()
