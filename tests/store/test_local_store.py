@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,21 @@ def test_open_store_can_wrap_in_a_throttle() -> None:
 def test_open_store_rejects_bad_urls_with_a_config_error(url, kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match):
         open_store(url, **kwargs)
+
+
+def test_a_get_holds_the_object_once_not_a_buffer_and_a_copy(tmp_path: Path) -> None:
+    """A receiver's pull peaks with each fetched blob in memory: the read must not double it."""
+    size = 16 * 2**20
+    payload = os.urandom(size)
+    store = LocalStore(tmp_path / "s", durable=False)
+    store.put("v/blob", payload)
+    tracemalloc.start()
+    try:
+        got = store.get("v/blob")
+        ranged = store.get_range("v/blob", 1, size - 2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == payload and ranged == payload[1:-1]
+    # both objects alive at the end: 2 x size; a read through a buffer copied to bytes: 3 x
+    assert peak < 2.25 * size, peak / size

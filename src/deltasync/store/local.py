@@ -57,7 +57,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Non-blocking: opening a FIFO for reading would otherwise wait for a writer forever.
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_CHUNK = 1 << 20
+_MAX_PREAD = 0x7FFFF000  # the most one read(2) returns on Linux
 
 
 class _Missing(Exception):
@@ -231,20 +231,23 @@ class LocalStore:
             os.close(fd)
 
     def _read(self, key: str, fd: int, start: int, length: int) -> bytes:
-        buf = bytearray(length)
-        view = memoryview(buf)
+        # One allocation: ``os.pread`` returns the bytes object it read into (a bytearray filled
+        # and then copied to ``bytes`` would hold the object twice at the peak). Linux reads a
+        # regular file whole in one call up to ~2 GiB; a short read continues in parts.
+        parts: list[bytes] = []
         done = 0
         try:
             while done < length:
-                n = os.preadv(fd, [view[done : done + _CHUNK]], start + done)
-                if n == 0:
+                part = os.pread(fd, min(length - done, _MAX_PREAD), start + done)
+                if not part:
                     break
-                done += n
+                parts.append(part)
+                done += len(part)
         except OSError as exc:
             raise self._fail("reading", key, exc) from exc
         if done != length:  # the file shrank under us: only possible if someone edits it
             raise StoreError(f"short read of {key!r} in {self!r}: {done} of {length} bytes")
-        return bytes(buf)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_max_bytes(key, max_bytes)
