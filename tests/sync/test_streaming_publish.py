@@ -19,9 +19,9 @@ from deltasync.errors import ConfigError
 from deltasync.format import decode_blob
 from deltasync.format.wire import HEADER, SEGMENT
 from deltasync.layout import ReceiverLayout
+from deltasync.layout.groups import param_groups
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.publish import publisher as publisher_mod
-from deltasync.publish.groups import param_groups
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
 from deltasync.trainer import AdamWTracker

@@ -30,9 +30,10 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from deltasync.cluster.capture import route_positions
-from deltasync.errors import ConfigError, LayoutError
+from deltasync.errors import ConfigError
 from deltasync.format import BlobWriter
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.groups import param_groups
 from deltasync.layout.routing import ShardUpdates, check_param, piece_updates, row_pieces
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.positions import Positions
@@ -45,22 +46,14 @@ def closing_points(
 ) -> list[int]:
     """Per position ``i`` of ``names``: the last position whose parameter feeds a local tensor
     that one of ``names[:i+1]`` still feeds. A batch ``names[a:b]`` may close at ``b`` only
-    when ``closing_points(...)[b - 1] < b``. A name outside the layout feeds nothing (routing
-    raises its error)."""
-    feeds: list[set[tuple[str, str]]] = []
-    last: dict[tuple[str, str], int] = {}
-    for i, name in enumerate(names):
-        try:
-            canonical = trainer_layout.canonical_names(name)
-            mine = {h for c in canonical for h in receiver_layout.holders(c)}
-        except (LayoutError, KeyError):
-            mine = set()
-        feeds.append(mine)
-        for holder in mine:
-            last[holder] = i
+    when ``closing_points(...)[b - 1] < b``: the batch is then a union of whole parameter
+    groups (:func:`~deltasync.layout.groups.param_groups`, the grouping the store path routes
+    by). A name outside the layout feeds nothing (routing raises its error)."""
+    groups = param_groups(names, trainer_layout=trainer_layout, receiver_layout=receiver_layout)
+    last_of = {name: group.last for group in groups for name in group.params}
     out, reach = [], -1
-    for i, mine in enumerate(feeds):
-        reach = max([reach, i, *(last[h] for h in mine)])
+    for i, name in enumerate(names):
+        reach = max(reach, i, last_of[name])
         out.append(reach)
     return out
 

@@ -1,4 +1,4 @@
-"""Which trainer parameters must be routed together: the unit a publisher streams.
+"""Which trainer parameters must be routed together: the unit both senders route at once.
 
 A receiver's local tensor can be fed by several trainer parameters (vLLM's fused ``qkv_proj``
 from ``q/k/v_proj``, ``gate_up_proj`` from ``gate/up_proj``, stacked experts from every
@@ -9,7 +9,9 @@ final the moment it is routed and can go out as one segment of every shard's blo
 groups are still being detected.
 
 Groups are ordered by their last parameter in the caller's parameter order (a tracker's
-detection order), which is when a streaming publisher can close them.
+detection order), which is when a streaming sender can close them: the store path's publisher
+(``publish/segments.py``) and the in-cluster sender's batched build (``cluster/segments.py``)
+both cut their segments only between groups.
 
 This module is pure planning over layout tables: no tensors, no stores.
 """
@@ -20,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deltasync.errors import ConfigError, LayoutError
-from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.receiver_layout import ReceiverLayout
+from deltasync.layout.trainer_layout import TrainerLayout
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 A publisher hands over a stream of ``(name, indices, values or None)`` in ``params`` order (a
 tracker's lazy detection, a list, or an overlapped sender's captured ``Positions`` with no
-values). Each parameter group (:mod:`.groups`: the params feeding common receiver tensors) is
-routed (:mod:`deltasync.layout.routing`) and appended as one segment of every shard's blob
-(:class:`.streams.ShardStreams`) as soon as its last parameter has been seen; consecutive
-small groups may be batched into one segment. Captured positions are decoded and their values
-read here, group by group; a parameter whose receiver tensors no other tensor feeds and that
-splits into row pieces (the vocab-parallel embedding: one piece per TP rank) is decoded,
-read, routed and encoded piece by piece, so its int64 positions never exist whole.
+values). Each parameter group (:mod:`deltasync.layout.groups`: the params feeding common
+receiver tensors) is routed (:mod:`deltasync.layout.routing`) and appended as one segment of
+every shard's blob (:class:`.streams.ShardStreams`) as soon as its last parameter has been seen;
+consecutive small groups may be batched into one segment. Captured positions are decoded and
+their values read here, group by group; a parameter whose receiver tensors no other tensor feeds
+and that splits into row pieces (the vocab-parallel embedding: one piece per TP rank) is
+decoded, read, routed and encoded piece by piece, so its int64 positions never exist whole.
 
 This module knows the stream's order rules, groups, pieces and ShardStreams; it knows
 nothing about versions, manifests or the commit.
@@ -22,9 +22,9 @@ import torch
 
 from deltasync.errors import ConfigError
 from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout.groups import ParamGroup, param_groups
 from deltasync.layout.routing import RowPiece, piece_updates, row_pieces, shard_updates
 from deltasync.native.ops import bf16_at
-from deltasync.publish.groups import ParamGroup, param_groups
 from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.streams import ShardStreams
 from deltasync.trainer.positions import Positions
