@@ -21,9 +21,10 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
+    closing_points,
     route_positions,
+    streamed_blobs,
 )
-from deltasync.cluster.segments import closing_points, streamed_blobs
 from deltasync.errors import ConfigError
 from deltasync.format import decode_blob, encode_blob
 from deltasync.layout.routing import shard_updates

@@ -73,13 +73,13 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
+    streamed_blobs,
 )
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
-from deltasync.cluster.segments import streamed_blobs
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,

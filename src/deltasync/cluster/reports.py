@@ -24,7 +24,7 @@ class Outgoing:
     shard_elements: dict[str, int]
     detect_s: float  # tracker: which elements changed
     # gather current BF16 values, route to canonical and receiver shards; with overlap also
-    # the blobs, built batch by batch as each batch is routed (cluster.segments)
+    # the blobs, built batch by batch as each batch is routed (cluster.capture)
     build_s: float
     encode_s: float  # blobs (without overlap) and envelopes
     digest_s: float  # expected shard digests (only when sent)

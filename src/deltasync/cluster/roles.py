@@ -62,7 +62,7 @@ class ClusterConfig:
         each concurrent encode holds its own buffers (on this project's 2-core VM it gave no
         speed-up, and the trainer's peak memory read higher in the run that used it). The
         overlapped sender ignores it: it encodes batch by batch as it routes, on its one
-        background thread (``cluster.segments``).
+        background thread (``cluster.capture``).
     """
 
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)

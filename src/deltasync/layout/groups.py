@@ -10,7 +10,7 @@ groups are still being detected.
 
 Groups are ordered by their last parameter in the caller's parameter order (a tracker's
 detection order), which is when a streaming sender can close them: the store path's publisher
-(``publish/segments.py``) and the in-cluster sender's batched build (``cluster/segments.py``)
+(``publish/segments.py``) and the in-cluster sender's batched build (``cluster/capture.py``)
 both cut their segments only between groups.
 
 This module is pure planning over layout tables: no tensors, no stores.
