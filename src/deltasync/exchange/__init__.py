@@ -11,9 +11,15 @@ and ``launch`` for starting groups from torchrun or in tests.
 This package moves opaque bytes; it knows nothing about blobs, versions or model layouts.
 """
 
-from deltasync.exchange.executor import RoundTwoStats, run_schedule
 from deltasync.exchange.launch import SpawnError, init_from_env, spawn
-from deltasync.exchange.rounds import ExchangeStats, Received, exchange, group_device
+from deltasync.exchange.rounds import (
+    ExchangeStats,
+    Received,
+    RoundTwoStats,
+    exchange,
+    group_device,
+    run_schedule,
+)
 from deltasync.exchange.schedule import Batch, Chunk, ExchangeConfig, Schedule, plan_schedule
 
 __all__ = [
