@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.format import TensorUpdate, decode_blob, encode_blob, planes, section
+from deltasync.format import TensorUpdate, decode_blob, encode_blob, section
 
 from format_testkit import craft, record, reseal, same_update
 
@@ -37,7 +37,7 @@ def updates() -> list[TensorUpdate]:
 @pytest.mark.parametrize("level", [0, 1])
 def test_tiny_chunks_give_the_same_bytes_and_decode_the_same(monkeypatch, level):
     reference = encode_blob(updates(), **HEAD, level=level)
-    monkeypatch.setattr(planes, "CHUNK", 7)  # many partial chunks per plane, odd boundaries
+    monkeypatch.setattr(section, "CHUNK", 7)  # many partial chunks per plane, odd boundaries
     assert encode_blob(updates(), **HEAD, level=level) == reference
     decoded = decode_blob(reference)
     assert all(same_update(a, b) for a, b in zip(decoded.updates, updates(), strict=True))

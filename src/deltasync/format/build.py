@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from deltasync.errors import InvalidUpdateError
-from deltasync.format.planes import gap_width
+from deltasync.format.section import gap_width
 from deltasync.format.updates import DTYPE_CODES, SUPPORTED, TensorUpdate
 
 # (source dtype, wire dtype) pairs that are either exact or the documented rounding.

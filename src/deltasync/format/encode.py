@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from deltasync.errors import InvalidUpdateError, ManifestError
-from deltasync.format import planes, section
+from deltasync.format import section
 from deltasync.format.updates import BITS_DTYPES, DTYPE_CODES, TensorUpdate
 from deltasync.format.wire import (
     ENCODING_DENSE,
@@ -89,7 +89,7 @@ def _plan(update: TensorUpdate) -> _RecordPlan:
                 f"{what}: indices span [{first}, {last}] but the tensor has {update.numel} "
                 "elements; indices are flat row-major positions in [0, numel)"
             )
-        low, high = planes.gap_range(indices) if indices.size > 1 else (1, 0)
+        low, high = section.gap_range(indices) if indices.size > 1 else (1, 0)
         if low < 1:
             at = int(np.argmax(np.diff(indices) < 1))
             raise InvalidUpdateError(
@@ -104,7 +104,7 @@ def _plan(update: TensorUpdate) -> _RecordPlan:
     if indices.size == 0:
         head = RECORD.pack(len(name), code, ENCODING_SPARSE, ndim, 1, 0, 0, 0)
         return _RecordPlan(head + name + dims, None, 1, values)
-    width = planes.gap_width(high)
+    width = section.gap_width(high)
     head = RECORD.pack(len(name), code, ENCODING_SPARSE, ndim, width, 0, indices.size, first)
     return _RecordPlan(head + name + dims, indices if indices.size > 1 else None, width, values)
 
@@ -214,8 +214,8 @@ class BlobWriter:
         for p in plans:
             out.write(p.head)
             if p.indices is not None:
-                planes.write_gap_planes(out.write, p.indices, p.width)
-            planes.write_value_planes(out.write, p.values)
+                section.write_gap_planes(out.write, p.indices, p.width)
+            section.write_value_planes(out.write, p.values)
         body = out.finish()
         section_len = sum(len(c) for c in body)
         self._put(SEGMENT.pack(section_len, raw_len, len(plans)))

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
-from deltasync.format.planes import read_gaps_as_indices, read_planes_into, sum_gaps
-from deltasync.format.section import SectionReader
+from deltasync.format.section import SectionReader, read_gaps_as_indices, read_planes_into, sum_gaps
 from deltasync.format.updates import (
     BITS_DTYPES,
     CODE_DTYPES,
