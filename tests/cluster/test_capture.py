@@ -5,8 +5,6 @@ detection read; built batch by batch, its blobs decode to the same updates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from kit import (
@@ -15,6 +13,7 @@ from kit import (
     one_torch_thread,  # noqa: F401 - an autouse fixture: pytest finds it by name here
     tiny_layouts,
 )
+from overlap_testkit import CountingTracker
 
 from deltasync.cluster.capture import (
     capture_positions,
@@ -33,29 +32,6 @@ from deltasync.trainer.positions import Positions
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
 RL_LR = 3e-6
-
-
-class CountingTracker:
-    """A real AdamWTracker that counts which of its streams the sender asked for."""
-
-    def __init__(self, inner: AdamWTracker) -> None:
-        self.inner = inner
-        self.calls = {"iter_changes": 0, "iter_changed": 0, "iter_positions": 0}
-
-    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        self.calls["iter_changes"] += 1
-        return self.inner.iter_changes()
-
-    def iter_changed(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.calls["iter_changed"] += 1
-        return self.inner.iter_changed()
-
-    def iter_positions(self) -> Iterator[tuple[str, Positions]]:
-        self.calls["iter_positions"] += 1
-        return self.inner.iter_positions()
-
-    def clear(self) -> None:
-        self.inner.clear()
 
 
 def trained(steps: int = 3) -> tuple[SyntheticTrainer, AdamWTracker]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import assert_same_bits
+from kit import assert_same_bits, random_tensors, random_update
 
 from deltasync.errors import BlobMismatchError, FormatError
 from deltasync.format import (
@@ -32,14 +32,7 @@ SPECS = {
 
 
 def _sparse(name, gen, density, keep=None):
-    spec = SPECS[name]
-    n = spec.shape[0] * (spec.shape[1] if len(spec.shape) > 1 else 1)
-    mask = torch.rand(n, generator=gen) < density
-    if keep is not None:
-        mask &= keep
-    idx = torch.nonzero(mask).view(-1)
-    vals = torch.randn(idx.numel(), generator=gen).to(spec.dtype)
-    return TensorUpdate(name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals)
+    return random_update(SPECS, name, gen, density, keep)
 
 
 def _blob(version, base, updates, writer="w00000", order=None):
@@ -52,7 +45,7 @@ def _records(blob):
 
 
 def _live(gen):
-    return {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in SPECS.items()}
+    return random_tensors(SPECS, gen)
 
 
 def _folded(live, steps):

@@ -10,6 +10,8 @@ tiny config, one synthetic trainer and one oracle.
 - ``bits``, ``bits_equal``, ``same_bits``, ``assert_same_bits``: equality on integer views
   (float ``==`` treats -0.0 == +0.0 and NaN != NaN), for one tensor or a dict of tensors;
 - ``expected_shards``: the oracle, a dense split of the trainer's canonical BF16 weights;
+- ``random_update``: a seeded sparse ``TensorUpdate`` of one tensor of a spec dict, and
+  ``random_tensors``: seeded live tensors for such a dict;
 - ``zero_tensors``: a receiver shard's live tensors, all zeros; ``rconfig``: a
   ``ReceiverConfig`` without fsyncs (tests kill processes, not power);
 - ``SyntheticTrainer`` (seeded Gaussian gradients, any FSDP split), ``TinyTrainer`` (a masked
@@ -24,6 +26,7 @@ tiny config, one synthetic trainer and one oracle.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from deltasync import ModelSpec, ReceiverConfig, ReceiverLayout, TrainerLayout
+from deltasync.format import TensorSpec, TensorUpdate
 from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer, build_model, tiny_qwen3
 
 __all__ = [
@@ -106,6 +110,29 @@ def expected_shards(params, trainer_layout: TrainerLayout, receiver_layout: Rece
     """Oracle: dense split of the canonical BF16 weights (what a full refit would write)."""
     bf16 = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
     return receiver_layout.split(trainer_layout.to_canonical(bf16))
+
+
+def random_update(
+    specs: dict[str, TensorSpec],
+    name: str,
+    gen: torch.Generator,
+    density: float,
+    keep: torch.Tensor | None = None,
+) -> TensorUpdate:
+    """A sparse update of ``specs[name]``: each element listed with probability ``density``
+    (only where ``keep`` is true, when given), random values in the tensor's dtype."""
+    spec = specs[name]
+    mask = torch.rand(math.prod(spec.shape), generator=gen) < density
+    if keep is not None:
+        mask &= keep
+    idx = torch.nonzero(mask).view(-1)
+    vals = torch.randn(idx.numel(), generator=gen).to(spec.dtype)
+    return TensorUpdate(name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals)
+
+
+def random_tensors(specs: dict[str, TensorSpec], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Live tensors for ``specs``, random values in each tensor's dtype."""
+    return {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in specs.items()}
 
 
 def zero_tensors(receiver_layout: ReceiverLayout, shard: str) -> dict[str, torch.Tensor]:

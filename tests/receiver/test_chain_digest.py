@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import random_tensors, random_update
 
 from deltasync.format import (
     BlobRecords,
@@ -27,16 +28,7 @@ SPECS = {
 
 
 def _sparse(name, gen, density, keep=None):
-    spec = SPECS[name]
-    n = 1
-    for d in spec.shape:
-        n *= d
-    mask = torch.rand(n, generator=gen) < density
-    if keep is not None:
-        mask &= keep
-    idx = torch.nonzero(mask).view(-1)
-    vals = torch.randn(idx.numel(), generator=gen).to(spec.dtype)
-    return TensorUpdate(name=name, shape=spec.shape, dtype=spec.dtype, indices=idx, values=vals)
+    return random_update(SPECS, name, gen, density, keep)
 
 
 def _records(version, base, updates, writer="w00000"):
@@ -45,7 +37,7 @@ def _records(version, base, updates, writer="w00000"):
 
 
 def _live(gen):
-    return {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in SPECS.items()}
+    return random_tensors(SPECS, gen)
 
 
 def _check(live, steps, chunk):
