@@ -54,11 +54,10 @@ from deltasync.layout.routing import (
     canonical_changes,
     check_param,
     checked_changes,
-    piece_updates,
     route_to_shards,
+    routed_pieces,
     row_pieces,
 )
-from deltasync.native.ops import bf16_at
 from deltasync.trainer import Tracker
 from deltasync.trainer.positions import Positions
 
@@ -249,22 +248,7 @@ def _piece_updates(
         return None
     local = check_param(name, params[name])
     local = local.to_local() if hasattr(local, "to_local") else local
-
-    def gen() -> Iterator[ShardUpdates]:
-        bounds = [p.start for p in pieces] + [pieces[-1].stop]
-        seen = 0
-        for piece, idx in zip(pieces, positions.ranges(bounds), strict=True):
-            seen += idx.numel()
-            if idx.numel():
-                vals = bf16_at(local, idx, trusted=True)  # inside [0, numel): ranges() clips
-                yield piece_updates(name, piece, idx, vals, receiver_layout=receiver_layout)
-        if seen != len(positions):
-            raise ConfigError(
-                f"{len(positions) - seen} changed position(s) of {name!r} lie outside its "
-                f"{pieces[-1].stop} elements (are the indices local to this rank?)"
-            )
-
-    return gen()
+    return routed_pieces(name, positions, local, pieces, receiver_layout=receiver_layout)
 
 
 def streamed_blobs(

@@ -342,6 +342,49 @@ def piece_updates(
     return out
 
 
+def routed_pieces(
+    name: str,
+    positions,
+    local: torch.Tensor,
+    pieces: tuple[RowPiece, ...],
+    *,
+    receiver_layout: ReceiverLayout,
+) -> Iterator[ShardUpdates]:
+    """``name``'s captured changes routed piece by piece (the vocab-parallel embedding: one piece
+    per TP rank), for both senders: each piece's positions decoded, its BF16 values read from
+    ``local`` (this rank's tensor) and its targets' updates yielded before the next piece is
+    decoded, so one piece's indices and values are the most this parameter ever holds (never
+    the whole parameter's int64 positions). One index buffer and one value buffer serve every
+    piece: the caller must be done with a piece's updates (encoded them) before it asks for
+    the next.
+
+    ``positions`` is the parameter's captured ``Positions`` (anything with ``len()`` and
+    ``ranges(bounds, reuse=True)``).
+
+    Raises:
+        ConfigError: positions outside the parameter's elements.
+    """
+    bounds = [p.start for p in pieces] + [pieces[-1].stop]
+    seen = 0
+    values: torch.Tensor | None = None
+    for piece, idx in zip(pieces, positions.ranges(bounds, reuse=True), strict=True):
+        seen += idx.numel()
+        if not idx.numel():
+            continue
+        if values is None or values.numel() < idx.numel():  # sized as the index buffer
+            largest = max(idx.numel(), idx.untyped_storage().nbytes() // idx.element_size())
+            values = torch.empty(largest, dtype=torch.bfloat16)
+        vals = bf16_at(local, idx, trusted=True, out=values)  # ranges() clips to the bounds
+        updates = piece_updates(name, piece, idx, vals, receiver_layout=receiver_layout)
+        del idx, vals
+        yield updates
+    if seen != len(positions):
+        raise ConfigError(
+            f"{len(positions) - seen} changed position(s) of {name!r} lie outside its "
+            f"{pieces[-1].stop} elements (are the indices local to this rank?)"
+        )
+
+
 def every_element_stream(params: Mapping[str, torch.Tensor]) -> Iterator[Change]:
     """A change stream naming every element of every param (a writer's part of an anchor), one
     param at a time, so the index tensors never exist all at once."""

@@ -23,7 +23,7 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
-from deltasync.layout.routing import RowPiece, piece_updates, row_pieces, shard_updates
+from deltasync.layout.routing import RowPiece, routed_pieces, row_pieces, shard_updates
 from deltasync.native.ops import bf16_at
 from deltasync.publish.prefetch import Prefetch
 from deltasync.publish.streams import ShardStreams
@@ -180,30 +180,11 @@ class GroupRouter:
         piece per TP rank): each piece's positions decoded, its values read and its targets'
         updates encoded before the next piece is decoded, so one piece's indices are the most
         this parameter ever holds as int64 (never the whole parameter's)."""
-        local = _local(params[name])
-        bounds = [p.start for p in pieces] + [pieces[-1].stop]
-        seen = 0
-        # One index buffer and one value buffer for every piece (each piece is encoded before
-        # the next is decoded): the second piece reuses the first's memory instead of leaving
-        # its freed block in the heap beside a new one.
-        vals_buf: torch.Tensor | None = None
-        for piece, idx in zip(pieces, positions.ranges(bounds, reuse=True), strict=True):
-            seen += idx.numel()
-            if not idx.numel():
-                continue
-            if vals_buf is None:  # as large as the index buffer: the largest piece
-                largest = idx.untyped_storage().nbytes() // idx.element_size()
-                vals_buf = torch.empty(largest, dtype=torch.bfloat16)
-            vals = bf16_at(local, idx, trusted=True, out=vals_buf)  # ranges() clips to numel
-            updates = piece_updates(name, piece, idx, vals, receiver_layout=self.receiver_layout)
-            del idx, vals
+        for updates in routed_pieces(
+            name, positions, _local(params[name]), pieces, receiver_layout=self.receiver_layout
+        ):
             streams.add(updates)
             del updates
-        if seen != len(positions):
-            raise ConfigError(
-                f"the tracker reports {len(positions) - seen} changed position(s) of {name!r} "
-                f"outside its {pieces[-1].stop} elements (are the indices local to this rank?)"
-            )
 
     def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
         """The parameter groups of ``params`` and each param's group (cached per name list)."""
