@@ -14,10 +14,10 @@
    refused by every receiver;
 4. stream one blob per receiver shard (:mod:`deltasync.publish.streams`): the changes are
    consumed parameter group by parameter group (:mod:`deltasync.publish.segments` over the
-   groups of :mod:`deltasync.layout.groups`; given a
-   tracker's lazy stream, detection of the next group runs while the previous one uploads),
-   each group routed (:mod:`deltasync.publish.updates`) and appended as one segment to every
-   shard's blob that it touches; then store this writer's marker, also when it sent nothing;
+   groups of :mod:`deltasync.layout.groups`; given a tracker's lazy stream, detection of the
+   next group runs while the previous one uploads), each group routed
+   (:mod:`deltasync.layout.routing`) and appended as one segment to every shard's blob that it
+   touches; then store this writer's marker, also when it sent nothing;
 5. the committer (rank 0) computes every shard's digest from the full state, waits for all
    markers and commits (:mod:`deltasync.commit.committer`); the other writers wait for the
    manifest and check it lists their blobs.
