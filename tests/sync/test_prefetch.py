@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from deltasync.publish.prefetch import Prefetch
+from deltasync.publish.segments import Prefetch
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])

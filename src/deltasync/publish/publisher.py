@@ -85,8 +85,7 @@ from deltasync.layout.routing import (
     full_shard_tensors,
 )
 from deltasync.publish.config import PublisherConfig
-from deltasync.publish.prefetch import Ready
-from deltasync.publish.segments import GroupRouter
+from deltasync.publish.segments import GroupRouter, Ready
 from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
 from deltasync.trainer.positions import Positions

@@ -50,8 +50,8 @@ import torch
 
 from deltasync.errors import ConfigError, PublishFailedError
 from deltasync.native.ops import bf16_at
-from deltasync.publish.prefetch import Ready
 from deltasync.publish.publisher import Publisher, PublishReport
+from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.positions import Positions
 
