@@ -21,7 +21,7 @@ import torch
 
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
-from deltasync.native.inputs import check_readable
+from deltasync.native.loader import check_readable
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

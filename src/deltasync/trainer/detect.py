@@ -6,12 +6,12 @@ On CPU it runs the compiled C kernel over 64-element-aligned chunks on a few thr
 releases the GIL); elsewhere (CUDA, or no C compiler) it runs the same operations, in the same
 order and in fp32, as torch expressions over bounded chunks with reused scratch buffers.
 
-Every entry point checks what it is handed first (:mod:`deltasync.native.inputs`): θ, m and v
-must be readable fp32 tensors of one shape on one device, the bitset a 1-D uint8 tensor large
-enough and not overlapping them. The C kernel runs only on kernel-ready (plain, contiguous,
-aligned CPU) tensors; strided, offset, transposed or expanded views and CUDA tensors take the
-torch path, which is bit-identical. DTensors, meta tensors and wrong dtypes raise
-:class:`~deltasync.errors.TensorInputError` naming the tensor: the kernels never see them.
+Every entry point checks what it is handed first (:func:`deltasync.native.loader.kernel_ready`
+and its checks): θ, m and v must be readable fp32 tensors of one shape on one device, the bitset
+a 1-D uint8 tensor large enough and not overlapping them. The C kernel runs only on kernel-ready
+(plain, contiguous, aligned CPU) tensors; strided, offset, transposed or expanded views and CUDA
+tensors take the torch path, which is bit-identical. DTensors, meta tensors and wrong dtypes
+raise :class:`~deltasync.errors.TensorInputError` naming the tensor: the kernels never see them.
 
 This module knows tensors and the kernel scalars; it knows nothing about optimizers or names.
 """
@@ -29,7 +29,7 @@ import torch
 
 from deltasync.errors import TensorInputError
 from deltasync.native import loader as native
-from deltasync.native.inputs import check_bitset, check_readable, check_same_shape, overlaps
+from deltasync.native.loader import check_bitset, check_readable, check_same_shape, overlaps
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import KernelScalars
 
