@@ -110,22 +110,7 @@ def detect_adamw_(
         pp, mp, vp, bp = p.data_ptr(), m.data_ptr(), v.data_ptr(), bits.data_ptr()
 
         def run(start: int) -> int:
-            cnt = min(_CHUNK, n - start)
-            off = start * 4
-            return lib.ds_adamw_detect(
-                pp + off,
-                mp + off,
-                vp + off,
-                cnt,
-                k.bc2s,
-                k.eps,
-                k.step_size,
-                k.inv_c,
-                k.rel_s,
-                k.rel_u,
-                k.abs_e,
-                bp + start // 8,
-            )
+            return _detect_bits(lib, k, pp, mp, vp, start, min(_CHUNK, n - start), bp + start // 8)
 
         starts = range(0, n, _CHUNK)  # _CHUNK is a multiple of 64: no two chunks share a byte
         t = threads or torch.get_num_threads()
@@ -213,6 +198,43 @@ def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
 _scratch = threading.local()
 
 
+def _detect_bits(lib, k: KernelScalars, pp: int, mp: int, vp: int, start: int, cnt: int, bp: int):
+    """The C kernel over elements ``[start, start + cnt)`` of θ, m, v (at ``pp``, ``mp``,
+    ``vp``) into the bitset at ``bp``; returns how many bits it set."""
+    off = start * 4
+    return lib.ds_adamw_detect(
+        pp + off,
+        mp + off,
+        vp + off,
+        cnt,
+        k.bc2s,
+        k.eps,
+        k.step_size,
+        k.inv_c,
+        k.rel_s,
+        k.rel_u,
+        k.abs_e,
+        bp,
+    )
+
+
+def _chunk_indices(
+    lib, k: KernelScalars, pp: int, mp: int, vp: int, start: int, cnt: int
+) -> torch.Tensor:
+    """One chunk's flagged positions (sorted int64, absolute), through this thread's scratch
+    bitset: nothing per element outlives the call but the positions themselves."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
+    nbytes = bitset_bytes(cnt)
+    buf[:nbytes].zero_()
+    found = _detect_bits(lib, k, pp, mp, vp, start, cnt, buf.data_ptr())
+    out = torch.empty(found, dtype=torch.int64)
+    if found:
+        lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
+    return out
+
+
 def _list_scratch() -> tuple[torch.Tensor, torch.Tensor]:
     """Per-thread outputs of ``ds_adamw_detect_list`` for one chunk (10 bytes per chunk
     element, reused; only the compact copies of what was found are allocated per version)."""
@@ -266,31 +288,7 @@ def detect_adamw_index_chunks(
     pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
 
     def run(start: int) -> torch.Tensor:
-        cnt = min(_CHUNK, n - start)
-        off = start * 4
-        buf = getattr(_scratch, "buf", None)
-        if buf is None:
-            buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
-        nbytes = bitset_bytes(cnt)
-        buf[:nbytes].zero_()
-        found = lib.ds_adamw_detect(
-            pp + off,
-            mp + off,
-            vp + off,
-            cnt,
-            k.bc2s,
-            k.eps,
-            k.step_size,
-            k.inv_c,
-            k.rel_s,
-            k.rel_u,
-            k.abs_e,
-            buf.data_ptr(),
-        )
-        out = torch.empty(found, dtype=torch.int64)
-        if found:
-            lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
-        return out
+        return _chunk_indices(lib, k, pp, mp, vp, start, min(_CHUNK, n - start))
 
     starts = range(0, n, _CHUNK)
     t = threads or torch.get_num_threads()
@@ -386,28 +384,7 @@ def _detect_chunked(
             if found >= 0:
                 return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values
-        buf = getattr(_scratch, "buf", None)
-        if buf is None:
-            buf = _scratch.buf = torch.empty(_CHUNK // 8, dtype=torch.uint8)
-        nbytes = bitset_bytes(cnt)
-        buf[:nbytes].zero_()
-        found = lib.ds_adamw_detect(
-            pp + off,
-            mp + off,
-            vp + off,
-            cnt,
-            k.bc2s,
-            k.eps,
-            k.step_size,
-            k.inv_c,
-            k.rel_s,
-            k.rel_u,
-            k.abs_e,
-            buf.data_ptr(),
-        )
-        out = torch.empty(found, dtype=torch.int64)
-        if found:
-            lib.ds_bits_to_indices(buf.data_ptr(), nbytes, start, out.data_ptr())
+        out = _chunk_indices(lib, k, pp, mp, vp, start, cnt)
         if not values:
             return out, None
         return out, bf16_at(flat, out, trusted=True)
