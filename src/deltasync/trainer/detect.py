@@ -198,6 +198,11 @@ def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
 _scratch = threading.local()
 
 
+def _scalars(k: KernelScalars) -> tuple[float, ...]:
+    """The kernels' per-step scalar arguments, in their C signature's order."""
+    return (k.bc2s, k.eps, k.step_size, k.inv_c, k.rel_s, k.rel_u, k.abs_e)
+
+
 def _detect_bits(lib, k: KernelScalars, pp: int, mp: int, vp: int, start: int, cnt: int, bp: int):
     """The C kernel over elements ``[start, start + cnt)`` of θ, m, v (at ``pp``, ``mp``,
     ``vp``) into the bitset at ``bp``; returns how many bits it set."""
@@ -207,13 +212,7 @@ def _detect_bits(lib, k: KernelScalars, pp: int, mp: int, vp: int, start: int, c
         mp + off,
         vp + off,
         cnt,
-        k.bc2s,
-        k.eps,
-        k.step_size,
-        k.inv_c,
-        k.rel_s,
-        k.rel_u,
-        k.abs_e,
+        *_scalars(k),
         bp,
     )
 
@@ -370,13 +369,7 @@ def _detect_chunked(
                 mp + off,
                 vp + off,
                 cnt,
-                k.bc2s,
-                k.eps,
-                k.step_size,
-                k.inv_c,
-                k.rel_s,
-                k.rel_u,
-                k.abs_e,
+                *_scalars(k),
                 start,
                 ibuf.data_ptr(),
                 vbuf.data_ptr(),

@@ -164,11 +164,7 @@ class Positions:
         if self.gaps is not None and native.usable(self.gaps):  # one C pass
             lib = native.load()
             assert lib is not None
-            esc = (
-                self.escapes.to(torch.int64).contiguous()
-                if self.escapes is not None and self.escapes.numel()
-                else torch.zeros(1, dtype=torch.int64)
-            )
+            esc = self._escapes_int64()
             lib.ds_gaps_decode(
                 self.gaps.data_ptr(), self.count - 1, esc.data_ptr(), self.first, out.data_ptr() + 8
             )
@@ -200,11 +196,7 @@ class Positions:
         if native.usable(self.gaps):  # one C pass per slice
             lib = native.load()
             assert lib is not None
-            esc = (
-                self.escapes.to(torch.int64).contiguous()
-                if self.escapes is not None and self.escapes.numel()
-                else torch.zeros(1, dtype=torch.int64)
-            )
+            esc = self._escapes_int64()
             for lo in range(0, self.count - 1, size):
                 m = min(size, self.count - 1 - lo)
                 out = torch.empty(m, dtype=torch.int64)
@@ -278,11 +270,7 @@ class Positions:
         assert self.gaps is not None and self.count >= 2
         lib = native.load()
         assert lib is not None
-        esc = (
-            self.escapes.to(torch.int64).contiguous()
-            if self.escapes is not None and self.escapes.numel()
-            else torch.zeros(1, dtype=torch.int64)
-        )
+        esc = self._escapes_int64()
         gaps_ptr, esc_ptr, n_gaps = self.gaps.data_ptr(), esc.data_ptr(), self.count - 1
         cuts = torch.tensor(list(bounds), dtype=torch.int64)
         ranges = len(bounds) - 1
@@ -341,6 +329,13 @@ class Positions:
             return self
         old = self.indices()
         return Positions.of(torch.unique(torch.cat([old, indices.to(old.device, torch.int64)])))
+
+    def _escapes_int64(self) -> torch.Tensor:
+        """The escaped gaps as a contiguous int64 tensor for the C decoder (one zero when there
+        are none: the kernel is always handed a valid pointer)."""
+        if self.escapes is not None and self.escapes.numel():
+            return self.escapes.to(torch.int64).contiguous()
+        return torch.zeros(1, dtype=torch.int64)
 
     @property
     def nbytes(self) -> int:
