@@ -70,3 +70,32 @@ def test_detect_bench_on_a_small_set_misses_nothing() -> None:
     assert out["missed"] == 0
     assert out["detect_elements_per_s"] > 0 and out["memory_read_gbps"] > 0
     assert 0 <= out["extra_over_true"] <= 0.05
+
+
+@pytest.mark.timeout(240)
+def test_publish_probe_on_a_small_model_is_exact() -> None:
+    """The one-process store-path probe (TrainerSync(overlap=True) + Publisher, as users run it)
+    checks the receiver-visible state against the manifest's digests itself."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltasync_bench.publish_probe",
+            "--model",
+            "qwen3-small",
+            "--layers",
+            "1",
+            "--versions",
+            "2",
+            "--pre-steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "publish_probe"
+    assert out["exact"] is True
