@@ -13,7 +13,7 @@ about stores, manifests or live tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -243,13 +243,27 @@ def iter_chain(
             pieces=tuple(u for _, u in pieces),
         )
     if check and from_zero:
-        missing = [name for name in specs if name not in given]
-        if missing:
-            raise BlobMismatchError(
-                f"anchor version {steps[0][0]} has no values for tensors {missing[:5]} "
-                f"({len(missing)} of {len(specs)}): an incomplete anchor cannot restore the "
-                "shard; nothing was applied. Publish a new anchor"
-            )
+        check_anchor_complete(steps[0][0], given, specs)
+
+
+def check_anchor_complete(
+    version: int, given: Collection[str], specs: Mapping[str, TensorSpec], shard: str | None = None
+) -> None:
+    """An anchor restores every local tensor: refuse one that leaves a tensor out, before
+    anything is written. (Elements it does not list, e.g. vLLM's vocabulary padding, are zero;
+    the state digest, checked before the write, proves that they are.)
+
+    Raises:
+        BlobMismatchError: naming the anchor, the missing tensors and the remedy.
+    """
+    missing = [name for name in specs if name not in given]
+    if missing:
+        of = f" of shard {shard!r}" if shard is not None else ""
+        raise BlobMismatchError(
+            f"anchor version {version} has no values for tensors {missing[:5]}{of} "
+            f"({len(missing)} of {len(specs)}): an incomplete anchor cannot restore the "
+            "shard; nothing was applied. Publish a new anchor"
+        )
 
 
 def _lockstep(

@@ -37,6 +37,7 @@ from deltasync.errors import (
 )
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
 from deltasync.format.decode import BlobRecords
+from deltasync.format.merge import check_anchor_complete
 from deltasync.store import Store
 
 
@@ -153,21 +154,5 @@ def fetch_version(
     )
     merged = merge_writers(manifest.version, [list(b) for b in blobs])
     if manifest.kind == "anchor":
-        _check_complete(manifest, shard, merged, specs)
+        check_anchor_complete(manifest.version, {u.name for u in merged}, specs, shard)
     return merged, fetched
-
-
-def _check_complete(
-    manifest: Manifest, shard: str, updates: Sequence[TensorUpdate], specs: Mapping[str, TensorSpec]
-) -> None:
-    """An anchor restores every local tensor: refuse one that leaves a tensor out, before
-    anything is written. (Elements it does not list, e.g. vLLM's vocabulary padding, are zero;
-    the state digest, checked before the write, proves that they are.)"""
-    given = {u.name for u in updates}
-    missing = [name for name in specs if name not in given]
-    if missing:
-        raise BlobMismatchError(
-            f"anchor version {manifest.version} has no values for tensors {missing[:5]} of shard "
-            f"{shard!r} ({len(missing)} of {len(specs)}): an incomplete anchor cannot restore the "
-            "shard; nothing was applied. Publish a new anchor"
-        )
