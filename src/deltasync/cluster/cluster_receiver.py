@@ -10,16 +10,20 @@
 2. receive (``receive``): the first exchange (this rank sends nothing); in ``forward`` mode
    replica 0 of a shard then forwards what it got, unopened, to the shard's other replicas in a
    second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
-3. stage (``staging.stage_payloads``): verify and decode everything, refuse a wrong base,
-   merge the writers' updates. The engine keeps serving; nothing has been written;
-4. verify before write (still serving): the state digest the shard WILL have (one writer,
-   :mod:`deltasync.layout.verify`) or every writer's part digest of it (several,
-   :mod:`deltasync.cluster.writer_digests`), against what the writers sent, hashed chunk by
-   chunk with the updates patched into a small scratch copy; a mismatch refuses the version
-   with nothing written and marks the journal dirty (the base has drifted from the trainer's:
-   only an anchor is accepted from then on);
+3. stage (``staging.stage_payloads``): unwrap the envelopes, verify every blob's digest,
+   header and trailer in the received bytes, refuse a wrong base. The engine keeps serving;
+   nothing has been written or decoded (a small version, within ``max_staged_bytes``, is
+   decoded here and held);
+4. verify before write (still serving): read the writers' blobs in lockstep one tensor at a
+   time (every record checked, writers disjoint, an anchor complete) and hash the state the
+   shard WILL have (one writer, :mod:`deltasync.layout.verify`) or every writer's part digest
+   of it (several, :mod:`deltasync.cluster.writer_digests`), against what the writers sent,
+   chunk by chunk with the tensor's pieces patched into a small scratch copy; a mismatch
+   refuses the version with nothing written and marks the journal dirty (the base has drifted
+   from the trainer's: only an anchor is accepted from then on);
 5. apply: journal the apply (``applying = (version, base)`` and the writers' attempt window),
-   then scatter in place inside the engine's ``pause`` context;
+   then, inside the engine's ``pause`` context, read the same records again one tensor at a
+   time and scatter each in place (``format.apply_pieces``);
 6. acknowledge in the joint commit; the journal commits the version only when every rank
    succeeded.
 
@@ -39,8 +43,9 @@ it and call :meth:`use_group` (``docs/cluster.md``, "Recovery").
 
 ``apply_payload`` is 3-5 with no collective (benchmarks and tests drive it directly).
 
-This class knows the order of those steps; it holds no copy of the model, only the staged
-updates of one version.
+This class knows the order of those steps; it holds no copy of the model: the received
+payload bytes of one version and one tensor's decoded records at a time (or, within
+``max_staged_bytes``, the version's decoded records).
 """
 
 from __future__ import annotations
@@ -66,14 +71,21 @@ from deltasync.cluster.preflight import (
 )
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
-from deltasync.cluster.staging import Staged, as_cpu_bytes, stage_payloads
-from deltasync.cluster.writer_digests import receiver_part_digests
+from deltasync.cluster.staging import (
+    Staged,
+    as_cpu_bytes,
+    check_staged,
+    default_staged_bytes,
+    part_digests_after,
+    stage_payloads,
+    state_digest_after,
+)
 from deltasync.errors import AnchorRequiredError, ExchangeError, IntegrityError, SyncAbortedError
 from deltasync.exchange import exchange
 from deltasync.exchange.status_row import describe
-from deltasync.format import apply_updates, check_tensors_match
+from deltasync.format import apply_pieces, check_tensors_match
 from deltasync.layout import ReceiverLayout
-from deltasync.layout.verify import updated_state_digest
+from deltasync.validate import check_int
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -107,6 +119,11 @@ class ClusterReceiver:
     journal_path: a file for the durable journal; None keeps it in memory.
     pause: the engine's "stop reading weights" context, entered only around the scatter.
     lineage: the run id of the model's lineage, if the job has one (part of the fingerprint).
+    max_staged_bytes: a version whose decoded records are estimated at most this size is
+        decoded once and held from verify to the scatter; a larger one is decoded twice, one
+        tensor at a time (verify, then the scatter inside the pause), so the receiver holds the
+        received bytes plus one tensor's changes instead of the version's whole decoded change
+        set. None: 1/16 of the shard's bytes, at least 4 MiB (the storage path's default).
     """
 
     def __init__(
@@ -122,6 +139,7 @@ class ClusterReceiver:
         journal_path: str | None = None,
         pause: PauseContext | None = None,
         lineage: str | None = None,
+        max_staged_bytes: int | None = None,
     ) -> None:
         self.rank = resolve_rank(rank, group)
         self.role = plan.receiver(self.rank)
@@ -133,6 +151,12 @@ class ClusterReceiver:
         self.tensors = dict(tensors)
         self._check_tensors()
         self.config = config or ClusterConfig()
+        if max_staged_bytes is None:
+            shard_bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+            max_staged_bytes = default_staged_bytes(shard_bytes)
+        self.max_staged_bytes = check_int(
+            "ClusterReceiver", "max_staged_bytes", max_staged_bytes, lo=0
+        )
         self.journal = ClusterJournal(version=version, path=journal_path)
         self.fingerprint = fingerprint(layout, plan, lineage=lineage)
         self._who = f"receiver {self.shard} replica {self.role.replica}"
@@ -245,50 +269,53 @@ class ClusterReceiver:
             specs=self.specs,
             journal=self.journal,
             max_decompressed_bytes=self.config.max_decompressed_bytes,
+            max_staged_bytes=self.max_staged_bytes,
         )
         stage_s = time.perf_counter() - t
 
-        # Verify before write: hash the tensors as they WILL be (the engine still serves); a
-        # mismatch refuses the version with nothing written.
+        # Verify before write: one full read of every record (and every writer and anchor
+        # check), hashing the tensors as they WILL be (the engine still serves); a refusal or a
+        # mismatch leaves everything unwritten.
         t = time.perf_counter()
-        digest = self._verify(staged)
+        digest, elements = self._verify(staged)
         verify_s = time.perf_counter() - t
 
         self.journal.begin(staged.version, staged.base, window=window)  # before the first write
+        # The same records again (the received bytes are immutable and were fully checked
+        # above), one tensor at a time: the decoder proved every index sorted and in range.
         t = time.perf_counter()
         with self._pause():
-            apply_updates(staged.updates, self.tensors)
+            for item in staged.chain(self.specs, check=False):
+                apply_pieces(item, self.tensors, ordered=True)
         pause_s = time.perf_counter() - t
         return ApplyReport(
             version=staged.version,
             base=staged.base,
             payload_bytes=staged.payload_bytes,
-            elements=staged.elements,
+            elements=elements,
             stage_s=stage_s,
             pause_s=pause_s,
             verify_s=verify_s,
             state_digest=digest,
         )
 
-    def _verify(self, staged: Staged) -> str | None:
-        """The digests the tensors will have after ``staged`` against what the writers sent;
-        returns the resulting state digest (one writer), raises IntegrityError otherwise."""
+    def _verify(self, staged: Staged) -> tuple[str | None, int]:
+        """Read ``staged`` to the end once; the digests the tensors will have after it against
+        what the writers sent. Returns the resulting state digest (one writer; None without
+        one) and the elements the scatter will write; raises IntegrityError on a mismatch, or
+        the records' own typed errors."""
         if staged.state_digest is not None:
-            digest = updated_state_digest(self.tensors, staged.updates)
+            digest, elements = state_digest_after(staged, self.tensors, self.specs)
             if digest != staged.state_digest:
                 self._diverged(
                     staged.version,
                     f"would give state digest {digest}, the trainer says {staged.state_digest}",
                 )
-            return digest
+            return digest, elements
         if staged.part_digests:
             count = len(self.plan.writers)
-            mine = receiver_part_digests(
-                self.tensors,
-                layout=self.layout,
-                shard=self.shard,
-                count=count,
-                updates=staged.updates,
+            mine, elements = part_digests_after(
+                staged, self.tensors, layout=self.layout, shard=self.shard, count=count
             )
             bad = [
                 names.writer_id(k)
@@ -300,7 +327,8 @@ class ClusterReceiver:
                     staged.version,
                     f"would not match the part digests of writers {bad} in the parts they own",
                 )
-        return None
+            return None, elements
+        return None, check_staged(staged, self.specs)
 
     def _diverged(self, version: int, why: str) -> None:
         log.error(

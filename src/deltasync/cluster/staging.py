@@ -1,50 +1,94 @@
-"""Staging on a receiver: received payloads -> verified updates, before any live write.
+"""Staging on a receiver: received payloads -> a version checked and verified before any write.
 
-For the payloads one receiver got in a version (``{source rank: envelope}``):
+For the payloads one receiver got in a version (``{source rank: envelope}``), :func:`stage_payloads`:
 
 1. the sources are exactly the ranks the role plan says send to this receiver;
 2. every envelope is well framed (``envelope``), forwarded bundles unwrapped;
-3. every blob decodes (``decode_blob``: its xxh3-128 digest, header, every record against the
-   shard's tensor specs); all blobs bring the same version on the same base and are for this
-   shard, and the receiver's journal accepts that base (a wrong base is refused here);
+3. every blob's digest, header and trailer are verified (``format.BlobRecords`` over the
+   received bytes: no copy, nothing decoded yet); all blobs bring the same version on the same
+   base and are for this shard, and the receiver's journal accepts that base (a wrong base is
+   refused here);
 4. exactly one blob per writer of the plan (writer ids as on the storage path);
-5. the writers' updates are merged per tensor (``format.merge_writers``: disjoint or
-   refused) and folded as the storage path folds one step (``fold_chain``: an anchor defines the
-   whole state, elements it does not list are zero).
+5. a small version (its decoded records within ``max_staged_bytes``) is decoded now and held
+   until the scatter; a larger one stays compressed in the received bytes and is decoded one
+   tensor at a time, twice: once to verify, once to write.
 
-The engine keeps serving during all of this. The storage path's staging functions are reused
-so that both paths accept and refuse the same things. This module never touches live tensors.
+The writers' blobs are then read in lockstep, one tensor at a time (:meth:`Staged.chain`, the
+storage path's ``format.iter_chain``): every record checked against the shard's specs (int32
+indices where a tensor has fewer than 2^31 elements), the writers' elements of each tensor
+proven disjoint (the refusal of ``format.merge_writers``), an anchor proven complete (it
+defines the whole state: elements it does not list are zero). Verify before write consumes
+that stream to the end: :func:`state_digest_after` (the shard's state digest, one writer or a
+writer given the full state), :func:`part_digests_after` (every writer's part digest of it,
+``cluster.writer_digests``), or :func:`check_staged` (no digest sent). So a version whose
+records, writers or digests do not hold up is refused with nothing written, and the extra
+memory is the received bytes plus one tensor's decoded records and a few MiB of scratch, never
+the version's whole decoded change set (unless it fits ``max_staged_bytes``).
+
+The engine keeps serving during all of this. The storage path's readers are reused so that
+both paths accept and refuse the same things. This module reads live tensors (to hash them as
+they will be) and never writes them; it knows nothing about processes or journals' files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import flatten
 from deltasync.cluster.roles import RolePlan
+from deltasync.cluster.writer_digests import Piece, _as2d, _feed, writer_pieces
 from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
-from deltasync.format import TensorSpec, TensorUpdate, decode_blob, fold_chain, merge_writers
+from deltasync.format import BlobRecords, Records, TensorPieces, TensorSpec, iter_chain
+from deltasync.format.merge import RecordStream
+from deltasync.layout import ReceiverLayout
+from deltasync.layout.verify import chain_state_digest
+
+MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
+# Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
+# BF16 values (4 + 2 for 1 + 2 bytes) is 2x (as the storage path estimates it).
+_DECODED_PER_RAW = 2
+_ROW_ELEMENTS = 1 << 21  # elements per patched row chunk of a part digest: ~4 MiB of BF16
+
+
+def default_staged_bytes(shard_bytes: int) -> int:
+    """The storage path's default decode-and-hold budget: 1/16 of the shard, at least 4 MiB."""
+    return max(shard_bytes // 16, MIN_STAGED_BYTES)
 
 
 @dataclass(frozen=True, eq=False)
 class Staged:
-    """Everything one version will write into one receiver's tensors, verified."""
+    """One version's blobs for one receiver, checked up to their records (which
+    :meth:`chain` reads)."""
 
     version: int
     base: int  # -1: anchor
-    updates: list[TensorUpdate]  # one per local tensor, in the shard's tensor order
+    streams: list[RecordStream]  # one per writer, in writer id order
     state_digest: str | None  # what the shard must hash to afterwards, if the trainer said
     part_digests: dict[str, str]  # {writer id: its part digest}, from several writers
     payload_bytes: int
-    elements: int
+    held: bool  # decoded at staging and held until the scatter
 
     @property
     def is_anchor(self) -> bool:
         return self.base == -1
+
+    def chain(
+        self, specs: Mapping[str, TensorSpec], *, check: bool = True
+    ) -> Iterator[TensorPieces]:
+        """The version one tensor at a time (tensors no writer lists are not yielded). With
+        ``check`` (the verify pass) the writers are proven disjoint and an anchor complete;
+        the scatter reads the same records again without those checks."""
+        kind = "anchor" if self.is_anchor else "delta"
+        return iter_chain([(self.version, kind, self.streams)], specs, check=check)
+
+    def names(self) -> set[str]:
+        """Every tensor some writer lists (record headers only)."""
+        return {name for stream in self.streams for name in stream.names()}
 
 
 def stage_payloads(
@@ -55,9 +99,22 @@ def stage_payloads(
     specs: Mapping[str, TensorSpec],
     journal: ClusterJournal,
     max_decompressed_bytes: int = 1 << 36,
+    max_staged_bytes: int = 0,
 ) -> Staged:
-    """Verify and decode a version's payloads for receiver ``rank``; raise a typed error (and
-    write nothing) on any problem."""
+    """Check a version's payloads for receiver ``rank`` up to their records; raise a typed
+    error (and write nothing) on any problem.
+
+    Args:
+        received: ``{source rank: payload}`` (bytes or 1-D uint8 CPU tensors), read in place.
+        plan: the role plan; rank: this receiver's rank; specs: its shard's tensor specs.
+        journal: refuses a base it cannot take.
+        max_decompressed_bytes: a blob declaring a larger record section is refused.
+        max_staged_bytes: decode the version now and hold it when its decoded records are
+            estimated within this many bytes (0: never; read it one tensor at a time).
+
+    Returns:
+        The :class:`Staged` version; its records are checked when :meth:`Staged.chain` is read.
+    """
     role = plan.receiver(rank)
     where = f"receiver {role.shard} replica {role.replica} (rank {rank})"
     expected = set(plan.sources(rank))
@@ -83,19 +140,20 @@ def stage_payloads(
     if len(digests) > 1:
         raise EnvelopeError(f"{where}: the payloads carry {len(digests)} different state digests")
 
-    per_writer: dict[str, list[TensorUpdate]] = {}
+    per_writer: dict[str, BlobRecords] = {}
     part_digests: dict[str, str] = {}
     version = base = None
     for blob, digest, part in items:
-        decoded = decode_blob(
+        records = BlobRecords(  # digest, header and trailer; the records stay compressed
             blob,
             expected=specs,
             version=version,
             base_version=base,
             shard=role.shard,
             max_decompressed_bytes=max_decompressed_bytes,
+            narrow_indices=True,  # 6 bytes per decoded element instead of 10
         )
-        h = decoded.header
+        h = records.header
         if version is None:
             version, base = h.version, h.base_version
             journal.accepts(version=version, base=base, where=where)
@@ -104,7 +162,7 @@ def stage_payloads(
                 f"{where}: two blobs of version {version} from writer {h.writer!r}; nothing "
                 "was applied"
             )
-        per_writer[h.writer] = decoded.updates
+        per_writer[h.writer] = records
         if part and digest is not None:
             part_digests[h.writer] = digest
     writers = set(plan.writer_ids())
@@ -120,17 +178,157 @@ def stage_payloads(
             "nothing was applied"
         )
     assert version is not None and base is not None  # at least one writer, so one blob
-    merged = merge_writers(version, [per_writer[w] for w in sorted(per_writer)])
-    updates = fold_chain([("anchor" if base == -1 else "delta", merged)], specs)
+    streams: list[RecordStream] = [per_writer[w] for w in sorted(per_writer)]
+    raw = sum(r.raw_len for r in per_writer.values())
+    held = raw * _DECODED_PER_RAW <= max_staged_bytes
+    if held:  # small: decode once (every record checked here) instead of twice
+        streams = [Records(list(s)) for s in streams]
     return Staged(
         version=version,
         base=base,
-        updates=updates,
+        streams=streams,
         state_digest=digests.pop() if digests else None,
         part_digests=part_digests,
         payload_bytes=total,
-        elements=sum(u.nnz for u in updates),
+        held=held,
     )
+
+
+class _Counted:
+    """Passes a chain through, counting the elements the scatter will write (an anchor
+    writes every element of every tensor)."""
+
+    def __init__(self, chain: Iterable[TensorPieces]) -> None:
+        self.chain = chain
+        self.elements = 0
+
+    def __iter__(self) -> Iterator[TensorPieces]:
+        for item in self.chain:
+            self.elements += _numel(item.shape) if item.from_zero else item.nnz
+            yield item
+
+
+def check_staged(staged: Staged, specs: Mapping[str, TensorSpec]) -> int:
+    """Read ``staged`` to the end once (every record, writer and anchor check) with no digest
+    to compare; returns the elements the scatter will write."""
+    counted = _Counted(staged.chain(specs))
+    for _ in counted:
+        pass
+    return counted.elements
+
+
+def state_digest_after(
+    staged: Staged, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec]
+) -> tuple[str, int]:
+    """The state digest ``tensors`` will have after ``staged`` is written, read one tensor at
+    a time (``layout.verify.chain_state_digest``; ``tensors`` are not written), and the
+    elements the scatter will write."""
+    counted = _Counted(staged.chain(specs))
+    return chain_state_digest(tensors, counted), counted.elements
+
+
+def part_digests_after(
+    staged: Staged,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout: ReceiverLayout,
+    shard: str,
+    count: int,
+) -> tuple[dict[int, str], int]:
+    """``{writer index: part digest}`` of ``shard`` as it will be after ``staged`` is written
+    (what ``writer_digests.receiver_part_digests`` gives after the scatter), and the elements
+    the scatter will write; ``tensors`` are not written.
+
+    A part digest is one stream over the writer's pieces in the shard's tensor order, so the
+    tensors are hashed in that order: a tensor no writer lists is hashed from its live values
+    when its turn comes, a listed one when its pieces arrive (held only if a writer lists its
+    tensors in another order, which one publisher's writers never do)."""
+    order = sorted(layout.local_specs(shard), key=lambda n: layout.local_position(shard, n))
+    by_tensor: list[dict[str, list[Piece]]] = []
+    for k in range(count):
+        mine: dict[str, list[Piece]] = {}
+        for p in writer_pieces(layout, k, count)[shard]:  # digest order within a tensor too
+            mine.setdefault(p.local, []).append(p)
+        by_tensor.append(mine)
+    hashers = [xxhash.xxh3_128() for _ in range(count)]
+    listed = staged.names()
+    arrived: dict[str, TensorPieces] = {}
+    at = 0
+
+    def advance() -> None:
+        nonlocal at
+        while at < len(order):
+            name = order[at]
+            item = arrived.pop(name, None)
+            if item is None and name in listed:
+                return  # its pieces have not been read yet
+            base, sparse = _after(_as2d(tensors[name].detach()), item)
+            for k in range(count):
+                for p in by_tensor[k].get(name, ()):
+                    _feed_rows(hashers[k], base, p, sparse)
+            at += 1
+
+    counted = _Counted(staged.chain(specs=layout.local_specs(shard)))
+    for item in counted:
+        arrived[item.name] = item
+        advance()
+    advance()
+    assert at == len(order) and not arrived, (at, list(arrived))
+    return {k: h.hexdigest() for k, h in enumerate(hashers)}, counted.elements
+
+
+Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # (sorted flat indices, values) on the CPU
+
+
+def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor, Sparse]:
+    """A tensor (2-D view) as it will be: the base its pieces start from (the live values,
+    the last dense piece's values, or zeros for an anchor) and the sparse pieces on top."""
+    if item is None:
+        return live, []
+    pieces = item.pieces[item.start() :]
+    if pieces and pieces[0].is_dense:
+        base = _as2d(pieces[0].values.reshape(item.shape))
+        pieces = pieces[1:]
+    elif item.from_zero:  # an anchor: elements it does not list are zero (no buffer)
+        base = torch.zeros((), dtype=item.dtype).expand(live.shape)
+    else:
+        base = live
+    return base, [(p.indices.cpu(), p.values.cpu()) for p in pieces if p.nnz]  # type: ignore[union-attr]
+
+
+def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
+    """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top, a few MiB of rows
+    at a time: rows no piece touches are fed from ``base`` as they are, touched rows are
+    copied into a scratch chunk and patched there (``base`` is never written)."""
+    width = base.shape[1]
+    step = max(1, _ROW_ELEMENTS // max(1, p.cols))
+    stop = p.local_row + p.rows
+    for r0 in range(p.local_row, stop, step):
+        r1 = min(stop, r0 + step)
+        block = base[r0:r1, p.local_col : p.local_col + p.cols]
+        hits = []
+        for idx, vals in sparse:
+            bounds = torch.tensor([r0 * width, r1 * width], dtype=idx.dtype)
+            lo, hi = torch.searchsorted(idx, bounds).tolist()
+            if hi > lo:
+                hits.append((idx[lo:hi].to(torch.int64), vals[lo:hi]))
+        if not hits:
+            _feed(h, block)  # nothing written in these rows
+            continue
+        chunk = torch.empty(tuple(block.shape), dtype=block.dtype)
+        chunk.copy_(block)  # a copy, never the live bits (also from a device)
+        for flat, vals in hits:
+            rows, cols = flat // width - r0, flat % width - p.local_col
+            inside = (cols >= 0) & (cols < p.cols)
+            chunk[rows[inside], cols[inside]] = vals[inside]
+        _feed(h, chunk)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def as_cpu_bytes(received: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
