@@ -318,3 +318,40 @@ def test_a_small_version_publishes_before_step_published_returns_with_the_same_c
     assert report.version == 3 and pub.committed() == 3
     _assert_receivers_exact(receivers, trainer, lay, 3)
     sync.close()
+
+
+def test_a_small_version_is_published_with_the_values_its_detection_read(tmp_path, monkeypatch):
+    import deltasync.publish.segments as segments_mod
+    import deltasync.publish.trainer_sync as sync_mod
+
+    reads: list[int] = []
+
+    def counting(read):
+        def bf16_at(t, idx, **kw):
+            reads.append(idx.numel())
+            return read(t, idx, **kw)
+
+        return bf16_at
+
+    monkeypatch.setattr(segments_mod, "bf16_at", counting(segments_mod.bf16_at))
+    monkeypatch.setattr(sync_mod, "bf16_at", counting(sync_mod.bf16_at))
+    gate = ManifestGate(2, fail=True)
+    trainer, _, sync, _pub, receivers, lay = _setup(tmp_path, gate)
+    sync.inline_below = 1 << 30
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    assert reads == []  # no parameter was read a second time
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    trainer.step()
+    sync.step_published(2)  # its commit fails: its positions are the carry
+    with pytest.raises(PublishFailedError):
+        sync.wait()
+    trainer.step()
+    sync.step_published(3)
+    sync.wait()
+    assert reads  # carried positions have no detected values: read from the params
+    _assert_receivers_exact(receivers, trainer, lay, 3)
+    sync.close()

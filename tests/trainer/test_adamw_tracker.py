@@ -307,3 +307,91 @@ def test_changed_values_cover_a_chunk_boundary_and_values_the_kernel_declines():
             want = p.detach().reshape(-1)[idx].to(torch.bfloat16)
             assert torch.equal(vals.view(torch.int16), want.view(torch.int16))
         tracker.clear(), truth.clear()
+
+
+def _stepped_tracker(shapes, *, threads=None, seed=3, steps=1):
+    ps = _params(shapes, seed=seed)
+    opt = torch.optim.AdamW(ps, lr=1e-3)
+    named = [(f"p{i}", p) for i, p in enumerate(ps)]
+    tracker = AdamWTracker(opt, named, threads=threads)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return tracker, dict(named)
+
+
+def _same_stream(a, b) -> None:
+    assert [n for n, *_ in a] == [n for n, *_ in b]
+    for (name, ia, va), (_, ib, vb) in zip(a, b, strict=True):
+        assert torch.equal(ia, ib), name
+        assert (va is None) == (vb is None), name
+        if va is not None:
+            assert torch.equal(va.view(torch.int16), vb.view(torch.int16)), name
+
+
+# many small tensors (detected ahead on the threads), one above a work item (chunked)
+SHAPES = [(64, 48)] * 9 + [(3, 5), (1100, 1000), (257,)]
+
+
+def test_small_params_detected_ahead_on_threads_equal_one_at_a_time_bit_for_bit(monkeypatch):
+    from deltasync.trainer import detect
+
+    taken = []
+    take = detect.Lookahead.take
+
+    def counting_take(self, name):
+        got = take(self, name)
+        if got is not None:
+            taken.append(name)
+        return got
+
+    monkeypatch.setattr(detect.Lookahead, "take", counting_take)
+    tracker, _ = _stepped_tracker(SHAPES, threads=2)
+    ahead = list(tracker.iter_changes())
+    several, _ = _stepped_tracker(SHAPES, threads=2, steps=2)  # a bitset per param: in order
+    _same_stream(
+        list(several.iter_changes()),
+        list(_stepped_tracker(SHAPES, threads=1, steps=2)[0].iter_changes()),
+    )
+    assert len(taken) >= 9  # the small ones came from the detection threads
+    ahead_idx = list(tracker.iter_changed())
+    one_at_a_time, _ = _stepped_tracker(SHAPES, threads=1)
+    _same_stream(ahead, list(one_at_a_time.iter_changes()))
+    _same_stream(
+        [(n, i, None) for n, i in ahead_idx],
+        [(n, i, None) for n, i in one_at_a_time.iter_changed()],
+    )
+    assert len(ahead) == len(SHAPES)
+
+
+def test_an_abandoned_stream_leaves_the_tracker_answering_the_same():
+    tracker, _ = _stepped_tracker(SHAPES, threads=2)
+    first = list(tracker.iter_changes())
+    stream = tracker.iter_positions()
+    next(stream)  # the rest are in flight on the detection threads
+    stream.close()
+    _same_stream(first, list(tracker.iter_changes()))
+
+
+def test_capture_gives_values_within_the_budget_and_positions_beyond_it():
+    tracker, params = _stepped_tracker(SHAPES)
+    truth = list(tracker.iter_changes())
+    counts = [i.numel() for _, i, _ in truth]
+    budget = counts[0] + counts[1]  # the third parameter starts beyond it
+    got = list(tracker.iter_capture(budget))
+    assert [n for n, *_ in got] == [n for n, *_ in truth]
+    seen = 0
+    for (name, pos, vals), (_, idx, want) in zip(got, truth, strict=True):
+        small = params[name].numel() <= (1 << 20)
+        if seen < budget and small:
+            assert isinstance(pos, torch.Tensor) and torch.equal(pos, idx), name
+            assert torch.equal(vals.view(torch.int16), want.view(torch.int16)), name
+        else:  # positions only: the values are read where they are routed
+            assert vals is None and torch.equal(pos.indices(), idx), name
+        seen += idx.numel()
+    nothing = list(tracker.iter_capture(0))
+    assert all(vals is None for *_, vals in nothing)
+    with pytest.raises(ValueError, match="values_below"):
+        list(tracker.iter_capture(-1))

@@ -26,7 +26,9 @@ Two modes:
   is published on the caller's thread instead, before ``step_published`` returns, with the
   same contract (errors at the next call, the carry until settled): on a two-core trainer a
   background thread competing with the forward/backward made such a version's latency about
-  twice the inline publish (the small preset: 0.53 s, inline 0.26 s).
+  twice the inline publish (the small preset: 0.53 s, inline 0.26 s). Such a delta goes out
+  with the values its detection read (``AdamWTracker.iter_capture``: a budget of
+  ``inline_below`` elements), so nothing is decoded or read twice.
   Between ``step_published`` and the next optimizer step (or ``wait()``) nothing else may write
   the params (``load_state_dict``, a clamp): the background is hashing them. A ``full_state``
   callable runs on the background thread too, so one that runs collectives (an FSDP
@@ -106,6 +108,19 @@ def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Po
         yield name, idx
 
 
+def _capture_stream(
+    tracker: Tracker, values_below: int
+) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
+    """``_positions_stream`` as triples; with a tracker that offers ``iter_capture`` and a
+    budget, the small parameters of a small delta come with the values detection read."""
+    capture = getattr(tracker, "iter_capture", None)
+    if values_below and callable(capture):
+        yield from capture(values_below)
+        return
+    for name, pos in _positions_stream(tracker):
+        yield name, pos, None
+
+
 def merge_positions(
     changes: Iterable[tuple[str, torch.Tensor | Positions]],
     carry: Mapping[str, Positions],
@@ -115,20 +130,38 @@ def merge_positions(
     positions of earlier versions that never committed), in ``params`` order, compactly
     encoded (:class:`Positions`); lazily, one parameter at a time, so each parameter's int64
     indices are dropped before the next one is detected."""
+    for name, pos, _ in merge_captured(((n, p, None) for n, p in changes), carry, params):
+        yield name, pos
+
+
+def merge_captured(
+    changes: Iterable[tuple[str, torch.Tensor | Positions, torch.Tensor | None]],
+    carry: Mapping[str, Positions],
+    params: Params,
+) -> Iterator[tuple[str, Positions, Change | None]]:
+    """:func:`merge_positions` over ``(name, positions, values or None)`` triples: each item
+    also carries the change as ``(name, int64 indices, values)`` where the tracker read the
+    values with the positions and no carried positions join them (then the values would
+    miss the carried elements: they are read from the params instead)."""
     stream = iter(changes)
     nxt = next(stream, None)
     for name in params:
-        got = None
+        got = vals = None
         if nxt is not None and nxt[0] == name:
-            got, nxt = nxt[1], next(stream, None)
+            (_, got, vals), nxt = nxt, next(stream, None)
         old = carry.get(name)
         if old is None:
-            if got is not None and len(got):
-                yield name, got if isinstance(got, Positions) else Positions.of(got)
+            if got is None or not len(got):
+                continue
+            if isinstance(got, Positions):
+                yield name, got, None
+            else:
+                change = None if vals is None else (name, got, vals)
+                yield name, Positions.of(got), change
         elif got is None:
-            yield name, old
+            yield name, old, None
         else:
-            yield name, old.union(got.indices() if isinstance(got, Positions) else got)
+            yield name, old.union(got.indices() if isinstance(got, Positions) else got), None
     if nxt is not None:
         raise ConfigError(
             f"the tracker reports changes in {nxt[0]!r}, which is not in params (or out of "
@@ -306,9 +339,16 @@ class TrainerSync:
         # params there, and until this version commits, the carry. The background starts only
         # once detection is done: a Python thread running beside it would make every return
         # from a detection kernel wait for the GIL.
-        captured: Captured = dict(
-            merge_positions(_positions_stream(self.tracker), self._carry, params)
-        )
+        # While the delta is still small the tracker hands over the values it read with the
+        # positions (a bounded budget, iter_capture): an inline publish then reads nothing
+        # twice. Above the budget only positions are kept, as always.
+        captured: Captured = {}
+        detected: dict[str, Change] = {}
+        stream = _capture_stream(self.tracker, 0 if anchor else self.inline_below)
+        for name, pos, change in merge_captured(stream, self._carry, params):
+            captured[name] = pos
+            if change is not None:
+                detected[name] = change
         self.tracker.clear()
         self._carry = captured
         captured_s = time.perf_counter() - t
@@ -319,26 +359,41 @@ class TrainerSync:
             # thread that then competes with the forward/backward for the cores costs more
             # latency than the caller waiting for it here. Same contract: errors surface at
             # the next call, the carry stays until it is settled.
+            changes = [
+                detected.get(name) or with_values((name, pos), params)
+                for name, pos in captured.items()
+            ]
             try:
-                pending._future.set_result(self._background(pending, captured, params, anchor))
+                pending._future.set_result(
+                    self._background(pending, captured, params, anchor, changes)
+                )
             except Exception as exc:
                 pending._future.set_exception(exc)
             return pending
+        del detected  # a large delta: the background reads every value where it routes
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
         pending._future = self._worker.submit(self._background, pending, captured, params, anchor)
         return pending
 
     def _background(
-        self, pending: PendingVersion, captured: Captured, params: Params, anchor: bool
+        self,
+        pending: PendingVersion,
+        captured: Captured,
+        params: Params,
+        anchor: bool,
+        changes: list[Change] | None = None,
     ) -> list[PublishReport]:
         try:
             reports = [
                 pub.publish(
                     pending.version,
-                    # positions only: the publisher reads the values as it routes each
-                    # parameter (the embedding piece by piece), never all at once
-                    Ready((name, pos, None) for name, pos in captured.items()),
+                    # positions only, unless the caller holds a small delta's values: the
+                    # publisher reads the values as it routes each parameter (the embedding
+                    # piece by piece), never all at once
+                    Ready((name, pos, None) for name, pos in captured.items())
+                    if changes is None
+                    else changes,
                     params,
                     anchor=anchor,
                     since=self.baseline,

@@ -31,7 +31,7 @@ This module knows optimizers, hooks and bitsets; it knows nothing about layouts 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +40,14 @@ from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
+    Lookahead,
     bits_to_indices,
     bitset_bytes,
     detect_adamw_,
     detect_adamw_changes,
     detect_adamw_index_chunks,
     detect_adamw_indices,
+    small_enough,
 )
 from deltasync.trainer.params import OutOfBandWatch, Watched, local_of, watch
 from deltasync.trainer.positions import Positions
@@ -103,6 +105,10 @@ def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
 
 
 Change = tuple[str, torch.Tensor, torch.Tensor | None]
+# The largest parameter whose changes ``iter_capture`` reads with values (int64 indices and
+# BF16 values: at most 10 bytes per element of it, 10 MiB here), so a capture's values stay
+# bounded whatever the budget crossing parameter is.
+VALUE_CAPTURE_MAX = 1 << 20
 
 
 def _state_usable(p: torch.Tensor, m: object, v: object) -> bool:
@@ -325,41 +331,105 @@ class AdamWTracker:
             return detect_adamw_changes(*args, threads=self._threads)
         return detect_adamw_indices(*args, threads=self._threads), None
 
-    def _iter(self, values: bool, positions: bool = False) -> Iterator[Change]:
+    def _iter(
+        self, values: bool, positions: bool = False, values_below: int = 0
+    ) -> Iterator[Change]:
+        """The change stream behind every public iterator. ``positions``: a one-step
+        parameter's chunks go straight into :class:`Positions`; ``values_below`` (with
+        ``positions``): while fewer changed elements than that were seen, a parameter of at
+        most :data:`VALUE_CAPTURE_MAX` elements comes as int64 indices with its values
+        instead (see :meth:`iter_capture`). Small one-step parameters are detected a few
+        ahead on the detection threads (:class:`Lookahead`)."""
         self._oob.check()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.
         self._pending = [e for e in self._pending if e[0] not in self._bits]
         snap = {n: (i, v) for n, i, v in self._snapshot.iter_changes()} if self.fallback else {}
-        for name in self._order:
-            vals: torch.Tensor | None
-            if name in self._oob:
-                idx, vals = self._everything(name, values)
-            elif name in self._covered:
-                entry = pending.get(name)
-                if (
-                    positions
-                    and name not in self._bits
-                    and entry is not None
-                    and entry[1] is not None
-                ):
-                    # One step per version: the kernel's chunks go straight into Positions.
-                    _, hyper, v_key = entry
-                    chunks = detect_adamw_index_chunks(
-                        *self._state(name, v_key), kernel_scalars(hyper), threads=self._threads
-                    )
-                    pos = Positions.from_chunks(chunks, device=self._watched[name].local().device)
-                    if len(pos):
-                        yield name, pos, None  # type: ignore[misc]
+        seen = 0  # changed elements handed over so far (the values budget)
+
+        def wants_values(name: str) -> bool:
+            return values or (
+                seen < values_below and self._watched[name].local().numel() <= VALUE_CAPTURE_MAX
+            )
+
+        def job(name: str) -> Callable[[], tuple[torch.Tensor | Positions, torch.Tensor | None]]:
+            _, hyper, v_key = pending[name]
+            args = (*self._state(name, v_key), kernel_scalars(hyper))
+            if wants_values(name):  # decided at submission; the consumer re-checks the budget
+                return lambda: detect_adamw_changes(*args, threads=1)
+            if positions:
+                return lambda: (Positions.of(detect_adamw_indices(*args, threads=1)), None)
+            return lambda: (detect_adamw_indices(*args, threads=1), None)
+
+        ahead = Lookahead(
+            [n for n in self._order if self._small_step(n, pending)],
+            job,
+            threads=self._threads or torch.get_num_threads(),
+        )
+        try:
+            for name in self._order:
+                vals: torch.Tensor | None
+                if name in self._oob:
+                    want = values  # the whole parameter: its values are read where routed
+                    idx, vals = self._everything(name, values)
+                elif name in self._covered:
+                    want = wants_values(name)
+                    got = ahead.take(name)
+                    if got is None:
+                        got = self._detect_one(name, pending.get(name), want, positions)
+                    if isinstance(got[0], Positions):
+                        seen += len(got[0])
+                        if len(got[0]):
+                            yield name, got[0], None  # type: ignore[misc]
+                        continue
+                    idx, vals = got
+                elif name in snap:
+                    idx, vals = snap[name]
+                    want = wants_values(name)
+                else:
+                    continue  # a constant, unedited
+                seen += idx.numel()
+                if not idx.numel():
                     continue
-                idx, vals = self._detect(name, entry, values)
-            elif name in snap:
-                idx, vals = snap[name]
-            else:
-                continue  # a constant, unedited
-            if idx.numel():
-                yield name, (Positions.of(idx) if positions else idx), vals  # type: ignore[misc]
+                if positions and not want:
+                    yield name, Positions.of(idx), None  # type: ignore[misc]
+                else:
+                    yield name, idx, vals
+        finally:
+            ahead.close()
+
+    def _small_step(self, name: str, pending: dict) -> bool:
+        """Whether ``name``'s detection is one plain step on a small CPU tensor (a single
+        kernel call: worth running ahead on the detection threads)."""
+        if name in self._oob or name not in self._covered or name in self._bits:
+            return False
+        entry = pending.get(name)
+        local = self._watched[name].local()
+        return (
+            entry is not None
+            and entry[1] is not None
+            and local.device.type == "cpu"
+            and small_enough(local.numel())
+        )
+
+    def _detect_one(
+        self,
+        name: str,
+        entry: tuple[str, StepHyper | None, str] | None,
+        want: bool,
+        positions: bool,
+    ) -> tuple[torch.Tensor | Positions, torch.Tensor | None]:
+        """One covered parameter on the caller's thread: ``(Positions, None)`` when its
+        chunks went straight into the encoding, else ``(int64 indices, values or None)``."""
+        if positions and not want and name not in self._bits and entry and entry[1] is not None:
+            # One step per version: the kernel's chunks go straight into Positions.
+            _, hyper, v_key = entry
+            chunks = detect_adamw_index_chunks(
+                *self._state(name, v_key), kernel_scalars(hyper), threads=self._threads
+            )
+            return Positions.from_chunks(chunks, device=self._watched[name].local().device), None
+        return self._detect(name, entry, want)
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
@@ -384,6 +454,29 @@ class AdamWTracker:
         as in :meth:`iter_changed`)."""
         for name, pos, _ in self._iter(values=False, positions=True):
             yield name, pos
+
+    def iter_capture(
+        self, values_below: int
+    ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
+        """:meth:`iter_positions`, except that while fewer than ``values_below`` changed
+        elements were seen, a parameter of at most :data:`VALUE_CAPTURE_MAX` elements comes
+        as ``(name, sorted int64 indices, BF16 values)``, the values read by detection itself
+        (as :meth:`iter_changes` gives them); the others as ``(name, Positions, None)``.
+
+        A small delta then never pays for encoding its positions, decoding them again and
+        a second, cache-cold read of its values (an overlapped sender publishing it on the
+        caller's thread); a large one holds values for at most ``values_below`` plus
+        :data:`VALUE_CAPTURE_MAX` elements' worth of parameters.
+
+        Args:
+            values_below: the budget of changed elements captured with values (0: none).
+
+        Returns:
+            One item per changed parameter, in ``named_params`` order.
+        """
+        if not isinstance(values_below, int) or values_below < 0:
+            raise ValueError(f"values_below must be a non-negative int, got {values_below!r}")
+        yield from self._iter(values=False, positions=True, values_below=values_below)
 
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())

@@ -22,8 +22,9 @@ import collections
 import itertools
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +41,7 @@ _CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small 
 # to a trainer's memory while staying near the launch-bound knee.
 _DEVICE_CHUNK = 1 << 23
 _PACK_MAGIC = 0x0102040810204080
+T = TypeVar("T")
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
@@ -50,6 +52,56 @@ def _executor(threads: int) -> ThreadPoolExecutor:
         _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-detect")
         _pool_threads = threads
     return _pool
+
+
+class Lookahead:
+    """Per-parameter detections run on the detection threads ahead of their consumer.
+
+    A tracker walks its parameters in order, and one no larger than a work item
+    (``_CHUNK`` elements) is detected in a single kernel call on the caller's thread: a
+    model of many small tensors then keeps one core busy. Here up to ``2 * threads`` of the
+    ``names`` coming next are submitted at once; :meth:`take` hands each result over in
+    order. ``job(name)`` is called when the parameter is submitted and returns the work
+    (so what it asks for may depend on what the consumer has seen by then). Results are
+    the same as running the jobs in order: each reads its own parameter only."""
+
+    def __init__(
+        self, names: list[str], job: Callable[[str], Callable[[], T]], *, threads: int
+    ) -> None:
+        self._names = collections.deque(names)
+        self._job = job
+        self._pool = _executor(threads) if threads > 1 and len(names) > 1 else None
+        self._window: collections.deque = collections.deque()
+        self._depth = 2 * threads
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._pool is not None and self._names and len(self._window) < self._depth:
+            name = self._names.popleft()
+            self._window.append((name, self._pool.submit(self._job(name))))
+
+    def take(self, name: str) -> T | None:
+        """The result for ``name`` if it was submitted (None: detect it yourself)."""
+        if not self._window or self._window[0][0] != name:
+            return None
+        _, fut = self._window.popleft()
+        self._fill()
+        return fut.result()
+
+    def close(self) -> None:
+        """Drop what was not taken (an abandoned stream), after the running jobs end."""
+        self._names.clear()
+        for _, fut in self._window:
+            fut.cancel()
+        for _, fut in self._window:
+            if not fut.cancelled():
+                fut.exception()
+        self._window.clear()
+
+
+def small_enough(numel: int) -> bool:
+    """Whether a parameter is detected in one work item (see :class:`Lookahead`)."""
+    return numel <= _CHUNK
 
 
 def bitset_bytes(numel: int) -> int:
