@@ -11,7 +11,7 @@ This module knows no bytes, no compression and no target tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +130,78 @@ class TensorUpdate:
     @property
     def is_dense(self) -> bool:
         return self.indices is None
+
+
+# One part of a PartedUpdate: sorted int64 indices (1-D) and their values (1-D, the update's
+# dtype), equally long.
+Part = tuple[torch.Tensor, torch.Tensor]
+
+
+# eq=False: like TensorUpdate, identity is the only equality.
+@dataclass(frozen=True, eq=False)
+class PartedUpdate:
+    """A sparse update too large to hold whole: the same record as the TensorUpdate with these
+    indices and values (the encoder writes the same bytes), its indices and values produced a
+    bounded part at a time. ``parts()`` yields ``(indices, values)`` in order, every index above
+    the previous part's, together exactly ``nnz`` of them starting at ``first`` with ``max_gap``
+    the largest difference between neighbours; each call starts again from the first part, and
+    a part may live in a buffer the next one reuses (the consumer copies what it keeps). The
+    summary fields are what the encoder needs before the first byte (the record's count,
+    first index and gap width); it checks them against the parts as it writes and refuses the
+    record when they disagree.
+
+    The vocab-parallel embedding's row pieces are published this way: the parts are slices of
+    the captured positions and the values read at them, so neither the piece's int64 indices
+    nor its values ever exist at once."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nnz: int
+    first: int
+    max_gap: int  # 0 when nnz < 2
+    parts: Callable[[], Iterable[Part]]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidUpdateError(f"PartedUpdate name {self.name!r} must be a non-empty str")
+        if len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise InvalidUpdateError(
+                f"tensor {self.name[:60]!r}...: name is longer than {MAX_NAME_BYTES} UTF-8 bytes"
+            )
+        what = f"tensor {self.name!r}"
+        object.__setattr__(self, "shape", check_shape(self.shape, what, InvalidUpdateError))
+        if self.dtype not in DTYPE_CODES:
+            raise InvalidUpdateError(f"{what}: dtype {self.dtype} is not one of {SUPPORTED}")
+        for field, value in (("nnz", self.nnz), ("first", self.first), ("max_gap", self.max_gap)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidUpdateError(
+                    f"{what}: {field} must be a non-negative int, got {value!r}"
+                )
+        if not 1 <= self.nnz <= self.numel:
+            raise InvalidUpdateError(
+                f"{what}: a parted update writes 1 to {self.numel} elements, not {self.nnz}"
+            )
+        if self.first >= self.numel or (self.nnz >= 2) != (self.max_gap >= 1):
+            raise InvalidUpdateError(
+                f"{what}: first index {self.first} and largest gap {self.max_gap} do not fit "
+                f"{self.nnz} sorted indices in [0, {self.numel})"
+            )
+        if self.first + (self.nnz - 1) + max(0, self.max_gap - 1) >= self.numel:
+            raise InvalidUpdateError(
+                f"{what}: {self.nnz} indices from {self.first} with a largest gap of "
+                f"{self.max_gap} run past the tensor's {self.numel} elements"
+            )
+        if not callable(self.parts):
+            raise InvalidUpdateError(f"{what}: parts must be a callable yielding the parts")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_dense(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True)

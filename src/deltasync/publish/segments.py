@@ -8,7 +8,8 @@ every shard's blob (:class:`.streams.ShardStreams`) as soon as its last paramete
 consecutive small groups may be batched into one segment. Captured positions are decoded and
 their values read here, group by group; a parameter whose receiver tensors no other tensor feeds
 and that splits into row pieces (the vocab-parallel embedding: one piece per TP rank) is
-decoded, read, routed and encoded piece by piece, so its int64 positions never exist whole.
+routed piece by piece and each piece's records written a slice of positions at a time, so
+neither its int64 positions nor its values ever exist whole.
 
 Detection can run ahead on its own thread (:class:`Prefetch`): detecting a parameter and
 routing and encoding a group both release the GIL in their heavy parts (the C detection
@@ -38,7 +39,7 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
-from deltasync.layout.routing import RowPiece, routed_pieces, row_pieces, shard_updates
+from deltasync.layout.routing import RowPiece, parted_pieces, row_pieces, shard_updates
 from deltasync.native.ops import bf16_at
 from deltasync.publish.streams import ShardStreams
 from deltasync.trainer.positions import Positions
@@ -191,10 +192,12 @@ class GroupRouter:
         params: Params,
     ) -> None:
         """One captured parameter routed piece by piece (the vocab-parallel embedding: one
-        piece per TP rank): each piece's positions decoded, its values read and its targets'
-        updates encoded before the next piece is decoded, so one piece's indices are the most
-        this parameter ever holds as int64 (never the whole parameter's)."""
-        for updates in routed_pieces(
+        piece per TP rank), each piece's records written slice by slice
+        (:func:`parted_pieces`): its positions decoded, values read and bytes written a bounded
+        slice at a time, so this parameter never holds more than one slice as int64 indices
+        and values (the segment's record bytes and their compressed form are what grows with
+        the piece)."""
+        for updates in parted_pieces(
             name, positions, _local(params[name]), pieces, receiver_layout=self.receiver_layout
         ):
             streams.add(updates)

@@ -34,6 +34,7 @@ from deltasync.commit import BlobEntry
 from deltasync.commit.model import blob_hasher
 from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
+from deltasync.format.updates import PartedUpdate
 from deltasync.store import Store
 
 _END = object()  # the blob is complete
@@ -123,7 +124,7 @@ class ShardStreams:
             stream.pending.clear()  # the same list: it is the writer's sink
             cls._put(stream, parts)
 
-    def add(self, updates: Mapping[str, Sequence[TensorUpdate]]) -> None:
+    def add(self, updates: Mapping[str, Sequence[TensorUpdate | PartedUpdate]]) -> None:
         """One segment in each shard's blob that has updates here (in ``updates``' order)."""
         t = time.perf_counter()
         for shard, ups in updates.items():
