@@ -18,12 +18,13 @@ Data flow of one version, by module::
                  layout.routing -> format (blobs) -> envelope.py (+ writer_digests.py)
     preflight.py every rank's fingerprint, versions and status in one all_gather: refused
                  everywhere before any payload moves, or cleared
-    cluster_receiver.py  exchange -> staging.py (verify, decode, base check; format's merge of
-                 the writers and fold) -> cluster_journal.py -> apply (the pause) -> digests
+    cluster_receiver.py  exchange -> staging.py (verify the blobs, base check; the writers'
+                 records read in lockstep, one tensor at a time, hashed as the shard will be)
+                 -> cluster_journal.py -> apply (the pause: the records again, per tensor)
     joint_commit.py  every rank's status row, one all_gather, the same verdict: commit
                  everywhere, or nowhere
 
-The wire format, the routing and the receiver-side merge and fold are the storage path's own;
+The wire format, the routing and the receiver-side streaming read are the storage path's own;
 what this package adds is the process-group choreography. It knows nothing about stores.
 """
 
