@@ -350,7 +350,7 @@ class AdamWTracker:
 
         def wants_values(name: str) -> bool:
             return values or (
-                seen < values_below and self._watched[name].local().numel() <= VALUE_CAPTURE_MAX
+                seen < values_below and self._watched[name].shard.local_numel <= VALUE_CAPTURE_MAX
             )
 
         def job(name: str) -> Callable[[], tuple[torch.Tensor | Positions, torch.Tensor | None]]:
@@ -405,12 +405,12 @@ class AdamWTracker:
         if name in self._oob or name not in self._covered or name in self._bits:
             return False
         entry = pending.get(name)
-        local = self._watched[name].local()
+        watched = self._watched[name]
         return (
             entry is not None
             and entry[1] is not None
-            and local.device.type == "cpu"
-            and small_enough(local.numel())
+            and watched.param.device.type == "cpu"
+            and small_enough(watched.shard.local_numel)
         )
 
     def _detect_one(
