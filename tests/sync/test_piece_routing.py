@@ -1,8 +1,10 @@
 """Row pieces: a vocab-parallel parameter routed piece by piece gives exactly the updates of
-routing it whole, and a publisher fed captured positions commits the same state."""
+routing it whole, written slice by slice it gives exactly the same blob bytes, and a publisher
+fed captured positions commits the same state."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kit import (
     assert_same_bits,
@@ -16,8 +18,16 @@ from kit import (
 )
 
 from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
+from deltasync.errors import ConfigError
+from deltasync.format import encode_blob
 from deltasync.layout.digest import state_digests
-from deltasync.layout.routing import piece_updates, row_pieces, shard_updates
+from deltasync.layout.routing import (
+    parted_pieces,
+    piece_updates,
+    routed_pieces,
+    row_pieces,
+    shard_updates,
+)
 from deltasync.trainer.positions import Positions
 
 EMBED = "model.embed_tokens.weight"
@@ -62,6 +72,44 @@ def test_routing_piece_by_piece_equals_routing_the_parameter_whole() -> None:
             assert (a.name, a.shape, a.dtype) == (b.name, b.shape, b.dtype)
             assert torch.equal(a.indices, b.indices)
             assert bits_equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("size", [1, 97, 1 << 16])
+def test_pieces_written_slice_by_slice_give_the_blob_bytes_of_pieces_routed_whole(size) -> None:
+    _, tl, rl = tiny_layouts("vllm", tp=2, vocab_size=1001)
+    params = {n: p.detach() for n, p in build_model(tiny_qwen3(vocab_size=1001)).named_parameters()}
+    emb = params[EMBED]
+    pieces = row_pieces(EMBED, trainer_layout=tl, receiver_layout=rl)
+    assert pieces is not None
+    g = torch.Generator().manual_seed(7)
+    # dense rows, sparse rows and an empty stretch: gaps of every width across the slices
+    keep = torch.rand(emb.numel(), generator=g) < 0.05
+    keep[: emb.shape[1] * 3] = True
+    keep[emb.numel() // 2 - 5000 : emb.numel() // 2 + 9000] = False
+    pos = Positions.of(torch.nonzero(keep).reshape(-1))
+
+    def blobs(routed) -> list[tuple[str, bytes]]:
+        return [
+            (shard, encode_blob(ups, version=2, base_version=1, shard=shard, writer="w0"))
+            for updates in routed
+            for shard, ups in updates.items()
+        ]
+
+    whole = blobs(routed_pieces(EMBED, pos, emb, pieces, receiver_layout=rl))
+    sliced = blobs(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, size=size))
+    assert [s for s, _ in whole] == ["tp0", "tp1"]
+    assert sliced == whole
+
+
+def test_positions_outside_the_parameter_are_refused_before_a_piece_is_written() -> None:
+    _, tl, rl = tiny_layouts("vllm", tp=2, vocab_size=1001)
+    params = {n: p.detach() for n, p in build_model(tiny_qwen3(vocab_size=1001)).named_parameters()}
+    emb = params[EMBED]
+    pieces = row_pieces(EMBED, trainer_layout=tl, receiver_layout=rl)
+    assert pieces is not None
+    pos = Positions.of(torch.tensor([3, 70, emb.numel(), emb.numel() + 5]))
+    with pytest.raises(ConfigError, match="2 changed position"):
+        next(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl))
 
 
 def test_a_publisher_fed_captured_positions_commits_the_exact_state(tmp_path) -> None:
