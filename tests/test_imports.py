@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "atomic": {"errors"},
     "native": BASE,
     "trainer": BASE | {"native"},
-    "format": BASE,
+    "format": BASE | {"native"},
     "store": BASE,
     "layout": BASE | {"native", "format"},
     "commit": BASE | {"format", "store"},

@@ -164,3 +164,29 @@ def test_apply_updates_takes_compact_int32_indices_like_int64_ones():
     apply_updates(ups, wide)
     apply_updates(narrow, compact)
     assert_same_bits(compact, wide, "int32 vs int64 indices")
+
+
+def test_the_c_scatter_writes_what_torchs_index_copy_writes(monkeypatch):
+    from deltasync.format import apply as apply_mod
+    from deltasync.native import loader
+
+    gen = torch.Generator().manual_seed(11)
+    live = _live(gen)
+    steps = [
+        (1, "delta", [_blob(1, 0, [_sparse("a", gen, 0.2), _sparse("b", gen, 0.1)])]),
+        (2, "delta", [_blob(2, 1, [_sparse("b", gen, 0.3), _sparse("c", gen, 0.5)])]),
+    ]
+    used = []
+    real = apply_mod.scatter16
+    monkeypatch.setattr(
+        apply_mod, "scatter16", lambda *a, **k: used.append(a[1].dtype) or real(*a, **k)
+    )
+    kernel = _streamed(live, steps, _narrow)
+    assert torch.int32 in used  # the decoded int32 indices went to the kernel as they are
+    loader.disable()
+    try:
+        torch_path = _streamed(live, steps, _narrow)
+    finally:
+        loader.enable()
+    assert_same_bits(kernel, torch_path, "C scatter vs index_copy_")
+    assert_same_bits(kernel, _folded(live, steps), "streamed vs folded")

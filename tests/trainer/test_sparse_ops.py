@@ -1,4 +1,4 @@
-"""The C kernels behind bf16_at / first_not_increasing against torch, bit for bit."""
+"""The C kernels behind bf16_at / first_not_increasing / scatter16 against torch, bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
-from deltasync.native.ops import bf16_at, first_not_increasing
+from deltasync.native.ops import bf16_at, first_not_increasing, scatter16
 
 
 def _special_fp32(n: int, seed: int) -> torch.Tensor:
@@ -131,3 +131,42 @@ def test_bf16_at_into_a_reused_buffer_equals_a_fresh_gather() -> None:
     assert torch.equal(got.view(torch.int16), normal[idx].to(torch.bfloat16).view(torch.int16))
     with pytest.raises(TensorInputError, match="at least"):
         bf16_at(normal, idx, out=buf[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_scatter16_writes_exactly_what_index_copy_writes(dtype, idx_dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    n, base = 50_000, 1_000
+    idx = torch.randperm(n, generator=g)[:3_000].sort().values + base
+    vals = torch.randint(-(2**15), 2**15, (idx.numel(),), generator=g, dtype=torch.int16).view(
+        dtype
+    )
+    live = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16).view(dtype)
+    want = live.clone()
+    want.index_copy_(0, idx - base, vals)
+    assert scatter16(live, idx.to(idx_dtype), vals, base=base)
+    assert torch.equal(live.view(torch.int16), want.view(torch.int16))
+
+
+def test_scatter16_refuses_an_index_outside_the_target_before_writing_any() -> None:
+    live = torch.zeros(100, dtype=torch.bfloat16)
+    vals = torch.ones(3, dtype=torch.bfloat16)
+    for bad in ([5, 50, 100], [-1, 5, 6]):
+        with pytest.raises(TensorInputError, match="outside"):
+            scatter16(live, torch.tensor(bad, dtype=torch.int32), vals)
+        assert not live.view(torch.int16).any()  # nothing written, not even the good ones
+    with pytest.raises(TensorInputError, match="values"):
+        scatter16(live, torch.tensor([1, 2], dtype=torch.int32), vals)
+
+
+def test_scatter16_declines_what_the_kernel_cannot_take() -> None:
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    assert not scatter16(torch.zeros(4), idx, torch.ones(2))  # fp32: torch writes it
+    strided = torch.zeros(4, 2, dtype=torch.bfloat16)[:, 0]
+    assert not scatter16(strided, idx, torch.ones(2, dtype=torch.bfloat16))
+    native.disable()
+    try:
+        assert not scatter16(torch.zeros(4, dtype=torch.bfloat16), idx, torch.ones(2).bfloat16())
+    finally:
+        native.enable()

@@ -30,12 +30,20 @@ import xxhash
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
+from deltasync.native.ops import scatter16
 
 CHUNK_ELEMENTS = 1 << 20  # 2 MiB of BF16 per scratch chunk
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _patch(piece: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, start: int) -> None:
+    """``piece[idx - start] = vals`` (a chunk of the tensor beginning at element ``start``):
+    the C scatter on the indices as decoded, else torch on widened ones."""
+    if not scatter16(piece, idx, vals, base=start):
+        piece.index_copy_(0, (idx - start).to(torch.int64), vals)
 
 
 def patched_tensor_digest(
@@ -82,8 +90,7 @@ def pieces_tensor_digest(
         piece = flat.to("cpu", copy=True)
         for p in pieces:
             if p.nnz:
-                idx = p.indices.to("cpu", torch.int64)  # type: ignore[union-attr]
-                piece.index_copy_(0, idx, p.values.to("cpu"))
+                _patch(piece, p.indices.to("cpu"), p.values.to("cpu"), 0)  # type: ignore[union-attr]
         h.update(_bytes(piece))
         return h.digest()
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
@@ -114,7 +121,7 @@ def pieces_tensor_digest(
         else:
             piece.copy_((dense if dense is not None else flat)[start:end])
         for idx, vals, lo, hi in touched:
-            piece.index_copy_(0, (idx[lo:hi] - start).to(torch.int64), vals[lo:hi])
+            _patch(piece, idx[lo:hi], vals[lo:hi], start)
         h.update(_bytes(piece))
     return h.digest()
 

@@ -171,6 +171,9 @@ def _build() -> ctypes.CDLL:
     lib.ds_cast_bf16_rows.restype = i64
     lib.ds_first_not_increasing.argtypes = [p, i64]
     lib.ds_first_not_increasing.restype = i64
+    for scatter in (lib.ds_scatter16_i32, lib.ds_scatter16_i64):
+        scatter.argtypes = [p, i64, p, p, i64, i64]
+        scatter.restype = i64
     return lib
 
 

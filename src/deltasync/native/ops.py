@@ -5,9 +5,11 @@
 * :func:`first_not_increasing`: where a list stops being strictly increasing, the precondition
   of every searchsorted-based routing step;
 * :func:`cast_bf16_into`: a contiguous fp32 range cast to BF16 into a caller's buffer (what the
-  shard-state digest hashes), at memory speed.
+  shard-state digest hashes), at memory speed;
+* :func:`scatter16`: values written at flat positions of a contiguous 2-byte tensor (a
+  receiver's scatter of a decoded piece, int32 indices as they are decoded).
 
-All three run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All four run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -144,3 +146,50 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             return dst
     dst.view(src.shape).copy_(src) if src.is_contiguous() else dst.copy_(src.reshape(-1))
     return dst
+
+
+_TWO_BYTE = (torch.bfloat16, torch.float16)
+
+
+def scatter16(
+    target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, base: int = 0
+) -> bool:
+    """``target.view(-1)[indices - base] = values`` in the C kernel, if it can take them.
+
+    ``target`` must be a contiguous CPU tensor of a 2-byte dtype, ``values`` the same dtype,
+    ``indices`` 1-D int32 or int64; every index is checked before anything is written.
+
+    Returns:
+        True when written; False when the kernel cannot take these tensors (the caller then
+        writes with torch: device or strided tensors, other dtypes, no compiler).
+
+    Raises:
+        TensorInputError: an index outside ``[base, base + target.numel())`` (nothing written)
+            or values that do not match the indices.
+    """
+    n = indices.numel()
+    if values.numel() != n or values.dtype != target.dtype:
+        raise TensorInputError(
+            f"scatter16: {values.numel()} {values.dtype} values for {n} indices into a "
+            f"{target.dtype} tensor"
+        )
+    if (
+        target.dtype not in _TWO_BYTE
+        or indices.dtype not in (torch.int32, torch.int64)
+        or indices.dim() != 1
+        or not native.usable(target, indices, values)
+        or native.overlaps(target, indices)
+        or native.overlaps(target, values)
+    ):
+        return False
+    lib = native.load()
+    assert lib is not None
+    kernel = lib.ds_scatter16_i32 if indices.dtype == torch.int32 else lib.ds_scatter16_i64
+    rc = kernel(target.data_ptr(), target.numel(), indices.data_ptr(), values.data_ptr(), n, base)
+    if rc < 0:
+        k = -1 - rc
+        raise TensorInputError(
+            f"scatter16: index {int(indices[k])} (position {k}) is outside "
+            f"[{base}, {base + target.numel()}); nothing was written"
+        )
+    return True

@@ -9,6 +9,8 @@
  *
  * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
+ * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
+ * receivers' 2-byte scatter); each says what it checks.
  */
 #include <stdint.h>
 #include <string.h>
@@ -239,3 +241,27 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
     }
     return k;
 }
+
+/* ds_scatter16_i32 / ds_scatter16_i64: dst[idx[k] - base] = vals[k] for k < n, into a 2-byte
+ * element array of n_dst elements (BF16 or FP16 bits, copied as they are): a receiver's
+ * scatter of one decoded piece into its live tensor, without widening int32 indices to int64
+ * or a temporary. Every index is checked first (0 <= idx[k] - base < n_dst): on a bad one
+ * nothing is written and -1 - k is returned; else n. Order is not required (a later duplicate
+ * wins, as index_copy_ on the CPU); sorted indices walk dst forward and the prefetch keeps the
+ * cache misses in flight. */
+#define DS_SCATTER16(NAME, IDX_T)                                                              \
+    int64_t NAME(uint16_t *dst, int64_t n_dst, const IDX_T *idx, const uint16_t *vals,        \
+                 int64_t n, int64_t base) {                                                    \
+        for (int64_t k = 0; k < n; k++) {                                                      \
+            int64_t i = (int64_t)idx[k] - base;                                                \
+            if (i < 0 || i >= n_dst) return -1 - k;                                            \
+        }                                                                                      \
+        const int64_t AHEAD = 32;                                                              \
+        for (int64_t k = 0; k < n; k++) {                                                      \
+            if (k + AHEAD < n) __builtin_prefetch(dst + ((int64_t)idx[k + AHEAD] - base), 1, 0); \
+            dst[(int64_t)idx[k] - base] = vals[k];                                             \
+        }                                                                                      \
+        return n;                                                                              \
+    }
+DS_SCATTER16(ds_scatter16_i32, int32_t)
+DS_SCATTER16(ds_scatter16_i64, int64_t)
