@@ -23,7 +23,7 @@ from deltasync.layout import fsdp_dim0_rows
 from deltasync.trainer import SnapshotTracker
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(
-    tp=2, hidden_size=256, intermediate_size=512, num_hidden_layers=24, vocab_size=509
+    tp=2, hidden_size=256, intermediate_size=512, num_hidden_layers=16, vocab_size=509
 )
 DECODED_PER_ELEMENT = 10  # int64 index + BF16 value of one decoded element
 SLACK = 1 << 20  # interpreter noise, record headers, a segment's small objects

@@ -52,7 +52,7 @@ MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
 # Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
 # BF16 values (4 + 2 for 1 + 2 bytes) is 2x (as the storage path estimates it).
 _DECODED_PER_RAW = 2
-_ROW_ELEMENTS = 1 << 21  # elements per patched row chunk of a part digest: ~4 MiB of BF16
+_ROW_ELEMENTS = 1 << 21  # elements per row chunk of a part digest: ~4 MiB of BF16
 
 
 def default_staged_bytes(shard_bytes: int) -> int:
@@ -298,30 +298,31 @@ def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor,
 
 def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
     """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top, a few MiB of rows
-    at a time: rows no piece touches are fed from ``base`` as they are, touched rows are
-    copied into a scratch chunk and patched there (``base`` is never written)."""
+    at a time: rows no piece touches are fed from ``base`` as they are; touched rows are
+    copied whole into a scratch chunk, patched there by flat index (``index_copy_``: an
+    anchor patches every element) and the piece's columns fed from it. ``base`` is never
+    written. (xxh3 fed in pieces equals xxh3 of the whole, so the chunking is free.)"""
     width = base.shape[1]
-    step = max(1, _ROW_ELEMENTS // max(1, p.cols))
+    step = max(1, _ROW_ELEMENTS // max(1, width))
     stop = p.local_row + p.rows
+    cols = slice(p.local_col, p.local_col + p.cols)
     for r0 in range(p.local_row, stop, step):
         r1 = min(stop, r0 + step)
-        block = base[r0:r1, p.local_col : p.local_col + p.cols]
         hits = []
         for idx, vals in sparse:
             bounds = torch.tensor([r0 * width, r1 * width], dtype=idx.dtype)
             lo, hi = torch.searchsorted(idx, bounds).tolist()
             if hi > lo:
-                hits.append((idx[lo:hi].to(torch.int64), vals[lo:hi]))
+                hits.append((idx[lo:hi], vals[lo:hi]))
         if not hits:
-            _feed(h, block)  # nothing written in these rows
+            _feed(h, base[r0:r1, cols])  # nothing written in these rows
             continue
-        chunk = torch.empty(tuple(block.shape), dtype=block.dtype)
-        chunk.copy_(block)  # a copy, never the live bits (also from a device)
-        for flat, vals in hits:
-            rows, cols = flat // width - r0, flat % width - p.local_col
-            inside = (cols >= 0) & (cols < p.cols)
-            chunk[rows[inside], cols[inside]] = vals[inside]
-        _feed(h, chunk)
+        chunk = torch.empty((r1 - r0, width), dtype=base.dtype)
+        chunk.copy_(base[r0:r1])  # a copy, never the live bits (also from a device)
+        flat = chunk.view(-1)
+        for idx, vals in hits:
+            flat.index_copy_(0, idx.to(torch.int64) - r0 * width, vals)
+        _feed(h, chunk[:, cols])
 
 
 def _numel(shape: tuple[int, ...]) -> int:
