@@ -37,6 +37,8 @@ from typing import Generic, TypeVar
 import torch
 
 from deltasync.errors import ConfigError
+from deltasync.format import TensorUpdate
+from deltasync.format.updates import INT32_NUMEL
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
 from deltasync.layout.routing import RowPiece, parted_pieces, row_pieces, shard_updates
@@ -50,6 +52,16 @@ Params = Mapping[str, torch.Tensor]
 def _local(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+def _narrow(u: TensorUpdate) -> TensorUpdate:
+    """``u`` with int32 indices where its tensor has fewer than 2^31 elements (half the bytes
+    while a batch waits for its encoding; the encoder writes the same record)."""
+    if u.indices is None or u.indices.dtype != torch.int64 or u.numel > INT32_NUMEL:
+        return u
+    return TensorUpdate(
+        name=u.name, shape=u.shape, dtype=u.dtype, indices=u.indices.int(), values=u.values
+    )
 
 
 class GroupRouter:
@@ -90,32 +102,46 @@ class GroupRouter:
         groups, group_of = self._groups(params)
         position = {name: i for i, name in enumerate(params)}
         pending: dict[int, dict[str, tuple]] = {}
-        batch: dict[str, tuple] = {}  # complete groups not yet routed
+        batch: list[dict[str, tuple]] = []  # complete groups not yet routed, in order
         held = 0  # their changed elements
 
-        def route(changes: dict[str, tuple]) -> None:
-            changed, given = {}, {}
-            for n, (idx, vals) in changes.items():
-                if isinstance(idx, Positions):  # captured positions: the values are read now
-                    idx = idx.indices()
-                    vals = bf16_at(_local(params[n]), idx, trusted=True)
-                changed[n] = idx
-                if vals is not None:
-                    given[n] = vals
-            routed = shard_updates(
-                changed,
-                params,
-                trainer_layout=self.trainer_layout,
-                receiver_layout=self.receiver_layout,
-                rank=self.rank,
-                world_size=self.world_size,
-                values=given or None,
-            )
-            # The routed updates replace the group's input: drop it before encoding, so the
-            # largest group is held once, not twice, at the peak.
-            changes.clear()
-            del changed, given
-            streams.add(routed)
+        def route(changes: list[dict[str, tuple]]) -> None:
+            # Group by group: each group's int64 positions and values exist only while it is
+            # routed (a batch of 2^20 changed elements held them all at once, with the
+            # routing's own copies), and the routed indices are kept as int32 where the
+            # tensor allows it (the encoder writes the same bytes) until the segment is
+            # encoded. A receiver tensor is fed by one group only, so routing the groups one
+            # by one gives the same updates as routing them together.
+            out: dict[str, list[TensorUpdate]] = {}
+            several = len(changes) > 1
+            while changes:
+                group = changes.pop(0)
+                changed, given = {}, {}
+                for n, (idx, vals) in group.items():
+                    if isinstance(idx, Positions):  # captured positions: values are read now
+                        idx = idx.indices()
+                        vals = bf16_at(_local(params[n]), idx, trusted=True)
+                    changed[n] = idx
+                    if vals is not None:
+                        given[n] = vals
+                group.clear()
+                routed = shard_updates(
+                    changed,
+                    params,
+                    trainer_layout=self.trainer_layout,
+                    receiver_layout=self.receiver_layout,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    values=given or None,
+                )
+                del changed, given
+                for shard, ups in routed.items():
+                    out.setdefault(shard, []).extend(_narrow(u) for u in ups)
+                del routed
+            if several:  # each shard's records in its tensor order, as one routing gives
+                for shard, ups in out.items():
+                    ups.sort(key=lambda u, s=shard: self.receiver_layout.local_position(s, u.name))
+            streams.add(out)
 
         def flush(g: int | None) -> None:
             nonlocal batch, held
@@ -127,18 +153,18 @@ class GroupRouter:
                     if pieces is not None:
                         if batch:  # the groups before it go out first: segment order is stable
                             route(batch)
-                            batch, held = {}, 0
+                            batch, held = [], 0
                         got.clear()
                         self._route_pieces(streams, name, idx, pieces, params)
                         return
-                batch.update(got)
-                held += sum(len(idx) for idx, _ in got.values())
-                got.clear()
+                if got:
+                    batch.append(got)
+                    held += sum(len(idx) for idx, _ in got.values())
                 if held < batch_elements or not batch:
                     return
             if not batch:
                 return
-            changes, batch, held = batch, {}, 0
+            changes, batch, held = batch, [], 0
             route(changes)
 
         done = 0  # groups[:done] are flushed
