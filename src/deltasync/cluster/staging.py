@@ -1,6 +1,7 @@
 """Staging on a receiver: received payloads -> a version checked and verified before any write.
 
-For the payloads one receiver got in a version (``{source rank: envelope}``), :func:`stage_payloads`:
+For the payloads one receiver got in a version (``{source rank: envelope}``),
+:func:`stage_payloads` checks:
 
 1. the sources are exactly the ranks the role plan says send to this receiver;
 2. every envelope is well framed (``envelope``), forwarded bundles unwrapped;
@@ -21,9 +22,10 @@ defines the whole state: elements it does not list are zero). Verify before writ
 that stream to the end: :func:`state_digest_after` (the shard's state digest, one writer or a
 writer given the full state), :func:`part_digests_after` (every writer's part digest of it,
 ``cluster.writer_digests``), or :func:`check_staged` (no digest sent). So a version whose
-records, writers or digests do not hold up is refused with nothing written, and the extra
-memory is the received bytes plus one tensor's decoded records and a few MiB of scratch, never
-the version's whole decoded change set (unless it fits ``max_staged_bytes``).
+records, writers or digests do not hold up is refused with nothing written. The received
+bytes stay the only copy of the payload; the extra memory is one tensor's decoded records (per
+writer) and a few MiB of scratch, never the version's whole decoded change set (unless it fits
+``max_staged_bytes``).
 
 The engine keeps serving during all of this. The storage path's readers are reused so that
 both paths accept and refuse the same things. This module reads live tensors (to hash them as
