@@ -45,7 +45,14 @@ from deltasync.cluster.envelope import flatten
 from deltasync.cluster.roles import RolePlan
 from deltasync.cluster.writer_digests import Piece, _as2d, _feed, writer_pieces
 from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
-from deltasync.format import BlobRecords, Records, TensorPieces, TensorSpec, iter_chain
+from deltasync.format import (
+    BlobRecords,
+    Records,
+    TensorPieces,
+    TensorSpec,
+    TensorUpdate,
+    iter_chain,
+)
 from deltasync.format.merge import RecordStream
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.verify import chain_state_digest
@@ -180,11 +187,12 @@ def stage_payloads(
             "nothing was applied"
         )
     assert version is not None and base is not None  # at least one writer, so one blob
-    streams: list[RecordStream] = [per_writer[w] for w in sorted(per_writer)]
     raw = sum(r.raw_len for r in per_writer.values())
     held = raw * _DECODED_PER_RAW <= max_staged_bytes
-    if held:  # small: decode once (every record checked here) instead of twice
-        streams = [Records(list(s)) for s in streams]
+    streams: list[RecordStream] = [
+        Records(list(per_writer[w])) if held else _Listed(per_writer[w])  # held: decoded once
+        for w in sorted(per_writer)
+    ]
     return Staged(
         version=version,
         base=base,
@@ -194,6 +202,24 @@ def stage_payloads(
         payload_bytes=total,
         held=held,
     )
+
+
+class _Listed:
+    """A blob's records whose tensor names are read once: ``names()`` decompresses the whole
+    record section, and several writers' blobs are read in lockstep by those names in both
+    passes (verify, then the scatter inside the pause); the bytes are immutable."""
+
+    def __init__(self, records: BlobRecords) -> None:
+        self.records = records
+        self._names: list[str] | None = None
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return iter(self.records)
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = self.records.names()
+        return list(self._names)
 
 
 class _Counted:
