@@ -18,7 +18,7 @@ from deltasync.cluster import RolePlan
 from deltasync.cluster.cluster_journal import JournalState
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.cluster.writer_digests import receiver_part_digests
-from deltasync.errors import BlobMismatchError, IntegrityError
+from deltasync.errors import BlobMismatchError, ConfigError, IntegrityError
 from deltasync.format import TensorUpdate, apply_updates, encode_blob, merge_writers
 from deltasync.layout.digest import state_digest
 
@@ -181,3 +181,11 @@ def test_a_part_digest_that_does_not_match_refuses_the_version_with_nothing_writ
         rec.apply_payload(_payload(per_writer, parts=parts))
     assert_same_bits(rec.tensors, before, "after a refused version")
     assert rec.journal.state.dirty and rec.journal.state.applying is None
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "4MiB"])
+def test_a_staging_budget_that_is_not_a_byte_count_is_refused_naming_the_field(
+    budget: object,
+) -> None:
+    with pytest.raises(ConfigError, match="max_staged_bytes"):
+        _receiver(budget)  # type: ignore[arg-type]
