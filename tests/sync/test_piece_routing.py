@@ -22,6 +22,7 @@ from deltasync.errors import ConfigError
 from deltasync.format import encode_blob
 from deltasync.layout.digest import state_digests
 from deltasync.layout.routing import (
+    RowPiece,
     parted_pieces,
     piece_updates,
     routed_pieces,
@@ -99,6 +100,36 @@ def test_pieces_written_slice_by_slice_give_the_blob_bytes_of_pieces_routed_whol
     sliced = blobs(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, size=size))
     assert [s for s, _ in whole] == ["tp0", "tp1"]
     assert sliced == whole
+
+
+def test_a_piece_with_several_targets_gives_each_the_bytes_of_routing_it_whole() -> None:
+    # A replicated piece (two shards) and a piece feeding two tensors of one shard: each
+    # target's parts walk the piece again, behind the cursor, and still give its whole update.
+    _, _, rl = tiny_layouts("vllm", tp=2, vocab_size=1000)
+    emb = build_model(tiny_qwen3(vocab_size=1000)).get_parameter(EMBED).detach()
+    half = emb.numel() // 2
+    shape = (emb.shape[0] // 2, emb.shape[1])
+    pieces = (
+        RowPiece(start=0, stop=half, targets=(("tp0", "a", 0, shape), ("tp1", "a", 0, shape))),
+        RowPiece(
+            start=half,
+            stop=emb.numel(),
+            targets=(("tp0", "b", -half, shape), ("tp0", "c", 7 - half, (shape[0] + 1, shape[1]))),
+        ),
+    )
+    g = torch.Generator().manual_seed(8)
+    pos = Positions.of(torch.nonzero(torch.rand(emb.numel(), generator=g) < 0.1).reshape(-1))
+
+    def blobs(routed) -> list[bytes]:
+        return [
+            encode_blob(ups, version=2, base_version=1, shard=shard, writer="w0")
+            for updates in routed
+            for shard, ups in updates.items()
+        ]
+
+    whole = blobs(routed_pieces(EMBED, pos, emb, pieces, receiver_layout=rl))
+    assert len(whole) == 3
+    assert blobs(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, size=333)) == whole
 
 
 def test_positions_outside_the_parameter_are_refused_before_a_piece_is_written() -> None:
