@@ -189,3 +189,11 @@ def test_a_staging_budget_that_is_not_a_byte_count_is_refused_naming_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match="max_staged_bytes"):
         _receiver(budget)  # type: ignore[arg-type]
+
+
+def test_a_target_whose_elements_share_memory_is_refused_before_any_sync() -> None:
+    tensors = random_tensors(SPECS, torch.Generator().manual_seed(8))
+    name, spec = next((n, s) for n, s in SPECS.items() if len(s.shape) == 2)
+    tensors[name] = torch.zeros(spec.shape[1], dtype=spec.dtype).expand(spec.shape)
+    with pytest.raises(ConfigError, match=rf"{name}.*share memory"):
+        ClusterReceiver(tensors, plan=PLAN, layout=RECEIVERS, rank=ROLE.rank, version=0)
