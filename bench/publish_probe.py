@@ -10,6 +10,8 @@ width and ``--layers`` decoder layers (the embedding, the trainer's memory peak,
 - *background*: the process CPU seconds from the end of the capture to the commit (the caller
   only waits meanwhile, so they are the background's: value reads, routing, encoding, uploads,
   the digest pass, the commit) and its wall time, and the peak RSS above the baseline;
+- *kept*: the RSS above the baseline once the version committed (its positions are dropped
+  then): heap the allocator kept after the version's buffers were freed;
 - the publisher's own phase timings (build, encode, digest, upload, commit).
 
 Memory is reported as a fraction of the BF16 model (the issue's unit). ``--profile`` runs the
@@ -114,6 +116,7 @@ def main() -> None:
             reports = sync.wait() or []
             bg_cpu = time.process_time() - c1
             bg_wall = time.perf_counter() - t1
+            kept = current_rss() - base  # committed: the carry is gone, this is what stays
             del pending
             row = dict(
                 version=v,
@@ -123,6 +126,7 @@ def main() -> None:
                 background_cpu_s=bg_cpu,
                 background_wall_s=bg_wall,
                 background_mem=(peak_rss() - base) / bf16_bytes,
+                kept_mem=kept / bf16_bytes,
             )
             rep = reports[0]
             row.update(
