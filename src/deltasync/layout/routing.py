@@ -15,8 +15,14 @@ builds every shard's complete BF16 state from the FULL parameters (never from a 
 anchor cannot inherit a detection miss; its cost is a transient BF16 copy of the model, which
 this module deliberately does not hide.
 
-This module knows layouts and TensorUpdate; it knows nothing about trackers, blobs, keys or
-stores.
+A parameter split into row pieces (the vocab-parallel embedding, :func:`row_pieces`) is
+routed piece by piece: :func:`routed_pieces` gives each piece's updates with its int64
+indices and values, :func:`parted_pieces` gives each target a :class:`PartedUpdate` whose
+indices and values the encoder reads a bounded slice at a time (the store path's background:
+nothing of a piece exists whole but the record's bytes).
+
+This module knows layouts, TensorUpdate and PartedUpdate; it knows nothing about trackers,
+blobs, keys or stores.
 """
 
 from __future__ import annotations
