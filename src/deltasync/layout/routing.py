@@ -421,6 +421,7 @@ class _Cursor:
             self._held = None
             if part is None:
                 return
+            part = part.cpu()  # a GPU tracker's positions: the slices are read on the host
             lo, hi = torch.searchsorted(part, cuts).tolist()
             if hi < part.numel():
                 self._held = part[hi:]
@@ -505,7 +506,6 @@ def parted_pieces(
 
     def parts(piece: RowPiece, shift: int) -> Iterator[Part]:
         for idx in cursor.take(piece.start, piece.stop):
-            idx = idx.cpu()
             m = idx.numel()
             vals = bf16_at(local, idx, trusted=True, out=values)  # checked by the summary pass
             yield (torch.add(idx, shift, out=shifted[:m]) if shift else idx), vals
