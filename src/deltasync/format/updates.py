@@ -1,4 +1,5 @@
-"""The in-memory records of the wire format: TensorSpec, TensorUpdate, BlobHeader, DecodedBlob.
+"""The in-memory records of the wire format: TensorSpec, TensorUpdate, PartedUpdate, BlobHeader,
+DecodedBlob.
 
 A TensorUpdate carries ABSOLUTE new values (never differences) for a set of flat, row-major
 element indices of one tensor, or for every element (dense). Construction checks only what is
