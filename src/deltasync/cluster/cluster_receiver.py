@@ -90,7 +90,7 @@ from deltasync.errors import (
 from deltasync.exchange import exchange
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_pieces, check_tensors_match
-from deltasync.format.apply import _overlaps_itself
+from deltasync.format.apply import overlaps_itself
 from deltasync.layout import ReceiverLayout
 from deltasync.validate import check_int
 
@@ -180,7 +180,7 @@ class ClusterReceiver:
         # The scatter writes one tensor at a time after the whole version is verified, so a
         # target it would refuse mid-way (elements sharing memory) is refused here, up front.
         for name, t in self.tensors.items():
-            if not t.is_contiguous() and _overlaps_itself(t):
+            if not t.is_contiguous() and overlaps_itself(t):
                 raise ConfigError(
                     f"receiver shard {self.shard!r}: tensor {name!r} has strides {t.stride()} "
                     "that let elements share memory (an expanded view?); pass the tensor that "

@@ -68,9 +68,9 @@ class ApplyReport:
     base: int
     payload_bytes: int
     elements: int
-    stage_s: float  # unwrap, verify, decode, merge: the engine keeps serving
-    pause_s: float  # journal + scatter into the live tensors
-    verify_s: float  # state digest after the apply (0 when none was sent)
+    stage_s: float  # unwrap, blob digests and headers (held: decode): the engine keeps serving
+    pause_s: float  # scatter into the live tensors (streamed: decoding the records again)
+    verify_s: float  # every record decoded and checked, the state digest after the apply
     state_digest: str | None
 
 

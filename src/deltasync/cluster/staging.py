@@ -43,7 +43,7 @@ import xxhash
 from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import flatten
 from deltasync.cluster.roles import RolePlan
-from deltasync.cluster.writer_digests import Piece, _as2d, _feed, writer_pieces
+from deltasync.cluster.writer_digests import Piece, feed_bf16, writer_pieces
 from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
 from deltasync.format import (
     BlobRecords,
@@ -55,6 +55,7 @@ from deltasync.format import (
 )
 from deltasync.format.merge import RecordStream
 from deltasync.layout import ReceiverLayout
+from deltasync.layout.blocks import as_2d
 from deltasync.layout.verify import chain_state_digest
 
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
@@ -290,7 +291,7 @@ def part_digests_after(
             item = arrived.pop(name, None)
             if item is None and name in listed:
                 return  # its pieces have not been read yet
-            base, sparse = _after(_as2d(tensors[name].detach()), item)
+            base, sparse = _after(as_2d(tensors[name].detach()), item)
             for k in range(count):
                 for p in by_tensor[k].get(name, ()):
                     _feed_rows(hashers[k], base, p, sparse)
@@ -315,7 +316,7 @@ def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor,
         return live, []
     pieces = item.pieces[item.start() :]
     if pieces and pieces[0].is_dense:
-        base = _as2d(pieces[0].values.reshape(item.shape))
+        base = as_2d(pieces[0].values.reshape(item.shape))
         pieces = pieces[1:]
     elif item.from_zero:  # an anchor: elements it does not list are zero (no buffer)
         base = torch.zeros((), dtype=item.dtype).expand(live.shape)
@@ -343,14 +344,14 @@ def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse)
             if hi > lo:
                 hits.append((idx[lo:hi], vals[lo:hi]))
         if not hits:
-            _feed(h, base[r0:r1, cols])  # nothing written in these rows
+            feed_bf16(h, base[r0:r1, cols])  # nothing written in these rows
             continue
         chunk = torch.empty((r1 - r0, width), dtype=base.dtype)
         chunk.copy_(base[r0:r1])  # a copy, never the live bits (also from a device)
         flat = chunk.view(-1)
         for idx, vals in hits:
             flat.index_copy_(0, idx.to(torch.int64) - r0 * width, vals)
-        _feed(h, chunk[:, cols])
+        feed_bf16(h, chunk[:, cols])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

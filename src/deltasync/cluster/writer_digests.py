@@ -36,7 +36,7 @@ import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
-from deltasync.layout.blocks import view_cols, view_rows
+from deltasync.layout.blocks import as_2d, view_rows
 from deltasync.layout.hf_model import build_hf_table
 
 _CAST_ELEMENTS = 1 << 21  # elements per cast chunk: ~4 MiB of BF16
@@ -115,12 +115,7 @@ def _pieces(layout: ReceiverLayout, index: int, count: int) -> dict[str, list[Pi
     return out
 
 
-def _as2d(t: torch.Tensor) -> torch.Tensor:
-    shape = tuple(t.shape)
-    return t.reshape(view_rows(shape), view_cols(shape))
-
-
-def _feed(h: xxhash.xxh3_128, block: torch.Tensor) -> None:
+def feed_bf16(h: xxhash.xxh3_128, block: torch.Tensor) -> None:
     """Feed a 2-D block's BF16 bytes in row-major order, a few MiB of rows at a time."""
     if block.numel() == 0:
         return
@@ -148,14 +143,14 @@ def _feed_patched(
         piece = live[r0:r1, p.local_col : p.local_col + p.cols]
         lo, hi = torch.searchsorted(idx, torch.tensor([r0 * width, r1 * width])).tolist()
         if lo == hi:
-            _feed(h, piece)  # no update in these rows
+            feed_bf16(h, piece)  # no update in these rows
             continue
         piece = piece.clone(memory_format=torch.contiguous_format)  # never the live bits
         hits = idx[lo:hi]
         rows, cols = hits // width - r0, hits % width - p.local_col
         inside = (cols >= 0) & (cols < p.cols)
         piece[rows[inside], cols[inside]] = vals[lo:hi][inside]
-        _feed(h, piece)
+        feed_bf16(h, piece)
 
 
 def _digest(pieces: list[Piece], feed_piece: Callable[[xxhash.xxh3_128, Piece], None]) -> str:
@@ -194,14 +189,15 @@ def writer_part_digests(
     def rect(p: Piece) -> torch.Tensor:
         if p.param not in views:
             first = _owned_rows(tuple(full_shapes[p.param]), index, count)[0]
-            views[p.param] = (_as2d(params[p.param].detach()), first)
+            views[p.param] = (as_2d(params[p.param].detach()), first)
         view, first = views[p.param]
         row = p.param_row - first
         return view[row : row + p.rows, p.param_col : p.param_col + p.cols]
 
     pieces = writer_pieces(receiver_layout, index, count)
     return {
-        shard: _digest(pieces[shard], lambda h, p: _feed(h, rect(p))) for shard in sorted(pieces)
+        shard: _digest(pieces[shard], lambda h, p: feed_bf16(h, rect(p)))
+        for shard in sorted(pieces)
     }
 
 
@@ -225,13 +221,13 @@ def receiver_part_digests(
     Returns:
         What :func:`writer_part_digests` gives each writer for ``shard`` when the state is exact.
     """
-    views = {n: _as2d(t.detach()) for n, t in tensors.items()}
+    views = {n: as_2d(t.detach()) for n, t in tensors.items()}
     sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for u in updates:
         if not u.nnz:
             continue
         if u.indices is None:  # dense: the values are the whole new tensor
-            views[u.name] = _as2d(u.values.reshape(tuple(u.shape)))
+            views[u.name] = as_2d(u.values.reshape(tuple(u.shape)))
         else:
             sparse[u.name] = (u.indices.to("cpu", torch.int64), u.values.to("cpu"))
 
@@ -240,7 +236,7 @@ def receiver_part_digests(
         if p.local in sparse:
             _feed_patched(h, v, p, *sparse[p.local])
         else:
-            _feed(h, v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols])
+            feed_bf16(h, v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols])
 
     return {k: _digest(writer_pieces(layout, k, count)[shard], feed_piece) for k in range(count)}
 

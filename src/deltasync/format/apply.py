@@ -32,7 +32,7 @@ from deltasync.native.ops import scatter16
 SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
+def overlaps_itself(t: torch.Tensor) -> bool:
     """True unless the strides prove no two elements share memory (the usual sufficient test:
     sorted by stride, each stride exceeds the span of all smaller-stride dims)."""
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1)
@@ -68,7 +68,7 @@ def _check(
             f"{what}: update is {update.shape} {update.dtype}, target is {tuple(target.shape)} "
             f"{target.dtype}; the update and the receiver's layout disagree. Nothing was written"
         )
-    if not target.is_contiguous() and update.nnz and _overlaps_itself(target):
+    if not target.is_contiguous() and update.nnz and overlaps_itself(target):
         raise ApplyError(
             f"{what}: the target's strides {target.stride()} let elements share memory (an "
             "expanded view?); pass the tensor that owns the memory. Nothing was written"

@@ -27,6 +27,12 @@ def view_cols(shape: tuple[int, ...]) -> int:
     return shape[-1] if len(shape) >= 2 else 1
 
 
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as its 2-D view (``view_rows`` x ``view_cols``): what every block indexes."""
+    shape = tuple(t.shape)
+    return t.reshape(view_rows(shape), view_cols(shape))
+
+
 def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

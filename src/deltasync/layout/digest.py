@@ -36,7 +36,7 @@ import torch
 import xxhash
 
 from deltasync.errors import ManifestError
-from deltasync.layout.blocks import Block, view_cols, view_rows
+from deltasync.layout.blocks import Block, as_2d, view_cols, view_rows
 from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.routing import check_param
 from deltasync.layout.table import LayoutTable
@@ -141,11 +141,6 @@ def _feed_cast(
             _feed(h, rows.to(dtype))
 
 
-def _as2d(t: torch.Tensor) -> torch.Tensor:
-    shape = tuple(t.shape)
-    return t.reshape(view_rows(shape), view_cols(shape))
-
-
 TensorEntry = tuple[str, tuple[int, ...], bytes]  # (dtype name, shape, tensor_digest)
 TensorEntries = dict[str, dict[str, TensorEntry]]  # {shard: {local: entry}}
 
@@ -216,14 +211,14 @@ def shard_tensor_digests(
                 cursor = 0
                 for src, b in blocks:
                     _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
-                    _feed_cast(h, b.src_view(_as2d(full[src])), dtype, staging)
+                    _feed_cast(h, b.src_view(as_2d(full[src])), dtype, staging)
                     cursor = b.dst_row + b.rows
                 _feed_zeros(h, (rows - cursor) * cols * esize)
                 digest = h.digest()
             else:  # blocks side by side within a row: build this one tensor
                 t = torch.zeros(shape, dtype=dtype)
                 for src, b in blocks:
-                    b.dst_view(_as2d(t)).copy_(b.src_view(_as2d(full[src])))
+                    b.dst_view(as_2d(t)).copy_(b.src_view(as_2d(full[src])))
                 digest = tensor_digest(t)
             entries[shard][local] = (dtype_s, tuple(shape), digest)
     return entries

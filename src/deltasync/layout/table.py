@@ -25,6 +25,7 @@ import torch
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import (
     Block,
+    as_2d,
     bits,
     find_overlap,
     gather,
@@ -285,11 +286,6 @@ def _dst_extent(b: Block) -> tuple[int, int]:
 # baselines and tests; the sparse path is LayoutTable.route. Both run the same Block maps.
 
 
-def _as2d(t: torch.Tensor) -> torch.Tensor:
-    shape = tuple(t.shape)
-    return t.reshape(view_rows(shape), view_cols(shape))
-
-
 def split_dense(
     table: LayoutTable, full: Mapping[str, torch.Tensor]
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -313,9 +309,9 @@ def split_dense(
         for s, locs in table.dst_shapes.items()
     }
     for name, pls in table.placements.items():
-        src2d = _as2d(full[name])
+        src2d = as_2d(full[name])
         for p in pls:
-            p.block.dst_view(_as2d(out[p.shard][p.local])).copy_(p.block.src_view(src2d))
+            p.block.dst_view(as_2d(out[p.shard][p.local])).copy_(p.block.src_view(src2d))
     return out
 
 
@@ -355,10 +351,10 @@ def merge_dense(
         pls = table.placements[name]
         first = shards[pls[0].shard][pls[0].local]
         res = torch.empty(shape, dtype=first.dtype, device=first.device)
-        res2d = _as2d(res)
+        res2d = as_2d(res)
         done: set[tuple[int, int, int, int]] = set()
         for p in pls:
-            piece = p.block.dst_view(_as2d(shards[p.shard][p.local]))
+            piece = p.block.dst_view(as_2d(shards[p.shard][p.local]))
             rect = p.block.src_rect()
             if rect not in done:
                 p.block.src_view(res2d).copy_(piece)
