@@ -1,4 +1,5 @@
-"""Worker functions for the in-cluster sync's multi-process tests (run in spawned processes).
+"""Worker functions for the in-cluster sync's multi-process tests (run in spawned processes),
+and the one-process roles the single-process tests exchange payloads between by hand.
 
 Every scenario runs a real trainer (a config-built transformers ``Qwen3ForCausalLM`` stepped by
 ``torch.optim.AdamW`` on random tokens) on the writer ranks and live vLLM-layout shards on the
@@ -358,3 +359,54 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
     result.update(name="receiver killed", version_after=receiver.version)
     out["steps"].append(result)
     return out
+
+
+def one_process_roles(
+    full: dict[str, torch.Tensor],
+    plan: RolePlan,
+    config: ClusterConfig,
+    *,
+    trainer_layout: TrainerLayout,
+    receiver_layout: ReceiverLayout,
+    full_state: bool,
+    **receiver_options: object,
+) -> tuple[list[ClusterSender], dict[int, ClusterReceiver]]:
+    """Senders (FSDP dim-0 parts of ``full``, viewed so each writer sees the trained values,
+    with exact snapshot trackers) and empty receivers of ``plan``, for one process."""
+    from deltasync.trainer import SnapshotTracker
+
+    senders = []
+    for w in plan.writers:
+        mine = {}
+        for n, p in full.items():
+            start, stop = fsdp_dim0_rows(p.shape[0], w.index, w.count)
+            mine[n] = p[start:stop]
+        senders.append(
+            ClusterSender(
+                SnapshotTracker(mine.items()),
+                mine,
+                plan=plan,
+                rank=w.rank,
+                trainer_layout=trainer_layout,
+                receiver_layout=receiver_layout,
+                version=None,
+                config=config,
+                full_state=full if full_state else None,
+            )
+        )
+    receivers = {
+        r.rank: ClusterReceiver(
+            {
+                n: torch.zeros(s.shape, dtype=s.dtype)
+                for n, s in receiver_layout.local_specs(r.shard).items()
+            },
+            plan=plan,
+            rank=r.rank,
+            layout=receiver_layout,
+            version=None,
+            config=config,
+            **receiver_options,
+        )
+        for r in plan.receivers
+    }
+    return senders, receivers

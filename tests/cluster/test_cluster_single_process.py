@@ -11,8 +11,6 @@ from kit import bits, tiny_layouts
 from deltasync.cluster import (
     AnchorRequiredError,
     ClusterConfig,
-    ClusterReceiver,
-    ClusterSender,
     EnvelopeError,
     RolePlan,
 )
@@ -24,9 +22,9 @@ from deltasync.errors import (
     IntegrityError,
     VersionError,
 )
-from deltasync.layout import fsdp_dim0_rows
 from deltasync.receiver import MissingBlobError
-from deltasync.trainer import SnapshotTracker
+
+from cluster_testkit import one_process_roles
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
 
@@ -53,39 +51,14 @@ class World:
             num_writers=writers, shards=["tp0", "tp1"], replicas=replicas, dp_mode=mode
         )
         config = ClusterConfig(digest_every=digest_every)
-        self.senders = []
-        for w in self.plan.writers:
-            mine = {}
-            for n, p in self.full.items():
-                start, stop = fsdp_dim0_rows(p.shape[0], w.index, w.count)
-                mine[n] = p[start:stop]  # a view: the writer sees the trained values
-            self.senders.append(
-                ClusterSender(
-                    SnapshotTracker(mine.items()),
-                    mine,
-                    plan=self.plan,
-                    rank=w.rank,
-                    trainer_layout=TRAINER,
-                    receiver_layout=RECEIVERS,
-                    version=None,
-                    config=config,
-                    full_state=self.full if full_state else None,
-                )
-            )
-        self.receivers = {
-            r.rank: ClusterReceiver(
-                {
-                    n: torch.zeros(s.shape, dtype=s.dtype)
-                    for n, s in RECEIVERS.local_specs(r.shard).items()
-                },
-                plan=self.plan,
-                rank=r.rank,
-                layout=RECEIVERS,
-                version=None,
-                config=config,
-            )
-            for r in self.plan.receivers
-        }
+        self.senders, self.receivers = one_process_roles(
+            self.full,
+            self.plan,
+            config,
+            trainer_layout=TRAINER,
+            receiver_layout=RECEIVERS,
+            full_state=full_state,
+        )
 
     def step(self, fraction: float = 0.02) -> None:
         """Move a random ``fraction`` of every param by a BF16-visible amount."""

@@ -16,11 +16,11 @@ import pytest
 import torch
 from kit import bits, tiny_layouts
 
-from deltasync import ClusterConfig, ClusterReceiver, ClusterSender
+from deltasync import ClusterConfig, ClusterReceiver
 from deltasync.cluster import RolePlan
 from deltasync.format import section
-from deltasync.layout import fsdp_dim0_rows
-from deltasync.trainer import SnapshotTracker
+
+from cluster_testkit import one_process_roles
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(
     tp=2, hidden_size=256, intermediate_size=512, num_hidden_layers=16, vocab_size=509
@@ -42,40 +42,15 @@ class Rig:
         self.gen = torch.Generator().manual_seed(1)
         self.plan = RolePlan.contiguous(num_writers=writers, shards=["tp0", "tp1"])
         config = ClusterConfig(digest_every=1 if digest else 0)
-        self.senders = []
-        for w in self.plan.writers:
-            mine = {}
-            for n, p in self.full.items():
-                start, stop = fsdp_dim0_rows(p.shape[0], w.index, w.count)
-                mine[n] = p[start:stop]  # a view: the writer sees the trained values
-            self.senders.append(
-                ClusterSender(
-                    SnapshotTracker(mine.items()),
-                    mine,
-                    plan=self.plan,
-                    rank=w.rank,
-                    trainer_layout=TRAINER,
-                    receiver_layout=RECEIVERS,
-                    version=None,
-                    config=config,
-                    full_state=self.full if full_state else None,
-                )
-            )
-        self.receivers = {
-            r.rank: ClusterReceiver(
-                {
-                    n: torch.zeros(s.shape, dtype=s.dtype)
-                    for n, s in RECEIVERS.local_specs(r.shard).items()
-                },
-                plan=self.plan,
-                rank=r.rank,
-                layout=RECEIVERS,
-                version=None,
-                config=config,
-                **rx,
-            )
-            for r in self.plan.receivers
-        }
+        self.senders, self.receivers = one_process_roles(
+            self.full,
+            self.plan,
+            config,
+            trainer_layout=TRAINER,
+            receiver_layout=RECEIVERS,
+            full_state=full_state,
+            **rx,
+        )
         self.version = -1
         self.sync(anchor=True)
 

@@ -49,6 +49,22 @@ def check_shape(shape: object, what: str, error: type[Exception]) -> tuple[int, 
     return dims
 
 
+def _check_record_header(record: TensorUpdate | PartedUpdate, kind: str) -> str:
+    """Check a record's name, shape and dtype (normalising the shape in place); returns the
+    ``tensor 'name'`` prefix its other errors use."""
+    if not isinstance(record.name, str) or not record.name:
+        raise InvalidUpdateError(f"{kind} name {record.name!r} must be a non-empty str")
+    if len(record.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise InvalidUpdateError(
+            f"tensor {record.name[:60]!r}...: name is longer than {MAX_NAME_BYTES} UTF-8 bytes"
+        )
+    what = f"tensor {record.name!r}"
+    object.__setattr__(record, "shape", check_shape(record.shape, what, InvalidUpdateError))
+    if record.dtype not in DTYPE_CODES:
+        raise InvalidUpdateError(f"{what}: dtype {record.dtype} is not one of {SUPPORTED}")
+    return what
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What a receiver expects a tensor to be (its layout entry, as decode_blob checks it)."""
@@ -75,16 +91,7 @@ class TensorUpdate:
     values: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidUpdateError(f"TensorUpdate name {self.name!r} must be a non-empty str")
-        if len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-            raise InvalidUpdateError(
-                f"tensor {self.name[:60]!r}...: name is longer than {MAX_NAME_BYTES} UTF-8 bytes"
-            )
-        what = f"tensor {self.name!r}"
-        object.__setattr__(self, "shape", check_shape(self.shape, what, InvalidUpdateError))
-        if self.dtype not in DTYPE_CODES:
-            raise InvalidUpdateError(f"{what}: dtype {self.dtype} is not one of {SUPPORTED}")
+        what = _check_record_header(self, "TensorUpdate")
         if not isinstance(self.values, torch.Tensor) or self.values.dim() != 1:
             raise InvalidUpdateError(f"{what}: values must be a 1-D tensor")
         if self.values.dtype != self.dtype:
@@ -164,16 +171,7 @@ class PartedUpdate:
     parts: Callable[[], Iterable[Part]]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidUpdateError(f"PartedUpdate name {self.name!r} must be a non-empty str")
-        if len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-            raise InvalidUpdateError(
-                f"tensor {self.name[:60]!r}...: name is longer than {MAX_NAME_BYTES} UTF-8 bytes"
-            )
-        what = f"tensor {self.name!r}"
-        object.__setattr__(self, "shape", check_shape(self.shape, what, InvalidUpdateError))
-        if self.dtype not in DTYPE_CODES:
-            raise InvalidUpdateError(f"{what}: dtype {self.dtype} is not one of {SUPPORTED}")
+        what = _check_record_header(self, "PartedUpdate")
         for field, value in (("nnz", self.nnz), ("first", self.first), ("max_gap", self.max_gap)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidUpdateError(
