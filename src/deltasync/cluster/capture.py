@@ -29,7 +29,9 @@ and dropped before the next batch. A batch closes only between parameter groups
 tensor may appear in one segment only) and gathers at least ``batch_elements`` changed
 elements unless the version ends first. A parameter that splits into row pieces whose receiver
 tensors no other piece writes (the vocab-parallel embedding,
-:func:`~deltasync.layout.routing.row_pieces`) is routed piece by piece, one segment each. The
+:func:`~deltasync.layout.routing.row_pieces`) is routed piece by piece, one segment each,
+each piece's records written a slice of positions at a time
+(:func:`~deltasync.layout.routing.parted_pieces`). The
 bytes differ from a one-segment blob of the same updates; what a receiver decodes from them is
 the same (tests pin both).
 
@@ -50,12 +52,13 @@ from deltasync.format import BlobWriter
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import param_groups
 from deltasync.layout.routing import (
+    PartedShardUpdates,
     ShardUpdates,
     canonical_changes,
     check_param,
     checked_changes,
+    parted_pieces,
     route_to_shards,
-    routed_pieces,
     row_pieces,
 )
 from deltasync.trainer import Tracker
@@ -237,7 +240,7 @@ def _piece_updates(
     trainer_layout: TrainerLayout,
     receiver_layout: ReceiverLayout,
     world_size: int,
-) -> Iterator[ShardUpdates] | None:
+) -> Iterator[PartedShardUpdates] | None:
     """``name``'s updates piece by piece (None when it is not routed in row pieces)."""
     if name not in params:
         return None
@@ -248,7 +251,9 @@ def _piece_updates(
         return None
     local = check_param(name, params[name])
     local = local.to_local() if hasattr(local, "to_local") else local
-    return routed_pieces(name, positions, local, pieces, receiver_layout=receiver_layout)
+    # each piece's records written a slice at a time, as on the store path: a piece's int64
+    # indices and values never exist whole (same bytes as routing the piece whole)
+    return parted_pieces(name, positions, local, pieces, receiver_layout=receiver_layout)
 
 
 def streamed_blobs(
@@ -297,7 +302,7 @@ def streamed_blobs(
     batch: dict[str, Positions] = {}
     size = 0
 
-    def write(updates: ShardUpdates) -> None:
+    def write(updates: ShardUpdates | PartedShardUpdates) -> None:
         for shard, ups in updates.items():
             writers[shard].segment(ups)
             elements[shard] += sum(u.nnz for u in ups)
