@@ -157,7 +157,10 @@ def _raw_buffer(n: int) -> np.ndarray:
         return np.empty(n, dtype=np.uint8)
     mapped = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapped.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            mapped.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: a hint, not a need
+            pass
     return np.frombuffer(mapped, dtype=np.uint8)
 
 
