@@ -335,19 +335,25 @@ def _same_stream(a, b) -> None:
 SHAPES = [(64, 48)] * 9 + [(3, 5), (1100, 1000), (257,)]
 
 
-def test_small_params_detected_ahead_on_threads_equal_one_at_a_time_bit_for_bit(monkeypatch):
+def _count_taken(monkeypatch, method: str) -> list[str]:
+    """The names whose results ``Lookahead.<method>`` handed over from the threads."""
     from deltasync.trainer import detect
 
-    taken = []
-    take = detect.Lookahead.take
+    taken: list[str] = []
+    original = getattr(detect.Lookahead, method)
 
-    def counting_take(self, name):
-        got = take(self, name)
+    def counting(self, name):
+        got = original(self, name)
         if got is not None:
             taken.append(name)
         return got
 
-    monkeypatch.setattr(detect.Lookahead, "take", counting_take)
+    monkeypatch.setattr(detect.Lookahead, method, counting)
+    return taken
+
+
+def test_small_params_detected_ahead_on_threads_equal_one_at_a_time_bit_for_bit(monkeypatch):
+    taken = _count_taken(monkeypatch, "take")
     tracker, _ = _stepped_tracker(SHAPES, threads=2)
     ahead = list(tracker.iter_changes())
     several, _ = _stepped_tracker(SHAPES, threads=2, steps=2)  # a bitset per param: in order
@@ -364,6 +370,37 @@ def test_small_params_detected_ahead_on_threads_equal_one_at_a_time_bit_for_bit(
         [(n, i, None) for n, i in one_at_a_time.iter_changed()],
     )
     assert len(ahead) == len(SHAPES)
+
+
+# chunked parameters (above one work item) between small ones: their chunks run ahead
+# across the parameter boundaries
+MIXED = [(1100, 1000), (64, 48), (2100, 1000), (3, 5), (1500, 900), (257,)]
+
+
+def test_large_params_chunks_run_ahead_across_parameters_equal_one_at_a_time(monkeypatch):
+    taken = _count_taken(monkeypatch, "take_items")
+    ahead, _ = _stepped_tracker(MIXED, threads=2)
+    alone, _ = _stepped_tracker(MIXED, threads=1)
+    truth = list(alone.iter_changes())
+    got = list(ahead.iter_positions())
+    assert sorted(taken) == ["p0", "p2", "p4"]  # every chunked one came from the threads
+    assert [n for n, _ in got] == [n for n, *_ in truth]
+    for (name, pos), (_, idx, _) in zip(got, truth, strict=True):
+        assert torch.equal(pos.indices(), idx), name
+    taken.clear()
+    _same_stream(list(ahead.iter_changes()), truth)  # with values, from the threads too
+    assert sorted(taken) == ["p0", "p2", "p4"]
+    captured = list(ahead.iter_capture(1 << 40))
+    for (name, pos, vals), (_, idx, want) in zip(captured, truth, strict=True):
+        got_idx = pos if isinstance(pos, torch.Tensor) else pos.indices()
+        assert torch.equal(got_idx, idx), name
+        assert vals is None or torch.equal(vals.view(torch.int16), want.view(torch.int16)), name
+    stream = ahead.iter_positions()  # abandoned after one parameter, the next ones in flight
+    next(stream)
+    stream.close()
+    again = list(ahead.iter_positions())
+    for (name, pos), (_, idx, _) in zip(again, truth, strict=True):
+        assert torch.equal(pos.indices(), idx), name
 
 
 def test_an_abandoned_stream_leaves_the_tracker_answering_the_same():

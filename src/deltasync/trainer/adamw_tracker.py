@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,10 +44,12 @@ from deltasync.trainer.detect import (
     Lookahead,
     bits_to_indices,
     bitset_bytes,
+    chunk_items,
     detect_adamw_,
     detect_adamw_changes,
     detect_adamw_index_chunks,
     detect_adamw_indices,
+    join_chunks,
     small_enough,
 )
 from deltasync.trainer.params import OutOfBandWatch, Watched, local_of, watch
@@ -338,8 +341,9 @@ class AdamWTracker:
         parameter's chunks go straight into :class:`Positions`; ``values_below`` (with
         ``positions``): while fewer changed elements than that were seen, a parameter of at
         most :data:`VALUE_CAPTURE_MAX` elements comes as int64 indices with its values
-        instead (see :meth:`iter_capture`). Small one-step parameters are detected a few
-        ahead on the detection threads (:class:`Lookahead`)."""
+        instead (see :meth:`iter_capture`). One-step CPU parameters are detected ahead on
+        the detection threads, a few work items at a time across parameter boundaries
+        (:class:`Lookahead`: a small parameter is one item, a large one an item per chunk)."""
         self._oob.check()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
@@ -353,17 +357,21 @@ class AdamWTracker:
                 seen < values_below and self._watched[name].shard.local_numel <= VALUE_CAPTURE_MAX
             )
 
-        def job(name: str) -> Callable[[], tuple[torch.Tensor | Positions, torch.Tensor | None]]:
+        chunked = {n for n in self._order if self._chunked_step(n, pending)}
+
+        def job(name: str) -> list[Callable[[], Any]]:
             _, hyper, v_key = pending[name]
             args = (*self._state(name, v_key), kernel_scalars(hyper))
+            if name in chunked:  # its chunks, joined or encoded by the consumer
+                return chunk_items(*args, values=values)
             if wants_values(name):  # decided at submission; the consumer re-checks the budget
-                return lambda: detect_adamw_changes(*args, threads=1)
+                return [lambda: detect_adamw_changes(*args, threads=1)]
             if positions:
-                return lambda: (Positions.of(detect_adamw_indices(*args, threads=1)), None)
-            return lambda: (detect_adamw_indices(*args, threads=1), None)
+                return [lambda: (Positions.of(detect_adamw_indices(*args, threads=1)), None)]
+            return [lambda: (detect_adamw_indices(*args, threads=1), None)]
 
         ahead = Lookahead(
-            [n for n in self._order if self._small_step(n, pending)],
+            [n for n in self._order if n in chunked or self._small_step(n, pending)],
             job,
             threads=self._threads or torch.get_num_threads(),
         )
@@ -375,7 +383,19 @@ class AdamWTracker:
                     idx, vals = self._everything(name, values)
                 elif name in self._covered:
                     want = wants_values(name)
-                    got = ahead.take(name)
+                    if name in chunked:  # never captured with values (above the cap)
+                        items = ahead.take_items(name)
+                        got = None
+                        if items is not None and positions and not values:
+                            device = self._watched[name].local().device
+                            got = (
+                                Positions.from_chunks((i for i, _ in items), device=device),
+                                None,
+                            )
+                        elif items is not None:
+                            got = join_chunks(list(items), values=values)
+                    else:
+                        got = ahead.take(name)
                     if got is None:
                         got = self._detect_one(name, pending.get(name), want, positions)
                     if isinstance(got[0], Positions):
@@ -399,18 +419,31 @@ class AdamWTracker:
         finally:
             ahead.close()
 
-    def _small_step(self, name: str, pending: dict) -> bool:
-        """Whether ``name``'s detection is one plain step on a small CPU tensor (a single
-        kernel call: worth running ahead on the detection threads)."""
+    def _plain_step(self, name: str, pending: dict) -> bool:
+        """Whether ``name``'s detection is one plain step on a CPU tensor (the kernel's
+        work items can run ahead on the detection threads: :class:`Lookahead`)."""
         if name in self._oob or name not in self._covered or name in self._bits:
             return False
         entry = pending.get(name)
-        watched = self._watched[name]
         return (
             entry is not None
             and entry[1] is not None
-            and watched.param.device.type == "cpu"
-            and small_enough(watched.shard.local_numel)
+            and self._watched[name].param.device.type == "cpu"
+        )
+
+    def _small_step(self, name: str, pending: dict) -> bool:
+        """A plain step in a single kernel call."""
+        return self._plain_step(name, pending) and small_enough(
+            self._watched[name].shard.local_numel
+        )
+
+    def _chunked_step(self, name: str, pending: dict) -> bool:
+        """A plain step in several kernel calls (never captured with values)."""
+        numel = self._watched[name].shard.local_numel
+        return (
+            self._plain_step(name, pending)
+            and not small_enough(numel)
+            and numel > VALUE_CAPTURE_MAX
         )
 
     def _detect_one(

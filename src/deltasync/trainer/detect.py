@@ -19,7 +19,6 @@ This module knows tensors and the kernel scalars; it knows nothing about optimiz
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -55,42 +54,74 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 
 
 class Lookahead:
-    """Per-parameter detections run on the detection threads ahead of their consumer.
+    """Detections run on the detection threads ahead of their consumer, across parameters.
 
-    A tracker walks its parameters in order, and one no larger than a work item
-    (``_CHUNK`` elements) is detected in a single kernel call on the caller's thread: a
-    model of many small tensors then keeps one core busy. Here up to ``2 * threads`` of the
-    ``names`` coming next are submitted at once; :meth:`take` hands each result over in
-    order. ``job(name)`` is called when the parameter is submitted and returns the work
-    (so what it asks for may depend on what the consumer has seen by then). Results are
-    the same as running the jobs in order: each reads its own parameter only."""
+    A tracker walks its parameters in order; ``job(name)`` returns a parameter's work items
+    (thunks, one kernel call each, in order: one for a parameter up to ``_CHUNK`` elements,
+    one per chunk above). Up to ``2 * threads`` items, of this parameter and of the ones
+    after it, are in flight at once, so the threads stay busy across parameter boundaries: a
+    model of many small tensors no longer keeps one core busy, and a parameter of three items
+    on two threads, or the consumer encoding the end of one parameter, no longer leaves a
+    thread idle. :meth:`take` (one item) and :meth:`take_items` (several) hand each name's
+    results over in order. ``job(name)`` is called when the name's first item is submitted
+    (so what it asks for may depend on what the consumer has seen by then). Results are the
+    same as running the jobs in order: each item reads its own part of its parameter only."""
 
     def __init__(
-        self, names: list[str], job: Callable[[str], Callable[[], T]], *, threads: int
+        self,
+        names: list[str],
+        job: Callable[[str], list[Callable[[], T]]],
+        *,
+        threads: int,
     ) -> None:
         self._names = collections.deque(names)
         self._job = job
-        self._pool = _executor(threads) if threads > 1 and len(names) > 1 else None
-        self._window: collections.deque = collections.deque()
+        self._pool = _executor(threads) if threads > 1 and names else None
+        self._window: collections.deque = collections.deque()  # (name, future), in order
+        self._current: tuple[str, Iterator[Callable[[], T]]] | None = None
+        self._counts: dict[str, int] = {}
         self._depth = 2 * threads
         self._fill()
 
     def _fill(self) -> None:
-        while self._pool is not None and self._names and len(self._window) < self._depth:
-            name = self._names.popleft()
-            self._window.append((name, self._pool.submit(self._job(name))))
+        while self._pool is not None and len(self._window) < self._depth:
+            if self._current is None:
+                if not self._names:
+                    return
+                name = self._names.popleft()
+                items = self._job(name)
+                self._counts[name] = len(items)
+                self._current = (name, iter(items))
+            name, items = self._current
+            item = next(items, None)
+            if item is None:
+                self._current = None
+                continue
+            self._window.append((name, self._pool.submit(item)))
 
-    def take(self, name: str) -> T | None:
-        """The result for ``name`` if it was submitted (None: detect it yourself)."""
-        if not self._window or self._window[0][0] != name:
-            return None
-        _, fut = self._window.popleft()
+    def _next(self, name: str) -> T:
+        got, fut = self._window.popleft()
+        assert got == name, (got, name)
         self._fill()
         return fut.result()
 
+    def take(self, name: str) -> T | None:
+        """The result for a one-item ``name`` if it was submitted (None: detect it yourself)."""
+        if not self._window or self._window[0][0] != name or self._counts[name] != 1:
+            return None
+        return self._next(name)
+
+    def take_items(self, name: str) -> Iterator[T] | None:
+        """The results of ``name``'s items in order, as each finishes, if they were submitted
+        (None: detect it yourself)."""
+        if not self._window or self._window[0][0] != name:
+            return None
+        return (self._next(name) for _ in range(self._counts[name]))
+
     def close(self) -> None:
-        """Drop what was not taken (an abandoned stream), after the running jobs end."""
+        """Drop what was not taken (an abandoned stream), after the running items end."""
         self._names.clear()
+        self._current = None
         for _, fut in self._window:
             fut.cancel()
         for _, fut in self._window:
@@ -315,6 +346,74 @@ def detect_adamw_indices(
     return _detect_chunked(p, m, v, k, threads=threads, values=False)[0]
 
 
+Chunk = tuple[torch.Tensor, torch.Tensor | None]  # sorted int64 positions, BF16 values or None
+
+
+def chunk_items(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, *, values: bool
+) -> list[Callable[[], Chunk]]:
+    """One step's detection as work items: one thunk per ``_CHUNK``-element chunk, each giving
+    that chunk's sorted int64 positions (absolute) and, with ``values``, their BF16 values, to
+    run in order or on any thread (:class:`Lookahead`); a single whole-tensor item where the
+    kernel cannot run. :func:`join_chunks` puts the results together."""
+    check_state(p, m, v)
+    n = p.numel()
+    if n == 0:
+        return []
+    if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
+
+        def whole() -> Chunk:  # the bitset path (torch where the kernel cannot read)
+            bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
+            detect_adamw_(p, m, v, k, bits, threads=1)
+            idx = bits_to_indices(bits, n)
+            return idx, (bf16_at(p, idx, trusted=True) if values else None)
+
+        return [whole]
+    lib = native.load()
+    assert lib is not None
+    pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
+    flat = p.view(-1)
+
+    def run(start: int) -> Chunk:
+        cnt = min(_CHUNK, n - start)
+        off = start * 4
+        if values:  # positions and BF16 values straight from the kernel, block by block
+            ibuf, vbuf = _list_scratch()
+            found = lib.ds_adamw_detect_list(
+                pp + off,
+                mp + off,
+                vp + off,
+                cnt,
+                *_scalars(k),
+                start,
+                ibuf.data_ptr(),
+                vbuf.data_ptr(),
+            )
+            if found >= 0:
+                return ibuf[:found].clone(), vbuf[:found].clone()
+            # a flagged NaN or subnormal: the bitset path below, and torch casts the values
+        out = _chunk_indices(lib, k, pp, mp, vp, start, cnt)
+        if not values:
+            return out, None
+        return out, bf16_at(flat, out, trusted=True)
+
+    def item(start: int) -> Callable[[], Chunk]:
+        return lambda: run(start)
+
+    return [item(s) for s in range(0, n, _CHUNK)]
+
+
+def join_chunks(parts: list[Chunk], *, values: bool) -> Chunk:
+    """The chunks' positions (and, with ``values``, their values) as one pair, in order."""
+    if not parts:
+        empty = torch.empty(0, dtype=torch.bfloat16) if values else None
+        return torch.empty(0, dtype=torch.int64), empty
+    if len(parts) == 1:
+        return parts[0]
+    idx = torch.cat([a for a, _ in parts])
+    return idx, (torch.cat([b for _, b in parts]) if values else None)  # type: ignore[misc]
+
+
 def detect_adamw_index_chunks(
     p: torch.Tensor,
     m: torch.Tensor,
@@ -327,46 +426,18 @@ def detect_adamw_index_chunks(
     ``_CHUNK``-element chunk, in order, as each is detected (a few chunks ahead on the kernel
     threads). The caller encodes each as it comes (:meth:`Positions.from_chunks`), so the
     int64 positions of a whole parameter (the embedding's: tens of MiB) never exist."""
-    check_state(p, m, v)
-    n = p.numel()
-    if n == 0:
-        return
-    if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
-        yield detect_adamw_indices(p, m, v, k, threads=threads)  # the bitset path, whole
-        return
-    lib = native.load()
-    assert lib is not None
-    pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
-
-    def run(start: int) -> torch.Tensor:
-        return _chunk_indices(lib, k, pp, mp, vp, start, min(_CHUNK, n - start))
-
-    starts = range(0, n, _CHUNK)
+    items = chunk_items(p, m, v, k, values=False)
     t = threads or torch.get_num_threads()
-    if t <= 1 or n <= _CHUNK:
-        for s in starts:
-            yield run(s)
+    if t <= 1 or len(items) <= 1:
+        for item in items:
+            yield item()[0]
         return
-    # A bounded window of chunks in flight: the kernel threads stay busy while the caller
-    # encodes, and at most ``2 * t`` chunks' positions wait.
-    pool = _executor(t)
-    window: collections.deque = collections.deque()
-    it = iter(starts)
+    ahead = Lookahead(["chunks"], lambda _: items, threads=t)
     try:
-        for s in itertools.islice(it, 2 * t):
-            window.append(pool.submit(run, s))
-        while window:
-            out = window.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                window.append(pool.submit(run, nxt))
-            yield out
+        for idx, _ in ahead.take_items("chunks") or ():
+            yield idx
     finally:
-        for f in window:  # an abandoned generator: let the submitted chunks finish
-            f.cancel()
-        for f in window:
-            if not f.cancelled():
-                f.result()
+        ahead.close()
 
 
 def detect_adamw_changes(
@@ -396,50 +467,9 @@ def _detect_chunked(
     *,
     threads: int | None,
     values: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    check_state(p, m, v)
-    n = p.numel()
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
-    if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
-        bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
-        detect_adamw_(p, m, v, k, bits, threads=threads)
-        idx = bits_to_indices(bits, n)
-        return idx, (bf16_at(p, idx, trusted=True) if values else None)
-    lib = native.load()
-    assert lib is not None
-    pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
-    flat = p.view(-1)
-
-    def run(start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cnt = min(_CHUNK, n - start)
-        off = start * 4
-        if values:  # positions and BF16 values straight from the kernel, block by block
-            ibuf, vbuf = _list_scratch()
-            found = lib.ds_adamw_detect_list(
-                pp + off,
-                mp + off,
-                vp + off,
-                cnt,
-                *_scalars(k),
-                start,
-                ibuf.data_ptr(),
-                vbuf.data_ptr(),
-            )
-            if found >= 0:
-                return ibuf[:found].clone(), vbuf[:found].clone()
-            # a flagged NaN or subnormal: the bitset path below, and torch casts the values
-        out = _chunk_indices(lib, k, pp, mp, vp, start, cnt)
-        if not values:
-            return out, None
-        return out, bf16_at(flat, out, trusted=True)
-
-    starts = range(0, n, _CHUNK)
+) -> Chunk:
+    items = chunk_items(p, m, v, k, values=values)
     t = threads or torch.get_num_threads()
-    parts = (
-        list(_executor(t).map(run, starts)) if t > 1 and n > _CHUNK else [run(s) for s in starts]
-    )
-    if len(parts) == 1:
-        return parts[0]
-    idx = torch.cat([a for a, _ in parts])
-    return idx, (torch.cat([b for _, b in parts]) if values else None)
+    if t > 1 and len(items) > 1:
+        return join_chunks(list(_executor(t).map(lambda item: item(), items)), values=values)
+    return join_chunks([item() for item in items], values=values)
