@@ -383,7 +383,7 @@ class AdamWTracker:
                     idx, vals = self._everything(name, values)
                 elif name in self._covered:
                     want = wants_values(name)
-                    if name in chunked:  # never captured with values (above the cap)
+                    if name in chunked:  # its chunks: encoded as they come, or joined
                         items = ahead.take_items(name)
                         got = None
                         if items is not None and positions and not values:
@@ -438,7 +438,8 @@ class AdamWTracker:
         )
 
     def _chunked_step(self, name: str, pending: dict) -> bool:
-        """A plain step in several kernel calls (never captured with values)."""
+        """A plain step in several kernel calls (above :data:`VALUE_CAPTURE_MAX`, so a
+        capture hands it over as positions)."""
         numel = self._watched[name].shard.local_numel
         return (
             self._plain_step(name, pending)
