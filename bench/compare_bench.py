@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cluster", action="store_true", help="skip the in-cluster (gloo) path")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every role (default 1; the trainer's detection threads follow it)",
+    )
+    p.add_argument(
         "--fwd-bwd-s",
         type=float,
         help="seconds of the stand-in forward/backward after each sync (default: the preset's)",
@@ -102,6 +108,8 @@ def _floor(res: dict[str, dict], model_bytes: int, gbps: float | None, memory_gb
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
     pre = dict(PRESETS[args.preset])
     models = args.model or pre["models"]
     links = args.link_gbps or pre["links"]
@@ -133,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
                 warmup=pre["warmup"] if args.warmup is None else args.warmup,
                 fwd_bwd_s=fwd_bwd_s,
                 fwd_bwd_on=args.fwd_bwd_on,
+                threads=args.threads,
             )
             print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
             sys_runs = {}
