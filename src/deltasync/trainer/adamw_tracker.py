@@ -375,6 +375,19 @@ class AdamWTracker:
             job,
             threads=self._threads or torch.get_num_threads(),
         )
+
+        def taken(name: str) -> Any:
+            """``name``'s detection from the threads (None: not submitted)."""
+            if name not in chunked:
+                return ahead.take(name)
+            items = ahead.take_items(name)  # its chunks: encoded as they come, or joined
+            if items is None:
+                return None
+            if positions and not values:
+                device = self._watched[name].local().device
+                return Positions.from_chunks((i for i, _ in items), device=device), None
+            return join_chunks(list(items), values=values)
+
         try:
             for name in self._order:
                 vals: torch.Tensor | None
@@ -383,19 +396,7 @@ class AdamWTracker:
                     idx, vals = self._everything(name, values)
                 elif name in self._covered:
                     want = wants_values(name)
-                    if name in chunked:  # its chunks: encoded as they come, or joined
-                        items = ahead.take_items(name)
-                        got = None
-                        if items is not None and positions and not values:
-                            device = self._watched[name].local().device
-                            got = (
-                                Positions.from_chunks((i for i, _ in items), device=device),
-                                None,
-                            )
-                        elif items is not None:
-                            got = join_chunks(list(items), values=values)
-                    else:
-                        got = ahead.take(name)
+                    got = taken(name)
                     if got is None:
                         got = self._detect_one(name, pending.get(name), want, positions)
                     if isinstance(got[0], Positions):
