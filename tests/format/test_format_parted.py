@@ -35,7 +35,9 @@ def whole(shape, density: float, seed: int, dtype=torch.bfloat16, stretch: int =
     return TensorUpdate(name="w", shape=shape, dtype=dtype, indices=idx, values=vals)
 
 
-def parted(u: TensorUpdate, cut: int, **override) -> PartedUpdate:
+def parted(u: TensorUpdate, cut: int, *, with_indices: bool = False, **override) -> PartedUpdate:
+    """``u`` as a parted update of ``cut``-element parts; ``with_indices`` also gives the
+    indices-only callable the encoder's gap passes use."""
     idx, vals = u.indices, u.values
     if idx is None:  # dense: every element, in order
         idx = torch.arange(u.numel)
@@ -44,12 +46,23 @@ def parted(u: TensorUpdate, cut: int, **override) -> PartedUpdate:
         for a in range(0, idx.numel(), cut):
             yield idx[a : a + cut].clone(), vals[a : a + cut].clone()
 
+    def indices():
+        for a in range(0, idx.numel(), cut):
+            yield idx[a : a + cut].clone()
+
     gaps = idx[1:] - idx[:-1]
     summary = dict(
         nnz=idx.numel(), first=int(idx[0]), max_gap=int(gaps.max()) if gaps.numel() else 0
     )
     summary.update(override)
-    return PartedUpdate(name=u.name, shape=u.shape, dtype=u.dtype, parts=parts, **summary)
+    return PartedUpdate(
+        name=u.name,
+        shape=u.shape,
+        dtype=u.dtype,
+        parts=parts,
+        indices=indices if with_indices else None,
+        **summary,
+    )
 
 
 CASES = [
@@ -62,15 +75,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("with_indices", [False, True])
 @pytest.mark.parametrize("level", [0, 1, 3])
 @pytest.mark.parametrize("cut", [1, 7, 1 << 16])
 @pytest.mark.parametrize(("shape", "density", "dtype", "stretch"), CASES)
 def test_a_parted_update_encodes_to_the_bytes_of_the_same_update_given_whole(
-    shape, density, dtype, stretch, cut, level
+    shape, density, dtype, stretch, cut, level, with_indices
 ) -> None:
     u = whole(shape, density, seed=cut + level, dtype=dtype, stretch=stretch)
     given = encode_blob([u], **HEAD, level=level)
-    written = encode_blob([parted(u, cut)], **HEAD, level=level)
+    written = encode_blob([parted(u, cut, with_indices=with_indices)], **HEAD, level=level)
     assert written == given
     (back,) = decode_blob(written).updates
     assert same_update(back, u) or (u.nnz == u.numel and back.is_dense)
@@ -85,10 +99,44 @@ def test_a_segment_mixing_parted_and_whole_records_keeps_their_order_and_bytes()
     assert encode_blob(mixed, **HEAD) == given
 
 
-def test_a_parted_section_above_the_one_shot_size_streams_the_same_bytes(monkeypatch) -> None:
-    u = whole((400, 64), 0.2, seed=3)
+@pytest.mark.parametrize("stretch", [1, 200])
+def test_a_parted_section_above_the_one_shot_size_streams_the_same_bytes(
+    monkeypatch, stretch
+) -> None:
+    u = whole((400, 64), 0.2, seed=3, stretch=stretch)
     monkeypatch.setattr(section, "ONE_SHOT_MAX", 1000)  # both writers stream this section
-    assert encode_blob([parted(u, 333)], **HEAD) == encode_blob([u], **HEAD)
+    given = encode_blob([u], **HEAD)
+    assert encode_blob([parted(u, 333)], **HEAD) == given
+    assert encode_blob([parted(u, 333, with_indices=True)], **HEAD) == given
+
+
+def _moved_index(u: TensorUpdate) -> torch.Tensor:
+    """``u``'s indices with one moved down by one where that keeps them sorted, the first
+    index, the count and the largest gap unchanged: only a comparison of the passes sees it."""
+    idx = u.indices
+    gaps = idx[1:] - idx[:-1]
+    top = int(gaps.max())
+    k = next(
+        k
+        for k in range(1, idx.numel() - 1)
+        if gaps[k - 1] > 1 and gaps[k] < top - 1 and int(gaps[k - 1]) != top
+    )
+    moved = idx.clone()
+    moved[k] -= 1
+    assert int((moved[1:] - moved[:-1]).max()) == top
+    return moved
+
+
+def _with_indices(u: TensorUpdate, indices) -> PartedUpdate:
+    p = parted(u, 50)
+    return PartedUpdate(
+        name="w",
+        shape=u.shape,
+        dtype=u.dtype,
+        parts=p.parts,
+        indices=lambda: iter([indices]),
+        **_clean(u),
+    )
 
 
 def _clean(u: TensorUpdate) -> dict:
@@ -119,6 +167,9 @@ def _with_parts(u: TensorUpdate, parts) -> PartedUpdate:
             lambda u: _with_parts(u, lambda: iter([(u.indices, u.values.float())])),
             id="wrong-value-dtype",
         ),
+        pytest.param(lambda u: _with_indices(u, _moved_index(u)), id="indices-disagree"),
+        pytest.param(lambda u: _with_indices(u, u.indices[:-1]), id="indices-short"),
+        pytest.param(lambda u: _with_indices(u, u.indices.int()), id="int32-indices"),
     ],
 )
 def test_a_parted_update_whose_parts_disagree_with_it_is_refused_and_nothing_is_written(

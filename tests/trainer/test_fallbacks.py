@@ -97,7 +97,8 @@ def test_a_step_whose_state_the_kernels_cannot_read_marks_the_param_changed_in_f
     tracker = AdamWTracker(opt, [("p", p)], strict=True)
     p.grad = torch.randn(50)
     opt.step()
-    assert tracker.changed()["p"].numel() < 50  # a tiny lr moves few BF16 values
+    # a tiny lr moves few BF16 values (often none: then "p" is not reported at all)
+    assert tracker.changed().get("p", torch.empty(0)).numel() < 50
     tracker.clear()
     st = opt.state[p]
     st["exp_avg_sq"] = st["exp_avg_sq"].double()  # e.g. a state kept in another precision

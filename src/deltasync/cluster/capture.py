@@ -61,6 +61,7 @@ from deltasync.layout.routing import (
     route_to_shards,
     row_pieces,
 )
+from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.trainer import Tracker
 from deltasync.trainer.positions import Positions
 
@@ -301,6 +302,7 @@ def streamed_blobs(
     elements = dict.fromkeys(shards, 0)
     batch: dict[str, Positions] = {}
     size = 0
+    release = HeapRelease()  # the routed batches' free pages, handed back (segments.py)
 
     def write(updates: ShardUpdates | PartedShardUpdates) -> None:
         for shard, ups in updates.items():
@@ -321,12 +323,14 @@ def streamed_blobs(
             for updates in pieces:
                 write(updates)
                 del updates  # this piece's pairs: gone before the next piece
+                release_free_heap()  # its record section and slices (see segments.py)
             continue
         batch[name] = positions[name]
         size += len(positions[name])
         if reach[i] > i or (size < batch_elements and i + 1 < len(names)):
             continue
         write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
+        release.count(size)
         batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
     for s in shards:
         writers[s].finish()

@@ -29,17 +29,16 @@ receivers, layouts or storage.
 
 from __future__ import annotations
 
-import mmap
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
-import zstandard
 
 from deltasync.errors import InvalidUpdateError, ManifestError
 from deltasync.format import section
@@ -143,69 +142,56 @@ def _plan_parted(update: PartedUpdate) -> _PartedPlan:
     return _PartedPlan(head + name + dims, update, width)
 
 
-_MAPPED_MIN = 1 << 20  # raw sections from this size up live in their own anonymous mapping
-
-
-def _raw_buffer(n: int) -> np.ndarray:
-    """An uninitialised byte buffer for a segment's raw record section. A large one is its own
-    private anonymous mapping, unmapped when the array is dropped: the pages go back to the
-    system at once instead of staying in the C heap as a hole the next (differently sized)
-    segment may not fit (measured: a publish's freed piece buffers kept the trainer's RSS up
-    by ~100 MiB). Huge pages are asked for on this mapping alone (first-touch faults of 4 KiB
-    pages cost ~1.5 ms per MiB here, 2 MiB pages ~0.2 ms, what numpy's own large arrays get)."""
-    if n < _MAPPED_MIN:
-        return np.empty(n, dtype=np.uint8)
-    mapped = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapped.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: a hint, not a need
-            pass
-    return np.frombuffer(mapped, dtype=np.uint8)
-
-
-def _write_parted(out: np.ndarray, plan: _PartedPlan) -> None:
-    """Write ``plan``'s gap and value planes into ``out`` (the record's bytes after its header),
-    part by part: each part's gaps and value bytes go straight to their place in every plane,
-    so nothing of the update is held beyond one part. Checks every part against the summary
-    the header was planned from."""
-    u, w = plan.update, plan.width
+def _parted_parts(
+    plan: _PartedPlan, *, values: bool, seen: Any
+) -> Iterator[tuple[np.ndarray, torch.Tensor | None, np.ndarray]]:
+    """``plan``'s parts as ``(int64 indices, values or None, the gaps they close)``, each part
+    checked against the summary the header was planned from, its indices fed to the hasher
+    ``seen`` (the caller compares the passes: the callables must give the same indices each
+    time). Without ``values`` the update's ``indices`` callable is used where it has one. The
+    gaps are those between the part's first index and the previous part's last, then between
+    its own neighbours (gap ``g`` sits between indices ``g`` and ``g + 1``); they live in a
+    buffer the next part reuses."""
+    u = plan.update
     what = f"tensor {u.name!r}"
-    n, isz = u.nnz, u.dtype.itemsize
-    n_gaps = (n - 1) if w else 0
-    gap_planes = out[: n_gaps * w].reshape(w, n_gaps) if n_gaps else None
-    val_planes = out[n_gaps * w :].reshape(isz, n)
-    bits = BITS_DTYPES[u.dtype]
+    n = u.nnz
     done, prev, high = 0, -1, 0
     gaps = np.empty(0, dtype=np.int64)
-    for idx, vals in u.parts():
-        m = idx.numel()
+    from_parts = values or u.indices is None
+    parts: Iterable = u.parts() if from_parts else ((idx, None) for idx in u.indices())
+    for idx, vals in parts:
         if (
-            idx.dtype != torch.int64
+            not isinstance(idx, torch.Tensor)
+            or idx.dtype != torch.int64
             or idx.dim() != 1
-            or not isinstance(vals, torch.Tensor)
-            or vals.dtype != u.dtype
-            or vals.shape != idx.shape
+            or (
+                from_parts
+                and (
+                    not isinstance(vals, torch.Tensor)
+                    or vals.dtype != u.dtype
+                    or vals.shape != idx.shape
+                )
+            )
         ):
             raise InvalidUpdateError(
                 f"{what}: a part must be 1-D int64 indices with one {u.dtype} value each"
             )
+        m = idx.numel()
         if not m:
             continue
         if done + m > n:
             raise InvalidUpdateError(f"{what}: the parts hold more than the {n} indices planned")
         a = _host(idx).numpy()
+        seen.update(a)
         if done == 0 and int(a[0]) != u.first:
             raise InvalidUpdateError(
                 f"{what}: the parts start at index {int(a[0])}, the update says {u.first}"
             )
-        # The gaps this part closes: to its first index from the previous part's last, then
-        # between its own neighbours (gap g sits between indices g and g + 1).
         k = m if done else m - 1
+        if gaps.size < k:
+            gaps = np.empty(max(k, 2 * gaps.size), dtype=np.int64)
+        g = gaps[:k]
         if k:
-            if gaps.size < k:
-                gaps = np.empty(max(k, 2 * gaps.size), dtype=np.int64)
-            g = gaps[:k]
             if done:
                 g[0] = a[0] - prev
                 np.subtract(a[1:], a[:-1], out=g[1:])
@@ -217,14 +203,7 @@ def _write_parted(out: np.ndarray, plan: _PartedPlan) -> None:
                     "them and drop duplicates"
                 )
             high = max(high, int(g.max()))
-            if gap_planes is not None:
-                at = done - 1 if done else 0
-                as_bytes = g.view(np.uint8).reshape(k, 8)
-                for plane in range(w):
-                    gap_planes[plane, at : at + k] = as_bytes[:, plane]
-        v = _host(vals).view(bits).numpy().view(np.uint8).reshape(m, isz)
-        for plane in range(isz):
-            val_planes[plane, done : done + m] = v[:, plane]
+        yield a, vals, g
         prev = int(a[-1])
         done += m
     if done != n or prev >= u.numel or high != u.max_gap:
@@ -234,57 +213,53 @@ def _write_parted(out: np.ndarray, plan: _PartedPlan) -> None:
         )
 
 
-def _compress_raw(raw: np.ndarray, level: int) -> list[bytes]:
-    """The record section of ``raw`` exactly as :class:`section.SectionWriter` writes it for the
-    same bytes: raw at level 0, one zstd call up to ``section.ONE_SHOT_MAX``, a pledged-size
-    stream above (its output does not depend on how the input is cut)."""
-    if not level:
-        return [raw.tobytes()]
-    zc = zstandard.ZstdCompressor(
-        level=level, write_content_size=True, write_checksum=False, write_dict_id=False
-    )
-    if raw.size <= section.ONE_SHOT_MAX:
-        return [zc.compress(raw)]
-    stream = zc.compressobj(size=raw.size)
-    chunks = []
-    for a in range(0, raw.size, section.CHUNK):
-        out = stream.compress(raw[a : a + section.CHUNK])
-        if out:
-            chunks.append(out)
-    chunks.append(stream.flush())
-    return chunks
+def _write_parted(sink: Sink, plan: _PartedPlan) -> None:
+    """Write ``plan``'s gap and value planes into ``sink`` in record order, part by part: one
+    pass over the parts per gap plane (the positions are decoded again, cheaper than holding
+    them), then one pass for the values, whose first byte plane goes out as it comes and whose
+    other planes wait in one byte per element each. Nothing of the update is held whole but
+    those planes (for BF16: one byte per element)."""
+    u, w = plan.update, plan.width
+    n, isz = u.nnz, u.dtype.itemsize
+    passes = set()  # the digest of the indices each pass saw
+    for plane in range(w if n >= 2 else 0):
+        seen = xxhash.xxh3_64()
+        for _, _, g in _parted_parts(plan, values=False, seen=seen):
+            if g.size:
+                sink(memoryview(np.ascontiguousarray(g.view(np.uint8).reshape(-1, 8)[:, plane])))
+        passes.add(seen.intdigest())
+    later = np.empty((isz - 1, n), dtype=np.uint8)
+    done = 0
+    seen = xxhash.xxh3_64()
+    for a, vals, _ in _parted_parts(plan, values=True, seen=seen):
+        assert vals is not None
+        m = a.size
+        v = _host(vals).view(BITS_DTYPES[u.dtype]).numpy().view(np.uint8).reshape(m, isz)
+        sink(memoryview(np.ascontiguousarray(v[:, 0])))
+        later[:, done : done + m] = v[:, 1:].T
+        done += m
+    passes.add(seen.intdigest())
+    if len(passes) > 1:
+        raise InvalidUpdateError(
+            f"tensor {u.name!r}: its parts gave different indices on different passes (its "
+            "indices callable and its parts disagree, or a callable is not repeatable); each "
+            "call must give the same indices in the same order"
+        )
+    for plane in later:
+        sink(memoryview(plane))
 
 
-def _section_with_parts(plans: list, raw_len: int, level: int) -> list[bytes]:
-    """A segment's record section when some records are parted: every record's bytes written
-    in place into one raw buffer (parted ones part by part), then compressed as
-    :class:`section.SectionWriter` would, so the bytes equal those of the same records given
-    whole. The raw buffer (a mapped one is unmapped) is gone before the caller hands the
-    segment on."""
-    return _compress_raw(_raw_records(plans, raw_len), level)
-
-
-def _raw_records(plans: list, raw_len: int) -> np.ndarray:
-    raw = _raw_buffer(raw_len)
-    at = 0
-
-    def put(piece: bytes | memoryview) -> None:
-        nonlocal at
-        raw[at : at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-        at += len(piece)
-
+def _write_records(out: section.SectionWriter, plans: list) -> None:
+    """Every planned record of a segment, in order, through ``out`` (parted ones part by part,
+    so the bytes equal those of the same records given whole)."""
     for p in plans:
-        put(p.head)
+        out.write(p.head)
         if isinstance(p, _PartedPlan):
-            body = p.size - len(p.head)
-            _write_parted(raw[at : at + body], p)
-            at += body
+            _write_parted(out.write, p)
             continue
         if p.indices is not None:
-            section.write_gap_planes(put, p.indices, p.width)
-        section.write_value_planes(put, p.values)
-    assert at == raw_len, (at, raw_len)  # planned size is exact
-    return raw
+            section.write_gap_planes(out.write, p.indices, p.width)
+        section.write_value_planes(out.write, p.values)
 
 
 def _check_header(version: int, base_version: int, shard: str, writer: str, level: int) -> None:
@@ -391,17 +366,11 @@ class BlobWriter:
             )
 
         raw_len = sum(p.size for p in plans)
-        if any(isinstance(p, _PartedPlan) for p in plans):
-            # parted records are checked as they are written: nothing reaches the sink before
-            body = _section_with_parts(plans, raw_len, self._level)
-        else:
-            out = section.SectionWriter(raw_len, self._level)
-            for p in plans:
-                out.write(p.head)
-                if p.indices is not None:
-                    section.write_gap_planes(out.write, p.indices, p.width)
-                section.write_value_planes(out.write, p.values)
-            body = out.finish()
+        # Parted records are checked as they are written: the section is complete (and
+        # every part checked) before any of it reaches the sink.
+        out = section.SectionWriter(raw_len, self._level)
+        _write_records(out, plans)
+        body = out.finish()
         self._seen |= names  # only once every record of the segment is valid
         section_len = sum(len(c) for c in body)
         self._put(SEGMENT.pack(section_len, raw_len, len(plans)))

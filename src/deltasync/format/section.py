@@ -2,7 +2,7 @@
 
 The record code sees a byte sink and a byte source that it feeds and drains in bounded chunks
 (CHUNK bytes). Behind them, sections up to ONE_SHOT_MAX are compressed in one zstd call
-(smaller and faster), and sections up to READ_ONE_SHOT_MAX decompressed in one call; larger ones
+from a gathered copy, and sections up to READ_ONE_SHOT_MAX decompressed in one call; larger ones
 stream, so the uncompressed section is never held whole and no second shard-sized buffer
 exists. Both give a
 single standard zstd frame. (Fresh buffers are not free here: first-touch page faults measured
@@ -38,11 +38,13 @@ from deltasync.errors import FormatError, TruncatedBlobError
 
 MIN_LEVEL = 0  # 0 = store the record section raw (no zstd); flags bit 0 clear
 MAX_LEVEL = 22
-# Sections up to this size are compressed and decompressed in one call: one-shot zstd came out
-# ~1% smaller than streaming the same bytes and decompresses ~2x faster (measured on a 1% BF16
-# delta), and the whole-section copy is small. Larger sections (anchors) stream in chunks, so no
-# second shard-sized buffer exists.
-ONE_SHOT_MAX = 32 << 20
+# Sections up to this size are compressed in one call from a gathered copy (one call is
+# cheaper than many for small sections, and the copy is small). Larger ones (the 0.6B's
+# embedding pieces, anchors) stream through a pledged-size compressor, so neither a second
+# copy of the raw section nor, for a parted record, the raw section itself ever exists: the
+# trainer holds the compressed frame only (a 13-18 MiB embedding piece: 9 MiB). A streamed
+# frame's bytes do not depend on how the input is cut (they may differ from one-shot's).
+ONE_SHOT_MAX = 4 << 20
 # The reader decompresses larger sections as a stream: a receiver reads a version's sections
 # twice (verify, then the scatter) and holds one per blob at a time, so a one-shot buffer is
 # memory the pull holds next to the shard. A publisher's batched segments (about 2^20 changed
@@ -57,7 +59,9 @@ class SectionWriter:
 
     ``raw_len`` is pledged up front: zstd writes it into the frame header and refuses a
     different total. A single-threaded compressor makes the output a deterministic function of
-    the input and the zstd version (measured: identical to one-shot ``compress``)."""
+    the input and the zstd version: a streamed frame's bytes do not depend on how the writes
+    cut the input (they may differ from one-shot ``compress`` of the same bytes, which is why
+    the size alone chooses the path)."""
 
     def __init__(self, raw_len: int, level: int) -> None:
         self.raw_len, self.written, self.chunks = raw_len, 0, []

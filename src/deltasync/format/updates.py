@@ -169,6 +169,9 @@ class PartedUpdate:
     first: int
     max_gap: int  # 0 when nnz < 2
     parts: Callable[[], Iterable[Part]]
+    # The parts' indices alone, when the producer gives them cheaper than with their values
+    # (the encoder's passes over the gap planes need no values); None: read from ``parts``.
+    indices: Callable[[], Iterable[torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         what = _check_record_header(self, "PartedUpdate")
@@ -193,6 +196,8 @@ class PartedUpdate:
             )
         if not callable(self.parts):
             raise InvalidUpdateError(f"{what}: parts must be a callable yielding the parts")
+        if self.indices is not None and not callable(self.indices):
+            raise InvalidUpdateError(f"{what}: indices must be None or a callable")
 
     @property
     def numel(self) -> int:

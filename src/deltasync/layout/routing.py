@@ -504,6 +504,10 @@ def parted_pieces(
     values = torch.empty(size, dtype=torch.bfloat16)
     dtype = receiver_layout.spec.dtype
 
+    def indices(piece: RowPiece, shift: int) -> Iterator[torch.Tensor]:
+        for idx in cursor.take(piece.start, piece.stop):
+            yield torch.add(idx, shift, out=shifted[: idx.numel()]) if shift else idx
+
     def parts(piece: RowPiece, shift: int) -> Iterator[Part]:
         for idx in cursor.take(piece.start, piece.stop):
             m = idx.numel()
@@ -524,6 +528,7 @@ def parted_pieces(
                     first=first + shift,
                     max_gap=max_gap,
                     parts=lambda piece=piece, shift=shift: parts(piece, shift),
+                    indices=lambda piece=piece, shift=shift: indices(piece, shift),
                 )
             )
         yield out

@@ -336,3 +336,43 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _extent(t: torch.Tensor) -> int:
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
     return span * t.element_size()
+
+
+def _libc_trim() -> ctypes.CDLL | None:
+    try:  # glibc only: malloc_trim is a GNU extension
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _libc_trim()
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op
+    elsewhere). A publish frees tens of MiB of short-lived buffers (routed indices, record
+    sections, compressed segments) between long-lived ones (the captured positions), and glibc
+    keeps such holes resident: on Qwen3-0.6B the trainer's RSS rose by ~60 MiB over a
+    version that never held more than ~40 MiB at once. Freeing pages changes no object, only
+    what the process keeps resident; a call costs well under a millisecond here."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+class HeapRelease:
+    """Calls :func:`release_free_heap` once ``every`` units (a publisher's routed changed
+    elements) were counted since the last call: each release makes the next buffers fault
+    their pages in again, so releasing after every segment of a 0.6B version cost ~0.3 CPU s,
+    and never releasing let glibc keep ~40 MiB of holes."""
+
+    def __init__(self, every: int = 1 << 20) -> None:
+        self.every, self._count = every, 0
+
+    def count(self, n: int) -> None:
+        self._count += n
+        if self._count >= self.every:
+            release_free_heap()
+            self._count = 0

@@ -124,8 +124,9 @@ class PublishReport:
 log = logging.getLogger(__name__)
 
 # Changed elements per segment when consecutive groups are batched (a detected list of
-# changes): about 10 MiB of routed indices and values.
-SEGMENT_ELEMENTS = 1 << 20
+# changes): about 5 MiB of routed indices and values while a batch is routed and encoded (2^20
+# put ~25 MiB of transients beside the 0.6B's ~28 MiB of captured positions).
+SEGMENT_ELEMENTS = 1 << 19
 
 Params = Mapping[str, torch.Tensor]
 

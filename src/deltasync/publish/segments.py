@@ -42,6 +42,7 @@ from deltasync.format.updates import INT32_NUMEL
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
 from deltasync.layout.routing import RowPiece, parted_pieces, row_pieces, shard_updates
+from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.native.ops import bf16_at
 from deltasync.publish.streams import ShardStreams
 from deltasync.trainer.positions import Positions
@@ -104,6 +105,8 @@ class GroupRouter:
         pending: dict[int, dict[str, tuple]] = {}
         batch: list[dict[str, tuple]] = []  # complete groups not yet routed, in order
         held = 0  # their changed elements
+        # the heap's free pages (routed buffers and records, gone by then) handed back
+        release = HeapRelease()
 
         def route(changes: list[dict[str, tuple]]) -> None:
             # Group by group: each group's int64 positions and values exist only while it is
@@ -164,8 +167,10 @@ class GroupRouter:
                     return
             if not batch:
                 return
-            changes, batch, held = batch, [], 0
+            changes, count = batch, held
+            batch, held = [], 0
             route(changes)
+            release.count(count)
 
         done = 0  # groups[:done] are flushed
         last, last_name = -1, None
@@ -228,6 +233,7 @@ class GroupRouter:
         ):
             streams.add(updates)
             del updates
+            release_free_heap()  # the piece's record section and its int64 slices
 
     def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
         """The parameter groups of ``params`` and each param's group (cached per name list)."""

@@ -35,12 +35,14 @@ from deltasync.commit.model import blob_hasher
 from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
 from deltasync.format.updates import PartedUpdate
+from deltasync.native.loader import release_free_heap
 from deltasync.store import Store
 
 _END = object()  # the blob is complete
 _ABORT = object()  # the blob must not be stored
 QUEUED_SEGMENTS = 4  # per blob: encoded segments waiting for their upload thread
 _WAIT_S = 0.05  # how often a waiting add checks that its upload is still alive
+RELEASE_AFTER_BYTES = 4 << 20  # a segment this large is followed by release_free_heap()
 
 
 @dataclass
@@ -62,7 +64,11 @@ def _drain(chunks: queue.Queue) -> Iterator[bytes]:
             return
         if item is _ABORT:
             raise StreamAborted("publish aborted; the partial blob is discarded")
+        large = sum(len(part) for part in item) >= RELEASE_AFTER_BYTES
         yield from item  # one segment's pieces, as the writer produced them
+        del item
+        if large:  # written: its pages go back now, not after the next segments' buffers
+            release_free_heap()
 
 
 class ShardStreams:

@@ -51,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from deltasync.errors import ConfigError, PublishFailedError
+from deltasync.native.loader import release_free_heap
 from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
@@ -384,6 +385,9 @@ class TrainerSync:
         anchor: bool,
         changes: list[Change] | None = None,
     ) -> list[PublishReport]:
+        # The capture's transients (each parameter's int64 positions) left holes between the
+        # captured positions it keeps: give those pages back before the publish allocates.
+        release_free_heap()
         try:
             reports = [
                 pub.publish(
