@@ -6,11 +6,10 @@ above the bound."""
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import multiprocessing
 
 import torch
+from kit import settled_rss, status_kib
 
 from deltasync.format import BlobWriter, section
 from deltasync.format.updates import PartedUpdate
@@ -19,22 +18,6 @@ N = 12 << 20  # changed elements: a raw section of 48 MiB (2-byte gaps, 2-byte v
 STRIDE = 300  # gaps of 294..301: two bytes each
 SLICE = 1 << 16
 HEAD = dict(version=2, base_version=1, shard="tp0", writer="w00000")
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
-def _settle() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
-    return _kib("VmRSS") * 1024
 
 
 def _update(n: int) -> PartedUpdate:
@@ -69,10 +52,10 @@ def _measure(results) -> None:
             written[0] += len(chunk)
 
         BlobWriter(sink, **HEAD).segment([_update(SLICE * 3)])  # warm: zstd, numpy, torch
-        base = _settle()
+        base = settled_rss()
         writer = BlobWriter(sink, **HEAD)
         writer.segment([_update(N)])
-        peak = _kib("VmHWM") * 1024 - base
+        peak = status_kib("VmHWM") * 1024 - base
         results.put((peak, writer.body_len, writer.raw_len))
     except BaseException as exc:  # reported by the test, not lost with the child
         results.put(f"{type(exc).__name__}: {exc}")

@@ -6,33 +6,16 @@ stand far above the bound."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import multiprocessing
 
 import torch
-from kit import build_model, tiny_layouts, tiny_qwen3
+from kit import build_model, settled_rss, status_kib, tiny_layouts, tiny_qwen3
 
 from deltasync import AdamWTracker, LocalStore, Publisher, PublisherConfig
 from deltasync.trainer.positions import Positions
 
 N = 24 * 2**20  # elements: ~2.6 M change in AdamW's first step at lr 3e-6
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
-def _settle() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
-    return _kib("VmRSS") * 1024
 
 
 def test_capturing_positions_costs_a_byte_per_change_not_an_int64_copy() -> None:
@@ -47,9 +30,9 @@ def test_capturing_positions_costs_a_byte_per_change_not_an_int64_copy() -> None
     count = truth.numel()
     assert count > 2_000_000  # their int64 positions: > 16 MiB
     dict(tracker.iter_positions())  # warm: kernel threads, their scratch, allocator arenas
-    base = _settle()
+    base = settled_rss()
     captured = dict(tracker.iter_positions())
-    peak = _kib("VmHWM") * 1024 - base
+    peak = status_kib("VmHWM") * 1024 - base
     assert torch.equal(captured["w"].indices(), truth)
     held = captured["w"].nbytes
     assert held <= count * 1.1
@@ -103,9 +86,9 @@ def _measure_row_piece(root: str) -> tuple[str, int, int, int]:
     del first
     captured, piece = changes()
     assert piece > 1_200_000  # as int64 with their values: > 12 MiB for one piece
-    base = _settle()
+    base = settled_rss()
     rep = pub.publish(2, captured, params)
-    peak = _kib("VmHWM") * 1024 - base
+    peak = status_kib("VmHWM") * 1024 - base
     pub.close()
     return rep.kind, peak, 3 * piece + max(rep.shard_bytes.values()), piece
 
@@ -149,9 +132,9 @@ def _holes_released(results) -> None:
             b[::4096] = b"\1" * len(b[::4096])  # touch every page
         del bufs[::2]
         gc.collect()
-        before = _kib("VmRSS") * 1024
+        before = status_kib("VmRSS") * 1024
         release_free_heap()
-        results.put((before, _kib("VmRSS") * 1024))
+        results.put((before, status_kib("VmRSS") * 1024))
     except BaseException as exc:
         results.put(f"{type(exc).__name__}: {exc}")
 
