@@ -98,9 +98,9 @@ def test_publishing_a_row_piece_holds_its_record_bytes_and_a_slice_not_its_int64
 ) -> None:
     """The background half of an overlapped publish: captured positions in, blobs out. The
     vocab-parallel embedding (the trainer's largest tensor) is routed piece by piece; what a
-    piece costs above its own record bytes (the segment's raw section and its zstd frame, which
-    the format needs whole: the frame's length comes first) must be a bounded slice, not its
-    positions as int64 plus their values (10 bytes per changed element)."""
+    piece costs above its own record bytes (its zstd frame, which the format needs whole: the
+    frame's length comes first; below the one-shot size also its raw section) must be a bounded
+    slice, not its positions as int64 plus their values (10 bytes per changed element)."""
     # In a fresh process: in one that ran a thousand tests first, heap the allocator keeps and
     # its arenas of finished threads move the high-water mark by megabytes either way.
     ctx = multiprocessing.get_context("spawn")

@@ -9,8 +9,9 @@ per record (validation, encoding, gap width, exact byte size), then one pass tha
 planned records through zstd. Records keep the order of the given updates and segments the
 order of the calls, so equal inputs give equal bytes. A :class:`PartedUpdate` (a record too
 large to hold whole: the embedding's row pieces) is planned from its summary and written part
-by part straight into the segment's raw section, in a mapping of its own; it gives exactly the
-bytes of the TensorUpdate with the same indices and values. :func:`encode_blob` is the one-segment
+by part, plane by plane, through the segment's compressor (one pass over its parts per byte
+plane of its gaps, one for its values), so above the one-shot size its raw section never
+exists; it gives exactly the bytes of the TensorUpdate with the same indices and values. :func:`encode_blob` is the one-segment
 case. :func:`encode_blobs` encodes one blob per receiver shard on a few threads: the
 expensive parts (numpy gap planes, zstd) release the GIL, and each blob is exactly what
 :func:`encode_blob` returns for it, yielded in shard order as soon as it and those before it
