@@ -6,10 +6,8 @@ above the bound."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import torch
-from kit import settled_rss, status_kib
+from kit import in_fresh_process, settled_rss, status_kib
 
 from deltasync.format import BlobWriter, section
 from deltasync.format.updates import PartedUpdate
@@ -44,34 +42,27 @@ def _update(n: int) -> PartedUpdate:
     )
 
 
-def _measure(results) -> None:
-    try:
-        written = [0]
+def _measure() -> tuple[int, int, int]:
+    """The RSS peak of encoding the update above the settled baseline, its section's
+    compressed and raw bytes."""
+    written = [0]
 
-        def sink(chunk: bytes) -> None:  # the store's side: counted, not kept
-            written[0] += len(chunk)
+    def sink(chunk: bytes) -> None:  # the store's side: counted, not kept
+        written[0] += len(chunk)
 
-        BlobWriter(sink, **HEAD).segment([_update(SLICE * 3)])  # warm: zstd, numpy, torch
-        base = settled_rss()
-        writer = BlobWriter(sink, **HEAD)
-        writer.segment([_update(N)])
-        peak = status_kib("VmHWM") * 1024 - base
-        results.put((peak, writer.body_len, writer.raw_len))
-    except BaseException as exc:  # reported by the test, not lost with the child
-        results.put(f"{type(exc).__name__}: {exc}")
+    BlobWriter(sink, **HEAD).segment([_update(SLICE * 3)])  # warm: zstd, numpy, torch
+    base = settled_rss()
+    writer = BlobWriter(sink, **HEAD)
+    writer.segment([_update(N)])
+    peak = status_kib("VmHWM") * 1024 - base
+    return peak, writer.body_len, writer.raw_len
 
 
 def test_a_large_parted_record_never_holds_its_raw_section() -> None:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(results,))
-    proc.start()
-    got = results.get(timeout=240)
-    proc.join(60)
-    assert not isinstance(got, str), got
-    peak, frame, raw = got
+    peak, frame, raw = in_fresh_process(_measure)
     assert raw > section.ONE_SHOT_MAX and raw >= 4 * N - 2  # streamed: above the one-shot size
     # What it may hold: the frame, the values' second byte plane (one byte per element) and a
-    # fixed ~9 MiB (zstd's streaming context and window, a slice). Measured 20.7 MiB here;
-    # writing into the raw section first held its 48 MiB and the frame at once.
-    assert peak < frame + N + 10 * 2**20, (peak, frame, raw)
+    # fixed ~9 MiB (zstd's streaming context and window, a slice): measured 20.7 MiB here, so
+    # the bound leaves ~8 MiB of slack. Writing into the raw section first held its 48 MiB and
+    # the frame at once.
+    assert peak < frame + N + 16 * 2**20, (peak, frame, raw)

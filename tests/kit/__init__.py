@@ -274,3 +274,28 @@ def settled_rss() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := current RSS
     return status_kib("VmRSS") * 1024
+
+
+def _in_child(target, args: tuple, results) -> None:
+    try:
+        results.put(target(*args))
+    except BaseException as exc:  # reported by the test, not lost with the child
+        results.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+def in_fresh_process(target, *args: object, timeout_s: float = 240.0):
+    """``target(*args)`` in a fresh (spawned) interpreter, its return value back here (its
+    error raised here). Memory tests measure there: in a process that ran a thousand tests
+    first, heap the allocator keeps and the arenas of finished threads move the high-water
+    mark by megabytes either way."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_in_child, args=(target, args, results))
+    proc.start()
+    got = results.get(timeout=timeout_s)
+    proc.join(60)
+    if isinstance(got, RuntimeError):
+        raise got
+    return got

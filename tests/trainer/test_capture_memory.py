@@ -7,10 +7,9 @@ stand far above the bound."""
 from __future__ import annotations
 
 import gc
-import multiprocessing
 
 import torch
-from kit import build_model, settled_rss, status_kib, tiny_layouts, tiny_qwen3
+from kit import build_model, in_fresh_process, settled_rss, status_kib, tiny_layouts, tiny_qwen3
 
 from deltasync import AdamWTracker, LocalStore, Publisher, PublisherConfig
 from deltasync.trainer.positions import Positions
@@ -44,16 +43,6 @@ def test_capturing_positions_costs_a_byte_per_change_not_an_int64_copy() -> None
 
 
 EMBED = "model.embed_tokens.weight"
-
-
-def _row_piece_peak(root: str, results) -> None:
-    """The measurement below, in the process it runs in: puts (kind, peak above the settled
-    RSS, the piece's record bytes, the piece's changed elements) on ``results``, or the
-    failure's text."""
-    try:
-        results.put(_measure_row_piece(root))
-    except BaseException as exc:  # reported by the test, not lost with the child
-        results.put(f"{type(exc).__name__}: {exc}")
 
 
 def _measure_row_piece(root: str) -> tuple[str, int, int, int]:
@@ -101,16 +90,7 @@ def test_publishing_a_row_piece_holds_its_record_bytes_and_a_slice_not_its_int64
     piece costs above its own record bytes (its zstd frame, which the format needs whole: the
     frame's length comes first; below the one-shot size also its raw section) must be a bounded
     slice, not its positions as int64 plus their values (10 bytes per changed element)."""
-    # In a fresh process: in one that ran a thousand tests first, heap the allocator keeps and
-    # its arenas of finished threads move the high-water mark by megabytes either way.
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_row_piece_peak, args=(str(tmp_path), results))
-    proc.start()
-    got = results.get(timeout=240)
-    proc.join(60)
-    assert not isinstance(got, str), got
-    kind, peak, record, piece = got
+    kind, peak, record, piece = in_fresh_process(_measure_row_piece, str(tmp_path))
     assert kind == "delta"
     # At 16% the gaps fit one byte: a piece's record is 3 bytes per element raw, and its zstd
     # frame is at most the shard's whole blob. Measured above both: 31 MiB when each piece's
@@ -121,33 +101,23 @@ def test_publishing_a_row_piece_holds_its_record_bytes_and_a_slice_not_its_int64
     assert peak < record + 14 * 2**20, (peak, record, piece)
 
 
-def _holes_released(results) -> None:
-    """Frees every other of many heap-sized buffers (each pinned by the next) and reports
-    the RSS before and after :func:`release_free_heap`."""
-    try:
-        from deltasync.native.loader import release_free_heap
+def _holes_released() -> tuple[int, int]:
+    """Frees every other of many heap-sized buffers (each pinned by the next); the RSS before
+    and after :func:`release_free_heap`."""
+    from deltasync.native.loader import release_free_heap
 
-        bufs = [bytearray(100_000 + i) for i in range(800)]  # 80 MiB below the mmap threshold
-        for b in bufs:
-            b[::4096] = b"\1" * len(b[::4096])  # touch every page
-        del bufs[::2]
-        gc.collect()
-        before = status_kib("VmRSS") * 1024
-        release_free_heap()
-        results.put((before, status_kib("VmRSS") * 1024))
-    except BaseException as exc:
-        results.put(f"{type(exc).__name__}: {exc}")
+    bufs = [bytearray(100_000 + i) for i in range(800)]  # 80 MiB below the mmap threshold
+    for b in bufs:
+        b[::4096] = b"\1" * len(b[::4096])  # touch every page
+    del bufs[::2]
+    gc.collect()
+    before = status_kib("VmRSS") * 1024
+    release_free_heap()
+    return before, status_kib("VmRSS") * 1024
 
 
 def test_releasing_the_free_heap_hands_freed_holes_back_to_the_system() -> None:
     """glibc keeps freed chunks that live objects pin resident; the publisher releases them
     between segments (its peak would otherwise grow by what earlier segments freed)."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_holes_released, args=(results,))
-    proc.start()
-    got = results.get(timeout=120)
-    proc.join(60)
-    assert not isinstance(got, str), got
-    before, after = got
+    before, after = in_fresh_process(_holes_released)
     assert before - after > 30 * 2**20, (before, after)  # ~40 MiB of holes
