@@ -19,6 +19,7 @@ vLLM-convention reference loader; the corrupted version changes nothing.
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm_runs import TINY, run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -97,8 +98,29 @@ def test_every_version_lands_bit_exact_in_the_engines_live_tensors_at_every_rank
 
 def test_vllms_own_loader_reading_the_same_checkpoint_changes_no_bit_and_no_token(family):
     synced = family["synced"]
+    compared = 0
     for shard, live in enumerate(synced["live_after_reload"]):
-        assert same_bits(live, synced["splits"][f"tp{shard}"]) == [], f"tp{shard}"
+        expected = synced["splits"][f"tp{shard}"]
+        # On CPUs with AMX/AVX-512 BF16, vLLM's CPU backend repacks the linear layers after
+        # its loader runs: a weight's parameter is left empty (the packed copy is not readable
+        # as a tensor) and a bias is widened to fp32. Empty ones are checked through what the
+        # model computes (tokens and logprobs, below); a widened one against the exact fp32
+        # of the expected BF16 bits; every other tensor bit for bit as it is.
+        kept = {n: t for n, t in live.items() if t.numel() or not expected[n].numel()}
+        want = {
+            n: expected[n].float() if t.dtype == torch.float32 else expected[n]
+            for n, t in kept.items()
+        }
+        widened = [n for n in kept if kept[n].dtype == torch.float32]
+        assert [
+            n
+            for n in widened
+            if not torch.equal(kept[n].view(torch.int32), want[n].view(torch.int32))
+        ] == []
+        rest = [n for n in kept if n not in widened]
+        assert same_bits({n: kept[n] for n in rest}, {n: want[n] for n in rest}) == [], f"tp{shard}"
+        compared += len(kept)
+    assert compared, "vLLM kept no tensor readable: nothing was compared bit for bit"
     assert synced["gen_after_reload"] == synced["gen"][VERSIONS]  # tokens and logprobs, exact
 
 
