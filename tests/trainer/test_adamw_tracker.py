@@ -258,7 +258,12 @@ def test_uncovered_configurations_fall_back_to_an_exact_snapshot():
 def test_native_kernel_and_torch_fallback_produce_the_same_mask():
     from deltasync.native import loader as native
     from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
-    from deltasync.trainer.detect import bitset_bytes, detect_adamw_
+    from deltasync.trainer.detect import (
+        bits_to_indices,
+        bitset_bytes,
+        detect_adamw_,
+        detect_adamw_changes,
+    )
 
     if native.load() is None:
         pytest.fail(f"C kernel did not build: {native.build_error}")
@@ -284,6 +289,8 @@ def test_native_kernel_and_torch_fallback_produce_the_same_mask():
         detect_adamw_(p, m, v, k, a, threads=2)
         detect_adamw_(p, m, v, k, b, force_torch=True)
         assert torch.equal(a, b)
+        idx, _values = detect_adamw_changes(p, m, v, k, threads=2)  # the list kernel
+        assert torch.equal(idx, bits_to_indices(b, p.numel()))
 
 
 def test_changed_values_cover_a_chunk_boundary_and_values_the_kernel_declines():

@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("kernels") / "detect.c"
 # No -ffast-math: the error bound assumes IEEE semantics for every operation, in source order.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # Full-width AVX-512 where the CPU has it (the compilers default to 256-bit vectors there):
+    # detection's square root and divisions are the bound, ~10% faster (measured on a Xeon);
+    # on CPUs without AVX-512 the option changes nothing. Same IEEE operations either way.
+    _FLAGS.append("-mprefer-vector-width=512")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -46,14 +46,24 @@ static inline uint8_t flag_at(const float *p, const float *m, const float *v, in
 
 #define BLOCK 64
 
-/* flags[j] = flag_at(base + j) for one block of len <= BLOCK elements (vectorized). */
-static inline void block_flags(const float *p, const float *m, const float *v, int64_t base,
-                               int64_t len, float bc2s, float eps, float step_size,
-                               float inv_scale_c, float rel_s, float rel_u, float abs_e,
-                               uint8_t *flags) {
+/* Bit j of the result = flag_at(base + j), for one block of len <= BLOCK elements: the flags
+ * are computed by a vectorized loop into bytes, then packed eight at a time (one multiply
+ * gathers the low bit of each of eight bytes into one byte, byte j to bit j). */
+static inline uint64_t block_mask(const float *p, const float *m, const float *v, int64_t base,
+                                  int64_t len, float bc2s, float eps, float step_size,
+                                  float inv_scale_c, float rel_s, float rel_u, float abs_e) {
+    uint8_t flags[BLOCK];
     for (int64_t j = 0; j < len; j++)
         flags[j] = flag_at(p, m, v, base + j, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u,
                            abs_e);
+    for (int64_t j = len; j < BLOCK; j++) flags[j] = 0;
+    uint64_t mask = 0;
+    for (int w = 0; w < BLOCK / 8; w++) {
+        uint64_t x;
+        memcpy(&x, flags + 8 * w, 8);
+        mask |= ((x * 0x0102040810204080ull) >> 56) << (8 * w);
+    }
+    return mask;
 }
 
 /* Processes elements [0, n) of one parameter chunk. `bits` points at the byte holding element
@@ -62,20 +72,13 @@ int64_t ds_adamw_detect(const float *p, const float *m, const float *v, int64_t 
                         float bc2s, float eps, float step_size, float inv_scale_c,
                         float rel_s, float rel_u, float abs_e, uint8_t *bits) {
     int64_t flagged = 0;
-    uint8_t flags[BLOCK];
     for (int64_t base = 0; base < n; base += BLOCK) {
         int64_t len = n - base < BLOCK ? n - base : BLOCK;
-        block_flags(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e, flags);
-        for (int64_t j = len; j < BLOCK; j++) flags[j] = 0;
-        for (int k = 0; k < BLOCK / 8; k++) {
-            uint8_t byte = 0;
-            for (int b = 0; b < 8; b++) byte |= (uint8_t)(flags[k * 8 + b] << b);
-            int64_t bi = (base >> 3) + k;
-            if (bi * 8 < n) {
-                bits[bi] |= byte;
-                flagged += __builtin_popcount(byte);
-            }
-        }
+        uint64_t mask = block_mask(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s,
+                                   rel_u, abs_e);
+        flagged += __builtin_popcountll(mask);
+        for (int k = 0; k < BLOCK / 8 && (base >> 3) + k < (n + 7) / 8; k++)
+            bits[(base >> 3) + k] |= (uint8_t)(mask >> (8 * k));
     }
     return flagged;
 }
@@ -220,12 +223,10 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
                              float rel_s, float rel_u, float abs_e, int64_t first_index,
                              int64_t *idx_out, uint16_t *val_out) {
     int64_t k = 0;
-    uint8_t flags[BLOCK];
     for (int64_t base = 0; base < n; base += BLOCK) {
         int64_t len = n - base < BLOCK ? n - base : BLOCK;
-        block_flags(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s, rel_u, abs_e, flags);
-        uint64_t mask = 0;
-        for (int64_t j = 0; j < len; j++) mask |= (uint64_t)flags[j] << j;
+        uint64_t mask = block_mask(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s,
+                                   rel_u, abs_e);
         while (mask) {
             int t = __builtin_ctzll(mask);
             mask &= mask - 1;
