@@ -10,6 +10,8 @@ width and ``--layers`` decoder layers (the embedding, the trainer's memory peak,
 - *background*: the process CPU seconds from the end of the capture to the commit (the caller
   only waits meanwhile, so they are the background's: value reads, routing, encoding, uploads,
   the digest pass, the commit) and its wall time, and the peak RSS above the baseline;
+- *total*: from the call to the commit (the background may start before the capture ends:
+  once a delta outgrows ``inline_below`` it takes each parameter as it is captured);
 - *kept*: the RSS above the baseline once the version committed (its positions are dropped
   then): heap the allocator kept after the version's buffers were freed;
 - the publisher's own phase timings (build, encode, digest, upload, commit).
@@ -116,6 +118,8 @@ def main() -> None:
             reports = sync.wait() or []
             bg_cpu = time.process_time() - c1
             bg_wall = time.perf_counter() - t1
+            total = time.perf_counter() - t0
+            total_cpu = time.process_time() - c0
             kept = current_rss() - base  # committed: the carry is gone, this is what stays
             del pending
             row = dict(
@@ -125,6 +129,8 @@ def main() -> None:
                 capture_mem=cap_peak / bf16_bytes,
                 background_cpu_s=bg_cpu,
                 background_wall_s=bg_wall,
+                total_s=total,
+                total_cpu_s=total_cpu,
                 background_mem=(peak_rss() - base) / bf16_bytes,
                 kept_mem=kept / bf16_bytes,
             )

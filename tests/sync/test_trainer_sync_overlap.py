@@ -15,6 +15,7 @@ import torch
 
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
+from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
 from deltasync.receiver import Receiver
@@ -211,6 +212,105 @@ def test_a_detection_error_midway_stores_nothing_and_keeps_the_trackers_changes(
     sync.step_published(1)
     sync.wait()
     _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
+class HeldTracker:
+    """An AdamWTracker whose positions stream stops after ``after`` parameters until the
+    publisher has taken the first of them (or ``wait_s`` passes), and records which."""
+
+    def __init__(self, inner: AdamWTracker, after: int, taken: threading.Event) -> None:
+        self.inner, self.after, self.taken = inner, after, taken
+        self.overlapped: bool | None = None
+
+    def iter_changed(self):
+        for k, item in enumerate(self.inner.iter_changed()):
+            if k == self.after:
+                self.overlapped = self.taken.wait(10)
+            yield item
+
+    def iter_changes(self):
+        return self.inner.iter_changes()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+def test_the_background_publishes_early_parameters_while_later_ones_are_detected(
+    tmp_path, monkeypatch
+):
+    from deltasync.publish import segments
+
+    taken = threading.Event()
+    route = segments.GroupRouter.stream
+
+    def observed(self, streams, source, params, **kw):
+        def items():
+            for item in source:
+                taken.set()
+                yield item
+
+        return route(self, streams, items(), params, **kw)
+
+    monkeypatch.setattr(segments.GroupRouter, "stream", observed)
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    held = HeldTracker(tracker, after=3, taken=taken)
+    sync = TrainerSync(
+        held, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    for version in (1, 2):
+        trainer.step()
+        taken.clear()
+        sync.step_published(version)
+        assert held.overlapped, "the publisher took nothing until detection had finished"
+        sync.wait()
+        _assert_receivers_exact(receivers, trainer, lay, version)
+    sync.close()
+
+
+def test_two_publishers_each_commit_every_change_of_an_overlapped_version(tmp_path):
+    # the first publisher takes the parameters as they are captured, the second the whole
+    # capture after it: both must hold every change
+    spec, tl, rl = layouts()
+    hf = ReceiverLayout.build(spec, engine="hf")
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=4)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    stores = [MemoryStore(), MemoryStore()]
+    pubs = [
+        Publisher(store, receiver_layout=layout, trainer_layout=tl, config=PublisherConfig())
+        for store, layout in zip(stores, (rl, hf), strict=True)
+    ]
+    sync = TrainerSync(
+        tracker, pubs, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
+    receivers = [
+        (
+            layout,
+            Receiver.for_layout(
+                store,
+                layout,
+                s.id,
+                zero_tensors(layout, s.id),
+                str(tmp_path / f"{i}-{s.id}"),
+                rconfig(f"rx-{i}-{s.id}"),
+            ),
+        )
+        for i, (store, layout) in enumerate(zip(stores, (rl, hf), strict=True))
+        for s in layout.shards()
+    ]
+    sync.step_published(0, anchor=True)
+    for version in (1, 2, 3):
+        trainer.step()
+        sync.step_published(version)
+        reports = sync.wait()
+        assert [r.kind for r in reports] == ["delta", "delta"]
+        for layout, rx in receivers:
+            rx.pull()
+            assert rx.version == version
+            want = expected_shards(trainer.params, tl, layout)[rx.shard]
+            assert_same_bits(rx.tensors, want, f"v{version} {rx.shard}")
     sync.close()
 
 

@@ -277,7 +277,7 @@ class Publisher:
         anchor: bool = False,
         since: int | object | None = _OWN,
         full_state: FullState | None = None,
-        touched: Collection[str] | None = None,
+        touched: Collection[str] | Callable[[], Collection[str]] | None = None,
     ) -> PublishReport:
         """Publish ``version`` and return once it is committed.
 
@@ -302,7 +302,9 @@ class Publisher:
                 sender's capture): the receiver tensors no other parameter feeds keep the
                 digests this publisher computed when it committed ``since`` (their bytes are
                 that state's), so the digest pass reads only the touched ones. A change for
-                a parameter outside ``touched`` raises ConfigError.
+                a parameter outside ``touched`` raises ConfigError. A callable instead gives
+                them once ``changes`` has named them all (a stream handed over while its
+                detection still runs): the digest pass then starts when it returns.
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
@@ -354,8 +356,17 @@ class Publisher:
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
-            keep = self._kept_entries(kind, since, committed, touched)
-            digest_job = self._digest_pool.submit(self._tensor_entries, full, keep)
+            if callable(touched):
+                named = touched  # known once the stream is: the job waits for it
+
+                def entries() -> TensorEntries:
+                    keep = self._kept_entries(kind, since, committed, named())
+                    return self._tensor_entries(full, keep)
+
+                digest_job = self._digest_pool.submit(entries)
+            else:
+                keep = self._kept_entries(kind, since, committed, touched)
+                digest_job = self._digest_pool.submit(self._tensor_entries, full, keep)
         shards = len(self.layout.shards())
         threads = cfg.upload_threads or min(32, shards)
         if self._pool is None:
@@ -391,7 +402,7 @@ class Publisher:
                     params,
                     prefetch=0 if detected else cfg.prefetch,
                     batch_elements=SEGMENT_ELEMENTS if detected else 0,
-                    touched=touched,
+                    touched=None if callable(touched) else touched,
                 )
             build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
