@@ -271,3 +271,9 @@ class RetriesExhausted(Exception):
         self.last = last
         self.attempts = attempts
         self.elapsed_s = elapsed_s
+
+
+class CaptureAbandonedError(DeltaSyncError):
+    """Detection failed while a background publish or send was already taking the parameters
+    it had captured: that version stops before anything of it is committed. The detection
+    error is the ``__cause__``; the caller sees that error itself."""

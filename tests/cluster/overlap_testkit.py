@@ -8,7 +8,10 @@ as usual. State digests are on (the default). Versions, in order:
   cannot have finished when the trainer's ``sync`` returns);
 - 4: the background's read of the params is slowed by 1.5 s and the trainer steps right away: the
   optimizer's pre-step hook must hold the step until the background no longer reads them;
-- 5: a plain delta;
+- 5: detection fails after 3 parameters, when the background has already taken the first
+  (it routes each parameter as it is captured): the writer's ``sync`` returns, every rank's
+  version 5 fails in the preflight with the writer's error (the writer learns it at its next
+  call), nothing is applied, and 5 sent again (the tracker kept its changes) is exact;
 - 6: rank 2 corrupts its payload, the joint commit fails in the background; the trainer learns
   it at its next ``sync`` (for 7), then calls ``sync(7)`` again, whose carry must repair rank 2
   (it never applied 6, and the tracker was cleared when 6 was captured);
@@ -80,6 +83,7 @@ class CountingTracker:
     def __init__(self, inner: AdamWTracker) -> None:
         self.inner = inner
         self.calls = {"iter_changes": 0, "iter_changed": 0, "iter_positions": 0}
+        self.fail_after: int | None = None  # the next positions stream raises after as many
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         self.calls["iter_changes"] += 1
@@ -91,7 +95,11 @@ class CountingTracker:
 
     def iter_positions(self) -> Iterator[tuple[str, Positions]]:
         self.calls["iter_positions"] += 1
-        return self.inner.iter_positions()
+        fail_after, self.fail_after = self.fail_after, None
+        for k, item in enumerate(self.inner.iter_positions()):
+            if k == fail_after:
+                raise RuntimeError("detection failed on purpose midway")
+            yield item
 
     def clear(self) -> None:
         self.inner.clear()
@@ -106,8 +114,9 @@ class _Writer:
         self.step_saw_released: list[bool] = []
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The sender's params callable: in overlap mode only the background calls it."""
-        if self.slow_next_read:
+        """The sender's params callable: the caller's capture takes their names, the
+        background reads them (the slowed read is the background's)."""
+        if self.slow_next_read and threading.current_thread() is not threading.main_thread():
             self.slow_next_read = False
             time.sleep(SLOW_READ_S)
         return self.hf.params
@@ -178,7 +187,18 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         "barrier_wait_s": sender.barrier_wait_s,
     }
     settle(4, bits4)
+    # 5: detection fails midway while the background already routes what it was handed.
+    w.tracker.fail_after = 3
     pending = sender.sync(5)  # the step above is version 5's
+    start = time.monotonic()
+    try:
+        sender.wait()
+        out["detection_failed"] = {"error": None}
+    except DeltaSyncError as exc:
+        out["detection_failed"] = _failure(exc, start)
+        out["detection_failed"]["root"] = repr(exc.__cause__.__cause__ or exc.__cause__)
+    out["detection_failed"]["version_after"] = sender.version
+    pending = sender.sync(5)  # the tracker kept 5's changes
     settle(5)
 
     # 6: rank 2 corrupts its payload; the joint commit fails in the background.
@@ -239,6 +259,13 @@ def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
     for v in range(8):
         if v in (1, 2, 3):
             time.sleep(LATE_S)
+        if v == 5:  # the writer's detection fails: nothing moves, then 5 again
+            try:
+                receiver.sync()
+                out["detection_failed"] = {"error": None}
+            except DeltaSyncError as exc:
+                out["detection_failed"] = {"error": type(exc).__name__, "message": str(exc)}
+            out["detection_failed"]["version_after"] = receiver.version
         if v == 6:
             receiver.corrupt_next = rank == 2
             try:

@@ -5,6 +5,8 @@ detection read; built batch by batch, its blobs decode to the same updates."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from kit import (
@@ -20,18 +22,26 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
-    closing_points,
     route_positions,
     streamed_blobs,
 )
-from deltasync.errors import ConfigError
+from deltasync.errors import CaptureAbandonedError, ConfigError
 from deltasync.format import decode_blob, encode_blob
 from deltasync.layout.routing import shard_updates
 from deltasync.trainer import AdamWTracker, SnapshotTracker
+from deltasync.trainer.handoff import Handoff
 from deltasync.trainer.positions import Positions
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
 RL_LR = 3e-6
+BLOB = {  # streamed_blobs' arguments besides the positions and the params
+    "shards": [s.id for s in RECEIVERS.shards()],
+    "trainer_layout": TRAINER,
+    "receiver_layout": RECEIVERS,
+    "version": 4,
+    "base_version": 3,
+    "writer": "w00000",
+}
 
 
 def trained(steps: int = 3) -> tuple[SyntheticTrainer, AdamWTracker]:
@@ -64,7 +74,7 @@ def same_updates(a: dict, b: dict) -> bool:
 def test_an_overlapped_capture_asks_for_positions_only_and_holds_about_a_byte_per_element() -> None:
     trainer, inner = trained()
     tracker = CountingTracker(inner)
-    caps = capture_positions(tracker, {})
+    caps = capture_positions(tracker, {}, trainer.params())
     # no values read, nor a whole parameter's int64 positions
     assert tracker.calls == {"iter_changes": 0, "iter_changed": 0, "iter_positions": 1}
     assert caps.values is None and caps.changed is None and caps.positions
@@ -83,7 +93,7 @@ def test_positions_routed_with_values_read_later_equal_the_values_the_detection_
     trainer, tracker = trained()
     params = trainer.params()
     where = {"trainer_layout": TRAINER, "receiver_layout": RECEIVERS}
-    caps = capture_positions(tracker, {})
+    caps = capture_positions(tracker, {}, trainer.params())
     assert caps.positions is not None
     late = route_positions(caps.positions, params, **where)
     triples = list(tracker.iter_changes())
@@ -96,12 +106,12 @@ def test_positions_routed_with_values_read_later_equal_the_values_the_detection_
 
 def test_the_carry_joins_the_next_capture_as_the_sorted_union_in_both_forms() -> None:
     trainer, tracker = trained()
-    first = capture_positions(tracker, {}).positions
+    first = capture_positions(tracker, {}, trainer.params()).positions
     assert first is not None
     tracker.clear()  # as the overlapped sender does at the capture
     trainer.step(10)
     carry = carry_of(first)
-    later = capture_positions(tracker, carry).positions
+    later = capture_positions(tracker, carry, trainer.params()).positions
     blocking = capture_with_values(tracker, carry)
     assert later is not None and blocking.changed is not None and blocking.values is not None
     now = dict(tracker.iter_changed())
@@ -129,7 +139,7 @@ def test_a_tracker_without_a_positions_stream_is_captured_from_its_triples() -> 
     p = torch.zeros(64)
     tracker = SnapshotTracker([("w", p)])
     p[[3, 9, 300 % 64]] = 1.0
-    caps = capture_positions(tracker, {})
+    caps = capture_positions(tracker, {}, {"w": p})
     assert caps.positions is not None
     assert caps.positions["w"].indices().tolist() == [3, 9, 44]
 
@@ -146,7 +156,7 @@ def test_a_positions_stream_with_float_indices_is_refused_naming_the_param() -> 
             pass
 
     with pytest.raises(ConfigError, match="'w'"):
-        capture_positions(Bad(), {})
+        capture_positions(Bad(), {}, {"w": torch.zeros(3)})
 
 
 @pytest.mark.parametrize("batch_elements", [1, 500, 1 << 20])
@@ -156,7 +166,7 @@ def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
     trainer, tracker = trained()
     params = trainer.params()
     where = {"trainer_layout": TRAINER, "receiver_layout": RECEIVERS}
-    caps = capture_positions(tracker, {})
+    caps = capture_positions(tracker, {}, trainer.params())
     assert caps.positions is not None
     shards = [s.id for s in RECEIVERS.shards()]
     blobs, elements = streamed_blobs(
@@ -181,13 +191,66 @@ def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
         assert (blob == one) == (batch_elements >= 1 << 20)  # one segment: same bytes
 
 
-def test_a_batch_never_closes_inside_the_params_of_one_fused_local_tensor() -> None:
-    names = list(TRAINER.param_shapes())
-    reach = closing_points(names, trainer_layout=TRAINER, receiver_layout=RECEIVERS)
-    at = {n: i for i, n in enumerate(names)}
-    q, v = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"
-    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
-    assert reach[at[q]] >= at[v] and reach[at[gate]] >= at[up]  # qkv_proj, gate_up_proj
-    down = "model.layers.0.mlp.down_proj.weight"
-    assert reach[at[down]] == at[down]  # a tensor of its own: a batch may close there
-    assert reach == sorted(reach) and all(r >= i for i, r in enumerate(reach))
+def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_capture() -> None:
+    # the overlapped sender's background takes each parameter as the caller captures it
+    trainer, tracker = trained()
+    params = trainer.params()
+    caps = capture_positions(tracker, {}, params)
+    assert caps.positions is not None
+    kw = {**BLOB, "batch_elements": 500}
+    whole, whole_elements = streamed_blobs(caps.positions, params, **kw)
+    handoff: Handoff[Positions] = Handoff()
+    taken = threading.Event()
+    built: dict = {}
+
+    def taking():
+        for item in handoff:
+            taken.set()
+            yield item
+
+    def build() -> None:
+        built["out"] = streamed_blobs(taking(), params, **kw)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    names = [n for n in params if n in caps.positions]
+    for k, name in enumerate(names):
+        handoff.put(name, caps.positions[name])
+        if k == 0:
+            assert taken.wait(10)  # taken before the next parameter is even put
+    handoff.close()
+    worker.join(30)
+    blobs, elements = built["out"]
+    assert elements == whole_elements
+    assert {s: b"".join(c) for s, c in blobs.items()} == {s: b"".join(c) for s, c in whole.items()}
+
+
+def test_a_detection_that_fails_midway_stops_the_build_with_its_error() -> None:
+    trainer, tracker = trained()
+    params = trainer.params()
+    caps = capture_positions(tracker, {}, params)
+    assert caps.positions is not None
+    handoff: Handoff[Positions] = Handoff()
+    first = next(n for n in params if n in caps.positions)
+    handoff.put(first, caps.positions[first])
+    handoff.fail(RuntimeError("detection failed on purpose"))
+    with pytest.raises(CaptureAbandonedError, match="detection failed on purpose"):
+        streamed_blobs(
+            handoff,
+            params,
+            **BLOB,
+        )
+
+
+def test_positions_out_of_params_order_are_refused_naming_the_param() -> None:
+    trainer, tracker = trained()
+    params = trainer.params()
+    caps = capture_positions(tracker, {}, params)
+    assert caps.positions is not None
+    a, b = [n for n in params if n in caps.positions][:2]
+    with pytest.raises(ConfigError, match=repr(a)):
+        streamed_blobs(
+            [(b, caps.positions[b]), (a, caps.positions[a])],
+            params,
+            **BLOB,
+        )

@@ -63,6 +63,24 @@ def test_the_optimizer_step_waits_until_the_background_no_longer_reads_the_param
 
 
 @pytest.mark.timeout(180)
+def test_a_detection_failure_midway_fails_the_version_on_every_rank_and_the_resend_is_exact(
+    overlap,
+) -> None:
+    writer = overlap[0]
+    failed = writer["detection_failed"]
+    assert failed["error"] == "SendFailedError" and failed["version"] == 5
+    assert "detection failed on purpose midway" in failed["message"]
+    assert failed["version_after"] == 4  # nothing committed
+    for rank in (1, 2):
+        got = overlap[rank]["detection_failed"]
+        assert got["error"] == "PeerFailedError", got
+        assert "detection failed on purpose midway" in got["message"]
+        assert got["version_after"] == 4
+        assert overlap[rank]["versions"][5] is True  # the resend
+    assert writer["versions"][5]["version_after"] == 5
+
+
+@pytest.mark.timeout(180)
 def test_a_failed_joint_commit_surfaces_at_the_next_sync_naming_the_version(overlap) -> None:
     writer = overlap[0]
     failure = writer["after_failure"]

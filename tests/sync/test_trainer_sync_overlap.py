@@ -17,11 +17,12 @@ from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
 from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.publish.trainer_sync import PendingVersion, merge_positions, with_values
+from deltasync.publish.trainer_sync import PendingVersion, with_values
 from deltasync.receiver import Receiver
 from deltasync.store import MemoryStore
 from deltasync.trainer import AdamWTracker
 from deltasync.trainer import positions as positions_mod
+from deltasync.trainer.carry import merge_positions
 from deltasync.trainer.positions import Positions
 
 from sync_kit import (

@@ -25,9 +25,12 @@ canonical pair (int64 index + BF16 value) and again each receiver shard's (about
 element). Each batch's positions are decoded, its values read from the params, routed to every
 shard and written as one segment of that shard's blob (:class:`~deltasync.format.BlobWriter`),
 and dropped before the next batch. A batch closes only between parameter groups
-(:func:`closing_points`, from :func:`~deltasync.layout.groups.param_groups`: a fused receiver
-tensor may appear in one segment only) and gathers at least ``batch_elements`` changed
-elements unless the version ends first. A parameter that splits into row pieces whose receiver
+(:func:`~deltasync.layout.groups.param_groups`: a fused receiver tensor may appear in one
+segment only) and gathers at least ``batch_elements`` changed elements unless the version ends
+first. The positions may come as a finished capture or parameter by parameter while the
+detection still runs (:func:`iter_captured` through a
+:class:`~deltasync.trainer.handoff.Handoff`): a batch closes when the next parameter is past
+every group it holds part of. A parameter that splits into row pieces whose receiver
 tensors no other piece writes (the vocab-parallel embedding,
 :func:`~deltasync.layout.routing.row_pieces`) is routed piece by piece, one segment each,
 each piece's records written a slice of positions at a time
@@ -42,7 +45,7 @@ nothing about envelopes, process groups, threads or receivers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +66,7 @@ from deltasync.layout.routing import (
 )
 from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.trainer import Tracker
+from deltasync.trainer.carry import merge_positions
 from deltasync.trainer.positions import Positions
 
 Carry = dict[str, Positions]
@@ -93,7 +97,7 @@ class Capture:
         return self.positions if self.positions is not None else self.changed
 
 
-def _position_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Positions]]:
+def position_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Positions]]:
     """The tracker's changed positions, without values where the tracker can give them so:
     already encoded (``iter_positions()``: a whole parameter's int64 positions never exist),
     else as indices (``iter_changed()``), else from its triples."""
@@ -121,31 +125,30 @@ def _position_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Pos
         yield name, idx
 
 
-def capture_positions(tracker: Tracker, carry: Mapping[str, Positions]) -> Capture:
-    """The tracker's changed positions joined with ``carry``, one parameter at a time (each
-    parameter's int64 indices are dropped once encoded, before the next one is detected).
+def iter_captured(
+    tracker: Tracker, carry: Mapping[str, Positions], params: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, Positions]]:
+    """The tracker's changed positions joined with ``carry``, one parameter at a time in
+    ``params`` order, as detection runs (each parameter's int64 indices are dropped once
+    encoded, before the next one is detected): what the overlapped sender hands its
+    background, parameter by parameter.
 
     Args:
         tracker: asked for positions only (``iter_positions()`` or ``iter_changed()``) where
-            it offers that.
+            it offers that; it must report in ``params`` order (ConfigError otherwise).
         carry: the positions of attempts since the last commit (not modified).
-
-    Returns:
-        A :class:`Capture` whose ``positions`` hold every parameter with a position to send.
+        params: this writer's parameters (their order).
     """
+    return merge_positions(position_stream(tracker), carry, params)
+
+
+def capture_positions(
+    tracker: Tracker, carry: Mapping[str, Positions], params: Mapping[str, torch.Tensor]
+) -> Capture:
+    """:func:`iter_captured` as a whole: a :class:`Capture` whose ``positions`` hold every
+    parameter with a position to send."""
     t = time.perf_counter()
-    out: Carry = {}
-    for name, got in _position_stream(tracker):
-        if not len(got):
-            continue
-        old = out.get(name, carry.get(name))  # a name given twice: both are sent
-        if isinstance(got, Positions):
-            out[name] = got if old is None else old.union(got.indices())
-        else:
-            out[name] = Positions.of(got) if old is None else old.union(got)
-    for name, old in carry.items():
-        if name not in out and len(old):
-            out[name] = old
+    out = dict(iter_captured(tracker, carry, params))
     return Capture(positions=out, detect_s=time.perf_counter() - t)
 
 
@@ -216,23 +219,6 @@ def carry_bytes(carry: Mapping[str, Positions]) -> int:
 BATCH_ELEMENTS = 1 << 18  # changed elements per segment, at least (~5 MiB of transients)
 
 
-def closing_points(
-    names: Sequence[str], *, trainer_layout: TrainerLayout, receiver_layout: ReceiverLayout
-) -> list[int]:
-    """Per position ``i`` of ``names``: the last position whose parameter feeds a local tensor
-    that one of ``names[:i+1]`` still feeds. A batch ``names[a:b]`` may close at ``b`` only
-    when ``closing_points(...)[b - 1] < b``: the batch is then a union of whole parameter
-    groups (:func:`~deltasync.layout.groups.param_groups`, the grouping the store path routes
-    by). A name outside the layout feeds nothing (routing raises its error)."""
-    groups = param_groups(names, trainer_layout=trainer_layout, receiver_layout=receiver_layout)
-    last_of = {name: group.last for group in groups for name in group.params}
-    out, reach = [], -1
-    for i, name in enumerate(names):
-        reach = max(reach, i, last_of[name])
-        out.append(reach)
-    return out
-
-
 def _piece_updates(
     name: str,
     positions: Positions,
@@ -258,7 +244,7 @@ def _piece_updates(
 
 
 def streamed_blobs(
-    positions: Mapping[str, Positions],
+    positions: Mapping[str, Positions] | Iterable[tuple[str, Positions]],
     params: Mapping[str, torch.Tensor],
     *,
     shards: Sequence[str],
@@ -275,7 +261,9 @@ def streamed_blobs(
     """Every shard's blob of the captured ``positions``, values read from ``params`` now.
 
     Args:
-        positions: per param, what this writer sends (a capture joined with its carry).
+        positions: per param, what this writer sends (a capture joined with its carry), or
+            the same as ``(name, positions)`` pairs in ``params`` order, taken as they come
+            (a :class:`~deltasync.trainer.handoff.Handoff` from a detection still running).
         params: this writer's parameters (the values at the positions are read here).
         shards: every receiver shard (each gets a blob, empty ones included).
         batch_elements: changed elements gathered per batch before it is routed.
@@ -284,9 +272,23 @@ def streamed_blobs(
         ``({shard: the blob's pieces in order}, {shard: elements routed to it})``: the pieces
         are framed without joining them first (``pack_envelope`` takes a list).
     """
-    names = [n for n in params if n in positions]
-    names += [n for n in positions if n not in params]  # routing names the error
-    reach = closing_points(names, trainer_layout=trainer_layout, receiver_layout=receiver_layout)
+    if isinstance(positions, Mapping):
+        given = positions
+        items: Iterable[tuple[str, Positions]] = [(n, given[n]) for n in params if n in given]
+        items += [(n, p) for n, p in given.items() if n not in params]  # routing names the error
+    else:
+        items = positions
+    order = list(params)
+    index = {name: i for i, name in enumerate(order)}
+    # the last parameter (in params order) of each parameter's group: a batch may close only
+    # once the items have passed the last parameter of every group it holds part of
+    last_of = {
+        name: group.last
+        for group in param_groups(
+            order, trainer_layout=trainer_layout, receiver_layout=receiver_layout
+        )
+        for name in group.params
+    }
     chunks: dict[str, list[bytes]] = {s: [] for s in shards}
     writers = {
         s: BlobWriter(
@@ -300,8 +302,9 @@ def streamed_blobs(
         for s in shards
     }
     elements = dict.fromkeys(shards, 0)
+    layouts = {"trainer_layout": trainer_layout, "receiver_layout": receiver_layout}
     batch: dict[str, Positions] = {}
-    size = 0
+    size, reach, last = 0, -1, -1  # the batch's elements and groups' end; the last item
     release = HeapRelease()  # the routed batches' free pages, handed back (segments.py)
 
     def write(updates: ShardUpdates | PartedShardUpdates) -> None:
@@ -309,29 +312,44 @@ def streamed_blobs(
             writers[shard].segment(ups)
             elements[shard] += sum(u.nnz for u in ups)
 
-    layouts = {"trainer_layout": trainer_layout, "receiver_layout": receiver_layout}
-    for i, name in enumerate(names):
-        # feeds tensors no other changed param feeds: the batch so far may close before it
-        alone = reach[i] == i and (i == 0 or reach[i - 1] < i)
+    def flush() -> None:
+        nonlocal batch, size
+        if batch:
+            write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
+            release.count(size)
+            batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
+
+    for name, pos in items:
+        i = index.get(name)
+        if i is None:  # not a parameter: its own batch, which routing refuses naming it
+            flush()
+            batch = {name: pos}
+            flush()
+            continue
+        if i <= last:
+            raise ConfigError(
+                f"positions for {name!r} came out of params order (or twice); a capture "
+                "follows the order of the named parameters"
+            )
+        last = i
+        if i > reach and size >= batch_elements:  # whole groups, and enough of them
+            flush()
+        # a parameter whose group is itself, past the batch's groups: routed piece by piece
+        # where it splits into row pieces (the vocab-parallel embedding)
         pieces = None
-        if alone and len(positions[name]) >= batch_elements:
-            pieces = _piece_updates(name, positions[name], params, **layouts, world_size=world_size)
+        if i > reach and last_of[name] == i and len(pos) >= batch_elements:
+            pieces = _piece_updates(name, pos, params, **layouts, world_size=world_size)
         if pieces is not None:
-            if batch:
-                write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
-                batch, size = {}, 0
+            flush()
             for updates in pieces:
                 write(updates)
                 del updates  # this piece's pairs: gone before the next piece
                 release_free_heap()  # its record section and slices (see segments.py)
             continue
-        batch[name] = positions[name]
-        size += len(positions[name])
-        if reach[i] > i or (size < batch_elements and i + 1 < len(names)):
-            continue
-        write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
-        release.count(size)
-        batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
+        batch[name] = pos
+        size += len(pos)
+        reach = max(reach, i, last_of[name])
+    flush()
     for s in shards:
         writers[s].finish()
     return chunks, elements

@@ -38,7 +38,10 @@ Overlap (``overlap=True, optimizer=opt``): ``sync`` blocks only for step 1, capt
 parameter's changed positions, joined with the carry, as ``Positions`` (no values: the tracker
 is asked for positions only), then clears the tracker and returns a
 :class:`~deltasync.cluster.background.PendingSend`; steps 2-6 run on one background thread
-while the trainer's next forward/backward runs. Routing (which reads the BF16 values at the
+while the trainer's next forward/backward runs. The background starts with the capture and
+routes and encodes each parameter as it is captured (the tracker must report in ``params``
+order); if detection fails midway, that failure is this rank's status in the preflight, as
+it would have been before the background started. Routing (which reads the BF16 values at the
 captured positions) and the digests (steps 2-3) are the last reads of the parameters; the
 optimizer's pre-step hook waits for them, and the next ``sync`` for the whole version. Until
 the version commits its captured positions are the carry: a version that fails is never lost,
@@ -60,7 +63,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -69,10 +72,10 @@ from deltasync.cluster.background import Background, PendingSend
 from deltasync.cluster.capture import (
     Capture,
     Carry,
-    capture_positions,
     capture_with_values,
     carry_bytes,
     carry_of,
+    iter_captured,
     streamed_blobs,
 )
 from deltasync.cluster.envelope import pack_envelope
@@ -98,6 +101,8 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
 from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
+from deltasync.trainer.handoff import Handoff
+from deltasync.trainer.positions import Positions
 
 Params = Mapping[str, torch.Tensor]
 
@@ -219,9 +224,18 @@ class ClusterSender:
     def _current_params(self) -> Params:
         return self._params() if callable(self._params) else self._params
 
-    def _build(self, version: int, base: int, caps: Capture, params: Params) -> Outgoing:
+    def _build(
+        self,
+        version: int,
+        base: int,
+        caps: Capture,
+        params: Params,
+        stream: Iterable[tuple[str, Positions]] | None = None,
+    ) -> Outgoing:
         """Steps 2-3: route (reading the values of captured positions), digest and encode
-        captured changes (the last reads of ``params``)."""
+        captured changes (the last reads of ``params``); with ``stream``, the captured
+        positions as the caller's detection hands them over (``caps`` then only marks a
+        delta)."""
         t = time.perf_counter()
         where = {"rank": self.role.index, "world_size": self.role.count}
         layouts = {"trainer_layout": self.trainer_layout, "receiver_layout": self.receiver_layout}
@@ -230,7 +244,7 @@ class ClusterSender:
         if caps.positions is not None:
             # Batch by batch: only the blobs and the positions are O(changed) at once.
             blobs, shard_elements = streamed_blobs(
-                caps.positions,
+                caps.positions if stream is None else stream,
                 params,
                 shards=shards,
                 **layouts,
@@ -483,35 +497,56 @@ class ClusterSender:
         version, anchor = self._next(version, anchor)
         _require_initialized()
         t0 = time.perf_counter()
-        caps, base, failure = None, -1, None
+        base, failure = -1, None
         try:
             check_group(self.group, self.plan, self.rank)
             base = self._base(version, anchor)
-            # Positions only, joined with the carry: the values are read in the background.
-            caps = Capture() if anchor else capture_positions(self.tracker, self._pending)
-            # The tracker's baseline moves now (no other thread ever touches the tracker); until
-            # the version commits, what it reported is the carry, sent again by every retry.
-            self.tracker.clear()
         except Exception as exc:
             failure = exc
-        if caps is not None:
-            if caps.positions is None:
-                self._pending_anchor = True
-            else:
-                self._pending = caps.positions  # the one copy: routed, and carried
-        pending = PendingSend(version, time.perf_counter() - t0)
+        params = self._current_params()
+        pending = PendingSend(version, 0.0)
+        # A delta's positions go to the background as each parameter is captured: routing and
+        # encoding overlap the rest of detection (positions only, joined with the carry; the
+        # background reads the values).
+        handoff: Handoff[Positions] | None = None
+        if failure is None and not anchor:
+            handoff = Handoff()
 
         def work(p: PendingSend) -> SendReport:
             out, err = None, failure
-            if caps is not None and err is None:
+            if err is None:
+                caps = Capture() if handoff is None else Capture(positions={})
                 try:
-                    out = self._build(version, base, caps, self._current_params())
-                except Exception as exc:
-                    err = exc
+                    out = self._build(version, base, caps, self._current_params(), handoff)
+                except Exception as exc:  # the capture's own error where it failed
+                    err = exc if handoff is None or handoff.error is None else handoff.error
             p.release()  # the parameters are read no more: the optimizer may step
             return self._send(version, anchor, out, err, t0=t0, captured_s=p.captured_s)
 
         background.submit(pending, work)
+        if handoff is None:
+            if failure is None:  # an anchor: every element, nothing to capture
+                self.tracker.clear()
+                self._pending_anchor = True
+            pending.captured_s = time.perf_counter() - t0
+            return pending
+        captured: Carry = {}
+        try:
+            for name, pos in iter_captured(self.tracker, self._pending, params):
+                captured[name] = pos
+                handoff.put(name, pos)
+        except Exception as exc:
+            # Sent as this rank's failure in the preflight: every rank raises it at its next
+            # call, nothing of this version is applied, the tracker and the carry are kept.
+            handoff.fail(exc)
+            pending.captured_s = time.perf_counter() - t0
+            return pending
+        # The tracker's baseline moves now (no other thread ever touches the tracker); until
+        # the version commits, what it reported is the carry, sent again by every retry.
+        self.tracker.clear()
+        self._pending = captured  # the one copy: routed, and carried
+        pending.captured_s = time.perf_counter() - t0
+        handoff.close()
         return pending
 
     @property

@@ -49,8 +49,6 @@ and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +61,8 @@ from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
+from deltasync.trainer.carry import merge_captured
+from deltasync.trainer.handoff import Handoff
 from deltasync.trainer.positions import Positions
 
 log = logging.getLogger(__name__)
@@ -129,54 +129,6 @@ def _capture_stream(
         yield name, pos, None
 
 
-def merge_positions(
-    changes: Iterable[tuple[str, torch.Tensor | Positions]],
-    carry: Mapping[str, Positions],
-    params: Params,
-) -> Iterator[tuple[str, Positions]]:
-    """The tracker's changed positions since the last capture joined with ``carry`` (the
-    positions of earlier versions that never committed), in ``params`` order, compactly
-    encoded (:class:`Positions`); lazily, one parameter at a time, so each parameter's int64
-    indices are dropped before the next one is detected."""
-    for name, pos, _ in merge_captured(((n, p, None) for n, p in changes), carry, params):
-        yield name, pos
-
-
-def merge_captured(
-    changes: Iterable[tuple[str, torch.Tensor | Positions, torch.Tensor | None]],
-    carry: Mapping[str, Positions],
-    params: Params,
-) -> Iterator[tuple[str, Positions, Change | None]]:
-    """:func:`merge_positions` over ``(name, positions, values or None)`` triples: each item
-    also carries the change as ``(name, int64 indices, values)`` where the tracker read the
-    values with the positions and no carried positions join them (then the values would
-    miss the carried elements: they are read from the params instead)."""
-    stream = iter(changes)
-    nxt = next(stream, None)
-    for name in params:
-        got = vals = None
-        if nxt is not None and nxt[0] == name:
-            (_, got, vals), nxt = nxt, next(stream, None)
-        old = carry.get(name)
-        if old is None:
-            if got is None or not len(got):
-                continue
-            if isinstance(got, Positions):
-                yield name, got, None
-            else:
-                change = None if vals is None else (name, got, vals)
-                yield name, Positions.of(got), change
-        elif got is None:
-            yield name, old, None
-        else:
-            yield name, old.union(got.indices() if isinstance(got, Positions) else got), None
-    if nxt is not None:
-        raise ConfigError(
-            f"the tracker reports changes in {nxt[0]!r}, which is not in params (or out of "
-            "params order); pass the same named parameters the tracker watches"
-        )
-
-
 def with_values(item: tuple[str, Positions], params: Params) -> Change:
     """``(name, sorted int64 indices, BF16 values)`` of one captured parameter, its values
     read from ``params`` now (the bits the receivers must end with)."""
@@ -184,62 +136,6 @@ def with_values(item: tuple[str, Positions], params: Params) -> Change:
     local = _local(params[name])
     idx = positions.indices().to(local.device)
     return name, idx, bf16_at(local, idx, trusted=True)
-
-
-class CaptureAbandoned(RuntimeError):
-    """The caller's detection failed while the background was already publishing what it had
-    captured: that publish stops before anything is committed."""
-
-
-class _Handoff:
-    """Captured parameters handed from the caller's detection to the background publish as
-    each one is captured, and at the end the names of all of them.
-
-    Iterating yields ``(name, Positions, None)`` until :meth:`close` (or raises
-    :class:`CaptureAbandoned` after :meth:`fail`); :meth:`touched` blocks until either and
-    returns the captured names. Every item is also in the caller's capture (the carry), so the
-    queue holds no memory of its own beyond how far routing lags detection."""
-
-    _END = object()
-
-    def __init__(self) -> None:
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._names: list[str] = []
-        self._settled = threading.Event()
-        self._error: BaseException | None = None
-
-    def put(self, name: str, pos: Positions) -> None:
-        self._names.append(name)
-        self._items.put((name, pos, None))
-
-    def close(self) -> None:
-        self._settled.set()
-        self._items.put(self._END)
-
-    def fail(self, exc: BaseException) -> None:
-        self._error = exc
-        self._settled.set()
-        self._items.put(self._END)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise CaptureAbandoned(
-                f"detection failed while this version was publishing ({type(self._error).__name__}: "
-                f"{self._error}); nothing of it was committed"
-            ) from self._error
-
-    def __iter__(self) -> Iterator[tuple[str, Positions, None]]:
-        while True:
-            item = self._items.get()
-            if item is self._END:
-                self._raise_if_failed()
-                return
-            yield item
-
-    def touched(self) -> frozenset[str]:
-        self._settled.wait()
-        self._raise_if_failed()
-        return frozenset(self._names)
 
 
 class TrainerSync:
@@ -410,7 +306,7 @@ class TrainerSync:
         captured: Captured = {}
         detected: dict[str, Change] = {}
         count = 0
-        handoff: _Handoff | None = None
+        handoff: Handoff[Positions] | None = None
         pending = PendingVersion(version, Future(), 0.0)
         stream = _capture_stream(self.tracker, 0 if anchor else self.inline_below)
         try:
@@ -421,7 +317,7 @@ class TrainerSync:
                     handoff.put(name, pos)
                 elif not anchor and count >= self.inline_below:
                     detected.clear()  # a large delta: the background reads values as it routes
-                    handoff = _Handoff()
+                    handoff = Handoff()
                     for n, p in captured.items():
                         handoff.put(n, p)
                     pending._future = self._submit(pending, captured, params, anchor, handoff)
@@ -470,7 +366,7 @@ class TrainerSync:
         captured: Captured,
         params: Params,
         anchor: bool,
-        handoff: _Handoff | None,
+        handoff: Handoff[Positions] | None,
     ) -> Future:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
@@ -482,7 +378,7 @@ class TrainerSync:
         captured: Captured,
         params: Params,
         anchor: bool,
-        handoff: _Handoff | None,
+        handoff: Handoff[Positions] | None,
         changes: list[Change] | None = None,
     ) -> list[PublishReport]:
         # The capture's transients (each parameter's int64 positions) left holes between the
@@ -492,14 +388,14 @@ class TrainerSync:
         # tracker watches every param (else nothing proves the rest)
         touched = None
         if self._watches_all(params):
-            touched = handoff.touched if handoff is not None else frozenset(captured)
+            touched = handoff.names if handoff is not None else frozenset(captured)
         try:
             reports = []
             for i, pub in enumerate(self.publishers):
                 if changes is not None:
                     source = changes
                 elif i == 0 and handoff is not None:  # taken as the caller captures it
-                    source = Ready(handoff)
+                    source = Ready((name, pos, None) for name, pos in handoff)
                 else:  # positions only: the publisher reads each parameter's values as it
                     # routes it (the embedding piece by piece), never all at once; a later
                     # publisher starts once the capture is complete

@@ -1,0 +1,75 @@
+"""Handoff: captured parameters passed from detection to a background sender as each is found.
+
+An overlapped sender (``TrainerSync(overlap=True)``, ``ClusterSender(overlap=True)``) captures
+a version's changed positions on the caller's thread. With a handoff its background thread
+routes and encodes each parameter while detection of the next ones still runs, instead of
+starting when the last parameter is captured. The caller :meth:`Handoff.put`\\ s each captured
+``(name, positions)`` in parameter order and ends with :meth:`Handoff.close`, or with
+:meth:`Handoff.fail` when detection raised: the background's iteration then raises
+:class:`~deltasync.errors.CaptureAbandonedError` at that point, before its commit.
+
+Every item is also held by the caller's capture (it is the carry until the version commits),
+so the queue holds nothing of its own beyond how far the background lags detection.
+
+This module knows threads and a queue; nothing about trackers, layouts or stores.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from deltasync.errors import CaptureAbandonedError
+
+T = TypeVar("T")
+
+
+class Handoff(Generic[T]):
+    """``(name, item)`` pairs from one producer thread to one consumer thread, in order; the
+    names of everything put, once the producer is done."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._names: list[str] = []
+        self._settled = threading.Event()
+        self.error: BaseException | None = None  # what the producer failed with, if it did
+
+    def put(self, name: str, item: T) -> None:
+        self._names.append(name)
+        self._items.put((name, item))
+
+    def close(self) -> None:
+        """Everything is put: the iteration ends."""
+        self._settled.set()
+        self._items.put(self._END)
+
+    def fail(self, exc: BaseException) -> None:
+        """The producer failed: the iteration raises once it reaches this point."""
+        self.error = exc
+        self._settled.set()
+        self._items.put(self._END)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise CaptureAbandonedError(
+                f"detection failed while this version was being sent ({type(self.error).__name__}"
+                f": {self.error}); nothing of it was committed"
+            ) from self.error
+
+    def __iter__(self) -> Iterator[tuple[str, T]]:
+        while True:
+            got = self._items.get()
+            if got is self._END:
+                self._raise_if_failed()
+                return
+            yield got
+
+    def names(self) -> frozenset[str]:
+        """Every name put; waits until the producer closed (raises if it failed)."""
+        self._settled.wait()
+        self._raise_if_failed()
+        return frozenset(self._names)
