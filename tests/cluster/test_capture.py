@@ -181,7 +181,7 @@ def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
     )
     whole = route_positions(caps.positions, params, **where)
     for shard in shards:
-        blob = b"".join(blobs[shard])
+        blob = bytes(blobs[shard])
         got = decode_blob(blob, version=4, base_version=3, shard=shard)
         by_name = {u.name: u for u in got.updates}
         assert same_updates({shard: [by_name[u.name] for u in whole[shard]]}, {shard: whole[shard]})
@@ -222,7 +222,7 @@ def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_cap
     worker.join(30)
     blobs, elements = built["out"]
     assert elements == whole_elements
-    assert {s: b"".join(c) for s, c in blobs.items()} == {s: b"".join(c) for s, c in whole.items()}
+    assert blobs == whole
 
 
 def test_a_detection_that_fails_midway_stops_the_build_with_its_error() -> None:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from deltasync.cluster import EnvelopeError
-from deltasync.cluster.envelope import flatten, pack_envelope, unpack_envelope
+from deltasync.cluster.envelope import (
+    flatten,
+    header_size,
+    pack_envelope,
+    seal_envelope,
+    unpack_envelope,
+)
 
 DIGEST = "00112233445566778899aabbccddeeff"
 
@@ -91,3 +97,16 @@ def test_a_part_given_as_its_pieces_packs_to_the_same_bytes_as_the_joined_part()
         )
     env = unpack_envelope(pack_envelope([tuple(pieces)]), where="test")
     assert [bytes(p) for p in env.parts] == [joined]
+
+
+def test_an_envelope_sealed_in_place_equals_the_packed_one() -> None:
+    blob = bytes(range(256)) * 9
+    for digest, part in ((None, False), (DIGEST, False), (DIGEST, True)):
+        buf = bytearray(header_size(1)) + blob
+        sealed = seal_envelope(buf, state_digest=digest, part_digest=part)
+        assert sealed is buf  # framed where it lies: no second copy of the blob
+        assert bytes(sealed) == pack_envelope([blob], state_digest=digest, part_digest=part)
+        env = unpack_envelope(sealed, where="test")
+        assert [bytes(p) for p in env.parts] == [blob] and env.part == part
+    with pytest.raises(EnvelopeError, match="framing"):
+        seal_envelope(bytearray(header_size(1) - 1))

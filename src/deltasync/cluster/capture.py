@@ -257,7 +257,8 @@ def streamed_blobs(
     world_size: int = 1,
     level: int = 1,
     batch_elements: int = BATCH_ELEMENTS,
-) -> tuple[dict[str, list[bytes]], dict[str, int]]:
+    reserve: int = 0,
+) -> tuple[dict[str, bytearray], dict[str, int]]:
     """Every shard's blob of the captured ``positions``, values read from ``params`` now.
 
     Args:
@@ -267,10 +268,13 @@ def streamed_blobs(
         params: this writer's parameters (the values at the positions are read here).
         shards: every receiver shard (each gets a blob, empty ones included).
         batch_elements: changed elements gathered per batch before it is routed.
+        reserve: zero bytes in front of each blob (where the caller frames it in place,
+            :func:`~deltasync.cluster.envelope.seal_envelope`).
 
     Returns:
-        ``({shard: the blob's pieces in order}, {shard: elements routed to it})``: the pieces
-        are framed without joining them first (``pack_envelope`` takes a list).
+        ``({shard: reserve zero bytes, then the blob}, {shard: elements routed to it})``.
+        Each blob is written straight into its buffer as it is encoded (a large bytearray
+        grows in place), so it is never held twice: as pieces and again framed.
     """
     if isinstance(positions, Mapping):
         given = positions
@@ -289,10 +293,10 @@ def streamed_blobs(
         )
         for name in group.params
     }
-    chunks: dict[str, list[bytes]] = {s: [] for s in shards}
+    blobs = {s: bytearray(reserve) for s in shards}
     writers = {
         s: BlobWriter(
-            chunks[s].append,
+            blobs[s].extend,
             version=version,
             base_version=base_version,
             shard=s,
@@ -352,4 +356,4 @@ def streamed_blobs(
     flush()
     for s in shards:
         writers[s].finish()
-    return chunks, elements
+    return blobs, elements

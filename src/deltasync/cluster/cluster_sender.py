@@ -78,7 +78,7 @@ from deltasync.cluster.capture import (
     iter_captured,
     streamed_blobs,
 )
-from deltasync.cluster.envelope import pack_envelope
+from deltasync.cluster.envelope import header_size, pack_envelope, seal_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
@@ -243,6 +243,7 @@ class ClusterSender:
         shards = self.plan.shards()
         if caps.positions is not None:
             # Batch by batch: only the blobs and the positions are O(changed) at once.
+            # Each blob written after room for its envelope's framing, sealed in place below.
             blobs, shard_elements = streamed_blobs(
                 caps.positions if stream is None else stream,
                 params,
@@ -251,6 +252,7 @@ class ClusterSender:
                 **head,
                 **where,
                 level=self.config.level,
+                reserve=header_size(1),
             )
             build_s, encode_s = time.perf_counter() - t, 0.0
         else:
@@ -278,14 +280,18 @@ class ClusterSender:
         digest_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        envelopes = {
-            shard: pack_envelope([blob], state_digest=digests.get(shard), part_digest=part)
-            for shard, blob in blobs.items()
-        }
-        shard_bytes = {
-            shard: sum(map(len, blob)) if isinstance(blob, list) else len(blob)
-            for shard, blob in blobs.items()
-        }
+        if caps.positions is not None:
+            shard_bytes = {shard: len(blob) - header_size(1) for shard, blob in blobs.items()}
+            envelopes = {
+                shard: seal_envelope(blob, state_digest=digests.get(shard), part_digest=part)
+                for shard, blob in blobs.items()
+            }
+        else:
+            shard_bytes = {shard: len(blob) for shard, blob in blobs.items()}
+            envelopes = {
+                shard: pack_envelope([blob], state_digest=digests.get(shard), part_digest=part)
+                for shard, blob in blobs.items()
+            }
         del blobs
         # DP replicas of a shard share one envelope object: no copy per replica.
         payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}

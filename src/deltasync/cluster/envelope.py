@@ -18,7 +18,8 @@ little-endian::
     check        8 bytes  xxh3-64 of everything above (catches damaged framing)
     parts        the parts, back to back; their lengths must add up to the rest exactly
 
-``pack_envelope`` / ``unpack_envelope`` are inverses. This module knows bytes only: nothing
+``pack_envelope`` / ``unpack_envelope`` are inverses; ``seal_envelope`` frames a one-part
+envelope in place, around a blob written after a reserved header. This module knows bytes only: nothing
 about blob contents, tensors or processes.
 """
 
@@ -52,6 +53,36 @@ class Envelope:
     part: bool = False  # ``state_digest`` is the sending writer's part digest
 
 
+def header_size(count: int) -> int:
+    """Bytes of the framing in front of the parts of an envelope of ``count`` parts."""
+    return _HEAD.size + 8 * count + _CHECK.size
+
+
+def envelope_header(
+    lengths: Sequence[int],
+    *,
+    state_digest: str | None = None,
+    nested: bool = False,
+    part_digest: bool = False,
+) -> bytes:
+    """The framing of an envelope whose parts have ``lengths`` (see :func:`pack_envelope`)."""
+    if len(lengths) > MAX_PARTS:
+        raise EnvelopeError(f"an envelope holds at most {MAX_PARTS} parts, got {len(lengths)}")
+    digest = b"\0" * 16
+    flags = FLAG_NESTED if nested else 0
+    if state_digest is not None:
+        try:
+            digest = bytes.fromhex(state_digest)
+        except ValueError:
+            digest = b""
+        if len(digest) != 16:
+            raise EnvelopeError(f"state digest {state_digest!r} is not 32 hex characters")
+        flags |= FLAG_DIGEST | (FLAG_PART if part_digest else 0)
+    head = _HEAD.pack(MAGIC, len(lengths), flags, digest)
+    head += struct.pack(f"<{len(lengths)}Q", *lengths)
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
 def pack_envelope(
     parts: Sequence[Bytes | Sequence[Bytes]],
     *,
@@ -63,28 +94,35 @@ def pack_envelope(
     ``state_digest`` is the writer's part digest, not the whole shard's. A part may be given
     as the list of its pieces in order (a blob as its writer streamed it): they are copied
     once, into the payload, instead of being joined first."""
-    if len(parts) > MAX_PARTS:
-        raise EnvelopeError(f"an envelope holds at most {MAX_PARTS} parts, got {len(parts)}")
-    digest = b"\0" * 16
-    flags = FLAG_NESTED if nested else 0
-    if state_digest is not None:
-        try:
-            digest = bytes.fromhex(state_digest)
-        except ValueError:
-            digest = b""
-        if len(digest) != 16:
-            raise EnvelopeError(f"state digest {state_digest!r} is not 32 hex characters")
-        flags |= FLAG_DIGEST | (FLAG_PART if part_digest else 0)
     pieces = [
         [memoryview(c).cast("B") for c in p]
         if isinstance(p, (list, tuple))
         else [memoryview(p).cast("B")]
         for p in parts
     ]
-    head = _HEAD.pack(MAGIC, len(pieces), flags, digest)
-    lengths = struct.pack(f"<{len(pieces)}Q", *(sum(len(v) for v in p) for p in pieces))
-    check = _CHECK.pack(xxhash.xxh3_64_intdigest(head + lengths))
-    return b"".join((head, lengths, check, *(v for p in pieces for v in p)))
+    head = envelope_header(
+        [sum(len(v) for v in p) for p in pieces],
+        state_digest=state_digest,
+        nested=nested,
+        part_digest=part_digest,
+    )
+    return b"".join((head, *(v for p in pieces for v in p)))
+
+
+def seal_envelope(
+    buf: bytearray, *, state_digest: str | None = None, part_digest: bool = False
+) -> bytearray:
+    """A one-part envelope framed in place: ``buf`` holds ``header_size(1)`` reserved bytes
+    and then the part (a blob written straight after the reservation), so the payload never
+    exists twice, as the part and as the envelope. Returns ``buf``, equal to
+    ``pack_envelope([buf[header_size(1):]], ...)``."""
+    reserved = header_size(1)
+    if len(buf) < reserved:
+        raise EnvelopeError(f"{len(buf)} bytes cannot hold the {reserved}-byte envelope framing")
+    buf[:reserved] = envelope_header(
+        [len(buf) - reserved], state_digest=state_digest, part_digest=part_digest
+    )
+    return buf
 
 
 def as_view(payload: Bytes | torch.Tensor) -> memoryview:
