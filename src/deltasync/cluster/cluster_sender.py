@@ -63,7 +63,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -184,6 +185,7 @@ class ClusterSender:
         self._pending: Carry = {}
         self._pending_anchor = False
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
+        self._digest_pool: ThreadPoolExecutor | None = None  # overlap: digests beside routing
         self._background = (
             Background(optimizer, thread_name=f"ds-send-{self.role.writer_id}")
             if overlap and optimizer is not None
@@ -230,12 +232,42 @@ class ClusterSender:
         base: int,
         caps: Capture,
         params: Params,
-        stream: Iterable[tuple[str, Positions]] | None = None,
+        stream: Handoff[Positions] | None = None,
     ) -> Outgoing:
         """Steps 2-3: route (reading the values of captured positions), digest and encode
         captured changes (the last reads of ``params``); with ``stream``, the captured
         positions as the caller's detection hands them over (``caps`` then only marks a
-        delta)."""
+        delta), and the digest pass runs beside the routing from the end of the capture."""
+        job = None
+        want = self.config.sends_digest(version, anchor=caps.anchor)
+        if want and stream is not None and not callable(self._full_state):
+            # (a full_state callable may gather over the group: only this thread may)
+            if self._digest_pool is None:
+                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-cluster-digest")
+            job = self._digest_pool.submit(self._digests_after, stream, params)
+        try:
+            return self._build_payloads(version, base, caps, params, stream, want, job)
+        except BaseException:
+            if job is not None:  # it reads the params: done before the optimizer may step
+                job.exception()
+            raise
+
+    def _digests_after(
+        self, handoff: Handoff[Positions], params: Params
+    ) -> tuple[dict[str, str], bool]:
+        handoff.names()  # the capture has ended (or failed: then this raises)
+        return self._digests(params)
+
+    def _build_payloads(
+        self,
+        version: int,
+        base: int,
+        caps: Capture,
+        params: Params,
+        stream: Handoff[Positions] | None,
+        want: bool,
+        job: Future | None,
+    ) -> Outgoing:
         t = time.perf_counter()
         where = {"rank": self.role.index, "world_size": self.role.count}
         layouts = {"trainer_layout": self.trainer_layout, "receiver_layout": self.receiver_layout}
@@ -273,9 +305,11 @@ class ClusterSender:
             del updates
             encode_s = time.perf_counter() - t
 
-        t = time.perf_counter()
+        t = time.perf_counter()  # the wait for the digests where they ran beside the routing
         digests, part = {}, False
-        if self.config.sends_digest(version, anchor=caps.anchor):
+        if job is not None:
+            digests, part = job.result()
+        elif want:
             digests, part = self._digests(params)
         digest_s = time.perf_counter() - t
 
@@ -623,6 +657,9 @@ class ClusterSender:
         finally:
             self._background.close()
             self._background = None
+            if self._digest_pool is not None:
+                self._digest_pool.shutdown(wait=True)
+                self._digest_pool = None
 
 
 def _require_initialized() -> None:
