@@ -563,23 +563,26 @@ class ClusterSender:
             p.release()  # the parameters are read no more: the optimizer may step
             return self._send(version, anchor, out, err, t0=t0, captured_s=p.captured_s)
 
-        background.submit(pending, work)
         if handoff is None:
             if failure is None:  # an anchor: every element, nothing to capture
                 self.tracker.clear()
                 self._pending_anchor = True
             pending.captured_s = time.perf_counter() - t0
+            background.submit(pending, work)
             return pending
+        background.submit(pending, work)
         captured: Carry = {}
         try:
             for name, pos in iter_captured(self.tracker, self._pending, params):
                 captured[name] = pos
                 handoff.put(name, pos)
-        except Exception as exc:
+        except BaseException as exc:
             # Sent as this rank's failure in the preflight: every rank raises it at its next
             # call, nothing of this version is applied, the tracker and the carry are kept.
-            handoff.fail(exc)
             pending.captured_s = time.perf_counter() - t0
+            handoff.fail(exc)
+            if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
+                raise
             return pending
         # The tracker's baseline moves now (no other thread ever touches the tracker); until
         # the version commits, what it reported is the carry, sent again by every retry.
