@@ -381,8 +381,9 @@ class TrainerSync:
         handoff: Handoff[Positions] | None,
         changes: list[Change] | None = None,
     ) -> list[PublishReport]:
-        # The capture's transients (each parameter's int64 positions) left holes between the
-        # captured positions it keeps: give those pages back before the publish allocates.
+        # The capture's transients (each parameter's int64 positions) leave holes between the
+        # captured positions it keeps: give the free pages back before the publish allocates
+        # (the capture may still be running: this only returns pages no object uses).
         release_free_heap()
         # the receiver tensors only untouched params feed keep their digests, when the
         # tracker watches every param (else nothing proves the rest)
