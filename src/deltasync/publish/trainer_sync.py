@@ -383,8 +383,10 @@ class TrainerSync:
     ) -> list[PublishReport]:
         # The capture's transients (each parameter's int64 positions) leave holes between the
         # captured positions it keeps: give the free pages back before the publish allocates
-        # (the capture may still be running: this only returns pages no object uses).
-        release_free_heap()
+        # (the capture may still be running: this only returns pages no object uses). Not for
+        # an inline version: its holes are small and the call (~1 ms) would be in its latency.
+        if changes is None:
+            release_free_heap()
         # the receiver tensors only untouched params feed keep their digests, when the
         # tracker watches every param (else nothing proves the rest)
         touched = None
