@@ -315,6 +315,21 @@ def test_two_publishers_each_commit_every_change_of_an_overlapped_version(tmp_pa
     sync.close()
 
 
+def test_an_interrupt_during_the_capture_stops_the_background_and_commits_nothing(tmp_path):
+    # the background already routes the first parameters (inline_below=0) when it comes
+    trainer, staged, sync, pub, receivers, lay = _staged(tmp_path, lambda op, key: None)
+    trainer.step()
+    staged.fail = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        sync.step_published(1)
+    assert sync.in_flight is None and pub.committed() == 0 and sync._carry == {}
+    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
+    sync.step_published(1)  # the tracker kept the step's changes
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
 def test_close_raises_the_error_of_the_version_in_flight(tmp_path):
     gate = ManifestGate(1, fail=True)
     trainer, _, sync, _, _, _ = _setup(tmp_path, gate)
