@@ -124,9 +124,10 @@ class PublishReport:
 log = logging.getLogger(__name__)
 
 # Changed elements per segment when consecutive groups are batched (a detected list of
-# changes): about 5 MiB of routed indices and values while a batch is routed and encoded (2^20
-# put ~25 MiB of transients beside the 0.6B's ~28 MiB of captured positions).
-SEGMENT_ELEMENTS = 1 << 19
+# changes): a few MiB of routed indices and values while a batch is routed and encoded (2^20
+# put ~25 MiB of transients beside the 0.6B's ~28 MiB of captured positions; 2^19 -> 2^18 took
+# 4-5 MiB off the 0.6B's peak at the same CPU time, publish_probe --threads 1).
+SEGMENT_ELEMENTS = 1 << 18
 
 Params = Mapping[str, torch.Tensor]
 
