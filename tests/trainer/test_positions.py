@@ -81,3 +81,36 @@ def test_reused_ranges_are_views_of_one_buffer_and_each_is_exact_when_yielded(pa
         assert torch.equal(got, idx[(idx >= bounds[i]) & (idx < bounds[i + 1])])
         storages.add(got.untyped_storage().data_ptr())
     assert len(storages) == 1
+
+
+@pytest.mark.parametrize("spread", [25, 400])
+def test_packed_positions_decode_exactly_and_hold_fewer_bytes(spread, path) -> None:
+    # a routed parameter's positions wait for the commit compressed; every read still exact
+    idx = _sorted_positions(200_000, spread, 5, 7)
+    pos = Positions.of(idx)
+    before = pos.nbytes
+    pos.pack()
+    assert pos.packed is not None and pos.gaps is None and "packed" in repr(pos)
+    assert pos.nbytes < 0.9 * before
+    assert torch.equal(pos.indices(), idx)
+    assert torch.equal(torch.cat(list(pos.slices(4097))), idx)
+    lo, hi = int(idx[0]), int(idx[-1])
+    bounds = [lo, lo + (hi - lo) // 3, hi + 1]
+    for reuse in (False, True):
+        got = [r.clone() for r in pos.ranges(bounds, size=1000, reuse=reuse)]
+        assert torch.equal(torch.cat(got), idx)
+    more = torch.tensor([hi + 5, hi + 9])
+    assert torch.equal(pos.union(more).indices(), torch.cat([idx, more]))
+    pos.pack()  # a second pack changes nothing
+    assert torch.equal(pos.indices(), idx)
+
+
+def test_small_or_incompressible_positions_are_not_packed() -> None:
+    small = Positions.of(_sorted_positions(3000, 40, 1))
+    small.pack()
+    assert small.packed is None and small.gaps is not None
+    g = torch.Generator().manual_seed(9)
+    steps = torch.randint(1, 255, (200_000,), generator=g)  # uniform gaps: zstd cannot shrink
+    noisy = Positions.of(torch.cumsum(steps, 0))
+    noisy.pack()
+    assert noisy.packed is None and noisy.gaps is not None

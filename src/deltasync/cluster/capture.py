@@ -320,6 +320,8 @@ def streamed_blobs(
         nonlocal batch, size
         if batch:
             write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
+            for routed in batch.values():  # from now on only a retry reads them
+                routed.pack()
             release.count(size)
             batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
 
@@ -349,6 +351,7 @@ def streamed_blobs(
                 write(updates)
                 del updates  # this piece's pairs: gone before the next piece
                 release_free_heap()  # its record section and slices (see segments.py)
+            pos.pack()
             continue
         batch[name] = pos
         size += len(pos)

@@ -119,9 +119,10 @@ class GroupRouter:
             several = len(changes) > 1
             while changes:
                 group = changes.pop(0)
-                changed, given = {}, {}
+                changed, given, routed_positions = {}, {}, []
                 for n, (idx, vals) in group.items():
                     if isinstance(idx, Positions):  # captured positions: values are read now
+                        routed_positions.append(idx)
                         idx = idx.indices()
                         vals = bf16_at(_local(params[n]), idx, trusted=True)
                     changed[n] = idx
@@ -138,6 +139,8 @@ class GroupRouter:
                     values=given or None,
                 )
                 del changed, given
+                for pos in routed_positions:  # routed: from now on only a retry reads them
+                    pos.pack()
                 for shard, ups in routed.items():
                     out.setdefault(shard, []).extend(_narrow(u) for u in ups)
                 del routed
@@ -159,6 +162,7 @@ class GroupRouter:
                             batch, held = [], 0
                         got.clear()
                         self._route_pieces(streams, name, idx, pieces, params)
+                        idx.pack()
                         return
                 if got:
                     batch.append(got)

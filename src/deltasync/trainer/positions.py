@@ -10,6 +10,11 @@ escapes would cost more than that (a sparse parameter, gaps of thousands), the p
 kept as int32 (int64 at 2^31 elements or more). Decoding is one cumsum; the round trip is
 exact (tests pin it).
 
+Once a background has routed a parameter, its positions only wait for the commit (a failed
+version's carry is read again, nothing else is): :meth:`Positions.pack` then holds the gap
+bytes zstd-compressed (level 1: ~70% of them at RL densities), and every read decompresses a
+temporary copy.
+
 Encoding: ``first`` (the smallest position, a Python int), ``gaps[i] = p[i+1] - p[i] - 1`` as
 uint8 when it is below 255, else the escape 255 with the gap itself in ``escapes`` (in order).
 Tensors stay on the device the positions came from (a GPU tracker's are encoded there).
@@ -23,12 +28,14 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+import zstandard
 
 from deltasync.errors import TensorInputError
 from deltasync.native import loader as native
 
 _ESCAPE = 255  # a gap byte of 255: the gap is the next entry of ``escapes``
 CHUNK = 1 << 20  # positions encoded per slice: the int64 gaps never exist for a whole tensor
+PACK_MIN = 1 << 16  # gap bytes below this are never packed (the frame would not pay off)
 
 
 _tls = threading.local()
@@ -58,7 +65,7 @@ class Positions:
 
     Build with :meth:`of`; :meth:`indices` gives them back as sorted int64."""
 
-    __slots__ = ("count", "device", "escapes", "first", "gaps", "wide")
+    __slots__ = ("count", "device", "escapes", "first", "gaps", "packed", "wide")
 
     def __init__(
         self,
@@ -73,6 +80,28 @@ class Positions:
         assert count <= 1 or (gaps is None) != (wide is None)
         self.count, self.first, self.device = count, first, device
         self.gaps, self.escapes, self.wide = gaps, escapes, wide
+        self.packed: bytes | None = None  # the gap bytes zstd-compressed, after pack()
+
+    def pack(self) -> None:
+        """Hold the gap bytes zstd-compressed (level 1: ~70% of them at RL densities) from now
+        on; every read decompresses a temporary copy. For positions that only wait for a
+        commit (a failed version's carry is read again, nothing else is) once the background
+        has routed them. No-op on the device, for small or incompressible gaps."""
+        gaps = self.gaps
+        if gaps is None or gaps.device.type != "cpu" or gaps.numel() < PACK_MIN:
+            return
+        packed = zstandard.ZstdCompressor(level=1).compress(memoryview(gaps.numpy()))
+        if len(packed) * 10 < gaps.numel() * 9:
+            self.packed = packed  # before gaps goes: a reader seeing no gaps finds these
+            self.gaps = None
+
+    def _gap_bytes(self) -> torch.Tensor | None:
+        """The uint8 gap bytes (decompressed into a temporary where packed), or None."""
+        gaps = self.gaps
+        if gaps is not None or self.packed is None:
+            return gaps
+        raw = zstandard.ZstdDecompressor().decompress(self.packed)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     @classmethod
     def of(cls, indices: torch.Tensor) -> Positions:
@@ -161,19 +190,20 @@ class Positions:
         if self.count == 0:
             return out
         out[0] = self.first
-        if self.gaps is not None and native.usable(self.gaps):  # one C pass
+        gaps = self._gap_bytes()
+        if gaps is not None and native.usable(gaps):  # one C pass
             lib = native.load()
             assert lib is not None
             esc = self._escapes_int64()
             lib.ds_gaps_decode(
-                self.gaps.data_ptr(), self.count - 1, esc.data_ptr(), self.first, out.data_ptr() + 8
+                gaps.data_ptr(), self.count - 1, esc.data_ptr(), self.first, out.data_ptr() + 8
             )
             return out
-        if self.gaps is not None:
+        if gaps is not None:
             rest = out[1:]
-            rest.copy_(self.gaps)  # widen in place: no second int64 temporary
+            rest.copy_(gaps)  # widen in place: no second int64 temporary
             if self.escapes is not None and self.escapes.numel():
-                rest[self.gaps == _ESCAPE] = self.escapes.to(torch.int64) - 1
+                rest[gaps == _ESCAPE] = self.escapes.to(torch.int64) - 1
             rest.add_(1)
             rest.cumsum_(0)
             rest.add_(self.first)
@@ -190,10 +220,11 @@ class Positions:
                 yield self.wide[lo : lo + size].to(torch.int64)
             return
         yield torch.tensor([self.first], dtype=torch.int64, device=self.device)
-        if self.gaps is None:
+        gaps = self._gap_bytes()
+        if gaps is None:
             return
         prev, e = self.first, 0
-        if native.usable(self.gaps):  # one C pass per slice
+        if native.usable(gaps):  # one C pass per slice
             lib = native.load()
             assert lib is not None
             esc = self._escapes_int64()
@@ -201,13 +232,13 @@ class Positions:
                 m = min(size, self.count - 1 - lo)
                 out = torch.empty(m, dtype=torch.int64)
                 e += lib.ds_gaps_decode(
-                    self.gaps.data_ptr() + lo, m, esc.data_ptr() + 8 * e, prev, out.data_ptr()
+                    gaps.data_ptr() + lo, m, esc.data_ptr() + 8 * e, prev, out.data_ptr()
                 )
                 prev = int(out[-1])
                 yield out
             return
         for lo in range(0, self.count - 1, size):
-            raw = self.gaps[lo : lo + size]
+            raw = gaps[lo : lo + size]
             out = raw.to(torch.int64)
             if self.escapes is not None and self.escapes.numel():
                 escaped = raw == _ESCAPE
@@ -230,8 +261,9 @@ class Positions:
         does not keep the freed block of one range next to the next one's."""
         if len(bounds) < 2:
             return
-        if self.gaps is not None and native.usable(self.gaps):
-            yield from self._ranges_native(bounds, size, reuse)
+        gaps = self._gap_bytes()
+        if gaps is not None and native.usable(gaps):
+            yield from self._ranges_native(gaps, bounds, size, reuse)
             return
         cuts = torch.tensor(list(bounds), dtype=torch.int64, device=self.device)
         counts = [0] * (len(bounds) - 1)
@@ -262,16 +294,16 @@ class Positions:
             yield out
 
     def _ranges_native(
-        self, bounds: Sequence[int], size: int, reuse: bool
+        self, gaps: torch.Tensor, bounds: Sequence[int], size: int, reuse: bool
     ) -> Iterator[torch.Tensor]:
         """:meth:`ranges` through the C decoder: the counting pass decodes into one reused
         buffer, the second decodes each range's positions straight into its output (they are
         the next ``count`` positions of the sequence), so nothing else is allocated."""
-        assert self.gaps is not None and self.count >= 2
+        assert self.count >= 2
         lib = native.load()
         assert lib is not None
         esc = self._escapes_int64()
-        gaps_ptr, esc_ptr, n_gaps = self.gaps.data_ptr(), esc.data_ptr(), self.count - 1
+        gaps_ptr, esc_ptr, n_gaps = gaps.data_ptr(), esc.data_ptr(), self.count - 1
         cuts = torch.tensor(list(bounds), dtype=torch.int64)
         ranges = len(bounds) - 1
         counts = [0] * ranges
@@ -340,15 +372,17 @@ class Positions:
     @property
     def nbytes(self) -> int:
         """Bytes held for this parameter's positions (the tensors, not the object)."""
-        return sum(
+        held = sum(
             t.numel() * t.element_size()
             for t in (self.gaps, self.escapes, self.wide)
             if t is not None
         )
+        return held + (len(self.packed) if self.packed is not None else 0)
 
     def __len__(self) -> int:
         return self.count
 
     def __repr__(self) -> str:
         kind = "gaps8" if self.gaps is not None else ("wide" if self.wide is not None else "small")
+        kind = "gaps8 packed" if self.packed is not None and self.gaps is None else kind
         return f"Positions(count={self.count}, {kind}, {self.nbytes} bytes)"
