@@ -77,6 +77,17 @@ def _failure(exc: BaseException, start: float) -> dict:
     }
 
 
+def _outcome(call) -> dict:
+    """``{"error": None}`` if ``call()`` returns, else :func:`_failure` of the DeltaSyncError it
+    raised (timed from the call)."""
+    start = time.monotonic()
+    try:
+        call()
+        return {"error": None}
+    except DeltaSyncError as exc:
+        return _failure(exc, start)
+
+
 class CountingTracker:
     """A real AdamWTracker that counts which of its streams were asked for."""
 
@@ -190,13 +201,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     # 5: detection fails midway while the background already routes what it was handed.
     w.tracker.fail_after = 3
     pending = sender.sync(5)  # the step above is version 5's
-    start = time.monotonic()
-    try:
-        sender.wait()
-        out["detection_failed"] = {"error": None}
-    except DeltaSyncError as exc:
-        out["detection_failed"] = _failure(exc, start)
-        out["detection_failed"]["root"] = repr(exc.__cause__.__cause__ or exc.__cause__)
+    out["detection_failed"] = _outcome(sender.wait)
     out["detection_failed"]["version_after"] = sender.version
     pending = sender.sync(5)  # the tracker kept 5's changes
     settle(5)
@@ -207,12 +212,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     out["pending_after_6"] = sender.pending_elements
     out["carry_bytes_after_6"] = sender.carry_bytes
     w.hf.step()
-    start = time.monotonic()
-    try:
-        sender.sync(7)
-        out["after_failure"] = {"error": None}
-    except DeltaSyncError as exc:
-        out["after_failure"] = _failure(exc, start)
+    out["after_failure"] = _outcome(lambda: sender.sync(7))
     out["after_failure"]["version_after"] = sender.version
     pending = sender.sync(7)  # the retry: 7's changes and 6's carry
     settle(7)
@@ -225,12 +225,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     w.hf.step()
     pending = sender.sync(8, anchor=True)
     out["kill_returned_before_done"] = not pending.done()
-    start = time.monotonic()
-    try:
-        sender.sync(9)
-        out["after_kill"] = {"error": None}
-    except DeltaSyncError as exc:
-        out["after_kill"] = _failure(exc, start)
+    out["after_kill"] = _outcome(lambda: sender.sync(9))
     out["after_kill"]["version_after"] = sender.version
     out["pending_after_kill"] = sender.pending_elements
     out["tracker_calls"] = dict(w.tracker.calls)
@@ -292,12 +287,7 @@ def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
     dist.barrier()
     if rank == 2:
         threading.Timer(DEATH_AFTER_S, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    start = time.monotonic()
-    try:
-        receiver.sync()
-        out["killed"] = {"error": None}
-    except DeltaSyncError as exc:
-        out["killed"] = _failure(exc, start)
+    out["killed"] = _outcome(receiver.sync)
     return out
 
 

@@ -19,8 +19,8 @@ little-endian::
     parts        the parts, back to back; their lengths must add up to the rest exactly
 
 ``pack_envelope`` / ``unpack_envelope`` are inverses; ``seal_envelope`` frames a one-part
-envelope in place, around a blob written after a reserved header. This module knows bytes only: nothing
-about blob contents, tensors or processes.
+envelope in place, around a blob written after a reserved header. This module knows bytes
+only: nothing about blob contents, tensors or processes.
 """
 
 from __future__ import annotations

@@ -360,17 +360,11 @@ class TrainerSync:
         pending._future = self._submit(pending, captured, params, anchor, None)
         return pending
 
-    def _submit(
-        self,
-        pending: PendingVersion,
-        captured: Captured,
-        params: Params,
-        anchor: bool,
-        handoff: Handoff[Positions] | None,
-    ) -> Future:
+    def _submit(self, *args: object) -> Future:
+        """:meth:`_background` with ``args`` on the publish thread (started on first use)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ds-publish")
-        return self._worker.submit(self._background, pending, captured, params, anchor, handoff)
+        return self._worker.submit(self._background, *args)
 
     def _background(
         self,
