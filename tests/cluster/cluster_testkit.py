@@ -49,6 +49,7 @@ class Setup:
     forward_from: int | None = None  # switch to dp_mode "forward" from this version on
     max_chunk_bytes: int = 64 << 20
     overlap: bool = False  # ClusterSender(overlap=True); each version settled before the check
+    part_bytes: int = ClusterConfig.part_bytes  # an overlapped delta streams in parts of this
 
     def world_size(self) -> int:
         return self.num_writers + self.tp * self.replicas
@@ -69,6 +70,7 @@ class Setup:
             wait_for_version_s=max(self.timeout_s, 60.0),
             commit_timeout_s=self.timeout_s,
             digest_every=self.digest_every,
+            part_bytes=self.part_bytes,
         )
 
 

@@ -173,6 +173,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
             "total_s": report.total_s,
             "elements": report.elements,
             "version_after": sender.version,
+            "exchanges": report.exchanges,
         }
         broadcast_truth(w.bits() if bits is None else bits)
 

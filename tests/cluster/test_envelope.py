@@ -7,8 +7,11 @@ import torch
 
 from deltasync.cluster import EnvelopeError
 from deltasync.cluster.envelope import (
+    envelope_header,
     flatten,
+    framed_first,
     header_size,
+    join_parts,
     pack_envelope,
     seal_envelope,
     unpack_envelope,
@@ -110,3 +113,49 @@ def test_an_envelope_sealed_in_place_equals_the_packed_one() -> None:
         assert [bytes(p) for p in env.parts] == [blob] and env.part == part
     with pytest.raises(EnvelopeError, match="framing"):
         seal_envelope(bytearray(header_size(1) - 1))
+
+
+BLOB = b"DSYB" + bytes(range(256)) * 40  # a blob starts with its own magic
+
+
+def _cut(data: bytes, sizes: list[int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8))
+        at += n
+    assert at == len(data)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[len(BLOB) + 48], [5000, len(BLOB) + 48 - 5000], [3, 4000, 6000, len(BLOB) + 48 - 10003]],
+)
+def test_an_envelope_streamed_framing_last_joins_into_the_framed_first_envelope(sizes) -> None:
+    framing = envelope_header([len(BLOB)], state_digest=DIGEST, part_digest=True)
+    assert len(framing) == header_size(1) == 48
+    streamed = BLOB + framing  # the blob's bytes as written, then its framing
+    assert not framed_first(torch.frombuffer(bytearray(streamed), dtype=torch.uint8))
+    joined = join_parts(_cut(streamed, sizes))  # the last cut splits the framing
+    assert bytes(joined.numpy()) == pack_envelope([BLOB], state_digest=DIGEST, part_digest=True)
+    env = unpack_envelope(joined, where="test")
+    assert [bytes(p) for p in env.parts] == [BLOB] and env.state_digest == DIGEST and env.part
+
+
+def test_an_envelope_sent_framing_first_in_parts_joins_unchanged() -> None:
+    data = pack_envelope([BLOB], state_digest=DIGEST)
+    assert framed_first(data)
+    assert bytes(join_parts(_cut(data, [7, 100, len(data) - 107])).numpy()) == data
+
+
+def test_a_streamed_payload_damaged_or_cut_short_is_refused_after_joining() -> None:
+    framing = envelope_header([len(BLOB)], state_digest=DIGEST)
+    damaged = bytearray(BLOB + framing)
+    damaged[-3] ^= 1  # inside the framing's check
+    with pytest.raises(EnvelopeError, match="damaged in transit"):
+        unpack_envelope(join_parts(_cut(bytes(damaged), [1000, len(damaged) - 1000])), where="t")
+    lost = BLOB[:-10] + framing  # a part went missing: the lengths do not add up
+    with pytest.raises(EnvelopeError, match="declare"):
+        unpack_envelope(join_parts(_cut(lost, [len(lost)])), where="t")
+    with pytest.raises(EnvelopeError, match="cannot hold a 48-byte framing"):
+        join_parts(_cut(b"DSYB" + bytes(10), [14]))

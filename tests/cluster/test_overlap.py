@@ -21,16 +21,30 @@ from deltasync.trainer import AdamWTracker
 from cluster_testkit import Setup
 
 SETUP = Setup(timeout_s=3.0, digest_every=1)
+# Deltas streamed in parts of 1 KiB (ClusterConfig.part_bytes): dozens of exchanges a version.
+IN_PARTS = Setup(timeout_s=3.0, digest_every=1, part_bytes=1024)
 
 
-@pytest.fixture(scope="module")
-def overlap(tmp_path_factory) -> list[dict]:
+@pytest.fixture(scope="module", params=[SETUP, IN_PARTS], ids=["one-part", "in-parts"])
+def overlap(request, tmp_path_factory) -> list[dict]:
     notes = tmp_path_factory.mktemp("overlap") / "rank2.pickle"
-    results = spawn(run_overlap, 3, SETUP, str(notes), timeout_s=120, may_die={2})
+    results = spawn(run_overlap, 3, request.param, str(notes), timeout_s=120, may_die={2})
     assert results[2] is None  # the receiver really died in version 8
     with open(notes, "rb") as f:
         results[2] = pickle.load(f)
+    results[0]["setup"] = request.param
     return results
+
+
+@pytest.mark.timeout(180)
+def test_a_delta_goes_in_one_exchange_or_streamed_in_parts_as_configured(overlap) -> None:
+    writer = overlap[0]
+    exchanges = [writer["versions"][v]["exchanges"] for v in (1, 2, 3, 4, 5, 7)]
+    if writer["setup"].part_bytes == IN_PARTS.part_bytes:
+        assert min(exchanges) > 5, exchanges
+    else:
+        assert exchanges == [1] * 6
+    assert writer["versions"][0]["exchanges"] == 1  # an anchor is never streamed
 
 
 @pytest.mark.timeout(180)

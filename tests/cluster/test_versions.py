@@ -32,6 +32,18 @@ def check_run(results: list[dict], versions: int) -> None:
     assert len(set(receivers[0]["digests"])) == versions + 1
 
 
+def check_replicas(receivers: list[dict], setup: Setup, versions: int) -> None:
+    """Every receiver exact at every version, and both replicas of a shard identical."""
+    for r in receivers:
+        assert r["versions"] == list(range(versions + 1))
+        assert r["bad"] == []
+    by_rank = {r["rank"]: r for r in receivers}
+    plan = setup.plan()
+    for shard in plan.shards():
+        first, second = (by_rank[role.rank]["digests"] for role in plan.replicas(shard))
+        assert first == second
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_100_versions_keep_both_tp_receivers_bit_identical_to_a_dense_split() -> None:
@@ -60,14 +72,7 @@ def test_dp_replicas_get_every_version_directly_then_forwarded_with_identical_re
     setup = Setup(versions=VERSIONS, replicas=2, forward_from=11, digest_every=5)
     trainer, *receivers = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
     assert trainer["exchanges"] == [1] * 11 + [2] * 10
-    for r in receivers:
-        assert r["versions"] == list(range(VERSIONS + 1))
-        assert r["bad"] == []
-    by_rank = {r["rank"]: r for r in receivers}
-    plan = setup.plan()
-    for shard in plan.shards():
-        first, second = (by_rank[role.rank]["digests"] for role in plan.replicas(shard))
-        assert first == second
+    check_replicas(receivers, setup, VERSIONS)
 
 
 @pytest.mark.timeout(150)
@@ -100,3 +105,37 @@ def test_two_overlapped_fsdp_writers_give_exactly_the_receiver_states_of_one_wri
     for i, r in enumerate(receivers):
         assert r["bad"] == []
         assert r["digests"] == one_writer[i][:9]
+
+
+@pytest.mark.timeout(150)
+def test_two_overlapped_writers_streaming_in_parts_give_exactly_the_states_of_one_writer(
+    tp2_run,
+) -> None:
+    # As above with every delta streamed in 2 KiB parts: the writers' halves differ in size,
+    # so one writer ends its parts before the other and sends nothing in the rest.
+    setup = Setup(
+        num_writers=2, tracker="snapshot", versions=6, digest_every=1, overlap=True, part_bytes=2048
+    )
+    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    writers, receivers = results[:2], results[2:]
+    assert [w["versions"] for w in writers] == [list(range(7))] * 2
+    for w in writers:
+        assert w["reports"][0].exchanges == 1  # the anchor
+        assert min(r.exchanges for r in w["reports"][1:]) > 5
+    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == one_writer[i][:7]
+
+
+@pytest.mark.timeout(150)
+def test_forwarding_replicas_pass_on_a_delta_that_came_in_parts_exactly() -> None:
+    # 1 overlapped trainer streaming 2 KiB parts to replica 0 of each TP shard, which forwards
+    # the joined envelope to replica 1 in the second exchange.
+    setup = Setup(
+        versions=4, replicas=2, dp_mode="forward", digest_every=1, overlap=True, part_bytes=2048
+    )
+    trainer, *receivers = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    assert trainer["versions"] == list(range(5))
+    assert min(r.exchanges for r in trainer["reports"][1:]) > 5
+    check_replicas(receivers, setup, 4)

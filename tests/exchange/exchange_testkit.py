@@ -109,7 +109,9 @@ def die_in_round_two(rank: int, dying_rank: int, death_after_s: float, timeout_s
     init_from_env(timeout_s=30)
     w = dist.get_world_size()
     config = ExchangeConfig(max_chunk_bytes=4096, max_inflight_ops=2, timeout_s=timeout_s)
-    payloads = {dst: bytes(4 << 20) for dst in range(w) if dst != rank}
+    # 12 MiB per pair in 4 KiB chunks: 4 MiB took under 1 s on a quiet machine, so a death
+    # 1.5 s in could come after the end
+    payloads = {dst: bytes(12 << 20) for dst in range(w) if dst != rank}
     dist.barrier()
     if rank == dying_rank:
         threading.Timer(death_after_s, lambda: os._exit(17)).start()
@@ -193,3 +195,40 @@ def exit_on_rank_one(rank: int) -> int:
     if rank == 1:
         os._exit(3)
     return rank
+
+
+def stream_in_parts(rank: int, parts_per_rank: list[int]) -> dict:
+    """Rank r streams ``parts_per_rank[r]`` parts to every other rank (then empty exchanges
+    while any rank still has more); every rank keeps calling while ``Received.more`` and
+    joins what each source sent, which must be every part of it in order."""
+    init_from_env(timeout_s=30)
+    w = dist.get_world_size()
+    config = ExchangeConfig(max_chunk_bytes=100, max_inflight_ops=4, timeout_s=10)
+    mine = parts_per_rank[rank]
+    joined: dict[int, bytearray] = {}
+    rounds, more_seen = 0, []
+    while True:
+        index = rounds
+        payloads = {}
+        if index < mine:
+            payloads = {dst: payload_bytes(index, rank, dst, 37 * (index + 1)) for dst in range(w)}
+        got = exchange(payloads, config=config, more=index + 1 < mine)
+        for src, part in got.items():
+            joined.setdefault(src, bytearray()).extend(part.numpy().tobytes())
+        rounds += 1
+        more_seen.append(got.more)
+        if not got.more:
+            break
+    expected = {
+        src: b"".join(
+            payload_bytes(i, src, rank, 37 * (i + 1)).numpy().tobytes()
+            for i in range(parts_per_rank[src])
+        )
+        for src in range(w)
+        if parts_per_rank[src]
+    }
+    return {
+        "rounds": rounds,
+        "more_seen": more_seen,
+        "exact": {src: bytes(joined.get(src, b"")) == want for src, want in expected.items()},
+    }

@@ -8,7 +8,7 @@ import pytest
 
 from deltasync.exchange import spawn
 
-from exchange_testkit import Case, run_cases
+from exchange_testkit import Case, run_cases, stream_in_parts
 
 
 def cases_for(w: int) -> list[Case]:
@@ -62,3 +62,15 @@ def test_a_pair_far_above_the_chunk_bound_travels_as_many_bounded_messages() -> 
     assert receiver[0]["mismatched"] == [] and receiver[0]["sources"] == [0]
     chunks = -(-1_000_000 // 4096)
     assert sender[0]["messages"] == chunks == receiver[0]["messages"]
+
+
+@pytest.mark.timeout(30)
+def test_ranks_streaming_different_numbers_of_parts_agree_on_every_exchange() -> None:
+    parts = [3, 0, 1, 5]
+    results = spawn(stream_in_parts, 4, parts, timeout_s=25)
+    for rank, res in enumerate(results):
+        # every rank ran exactly as many exchanges as the longest stream, and was told
+        # "more follows" after all but the last
+        assert res["rounds"] == 5, rank
+        assert res["more_seen"] == [True] * 4 + [False], rank
+        assert res["exact"] == {0: True, 2: True, 3: True}, rank

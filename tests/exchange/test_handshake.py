@@ -20,7 +20,7 @@ from deltasync.exchange.status_row import (
 )
 
 
-def rows_for(matrix, failures=None, settings=None):
+def rows_for(matrix, failures=None, settings=None, more=()):
     failures = failures or {}
     settings = settings or {}
     return torch.stack(
@@ -30,6 +30,7 @@ def rows_for(matrix, failures=None, settings=None):
                 failure=failures.get(r),
                 max_chunk_bytes=settings.get(r, (1024, 8))[0],
                 max_inflight_ops=settings.get(r, (1024, 8))[1],
+                more=r in more,
             )
             for r, row in enumerate(matrix)
         ]
@@ -39,12 +40,24 @@ def rows_for(matrix, failures=None, settings=None):
 def test_a_row_is_world_size_plus_a_fixed_number_of_int64s() -> None:
     row = encode_row([1, 2, 3], failure=None, max_chunk_bytes=10, max_inflight_ops=2)
     assert row.dtype == torch.int64
-    assert row.shape == (row_length(3),) == (3 + 6 + MESSAGE_BYTES // 8,)
+    assert row.shape == (row_length(3),) == (3 + 7 + MESSAGE_BYTES // 8,)
 
 
 def test_gathered_rows_decode_to_the_byte_count_matrix() -> None:
     matrix = [[0, 5, 1 << 40], [7, 0, 0], [0, 0, 3]]
-    assert decode_rows(rows_for(matrix)) == tuple(tuple(r) for r in matrix)
+    assert decode_rows(rows_for(matrix)) == (tuple(tuple(r) for r in matrix), False)
+
+
+def test_one_rank_with_more_to_send_makes_every_rank_see_that_another_exchange_follows() -> None:
+    matrix = [[0, 5, 1], [7, 0, 0], [0, 0, 3]]
+    for more in ({0}, {2}, {0, 1, 2}):
+        assert decode_rows(rows_for(matrix, more=more)) == (tuple(map(tuple, matrix)), True)
+
+
+def test_a_failure_is_raised_even_where_ranks_said_more_follows() -> None:
+    rows = rows_for([[0, 1], [1, 0]], failures={1: "OSError: gone"}, more={0})
+    with pytest.raises(PeerFailedError, match="rank 1 failed"):
+        decode_rows(rows)
 
 
 def test_a_failed_rank_makes_decoding_raise_peer_failed_naming_it_and_its_message() -> None:

@@ -45,7 +45,7 @@ nothing about envelopes, process groups, threads or receivers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +258,7 @@ def streamed_blobs(
     level: int = 1,
     batch_elements: int = BATCH_ELEMENTS,
     reserve: int = 0,
+    on_batch: Callable[[dict[str, bytearray]], None] | None = None,
 ) -> tuple[dict[str, bytearray], dict[str, int]]:
     """Every shard's blob of the captured ``positions``, values read from ``params`` now.
 
@@ -270,11 +271,15 @@ def streamed_blobs(
         batch_elements: changed elements gathered per batch before it is routed.
         reserve: zero bytes in front of each blob (where the caller frames it in place,
             :func:`~deltasync.cluster.envelope.seal_envelope`).
+        on_batch: called with the buffers after every batch's segments are written; it may
+            take bytes away by replacing a shard's buffer with a new one (later bytes go to
+            the new one): what streams the blobs out while later batches are routed.
 
     Returns:
-        ``({shard: reserve zero bytes, then the blob}, {shard: elements routed to it})``.
-        Each blob is written straight into its buffer as it is encoded (a large bytearray
-        grows in place), so it is never held twice: as pieces and again framed.
+        ``({shard: reserve zero bytes, then the blob}, {shard: elements routed to it})``
+        (with ``on_batch``: what it left in the buffers). Each blob is written straight into
+        its buffer as it is encoded (a large bytearray grows in place), so it is never held
+        twice: as pieces and again framed.
     """
     if isinstance(positions, Mapping):
         given = positions
@@ -294,9 +299,13 @@ def streamed_blobs(
         for name in group.params
     }
     blobs = {s: bytearray(reserve) for s in shards}
+
+    def sink(shard: str) -> Callable[[bytes], None]:
+        return lambda data: blobs[shard].extend(data)  # the buffer on_batch left in place
+
     writers = {
         s: BlobWriter(
-            blobs[s].extend,
+            sink(s),
             version=version,
             base_version=base_version,
             shard=s,
@@ -315,6 +324,8 @@ def streamed_blobs(
         for shard, ups in updates.items():
             writers[shard].segment(ups)
             elements[shard] += sum(u.nnz for u in ups)
+        if on_batch is not None:
+            on_batch(blobs)
 
     def flush() -> None:
         nonlocal batch, size

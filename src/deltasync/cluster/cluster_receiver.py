@@ -7,7 +7,8 @@
    rank in one all_gather, waiting up to ``config.wait_for_version_s`` for the trainer to
    arrive. A mismatch anywhere, or a delta this receiver cannot take, is refused on every rank
    before any payload moves;
-2. receive (``receive``): the first exchange (this rank sends nothing); in ``forward`` mode
+2. receive (``receive``): the first exchange (this rank sends nothing; while the writers
+   stream a delta in parts, one exchange per part, joined, see ``cluster.streaming``); in ``forward`` mode
    replica 0 of a shard then forwards what it got, unopened, to the shard's other replicas in a
    second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
 3. stage (``staging.stage_payloads``): unwrap the envelopes, verify every blob's digest,
@@ -80,6 +81,7 @@ from deltasync.cluster.staging import (
     stage_payloads,
     state_digest_after,
 )
+from deltasync.cluster.streaming import receive_parts
 from deltasync.errors import (
     AnchorRequiredError,
     ConfigError,
@@ -246,9 +248,8 @@ class ClusterReceiver:
         if cleared is None:
             cleared = self._preflight()
         tag = f"{cleared.window:x}-{cleared.version}"
-        got = as_cpu_bytes(
-            exchange({}, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
-        )
+        # one exchange, or one per part while the writers stream (cluster.streaming)
+        got, _ = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
         wait_s = time.perf_counter() - t
         if self.plan.exchanges == 1:
             return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared)

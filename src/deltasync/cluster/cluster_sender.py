@@ -47,9 +47,14 @@ optimizer's pre-step hook waits for them, and the next ``sync`` for the whole ve
 the version commits its captured positions are the carry: a version that fails is never lost,
 its positions go out with the next one with values re-read then, and the failure is raised at
 the next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
-the version. Every collective of an overlapped version runs on the background thread: the
-exchange's group must be one the trainer's own collectives (FSDP) do not use, and a
-``full_state`` callable that runs collectives must not be combined with overlap.
+the version. A delta's blobs go out in parts while they are routed (``config.part_bytes``,
+:mod:`deltasync.cluster.streaming`): the preflight and each part's exchange run on a stream
+thread of the version's, so the writer holds a part or two instead of every shard's whole blob;
+a failure after the preflight is the next part's status, and every rank raises as from the
+preflight. The collectives of an overlapped version run off the caller's thread, one thread
+at a time (the stream thread's, then the background's): the exchange's group must be one the
+trainer's own collectives (FSDP) do not use, and a ``full_state`` callable that runs
+collectives must not be combined with overlap.
 
 ``payloads_for_version`` is steps 1-3 alone, with no collective (benchmarks time it). After an
 ExchangeError that is not a PeerFailedError the group is broken: re-create it and pass the new
@@ -71,6 +76,7 @@ import torch.distributed as dist
 
 from deltasync.cluster.background import Background, PendingSend
 from deltasync.cluster.capture import (
+    BATCH_ELEMENTS,
     Capture,
     Carry,
     capture_with_values,
@@ -79,11 +85,17 @@ from deltasync.cluster.capture import (
     iter_captured,
     streamed_blobs,
 )
-from deltasync.cluster.envelope import header_size, pack_envelope, seal_envelope
+from deltasync.cluster.envelope import (
+    envelope_header,
+    header_size,
+    pack_envelope,
+    seal_envelope,
+)
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
+from deltasync.cluster.streaming import PartStream
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
@@ -233,11 +245,14 @@ class ClusterSender:
         caps: Capture,
         params: Params,
         stream: Handoff[Positions] | None = None,
+        parts: PartStream | None = None,
     ) -> Outgoing:
         """Steps 2-3: route (reading the values of captured positions), digest and encode
         captured changes (the last reads of ``params``); with ``stream``, the captured
         positions as the caller's detection hands them over (``caps`` then only marks a
-        delta), and the digest pass runs beside the routing from the end of the capture."""
+        delta), and the digest pass runs beside the routing from the end of the capture.
+        With ``parts`` (a delta), the blobs go out in parts as they are written and the last
+        part is sealed there, not returned (``payloads`` is empty)."""
         job = None
         want = self.config.sends_digest(version, anchor=caps.anchor)
         if want and stream is not None and not callable(self._full_state):
@@ -246,7 +261,7 @@ class ClusterSender:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-cluster-digest")
             job = self._digest_pool.submit(self._digests_after, stream, params)
         try:
-            return self._build_payloads(version, base, caps, params, stream, want, job)
+            return self._build_payloads(version, base, caps, params, stream, want, job, parts)
         except BaseException:
             if job is not None:  # it reads the params: done before the optimizer may step
                 job.exception()
@@ -267,6 +282,7 @@ class ClusterSender:
         stream: Handoff[Positions] | None,
         want: bool,
         job: Future | None,
+        parts: PartStream | None = None,
     ) -> Outgoing:
         t = time.perf_counter()
         where = {"rank": self.role.index, "world_size": self.role.count}
@@ -284,7 +300,13 @@ class ClusterSender:
                 **head,
                 **where,
                 level=self.config.level,
-                reserve=header_size(1),
+                reserve=0 if parts is not None else header_size(1),
+                on_batch=None if parts is None else parts.offer,
+                # a batch holds at most part_bytes changed elements (each takes about a
+                # compressed byte or more), so a part is at most one batch behind the routing
+                batch_elements=BATCH_ELEMENTS
+                if parts is None
+                else max(1, min(BATCH_ELEMENTS, parts.part_bytes)),
             )
             build_s, encode_s = time.perf_counter() - t, 0.0
         else:
@@ -314,7 +336,14 @@ class ClusterSender:
         digest_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        if caps.positions is not None:
+        if parts is not None:  # framing last, after the rest of each blob
+
+            def framing(shard: str, length: int) -> bytes:
+                return envelope_header([length], state_digest=digests.get(shard), part_digest=part)
+
+            shard_bytes = parts.seal(blobs, framing)
+            envelopes = {}
+        elif caps.positions is not None:
             shard_bytes = {shard: len(blob) - header_size(1) for shard, blob in blobs.items()}
             envelopes = {
                 shard: seal_envelope(blob, state_digest=digests.get(shard), part_digest=part)
@@ -328,7 +357,11 @@ class ClusterSender:
             }
         del blobs
         # DP replicas of a shard share one envelope object: no copy per replica.
-        payloads = {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}
+        payloads = {
+            dst: envelopes[shard]
+            for dst, shard in self.plan.first_hop().items()
+            if shard in envelopes
+        }
         encode_s += time.perf_counter() - t
         return Outgoing(
             version=version,
@@ -457,12 +490,32 @@ class ClusterSender:
         the joint commit. ``captured_s`` is None when the caller waits for all of it (the
         tracker is cleared here on commit), else the capture time of an overlapped version (the
         tracker was cleared at the capture and the carry recorded)."""
+        tag = self._preflight(version, None if out is None else out.base, failure)
+        assert out is not None  # a failure raised PeerFailedError in the preflight
+        if captured_s is None:
+            self.mark_sent(out)
+        t = time.perf_counter()
+        got = exchange(out.payloads, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
+        self._forward(tag)
+        return self._commit(
+            version,
+            anchor,
+            out,
+            got.stats.bytes_sent,
+            time.perf_counter() - t,
+            tag,
+            t0=t0,
+            captured_s=captured_s,
+        )
+
+    def _preflight(self, version: int, base: int | None, failure: BaseException | None) -> str:
+        """Step 4; returns the version's exchange tag. Raises what every rank agreed on."""
         row = encode_preflight_row(
             role=WRITER,
             fingerprint=self.fingerprint,
             who=f"writer {self.role.writer_id}",
             version=version,
-            base=None if out is None else out.base,
+            base=base,
             window=self._window,
             failure=None if failure is None else describe(failure),
         )
@@ -478,18 +531,26 @@ class ClusterSender:
             if failure is not None:
                 raise exc from failure
             raise
-        assert out is not None  # a failure raised PeerFailedError in the preflight
-        if captured_s is None:
-            self.mark_sent(out)
-        tag = f"{cleared.window:x}-{version}"
+        return f"{cleared.window:x}-{version}"
 
-        t = time.perf_counter()
-        got = exchange(out.payloads, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
-        sent = got.stats.bytes_sent
-        if self.plan.exchanges == 2:
+    def _forward(self, tag: str) -> None:
+        if self.plan.exchanges == 2:  # the replicas forward; a writer sends nothing
             exchange({}, group=self.group, config=self.config.exchange, tag=f"{tag}-x2")
-        transfer_s = time.perf_counter() - t
 
+    def _commit(
+        self,
+        version: int,
+        anchor: bool,
+        out: Outgoing,
+        sent: int,
+        transfer_s: float,
+        tag: str,
+        *,
+        t0: float,
+        captured_s: float | None,
+        exchanges: int = 1,
+    ) -> SendReport:
+        """Step 6: the joint commit, then the baseline moves."""
         t = time.perf_counter()
         verdict = joint_commit(
             encode_commit_row(version=out.version, base=out.base),
@@ -526,6 +587,58 @@ class ClusterSender:
             total_s=time.perf_counter() - t0,
             overlapped=captured_s is not None,
             captured_s=captured_s or 0.0,
+            exchanges=exchanges,
+        )
+
+    def _send_in_parts(
+        self,
+        version: int,
+        base: int,
+        handoff: Handoff[Positions],
+        pending: PendingSend,
+        *,
+        t0: float,
+    ) -> SendReport:
+        """An overlapped delta streamed (``config.part_bytes``): steps 2-5 at once, the
+        preflight and each part's exchange on the stream's thread as the blobs grow, then the
+        joint commit (``cluster.streaming``)."""
+        tag: list[str] = []
+
+        def start(failure: BaseException | None) -> str:
+            tag.append(self._preflight(version, base, failure))
+            return tag[0]
+
+        parts = PartStream(
+            shards=self.plan.shards(),
+            first_hop=self.plan.first_hop(),
+            start=start,
+            group=self.group,
+            config=self.config.exchange,
+            part_bytes=self.config.part_bytes,
+            name=f"ds-parts-{self.role.writer_id}",
+        )
+        try:
+            out = self._build(
+                version, base, Capture(positions={}), self._current_params(), handoff, parts
+            )
+        except Exception as exc:  # the capture's own error where it failed
+            pending.release()
+            parts.fail(exc if handoff.error is None else handoff.error)  # raises
+            raise
+        pending.release()  # the parameters are read no more: the optimizer may step
+        t = time.perf_counter()
+        parts.finish()
+        self._forward(tag[0])
+        return self._commit(
+            version,
+            anchor=False,
+            out=out,
+            sent=parts.bytes_sent,
+            transfer_s=time.perf_counter() - t,
+            tag=tag[0],
+            t0=t0,
+            captured_s=pending.captured_s,
+            exchanges=parts.exchanges,
         )
 
     # ------------------------------------------------------------------ overlap
@@ -553,6 +666,8 @@ class ClusterSender:
             handoff = Handoff()
 
         def work(p: PendingSend) -> SendReport:
+            if failure is None and handoff is not None and self.config.part_bytes:
+                return self._send_in_parts(version, base, handoff, p, t0=t0)
             out, err = None, failure
             if err is None:
                 caps = Capture() if handoff is None else Capture(positions={})

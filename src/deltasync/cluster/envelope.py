@@ -19,14 +19,22 @@ little-endian::
     parts        the parts, back to back; their lengths must add up to the rest exactly
 
 ``pack_envelope`` / ``unpack_envelope`` are inverses; ``seal_envelope`` frames a one-part
-envelope in place, around a blob written after a reserved header. This module knows bytes
-only: nothing about blob contents, tensors or processes.
+envelope in place, around a blob written after a reserved header.
+
+A writer that streams its blob over several exchanges (``cluster.streaming``) sends a one-part
+envelope *framing last*: the blob's bytes as they are written, then the framing, which holds
+the blob's length and the state digest, both known only once the blob is complete.
+``join_parts`` puts the framing back in front. A blob starts with its own magic, never with the
+envelope's, which is how a receiver tells the two orders apart; the framing's check then
+proves it whole.
+
+This module knows bytes only: nothing about blob contents, tensors or processes.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +131,44 @@ def seal_envelope(
         [len(buf) - reserved], state_digest=state_digest, part_digest=part_digest
     )
     return buf
+
+
+def framed_first(payload: Bytes | torch.Tensor) -> bool:
+    """Whether ``payload`` starts with an envelope's framing (else: framing last)."""
+    return bytes(as_view(payload)[: len(MAGIC)]) == MAGIC
+
+
+def join_parts(
+    parts: list[Bytes | torch.Tensor], *, on_copied: Callable[[int], None] | None = None
+) -> torch.Tensor:
+    """One payload received in ``parts`` (in order) as one flat uint8 tensor, the framing in
+    front: moved there when the payload came framing last (see the module docstring).
+
+    ``parts`` is emptied as it is copied: each part is dropped once its bytes are in place and
+    ``on_copied(its length)`` is called, so the caller can hand the freed pages back while the
+    joined payload's pages are still being touched (the two never need to be resident whole at
+    once)."""
+    total = sum(len(as_view(p)) for p in parts)
+    reserved = header_size(1)
+    last = b"".join(bytes(as_view(p)[: len(MAGIC)]) for p in parts)[: len(MAGIC)] != MAGIC
+    if last and total < reserved:
+        raise EnvelopeError(f"a payload of {total} bytes cannot hold a {reserved}-byte framing")
+    # framing last: written after room for it, then moved into that room
+    out = torch.empty(total + (reserved if last else 0), dtype=torch.uint8)
+    flat = memoryview(out.numpy()).cast("B")
+    at = reserved if last else 0
+    while parts:
+        view = as_view(parts.pop(0))
+        n = len(view)
+        flat[at : at + n] = view
+        at += n
+        del view
+        if on_copied is not None:
+            on_copied(n)
+    if last:
+        flat[:reserved] = flat[total:]
+        return out[:total]
+    return out
 
 
 def as_view(payload: Bytes | torch.Tensor) -> memoryview:

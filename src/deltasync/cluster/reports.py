@@ -51,6 +51,7 @@ class SendReport:
     total_s: float = 0.0
     overlapped: bool = False  # sent in the background (ClusterSender(overlap=True))
     captured_s: float = 0.0  # overlapped: how long sync() blocked (detection and capture)
+    exchanges: int = 1  # the writers' payload exchanges: one, or one per part when streamed
 
     @property
     def stall_s(self) -> float:

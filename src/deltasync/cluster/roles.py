@@ -63,6 +63,10 @@ class ClusterConfig:
         speed-up, and the trainer's peak memory read higher in the run that used it). The
         overlapped sender ignores it: it encodes batch by batch as it routes, on its one
         background thread (``cluster.capture``).
+    part_bytes: the overlapped sender streams a delta's blobs in parts of about this many
+        bytes, one exchange each, while it routes (``cluster.streaming``): it holds about a
+        part or two instead of the whole payload. 0: one exchange of the whole blobs. Each
+        part costs one more round-1 collective on every rank.
     """
 
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
@@ -72,6 +76,7 @@ class ClusterConfig:
     digest_every: int = 1
     max_decompressed_bytes: int = 1 << 36
     encode_threads: int = 1
+    part_bytes: int = 2 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.exchange, ExchangeConfig):
@@ -83,6 +88,7 @@ class ClusterConfig:
         check_seconds(_OWNER, "commit_timeout_s", self.commit_timeout_s)
         check_int(_OWNER, "level", self.level, lo=0, hi=22)
         check_int(_OWNER, "encode_threads", self.encode_threads, lo=1, hi=1024)
+        check_int(_OWNER, "part_bytes", self.part_bytes, lo=0, hi=1 << 40)
         check_int(_OWNER, "digest_every", self.digest_every, lo=0, hi=1 << 31)
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1, hi=1 << 62)
 

@@ -66,11 +66,14 @@ class ExchangeStats:
 class Received(dict[int, torch.Tensor]):
     """``{src: flat uint8 tensor}`` for every rank that sent this rank a non-empty payload,
     on the group's device; ``stats`` says what the exchange did. A rank that sent nothing has
-    no entry."""
+    no entry. ``more``: some rank said it has more to send (another exchange follows)."""
 
-    def __init__(self, items: Mapping[int, torch.Tensor], stats: ExchangeStats) -> None:
+    def __init__(
+        self, items: Mapping[int, torch.Tensor], stats: ExchangeStats, *, more: bool = False
+    ) -> None:
         super().__init__(items)
         self.stats = stats
+        self.more = more
 
 
 def exchange(
@@ -80,12 +83,18 @@ def exchange(
     config: ExchangeConfig = DEFAULT_CONFIG,
     status: BaseException | None = None,
     tag: str | None = None,
+    more: bool = False,
 ) -> Received:
     """Send ``payloads[dst]`` to each rank ``dst`` of ``group``; return what the others sent.
 
     Every rank of the group must call this together with the same ``config``. Pass
     ``status=exc`` when this rank failed to produce its payloads: it still takes part in round
     1, so all ranks raise the same PeerFailedError naming it instead of waiting for it.
+
+    Pass ``more=True`` when this rank streams a payload over several exchanges and has more
+    after this one: round 1 carries it, and every rank's ``Received.more`` says whether any
+    rank does, so all ranks agree on whether another exchange follows (a failure status
+    ends the sequence: every rank raises).
 
     Pass ``tag`` (the same on every rank, fresh for every exchange) to have a failing rank
     leave a note in the group's store and follow the others', so that every survivor names the
@@ -122,7 +131,9 @@ def exchange(
 
     start = time.perf_counter()
     try:
-        matrix = _round_one(counts, cause, config, group, device, world, on_failure)
+        matrix, any_more = _round_one(
+            counts, cause, config, group, device, world, on_failure, more=more
+        )
     except PeerFailedError as err:
         raise err from cause
     round1_s = time.perf_counter() - start
@@ -159,7 +170,7 @@ def exchange(
         round1_s=round1_s,
         round2_s=time.perf_counter() - start,
     )
-    return Received(outputs, stats)
+    return Received(outputs, stats, more=any_more)
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -177,12 +188,15 @@ def _round_one(
     device: torch.device,
     world: int,
     on_failure,
-) -> tuple[tuple[int, ...], ...]:
+    *,
+    more: bool,
+) -> tuple[tuple[tuple[int, ...], ...], bool]:
     row = encode_row(
         counts,
         failure=None if cause is None else describe(cause),
         max_chunk_bytes=config.max_chunk_bytes,
         max_inflight_ops=config.max_inflight_ops,
+        more=more,
     ).to(device)
     gathered = [torch.empty_like(row) for _ in range(world)]
     try:

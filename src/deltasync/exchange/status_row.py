@@ -15,7 +15,7 @@ same status part, encoded here once:
                  " [cut]", never inside a character
 
 Where the length and message words sit, and what the other words mean, is each row's own
-layout. Round 1's row (``encode_row`` / ``decode_rows``) is ``world_size + 6 + MESSAGE_WORDS``
+layout. Round 1's row (``encode_row`` / ``decode_rows``) is ``world_size + 7 + MESSAGE_WORDS``
 int64 values:
 
     [0] magic        "dsxchg01"
@@ -24,8 +24,10 @@ int64 values:
     [3] max_inflight_ops  }
     [4] world size as this rank sees it
     [5] length of the message in bytes
-    [6 : 6+W]        bytes this rank will send to each rank (its row of the matrix)
-    [6+W : ...]      the message words: what failed, when status is 1
+    [6] more         1 = this rank has more to send after this exchange (a payload streamed
+                     over several exchanges), else 0
+    [7 : 7+W]        bytes this rank will send to each rank (its row of the matrix)
+    [7+W : ...]      the message words: what failed, when status is 1
 
 Decoding is a pure function of the gathered rows, so every rank reaches the same verdict and
 raises the same error with the same message.
@@ -99,7 +101,7 @@ def decode_message(words: np.ndarray, length: int) -> str:
 # --- round 1 of the exchange -----------------------------------------------------------------
 
 MAGIC = magic(b"dsxchg01")  # round 1's row
-_HEADER = 6
+_HEADER = 7
 _READY = OK
 
 
@@ -113,12 +115,13 @@ def encode_row(
     failure: str | None,
     max_chunk_bytes: int,
     max_inflight_ops: int,
+    more: bool = False,
 ) -> torch.Tensor:
     """This rank's row, on the CPU. A failed rank sends zero counts and its message."""
     w = len(counts)
     row = torch.zeros(row_length(w), dtype=torch.int64)
     length, words = encode_message(failure)
-    head = [MAGIC, status(failure), max_chunk_bytes, max_inflight_ops, w, length]
+    head = [MAGIC, status(failure), max_chunk_bytes, max_inflight_ops, w, length, int(more)]
     row[:_HEADER] = torch.tensor(head, dtype=torch.int64)
     if failure is None:
         row[_HEADER : _HEADER + w] = torch.tensor(list(counts), dtype=torch.int64)
@@ -126,8 +129,9 @@ def encode_row(
     return row
 
 
-def decode_rows(rows: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """The byte-count matrix ``matrix[src][dst]`` from the gathered (W, row_length(W)) rows.
+def decode_rows(rows: torch.Tensor) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """The byte-count matrix ``matrix[src][dst]`` from the gathered (W, row_length(W)) rows,
+    and whether any rank has more to send after this exchange.
 
     Raises, identically on every rank: ExchangeError when a rank sent something that is not an
     exchange row or used different settings, PeerFailedError when any rank reported a failure.
@@ -151,7 +155,7 @@ def decode_rows(rows: torch.Tensor) -> tuple[tuple[int, ...], ...]:
         noun = "rank" if len(failed) == 1 else "ranks"
         raise PeerFailedError(
             f"exchange round 1: {noun} {_ranks(failed)} failed before sending ({reasons}); "
-            "no payload was sent and the group is still usable"
+            "nothing of this exchange was sent and the group is still usable"
         )
     settings = {(row[2], row[3]) for row in table}
     if len(settings) > 1:
@@ -167,7 +171,7 @@ def decode_rows(rows: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     negative = [(s, d) for s, row in enumerate(matrix) for d, n in enumerate(row) if n < 0]
     if negative:
         raise ExchangeError(f"round 1: negative byte counts for (src, dst) pairs {negative}")
-    return matrix
+    return matrix, any(row[6] for row in table)
 
 
 def _message(row: torch.Tensor, length: int, w: int) -> str:
