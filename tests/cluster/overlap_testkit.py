@@ -16,7 +16,9 @@ as usual. State digests are on (the default). Versions, in order:
   it at its next ``sync`` (for 7), then calls ``sync(7)`` again, whose carry must repair rank 2
   (it never applied 6, and the tracker was cleared when 6 was captured);
 - 8: an anchor in 32-byte chunks, rank 2 SIGKILLed 0.25 s into it; the trainer learns it at its
-  next call (it pickles what it saw first, since it cannot return it).
+  next call (it pickles what it saw first, since it cannot return it). With ``part_bytes``
+  below ``STREAMED_BELOW`` (deltas in many parts) version 8 is a delta instead, so the death
+  lands in the middle of its parts.
 
 The writer's tracker counts which stream the sender asks it for (positions only, never values),
 and after each capture the writer records the carry's elements and bytes (about one byte per
@@ -60,6 +62,7 @@ from cluster_testkit import (
 )
 
 LATE_S = 0.3  # receivers' late arrival in versions 1-3
+STREAMED_BELOW = 64 << 10  # part_bytes under which a tiny delta goes in many parts
 SLOW_READ_S = 1.5  # the background's slowed read of the params in version 4
 DEATH_AFTER_S = 0.25
 
@@ -218,13 +221,14 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     pending = sender.sync(7)  # the retry: 7's changes and 6's carry
     settle(7)
 
-    # 8: an anchor in 32-byte chunks (thousands of messages); rank 2 dies inside it.
+    # 8: an anchor (or, streamed, a delta in parts) in 32-byte chunks (thousands of
+    # messages); rank 2 dies inside it.
     sender.close()
     slow = replace(setup, max_chunk_bytes=32)
     sender = w.sender(slow, sender.version)
     dist.barrier()
     w.hf.step()
-    pending = sender.sync(8, anchor=True)
+    pending = sender.sync(8, anchor=setup.part_bytes >= STREAMED_BELOW)
     out["kill_returned_before_done"] = not pending.done()
     out["after_kill"] = _outcome(lambda: sender.sync(9))
     out["after_kill"]["version_after"] = sender.version
