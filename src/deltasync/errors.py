@@ -276,4 +276,5 @@ class RetriesExhausted(Exception):
 class CaptureAbandonedError(DeltaSyncError):
     """Detection failed while a background publish or send was already taking the parameters
     it had captured: that version stops before anything of it is committed. The detection
-    error is the ``__cause__``; the caller sees that error itself."""
+    error is the ``__cause__``; the caller sees that error itself (where detection went on
+    after the call returned, as the cause of the error its next call raises)."""

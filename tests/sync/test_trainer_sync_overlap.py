@@ -145,7 +145,8 @@ def test_a_failed_version_is_carried_into_the_next_and_its_error_names_it(tmp_pa
     trainer.step()
     sync.step_published(1)
     trainer.step()  # waits for version 1 (committed)
-    sync.step_published(2)  # its manifest write fails in the background
+    pending = sync.step_published(2)  # its manifest write fails in the background
+    assert pending.wait_detected(30)  # detection may go on after the return
     carried = {n: p.indices() for n, p in sync._carry.items()}
     trainer.step()  # a different random mask: elements changed only at step 2 exist
     with pytest.raises(PublishFailedError, match="version 2 did not commit") as err:
@@ -471,3 +472,118 @@ def test_a_small_version_is_published_with_the_values_its_detection_read(tmp_pat
     assert reads  # carried positions have no detected values: read from the params
     _assert_receivers_exact(receivers, trainer, lay, 3)
     sync.close()
+
+
+class GatedTracker:
+    """An AdamWTracker that holds the optimizer's steps for the sync (``hold_steps``), whose
+    positions stream stops before parameter ``after`` until ``gate`` opens (then raises
+    ``fail`` there, if set)."""
+
+    def __init__(self, inner: AdamWTracker, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.reached, self.gate = threading.Event(), threading.Event()
+        self.fail: Exception | None = None
+
+    def hold_steps(self, optimizer, wait):
+        return self.inner.hold_steps(optimizer, wait)
+
+    def iter_changed(self):
+        for k, item in enumerate(self.inner.iter_changed()):
+            if k == self.after:
+                self.reached.set()
+                assert self.gate.wait(30), "the test never opened the gate"
+                if self.fail is not None:
+                    exc, self.fail = self.fail, None
+                    raise exc
+            yield item
+
+    def iter_changes(self):
+        return self.inner.iter_changes()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+def _gated(tmp_path):
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    gated = GatedTracker(tracker, after=3)
+    sync = TrainerSync(
+        gated, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
+    gated.gate.set()
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    gated.gate.clear()
+    return trainer, gated, sync, pub, receivers, lay
+
+
+def test_detection_goes_on_after_step_published_returns_and_the_step_waits_for_it(tmp_path):
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    pending = sync.step_published(1)  # returns while parameter 3 is still to be detected
+    assert gated.reached.wait(30) and not pending.detected() and not pending.done()
+    state = {n: p.detach().clone() for n, p in trainer.params.items()}  # version 1's
+    stepped = threading.Event()
+
+    def next_step():
+        trainer.step()  # the tracker's pre-step hook waits for the sync first
+        stepped.set()
+
+    t = threading.Thread(target=next_step)
+    t.start()
+    assert not stepped.wait(0.5), "the optimizer stepped while detection still read the state"
+    assert all(
+        torch.equal(state[n].view(torch.int32), p.detach().view(torch.int32))
+        for n, p in trainer.params.items()
+    )
+    gated.gate.set()
+    t.join(30)
+    assert stepped.is_set() and pending.detected() and pub.committed() == 1
+    (report,) = sync.wait()
+    assert report.kind == "delta" and sync.barrier_wait_s > 0.3
+    tl, rl = lay
+    expected = expected_shards(state, tl, rl)
+    for shard, rx in receivers.items():
+        rx.pull()
+        assert_same_bits(rx.tensors, expected[shard], f"v1 {shard}")
+    sync.step_published(2)  # the step above: version 2, detected whole in the background
+    gated.gate.set()
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 2)
+    sync.close()
+
+
+def test_a_detection_error_after_the_return_names_the_version_at_the_next_call(tmp_path):
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    gated.fail = RuntimeError("injected: detection failed after the return")
+    sync.step_published(1)
+    assert gated.reached.wait(30)
+    gated.gate.set()
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
+        sync.wait()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert pub.committed() == 0 and sync._carry == {}
+    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
+    trainer.step()  # the tracker kept step 1's changes: version 1 = steps 1 and 2
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
+def test_the_tracker_holds_its_own_pre_step_hook_behind_the_sync() -> None:
+    spec, _, _ = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=1)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    trainer.step()
+    seen = []
+    remove = tracker.hold_steps(trainer.opt, lambda: seen.append(len(tracker._pending)))
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert tracker.hold_steps(other, lambda: None) is None  # not the optimizer it hooks
+    trainer.step()
+    # the hold ran before the tracker folded the previous step's pending masks
+    assert seen and seen[0] > 0
+    remove()
+    trainer.step()
+    assert len(seen) == 1

@@ -19,7 +19,15 @@ Two modes:
   so routing and encoding also overlap the rest of detection (0.6B on one detection thread:
   capture to commit 1.83-2.16 s -> 1.44-1.52 s, the capture ~0.1 s longer for the GIL). If
   detection fails meanwhile, that publish stops before its commit and the error propagates
-  as without overlap. The background reads
+  as without overlap. With a tracker that holds the optimizer's steps for the sync
+  (``AdamWTracker.hold_steps``: its own pre-step hook waits for the sync before it touches
+  its state), the rest of a large delta's detection goes on on a thread of its own and
+  ``step_published`` returns once the background has started: the caller is blocked for
+  the first ``inline_below`` changed elements' worth of detection, not the whole pass.
+  Detection reads only θ, m and v, which nothing changes until the next optimizer step, and
+  that step waits for it; a failure there stops the publish before its commit, leaves the
+  tracker and the carry as they were, and is raised at the next call, naming the version.
+  ``PendingVersion.detected()`` says when the pass has ended. The background reads
   ``params`` (the values at the captured positions, the digests), which nothing changes until
   the next optimizer step, so that step is the barrier: a pre-step hook on ``optimizer`` waits
   for the version in flight (as does the next ``step_published``). Until a version commits,
@@ -49,13 +57,14 @@ and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltasync.errors import ConfigError, PublishFailedError
+from deltasync.errors import CaptureAbandonedError, ConfigError, PublishFailedError
 from deltasync.native.loader import release_free_heap
 from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
@@ -78,8 +87,9 @@ Captured = dict[str, Positions]
 class PendingVersion:
     """A version captured by ``TrainerSync(overlap=True)`` and publishing in the background.
 
-    ``captured_s`` is how long the caller was blocked (detection and capture); ``done()``
-    says whether the background has finished; ``result()`` waits and returns the reports (or
+    ``captured_s`` is how long the caller was blocked (detection and capture, or its start
+    when detection goes on in the background: ``detect_s`` is then the whole pass, known
+    once ``detected()``); ``done()`` says whether the background has finished; ``result()`` waits and returns the reports (or
     raises the publish error; the TrainerSync still raises it at its next call)."""
 
     def __init__(self, version: int, future: Future, captured_s: float) -> None:
@@ -87,6 +97,20 @@ class PendingVersion:
         self.captured_s = captured_s
         self._future = future
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
+        self.detect_s: float | None = None  # from the call to the end of detection
+        self._detected = threading.Event()
+
+    def detected(self) -> bool:
+        """Whether detection has ended (it may go on after ``step_published`` returned, see
+        the module docstring); the carry holds the version's positions from then on."""
+        return self._detected.is_set()
+
+    def wait_detected(self, timeout: float | None = None) -> bool:
+        return self._detected.wait(timeout)
+
+    def _end_detection(self, started: float) -> None:
+        self.detect_s = time.perf_counter() - started
+        self._detected.set()
 
     def done(self) -> bool:
         return self._future.done()
@@ -198,13 +222,16 @@ class TrainerSync:
         self._carry: Captured = {}
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._detector: ThreadPoolExecutor | None = None  # detection after the return
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
-        self._hook = (
-            optimizer.register_step_pre_hook(lambda *_: self._barrier())
-            if overlap and optimizer is not None
-            else None
-        )
+        self._hook = None
+        # A tracker that holds the optimizer's steps for us (its own pre-step hook calls the
+        # barrier first) lets a large delta's detection go on after step_published returns.
+        hold = getattr(tracker, "hold_steps", None) if overlap else None
+        self._unhold = hold(optimizer, self._barrier) if callable(hold) else None
+        if overlap and optimizer is not None and self._unhold is None:
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self._barrier())
 
     # --- the synchronous path -----------------------------------------------------------
 
@@ -303,14 +330,19 @@ class TrainerSync:
         # background starts publishing what is captured so far and takes each further
         # parameter as it is detected (routing, encoding and upload overlap the rest of
         # detection; the detection kernels and the routing's heavy parts release the GIL).
+        # With a tracker that holds the optimizer's steps (``hold_steps``), a large delta's
+        # detection goes on on a thread of its own once the background has started, and this
+        # call returns: the next optimizer step waits for it (and for the publish) before the
+        # tracker's own hook runs, so nothing the detection reads changes under it.
         captured: Captured = {}
         detected: dict[str, Change] = {}
         count = 0
         handoff: Handoff[Positions] | None = None
         pending = PendingVersion(version, Future(), 0.0)
         stream = _capture_stream(self.tracker, 0 if anchor else self.inline_below)
+        items = merge_captured(stream, self._carry, params)
         try:
-            for name, pos, change in merge_captured(stream, self._carry, params):
+            for name, pos, change in items:
                 captured[name] = pos
                 count += len(pos)
                 if handoff is not None:
@@ -321,6 +353,15 @@ class TrainerSync:
                     for n, p in captured.items():
                         handoff.put(n, p)
                     pending._future = self._submit(pending, captured, params, anchor, handoff)
+                    if self._unhold is not None:
+                        self._inflight = pending
+                        if self._detector is None:
+                            self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
+                        self._detector.submit(
+                            self._detect_rest, items, captured, handoff, pending, t
+                        )
+                        pending.captured_s = time.perf_counter() - t
+                        return pending
                 elif change is not None:
                     detected[name] = change
         except BaseException as exc:
@@ -336,6 +377,7 @@ class TrainerSync:
         self.tracker.clear()
         self._carry = captured
         pending.captured_s = time.perf_counter() - t
+        pending._end_detection(t)
         self._inflight = pending
         if handoff is not None:
             handoff.close()
@@ -359,6 +401,34 @@ class TrainerSync:
         del detected
         pending._future = self._submit(pending, captured, params, anchor, None)
         return pending
+
+    def _detect_rest(
+        self,
+        items: Iterator[tuple[str, Positions, Change | None]],
+        captured: Captured,
+        handoff: Handoff[Positions],
+        pending: PendingVersion,
+        started: float,
+    ) -> None:
+        """The rest of a large delta's detection, after ``step_published`` returned: each
+        parameter handed to the background as it is captured, then the tracker cleared and
+        the capture made the carry. A failure stops the publish before its commit (raised at
+        the next call, naming the version) and leaves the tracker and the carry as they were,
+        as a failure before the return does."""
+        try:
+            for name, pos, _ in items:
+                captured[name] = pos
+                handoff.put(name, pos)
+        except BaseException as exc:
+            handoff.fail(exc)
+            pending._end_detection(started)
+            return
+        finally:
+            items.close()  # the tracker's pass ends here, on this thread
+        self.tracker.clear()
+        self._carry = captured
+        pending._end_detection(started)
+        handoff.close()
 
     def _submit(self, *args: object) -> Future:
         """:meth:`_background` with ``args`` on the publish thread (started on first use)."""
@@ -456,14 +526,18 @@ class TrainerSync:
             return None
         try:
             reports = pending.result()
-        except Exception as exc:
+        except Exception as failure:
+            # detection that went on after the return failed: that error is the one to name
+            exc = failure
+            if isinstance(failure, CaptureAbandonedError) and failure.__cause__ is not None:
+                exc = failure.__cause__
             committed = self.baseline == pending.version  # only the ack wait failed
             if committed:
                 self._carry = {}
             else:
                 log.warning(
-                    "version %d did not commit (%s: %s); its %d changed parameter(s) go out "
-                    "with the next version",
+                    "version %d did not commit (%s: %s); its changes go out with the next "
+                    "version (%d parameter(s) carried, the rest still in the tracker)",
                     pending.version,
                     type(exc).__name__,
                     exc,
@@ -496,6 +570,10 @@ class TrainerSync:
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
-                self._worker = None
+            if self._unhold is not None:
+                self._unhold()
+                self._unhold = None
+            for pool in (self._detector, self._worker):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._detector = self._worker = None

@@ -30,6 +30,7 @@ This module knows optimizers, hooks and bitsets; it knows nothing about layouts 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -224,6 +225,10 @@ class AdamWTracker:
         self._oob = OutOfBandWatch(
             {n: w for n, w in self._watched.items() if n not in self.fallback}
         )
+        # Called first by the pre-step hook (hold_steps): an overlapped sender's detection
+        # may still be reading this tracker on another thread.
+        self._holds: dict[int, Callable[[], None]] = {}
+        self._hold_keys = itertools.count()
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -259,7 +264,27 @@ class AdamWTracker:
 
     # -- hooks -------------------------------------------------------------------------------
 
+    def hold_steps(
+        self, optimizer: torch.optim.Optimizer, wait: Callable[[], None]
+    ) -> Callable[[], None] | None:
+        """Make every step of ``optimizer`` call ``wait()`` before this tracker's own pre-step
+        hook reads or changes its state, so a detection pass may continue on another thread
+        after its caller returned (an overlapped sender: ``wait`` returns once that pass and
+        everything reading the parameters has ended).
+
+        Returns:
+            A function that removes the hold, or None when ``optimizer`` is not the optimizer
+            this tracker hooks (then nothing orders its steps after ``wait``).
+        """
+        if optimizer is not self._opt:
+            return None
+        key = next(self._hold_keys)
+        self._holds[key] = wait
+        return lambda: self._holds.pop(key, None)
+
     def _pre_step(self, opt, args, kwargs) -> None:
+        for wait in list(self._holds.values()):  # a detection on another thread ends first
+            wait()
         # Edits since the last step or clear() must be seen before this step moves the
         # counters again (a param edited, then stepped).
         self._oob.check()
