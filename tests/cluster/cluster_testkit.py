@@ -50,6 +50,7 @@ class Setup:
     max_chunk_bytes: int = 64 << 20
     overlap: bool = False  # ClusterSender(overlap=True); each version settled before the check
     part_bytes: int = ClusterConfig.part_bytes  # an overlapped delta streams in parts of this
+    detect_after_return: bool = False  # overlap scenario: the tracker holds the steps
 
     def world_size(self) -> int:
         return self.num_writers + self.tp * self.replicas

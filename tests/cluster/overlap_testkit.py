@@ -15,6 +15,9 @@ as usual. State digests are on (the default). Versions, in order:
 - 6: rank 2 corrupts its payload, the joint commit fails in the background; the trainer learns
   it at its next ``sync`` (for 7), then calls ``sync(7)`` again, whose carry must repair rank 2
   (it never applied 6, and the tracker was cleared when 6 was captured);
+With ``Setup.detect_after_return`` the tracker holds the optimizer's steps for the sender
+(``hold_steps``), so each delta's detection goes on after ``sync`` returns.
+
 - 8: an anchor in 32-byte chunks, rank 2 SIGKILLed 0.25 s into it; the trainer learns it at its
   next call (it pickles what it saw first, since it cannot return it). With ``part_bytes``
   below ``STREAMED_BELOW`` (deltas in many parts) version 8 is a delta instead, so the death
@@ -119,11 +122,20 @@ class CountingTracker:
         self.inner.clear()
 
 
+class HoldingTracker(CountingTracker):
+    """A CountingTracker that holds the optimizer's steps for the sender (``hold_steps``):
+    its detection goes on after ``sync`` returns."""
+
+    def hold_steps(self, optimizer, wait):
+        return self.inner.hold_steps(optimizer, wait)
+
+
 class _Writer:
     def __init__(self, setup: Setup) -> None:
         self.hf = HFTrainer(lr=setup.lr, batch=(4, 16), data_seed=1234)
         self.layout = TrainerLayout(spec())
-        self.tracker = CountingTracker(AdamWTracker(self.hf.opt, self.hf.model.named_parameters()))
+        kind = HoldingTracker if setup.detect_after_return else CountingTracker
+        self.tracker = kind(AdamWTracker(self.hf.opt, self.hf.model.named_parameters()))
         self.slow_next_read = False
         self.step_saw_released: list[bool] = []
 
@@ -186,7 +198,9 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         w.hf.step()
         pending = sender.sync(v)
         out.setdefault("returned_before_done", []).append(not pending.done())
+        out.setdefault("returned_before_detected", []).append(not pending.detected())
         out.setdefault("captured_s", []).append(pending.captured_s)
+        assert pending.wait_detected(30)  # the carry is the capture from here on
         out.setdefault("carry", []).append((sender.pending_elements, sender.carry_bytes))
         settle(v)
 
@@ -213,6 +227,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     # 6: rank 2 corrupts its payload; the joint commit fails in the background.
     w.hf.step()
     pending = sender.sync(6)
+    assert pending.wait_detected(30)
     out["pending_after_6"] = sender.pending_elements
     out["carry_bytes_after_6"] = sender.carry_bytes
     w.hf.step()

@@ -21,8 +21,9 @@ from deltasync.trainer import AdamWTracker
 from cluster_testkit import Setup
 
 SETUP = Setup(timeout_s=3.0, digest_every=1)
-# Deltas streamed in parts of 1 KiB (ClusterConfig.part_bytes): dozens of exchanges a version.
-IN_PARTS = Setup(timeout_s=3.0, digest_every=1, part_bytes=1024)
+# Deltas streamed in parts of 1 KiB (ClusterConfig.part_bytes): dozens of exchanges a version;
+# and the tracker holds the optimizer's steps, so detection goes on after sync returns.
+IN_PARTS = Setup(timeout_s=3.0, digest_every=1, part_bytes=1024, detect_after_return=True)
 
 
 @pytest.fixture(scope="module", params=[SETUP, IN_PARTS], ids=["one-part", "in-parts"])
@@ -51,6 +52,9 @@ def test_a_delta_goes_in_one_exchange_or_streamed_in_parts_as_configured(overlap
 def test_sync_returns_once_the_changes_are_captured_before_the_exchange_is_done(overlap) -> None:
     writer = overlap[0]
     assert writer["returned_before_done"] == [True, True, True]
+    # held by the tracker, sync returns before detection has ended (else after it)
+    detect_after = writer["setup"].detect_after_return
+    assert writer["returned_before_detected"] == [detect_after] * 3
     # the receivers arrived LATE_S after the trainer: sync did not wait for them
     assert max(writer["captured_s"]) < LATE_S
     for v in (1, 2, 3):

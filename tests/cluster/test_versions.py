@@ -139,3 +139,18 @@ def test_forwarding_replicas_pass_on_a_delta_that_came_in_parts_exactly() -> Non
     assert trainer["versions"] == list(range(5))
     assert min(r.exchanges for r in trainer["reports"][1:]) > 5
     check_replicas(receivers, setup, 4)
+
+
+@pytest.mark.timeout(150)
+def test_an_overlapped_writer_detecting_after_sync_returns_gives_the_blocking_states(
+    tp2_run,
+) -> None:
+    # The real AdamWTracker holds the optimizer's steps for the sender: each delta's detection
+    # goes on after sync returns (and streams in parts); same model, data and steps as tp2_run.
+    setup = Setup(versions=6, digest_every=1, overlap=True)
+    trainer, *receivers = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    assert trainer["versions"] == list(range(7))
+    assert all(r.overlapped for r in trainer["reports"])
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == tp2_run[1 + i]["digests"][:7]

@@ -37,7 +37,8 @@ from deltasync.cluster.reports import SendReport
 class PendingSend:
     """A version captured by ``ClusterSender(overlap=True)`` and sent in the background.
 
-    ``captured_s`` is how long the caller was blocked (detection and capture). ``released()``
+    ``captured_s`` is how long the caller was blocked (detection and capture, or only their
+    start when detection goes on in the background, see ``detected()``). ``released()``
     says whether the background stopped reading the parameters, ``done()`` whether it finished;
     ``result()`` waits and returns the :class:`SendReport` (or raises the send's error; the
     sender still raises :class:`~deltasync.errors.SendFailedError` at its next call)."""
@@ -46,8 +47,21 @@ class PendingSend:
         self.version = version
         self.captured_s = captured_s
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
+        self._detected = threading.Event()
         self._released = threading.Event()
         self._future: Future[SendReport] = Future()
+
+    def end_detection(self) -> None:
+        """Detection has ended (ok or failed; called by the capture)."""
+        self._detected.set()
+
+    def detected(self) -> bool:
+        """Whether detection has ended (it may go on after ``sync`` returned); the sender's
+        carry holds the version's positions from then on."""
+        return self._detected.is_set()
+
+    def wait_detected(self, timeout: float | None = None) -> bool:
+        return self._detected.wait(timeout)
 
     def release(self) -> None:
         """The background reads the parameters no more (called from the worker)."""
@@ -66,7 +80,7 @@ class PendingSend:
         return self._future.result(timeout)
 
 
-def _current_cuda_device() -> int | None:
+def current_cuda_device() -> int | None:
     """The caller's current CUDA device, or None where CUDA is not in use (never initialises
     CUDA on a CPU-only job)."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -77,11 +91,31 @@ def _current_cuda_device() -> int | None:
 class Background:
     """One worker thread for the versions of one sender, and the barrier on ``optimizer``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, thread_name: str) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        thread_name: str,
+        hold: Callable[[torch.optim.Optimizer, Callable[[], None]], Callable[[], None] | None]
+        | None = None,
+    ) -> None:
+        """``hold``: a tracker's ``hold_steps``, when it offers one: the barrier then runs
+        first in the tracker's own pre-step hook (:attr:`held`: the caller may let detection
+        go on after it returns), else it is a pre-step hook of its own."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._inflight: PendingSend | None = None
         self.barrier_wait_s = 0.0  # how long the last optimizer step waited for the background
-        self._hook = optimizer.register_step_pre_hook(lambda *_: self.barrier())
+        self._unhold = None if hold is None else hold(optimizer, self.barrier)
+        self._hook = (
+            optimizer.register_step_pre_hook(lambda *_: self.barrier())
+            if self._unhold is None
+            else None
+        )
+
+    @property
+    def held(self) -> bool:
+        """Whether the tracker runs the barrier before its own pre-step hook."""
+        return self._unhold is not None
 
     @property
     def in_flight(self) -> PendingSend | None:
@@ -91,7 +125,7 @@ class Background:
         """Run ``work(pending)`` on the worker; ``pending`` is released when ``work`` releases
         it or ends, and done when it ends."""
         assert self._inflight is None, "settle the version in flight first"
-        device = _current_cuda_device()
+        device = current_cuda_device()
 
         def run() -> SendReport:
             try:
@@ -122,5 +156,8 @@ class Background:
         return pending
 
     def close(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+        if self._unhold is not None:
+            self._unhold()
         self._pool.shutdown(wait=True)

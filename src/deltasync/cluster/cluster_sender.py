@@ -74,7 +74,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from deltasync.cluster.background import Background, PendingSend
+from deltasync.cluster.background import Background, PendingSend, current_cuda_device
 from deltasync.cluster.capture import (
     BATCH_ELEMENTS,
     Capture,
@@ -199,10 +199,15 @@ class ClusterSender:
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
         self._digest_pool: ThreadPoolExecutor | None = None  # overlap: digests beside routing
         self._background = (
-            Background(optimizer, thread_name=f"ds-send-{self.role.writer_id}")
+            Background(
+                optimizer,
+                thread_name=f"ds-send-{self.role.writer_id}",
+                hold=getattr(tracker, "hold_steps", None),
+            )
             if overlap and optimizer is not None
             else None
         )
+        self._detector: ThreadPoolExecutor | None = None  # detection after sync returns
         self.use_group(group)
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
@@ -682,30 +687,57 @@ class ClusterSender:
             if failure is None:  # an anchor: every element, nothing to capture
                 self.tracker.clear()
                 self._pending_anchor = True
+            pending.end_detection()
             pending.captured_s = time.perf_counter() - t0
             background.submit(pending, work)
             return pending
         background.submit(pending, work)
+        if background.held:
+            # The tracker holds the optimizer's steps behind the barrier: detection goes on
+            # on a thread of its own and sync returns now.
+            if self._detector is None:
+                self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
+            device = current_cuda_device()
+            self._detector.submit(self._capture, handoff, params, pending, device)
+            pending.captured_s = time.perf_counter() - t0
+            return pending
+        try:
+            self._capture(handoff, params, pending)
+        finally:
+            pending.captured_s = time.perf_counter() - t0
+        return pending
+
+    def _capture(
+        self,
+        handoff: Handoff[Positions],
+        params: Params,
+        pending: PendingSend,
+        device: int | None = None,
+    ) -> None:
+        """Step 1 of an overlapped delta: each parameter's changed positions, joined with the
+        carry, handed to the background as they are detected; then the tracker is cleared
+        and the capture is the carry. A failure is this rank's status in the preflight (or
+        the next part's): every rank raises it, nothing is applied, the tracker and the carry
+        are kept. On the caller's thread, an interrupt is raised there too."""
+        if device is not None:
+            torch.cuda.set_device(device)
         captured: Carry = {}
         try:
             for name, pos in iter_captured(self.tracker, self._pending, params):
                 captured[name] = pos
                 handoff.put(name, pos)
         except BaseException as exc:
-            # Sent as this rank's failure in the preflight: every rank raises it at its next
-            # call, nothing of this version is applied, the tracker and the carry are kept.
-            pending.captured_s = time.perf_counter() - t0
             handoff.fail(exc)
+            pending.end_detection()
             if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
                 raise
-            return pending
-        # The tracker's baseline moves now (no other thread ever touches the tracker); until
-        # the version commits, what it reported is the carry, sent again by every retry.
+            return
+        # The tracker's baseline moves now (only the capture touches the tracker); until the
+        # version commits, what it reported is the carry, sent again by every retry.
         self.tracker.clear()
         self._pending = captured  # the one copy: routed, and carried
-        pending.captured_s = time.perf_counter() - t0
+        pending.end_detection()
         handoff.close()
-        return pending
 
     @property
     def in_flight(self) -> PendingSend | None:
@@ -775,6 +807,9 @@ class ClusterSender:
         finally:
             self._background.close()
             self._background = None
+            if self._detector is not None:
+                self._detector.shutdown(wait=True)
+                self._detector = None
             if self._digest_pool is not None:
                 self._digest_pool.shutdown(wait=True)
                 self._digest_pool = None
