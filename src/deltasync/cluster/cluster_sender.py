@@ -41,7 +41,9 @@ is asked for positions only), then clears the tracker and returns a
 while the trainer's next forward/backward runs. The background starts with the capture and
 routes and encodes each parameter as it is captured (the tracker must report in ``params``
 order); if detection fails midway, that failure is this rank's status in the preflight, as
-it would have been before the background started. Routing (which reads the BF16 values at the
+it would have been before the background started. With a tracker that holds the optimizer's
+steps (``hold_steps``: the barrier runs first in its own pre-step hook) the capture itself runs
+on a thread of its own and ``sync`` returns at once. Routing (which reads the BF16 values at the
 captured positions) and the digests (steps 2-3) are the last reads of the parameters; the
 optimizer's pre-step hook waits for them, and the next ``sync`` for the whole version. Until
 the version commits its captured positions are the carry: a version that fails is never lost,

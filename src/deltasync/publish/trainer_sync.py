@@ -223,6 +223,7 @@ class TrainerSync:
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._detector: ThreadPoolExecutor | None = None  # detection after the return
+        self._expect_large = False  # the last delta held at least inline_below elements
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
         self._hook = None
@@ -334,13 +335,19 @@ class TrainerSync:
         # detection goes on on a thread of its own once the background has started, and this
         # call returns: the next optimizer step waits for it (and for the publish) before the
         # tracker's own hook runs, so nothing the detection reads changes under it.
+        # When the previous delta was large, this one is expected large too (RL deltas keep
+        # their size from step to step): with such a tracker the whole pass goes to that
+        # thread at once (a small delta that comes anyway publishes in the background).
         captured: Captured = {}
         detected: dict[str, Change] = {}
         count = 0
         handoff: Handoff[Positions] | None = None
         pending = PendingVersion(version, Future(), 0.0)
-        stream = _capture_stream(self.tracker, 0 if anchor else self.inline_below)
-        items = merge_captured(stream, self._carry, params)
+        at_once = not anchor and self._unhold is not None and self._expect_large
+        budget = 0 if anchor or at_once else self.inline_below
+        items = merge_captured(_capture_stream(self.tracker, budget), self._carry, params)
+        if at_once:
+            return self._detect_in_background(items, captured, Handoff(), pending, params, t)
         try:
             for name, pos, change in items:
                 captured[name] = pos
@@ -352,16 +359,11 @@ class TrainerSync:
                     handoff = Handoff()
                     for n, p in captured.items():
                         handoff.put(n, p)
-                    pending._future = self._submit(pending, captured, params, anchor, handoff)
                     if self._unhold is not None:
-                        self._inflight = pending
-                        if self._detector is None:
-                            self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
-                        self._detector.submit(
-                            self._detect_rest, items, captured, handoff, pending, t
+                        return self._detect_in_background(
+                            items, captured, handoff, pending, params, t
                         )
-                        pending.captured_s = time.perf_counter() - t
-                        return pending
+                    pending._future = self._submit(pending, captured, params, anchor, handoff)
                 elif change is not None:
                     detected[name] = change
         except BaseException as exc:
@@ -376,6 +378,7 @@ class TrainerSync:
             raise
         self.tracker.clear()
         self._carry = captured
+        self._expect_large = not anchor and count >= self.inline_below
         pending.captured_s = time.perf_counter() - t
         pending._end_detection(t)
         self._inflight = pending
@@ -400,6 +403,25 @@ class TrainerSync:
             return pending
         del detected
         pending._future = self._submit(pending, captured, params, anchor, None)
+        return pending
+
+    def _detect_in_background(
+        self,
+        items: Iterator[tuple[str, Positions, Change | None]],
+        captured: Captured,
+        handoff: Handoff[Positions],
+        pending: PendingVersion,
+        params: Params,
+        started: float,
+    ) -> PendingVersion:
+        """Start the publish on what ``handoff`` holds and the rest of detection on the
+        detection thread; return the pending version."""
+        pending._future = self._submit(pending, captured, params, False, handoff)
+        self._inflight = pending
+        if self._detector is None:
+            self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
+        self._detector.submit(self._detect_rest, items, captured, handoff, pending, started)
+        pending.captured_s = time.perf_counter() - started
         return pending
 
     def _detect_rest(
@@ -427,6 +449,7 @@ class TrainerSync:
             items.close()  # the tracker's pass ends here, on this thread
         self.tracker.clear()
         self._carry = captured
+        self._expect_large = sum(len(p) for p in captured.values()) >= self.inline_below
         pending._end_detection(started)
         handoff.close()
 
