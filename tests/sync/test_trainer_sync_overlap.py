@@ -177,11 +177,16 @@ class StagedTracker:
         self.inner, self.after = inner, after
         self.fail: Exception | None = None
 
+    def arrived(self) -> None:
+        """Called when the stream reaches parameter ``after``."""
+
     def iter_changed(self):
         for k, item in enumerate(self.inner.iter_changed()):
-            if k == self.after and self.fail is not None:
-                exc, self.fail = self.fail, None
-                raise exc
+            if k == self.after:
+                self.arrived()
+                if self.fail is not None:
+                    exc, self.fail = self.fail, None
+                    raise exc
             yield item
 
     def iter_changes(self):
@@ -474,34 +479,20 @@ def test_a_small_version_is_published_with_the_values_its_detection_read(tmp_pat
     sync.close()
 
 
-class GatedTracker:
-    """An AdamWTracker that holds the optimizer's steps for the sync (``hold_steps``), whose
-    positions stream stops before parameter ``after`` until ``gate`` opens (then raises
-    ``fail`` there, if set)."""
+class GatedTracker(StagedTracker):
+    """A StagedTracker that holds the optimizer's steps for the sync (``hold_steps``) and
+    whose stream stops at parameter ``after`` until ``gate`` opens."""
 
     def __init__(self, inner: AdamWTracker, after: int) -> None:
-        self.inner, self.after = inner, after
+        super().__init__(inner, after)
         self.reached, self.gate = threading.Event(), threading.Event()
-        self.fail: Exception | None = None
 
     def hold_steps(self, optimizer, wait):
         return self.inner.hold_steps(optimizer, wait)
 
-    def iter_changed(self):
-        for k, item in enumerate(self.inner.iter_changed()):
-            if k == self.after:
-                self.reached.set()
-                assert self.gate.wait(30), "the test never opened the gate"
-                if self.fail is not None:
-                    exc, self.fail = self.fail, None
-                    raise exc
-            yield item
-
-    def iter_changes(self):
-        return self.inner.iter_changes()
-
-    def clear(self) -> None:
-        self.inner.clear()
+    def arrived(self) -> None:
+        self.reached.set()
+        assert self.gate.wait(30), "the test never opened the gate"
 
 
 def _gated(tmp_path):
