@@ -578,3 +578,34 @@ def test_the_tracker_holds_its_own_pre_step_hook_behind_the_sync() -> None:
     remove()
     trainer.step()
     assert len(seen) == 1
+
+
+def test_detect_in_background_false_detects_before_the_return(tmp_path):
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    sync = TrainerSync(
+        tracker,
+        pub,
+        trainer.params,
+        overlap=True,
+        optimizer=trainer.opt,
+        inline_below=0,
+        detect_in_background=False,
+    )
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    for version in (1, 2):  # the second one after a large delta too
+        trainer.step()
+        pending = sync.step_published(version)
+        assert pending.detected()
+        sync.wait()
+        _assert_receivers_exact(receivers, trainer, lay, version)
+    sync.close()
+    with pytest.raises(ConfigError, match="detect_in_background must be a bool"):
+        TrainerSync(
+            tracker,
+            pub,
+            trainer.params,
+            overlap=True,
+            optimizer=trainer.opt,
+            detect_in_background=1,
+        )

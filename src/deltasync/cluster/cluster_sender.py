@@ -145,6 +145,9 @@ class ClusterSender:
         every rank must agree on.
     overlap: return from ``sync`` once the changes are captured and send in the background
         (see the module docstring); needs ``optimizer``, whose next step is the barrier.
+    detect_in_background: with a tracker that holds the optimizer's steps, capture on a
+        thread of its own and return at once (default); False captures before the return
+        (lower latency where the forward/backward runs on the same CPU cores).
     """
 
     def __init__(
@@ -163,9 +166,11 @@ class ClusterSender:
         lineage: str | None = None,
         overlap: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
+        detect_in_background: bool = True,
     ) -> None:
-        if not isinstance(overlap, bool):
-            raise ConfigError(f"ClusterSender.overlap must be a bool, got {overlap!r}")
+        for name, flag in (("overlap", overlap), ("detect_in_background", detect_in_background)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"ClusterSender.{name} must be a bool, got {flag!r}")
         if overlap and optimizer is None:
             raise ConfigError(
                 "ClusterSender.optimizer is required with overlap=True: its next step must wait "
@@ -204,7 +209,7 @@ class ClusterSender:
             Background(
                 optimizer,
                 thread_name=f"ds-send-{self.role.writer_id}",
-                hold=getattr(tracker, "hold_steps", None),
+                hold=getattr(tracker, "hold_steps", None) if detect_in_background else None,
             )
             if overlap and optimizer is not None
             else None
