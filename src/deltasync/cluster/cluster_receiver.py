@@ -8,9 +8,9 @@
    arrive. A mismatch anywhere, or a delta this receiver cannot take, is refused on every rank
    before any payload moves;
 2. receive (``receive``): the first exchange (this rank sends nothing; while the writers
-   stream a delta in parts, one exchange per part, joined, see ``cluster.streaming``); in ``forward`` mode
-   replica 0 of a shard then forwards what it got, unopened, to the shard's other replicas in a
-   second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
+   stream a delta in parts, one exchange per part, joined, see ``cluster.streaming``); in
+   ``forward`` mode replica 0 of a shard then forwards what it got, unopened, to the shard's
+   other replicas in a second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
 3. stage (``staging.stage_payloads``): unwrap the envelopes, verify every blob's digest,
    header and trailer in the received bytes, refuse a wrong base. The engine keeps serving;
    nothing has been written or decoded (a small version, within ``max_staged_bytes``, is

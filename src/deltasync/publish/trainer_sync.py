@@ -23,7 +23,8 @@ Two modes:
   (``AdamWTracker.hold_steps``: its own pre-step hook waits for the sync before it touches
   its state), the rest of a large delta's detection goes on on a thread of its own and
   ``step_published`` returns once the background has started: the caller is blocked for
-  the first ``inline_below`` changed elements' worth of detection, not the whole pass.
+  the first ``inline_below`` changed elements' worth of detection, and after a large delta
+  for none of the next one's.
   Detection reads only θ, m and v, which nothing changes until the next optimizer step, and
   that step waits for it; a failure there stops the publish before its commit, leaves the
   tracker and the carry as they were, and is raised at the next call, naming the version.
@@ -89,8 +90,9 @@ class PendingVersion:
 
     ``captured_s`` is how long the caller was blocked (detection and capture, or its start
     when detection goes on in the background: ``detect_s`` is then the whole pass, known
-    once ``detected()``); ``done()`` says whether the background has finished; ``result()`` waits and returns the reports (or
-    raises the publish error; the TrainerSync still raises it at its next call)."""
+    once ``detected()``); ``done()`` says whether the background has finished; ``result()``
+    waits and returns the reports (or raises the publish error; the TrainerSync still raises
+    it at its next call)."""
 
     def __init__(self, version: int, future: Future, captured_s: float) -> None:
         self.version = version
