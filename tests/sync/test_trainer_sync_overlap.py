@@ -108,6 +108,25 @@ def test_step_published_returns_before_the_commit_and_the_baseline_waits_for_it(
     sync.close()
 
 
+def _step_held_back(trainer, before) -> tuple[threading.Thread, threading.Event]:
+    """Start the next optimizer step on a thread and check that it is held back (its
+    pre-step hook waits for the sync) with the params still bitwise ``before``."""
+    stepped = threading.Event()
+
+    def next_step():
+        trainer.step()
+        stepped.set()
+
+    t = threading.Thread(target=next_step)
+    t.start()
+    assert not stepped.wait(0.5), "the optimizer stepped while the sync still read the state"
+    assert all(
+        torch.equal(before[n].view(torch.int32), p.detach().view(torch.int32))
+        for n, p in trainer.params.items()
+    )
+    return t, stepped
+
+
 def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
     gate = ManifestGate(1)
     trainer, _, sync, pub, _, _ = _setup(tmp_path, gate)
@@ -117,20 +136,7 @@ def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     pending = sync.step_published(1)
     assert gate.reached.wait(30)
-    stepped = threading.Event()
-
-    def next_step():
-        trainer.step()  # the tracker's optimizer: its pre-step hook is the barrier
-        stepped.set()
-
-    t = threading.Thread(target=next_step)
-    t.start()
-    assert not stepped.wait(0.5), "the optimizer stepped while version 1 was in flight"
-    # the params the background hashes are untouched while it runs
-    assert all(
-        torch.equal(before[n].view(torch.int32), p.detach().view(torch.int32))
-        for n, p in trainer.params.items()
-    )
+    t, stepped = _step_held_back(trainer, before)  # the background hashes the params
     gate.release()
     t.join(30)
     assert stepped.is_set() and pending.done() and pub.committed() == 1
@@ -514,19 +520,7 @@ def test_detection_goes_on_after_step_published_returns_and_the_step_waits_for_i
     pending = sync.step_published(1)  # returns while parameter 3 is still to be detected
     assert gated.reached.wait(30) and not pending.detected() and not pending.done()
     state = {n: p.detach().clone() for n, p in trainer.params.items()}  # version 1's
-    stepped = threading.Event()
-
-    def next_step():
-        trainer.step()  # the tracker's pre-step hook waits for the sync first
-        stepped.set()
-
-    t = threading.Thread(target=next_step)
-    t.start()
-    assert not stepped.wait(0.5), "the optimizer stepped while detection still read the state"
-    assert all(
-        torch.equal(state[n].view(torch.int32), p.detach().view(torch.int32))
-        for n, p in trainer.params.items()
-    )
+    t, stepped = _step_held_back(trainer, state)  # detection still reads θ, m, v
     gated.gate.set()
     t.join(30)
     assert stepped.is_set() and pending.detected() and pub.committed() == 1
