@@ -33,6 +33,8 @@ def test_two_fsdp_writers_and_a_receiver_under_torchrun_end_bit_identical() -> N
             "3",
             "--timeout-s",
             "20",
+            "--part-kib",
+            "1",  # every delta streamed in many parts
         ],
         capture_output=True,
         text=True,

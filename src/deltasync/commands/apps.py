@@ -278,6 +278,13 @@ def _register_cluster_worker(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout-s", type=float, default=60.0, help="every wait's timeout")
     p.add_argument("--chunk-mib", type=int, default=64, help="exchange chunk size in MiB")
+    p.add_argument(
+        "--part-kib",
+        type=int,
+        default=2048,
+        help="stream an overlapped delta's blobs in parts of this many KiB, one exchange each "
+        "(default: 2048; 0 = one exchange)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--no-check", action="store_true", help="skip the final bitwise check")
     p.set_defaults(func=_run_cluster_worker)
@@ -305,6 +312,7 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
             exchange=ExchangeConfig(timeout_s=args.timeout_s, max_chunk_bytes=args.chunk_mib << 20),
             commit_timeout_s=args.timeout_s,
             digest_every=args.digest_every,
+            part_bytes=args.part_kib << 10,
         ),
     )
     summary = app.run_cluster_sync(None, job)
