@@ -168,3 +168,31 @@ def test_overlap_needs_the_optimizer_whose_step_is_the_barrier() -> None:
             rank=0,
             overlap=True,
         )
+
+
+def test_detection_stays_on_the_callers_thread_unless_the_tracker_holds_the_steps() -> None:
+    trainer = HFTrainer()
+    spec = ModelSpec.from_hf_config(TINY_QWEN3)
+    rl = ReceiverLayout.build(spec, "vllm", tp=2)
+    tracker = AdamWTracker(trainer.opt, trainer.model.named_parameters())
+
+    def sender(**kw) -> ClusterSender:
+        return ClusterSender(
+            tracker,
+            trainer.params,
+            plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
+            trainer_layout=TrainerLayout(spec),
+            receiver_layout=rl,
+            version=None,
+            rank=0,
+            overlap=True,
+            optimizer=trainer.opt,
+            **kw,
+        )
+
+    held, kept = sender(), sender(detect_in_background=False)
+    assert held._background.held and not kept._background.held
+    held.close()
+    kept.close()
+    with pytest.raises(ConfigError, match="detect_in_background must be a bool"):
+        sender(detect_in_background="yes")
