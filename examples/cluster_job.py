@@ -74,7 +74,7 @@ class ClusterJob:
     check: bool = True
     threads: int = 1  # torch intra-op threads per rank (ranks often share cores)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    overlap: bool = True  # ClusterSender(overlap=True): the trainer waits for detection only
+    overlap: bool = True  # ClusterSender(overlap=True): the trainer waits for detection at most
     fwd_bwd_s: float = 0.0  # stand-in forward/backward after each sync (the host waits)
     measure_detection: bool = False  # time one extra detection pass per version
 

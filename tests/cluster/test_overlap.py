@@ -153,46 +153,33 @@ def test_a_receiver_killed_during_a_background_version_surfaces_at_the_next_call
     assert survivor["exchange_error"], survivor
 
 
-def test_overlap_needs_the_optimizer_whose_step_is_the_barrier() -> None:
-    trainer = HFTrainer()
+def _one_writer(trainer: HFTrainer, **kw) -> ClusterSender:
+    """A single-process overlapped ClusterSender over ``trainer`` (construction only)."""
     spec = ModelSpec.from_hf_config(TINY_QWEN3)
-    rl = ReceiverLayout.build(spec, "vllm", tp=2)
+    return ClusterSender(
+        AdamWTracker(trainer.opt, trainer.model.named_parameters()),
+        trainer.params,
+        plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
+        trainer_layout=TrainerLayout(spec),
+        receiver_layout=ReceiverLayout.build(spec, "vllm", tp=2),
+        version=None,
+        rank=0,
+        overlap=True,
+        **kw,
+    )
+
+
+def test_overlap_needs_the_optimizer_whose_step_is_the_barrier() -> None:
     with pytest.raises(ConfigError, match="optimizer is required with overlap=True"):
-        ClusterSender(
-            AdamWTracker(trainer.opt, trainer.model.named_parameters()),
-            trainer.params,
-            plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
-            trainer_layout=TrainerLayout(spec),
-            receiver_layout=rl,
-            version=None,
-            rank=0,
-            overlap=True,
-        )
+        _one_writer(HFTrainer())
 
 
 def test_detection_stays_on_the_callers_thread_unless_the_tracker_holds_the_steps() -> None:
     trainer = HFTrainer()
-    spec = ModelSpec.from_hf_config(TINY_QWEN3)
-    rl = ReceiverLayout.build(spec, "vllm", tp=2)
-    tracker = AdamWTracker(trainer.opt, trainer.model.named_parameters())
-
-    def sender(**kw) -> ClusterSender:
-        return ClusterSender(
-            tracker,
-            trainer.params,
-            plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
-            trainer_layout=TrainerLayout(spec),
-            receiver_layout=rl,
-            version=None,
-            rank=0,
-            overlap=True,
-            optimizer=trainer.opt,
-            **kw,
-        )
-
-    held, kept = sender(), sender(detect_in_background=False)
+    held = _one_writer(trainer, optimizer=trainer.opt)
+    kept = _one_writer(trainer, optimizer=trainer.opt, detect_in_background=False)
     assert held._background.held and not kept._background.held
     held.close()
     kept.close()
     with pytest.raises(ConfigError, match="detect_in_background must be a bool"):
-        sender(detect_in_background="yes")
+        _one_writer(trainer, optimizer=trainer.opt, detect_in_background="yes")

@@ -1,18 +1,19 @@
 """deltasync in the benchmark: the product's own trainer and receiver paths, as users run them.
 
-Store path: ``TrainerSync(overlap=True)`` (AdamWTracker + Publisher: the trainer waits for
-detection only; routing, encoding, marker, manifest with shard digests and LATEST run in the
-background while the next forward/backward runs, and the optimizer's next step is the barrier)
-and ``Receiver.pull`` (stage, journal, scatter, digest check, ack), started when the version's
-manifest appears. In-cluster path: ``ClusterSender(overlap=True)`` / ``ClusterReceiver.sync``
-on the benchmark's gloo group (rank 0 the trainer, rank 1 + i shard i): the trainer waits for
-detection only; routing, blobs in envelopes with the shard state digests (on, the default),
-the two-round exchange, the receivers' staging, journal, scatter and digest check, and the
-joint commit run in the background, and the optimizer's next step waits until the background
-no longer reads the params. The tracker's positions stay in the sender's carry until the
-joint commit. Both paths share the one tracker; the
-in-cluster versions come after the store-path ones (the run's order), starting from the
-version the store path left every receiver at.
+Store path: ``TrainerSync(overlap=True)`` (AdamWTracker + Publisher: once a delta is known to
+be large the trainer waits for nothing; detection, routing, encoding, marker, manifest with
+shard digests and LATEST run in the background while the next forward/backward runs, and the
+optimizer's next step is the barrier) and ``Receiver.pull`` (stage, journal, scatter, digest
+check, ack), started when the version's manifest appears. In-cluster path:
+``ClusterSender(overlap=True)`` / ``ClusterReceiver.sync`` on the benchmark's gloo group (rank 0
+the trainer, rank 1 + i shard i): the trainer waits for nothing (the AdamWTracker holds the
+optimizer's steps for the sender); detection, routing, blobs in envelopes with the shard state
+digests (on, the default) streamed in parts, the two-round exchanges, the receivers' staging,
+journal, scatter and digest check, and the joint commit run in the background, and the
+optimizer's next step waits until detection and the background no longer read the params.
+The tracker's positions stay in the sender's carry until the joint commit. Both paths share
+the one tracker; the in-cluster versions come after the store-path ones (the run's order),
+starting from the version the store path left every receiver at.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 2. receive (``receive``): the first exchange (this rank sends nothing; while the writers
    stream a delta in parts, one exchange per part, joined, see ``cluster.streaming``); in
    ``forward`` mode replica 0 of a shard then forwards what it got, unopened, to the shard's
-   other replicas in a second exchange. Every wait from here on is bounded by ``config.exchange.timeout_s``;
+   other replicas in a second exchange. Every wait from here on is bounded by
+   ``config.exchange.timeout_s``;
 3. stage (``staging.stage_payloads``): unwrap the envelopes, verify every blob's digest,
    header and trailer in the received bytes, refuse a wrong base. The engine keeps serving;
    nothing has been written or decoded (a small version, within ``max_staged_bytes``, is
@@ -249,7 +250,7 @@ class ClusterReceiver:
             cleared = self._preflight()
         tag = f"{cleared.window:x}-{cleared.version}"
         # one exchange, or one per part while the writers stream (cluster.streaming)
-        got, _ = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
+        got = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
         wait_s = time.perf_counter() - t
         if self.plan.exchanges == 1:
             return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared)

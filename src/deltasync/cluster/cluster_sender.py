@@ -97,7 +97,7 @@ from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
-from deltasync.cluster.streaming import PartStream
+from deltasync.cluster.streaming import PartStream, part_tag
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
@@ -354,7 +354,7 @@ class ClusterSender:
                 return envelope_header([length], state_digest=digests.get(shard), part_digest=part)
 
             shard_bytes = parts.seal(blobs, framing)
-            envelopes = {}
+            envelopes: dict = {}  # the last part went to the stream
         elif caps.positions is not None:
             shard_bytes = {shard: len(blob) - header_size(1) for shard, blob in blobs.items()}
             envelopes = {
@@ -369,11 +369,11 @@ class ClusterSender:
             }
         del blobs
         # DP replicas of a shard share one envelope object: no copy per replica.
-        payloads = {
-            dst: envelopes[shard]
-            for dst, shard in self.plan.first_hop().items()
-            if shard in envelopes
-        }
+        payloads = (
+            {dst: envelopes[shard] for dst, shard in self.plan.first_hop().items()}
+            if parts is None
+            else {}
+        )
         encode_s += time.perf_counter() - t
         return Outgoing(
             version=version,
@@ -507,7 +507,9 @@ class ClusterSender:
         if captured_s is None:
             self.mark_sent(out)
         t = time.perf_counter()
-        got = exchange(out.payloads, group=self.group, config=self.config.exchange, tag=f"{tag}-x1")
+        got = exchange(
+            out.payloads, group=self.group, config=self.config.exchange, tag=part_tag(tag, 0)
+        )
         self._forward(tag)
         return self._commit(
             version,
@@ -614,16 +616,10 @@ class ClusterSender:
         """An overlapped delta streamed (``config.part_bytes``): steps 2-5 at once, the
         preflight and each part's exchange on the stream's thread as the blobs grow, then the
         joint commit (``cluster.streaming``)."""
-        tag: list[str] = []
-
-        def start(failure: BaseException | None) -> str:
-            tag.append(self._preflight(version, base, failure))
-            return tag[0]
-
         parts = PartStream(
             shards=self.plan.shards(),
             first_hop=self.plan.first_hop(),
-            start=start,
+            start=lambda failure: self._preflight(version, base, failure),
             group=self.group,
             config=self.config.exchange,
             part_bytes=self.config.part_bytes,
@@ -640,14 +636,15 @@ class ClusterSender:
         pending.release()  # the parameters are read no more: the optimizer may step
         t = time.perf_counter()
         parts.finish()
-        self._forward(tag[0])
+        assert parts.tag is not None  # finish raised if the preflight did not pass
+        self._forward(parts.tag)
         return self._commit(
             version,
             anchor=False,
             out=out,
             sent=parts.bytes_sent,
             transfer_s=time.perf_counter() - t,
-            tag=tag[0],
+            tag=parts.tag,
             t0=t0,
             captured_s=pending.captured_s,
             exchanges=parts.exchanges,

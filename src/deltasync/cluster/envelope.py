@@ -150,7 +150,8 @@ def join_parts(
     once)."""
     total = sum(len(as_view(p)) for p in parts)
     reserved = header_size(1)
-    last = b"".join(bytes(as_view(p)[: len(MAGIC)]) for p in parts)[: len(MAGIC)] != MAGIC
+    head = b"".join(bytes(as_view(p)[: len(MAGIC)]) for p in parts)  # the first may be short
+    last = not framed_first(head)
     if last and total < reserved:
         raise EnvelopeError(f"a payload of {total} bytes cannot hold a {reserved}-byte framing")
     # framing last: written after room for it, then moved into that room
