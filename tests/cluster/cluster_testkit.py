@@ -51,6 +51,9 @@ class Setup:
     overlap: bool = False  # ClusterSender(overlap=True); each version settled before the check
     part_bytes: int = ClusterConfig.part_bytes  # an overlapped delta streams in parts of this
     detect_after_return: bool = False  # overlap scenario: the tracker holds the steps
+    # per writer index: ClusterSender.inline_below (none given: 0, every overlapped version in
+    # the background, however small this tiny model's deltas are)
+    inline_below: tuple[int, ...] = ()
 
     def world_size(self) -> int:
         return self.num_writers + self.tp * self.replicas
@@ -91,6 +94,7 @@ class Trainer:
         self.model, self.named, self.opt = self.hf.model, self.hf.params, self.hf.opt
         self.layout = TrainerLayout(spec())
         writer = setup.plan().writer(rank)
+        self.index = writer.index
         if setup.tracker == "adamw":
             from deltasync.trainer import AdamWTracker
 
@@ -130,6 +134,7 @@ class Trainer:
             full_state=self.named,
             overlap=setup.overlap,
             optimizer=self.opt if setup.overlap else None,
+            inline_below=setup.inline_below[self.index] if setup.inline_below else 0,
         )
 
 
@@ -221,6 +226,62 @@ def run_versions(rank: int, setup: Setup) -> dict:
         if bad:
             out["bad"].append((receiver.version, bad[:3]))
         out["digests"].append(state_digest(receiver.tensors))
+    return out
+
+
+# ---------------------------------------------------------------------- scenario: inline
+
+
+def run_inline(rank: int, setup: Setup) -> dict:
+    """1 overlapped writer whose ``inline_below`` is above every delta of the tiny model, TP=2
+    receivers (ranks 1, 2). Versions: the anchor 0 and delta 1 in the background (no small
+    delta seen yet), 2 inline; 3 inline with rank 2's payload corrupted, not settled: the
+    failure must come at the writer's next call, ``sync(4)``, naming 3; then 4 (with 3's carry:
+    the tracker was cleared when 3 was captured) again. The truth is broadcast after every
+    attempt, each one already settled when inline."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    plan = setup.plan()
+    out: dict = {"rank": rank, "steps": []}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        for v in range(5):
+            if v:
+                trainer.step()
+            step: dict = {"version": v}
+            if v == 4:
+                failed = _attempt(lambda: sender.sync(4))
+                step["raised"] = failed["error"], failed.get("message")
+            pending = sender.sync(v, anchor=v == 0)
+            step["done_on_return"] = pending.done()
+            if v != 3:
+                report = sender.wait()
+                step.update(inline=report.inline, stall_s=report.stall_s, total_s=report.total_s)
+            step["version_after"] = sender.version
+            out["steps"].append(step)
+            broadcast_truth(trainer.canonical_bits())
+        return out
+
+    role = plan.receiver(rank)
+    receiver = CorruptingReceiver(
+        empty_shard(setup, role.shard),
+        plan=plan,
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    for v in range(5):
+        before = snapshot(receiver.tensors)
+        receiver.corrupt_next = v == 3 and rank == 2
+        result = _attempt(receiver.sync)
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        result.update(
+            version_after=receiver.version,
+            unchanged=not mismatched(receiver.tensors, before),
+            exact=not mismatched(receiver.tensors, truth),
+        )
+        out["steps"].append(result)
     return out
 
 

@@ -163,6 +163,7 @@ class _Writer:
             config=setup.config(),
             overlap=True,
             optimizer=self.hf.opt,
+            inline_below=setup.inline_below[0] if setup.inline_below else 0,
         )
 
         def record(*_: object) -> None:  # runs after the sender's own pre-step hook

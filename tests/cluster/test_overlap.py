@@ -183,3 +183,10 @@ def test_detection_stays_on_the_callers_thread_unless_the_tracker_holds_the_step
     kept.close()
     with pytest.raises(ConfigError, match="detect_in_background must be a bool"):
         _one_writer(trainer, optimizer=trainer.opt, detect_in_background="yes")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_inline_below_must_be_a_non_negative_int(bad) -> None:
+    trainer = HFTrainer()
+    with pytest.raises(ConfigError, match="inline_below must be a non-negative int"):
+        _one_writer(trainer, optimizer=trainer.opt, inline_below=bad)

@@ -8,7 +8,7 @@ import pytest
 
 from deltasync.exchange import spawn
 
-from cluster_testkit import Setup, run_versions
+from cluster_testkit import Setup, run_inline, run_versions
 
 VERSIONS = 20
 MANY = 100
@@ -154,3 +154,56 @@ def test_an_overlapped_writer_detecting_after_sync_returns_gives_the_blocking_st
     for i, r in enumerate(receivers):
         assert r["bad"] == []
         assert r["digests"] == tp2_run[1 + i]["digests"][:7]
+
+
+@pytest.mark.timeout(150)
+def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exactly(
+    tp2_run,
+) -> None:
+    # Writer 0 runs every version after a small delta on its own thread (inline_below above
+    # the tiny model's deltas), writer 1 in the background; both stream in 2 KiB parts, so
+    # the inline writer runs the same preflight, part exchanges and joint commit in line.
+    setup = Setup(
+        num_writers=2,
+        tracker="snapshot",
+        versions=6,
+        digest_every=1,
+        overlap=True,
+        part_bytes=2048,
+        inline_below=(1 << 30, 0),
+    )
+    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    writers, receivers = results[:2], results[2:]
+    assert [w["versions"] for w in writers] == [list(range(7))] * 2
+    # the anchor and the first delta (no small delta seen yet) in the background
+    assert [r.inline for r in writers[0]["reports"]] == [False, False] + [True] * 5
+    assert not any(r.inline for r in writers[1]["reports"])
+    for w in writers:
+        assert min(r.exchanges for r in w["reports"][1:]) > 5
+    inline = writers[0]["reports"][2:]
+    assert all(r.overlapped and r.stall_s == r.total_s for r in inline)
+    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == one_writer[i][:7]
+
+
+@pytest.mark.timeout(150)
+def test_an_inline_version_that_fails_is_raised_at_the_next_call_and_its_carry_repairs() -> None:
+    setup = Setup(digest_every=1, overlap=True, inline_below=(1 << 30,))
+    writer, *receivers = spawn(run_inline, setup.world_size(), setup, timeout_s=110)
+    steps = writer["steps"]
+    assert [s.get("inline") for s in steps] == [False, False, True, None, True]
+    assert [s["done_on_return"] for s in steps[2:]] == [True, True, True]
+    error, message = steps[4]["raised"]
+    assert error == "SendFailedError" and "version 3 did not commit" in message
+    assert [s["version_after"] for s in steps] == [0, 1, 2, 2, 4]
+    applied, refused = receivers  # rank 2's copy of version 3 was corrupted
+    # rank 1 applied 3, which never committed: it reports no version until 4 repairs it
+    assert [s["version_after"] for s in applied["steps"]] == [0, 1, 2, None, 4]
+    assert [s["version_after"] for s in refused["steps"]] == [0, 1, 2, 2, 4]
+    assert refused["steps"][3]["unchanged"]
+    for r in receivers:
+        ok = [r["steps"][v] for v in (0, 1, 2, 4)]
+        assert all(s["error"] is None and s["exact"] for s in ok), ok
+        assert r["steps"][3]["error"] is not None

@@ -37,8 +37,9 @@ from deltasync.cluster.reports import SendReport
 class PendingSend:
     """A version captured by ``ClusterSender(overlap=True)`` and sent in the background.
 
-    ``captured_s`` is how long the caller was blocked (detection and capture, or only their
-    start when detection goes on in the background, see ``detected()``). ``released()``
+    ``captured_s`` is how long the caller was blocked for detection and capture (or only their
+    start when detection goes on in the background, see ``detected()``); a small version run
+    on the caller's thread (``inline_below``) is done when ``sync`` returns. ``released()``
     says whether the background stopped reading the parameters, ``done()`` whether it finished;
     ``result()`` waits and returns the :class:`SendReport` (or raises the send's error; the
     sender still raises :class:`~deltasync.errors.SendFailedError` at its next call)."""
@@ -138,6 +139,25 @@ class Background:
 
         pending._future = self._pool.submit(run)
         self._inflight = pending
+
+    def run_here(self, pending: PendingSend, work: Callable[[PendingSend], SendReport]) -> None:
+        """Run ``work(pending)`` on the caller's thread (a version small enough that a thread
+        competing with the forward/backward would only delay it), with :meth:`submit`'s
+        contract: its error is kept for the sender's next call, the version is in flight
+        until taken."""
+        assert self._inflight is None, "settle the version in flight first"
+        self._inflight = pending
+        try:
+            report = work(pending)
+        except BaseException as exc:
+            pending._future.set_exception(exc)
+            if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
+                raise
+        else:
+            pending._future.set_result(report)
+        finally:
+            pending.release()
+            pending.finished_at = time.time()
 
     def barrier(self) -> None:
         """The optimizer's pre-step hook: the step may change the parameters only once the

@@ -49,12 +49,16 @@ optimizer's pre-step hook waits for them, and the next ``sync`` for the whole ve
 the version commits its captured positions are the carry: a version that fails is never lost,
 its positions go out with the next one with values re-read then, and the failure is raised at
 the next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
-the version. A delta's blobs go out in parts while they are routed (``config.part_bytes``,
-:mod:`deltasync.cluster.streaming`): the preflight and each part's exchange run on a stream
-thread of the version's, so the writer holds a part or two instead of every shard's whole blob;
-a failure after the preflight is the next part's status, and every rank raises as from the
-preflight. The collectives of an overlapped version run off the caller's thread, one thread
-at a time (the stream thread's, then the background's): the exchange's group must be one the
+the version. After a delta of fewer than ``inline_below`` changed elements (a small model;
+RL deltas keep their size from step to step) the next version runs whole on the caller's
+thread instead, through the same steps and collectives, so writers that decide differently
+still meet; its failure is still raised at the next call. A delta's blobs go out in parts
+while they are routed (``config.part_bytes``, :mod:`deltasync.cluster.streaming`): the
+preflight and each part's exchange run on a stream thread of the version's, so the writer
+holds a part or two instead of every shard's whole blob; a failure after the preflight is the
+next part's status, and every rank raises as from the preflight. The collectives of an
+overlapped version run off the caller's thread, one thread at a time (the stream thread's,
+then the background's or, inline, the caller's): the exchange's group must be one the
 trainer's own collectives (FSDP) do not use, and a ``full_state`` callable that runs
 collectives must not be combined with overlap.
 
@@ -72,6 +76,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -116,7 +121,7 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
 from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
-from deltasync.trainer.handoff import Handoff
+from deltasync.trainer.handoff import INLINE_BELOW, Handoff
 from deltasync.trainer.positions import Positions
 
 Params = Mapping[str, torch.Tensor]
@@ -148,6 +153,10 @@ class ClusterSender:
     detect_in_background: with a tracker that holds the optimizer's steps, capture on a
         thread of its own and return at once (default); False captures before the return
         (lower latency where the forward/backward runs on the same CPU cores).
+    inline_below: with overlap, after a delta of fewer changed elements (this writer's) the
+        next version runs whole before ``sync`` returns (the returned ``PendingSend`` is done;
+        its report says ``inline``): a background thread competing with the forward/backward
+        only delays a small model's version. 0: always in the background.
     """
 
     def __init__(
@@ -167,10 +176,15 @@ class ClusterSender:
         overlap: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
         detect_in_background: bool = True,
+        inline_below: int = INLINE_BELOW,
     ) -> None:
         for name, flag in (("overlap", overlap), ("detect_in_background", detect_in_background)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"ClusterSender.{name} must be a bool, got {flag!r}")
+        if isinstance(inline_below, bool) or not isinstance(inline_below, int) or inline_below < 0:
+            raise ConfigError(
+                f"ClusterSender.inline_below must be a non-negative int, got {inline_below!r}"
+            )
         if overlap and optimizer is None:
             raise ConfigError(
                 "ClusterSender.optimizer is required with overlap=True: its next step must wait "
@@ -215,6 +229,8 @@ class ClusterSender:
             else None
         )
         self._detector: ThreadPoolExecutor | None = None  # detection after sync returns
+        self.inline_below = inline_below
+        self._expect_small = False  # this writer's last committed delta was below inline_below
         self.use_group(group)
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
@@ -695,6 +711,16 @@ class ClusterSender:
             pending.captured_s = time.perf_counter() - t0
             background.submit(pending, work)
             return pending
+        if self._expect_small:
+            # RL deltas keep their size from step to step: after a small one, the whole
+            # version runs here (the same collectives, in the same order, as in the
+            # background, so writers deciding differently still meet).
+            try:
+                self._capture(handoff, params, pending)
+            finally:  # an interrupt still tells the other ranks, in the preflight
+                pending.captured_s = time.perf_counter() - t0
+                background.run_here(pending, lambda p: replace(work(p), inline=True))
+            return pending
         background.submit(pending, work)
         if background.held:
             # The tracker holds the optimizer's steps behind the barrier: detection goes on
@@ -795,6 +821,7 @@ class ClusterSender:
                 group_broken=broken,
             ) from exc
         self.last_report = report
+        self._expect_small = not report.anchor and report.elements < self.inline_below
         return report
 
     def close(self) -> None:

@@ -50,12 +50,15 @@ class SendReport:
     commit_s: float = 0.0  # waiting in the joint commit (receivers' staging and apply)
     total_s: float = 0.0
     overlapped: bool = False  # sent in the background (ClusterSender(overlap=True))
-    captured_s: float = 0.0  # overlapped: how long sync() blocked (detection and capture)
+    captured_s: float = 0.0  # overlapped: how long the capture took (detection)
     exchanges: int = 1  # the writers' payload exchanges: one, or one per part when streamed
+    inline: bool = False  # overlapped, but small: all of it ran before sync returned
 
     @property
     def stall_s(self) -> float:
         """How long ``sync`` kept the trainer from training."""
+        if self.inline:
+            return self.total_s
         if self.overlapped:
             return self.captured_s
         return self.detect_s + self.build_s + self.encode_s + self.digest_s

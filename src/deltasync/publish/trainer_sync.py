@@ -72,15 +72,12 @@ from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import merge_captured
-from deltasync.trainer.handoff import Handoff
+from deltasync.trainer.handoff import INLINE_BELOW, Handoff
 from deltasync.trainer.positions import Positions
 
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
-# Overlapped versions with fewer changed elements publish on the caller's thread (see
-# TrainerSync.inline_below): about 25-50 ms of routing, encoding and commit on this machine.
-INLINE_BELOW = 1 << 18
 Change = tuple[str, torch.Tensor, torch.Tensor]
 Captured = dict[str, Positions]
 
