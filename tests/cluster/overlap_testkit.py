@@ -124,10 +124,19 @@ class CountingTracker:
 
 class HoldingTracker(CountingTracker):
     """A CountingTracker that holds the optimizer's steps for the sender (``hold_steps``):
-    its detection goes on after ``sync`` returns."""
+    its detection goes on after ``sync`` returns. With a ``gate``, that detection starts only
+    once the gate is set (so a test sees ``sync`` return first, however fast detection is)."""
+
+    gate: threading.Event | None = None
 
     def hold_steps(self, optimizer, wait):
         return self.inner.hold_steps(optimizer, wait)
+
+    def iter_positions(self) -> Iterator[tuple[str, Positions]]:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            assert gate.wait(30), "the gate was never opened"
+        yield from super().iter_positions()
 
 
 class _Writer:
@@ -197,9 +206,13 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     settle(0)
     for v in (1, 2, 3):
         w.hf.step()
+        gate = threading.Event()
+        if isinstance(w.tracker, HoldingTracker):
+            w.tracker.gate = gate
         pending = sender.sync(v)
         out.setdefault("returned_before_done", []).append(not pending.done())
         out.setdefault("returned_before_detected", []).append(not pending.detected())
+        gate.set()
         out.setdefault("captured_s", []).append(pending.captured_s)
         assert pending.wait_detected(30)  # the carry is the capture from here on
         out.setdefault("carry", []).append((sender.pending_elements, sender.carry_bytes))

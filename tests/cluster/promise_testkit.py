@@ -299,6 +299,9 @@ class DyingReceiver(ClusterReceiver):
         return super().receive(cleared)
 
 
+WRITER_FAULT_S = 0.1  # into the writer's exchange of version 2 (the receivers': 0.3 s)
+
+
 def _arm(how: str, after_s: float) -> None:
     pid = os.getpid()
     if how == "kill":
@@ -312,8 +315,8 @@ def _arm(how: str, after_s: float) -> None:
 
 def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int | None) -> dict:
     """Ranks 0 (writer), 1, 2 (TP=2 receivers) form group 1. Anchor 0 and delta 1 commit;
-    version 2 goes in 32-byte chunks (thousands of messages) and 0.3 s into its
-    exchange rank ``victim`` is SIGKILLed (``how="kill"``) or stopped (``"hang"``). Survivors
+    version 2 goes in 32-byte chunks (thousands of messages) and 0.3 s (the writer: 0.1 s)
+    into its exchange rank ``victim`` is SIGKILLed (``how="kill"``) or stopped (``"hang"``). Survivors
     report what they raised and when. With a ``standby`` rank, the survivors then destroy the
     group and form group 2 with it in the victim's place: a retry of version 2 is refused
     everywhere (the replacement holds nothing), the anchor commits, every receiver is exact."""
@@ -365,7 +368,9 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
                 real = cluster_sender.exchange
 
                 def exchange_then_fault(*args, **kwargs):
-                    _arm(how, 0.3)
+                    # armed when the exchange starts: round two of this small delta in 32-byte
+                    # chunks took 0.29 s once on a quiet machine, so 0.3 s could miss it
+                    _arm(how, WRITER_FAULT_S)
                     cluster_sender.exchange = real
                     return real(*args, **kwargs)
 

@@ -38,8 +38,9 @@ class PendingSend:
     """A version captured by ``ClusterSender(overlap=True)`` and sent in the background.
 
     ``captured_s`` is how long the caller was blocked for detection and capture (or only their
-    start when detection goes on in the background, see ``detected()``); a small version run
-    on the caller's thread (``inline_below``) is done when ``sync`` returns. ``released()``
+    start when detection goes on in the background, see ``detected()``); a version after a
+    small delta (``inline_below``) runs on the caller's thread and is done when ``sync``
+    returns. ``released()``
     says whether the background stopped reading the parameters, ``done()`` whether it finished;
     ``result()`` waits and returns the :class:`SendReport` (or raises the send's error; the
     sender still raises :class:`~deltasync.errors.SendFailedError` at its next call)."""
@@ -141,10 +142,8 @@ class Background:
         self._inflight = pending
 
     def run_here(self, pending: PendingSend, work: Callable[[PendingSend], SendReport]) -> None:
-        """Run ``work(pending)`` on the caller's thread (a version small enough that a thread
-        competing with the forward/backward would only delay it), with :meth:`submit`'s
-        contract: its error is kept for the sender's next call, the version is in flight
-        until taken."""
+        """Run ``work(pending)`` on the caller's thread, with :meth:`submit`'s contract: its
+        error is kept for the sender's next call, the version is in flight until taken."""
         assert self._inflight is None, "settle the version in flight first"
         self._inflight = pending
         try:

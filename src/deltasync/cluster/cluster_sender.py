@@ -50,15 +50,16 @@ the version commits its captured positions are the carry: a version that fails i
 its positions go out with the next one with values re-read then, and the failure is raised at
 the next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
 the version. After a delta of fewer than ``inline_below`` changed elements (a small model;
-RL deltas keep their size from step to step) the next version runs whole on the caller's
-thread instead, through the same steps and collectives, so writers that decide differently
-still meet; its failure is still raised at the next call. A delta's blobs go out in parts
+RL deltas keep their size from step to step) ``sync`` returns only once the next version is
+done: the same work, so writers that decide differently still meet, with the capture on the
+caller's thread beside the background's routing and nothing of the trainer's competing with
+it for the cores; its failure is still raised at the next call. A delta's blobs go out in parts
 while they are routed (``config.part_bytes``, :mod:`deltasync.cluster.streaming`): the
 preflight and each part's exchange run on a stream thread of the version's, so the writer
 holds a part or two instead of every shard's whole blob; a failure after the preflight is the
 next part's status, and every rank raises as from the preflight. The collectives of an
 overlapped version run off the caller's thread, one thread at a time (the stream thread's,
-then the background's or, inline, the caller's): the exchange's group must be one the
+then the background's): the exchange's group must be one the
 trainer's own collectives (FSDP) do not use, and a ``full_state`` callable that runs
 collectives must not be combined with overlap.
 
@@ -153,10 +154,10 @@ class ClusterSender:
     detect_in_background: with a tracker that holds the optimizer's steps, capture on a
         thread of its own and return at once (default); False captures before the return
         (lower latency where the forward/backward runs on the same CPU cores).
-    inline_below: with overlap, after a delta of fewer changed elements (this writer's) the
-        next version runs whole before ``sync`` returns (the returned ``PendingSend`` is done;
-        its report says ``inline``): a background thread competing with the forward/backward
-        only delays a small model's version. 0: always in the background.
+    inline_below: with overlap, after a delta of fewer changed elements (this writer's)
+        ``sync`` returns only once the next version is done (the returned ``PendingSend`` is
+        done; its report says ``inline``): a background competing with the forward/backward
+        only delays a small model's version. 0: never wait.
     """
 
     def __init__(
@@ -274,26 +275,32 @@ class ClusterSender:
         params: Params,
         stream: Handoff[Positions] | None = None,
         parts: PartStream | None = None,
+        digests: Future | None = None,
     ) -> Outgoing:
         """Steps 2-3: route (reading the values of captured positions), digest and encode
         captured changes (the last reads of ``params``); with ``stream``, the captured
         positions as the caller's detection hands them over (``caps`` then only marks a
         delta), and the digest pass runs beside the routing from the end of the capture.
+        ``digests``: that pass, started by the caller already.
         With ``parts`` (a delta), the blobs go out in parts as they are written and the last
         part is sealed there, not returned (``payloads`` is empty)."""
-        job = None
+        job = digests
         want = self.config.sends_digest(version, anchor=caps.anchor)
-        if want and stream is not None and not callable(self._full_state):
+        if want and job is None and stream is not None and not callable(self._full_state):
             # (a full_state callable may gather over the group: only this thread may)
-            if self._digest_pool is None:
-                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-cluster-digest")
-            job = self._digest_pool.submit(self._digests_after, stream, params)
+            job = self._digest_job(self._digests_after, stream, params)
         try:
             return self._build_payloads(version, base, caps, params, stream, want, job, parts)
         except BaseException:
             if job is not None:  # it reads the params: done before the optimizer may step
                 job.exception()
             raise
+
+    def _digest_job(self, fn: Callable, *args: object) -> Future:
+        """``fn(*args)`` on the digest thread (started on first use)."""
+        if self._digest_pool is None:
+            self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-cluster-digest")
+        return self._digest_pool.submit(fn, *args)
 
     def _digests_after(
         self, handoff: Handoff[Positions], params: Params
@@ -526,16 +533,23 @@ class ClusterSender:
         got = exchange(
             out.payloads, group=self.group, config=self.config.exchange, tag=part_tag(tag, 0)
         )
+        sent, exchanges = got.stats.bytes_sent, 1
+        while got.more:  # other writers still stream their parts: take part, send nothing
+            got = exchange(
+                {}, group=self.group, config=self.config.exchange, tag=part_tag(tag, exchanges)
+            )
+            sent, exchanges = sent + got.stats.bytes_sent, exchanges + 1
         self._forward(tag)
         return self._commit(
             version,
             anchor,
             out,
-            got.stats.bytes_sent,
+            sent,
             time.perf_counter() - t,
             tag,
             t0=t0,
             captured_s=captured_s,
+            exchanges=exchanges,
         )
 
     def _preflight(self, version: int, base: int | None, failure: BaseException | None) -> str:
@@ -712,14 +726,9 @@ class ClusterSender:
             background.submit(pending, work)
             return pending
         if self._expect_small:
-            # RL deltas keep their size from step to step: after a small one, the whole
-            # version runs here (the same collectives, in the same order, as in the
-            # background, so writers deciding differently still meet).
-            try:
-                self._capture(handoff, params, pending)
-            finally:  # an interrupt still tells the other ranks, in the preflight
-                pending.captured_s = time.perf_counter() - t0
-                background.run_here(pending, lambda p: replace(work(p), inline=True))
+            # RL deltas keep their size from step to step: after a small one, this version
+            # runs here, whole (a thread competing with the forward/backward only delays it)
+            background.run_here(pending, lambda p: self._send_inline(version, base, p, t0=t0))
             return pending
         background.submit(pending, work)
         if background.held:
@@ -736,6 +745,34 @@ class ClusterSender:
         finally:
             pending.captured_s = time.perf_counter() - t0
         return pending
+
+    def _send_inline(
+        self, version: int, base: int, pending: PendingSend, *, t0: float
+    ) -> SendReport:
+        """A version after a small delta, whole on the caller's thread: the changes captured
+        with the values detection read (nothing decoded or read twice), the digest pass
+        beside detection and routing, one exchange (then, sending nothing, the parts other
+        writers still stream), the joint commit. As without overlap, the tracker is cleared
+        at the commit and what passed the preflight is the carry until then."""
+        params = self._current_params()
+        job = None
+        if self.config.sends_digest(version, anchor=False) and not callable(self._full_state):
+            job = self._digest_job(self._digests, params)
+        out, failure = None, None
+        try:
+            try:
+                caps = capture_with_values(self.tracker, self._pending)
+            finally:
+                pending.captured_s = time.perf_counter() - t0
+                pending.end_detection()
+            out = self._build(version, base, caps, params, digests=job)
+        except Exception as exc:
+            failure = exc
+            if job is not None:  # it reads the params: done before the optimizer may step
+                job.exception()
+        pending.release()  # the parameters are read no more
+        report = self._send(version, False, out, failure, t0=t0, captured_s=None)
+        return replace(report, overlapped=True, inline=True, captured_s=pending.captured_s)
 
     def _capture(
         self,
