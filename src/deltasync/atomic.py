@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -115,6 +116,7 @@ def write_atomic(
     *,
     durable: bool = True,
     mode: int | None = None,
+    sync_dir: bool = True,
 ) -> int:
     """Atomically and durably replace ``path`` with ``data``.
 
@@ -124,6 +126,9 @@ def write_atomic(
             itself given its path (e.g. ``safetensors.torch.save_file`` or a compiler).
         durable: fsync the file and its directory (False: atomic for readers only).
         mode: the file's permissions (None: 0o644 for bytes; a callable's own choice).
+        sync_dir: with ``durable``, also fsync the directory. False: after a power loss
+            ``path`` holds the new bytes or the old ones, whole either way (for a record
+            whose loss only costs a repair; the next durable write there syncs it too).
 
     Returns:
         The number of bytes now in ``path``.
@@ -149,7 +154,7 @@ def write_atomic(
     except BaseException:
         unlink_quietly(tmp)
         raise
-    if durable:
+    if durable and sync_dir:
         fsync_dir(path.parent)
     return written
 
@@ -190,18 +195,41 @@ def read_record(path: Path) -> Any:
         ) from exc
 
 
-def write_record(path: Path, obj: dict[str, Any], *, durable: bool = True) -> None:
+def write_record(
+    path: Path, obj: dict[str, Any], *, durable: bool = True, sync_dir: bool = True
+) -> None:
     """Atomically (and, when ``durable``, durably) replace the record at ``path``.
 
     Args:
         path: the record file; its directory must exist.
         obj: the record, a JSON object.
         durable: fsync file and directory (False only on scratch disks in tests).
+        sync_dir: see :func:`write_atomic`.
     """
     try:
-        write_atomic(path, encode_record(obj), durable=durable, mode=RECORD_MODE)
+        write_atomic(path, encode_record(obj), durable=durable, mode=RECORD_MODE, sync_dir=sync_dir)
     except OSError as exc:
         raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
+
+
+class InBackground:
+    """``fn(*args)`` on a thread of its own (a record write whose fsyncs overlap the caller's
+    work: they release the GIL); :meth:`wait` joins it and returns what it raised."""
+
+    def __init__(self, fn: Callable[..., object], *args: object, name: str) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., object], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
 
 
 def remove_record(path: Path, *, durable: bool = True) -> None:

@@ -11,14 +11,17 @@ from kit import bits, tiny_layouts
 from deltasync.cluster import (
     AnchorRequiredError,
     ClusterConfig,
+    ClusterReceiver,
     EnvelopeError,
     RolePlan,
+    cluster_receiver,
 )
-from deltasync.cluster.cluster_journal import JournalState
+from deltasync.cluster.cluster_journal import ClusterJournal, JournalState
 from deltasync.cluster.envelope import pack_envelope
 from deltasync.errors import (
     BaseVersionMismatchError,
     DigestMismatchError,
+    FormatError,
     IntegrityError,
     VersionError,
 )
@@ -230,6 +233,55 @@ def test_a_state_that_does_not_match_the_trainers_digest_goes_dirty_until_an_anc
         r.apply_payload(anchor[rank])
     world.commit(1, world.receivers)
     assert world.mismatches() == [] and not rec.journal.state.dirty
+
+
+def _journal_on_disk(world: World, rank: int, path) -> ClusterReceiver:
+    """Receiver ``rank`` of ``world`` recording its journal in the file ``path``."""
+    rec = world.receivers[rank]
+    rec.journal = ClusterJournal(version=rec.journal.state.committed, path=path)
+    return rec
+
+
+def test_a_verify_that_raises_puts_back_the_journal_recorded_meanwhile(
+    tmp_path, monkeypatch
+) -> None:
+    # The apply's record is written while verify runs (its fsyncs overlap the hashing); a
+    # verify that raises (here a record refused by its own check) leaves the file as it was.
+    world = World(digest_every=1)
+    world.sync(0, anchor=True)
+    rec = _journal_on_disk(world, 1, tmp_path / "journal.json")
+    world.step()
+    inbox = world.payloads(1)
+
+    def refused(*_args, **_kwargs):
+        raise FormatError("a record refused on purpose")
+
+    monkeypatch.setattr(cluster_receiver, "state_digest_after", refused)
+    before = world.snapshot()
+    with pytest.raises(FormatError, match="on purpose"):
+        rec.apply_payload(inbox[1])
+    assert world.unchanged_since(before)
+    assert rec.journal.state == JournalState(committed=0)
+    assert ClusterJournal(version=None, path=tmp_path / "journal.json").state == rec.journal.state
+    monkeypatch.undo()
+    report = rec.apply_payload(inbox[1])  # the same payload applies afterwards
+    assert report.version == 1 and rec.journal.state.applying == (1, 0)
+
+
+def test_a_diverged_state_is_marked_dirty_on_disk_after_the_apply_recorded_meanwhile(
+    tmp_path,
+) -> None:
+    world = World(digest_every=1)
+    world.sync(0, anchor=True)
+    rec = _journal_on_disk(world, 1, tmp_path / "journal.json")
+    world.step()
+    inbox = world.payloads(1)
+    name = next(iter(rec.tensors))
+    rec.tensors[name].view(-1)[-1] += 1  # drift outside what any delta rewrites
+    with pytest.raises(IntegrityError, match="only an anchor"):
+        rec.apply_payload(inbox[1])
+    on_disk = ClusterJournal(version=None, path=tmp_path / "journal.json").state
+    assert on_disk == rec.journal.state and on_disk.dirty and on_disk.applying is None
 
 
 def test_several_writers_without_the_full_state_send_part_digests_that_catch_drift() -> None:

@@ -137,16 +137,24 @@ class ClusterJournal:
         self._set(replace(self._state, applying=(version, base), window=window))
 
     def commit(self, version: int) -> None:
-        self._set(JournalState(committed=version))
+        # The file is synced, its directory entry not: after a power loss the journal reads
+        # this commit or the apply before it, whole either way, and the apply only means a
+        # retry or an anchor (the next begin syncs the directory anyway).
+        self._set(JournalState(committed=version), sync_dir=False)
 
     def mark_dirty(self) -> None:
         self._set(replace(self._state, applying=None, dirty=True, window=0))
 
-    def _set(self, state: JournalState) -> None:
+    def restore(self, state: JournalState) -> None:
+        """Put back ``state``, recorded before a ``begin`` whose apply never wrote a byte (its
+        verify refused the payload)."""
+        self._set(state)
+
+    def _set(self, state: JournalState, *, sync_dir: bool = True) -> None:
         if self.path is not None:
-            self._write(state)
+            self._write(state, sync_dir=sync_dir)
         self._state = state
 
-    def _write(self, state: JournalState) -> None:
+    def _write(self, state: JournalState, *, sync_dir: bool = True) -> None:
         assert self.path is not None
-        write_record(self.path, state.to_obj())
+        write_record(self.path, state.to_obj(), sync_dir=sync_dir)

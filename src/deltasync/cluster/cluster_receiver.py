@@ -56,11 +56,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from deltasync import names
+from deltasync.atomic import InBackground
 from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
@@ -117,6 +119,14 @@ class Incoming(dict[int, torch.Tensor]):
         self.wait_s = wait_s  # the preflight (waiting for the trainer) and the first exchange
         self.forward_s = forward_s  # the second exchange (forward mode)
         self.cleared = cleared  # what the preflight agreed on
+
+
+class _Diverged(Exception):
+    """The state a payload leads to is not the writers' (``why``); nothing written yet."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class ClusterReceiver:
@@ -293,12 +303,28 @@ class ClusterReceiver:
 
         # Verify before write: one full read of every record (and every writer and anchor
         # check), hashing the tensors as they WILL be (the engine still serves); a refusal or a
-        # mismatch leaves everything unwritten.
+        # mismatch leaves everything unwritten. The journal's record of the apply is written
+        # meanwhile (its fsyncs release the GIL): it only has to be durable before the first
+        # write, and a refusal puts the record before it back.
+        prior = self.journal.state
+        recording = InBackground(
+            lambda: self.journal.begin(staged.version, staged.base, window=window),
+            name="deltasync-cluster-journal",
+        )
         t = time.perf_counter()
-        digest, elements = self._verify(staged)
+        try:
+            digest, elements = self._verify(staged)
+        except _Diverged as exc:
+            recording.wait()  # marked dirty after the apply's record, never under it
+            self._diverged(staged.version, exc.why)
+        except BaseException:
+            if recording.wait() is None:
+                self.journal.restore(prior)
+            raise
         verify_s = time.perf_counter() - t
-
-        self.journal.begin(staged.version, staged.base, window=window)  # before the first write
+        error = recording.wait()  # durable before the first write
+        if error is not None:
+            raise error
         # The same records again (the received bytes are immutable and were fully checked
         # above), one tensor at a time: the decoder proved every index sorted and in range.
         t = time.perf_counter()
@@ -320,14 +346,13 @@ class ClusterReceiver:
     def _verify(self, staged: Staged) -> tuple[str | None, int]:
         """Read ``staged`` to the end once; the digests the tensors will have after it against
         what the writers sent. Returns the resulting state digest (one writer; None without
-        one) and the elements the scatter will write; raises IntegrityError on a mismatch, or
+        one) and the elements the scatter will write; raises ``_Diverged`` on a mismatch, or
         the records' own typed errors."""
         if staged.state_digest is not None:
             digest, elements = state_digest_after(staged, self.tensors, self.specs)
             if digest != staged.state_digest:
-                self._diverged(
-                    staged.version,
-                    f"would give state digest {digest}, the trainer says {staged.state_digest}",
+                raise _Diverged(
+                    f"would give state digest {digest}, the trainer says {staged.state_digest}"
                 )
             return digest, elements
         if staged.part_digests:
@@ -341,14 +366,13 @@ class ClusterReceiver:
                 if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
             ]
             if bad:
-                self._diverged(
-                    staged.version,
-                    f"would not match the part digests of writers {bad} in the parts they own",
+                raise _Diverged(
+                    f"would not match the part digests of writers {bad} in the parts they own"
                 )
             return None, elements
         return None, check_staged(staged, self.specs)
 
-    def _diverged(self, version: int, why: str) -> None:
+    def _diverged(self, version: int, why: str) -> NoReturn:
         log.error(
             "receiver %s replica %s (rank %d): version %d %s; refused before any write and "
             "marked dirty (its base no longer matches the trainer's), only an anchor is "

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltasync import names
+from deltasync.atomic import InBackground
 from deltasync.commit import AckRecord, Manifest, ManifestLimits, ReceiverRecord
 from deltasync.commit.catalog import Catalog
 from deltasync.commit.model import LayoutRecord, specs_fingerprint
@@ -538,7 +538,7 @@ class Receiver:
         # (Killed in between, the next start replays a chain that writes what verify checked,
         # or, for a chain verify would have refused, fails its replay and restores an anchor.)
         # A repair replays the journal it found: that one stays until the replay has ended.
-        journal = _InBackground(
+        journal = InBackground(
             (lambda _: None) if repaired else self.dir.write_journal,
             Journal(
                 receiver=self.config.receiver_id,
@@ -546,6 +546,7 @@ class Receiver:
                 from_version=from_version,
                 steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
             ),
+            name="deltasync-receiver-record",
         )
         try:
             # Verify before write: one full read of the chain's records (every record's
@@ -627,7 +628,7 @@ class Receiver:
             pause_s=pause_s,
         )
 
-    def _drop_journal(self, journal: _InBackground, repaired: bool) -> None:
+    def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
         """Nothing was written: remove the journal the background write left (if it wrote).
         A repair's journal is the crash's and stays (the repair decides what follows)."""
         if journal.wait() is None and not repaired:
@@ -734,27 +735,6 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
-
-
-class _InBackground:
-    """``fn(*args)`` on its own thread; :meth:`wait` joins it and returns what it raised."""
-
-    def __init__(self, fn: Callable[..., object], *args: object) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, args), name="deltasync-receiver-record", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., object], args: tuple) -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:  # handed to whoever waits
-            self._error = exc
-
-    def wait(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
 
 
 def _numel(shape: tuple[int, ...]) -> int:
