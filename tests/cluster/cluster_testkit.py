@@ -264,13 +264,7 @@ def run_inline(rank: int, setup: Setup) -> dict:
         return out
 
     role = plan.receiver(rank)
-    receiver = CorruptingReceiver(
-        empty_shard(setup, role.shard),
-        plan=plan,
-        layout=receiver_layout(setup),
-        version=None,
-        config=setup.config(),
-    )
+    receiver = corrupting_receiver(setup, rank)
     for v in range(5):
         before = snapshot(receiver.tensors)
         receiver.corrupt_next = v == 3 and rank == 2
@@ -317,6 +311,17 @@ class CorruptingReceiver(ClusterReceiver):
             payload = got[min(got)]
             payload[-40] ^= 0x10  # inside the blob's record section, before its digest
         return got
+
+
+def corrupting_receiver(setup: Setup, rank: int) -> CorruptingReceiver:
+    """Receiver ``rank`` of ``setup``'s plan, empty (version None), able to corrupt a payload."""
+    return CorruptingReceiver(
+        empty_shard(setup, setup.plan().receiver(rank).shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
 
 
 def _attempt(call) -> dict:

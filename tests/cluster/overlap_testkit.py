@@ -54,10 +54,9 @@ from deltasync.trainer import AdamWTracker
 from deltasync.trainer.positions import Positions
 
 from cluster_testkit import (
-    CorruptingReceiver,
     Setup,
     broadcast_truth,
-    empty_shard,
+    corrupting_receiver,
     expected_shard,
     mismatched,
     receiver_layout,
@@ -269,13 +268,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
 def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
     plan = setup.plan()
     role = plan.receiver(rank)
-    receiver = CorruptingReceiver(
-        empty_shard(setup, role.shard),
-        plan=plan,
-        layout=receiver_layout(setup),
-        version=None,
-        config=setup.config(),
-    )
+    receiver = corrupting_receiver(setup, rank)
     out: dict = {"versions": {}, "bad": []}
 
     def check() -> None:

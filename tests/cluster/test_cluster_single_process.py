@@ -235,11 +235,15 @@ def test_a_state_that_does_not_match_the_trainers_digest_goes_dirty_until_an_anc
     assert world.mismatches() == [] and not rec.journal.state.dirty
 
 
-def _journal_on_disk(world: World, rank: int, path) -> ClusterReceiver:
-    """Receiver ``rank`` of ``world`` recording its journal in the file ``path``."""
-    rec = world.receivers[rank]
-    rec.journal = ClusterJournal(version=rec.journal.state.committed, path=path)
-    return rec
+def _journal_on_disk(path) -> tuple[World, ClusterReceiver, dict[int, dict[int, bytes]]]:
+    """A world at version 0 whose receiver 1 records its journal in the file ``path``, that
+    receiver, and version 1's payloads."""
+    world = World(digest_every=1)
+    world.sync(0, anchor=True)
+    rec = world.receivers[1]
+    rec.journal = ClusterJournal(version=0, path=path)
+    world.step()
+    return world, rec, world.payloads(1)
 
 
 def test_a_verify_that_raises_puts_back_the_journal_recorded_meanwhile(
@@ -247,11 +251,7 @@ def test_a_verify_that_raises_puts_back_the_journal_recorded_meanwhile(
 ) -> None:
     # The apply's record is written while verify runs (its fsyncs overlap the hashing); a
     # verify that raises (here a record refused by its own check) leaves the file as it was.
-    world = World(digest_every=1)
-    world.sync(0, anchor=True)
-    rec = _journal_on_disk(world, 1, tmp_path / "journal.json")
-    world.step()
-    inbox = world.payloads(1)
+    world, rec, inbox = _journal_on_disk(tmp_path / "journal.json")
 
     def refused(*_args, **_kwargs):
         raise FormatError("a record refused on purpose")
@@ -271,15 +271,13 @@ def test_a_verify_that_raises_puts_back_the_journal_recorded_meanwhile(
 def test_a_diverged_state_is_marked_dirty_on_disk_after_the_apply_recorded_meanwhile(
     tmp_path,
 ) -> None:
-    world = World(digest_every=1)
-    world.sync(0, anchor=True)
-    rec = _journal_on_disk(world, 1, tmp_path / "journal.json")
-    world.step()
-    inbox = world.payloads(1)
+    world, rec, inbox = _journal_on_disk(tmp_path / "journal.json")
     name = next(iter(rec.tensors))
     rec.tensors[name].view(-1)[-1] += 1  # drift outside what any delta rewrites
+    before = world.snapshot()
     with pytest.raises(IntegrityError, match="only an anchor"):
         rec.apply_payload(inbox[1])
+    assert world.unchanged_since(before)
     on_disk = ClusterJournal(version=None, path=tmp_path / "journal.json").state
     assert on_disk == rec.journal.state and on_disk.dirty and on_disk.applying is None
 
