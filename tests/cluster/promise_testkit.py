@@ -299,7 +299,9 @@ class DyingReceiver(ClusterReceiver):
         return super().receive(cleared)
 
 
-WRITER_FAULT_S = 0.1  # into the writer's exchange of version 2 (the receivers': 0.3 s)
+# Into the exchange of version 2: round two of this small delta in 32-byte chunks took 0.29 s
+# once on a quiet machine, so a fault armed 0.3 s in could land after it.
+FAULT_AFTER_S = 0.1
 
 
 def _arm(how: str, after_s: float) -> None:
@@ -315,8 +317,8 @@ def _arm(how: str, after_s: float) -> None:
 
 def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int | None) -> dict:
     """Ranks 0 (writer), 1, 2 (TP=2 receivers) form group 1. Anchor 0 and delta 1 commit;
-    version 2 goes in 32-byte chunks (thousands of messages) and 0.3 s (the writer: 0.1 s)
-    into its exchange rank ``victim`` is SIGKILLed (``how="kill"``) or stopped (``"hang"``). Survivors
+    version 2 goes in 32-byte chunks (thousands of messages) and 0.1 s into its exchange
+    rank ``victim`` is SIGKILLed (``how="kill"``) or stopped (``"hang"``). Survivors
     report what they raised and when. With a ``standby`` rank, the survivors then destroy the
     group and form group 2 with it in the victim's place: a retry of version 2 is refused
     everywhere (the replacement holds nothing), the anchor commits, every receiver is exact."""
@@ -368,9 +370,7 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
                 real = cluster_sender.exchange
 
                 def exchange_then_fault(*args, **kwargs):
-                    # armed when the exchange starts: round two of this small delta in 32-byte
-                    # chunks took 0.29 s once on a quiet machine, so 0.3 s could miss it
-                    _arm(how, WRITER_FAULT_S)
+                    _arm(how, FAULT_AFTER_S)
                     cluster_sender.exchange = real
                     return real(*args, **kwargs)
 
@@ -385,7 +385,7 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
             receiver.sync()
             dist.barrier()
             if victim == rank:
-                receiver.arm = lambda: _arm(how, 0.3)
+                receiver.arm = lambda: _arm(how, FAULT_AFTER_S)
             out["fault"] = outcome(receiver.sync)
             out["version_after_fault"] = receiver.version
             out["journal"] = receiver.journal.state
