@@ -161,8 +161,8 @@ def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exa
     tp2_run,
 ) -> None:
     # Writer 0 runs every version after a small delta on its own thread (inline_below above
-    # the tiny model's deltas), writer 1 in the background; both stream in 2 KiB parts, so
-    # the inline writer runs the same preflight, part exchanges and joint commit in line.
+    # the tiny model's deltas) in one exchange, writer 1 in the background in 2 KiB parts:
+    # the inline writer must take part, sending nothing, in the rest of writer 1's parts.
     setup = Setup(
         num_writers=2,
         tracker="snapshot",

@@ -50,10 +50,12 @@ the version commits its captured positions are the carry: a version that fails i
 its positions go out with the next one with values re-read then, and the failure is raised at
 the next call (``sync``, ``wait``, ``close``) as :class:`~deltasync.errors.SendFailedError` naming
 the version. After a delta of fewer than ``inline_below`` changed elements (a small model;
-RL deltas keep their size from step to step) ``sync`` returns only once the next version is
-done: the same work, so writers that decide differently still meet, with the capture on the
-caller's thread beside the background's routing and nothing of the trainer's competing with
-it for the cores; its failure is still raised at the next call. A delta's blobs go out in parts
+RL deltas keep their size from step to step) the next version runs whole on the caller's
+thread before ``sync`` returns, as without overlap (the values detection read, the digest pass
+beside detection, one exchange, then, sending nothing, any parts other writers still stream,
+so writers that decide differently still meet; the tracker cleared at the commit); nothing
+of the trainer's competes with it for the cores, and its failure is still raised at the next
+call. A delta's blobs go out in parts
 while they are routed (``config.part_bytes``, :mod:`deltasync.cluster.streaming`): the
 preflight and each part's exchange run on a stream thread of the version's, so the writer
 holds a part or two instead of every shard's whole blob; a failure after the preflight is the
@@ -154,10 +156,10 @@ class ClusterSender:
     detect_in_background: with a tracker that holds the optimizer's steps, capture on a
         thread of its own and return at once (default); False captures before the return
         (lower latency where the forward/backward runs on the same CPU cores).
-    inline_below: with overlap, after a delta of fewer changed elements (this writer's)
-        ``sync`` returns only once the next version is done (the returned ``PendingSend`` is
-        done; its report says ``inline``): a background competing with the forward/backward
-        only delays a small model's version. 0: never wait.
+    inline_below: with overlap, after a delta of fewer changed elements (this writer's) the
+        next version runs whole before ``sync`` returns (the returned ``PendingSend`` is done;
+        its report says ``inline``): a background competing with the forward/backward only
+        delays a small model's version. 0: always in the background.
     """
 
     def __init__(
