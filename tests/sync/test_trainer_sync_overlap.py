@@ -80,6 +80,25 @@ def _setup(tmp_path, gate, *, density=0.05, seed=0):
     return trainer, tracker, sync, pub, receivers, (tl, rl)
 
 
+def _anchor_then_step(sync, trainer) -> None:
+    """Commit version 0 as an anchor, then take the optimizer step version 1 publishes."""
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+
+
+def _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay) -> None:
+    """Version 1 failed in detection: nothing committed, no blob, no carry; the tracker kept
+    step 1's changes, so version 1 again after one more step (steps 1 and 2) is exact."""
+    assert pub.committed() == 0 and sync._carry == {}
+    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
 def _assert_receivers_exact(receivers, trainer, layouts_, version):
     tl, rl = layouts_
     expected = expected_shards(trainer.params, tl, rl)
@@ -92,9 +111,7 @@ def _assert_receivers_exact(receivers, trainer, layouts_, version):
 def test_step_published_returns_before_the_commit_and_the_baseline_waits_for_it(tmp_path):
     gate = ManifestGate(1)
     trainer, _, sync, pub, receivers, lay = _setup(tmp_path, gate)
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
+    _anchor_then_step(sync, trainer)
     pending = sync.step_published(1)
     assert isinstance(pending, PendingVersion) and pending.version == 1
     assert gate.reached.wait(30)  # the background got to the commit ...
@@ -130,9 +147,7 @@ def _step_held_back(trainer, before) -> tuple[threading.Thread, threading.Event]
 def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
     gate = ManifestGate(1)
     trainer, _, sync, pub, _, _ = _setup(tmp_path, gate)
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
+    _anchor_then_step(sync, trainer)
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     pending = sync.step_published(1)
     assert gate.reached.wait(30)
@@ -146,9 +161,7 @@ def test_the_next_optimizer_step_waits_for_the_version_in_flight(tmp_path):
 def test_a_failed_version_is_carried_into_the_next_and_its_error_names_it(tmp_path):
     gate = ManifestGate(2, fail=True)
     trainer, _tracker, sync, pub, receivers, lay = _setup(tmp_path, gate, density=0.02)
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
+    _anchor_then_step(sync, trainer)
     sync.step_published(1)
     trainer.step()  # waits for version 1 (committed)
     pending = sync.step_published(2)  # its manifest write fails in the background
@@ -219,13 +232,8 @@ def test_a_detection_error_midway_stores_nothing_and_keeps_the_trackers_changes(
     staged.fail = RuntimeError("injected: detection failed")
     with pytest.raises(RuntimeError, match="injected"):
         sync.step_published(1)
-    assert sync.in_flight is None and pub.committed() == 0 and sync._carry == {}
-    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
-    trainer.step()  # the tracker kept step 1's changes: version 1 = steps 1 and 2
-    sync.step_published(1)
-    sync.wait()
-    _assert_receivers_exact(receivers, trainer, lay, 1)
-    sync.close()
+    assert sync.in_flight is None
+    _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay)
 
 
 class HeldTracker:
@@ -428,9 +436,7 @@ def test_a_small_version_publishes_before_step_published_returns_with_the_same_c
     gate = ManifestGate(2, fail=True)  # version 2's manifest write fails once
     trainer, _, sync, pub, receivers, lay = _setup(tmp_path, gate)
     sync.inline_below = 1 << 30  # every delta of this tiny model is "small"
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
+    _anchor_then_step(sync, trainer)
     pending = sync.step_published(1)
     assert pending.done() and pub.committed() == 1  # committed on the caller's thread
     _assert_receivers_exact(receivers, trainer, lay, 1)
@@ -466,9 +472,7 @@ def test_a_small_version_is_published_with_the_values_its_detection_read(tmp_pat
     gate = ManifestGate(2, fail=True)
     trainer, _, sync, _pub, receivers, lay = _setup(tmp_path, gate)
     sync.inline_below = 1 << 30
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
+    _anchor_then_step(sync, trainer)
     sync.step_published(1)
     sync.wait()
     assert reads == []  # no parameter was read a second time
@@ -548,13 +552,7 @@ def test_a_detection_error_after_the_return_names_the_version_at_the_next_call(t
     with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
         sync.wait()
     assert isinstance(err.value.__cause__, RuntimeError)
-    assert pub.committed() == 0 and sync._carry == {}
-    assert not [k for k in pub.store.list("v00000001/") if k.endswith(".blob")]
-    trainer.step()  # the tracker kept step 1's changes: version 1 = steps 1 and 2
-    sync.step_published(1)
-    sync.wait()
-    _assert_receivers_exact(receivers, trainer, lay, 1)
-    sync.close()
+    _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay)
 
 
 def test_the_tracker_holds_its_own_pre_step_hook_behind_the_sync() -> None:

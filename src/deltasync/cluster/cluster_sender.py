@@ -260,11 +260,23 @@ class ClusterSender:
     def payloads_for_version(self, version: int, *, anchor: bool = False) -> Outgoing:
         """Detect, route and encode ``version`` (on the committed version, or as an anchor)
         into ``{receiver rank: envelope}``. No collective; the tracker is not cleared and the
-        union of uncommitted attempts is not extended (``sync`` does that)."""
+        union of uncommitted attempts is not extended (``sync`` does that). A delta's digest
+        pass (it reads only the params) runs beside detection and routing."""
         base = self._base(version, anchor)
         params = self._current_params()
-        caps = Capture() if anchor else capture_with_values(self.tracker, self._pending)
-        return self._build(version, base, caps, params)
+        if anchor:
+            return self._build(version, base, Capture(), params)
+        job = None
+        if self.config.sends_digest(version, anchor=False) and not callable(self._full_state):
+            # (a full_state callable may gather over the group: only this thread may)
+            job = self._digest_job(self._digests, params)
+        try:
+            caps = capture_with_values(self.tracker, self._pending)
+        except BaseException:
+            if job is not None:  # it reads the params: done before the caller goes on
+                job.exception()
+            raise
+        return self._build(version, base, caps, params, digests=job)
 
     def _current_params(self) -> Params:
         return self._params() if callable(self._params) else self._params
@@ -697,8 +709,13 @@ class ClusterSender:
             base = self._base(version, anchor)
         except Exception as exc:
             failure = exc
-        params = self._current_params()
         pending = PendingSend(version, 0.0)
+        if failure is None and not anchor and self._expect_small:
+            # RL deltas keep their size from step to step: after a small one, this version
+            # runs here, whole (a thread competing with the forward/backward only delays it)
+            background.run_here(pending, lambda p: self._send_inline(version, p, t0=t0))
+            return pending
+        params = self._current_params()
         # A delta's positions go to the background as each parameter is captured: routing and
         # encoding overlap the rest of detection (positions only, joined with the carry; the
         # background reads the values).
@@ -727,11 +744,6 @@ class ClusterSender:
             pending.captured_s = time.perf_counter() - t0
             background.submit(pending, work)
             return pending
-        if self._expect_small:
-            # RL deltas keep their size from step to step: after a small one, this version
-            # runs here, whole (a thread competing with the forward/backward only delays it)
-            background.run_here(pending, lambda p: self._send_inline(version, base, p, t0=t0))
-            return pending
         background.submit(pending, work)
         if background.held:
             # The tracker holds the optimizer's steps behind the barrier: detection goes on
@@ -748,31 +760,21 @@ class ClusterSender:
             pending.captured_s = time.perf_counter() - t0
         return pending
 
-    def _send_inline(
-        self, version: int, base: int, pending: PendingSend, *, t0: float
-    ) -> SendReport:
-        """A version after a small delta, whole on the caller's thread: the changes captured
-        with the values detection read (nothing decoded or read twice), the digest pass
-        beside detection and routing, one exchange (then, sending nothing, the parts other
-        writers still stream), the joint commit. As without overlap, the tracker is cleared
-        at the commit and what passed the preflight is the carry until then."""
-        params = self._current_params()
-        job = None
-        if self.config.sends_digest(version, anchor=False) and not callable(self._full_state):
-            job = self._digest_job(self._digests, params)
+    def _send_inline(self, version: int, pending: PendingSend, *, t0: float) -> SendReport:
+        """A version after a small delta, whole on the caller's thread, as without overlap
+        (``payloads_for_version``: the values detection read, nothing decoded or read twice;
+        then one exchange, taking part, sending nothing, in the parts other writers still
+        stream, and the joint commit): the tracker is cleared at the commit and what passed
+        the preflight is the carry until then."""
         out, failure = None, None
         try:
-            try:
-                caps = capture_with_values(self.tracker, self._pending)
-            finally:
-                pending.captured_s = time.perf_counter() - t0
-                pending.end_detection()
-            out = self._build(version, base, caps, params, digests=job)
+            out = self.payloads_for_version(version)
         except Exception as exc:
             failure = exc
-            if job is not None:  # it reads the params: done before the optimizer may step
-                job.exception()
-        pending.release()  # the parameters are read no more
+        finally:
+            pending.end_detection()
+            pending.release()  # the parameters are read no more
+        pending.captured_s = time.perf_counter() - t0 if out is None else out.detect_s
         report = self._send(version, False, out, failure, t0=t0, captured_s=None)
         return replace(report, overlapped=True, inline=True, captured_s=pending.captured_s)
 
