@@ -75,6 +75,9 @@ class SyncRecord:
     detect_s: float | None = None  # the system's change detection alone (None: it has none)
     barrier_s: float = 0.0  # the next optimizer step's wait for a background publish
     max_shard_elements: int | None = None  # elements sent to the busiest receiver shard
+    # Where the latency went, seconds from the end of the optimizer step (store path: the
+    # version visible, the slowest receiver's stage / verify / pause; see _timeline).
+    timeline: dict | None = None
 
 
 @dataclass
@@ -166,6 +169,7 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                         f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
                         f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact}"
                         + "".join(f" {k} {v:.3f}s" for k, v in (rec.phases or {}).items())
+                        + "".join(f" rx.{k} {v:.3f}s" for k, v in (rec.timeline or {}).items())
                     )
         finally:
             roles.close()
@@ -190,6 +194,7 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         tr, *rx = roles.recv_all(range(1 + n))
         transfer = max(x["transfer_s"] for x in rx)
     expected = roles.call(0, "expected")["expected"]  # after the timed part, see roles.py
+    timeline = _timeline(tr, rx)
     exact = all(x["digest"] == expected[x["shard"]] for x in rx)
     return SyncRecord(
         system=system,
@@ -212,7 +217,23 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         detect_s=tr["detect_s"],
         barrier_s=tr["barrier_s"],
         max_shard_elements=tr.get("shard_elements"),
+        timeline=timeline,
     )
+
+
+def _timeline(tr: dict, rx: list[dict]) -> dict[str, float]:
+    """A version's latency, taken apart: when the version became visible to the last receiver
+    (store path) and the slowest receiver's stage, verify and pause (each where the system
+    reports it), seconds; the rest of a receiver's time is its waits and records."""
+    out: dict[str, float] = {}
+    seen = [x["seen_at"] for x in rx if x.get("seen_at") is not None]
+    if seen:
+        out["visible_s"] = max(seen) - tr["t0"]
+    for key in ("stage_s", "verify_s", "pause_s"):
+        got = [x[key] for x in rx if x.get(key) is not None]
+        if got:
+            out[key] = max(got)
+    return out
 
 
 def medians(records: list[SyncRecord]) -> dict:
@@ -238,5 +259,10 @@ def medians(records: list[SyncRecord]) -> dict:
         got = [getattr(r, k) for r in records if getattr(r, k) is not None]
         out[k] = statistics.median(got) if got else None
     out["latency_s"] = out["total_s"]  # end of the optimizer step -> every receiver verified
+    keys = {k for r in records for k in (r.timeline or {})}
+    out["timeline"] = {
+        k: statistics.median(r.timeline[k] for r in records if k in (r.timeline or {}))
+        for k in sorted(keys)
+    }
     out["exact"] = all(r.exact for r in records)
     return out

@@ -18,6 +18,9 @@ class SyncTimes:
     pause_s: float = 0.0  # live weights unavailable (apply / reload)
     bytes: int = 0
     wait_s: float = 0.0  # in-cluster: from entering the sync until this rank's payload arrived
+    seen_at: float | None = None  # store path: when the version became visible (time.time())
+    stage_s: float | None = None  # of transfer_s: fetch and decode (where the system says)
+    verify_s: float | None = None  # of transfer_s: the state check before the first write
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,7 @@ class DeltasyncReceiver:
     def store_pull(self, version: int, store: Store) -> SyncTimes:
         # A receiver learns of a version when its manifest appears (free metadata polls).
         wait_for_key(store, names.manifest_key(version), timeout_s=self.timeout_s)
+        seen_at = time.time()
         rep = self._receiver(store).pull()
         if rep.version != version:
             raise RuntimeError(
@@ -213,7 +214,12 @@ class DeltasyncReceiver:
             )
         self.version = version
         return SyncTimes(
-            transfer_s=rep.stage_s + rep.verify_s, pause_s=rep.pause_s, bytes=rep.bytes_fetched
+            transfer_s=rep.stage_s + rep.verify_s,
+            pause_s=rep.pause_s,
+            bytes=rep.bytes_fetched,
+            seen_at=seen_at,
+            stage_s=rep.stage_s,
+            verify_s=rep.verify_s,
         )
 
     def cluster_sync(self, version: int) -> SyncTimes:
@@ -238,6 +244,8 @@ class DeltasyncReceiver:
             pause_s=rep.pause_s,
             bytes=rep.payload_bytes,
             wait_s=rep.wait_s + rep.forward_s,
+            stage_s=rep.stage_s,
+            verify_s=rep.verify_s,
         )
 
     def live(self) -> dict[str, torch.Tensor]:

@@ -134,8 +134,10 @@ class SnapshotReceiver:
     def store_pull(self, version: int, store: Store) -> SyncTimes:
         key = baseline_key("snapshot", version, self.shard)
         wait_for_key(store, key, timeout_s=self.timeout_s)
-        t0 = time.perf_counter()
-        return self._apply(store.get(key), t0)
+        seen_at, t0 = time.time(), time.perf_counter()
+        times = self._apply(store.get(key), t0)
+        times.seen_at = seen_at
+        return times
 
     def cluster_sync(self, version: int) -> SyncTimes:
         payload, wait_s = receive_payload(timeout_s=self.timeout_s)
