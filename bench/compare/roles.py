@@ -143,7 +143,9 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             # slowdown by a background publish is a paired difference, not a guess.
             version, path, gbps = args
             fb = st["fwd_bwd"]
+            c_fb = time.process_time()
             fb_alone = fb.run()
+            fb_cpu = time.process_time() - c_fb
             trainer.step(
                 version
             )  # the optimizer step (deltasync: its pre-step hook is the barrier)
@@ -154,6 +156,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             rss0 = current_rss()
             reset_peak()
             t0 = time.time()  # the end of the optimizer step: latency counts from here
+            c0 = time.process_time()  # every thread of this process
             if path == "store":
                 nbytes = side.store_sync(version, _store(spec, gbps))
                 t_x = t1 = time.time()
@@ -164,6 +167,9 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             fb_with = fb.run()
             t_fb = time.time()
             t_commit = side.settle()
+            # CPU seconds the sync cost this process: all of its threads from the end of the
+            # optimizer step to the commit, less what the forward/backward takes alone.
+            sync_cpu = time.process_time() - c0 - fb_cpu
             # What the next optimizer step would wait for: the background still running after
             # the forward/backward ended.
             barrier_s = max(0.0, t_commit - t_fb)
@@ -175,9 +181,12 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 "t_exchange": t_x,
                 "t1": t1,
                 "t_commit": t_commit,
+                "t_fb": t_fb,
                 "stall_s": t1 - t0,
                 "detect_s": detect_s,
                 "fwd_bwd_alone_s": fb_alone,
+                "fwd_bwd_cpu_s": fb_cpu,
+                "sync_cpu_s": sync_cpu,
                 "fwd_bwd_with_s": fb_with,
                 "barrier_s": barrier_s,
                 # wall of a training step with sync minus without
@@ -233,20 +242,21 @@ def receiver_main(spec: RoleSpec, conn) -> None:
             version, path, gbps = args
             rss0 = current_rss()
             reset_peak()
-            t_call = time.time()
+            t_call, c_call = time.time(), time.process_time()
             if path == "store":
                 t0 = t_call
                 got = side.store_pull(version, _store(spec, gbps))
             else:
                 got = side.cluster_sync(version)
                 t0 = t_call + got.wait_s  # when this rank's payload had arrived
-            t1 = time.time()
+            t1, cpu = time.time(), time.process_time() - c_call
             peak = peak_rss()  # before the bench's own digest below
             out = {
                 "t_recv": t0,
                 "t_done": t1,
                 "transfer_s": got.transfer_s,
                 "pause_s": got.pause_s,
+                "cpu_s": cpu,
                 "seen_at": got.seen_at,
                 "stage_s": got.stage_s,
                 "verify_s": got.verify_s,

@@ -12,6 +12,7 @@ This module knows processes and bookkeeping; it knows nothing about what systems
 from __future__ import annotations
 
 import socket
+import os
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -169,7 +170,8 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                         f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
                         f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact}"
                         + "".join(f" {k} {v:.3f}s" for k, v in (rec.phases or {}).items())
-                        + "".join(f" rx.{k} {v:.3f}s" for k, v in (rec.timeline or {}).items())
+                        + " |"
+                        + "".join(f" {k} {v:.3f}s" for k, v in (rec.timeline or {}).items())
                     )
         finally:
             roles.close()
@@ -224,8 +226,20 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
 def _timeline(tr: dict, rx: list[dict]) -> dict[str, float]:
     """A version's latency, taken apart: when the version became visible to the last receiver
     (store path) and the slowest receiver's stage, verify and pause (each where the system
-    reports it), seconds; the rest of a receiver's time is its waits and records."""
-    out: dict[str, float] = {}
+    reports it), seconds; the rest of a receiver's time is its waits and records. With them,
+    the CPU seconds the version cost: the trainer's sync (all its threads, less its
+    forward/backward alone), every receiver's pull together, and the forward/backward's own,
+    in the window (``cpu_bound_s``: their sum over the cores, a bound under which no pipelining
+    takes the latency when the run is CPU-bound)."""
+    done = max(x["t_done"] for x in rx)
+    in_window = max(0.0, min(tr["t_fb"], done) - tr["t1"])  # the forward/backward's part of it
+    out: dict[str, float] = {
+        "sync_cpu_s": tr["sync_cpu_s"],
+        "rx_cpu_s": sum(x["cpu_s"] for x in rx),
+        "fwd_bwd_cpu_s": tr["fwd_bwd_cpu_s"] * in_window / max(tr["fwd_bwd_with_s"], 1e-9),
+    }
+    cores = len(os.sched_getaffinity(0))
+    out["cpu_bound_s"] = (out["sync_cpu_s"] + out["rx_cpu_s"] + out["fwd_bwd_cpu_s"]) / cores
     seen = [x["seen_at"] for x in rx if x.get("seen_at") is not None]
     if seen:
         out["visible_s"] = max(seen) - tr["t0"]
