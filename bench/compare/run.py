@@ -11,8 +11,8 @@ This module knows processes and bookkeeping; it knows nothing about what systems
 
 from __future__ import annotations
 
-import socket
 import os
+import socket
 import statistics
 import tempfile
 from dataclasses import dataclass, field
