@@ -1,4 +1,5 @@
-"""The C kernels behind bf16_at / first_not_increasing / scatter16 against torch, bit for bit."""
+"""The C kernels behind bf16_at / first_not_increasing / scatter16 / prefix_sum_ against torch,
+bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
-from deltasync.native.ops import bf16_at, first_not_increasing, scatter16
+from deltasync.native.ops import bf16_at, first_not_increasing, prefix_sum_, scatter16
 
 
 def _special_fp32(n: int, seed: int) -> torch.Tensor:
@@ -170,3 +171,37 @@ def test_scatter16_declines_what_the_kernel_cannot_take() -> None:
         assert not scatter16(torch.zeros(4, dtype=torch.bfloat16), idx, torch.ones(2).bfloat16())
     finally:
         native.enable()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_sum_equals_cumsum_in_the_tensors_own_dtype_wraps_included(dtype, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max, (100_003,), generator=g, dtype=dtype)
+    x[:1000] = torch.randint(1, 300, (1000,), generator=g, dtype=dtype)  # small gaps too
+    want = torch.cumsum(x, 0, dtype=dtype)  # wraps modulo 2^32 / 2^64 as numpy's does
+    got = x.clone()
+    assert prefix_sum_(got)
+    assert torch.equal(got, want)
+    one = torch.tensor([7], dtype=dtype)
+    assert prefix_sum_(one) and one.item() == 7
+    assert prefix_sum_(torch.empty(0, dtype=dtype))
+
+
+def test_prefix_sum_declines_what_the_kernel_cannot_take_and_leaves_it_as_it_was() -> None:
+    for x in (
+        torch.arange(6, dtype=torch.int16),  # another dtype
+        torch.arange(6, dtype=torch.int32).reshape(2, 3),  # not 1-D
+        torch.arange(12, dtype=torch.int64)[::2],  # strided
+    ):
+        before = x.clone()
+        assert not prefix_sum_(x)
+        assert torch.equal(x, before)
+    x = torch.arange(6, dtype=torch.int32)
+    native.disable()
+    try:
+        assert not prefix_sum_(x)
+    finally:
+        native.enable()
+    assert torch.equal(x, torch.arange(6, dtype=torch.int32))

@@ -36,6 +36,7 @@ from deltasync.format.wire import (
     RECORD,
     shape_struct,
 )
+from deltasync.native.ops import prefix_sum_
 
 _MALFORMED = (
     "the blob is malformed although its digest matched, so its writer produced it this way: "
@@ -209,7 +210,9 @@ def _check_and_sum(indices: np.ndarray, width: int, numel: int, what: str) -> No
         else:  # u8/u16 gaps cannot exceed their type; the last-index check catches the rest
             high = (1 << (8 * width)) - 1
     first = int(indices[0])
-    sum_gaps(indices)
+    # the C running sum (~3x numpy's: two passes per record of every pull), else numpy's
+    if not (indices.flags.writeable and prefix_sum_(torch.from_numpy(indices))):
+        sum_gaps(indices)
     if first + high * gaps.size >= 1 << (8 * size - 1) and int(indices.min()) < 0:
         raise FormatError(f"{what}: indices overflow int64; {_MALFORMED}")
     last = int(indices[-1])

@@ -266,3 +266,19 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
     }
 DS_SCATTER16(ds_scatter16_i32, int32_t)
 DS_SCATTER16(ds_scatter16_i64, int64_t)
+
+/* ds_prefix_sum_i32 / ds_prefix_sum_i64: x[k] = x[0] + ... + x[k] in place, for k < n, the
+ * sums wrapping modulo 2^32 / 2^64 as numpy's cumsum in the array's own dtype does (a
+ * receiver's gap decode: ``first, gap, gap, ...`` to indices; its caller rules out or detects
+ * a wrap). Unsigned arithmetic: a wrap is defined behaviour here. Returns n. */
+#define DS_PREFIX_SUM(NAME, T, U)                                                             \
+    int64_t NAME(T *x, int64_t n) {                                                            \
+        U acc = 0;                                                                             \
+        for (int64_t k = 0; k < n; k++) {                                                      \
+            acc += (U)x[k];                                                                    \
+            x[k] = (T)acc;                                                                     \
+        }                                                                                      \
+        return n;                                                                              \
+    }
+DS_PREFIX_SUM(ds_prefix_sum_i32, int32_t, uint32_t)
+DS_PREFIX_SUM(ds_prefix_sum_i64, int64_t, uint64_t)
