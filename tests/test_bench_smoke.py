@@ -60,6 +60,11 @@ def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) 
         ):
             assert isinstance(res[key], (int, float)) and res[key] >= 0, key
         assert 0 < res["changed_fraction"] <= 1 and res["bytes"] > 0
+        timeline = res["timeline"]  # where the latency went, and the CPU it cost
+        for key in ("sync_cpu_s", "rx_cpu_s", "fwd_bwd_cpu_s", "cpu_bound_s", "visible_s"):
+            assert isinstance(timeline[key], (int, float)) and timeline[key] >= 0, key
+        assert timeline["rx_cpu_s"] > 0 and timeline["visible_s"] <= res["total_s"]
+    assert {"stage_s", "verify_s"} <= set(out["results"]["deltasync"]["timeline"])
     assert {r["path"] for r in out["runs"]} >= {"store (unthrottled)", "store @ 1 Gbit/s"}
     assert list(tmp_path.glob("*.png")), "the plot was not written"
 
