@@ -64,39 +64,13 @@ def patched_tensor_digest(
     )
 
 
-class Scratch:
-    """One patch buffer for a whole verify pass, reused by every tensor and chunk and viewed
-    as each tensor's dtype: the pass allocates it once instead of once per tensor (a copy of
-    each small tensor, a fresh chunk buffer for each large one), so its extra memory is this
-    one buffer whatever the shard holds."""
-
-    def __init__(self, chunk: int = CHUNK_ELEMENTS) -> None:
-        self.chunk = chunk
-        self._bytes: torch.Tensor | None = None
-
-    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """An ``n``-element buffer of ``dtype`` (``n`` at most ``chunk``), contents undefined."""
-        size = torch.empty(0, dtype=dtype).element_size()
-        need = max(n, 1) * size
-        if self._bytes is None or self._bytes.numel() < need:
-            self._bytes = torch.empty(max(need, self.chunk * 2), dtype=torch.uint8)
-        return self._bytes[: n * size].view(dtype)
-
-
 def pieces_tensor_digest(
-    live: torch.Tensor,
-    tensor: TensorPieces,
-    *,
-    chunk: int = CHUNK_ELEMENTS,
-    scratch: Scratch | None = None,
+    live: torch.Tensor, tensor: TensorPieces, *, chunk: int = CHUNK_ELEMENTS
 ) -> bytes:
     """``tensor_digest`` of ``live`` after ``apply_pieces(tensor, ...)``, without writing
     ``live``: chunk by chunk, the chunk's base (the live bytes, the last dense piece's values,
     or zeros for an anchor) is patched with every later piece's elements in that chunk, in
-    chain order, in one ``chunk``-element buffer (``scratch``'s, when a caller verifying many
-    tensors passes one). Untouched chunks are hashed in place."""
-    if scratch is None:
-        scratch = Scratch(chunk)
+    chain order, in one ``chunk``-element buffer. Untouched chunks are hashed in place."""
     flat = live.detach()
     if not flat.is_contiguous():
         flat = flat.contiguous()  # a strided view: one copy of this tensor (rare: fused views)
@@ -113,8 +87,7 @@ def pieces_tensor_digest(
         pieces = pieces[1:]
     zeros = tensor.from_zero and dense is None
     if n <= chunk and dense is None and not zeros:  # one chunk: skip the chunk bookkeeping
-        piece = scratch.take(n, flat.dtype)
-        piece.copy_(flat)
+        piece = flat.to("cpu", copy=True)
         for p in pieces:
             if p.nnz:
                 _patch(piece, p.indices.to("cpu"), p.values.to("cpu"), 0)  # type: ignore[union-attr]
@@ -128,7 +101,7 @@ def pieces_tensor_digest(
         idx = p.indices.to("cpu")  # type: ignore[union-attr]
         bounds = torch.searchsorted(idx, starts.to(idx.dtype)).tolist()
         sparse.append((idx, p.values.to("cpu"), bounds))
-    buffer = scratch.take(min(chunk, n), flat.dtype)
+    scratch = torch.empty(min(chunk, n), dtype=flat.dtype)
     on_cpu = flat.device.type == "cpu"
     for i in range(len(starts) - 1):
         start, end = int(starts[i]), int(starts[i + 1])
@@ -142,7 +115,7 @@ def pieces_tensor_digest(
             if on_cpu:
                 h.update(_bytes(flat[start:end]))  # untouched: hashed in place
                 continue
-        piece = buffer[: end - start]
+        piece = scratch[: end - start]
         if zeros:
             piece.zero_()
         else:
@@ -193,7 +166,6 @@ def chain_state_digest(
         The hex state digest, equal to ``state_digest`` of the tensors after the writes.
     """
     digests: dict[str, bytes] = {}
-    scratch = Scratch(chunk)
     for item in chain:
         t = tensors[item.name]
         assert item.name not in digests, item.name  # iter_chain yields each tensor once
@@ -202,7 +174,7 @@ def chain_state_digest(
         elif item.pieces[-1].is_dense:
             digests[item.name] = tensor_digest(item.pieces[-1].values)  # the whole new tensor
         else:
-            digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk, scratch=scratch)
+            digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk)
     entries = []
     for name, t in tensors.items():
         digest = digests.get(name)
