@@ -59,6 +59,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the last background")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--sort", default="cumulative", choices=("cumulative", "tottime"), help="profile order"
+    )
     return ap.parse_args()
 
 
@@ -157,7 +160,7 @@ def main() -> None:
             )
             if profiling:
                 del sync._background
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
+                pstats.Stats(prof).sort_stats(a.sort).print_stats(a.top)
         sync.close()
         pub.close()
     print(

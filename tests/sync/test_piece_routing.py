@@ -100,6 +100,13 @@ def test_pieces_written_slice_by_slice_give_the_blob_bytes_of_pieces_routed_whol
     sliced = blobs(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, size=size))
     assert [s for s, _ in whole] == ["tp0", "tp1"]
     assert sliced == whole
+    # detection's values handed over: sliced by ordinal, the parameter itself never read
+    given = emb.reshape(-1)[pos.indices()].to(torch.bfloat16)
+    unread = torch.full_like(emb, float("nan"))
+    handed = parted_pieces(EMBED, pos, unread, pieces, receiver_layout=rl, size=size, values=given)
+    assert blobs(handed) == whole
+    with pytest.raises(ConfigError, match="values"):
+        next(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, values=given[1:]))
 
 
 def test_a_piece_with_several_targets_gives_each_the_bytes_of_routing_it_whole() -> None:
@@ -130,6 +137,10 @@ def test_a_piece_with_several_targets_gives_each_the_bytes_of_routing_it_whole()
     whole = blobs(routed_pieces(EMBED, pos, emb, pieces, receiver_layout=rl))
     assert len(whole) == 3
     assert blobs(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl, size=333)) == whole
+    given = emb.reshape(-1)[pos.indices()].to(torch.bfloat16)
+    unread = torch.full_like(emb, float("nan"))
+    handed = parted_pieces(EMBED, pos, unread, pieces, receiver_layout=rl, size=333, values=given)
+    assert blobs(handed) == whole  # walks behind the cursor keep their ordinals
 
 
 def test_positions_outside_the_parameter_are_refused_before_a_piece_is_written() -> None:

@@ -489,6 +489,55 @@ def test_a_small_version_is_published_with_the_values_its_detection_read(tmp_pat
     sync.close()
 
 
+def test_a_large_version_routes_the_values_detection_handed_over(tmp_path, monkeypatch):
+    # a vocabulary large enough that the embedding is detected in chunks (above 2^20)
+    import deltasync.publish.segments as segments_mod
+    import deltasync.publish.trainer_sync as sync_mod
+
+    reads: list[int] = []
+    read = segments_mod.bf16_at
+
+    def counting(t, idx, **kw):
+        reads.append(idx.numel())
+        return read(t, idx, **kw)
+
+    monkeypatch.setattr(segments_mod, "bf16_at", counting)
+    spec, tl, rl = layouts(vocab_size=16411)
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=4)
+    assert trainer.params["model.embed_tokens.weight"].numel() > 1 << 20
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    gate = ManifestGate(2, fail=True)
+    pub = Publisher(GateStore(MemoryStore(), gate), receiver_layout=rl, trainer_layout=tl)
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
+    receivers = {
+        s.id: Receiver.for_layout(
+            pub.store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(s.id)
+        )
+        for s in rl.shards()
+    }
+    _anchor_then_step(sync, trainer)
+    sync.step_published(1)
+    sync.wait()
+    assert reads == []  # every parameter's values came from its detection
+    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)
+    monkeypatch.setattr(sync_mod, "VALUES_IN_FLIGHT", 0)  # no room: the background reads
+    trainer.step()
+    sync.step_published(2)  # its commit fails: its positions are the carry
+    with pytest.raises(PublishFailedError):
+        sync.wait()
+    assert reads
+    monkeypatch.setattr(sync_mod, "VALUES_IN_FLIGHT", 1 << 22)
+    reads.clear()
+    trainer.step()
+    sync.step_published(3)
+    sync.wait()
+    assert reads  # carried positions have no detected values: read from the params
+    _assert_receivers_exact(receivers, trainer, (tl, rl), 3)
+    sync.close()
+
+
 class GatedTracker(StagedTracker):
     """A StagedTracker that holds the optimizer's steps for the sync (``hold_steps``) and
     whose stream stops at parameter ``after`` until ``gate`` opens."""

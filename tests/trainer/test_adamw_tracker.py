@@ -439,3 +439,28 @@ def test_capture_gives_values_within_the_budget_and_positions_beyond_it():
     assert all(vals is None for *_, vals in nothing)
     with pytest.raises(ValueError, match="values_below"):
         list(tracker.iter_capture(-1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_capture_hands_over_a_chunked_parameters_values_up_to_values_max(threads):
+    tracker, params = _stepped_tracker(MIXED, threads=threads)
+    truth = {n: (i, v) for n, i, v in tracker.iter_changes()}
+    chunked = sorted(n for n, p in params.items() if p.numel() > 1 << 20)
+    counts = {n: truth[n][0].numel() for n in chunked}
+    assert len(set(counts.values())) == len(chunked)  # distinct: one limit splits them
+    limit = sorted(counts.values())[1]  # the fewest two come with values, the largest not
+    got = list(tracker.iter_capture(0, values_max=limit))
+    assert [n for n, *_ in got] == list(truth)
+    for name, pos, vals in got:
+        idx, want = truth[name]
+        if name not in chunked:  # small: int64 indices and values, as within values_below
+            assert isinstance(pos, torch.Tensor) and torch.equal(pos, idx), name
+        else:
+            assert torch.equal(pos.indices(), idx), name
+        if name not in chunked or counts[name] <= limit:
+            assert torch.equal(vals.view(torch.int16), want.view(torch.int16)), name
+        else:  # too many to hold: the consumer reads them
+            assert vals is None, name
+    assert all(v is None for *_, v in tracker.iter_capture(0))  # positions only by default
+    with pytest.raises(ValueError, match="values_max"):
+        list(tracker.iter_capture(0, values_max=-1))

@@ -78,16 +78,17 @@ def gather_bf16(name: str, param: torch.Tensor, indices: torch.Tensor) -> torch.
         raise ConfigError(f"changed[{name!r}]: {e}") from None
 
 
-def _given_values(name: str, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Values the caller captured with the indices (a tracker's ``changed_values()``)."""
+def _given_values(name: str, count: int, values: torch.Tensor) -> torch.Tensor:
+    """Values the caller captured with ``count`` 1-D indices (a tracker's
+    ``changed_values()``)."""
     if not isinstance(values, torch.Tensor) or values.dtype != torch.bfloat16:
         raise ConfigError(
             f"values[{name!r}] must be a BF16 tensor (the current params' BF16 values at the "
             f"changed indices), got {getattr(values, 'dtype', type(values).__name__)}"
         )
-    if values.shape != indices.shape:
+    if values.dim() != 1 or values.numel() != count:
         raise ConfigError(
-            f"values[{name!r}] holds {values.numel()} values for {indices.numel()} changed "
+            f"values[{name!r}] holds {values.numel()} values for {count} changed "
             "indices; pass the pair from one changed_values() call"
         )
     return values.cpu()
@@ -98,8 +99,8 @@ def checked_changes(changes: Iterable[Change], *, lazy: tuple[type, ...] = ()) -
 
     Args:
         changes: ``(name, sorted int64 indices, bf16 values)`` triples.
-        lazy: types the caller decodes itself, passed through unchecked when they stand in
-            for the indices with values None (the publisher's captured positions).
+        lazy: types the caller decodes itself, standing in for the indices (the publisher's
+            captured positions, with the values None or as many as they hold).
 
     Returns:
         The same triples; a malformed item raises ConfigError when it is reached, before
@@ -118,12 +119,14 @@ def checked_changes(changes: Iterable[Change], *, lazy: tuple[type, ...] = ()) -
                 + (f" of length {len(item)}" if isinstance(item, tuple) else "")
             )
         name, indices, values = item
-        if lazy and isinstance(indices, lazy) and values is None:
+        if lazy and isinstance(indices, lazy):
+            if values is not None:
+                _given_values(name, len(indices), values)
             yield item
             continue
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ConfigError(f"changes for {name!r}: indices must be a 1-D tensor of flat indices")
-        _given_values(name, indices, values)
+        _given_values(name, indices.numel(), values)
         yield item
 
 
@@ -154,7 +157,7 @@ def canonical_changes(
         idx = indices.to(torch.int64).cpu()
         if values is not None and name in values:
             check_param(name, params[name])
-            vals = _given_values(name, idx, values[name])
+            vals = _given_values(name, idx.numel(), values[name])
         else:
             vals = gather_bf16(name, params[name], idx)
         routed = trainer_layout.route_values(name, idx, vals, rank=rank, world_size=world_size)
@@ -403,30 +406,37 @@ class _Cursor:
     """Walks one parameter's captured positions in order, a slice at a time, and hands out
     the positions inside ``[start, stop)`` ranges: ranges asked for in ascending order cost one
     decoding pass in all (a slice that straddles a range end is kept for the next range); a
-    range that starts behind the walk starts it again (correct, just slower)."""
+    range that starts behind the walk starts it again (correct, just slower). Each handed-out
+    slice comes with its ordinal: how many positions of the parameter come before it."""
 
     def __init__(self, positions, size: int) -> None:
         self._positions, self._size = positions, size
         self._slices: Iterator[torch.Tensor] | None = None
         self._held: torch.Tensor | None = None
+        self._held_at = 0  # the ordinal of the held slice's first position
+        self._next_at = 0  # the ordinal of the next slice's first position
         self._at = 0  # every position below this has been handed out or skipped
 
-    def take(self, start: int, stop: int) -> Iterator[torch.Tensor]:
+    def take(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
         if self._slices is None or start < self._at:
             self._slices, self._held = iter(self._positions.slices(self._size)), None
+            self._next_at = 0
         self._at = stop
         cuts = torch.tensor([start, stop], dtype=torch.int64)
         while True:
-            part = self._held if self._held is not None else next(self._slices, None)
-            self._held = None
-            if part is None:
-                return
+            if self._held is not None:
+                part, at, self._held = self._held, self._held_at, None
+            else:
+                part, at = next(self._slices, None), self._next_at
+                if part is None:
+                    return
+                self._next_at += part.numel()
             part = part.cpu()  # a GPU tracker's positions: the slices are read on the host
             lo, hi = torch.searchsorted(part, cuts).tolist()
             if hi < part.numel():
-                self._held = part[hi:]
+                self._held, self._held_at = part[hi:], at + hi
             if lo < hi:
-                yield part[lo:hi]
+                yield part[lo:hi], at + lo
             if self._held is not None:
                 return
 
@@ -480,6 +490,7 @@ def parted_pieces(
     *,
     receiver_layout: ReceiverLayout,
     size: int = SLICE,
+    values: torch.Tensor | None = None,
 ) -> Iterator[PartedShardUpdates]:
     """``name``'s captured changes routed piece by piece like :func:`routed_pieces`, each
     target's update a :class:`PartedUpdate` whose parts are ``size``-position slices of the
@@ -492,26 +503,32 @@ def parted_pieces(
     update's parts before iterating another's.
 
     ``positions`` is the parameter's captured ``Positions`` (anything with ``len()`` and
-    ``slices(size)``).
+    ``slices(size)``); ``values``, when given, the BF16 values at all of them (detection's),
+    sliced instead of read from ``local``.
 
     Raises:
         ConfigError: positions outside the parameter's elements (before any value is read).
     """
     assert size >= 1
     summaries = _piece_summaries(name, positions, pieces, size)
+    if values is not None:
+        _given_values(name, len(positions), values)
     cursor = _Cursor(positions, size)
     shifted = torch.empty(size, dtype=torch.int64)
-    values = torch.empty(size, dtype=torch.bfloat16)
+    read = torch.empty(size, dtype=torch.bfloat16)
     dtype = receiver_layout.spec.dtype
 
     def indices(piece: RowPiece, shift: int) -> Iterator[torch.Tensor]:
-        for idx in cursor.take(piece.start, piece.stop):
+        for idx, _ in cursor.take(piece.start, piece.stop):
             yield torch.add(idx, shift, out=shifted[: idx.numel()]) if shift else idx
 
     def parts(piece: RowPiece, shift: int) -> Iterator[Part]:
-        for idx in cursor.take(piece.start, piece.stop):
+        for idx, at in cursor.take(piece.start, piece.stop):
             m = idx.numel()
-            vals = bf16_at(local, idx, trusted=True, out=values)  # checked by the summary pass
+            if values is not None:
+                vals = values[at : at + m]
+            else:  # checked by the summary pass
+                vals = bf16_at(local, idx, trusted=True, out=read)
             yield (torch.add(idx, shift, out=shifted[:m]) if shift else idx), vals
 
     for piece, (count, first, max_gap) in zip(pieces, summaries, strict=True):

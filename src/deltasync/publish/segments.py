@@ -121,10 +121,11 @@ class GroupRouter:
                 group = changes.pop(0)
                 changed, given, routed_positions = {}, {}, []
                 for n, (idx, vals) in group.items():
-                    if isinstance(idx, Positions):  # captured positions: values are read now
-                        routed_positions.append(idx)
+                    if isinstance(idx, Positions):  # captured positions: values are read
+                        routed_positions.append(idx)  # now unless detection handed them over
                         idx = idx.indices()
-                        vals = bf16_at(_local(params[n]), idx, trusted=True)
+                        if vals is None:
+                            vals = bf16_at(_local(params[n]), idx, trusted=True)
                     changed[n] = idx
                     if vals is not None:
                         given[n] = vals
@@ -154,14 +155,14 @@ class GroupRouter:
             if g is not None:
                 got = pending.pop(g, None) or {}
                 if len(got) == 1:
-                    ((name, (idx, _)),) = got.items()
+                    ((name, (idx, vals)),) = got.items()
                     pieces = self._pieces(name) if isinstance(idx, Positions) else None
                     if pieces is not None:
                         if batch:  # the groups before it go out first: segment order is stable
                             route(batch)
                             batch, held = [], 0
                         got.clear()
-                        self._route_pieces(streams, name, idx, pieces, params)
+                        self._route_pieces(streams, name, idx, pieces, params, vals)
                         idx.pack()
                         return
                 if got:
@@ -225,15 +226,21 @@ class GroupRouter:
         positions: Positions,
         pieces: tuple[RowPiece, ...],
         params: Params,
+        values: torch.Tensor | None = None,
     ) -> None:
         """One captured parameter routed piece by piece (the vocab-parallel embedding: one
         piece per TP rank), each piece's records written slice by slice
         (:func:`parted_pieces`): its positions decoded, values read and bytes written a bounded
         slice at a time, so this parameter never holds more than one slice as int64 indices
         and values (the segment's record bytes and their compressed form are what grows with
-        the piece)."""
+        the piece); ``values``, detection's values at every position, are sliced instead."""
         for updates in parted_pieces(
-            name, positions, _local(params[name]), pieces, receiver_layout=self.receiver_layout
+            name,
+            positions,
+            _local(params[name]),
+            pieces,
+            receiver_layout=self.receiver_layout,
+            values=values,
         ):
             streams.add(updates)
             del updates

@@ -28,8 +28,11 @@ Two modes:
   Detection reads only θ, m and v, which nothing changes until the next optimizer step, and
   that step waits for it; a failure there stops the publish before its commit, leaves the
   tracker and the carry as they were, and is raised at the next call, naming the version.
-  ``PendingVersion.detected()`` says when the pass has ended. The background reads
-  ``params`` (the values at the captured positions, the digests), which nothing changes until
+  ``PendingVersion.detected()`` says when the pass has ended. The values at the captured
+  positions come with them where the detection kernel wrote them (a large parameter's, while
+  they fit the handoff's budget of :data:`~deltasync.trainer.handoff.VALUES_IN_FLIGHT`
+  values the background has not taken yet); the background reads the others from
+  ``params``, and reads ``params`` for the digests, which nothing changes until
   the next optimizer step, so that step is the barrier: a pre-step hook on ``optimizer`` waits
   for the version in flight (as does the next ``step_published``). Until a version commits,
   its changed positions stay here (the *carry*); a version that fails is never lost: its
@@ -71,15 +74,15 @@ from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
-from deltasync.trainer.carry import merge_captured
-from deltasync.trainer.handoff import INLINE_BELOW, Handoff
+from deltasync.trainer.carry import Change, merge_captured
+from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff
 from deltasync.trainer.positions import Positions
 
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
-Change = tuple[str, torch.Tensor, torch.Tensor]
 Captured = dict[str, Positions]
+Handed = tuple[Positions, torch.Tensor | None]  # a parameter's positions, values if captured
 
 
 class PendingVersion:
@@ -140,16 +143,26 @@ def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Po
 
 
 def _capture_stream(
-    tracker: Tracker, values_below: int
+    tracker: Tracker, values_below: int, values_max: int
 ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
     """``_positions_stream`` as triples; with a tracker that offers ``iter_capture`` and a
-    budget, the small parameters of a small delta come with the values detection read."""
+    budget, the small parameters of a small delta come with the values detection read, and
+    with ``values_max`` the large parameters with at most that many changes too."""
     capture = getattr(tracker, "iter_capture", None)
-    if values_below and callable(capture):
-        yield from capture(values_below)
+    if (values_below or values_max) and callable(capture):
+        yield from capture(values_below, values_max=values_max)
         return
     for name, pos in _positions_stream(tracker):
         yield name, pos, None
+
+
+def _hand_over(handoff: Handoff[Handed], name: str, pos: Positions, change: Change | None) -> None:
+    """Queue one captured parameter for the background, with the values detection read when
+    the handoff has room for them (else the background reads them as it routes)."""
+    vals = None if change is None else change[2]
+    if vals is not None and not handoff.room(vals.numel()):
+        vals = None
+    handoff.put(name, (pos, vals), weight=0 if vals is None else vals.numel())
 
 
 def with_values(item: tuple[str, Positions], params: Params) -> Change:
@@ -330,10 +343,11 @@ class TrainerSync:
         t = time.perf_counter()
         params = self._params() if callable(self._params) else self._params
         # Detection on the caller's thread (it reads θ, m, v; the tracker is cleared right
-        # after, so no other thread ever touches the tracker), positions only: each
-        # parameter's are held compactly (about 1 byte per changed element, positions.py) as
-        # soon as it is detected. They are both what the background routes, values read from
-        # params there, and until this version commits, the carry.
+        # after, so no other thread ever touches the tracker): each parameter's positions
+        # are held compactly (about 1 byte per changed element, positions.py) as soon as it
+        # is detected. They are both what the background routes and, until this version
+        # commits, the carry. A large parameter's values come along for the background
+        # while the handoff has room for them (_hand_over); it reads the rest from params.
         # While the delta is still small the tracker hands over the values it read with the
         # positions (a bounded budget, iter_capture): an inline publish then reads nothing
         # twice. Once it holds ``inline_below`` changed elements it is a large delta: the
@@ -350,24 +364,31 @@ class TrainerSync:
         captured: Captured = {}
         detected: dict[str, Change] = {}
         count = 0
-        handoff: Handoff[Positions] | None = None
+        handoff: Handoff[Handed] | None = None
         pending = PendingVersion(version, Future(), 0.0)
         at_once = not anchor and self._unhold is not None and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
-        items = merge_captured(_capture_stream(self.tracker, budget), self._carry, params)
+        values_max = 0 if anchor else VALUES_IN_FLIGHT
+        items = merge_captured(
+            _capture_stream(self.tracker, budget, values_max), self._carry, params
+        )
         if at_once:
-            return self._detect_in_background(items, captured, Handoff(), pending, params, t)
+            handoff = Handoff(VALUES_IN_FLIGHT)
+            return self._detect_in_background(items, captured, handoff, pending, params, t)
         try:
             for name, pos, change in items:
                 captured[name] = pos
                 count += len(pos)
                 if handoff is not None:
-                    handoff.put(name, pos)
+                    _hand_over(handoff, name, pos, change)
                 elif not anchor and count >= self.inline_below:
-                    detected.clear()  # a large delta: the background reads values as it routes
-                    handoff = Handoff()
+                    # a large delta: the background takes the values detection read while
+                    # they fit the handoff's budget, and reads the others as it routes
+                    if change is not None:
+                        detected[name] = change
+                    handoff = Handoff(VALUES_IN_FLIGHT)
                     for n, p in captured.items():
-                        handoff.put(n, p)
+                        _hand_over(handoff, n, p, detected.pop(n, None))
                     if self._unhold is not None:
                         return self._detect_in_background(
                             items, captured, handoff, pending, params, t
@@ -418,7 +439,7 @@ class TrainerSync:
         self,
         items: Iterator[tuple[str, Positions, Change | None]],
         captured: Captured,
-        handoff: Handoff[Positions],
+        handoff: Handoff[Handed],
         pending: PendingVersion,
         params: Params,
         started: float,
@@ -437,7 +458,7 @@ class TrainerSync:
         self,
         items: Iterator[tuple[str, Positions, Change | None]],
         captured: Captured,
-        handoff: Handoff[Positions],
+        handoff: Handoff[Handed],
         pending: PendingVersion,
         started: float,
     ) -> None:
@@ -447,9 +468,9 @@ class TrainerSync:
         the next call, naming the version) and leaves the tracker and the carry as they were,
         as a failure before the return does."""
         try:
-            for name, pos, _ in items:
+            for name, pos, change in items:
                 captured[name] = pos
-                handoff.put(name, pos)
+                _hand_over(handoff, name, pos, change)
         except BaseException as exc:
             handoff.fail(exc)
             pending._end_detection(started)
@@ -474,7 +495,7 @@ class TrainerSync:
         captured: Captured,
         params: Params,
         anchor: bool,
-        handoff: Handoff[Positions] | None,
+        handoff: Handoff[Handed] | None,
         changes: list[Change] | None = None,
     ) -> list[PublishReport]:
         # The capture's transients (each parameter's int64 positions) leave holes between the
@@ -494,7 +515,7 @@ class TrainerSync:
                 if changes is not None:
                     source = changes
                 elif i == 0 and handoff is not None:  # taken as the caller captures it
-                    source = Ready((name, pos, None) for name, pos in handoff)
+                    source = Ready((name, pos, vals) for name, (pos, vals) in handoff)
                 else:  # positions only: the publisher reads each parameter's values as it
                     # routes it (the embedding piece by piece), never all at once; a later
                     # publisher starts once the capture is complete

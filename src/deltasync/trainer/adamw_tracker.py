@@ -42,13 +42,14 @@ from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
+    Chunk,
     Lookahead,
     bits_to_indices,
     bitset_bytes,
     chunk_items,
     detect_adamw_,
     detect_adamw_changes,
-    detect_adamw_index_chunks,
+    detect_adamw_chunks,
     detect_adamw_indices,
     join_chunks,
     small_enough,
@@ -125,6 +126,32 @@ def _state_usable(p: torch.Tensor, m: object, v: object) -> bool:
         t.dtype == torch.float32 and tuple(t.shape) == tuple(p.shape) and t.device == p.device
         for t in (ml, vl)
     )
+
+
+def _capture_chunks(
+    chunks: Iterable[Chunk], device: torch.device, values_max: int
+) -> tuple[Positions, torch.Tensor | None]:
+    """One parameter's detected chunks as :class:`Positions` (encoded as they come) and the
+    chunks' values joined, unless they hold none or more than ``values_max`` (those are
+    dropped as soon as the count passes it: the consumer reads them itself)."""
+    kept: list[torch.Tensor] | None = [] if values_max else None
+    held = 0
+
+    def positions() -> Iterator[torch.Tensor]:
+        nonlocal kept, held
+        for idx, vals in chunks:
+            if kept is not None and vals is not None:
+                held += vals.numel()
+                if held <= values_max:
+                    kept.append(vals)
+                else:
+                    kept = None
+            yield idx
+
+    got = Positions.from_chunks(positions(), device=device)
+    if not kept:
+        return got, None
+    return got, (torch.cat(kept) if len(kept) > 1 else kept[0])
 
 
 class AdamWTracker:
@@ -360,14 +387,17 @@ class AdamWTracker:
         return detect_adamw_indices(*args, threads=self._threads), None
 
     def _iter(
-        self, values: bool, positions: bool = False, values_below: int = 0
+        self, values: bool, positions: bool = False, values_below: int = 0, values_max: int = 0
     ) -> Iterator[Change]:
         """The change stream behind every public iterator. ``positions``: a one-step
         parameter's chunks go straight into :class:`Positions`; ``values_below`` (with
         ``positions``): while fewer changed elements than that were seen, a parameter of at
         most :data:`VALUE_CAPTURE_MAX` elements comes as int64 indices with its values
-        instead (see :meth:`iter_capture`). One-step CPU parameters are detected ahead on
-        the detection threads, a few work items at a time across parameter boundaries
+        instead (see :meth:`iter_capture`); ``values_max`` (with ``positions``): so does
+        every such parameter of at most that many elements, and a parameter detected in chunks
+        comes as ``Positions`` with the values its chunks read, unless it has more than that
+        many changed elements. One-step CPU parameters are detected ahead
+        on the detection threads, a few work items at a time across parameter boundaries
         (:class:`Lookahead`: a small parameter is one item, a large one an item per chunk)."""
         self._oob.check()
         pending = {e[0]: e for e in self._pending}
@@ -378,8 +408,9 @@ class AdamWTracker:
         seen = 0  # changed elements handed over so far (the values budget)
 
         def wants_values(name: str) -> bool:
+            numel = self._watched[name].shard.local_numel
             return values or (
-                seen < values_below and self._watched[name].shard.local_numel <= VALUE_CAPTURE_MAX
+                numel <= VALUE_CAPTURE_MAX and (seen < values_below or numel <= values_max)
             )
 
         chunked = {n for n in self._order if self._chunked_step(n, pending)}
@@ -388,7 +419,7 @@ class AdamWTracker:
             _, hyper, v_key = pending[name]
             args = (*self._state(name, v_key), kernel_scalars(hyper))
             if name in chunked:  # its chunks, joined or encoded by the consumer
-                return chunk_items(*args, values=values)
+                return chunk_items(*args, values=values or bool(positions and values_max))
             if wants_values(name):  # decided at submission; the consumer re-checks the budget
                 return [lambda: detect_adamw_changes(*args, threads=1)]
             if positions:
@@ -409,8 +440,7 @@ class AdamWTracker:
             if items is None:
                 return None
             if positions and not values:
-                device = self._watched[name].local().device
-                return Positions.from_chunks((i for i, _ in items), device=device), None
+                return _capture_chunks(items, self._watched[name].local().device, values_max)
             return join_chunks(list(items), values=values)
 
         try:
@@ -423,11 +453,11 @@ class AdamWTracker:
                     want = wants_values(name)
                     got = taken(name)
                     if got is None:
-                        got = self._detect_one(name, pending.get(name), want, positions)
+                        got = self._detect_one(name, pending.get(name), want, positions, values_max)
                     if isinstance(got[0], Positions):
                         seen += len(got[0])
                         if len(got[0]):
-                            yield name, got[0], None  # type: ignore[misc]
+                            yield name, got[0], got[1]  # type: ignore[misc]
                         continue
                     idx, vals = got
                 elif name in snap:
@@ -479,16 +509,22 @@ class AdamWTracker:
         entry: tuple[str, StepHyper | None, str] | None,
         want: bool,
         positions: bool,
+        values_max: int = 0,
     ) -> tuple[torch.Tensor | Positions, torch.Tensor | None]:
-        """One covered parameter on the caller's thread: ``(Positions, None)`` when its
-        chunks went straight into the encoding, else ``(int64 indices, values or None)``."""
+        """One covered parameter on the caller's thread: ``(Positions, values or None)`` when
+        its chunks went straight into the encoding (values as :func:`_capture_chunks` keeps
+        them), else ``(int64 indices, values or None)``."""
         if positions and not want and name not in self._bits and entry and entry[1] is not None:
             # One step per version: the kernel's chunks go straight into Positions.
             _, hyper, v_key = entry
-            chunks = detect_adamw_index_chunks(
-                *self._state(name, v_key), kernel_scalars(hyper), threads=self._threads
+            local = self._watched[name].local()
+            chunks = detect_adamw_chunks(
+                *self._state(name, v_key),
+                kernel_scalars(hyper),
+                threads=self._threads,
+                values=bool(values_max) and local.numel() > VALUE_CAPTURE_MAX,
             )
-            return Positions.from_chunks(chunks, device=self._watched[name].local().device), None
+            return _capture_chunks(chunks, local.device, values_max)
         return self._detect(name, entry, want)
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -516,27 +552,38 @@ class AdamWTracker:
             yield name, pos
 
     def iter_capture(
-        self, values_below: int
+        self, values_below: int, *, values_max: int = 0
     ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
         """:meth:`iter_positions`, except that while fewer than ``values_below`` changed
         elements were seen, a parameter of at most :data:`VALUE_CAPTURE_MAX` elements comes
         as ``(name, sorted int64 indices, BF16 values)``, the values read by detection itself
         (as :meth:`iter_changes` gives them); the others as ``(name, Positions, None)``.
+        With ``values_max`` every parameter of at most :data:`VALUE_CAPTURE_MAX` (and at most
+        ``values_max``) elements comes with its values too, and a larger one as ``(name,
+        Positions, BF16 values)`` where it is detected in chunks (one optimizer step) and has
+        at most ``values_max`` changed elements: the values its detection kernel wrote as it
+        flagged each element, while the block was in cache.
 
         A small delta then never pays for encoding its positions, decoding them again and
         a second, cache-cold read of its values (an overlapped sender publishing it on the
         caller's thread); a large one holds values for at most ``values_below`` plus
-        :data:`VALUE_CAPTURE_MAX` elements' worth of parameters.
+        :data:`VALUE_CAPTURE_MAX` elements' worth of parameters, plus ``values_max`` for the
+        parameter being handed over (what the consumer keeps beyond that is its own budget).
 
         Args:
             values_below: the budget of changed elements captured with values (0: none).
+            values_max: the most changed elements a chunked parameter's values are handed
+                over for (0: positions only for them).
 
         Returns:
             One item per changed parameter, in ``named_params`` order.
         """
-        if not isinstance(values_below, int) or values_below < 0:
-            raise ValueError(f"values_below must be a non-negative int, got {values_below!r}")
-        yield from self._iter(values=False, positions=True, values_below=values_below)
+        for arg, value in (("values_below", values_below), ("values_max", values_max)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{arg} must be a non-negative int, got {value!r}")
+        yield from self._iter(
+            values=False, positions=True, values_below=values_below, values_max=values_max
+        )
 
     def changed(self) -> dict[str, torch.Tensor]:
         return dict(self.iter_changed())

@@ -18,7 +18,8 @@ import torch
 from deltasync.errors import ConfigError
 from deltasync.trainer.positions import Positions
 
-Change = tuple[str, torch.Tensor, torch.Tensor]
+# (name, sorted int64 indices or their Positions, the BF16 values at them)
+Change = tuple[str, torch.Tensor | Positions, torch.Tensor]
 Params = Mapping[str, torch.Tensor]
 
 
@@ -41,9 +42,9 @@ def merge_captured(
     params: Params,
 ) -> Iterator[tuple[str, Positions, Change | None]]:
     """:func:`merge_positions` over ``(name, positions, values or None)`` triples: each item
-    also carries the change as ``(name, int64 indices, values)`` where the tracker read the
-    values with the positions and no carried positions join them (then the values would
-    miss the carried elements: they are read from the params instead)."""
+    also carries the change as ``(name, int64 indices or Positions, values)`` where the
+    tracker read the values with the positions and no carried positions join them (then the
+    values would miss the carried elements: they are read from the params instead)."""
     stream = iter(changes)
     nxt, ended = None, False
     for name in params:
@@ -58,7 +59,7 @@ def merge_captured(
             if got is None or not len(got):
                 continue
             if isinstance(got, Positions):
-                yield name, got, None
+                yield name, got, None if vals is None else (name, got, vals)
             else:
                 change = None if vals is None else (name, got, vals)
                 yield name, Positions.of(got), change

@@ -414,28 +414,29 @@ def join_chunks(parts: list[Chunk], *, values: bool) -> Chunk:
     return idx, (torch.cat([b for _, b in parts]) if values else None)  # type: ignore[misc]
 
 
-def detect_adamw_index_chunks(
+def detect_adamw_chunks(
     p: torch.Tensor,
     m: torch.Tensor,
     v: torch.Tensor,
     k: KernelScalars,
     *,
     threads: int | None = None,
-) -> Iterator[torch.Tensor]:
-    """:func:`detect_adamw_indices` chunk by chunk: the sorted int64 positions of each
-    ``_CHUNK``-element chunk, in order, as each is detected (a few chunks ahead on the kernel
-    threads). The caller encodes each as it comes (:meth:`Positions.from_chunks`), so the
-    int64 positions of a whole parameter (the embedding's: tens of MiB) never exist."""
-    items = chunk_items(p, m, v, k, values=False)
+    values: bool,
+) -> Iterator[Chunk]:
+    """:func:`detect_adamw_indices` chunk by chunk: per ``_CHUNK``-element chunk, in order, as
+    each is detected (a few chunks ahead on the kernel threads), its sorted int64 positions
+    and, with ``values``, the BF16 values at them (written by the kernel as it flags them).
+    The caller encodes each as it comes (:meth:`Positions.from_chunks`), so the int64
+    positions of a whole parameter (the embedding's: tens of MiB) never exist."""
+    items = chunk_items(p, m, v, k, values=values)
     t = threads or torch.get_num_threads()
     if t <= 1 or len(items) <= 1:
         for item in items:
-            yield item()[0]
+            yield item()
         return
     ahead = Lookahead(["chunks"], lambda _: items, threads=t)
     try:
-        for idx, _ in ahead.take_items("chunks") or ():
-            yield idx
+        yield from ahead.take_items("chunks") or ()
     finally:
         ahead.close()
 

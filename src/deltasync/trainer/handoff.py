@@ -9,7 +9,10 @@ starting when the last parameter is captured. The caller :meth:`Handoff.put`\\ s
 :class:`~deltasync.errors.CaptureAbandonedError` at that point, before its commit.
 
 Every item is also held by the caller's capture (it is the carry until the version commits),
-so the queue holds nothing of its own beyond how far the background lags detection.
+so the queue holds nothing of its own beyond how far the background lags detection, except
+what an item carries besides (a parameter's BF16 values, read by detection): that is weighed
+(:meth:`Handoff.room`, ``put(..., weight=)``) against the handoff's ``budget``, so a
+background far behind detection never makes the queue grow with the model.
 
 This module knows threads and a queue; nothing about trackers, layouts or stores.
 """
@@ -31,6 +34,12 @@ T = TypeVar("T")
 # twice the inline one's, for 25-50 ms of routing, encoding and commit on this machine.
 INLINE_BELOW = 1 << 18
 
+# The most BF16 values (8 MiB) a large version's detection hands over beside the positions and
+# the background has not taken yet; beyond that the background reads a parameter's values
+# itself as it routes it (a second, cache-cold read of the parameter: ~0.3 CPU-s of a 0.6B
+# version, which detection's values save while the background keeps up).
+VALUES_IN_FLIGHT = 1 << 22
+
 
 class Handoff(Generic[T]):
     """``(name, item)`` pairs from one producer thread to one consumer thread, in order; the
@@ -38,15 +47,29 @@ class Handoff(Generic[T]):
 
     _END = object()
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = 0) -> None:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._names: list[str] = []
         self._settled = threading.Event()
         self.error: BaseException | None = None  # what the producer failed with, if it did
+        self.budget = budget  # the most weight queued at once (see room)
+        self._weight = 0  # of the items put and not yet taken
+        self._lock = threading.Lock()
 
-    def put(self, name: str, item: T) -> None:
+    def room(self, weight: int) -> bool:
+        """Whether an item of ``weight`` (e.g. its values' element count) fits in the budget
+        beside what is queued now. The producer asks before it puts a weighed item and puts
+        it without what it weighs when not (the consumer reads that again itself): the queue
+        never waits, so a consumer that stopped cannot block detection."""
+        with self._lock:
+            return self._weight + weight <= self.budget
+
+    def put(self, name: str, item: T, weight: int = 0) -> None:
+        """Queue ``item``; ``weight`` counts against the budget until the consumer takes it."""
         self._names.append(name)
-        self._items.put((name, item))
+        with self._lock:
+            self._weight += weight
+        self._items.put((name, item, weight))
 
     def close(self) -> None:
         """Everything is put: the iteration ends."""
@@ -72,7 +95,11 @@ class Handoff(Generic[T]):
             if got is self._END:
                 self._raise_if_failed()
                 return
-            yield got
+            name, item, weight = got
+            if weight:
+                with self._lock:
+                    self._weight -= weight
+            yield name, item
 
     def names(self) -> frozenset[str]:
         """Every name put; waits until the producer closed (raises if it failed)."""
