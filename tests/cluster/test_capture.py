@@ -22,6 +22,7 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
+    iter_handed,
     route_positions,
     streamed_blobs,
 )
@@ -191,14 +192,20 @@ def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
         assert (blob == one) == (batch_elements >= 1 << 20)  # one segment: same bytes
 
 
-def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_capture() -> None:
-    # the overlapped sender's background takes each parameter as the caller captures it
+def _streamed_whole():
+    """A tracker after one step, the params, its captured positions, streamed_blobs' keyword
+    arguments (batches of 500) and the blobs and element counts of that whole capture."""
     trainer, tracker = trained()
     params = trainer.params()
     caps = capture_positions(tracker, {}, params)
     assert caps.positions is not None
     kw = {**BLOB, "batch_elements": 500}
-    whole, whole_elements = streamed_blobs(caps.positions, params, **kw)
+    return tracker, params, caps.positions, kw, streamed_blobs(caps.positions, params, **kw)
+
+
+def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_capture() -> None:
+    # the overlapped sender's background takes each parameter as the caller captures it
+    _, params, positions, kw, (whole, whole_elements) = _streamed_whole()
     handoff: Handoff[Positions] = Handoff()
     taken = threading.Event()
     built: dict = {}
@@ -213,9 +220,9 @@ def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_cap
 
     worker = threading.Thread(target=build)
     worker.start()
-    names = [n for n in params if n in caps.positions]
+    names = [n for n in params if n in positions]
     for k, name in enumerate(names):
-        handoff.put(name, caps.positions[name])
+        handoff.put(name, positions[name])
         if k == 0:
             assert taken.wait(10)  # taken before the next parameter is even put
     handoff.close()
@@ -223,6 +230,29 @@ def test_blobs_built_from_a_detection_still_running_equal_those_of_the_whole_cap
     blobs, elements = built["out"]
     assert elements == whole_elements
     assert blobs == whole
+
+
+def test_values_detection_handed_over_build_the_blobs_of_values_read_from_the_params() -> None:
+    tracker, params, positions, kw, (whole, whole_elements) = _streamed_whole()
+    handed = list(iter_handed(tracker, {}, params, values_max=1 << 30))
+    assert [(n, p.indices().tolist()) for n, p, _ in handed] == [
+        (n, p.indices().tolist()) for n, p in positions.items()
+    ]
+    assert all(vals is not None for *_, vals in handed)  # every one, within values_max
+    values = {}
+
+    def feeding():  # as the sender's background does: the values first, then the name
+        for name, pos, vals in handed:
+            values[name] = vals
+            yield name, pos
+
+    unread = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
+    blobs, elements = streamed_blobs(feeding(), unread, **kw, values=values)
+    assert values == {}  # each taken as its parameter came
+    assert elements == whole_elements and blobs == whole
+    carried = list(iter_handed(tracker, positions, params, values_max=1 << 30))
+    assert all(vals is None for *_, vals in carried)  # joined with a carry: read again
+    assert all(vals is None for *_, vals in iter_handed(tracker, {}, params, values_max=0))
 
 
 def test_a_detection_that_fails_midway_stops_the_build_with_its_error() -> None:

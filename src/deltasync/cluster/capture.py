@@ -8,10 +8,12 @@ about 1 byte per changed element at RL densities. A version is captured in one o
   (``iter_positions()`` or ``iter_changed()`` where it has one, so the detection reads no
   values), each parameter's
   are joined with its carry and encoded as ``Positions`` as soon as it is detected, and that
-  dict is both what the background routes and, until the version commits, the carry. No BF16
-  value is held between the capture and the background: :func:`route_positions` reads the
-  values from the parameters there, which nothing changes until the optimizer's next step (the
-  barrier). A failed version leaves only its positions; the retry re-reads the values;
+  dict is both what the background routes and, until the version commits, the carry. The
+  values go along only where the detection kernel wrote them with the positions and the
+  handoff has room for them (:func:`iter_handed`: a bounded number not yet taken); else
+  :func:`route_positions` reads them from the parameters, which nothing changes until the
+  optimizer's next step (the barrier). A failed version leaves only its positions; the retry
+  re-reads the values;
 - *indices and values* (the blocking sender): the tracker's ``(name, indices, values)`` triples,
   the carried parameters' indices widened to the union and their values gathered at routing.
 
@@ -45,7 +47,7 @@ nothing about envelopes, process groups, threads or receivers.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +68,7 @@ from deltasync.layout.routing import (
 )
 from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.trainer import Tracker
-from deltasync.trainer.carry import merge_positions
+from deltasync.trainer.carry import merge_captured, merge_positions
 from deltasync.trainer.positions import Positions
 
 Carry = dict[str, Positions]
@@ -142,6 +144,26 @@ def iter_captured(
     return merge_positions(position_stream(tracker), carry, params)
 
 
+def iter_handed(
+    tracker: Tracker,
+    carry: Mapping[str, Positions],
+    params: Mapping[str, torch.Tensor],
+    *,
+    values_max: int,
+) -> Iterator[tuple[str, Positions, torch.Tensor | None]]:
+    """:func:`iter_captured` with each parameter's BF16 values where the tracker's detection
+    read them with the positions (``iter_capture(0, values_max=...)``: at most
+    ``values_max`` of a parameter's) and no carried positions join them; else None (the
+    background reads them from the params as it routes)."""
+    capture = getattr(tracker, "iter_capture", None)
+    if not (values_max and callable(capture)):
+        for name, pos in iter_captured(tracker, carry, params):
+            yield name, pos, None
+        return
+    for name, pos, change in merge_captured(capture(0, values_max=values_max), carry, params):
+        yield name, pos, None if change is None else change[2]
+
+
 def capture_positions(
     tracker: Tracker, carry: Mapping[str, Positions], params: Mapping[str, torch.Tensor]
 ) -> Capture:
@@ -190,19 +212,23 @@ def route_positions(
     receiver_layout: ReceiverLayout,
     rank: int = 0,
     world_size: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> ShardUpdates:
-    """``{shard: [TensorUpdate]}`` of captured positions, the values read from ``params`` now.
+    """``{shard: [TensorUpdate]}`` of captured positions, the values read from ``params`` now
+    (or taken from ``values``, detection's, where it has the parameter's).
 
     One parameter at a time: its int64 indices exist only while its values are gathered and
     mapped to canonical coordinates (what routing then holds is O(changed) canonical pairs)."""
     canonical: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, pos in positions.items():
+        given = None if values is None else values.get(name)
         routed = canonical_changes(
             {name: pos.indices()},
             params,
             trainer_layout=trainer_layout,
             rank=rank,
             world_size=world_size,
+            values=None if given is None else {name: given},
         )
         for canon, pair in routed.items():
             if canon in canonical:  # the trainer table is a bijection; two params never share one
@@ -227,6 +253,7 @@ def _piece_updates(
     trainer_layout: TrainerLayout,
     receiver_layout: ReceiverLayout,
     world_size: int,
+    values: torch.Tensor | None = None,
 ) -> Iterator[PartedShardUpdates] | None:
     """``name``'s updates piece by piece (None when it is not routed in row pieces)."""
     if name not in params:
@@ -240,7 +267,9 @@ def _piece_updates(
     local = local.to_local() if hasattr(local, "to_local") else local
     # each piece's records written a slice at a time, as on the store path: a piece's int64
     # indices and values never exist whole (same bytes as routing the piece whole)
-    return parted_pieces(name, positions, local, pieces, receiver_layout=receiver_layout)
+    return parted_pieces(
+        name, positions, local, pieces, receiver_layout=receiver_layout, values=values
+    )
 
 
 def streamed_blobs(
@@ -259,6 +288,7 @@ def streamed_blobs(
     batch_elements: int = BATCH_ELEMENTS,
     reserve: int = 0,
     on_batch: Callable[[dict[str, bytearray]], None] | None = None,
+    values: MutableMapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, bytearray], dict[str, int]]:
     """Every shard's blob of the captured ``positions``, values read from ``params`` now.
 
@@ -274,6 +304,9 @@ def streamed_blobs(
         on_batch: called with the buffers after every batch's segments are written; it may
             take bytes away by replacing a shard's buffer with a new one (later bytes go to
             the new one): what streams the blobs out while later batches are routed.
+        values: BF16 values at a parameter's positions that detection read (filled by the
+            producer before it hands the parameter over); each is taken out as its parameter
+            comes and routed instead of reading ``params``.
 
     Returns:
         ``({shard: reserve zero bytes, then the blob}, {shard: elements routed to it})``
@@ -317,6 +350,7 @@ def streamed_blobs(
     elements = dict.fromkeys(shards, 0)
     layouts = {"trainer_layout": trainer_layout, "receiver_layout": receiver_layout}
     batch: dict[str, Positions] = {}
+    batch_values: dict[str, torch.Tensor] = {}
     size, reach, last = 0, -1, -1  # the batch's elements and groups' end; the last item
     release = HeapRelease()  # the routed batches' free pages, handed back (segments.py)
 
@@ -328,15 +362,20 @@ def streamed_blobs(
             on_batch(blobs)
 
     def flush() -> None:
-        nonlocal batch, size
+        nonlocal batch, batch_values, size
         if batch:
-            write(route_positions(batch, params, **layouts, rank=rank, world_size=world_size))
-            for routed in batch.values():  # from now on only a retry reads them
-                routed.pack()
+            routed = route_positions(
+                batch, params, **layouts, rank=rank, world_size=world_size, values=batch_values
+            )
+            write(routed)
+            for captured in batch.values():  # from now on only a retry reads them
+                captured.pack()
             release.count(size)
-            batch, size = {}, 0  # this batch's canonical and shard pairs are gone with it
+            # this batch's canonical and shard pairs (and values) are gone with it
+            batch, batch_values, size = {}, {}, 0
 
     for name, pos in items:
+        vals = None if values is None else values.pop(name, None)
         i = index.get(name)
         if i is None:  # not a parameter: its own batch, which routing refuses naming it
             flush()
@@ -355,7 +394,9 @@ def streamed_blobs(
         # where it splits into row pieces (the vocab-parallel embedding)
         pieces = None
         if i > reach and last_of[name] == i and len(pos) >= batch_elements:
-            pieces = _piece_updates(name, pos, params, **layouts, world_size=world_size)
+            pieces = _piece_updates(
+                name, pos, params, **layouts, world_size=world_size, values=vals
+            )
         if pieces is not None:
             flush()
             for updates in pieces:
@@ -365,6 +406,8 @@ def streamed_blobs(
             pos.pack()
             continue
         batch[name] = pos
+        if vals is not None:
+            batch_values[name] = vals
         size += len(pos)
         reach = max(reach, i, last_of[name])
     flush()

@@ -77,7 +77,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -92,7 +92,7 @@ from deltasync.cluster.capture import (
     capture_with_values,
     carry_bytes,
     carry_of,
-    iter_captured,
+    iter_handed,
     streamed_blobs,
 )
 from deltasync.cluster.envelope import (
@@ -124,8 +124,8 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import state_digests
 from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
-from deltasync.trainer.handoff import INLINE_BELOW, Handoff
-from deltasync.trainer.positions import Positions
+from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
+from deltasync.trainer.positions import Handed, Positions
 
 Params = Mapping[str, torch.Tensor]
 
@@ -287,7 +287,7 @@ class ClusterSender:
         base: int,
         caps: Capture,
         params: Params,
-        stream: Handoff[Positions] | None = None,
+        stream: Handoff[Handed] | None = None,
         parts: PartStream | None = None,
         digests: Future | None = None,
     ) -> Outgoing:
@@ -317,7 +317,7 @@ class ClusterSender:
         return self._digest_pool.submit(fn, *args)
 
     def _digests_after(
-        self, handoff: Handoff[Positions], params: Params
+        self, handoff: Handoff[Handed], params: Params
     ) -> tuple[dict[str, str], bool]:
         handoff.names()  # the capture has ended (or failed: then this raises)
         return self._digests(params)
@@ -328,7 +328,7 @@ class ClusterSender:
         base: int,
         caps: Capture,
         params: Params,
-        stream: Handoff[Positions] | None,
+        stream: Handoff[Handed] | None,
         want: bool,
         job: Future | None,
         parts: PartStream | None = None,
@@ -341,8 +341,9 @@ class ClusterSender:
         if caps.positions is not None:
             # Batch by batch: only the blobs and the positions are O(changed) at once.
             # Each blob written after room for its envelope's framing, sealed in place below.
+            handed: dict[str, torch.Tensor] = {}
             blobs, shard_elements = streamed_blobs(
-                caps.positions if stream is None else stream,
+                caps.positions if stream is None else _unpacked(stream, handed),
                 params,
                 shards=shards,
                 **layouts,
@@ -356,6 +357,7 @@ class ClusterSender:
                 batch_elements=BATCH_ELEMENTS
                 if parts is None
                 else max(1, min(BATCH_ELEMENTS, parts.part_bytes)),
+                values=handed,
             )
             build_s, encode_s = time.perf_counter() - t, 0.0
         else:
@@ -652,7 +654,7 @@ class ClusterSender:
         self,
         version: int,
         base: int,
-        handoff: Handoff[Positions],
+        handoff: Handoff[Handed],
         pending: PendingSend,
         *,
         t0: float,
@@ -717,11 +719,11 @@ class ClusterSender:
             return pending
         params = self._current_params()
         # A delta's positions go to the background as each parameter is captured: routing and
-        # encoding overlap the rest of detection (positions only, joined with the carry; the
-        # background reads the values).
-        handoff: Handoff[Positions] | None = None
+        # encoding overlap the rest of detection (joined with the carry; the values detection
+        # read go along while the handoff has room for them, the background reads the rest).
+        handoff: Handoff[Handed] | None = None
         if failure is None and not anchor:
-            handoff = Handoff()
+            handoff = Handoff(VALUES_IN_FLIGHT)
 
         def work(p: PendingSend) -> SendReport:
             if failure is None and handoff is not None and self.config.part_bytes:
@@ -780,7 +782,7 @@ class ClusterSender:
 
     def _capture(
         self,
-        handoff: Handoff[Positions],
+        handoff: Handoff[Handed],
         params: Params,
         pending: PendingSend,
         device: int | None = None,
@@ -794,9 +796,10 @@ class ClusterSender:
             torch.cuda.set_device(device)
         captured: Carry = {}
         try:
-            for name, pos in iter_captured(self.tracker, self._pending, params):
+            handed = iter_handed(self.tracker, self._pending, params, values_max=VALUES_IN_FLIGHT)
+            for name, pos, vals in handed:
                 captured[name] = pos
-                handoff.put(name, pos)
+                hand_over(handoff, name, pos, vals)
         except BaseException as exc:
             handoff.fail(exc)
             pending.end_detection()
@@ -885,6 +888,17 @@ class ClusterSender:
             if self._digest_pool is not None:
                 self._digest_pool.shutdown(wait=True)
                 self._digest_pool = None
+
+
+def _unpacked(
+    stream: Iterable[tuple[str, Handed]], values: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, Positions]]:
+    """``(name, positions)`` of a handoff's items, each one's handed values put in ``values``
+    first (where :func:`~deltasync.cluster.capture.streamed_blobs` takes them)."""
+    for name, (pos, vals) in stream:
+        if vals is not None:
+            values[name] = vals
+        yield name, pos
 
 
 def _require_initialized() -> None:

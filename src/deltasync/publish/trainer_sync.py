@@ -75,14 +75,13 @@ from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
-from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff
-from deltasync.trainer.positions import Positions
+from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
+from deltasync.trainer.positions import Handed, Positions
 
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, torch.Tensor]
 Captured = dict[str, Positions]
-Handed = tuple[Positions, torch.Tensor | None]  # a parameter's positions, values if captured
 
 
 class PendingVersion:
@@ -157,12 +156,7 @@ def _capture_stream(
 
 
 def _hand_over(handoff: Handoff[Handed], name: str, pos: Positions, change: Change | None) -> None:
-    """Queue one captured parameter for the background, with the values detection read when
-    the handoff has room for them (else the background reads them as it routes)."""
-    vals = None if change is None else change[2]
-    if vals is not None and not handoff.room(vals.numel()):
-        vals = None
-    handoff.put(name, (pos, vals), weight=0 if vals is None else vals.numel())
+    hand_over(handoff, name, pos, None if change is None else change[2])
 
 
 def with_values(item: tuple[str, Positions], params: Params) -> Change:

@@ -24,9 +24,12 @@ import threading
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
+import torch
+
 from deltasync.errors import CaptureAbandonedError
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 # An overlapped version with fewer changed elements runs on the caller's thread instead
 # (``TrainerSync.inline_below``, ``ClusterSender.inline_below``): a background thread competing
@@ -106,3 +109,17 @@ class Handoff(Generic[T]):
         self._settled.wait()
         self._raise_if_failed()
         return frozenset(self._names)
+
+
+def hand_over(
+    handoff: Handoff[tuple[P, torch.Tensor | None]],
+    name: str,
+    positions: P,
+    values: torch.Tensor | None,
+) -> None:
+    """Queue one captured parameter as ``(positions, values)``, the values (detection's) only
+    when the handoff has room for them, else ``(positions, None)``: the consumer then reads
+    them itself as it routes the parameter."""
+    if values is not None and not handoff.room(values.numel()):
+        values = None
+    handoff.put(name, (positions, values), weight=0 if values is None else values.numel())

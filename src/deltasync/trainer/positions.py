@@ -386,3 +386,7 @@ class Positions:
         kind = "gaps8" if self.gaps is not None else ("wide" if self.wide is not None else "small")
         kind = "gaps8 packed" if self.packed is not None and self.gaps is None else kind
         return f"Positions(count={self.count}, {kind}, {self.nbytes} bytes)"
+
+
+# A parameter's captured positions and, where its detection read them, the BF16 values at them
+Handed = tuple[Positions, torch.Tensor | None]
