@@ -522,13 +522,14 @@ def test_a_large_version_routes_the_values_detection_handed_over(tmp_path, monke
     sync.wait()
     assert reads == []  # every parameter's values came from its detection
     _assert_receivers_exact(receivers, trainer, (tl, rl), 1)
+    budget = sync_mod.VALUES_IN_FLIGHT
     monkeypatch.setattr(sync_mod, "VALUES_IN_FLIGHT", 0)  # no room: the background reads
     trainer.step()
     sync.step_published(2)  # its commit fails: its positions are the carry
     with pytest.raises(PublishFailedError):
         sync.wait()
     assert reads
-    monkeypatch.setattr(sync_mod, "VALUES_IN_FLIGHT", 1 << 22)
+    monkeypatch.setattr(sync_mod, "VALUES_IN_FLIGHT", budget)
     reads.clear()
     trainer.step()
     sync.step_published(3)
