@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from deltasync.errors import ConfigError, TensorInputError
+from deltasync.layout.blocks import Block
 from deltasync.native import loader as native
-from deltasync.native.ops import bf16_at, first_not_increasing, prefix_sum_, scatter16
+from deltasync.native.ops import (
+    bf16_at,
+    column_block,
+    first_not_increasing,
+    prefix_sum_,
+    scatter16,
+)
 
 
 def _special_fp32(n: int, seed: int) -> torch.Tensor:
@@ -205,3 +212,40 @@ def test_prefix_sum_declines_what_the_kernel_cannot_take_and_leaves_it_as_it_was
     finally:
         native.enable()
     assert torch.equal(x, torch.arange(6, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_column_block_maps_every_index_as_the_torch_unravel_does(seed) -> None:
+    # row-parallel TP splits of a (rows, src_cols) weight, with row offsets on both sides
+    g = torch.Generator().manual_seed(seed)
+    rows, src_cols, tp = 37, 96, 3
+    width = src_cols // tp
+    density = (0.9, 0.05, 0.003)[seed]  # dense rows, sparse rows, rows skipped entirely
+    idx = torch.nonzero(torch.rand(rows * src_cols, generator=g) < density).reshape(-1)
+    for rank in range(tp):
+        block = Block(
+            src_cols=src_cols,
+            dst_cols=width + 5,  # a destination wider than the block: columns shift too
+            src_row=0,
+            dst_row=11,
+            rows=rows,
+            src_col=rank * width,
+            dst_col=2,
+            cols=width,
+        )
+        native_dst, native_pos = block.map_columns_native(idx, 7)
+        torch_dst, torch_pos = block.map_columns(block.column_basis(idx), 7)
+        assert torch.equal(native_dst, torch_dst) and torch.equal(native_pos, torch_pos)
+        dst, pos = block.map_sorted(torch.cat([torch.tensor([-1]), idx]), 1, idx.numel() + 1)
+        assert torch.equal(dst, torch_dst) and torch.equal(pos, torch_pos - 6)
+
+
+def test_a_column_block_takes_indices_in_any_order_and_declines_what_it_cannot_take() -> None:
+    idx = torch.tensor([250, 3, 17, 260, 0, 99, 5], dtype=torch.int64)
+    dst, pos = column_block(idx, src_cols=10, cols=(3, 8), dst_cols=5, shift=1, pos_base=2)
+    keep = [(j, int(i)) for j, i in enumerate(idx) if 3 <= int(i) % 10 < 8]
+    assert pos.tolist() == [j + 2 for j, _ in keep]
+    assert dst.tolist() == [(i // 10) * 5 + i % 10 + 1 for _, i in keep]
+    as_int32 = column_block(idx.int(), src_cols=10, cols=(3, 8), dst_cols=5, shift=0, pos_base=0)
+    strided = column_block(idx[::2], src_cols=10, cols=(3, 8), dst_cols=5, shift=0, pos_base=0)
+    assert as_int32 is None and strided is None

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltasync.native.ops import column_block
+
 
 def view_cols(shape: tuple[int, ...]) -> int:
     """Width of the 2-D view of a tensor: its last dim, or 1 for a 1-D tensor."""
@@ -150,7 +152,25 @@ class Block:
             c = rel - r * self.cols
             dst = (r + self.dst_row) * self.dst_cols + (c + self.dst_col)
             return dst, slice(lo, hi)
-        return self.map_columns(self.column_basis(sub), lo)
+        mapped = self.map_columns_native(sub, lo)
+        return mapped if mapped is not None else self.map_columns(self.column_basis(sub), lo)
+
+    def _column_shift(self) -> int:
+        return (self.dst_row - self.src_row) * self.dst_cols + (self.dst_col - self.src_col)
+
+    def map_columns_native(
+        self, sub: torch.Tensor, lo: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`map_columns` of ``column_basis(sub)`` in one C pass over ``sub`` (no basis
+        tensors), or None where the kernel cannot take ``sub`` (device or non-int64 indices)."""
+        return column_block(
+            sub,
+            src_cols=self.src_cols,
+            cols=(self.src_col, self.src_col + self.cols),
+            dst_cols=self.dst_cols,
+            shift=self._column_shift(),
+            pos_base=lo,
+        )
 
     def column_basis(self, sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-element source column and ``row * dst_cols + col`` for source indices ``sub``.
@@ -177,7 +197,7 @@ class Block:
         pos = torch.nonzero(keep).squeeze(1)
         # index_select, not base[pos]: advanced indexing was ~300x slower on a contended 2-core
         # host (torch 2.13 CPU, 2 threads); index_select is not.
-        shift = (self.dst_row - self.src_row) * self.dst_cols + (self.dst_col - self.src_col)
+        shift = self._column_shift()
         dst = base.index_select(0, pos)
         if shift:
             dst += shift

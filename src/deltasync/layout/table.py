@@ -180,11 +180,14 @@ class LayoutTable:
                 continue
             if block.src_full_width:
                 dst, pos = block.map_sorted(indices, lo, hi)
-            else:  # column blocks over the same rows share one unravel of the indices
-                key = (lo, hi, block.dst_cols)
-                if key not in bases:
-                    bases[key] = block.column_basis(indices[lo:hi])
-                dst, pos = block.map_columns(bases[key], lo)
+            else:  # one C pass per column block, else the blocks over the same rows
+                mapped = block.map_columns_native(indices[lo:hi], lo)  # share one unravel
+                if mapped is None:
+                    key = (lo, hi, block.dst_cols)
+                    if key not in bases:
+                        bases[key] = block.column_basis(indices[lo:hi])
+                    mapped = block.map_columns(bases[key], lo)
+                dst, pos = mapped
             if dst.numel():
                 yield block, targets, dst, pos
 

@@ -182,6 +182,8 @@ def _build() -> ctypes.CDLL:
     for prefix_sum in (lib.ds_prefix_sum_i32, lib.ds_prefix_sum_i64):
         prefix_sum.argtypes = [p, i64]
         prefix_sum.restype = i64
+    lib.ds_column_block.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p]
+    lib.ds_column_block.restype = i64
     return lib
 
 

@@ -8,9 +8,11 @@
   shard-state digest hashes), at memory speed;
 * :func:`scatter16`: values written at flat positions of a contiguous 2-byte tensor (a
   receiver's scatter of a decoded piece, int32 indices as they are decoded);
-* :func:`prefix_sum_`: running sums in place (a receiver's gap decode), ~3x numpy's cumsum.
+* :func:`prefix_sum_`: running sums in place (a receiver's gap decode), ~3x numpy's cumsum;
+* :func:`column_block`: the indices of a row-major matrix inside a column range, re-addressed
+  for a narrower destination (routing a row-parallel weight's TP split).
 
-All five run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All six run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -215,3 +217,47 @@ def prefix_sum_(x: torch.Tensor) -> bool:
     kernel = lib.ds_prefix_sum_i32 if x.dtype == torch.int32 else lib.ds_prefix_sum_i64
     kernel(x.data_ptr(), x.numel())
     return True
+
+
+def column_block(
+    indices: torch.Tensor,
+    *,
+    src_cols: int,
+    cols: tuple[int, int],
+    dst_cols: int,
+    shift: int,
+    pos_base: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Of flat row-major ``indices`` (non-negative; the caller checked them) into a matrix of
+    ``src_cols`` columns, those in columns ``[cols[0], cols[1])``: ``(row * dst_cols + column
+    + shift, their positions in indices + pos_base)``, both int64 in input order, in one C pass.
+
+    Returns:
+        The pair, or None when the kernel cannot take ``indices`` (not a 1-D contiguous int64
+        CPU tensor, or no compiler): the caller then maps them with torch.
+    """
+    if (
+        indices.dtype != torch.int64
+        or indices.dim() != 1
+        or src_cols <= 0
+        or not native.usable(indices)
+    ):
+        return None
+    lib = native.load()
+    assert lib is not None
+    n = indices.numel()
+    dst = torch.empty(n, dtype=torch.int64)
+    pos = torch.empty(n, dtype=torch.int64)
+    k = lib.ds_column_block(
+        indices.data_ptr(),
+        n,
+        src_cols,
+        cols[0],
+        cols[1],
+        dst_cols,
+        shift,
+        pos_base,
+        dst.data_ptr(),
+        pos.data_ptr(),
+    )
+    return dst[:k], pos[:k]

@@ -287,3 +287,30 @@ DS_SCATTER16(ds_scatter16_i64, int64_t)
     }
 DS_PREFIX_SUM(ds_prefix_sum_i32, int32_t, uint32_t)
 DS_PREFIX_SUM(ds_prefix_sum_i64, int64_t, uint64_t)
+
+/* ds_column_block: of flat row-major indices idx[0, n) into a matrix of src_cols (> 0) columns,
+ * every one whose column lies in [col_lo, col_hi): its position j + pos_base into pos_out and
+ * row * dst_cols + column + shift into dst_out, in input order; returns how many. A routing
+ * step for a column-split (row-parallel) weight, in one pass: the row is recomputed by one
+ * division only when an index leaves the current row (sorted indices enter each row once).
+ * Indices must be non-negative (the caller's bounds check); both outputs hold n entries. */
+int64_t ds_column_block(const int64_t *idx, int64_t n, int64_t src_cols, int64_t col_lo,
+                        int64_t col_hi, int64_t dst_cols, int64_t shift, int64_t pos_base,
+                        int64_t *dst_out, int64_t *pos_out) {
+    int64_t k = 0, row = 0, row_start = 0, row_end = 0;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = idx[j];
+        if (i < row_start || i >= row_end) {
+            row = i / src_cols;
+            row_start = row * src_cols;
+            row_end = row_start + src_cols;
+        }
+        int64_t c = i - row_start;
+        if (c >= col_lo && c < col_hi) {
+            dst_out[k] = row * dst_cols + c + shift;
+            pos_out[k] = pos_base + j;
+            k++;
+        }
+    }
+    return k;
+}
