@@ -13,6 +13,7 @@ from deltasync.native.ops import (
     bf16_at,
     column_block,
     first_not_increasing,
+    patch16,
     prefix_sum_,
     scatter16,
 )
@@ -178,6 +179,46 @@ def test_scatter16_declines_what_the_kernel_cannot_take() -> None:
         assert not scatter16(torch.zeros(4, dtype=torch.bfloat16), idx, torch.ones(2).bfloat16())
     finally:
         native.enable()
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_patch16_writes_a_copy_with_exactly_what_index_copy_writes(idx_dtype, order) -> None:
+    # more than one 4096-element step, the last one partial; shuffled with duplicates: the
+    # kernel's out-of-order tail, a later duplicate winning as in index_copy_
+    g = torch.Generator().manual_seed(11)
+    n, base = 10_000, 300
+    idx = torch.randperm(n, generator=g)[:2_000].sort().values + base
+    if order == "shuffled":
+        idx = torch.cat([idx[torch.randperm(idx.numel(), generator=g)], idx[:50]])
+    vals = torch.randint(-(2**15), 2**15, (idx.numel(),), generator=g, dtype=torch.int16)
+    source = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16)
+    vals, source = vals.view(torch.bfloat16), source.view(torch.bfloat16)
+    want = source.clone()
+    for k in range(idx.numel()):  # one at a time: the last write of a position wins
+        want[int(idx[k]) - base] = vals[k]
+    target = torch.empty_like(source)
+    assert patch16(target, source, idx.to(idx_dtype), vals, base=base)
+    assert torch.equal(target.view(torch.int16), want.view(torch.int16))
+
+
+def test_patch16_refuses_a_bad_index_before_writing_and_declines_what_it_cannot_take() -> None:
+    source = torch.ones(100, dtype=torch.bfloat16)
+    target = torch.zeros(100, dtype=torch.bfloat16)
+    vals = torch.ones(3, dtype=torch.bfloat16)
+    for bad in ([5, 50, 100], [-1, 5, 6]):
+        with pytest.raises(TensorInputError, match="outside"):
+            patch16(target, source, torch.tensor(bad, dtype=torch.int32), vals)
+        assert not target.view(torch.int16).any()  # not even the copy
+    with pytest.raises(TensorInputError, match="values"):
+        patch16(target, source, torch.tensor([1, 2], dtype=torch.int32), vals)
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    two = torch.ones(2, dtype=torch.bfloat16)
+    assert not patch16(target, source[:50], idx, two)  # sizes differ
+    assert not patch16(target, source.half(), idx, two)  # dtypes differ
+    assert not patch16(target[::2], source[::2], idx, two)  # strided
+    assert not patch16(target, target, idx, two)  # in place: torch does it
+    assert not target.view(torch.int16).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -30,7 +30,7 @@ import xxhash
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
-from deltasync.native.ops import scatter16
+from deltasync.native.ops import patch16, scatter16
 
 CHUNK_ELEMENTS = 1 << 20  # 2 MiB of BF16 per scratch chunk
 
@@ -87,10 +87,16 @@ def pieces_tensor_digest(
         pieces = pieces[1:]
     zeros = tensor.from_zero and dense is None
     if n <= chunk and dense is None and not zeros:  # one chunk: skip the chunk bookkeeping
+        touched = [p for p in pieces if p.nnz]
+        if len(touched) == 1 and flat.device.type == "cpu":  # copy and patch at once
+            piece = torch.empty_like(flat)
+            p = touched[0]
+            if patch16(piece, flat, p.indices.to("cpu"), p.values.to("cpu")):  # type: ignore[union-attr]
+                h.update(_bytes(piece))
+                return h.digest()
         piece = flat.to("cpu", copy=True)
-        for p in pieces:
-            if p.nnz:
-                _patch(piece, p.indices.to("cpu"), p.values.to("cpu"), 0)  # type: ignore[union-attr]
+        for p in touched:
+            _patch(piece, p.indices.to("cpu"), p.values.to("cpu"), 0)  # type: ignore[union-attr]
         h.update(_bytes(piece))
         return h.digest()
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
@@ -116,10 +122,16 @@ def pieces_tensor_digest(
                 h.update(_bytes(flat[start:end]))  # untouched: hashed in place
                 continue
         piece = scratch[: end - start]
-        if zeros:
+        base = None if zeros else (dense if dense is not None else flat)[start:end]
+        if len(touched) == 1 and base is not None:  # the common case: copy and patch at once
+            idx, vals, lo, hi = touched[0]
+            if patch16(piece, base, idx[lo:hi], vals[lo:hi], base=start):
+                h.update(_bytes(piece))
+                continue
+        if base is None:
             piece.zero_()
         else:
-            piece.copy_((dense if dense is not None else flat)[start:end])
+            piece.copy_(base)
         for idx, vals, lo, hi in touched:
             _patch(piece, idx[lo:hi], vals[lo:hi], start)
         h.update(_bytes(piece))

@@ -179,6 +179,9 @@ def _build() -> ctypes.CDLL:
     for scatter in (lib.ds_scatter16_i32, lib.ds_scatter16_i64):
         scatter.argtypes = [p, i64, p, p, i64, i64]
         scatter.restype = i64
+    for patch in (lib.ds_patch16_i32, lib.ds_patch16_i64):
+        patch.argtypes = [p, p, i64, p, p, i64, i64]
+        patch.restype = i64
     for prefix_sum in (lib.ds_prefix_sum_i32, lib.ds_prefix_sum_i64):
         prefix_sum.argtypes = [p, i64]
         prefix_sum.restype = i64

@@ -8,11 +8,13 @@
   shard-state digest hashes), at memory speed;
 * :func:`scatter16`: values written at flat positions of a contiguous 2-byte tensor (a
   receiver's scatter of a decoded piece, int32 indices as they are decoded);
+* :func:`patch16`: a copy of a 2-byte range with values written at flat positions (one chunk
+  of a tensor as an update will leave it: the verify-before-write hash);
 * :func:`prefix_sum_`: running sums in place (a receiver's gap decode), ~3x numpy's cumsum;
 * :func:`column_block`: the indices of a row-major matrix inside a column range, re-addressed
   for a narrower destination (routing a row-parallel weight's TP split).
 
-All six run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All seven run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -154,6 +156,37 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 _TWO_BYTE = (torch.bfloat16, torch.float16)
 
 
+def _two_byte_writable(
+    op: str, target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *others
+) -> bool:
+    """Whether the 2-byte kernels can write ``values`` at ``indices`` of ``target`` (reading
+    ``others`` too): contiguous CPU tensors, a 2-byte dtype, 1-D int32/int64 indices, and
+    ``target`` overlapping none of the others. Mismatched values are an error, not a decline."""
+    if values.numel() != indices.numel() or values.dtype != target.dtype:
+        raise TensorInputError(
+            f"{op}: {values.numel()} {values.dtype} values for {indices.numel()} indices into a "
+            f"{target.dtype} tensor"
+        )
+    return (
+        target.dtype in _TWO_BYTE
+        and indices.dtype in (torch.int32, torch.int64)
+        and indices.dim() == 1
+        and native.usable(target, indices, values, *others)
+        and not any(native.overlaps(target, t) for t in (indices, values, *others))
+    )
+
+
+def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:
+    """A 2-byte kernel's result: True, or the bad index it found (nothing was written)."""
+    if rc < 0:
+        k = -1 - rc
+        raise TensorInputError(
+            f"{op}: index {int(indices[k])} (position {k}) is outside "
+            f"[{base}, {base + target.numel()}); nothing was written"
+        )
+    return True
+
+
 def scatter16(
     target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, base: int = 0
 ) -> bool:
@@ -170,32 +203,49 @@ def scatter16(
         TensorInputError: an index outside ``[base, base + target.numel())`` (nothing written)
             or values that do not match the indices.
     """
-    n = indices.numel()
-    if values.numel() != n or values.dtype != target.dtype:
-        raise TensorInputError(
-            f"scatter16: {values.numel()} {values.dtype} values for {n} indices into a "
-            f"{target.dtype} tensor"
-        )
-    if (
-        target.dtype not in _TWO_BYTE
-        or indices.dtype not in (torch.int32, torch.int64)
-        or indices.dim() != 1
-        or not native.usable(target, indices, values)
-        or native.overlaps(target, indices)
-        or native.overlaps(target, values)
-    ):
+    if not _two_byte_writable("scatter16", target, indices, values):
         return False
     lib = native.load()
     assert lib is not None
     kernel = lib.ds_scatter16_i32 if indices.dtype == torch.int32 else lib.ds_scatter16_i64
+    n = indices.numel()
     rc = kernel(target.data_ptr(), target.numel(), indices.data_ptr(), values.data_ptr(), n, base)
-    if rc < 0:
-        k = -1 - rc
-        raise TensorInputError(
-            f"scatter16: index {int(indices[k])} (position {k}) is outside "
-            f"[{base}, {base + target.numel()}); nothing was written"
-        )
-    return True
+    return _written("scatter16", rc, target, indices, base)
+
+
+def patch16(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    base: int = 0,
+) -> bool:
+    """``target.copy_(source)`` then ``target.view(-1)[indices - base] = values``, in one C
+    pass over ``target`` when the kernel can take the tensors (as :func:`scatter16`, and
+    ``source`` a contiguous CPU tensor of ``target``'s dtype and size that overlaps none of
+    the others).
+
+    Returns:
+        True when written; False when the kernel cannot take them (nothing written: the
+        caller copies and scatters with torch).
+
+    Raises:
+        TensorInputError: an index outside ``[base, base + target.numel())`` (nothing
+            written) or values that do not match the indices.
+    """
+    if (
+        source.dtype != target.dtype
+        or source.numel() != target.numel()
+        or not _two_byte_writable("patch16", target, indices, values, source)
+    ):
+        return False
+    lib = native.load()
+    assert lib is not None
+    kernel = lib.ds_patch16_i32 if indices.dtype == torch.int32 else lib.ds_patch16_i64
+    ptrs = (target.data_ptr(), source.data_ptr(), indices.data_ptr(), values.data_ptr())
+    rc = kernel(ptrs[0], ptrs[1], target.numel(), ptrs[2], ptrs[3], indices.numel(), base)
+    return _written("patch16", rc, target, indices, base)
 
 
 def prefix_sum_(x: torch.Tensor) -> bool:

@@ -272,6 +272,35 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
 DS_SCATTER16(ds_scatter16_i32, int32_t)
 DS_SCATTER16(ds_scatter16_i64, int64_t)
 
+/* ds_patch16_i32 / ds_patch16_i64: dst[0, n) = src[0, n), then dst[idx[k] - base] = vals[k] for
+ * k < m (2-byte elements): one chunk of a tensor as an update will leave it, built in a
+ * scratch buffer for the verify-before-write hash. Every index is checked first, as in
+ * ds_scatter16 (-1 - k on a bad one, nothing written). The copy and the writes go 4096
+ * elements at a time, so the writes land in lines the copy just brought in; sorted indices are
+ * the fast case, any order is correct (a later duplicate wins). Returns m. */
+#define DS_PATCH16(NAME, IDX_T)                                                                \
+    int64_t NAME(uint16_t *dst, const uint16_t *src, int64_t n, const IDX_T *idx,              \
+                 const uint16_t *vals, int64_t m, int64_t base) {                              \
+        for (int64_t k = 0; k < m; k++) {                                                      \
+            int64_t i = (int64_t)idx[k] - base;                                                \
+            if (i < 0 || i >= n) return -1 - k;                                                \
+        }                                                                                      \
+        const int64_t STEP = 4096;                                                             \
+        int64_t k = 0;                                                                         \
+        for (int64_t s = 0; s < n; s += STEP) {                                                \
+            int64_t e = n - s < STEP ? n : s + STEP;                                           \
+            memcpy(dst + s, src + s, (size_t)(e - s) * 2);                                     \
+            while (k < m && (int64_t)idx[k] - base >= s && (int64_t)idx[k] - base < e) {       \
+                dst[(int64_t)idx[k] - base] = vals[k];                                         \
+                k++;                                                                           \
+            }                                                                                  \
+        }                                                                                      \
+        for (; k < m; k++) dst[(int64_t)idx[k] - base] = vals[k]; /* out of order: the rest */ \
+        return m;                                                                              \
+    }
+DS_PATCH16(ds_patch16_i32, int32_t)
+DS_PATCH16(ds_patch16_i64, int64_t)
+
 /* ds_prefix_sum_i32 / ds_prefix_sum_i64: x[k] = x[0] + ... + x[k] in place, for k < n, the
  * sums wrapping modulo 2^32 / 2^64 as numpy's cumsum in the array's own dtype does (a
  * receiver's gap decode: ``first, gap, gap, ...`` to indices; its caller rules out or detects
