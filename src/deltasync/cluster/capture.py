@@ -290,7 +290,8 @@ def streamed_blobs(
     on_batch: Callable[[dict[str, bytearray]], None] | None = None,
     values: MutableMapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, bytearray], dict[str, int]]:
-    """Every shard's blob of the captured ``positions``, values read from ``params`` now.
+    """Every shard's blob of the captured ``positions``, values read from ``params`` now
+    (or taken from ``values``).
 
     Args:
         positions: per param, what this writer sends (a capture joined with its carry), or
