@@ -46,6 +46,25 @@ def _patch(piece: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, start: in
         piece.index_copy_(0, (idx - start).to(torch.int64), vals)
 
 
+Touched = list[tuple[torch.Tensor, torch.Tensor, int, int]]  # (indices, values, lo, hi)
+
+
+def _fill(piece: torch.Tensor, base: torch.Tensor | None, touched: Touched, start: int) -> None:
+    """``piece`` = ``base`` (zeros where None) with each touched piece's ``[lo, hi)`` elements
+    written, in chain order: the chunk as the update leaves it. One sparse piece over a CPU
+    base is copied and patched in one C pass."""
+    if len(touched) == 1 and base is not None:
+        idx, vals, lo, hi = touched[0]
+        if patch16(piece, base, idx[lo:hi], vals[lo:hi], base=start):
+            return
+    if base is None:
+        piece.zero_()
+    else:
+        piece.copy_(base)
+    for idx, vals, lo, hi in touched:
+        _patch(piece, idx[lo:hi], vals[lo:hi], start)
+
+
 def patched_tensor_digest(
     live: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, chunk: int = CHUNK_ELEMENTS
 ) -> bytes:
@@ -87,16 +106,13 @@ def pieces_tensor_digest(
         pieces = pieces[1:]
     zeros = tensor.from_zero and dense is None
     if n <= chunk and dense is None and not zeros:  # one chunk: skip the chunk bookkeeping
-        touched = [p for p in pieces if p.nnz]
-        if len(touched) == 1 and flat.device.type == "cpu":  # copy and patch at once
-            piece = torch.empty_like(flat)
-            p = touched[0]
-            if patch16(piece, flat, p.indices.to("cpu"), p.values.to("cpu")):  # type: ignore[union-attr]
-                h.update(_bytes(piece))
-                return h.digest()
-        piece = flat.to("cpu", copy=True)
-        for p in touched:
-            _patch(piece, p.indices.to("cpu"), p.values.to("cpu"), 0)  # type: ignore[union-attr]
+        piece = torch.empty(n, dtype=flat.dtype)
+        touched: Touched = [
+            (p.indices.to("cpu"), p.values.to("cpu"), 0, p.nnz)  # type: ignore[union-attr]
+            for p in pieces
+            if p.nnz
+        ]
+        _fill(piece, flat, touched, 0)
         h.update(_bytes(piece))
         return h.digest()
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
@@ -123,17 +139,7 @@ def pieces_tensor_digest(
                 continue
         piece = scratch[: end - start]
         base = None if zeros else (dense if dense is not None else flat)[start:end]
-        if len(touched) == 1 and base is not None:  # the common case: copy and patch at once
-            idx, vals, lo, hi = touched[0]
-            if patch16(piece, base, idx[lo:hi], vals[lo:hi], base=start):
-                h.update(_bytes(piece))
-                continue
-        if base is None:
-            piece.zero_()
-        else:
-            piece.copy_(base)
-        for idx, vals, lo, hi in touched:
-            _patch(piece, idx[lo:hi], vals[lo:hi], start)
+        _fill(piece, base, touched, start)
         h.update(_bytes(piece))
     return h.digest()
 
