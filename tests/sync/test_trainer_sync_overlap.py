@@ -651,3 +651,72 @@ def test_detect_in_background_false_detects_before_the_return(tmp_path):
             optimizer=trainer.opt,
             detect_in_background=1,
         )
+
+
+@pytest.mark.parametrize("inline_below", [0, 1 << 30])  # the background path, the inline one
+def test_the_digests_come_from_the_detection_pass_not_a_second_read(
+    tmp_path, monkeypatch, inline_below
+):
+    # The embedding (> 2^20 elements) is detected in chunks, the rest one item each: every
+    # receiver tensor is hashed from the kernel's casts as detection passes, and the digest
+    # pass takes all of them as given: it reads no parameter. The manifests stay exact.
+    import deltasync.publish.publisher as publisher_mod
+    from deltasync.layout.digest import state_digests
+
+    given: list[int] = []
+    pass_ = publisher_mod.state_tensor_digests
+
+    def spying(params, *, trainer_layout, receiver_layout, keep=None):
+        given.append(sum(len(v) for v in (keep or {}).values()))
+        return pass_(
+            params, trainer_layout=trainer_layout, receiver_layout=receiver_layout, keep=keep
+        )
+
+    monkeypatch.setattr(publisher_mod, "state_tensor_digests", spying)
+    spec, tl, rl = layouts(vocab_size=16411)
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=6)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    pub = Publisher(MemoryStore(), receiver_layout=rl, trainer_layout=tl)
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
+    )
+    receivers = {
+        s.id: Receiver.for_layout(
+            pub.store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(s.id)
+        )
+        for s in rl.shards()
+    }
+    tensors = sum(len(rl.local_specs(s.id)) for s in rl.shards())
+    _anchor_then_step(sync, trainer)
+    for version in (1, 2):
+        given.clear()
+        pending = sync.step_published(version)
+        sync.wait()
+        assert pending.feed is not None and pending.feed.covered() > 0
+        assert given == [tensors]  # every tensor given: nothing for the pass to read
+        truth = state_digests(trainer.params, trainer_layout=tl, receiver_layout=rl)
+        assert dict(pub.catalog.manifest(version).shard_digests) == truth
+        _assert_receivers_exact(receivers, trainer, (tl, rl), version)
+        trainer.step()
+    sync.close()
+
+
+def test_a_full_state_publisher_hashes_the_full_state_itself(tmp_path):
+    # Detection sees this rank's params; a publisher given full_state hashes that instead,
+    # so no feed is built (nothing the detection casts could vouch for the full state).
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    sync = TrainerSync(
+        tracker,
+        pub,
+        trainer.params,
+        full_state=lambda: trainer.params,
+        overlap=True,
+        optimizer=trainer.opt,
+        inline_below=0,
+    )
+    _anchor_then_step(sync, trainer)
+    pending = sync.step_published(1)
+    sync.wait()
+    assert pending.feed is None
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()

@@ -105,7 +105,8 @@ _ZEROS = bytes(1 << 20)
 _CAST_ELEMENTS = 1 << 21  # rows per cast chunk: ~4 MiB of BF16
 
 
-def _feed_zeros(h: xxhash.xxh3_128, n: int) -> None:
+def feed_zeros(h: xxhash.xxh3_128, n: int) -> None:
+    """Feed ``n`` zero bytes (uncovered rows, e.g. vocabulary padding)."""
     while n > 0:
         k = min(n, len(_ZEROS))
         h.update(_ZEROS[:k] if k < len(_ZEROS) else _ZEROS)
@@ -210,10 +211,10 @@ def shard_tensor_digests(
                 h = xxhash.xxh3_128()
                 cursor = 0
                 for src, b in blocks:
-                    _feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
+                    feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
                     _feed_cast(h, b.src_view(as_2d(full[src])), dtype, staging)
                     cursor = b.dst_row + b.rows
-                _feed_zeros(h, (rows - cursor) * cols * esize)
+                feed_zeros(h, (rows - cursor) * cols * esize)
                 digest = h.digest()
             else:  # blocks side by side within a row: build this one tensor
                 t = torch.zeros(shape, dtype=dtype)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from deltasync.errors import LayoutError
-from deltasync.layout.blocks import bits, numel
+from deltasync.layout.blocks import Block, bits, numel
 from deltasync.layout.hf_model import HF_SHARD, TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.probe import ProbeConfig
@@ -196,24 +196,36 @@ class TrainerLayout:
             params[name] = t.detach()
         return self._table.split(params)[_CANON]
 
-    def canonical_views(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Like :meth:`to_canonical` but without copying: every canonical tensor that is one
+    def canonical_spans(self) -> dict[str, tuple[str, int]]:
+        """``{canonical name: (parameter, flat start)}`` of every canonical tensor that is one
         contiguous row range of one parameter (all of Qwen3's, and each expert of a fused
-        Qwen3-MoE expert tensor) is returned as a view of it; any other is built by copying.
-        Values keep the parameters' dtype (e.g. fp32 master weights)."""
-        views: dict[str, torch.Tensor] = {}
-        by_dst: dict[str, list[tuple[str, object]]] = {}
+        Qwen3-MoE expert tensor): its elements are the parameter's flat elements from
+        ``start`` on, in order. The others are assembled from several pieces."""
+        by_dst: dict[str, list[tuple[str, Block]]] = {}
         for src, pls in self._table.placements.items():
             for p in pls:
-                by_dst.setdefault(p.local, []).append((src, p.block))
-        rest: set[str] = set()
+                if p.block.size:
+                    by_dst.setdefault(p.local, []).append((src, p.block))
+        spans: dict[str, tuple[str, int]] = {}
         for name, shape in self._table.dst_shapes[_CANON].items():
-            pieces = [(s, b) for s, b in by_dst.get(name, []) if b.size]
+            pieces = by_dst.get(name, [])
             if len(pieces) == 1 and pieces[0][1].contiguous and pieces[0][1].size == numel(shape):
                 src, b = pieces[0]
+                spans[name] = (src, b.src_span()[0])
+        return spans
+
+    def canonical_views(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Like :meth:`to_canonical` but without copying: every canonical tensor of
+        :meth:`canonical_spans` is returned as a view of its parameter; any other is built by
+        copying. Values keep the parameters' dtype (e.g. fp32 master weights)."""
+        views: dict[str, torch.Tensor] = {}
+        spans = self.canonical_spans()
+        rest: set[str] = set()
+        for name, shape in self._table.dst_shapes[_CANON].items():
+            if name in spans:
+                src, start = spans[name]
                 flat = state_dict[src].detach().reshape(-1)
-                start, stop = b.src_span()
-                views[name] = flat[start:stop].view(shape)
+                views[name] = flat[start : start + numel(shape)].view(shape)
             else:
                 rest.add(name)
         if rest:

@@ -91,6 +91,16 @@ from deltasync.store import Store
 from deltasync.trainer.positions import Positions
 
 
+def _joined(kept: TensorEntries | None, fed: TensorEntries | None) -> TensorEntries | None:
+    """The entries the digest pass takes as given: both sets (each vouches for its own)."""
+    if not fed:
+        return kept
+    out = {shard: dict(entries) for shard, entries in (kept or {}).items()}
+    for shard, entries in fed.items():
+        out.setdefault(shard, {}).update(entries)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class PublishReport:
     version: int
@@ -279,6 +289,7 @@ class Publisher:
         since: int | object | None = _OWN,
         full_state: FullState | None = None,
         touched: Collection[str] | Callable[[], Collection[str]] | None = None,
+        fed: TensorEntries | Callable[[], TensorEntries] | None = None,
     ) -> PublishReport:
         """Publish ``version`` and return once it is committed.
 
@@ -306,6 +317,11 @@ class Publisher:
                 a parameter outside ``touched`` raises ConfigError. A callable instead gives
                 them once ``changes`` has named them all (a stream handed over while its
                 detection still runs): the digest pass then starts when it returns.
+            fed: receiver tensors' digest entries already computed from ``params`` as they
+                are now (a :class:`~deltasync.layout.digest_feed.DigestFeed` the detection
+                pass fed): the digest pass takes them as given and reads only the other
+                tensors. A callable is called on the digest thread, which starts when it
+                returns. Ignored with ``full_state`` (the digests then come from that).
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
@@ -357,16 +373,20 @@ class Publisher:
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
-            if callable(touched):
-                named = touched  # known once the stream is: the job waits for it
-
+            given = None if full_state is not None else fed
+            if callable(touched) or callable(given):
+                # known once the stream is: the job waits for them
                 def entries() -> TensorEntries:
-                    keep = self._kept_entries(kind, since, committed, named())
+                    named = touched() if callable(touched) else touched
+                    keep = _joined(
+                        self._kept_entries(kind, since, committed, named),
+                        given() if callable(given) else given,
+                    )
                     return self._tensor_entries(full, keep)
 
                 digest_job = self._digest_pool.submit(entries)
             else:
-                keep = self._kept_entries(kind, since, committed, touched)
+                keep = _joined(self._kept_entries(kind, since, committed, touched), given)
                 digest_job = self._digest_pool.submit(self._tensor_entries, full, keep)
         shards = len(self.layout.shards())
         threads = cfg.upload_threads or min(32, shards)

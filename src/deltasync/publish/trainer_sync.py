@@ -60,6 +60,7 @@ and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -69,6 +70,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from deltasync.errors import CaptureAbandonedError, ConfigError, PublishFailedError
+from deltasync.layout.digest import TensorEntries
+from deltasync.layout.digest_feed import DigestFeed
 from deltasync.native.loader import release_free_heap
 from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
@@ -99,6 +102,7 @@ class PendingVersion:
         self._future = future
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
         self.detect_s: float | None = None  # from the call to the end of detection
+        self.feed: DigestFeed | None = None  # the receivers' tensors hashed by detection
         self._detected = threading.Event()
 
     def detected(self) -> bool:
@@ -142,14 +146,19 @@ def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Po
 
 
 def _capture_stream(
-    tracker: Tracker, values_below: int, values_max: int
+    tracker: Tracker, values_below: int, values_max: int, feed: DigestFeed | None = None
 ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
     """``_positions_stream`` as triples; with a tracker that offers ``iter_capture`` and a
     budget, the small parameters of a small delta come with the values detection read, and
-    with ``values_max`` the large parameters with at most that many changes too."""
+    with ``values_max`` the large parameters with at most that many changes too; ``feed``
+    (given only for a tracker whose ``iter_capture`` takes a ``sink``) hashes the receivers'
+    tensors from the detection pass's casts."""
     capture = getattr(tracker, "iter_capture", None)
     if (values_below or values_max) and callable(capture):
-        yield from capture(values_below, values_max=values_max)
+        if feed is not None:
+            yield from capture(values_below, values_max=values_max, sink=feed)
+        else:
+            yield from capture(values_below, values_max=values_max)
         return
     for name, pos in _positions_stream(tracker):
         yield name, pos, None
@@ -235,6 +244,7 @@ class TrainerSync:
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._detector: ThreadPoolExecutor | None = None  # detection after the return
+        self._feeds: DigestFeed | None = None  # the digest feed's plan (first publisher)
         self._expect_large = False  # the last delta held at least inline_below elements
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
@@ -363,8 +373,9 @@ class TrainerSync:
         at_once = not anchor and self._unhold is not None and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
         values_max = 0 if anchor else VALUES_IN_FLIGHT
+        pending.feed = None if anchor else self._digest_feed(params)
         items = merge_captured(
-            _capture_stream(self.tracker, budget, values_max), self._carry, params
+            _capture_stream(self.tracker, budget, values_max, pending.feed), self._carry, params
         )
         if at_once:
             handoff = Handoff(VALUES_IN_FLIGHT)
@@ -477,6 +488,23 @@ class TrainerSync:
         pending._end_detection(started)
         handoff.close()
 
+    def _digest_feed(self, params: Params) -> DigestFeed | None:
+        """A fresh feed for this version's detection pass, when the first publisher hashes
+        the state from ``params`` alone (one writer, no ``full_state``) and the tracker can
+        feed it (``iter_capture`` takes a ``sink``)."""
+        pub = self.publishers[0]
+        capture = getattr(self.tracker, "iter_capture", None)
+        if (
+            self._full_state is not None
+            or pub.config.num_writers != 1
+            or not callable(capture)
+            or "sink" not in inspect.signature(capture).parameters
+        ):
+            return None
+        if self._feeds is None:
+            self._feeds = DigestFeed(pub.trainer_layout, pub.layout, params=frozenset(params))
+        return self._feeds.fresh()
+
     def _submit(self, *args: object) -> Future:
         """:meth:`_background` with ``args`` on the publish thread (started on first use)."""
         if self._worker is None:
@@ -503,6 +531,17 @@ class TrainerSync:
         touched = None
         if self._watches_all(params):
             touched = handoff.names if handoff is not None else frozenset(captured)
+        feed = pending.feed
+        fed: TensorEntries | Callable[[], TensorEntries] | None = None
+        if feed is not None and handoff is not None:
+
+            def fed_entries() -> TensorEntries:
+                handoff.names()  # the feed is complete once detection has ended
+                return feed.entries()
+
+            fed = fed_entries
+        elif feed is not None:
+            fed = feed.entries()
         try:
             reports = []
             for i, pub in enumerate(self.publishers):
@@ -523,6 +562,7 @@ class TrainerSync:
                         since=self.baseline,
                         full_state=self._full_state,
                         touched=touched,
+                        fed=fed if i == 0 else None,
                     )
                 )
             # Committed everywhere: the baseline moves now (wait() reads it after result());

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,6 +43,8 @@ from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
+    CastBuffers,
+    CastChunk,
     Chunk,
     Lookahead,
     bits_to_indices,
@@ -56,7 +59,7 @@ from deltasync.trainer.detect import (
 )
 from deltasync.trainer.params import OutOfBandWatch, Watched, local_of, watch
 from deltasync.trainer.positions import Positions
-from deltasync.trainer.protocol import LocalShard
+from deltasync.trainer.protocol import CastSink, LocalShard
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,53 @@ def _capture_chunks(
     if not kept:
         return got, None
     return got, (torch.cat(kept) if len(kept) > 1 else kept[0])
+
+
+class _WithBits(NamedTuple):
+    """A small parameter's detection, as its job without a sink gives it, and the BF16 bits
+    of all its elements (None where the kernel could not cast them)."""
+
+    detection: tuple[Any, torch.Tensor | None]
+    bits: torch.Tensor | None
+
+
+def _with_bits(
+    args: tuple, want_values: bool, as_positions: bool, buffers: CastBuffers
+) -> _WithBits:
+    (item,) = chunk_items(*args, values=want_values, cast=buffers)  # a small parameter: 1 chunk
+    idx, vals, bits = item()
+    if want_values:
+        return _WithBits((idx, vals), bits)
+    return _WithBits((Positions.of(idx) if as_positions else idx, None), bits)
+
+
+def _hand_bits(
+    sink: CastSink, name: str, start: int, bits: torch.Tensor | None, buffers: CastBuffers
+) -> bool:
+    """Give ``sink`` one chunk's bits (then the buffer back to ``buffers``), or tell it they
+    will not all come; True if given."""
+    if bits is None:
+        sink.fail(name)
+        return False
+    try:
+        sink.feed(name, start, bits)
+    finally:
+        buffers.give(bits)
+    return True
+
+
+def _feeding(
+    sink: CastSink, name: str, items: Iterable[CastChunk], buffers: CastBuffers
+) -> Iterator[Chunk]:
+    """A parameter's chunks without their bits, which go to ``sink`` in order as they pass."""
+    start, ok = 0, True
+    for idx, vals, bits in items:
+        if ok:
+            ok = _hand_bits(sink, name, start, bits, buffers)
+            start += 0 if bits is None else bits.numel()
+        elif bits is not None:
+            buffers.give(bits)
+        yield idx, vals
 
 
 class AdamWTracker:
@@ -387,7 +437,12 @@ class AdamWTracker:
         return detect_adamw_indices(*args, threads=self._threads), None
 
     def _iter(
-        self, values: bool, positions: bool = False, values_below: int = 0, values_max: int = 0
+        self,
+        values: bool,
+        positions: bool = False,
+        values_below: int = 0,
+        values_max: int = 0,
+        sink: CastSink | None = None,
     ) -> Iterator[Change]:
         """The change stream behind every public iterator. ``positions``: a one-step
         parameter's chunks go straight into :class:`Positions`; ``values_below`` (with
@@ -398,7 +453,10 @@ class AdamWTracker:
         comes as ``Positions`` with the values its chunks read, unless it has more than that
         many changed elements. One-step CPU parameters are detected ahead
         on the detection threads, a few work items at a time across parameter boundaries
-        (:class:`Lookahead`: a small parameter is one item, a large one an item per chunk)."""
+        (:class:`Lookahead`: a small parameter is one item, a large one an item per chunk).
+        ``sink``: such a parameter, held whole and wanted by it, also has every chunk cast
+        to BF16 by the kernel that tests it, handed to ``sink`` in order (see
+        :meth:`iter_capture`)."""
         self._oob.check()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
@@ -414,12 +472,25 @@ class AdamWTracker:
             )
 
         chunked = {n for n in self._order if self._chunked_step(n, pending)}
+        buffers = CastBuffers() if sink is not None else None
+
+        def casts(name: str) -> bool:
+            shard = self._watched[name].shard
+            whole = shard.local_numel == math.prod(shard.global_shape)
+            return sink is not None and whole and shard.local_numel > 0 and sink.wants(name)
 
         def job(name: str) -> list[Callable[[], Any]]:
             _, hyper, v_key = pending[name]
             args = (*self._state(name, v_key), kernel_scalars(hyper))
             if name in chunked:  # its chunks, joined or encoded by the consumer
-                return chunk_items(*args, values=values or bool(positions and values_max))
+                return chunk_items(
+                    *args,
+                    values=values or bool(positions and values_max),
+                    cast=buffers if casts(name) else None,
+                )
+            if casts(name):  # one item: its detection as below, and its bits for the sink
+                assert buffers is not None
+                return [lambda: _with_bits(args, wants_values(name), positions, buffers)]
             if wants_values(name):  # decided at submission; the consumer re-checks the budget
                 return [lambda: detect_adamw_changes(*args, threads=1)]
             if positions:
@@ -435,10 +506,18 @@ class AdamWTracker:
         def taken(name: str) -> Any:
             """``name``'s detection from the threads (None: not submitted)."""
             if name not in chunked:
-                return ahead.take(name)
+                got = ahead.take(name)
+                if isinstance(got, _WithBits):
+                    assert sink is not None and buffers is not None
+                    _hand_bits(sink, name, 0, got.bits, buffers)
+                    got = got.detection
+                return got
             items = ahead.take_items(name)  # its chunks: encoded as they come, or joined
             if items is None:
                 return None
+            if casts(name):
+                assert sink is not None and buffers is not None
+                items = _feeding(sink, name, items, buffers)
             if positions and not values:
                 return _capture_chunks(items, self._watched[name].local().device, values_max)
             return join_chunks(list(items), values=values)
@@ -453,7 +532,15 @@ class AdamWTracker:
                     want = wants_values(name)
                     got = taken(name)
                     if got is None:
-                        got = self._detect_one(name, pending.get(name), want, positions, values_max)
+                        got = self._detect_one(
+                            name,
+                            pending.get(name),
+                            want,
+                            positions,
+                            values_max,
+                            sink if casts(name) else None,
+                            buffers,
+                        )
                     if isinstance(got[0], Positions):
                         seen += len(got[0])
                         if len(got[0]):
@@ -510,12 +597,19 @@ class AdamWTracker:
         want: bool,
         positions: bool,
         values_max: int = 0,
+        sink: CastSink | None = None,
+        buffers: CastBuffers | None = None,
     ) -> tuple[torch.Tensor | Positions, torch.Tensor | None]:
         """One covered parameter on the caller's thread: ``(Positions, values or None)`` when
         its chunks went straight into the encoding (values as :func:`_capture_chunks` keeps
-        them), else ``(int64 indices, values or None)``."""
-        if positions and not want and name not in self._bits and entry and entry[1] is not None:
+        them), else ``(int64 indices, values or None)``. ``sink``: the kernel's casts of a
+        one-step parameter go to it (else it is never fed this parameter)."""
+        one_step = name not in self._bits and entry is not None and entry[1] is not None
+        if sink is not None and buffers is None:
+            buffers = CastBuffers()
+        if positions and not want and one_step:
             # One step per version: the kernel's chunks go straight into Positions.
+            assert entry is not None
             _, hyper, v_key = entry
             local = self._watched[name].local()
             chunks = detect_adamw_chunks(
@@ -523,8 +617,20 @@ class AdamWTracker:
                 kernel_scalars(hyper),
                 threads=self._threads,
                 values=bool(values_max) and local.numel() > VALUE_CAPTURE_MAX,
+                cast=buffers if sink is not None else None,
             )
+            if sink is not None:
+                assert buffers is not None
+                chunks = _feeding(sink, name, chunks, buffers)
             return _capture_chunks(chunks, local.device, values_max)
+        if sink is not None and one_step and small_enough(self._watched[name].shard.local_numel):
+            assert entry is not None
+            _, hyper, v_key = entry
+            assert buffers is not None
+            args = (*self._state(name, v_key), kernel_scalars(hyper))
+            got = _with_bits(args, want, False, buffers)
+            _hand_bits(sink, name, 0, got.bits, buffers)
+            return got.detection
         return self._detect(name, entry, want)
 
     def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -552,7 +658,7 @@ class AdamWTracker:
             yield name, pos
 
     def iter_capture(
-        self, values_below: int, *, values_max: int = 0
+        self, values_below: int, *, values_max: int = 0, sink: CastSink | None = None
     ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
         """:meth:`iter_positions`, except that while fewer than ``values_below`` changed
         elements were seen, a parameter of at most :data:`VALUE_CAPTURE_MAX` elements comes
@@ -574,6 +680,11 @@ class AdamWTracker:
             values_below: the budget of changed elements captured with values (0: none).
             values_max: the most changed elements a chunked parameter's values are handed
                 over for (0: positions only for them).
+            sink: takes the BF16 bits of every parameter it wants that is held whole and
+                detected by the kernel in one optimizer step, cast by the kernel from the
+                values its test reads (no second read of the parameter), each parameter's
+                chunks in order, on the caller's thread as the items pass; a parameter whose
+                bits cannot all come is failed (``sink.fail``) or never fed.
 
         Returns:
             One item per changed parameter, in ``named_params`` order.
@@ -582,7 +693,11 @@ class AdamWTracker:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{arg} must be a non-negative int, got {value!r}")
         yield from self._iter(
-            values=False, positions=True, values_below=values_below, values_max=values_max
+            values=False,
+            positions=True,
+            values_below=values_below,
+            values_max=values_max,
+            sink=sink,
         )
 
     def changed(self) -> dict[str, torch.Tensor]:

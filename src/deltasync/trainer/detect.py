@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -346,27 +346,74 @@ def detect_adamw_indices(
     return _detect_chunked(p, m, v, k, threads=threads, values=False)[0]
 
 
+class CastBuffers:
+    """The BF16 buffers one detection pass casts its chunks into (``chunk_items``' ``cast``),
+    reused: each chunk takes one and the consumer gives it back once it has hashed the bits,
+    so a pass holds as many as are in flight at once (the :class:`Lookahead` window), not one
+    per chunk. (A fresh 2 MiB buffer per chunk cost page faults on every one, and its freed
+    space lay between the positions kept meanwhile, where the heap could not reuse it.)
+    Dropped with the pass."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._made: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, of every one made
+
+    def take(self, n: int) -> torch.Tensor:
+        """A buffer for ``n <= _CHUNK`` BF16 elements (its first ``n``)."""
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = torch.empty(_CHUNK, dtype=torch.bfloat16)
+            with self._lock:
+                self._made[buf.data_ptr()] = buf
+        return buf[:n]
+
+    def give(self, bits: torch.Tensor) -> None:
+        """Return a buffer :meth:`take` gave (anything else is ignored)."""
+        with self._lock:
+            buf = self._made.get(bits.data_ptr())
+            if buf is not None:
+                self._free.append(buf)
+
+
 Chunk = tuple[torch.Tensor, torch.Tensor | None]  # sorted int64 positions, BF16 values or None
+# ... and the BF16 bits of every element of the chunk, or None (see chunk_items' ``cast``)
+CastChunk = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def chunk_items(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: KernelScalars, *, values: bool
-) -> list[Callable[[], Chunk]]:
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    k: KernelScalars,
+    *,
+    values: bool,
+    cast: CastBuffers | None = None,
+) -> list[Callable[[], Any]]:
     """One step's detection as work items: one thunk per ``_CHUNK``-element chunk, each giving
     that chunk's sorted int64 positions (absolute) and, with ``values``, their BF16 values, to
     run in order or on any thread (:class:`Lookahead`); a single whole-tensor item where the
-    kernel cannot run. :func:`join_chunks` puts the results together."""
+    kernel cannot run. :func:`join_chunks` puts the results together.
+
+    With ``cast`` each item gives a :data:`CastChunk` instead: also the BF16 bits of every
+    element of its chunk, in order (what the receivers' state digest hashes: a
+    :class:`~deltasync.layout.digest_feed.DigestFeed` takes them), cast by the kernel from the
+    values its test just read into a buffer of ``cast`` (the consumer gives it back); None
+    where the kernel could not (the whole-tensor path, a NaN or fp32 subnormal in the chunk),
+    and the digest then reads that parameter itself."""
     check_state(p, m, v)
     n = p.numel()
     if n == 0:
         return []
     if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
 
-        def whole() -> Chunk:  # the bitset path (torch where the kernel cannot read)
+        def whole() -> Chunk | CastChunk:  # the bitset path (torch where the kernel cannot read)
             bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
             detect_adamw_(p, m, v, k, bits, threads=1)
             idx = bits_to_indices(bits, n)
-            return idx, (bf16_at(p, idx, trusted=True) if values else None)
+            vals = bf16_at(p, idx, trusted=True) if values else None
+            return (idx, vals, None) if cast else (idx, vals)
 
         return [whole]
     lib = native.load()
@@ -374,21 +421,30 @@ def chunk_items(
     pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
     flat = p.view(-1)
 
+    def listed(start: int, cnt: int, *outs: int | None) -> int:
+        """The list kernel over one chunk (``outs``: positions, values, and casts for the cast one)."""
+        kernel = lib.ds_adamw_detect_list_cast if len(outs) == 3 else lib.ds_adamw_detect_list
+        off = start * 4
+        return kernel(pp + off, mp + off, vp + off, cnt, *_scalars(k), start, *outs)
+
+    def run_cast(start: int) -> CastChunk:
+        cnt = min(_CHUNK, n - start)
+        ibuf, vbuf = _list_scratch()
+        assert cast is not None
+        bits = cast.take(cnt)  # handed on: the consumer hashes it, then gives it back
+        vptr = vbuf.data_ptr() if values else None
+        found = listed(start, cnt, ibuf.data_ptr(), vptr, bits.data_ptr())
+        if found >= 0:
+            return ibuf[:found].clone(), (vbuf[:found].clone() if values else None), bits
+        cast.give(bits)
+        idx, vals = run(start)  # a NaN or subnormal somewhere in the chunk: no cast
+        return idx, vals, None
+
     def run(start: int) -> Chunk:
         cnt = min(_CHUNK, n - start)
-        off = start * 4
         if values:  # positions and BF16 values straight from the kernel, block by block
             ibuf, vbuf = _list_scratch()
-            found = lib.ds_adamw_detect_list(
-                pp + off,
-                mp + off,
-                vp + off,
-                cnt,
-                *_scalars(k),
-                start,
-                ibuf.data_ptr(),
-                vbuf.data_ptr(),
-            )
+            found = listed(start, cnt, ibuf.data_ptr(), vbuf.data_ptr())
             if found >= 0:
                 return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values
@@ -397,8 +453,8 @@ def chunk_items(
             return out, None
         return out, bf16_at(flat, out, trusted=True)
 
-    def item(start: int) -> Callable[[], Chunk]:
-        return lambda: run(start)
+    def item(start: int) -> Callable[[], Any]:
+        return (lambda: run_cast(start)) if cast is not None else (lambda: run(start))
 
     return [item(s) for s in range(0, n, _CHUNK)]
 
@@ -422,13 +478,15 @@ def detect_adamw_chunks(
     *,
     threads: int | None = None,
     values: bool,
-) -> Iterator[Chunk]:
+    cast: CastBuffers | None = None,
+) -> Iterator[Any]:
     """:func:`detect_adamw_indices` chunk by chunk: per ``_CHUNK``-element chunk, in order, as
     each is detected (a few chunks ahead on the kernel threads), its sorted int64 positions
     and, with ``values``, the BF16 values at them (written by the kernel as it flags them).
     The caller encodes each as it comes (:meth:`Positions.from_chunks`), so the int64
-    positions of a whole parameter (the embedding's: tens of MiB) never exist."""
-    items = chunk_items(p, m, v, k, values=values)
+    positions of a whole parameter (the embedding's: tens of MiB) never exist. ``cast``:
+    :data:`CastChunk` triples instead (see :func:`chunk_items`)."""
+    items = chunk_items(p, m, v, k, values=values, cast=cast)
     t = threads or torch.get_num_threads()
     if t <= 1 or len(items) <= 1:
         for item in items:

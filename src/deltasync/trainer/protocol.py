@@ -117,3 +117,21 @@ def publish_role(shards: Mapping[str, LocalShard], *, dp_rank: int = 0) -> Publi
     rank, world = sharded.pop() if sharded else (0, 1)
     replica = max((s.replica for s in shards.values()), default=0)
     return PublishRole(writes=replica == 0 and dp_rank == 0, writer_rank=rank, num_writers=world)
+
+
+class CastSink(Protocol):
+    """Takes whole parameters' BF16 bits as a detection pass casts them (e.g.
+    :class:`deltasync.layout.digest_feed.DigestFeed`, which hashes the receivers' tensors from
+    them). Called on the pass's consuming thread, each parameter's chunks in order."""
+
+    def wants(self, name: str) -> bool:
+        """Whether parameter ``name``'s bits are wanted."""
+        ...
+
+    def feed(self, name: str, start: int, bits: torch.Tensor) -> None:
+        """Flat elements ``[start, start + bits.numel())`` of parameter ``name``, as BF16."""
+        ...
+
+    def fail(self, name: str) -> None:
+        """Parameter ``name``'s bits will not all come (nothing more is fed for it)."""
+        ...

@@ -8,6 +8,7 @@
  * order, and the torch fallback in detect.py performs the identical operations.
  *
  * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
+ * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest).
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
  * receivers' 2-byte scatter); each says what it checks.
@@ -246,6 +247,40 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
         }
     }
     return k;
+}
+
+/* ds_adamw_detect_list_cast: ds_adamw_detect_list (val_out may be NULL), and the BF16 bits of
+ * EVERY element of the chunk into all_out (n entries): the bits the receivers' state digest
+ * hashes, cast while the block the test just read is still in L1, so the digest needs no
+ * second read of the parameter. Returns the count, or -1 if any value of the chunk is NaN or
+ * an fp32 subnormal (all_out then not to be used; see ds_gather_bf16 for why torch decides
+ * those). The cast is ds_cast_bf16's, block by block. */
+int64_t ds_adamw_detect_list_cast(const float *p, const float *m, const float *v, int64_t n,
+                                  float bc2s, float eps, float step_size, float inv_scale_c,
+                                  float rel_s, float rel_u, float abs_e, int64_t first_index,
+                                  int64_t *idx_out, uint16_t *val_out, uint16_t *all_out) {
+    int64_t k = 0;
+    uint32_t hi = 0, lo = 0xFFFFFFFFu;
+    for (int64_t base = 0; base < n; base += BLOCK) {
+        int64_t len = n - base < BLOCK ? n - base : BLOCK;
+        uint64_t mask = block_mask(p, m, v, base, len, bc2s, eps, step_size, inv_scale_c, rel_s,
+                                   rel_u, abs_e);
+        for (int64_t j = 0; j < len; j++) {
+            uint32_t u = f2u(p[base + j]);
+            uint32_t a = u & 0x7FFFFFFFu;
+            hi = a > hi ? a : hi;
+            lo = a - 1u < lo ? a - 1u : lo;
+            all_out[base + j] = (uint16_t)bf16_rne(u);
+        }
+        while (mask) {
+            int t = __builtin_ctzll(mask);
+            mask &= mask - 1;
+            idx_out[k] = first_index + base + t;
+            if (val_out) val_out[k] = all_out[base + t];
+            k++;
+        }
+    }
+    return (hi > 0x7F800000u || lo < 0x007FFFFFu) ? -1 : k;
 }
 
 /* ds_scatter16_i32 / ds_scatter16_i64: dst[idx[k] - base] = vals[k] for k < n, into a 2-byte

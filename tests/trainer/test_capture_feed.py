@@ -1,0 +1,107 @@
+"""The capture's detection pass also hashes the receivers' tensors (``iter_capture(sink=)``):
+on a real ``transformers`` Qwen3 under real AdamW steps, the kernel's casts fed to a DigestFeed
+give exactly the digest pass's entries, for chunked and single-item parameters, on one and two
+detection threads; a NaN in a chunk leaves that parameter's tensors to the pass; the capture
+itself is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kit import build_model, tiny_layouts, tiny_qwen3
+
+from deltasync import AdamWTracker
+from deltasync.layout.digest import state_tensor_digests
+from deltasync.layout.digest_feed import DigestFeed
+from deltasync.trainer.positions import Positions
+
+# gate/up/down and the embedding above the kernel's 2^20-element chunk: several chunks each,
+# detected ahead on the kernel threads; attention and norms one item each
+BIG = dict(
+    hidden_size=256,
+    intermediate_size=4608,
+    vocab_size=4500,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=1,
+)
+
+
+def _trained(threads: int, seed: int = 0):
+    cfg = tiny_qwen3(**BIG)
+    model = build_model(cfg, seed=seed)
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([p for _, p in named], lr=3e-6, weight_decay=0.01)
+    tracker = AdamWTracker(opt, named, threads=threads)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(2):
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        opt.step()
+        tracker.clear()
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    opt.step()
+    return model, named, tracker
+
+
+def _capture(tracker, sink=None):
+    out = {}
+    for name, pos, vals in tracker.iter_capture(1 << 12, values_max=1 << 16, sink=sink):
+        idx = pos.indices() if isinstance(pos, Positions) else pos
+        out[name] = (idx, vals)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_detection_hashes_the_receivers_tensors_as_the_pass_does(threads, tp):
+    _, tl, rl = tiny_layouts("vllm", tp=tp, **BIG)
+    _, named, tracker = _trained(threads)
+    params = {n: p.detach() for n, p in named}
+    plain = _capture(tracker)  # a pending step: asking again gives the same answer
+    feed = DigestFeed(tl, rl)
+    fed = _capture(tracker, feed)
+    assert plain.keys() == fed.keys()
+    for name, (idx, vals) in plain.items():
+        assert torch.equal(idx, fed[name][0])
+        assert (vals is None) == (fed[name][1] is None)
+        if vals is not None:
+            assert torch.equal(vals.view(torch.int16), fed[name][1].view(torch.int16))
+    got = feed.entries()
+    want = state_tensor_digests(params, trainer_layout=tl, receiver_layout=rl)
+    assert got == want  # every tensor: each is whole row blocks of one parameter's rows
+    assert feed.covered() == sum(
+        torch.Size(e[1]).numel() for locals_ in want.values() for e in locals_.values()
+    )
+
+
+def test_a_nan_chunk_leaves_its_parameter_to_the_pass():
+    _, tl, rl = tiny_layouts("vllm", tp=2, **BIG)
+    _, named, tracker = _trained(threads=2, seed=4)
+    params = {n: p.detach() for n, p in named}
+    gate = next(n for n in params if "gate_proj" in n)
+    params[gate].view(-1)[(1 << 20) + 3] = float("nan")  # its second chunk
+    feed = DigestFeed(tl, rl)
+    _capture(tracker, feed)
+    got = feed.entries()
+    want = state_tensor_digests(params, trainer_layout=tl, receiver_layout=rl)
+    held_back = set(rl.holders(tl.resolve(gate)))
+    assert held_back
+    for shard, locals_ in want.items():
+        for local, entry in locals_.items():
+            if (shard, local) in held_back:
+                assert local not in got.get(shard, {})
+            else:
+                assert got[shard][local] == entry
+
+
+def test_a_sharded_or_unwanted_parameter_is_not_cast():
+    _, tl, rl = tiny_layouts("vllm", tp=2, **BIG)
+    _, named, tracker = _trained(threads=1, seed=5)
+    down = next(n for n, _ in named if "down_proj" in n)
+    feed = DigestFeed(tl, rl, params={n for n, _ in named} - {down})
+    _capture(tracker, feed)
+    got = feed.entries()
+    assert got and not any("down_proj" in local for v in got.values() for local in v)
