@@ -105,3 +105,37 @@ def test_a_sharded_or_unwanted_parameter_is_not_cast():
     _capture(tracker, feed)
     got = feed.entries()
     assert got and not any("down_proj" in local for v in got.values() for local in v)
+
+
+def test_the_kernels_cast_is_torchs_bit_for_bit_and_refuses_nan_and_subnormals():
+    from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
+    from deltasync.trainer.detect import CastBuffers, chunk_items
+
+    g = torch.Generator().manual_seed(9)
+    n = (1 << 20) + 4097  # two chunks, the second short
+    p = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    p[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.0e38, -1.1754944e-38])
+    m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
+    k = kernel_scalars(
+        StepHyper(
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, step=3
+        )
+    )
+    buffers = CastBuffers()
+    plain = [item() for item in chunk_items(p, m, v, k, values=True)]
+    cast = [item() for item in chunk_items(p, m, v, k, values=True, cast=buffers)]
+    start = 0
+    for (idx, vals), (idx_c, vals_c, bits) in zip(plain, cast, strict=True):
+        assert torch.equal(idx, idx_c) and torch.equal(
+            vals.view(torch.int16), vals_c.view(torch.int16)
+        )
+        want = p[start : start + bits.numel()].to(torch.bfloat16)
+        assert torch.equal(bits.view(torch.int16), want.view(torch.int16))
+        start += bits.numel()
+        buffers.give(bits)
+    assert start == n
+    for bad in (float("nan"), 1e-40):  # a NaN, an fp32 subnormal: torch decides those
+        q = p.clone()
+        q[(1 << 20) + 5] = bad
+        first, second = (item() for item in chunk_items(q, m, v, k, values=True, cast=buffers))
+        assert first[2] is not None and second[2] is None
