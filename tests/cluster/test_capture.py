@@ -284,3 +284,21 @@ def test_positions_out_of_params_order_are_refused_naming_the_param() -> None:
             params,
             **BLOB,
         )
+
+
+def test_the_handed_capture_hashes_the_receivers_tensors_as_it_detects() -> None:
+    # the overlapped sender's capture with a DigestFeed: the same items, and every receiver
+    # tensor's digest entry from the detection pass, equal to the digest pass's
+    from deltasync.layout.digest import state_tensor_digests
+    from deltasync.layout.digest_feed import DigestFeed
+
+    trainer, tracker = trained(steps=0)  # one plain AdamW step: the kernel detects it
+    params = trainer.params()
+    plain = list(iter_handed(tracker, {}, params, values_max=1 << 30))
+    feed = DigestFeed(TRAINER, RECEIVERS)
+    fed = list(iter_handed(tracker, {}, params, values_max=1 << 30, sink=feed))
+    assert [(n, p.indices().tolist(), bits(v).tolist()) for n, p, v in fed] == [
+        (n, p.indices().tolist(), bits(v).tolist()) for n, p, v in plain
+    ]
+    want = state_tensor_digests(params, trainer_layout=TRAINER, receiver_layout=RECEIVERS)
+    assert feed.entries() == want

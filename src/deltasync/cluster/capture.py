@@ -70,6 +70,7 @@ from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import merge_captured, merge_positions
 from deltasync.trainer.positions import Positions
+from deltasync.trainer.protocol import CastSink
 
 Carry = dict[str, Positions]
 
@@ -150,17 +151,24 @@ def iter_handed(
     params: Mapping[str, torch.Tensor],
     *,
     values_max: int,
+    sink: CastSink | None = None,
 ) -> Iterator[tuple[str, Positions, torch.Tensor | None]]:
     """:func:`iter_captured` with each parameter's BF16 values where the tracker's detection
     read them with the positions (``iter_capture(0, values_max=...)``: at most
     ``values_max`` of a parameter's) and no carried positions join them; else None (the
-    background reads them from the params as it routes)."""
+    background reads them from the params as it routes). ``sink`` (for a tracker whose
+    ``iter_capture`` takes one) gets the detection pass's casts."""
     capture = getattr(tracker, "iter_capture", None)
     if not (values_max and callable(capture)):
         for name, pos in iter_captured(tracker, carry, params):
             yield name, pos, None
         return
-    for name, pos, change in merge_captured(capture(0, values_max=values_max), carry, params):
+    stream = (
+        capture(0, values_max=values_max)
+        if sink is None
+        else capture(0, values_max=values_max, sink=sink)
+    )
+    for name, pos, change in merge_captured(stream, carry, params):
         yield name, pos, None if change is None else change[2]
 
 

@@ -74,6 +74,7 @@ This class knows the order of those steps; it holds no copy of the model.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import secrets
 import time
@@ -121,7 +122,8 @@ from deltasync.exchange import exchange
 from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
-from deltasync.layout.digest import state_digests
+from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
+from deltasync.layout.digest_feed import DigestFeed
 from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
@@ -222,6 +224,7 @@ class ClusterSender:
         self._pending_anchor = False
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
         self._digest_pool: ThreadPoolExecutor | None = None  # overlap: digests beside routing
+        self._feeds: DigestFeed | None = None  # the digest feed's plan (overlapped deltas)
         self._background = (
             Background(
                 optimizer,
@@ -290,25 +293,46 @@ class ClusterSender:
         stream: Handoff[Handed] | None = None,
         parts: PartStream | None = None,
         digests: Future | None = None,
+        feed: DigestFeed | None = None,
     ) -> Outgoing:
         """Steps 2-3: route (reading the values of captured positions), digest and encode
         captured changes (the last reads of ``params``); with ``stream``, the captured
         positions as the caller's detection hands them over (``caps`` then only marks a
         delta), and the digest pass runs beside the routing from the end of the capture.
-        ``digests``: that pass, started by the caller already.
+        ``digests``: that pass, started by the caller already. ``feed``: the receivers'
+        tensors the capture's detection hashed, taken as given by that pass.
         With ``parts`` (a delta), the blobs go out in parts as they are written and the last
         part is sealed there, not returned (``payloads`` is empty)."""
         job = digests
         want = self.config.sends_digest(version, anchor=caps.anchor)
         if want and job is None and stream is not None and not callable(self._full_state):
             # (a full_state callable may gather over the group: only this thread may)
-            job = self._digest_job(self._digests_after, stream, params)
+            job = self._digest_job(self._digests_after, stream, params, feed)
         try:
             return self._build_payloads(version, base, caps, params, stream, want, job, parts)
         except BaseException:
             if job is not None:  # it reads the params: done before the optimizer may step
                 job.exception()
             raise
+
+    def _digest_feed(self, version: int, params: Params) -> DigestFeed | None:
+        """A fresh feed for this delta's detection pass, when it sends whole-state digests
+        computed from ``params`` alone (one writer, no ``full_state``) and the tracker can feed
+        it (``iter_capture`` takes a ``sink``)."""
+        capture = getattr(self.tracker, "iter_capture", None)
+        if (
+            not self.config.sends_digest(version, anchor=False)
+            or self.role.count != 1
+            or self._full_state is not None
+            or not callable(capture)
+            or "sink" not in inspect.signature(capture).parameters
+        ):
+            return None
+        if self._feeds is None:
+            self._feeds = DigestFeed(
+                self.trainer_layout, self.receiver_layout, params=frozenset(params)
+            )
+        return self._feeds.fresh()
 
     def _digest_job(self, fn: Callable, *args: object) -> Future:
         """``fn(*args)`` on the digest thread (started on first use)."""
@@ -317,10 +341,10 @@ class ClusterSender:
         return self._digest_pool.submit(fn, *args)
 
     def _digests_after(
-        self, handoff: Handoff[Handed], params: Params
+        self, handoff: Handoff[Handed], params: Params, feed: DigestFeed | None
     ) -> tuple[dict[str, str], bool]:
         handoff.names()  # the capture has ended (or failed: then this raises)
-        return self._digests(params)
+        return self._digests(params, None if feed is None else feed.entries())
 
     def _build_payloads(
         self,
@@ -453,16 +477,23 @@ class ClusterSender:
             )
         return self.version
 
-    def _digests(self, params: Params) -> tuple[dict[str, str], bool]:
-        """``({shard: digest}, whether they are this writer's part digests)``."""
+    def _digests(
+        self, params: Params, fed: TensorEntries | None = None
+    ) -> tuple[dict[str, str], bool]:
+        """``({shard: digest}, whether they are this writer's part digests)``; ``fed``: the
+        entries of tensors already hashed from ``params`` (a :class:`DigestFeed`'s)."""
         if self.role.count == 1 or self._full_state is not None:
             if self.role.index != 0:
                 return {}, False  # writer 0 sends the whole-state digests
             full = params if self.role.count == 1 else self._full_state
             full = full() if callable(full) else full
-            return state_digests(
-                full, trainer_layout=self.trainer_layout, receiver_layout=self.receiver_layout
-            ), False
+            entries = state_tensor_digests(
+                full,
+                trainer_layout=self.trainer_layout,
+                receiver_layout=self.receiver_layout,
+                keep=fed if self.role.count == 1 and self._full_state is None else None,
+            )
+            return combine_entries(entries), False
         return writer_part_digests(
             params,
             trainer_layout=self.trainer_layout,
@@ -658,6 +689,7 @@ class ClusterSender:
         pending: PendingSend,
         *,
         t0: float,
+        feed: DigestFeed | None = None,
     ) -> SendReport:
         """An overlapped delta streamed (``config.part_bytes``): steps 2-5 at once, the
         preflight and each part's exchange on the stream's thread as the blobs grow, then the
@@ -673,7 +705,13 @@ class ClusterSender:
         )
         try:
             out = self._build(
-                version, base, Capture(positions={}), self._current_params(), handoff, parts
+                version,
+                base,
+                Capture(positions={}),
+                self._current_params(),
+                handoff,
+                parts,
+                feed=feed,
             )
         except Exception as exc:  # the capture's own error where it failed
             pending.release()
@@ -722,17 +760,21 @@ class ClusterSender:
         # encoding overlap the rest of detection (joined with the carry; the values detection
         # read go along while the handoff has room for them, the background reads the rest).
         handoff: Handoff[Handed] | None = None
+        feed = None
         if failure is None and not anchor:
             handoff = Handoff(VALUES_IN_FLIGHT)
+            feed = self._digest_feed(version, params)
 
         def work(p: PendingSend) -> SendReport:
             if failure is None and handoff is not None and self.config.part_bytes:
-                return self._send_in_parts(version, base, handoff, p, t0=t0)
+                return self._send_in_parts(version, base, handoff, p, t0=t0, feed=feed)
             out, err = None, failure
             if err is None:
                 caps = Capture() if handoff is None else Capture(positions={})
                 try:
-                    out = self._build(version, base, caps, self._current_params(), handoff)
+                    out = self._build(
+                        version, base, caps, self._current_params(), handoff, feed=feed
+                    )
                 except Exception as exc:  # the capture's own error where it failed
                     err = exc if handoff is None or handoff.error is None else handoff.error
             p.release()  # the parameters are read no more: the optimizer may step
@@ -753,11 +795,11 @@ class ClusterSender:
             if self._detector is None:
                 self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
             device = current_cuda_device()
-            self._detector.submit(self._capture, handoff, params, pending, device)
+            self._detector.submit(self._capture, handoff, params, pending, device, feed)
             pending.captured_s = time.perf_counter() - t0
             return pending
         try:
-            self._capture(handoff, params, pending)
+            self._capture(handoff, params, pending, feed=feed)
         finally:
             pending.captured_s = time.perf_counter() - t0
         return pending
@@ -786,6 +828,7 @@ class ClusterSender:
         params: Params,
         pending: PendingSend,
         device: int | None = None,
+        feed: DigestFeed | None = None,
     ) -> None:
         """Step 1 of an overlapped delta: each parameter's changed positions, joined with the
         carry, handed to the background as they are detected; then the tracker is cleared
@@ -796,7 +839,9 @@ class ClusterSender:
             torch.cuda.set_device(device)
         captured: Carry = {}
         try:
-            handed = iter_handed(self.tracker, self._pending, params, values_max=VALUES_IN_FLIGHT)
+            handed = iter_handed(
+                self.tracker, self._pending, params, values_max=VALUES_IN_FLIGHT, sink=feed
+            )
             for name, pos, vals in handed:
                 captured[name] = pos
                 hand_over(handoff, name, pos, vals)
