@@ -195,7 +195,7 @@ def shard_tensor_digests(
         for local in table.dst_shapes[shard]:
             locals_in_order[local] = None
     entries: TensorEntries = {s: {} for s in wanted}
-    staging = torch.empty(_CAST_ELEMENTS, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
+    staging: torch.Tensor | None = None  # made when a tensor is first read (none may be)
     for local in locals_in_order:
         for shard in sorted(wanted):
             shape = table.dst_shapes[shard].get(local)
@@ -210,6 +210,8 @@ def shard_tensor_digests(
             if all(b.dst_full_width for _, b in blocks):
                 h = xxhash.xxh3_128()
                 cursor = 0
+                if staging is None and dtype == torch.bfloat16:
+                    staging = torch.empty(_CAST_ELEMENTS, dtype=torch.bfloat16)
                 for src, b in blocks:
                     feed_zeros(h, (b.dst_row - cursor) * cols * esize)  # uncovered rows: zero
                     _feed_cast(h, b.src_view(as_2d(full[src])), dtype, staging)
