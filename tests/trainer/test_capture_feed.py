@@ -139,3 +139,35 @@ def test_the_kernels_cast_is_torchs_bit_for_bit_and_refuses_nan_and_subnormals()
         q[(1 << 20) + 5] = bad
         first, second = (item() for item in chunk_items(q, m, v, k, values=True, cast=buffers))
         assert first[2] is not None and second[2] is None
+
+
+def test_after_a_two_step_version_a_one_step_version_is_the_kernels_again():
+    # two optimizer steps in one version fold into a bitset; clear() keeps it zeroed, and a
+    # later one-step version is detected straight from its step again (values and casts),
+    # with the same answer the bitset would give
+    _, tl, rl = tiny_layouts("vllm", tp=2, **BIG)
+    model, named, tracker = _trained(threads=2, seed=8)
+    g = torch.Generator().manual_seed(99)
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    model.zero_grad(set_to_none=False)
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    tracker._opt.step()  # a second step in this version: folded into bitsets
+    two = _capture(tracker)
+    assert tracker._bits and all(tracker._folded(n) for n in tracker._bits)
+    tracker.clear()
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    tracker._opt.step()
+    assert not any(tracker._folded(n) for n in tracker._bits)
+    feed = DigestFeed(tl, rl)
+    one = _capture(tracker, feed)
+    params = {n: p.detach() for n, p in named}
+    assert feed.entries() == state_tensor_digests(params, trainer_layout=tl, receiver_layout=rl)
+    assert one.keys() and two.keys()
+    # the bitset's answer for the same step: fold it (a step on top would) and ask again
+    tracker._finalize()
+    again = _capture(tracker)
+    for name, (idx, _) in one.items():
+        assert torch.equal(idx, again[name][0]), name

@@ -293,8 +293,11 @@ class AdamWTracker:
             )
         # Bitsets are allocated only for params that take a second step before changed()/clear()
         # (several steps per version). With one step per version detection runs straight into
-        # indices and the tracker holds no per-element memory between versions.
+        # indices and the tracker holds no per-element memory between versions. clear() zeroes
+        # a bitset and keeps it (the next multi-step version reuses it); until a step is folded
+        # into it again it is *clean*, and a single step is detected as if it were not there.
         self._bits: dict[str, torch.Tensor] = {}
+        self._clean: set[str] = set()
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
@@ -396,6 +399,7 @@ class AdamWTracker:
 
     def _fold(self, name: str, hyper: StepHyper | None, v_key: str) -> None:
         """OR one pending step's mask into the param's bitset (allocating it if needed)."""
+        self._clean.discard(name)
         local = self._watched[name].local()
         bits = self._bits.get(name)
         if bits is None:
@@ -420,7 +424,7 @@ class AdamWTracker:
     def _detect(
         self, name: str, pending: tuple[str, StepHyper | None, str] | None, values: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if name in self._bits:
+        if self._folded(name):
             if pending is not None:
                 self._fold(*pending)
             local = self._watched[name].local()
@@ -461,7 +465,7 @@ class AdamWTracker:
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.
-        self._pending = [e for e in self._pending if e[0] not in self._bits]
+        self._pending = [e for e in self._pending if not self._folded(e[0])]
         snap = {n: (i, v) for n, i, v in self._snapshot.iter_changes()} if self.fallback else {}
         seen = 0  # changed elements handed over so far (the values budget)
 
@@ -562,10 +566,14 @@ class AdamWTracker:
         finally:
             ahead.close()
 
+    def _folded(self, name: str) -> bool:
+        """Whether ``name``'s changes since the last clear() are (partly) in its bitset."""
+        return name in self._bits and name not in self._clean
+
     def _plain_step(self, name: str, pending: dict) -> bool:
         """Whether ``name``'s detection is one plain step on a CPU tensor (the kernel's
         work items can run ahead on the detection threads: :class:`Lookahead`)."""
-        if name in self._oob or name not in self._covered or name in self._bits:
+        if name in self._oob or name not in self._covered or self._folded(name):
             return False
         entry = pending.get(name)
         return (
@@ -604,7 +612,7 @@ class AdamWTracker:
         its chunks went straight into the encoding (values as :func:`_capture_chunks` keeps
         them), else ``(int64 indices, values or None)``. ``sink``: the kernel's casts of a
         one-step parameter go to it (else it is never fed this parameter)."""
-        one_step = name not in self._bits and entry is not None and entry[1] is not None
+        one_step = not self._folded(name) and entry is not None and entry[1] is not None
         if sink is not None and buffers is None:
             buffers = CastBuffers()
         if positions and not want and one_step:
@@ -717,6 +725,7 @@ class AdamWTracker:
         self._pending.clear()  # steps before the new baseline no longer matter
         for bits in self._bits.values():
             bits.zero_()  # kept: a caller with several steps per version will need it again
+        self._clean = set(self._bits)
         self._snapshot.clear()
         self._oob.clear()
 
