@@ -190,3 +190,23 @@ def test_inline_below_must_be_a_non_negative_int(bad) -> None:
     trainer = HFTrainer()
     with pytest.raises(ConfigError, match="inline_below must be a non-negative int"):
         _one_writer(trainer, optimizer=trainer.opt, inline_below=bad)
+
+
+def test_digests_in_detection_is_the_configs_switch_for_the_feed() -> None:
+    from deltasync import ClusterConfig
+
+    trainer = HFTrainer()
+    fed = _one_writer(trainer, optimizer=trainer.opt)
+    params = trainer.params() if callable(trainer.params) else trainer.params
+    assert fed._digest_feed(1, params) is not None  # one writer, digests due, a capable tracker
+    fed.close()
+    off = _one_writer(
+        trainer, optimizer=trainer.opt, config=ClusterConfig(digests_in_detection=False)
+    )
+    assert off._digest_feed(1, params) is None
+    off.close()
+    none_due = _one_writer(trainer, optimizer=trainer.opt, config=ClusterConfig(digest_every=0))
+    assert none_due._digest_feed(1, params) is None
+    none_due.close()
+    with pytest.raises(ConfigError, match="digests_in_detection must be a bool"):
+        ClusterConfig(digests_in_detection="yes")

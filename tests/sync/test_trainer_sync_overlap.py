@@ -720,3 +720,24 @@ def test_a_full_state_publisher_hashes_the_full_state_itself(tmp_path):
     assert pending.feed is None
     _assert_receivers_exact(receivers, trainer, lay, 1)
     sync.close()
+
+
+def test_digests_in_detection_false_keeps_the_separate_pass(tmp_path):
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    sync = TrainerSync(
+        tracker,
+        pub,
+        trainer.params,
+        overlap=True,
+        optimizer=trainer.opt,
+        inline_below=0,
+        digests_in_detection=False,
+    )
+    _anchor_then_step(sync, trainer)
+    pending = sync.step_published(1)
+    sync.wait()
+    assert pending.feed is None
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+    with pytest.raises(ConfigError, match="digests_in_detection"):
+        TrainerSync(tracker, pub, trainer.params, digests_in_detection=1)

@@ -321,7 +321,8 @@ class ClusterSender:
         it (``iter_capture`` takes a ``sink``)."""
         capture = getattr(self.tracker, "iter_capture", None)
         if (
-            not self.config.sends_digest(version, anchor=False)
+            not self.config.digests_in_detection
+            or not self.config.sends_digest(version, anchor=False)
             or self.role.count != 1
             or self._full_state is not None
             or not callable(capture)
