@@ -701,18 +701,27 @@ def test_the_digests_come_from_the_detection_pass_not_a_second_read(
     sync.close()
 
 
-def test_a_full_state_publisher_hashes_the_full_state_itself(tmp_path):
-    # Detection sees this rank's params; a publisher given full_state hashes that instead,
-    # so no feed is built (nothing the detection casts could vouch for the full state).
+@pytest.mark.parametrize(
+    "option",
+    ["full_state", "digests_in_detection=False"],
+)
+def test_no_feed_is_built_where_detection_cannot_or_should_not_hash(tmp_path, option):
+    # full_state: the publisher hashes the full state, which detection does not see (nothing
+    # its casts could vouch for); digests_in_detection=False: the separate pass, by request.
     trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    kw = (
+        {"full_state": lambda: trainer.params}
+        if option == "full_state"
+        else {"digests_in_detection": False}
+    )
     sync = TrainerSync(
         tracker,
         pub,
         trainer.params,
-        full_state=lambda: trainer.params,
         overlap=True,
         optimizer=trainer.opt,
         inline_below=0,
+        **kw,
     )
     _anchor_then_step(sync, trainer)
     pending = sync.step_published(1)
@@ -722,22 +731,7 @@ def test_a_full_state_publisher_hashes_the_full_state_itself(tmp_path):
     sync.close()
 
 
-def test_digests_in_detection_false_keeps_the_separate_pass(tmp_path):
-    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
-    sync = TrainerSync(
-        tracker,
-        pub,
-        trainer.params,
-        overlap=True,
-        optimizer=trainer.opt,
-        inline_below=0,
-        digests_in_detection=False,
-    )
-    _anchor_then_step(sync, trainer)
-    pending = sync.step_published(1)
-    sync.wait()
-    assert pending.feed is None
-    _assert_receivers_exact(receivers, trainer, lay, 1)
-    sync.close()
+def test_digests_in_detection_must_be_a_bool(tmp_path):
+    trainer, tracker, _, pub, _, _ = _setup(tmp_path, lambda op, key: None)
     with pytest.raises(ConfigError, match="digests_in_detection"):
         TrainerSync(tracker, pub, trainer.params, digests_in_detection=1)

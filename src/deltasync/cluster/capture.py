@@ -163,11 +163,7 @@ def iter_handed(
         for name, pos in iter_captured(tracker, carry, params):
             yield name, pos, None
         return
-    stream = (
-        capture(0, values_max=values_max)
-        if sink is None
-        else capture(0, values_max=values_max, sink=sink)
-    )
+    stream = capture(0, values_max=values_max, **({} if sink is None else {"sink": sink}))
     for name, pos, change in merge_captured(stream, carry, params):
         yield name, pos, None if change is None else change[2]
 

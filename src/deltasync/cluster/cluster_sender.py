@@ -74,7 +74,6 @@ This class knows the order of those steps; it holds no copy of the model.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import secrets
 import time
@@ -128,6 +127,7 @@ from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.positions import Handed, Positions
+from deltasync.trainer.protocol import takes_sink
 
 Params = Mapping[str, torch.Tensor]
 
@@ -319,14 +319,12 @@ class ClusterSender:
         """A fresh feed for this delta's detection pass, when it sends whole-state digests
         computed from ``params`` alone (one writer, no ``full_state``) and the tracker can feed
         it (``iter_capture`` takes a ``sink``)."""
-        capture = getattr(self.tracker, "iter_capture", None)
         if (
             not self.config.digests_in_detection
             or not self.config.sends_digest(version, anchor=False)
             or self.role.count != 1
             or self._full_state is not None
-            or not callable(capture)
-            or "sink" not in inspect.signature(capture).parameters
+            or not takes_sink(self.tracker)
         ):
             return None
         if self._feeds is None:
@@ -482,7 +480,8 @@ class ClusterSender:
         self, params: Params, fed: TensorEntries | None = None
     ) -> tuple[dict[str, str], bool]:
         """``({shard: digest}, whether they are this writer's part digests)``; ``fed``: the
-        entries of tensors already hashed from ``params`` (a :class:`DigestFeed`'s)."""
+        entries of tensors already hashed from ``params`` (a :class:`DigestFeed`'s: only one
+        writer without ``full_state`` builds one, see :meth:`_digest_feed`)."""
         if self.role.count == 1 or self._full_state is not None:
             if self.role.index != 0:
                 return {}, False  # writer 0 sends the whole-state digests
@@ -492,7 +491,7 @@ class ClusterSender:
                 full,
                 trainer_layout=self.trainer_layout,
                 receiver_layout=self.receiver_layout,
-                keep=fed if self.role.count == 1 and self._full_state is None else None,
+                keep=fed,
             )
             return combine_entries(entries), False
         return writer_part_digests(

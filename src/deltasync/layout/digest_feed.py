@@ -26,6 +26,7 @@ This module knows layouts and the digest definition; nothing about trackers or s
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,11 @@ class _Tensor:
 
     def __post_init__(self) -> None:
         self._enter()
+
+    @property
+    def complete(self) -> bool:
+        """Every byte arrived, in order: ``digest`` is the tensor's."""
+        return self.digest is not None and not self.broken
 
     def _enter(self) -> None:
         """Feed the zeros before the current run (after the last: the tail) and finish."""
@@ -173,8 +179,8 @@ class DigestFeed:
             for p in pls:
                 if p.block.size:
                     by_dst.setdefault((p.shard, p.local), []).append((canon, p.block))
-        self._tensors: list[_Tensor] = []
-        self._by_param: dict[str, list[_Tensor]] = {}
+        # the plan: (shard, local, shape, runs, tail) of every tensor the feed can hash
+        self._plan: list[tuple[str, str, tuple[int, ...], tuple[_Run, ...], int]] = []
         every = [(shard, local) for shard, shapes in table.dst_shapes.items() for local in shapes]
         for shard, local in every:  # a tensor no block covers (all padding) is all zeros
             blocks = sorted(by_dst.get((shard, local), []), key=lambda cb: cb[1].dst_row)
@@ -199,26 +205,27 @@ class DigestFeed:
                     )
                 )
                 cursor = b.dst_row + b.rows
-            tensor = _Tensor(
-                shard, local, shape, tuple(runs), tail=(view_rows(shape) - cursor) * row_bytes
-            )
-            self._tensors.append(tensor)
-            for name in dict.fromkeys(r.param for r in runs):
+            tail = (view_rows(shape) - cursor) * row_bytes
+            self._plan.append((shard, local, shape, tuple(runs), tail))
+        self._start()
+
+    def _start(self) -> None:
+        """Fresh hash states and cursors for every planned tensor."""
+        self._tensors = [
+            _Tensor(shard, local, shape, runs, tail=tail)
+            for shard, local, shape, runs, tail in self._plan
+        ]
+        self._by_param: dict[str, list[_Tensor]] = {}
+        for tensor in self._tensors:
+            for name in dict.fromkeys(r.param for r in tensor.runs):
                 self._by_param.setdefault(name, []).append(tensor)
         self._failed: set[str] = set()
 
     def fresh(self) -> DigestFeed:
         """A new feed over the same layouts (the plan is shared, nothing is hashed yet): one
         per version."""
-        new = object.__new__(DigestFeed)
-        new._tensors = [
-            _Tensor(t.shard, t.local, t.shape, t.runs, tail=t.tail) for t in self._tensors
-        ]
-        new._by_param = {}
-        for t in new._tensors:
-            for name in dict.fromkeys(r.param for r in t.runs):
-                new._by_param.setdefault(name, []).append(t)
-        new._failed = set()
+        new = copy.copy(self)
+        new._start()
         return new
 
     def wants(self, name: str) -> bool:
@@ -249,10 +256,10 @@ class DigestFeed:
         all arrived in order."""
         out: TensorEntries = {}
         for t in self._tensors:
-            if t.digest is not None and not t.broken:
+            if t.complete:
                 out.setdefault(t.shard, {})[t.local] = ("bfloat16", t.shape, t.digest)
         return out
 
     def covered(self) -> int:
         """Elements of the complete tensors (what the digest pass need not read)."""
-        return sum(numel(t.shape) for t in self._tensors if t.digest is not None and not t.broken)
+        return sum(numel(t.shape) for t in self._tensors if t.complete)

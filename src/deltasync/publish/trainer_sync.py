@@ -64,7 +64,6 @@ and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -84,6 +83,7 @@ from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.positions import Handed, Positions
+from deltasync.trainer.protocol import takes_sink
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,8 @@ def _capture_stream(
     tensors from the detection pass's casts."""
     capture = getattr(tracker, "iter_capture", None)
     if (values_below or values_max) and callable(capture):
-        if feed is not None:
-            yield from capture(values_below, values_max=values_max, sink=feed)
-        else:
-            yield from capture(values_below, values_max=values_max)
+        sink = {} if feed is None else {"sink": feed}
+        yield from capture(values_below, values_max=values_max, **sink)
         return
     for name, pos in _positions_stream(tracker):
         yield name, pos, None
@@ -505,13 +503,11 @@ class TrainerSync:
         the state from ``params`` alone (one writer, no ``full_state``) and the tracker can
         feed it (``iter_capture`` takes a ``sink``)."""
         pub = self.publishers[0]
-        capture = getattr(self.tracker, "iter_capture", None)
         if (
             not self.digests_in_detection
             or self._full_state is not None
             or pub.config.num_writers != 1
-            or not callable(capture)
-            or "sink" not in inspect.signature(capture).parameters
+            or not takes_sink(self.tracker)
         ):
             return None
         if self._feeds is None:

@@ -413,7 +413,7 @@ def chunk_items(
             detect_adamw_(p, m, v, k, bits, threads=1)
             idx = bits_to_indices(bits, n)
             vals = bf16_at(p, idx, trusted=True) if values else None
-            return (idx, vals, None) if cast else (idx, vals)
+            return (idx, vals, None) if cast is not None else (idx, vals)
 
         return [whole]
     lib = native.load()
@@ -421,9 +421,8 @@ def chunk_items(
     pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
     flat = p.view(-1)
 
-    def listed(start: int, cnt: int, *outs: int | None) -> int:
-        """The list kernel over one chunk (``outs``: positions, values, and casts for the cast one)."""
-        kernel = lib.ds_adamw_detect_list_cast if len(outs) == 3 else lib.ds_adamw_detect_list
+    def listed(kernel: Callable[..., int], start: int, cnt: int, *outs: int | None) -> int:
+        """A list kernel over one chunk; ``outs``: its output pointers."""
         off = start * 4
         return kernel(pp + off, mp + off, vp + off, cnt, *_scalars(k), start, *outs)
 
@@ -433,7 +432,9 @@ def chunk_items(
         assert cast is not None
         bits = cast.take(cnt)  # handed on: the consumer hashes it, then gives it back
         vptr = vbuf.data_ptr() if values else None
-        found = listed(start, cnt, ibuf.data_ptr(), vptr, bits.data_ptr())
+        found = listed(
+            lib.ds_adamw_detect_list_cast, start, cnt, ibuf.data_ptr(), vptr, bits.data_ptr()
+        )
         if found >= 0:
             return ibuf[:found].clone(), (vbuf[:found].clone() if values else None), bits
         cast.give(bits)
@@ -444,7 +445,7 @@ def chunk_items(
         cnt = min(_CHUNK, n - start)
         if values:  # positions and BF16 values straight from the kernel, block by block
             ibuf, vbuf = _list_scratch()
-            found = listed(start, cnt, ibuf.data_ptr(), vbuf.data_ptr())
+            found = listed(lib.ds_adamw_detect_list, start, cnt, ibuf.data_ptr(), vbuf.data_ptr())
             if found >= 0:
                 return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values

@@ -12,6 +12,7 @@ This module knows the shape of the contract; nothing about optimizers, layouts o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -135,3 +136,10 @@ class CastSink(Protocol):
     def fail(self, name: str) -> None:
         """Parameter ``name``'s bits will not all come (nothing more is fed for it)."""
         ...
+
+
+def takes_sink(tracker: object) -> bool:
+    """Whether ``tracker.iter_capture`` takes a ``sink`` (a :class:`CastSink`): only then can
+    a sender have the receivers' digests hashed by the detection pass."""
+    capture = getattr(tracker, "iter_capture", None)
+    return callable(capture) and "sink" in inspect.signature(capture).parameters
