@@ -29,6 +29,7 @@ from deltasync.layout.routing import (
     row_pieces,
     shard_updates,
 )
+from deltasync.publish import segments
 from deltasync.trainer.positions import Positions
 
 EMBED = "model.embed_tokens.weight"
@@ -154,8 +155,23 @@ def test_positions_outside_the_parameter_are_refused_before_a_piece_is_written()
         next(parted_pieces(EMBED, pos, emb, pieces, receiver_layout=rl))
 
 
-def test_a_publisher_fed_captured_positions_commits_the_exact_state(tmp_path) -> None:
+@pytest.mark.parametrize("pieces_from", [0, None], ids=["pieces", "whole"])
+def test_a_publisher_fed_captured_positions_commits_the_exact_state(
+    tmp_path, monkeypatch, pieces_from
+) -> None:
+    """Piece by piece (any changed count: forced here) or whole (a small parameter, under
+    PIECES_FROM), the same exact state."""
     _, tl, rl = tiny_layouts("vllm", tp=2, vocab_size=1001)
+    if pieces_from is not None:
+        monkeypatch.setattr(segments, "PIECES_FROM", pieces_from)
+    routed_in_pieces = []
+    route_pieces = segments.GroupRouter._route_pieces
+
+    def spied(self, streams, name, *args, **kwargs):
+        routed_in_pieces.append(name)
+        return route_pieces(self, streams, name, *args, **kwargs)
+
+    monkeypatch.setattr(segments.GroupRouter, "_route_pieces", spied)
 
     params = {n: p.detach() for n, p in build_model(tiny_qwen3(vocab_size=1001)).named_parameters()}
     pub = Publisher(
@@ -173,6 +189,8 @@ def test_a_publisher_fed_captured_positions_commits_the_exact_state(tmp_path) ->
         changes.append((name, Positions.of(idx), None))
     rep = pub.publish(1, changes, params)
     assert rep.kind == "delta"
+    # the vocab-parallel embedding and LM head split into row pieces
+    assert routed_in_pieces == ([EMBED, "lm_head.weight"] if pieces_from == 0 else [])
     manifest = pub.catalog.manifest(1)
     assert dict(manifest.shard_digests) == state_digests(
         params, trainer_layout=tl, receiver_layout=rl

@@ -16,8 +16,13 @@ from deltasync import LocalStore, names
 from deltasync.commit import Manifest
 from deltasync.errors import BlobMismatchError, IntegrityError, LayoutMismatchError
 from deltasync.format import TensorUpdate, apply_updates, encode_blob
+from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import state_digest, tensor_digest
-from deltasync.layout.verify import patched_tensor_digest, updated_state_digest
+from deltasync.layout.verify import (
+    chain_state_digest,
+    patched_tensor_digest,
+    updated_state_digest,
+)
 from deltasync.receiver import Receiver
 
 
@@ -158,3 +163,29 @@ def test_the_patched_digest_works_chunk_by_chunk_across_every_boundary():
     want = strided.contiguous().reshape(-1).clone()
     want.index_copy_(0, idx, vals)
     assert patched_tensor_digest(strided, idx, vals, chunk=64) == tensor_digest(want)
+
+
+@pytest.mark.timeout(60)
+def test_one_scratch_buffer_serves_tensors_of_every_size_and_dtype_in_a_verify():
+    """The chain's tensors share one chunk buffer per dtype: a short tensor after a long one,
+    an fp16 tensor between BF16 ones and a tensor above the chunk size each hash as if alone."""
+    rng = random.Random(7)
+    sizes = [(700,), (3, 5), (2000,), (1,), (40, 30), (64,)]
+    dtypes = [torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.bfloat16]
+    for chunk in (64, 500, 1 << 20):
+        tensors = {
+            f"t{i}": torch.randn(shape).to(dtypes[i % len(dtypes)]) for i, shape in enumerate(sizes)
+        }
+        updates = _random_updates(tensors, rng)
+        predicted = chain_state_digest(
+            tensors,
+            (
+                TensorPieces(
+                    name=u.name, shape=u.shape, dtype=u.dtype, from_zero=False, pieces=(u,)
+                )
+                for u in updates
+            ),
+            chunk=chunk,
+        )
+        apply_updates(updates, tensors)
+        assert predicted == state_digest(tensors), f"chunk {chunk}"

@@ -294,7 +294,7 @@ def kernel_ready(t: torch.Tensor) -> bool:
 
     ``t`` must already have passed :func:`check_readable`; a False answer means: take the
     torch path."""
-    if type(t) not in _PLAIN or t.layout != torch.strided or t.device.type != "cpu":
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided:
         return False
     if t.is_conj() or t.is_neg() or not t.is_contiguous():
         return False
@@ -349,6 +349,8 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _extent(t: torch.Tensor) -> int:
+    if t.is_contiguous():  # one run of numel elements (a kernel-ready tensor: the usual case)
+        return t.numel() * t.element_size()
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
     return span * t.element_size()
 

@@ -154,6 +154,7 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 _TWO_BYTE = (torch.bfloat16, torch.float16)
+_INDEX = (torch.int32, torch.int64)
 
 
 def _two_byte_writable(
@@ -167,13 +168,14 @@ def _two_byte_writable(
             f"{op}: {values.numel()} {values.dtype} values for {indices.numel()} indices into a "
             f"{target.dtype} tensor"
         )
-    return (
-        target.dtype in _TWO_BYTE
-        and indices.dtype in (torch.int32, torch.int64)
-        and indices.dim() == 1
-        and native.usable(target, indices, values, *others)
-        and not any(native.overlaps(target, t) for t in (indices, values, *others))
-    )
+    if (
+        target.dtype not in _TWO_BYTE
+        or indices.dtype not in _INDEX
+        or indices.dim() != 1
+        or not native.usable(target, indices, values, *others)
+    ):
+        return False
+    return not any(native.overlaps(target, t) for t in (indices, values, *others))
 
 
 def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:

@@ -42,12 +42,18 @@ from deltasync.format.updates import INT32_NUMEL
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
 from deltasync.layout.routing import RowPiece, parted_pieces, row_pieces, shard_updates
-from deltasync.native.loader import HeapRelease, release_free_heap
+from deltasync.native.loader import HeapRelease
 from deltasync.native.ops import bf16_at
 from deltasync.publish.streams import ShardStreams
 from deltasync.trainer.positions import Positions
 
 Params = Mapping[str, torch.Tensor]
+
+# A parameter routed row piece by row piece (the vocab-parallel embedding) holds at least this
+# many changed elements; below it the whole parameter's int64 indices and values are a few
+# MiB at most, and routing it whole skips the pieces' slice-by-slice work (the small preset's
+# embedding and LM head: ~1.5 ms less of a ~34 ms inline publish).
+PIECES_FROM = 1 << 18
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +162,11 @@ class GroupRouter:
                 got = pending.pop(g, None) or {}
                 if len(got) == 1:
                     ((name, (idx, vals)),) = got.items()
-                    pieces = self._pieces(name) if isinstance(idx, Positions) else None
+                    pieces = (
+                        self._pieces(name)
+                        if isinstance(idx, Positions) and len(idx) >= PIECES_FROM
+                        else None
+                    )
                     if pieces is not None:
                         if batch:  # the groups before it go out first: segment order is stable
                             route(batch)
@@ -234,6 +244,9 @@ class GroupRouter:
         slice at a time, so this parameter never holds more than one slice as int64 indices
         and values (the segment's record bytes and their compressed form are what grows with
         the piece); ``values``, detection's values at every position, are sliced instead."""
+        # the piece's record section and its int64 slices, once a piece was large enough to
+        # leave pages worth handing back (a small model's pieces: ~0.3 ms a call for nothing)
+        release = HeapRelease()
         for updates in parted_pieces(
             name,
             positions,
@@ -243,8 +256,8 @@ class GroupRouter:
             values=values,
         ):
             streams.add(updates)
+            release.count(sum(u.nnz for ups in updates.values() for u in ups))
             del updates
-            release_free_heap()  # the piece's record section and its int64 slices
 
     def _groups(self, params: Params) -> tuple[list[ParamGroup], dict[str, int]]:
         """The parameter groups of ``params`` and each param's group (cached per name list)."""
