@@ -57,6 +57,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--digest-pass",
+        action="store_true",
+        help="hash the shard digests in a separate pass (digests_in_detection=False)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the last background")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument(
@@ -90,7 +95,14 @@ def main() -> None:
             trainer_layout=tlayout,
             config=PublisherConfig(anchor_every=1_000_000, session="probe"),
         )
-        sync = TrainerSync(tracker, pub, params, overlap=True, optimizer=trainer.opt)
+        sync = TrainerSync(
+            tracker,
+            pub,
+            params,
+            overlap=True,
+            optimizer=trainer.opt,
+            digests_in_detection=not a.digest_pass,
+        )
         sync.step_published(0, anchor=True)
         sync.wait()
         for v in range(1, a.versions + 1):
