@@ -210,3 +210,53 @@ def test_digests_in_detection_is_the_configs_switch_for_the_feed() -> None:
     none_due.close()
     with pytest.raises(ConfigError, match="digests_in_detection must be a bool"):
         ClusterConfig(digests_in_detection="yes")
+
+
+def test_the_inline_and_unoverlapped_payloads_hash_their_digests_in_detection(monkeypatch) -> None:
+    # payloads_for_version (the sender without overlap, the inline path after a small delta):
+    # the detection stream feeds every receiver tensor, and the digest pass after it is given
+    # all of them (reads no parameter); the digests are the pass's own.
+    import deltasync.cluster.cluster_sender as sender_mod
+    from deltasync.layout.digest import state_digests
+
+    given: list[int] = []
+    pass_ = sender_mod.state_tensor_digests
+
+    def spying(params, *, trainer_layout, receiver_layout, keep=None):
+        given.append(sum(len(v) for v in (keep or {}).values()))
+        return pass_(
+            params, trainer_layout=trainer_layout, receiver_layout=receiver_layout, keep=keep
+        )
+
+    monkeypatch.setattr(sender_mod, "state_tensor_digests", spying)
+    digested: list[dict] = []
+    digests_ = ClusterSender._digests
+
+    def recording(self, params, fed=None):
+        got = digests_(self, params, fed)
+        digested.append(got[0])
+        return got
+
+    monkeypatch.setattr(ClusterSender, "_digests", recording)
+    trainer = HFTrainer()
+    spec = ModelSpec.from_hf_config(TINY_QWEN3)
+    tl, rl = TrainerLayout(spec), ReceiverLayout.build(spec, "vllm", tp=2)
+    sender = ClusterSender(
+        AdamWTracker(trainer.opt, trainer.model.named_parameters()),
+        trainer.params,
+        plan=RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"]),
+        trainer_layout=tl,
+        receiver_layout=rl,
+        version=0,
+        rank=0,
+    )
+    trainer.step()
+    out = sender.payloads_for_version(1)
+    tensors = sum(len(rl.local_specs(s.id)) for s in rl.shards())
+    assert given == [tensors]  # every tensor given: nothing for the pass to read
+    truth = state_digests(
+        {n: p.detach() for n, p in trainer.params.items()}, trainer_layout=tl, receiver_layout=rl
+    )
+    assert digested == [truth]
+    assert sum(out.shard_elements.values()) > 0
+    sender.close()

@@ -653,13 +653,13 @@ def test_detect_in_background_false_detects_before_the_return(tmp_path):
         )
 
 
-@pytest.mark.parametrize("inline_below", [0, 1 << 30])  # the background path, the inline one
-def test_the_digests_come_from_the_detection_pass_not_a_second_read(
-    tmp_path, monkeypatch, inline_below
-):
+@pytest.mark.parametrize("mode", ["background", "inline", "no overlap"])
+def test_the_digests_come_from_the_detection_pass_not_a_second_read(tmp_path, monkeypatch, mode):
     # The embedding (> 2^20 elements) is detected in chunks, the rest one item each: every
     # receiver tensor is hashed from the kernel's casts as detection passes, and the digest
-    # pass takes all of them as given: it reads no parameter. The manifests stay exact.
+    # pass takes all of them as given: it reads no parameter. The manifests stay exact. Overlapped
+    # (the background path, the inline one) and not (iter_changes(sink=) on the stream the
+    # publisher routes as it is detected).
     import deltasync.publish.publisher as publisher_mod
     from deltasync.layout.digest import state_digests
 
@@ -677,8 +677,14 @@ def test_the_digests_come_from_the_detection_pass_not_a_second_read(
     trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=6)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     pub = Publisher(MemoryStore(), receiver_layout=rl, trainer_layout=tl)
+    overlap = mode != "no overlap"
     sync = TrainerSync(
-        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
+        tracker,
+        pub,
+        trainer.params,
+        overlap=overlap,
+        optimizer=trainer.opt,
+        inline_below=1 << 30 if mode == "inline" else 0,
     )
     receivers = {
         s.id: Receiver.for_layout(
@@ -692,7 +698,8 @@ def test_the_digests_come_from_the_detection_pass_not_a_second_read(
         given.clear()
         pending = sync.step_published(version)
         sync.wait()
-        assert pending.feed is not None and pending.feed.covered() > 0
+        if overlap:
+            assert pending.feed is not None and pending.feed.covered() > 0
         assert given == [tensors]  # every tensor given: nothing for the pass to read
         truth = state_digests(trainer.params, trainer_layout=tl, receiver_layout=rl)
         assert dict(pub.catalog.manifest(version).shard_digests) == truth
@@ -735,3 +742,38 @@ def test_digests_in_detection_must_be_a_bool(tmp_path):
     trainer, tracker, _, pub, _, _ = _setup(tmp_path, lambda op, key: None)
     with pytest.raises(ConfigError, match="digests_in_detection"):
         TrainerSync(tracker, pub, trainer.params, digests_in_detection=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_that_stops_early_leaves_no_digest_pass_waiting_for_its_feed(
+    tmp_path, monkeypatch
+):
+    # Without overlap the digest pass waits for the end of the detection stream the publisher
+    # consumes; a publish that stops after the first parameter must not leave it waiting (the
+    # next version's pass would queue behind it forever): the retry commits, exact.
+    from deltasync.publish import segments
+
+    route = segments.GroupRouter.stream
+    stopped = []
+
+    def stops_early(self, streams, source, *args, **kwargs):
+        if not stopped:
+            next(iter(source))
+            stopped.append(True)
+            raise RuntimeError("injected: the routing stopped after one parameter")
+        return route(self, streams, source, *args, **kwargs)
+
+    monkeypatch.setattr(segments.GroupRouter, "stream", stops_early)
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    sync = TrainerSync(tracker, pub, trainer.params)
+    sync.step_published(0, anchor=True)
+    trainer.step()
+    with pytest.raises(RuntimeError, match="injected"):
+        sync.step_published(1)
+    assert stopped and pub.committed() == 0
+    sync.step_published(1)  # the tracker kept its changes
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    trainer.step()
+    sync.step_published(2)
+    _assert_receivers_exact(receivers, trainer, lay, 2)
+    sync.close()

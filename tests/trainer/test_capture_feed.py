@@ -77,6 +77,25 @@ def test_detection_hashes_the_receivers_tensors_as_the_pass_does(threads, tp):
     )
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_iter_changes_feeds_the_same_digests_and_gives_the_same_changes(threads, tp):
+    # The whole-indices stream (a sender without overlap, the in-cluster inline path): each
+    # parameter's chunks joined as before, their casts fed on the way, on the detection threads
+    # or (one thread) on the caller's.
+    _, tl, rl = tiny_layouts("vllm", tp=tp, **BIG)
+    _, named, tracker = _trained(threads)
+    params = {n: p.detach() for n, p in named}
+    plain = {n: (i, v) for n, i, v in tracker.iter_changes()}
+    feed = DigestFeed(tl, rl)
+    fed = {n: (i, v) for n, i, v in tracker.iter_changes(sink=feed)}
+    assert plain.keys() == fed.keys()
+    for name, (idx, vals) in plain.items():
+        assert torch.equal(idx, fed[name][0]), name
+        assert torch.equal(vals.view(torch.int16), fed[name][1].view(torch.int16)), name
+    assert feed.entries() == state_tensor_digests(params, trainer_layout=tl, receiver_layout=rl)
+
+
 def test_a_nan_chunk_leaves_its_parameter_to_the_pass():
     _, tl, rl = tiny_layouts("vllm", tp=2, **BIG)
     _, named, tracker = _trained(threads=2, seed=4)

@@ -178,13 +178,18 @@ def capture_positions(
     return Capture(positions=out, detect_s=time.perf_counter() - t)
 
 
-def capture_with_values(tracker: Tracker, carry: Mapping[str, Positions]) -> Capture:
+def capture_with_values(
+    tracker: Tracker, carry: Mapping[str, Positions], *, sink: CastSink | None = None
+) -> Capture:
     """The tracker's ``(indices, values)`` joined with ``carry`` as int64 indices; a carried
-    parameter's values are dropped (the union's are gathered from the params at routing)."""
+    parameter's values are dropped (the union's are gathered from the params at routing).
+    ``sink``: handed to ``tracker.iter_changes`` (one that takes it: ``takes_sink``), which
+    feeds it the detection pass's casts."""
     t = time.perf_counter()
     changed: dict[str, torch.Tensor] = {}
     values: dict[str, torch.Tensor] = {}
-    for name, idx, vals in checked_changes(tracker.iter_changes()):
+    stream = tracker.iter_changes() if sink is None else tracker.iter_changes(sink=sink)  # type: ignore[call-arg]
+    for name, idx, vals in checked_changes(stream):
         if not idx.numel():
             continue
         changed[name] = idx

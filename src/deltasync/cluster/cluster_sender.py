@@ -269,16 +269,25 @@ class ClusterSender:
         params = self._current_params()
         if anchor:
             return self._build(version, base, Capture(), params)
+        # The detection pass hashes the receivers' tensors where it can (the digest pass then
+        # starts after it and reads only the rest); else the pass runs beside detection.
+        feed = self._digest_feed(version, params, "iter_changes")
         job = None
-        if self.config.sends_digest(version, anchor=False) and not callable(self._full_state):
+        if (
+            feed is None
+            and self.config.sends_digest(version, anchor=False)
+            and not callable(self._full_state)
+        ):
             # (a full_state callable may gather over the group: only this thread may)
             job = self._digest_job(self._digests, params)
         try:
-            caps = capture_with_values(self.tracker, self._pending)
+            caps = capture_with_values(self.tracker, self._pending, sink=feed)
         except BaseException:
             if job is not None:  # it reads the params: done before the caller goes on
                 job.exception()
             raise
+        if feed is not None:
+            job = self._digest_job(self._digests, params, feed.entries())
         return self._build(version, base, caps, params, digests=job)
 
     def _current_params(self) -> Params:
@@ -315,16 +324,18 @@ class ClusterSender:
                 job.exception()
             raise
 
-    def _digest_feed(self, version: int, params: Params) -> DigestFeed | None:
+    def _digest_feed(
+        self, version: int, params: Params, method: str = "iter_capture"
+    ) -> DigestFeed | None:
         """A fresh feed for this delta's detection pass, when it sends whole-state digests
         computed from ``params`` alone (one writer, no ``full_state``) and the tracker can feed
-        it (``iter_capture`` takes a ``sink``)."""
+        it (its ``method``, the detection the caller runs, takes a ``sink``)."""
         if (
             not self.config.digests_in_detection
             or not self.config.sends_digest(version, anchor=False)
             or self.role.count != 1
             or self._full_state is not None
-            or not takes_sink(self.tracker)
+            or not takes_sink(self.tracker, method)
         ):
             return None
         if self._feeds is None:

@@ -67,11 +67,12 @@ class ClusterConfig:
         bytes, one exchange each, while it routes (``cluster.streaming``): it holds about a
         part or two instead of the whole payload. 0: one exchange of the whole blobs. Each
         part costs one more round-1 collective on every rank.
-    digests_in_detection: an overlapped delta's whole-state digests (one writer, no
-        ``full_state``) are hashed by the detection pass from its own BF16 casts
-        (``layout.digest_feed``) instead of by a second read of the parameters: ~0.2 CPU-s
-        less per 0.6B version, but detection itself takes ~15% longer (where detection
-        blocks ``sync``, so does that). False: the separate pass, beside the routing.
+    digests_in_detection: a delta's whole-state digests (one writer, no ``full_state``;
+        overlapped, inline or without overlap) are hashed by the detection pass from its own
+        BF16 casts (``layout.digest_feed``) instead of by a second read of the parameters:
+        ~0.2 CPU-s less per 0.6B version, but detection itself takes ~15% longer (where
+        detection blocks ``sync``, so does that). False: the separate pass, beside detection
+        or the routing.
     """
 
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)

@@ -64,6 +64,7 @@ and ``clear()``), an optimizer's step pre-hook and Publisher; nothing else.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -149,6 +150,22 @@ def _positions_stream(tracker: Tracker) -> Iterator[tuple[str, torch.Tensor | Po
         yield name, idx
 
 
+def _until_ended(
+    changes: Iterable[tuple[str, torch.Tensor, torch.Tensor]], ended: threading.Event
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``changes``, then ``ended`` set (also when the consumer stops early and closes it)."""
+    try:
+        yield from changes
+    finally:
+        ended.set()
+
+
+def _entries_once_ended(feed: DigestFeed, ended: threading.Event) -> TensorEntries:
+    """The feed's entries once its detection stream has ended (called on the digest thread)."""
+    ended.wait()
+    return feed.entries()
+
+
 def _capture_stream(
     tracker: Tracker, values_below: int, values_max: int, feed: DigestFeed | None = None
 ) -> Iterator[tuple[str, torch.Tensor | Positions, torch.Tensor | None]]:
@@ -197,10 +214,12 @@ class TrainerSync:
     a trainer whose forward/backward runs on the same CPU cores that trades latency for
     overhead (0.6B on two cores: overhead 1.63 -> 0.81 s, latency 2.75 -> 3.03 s, trainer
     memory +0.5%), so False detects before the return as without such a tracker.
-    ``digests_in_detection`` (default True, overlap mode): the first publisher's shard digests
-    are hashed by the detection pass from its own BF16 casts (module docstring) instead of by
-    a second read of ``params``: ~0.2 CPU-s less per 0.6B version, detection ~15% longer
-    (where detection blocks ``step_published``, so does that); False keeps the separate pass.
+    ``digests_in_detection`` (default True): the first publisher's shard digests are hashed
+    by the detection pass from its own BF16 casts (module docstring; without overlap the
+    tracker's ``iter_changes(sink=)`` stream the publisher routes as it is detected) instead
+    of by a second read of ``params``: ~0.2 CPU-s less per 0.6B version, detection ~15%
+    longer (where detection blocks ``step_published``, so does that); False keeps the
+    separate pass beside detection.
 
     Restart recipe: checkpoint the model, the optimizer and the committed version the params
     equal; on restart load them, build the tracker and this TrainerSync, call
@@ -319,12 +338,24 @@ class TrainerSync:
         if self.overlap:
             return self._step_overlapped(version, anchor)
         params = self._params() if callable(self._params) else self._params
-        changes: Iterable = self.tracker.iter_changes()
+        # The first publisher's digests hashed by the detection pass where it can: its digest
+        # pass then waits for the end of the stream and reads only the tensors not fed.
+        feed = None if anchor else self._digest_feed(params, "iter_changes")
+        ended = threading.Event()
+        changes: Iterable
+        if feed is None:
+            changes = self.tracker.iter_changes()
+        else:
+            changes = _until_ended(self.tracker.iter_changes(sink=feed), ended)  # type: ignore[call-arg]
         if len(self.publishers) > 1:  # every publisher needs the same changes: detect once
             changes = list(changes)
         # With one publisher the stream is lazy: each group is detected while the previous
         # one is encoded and uploading.
-        reports = self._publish_all(version, changes, params, anchor)
+        fed = None if feed is None else functools.partial(_entries_once_ended, feed, ended)
+        try:
+            reports = self._publish_all(version, changes, params, anchor, fed)
+        finally:
+            ended.set()  # a publish that stopped early leaves no digest pass waiting
         # Committed everywhere: the new baseline is this version's state.
         self.tracker.clear()
         self.baseline = version
@@ -332,7 +363,16 @@ class TrainerSync:
         self._wait_acks(version)
         return reports
 
-    def _publish_all(self, version: int, changes, params: Params, anchor: bool):
+    def _publish_all(
+        self,
+        version: int,
+        changes,
+        params: Params,
+        anchor: bool,
+        fed: Callable[[], TensorEntries] | None = None,
+    ):
+        """Every publisher's publish of ``changes``; ``fed``: the first publisher's entries
+        hashed by the detection pass (``_digest_feed`` plans it for that one)."""
         return [
             pub.publish(
                 version,
@@ -341,8 +381,9 @@ class TrainerSync:
                 anchor=anchor,
                 since=self.baseline,
                 full_state=self._full_state,
+                fed=fed if i == 0 else None,
             )
-            for pub in self.publishers
+            for i, pub in enumerate(self.publishers)
         ]
 
     def _wait_acks(self, version: int) -> None:
@@ -498,16 +539,16 @@ class TrainerSync:
         pending._end_detection(started)
         handoff.close()
 
-    def _digest_feed(self, params: Params) -> DigestFeed | None:
+    def _digest_feed(self, params: Params, method: str = "iter_capture") -> DigestFeed | None:
         """A fresh feed for this version's detection pass, when the first publisher hashes
         the state from ``params`` alone (one writer, no ``full_state``) and the tracker can
-        feed it (``iter_capture`` takes a ``sink``)."""
+        feed it (its ``method``, the detection this sync runs, takes a ``sink``)."""
         pub = self.publishers[0]
         if (
             not self.digests_in_detection
             or self._full_state is not None
             or pub.config.num_writers != 1
-            or not takes_sink(self.tracker)
+            or not takes_sink(self.tracker, method)
         ):
             return None
         if self._feeds is None:

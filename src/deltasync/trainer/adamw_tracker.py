@@ -631,6 +631,18 @@ class AdamWTracker:
                 assert buffers is not None
                 chunks = _feeding(sink, name, chunks, buffers)
             return _capture_chunks(chunks, local.device, values_max)
+        if sink is not None and one_step and not positions:
+            # Indices (and values) wanted whole: the chunks joined, their casts fed on the way.
+            assert entry is not None and buffers is not None
+            _, hyper, v_key = entry
+            chunks = detect_adamw_chunks(
+                *self._state(name, v_key),
+                kernel_scalars(hyper),
+                threads=self._threads,
+                values=want,
+                cast=buffers,
+            )
+            return join_chunks(list(_feeding(sink, name, chunks, buffers)), values=want)
         if sink is not None and one_step and small_enough(self._watched[name].shard.local_numel):
             assert entry is not None
             _, hyper, v_key = entry
@@ -641,11 +653,15 @@ class AdamWTracker:
             return got.detection
         return self._detect(name, entry, want)
 
-    def iter_changes(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def iter_changes(
+        self, *, sink: CastSink | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """The :class:`~deltasync.trainer.Tracker` stream: ``(name, indices, bf16 values)`` per
         changed param, in ``named_params`` order, detected lazily one param at a time, the
-        values read by the detection pass itself."""
-        for name, idx, vals in self._iter(values=True):
+        values read by the detection pass itself. ``sink``: as in :meth:`iter_capture` (the
+        kernel's casts of every parameter held whole and detected in one optimizer step, in
+        order, on the consuming thread); the items are the same with or without it."""
+        for name, idx, vals in self._iter(values=True, sink=sink):
             assert vals is not None
             yield name, idx, vals
 

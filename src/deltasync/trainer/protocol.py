@@ -138,8 +138,9 @@ class CastSink(Protocol):
         ...
 
 
-def takes_sink(tracker: object) -> bool:
-    """Whether ``tracker.iter_capture`` takes a ``sink`` (a :class:`CastSink`): only then can
-    a sender have the receivers' digests hashed by the detection pass."""
-    capture = getattr(tracker, "iter_capture", None)
-    return callable(capture) and "sink" in inspect.signature(capture).parameters
+def takes_sink(tracker: object, method: str = "iter_capture") -> bool:
+    """Whether ``tracker.<method>`` (``iter_capture``, or ``iter_changes`` for a sender that
+    takes indices and values whole) takes a ``sink`` (a :class:`CastSink`): only then can a
+    sender have the receivers' digests hashed by the detection pass."""
+    fn = getattr(tracker, method, None)
+    return callable(fn) and "sink" in inspect.signature(fn).parameters
