@@ -777,3 +777,28 @@ def test_a_publish_that_stops_early_leaves_no_digest_pass_waiting_for_its_feed(
     sync.step_published(2)
     _assert_receivers_exact(receivers, trainer, lay, 2)
     sync.close()
+
+
+@pytest.mark.parametrize("inline_below", [0, 1 << 30])  # a large delta, a small one
+def test_the_carry_of_a_large_delta_is_compact_and_a_small_ones_is_held_as_detected(
+    tmp_path, inline_below
+):
+    # A small delta publishes on the caller's thread: its positions are held as detection gave
+    # them (encoding each parameter's would cost more than it saves in the few milliseconds
+    # they live); a large delta's stay until its commit beside the background: about a byte each.
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
+    )
+    _anchor_then_step(sync, trainer)
+    pending = sync.step_published(1)
+    assert pending.wait_detected(30)
+    carry = dict(sync._carry)  # the capture: the carry until settled
+    wide64 = [n for n, p in carry.items() if p.wide is not None and p.wide.dtype == torch.int64]
+    if inline_below:
+        assert wide64  # held as detected
+    else:
+        assert carry and not wide64
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()

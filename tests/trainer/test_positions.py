@@ -114,3 +114,29 @@ def test_small_or_incompressible_positions_are_not_packed() -> None:
     noisy = Positions.of(torch.cumsum(steps, 0))
     noisy.pack()
     assert noisy.packed is None and noisy.gaps is not None
+
+
+@pytest.mark.parametrize(("n", "spread", "seed", "offset"), [*CASES, (1, 5, 5, 7), (0, 1, 6, 0)])
+def test_held_positions_read_as_the_encoded_ones_and_compact_to_them(n, spread, seed, offset):
+    idx = _sorted_positions(n, spread, seed, offset)[:n]
+    held, whole = Positions.held(idx), Positions.of(idx)
+    assert len(held) == len(whole) == idx.numel()
+    assert torch.equal(held.indices(), idx)
+    if idx.numel() > 1:
+        assert held.wide is idx  # held as given: nothing encoded or copied
+        lo, hi = int(idx[0]), int(idx[-1])
+        bounds = [lo + 1, lo + (hi - lo) // 2, hi]
+        for size in (1, 13, 10**6):
+            assert torch.equal(torch.cat(list(held.slices(size))), idx)
+            pairs = zip(
+                held.ranges(bounds, size=size), whole.ranges(bounds, size=size), strict=True
+            )
+            for a, b in pairs:
+                assert torch.equal(a, b)
+        more = idx[-1:] + torch.tensor([3, 9])
+        assert torch.equal(held.union(more).indices(), whole.union(more).indices())
+    compact = held.compact()
+    assert repr(compact) == repr(whole) and torch.equal(compact.indices(), idx)
+    assert compact.compact() is compact
+    if idx.numel() > 1:
+        assert compact.nbytes < held.nbytes

@@ -425,8 +425,13 @@ class TrainerSync:
         budget = 0 if anchor or at_once else self.inline_below
         values_max = 0 if anchor else VALUES_IN_FLIGHT
         pending.feed = None if anchor else self._digest_feed(params)
+        # A small delta's positions are held as the tracker gave them (it publishes here and
+        # drops them at its commit); a large delta's are compacted as they are handed over.
         items = merge_captured(
-            _capture_stream(self.tracker, budget, values_max, pending.feed), self._carry, params
+            _capture_stream(self.tracker, budget, values_max, pending.feed),
+            self._carry,
+            params,
+            encode=False,
         )
         if at_once:
             handoff = Handoff(VALUES_IN_FLIGHT)
@@ -436,6 +441,7 @@ class TrainerSync:
                 captured[name] = pos
                 count += len(pos)
                 if handoff is not None:
+                    captured[name] = pos = pos.compact()
                     _hand_over(handoff, name, pos, change)
                 elif not anchor and count >= self.inline_below:
                     # a large delta: the background takes the values detection read while
@@ -444,6 +450,7 @@ class TrainerSync:
                         detected[name] = change
                     handoff = Handoff(VALUES_IN_FLIGHT)
                     for n, p in captured.items():
+                        captured[n] = p = p.compact()  # kept until the commit
                         _hand_over(handoff, n, p, detected.pop(n, None))
                     if self._unhold is not None:
                         return self._detect_in_background(
@@ -488,6 +495,8 @@ class TrainerSync:
                 pending._future.set_exception(exc)
             return pending
         del detected
+        for n, p in captured.items():  # kept until the commit, beside the background
+            captured[n] = p.compact()
         pending._future = self._submit(pending, captured, params, anchor, None)
         return pending
 
@@ -525,7 +534,7 @@ class TrainerSync:
         as a failure before the return does."""
         try:
             for name, pos, change in items:
-                captured[name] = pos
+                captured[name] = pos = pos.compact()
                 _hand_over(handoff, name, pos, change)
         except BaseException as exc:
             handoff.fail(exc)

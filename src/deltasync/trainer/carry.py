@@ -40,11 +40,15 @@ def merge_captured(
     changes: Iterable[tuple[str, torch.Tensor | Positions, torch.Tensor | None]],
     carry: Mapping[str, Positions],
     params: Params,
+    *,
+    encode: bool = True,
 ) -> Iterator[tuple[str, Positions, Change | None]]:
     """:func:`merge_positions` over ``(name, positions, values or None)`` triples: each item
     also carries the change as ``(name, int64 indices or Positions, values)`` where the
     tracker read the values with the positions and no carried positions join them (then the
-    values would miss the carried elements: they are read from the params instead)."""
+    values would miss the carried elements: they are read from the params instead).
+    ``encode=False``: int64 indices the tracker gave become :meth:`Positions.held` (the
+    caller compacts what it keeps)."""
     stream = iter(changes)
     nxt, ended = None, False
     for name in params:
@@ -62,7 +66,7 @@ def merge_captured(
                 yield name, got, None if vals is None else (name, got, vals)
             else:
                 change = None if vals is None else (name, got, vals)
-                yield name, Positions.of(got), change
+                yield name, Positions.of(got) if encode else Positions.held(got), change
         elif got is None:
             yield name, old, None
         else:

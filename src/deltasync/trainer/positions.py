@@ -112,6 +112,25 @@ class Positions:
         return cls.from_chunks([indices], device=indices.device)
 
     @classmethod
+    def held(cls, indices: torch.Tensor) -> Positions:
+        """Sorted, unique, non-negative 1-D int64 or int32 ``indices`` held as they are, not
+        encoded (4 or 8 bytes a position instead of about 1): for positions that live only
+        while a small delta publishes on the caller's thread, where encoding each parameter's
+        costs more than the bytes it saves. :meth:`compact` encodes them when they are kept
+        longer. The caller vouches for the order, as for :meth:`of`."""
+        n = indices.numel()
+        if n <= 1:
+            return cls(count=n, first=int(indices[0]) if n else 0, device=indices.device)
+        return cls(count=n, first=int(indices[0]), device=indices.device, wide=indices)
+
+    def compact(self) -> Positions:
+        """These positions at about a byte each: :meth:`held` ones encoded, others as they
+        are."""
+        if self.wide is None or self.wide.dtype != torch.int64:
+            return self
+        return Positions.of(self.wide)
+
+    @classmethod
     def from_chunks(
         cls, chunks: Iterable[torch.Tensor], *, device: torch.device | None = None
     ) -> Positions:
