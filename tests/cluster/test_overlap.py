@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from kit import TINY_QWEN3, HFTrainer
+from kit import TINY_QWEN3, HFTrainer, spy_digest_pass
 from overlap_testkit import DEATH_AFTER_S, LATE_S, SLOW_READ_S, STREAMED_BELOW, run_overlap
 
 from deltasync import ClusterSender, ModelSpec, ReceiverLayout, TrainerLayout
@@ -219,16 +219,7 @@ def test_the_inline_and_unoverlapped_payloads_hash_their_digests_in_detection(mo
     import deltasync.cluster.cluster_sender as sender_mod
     from deltasync.layout.digest import state_digests
 
-    given: list[int] = []
-    pass_ = sender_mod.state_tensor_digests
-
-    def spying(params, *, trainer_layout, receiver_layout, keep=None):
-        given.append(sum(len(v) for v in (keep or {}).values()))
-        return pass_(
-            params, trainer_layout=trainer_layout, receiver_layout=receiver_layout, keep=keep
-        )
-
-    monkeypatch.setattr(sender_mod, "state_tensor_digests", spying)
+    given = spy_digest_pass(monkeypatch, sender_mod)
     digested: list[dict] = []
     digests_ = ClusterSender._digests
 

@@ -299,3 +299,20 @@ def in_fresh_process(target, *args: object, timeout_s: float = 240.0):
     if isinstance(got, RuntimeError):
         raise got
     return got
+
+
+def spy_digest_pass(monkeypatch, module) -> list[int]:
+    """Wrap ``module.state_tensor_digests`` (the digest pass a sender calls); returns the list
+    that receives, per call, how many receiver tensors' entries the pass was given (``keep``:
+    hashed by the detection pass, not read again)."""
+    given: list[int] = []
+    pass_ = module.state_tensor_digests
+
+    def spying(params, *, trainer_layout, receiver_layout, keep=None):
+        given.append(sum(len(v) for v in (keep or {}).values()))
+        return pass_(
+            params, trainer_layout=trainer_layout, receiver_layout=receiver_layout, keep=keep
+        )
+
+    monkeypatch.setattr(module, "state_tensor_digests", spying)
+    return given

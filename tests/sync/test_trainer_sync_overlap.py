@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from kit import spy_digest_pass
 
 from deltasync import names
 from deltasync.errors import ConfigError, PublishFailedError, StoreError
@@ -663,16 +664,7 @@ def test_the_digests_come_from_the_detection_pass_not_a_second_read(tmp_path, mo
     import deltasync.publish.publisher as publisher_mod
     from deltasync.layout.digest import state_digests
 
-    given: list[int] = []
-    pass_ = publisher_mod.state_tensor_digests
-
-    def spying(params, *, trainer_layout, receiver_layout, keep=None):
-        given.append(sum(len(v) for v in (keep or {}).values()))
-        return pass_(
-            params, trainer_layout=trainer_layout, receiver_layout=receiver_layout, keep=keep
-        )
-
-    monkeypatch.setattr(publisher_mod, "state_tensor_digests", spying)
+    given = spy_digest_pass(monkeypatch, publisher_mod)
     spec, tl, rl = layouts(vocab_size=16411)
     trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=6)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())

@@ -54,15 +54,27 @@ def _capture(tracker, sink=None):
     return out
 
 
+def _changes(tracker, stream: str, sink=None) -> dict:
+    """``{name: (int64 indices, values or None)}`` from one of the two streams a sender reads:
+    the capture (an overlapped sender) or the whole indices and values (a sender without
+    overlap, the in-cluster inline path: each parameter's chunks joined, their casts fed on
+    the way)."""
+    if stream == "iter_capture":
+        return _capture(tracker, sink)
+    changes = tracker.iter_changes() if sink is None else tracker.iter_changes(sink=sink)
+    return {n: (i, v) for n, i, v in changes}
+
+
+@pytest.mark.parametrize("stream", ["iter_capture", "iter_changes"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_detection_hashes_the_receivers_tensors_as_the_pass_does(threads, tp):
+def test_detection_hashes_the_receivers_tensors_as_the_pass_does(stream, threads, tp):
     _, tl, rl = tiny_layouts("vllm", tp=tp, **BIG)
     _, named, tracker = _trained(threads)
     params = {n: p.detach() for n, p in named}
-    plain = _capture(tracker)  # a pending step: asking again gives the same answer
+    plain = _changes(tracker, stream)  # a pending step: asking again gives the same answer
     feed = DigestFeed(tl, rl)
-    fed = _capture(tracker, feed)
+    fed = _changes(tracker, stream, feed)
     assert plain.keys() == fed.keys()
     for name, (idx, vals) in plain.items():
         assert torch.equal(idx, fed[name][0])
@@ -75,25 +87,6 @@ def test_detection_hashes_the_receivers_tensors_as_the_pass_does(threads, tp):
     assert feed.covered() == sum(
         torch.Size(e[1]).numel() for locals_ in want.values() for e in locals_.values()
     )
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_iter_changes_feeds_the_same_digests_and_gives_the_same_changes(threads, tp):
-    # The whole-indices stream (a sender without overlap, the in-cluster inline path): each
-    # parameter's chunks joined as before, their casts fed on the way, on the detection threads
-    # or (one thread) on the caller's.
-    _, tl, rl = tiny_layouts("vllm", tp=tp, **BIG)
-    _, named, tracker = _trained(threads)
-    params = {n: p.detach() for n, p in named}
-    plain = {n: (i, v) for n, i, v in tracker.iter_changes()}
-    feed = DigestFeed(tl, rl)
-    fed = {n: (i, v) for n, i, v in tracker.iter_changes(sink=feed)}
-    assert plain.keys() == fed.keys()
-    for name, (idx, vals) in plain.items():
-        assert torch.equal(idx, fed[name][0]), name
-        assert torch.equal(vals.view(torch.int16), fed[name][1].view(torch.int16)), name
-    assert feed.entries() == state_tensor_digests(params, trainer_layout=tl, receiver_layout=rl)
 
 
 def test_a_nan_chunk_leaves_its_parameter_to_the_pass():
