@@ -794,3 +794,30 @@ def test_the_carry_of_a_large_delta_is_compact_and_a_small_ones_is_held_as_detec
     sync.wait()
     _assert_receivers_exact(receivers, trainer, lay, 1)
     sync.close()
+
+
+def test_without_overlap_a_small_deltas_successor_keeps_the_pass_beside_detection(
+    tmp_path, monkeypatch
+):
+    # A version after a delta of fewer than inline_below changed elements: the digest pass
+    # reads the params beside detection (a small model: that core is idle) instead of the
+    # detection pass hashing them; before any such delta, and for a large one, the detection
+    # pass hashes them. The manifests stay exact either way.
+    import deltasync.publish.publisher as publisher_mod
+    from deltasync.layout.digest import state_digests
+
+    given = spy_digest_pass(monkeypatch, publisher_mod)
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    tl, rl = lay
+    sync = TrainerSync(tracker, pub, trainer.params, inline_below=1 << 30)
+    sync.step_published(0, anchor=True)
+    tensors = sum(len(rl.local_specs(s.id)) for s in rl.shards())
+    for version, fed in ((1, tensors), (2, 0), (3, 0)):
+        trainer.step()
+        given.clear()
+        sync.step_published(version)
+        assert given == [fed], version
+        truth = state_digests(trainer.params, trainer_layout=tl, receiver_layout=rl)
+        assert dict(pub.catalog.manifest(version).shard_digests) == truth
+        _assert_receivers_exact(receivers, trainer, lay, version)
+    sync.close()
