@@ -219,8 +219,8 @@ class TrainerSync:
     tracker's ``iter_changes(sink=)`` stream the publisher routes as it is detected) instead
     of by a second read of ``params``: ~0.2 CPU-s less per 0.6B version, detection ~15%
     longer (where detection blocks ``step_published``, so does that); False keeps the
-    separate pass beside detection. Without overlap, a version after a delta of fewer than
-    ``inline_below`` changed elements keeps that pass too: on a small model it runs on a core
+    separate pass beside detection. Without overlap, a version after a delta that sent fewer
+    than ``inline_below`` elements (the first publisher's) keeps that pass too: on a small model it runs on a core
     detection leaves idle (small preset: about even in wall time, ~3 ms more CPU with the
     detection hashing).
 
@@ -275,7 +275,8 @@ class TrainerSync:
         self._detector: ThreadPoolExecutor | None = None  # detection after the return
         self._feeds: DigestFeed | None = None  # the digest feed's plan (first publisher)
         self._expect_large = False  # the last delta held at least inline_below elements
-        self._small_delta = False  # without overlap: the last committed delta held fewer
+        # without overlap: the last committed delta sent fewer than inline_below elements
+        self._small_delta = False
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
         self._hook = None
