@@ -13,7 +13,10 @@ from kit import bits_equal
 from deltasync.errors import ApplyError
 from deltasync.format import TensorUpdate, apply_updates, decode_blob, encode_blob, sparse_update
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the gpu tier needs a CUDA device"),
+]
 
 
 def test_decoded_updates_scatter_into_cuda_targets_bit_for_bit():

@@ -236,6 +236,7 @@ def test_indices_beyond_2_to_the_31_route_exactly_in_int64():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the gpu tier needs a CUDA device")
 def test_routing_cuda_indices_gives_the_cpu_result_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.fail("the gpu tier needs a CUDA device")
