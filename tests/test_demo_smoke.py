@@ -67,3 +67,23 @@ def test_a_command_whose_application_is_missing_names_the_remedy(argv, package) 
     assert "ApplicationMissingError" in done.stderr and package in done.stderr
     assert "pip install -e ." in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("bad", [-1.0, True, "1"])
+def test_the_demos_link_rate_must_be_a_non_negative_number(bad) -> None:
+    from deltasync.errors import ConfigError
+    from deltasync_examples.demo.run import DemoConfig
+
+    with pytest.raises(ConfigError, match="link_gbps must be a number >= 0"):
+        DemoConfig(link_gbps=bad)
+    assert DemoConfig(link_gbps=0).link_gbps == 0  # no emulated link: the local disk
+
+
+def test_the_demo_store_is_throttled_only_when_a_link_is_asked_for(tmp_path) -> None:
+    from deltasync import LocalStore
+    from deltasync.store import ThrottledStore
+    from deltasync_examples.demo.receiver_proc import open_demo_store
+
+    assert isinstance(open_demo_store(str(tmp_path), 0), LocalStore)
+    linked = open_demo_store(str(tmp_path), 1.0)
+    assert isinstance(linked, ThrottledStore) and linked.config.gbps == 1.0

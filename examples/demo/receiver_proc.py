@@ -17,13 +17,29 @@ from deltasync_examples.harness import serve
 from deltasync_examples.oracle import bits_digest
 
 
+def open_demo_store(root: str, link_gbps: float):
+    """The store at ``root`` as one process reaches it: behind its own emulated link of
+    ``link_gbps`` (0: the local disk directly)."""
+    from deltasync import LocalStore
+    from deltasync.store import ThrottledStore
+
+    local = LocalStore(root)
+    return ThrottledStore(local, link_gbps) if link_gbps else local
+
+
 def receiver_main(
-    store_root: str, state_dir: str, hf_config: dict, tp: int, shard: str, conn
+    store_root: str,
+    link_gbps: float,
+    state_dir: str,
+    hf_config: dict,
+    tp: int,
+    shard: str,
+    conn,
 ) -> None:
     import torch
     from safetensors.torch import load as st_load
 
-    from deltasync import LocalStore, ModelSpec, Receiver, ReceiverConfig, ReceiverLayout
+    from deltasync import ModelSpec, Receiver, ReceiverConfig, ReceiverLayout
 
     torch.set_num_threads(1)
     state: dict = {}
@@ -33,7 +49,7 @@ def receiver_main(
         state["live"] = {
             n: torch.zeros(s.shape, dtype=s.dtype) for n, s in layout.local_specs(shard).items()
         }
-        state["store"] = LocalStore(store_root)
+        state["store"] = open_demo_store(store_root, link_gbps)  # this host's own link
         state["rx"] = Receiver.for_layout(
             state["store"],
             layout,

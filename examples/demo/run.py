@@ -6,7 +6,10 @@ the changed BF16 elements to a local-filesystem store; two receiver processes ho
 vLLM-convention TP=2 shards pull, stage, journal, apply in place and verify. The trainer checks
 every receiver's state digest against ``split(bf16(trainer))``, and every step it also measures a
 dense refit of the same version (full shard files written, fetched and loaded), so the summary
-compares the two on the same run.
+compares the two on the same run. Every process reaches the store through an emulated link
+(``link_gbps``, 1 Gbit/s by default: ``ThrottledStore``, the benchmark's link), as a trainer and
+rollout workers on different hosts do; 0 uses the local disk at memory speed, where a dense
+refit of a model this small costs no more than a delta.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig, RolloutConfig, build_policy, pg_step
-from deltasync_examples.demo.receiver_proc import receiver_main
+from deltasync_examples.demo.receiver_proc import open_demo_store, receiver_main
 from deltasync_examples.harness import spawn
 from deltasync_examples.oracle import dense_digests, dense_shards
 
@@ -33,6 +36,7 @@ class DemoConfig:
     lr: float = 3e-6
     tp: int = 2
     store: str | None = None  # a directory; default: a fresh temporary one
+    link_gbps: float = 1.0  # each process's link to the store (emulated); 0: none
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
@@ -41,6 +45,11 @@ class DemoConfig:
             raise ConfigError(f"DemoConfig.steps must be an int >= 1, got {self.steps!r}")
         if not 0 < self.lr < 1:
             raise ConfigError(f"DemoConfig.lr must be in (0, 1), got {self.lr!r}")
+        gbps = self.link_gbps
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps >= 0:
+            raise ConfigError(
+                f"DemoConfig.link_gbps must be a number >= 0 (0: no emulated link), got {gbps!r}"
+            )
 
 
 def run(cfg: DemoConfig, console=None) -> dict:
@@ -49,7 +58,6 @@ def run(cfg: DemoConfig, console=None) -> dict:
 
     from deltasync import (
         AdamWTracker,
-        LocalStore,
         ModelSpec,
         Publisher,
         PublisherConfig,
@@ -82,7 +90,7 @@ def run(cfg: DemoConfig, console=None) -> dict:
     params = {n: p.detach() for n, p in named}
     n_params = sum(p.numel() for p in params.values())
     opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=0.01)
-    store = LocalStore(store_root)
+    store = open_demo_store(store_root, cfg.link_gbps)
     tracker = AdamWTracker(opt, named)
     sync = TrainerSync(
         tracker,
@@ -94,9 +102,11 @@ def run(cfg: DemoConfig, console=None) -> dict:
         ),
         params,
     )
+    link = f"an emulated {cfg.link_gbps:g} Gbit/s link" if cfg.link_gbps else "the local disk"
     console.print(
         f"[bold]deltasync demo[/]: Qwen3 {n_params / 1e6:.1f} M params (fp32 trainer, AdamW lr={cfg.lr:g}), "
-        f"2 receiver processes with vLLM TP={cfg.tp} shards {shards}, store {store_root}"
+        f"2 receiver processes with vLLM TP={cfg.tp} shards {shards}, store {store_root} "
+        f"(each process through {link})"
     )
     sync.step_published(0, anchor=True)  # version 0: the anchor receivers bootstrap from
 
@@ -104,6 +114,7 @@ def run(cfg: DemoConfig, console=None) -> dict:
         spawn(
             receiver_main,
             store_root,
+            cfg.link_gbps,
             os.path.join(root, f"rx-{shard}"),
             hf_config,
             cfg.tp,
@@ -221,7 +232,7 @@ def run(cfg: DemoConfig, console=None) -> dict:
             "changed_frac",
         ]
     }
-    summary = Table(title="summary (medians per step)")
+    summary = Table(title=f"summary (medians per step; the store through {link})")
     for h in ["", "deltasync", "dense refit", "ratio"]:
         summary.add_column(h, justify="right")
     summary.add_row(

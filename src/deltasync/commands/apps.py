@@ -10,7 +10,7 @@ with a typed error that says how to get it, instead of an ImportError traceback.
 Every command ends with one machine-readable JSON line (:func:`emit_json_line`), which tests,
 benchmarks and users' scripts parse, also when several ranks of one job share a stdout pipe.
 
-    deltasync demo [--steps N] [--lr LR] [--store DIR] [--small]
+    deltasync demo [--steps N] [--lr LR] [--store DIR] [--link-gbps G] [--small]
     deltasync rl-demo [--steps N] [--workers W] [--engine tp|hf] [--tp T] ...
     deltasync bench [compare|detect] ...
     torchrun --standalone --nproc-per-node=3 -m deltasync cluster-worker --tp 2
@@ -106,6 +106,13 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--store", default=None, help="directory for the store (default: a temp dir)")
     p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=1.0,
+        help="each process reaches the store through an emulated link of this many Gbit/s "
+        "(default 1; 0: the local disk at memory speed)",
+    )
+    p.add_argument(
         "--small", action="store_true", help="a two-layer model (a quick check, ~10x faster)"
     )
     p.set_defaults(func=_run_demo)
@@ -114,7 +121,15 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     demo = import_app("deltasync_examples.demo.run", "demo")
     policy = demo.PolicyConfig.small() if args.small else demo.PolicyConfig()
-    res = demo.run(demo.DemoConfig(steps=args.steps, lr=args.lr, store=args.store, policy=policy))
+    res = demo.run(
+        demo.DemoConfig(
+            steps=args.steps,
+            lr=args.lr,
+            store=args.store,
+            link_gbps=args.link_gbps,
+            policy=policy,
+        )
+    )
     emit_json_line(res, sort_keys=True)
     return 0 if res["exact"] else 1
 
