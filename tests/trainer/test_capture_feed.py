@@ -158,11 +158,8 @@ def test_after_a_two_step_version_a_one_step_version_is_the_kernels_again():
     # later one-step version is detected straight from its step again (values and casts),
     # with the same answer the bitset would give
     _, tl, rl = tiny_layouts("vllm", tp=2, **BIG)
-    model, named, tracker = _trained(threads=2, seed=8)
+    _, named, tracker = _trained(threads=2, seed=8)
     g = torch.Generator().manual_seed(99)
-    for _, p in named:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    model.zero_grad(set_to_none=False)
     for _, p in named:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
     tracker._opt.step()  # a second step in this version: folded into bitsets

@@ -70,7 +70,7 @@ from deltasync.native.loader import HeapRelease, release_free_heap
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import merge_captured, merge_positions
 from deltasync.trainer.positions import Positions
-from deltasync.trainer.protocol import CastSink
+from deltasync.trainer.protocol import CastSink, sink_kwargs
 
 Carry = dict[str, Positions]
 
@@ -163,7 +163,7 @@ def iter_handed(
         for name, pos in iter_captured(tracker, carry, params):
             yield name, pos, None
         return
-    stream = capture(0, values_max=values_max, **({} if sink is None else {"sink": sink}))
+    stream = capture(0, values_max=values_max, **sink_kwargs(sink))
     for name, pos, change in merge_captured(stream, carry, params):
         yield name, pos, None if change is None else change[2]
 
@@ -188,8 +188,7 @@ def capture_with_values(
     t = time.perf_counter()
     changed: dict[str, torch.Tensor] = {}
     values: dict[str, torch.Tensor] = {}
-    stream = tracker.iter_changes() if sink is None else tracker.iter_changes(sink=sink)  # type: ignore[call-arg]
-    for name, idx, vals in checked_changes(stream):
+    for name, idx, vals in checked_changes(tracker.iter_changes(**sink_kwargs(sink))):
         if not idx.numel():
             continue
         changed[name] = idx

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from deltasync import names
 from deltasync.errors import ConfigError, ManifestError
 from deltasync.exchange import ExchangeConfig
-from deltasync.validate import check_int, check_seconds
+from deltasync.validate import check_bool, check_int, check_seconds
 
 _OWNER = "ClusterConfig"
 
@@ -98,11 +98,7 @@ class ClusterConfig:
         check_int(_OWNER, "part_bytes", self.part_bytes, lo=0, hi=1 << 40)
         check_int(_OWNER, "digest_every", self.digest_every, lo=0, hi=1 << 31)
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1, hi=1 << 62)
-        if not isinstance(self.digests_in_detection, bool):
-            raise ConfigError(
-                f"ClusterConfig.digests_in_detection must be a bool, got "
-                f"{self.digests_in_detection!r}"
-            )
+        check_bool(_OWNER, "digests_in_detection", self.digests_in_detection)
 
     def sends_digest(self, version: int, *, anchor: bool) -> bool:
         """Whether the writers attach expected digests to ``version``."""

@@ -374,20 +374,17 @@ class Publisher:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
             given = None if full_state is not None else fed
-            if callable(touched) or callable(given):
-                # known once the stream is: the job waits for them
-                def entries() -> TensorEntries:
-                    named = touched() if callable(touched) else touched
-                    keep = _joined(
-                        self._kept_entries(kind, since, committed, named),
-                        given() if callable(given) else given,
-                    )
-                    return self._tensor_entries(full, keep)
 
-                digest_job = self._digest_pool.submit(entries)
-            else:
-                keep = _joined(self._kept_entries(kind, since, committed, touched), given)
-                digest_job = self._digest_pool.submit(self._tensor_entries, full, keep)
+            def entries() -> TensorEntries:
+                # callables are known once the stream is: the job waits for them
+                named = touched() if callable(touched) else touched
+                keep = _joined(
+                    self._kept_entries(kind, since, committed, named),
+                    given() if callable(given) else given,
+                )
+                return self._tensor_entries(full, keep)
+
+            digest_job = self._digest_pool.submit(entries)
         shards = len(self.layout.shards())
         threads = cfg.upload_threads or min(32, shards)
         if self._pool is None:

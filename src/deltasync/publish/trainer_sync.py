@@ -84,7 +84,8 @@ from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.positions import Handed, Positions
-from deltasync.trainer.protocol import takes_sink
+from deltasync.trainer.protocol import sink_kwargs, takes_sink
+from deltasync.validate import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,7 @@ def _capture_stream(
     tensors from the detection pass's casts."""
     capture = getattr(tracker, "iter_capture", None)
     if (values_below or values_max) and callable(capture):
-        sink = {} if feed is None else {"sink": feed}
-        yield from capture(values_below, values_max=values_max, **sink)
+        yield from capture(values_below, values_max=values_max, **sink_kwargs(feed))
         return
     for name, pos in _positions_stream(tracker):
         yield name, pos, None
@@ -220,9 +220,9 @@ class TrainerSync:
     of by a second read of ``params``: ~0.2 CPU-s less per 0.6B version, detection ~15%
     longer (where detection blocks ``step_published``, so does that); False keeps the
     separate pass beside detection. Without overlap, a version after a delta that sent fewer
-    than ``inline_below`` elements (the first publisher's) keeps that pass too: on a small model it runs on a core
-    detection leaves idle (small preset: about even in wall time, ~3 ms more CPU with the
-    detection hashing).
+    than ``inline_below`` elements (the first publisher's) keeps that pass too: on a small
+    model it runs on a core detection leaves idle (small preset: about even in wall time,
+    ~3 ms more CPU with the detection hashing).
 
     Restart recipe: checkpoint the model, the optimizer and the committed version the params
     equal; on restart load them, build the tracker and this TrainerSync, call
@@ -282,13 +282,10 @@ class TrainerSync:
         self._hook = None
         # A tracker that holds the optimizer's steps for us (its own pre-step hook calls the
         # barrier first) lets a large delta's detection go on after step_published returns.
-        for arg, flag in (
-            ("detect_in_background", detect_in_background),
-            ("digests_in_detection", digests_in_detection),
-        ):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"TrainerSync.{arg} must be a bool, got {flag!r}")
-        self.digests_in_detection = digests_in_detection
+        check_bool("TrainerSync", "detect_in_background", detect_in_background)
+        self.digests_in_detection = check_bool(
+            "TrainerSync", "digests_in_detection", digests_in_detection
+        )
         hold = getattr(tracker, "hold_steps", None) if overlap and detect_in_background else None
         self._unhold = hold(optimizer, self._barrier) if callable(hold) else None
         if overlap and optimizer is not None and self._unhold is None:
@@ -349,11 +346,9 @@ class TrainerSync:
         # it costs less wall time than it saves CPU time (see ``inline_below``).
         feed = None if anchor or self._small_delta else self._digest_feed(params, "iter_changes")
         ended = threading.Event()
-        changes: Iterable
-        if feed is None:
-            changes = self.tracker.iter_changes()
-        else:
-            changes = _until_ended(self.tracker.iter_changes(sink=feed), ended)  # type: ignore[call-arg]
+        changes: Iterable = self.tracker.iter_changes(**sink_kwargs(feed))
+        if feed is not None:
+            changes = _until_ended(changes, ended)
         if len(self.publishers) > 1:  # every publisher needs the same changes: detect once
             changes = list(changes)
         # With one publisher the stream is lazy: each group is detected while the previous

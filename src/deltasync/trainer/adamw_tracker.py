@@ -631,7 +631,7 @@ class AdamWTracker:
                 assert buffers is not None
                 chunks = _feeding(sink, name, chunks, buffers)
             return _capture_chunks(chunks, local.device, values_max)
-        if sink is not None and one_step and not positions:
+        if sink is not None and one_step:
             # Indices (and values) wanted whole: the chunks joined, their casts fed on the way.
             assert entry is not None and buffers is not None
             _, hyper, v_key = entry
@@ -643,14 +643,6 @@ class AdamWTracker:
                 cast=buffers,
             )
             return join_chunks(list(_feeding(sink, name, chunks, buffers)), values=want)
-        if sink is not None and one_step and small_enough(self._watched[name].shard.local_numel):
-            assert entry is not None
-            _, hyper, v_key = entry
-            assert buffers is not None
-            args = (*self._state(name, v_key), kernel_scalars(hyper))
-            got = _with_bits(args, want, False, buffers)
-            _hand_bits(sink, name, 0, got.bits, buffers)
-            return got.detection
         return self._detect(name, entry, want)
 
     def iter_changes(

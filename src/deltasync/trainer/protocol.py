@@ -144,3 +144,9 @@ def takes_sink(tracker: object, method: str = "iter_capture") -> bool:
     sender have the receivers' digests hashed by the detection pass."""
     fn = getattr(tracker, method, None)
     return callable(fn) and "sink" in inspect.signature(fn).parameters
+
+
+def sink_kwargs(sink: CastSink | None) -> dict[str, CastSink]:
+    """The keyword arguments that hand ``sink`` to a detection method (none without one, so a
+    tracker whose methods take no ``sink`` is called as before)."""
+    return {} if sink is None else {"sink": sink}
