@@ -1,7 +1,9 @@
-"""Local state first, store records after: a receiver records its verified version durably
-before it writes its ack and registration; a failed ack or heartbeat (the S3 server killed
-between the scatter and the ack, a receiver SIGKILLed right there) never leaves the tensors
-at one version and the state at another, and a dirty receiver never reports a version."""
+"""A receiver records its verified version three ways once the scatter has ended (the local
+state file, the ack, the registration, written at once), and drops its journal only once the
+state file is durable. A failed ack or heartbeat (the S3 server killed between the scatter
+and the ack, a receiver SIGKILLed right there) or a state file write killed or failed never
+leaves the tensors at one version and the state at another: the journal is replayed to the
+version the tensors hold, and a dirty receiver never reports a version."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from truth_kit import FailingPuts, Rig, assert_same_bits, rconfig, wipe
 
 from deltasync import LocalStore, Receiver, names
 from deltasync.commit import AckRecord, ReceiverRecord
+from deltasync.errors import LocalStateError
 from deltasync.receiver import StateDir, mapped_shard_tensors
 from deltasync.store import RetryPolicy, S3Store
 
@@ -67,18 +70,33 @@ def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_
         rx_s3.close()
 
 
-def _receiver_child(store_path, state_dir, mapped, ready):
+def _receiver_child(store_path, state_dir, mapped, ready, hang_in):
     from truth_kit import tiny_layouts
 
     _, _, rl = tiny_layouts()
     tensors = mapped_shard_tensors(mapped, rl.local_specs("tp0"))
 
-    def hang(key):
-        if key.startswith("acks/"):
-            open(ready, "w").close()
-            time.sleep(600)  # the parent SIGKILLs us here: after the scatter, before the ack
+    def hang():
+        open(ready, "w").close()
+        time.sleep(600)  # the parent SIGKILLs us here, after the scatter
 
-    store = FailingHook(LocalStore(store_path, durable=False), hang)
+    def at_put(key):
+        if hang_in == "ack" and key.startswith("acks/"):
+            # the state file is written beside the ack: killed once it is durable
+            while (st := StateDir(state_dir).read_state()) is None or st.version != 0:
+                time.sleep(0.005)
+            hang()
+
+    if hang_in == "state":
+        real = StateDir.write_state
+
+        def write_state(self, state):
+            if state.version == 0:
+                hang()
+            real(self, state)
+
+        StateDir.write_state = write_state  # type: ignore[method-assign]
+    store = FailingHook(LocalStore(store_path, durable=False), at_put)
     Receiver.for_layout(store, rl, "tp0", tensors, state_dir, rconfig("rec")).pull()
 
 
@@ -94,34 +112,90 @@ class FailingHook:
         return self.inner.put(key, data, *args, **kwargs)
 
 
-@pytest.mark.timeout(90)
-def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_version(tmp_path):
-    store = LocalStore(tmp_path / "store", durable=False)
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
+def _kill_after_scatter(tmp_path, rig, hang_in):
+    """Run a receiver's first pull in a child, SIGKILLed where ``hang_in`` ("ack": the ack's
+    put, once the state file is durable; "state": the state file's write) hangs; the mapped
+    tensors it scattered into."""
     mapped = tmp_path / "tp0.bin"
     ready = tmp_path / "ready"
     proc = mp.get_context("fork").Process(
         target=_receiver_child,
-        args=(str(tmp_path / "store"), str(tmp_path / "rec"), str(mapped), str(ready)),
+        args=(str(tmp_path / "store"), str(tmp_path / "rec"), str(mapped), str(ready), hang_in),
         daemon=True,
     )
     proc.start()
     deadline = time.monotonic() + 60
     while not ready.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, "the child never reached its ack"
+        assert proc.is_alive() and time.monotonic() < deadline, f"the child never hung in {hang_in}"
         time.sleep(0.01)
     proc.kill()
     proc.join(10)
     assert proc.exitcode == -9
+    return mapped_shard_tensors(mapped, rig.rl.local_specs("tp0"), create=False)
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_version(tmp_path):
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    tensors = _kill_after_scatter(tmp_path, rig, "ack")
     assert not store.exists(names.ack_key(0, "rec"))
-    tensors = mapped_shard_tensors(mapped, rig.rl.local_specs("tp0"), create=False)
     rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
     assert rec.version == 0 and not rec.dirty and rec.last_repair is None
     assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
     # the restarted receiver owes the ack of what it verifiably holds, and writes it
     assert AckRecord.from_json(store.get(names.ack_key(0, "rec"))).version == 0
     assert rig.trainer.pub.wait_for_acks(0, ["rec"], timeout=5)
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_sigkilled_while_its_state_file_is_written_replays_its_journal(tmp_path):
+    # Killed before the state file is durable (the ack, written beside it, may be out): the
+    # journal is still there, and the restart replays it to the version the tensors hold.
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    tensors = _kill_after_scatter(tmp_path, rig, "state")
+    assert StateDir(tmp_path / "rec").read_state() is None
+    assert StateDir(tmp_path / "rec").read_journal() is not None
+    if store.exists(names.ack_key(0, "rec")):  # it states what the tensors hold
+        assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
+    rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
+    repaired = rec.last_repair
+    assert repaired is not None and repaired.repaired and repaired.version == 0
+    assert rec.version == 0 and not rec.dirty
+    assert StateDir(tmp_path / "rec").read_journal() is None
+    assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
+    assert AckRecord.from_json(store.get(names.ack_key(0, "rec"))).version == 0
+    assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version == 0
+
+
+def test_a_failed_state_file_write_raises_keeps_the_journal_and_the_next_pull_replays_it(
+    tmp_path, monkeypatch
+):
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    rig.publish(0)
+    rig.check(rig.rec.pull())
+    rig.publish(1)
+    real = StateDir.write_state
+
+    def full_disk(self, state):
+        raise LocalStateError(f"cannot write {str(self.state_path)!r}: No space left on device")
+
+    monkeypatch.setattr(StateDir, "write_state", full_disk)
+    with pytest.raises(LocalStateError, match="No space left"):
+        rig.rec.pull()
+    monkeypatch.setattr(StateDir, "write_state", real)
+    assert rig.rec.version == 0, "the recorded version moves only with the state file"
+    assert StateDir(tmp_path / "rec").read_journal() is not None
+    report = rig.rec.pull()
+    assert report.repaired and report.version == 1
+    rig.check(report)
+    assert StateDir(tmp_path / "rec").read_state().version == 1
+    assert StateDir(tmp_path / "rec").read_journal() is None
+    rec = ReceiverRecord.from_json(rig.rec.store.get(names.receiver_key("rec")))
+    assert rec.version == 1
 
 
 @pytest.mark.timeout(60)
