@@ -368,7 +368,8 @@ def test_small_params_detected_ahead_on_threads_equal_one_at_a_time_bit_for_bit(
         list(several.iter_changes()),
         list(_stepped_tracker(SHAPES, threads=1, steps=2)[0].iter_changes()),
     )
-    assert len(taken) >= 9  # the small ones came from the detection threads
+    # the small ones came from the detection threads, the first ten as one group
+    assert taken[0] == tuple(f"p{i}" for i in range(10)) and "p11" in taken
     ahead_idx = list(tracker.iter_changed())
     one_at_a_time, _ = _stepped_tracker(SHAPES, threads=1)
     _same_stream(ahead, list(one_at_a_time.iter_changes()))
@@ -408,6 +409,95 @@ def test_large_params_chunks_run_ahead_across_parameters_equal_one_at_a_time(mon
     again = list(ahead.iter_positions())
     for (name, pos), (_, idx, _) in zip(again, truth, strict=True):
         assert torch.equal(pos.indices(), idx), name
+
+
+def test_a_group_of_small_params_is_one_kernel_call_equal_to_each_alone_bit_for_bit(monkeypatch):
+    from deltasync.trainer import detect
+    from deltasync.trainer.adamw_bound import KernelScalars
+
+    g = torch.Generator().manual_seed(5)
+    k = KernelScalars(
+        bc2s=0.03, eps=1e-8, step_size=1e-3, inv_c=1.0, rel_s=2e-7, rel_u=2e-7, abs_e=1e-30
+    )
+
+    def state(n):
+        return (
+            torch.randn(n, generator=g) * 0.02,
+            torch.randn(n, generator=g) * 1e-3,
+            torch.rand(n, generator=g) * 1e-6,
+            k,
+        )
+
+    alone = detect.detect_adamw_changes
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return alone(*args, **kwargs)
+
+    monkeypatch.setattr(detect, "detect_adamw_changes", counted)
+    group = [state(n) for n in (64, 0, 3000, 1, 70_000)]
+    got = detect.detect_adamw_group(group)
+    assert len(got) == len(group) and not calls  # one kernel call for all five
+    for (p, m, v, kk), (idx, vals) in zip(group, got, strict=True):
+        want_idx, want_vals = detect.detect_adamw_changes(p, m, v, kk, threads=1)
+        assert want_idx.numel() > 0 or p.numel() <= 1
+        assert torch.equal(idx, want_idx)
+        assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
+    # what the kernel declines (a strided view; a flagged subnormal) is detected one by one
+    p, m, v, _ = state(4000)
+    strided = (p[::2], m[::2], v[::2], k)
+    odd = state(500)
+    odd[0][7] = 1e-40  # an fp32 subnormal among the flagged values
+    for members in ([group[0], strided], [group[0], odd]):
+        calls.clear()
+        found = detect.detect_adamw_group(members)
+        assert calls == [64, members[1][0].numel()]  # each on its own
+        for (pp, mm, vv, kk), (idx, vals) in zip(members, found, strict=True):
+            want_idx, want_vals = detect.detect_adamw_changes(pp, mm, vv, kk, threads=1)
+            assert torch.equal(idx, want_idx)
+            assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
+    with pytest.raises(ValueError, match="at most"):
+        detect.detect_adamw_group([state(1 << 19), state((1 << 19) + 1)])
+
+
+def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order():
+    from deltasync.trainer import detect
+
+    # 300 K elements each: above GROUP_NUMEL, alone; 100 K: grouped, up to GROUP_ELEMENTS
+    shapes = [(100, 1000)] * 12 + [(300, 1000), (16,), (100, 1000), (1100, 1000), (8,)]
+    tracker, params = _stepped_tracker(shapes, threads=2)
+    pending = {e[0]: e for e in tracker._pending}
+    chunked = {n for n in tracker._order if tracker._chunked_step(n, pending)}
+    keys, group_of = tracker._work_keys(pending, chunked, lambda _: False)
+    flat = [n for key in keys for n in (key if isinstance(key, tuple) else (key,))]
+    assert flat == [f"p{i}" for i in range(len(shapes))]  # every one, in order
+    for key in keys:
+        if isinstance(key, tuple):
+            assert len(key) > 1
+            assert sum(params[n].numel() for n in key) <= detect.GROUP_ELEMENTS
+            assert all(params[n].numel() <= detect.GROUP_NUMEL for n in key)
+            assert all(group_of[n] == key for n in key)
+    assert keys[:2] == [tuple(f"p{i}" for i in range(10)), ("p10", "p11")]
+    assert keys[2:] == ["p12", ("p13", "p14"), "p15", "p16"]
+    # a parameter cast for a sink is never grouped
+    keys, _ = tracker._work_keys(pending, chunked, lambda n: n == "p1")
+    assert keys[:3] == ["p0", "p1", tuple(f"p{i}" for i in range(2, 12))]
+    alone, _ = _stepped_tracker(shapes, threads=1)
+    truth = list(alone.iter_changes())
+    _same_stream(list(tracker.iter_changes()), truth)
+    budget = sum(i.numel() for _, i, _ in truth[:5])  # values for the first few only
+    for got, want in ((tracker, alone),):
+        a, b = list(got.iter_capture(budget)), list(want.iter_capture(budget))
+        assert [n for n, *_ in a] == [n for n, *_ in b]
+        for (name, pa, va), (_, pb, vb) in zip(a, b, strict=True):
+            assert type(pa) is type(pb), name
+            ia = pa if isinstance(pa, torch.Tensor) else pa.indices()
+            ib = pb if isinstance(pb, torch.Tensor) else pb.indices()
+            assert torch.equal(ia, ib), name
+            assert (va is None) == (vb is None), name
+            if va is not None:
+                assert torch.equal(va.view(torch.int16), vb.view(torch.int16)), name
 
 
 def test_an_abandoned_stream_leaves_the_tracker_answering_the_same():

@@ -43,6 +43,8 @@ from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
+    GROUP_ELEMENTS,
+    GROUP_NUMEL,
     CastBuffers,
     CastChunk,
     Chunk,
@@ -53,6 +55,7 @@ from deltasync.trainer.detect import (
     detect_adamw_,
     detect_adamw_changes,
     detect_adamw_chunks,
+    detect_adamw_group,
     detect_adamw_indices,
     join_chunks,
     small_enough,
@@ -483,7 +486,22 @@ class AdamWTracker:
             whole = shard.local_numel == math.prod(shard.global_shape)
             return sink is not None and whole and shard.local_numel > 0 and sink.wants(name)
 
-        def job(name: str) -> list[Callable[[], Any]]:
+        def job(key: str | tuple[str, ...]) -> list[Callable[[], Any]]:
+            if isinstance(key, tuple):  # small parameters in one kernel call
+                group = [
+                    (*self._state(n, pending[n][2]), kernel_scalars(pending[n][1])) for n in key
+                ]
+                want = [wants_values(n) for n in key]  # decided at submission, as below
+
+                def together() -> dict[str, Any]:
+                    found = detect_adamw_group(group)
+                    return {
+                        n: (idx, vals) if w else ((Positions.of(idx) if positions else idx), None)
+                        for n, w, (idx, vals) in zip(key, want, found, strict=True)
+                    }
+
+                return [together]
+            name = key
             _, hyper, v_key = pending[name]
             args = (*self._state(name, v_key), kernel_scalars(hyper))
             if name in chunked:  # its chunks, joined or encoded by the consumer
@@ -501,14 +519,18 @@ class AdamWTracker:
                 return [lambda: (Positions.of(detect_adamw_indices(*args, threads=1)), None)]
             return [lambda: (detect_adamw_indices(*args, threads=1), None)]
 
-        ahead = Lookahead(
-            [n for n in self._order if n in chunked or self._small_step(n, pending)],
-            job,
-            threads=self._threads or torch.get_num_threads(),
-        )
+        keys, group_of = self._work_keys(pending, chunked, casts)
+        ahead = Lookahead(keys, job, threads=self._threads or torch.get_num_threads())
+        groups: dict[tuple[str, ...], dict[str, Any] | None] = {}
 
         def taken(name: str) -> Any:
             """``name``'s detection from the threads (None: not submitted)."""
+            key = group_of.get(name)
+            if key is not None:  # its group's, taken with its first member
+                if key not in groups:
+                    groups[key] = ahead.take(key)
+                together = groups[key]
+                return None if together is None else together.pop(name)
             if name not in chunked:
                 got = ahead.take(name)
                 if isinstance(got, _WithBits):
@@ -565,6 +587,46 @@ class AdamWTracker:
                     yield name, idx, vals
         finally:
             ahead.close()
+
+    def _work_keys(
+        self, pending: dict, chunked: set[str], casts: Callable[[str], bool]
+    ) -> tuple[list[str | tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """What goes to the detection threads, in order: each chunked parameter and each
+        small one-step parameter by name, except that runs of neighbouring small ones of at
+        most :data:`GROUP_NUMEL` elements (not cast for a sink) go as one group of up to
+        :data:`GROUP_ELEMENTS` elements; and each grouped name's group."""
+        keys: list[str | tuple[str, ...]] = []
+        group_of: dict[str, tuple[str, ...]] = {}
+        run: list[str] = []
+        held = 0
+
+        def close() -> None:
+            nonlocal held
+            if len(run) > 1:
+                key = tuple(run)
+                keys.append(key)
+                group_of.update(dict.fromkeys(key, key))
+            else:
+                keys.extend(run)
+            run.clear()
+            held = 0
+
+        for name in self._order:
+            if name in chunked:
+                close()
+                keys.append(name)
+            elif self._small_step(name, pending):
+                numel = self._watched[name].shard.local_numel
+                if numel > GROUP_NUMEL or casts(name):
+                    close()
+                    keys.append(name)
+                    continue
+                if held + numel > GROUP_ELEMENTS:
+                    close()
+                run.append(name)
+                held += numel
+        close()
+        return keys, group_of
 
     def _folded(self, name: str) -> bool:
         """Whether ``name``'s changes since the last clear() are (partly) in its bitset."""

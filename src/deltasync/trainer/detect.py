@@ -19,9 +19,10 @@ This module knows tensors and the kernel scalars; it knows nothing about optimiz
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -39,6 +40,14 @@ _CHUNK = 1 << 20  # elements per work item: big enough to amortize calls, small 
 # the transient scratch (~16 temporaries of 4 or 1 bytes per element: ~0.4 GiB) small next
 # to a trainer's memory while staying near the launch-bound knee.
 _DEVICE_CHUNK = 1 << 23
+# A parameter of at most GROUP_NUMEL elements shares its work item with its small neighbours,
+# up to GROUP_ELEMENTS elements in all (:func:`detect_adamw_group`): a model's many small
+# tensors (norms, biases, a small model's every matrix) cost one kernel call a group instead of
+# one each, and far fewer hand-overs between the detection threads and their consumer. The
+# small preset's model (47 tensors, 7.2 M elements) on two threads: 11.4 -> 7.3 ms a pass (2^16
+# / 2^19 and smaller groups: 8-10 ms; its kernel calls alone: 5.3 ms).
+GROUP_NUMEL = 1 << 18
+GROUP_ELEMENTS = _CHUNK
 _PACK_MAGIC = 0x0102040810204080
 T = TypeVar("T")
 _pool: ThreadPoolExecutor | None = None
@@ -517,6 +526,56 @@ def detect_adamw_changes(
     idx, vals = _detect_chunked(p, m, v, k, threads=threads, values=True)
     assert vals is not None
     return idx, vals
+
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KernelScalars]  # θ, m, v, scalars
+
+
+def detect_adamw_group(states: Sequence[State]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`detect_adamw_changes` of several small parameters (at most ``_CHUNK`` elements
+    in all), in order, in one kernel call where the kernel can read them all.
+
+    One call from the interpreter (one release of its lock) for the group instead of one per
+    parameter: a small model's detection on two threads was mostly hand-overs between the
+    threads and their consumer, not kernel time. Each result's positions and values are
+    views of one buffer for the group. Where the kernel cannot take every parameter (a
+    strided view, a non-finite bound, a NaN or fp32 subnormal value flagged), each is
+    detected on its own, with the same result."""
+    for p, m, v, _ in states:
+        check_state(p, m, v)
+    total = sum(p.numel() for p, _, _, _ in states)
+    if total > _CHUNK:
+        raise ValueError(f"a detection group holds at most {_CHUNK} elements, got {total}")
+    lib = (
+        native.load()
+        if all(math.isfinite(k.abs_e) and native.usable(p, m, v) for p, m, v, k in states)
+        else None
+    )
+    if lib is not None and states:
+        count = len(states)
+        ptrs = [(p.data_ptr(), m.data_ptr(), v.data_ptr()) for p, m, v, _ in states]
+        addr = ctypes.c_int64 * count
+        numels = addr(*(p.numel() for p, _, _, _ in states))
+        scalars = (ctypes.c_float * (7 * count))(*(x for *_, k in states for x in _scalars(k)))
+        found = addr()
+        ibuf, vbuf = _list_scratch()
+        got = lib.ds_adamw_detect_list_many(
+            count,
+            addr(*(a for a, _, _ in ptrs)),
+            addr(*(b for _, b, _ in ptrs)),
+            addr(*(c for _, _, c in ptrs)),
+            numels,
+            scalars,
+            ibuf.data_ptr(),
+            vbuf.data_ptr(),
+            found,
+        )
+        if got >= 0:
+            counts = list(found)
+            idx = ibuf[:got].clone().split(counts)
+            vals = vbuf[:got].clone().split(counts)
+            return list(zip(idx, vals, strict=True))
+    return [detect_adamw_changes(p, m, v, k, threads=1) for p, m, v, k in states]
 
 
 def _detect_chunked(

@@ -8,6 +8,7 @@
  * order, and the torch fallback in detect.py performs the identical operations.
  *
  * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
+ * ds_adamw_detect_list_many: the same over several whole parameters in one call.
  * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest).
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
@@ -245,6 +246,30 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
             }
             k++;
         }
+    }
+    return k;
+}
+
+/* ds_adamw_detect_list_many: ds_adamw_detect_list over `count` whole parameters in one call (a
+ * model's many small tensors: one call from the interpreter, one release of its lock, instead
+ * of one per tensor). Parameter j is n[j] elements of fp32 at the addresses p[j], m[j], v[j],
+ * with its own seven scalars at sc + 7 * j (ds_adamw_detect's order); its positions (from 0)
+ * and, if val_out is not NULL, its values follow those of the parameters before it in idx_out
+ * / val_out, and its count goes to found[j]. The outputs hold the sum of n[j] entries.
+ * Returns the total, or -1 as ds_adamw_detect_list does (found then not to be used). */
+int64_t ds_adamw_detect_list_many(int64_t count, const int64_t *p, const int64_t *m,
+                                  const int64_t *v, const int64_t *n, const float *sc,
+                                  int64_t *idx_out, uint16_t *val_out, int64_t *found) {
+    int64_t k = 0;
+    for (int64_t j = 0; j < count; j++) {
+        const float *s = sc + 7 * j;
+        int64_t got = ds_adamw_detect_list(
+            (const float *)(intptr_t)p[j], (const float *)(intptr_t)m[j],
+            (const float *)(intptr_t)v[j], n[j], s[0], s[1], s[2], s[3], s[4], s[5], s[6], 0,
+            idx_out + k, val_out ? val_out + k : NULL);
+        if (got < 0) return -1;
+        found[j] = got;
+        k += got;
     }
     return k;
 }
