@@ -461,8 +461,8 @@ def test_a_group_of_small_params_is_one_kernel_call_equal_to_each_alone_bit_for_
         detect.detect_adamw_group([state(1 << 19), state((1 << 19) + 1)])
 
 
-def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order():
-    from deltasync.trainer import detect
+def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order(monkeypatch):
+    from deltasync.trainer import adamw_tracker, detect
 
     # 300 K elements each: above GROUP_NUMEL, alone; 100 K: grouped, up to GROUP_ELEMENTS
     shapes = [(100, 1000)] * 12 + [(300, 1000), (16,), (100, 1000), (1100, 1000), (8,)]
@@ -483,12 +483,26 @@ def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order():
     # a parameter cast for a sink is never grouped
     keys, _ = tracker._work_keys(pending, chunked, lambda n: n == "p1")
     assert keys[:3] == ["p0", "p1", tuple(f"p{i}" for i in range(2, 12))]
+    # against each parameter detected alone (no groups), with one and with two threads
     alone, _ = _stepped_tracker(shapes, threads=1)
-    truth = list(alone.iter_changes())
-    _same_stream(list(tracker.iter_changes()), truth)
-    budget = sum(i.numel() for _, i, _ in truth[:5])  # values for the first few only
-    for got, want in ((tracker, alone),):
-        a, b = list(got.iter_capture(budget)), list(want.iter_capture(budget))
+    with monkeypatch.context() as m:
+        m.setattr(adamw_tracker, "GROUP_NUMEL", 0)
+        truth = list(alone.iter_changes())
+        budget = sum(i.numel() for _, i, _ in truth[:5])  # values for the first few only
+        ungrouped = list(alone.iter_capture(budget))
+    groups: list[int] = []
+    real = adamw_tracker.detect_adamw_group
+    monkeypatch.setattr(
+        adamw_tracker,
+        "detect_adamw_group",
+        lambda states: groups.append(len(states)) or real(states),
+    )
+    single, _ = _stepped_tracker(shapes, threads=1)
+    for got in (tracker, single):
+        groups.clear()
+        _same_stream(list(got.iter_changes()), truth)
+        assert groups == [10, 2, 2]  # on the threads, or on the caller's one
+        a, b = list(got.iter_capture(budget)), ungrouped
         assert [n for n, *_ in a] == [n for n, *_ in b]
         for (name, pa, va), (_, pb, vb) in zip(a, b, strict=True):
             assert type(pa) is type(pb), name

@@ -528,7 +528,10 @@ class AdamWTracker:
             key = group_of.get(name)
             if key is not None:  # its group's, taken with its first member
                 if key not in groups:
-                    groups[key] = ahead.take(key)
+                    got = ahead.take(key)
+                    if got is None and not ahead.threaded:  # one thread: the one call, here
+                        (got,) = (item() for item in job(key))
+                    groups[key] = got
                 together = groups[key]
                 return None if together is None else together.pop(name)
             if name not in chunked:

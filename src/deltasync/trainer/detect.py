@@ -92,6 +92,11 @@ class Lookahead:
         self._depth = 2 * threads
         self._fill()
 
+    @property
+    def threaded(self) -> bool:
+        """Whether items run on the detection threads (else nothing is submitted)."""
+        return self._pool is not None
+
     def _fill(self) -> None:
         while self._pool is not None and len(self._window) < self._depth:
             if self._current is None:
