@@ -437,26 +437,38 @@ def test_a_group_of_small_params_is_one_kernel_call_equal_to_each_alone_bit_for_
 
     monkeypatch.setattr(detect, "detect_adamw_changes", counted)
     group = [state(n) for n in (64, 0, 3000, 1, 70_000)]
-    got = detect.detect_adamw_group(group)
-    assert len(got) == len(group) and not calls  # one kernel call for all five
-    for (p, m, v, kk), (idx, vals) in zip(group, got, strict=True):
-        want_idx, want_vals = detect.detect_adamw_changes(p, m, v, kk, threads=1)
-        assert want_idx.numel() > 0 or p.numel() <= 1
-        assert torch.equal(idx, want_idx)
-        assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
+    buffers = detect.CastBuffers()
+    for cast in (None, buffers):
+        got = detect.detect_adamw_group(group, cast=cast)
+        assert len(got.found) == len(group) and not calls  # one kernel call for all five
+        assert (got.shared is None) == (cast is None)
+        for (p, m, v, kk), (idx, vals, bits) in zip(group, got.found, strict=True):
+            want_idx, want_vals = detect.detect_adamw_changes(p, m, v, kk, threads=1)
+            calls.clear()
+            assert want_idx.numel() > 0 or p.numel() <= 1
+            assert torch.equal(idx, want_idx)
+            assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
+            if cast is None:
+                assert bits is None
+            else:  # every element's BF16 bits, a view of the group's one buffer
+                assert torch.equal(bits.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
     # what the kernel declines (a strided view; a flagged subnormal) is detected one by one
     p, m, v, _ = state(4000)
     strided = (p[::2], m[::2], v[::2], k)
     odd = state(500)
     odd[0][7] = 1e-40  # an fp32 subnormal among the flagged values
     for members in ([group[0], strided], [group[0], odd]):
-        calls.clear()
-        found = detect.detect_adamw_group(members)
-        assert calls == [64, members[1][0].numel()]  # each on its own
-        for (pp, mm, vv, kk), (idx, vals) in zip(members, found, strict=True):
-            want_idx, want_vals = detect.detect_adamw_changes(pp, mm, vv, kk, threads=1)
-            assert torch.equal(idx, want_idx)
-            assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
+        for cast in (None, detect.CastBuffers()):
+            calls.clear()
+            got = detect.detect_adamw_group(members, cast=cast)
+            assert calls == [64, members[1][0].numel()]  # each on its own, without bits
+            assert got.shared is None and all(bits is None for *_, bits in got.found)
+            if cast is not None:  # a buffer it took (the kernel ran, then declined) is back
+                assert len(cast._free) == len(cast._made) == (members[1] is odd)
+            for (pp, mm, vv, kk), (idx, vals, _) in zip(members, got.found, strict=True):
+                want_idx, want_vals = alone(pp, mm, vv, kk, threads=1)
+                assert torch.equal(idx, want_idx)
+                assert torch.equal(vals.view(torch.int16), want_vals.view(torch.int16))
     with pytest.raises(ValueError, match="at most"):
         detect.detect_adamw_group([state(1 << 19), state((1 << 19) + 1)])
 
@@ -480,9 +492,11 @@ def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order(monk
             assert all(group_of[n] == key for n in key)
     assert keys[:2] == [tuple(f"p{i}" for i in range(10)), ("p10", "p11")]
     assert keys[2:] == ["p12", ("p13", "p14"), "p15", "p16"]
-    # a parameter cast for a sink is never grouped
+    # a group's members are all cast for a sink, or none
     keys, _ = tracker._work_keys(pending, chunked, lambda n: n == "p1")
     assert keys[:3] == ["p0", "p1", tuple(f"p{i}" for i in range(2, 12))]
+    keys, _ = tracker._work_keys(pending, chunked, lambda n: n in ("p1", "p2"))
+    assert keys[:3] == ["p0", ("p1", "p2"), tuple(f"p{i}" for i in range(3, 12))]
     # against each parameter detected alone (no groups), with one and with two threads
     alone, _ = _stepped_tracker(shapes, threads=1)
     with monkeypatch.context() as m:
@@ -495,7 +509,7 @@ def test_small_params_go_to_the_threads_in_groups_bounded_by_size_and_order(monk
     monkeypatch.setattr(
         adamw_tracker,
         "detect_adamw_group",
-        lambda states: groups.append(len(states)) or real(states),
+        lambda states, **kw: groups.append(len(states)) or real(states, **kw),
     )
     single, _ = _stepped_tracker(shapes, threads=1)
     for got in (tracker, single):

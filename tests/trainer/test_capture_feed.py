@@ -1,7 +1,7 @@
 """The capture's detection pass also hashes the receivers' tensors (``iter_capture(sink=)``):
 on a real ``transformers`` Qwen3 under real AdamW steps, the kernel's casts fed to a DigestFeed
-give exactly the digest pass's entries, for chunked and single-item parameters, on one and two
-detection threads; a NaN in a chunk leaves that parameter's tensors to the pass; the capture
+give exactly the digest pass's entries, for chunked, single-item and grouped small parameters,
+on one and two detection threads; a NaN in a chunk leaves that parameter's tensors to the pass; the capture
 itself is unchanged."""
 
 from __future__ import annotations
@@ -68,13 +68,25 @@ def _changes(tracker, stream: str, sink=None) -> dict:
 @pytest.mark.parametrize("stream", ["iter_capture", "iter_changes"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_detection_hashes_the_receivers_tensors_as_the_pass_does(stream, threads, tp):
+def test_detection_hashes_the_receivers_tensors_as_the_pass_does(stream, threads, tp, monkeypatch):
+    from deltasync.trainer import adamw_tracker
+
     _, tl, rl = tiny_layouts("vllm", tp=tp, **BIG)
     _, named, tracker = _trained(threads)
     params = {n: p.detach() for n, p in named}
     plain = _changes(tracker, stream)  # a pending step: asking again gives the same answer
     feed = DigestFeed(tl, rl)
+    cast_groups: list[int] = []
+    real = adamw_tracker.detect_adamw_group
+
+    def spy(states, *, cast=None):
+        if cast is not None:
+            cast_groups.append(len(states))
+        return real(states, cast=cast)
+
+    monkeypatch.setattr(adamw_tracker, "detect_adamw_group", spy)
     fed = _changes(tracker, stream, feed)
+    assert cast_groups and max(cast_groups) > 1  # small parameters cast in groups
     assert plain.keys() == fed.keys()
     for name, (idx, vals) in plain.items():
         assert torch.equal(idx, fed[name][0])

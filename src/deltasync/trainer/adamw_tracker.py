@@ -160,6 +160,14 @@ def _capture_chunks(
     return got, (torch.cat(kept) if len(kept) > 1 else kept[0])
 
 
+class _Together(NamedTuple):
+    """A detection group's answer as the consumer takes it: each member's detection (as its
+    own job gives it) and BF16 bits (or None), and the buffer the bits are views of."""
+
+    members: dict[str, tuple[Any, torch.Tensor | None]]
+    shared: torch.Tensor | None
+
+
 class _WithBits(NamedTuple):
     """A small parameter's detection, as its job without a sink gives it, and the BF16 bits
     of all its elements (None where the kernel could not cast them)."""
@@ -492,13 +500,22 @@ class AdamWTracker:
                     (*self._state(n, pending[n][2]), kernel_scalars(pending[n][1])) for n in key
                 ]
                 want = [wants_values(n) for n in key]  # decided at submission, as below
+                cast = buffers if casts(key[0]) else None  # a group is cast whole or not
 
-                def together() -> dict[str, Any]:
-                    found = detect_adamw_group(group)
-                    return {
-                        n: (idx, vals) if w else ((Positions.of(idx) if positions else idx), None)
-                        for n, w, (idx, vals) in zip(key, want, found, strict=True)
-                    }
+                def together() -> _Together:
+                    got = detect_adamw_group(group, cast=cast)
+                    return _Together(
+                        {
+                            n: (
+                                (idx, vals)
+                                if w
+                                else ((Positions.of(idx) if positions else idx), None),
+                                bits,
+                            )
+                            for n, w, (idx, vals, bits) in zip(key, want, got.found, strict=True)
+                        },
+                        got.shared,
+                    )
 
                 return [together]
             name = key
@@ -521,7 +538,7 @@ class AdamWTracker:
 
         keys, group_of = self._work_keys(pending, chunked, casts)
         ahead = Lookahead(keys, job, threads=self._threads or torch.get_num_threads())
-        groups: dict[tuple[str, ...], dict[str, Any] | None] = {}
+        groups: dict[tuple[str, ...], _Together | None] = {}
 
         def taken(name: str) -> Any:
             """``name``'s detection from the threads (None: not submitted)."""
@@ -533,7 +550,18 @@ class AdamWTracker:
                         (got,) = (item() for item in job(key))
                     groups[key] = got
                 together = groups[key]
-                return None if together is None else together.pop(name)
+                if together is None:
+                    return None
+                got, bits = together.members.pop(name)
+                if casts(name):  # the group's bits, one view of one buffer each
+                    assert sink is not None and buffers is not None
+                    if bits is None:
+                        sink.fail(name)
+                    else:
+                        sink.feed(name, 0, bits)
+                    if not together.members and together.shared is not None:
+                        buffers.give(together.shared)  # every member hashed
+                return got
             if name not in chunked:
                 got = ahead.take(name)
                 if isinstance(got, _WithBits):
@@ -596,12 +624,13 @@ class AdamWTracker:
     ) -> tuple[list[str | tuple[str, ...]], dict[str, tuple[str, ...]]]:
         """What goes to the detection threads, in order: each chunked parameter and each
         small one-step parameter by name, except that runs of neighbouring small ones of at
-        most :data:`GROUP_NUMEL` elements (not cast for a sink) go as one group of up to
-        :data:`GROUP_ELEMENTS` elements; and each grouped name's group."""
+        most :data:`GROUP_NUMEL` elements, all cast for a sink or none, go as one group of up
+        to :data:`GROUP_ELEMENTS` elements; and each grouped name's group."""
         keys: list[str | tuple[str, ...]] = []
         group_of: dict[str, tuple[str, ...]] = {}
         run: list[str] = []
         held = 0
+        cast_run = False
 
         def close() -> None:
             nonlocal held
@@ -620,12 +649,13 @@ class AdamWTracker:
                 keys.append(name)
             elif self._small_step(name, pending):
                 numel = self._watched[name].shard.local_numel
-                if numel > GROUP_NUMEL or casts(name):
+                if numel > GROUP_NUMEL:
                     close()
                     keys.append(name)
                     continue
-                if held + numel > GROUP_ELEMENTS:
+                if held + numel > GROUP_ELEMENTS or (run and casts(name) != cast_run):
                     close()
+                cast_run = casts(name)
                 run.append(name)
                 held += numel
         close()

@@ -24,7 +24,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -536,16 +536,28 @@ def detect_adamw_changes(
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KernelScalars]  # θ, m, v, scalars
 
 
-def detect_adamw_group(states: Sequence[State]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+class Group(NamedTuple):
+    """:func:`detect_adamw_group`'s answer: each parameter's sorted int64 positions and BF16
+    values, and with ``cast`` the BF16 bits of its every element (a view of ``shared``, the
+    group's one buffer of ``cast``, for the consumer to give back once it has hashed them
+    all; None where the kernel could not cast)."""
+
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    shared: torch.Tensor | None
+
+
+def detect_adamw_group(states: Sequence[State], *, cast: CastBuffers | None = None) -> Group:
     """:func:`detect_adamw_changes` of several small parameters (at most ``_CHUNK`` elements
-    in all), in order, in one kernel call where the kernel can read them all.
+    in all), in order, in one kernel call where the kernel can read them all; with ``cast``,
+    also each one's BF16 bits of every element (as :func:`chunk_items`' ``cast``).
 
     One call from the interpreter (one release of its lock) for the group instead of one per
     parameter: a small model's detection on two threads was mostly hand-overs between the
     threads and their consumer, not kernel time. Each result's positions and values are
     views of one buffer for the group. Where the kernel cannot take every parameter (a
-    strided view, a non-finite bound, a NaN or fp32 subnormal value flagged), each is
-    detected on its own, with the same result."""
+    strided view, a non-finite bound, a NaN or fp32 subnormal value flagged, or with ``cast``
+    anywhere), each is detected on its own, with the same positions and values (and no
+    bits)."""
     for p, m, v, _ in states:
         check_state(p, m, v)
     total = sum(p.numel() for p, _, _, _ in states)
@@ -558,29 +570,37 @@ def detect_adamw_group(states: Sequence[State]) -> list[tuple[torch.Tensor, torc
     )
     if lib is not None and states:
         count = len(states)
-        ptrs = [(p.data_ptr(), m.data_ptr(), v.data_ptr()) for p, m, v, _ in states]
         addr = ctypes.c_int64 * count
-        numels = addr(*(p.numel() for p, _, _, _ in states))
+        numels = [p.numel() for p, _, _, _ in states]
         scalars = (ctypes.c_float * (7 * count))(*(x for *_, k in states for x in _scalars(k)))
         found = addr()
         ibuf, vbuf = _list_scratch()
-        got = lib.ds_adamw_detect_list_many(
+        args = (
             count,
-            addr(*(a for a, _, _ in ptrs)),
-            addr(*(b for _, b, _ in ptrs)),
-            addr(*(c for _, _, c in ptrs)),
-            numels,
+            addr(*(p.data_ptr() for p, _, _, _ in states)),
+            addr(*(m.data_ptr() for _, m, _, _ in states)),
+            addr(*(v.data_ptr() for _, _, v, _ in states)),
+            addr(*numels),
             scalars,
             ibuf.data_ptr(),
             vbuf.data_ptr(),
-            found,
         )
+        shared = None if cast is None else cast.take(max(total, 1))
+        if shared is None:
+            got = lib.ds_adamw_detect_list_many(*args, found)
+        else:
+            got = lib.ds_adamw_detect_list_cast_many(*args, shared.data_ptr(), found)
         if got >= 0:
             counts = list(found)
             idx = ibuf[:got].clone().split(counts)
             vals = vbuf[:got].clone().split(counts)
-            return list(zip(idx, vals, strict=True))
-    return [detect_adamw_changes(p, m, v, k, threads=1) for p, m, v, k in states]
+            bits = [None] * count if shared is None else shared[:total].split(numels)
+            return Group(list(zip(idx, vals, bits, strict=True)), shared)
+        if shared is not None:
+            cast.give(shared)  # type: ignore[union-attr]
+    return Group(
+        [(*detect_adamw_changes(p, m, v, k, threads=1), None) for p, m, v, k in states], None
+    )
 
 
 def _detect_chunked(

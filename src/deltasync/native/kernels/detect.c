@@ -9,7 +9,8 @@
  *
  * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
  * ds_adamw_detect_list_many: the same over several whole parameters in one call.
- * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest).
+ * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest);
+ * ds_adamw_detect_list_cast_many: that over several whole parameters in one call.
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
  * receivers' 2-byte scatter); each says what it checks.
@@ -306,6 +307,29 @@ int64_t ds_adamw_detect_list_cast(const float *p, const float *m, const float *v
         }
     }
     return (hi > 0x7F800000u || lo < 0x007FFFFFu) ? -1 : k;
+}
+
+/* ds_adamw_detect_list_cast_many: ds_adamw_detect_list_many, and each parameter's BF16 bits of
+ * every element (ds_adamw_detect_list_cast) into all_out, parameter after parameter (all_out
+ * holds the sum of n[j] entries). Returns the total, or -1 as ds_adamw_detect_list_cast does
+ * for any of them (found and all_out then not to be used). */
+int64_t ds_adamw_detect_list_cast_many(int64_t count, const int64_t *p, const int64_t *m,
+                                       const int64_t *v, const int64_t *n, const float *sc,
+                                       int64_t *idx_out, uint16_t *val_out, uint16_t *all_out,
+                                       int64_t *found) {
+    int64_t k = 0, off = 0;
+    for (int64_t j = 0; j < count; j++) {
+        const float *s = sc + 7 * j;
+        int64_t got = ds_adamw_detect_list_cast(
+            (const float *)(intptr_t)p[j], (const float *)(intptr_t)m[j],
+            (const float *)(intptr_t)v[j], n[j], s[0], s[1], s[2], s[3], s[4], s[5], s[6], 0,
+            idx_out + k, val_out ? val_out + k : NULL, all_out + off);
+        if (got < 0) return -1;
+        found[j] = got;
+        k += got;
+        off += n[j];
+    }
+    return k;
 }
 
 /* ds_scatter16_i32 / ds_scatter16_i64: dst[idx[k] - base] = vals[k] for k < n, into a 2-byte
