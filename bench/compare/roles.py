@@ -249,7 +249,11 @@ def receiver_main(spec: RoleSpec, conn) -> None:
             else:
                 got = side.cluster_sync(version)
                 t0 = t_call + got.wait_s  # when this rank's payload had arrived
-            t1, cpu = time.time(), time.process_time() - c_call
+            # The pull's CPU from the moment the version was visible (store path): the polls
+            # before it span the trainer's whole step (~8 ms of CPU a receiver on the small
+            # preset, outside the version's window), not the version's cost.
+            c_from = c_call if got.seen_cpu is None else got.seen_cpu
+            t1, cpu = time.time(), time.process_time() - c_from
             peak = peak_rss()  # before the bench's own digest below
             out = {
                 "t_recv": t0,

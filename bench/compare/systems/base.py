@@ -19,6 +19,7 @@ class SyncTimes:
     bytes: int = 0
     wait_s: float = 0.0  # in-cluster: from entering the sync until this rank's payload arrived
     seen_at: float | None = None  # store path: when the version became visible (time.time())
+    seen_cpu: float | None = None  # ... and the process's CPU seconds then (process_time())
     stage_s: float | None = None  # of transfer_s: fetch and decode (where the system says)
     verify_s: float | None = None  # of transfer_s: the state check before the first write
 

@@ -206,7 +206,7 @@ class DeltasyncReceiver:
     def store_pull(self, version: int, store: Store) -> SyncTimes:
         # A receiver learns of a version when its manifest appears (free metadata polls).
         wait_for_key(store, names.manifest_key(version), timeout_s=self.timeout_s)
-        seen_at = time.time()
+        seen_at, seen_cpu = time.time(), time.process_time()
         rep = self._receiver(store).pull()
         if rep.version != version:
             raise RuntimeError(
@@ -218,6 +218,7 @@ class DeltasyncReceiver:
             pause_s=rep.pause_s,
             bytes=rep.bytes_fetched,
             seen_at=seen_at,
+            seen_cpu=seen_cpu,
             stage_s=rep.stage_s,
             verify_s=rep.verify_s,
         )

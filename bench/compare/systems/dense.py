@@ -75,9 +75,9 @@ class DenseReceiver:
     def store_pull(self, version: int, store: Store) -> SyncTimes:
         key = baseline_key("dense", version, self.shard)
         wait_for_key(store, key, timeout_s=self.timeout_s)
-        seen_at, t0 = time.time(), time.perf_counter()
+        seen_at, seen_cpu, t0 = time.time(), time.process_time(), time.perf_counter()
         times = self._load(store.get(key), t0)
-        times.seen_at = seen_at
+        times.seen_at, times.seen_cpu = seen_at, seen_cpu
         return times
 
     def cluster_sync(self, version: int) -> SyncTimes:
