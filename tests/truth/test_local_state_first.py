@@ -198,6 +198,29 @@ def test_a_failed_state_file_write_raises_keeps_the_journal_and_the_next_pull_re
     assert rec.version == 1
 
 
+def test_a_failed_journal_removal_after_the_state_file_keeps_the_recorded_version(
+    tmp_path, monkeypatch
+):
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    rig.publish(0)
+    rig.check(rig.rec.pull())
+    rig.publish(1)
+
+    def stuck(self):
+        raise LocalStateError(f"cannot remove {str(self.journal_path)!r}: Read-only file system")
+
+    monkeypatch.setattr(StateDir, "clear_journal", stuck)
+    with pytest.raises(LocalStateError, match="Read-only"):
+        rig.rec.pull()
+    monkeypatch.undo()
+    assert rig.rec.version == 1, "the state file was written: the receiver says what it says"
+    assert StateDir(tmp_path / "rec").read_state().version == 1
+    report = rig.rec.pull()  # the journal left behind is replayed, harmlessly
+    assert report.repaired and report.version == 1
+    rig.check(report)
+    assert StateDir(tmp_path / "rec").read_journal() is None
+
+
 @pytest.mark.timeout(60)
 def test_a_failed_heartbeat_never_turns_a_verified_apply_into_an_error(tmp_path):
     inner = LocalStore(tmp_path / "store", durable=False)

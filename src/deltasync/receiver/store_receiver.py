@@ -649,7 +649,6 @@ class Receiver:
             error = local.wait()
         if error is not None:
             raise error
-        self._state = held
         return self._report(
             t0,
             previous_version=previous,
@@ -664,8 +663,10 @@ class Receiver:
         )
 
     def _record_state(self, state: LocalState) -> None:
-        """Write ``state`` durably, then drop the journal it makes redundant."""
+        """Write ``state`` durably (this receiver's recorded state from then on, whatever
+        follows), then drop the journal it makes redundant."""
         self.dir.write_state(state)
+        self._state = state
         self.dir.clear_journal()
 
     def _drop_journal(self, journal: InBackground, repaired: bool) -> None:

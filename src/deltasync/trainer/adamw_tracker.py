@@ -547,7 +547,8 @@ class AdamWTracker:
                 if key not in groups:
                     got = ahead.take(key)
                     if got is None and not ahead.threaded:  # one thread: the one call, here
-                        (got,) = (item() for item in job(key))
+                        (item,) = job(key)
+                        got = item()
                     groups[key] = got
                 together = groups[key]
                 if together is None:

@@ -22,7 +22,7 @@ import collections
 import ctypes
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
@@ -67,7 +67,8 @@ class Lookahead:
 
     A tracker walks its parameters in order; ``job(name)`` returns a parameter's work items
     (thunks, one kernel call each, in order: one for a parameter up to ``_CHUNK`` elements,
-    one per chunk above). Up to ``2 * threads`` items, of this parameter and of the ones
+    one per chunk above; a name may also be a group of small parameters, one item). Up to
+    ``2 * threads`` items, of this parameter and of the ones
     after it, are in flight at once, so the threads stay busy across parameter boundaries: a
     model of many small tensors no longer keeps one core busy, and a parameter of three items
     on two threads, or the consumer encoding the end of one parameter, no longer leaves a
@@ -78,8 +79,8 @@ class Lookahead:
 
     def __init__(
         self,
-        names: list[str],
-        job: Callable[[str], list[Callable[[], T]]],
+        names: Sequence[Hashable],
+        job: Callable[[Any], list[Callable[[], T]]],
         *,
         threads: int,
     ) -> None:
@@ -87,8 +88,8 @@ class Lookahead:
         self._job = job
         self._pool = _executor(threads) if threads > 1 and names else None
         self._window: collections.deque = collections.deque()  # (name, future), in order
-        self._current: tuple[str, Iterator[Callable[[], T]]] | None = None
-        self._counts: dict[str, int] = {}
+        self._current: tuple[Hashable, Iterator[Callable[[], T]]] | None = None
+        self._counts: dict[Hashable, int] = {}
         self._depth = 2 * threads
         self._fill()
 
@@ -113,19 +114,19 @@ class Lookahead:
                 continue
             self._window.append((name, self._pool.submit(item)))
 
-    def _next(self, name: str) -> T:
+    def _next(self, name: Hashable) -> T:
         got, fut = self._window.popleft()
         assert got == name, (got, name)
         self._fill()
         return fut.result()
 
-    def take(self, name: str) -> T | None:
+    def take(self, name: Hashable) -> T | None:
         """The result for a one-item ``name`` if it was submitted (None: detect it yourself)."""
         if not self._window or self._window[0][0] != name or self._counts[name] != 1:
             return None
         return self._next(name)
 
-    def take_items(self, name: str) -> Iterator[T] | None:
+    def take_items(self, name: Hashable) -> Iterator[T] | None:
         """The results of ``name``'s items in order, as each finishes, if they were submitted
         (None: detect it yourself)."""
         if not self._window or self._window[0][0] != name:
