@@ -171,54 +171,41 @@ def test_a_receiver_sigkilled_while_its_state_file_is_written_replays_its_journa
     assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version == 0
 
 
-def test_a_failed_state_file_write_raises_keeps_the_journal_and_the_next_pull_replays_it(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("method", "error", "recorded"),
+    [
+        # the state file cannot be written: the recorded version stays where it was
+        ("write_state", "No space left on device", 0),
+        # it was written, the journal's removal then fails: the version moved with the file
+        ("clear_journal", "Read-only file system", 1),
+    ],
+)
+def test_a_failed_local_record_raises_keeps_the_journal_and_the_next_pull_replays_it(
+    tmp_path, monkeypatch, method, error, recorded
 ):
     rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
     rig.publish(0)
     rig.check(rig.rec.pull())
     rig.publish(1)
-    real = StateDir.write_state
 
-    def full_disk(self, state):
-        raise LocalStateError(f"cannot write {str(self.state_path)!r}: No space left on device")
+    def fails(self, *args):
+        raise LocalStateError(f"cannot write {str(self.path)!r}: {error}")
 
-    monkeypatch.setattr(StateDir, "write_state", full_disk)
-    with pytest.raises(LocalStateError, match="No space left"):
-        rig.rec.pull()
-    monkeypatch.setattr(StateDir, "write_state", real)
-    assert rig.rec.version == 0, "the recorded version moves only with the state file"
+    with monkeypatch.context() as m:
+        m.setattr(StateDir, method, fails)
+        with pytest.raises(LocalStateError, match=error):
+            rig.rec.pull()
+    assert rig.rec.version == recorded, "the recorded version moves only with the state file"
+    state = StateDir(tmp_path / "rec").read_state()
+    assert state is not None and state.version == recorded
     assert StateDir(tmp_path / "rec").read_journal() is not None
-    report = rig.rec.pull()
+    report = rig.rec.pull()  # the journal left behind is replayed
     assert report.repaired and report.version == 1
     rig.check(report)
     assert StateDir(tmp_path / "rec").read_state().version == 1
     assert StateDir(tmp_path / "rec").read_journal() is None
     rec = ReceiverRecord.from_json(rig.rec.store.get(names.receiver_key("rec")))
     assert rec.version == 1
-
-
-def test_a_failed_journal_removal_after_the_state_file_keeps_the_recorded_version(
-    tmp_path, monkeypatch
-):
-    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
-    rig.publish(0)
-    rig.check(rig.rec.pull())
-    rig.publish(1)
-
-    def stuck(self):
-        raise LocalStateError(f"cannot remove {str(self.journal_path)!r}: Read-only file system")
-
-    monkeypatch.setattr(StateDir, "clear_journal", stuck)
-    with pytest.raises(LocalStateError, match="Read-only"):
-        rig.rec.pull()
-    monkeypatch.undo()
-    assert rig.rec.version == 1, "the state file was written: the receiver says what it says"
-    assert StateDir(tmp_path / "rec").read_state().version == 1
-    report = rig.rec.pull()  # the journal left behind is replayed, harmlessly
-    assert report.repaired and report.version == 1
-    rig.check(report)
-    assert StateDir(tmp_path / "rec").read_journal() is None
 
 
 @pytest.mark.timeout(60)
