@@ -112,10 +112,13 @@ class FailingHook:
         return self.inner.put(key, data, *args, **kwargs)
 
 
-def _kill_after_scatter(tmp_path, rig, hang_in):
-    """Run a receiver's first pull in a child, SIGKILLed where ``hang_in`` ("ack": the ack's
-    put, once the state file is durable; "state": the state file's write) hangs; the mapped
-    tensors it scattered into."""
+def _kill_after_scatter(tmp_path, hang_in):
+    """Publish version 0, run a receiver's first pull in a child, SIGKILLed where ``hang_in``
+    ("ack": the ack's put, once the state file is durable; "state": the state file's write)
+    hangs; the store, the rig and the mapped tensors it scattered into."""
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
     mapped = tmp_path / "tp0.bin"
     ready = tmp_path / "ready"
     proc = mp.get_context("fork").Process(
@@ -131,15 +134,12 @@ def _kill_after_scatter(tmp_path, rig, hang_in):
     proc.kill()
     proc.join(10)
     assert proc.exitcode == -9
-    return mapped_shard_tensors(mapped, rig.rl.local_specs("tp0"), create=False)
+    return store, rig, mapped_shard_tensors(mapped, rig.rl.local_specs("tp0"), create=False)
 
 
 @pytest.mark.timeout(90)
 def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_version(tmp_path):
-    store = LocalStore(tmp_path / "store", durable=False)
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    tensors = _kill_after_scatter(tmp_path, rig, "ack")
+    store, rig, tensors = _kill_after_scatter(tmp_path, "ack")
     assert not store.exists(names.ack_key(0, "rec"))
     rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
     assert rec.version == 0 and not rec.dirty and rec.last_repair is None
@@ -153,10 +153,7 @@ def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_v
 def test_a_receiver_sigkilled_while_its_state_file_is_written_replays_its_journal(tmp_path):
     # Killed before the state file is durable (the ack, written beside it, may be out): the
     # journal is still there, and the restart replays it to the version the tensors hold.
-    store = LocalStore(tmp_path / "store", durable=False)
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    tensors = _kill_after_scatter(tmp_path, rig, "state")
+    store, rig, tensors = _kill_after_scatter(tmp_path, "state")
     assert StateDir(tmp_path / "rec").read_state() is None
     assert StateDir(tmp_path / "rec").read_journal() is not None
     if store.exists(names.ack_key(0, "rec")):  # it states what the tensors hold
