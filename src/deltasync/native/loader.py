@@ -164,10 +164,8 @@ def _build() -> ctypes.CDLL:
     lib.ds_bits_to_indices.restype = i64
     lib.ds_adamw_detect_list.argtypes = [p, p, p, i64, f, f, f, f, f, f, f, i64, p, p]
     lib.ds_adamw_detect_list.restype = i64
-    lib.ds_adamw_detect_list_many.argtypes = [i64, p, p, p, p, p, p, p, p]
+    lib.ds_adamw_detect_list_many.argtypes = [i64, p, p, p, p, p, p, p, p, p]
     lib.ds_adamw_detect_list_many.restype = i64
-    lib.ds_adamw_detect_list_cast_many.argtypes = [i64, p, p, p, p, p, p, p, p, p]
-    lib.ds_adamw_detect_list_cast_many.restype = i64
     lib.ds_adamw_detect_list_cast.argtypes = [p, p, p, i64, f, f, f, f, f, f, f, i64, p, p, p]
     lib.ds_adamw_detect_list_cast.restype = i64
     lib.ds_gather_bf16.argtypes = [p, p, i64, p]

@@ -181,23 +181,36 @@ def _with_bits(
 ) -> _WithBits:
     (item,) = chunk_items(*args, values=want_values, cast=buffers)  # a small parameter: 1 chunk
     idx, vals, bits = item()
+    return _WithBits(_small_result(idx, vals, want_values, as_positions), bits)
+
+
+def _small_result(
+    idx: torch.Tensor, vals: torch.Tensor | None, want_values: bool, as_positions: bool
+) -> tuple[torch.Tensor | Positions, torch.Tensor | None]:
+    """A small parameter's detection as its job gives it: ``(indices, values)`` when its
+    values are wanted, else ``(Positions or indices, None)``."""
     if want_values:
-        return _WithBits((idx, vals), bits)
-    return _WithBits((Positions.of(idx) if as_positions else idx, None), bits)
+        return idx, vals
+    return (Positions.of(idx) if as_positions else idx), None
 
 
 def _hand_bits(
-    sink: CastSink, name: str, start: int, bits: torch.Tensor | None, buffers: CastBuffers
+    sink: CastSink,
+    name: str,
+    start: int,
+    bits: torch.Tensor | None,
+    buffers: CastBuffers | None,
 ) -> bool:
-    """Give ``sink`` one chunk's bits (then the buffer back to ``buffers``), or tell it they
-    will not all come; True if given."""
+    """Give ``sink`` one chunk's bits (then the buffer back to ``buffers``, unless None: a
+    view of a buffer others still use), or tell it they will not all come; True if given."""
     if bits is None:
         sink.fail(name)
         return False
     try:
         sink.feed(name, start, bits)
     finally:
-        buffers.give(bits)
+        if buffers is not None:
+            buffers.give(bits)
     return True
 
 
@@ -506,12 +519,7 @@ class AdamWTracker:
                     got = detect_adamw_group(group, cast=cast)
                     return _Together(
                         {
-                            n: (
-                                (idx, vals)
-                                if w
-                                else ((Positions.of(idx) if positions else idx), None),
-                                bits,
-                            )
+                            n: (_small_result(idx, vals, w, positions), bits)
                             for n, w, (idx, vals, bits) in zip(key, want, got.found, strict=True)
                         },
                         got.shared,
@@ -556,10 +564,7 @@ class AdamWTracker:
                 got, bits = together.members.pop(name)
                 if casts(name):  # the group's bits, one view of one buffer each
                     assert sink is not None and buffers is not None
-                    if bits is None:
-                        sink.fail(name)
-                    else:
-                        sink.feed(name, 0, bits)
+                    _hand_bits(sink, name, 0, bits, None)
                     if not together.members and together.shared is not None:
                         buffers.give(together.shared)  # every member hashed
                 return got

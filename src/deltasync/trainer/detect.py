@@ -587,18 +587,17 @@ def detect_adamw_group(states: Sequence[State], *, cast: CastBuffers | None = No
             vbuf.data_ptr(),
         )
         shared = None if cast is None else cast.take(max(total, 1))
-        if shared is None:
-            got = lib.ds_adamw_detect_list_many(*args, found)
-        else:
-            got = lib.ds_adamw_detect_list_cast_many(*args, shared.data_ptr(), found)
+        got = lib.ds_adamw_detect_list_many(
+            *args, None if shared is None else shared.data_ptr(), found
+        )
         if got >= 0:
             counts = list(found)
             idx = ibuf[:got].clone().split(counts)
             vals = vbuf[:got].clone().split(counts)
             bits = [None] * count if shared is None else shared[:total].split(numels)
             return Group(list(zip(idx, vals, bits, strict=True)), shared)
-        if shared is not None:
-            cast.give(shared)  # type: ignore[union-attr]
+        if cast is not None and shared is not None:
+            cast.give(shared)
     return Group(
         [(*detect_adamw_changes(p, m, v, k, threads=1), None) for p, m, v, k in states], None
     )

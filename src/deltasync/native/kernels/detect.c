@@ -8,9 +8,8 @@
  * order, and the torch fallback in detect.py performs the identical operations.
  *
  * ds_adamw_detect_list: the same test, writing positions (and BF16 values) instead of bits.
- * ds_adamw_detect_list_many: the same over several whole parameters in one call.
- * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest);
- * ds_adamw_detect_list_cast_many: that over several whole parameters in one call.
+ * ds_adamw_detect_list_cast: the same, and every element's BF16 bits (for the state digest).
+ * ds_adamw_detect_list_many: either over several whole parameters in one call.
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
  * receivers' 2-byte scatter); each says what it checks.
@@ -251,30 +250,6 @@ int64_t ds_adamw_detect_list(const float *p, const float *m, const float *v, int
     return k;
 }
 
-/* ds_adamw_detect_list_many: ds_adamw_detect_list over `count` whole parameters in one call (a
- * model's many small tensors: one call from the interpreter, one release of its lock, instead
- * of one per tensor). Parameter j is n[j] elements of fp32 at the addresses p[j], m[j], v[j],
- * with its own seven scalars at sc + 7 * j (ds_adamw_detect's order); its positions (from 0)
- * and, if val_out is not NULL, its values follow those of the parameters before it in idx_out
- * / val_out, and its count goes to found[j]. The outputs hold the sum of n[j] entries.
- * Returns the total, or -1 as ds_adamw_detect_list does (found then not to be used). */
-int64_t ds_adamw_detect_list_many(int64_t count, const int64_t *p, const int64_t *m,
-                                  const int64_t *v, const int64_t *n, const float *sc,
-                                  int64_t *idx_out, uint16_t *val_out, int64_t *found) {
-    int64_t k = 0;
-    for (int64_t j = 0; j < count; j++) {
-        const float *s = sc + 7 * j;
-        int64_t got = ds_adamw_detect_list(
-            (const float *)(intptr_t)p[j], (const float *)(intptr_t)m[j],
-            (const float *)(intptr_t)v[j], n[j], s[0], s[1], s[2], s[3], s[4], s[5], s[6], 0,
-            idx_out + k, val_out ? val_out + k : NULL);
-        if (got < 0) return -1;
-        found[j] = got;
-        k += got;
-    }
-    return k;
-}
-
 /* ds_adamw_detect_list_cast: ds_adamw_detect_list (val_out may be NULL), and the BF16 bits of
  * EVERY element of the chunk into all_out (n entries): the bits the receivers' state digest
  * hashes, cast while the block the test just read is still in L1, so the digest needs no
@@ -309,21 +284,30 @@ int64_t ds_adamw_detect_list_cast(const float *p, const float *m, const float *v
     return (hi > 0x7F800000u || lo < 0x007FFFFFu) ? -1 : k;
 }
 
-/* ds_adamw_detect_list_cast_many: ds_adamw_detect_list_many, and each parameter's BF16 bits of
- * every element (ds_adamw_detect_list_cast) into all_out, parameter after parameter (all_out
- * holds the sum of n[j] entries). Returns the total, or -1 as ds_adamw_detect_list_cast does
- * for any of them (found and all_out then not to be used). */
-int64_t ds_adamw_detect_list_cast_many(int64_t count, const int64_t *p, const int64_t *m,
-                                       const int64_t *v, const int64_t *n, const float *sc,
-                                       int64_t *idx_out, uint16_t *val_out, uint16_t *all_out,
-                                       int64_t *found) {
+/* ds_adamw_detect_list_many: ds_adamw_detect_list over `count` whole parameters in one call (a
+ * model's many small tensors: one call from the interpreter, one release of its lock, instead
+ * of one per tensor). Parameter j is n[j] elements of fp32 at the addresses p[j], m[j], v[j],
+ * with its own seven scalars at sc + 7 * j (ds_adamw_detect's order); its positions (from 0)
+ * and, if val_out is not NULL, its values follow those of the parameters before it in idx_out
+ * / val_out, and its count goes to found[j]. If all_out is not NULL, each parameter's BF16 bits
+ * of every element follow too (ds_adamw_detect_list_cast). The outputs hold the sum of n[j]
+ * entries. Returns the total, or -1 as ds_adamw_detect_list(_cast) does for any parameter
+ * (found and all_out then not to be used). */
+int64_t ds_adamw_detect_list_many(int64_t count, const int64_t *p, const int64_t *m,
+                                  const int64_t *v, const int64_t *n, const float *sc,
+                                  int64_t *idx_out, uint16_t *val_out, uint16_t *all_out,
+                                  int64_t *found) {
     int64_t k = 0, off = 0;
     for (int64_t j = 0; j < count; j++) {
         const float *s = sc + 7 * j;
-        int64_t got = ds_adamw_detect_list_cast(
-            (const float *)(intptr_t)p[j], (const float *)(intptr_t)m[j],
-            (const float *)(intptr_t)v[j], n[j], s[0], s[1], s[2], s[3], s[4], s[5], s[6], 0,
-            idx_out + k, val_out ? val_out + k : NULL, all_out + off);
+        const float *pj = (const float *)(intptr_t)p[j], *mj = (const float *)(intptr_t)m[j],
+                    *vj = (const float *)(intptr_t)v[j];
+        uint16_t *vals = val_out ? val_out + k : NULL;
+        int64_t got =
+            all_out ? ds_adamw_detect_list_cast(pj, mj, vj, n[j], s[0], s[1], s[2], s[3], s[4],
+                                                s[5], s[6], 0, idx_out + k, vals, all_out + off)
+                    : ds_adamw_detect_list(pj, mj, vj, n[j], s[0], s[1], s[2], s[3], s[4], s[5],
+                                           s[6], 0, idx_out + k, vals);
         if (got < 0) return -1;
         found[j] = got;
         k += got;
