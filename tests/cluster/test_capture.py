@@ -188,7 +188,14 @@ def test_blobs_streamed_batch_by_batch_decode_to_the_one_segment_updates(
         assert same_updates({shard: [by_name[u.name] for u in whole[shard]]}, {shard: whole[shard]})
         assert len(by_name) == len(whole[shard])
         assert elements[shard] == sum(u.nnz for u in whole[shard]) > 0
-        one = encode_blob(whole[shard], version=4, base_version=3, shard=shard, writer="w00000")
+        one = encode_blob(
+            whole[shard],
+            version=4,
+            base_version=3,
+            shard=shard,
+            writer="w00000",
+            open_segments=True,  # as every streamed blob is written
+        )
         assert (blob == one) == (batch_elements >= 1 << 20)  # one segment: same bytes
 
 

@@ -22,6 +22,7 @@ from deltasync.format.wire import (
     FORMAT_VERSION,
     HEADER,
     MAGIC,
+    OPEN_LEN,
     RECORD,
     SEGMENT,
     TRAILER,
@@ -65,7 +66,7 @@ _TRAILER_FIELDS = ["end_magic", "segment_count", "total_records", "total_raw", "
 def assemble(head: dict, ids: bytes, segments: list[tuple[dict, bytes]], trailer: dict) -> bytes:
     body = b"".join(
         SEGMENT.pack(*(f[n] for n in _SEGMENT_FIELDS)) + section for f, section in segments
-    )
+    )  # an open segment keeps its OPEN_LEN
     blob = (
         HEADER.pack(*(head[n] for n in _HEADER_FIELDS))
         + ids
@@ -86,7 +87,8 @@ def totals(segments: list[tuple[dict, bytes]]) -> dict:
 
 
 def split_blob(blob: bytes) -> tuple[dict, bytes, list[tuple[dict, bytes]], dict]:
-    """(header fields, id bytes, [(segment fields, section bytes)], trailer fields) of a blob."""
+    """(header fields, id bytes, [(segment fields, section bytes)], trailer fields) of a blob;
+    an open segment's section is its zstd frame (found by zstd itself, not by the decoder)."""
     head = dict(zip(_HEADER_FIELDS, HEADER.unpack_from(blob), strict=True))
     at = HEADER.size + head["shard_len"] + head["writer_len"]
     ids = blob[HEADER.size : at]
@@ -96,8 +98,13 @@ def split_blob(blob: bytes) -> tuple[dict, bytes, list[tuple[dict, bytes]], dict
     while at < end:
         fields = dict(zip(_SEGMENT_FIELDS, SEGMENT.unpack_from(blob, at), strict=True))
         at += SEGMENT.size
-        segments.append((fields, blob[at : at + fields["section_len"]]))
-        at += fields["section_len"]
+        n = fields["section_len"]
+        if n == OPEN_LEN:
+            rest = zstandard.ZstdDecompressor().decompressobj()
+            rest.decompress(blob[at:end])
+            n = end - at - len(rest.unused_data)
+        segments.append((fields, blob[at : at + n]))
+        at += n
     return head, ids, segments, trailer
 
 

@@ -251,6 +251,9 @@ def carry_bytes(carry: Mapping[str, Positions]) -> int:
 
 
 BATCH_ELEMENTS = 1 << 18  # changed elements per segment, at least (~5 MiB of transients)
+# A frame chunk at least this large is offered to ``on_batch`` as soon as it is written (an
+# open segment's frame comes in zstd blocks of up to 128 KiB; headers are a few bytes).
+OFFER_FROM = 1 << 12
 
 
 def _piece_updates(
@@ -310,9 +313,12 @@ def streamed_blobs(
         batch_elements: changed elements gathered per batch before it is routed.
         reserve: zero bytes in front of each blob (where the caller frames it in place,
             :func:`~deltasync.cluster.envelope.seal_envelope`).
-        on_batch: called with the buffers after every batch's segments are written; it may
-            take bytes away by replacing a shard's buffer with a new one (later bytes go to
-            the new one): what streams the blobs out while later batches are routed.
+        on_batch: called with the buffers after every batch's segments are written, and
+            after every chunk of a large segment's frame (segments are open: wire
+            ``FLAG_OPEN_SEGMENTS``); it may take bytes away by replacing a shard's buffer with
+            a new one (later bytes go to the new one): what streams the blobs out while later
+            batches are routed, and the vocab-parallel embedding's frames while they are
+            compressed.
         values: BF16 values at a parameter's positions that detection read (filled by the
             producer before it hands the parameter over); each is taken out as its parameter
             comes and routed instead of reading ``params``.
@@ -343,7 +349,12 @@ def streamed_blobs(
     blobs = {s: bytearray(reserve) for s in shards}
 
     def sink(shard: str) -> Callable[[bytes], None]:
-        return lambda data: blobs[shard].extend(data)  # the buffer on_batch left in place
+        def put(data: bytes) -> None:
+            blobs[shard].extend(data)  # the buffer on_batch left in place
+            if on_batch is not None and len(data) >= OFFER_FROM:
+                on_batch(blobs)  # a large segment's frame streams out while it is written
+
+        return put
 
     writers = {
         s: BlobWriter(
@@ -353,6 +364,7 @@ def streamed_blobs(
             shard=s,
             writer=writer,
             level=level,
+            open_segments=True,
         )
         for s in shards
     }

@@ -39,6 +39,7 @@ from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec, Tensor
 from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,
+    FLAG_OPEN_SEGMENTS,
     FLAG_ZSTD,
     FORMAT_VERSION,
     HEADER,
@@ -46,6 +47,7 @@ from deltasync.format.wire import (
     MAGIC,
     MAX_RECORDS,
     MIN_BLOB_SIZE,
+    OPEN_LEN,
     RECORD,
     SEGMENT,
     TRAILER,
@@ -122,6 +124,11 @@ def _read_header(view: memoryview) -> tuple[BlobHeader, int, int]:
         raise FormatError(
             f"blob header has unknown flags {flags:#06x} or reserved {reserved}: it was written "
             "by an incompatible writer; upgrade the receiver"
+        )
+    if flags & FLAG_OPEN_SEGMENTS and not flags & FLAG_ZSTD:
+        raise FormatError(
+            f"blob header flags {flags:#06x} open segments without compressing them (only a "
+            "zstd frame can end a segment); the writer produced an inconsistent header"
         )
     if HEADER.size + shard_len + writer_len + TRAILER.size + DIGEST_SIZE > len(view):
         raise FormatError(
@@ -255,6 +262,8 @@ class BlobRecords:
                 raise TruncatedBlobError(f"{seg}: its header runs past the segments' end")
             section_len, seg_raw, seg_count = SEGMENT.unpack_from(view, at)
             at += SEGMENT.size
+            if section_len == OPEN_LEN and self._flags & FLAG_OPEN_SEGMENTS:
+                section_len = section.frame_size(view[at:end], seg)  # the frame ends it
             if section_len > end - at or seg_raw > left_raw or seg_count > left_count:
                 raise TruncatedBlobError(
                     f"{seg} declares {section_len} bytes, {seg_raw} decompressed bytes and "

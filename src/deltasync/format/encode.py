@@ -48,12 +48,14 @@ from deltasync.format.wire import (
     ENCODING_DENSE,
     ENCODING_SPARSE,
     END_MAGIC,
+    FLAG_OPEN_SEGMENTS,
     FLAG_ZSTD,
     FORMAT_VERSION,
     HEADER,
     MAGIC,
     MAX_ID_BYTES,
     MAX_RECORDS,
+    OPEN_LEN,
     RECORD,
     SEGMENT,
     TRAILER,
@@ -298,7 +300,14 @@ class BlobWriter:
     digest); the writer keeps nothing of a segment once it is handed over, so a blob of any size
     streams in the memory of its largest segment. ``size`` and ``digest`` (hex xxh3-128 of the
     whole blob, what the manifest lists) are final after :meth:`finish`. A tensor may appear in
-    one segment only: the decoder refuses a name seen twice."""
+    one segment only: the decoder refuses a name seen twice.
+
+    With ``open_segments`` (and compression) a segment whose frame is streamed (a record
+    section above the one-shot size) is written open (wire ``FLAG_OPEN_SEGMENTS``): its header
+    first, then its frame to ``sink`` as zstd produces it, so not even the compressed section
+    is held whole. Its parted records are then checked as they are written, after the first
+    bytes went out: one that fails leaves the blob unfinishable (later calls raise) and the
+    caller discards what it sent."""
 
     def __init__(
         self,
@@ -309,9 +318,12 @@ class BlobWriter:
         shard: str,
         writer: str,
         level: int = 1,
+        open_segments: bool = False,
     ) -> None:
         _check_header(version, base_version, shard, writer, level)
         self._sink, self._level = sink, level
+        self._open = bool(open_segments and level)
+        self._broken: BaseException | None = None  # an open segment that failed half-written
         self._inner = xxhash.xxh3_128()  # the digest the blob ends with
         self._outer = xxhash.xxh3_128()  # the digest of every byte, digest included
         self._seen: set[str] = set()
@@ -322,7 +334,7 @@ class BlobWriter:
             HEADER.pack(
                 MAGIC,
                 FORMAT_VERSION,
-                FLAG_ZSTD if level else 0,
+                (FLAG_ZSTD | (FLAG_OPEN_SEGMENTS if self._open else 0)) if level else 0,
                 version,
                 base_version,
                 len(shard_b),
@@ -346,6 +358,7 @@ class BlobWriter:
         holding the same indices and values."""
         if self.digest is not None:
             raise InvalidUpdateError("BlobWriter.segment: the blob is already finished")
+        self._check_whole()
         if not updates:
             return 0
         if self.records + len(updates) > MAX_RECORDS:
@@ -367,25 +380,45 @@ class BlobWriter:
             )
 
         raw_len = sum(p.size for p in plans)
-        # Parted records are checked as they are written: the section is complete (and
-        # every part checked) before any of it reaches the sink.
-        out = section.SectionWriter(raw_len, self._level)
-        _write_records(out, plans)
-        body = out.finish()
+        out = section.SectionWriter(raw_len, self._level, sink=self._put if self._open else None)
+        if out.streams and self._open:  # open: the header first, the frame as it is produced
+            self._put(SEGMENT.pack(OPEN_LEN, raw_len, len(plans)))
+            start = self.size
+            try:
+                _write_records(out, plans)
+                out.finish()
+            except BaseException as exc:
+                self._broken = exc
+                raise
+            section_len = self.size - start
+        else:
+            # Parted records are checked as they are written: the section is complete (and
+            # every part checked) before any of it reaches the sink.
+            _write_records(out, plans)
+            body = out.finish()
+            section_len = sum(len(c) for c in body)
+            self._put(SEGMENT.pack(section_len, raw_len, len(plans)))
+            for chunk in body:
+                self._put(chunk)
         self._seen |= names  # only once every record of the segment is valid
-        section_len = sum(len(c) for c in body)
-        self._put(SEGMENT.pack(section_len, raw_len, len(plans)))
-        for chunk in body:
-            self._put(chunk)
         self.segments += 1
         self.records += len(plans)
         self.raw_len += raw_len
         self.body_len += SEGMENT.size + section_len
         return SEGMENT.size + section_len
 
+    def _check_whole(self) -> None:
+        if self._broken is not None:
+            raise InvalidUpdateError(
+                "BlobWriter: an open segment failed after its first bytes were written "
+                f"({type(self._broken).__name__}: {self._broken}); this blob cannot be "
+                "finished: discard what was written and encode the version again"
+            )
+
     def finish(self) -> str:
         """Write the trailer and the digest; returns the blob digest (hex xxh3-128 of every
         byte, what the manifest lists)."""
+        self._check_whole()
         if self.digest is None:
             self._put(
                 TRAILER.pack(END_MAGIC, self.segments, self.records, self.raw_len, self.body_len)
@@ -403,11 +436,13 @@ def encode_blob(
     shard: str,
     writer: str,
     level: int = 1,
+    open_segments: bool = False,
 ) -> bytes:
     """Encode ``updates`` for one (version, receiver shard, writer) into a blob of one segment.
 
     ``base_version`` is -1 for an anchor (full) blob. ``level`` is the zstd level (1 = fast
-    default; 0 = no compression, for links faster than zstd)."""
+    default; 0 = no compression, for links faster than zstd). ``open_segments``: as
+    :class:`BlobWriter`'s (the bytes a streaming writer of one segment produces)."""
     chunks: list[bytes] = []
     blob = BlobWriter(
         chunks.append,
@@ -416,6 +451,7 @@ def encode_blob(
         shard=shard,
         writer=writer,
         level=level,
+        open_segments=open_segments,
     )
     blob.segment(updates)
     blob.finish()

@@ -93,16 +93,27 @@ class SectionWriter:
     different total. A single-threaded compressor makes the output a deterministic function of
     the input and the zstd version: a streamed frame's bytes do not depend on how the writes
     cut the input (they may differ from one-shot ``compress`` of the same bytes, which is why
-    the size alone chooses the path)."""
+    the size alone chooses the path). A streamed frame (:attr:`streams`) goes to ``sink`` as
+    zstd produces it when one is given, instead of being collected for :meth:`finish`."""
 
-    def __init__(self, raw_len: int, level: int) -> None:
+    def __init__(
+        self, raw_len: int, level: int, sink: Callable[[bytes], None] | None = None
+    ) -> None:
         self.raw_len, self.written, self.chunks = raw_len, 0, []
         self._level, self._stream, self._gathered = level, None, None
+        self._out: Callable[[bytes], None] = self.chunks.append
         if level:
             if raw_len <= ONE_SHOT_MAX:
                 self._gathered = np.empty(raw_len, dtype=np.uint8)  # not zero-filled
             else:
                 self._stream = _new_compressor(level).compressobj(size=raw_len)
+                if sink is not None:
+                    self._out = sink
+
+    @property
+    def streams(self) -> bool:
+        """Whether the section is a streamed zstd frame (what a ``sink`` receives)."""
+        return self._stream is not None
 
     def write(self, piece: bytes | memoryview) -> None:
         """Append ``piece``; the caller may reuse its buffer afterwards."""
@@ -112,16 +123,17 @@ class SectionWriter:
         elif self._stream is not None:
             out = self._stream.compress(piece)
             if out:
-                self.chunks.append(out)
+                self._out(out)
         else:
             self.chunks.append(bytes(piece))
 
     def finish(self) -> list[bytes]:
+        """The section's chunks not yet handed to the sink (all of them without one)."""
         assert self.written == self.raw_len, (self.written, self.raw_len)  # planned size is exact
         if self._gathered is not None:
             return [_one_shot_compressor(self._level).compress(self._gathered)]
         if self._stream is not None:
-            self.chunks.append(self._stream.flush())
+            self._out(self._stream.flush())
         return self.chunks
 
 

@@ -25,7 +25,11 @@ FORMAT_VERSION = 2
 
 # Header flags. Unknown bits are rejected by the decoder so a future flag cannot be ignored.
 FLAG_ZSTD = 0x0001  # each segment's record section is one zstd frame (else it is stored raw)
-KNOWN_FLAGS = FLAG_ZSTD
+# With FLAG_ZSTD: a segment's section_len may be OPEN_LEN, its zstd frame then ends it. A
+# writer streams a large segment's frame out as zstd produces it instead of holding the whole
+# frame until its length is known (a 0.6B embedding shard's: ~9 MiB).
+FLAG_OPEN_SEGMENTS = 0x0002
+KNOWN_FLAGS = FLAG_ZSTD | FLAG_OPEN_SEGMENTS
 
 # Fixed header, 28 bytes: magic, format_version, flags, version, base_version, shard_len,
 # writer_len, reserved. Nothing in it depends on the records, so it is written first.
@@ -35,6 +39,7 @@ assert HEADER.size == 28
 # Segment header, 20 bytes: section_len, raw_len, record_count; the section follows.
 SEGMENT = struct.Struct("<QQI")
 assert SEGMENT.size == 20
+OPEN_LEN = (1 << 64) - 1  # section_len of an open segment (FLAG_OPEN_SEGMENTS)
 
 # Trailer, 28 bytes: end magic, segment_count, record_count, raw_len (all segments, uncompressed),
 # body_len (bytes of all segments with their headers: from the end of the writer id to the

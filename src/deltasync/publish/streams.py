@@ -44,6 +44,7 @@ _ABORT = object()  # the blob must not be stored
 # uploading, one waiting): on a 1 Gbit/s link a deeper queue held the 0.6B's two 9 MiB
 # embedding frames and the next layers' segments at once (~4 MiB more at the trainer's peak).
 QUEUED_SEGMENTS = 1
+FLUSH_BYTES = 1 << 20  # an open segment's frame bytes handed to the upload at a time
 _WAIT_S = 0.05  # how often a waiting add checks that its upload is still alive
 RELEASE_EVERY_BYTES = 4 << 20  # uploaded between two releases of the heap's free pages
 
@@ -51,10 +52,11 @@ RELEASE_EVERY_BYTES = 4 << 20  # uploaded between two releases of the heap's fre
 @dataclass
 class _Stream:
     key: str
-    writer: BlobWriter
     pending: list[bytes]  # the writer's sink: bytes of the segment being written
-    chunks: queue.Queue  # whole segments, waiting for the upload thread (bounded)
+    chunks: queue.Queue  # segments (and an open segment's pieces), waiting for the upload
     upload: Future
+    writer: BlobWriter = field(init=False)
+    pending_bytes: int = 0
     elements: int = 0
     # The manifest's digest of the blob (BLAKE2b-256), over exactly the bytes uploaded.
     hasher: Any = field(default_factory=blob_hasher)
@@ -101,12 +103,22 @@ class ShardStreams:
 
     def _open(self, shard: str) -> _Stream:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
-        pending: list[bytes] = []
-        writer = BlobWriter(pending.append, shard=shard, **self._head)
         chunks: queue.Queue = queue.Queue(maxsize=self._queued)
         upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
-        stream = self._streams[shard] = _Stream(key, writer, pending, chunks, upload)
+        stream = self._streams[shard] = _Stream(key, [], chunks, upload)
+        # Segments are open (wire FLAG_OPEN_SEGMENTS): a large one's frame comes to the sink
+        # as zstd produces it and goes to the upload every FLUSH_BYTES, so not even the
+        # compressed embedding shard (~9 MiB at 0.6B) is held whole.
+        stream.writer = BlobWriter(
+            lambda data: self._take(stream, data), shard=shard, open_segments=True, **self._head
+        )
         return stream
+
+    def _take(self, stream: _Stream, data: bytes) -> None:
+        stream.pending.append(data)
+        stream.pending_bytes += len(data)
+        if stream.pending_bytes >= FLUSH_BYTES:
+            self._flush(stream)
 
     @staticmethod
     def _put(stream: _Stream, item: object) -> None:
@@ -124,15 +136,17 @@ class ShardStreams:
 
     @classmethod
     def _flush(cls, stream: _Stream) -> None:
-        # One queue item per segment (with the header before the first, the trailer after
-        # the last): the upload sees whole segments as soon as they exist; S3's put_stream
+        # One queue item per segment, or per FLUSH_BYTES of an open one (with the header
+        # before the first, the trailer after the last): the upload sees the bytes as soon
+        # as a segment or a piece of its frame exists; S3's put_stream
         # gathers them into parts. The writer's pieces are handed over as they are, not
         # joined: a join would hold the segment twice (the embedding's: ~10 MiB more).
         if stream.pending:
             parts = tuple(stream.pending)
             for part in parts:
                 stream.hasher.update(part)
-            stream.pending.clear()  # the same list: it is the writer's sink
+            stream.pending.clear()
+            stream.pending_bytes = 0
             cls._put(stream, parts)
 
     def add(self, updates: Mapping[str, Sequence[TensorUpdate | PartedUpdate]]) -> None:
