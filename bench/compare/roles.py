@@ -195,6 +195,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
                 "rss_before": rss0,
                 "peak_rss": peak,
                 "overhead_bytes": max(0, peak - st["rss_model_opt"]),
+                "kept_bytes": max(0, rss0 - st["rss_model_opt"]),
                 "changed_elements": getattr(side, "last_changed_elements", None),
                 "shard_elements": getattr(side, "last_shard_elements", None),
                 "phases": getattr(side, "last_phases", None) if path == "cluster" else None,

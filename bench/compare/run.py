@@ -75,6 +75,9 @@ class SyncRecord:
     trainer_overhead_s: float = 0.0  # wall of a training step with sync minus without
     detect_s: float | None = None  # the system's change detection alone (None: it has none)
     barrier_s: float = 0.0  # the next optimizer step's wait for a background publish
+    # of trainer_overhead_bytes, what the trainer held before the sync began (what the system
+    # keeps between versions, and heap it could not give back): the rest is the sync's own
+    trainer_kept_bytes: int = 0
     max_shard_elements: int | None = None  # elements sent to the busiest receiver shard
     # Where the latency went, seconds from the end of the optimizer step (store path: the
     # version visible, the slowest receiver's stage / verify / pause; see _timeline).
@@ -168,7 +171,9 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                     log(
                         f"  {system:9s} {path.label:22s} v{version:<3d} total {rec.total_s:7.3f}s "
                         f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
-                        f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact}"
+                        f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact} trainer +mem "
+                        f"{rec.trainer_overhead_bytes / 2**20:.1f} MiB (kept "
+                        f"{rec.trainer_kept_bytes / 2**20:.1f})"
                         + "".join(f" {k} {v:.3f}s" for k, v in (rec.phases or {}).items())
                         + " |"
                         + "".join(f" {k} {v:.3f}s" for k, v in (rec.timeline or {}).items())
@@ -209,6 +214,7 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         bytes=tr["bytes"],
         trainer_peak_rss_bytes=tr["peak_rss"],
         trainer_overhead_bytes=tr["overhead_bytes"],
+        trainer_kept_bytes=tr["kept_bytes"],
         receiver_peak_rss_bytes=max(x["peak_rss"] for x in rx),
         receiver_overhead_bytes=max(x["peak_rss"] - x["rss_base"] for x in rx),
         shard_bytes=max(x["shard_bytes"] for x in rx),
@@ -262,6 +268,7 @@ def medians(records: list[SyncRecord]) -> dict:
         "bytes",
         "trainer_peak_rss_bytes",
         "trainer_overhead_bytes",
+        "trainer_kept_bytes",
         "receiver_peak_rss_bytes",
         "receiver_overhead_bytes",
         "shard_bytes",

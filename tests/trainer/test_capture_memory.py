@@ -121,3 +121,45 @@ def test_releasing_the_free_heap_hands_freed_holes_back_to_the_system() -> None:
     between segments (its peak would otherwise grow by what earlier segments freed)."""
     before, after = in_fresh_process(_holes_released)
     assert before - after > 30 * 2**20, (before, after)  # ~40 MiB of holes
+
+
+def _resident_after_detection_on_two_threads() -> tuple[int, int]:
+    """RSS above the settled baseline after a dense parameter was detected on this thread and
+    then on another one that lives on (as a sender's detection thread does), the kernel's
+    list outputs fully written each time; and the sets of list outputs the process holds."""
+    import threading
+
+    from deltasync.trainer import detect
+
+    n = 1 << 20  # one chunk, every element changed: its whole 10 MiB of list outputs written
+    g = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(n, generator=g) * 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    tracker = AdamWTracker(opt, [("w", p)], threads=1)
+    p.grad = torch.randn(n, generator=g)
+    opt.step()
+    base = settled_rss()
+    assert tracker.changed_values()["w"][0].numel() == n
+    detected, done = threading.Event(), threading.Event()
+
+    def detect_and_live_on() -> None:
+        tracker.changed_values()
+        detected.set()
+        done.wait()
+
+    other = threading.Thread(target=detect_and_live_on)
+    other.start()
+    detected.wait()
+    gc.collect()
+    resident = settled_rss() - base
+    done.set()
+    other.join()
+    return resident, len(detect._LISTS._free)
+
+
+def test_detection_on_two_threads_one_after_the_other_keeps_one_set_of_list_outputs() -> None:
+    # One set per thread kept 20 MiB resident here while both threads lived (the caller's
+    # pass, then the detection thread's): shared, the second pass reuses the first one's.
+    resident, sets = in_fresh_process(_resident_after_detection_on_two_threads)
+    assert sets == 1
+    assert resident < 14 * 2**20, resident

@@ -19,6 +19,7 @@ This module knows tensors and the kernel scalars; it knows nothing about optimiz
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import math
 import threading
@@ -332,16 +333,36 @@ def _chunk_indices(
     return out
 
 
-def _list_scratch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-thread outputs of ``ds_adamw_detect_list`` for one chunk (10 bytes per chunk
-    element, reused; only the compact copies of what was found are allocated per version)."""
-    bufs = getattr(_scratch, "lists", None)
-    if bufs is None:
-        bufs = _scratch.lists = (
-            torch.empty(_CHUNK, dtype=torch.int64),
-            torch.empty(_CHUNK, dtype=torch.bfloat16),
-        )
-    return bufs
+class _ListScratch:
+    """The outputs of the list kernels for one chunk (int64 positions and BF16 values: 10 bytes
+    per chunk element), lent to one caller at a time and reused: only the compact copies of
+    what was found are allocated per version. Shared by every thread rather than one set per
+    thread: a set stays resident once a dense chunk touched it (10 MiB), and the passes of
+    different threads (the caller's, then the detection thread's) rarely overlap, so a process
+    holds as many sets as ran at once, not one per thread that ever detected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A set for the ``with`` block; copy out what it found before the block ends."""
+        with self._lock:
+            bufs = self._free.pop() if self._free else None
+        if bufs is None:
+            bufs = (
+                torch.empty(_CHUNK, dtype=torch.int64),
+                torch.empty(_CHUNK, dtype=torch.bfloat16),
+            )
+        try:
+            yield bufs
+        finally:
+            with self._lock:
+                self._free.append(bufs)
+
+
+_LISTS = _ListScratch()
 
 
 def detect_adamw_indices(
@@ -443,15 +464,15 @@ def chunk_items(
 
     def run_cast(start: int) -> CastChunk:
         cnt = min(_CHUNK, n - start)
-        ibuf, vbuf = _list_scratch()
         assert cast is not None
         bits = cast.take(cnt)  # handed on: the consumer hashes it, then gives it back
-        vptr = vbuf.data_ptr() if values else None
-        found = listed(
-            lib.ds_adamw_detect_list_cast, start, cnt, ibuf.data_ptr(), vptr, bits.data_ptr()
-        )
-        if found >= 0:
-            return ibuf[:found].clone(), (vbuf[:found].clone() if values else None), bits
+        with _LISTS.lend() as (ibuf, vbuf):
+            vptr = vbuf.data_ptr() if values else None
+            found = listed(
+                lib.ds_adamw_detect_list_cast, start, cnt, ibuf.data_ptr(), vptr, bits.data_ptr()
+            )
+            if found >= 0:
+                return ibuf[:found].clone(), (vbuf[:found].clone() if values else None), bits
         cast.give(bits)
         idx, vals = run(start)  # a NaN or subnormal somewhere in the chunk: no cast
         return idx, vals, None
@@ -459,10 +480,12 @@ def chunk_items(
     def run(start: int) -> Chunk:
         cnt = min(_CHUNK, n - start)
         if values:  # positions and BF16 values straight from the kernel, block by block
-            ibuf, vbuf = _list_scratch()
-            found = listed(lib.ds_adamw_detect_list, start, cnt, ibuf.data_ptr(), vbuf.data_ptr())
-            if found >= 0:
-                return ibuf[:found].clone(), vbuf[:found].clone()
+            with _LISTS.lend() as (ibuf, vbuf):
+                found = listed(
+                    lib.ds_adamw_detect_list, start, cnt, ibuf.data_ptr(), vbuf.data_ptr()
+                )
+                if found >= 0:
+                    return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values
         out = _chunk_indices(lib, k, pp, mp, vp, start, cnt)
         if not values:
@@ -575,27 +598,28 @@ def detect_adamw_group(states: Sequence[State], *, cast: CastBuffers | None = No
         numels = [p.numel() for p, _, _, _ in states]
         scalars = (ctypes.c_float * (7 * count))(*(x for *_, k in states for x in _scalars(k)))
         found = addr()
-        ibuf, vbuf = _list_scratch()
-        args = (
-            count,
-            addr(*(p.data_ptr() for p, _, _, _ in states)),
-            addr(*(m.data_ptr() for _, m, _, _ in states)),
-            addr(*(v.data_ptr() for _, _, v, _ in states)),
-            addr(*numels),
-            scalars,
-            ibuf.data_ptr(),
-            vbuf.data_ptr(),
-        )
         shared = None if cast is None else cast.take(max(total, 1))
-        got = lib.ds_adamw_detect_list_many(
-            *args, None if shared is None else shared.data_ptr(), found
-        )
+        with _LISTS.lend() as (ibuf, vbuf):
+            got = lib.ds_adamw_detect_list_many(
+                count,
+                addr(*(p.data_ptr() for p, _, _, _ in states)),
+                addr(*(m.data_ptr() for _, m, _, _ in states)),
+                addr(*(v.data_ptr() for _, _, v, _ in states)),
+                addr(*numels),
+                scalars,
+                ibuf.data_ptr(),
+                vbuf.data_ptr(),
+                None if shared is None else shared.data_ptr(),
+                found,
+            )
+            if got >= 0:
+                idx, vals = ibuf[:got].clone(), vbuf[:got].clone()
         if got >= 0:
             counts = list(found)
-            idx = ibuf[:got].clone().split(counts)
-            vals = vbuf[:got].clone().split(counts)
             bits = [None] * count if shared is None else shared[:total].split(numels)
-            return Group(list(zip(idx, vals, bits, strict=True)), shared)
+            return Group(
+                list(zip(idx.split(counts), vals.split(counts), bits, strict=True)), shared
+            )
         if cast is not None and shared is not None:
             cast.give(shared)
     return Group(
