@@ -22,6 +22,7 @@ import collections
 import contextlib
 import ctypes
 import math
+import mmap
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -333,17 +334,46 @@ def _chunk_indices(
     return out
 
 
+# What a list scratch set keeps resident between chunks (see _ListScratch): the positions and
+# values of a chunk with up to 1/8 of its elements flagged.
+_KEEP_ELEMENTS = _CHUNK // 8
+
+
+class _ScratchBuffer:
+    """``n`` elements of ``dtype`` in anonymous pages of their own, not the C heap: a page is
+    resident only once something wrote to it, and :meth:`shed` hands the pages past the first
+    ``keep`` elements back to the OS (read as zeros when touched again). Heap memory offers
+    neither: a buffer carved from pages an earlier, larger allocation left resident is resident
+    whole, written or not, and stays so while it lives (the 0.6B benchmark's trainer held a
+    whole set, 10 MiB, that way). Where the platform cannot advise, a plain tensor."""
+
+    def __init__(self, n: int, dtype: torch.dtype, keep: int) -> None:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._map: mmap.mmap | None = None
+        if hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap.mmap, "madvise"):
+            # private: MADV_DONTNEED frees a private mapping's pages (a shared one keeps them)
+            self._map = mmap.mmap(-1, n * itemsize, flags=mmap.MAP_PRIVATE)
+            self.tensor = torch.frombuffer(self._map, dtype=dtype, count=n)
+        else:
+            self.tensor = torch.empty(n, dtype=dtype)
+        self._from = -(-keep * itemsize // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages kept
+
+    def shed(self) -> None:
+        if self._map is not None and self._from < len(self._map):
+            self._map.madvise(mmap.MADV_DONTNEED, self._from, len(self._map) - self._from)
+
+
 class _ListScratch:
     """The outputs of the list kernels for one chunk (int64 positions and BF16 values: 10 bytes
     per chunk element), lent to one caller at a time and reused: only the compact copies of
     what was found are allocated per version. Shared by every thread rather than one set per
-    thread: a set stays resident once a dense chunk touched it (10 MiB), and the passes of
-    different threads (the caller's, then the detection thread's) rarely overlap, so a process
-    holds as many sets as ran at once, not one per thread that ever detected."""
+    thread, so a process holds as many sets as ran at once. Each set lives in pages of its own
+    and sheds what lies past the first ``_KEEP_ELEMENTS`` entries when it comes back: a set
+    keeps ~1.2 MiB resident between chunks whatever a dense chunk wrote into it (10 MiB)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._free: list[tuple[_ScratchBuffer, _ScratchBuffer]] = []
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -352,12 +382,14 @@ class _ListScratch:
             bufs = self._free.pop() if self._free else None
         if bufs is None:
             bufs = (
-                torch.empty(_CHUNK, dtype=torch.int64),
-                torch.empty(_CHUNK, dtype=torch.bfloat16),
+                _ScratchBuffer(_CHUNK, torch.int64, _KEEP_ELEMENTS),
+                _ScratchBuffer(_CHUNK, torch.bfloat16, _KEEP_ELEMENTS),
             )
         try:
-            yield bufs
+            yield bufs[0].tensor, bufs[1].tensor
         finally:
+            for b in bufs:
+                b.shed()
             with self._lock:
                 self._free.append(bufs)
 
