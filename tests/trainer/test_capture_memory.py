@@ -123,6 +123,21 @@ def test_releasing_the_free_heap_hands_freed_holes_back_to_the_system() -> None:
     assert before - after > 30 * 2**20, (before, after)  # ~40 MiB of holes
 
 
+def _dense_chunk_stepped(
+    n: int, *, seed: int
+) -> tuple[torch.nn.Parameter, torch.Tensor, AdamWTracker]:
+    """A parameter of ``n`` small weights after one AdamW step large enough to flag every
+    element; its BF16 bits before the step; the tracker watching it."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(n, generator=g) * 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    tracker = AdamWTracker(opt, [("w", p)], threads=1)
+    p.grad = torch.randn(n, generator=g)
+    before = p.detach().to(torch.bfloat16)
+    opt.step()
+    return p, before, tracker
+
+
 def _resident_after_detection_on_two_threads() -> tuple[int, int]:
     """RSS above the settled baseline after a dense parameter was detected on this thread and
     then on another one that lives on (as a sender's detection thread does), the kernel's
@@ -132,12 +147,7 @@ def _resident_after_detection_on_two_threads() -> tuple[int, int]:
     from deltasync.trainer import detect
 
     n = 1 << 20  # one chunk, every element changed: its whole 10 MiB of list outputs written
-    g = torch.Generator().manual_seed(1)
-    p = torch.nn.Parameter(torch.randn(n, generator=g) * 1e-3)
-    opt = torch.optim.AdamW([p], lr=1e-2)
-    tracker = AdamWTracker(opt, [("w", p)], threads=1)
-    p.grad = torch.randn(n, generator=g)
-    opt.step()
+    _, _, tracker = _dense_chunk_stepped(n, seed=1)
     base = settled_rss()
     assert tracker.changed_values()["w"][0].numel() == n
     detected, done = threading.Event(), threading.Event()
@@ -191,13 +201,7 @@ def _scratch_resident_after_a_dense_chunk() -> tuple[int, int, int, int]:
     fresh = detect._ScratchBuffer(1 << 20, torch.int64, 0)
     untouched = _resident_bytes(fresh.tensor)
     n = 1 << 20
-    g = torch.Generator().manual_seed(2)
-    p = torch.nn.Parameter(torch.randn(n, generator=g) * 1e-3)
-    opt = torch.optim.AdamW([p], lr=1e-2)
-    tracker = AdamWTracker(opt, [("w", p)], threads=1)
-    p.grad = torch.randn(n, generator=g)
-    before = p.detach().to(torch.bfloat16)
-    opt.step()
+    p, before, tracker = _dense_chunk_stepped(n, seed=2)
     idx, vals = tracker.changed_values()["w"]
     moved = (p.detach().to(torch.bfloat16).view(torch.int16) != before.view(torch.int16)).sum()
     assert idx.numel() == n and int(moved) > n // 2  # the whole chunk flagged, most moved

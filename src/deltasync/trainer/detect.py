@@ -644,14 +644,12 @@ def detect_adamw_group(states: Sequence[State], *, cast: CastBuffers | None = No
                 None if shared is None else shared.data_ptr(),
                 found,
             )
-            if got >= 0:
-                idx, vals = ibuf[:got].clone(), vbuf[:got].clone()
-        if got >= 0:
-            counts = list(found)
-            bits = [None] * count if shared is None else shared[:total].split(numels)
-            return Group(
-                list(zip(idx.split(counts), vals.split(counts), bits, strict=True)), shared
-            )
+            if got >= 0:  # copied out before the set goes back
+                counts = list(found)
+                idx = ibuf[:got].clone().split(counts)
+                vals = vbuf[:got].clone().split(counts)
+                bits = [None] * count if shared is None else shared[:total].split(numels)
+                return Group(list(zip(idx, vals, bits, strict=True)), shared)
         if cast is not None and shared is not None:
             cast.give(shared)
     return Group(
