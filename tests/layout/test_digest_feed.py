@@ -61,6 +61,23 @@ def test_fed_entries_equal_the_digest_pass(name, engine, tp, ep, chunk):
     assert combine_entries(keep) == state_digests(params, trainer_layout=tl, receiver_layout=rl)
 
 
+@pytest.mark.parametrize("buffer", [3, 64, 1000])
+def test_column_blocks_hashed_through_a_small_row_buffer_give_the_same_entries(
+    monkeypatch, buffer
+):
+    # a buffer of a few rows (several pieces a block) and one narrower than a row (each row
+    # copied on its own): the entries are the digest pass's either way
+    from deltasync.layout import digest_feed
+
+    monkeypatch.setattr(digest_feed, "_ROW_BUFFER_ELEMENTS", buffer)
+    tl, rl, params = _setup("qwen3_odd_vocab_kv_lt_tp", "vllm", 2, 1)
+    feed = DigestFeed(tl, rl)
+    _feed_all(feed, params, 1 << 20)
+    want = _truth(tl, rl, params)
+    assert feed.entries() == want
+    assert any("o_proj" in local for locals_ in want.values() for local in locals_)
+
+
 def test_a_changed_element_changes_the_fed_digest():
     tl, rl, params = _setup("qwen3_odd_vocab_kv_lt_tp", "vllm", 2, 1)
     feed = DigestFeed(tl, rl)
