@@ -62,9 +62,7 @@ def test_fed_entries_equal_the_digest_pass(name, engine, tp, ep, chunk):
 
 
 @pytest.mark.parametrize("buffer", [3, 64, 1000])
-def test_column_blocks_hashed_through_a_small_row_buffer_give_the_same_entries(
-    monkeypatch, buffer
-):
+def test_column_blocks_hashed_through_a_small_row_buffer_give_the_same_entries(monkeypatch, buffer):
     # a buffer of a few rows (several pieces a block) and one narrower than a row (each row
     # copied on its own): the entries are the digest pass's either way
     from deltasync.layout import digest_feed
