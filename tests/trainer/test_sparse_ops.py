@@ -1,18 +1,22 @@
-"""The C kernels behind bf16_at / first_not_increasing / scatter16 / prefix_sum_ against torch,
-bit for bit."""
+"""The C kernels behind bf16_at / first_not_increasing / scatter16 / prefix_sum_ /
+join_planes against torch and numpy, bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from deltasync.errors import ConfigError, TensorInputError
+from deltasync.format import section
 from deltasync.layout.blocks import Block
 from deltasync.native import loader as native
 from deltasync.native.ops import (
     bf16_at,
+    can_join_planes,
     column_block,
     first_not_increasing,
+    join_planes,
     patch16,
     prefix_sum_,
     scatter16,
@@ -290,3 +294,76 @@ def test_a_column_block_takes_indices_in_any_order_and_declines_what_it_cannot_t
     as_int32 = column_block(idx.int(), src_cols=10, cols=(3, 8), dst_cols=5, shift=0, pos_base=0)
     strided = column_block(idx[::2], src_cols=10, cols=(3, 8), dst_cols=5, shift=0, pos_base=0)
     assert as_int32 is None and strided is None
+
+
+def _planes_of(words: np.ndarray, width: int) -> bytes:
+    """``words``' low ``width`` bytes as planes, low byte first (the format's layout)."""
+    b = words.view(np.uint8).reshape(words.size, words.dtype.itemsize)
+    return b"".join(b[:, k].tobytes() for k in range(width))
+
+
+def _source(data: bytes):
+    pos = 0
+
+    def read_into(buf: memoryview, what: str) -> None:
+        nonlocal pos
+        buf[:] = data[pos : pos + len(buf)]
+        pos += len(buf)
+
+    return read_into
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("n", [1, 7, section.CHUNK + 3])
+def test_words_joined_from_planes_equal_the_strided_passes_for_every_width(dtype, n) -> None:
+    rng = np.random.default_rng(n)
+    size = np.dtype(dtype).itemsize
+    for width in [w for w in (1, 2, 4, 8) if w <= size] + ([3] if size >= 4 else []):
+        words = rng.integers(0, 256, n * size, dtype=np.uint8).view(dtype)
+        data = _planes_of(words, width)
+        got = np.full(n, -1, dtype=dtype)  # every byte written: none of the -1 survives
+        assert can_join_planes(got, width)
+        section.read_words(_source(data), got, width, "gaps")
+        keep = np.zeros(size, dtype=np.uint8)
+        keep[:width] = 0xFF
+        want = words & keep.view(dtype)[0]  # the low ``width`` bytes, the rest zero
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), width
+        native.disable()
+        try:
+            assert not can_join_planes(got, width)
+            strided = np.full(n, -1, dtype=dtype)
+            section.read_words(_source(data), strided, width, "gaps")
+        finally:
+            native.enable()
+        assert np.array_equal(strided.view(np.uint8), got.view(np.uint8)), width
+
+
+def test_join_planes_refuses_planes_that_do_not_cover_the_words_and_writes_nothing() -> None:
+    out = np.zeros(10, dtype=np.int32)
+    lower, last = np.ones(10, dtype=np.uint8), np.ones(4, dtype=np.uint8)
+    join_planes(out, 2, lower, last, 6)  # words 6..9
+    assert out.tolist() == [0] * 6 + [0x0101] * 4
+    out[:] = 0
+    for args in [
+        (2, lower[:9], last, 0),  # the lower plane too short for 10 words
+        (2, None, last, 0),  # no lower plane for width 2
+        (2, lower, last, 7),  # past the end
+        (2, lower, last, -1),
+        (5, np.ones(40, dtype=np.uint8), last, 0),  # wider than the words
+        (2, lower, last.astype(np.int16), 0),  # not bytes
+        (2, out.view(np.uint8)[:40], last, 0),  # the plane overlaps the words
+    ]:
+        with pytest.raises(TensorInputError):
+            join_planes(out, *args)
+        assert not out.any()
+    assert not can_join_planes(np.zeros(10, dtype=np.float32), 2)
+    assert not can_join_planes(np.zeros((2, 5), dtype=np.int32), 2)
+    assert not can_join_planes(np.zeros(20, dtype=np.int32)[::2], 2)
+    lib = native.load()
+    assert lib is not None  # the kernel's own checks: -1, nothing written
+    p = out.ctypes.data
+    assert lib.ds_planes_join(p, 3, 10, 1, None, last.ctypes.data, 0, 4) == -1  # size 3
+    assert lib.ds_planes_join(p, 4, 10, 2, None, last.ctypes.data, 0, 4) == -1  # no lower
+    assert lib.ds_planes_join(p, 4, 10, 1, None, last.ctypes.data, 8, 4) == -1  # a + m > n
+    assert lib.ds_planes_join(p, 4, 10, 0, None, last.ctypes.data, 0, 4) == -1  # width 0
+    assert not out.any()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
-from deltasync.format.section import SectionReader, read_gaps_as_indices, read_planes_into, sum_gaps
+from deltasync.format.section import SectionReader, read_gaps_as_indices, read_words, sum_gaps
 from deltasync.format.updates import (
     BITS_DTYPES,
     CODE_DTYPES,
@@ -173,9 +173,7 @@ def _record(
 
 def _values(reader: SectionReader, n: int, dtype: np.dtype, name: str) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
-    read_planes_into(
-        reader.read_into, out.view(np.uint8).reshape(n, dtype.itemsize), f"tensor {name!r} values"
-    )
+    read_words(reader.read_into, out, dtype.itemsize, f"tensor {name!r} values")
     return out
 
 

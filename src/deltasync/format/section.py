@@ -22,9 +22,12 @@ repeats next to each other, where zstd finds them (measured on a 1% BF16 delta: 
 than interleaved bytes, 2.4x smaller than int32 indices + values). Planes are moved CHUNK
 elements at a time through one small reusable buffer, so neither side ever holds a second
 full-size copy of a tensor's bytes; the loops run over planes and chunks, never over elements.
+The one exception is the decoder's C path (:func:`read_words`): it holds the planes below the
+last one (``width - 1`` bytes a word: a quarter of an int32 index array of 2-byte gaps, half of
+a BF16 value array) while the last plane streams in, so that each word is written once.
 
-This module knows numpy arrays, bytes and zstd only: no records, no tensors, no error messages
-about tensors (callers validate and name the tensor).
+This module knows numpy arrays, bytes and zstd (and the C kernel that joins planes) only: no
+records, no tensors, no error messages about tensors (callers validate and name the tensor).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 import zstandard
 
 from deltasync.errors import FormatError, TruncatedBlobError
+from deltasync.native.ops import can_join_planes, join_planes
 
 MIN_LEVEL = 0  # 0 = store the record section raw (no zstd); flags bit 0 clear
 MAX_LEVEL = 22
@@ -347,16 +351,43 @@ def read_planes_into(source: Source, columns: np.ndarray, what: str) -> None:
             columns[a : a + m, k] = buf[:m]
 
 
+def read_words(source: Source, out: np.ndarray, width: int, what: str) -> None:
+    """Fill the contiguous 1-D integer array ``out`` from the next ``out.size * width``
+    section bytes: ``width`` byte planes, low byte first; the bytes from ``width`` up are zero.
+
+    In the C kernel (:func:`deltasync.native.ops.join_planes`) the planes below the last are
+    read whole (``width - 1`` bytes a word, held while the last is read) and the last one
+    chunk by chunk, each chunk's words written once and whole; else a zeroed array and one
+    strided pass per plane (:func:`read_planes_into`)."""
+    n = out.size
+    size = out.dtype.itemsize
+    assert 1 <= width <= size, (width, size)
+    if n == 0:
+        return
+    if not can_join_planes(out, width):
+        if width < size:
+            out.fill(0)  # the bytes above ``width`` must read as 0
+        read_planes_into(source, out.view(np.uint8).reshape(n, size)[:, :width], what)
+        return
+    lower = None
+    if width > 1:
+        lower = np.empty((width - 1) * n, dtype=np.uint8)
+        source(memoryview(lower), what)
+    buf = np.empty(min(n, CHUNK), dtype=np.uint8)
+    for a in range(0, n, CHUNK):
+        m = min(CHUNK, n - a)
+        source(memoryview(buf[:m]), what)
+        join_planes(out, width, lower, buf[:m], a)
+
+
 def read_gaps_as_indices(
     source: Source, first: int, n: int, width: int, what: str, dtype: type = np.int64
 ) -> np.ndarray:
     """``dtype`` (int64, or int32 when ``width`` <= 4) array: ``first``, then the n-1 gaps (NOT
     yet summed: the caller validates the gaps, then sums them in place with :func:`sum_gaps`)."""
-    out = np.zeros(n, dtype=dtype)  # zeroed: the bytes above ``width`` must read as 0
-    size = out.dtype.itemsize
-    assert width <= size, (width, size)
+    out = np.empty(n, dtype=dtype)
     out[0] = first
-    read_planes_into(source, out.view(np.uint8).reshape(n, size)[1:, :width], what)
+    read_words(source, out[1:], width, what)
     return out
 
 

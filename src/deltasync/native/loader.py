@@ -191,6 +191,8 @@ def _build() -> ctypes.CDLL:
         prefix_sum.restype = i64
     lib.ds_column_block.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p]
     lib.ds_column_block.restype = i64
+    lib.ds_planes_join.argtypes = [p, i64, i64, i64, p, p, i64, i64]
+    lib.ds_planes_join.restype = i64
     return lib
 
 

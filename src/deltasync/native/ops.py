@@ -12,9 +12,11 @@
   of a tensor as an update will leave it: the verify-before-write hash);
 * :func:`prefix_sum_`: running sums in place (a receiver's gap decode), ~3x numpy's cumsum;
 * :func:`column_block`: the indices of a row-major matrix inside a column range, re-addressed
-  for a narrower destination (routing a row-parallel weight's TP split).
+  for a narrower destination (routing a row-parallel weight's TP split);
+* :func:`join_planes`: 2-, 4- or 8-byte words from byte planes (a receiver's decode of a
+  record's gaps and values), each word written once.
 
-All seven run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All eight run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
 bit-identical on both paths; the tests compare them.
@@ -24,6 +26,9 @@ This module knows tensors and index lists; nothing about names, layouts or optim
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 
 from deltasync.errors import ConfigError, TensorInputError
@@ -313,3 +318,58 @@ def column_block(
         pos.data_ptr(),
     )
     return dst[:k], pos[:k]
+
+
+_WORD_DTYPES = {2: (torch.int16, torch.uint16), 4: (torch.int32, torch.uint32), 8: (torch.int64,)}
+
+
+def can_join_planes(out: np.ndarray, width: int) -> bool:
+    """Whether :func:`join_planes` can fill ``out`` from ``width`` planes: a writeable 1-D
+    contiguous numpy array of 2-, 4- or 8-byte integers on a little-endian host, ``1 <= width
+    <=`` its item size, and the kernel built. Asked before any plane is read: a caller that
+    gets False fills ``out`` another way (a strided pass per plane)."""
+    if not (out.ndim == 1 and out.flags.c_contiguous and out.flags.writeable):
+        return False
+    if sys.byteorder != "little" or not 1 <= width <= out.dtype.itemsize:
+        return False
+    words = torch.from_numpy(out)
+    return words.dtype in _WORD_DTYPES.get(out.dtype.itemsize, ()) and native.usable(words)
+
+
+def join_planes(
+    out: np.ndarray, width: int, lower: np.ndarray | None, last: np.ndarray, start: int
+) -> None:
+    """``out[start : start + last.size]`` from byte planes, low byte first: byte ``k < width -
+    1`` of word ``i`` is ``lower[k * out.size + i]``, byte ``width - 1`` is ``last[i -
+    start]``, the bytes above are zero. ``out`` must pass :func:`can_join_planes`; ``lower``
+    (when ``width > 1``) and ``last`` are contiguous 1-D uint8 arrays.
+
+    Raises:
+        TensorInputError: planes that do not cover the words asked for (nothing written).
+    """
+    n, m = out.size, last.size
+    need = (width - 1) * n
+    planes = [last] if lower is None else [lower, last]
+    ok = (
+        can_join_planes(out, width)
+        and all(p.dtype == np.uint8 and p.ndim == 1 and p.flags.c_contiguous for p in planes)
+        and (width == 1 or (lower is not None and lower.size >= need))
+        and 0 <= start <= n - m
+    )
+    words = torch.from_numpy(out)
+    if ok:
+        ok = not any(native.overlaps(words, torch.from_numpy(p)) for p in planes if p.size)
+    if not ok:
+        raise TensorInputError(
+            f"join_planes: {width} planes of {m} bytes at word {start} do not fit a "
+            f"{out.dtype} array of {n} words (lower plane bytes: "
+            f"{None if lower is None else lower.size}, need {need}); nothing was written"
+        )
+    lib = native.load()
+    assert lib is not None
+    low = None if lower is None or not lower.size else lower.ctypes.data
+    rc = lib.ds_planes_join(
+        out.ctypes.data, out.dtype.itemsize, n, width, low, last.ctypes.data, start, m
+    )
+    if rc != m:
+        raise TensorInputError(f"join_planes: the kernel refused its arguments ({rc})")

@@ -411,3 +411,41 @@ int64_t ds_column_block(const int64_t *idx, int64_t n, int64_t src_cols, int64_t
     }
     return k;
 }
+
+/* ds_planes_join: words [a, a + m) of out, each `size` bytes (2, 4 or 8, little-endian), from
+ * byte planes: byte k < w - 1 of word i is lower[k * n + i], byte w - 1 is last[i - a], and
+ * the bytes from w up are zero. A record's gaps and values are stored as planes, low byte
+ * first (format/section.py); this writes each word once and whole, instead of one strided
+ * pass per plane over a zeroed array. Returns m, or -1 (nothing written) unless
+ * 0 <= a <= a + m <= n, 1 <= w <= size and the pointers the write reads are given. One loop
+ * per (size, w), so the compiler widens each into vector code. */
+#define DS_JOIN(T, W)                                                                          \
+    for (int64_t i = 0; i < m; i++) {                                                          \
+        T v = (T)((T)last[i] << (8 * ((W) - 1)));                                              \
+        for (int k = 0; k + 1 < (W); k++) v |= (T)((T)lower[k * n + a + i] << (8 * k));        \
+        memcpy(out + (a + i) * (int64_t)sizeof(T), &v, sizeof(T));                              \
+    }                                                                                          \
+    return m;
+
+int64_t ds_planes_join(uint8_t *out, int64_t size, int64_t n, int64_t w, const uint8_t *lower,
+                       const uint8_t *last, int64_t a, int64_t m) {
+    if ((size != 2 && size != 4 && size != 8) || w < 1 || w > size || a < 0 || m < 0 ||
+        a > n - m || (m && (!out || !last)) || (m && w > 1 && !lower))
+        return -1;
+    switch (size * 16 + w) {
+    case 2 * 16 + 1: DS_JOIN(uint16_t, 1)
+    case 2 * 16 + 2: DS_JOIN(uint16_t, 2)
+    case 4 * 16 + 1: DS_JOIN(uint32_t, 1)
+    case 4 * 16 + 2: DS_JOIN(uint32_t, 2)
+    case 4 * 16 + 3: DS_JOIN(uint32_t, 3)
+    case 4 * 16 + 4: DS_JOIN(uint32_t, 4)
+    case 8 * 16 + 1: DS_JOIN(uint64_t, 1)
+    case 8 * 16 + 2: DS_JOIN(uint64_t, 2)
+    case 8 * 16 + 3: DS_JOIN(uint64_t, 3)
+    case 8 * 16 + 4: DS_JOIN(uint64_t, 4)
+    case 8 * 16 + 5: DS_JOIN(uint64_t, 5)
+    case 8 * 16 + 6: DS_JOIN(uint64_t, 6)
+    case 8 * 16 + 7: DS_JOIN(uint64_t, 7)
+    default: DS_JOIN(uint64_t, 8)
+    }
+}
