@@ -418,11 +418,12 @@ int64_t ds_column_block(const int64_t *idx, int64_t n, int64_t src_cols, int64_t
  * first (format/section.py); this writes each word once and whole, instead of one strided
  * pass per plane over a zeroed array. Returns m, or -1 (nothing written) unless
  * 0 <= a <= a + m <= n, 1 <= w <= size and the pointers the write reads are given. One loop
- * per (size, w), so the compiler widens each into vector code. */
+ * per width of 2- and 4-byte words (the compiler widens each into vector code); 8-byte words
+ * (indices of tensors above 2^31 elements) take the loop with w read at run time. */
 #define DS_JOIN(T, W)                                                                          \
     for (int64_t i = 0; i < m; i++) {                                                          \
         T v = (T)((T)last[i] << (8 * ((W) - 1)));                                              \
-        for (int k = 0; k + 1 < (W); k++) v |= (T)((T)lower[k * n + a + i] << (8 * k));        \
+        for (int64_t k = 0; k + 1 < (W); k++) v |= (T)((T)lower[k * n + a + i] << (8 * k));    \
         memcpy(out + (a + i) * (int64_t)sizeof(T), &v, sizeof(T));                              \
     }                                                                                          \
     return m;
@@ -439,13 +440,7 @@ int64_t ds_planes_join(uint8_t *out, int64_t size, int64_t n, int64_t w, const u
     case 4 * 16 + 2: DS_JOIN(uint32_t, 2)
     case 4 * 16 + 3: DS_JOIN(uint32_t, 3)
     case 4 * 16 + 4: DS_JOIN(uint32_t, 4)
-    case 8 * 16 + 1: DS_JOIN(uint64_t, 1)
-    case 8 * 16 + 2: DS_JOIN(uint64_t, 2)
-    case 8 * 16 + 3: DS_JOIN(uint64_t, 3)
-    case 8 * 16 + 4: DS_JOIN(uint64_t, 4)
-    case 8 * 16 + 5: DS_JOIN(uint64_t, 5)
-    case 8 * 16 + 6: DS_JOIN(uint64_t, 6)
-    case 8 * 16 + 7: DS_JOIN(uint64_t, 7)
-    default: DS_JOIN(uint64_t, 8)
+    default: DS_JOIN(uint64_t, w)
     }
 }
+
