@@ -18,10 +18,12 @@
 
 All eight run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
-declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs). Results are
-bit-identical on both paths; the tests compare them.
+declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs); the decoder asks
+:func:`can_join_planes` before it reads a record and joins the planes with numpy where the
+kernel cannot. Results are bit-identical on both paths; the tests compare them.
 
-This module knows tensors and index lists; nothing about names, layouts or optimizers.
+This module knows tensors, index lists and byte planes; nothing about names, layouts or
+optimizers.
 """
 
 from __future__ import annotations

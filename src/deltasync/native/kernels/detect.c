@@ -12,7 +12,7 @@
  * ds_adamw_detect_list_many: either over several whole parameters in one call.
  * ds_bits_count / ds_bits_to_indices: expand a little-endian bitset into sorted int64 indices.
  * The file also holds the other hot loops on index lists (gathers, casts, the gap code, the
- * receivers' 2-byte scatter); each says what it checks.
+ * receivers' 2-byte scatter, the decoder's plane join); each says what it checks.
  */
 #include <stdint.h>
 #include <string.h>
@@ -443,4 +443,3 @@ int64_t ds_planes_join(uint8_t *out, int64_t size, int64_t n, int64_t w, const u
     default: DS_JOIN(uint64_t, w)
     }
 }
-
