@@ -297,9 +297,11 @@ def test_a_column_block_takes_indices_in_any_order_and_declines_what_it_cannot_t
 
 
 def _planes_of(words: np.ndarray, width: int) -> bytes:
-    """``words``' low ``width`` bytes as planes, low byte first (the format's layout)."""
-    b = words.view(np.uint8).reshape(words.size, words.dtype.itemsize)
-    return b"".join(b[:, k].tobytes() for k in range(width))
+    """``words``' low ``width`` byte planes as the format's encoder writes them (its planes
+    come low byte first, ``words.size`` bytes each: the first ``width`` of them)."""
+    parts: list[bytes] = []
+    section.write_value_planes(lambda view: parts.append(bytes(view)), words)
+    return b"".join(parts)[: width * words.size]
 
 
 def _source(data: bytes):
