@@ -4,8 +4,10 @@
 #   2. bench/gpu_detect_bench.py: AdamWTracker detection throughput on CUDA (the torch
 #      implementation of detect.py) over GPU_TIER_ELEMS fp32 elements (default 1e9, 8 params),
 #      after one AdamW step at lr 3e-6, checked against the BF16 ground truth (missed must be 0).
-# Wheels for packages that machine lacks (zstandard) travel in .whl/ and are installed into
-# /tmp/site. The whole log goes to $OUT/gpu_tier.log (or /tmp/gpu_tier/gpu_tier.log).
+# Wheels for packages that machine lacks (zstandard) or holds at another version travel in
+# .whl/ and are installed into /tmp/site: fetch them first where PyPI is reachable
+# (`bash scripts/gpu_wheels.sh`) and carry `.whl` in the device run. The whole log goes to
+# $OUT/gpu_tier.log (or /tmp/gpu_tier/gpu_tier.log).
 #   3. bench/gpu_sync_bench.py: a CUDA trainer's streamed store-path sync to CPU receivers
 #      (GPU_TIER_SYNC_MODEL, default qwen3-0.6b), bit-exact per version.
 # Environment: PYTHON (default python3), GPU_TIER_ELEMS, GPU_TIER_DEVICE (default cuda; cpu
