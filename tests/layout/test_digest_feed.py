@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, digest_feed
 from deltasync.layout.digest import combine_entries, state_digests, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
 from tests.layout.test_layout_digests import CONFIGS
@@ -65,8 +65,6 @@ def test_fed_entries_equal_the_digest_pass(name, engine, tp, ep, chunk):
 def test_column_blocks_hashed_through_a_small_row_buffer_give_the_same_entries(monkeypatch, buffer):
     # a buffer of a few rows (several pieces a block) and one narrower than a row (each row
     # copied on its own): the entries are the digest pass's either way
-    from deltasync.layout import digest_feed
-
     monkeypatch.setattr(digest_feed, "_ROW_BUFFER_ELEMENTS", buffer)
     tl, rl, params = _setup("qwen3_odd_vocab_kv_lt_tp", "vllm", 2, 1)
     feed = DigestFeed(tl, rl)
