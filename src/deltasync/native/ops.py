@@ -322,7 +322,18 @@ def column_block(
     return dst[:k], pos[:k]
 
 
-_WORD_DTYPES = {2: (torch.int16, torch.uint16), 4: (torch.int32, torch.uint32), 8: (torch.int64,)}
+# The word types join_planes writes, by item size (int64 only among 8-byte words: indices).
+_WORD_DTYPES = {
+    2: (np.dtype(np.int16), np.dtype(np.uint16)),
+    4: (np.dtype(np.int32), np.dtype(np.uint32)),
+    8: (np.dtype(np.int64),),
+}
+
+
+def _flat_array(a: np.ndarray) -> bool:
+    """Whether the kernel can read ``a`` through its address: 1-D, contiguous, aligned. The
+    numpy flags say it (a numpy array lies inside its buffer), with no tensor made for it."""
+    return a.ndim == 1 and a.flags.c_contiguous and a.flags.aligned
 
 
 def can_join_planes(out: np.ndarray, width: int) -> bool:
@@ -330,12 +341,12 @@ def can_join_planes(out: np.ndarray, width: int) -> bool:
     contiguous numpy array of 2-, 4- or 8-byte integers on a little-endian host, ``1 <= width
     <=`` its item size, and the kernel built. Asked before any plane is read: a caller that
     gets False fills ``out`` another way (a strided pass per plane)."""
-    if not (out.ndim == 1 and out.flags.c_contiguous and out.flags.writeable):
+    if not (_flat_array(out) and out.flags.writeable) or sys.byteorder != "little":
         return False
-    if sys.byteorder != "little" or not 1 <= width <= out.dtype.itemsize:
-        return False
-    words = torch.from_numpy(out)
-    return words.dtype in _WORD_DTYPES.get(out.dtype.itemsize, ()) and native.usable(words)
+    size = out.dtype.itemsize
+    return (
+        1 <= width <= size and out.dtype in _WORD_DTYPES.get(size, ()) and native.load() is not None
+    )
 
 
 def join_planes(
@@ -354,13 +365,12 @@ def join_planes(
     planes = [last] if lower is None else [lower, last]
     ok = (
         can_join_planes(out, width)
-        and all(p.dtype == np.uint8 and p.ndim == 1 and p.flags.c_contiguous for p in planes)
+        and all(p.dtype == np.uint8 and _flat_array(p) for p in planes)
         and (width == 1 or (lower is not None and lower.size >= need))
         and 0 <= start <= n - m
+        # by extent, as native.overlaps: a plane sharing out's memory would be overwritten
+        and not any(p.size and np.may_share_memory(out, p) for p in planes)
     )
-    words = torch.from_numpy(out)
-    if ok:
-        ok = not any(native.overlaps(words, torch.from_numpy(p)) for p in planes if p.size)
     if not ok:
         raise TensorInputError(
             f"join_planes: {width} planes of {m} bytes at word {start} do not fit a "
