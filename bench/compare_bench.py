@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from dataclasses import asdict
 
 from deltasync_bench.common import emit_json
 from deltasync_bench.compare.floor import floor_of, measure_memory_gbps
 from deltasync_bench.compare.report import plot, table
-from deltasync_bench.compare.run import PathSpec, RunConfig, medians, run_system
+from deltasync_bench.compare.run import PathSpec, RunConfig, SystemRun, medians, run_system
 from deltasync_bench.compare.workload import MODELS, Workload
 
 PRESETS = {
@@ -51,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, action="append", help="override the preset's learning rates")
     p.add_argument("--link-gbps", type=float, action="append", help="emulated per-node link rates")
     p.add_argument("--steps", type=int, help="measured versions per path")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems this many times, alternating their order, and pool the versions "
+        "(on a shared machine a slow minute then lands on every system; default 1)",
+    )
     p.add_argument(
         "--warmup", type=int, help="untimed delta versions after the bootstrap (default: 1)"
     )
@@ -107,9 +115,39 @@ def _floor(res: dict[str, dict], model_bytes: int, gbps: float | None, memory_gb
     )
 
 
+def _round_latencies(by_round: list[dict[str, SystemRun]], path: str) -> dict[str, list]:
+    """Each system's median latency on ``path`` in each round (None: no version measured)."""
+    out: dict[str, list] = {}
+    for got in by_round:
+        for s, one in got.items():
+            recs = [r.total_s for r in one.records if r.path == path]
+            out.setdefault(s, []).append(statistics.median(recs) if recs else None)
+    return out
+
+
+def _rounds_line(path: str, per_round: dict[str, list]) -> str:
+    """One line per path: deltasync's latency ratio against each other system, round by round
+    (the spread says how much of a pooled ratio is the machine)."""
+    mine = per_round.get("deltasync")
+    if mine is None:
+        return f"  {path}: no deltasync rows"
+    parts = []
+    for s, theirs in per_round.items():
+        if s == "deltasync":
+            continue
+        ratios = [
+            f"{t / d:.2f}" if t is not None and d else "-"
+            for t, d in zip(theirs, mine, strict=True)
+        ]
+        parts.append(f"vs {s} {' '.join(ratios)}")
+    return f"  {path}, deltasync per round: {'; '.join(parts)}"
+
+
 def main(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise SystemExit(f"--threads must be at least 1, got {args.threads}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     pre = dict(PRESETS[args.preset])
     models = args.model or pre["models"]
     links = args.link_gbps or pre["links"]
@@ -144,16 +182,26 @@ def main(args: argparse.Namespace) -> int:
                 threads=args.threads,
             )
             print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
-            sys_runs = {}
-            for s in systems:
-                from deltasync.layout import ModelSpec, ReceiverLayout
+            from deltasync.layout import ModelSpec, ReceiverLayout
 
-                n_rx = len(
-                    ReceiverLayout.build(
-                        ModelSpec.from_hf_config(wl.hf_config()), engine="vllm", tp=args.tp
-                    ).shards()
-                )
-                sys_runs[s] = run_system(cfg, s, n_rx)
+            n_rx = len(
+                ReceiverLayout.build(
+                    ModelSpec.from_hf_config(wl.hf_config()), engine="vllm", tp=args.tp
+                ).shards()
+            )
+            sys_runs = {s: SystemRun(system=s) for s in systems}
+            by_round: list[dict[str, SystemRun]] = []
+            for r in range(args.rounds):
+                order = systems if r % 2 == 0 else systems[::-1]
+                if args.rounds > 1:
+                    print(f"-- round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+                got = {s: run_system(cfg, s, n_rx) for s in order}
+                by_round.append(got)
+                for s, one in got.items():
+                    pooled = sys_runs[s]
+                    pooled.model_bf16_bytes = one.model_bf16_bytes
+                    pooled.records += one.records
+                    pooled.exact &= one.exact
             model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
             changed = [
                 r.changed_elements
@@ -180,6 +228,9 @@ def main(args: argparse.Namespace) -> int:
                     m["latency_over_floor"] = m["total_s"] / fl.total_s if fl.total_s else None
                 by_path[path.label] = res
                 table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes, fl.total_s)
+                per_round = _round_latencies(by_round, path.label)
+                if args.rounds > 1:
+                    print(_rounds_line(path.label, per_round), flush=True)
                 runs.append(
                     {
                         "model": model,
@@ -189,6 +240,7 @@ def main(args: argparse.Namespace) -> int:
                         "model_bf16_bytes": model_bytes,
                         "floor": fl.to_json(),
                         "results": res,
+                        "round_latency_s": per_round,
                     }
                 )
                 if headline is None and lr == 3e-6 and path.gbps == links[0]:

@@ -40,6 +40,8 @@ def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) 
             "1",
             "--systems",
             "snapshot,deltasync",
+            "--rounds",
+            "2",
             "--out",
             str(tmp_path),
         ],
@@ -66,6 +68,12 @@ def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) 
         assert timeline["rx_cpu_s"] > 0 and timeline["visible_s"] <= res["total_s"]
     assert {"stage_s", "verify_s"} <= set(out["results"]["deltasync"]["timeline"])
     assert {r["path"] for r in out["runs"]} >= {"store (unthrottled)", "store @ 1 Gbit/s"}
+    for run in out["runs"]:  # two rounds: each system's median latency in each, pooled above
+        rounds = run["round_latency_s"]
+        assert set(rounds) == {"snapshot", "deltasync"}, run["path"]
+        assert all(len(v) == 2 and all(x > 0 for x in v) for v in rounds.values()), rounds
+        pooled = run["results"]["deltasync"]["total_s"]
+        assert min(rounds["deltasync"]) <= pooled <= max(rounds["deltasync"]), run["path"]
     assert list(tmp_path.glob("*.png")), "the plot was not written"
 
 
