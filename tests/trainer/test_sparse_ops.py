@@ -178,6 +178,13 @@ def test_scatter16_declines_what_the_kernel_cannot_take() -> None:
     assert not scatter16(torch.zeros(4), idx, torch.ones(2))  # fp32: torch writes it
     strided = torch.zeros(4, 2, dtype=torch.bfloat16)[:, 0]
     assert not scatter16(strided, idx, torch.ones(2, dtype=torch.bfloat16))
+    # one storage: values inside the target's span are declined (torch writes them); values
+    # right after it are taken, and written
+    buf = torch.zeros(8, dtype=torch.bfloat16)
+    assert not scatter16(buf[:4], idx, buf[3:5])
+    buf[4:6] = torch.tensor([1.5, -2.0])
+    assert scatter16(buf[:4], idx, buf[4:6])
+    assert buf[:4].tolist() == [1.5, 0.0, -2.0, 0.0]
     native.disable()
     try:
         assert not scatter16(torch.zeros(4, dtype=torch.bfloat16), idx, torch.ones(2).bfloat16())

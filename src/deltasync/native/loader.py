@@ -249,7 +249,10 @@ def load() -> ctypes.CDLL | None:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can take these tensors: every one kernel-ready (a plain, contiguous,
     aligned CPU tensor: see the checks below) and the library built here."""
-    return all(kernel_ready(t) for t in tensors) and load() is not None
+    for t in tensors:  # a loop, not all() over a generator: asked several times per tensor
+        if not kernel_ready(t):
+            return False
+    return load() is not None
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
