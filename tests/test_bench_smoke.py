@@ -7,6 +7,7 @@ verification (receiver state digests against the trainer's; the tracker against 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -63,10 +64,17 @@ def test_compare_bench_on_a_tiny_moe_is_exact_and_reports_every_field(tmp_path) 
             assert isinstance(res[key], (int, float)) and res[key] >= 0, key
         assert 0 < res["changed_fraction"] <= 1 and res["bytes"] > 0
         timeline = res["timeline"]  # where the latency went, and the CPU it cost
-        for key in ("sync_cpu_s", "rx_cpu_s", "fwd_bwd_cpu_s", "cpu_bound_s", "visible_s"):
+        for key in ("rx_cpu_s", "fwd_bwd_cpu_s", "visible_s"):
             assert isinstance(timeline[key], (int, float)) and timeline[key] >= 0, key
+        # a paired difference (the trainer's CPU in the window less its forward/backward's
+        # alone): a sync cheaper than that forward/backward's variation can read below zero
+        for key in ("sync_cpu_s", "cpu_bound_s"):
+            assert isinstance(timeline[key], (int, float)) and math.isfinite(timeline[key]), key
         assert timeline["rx_cpu_s"] > 0 and timeline["visible_s"] <= res["total_s"]
-    assert {"stage_s", "verify_s"} <= set(out["results"]["deltasync"]["timeline"])
+    mine = out["results"]["deltasync"]["timeline"]
+    assert {"stage_s", "verify_s"} <= set(mine)
+    # deltasync's sync routes, encodes and uploads ~40% of the model here: well above the noise
+    assert mine["sync_cpu_s"] > 0 and mine["cpu_bound_s"] > 0
     assert {r["path"] for r in out["runs"]} >= {"store (unthrottled)", "store @ 1 Gbit/s"}
     for run in out["runs"]:  # two rounds: each system's median latency in each, pooled above
         rounds = run["round_latency_s"]
