@@ -182,16 +182,7 @@ def _two_byte_writable(
         or not native.usable(target, indices, values, *others)
     ):
         return False
-    if not target.numel():
-        return True
-    # every one is contiguous now: its span is numel * element_size bytes from data_ptr()
-    lo = target.data_ptr()
-    hi = lo + target.numel() * target.element_size()
-    for t in (indices, values, *others):
-        n = t.numel()
-        if n and (p := t.data_ptr()) < hi and lo < p + n * t.element_size():
-            return False
-    return True
+    return not any(native.overlaps(target, t) for t in (indices, values, *others))
 
 
 def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:
