@@ -13,8 +13,11 @@ from deltasync.format import (
     TensorUpdate,
     decode_blob,
     encode_blob,
+    reader,
 )
 from deltasync.format.wire import HEADER, RECORD, SEGMENT
+from deltasync.native import loader as native
+from deltasync.native.ops import decode_sparse as one_pass
 
 from format_testkit import same_update
 
@@ -175,6 +178,39 @@ def test_decoded_tensors_are_writable_and_do_not_alias_each_other():
     got = decode_blob(encode_blob([u], **HEAD)).updates[0]
     got.values.add_(1)  # would warn or fail on a read-only buffer
     got.indices.add_(1)
+
+
+def test_the_one_pass_decode_and_the_checked_path_give_the_same_updates(monkeypatch):
+    # BF16/FP16 sparse records of a section held whole decode in one C pass; with the kernels
+    # off the reader takes its checked numpy path. Every gap width, both levels, both paths.
+    taken = []
+
+    def counted(*args):
+        got = one_pass(*args)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(reader, "decode_sparse", counted)
+    updates = [
+        sparse("w1", (300,), [0, 5, 6, 299]),
+        sparse("w2", (70_000,), [3, 9_000, 69_999], dtype=torch.float16),
+        sparse("w3", (1 << 20,), [1, 1 << 17, (1 << 20) - 1]),
+        sparse("w4", (1 << 33,), [2, 1 << 32]),
+        sparse("one", (8,), [7]),
+    ]
+    for level in (0, 1):
+        blob = encode_blob(updates, **HEAD, level=level)
+        taken.clear()
+        fast = decode_blob(blob).updates
+        assert taken == [True] * len(updates)  # the one pass took every record
+        native.disable()
+        try:
+            checked = decode_blob(blob).updates
+        finally:
+            native.enable()
+        for got, want, u in zip(fast, checked, updates, strict=True):
+            assert same_update(got, want) and same_update(got, u), u.name
+            assert got.indices.dtype == want.indices.dtype
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,5 +1,5 @@
 """The C kernels behind bf16_at / first_not_increasing / scatter16 / prefix_sum_ /
-join_planes against torch and numpy, bit for bit."""
+join_planes / decode_sparse against torch and numpy, bit for bit."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from deltasync.native.ops import (
     bf16_at,
     can_join_planes,
     column_block,
+    decode_sparse,
     first_not_increasing,
     join_planes,
     patch16,
@@ -377,3 +378,76 @@ def test_join_planes_refuses_planes_that_do_not_cover_the_words_and_writes_nothi
     assert lib.ds_planes_join(p, 4, 10, 1, None, last.ctypes.data, 8, 4) == -1  # a + m > n
     assert lib.ds_planes_join(p, 4, 10, 0, None, last.ctypes.data, 0, 4) == -1  # width 0
     assert not out.any()
+
+
+def _sparse_payload(indices: np.ndarray, values: np.ndarray, width: int) -> np.ndarray:
+    """A sparse record's payload as the encoder writes it: the gaps' planes, the values'."""
+    out = bytearray()
+    section.write_gap_planes(out.extend, indices.astype(np.int64), width)
+    section.write_value_planes(out.extend, values)
+    return np.frombuffer(bytes(out), dtype=np.uint8)
+
+
+def _checked_decode(payload, n, first, width, numel, dtype):
+    """The checked numpy path of the reader: gaps read as words, validated, summed."""
+    source = _source(payload.tobytes())
+    got = section.read_gaps_as_indices(source, first, n, width, "gaps", dtype)
+    assert got[1:].min(initial=1) >= 1
+    section.sum_gaps(got)
+    values = np.empty(n, dtype=np.int16)
+    section.read_words(source, values, 2, "values")
+    return got, values
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("n", [1, 2, 9, section.CHUNK + 5])
+def test_a_sparse_record_decodes_in_one_pass_exactly_as_the_checked_path(index_dtype, n) -> None:
+    rng = np.random.default_rng(n)
+    for width in (1, 2, 3, 4, 8) if index_dtype == np.int64 else (1, 2, 3, 4):
+        room = 2**31 - 2000 if index_dtype == np.int32 else 2**61  # numel's bound for the words
+        top = min(1 << (8 * width), room // n) - 1  # gaps that use every plane
+        gaps = rng.integers(1, top + 1, max(n - 1, 0))
+        first = int(rng.integers(0, 1000))
+        indices = first + np.concatenate([[0], np.cumsum(gaps)]).astype(np.int64)
+        numel = int(indices[-1]) + 1 + int(rng.integers(0, 3))
+        values = rng.integers(-(2**15), 2**15, n, dtype=np.int16)
+        payload = _sparse_payload(indices, values, width)
+        got = decode_sparse(payload, n, first, width, numel, index_dtype)
+        assert got is not None, width
+        want = _checked_decode(payload, n, first, width, numel, index_dtype)
+        assert got[0].dtype == np.dtype(index_dtype) and got[1].dtype == np.int16
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[0], indices), width
+        assert np.array_equal(got[1].view(np.uint16), values.view(np.uint16)), width
+
+
+def test_a_sparse_record_that_breaks_a_rule_is_declined_for_the_checked_path() -> None:
+    indices = np.array([3, 5, 6, 40], dtype=np.int64)
+    values = np.arange(4, dtype=np.int16)
+    good = _sparse_payload(indices, values, 1)
+    assert decode_sparse(good, 4, 3, 1, 41, np.int32) is not None
+    for args in [
+        (good, 4, 3, 1, 40, np.int32),  # the last index is numel
+        (good, 4, 3, 1, 3, np.int64),  # first outside the tensor
+        (good, 4, -1, 1, 41, np.int64),  # a negative first
+        (good, 3, 3, 1, 41, np.int64),  # the payload is not that of 3 elements
+        (good[:-1], 4, 3, 1, 41, np.int64),  # nor of 4
+        (good, 4, 3, 1, 2**31 + 1, np.int32),  # int32 words for a tensor above 2^31
+        (good, 4, 3, 1, 41, np.int16),  # not an index dtype
+        (good, 0, 3, 1, 41, np.int64),  # no element
+        (good.astype(np.int16), 4, 3, 1, 41, np.int64),  # not bytes
+        (_sparse_payload(np.array([3, 5, 5, 40]), values, 1), 4, 3, 1, 41, np.int64),  # gap 0
+    ]:
+        assert decode_sparse(*args) is None, args[1:]
+    # a gap of 2^64 - 1 must not wrap the running sum back into range
+    wrap = _sparse_payload(np.array([7, 6]), values[:2], 8)
+    assert decode_sparse(wrap, 2, 7, 8, 2**62, np.int64) is None
+    lib = native.load()
+    assert lib is not None  # the kernel's own argument checks: -1, nothing written
+    out = np.zeros(4, dtype=np.int64)
+    vals = np.zeros(4, dtype=np.int16)
+    p, o, v = good.ctypes.data, out.ctypes.data, vals.ctypes.data
+    assert lib.ds_decode_sparse(p, 4, 9, 3, 41, o, 8, v) == -1  # width 9
+    assert lib.ds_decode_sparse(p, 4, 1, 3, 41, o, 2, v) == -1  # 2-byte indices
+    assert lib.ds_decode_sparse(p, 4, 1, 3, 2**62 + 1, o, 8, v) == -1  # numel above 2^62
+    assert lib.ds_decode_sparse(None, 4, 1, 3, 41, o, 8, v) == -1
+    assert not out.any() and not vals.any()

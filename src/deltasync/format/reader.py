@@ -3,8 +3,11 @@
 Every declared length is compared with the bytes that remain BEFORE anything of that length is
 read or allocated; the shape's element count is bounded by MAX_NUMEL; indices are proven
 strictly increasing and in range without trusting int64 arithmetic (see ``_check_and_sum``).
-Payload planes are read straight into the output arrays, chunk by chunk. When the
-receiver's layout (``expected``) is given, names, shapes and dtypes must match it.
+Payload planes are read straight into the output arrays, chunk by chunk. A BF16/FP16 sparse
+record of a section held whole is decoded in one C pass instead (``decode_sparse``: a small
+blob in ~40% less CPU), which applies the same rules and declines a record that breaks one:
+the checked path then reads it again and names the fault. When the receiver's layout
+(``expected``) is given, names, shapes and dtypes must match it.
 
 This module knows the record layout and TensorUpdate; the blob header and digest live in
 decode.py, zstd in section.py.
@@ -36,7 +39,7 @@ from deltasync.format.wire import (
     RECORD,
     shape_struct,
 )
-from deltasync.native.ops import prefix_sum_
+from deltasync.native.ops import decode_sparse, prefix_sum_
 
 _MALFORMED = (
     "the blob is malformed although its digest matched, so its writer produced it this way: "
@@ -154,18 +157,21 @@ def _record(
             f"{what}: first index {first} is out of range for {numel} elements; {_MALFORMED}"
         )
     # Both payload lengths are checked before either array is allocated.
-    reader.check((nnz - 1) * width + nnz * itemsize, f"tensor {name!r} gaps and values")
+    size = (nnz - 1) * width + nnz * itemsize
+    reader.check(size, f"tensor {name!r} gaps and values")
     if headers_only:
-        reader.skip((nnz - 1) * width + nnz * itemsize, f"tensor {name!r} gaps and values")
+        reader.skip(size, f"tensor {name!r} gaps and values")
         return name, nnz
     small = narrow and numel <= INT32_NUMEL and width <= 4
+    # BF16/FP16 from a section held whole: one C pass; what it declines takes the checked path
+    payload = reader.held(size) if itemsize == 2 else None
+    words = np.int32 if small else np.int64
+    decoded = None if payload is None else decode_sparse(payload, nnz, first, width, numel, words)
+    if decoded is not None:
+        reader.skip(size, f"tensor {name!r} gaps and values")
+        return _update(name, shape, dtype, *decoded)
     indices = read_gaps_as_indices(
-        reader.read_into,
-        first,
-        nnz,
-        width,
-        f"tensor {name!r} gaps",
-        np.int32 if small else np.int64,
+        reader.read_into, first, nnz, width, f"tensor {name!r} gaps", words
     )
     _check_and_sum(indices, width, numel, what)
     return _update(name, shape, dtype, indices, _values(reader, nnz, value_dtype, name))

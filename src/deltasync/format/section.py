@@ -234,6 +234,14 @@ class SectionReader:
             self.read_into(scratch[:step], what)
             n -= step
 
+    def held(self, n: int) -> np.ndarray | None:
+        """The next ``n`` bytes as a read-only uint8 view, without moving past them, when the
+        section is held whole (decompressed in one call, or raw); None for a streamed one.
+        The caller has checked that ``n`` bytes remain."""
+        if self._zstd is not None:
+            return None
+        return np.frombuffer(self._raw, dtype=np.uint8, count=n, offset=self._pos)
+
     def read(self, n: int, what: str) -> bytes:
         buf = bytearray(n)
         self.read_into(memoryview(buf), what)

@@ -193,6 +193,8 @@ def _build() -> ctypes.CDLL:
     lib.ds_column_block.restype = i64
     lib.ds_planes_join.argtypes = [p, i64, i64, i64, p, p, i64, i64]
     lib.ds_planes_join.restype = i64
+    lib.ds_decode_sparse.argtypes = [p, i64, i64, i64, i64, p, i64, p]
+    lib.ds_decode_sparse.restype = i64
     return lib
 
 

@@ -14,9 +14,12 @@
 * :func:`column_block`: the indices of a row-major matrix inside a column range, re-addressed
   for a narrower destination (routing a row-parallel weight's TP split);
 * :func:`join_planes`: 2-, 4- or 8-byte words from byte planes (a receiver's decode of a
-  record's gaps and values), each word written once.
+  record's gaps and values), each word written once;
+* :func:`decode_sparse`: a whole sparse BF16/FP16 record from its planes held in memory
+  (indices summed and range-checked, values joined) in one pass: a receiver's decode of the
+  small records most versions are made of.
 
-All eight run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All nine run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs); the decoder asks
 :func:`can_join_planes` before it reads a record and joins the planes with numpy where the
@@ -385,3 +388,50 @@ def join_planes(
     )
     if rc != m:
         raise TensorInputError(f"join_planes: the kernel refused its arguments ({rc})")
+
+
+def decode_sparse(
+    payload: np.ndarray, n: int, first: int, width: int, numel: int, index_dtype: type
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One sparse record's indices and 2-byte values from its payload bytes held in memory (the
+    gaps' ``width`` byte planes, then the values' two), summed, range-checked and joined in
+    one C pass: ``indices[0] = first``, each next one the previous plus its gap, every gap at
+    least 1 and every index below ``numel``.
+
+    ``payload`` must be a contiguous 1-D uint8 array of exactly ``(n - 1) * width + 2 * n``
+    bytes (``n >= 1``: the record's element count); ``index_dtype`` int32 (for ``numel <=
+    2^31``) or int64.
+
+    Returns:
+        ``(indices, values)`` as new numpy arrays (``index_dtype``, int16); None when the
+        kernel cannot take the arguments (no compiler, a big-endian host, sizes that do not
+        fit) or the payload breaks a rule. The caller then decodes the record on its checked
+        path, which names the fault.
+    """
+    words = np.dtype(index_dtype)
+    if (
+        n < 1
+        or not 1 <= width <= 8
+        or payload.dtype != np.uint8
+        or payload.size != (n - 1) * width + 2 * n
+        or not _flat_array(payload)
+        or sys.byteorder != "little"
+        or words not in (np.dtype(np.int32), np.dtype(np.int64))
+    ):
+        return None
+    lib = native.load()
+    if lib is None:
+        return None
+    indices = np.empty(n, dtype=words)
+    values = np.empty(n, dtype=np.int16)
+    rc = lib.ds_decode_sparse(
+        payload.ctypes.data,
+        n,
+        width,
+        first,
+        numel,
+        indices.ctypes.data,
+        words.itemsize,
+        values.ctypes.data,
+    )
+    return (indices, values) if rc == 0 else None

@@ -443,3 +443,51 @@ int64_t ds_planes_join(uint8_t *out, int64_t size, int64_t n, int64_t w, const u
     default: DS_JOIN(uint64_t, w)
     }
 }
+
+/* ds_decode_sparse: one sparse record of a record section held in memory, whole: its n >= 1
+ * indices and n 2-byte values from src, where the n - 1 gaps lie as w (1..8) byte planes of
+ * n - 1 bytes each, low byte first, and the values' two planes of n bytes follow them
+ * (format/section.py). idx[0] = first, idx[k] = idx[k - 1] + gap k, written as idx_size (4 or
+ * 8) byte integers; vals[k] = value k. Every gap must be at least 1 and every index below
+ * numel: a gap is compared with numel before it is added to a sum below numel <= 2^62, so no
+ * sum can wrap. Returns 0 with every word written; -1 (nothing written) for arguments outside
+ * those bounds (0 <= first < numel, 4-byte indices only for numel <= 2^31); -2 at the first
+ * gap or index that breaks a rule (the outputs then hold garbage: the caller's checked
+ * decoder reads the record again and names the fault). */
+#define DS_DECODE_SPARSE(T, W)                                                                 \
+    for (int64_t k = 1; k < n; k++) {                                                          \
+        uint64_t g = 0;                                                                        \
+        for (int64_t b = 0; b < (W); b++) g |= (uint64_t)gaps[b * (n - 1) + k - 1] << (8 * b);  \
+        if (g == 0 || g >= lim) return -2;                                                     \
+        s += g;                                                                                \
+        if (s >= lim) return -2;                                                               \
+        ((T *)idx)[k] = (T)s;                                                                  \
+    }                                                                                          \
+    break;
+
+int64_t ds_decode_sparse(const uint8_t *src, int64_t n, int64_t w, int64_t first, int64_t numel,
+                         void *idx, int64_t idx_size, uint16_t *vals) {
+    if (!src || !idx || !vals || n < 1 || w < 1 || w > 8 || first < 0 || numel <= first ||
+        numel > ((int64_t)1 << 62) || (idx_size != 4 && idx_size != 8) ||
+        (idx_size == 4 && numel > ((int64_t)1 << 31)))
+        return -1;
+    const uint8_t *gaps = src;
+    const uint8_t *lo = src + (n - 1) * w;
+    const uint8_t *hi = lo + n;
+    uint64_t s = (uint64_t)first, lim = (uint64_t)numel;
+    if (idx_size == 4) ((int32_t *)idx)[0] = (int32_t)first;
+    else ((int64_t *)idx)[0] = first;
+    switch (idx_size * 16 + w) {
+    case 4 * 16 + 1: DS_DECODE_SPARSE(int32_t, 1)
+    case 4 * 16 + 2: DS_DECODE_SPARSE(int32_t, 2)
+    case 4 * 16 + 3: DS_DECODE_SPARSE(int32_t, 3)
+    case 4 * 16 + 4: DS_DECODE_SPARSE(int32_t, 4)
+    case 8 * 16 + 1: DS_DECODE_SPARSE(int64_t, 1)
+    case 8 * 16 + 2: DS_DECODE_SPARSE(int64_t, 2)
+    default:
+        if (idx_size == 4) { DS_DECODE_SPARSE(int32_t, w) }
+        DS_DECODE_SPARSE(int64_t, w)
+    }
+    for (int64_t k = 0; k < n; k++) vals[k] = (uint16_t)(lo[k] | (uint16_t)hi[k] << 8);
+    return 0;
+}
