@@ -82,3 +82,33 @@ def test_an_anchor_with_sparse_and_dense_records_then_a_delta_predicts_the_diges
     ]
     _check(live, steps, chunk)
     assert not bool(live["untouched"].view(torch.int16).any())  # anchor: unlisted are zero
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 1000, 7])
+def test_a_one_version_delta_is_hashed_in_one_c_call_and_predicts_the_digest(chunk, monkeypatch):
+    # Tensors one sparse piece patches, and untouched ones, go to patched_digests16 in batches;
+    # with the kernels off every tensor takes the Python pass. Both predict the same digest.
+    import deltasync.layout.verify as verify
+    from deltasync.native import loader as native
+
+    hashed = []
+
+    def counted(items, scratch, chunk):
+        got = one_call(items, scratch, chunk)
+        hashed.extend(d is not None for d in got or [None] * len(items))
+        return got
+
+    one_call = verify.patched_digests16
+    monkeypatch.setattr(verify, "patched_digests16", counted)
+    gen = torch.Generator().manual_seed(11)
+    live = _live(gen)
+    steps = [(6, "delta", [_records(6, 5, [_sparse("a", gen, 0.2), _sparse("b", gen, 0.01)])])]
+    native.disable()
+    try:
+        python_pass = chain_state_digest(live, iter_chain(steps, SPECS), chunk=chunk)
+    finally:
+        native.enable()
+    hashed.clear()
+    _check(live, steps, chunk)
+    assert hashed == [True] * len(SPECS)  # a, b and the untouched tensor, all in C
+    assert python_pass == state_digest(live)

@@ -1,11 +1,12 @@
 """The C kernels behind bf16_at / first_not_increasing / scatter16 / prefix_sum_ /
-join_planes / decode_sparse against torch and numpy, bit for bit."""
+join_planes / decode_sparse / patched_digests16 against torch, numpy and xxhash, bit for bit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.format import section
@@ -19,6 +20,7 @@ from deltasync.native.ops import (
     first_not_increasing,
     join_planes,
     patch16,
+    patched_digests16,
     prefix_sum_,
     scatter16,
 )
@@ -451,3 +453,76 @@ def test_a_sparse_record_that_breaks_a_rule_is_declined_for_the_checked_path() -
     assert lib.ds_decode_sparse(p, 4, 1, 3, 2**62 + 1, o, 8, v) == -1  # numel above 2^62
     assert lib.ds_decode_sparse(None, 4, 1, 3, 41, o, 8, v) == -1
     assert not out.any() and not vals.any()
+
+
+def _patched(live: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> bytes:
+    want = live.clone()
+    want.view(-1)[idx.long()] = vals
+    return xxhash.xxh3_128(want.view(torch.int16).numpy().tobytes()).digest()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000, 1 << 20])
+def test_patched_digests_equal_xxhash_of_the_written_tensors_and_write_nothing(chunk) -> None:
+    g = torch.Generator().manual_seed(chunk)
+    items, want = [], []
+    for n, dtype, idx_dtype, k in [
+        (5000, torch.bfloat16, torch.int32, 300),
+        (3, torch.float16, torch.int64, 3),  # every element
+        (2048, torch.bfloat16, torch.int64, 1),
+        (0, torch.bfloat16, torch.int32, 0),  # empty
+        (999, torch.float16, torch.int32, 0),  # no position: hashed as it is
+    ]:
+        live = torch.randn(n, generator=g).to(dtype).reshape(-1, 1) if n else torch.empty(0, 1)
+        live = live.to(dtype)
+        idx = torch.sort(torch.randperm(n, generator=g)[:k]).values.to(idx_dtype)
+        vals = torch.randn(k, generator=g).to(dtype)
+        items.append((live, idx, vals))
+        want.append(_patched(live, idx, vals))
+    items.append((items[0][0], None, None))  # untouched
+    want.append(xxhash.xxh3_128(items[0][0].view(torch.int16).numpy().tobytes()).digest())
+    before = [item[0].clone() for item in items]
+    scratch = torch.empty(min(chunk, 5000), dtype=torch.int16)
+    assert patched_digests16(items, scratch, chunk) == want
+    for (live, _, _), old in zip(items, before, strict=True):
+        assert torch.equal(live.view(torch.int16), old.view(torch.int16))
+
+
+def test_patched_digests_decline_what_the_kernel_cannot_take() -> None:
+    live = torch.arange(100, dtype=torch.int16).view(torch.bfloat16)
+    idx = torch.tensor([3, 50], dtype=torch.int32)
+    vals = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    scratch = torch.empty(100, dtype=torch.int16)
+    good = _patched(live, idx, vals)
+    # an item the kernel cannot take is left to the caller; the others are hashed
+    for odd in [
+        (live.float(), None, None),  # not 2-byte
+        (live[::2], None, None),  # strided
+        (live, idx.to(torch.int16), vals),  # index dtype
+        (live, idx, vals.half()),  # values of another dtype
+        (live, idx, vals[:1]),  # a value short
+        (live, idx, None),
+    ]:
+        assert patched_digests16([odd, (live, idx, vals)], scratch, 100) == [None, good]
+    # a position out of order, negative, or outside the tensor: nothing for anyone
+    for bad in ([50, 3], [3, 3], [-1, 50], [3, 100]):
+        got = patched_digests16([(live, torch.tensor(bad, dtype=torch.int64), vals)], scratch, 7)
+        assert got is None, bad
+    assert patched_digests16([(live, idx, vals)], scratch[:6], 7) is None  # scratch too short
+    assert patched_digests16([(live, idx, vals)], scratch.float(), 7) is None
+    assert patched_digests16([(live, idx, vals)], scratch, 0) is None
+    native.disable()
+    try:
+        assert patched_digests16([(live, idx, vals)], scratch, 100) is None
+    finally:
+        native.enable()
+    lib = native.load()
+    assert lib is not None  # the kernel's own argument checks
+    zero = np.zeros(1, dtype=np.int64)
+    p = zero.ctypes.data
+    out = np.zeros(16, dtype=np.uint8)
+    assert lib.ds_patched_digests16(1, p, p, p, p, p, p, None, 7, p, out.ctypes.data) == -2
+    assert lib.ds_patched_digests16(1, p, p, p, p, p, p, p, 0, p, out.ctypes.data) == -2
+    assert (
+        lib.ds_patched_digests16(1, p, p, p, p, p, p, p, 7, zero.ctypes.data, out.ctypes.data) == -2
+    )
+    assert not out.any()

@@ -5,7 +5,11 @@ manifest's shard digest on the storage path, the envelope's on the in-cluster pa
 engine still serves, before the first live element is overwritten. It hashes each tensor as it
 would be after the update, chunk by chunk: a chunk no update touches is hashed in place, a
 chunk with updated elements is copied into one small scratch buffer, patched there and hashed.
-The extra memory is that buffer (2 MiB) and never a copy of the shard.
+The extra memory is that buffer (2 MiB) and never a copy of the shard. Tensors one sparse
+piece patches, and those no update touches, are hashed a batch at a time in one C call
+(:func:`~deltasync.native.ops.patched_digests16`, the xxhash library's own XXH3 through its
+C API) instead of a Python pass each; a batch holds at most ``BATCH_ELEMENTS`` changed
+elements besides the tensor being read.
 
 The digest is the one definition of :mod:`deltasync.layout.digest` (its ``combine_digests`` over
 per-tensor xxh3-128 digests of row-major bytes): xxh3 fed in pieces equals xxh3 of the whole,
@@ -30,9 +34,13 @@ import xxhash
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
-from deltasync.native.ops import patch16, scatter16
+from deltasync.native.ops import patch16, patched_digests16, scatter16
 
 CHUNK_ELEMENTS = 1 << 20  # 2 MiB of BF16 per scratch chunk
+# Changed elements a batch of tensors waiting for one C hash call may hold beyond the tensor
+# being read (192-320 KiB of decoded positions and values): a chain streamed from the store is
+# still held about one tensor's pieces at a time.
+BATCH_ELEMENTS = 1 << 15
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -188,6 +196,61 @@ def updated_state_digest(
     )
 
 
+def _one_sparse_piece(item: TensorPieces) -> TensorUpdate | None:
+    """The one sparse piece that patches ``item``'s live values (a one-version chain's usual
+    item), or None when the chain writes it otherwise (an anchor, a dense piece, several
+    versions)."""
+    if item.from_zero or item.start():
+        return None
+    touched = [p for p in item.pieces if p.nnz]
+    if len(touched) != 1 or touched[0].is_dense:
+        return None
+    return touched[0]
+
+
+class _Batch:
+    """Tensors waiting to be hashed by one :func:`patched_digests16` call (a shard's small
+    tensors in one C call instead of one Python pass each), flushed once they hold
+    ``max_nnz`` pieces' elements, so that a long chain is still held one tensor at a time."""
+
+    def __init__(self, digests: dict[str, bytes], scratch: Scratch, max_nnz: int) -> None:
+        self.digests, self.scratch, self.max_nnz = digests, scratch, max_nnz
+        self.items: list[tuple[str, torch.Tensor, TensorPieces | None, TensorUpdate | None]] = []
+        self.nnz = 0
+
+    def add(
+        self, name: str, live: torch.Tensor, item: TensorPieces | None, piece: TensorUpdate | None
+    ) -> None:
+        self.items.append((name, live, item, piece))
+        self.nnz += 0 if piece is None else piece.nnz
+        if self.nnz >= self.max_nnz:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.items:
+            return
+        patches = [
+            (live, None, None) if piece is None else (live, piece.indices, piece.values)
+            for _, live, _, piece in self.items
+        ]
+        chunk = self.scratch.chunk
+        widest = max((live.numel() for _, live, _, piece in self.items if piece), default=1)
+        buffer = self.scratch.take(min(chunk, widest), torch.int16)
+        got = patched_digests16(patches, buffer, chunk)
+        for k, (name, live, item, _) in enumerate(self.items):
+            digest = None if got is None else got[k]
+            # the Python pass takes what the kernel declined (e.g. a device tensor) and names
+            # any fault
+            self.digests[name] = digest if digest is not None else self._python(live, item)
+        self.items.clear()
+        self.nnz = 0
+
+    def _python(self, live: torch.Tensor, item: TensorPieces | None) -> bytes:
+        if item is None:
+            return tensor_digest(live)
+        return pieces_tensor_digest(live, item, chunk=self.scratch.chunk, scratch=self.scratch)
+
+
 def chain_state_digest(
     tensors: Mapping[str, torch.Tensor],
     chain: Iterable[TensorPieces],
@@ -197,6 +260,10 @@ def chain_state_digest(
     """The state digest ``tensors`` would have after ``apply_pieces`` of every item of
     ``chain`` (at most one per tensor; e.g. :func:`deltasync.format.merge.iter_chain`),
     consuming ``chain`` one tensor at a time.
+
+    Tensors a single sparse piece patches, and those the chain leaves as they are, are hashed
+    in batches by one C call (:func:`~deltasync.native.ops.patched_digests16`); the rest, and
+    all of them where the kernel cannot take them, tensor by tensor in Python.
 
     Args:
         tensors: the live tensors (read only).
@@ -208,19 +275,25 @@ def chain_state_digest(
     """
     digests: dict[str, bytes] = {}
     scratch = Scratch(chunk)
+    batch = _Batch(digests, scratch, max_nnz=BATCH_ELEMENTS)
     for item in chain:
         t = tensors[item.name]
         assert item.name not in digests, item.name  # iter_chain yields each tensor once
         if not item.pieces or (item.nnz == 0 and not item.from_zero):
-            digests[item.name] = tensor_digest(t)
+            batch.add(item.name, t, None, None)
         elif item.pieces[-1].is_dense:
             digests[item.name] = tensor_digest(item.pieces[-1].values)  # the whole new tensor
         else:
-            digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk, scratch=scratch)
-    entries = []
+            piece = _one_sparse_piece(item)
+            if piece is None:
+                digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk, scratch=scratch)
+            else:
+                batch.add(item.name, t, item, piece)
+    batched = {name for name, _, _, _ in batch.items}
     for name, t in tensors.items():
-        digest = digests.get(name)
-        if digest is None:
-            digest = tensor_digest(t)
-        entries.append((name, dtype_name(t), tuple(t.shape), digest))
+        if name not in digests and name not in batched:
+            batch.add(name, t, None, None)
+            batched.add(name)
+    batch.flush()
+    entries = [(name, dtype_name(t), tuple(t.shape), digests[name]) for name, t in tensors.items()]
     return combine_digests(entries)

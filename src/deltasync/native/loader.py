@@ -195,7 +195,42 @@ def _build() -> ctypes.CDLL:
     lib.ds_planes_join.restype = i64
     lib.ds_decode_sparse.argtypes = [p, i64, i64, i64, i64, p, i64, p]
     lib.ds_decode_sparse.restype = i64
+    lib.ds_patched_digests16.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p]
+    lib.ds_patched_digests16.restype = i64
     return lib
+
+
+# The xxhash library's streaming XXH3-128 functions, in the order ds_patched_digests16 takes
+# them. The xxhash package's extension module is that library compiled in, and exports its C
+# API; a kernel that hashes calls it there, so the digest is the library's own.
+_XXH3 = (
+    "XXH3_createState",
+    "XXH3_freeState",
+    "XXH3_128bits_reset",
+    "XXH3_128bits_update",
+    "XXH3_128bits_digest",
+)
+_xxh3: tuple[int, ...] | None = None
+_xxh3_tried = False
+
+
+def xxh3_functions() -> tuple[int, ...] | None:
+    """The addresses of the xxhash library's streaming XXH3-128 functions (see ``_XXH3``), or
+    None where its extension module does not export them (the callers then hash in Python).
+    The caller checks them against :mod:`xxhash`'s own digest before trusting them."""
+    global _xxh3, _xxh3_tried
+    with _lock:
+        if not _xxh3_tried:
+            _xxh3_tried = True
+            try:
+                import xxhash._xxhash as ext
+
+                lib = ctypes.CDLL(ext.__file__)
+                _xxh3 = tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in _XXH3)
+            except (ImportError, OSError, AttributeError) as exc:
+                log.info("xxhash's C API is not reachable (%s): verify hashes in Python", exc)
+                _xxh3 = None
+        return _xxh3
 
 
 def disable() -> None:

@@ -17,9 +17,11 @@
   record's gaps and values), each word written once;
 * :func:`decode_sparse`: a whole sparse BF16/FP16 record from its planes held in memory
   (indices summed and range-checked, values joined) in one pass: a receiver's decode of the
-  small records most versions are made of.
+  small records most versions are made of;
+* :func:`patched_digests16`: the xxh3-128 digests of many 2-byte tensors as sparse writes will
+  leave them, without writing them (a receiver's verify before write, a shard in one call).
 
-All nine run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
+All ten run a small C kernel when it is built (:mod:`deltasync.native.loader`, one pass, no
 temporaries) and fall back to torch otherwise (CUDA tensors, no compiler, or values the kernel
 declines: NaN and fp32 subnormals, whose BF16 cast torch itself performs); the decoder asks
 :func:`can_join_planes` before it reads a record and joins the planes with numpy where the
@@ -31,14 +33,19 @@ optimizers.
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
 from deltasync.native.loader import check_readable
+
+log = logging.getLogger(__name__)
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -435,3 +442,120 @@ def decode_sparse(
         values.ctypes.data,
     )
     return (indices, values) if rc == 0 else None
+
+
+Patch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # live, indices, values
+
+
+def can_patch_digest(
+    live: torch.Tensor, indices: torch.Tensor | None, values: torch.Tensor | None
+) -> bool:
+    """Whether :func:`patched_digests16` can take this tensor and its patch: ``live`` a
+    contiguous CPU tensor of a 2-byte dtype, ``indices`` 1-D int32/int64 and ``values`` of
+    ``live``'s dtype, one per index, both contiguous CPU tensors (or both None)."""
+    if live.dtype not in _TWO_BYTE or not native.kernel_ready(live):
+        return False
+    if indices is None:
+        return values is None
+    return (
+        values is not None
+        and indices.dtype in _INDEX
+        and indices.dim() == 1
+        and values.dtype == live.dtype
+        and values.numel() == indices.numel()
+        and native.kernel_ready(indices)
+        and native.kernel_ready(values)
+    )
+
+
+def patched_digests16(
+    items: Sequence[Patch], scratch: torch.Tensor, chunk: int
+) -> list[bytes | None] | None:
+    """For each ``(live, indices, values)``, the 16-byte ``xxhash.xxh3_128`` digest of the
+    row-major bytes of the 2-byte tensor ``live`` as ``live.view(-1)[indices] = values`` will
+    leave it (``indices`` None: ``live`` as it is), in one C call for all of them, writing
+    nothing but ``scratch``.
+
+    ``indices`` must be strictly increasing flat positions inside ``live``. The tensors are
+    hashed ``chunk`` elements at a time: a touched chunk is copied into ``scratch``, patched
+    there and hashed, an untouched one hashed where it lies. ``scratch`` is a 2-byte buffer of
+    the caller's own (no tensor here may share its memory) of at least ``min(chunk,
+    live.numel())`` elements for every patched ``live``.
+
+    Returns:
+        The digests in ``items`` order, None for an item the kernel cannot take (see
+        :func:`can_patch_digest`); None for all when it cannot run (a short scratch, no
+        compiler, xxhash's C API not reachable) or a position breaks a rule. The caller
+        hashes what it was not given in Python, which names any fault.
+    """
+    fns = _xxh3_checked()
+    if fns is None or chunk < 1 or scratch.element_size() != 2 or not native.kernel_ready(scratch):
+        return None
+    taken = [k for k, item in enumerate(items) if can_patch_digest(*item)]
+    if any(
+        items[k][1] is not None and scratch.numel() < min(chunk, items[k][0].numel()) for k in taken
+    ):
+        return None
+    lib = native.load()
+    if lib is None:  # disable() since the check
+        return None
+    count = len(taken)
+    table = np.zeros((6, count), dtype=np.int64)  # live, numel, idx, idx size, vals, nnz
+    for t, k in enumerate(taken):
+        live, indices, values = items[k]
+        table[0, t] = live.data_ptr()
+        table[1, t] = live.numel()
+        if indices is not None and indices.numel():
+            table[2, t] = indices.data_ptr()
+            table[3, t] = indices.element_size()
+            table[4, t] = values.data_ptr()  # type: ignore[union-attr]
+            table[5, t] = indices.numel()
+    out = np.empty(16 * count, dtype=np.uint8)
+    rows = [table[r].ctypes.data for r in range(6)]
+    rc = lib.ds_patched_digests16(
+        count, *rows, scratch.data_ptr(), chunk, fns.ctypes.data, out.ctypes.data
+    )
+    if rc != count:
+        return None
+    raw = out.tobytes()
+    got: list[bytes | None] = [None] * len(items)
+    for t, k in enumerate(taken):
+        got[k] = raw[16 * t : 16 * t + 16]
+    return got
+
+
+_xxh3_state: list[np.ndarray | None] = []
+
+
+def _xxh3_checked() -> np.ndarray | None:
+    """xxhash's XXH3-128 functions for the kernel, once they have hashed a patched buffer in
+    pieces exactly as :mod:`xxhash` does (else None: the callers hash in Python)."""
+    if _xxh3_state:
+        return _xxh3_state[0]
+    fns = native.xxh3_functions()
+    lib = native.load()
+    table = None
+    if fns is not None and lib is not None and sys.byteorder == "little":
+        table = np.array(fns, dtype=np.int64)
+        live = torch.arange(5000, dtype=torch.int16)
+        idx = torch.tensor([0, 999, 1000, 4999], dtype=torch.int32)
+        vals = torch.tensor([-1, -2, -3, -4], dtype=torch.int16)
+        want = live.clone()
+        want[idx.long()] = vals
+        scratch = torch.empty(1000, dtype=torch.int16)
+        cols = [np.array([v], dtype=np.int64) for v in (live.data_ptr(), 5000, idx.data_ptr(), 4)]
+        cols += [np.array([v], dtype=np.int64) for v in (vals.data_ptr(), 4)]
+        out = np.empty(16, dtype=np.uint8)
+        rc = lib.ds_patched_digests16(
+            1,
+            *(c.ctypes.data for c in cols),
+            scratch.data_ptr(),
+            1000,
+            table.ctypes.data,
+            out.ctypes.data,
+        )
+        if rc != 1 or out.tobytes() != xxhash.xxh3_128(want.numpy().tobytes()).digest():
+            log.warning("xxhash's C API hashed differently here: verify hashes in Python")
+            table = None
+    _xxh3_state.append(table)
+    return table

@@ -491,3 +491,87 @@ int64_t ds_decode_sparse(const uint8_t *src, int64_t n, int64_t w, int64_t first
     for (int64_t k = 0; k < n; k++) vals[k] = (uint16_t)(lo[k] | (uint16_t)hi[k] << 8);
     return 0;
 }
+
+/* ds_patched_digests16: the XXH3-128 digest (canonical: big-endian high half, then low half,
+ * as xxhash's digest() returns it) of each of `count` 2-byte tensors as it will be after
+ * writing its values at its flat positions: a receiver's verify before write, every tensor of
+ * a shard in one call. Tensor t holds numel[t] elements at live[t]; its nnz[t] positions (int32
+ * or int64 words, idx_size[t] bytes) at idx[t] must be strictly increasing and below numel[t],
+ * its values at vals[t]. It is hashed chunk by chunk: a chunk no position falls in straight
+ * from live, any other copied into scratch (which holds min(chunk, numel[t]) elements for
+ * every patched tensor), patched there and hashed, so live is only read. The hash is the xxhash library's own, reached through the functions in
+ * fns (XXH3_createState, XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update,
+ * XXH3_128bits_digest; the caller resolves them from the library and checks them against a
+ * known digest). Returns count; -1 - t for the first tensor whose positions break a rule (the
+ * digests from t on are not written); -1 - count for bad arguments or no hash state. */
+typedef struct { uint64_t low64, high64; } ds_xxh128;
+typedef void *(*ds_xxh_create)(void);
+typedef int (*ds_xxh_free)(void *);
+typedef int (*ds_xxh_reset)(void *);
+typedef int (*ds_xxh_update)(void *, const void *, size_t);
+typedef ds_xxh128 (*ds_xxh_digest)(const void *);
+
+static void ds_put_be64(uint8_t *out, uint64_t x) {
+    for (int b = 7; b >= 0; b--) { out[b] = (uint8_t)x; x >>= 8; }
+}
+
+#define DS_PATCH_CHUNK(T)                                                                      \
+    {                                                                                          \
+        const T *ix = (const T *)idx[t];                                                       \
+        while (k < m && (int64_t)ix[k] < end) {                                                \
+            int64_t i = (int64_t)ix[k];                                                        \
+            if (i < start || (k && i <= (int64_t)ix[k - 1])) { bad = 1; break; }               \
+            scratch[i - start] = v[k];                                                         \
+            k++;                                                                               \
+        }                                                                                      \
+    }
+
+int64_t ds_patched_digests16(int64_t count, const int64_t *live, const int64_t *numel,
+                             const int64_t *idx, const int64_t *idx_size, const int64_t *vals,
+                             const int64_t *nnz, uint16_t *scratch, int64_t chunk,
+                             const int64_t *fns, uint8_t *out) {
+    if (count < 0 || !live || !numel || !idx || !idx_size || !vals || !nnz || !scratch ||
+        chunk < 1 || !fns || !out)
+        return -1 - count;
+    ds_xxh_create create = (ds_xxh_create)(intptr_t)fns[0];
+    ds_xxh_free release = (ds_xxh_free)(intptr_t)fns[1];
+    ds_xxh_reset reset = (ds_xxh_reset)(intptr_t)fns[2];
+    ds_xxh_update update = (ds_xxh_update)(intptr_t)fns[3];
+    ds_xxh_digest digest = (ds_xxh_digest)(intptr_t)fns[4];
+    if (!create || !release || !reset || !update || !digest) return -1 - count;
+    void *state = create();
+    if (!state) return -1 - count;
+    for (int64_t t = 0; t < count; t++) {
+        const uint16_t *src = (const uint16_t *)(intptr_t)live[t];
+        const uint16_t *v = (const uint16_t *)(intptr_t)vals[t];
+        int64_t n = numel[t], m = nnz[t], k = 0, bad = 0;
+        if (n < 0 || m < 0 || (n && !src) || (m && (!v || !idx[t])) ||
+            (m && idx_size[t] != 4 && idx_size[t] != 8)) {
+            release(state);
+            return -1 - t;
+        }
+        reset(state);
+        for (int64_t start = 0; start < n && !bad; start += chunk) {
+            int64_t end = n - start < chunk ? n : start + chunk;
+            int64_t next = k < m ? (idx_size[t] == 4 ? (int64_t)((const int32_t *)idx[t])[k]
+                                                      : ((const int64_t *)idx[t])[k])
+                                 : end;
+            if (next >= end) {  /* untouched: hashed where it lies */
+                update(state, src + start, (size_t)(end - start) * 2);
+                continue;
+            }
+            memcpy(scratch, src + start, (size_t)(end - start) * 2);
+            if (idx_size[t] == 4) DS_PATCH_CHUNK(int32_t) else DS_PATCH_CHUNK(int64_t)
+            if (!bad) update(state, scratch, (size_t)(end - start) * 2);
+        }
+        if (bad || k != m) {  /* a position out of order, negative, or at or past numel */
+            release(state);
+            return -1 - t;
+        }
+        ds_xxh128 h = digest(state);
+        ds_put_be64(out + 16 * t, h.high64);
+        ds_put_be64(out + 16 * t + 8, h.low64);
+    }
+    release(state);
+    return count;
+}
