@@ -91,6 +91,7 @@ def test_a_one_version_delta_is_hashed_in_one_c_call_and_predicts_the_digest(chu
     import deltasync.layout.verify as verify
     from deltasync.native import loader as native
 
+    one_call = verify.patched_digests16
     hashed = []
 
     def counted(items, scratch, chunk):
@@ -98,7 +99,6 @@ def test_a_one_version_delta_is_hashed_in_one_c_call_and_predicts_the_digest(chu
         hashed.extend(d is not None for d in got or [None] * len(items))
         return got
 
-    one_call = verify.patched_digests16
     monkeypatch.setattr(verify, "patched_digests16", counted)
     gen = torch.Generator().manual_seed(11)
     live = _live(gen)

@@ -472,8 +472,7 @@ def test_patched_digests_equal_xxhash_of_the_written_tensors_and_write_nothing(c
         (0, torch.bfloat16, torch.int32, 0),  # empty
         (999, torch.float16, torch.int32, 0),  # no position: hashed as it is
     ]:
-        live = torch.randn(n, generator=g).to(dtype).reshape(-1, 1) if n else torch.empty(0, 1)
-        live = live.to(dtype)
+        live = torch.randn(n, 1, generator=g).to(dtype)  # 2-D: hashed in row-major order
         idx = torch.sort(torch.randperm(n, generator=g)[:k]).values.to(idx_dtype)
         vals = torch.randn(k, generator=g).to(dtype)
         items.append((live, idx, vals))

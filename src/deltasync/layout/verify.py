@@ -276,9 +276,11 @@ def chain_state_digest(
     digests: dict[str, bytes] = {}
     scratch = Scratch(chunk)
     batch = _Batch(digests, scratch, max_nnz=BATCH_ELEMENTS)
+    listed: set[str] = set()
     for item in chain:
         t = tensors[item.name]
-        assert item.name not in digests, item.name  # iter_chain yields each tensor once
+        assert item.name not in listed, item.name  # iter_chain yields each tensor once
+        listed.add(item.name)
         if not item.pieces or (item.nnz == 0 and not item.from_zero):
             batch.add(item.name, t, None, None)
         elif item.pieces[-1].is_dense:
@@ -289,11 +291,9 @@ def chain_state_digest(
                 digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk, scratch=scratch)
             else:
                 batch.add(item.name, t, item, piece)
-    batched = {name for name, _, _, _ in batch.items}
     for name, t in tensors.items():
-        if name not in digests and name not in batched:
+        if name not in listed:  # no update touches it: hashed as it is
             batch.add(name, t, None, None)
-            batched.add(name)
     batch.flush()
     entries = [(name, dtype_name(t), tuple(t.shape), digests[name]) for name, t in tensors.items()]
     return combine_digests(entries)

@@ -499,10 +499,23 @@ def patched_digests16(
     lib = native.load()
     if lib is None:  # disable() since the check
         return None
-    count = len(taken)
-    table = np.zeros((6, count), dtype=np.int64)  # live, numel, idx, idx size, vals, nnz
+    raw = _digests(lib, fns, [items[k] for k in taken], scratch, chunk)
+    if raw is None:
+        return None
+    got: list[bytes | None] = [None] * len(items)
     for t, k in enumerate(taken):
-        live, indices, values = items[k]
+        got[k] = raw[16 * t : 16 * t + 16]
+    return got
+
+
+def _digests(
+    lib, fns: np.ndarray, items: Sequence[Patch], scratch: torch.Tensor, chunk: int
+) -> bytes | None:
+    """One ``ds_patched_digests16`` call over checked ``items``: their 16-byte digests end to
+    end, or None when the kernel refused a position."""
+    count = len(items)
+    table = np.zeros((6, count), dtype=np.int64)  # live, numel, idx, idx size, vals, nnz
+    for t, (live, indices, values) in enumerate(items):
         table[0, t] = live.data_ptr()
         table[1, t] = live.numel()
         if indices is not None and indices.numel():
@@ -515,47 +528,32 @@ def patched_digests16(
     rc = lib.ds_patched_digests16(
         count, *rows, scratch.data_ptr(), chunk, fns.ctypes.data, out.ctypes.data
     )
-    if rc != count:
-        return None
-    raw = out.tobytes()
-    got: list[bytes | None] = [None] * len(items)
-    for t, k in enumerate(taken):
-        got[k] = raw[16 * t : 16 * t + 16]
-    return got
+    return out.tobytes() if rc == count else None
 
 
-_xxh3_state: list[np.ndarray | None] = []
+_UNCHECKED = object()
+_xxh3_table: object = _UNCHECKED
 
 
 def _xxh3_checked() -> np.ndarray | None:
     """xxhash's XXH3-128 functions for the kernel, once they have hashed a patched buffer in
     pieces exactly as :mod:`xxhash` does (else None: the callers hash in Python)."""
-    if _xxh3_state:
-        return _xxh3_state[0]
-    fns = native.xxh3_functions()
-    lib = native.load()
-    table = None
-    if fns is not None and lib is not None and sys.byteorder == "little":
-        table = np.array(fns, dtype=np.int64)
-        live = torch.arange(5000, dtype=torch.int16)
-        idx = torch.tensor([0, 999, 1000, 4999], dtype=torch.int32)
-        vals = torch.tensor([-1, -2, -3, -4], dtype=torch.int16)
-        want = live.clone()
-        want[idx.long()] = vals
-        scratch = torch.empty(1000, dtype=torch.int16)
-        cols = [np.array([v], dtype=np.int64) for v in (live.data_ptr(), 5000, idx.data_ptr(), 4)]
-        cols += [np.array([v], dtype=np.int64) for v in (vals.data_ptr(), 4)]
-        out = np.empty(16, dtype=np.uint8)
-        rc = lib.ds_patched_digests16(
-            1,
-            *(c.ctypes.data for c in cols),
-            scratch.data_ptr(),
-            1000,
-            table.ctypes.data,
-            out.ctypes.data,
-        )
-        if rc != 1 or out.tobytes() != xxhash.xxh3_128(want.numpy().tobytes()).digest():
-            log.warning("xxhash's C API hashed differently here: verify hashes in Python")
-            table = None
-    _xxh3_state.append(table)
-    return table
+    global _xxh3_table
+    if _xxh3_table is _UNCHECKED:
+        fns = native.xxh3_functions()
+        lib = native.load()
+        table = None
+        if fns is not None and lib is not None and sys.byteorder == "little":
+            table = np.array(fns, dtype=np.int64)
+            live = torch.arange(5000, dtype=torch.int16)
+            idx = torch.tensor([0, 999, 1000, 4999], dtype=torch.int32)
+            vals = torch.tensor([-1, -2, -3, -4], dtype=torch.int16)
+            want = live.clone()
+            want[idx.long()] = vals
+            scratch = torch.empty(1000, dtype=torch.int16)
+            got = _digests(lib, table, [(live, idx, vals)], scratch, 1000)
+            if got != xxhash.xxh3_128(want.numpy().tobytes()).digest():
+                log.warning("xxhash's C API hashed differently here: verify hashes in Python")
+                table = None
+        _xxh3_table = table
+    return _xxh3_table  # type: ignore[return-value]

@@ -499,11 +499,12 @@ int64_t ds_decode_sparse(const uint8_t *src, int64_t n, int64_t w, int64_t first
  * or int64 words, idx_size[t] bytes) at idx[t] must be strictly increasing and below numel[t],
  * its values at vals[t]. It is hashed chunk by chunk: a chunk no position falls in straight
  * from live, any other copied into scratch (which holds min(chunk, numel[t]) elements for
- * every patched tensor), patched there and hashed, so live is only read. The hash is the xxhash library's own, reached through the functions in
- * fns (XXH3_createState, XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update,
- * XXH3_128bits_digest; the caller resolves them from the library and checks them against a
- * known digest). Returns count; -1 - t for the first tensor whose positions break a rule (the
- * digests from t on are not written); -1 - count for bad arguments or no hash state. */
+ * every patched tensor), patched there and hashed, so live is only read. The hash is the
+ * xxhash library's own, reached through the functions in fns (XXH3_createState,
+ * XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update, XXH3_128bits_digest; the caller
+ * resolves them from the library and checks them against a known digest). Returns count;
+ * -1 - t for the first tensor whose positions break a rule (the digests from t on are not
+ * written); -1 - count for bad arguments or no hash state. */
 typedef struct { uint64_t low64, high64; } ds_xxh128;
 typedef void *(*ds_xxh_create)(void);
 typedef int (*ds_xxh_free)(void *);
@@ -519,7 +520,7 @@ static void ds_put_be64(uint8_t *out, uint64_t x) {
  * positions while it is in cache (as ds_patch16) */
 #define DS_PATCH_CHUNK(T)                                                                      \
     {                                                                                          \
-        const T *ix = (const T *)idx[t];                                                       \
+        const T *ix = (const T *)ix0;                                                          \
         for (int64_t b0 = start; b0 < end && !bad; b0 += 4096) {                               \
             int64_t b1 = end - b0 < 4096 ? end : b0 + 4096;                                    \
             memcpy(scratch + (b0 - start), src + b0, (size_t)(b1 - b0) * 2);                   \
@@ -550,8 +551,9 @@ int64_t ds_patched_digests16(int64_t count, const int64_t *live, const int64_t *
     for (int64_t t = 0; t < count; t++) {
         const uint16_t *src = (const uint16_t *)(intptr_t)live[t];
         const uint16_t *v = (const uint16_t *)(intptr_t)vals[t];
+        const void *ix0 = (const void *)(intptr_t)idx[t];
         int64_t n = numel[t], m = nnz[t], k = 0, bad = 0;
-        if (n < 0 || m < 0 || (n && !src) || (m && (!v || !idx[t])) ||
+        if (n < 0 || m < 0 || (n && !src) || (m && (!v || !ix0)) ||
             (m && idx_size[t] != 4 && idx_size[t] != 8)) {
             release(state);
             return -1 - t;
@@ -559,9 +561,8 @@ int64_t ds_patched_digests16(int64_t count, const int64_t *live, const int64_t *
         reset(state);
         for (int64_t start = 0; start < n && !bad; start += chunk) {
             int64_t end = n - start < chunk ? n : start + chunk;
-            int64_t next = k < m ? (idx_size[t] == 4 ? (int64_t)((const int32_t *)idx[t])[k]
-                                                      : ((const int64_t *)idx[t])[k])
-                                 : end;
+            int64_t next = k >= m ? end : idx_size[t] == 4 ? (int64_t)((const int32_t *)ix0)[k]
+                                                        : ((const int64_t *)ix0)[k];
             if (next >= end) {  /* untouched: hashed where it lies */
                 update(state, src + start, (size_t)(end - start) * 2);
                 continue;
