@@ -302,7 +302,7 @@ def test_a_journal_over_tensors_a_power_cut_tore_is_refused_by_the_verify_and_an
     monkeypatch.undo()
     state_dir.write_journal(journals[-1])
     torn = next(iter(rig.tensors.values())).view(-1)
-    torn.view(torch.int16)[:512] ^= 1  # writes that never reached the disk  # writes that never reached the disk
+    torn.view(torch.int16)[:512] ^= 1  # writes that never reached the disk
     rig.rec = rig.receiver()
     repaired = rig.rec.last_repair
     assert repaired is not None and repaired.repaired and repaired.from_anchor
