@@ -247,16 +247,12 @@ def test_a_dirty_receiver_reports_no_version_until_an_anchor_restores_it(tmp_pat
     rig.check(report)
 
 
-def test_a_journal_whose_removal_was_lost_is_replayed_to_the_same_verified_version(
-    tmp_path, monkeypatch
-):
-    # The journal is removed without an fsync after the state file recorded the version: a
-    # power cut can bring it back. The next receiver on the state dir replays it, harmlessly.
-    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+def _journal_of_pulling_1_back(rig: Rig, state_dir: StateDir, monkeypatch) -> None:
+    """Versions 0 and 1 pulled; the journal of the pull of 1, removed once its state file
+    was written, written back as a power cut can bring it back (its removal is not fsynced)."""
     rig.publish(0)
     rig.check(rig.rec.pull())
     rig.publish(1)
-    state_dir = StateDir(str(tmp_path / "rec"))
     journals: list = []
     real_clear = StateDir.clear_journal
 
@@ -270,6 +266,16 @@ def test_a_journal_whose_removal_was_lost_is_replayed_to_the_same_verified_versi
     rig.check(report)
     assert report.version == 1 and journals and journals[-1] is not None
     state_dir.write_journal(journals[-1])  # the removal "did not reach the disk"
+
+
+def test_a_journal_whose_removal_was_lost_is_replayed_to_the_same_verified_version(
+    tmp_path, monkeypatch
+):
+    # The journal is removed without an fsync after the state file recorded the version: a
+    # power cut can bring it back. The next receiver on the state dir replays it, harmlessly.
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    state_dir = StateDir(str(tmp_path / "rec"))
+    _journal_of_pulling_1_back(rig, state_dir, monkeypatch)
     rig.rec = rig.receiver()
     repaired = rig.rec.last_repair
     assert repaired is not None and repaired.repaired and repaired.version == 1
@@ -286,21 +292,8 @@ def test_a_journal_over_tensors_a_power_cut_tore_is_refused_by_the_verify_and_an
     # a mapped file's pages hold whatever the kernel had written back. The replay's verify
     # finds a base that does not hash to the journaled version and restores the anchor.
     rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
-    rig.publish(0)
-    rig.check(rig.rec.pull())
-    rig.publish(1)
     state_dir = StateDir(str(tmp_path / "rec"))
-    journals: list = []
-    real_clear = StateDir.clear_journal
-
-    def keep_a_copy(self) -> None:
-        journals.append(self.read_journal())
-        real_clear(self)
-
-    monkeypatch.setattr(StateDir, "clear_journal", keep_a_copy)
-    rig.check(rig.rec.pull())
-    monkeypatch.undo()
-    state_dir.write_journal(journals[-1])
+    _journal_of_pulling_1_back(rig, state_dir, monkeypatch)
     torn = next(iter(rig.tensors.values())).view(-1)
     torn.view(torch.int16)[:512] ^= 1  # writes that never reached the disk
     rig.rec = rig.receiver()
