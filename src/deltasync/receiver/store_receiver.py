@@ -100,8 +100,8 @@ class ReceiverConfig:
       a power loss could then lose the journal and hide a torn apply). The records, not the
       tensors: live tensors never outlive a power loss intact (process memory and /dev/shm
       are gone, a mapped file on disk is not msynced), so a receiver started on tensors that
-      may have must keep ``verify_on_open``, which alone tells whether they hold the
-      recorded version;
+      may have lived through one must keep ``verify_on_open``, which alone tells whether
+      they hold the recorded version;
     - ``max_staged_bytes``: a pull whose decoded chain is estimated at most this size decodes
       it once and holds it from verify to scatter; a larger one decodes it twice, one tensor
       at a time (verify, then the scatter), so the pull holds the compressed blobs plus one
