@@ -65,7 +65,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     if is_dtensor(t):
         with torch.no_grad():
             return t.to_local().detach()  # type: ignore[attr-defined]
-    return t.detach()  # records no graph, with or without grad mode: ~6 us less per call
+    return t.detach()  # records no graph whatever the grad mode (no_grad cost ~5 us a call)
 
 
 def version_of(t: torch.Tensor) -> Version:
