@@ -255,6 +255,22 @@ class PublishFailedError(DeltaSyncError):
         self.version = version
 
 
+class ParamsEditedError(DeltaSyncError):
+    """Parameters were written in place while a version published in the background still
+    read them (between ``step_published`` and the next optimizer step or ``wait()``): what it
+    read may mix their old and new bits, so it was not committed. Raised at the next call as
+    the ``__cause__`` of :class:`PublishFailedError`; the version's changes are kept and these
+    parameters go out in full with the next version.
+
+    ``version`` is the version that was not committed; ``names`` the parameters whose version
+    counters moved."""
+
+    def __init__(self, message: str, *, version: int, names: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.version = version
+        self.names = names
+
+
 # --- internal signals (never reach a caller) ----------------------------------------------
 
 

@@ -120,6 +120,9 @@ class CountingTracker:
     def clear(self) -> None:
         self.inner.clear()
 
+    def mark_changed(self, *names: str) -> None:
+        self.inner.mark_changed(*names)
+
 
 class HoldingTracker(CountingTracker):
     """A CountingTracker that holds the optimizer's steps for the sender (``hold_steps``):
@@ -326,3 +329,61 @@ def run_overlap(rank: int, setup: Setup, notes: str) -> dict:
     if rank == 0:
         return {"rank": 0, **_run_writer(setup, notes)}
     return {"rank": rank, **_run_receiver(rank, setup, notes)}
+
+
+def _run_edit_writer(setup: Setup) -> dict:
+    w = _Writer(setup)
+    sender = w.sender(setup, None)
+    sender.sync(0, anchor=True)
+    sender.wait()
+    broadcast_truth(w.bits())
+    w.hf.step()
+    victim = list(w.hf.params)[-1]
+    if isinstance(w.tracker, HoldingTracker):
+        w.tracker.gate = gate = threading.Event()  # detection starts after the write
+    else:
+        w.slow_next_read = True  # detected already: the background reads after the write
+    sender.sync(1)
+    with torch.no_grad():  # against the contract: the version still reads the params
+        w.hf.params[victim].mul_(1.5)
+    if isinstance(w.tracker, HoldingTracker):
+        gate.set()
+    out = {"edited": _outcome(sender.wait), "victim": victim}
+    out["edited"]["version_after"] = sender.version
+    out["marked"] = list(w.tracker.inner.out_of_band)
+    w.hf.step()
+    sender.sync(1)  # steps 1 and 2 and the write
+    report = sender.wait()
+    out["retry"] = {"version": report.version, "elements": report.elements}
+    broadcast_truth(w.bits())
+    sender.close()
+    return out
+
+
+def _run_edit_receiver(rank: int, setup: Setup) -> dict:
+    receiver = corrupting_receiver(setup, rank)
+    role = setup.plan().receiver(rank)
+    out: dict = {"versions": {}}
+
+    def check() -> None:
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        out["versions"][receiver.version] = mismatched(receiver.tensors, truth)
+
+    receiver.sync()
+    check()
+    out["edited"] = _outcome(receiver.sync)
+    out["edited"]["version_after"] = receiver.version
+    receiver.sync()
+    check()
+    return out
+
+
+def run_edit(rank: int, setup: Setup) -> dict:
+    """1 overlapped writer (rank 0) + vLLM TP=2 receivers: version 1's params are written in
+    place after ``sync`` returned, before the version read them (detection held at a gate
+    when the tracker holds the steps, else the background's read slowed); then 1 again."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    if rank == 0:
+        return {"rank": 0, **_run_edit_writer(setup)}
+    return {"rank": rank, **_run_edit_receiver(rank, setup)}

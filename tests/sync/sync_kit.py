@@ -71,14 +71,25 @@ class _Wrapper:
 
 class GateStore(_Wrapper):
     """Calls ``gate(op, key)`` before every write; ``put_stream`` also after its first chunk
-    (op "mid-stream"), so a test can stop a writer in the middle of a blob."""
+    (op "mid-stream"), so a test can stop a writer in the middle of a blob. While
+    ``reads_fail`` is set, ``get`` and ``list`` raise StoreError (an outage)."""
 
     def __init__(self, inner, gate: Callable[[str, str], None]) -> None:
         super().__init__(inner)
         self.gate = gate
+        self.reads_fail = False
+
+    def _read(self, what: str) -> None:
+        if self.reads_fail:
+            raise StoreError(f"injected: reading {what!r} failed")
 
     def get(self, key, **kwargs):  # max_bytes=...
+        self._read(key)
         return self.inner.get(key, **kwargs)
+
+    def list(self, prefix=""):
+        self._read(prefix)
+        return self.inner.list(prefix)
 
     def put(self, key, data):
         self.gate("put", key)

@@ -15,7 +15,7 @@ import torch
 from kit import spy_digest_pass
 
 from deltasync import names
-from deltasync.errors import ConfigError, PublishFailedError, StoreError
+from deltasync.errors import ConfigError, ParamsEditedError, PublishFailedError, StoreError
 from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.publish.trainer_sync import PendingVersion, with_values
@@ -214,6 +214,9 @@ class StagedTracker:
 
     def clear(self) -> None:
         self.inner.clear()
+
+    def mark_changed(self, *names: str) -> None:
+        self.inner.mark_changed(*names)
 
 
 def _staged(tmp_path, gate):
@@ -604,6 +607,61 @@ def test_a_detection_error_after_the_return_names_the_version_at_the_next_call(t
         sync.wait()
     assert isinstance(err.value.__cause__, RuntimeError)
     _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay)
+
+
+def test_an_edit_while_the_version_reads_the_params_refuses_it_and_the_next_sends_it_whole(
+    tmp_path,
+):
+    # Against the contract, a param is written in place after step_published returned while
+    # detection has yet to read it: the version read a mix of old and new bits, so it must
+    # not commit, and the tracker (cleared after the write) cannot see the write by itself.
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    victim = list(trainer.params)[-1]  # detected after the gate
+    sync.step_published(1)
+    assert gated.reached.wait(30)
+    with torch.no_grad():
+        trainer.params[victim].mul_(1.5)
+    gated.gate.set()
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
+        sync.wait()
+    cause = err.value.__cause__
+    assert isinstance(cause, ParamsEditedError)
+    assert cause.version == 1 and cause.names == (victim,)
+    assert victim in str(cause) and "written in place" in str(cause)
+    assert pub.committed() == 0 and sync.baseline == 0
+    assert gated.inner.out_of_band == (victim,)  # marked: it goes out in full
+    trainer.step()
+    (report,) = sync.step_published(1).result()
+    sync.wait()
+    assert report.base_version == 0
+    _assert_receivers_exact(receivers, trainer, lay, 1)  # steps 1, 2 and the edit
+    sync.close()
+
+
+def test_a_publish_that_fails_early_holds_the_next_step_until_detection_has_ended(tmp_path):
+    # The store fails the background's first read while detection still runs on its own
+    # thread: the optimizer's next step must still wait for detection (it reads θ, m, v and
+    # clears the tracker), or that step's changes would be lost.
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    pub.store.reads_fail = True
+    pending = sync.step_published(1)
+    assert gated.reached.wait(30)
+    with pytest.raises(StoreError):
+        pending.result(30)  # the background failed, detection is held at the gate
+    pub.store.reads_fail = False
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    t, stepped = _step_held_back(trainer, before)
+    gated.gate.set()
+    t.join(30)
+    assert stepped.is_set() and pending.detected()
+    with pytest.raises(PublishFailedError, match="version 1 did not commit"):
+        sync.step_published(1)
+    sync.step_published(1)  # steps 1 and 2: the carry and the tracker
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
 
 
 def test_the_tracker_holds_its_own_pre_step_hook_behind_the_sync() -> None:

@@ -28,10 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltasync.cluster.reports import SendReport
+
+if TYPE_CHECKING:
+    from deltasync.trainer.params import ReadWindow
 
 
 class PendingSend:
@@ -49,6 +53,8 @@ class PendingSend:
         self.version = version
         self.captured_s = captured_s
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
+        # the writes to the parameters it can see while it reads them (None: settled)
+        self.reads: ReadWindow | None = None
         self._detected = threading.Event()
         self._released = threading.Event()
         self._future: Future[SendReport] = Future()
@@ -100,10 +106,14 @@ class Background:
         thread_name: str,
         hold: Callable[[torch.optim.Optimizer, Callable[[], None]], Callable[[], None] | None]
         | None = None,
+        settle: Callable[[PendingSend], None] | None = None,
     ) -> None:
         """``hold``: a tracker's ``hold_steps``, when it offers one: the barrier then runs
         first in the tracker's own pre-step hook (:attr:`held`: the caller may let detection
-        go on after it returns), else it is a pre-step hook of its own."""
+        go on after it returns), else it is a pre-step hook of its own. ``settle``: called by
+        the barrier with the version in flight once it reads nothing more and its detection
+        has ended, before the step."""
+        self._settle = settle
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._inflight: PendingSend | None = None
         self.barrier_wait_s = 0.0  # how long the last optimizer step waited for the background
@@ -159,15 +169,20 @@ class Background:
             pending.finished_at = time.time()
 
     def barrier(self) -> None:
-        """The optimizer's pre-step hook: the step may change the parameters only once the
-        version in flight no longer reads them. Errors wait for the sender's next call."""
+        """The optimizer's pre-step hook: the step may change the parameters (and the
+        optimizer's state) only once the version in flight no longer reads them and its
+        detection has ended (a send that failed early does not stop a detection still
+        running). Errors wait for the sender's next call."""
         pending = self._inflight
-        if pending is None or pending.released():
+        if pending is None:
             self.barrier_wait_s = 0.0
             return
         t = time.perf_counter()
         pending.wait_released()
+        pending.wait_detected()
         self.barrier_wait_s = time.perf_counter() - t
+        if self._settle is not None:
+            self._settle(pending)
 
     def take(self) -> PendingSend | None:
         """The version in flight, no longer in flight (the caller waits for its result)."""

@@ -126,6 +126,7 @@ from deltasync.layout.digest_feed import DigestFeed
 from deltasync.layout.routing import every_element, shard_updates
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
+from deltasync.trainer.params import ReadWindow
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import takes_sink
 
@@ -234,6 +235,7 @@ class ClusterSender:
                 optimizer,
                 thread_name=f"ds-send-{self.role.writer_id}",
                 hold=getattr(tracker, "hold_steps", None) if detect_in_background else None,
+                settle=self._settle_edits,
             )
             if overlap and optimizer is not None
             else None
@@ -722,15 +724,9 @@ class ClusterSender:
             name=f"ds-parts-{self.role.writer_id}",
         )
         try:
-            out = self._build(
-                version,
-                base,
-                Capture(positions={}),
-                self._current_params(),
-                handoff,
-                parts,
-                feed=feed,
-            )
+            read = self._current_params()
+            out = self._build(version, base, Capture(positions={}), read, handoff, parts, feed=feed)
+            self._refuse_if_edited(pending, read)
         except Exception as exc:  # the capture's own error where it failed
             pending.release()
             parts.fail(exc if handoff.error is None else handoff.error)  # raises
@@ -774,6 +770,11 @@ class ClusterSender:
             background.run_here(pending, lambda p: self._send_inline(version, p, t0=t0))
             return pending
         params = self._current_params()
+        pending.reads = ReadWindow(  # the version reads params from here on
+            params,
+            version,
+            window="after sync returned, before the next optimizer step or wait()",
+        )
         # A delta's positions go to the background as each parameter is captured: routing and
         # encoding overlap the rest of detection (joined with the carry; the values detection
         # read go along while the handoff has room for them, the background reads the rest).
@@ -790,9 +791,9 @@ class ClusterSender:
             if err is None:
                 caps = Capture() if handoff is None else Capture(positions={})
                 try:
-                    out = self._build(
-                        version, base, caps, self._current_params(), handoff, feed=feed
-                    )
+                    read = self._current_params()
+                    out = self._build(version, base, caps, read, handoff, feed=feed)
+                    self._refuse_if_edited(p, read)
                 except Exception as exc:  # the capture's own error where it failed
                     err = exc if handoff is None or handoff.error is None else handoff.error
             p.release()  # the parameters are read no more: the optimizer may step
@@ -821,6 +822,19 @@ class ClusterSender:
         finally:
             pending.captured_s = time.perf_counter() - t0
         return pending
+
+    def _refuse_if_edited(self, pending: PendingSend, params: Params) -> None:
+        """This rank's last read of ``pending`` has ended: a write since its reads began
+        refuses it (every rank then raises, nothing is committed)."""
+        if pending.reads is not None:
+            pending.reads.refuse_if_written(params)
+
+    def _settle_edits(self, pending: PendingSend) -> None:
+        """Once ``pending`` reads nothing more and its detection has ended, before the next
+        optimizer step (:class:`~deltasync.trainer.params.ReadWindow`); once per version."""
+        reads, pending.reads = pending.reads, None
+        if reads is not None:
+            reads.settle(self._current_params(), self.tracker)
 
     def _send_inline(self, version: int, pending: PendingSend, *, t0: float) -> SendReport:
         """A version after a small delta, whole on the caller's thread, as without overlap
@@ -903,6 +917,9 @@ class ClusterSender:
         try:
             report = pending.result()
         except Exception as exc:
+            # detection may outlive a send that failed early: the carry is its capture
+            pending.wait_detected()
+            self._settle_edits(pending)
             broken = isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError)
             needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
             log.warning(
@@ -927,6 +944,7 @@ class ClusterSender:
                 anchor_required=needs_anchor,
                 group_broken=broken,
             ) from exc
+        self._settle_edits(pending)
         self.last_report = report
         self._expect_small = not report.anchor and report.elements < self.inline_below
         return report

@@ -290,6 +290,7 @@ class Publisher:
         full_state: FullState | None = None,
         touched: Collection[str] | Callable[[], Collection[str]] | None = None,
         fed: TensorEntries | Callable[[], TensorEntries] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> PublishReport:
         """Publish ``version`` and return once it is committed.
 
@@ -322,6 +323,9 @@ class Publisher:
                 pass fed): the digest pass takes them as given and reads only the other
                 tensors. A callable is called on the digest thread, which starts when it
                 returns. Ignored with ``full_state`` (the digests then come from that).
+            before_commit: called once every read of ``params`` (and of ``full_state``) has
+                ended, before the blobs' last bytes are stored and anything is committed; it
+                may raise to refuse the version (nothing is then stored or committed).
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
@@ -429,6 +433,8 @@ class Publisher:
                 tensor_entries = digest_job.result()
                 digests = combine_entries(tensor_entries)
             digest_s = time.perf_counter() - t
+            if before_commit is not None:  # nothing reads params from here on
+                before_commit()
             t = time.perf_counter()
             entries, shard_bytes, shard_elements = streams.finish()
             upload_s = time.perf_counter() - t

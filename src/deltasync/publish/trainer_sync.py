@@ -51,7 +51,17 @@ Two modes:
   with the values its detection read (``AdamWTracker.iter_capture``: a budget of
   ``inline_below`` elements), so nothing is decoded or read twice.
   Between ``step_published`` and the next optimizer step (or ``wait()``) nothing else may write
-  the params (``load_state_dict``, a clamp): the background is hashing them. A ``full_state``
+  the params (``load_state_dict``, a clamp): the version still reads them. Such a write is
+  seen by the params' version counters: taken when the version's reads begin, compared by
+  each publisher once they have ended (a write by then refuses the version before anything
+  is stored: :class:`~deltasync.errors.ParamsEditedError`, the ``__cause__`` of the next
+  call's ``PublishFailedError``) and again when the version is settled, before the next
+  optimizer step, where every param written meanwhile is marked changed in the tracker
+  (``mark_changed``) so the next version sends it in full; a tracker cleared after the write
+  could not see it by itself. A write still running while a publisher compares cannot be
+  seen there: that version may commit bits the receivers' verify refuses, and the next one
+  repairs it. The barrier also waits for detection to end, not only for the background: a
+  publish that failed early does not stop a detection still reading θ, m and v. A ``full_state``
   callable runs on the background thread too, so one that runs collectives (an FSDP
   full-state gather) must not be combined with overlap: use ``overlap=False`` there.
 
@@ -73,7 +83,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltasync.errors import CaptureAbandonedError, ConfigError, PublishFailedError
+from deltasync.errors import (
+    CaptureAbandonedError,
+    ConfigError,
+    PublishFailedError,
+)
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.native.loader import release_free_heap
@@ -83,6 +97,7 @@ from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
+from deltasync.trainer.params import ReadWindow
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import sink_kwargs, takes_sink
 from deltasync.validate import check_bool
@@ -109,6 +124,8 @@ class PendingVersion:
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
         self.detect_s: float | None = None  # from the call to the end of detection
         self.feed: DigestFeed | None = None  # the receivers' tensors hashed by detection
+        # the writes to params it can see while it reads them; None once settled
+        self.reads: ReadWindow | None = None
         self._detected = threading.Event()
 
     def detected(self) -> bool:
@@ -424,6 +441,11 @@ class TrainerSync:
         count = 0
         handoff: Handoff[Handed] | None = None
         pending = PendingVersion(version, Future(), 0.0)
+        pending.reads = ReadWindow(  # the version reads params from here on
+            params,
+            version,
+            window="after step_published returned, before the next optimizer step or wait()",
+        )
         at_once = not anchor and self._unhold is not None and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
         values_max = 0 if anchor else VALUES_IN_FLIGHT
@@ -496,6 +518,7 @@ class TrainerSync:
                 )
             except Exception as exc:
                 pending._future.set_exception(exc)
+            pending.reads = None  # nothing of it reads params after the return
             return pending
         del detected
         for n, p in captured.items():  # kept until the commit, beside the background
@@ -625,6 +648,7 @@ class TrainerSync:
                         full_state=self._full_state,
                         touched=touched,
                         fed=fed if i == 0 else None,
+                        before_commit=functools.partial(self._refuse_if_edited, pending, params),
                     )
                 )
             # Committed everywhere: the baseline moves now (wait() reads it after result());
@@ -646,19 +670,34 @@ class TrainerSync:
         """The version captured and not yet settled by :meth:`wait` (overlap mode)."""
         return self._inflight
 
+    def _refuse_if_edited(self, pending: PendingVersion, params: Params) -> None:
+        """A publisher's last step before it stores and commits ``pending``."""
+        if pending.reads is not None:
+            pending.reads.refuse_if_written(params)
+
+    def _settle_edits(self, pending: PendingVersion) -> None:
+        """Once ``pending`` is done and its detection has ended, before the next optimizer
+        step (:class:`~deltasync.trainer.params.ReadWindow`); once per version."""
+        reads, pending.reads = pending.reads, None
+        if reads is not None:
+            reads.settle(self._params() if callable(self._params) else self._params, self.tracker)
+
     def _barrier(self) -> None:
-        """The optimizer's pre-step hook: the version in flight must be done before the
-        step changes ``params`` (its digests read them). Errors wait for the next call."""
+        """The optimizer's pre-step hook: the version in flight must be done, and its
+        detection ended, before the step changes ``params``, m and v (detection and the
+        digests read them). A background that failed early does not stop a detection still
+        running. Errors wait for the next call."""
         pending = self._inflight
-        if pending is not None and not pending.done():
-            t = time.perf_counter()
-            try:
-                pending.result()
-            except Exception:  # raised at the next call, naming the version
-                pass
-            self.barrier_wait_s = time.perf_counter() - t
-        elif pending is not None:
-            self.barrier_wait_s = 0.0
+        if pending is None:
+            return
+        t = time.perf_counter()
+        try:
+            pending.result()
+        except Exception:  # raised at the next call, naming the version
+            pass
+        pending.wait_detected()
+        self.barrier_wait_s = time.perf_counter() - t
+        self._settle_edits(pending)
 
     def wait(self) -> list[PublishReport] | None:
         """Wait for the version in flight (overlap mode) and settle it.
@@ -676,6 +715,9 @@ class TrainerSync:
         try:
             reports = pending.result()
         except Exception as failure:
+            # detection may outlive a background that failed early: the carry is its capture
+            pending.wait_detected()
+            self._settle_edits(pending)
             # detection that went on after the return failed: that error is the one to name
             exc = failure
             if isinstance(failure, CaptureAbandonedError) and failure.__cause__ is not None:
@@ -703,6 +745,7 @@ class TrainerSync:
                 + f" ({type(exc).__name__}: {exc})",
                 version=pending.version,
             ) from exc
+        self._settle_edits(pending)
         self._carry = {}  # committed everywhere: the baseline is this version's state
         self.last_reports = reports
         return reports

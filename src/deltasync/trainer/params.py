@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, ParamsEditedError
 from deltasync.trainer.protocol import LocalShard
 
 Version = tuple[int, ...]
@@ -77,6 +77,77 @@ def version_of(t: torch.Tensor) -> Version:
                 inner = t.to_local()  # type: ignore[attr-defined]
         return (t._version, inner._version)
     return (t._version,)
+
+
+def counters_of(params: Mapping[str, torch.Tensor]) -> dict[str, Version]:
+    """Every param's version counters (~1-3 us each)."""
+    return {name: version_of(p) for name, p in params.items()}
+
+
+def edited_since(
+    counters: Mapping[str, Version], params: Mapping[str, torch.Tensor]
+) -> tuple[str, ...]:
+    """The params written in place since ``counters`` were taken, in ``params`` order."""
+    return tuple(n for n, p in params.items() if n in counters and version_of(p) != counters[n])
+
+
+def _phrase(names: tuple[str, ...], most: int = 5) -> str:
+    """``parameters 'a', 'b' (and 3 more) were`` (or ``parameter 'a' was``), for a message."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    more = f" (and {len(names) - most} more)" if len(names) > most else ""
+    return f"parameter {shown} was" if len(names) == 1 else f"parameters {shown}{more} were"
+
+
+class ReadWindow:
+    """An overlapped sender's version that reads the params after the sender's call returned
+    (until the next optimizer step), and the writes it can see there: every param's version
+    counters from when its reads began.
+
+    ``refuse_if_written`` is the sender's check once the version reads nothing more (a write
+    by then may have mixed old and new bits into what it read); ``settle``, once it is done and
+    its detection has ended, before the next optimizer step moves every counter, marks each
+    param written meanwhile changed in the tracker, so the next version sends it in full: a
+    tracker whose ``clear()`` came after the write took the moved counter as its baseline and
+    cannot see the write by itself."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], version: int, *, window: str) -> None:
+        """Args:
+        params: the params the version reads.
+        version: the version, for messages.
+        window: when the params must not be written, for messages.
+        """
+        self.version, self.window = version, window
+        self._counters = counters_of(params)
+
+    def refuse_if_written(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Raise :class:`ParamsEditedError` when a param was written in place since."""
+        edited = edited_since(self._counters, params)
+        if edited:
+            raise ParamsEditedError(
+                f"version {self.version} was not committed: {_phrase(edited)} written in place "
+                f"while the version read the parameters ({self.window}): sent in full with the "
+                "next version. Write parameters before the version is captured or after the "
+                "sender's wait()",
+                version=self.version,
+                names=edited,
+            )
+
+    def settle(self, params: Mapping[str, torch.Tensor], tracker: object) -> tuple[str, ...]:
+        """Mark the params written in place since in ``tracker`` (its ``mark_changed``; a
+        tracker that compares bits has none and needs none); returns their names."""
+        edited = edited_since(self._counters, params)
+        if edited:
+            log.warning(
+                "version %d: %s written in place while the version was in flight (%s): sent "
+                "in full with the next version",
+                self.version,
+                _phrase(edited),
+                self.window,
+            )
+            mark = getattr(tracker, "mark_changed", None)
+            if callable(mark):
+                mark(*edited)
+        return edited
 
 
 def chunk_rows(dim0: int, index: int, count: int) -> tuple[int, int]:

@@ -1,0 +1,43 @@
+"""The overlapped in-cluster sender's optimizer barrier (``cluster.background``), on a real
+optimizer and real threads: the step waits until the version in flight reads nothing more AND
+its detection has ended. A send that fails at once releases the parameters, but a detection
+still running on its own thread reads θ, m and v: a step beside it would move them under it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from deltasync.cluster.background import Background, PendingSend
+
+
+def _failing_at_once(pending: PendingSend):
+    raise RuntimeError("injected: the send failed before detection ended")
+
+
+@pytest.mark.timeout(60)
+def test_the_step_waits_for_detection_after_a_send_that_failed_at_once() -> None:
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(8)
+    settled: list[int] = []
+    background = Background(
+        opt, thread_name="ds-test", settle=lambda pd: settled.append(pd.version)
+    )
+    pending = PendingSend(3, 0.0)
+    background.submit(pending, _failing_at_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        pending.result(30)
+    assert pending.released() and not pending.detected()
+    stepped = threading.Event()
+    t = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    t.start()
+    assert not stepped.wait(0.5), "the step ran while detection still read the state"
+    assert torch.equal(p.detach(), torch.ones(8)) and settled == []
+    pending.end_detection()
+    t.join(30)
+    assert stepped.is_set() and settled == [3]  # settled once, before the step
+    assert not torch.equal(p.detach(), torch.ones(8))
+    background.close()
