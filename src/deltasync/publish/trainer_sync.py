@@ -83,11 +83,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltasync.errors import (
-    CaptureAbandonedError,
-    ConfigError,
-    PublishFailedError,
-)
+from deltasync.errors import CaptureAbandonedError, ConfigError, PublishFailedError
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.native.loader import release_free_heap
