@@ -256,11 +256,13 @@ class PublishFailedError(DeltaSyncError):
 
 
 class ParamsEditedError(DeltaSyncError):
-    """Parameters were written in place while a version published in the background still
-    read them (between ``step_published`` and the next optimizer step or ``wait()``): what it
-    read may mix their old and new bits, so it was not committed. Raised at the next call as
-    the ``__cause__`` of :class:`PublishFailedError`; the version's changes are kept and these
-    parameters go out in full with the next version.
+    """Parameters were written in place while a version sent in the background still read
+    them (after ``TrainerSync.step_published`` or ``ClusterSender.sync`` returned, before the
+    next optimizer step or ``wait()``): what it read may mix their old and new bits, so it was
+    not committed. On the store path it is the ``__cause__`` of the next call's
+    :class:`PublishFailedError`; in-cluster the writer's preflight row carries it to every rank
+    and the next call raises :class:`SendFailedError`. The version's changes are kept and
+    these parameters go out in full with the next version.
 
     ``version`` is the version that was not committed; ``names`` the parameters whose version
     counters moved."""
