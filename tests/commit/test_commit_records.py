@@ -103,6 +103,38 @@ def test_a_receiver_record_round_trips_and_knows_whether_it_is_live() -> None:
         ReceiverRecord.from_json(b'{"receiver":"r","shard":"tp0","version":true,"updated_at":1}')
 
 
+def test_acks_and_registrations_carry_their_lineage_under_the_mac() -> None:
+    key = b"k" * 32
+    ack = AckRecord(
+        version=4, receiver="r", shard="tp0", state_digest=D1, created_at=1.0, run_id="run-a"
+    )
+    rec = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0, run_id="run-a")
+    for record, cls in ((ack, AckRecord), (rec, ReceiverRecord)):
+        signed = record.to_json(key)
+        assert cls.from_json(signed, signing_key=key).run_id == "run-a"
+        forged = signed.replace(b"run-a", b"run-b")  # the lineage is signed with the rest
+        with pytest.raises(ManifestError):
+            cls.from_json(forged, signing_key=key)
+        d = json.loads(record.to_json())
+        with pytest.raises(ManifestError):
+            cls.from_json(json.dumps(dict(d, run_id=7)))
+        with pytest.raises(ManifestError):
+            cls.from_json(json.dumps(dict(d, run_id="../x")))
+    # records written before lineages were recorded in them still parse, without one
+    assert (
+        b"run_id"
+        not in ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0).to_json()
+    )
+
+
+def test_a_registration_holds_a_version_only_of_its_own_lineage() -> None:
+    rec = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0, run_id="run-a")
+    assert rec.version_in("run-a") == 4
+    assert rec.version_in("run-b") is None  # the old lineage's v4 is nothing of the new one
+    legacy = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0)
+    assert legacy.version_in("run-b") == 4  # no lineage recorded: taken at its word
+
+
 # --- digests --------------------------------------------------------------------------------
 
 

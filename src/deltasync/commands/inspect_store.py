@@ -191,7 +191,11 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
                     "bytes": sum(b.size for b in blobs),
                     "elements": elements,
                     "density": density,
-                    "acks": sorted(r for r, a in acks.items() if a.shard == shard),
+                    "acks": sorted(
+                        r
+                        for r, a in acks.items()
+                        if a.shard == shard and a.run_id in (None, m.run_id)
+                    ),
                     "signed": m.signature is not None,
                 }
             )
@@ -201,6 +205,7 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
             "receiver": r.receiver,
             "shard": r.shard,
             "version": r.version,
+            "run_id": r.run_id,
             "age_s": round(now - r.updated_at, 1),
         }
         for r in catalog.receivers().values()
@@ -250,9 +255,11 @@ def _print_table(info: dict) -> None:
     if info["receivers"]:
         print("receivers:")
         for r in info["receivers"]:
+            other = r["run_id"] not in (None, info["run_id"])
             print(
                 f"  {r['receiver']:<20} shard={r['shard']:<10} version={r['version']} "
                 f"heartbeat {r['age_s']:.1f} s ago"
+                + (f" (of run {r['run_id']}, not this store's lineage)" if other else "")
             )
 
 

@@ -310,9 +310,11 @@ log = logging.getLogger(__name__)
 def _lagging(
     catalog: Catalog, committed: int, max_staleness: int, ttl_s: float
 ) -> dict[str, int | None]:
+    run_id = catalog.manifest(committed).run_id
     out = {}
     for rid, rec in catalog.live_receivers(ttl_s).items():
-        held = -1 if rec.version is None else rec.version  # nothing yet: behind everything
+        version = rec.version_in(run_id)  # a version of another lineage is nothing of this one
+        held = -1 if version is None else version  # nothing yet: behind everything
         if committed - held > max_staleness:
             out[rid] = rec.version
     return out
@@ -371,7 +373,11 @@ def wait_for_acks(
     poll_s: float,
 ) -> dict[str, AckRecord | None]:
     """``{receiver: ack}`` once each named receiver holds ``version`` or later (ack None when a
-    receiver's record shows a later version instead). AckTimeoutError names the missing."""
+    receiver's record shows a later version instead). AckTimeoutError names the missing.
+
+    Only ``version``'s lineage counts: an ack or a registration of another lineage (left by a
+    receiver that still holds the old lineage after a store reset) is not one of this
+    version's, whatever its number."""
     wanted = list(dict.fromkeys(receivers))
     manifest = catalog.manifest(version)
     done: dict[str, AckRecord | None] = {}
@@ -383,6 +389,8 @@ def wait_for_acks(
             if rid in done:
                 continue
             ack = acks.get(rid)
+            if ack is not None and ack.run_id not in (None, manifest.run_id):
+                ack = None
             if ack is not None:
                 expected = manifest.shard_digests.get(ack.shard)
                 if expected != ack.state_digest:
@@ -396,7 +404,8 @@ def wait_for_acks(
             if records is None:
                 records = catalog.receivers()
             rec = records.get(rid)
-            if rec is not None and rec.version is not None and rec.version > version:
+            later = None if rec is None else rec.version_in(manifest.run_id)
+            if later is not None and later > version:
                 done[rid] = None
         missing = [r for r in wanted if r not in done]
         if not missing:

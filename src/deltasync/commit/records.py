@@ -213,8 +213,9 @@ class WriterMarker(_Signed):
 
 @dataclass(frozen=True, kw_only=True)
 class AckRecord(_Signed):
-    """Receiver ``receiver`` (holding ``shard``) applied ``version`` and verified
-    ``state_digest``; ``pause_s``/``total_s`` are what it measured (for inspect)."""
+    """Receiver ``receiver`` (holding ``shard``) applied ``version`` of lineage ``run_id`` and
+    verified ``state_digest``; ``pause_s``/``total_s`` are what it measured (for inspect).
+    ``run_id`` is None in acks written before lineages were recorded in them."""
 
     KIND = "ack"
 
@@ -223,6 +224,7 @@ class AckRecord(_Signed):
     shard: str
     state_digest: str
     created_at: float
+    run_id: str | None = None
     pause_s: float | None = None
     total_s: float | None = None
     mac: str | None = field(default=None, compare=False)
@@ -232,6 +234,8 @@ class AckRecord(_Signed):
         names.check_token("receiver", self.receiver)
         names.check_token("shard", self.shard)
         check_digest(self.state_digest, what="ack state_digest")
+        if self.run_id is not None:
+            names.check_token("ack run_id", self.run_id)
         object.__setattr__(self, "created_at", check_time(self.created_at, what="ack created_at"))
         for f in ("pause_s", "total_s"):
             value = getattr(self, f)
@@ -251,7 +255,7 @@ class AckRecord(_Signed):
             "state_digest": self.state_digest,
             "created_at": self.created_at,
         }
-        for f in ("pause_s", "total_s"):
+        for f in ("run_id", "pause_s", "total_s"):
             if getattr(self, f) is not None:
                 obj[f] = getattr(self, f)
         return obj
@@ -273,9 +277,11 @@ class AckRecord(_Signed):
                 obj,
                 what=what,
                 required={"version", "receiver", "shard", "state_digest", "created_at"},
-                optional={"pause_s", "total_s", "mac"},
+                optional={"run_id", "pause_s", "total_s", "mac"},
             )
             _strings(obj, ("receiver", "shard"), what=what)
+            if obj.get("run_id") is not None:
+                _strings(obj, ("run_id",), what=what)
             ack = cls(**obj)
             _check_not_future(ack.created_at, what=f"{what} created_at", now=now)
         ack.verify(signing_key, what=what)
@@ -285,7 +291,13 @@ class AckRecord(_Signed):
 @dataclass(frozen=True, kw_only=True)
 class ReceiverRecord(_Signed):
     """A registered receiver: which shard it holds, the version it has (None before its
-    first version), and when it last said so (its heartbeat)."""
+    first version) and that version's lineage ``run_id``, and when it last said so (its
+    heartbeat).
+
+    A store reset starts a new lineage whose version numbers repeat the old one's; a receiver
+    still holding the old lineage's version says so truthfully, and the lineage tells a reader
+    that it holds nothing of the new one (:meth:`version_in`). ``run_id`` is None in records
+    written before lineages were recorded in them (and when ``version`` is None)."""
 
     KIND = "receiver record"
 
@@ -293,6 +305,7 @@ class ReceiverRecord(_Signed):
     shard: str
     version: int | None
     updated_at: float
+    run_id: str | None = None
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -300,6 +313,8 @@ class ReceiverRecord(_Signed):
         names.check_token("shard", self.shard)
         if self.version is not None:
             check_int(self.version, what="receiver version", lo=0, hi=_MAX_VERSION)
+        if self.run_id is not None:
+            names.check_token("receiver run_id", self.run_id)
         object.__setattr__(
             self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
         )
@@ -316,13 +331,24 @@ class ReceiverRecord(_Signed):
         age = now - self.updated_at
         return -MAX_CLOCK_SKEW_S <= age <= ttl_s
 
+    def version_in(self, run_id: str) -> int | None:
+        """The version this receiver holds of lineage ``run_id``: None when it holds none or
+        one of another lineage (the old one, after a store reset). A record without a
+        lineage (written before they were recorded) is taken at its word."""
+        if self.run_id is not None and self.run_id != run_id:
+            return None
+        return self.version
+
     def _fields(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "receiver": self.receiver,
             "shard": self.shard,
             "version": self.version,
             "updated_at": self.updated_at,
         }
+        if self.run_id is not None:
+            obj["run_id"] = self.run_id
+        return obj
 
     @classmethod
     def from_json(
@@ -341,9 +367,11 @@ class ReceiverRecord(_Signed):
                 obj,
                 what=what,
                 required={"receiver", "shard", "version", "updated_at"},
-                optional={"mac"},
+                optional={"run_id", "mac"},
             )
             _strings(obj, ("receiver", "shard"), what=what)
+            if obj.get("run_id") is not None:
+                _strings(obj, ("run_id",), what=what)
             rec = cls(**obj)
             _check_not_future(rec.updated_at, what=f"{what} updated_at", now=now)
         rec.verify(signing_key, what=what)

@@ -668,7 +668,11 @@ class Publisher:
             except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
                 del version_keys[v]
         ack_keys = {v: self.store.list(names.acks_prefix(v)) for v in manifests}
-        live = [r.version for r in self.live_receivers().values()]
+        run_id = manifests[committed].run_id if committed in manifests else None
+        live = [
+            r.version if run_id is None else r.version_in(run_id)
+            for r in self.live_receivers().values()
+        ]
         plan = plan_deletions(
             version_keys=version_keys,
             manifests=manifests,

@@ -260,16 +260,24 @@ class Receiver:
                     shard=self.shard,
                     state_digest=self._state.state_digest,
                     created_at=time.time(),
+                    run_id=self._state.run_id,
                 )
             self._flush_records()
 
     def _still_committed(self) -> bool:
-        """Does the store still hold the manifest of the held version? (False when it cannot
-        say: the ack is an optimisation, never a reason to fail.)"""
+        """Is the held version committed in the store as this receiver holds it: a manifest
+        of that number, with this shard's state digest and (where recorded) lineage? After a
+        store reset the same number names another state, whose ack this receiver must not
+        write. (False when it cannot say: the ack is an optimisation, never a reason to
+        fail.)"""
+        version, digest = self._state.version, self._state.state_digest
         try:
-            return self.catalog.has_manifest(self._state.version)
-        except StoreError:
+            manifest = self.catalog.manifest(version)
+        except DeltaSyncError:  # not committed, or unreadable
             return False
+        return manifest.shard_digests.get(self.shard) == digest and (
+            self._state.run_id in (None, manifest.run_id)
+        )
 
     @classmethod
     def for_layout(
@@ -359,11 +367,13 @@ class Receiver:
     def _register_as(self, state: LocalState) -> bool:
         """:meth:`heartbeat` with the version ``state`` records (the one a pull is recording
         while its state file is being written)."""
+        held = not state.dirty and state.version is not None
         rec = ReceiverRecord(
             receiver=self.config.receiver_id,
             shard=self.shard,
-            version=None if state.dirty else state.version,
+            version=state.version if held else None,
             updated_at=time.time(),
+            run_id=state.run_id if held else None,
         )
         if rec.version is None and not self._register:
             return True
@@ -643,6 +653,7 @@ class Receiver:
             shard=self.shard,
             state_digest=expected,
             created_at=time.time(),
+            run_id=target.run_id,
             pause_s=pause_s,
             total_s=time.perf_counter() - t0,
         )

@@ -1,0 +1,89 @@
+"""After a store reset the version numbers repeat with other states. A receiver that still
+holds the old lineage's version writes nothing the new lineage reads as its own: no ack of a
+version whose digest it does not hold, and a registration naming its lineage, which the
+trainer's ack wait, its bounded staleness and its retention all read as "nothing of mine".
+Once the receiver has pulled the new lineage, every one of them counts it again."""
+
+from __future__ import annotations
+
+import pytest
+from truth_kit import Rig, Trainer, wipe
+
+from deltasync import LocalStore
+from deltasync.commit import Catalog
+from deltasync.commit.catalog import wait_for_acks, wait_for_staleness
+from deltasync.errors import AckTimeoutError, StalenessTimeoutError
+
+WAIT = dict(timeout_s=0.3, poll_s=0.02)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    return Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+
+
+def _new_lineage(rig, versions: int) -> str:
+    """Publish ``versions`` versions of a new lineage (other data) on the wiped store."""
+    rig.trainer = Trainer(rig.store, rig.rl, rig.tl, rig.spec, seed=7)
+    for v in range(versions):
+        rig.trainer.publish(v, rig.oracle, step=v > 0)
+    return rig.trainer.pub.run_id
+
+
+def _holds_old_v4(rig) -> str:
+    for v in range(5):
+        rig.publish(v)
+    report = rig.rec.pull()
+    rig.check(report)
+    assert report.version == 4
+    return report.run_id
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_restarted_after_a_reset_acks_nothing_of_the_new_lineage(rig):
+    old_run = _holds_old_v4(rig)
+    wipe(rig.store)
+    new_run = _new_lineage(rig, 5)
+    catalog = Catalog(rig.store)
+
+    restarted = rig.receiver()  # verify_on_open: its tensors hash to its old v4
+    assert restarted.version == 4 and restarted.run_id == old_run
+    assert catalog.acks(4) == {}  # the new v4 is another state: its ack is not owed
+    record = catalog.receivers()["rec"]
+    assert (record.version, record.run_id) == (4, old_run)
+    assert record.version_in(new_run) is None
+    for version in (4, 3):  # neither its v4 nor "v4 or later" for an earlier one
+        with pytest.raises(AckTimeoutError, match="rec"):
+            wait_for_acks(catalog, version, ["rec"], **WAIT)
+
+    report = restarted.pull()
+    assert report.from_anchor and report.run_id == new_run
+    rig.rec = restarted
+    rig.check(report)
+    ack = catalog.acks(4)["rec"]
+    assert ack.run_id == new_run
+    assert ack.state_digest == catalog.manifest(4).shard_digests[rig.shard]
+    assert wait_for_acks(catalog, 4, ["rec"], **WAIT) == {"rec": ack}
+    assert wait_for_acks(catalog, 3, ["rec"], **WAIT) == {"rec": None}
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_on_a_wiped_store_is_behind_every_version_of_the_new_lineage(rig):
+    old_run = _holds_old_v4(rig)
+    wipe(rig.store)
+    assert rig.rec.pull().version == 4  # nothing committed yet: it still holds its v4
+    catalog = Catalog(rig.store)
+    assert catalog.receivers()["rec"].run_id == old_run
+
+    _new_lineage(rig, 3)
+    with pytest.raises(AckTimeoutError, match="rec"):
+        wait_for_acks(catalog, 2, ["rec"], **WAIT)
+    with pytest.raises(StalenessTimeoutError, match="rec"):  # holds nothing of this lineage
+        wait_for_staleness(catalog, 2, max_staleness=1, ttl_s=60, **WAIT)
+    # retention sees a receiver that needs the newest anchor, not one at a "v4" ahead of it
+    plan = rig.trainer.pub.gc()
+    assert plan.versions == ()
+
+    rig.check(rig.rec.pull())
+    assert catalog.receivers()["rec"].version_in(rig.trainer.pub.run_id) == 2
+    assert wait_for_staleness(catalog, 2, max_staleness=0, ttl_s=60, **WAIT) < WAIT["timeout_s"]
