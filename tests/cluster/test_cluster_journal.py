@@ -64,3 +64,42 @@ def test_a_damaged_journal_file_is_refused(tmp_path: Path) -> None:
     path.write_text('{"committed": "two"}')
     with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
         ClusterJournal(version=None, path=path)
+
+
+def test_a_commit_records_the_digests_verified_for_that_version_and_only_those(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.json"
+    j = ClusterJournal(version=None, path=path)
+    assert not j.reopened
+    j.begin(0, -1)
+    j.verified(0, digest="d0")
+    j.commit(0)
+    assert j.state == JournalState(committed=0, digest="d0")
+    j.begin(1, 0)
+    j.verified(1, digest=None, part_digests=("p0", "p1"))
+    j.commit(1)
+    assert j.state == JournalState(committed=1, part_digests=("p0", "p1"))
+    j.begin(2, 1)
+    j.verified(2, digest=None)  # sent without digests: unknown again
+    j.commit(2)
+    assert j.state == JournalState(committed=2)
+    j.verified(3, digest="d3")
+    j.begin(3, 2)  # a new apply forgets what an earlier one noted
+    j.commit(3)
+    assert j.state.digest is None
+    j.begin(4, 3)
+    j.verified(4, digest="d4")
+    j.commit(4)
+    again = ClusterJournal(version=None, path=path)
+    assert again.reopened and again.state == JournalState(committed=4, digest="d4")
+
+
+def test_a_journal_without_digest_fields_reads_as_unknown_digests(tmp_path: Path) -> None:
+    path = tmp_path / "journal.json"
+    path.write_text('{"applying":null,"committed":3,"dirty":false}')  # before windows, digests
+    state = ClusterJournal(version=None, path=path).state
+    assert state == JournalState(committed=3) and not state.checkable
+    path.write_text('{"applying":null,"committed":3,"dirty":false,"digest":7}')
+    with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
+        ClusterJournal(version=None, path=path)

@@ -1,9 +1,15 @@
 """Where an in-cluster receiver's live tensors stand, recorded before the first write.
 
-Three facts, kept in memory and, when a path is given, in one record of
-:mod:`deltasync.atomic` (the file format the storage receiver's journal uses too):
+Three facts (the first with its digests), kept in memory and, when a path is given, in one
+record of :mod:`deltasync.atomic` (the file format the storage receiver's journal uses too):
 
-- ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet);
+- ``committed``: the version the tensors hold, jointly committed (None: nothing verified yet),
+  with what the tensors hash to at that version when the receiver knows it: ``digest``, the
+  shard's state digest, or ``part_digests``, every writer's part digest of the shard (both
+  None: the version came without digests, so nothing was verified against it). They are what
+  lets a receiver that reopens the file check that the tensors it was given still hold
+  ``committed`` (a replacement process with freshly loaded tensors does not): see
+  ``ClusterReceiver``;
 - ``applying``: ``(version, base)`` of an apply that started and has not been committed: the
   tensors hold ``base`` overwritten at some of that version's elements. With it, ``window``:
   the writers' attempt-window token the apply came with. A retry on the same base converges
@@ -18,6 +24,12 @@ so that a restarted receiver can replay it from the store. In-cluster nothing is
 only sources of repair are the trainer's retry of the same version and an anchor, which these
 three facts are enough to decide between (``accepts``). The rule is the same: the journal is
 written before the first byte of a live tensor changes.
+
+The digests are noted in memory when the verify before write has checked them
+(:meth:`ClusterJournal.verified`) and written with the commit of that version, so that the
+recorded digests always describe ``committed``: a version committed without digests records
+None, and the next verified one records its digests again. Journals written before the digests
+existed read as None (unknown), as those written before windows read window 0.
 
 This module knows files and versions; it knows nothing about tensors or processes.
 """
@@ -41,6 +53,14 @@ class JournalState:
     applying: tuple[int, int] | None = None
     dirty: bool = False
     window: int = 0  # the writers' attempt window of ``applying`` (0: none or unknown)
+    digest: str | None = None  # the state digest of ``committed`` (None: unknown)
+    # every writer's part digest of ``committed``, in writer order (None: unknown)
+    part_digests: tuple[str, ...] | None = None
+
+    @property
+    def checkable(self) -> bool:
+        """Whether the journal knows what the tensors hash to at ``committed``."""
+        return self.digest is not None or self.part_digests is not None
 
     def to_json(self) -> bytes:
         return encode_record(self.to_obj())
@@ -52,6 +72,8 @@ class JournalState:
             "applying": applying,
             "dirty": self.dirty,
             "window": self.window,
+            "digest": self.digest,
+            "part_digests": None if self.part_digests is None else list(self.part_digests),
         }
 
     @classmethod
@@ -65,10 +87,14 @@ class JournalState:
     def from_obj(cls, obj: Any, where: str) -> JournalState:
         try:
             committed, applying, dirty = obj["committed"], obj["applying"], obj["dirty"]
-            window = obj.get("window", 0)  # absent in journals written before windows existed
+            # absent in journals written before windows, or digests, existed
+            window = obj.get("window", 0)
+            digest, parts = obj.get("digest"), obj.get("part_digests")
             ok = (
-                set(obj) - {"window"} == {"committed", "applying", "dirty"}
+                set(obj) - _OPTIONAL == {"committed", "applying", "dirty"}
                 and type(window) is int
+                and (digest is None or type(digest) is str)
+                and (parts is None or (type(parts) is list and all(type(d) is str for d in parts)))
                 and (committed is None or (type(committed) is int and committed >= 0))
                 and (
                     applying is None
@@ -81,14 +107,27 @@ class JournalState:
         if not ok:
             raise LocalStateError(f"{where} is not a deltasync cluster journal: {REMEDY}")
         pair = None if applying is None else (applying[0], applying[1])
-        return cls(committed=committed, applying=pair, dirty=dirty, window=window)
+        return cls(
+            committed=committed,
+            applying=pair,
+            dirty=dirty,
+            window=window,
+            digest=digest,
+            part_digests=None if parts is None else tuple(parts),
+        )
+
+
+_OPTIONAL = {"window", "digest", "part_digests"}  # fields later versions of the format added
 
 
 class ClusterJournal:
     """The receiver's record of its state; durable when ``path`` is given.
 
     ``version`` is what the tensors hold when no journal file exists yet (None: nothing
-    verified; the first sync must be an anchor). An existing file wins over ``version``."""
+    verified; the first sync must be an anchor). An existing file wins over ``version``
+    (``reopened``); whether the tensors still hold what it says is for the receiver to check
+    (``ClusterReceiver`` hashes them against the recorded digests and marks the journal dirty
+    when they do not match or cannot be checked)."""
 
     def __init__(self, *, version: int | None, path: str | os.PathLike[str] | None = None) -> None:
         if version is not None and (
@@ -97,12 +136,17 @@ class ClusterJournal:
             raise ConfigError(f"journal version must be None or an int >= 0, got {version!r}")
         self.path = None if path is None else Path(path)
         self._state = JournalState(committed=version)
+        # the digests the verify before write found for the version being applied, in memory
+        # until its commit writes them: (version, digest, part digests)
+        self._verified: tuple[int, str | None, tuple[str, ...] | None] | None = None
+        self.reopened = False  # the state was read from an existing file
         if self.path is not None:
             obj = read_record(self.path)
             if obj is None:
                 self._write(self._state)
             else:
                 self._state = JournalState.from_obj(obj, repr(str(self.path)))
+                self.reopened = True
 
     @property
     def state(self) -> JournalState:
@@ -117,8 +161,8 @@ class ClusterJournal:
             why = (
                 "holds no verified version"
                 if s.committed is None
-                else "is dirty (its state did not match the digest of a version after version "
-                f"{s.committed})"
+                else "is dirty (its tensors failed a state digest check, or could not be shown "
+                f"to hold version {s.committed} when its journal was reopened)"
             )
             raise AnchorRequiredError(
                 f"{where}: delta version {version} on base {base} refused before any write: this "
@@ -134,20 +178,42 @@ class ClusterJournal:
     def begin(self, version: int, base: int, *, window: int = 0) -> None:
         """Record the apply of ``version`` on ``base`` from the writers' attempt ``window``:
         call before the first write."""
+        self._verified = None
         self._set(replace(self._state, applying=(version, base), window=window))
 
+    def verified(
+        self,
+        version: int,
+        *,
+        digest: str | None,
+        part_digests: tuple[str, ...] | None = None,
+    ) -> None:
+        """Note (in memory) what the tensors will hash to once ``version``, just verified
+        before its write, is applied: its state ``digest`` and/or every writer's
+        ``part_digests`` (None: not checked). The commit of ``version`` records them."""
+        self._verified = (version, digest, part_digests)
+
     def commit(self, version: int) -> None:
+        """Record ``version`` as committed, with the digests :meth:`verified` noted for it
+        since the last ``begin`` (none noted: unknown, so a reopened journal cannot vouch for
+        the tensors)."""
+        noted, self._verified = self._verified, None
+        digest, parts = (None, None) if noted is None or noted[0] != version else noted[1:]
         # The file is synced, its directory entry not: after a power loss the journal reads
         # this commit or the apply before it, whole either way, and the apply only means a
         # retry or an anchor (the next begin syncs the directory anyway).
-        self._set(JournalState(committed=version), sync_dir=False)
+        self._set(
+            JournalState(committed=version, digest=digest, part_digests=parts), sync_dir=False
+        )
 
     def mark_dirty(self) -> None:
+        self._verified = None
         self._set(replace(self._state, applying=None, dirty=True, window=0))
 
     def restore(self, state: JournalState) -> None:
         """Put back ``state``, recorded before a ``begin`` whose apply never wrote a byte (its
         verify refused the payload)."""
+        self._verified = None
         self._set(state)
 
     def _set(self, state: JournalState, *, sync_dir: bool = True) -> None:

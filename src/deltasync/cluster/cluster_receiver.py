@@ -27,7 +27,8 @@
    then, inside the engine's ``pause`` context, read the same records again one tensor at a
    time and scatter each in place (``format.apply_pieces``);
 6. acknowledge in the joint commit; the journal commits the version only when every rank
-   succeeded.
+   succeeded, with the digests verified in 4 (``journal.verified``), so that the recorded
+   digests always describe the committed version (None after a version sent without them).
 
 :attr:`version` is the version the tensors hold: the committed one, or None while they hold
 an uncommitted attempt's values (after a failed sync) or are dirty, so a caller never serves
@@ -36,6 +37,18 @@ attempt because the writers resend the union of every uncommitted attempt
 (:mod:`deltasync.cluster.cluster_sender`); the preflight checks the writers' window token
 against the one recorded with the apply, so a retry that cannot prove it covers the attempt is
 refused (anchor).
+
+A receiver whose ``journal_path`` names an existing file takes the file's state over
+``version``, but the file describes the tensors of the process that wrote it: a replacement
+process is usually handed freshly loaded ones. So the constructor hashes the live tensors
+(one read of the shard) against the digests recorded with ``committed`` (the state digest, as
+the verify computes it, or every writer's part digest) and marks the journal dirty, durably,
+when they do not match, and also when the journal has no digest for ``committed`` (that version
+was sent without digests, or the file predates them): tensors that cannot be checked cannot be
+vouched for. Then :attr:`version` is None and only an anchor is accepted. A journal that was
+mid-apply (``applying``) keeps its retry only when the tensors still hash to ``committed``
+(the apply never wrote): tensors holding part or all of the attempt cannot be told from
+tensors that never held the base, so they need the anchor too.
 
 A failure in 3-5 is raised on this rank as the storage path raises it (DigestMismatchError,
 BlobBaseMismatchError, IntegrityError, ...) after this rank has told every other rank in the
@@ -85,6 +98,7 @@ from deltasync.cluster.staging import (
     state_digest_after,
 )
 from deltasync.cluster.streaming import receive_parts
+from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
     ConfigError,
@@ -97,6 +111,7 @@ from deltasync.exchange.status_row import describe
 from deltasync.format import apply_pieces, check_tensors_match
 from deltasync.format.apply import overlaps_itself
 from deltasync.layout import ReceiverLayout
+from deltasync.layout.digest import state_digest
 from deltasync.validate import check_int
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
@@ -136,7 +151,11 @@ class ClusterReceiver:
         place.
     version: the version they hold when no journal file says otherwise (None: nothing
         verified; the first sync must be an anchor).
-    journal_path: a file for the durable journal; None keeps it in memory.
+    journal_path: a file for the durable journal; None keeps it in memory. An existing file
+        wins over ``version`` only when ``tensors`` hash to the digest it recorded for its
+        committed version; otherwise (another state, or a version recorded without a digest)
+        it is marked dirty and the next sync must be an anchor. Pass it to a replacement only
+        with tensors that survived the process that wrote it (e.g. a mapped file).
     pause: the engine's "stop reading weights" context, entered only around the scatter.
     lineage: the run id of the model's lineage, if the job has one (part of the fingerprint).
     max_staged_bytes: a version whose decoded records are estimated at most this size is
@@ -182,6 +201,57 @@ class ClusterReceiver:
         self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
         self.use_group(group)
+        if self.journal.reopened:
+            self._check_reopened()
+
+    def _check_reopened(self) -> None:
+        """Mark the reopened journal dirty unless the tensors provably hold its committed
+        version: a journal file outlives the process, its tensors may not (a replacement loads
+        fresh ones), and a receiver never reports a version it does not hold."""
+        s = self.journal.state
+        if s.dirty or s.committed is None:
+            return  # already anchor-only
+        why = self._unlike_committed()
+        if why is None:
+            return  # untouched since the commit (mid-apply: the retry converges from the base)
+        attempt = "" if s.applying is None else f" (mid-apply of version {s.applying[0]})"
+        log.warning(
+            "receiver %s replica %s (rank %d): journal %s names version %d%s, but %s; marked "
+            "dirty, only an anchor is accepted",
+            self.shard,
+            self.role.replica,
+            self.rank,
+            self.journal.path,
+            s.committed,
+            attempt,
+            why,
+        )
+        self.journal.mark_dirty()
+
+    def _unlike_committed(self) -> str | None:
+        """Why the live tensors are not shown to hold the journal's committed version, or
+        None when they hash to the digests it recorded with it."""
+        s = self.journal.state
+        if not s.checkable:
+            return (
+                "it holds no digest of that version (sent without digests, or a journal older "
+                "than its digests), so the tensors cannot be checked"
+            )
+        if s.digest is not None and state_digest(self.tensors) != s.digest:
+            return f"the tensors do not hash to its state digest {s.digest}"
+        if s.part_digests is not None:
+            count = len(self.plan.writers)
+            if len(s.part_digests) != count:
+                return (
+                    f"it holds {len(s.part_digests)} part digests and the plan has {count} "
+                    "writers, so the tensors cannot be checked"
+                )
+            mine = receiver_part_digests(
+                self.tensors, layout=self.layout, shard=self.shard, count=count
+            )
+            if tuple(mine[k] for k in range(count)) != s.part_digests:
+                return "the tensors do not hash to its writers' part digests"
+        return None
 
     def _check_tensors(self) -> None:
         check_tensors_match(
@@ -313,7 +383,7 @@ class ClusterReceiver:
         )
         t = time.perf_counter()
         try:
-            digest, elements = self._verify(staged)
+            digest, parts, elements = self._verify(staged)
         except _Diverged as exc:
             recording.wait()  # marked dirty after the apply's record, never under it
             self._diverged(staged.version, exc.why)
@@ -325,6 +395,9 @@ class ClusterReceiver:
         error = recording.wait()  # durable before the first write
         if error is not None:
             raise error
+        # what the tensors will hash to, recorded with this version's commit (after the begin,
+        # which forgets what an earlier apply noted)
+        self.journal.verified(staged.version, digest=digest, part_digests=parts)
         # The same records again (the received bytes are immutable and were fully checked
         # above), one tensor at a time: the decoder proved every index sorted and in range.
         t = time.perf_counter()
@@ -343,18 +416,19 @@ class ClusterReceiver:
             state_digest=digest,
         )
 
-    def _verify(self, staged: Staged) -> tuple[str | None, int]:
+    def _verify(self, staged: Staged) -> tuple[str | None, tuple[str, ...] | None, int]:
         """Read ``staged`` to the end once; the digests the tensors will have after it against
         what the writers sent. Returns the resulting state digest (one writer; None without
-        one) and the elements the scatter will write; raises ``_Diverged`` on a mismatch, or
-        the records' own typed errors."""
+        one), every writer's part digest when every writer sent its own and they all matched
+        (else None), and the elements the scatter will write; raises ``_Diverged`` on a
+        mismatch, or the records' own typed errors."""
         if staged.state_digest is not None:
             digest, elements = state_digest_after(staged, self.tensors, self.specs)
             if digest != staged.state_digest:
                 raise _Diverged(
                     f"would give state digest {digest}, the trainer says {staged.state_digest}"
                 )
-            return digest, elements
+            return digest, None, elements
         if staged.part_digests:
             count = len(self.plan.writers)
             mine, elements = part_digests_after(
@@ -369,8 +443,10 @@ class ClusterReceiver:
                 raise _Diverged(
                     f"would not match the part digests of writers {bad} in the parts they own"
                 )
-            return None, elements
-        return None, check_staged(staged, self.specs)
+            ids = [names.writer_id(k) for k in range(count)]
+            every = all(i in staged.part_digests for i in ids)  # else some part is unchecked
+            return None, tuple(mine[k] for k in range(count)) if every else None, elements
+        return None, None, check_staged(staged, self.specs)
 
     def _diverged(self, version: int, why: str) -> NoReturn:
         log.error(
