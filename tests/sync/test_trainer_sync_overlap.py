@@ -218,6 +218,9 @@ class StagedTracker:
     def mark_changed(self, *names: str) -> None:
         self.inner.mark_changed(*names)
 
+    def seal_state(self):
+        return self.inner.seal_state()
+
 
 def _staged(tmp_path, gate):
     trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, gate)
@@ -639,6 +642,34 @@ def test_an_edit_while_the_version_reads_the_params_refuses_it_and_the_next_send
     sync.close()
 
 
+def test_optimizer_state_reset_while_the_version_reads_it_refuses_it_and_the_next_is_exact(
+    tmp_path,
+):
+    # Against the contract, the moments are reset after step_published returned while
+    # detection has yet to invert the last parameters from them: what it read is not the
+    # state the step left, so the version must not commit.
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    sync.step_published(1)
+    assert gated.reached.wait(30)
+    for state in trainer.opt.state.values():
+        state["exp_avg"].zero_()
+    gated.gate.set()
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
+        sync.wait()
+    cause = err.value.__cause__
+    assert isinstance(cause, ParamsEditedError) and cause.version == 1
+    assert set(cause.names) == set(gated.inner.shards)  # every covered param's state moved
+    assert "optimizer state that was replaced or written" in str(cause)
+    assert pub.committed() == 0 and sync.baseline == 0
+    trainer.step()
+    (report,) = sync.step_published(1).result()
+    sync.wait()
+    assert report.base_version == 0
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
 def test_a_publish_that_fails_early_holds_the_next_step_until_detection_has_ended(tmp_path):
     # The store fails the background's first read while detection still runs on its own
     # thread: the optimizer's next step must still wait for detection (it reads θ, m, v and
@@ -879,3 +910,25 @@ def test_without_overlap_a_small_deltas_successor_keeps_the_pass_beside_detectio
         assert dict(pub.catalog.manifest(version).shard_digests) == truth
         _assert_receivers_exact(receivers, trainer, lay, version)
     sync.close()
+
+
+def test_after_close_a_failed_versions_capture_goes_out_with_the_next_blocking_call(tmp_path):
+    # close() removes the barrier: a later call must not publish in the background beside the
+    # next optimizer step, and the capture of a version that failed in flight must not be lost.
+    gate = ManifestGate(1, fail=True)
+    trainer, _tracker, sync, pub, receivers, lay = _setup(tmp_path, gate)
+    _anchor_then_step(sync, trainer)
+    sync.step_published(1)
+    with pytest.raises(PublishFailedError, match="version 1 did not commit"):
+        sync.close()
+    assert sync._carry  # step 1's positions, the tracker already cleared
+    gate.release()
+    trainer.step()
+    reports = sync.step_published(1)  # steps 1 and 2: blocks until committed
+    assert isinstance(reports, list) and reports[0].base_version == 0
+    assert pub.committed() == 1 and sync._inflight is None and sync._worker is None
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    trainer.step()
+    reports = sync.step_published(2)  # nothing carried: the plain blocking path
+    assert isinstance(reports, list) and pub.committed() == 2
+    _assert_receivers_exact(receivers, trainer, lay, 2)

@@ -153,3 +153,93 @@ def test_frozen_params_are_snapshotted_when_asked():
     assert tracker.memory_bytes() == (32 * 48 + 48) * 2
     model.a.bias.data[1] = 7.0  # even through .data: the snapshot compares bits
     assert tracker.changed()["a.bias"].tolist() == [1]
+
+
+def _reset_moments(opt) -> None:
+    for state in opt.state.values():
+        state["exp_avg"].zero_()
+
+
+def _halve_denominators(opt) -> None:
+    for state in opt.state.values():
+        state["exp_avg_sq"].mul_(4.0)
+
+
+def _forget_state(opt) -> None:
+    opt.state.clear()
+
+
+@pytest.mark.parametrize(
+    "edit", [_reset_moments, _halve_denominators, _forget_state, "load_state_dict"]
+)
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_optimizer_state_changed_after_the_step_reports_the_step_in_full(edit, impl, caplog):
+    # The inversion reads the state the step left; detected from any other state it could
+    # miss elements. Each edit below made the detection miss thousands of them before.
+    model, opt, tracker, truth = _setup(**impl)
+    _step(model, opt, 1)
+    tracker.clear(), truth.clear()
+    saved = {k: v for k, v in opt.state_dict().items()}
+    saved["state"] = {i: {k: t.clone() for k, t in s.items()} for i, s in saved["state"].items()}
+    _step(model, opt, 2)
+    caplog.set_level(logging.WARNING, logger="deltasync.trainer.adamw_tracker")
+    if edit == "load_state_dict":
+        opt.load_state_dict(saved)  # e.g. a resume that loads an older optimizer checkpoint
+    else:
+        edit(opt)
+    changed = _check(tracker, truth, set())
+    params = dict(tracker.local_params())
+    assert {n: changed[n].numel() for n in changed} == {n: p.numel() for n, p in params.items()}
+    assert "optimizer state was replaced or written after the step" in caplog.text
+    tracker.clear(), truth.clear()
+    _step(model, opt, 3)  # a step from the edited state is detected as any other
+    _check(tracker, truth, set())
+
+
+def test_a_state_written_between_two_steps_of_one_version_is_caught_before_the_next_step():
+    model, opt, tracker, truth = _setup()
+    _step(model, opt, 1)
+    _step(model, opt, 2)  # step 1 inverted here, before step 2 changes the state
+    _reset_moments(opt)
+    _step(model, opt, 3)  # step 2's state was reset: it is reported in full
+    changed = _check(tracker, truth, set())
+    assert all(changed[n].numel() == p.numel() for n, p in dict(tracker.local_params()).items())
+
+
+def test_a_frozen_param_added_to_the_optimizer_later_is_reported_in_full(caplog):
+    # Progressive unfreezing: a constant at construction, stepped from then on. The step's
+    # writes to it are not the tracker's own: it is reported in full, with a warning.
+    model, opt, tracker, truth = (None, None, None, None)
+    model = Model()
+    model.b.weight.requires_grad_(False)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01
+    )
+    tracker = AdamWTracker(opt, model.named_parameters())
+    truth = SnapshotTracker(model.named_parameters())
+    assert tracker.constant == ("b.weight",)
+    _step(model, opt, 1)
+    _check(tracker, truth, set())
+    tracker.clear(), truth.clear()
+    model.b.weight.requires_grad_(True)
+    opt.add_param_group({"params": [model.b.weight]})
+    caplog.set_level(logging.WARNING, logger="deltasync.trainer.adamw_tracker")
+    for seed in (2, 3):
+        _step(model, opt, seed)
+        _check(tracker, truth, {"b.weight"})
+        tracker.clear(), truth.clear()
+    assert "were added to the optimizer after the tracker was built ('b.weight')" in caplog.text
+    assert tracker.constant == ()
+
+
+def test_a_step_hook_that_edits_a_param_the_step_does_not_move_is_seen():
+    model, opt, tracker, truth = _setup()
+
+    def edit(_opt, _args, _kwargs):  # registered after the tracker: runs inside its window
+        with torch.no_grad():
+            model.b.bias.add_(0.125)
+
+    opt.register_step_pre_hook(edit)
+    model.b.bias.requires_grad_(False)  # no gradient: the step itself does not move it
+    _step(model, opt, 1)
+    _check(tracker, truth, {"b.bias"})

@@ -774,6 +774,7 @@ class ClusterSender:
             params,
             version,
             window="after sync returned, before the next optimizer step or wait()",
+            tracker=self.tracker,
         )
         # A delta's positions go to the background as each parameter is captured: routing and
         # encoding overlap the rest of detection (joined with the carry; the values detection

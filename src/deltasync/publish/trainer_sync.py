@@ -283,6 +283,7 @@ class TrainerSync:
         self.inline_below = inline_below
         # overlap mode: positions captured since the last commit, per param
         self._carry: Captured = {}
+        self._closed = False  # close(): later calls block, as without overlap
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._detector: ThreadPoolExecutor | None = None  # detection after the return
@@ -350,8 +351,18 @@ class TrainerSync:
             One :class:`PublishReport` per publisher, in order; with overlap, the
             :class:`PendingVersion` whose ``result()`` gives them.
         """
-        if self.overlap:
+        if self.overlap and not self._closed:
             return self._step_overlapped(version, anchor)
+        if self._carry:
+            # After close(), a version that failed in flight left its capture: it goes out
+            # with this one, through the same path, and this call waits for the commit.
+            self._step_overlapped(version, anchor)
+            try:
+                reports = self.wait()
+            finally:
+                self._stop_threads()
+            assert reports is not None
+            return reports
         params = self._params() if callable(self._params) else self._params
         # The first publisher's digests hashed by the detection pass where it can: its digest
         # pass then waits for the end of the stream and reads only the tensors not fed. After
@@ -441,6 +452,7 @@ class TrainerSync:
             params,
             version,
             window="after step_published returned, before the next optimizer step or wait()",
+            tracker=self.tracker,
         )
         at_once = not anchor and self._unhold is not None and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
@@ -747,7 +759,9 @@ class TrainerSync:
         return reports
 
     def close(self) -> None:
-        """Wait for the version in flight, remove the optimizer hook, stop the thread.
+        """Wait for the version in flight, remove the optimizer hook, stop the thread. Later
+        ``step_published`` calls block, as without overlap: nothing holds the optimizer's
+        next step behind a version any more.
 
         Raises:
             PublishFailedError: the version in flight did not commit.
@@ -755,13 +769,17 @@ class TrainerSync:
         try:
             self.wait()
         finally:
+            self._closed = True
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
             if self._unhold is not None:
                 self._unhold()
                 self._unhold = None
-            for pool in (self._detector, self._worker):
-                if pool is not None:
-                    pool.shutdown(wait=True)
-            self._detector = self._worker = None
+            self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        for pool in (self._detector, self._worker):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._detector = self._worker = None

@@ -16,7 +16,11 @@ Edits outside the optimizer (``params.OutOfBandWatch``): every parameter's versi
 after each step and at ``clear()``, and compared before the next step and at detection; a
 parameter whose counter moved is reported changed in full for that version (``out_of_band``
 names it, and a warning says so). Writes through ``.data`` bypass the counter: call
-``mark_changed(name)``.
+``mark_changed(name)``. The inversion also needs the optimizer state exactly as the step left
+it: the post-hook seals each parameter's ``exp_avg`` and denominator state (the objects, weakly,
+and their version counters), and detection checks the seal first. A state replaced or written
+in between (``optimizer.load_state_dict``, a moment reset, ``state.clear()``) leaves the step
+uninvertible, so the parameter is reported changed in full, with a warning.
 
 Parameters the bound does not cover go through an exact bitwise snapshot
 (:class:`SnapshotTracker`); ``fallback`` says which, why, and the bytes held, and construction
@@ -33,6 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -60,7 +65,14 @@ from deltasync.trainer.detect import (
     join_chunks,
     small_enough,
 )
-from deltasync.trainer.params import OutOfBandWatch, Watched, local_of, watch
+from deltasync.trainer.params import (
+    OutOfBandWatch,
+    Version,
+    Watched,
+    local_of,
+    version_of,
+    watch,
+)
 from deltasync.trainer.positions import Positions
 from deltasync.trainer.protocol import CastSink, LocalShard
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
@@ -113,6 +125,49 @@ def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
         decoupled=bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))),
         step=step,
     )
+
+
+class _Seal(NamedTuple):
+    """The optimizer state a recorded step left for one parameter: its moment tensors (weak
+    references: a replaced state is not kept alive) and their write counters. The bound
+    inverts that step from exactly this state and from nothing else."""
+
+    m: weakref.ref
+    v: weakref.ref
+    counters: tuple[Version, Version]
+
+    @classmethod
+    def of(cls, m: torch.Tensor, v: torch.Tensor) -> _Seal:
+        return cls(weakref.ref(m), weakref.ref(v), (version_of(m), version_of(v)))
+
+    def holds(self, m: object, v: object) -> bool:
+        """Whether ``m`` and ``v`` are the sealed tensors, unwritten since (a dead reference
+        is never the state held: a freed tensor's address may be reused)."""
+        return (
+            isinstance(m, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and self.m() is m
+            and self.v() is v
+            and (version_of(m), version_of(v)) == self.counters
+        )
+
+
+class StateSeal:
+    """The optimizer state of every covered parameter as it was when taken; ``moved()`` names
+    the parameters whose state was replaced or written in place since (see
+    :meth:`AdamWTracker.seal_state`)."""
+
+    def __init__(self, tracker: AdamWTracker) -> None:
+        self._tracker = tracker
+        self._seals = {
+            name: seal for name in tracker._covered if (seal := tracker._seal_of(name)) is not None
+        }
+
+    def moved(self) -> tuple[str, ...]:
+        tracker = self._tracker
+        return tuple(
+            name for name, seal in self._seals.items() if not seal.holds(*tracker._moments(name))
+        )
 
 
 Change = tuple[str, torch.Tensor, torch.Tensor | None]
@@ -296,6 +351,7 @@ class AdamWTracker:
                 "pass strict=False to snapshot them (2 bytes per element)"
             )
         self.constant: tuple[str, ...] = tuple(constant)
+        self._stepped_count = len(group_of)  # params in the optimizer (see _check_groups)
         self._snapshot = SnapshotTracker({n: self._watched[n] for n in self._order if n in reasons})
         self.fallback: dict[str, Fallback] = {
             n: Fallback(r, self._watched[n].local_bytes()) for n, r in reasons.items()
@@ -325,6 +381,7 @@ class AdamWTracker:
         self._steps_before: dict[str, float | None] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
+        self._seals: dict[str, _Seal] = {}  # the state each pending step left (see _vouch)
         # Edits outside the optimizer; the snapshot path compares bits and needs no counter.
         self._oob = OutOfBandWatch(
             {n: w for n, w in self._watched.items() if n not in self.fallback}
@@ -389,21 +446,45 @@ class AdamWTracker:
     def _pre_step(self, opt, args, kwargs) -> None:
         for wait in list(self._holds.values()):  # a detection on another thread ends first
             wait()
+        self._check_groups(opt)
         # Edits since the last step or clear() must be seen before this step moves the
         # counters again (a param edited, then stepped).
         self._oob.check()
+        self._vouch()
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
 
+    def _check_groups(self, opt: torch.optim.Optimizer) -> None:
+        """Warn once about constants the optimizer now steps (``add_param_group`` after this
+        tracker was built, e.g. progressive unfreezing): their counters move at every step,
+        so they are sent in full every version; a new tracker detects them sparsely."""
+        count = sum(len(g["params"]) for g in opt.param_groups)
+        if count == self._stepped_count:
+            return
+        self._stepped_count = count
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        added = [n for n in self.constant if id(self._watched[n].param) in ids]
+        if added:
+            self.constant = tuple(n for n in self.constant if n not in added)
+            log.warning(
+                "AdamWTracker: %d frozen parameter(s) were added to the optimizer after the "
+                "tracker was built (%s): each is reported changed in full for every version "
+                "it is stepped in; build a new AdamWTracker over the optimizer to detect them "
+                "sparsely",
+                len(added),
+                ", ".join(repr(n) for n in added[:5]),
+            )
+
     def _post_step(self, opt, args, kwargs) -> None:
-        self._oob.record()  # the step's own writes are not out of band
+        stepped = []
         group_hyper: dict[int, tuple[dict, str | None]] = {}
         for name, (p, gi) in self._covered.items():
             state = opt.state.get(p, {})
             after = _step_count(state)
             if after is None or after == self._steps_before.get(name):
                 continue  # no gradient or a skipped (inf/nan) step: the param did not move
+            stepped.append(name)
             if gi not in group_hyper:
                 group = opt.param_groups[gi]
                 group_hyper[gi] = (group, _group_unsupported(opt, group))
@@ -413,6 +494,55 @@ class AdamWTracker:
             ok = bad is None and _state_usable(local_of(p), m, v) and after == int(after)
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
             self._pending.append((name, _hyper(opt, group, int(after)) if ok else None, v_key))
+            if ok:
+                self._seals[name] = _Seal.of(m, v)
+        # The step's own writes are not out of band, and only the params it stepped are
+        # written by it: any other counter that moved (a frozen param added to the optimizer
+        # after this tracker was built, a step hook's edit) is seen at the next check.
+        self._oob.record(stepped)
+
+    def _moments(self, name: str, v_key: str | None = None) -> tuple[object, object]:
+        """``name``'s ``exp_avg`` and denominator state as the optimizer holds them now (None
+        where it holds none)."""
+        p, gi = self._covered[name]
+        if v_key is None:
+            amsgrad = self._opt.param_groups[gi].get("amsgrad", False)
+            v_key = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
+        state = self._opt.state.get(p, {})
+        return state.get("exp_avg"), state.get(v_key)
+
+    def _seal_of(self, name: str) -> _Seal | None:
+        m, v = self._moments(name)
+        if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return None  # no state yet: no step of it to detect
+        return _Seal.of(m, v)
+
+    def seal_state(self) -> StateSeal:
+        """The optimizer state detection reads, sealed now: an overlapped sender takes it when
+        its version starts reading (with the params' counters) and asks ``moved()`` before it
+        commits, because an ``optimizer.load_state_dict`` or a moment reset while detection
+        reads makes the inversion read another state than the step left (~3 us a
+        parameter)."""
+        return StateSeal(self)
+
+    def _vouch(self) -> None:
+        """Unvouch every pending step whose optimizer state is no longer the one it left
+        (replaced, cleared or written in place since): inverting it from another state could
+        miss elements, so the parameter is reported changed in full instead."""
+        for i, (name, hyper, v_key) in enumerate(self._pending):
+            if hyper is None:
+                continue
+            seal = self._seals.get(name)
+            if seal is not None and seal.holds(*self._moments(name, v_key)):
+                continue
+            self._pending[i] = (name, None, v_key)
+            log.warning(
+                "parameter %r: its optimizer state was replaced or written after the step "
+                "being detected (optimizer.load_state_dict, a moment reset); that step cannot "
+                "be inverted, so all %d local elements are reported changed for this version",
+                name,
+                self._watched[name].shard.local_numel,
+            )
 
     # -- detection ---------------------------------------------------------------------------
 
@@ -486,6 +616,7 @@ class AdamWTracker:
         to BF16 by the kernel that tests it, handed to ``sink`` in order (see
         :meth:`iter_capture`)."""
         self._oob.check()
+        self._vouch()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
         # asking twice gives the same answer; folded ones are dropped from the list.

@@ -110,38 +110,69 @@ class ReadWindow:
     tracker whose ``clear()`` came after the write took the moved counter as its baseline and
     cannot see the write by itself."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], version: int, *, window: str) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        window: str,
+        tracker: object = None,
+    ) -> None:
         """Args:
         params: the params the version reads.
         version: the version, for messages.
         window: when the params must not be written, for messages.
+        tracker: the tracker whose detection the version runs; one that reads optimizer
+            state (its ``seal_state``) has that state watched too.
         """
         self.version, self.window = version, window
         self._counters = counters_of(params)
+        seal = getattr(tracker, "seal_state", None)
+        self._state = seal() if callable(seal) else None
+
+    def _written(self, params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], str]:
+        """The params written since, with the optimizer state of params replaced or written
+        since (in ``params`` order), and what was written, for messages."""
+        edited = edited_since(self._counters, params)
+        moved = set(self._state.moved()) if self._state is not None else set()
+        if not moved:
+            return edited, "written in place while the version read them"
+        names = tuple(n for n in params if n in moved or n in edited)
+        if not edited:
+            return names, (
+                "detected from optimizer state that was replaced or written in place while "
+                "the version read it"
+            )
+        return names, (
+            "written in place, or detected from optimizer state replaced or written in "
+            "place, while the version read them"
+        )
 
     def refuse_if_written(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Raise :class:`ParamsEditedError` when a param was written in place since."""
-        edited = edited_since(self._counters, params)
+        """Raise :class:`ParamsEditedError` when a param, or the optimizer state detection
+        reads for it, was written since."""
+        edited, what = self._written(params)
         if edited:
             raise ParamsEditedError(
-                f"version {self.version} was not committed: {_phrase(edited)} written in place "
-                f"while the version read the parameters ({self.window}): sent in full with the "
-                "next version. Write parameters before the version is captured or after the "
-                "sender's wait()",
+                f"version {self.version} was not committed: {_phrase(edited)} {what} "
+                f"({self.window}): sent in full with the next version. "
+                "Write parameters (and optimizer state) before the version is captured or "
+                "after the sender's wait()",
                 version=self.version,
                 names=edited,
             )
 
     def settle(self, params: Mapping[str, torch.Tensor], tracker: object) -> tuple[str, ...]:
-        """Mark the params written in place since in ``tracker`` (its ``mark_changed``; a
-        tracker that compares bits has none and needs none); returns their names."""
-        edited = edited_since(self._counters, params)
+        """Mark the params written since (or whose optimizer state was) in ``tracker`` (its
+        ``mark_changed``; a tracker that compares bits has none and needs none); returns
+        their names."""
+        edited, what = self._written(params)
         if edited:
             log.warning(
-                "version %d: %s written in place while the version was in flight (%s): sent "
-                "in full with the next version",
+                "version %d: %s %s (%s): sent in full with the next version",
                 self.version,
                 _phrase(edited),
+                what,
                 self.window,
             )
             mark = getattr(tracker, "mark_changed", None)
@@ -282,10 +313,15 @@ class OutOfBandWatch:
         self._flags: dict[str, str] = {}  # name -> why, since the last clear()
         self.record()
 
-    def record(self) -> None:
-        """Take every parameter's current counters as the baseline (flags are kept)."""
-        for name, w in self._watched.items():
-            self._versions[name] = w.version()
+    def record(self, names: Iterable[str] | None = None) -> None:
+        """Take the current counters of ``names`` (default: every parameter) as their
+        baseline (flags are kept)."""
+        if names is None:
+            names = self._watched
+        for name in names:
+            w = self._watched.get(name)
+            if w is not None:
+                self._versions[name] = w.version()
 
     def check(self) -> None:
         """Flag every parameter whose counters moved since they were recorded."""
