@@ -15,7 +15,13 @@ import torch
 from kit import spy_digest_pass
 
 from deltasync import names
-from deltasync.errors import ConfigError, ParamsEditedError, PublishFailedError, StoreError
+from deltasync.errors import (
+    ConfigError,
+    IntegrityError,
+    ParamsEditedError,
+    PublishFailedError,
+    StoreError,
+)
 from deltasync.layout import ReceiverLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.publish.trainer_sync import PendingVersion, with_values
@@ -932,3 +938,62 @@ def test_after_close_a_failed_versions_capture_goes_out_with_the_next_blocking_c
     reports = sync.step_published(2)  # nothing carried: the plain blocking path
     assert isinstance(reports, list) and pub.committed() == 2
     _assert_receivers_exact(receivers, trainer, lay, 2)
+
+
+class DroppingTracker:
+    """An AdamWTracker that loses every change of ``lost`` (a stand-in for a detection bug):
+    what the receivers' verify must still catch."""
+
+    def __init__(self, inner: AdamWTracker, lost: str) -> None:
+        self.inner, self.lost = inner, lost
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def iter_capture(self, *args, **kwargs):
+        return (item for item in self.inner.iter_capture(*args, **kwargs) if item[0] != self.lost)
+
+    def iter_changed(self):
+        return ((n, i) for n, i in self.inner.iter_changed() if n != self.lost)
+
+
+@pytest.mark.parametrize("inline_below", [0, 2**18])
+def test_a_param_that_detection_missed_entirely_never_keeps_its_old_digest(tmp_path, inline_below):
+    # The digests of receiver tensors only untouched params feed are reused from the last
+    # commit. A parameter written since that commit is touched whatever detection says: if it
+    # kept its old digest, a whole parameter lost by detection would pass every verify.
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=3)
+    lost = "model.norm.weight"
+    trainer.params[lost].requires_grad_(False)  # a constant: never fed by detection
+    trainer.opt = torch.optim.AdamW(
+        [p for n, p in trainer.params.items() if n != lost], lr=1e-3, foreach=False
+    )
+    tracker = DroppingTracker(AdamWTracker(trainer.opt, trainer.named_parameters()), lost)
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
+    )
+    receivers = {
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
+        for s in rl.shards()
+    }
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)  # nothing lost yet
+    trainer.step()
+    with torch.no_grad():
+        trainer.params[lost].add_(0.5)  # seen by the tracker, lost by the wrapper
+    sync.step_published(2)
+    sync.wait()
+    for rx in receivers.values():  # the manifest's digest is the real state's: refused
+        with pytest.raises(IntegrityError):
+            rx.pull()
+        assert rx.version == 1
+    sync.close()

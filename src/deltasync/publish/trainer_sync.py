@@ -78,7 +78,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -93,7 +93,7 @@ from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
-from deltasync.trainer.params import ReadWindow
+from deltasync.trainer.params import ReadWindow, Version
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import sink_kwargs, takes_sink
 from deltasync.validate import check_bool
@@ -122,6 +122,8 @@ class PendingVersion:
         self.feed: DigestFeed | None = None  # the receivers' tensors hashed by detection
         # the writes to params it can see while it reads them; None once settled
         self.reads: ReadWindow | None = None
+        # every param's version counters when its reads began (the state it publishes)
+        self.counters: dict[str, Version] | None = None
         self._detected = threading.Event()
 
     def detected(self) -> bool:
@@ -284,6 +286,8 @@ class TrainerSync:
         # overlap mode: positions captured since the last commit, per param
         self._carry: Captured = {}
         self._closed = False  # close(): later calls block, as without overlap
+        # every param's version counters when the baseline version's reads began
+        self._baseline_counters: dict[str, Version] | None = None
         self._inflight: PendingVersion | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._detector: ThreadPoolExecutor | None = None  # detection after the return
@@ -454,6 +458,7 @@ class TrainerSync:
             window="after step_published returned, before the next optimizer step or wait()",
             tracker=self.tracker,
         )
+        pending.counters = pending.reads.counters
         at_once = not anchor and self._unhold is not None and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
         values_max = 0 if anchor else VALUES_IN_FLIGHT
@@ -621,9 +626,22 @@ class TrainerSync:
             release_free_heap()
         # the receiver tensors only untouched params feed keep their digests, when the
         # tracker watches every param (else nothing proves the rest)
-        touched = None
+        touched: Collection[str] | Callable[[], Collection[str]] | None = None
         if self._watches_all(params):
-            touched = handoff.names if handoff is not None else frozenset(captured)
+            # A param whose counters moved since the baseline was read is touched whatever
+            # detection says: its old digest proves nothing about it (a whole parameter the
+            # tracker missed would otherwise keep a digest that hides the miss from every
+            # receiver's verify). Stepped params are fed by detection anyway.
+            moved = self._moved_since_baseline(pending, params)
+            if handoff is not None:
+                names = handoff.names
+
+                def touched_names() -> frozenset[str]:
+                    return names() | moved
+
+                touched = touched_names
+            else:
+                touched = frozenset(captured) | moved
         feed = pending.feed
         fed: TensorEntries | Callable[[], TensorEntries] | None = None
         if feed is not None and handoff is not None:
@@ -666,6 +684,14 @@ class TrainerSync:
             return reports
         finally:
             pending.finished_at = time.time()
+
+    def _moved_since_baseline(self, pending: PendingVersion, params: Params) -> frozenset[str]:
+        """The params written in place (by anything: the optimizer included) between the
+        reads of the baseline version and of ``pending``; all of them when either is unknown."""
+        before, now = self._baseline_counters, pending.counters
+        if before is None or now is None:
+            return frozenset(params)
+        return frozenset(n for n in params if before.get(n) != now.get(n))
 
     def _watches_all(self, params: Params) -> bool:
         """Whether the tracker watches every one of ``params`` (an AdamWTracker's ``shards``
@@ -755,6 +781,7 @@ class TrainerSync:
             ) from exc
         self._settle_edits(pending)
         self._carry = {}  # committed everywhere: the baseline is this version's state
+        self._baseline_counters = pending.counters
         self.last_reports = reports
         return reports
 

@@ -126,14 +126,14 @@ class ReadWindow:
             state (its ``seal_state``) has that state watched too.
         """
         self.version, self.window = version, window
-        self._counters = counters_of(params)
+        self.counters = counters_of(params)
         seal = getattr(tracker, "seal_state", None)
         self._state = seal() if callable(seal) else None
 
     def _written(self, params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], str]:
         """The params written since, with the optimizer state of params replaced or written
         since (in ``params`` order), and what was written, for messages."""
-        edited = edited_since(self._counters, params)
+        edited = edited_since(self.counters, params)
         moved = set(self._state.moved()) if self._state is not None else set()
         if not moved:
             return edited, "written in place while the version read them"
