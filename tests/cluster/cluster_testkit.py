@@ -300,12 +300,23 @@ class FailingTracker:
 
 
 class CorruptingReceiver(ClusterReceiver):
-    """Flips one byte inside the blob of the next payload it receives, when armed."""
+    """Flips one byte inside the blob of the next payload it receives, when armed;
+    ``save_next`` keeps a clean copy of the next payload first, and ``replay_next`` hands the
+    saved one over instead of what arrived (a stale payload of an aborted attempt)."""
 
-    corrupt_next = False
+    corrupt_next = save_next = replay_next = False
+    saved: dict | None = None
 
     def receive(self):
         got = super().receive()
+        if self.save_next:
+            self.save_next = False
+            self.saved = {k: v.clone() for k, v in got.items()}
+        if self.replay_next:
+            self.replay_next = False
+            assert self.saved is not None and set(self.saved) == set(got)
+            for k, v in self.saved.items():
+                got[k] = v.clone()
         if self.corrupt_next:
             self.corrupt_next = False
             payload = got[min(got)]
@@ -342,8 +353,10 @@ def _attempt(call) -> dict:
 
 def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, notes: str) -> dict:
     """1 writer, TP=2 receivers (ranks 1, 2). Versions: anchor 0, delta 1; a failed detection
-    of 2 then its retry; a corrupted payload on rank 2 for 3 then its retry; then rank
-    ``dying_rank`` is SIGKILLed ``death_after_s`` into version 4's exchange (it pickles what it
+    of 2 then its retry; a corrupted payload on rank 2 for 3 then its retry; for 4 (with state
+    digests) a corrupted payload on rank 2 (a clean copy kept), then a retry after another training step where
+    rank 2 applies that stale payload instead of the one sent, then the retry; then rank
+    ``dying_rank`` is SIGKILLed ``death_after_s`` into version 5's exchange (it pickles what it
     saw so far to ``notes`` first, since it cannot return it)."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
@@ -370,13 +383,18 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         step("retry after detection failure", 2, train=False)
         step("corrupt payload", 3)
         step("retry after corruption", 3, train=False)
+        # version 4 with its state digests (this setup sends them with anchors only)
+        sender = trainer.sender(replace(setup, digest_every=1), version=sender.version)
+        step("save then corrupt", 4)
+        step("stale payload replayed", 4)  # the trainer stepped since: 4 is another state
+        step("retry after the stale payload", 4, train=False)
         # The last version is an anchor in 32-byte chunks: thousands of messages, so that the
         # death lands inside the exchange rather than before or after it.
         slow = replace(setup, max_chunk_bytes=32)
         sender = trainer.sender(slow, version=sender.version)
         dist.barrier()
         trainer.step()
-        result = _attempt(lambda: sender.sync(4, anchor=True))
+        result = _attempt(lambda: sender.sync(5, anchor=True))
         result.update(name="receiver killed", version_after=sender.version)
         out["steps"].append(result)
         return out
@@ -387,9 +405,11 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         tensors, plan=plan, layout=receiver_layout(setup), version=None, config=setup.config()
     )
 
-    def step(name: str, *, corrupt: bool = False) -> None:
+    def step(name: str, *, corrupt: bool = False, save: bool = False, replay: bool = False) -> None:
         before = snapshot(receiver.tensors)
         receiver.corrupt_next = corrupt and rank == 2
+        receiver.save_next = save and rank == 2
+        receiver.replay_next = replay and rank == 2
         result = _attempt(receiver.sync)
         truth = expected_shard(broadcast_truth(None), setup, role.shard)
         result.update(
@@ -410,6 +430,17 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
         ("retry after corruption", False),
     ):
         step(name, corrupt=corrupt)
+    digested = replace(setup, digest_every=1)
+    receiver = CorruptingReceiver(
+        tensors,
+        plan=plan,
+        layout=receiver_layout(digested),
+        version=receiver.version,
+        config=digested.config(),
+    )
+    step("save then corrupt", corrupt=True, save=True)
+    step("stale payload replayed", replay=True)
+    step("retry after the stale payload")
     slow = replace(setup, max_chunk_bytes=32)
     receiver = ClusterReceiver(
         tensors,

@@ -1,5 +1,5 @@
-"""Faults in real gloo processes: a failed detection, a corrupted payload, a receiver killed
-mid-exchange. Every rank fails together, nothing is committed, retries converge, none hangs."""
+"""Faults in real gloo processes: a failed detection, a corrupted payload, a stale payload of
+an aborted attempt applied by one receiver, a receiver killed mid-exchange. Every rank fails together, nothing is committed, retries converge, none hangs."""
 
 from __future__ import annotations
 
@@ -83,6 +83,26 @@ def test_the_retry_after_a_corrupted_payload_converges_on_every_receiver(faults)
 
 
 @pytest.mark.timeout(150)
+def test_a_stale_payload_that_verifies_against_its_own_digest_aborts_at_the_joint_commit(
+    faults,
+) -> None:
+    # Rank 2 applies the payload of the aborted attempt of version 4 to the retry, after the
+    # trainer stepped again: it verifies against the digest it carries, so only the commit
+    # row's digests (another channel) can tell. Nothing commits; the retry is exact.
+    messages = {faults[r]["stale payload replayed"]["message"] for r in (0, 1, 2)}
+    assert {faults[r]["stale payload replayed"]["error"] for r in (0, 1, 2)} == {"SyncAbortedError"}
+    assert len(messages) == 1
+    (message,) = messages
+    assert "rank 0 (writer w00000)" in message
+    assert "a payload other than this attempt's" in message
+    assert faults[0]["stale payload replayed"]["version_after"] == 3
+    for rank in (1, 2):
+        assert faults[rank]["stale payload replayed"]["version_after"] is None
+        retry = faults[rank]["retry after the stale payload"]
+        assert retry["error"] is None and retry["exact"] and retry["version_after"] == 4
+
+
+@pytest.mark.timeout(150)
 def test_a_receiver_killed_mid_exchange_makes_the_others_raise_promptly_without_committing(
     faults,
 ) -> None:
@@ -90,6 +110,7 @@ def test_a_receiver_killed_mid_exchange_makes_the_others_raise_promptly_without_
         step = faults[rank]["receiver killed"]
         assert step["exchange_error"] and not step["peer_failed"], step
         assert "exchange round" in step["message"] or "joint commit" in step["message"], step
+        assert step["message"].startswith("version 5: rank 2 died or stopped responding"), step
         # the connection closes at once; a timeout would take SETUP.timeout_s at the worst
         assert step["elapsed_s"] < DEATH_AFTER_S + SETUP.timeout_s + 2.0, step
-        assert step["version_after"] == 3
+        assert step["version_after"] == 4

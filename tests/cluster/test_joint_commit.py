@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from deltasync.cluster import RolePlan
-from deltasync.cluster.joint_commit import UNKNOWN, decode_commit_rows, encode_commit_row, judge
+from deltasync.cluster.joint_commit import (
+    UNKNOWN,
+    decode_commit_rows,
+    encode_commit_row,
+    judge,
+    shards_digest,
+)
 from deltasync.errors import ExchangeError
 
 PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"], replicas=2)  # ranks 0-1 write
@@ -108,3 +114,22 @@ def test_a_row_from_another_protocol_step_is_an_exchange_error() -> None:
     bad = torch.stack([encode_commit_row(**ok()), torch.zeros_like(encode_commit_row(**ok()))])
     with pytest.raises(ExchangeError, match="rank 1 sent a row that is not a commit row"):
         decode_commit_rows(bad)
+
+
+def test_a_writers_shard_digests_must_be_exactly_what_the_receivers_hashed() -> None:
+    # Receivers verify against the digests their own payloads carry: a payload that is not
+    # this attempt's (a stale one from an aborted attempt) verifies against its own digest.
+    # Writer 0's commit row carries the digests it sent, combined: another channel.
+    sent = shards_digest({"tp0": D1, "tp1": D2})
+    good = [ok(digest=sent), ok(), ok(digest=D1), ok(digest=D2), ok(digest=D1), ok(digest=D2)]
+    assert judge(rows(*good), PLAN).ok
+    stale = "33" * 16
+    for bad in (
+        [ok(digest=sent), ok(), ok(digest=D1), ok(digest=stale), ok(digest=D1), ok(digest=stale)],
+        [ok(digest=sent), ok(), ok(), ok(digest=D2), ok(), ok(digest=D2)],  # tp0 unhashed
+    ):
+        verdict = judge(rows(*bad), PLAN)
+        assert not verdict.ok and set(verdict.failures) == {0}
+        assert "a payload other than this attempt's" in verdict.message
+    assert shards_digest({"tp1": D2, "tp0": D1}) == sent  # order-free, 16 bytes
+    assert len(bytes.fromhex(sent)) == 16

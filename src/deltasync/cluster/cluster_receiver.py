@@ -107,6 +107,7 @@ from deltasync.errors import (
     SyncAbortedError,
 )
 from deltasync.exchange import exchange
+from deltasync.exchange.notes import naming
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_pieces, check_tensors_match
 from deltasync.format.apply import overlaps_itself
@@ -330,7 +331,8 @@ class ClusterReceiver:
             cleared = self._preflight()
         tag = f"{cleared.window:x}-{cleared.version}"
         # one exchange, or one per part while the writers stream (cluster.streaming)
-        got = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
+        with naming(f"version {cleared.version}"):
+            got = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
         wait_s = time.perf_counter() - t
         if self.plan.exchanges == 1:
             return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared)
@@ -339,12 +341,13 @@ class ClusterReceiver:
         bundle = (
             pack_envelope([as_view(got[s]) for s in sorted(got)], nested=True) if targets else b""
         )
-        forwarded = exchange(
-            {t: bundle for t in targets},
-            group=self.group,
-            config=self.config.exchange,
-            tag=f"{tag}-x2",
-        )
+        with naming(f"version {cleared.version} (forwarding to the shard's replicas)"):
+            forwarded = exchange(
+                {t: bundle for t in targets},
+                group=self.group,
+                config=self.config.exchange,
+                tag=f"{tag}-x2",
+            )
         mine = got if self.role.replica == 0 else as_cpu_bytes(forwarded)
         return Incoming(mine, wait_s=wait_s, forward_s=time.perf_counter() - t, cleared=cleared)
 
@@ -515,13 +518,14 @@ class ClusterReceiver:
                 or state.committed is None,
             )
         t = time.perf_counter()
-        verdict = joint_commit(
-            row,
-            plan=self.plan,
-            group=self.group,
-            timeout_s=self.config.commit_timeout_s,
-            tag=f"{cleared.window:x}-{cleared.version}-commit",
-        )
+        with naming(f"version {cleared.version}"):
+            verdict = joint_commit(
+                row,
+                plan=self.plan,
+                group=self.group,
+                timeout_s=self.config.commit_timeout_s,
+                tag=f"{cleared.window:x}-{cleared.version}-commit",
+            )
         commit_s = time.perf_counter() - t
         if failure is not None:
             raise failure

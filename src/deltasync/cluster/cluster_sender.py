@@ -101,7 +101,7 @@ from deltasync.cluster.envelope import (
     pack_envelope,
     seal_envelope,
 )
-from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
+from deltasync.cluster.joint_commit import encode_commit_row, joint_commit, shards_digest
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
@@ -118,6 +118,7 @@ from deltasync.errors import (
     VersionError,
 )
 from deltasync.exchange import exchange
+from deltasync.exchange.notes import naming
 from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
@@ -466,6 +467,7 @@ class ClusterSender:
             encode_s=encode_s,
             digest_s=digest_s,
             sent_indices=caps.sent,
+            shard_digests={} if part else dict(digests),
         )
 
     def mark_sent(self, out: Outgoing) -> None:
@@ -560,7 +562,8 @@ class ClusterSender:
             out = self.payloads_for_version(version, anchor=anchor)
         except Exception as exc:
             failure = exc
-        report = self._send(version, anchor, out, failure, t0=t0, captured_s=None)
+        with naming(f"version {version}"):
+            report = self._send(version, anchor, out, failure, t0=t0, captured_s=None)
         self._expect_small = not report.anchor and report.elements < self.inline_below
         return report
 
@@ -663,8 +666,11 @@ class ClusterSender:
     ) -> SendReport:
         """Step 6: the joint commit, then the baseline moves."""
         t = time.perf_counter()
+        # The shard digests this writer sent, combined: the commit checks them against what
+        # the receivers hashed, over another channel than the payloads that carried them.
+        combined = shards_digest(out.shard_digests) if out.shard_digests else None
         verdict = joint_commit(
-            encode_commit_row(version=out.version, base=out.base),
+            encode_commit_row(version=out.version, base=out.base, state_digest=combined),
             plan=self.plan,
             group=self.group,
             timeout_s=self.config.commit_timeout_s,

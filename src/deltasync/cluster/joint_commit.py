@@ -8,7 +8,8 @@ all_gather (:func:`joint_commit`), so no rank waits for a message whose size it 
     [2] version      the version this rank sent or applied (UNKNOWN if it failed before knowing)
     [3] base         its base version (-1 for an anchor; UNKNOWN likewise)
     [4] flags        bit 0: a state digest follows; bit 1: this receiver needs an anchor
-    [5:7]            16-byte state digest of the receiver's shard after the apply
+    [5:7]            16-byte state digest of the receiver's shard after the apply; in a
+                     writer's row, :func:`shards_digest` of the shard digests it sent
     [7] length of the message in bytes
     [8:136]          up to 1024 bytes of UTF-8: what failed (``status_row``)
 
@@ -19,7 +20,10 @@ collective; it is not the storage path's ``AckRecord`` (a receiver's record in t
 :func:`judge` is a pure function of the gathered rows and the role plan, so every rank reaches
 the same verdict: commit, or abort with the same message naming every failed rank. Beyond the
 status flags it cross-checks that every receiver applied exactly the version and base the
-writers sent, and that DP replicas of a shard that hashed their state agree.
+writers sent, that DP replicas of a shard that hashed their state agree, and, when a writer
+sent whole-state digests, that the receivers' digests are exactly those: the receivers verified
+against the digests their payloads carried, so a payload that is not this attempt's (stale,
+misrouted) would verify against its own; the commit row is another channel.
 
 A rank commits (the trainer clears its tracker, a receiver advances its version) only after
 :func:`joint_commit` returns a positive verdict, so either every rank commits the version or
@@ -32,12 +36,13 @@ This module knows the row layout, roles and the one collective; nothing about te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from deltasync.cluster.roles import ReceiverRole, RolePlan, WriterRole
 from deltasync.errors import ExchangeError
@@ -48,6 +53,15 @@ MAGIC = status_row.magic(b"dsclack1")
 ROW_LENGTH = 8 + status_row.MESSAGE_WORDS
 UNKNOWN = -(1 << 62)
 _HAS_DIGEST, _NEEDS_ANCHOR = 1, 2
+
+
+def shards_digest(digests: Mapping[str, str]) -> str:
+    """One 16-byte digest (hex) of ``{shard: state digest}``, as a writer's commit row carries
+    it and :func:`judge` recomputes it from the receivers' rows."""
+    h = xxhash.xxh3_128()
+    for shard in sorted(digests):
+        h.update(f"{shard}={digests[shard]}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,17 @@ def _disagreements(votes: Sequence[CommitRow], plan: RolePlan) -> dict[int, str]
                     f"state digest {a.state_digest} differs from replica rank {seen[0]}'s "
                     f"{seen[1]} of the same shard"
                 )
+    for a in writers:
+        if a.state_digest is None or out:
+            continue
+        held = {shard: d for shard, (_, d) in digests.items()}
+        missing = sorted(set(plan.shards()) - set(held))
+        if missing or shards_digest(held) != a.state_digest:
+            what = f"no state digest for shards {missing}" if missing else f"{held}"
+            out[a.rank] = (
+                f"sent state digests that combine to {a.state_digest}, but the receivers hold "
+                f"{what}: a receiver applied a payload other than this attempt's"
+            )
     return out
 
 

@@ -31,6 +31,9 @@ class Outgoing:
     # Per param, every index this delta sends (the union with uncommitted attempts); None for
     # an anchor. The sender keeps it once the payloads may reach a receiver.
     sent_indices: dict | None = None
+    # {shard: state digest} this writer sent (whole-state digests only; empty otherwise): its
+    # commit row carries their combination, checked against what the receivers hashed
+    shard_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -227,3 +228,16 @@ def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
     )
     seen = f" ({'; '.join(trail)})" if trail else ""
     return f"{head}{seen}. This rank (rank {notes.rank}): {text}"
+
+
+@contextmanager
+def naming(what: str) -> Iterator[None]:
+    """Put ``what`` (e.g. ``"version 7"``) in front of the message of a plain exchange error
+    or timeout raised inside: the waits name the round and the peer, not what the caller was
+    moving. Errors that already say it (``SyncAbortedError`` and the other subclasses) pass."""
+    try:
+        yield
+    except (ExchangeError, ExchangeTimeoutError) as exc:
+        if type(exc) not in (ExchangeError, ExchangeTimeoutError) or str(exc).startswith(what):
+            raise
+        raise type(exc)(f"{what}: {exc}") from exc
