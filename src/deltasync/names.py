@@ -15,7 +15,7 @@ from deltasync.errors import ManifestError
 
 LATEST = "LATEST"
 _VERSION_DIGITS = 8
-_MAX_VERSION = 10**_VERSION_DIGITS - 1
+MAX_VERSION = 10**_VERSION_DIGITS - 1  # the largest version a key can name
 
 # Shard ids and writer ids are short, path-safe tokens (no '/', no '..', no leading dot).
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}")
@@ -35,8 +35,8 @@ def check_token(kind: str, value: str) -> str:
 def check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int):
         raise ManifestError(f"version must be an int, got {version!r}")
-    if not 0 <= version <= _MAX_VERSION:
-        raise ManifestError(f"version {version!r} is out of range 0..{_MAX_VERSION}")
+    if not 0 <= version <= MAX_VERSION:
+        raise ManifestError(f"version {version!r} is out of range 0..{MAX_VERSION}")
     return version
 
 

@@ -56,6 +56,7 @@ from deltasync.errors import (
     ManifestError,
     ObjectTooLargeError,
     StalenessTimeoutError,
+    StoreError,
     VersionError,
 )
 from deltasync.format import FORMAT_VERSION
@@ -90,6 +91,12 @@ class Catalog:
             return None
         except ObjectTooLargeError:
             log.warning("LATEST is larger than %d bytes: treated as absent", MAX_LATEST_BYTES)
+            return None
+        except StoreError as exc:
+            # LATEST is a hint: a link, a special file or a directory planted there, or a read
+            # that failed, must not stop every reader and writer. The manifests are the truth
+            # (the newest one is found by listing), and the next commit rewrites LATEST.
+            log.warning("LATEST could not be read (%s): treated as absent", exc)
             return None
 
     def read_latest(self) -> int | None:
@@ -127,7 +134,7 @@ class Catalog:
             return self.newest_committed()
         v = hint
         for _ in range(_PROBE_LIMIT):
-            if not self.store.exists(names.manifest_key(v + 1)):
+            if v >= names.MAX_VERSION or not self.store.exists(names.manifest_key(v + 1)):
                 return v
             v += 1
         raise ManifestError(

@@ -11,7 +11,8 @@
    retry of our own commit whose reply was lost, or a replayed trainer), the version is
    committed and we go on; otherwise CommitConflictError, and LATEST is not touched;
 4. advance ``LATEST`` (never backwards; :func:`repair_latest` is the one move that may lower
-   it: to the newest committed manifest when ``LATEST`` names a version without one).
+   it: to the newest committed manifest when ``LATEST`` names a version without one). It is a
+   hint: failing to write it is logged, never raised, since the manifest has committed.
 
 This module knows keys, records and manifests; it knows nothing about tensors or layouts.
 """
@@ -34,6 +35,7 @@ from deltasync.errors import (
     KeyNotFoundError,
     ManifestError,
     MissingWritersError,
+    StoreError,
 )
 from deltasync.format import FORMAT_VERSION
 from deltasync.store import Store
@@ -195,7 +197,23 @@ def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | N
     current = catalog.read_latest()
     if current is not None and current >= version and store.exists(names.manifest_key(current)):
         return False
-    store.put(names.LATEST, encode_latest(version, run_id))
+    return _put_latest(store, version, run_id)
+
+
+def _put_latest(store: Store, version: int, run_id: str | None) -> bool:
+    """Write LATEST; a failure is logged, never raised: the version is committed by its
+    manifest already, and readers find the newest manifest without LATEST (by listing)."""
+    try:
+        store.put(names.LATEST, encode_latest(version, run_id))
+    except StoreError as exc:
+        log.warning(
+            "LATEST could not be moved to version %d (%s); the version is committed and "
+            "readers find it by listing, more slowly. Remedy: remove whatever is stored at "
+            "LATEST (e.g. a directory someone created there)",
+            version,
+            exc,
+        )
+        return False
     return True
 
 
@@ -212,7 +230,7 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
     except DeltaSyncError:
         return newest  # an unreadable newest manifest: readers refuse it; leave LATEST alone
     if current != newest or catalog.read_latest_run() != run_id:
-        store.put(names.LATEST, encode_latest(newest, run_id))
+        _put_latest(store, newest, run_id)
     return newest
 
 

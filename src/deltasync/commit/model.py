@@ -57,7 +57,6 @@ from deltasync.format import TensorSpec
 
 KINDS = ("delta", "anchor")
 MAX_FORMAT_VERSION = 2**16 - 1
-_MAX_VERSION = 10**8 - 1
 
 
 def blob_hasher() -> Any:
@@ -360,7 +359,7 @@ class Manifest:
     signature: str | None = field(default=None, compare=True)
 
     def __post_init__(self) -> None:
-        check_int(self.version, what="manifest version", lo=0, hi=_MAX_VERSION)
+        check_int(self.version, what="manifest version", lo=0, hi=names.MAX_VERSION)
         check_choice(self.kind, what="manifest kind", choices=KINDS)
         if self.kind == "anchor":
             if self.base_version is not None:

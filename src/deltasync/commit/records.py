@@ -47,7 +47,6 @@ from deltasync.commit.model import BlobEntry
 from deltasync.commit.signing import check_record_mac, record_mac
 from deltasync.errors import ManifestError
 
-_MAX_VERSION = 10**8 - 1
 MAX_LATEST_BYTES = 4096
 MAX_RECORD_BYTES = 64 * 2**10  # an ack or a receiver registration
 MAX_MARKER_BYTES = 16 * 2**20  # a writer marker lists one entry per shard it sent to
@@ -59,7 +58,7 @@ MAX_CLOCK_SKEW_S = 300.0
 def encode_latest(version: int, run_id: str | None = None) -> bytes:
     """``LATEST``: the newest committed version and (when known) its lineage's run id."""
     obj: dict[str, Any] = {
-        "version": check_int(version, what="LATEST version", lo=0, hi=_MAX_VERSION)
+        "version": check_int(version, what="LATEST version", lo=0, hi=names.MAX_VERSION)
     }
     if run_id is not None:
         obj["run_id"] = names.check_token("LATEST run_id", run_id)
@@ -70,7 +69,7 @@ def _latest_obj(data: bytes | str) -> dict[str, Any]:
     with parsing("LATEST"):
         obj = strict_loads(data, what="LATEST", max_bytes=MAX_LATEST_BYTES)
         expect_fields(obj, what="LATEST", required={"version"}, optional={"run_id"})
-        check_int(obj["version"], what="LATEST version", lo=0, hi=_MAX_VERSION)
+        check_int(obj["version"], what="LATEST version", lo=0, hi=names.MAX_VERSION)
         if "run_id" in obj:
             names.check_token("LATEST run_id", obj["run_id"])
         return obj
@@ -145,7 +144,7 @@ class WriterMarker(_Signed):
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        check_int(self.version, what="writer marker version", lo=0, hi=_MAX_VERSION)
+        check_int(self.version, what="writer marker version", lo=0, hi=names.MAX_VERSION)
         names.check_token("writer", self.writer)
         object.__setattr__(
             self, "created_at", check_time(self.created_at, what="writer marker created_at")
@@ -230,7 +229,7 @@ class AckRecord(_Signed):
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        check_int(self.version, what="ack version", lo=0, hi=_MAX_VERSION)
+        check_int(self.version, what="ack version", lo=0, hi=names.MAX_VERSION)
         names.check_token("receiver", self.receiver)
         names.check_token("shard", self.shard)
         check_digest(self.state_digest, what="ack state_digest")
@@ -312,7 +311,7 @@ class ReceiverRecord(_Signed):
         names.check_token("receiver", self.receiver)
         names.check_token("shard", self.shard)
         if self.version is not None:
-            check_int(self.version, what="receiver version", lo=0, hi=_MAX_VERSION)
+            check_int(self.version, what="receiver version", lo=0, hi=names.MAX_VERSION)
         if self.run_id is not None:
             names.check_token("receiver run_id", self.run_id)
         object.__setattr__(

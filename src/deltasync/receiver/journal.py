@@ -39,8 +39,6 @@ from deltasync.commit import Manifest
 from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
 
-_MAX_VERSION = 10**8 - 1
-
 
 @dataclass(frozen=True, kw_only=True)
 class LocalState:
@@ -76,7 +74,7 @@ class LocalState:
             names.check_token("state run_id", run_id)
         version, digest = obj["version"], obj["state_digest"]
         if version is not None:
-            check_int(version, what="state version", lo=0, hi=_MAX_VERSION)
+            check_int(version, what="state version", lo=0, hi=names.MAX_VERSION)
             check_digest(digest, what="state digest")
         if not isinstance(obj["dirty"], bool):
             raise ManifestError("state dirty must be a bool")
@@ -141,7 +139,7 @@ class JournalStep:
         if obj["kind"] not in ("delta", "anchor"):
             raise ManifestError(f"journal step kind {obj['kind']!r}")
         return cls(
-            version=check_int(obj["version"], what="journal version", lo=0, hi=_MAX_VERSION),
+            version=check_int(obj["version"], what="journal version", lo=0, hi=names.MAX_VERSION),
             kind=obj["kind"],
             base_version=obj["base_version"],
             shard_digest=check_digest(obj["shard_digest"], what="journal shard digest"),
@@ -178,7 +176,7 @@ class Journal:
             raise ManifestError("journal steps must be a non-empty list")
         fv = obj["from_version"]
         if fv is not None:
-            check_int(fv, what="journal from_version", lo=0, hi=_MAX_VERSION)
+            check_int(fv, what="journal from_version", lo=0, hi=names.MAX_VERSION)
         return cls(
             receiver=names.check_token("receiver", obj["receiver"]),
             shard=names.check_token("shard", obj["shard"]),

@@ -65,7 +65,8 @@ class _Missing(Exception):
 
 
 class _LinkRefused(StoreError):
-    pass
+    """A path through a link or a special file (FIFO, socket, device): never a key of this
+    store; ``exists`` and ``list`` do not see it, reads and writes name it."""
 
 
 class LocalStore:
@@ -122,7 +123,7 @@ class LocalStore:
             )
         if stat.S_ISREG(st.st_mode):
             raise _Missing
-        raise StoreError(
+        raise _LinkRefused(
             f"{key!r} in {self!r} passes through {name!r}, which is neither a directory nor a "
             "file (someone else wrote into this store)"
         )
@@ -454,9 +455,12 @@ class LocalStore:
         Only call this when no writer is active: it cannot tell a crashed write from a slow one.
         """
         removed = 0
-        for _, _, filenames, dfd in os.fwalk(self.root, follow_symlinks=False):
-            for name in filenames:
-                if name.startswith(".") and TMP_MARK in name:
-                    self._unlink_quietly(dfd, name)
-                    removed += 1
+        # From a descriptor of the root (which may be reached through links, as every other
+        # operation reaches it), never following a link below it.
+        with self._dirs("", [], create=False) as fds:
+            for _, _, filenames, dfd in os.fwalk(".", follow_symlinks=False, dir_fd=fds[0]):
+                for name in filenames:
+                    if name.startswith(".") and TMP_MARK in name:
+                        self._unlink_quietly(dfd, name)
+                        removed += 1
         return removed

@@ -1,0 +1,104 @@
+"""Entries no key can name, planted in a local store by someone else (a link, a FIFO, a
+socket, a directory where a file belongs): they are invisible to listing, and ``LATEST``, a
+hint, never stops a reader or a writer. Every version is still published and pulled exactly."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from truth_kit import Rig
+
+from deltasync import LocalStore, names
+from deltasync.commit import Catalog, decode_latest
+from deltasync.store.local import TMP_MARK
+
+
+@pytest.fixture
+def rig(tmp_path):
+    rig = Rig(LocalStore(tmp_path / "store"), tmp_path)
+    for v in range(2):
+        rig.publish(v)
+    rig.check(rig.rec.pull())
+    return rig
+
+
+def _plant(path, kind: str, tmp_path) -> socket.socket | None:
+    if os.path.isdir(path):
+        os.rmdir(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+    if kind == "link":
+        outside = tmp_path / "outside"
+        outside.write_text('{"version": 1}')
+        os.symlink(outside, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        os.mkdir(path)
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        return sock
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link", "fifo", "socket", "dir"])
+def test_anything_planted_at_latest_never_stops_the_run(rig, tmp_path, kind, caplog):
+    latest = tmp_path / "store" / names.LATEST
+    held = _plant(latest, kind, tmp_path)
+    assert Catalog(rig.store).latest() == 1  # the manifests are the truth
+    assert rig.rec.pull().version == 1
+    assert rig.publish(2).version == 2
+    rig.check(rig.rec.pull())
+    if kind == "dir":  # a directory cannot be replaced by a file: logged with the remedy
+        assert "remove whatever is stored at LATEST" in caplog.text
+    else:  # the next commit rewrote it, as for a garbage LATEST
+        assert not latest.is_symlink() and decode_latest(latest.read_bytes()) == 2
+    if kind == "link":  # replaced, never written through
+        assert (tmp_path / "outside").read_text() == '{"version": 1}'
+    if held is not None:
+        held.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+@pytest.mark.parametrize("where", ["receivers", "acks/v00000001"])
+def test_a_special_file_where_a_directory_belongs_is_invisible_to_listing(
+    rig, tmp_path, kind, where
+):
+    path = tmp_path / "store" / where
+    for entry in path.iterdir():  # empty it first: rmdir needs that
+        entry.unlink()
+    held = _plant(path, kind, tmp_path)
+    catalog = Catalog(rig.store)
+    prefix = where + "/"
+    assert rig.store.list(prefix) == [] and not rig.store.exists(prefix + "rec.json")
+    if where == "receivers":
+        assert catalog.receivers() == {}
+    else:
+        assert catalog.acks(1) == {}
+    assert rig.trainer.pub.gc() is not None  # retention runs
+    assert rig.trainer.pub.wait_for_acks(1, [], timeout=1) == {}
+    assert rig.publish(2).version == 2
+    rig.check(rig.rec.pull())  # a registration that cannot be written is retried, not raised
+    if held is not None:
+        held.close()
+
+
+def test_a_latest_at_the_last_version_number_probes_no_further(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    store.put(names.LATEST, b'{"version":99999999}')
+    store.put(names.manifest_key(names.MAX_VERSION), b"{}")  # exists: no manifest after it
+    assert Catalog(store).latest() == names.MAX_VERSION
+
+
+def test_temp_files_are_swept_through_a_linked_root(tmp_path):
+    real = tmp_path / "real"
+    LocalStore(real, create=True).put("a/b", b"x")
+    (real / "a" / f".b{TMP_MARK}dead").write_bytes(b"partial")
+    os.symlink(real, tmp_path / "link")
+    assert LocalStore(tmp_path / "link").sweep_temp_files() == 1
+    assert LocalStore(real).get("a/b") == b"x"
