@@ -12,7 +12,7 @@ import random
 import pytest
 
 from deltasync import names
-from deltasync.commit import Catalog
+from deltasync.commit import Catalog, ReceiverRecord
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import (
     MissingBlobError,
@@ -171,11 +171,29 @@ def test_a_receiver_killed_mid_apply_repairs_on_restart_and_ends_bit_identical(t
     assert StateDir(state_dir).read_state().version == 1
     torn = mapped_shard_tensors(file, rl.local_specs("tp0"))
     assert not same_bits(torn, states[1]) and not same_bits(torn, states[2]), "not torn?"
-    rec = _reopen(store, rl, tmp_path)
+    registered = RecordedRegistrations(store)
+    rec = _reopen(registered, rl, tmp_path)
     assert rec.last_repair is not None and rec.last_repair.repaired
     assert rec.version == 2 and not rec.dir.journal_path.exists()
     assert_same_bits(rec.tensors, states[2])
     assert Catalog(store).acks(2)["victim"].state_digest == rec.state_digest
+    # torn while the repair ran: registered as holding nothing, then as holding version 2
+    assert registered.versions == [None, 2]
+
+
+class RecordedRegistrations:
+    """A store that records the version of every receiver registration written to it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.versions = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data):
+        if key.startswith(names.RECEIVERS_PREFIX):
+            self.versions.append(ReceiverRecord.from_json(data).version)
+        return self.inner.put(key, data)
 
 
 @pytest.mark.timeout(60)

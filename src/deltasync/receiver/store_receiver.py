@@ -234,7 +234,12 @@ class Receiver:
         self.last_repair: PullReport | None = None
         journal = self.dir.read_journal()
         if journal is not None:
-            self.heartbeat()  # retention keeps what a registered receiver still needs
+            # Killed mid-scatter: the tensors hold no version until the repair has replayed
+            # the journal, so the registration says so (a trainer waiting for acks or for
+            # staleness must not count a torn receiver; retention keeps the fresh-receiver
+            # chain for it, and a journaled chain it deleted meanwhile means the repair
+            # restores the newest anchor instead).
+            self._register_as(self._state_with(dirty=True))
             self.last_repair = self._repair(journal)
         else:
             if (
