@@ -28,6 +28,9 @@ by its owner only (``RECORD_MODE``), and read back strictly: a missing file is `
 :class:`~deltasync.errors.LocalStateError` naming the file and the remedy (restore the receiver
 from an anchor); checking the fields is the caller's.
 
+And the one bounded read of a small file a user names (a key file, a model config, a layout
+listing): :func:`read_regular`.
+
 This module knows files and JSON: nothing about keys, versions, stores or tensors.
 """
 
@@ -37,6 +40,7 @@ import contextlib
 import json
 import os
 import queue
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -48,6 +52,53 @@ from deltasync.errors import LocalStateError
 TMP_MARK = ".tmp-"  # every temp file's name holds this after a leading '.'
 
 Chunks = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
+
+
+def read_regular(
+    path: str | os.PathLike[str],
+    *,
+    limit: int,
+    what: str,
+    error: type[Exception],
+) -> tuple[bytes, os.stat_result]:
+    """The bytes (at most ``limit``) and status of the regular file ``path``, else ``error``
+    naming it.
+
+    A path a user passes may name anything: a FIFO (a plain ``open`` blocks until a writer
+    comes, forever), a device (``/dev/zero`` reads without end until memory runs out), a
+    directory. So the file is opened ``O_NONBLOCK`` (a FIFO without a writer opens at once),
+    checked with ``fstat`` on that descriptor (no window for a swap between check and read),
+    and read to at most ``limit + 1`` bytes, so a file that grew after the ``fstat`` is refused
+    too.
+
+    Args:
+        path: the file.
+        limit: the most bytes accepted.
+        what: what the file is, for the message (``"key file"``, ``"model config"``).
+        error: the typed error to raise.
+    """
+    p = str(Path(path))
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise error(f"cannot read {what} {p!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory, " if stat.S_ISDIR(st.st_mode) else ""
+            raise error(f"{what} {p!r} is {kind}not a regular file: pass the file itself")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)  # a file that grows after the fstat is caught here too
+    except OSError as exc:
+        raise error(f"cannot read {what} {p!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        size = (
+            f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
+        )
+        raise error(f"{what} {p!r} is larger than {size}: not a {what} (check the path)")
+    return data, st
 
 
 def temp_path_for(path: Path) -> Path:

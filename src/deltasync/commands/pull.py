@@ -18,7 +18,9 @@ metadata. Only the file is durable: on start the sidecar loads it and its metada
 the digest, and continues from there (a crash between a pull and the file write just repeats
 that pull).
 
-Started before the trainer's first commit (the normal order), it waits. It registers with the
+Started before the trainer's first commit (the normal order), it waits (for a local store, also
+for its directory to appear: the sidecar never creates it; with ``--once`` a missing store is
+refused). It registers with the
 store only once it holds a verified version (and removes its registration if its first pull
 fails), so a bounded-staleness trainer never waits on it; repeated errors back off (up to 60 s)
 with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls.
@@ -28,6 +30,15 @@ engine, TP, EP and model fingerprint they were built for. With ``--config`` the 
 come from that model's layout; without it from the newest anchor's blobs, read as a receiver
 reads them (size and digest against the manifest, decompression capped relative to the blob
 size, every tensor complete).
+
+Every argument is checked before anything is written (the store, ``--dir``, the state
+directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, the shard and
+receiver ids safe names, the key file readable, ``--dir`` a directory or missing, and
+``DIR/<shard>.safetensors`` not a directory; a refusal is a ConfigError (rc 2) naming the
+argument. A ``DIR/<shard>.safetensors`` that cannot be used (truncated, not safetensors, a
+symlink or other non-file, metadata out of range) is the sidecar's own file gone bad: it is
+reported on stderr and replaced from the newest anchor. One holding another layout's tensors
+is refused (it may be another model's weights, not the sidecar's to overwrite).
 """
 
 from __future__ import annotations
@@ -36,12 +47,18 @@ import argparse
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
 
 from deltasync.atomic import write_atomic
-from deltasync.commands.inspect_store import add_store_arguments, open_store_from_args, read_key
+from deltasync.commands.inspect_store import (
+    add_store_arguments,
+    local_path,
+    open_store_from_args,
+    read_key,
+)
 from deltasync.errors import ConfigError, DeltaSyncError, LayoutMismatchError
 
 META_VERSION = "deltasync_version"
@@ -49,6 +66,9 @@ META_DIGEST = "deltasync_state_digest"
 META_SHARD = "deltasync_shard"
 META_RUN = "deltasync_run_id"
 MAX_BACKOFF_S = 60.0
+# The longest --interval: a sidecar that pulls less than daily is a mistake (a typo'd unit, or
+# inf), and threading.Event.wait overflows on a timeout beyond the platform's time_t.
+MAX_INTERVAL_S = 86400.0
 # An anchor blob decompresses to at most this many times its stored size (BF16 weights
 # compress ~1.1-1.5x; zero-filled padding far more); a bigger claim is refused, not allocated.
 MAX_EXPANSION = 256
@@ -88,17 +108,28 @@ def _check_layout(args, head) -> None:
         )
 
 
-def _specs(args, store, catalog, head):
+def _config_layout(args):
+    """With ``--config``: (the receiver layout, the shard's local specs); else None.
+
+    Read while the arguments are checked: a bad config file is a refusal, not an error the
+    loop retries with backoff forever.
+    """
+    if not args.config:
+        return None
+    from deltasync.layout import ReceiverLayout
+    from deltasync.layout.files import load_config
+
+    layout = ReceiverLayout.build(load_config(args.config), args.engine, args.tp, args.ep)
+    return layout, layout.local_specs(args.shard)
+
+
+def _specs(args, store, catalog, head, configured):
     from deltasync.commit.model import specs_fingerprint
     from deltasync.format import TensorSpec, decode_blob
     from deltasync.receiver.staging import fetch_blob
 
-    if args.config:
-        from deltasync.layout import ReceiverLayout
-        from deltasync.layout.files import load_config
-
-        layout = ReceiverLayout.build(load_config(args.config), args.engine, args.tp, args.ep)
-        return layout, layout.local_specs(args.shard)
+    if configured is not None:
+        return configured
     anchor = catalog.shard_chain(args.shard, None, head)[0]
     specs: dict[str, TensorSpec] = {}
     budget = 0  # bytes the anchor's blobs may decompress to, in all
@@ -141,26 +172,89 @@ def _specs(args, store, catalog, head):
     return None, dict(sorted(specs.items()))
 
 
-def _load(path: Path, specs):
-    """Tensors and (version, digest, run id) from the file, or zeros and None."""
-    import torch
-    from safetensors import safe_open
+def _unusable(path: Path, why: str) -> None:
+    """One stderr line per start: the file is replaced, but a user should learn it went bad."""
+    _say(f"deltasync pull: {path}: {why}; replacing it from the newest anchor", err=True)
 
-    if not path.exists():
-        return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}, None
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+
+def _file_kind(path: Path) -> int | None:
+    """The ``lstat`` mode of ``path`` (None: missing); a directory there is refused.
+
+    The file is the sidecar's and is replaced by a rename, which replaces a symlink or any
+    other non-directory entry itself (never what a link points to) but cannot replace a
+    directory: that needs the user, so it is a ConfigError naming the path.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot inspect {str(path)!r}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(
+            f"{str(path)!r} is a directory where the sidecar keeps the shard's safetensors "
+            "file: remove it, or pass another --dir"
+        )
+    return mode
+
+
+def _load(path: Path, specs, *, receiver_id: str, shard: str):
+    """Tensors and the LocalState the file's metadata records (version None: start over).
+
+    A file that cannot be used is the sidecar's own file gone bad (a crash of another tool,
+    a disk error, a hand edit, a link someone put there): it is reported and the receiver
+    starts from nothing, so its first pull restores the newest anchor and the write replaces
+    the file. The metadata is checked by building the LocalState here, as the state file is
+    checked when read: a version the store cannot name or an unsafe run id is the same as no
+    metadata, not an error every restart would repeat. Only a file holding other tensors than
+    the shard's layout is refused: it may be another model's weights, not ours to overwrite.
+    """
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from deltasync.errors import ManifestError
+    from deltasync.receiver import LocalState
+
+    nothing = LocalState(receiver=receiver_id, shard=shard, version=None, state_digest=None)
+
+    def zeros():
+        return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
+
+    mode = _file_kind(path)
+    if mode is None:
+        return zeros(), nothing
+    if not stat.S_ISREG(mode):  # a symlink, FIFO, socket, device: never opened (may block)
+        _unusable(path, "not a regular file (a symlink or special file)")
+        return zeros(), nothing
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as exc:
+        _unusable(path, f"not a readable safetensors file ({exc})")
+        return zeros(), nothing
     if set(tensors) != set(specs):
         raise ConfigError(
             f"{str(path)!r} holds tensors {sorted(set(tensors) ^ set(specs))[:5]} that the "
             "shard's layout does not (or lacks them): it belongs to another shard or model"
         )
+    if META_VERSION not in meta:
+        return tensors, nothing  # not written by the sidecar: verified from an anchor
     try:
-        held = (int(meta[META_VERSION]), meta[META_DIGEST], meta.get(META_RUN))
-    except (KeyError, ValueError):
-        held = None
-    return tensors, held
+        state = LocalState.from_obj(
+            {
+                "receiver": receiver_id,
+                "shard": shard,
+                "version": int(meta[META_VERSION]),
+                "state_digest": meta.get(META_DIGEST),
+                "dirty": False,
+                **({"run_id": meta[META_RUN]} if META_RUN in meta else {}),
+            }
+        )
+    except (ValueError, ManifestError) as exc:
+        _unusable(path, f"its deltasync metadata is invalid ({exc})")
+        return tensors, nothing
+    return tensors, state
 
 
 def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: str | None):
@@ -184,12 +278,12 @@ def _say(line: str, *, err: bool = False) -> None:
     print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
 
-def _start(args, store, key, stop: _Stop):
+def _start(args, store, config, configured, stop: _Stop):
     """Wait for the first commit, check the layout, load the file: the Receiver."""
     from deltasync.commit import Catalog
-    from deltasync.receiver import LocalState, Receiver, ReceiverConfig, StateDir
+    from deltasync.receiver import Receiver, StateDir
 
-    catalog = Catalog(store, signing_key=key)
+    catalog = Catalog(store, signing_key=config.signing_key)
     waited = False
     while True:
         head = catalog.head()
@@ -203,31 +297,28 @@ def _start(args, store, key, stop: _Stop):
         if stop.event.wait(args.interval):
             return None, None
     _check_layout(args, head)
-    layout, specs = _specs(args, store, catalog, head)
+    layout, specs = _specs(args, store, catalog, head, configured)
     out_dir = Path(args.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{args.shard}.safetensors"
-    tensors, held = _load(path, specs)
-    receiver_id = args.receiver_id or f"pull-{args.shard}"
+    tensors, state = _load(path, specs, receiver_id=config.receiver_id, shard=args.shard)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, no permission (checked early; raced)
+        raise ConfigError(
+            f"cannot create --dir {args.dir!r}: {exc.strerror or exc}; pass a directory "
+            "(created if missing) the sidecar may write"
+        ) from None
     # The in-memory tensors are exactly the file: seed the receiver's state from it and drop
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
     state_dir = out_dir / f".{args.shard}.deltasync"
     StateDir(state_dir).clear_journal()
-    StateDir(state_dir).write_state(
-        LocalState(
-            receiver=receiver_id,
-            shard=args.shard,
-            version=None if held is None else held[0],
-            state_digest=None if held is None else held[1],
-            run_id=None if held is None else held[2],
-        )
-    )
+    StateDir(state_dir).write_state(state)
     receiver = Receiver(
         store,
         shard=args.shard,
         tensors=tensors,
         state_dir=str(state_dir),
-        config=ReceiverConfig(receiver_id=receiver_id, signing_key=key),
+        config=config,
         specs=specs,
         layout=layout,
         register=False,
@@ -241,28 +332,91 @@ def _start(args, store, key, stop: _Stop):
     return receiver, path
 
 
+def _check_args(args: argparse.Namespace):
+    """Check every argument before anything is written: (the ReceiverConfig, ``--config``'s
+    layout and specs or None).
+
+    A refusal after the store, ``--dir`` or the state directory was touched would leave a
+    stray directory, or a state file for a receiver that never ran; so the key file is read,
+    the receiver id checked (by building the ReceiverConfig) and ``--config`` read before the
+    store is opened, and the paths are only looked at here.
+    """
+    from deltasync import names
+    from deltasync.errors import ManifestError
+    from deltasync.receiver import ReceiverConfig
+
+    if not (math.isfinite(args.interval) and 0 < args.interval <= MAX_INTERVAL_S):
+        raise ConfigError(
+            f"--interval must be a number of seconds > 0 and <= {MAX_INTERVAL_S:.0f} (a day), "
+            f"got {args.interval}"
+        )
+    if args.iterations < 0:
+        raise ConfigError(
+            f"--iterations must be >= 0 (0 = pull until stopped), got {args.iterations}"
+        )
+    try:
+        names.check_token("--shard", args.shard)
+    except ManifestError as exc:
+        raise ConfigError(str(exc)) from None
+    config = ReceiverConfig(
+        receiver_id=args.receiver_id or f"pull-{args.shard}", signing_key=read_key(args)
+    )
+    remedy = (
+        f"pass the directory that holds (or will hold) {args.shard}.safetensors; it is "
+        "created if missing"
+    )
+    try:
+        st = os.stat(args.dir)
+    except FileNotFoundError:
+        st = None  # created once the store has a version
+    except OSError as exc:  # ENOTDIR: a parent is a file; EACCES
+        raise ConfigError(f"--dir {args.dir!r} cannot be used ({exc.strerror}): {remedy}") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"--dir {args.dir!r} is not a directory: {remedy}")
+        _file_kind(Path(args.dir) / f"{args.shard}.safetensors")  # a directory there: refused
+    return config, _config_layout(args)
+
+
+def _open_store(args: argparse.Namespace, stop: _Stop):
+    """The store; None when stopped while waiting for a local store's directory to appear.
+
+    Never creates a local store's directory: a typo would leave a stray directory and a
+    sidecar waiting on it forever. With ``--once`` a missing directory is refused; a loop
+    (started before the trainer, the normal order) waits for the trainer to create it.
+    """
+    path = local_path(args.store)
+    if path is not None and not args.once and not os.path.lexists(path):
+        _say(f"deltasync pull: waiting for the store directory {args.store} to be created")
+        while not os.path.lexists(path):
+            if stop.event.wait(args.interval):
+                return None
+    return open_store_from_args(args, must_exist=True)
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
+    config, configured = _check_args(args)
     stop = _Stop()
     old = stop.install()
     try:
-        return _loop(args, stop)
+        return _loop(args, config, configured, stop)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
-def _loop(args: argparse.Namespace, stop: _Stop) -> int:
-    store = open_store_from_args(args)
-    key = read_key(args)
+def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
+    store = _open_store(args, stop)
+    if store is None:
+        _say("deltasync pull: stopped before the store was created")
+        return 0
     receiver = path = None
     done = failures = 0
     last_error = None
     while not stop.event.is_set():
         try:
             if receiver is None:  # the start is retried like a pull: a damaged store heals
-                receiver, path = _start(args, store, key, stop)
+                receiver, path = _start(args, store, config, configured, stop)
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
@@ -330,9 +484,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 = off)")
     p.add_argument("--shard", required=True, help="receiver shard id, e.g. tp0 or tp1-ep0")
     p.add_argument("--dir", required=True, help="directory of <shard>.safetensors")
-    p.add_argument("--config", help="transformers config.json (checks the layout)")
+    p.add_argument(
+        "--config",
+        help="transformers config.json (checks the layout; a regular file of at most 4 MiB)",
+    )
     p.add_argument("--receiver-id", help="id in acks and registrations (default pull-<shard>)")
     p.add_argument("--once", action="store_true", help="pull once and exit")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between pulls")
-    p.add_argument("--iterations", type=int, default=0, help="stop after K pulls (0 = never)")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help=f"seconds between pulls, > 0 and at most {MAX_INTERVAL_S:.0f} (a day); default 5",
+    )
+    p.add_argument("--iterations", type=int, default=0, help="stop after K >= 0 pulls (0 = never)")
     p.set_defaults(func=_run)

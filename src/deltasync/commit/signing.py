@@ -28,6 +28,7 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 
+from deltasync.atomic import read_regular
 from deltasync.commit.canonical import canonical_json
 from deltasync.commit.model import Manifest
 from deltasync.errors import ConfigError, SignatureError
@@ -155,28 +156,14 @@ def load_key_file(path: str | os.PathLike[str]) -> bytes:
         The key bytes (at least MIN_KEY_BYTES).
     """
     p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"cannot read key file {str(p)!r}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"key file {str(p)!r} is not a regular file")
-        if st.st_size > 4096:
-            raise ConfigError(f"key file {str(p)!r} is {st.st_size} bytes; a key is 16-4096 bytes")
-        if st.st_mode & 0o077:
-            log.warning(
-                "key file %r is readable by its group or others (mode %o): anyone who can "
-                "read it can sign versions every receiver applies; chmod 600 it",
-                str(p),
-                stat.S_IMODE(st.st_mode),
-            )
-        data = os.read(fd, 4097)
-    except OSError as exc:
-        raise ConfigError(f"cannot read key file {str(p)!r}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
+    data, st = read_regular(p, limit=4096, what="key file", error=ConfigError)
+    if st.st_mode & 0o077:
+        log.warning(
+            "key file %r is readable by its group or others (mode %o): anyone who can "
+            "read it can sign versions every receiver applies; chmod 600 it",
+            str(p),
+            stat.S_IMODE(st.st_mode),
+        )
     key = data[:-1] if data.endswith(b"\n") else data
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(

@@ -11,7 +11,14 @@ Each file is written to a temporary name and renamed, so a reader never sees hal
 
 The whole checkpoint is held in memory while splitting or merging (this serves anchors, dense
 baselines and tests, not the sparse sync path). This module is the file I/O of
-``deltasync.layout`` (probed layout files are read and written by ``probed``).
+``deltasync.layout`` (probed layout files are read and written by ``probed``, through
+:func:`read_json_file` here).
+
+The JSON files a user names (``--config``, ``--layout``, a checkpoint index, ``shards.json``)
+are read by :func:`read_json_file`: only a regular file (a FIFO, a device such as
+``/dev/zero`` or a directory is refused, never read), at most a capped size
+(``MAX_CONFIG_BYTES`` = 4 MiB for a model config, ``MAX_JSON_BYTES`` = 256 MiB for the files
+that grow with the model), strict UTF-8 JSON; anything else is a LayoutError naming the file.
 """
 
 from __future__ import annotations
@@ -24,13 +31,44 @@ from typing import Any
 
 import torch
 
-from deltasync.atomic import write_atomic
+from deltasync.atomic import read_regular, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 
 SHARDS_FILE = "shards.json"
 INDEX_FILE = "model.safetensors.index.json"
+# A transformers config.json is a few KiB (tens with a big label map); a bigger file is not one.
+MAX_CONFIG_BYTES = 4 << 20
+# Layout files, checkpoint indexes and shard listings grow with the model (a large MoE's layout
+# file is tens of MiB); the cap only stops a runaway file from being read into memory whole.
+MAX_JSON_BYTES = 256 << 20
+
+
+def read_small_file(path: str | os.PathLike[str], *, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``), else LayoutError naming it
+    (:func:`deltasync.atomic.read_regular`: never blocks on a FIFO, never reads a device
+    without end)."""
+    data, _ = read_regular(path, limit=limit, what=what, error=LayoutError)
+    return data
+
+
+def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str) -> Any:
+    """The JSON value in the regular file ``path`` (see :func:`read_small_file`).
+
+    Strict UTF-8: a binary file is a LayoutError naming it, not a UnicodeDecodeError; so is
+    JSON nested too deeply for the parser (RecursionError).
+    """
+    data = read_small_file(path, limit=limit, what=what)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        reason = "not UTF-8 text (a binary file?)"
+    except RecursionError:
+        reason = "JSON nested too deeply"
+    except ValueError as exc:  # json.JSONDecodeError
+        reason = f"not valid JSON ({exc})"
+    raise LayoutError(f"cannot read {what} {str(path)!r}: {reason}")
 
 
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -38,11 +76,7 @@ def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        with open(p, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LayoutError(f"cannot read model config {str(p)!r}: {exc}") from exc
+    cfg = read_json_file(p, limit=MAX_CONFIG_BYTES, what="model config")
     if not isinstance(cfg, dict):
         raise LayoutError(f"model config {str(p)!r} is not a JSON object")
     return cfg
@@ -77,11 +111,11 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _index_files(index: Path) -> list[Path]:
+    doc = read_json_file(index, limit=MAX_JSON_BYTES, what="checkpoint index")
     try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
         weight_map = doc["weight_map"]
         names = list(dict.fromkeys(str(v) for v in weight_map.values()))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise LayoutError(f"cannot read checkpoint index {str(index)!r}: {exc}") from exc
     for n in names:
         if Path(n).name != n:
@@ -214,10 +248,10 @@ def split_checkpoint(
 
 
 def _read_listing(shards_dir: Path) -> list[ShardInfo]:
+    listing = read_json_file(shards_dir / SHARDS_FILE, limit=MAX_JSON_BYTES, what="shard listing")
     try:
-        listing = json.loads((shards_dir / SHARDS_FILE).read_text(encoding="utf-8"))
         return [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise LayoutError(f"cannot read {str(shards_dir / SHARDS_FILE)!r}: {exc}") from exc
 
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 from deltasync.atomic import write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import Block
+from deltasync.layout.files import MAX_JSON_BYTES, read_json_file
 from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
 from deltasync.layout.probe_blocks import assemble_table
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
@@ -170,19 +172,28 @@ def save_layout(
     shards: Sequence[ShardInfo],
     key: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write the layout file atomically."""
+    """Write the layout file atomically.
+
+    The path is the user's (``--out``, a cache directory): an OSError of the write (a parent
+    that is a file or missing, a directory in the file's place, no permission) is a LayoutError
+    naming it. ``write_atomic`` removes its temporary file on failure, so nothing is left.
+    """
     text = json.dumps(layout_to_json(table, shards, key), indent=1) + "\n"
-    write_atomic(path, text.encode(), durable=False)
+    try:
+        write_atomic(path, text.encode(), durable=False)
+    except OSError as exc:
+        raise LayoutError(
+            f"cannot write layout file {str(path)!r}: {exc.strerror or exc}; pass a file path "
+            "in an existing, writable directory"
+        ) from None
 
 
 def load_layout(
     path: str | os.PathLike[str],
 ) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LayoutError(f"cannot read layout file {str(path)!r}: {exc}") from exc
-    return layout_from_json(doc)
+    """Read a layout file; only a regular file of at most ``MAX_JSON_BYTES`` is read (see
+    :func:`~deltasync.layout.files.read_json_file`): ``--layout`` may name anything."""
+    return layout_from_json(read_json_file(path, limit=MAX_JSON_BYTES, what="layout file"))
 
 
 def save_receiver_layout(
@@ -221,10 +232,29 @@ def load_receiver_layout(
 
 
 class ProbeCache:
-    """One layout file per probe key under ``root`` (``<key digest>.json``)."""
+    """One layout file per probe key under ``root`` (``<key digest>.json``).
+
+    ``root`` is created on the first ``put``; a path that can never be a directory (a file
+    there or in its parents) is refused when the cache is made, before a probe that may take
+    minutes is run only to find its result cannot be kept.
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return  # created by put
+        except OSError as exc:  # ENOTDIR: a parent is a file; EACCES
+            raise LayoutError(
+                f"probe cache directory {str(self.root)!r} cannot be used: {exc.strerror}; "
+                "pass a directory (it is created if missing)"
+            ) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise LayoutError(
+                f"probe cache directory {str(self.root)!r} is not a directory: pass a "
+                "directory (it is created if missing)"
+            )
 
     def path(self, key: Mapping[str, Any]) -> Path:
         return self.root / f"{key_digest(key)}.json"
@@ -241,7 +271,13 @@ class ProbeCache:
         return table, shards
 
     def put(self, key: Mapping[str, Any], table: LayoutTable, shards: Sequence[ShardInfo]) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LayoutError(
+                f"cannot create probe cache directory {str(self.root)!r}: {exc.strerror or exc}; "
+                "pass a directory (it is created if missing)"
+            ) from None
         p = self.path(key)
         save_layout(p, table, shards, key)
         return p

@@ -1,0 +1,412 @@
+"""Bad input to the command line is refused with a typed error naming the argument or file and
+the remedy (rc 2, one ``deltasync: error:`` line, no traceback), and before anything is
+written; a damaged ``DIR/<shard>.safetensors`` (the sidecar's own file) is replaced from the
+newest anchor instead of killing the sidecar.
+
+- ``pull``: ``--interval`` must be finite, > 0 and at most a day, ``--iterations`` >= 0; a
+  missing store is never created (refused with ``--once``, waited for in a loop); the key file,
+  the receiver id, ``--config`` and ``--dir`` are checked before the store or ``--dir`` is
+  touched.
+- ``pull`` over a truncated, garbage or symlinked file, or one whose deltasync metadata is out
+  of range: a warning naming it, then the newest version; a directory in its place is refused.
+- config and layout files (``--config``, ``--layout``): only a regular UTF-8 JSON file under a
+  size cap is read: a binary file, deep nesting, a device (``/dev/zero``) or a FIFO is refused
+  without reading it whole or hanging.
+- ``layout probe --out``/``--cache`` in a place that cannot hold them: a LayoutError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from deltasync.cli import main
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.trainer import SnapshotTracker
+
+from sync_kit import TINY, TinyTrainer, assert_same_bits, expected_shards, layouts, scratch_store
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD = "tp1"
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A store holding versions 0..2 (tp=2 vLLM layout) and the newest version's shards."""
+    root = tmp_path_factory.mktemp("published")
+    spec, tl, rl = layouts()
+    store = scratch_store(root / "store")
+    trainer = TinyTrainer(spec, density=0.02)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=3))
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    for version in range(3):
+        if version:
+            trainer.step()
+        sync.step_published(version)
+    return root / "store", expected_shards(trainer.params, tl, rl)
+
+
+@pytest.fixture
+def work(tmp_path, published):
+    """tmp_path with its own copy of the store (pulls register and ack in it)."""
+    shutil.copytree(published[0], tmp_path / "store")
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "afile").write_text("not a directory\n")
+    return tmp_path
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``root`` (links not followed): kind, size and mtime."""
+    found = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(d) / name
+            st = os.lstat(p)
+            found[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run the real CLI entry point; an untyped exception escapes main (and fails the test)."""
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def _refused(capsys, root: Path, *argv: str, names: str, error: str = "ConfigError") -> str:
+    """The command exits 2 with one typed error line naming ``names``, and writes nothing."""
+    before = _tree(root)
+    rc, out, err = _cli(capsys, *argv)
+    assert rc == 2, out + err
+    assert err.startswith(f"deltasync: error: {error}: ") and err.count("\n") == 1, err
+    assert names in err, err
+    assert _tree(root) == before, "a refused command wrote something"
+    return err
+
+
+def _pull(work: Path, *extra: str, store: Path | None = None) -> list[str]:
+    store = work / "store" if store is None else store
+    return ["pull", str(store), "--tp", "2", "--shard", SHARD, *extra]
+
+
+def _subprocess(*argv: str, cwd: Path, timeout: float, max_memory: int | None = None):
+    """The CLI in a fresh interpreter (for inputs that hang or exhaust memory when mishandled),
+    with a wall-clock timeout and optionally an address-space cap."""
+
+    def limit() -> None:
+        if max_memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
+
+    return subprocess.run(
+        [sys.executable, "-m", "deltasync", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit,
+        check=False,
+    )
+
+
+# ---------------------------------------------------------------------- 4: --interval, --iterations
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--interval", "nan"),  # passed `<= 0`: a busy loop on the store
+        ("--interval", "inf"),  # OverflowError in Event.wait, after the file was written
+        ("--interval", "1e9"),  # 31 years between pulls: a unit typo
+        ("--iterations", "-1"),  # silently "never stop"
+    ],
+)
+def test_pull_refuses_an_interval_or_iterations_out_of_range_before_writing(
+    work, capsys, flag, value
+):
+    _refused(
+        capsys, work, *_pull(work, "--dir", str(work / "out"), "--once", flag, value), names=flag
+    )
+
+
+# ---------------------------------------------------------------------- 5: nothing before checks
+
+
+@pytest.mark.timeout(60)
+def test_pull_once_refuses_a_missing_store_without_creating_it(work, capsys):
+    missing = work / "nostore"
+    argv = _pull(work, "--dir", str(work / "out"), "--once", store=missing)
+    _refused(capsys, work, *argv, names=str(missing))
+    assert not missing.exists()
+
+
+@pytest.mark.timeout(60)
+def test_pull_reads_the_key_file_before_opening_the_store(work, capsys):
+    missing = work / "nostore"  # a loop would wait for it: the key is refused first
+    argv = _pull(
+        work, "--dir", str(work / "out"), "--key-file", str(work / "no-key"), store=missing
+    )
+    _refused(capsys, work, *argv, names=str(work / "no-key"))
+    assert not missing.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--receiver-id", "bad id"), ("--receiver-id", "../up"), ("--shard", "../tp1")],
+)
+def test_pull_checks_the_receiver_id_and_shard_before_writing_state(work, capsys, flag, value):
+    # a later --shard overrides _pull's
+    argv = _pull(work, flag, value, "--dir", str(work / "out"), "--once")
+    _refused(capsys, work, *argv, names=repr(value))
+    assert not (work / "out").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_pull_refuses_a_dir_that_is_a_file(work, capsys, where):
+    _refused(
+        capsys,
+        work,
+        *_pull(work, "--dir", str(work / where), "--once"),
+        names=f"--dir {str(work / where)!r}",
+    )
+
+
+@pytest.mark.timeout(60)
+def test_pull_reads_config_before_touching_the_store_or_dir(work, capsys):
+    binary = work / "binary"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+    _refused(
+        capsys,
+        work,
+        *_pull(work, "--dir", str(work / "out"), "--once", "--config", str(binary)),
+        names=str(binary),
+        error="LayoutError",
+    )
+
+
+@pytest.mark.timeout(120)
+def test_pull_loop_waits_for_a_missing_store_without_creating_it(tmp_path):
+    missing = tmp_path / "nostore"
+    out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_file, "w") as out, open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deltasync",
+                "pull",
+                str(missing),
+                "--tp",
+                "2",
+                "--shard",
+                SHARD,
+                "--dir",
+                str(tmp_path / "out"),
+                "--interval",
+                "0.05",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "waiting for the store directory" not in out_file.read_text():
+            assert proc.poll() is None, out_file.read_text() + err_file.read_text()
+            assert time.monotonic() < deadline, "the sidecar never said it waits"
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few more polls
+        assert not missing.exists() and not (tmp_path / "out").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, err_file.read_text()
+        assert "Traceback" not in err_file.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not missing.exists() and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- 6: a damaged shard file
+
+
+def _damage(path: Path, how: str, other: Path) -> None:
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    elif how == "garbage":
+        path.write_text("garbage\n")
+    elif how == "symlink":
+        path.unlink()
+        path.symlink_to(other)
+    else:  # metadata written by hand: int() accepts it, the state file does not
+        tensors = load_file(str(path))
+        meta = {"deltasync_version": "1", "deltasync_state_digest": "0" * 32}
+        meta.update(json.loads(how))
+        save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncated",
+        "garbage",
+        "symlink",
+        '{"deltasync_version": "-5", "deltasync_state_digest": "zz"}',
+        '{"deltasync_version": "999999999999"}',
+        '{"deltasync_run_id": "../x"}',
+    ],
+)
+def test_pull_replaces_a_damaged_shard_file_from_the_newest_anchor(work, published, capsys, how):
+    out = work / "out"
+    file = out / f"{SHARD}.safetensors"
+    assert _cli(capsys, *_pull(work, "--dir", str(out), "--once"))[0] == 0
+    other = work / "other.txt"  # what a symlink points to: never written through
+    other.write_text("someone else's file\n")
+    _damage(file, how, other)
+
+    rc, stdout, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))
+    assert rc == 0, stdout + err
+    assert str(file) in err and "replacing it from the newest anchor" in err, err
+    assert "applied [0, 1, 2]" in stdout, "restored from the anchor, not continued"
+    assert file.is_file() and not file.is_symlink()
+    assert_same_bits(load_file(str(file)), published[1][SHARD])
+    with safe_open(str(file), framework="pt") as f:
+        assert f.metadata()["deltasync_version"] == "2"
+    assert other.read_text() == "someone else's file\n"
+    rc, stdout, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))
+    assert rc == 0 and "(from 2, applied [])" in stdout, stdout + err  # continued from the file
+
+
+@pytest.mark.timeout(60)
+def test_pull_refuses_a_directory_in_place_of_the_shard_file(work, capsys):
+    out = work / "out"
+    (out / f"{SHARD}.safetensors").mkdir(parents=True)
+    err = _refused(
+        capsys,
+        work,
+        *_pull(work, "--dir", str(out), "--once"),
+        names=str(out / f"{SHARD}.safetensors"),
+    )
+    assert "remove it" in err
+
+
+# ---------------------------------------------------------------------- 7: config and layout files
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["binary", "deep", "huge"])
+def test_config_file_that_is_not_a_small_utf8_json_file_is_a_layout_error(work, capsys, kind):
+    bad = work / f"{kind}.json"
+    if kind == "binary":
+        bad.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+    elif kind == "deep":
+        bad.write_text("[" * 200_000 + "]" * 200_000)
+    else:  # over the 4 MiB cap: refused by its size, not parsed
+        bad.write_text("{" + " " * (5 << 20) + "}")
+    err = _refused(
+        capsys, work, "layout", "probe", "--config", str(bad), names=str(bad), error="LayoutError"
+    )
+    if kind == "huge":
+        assert "larger than 4 MiB" in err
+
+
+@pytest.mark.timeout(60)
+def test_layout_file_that_is_binary_is_a_layout_error(work, capsys):
+    bad = work / "layout.json"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    _refused(
+        capsys,
+        work,
+        "layout",
+        "split",
+        "--config",
+        str(work / "config.json"),
+        "--checkpoint",
+        str(work / "none.safetensors"),
+        "--layout",
+        str(bad),
+        "--out",
+        str(work / "split"),
+        names=str(bad),
+        error="LayoutError",
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_config_file_that_is_a_device_or_fifo_is_refused_without_reading_it(tmp_path, kind):
+    if kind == "fifo":
+        path = tmp_path / "config.fifo"
+        os.mkfifo(path)  # no writer: a plain open blocks forever
+    else:
+        path = Path("/dev/zero")  # reads without end
+    try:
+        # 1 GiB of address space is plenty for the CLI; reading /dev/zero whole is not
+        done = _subprocess(
+            "layout",
+            "probe",
+            "--config",
+            str(path),
+            cwd=tmp_path,
+            timeout=30,
+            max_memory=1 << 30,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"--config {path} hung")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("deltasync: error: LayoutError: ")
+    assert str(path) in done.stderr and "not a regular file" in done.stderr
+
+
+# ---------------------------------------------------------------------- 8: probe --out, --cache
+
+
+@pytest.mark.timeout(60)
+def test_probe_out_in_a_file_is_a_layout_error(work, capsys):
+    target = work / "afile" / "x.json"
+    _refused(
+        capsys,
+        work,
+        "layout",
+        "probe",
+        "--config",
+        str(work / "config.json"),
+        "--out",
+        str(target),
+        names=str(target),
+        error="LayoutError",
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_probe_cache_that_is_a_file_is_refused_before_probing(work, capsys, where):
+    _refused(
+        capsys,
+        work,
+        "layout",
+        "probe",
+        "--config",
+        str(work / "config.json"),
+        "--cache",
+        str(work / where),
+        names=str(work / where),
+        error="LayoutError",
+    )
