@@ -118,3 +118,7 @@ def test_publish_role_one_writer_for_replicated_state_every_shard_rank_for_shard
     }
     with pytest.raises(ValueError, match="different mesh coordinates"):
         publish_role(mixed)
+    # fully_shard on the layers only: the root's params stay whole beside sharded ones
+    partial = {**sharded, "embed": LocalShard(global_shape=(8, 2), row_start=0, row_stop=8)}
+    with pytest.raises(ConfigError, match=r"1 param\(s\) are not sharded \('embed'\)"):
+        publish_role(partial)

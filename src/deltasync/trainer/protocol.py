@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deltasync.errors import ConfigError
+
 
 @runtime_checkable
 class Tracker(Protocol):
@@ -108,12 +110,25 @@ def publish_role(shards: Mapping[str, LocalShard], *, dp_rank: int = 0) -> Publi
     Raises:
         ValueError: params sharded over different mesh sizes or coordinates (one publisher
             cannot route them with one ``writer_rank``).
+        ConfigError: some params sharded and others whole (``fully_shard`` applied to the
+            layers but not to the root module): the whole ones would be routed as if they
+            were this rank's shard of them.
     """
     sharded = {(s.rank, s.world_size) for s in shards.values() if s.world_size > 1}
     if len(sharded) > 1:
         raise ValueError(
             f"params are sharded over different mesh coordinates {sorted(sharded)}; one "
             "publisher routes one (writer_rank, num_writers)"
+        )
+    whole = [n for n, s in shards.items() if s.world_size == 1]
+    if sharded and whole:
+        ((_, world),) = sharded
+        shown = ", ".join(repr(n) for n in whole[:5]) + (" ..." if len(whole) > 5 else "")
+        raise ConfigError(
+            f"{len(whole)} param(s) are not sharded ({shown}) while the others are sharded "
+            f"over {world} ranks: one publisher routes every param as this rank's shard of "
+            "it. Shard the root module too (fully_shard(model) after the layers), so every "
+            "param is a Shard(0) DTensor"
         )
     rank, world = sharded.pop() if sharded else (0, 1)
     replica = max((s.replica for s in shards.values()), default=0)
