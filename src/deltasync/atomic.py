@@ -29,7 +29,7 @@ by its owner only (``RECORD_MODE``), and read back strictly: a missing file is `
 from an anchor); checking the fields is the caller's.
 
 And the one bounded read of a small file a user names (a key file, a model config, a layout
-listing): :func:`read_regular`.
+listing): :func:`read_regular`, and :func:`read_json` for the JSON ones.
 
 This module knows files and JSON: nothing about keys, versions, stores or tensors.
 """
@@ -99,6 +99,25 @@ def read_regular(
         )
         raise error(f"{what} {p!r} is larger than {size}: not a {what} (check the path)")
     return data, st
+
+
+def read_json(
+    path: str | os.PathLike[str], *, limit: int, what: str, error: type[Exception]
+) -> Any:
+    """The JSON value in the regular file ``path`` (read as :func:`read_regular` reads it).
+
+    Strict UTF-8: a binary file is ``error`` naming it, not a UnicodeDecodeError; so is JSON
+    nested too deeply for the parser (RecursionError)."""
+    data, _ = read_regular(path, limit=limit, what=what, error=error)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        reason = "not UTF-8 text (a binary file?)"
+    except RecursionError:
+        reason = "JSON nested too deeply"
+    except ValueError as exc:  # json.JSONDecodeError
+        reason = f"not valid JSON ({exc})"
+    raise error(f"cannot read {what} {str(path)!r}: {reason}")
 
 
 def temp_path_for(path: Path) -> Path:

@@ -11,14 +11,13 @@ Each file is written to a temporary name and renamed, so a reader never sees hal
 
 The whole checkpoint is held in memory while splitting or merging (this serves anchors, dense
 baselines and tests, not the sparse sync path). This module is the file I/O of
-``deltasync.layout`` (probed layout files are read and written by ``probed``, through
-:func:`read_json_file` here).
+``deltasync.layout`` (probed layout files are read and written by ``probed``).
 
 The JSON files a user names (``--config``, ``--layout``, a checkpoint index, ``shards.json``)
-are read by :func:`read_json_file`: only a regular file (a FIFO, a device such as
+are read by :func:`deltasync.atomic.read_json`: only a regular file (a FIFO, a device such as
 ``/dev/zero`` or a directory is refused, never read), at most a capped size
 (``MAX_CONFIG_BYTES`` = 4 MiB for a model config, ``MAX_JSON_BYTES`` = 256 MiB for the files
-that grow with the model), strict UTF-8 JSON; anything else is a LayoutError naming the file.
+that grow with the model, ``probed.MAX_LAYOUT_BYTES`` likewise for layout files), strict UTF-8 JSON; anything else is a LayoutError naming the file.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from deltasync.atomic import read_regular, write_atomic
+from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
@@ -45,30 +44,11 @@ MAX_CONFIG_BYTES = 4 << 20
 MAX_JSON_BYTES = 256 << 20
 
 
-def read_small_file(path: str | os.PathLike[str], *, limit: int, what: str) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``), else LayoutError naming it
-    (:func:`deltasync.atomic.read_regular`: never blocks on a FIFO, never reads a device
-    without end)."""
-    data, _ = read_regular(path, limit=limit, what=what, error=LayoutError)
-    return data
-
-
 def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str) -> Any:
-    """The JSON value in the regular file ``path`` (see :func:`read_small_file`).
-
-    Strict UTF-8: a binary file is a LayoutError naming it, not a UnicodeDecodeError; so is
-    JSON nested too deeply for the parser (RecursionError).
-    """
-    data = read_small_file(path, limit=limit, what=what)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        reason = "not UTF-8 text (a binary file?)"
-    except RecursionError:
-        reason = "JSON nested too deeply"
-    except ValueError as exc:  # json.JSONDecodeError
-        reason = f"not valid JSON ({exc})"
-    raise LayoutError(f"cannot read {what} {str(path)!r}: {reason}")
+    """The JSON value in the regular file ``path``, else LayoutError naming it
+    (:func:`deltasync.atomic.read_json`: never blocks on a FIFO, never reads a device without
+    end, refuses a binary file)."""
+    return read_json(path, limit=limit, what=what, error=LayoutError)
 
 
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -29,10 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltasync.atomic import write_atomic
+from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.blocks import Block
-from deltasync.layout.files import MAX_JSON_BYTES, read_json_file
 from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
 from deltasync.layout.probe_blocks import assemble_table
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
@@ -45,6 +44,9 @@ LAYOUT_FORMAT = "deltasync-layout"
 LAYOUT_FORMAT_VERSION = 1
 # Bumped when what the probe computes changes, so stale cache entries are not reused.
 PROBE_VERSION = 1
+# A large MoE's layout file is tens of MiB; the cap only stops a runaway file from being read
+# into memory whole.
+MAX_LAYOUT_BYTES = 256 << 20
 
 
 def probe_key(
@@ -191,9 +193,11 @@ def save_layout(
 def load_layout(
     path: str | os.PathLike[str],
 ) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
-    """Read a layout file; only a regular file of at most ``MAX_JSON_BYTES`` is read (see
-    :func:`~deltasync.layout.files.read_json_file`): ``--layout`` may name anything."""
-    return layout_from_json(read_json_file(path, limit=MAX_JSON_BYTES, what="layout file"))
+    """Read a layout file; only a regular file of at most ``MAX_LAYOUT_BYTES`` is read (see
+    :func:`~deltasync.atomic.read_json`): ``--layout`` may name anything."""
+    return layout_from_json(
+        read_json(path, limit=MAX_LAYOUT_BYTES, what="layout file", error=LayoutError)
+    )
 
 
 def save_receiver_layout(
