@@ -153,21 +153,20 @@ class _Seal(NamedTuple):
 
 
 class StateSeal:
-    """The optimizer state of every covered parameter as it was when taken; ``moved()`` names
-    the parameters whose state was replaced or written in place since (see
-    :meth:`AdamWTracker.seal_state`)."""
+    """The optimizer state of parameters as it was when taken; ``moved()`` names those whose
+    state was replaced or written in place since (see :meth:`AdamWTracker.seal_state`)."""
 
-    def __init__(self, tracker: AdamWTracker) -> None:
-        self._tracker = tracker
-        self._seals = {
-            name: seal for name in tracker._covered if (seal := tracker._seal_of(name)) is not None
-        }
+    def __init__(
+        self, seals: dict[str, _Seal], moments: Callable[[str], tuple[object, object]]
+    ) -> None:
+        """Args:
+        seals: per parameter, its state when taken.
+        moments: a parameter's state tensors as the optimizer holds them now.
+        """
+        self._seals, self._moments = seals, moments
 
     def moved(self) -> tuple[str, ...]:
-        tracker = self._tracker
-        return tuple(
-            name for name, seal in self._seals.items() if not seal.holds(*tracker._moments(name))
-        )
+        return tuple(n for n, seal in self._seals.items() if not seal.holds(*self._moments(n)))
 
 
 Change = tuple[str, torch.Tensor, torch.Tensor | None]
@@ -521,9 +520,11 @@ class AdamWTracker:
         """The optimizer state detection reads, sealed now: an overlapped sender takes it when
         its version starts reading (with the params' counters) and asks ``moved()`` before it
         commits, because an ``optimizer.load_state_dict`` or a moment reset while detection
-        reads makes the inversion read another state than the step left (~3 us a
-        parameter)."""
-        return StateSeal(self)
+        reads makes the inversion read another state than the step left. With the counters'
+        own checks, a version's read window costs ~4 us a parameter (0.24 ms for the 47 of
+        the small preset, 1.6 ms for Qwen3-0.6B's 310, against 0.05 / 0.28 without)."""
+        seals = {n: seal for n in self._covered if (seal := self._seal_of(n)) is not None}
+        return StateSeal(seals, self._moments)
 
     def _vouch(self) -> None:
         """Unvouch every pending step whose optimizer state is no longer the one it left
