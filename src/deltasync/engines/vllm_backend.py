@@ -285,6 +285,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_update_s = time.perf_counter() - t0
         self.last_report = report
         if report.version != version:
+            self.weight_version = None if receiver.dirty else receiver.version  # as in _fail
             raise VersionError(
                 f"shard {self.shard.shard!r} now holds version {report.version} (verified), not "
                 f"the requested {version}: the store committed a newer version meanwhile"
@@ -329,6 +330,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         naming every rank's error, and the others log and return. The trainer engine closes
         the session with ``finish_weight_update`` (see :mod:`.vllm_trainer`)."""
         receiver = self._receiver()
+        # What the tensors hold now, whatever the trainer does next: vLLM drops the session
+        # of a failed update, so finish_weight_update (which records it otherwise) may never
+        # come, and the version reported must not be the one from before a torn write.
+        self.weight_version = None if receiver.dirty else receiver.version
         where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
         if self.shard.place.tp == 1 and own is not None:
             raise own

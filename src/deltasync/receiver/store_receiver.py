@@ -44,7 +44,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -461,7 +461,15 @@ class Receiver:
         t0 = time.perf_counter()
         journal = self.dir.read_journal()
         if journal is not None:  # an earlier pull of this process failed after its journal
-            return self._repair(journal)
+            # Replayed first, then on to the newest version like any pull: a caller asking
+            # for the head must get it, not the version the failed pull was going to.
+            repair = self._repair(journal)
+            if repair.version is None:
+                return repair
+            return _then(repair, self._pull(time.perf_counter()))
+        return self._pull(t0)
+
+    def _pull(self, t0: float) -> PullReport:
         head = self.catalog.head()
         held = self._held()
         previous = None if held is None else held[0]
@@ -617,11 +625,17 @@ class Receiver:
         # of a 61 MiB shard (memory that malloc_trim did not return), more than it saves.
         t = time.perf_counter()
         written = 0
-        with self._pause():
-            for item in iter_chain(steps, self.specs, check=False):
-                written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
-                if self._on_tensor is not None:
-                    self._on_tensor(item.name)
+        writing = False
+        try:
+            with self._pause():
+                for item in iter_chain(steps, self.specs, check=False):
+                    writing = True
+                    written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
+                    if self._on_tensor is not None:
+                        self._on_tensor(item.name)
+        except BaseException as exc:
+            self._interrupted(exc, writing, repaired, versions)
+            raise
         pause_s = time.perf_counter() - t
         del steps
 
@@ -681,6 +695,30 @@ class Receiver:
             verify_s=verify_s,
             pause_s=pause_s,
         )
+
+    def _interrupted(
+        self, exc: BaseException, writing: bool, repaired: bool, versions: list[int]
+    ) -> None:
+        """The scatter raised (the engine's pause refused, an error or an interrupt midway).
+        Before its first write nothing changed: the journal goes (a repair's stays: it is the
+        crash's). After it the tensors are torn until the journal is replayed (the next pull
+        does that first, as a restart would), so this receiver holds no version meanwhile, and
+        its registration says so."""
+        if not writing:
+            if not repaired:
+                self.dir.clear_journal()
+            return
+        log.error(
+            "receiver %r shard %r: the scatter of versions %s stopped midway (%s); the "
+            "tensors hold no version until the next pull replays the journal",
+            self.config.receiver_id,
+            self.shard,
+            versions,
+            type(exc).__name__,
+        )
+        self._state = self._state_with(dirty=True)  # in memory: the journal is on disk
+        if isinstance(exc, Exception):
+            self._register_as(self._state)  # best effort (a store error is logged)
 
     def _record_state(self, state: LocalState) -> None:
         """Write ``state`` durably (this receiver's recorded state from then on, whatever
@@ -796,6 +834,23 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
+
+
+def _then(first: PullReport, then: PullReport) -> PullReport:
+    """One report of a repair followed by a pull on from where it left the tensors."""
+    return replace(
+        then,
+        previous_version=first.previous_version,
+        chain=first.chain + then.chain,
+        from_anchor=first.from_anchor if first.chain else then.from_anchor,
+        repaired=True,
+        bytes_fetched=first.bytes_fetched + then.bytes_fetched,
+        elements_written=first.elements_written + then.elements_written,
+        stage_s=first.stage_s + then.stage_s,
+        verify_s=first.verify_s + then.verify_s,
+        pause_s=first.pause_s + then.pause_s,
+        total_s=first.total_s + then.total_s,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,0 +1,83 @@
+"""A pull whose scatter stops in the same process (an error or an interrupt midway, or the
+engine's pause refusing before the first write): the receiver never reports the version it
+held before a torn write, and the next pull repairs and goes on to the newest version."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from kit import same_bits
+from truth_kit import Rig, snapshot
+
+from deltasync import LocalStore
+from deltasync.commit import Catalog
+from deltasync.receiver import store_receiver
+
+
+@pytest.fixture
+def rig(tmp_path):
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    for v in range(3):
+        rig.publish(v)
+    rig.check(rig.rec.pull())
+    return rig
+
+
+def _stopping_after(tensors: int, exc: BaseException):
+    real = store_receiver.apply_pieces
+    count = 0
+
+    def apply(*args, **kwargs):
+        nonlocal count
+        if count == tensors:
+            raise exc
+        count += 1
+        return real(*args, **kwargs)
+
+    return apply
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_a_scatter_stopped_midway_reports_no_version_until_the_next_pull_repairs(
+    rig, monkeypatch, exc
+):
+    rig.publish(3)
+    monkeypatch.setattr(store_receiver, "apply_pieces", _stopping_after(2, exc))
+    with pytest.raises(type(exc)):
+        rig.rec.pull()
+    monkeypatch.undo()
+    assert rig.rec.dirty  # torn: neither 2 nor 3 (version is the last verified, 2)
+    if isinstance(exc, Exception):  # the registration says so too
+        assert Catalog(rig.store).receivers()["rec"].version is None
+    rig.publish(4)
+    report = rig.rec.pull()  # the journal (to 3) first, then on to the head
+    assert report.repaired and report.chain == (3, 4) and report.previous_version is None
+    rig.check(report)
+    assert Catalog(rig.store).receivers()["rec"].version == 4
+
+
+@pytest.mark.timeout(60)
+def test_a_pause_that_refuses_before_the_first_write_leaves_nothing_to_repair(rig):
+    refuse = True
+
+    @contextlib.contextmanager
+    def pause():
+        if refuse:
+            raise RuntimeError("the engine cancelled this update")
+        yield
+
+    rec = rig.receiver(pause=pause)
+    rig.publish(3)
+    before = snapshot(rec.tensors)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        rec.pull()
+    assert rec.version == 2 and not rec.dirty and same_bits(rec.tensors, before)
+    assert not rec.dir.journal_path.exists()
+    refuse = False
+    rig.publish(4)
+    report = rec.pull()
+    assert not report.repaired and report.chain == (3, 4)
+    rig.rec = rec
+    rig.check(report)
