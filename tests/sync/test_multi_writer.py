@@ -5,10 +5,14 @@ writer is named in the committer's error and nothing is committed."""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
 import pytest
 import torch
 
 from deltasync.commit import Catalog
+from deltasync.errors import DeltaSyncError, StoreError, VersionError
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.publish import MissingWritersError, Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
@@ -115,3 +119,81 @@ def test_the_committer_names_the_writers_whose_markers_never_came(tmp_path):
     with pytest.raises(MissingWritersError, match=r"\['w00001-lonely', 'w00002-lonely'\]"):
         pub.publish(0, {}, local, full_state=trainer.params)
     assert pub.committed() is None
+
+
+class FailingUploads:
+    """A store whose blob uploads of ``version`` fail once, when armed."""
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.prefix, self.armed = inner, f"v{version:08d}/", False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_stream(self, key, chunks):
+        if self.armed and key.startswith(self.prefix):
+            self.armed = False
+            raise StoreError(f"injected: upload of {key!r} failed")
+        return self.inner.put_stream(key, chunks)
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_path):
+    # The committer's upload of v1 fails; writer 1 stored its blobs and marker and times out.
+    # Both train on. Retrying v1 let the committer read writer 1's marker of the failed
+    # attempt while writer 1 overwrote the blobs it names (a committed manifest whose blobs
+    # do not match it), or commit writer 1's stale blobs and have writer 1 drop its changes.
+    spec, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    failing = FailingUploads(store, 1)
+    syncs, trainers = [], []
+    for rank in range(WORLD):
+        trainer = TinyTrainer(spec, seed=7)
+        local = {}
+        for name, p in trainer.params.items():
+            start, stop, _ = _rows(p, rank)
+            local[name] = p.detach()[start:stop]
+        config = PublisherConfig(
+            writer_rank=rank, num_writers=WORLD, session="s1", marker_timeout_s=2
+        )
+        config = replace(config, poll_interval_s=0.02)
+        pub = Publisher(failing if rank == 0 else store, receiver_layout=rl, config=config)
+        tracker = RankTracker(SnapshotTracker(trainer.named_parameters()), trainer.params, rank)
+        full = trainer.params if rank == 0 else None
+        syncs.append(TrainerSync(tracker, pub, local, full_state=full))
+        trainers.append(trainer)
+
+    def everyone(call) -> list:
+        out: list = [None] * WORLD
+
+        def run(rank):
+            try:
+                out[rank] = call(rank)
+            except DeltaSyncError as exc:
+                out[rank] = exc
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    everyone(lambda r: syncs[r].step_published(0))
+    for trainer in trainers:
+        trainer.step()
+    failing.armed = True
+    failed = everyone(lambda r: syncs[r].step_published(1))
+    assert all(isinstance(e, DeltaSyncError) for e in failed), failed
+    for trainer in trainers:
+        trainer.step()
+    refused = everyone(lambda r: syncs[r].step_published(1))
+    assert all(isinstance(e, VersionError) and "not reused" in str(e) for e in refused), refused
+    assert [s.next_version() for s in syncs] == [2, 2]
+    everyone(lambda r: syncs[r].step_published(syncs[r].next_version()))
+    assert Catalog(store).versions() == [0, 2]
+    rec = Receiver.for_layout(
+        store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    assert rec.pull().chain == (0, 2)
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])

@@ -244,7 +244,7 @@ def wait_for_manifest(
             raise CommitTimeoutError(
                 f"version {version}: waited {timeout_s:.1f} s for the committing writer (rank 0) "
                 "to write the manifest; it crashed or is stuck. This writer's changes are kept "
-                "(its tracker is not cleared); retry the version"
+                "(its tracker is not cleared); publish next_version() on every writer"
             )
         time.sleep(poll_s)
     return catalog.manifest(version)

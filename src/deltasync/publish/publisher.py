@@ -169,6 +169,8 @@ class Publisher:
         self._baseline_digests: dict[str, str] | None = None  # its shard digests
         self.layout_record = LayoutRecord.of(receiver_layout)
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
+        # With several writers, the versions that failed on this one: never published again
+        self._failed: set[int] = set()
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
@@ -194,9 +196,12 @@ class Publisher:
 
     def next_version(self) -> int:
         """The version number to publish next: one above the newest committed (0 on an empty
-        store). After a restart, publish this, never a number the store already holds."""
+        store), and, with several writers, above every number that failed on this writer
+        (never reused, see :meth:`publish`). After a restart, publish this, never a number the
+        store already holds."""
         committed = self.committed()
-        return 0 if committed is None else committed + 1
+        after = 0 if committed is None else committed + 1
+        return max(after, max(self._failed, default=-1) + 1)
 
     def resume(
         self, version: int | None, params: Params, *, full_state: FullState | None = None
@@ -329,7 +334,52 @@ class Publisher:
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
+
+        Raises:
+            VersionError: with several writers, ``version`` already failed on this writer:
+                its number is not reused (see :meth:`next_version`).
         """
+        names.check_version(version)
+        several = self.config.num_writers > 1
+        if several and version in self._failed:
+            raise VersionError(
+                f"writer {self.writer}: version {version} already failed on this writer, and with "
+                f"{self.config.num_writers} writers its number is not reused: the committer may "
+                "still read this writer's marker of the failed attempt and commit blobs that a "
+                "retry overwrites. Nothing was written; this writer's changes are kept. Publish "
+                "next_version() on every writer (it skips failed numbers)"
+            )
+        try:
+            return self._publish(
+                version,
+                changes,
+                params,
+                anchor=anchor,
+                since=since,
+                full_state=full_state,
+                touched=touched,
+                fed=fed,
+                before_commit=before_commit,
+            )
+        except BaseException:
+            if several:
+                self._failed.add(version)
+            raise
+
+    def _publish(
+        self,
+        version: int,
+        changes: Iterable[Change],
+        params: Params,
+        *,
+        anchor: bool = False,
+        since: int | object | None = _OWN,
+        full_state: FullState | None = None,
+        touched: Collection[str] | Callable[[], Collection[str]] | None = None,
+        fed: TensorEntries | Callable[[], TensorEntries] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> PublishReport:
+        """:meth:`publish`, once its version is allowed."""
         t0 = time.perf_counter()
         names.check_version(version)
         cfg = self.config
