@@ -16,6 +16,7 @@ from kit import spy_digest_pass
 
 from deltasync import names
 from deltasync.errors import (
+    CommitConflictError,
     ConfigError,
     IntegrityError,
     ParamsEditedError,
@@ -996,4 +997,26 @@ def test_a_param_that_detection_missed_entirely_never_keeps_its_old_digest(tmp_p
         with pytest.raises(IntegrityError):
             rx.pull()
         assert rx.version == 1
+    sync.close()
+
+
+def test_a_committed_version_published_again_after_a_step_keeps_the_steps_changes(tmp_path):
+    # v1 committed; the trainer steps and publishes v1 again (it believed v1 failed). The
+    # publisher refuses it (another state under a committed number), and that step's changes,
+    # captured and cleared from the tracker, must go out with the next version.
+    trainer, _tracker, sync, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    _anchor_then_step(sync, trainer)
+    sync.step_published(1)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1)
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
+        sync.wait()
+    assert isinstance(err.value.__cause__, CommitConflictError)
+    assert sync._carry  # kept
+    trainer.step()
+    (report,) = sync.step_published(sync.next_version()).result()
+    sync.wait()
+    assert report.version == 2 and report.base_version == 1
+    _assert_receivers_exact(receivers, trainer, lay, 2)
     sync.close()

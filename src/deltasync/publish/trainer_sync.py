@@ -124,6 +124,7 @@ class PendingVersion:
         self.reads: ReadWindow | None = None
         # every param's version counters when its reads began (the state it publishes)
         self.counters: dict[str, Version] | None = None
+        self.committed = False  # committed on every publisher (then only the ack wait failed)
         self._detected = threading.Event()
 
     def detected(self) -> bool:
@@ -680,6 +681,7 @@ class TrainerSync:
             # Committed everywhere: the baseline moves now (wait() reads it after result());
             # the carry is dropped when the caller's thread settles the version.
             self.baseline = pending.version
+            pending.committed = True  # whatever the ack wait below does
             self._wait_acks(pending.version)
             return reports
         finally:
@@ -756,7 +758,9 @@ class TrainerSync:
             exc = failure
             if isinstance(failure, CaptureAbandonedError) and failure.__cause__ is not None:
                 exc = failure.__cause__
-            committed = self.baseline == pending.version  # only the ack wait failed
+            # Only the ack wait failed? Not "the baseline is this version": it already was
+            # when a version committed earlier is published again, and refused.
+            committed = pending.committed
             if committed:
                 self._carry = {}
             else:
