@@ -1004,7 +1004,7 @@ def test_a_committed_version_published_again_after_a_step_keeps_the_steps_change
     # v1 committed; the trainer steps and publishes v1 again (it believed v1 failed). The
     # publisher refuses it (another state under a committed number), and that step's changes,
     # captured and cleared from the tracker, must go out with the next version.
-    trainer, _tracker, sync, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    trainer, _tracker, sync, _pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
     _anchor_then_step(sync, trainer)
     sync.step_published(1)
     sync.wait()
