@@ -131,3 +131,51 @@ def test_sglangs_wider_vocab_padding_at_a_tp_that_vllm_refuses_is_refused_by_nam
     with pytest.raises(ConfigError, match="pads a vocabulary of 200 to a multiple of 192"):
         sglang_layout(spec, tp=3)
     assert sglang_layout(ModelSpec.from_hf_config(ENGINE_CONFIG), tp=2).tp == 2
+
+
+def test_a_rank_refuses_a_request_that_would_change_how_it_was_opened(tmp_path):
+    # Opened without a key, a rank asked with one must not go on without checking signatures
+    # (it did: unsigned manifests were applied); the same for another state dir or store.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
+    trainer.step()
+    trainer.publish(1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = dict(
+        store=str(tmp_path / "store"), receiver_id="sgl0", state_dir=str(tmp_path / "state")
+    )
+    for change, field in (
+        (dict(signing_key_hex="ab" * 32), "signing_key_hex"),
+        (dict(state_dir=str(tmp_path / "other")), "state_dir"),
+        (dict(durable=True), "durable"),
+    ):
+        request = SglangRequest(**{**base, "durable": False, **change}, version=1)
+        with pytest.raises(ConfigError, match=field):
+            take_version(model, request_tensors(request), tp_rank=0, tp=1)
+        assert _same(model, before)
+    take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1)  # the same fields: taken
+    assert _same(model, trainer.split()["tp0"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (dict(signing_key_hex="zz"), "signing_key_hex"),
+        (dict(signing_key_hex="ab"), "signing_key_hex"),
+        (dict(s3=[1, 2]), "s3"),
+        (dict(durable="no"), "durable"),
+    ],
+)
+def test_bad_request_fields_are_config_errors_naming_them(fields, named):
+    with pytest.raises(ConfigError, match=named):
+        SglangRequest(store="d", receiver_id="x", state_dir="/s", version=1, **fields)
+
+
+def test_a_tp_rank_outside_tp_is_a_config_error(tmp_path):
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    with pytest.raises(ConfigError, match="tp_rank 3 is not a rank of tp=2"):
+        take_version(model, _request(tmp_path, 0), tp_rank=3, tp=2)

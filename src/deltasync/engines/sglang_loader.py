@@ -45,6 +45,7 @@ from deltasync import (
     S3Config,
     open_store,
 )
+from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import ConfigError, VersionError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,26 @@ class SglangRequest:
         v = self.version
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"SglangRequest.version must be an int >= 0, got {v!r}")
+        if self.signing_key_hex is not None:
+            try:
+                key = bytes.fromhex(self.signing_key_hex)
+            except (TypeError, ValueError):
+                key = b""
+            if len(key) < MIN_KEY_BYTES:
+                raise ConfigError(
+                    "SglangRequest.signing_key_hex must be the hex of a key of at least "
+                    f"{MIN_KEY_BYTES} bytes"
+                )
+        if self.s3 is not None and not isinstance(self.s3, dict):
+            raise ConfigError("SglangRequest.s3 must be a dict of S3Config fields or None")
+        if not isinstance(self.durable, bool):
+            raise ConfigError(f"SglangRequest.durable must be a bool, got {self.durable!r}")
+
+    def opening(self) -> dict[str, Any]:
+        """Every field but the version: what a rank's receiver is opened with."""
+        fields = asdict(self)
+        del fields["version"]
+        return fields
 
 
 def request_tensors(request: SglangRequest) -> list[tuple[str, torch.Tensor]]:
@@ -123,7 +144,10 @@ class SglangShard:
     def __init__(self, model: torch.nn.Module, hf_config: Any, *, tp_rank: int, tp: int) -> None:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.layout = sglang_layout(self.spec, tp)
-        self.shard = next(s.id for s in self.layout.shards() if s.tp_rank == tp_rank)
+        shards = [s.id for s in self.layout.shards() if s.tp_rank == tp_rank]
+        if not shards:
+            raise ConfigError(f"tp_rank {tp_rank} is not a rank of tp={tp}: 0 <= tp_rank < tp")
+        self.shard = shards[0]
         live = dict(model.named_parameters())
         self.targets: dict[str, torch.Tensor] = {}
         for name, spec in self.layout.local_specs(self.shard).items():
@@ -139,26 +163,43 @@ class SglangShard:
                 )
             self.targets[name] = p.data
         self.receiver: Receiver | None = None
-        self.key: tuple[str, str] | None = None
+        self.opened: dict[str, Any] | None = None  # the request fields it was opened with
 
     def open(self, request: SglangRequest) -> Receiver:
-        """The receiver of ``request``'s store and id (opened once, then reused)."""
-        key = (request.store, request.receiver_id)
-        if self.receiver is None or self.key != key:
+        """The receiver of ``request`` (opened by the first request, then reused).
+
+        A later request must name the same store, id, state dir, key, S3 settings and
+        durability: a receiver opened otherwise would silently keep the first ones (a key
+        added later would not be required, and a state dir changed would lose its journal's
+        continuity). That is a ConfigError naming the fields; restart the engine to change
+        them."""
+        if self.receiver is not None:
+            assert self.opened is not None
+            changed = sorted(k for k, v in request.opening().items() if self.opened[k] != v)
+            if changed:
+                raise ConfigError(
+                    f"SGLang rank shard {self.shard!r} was opened with other {changed} than "
+                    "this request names; nothing was written. They are fixed for the engine's "
+                    "life: restart it to change them"
+                )
+            return self.receiver
+        try:
             s3 = S3Config(**request.s3) if request.s3 is not None else None
-            rid = f"{request.receiver_id}-{self.shard}"
-            state_dir = Path(request.state_dir) / rid
-            state_dir.mkdir(parents=True, exist_ok=True)
-            key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
-            self.receiver = Receiver.for_layout(
-                open_store(request.store, s3=s3, durable=request.durable),
-                self.layout,
-                self.shard,
-                self.targets,
-                str(state_dir),
-                ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
-            )
-            self.key = key
+        except TypeError as exc:
+            raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
+        rid = f"{request.receiver_id}-{self.shard}"
+        state_dir = Path(request.state_dir) / rid
+        state_dir.mkdir(parents=True, exist_ok=True)
+        key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
+        self.receiver = Receiver.for_layout(
+            open_store(request.store, s3=s3, durable=request.durable),
+            self.layout,
+            self.shard,
+            self.targets,
+            str(state_dir),
+            ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
+        )
+        self.opened = request.opening()
         return self.receiver
 
     def take(self, request: SglangRequest) -> PullReport | None:
