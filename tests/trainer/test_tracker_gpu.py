@@ -105,6 +105,9 @@ def test_cuda_tracker_never_misses_and_matches_the_cpu_tracker(impl, lr, wd):
     # The CPU twin: an optimizer stepped in lockstep (same hyperparameters and step counts, so
     # its tracker records the same steps), whose params and states are then overwritten with
     # the CUDA ones before detection runs (detection is lazy): the same tracker, same inputs.
+    # The overwrite goes through ``.data``, whose version counter is its own: written through
+    # the tensors themselves it would be an edit outside the optimizer, which the tracker
+    # rightly answers by reporting every element.
     cps = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in ps]
     cnamed = [(n, cp) for (n, _), cp in zip(named, cps, strict=False)]
     copt = torch.optim.AdamW(cps, lr=lr, weight_decay=wd)
@@ -127,9 +130,9 @@ def test_cuda_tracker_never_misses_and_matches_the_cpu_tracker(impl, lr, wd):
             copt.step()
             with torch.no_grad():
                 for p, cp in zip(ps, cps, strict=False):
-                    cp.copy_(p.cpu())
+                    cp.data.copy_(p.cpu())
                     for key in ("exp_avg", "exp_avg_sq"):
-                        copt.state[cp][key].copy_(opt.state[p][key].cpu())
+                        copt.state[cp][key].data.copy_(opt.state[p][key].cpu())
                     assert float(copt.state[cp]["step"]) == float(opt.state[p]["step"])
         assert all(p.device.type == DEV.type for p in ps)
         pairs = _on_cpu(tracker.changed_values())
