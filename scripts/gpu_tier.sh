@@ -8,8 +8,8 @@
 # .whl/ and are installed into /tmp/site: fetch them first where PyPI is reachable
 # (`bash scripts/gpu_wheels.sh`) and carry `.whl` in the device run. The whole log goes to
 # $OUT/gpu_tier.log (or /tmp/gpu_tier/gpu_tier.log).
-#   3. bench/gpu_sync_bench.py: a CUDA trainer's streamed store-path sync to CPU receivers
-#      (GPU_TIER_SYNC_MODEL, default qwen3-0.6b), bit-exact per version.
+#   3. bench/gpu_sync_bench.py: a CUDA trainer's store-path sync to CPU receivers, blocking and
+#      overlapped (GPU_TIER_SYNC_MODEL, default qwen3-0.6b), bit-exact per version.
 # Environment: PYTHON (default python3), GPU_TIER_ELEMS, GPU_TIER_DEVICE (default cuda; cpu
 # only to dry-run the script's logic on a machine without one), GPU_TIER_SYNC_MODEL,
 # GPU_TIER_SKIP_TESTS=1 / GPU_TIER_SKIP_DETECT=1 to run only the later stages.

@@ -120,3 +120,30 @@ def test_publish_probe_on_a_small_model_is_exact() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["bench"] == "publish_probe"
     assert out["exact"] is True
+
+
+@pytest.mark.timeout(240)
+def test_gpu_sync_bench_dry_runs_both_modes_on_the_cpu_and_checks_every_version() -> None:
+    """The device tier's sync benchmark (scripts/gpu_tier.sh) on the CPU: the same program,
+    blocking and overlapped, each version checked bit for bit by the benchmark itself."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltasync_bench.gpu_sync_bench",
+            *("--model", "qwen3-tiny", "--versions", "2", "--pre-steps", "1"),
+            *("--modes", "blocking,overlap"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "gpu_sync" and out["exact"] is True
+    assert set(out["modes"]) == {"blocking", "overlap"}
+    for mode in out["modes"].values():
+        assert len(mode["versions"]) == 2
+        for row in mode["versions"]:
+            assert row["elements"] > 0 and 0 < row["stall_s"] <= row["commit_s"]
