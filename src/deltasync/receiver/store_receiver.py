@@ -107,7 +107,12 @@ class ReceiverConfig:
       at a time (verify, then the scatter), so the pull holds the compressed blobs plus one
       tensor's changes instead of the whole decoded chain. None: 1/16 of the shard's bytes,
       at least 4 MiB (a small model's pull then decodes once: a second decode would cost more
-      time in the pause than the few MiB it saves).
+      time in the pause than the few MiB it saves);
+    - ``scrub_every``: every Nth pull that finds nothing new first runs :meth:`Receiver.scrub`
+      (a full read of the shard); a drift it finds is repaired by that same pull from the
+      newest anchor. 0 (the default): never. A pull that applies a version verifies the whole
+      resulting state from the live tensors anyway, so this matters while the head does not
+      move (training paused or over, the engine serving on).
     """
 
     receiver_id: str
@@ -118,6 +123,7 @@ class ReceiverConfig:
     max_decompressed_bytes: int = 1 << 36
     durable: bool = True
     max_staged_bytes: int | None = None
+    scrub_every: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -131,6 +137,7 @@ class ReceiverConfig:
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)
         if self.max_staged_bytes is not None:
             check_int(_OWNER, "max_staged_bytes", self.max_staged_bytes, lo=0)
+        check_int(_OWNER, "scrub_every", self.scrub_every, lo=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +159,8 @@ class PullReport:
     verify_s: float = 0.0  # digest of the resulting state, before the write (still serving)
     pause_s: float = 0.0  # scatter into the live tensors: the engine must not read them
     total_s: float = 0.0
+    scrubbed: bool = False  # the live tensors were hashed first (ReceiverConfig.scrub_every)
+    drifted: bool = False  # ... and no longer held the version: this pull restored an anchor
 
     @property
     def changed(self) -> bool:
@@ -218,6 +227,7 @@ class Receiver:
         self.dir = StateDir(state_dir, durable=config.durable)
         self._pending_ack: AckRecord | None = None
         self._heartbeat_owed = False
+        self._idle_pulls = 0  # pulls that found nothing new, toward scrub_every
         # register=False: no registration until this receiver holds a verified version
         # (a sidecar that must not stall a bounded-staleness trainer before its first pull).
         self._register = register
@@ -364,6 +374,45 @@ class Receiver:
 
     # --- records in the store (after the local state, never instead of it) -------------
 
+    def scrub(self) -> bool:
+        """Hash the live tensors (a full read of the shard) and compare with the digest of the
+        version held: True when they hold it.
+
+        On a mismatch, something other than this receiver wrote them (a stray write in the
+        engine, a bad copy, failing memory): the state is marked dirty and the registration
+        says no version, so no trainer counts this receiver as holding one, a warning names
+        the receiver, shard and version, and the next pull restores the newest anchor.
+        Nothing verified held (fresh, or already dirty): False, nothing is hashed. Not to be
+        called while a pull runs."""
+        held = self._held()
+        if held is None:
+            return False
+        if state_digest(self.tensors) == held[1]:
+            return True
+        log.warning(
+            "receiver %r shard %r: the live tensors no longer hash to version %d (written by "
+            "something else since it was verified); marked dirty, the next pull restores the "
+            "newest anchor",
+            self.config.receiver_id,
+            self.shard,
+            held[0],
+        )
+        self._set_state(dirty=True)
+        self._pending_ack = None
+        self._register_as(self._state)
+        return False
+
+    def _scrub_due(self) -> bool:
+        """Count a pull that found nothing new; True on every ``scrub_every``-th."""
+        every = self.config.scrub_every
+        if not every:
+            return False
+        self._idle_pulls += 1
+        if self._idle_pulls < every:
+            return False
+        self._idle_pulls = 0
+        return True
+
     def heartbeat(self) -> bool:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
         failure is logged and retried on the next pull; returns whether it was written."""
@@ -473,11 +522,20 @@ class Receiver:
         head = self.catalog.head()
         held = self._held()
         previous = None if held is None else held[0]
-        if head is None or (
+        idle = head is None or (
             held is not None
             and head.version == held[0]
             and head.shard_digests.get(self.shard) == held[1]
-        ):
+        )
+        if idle and held is not None and self._scrub_due():
+            if self.scrub():
+                self._flush_records()
+                return self._report(t0, previous_version=previous, scrubbed=True)
+            if head is None:  # nothing committed to restore from
+                return self._report(t0, previous_version=previous, scrubbed=True, drifted=True)
+            report = self._pull(t0)  # dirty now: restores the newest anchor
+            return replace(report, previous_version=previous, scrubbed=True, drifted=True)
+        if idle:
             self._flush_records()
             return self._report(t0, previous_version=previous)
         self._check_layout(head)

@@ -1,0 +1,91 @@
+"""Live tensors written by something else while the head does not move: ``Receiver.scrub``
+and ``ReceiverConfig.scrub_every`` find it, stop reporting the version, and repair from the
+newest anchor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kit import rconfig
+from truth_kit import Rig
+
+from deltasync import LocalStore, Receiver
+from deltasync.commit import Catalog
+from deltasync.errors import ConfigError
+
+
+@pytest.fixture
+def rig(tmp_path):
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    for v in range(3):
+        rig.publish(v)
+    return rig
+
+
+def _scrubbing(rig, every: int) -> Receiver:
+    return Receiver.for_layout(
+        rig.store,
+        rig.rl,
+        rig.shard,
+        rig.tensors,
+        str(rig.tmp / "rec-scrub"),
+        rconfig("rec", scrub_every=every),
+    )
+
+
+def _stray_write(tensors: dict[str, torch.Tensor]) -> None:
+    """One element of one tensor, as a stray write in the engine would (a bit flip)."""
+    t = next(iter(tensors.values()))
+    bits = t.view(-1).view(torch.int16)
+    bits[7] ^= 1
+
+
+@pytest.mark.timeout(60)
+def test_scrub_keeps_a_held_state_and_drops_a_drifted_one(rig):
+    rig.check(rig.rec.pull())
+    assert rig.rec.scrub()  # nothing wrote them: still version 2
+    assert rig.rec.version == 2 and not rig.rec.dirty
+    _stray_write(rig.rec.tensors)
+    assert not rig.rec.scrub()
+    assert rig.rec.dirty
+    assert Catalog(rig.store).receivers()["rec"].version is None  # no trainer counts it
+    report = rig.rec.pull()  # the head has not moved: restored from the newest anchor
+    assert report.from_anchor and report.chain == (0, 1, 2)
+    rig.check(report)
+    assert Catalog(rig.store).receivers()["rec"].version == 2
+
+
+@pytest.mark.timeout(60)
+def test_scrub_of_a_receiver_holding_nothing_hashes_nothing(rig, monkeypatch):
+    from deltasync.receiver import store_receiver
+
+    def refuse(_):
+        raise AssertionError("hashed a receiver that holds nothing")
+
+    monkeypatch.setattr(store_receiver, "state_digest", refuse)
+    assert not rig.rec.scrub()
+    assert rig.rec.version is None
+
+
+@pytest.mark.timeout(60)
+def test_every_nth_idle_pull_scrubs_and_repairs_a_drift_in_the_same_pull(rig):
+    rec = _scrubbing(rig, 2)
+    rig.check(first := rec.pull())
+    assert not first.scrubbed  # applied a chain: its verify read the whole state anyway
+    assert not rec.pull().scrubbed  # first idle pull
+    second = rec.pull()
+    assert second.scrubbed and not second.drifted and second.chain == ()
+    _stray_write(rec.tensors)
+    assert not rec.pull().scrubbed  # between scrubs a drift goes unseen ...
+    report = rec.pull()  # ... until the next one, which repairs it at once
+    assert report.scrubbed and report.drifted and report.from_anchor
+    assert report.previous_version == 2 and report.version == 2
+    for name, want in rig.expected(report).items():
+        assert torch.equal(rec.tensors[name].view(torch.int16), want.view(torch.int16)), name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("every", [-1, 1.5, True, "2"])
+def test_scrub_every_must_be_a_non_negative_int(every):
+    with pytest.raises(ConfigError, match="scrub_every"):
+        rconfig("rec", scrub_every=every)
