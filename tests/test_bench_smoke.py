@@ -93,31 +93,28 @@ def test_detect_bench_on_a_small_set_misses_nothing() -> None:
     assert 0 <= out["extra_over_true"] <= 0.05
 
 
+def _module_json(module: str, *args: str, timeout: float) -> dict:
+    """Run ``python -m module args``; its last stdout line, parsed."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(240)
 def test_publish_probe_on_a_small_model_is_exact() -> None:
     """The one-process store-path probe (TrainerSync(overlap=True) + Publisher, as users run it)
     checks the receiver-visible state against the manifest's digests itself."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltasync_bench.publish_probe",
-            "--model",
-            "qwen3-small",
-            "--layers",
-            "1",
-            "--versions",
-            "2",
-            "--pre-steps",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
+    out = _module_json(
+        "deltasync_bench.publish_probe",
+        *("--model", "qwen3-small", "--layers", "1", "--versions", "2", "--pre-steps", "1"),
         timeout=220,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["bench"] == "publish_probe"
     assert out["exact"] is True
 
@@ -126,21 +123,12 @@ def test_publish_probe_on_a_small_model_is_exact() -> None:
 def test_gpu_sync_bench_dry_runs_both_modes_on_the_cpu_and_checks_every_version() -> None:
     """The device tier's sync benchmark (scripts/gpu_tier.sh) on the CPU: the same program,
     blocking and overlapped, each version checked bit for bit by the benchmark itself."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltasync_bench.gpu_sync_bench",
-            *("--model", "qwen3-tiny", "--versions", "2", "--pre-steps", "1"),
-            *("--modes", "blocking,overlap"),
-        ],
-        capture_output=True,
-        text=True,
+    out = _module_json(
+        "deltasync_bench.gpu_sync_bench",
+        *("--model", "qwen3-tiny", "--versions", "2", "--pre-steps", "1"),
+        *("--modes", "blocking,overlap"),
         timeout=220,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["bench"] == "gpu_sync" and out["exact"] is True
     assert set(out["modes"]) == {"blocking", "overlap"}
     for mode in out["modes"].values():
