@@ -71,6 +71,36 @@ def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_
         rx_s3.close()
 
 
+@pytest.mark.timeout(90)
+def test_a_receiver_restarted_while_s3_is_down_still_owes_the_ack_it_could_not_write(
+    s3_server, s3_session_store, tmp_path
+):
+    # The server dies between the scatter and the ack, and the receiver restarts before it is
+    # back: it cannot tell yet whether its version is committed as held, so the ack stays
+    # owed (it was dropped, and a trainer waiting for it timed out although it held the
+    # version) and goes out with the first pull that reads the store.
+    prefix = f"truth-{uuid.uuid4().hex[:8]}"
+    pub_store = s3_session_store.with_prefix(prefix)
+    retry = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.02, deadline_s=0.5)
+    rx_s3 = S3Store(s3_session_store.bucket, prefix, config=s3_server.config(retry=retry))
+    try:
+        rig = Rig(pub_store, tmp_path)
+        rig.publish(0)
+        rig.rec = rig.receiver(StopBeforeAck(rx_s3, s3_server.stop))
+        assert rig.rec.pull().records_pending and not s3_server.running
+        rig.rec = rig.receiver(rx_s3)  # the process restarts; the server is still down
+        assert rig.rec.version == 0 and not rig.rec.dirty
+        s3_server.start()
+        report = rig.rec.pull()
+        assert report.version == 0 and not report.chain and not report.records_pending
+        assert AckRecord.from_json(pub_store.get(names.ack_key(0, "rec"))).version == 0
+        assert rig.trainer.pub.wait_for_acks(0, ["rec"], timeout=5)
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+        rx_s3.close()
+
+
 def _receiver_child(store_path, state_dir, mapped, ready, hang_in):
     from truth_kit import tiny_layouts
 

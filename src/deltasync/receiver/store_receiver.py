@@ -63,6 +63,7 @@ from deltasync.errors import (
     LayoutMismatchError,
     LocalStateError,
     ManifestError,
+    ObjectTooLargeError,
     StoreError,
     VersionError,
 )
@@ -228,6 +229,9 @@ class Receiver:
         self._pending_ack: AckRecord | None = None
         self._heartbeat_owed = False
         self._idle_pulls = 0  # pulls that found nothing new, toward scrub_every
+        # Restarted while the store could not say whether the held version is committed as
+        # held: whether its ack is owed is decided on the next flush of the records.
+        self._ack_undecided = False
         # register=False: no registration until this receiver holds a verified version
         # (a sidecar that must not stall a bounded-staleness trainer before its first pull).
         self._register = register
@@ -266,29 +270,47 @@ class Receiver:
                     self._state.version,
                 )
                 self._set_state(dirty=True)
-            elif config.verify_on_open and self._held() is not None and self._still_committed():
-                # Verified what it holds: owe the ack of it (a process killed between its
-                # scatter and its ack comes back here, and the trainer's wait completes).
-                self._pending_ack = AckRecord(
-                    version=self._state.version,
-                    receiver=config.receiver_id,
-                    shard=self.shard,
-                    state_digest=self._state.state_digest,
-                    created_at=time.time(),
-                    run_id=self._state.run_id,
-                )
+            elif config.verify_on_open and self._held() is not None:
+                # Verified what it holds: owe the ack of it once the store shows that version
+                # committed as held (a process killed between its scatter and its ack comes
+                # back here, and the trainer's wait completes, also after an outage).
+                self._ack_undecided = True
             self._flush_records()
 
-    def _still_committed(self) -> bool:
+    def _decide_owed_ack(self) -> None:
+        """After a restart: owe the ack of the held version if the store commits it as held;
+        while the store cannot be read (an outage, credentials refused) decide later."""
+        if self._held() is None:
+            self._ack_undecided = False
+            return
+        committed = self._still_committed()
+        if committed is None:
+            return
+        self._ack_undecided = False
+        if committed:
+            self._pending_ack = AckRecord(
+                version=self._state.version,
+                receiver=self.config.receiver_id,
+                shard=self.shard,
+                state_digest=self._state.state_digest,
+                created_at=time.time(),
+                run_id=self._state.run_id,
+            )
+
+    def _still_committed(self) -> bool | None:
         """Is the held version committed in the store as this receiver holds it: a manifest
         of that number, with this shard's state digest and (where recorded) lineage? After a
         store reset the same number names another state, whose ack this receiver must not
-        write. (False when it cannot say: the ack is an optimisation, never a reason to
-        fail.)"""
+        write. False when it is not (or its manifest is unusable: the ack is an
+        optimisation, never a reason to fail); None when the store could not be read."""
         version, digest = self._state.version, self._state.state_digest
         try:
             manifest = self.catalog.manifest(version)
-        except DeltaSyncError:  # not committed, or unreadable
+        except StoreError as exc:
+            if isinstance(exc, (KeyNotFoundError, ObjectTooLargeError)):
+                return False  # not committed, or not a manifest this receiver reads
+            return None
+        except DeltaSyncError:  # unusable (unreadable, badly signed)
             return False
         return manifest.shard_digests.get(self.shard) == digest and (
             self._state.run_id in (None, manifest.run_id)
@@ -462,6 +484,8 @@ class Receiver:
         writes overlap (two store round trips, four fsyncs on a local store: ~1.7 -> ~0.9 ms
         of every pull here)."""
         state = self._state if holding is None else holding
+        if self._ack_undecided and holding is None:
+            self._decide_owed_ack()
         ack = self._pending_ack
         if ack is None:
             return self._register_as(state)
@@ -482,7 +506,7 @@ class Receiver:
             error = beat.wait()
         if error is not None:
             raise error
-        return not self._heartbeat_owed and self._pending_ack is None
+        return not self._heartbeat_owed and self._pending_ack is None and not self._ack_undecided
 
     def _report(self, t0: float, **fields) -> PullReport:
         dirty = self.dirty
@@ -490,7 +514,9 @@ class Receiver:
             version=None if dirty else self.version,
             dirty=dirty,
             run_id=None if dirty else self.run_id,
-            records_pending=self._pending_ack is not None or self._heartbeat_owed,
+            records_pending=self._pending_ack is not None
+            or self._heartbeat_owed
+            or self._ack_undecided,
             total_s=time.perf_counter() - t0,
             **fields,
         )
@@ -724,6 +750,7 @@ class Receiver:
         held = self._state_with(
             version=target.version, state_digest=expected, dirty=False, run_id=target.run_id
         )
+        self._ack_undecided = False  # a later version's ack and registration supersede it
         self._pending_ack = AckRecord(
             version=target.version,
             receiver=self.config.receiver_id,
