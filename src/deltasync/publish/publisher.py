@@ -712,7 +712,14 @@ class Publisher:
         manifests = {}
         for v, keys in list(version_keys.items()):
             if names.manifest_key(v) not in keys:
-                continue
+                # Deleted in full as never committed, unless the store says otherwise: a
+                # listing can lag behind the newest writes (an eventually consistent store),
+                # and it must not delete the blobs of a version committed meanwhile.
+                if committed is None or v >= committed:
+                    continue
+                if not self.store.exists(names.manifest_key(v)):
+                    continue
+                keys.append(names.manifest_key(v))
             try:
                 manifests[v] = self.catalog.manifest(v)
             except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it

@@ -1,0 +1,75 @@
+"""Retention on an S3 store whose listing lags behind its writes (an eventually consistent
+S3-compatible store): a version whose manifest the listing does not show yet is not taken for
+an abandoned attempt, so gc never deletes the blobs of a committed version."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltasync import names
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.receiver import Receiver
+from deltasync.trainer import SnapshotTracker
+
+from sync_kit import (
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    zero_tensors,
+)
+
+
+class LaggingListing:
+    """A store whose ``list`` answers from a snapshot taken by ``freeze()`` (until ``thaw``),
+    as a lagging index would; reads and writes of keys go through."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.frozen: list[str] | None = None
+        self.freeze_before_commit = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, prefix=""):
+        if self.frozen is None:
+            return self.inner.list(prefix)
+        return [k for k in self.frozen if k.startswith(prefix)]
+
+    def put_if_absent(self, key, data):
+        if self.freeze_before_commit:  # blobs and marker are stored, the manifest is next
+            self.freeze_before_commit = False
+            self.frozen = self.inner.list("")
+        return self.inner.put_if_absent(key, data)
+
+
+@pytest.mark.timeout(60)
+def test_gc_on_a_lagging_listing_keeps_the_blobs_of_a_version_committed_meanwhile(
+    s3_store, tmp_path
+):
+    spec, tl, rl = layouts()
+    store = LaggingListing(s3_store)
+    trainer = TinyTrainer(spec)
+    config = PublisherConfig(anchor_every=100, keep_versions=1)
+    pub = Publisher(store, receiver_layout=rl, config=config)
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    rec = Receiver.for_layout(
+        s3_store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    sync.step_published(0)
+    trainer.step()
+    sync.step_published(1)
+    assert rec.pull().version == 1
+    store.freeze_before_commit = True
+    trainer.step()
+    sync.step_published(2)
+    trainer.step()
+    sync.step_published(3)
+    assert names.manifest_key(2) not in store.list("v")  # the listing has not caught up
+    pub.gc()
+    blobs = [b.key for b in pub.catalog.manifest(2, fresh=True).blobs]
+    assert blobs and all(s3_store.exists(k) for k in blobs), "a committed version lost blobs"
+    assert rec.pull().chain == (2, 3)
+    assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
