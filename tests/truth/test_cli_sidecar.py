@@ -227,6 +227,45 @@ def test_inspect_shows_status_reason_layout_lineage_and_density_from_the_manifes
     assert "layout: engine vllm tp=2" in table and "truncated:" in table
 
 
+class BlobsFrom:
+    """Blob reads go to ``blobs`` (another store), everything else to ``inner``."""
+
+    def __init__(self, inner, blobs) -> None:
+        self.inner, self.blobs = inner, blobs
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key, **kwargs):
+        store = self.blobs if key.endswith(".blob") else self.inner
+        return store.get(key, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_inspect_reports_a_blob_s3_would_not_return_as_unreadable_not_corrupt(
+    s3_server, s3_store, tmp_path
+):
+    from deltasync.commands.inspect_store import collect
+    from deltasync.store import RetryPolicy, S3Store
+
+    rig = Rig(s3_store, tmp_path)
+    rig.publish(0)
+    # the blobs' reads fail as an unreachable endpoint (or a refused one) fails them
+    down = S3Store(
+        s3_store.bucket,
+        s3_store.prefix,
+        config=s3_server.config(
+            endpoint_url="http://127.0.0.1:9", retry=RetryPolicy(max_attempts=1)
+        ),
+    )
+    info = collect(BlobsFrom(s3_store, down), last=0, signing_key=None)
+    statuses = {(r["version"], r["shard"]): r for r in info["rows"]}
+    assert {r["status"] for r in statuses.values()} == {"unreadable"}, statuses
+    assert "StoreError" in statuses[(0, "tp0")]["reason"]
+    info = collect(s3_store, last=0, signing_key=None)
+    assert {r["status"] for r in info["rows"]} == {"ok"}
+
+
 @pytest.mark.timeout(60)
 def test_inspect_does_not_die_on_a_closed_pipe(store_path, tmp_path):
     store = LocalStore(store_path, durable=False)

@@ -13,6 +13,8 @@ decoded) and the receivers that acknowledged it; then the registered receivers. 
 - ``gap``: a delta whose base version has no manifest in the store (receivers below it
   restore an anchor);
 - ``unsigned`` / ``bad signature`` (with ``--key-file``), ``unreadable``: the manifest;
+  ``unreadable`` also for a blob the store did not return (access refused, unreachable:
+  nothing is known about its bytes);
 - ``uncommitted``: a version directory without a manifest (an attempt in flight, or a crash).
 
 ``--json`` prints one JSON line instead. Blobs are read (bounded by their manifest size) to
@@ -36,6 +38,7 @@ from deltasync.errors import (
     DigestMismatchError,
     KeyNotFoundError,
     SignatureError,
+    StoreError,
     TruncatedBlobError,
 )
 
@@ -125,6 +128,8 @@ def _blob_status(store, manifest, shard: str) -> tuple[str, str]:
             fetch_blob(store, manifest, entry)
         except MissingBlobError:
             return "missing blob", f"{entry.key} is not in the store"
+        except StoreError as exc:  # refused or unreachable: says nothing about the bytes
+            return "unreadable", f"{type(exc).__name__}: {exc}"
         except TruncatedBlobError as exc:
             return "truncated", str(exc)
         except DigestMismatchError as exc:
