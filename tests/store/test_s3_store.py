@@ -199,3 +199,40 @@ def test_s3_config_rejects_bad_fields_naming_them(kwargs, match) -> None:
 def test_s3_config_never_prints_its_secret() -> None:
     config = S3Config(access_key_id="AKIDEXAMPLE", secret_access_key="very-secret-value")
     assert "very-secret-value" not in repr(config)
+
+
+class _TokenExpired:
+    """A client whose calls fail as S3 fails them once a session token has expired, while
+    ``expired`` is set."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.expired = True
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not self.expired or not callable(attr):
+            return attr
+
+        def refused(**kwargs):
+            raise ClientError(
+                {
+                    "Error": {"Code": "ExpiredToken", "Message": "The provided token has expired."},
+                    "ResponseMetadata": {"HTTPStatusCode": 400},
+                },
+                name,
+            )
+
+        return refused
+
+
+def test_an_expired_session_token_is_a_store_error_naming_the_key_and_the_remedy(s3_store) -> None:
+    s3_store.put("v00000001/MANIFEST.json", b"m")
+    s3_store._client = _TokenExpired(s3_store._client)
+    with pytest.raises(StoreError, match=r"v00000001/MANIFEST.json.*ExpiredToken.*[Rr]enew"):
+        s3_store.get("v00000001/MANIFEST.json")
+    with pytest.raises(StoreError, match=r"LATEST.*ExpiredToken.*[Rr]enew"):
+        s3_store.put("LATEST", b"x")
+    s3_store._client.expired = False  # credentials renewed: the same store works again
+    assert s3_store.get("v00000001/MANIFEST.json") == b"m"
+    assert not s3_store.exists("LATEST")

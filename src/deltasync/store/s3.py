@@ -49,6 +49,7 @@ MAX_PART = 5 * 2**30
 NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 CONFLICT = {"PreconditionFailed", "412"}
 IN_FLIGHTCONFLICT = {"ConditionalRequestConflict", "409"}
+EXPIRED = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}  # a session token's end
 TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
@@ -288,6 +289,12 @@ class S3Store:
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             return StoreError(
                 f"S3 {what} of {self._url(key)} was refused ({code}); check S3Config credentials"
+            )
+        if code in EXPIRED:
+            return StoreError(
+                f"S3 {what} of {self._url(key)} was refused ({code}): the session token has "
+                "expired or is not valid. Renew the credentials (a new S3Config, or boto3's "
+                "default chain with a source that refreshes them)"
             )
         return StoreError(f"S3 {what} of {self._url(key)} failed: {code or status}: {exc}")
 
