@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 from botocore.exceptions import ClientError, ConnectionClosedError
+from botocore.response import StreamingBody
 
 from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
 from deltasync.store import RetryPolicy, S3Config, S3Store
@@ -236,3 +238,39 @@ def test_an_expired_session_token_is_a_store_error_naming_the_key_and_the_remedy
     s3_store._client.expired = False  # credentials renewed: the same store works again
     assert s3_store.get("v00000001/MANIFEST.json") == b"m"
     assert not s3_store.exists("LATEST")
+
+
+class _BodyCutShort:
+    """A client whose first ``times`` get_object responses lose the connection halfway
+    through the body (the headers announce the whole object)."""
+
+    def __init__(self, client, times: int) -> None:
+        self._client = client
+        self.times = times
+
+    def get_object(self, **kwargs):
+        response = self._client.get_object(**kwargs)
+        if self.times <= 0:
+            return response
+        self.times -= 1
+        data = response["Body"].read()
+        response["Body"] = StreamingBody(io.BytesIO(data[: len(data) // 2]), len(data))
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("max_bytes", [None, 300_000, 10**9])
+def test_a_body_cut_short_is_retried_and_never_returned_as_the_object(s3_store, max_bytes) -> None:
+    data = bytes(range(256)) * 1000
+    s3_store.put("v00000001/tp0/w.blob", data)
+    s3_store._client = _BodyCutShort(s3_store._client, times=2)
+    assert s3_store.get("v00000001/tp0/w.blob", max_bytes=max_bytes) == data
+    s3_store.config = replace(
+        s3_store.config,
+        retry=RetryPolicy(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0, deadline_s=5.0),
+    )
+    s3_store._client.times = 2  # cut short on every attempt: an error, never half the bytes
+    with pytest.raises(StoreError, match=r"w\.blob.*2 attempts"):
+        s3_store.get("v00000001/tp0/w.blob", max_bytes=max_bytes)

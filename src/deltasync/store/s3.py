@@ -204,6 +204,19 @@ def make_client(config: S3Config) -> Any:
     return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
 
 
+def _read_at_most(body: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a response body, until it ends (one read may return fewer)."""
+    chunks: list[bytes] = []
+    n = 0
+    while n < limit:
+        chunk = body.read(limit - n)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
+
+
 T = TypeVar("T")
 
 
@@ -315,9 +328,15 @@ class S3Store:
                 if max_bytes is None:
                     return body.read()  # inside op: a connection drop mid-body is retried
                 # A server that under-reports the length still cannot make us read more.
-                data = body.read(max_bytes + 1)
+                data = _read_at_most(body, max_bytes + 1)
                 if len(data) > max_bytes:
                     raise too_large(key, self, f"more than {max_bytes}", max_bytes)
+                if isinstance(size, int) and len(data) != size:
+                    # The body ended before its length: a connection dropped mid-transfer
+                    # (a bounded read does not check the length itself). Retried like one.
+                    from botocore.exceptions import IncompleteReadError
+
+                    raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
                 return data
             finally:
                 body.close()
