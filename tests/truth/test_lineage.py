@@ -152,4 +152,6 @@ def test_a_publisher_resuming_on_a_damaged_manifest_publishes_an_anchor_instead_
     assert not restarted.sync.resume(2)
     report = restarted.publish(restarted.sync.next_version(), rig.oracle)
     assert report.kind == "anchor"
+    # the report says why: not "requested", which nobody did
+    assert "manifest is unreadable" in report.anchor_reason and key in report.anchor_reason
     rig.check(rig.rec.pull())

@@ -384,12 +384,14 @@ class Publisher:
         names.check_version(version)
         cfg = self.config
         since = self.baseline if since is _OWN else since
+        unreadable = None  # why the newest manifest cannot be a base
         try:
             head = self.catalog.head()
             committed = None if head is None else head.version
         except ManifestError as exc:
             # The newest manifest is unreadable (torn, tampered): nothing vouches for a base,
             # so this version is an anchor of a new lineage above it.
+            unreadable = f"the newest committed manifest is unreadable: {exc}"
             log.warning("writer %s: version %d is an anchor: %s", self.writer, version, exc)
             head, committed, anchor = None, self.catalog.latest(), True
         if committed is not None and version <= committed:
@@ -405,7 +407,7 @@ class Publisher:
                 timeout_s=cfg.staleness_timeout_s,
                 poll_s=cfg.poll_interval_s,
             )
-        reason = self._anchor_reason(version, head, since, anchor)
+        reason = unreadable or self._anchor_reason(version, head, since, anchor)
         kind = "delta" if reason is None else "anchor"
         if reason is not None:
             log.info("writer %s: version %d is an anchor: %s", self.writer, version, reason)
