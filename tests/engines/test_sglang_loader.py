@@ -179,3 +179,28 @@ def test_a_tp_rank_outside_tp_is_a_config_error(tmp_path):
     (model,) = _models(trainer.split(), 1)
     with pytest.raises(ConfigError, match="tp_rank 3 is not a rank of tp=2"):
         take_version(model, _request(tmp_path, 0), tp_rank=3, tp=2)
+
+
+def test_after_a_store_reset_the_same_version_number_is_pulled_not_answered_as_held(tmp_path):
+    # A rank at version 2 of one lineage, asked for version 2 after the store was reset and a
+    # new run published its own 0..2, answered "already there" (success) holding the old
+    # run's weights; it pulls the new run's anchor chain.
+    import shutil
+
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    for version in (1, 2):
+        trainer.step()
+        trainer.publish(version)
+        take_version(model, _request(tmp_path, version), tp_rank=0, tp=1)
+    shutil.rmtree(tmp_path / "store")
+    fresh = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), seed=1)
+    fresh.publish(0)
+    for version in (1, 2):
+        fresh.step()
+        fresh.publish(version)
+    report = take_version(model, _request(tmp_path, 2), tp_rank=0, tp=1)
+    assert report is not None and report.version == 2 and report.from_anchor
+    assert _same(model, fresh.split()["tp0"])
+    assert take_version(model, _request(tmp_path, 2), tp_rank=0, tp=1) is None  # now held

@@ -46,7 +46,7 @@ from deltasync import (
     open_store,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
-from deltasync.errors import ConfigError, VersionError
+from deltasync.errors import ConfigError, DeltaSyncError, VersionError
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class SglangShard:
     def take(self, request: SglangRequest) -> PullReport | None:
         """Pull ``request.version`` (the store's newest); None if already there."""
         receiver = self.open(request)
-        if not receiver.dirty and receiver.version == request.version:
+        if self._holds(receiver, request.version):
             return None
         latest = receiver.catalog.latest()
         if latest != request.version:
@@ -229,6 +229,21 @@ class SglangShard:
             report.pause_s,
         )
         return report
+
+    def _holds(self, receiver: Receiver, version: int) -> bool:
+        """Does the rank verifiably hold ``version`` as the store commits it now: the same
+        number, this shard's state digest and lineage in the manifest read afresh? After a
+        store reset (a new lineage) the same number names other weights, which a rank still
+        holding the old ones must pull, not answer as taken."""
+        if receiver.dirty or receiver.version != version:
+            return False
+        try:
+            manifest = receiver.catalog.manifest(version, fresh=True)
+        except DeltaSyncError:  # not committed (any more), or unreadable: pull decides
+            return False
+        return manifest.shard_digests.get(self.shard) == receiver.state_digest and (
+            receiver.run_id in (None, manifest.run_id)
+        )
 
 
 def take_version(
