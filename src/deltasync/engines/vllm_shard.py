@@ -224,15 +224,26 @@ class VllmShard:
         raise ConfigError(f"no receiver shard for {place} in the vLLM layout")
 
     def _add_tied_kernels(self, model: torch.nn.Module) -> None:
-        """A packed kernel built from an in-place target's storage (a tied ``lm_head``) is
-        rebuilt when that target changes."""
-        by_ptr = {t.data_ptr(): n for n, t in self.targets.items() if n not in self._mirrors}
+        """A packed kernel that another module built from a target's engine tensor (a tied
+        ``lm_head``: its own packed copy of ``embed_tokens``' weight) is rebuilt when that
+        target changes, whether the target is written in place or through a BF16 master (vLLM's
+        CPU embedding method packs ``embed_tokens`` too, so with packing kernels the tied
+        weight has a master and ``lm_head`` kept the logits of the loaded weights)."""
+        by_ptr: dict[int, str] = {}
+        for n, t in self.targets.items():
+            engine_tensor = self._mirrors[n][0] if n in self._mirrors else t
+            if engine_tensor is not None:
+                by_ptr[engine_tensor.data_ptr()] = n
         for module in model.modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor):
                 continue
             name = by_ptr.get(weight.data_ptr()) if weight.numel() else None
-            if name is not None and weight.ndim == 2 and not kernel_reads_weight(module, weight):
+            if name is None or weight.ndim != 2:
+                continue
+            if name in self._mirrors and any(m is module for m in self._mirrors[name][2]):
+                continue  # the target's own layer: rebuilt from its master already
+            if not kernel_reads_weight(module, weight):
                 self._tied.setdefault(name, []).append(module)
 
     @property
@@ -259,24 +270,24 @@ class VllmShard:
         done = 0
         with torch.no_grad():
             for name in names:
-                for layer in self._tied.get(name, ()):
-                    _repack(layer, layer.weight)
-                    done += 1
                 if name in self._moe:
                     param, isa = self._moe[name]
                     # vLLM's own prepack (cpu_prepack_moe_weight), into the parameter's storage
                     torch.ops._C.prepack_moe_weight(self.targets[name].contiguous(), param, isa)
                     done += 1
-                if name not in self._mirrors:
-                    continue
-                engine_tensor, dtype, layers = self._mirrors[name]
-                master = self.targets[name]
-                if engine_tensor is not None:
-                    engine_tensor.copy_(master)  # BF16 -> the engine's dtype: exact
-                for layer in layers:
-                    weight = engine_tensor if engine_tensor is not None else master.to(dtype)
-                    _repack(layer, weight)
-                done += 1
+                if name in self._mirrors:
+                    engine_tensor, dtype, layers = self._mirrors[name]
+                    master = self.targets[name]
+                    if engine_tensor is not None:
+                        engine_tensor.copy_(master)  # BF16 -> the engine's dtype: exact
+                    for layer in layers:
+                        weight = engine_tensor if engine_tensor is not None else master.to(dtype)
+                        _repack(layer, weight)
+                    done += 1
+                # after the engine tensor holds the new values: tied kernels pack from it
+                for layer in self._tied.get(name, ()):
+                    _repack(layer, layer.weight)
+                    done += 1
         return done
 
 
