@@ -24,7 +24,8 @@
    state file, the ack and the registration (independent durable writes); clear the journal
    once the state file is durable. A failed ack or heartbeat is logged and retried on the
    next pull; it never turns a verified apply into an error. A failed state file write
-   raises with the journal kept: the next pull replays it.
+   raises with the journal kept: the receiver reports no version (dirty) until the next pull
+   replays it.
 
 A crash during step 5 leaves the journal, and the next Receiver on the same state dir repairs
 before anything else (see :mod:`.journal` for why replaying the whole journaled chain is always
@@ -767,6 +768,11 @@ class Receiver:
         finally:
             error = local.wait()
         if error is not None:
+            if self._state is not held:
+                # The state file still records the version before this pull, which the
+                # tensors no longer hold: no version until the journal is replayed (in memory:
+                # the journal on disk says the same to a restart).
+                self._state = self._state_with(dirty=True)
             raise error
         return self._report(
             t0,

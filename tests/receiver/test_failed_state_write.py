@@ -1,0 +1,55 @@
+"""A pull whose scatter ended but whose state file could not be written (disk full): the
+receiver must not go on reporting the version before it, which the tensors no longer hold."""
+
+from __future__ import annotations
+
+import torch
+from kit import assert_same_bits, rconfig, tiny_layouts
+
+from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync.errors import LocalStateError
+from deltasync.receiver.journal import StateDir
+
+SHARD = "tp0"
+
+
+def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_replayed(
+    tmp_path, monkeypatch
+):
+    # It reported version 0, not dirty (so a vLLM worker's weight_version said 0) while its
+    # tensors held version 1.
+    _, tl, rl = tiny_layouts()
+    gen = torch.Generator().manual_seed(3)
+    params = {
+        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for n, s in tl.param_shapes().items()
+    }
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
+    pub.publish(0, [], params, anchor=True)
+    tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(SHARD).items()}
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    name = next(iter(params))
+    params[name].view(-1)[:7] += 1
+    idx = torch.arange(7, dtype=torch.int64)
+    pub.publish(1, [(name, idx, params[name].view(-1)[:7].clone())], params)
+    v1 = rl.split(tl.to_canonical(params))[SHARD]
+
+    def fails(self, state):
+        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(StateDir, "write_state", fails)
+        try:
+            rec.pull()
+        except LocalStateError:
+            pass
+        else:
+            raise AssertionError("the failed state file write did not raise")
+    assert_same_bits(tensors, v1, "the scatter ended")
+    assert rec.dirty, "tensors at version 1, recorded version 0: it must report no version"
+    assert rec.version == 0  # the recorded version moves only with the state file
+    report = rec.pull()  # the journal is replayed
+    assert report.repaired and report.version == 1 and not rec.dirty
+    assert_same_bits(tensors, v1)
