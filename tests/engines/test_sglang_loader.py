@@ -9,6 +9,8 @@ publishes versions with TrainerSync; every rank's model gets the loader call SGL
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from kit import same_bits
@@ -23,7 +25,7 @@ from deltasync.engines.sglang_loader import (
     sglang_layout,
     take_version,
 )
-from deltasync.errors import ConfigError, DigestMismatchError, VersionError
+from deltasync.errors import ApplyError, ConfigError, DigestMismatchError, VersionError
 
 from engines_helpers import ENGINE_CONFIG, StoreTrainer, corrupt_one_blob, module_tree
 
@@ -41,6 +43,49 @@ def _models(split: dict, tp: int) -> list[torch.nn.Module]:
         model.config = _Cfg(ENGINE_CONFIG)
         models.append(model)
     return models
+
+
+class _TPGroup:
+    """An all-gather between ranks that run on threads of this process (SGLang's TP CPU group
+    in a real engine): each call returns every rank's item, in rank order."""
+
+    def __init__(self, tp: int) -> None:
+        self.slots: list = [None] * tp
+        self.barrier = threading.Barrier(tp, timeout=60)
+
+    def gather(self, rank: int):
+        def gather(item):
+            self.slots[rank] = item
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+
+        return gather
+
+
+def _take_all(models: list, named: list) -> list:
+    """Every rank takes ``named`` at once, as SGLang calls the loader on each TP rank: the
+    report (or None) or the exception of each rank."""
+    tp = len(models)
+    group = _TPGroup(tp)
+    results: list = [None] * tp
+
+    def run(r: int) -> None:
+        try:
+            results[r] = take_version(
+                models[r], named, tp_rank=r, tp=tp, gather=group.gather(r) if tp > 1 else None
+            )
+        except Exception as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
 
 
 def _same(model: torch.nn.Module, expected: dict) -> bool:
@@ -67,16 +112,14 @@ def test_each_rank_takes_each_version_in_place_through_the_loader_call(tmp_path,
     for version in range(1, 4):
         trainer.step()
         trainer.publish(version)
-        named = _request(tmp_path, version)
-        for r, model in enumerate(models):
-            report = take_version(model, named, tp_rank=r, tp=tp)
+        for report in _take_all(models, _request(tmp_path, version)):
             assert report is not None and report.version == version
         split = trainer.split()
         for r, model in enumerate(models):
             assert _same(model, split[f"tp{r}"]), (version, r)
             assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs[r]
     # a repeated call (SGLang retried) is a no-op
-    assert take_version(models[0], _request(tmp_path, 3), tp_rank=0, tp=tp) is None
+    assert _take_all(models, _request(tmp_path, 3)) == [None] * tp
 
 
 def test_a_corrupted_blob_raises_and_leaves_the_rank_at_its_previous_version(tmp_path):
@@ -178,7 +221,7 @@ def test_a_tp_rank_outside_tp_is_a_config_error(tmp_path):
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
     with pytest.raises(ConfigError, match="tp_rank 3 is not a rank of tp=2"):
-        take_version(model, _request(tmp_path, 0), tp_rank=3, tp=2)
+        take_version(model, _request(tmp_path, 0), tp_rank=3, tp=2, gather=lambda x: [x, x])
 
 
 def test_after_a_store_reset_the_same_version_number_is_pulled_not_answered_as_held(tmp_path):
@@ -204,3 +247,40 @@ def test_after_a_store_reset_the_same_version_number_is_pulled_not_answered_as_h
     assert report is not None and report.version == 2 and report.from_anchor
     assert _same(model, fresh.split()["tp0"])
     assert take_version(model, _request(tmp_path, 2), tp_rank=0, tp=1) is None  # now held
+
+
+def test_a_version_one_rank_refuses_is_taken_by_no_rank_and_every_rank_raises(tmp_path):
+    # Only tp1's blob is corrupted. Rank 0 took the version and answered success (the answer
+    # SGLang returns to the caller, recording the new weight version) while rank 1 stayed at
+    # the previous one: the engine served two versions. Now no rank writes and both raise.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
+    trainer.publish(0)
+    models = _models(trainer.split(), 2)
+    assert [r.version for r in _take_all(models, _request(tmp_path, 0))] == [0, 0]
+    split0 = trainer.split()
+    trainer.step()
+    trainer.publish(1)
+    corrupt_one_blob(tmp_path / "store", 1, "tp1")
+    results = _take_all(models, _request(tmp_path, 1))
+    assert isinstance(results[1], DigestMismatchError)
+    assert isinstance(results[0], ApplyError) and "tp1" in str(results[0])
+    assert "version 1 was not taken" in str(results[0])
+    for r, model in enumerate(models):
+        assert _same(model, split0[f"tp{r}"]), r
+        assert model._deltasync_shard.receiver.version == 0
+    # a rank that fails before staging (a request it refuses) is waited for, not hung on
+    trainer.step()
+    trainer.publish(2)
+    results = _take_all(models, _request(tmp_path, 1))  # no longer the newest
+    assert all(isinstance(e, (VersionError, ApplyError)) for e in results)
+    corrupt_one_blob(tmp_path / "store", 1, "tp1")  # the same byte flipped back: repaired
+    for r, report in enumerate(_take_all(models, _request(tmp_path, 2))):
+        assert report.version == 2 and _same(models[r], trainer.split()[f"tp{r}"])
+
+
+def test_a_tp_engine_without_the_ranks_gather_is_refused(tmp_path):
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
+    trainer.publish(0)
+    models = _models(trainer.split(), 2)
+    with pytest.raises(ConfigError, match="gather"):
+        take_version(models[0], _request(tmp_path, 0), tp_rank=0, tp=2)

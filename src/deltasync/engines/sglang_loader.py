@@ -28,8 +28,10 @@ the loader contract and the request, nothing of chains or digests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from deltasync import (
     open_store,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
-from deltasync.errors import ConfigError, DeltaSyncError, VersionError
+from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,85 @@ def sglang_layout(spec: ModelSpec, tp: int, ep: int = 1) -> ReceiverLayout:
     return ReceiverLayout.build(spec, engine="vllm", tp=tp, ep=ep)
 
 
+# All-gather of one picklable item per TP rank, in rank order (SGLang's TP CPU group).
+Gather = Callable[[Any], list[Any]]
+
+
+class _Agreement:
+    """The two decisions every TP rank makes once per request, whatever its own path: before
+    the first write (is every rank staged and verified?) and after it (did every rank finish?).
+
+    SGLang replies to the caller with TP rank 0's result only, and records the weight version
+    from it: a rank that failed alone would leave the engine serving two versions while
+    reporting the new one. So no rank writes unless all can, and every rank fails the request
+    when any rank failed."""
+
+    def __init__(self, shard: str, version: int, gather: Gather | None) -> None:
+        self.shard = shard
+        self.version = version
+        self._gather = gather
+        self.staged = False  # the first decision was made
+        self.done = False  # the second one too
+
+    def _round(self, error: BaseException | None) -> list[tuple[str, str]]:
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        if self._gather is None:
+            outcomes = [(self.shard, mine)]
+        else:
+            try:
+                outcomes = self._gather((self.shard, mine))
+            except Exception as exc:  # a rank died or the group timed out
+                raise ApplyError(
+                    f"shard {self.shard!r}: the TP ranks could not agree on taking version "
+                    f"{self.version} ({type(exc).__name__}: {exc}); restart the engine if a "
+                    "rank is gone"
+                ) from exc
+        return [(shard, err) for shard, err in outcomes if err is not None]
+
+    def _refuse(self, failures: list[tuple[str, str]], state: str) -> ApplyError:
+        where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
+        return ApplyError(f"version {self.version} was not taken ({state}): {where}")
+
+    def before_write(self) -> None:
+        """The first decision, on a rank ready to write (raises if any rank is not)."""
+        if self.staged:
+            return
+        self.staged = True
+        failures = self._round(None)
+        if failures:
+            raise self._refuse(
+                failures, "no rank wrote anything; every rank stays at its previous version"
+            )
+
+    def finish(self, error: BaseException | None) -> None:
+        """The decisions this rank has not made yet, with its outcome; raises if any rank
+        failed (its own error first)."""
+        if not self.staged:
+            self.staged = True
+            failures = self._round(error)
+            self.done = True
+            self._round(error)
+            if error is not None:
+                raise error
+            if failures:
+                raise self._refuse(
+                    failures, "no rank wrote anything; every rank stays at its previous version"
+                )
+            return
+        if self.done:
+            return
+        self.done = True
+        failures = self._round(error)
+        if error is not None:
+            raise error
+        if failures:
+            raise self._refuse(
+                failures,
+                "this rank took it; the failed ranks say where they are, and the next "
+                "request brings every rank to the newest version",
+            )
+
+
 class SglangShard:
     """One SGLang TP rank's receiver: the model's own parameters as targets."""
 
@@ -164,6 +245,15 @@ class SglangShard:
             self.targets[name] = p.data
         self.receiver: Receiver | None = None
         self.opened: dict[str, Any] | None = None  # the request fields it was opened with
+        self._agreement: _Agreement | None = None  # the request being taken
+
+    @contextlib.contextmanager
+    def _pause(self) -> Iterator[None]:
+        """The receiver's pause, entered right before its first write: every TP rank agrees
+        first (a repair on opening or a second chain in the same pull proceeds as agreed)."""
+        if self._agreement is not None:
+            self._agreement.before_write()
+        yield
 
     def open(self, request: SglangRequest) -> Receiver:
         """The receiver of ``request`` (opened by the first request, then reused).
@@ -198,12 +288,31 @@ class SglangShard:
             self.targets,
             str(state_dir),
             ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
+            pause=self._pause,
         )
         self.opened = request.opening()
         return self.receiver
 
-    def take(self, request: SglangRequest) -> PullReport | None:
-        """Pull ``request.version`` (the store's newest); None if already there."""
+    def take(self, request: SglangRequest, gather: Gather | None = None) -> PullReport | None:
+        """Pull ``request.version`` (the store's newest); None if already there.
+
+        ``gather``: an all-gather over the engine's TP ranks (None: this rank alone, TP = 1).
+        Every rank of a TP > 1 engine must take the same request with it: no rank writes
+        unless every rank staged and verified the version, and every rank raises when one
+        failed (SGLang replies with rank 0's result)."""
+        agreement = _Agreement(self.shard, request.version, gather)
+        self._agreement = agreement
+        try:
+            report = self._take(request)
+        except Exception as exc:
+            agreement.finish(exc)
+            raise
+        finally:
+            self._agreement = None
+        agreement.finish(None)
+        return report
+
+    def _take(self, request: SglangRequest) -> PullReport | None:
         receiver = self.open(request)
         if self._holds(receiver, request.version):
             return None
@@ -247,18 +356,33 @@ class SglangShard:
 
 
 def take_version(
-    model: torch.nn.Module, named_tensors: list[tuple[str, Any]], *, tp_rank: int, tp: int
+    model: torch.nn.Module,
+    named_tensors: list[tuple[str, Any]],
+    *,
+    tp_rank: int,
+    tp: int,
+    gather: Gather | None = None,
 ) -> PullReport | None:
     """:func:`load_deltasync` with the rank given (what it does once SGLang said where it is).
 
-    The shard is kept on the model object, so its receiver (journal, verified version) lives
-    as long as the model runner."""
+    ``gather``: the all-gather over the engine's TP ranks that :meth:`SglangShard.take`
+    agrees with (required when ``tp > 1``). The shard is kept on the model object, so its
+    receiver (journal, verified version) lives as long as the model runner."""
+    if tp > 1 and gather is None:
+        raise ConfigError(
+            f"tp={tp}: take_version needs the TP ranks' gather (load_deltasync passes SGLang's "
+            "TP CPU group), so that no rank takes a version another rank refused"
+        )
     request = parse_request(named_tensors)
     shard = getattr(model, "_deltasync_shard", None)
     if shard is None:
-        shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
+        try:
+            shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
+        except Exception as exc:  # the other ranks are waiting for this one's answer
+            _Agreement(f"tp{tp_rank}", request.version, gather).finish(exc)
+            raise
         model._deltasync_shard = shard
-    return shard.take(request)
+    return shard.take(request, gather)
 
 
 def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
@@ -271,11 +395,25 @@ def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]])
     from sglang.srt.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
+        get_tp_group,
     )
+
+    tp = get_tensor_model_parallel_world_size()
+    gather = None
+    if tp > 1:
+        import torch.distributed as dist
+
+        group = get_tp_group().cpu_group
+
+        def gather(item: Any) -> list[Any]:
+            out: list[Any] = [None] * tp
+            dist.all_gather_object(out, item, group=group)
+            return out
 
     take_version(
         model,
         named_tensors,
         tp_rank=get_tensor_model_parallel_rank(),
-        tp=get_tensor_model_parallel_world_size(),
+        tp=tp,
+        gather=gather,
     )
