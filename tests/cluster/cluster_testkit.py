@@ -461,6 +461,33 @@ def run_faults(rank: int, setup: Setup, dying_rank: int, death_after_s: float, n
     return out
 
 
+def run_death_in_retry(rank: int, setup: Setup) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; delta 1 is aborted at the joint commit
+    (rank 2's payload corrupted, the group stays usable); then, in the retry of 1, rank 2 is
+    SIGKILLed before it reaches the exchange. The others report what they raised."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank, "steps": []}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        out["steps"].append(_attempt(lambda: sender.sync(1)))
+        out["steps"].append(_attempt(lambda: sender.sync(1)))
+        return out
+    receiver = corrupting_receiver(setup, rank)
+    receiver.sync()
+    receiver.corrupt_next = rank == 2
+    out["steps"].append(_attempt(receiver.sync))
+    if rank == 2:
+        cleared = receiver._preflight()
+        os.kill(os.getpid(), signal.SIGKILL)
+        receiver.receive(cleared)  # not reached
+    out["steps"].append(_attempt(receiver.sync))
+    return out
+
+
 def one_process_roles(
     full: dict[str, torch.Tensor],
     plan: RolePlan,

@@ -9,7 +9,7 @@ import pytest
 
 from deltasync.exchange import spawn
 
-from cluster_testkit import Setup, run_faults
+from cluster_testkit import Setup, run_death_in_retry, run_faults
 
 SETUP = Setup(timeout_s=3.0)
 # The killed version is an anchor in 32-byte chunks: its exchange takes ~2.5 s here undisturbed,
@@ -114,3 +114,16 @@ def test_a_receiver_killed_mid_exchange_makes_the_others_raise_promptly_without_
         # the connection closes at once; a timeout would take SETUP.timeout_s at the worst
         assert step["elapsed_s"] < DEATH_AFTER_S + SETUP.timeout_s + 2.0, step
         assert step["version_after"] == 4
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_dies_in_the_retry_of_an_aborted_version_is_named() -> None:
+    # The aborted attempt's exchange and commit marked every rank's arrival; the retry of the
+    # same version must not read those marks, or the rank that never arrived goes unnamed.
+    results = spawn(run_death_in_retry, 3, SETUP, timeout_s=100, may_die={2})
+    assert results[2] is None
+    for rank in (0, 1):
+        aborted, retry = results[rank]["steps"]
+        assert aborted["error"] == "SyncAbortedError", aborted
+        assert retry["exchange_error"] and not retry["peer_failed"], retry
+        assert retry["message"].startswith("version 1: rank 2 died or stopped responding"), retry

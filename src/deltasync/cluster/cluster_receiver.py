@@ -329,7 +329,7 @@ class ClusterReceiver:
         t = time.perf_counter()
         if cleared is None:
             cleared = self._preflight()
-        tag = f"{cleared.window:x}-{cleared.version}"
+        tag = cleared.tag
         # one exchange, or one per part while the writers stream (cluster.streaming)
         with naming(f"version {cleared.version}"):
             got = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
@@ -524,7 +524,7 @@ class ClusterReceiver:
                 plan=self.plan,
                 group=self.group,
                 timeout_s=self.config.commit_timeout_s,
-                tag=f"{cleared.window:x}-{cleared.version}-commit",
+                tag=f"{cleared.tag}-commit",
             )
         commit_s = time.perf_counter() - t
         if failure is not None:

@@ -632,6 +632,7 @@ class ClusterSender:
             base=base,
             window=self._window,
             failure=None if failure is None else describe(failure),
+            attempt=_new_window(),
         )
         try:
             cleared = preflight(
@@ -645,7 +646,7 @@ class ClusterSender:
             if failure is not None:
                 raise exc from failure
             raise
-        return f"{cleared.window:x}-{version}"
+        return cleared.tag
 
     def _forward(self, tag: str) -> None:
         if self.plan.exchanges == 2:  # the replicas forward; a writer sends nothing

@@ -14,7 +14,8 @@ another world size still takes part and is named instead of hanging the others):
                      started and was not committed
     [5] window       writer: its attempt-window token; receiver: the window token of that
                      uncommitted apply (0: none)
-    [6] applying base  receiver: the base of that uncommitted apply
+    [6] applying base  receiver: the base of that uncommitted apply; writer: a fresh random
+                     token of this attempt (``Cleared.tag`` names the attempt's exchanges)
     [7] flags        bit 0: this receiver is dirty (its state failed a digest check)
     [8 : 8+F]        the fingerprint: one 63-bit hash per part of ``FINGERPRINT_PARTS``
     [8+F]            message length in bytes
@@ -161,8 +162,10 @@ def encode_preflight_row(
     applying_base: int | None = None,
     dirty: bool = False,
     failure: str | None = None,
+    attempt: int | None = None,
 ) -> torch.Tensor:
-    """This rank's row; ``who`` names its role (e.g. "writer w00000")."""
+    """This rank's row; ``who`` names its role (e.g. "writer w00000"). ``attempt``: a
+    writer's fresh token for this attempt, in the receivers' ``applying_base`` word."""
     row = np.zeros(ROW_LENGTH, dtype=np.int64)
     text = failure if failure is not None else f"{who}: {fingerprint.summary}"
     length, words = status_row.encode_message(text)
@@ -173,7 +176,7 @@ def encode_preflight_row(
         UNKNOWN if version is None else version,
         UNKNOWN if base is None else base,
         window,
-        UNKNOWN if applying_base is None else applying_base,
+        attempt if attempt is not None else UNKNOWN if applying_base is None else applying_base,
         _DIRTY if dirty else 0,
     ]
     row[_HEAD : _HEAD + _F] = fingerprint.words()
@@ -213,12 +216,22 @@ def decode_preflight_rows(rows: torch.Tensor) -> list[PreflightRow]:
 
 @dataclass(frozen=True)
 class Cleared:
-    """What every rank agreed to move: ``version`` on ``base`` (-1: anchor), and the writers'
-    combined window token that receivers record with their apply."""
+    """What every rank agreed to move: ``version`` on ``base`` (-1: anchor), the writers'
+    combined window token that receivers record with their apply, and the first writer's
+    token of this attempt."""
 
     version: int
     base: int
     window: int
+    attempt: int = 0
+
+    @property
+    def tag(self) -> str:
+        """The failure-notes tag of this attempt's exchanges and commit (``exchange.notes``):
+        the same on every rank and fresh for every attempt. A retry of the same version in
+        the same window is another attempt: the arrival marks of an aborted one must not
+        hide a rank that never arrived at the retry."""
+        return f"{self.window:x}-{self.version}-{self.attempt:x}"
 
 
 def combined_window(tokens: Sequence[int]) -> int:
@@ -274,7 +287,8 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
             anchor_required=False,
         )
     window = combined_window([r.window for r in writers])
-    cleared = Cleared(version=lead.version, base=lead.base, window=window)
+    attempt = 0 if lead.applying_base == UNKNOWN else lead.applying_base
+    cleared = Cleared(version=lead.version, base=lead.base, window=window, attempt=attempt)
     if cleared.base == -1:
         return cleared  # an anchor defines the whole state: every receiver can take it
     refused: dict[int, str] = {}

@@ -28,8 +28,9 @@ peer is missing; every rank marks its arrival instead, and a rank that never arr
 Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived) and
 ``deltasync/{tag}/fail/{rank}`` holding ``"{suspect}|{text}"`` (suspect -1: unknown). ``tag``
 is chosen by the caller, the same on every rank and fresh for each exchange (the in-cluster sync
-uses its preflight's window token, the version and the step), so notes of an earlier group are
-never read. The store is the one the group was created with (torchrun's agent store,
+uses its preflight's window token, the version, a fresh token of the attempt and the step),
+so neither the notes of an earlier group nor those of an aborted attempt of the same version
+are ever read. The store is the one the group was created with (torchrun's agent store,
 ``exchange.spawn``'s); when there is none to reach, notes are skipped and an error names only
 the peer this rank waited on.
 
