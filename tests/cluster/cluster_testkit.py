@@ -488,6 +488,43 @@ def run_death_in_retry(rank: int, setup: Setup) -> dict:
     return out
 
 
+def run_writer_death(rank: int, setup: Setup) -> dict:
+    """Writers 0, 1 (snapshot trackers over their FSDP halves), TP=2 receivers (ranks 2, 3).
+    Anchor 0 and delta 1 commit; in delta 2 writer 1 is SIGKILLed between the two rounds of
+    the exchange (round 1 done, none of its payloads sent). The others report what they
+    raised: writer 0 may finish its own round 2 and wait in the joint commit, where the
+    receivers (failing in round 2) never arrive."""
+    from deltasync.exchange import rounds
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank < setup.num_writers:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        sender.sync(1)
+        trainer.step()
+        if rank == 1:
+            real = rounds.run_schedule
+
+            def die(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)  # not reached
+
+            rounds.run_schedule = die
+        out["fault"] = _attempt(lambda: sender.sync(2))
+        out["version_after"] = sender.version
+        return out
+    receiver = corrupting_receiver(setup, rank)
+    receiver.sync()
+    receiver.sync()
+    out["fault"] = _attempt(receiver.sync)
+    out["version_after"] = receiver.version
+    return out
+
+
 def one_process_roles(
     full: dict[str, torch.Tensor],
     plan: RolePlan,

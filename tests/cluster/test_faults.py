@@ -9,7 +9,7 @@ import pytest
 
 from deltasync.exchange import spawn
 
-from cluster_testkit import Setup, run_death_in_retry, run_faults
+from cluster_testkit import Setup, run_death_in_retry, run_faults, run_writer_death
 
 SETUP = Setup(timeout_s=3.0)
 # The killed version is an anchor in 32-byte chunks: its exchange takes ~2.5 s here undisturbed,
@@ -127,3 +127,19 @@ def test_a_rank_that_dies_in_the_retry_of_an_aborted_version_is_named() -> None:
         assert aborted["error"] == "SyncAbortedError", aborted
         assert retry["exchange_error"] and not retry["peer_failed"], retry
         assert retry["message"].startswith("version 1: rank 2 died or stopped responding"), retry
+
+
+@pytest.mark.timeout(150)
+def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor() -> None:
+    # World 4: writer 1 dies after round 1. Writer 0 sends its own payloads and waits in the
+    # joint commit, where no receiver arrives: they failed in round 2 and left notes there,
+    # so the one that never arrived anywhere is the one named.
+    setup = Setup(num_writers=2, tracker="snapshot", timeout_s=3.0)
+    results = spawn(run_writer_death, 4, setup, timeout_s=100, may_die={1})
+    assert results[1] is None
+    for rank in (0, 2, 3):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert fault["message"].startswith("version 2: rank 1 died or stopped responding"), fault
+        assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
+        assert results[rank]["version_after"] == 1  # nothing applied, nothing committed

@@ -130,11 +130,13 @@ class Incoming(dict[int, torch.Tensor]):
         wait_s: float,
         forward_s: float,
         cleared: Cleared | None = None,
+        tags: tuple[str, ...] = (),
     ) -> None:
         super().__init__(items)
         self.wait_s = wait_s  # the preflight (waiting for the trainer) and the first exchange
         self.forward_s = forward_s  # the second exchange (forward mode)
         self.cleared = cleared  # what the preflight agreed on
+        self.tags = tags  # the failure-notes tag of each exchange, in order
 
 
 class _Diverged(Exception):
@@ -331,11 +333,12 @@ class ClusterReceiver:
             cleared = self._preflight()
         tag = cleared.tag
         # one exchange, or one per part while the writers stream (cluster.streaming)
+        tags: list[str] = []
         with naming(f"version {cleared.version}"):
-            got = receive_parts(group=self.group, config=self.config.exchange, tag=tag)
+            got = receive_parts(group=self.group, config=self.config.exchange, tag=tag, tags=tags)
         wait_s = time.perf_counter() - t
         if self.plan.exchanges == 1:
-            return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared)
+            return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared, tags=tuple(tags))
         t = time.perf_counter()
         targets = self.plan.forward_targets(self.rank)
         bundle = (
@@ -349,7 +352,13 @@ class ClusterReceiver:
                 tag=f"{tag}-x2",
             )
         mine = got if self.role.replica == 0 else as_cpu_bytes(forwarded)
-        return Incoming(mine, wait_s=wait_s, forward_s=time.perf_counter() - t, cleared=cleared)
+        return Incoming(
+            mine,
+            wait_s=wait_s,
+            forward_s=time.perf_counter() - t,
+            cleared=cleared,
+            tags=(*tags, f"{tag}-x2"),
+        )
 
     # ------------------------------------------------------------------ steps 3-5
 
@@ -499,7 +508,7 @@ class ClusterReceiver:
         except Exception as exc:
             failure = exc
         timings = received.wait_s, received.forward_s
-        cleared = received.cleared
+        cleared, tags = received.cleared, getattr(received, "tags", ())
         assert cleared is not None
         del received  # the payload bytes are dead weight from here on
         if failure is None:
@@ -525,6 +534,7 @@ class ClusterReceiver:
                 group=self.group,
                 timeout_s=self.config.commit_timeout_s,
                 tag=f"{cleared.tag}-commit",
+                earlier=tags,
             )
         commit_s = time.perf_counter() - t
         if failure is not None:

@@ -676,6 +676,8 @@ class ClusterSender:
             group=self.group,
             timeout_s=self.config.commit_timeout_s,
             tag=f"{tag}-commit",
+            earlier=[part_tag(tag, k) for k in range(exchanges)]
+            + ([f"{tag}-x2"] if self.plan.exchanges == 2 else []),
         )
         commit_s = time.perf_counter() - t
         if not verdict.ok:

@@ -36,7 +36,7 @@ This module knows the row layout, roles and the one collective; nothing about te
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,6 +217,7 @@ def joint_commit(
     group: dist.ProcessGroup | None,
     timeout_s: float,
     tag: str | None = None,
+    earlier: Iterable[str] = (),
 ) -> Verdict:
     """Gather ``row`` from every rank and judge. Raises ExchangeTimeoutError / ExchangeError
     (naming the joint commit, and with ``tag`` the rank that never arrived: see
@@ -224,7 +225,9 @@ def joint_commit(
     world = dist.get_world_size(group)
     notes = None
     if tag is not None:
-        notes = FailureNotes(group, tag=tag, rank=dist.get_rank(group), world=world)
+        notes = FailureNotes(
+            group, tag=tag, rank=dist.get_rank(group), world=world, earlier=earlier
+        )
         notes.arrive()
     device = group_device(group)
     mine = row.to(device)

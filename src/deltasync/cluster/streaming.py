@@ -191,11 +191,17 @@ class PartStream:
 
 
 def receive_parts(
-    *, group: dist.ProcessGroup | None, config: ExchangeConfig, tag: str
+    *,
+    group: dist.ProcessGroup | None,
+    config: ExchangeConfig,
+    tag: str,
+    tags: list[str] | None = None,
 ) -> dict[int, torch.Tensor]:
     """A receiver's side of one version's exchanges: ``{source rank: payload}``, every
-    payload one envelope framing first (CPU)."""
-    got = exchange({}, group=group, config=config, tag=part_tag(tag, 0))
+    payload one envelope framing first (CPU). ``tags``: each exchange's tag is appended."""
+    tags = [] if tags is None else tags
+    tags.append(part_tag(tag, 0))
+    got = exchange({}, group=group, config=config, tag=tags[-1])
     parts: dict[int, list[torch.Tensor]] = {}
     k = 1
     while True:
@@ -203,7 +209,8 @@ def receive_parts(
             parts.setdefault(src, []).append(t)
         if not got.more:
             break
-        got = exchange({}, group=group, config=config, tag=part_tag(tag, k))
+        tags.append(part_tag(tag, k))
+        got = exchange({}, group=group, config=config, tag=tags[-1])
         k += 1
     del got
     out = {}

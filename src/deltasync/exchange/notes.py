@@ -123,11 +123,24 @@ def group_store(group: dist.ProcessGroup | None) -> Any:
 
 
 class FailureNotes:
-    """The notes of one exchange (or commit) of one group, as ``rank`` of ``world`` sees them."""
+    """The notes of one exchange (or commit) of one group, as ``rank`` of ``world`` sees them.
 
-    def __init__(self, group: dist.ProcessGroup | None, *, tag: str, rank: int, world: int) -> None:
+    earlier: the tags of the exchanges this rank finished just before this one (a version's
+    exchanges before its joint commit). A rank that never arrived here but left a note in one
+    of them failed there, alive: when that leaves one rank that never arrived, it is named."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        tag: str,
+        rank: int,
+        world: int,
+        earlier: Iterable[str] = (),
+    ) -> None:
         self._store = group_store(group)
         self._prefix = f"deltasync/{tag}"
+        self._earlier = tuple(f"deltasync/{t}" for t in earlier)
         self.rank = rank
         self.world = world
 
@@ -142,10 +155,10 @@ class FailureNotes:
             )
             self._store = None
 
-    def _get(self, key: str) -> str | None:
+    def _get(self, key: str, prefix: str | None = None) -> str | None:
         if self._store is None:
             return None
-        full = f"{self._prefix}/{key}"
+        full = f"{self._prefix if prefix is None else prefix}/{key}"
         try:
             if not self._store.check([full]):
                 return None
@@ -161,8 +174,8 @@ class FailureNotes:
         """Leave this rank's note; call before closing any connection."""
         self._set(f"fail/{self.rank}", f"{-1 if suspect is None else suspect}|{text[:_TEXT_LIMIT]}")
 
-    def _note(self, rank: int) -> tuple[int | None, str] | None:
-        raw = self._get(f"fail/{rank}")
+    def _note(self, rank: int, prefix: str | None = None) -> tuple[int | None, str] | None:
+        raw = self._get(f"fail/{rank}", prefix)
         if raw is None:
             return None
         head, _, text = raw.partition("|")
@@ -185,6 +198,8 @@ class FailureNotes:
         current = suspect
         if current is None:
             missing = self._never_arrived()
+            if len(missing) > 1:
+                missing, trail = self._failed_earlier(missing)
             if len(missing) == 1:
                 current = missing[0]
             elif missing:
@@ -204,6 +219,24 @@ class FailureNotes:
                 return None, trail
             current = nxt
         return None, trail
+
+    def _failed_earlier(self, missing: list[int]) -> tuple[list[int], list[str]]:
+        """``missing`` without the ranks that left a note in an earlier exchange (waiting up
+        to the grace while more than one is left), and those notes as text."""
+        notes: dict[int, str] = {}
+        deadline = time.monotonic() + GRACE_S
+        while self._earlier:
+            for r in missing:
+                for prefix in self._earlier:
+                    note = None if r in notes else self._note(r, prefix)
+                    if note is not None:
+                        notes[r] = note[1]
+            left = [r for r in missing if r not in notes]
+            if len(left) <= 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        left = [r for r in missing if r not in notes]
+        return left, [f"rank {r} reported: {text}" for r, text in sorted(notes.items())]
 
     def _never_arrived(self) -> list[int]:
         deadline = time.monotonic() + GRACE_S
