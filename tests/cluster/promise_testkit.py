@@ -413,3 +413,104 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
     out["exact"] = exact(receiver.tensors, bits, tl, rl, shard)
     out["version"] = receiver.version
     return out
+
+
+# ---------------------------------------------------------------------- a slow rank in the commit
+
+
+def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
+    """Ranks 0 (writer), 1, 2 (TP=2 receivers). Anchor 0 and delta 1 commit; in delta 2 rank 2
+    is stopped (SIGSTOP) just before the joint commit for ``stall_s`` > ``commit_timeout_s``,
+    then continues. Every rank then re-forms the group, the trainer takes one more step and
+    every rank syncs as the recovery recipe says (``sync()``; an anchor if that is refused).
+    Each receiver records the state digest of its tensors under every version it reports."""
+    from deltasync.cluster import cluster_receiver
+    from deltasync.layout.digest import state_digest
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
+    config = ClusterConfig(
+        exchange=ExchangeConfig(timeout_s=timeout_s),
+        wait_for_version_s=60.0,
+        commit_timeout_s=timeout_s,
+    )
+    tl, rl = layouts(TINY, 2)
+    plan = RolePlan.contiguous(num_writers=1, shards=["tp0", "tp1"])
+    out: dict = {"rank": rank, "steps": [], "seen": []}
+
+    def join(prefix: str) -> None:
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(prefix, store),
+            rank=rank,
+            world_size=3,
+            timeout=timedelta(seconds=60),
+        )
+
+    join("group1")
+    if rank == 0:
+        hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
+        sender = ClusterSender(
+            SnapshotTracker(hf.params.items()),
+            hf.params,
+            plan=plan,
+            trainer_layout=tl,
+            receiver_layout=rl,
+            version=None,
+            config=config,
+        )
+        sender.sync(0, anchor=True)
+        hf.step()
+        sender.sync(1)
+        hf.step()
+        out["steps"].append(outcome(lambda: sender.sync(2)))
+        dist.destroy_process_group()
+        join("group2")
+        sender.use_group(dist.group.WORLD)
+        hf.step()
+        retry = outcome(lambda: sender.sync())
+        out["steps"].append(retry)
+        if retry["error"] is not None:
+            out["steps"].append(outcome(lambda: sender.sync(anchor=True)))
+        out["version"] = sender.version
+        share_truth(truth_bits(hf.params, tl), tl)
+        return out
+
+    shard = plan.receiver(rank).shard
+    receiver = ClusterReceiver(zeros(rl, shard), plan=plan, layout=rl, version=None, config=config)
+
+    def step() -> None:
+        out["steps"].append(outcome(receiver.sync))
+        if receiver.version is not None:
+            out["seen"].append((receiver.version, state_digest(receiver.tensors)))
+
+    step()
+    step()
+    if rank == 2:
+        real = cluster_receiver.joint_commit
+
+        def stall(*args, **kwargs):
+            cluster_receiver.joint_commit = real
+            pid = os.getpid()
+            cont = f"sleep {stall_s}; kill -CONT {pid}"
+            subprocess.Popen(["sh", "-c", cont], start_new_session=True)
+            os.kill(pid, signal.SIGSTOP)
+            return real(*args, **kwargs)
+
+        cluster_receiver.joint_commit = stall
+    step()
+    dist.destroy_process_group()
+    join("group2")
+    receiver.use_group(dist.group.WORLD)
+    step()
+    if out["steps"][-1]["error"] is not None:
+        step()
+    bits = share_truth(None, tl)
+    out["exact"] = exact(receiver.tensors, bits, tl, rl, shard)
+    out["version"] = receiver.version
+    return out

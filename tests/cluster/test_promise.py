@@ -6,7 +6,14 @@ survivor raise within the exchange timeout naming that rank; recovery ends exact
 from __future__ import annotations
 
 import pytest
-from promise_testkit import FAULT_AFTER_S, RetrySetup, run_failure, run_preflight, run_retry
+from promise_testkit import (
+    FAULT_AFTER_S,
+    RetrySetup,
+    run_failure,
+    run_preflight,
+    run_retry,
+    run_slow_commit,
+)
 
 from deltasync.exchange import spawn
 
@@ -132,3 +139,22 @@ def test_a_writer_hung_in_round_two_makes_every_receiver_raise_in_time_naming_it
         assert "rank 0 died or stopped responding" in fault["message"], fault
         assert fault["elapsed_s"] < FAULT_AFTER_S + TIMEOUT_S + SLACK_S, fault
         assert results[rank]["version_after_fault"] == 1
+
+
+@pytest.mark.timeout(200)
+def test_a_version_a_slow_receiver_committed_alone_is_never_sent_again_as_another_state() -> None:
+    # Rank 2 stalls past the commit timeout before its commit row: the writer and rank 1 time
+    # out, but rank 2, continuing, completes the all_gather from the rows already sent and
+    # commits version 2. The writer cannot know; the version it failed must not be sent again
+    # under the same number with the next step's weights, or rank 2 reports version 2 for two
+    # different states.
+    results = spawn(run_slow_commit, 3, 5.0, 2.0, timeout_s=150)
+    writer, receivers = results[0], results[1:]
+    assert writer["steps"][0]["error"] == "ExchangeTimeoutError", writer["steps"][0]
+    assert "version 2" in writer["steps"][0]["message"]
+    for r in receivers:
+        states: dict[int, set[str]] = {}
+        for version, digest in r["seen"]:
+            states.setdefault(version, set()).add(digest)
+        assert all(len(d) == 1 for d in states.values()), (r["rank"], r["seen"])
+        assert r["exact"] and r["version"] == writer["version"], r

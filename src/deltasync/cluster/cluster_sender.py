@@ -228,6 +228,10 @@ class ClusterSender:
         self._window = _new_window()
         self._pending: Carry = {}
         self._pending_anchor = False
+        # The newest version whose joint commit ended here without a verdict: other ranks may
+        # have completed it from the rows already sent and committed it, so its number is
+        # never sent again (another state under it would be two states under one number).
+        self._unsettled: int | None = None
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
         self._digest_pool: ThreadPoolExecutor | None = None  # overlap: digests beside routing
         self._feeds: DigestFeed | None = None  # the digest feed's plan (overlapped deltas)
@@ -483,6 +487,13 @@ class ClusterSender:
     def _base(self, version: int, anchor: bool) -> int:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be an int >= 0, got {version!r}")
+        if self._unsettled is not None and version <= self._unsettled:
+            raise VersionError(
+                f"version {version} cannot be sent: the joint commit of version "
+                f"{self._unsettled} ended on this writer without a verdict (a rank died or "
+                "timed out in it), and the ranks that completed it may have committed it; send "
+                f"version {self._unsettled + 1} or later (sync() without a version picks it)"
+            )
         if anchor:
             return -1
         if self.version is None:
@@ -569,7 +580,8 @@ class ClusterSender:
 
     def _next(self, version: int | None, anchor: bool) -> tuple[int, bool]:
         if version is None:
-            version = 0 if self.version is None else self.version + 1
+            newest = max(v for v in (self.version, self._unsettled, -1) if v is not None)
+            version = newest + 1
         if self._pending_anchor and not anchor:
             log.warning(
                 "writer %s: an anchor attempt since version %s was not committed; version %d "
@@ -670,15 +682,21 @@ class ClusterSender:
         # The shard digests this writer sent, combined: the commit checks them against what
         # the receivers hashed, over another channel than the payloads that carried them.
         combined = shards_digest(out.shard_digests) if out.shard_digests else None
-        verdict = joint_commit(
-            encode_commit_row(version=out.version, base=out.base, state_digest=combined),
-            plan=self.plan,
-            group=self.group,
-            timeout_s=self.config.commit_timeout_s,
-            tag=f"{tag}-commit",
-            earlier=[part_tag(tag, k) for k in range(exchanges)]
-            + ([f"{tag}-x2"] if self.plan.exchanges == 2 else []),
-        )
+        try:
+            verdict = joint_commit(
+                encode_commit_row(version=out.version, base=out.base, state_digest=combined),
+                plan=self.plan,
+                group=self.group,
+                timeout_s=self.config.commit_timeout_s,
+                tag=f"{tag}-commit",
+                earlier=[part_tag(tag, k) for k in range(exchanges)]
+                + ([f"{tag}-x2"] if self.plan.exchanges == 2 else []),
+            )
+        except ExchangeError:
+            # No verdict here; a late rank may still complete the all_gather from the rows
+            # already sent and commit (a stalled receiver does).
+            self._unsettled = max(version, -1 if self._unsettled is None else self._unsettled)
+            raise
         commit_s = time.perf_counter() - t
         if not verdict.ok:
             raise SyncAbortedError(
