@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -522,6 +523,40 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     receiver.sync()
     out["fault"] = _attempt(receiver.sync)
     out["version_after"] = receiver.version
+    return out
+
+
+def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; in delta 1 rank 2 stops (SIGSTOP)
+    inside round 1 of the exchange, after marking its arrival, and is SIGKILLed ``stall_s``
+    later from outside. The others report what they raised."""
+    from deltasync.exchange import rounds
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        out["fault"] = _attempt(lambda: sender.sync(1))
+        return out
+    receiver = corrupting_receiver(setup, rank)
+    receiver.sync()
+    if rank == 2:
+        real = rounds._round_one
+
+        def stall(*args, **kwargs):
+            pid = os.getpid()
+            subprocess.Popen(
+                ["sh", "-c", f"sleep {stall_s}; kill -9 {pid}"], start_new_session=True
+            )
+            os.kill(pid, signal.SIGSTOP)
+            return real(*args, **kwargs)  # not reached
+
+        rounds._round_one = stall
+    out["fault"] = _attempt(receiver.sync)
     return out
 
 

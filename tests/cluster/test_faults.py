@@ -9,7 +9,13 @@ import pytest
 
 from deltasync.exchange import spawn
 
-from cluster_testkit import Setup, run_death_in_retry, run_faults, run_writer_death
+from cluster_testkit import (
+    Setup,
+    run_death_in_retry,
+    run_faults,
+    run_stall_in_round_one,
+    run_writer_death,
+)
 
 SETUP = Setup(timeout_s=3.0)
 # The killed version is an anchor in 32-byte chunks: its exchange takes ~2.5 s here undisturbed,
@@ -143,3 +149,17 @@ def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor() -> None
         assert fault["message"].startswith("version 2: rank 1 died or stopped responding"), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
         assert results[rank]["version_after"] == 1  # nothing applied, nothing committed
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stopped_inside_round_one_after_arriving_is_named() -> None:
+    # Every rank marked its arrival, so no rank is missing there; the stopped one is the only
+    # one that leaves no failure note when the others give up on the collective.
+    setup = Setup(timeout_s=3.0)
+    results = spawn(run_stall_in_round_one, 3, setup, 12.0, timeout_s=100, may_die={2})
+    assert results[2] is None
+    for rank in (0, 1):
+        fault = results[rank]["fault"]
+        assert fault["error"] == "ExchangeTimeoutError", fault
+        assert fault["message"].startswith("version 1: rank 2 died or stopped responding"), fault
+        assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault

@@ -23,7 +23,8 @@ closed"). A rank that gives up closes its own connections, so its peers see a cl
 too and would blame it. Each rank writes its note *before* it closes anything, so a chain such
 as "rank 1 suspects rank 0; rank 0's note suspects rank 2; rank 2 left none" ends at the
 culprit whoever reads it. For collectives (round 1, the joint commit) a rank cannot tell which
-peer is missing; every rank marks its arrival instead, and a rank that never arrived is named.
+peer is missing; every rank marks its arrival instead, and a rank that never arrived is named
+(when all arrived, the single rank that left no note while the others gave up is).
 
 Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived) and
 ``deltasync/{tag}/fail/{rank}`` holding ``"{suspect}|{text}"`` (suspect -1: unknown). ``tag``
@@ -200,6 +201,8 @@ class FailureNotes:
             missing = self._never_arrived()
             if len(missing) > 1:
                 missing, trail = self._failed_earlier(missing)
+            if not missing and not trail:
+                missing = self._silent()
             if len(missing) == 1:
                 current = missing[0]
             elif missing:
@@ -237,6 +240,18 @@ class FailureNotes:
             time.sleep(0.02)
         left = [r for r in missing if r not in notes]
         return left, [f"rank {r} reported: {text}" for r, text in sorted(notes.items())]
+
+    def _silent(self) -> list[int]:
+        """Every rank arrived: the one other rank that left no note within the grace, as a
+        list (empty when none or several did). A rank that gave up on the collective leaves
+        its note before closing anything; one that died or stopped inside it cannot, and a
+        rank that finished it leaves none either, so only a single silent rank is named."""
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            silent = [r for r in range(self.world) if r != self.rank and self._note(r) is None]
+            if len(silent) <= 1 or time.monotonic() >= deadline:
+                return silent if len(silent) == 1 else []
+            time.sleep(0.02)
 
     def _never_arrived(self) -> list[int]:
         deadline = time.monotonic() + GRACE_S
