@@ -59,6 +59,7 @@ def run(request, tmp_path_factory):
         lr=1e-3,
         versions=VERSIONS,
         config=CONFIG,
+        apply_fail_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -105,6 +106,21 @@ def test_an_engine_serves_its_previous_version_while_the_next_one_is_staged(run)
     # version 2 was staged, then the engine generated, then it was applied
     assert run["synced"]["gen_while_staging"] == run["synced"]["gen"][1]
     assert run["synced"]["gen"][2] != run["synced"]["gen"][1]
+
+
+def test_a_failed_apply_leaves_no_version_named_and_the_retry_takes_it(run):
+    """The worker scattered the version and could not write its state file: the worker and
+    vLLM's own weight version (which tags every output) stop naming the previous version,
+    and the same version sent again is taken, bitwise."""
+    synced = run["synced"]
+    assert "LocalStateError" in synced["apply_fail_error"], synced["apply_fail_error"]
+    assert synced["weight_versions_after_apply_fail"] == [None]
+    assert synced["weight_version_api_after_apply_fail"] == "unverified"
+    retried = VERSIONS + 2
+    assert synced["weight_version_api_after_retry"] == str(retried)
+    for state in synced["states_after_retry"]:
+        assert state["weight_version"] == retried
+        assert same_bits(state["tensors"], synced["splits_after_retry"][state["shard"]]) == []
 
 
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):

@@ -155,8 +155,8 @@ class Trainer:
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
 
-    def publish(self, version: int) -> None:
-        self.sync.step_published(version)
+    def publish(self, version: int, *, anchor: bool = False) -> None:
+        self.sync.step_published(version, anchor=anchor)
 
     def canonical(self) -> dict:
         bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.params.items()}
@@ -175,6 +175,22 @@ def reload_checkpoint(worker, path: str) -> None:
     """Runs inside the worker: vLLM's own loader reads the dense checkpoint at ``path`` into
     the live model (in place), the authority the probed layout is checked against."""
     worker.model_runner.reload_weights(weights_path=path)
+
+
+def fail_state_writes(worker, on: bool) -> bool:
+    """Make the worker receiver's state-file writes fail (a full disk), or stop that."""
+    from deltasync.errors import LocalStateError
+
+    state_dir = worker.weight_transfer_engine.receiver.dir
+
+    def full(state):
+        raise LocalStateError("cannot write the state file: No space left on device")
+
+    if on:
+        state_dir.write_state = full
+    else:
+        del state_dir.write_state
+    return True
 
 
 def synced(spec: dict) -> dict:
@@ -286,6 +302,26 @@ def synced(spec: dict) -> dict:
     ]
     out["state_after_corrupt"] = out["states_after_corrupt"][0]
     out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
+    if spec.get("apply_fail_check"):
+        # An apply that fails after the scatter (the state file not written): vLLM's weight
+        # version must stop naming the previous version; the retry takes the version.
+        train_step()
+        trainer.publish(n + 2, anchor=True)  # past the corrupted version n + 1
+        llm.collective_rpc(fail_state_writes, args=(True,))
+        try:
+            engine.send_weights(n + 2)
+            out["apply_fail_error"] = None
+        except Exception as exc:
+            out["apply_fail_error"] = f"{type(exc).__name__}: {exc}"
+        llm.collective_rpc(fail_state_writes, args=(False,))
+        out["weight_version_api_after_apply_fail"] = llm.get_weight_version()
+        out["weight_versions_after_apply_fail"] = [
+            s["weight_version"] for s in llm.collective_rpc(worker_state)
+        ]
+        engine.send_weights(n + 2)
+        out["weight_version_api_after_retry"] = llm.get_weight_version()
+        out["states_after_retry"] = llm.collective_rpc(worker_state)
+        out["splits_after_retry"] = layout.split(canonical())
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes

@@ -15,7 +15,8 @@ Per version, :meth:`DeltaSyncTrainerEngine.send_weights` runs ``start_weight_upd
 [``/pause?mode=keep`` over HTTP] -> ``update_weights(phase="apply")`` (the scatter) ->
 ``finish_weight_update(weight_version=str(version))`` -> reset the prefix cache (cached KV
 blocks were computed with the old weights) -> [``/resume``]. :meth:`stage` and :meth:`apply`
-split it, so a trainer can stage, keep training, and apply later.
+split it, so a trainer can stage, keep training, and apply later. A failed apply sets vLLM's
+weight version to :data:`UNVERIFIED` (a worker may have written part of the version).
 
 Only the sender (trainer rank 0) touches the client; every rank may call the methods. This
 module imports vLLM (its base classes); it knows the control-plane order, nothing of stores.
@@ -41,6 +42,10 @@ from deltasync.engines.vllm_backend import DeltaSyncInitInfo
 from deltasync.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# vLLM's weight version after a failed apply: not a version number, since a worker may hold
+# part or all of the version that failed; the next successful apply names its version again.
+UNVERIFIED = "unverified"
 
 
 @dataclass
@@ -156,6 +161,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 # update session. Close it there; the failed rank refuses this call.
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
+                self._unverified(version)
                 raise
             apply_s = time.perf_counter() - t1
             self.client.finish_weight_update(weight_version=str(version))
@@ -167,6 +173,29 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 self.client.resume()
         self.last_timings.update(apply_call_s=apply_s, apply_total_s=time.perf_counter() - t0)
         log.info("engines took version %d (apply %.3f s)", version, apply_s)
+
+    def _unverified(self, version: int) -> None:
+        """After a failed apply a worker may have written part or all of ``version`` (a
+        scatter stopped midway, its state file not written): vLLM's weight version, which
+        tags every output, must not go on naming the previous one. It becomes
+        :data:`UNVERIFIED` until an apply succeeds; where the client cannot set it, a warning
+        says so."""
+        mark = getattr(self.client, "update_weight_version", None)
+        try:
+            if mark is None:
+                raise AttributeError(f"{type(self.client).__name__} has no update_weight_version")
+            mark(UNVERIFIED)
+        except Exception as exc:
+            log.warning(
+                "applying version %d failed and vLLM's weight version could not be set to %r "
+                "(%s: %s): it may still name the previous version while a worker holds part "
+                "of %d",
+                version,
+                UNVERIFIED,
+                type(exc).__name__,
+                exc,
+                version,
+            )
 
 
 class LLMClient:
@@ -190,6 +219,9 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
 
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
+
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
@@ -200,6 +232,9 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
 
     def reset_prefix_cache(self) -> None:
         self._post("reset_prefix_cache")
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._post("update_weight_version", {"new_version": new_version})
 
     def pause(self, mode: str = "keep") -> None:
         self._post(f"pause?mode={mode}")
