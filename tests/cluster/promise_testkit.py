@@ -315,6 +315,25 @@ def _arm(how: str, after_s: float) -> None:
     threading.Timer(after_s, lambda: os.kill(pid, signal.SIGSTOP)).start()
 
 
+def _two_versions_sent(plan, tl, rl, config) -> tuple[HFTrainer, ClusterSender]:
+    """The writer of a 3-rank group: versions 0 (an anchor) and 1 synced, then a step taken."""
+    hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
+    sender = ClusterSender(
+        SnapshotTracker(hf.params.items()),
+        hf.params,
+        plan=plan,
+        trainer_layout=tl,
+        receiver_layout=rl,
+        version=None,
+        config=config,
+    )
+    sender.sync(0, anchor=True)
+    hf.step()
+    sender.sync(1)
+    hf.step()
+    return hf, sender
+
+
 def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int | None) -> dict:
     """Ranks 0 (writer), 1, 2 (TP=2 receivers) form group 1. Anchor 0 and delta 1 commit;
     version 2 goes in 32-byte chunks (thousands of messages) and 0.1 s into its exchange
@@ -351,20 +370,7 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
     if rank != standby:
         join("group1", rank)
         if rank == 0:
-            hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
-            sender = ClusterSender(
-                SnapshotTracker(hf.params.items()),
-                hf.params,
-                plan=plan,
-                trainer_layout=tl,
-                receiver_layout=rl,
-                version=None,
-                config=config,
-            )
-            sender.sync(0, anchor=True)
-            hf.step()
-            sender.sync(1)
-            hf.step()
+            hf, sender = _two_versions_sent(plan, tl, rl, config)
             dist.barrier()
             if victim == 0:
                 real = cluster_sender.exchange
@@ -454,20 +460,7 @@ def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
 
     join("group1")
     if rank == 0:
-        hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
-        sender = ClusterSender(
-            SnapshotTracker(hf.params.items()),
-            hf.params,
-            plan=plan,
-            trainer_layout=tl,
-            receiver_layout=rl,
-            version=None,
-            config=config,
-        )
-        sender.sync(0, anchor=True)
-        hf.step()
-        sender.sync(1)
-        hf.step()
+        hf, sender = _two_versions_sent(plan, tl, rl, config)
         out["steps"].append(outcome(lambda: sender.sync(2)))
         dist.destroy_process_group()
         join("group2")

@@ -7,6 +7,7 @@ version the tensors hold, and a dirty receiver never reports a version."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 import uuid
@@ -38,10 +39,11 @@ class StopBeforeAck:
         return self.inner.put(key, data, *args, **kwargs)
 
 
-@pytest.mark.timeout(90)
-def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_and_the_ack_follows(
-    s3_server, s3_session_store, tmp_path
-):
+@contextlib.contextmanager
+def _server_killed_before_the_ack(s3_server, s3_session_store, tmp_path):
+    """A receiver pulls version 0 and the S3 server dies after its scatter, before its ack.
+    Yields ``(rig, its store, the publisher's store, the first pull's report)``; the server
+    is running again afterwards."""
     prefix = f"truth-{uuid.uuid4().hex[:8]}"
     pub_store = s3_session_store.with_prefix(prefix)
     retry = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.02, deadline_s=0.5)
@@ -50,8 +52,25 @@ def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_
         rig = Rig(pub_store, tmp_path)
         rig.publish(0)
         rig.rec = rig.receiver(StopBeforeAck(rx_s3, s3_server.stop))
-        report = rig.rec.pull()  # the server dies after the scatter, before the ack
+        report = rig.rec.pull()
         assert not s3_server.running
+        yield rig, rx_s3, pub_store, report
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+        rx_s3.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_and_the_ack_follows(
+    s3_server, s3_session_store, tmp_path
+):
+    with _server_killed_before_the_ack(s3_server, s3_session_store, tmp_path) as (
+        rig,
+        _,
+        pub_store,
+        report,
+    ):
         rig.check(report)
         assert report.version == 0 and report.records_pending
         state = StateDir(tmp_path / "rec").read_state()
@@ -65,10 +84,6 @@ def test_the_s3_server_killed_between_scatter_and_ack_leaves_a_verified_version_
         assert ack.state_digest == rig.rec.state_digest
         rig.publish(1)
         rig.check(rig.rec.pull())
-    finally:
-        if not s3_server.running:
-            s3_server.start()
-        rx_s3.close()
 
 
 @pytest.mark.timeout(90)
@@ -79,15 +94,13 @@ def test_a_receiver_restarted_while_s3_is_down_still_owes_the_ack_it_could_not_w
     # back: it cannot tell yet whether its version is committed as held, so the ack stays
     # owed (it was dropped, and a trainer waiting for it timed out although it held the
     # version) and goes out with the first pull that reads the store.
-    prefix = f"truth-{uuid.uuid4().hex[:8]}"
-    pub_store = s3_session_store.with_prefix(prefix)
-    retry = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.02, deadline_s=0.5)
-    rx_s3 = S3Store(s3_session_store.bucket, prefix, config=s3_server.config(retry=retry))
-    try:
-        rig = Rig(pub_store, tmp_path)
-        rig.publish(0)
-        rig.rec = rig.receiver(StopBeforeAck(rx_s3, s3_server.stop))
-        assert rig.rec.pull().records_pending and not s3_server.running
+    with _server_killed_before_the_ack(s3_server, s3_session_store, tmp_path) as (
+        rig,
+        rx_s3,
+        pub_store,
+        report,
+    ):
+        assert report.records_pending
         rig.rec = rig.receiver(rx_s3)  # the process restarts; the server is still down
         assert rig.rec.version == 0 and not rig.rec.dirty
         s3_server.start()
@@ -95,10 +108,6 @@ def test_a_receiver_restarted_while_s3_is_down_still_owes_the_ack_it_could_not_w
         assert report.version == 0 and not report.chain and not report.records_pending
         assert AckRecord.from_json(pub_store.get(names.ack_key(0, "rec"))).version == 0
         assert rig.trainer.pub.wait_for_acks(0, ["rec"], timeout=5)
-    finally:
-        if not s3_server.running:
-            s3_server.start()
-        rx_s3.close()
 
 
 def _receiver_child(store_path, state_dir, mapped, ready, hang_in):
