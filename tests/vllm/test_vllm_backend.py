@@ -129,6 +129,8 @@ def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_versi
     assert "DigestMismatchError" in synced["corrupt_error"], synced["corrupt_error"]
     after = synced["state_after_corrupt"]
     assert after["weight_version"] == VERSIONS
+    # refused before any write: vLLM's own weight version still names what the worker holds
+    assert synced["weight_version_api_after_corrupt"] == str(VERSIONS)
     assert same_bits(after["tensors"], synced["split"]) == []
     assert synced["gen_after_corrupt"] == synced["gen"][VERSIONS]
 

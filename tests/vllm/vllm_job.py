@@ -302,6 +302,7 @@ def synced(spec: dict) -> dict:
     ]
     out["state_after_corrupt"] = out["states_after_corrupt"][0]
     out["gen_after_corrupt"] = generate(llm, prompts, max_tokens)
+    out["weight_version_api_after_corrupt"] = llm.get_weight_version()
     if spec.get("apply_fail_check"):
         # An apply that fails after the scatter (the state file not written): vLLM's weight
         # version must stop naming the previous version; the retry takes the version.

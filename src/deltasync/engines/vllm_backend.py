@@ -165,6 +165,11 @@ class _StagedPull:
         self._go.set()
 
 
+# In the message of every update that failed before any rank's first write: the trainer engine
+# keeps vLLM's weight version then, and marks it unverified after any other failure.
+NOTHING_WRITTEN = "no rank wrote anything"
+
+
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
     """The worker side of backend ``"deltasync"``; see the module docstring."""
 
@@ -335,14 +340,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # come, and the version reported must not be the one from before a torn write.
         self.weight_version = None if receiver.dirty else receiver.version
         where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
-        if self.shard.place.tp == 1 and own is not None:
-            raise own
         state = (
-            "some ranks wrote it and failed their digest check; they are dirty and the next update restores the newest anchor"
+            "some ranks wrote part or all of it and then failed; they report no version until "
+            "the next update repairs them"
             if written
-            else "no rank wrote anything; every rank stays at its previous verified version"
+            else f"{NOTHING_WRITTEN}; every rank stays at its previous verified version"
         )
         message = f"version {version} was not taken ({state}): {where}"
+        if self.shard.place.tp == 1 and own is not None:
+            raise ApplyError(message) from own
         if self.shard.place.tp_rank != self.shard.place.tp - 1:
             log.error(
                 "deltasync shard %s (at version %s): %s",

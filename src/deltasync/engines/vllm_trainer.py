@@ -15,8 +15,9 @@ Per version, :meth:`DeltaSyncTrainerEngine.send_weights` runs ``start_weight_upd
 [``/pause?mode=keep`` over HTTP] -> ``update_weights(phase="apply")`` (the scatter) ->
 ``finish_weight_update(weight_version=str(version))`` -> reset the prefix cache (cached KV
 blocks were computed with the old weights) -> [``/resume``]. :meth:`stage` and :meth:`apply`
-split it, so a trainer can stage, keep training, and apply later. A failed apply sets vLLM's
-weight version to :data:`UNVERIFIED` (a worker may have written part of the version).
+split it, so a trainer can stage, keep training, and apply later. An apply that fails after a
+worker's first write sets vLLM's weight version to :data:`UNVERIFIED`; one refused before any
+write (a corrupted blob, a failed verify) leaves it naming the version the workers hold.
 
 Only the sender (trainer rank 0) touches the client; every rank may call the methods. This
 module imports vLLM (its base classes); it knows the control-plane order, nothing of stores.
@@ -38,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from deltasync.engines.vllm_backend import DeltaSyncInitInfo
+from deltasync.engines.vllm_backend import NOTHING_WRITTEN, DeltaSyncInitInfo
 from deltasync.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,14 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             t1 = time.perf_counter()
             try:
                 self.client.update_weights({"version": version, "phase": "apply"})
-            except BaseException:
+            except BaseException as exc:
                 # With TP > 1 only the last worker raises (vLLM's multiprocess executor stops
                 # reading replies at the first failed rank); the others still hold an open
                 # update session. Close it there; the failed rank refuses this call.
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
-                self._unverified(version)
+                if NOTHING_WRITTEN not in _failure_text(exc):
+                    self._unverified(version)
                 raise
             apply_s = time.perf_counter() - t1
             self.client.finish_weight_update(weight_version=str(version))
@@ -175,11 +177,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         log.info("engines took version %d (apply %.3f s)", version, apply_s)
 
     def _unverified(self, version: int) -> None:
-        """After a failed apply a worker may have written part or all of ``version`` (a
-        scatter stopped midway, its state file not written): vLLM's weight version, which
-        tags every output, must not go on naming the previous one. It becomes
-        :data:`UNVERIFIED` until an apply succeeds; where the client cannot set it, a warning
-        says so."""
+        """After a failed apply that does not say no rank wrote anything, a worker may hold
+        part or all of ``version`` (a scatter stopped midway, its state file not written):
+        vLLM's weight version, which tags every output, must not go on naming the previous
+        one. It becomes :data:`UNVERIFIED` until an apply succeeds; where the client cannot
+        set it, a warning says so."""
         mark = getattr(self.client, "update_weight_version", None)
         try:
             if mark is None:
@@ -196,6 +198,13 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 exc,
                 version,
             )
+
+
+def _failure_text(exc: BaseException) -> str:
+    """What a failed call says: the exception's message and, over HTTP, the reply's body."""
+    response = getattr(exc, "response", None)
+    body = getattr(response, "text", None)
+    return f"{exc} {body}" if isinstance(body, str) else str(exc)
 
 
 class LLMClient:
