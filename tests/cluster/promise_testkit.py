@@ -315,6 +315,18 @@ def _arm(how: str, after_s: float) -> None:
     threading.Timer(after_s, lambda: os.kill(pid, signal.SIGSTOP)).start()
 
 
+def _join_group(store, prefix: str, rank: int) -> None:
+    """Join a 3-rank gloo group under ``prefix`` of the shared store (a re-formed group takes
+    a new prefix)."""
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=rank,
+        world_size=3,
+        timeout=timedelta(seconds=60),
+    )
+
+
 def _two_versions_sent(plan, tl, rl, config) -> tuple[HFTrainer, ClusterSender]:
     """The writer of a 3-rank group: versions 0 (an anchor) and 1 synced, then a step taken."""
     hf = HFTrainer(lr=1e-3, batch=(4, 16), data_seed=1234)
@@ -358,13 +370,7 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
     out: dict = {"rank": rank}
 
     def join(prefix: str, group_rank: int) -> None:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(prefix, store),
-            rank=group_rank,
-            world_size=3,
-            timeout=timedelta(seconds=60),
-        )
+        _join_group(store, prefix, group_rank)
 
     sender = receiver = hf = None
     if rank != standby:
@@ -450,13 +456,7 @@ def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
     out: dict = {"rank": rank, "steps": [], "seen": []}
 
     def join(prefix: str) -> None:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(prefix, store),
-            rank=rank,
-            world_size=3,
-            timeout=timedelta(seconds=60),
-        )
+        _join_group(store, prefix, rank)
 
     join("group1")
     if rank == 0:

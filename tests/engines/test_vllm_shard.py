@@ -27,6 +27,21 @@ from engines_helpers import (
 )
 
 
+def _shard_receiver(store, shard: VllmShard, state_dir, receiver_id: str):
+    """A receiver writing into ``shard``'s targets, and the set of names it writes."""
+    touched: set[str] = set()
+    receiver = Receiver.for_layout(
+        store,
+        shard.layout,
+        shard.shard,
+        shard.targets,
+        str(state_dir),
+        ReceiverConfig(receiver_id=receiver_id, durable=False),
+        on_tensor_written=touched.add,
+    )
+    return receiver, touched
+
+
 def _served(model: torch.nn.Module, name: str) -> torch.Tensor:
     """The values the engine computes with for local tensor ``name``."""
     layer = model.get_submodule(name.rpartition(".")[0])
@@ -45,16 +60,7 @@ def _sync(tmp_path, *, packs: bool, dtype=None, tp: int = 1, versions: int = 3):
     for r in range(tp):
         model = module_tree(split0[f"tp{r}"], packs=packs, dtype=dtype)
         shard = VllmShard(model, ENGINE_CONFIG, ShardPlace(tp_rank=r, tp=tp))
-        touched: set[str] = set()
-        receiver = Receiver.for_layout(
-            store,
-            shard.layout,
-            shard.shard,
-            shard.targets,
-            str(tmp_path / f"state{r}"),
-            ReceiverConfig(receiver_id=f"r{r}", durable=False),
-            on_tensor_written=touched.add,
-        )
+        receiver, touched = _shard_receiver(store, shard, tmp_path / f"state{r}", f"r{r}")
         ranks.append((model, shard, receiver, touched))
     for version in range(versions + 1):
         if version:
@@ -176,16 +182,7 @@ def test_a_tied_lm_head_packed_from_a_packed_embedding_computes_with_each_versio
     model = _tied_packed_model(trainer.split()["tp0"])
     shard = VllmShard(model, config, ShardPlace(tp_rank=0, tp=1))
     assert "model.embed_tokens.weight" in shard.mirrored
-    touched: set[str] = set()
-    receiver = Receiver.for_layout(
-        store,
-        shard.layout,
-        shard.shard,
-        shard.targets,
-        str(tmp_path / "state"),
-        ReceiverConfig(receiver_id="r0", durable=False),
-        on_tensor_written=touched.add,
-    )
+    receiver, touched = _shard_receiver(store, shard, tmp_path / "state", "r0")
     for version in range(3):
         if version:
             trainer.step()

@@ -508,7 +508,7 @@ class ClusterReceiver:
         except Exception as exc:
             failure = exc
         timings = received.wait_s, received.forward_s
-        cleared, tags = received.cleared, getattr(received, "tags", ())
+        cleared, tags = received.cleared, received.tags
         assert cleared is not None
         del received  # the payload bytes are dead weight from here on
         if failure is None:

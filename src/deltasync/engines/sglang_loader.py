@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,13 @@ from deltasync import (
     open_store,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
+from deltasync.engines.agreement import (
+    NOTHING_WRITTEN_STATE,
+    Gather,
+    failed_ranks,
+    group_gather,
+    refused,
+)
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 
 log = logging.getLogger(__name__)
@@ -140,80 +147,55 @@ def sglang_layout(spec: ModelSpec, tp: int, ep: int = 1) -> ReceiverLayout:
     return ReceiverLayout.build(spec, engine="vllm", tp=tp, ep=ep)
 
 
-# All-gather of one picklable item per TP rank, in rank order (SGLang's TP CPU group).
-Gather = Callable[[Any], list[Any]]
-
-
 class _Agreement:
     """The two decisions every TP rank makes once per request, whatever its own path: before
-    the first write (is every rank staged and verified?) and after it (did every rank finish?).
-
-    SGLang replies to the caller with TP rank 0's result only, and records the weight version
-    from it: a rank that failed alone would leave the engine serving two versions while
-    reporting the new one. So no rank writes unless all can, and every rank fails the request
-    when any rank failed."""
+    the first write (is every rank staged and verified?) and after it (did every rank
+    finish?). SGLang replies to the caller with TP rank 0's result only and records the weight
+    version from it, so no rank writes unless all can, and every rank fails the request when
+    any rank failed (:mod:`.agreement`)."""
 
     def __init__(self, shard: str, version: int, gather: Gather | None) -> None:
         self.shard = shard
         self.version = version
         self._gather = gather
         self.staged = False  # the first decision was made
-        self.done = False  # the second one too
 
     def _round(self, error: BaseException | None) -> list[tuple[str, str]]:
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        if self._gather is None:
-            outcomes = [(self.shard, mine)]
-        else:
-            try:
-                outcomes = self._gather((self.shard, mine))
-            except Exception as exc:  # a rank died or the group timed out
-                raise ApplyError(
-                    f"shard {self.shard!r}: the TP ranks could not agree on taking version "
-                    f"{self.version} ({type(exc).__name__}: {exc}); restart the engine if a "
-                    "rank is gone"
-                ) from exc
-        return [(shard, err) for shard, err in outcomes if err is not None]
-
-    def _refuse(self, failures: list[tuple[str, str]], state: str) -> ApplyError:
-        where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
-        return ApplyError(f"version {self.version} was not taken ({state}): {where}")
+        try:
+            return failed_ranks(self.shard, error, self._gather)
+        except Exception as exc:  # a rank died or the group timed out
+            raise ApplyError(
+                f"shard {self.shard!r}: the TP ranks could not agree on taking version "
+                f"{self.version} ({type(exc).__name__}: {exc}); restart the engine if a "
+                "rank is gone"
+            ) from exc
 
     def before_write(self) -> None:
         """The first decision, on a rank ready to write (raises if any rank is not)."""
         if self.staged:
             return
         self.staged = True
-        failures = self._round(None)
-        if failures:
-            raise self._refuse(
-                failures, "no rank wrote anything; every rank stays at its previous version"
-            )
+        failed = self._round(None)
+        if failed:
+            raise refused(self.version, failed, NOTHING_WRITTEN_STATE)
 
     def finish(self, error: BaseException | None) -> None:
         """The decisions this rank has not made yet, with its outcome; raises if any rank
         failed (its own error first)."""
-        if not self.staged:
+        before = None
+        if not self.staged:  # never reached its first write: that decision is made now
             self.staged = True
-            failures = self._round(error)
-            self.done = True
-            self._round(error)
-            if error is not None:
-                raise error
-            if failures:
-                raise self._refuse(
-                    failures, "no rank wrote anything; every rank stays at its previous version"
-                )
-            return
-        if self.done:
-            return
-        self.done = True
-        failures = self._round(error)
+            before = self._round(error)
+        after = self._round(error)
         if error is not None:
             raise error
-        if failures:
-            raise self._refuse(
-                failures,
+        if before is not None:
+            if before:
+                raise refused(self.version, before, NOTHING_WRITTEN_STATE)
+        elif after:
+            raise refused(
+                self.version,
+                after,
                 "this rank took it; the failed ranks say where they are, and the next "
                 "request brings every rank to the newest version",
             )
@@ -399,16 +381,7 @@ def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]])
     )
 
     tp = get_tensor_model_parallel_world_size()
-    gather = None
-    if tp > 1:
-        import torch.distributed as dist
-
-        group = get_tp_group().cpu_group
-
-        def gather(item: Any) -> list[Any]:
-            out: list[Any] = [None] * tp
-            dist.all_gather_object(out, item, group=group)
-            return out
+    gather = group_gather(get_tp_group().cpu_group, tp) if tp > 1 else None
 
     take_version(
         model,

@@ -56,6 +56,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, open_store
+from deltasync.engines.agreement import (
+    NOTHING_WRITTEN_STATE,
+    failed_ranks,
+    group_gather,
+    refused,
+)
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, VersionError
 from deltasync.layout.probed import load_receiver_layout
@@ -163,11 +169,6 @@ class _StagedPull:
     def cancel(self) -> None:
         self._cancelled = True
         self._go.set()
-
-
-# In the message of every update that failed before any rank's first write: the trainer engine
-# keeps vLLM's weight version then, and marks it unverified after any other failure.
-NOTHING_WRITTEN = "no rank wrote anything"
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
@@ -307,23 +308,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def _gather_failures(self, error: BaseException | None) -> list[tuple[str, str]]:
         """Every TP rank's ``(shard, error)``, for the ranks whose pull failed."""
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        if self.shard.place.tp == 1:
-            outcomes = [(self.shard.shard, mine)]
-        else:
-            import torch.distributed as dist
+        gather = None
+        if self.shard.place.tp > 1:
             from vllm.distributed import get_tp_group
 
-            outcomes = [None] * self.shard.place.tp
-            dist.all_gather_object(
-                outcomes, (self.shard.shard, mine), group=get_tp_group().cpu_group
-            )
-        return [(shard, err) for shard, err in outcomes if err is not None]
+            gather = group_gather(get_tp_group().cpu_group, self.shard.place.tp)
+        return failed_ranks(self.shard.shard, error, gather)
 
     def _fail(
         self,
         version: int,
-        failures: list[tuple[str, str]],
+        failed: list[tuple[str, str]],
         own: BaseException | None,
         *,
         written: bool,
@@ -339,25 +334,24 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # of a failed update, so finish_weight_update (which records it otherwise) may never
         # come, and the version reported must not be the one from before a torn write.
         self.weight_version = None if receiver.dirty else receiver.version
-        where = "; ".join(f"shard {shard!r}: {err}" for shard, err in failures)
         state = (
             "some ranks wrote part or all of it and then failed; they report no version until "
             "the next update repairs them"
             if written
-            else f"{NOTHING_WRITTEN}; every rank stays at its previous verified version"
+            else NOTHING_WRITTEN_STATE
         )
-        message = f"version {version} was not taken ({state}): {where}"
+        error = refused(version, failed, state)
         if self.shard.place.tp == 1 and own is not None:
-            raise ApplyError(message) from own
+            raise error from own
         if self.shard.place.tp_rank != self.shard.place.tp - 1:
             log.error(
                 "deltasync shard %s (at version %s): %s",
                 self.shard.shard,
                 receiver.version,
-                message,
+                error,
             )
             return
-        raise ApplyError(message)
+        raise error
 
     def finish_weight_update(self) -> None:
         receiver = self._receiver()

@@ -39,7 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from deltasync.engines.vllm_backend import NOTHING_WRITTEN, DeltaSyncInitInfo
+from deltasync.engines.agreement import NOTHING_WRITTEN
+from deltasync.engines.vllm_backend import DeltaSyncInitInfo
 from deltasync.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -182,12 +183,9 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         vLLM's weight version, which tags every output, must not go on naming the previous
         one. It becomes :data:`UNVERIFIED` until an apply succeeds; where the client cannot
         set it, a warning says so."""
-        mark = getattr(self.client, "update_weight_version", None)
         try:
-            if mark is None:
-                raise AttributeError(f"{type(self.client).__name__} has no update_weight_version")
-            mark(UNVERIFIED)
-        except Exception as exc:
+            self.client.update_weight_version(UNVERIFIED)
+        except Exception as exc:  # AttributeError too: a client without that call
             log.warning(
                 "applying version %d failed and vLLM's weight version could not be set to %r "
                 "(%s: %s): it may still name the previous version while a worker holds part "
