@@ -15,7 +15,7 @@ import sys
 from deltasync.errors import DeltaSyncError
 
 # (module under deltasync.commands) -- order is the order shown in --help.
-_COMMAND_MODULES = ("apps", "layout", "inspect_store", "pull")
+_COMMAND_MODULES = ("apps", "layout", "inspect_store", "gc", "pull")
 
 
 def build_parser() -> argparse.ArgumentParser:

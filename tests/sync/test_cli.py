@@ -1,4 +1,5 @@
 """The command line: ``deltasync inspect`` shows versions, kinds, bytes, density and acks;
+``deltasync gc`` deletes what retention allows (and with ``--dry-run`` only says so);
 ``deltasync pull`` keeps ``DIR/<shard>.safetensors`` equal to the dense split of the newest
 version, bootstrapping from an anchor and then applying deltas across restarts."""
 
@@ -10,6 +11,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from deltasync import names
 from deltasync.cli import main
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
@@ -96,6 +98,37 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
     )
     assert 0 < delta["density"] < 1 and delta["density"] == delta["elements"] / numel
     assert delta["bytes"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_gc_deletes_what_retention_allows_and_a_dry_run_nothing(tmp_path, capsys):
+    rig = Rig(tmp_path)  # anchors at 0 and 3
+    expected = rig.publish(6)
+    abandoned = names.blob_key(1, "tp0", "w-lost")  # a losing attempt's blob
+    rig.store.put(abandoned, b"x")
+    before = sorted(rig.store.list(""))
+
+    assert main(["gc", str(rig.path), "--keep", "2", "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sorted(rig.store.list("")) == before, "a dry run deleted something"
+    assert plan["dry_run"] and plan["committed"] == 5 and plan["versions"] == [0, 1, 2]
+    assert abandoned in plan["keys"] and plan["keys"][0] == names.manifest_key(0)
+
+    assert main(["gc", str(rig.path), "--keep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"deleted {len(plan['keys'])} key(s); versions removed whole: 0, 1, 2")
+    assert sorted(rig.store.list("")) == sorted(set(before) - set(plan["keys"]))
+    rec = Receiver.for_layout(
+        rig.store, rig.rl, "tp0", zero_tensors(rig.rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    assert rec.pull().version == 5  # from the anchor at 3, which gc kept with its chain
+    assert_same_bits(rec.tensors, expected["tp0"])
+
+    assert main(["gc", str(rig.path), "--keep", "0"]) == 2  # refused, as a typed error
+    assert "--keep must be >= 1" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["gc", str(tmp_path / "empty")]) == 2
+    assert "not a deltasync store" in capsys.readouterr().err
 
 
 def _pull(rig, tmp_path, *extra):

@@ -23,7 +23,7 @@ from deltasync.commit.records import (
     decode_latest,
     encode_latest,
 )
-from deltasync.commit.retention import GcPlan, plan_deletions
+from deltasync.commit.retention import GcPlan, collect_garbage, plan_deletions
 from deltasync.commit.signing import check_signature, sign, signing_bytes, verify
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "WriterMarker",
     "blob_digest",
     "check_signature",
+    "collect_garbage",
     "decode_latest",
     "encode_latest",
     "plan_chain",

@@ -12,7 +12,9 @@ found under a doomed version's prefixes was not written by deltasync and is left
 a warning), so a store shared with others cannot steer the trainer into deleting it.
 
 Deletion order: a version's manifest goes first, so the version disappears atomically for
-readers, then its blobs and markers, then its acks. This module knows keys and manifests.
+readers, then its blobs and markers, then its acks. :func:`collect_garbage` reads what the
+plan needs from a store and deletes it (``Publisher.gc`` and ``deltasync gc`` both run it).
+This module knows keys and manifests.
 """
 
 from __future__ import annotations
@@ -20,13 +22,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deltasync import names
 from deltasync.commit.model import Manifest
 from deltasync.commit.planning import plan_retention
-from deltasync.errors import ManifestError
+from deltasync.errors import DeltaSyncError, ManifestError
+
+if TYPE_CHECKING:
+    from deltasync.commit.catalog import Catalog
+    from deltasync.store import Store
 
 log = logging.getLogger(__name__)
+
+# PublisherConfig's keep_versions and receiver_ttl_s, which ``deltasync gc`` defaults to as well
+KEEP_VERSIONS = 2
+RECEIVER_TTL_S = 120.0
 
 
 def _version_of(key: str) -> int | None:
@@ -105,3 +116,52 @@ def plan_deletions(
         keep.update(names.writer_marker_key(v, w) for w in m.writers)
         rest.extend(k for k in keys if k not in keep)  # a losing attempt's leftovers
     return GcPlan(tuple(doomed), tuple(first + rest))
+
+
+def collect_garbage(
+    store: Store,
+    catalog: Catalog,
+    *,
+    keep_versions: int,
+    receiver_ttl_s: float,
+    dry_run: bool = False,
+) -> GcPlan:
+    """Plan retention from what ``store`` holds now and delete it in order (``dry_run``: plan
+    only). Live receivers are the records younger than ``receiver_ttl_s``."""
+    committed = catalog.latest()
+    version_keys = catalog.version_dirs()
+    manifests = {}
+    for v, keys in list(version_keys.items()):
+        if names.manifest_key(v) not in keys:
+            # Deleted in full as never committed, unless the store says otherwise: a listing
+            # can lag behind the newest writes (an eventually consistent store), and it must
+            # not delete the blobs of a version committed meanwhile.
+            if committed is None or v >= committed:
+                continue
+            if not store.exists(names.manifest_key(v)):
+                continue
+            keys.append(names.manifest_key(v))
+        try:
+            manifests[v] = catalog.manifest(v)
+        except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
+            del version_keys[v]
+    ack_keys = {v: store.list(names.acks_prefix(v)) for v in manifests}
+    run_id = manifests[committed].run_id if committed in manifests else None
+    live = [
+        r.version if run_id is None else r.version_in(run_id)
+        for r in catalog.live_receivers(receiver_ttl_s).values()
+    ]
+    plan = plan_deletions(
+        version_keys=version_keys,
+        manifests=manifests,
+        ack_keys=ack_keys,
+        committed=committed,
+        live_versions=live,
+        keep_versions=keep_versions,
+    )
+    if not dry_run:
+        for key in plan.keys:
+            store.delete(key)
+        for v in plan.versions:
+            catalog.forget(v)
+    return plan

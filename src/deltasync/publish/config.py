@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from deltasync import names
+from deltasync.commit.retention import KEEP_VERSIONS, RECEIVER_TTL_S
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import ConfigError
 from deltasync.validate import check_int, check_seconds, check_signing_key
@@ -54,8 +55,8 @@ class PublisherConfig:
     poll_interval_s: float = 0.02
     max_staleness: int | None = None
     staleness_timeout_s: float = 600.0
-    receiver_ttl_s: float = 120.0
-    keep_versions: int = 2
+    receiver_ttl_s: float = RECEIVER_TTL_S
+    keep_versions: int = KEEP_VERSIONS
     upload_threads: int | None = None
     prefetch: int = 2
 

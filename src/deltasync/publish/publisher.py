@@ -58,11 +58,10 @@ from deltasync.commit import committer as commit_mod
 from deltasync.commit.catalog import Catalog, wait_for_acks, wait_for_staleness
 from deltasync.commit.model import LayoutRecord
 from deltasync.commit.records import ReceiverRecord
-from deltasync.commit.retention import GcPlan, plan_deletions
+from deltasync.commit.retention import GcPlan, collect_garbage
 from deltasync.errors import (
     CommitConflictError,
     ConfigError,
-    DeltaSyncError,
     KeyNotFoundError,
     LayoutError,
     ManifestError,
@@ -709,39 +708,9 @@ class Publisher:
 
     def gc(self) -> GcPlan:
         """Delete what retention allows (see :mod:`deltasync.commit.retention`)."""
-        committed = self.committed()
-        version_keys = self.catalog.version_dirs()
-        manifests = {}
-        for v, keys in list(version_keys.items()):
-            if names.manifest_key(v) not in keys:
-                # Deleted in full as never committed, unless the store says otherwise: a
-                # listing can lag behind the newest writes (an eventually consistent store),
-                # and it must not delete the blobs of a version committed meanwhile.
-                if committed is None or v >= committed:
-                    continue
-                if not self.store.exists(names.manifest_key(v)):
-                    continue
-                keys.append(names.manifest_key(v))
-            try:
-                manifests[v] = self.catalog.manifest(v)
-            except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
-                del version_keys[v]
-        ack_keys = {v: self.store.list(names.acks_prefix(v)) for v in manifests}
-        run_id = manifests[committed].run_id if committed in manifests else None
-        live = [
-            r.version if run_id is None else r.version_in(run_id)
-            for r in self.live_receivers().values()
-        ]
-        plan = plan_deletions(
-            version_keys=version_keys,
-            manifests=manifests,
-            ack_keys=ack_keys,
-            committed=committed,
-            live_versions=live,
+        return collect_garbage(
+            self.store,
+            self.catalog,
             keep_versions=self.config.keep_versions,
+            receiver_ttl_s=self.config.receiver_ttl_s,
         )
-        for key in plan.keys:
-            self.store.delete(key)
-        for v in plan.versions:
-            self.catalog.forget(v)
-        return plan

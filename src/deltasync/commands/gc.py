@@ -1,0 +1,113 @@
+"""``deltasync gc STORE``: delete what retention allows, from outside the trainer.
+
+    deltasync gc STORE [--keep N] [--receiver-ttl S] [--dry-run] [--json] [--key-file F]
+        [--s3-endpoint URL ...]
+
+Runs the retention a publisher's ``gc()`` runs (:func:`deltasync.commit.collect_garbage`):
+never a version a live receiver still needs, never the newest anchor and the chain after it,
+never the newest committed version; plus the leftovers no manifest vouches for (losing
+attempts, versions older than the newest committed one that were never committed). Manifests
+that do not verify (with ``--key-file``: also unsigned ones) are never touched. ``--keep`` and
+``--receiver-ttl`` default to :class:`~deltasync.PublisherConfig`'s; pass the trainer's own
+values. ``--dry-run`` prints the plan and deletes nothing. A path that is not a deltasync store
+is refused (rc 2), as by ``inspect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from deltasync.commands.apps import emit_json_line
+from deltasync.commands.inspect_store import (
+    EXIT_NOT_A_STORE,
+    add_store_arguments,
+    is_store,
+    open_store_from_args,
+    read_key,
+)
+from deltasync.errors import ConfigError
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.keep < 1:
+        raise ConfigError(
+            f"--keep must be >= 1 (the newest version is always kept), got {args.keep}"
+        )
+    if not (math.isfinite(args.receiver_ttl) and args.receiver_ttl > 0):
+        raise ConfigError(
+            f"--receiver-ttl must be a finite number of seconds > 0, got {args.receiver_ttl}"
+        )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from deltasync.commit import Catalog, collect_garbage
+
+    _check(args)
+    try:
+        store = open_store_from_args(args, must_exist=True)
+    except ConfigError as exc:
+        print(f"deltasync gc: {exc}", file=sys.stderr)
+        return EXIT_NOT_A_STORE
+    if not is_store(store):
+        print(
+            f"deltasync gc: {args.store!r} holds no LATEST, version or registration: not a "
+            "deltasync store (or an empty one); nothing was deleted",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_A_STORE
+    catalog = Catalog(store, signing_key=read_key(args))
+    plan = collect_garbage(
+        store,
+        catalog,
+        keep_versions=args.keep,
+        receiver_ttl_s=args.receiver_ttl,
+        dry_run=args.dry_run,
+    )
+    if args.json:
+        emit_json_line(
+            {
+                "dry_run": args.dry_run,
+                "committed": catalog.latest(),
+                "versions": list(plan.versions),
+                "keys": list(plan.keys),
+            },
+            sort_keys=True,
+        )
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    versions = ", ".join(map(str, plan.versions)) or "none"
+    print(f"{verb} {len(plan.keys)} key(s); versions removed whole: {versions}")
+    for key in plan.keys:
+        print(f"  {key}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from deltasync.commit.retention import KEEP_VERSIONS, RECEIVER_TTL_S
+
+    p = sub.add_parser(
+        "gc",
+        help="delete what retention allows (old versions, abandoned attempts) from a store",
+        description="Delete what retention allows from a deltasync store: versions no live "
+        "receiver needs beyond the newest --keep, and leftovers of attempts that never "
+        "committed. Refuses a path that is not a store.",
+    )
+    add_store_arguments(p)
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=KEEP_VERSIONS,
+        help=f"keep at least the N newest versions (default: {KEEP_VERSIONS})",
+    )
+    p.add_argument(
+        "--receiver-ttl",
+        type=float,
+        default=RECEIVER_TTL_S,
+        help="a receiver whose record is older than this many seconds is not live (default: "
+        f"{RECEIVER_TTL_S:g})",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead")
+    p.set_defaults(func=_run)
