@@ -127,6 +127,11 @@ class StoreError(DeltaSyncError):
     """A storage backend operation failed."""
 
 
+class OutcomeUnknownError(StoreError):
+    """A write failed after its request may have reached the store: the store may hold it now
+    or apply it later (a reply lost past the retries). Treat the key as possibly written."""
+
+
 class KeyNotFoundError(StoreError, KeyError):
     """A key is not present in the store."""
 

@@ -8,10 +8,16 @@ import time
 from dataclasses import replace
 
 import pytest
-from botocore.exceptions import ClientError, ConnectionClosedError
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 from botocore.response import StreamingBody
 
-from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
+from deltasync.errors import (
+    CommitConflictError,
+    ConfigError,
+    KeyNotFoundError,
+    OutcomeUnknownError,
+    StoreError,
+)
 from deltasync.store import RetryPolicy, S3Config, S3Store
 
 PATIENT = RetryPolicy(max_attempts=40, base_delay_s=0.05, max_delay_s=0.3, deadline_s=15.0)
@@ -152,6 +158,47 @@ def test_put_if_absent_after_a_lost_reply_still_loses_to_a_different_winner(s3_s
         s3_store.put_if_absent("v00000005/MANIFEST.json", b"ours")
     assert s3_store._client.calls == 3  # theirs, our lost attempt, our retry that got 412
     assert s3_store.get("v00000005/MANIFEST.json") == b"theirs"
+
+
+class _NoReply:
+    """A client whose put_object never gets a reply: the first request reaches the server
+    (``delivered``) or not, every attempt then loses its connection (``error``)."""
+
+    def __init__(self, client, *, delivered: bool, error) -> None:
+        self._client, self.delivered, self.error = client, delivered, error
+
+    def put_object(self, **kwargs):
+        if self.delivered:
+            self.delivered = False
+            self._client.put_object(**kwargs)
+        raise self.error(endpoint_url="http://fake-no-reply")
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def _few_retries(store) -> None:
+    store.config = replace(
+        store.config,
+        retry=RetryPolicy(max_attempts=3, base_delay_s=0.0, max_delay_s=0.0, deadline_s=5.0),
+    )
+
+
+def test_put_if_absent_that_may_have_landed_says_its_outcome_is_unknown(s3_store) -> None:
+    _few_retries(s3_store)
+    s3_store._client = _NoReply(s3_store._client, delivered=True, error=ConnectionClosedError)
+    with pytest.raises(OutcomeUnknownError, match=r"v00000007/MANIFEST.json.*may hold"):
+        s3_store.put_if_absent("v00000007/MANIFEST.json", b"ours")
+    assert s3_store.get("v00000007/MANIFEST.json") == b"ours"  # it had landed
+
+
+def test_put_if_absent_that_never_connected_is_a_plain_failure(s3_store) -> None:
+    _few_retries(s3_store)
+    s3_store._client = _NoReply(s3_store._client, delivered=False, error=EndpointConnectionError)
+    with pytest.raises(StoreError) as info:
+        s3_store.put_if_absent("v00000008/MANIFEST.json", b"ours")
+    assert not isinstance(info.value, OutcomeUnknownError), "nothing was sent: a verdict"
+    assert not s3_store.exists("v00000008/MANIFEST.json")
 
 
 class _AlwaysInFlightConflict:

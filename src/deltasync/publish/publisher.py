@@ -65,6 +65,8 @@ from deltasync.errors import (
     KeyNotFoundError,
     LayoutError,
     ManifestError,
+    OutcomeUnknownError,
+    StoreError,
     VersionError,
 )
 from deltasync.format import full_updates
@@ -168,7 +170,9 @@ class Publisher:
         self._baseline_digests: dict[str, str] | None = None  # its shard digests
         self.layout_record = LayoutRecord.of(receiver_layout)
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
-        # With several writers, the versions that failed on this one: never published again
+        # Versions whose number this publisher never publishes again: with several writers,
+        # every one that failed on this writer; with one, those whose manifest write ended
+        # without a verdict (the store may still apply it later)
         self._failed: set[int] = set()
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._router = GroupRouter(
@@ -195,9 +199,8 @@ class Publisher:
 
     def next_version(self) -> int:
         """The version number to publish next: one above the newest committed (0 on an empty
-        store), and, with several writers, above every number that failed on this writer
-        (never reused, see :meth:`publish`). After a restart, publish this, never a number the
-        store already holds."""
+        store), and above every number this publisher does not reuse (see :meth:`publish`).
+        After a restart, publish this, never a number the store already holds."""
         committed = self.committed()
         after = 0 if committed is None else committed + 1
         return max(after, max(self._failed, default=-1) + 1)
@@ -335,19 +338,14 @@ class Publisher:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
 
         Raises:
-            VersionError: with several writers, ``version`` already failed on this writer:
-                its number is not reused (see :meth:`next_version`).
+            VersionError: ``version``'s number is not reused: with several writers, it
+                already failed on this writer; with one, its manifest write ended without a
+                verdict and the store does not hold that manifest (see :meth:`next_version`).
         """
         names.check_version(version)
         several = self.config.num_writers > 1
-        if several and version in self._failed:
-            raise VersionError(
-                f"writer {self.writer}: version {version} already failed on this writer, and with "
-                f"{self.config.num_writers} writers its number is not reused: the committer may "
-                "still read this writer's marker of the failed attempt and commit blobs that a "
-                "retry overwrites. Nothing was written; this writer's changes are kept. Publish "
-                "next_version() on every writer (it skips failed numbers)"
-            )
+        if version in self._failed and (several or not self._manifest_landed(version)):
+            raise VersionError(self._not_reused(version, several))
         try:
             return self._publish(
                 version,
@@ -364,6 +362,33 @@ class Publisher:
             if several:
                 self._failed.add(version)
             raise
+
+    def _manifest_landed(self, version: int) -> bool:
+        """Whether the store now holds ``version``'s manifest (a write that ended without a
+        verdict and was applied after all); a store that cannot answer counts as no."""
+        try:
+            return self.store.exists(names.manifest_key(version))
+        except StoreError:
+            return False
+
+    def _not_reused(self, version: int, several: bool) -> str:
+        if several:
+            why = (
+                f"version {version} already failed on this writer, and with "
+                f"{self.config.num_writers} writers its number is not reused: the committer may "
+                "still read this writer's marker of the failed attempt and commit blobs that a "
+                "retry overwrites"
+            )
+        else:
+            why = (
+                f"version {version}'s manifest write ended without a verdict, so the store may "
+                "still apply it: a retry under that number would overwrite the blobs it names "
+                "(every receiver would then refuse the version)"
+            )
+        return (
+            f"writer {self.writer}: {why}. Nothing was written; this writer's changes are kept. "
+            "Publish next_version() (it skips numbers that are not reused)"
+        )
 
     def _publish(
         self,
@@ -526,7 +551,11 @@ class Publisher:
                 layout=self.layout_record,
                 signing_key=cfg.signing_key,
             )
-            ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
+            try:
+                ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
+            except OutcomeUnknownError:
+                self._failed.add(version)  # no verdict: the store may apply it later
+                raise
             if not ours:  # an equivalent manifest was committed first: its lineage is ours
                 manifest = self.catalog.manifest(version)
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)

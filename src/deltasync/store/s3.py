@@ -10,7 +10,9 @@
 - A retried ``put_if_absent`` whose first attempt may have landed (the connection dropped
   after the request was sent) reads the key back when it gets 412: if it holds exactly our
   bytes, the earlier attempt won and the call succeeds. (So two writers that race with
-  byte-identical payloads can both succeed; both then agree on the stored bytes.)
+  byte-identical payloads can both succeed; both then agree on the stored bytes.) When it
+  fails after such an attempt, it raises OutcomeUnknownError: the server may still apply
+  the request later, so the key may hold our bytes now or later.
 - ``put_stream`` uses multipart upload above one part size, aborting the upload on failure.
 
 boto3 is imported when an S3Store is created, so the package imports without it, and an
@@ -27,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from deltasync.errors import CommitConflictError, ConfigError, KeyNotFoundError, StoreError
+from deltasync.errors import (
+    CommitConflictError,
+    ConfigError,
+    KeyNotFoundError,
+    OutcomeUnknownError,
+    StoreError,
+)
 from deltasync.store.base import (
     Bytes,
     RetriesExhausted,
@@ -424,10 +432,11 @@ class S3Store:
 
     def put_if_absent(self, key: str, data: Bytes) -> None:
         from botocore.exceptions import ClientError
+        from botocore.exceptions import ConnectionError as NotConnected
 
         full = self._full(check_key(key))
         body = bytes(as_bytes(data))
-        maybe_landed = False
+        maybe_landed = False  # an attempt's request may have reached the server
 
         def op(attempt: int) -> None:
             nonlocal maybe_landed
@@ -445,11 +454,22 @@ class S3Store:
                     maybe_landed = True
                 raise
             except Exception as exc:
-                if is_transient(exc):
+                # a connection that never opened sent nothing
+                if is_transient(exc) and not isinstance(exc, NotConnected):
                     maybe_landed = True
                 raise
 
-        self._call("put_if_absent", key, op)
+        try:
+            self._call("put_if_absent", key, op)
+        except CommitConflictError:
+            raise  # a verdict: the key holds another object
+        except StoreError as exc:
+            if not maybe_landed:
+                raise
+            raise OutcomeUnknownError(
+                f"{exc}. An earlier attempt may have reached the server, which can still store "
+                f"it: {self._url(key)} may hold these bytes now or later"
+            ) from exc
 
     def _read_quietly(self, full: str, expected: int) -> bytes | None:
         """The object if it is at most one byte longer than ``expected`` (enough to tell it

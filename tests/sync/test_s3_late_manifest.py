@@ -1,0 +1,142 @@
+"""A manifest write that ends without a verdict on S3: the client gave up (a timeout past the
+retries), yet the server may still apply the request later. The publisher never reuses that
+version number for another state, so a late manifest always finds the blobs it names, and
+every receiver holds exactly the version it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltasync import names
+from deltasync.errors import CommitConflictError, OutcomeUnknownError, VersionError
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.receiver import Receiver
+from deltasync.trainer import SnapshotTracker
+
+from sync_kit import (
+    TinyTrainer,
+    assert_same_bits,
+    expected_shards,
+    layouts,
+    rconfig,
+    zero_tensors,
+)
+
+
+class LateManifest:
+    """An S3 store on which the first write of one version's manifest times out on the client
+    while the server holds the request: ``land()`` applies it, as a late server would; with
+    ``land_before_blobs`` the next blob write of that version applies it first."""
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.key = inner, names.manifest_key(version)
+        self.prefix = self.key.rsplit("/", 1)[0] + "/"
+        self.held: bytes | None = None
+        self.done = False
+        self.land_before_blobs = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def land(self) -> None:
+        if self.held is not None:
+            self.inner.put_if_absent(self.key, self.held)
+            self.held = None
+
+    def put_if_absent(self, key, data):
+        if key == self.key and not self.done:
+            self.done, self.held = True, bytes(data)
+            raise OutcomeUnknownError(
+                f"put_if_absent {key!r}: read timed out (the request was sent)"
+            )
+        return self.inner.put_if_absent(key, data)
+
+    def _before_write(self, key) -> None:
+        if self.land_before_blobs and key.startswith(self.prefix) and key != self.key:
+            self.land_before_blobs = False
+            self.land()
+
+    def put(self, key, data):
+        self._before_write(key)
+        return self.inner.put(key, data)
+
+    def put_stream(self, key, chunks):
+        self._before_write(key)
+        return self.inner.put_stream(key, chunks)
+
+
+class Rig:
+    """A trainer at version 1 with a receiver there, whose version 2 manifest write just
+    ended without a verdict (``attempt``: the receiver shard that manifest names)."""
+
+    def __init__(self, s3_store, tmp_path) -> None:
+        spec, self.tl, self.rl = layouts()
+        self.store = LateManifest(s3_store, 2)
+        self.trainer = TinyTrainer(spec)
+        config = PublisherConfig(anchor_every=100)
+        self.pub = Publisher(self.store, receiver_layout=self.rl, config=config)
+        self.sync = TrainerSync(
+            SnapshotTracker(self.trainer.named_parameters()), self.pub, self.trainer.params
+        )
+        self.rec = Receiver.for_layout(
+            s3_store,
+            self.rl,
+            "tp0",
+            zero_tensors(self.rl, "tp0"),
+            str(tmp_path / "r"),
+            rconfig("r"),
+        )
+        self.sync.step_published(0)
+        self.trainer.step()
+        self.sync.step_published(1)
+        assert self.rec.pull().version == 1
+        self.trainer.step()
+        self.attempt = self.expected()
+        with pytest.raises(OutcomeUnknownError, match="timed out"):
+            self.sync.step_published(2)
+
+    def expected(self):
+        return expected_shards(self.trainer.params, self.tl, self.rl)["tp0"]
+
+
+@pytest.mark.timeout(90)
+def test_a_manifest_that_lands_late_finds_its_own_blobs(s3_store, tmp_path):
+    rig = Rig(s3_store, tmp_path)
+    rig.trainer.step()  # the retry would carry another state under the same number
+    rig.store.land_before_blobs = True  # the late manifest lands just as a retry's blobs would
+    with pytest.raises(VersionError, match="without a verdict"):
+        rig.sync.step_published(2)
+    assert rig.store.held is not None, "the refused retry wrote a blob of version 2"
+    rig.store.land()
+    assert rig.rec.pull().version == 2
+    assert_same_bits(rig.rec.tensors, rig.attempt)
+    assert rig.sync.next_version() == 3
+    rig.sync.step_published(3)  # the publisher never verified version 2: an anchor
+    assert rig.pub.catalog.manifest(3).kind == "anchor"
+    assert rig.rec.pull().version == 3
+    assert_same_bits(rig.rec.tensors, rig.expected())
+
+
+@pytest.mark.timeout(90)
+def test_a_manifest_that_never_lands_leaves_a_gap(s3_store, tmp_path):
+    rig = Rig(s3_store, tmp_path)
+    rig.trainer.step()
+    with pytest.raises(VersionError, match="next_version"):
+        rig.sync.step_published(2)
+    assert rig.sync.next_version() == 3
+    rig.sync.step_published(3)  # relative to version 1, the changes of the failed attempt kept
+    assert rig.pub.catalog.manifest(3).base_version == 1
+    assert rig.rec.pull().version == 3
+    assert_same_bits(rig.rec.tensors, rig.expected())
+    assert not s3_store.exists(names.manifest_key(2))
+
+
+@pytest.mark.timeout(90)
+def test_a_late_manifest_already_in_the_store_is_compared_not_overwritten(s3_store, tmp_path):
+    rig = Rig(s3_store, tmp_path)
+    rig.store.land()
+    rig.trainer.step()
+    with pytest.raises(CommitConflictError, match="different state"):
+        rig.sync.step_published(2)  # its number holds another state: refused, nothing written
+    assert rig.rec.pull().version == 2
+    assert_same_bits(rig.rec.tensors, rig.attempt)
