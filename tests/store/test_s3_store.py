@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -321,3 +322,16 @@ def test_a_body_cut_short_is_retried_and_never_returned_as_the_object(s3_store, 
     s3_store._client.times = 2  # cut short on every attempt: an error, never half the bytes
     with pytest.raises(StoreError, match=r"w\.blob.*2 attempts"):
         s3_store.get("v00000001/tp0/w.blob", max_bytes=max_bytes)
+
+
+def test_a_missing_bucket_is_an_error_naming_it_not_a_missing_key(s3_server) -> None:
+    bucket = f"ds-missing-{uuid.uuid4().hex[:12]}"
+    store = S3Store(bucket, "run", config=s3_server.config())
+    with pytest.raises(StoreError, match=rf"bucket '{bucket}' does not exist"):
+        store.exists("LATEST")
+    with pytest.raises(StoreError, match=rf"bucket '{bucket}' does not exist"):
+        store.size("v00000001/MANIFEST.json")
+    store.ensure_bucket()
+    assert not store.exists("LATEST")  # a missing key in a bucket that exists
+    store.put("LATEST", b"1")
+    assert store.exists("LATEST") and store.size("LATEST") == 1

@@ -241,6 +241,7 @@ class S3Store:
         self.prefix = prefix
         self.config = config or S3Config()
         self._client = make_client(self.config)
+        self._bucket_seen = False  # a HEAD 404 cannot tell a missing key from a missing bucket
 
     def __repr__(self) -> str:
         return f"S3Store('s3://{self.bucket}/{self.prefix}'{self._at()})"
@@ -259,6 +260,7 @@ class S3Store:
         child.prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
         child.config = self.config
         child._client = self._client
+        child._bucket_seen = self._bucket_seen
         return child
 
     def close(self) -> None:
@@ -396,7 +398,34 @@ class S3Store:
         def op(_: int) -> int:
             return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
 
-        return self._call("size", key, op)
+        try:
+            size = self._call("size", key, op)
+        except KeyNotFoundError:
+            self._check_bucket(key)
+            raise
+        self._bucket_seen = True
+        return size
+
+    def _check_bucket(self, key: str) -> None:
+        """After a HEAD answered 404 (which carries no error code): a missing bucket is a
+        StoreError naming it, never "no such key" (a receiver would wait forever for a version
+        in a bucket name with a typo). Asked once per store, until the bucket was seen."""
+        if self._bucket_seen:
+            return
+
+        def op(_: int) -> None:
+            self._client.head_bucket(Bucket=self.bucket)
+
+        try:
+            self._call("size", key, op)
+        except KeyNotFoundError:
+            raise StoreError(
+                f"S3 bucket {self.bucket!r} does not exist (size of {self._url(key)}); check the "
+                "store URL, or create the bucket"
+            ) from None
+        except StoreError:
+            return  # the bucket question itself failed: the key's answer stands, asked again
+        self._bucket_seen = True
 
     def list(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
