@@ -1,6 +1,7 @@
-"""Retention on an S3 store whose listing lags behind its writes (an eventually consistent
-S3-compatible store): a version whose manifest the listing does not show yet is not taken for
-an abandoned attempt, so gc never deletes the blobs of a committed version."""
+"""An S3 store whose listing lags behind its writes (an eventually consistent S3-compatible
+store): a version whose manifest the listing does not show yet is not taken for an abandoned
+attempt, so gc never deletes the blobs of a committed version, and a publisher starting then
+does not lower LATEST."""
 
 from __future__ import annotations
 
@@ -72,4 +73,26 @@ def test_gc_on_a_lagging_listing_keeps_the_blobs_of_a_version_committed_meanwhil
     blobs = [b.key for b in pub.catalog.manifest(2, fresh=True).blobs]
     assert blobs and all(s3_store.exists(k) for k in blobs), "a committed version lost blobs"
     assert rec.pull().chain == (2, 3)
+    assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_publisher_started_on_a_lagging_listing_keeps_latest(s3_store, tmp_path):
+    spec, tl, rl = layouts()
+    store = LaggingListing(s3_store)
+    trainer = TinyTrainer(spec)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    sync.step_published(0)
+    trainer.step()
+    store.freeze_before_commit = True  # the listing will not show version 1's manifest
+    sync.step_published(1)
+    assert names.manifest_key(1) not in store.list("v")
+    restarted = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    assert restarted.committed() == 1
+    assert pub.catalog.read_latest() == 1, "a lagging listing lowered LATEST"
+    rec = Receiver.for_layout(
+        s3_store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    assert rec.pull().version == 1
     assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])

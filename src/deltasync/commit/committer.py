@@ -219,12 +219,17 @@ def _put_latest(store: Store, version: int, run_id: str | None) -> bool:
 
 def repair_latest(store: Store, catalog: Catalog) -> int | None:
     """Point LATEST at the newest committed manifest, up (a crash after the commit) or down
-    (LATEST names a version with no manifest); returns that version (None: nothing
-    committed, LATEST left alone)."""
+    (LATEST names a version with no manifest: asked of the store itself, not of its listing);
+    returns that version (None: nothing committed, LATEST left alone)."""
     newest = catalog.newest_committed()
+    current = catalog.read_latest()
+    # LATEST naming a version the listing does not show: a listing that lags behind the writes
+    # (an eventually consistent store) must not lower it when its manifest is there
+    lagging = current is not None and (newest is None or current > newest)
+    if lagging and catalog.has_manifest(current):
+        newest = current
     if newest is None:
         return None
-    current = catalog.read_latest()
     try:
         run_id = catalog.manifest(newest).run_id
     except DeltaSyncError:
