@@ -9,7 +9,9 @@ width and ``--layers`` decoder layers (the embedding, the trainer's memory peak,
   above the trimmed baseline while it ran;
 - *background*: the process CPU seconds from the end of the capture to the commit (the caller
   only waits meanwhile, so they are the background's: value reads, routing, encoding, uploads,
-  the digest pass, the commit) and its wall time, and the peak RSS above the baseline;
+  the digest pass, the commit), the kernel's share of them (``background_sys_s``: page
+  faults on fresh buffers, frees back to the system), its wall time, and the peak RSS above
+  the baseline;
 - *total*: from the call to the commit (the background may start before the capture ends:
   once a delta outgrows ``inline_below`` it takes each parameter as it is captured);
 - *kept*: the RSS above the baseline once the version committed (its positions are dropped
@@ -28,6 +30,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import tempfile
 import time
 
@@ -130,8 +133,10 @@ def main() -> None:
             cap_peak = peak_rss() - base
             reset_peak()
             c1, t1 = time.process_time(), time.perf_counter()
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
             reports = sync.wait() or []
             bg_cpu = time.process_time() - c1
+            u2 = resource.getrusage(resource.RUSAGE_SELF)
             bg_wall = time.perf_counter() - t1
             total = time.perf_counter() - t0
             total_cpu = time.process_time() - c0
@@ -143,6 +148,8 @@ def main() -> None:
                 capture_cpu_s=capture_cpu,
                 capture_mem=cap_peak / bf16_bytes,
                 background_cpu_s=bg_cpu,
+                background_sys_s=u2.ru_stime - u1.ru_stime,
+                background_faults=u2.ru_minflt - u1.ru_minflt,
                 background_wall_s=bg_wall,
                 total_s=total,
                 total_cpu_s=total_cpu,
