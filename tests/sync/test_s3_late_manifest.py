@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from deltasync import names
-from deltasync.errors import CommitConflictError, OutcomeUnknownError, VersionError
+from deltasync.errors import CommitConflictError, OutcomeUnknownError, StoreError, VersionError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
@@ -34,6 +34,7 @@ class LateManifest:
         self.held: bytes | None = None
         self.done = False
         self.land_before_blobs = False
+        self.fail_latest = False  # the next LATEST write fails (an outage that goes on)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -57,6 +58,9 @@ class LateManifest:
             self.land()
 
     def put(self, key, data):
+        if key == names.LATEST and self.fail_latest:
+            self.fail_latest = False
+            raise StoreError("put 'LATEST': connection reset (injected)")
         self._before_write(key)
         return self.inner.put(key, data)
 
@@ -140,3 +144,23 @@ def test_a_late_manifest_already_in_the_store_is_compared_not_overwritten(s3_sto
         rig.sync.step_published(2)  # its number holds another state: refused, nothing written
     assert rig.rec.pull().version == 2
     assert_same_bits(rig.rec.tensors, rig.attempt)
+
+
+@pytest.mark.timeout(90)
+def test_a_committed_version_behind_a_gap_and_a_stale_latest_is_never_overwritten(
+    s3_store, tmp_path
+):
+    rig = Rig(s3_store, tmp_path)  # version 2's manifest never lands: a gap
+    rig.trainer.step()
+    rig.store.fail_latest = True
+    rig.sync.step_published(3)  # committed; LATEST still names 1, and 2 has no manifest
+    assert rig.pub.catalog.read_latest() == 1 and rig.pub.committed() == 1
+    assert rig.sync.next_version() == 4, "the number of a version this publisher committed"
+    blobs = {b.key: s3_store.get(b.key) for b in rig.pub.catalog.manifest(3).blobs}
+    rig.trainer.step()
+    with pytest.raises(CommitConflictError, match="already committed"):
+        rig.sync.step_published(3)  # asked for anyway: compared, nothing written
+    assert {k: s3_store.get(k) for k in blobs} == blobs
+    rig.sync.step_published(4)
+    assert rig.rec.pull().version == 4
+    assert_same_bits(rig.rec.tensors, rig.expected())

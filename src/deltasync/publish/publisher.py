@@ -203,6 +203,8 @@ class Publisher:
         After a restart, publish this, never a number the store already holds."""
         committed = self.committed()
         after = 0 if committed is None else committed + 1
+        if self.baseline is not None:  # its own commit, which a stale LATEST may not name yet
+            after = max(after, self.baseline + 1)
         return max(after, max(self._failed, default=-1) + 1)
 
     def resume(
@@ -420,6 +422,10 @@ class Publisher:
             head, committed, anchor = None, self.catalog.latest(), True
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
+        if unreadable is None and self.catalog.has_manifest(version):
+            # committed, though the head stops short of it (a LATEST that could not be moved
+            # and a gap left by a number never reused): compared, never overwritten
+            return self._already_committed(version, version, params, full_state, t0)
 
         waited = 0.0
         if cfg.max_staleness is not None:
