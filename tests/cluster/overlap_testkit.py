@@ -264,6 +264,8 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     out["after_kill"] = _outcome(lambda: sender.sync(9))
     out["after_kill"]["version_after"] = sender.version
     out["pending_after_kill"] = sender.pending_elements
+    # the group broke and still holds that exchange's posted operations: refused at once
+    out["same_group"] = _outcome(lambda: sender.sync(9))
     out["tracker_calls"] = dict(w.tracker.calls)
     return out
 
@@ -318,6 +320,7 @@ def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
     if rank == 2:
         threading.Timer(DEATH_AFTER_S, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     out["killed"] = _outcome(receiver.sync)
+    out["same_group"] = _outcome(receiver.sync)  # refused at once, as on the writer
     return out
 
 

@@ -142,6 +142,10 @@ def test_a_receiver_killed_during_a_background_version_surfaces_at_the_next_call
     assert failure["error"] == "SendFailedError" and failure["version"] == 8, failure
     assert failure["group_broken"]
     assert "re-create the group" in failure["message"]
+    for role in (writer, overlap[1]):  # without use_group: refused before any collective
+        again = role["same_group"]
+        assert again["error"] == "ExchangeError" and "use_group()" in again["message"], again
+        assert again["elapsed_s"] < 1.0
     assert failure["elapsed_s"] < DEATH_AFTER_S + SETUP.timeout_s + 3.0
     assert failure["version_after"] == 7
     if writer["setup"].part_bytes < STREAMED_BELOW:  # a delta, killed amid its parts

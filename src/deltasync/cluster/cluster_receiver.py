@@ -87,7 +87,13 @@ from deltasync.cluster.preflight import (
     preflight,
 )
 from deltasync.cluster.reports import ApplyReport, ReceiveReport
-from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
+from deltasync.cluster.roles import (
+    ClusterConfig,
+    GroupHealth,
+    RolePlan,
+    check_group,
+    resolve_rank,
+)
 from deltasync.cluster.staging import (
     Staged,
     as_cpu_bytes,
@@ -189,6 +195,7 @@ class ClusterReceiver:
         self.plan = plan
         self.layout = layout
         self.shard = self.role.shard
+        self._health = GroupHealth(f"receiver of shard {self.shard} (rank {self.rank})")
         self.specs = layout.local_specs(self.shard)
         self.tensors = dict(tensors)
         self._check_tensors()
@@ -276,6 +283,7 @@ class ClusterReceiver:
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group
+        self._health.reset()
 
     def _check_group(self) -> None:
         check_group(self.group, self.plan, self.rank)
@@ -498,6 +506,14 @@ class ClusterReceiver:
             the storage path's errors (DigestMismatchError, IntegrityError, ...) for a failure
                 on this rank, after telling every other rank.
         """
+        self._health.check()
+        try:
+            return self._sync()
+        except Exception as exc:
+            self._health.note(exc, "the last sync")
+            raise
+
+    def _sync(self) -> ReceiveReport:
         t0 = time.perf_counter()
         previous = self.version
         received = self.receive()

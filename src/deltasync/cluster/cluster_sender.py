@@ -104,7 +104,7 @@ from deltasync.cluster.envelope import (
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit, shards_digest
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
-from deltasync.cluster.roles import ClusterConfig, RolePlan, check_group, resolve_rank
+from deltasync.cluster.roles import ClusterConfig, GroupHealth, RolePlan, check_group, resolve_rank
 from deltasync.cluster.streaming import PartStream, part_tag
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
@@ -204,6 +204,7 @@ class ClusterSender:
             )
         self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
+        self._health = GroupHealth(f"writer {self.role.writer_id}")
         plan.check_shards(s.id for s in receiver_layout.shards())
         if trainer_layout.spec != receiver_layout.spec:
             raise ConfigError(
@@ -564,6 +565,7 @@ class ClusterSender:
         """
         if self._background is not None:
             return self._sync_overlapped(version, anchor)
+        self._health.check()
         version, anchor = self._next(version, anchor)
         t0 = time.perf_counter()
         _require_initialized()
@@ -573,8 +575,12 @@ class ClusterSender:
             out = self.payloads_for_version(version, anchor=anchor)
         except Exception as exc:
             failure = exc
-        with naming(f"version {version}"):
-            report = self._send(version, anchor, out, failure, t0=t0, captured_s=None)
+        try:
+            with naming(f"version {version}"):
+                report = self._send(version, anchor, out, failure, t0=t0, captured_s=None)
+        except Exception as exc:
+            self._health.note(exc, f"version {version}")
+            raise
         self._expect_small = not report.anchor and report.elements < self.inline_below
         return report
 
@@ -781,6 +787,7 @@ class ClusterSender:
         background = self._background
         assert background is not None
         self.wait()  # one version at a time; raises the failed version's error
+        self._health.check()
         version, anchor = self._next(version, anchor)
         _require_initialized()
         t0 = time.perf_counter()
@@ -949,6 +956,7 @@ class ClusterSender:
             pending.wait_detected()
             self._settle_edits(pending)
             broken = isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError)
+            self._health.note(exc, f"version {pending.version}")
             needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
             log.warning(
                 "writer %s: version %d did not commit (%s: %s); its changes (%d element(s)) go "

@@ -343,6 +343,39 @@ def check_group(group, plan: RolePlan, rank: int) -> None:
         )
 
 
+class GroupHealth:
+    """Whether this rank's process group still carries the protocol. A collective or
+    point-to-point wait that failed other than by a peer's reported failure (a timeout, a
+    dead rank) leaves its operations posted: a later exchange on the group could take a
+    message of the failed one for its own (with digests off, a stale payload of the same
+    version and base would apply unnoticed). So the rank refuses the group until
+    ``use_group`` hands it a new one."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.broken: str | None = None  # what broke it
+
+    def check(self) -> None:
+        from deltasync.errors import ExchangeError
+
+        if self.broken is not None:
+            raise ExchangeError(
+                f"{self.who}: the process group broke ({self.broken}) and still holds that "
+                "exchange's posted operations. Nothing was sent; re-create the group and pass "
+                "it to use_group() on every rank, then sync again"
+            )
+
+    def note(self, exc: BaseException, what: str) -> None:
+        """Record ``exc`` if it broke the group (an ExchangeError that no peer reported)."""
+        from deltasync.errors import ExchangeError, PeerFailedError
+
+        if isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError):
+            self.broken = f"{what}: {type(exc).__name__}"
+
+    def reset(self) -> None:
+        self.broken = None
+
+
 def resolve_rank(rank: int | None, group) -> int:
     """``rank`` if given, else this process's rank in ``group`` (torch.distributed must be up)."""
     if rank is not None:
