@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from deltasync.commands.apps import emit_json_line
 from deltasync.commands.inspect_store import (
     EXIT_NOT_A_STORE,
     add_store_arguments,
-    is_store,
-    open_store_from_args,
+    open_deltasync_store,
     read_key,
 )
 from deltasync.errors import ConfigError
@@ -45,18 +43,9 @@ def _run(args: argparse.Namespace) -> int:
     from deltasync.commit import Catalog, collect_garbage
 
     _check(args)
-    try:
-        store = open_store_from_args(args, must_exist=True)
-    except ConfigError as exc:
-        print(f"deltasync gc: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_STORE
-    if not is_store(store):
-        print(
-            f"deltasync gc: {args.store!r} holds no LATEST, version or registration: not a "
-            "deltasync store (or an empty one); nothing was deleted",
-            file=sys.stderr,
-        )
-        return EXIT_NOT_A_STORE
+    store = open_deltasync_store(args, "gc")
+    if store is None:
+        return EXIT_NOT_A_STORE  # nothing was deleted
     catalog = Catalog(store, signing_key=read_key(args))
     plan = collect_garbage(
         store,

@@ -268,20 +268,29 @@ def _print_table(info: dict) -> None:
             )
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.last < 0:
-        raise ConfigError(f"--last must be >= 0, got {args.last}")
+def open_deltasync_store(args: argparse.Namespace, command: str):
+    """The existing deltasync store the arguments name, or None after saying on stderr why
+    it is not one (the caller exits with ``EXIT_NOT_A_STORE``); nothing is created."""
     try:
         store = open_store_from_args(args, must_exist=True)
     except ConfigError as exc:
-        print(f"deltasync inspect: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_STORE
+        print(f"deltasync {command}: {exc}", file=sys.stderr)
+        return None
     if not is_store(store):
         print(
-            f"deltasync inspect: {args.store!r} holds no LATEST, version or registration: not "
+            f"deltasync {command}: {args.store!r} holds no LATEST, version or registration: not "
             "a deltasync store (or an empty one)",
             file=sys.stderr,
         )
+        return None
+    return store
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.last < 0:
+        raise ConfigError(f"--last must be >= 0, got {args.last}")
+    store = open_deltasync_store(args, "inspect")
+    if store is None:
         return EXIT_NOT_A_STORE
     info = collect(store, last=args.last, signing_key=read_key(args))
     try:
