@@ -255,6 +255,7 @@ class ClusterSender:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure). With
         overlap, call it only when nothing is in flight (after :meth:`wait` raised)."""
         self.group = group
+        self._health.reset()
 
     @property
     def overlap(self) -> bool:
