@@ -133,6 +133,10 @@ def test_a_manifest_that_never_lands_leaves_a_gap(s3_store, tmp_path):
     assert rig.rec.pull().version == 3
     assert_same_bits(rig.rec.tensors, rig.expected())
     assert not s3_store.exists(names.manifest_key(2))
+    held = sorted(s3_store.list(names.version_prefix(2)))
+    assert held, "version 2's attempt stored its blobs and marker"
+    rig.pub.gc()  # the manifest may still land and name them: kept
+    assert sorted(s3_store.list(names.version_prefix(2))) == held
 
 
 @pytest.mark.timeout(90)

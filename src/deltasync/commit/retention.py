@@ -20,7 +20,7 @@ This module knows keys and manifests.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,9 +125,12 @@ def collect_garbage(
     keep_versions: int,
     receiver_ttl_s: float,
     dry_run: bool = False,
+    may_land: Collection[int] = (),
 ) -> GcPlan:
     """Plan retention from what ``store`` holds now and delete it in order (``dry_run``: plan
-    only). Live receivers are the records younger than ``receiver_ttl_s``."""
+    only). Live receivers are the records younger than ``receiver_ttl_s``. ``may_land``:
+    versions whose manifest write ended without a verdict (the caller's publisher knows them):
+    while they have no manifest their keys stay, since it may still land and name them."""
     committed = catalog.latest()
     version_keys = catalog.version_dirs()
     manifests = {}
@@ -137,6 +140,9 @@ def collect_garbage(
             # can lag behind the newest writes (an eventually consistent store), and it must
             # not delete the blobs of a version committed meanwhile.
             if committed is None or v >= committed:
+                continue
+            if v in may_land:
+                del version_keys[v]
                 continue
             if not store.exists(names.manifest_key(v)):
                 continue

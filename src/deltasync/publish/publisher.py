@@ -174,6 +174,9 @@ class Publisher:
         # every one that failed on this writer; with one, those whose manifest write ended
         # without a verdict (the store may still apply it later)
         self._failed: set[int] = set()
+        # Of those, the versions whose manifest write ended without a verdict: their blobs
+        # stay (gc keeps them) while the manifest may still land and name them
+        self._may_land: set[int] = set()
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
@@ -561,6 +564,7 @@ class Publisher:
                 ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
             except OutcomeUnknownError:
                 self._failed.add(version)  # no verdict: the store may apply it later
+                self._may_land.add(version)
                 raise
             if not ours:  # an equivalent manifest was committed first: its lineage is ours
                 manifest = self.catalog.manifest(version)
@@ -748,4 +752,5 @@ class Publisher:
             self.catalog,
             keep_versions=self.config.keep_versions,
             receiver_ttl_s=self.config.receiver_ttl_s,
+            may_land=self._may_land,
         )
