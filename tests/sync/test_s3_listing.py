@@ -96,3 +96,27 @@ def test_a_publisher_started_on_a_lagging_listing_keeps_latest(s3_store, tmp_pat
     )
     assert rec.pull().version == 1
     assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_does_not_go_back_on_a_lagging_listing_and_an_unreadable_latest(
+    s3_store, tmp_path
+):
+    spec, tl, rl = layouts()
+    store = LaggingListing(s3_store)
+    trainer = TinyTrainer(spec)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    rec = Receiver.for_layout(
+        store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    sync.step_published(0)
+    trainer.step()
+    store.freeze_before_commit = True  # the listing will show version 0's manifest only
+    sync.step_published(1)
+    assert rec.pull().version == 1
+    s3_store.put(names.LATEST, b"\xff not a LATEST record")  # unreadable: treated as absent
+    assert rec.catalog.head().version == 0  # the store's view lags behind the receiver
+    report = rec.pull()
+    assert report.version == 1 and report.chain == (), "the receiver went back to version 0"
+    assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])

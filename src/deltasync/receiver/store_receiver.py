@@ -371,6 +371,17 @@ class Receiver:
         """True when the tensors are known not to hold :attr:`version`."""
         return self._state.dirty
 
+    def _held_manifest(self, held: tuple[int, str]) -> Manifest | None:
+        """The manifest of the held version when the store still holds it, with this shard's
+        digest: a head older than the held version is then a view that lags (an unreadable
+        LATEST and a listing behind the writes), not a store that went back, and the receiver
+        stays where it is instead of restoring an older anchor."""
+        try:
+            manifest = self.catalog.manifest(held[0], fresh=True)
+        except DeltaSyncError:
+            return None
+        return manifest if manifest.shard_digests.get(self.shard) == held[1] else None
+
     def _held(self) -> tuple[int, str] | None:
         """The verified (version, state digest) usable as a base, or None."""
         if self.dirty or self.version is None or self.state_digest is None:
@@ -549,6 +560,8 @@ class Receiver:
         head = self.catalog.head()
         held = self._held()
         previous = None if held is None else held[0]
+        if head is not None and held is not None and head.version < held[0]:
+            head = self._held_manifest(held) or head
         idle = head is None or (
             held is not None
             and head.version == held[0]
