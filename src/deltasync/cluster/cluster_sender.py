@@ -112,7 +112,6 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     ExchangeError,
-    PeerFailedError,
     SendFailedError,
     SyncAbortedError,
     VersionError,
@@ -956,8 +955,7 @@ class ClusterSender:
             # detection may outlive a send that failed early: the carry is its capture
             pending.wait_detected()
             self._settle_edits(pending)
-            broken = isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError)
-            self._health.note(exc, f"version {pending.version}")
+            broken = self._health.note(exc, f"version {pending.version}")
             needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
             log.warning(
                 "writer %s: version %d did not commit (%s: %s); its changes (%d element(s)) go "

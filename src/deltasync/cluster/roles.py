@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deltasync import names
-from deltasync.errors import ConfigError, ManifestError
+from deltasync.errors import ConfigError, ExchangeError, ManifestError, PeerFailedError
 from deltasync.exchange import ExchangeConfig
 from deltasync.validate import check_bool, check_int, check_seconds
 
@@ -356,8 +356,6 @@ class GroupHealth:
         self.broken: str | None = None  # what broke it
 
     def check(self) -> None:
-        from deltasync.errors import ExchangeError
-
         if self.broken is not None:
             raise ExchangeError(
                 f"{self.who}: the process group broke ({self.broken}) and still holds that "
@@ -365,12 +363,13 @@ class GroupHealth:
                 "it to use_group() on every rank, then sync again"
             )
 
-    def note(self, exc: BaseException, what: str) -> None:
-        """Record ``exc`` if it broke the group (an ExchangeError that no peer reported)."""
-        from deltasync.errors import ExchangeError, PeerFailedError
-
-        if isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError):
+    def note(self, exc: BaseException, what: str) -> bool:
+        """Record ``exc`` if it broke the group (an ExchangeError that no peer reported);
+        whether it did."""
+        broke = isinstance(exc, ExchangeError) and not isinstance(exc, PeerFailedError)
+        if broke:
             self.broken = f"{what}: {type(exc).__name__}"
+        return broke
 
     def reset(self) -> None:
         self.broken = None

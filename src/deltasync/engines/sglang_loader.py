@@ -189,10 +189,9 @@ class _Agreement:
         after = self._round(error)
         if error is not None:
             raise error
-        if before is not None:
-            if before:
-                raise refused(self.version, before, NOTHING_WRITTEN_STATE)
-        elif after:
+        if before:
+            raise refused(self.version, before, NOTHING_WRITTEN_STATE)
+        if before is None and after:  # it wrote: what the ranks that failed afterwards say
             raise refused(
                 self.version,
                 after,

@@ -372,7 +372,7 @@ class Publisher:
         """Whether the store now holds ``version``'s manifest (a write that ended without a
         verdict and was applied after all); a store that cannot answer counts as no."""
         try:
-            return self.store.exists(names.manifest_key(version))
+            return self.catalog.has_manifest(version)
         except StoreError:
             return False
 
