@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -18,6 +19,19 @@ def test_get_returns_exactly_the_bytes_put_stored(any_store: Store) -> None:
     assert any_store.get("a/b/c.bin") == ALL_BYTES
     assert any_store.size("a/b/c.bin") == len(ALL_BYTES)
     assert any_store.exists("a/b/c.bin")
+
+
+def test_modified_says_when_a_key_was_last_written(any_store: Store) -> None:
+    before = time.time()
+    any_store.put("a/k", b"x")
+    first = any_store.modified("a/k")
+    # S3 keeps LastModified to the second; a local clock and the server's agree within that
+    assert before - 1.5 <= first <= time.time() + 1.5
+    with pytest.raises(KeyNotFoundError, match="nope"):
+        any_store.modified("a/nope")
+    any_store.delete("a/k")
+    with pytest.raises(KeyNotFoundError):
+        any_store.modified("a/k")
 
 
 def test_an_empty_object_round_trips(any_store: Store) -> None:

@@ -6,6 +6,8 @@ version, bootstrapping from an anchor and then applying deltas across restarts."
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 from safetensors import safe_open
@@ -129,6 +131,44 @@ def test_gc_deletes_what_retention_allows_and_a_dry_run_nothing(tmp_path, capsys
     (tmp_path / "empty").mkdir()
     assert main(["gc", str(tmp_path / "empty")]) == 2
     assert "not a deltasync store" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_gc_keeps_an_attempt_that_never_committed_until_it_is_older_than_the_grace(
+    tmp_path, capsys
+):
+    rig = Rig(tmp_path)
+    rig.publish(3)  # versions 0-2
+    # a writer's attempt at version 3 that has no manifest yet: its manifest write may still
+    # be in flight (a reply lost past the retries), so its blobs may yet be named
+    attempt = [names.blob_key(3, "tp0", "w00000-lost"), names.blob_key(3, "tp1", "w00000-lost")]
+    for key in attempt:
+        rig.store.put(key, b"blob")
+    rig.trainer.step()
+    rig.version = 4
+    rig.sync.step_published(4)  # committed past it: a gap at 3
+
+    assert main(["gc", str(rig.path), "--keep", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["deferred"] == [3] and not set(attempt) & set(plan["keys"])
+    assert all(rig.store.exists(k) for k in attempt)
+    assert main(["gc", str(rig.path), "--keep", "2"]) == 0
+    assert "younger than 600 s: version(s) 3" in capsys.readouterr().out
+
+    assert main(["gc", str(rig.path), "--orphan-grace", "0", "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["deferred"] == [] and set(attempt) <= set(plan["keys"])
+
+    old = time.time() - 601  # the attempt's keys, written past the default grace
+    for key in attempt:
+        os.utime(rig.path / key, (old, old))
+    assert main(["gc", str(rig.path), "--keep", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["deferred"] == [] and set(attempt) <= set(plan["keys"])
+    assert not any(rig.store.exists(k) for k in attempt)
+
+    assert main(["gc", str(rig.path), "--orphan-grace", "-1"]) == 2
+    assert "--orphan-grace must be a finite number of seconds >= 0" in capsys.readouterr().err
 
 
 def _pull(rig, tmp_path, *extra):

@@ -213,6 +213,8 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
         (dict(marker_timeout_s=float("nan")), "marker_timeout_s"),
         (dict(max_staleness=-1), "max_staleness"),
         (dict(prefetch=-1), "prefetch"),
+        (dict(orphan_grace_s=-1.0), "orphan_grace_s"),
+        (dict(orphan_grace_s=float("inf")), "orphan_grace_s"),
     ],
 )
 def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):

@@ -1,18 +1,22 @@
 """A manifest write that ends without a verdict on S3: the client gave up (a timeout past the
 retries), yet the server may still apply the request later. The publisher never reuses that
-version number for another state, so a late manifest always finds the blobs it names, and
-every receiver holds exactly the version it reports."""
+version number for another state, and retention (the publisher's, or ``deltasync gc`` from
+outside) keeps that attempt's keys while it may still land, so a late manifest always finds the
+blobs it names, and every receiver holds exactly the version it reports."""
 
 from __future__ import annotations
 
 import pytest
 
 from deltasync import names
+from deltasync.commit import Catalog, collect_garbage
 from deltasync.errors import CommitConflictError, OutcomeUnknownError, StoreError, VersionError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
+from deltasync.store import MemoryStore
 from deltasync.trainer import SnapshotTracker
 
+from crash_kit import replay_version
 from sync_kit import (
     TinyTrainer,
     assert_same_bits,
@@ -137,6 +141,62 @@ def test_a_manifest_that_never_lands_leaves_a_gap(s3_store, tmp_path):
     assert held, "version 2's attempt stored its blobs and marker"
     rig.pub.gc()  # the manifest may still land and name them: kept
     assert sorted(s3_store.list(names.version_prefix(2))) == held
+
+
+@pytest.mark.timeout(90)
+def test_gc_from_outside_keeps_the_blobs_a_late_manifest_names(s3_store, tmp_path):
+    rig = Rig(s3_store, tmp_path)
+    rig.trainer.step()
+    rig.sync.step_published(3)  # a gap at 2; its manifest is still in flight
+    held = sorted(s3_store.list(names.version_prefix(2)))
+    catalog = Catalog(s3_store)
+    # `deltasync gc` from another host knows nothing of the publisher's lost reply: the
+    # attempt's age, from the server's clock, is what keeps it
+    plan = collect_garbage(s3_store, catalog, keep_versions=2, receiver_ttl_s=120.0)
+    assert plan.deferred == (2,) and not set(held) & set(plan.keys)
+    assert sorted(s3_store.list(names.version_prefix(2))) == held
+    without_grace = collect_garbage(
+        s3_store, catalog, keep_versions=2, receiver_ttl_s=120.0, orphan_grace_s=0, dry_run=True
+    )
+    assert set(held) <= set(without_grace.keys)  # what the grace saved
+
+    rig.store.land()  # the late manifest names blobs that are all still there
+    assert_same_bits(replay_version(s3_store, "tp0", 2), rig.attempt)
+
+
+def test_an_attempt_is_kept_on_a_store_that_cannot_say_when_it_was_written():
+    store = MemoryStore()
+    blind = Blind(store)
+    spec, _, rl = layouts()
+    trainer = TinyTrainer(spec)
+    sync = TrainerSync(
+        SnapshotTracker(trainer.named_parameters()),
+        Publisher(store, receiver_layout=rl),
+        trainer.params,
+    )
+    sync.step_published(0)
+    attempt = names.blob_key(1, "tp0", "w00000-lost")
+    store.put(attempt, b"blob")
+    trainer.step()
+    sync.step_published(2)
+    plan = collect_garbage(blind, Catalog(blind), keep_versions=1, receiver_ttl_s=120.0)
+    assert plan.deferred == (1,) and store.exists(attempt)
+    plan = collect_garbage(
+        blind, Catalog(blind), keep_versions=1, receiver_ttl_s=120.0, orphan_grace_s=0
+    )
+    assert attempt in plan.keys and not store.exists(attempt)
+
+
+class Blind:
+    """A store without ``modified`` (a user's own backend)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "modified":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 @pytest.mark.timeout(90)

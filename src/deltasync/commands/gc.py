@@ -1,15 +1,18 @@
 """``deltasync gc STORE``: delete what retention allows, from outside the trainer.
 
-    deltasync gc STORE [--keep N] [--receiver-ttl S] [--dry-run] [--json] [--key-file F]
-        [--s3-endpoint URL ...]
+    deltasync gc STORE [--keep N] [--receiver-ttl S] [--orphan-grace S] [--dry-run] [--json]
+        [--key-file F] [--s3-endpoint URL ...]
 
 Runs the retention a publisher's ``gc()`` runs (:func:`deltasync.commit.collect_garbage`):
 never a version a live receiver still needs, never the newest anchor and the chain after it,
 never the newest committed version; plus the leftovers no manifest vouches for (losing
 attempts, versions older than the newest committed one that were never committed). Manifests
-that do not verify (with ``--key-file``: also unsigned ones) are never touched. ``--keep`` and
-``--receiver-ttl`` default to :class:`~deltasync.PublisherConfig`'s; pass the trainer's own
-values. ``--dry-run`` prints the plan and deletes nothing. A path that is not a deltasync store
+that do not verify (with ``--key-file``: also unsigned ones) are never touched. An attempt that
+never committed is deleted only once its newest key is ``--orphan-grace`` seconds old: a
+trainer's manifest write whose outcome it could not learn may still land and name its blobs
+(the store's clock says when a key was written; a store that cannot say keeps them). ``--keep``,
+``--receiver-ttl`` and ``--orphan-grace`` default to :class:`~deltasync.PublisherConfig`'s; pass
+the trainer's own values. ``--dry-run`` prints the plan and deletes nothing. A path that is not a deltasync store
 is refused (rc 2), as by ``inspect``.
 """
 
@@ -37,6 +40,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--receiver-ttl must be a finite number of seconds > 0, got {args.receiver_ttl}"
         )
+    if not (math.isfinite(args.orphan_grace) and args.orphan_grace >= 0):
+        raise ConfigError(
+            f"--orphan-grace must be a finite number of seconds >= 0, got {args.orphan_grace}"
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -53,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         keep_versions=args.keep,
         receiver_ttl_s=args.receiver_ttl,
         dry_run=args.dry_run,
+        orphan_grace_s=args.orphan_grace,
     )
     if args.json:
         emit_json_line(
@@ -61,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
                 "committed": catalog.latest(),
                 "versions": list(plan.versions),
                 "keys": list(plan.keys),
+                "deferred": list(plan.deferred),
             },
             sort_keys=True,
         )
@@ -70,11 +79,17 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{verb} {len(plan.keys)} key(s); versions removed whole: {versions}")
     for key in plan.keys:
         print(f"  {key}")
+    if plan.deferred:
+        kept = ", ".join(map(str, plan.deferred))
+        print(
+            f"kept attempt(s) that never committed, younger than {args.orphan_grace:g} s: "
+            f"version(s) {kept}"
+        )
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from deltasync.commit.retention import KEEP_VERSIONS, RECEIVER_TTL_S
+    from deltasync.commit.retention import KEEP_VERSIONS, ORPHAN_GRACE_S, RECEIVER_TTL_S
 
     p = sub.add_parser(
         "gc",
@@ -96,6 +111,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=RECEIVER_TTL_S,
         help="a receiver whose record is older than this many seconds is not live (default: "
         f"{RECEIVER_TTL_S:g})",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=ORPHAN_GRACE_S,
+        help="delete an attempt that never committed only once its newest key is this many "
+        f"seconds old: its manifest may still land (default: {ORPHAN_GRACE_S:g})",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON line instead")

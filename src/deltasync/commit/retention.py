@@ -11,6 +11,12 @@ manifest, a blob or a writer marker of the version, an ack of the version): anyt
 found under a doomed version's prefixes was not written by deltasync and is left alone (with
 a warning), so a store shared with others cannot steer the trainer into deleting it.
 
+An attempt that never committed is deleted only once its newest key is older than a grace
+period (``orphan_grace_s``): a manifest write whose outcome was unknown (a reply lost past the
+retries) may still land and name those blobs. Its age is the store's (``Store.modified``); a
+store that cannot tell keeps such attempts. The publisher also passes the numbers it knows had
+no verdict (``may_land``), kept whatever their age while they have no manifest.
+
 Deletion order: a version's manifest goes first, so the version disappears atomically for
 readers, then its blobs and markers, then its acks. :func:`collect_garbage` reads what the
 plan needs from a store and deletes it (``Publisher.gc`` and ``deltasync gc`` both run it).
@@ -20,14 +26,16 @@ This module knows keys and manifests.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from deltasync import names
 from deltasync.commit.model import Manifest
 from deltasync.commit.planning import plan_retention
-from deltasync.errors import DeltaSyncError, ManifestError
+from deltasync.errors import DeltaSyncError, KeyNotFoundError, ManifestError
+from deltasync.store.base import written_at
 
 if TYPE_CHECKING:
     from deltasync.commit.catalog import Catalog
@@ -35,9 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# PublisherConfig's keep_versions and receiver_ttl_s, which ``deltasync gc`` defaults to as well
+# PublisherConfig's keep_versions, receiver_ttl_s and orphan_grace_s, which ``deltasync gc``
+# defaults to as well. The grace outlasts any one S3 request (connect and read timeouts of a
+# minute at most, a few attempts): a manifest PUT still in flight after it is not credible.
 KEEP_VERSIONS = 2
 RECEIVER_TTL_S = 120.0
+ORPHAN_GRACE_S = 600.0
 
 
 def _version_of(key: str) -> int | None:
@@ -77,6 +88,8 @@ def _ours(keys: Iterable[str], version: int, parse) -> list[str]:
 class GcPlan:
     versions: tuple[int, ...]  # committed versions removed entirely
     keys: tuple[str, ...]  # every key to delete, in order (manifests first)
+    # attempts that never committed, kept for now: their manifest may still land
+    deferred: tuple[int, ...] = ()
 
 
 def plan_deletions(
@@ -126,14 +139,19 @@ def collect_garbage(
     receiver_ttl_s: float,
     dry_run: bool = False,
     may_land: Collection[int] = (),
+    orphan_grace_s: float = ORPHAN_GRACE_S,
 ) -> GcPlan:
     """Plan retention from what ``store`` holds now and delete it in order (``dry_run``: plan
-    only). Live receivers are the records younger than ``receiver_ttl_s``. ``may_land``:
-    versions whose manifest write ended without a verdict (the caller's publisher knows them):
-    while they have no manifest their keys stay, since it may still land and name them."""
+    only). Live receivers are the records younger than ``receiver_ttl_s``. An attempt that
+    never committed stays while its newest key is younger than ``orphan_grace_s`` (or its age
+    is unknown), and so do the versions in ``may_land`` (manifest writes that ended without a
+    verdict, which the caller's publisher knows) while they have no manifest: it may still
+    land and name their keys."""
     committed = catalog.latest()
     version_keys = catalog.version_dirs()
     manifests = {}
+    deferred = []
+    now = time.time()
     for v, keys in list(version_keys.items()):
         if names.manifest_key(v) not in keys:
             # Deleted in full as never committed, unless the store says otherwise: a listing
@@ -143,8 +161,12 @@ def collect_garbage(
                 continue
             if v in may_land:
                 del version_keys[v]
+                deferred.append(v)
                 continue
             if not store.exists(names.manifest_key(v)):
+                if _may_still_commit(store, keys, orphan_grace_s, now):
+                    del version_keys[v]
+                    deferred.append(v)
                 continue
             keys.append(names.manifest_key(v))
         try:
@@ -165,9 +187,32 @@ def collect_garbage(
         live_versions=live,
         keep_versions=keep_versions,
     )
+    if deferred:
+        log.info(
+            "retention: attempt(s) at version(s) %s never committed and are kept for now: a "
+            "manifest write may still land (grace %gs)",
+            deferred,
+            orphan_grace_s,
+        )
+        plan = replace(plan, deferred=tuple(sorted(deferred)))
     if not dry_run:
         for key in plan.keys:
             store.delete(key)
         for v in plan.versions:
             catalog.forget(v)
     return plan
+
+
+def _may_still_commit(store: Store, keys: Iterable[str], grace_s: float, now: float) -> bool:
+    """Whether an uncommitted attempt is too young to delete: one of its keys was written
+    less than ``grace_s`` ago, or the store cannot say when."""
+    if grace_s <= 0:
+        return False
+    for key in keys:
+        try:
+            at = written_at(store, key)
+        except KeyNotFoundError:  # deleted meanwhile (another gc)
+            continue
+        if at is None or now - at < grace_s:
+            return True
+    return False

@@ -10,10 +10,10 @@ import secrets
 from dataclasses import dataclass, field
 
 from deltasync import names
-from deltasync.commit.retention import KEEP_VERSIONS, RECEIVER_TTL_S
+from deltasync.commit.retention import KEEP_VERSIONS, ORPHAN_GRACE_S, RECEIVER_TTL_S
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import ConfigError
-from deltasync.validate import check_int, check_seconds, check_signing_key
+from deltasync.validate import check_int, check_number, check_seconds, check_signing_key
 
 _OWNER = "PublisherConfig"
 
@@ -38,6 +38,8 @@ class PublisherConfig:
       versions behind the newest committed version. None: never wait.
     - ``receiver_ttl_s``: a receiver record older than this is not live (retention, staleness).
     - ``keep_versions``: retention keeps at least this many newest versions.
+    - ``orphan_grace_s``: retention deletes an attempt that never committed only once its
+      newest key is this many seconds old (its manifest write may still land; 0: at once).
     - ``upload_threads``: blob uploads running at once (None: one per receiver shard, at most
       32). Each shard's blob uploads from its first segment while a thread is free for it;
       with fewer threads than shards, a waiting shard's segments queue in memory until one is.
@@ -57,6 +59,7 @@ class PublisherConfig:
     staleness_timeout_s: float = 600.0
     receiver_ttl_s: float = RECEIVER_TTL_S
     keep_versions: int = KEEP_VERSIONS
+    orphan_grace_s: float = ORPHAN_GRACE_S
     upload_threads: int | None = None
     prefetch: int = 2
 
@@ -89,6 +92,7 @@ class PublisherConfig:
         if self.max_staleness is not None:
             check_int(_OWNER, "max_staleness", self.max_staleness, lo=0)
         check_int(_OWNER, "keep_versions", self.keep_versions, lo=1)
+        check_number(_OWNER, "orphan_grace_s", self.orphan_grace_s, positive=False, unit="seconds")
         if self.upload_threads is not None:
             check_int(_OWNER, "upload_threads", self.upload_threads, lo=1)
         check_int(_OWNER, "prefetch", self.prefetch, lo=0)

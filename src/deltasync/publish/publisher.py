@@ -753,4 +753,5 @@ class Publisher:
             keep_versions=self.config.keep_versions,
             receiver_ttl_s=self.config.receiver_ttl_s,
             may_land=self._may_land,
+            orphan_grace_s=self.config.orphan_grace_s,
         )

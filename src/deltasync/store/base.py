@@ -18,6 +18,10 @@ Guarantees every implementation gives (and ``tests/store`` checks on each of the
   reader of a store shared with others bounds its memory by what it expects; every failure is
   a :class:`~deltasync.errors.StoreError` naming the key.
 
+One method is optional: ``modified(key) -> float``, when the object was last written (POSIX
+seconds). Retention asks it (through :func:`written_at`) before deleting an attempt that never
+committed, whose manifest may still be in flight; a store without it keeps such attempts.
+
 Remote backends retry transient failures through :class:`RetryPolicy` (capped exponential
 backoff with full jitter): :func:`backoff_delays` is the pure schedule (seeded, so tests can pin
 it); :func:`call_with_retries` runs an operation, retrying only what the caller's
@@ -92,6 +96,13 @@ class Store(Protocol):
     def size(self, key: str) -> int:
         """Object size in bytes. Raises KeyNotFoundError if absent."""
         ...
+
+
+def written_at(store: object, key: str) -> float | None:
+    """When ``key`` was last written (POSIX seconds), or None when ``store`` cannot tell (it
+    has no ``modified``, or wraps one that has none). Raises KeyNotFoundError if absent."""
+    modified = getattr(store, "modified", None)
+    return None if modified is None else modified(key)
 
 
 def _check_chars(what: str, value: str) -> None:

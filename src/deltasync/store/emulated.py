@@ -33,6 +33,7 @@ from deltasync.store.base import (
     check_prefix,
     check_range,
     too_large,
+    written_at,
 )
 
 
@@ -40,6 +41,7 @@ class MemoryStore:
     def __init__(self, name: str = "") -> None:
         self.name = name
         self._objects: dict[str, bytes] = {}
+        self._written: dict[str, float] = {}  # key -> time.time() of its last write
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -72,12 +74,14 @@ class MemoryStore:
         blob = bytes(as_bytes(data))
         with self._lock:
             self._objects[key] = blob
+            self._written[key] = time.time()
 
     def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
         check_key(key)
         blob = b"".join(bytes(as_bytes(c)) for c in chunks)
         with self._lock:
             self._objects[key] = blob
+            self._written[key] = time.time()
         return len(blob)
 
     def put_if_absent(self, key: str, data: Bytes) -> None:
@@ -89,6 +93,7 @@ class MemoryStore:
                     f"key {key!r} already exists in {self!r}; another writer committed it first"
                 )
             self._objects[key] = blob
+            self._written[key] = time.time()
 
     def exists(self, key: str) -> bool:
         check_key(key)
@@ -104,9 +109,20 @@ class MemoryStore:
         check_key(key)
         with self._lock:
             self._objects.pop(key, None)
+            self._written.pop(key, None)
 
     def size(self, key: str) -> int:
         return len(self.get(key))
+
+    def modified(self, key: str) -> float:
+        """When the object was last written (POSIX seconds). Raises KeyNotFoundError if
+        absent."""
+        check_key(key)
+        with self._lock:
+            try:
+                return self._written[key]
+            except KeyError:
+                raise KeyNotFoundError(f"key {key!r} not found in {self!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,3 +233,6 @@ class ThrottledStore:
 
     def size(self, key: str) -> int:
         return self.inner.size(key)
+
+    def modified(self, key: str) -> float | None:
+        return written_at(self.inner, key)

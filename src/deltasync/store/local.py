@@ -286,6 +286,14 @@ class LocalStore:
         return st is not None and stat.S_ISREG(st.st_mode)
 
     def size(self, key: str) -> int:
+        return self._key_stat(key).st_size
+
+    def modified(self, key: str) -> float:
+        """When the object was last written (POSIX seconds: the file's mtime, kept by the
+        rename that published it). Raises KeyNotFoundError if absent."""
+        return self._key_stat(key).st_mtime
+
+    def _key_stat(self, key: str) -> os.stat_result:
         st = self._lstat(key)
         if st is None or stat.S_ISDIR(st.st_mode):
             raise KeyNotFoundError(f"key {key!r} not found in {self!r}")
@@ -294,7 +302,7 @@ class LocalStore:
                 f"{key!r} in {self!r} is a link or not a regular file; it is not a key "
                 "(someone else wrote into this store)"
             )
-        return st.st_size
+        return st
 
     def list(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)

@@ -393,18 +393,26 @@ class S3Store:
         return True
 
     def size(self, key: str) -> int:
+        return int(self._head("size", key)["ContentLength"])
+
+    def modified(self, key: str) -> float:
+        """When the object was last written (POSIX seconds, the server's ``LastModified``:
+        its clock, to the second). Raises KeyNotFoundError if absent."""
+        return self._head("modified", key)["LastModified"].timestamp()
+
+    def _head(self, what: str, key: str) -> dict:
         full = self._full(check_key(key))
 
-        def op(_: int) -> int:
-            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+        def op(_: int) -> dict:
+            return self._client.head_object(Bucket=self.bucket, Key=full)
 
         try:
-            size = self._call("size", key, op)
+            head = self._call(what, key, op)
         except KeyNotFoundError:
             self._check_bucket(key)
             raise
         self._bucket_seen = True
-        return size
+        return head
 
     def _check_bucket(self, key: str) -> None:
         """After a HEAD answered 404 (which carries no error code): a missing bucket is a
