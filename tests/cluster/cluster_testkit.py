@@ -560,6 +560,31 @@ def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
     return out
 
 
+def run_trainer_late(rank: int, setup: Setup, late_s: float) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; then the trainer does not come back for
+    ``late_s`` while the receivers wait for its next version at most ``setup.timeout_s``
+    (``wait_for_version_s``). The receivers report what they raised."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        trainer.sender(setup).sync(0, anchor=True)
+        time.sleep(late_s)  # still alive: the receivers' wait times out, no connection closes
+        return out
+    receiver = ClusterReceiver(
+        empty_shard(setup, setup.plan().receiver(rank).shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=replace(setup.config(), wait_for_version_s=setup.timeout_s),
+    )
+    receiver.sync()
+    out["fault"] = _attempt(receiver.sync)
+    out["version_after"] = receiver.version
+    return out
+
+
 def one_process_roles(
     full: dict[str, torch.Tensor],
     plan: RolePlan,

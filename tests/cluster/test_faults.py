@@ -14,6 +14,7 @@ from cluster_testkit import (
     run_death_in_retry,
     run_faults,
     run_stall_in_round_one,
+    run_trainer_late,
     run_writer_death,
 )
 
@@ -163,3 +164,18 @@ def test_a_rank_stopped_inside_round_one_after_arriving_is_named() -> None:
         assert fault["error"] == "ExchangeTimeoutError", fault
         assert fault["message"].startswith("version 1: rank 2 died or stopped responding"), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
+
+
+@pytest.mark.timeout(150)
+def test_receivers_waiting_for_a_late_trainer_name_the_version_they_hold() -> None:
+    setup = Setup(timeout_s=3.0)
+    results = spawn(run_trainer_late, 3, setup, 8.0, timeout_s=100)
+    for rank in (1, 2):
+        fault = results[rank]["fault"]
+        assert fault["error"] == "ExchangeTimeoutError", fault
+        assert (
+            f"receiver tp{rank - 1} replica 0 holds version 0: waiting for the trainer's next"
+            in (fault["message"])
+        ), fault
+        assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
+        assert results[rank]["version_after"] == 0  # still the version it holds

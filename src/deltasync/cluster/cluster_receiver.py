@@ -313,6 +313,9 @@ class ClusterReceiver:
         except Exception as exc:
             failure = f"{self._who}: {self.fingerprint.summary}; {describe(exc)}"
         s = self.journal.state
+        held = "no committed version" if s.committed is None else f"version {s.committed}"
+        if s.applying is not None:
+            held += f" and an uncommitted apply of version {s.applying[0]}"
         row = encode_preflight_row(
             role=RECEIVER,
             fingerprint=self.fingerprint,
@@ -329,7 +332,8 @@ class ClusterReceiver:
             plan=self.plan,
             group=self.group,
             timeout_s=self.config.wait_for_version_s,
-            what="waiting for the trainer to arrive (wait_for_version_s)",
+            what=f"{self._who} holds {held}: waiting for the trainer's next version "
+            "(wait_for_version_s)",
         )
 
     def receive(self, cleared: Cleared | None = None) -> Incoming:
