@@ -537,6 +537,30 @@ def test_an_abandoned_stream_leaves_the_tracker_answering_the_same():
     _same_stream(first, list(tracker.iter_changes()))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_stream_abandoned_before_a_multi_step_version_was_read_loses_no_step(threads):
+    # Two optimizer steps in the version: each parameter's second step is folded into its
+    # bitset when the stream reaches it. A consumer that gives up after the first parameter
+    # (its send failed) must leave the others' second steps for the retry.
+    def two_steps():  # a first step that moves almost nothing, then one that moves most
+        ps = _params(SHAPES, seed=5)
+        opt = torch.optim.AdamW(ps, lr=1e-7)
+        tracker = AdamWTracker(opt, [(f"p{i}", p) for i, p in enumerate(ps)], threads=threads)
+        g = torch.Generator().manual_seed(5)
+        for lr in (1e-7, 1e-2):
+            opt.param_groups[0]["lr"] = lr
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return tracker
+
+    abandoned = two_steps()
+    stream = abandoned.iter_changes()
+    next(stream)
+    stream.close()
+    _same_stream(list(two_steps().iter_changes()), list(abandoned.iter_changes()))
+
+
 def test_capture_gives_values_within_the_budget_and_positions_beyond_it():
     tracker, params = _stepped_tracker(SHAPES)
     truth = list(tracker.iter_changes())

@@ -582,6 +582,10 @@ class AdamWTracker:
         if self._folded(name):
             if pending is not None:
                 self._fold(*pending)
+                # folded: from now on the bitset holds this step (a stream abandoned before
+                # reaching a parameter leaves its step pending, for the next ask)
+                if pending in self._pending:
+                    self._pending.remove(pending)
             local = self._watched[name].local()
             idx = bits_to_indices(self._bits[name], local.numel())
             return idx, (bf16_at(local, idx, trusted=True) if values else None)
@@ -620,8 +624,8 @@ class AdamWTracker:
         self._vouch()
         pending = {e[0]: e for e in self._pending}
         # A pending step stays pending (its inputs are unchanged until the next step), so
-        # asking twice gives the same answer; folded ones are dropped from the list.
-        self._pending = [e for e in self._pending if not self._folded(e[0])]
+        # asking twice gives the same answer; one folded into its parameter's bitset leaves
+        # the list as it is folded (_detect), never before.
         snap = {n: (i, v) for n, i, v in self._snapshot.iter_changes()} if self.fallback else {}
         seen = 0  # changed elements handed over so far (the values budget)
 
