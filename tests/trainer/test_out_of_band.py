@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deltasync import AdamWTracker, SnapshotTracker
+from deltasync.errors import UnsupportedOptimizerError
 
 
 def _missed(tracked: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> int:
@@ -243,3 +244,129 @@ def test_a_step_hook_that_edits_a_param_the_step_does_not_move_is_seen():
     model.b.bias.requires_grad_(False)  # no gradient: the step itself does not move it
     _step(model, opt, 1)
     _check(tracker, truth, {"b.bias"})
+
+
+IMPLS = [dict(foreach=False), dict(foreach=True), dict(fused=True)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_closure_that_writes_a_param_the_step_moves_is_seen(impl, positional):
+    # Adam calls the closure inside step(), after every pre-step hook: its write lands
+    # between the tracker's hooks, where the update's own writes are, yet is not the update.
+    model, opt, tracker, truth = _setup(**impl)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 32, generator=g)
+
+    def closure():
+        with torch.no_grad():
+            model.a.weight.clamp_(-0.05, 0.05)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure) if positional else opt.step(closure=closure)
+    assert isinstance(loss, torch.Tensor)  # the closure's loss comes back as before
+    _check(tracker, truth, {"a.weight"})
+    tracker.clear(), truth.clear()
+    _step(model, opt, 5)  # a plain step after it: nothing out of band
+    _check(tracker, truth, set())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_pre_hook_registered_after_the_tracker_that_writes_a_stepped_param_is_seen(impl):
+    model, opt, tracker, truth = _setup(**impl)
+
+    def edit(_opt, _args, _kwargs):
+        with torch.no_grad():
+            model.a.bias.mul_(1.5)
+
+    opt.register_step_pre_hook(edit)
+    _step(model, opt, 1)
+    _check(tracker, truth, {"a.bias"})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_post_hooks_registered_before_the_tracker_act_after_the_recorded_step(impl):
+    # One writes a stepped param, one decays the learning rate: both run after the
+    # tracker's own post-step hook, so the write is seen and the step is inverted with the
+    # learning rate it used.
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, **impl)
+
+    def renorm(_opt, _args, _kwargs):
+        with torch.no_grad():
+            model.b.weight.mul_(0.5)
+
+    def decay(o, _args, _kwargs):
+        for group in o.param_groups:
+            group["lr"] *= 1e-4
+
+    opt.register_step_post_hook(renorm)
+    opt.register_step_post_hook(decay)
+    tracker = AdamWTracker(opt, model.named_parameters())
+    truth = SnapshotTracker(model.named_parameters())
+    _step(model, opt, 1)
+    _check(tracker, truth, {"b.weight"})
+
+
+def test_params_that_share_memory_take_the_snapshot_path_and_are_never_missed():
+    # Two parameters over one storage, in groups with very different learning rates: the
+    # update of either writes into the other, which no inversion of one step can see.
+    torch.manual_seed(0)
+    base = torch.nn.Parameter(torch.randn(16, 16))
+    head = torch.nn.Parameter(base.detach()[:4])
+    lone = torch.nn.Parameter(torch.randn(8))
+    opt = torch.optim.AdamW([{"params": [base, lone], "lr": 1e-7}, {"params": [head], "lr": 1e-2}])
+    named = [("base", base), ("head", head), ("lone", lone)]
+    tracker = AdamWTracker(opt, named)
+    assert set(tracker.fallback) == {"base", "head"}
+    assert "shares memory with parameter 'head'" in tracker.fallback["base"].reason
+    truth = SnapshotTracker(named)
+    for p in (base, head, lone):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert _missed(tracker.changed(), truth.changed()) == 0
+    with pytest.raises(UnsupportedOptimizerError, match="shares memory"):
+        AdamWTracker(opt, named, strict=True)
+
+
+def test_tied_weights_under_two_names_stay_on_the_bound():
+    # one tensor, two names (an embedding tied to the LM head): not two tensors sharing memory
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    tracker = AdamWTracker(opt, [("embed", w), ("lm_head", w)], strict=True)
+    assert tracker.fallback == {}
+
+
+class _Renormed(torch.optim.AdamW):
+    """An AdamW whose step also rescales every row: not the update the bound inverts."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() == 2:
+                    p.div_(p.norm(dim=1, keepdim=True).clamp(min=1.0))
+        return loss
+
+
+class _Named(torch.optim.AdamW):
+    """A subclass that keeps AdamW's step."""
+
+
+def test_a_subclass_that_overrides_step_takes_the_snapshot_path():
+    torch.manual_seed(0)
+    model = Model()
+    opt = _Renormed(model.parameters(), lr=1e-1)
+    with pytest.raises(UnsupportedOptimizerError, match="_Renormed overrides step"):
+        AdamWTracker(opt, model.named_parameters(), strict=True)
+    tracker = AdamWTracker(opt, model.named_parameters())
+    truth = SnapshotTracker(model.named_parameters())
+    _step(model, opt, 1)
+    assert _missed(tracker.changed(), truth.changed()) == 0
+    kept = AdamWTracker(_Named(model.parameters(), lr=1e-3), model.named_parameters(), strict=True)
+    assert kept.fallback == {}

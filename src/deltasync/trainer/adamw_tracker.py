@@ -34,6 +34,7 @@ This module knows optimizers, hooks and bitsets; it knows nothing about layouts 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
@@ -98,10 +99,19 @@ def _step_count(state: dict) -> float | None:
     return float(step.item() if isinstance(step, torch.Tensor) else step)
 
 
+# torch's own Adam/AdamW update (the class attribute is wrapped by the hook machinery)
+_ADAM_STEPS = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)}
+
+
 def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
     """Why the bound does not cover this param group, or None if it does."""
     if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
         return f"optimizer {type(opt).__name__} is not torch.optim.Adam/AdamW"
+    if inspect.unwrap(type(opt).step) not in _ADAM_STEPS:
+        return (
+            f"optimizer {type(opt).__name__} overrides step() of torch.optim.Adam/AdamW: what "
+            "its step writes is not the update the bound inverts"
+        )
     if group.get("capturable", False):
         return "capturable=True computes bias corrections in fp32 tensors"
     if group.get("differentiable", False):
@@ -282,6 +292,64 @@ def _feeding(
         yield idx, vals
 
 
+def _closure_then(args: tuple, kwargs: dict, check: Callable[[], None]) -> tuple[tuple, dict]:
+    """The step's arguments (``args[0]`` is the optimizer) with its closure (positional or
+    keyword; None: none) replaced by one that runs it, then ``check()``."""
+    positional = len(args) > 1
+    closure = args[1] if positional else kwargs.get("closure")
+
+    def closure_then_check():
+        loss = None if closure is None else closure()
+        check()
+        return loss
+
+    if positional:
+        return (args[0], closure_then_check, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_check}
+
+
+def _first_post_hook(opt: torch.optim.Optimizer, hook: Callable) -> Any:
+    """Register ``hook`` to run first after each step, right after the update: a post-hook
+    registered earlier that writes a parameter or changes a hyperparameter then acts after
+    the step is recorded (its write is seen as one outside the optimizer), never inside it."""
+    handle = opt.register_step_post_hook(hook)
+    hooks = getattr(opt, "_optimizer_step_post_hooks", None)
+    if hasattr(hooks, "move_to_end"):
+        hooks.move_to_end(handle.id, last=False)
+    else:  # another torch: ordered as registered
+        log.warning(
+            "AdamWTracker: cannot order its post-step hook first on this torch; build the "
+            "tracker before registering post-step hooks that write parameters"
+        )
+    return handle
+
+
+def _sharing_memory(
+    covered: dict[str, tuple[torch.Tensor, int]], watched: dict[str, Watched]
+) -> dict[str, str]:
+    """``{name: other}`` for each covered parameter whose memory overlaps another covered
+    parameter's (views of one storage, not one tensor under two names): the inversion of one
+    cannot see what the other's update writes into it."""
+    spans = []
+    for name, (p, _) in covered.items():
+        local = watched[name].local()
+        if local.numel() == 0 or local.device.type == "meta":
+            continue
+        start = local.data_ptr()
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(local.shape, local.stride(), strict=True))
+        spans.append((local.device, start, start + span * local.element_size(), id(p), name))
+    spans.sort(key=lambda e: (str(e[0]), e[1]))
+    out: dict[str, str] = {}
+    reach = None  # the furthest-reaching span so far on this device
+    for device, start, end, pid, name in spans:
+        if reach is not None and reach[0] == device and start < reach[1] and pid != reach[2]:
+            out.setdefault(name, reach[3])
+            out.setdefault(reach[3], name)
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, pid, name)
+    return out
+
+
 class AdamWTracker:
     """Which BF16 elements changed since the last ``clear()``, without a snapshot.
 
@@ -342,6 +410,12 @@ class AdamWTracker:
                 self._covered[name] = (p, gi)
             else:
                 reasons[name] = reason
+        for name, other in _sharing_memory(self._covered, self._watched).items():
+            del self._covered[name]
+            reasons[name] = (
+                f"shares memory with parameter {other!r}, which the optimizer also steps: "
+                "each one's update writes the other"
+            )
         if strict and reasons:
             listed = "; ".join(f"{n}: {r}" for n, r in list(reasons.items())[:5])
             raise UnsupportedOptimizerError(
@@ -391,7 +465,7 @@ class AdamWTracker:
         self._hold_keys = itertools.count()
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
-            optimizer.register_step_post_hook(self._post_step),
+            _first_post_hook(optimizer, self._post_step),
         ]
 
     # -- where things are --------------------------------------------------------------------
@@ -442,7 +516,7 @@ class AdamWTracker:
         self._holds[key] = wait
         return lambda: self._holds.pop(key, None)
 
-    def _pre_step(self, opt, args, kwargs) -> None:
+    def _pre_step(self, opt, args, kwargs) -> tuple[tuple, dict]:
         for wait in list(self._holds.values()):  # a detection on another thread ends first
             wait()
         self._check_groups(opt)
@@ -453,6 +527,10 @@ class AdamWTracker:
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
+        # Adam's step calls its closure right before its update: the last point where a
+        # write is not the update's (the closure's own, or a pre-hook registered after this
+        # one). Without a closure, one that only checks.
+        return _closure_then(args, kwargs, self._oob.check)
 
     def _check_groups(self, opt: torch.optim.Optimizer) -> None:
         """Warn once about constants the optimizer now steps (``add_param_group`` after this
