@@ -13,6 +13,7 @@ import pytest
 
 from deltasync import names
 from deltasync.commit import Catalog, ReceiverRecord
+from deltasync.errors import LayoutMismatchError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import (
     MissingBlobError,
@@ -259,3 +260,34 @@ def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor
     said = [r.getMessage() for r in caplog.records]
     assert any("cannot be replayed" in m and "restoring the newest anchor" in m for m in said)
     assert any("restoring anchor 9" in m and "state is dirty" in m for m in said)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_receiver_whose_store_now_holds_another_layout_gets_a_typed_refusal(tmp_path):
+    # Killed mid-apply (its journal stays); meanwhile the store is wiped and refilled by a
+    # new run published for TP=1, which has no shard tp1. Every restart must end in a typed
+    # error naming the layouts, never a raw KeyError from the journal's replay.
+    store, rl, publish, _ = _receiver_rig(100, tmp_path, shard="tp1")
+    publish(0), publish(1)
+    _reopen(store, rl, tmp_path, shard="tp1").pull()
+    publish(2)
+    _kill_receiver_mid_apply(tmp_path, stop_after=3, shard="tp1")
+    for key in store.list(""):
+        store.delete(key)
+    spec, _, other = layouts(tp=1)
+    trainer = TinyTrainer(spec, density=0.3)
+    sync = TrainerSync(
+        SnapshotTracker(trainer.named_parameters()),
+        Publisher(store, receiver_layout=other),
+        trainer.params,
+    )
+    for v in range(4):  # its version 2 is not the journaled one, and defines no tp1
+        if v:
+            trainer.step()
+        sync.step_published(v)
+    with pytest.raises(LayoutMismatchError, match="tp=1"):
+        _reopen(store, rl, tmp_path, shard="tp1")  # the journal cannot be replayed
+    rec = _reopen(store, rl, tmp_path, shard="tp1")  # recorded dirty, the journal dropped
+    assert rec.dirty and StateDir(tmp_path / "victim-state").read_journal() is None
+    with pytest.raises(LayoutMismatchError, match="tp=1"):
+        rec.pull()

@@ -14,7 +14,12 @@ from truth_kit import CountingStore, Rig, assert_same_bits, rconfig, snapshot, t
 
 from deltasync import LocalStore, names
 from deltasync.commit import Manifest
-from deltasync.errors import BlobMismatchError, IntegrityError, LayoutMismatchError
+from deltasync.errors import (
+    BlobMismatchError,
+    ConfigError,
+    IntegrityError,
+    LayoutMismatchError,
+)
 from deltasync.format import TensorUpdate, apply_updates, encode_blob
 from deltasync.format.merge import TensorPieces
 from deltasync.layout.digest import state_digest, tensor_digest
@@ -76,6 +81,49 @@ def test_a_receiver_built_for_one_layer_more_is_refused_before_any_fetch(rig, tm
     assert not [k for k in counting.reads if k.endswith(".blob")]
     assert_same_bits(tensors, before, "refused receiver")
     assert rec.version is None
+
+
+def _bad_inputs(specs):
+    """Live tensors a verify cannot vouch for once written: each entry names the tensor."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    norm = "model.norm.weight"
+
+    def fresh():
+        return {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
+
+    alias = fresh()
+    alias[head] = alias[embed]  # one storage under two layout names (an engine's tie)
+    halves = fresh()  # two names over overlapping halves of one buffer
+    rows = specs[embed].shape[0]
+    buffer = torch.zeros(rows + 1, specs[embed].shape[1], dtype=specs[embed].dtype)
+    halves[embed], halves[head] = buffer[:rows], buffer[1:]
+    meta = fresh()
+    meta[norm] = torch.empty(specs[norm].shape, dtype=specs[norm].dtype, device="meta")
+    expanded = fresh()
+    expanded[norm] = torch.zeros(1, dtype=specs[norm].dtype).expand(specs[norm].shape)
+    missing = fresh()
+    missing[norm] = None
+    listed = fresh()
+    listed[norm] = [0.0] * specs[norm].shape[0]
+    return {
+        "alias": (alias, "share memory"),
+        "overlapping views": (halves, "share memory"),
+        "meta": (meta, "meta device and holds no values"),
+        "expanded": (expanded, "an expanded view"),
+        "None": (missing, f"{norm!r} is a NoneType, not a torch.Tensor"),
+        "list": (listed, f"{norm!r} is a list, not a torch.Tensor"),
+    }
+
+
+@pytest.mark.parametrize("case", ["alias", "overlapping views", "meta", "expanded", "None", "list"])
+def test_live_tensors_a_verify_cannot_vouch_for_are_refused_at_construction(rig, tmp_path, case):
+    # Accepted before, each one let a pull report a version the tensors did not hold (two
+    # names over one storage, a meta tensor), tore the engine's weights mid-scatter (an
+    # expanded view) or raised a raw error.
+    tensors, message = _bad_inputs(rig.rl.local_specs("tp1"))[case]
+    with pytest.raises(ConfigError, match=message) as err:
+        Receiver.for_layout(rig.store, rig.rl, "tp1", tensors, str(tmp_path / "x"), rconfig("x"))
+    assert "receiver shard 'tp1'" in str(err.value)
 
 
 @pytest.mark.timeout(60)

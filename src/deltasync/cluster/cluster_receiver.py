@@ -107,7 +107,6 @@ from deltasync.cluster.streaming import receive_parts
 from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
-    ConfigError,
     ExchangeError,
     IntegrityError,
     SyncAbortedError,
@@ -116,7 +115,6 @@ from deltasync.exchange import exchange
 from deltasync.exchange.notes import naming
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_pieces, check_tensors_match
-from deltasync.format.apply import overlaps_itself
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.validate import check_int
@@ -270,15 +268,6 @@ class ClusterReceiver:
             what=f"receiver shard {self.shard!r}",
             hint="pass storage names only; tied aliases share storage and need no entry",
         )
-        # The scatter writes one tensor at a time after the whole version is verified, so a
-        # target it would refuse mid-way (elements sharing memory) is refused here, up front.
-        for name, t in self.tensors.items():
-            if not t.is_contiguous() and overlaps_itself(t):
-                raise ConfigError(
-                    f"receiver shard {self.shard!r}: tensor {name!r} has strides {t.stride()} "
-                    "that let elements share memory (an expanded view?); pass the tensor that "
-                    "owns the memory"
-                )
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""

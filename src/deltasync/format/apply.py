@@ -27,21 +27,10 @@ import torch
 from deltasync.errors import ApplyError
 from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
+from deltasync.native.loader import overlaps_itself
 from deltasync.native.ops import scatter16
 
 SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
-
-
-def overlaps_itself(t: torch.Tensor) -> bool:
-    """True unless the strides prove no two elements share memory (the usual sufficient test:
-    sorted by stride, each stride exceeds the span of all smaller-stride dims)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1)
-    span = 0  # largest offset reachable with the dims seen so far
-    for stride, size in dims:
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
 
 
 def _check(

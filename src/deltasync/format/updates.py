@@ -19,6 +19,7 @@ import torch
 
 from deltasync.errors import ConfigError, InvalidUpdateError
 from deltasync.format.wire import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
+from deltasync.native.loader import overlapping, overlaps_itself
 
 # Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact
 # inverse; values are always moved as integer bit patterns so -0.0 and NaN payloads survive.
@@ -247,8 +248,30 @@ def check_tensors_match(
         )
     for name, spec in specs.items():
         t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"{what}: {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             raise ConfigError(
                 f"{what}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
                 f"{spec.shape} {spec.dtype}"
             )
+        if t.is_meta:
+            raise ConfigError(
+                f"{what}: tensor {name!r} is on the meta device and holds no values; pass the "
+                "engine's materialized tensor"
+            )
+        # The scatter writes one tensor at a time after the whole version is verified, so a
+        # target it would refuse mid-way (elements sharing memory) is refused here, up front.
+        if not t.is_contiguous() and overlaps_itself(t):
+            raise ConfigError(
+                f"{what}: tensor {name!r} has strides {t.stride()} that let elements share "
+                "memory (an expanded view?); pass the tensor that owns the memory"
+            )
+    shared = overlapping((n, tensors[n], n) for n in specs)
+    if shared:
+        name = next(iter(shared))
+        raise ConfigError(
+            f"{what}: tensors {name!r} and {shared[name]!r} share memory, so writing one "
+            "changes the other; give each name its own storage (tied weights: the layout "
+            "leaves the alias out)"
+        )

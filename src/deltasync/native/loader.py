@@ -43,6 +43,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -397,6 +398,40 @@ def _extent(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
     return span * t.element_size()
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """True unless the strides prove no two elements share memory (the usual sufficient test:
+    sorted by stride, each stride exceeds the span of all smaller-stride dims)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1)
+    span = 0  # largest offset reachable with the dims seen so far
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def overlapping(items: Iterable[tuple[str, torch.Tensor, object]]) -> dict[str, str]:
+    """``{name: another name}`` for every entry whose memory span intersects another's
+    (conservative: by extent), from ``(name, tensor, owner)`` items; entries with equal
+    ``owner`` (one tensor under two names) never count against each other."""
+    spans = []
+    for name, t, owner in items:
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        start = t.data_ptr()
+        spans.append((str(t.device), start, start + _extent(t), owner, name))
+    spans.sort(key=lambda e: e[:2])
+    out: dict[str, str] = {}
+    reach = None  # (device, end, owner, name) of the furthest-reaching span so far
+    for device, start, end, owner, name in spans:
+        if reach is not None and reach[0] == device and start < reach[1] and owner != reach[2]:
+            out.setdefault(name, reach[3])
+            out.setdefault(reach[3], name)
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, owner, name)
+    return out
 
 
 def _libc_trim() -> ctypes.CDLL | None:

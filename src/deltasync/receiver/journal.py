@@ -98,11 +98,17 @@ class JournalStep:
 
     @classmethod
     def of(cls, manifest: Manifest, shard: str) -> JournalStep:
+        digest = manifest.shard_digests.get(shard)
+        if digest is None:
+            raise ManifestError(
+                f"version {manifest.version} does not define receiver shard {shard!r}: the "
+                "store holds another layout"
+            )
         return cls(
             version=manifest.version,
             kind=manifest.kind,
             base_version=manifest.base_version,
-            shard_digest=manifest.shard_digests[shard],
+            shard_digest=digest,
             blobs=tuple((b.key, b.size, b.digest) for b in manifest.blobs_for(shard)),
         )
 

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from deltasync.errors import UnsupportedOptimizerError
+from deltasync.native.loader import overlapping
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
 from deltasync.trainer.detect import (
@@ -324,32 +325,6 @@ def _first_post_hook(opt: torch.optim.Optimizer, hook: Callable) -> Any:
     return handle
 
 
-def _sharing_memory(
-    covered: dict[str, tuple[torch.Tensor, int]], watched: dict[str, Watched]
-) -> dict[str, str]:
-    """``{name: other}`` for each covered parameter whose memory overlaps another covered
-    parameter's (views of one storage, not one tensor under two names): the inversion of one
-    cannot see what the other's update writes into it."""
-    spans = []
-    for name, (p, _) in covered.items():
-        local = watched[name].local()
-        if local.numel() == 0 or local.device.type == "meta":
-            continue
-        start = local.data_ptr()
-        span = 1 + sum((n - 1) * abs(st) for n, st in zip(local.shape, local.stride(), strict=True))
-        spans.append((local.device, start, start + span * local.element_size(), id(p), name))
-    spans.sort(key=lambda e: (str(e[0]), e[1]))
-    out: dict[str, str] = {}
-    reach = None  # the furthest-reaching span so far on this device
-    for device, start, end, pid, name in spans:
-        if reach is not None and reach[0] == device and start < reach[1] and pid != reach[2]:
-            out.setdefault(name, reach[3])
-            out.setdefault(reach[3], name)
-        if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, pid, name)
-    return out
-
-
 class AdamWTracker:
     """Which BF16 elements changed since the last ``clear()``, without a snapshot.
 
@@ -410,7 +385,12 @@ class AdamWTracker:
                 self._covered[name] = (p, gi)
             else:
                 reasons[name] = reason
-        for name, other in _sharing_memory(self._covered, self._watched).items():
+        # views of one storage (one tensor under two names, tied weights, is one parameter):
+        # the inversion of one cannot see what the other's update writes into it
+        shared = overlapping(
+            (n, self._watched[n].local(), id(p)) for n, (p, _) in self._covered.items()
+        )
+        for name, other in shared.items():
             del self._covered[name]
             reasons[name] = (
                 f"shares memory with parameter {other!r}, which the optimizer also steps: "
