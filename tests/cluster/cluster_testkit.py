@@ -560,6 +560,47 @@ def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
     return out
 
 
+def run_replacement_writer(rank: int, setup: Setup) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). A writer commits anchor 0 and deltas 1, 2; then
+    its replacement, restored from the checkpoint of version 1 (it never learned that 2
+    committed), trains on and tries ``sync()``, ``sync(anchor=True)`` (both numbered 2) and
+    ``sync(3, anchor=True)``. Every rank reports each attempt; the receivers also every
+    (version, state digest) they held and, at the end, the check against the trainer's bits."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank, "steps": []}
+    attempts = 6
+    if rank == 0:
+        first = Trainer(setup, rank)
+        sender = first.sender(setup)
+        out["steps"].append(_attempt(lambda: sender.sync(0, anchor=True)))
+        for v in (1, 2):
+            first.step()
+            out["steps"].append(_attempt(lambda v=v: sender.sync(v)))
+        restored = Trainer(setup, rank)
+        restored.step()  # the checkpoint of version 1: the same seed and data
+        replacement = restored.sender(setup, version=1)
+        restored.step()
+        restored.step()
+        out["steps"].append(_attempt(replacement.sync))
+        out["steps"].append(_attempt(lambda: replacement.sync(anchor=True)))
+        out["steps"].append(_attempt(lambda: replacement.sync(3, anchor=True)))
+        out["version"] = replacement.version
+        broadcast_truth(restored.canonical_bits())
+        return out
+    receiver = corrupting_receiver(setup, rank)
+    seen = []
+    for _ in range(attempts):
+        out["steps"].append(_attempt(receiver.sync))
+        if receiver.version is not None:
+            seen.append((receiver.version, state_digest(receiver.tensors)))
+    bits = broadcast_truth(None)
+    expected = expected_shard(bits, setup, setup.plan().receiver(rank).shard)
+    out["seen"], out["version"] = seen, receiver.version
+    out["mismatched"] = mismatched(receiver.tensors, expected)
+    return out
+
+
 def run_trainer_late(rank: int, setup: Setup, late_s: float) -> dict:
     """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; then the trainer does not come back for
     ``late_s`` while the receivers wait for its next version at most ``setup.timeout_s``

@@ -8,7 +8,7 @@ import pytest
 
 from deltasync.cluster import AnchorRequiredError
 from deltasync.cluster.cluster_journal import ClusterJournal, JournalState
-from deltasync.errors import BaseVersionMismatchError
+from deltasync.errors import BaseVersionMismatchError, VersionError
 from deltasync.receiver import LocalStateError
 
 
@@ -24,6 +24,14 @@ def test_a_delta_on_another_base_is_refused_as_a_base_mismatch() -> None:
     j.accepts(version=5, base=4, where="t")
     with pytest.raises(BaseVersionMismatchError, match="holds version 4"):
         j.accepts(version=6, base=5, where="t")
+
+
+def test_a_version_number_it_committed_is_never_taken_again_even_as_an_anchor() -> None:
+    j = ClusterJournal(version=4)
+    for version, base in ((4, -1), (3, -1), (4, 3)):
+        with pytest.raises(VersionError, match="committed version 4"):
+            j.accepts(version=version, base=base, where="t")
+    j.accepts(version=5, base=-1, where="t")
 
 
 def test_an_uncommitted_apply_still_accepts_the_retry_on_the_same_base() -> None:

@@ -13,6 +13,7 @@ from cluster_testkit import (
     Setup,
     run_death_in_retry,
     run_faults,
+    run_replacement_writer,
     run_stall_in_round_one,
     run_trainer_late,
     run_writer_death,
@@ -179,3 +180,29 @@ def test_receivers_waiting_for_a_late_trainer_name_the_version_they_hold() -> No
         ), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
         assert results[rank]["version_after"] == 0  # still the version it holds
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_writer_never_reuses_a_number_the_receivers_committed() -> None:
+    # A writer restored from an older checkpoint numbers its next version 2 again, which the
+    # receivers committed with other weights: every rank refuses it, anchor or delta, naming
+    # the committed version and the number to send instead; version 3 then lands exact.
+    results = spawn(run_replacement_writer, 3, Setup(timeout_s=10.0), timeout_s=120)
+    writer, receivers = results[0], results[1:]
+    assert [s["error"] for s in writer["steps"][:3]] == [None, None, None]
+    for rank, r in enumerate(results):
+        for refused in r["steps"][3:5]:
+            assert refused["error"] == "SyncAbortedError", (rank, refused)
+            assert not refused["anchor_required"], (rank, refused)
+            message = refused["message"]
+            assert message.startswith("preflight: version 2 refused on every rank"), message
+            assert "receiver tp0 replica 0) committed version 2" in message, message
+            assert "send a version above 2 (sync(3, anchor=True)" in message, message
+        assert r["steps"][5]["error"] is None, (rank, r["steps"][5])
+        assert r["version"] == 3
+    for r in receivers:
+        states: dict[int, set[str]] = {}
+        for version, digest in r["seen"]:
+            states.setdefault(version, set()).add(digest)
+        assert all(len(d) == 1 for d in states.values()), (r["rank"], r["seen"])
+        assert r["mismatched"] == [], r

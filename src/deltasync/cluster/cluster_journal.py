@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.atomic import REMEDY, encode_record, read_record, write_record
-from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError
+from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError, VersionError
 from deltasync.format import BlobBaseMismatchError
 
 
@@ -154,9 +154,15 @@ class ClusterJournal:
 
     def accepts(self, *, version: int, base: int, where: str) -> None:
         """Raise unless a blob bringing ``version`` on ``base`` (-1: anchor) may be applied."""
+        s = self._state
+        if s.committed is not None and version <= s.committed:
+            raise VersionError(
+                f"{where}: version {version} refused before any write: this receiver committed "
+                f"version {s.committed}, and a version number names one state (the writers "
+                f"must send a version above {s.committed})"
+            )
         if base == -1:
             return
-        s = self._state
         if s.committed is None or s.dirty:
             why = (
                 "holds no verified version"

@@ -289,6 +289,25 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     window = combined_window([r.window for r in writers])
     attempt = 0 if lead.applying_base == UNKNOWN else lead.applying_base
     cleared = Cleared(version=lead.version, base=lead.base, window=window, attempt=attempt)
+    # A version number names one state: a receiver that committed this number (or a later
+    # one) must never be handed another state under it, anchor or delta (a writer restarted
+    # from an older checkpoint, a replacement writer counting from 0).
+    ahead = {r.rank: r.version for r in receivers if r.version != UNKNOWN}
+    ahead = {rank: v for rank, v in ahead.items() if v >= cleared.version}
+    if ahead:
+        top = max(ahead.values())
+        lines = "; ".join(
+            f"rank {rank} (receiver {_shard(plan, rank)}) committed version {v}"
+            for rank, v in sorted(ahead.items())
+        )
+        raise SyncAbortedError(
+            f"preflight: version {cleared.version} refused on every rank before any payload "
+            f"moved, nothing was written: {lines}. A version number names one state: send a "
+            f"version above {top} (sync({top + 1}, anchor=True) on every writer, unless they "
+            f"hold version {top}'s state)",
+            failures={rank: f"VersionError: committed version {v}" for rank, v in ahead.items()},
+            anchor_required=False,
+        )
     if cleared.base == -1:
         return cleared  # an anchor defines the whole state: every receiver can take it
     refused: dict[int, str] = {}
