@@ -8,10 +8,11 @@ import os
 import socket
 
 import pytest
-from truth_kit import Rig
+from truth_kit import Rig, assert_same_bits, rconfig
 
 from deltasync import LocalStore, names
 from deltasync.commit import Catalog, decode_latest
+from deltasync.receiver import Receiver
 from deltasync.store.local import TMP_MARK
 
 
@@ -102,3 +103,30 @@ def test_temp_files_are_swept_through_a_linked_root(tmp_path):
     os.symlink(real, tmp_path / "link")
     assert LocalStore(tmp_path / "link").sweep_temp_files() == 1
     assert LocalStore(real).get("a/b") == b"x"
+
+
+@pytest.mark.timeout(60)
+def test_a_planted_latest_and_junk_manifest_above_the_head_never_steer_retention(rig, tmp_path):
+    # LATEST names version 1000 and a file sits at its manifest key; neither verifies. Had
+    # retention planned from version 1000, the real chain 0..5 would look old enough to
+    # delete (its middle went), and a fresh receiver could never reach version 5 again.
+    for v in range(2, 6):
+        rig.publish(v)
+    before = rig.trainer.pub.gc()
+    assert before.versions == ()
+    rig.store.put(names.LATEST, b'{"version": 1000}')
+    rig.store.put(names.manifest_key(1000), b'{"version": 1000, "forged": true}')
+    assert rig.trainer.pub.gc().versions == ()
+    assert rig.store.exists(names.manifest_key(1000))  # unreadable: never touched either
+    rig.store.delete(names.manifest_key(1000))
+    tensors = {n: t.clone().zero_() for n, t in rig.tensors.items()}
+    report = Receiver.for_layout(
+        rig.store,
+        rig.rl,
+        rig.shard,
+        tensors,
+        str(tmp_path / "fresh"),
+        rconfig("fresh"),
+    ).pull()
+    assert report.version == 5 and report.chain[0] == 0
+    assert_same_bits(tensors, rig.oracle[(report.run_id, 5)][rig.shard])

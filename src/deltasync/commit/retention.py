@@ -147,32 +147,53 @@ def collect_garbage(
     is unknown), and so do the versions in ``may_land`` (manifest writes that ended without a
     verdict, which the caller's publisher knows) while they have no manifest: it may still
     land and name their keys."""
-    committed = catalog.latest()
+    latest = catalog.latest()
     version_keys = catalog.version_dirs()
-    manifests = {}
-    deferred = []
-    now = time.time()
-    for v, keys in list(version_keys.items()):
-        if names.manifest_key(v) not in keys:
-            # Deleted in full as never committed, unless the store says otherwise: a listing
-            # can lag behind the newest writes (an eventually consistent store), and it must
-            # not delete the blobs of a version committed meanwhile.
-            if committed is None or v >= committed:
-                continue
-            if v in may_land:
-                del version_keys[v]
-                deferred.append(v)
-                continue
-            if not store.exists(names.manifest_key(v)):
-                if _may_still_commit(store, keys, orphan_grace_s, now):
-                    del version_keys[v]
-                    deferred.append(v)
-                continue
-            keys.append(names.manifest_key(v))
+    manifests: dict[int, Manifest] = {}
+
+    def load(v: int) -> None:
         try:
             manifests[v] = catalog.manifest(v)
         except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
+            version_keys.pop(v, None)
+
+    # Plan from verified manifests only: the newest committed version is the newest whose
+    # manifest verifies (a planted LATEST and a junk manifest above the real head must not
+    # make the real chain look old enough to delete).
+    if latest is not None:
+        load(latest)  # even where the listing lags behind it
+    for v, keys in list(version_keys.items()):
+        if names.manifest_key(v) in keys and v not in manifests:
+            load(v)
+    committed = max((v for v in manifests if latest is None or v <= latest), default=None)
+    if latest is not None and committed != latest:
+        log.warning(
+            "retention: LATEST leads to version %d, whose manifest does not verify; planning "
+            "from the newest verified one (%s)",
+            latest,
+            committed,
+        )
+    deferred = []
+    now = time.time()
+    for v, keys in list(version_keys.items()):
+        if names.manifest_key(v) in keys:
+            continue
+        # Deleted in full as never committed, unless the store says otherwise: a listing can
+        # lag behind the newest writes (an eventually consistent store), and it must not
+        # delete the blobs of a version committed meanwhile.
+        if committed is None or v >= committed:
+            continue
+        if v in may_land:
             del version_keys[v]
+            deferred.append(v)
+            continue
+        if not store.exists(names.manifest_key(v)):
+            if _may_still_commit(store, keys, orphan_grace_s, now):
+                del version_keys[v]
+                deferred.append(v)
+            continue
+        keys.append(names.manifest_key(v))
+        load(v)
     ack_keys = {v: store.list(names.acks_prefix(v)) for v in manifests}
     run_id = manifests[committed].run_id if committed in manifests else None
     live = [
