@@ -370,3 +370,24 @@ def test_a_subclass_that_overrides_step_takes_the_snapshot_path():
     assert _missed(tracker.changed(), truth.changed()) == 0
     kept = AdamWTracker(_Named(model.parameters(), lr=1e-3), model.named_parameters(), strict=True)
     assert kept.fallback == {}
+
+
+class _NoClosure(torch.optim.Optimizer):
+    """An optimizer whose step() takes no closure (plain SGD on ``.data``)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    def step(self):  # noqa: D102 - no closure argument at all
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-0.1)
+
+
+def test_an_optimizer_whose_step_takes_no_closure_steps_unchanged_on_the_snapshot_path():
+    model = Model()
+    opt = _NoClosure(model.parameters())
+    tracker = AdamWTracker(opt, model.named_parameters())
+    truth = SnapshotTracker(model.named_parameters())
+    _step(model, opt, 1)  # the tracker hands it no closure: it would raise a TypeError
+    assert _missed(tracker.changed(), truth.changed()) == 0

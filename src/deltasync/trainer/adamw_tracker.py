@@ -496,7 +496,7 @@ class AdamWTracker:
         self._holds[key] = wait
         return lambda: self._holds.pop(key, None)
 
-    def _pre_step(self, opt, args, kwargs) -> tuple[tuple, dict]:
+    def _pre_step(self, opt, args, kwargs) -> tuple[tuple, dict] | None:
         for wait in list(self._holds.values()):  # a detection on another thread ends first
             wait()
         self._check_groups(opt)
@@ -507,9 +507,12 @@ class AdamWTracker:
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
+        if not self._covered:
+            return None  # every parameter on the snapshot path: its bits are compared
         # Adam's step calls its closure right before its update: the last point where a
         # write is not the update's (the closure's own, or a pre-hook registered after this
-        # one). Without a closure, one that only checks.
+        # one). Without a closure, one that only checks. (A covered parameter means torch's
+        # own Adam/AdamW step, which takes one.)
         return _closure_then(args, kwargs, self._oob.check)
 
     def _check_groups(self, opt: torch.optim.Optimizer) -> None:
