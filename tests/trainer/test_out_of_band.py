@@ -378,7 +378,7 @@ class _NoClosure(torch.optim.Optimizer):
     def __init__(self, params) -> None:
         super().__init__(params, {})
 
-    def step(self):  # noqa: D102 - no closure argument at all
+    def step(self):
         for group in self.param_groups:
             for p in group["params"]:
                 p.data.add_(p.grad, alpha=-0.1)
