@@ -47,6 +47,25 @@ def test_a_writer_marker_round_trips_including_an_empty_one() -> None:
     assert WriterMarker.from_json(empty.to_json()) == empty
 
 
+def test_a_writer_marker_states_its_base_and_world_size_under_its_mac() -> None:
+    key = b"k" * 16
+    marker = WriterMarker(
+        version=7, writer="w00000", created_at=5.0, blobs=(), base_version=6, num_writers=4
+    )
+    signed = marker.to_json(key)
+    again = WriterMarker.from_json(signed, signing_key=key)
+    assert (again.base_version, again.num_writers) == (6, 4)
+    anchor = WriterMarker(version=7, writer="w00000", created_at=5.0, blobs=(), base_version=-1)
+    assert WriterMarker.from_json(anchor.to_json()).base_version == -1
+    d = json.loads(signed)
+    d["base_version"] = -1  # a co-writer without the key turns the delta into an anchor
+    with pytest.raises(ManifestError):
+        WriterMarker.from_json(json.dumps(d), signing_key=key)
+    for bad in (dict(base_version=7), dict(base_version=-2), dict(num_writers=0)):
+        with pytest.raises(ManifestError):
+            WriterMarker(version=7, writer="w00000", created_at=5.0, blobs=(), **bad)
+
+
 def test_a_writer_marker_cannot_vouch_for_another_writers_or_versions_blobs() -> None:
     with pytest.raises(ManifestError, match="of writer"):
         WriterMarker(version=7, writer="w00000", created_at=0.0, blobs=(blob(7, "tp0", "w00001"),))

@@ -6,13 +6,20 @@ writer is named in the committer's error and nothing is committed."""
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+import time
 
 import pytest
 import torch
 
+from deltasync import names
 from deltasync.commit import Catalog
-from deltasync.errors import DeltaSyncError, StoreError, VersionError
+from deltasync.errors import (
+    CommitTimeoutError,
+    ConfigError,
+    DeltaSyncError,
+    StoreError,
+    VersionError,
+)
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.publish import MissingWritersError, Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
@@ -35,20 +42,20 @@ WORLD = 2
 VERSIONS = 5
 
 
-def _rows(p: torch.Tensor, rank: int) -> tuple[int, int, int]:
-    start, stop = fsdp_dim0_rows(p.shape[0], rank, WORLD)
+def _rows(p: torch.Tensor, rank: int, world: int = WORLD) -> tuple[int, int, int]:
+    start, stop = fsdp_dim0_rows(p.shape[0], rank, world)
     return start, stop, (p[0].numel() if p.dim() > 1 else 1)
 
 
 class RankTracker:
     """This rank's view of a whole-model tracker: changed indices local to its rows."""
 
-    def __init__(self, inner, params, rank):
-        self.inner, self.params, self.rank = inner, params, rank
+    def __init__(self, inner, params, rank, world=WORLD):
+        self.inner, self.params, self.rank, self.world = inner, params, rank, world
 
     def iter_changes(self):
         for name, idx, vals in self.inner.iter_changes():
-            start, stop, row = _rows(self.params[name], self.rank)
+            start, stop, row = _rows(self.params[name], self.rank, self.world)
             mine = (idx >= start * row) & (idx < stop * row)
             if bool(mine.any()):
                 yield name, idx[mine] - start * row, vals[mine]
@@ -143,41 +150,11 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
     # Both train on. Retrying v1 let the committer read writer 1's marker of the failed
     # attempt while writer 1 overwrote the blobs it names (a committed manifest whose blobs
     # do not match it), or commit writer 1's stale blobs and have writer 1 drop its changes.
-    spec, tl, rl = layouts()
+    _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     failing = FailingUploads(store, 1)
-    syncs, trainers = [], []
-    for rank in range(WORLD):
-        trainer = TinyTrainer(spec, seed=7)
-        local = {}
-        for name, p in trainer.params.items():
-            start, stop, _ = _rows(p, rank)
-            local[name] = p.detach()[start:stop]
-        config = PublisherConfig(
-            writer_rank=rank, num_writers=WORLD, session="s1", marker_timeout_s=2
-        )
-        config = replace(config, poll_interval_s=0.02)
-        pub = Publisher(failing if rank == 0 else store, receiver_layout=rl, config=config)
-        tracker = RankTracker(SnapshotTracker(trainer.named_parameters()), trainer.params, rank)
-        full = trainer.params if rank == 0 else None
-        syncs.append(TrainerSync(tracker, pub, local, full_state=full))
-        trainers.append(trainer)
-
-    def everyone(call) -> list:
-        out: list = [None] * WORLD
-
-        def run(rank):
-            try:
-                out[rank] = call(rank)
-            except DeltaSyncError as exc:
-                out[rank] = exc
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        return out
+    syncs, trainers = _ranks([failing, store], marker_timeout_s=2)
+    everyone = _everyone
 
     everyone(lambda r: syncs[r].step_published(0))
     for trainer in trainers:
@@ -196,4 +173,167 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
         store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
     )
     assert rec.pull().chain == (0, 2)
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, **config):
+    """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
+    deterministic training), rank ``r`` publishing to ``stores[r]``; ``num_writers`` per
+    rank (default: the world size); ``full_state(trainer)``: the committer's full state."""
+    spec, _tl, rl = layouts()
+    syncs, trainers = [], []
+    for rank in range(world):
+        trainer = TinyTrainer(spec, seed=7)
+        local = {}
+        for name, p in trainer.params.items():
+            start, stop, _ = _rows(p, rank, world)
+            local[name] = p.detach()[start:stop]
+        writers = world if num_writers is None else num_writers[rank]
+        cfg = PublisherConfig(
+            writer_rank=rank, num_writers=writers, session="s1", poll_interval_s=0.02, **config
+        )
+        pub = Publisher(stores[rank], receiver_layout=rl, config=cfg)
+        tracker = RankTracker(
+            SnapshotTracker(trainer.named_parameters()), trainer.params, rank, world
+        )
+        full = None
+        if rank == 0:
+            full = trainer.params if full_state is None else full_state(trainer)
+        syncs.append(TrainerSync(tracker, pub, local, full_state=full))
+        trainers.append(trainer)
+    return syncs, trainers
+
+
+def _everyone(call, world=WORLD) -> list:
+    """``call(rank)`` on every rank at once (threads); each result or DeltaSyncError."""
+    out: list = [None] * world
+
+    def run(rank):
+        try:
+            out[rank] = call(rank)
+        except DeltaSyncError as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _fresh_pull(store, rl, tmp_path, shard="tp0"):
+    rec = Receiver.for_layout(
+        store, rl, shard, zero_tensors(rl, shard), str(tmp_path / f"fresh-{shard}"), rconfig("f")
+    )
+    return rec, rec.pull()
+
+
+@pytest.mark.timeout(90)
+def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the_version(
+    tmp_path,
+):
+    # The committer's manifest write of version 1 is slow: writer 1 gives up waiting for it
+    # (and withdraws its marker, too late), yet the committer commits its blobs. Writer 1's
+    # changes since version 0 are kept, so they cover version 1's too: its next part is a
+    # delta on 1, as the committer's is, never an anchor beside it (a version no receiver
+    # could apply).
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    slow = SlowManifest(store, 1)
+    syncs, trainers = _ranks([slow, store], marker_timeout_s=1.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    first = _everyone(lambda r: syncs[r].step_published(1))
+    assert isinstance(first[1], CommitTimeoutError), first[1]
+    assert not isinstance(first[0], Exception), first[0]
+    assert Catalog(store).versions() == [0, 1]
+    for v in (2, 3):
+        for t in trainers:
+            t.step()
+        assert [s.next_version() for s in syncs] == [v, v]
+        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+        assert Catalog(store).manifest(v).base_version == v - 1
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path, shard)
+        assert report.version == 3
+        assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
+
+
+class SlowManifest:
+    """A store whose manifest write of ``version`` takes 2 s longer (an overloaded server)."""
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.key = inner, names.manifest_key(version)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == self.key:
+            time.sleep(2.0)
+        return self.inner.put_if_absent(key, data)
+
+
+@pytest.mark.timeout(90)
+def test_writers_that_published_different_numbers_converge_on_next_version(tmp_path):
+    # Each writer's failed number is skipped by next_version(), and so is every number any
+    # writer tried since the last commit: the writers agree on one number again, and the
+    # abandoned attempts' markers were withdrawn, so no version joins a stale part.
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], marker_timeout_s=1.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    split = _everyone(lambda r: syncs[r].step_published(1 + r))
+    assert all(isinstance(x, DeltaSyncError) for x in split), split
+    assert [s.next_version() for s in syncs] == [3, 3]
+    for v in (3, 4):
+        for t in trainers:
+            t.step()
+        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+    assert Catalog(store).versions() == [0, 3, 4]
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.chain == (0, 3, 4)
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_configured_for_another_world_size_is_refused_and_nothing_commits(tmp_path):
+    # Three ranks hold world-3 shards; rank 1 was told num_writers=2. Its smaller shard fits
+    # inside a world-2 shard's range, so only its shapes can tell.
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks([store] * 3, world=3, num_writers=[3, 2, 3], marker_timeout_s=0.5)
+    out = _everyone(lambda r: syncs[r].step_published(0), world=3)
+    assert isinstance(out[1], ConfigError), out[1]
+    assert "rank 1's dim-0 shard among num_writers=2" in str(out[1])
+    assert isinstance(out[0], MissingWritersError), out[0]
+    assert Catalog(store).versions() == []
+
+
+@pytest.mark.timeout(60)
+def test_the_committer_never_joins_parts_built_for_another_base(tmp_path):
+    # Writer 1 publishes an anchor of version 1 while the committer publishes a delta on 0:
+    # refused by the committer, nothing committed, then a version both build alike commits.
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], marker_timeout_s=1.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    out = _everyone(lambda r: syncs[r].step_published(1, anchor=r == 1))
+    assert isinstance(out[0], VersionError), out[0]
+    message = str(out[0])
+    assert "w00000-s1: base 0, num_writers=2; w00001-s1: anchor, num_writers=2" in message
+    assert Catalog(store).versions() == [0]
+    for t in trainers:
+        t.step()
+    reports = _everyone(lambda r: syncs[r].step_published(syncs[r].next_version()))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.version == 2
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])

@@ -133,7 +133,11 @@ class _Signed:
 
 @dataclass(frozen=True, kw_only=True)
 class WriterMarker(_Signed):
-    """Writer ``writer`` has stored all its blobs of ``version``; ``blobs`` may be empty."""
+    """Writer ``writer`` has stored all its blobs of ``version``; ``blobs`` may be empty.
+
+    ``base_version`` (-1: an anchor) and ``num_writers`` say what the writer built its blobs
+    for, so the committer never joins the parts of writers that disagree (None: not stated,
+    as by a hand-made marker; the publisher always states them)."""
 
     KIND = "writer marker"
 
@@ -141,11 +145,19 @@ class WriterMarker(_Signed):
     writer: str
     blobs: tuple[BlobEntry, ...]
     created_at: float
+    base_version: int | None = None
+    num_writers: int | None = None
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="writer marker version", lo=0, hi=names.MAX_VERSION)
         names.check_token("writer", self.writer)
+        if self.base_version is not None:
+            check_int(
+                self.base_version, what="writer marker base_version", lo=-1, hi=self.version - 1
+            )
+        if self.num_writers is not None:
+            check_int(self.num_writers, what="writer marker num_writers", lo=1, hi=1 << 20)
         object.__setattr__(
             self, "created_at", check_time(self.created_at, what="writer marker created_at")
         )
@@ -174,12 +186,17 @@ class WriterMarker(_Signed):
         return names.writer_marker_key(self.version, self.writer)
 
     def _fields(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "writer": self.writer,
             "created_at": self.created_at,
             "blobs": [b.to_dict() for b in self.blobs],
         }
+        if self.base_version is not None:
+            out["base_version"] = self.base_version
+        if self.num_writers is not None:
+            out["num_writers"] = self.num_writers
+        return out
 
     @classmethod
     def from_json(
@@ -192,7 +209,7 @@ class WriterMarker(_Signed):
                 obj,
                 what=what,
                 required={"version", "writer", "created_at", "blobs"},
-                optional={"mac"},
+                optional={"mac", "base_version", "num_writers"},
             )
             if not isinstance(obj["blobs"], list):
                 raise ManifestError(f"{what} blobs must be a JSON list")
@@ -201,6 +218,8 @@ class WriterMarker(_Signed):
                 version=obj["version"],
                 writer=obj["writer"],
                 created_at=obj["created_at"],
+                base_version=obj.get("base_version"),
+                num_writers=obj.get("num_writers"),
                 blobs=tuple(
                     BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
                 ),

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -140,7 +140,31 @@ log = logging.getLogger(__name__)
 # 4-5 MiB off the 0.6B's peak at the same CPU time, publish_probe --threads 1).
 SEGMENT_ELEMENTS = 1 << 18
 
+# The most versions a writer that waited in vain adopts at once (see Publisher._adopts).
+_ADOPT_MAX = 64
+
 Params = Mapping[str, torch.Tensor]
+
+
+def _check_agreement(markers: Iterable[WriterMarker], own: WriterMarker) -> None:
+    """Raise VersionError (nothing is committed) unless every writer built its blobs for the
+    committer's base and writer count: one writer's anchor beside another's delta, or shards
+    cut for another world size, make a version no receiver can apply."""
+    differ = [
+        m for m in markers if (m.base_version, m.num_writers) != (own.base_version, own.num_writers)
+    ]
+    if not differ:
+        return
+    each = "; ".join(
+        f"{m.writer}: {'anchor' if m.base_version == -1 else f'base {m.base_version}'}, "
+        f"num_writers={m.num_writers}"
+        for m in sorted(markers, key=lambda m: m.writer)
+    )
+    raise VersionError(
+        f"version {own.version}: the writers built their parts for different versions or "
+        f"world sizes ({each}); nothing was committed. Give every writer the same num_writers "
+        "and publish next_version() on every writer"
+    )
 
 
 FullState = Params | Callable[[], Params]
@@ -178,6 +202,7 @@ class Publisher:
         # stay (gc keeps them) while the manifest may still land and name them
         self._may_land: set[int] = set()
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
+        self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
             receiver_layout=receiver_layout,
@@ -208,6 +233,12 @@ class Publisher:
         after = 0 if committed is None else committed + 1
         if self.baseline is not None:  # its own commit, which a stale LATEST may not name yet
             after = max(after, self.baseline + 1)
+        if self.config.num_writers > 1:
+            # Above every number any writer has tried since (its blobs or marker are stored):
+            # each writer skips its own failed numbers, and without this, writers that failed
+            # different numbers would go on choosing different ones.
+            tried = [v for v in self.catalog.version_dirs() if v >= after]
+            after = max([after, *(v + 1 for v in tried)])
         return max(after, max(self._failed, default=-1) + 1)
 
     def resume(
@@ -425,6 +456,8 @@ class Publisher:
             head, committed, anchor = None, self.catalog.latest(), True
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
+        if since is not None and since == self.baseline and self._adopts(head):
+            since = self.baseline
         if unreadable is None and self.catalog.has_manifest(version):
             # committed, though the head stops short of it (a LATEST that could not be moved
             # and a gap left by a number never reused): compared, never overwritten
@@ -449,6 +482,8 @@ class Publisher:
         on_lineage = self._on_lineage(head)
         run_id = head.run_id if on_lineage and head is not None else secrets.token_hex(8)
         base_digests = self._baseline_digests if kind == "delta" else None
+        if cfg.num_writers > 1:
+            self._check_shards(params)
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
@@ -532,49 +567,22 @@ class Publisher:
 
         t = time.perf_counter()
         marker = WriterMarker(
-            version=version, writer=self.writer, blobs=tuple(entries), created_at=time.time()
+            version=version,
+            writer=self.writer,
+            blobs=tuple(entries),
+            created_at=time.time(),
+            base_version=-1 if base is None else base,
+            num_writers=cfg.num_writers,
         )
         self.store.put(marker.key, marker.to_json(cfg.signing_key))  # MAC'd when keyed
-        if cfg.is_committer:
-            assert digests is not None
-            # Our own marker from memory: the store's copy may have been rewritten since.
-            markers = commit_mod.wait_for_markers(
-                self.store,
-                version,
-                cfg.all_writer_ids(),
-                timeout_s=cfg.marker_timeout_s,
-                poll_s=cfg.poll_interval_s,
-                own=marker,
-                signing_key=cfg.signing_key,
+        try:
+            manifest, ours = self._commit(
+                marker, kind, base, digests, run_id, base_digests, entries
             )
-            manifest = commit_mod.build_manifest(
-                version=version,
-                kind=kind,
-                base_version=base,
-                writers=cfg.all_writer_ids(),
-                markers=markers,
-                shard_digests=digests,
-                created_at=time.time(),
-                run_id=run_id,
-                base_digests=base_digests,
-                layout=self.layout_record,
-                signing_key=cfg.signing_key,
-            )
-            try:
-                ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
-            except OutcomeUnknownError:
-                self._failed.add(version)  # no verdict: the store may apply it later
-                self._may_land.add(version)
-                raise
-            if not ours:  # an equivalent manifest was committed first: its lineage is ours
-                manifest = self.catalog.manifest(version)
-            commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
-        else:
-            manifest = commit_mod.wait_for_manifest(
-                self.catalog, version, timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s
-            )
-            self._check_listed(manifest, entries)
-            ours = True
+        except BaseException:
+            if cfg.num_writers > 1:
+                self._withdraw(marker)
+            raise
         commit_s = time.perf_counter() - t
         self._set_baseline(manifest)
         # this state's per-tensor digests, for the next delta's unchanged tensors
@@ -597,6 +605,133 @@ class Publisher:
             staleness_wait_s=waited,
             total_s=time.perf_counter() - t0,
         )
+
+    def _commit(
+        self,
+        marker: WriterMarker,
+        kind: str,
+        base: int | None,
+        digests: Mapping[str, str] | None,
+        run_id: str,
+        base_digests: Mapping[str, str] | None,
+        entries: Sequence[BlobEntry],
+    ) -> tuple[Manifest, bool]:
+        """After this writer's marker is stored: the committer joins every writer's marker into
+        the manifest and commits it; another writer waits for it. Returns the manifest and
+        whether this attempt's blobs are the committed ones."""
+        cfg, version = self.config, marker.version
+        if cfg.is_committer:
+            assert digests is not None
+            # Our own marker from memory: the store's copy may have been rewritten since.
+            markers = commit_mod.wait_for_markers(
+                self.store,
+                version,
+                cfg.all_writer_ids(),
+                timeout_s=cfg.marker_timeout_s,
+                poll_s=cfg.poll_interval_s,
+                own=marker,
+                signing_key=cfg.signing_key,
+            )
+            _check_agreement(markers, marker)
+            manifest = commit_mod.build_manifest(
+                version=version,
+                kind=kind,
+                base_version=base,
+                writers=cfg.all_writer_ids(),
+                markers=markers,
+                shard_digests=digests,
+                created_at=time.time(),
+                run_id=run_id,
+                base_digests=base_digests,
+                layout=self.layout_record,
+                signing_key=cfg.signing_key,
+            )
+            try:
+                ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
+            except OutcomeUnknownError:
+                self._failed.add(version)  # no verdict: the store may apply it later
+                self._may_land.add(version)
+                raise
+            if not ours:  # an equivalent manifest was committed first: its lineage is ours
+                manifest = self.catalog.manifest(version)
+            commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
+            return manifest, ours
+        manifest = commit_mod.wait_for_manifest(
+            self.catalog, version, timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s
+        )
+        self._check_listed(manifest, entries)
+        return manifest, True
+
+    def _withdraw(self, marker: WriterMarker) -> None:
+        """After this writer's attempt failed with several writers: remove its marker, so the
+        committer cannot join the abandoned attempt's blobs into a version later (best effort:
+        if the committer read it first and commits, the next publish adopts that version)."""
+        try:
+            if not self.catalog.has_manifest(marker.version):
+                self.store.delete(marker.key)
+        except StoreError as exc:
+            log.warning(
+                "writer %s: the marker of its failed version %d could not be removed (%s); "
+                "that number is never published again by this writer",
+                self.writer,
+                marker.version,
+                exc,
+            )
+
+    def _check_shards(self, params: Params) -> None:
+        """Each of this writer's parameters is its rank's dim-0 shard for ``num_writers``
+        writers: a writer configured for another world size would place its rows at the wrong
+        offsets (a smaller shard fits inside the range, so the indices alone cannot tell)."""
+        cfg = self.config
+        for name, t in params.items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            key = (name, tuple(local.shape))
+            if key in self._shards_ok:
+                continue
+            try:
+                want = self.trainer_layout.shard_shape(name, cfg.writer_rank, cfg.num_writers)
+            except (KeyError, LayoutError):
+                continue  # not a layout parameter: named where its changes are routed
+            if tuple(local.shape) != want:
+                raise ConfigError(
+                    f"writer {self.writer}: parameter {name!r} is {tuple(local.shape)} here, but "
+                    f"rank {cfg.writer_rank}'s dim-0 shard among num_writers={cfg.num_writers} "
+                    f"is {want}; give every writer the trainer's world size as num_writers and "
+                    "its own rank as writer_rank. Nothing was written"
+                )
+            self._shards_ok.add(key)
+
+    def _adopts(self, head: Manifest | None) -> bool:
+        """With several writers, a writer that did not commit: whether every version committed
+        since its baseline names this writer (its attempt there timed out waiting for the
+        manifest, yet the committer joined its blobs after all). Its changes are kept since
+        its baseline, so they cover those versions' changes too: it takes the newest as its
+        baseline and goes on with deltas, as the committer does, instead of an anchor of its
+        own beside the committer's delta."""
+        cfg = self.config
+        if cfg.num_writers == 1 or cfg.is_committer or head is None or self.baseline is None:
+            return False
+        if not self.baseline < head.version <= self.baseline + _ADOPT_MAX:
+            return False
+        for v in range(self.baseline + 1, head.version + 1):
+            try:
+                m = head if v == head.version else self.catalog.manifest(v)
+            except KeyNotFoundError:
+                continue  # a number never committed
+            if m.run_id != self.run_id or self.writer not in m.writers:
+                return False
+        log.info(
+            "writer %s: versions %d..%d were committed with its blobs while it waited; its "
+            "changes since version %d cover them: version %d's base is %d",
+            self.writer,
+            self.baseline + 1,
+            head.version,
+            self.baseline,
+            head.version + 1,
+            head.version,
+        )
+        self._set_baseline(head)
+        return True
 
     def _anchor_reason(
         self, version: int, head: Manifest | None, since: object, forced: bool
