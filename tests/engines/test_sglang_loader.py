@@ -15,7 +15,7 @@ import pytest
 import torch
 from kit import same_bits
 
-from deltasync import LocalStore, ModelSpec
+from deltasync import LocalStore, ModelSpec, Receiver
 from deltasync.engines.sglang_loader import (
     LOADER,
     REQUEST_NAME,
@@ -153,6 +153,37 @@ def test_a_version_that_is_not_the_newest_is_refused_before_anything_is_written(
     assert _same(model, before)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_version_committed_while_ranks_take_the_previous_one_is_not_what_they_write(
+    tmp_path, monkeypatch, tp
+):
+    # Version 2 commits after the loader checked that 1 is the newest, before (or, at TP=2,
+    # between) the ranks' pulls: every rank takes exactly version 1, never 2 or a mix.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
+    trainer.publish(0)
+    models = _models(trainer.split(), tp)
+    _take_all(models, _request(tmp_path, 0))
+    trainer.step()
+    trainer.publish(1)
+    expected = trainer.split()
+    pull, lock, raced = Receiver.pull, threading.Lock(), []
+
+    def racing(self, version=None):
+        with lock:
+            if not raced:  # the first rank to pull: the trainer commits 2 now
+                raced.append(True)
+                trainer.step()
+                trainer.publish(2)
+        return pull(self, version=version)
+
+    monkeypatch.setattr(Receiver, "pull", racing)
+    reports = _take_all(models, _request(tmp_path, 1))
+    assert raced and all(r is not None and r.version == 1 for r in reports), reports
+    for r, model in enumerate(models):
+        assert _same(model, expected[f"tp{r}"]), r
+        assert model._deltasync_shard.receiver.version == 1
+
+
 def test_the_request_travels_as_one_uint8_tensor_and_bad_ones_are_refused():
     req = SglangRequest(store="s3://b/p", receiver_id="x", state_dir="/tmp/x", version=7)
     named = request_tensors(req)
@@ -162,6 +193,9 @@ def test_the_request_travels_as_one_uint8_tensor_and_bad_ones_are_refused():
         parse_request([("model.norm.weight", torch.zeros(3))])
     with pytest.raises(ConfigError, match="does not hold a deltasync request"):
         parse_request([(REQUEST_NAME, torch.frombuffer(bytearray(b"{}"), dtype=torch.uint8))])
+    deep = bytearray(b"[" * 100_000 + b"]" * 100_000)  # nested past the JSON parser's stack
+    with pytest.raises(ConfigError, match="does not hold a deltasync request"):
+        parse_request([(REQUEST_NAME, torch.frombuffer(deep, dtype=torch.uint8))])
     with pytest.raises(ConfigError, match="version"):
         SglangRequest(store="d", receiver_id="x", state_dir="/s", version=-1)
     assert LOADER == "deltasync.engines.sglang_loader.load_deltasync"

@@ -6,7 +6,7 @@ repair errors name the key, the version and the journaled versions."""
 from __future__ import annotations
 
 import pytest
-from truth_kit import Rig, wipe
+from truth_kit import Rig, assert_same_bits, snapshot, wipe
 
 from deltasync import LocalStore, Publisher, names
 from deltasync.commit import decode_latest, encode_latest
@@ -91,3 +91,19 @@ def test_a_garbage_latest_is_treated_as_absent_and_overwritten_by_the_next_commi
     rig.publish(2)
     assert decode_latest(rig.store.get(names.LATEST)) == 2
     rig.check(rig.rec.pull())
+
+
+def test_a_pull_to_a_given_version_takes_exactly_it_or_refuses_before_any_write(rig, tmp_path):
+    for v in (2, 3):
+        rig.publish(v)
+    report = rig.rec.pull(version=2)  # not the newest: exactly it, as an engine asked
+    assert report.version == 2
+    rig.check(report)
+    before = snapshot(rig.rec.tensors)
+    with pytest.raises(VersionError, match="version 9 is not committed"):
+        rig.rec.pull(version=9)
+    with pytest.raises(VersionError, match="holds version 2, newer than the version 1"):
+        rig.rec.pull(version=1)
+    assert_same_bits(rig.rec.tensors, before, "refused pulls")
+    assert rig.rec.version == 2
+    rig.check(rig.rec.pull())  # and on to the newest

@@ -132,7 +132,7 @@ def parse_request(named_tensors: list[tuple[str, Any]]) -> SglangRequest:
     try:
         fields = json.loads(bytes(found[0].cpu().numpy().tobytes()).decode())
         return SglangRequest(**fields)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:  # deep nesting: RecursionError
         raise ConfigError(f"{REQUEST_NAME!r} does not hold a deltasync request: {exc}") from None
 
 
@@ -304,12 +304,8 @@ class SglangShard:
                 f"newest committed version ({latest}); a receiver takes the newest. Nothing "
                 "was written"
             )
-        report = receiver.pull()
-        if report.version != request.version:
-            raise VersionError(
-                f"shard {self.shard!r} now holds version {report.version}, not "
-                f"{request.version}: the store committed a newer version meanwhile"
-            )
+        # exactly the requested version, even if a newer one commits while it is staged
+        report = receiver.pull(version=request.version)
         log.info(
             "deltasync SGLang shard %s: version %s -> %s (%d elements, pause %.3f s)",
             self.shard,

@@ -384,11 +384,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 f"a receiver takes the newest: request version {latest}. Nothing was written"
             )
 
-    def _pull(self, receiver: Receiver, gate: _StagedPull | None = None) -> PullReport:
+    def _pull(
+        self, receiver: Receiver, version: int, gate: _StagedPull | None = None
+    ) -> PullReport:
         # One pull at a time per worker: the apply call joins a staged thread before it pulls.
+        # Exactly ``version``, even if a newer one commits while it is staged.
         self._gate = gate
         self._touched.clear()
-        return receiver.pull()
+        return receiver.pull(version=version)
 
     def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
         staged = _StagedPull(version)
@@ -398,7 +401,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if self.device.type == "cuda":  # a new thread starts on device 0
                     torch.cuda.set_device(self.device)
                 self._check_newest(receiver, version)
-                staged.report = self._pull(receiver, staged)
+                staged.report = self._pull(receiver, version, staged)
             except BaseException as exc:  # re-raised on the worker thread by the apply call
                 staged.error = exc
             finally:

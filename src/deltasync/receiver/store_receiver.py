@@ -535,8 +535,10 @@ class Receiver:
 
     # --- pull -------------------------------------------------------------------------
 
-    def pull(self) -> PullReport:
-        """Bring the tensors to the newest committed version; see the module docstring.
+    def pull(self, version: int | None = None) -> PullReport:
+        """Bring the tensors to the newest committed version (or to exactly ``version``, e.g.
+        the one an engine was told to take, even if a newer one commits meanwhile); see the
+        module docstring.
 
         Repairs an interrupted apply first (its journal), then applies the chain from the
         local state, or from the newest anchor when the local state cannot be a base.
@@ -544,7 +546,13 @@ class Receiver:
         Returns:
             A :class:`PullReport`: the version now held (None while dirty), the chain applied,
             bytes fetched, elements written and the stage / verify / pause times.
+
+        Raises:
+            VersionError: before anything is written, when ``version`` is not committed in the
+                store, or is older than the version held while the store still holds that one.
         """
+        if version is not None:
+            names.check_version(version)
         t0 = time.perf_counter()
         journal = self.dir.read_journal()
         if journal is not None:  # an earlier pull of this process failed after its journal
@@ -553,15 +561,33 @@ class Receiver:
             repair = self._repair(journal)
             if repair.version is None:
                 return repair
-            return _then(repair, self._pull(time.perf_counter()))
-        return self._pull(t0)
+            return _then(repair, self._pull(time.perf_counter(), version))
+        return self._pull(t0, version)
 
-    def _pull(self, t0: float) -> PullReport:
-        head = self.catalog.head()
+    def _target(self, version: int) -> Manifest:
+        """The committed manifest of ``version``, read afresh (VersionError if none)."""
+        try:
+            return self.catalog.manifest(version, fresh=True)
+        except KeyNotFoundError:
+            raise VersionError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: version {version} "
+                f"is not committed in the store (newest: {self.catalog.latest()}). Nothing was "
+                "fetched or written"
+            ) from None
+
+    def _pull(self, t0: float, target: int | None = None) -> PullReport:
+        head = self.catalog.head() if target is None else self._target(target)
         held = self._held()
         previous = None if held is None else held[0]
         if head is not None and held is not None and head.version < held[0]:
-            head = self._held_manifest(held) or head
+            kept = self._held_manifest(held)
+            if kept is not None and target is not None:
+                raise VersionError(
+                    f"receiver {self.config.receiver_id!r} shard {self.shard!r} holds version "
+                    f"{held[0]}, newer than the version {target} asked for, and a receiver never "
+                    "goes back: take the newest. Nothing was fetched or written"
+                )
+            head = kept or head
         idle = head is None or (
             held is not None
             and head.version == held[0]
@@ -573,7 +599,7 @@ class Receiver:
                 return self._report(t0, previous_version=previous, scrubbed=True)
             if head is None:  # nothing committed to restore from
                 return self._report(t0, previous_version=previous, scrubbed=True, drifted=True)
-            report = self._pull(t0)  # dirty now: restores the newest anchor
+            report = self._pull(t0, target)  # dirty now: restores the newest anchor
             return replace(report, previous_version=previous, scrubbed=True, drifted=True)
         if idle:
             self._flush_records()
