@@ -525,3 +525,37 @@ def test_patched_digests_decline_what_the_kernel_cannot_take() -> None:
         lib.ds_patched_digests16(1, p, p, p, p, p, p, p, 7, zero.ctypes.data, out.ctypes.data) == -2
     )
     assert not out.any()
+
+
+def test_a_base_or_first_position_outside_int64_is_refused_not_wrapped() -> None:
+    # ctypes passes a Python int modulo 2^64: base 2^64 was base 0 to the kernel, and a base
+    # near 2^63 made a far negative index land inside the target.
+    live = torch.zeros(8, dtype=torch.bfloat16)
+    source = torch.zeros(8, dtype=torch.bfloat16)
+    vals = torch.ones(1, dtype=torch.bfloat16)
+    for idx, base in (([3], 2**64), ([-(2**63)], 2**63 - 1), ([3], -1), ([3], True)):
+        index = torch.tensor(idx, dtype=torch.int64)
+        with pytest.raises(TensorInputError, match="base"):
+            scatter16(live, index, vals, base=base)
+        with pytest.raises(TensorInputError, match="base"):
+            patch16(live, source, index, vals, base=base)
+    assert not live.view(torch.int16).any()
+    assert scatter16(live, torch.tensor([5], dtype=torch.int64), vals, base=np.int64(2))
+    payload = np.zeros(2 * 2 + 1, dtype=np.uint8)  # two elements, 1-byte gaps
+    payload[0] = 4
+    for first, numel in ((2**64 + 1, 10), (2**63, 2**63 + 5), (-1, 10)):
+        assert decode_sparse(payload, 2, first, 1, numel, np.int64) is None
+
+
+def test_patched_digests_never_write_into_what_they_hash() -> None:
+    live = torch.arange(8, dtype=torch.int16).view(torch.bfloat16)
+    idx = torch.tensor([1], dtype=torch.int64)
+    vals = torch.tensor([7], dtype=torch.int16).view(torch.bfloat16)
+    before = live.clone()
+    for scratch in (live, live[2:], vals):  # the caller's scratch over a hashed buffer
+        assert patched_digests16([(live, idx, vals)], scratch, chunk=4) is None
+    assert torch.equal(live.view(torch.int16), before.view(torch.int16))
+    want = before.clone()
+    want[1] = vals[0]
+    got = patched_digests16([(live, idx, vals)], torch.empty(8, dtype=torch.bfloat16), chunk=4)
+    assert got == [xxhash.xxh3_128_digest(want.view(torch.uint8).numpy().tobytes())]

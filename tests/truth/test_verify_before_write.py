@@ -13,10 +13,11 @@ import torch
 from truth_kit import CountingStore, Rig, assert_same_bits, rconfig, snapshot, tiny_layouts
 
 from deltasync import LocalStore, names
-from deltasync.commit import Manifest
+from deltasync.commit import Manifest, blob_digest
 from deltasync.errors import (
     BlobMismatchError,
     ConfigError,
+    DigestMismatchError,
     IntegrityError,
     LayoutMismatchError,
 )
@@ -46,6 +47,29 @@ def _edit_manifest(store, version, **changes) -> bytes:
     m = Manifest.from_json(original)
     store.put(key, dataclasses.replace(m, **changes).to_json())
     return original
+
+
+@pytest.mark.timeout(60)
+def test_a_blob_that_matches_its_manifest_entry_yet_fails_its_own_checks_is_named(rig):
+    # Rewritten with its manifest entry (an unsigned store): refetching gives the same bytes,
+    # so the error names the blob and its version, and does not say to fetch it again.
+    m = Manifest.from_json(rig.store.get(names.manifest_key(1)))
+    entry = m.blobs_for("tp0")[0]
+    data = bytearray(rig.store.get(entry.key))
+    data[-1] ^= 1  # its own xxh3 trailer no longer matches
+    rig.store.put(entry.key, bytes(data))
+    blobs = tuple(
+        dataclasses.replace(b, digest=blob_digest(bytes(data))) if b.key == entry.key else b
+        for b in m.blobs
+    )
+    _edit_manifest(rig.store, 1, blobs=blobs)
+    before = snapshot(rig.tensors)
+    with pytest.raises(DigestMismatchError) as err:
+        rig.rec.pull()
+    message = str(err.value)
+    assert message.startswith(f"version 1 blob {entry.key!r}: blob digest"), message
+    assert "fetch it again" not in message and "match the manifest's digest" in message
+    assert_same_bits(rig.tensors, before, "refused pull")
 
 
 @pytest.mark.timeout(60)

@@ -55,7 +55,7 @@ from deltasync.format.wire import (
 )
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")  # same rule as names.check_token
-_REFETCH = "fetch it again"
+REFETCH = "fetch it again"  # the advice of a blob check; a caller that knows better drops it
 
 
 def _bytes_view(blob: bytes | bytearray | memoryview) -> memoryview:
@@ -85,7 +85,7 @@ def _check_digest(view: memoryview) -> None:
     if n < MIN_BLOB_SIZE:
         raise TruncatedBlobError(
             f"blob is {n} bytes, shorter than the {MIN_BLOB_SIZE}-byte minimum (header, ids, "
-            f"trailer and digest); it was cut short: {_REFETCH}"
+            f"trailer and digest); it was cut short: {REFETCH}"
         )
     if xxhash.xxh3_128_digest(view[: n - DIGEST_SIZE]) == view[n - DIGEST_SIZE :]:
         return
@@ -93,20 +93,20 @@ def _check_digest(view: memoryview) -> None:
     if declared is None:
         raise TruncatedBlobError(
             f"blob of {n} bytes does not end with its trailer and digest; it was cut short (or "
-            f"bytes were appended in transit): {_REFETCH}"
+            f"bytes were appended in transit): {REFETCH}"
         )
     if declared > n:
         raise TruncatedBlobError(
-            f"blob is {n} bytes but its trailer declares {declared}; it was cut short: {_REFETCH}"
+            f"blob is {n} bytes but its trailer declares {declared}; it was cut short: {REFETCH}"
         )
     if declared < n:
         raise FormatError(
             f"blob is {n} bytes but its trailer declares {declared}: {n - declared} extra bytes "
-            f"were appended (concatenated or padded in transit): {_REFETCH}"
+            f"were appended (concatenated or padded in transit): {REFETCH}"
         )
     raise DigestMismatchError(
         f"blob digest (xxh3-128 over its first {n - DIGEST_SIZE} bytes) does not match: the blob "
-        f"was corrupted in transit or storage: {_REFETCH}"
+        f"was corrupted in transit or storage: {REFETCH}"
     )
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -195,6 +196,23 @@ def _two_byte_writable(
     return not any(native.overlaps(target, t) for t in (indices, values, *others))
 
 
+# the largest flat position the 2-byte kernels take (int64, with room for base + numel)
+_MAX_BASE = (1 << 62) - 1
+
+
+def _check_base(op: str, base: object, target: torch.Tensor) -> None:
+    """``base`` must be an int with ``[base, base + numel)`` inside int64 (ctypes would wrap
+    anything else modulo 2^64, and the kernel would then take far indices for near ones)."""
+    if not isinstance(base, Integral) or isinstance(base, bool) or not 0 <= base <= _MAX_BASE:
+        raise TensorInputError(
+            f"{op}: base {base!r} must be an int in [0, {_MAX_BASE}]; nothing was written"
+        )
+    if int(base) + target.numel() > _MAX_BASE:
+        raise TensorInputError(
+            f"{op}: base {base} + {target.numel()} elements passes {_MAX_BASE}; nothing was written"
+        )
+
+
 def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:
     """A 2-byte kernel's result: True, or the bad index it found (nothing was written)."""
     if rc < 0:
@@ -224,6 +242,7 @@ def scatter16(
     """
     if not _two_byte_writable("scatter16", target, indices, values):
         return False
+    _check_base("scatter16", base, target)
     lib = native.load()
     assert lib is not None
     kernel = lib.ds_scatter16_i32 if indices.dtype == torch.int32 else lib.ds_scatter16_i64
@@ -259,6 +278,7 @@ def patch16(
         or not _two_byte_writable("patch16", target, indices, values, source)
     ):
         return False
+    _check_base("patch16", base, target)
     lib = native.load()
     assert lib is not None
     kernel = lib.ds_patch16_i32 if indices.dtype == torch.int32 else lib.ds_patch16_i64
@@ -419,6 +439,7 @@ def decode_sparse(
     if (
         n < 1
         or not 1 <= width <= 8
+        or not (0 <= first < numel <= _MAX_BASE)
         or payload.dtype != np.uint8
         or payload.size != (n - 1) * width + 2 * n
         or not _flat_array(payload)
@@ -494,6 +515,10 @@ def patched_digests16(
     taken = [k for k, item in enumerate(items) if can_patch_digest(*item)]
     if any(
         items[k][1] is not None and scratch.numel() < min(chunk, items[k][0].numel()) for k in taken
+    ):
+        return None
+    if any(  # the kernel writes scratch: never over what it hashes
+        t is not None and native.overlaps(scratch, t) for k in taken for t in items[k]
     ):
         return None
     lib = native.load()

@@ -36,7 +36,7 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
-from deltasync.format.decode import BlobRecords
+from deltasync.format.decode import REFETCH, BlobRecords
 from deltasync.format.merge import check_anchor_complete
 from deltasync.store import Store
 
@@ -120,15 +120,24 @@ def open_version(
         where = f"version {manifest.version} blob {entry.key!r}"
         data = fetch_blob(store, manifest, entry)
         fetched += len(data)
-        records = BlobRecords(
-            data,
-            expected=specs,
-            version=manifest.version,
-            base_version=base,
-            shard=shard,
-            max_decompressed_bytes=max_decompressed_bytes,
-            narrow_indices=narrow_indices,
-        )
+        try:
+            records = BlobRecords(
+                data,
+                expected=specs,
+                version=manifest.version,
+                base_version=base,
+                shard=shard,
+                max_decompressed_bytes=max_decompressed_bytes,
+                narrow_indices=narrow_indices,
+            )
+        except FormatError as exc:
+            # Its bytes are the ones the manifest lists: fetching it again gives them again.
+            why = str(exc).removesuffix(f": {REFETCH}")
+            raise type(exc)(
+                f"{where}: {why}. These bytes match the manifest's digest, so the publisher (or "
+                "someone who rewrote the manifest too) stored them so: the version cannot be "
+                "applied; nothing was applied"
+            ) from exc
         if records.header.writer != entry.writer:
             raise BlobMismatchError(
                 f"{where} was written by {records.header.writer!r}, the manifest says "
