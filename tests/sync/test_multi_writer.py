@@ -222,6 +222,18 @@ def _everyone(call, world=WORLD) -> list:
     return out
 
 
+def _stepped_past_version_0(tmp_path, stores=lambda store: [store, store], **config):
+    """Two ranks that committed version 0 and took the next optimizer step; rank r publishes
+    to ``stores(store)[r]``. Returns the store, the layouts, the syncs and the trainers."""
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks(stores(store), **config)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    return store, tl, rl, syncs, trainers
+
+
 def _fresh_pull(store, rl, tmp_path, shard="tp0"):
     rec = Receiver.for_layout(
         store, rl, shard, zero_tensors(rl, shard), str(tmp_path / f"fresh-{shard}"), rconfig("f")
@@ -238,13 +250,9 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
     # changes since version 0 are kept, so they cover version 1's too: its next part is a
     # delta on 1, as the committer's is, never an anchor beside it (a version no receiver
     # could apply).
-    _, tl, rl = layouts()
-    store = scratch_store(tmp_path / "store")
-    slow = SlowManifest(store, 1)
-    syncs, trainers = _ranks([slow, store], marker_timeout_s=1.0)
-    _everyone(lambda r: syncs[r].step_published(0))
-    for t in trainers:
-        t.step()
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(
+        tmp_path, lambda store: [SlowManifest(store, 1), store], marker_timeout_s=1.0
+    )
     first = _everyone(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
     assert not isinstance(first[0], Exception), first[0]
@@ -282,12 +290,7 @@ def test_writers_that_published_different_numbers_converge_on_next_version(tmp_p
     # Each writer's failed number is skipped by next_version(), and so is every number any
     # writer tried since the last commit: the writers agree on one number again, and the
     # abandoned attempts' markers were withdrawn, so no version joins a stale part.
-    _, tl, rl = layouts()
-    store = scratch_store(tmp_path / "store")
-    syncs, trainers = _ranks([store, store], marker_timeout_s=1.0)
-    _everyone(lambda r: syncs[r].step_published(0))
-    for t in trainers:
-        t.step()
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
     split = _everyone(lambda r: syncs[r].step_published(1 + r))
     assert all(isinstance(x, DeltaSyncError) for x in split), split
     assert [s.next_version() for s in syncs] == [3, 3]
@@ -319,12 +322,7 @@ def test_a_writer_configured_for_another_world_size_is_refused_and_nothing_commi
 def test_the_committer_never_joins_parts_built_for_another_base(tmp_path):
     # Writer 1 publishes an anchor of version 1 while the committer publishes a delta on 0:
     # refused by the committer, nothing committed, then a version both build alike commits.
-    _, tl, rl = layouts()
-    store = scratch_store(tmp_path / "store")
-    syncs, trainers = _ranks([store, store], marker_timeout_s=1.0)
-    _everyone(lambda r: syncs[r].step_published(0))
-    for t in trainers:
-        t.step()
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
     out = _everyone(lambda r: syncs[r].step_published(1, anchor=r == 1))
     assert isinstance(out[0], VersionError), out[0]
     message = str(out[0])
