@@ -228,6 +228,12 @@ class StagedTracker:
     def seal_state(self):
         return self.inner.seal_state()
 
+    def marks(self) -> int:
+        return self.inner.marks()
+
+    def marked_since(self, marks: int) -> set[str]:
+        return self.inner.marked_since(marks)
+
 
 def _staged(tmp_path, gate):
     trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, gate)
@@ -646,6 +652,33 @@ def test_an_edit_while_the_version_reads_the_params_refuses_it_and_the_next_send
     sync.wait()
     assert report.base_version == 0
     _assert_receivers_exact(receivers, trainer, lay, 1)  # steps 1, 2 and the edit
+    sync.close()
+
+
+def test_a_mark_while_the_version_reads_the_params_refuses_it_and_the_next_sends_it_whole(
+    tmp_path,
+):
+    # A write through .data moves no counter; mark_changed is its documented remedy. Made
+    # while detection still runs after the return, the clear() at its end wiped the mark: the
+    # version committed without the write and every receiver refused every later version.
+    trainer, gated, sync, pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    victim = list(trainer.params)[1]  # detected before the gate: its values went out
+    sync.step_published(1)
+    assert gated.reached.wait(30)
+    trainer.params[victim].data.add_(0.5)
+    gated.inner.mark_changed(victim)
+    gated.gate.set()
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as err:
+        sync.wait()
+    cause = err.value.__cause__
+    assert isinstance(cause, ParamsEditedError) and cause.names == (victim,)
+    assert pub.committed() == 0 and gated.inner.out_of_band == (victim,)
+    trainer.step()
+    (report,) = sync.step_published(1).result()
+    sync.wait()
+    assert report.base_version == 0
+    _assert_receivers_exact(receivers, trainer, lay, 1)
     sync.close()
 
 

@@ -391,3 +391,23 @@ def test_an_optimizer_whose_step_takes_no_closure_steps_unchanged_on_the_snapsho
     truth = SnapshotTracker(model.named_parameters())
     _step(model, opt, 1)  # the tracker hands it no closure: it would raise a TypeError
     assert _missed(tracker.changed(), truth.changed()) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("drop", ["positional", "keyword"])
+def test_a_pre_hook_that_drops_the_trackers_closure_has_its_writes_seen(impl, drop):
+    # A hook after the tracker's writes a param, then returns the step's arguments without
+    # the closure the tracker handed step(): the check right before the update never runs,
+    # so the tracker cannot tell that write from the update's and sends the param in full.
+    model, opt, tracker, truth = _setup(**impl)
+
+    def edit_and_rebuild(o, args, kwargs):
+        with torch.no_grad():
+            model.a.weight.view(-1)[:10].add_(0.25)
+        return ((args[0],), {}) if drop == "positional" else (args, {})
+
+    opt.register_step_pre_hook(edit_and_rebuild)
+    _step(model, opt, 1)
+    changed = tracker.changed()
+    assert _missed(changed, truth.changed()) == 0
+    assert "a.weight" in tracker.out_of_band

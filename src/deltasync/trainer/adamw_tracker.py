@@ -443,6 +443,8 @@ class AdamWTracker:
         # may still be reading this tracker on another thread.
         self._holds: dict[int, Callable[[], None]] = {}
         self._hold_keys = itertools.count()
+        self._window_checked = True  # set by the check right before each update
+        self._warned_unchecked = False
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             _first_post_hook(optimizer, self._post_step),
@@ -476,6 +478,16 @@ class AdamWTracker:
                 raise KeyError(f"{name!r} is not a tracked parameter")
             self._oob.mark(name)  # a snapshot-path param needs no mark: its bits are compared
 
+    def marks(self) -> int:
+        """How many ``mark_changed`` marks were made so far (never reset): an overlapped
+        sender's read window counts the marks made while its version reads the params as
+        writes there (see :class:`~deltasync.trainer.params.ReadWindow`)."""
+        return self._oob.marks
+
+    def marked_since(self, marks: int) -> set[str]:
+        """The parameters marked changed after the ``marks``-th mark (see :meth:`marks`)."""
+        return self._oob.marked_since(marks)
+
     # -- hooks -------------------------------------------------------------------------------
 
     def hold_steps(
@@ -507,13 +519,20 @@ class AdamWTracker:
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
+        self._window_checked = False
         if not self._covered:
             return None  # every parameter on the snapshot path: its bits are compared
         # Adam's step calls its closure right before its update: the last point where a
         # write is not the update's (the closure's own, or a pre-hook registered after this
         # one). Without a closure, one that only checks. (A covered parameter means torch's
         # own Adam/AdamW step, which takes one.)
-        return _closure_then(args, kwargs, self._oob.check)
+        return _closure_then(args, kwargs, self._check_before_update)
+
+    def _check_before_update(self) -> None:
+        """Right before Adam's update: any counter that moved since the pre-step hook is a
+        write that is not the update's."""
+        self._oob.check()
+        self._window_checked = True
 
     def _check_groups(self, opt: torch.optim.Optimizer) -> None:
         """Warn once about constants the optimizer now steps (``add_param_group`` after this
@@ -537,6 +556,18 @@ class AdamWTracker:
             )
 
     def _post_step(self, opt, args, kwargs) -> None:
+        if self._covered and not self._window_checked:
+            # A pre-step hook after this one replaced the step's arguments and dropped the
+            # checking closure: a write just before the update cannot be told from the
+            # update's own, so every parameter whose counter moved in the step goes in full.
+            if not self._warned_unchecked:
+                self._warned_unchecked = True
+                log.warning(
+                    "AdamWTracker: a pre-step hook replaced the step's arguments without the "
+                    "closure the tracker hands step(): every parameter written in such a step "
+                    "is reported changed in full; let the hook pass on the closure it was given"
+                )
+            self._oob.check()
         stepped = []
         group_hyper: dict[int, tuple[dict, str | None]] = {}
         for name, (p, gi) in self._covered.items():

@@ -129,13 +129,24 @@ class ReadWindow:
         self.counters = counters_of(params)
         seal = getattr(tracker, "seal_state", None)
         self._state = seal() if callable(seal) else None
+        # marks_changed() calls from here on: writes the counters cannot see (through .data)
+        self._marks = getattr(tracker, "marks", None)
+        self._marks_from = self._marks() if callable(self._marks) else None
+        self._marked_since = getattr(tracker, "marked_since", None)
 
     def _written(self, params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], str]:
-        """The params written since, with the optimizer state of params replaced or written
-        since (in ``params`` order), and what was written, for messages."""
+        """The params written since (or marked changed by the caller since), with the
+        optimizer state of params replaced or written since (in ``params`` order), and what
+        was written, for messages."""
         edited = edited_since(self.counters, params)
+        marked: set[str] = set()
+        if self._marks_from is not None and callable(self._marked_since):
+            marked = self._marked_since(self._marks_from)
+            edited = tuple(n for n in params if n in marked or n in edited)
         moved = set(self._state.moved()) if self._state is not None else set()
         if not moved:
+            if marked:
+                return edited, "written in place, or marked changed, while the version read them"
             return edited, "written in place while the version read them"
         names = tuple(n for n in params if n in moved or n in edited)
         if not edited:
@@ -311,6 +322,10 @@ class OutOfBandWatch:
         self._watched = dict(watched)
         self._versions: dict[str, Version] = {}
         self._flags: dict[str, str] = {}  # name -> why, since the last clear()
+        # every caller's mark, numbered (kept across clear(): a read window counts from its
+        # own start, see ReadWindow)
+        self.marks = 0
+        self._marked_at: dict[str, int] = {}
         self.record()
 
     def record(self, names: Iterable[str] | None = None) -> None:
@@ -335,8 +350,16 @@ class OutOfBandWatch:
 
     def mark(self, name: str) -> None:
         """Flag ``name`` as changed outside the optimizer (a write the counter cannot see)."""
-        if name in self._watched and name not in self._flags:
+        if name not in self._watched:
+            return
+        self.marks += 1
+        self._marked_at[name] = self.marks
+        if name not in self._flags:
             self._flag(name, "marked changed by the caller")
+
+    def marked_since(self, marks: int) -> set[str]:
+        """The parameters marked after the ``marks``-th mark."""
+        return {n for n, at in self._marked_at.items() if at > marks}
 
     def _flag(self, name: str, why: str) -> None:
         self._flags[name] = why
