@@ -9,6 +9,7 @@ loaded next to the live shard) must say exact.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,21 @@ def test_the_demo_syncs_every_step_bit_exactly(tmp_path) -> None:
     assert out["exact"] is True and out["steps"] == 2
     assert 0 < out["medians"]["bytes"] < out["medians"]["dense_bytes"]
     assert (tmp_path / "store").is_dir(), "the demo did not use the store it was given"
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_removes_the_temporary_store_it_made(tmp_path) -> None:
+    done = subprocess.run(
+        [DELTASYNC, "demo", "--steps", "1", "--small"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "removed at exit" in " ".join(done.stdout.split())  # the console wraps lines
+    assert not list(tmp_path.glob("deltasync-demo-*")), "the temporary store was left behind"
 
 
 @pytest.mark.timeout(120)

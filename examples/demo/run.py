@@ -15,6 +15,7 @@ refit of a model this small costs no more than a delta.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -106,7 +107,7 @@ def run(cfg: DemoConfig, console=None) -> dict:
     console.print(
         f"[bold]deltasync demo[/]: Qwen3 {n_params / 1e6:.1f} M params (fp32 trainer, AdamW lr={cfg.lr:g}), "
         f"2 receiver processes with vLLM TP={cfg.tp} shards {shards}, store {store_root} "
-        f"(each process through {link})"
+        f"(each process through {link}{'; removed at exit, --store keeps one' if cfg.store is None else ''})"
     )
     sync.step_published(0, anchor=True)  # version 0: the anchor receivers bootstrap from
 
@@ -217,6 +218,8 @@ def run(cfg: DemoConfig, console=None) -> dict:
     finally:
         for c in conns:
             c.close()
+        if cfg.store is None:  # a temporary store of this run only (--store keeps one)
+            shutil.rmtree(root, ignore_errors=True)
     console.print(table)
     med = {
         k: statistics.median(r[k] for r in rows)
