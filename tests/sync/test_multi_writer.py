@@ -286,14 +286,18 @@ class SlowManifest:
 
 
 @pytest.mark.timeout(90)
-def test_writers_that_published_different_numbers_converge_on_next_version(tmp_path):
-    # Each writer's failed number is skipped by next_version(), and so is every number any
-    # writer tried since the last commit: the writers agree on one number again, and the
-    # abandoned attempts' markers were withdrawn, so no version joins a stale part.
+def test_writers_that_published_different_numbers_converge_on_the_largest_next_version(
+    tmp_path,
+):
+    # Each writer's next_version() skips the numbers that failed on it, so writers given
+    # different numbers disagree after: the largest of them (an all-reduce MAX) is a number
+    # none of them tried, and the abandoned attempts' markers were withdrawn, so the version
+    # joins no stale part.
     store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
     split = _everyone(lambda r: syncs[r].step_published(1 + r))
     assert all(isinstance(x, DeltaSyncError) for x in split), split
-    assert [s.next_version() for s in syncs] == [3, 3]
+    assert [s.next_version() for s in syncs] == [2, 3]
+    assert not any(store.list(f"v{v:08d}/writers/") for v in (1, 2))  # withdrawn
     for v in (3, 4):
         for t in trainers:
             t.step()
@@ -335,3 +339,31 @@ def test_the_committer_never_joins_parts_built_for_another_base(tmp_path):
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == 2
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_next_version_is_the_same_on_a_writer_that_asks_while_another_publishes_it(tmp_path):
+    # Rank 0 started publishing its next_version() before rank 1 asked for its own: an
+    # attempt in flight is not an abandoned one, and both must publish the same number.
+    store, _, _, syncs, _ = _stepped_past_version_0(tmp_path, marker_timeout_s=5.0)
+    first = syncs[0].next_version()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_publish(syncs[0], first)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not store.list(f"v{first:08d}/") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.list(f"v{first:08d}/"), "rank 0 never started uploading"
+    second = syncs[1].next_version()
+    assert second == first
+    syncs[1].step_published(second)
+    t.join(30)
+    assert not isinstance(out[0], Exception), out
+    assert Catalog(store).versions() == [0, first]
+
+
+def _publish(sync, version):
+    try:
+        return sync.step_published(version)
+    except DeltaSyncError as exc:
+        return exc

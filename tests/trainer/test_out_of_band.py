@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deltasync import AdamWTracker, SnapshotTracker
-from deltasync.errors import UnsupportedOptimizerError
+from deltasync.errors import ParamsEditedError, UnsupportedOptimizerError
+from deltasync.trainer.params import ReadWindow
 
 
 def _missed(tracked: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> int:
@@ -411,3 +412,26 @@ def test_a_pre_hook_that_drops_the_trackers_closure_has_its_writes_seen(impl, dr
     changed = tracker.changed()
     assert _missed(changed, truth.changed()) == 0
     assert "a.weight" in tracker.out_of_band
+
+
+def test_a_mark_on_a_snapshot_path_param_is_counted_and_sends_it_in_full():
+    # An Adam subclass overriding step() puts every param on the snapshot path. A .data write
+    # then marked, made while an overlapped version reads the params, must refuse that
+    # version (the read window counts the mark) and go out in full after the tracker's
+    # clear(), whose fresh snapshot already holds the write.
+    model = Model()
+    opt = _Renormed(model.parameters(), lr=1e-3)
+    tracker = AdamWTracker(opt, model.named_parameters())
+    assert set(tracker.fallback) == {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
+    window = ReadWindow(params, 1, window="test", tracker=tracker)
+    before = tracker.marks()
+    params["a.bias"].data.add_(0.5)
+    tracker.mark_changed("a.bias")
+    assert tracker.marks() == before + 1 and tracker.marked_since(before) == {"a.bias"}
+    with pytest.raises(ParamsEditedError, match=r"a\.bias"):
+        window.refuse_if_written(params)
+    tracker.clear()  # the end of that version's detection: the snapshot takes the write in
+    window.settle(params, tracker)  # re-marked for the next version
+    assert tracker.out_of_band == ("a.bias",)
+    assert tracker.changed()["a.bias"].numel() == params["a.bias"].numel()

@@ -7,12 +7,13 @@ Once the receiver has pulled the new lineage, every one of them counts it again.
 from __future__ import annotations
 
 import pytest
-from truth_kit import Rig, Trainer, wipe
+import torch
+from truth_kit import FailingPuts, Rig, Trainer, wipe
 
 from deltasync import LocalStore
 from deltasync.commit import Catalog
 from deltasync.commit.catalog import wait_for_acks, wait_for_staleness
-from deltasync.errors import AckTimeoutError, StalenessTimeoutError
+from deltasync.errors import AckTimeoutError, IntegrityError, StalenessTimeoutError
 
 WAIT = dict(timeout_s=0.3, poll_s=0.02)
 
@@ -87,3 +88,36 @@ def test_a_registration_on_a_wiped_store_is_behind_every_version_of_the_new_line
     rig.check(rig.rec.pull())
     assert catalog.receivers()["rec"].version_in(rig.trainer.pub.run_id) == 2
     assert wait_for_staleness(catalog, 2, max_staleness=0, ttl_s=60, **WAIT) < WAIT["timeout_s"]
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_went_dirty_is_not_counted_as_holding_what_it_acked(tmp_path):
+    # It acked version 0, then drifted (a stray write found by its scrub): its registration
+    # now says it holds no version, and the joint commit must not count the old ack.
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    rig.publish(0)
+    rig.check(rig.rec.pull())
+    next(iter(rig.rec.tensors.values())).view(-1).view(torch.int16).__ixor__(1)
+    assert rig.rec.scrub() is False and rig.rec.dirty
+    catalog = Catalog(rig.store)
+    assert "rec" in catalog.acks(0) and catalog.receivers()["rec"].version is None
+    with pytest.raises(AckTimeoutError, match=r"receivers \['rec'\]"):
+        wait_for_acks(catalog, 0, ["rec"], timeout_s=0.3, poll_s=0.05)
+
+
+@pytest.mark.timeout(60)
+def test_an_ack_still_owed_is_dropped_when_the_receiver_goes_dirty(tmp_path):
+    # Its ack of version 0 could not be written (an outage); then its tensors drifted and
+    # the next pull refused version 1 at verify: the owed ack must never be written now.
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    failing = FailingPuts(store, lambda key: key.startswith("acks/"))
+    rec = rig.receiver(store=failing)
+    assert rec.pull().records_pending
+    next(iter(rec.tensors.values())).view(-1).view(torch.int16).__ixor__(1)
+    rig.publish(1)
+    failing.armed = False  # the store is back
+    with pytest.raises(IntegrityError):
+        rec.pull()
+    assert rec.dirty and "rec" not in Catalog(store).acks(0)

@@ -371,6 +371,15 @@ def wait_for_staleness(
         time.sleep(poll_s)
 
 
+def _since_lost(rec: ReceiverRecord | None, ack: AckRecord, run_id: str) -> bool:
+    """Whether the receiver's registration, written after ``ack``, says it no longer holds
+    that version or a later one of the lineage (it went dirty, or back to an anchor)."""
+    if rec is None or rec.updated_at <= ack.created_at:
+        return False
+    now = rec.version_in(run_id)
+    return now is None or now < ack.version
+
+
 def wait_for_acks(
     catalog: Catalog,
     version: int,
@@ -398,6 +407,9 @@ def wait_for_acks(
             ack = acks.get(rid)
             if ack is not None and ack.run_id not in (None, manifest.run_id):
                 ack = None
+            if records is None:
+                records = catalog.receivers()
+            rec = records.get(rid)
             if ack is not None:
                 expected = manifest.shard_digests.get(ack.shard)
                 if expected != ack.state_digest:
@@ -406,11 +418,9 @@ def wait_for_acks(
                         f"with state digest {ack.state_digest}, but the manifest says {expected}: "
                         "that receiver runs a different layout or is broken"
                     )
-                done[rid] = ack
-                continue
-            if records is None:
-                records = catalog.receivers()
-            rec = records.get(rid)
+                if not _since_lost(rec, ack, manifest.run_id):
+                    done[rid] = ack
+                    continue
             later = None if rec is None else rec.version_in(manifest.run_id)
             if later is not None and later > version:
                 done[rid] = None

@@ -228,17 +228,15 @@ class Publisher:
     def next_version(self) -> int:
         """The version number to publish next: one above the newest committed (0 on an empty
         store), and above every number this publisher does not reuse (see :meth:`publish`).
-        After a restart, publish this, never a number the store already holds."""
+        After a restart, publish this, never a number the store already holds. Several writers
+        publish one number together: after writers failed different numbers (they were given
+        different ones), take the largest of their ``next_version()`` (e.g. an all-reduce MAX
+        over the trainer ranks). The store cannot tell another writer's attempt in flight from
+        an abandoned one, so this method does not guess from it."""
         committed = self.committed()
         after = 0 if committed is None else committed + 1
         if self.baseline is not None:  # its own commit, which a stale LATEST may not name yet
             after = max(after, self.baseline + 1)
-        if self.config.num_writers > 1:
-            # Above every number any writer has tried since (its blobs or marker are stored):
-            # each writer skips its own failed numbers, and without this, writers that failed
-            # different numbers would go on choosing different ones.
-            tried = [v for v in self.catalog.version_dirs() if v >= after]
-            after = max([after, *(v + 1 for v in tried)])
         return max(after, max(self._failed, default=-1) + 1)
 
     def resume(

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from deltasync.commit import BlobEntry, Manifest, blob_digest
 from deltasync.errors import (
     BaseVersionMismatchError,
+    BlobLimitError,
     BlobMismatchError,
     DigestMismatchError,
     FormatError,
@@ -130,6 +131,8 @@ def open_version(
                 max_decompressed_bytes=max_decompressed_bytes,
                 narrow_indices=narrow_indices,
             )
+        except BlobLimitError:
+            raise  # a limit of this receiver's (max_decompressed_bytes), named as such
         except FormatError as exc:
             # Its bytes are the ones the manifest lists: fetching it again gives them again.
             why = str(exc).removesuffix(f": {REFETCH}")

@@ -349,12 +349,12 @@ class OutOfBandWatch:
                     self._flag(name, f"modified outside the optimizer (version {before} -> {now})")
 
     def mark(self, name: str) -> None:
-        """Flag ``name`` as changed outside the optimizer (a write the counter cannot see)."""
-        if name not in self._watched:
-            return
+        """Flag ``name`` as changed outside the optimizer (a write the counter cannot see).
+        Any name is counted among the marks (a read window needs them all: a parameter whose
+        bits a snapshot compares was written too); only a watched one is flagged."""
         self.marks += 1
         self._marked_at[name] = self.marks
-        if name not in self._flags:
+        if name in self._watched and name not in self._flags:
             self._flag(name, "marked changed by the caller")
 
     def marked_since(self, marks: int) -> set[str]:
