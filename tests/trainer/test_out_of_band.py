@@ -435,3 +435,24 @@ def test_a_mark_on_a_snapshot_path_param_is_counted_and_sends_it_in_full():
     window.settle(params, tracker)  # re-marked for the next version
     assert tracker.out_of_band == ("a.bias",)
     assert tracker.changed()["a.bias"].numel() == params["a.bias"].numel()
+
+
+def test_the_snapshot_tracker_takes_marks_too():
+    # A write through .data after a detection read the param and before the clear() that
+    # follows it is in the new snapshot: only the mark can send it, and a read window counts
+    # it as a write there.
+    model = Model()
+    tracker = SnapshotTracker(model.named_parameters())
+    params = dict(model.named_parameters())
+    window = ReadWindow(params, 3, window="test", tracker=tracker)
+    params["b.bias"].data.add_(0.5)
+    tracker.mark_changed("b.bias")
+    assert tracker.marked == {"b.bias"} and tracker.marked_since(0) == {"b.bias"}
+    with pytest.raises(ParamsEditedError, match=r"version 3 .*b\.bias"):
+        window.refuse_if_written(params)
+    tracker.clear()
+    assert tracker.changed() == {} and tracker.marked == frozenset()
+    window.settle(params, tracker)
+    assert tracker.changed()["b.bias"].numel() == params["b.bias"].numel()
+    with pytest.raises(KeyError):
+        tracker.mark_changed("nope")

@@ -443,7 +443,6 @@ class AdamWTracker:
         # may still be reading this tracker on another thread.
         self._holds: dict[int, Callable[[], None]] = {}
         self._hold_keys = itertools.count()
-        self._snap_marked: set[str] = set()  # snapshot-path params marked since the clear()
         self._window_checked = True  # set by the check right before each update
         self._warned_unchecked = False
         self._hooks = [
@@ -469,7 +468,8 @@ class AdamWTracker:
         """Parameters changed outside the optimizer since the last ``clear()`` (reported in
         full), in ``named_params`` order."""
         self._oob.check()
-        return tuple(n for n in self._order if n in self._oob or n in self._snap_marked)
+        marked = self._snapshot.marked
+        return tuple(n for n in self._order if n in self._oob or n in marked)
 
     def mark_changed(self, *names: str) -> None:
         """Report these parameters changed in full for this version: the remedy for writes the
@@ -481,7 +481,7 @@ class AdamWTracker:
             if name in self.fallback:
                 # its snapshot's baseline may already hold the write (a clear() after it, at
                 # the end of an overlapped version's detection): reported in full
-                self._snap_marked.add(name)
+                self._snapshot.mark_changed(name)
 
     def marks(self) -> int:
         """How many ``mark_changed`` marks were made so far (never reset): an overlapped
@@ -821,7 +821,7 @@ class AdamWTracker:
         try:
             for name in self._order:
                 vals: torch.Tensor | None
-                if name in self._oob or name in self._snap_marked:
+                if name in self._oob:
                     want = values  # the whole parameter: its values are read where routed
                     idx, vals = self._everything(name, values)
                 elif name in self._covered:
@@ -1069,7 +1069,6 @@ class AdamWTracker:
             bits.zero_()  # kept: a caller with several steps per version will need it again
         self._clean = set(self._bits)
         self._snapshot.clear()
-        self._snap_marked.clear()
         self._oob.clear()
 
     def close(self) -> None:

@@ -44,6 +44,9 @@ class SnapshotTracker:
             if not isinstance(w, Watched):
                 raise ConfigError(f"parameter {name!r}: expected (name, tensor) pairs")
         self._snap: dict[str, torch.Tensor] = {}
+        self._marked: set[str] = set()  # reported in full until the next clear()
+        self._marks = 0
+        self._marked_at: dict[str, int] = {}
         self.clear()
 
     @property
@@ -67,7 +70,10 @@ class SnapshotTracker:
         changed param, in ``named_params`` order, one param compared at a time."""
         for name, w in self._watched.items():
             cur = bf16_bits(w.local())
-            idx = torch.nonzero(cur != self._snap[name], as_tuple=False).reshape(-1)
+            if name in self._marked:
+                idx = torch.arange(cur.numel(), dtype=torch.int64, device=cur.device)
+            else:
+                idx = torch.nonzero(cur != self._snap[name], as_tuple=False).reshape(-1)
             if idx.numel():
                 # the values come from the bits just compared: no second read of the param
                 yield name, idx.to(torch.int64), cur.index_select(0, idx).view(torch.bfloat16).cpu()
@@ -79,7 +85,33 @@ class SnapshotTracker:
         """``{name: (indices, current bf16 values)}``; the indices of :meth:`changed`."""
         return {name: (idx, vals) for name, idx, vals in self.iter_changes()}
 
+    def mark_changed(self, *names: str) -> None:
+        """Report these parameters changed in full until the next ``clear()``. The snapshot
+        sees every write by itself, except one made after a detection read the parameter and
+        before the ``clear()`` that follows it (an overlapped sender's read window, where the
+        mark also refuses the version: see :meth:`marks`)."""
+        for name in names:
+            if name not in self._watched:
+                raise KeyError(f"{name!r} is not a tracked parameter")
+            self._marked.add(name)
+            self._marks += 1
+            self._marked_at[name] = self._marks
+
+    @property
+    def marked(self) -> frozenset[str]:
+        """The parameters marked changed since the last ``clear()``."""
+        return frozenset(self._marked)
+
+    def marks(self) -> int:
+        """How many ``mark_changed`` marks were made so far (never reset)."""
+        return self._marks
+
+    def marked_since(self, marks: int) -> set[str]:
+        """The parameters marked changed after the ``marks``-th mark."""
+        return {n for n, at in self._marked_at.items() if at > marks}
+
     def clear(self) -> None:
+        self._marked.clear()
         for name, w in self._watched.items():
             local = w.local()
             bits = bf16_bits(local)
