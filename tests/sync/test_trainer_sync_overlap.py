@@ -107,6 +107,17 @@ def _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay) -> No
     sync.close()
 
 
+def _refused_then_retried_exactly(sync, trainer, receivers, lay) -> None:
+    """Version 1 was refused after its reads: version 1 again after one more step is a delta
+    on version 0 (steps 1, 2 and whatever the refusal sent in full) and exact."""
+    trainer.step()
+    (report,) = sync.step_published(1).result()
+    sync.wait()
+    assert report.base_version == 0
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+    sync.close()
+
+
 def _assert_receivers_exact(receivers, trainer, layouts_, version):
     tl, rl = layouts_
     expected = expected_shards(trainer.params, tl, rl)
@@ -647,12 +658,7 @@ def test_an_edit_while_the_version_reads_the_params_refuses_it_and_the_next_send
     assert victim in str(cause) and "written in place" in str(cause)
     assert pub.committed() == 0 and sync.baseline == 0
     assert gated.inner.out_of_band == (victim,)  # marked: it goes out in full
-    trainer.step()
-    (report,) = sync.step_published(1).result()
-    sync.wait()
-    assert report.base_version == 0
-    _assert_receivers_exact(receivers, trainer, lay, 1)  # steps 1, 2 and the edit
-    sync.close()
+    _refused_then_retried_exactly(sync, trainer, receivers, lay)  # steps 1, 2 and the edit
 
 
 def test_a_mark_while_the_version_reads_the_params_refuses_it_and_the_next_sends_it_whole(
@@ -674,12 +680,7 @@ def test_a_mark_while_the_version_reads_the_params_refuses_it_and_the_next_sends
     cause = err.value.__cause__
     assert isinstance(cause, ParamsEditedError) and cause.names == (victim,)
     assert pub.committed() == 0 and gated.inner.out_of_band == (victim,)
-    trainer.step()
-    (report,) = sync.step_published(1).result()
-    sync.wait()
-    assert report.base_version == 0
-    _assert_receivers_exact(receivers, trainer, lay, 1)
-    sync.close()
+    _refused_then_retried_exactly(sync, trainer, receivers, lay)
 
 
 def test_optimizer_state_reset_while_the_version_reads_it_refuses_it_and_the_next_is_exact(
@@ -702,12 +703,7 @@ def test_optimizer_state_reset_while_the_version_reads_it_refuses_it_and_the_nex
     assert set(cause.names) == set(gated.inner.shards)  # every covered param's state moved
     assert "optimizer state that was replaced or written" in str(cause)
     assert pub.committed() == 0 and sync.baseline == 0
-    trainer.step()
-    (report,) = sync.step_published(1).result()
-    sync.wait()
-    assert report.base_version == 0
-    _assert_receivers_exact(receivers, trainer, lay, 1)
-    sync.close()
+    _refused_then_retried_exactly(sync, trainer, receivers, lay)
 
 
 def test_a_publish_that_fails_early_holds_the_next_step_until_detection_has_ended(tmp_path):

@@ -292,14 +292,14 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     # A version number names one state: a receiver that committed this number (or a later
     # one) must never be handed another state under it, anchor or delta (a writer restarted
     # from an older checkpoint, a replacement writer counting from 0).
-    ahead = {r.rank: r.version for r in receivers if r.version != UNKNOWN}
-    ahead = {rank: v for rank, v in ahead.items() if v >= cleared.version}
+    ahead = {
+        r.rank: r.version
+        for r in receivers
+        if r.version != UNKNOWN and r.version >= cleared.version
+    }
     if ahead:
         top = max(ahead.values())
-        lines = "; ".join(
-            f"rank {rank} (receiver {_shard(plan, rank)}) committed version {v}"
-            for rank, v in sorted(ahead.items())
-        )
+        lines = _each(plan, {rank: f"committed version {v}" for rank, v in ahead.items()})
         raise SyncAbortedError(
             f"preflight: version {cleared.version} refused on every rank before any payload "
             f"moved, nothing was written: {lines}. A version number names one state: send a "
@@ -328,10 +328,7 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
                 "restarted or lost the record of its uncommitted attempts)"
             )
     if refused:
-        lines = "; ".join(
-            f"rank {rank} (receiver {_shard(plan, rank)}) {why}"
-            for rank, why in sorted(refused.items())
-        )
+        lines = _each(plan, refused)
         raise SyncAbortedError(
             f"preflight: delta version {cleared.version} on base {cleared.base} refused on every "
             f"rank before any payload moved, nothing was written: {lines}. Send an anchor "
@@ -340,6 +337,13 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
             anchor_required=True,
         )
     return cleared
+
+
+def _each(plan: RolePlan, whys: dict[int, str]) -> str:
+    """``rank R (receiver S) why; ...`` in rank order, for a refusal naming receivers."""
+    return "; ".join(
+        f"rank {rank} (receiver {_shard(plan, rank)}) {why}" for rank, why in sorted(whys.items())
+    )
 
 
 def _shard(plan: RolePlan, rank: int) -> str:

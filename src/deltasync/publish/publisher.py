@@ -89,6 +89,7 @@ from deltasync.publish.config import PublisherConfig
 from deltasync.publish.segments import GroupRouter, Ready
 from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
+from deltasync.trainer.params import local_of
 from deltasync.trainer.positions import Positions
 
 
@@ -682,7 +683,7 @@ class Publisher:
         offsets (a smaller shard fits inside the range, so the indices alone cannot tell)."""
         cfg = self.config
         for name, t in params.items():
-            local = t.to_local() if hasattr(t, "to_local") else t
+            local = local_of(t)
             key = (name, tuple(local.shape))
             if key in self._shards_ok:
                 continue

@@ -487,11 +487,11 @@ class AdamWTracker:
         """How many ``mark_changed`` marks were made so far (never reset): an overlapped
         sender's read window counts the marks made while its version reads the params as
         writes there (see :class:`~deltasync.trainer.params.ReadWindow`)."""
-        return self._oob.marks
+        return self._oob.marks.count
 
     def marked_since(self, marks: int) -> set[str]:
         """The parameters marked changed after the ``marks``-th mark (see :meth:`marks`)."""
-        return self._oob.marked_since(marks)
+        return self._oob.marks.since(marks)
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -129,9 +129,9 @@ class ReadWindow:
         self.counters = counters_of(params)
         seal = getattr(tracker, "seal_state", None)
         self._state = seal() if callable(seal) else None
-        # marks_changed() calls from here on: writes the counters cannot see (through .data)
-        self._marks = getattr(tracker, "marks", None)
-        self._marks_from = self._marks() if callable(self._marks) else None
+        # mark_changed() calls from here on: writes the counters cannot see (through .data)
+        marks = getattr(tracker, "marks", None)
+        self._marks_from = marks() if callable(marks) else None
         self._marked_since = getattr(tracker, "marked_since", None)
 
     def _written(self, params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], str]:
@@ -312,6 +312,23 @@ def watch(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Watched
 log = logging.getLogger("deltasync.trainer.adamw_tracker")  # one logger for the tracker's decisions
 
 
+class Marks:
+    """Every ``mark_changed`` of a tracker, numbered and never reset: a read window asks which
+    parameters were marked after its start (see :class:`ReadWindow`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._at: dict[str, int] = {}  # name -> the number of its latest mark
+
+    def add(self, name: str) -> None:
+        self.count += 1
+        self._at[name] = self.count
+
+    def since(self, count: int) -> set[str]:
+        """The parameters marked after the ``count``-th mark."""
+        return {n for n, at in self._at.items() if at > count}
+
+
 class OutOfBandWatch:
     """Version-counter baselines and the out-of-band flags of a set of parameters."""
 
@@ -322,10 +339,7 @@ class OutOfBandWatch:
         self._watched = dict(watched)
         self._versions: dict[str, Version] = {}
         self._flags: dict[str, str] = {}  # name -> why, since the last clear()
-        # every caller's mark, numbered (kept across clear(): a read window counts from its
-        # own start, see ReadWindow)
-        self.marks = 0
-        self._marked_at: dict[str, int] = {}
+        self.marks = Marks()  # kept across clear(): a read window counts from its own start
         self.record()
 
     def record(self, names: Iterable[str] | None = None) -> None:
@@ -352,14 +366,9 @@ class OutOfBandWatch:
         """Flag ``name`` as changed outside the optimizer (a write the counter cannot see).
         Any name is counted among the marks (a read window needs them all: a parameter whose
         bits a snapshot compares was written too); only a watched one is flagged."""
-        self.marks += 1
-        self._marked_at[name] = self.marks
+        self.marks.add(name)
         if name in self._watched and name not in self._flags:
             self._flag(name, "marked changed by the caller")
-
-    def marked_since(self, marks: int) -> set[str]:
-        """The parameters marked after the ``marks``-th mark."""
-        return {n for n, at in self._marked_at.items() if at > marks}
 
     def _flag(self, name: str, why: str) -> None:
         self._flags[name] = why

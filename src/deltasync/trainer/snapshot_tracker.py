@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from deltasync.errors import ConfigError
-from deltasync.trainer.params import Watched, watch
+from deltasync.trainer.params import Marks, Watched, watch
 from deltasync.trainer.protocol import LocalShard
 
 
@@ -45,8 +45,7 @@ class SnapshotTracker:
                 raise ConfigError(f"parameter {name!r}: expected (name, tensor) pairs")
         self._snap: dict[str, torch.Tensor] = {}
         self._marked: set[str] = set()  # reported in full until the next clear()
-        self._marks = 0
-        self._marked_at: dict[str, int] = {}
+        self._marks = Marks()
         self.clear()
 
     @property
@@ -94,8 +93,7 @@ class SnapshotTracker:
             if name not in self._watched:
                 raise KeyError(f"{name!r} is not a tracked parameter")
             self._marked.add(name)
-            self._marks += 1
-            self._marked_at[name] = self._marks
+            self._marks.add(name)
 
     @property
     def marked(self) -> frozenset[str]:
@@ -104,11 +102,11 @@ class SnapshotTracker:
 
     def marks(self) -> int:
         """How many ``mark_changed`` marks were made so far (never reset)."""
-        return self._marks
+        return self._marks.count
 
     def marked_since(self, marks: int) -> set[str]:
         """The parameters marked changed after the ``marks``-th mark."""
-        return {n for n, at in self._marked_at.items() if at > marks}
+        return self._marks.since(marks)
 
     def clear(self) -> None:
         self._marked.clear()
