@@ -7,6 +7,7 @@ structural checks behind the digest, not just the digest.
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import pytest
 import torch
@@ -30,7 +31,14 @@ from deltasync.format import (
     decode_blob,
     encode_blob,
 )
-from deltasync.format.wire import DIGEST_SIZE, FORMAT_VERSION, HEADER, SEGMENT, TRAILER
+from deltasync.format.wire import (
+    DIGEST_SIZE,
+    FLAG_ZSTD,
+    FORMAT_VERSION,
+    HEADER,
+    SEGMENT,
+    TRAILER,
+)
 
 from format_testkit import clone_all, craft, patch_header, record, reseal
 
@@ -202,6 +210,35 @@ def test_a_record_declaring_2_pow_60_values_raises_before_allocating():
     assert_rejected(craft(dense, 1), TruncatedBlobError, "declares", layout=False)
     big = record("b", shape=(1 << 61,), nnz=1 << 60, first=0, width=8)
     assert_rejected(craft(big, 1), TruncatedBlobError, "declares", layout=False)
+
+
+def zstd_frame(content_size: int, blocks: list[tuple[int, int, bytes]]) -> bytes:
+    """A zstd frame by hand: an 8-byte content size, then blocks given as (type, size, stored
+    bytes): raw (0, its bytes) or RLE (1, the regenerated size, one byte). The last is flagged."""
+    frame = struct.pack("<IBBQ", 0xFD2FB528, 0xC0, 0x38, content_size)  # 128 KiB window
+    for k, (kind, size, stored) in enumerate(blocks):
+        last = int(k == len(blocks) - 1)
+        frame += ((size << 3) | (kind << 1) | last).to_bytes(3, "little") + stored
+    return frame
+
+
+def test_a_frame_declaring_more_than_its_blocks_hold_raises_before_allocating():
+    # A 64 GiB dense record from a blob of under 200 bytes: the frame's header declares the
+    # size, its blocks regenerate the record's header and 1 MiB. Allocating what the record
+    # declares would be a MemoryError (or 64 GiB of address space) before the stream ran dry.
+    numel = (1 << 35) - 64
+    head = record("b", encoding=0, shape=(numel,), nnz=numel, width=0)
+    raw_len = len(head) + 2 * numel
+    frame = zstd_frame(raw_len, [(0, len(head), head)] + [(1, 128 << 10, b"\x00")] * 8)
+    blob = craft(frame, 1, compress=False, flags=FLAG_ZSTD, raw_len=raw_len)
+    assert len(blob) < 200
+    tracemalloc.start()
+    try:
+        assert_rejected(blob, TruncatedBlobError, "blocks can hold at most", layout=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
 
 
 def test_a_shape_beyond_2_pow_62_elements_is_rejected():

@@ -56,6 +56,7 @@ ONE_SHOT_MAX = 4 << 20
 # elements, 3-4 MiB) stay one-shot, which decoded ~1.5x faster than streaming here; a single
 # large group (a 0.6B model's embedding shard: ~13 MiB) and anchors stream.
 READ_ONE_SHOT_MAX = 4 << 20
+BLOCK_MAX = 128 << 10  # the zstd format's largest block: what one block can regenerate
 _SKIP_CHUNK = 1 << 20  # scratch bytes when skipping through a streamed section
 
 # One-shot zstd calls reuse a context per thread and level: a fresh ZstdCompressor costs ~25 us
@@ -144,6 +145,14 @@ class SectionWriter:
 def frame_size(section: memoryview, where: str) -> int:
     """Bytes taken by the zstd frame that starts ``section``, found by walking its block headers
     (one step per 128 KiB block, not per byte)."""
+    return frame_extent(section, where)[0]
+
+
+def frame_extent(section: memoryview, where: str) -> tuple[int, int]:
+    """(bytes taken by the zstd frame that starts ``section``, the most content its blocks can
+    regenerate). A raw or RLE block regenerates the size its header states, a compressed one
+    at most ``BLOCK_MAX`` bytes (the format's block limit): a frame's declared content size
+    above that bound is a lie, refused before anything is allocated for it."""
     n = len(section)
     try:
         pos = zstandard.frame_header_size(section)
@@ -152,6 +161,7 @@ def frame_size(section: memoryview, where: str) -> int:
     if pos > n:
         raise TruncatedBlobError(f"{where}: the zstd frame header runs past the record section")
     has_checksum = section[4] & 0x04
+    most = 0
     while True:
         if pos + 3 > n:
             raise TruncatedBlobError(f"{where}: the zstd frame ends before its last block")
@@ -160,14 +170,19 @@ def frame_size(section: memoryview, where: str) -> int:
         block_type = (block >> 1) & 0x3
         if block_type == 3:
             raise FormatError(f"{where}: the zstd frame holds a reserved block type")
-        pos += 1 if block_type == 1 else block >> 3  # RLE blocks store one byte
+        if block_type == 2:  # compressed: the header states the compressed size
+            pos += block >> 3
+            most += BLOCK_MAX
+        else:  # raw, or RLE (one byte stored): the header states the regenerated size
+            pos += 1 if block_type == 1 else block >> 3
+            most += block >> 3
         if block & 0x1:
             break
     if has_checksum:
         pos += 4
     if pos > n:
         raise TruncatedBlobError(f"{where}: the zstd frame runs past the record section")
-    return pos
+    return pos, most
 
 
 class SectionReader:
@@ -192,11 +207,17 @@ class SectionReader:
                 f"{where}: the zstd frame declares {declared} content bytes but the header says "
                 f"{raw_len} (-1 means undeclared, which this format forbids)"
             )
-        used = frame_size(section, where)
+        used, most = frame_extent(section, where)
         if used != len(section):
             raise FormatError(
                 f"{where}: {len(section) - used} bytes follow the zstd frame inside the record "
                 "section"
+            )
+        if raw_len > most:
+            raise TruncatedBlobError(
+                f"{where}: the zstd frame declares {raw_len} content bytes but its blocks can "
+                f"hold at most {most}; the blob is malformed although its digest matched: do "
+                "not apply it; re-publish this version from a fixed writer"
             )
         if raw_len > READ_ONE_SHOT_MAX:
             self._zstd = zstandard.ZstdDecompressor().stream_reader(
