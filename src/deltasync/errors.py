@@ -296,6 +296,22 @@ class RetriesExhausted(Exception):
         self.elapsed_s = elapsed_s
 
 
+class SendInterruptedError(DeltaSyncError):
+    """An interrupt (``KeyboardInterrupt``, ``SystemExit``) stopped a version's publish or send
+    on the caller's thread. The caller saw the interrupt itself; the sender's next call reports
+    the version as not committed (its changes kept), or as committed if its commit landed first.
+    The interrupt is the ``__cause__``."""
+
+    @classmethod
+    def of(cls, exc: BaseException, what: str) -> Exception:
+        """``exc`` itself when it is an ``Exception``, else this error about ``what``."""
+        if isinstance(exc, Exception):
+            return exc
+        err = cls(f"{what} was interrupted ({type(exc).__name__}) on the caller's thread")
+        err.__cause__ = exc
+        return err
+
+
 class CaptureAbandonedError(DeltaSyncError):
     """Detection failed while a background publish or send was already taking the parameters
     it had captured: that version stops before anything of it is committed. The detection

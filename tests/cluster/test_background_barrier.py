@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deltasync.cluster.background import Background, PendingSend
+from deltasync.errors import SendInterruptedError
 
 
 def _failing_at_once(pending: PendingSend):
@@ -40,4 +41,35 @@ def test_the_step_waits_for_detection_after_a_send_that_failed_at_once() -> None
     t.join(30)
     assert stepped.is_set() and settled == [3]  # settled once, before the step
     assert not torch.equal(p.detach(), torch.ones(8))
+    background.close()
+
+
+def _interrupted(pending: PendingSend):
+    pending.end_detection()
+    raise KeyboardInterrupt  # a Ctrl-C while the version is sent on the caller's thread
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_on_the_callers_thread_leaves_a_failed_version_in_flight() -> None:
+    # the caller sees the interrupt; the version stays in flight, done, its failure typed, for
+    # the sender's next call to settle (the step must not wait for it forever)
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(8)
+    background = Background(opt, thread_name="ds-test")
+    pending = PendingSend(4, 0.0)
+    with pytest.raises(KeyboardInterrupt):
+        background.run_here(pending, _interrupted)
+    assert background.in_flight is pending and pending.done()
+    with pytest.raises(SendInterruptedError, match="version 4") as err:
+        pending.result(0)
+    assert isinstance(err.value.__cause__, KeyboardInterrupt)
+    t = threading.Thread(target=opt.step, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the step waits for a version that never ends"
+    background.settled(PendingSend(5, 0.0))  # another version's settling leaves it in flight
+    assert background.in_flight is pending
+    background.settled(pending)
+    assert background.in_flight is None
     background.close()

@@ -8,7 +8,11 @@ a state the test controls, not a race it hopes to win."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from deltasync.errors import (
     IntegrityError,
     ParamsEditedError,
     PublishFailedError,
+    SendInterruptedError,
     StoreError,
 )
 from deltasync.layout import ReceiverLayout
@@ -68,16 +73,16 @@ class ManifestGate:
         self._open.set()
 
 
-def _setup(tmp_path, gate, *, density=0.05, seed=0):
+def _setup(tmp_path, gate, *, density=0.05, seed=0, inline_below=0, **config):
     spec, tl, rl = layouts()
     trainer = TinyTrainer(spec, lr=1e-3, density=density, seed=seed)
     tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
     store = GateStore(MemoryStore(), gate)
-    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(**config))
     # inline_below=0: every version goes to the background, however small (this file tests
-    # the background path; the inline one has its own test below)
+    # the background path; the inline one has tests of its own)
     sync = TrainerSync(
-        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+        tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
     )
     receivers = {
         s.id: Receiver.for_layout(
@@ -586,8 +591,8 @@ class GatedTracker(StagedTracker):
         assert self.gate.wait(30), "the test never opened the gate"
 
 
-def _gated(tmp_path):
-    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+def _gated(tmp_path, **config):
+    trainer, tracker, _, pub, receivers, lay = _setup(tmp_path, lambda op, key: None, **config)
     gated = GatedTracker(tracker, after=3)
     sync = TrainerSync(
         gated, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
@@ -1048,4 +1053,163 @@ def test_a_committed_version_published_again_after_a_step_keeps_the_steps_change
     sync.wait()
     assert report.version == 2 and report.base_version == 1
     _assert_receivers_exact(receivers, trainer, lay, 2)
+    sync.close()
+
+
+class InterruptAt:
+    """Raises ``KeyboardInterrupt`` (a Ctrl-C arriving there) once, at the write of ``key``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, op: str, key: str) -> None:
+        if key == self.key:
+            self.key = ""
+            raise KeyboardInterrupt
+
+
+def _steps_within(trainer, seconds: float) -> bool:
+    """Whether the next optimizer step (its pre-step hook included) ends within ``seconds``."""
+    t = threading.Thread(target=trainer.step, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def test_an_interrupt_during_an_inline_publish_is_a_failed_version_at_the_next_call(tmp_path):
+    # a small version publishes on the caller's thread: the interrupt reaches the caller, and
+    # the version must be settled as failed, not left pending (the next step, wait() and
+    # close() would wait for it forever)
+    gate = InterruptAt(names.manifest_key(2))
+    trainer, _, sync, pub, receivers, lay = _setup(tmp_path, gate, inline_below=1 << 30)
+    _anchor_then_step(sync, trainer)
+    sync.step_published(1)
+    trainer.step()
+    with pytest.raises(KeyboardInterrupt):
+        sync.step_published(2)
+    pending = sync.in_flight
+    assert pending is not None and pending.version == 2 and pending.done()
+    assert _steps_within(trainer, 30), "the optimizer step waits for a version that never ends"
+    with pytest.raises(PublishFailedError, match="version 2 did not commit") as err:
+        sync.step_published(3)
+    assert err.value.version == 2 and pub.committed() == 1
+    assert isinstance(err.value.__cause__, SendInterruptedError)
+    assert isinstance(err.value.__cause__.__cause__, KeyboardInterrupt)
+    sync.step_published(3)  # steps 2 and 3, on version 1
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 3)
+    sync.close()
+
+
+def _interrupt_soon() -> Callable[[], None]:
+    """A real SIGINT to this process in 0.3 s (as a Ctrl-C), raised as KeyboardInterrupt on
+    the main thread whatever handler the test runner installed; returns the undo."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_while_waiting_leaves_the_version_in_flight_for_the_step_to_wait_for(
+    tmp_path,
+):
+    trainer, gated, sync, _pub, receivers, lay = _gated(tmp_path)
+    trainer.step()
+    pending = sync.step_published(1)  # detection held at parameter 3
+    assert gated.reached.wait(30)
+    restore = _interrupt_soon()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sync.wait()
+    finally:
+        restore()
+    assert sync.in_flight is pending and not pending.detected()
+    state = {n: p.detach().clone() for n, p in trainer.params.items()}  # version 1's
+    t, stepped = _step_held_back(trainer, state)  # the barrier still holds the step
+    gated.gate.set()
+    t.join(30)
+    assert stepped.is_set()
+    (report,) = sync.wait()  # settled now
+    assert report.version == 1 and sync.in_flight is None
+    tl, rl = lay
+    expected = expected_shards(state, tl, rl)
+    for shard, rx in receivers.items():
+        rx.pull()
+        assert_same_bits(rx.tensors, expected[shard], f"v1 {shard}")
+    sync.step_published(2)  # the held step's changes: none was cleared by version 1
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 2)
+    sync.close()
+
+
+def test_wait_returns_after_detection_even_when_the_publish_read_none_of_it(tmp_path):
+    # the publisher makes version 2 an anchor (anchor_every): it sends the params whole and
+    # commits without the change stream, while detection still runs; detection clears the
+    # tracker when it ends, so the step after wait() must come after that
+    trainer, gated, sync, _pub, receivers, lay = _gated(tmp_path, anchor_every=2)
+    gated.gate.set()
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    gated.gate.clear()
+    trainer.step()
+    pending = sync.step_published(2)
+    assert gated.reached.wait(30)
+    (report,) = pending.result()  # committed while detection is held
+    assert report.kind == "anchor" and not pending.detected()
+    waited = threading.Thread(target=sync.wait)
+    waited.start()
+    waited.join(0.5)
+    assert waited.is_alive(), "wait() returned while detection still ran"
+    gated.gate.set()
+    waited.join(30)
+    assert pending.detected()
+    trainer.step()
+    sync.step_published(3)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 3)
+    sync.close()
+
+
+def test_a_later_publisher_routes_the_whole_capture_when_the_first_sends_an_anchor(tmp_path):
+    # publisher 0 anchors version 2 (anchor_every) and never drains the handoff: publisher 1's
+    # delta must still wait for the whole capture, not route what detection has found so far
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=4)
+    gated = GatedTracker(AdamWTracker(trainer.opt, trainer.named_parameters()), after=3)
+    stores = [MemoryStore(), MemoryStore()]
+    pubs = [
+        Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig(**cfg))
+        for store, cfg in zip(stores, ({"anchor_every": 2}, {}), strict=True)
+    ]
+    sync = TrainerSync(
+        gated, pubs, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
+    )
+    receivers = [
+        Receiver.for_layout(
+            stores[1], rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(s.id)
+        )
+        for s in rl.shards()
+    ]
+    gated.gate.set()
+    sync.step_published(0, anchor=True)
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    gated.gate.clear()
+    trainer.step()
+    pending = sync.step_published(2)
+    assert gated.reached.wait(30)
+    deadline = time.monotonic() + 30
+    while pubs[0].committed() != 2:  # publisher 0's anchor, with detection held
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # room for publisher 1 to route too early, were it to
+    gated.gate.set()
+    assert [r.kind for r in pending.result()] == ["anchor", "delta"]
+    sync.wait()
+    want = expected_shards(trainer.params, tl, rl)
+    for rx in receivers:
+        rx.pull()
+        assert rx.version == 2
+        assert_same_bits(rx.tensors, want[rx.shard], f"v2 {rx.shard}")
     sync.close()

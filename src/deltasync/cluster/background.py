@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltasync.cluster.reports import SendReport
+from deltasync.errors import SendInterruptedError
 
 if TYPE_CHECKING:
     from deltasync.trainer.params import ReadWindow
@@ -159,7 +160,9 @@ class Background:
         try:
             report = work(pending)
         except BaseException as exc:
-            pending._future.set_exception(exc)
+            pending._future.set_exception(
+                SendInterruptedError.of(exc, f"the send of version {pending.version}")
+            )
             if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
                 raise
         else:
@@ -184,10 +187,10 @@ class Background:
         if self._settle is not None:
             self._settle(pending)
 
-    def take(self) -> PendingSend | None:
-        """The version in flight, no longer in flight (the caller waits for its result)."""
-        pending, self._inflight = self._inflight, None
-        return pending
+    def settled(self, pending: PendingSend) -> None:
+        """``pending`` is no longer in flight: the caller has its result and settled it."""
+        if self._inflight is pending:
+            self._inflight = None
 
     def close(self) -> None:
         if self._hook is not None:

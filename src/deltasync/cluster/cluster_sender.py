@@ -946,7 +946,10 @@ class ClusterSender:
                 the next version (``anchor_required`` / ``group_broken`` say what the retry
                 needs first).
         """
-        pending = None if self._background is None else self._background.take()
+        # In flight until settled: an interrupt while this waits leaves it for the next call
+        # (and the optimizer's barrier) to wait for again.
+        background = self._background
+        pending = None if background is None else background.in_flight
         if pending is None:
             return None
         try:
@@ -955,6 +958,7 @@ class ClusterSender:
             # detection may outlive a send that failed early: the carry is its capture
             pending.wait_detected()
             self._settle_edits(pending)
+            background.settled(pending)
             broken = self._health.note(exc, f"version {pending.version}")
             needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
             log.warning(
@@ -979,7 +983,9 @@ class ClusterSender:
                 anchor_required=needs_anchor,
                 group_broken=broken,
             ) from exc
+        pending.wait_detected()  # a send that read none of it (an anchor) may end first
         self._settle_edits(pending)
+        background.settled(pending)
         self.last_report = report
         self._expect_small = not report.anchor and report.elements < self.inline_below
         return report

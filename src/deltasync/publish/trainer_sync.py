@@ -83,7 +83,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltasync.errors import CaptureAbandonedError, ConfigError, PublishFailedError
+from deltasync.errors import (
+    CaptureAbandonedError,
+    ConfigError,
+    PublishFailedError,
+    SendInterruptedError,
+)
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.native.loader import release_free_heap
@@ -527,12 +532,17 @@ class TrainerSync:
                 for name, pos in captured.items()
             ]
             try:
-                pending._future.set_result(
-                    self._background(pending, captured, params, anchor, None, changes)
+                reports = self._background(pending, captured, params, anchor, None, changes)
+            except BaseException as exc:
+                pending._future.set_exception(
+                    SendInterruptedError.of(exc, f"the publish of version {version}")
                 )
-            except Exception as exc:
-                pending._future.set_exception(exc)
-            pending.reads = None  # nothing of it reads params after the return
+                if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
+                    raise
+            else:
+                pending._future.set_result(reports)
+            finally:
+                pending.reads = None  # nothing of it reads params after the return
             return pending
         del detected
         for n, p in captured.items():  # kept until the commit, beside the background
@@ -663,7 +673,11 @@ class TrainerSync:
                     source = Ready((name, pos, vals) for name, (pos, vals) in handoff)
                 else:  # positions only: the publisher reads each parameter's values as it
                     # routes it (the embedding piece by piece), never all at once; a later
-                    # publisher starts once the capture is complete
+                    # publisher starts once the capture is complete, which the first one's
+                    # draining of the handoff does not prove (an anchor, or a version found
+                    # committed already, reads no change)
+                    if handoff is not None:
+                        handoff.names()
                     source = Ready((name, pos, None) for name, pos in captured.items())
                 reports.append(
                     pub.publish(
@@ -745,7 +759,9 @@ class TrainerSync:
             PublishFailedError: it did not commit (or its acknowledgement wait failed); its
                 changed positions are kept and go out with the next version.
         """
-        pending, self._inflight = self._inflight, None
+        # In flight until settled: an interrupt while this waits leaves it for the next call
+        # (and the optimizer's barrier) to wait for again.
+        pending = self._inflight
         if pending is None:
             return None
         try:
@@ -754,6 +770,7 @@ class TrainerSync:
             # detection may outlive a background that failed early: the carry is its capture
             pending.wait_detected()
             self._settle_edits(pending)
+            self._inflight = None
             # detection that went on after the return failed: that error is the one to name
             exc = failure
             if isinstance(failure, CaptureAbandonedError) and failure.__cause__ is not None:
@@ -783,7 +800,12 @@ class TrainerSync:
                 + f" ({type(exc).__name__}: {exc})",
                 version=pending.version,
             ) from exc
+        # Detection may outlive a publish that read none of it (an anchor, a version found
+        # committed already): it clears the tracker and sets the carry when it ends, so it
+        # must end before the caller edits params or steps.
+        pending.wait_detected()
         self._settle_edits(pending)
+        self._inflight = None
         self._carry = {}  # committed everywhere: the baseline is this version's state
         self._baseline_counters = pending.counters
         self.last_reports = reports
