@@ -25,6 +25,7 @@ from deltasync.errors import (
     IntegrityError,
     VersionError,
 )
+from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.receiver import MissingBlobError
 
 from cluster_testkit import one_process_roles
@@ -44,22 +45,28 @@ class World:
         mode: str = "direct",
         digest_every: int = 0,
         full_state: bool = True,
+        layouts: tuple[TrainerLayout, ReceiverLayout] = (TRAINER, RECEIVERS),
     ) -> None:
+        self.trainer_layout, self.receiver_layout = layouts
         g = torch.Generator().manual_seed(0)
         self.full = {
-            n: torch.randn(s, generator=g) * 0.05 for n, s in TRAINER.param_shapes().items()
+            n: torch.randn(s, generator=g) * 0.05
+            for n, s in self.trainer_layout.param_shapes().items()
         }
         self.gen = torch.Generator().manual_seed(1)
         self.plan = RolePlan.contiguous(
-            num_writers=writers, shards=["tp0", "tp1"], replicas=replicas, dp_mode=mode
+            num_writers=writers,
+            shards=[s.id for s in self.receiver_layout.shards()],
+            replicas=replicas,
+            dp_mode=mode,
         )
         config = ClusterConfig(digest_every=digest_every)
         self.senders, self.receivers = one_process_roles(
             self.full,
             self.plan,
             config,
-            trainer_layout=TRAINER,
-            receiver_layout=RECEIVERS,
+            trainer_layout=self.trainer_layout,
+            receiver_layout=self.receiver_layout,
             full_state=full_state,
         )
 
@@ -99,7 +106,7 @@ class World:
 
     def mismatches(self) -> list[tuple[int, str]]:
         bf16 = {n: p.to(torch.bfloat16) for n, p in self.full.items()}
-        truth = RECEIVERS.split(TRAINER.to_canonical(bf16))
+        truth = self.receiver_layout.split(self.trainer_layout.to_canonical(bf16))
         out = []
         for rank, rec in self.receivers.items():
             for n, t in rec.tensors.items():
@@ -118,6 +125,24 @@ class World:
             for r, rec in self.receivers.items()
             for n, t in rec.tensors.items()
         )
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+def test_a_shard_holding_only_vocabulary_padding_takes_the_anchor_as_zeros(writers: int) -> None:
+    # vLLM pads 65 tokens to 128 rows: at TP=4, tp3's 32 rows are all padding. The sender's
+    # anchor is routed from the trainer's elements, none of which lands there: tp3 still gets
+    # a record for the tensor (empty: zeros), or it would refuse every anchor as incomplete.
+    _spec, tl, rl = tiny_layouts(engine="vllm", tp=4, vocab_size=65)
+    assert "model.embed_tokens.weight" in rl.table.uncovered("tp3")
+    world = World(writers=writers, layouts=(tl, rl))
+    for rec in world.receivers.values():
+        for t in rec.tensors.values():
+            t.fill_(1.0)  # stale bits: the anchor defines every element, padding included
+    world.sync(0, anchor=True)
+    assert world.mismatches() == []
+    world.step()
+    world.sync(1)
+    assert world.mismatches() == []
 
 
 @pytest.mark.parametrize(

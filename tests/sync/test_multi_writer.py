@@ -176,11 +176,12 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 
-def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, **config):
+def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, **config):
     """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
     deterministic training), rank ``r`` publishing to ``stores[r]``; ``num_writers`` per
-    rank (default: the world size); ``full_state(trainer)``: the committer's full state."""
-    spec, _tl, rl = layouts()
+    rank (default: the world size); ``full_state(trainer)``: the committer's full state;
+    ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2)."""
+    spec, _tl, rl = lay or layouts()
     syncs, trainers = [], []
     for rank in range(world):
         trainer = TinyTrainer(spec, seed=7)
@@ -367,3 +368,28 @@ def _publish(sync, version):
         return sync.step_published(version)
     except DeltaSyncError as exc:
         return exc
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_holding_only_vocabulary_padding_takes_the_writers_sparse_anchor(tmp_path):
+    # vLLM pads 65 tokens to 128 rows: at TP=4, tp3's 32 rows are all padding. The writers'
+    # anchor is routed from their elements, none of which lands there: tp3 still gets a
+    # record for the tensor (empty: zeros), or it would refuse every anchor as incomplete.
+    lay = layouts(tp=4, vocab_size=65)
+    _spec, tl, rl = lay
+    assert "model.embed_tokens.weight" in rl.table.uncovered("tp3")
+    assert rl.table.uncovered("tp0") == []
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], lay=lay)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    _everyone(lambda r: syncs[r].step_published(1))
+    want = expected_shards(trainers[0].params, tl, rl)
+    for s in rl.shards():
+        live = zero_tensors(rl, s.id)
+        for t in live.values():
+            t.fill_(1.0)  # stale bits: the anchor defines every element, padding included
+        rec = Receiver.for_layout(store, rl, s.id, live, str(tmp_path / s.id), rconfig(s.id))
+        assert rec.pull().chain == (0, 1)
+        assert_same_bits(rec.tensors, want[s.id], s.id)

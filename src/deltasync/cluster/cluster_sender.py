@@ -123,7 +123,7 @@ from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
-from deltasync.layout.routing import every_element, shard_updates
+from deltasync.layout.routing import every_element, padding_updates, shard_updates
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.params import ReadWindow
@@ -411,6 +411,9 @@ class ClusterSender:
             changed = every_element(params) if caps.changed is None else caps.changed
             updates = shard_updates(changed, params, **layouts, **where, values=caps.values)
             del changed
+            if caps.changed is None:  # an anchor: the tensors nothing routes to are zeros
+                for shard, ups in padding_updates(self.receiver_layout, shards).items():
+                    updates.setdefault(shard, []).extend(ups)
             build_s = time.perf_counter() - t
             t = time.perf_counter()
             shard_elements = {s: sum(u.nnz for u in updates[s]) for s in shards}

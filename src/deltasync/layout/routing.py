@@ -221,6 +221,27 @@ def shard_updates(
     return route_to_shards(changes, receiver_layout=receiver_layout)
 
 
+def padding_updates(receiver_layout: ReceiverLayout, shards: Iterable[str]) -> ShardUpdates:
+    """An anchor's records for the local tensors no source element reaches: empty ones, which
+    the receivers apply by zeroing the tensor. An anchor defines every local tensor, but one
+    routed from the trainer's elements (several writers, the in-cluster sender) has nothing
+    for these; the receivers would refuse it as incomplete."""
+    out: ShardUpdates = {}
+    for shard in shards:
+        specs = receiver_layout.local_specs(shard)
+        out[shard] = [
+            TensorUpdate(
+                name=name,
+                shape=specs[name].shape,
+                dtype=specs[name].dtype,
+                indices=torch.empty(0, dtype=torch.int64),
+                values=torch.empty(0, dtype=specs[name].dtype),
+            )
+            for name in receiver_layout.table.uncovered(shard)
+        ]
+    return out
+
+
 @dataclass(frozen=True)
 class RowPiece:
     """A flat range ``[start, stop)`` of one trainer parameter whose elements land, by a

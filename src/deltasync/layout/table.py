@@ -88,6 +88,7 @@ class LayoutTable:
         for pls in self.placements.values():
             for p in pls:
                 by_dst.setdefault((p.shard, p.local), []).append(p.block)
+        self._covered = {key for key, blocks in by_dst.items() if any(b.size for b in blocks)}
         self._dst_concat_sorted: dict[tuple[str, str], bool] = {}
         for key, blocks in by_dst.items():
             ext = sorted(_dst_extent(b) for b in blocks if b.size)
@@ -141,6 +142,12 @@ class LayoutTable:
                     raise LayoutError(
                         f"shard {shard!r}: alias {alias!r} -> {target!r} is not a tied name"
                     )
+
+    def uncovered(self, shard: str) -> list[str]:
+        """The local tensors of ``shard`` that no source element reaches (all padding, e.g. a
+        vLLM rank whose slice of the padded vocabulary starts past the last token): zero in
+        every state, and absent from anything routed."""
+        return [n for n in self.dst_shapes[shard] if (shard, n) not in self._covered]
 
     # ------------------------------------------------------------------ sparse routing
 

@@ -84,6 +84,7 @@ from deltasync.layout.routing import (
     checked_changes,
     every_element_stream,
     full_shard_tensors,
+    padding_updates,
 )
 from deltasync.publish.config import PublisherConfig
 from deltasync.publish.segments import GroupRouter, Ready
@@ -545,6 +546,8 @@ class Publisher:
                     batch_elements=SEGMENT_ELEMENTS if detected else 0,
                     touched=None if callable(touched) else touched,
                 )
+                if kind == "anchor":
+                    streams.add(padding_updates(self.layout, [s.id for s in self.layout.shards()]))
             build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
             tensor_entries = None
