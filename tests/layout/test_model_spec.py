@@ -107,3 +107,17 @@ def test_a_moe_config_without_experts_is_refused():
         ModelSpec.from_hf_config(cfg)
     with pytest.raises(LayoutError, match="PretrainedConfig"):
         ModelSpec.from_hf_config(42)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma"])
+def test_a_config_without_kv_heads_takes_its_config_class_default(model_type):
+    # a config.json without num_key_value_heads (Llama-1 style): the model transformers builds
+    # from it is the truth, whatever each family's default is
+    import transformers
+
+    cfg = {k: v for k, v in CONFIGS["dense_tied"].items() if k != "num_key_value_heads"}
+    cfg.update(model_type=model_type, num_attention_heads=64, hidden_size=256, head_dim=4)
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=4, moe_intermediate_size=8)
+    built = transformers.AutoConfig.for_model(**cfg)
+    assert ModelSpec.from_hf_config(cfg).num_key_value_heads == built.num_key_value_heads

@@ -33,6 +33,8 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "mistral", "qwen2", "gem
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # transformers 5.19's config defaults where a config.json leaves the field out.
 _HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256}  # others: hidden_size // num_attention_heads
+# num_key_value_heads: each config class's own default (llama: num_attention_heads)
+_KV_HEADS_DEFAULT = {"qwen3": 32, "qwen3_moe": 4, "qwen2": 32, "mistral": 8, "gemma": 16}
 _TIED_DEFAULT = {"gemma": True}
 
 
@@ -119,7 +121,9 @@ class ModelSpec:
         False (True for ``gemma``); ``attention_bias`` and ``mlp_bias`` False; ``head_dim`` 128
         for ``qwen3`` (the Qwen3Config default), 256 for ``gemma``, else ``hidden_size //
         num_attention_heads`` (the modeling code falls back to that; vLLM does the same);
-        ``decoder_sparse_step`` 1; ``mlp_only_layers`` empty.
+        ``num_key_value_heads`` the config class's default (``num_attention_heads`` for
+        ``llama``; 32 for ``qwen3`` and ``qwen2``, 4 for ``qwen3_moe``, 8 for ``mistral``, 16
+        for ``gemma``); ``decoder_sparse_step`` 1; ``mlp_only_layers`` empty.
         """
         if not isinstance(config, Mapping):
             to_dict = getattr(config, "to_dict", None)
@@ -148,13 +152,16 @@ class ModelSpec:
         head_dim = cfg.get("head_dim")
         if head_dim is None:
             head_dim = _HEAD_DIM_DEFAULT.get(model_type, hidden // heads)
+        kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is None:
+            kv_heads = _KV_HEADS_DEFAULT.get(model_type, heads)
         kwargs: dict[str, Any] = {
             "model_type": model_type,
             "vocab_size": need("vocab_size"),
             "hidden_size": hidden,
             "num_hidden_layers": need("num_hidden_layers"),
             "num_attention_heads": heads,
-            "num_key_value_heads": need("num_key_value_heads"),
+            "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "intermediate_size": need("intermediate_size"),
             "tie_word_embeddings": bool(
