@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltasync.errors import ConfigError
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver, ReceiverConfig
@@ -143,3 +144,19 @@ def test_qwen3_moe_expert_parallel_shards_stay_bit_exact(tp, ep, upload_threads,
         for rec in receivers:
             assert rec.pull().version == version
             assert_same_bits(rec.tensors, want[rec.shard], f"{rec.shard} v{version}")
+
+
+def test_params_that_name_a_tied_tensor_twice_are_refused_before_anything_is_written(tmp_path):
+    # named_parameters(remove_duplicate=False) lists the tied lm_head beside the embedding:
+    # one canonical tensor from two params would be refused at the first delta, one version
+    # late; it is refused at the first publish instead, naming both and the remedy
+    trainer = HFTrainer(tie_word_embeddings=True)
+    spec = ModelSpec.from_hf_config(trainer.hf_config)
+    named = list(trainer.model.named_parameters(remove_duplicate=False))
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= {n for n, _ in named}
+    store = LocalStore(str(tmp_path / "store"))
+    pub = Publisher(store, receiver_layout=ReceiverLayout.build(spec, "vllm", tp=2))
+    sync = TrainerSync(AdamWTracker(trainer.opt, named), pub, {n: p for n, p in named})
+    with pytest.raises(ConfigError, match=r"'lm_head\.weight'.*named_parameters"):
+        sync.step_published(0, anchor=True)
+    assert store.list("") == []

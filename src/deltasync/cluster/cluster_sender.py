@@ -218,6 +218,8 @@ class ClusterSender:
         self.lineage = lineage
         self.fingerprint = fingerprint(receiver_layout, plan, lineage=lineage)
         self._params = params
+        if not callable(params):
+            trainer_layout.check_tied_once(params)
         self._full_state = full_state
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, int) or version < 0
@@ -304,7 +306,11 @@ class ClusterSender:
         return self._build(version, base, caps, params, digests=job)
 
     def _current_params(self) -> Params:
-        return self._params() if callable(self._params) else self._params
+        if not callable(self._params):
+            return self._params
+        params = self._params()
+        self.trainer_layout.check_tied_once(params)
+        return params
 
     def _build(
         self,

@@ -13,11 +13,11 @@ process groups or DTensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from deltasync.errors import LayoutError
+from deltasync.errors import ConfigError, LayoutError
 from deltasync.layout.blocks import Block, bits, numel
 from deltasync.layout.hf_model import HF_SHARD, TIED_ALIASES, build_hf_table
 from deltasync.layout.model_spec import ModelSpec
@@ -104,6 +104,22 @@ class TrainerLayout:
     def aliases(self) -> dict[str, str]:
         """Tied names that ``state_dict()`` lists but ``named_parameters()`` does not."""
         return dict(self._aliases)
+
+    def check_tied_once(self, param_names: Iterable[str]) -> None:
+        """Refuse params that name one tied tensor twice (``lm_head.weight`` beside
+        ``model.embed_tokens.weight``, as ``named_parameters(remove_duplicate=False)`` lists
+        them): each canonical tensor is routed from one parameter.
+
+        Raises:
+            ConfigError: naming both names and the remedy."""
+        names = set(param_names)
+        for alias, target in self._aliases.items():
+            if alias in names and target in names:
+                raise ConfigError(
+                    f"params name the tied tensor {target!r} twice (also as {alias!r}); pass "
+                    f"each parameter once (drop {alias!r}, as model.named_parameters() does) to "
+                    "the tracker and the sync"
+                )
 
     def resolve(self, param_name: str) -> str:
         name = self._aliases.get(param_name, param_name)

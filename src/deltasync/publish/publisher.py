@@ -482,6 +482,7 @@ class Publisher:
         on_lineage = self._on_lineage(head)
         run_id = head.run_id if on_lineage and head is not None else secrets.token_hex(8)
         base_digests = self._baseline_digests if kind == "delta" else None
+        self.trainer_layout.check_tied_once(params)
         if cfg.num_writers > 1:
             self._check_shards(params)
         if kind == "anchor":  # a full version from the full state, never from the changes
