@@ -1141,11 +1141,8 @@ def test_an_interrupt_while_waiting_leaves_the_version_in_flight_for_the_step_to
     sync.close()
 
 
-def test_wait_returns_after_detection_even_when_the_publish_read_none_of_it(tmp_path):
-    # the publisher makes version 2 an anchor (anchor_every): it sends the params whole and
-    # commits without the change stream, while detection still runs; detection clears the
-    # tracker when it ends, so the step after wait() must come after that
-    trainer, gated, sync, _pub, receivers, lay = _gated(tmp_path, anchor_every=2)
+def _version_2_held_in_detection(sync, trainer, gated) -> PendingVersion:
+    """Version 1 published whole, then version 2's detection held at the gate."""
     gated.gate.set()
     trainer.step()
     sync.step_published(1)
@@ -1154,6 +1151,15 @@ def test_wait_returns_after_detection_even_when_the_publish_read_none_of_it(tmp_
     trainer.step()
     pending = sync.step_published(2)
     assert gated.reached.wait(30)
+    return pending
+
+
+def test_wait_returns_after_detection_even_when_the_publish_read_none_of_it(tmp_path):
+    # the publisher makes version 2 an anchor (anchor_every): it sends the params whole and
+    # commits without the change stream, while detection still runs; detection clears the
+    # tracker when it ends, so the step after wait() must come after that
+    trainer, gated, sync, _pub, receivers, lay = _gated(tmp_path, anchor_every=2)
+    pending = _version_2_held_in_detection(sync, trainer, gated)
     (report,) = pending.result()  # committed while detection is held
     assert report.kind == "anchor" and not pending.detected()
     waited = threading.Thread(target=sync.wait)
@@ -1192,13 +1198,7 @@ def test_a_later_publisher_routes_the_whole_capture_when_the_first_sends_an_anch
     ]
     gated.gate.set()
     sync.step_published(0, anchor=True)
-    trainer.step()
-    sync.step_published(1)
-    sync.wait()
-    gated.gate.clear()
-    trainer.step()
-    pending = sync.step_published(2)
-    assert gated.reached.wait(30)
+    pending = _version_2_held_in_detection(sync, trainer, gated)
     deadline = time.monotonic() + 30
     while pubs[0].committed() != 2:  # publisher 0's anchor, with detection held
         assert time.monotonic() < deadline

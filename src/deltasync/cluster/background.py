@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltasync.cluster.reports import SendReport
-from deltasync.errors import SendInterruptedError
+from deltasync.trainer.handoff import run_into
 
 if TYPE_CHECKING:
     from deltasync.trainer.params import ReadWindow
@@ -158,15 +158,9 @@ class Background:
         assert self._inflight is None, "settle the version in flight first"
         self._inflight = pending
         try:
-            report = work(pending)
-        except BaseException as exc:
-            pending._future.set_exception(
-                SendInterruptedError.of(exc, f"the send of version {pending.version}")
+            run_into(
+                pending._future, lambda: work(pending), f"the send of version {pending.version}"
             )
-            if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
-                raise
-        else:
-            pending._future.set_result(report)
         finally:
             pending.release()
             pending.finished_at = time.time()

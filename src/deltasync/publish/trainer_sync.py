@@ -87,7 +87,6 @@ from deltasync.errors import (
     CaptureAbandonedError,
     ConfigError,
     PublishFailedError,
-    SendInterruptedError,
 )
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
@@ -97,7 +96,13 @@ from deltasync.publish.publisher import Publisher, PublishReport
 from deltasync.publish.segments import Ready
 from deltasync.trainer import Tracker
 from deltasync.trainer.carry import Change, merge_captured
-from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
+from deltasync.trainer.handoff import (
+    INLINE_BELOW,
+    VALUES_IN_FLIGHT,
+    Handoff,
+    hand_over,
+    run_into,
+)
 from deltasync.trainer.params import ReadWindow, Version
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import sink_kwargs, takes_sink
@@ -532,15 +537,11 @@ class TrainerSync:
                 for name, pos in captured.items()
             ]
             try:
-                reports = self._background(pending, captured, params, anchor, None, changes)
-            except BaseException as exc:
-                pending._future.set_exception(
-                    SendInterruptedError.of(exc, f"the publish of version {version}")
+                run_into(
+                    pending._future,
+                    lambda: self._background(pending, captured, params, anchor, None, changes),
+                    f"the publish of version {version}",
                 )
-                if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
-                    raise
-            else:
-                pending._future.set_result(reports)
             finally:
                 pending.reads = None  # nothing of it reads params after the return
             return pending

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 import torch
 
-from deltasync.errors import CaptureAbandonedError
+from deltasync.errors import CaptureAbandonedError, SendInterruptedError
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -124,3 +125,17 @@ def hand_over(
     if values is not None and not handoff.room(values.numel()):
         values = None
     handoff.put(name, (positions, values), weight=0 if values is None else values.numel())
+
+
+def run_into(future: Future, work: Callable[[], T], what: str) -> None:
+    """Run ``work`` on the caller's thread with a background's contract: its result or its
+    error goes to ``future`` for the sender's next call; an interrupt goes there as
+    :class:`~deltasync.errors.SendInterruptedError` about ``what``, and is raised here too."""
+    try:
+        result = work()
+    except BaseException as exc:
+        future.set_exception(SendInterruptedError.of(exc, what))
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        future.set_result(result)
