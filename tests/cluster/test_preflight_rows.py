@@ -8,6 +8,9 @@ import torch
 
 from deltasync.cluster import RolePlan
 from deltasync.cluster.preflight import (
+    ARRIVED,
+    CLOCK_SKEW_S,
+    PATIENCE,
     RECEIVER,
     WRITER,
     combined_window,
@@ -16,7 +19,12 @@ from deltasync.cluster.preflight import (
     fingerprint,
     judge,
 )
-from deltasync.errors import FingerprintMismatchError, PeerFailedError, SyncAbortedError
+from deltasync.errors import (
+    ExchangeTimeoutError,
+    FingerprintMismatchError,
+    PeerFailedError,
+    SyncAbortedError,
+)
 from deltasync.layout import ModelSpec, ReceiverLayout
 
 CONFIG = dict(
@@ -119,3 +127,28 @@ def test_an_attempt_of_the_same_window_is_covered_by_the_retry_and_an_anchor_by_
 def test_writers_sending_different_versions_are_refused() -> None:
     with pytest.raises(SyncAbortedError, match="different versions"):
         verdict(writer(v=3), writer(v=4), receiver(), receiver())
+
+
+def _arrived(row: torch.Tensor, at_s: float, waits_s: float) -> torch.Tensor:
+    """``row`` as preflight() stamps it: entered at ``at_s``, waiting ``waits_s`` there."""
+    row = row.clone()
+    row[ARRIVED], row[PATIENCE] = round(at_s * 1000), round(waits_s * 1000)
+    return row
+
+
+def test_a_rank_that_came_after_a_writer_stopped_waiting_is_named_on_every_rank() -> None:
+    # The writers wait 4 s, the receivers 60: the all_gather still completes on the receivers
+    # with the writers' rows after writer 0 gave up. Going on, they would time out in round 1
+    # and blame the healthy writer; they refuse here, naming the late receiver.
+    rows = [
+        _arrived(writer(window=11), 100.0, 4),
+        _arrived(writer(window=12), 100.2, 4),
+        _arrived(receiver(), 100.1, 60),
+        _arrived(receiver(), 106.0, 60),  # rank 3, 6 s after writer 0
+    ]
+    with pytest.raises(ExchangeTimeoutError, match=r"version 3: rank 3 \(receiver tp1") as err:
+        verdict(*rows)
+    assert "rank 0 (writer w00000) had stopped waiting (it waits 4 s there)" in str(err.value)
+    # within the clocks' allowance nothing is refused: a preflight every rank completes
+    rows[3] = _arrived(receiver(), 100.0 + 4 + CLOCK_SKEW_S * 0.9, 60)
+    assert verdict(*rows).version == 3

@@ -112,7 +112,7 @@ from deltasync.errors import (
     SyncAbortedError,
 )
 from deltasync.exchange import exchange
-from deltasync.exchange.notes import naming
+from deltasync.exchange.notes import NoteLedger, naming
 from deltasync.exchange.status_row import describe
 from deltasync.format import apply_pieces, check_tensors_match
 from deltasync.layout import ReceiverLayout
@@ -205,6 +205,7 @@ class ClusterReceiver:
             "ClusterReceiver", "max_staged_bytes", max_staged_bytes, lo=0
         )
         self.journal = ClusterJournal(version=version, path=journal_path)
+        self._notes = NoteLedger()  # this rank's arrival marks in the group's store
         self.fingerprint = fingerprint(layout, plan, lineage=lineage)
         self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
@@ -544,6 +545,7 @@ class ClusterReceiver:
                 timeout_s=self.config.commit_timeout_s,
                 tag=f"{cleared.tag}-commit",
                 earlier=tags,
+                ledger=self._notes,
             )
         commit_s = time.perf_counter() - t
         if failure is not None:

@@ -117,7 +117,7 @@ from deltasync.errors import (
     VersionError,
 )
 from deltasync.exchange import exchange
-from deltasync.exchange.notes import naming
+from deltasync.exchange.notes import NoteLedger, naming
 from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
@@ -234,6 +234,7 @@ class ClusterSender:
         # have completed it from the rows already sent and committed it, so its number is
         # never sent again (another state under it would be two states under one number).
         self._unsettled: int | None = None
+        self._notes = NoteLedger()  # this rank's arrival marks in the group's store
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
         self._digest_pool: ThreadPoolExecutor | None = None  # overlap: digests beside routing
         self._feeds: DigestFeed | None = None  # the digest feed's plan (overlapped deltas)
@@ -706,6 +707,7 @@ class ClusterSender:
                 tag=f"{tag}-commit",
                 earlier=[part_tag(tag, k) for k in range(exchanges)]
                 + ([f"{tag}-x2"] if self.plan.exchanges == 2 else []),
+                ledger=self._notes,
             )
         except ExchangeError:
             # No verdict here; a late rank may still complete the all_gather from the rows

@@ -47,7 +47,7 @@ import xxhash
 from deltasync.cluster.roles import ReceiverRole, RolePlan, WriterRole
 from deltasync.errors import ExchangeError
 from deltasync.exchange import group_device, status_row
-from deltasync.exchange.notes import FailureNotes, blame, wait
+from deltasync.exchange.notes import FailureNotes, NoteLedger, blame, wait
 
 MAGIC = status_row.magic(b"dsclack1")
 ROW_LENGTH = 8 + status_row.MESSAGE_WORDS
@@ -218,11 +218,16 @@ def joint_commit(
     timeout_s: float,
     tag: str | None = None,
     earlier: Iterable[str] = (),
+    ledger: NoteLedger | None = None,
 ) -> Verdict:
     """Gather ``row`` from every rank and judge. Raises ExchangeTimeoutError / ExchangeError
     (naming the joint commit, and with ``tag`` the rank that never arrived: see
-    ``exchange.notes``) when a rank does not arrive in time or is dead."""
+    ``exchange.notes``) when a rank does not arrive in time or is dead. ``ledger``: this
+    rank's arrival marks of earlier versions are deleted once every row is in."""
     world = dist.get_world_size(group)
+    earlier = list(earlier)
+    if ledger is not None and tag is not None:
+        ledger.add([*earlier, tag])
     notes = None
     if tag is not None:
         notes = FailureNotes(
@@ -245,4 +250,6 @@ def joint_commit(
     except RuntimeError as exc:  # posting fails when a peer is already gone
         err = ExchangeError(f"joint commit could not start: {exc}")
         raise (err if notes is None else ExchangeError(blame(notes, None, str(err)))) from exc
+    if ledger is not None and tag is not None:
+        ledger.keep_only([*earlier, tag], group, dist.get_rank(group))
     return judge(decode_commit_rows(torch.stack(gathered)), plan)

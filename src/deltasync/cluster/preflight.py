@@ -17,14 +17,20 @@ another world size still takes part and is named instead of hanging the others):
     [6] applying base  receiver: the base of that uncommitted apply; writer: a fresh random
                      token of this attempt (``Cleared.tag`` names the attempt's exchanges)
     [7] flags        bit 0: this receiver is dirty (its state failed a digest check)
-    [8 : 8+F]        the fingerprint: one 63-bit hash per part of ``FINGERPRINT_PARTS``
-    [8+F]            message length in bytes
-    [9+F : ...]      ``status_row.MESSAGE_WORDS`` words of UTF-8: the failure, or, when the
+    [8] arrived      when this rank entered the preflight (ms since the epoch, its clock)
+    [9] patience     how long this rank waits there (ms): a writer ``exchange.timeout_s``, a
+                     receiver ``wait_for_version_s``
+    [10 : 10+F]      the fingerprint: one 63-bit hash per part of ``FINGERPRINT_PARTS``
+    [10+F]           message length in bytes
+    [11+F : ...]     ``status_row.MESSAGE_WORDS`` words of UTF-8: the failure, or, when the
                      rank is ready, its configuration in words (named in a mismatch error)
 
 Every unknown number is ``UNKNOWN``. The verdict (:func:`judge`) refuses, identically on every
 rank and before any byte of a payload moves:
 
+- a rank that arrived after another rank's wait had ended (by more than ``CLOCK_SKEW_S``): that
+  rank gave up and raised, so the others must not go on to an exchange it is not in (where
+  they would blame it): :class:`ExchangeTimeoutError` naming the late rank;
 - a failed rank: :class:`PeerFailedError` naming it and its reason;
 - any fingerprint part that differs between ranks (model config, engine/TP/EP, role plan,
   writer count, layout table, lineage): :class:`FingerprintMismatchError` naming every rank's
@@ -42,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +59,7 @@ import torch.distributed as dist
 from deltasync.cluster.roles import ReceiverRole, RolePlan
 from deltasync.errors import (
     ExchangeError,
+    ExchangeTimeoutError,
     FingerprintMismatchError,
     PeerFailedError,
     SyncAbortedError,
@@ -60,10 +68,15 @@ from deltasync.exchange import group_device, status_row
 from deltasync.exchange.notes import wait
 from deltasync.layout import ReceiverLayout
 
-MAGIC = status_row.magic(b"dsclpf01")
+MAGIC = status_row.magic(b"dsclpf02")
 UNKNOWN = -(1 << 62)
 FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage")
-_HEAD = 8
+_HEAD = 10
+ARRIVED, PATIENCE = 8, 9
+# How far apart the ranks' clocks may be (NTP keeps a cluster within milliseconds): a rank is
+# taken to have given up only when the last arrival came this much after its wait ended, so a
+# preflight that every rank completes is never refused because of the clocks.
+CLOCK_SKEW_S = 1.0
 _F = len(FINGERPRINT_PARTS)
 ROW_LENGTH = _HEAD + _F + 1 + status_row.MESSAGE_WORDS
 WRITER, RECEIVER = 0, 1
@@ -149,6 +162,8 @@ class PreflightRow:
     dirty: bool
     fingerprint: tuple[int, ...]
     message: str  # the failure, or this rank's configuration summary
+    arrived_ms: int = UNKNOWN
+    patience_ms: int = UNKNOWN
 
 
 def encode_preflight_row(
@@ -178,6 +193,8 @@ def encode_preflight_row(
         window,
         attempt if attempt is not None else UNKNOWN if applying_base is None else applying_base,
         _DIRTY if dirty else 0,
+        UNKNOWN,  # arrived and patience: stamped by preflight()
+        UNKNOWN,
     ]
     row[_HEAD : _HEAD + _F] = fingerprint.words()
     row[_HEAD + _F] = length
@@ -209,6 +226,8 @@ def decode_preflight_rows(rows: torch.Tensor) -> list[PreflightRow]:
                 dirty=bool(int(row[7]) & _DIRTY),
                 fingerprint=tuple(int(x) for x in row[_HEAD : _HEAD + _F]),
                 message=status_row.decode_message(row[_HEAD + _F + 1 :], int(row[_HEAD + _F])),
+                arrived_ms=int(row[ARRIVED]),
+                patience_ms=int(row[PATIENCE]),
             )
         )
     return out
@@ -246,7 +265,9 @@ def _show(v: int) -> str:
 def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     """The verdict every rank reaches from the same rows: what moves, or the same error.
     Fingerprints first: a rank built for another plan may also have failed its group check, and
-    what the operator needs then is every rank's configuration."""
+    what the operator needs then is every rank's configuration (after a rank that gave up: it
+    judges nothing, so no verdict may let the others go on)."""
+    _refuse_if_one_gave_up(rows, plan)
     differ = [
         p for i, p in enumerate(FINGERPRINT_PARTS) if len({r.fingerprint[i] for r in rows}) > 1
     ]
@@ -339,6 +360,45 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     return cleared
 
 
+def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None:
+    """The all_gather completes on the late ranks with the rows that were sent, also the row
+    of a rank whose wait had already ended: that rank raised a timeout naming no one, and the
+    others would go on to exchange round 1 without it and blame it (a healthy writer named dead
+    because a receiver came late). Refused on every rank that has the rows instead, naming the
+    late ranks."""
+    stamped = [r for r in rows if UNKNOWN not in (r.arrived_ms, r.patience_ms)]
+    skew = CLOCK_SKEW_S * 1000
+    gone = [
+        g
+        for g in stamped
+        if any(r.arrived_ms - g.arrived_ms > g.patience_ms + skew for r in stamped)
+    ]
+    if not gone:
+        return
+    first = min(gone, key=lambda g: g.arrived_ms + g.patience_ms)
+    late = [r for r in stamped if r.arrived_ms - first.arrived_ms > first.patience_ms + skew]
+    writers = [r for r in rows if r.role == WRITER]
+    version = f"version {_show(writers[0].version)}" if writers else "this version"
+    names = ", ".join(
+        f"rank {r.rank} ({_who(plan, r.rank)}, {(r.arrived_ms - first.arrived_ms) / 1000:.1f} s)"
+        for r in late
+    )
+    raise ExchangeTimeoutError(
+        f"preflight of {version}: {names} arrived after rank {first.rank} "
+        f"({_who(plan, first.rank)}) had stopped waiting (it waits {first.patience_ms / 1000:g} "
+        f"s there): rank {first.rank} gave up and raised; no payload moved, nothing was "
+        "written. Re-create the process group, and start every rank's sync within that time "
+        "(writers wait exchange.timeout_s in the preflight, receivers wait_for_version_s)"
+    )
+
+
+def _who(plan: RolePlan, rank: int) -> str:
+    role = plan.role(rank)
+    if isinstance(role, ReceiverRole):
+        return f"receiver {role.shard} replica {role.replica}"
+    return f"writer {role.writer_id}"
+
+
 def _each(plan: RolePlan, whys: dict[int, str]) -> str:
     """``rank R (receiver S) why; ...`` in rank order, for a refusal naming receivers."""
     return "; ".join(
@@ -361,7 +421,10 @@ def preflight(
 ) -> Cleared:
     """Gather ``row`` from every rank of ``group`` and judge; ``what`` names the wait."""
     world = dist.get_world_size(group)
-    mine = row.to(group_device(group))
+    stamped = row.clone()
+    stamped[ARRIVED] = time.time_ns() // 1_000_000
+    stamped[PATIENCE] = round(timeout_s * 1000)
+    mine = stamped.to(group_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     wait(

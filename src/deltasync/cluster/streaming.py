@@ -160,6 +160,7 @@ class PartStream:
             status=status,
             tag=part_tag(tag, self.exchanges),
             more=more,
+            earlier=[part_tag(tag, k) for k in range(self.exchanges)],
         )
         self.exchanges += 1
         self.bytes_sent += got.stats.bytes_sent
@@ -210,7 +211,7 @@ def receive_parts(
         if not got.more:
             break
         tags.append(part_tag(tag, k))
-        got = exchange({}, group=group, config=config, tag=tags[-1])
+        got = exchange({}, group=group, config=config, tag=tags[-1], earlier=tags[:-1])
         k += 1
     del got
     out = {}

@@ -262,6 +262,34 @@ class FailureNotes:
             time.sleep(0.02)
 
 
+class NoteLedger:
+    """The tags under which this rank left arrival marks that are still in the group's store.
+    A version's marks are read only while that version runs (its exchanges and its joint
+    commit), so once a later version's joint commit has gathered every rank's row they can go:
+    without that the store (torchrun's agent's) grows by a key per rank and exchange for as
+    long as the job runs."""
+
+    def __init__(self) -> None:
+        self._tags: list[str] = []
+
+    def add(self, tags: Iterable[str]) -> None:
+        self._tags.extend(tags)
+
+    def keep_only(self, tags: Iterable[str], group: dist.ProcessGroup | None, rank: int) -> None:
+        """Delete this rank's marks under every tag but ``tags``; a store that cannot delete
+        keeps them."""
+        keep = list(tags)
+        store = group_store(group)
+        for tag in self._tags:
+            if tag in keep or store is None:
+                continue
+            try:
+                store.delete_key(f"deltasync/{tag}/in/{rank}")
+            except Exception:
+                store = None
+        self._tags = keep
+
+
 def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
     """Post this rank's note and return the text naming the culprit to put in its error."""
     if notes is None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +84,7 @@ def exchange(
     status: BaseException | None = None,
     tag: str | None = None,
     more: bool = False,
+    earlier: Iterable[str] = (),
 ) -> Received:
     """Send ``payloads[dst]`` to each rank ``dst`` of ``group``; return what the others sent.
 
@@ -98,7 +99,9 @@ def exchange(
 
     Pass ``tag`` (the same on every rank, fresh for every exchange) to have a failing rank
     leave a note in the group's store and follow the others', so that every survivor names the
-    rank that died or hung (``notes``), not just the peer it was waiting on.
+    rank that died or hung (``notes``), not just the peer it was waiting on. ``earlier``: the
+    tags of the exchanges of the same version before this one (a streamed version's parts): a
+    rank missing here that left a note there failed there, alive, and is passed over.
 
     Raises PeerFailedError (some rank failed before sending; the group is still usable),
     ExchangeTimeoutError (a wait exceeded ``config.timeout_s``; names the round and peer) or
@@ -122,7 +125,11 @@ def exchange(
         except Exception as exc:
             cause = exc
     counts = [int(sources[d].numel()) if d in sources else 0 for d in range(world)]
-    notes = None if tag is None else FailureNotes(group, tag=tag, rank=rank, world=world)
+    notes = (
+        None
+        if tag is None
+        else FailureNotes(group, tag=tag, rank=rank, world=world, earlier=earlier)
+    )
     if notes is not None:
         notes.arrive()
 
