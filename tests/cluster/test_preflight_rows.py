@@ -125,8 +125,11 @@ def test_an_attempt_of_the_same_window_is_covered_by_the_retry_and_an_anchor_by_
 
 
 def test_writers_sending_different_versions_are_refused() -> None:
-    with pytest.raises(SyncAbortedError, match="different versions"):
+    with pytest.raises(SyncAbortedError, match=r"different versions.*sync\(4, anchor=True\)"):
         verdict(writer(v=3), writer(v=4), receiver(), receiver())
+    # a replaced writer counting from 0 beside one at 3, receivers at 5: above what they hold
+    with pytest.raises(SyncAbortedError, match=r"sync\(6, anchor=True\)"):
+        verdict(writer(v=0, b=-1), writer(v=3), receiver(committed=5), receiver(committed=5))
 
 
 def _arrived(row: torch.Tensor, at_s: float, waits_s: float) -> torch.Tensor:

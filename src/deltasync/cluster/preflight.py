@@ -301,9 +301,13 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
         each = "; ".join(
             f"rank {r.rank}: version {r.version} on base {_show(r.base)}" for r in writers
         )
+        held = [r.version for r in receivers if r.version != UNKNOWN]
+        common = max([r.version for r in writers if r.version != UNKNOWN] + [h + 1 for h in held])
         raise SyncAbortedError(
             f"preflight: the writers send different versions ({each}); nothing was sent. Call "
-            "sync with the same version (and anchor flag) on every writer",
+            "sync with the same version (and anchor flag) on every writer: a number above "
+            f"every version a receiver holds, e.g. sync({common}, anchor=True) on each (a "
+            "replaced writer counts from its own checkpoint)",
             failures={r.rank: "sends another version" for r in split},
             anchor_required=False,
         )
