@@ -7,6 +7,8 @@ import torch
 
 from deltasync.cluster import RolePlan
 from deltasync.cluster.joint_commit import (
+    ARRIVED,
+    PATIENCE,
     UNKNOWN,
     decode_commit_rows,
     encode_commit_row,
@@ -133,3 +135,20 @@ def test_a_writers_shard_digests_must_be_exactly_what_the_receivers_hashed() -> 
         assert "a payload other than this attempt's" in verdict.message
     assert shards_digest({"tp1": D2, "tp0": D1}) == sent  # order-free, 16 bytes
     assert len(bytes.fromhex(sent)) == 16
+
+
+def test_a_receiver_that_came_after_a_writer_stopped_waiting_does_not_commit_alone() -> None:
+    # The writer's commit wait (2 s) ended before receiver rank 5 finished its verify and
+    # arrived: it raised and commits nothing. The gather still completes on the late ranks with
+    # the writer's row; their verdict is an abort, so nobody commits what the writer did not.
+    stamped = torch.stack(
+        [encode_commit_row(**ok(digest=D1 if r in (2, 4) else None)) for r in range(6)]
+    )
+    stamped[:, ARRIVED] = torch.tensor([1000, 1100, 1200, 1300, 1400, 4500])
+    stamped[:, PATIENCE] = 2000
+    verdict = judge(decode_commit_rows(stamped), PLAN)
+    assert not verdict.ok and not verdict.anchor_required  # the retry covers the applied attempt
+    assert list(verdict.failures) == [0]
+    assert "rank 5 arrived (3.5 s after it)" in verdict.message
+    stamped[5, ARRIVED] = 1000 + 2000 + 900  # within the clocks' allowance: a commit
+    assert judge(decode_commit_rows(stamped), PLAN).ok

@@ -9,7 +9,6 @@ import torch
 from deltasync.cluster import RolePlan
 from deltasync.cluster.preflight import (
     ARRIVED,
-    CLOCK_SKEW_S,
     PATIENCE,
     RECEIVER,
     WRITER,
@@ -25,6 +24,7 @@ from deltasync.errors import (
     PeerFailedError,
     SyncAbortedError,
 )
+from deltasync.exchange.status_row import CLOCK_SKEW_S
 from deltasync.layout import ModelSpec, ReceiverLayout
 
 CONFIG = dict(

@@ -3,7 +3,7 @@
 After the payload exchange(s) every rank contributes one fixed-size int64 row to a single
 all_gather (:func:`joint_commit`), so no rank waits for a message whose size it does not know:
 
-    [0] magic        "dsclack1", so a rank calling some other collective is not misread
+    [0] magic        "dsclack2", so a rank calling some other collective is not misread
     [1] status       0 = ok, 1 = failed
     [2] version      the version this rank sent or applied (UNKNOWN if it failed before knowing)
     [3] base         its base version (-1 for an anchor; UNKNOWN likewise)
@@ -11,11 +11,17 @@ all_gather (:func:`joint_commit`), so no rank waits for a message whose size it 
     [5:7]            16-byte state digest of the receiver's shard after the apply; in a
                      writer's row, :func:`shards_digest` of the shard digests it sent
     [7] length of the message in bytes
-    [8:136]          up to 1024 bytes of UTF-8: what failed (``status_row``)
+    [8] arrived      when this rank entered the commit (ms since the epoch, its clock)
+    [9] patience     how long it waits there (ms): ``commit_timeout_s``
+    [10:138]         up to 1024 bytes of UTF-8: what failed (``status_row``)
 
 Magic, status and message are the status part every gathered row shares
 (:mod:`deltasync.exchange.status_row`). A :class:`CommitRow` is one rank's vote in this
 collective; it is not the storage path's ``AckRecord`` (a receiver's record in the store).
+A rank that arrives after another rank stopped waiting (a receiver whose verify and apply took
+longer than ``commit_timeout_s``) completes the gather with the row that rank sent, but that
+rank raised and commits nothing: the verdict is then an abort on every rank that has the rows,
+so the late rank does not commit alone (its journal keeps the attempt, which the retry covers).
 
 :func:`judge` is a pure function of the gathered rows and the role plan, so every rank reaches
 the same verdict: commit, or abort with the same message naming every failed rank. Beyond the
@@ -49,8 +55,9 @@ from deltasync.errors import ExchangeError
 from deltasync.exchange import group_device, status_row
 from deltasync.exchange.notes import FailureNotes, NoteLedger, blame, wait
 
-MAGIC = status_row.magic(b"dsclack1")
-ROW_LENGTH = 8 + status_row.MESSAGE_WORDS
+MAGIC = status_row.magic(b"dsclack2")
+ARRIVED, PATIENCE, _TEXT = 8, 9, 10
+ROW_LENGTH = _TEXT + status_row.MESSAGE_WORDS
 UNKNOWN = -(1 << 62)
 _HAS_DIGEST, _NEEDS_ANCHOR = 1, 2
 
@@ -75,6 +82,8 @@ class CommitRow:
     state_digest: str | None
     anchor_required: bool
     message: str
+    arrived_ms: int = UNKNOWN
+    patience_ms: int = UNKNOWN
 
 
 def encode_commit_row(
@@ -98,7 +107,8 @@ def encode_commit_row(
     if state_digest:
         row[5:7] = np.frombuffer(bytes.fromhex(state_digest), dtype="<i8")
     row[7] = length
-    row[8:] = words
+    row[ARRIVED] = row[PATIENCE] = UNKNOWN  # stamped by joint_commit()
+    row[_TEXT:] = words
     return torch.from_numpy(row)
 
 
@@ -115,7 +125,7 @@ def decode_commit_rows(rows: torch.Tensor) -> list[CommitRow]:
                 f"(magic {int(row[0]):#x}); "
                 "the ranks are not running the same protocol step: re-create the group"
             )
-        text = status_row.decode_message(row[8:], int(row[7]))
+        text = status_row.decode_message(row[_TEXT:], int(row[7]))
         flags = int(row[4])
         out.append(
             CommitRow(
@@ -126,6 +136,8 @@ def decode_commit_rows(rows: torch.Tensor) -> list[CommitRow]:
                 state_digest=row[5:7].tobytes().hex() if flags & _HAS_DIGEST else None,
                 anchor_required=bool(flags & _NEEDS_ANCHOR),
                 message=text,
+                arrived_ms=int(row[ARRIVED]),
+                patience_ms=int(row[PATIENCE]),
             )
         )
     return out
@@ -151,8 +163,17 @@ def _show(v: int) -> str:
 
 
 def judge(votes: Sequence[CommitRow], plan: RolePlan) -> Verdict:
-    """Commit only if every rank succeeded and all agree on what was committed."""
+    """Commit only if every rank succeeded, all agree on what was committed, and no rank had
+    stopped waiting before the last one arrived."""
     failures = {a.rank: a.message for a in votes if not a.ok}
+    gone = status_row.late_after([(a.rank, a.arrived_ms, a.patience_ms) for a in votes], UNKNOWN)
+    if gone is not None:
+        first, waits, late = gone
+        failures[first] = (
+            f"stopped waiting after {waits / 1000:g} s, before "
+            + ", ".join(f"rank {r} arrived ({ms / 1000:.1f} s after it)" for r, ms in late)
+            + "; it raised and commits nothing, so no rank may"
+        )
     if not failures:
         failures = _disagreements(votes, plan)
     if not failures:
@@ -235,7 +256,10 @@ def joint_commit(
         )
         notes.arrive()
     device = group_device(group)
-    mine = row.to(device)
+    stamped = row.clone()
+    stamped[ARRIVED] = status_row.now_ms()
+    stamped[PATIENCE] = round(timeout_s * 1000)
+    mine = stamped.to(device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     try:
         work = dist.all_gather(gathered, mine, group=group, async_op=True)

@@ -28,9 +28,10 @@ another world size still takes part and is named instead of hanging the others):
 Every unknown number is ``UNKNOWN``. The verdict (:func:`judge`) refuses, identically on every
 rank and before any byte of a payload moves:
 
-- a rank that arrived after another rank's wait had ended (by more than ``CLOCK_SKEW_S``): that
-  rank gave up and raised, so the others must not go on to an exchange it is not in (where
-  they would blame it): :class:`ExchangeTimeoutError` naming the late rank;
+- a rank that arrived after another rank's wait had ended (by more than
+  ``status_row.CLOCK_SKEW_S``): that rank gave up and raised, so the others must not go on to
+  an exchange it is not in (where they would blame it): :class:`ExchangeTimeoutError` naming
+  the late rank;
 - a failed rank: :class:`PeerFailedError` naming it and its reason;
 - any fingerprint part that differs between ranks (model config, engine/TP/EP, role plan,
   writer count, layout table, lineage): :class:`FingerprintMismatchError` naming every rank's
@@ -48,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,10 +73,6 @@ UNKNOWN = -(1 << 62)
 FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage")
 _HEAD = 10
 ARRIVED, PATIENCE = 8, 9
-# How far apart the ranks' clocks may be (NTP keeps a cluster within milliseconds): a rank is
-# taken to have given up only when the last arrival came this much after its wait ended, so a
-# preflight that every rank completes is never refused because of the clocks.
-CLOCK_SKEW_S = 1.0
 _F = len(FINGERPRINT_PARTS)
 ROW_LENGTH = _HEAD + _F + 1 + status_row.MESSAGE_WORDS
 WRITER, RECEIVER = 0, 1
@@ -370,29 +366,19 @@ def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None
     others would go on to exchange round 1 without it and blame it (a healthy writer named dead
     because a receiver came late). Refused on every rank that has the rows instead, naming the
     late ranks."""
-    stamped = [r for r in rows if UNKNOWN not in (r.arrived_ms, r.patience_ms)]
-    skew = CLOCK_SKEW_S * 1000
-    gone = [
-        g
-        for g in stamped
-        if any(r.arrived_ms - g.arrived_ms > g.patience_ms + skew for r in stamped)
-    ]
-    if not gone:
+    found = status_row.late_after([(r.rank, r.arrived_ms, r.patience_ms) for r in rows], UNKNOWN)
+    if found is None:
         return
-    first = min(gone, key=lambda g: g.arrived_ms + g.patience_ms)
-    late = [r for r in stamped if r.arrived_ms - first.arrived_ms > first.patience_ms + skew]
+    first, waits, late = found
     writers = [r for r in rows if r.role == WRITER]
     version = f"version {_show(writers[0].version)}" if writers else "this version"
-    names = ", ".join(
-        f"rank {r.rank} ({_who(plan, r.rank)}, {(r.arrived_ms - first.arrived_ms) / 1000:.1f} s)"
-        for r in late
-    )
+    names = ", ".join(f"rank {r} ({_who(plan, r)}, {ms / 1000:.1f} s)" for r, ms in late)
     raise ExchangeTimeoutError(
-        f"preflight of {version}: {names} arrived after rank {first.rank} "
-        f"({_who(plan, first.rank)}) had stopped waiting (it waits {first.patience_ms / 1000:g} "
-        f"s there): rank {first.rank} gave up and raised; no payload moved, nothing was "
-        "written. Re-create the process group, and start every rank's sync within that time "
-        "(writers wait exchange.timeout_s in the preflight, receivers wait_for_version_s)"
+        f"preflight of {version}: {names} arrived after rank {first} ({_who(plan, first)}) had "
+        f"stopped waiting (it waits {waits / 1000:g} s there): rank {first} gave up and "
+        "raised; no payload moved, nothing was written. Re-create the process group, and "
+        "start every rank's sync within that time (writers wait exchange.timeout_s in the "
+        "preflight, receivers wait_for_version_s)"
     )
 
 
@@ -426,7 +412,7 @@ def preflight(
     """Gather ``row`` from every rank of ``group`` and judge; ``what`` names the wait."""
     world = dist.get_world_size(group)
     stamped = row.clone()
-    stamped[ARRIVED] = time.time_ns() // 1_000_000
+    stamped[ARRIVED] = status_row.now_ms()
     stamped[PATIENCE] = round(timeout_s * 1000)
     mine = stamped.to(group_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world)]

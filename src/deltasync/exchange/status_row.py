@@ -14,6 +14,10 @@ same status part, encoded here once:
                  longer text is cut at the last clause or word boundary that fits and marked
                  " [cut]", never inside a character
 
+The preflight's and the joint commit's rows also say when the rank arrived and how long it
+waits there (:func:`late_after`): a rank whose wait ended raises and judges nothing, while the
+ranks that came after it still complete the all_gather with the row it sent.
+
 Where the length and message words sit, and what the other words mean, is each row's own
 layout. Round 1's row (``encode_row`` / ``decode_rows``) is ``world_size + 7 + MESSAGE_WORDS``
 int64 values:
@@ -37,6 +41,7 @@ This module knows int64 words, text and round 1's layout; no process groups, no 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +53,35 @@ OK, FAILED = 0, 1
 MESSAGE_BYTES = 1024
 CUT_MARK = " [cut]"
 MESSAGE_WORDS = MESSAGE_BYTES // 8
+
+
+# How far apart the ranks' clocks may be (NTP keeps a cluster within milliseconds): a rank is
+# taken to have stopped waiting only when the last arrival came this much after its wait ended,
+# so a collective every rank completes is never judged late because of the clocks.
+CLOCK_SKEW_S = 1.0
+
+
+def now_ms() -> int:
+    """This rank's clock for an arrival stamp (ms since the epoch)."""
+    return time.time_ns() // 1_000_000
+
+
+def late_after(
+    stamps: Sequence[tuple[int, int, int]], unknown: int
+) -> tuple[int, int, list[tuple[int, int]]] | None:
+    """From every rank's ``(rank, arrived ms, waits ms)``: ``(rank, waits ms, [(late rank, ms
+    after that rank arrived), ...])`` for the first rank whose wait ended before the last rank
+    arrived (by more than ``CLOCK_SKEW_S``); None when every wait outlasted every arrival.
+    Stamps holding ``unknown`` are left out."""
+    known = [s for s in stamps if unknown not in s[1:]]
+    skew = CLOCK_SKEW_S * 1000
+    last = max((at for _, at, _ in known), default=None)
+    gone = [s for s in known if last - s[1] > s[2] + skew]
+    if not gone:
+        return None
+    rank, at, waits = min(gone, key=lambda s: s[1] + s[2])
+    late = [(r, a - at) for r, a, _ in known if a - at > waits + skew]
+    return rank, waits, late
 
 
 def magic(tag: bytes) -> int:
