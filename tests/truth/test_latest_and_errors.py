@@ -10,7 +10,13 @@ from truth_kit import Rig, assert_same_bits, snapshot, wipe
 
 from deltasync import LocalStore, Publisher, names
 from deltasync.commit import decode_latest, encode_latest
-from deltasync.errors import ManifestError, TruncatedBlobError, VersionError
+from deltasync.errors import (
+    ManifestError,
+    OutcomeUnknownError,
+    StoreError,
+    TruncatedBlobError,
+    VersionError,
+)
 
 
 @pytest.fixture
@@ -107,3 +113,50 @@ def test_a_pull_to_a_given_version_takes_exactly_it_or_refuses_before_any_write(
     assert_same_bits(rig.rec.tensors, before, "refused pulls")
     assert rig.rec.version == 2
     rig.check(rig.rec.pull())  # and on to the newest
+
+
+class _Outage:
+    """A store whose manifest write of version 2 ends without a verdict (never applied) and
+    whose LATEST writes fail while ``latest_down`` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.latest_down = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == names.manifest_key(2):
+            raise OutcomeUnknownError(f"injected: the reply to the write of {key!r} was lost")
+        return self.inner.put_if_absent(key, data)
+
+    def put(self, key, data):
+        if self.latest_down and key == names.LATEST:
+            raise StoreError(f"injected: put of {key!r} failed")
+        return self.inner.put(key, data)
+
+
+@pytest.mark.timeout(60)
+def test_past_a_skipped_number_and_a_stale_latest_the_publisher_continues_on_its_own_commit(
+    tmp_path,
+):
+    # v2 is never committed (its number is skipped), v3 commits but LATEST stays at 1: a probe
+    # from LATEST stops at the gap. The publisher committed v3 itself: v4 is a delta on it in
+    # the same lineage, not an anchor of a new one.
+    store = _Outage(LocalStore(tmp_path / "store", durable=False))
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    with pytest.raises(OutcomeUnknownError):
+        rig.publish(2)
+    store.latest_down = True
+    assert rig.trainer.sync.next_version() == 3
+    assert rig.publish(3).base_version == 1
+    assert decode_latest(store.get(names.LATEST)) == 1
+    store.latest_down = False
+    run = rig.trainer.pub.run_id
+    report = rig.publish(4)
+    assert (report.kind, report.base_version, rig.trainer.pub.run_id) == ("delta", 3, run)
+    pulled = rig.rec.pull()
+    assert pulled.version == 4 and pulled.chain[-2:] == (3, 4)
+    rig.check(pulled)

@@ -117,10 +117,19 @@ class Catalog:
         except ManifestError:
             return None
 
-    def latest(self) -> int | None:
+    def latest(self, known: int | None = None) -> int | None:
         """The newest committed version: ``LATEST``, then any manifests right after it.
-        A ``LATEST`` naming a version that has no manifest is treated as absent."""
+        A ``LATEST`` naming a version that has no manifest is treated as absent. ``known``: a
+        version the caller committed itself; the probe starts there when LATEST is behind it
+        and its manifest is stored (a LATEST write that failed after a number that was never
+        committed would otherwise stop the probe below it)."""
         hint = self.read_latest()
+        if (
+            known is not None
+            and (hint is None or known > hint)
+            and self.store.exists(names.manifest_key(known))
+        ):
+            hint = known
         if hint is not None and not self.store.exists(names.manifest_key(hint)):
             newest = self.newest_committed()
             log.warning(
@@ -207,9 +216,10 @@ class Catalog:
         self._cache[version] = m
         return m
 
-    def head(self) -> Manifest | None:
-        """The newest committed manifest, read from the store (never only from the cache)."""
-        v = self.latest()
+    def head(self, known: int | None = None) -> Manifest | None:
+        """The newest committed manifest, read from the store (never only from the cache);
+        ``known`` as :meth:`latest` takes it."""
+        v = self.latest(known)
         return None if v is None else self.manifest(v, fresh=True)
 
     def forget(self, version: int) -> None:

@@ -202,14 +202,16 @@ def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | N
 
 def _put_latest(store: Store, version: int, run_id: str | None) -> bool:
     """Write LATEST; a failure is logged, never raised: the version is committed by its
-    manifest already, and readers find the newest manifest without LATEST (by listing)."""
+    manifest already, and readers probe for the manifests after the LATEST they read."""
     try:
         store.put(names.LATEST, encode_latest(version, run_id))
     except StoreError as exc:
         log.warning(
-            "LATEST could not be moved to version %d (%s); the version is committed and "
-            "readers find it by listing, more slowly. Remedy: remove whatever is stored at "
-            "LATEST (e.g. a directory someone created there)",
+            "LATEST could not be moved to version %d (%s); the version is committed. Readers "
+            "probe for the manifests after the LATEST they read, so they find it unless a "
+            "number before it was never committed; then they find it once a later commit "
+            "moves LATEST. If the write keeps failing, remove whatever is stored at LATEST "
+            "(e.g. a directory someone created there)",
             version,
             exc,
         )

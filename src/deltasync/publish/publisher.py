@@ -446,7 +446,9 @@ class Publisher:
         since = self.baseline if since is _OWN else since
         unreadable = None  # why the newest manifest cannot be a base
         try:
-            head = self.catalog.head()
+            # from this publisher's own commit where LATEST lags behind it (its LATEST write
+            # failed after a skipped number): a delta on it, not an anchor on a new lineage
+            head = self.catalog.head(known=self.baseline)
             committed = None if head is None else head.version
         except ManifestError as exc:
             # The newest manifest is unreadable (torn, tampered): nothing vouches for a base,
