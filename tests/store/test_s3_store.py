@@ -229,6 +229,64 @@ def test_a_persistent_409_conditional_conflict_is_reported_as_a_commit_conflict(
         s3_store.put_if_absent("v00000006/MANIFEST.json", b"x")
 
 
+class _LostThenInFlight:
+    """The first put_object is delivered but its reply lost; every retry then gets 409 (the
+    server still processing a conditional write on the key: possibly that very first one)."""
+
+    def __init__(self, client) -> None:
+        self._client, self.calls = client, 0
+
+    def put_object(self, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            self._client.put_object(**kwargs)
+            raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+        return _AlwaysInFlightConflict(self._client).put_object(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_409_after_an_attempt_that_may_have_landed_is_an_unknown_outcome(s3_store) -> None:
+    # The write in flight behind the conflicts may be our own: "taken" would be a verdict with
+    # nothing behind it, and a publisher would reuse the number and overwrite the blobs a late
+    # manifest names.
+    _few_retries(s3_store)
+    s3_store._client = _LostThenInFlight(s3_store._client)
+    with pytest.raises(OutcomeUnknownError, match="may be ours"):
+        s3_store.put_if_absent("v00000009/MANIFEST.json", b"ours")
+
+
+class _ReadBackFails:
+    """A lost reply to a delivered put_object, then 412 on the retry, and every read back of
+    the key fails (503 SlowDown)."""
+
+    def __init__(self, client) -> None:
+        self._inner = _ReplyLost(client, delivered=True)
+
+    def put_object(self, **kwargs):
+        return self._inner.put_object(**kwargs)
+
+    def get_object(self, **kwargs):
+        raise ClientError(
+            {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+            "GetObject",
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_412_whose_read_back_fails_is_an_unknown_outcome_not_a_conflict(s3_store) -> None:
+    _few_retries(s3_store)
+    real = s3_store._client
+    s3_store._client = _ReadBackFails(real)
+    with pytest.raises(OutcomeUnknownError, match="may hold"):
+        s3_store.put_if_absent("v00000010/MANIFEST.json", b"ours")
+    s3_store._client = real
+    assert s3_store.get("v00000010/MANIFEST.json") == b"ours"  # it was ours all along
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -481,14 +481,19 @@ class S3Store:
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
             except ClientError as exc:
                 code, status = error_code(exc)
-                if (
-                    maybe_landed
-                    and (code in CONFLICT or status == 412)
-                    and self._read_quietly(full, len(body)) == body
-                ):
-                    return  # our earlier attempt committed before its reply was lost
-                if is_transient(exc):
-                    maybe_landed = True
+                if maybe_landed and (code in CONFLICT or status == 412):
+                    # taken: by our earlier attempt (its reply lost) or by another object. A
+                    # read that fails is retried (transient) or ends without a verdict.
+                    held = self._read_back(full, len(body))
+                    if held == body:
+                        return
+                    if held is None:
+                        raise StoreError(
+                            f"S3 put_if_absent of {self._url(key)}: the key was taken, then "
+                            "gone when read back"
+                        ) from exc
+                if is_transient(exc) and code not in IN_FLIGHTCONFLICT:
+                    maybe_landed = True  # (a 409 is a refusal: this request stored nothing)
                 raise
             except Exception as exc:
                 # a connection that never opened sent nothing
@@ -498,7 +503,16 @@ class S3Store:
 
         try:
             self._call("put_if_absent", key, op)
-        except CommitConflictError:
+        except CommitConflictError as exc:
+            code = error_code(exc.__cause__)[0] if exc.__cause__ is not None else None
+            if maybe_landed and code in IN_FLIGHTCONFLICT:
+                # the conditional write still in flight behind the conflicts may be our own
+                raise OutcomeUnknownError(
+                    f"S3 put_if_absent of {self._url(key)}: another conditional write kept "
+                    "conflicting, and an earlier attempt of this one may have reached the "
+                    "server: the write still in flight may be ours, so the key may hold these "
+                    "bytes now or later"
+                ) from exc
             raise  # a verdict: the key holds another object
         except StoreError as exc:
             if not maybe_landed:
@@ -508,17 +522,23 @@ class S3Store:
                 f"it: {self._url(key)} may hold these bytes now or later"
             ) from exc
 
-    def _read_quietly(self, full: str, expected: int) -> bytes | None:
-        """The object if it is at most one byte longer than ``expected`` (enough to tell it
-        from our bytes; a huge object planted there is never read whole), else None."""
+    def _read_back(self, full: str, expected: int) -> bytes | None:
+        """At most ``expected + 1`` bytes of the object (enough to tell it from ours; a huge
+        object planted there is never read whole); None when there is no such key. Any other
+        failure is raised, for the caller's retries to judge."""
+        from botocore.exceptions import ClientError
+
         try:
             body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
-            try:
-                return body.read(expected + 1)
-            finally:
-                body.close()
-        except Exception:
-            return None
+        except ClientError as exc:
+            code, status = error_code(exc)
+            if code in NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
+                return None
+            raise
+        try:
+            return body.read(expected + 1)
+        finally:
+            body.close()
 
     def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
         full = self._full(check_key(key))
