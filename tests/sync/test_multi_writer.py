@@ -271,6 +271,35 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
         assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
 
 
+@pytest.mark.timeout(90)
+def test_an_adopted_version_whose_changes_went_back_since_is_still_exact(tmp_path):
+    # Writer 1 adopts version 1 (committed with its blobs while it waited). Its tracker diffs
+    # against version 0: elements version 1 changed that go back to their version-0 bits by
+    # version 2 are not among its changes, yet the receivers hold version 1's bits there. The
+    # params its adopted attempt sent go out whole with version 2.
+    store = scratch_store(tmp_path / "store")
+    _, tl, rl = layouts()
+    syncs, trainers = _ranks([SlowManifest(store, 1), store], marker_timeout_s=1.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    at_0 = [{n: p.detach().clone() for n, p in t.params.items()} for t in trainers]
+    for t in trainers:
+        t.step()
+    first = _everyone(lambda r: syncs[r].step_published(1))
+    assert isinstance(first[1], CommitTimeoutError), first[1]
+    assert Catalog(store).versions() == [0, 1]
+    for t, old in zip(trainers, at_0, strict=True):
+        for n, p in t.params.items():  # back to version 0's bits, then one more step
+            p.detach().copy_(old[n])
+        t.step()
+    reports = _everyone(lambda r: syncs[r].step_published(2))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert Catalog(store).manifest(2).base_version == 1
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path, shard)
+        assert report.version == 2
+        assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
+
+
 class SlowManifest:
     """A store whose manifest write of ``version`` takes 2 s longer (an overloaded server)."""
 

@@ -119,8 +119,11 @@ def test_a_manifest_that_lands_late_finds_its_own_blobs(s3_store, tmp_path):
     assert rig.rec.pull().version == 2
     assert_same_bits(rig.rec.tensors, rig.attempt)
     assert rig.sync.next_version() == 3
-    rig.sync.step_published(3)  # the publisher never verified version 2: an anchor
-    assert rig.pub.catalog.manifest(3).kind == "anchor"
+    rig.sync.step_published(3)  # its own attempt, landed: a delta on it (its params whole)
+    assert (rig.pub.catalog.manifest(3).kind, rig.pub.catalog.manifest(3).base_version) == (
+        "delta",
+        2,
+    )
     assert rig.rec.pull().version == 3
     assert_same_bits(rig.rec.tensors, rig.expected())
 

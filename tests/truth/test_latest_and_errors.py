@@ -160,3 +160,39 @@ def test_past_a_skipped_number_and_a_stale_latest_the_publisher_continues_on_its
     pulled = rig.rec.pull()
     assert pulled.version == 4 and pulled.chain[-2:] == (3, 4)
     rig.check(pulled)
+
+
+class _LostReply:
+    """A store whose manifest write of version 2 is applied but its reply lost."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        self.inner.put_if_absent(key, data)
+        if key == names.manifest_key(2):
+            raise OutcomeUnknownError(f"injected: the reply to the write of {key!r} was lost")
+
+
+@pytest.mark.timeout(60)
+def test_an_own_attempt_that_landed_after_all_is_the_base_of_the_next_delta(tmp_path):
+    # v2's manifest landed, but the publisher got no verdict: v2 is committed with its own
+    # writer and lineage. v3 is a delta on v2 in the same lineage, not an anchor of a new one:
+    # the changes kept since v1, with the params v2 sent whole (an element v2 changed may be
+    # back at its v1 bits by v3, where the receivers hold v2's)
+    store = _LostReply(LocalStore(tmp_path / "store", durable=False))
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    with pytest.raises(OutcomeUnknownError):
+        rig.publish(2)
+    run = rig.trainer.pub.run_id
+    assert rig.trainer.pub.committed() == 2 and rig.trainer.sync.next_version() == 3
+    report = rig.publish(3)
+    assert (report.kind, report.base_version, rig.trainer.pub.run_id) == ("delta", 2, run)
+    pulled = rig.rec.pull()
+    assert pulled.version == 3
+    rig.check(pulled)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -203,6 +203,10 @@ class Publisher:
         # Of those, the versions whose manifest write ended without a verdict: their blobs
         # stay (gc keeps them) while the manifest may still land and name them
         self._may_land: set[int] = set()
+        # The params each attempt since the last commit sent (names only), and those a delta
+        # must send whole after adopting such an attempt (see _adopts)
+        self._sent_names: dict[int, set[str]] = {}
+        self._resend_whole: set[str] = set()
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
         self._router = GroupRouter(
@@ -491,6 +495,10 @@ class Publisher:
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
             source = checked_changes(changes, lazy=(Positions,))
+            if self._resend_whole:
+                source = _whole(source, self._resend_whole, params)
+        if source is not None:
+            source = _names_into(source, self._sent_names.setdefault(version, set()))
 
         t = time.perf_counter()
         digest_job = None
@@ -590,6 +598,8 @@ class Publisher:
             raise
         commit_s = time.perf_counter() - t
         self._set_baseline(manifest)
+        self._sent_names.clear()
+        self._resend_whole = set()
         # this state's per-tensor digests, for the next delta's unchanged tensors
         self._entries = (version, tensor_entries) if tensor_entries is not None and ours else None
         return PublishReport(
@@ -707,17 +717,18 @@ class Publisher:
             self._shards_ok.add(key)
 
     def _adopts(self, head: Manifest | None) -> bool:
-        """With several writers, a writer that did not commit: whether every version committed
-        since its baseline names this writer (its attempt there timed out waiting for the
-        manifest, yet the committer joined its blobs after all). Its changes are kept since
-        its baseline, so they cover those versions' changes too: it takes the newest as its
-        baseline and goes on with deltas, as the committer does, instead of an anchor of its
-        own beside the committer's delta."""
-        cfg = self.config
-        if cfg.num_writers == 1 or cfg.is_committer or head is None or self.baseline is None:
+        """Whether every version committed since this writer's baseline names this writer and
+        its lineage: attempts of its own that got no verdict and landed after all (a manifest
+        write whose reply was lost; with several writers, a non-committer that timed out
+        waiting while the committer joined its blobs). It takes the newest as its baseline and
+        goes on with deltas (its changes are kept since its baseline, and the params those
+        attempts sent go out whole: below), instead of an anchor of a new lineage, or, with
+        several writers, an anchor of its own beside the others' deltas."""
+        if head is None or self.baseline is None:
             return False
         if not self.baseline < head.version <= self.baseline + _ADOPT_MAX:
             return False
+        adopted: list[int] = []
         for v in range(self.baseline + 1, head.version + 1):
             try:
                 m = head if v == head.version else self.catalog.manifest(v)
@@ -725,6 +736,13 @@ class Publisher:
                 continue  # a number never committed
             if m.run_id != self.run_id or self.writer not in m.writers:
                 return False
+            adopted.append(v)
+        # Its changes are what differs from its baseline now: an element an adopted version
+        # changed that has gone back to its baseline bits since is not among them (a snapshot
+        # tracker's diff), yet the receivers hold the adopted value. The params those
+        # attempts sent go out whole with the next delta (all of them where unrecorded).
+        sent = [self._sent_names.get(v) for v in adopted]
+        self._resend_whole = set().union(*sent) if all(s is not None for s in sent) else {"*"}
         log.info(
             "writer %s: versions %d..%d were committed with its blobs while it waited; its "
             "changes since version %d cover them: version %d's base is %d",
@@ -895,3 +913,26 @@ class Publisher:
             may_land=self._may_land,
             orphan_grace_s=self.config.orphan_grace_s,
         )
+
+
+def _names_into(changes: Iterable[Change], names: set[str]) -> Iterator[Change]:
+    """``changes``, adding each item's param name to ``names`` as it passes."""
+    for item in changes:
+        names.add(item[0])
+        yield item
+
+
+def _whole(changes: Iterable[Change], whole: set[str], params: Params) -> Iterator[Change]:
+    """``changes`` with every element of the params in ``whole`` (``{"*"}``: all of them), each
+    in place of its own item, or after the stream where it had none."""
+    every = "*" in whole
+    seen: set[str] = set()
+    for item in changes:
+        name = item[0]
+        if every or name in whole:
+            seen.add(name)
+            yield from every_element_stream({name: params[name]})
+        else:
+            yield item
+    rest = {n: p for n, p in params.items() if (every or n in whole) and n not in seen}
+    yield from every_element_stream(rest)
