@@ -116,6 +116,15 @@ def test_an_fp32_engine_gets_bf16_masters_widened_exactly_into_its_tensors(tmp_p
             assert bits_equal(served, expected), (version, name)
 
 
+def test_an_engine_in_a_dtype_that_cannot_hold_bf16_values_is_refused(tmp_path):
+    # BF16 -> float16 rounds values below float16's normal range and overflows above 65504:
+    # such an engine would compute with other weights than the trainer's after a verified pull
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    model = module_tree(trainer.split()["tp0"], packs=False, dtype=torch.float16)
+    with pytest.raises(ConfigError, match=r"float16, which cannot hold every BF16 value"):
+        VllmShard(model, ENGINE_CONFIG, ShardPlace(tp_rank=0, tp=1))
+
+
 def test_only_the_layers_a_pull_wrote_are_repacked(tmp_path):
     store = LocalStore(tmp_path / "store", durable=False)
     trainer = StoreTrainer(ENGINE_CONFIG, store)

@@ -21,6 +21,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import torch
 from vllm_runs import TINY, as_rule_names, run_job, same_bits, table_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -60,6 +61,7 @@ def run(request, tmp_path_factory):
         versions=VERSIONS,
         config=CONFIG,
         apply_fail_check=True,
+        reinit_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -121,6 +123,22 @@ def test_a_failed_apply_leaves_no_version_named_and_the_retry_takes_it(run):
     for state in synced["states_after_retry"]:
         assert state["weight_version"] == retried
         assert same_bits(state["tensors"], synced["splits_after_retry"][state["shard"]]) == []
+
+
+def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_nothing(run):
+    synced = run["synced"]
+    for held, after in zip(synced["reinit_held"], synced["reinit_states"], strict=True):
+        assert after["weight_version"] == held["weight_version"]  # the staged one not applied
+        assert same_bits(after["tensors"], held["tensors"]) == [], after["shard"]
+    assert "ConfigError" in synced["bad_init_error"], synced["bad_init_error"]
+    taken = synced["reinit_held"][0]["weight_version"] + 1
+    for state, live in zip(synced["after_reinit_states"], synced["after_reinit_live"], strict=True):
+        split = synced["after_reinit_splits"][state["shard"]]
+        assert state["weight_version"] == taken
+        assert same_bits(state["tensors"], split) == [], state["shard"]
+        # what vLLM computes with (non-empty parameters: packed kernels keep theirs apart)
+        served = {n: t.to(torch.bfloat16) for n, t in live.items() if t.numel()}
+        assert served and same_bits(served, {n: split[n] for n in served}) == [], state["shard"]
 
 
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -323,6 +324,30 @@ def synced(spec: dict) -> dict:
         out["weight_version_api_after_retry"] = llm.get_weight_version()
         out["states_after_retry"] = llm.collective_rpc(worker_state)
         out["splits_after_retry"] = layout.split(canonical())
+    if spec.get("reinit_check"):
+        # A restarted trainer calls init_weight_transfer_engine again while an update it
+        # staged waits: the staged version is cancelled, never written. An init refused (a
+        # bad signing key) keeps every worker's shard and receiver; the next update lands in
+        # the tensors vLLM computes with.
+        out["reinit_held"] = llm.collective_rpc(worker_state)
+        nxt = out["reinit_held"][0]["weight_version"] + 1
+        train_step()
+        trainer.publish(nxt)
+        engine.stage(nxt)
+        engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
+        out["reinit_states"] = llm.collective_rpc(worker_state)
+        llm.finish_weight_update()  # the dead trainer's session, still open in vLLM
+        try:
+            DeltaSyncTrainerEngine.trainer_init(
+                dataclasses.replace(info, signing_key_hex="00"), client=LLMClient(llm)
+            )
+            out["bad_init_error"] = None
+        except Exception as exc:
+            out["bad_init_error"] = f"{type(exc).__name__}: {exc}"
+        engine.send_weights(nxt)
+        out["after_reinit_states"] = llm.collective_rpc(worker_state)
+        out["after_reinit_live"] = llm.collective_rpc(live_tensors)
+        out["after_reinit_splits"] = layout.split(canonical())
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes

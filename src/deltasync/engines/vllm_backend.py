@@ -40,10 +40,11 @@ the Receiver's, kernels and layouts the shard's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,20 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
             )
 
 
+def _rpc(method: Callable[..., None]) -> Callable[..., None]:
+    """An RPC vLLM calls on every worker: a check that failed alike on every TP rank returns
+    here on all but the last (``DeltaSyncWeightTransferEngine._entry``)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except _Answered:
+            return
+
+    return call
+
+
 class _StagedPull:
     """One pull on its own thread, held before its first write until :meth:`release`.
 
@@ -181,6 +196,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.shard: VllmShard | None = None
+        self._shard_key: tuple[Any, ...] | None = None  # what self.shard was built from
         self.receiver: Receiver | None = None
         self.weight_version: int | None = None  # recorded by finish_weight_update
         self.last_report: PullReport | None = None
@@ -193,44 +209,84 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     # --- phase 1 --------------------------------------------------------------------------
 
+    @_rpc
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """Build this worker's shard and its receiver. Args: ``init_info``, see
-        :class:`DeltaSyncInitInfo`."""
+        :class:`DeltaSyncInitInfo`. Again on a worker that has them (a restarted trainer):
+        a staged update is cancelled first (nothing of it was written), and an init refused
+        on any TP rank keeps the shard and receiver every rank had."""
+        self._cancel_staged()
+        self._active = False
         place = ShardPlace.from_vllm(self.parallel_config)
-        eager = bool(getattr(self.model_config, "enforce_eager", False))
-        hf_config = self.model_config.hf_config
-        layout = None
-        if init_info.layout is not None:
-            layout = load_receiver_layout(init_info.layout, ModelSpec.from_hf_config(hf_config))
-        self.shard = VllmShard(
-            self.model, hf_config, place, layout=layout, path=init_info.path, eager=eager
+        built, error = None, None
+        try:
+            built = self._build(init_info, place)
+        except Exception as exc:
+            error = exc
+        failures = failed_ranks(
+            f"tp{place.tp_rank}",
+            error,
+            group_gather(_tp_cpu_group(), place.tp) if place.tp > 1 else None,
         )
-        s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
-        store = open_store(init_info.store, s3=s3, durable=init_info.durable)
-        rid = f"{init_info.receiver_id}-{self.shard.shard}"
-        state_dir = Path(init_info.state_dir) / rid
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.receiver = Receiver.for_layout(
-            store,
-            self.shard.layout,
-            self.shard.shard,
-            self.shard.targets,
-            str(state_dir),
-            ReceiverConfig(
-                receiver_id=rid, signing_key=init_info.signing_key(), durable=init_info.durable
-            ),
-            pause=self._pause,
-            on_tensor_written=self._touched.add,
-        )
+        with self._entry("init_weight_transfer_engine", place):
+            if error is not None:
+                raise error
+            if failures:
+                raise ConfigError(
+                    "init_weight_transfer_engine failed on "
+                    + "; ".join(f"{shard}: {why}" for shard, why in failures)
+                    + "; every rank kept its previous receiver"
+                )
+        assert built is not None
+        self.shard, self.receiver = built
+        self._shard_key = (init_info.layout, init_info.path, place)
         self.weight_version = None if self.receiver.dirty else self.receiver.version
         log.info(
             "deltasync receiver %s on %s: shard %s, path %s, at version %s",
-            rid,
+            self.receiver.config.receiver_id,
             init_info.store,
             self.shard.shard,
             self.shard.path,
             self.weight_version,
         )
+
+    def _build(self, init_info: DeltaSyncInitInfo, place: ShardPlace) -> tuple[VllmShard, Receiver]:
+        """This worker's shard and its receiver, replacing nothing yet. The shard this worker
+        has is kept when it was built alike (a restarted trainer): its BF16 masters hold the
+        packed kernels' values, which a new shard could not read back from them."""
+        if self.shard is not None and self._shard_key == (init_info.layout, init_info.path, place):
+            shard = self.shard
+        else:
+            eager = bool(getattr(self.model_config, "enforce_eager", False))
+            hf_config = self.model_config.hf_config
+            layout = None
+            if init_info.layout is not None:
+                spec = ModelSpec.from_hf_config(hf_config)
+                layout = load_receiver_layout(init_info.layout, spec)
+            shard = VllmShard(
+                self.model, hf_config, place, layout=layout, path=init_info.path, eager=eager
+            )
+        try:
+            s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
+        except TypeError as exc:
+            raise ConfigError(f"DeltaSyncInitInfo.s3: not S3Config fields ({exc})") from None
+        store = open_store(init_info.store, s3=s3, durable=init_info.durable)
+        rid = f"{init_info.receiver_id}-{shard.shard}"
+        state_dir = Path(init_info.state_dir) / rid
+        state_dir.mkdir(parents=True, exist_ok=True)
+        receiver = Receiver.for_layout(
+            store,
+            shard.layout,
+            shard.shard,
+            shard.targets,
+            str(state_dir),
+            ReceiverConfig(
+                receiver_id=rid, signing_key=init_info.signing_key(), durable=init_info.durable
+            ),
+            pause=functools.partial(self._pause, shard),  # this shard's kernels, refreshed
+            on_tensor_written=self._touched.add,
+        )
+        return shard, receiver
 
     def _receiver(self) -> Receiver:
         if self.receiver is None:
@@ -242,22 +298,29 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     # --- phases 2-4 -----------------------------------------------------------------------
 
+    @_rpc
     def start_weight_update(self) -> None:
-        self._receiver()
-        self._cancel_staged()
-        self._active = True
+        with self._entry("start_weight_update"):
+            self._receiver()
+            self._cancel_staged()
+            self._active = True
 
+    @_rpc
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        with self._entry("update_weights"):
+            parsed = self.parse_update_info(update_info)
+        self.receive_weights(parsed)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()  # the scatter ran on the staging thread's stream
 
+    @_rpc
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
         """Stage or apply ``update_info.version``; raises on any failure, with every rank at
         its previous verified version when staging failed anywhere."""
-        receiver = self._receiver()
-        if not self._active:
-            raise ConfigError("call start_weight_update before update_weights")
+        with self._entry("update_weights"):
+            receiver = self._receiver()
+            if not self._active:
+                raise ConfigError("call start_weight_update before update_weights")
         version = update_info.version
         if update_info.phase == "stage":
             self._cancel_staged()
@@ -353,16 +416,35 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             return
         raise error
 
+    @_rpc
     def finish_weight_update(self) -> None:
-        receiver = self._receiver()
-        if self._staged is not None:
-            self._cancel_staged()
-            raise ApplyError(
-                "finish_weight_update with a staged update that was never applied: call "
-                "update_weights with phase 'apply' first; nothing was written"
-            )
-        self._active = False
-        self.weight_version = None if receiver.dirty else receiver.version
+        with self._entry("finish_weight_update"):
+            receiver = self._receiver()
+            self._active = False  # the session ends here either way
+            if self._staged is not None:
+                self._cancel_staged()
+                raise ApplyError(
+                    "finish_weight_update with a staged update that was never applied: call "
+                    "update_weights with phase 'apply' first; nothing was written"
+                )
+            self.weight_version = None if receiver.dirty else receiver.version
+
+    @contextlib.contextmanager
+    def _entry(self, call: str, place: ShardPlace | None = None) -> Iterator[None]:
+        """An RPC's checks that fail alike on every TP rank (its input, the session's state):
+        raised by the last rank only, logged by the others. vLLM 0.32's multiprocess executor
+        stops reading replies at the first rank that failed and the next RPC reads the rest,
+        so an error raised on every rank would be read as the reply of the calls after it (a
+        later failure hidden behind a stale success), as in :meth:`_fail`."""
+        try:
+            yield
+        except Exception as exc:
+            if place is None and self.shard is not None:
+                place = self.shard.place
+            if place is None or place.tp == 1 or place.tp_rank == place.tp - 1:
+                raise
+            log.error("deltasync %s on TP rank %d: %s", call, place.tp_rank, exc)
+            raise _Answered from exc
 
     def shutdown(self) -> None:
         self._cancel_staged()
@@ -418,7 +500,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             staged.thread.join()
 
     @contextlib.contextmanager
-    def _pause(self) -> Iterator[None]:
+    def _pause(self, shard: VllmShard) -> Iterator[None]:
         """The receiver's pause: entered right before the scatter, left after it."""
         gate, self._gate = self._gate, None
         with gate.gate() if gate is not None else contextlib.nullcontext():
@@ -426,5 +508,16 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             yield
             # Packed CPU kernels are rebuilt from the masters that changed, before the
             # engine may compute again (vLLM's post-load processing; see vllm_shard).
-            self.shard.refresh(self._touched)
+            shard.refresh(self._touched)
             self.last_pause_s = time.perf_counter() - t
+
+
+class _Answered(Exception):
+    """Raised out of an RPC's check on a TP rank that is not the last: its :func:`_rpc`
+    wrapper returns normally there (the last rank raises the error)."""
+
+
+def _tp_cpu_group() -> Any:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().cpu_group

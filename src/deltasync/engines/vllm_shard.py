@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 PATHS = ("inplace", "repack")
 
 
+# The engine dtypes a BF16 value converts to and back exactly: the receiver's masters are BF16.
+_HOLDS_BF16 = (torch.bfloat16, torch.float32, torch.float64)
+
+
 def kernel_reads_weight(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
     """True if ``layer.cpu_linear`` computes with the weight it is called with (so in-place
     writes reach it); False if it computes with a packed copy of its own.
@@ -180,6 +184,13 @@ class VllmShard:
                 )
             if not p.is_floating_point():
                 raise ConfigError(f"vLLM parameter {name!r} is {p.dtype}, not a float tensor")
+            if p.dtype not in _HOLDS_BF16:
+                raise ConfigError(
+                    f"vLLM parameter {name!r} is {p.dtype}, which cannot hold every BF16 value "
+                    "(float16 rounds those below its normal range and overflows above 65504): "
+                    "the engine would compute with weights other than the trainer's. Serve the "
+                    "model in bfloat16 (dtype='bfloat16') or float32"
+                )
             if not packed and p.dtype == spec.dtype:
                 self.targets[name] = p  # the engine computes with this very tensor
                 continue

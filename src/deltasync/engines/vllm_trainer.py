@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from deltasync.engines.agreement import NOTHING_WRITTEN
 from deltasync.engines.vllm_backend import DeltaSyncInitInfo
 from deltasync.errors import ConfigError
+from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
 
     def stage(self, version: int) -> None:
         """Open an update and let the workers fetch and verify ``version`` while serving."""
+        check_int("DeltaSyncTrainerEngine.stage", "version", version, lo=0)  # before any RPC
         if not self.is_sender:
             return
         t0 = time.perf_counter()
@@ -147,6 +149,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
     def apply(self, version: int) -> None:
         """Write the staged ``version`` (the engine's pause), finish, reset the prefix cache.
         Raises what a worker raised; the workers then hold their previous verified version."""
+        check_int("DeltaSyncTrainerEngine.apply", "version", version, lo=0)  # before any RPC
         if not self.is_sender:
             return
         t0 = time.perf_counter()
