@@ -11,7 +11,8 @@ import pytest
 from truth_kit import Rig, assert_same_bits, rconfig
 
 from deltasync import LocalStore, names
-from deltasync.commit import Catalog, decode_latest
+from deltasync.commit import Catalog, collect_garbage, decode_latest
+from deltasync.errors import StoreError
 from deltasync.receiver import Receiver
 from deltasync.store.local import TMP_MARK
 
@@ -130,3 +131,41 @@ def test_a_planted_latest_and_junk_manifest_above_the_head_never_steer_retention
     ).pull()
     assert report.version == 5 and report.chain[0] == 0
     assert_same_bits(tensors, rig.oracle[(report.run_id, 5)][rig.shard])
+
+
+class _OneFailedRead:
+    """The store, except that one read of ``key`` fails (an outage, retries used up)."""
+
+    def __init__(self, inner, key: str) -> None:
+        self.inner, self.key = inner, key
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key, **kwargs):
+        if key == self.key:
+            self.key = ""
+            raise StoreError(f"injected: reading {key!r} failed")
+        return self.inner.get(key, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_retention_stops_on_a_manifest_it_cannot_read_and_deletes_nothing(rig):
+    # Taking an unreadable manifest for a hostile one left it out of the plan: the chain from
+    # the anchor to the head broke there and the rest of it was deleted (a fresh receiver
+    # could never reach the head again). A read failure stops the plan; a manifest that does
+    # not verify keeps every version from the newest anchor on.
+    for v in range(2, 7):
+        rig.publish(v)
+    held = sorted(rig.store.list(""))
+    flaky = _OneFailedRead(rig.store, names.manifest_key(3))
+    with pytest.raises(StoreError, match=r"v00000003/MANIFEST\.json"):
+        collect_garbage(
+            flaky, Catalog(flaky), keep_versions=1, receiver_ttl_s=0.0, orphan_grace_s=0.0
+        )
+    assert sorted(rig.store.list("")) == held
+    rig.store.put(names.manifest_key(3), b'{"forged": true}')  # does not verify
+    plan = collect_garbage(
+        rig.store, Catalog(rig.store), keep_versions=1, receiver_ttl_s=0.0, orphan_grace_s=0.0
+    )
+    assert plan.versions == ()

@@ -181,7 +181,11 @@ def plan_retention(
     try:
         keep.update(_walk(None, latest, by_version))
     except VersionError:
-        pass  # no anchor chain to latest: nothing more to protect for fresh receivers
+        # No chain from an anchor to latest among these versions (a manifest left out: it
+        # did not verify): which ones a fresh receiver needs cannot be told, so every version
+        # from the newest anchor on stays (every version, without one)
+        floor = anchors[-1] if anchors else ordered[0]
+        keep.update(v for v in ordered if floor <= v <= latest)
     for held in live_receiver_versions:
         if held is None:
             continue  # needs the fresh-receiver chain, kept above

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from deltasync import names
 from deltasync.commit.model import Manifest
 from deltasync.commit.planning import plan_retention
-from deltasync.errors import DeltaSyncError, KeyNotFoundError, ManifestError
+from deltasync.errors import KeyNotFoundError, ManifestError
 from deltasync.store.base import written_at
 
 if TYPE_CHECKING:
@@ -152,9 +152,12 @@ def collect_garbage(
     manifests: dict[int, Manifest] = {}
 
     def load(v: int) -> None:
+        # A manifest that does not verify (foreign, hostile) is never touched; one that could
+        # not be read (an outage) stops the plan: without it the chain to the newest version
+        # cannot be walked, and nothing is deleted on a guess.
         try:
             manifests[v] = catalog.manifest(v)
-        except DeltaSyncError:  # unreadable (foreign key, hostile): never touch it
+        except (ManifestError, KeyNotFoundError):
             version_keys.pop(v, None)
 
     # Plan from verified manifests only: the newest committed version is the newest whose
