@@ -164,6 +164,19 @@ def test_pull_reads_the_key_file_before_opening_the_store(work, capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["pull", "inspect", "gc"])
+def test_an_empty_key_file_path_is_refused_not_taken_for_no_key(work, capsys, command):
+    # an unset variable in a script (--key-file "$KEY_FILE") must not turn checking off
+    store = str(work / "store")
+    argv = {
+        "pull": _pull(work, "--dir", str(work / "out"), "--once", "--key-file", ""),
+        "inspect": ["inspect", store, "--key-file", ""],
+        "gc": ["gc", store, "--key-file", ""],
+    }[command]
+    _refused(capsys, work, *argv, names="--key-file is empty")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--receiver-id", "bad id"), ("--receiver-id", "../up"), ("--shard", "../tp1")],

@@ -169,3 +169,15 @@ def test_retention_stops_on_a_manifest_it_cannot_read_and_deletes_nothing(rig):
         rig.store, Catalog(rig.store), keep_versions=1, receiver_ttl_s=0.0, orphan_grace_s=0.0
     )
     assert plan.versions == ()
+
+
+@pytest.mark.timeout(60)
+def test_a_record_that_cannot_be_read_counts_as_absent_for_every_reader(rig):
+    # a registration or ack planted with no read permission (or one read that failed): one
+    # such key stopped acks, bounded staleness, retention and inspect for everyone
+    rig.store.put(names.receiver_key("junk"), b"{}")
+    rig.store.put(names.ack_key(1, "junk"), b"{}")
+    for key in (names.receiver_key("junk"), names.ack_key(1, "junk")):
+        catalog = Catalog(_OneFailedRead(rig.store, key))
+        assert "junk" not in catalog.receivers() and "junk" not in catalog.acks(1)
+        assert "rec" in catalog.receivers()

@@ -90,8 +90,14 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
 
 
 def read_key(args: argparse.Namespace) -> bytes | None:
-    if not args.key_file:
+    if args.key_file is None:
         return None
+    if not args.key_file.strip():
+        # an unset variable in a script (--key-file "$KEY_FILE") must not turn checking off
+        raise ConfigError(
+            "--key-file is empty: give the signing key file's path, or leave the flag out for "
+            "an unsigned store"
+        )
     from deltasync.commit.signing import load_key_file
 
     # Warns when the file is readable by its group or others; refuses a too-short key.

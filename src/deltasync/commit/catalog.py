@@ -299,6 +299,9 @@ class Catalog:
                 ack = AckRecord.from_json(data, signing_key=self._key, what=f"ack {key!r}")
             except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
                 continue  # malformed or vanished: not an acknowledgement
+            except StoreError as exc:
+                _unreadable(key, exc)
+                continue
             if ack.version == version and ack.receiver == receiver:
                 out[receiver] = ack
         return out
@@ -311,6 +314,9 @@ class Catalog:
                 data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
                 rec = ReceiverRecord.from_json(data, signing_key=self._key, what=f"record {key!r}")
             except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
+                continue
+            except StoreError as exc:
+                _unreadable(key, exc)
                 continue
             if rec.receiver == receiver:
                 out[receiver] = rec
@@ -444,3 +450,10 @@ def wait_for_acks(
                 "failing to apply (see their logs). The version stays committed"
             )
         time.sleep(poll_s)
+
+
+def _unreadable(key: str, exc: StoreError) -> None:
+    """A record that cannot be read (planted with no read permission, an outage) counts as
+    absent, as a malformed one does: one such key must not stop every reader of records
+    (acks, bounded staleness, retention, inspect)."""
+    log.warning("record %r could not be read (%s); treated as absent", key, exc)
