@@ -423,3 +423,32 @@ def test_probe_cache_that_is_a_file_is_refused_before_probing(work, capsys, wher
         names=str(work / where),
         error="LayoutError",
     )
+
+
+@pytest.mark.timeout(60)
+def test_pull_reports_a_shard_file_it_cannot_write_and_the_loop_writes_it_later(
+    work, capsys, monkeypatch
+):
+    # a full disk under --dir: a typed error naming the file and the version, no traceback;
+    # the loop retries the write until it lands, though the pull has nothing new by then
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    out = work / "out"
+    file = out / f"{SHARD}.safetensors"
+    rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))
+    assert rc == 2 and "ApplyError: could not write version 2" in err and str(file) in err, err
+    assert not file.exists()
+    calls.clear()
+    argv = _pull(work, "--dir", str(out), "--interval", "0.05", "--iterations", "2")
+    rc, _, err = _cli(capsys, *argv)
+    assert rc == 0 and "could not write version 2" in err, err
+    assert len(calls) == 2 and file.is_file()

@@ -59,7 +59,7 @@ from deltasync.commands.inspect_store import (
     open_store_from_args,
     read_key,
 )
-from deltasync.errors import ConfigError, DeltaSyncError, LayoutMismatchError
+from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, LayoutMismatchError
 
 META_VERSION = "deltasync_version"
 META_DIGEST = "deltasync_state_digest"
@@ -271,7 +271,14 @@ def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: s
         save_file(contiguous, str(tmp), metadata=meta)
         os.chmod(tmp, 0o666 & ~umask)  # readable by the engine's user, as the umask allows
 
-    write_atomic(path, save)
+    try:
+        write_atomic(path, save)
+    except Exception as exc:  # a full disk, permissions (OSError, safetensors' own error)
+        raise ApplyError(
+            f"could not write version {version} of shard {shard!r} to {path} "
+            f"({type(exc).__name__}: {exc}); the file still holds what it held. Free space or "
+            "fix the directory's permissions: the sidecar retries"
+        ) from exc
 
 
 def _say(line: str, *, err: bool = False) -> None:
@@ -413,6 +420,7 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
     receiver = path = None
     done = failures = 0
     last_error = None
+    written = None  # the version the shard file holds, as this loop wrote it
     while not stop.event.is_set():
         try:
             if receiver is None:  # the start is retried like a pull: a damaged store heals
@@ -420,8 +428,12 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
+                # the in-memory tensors were loaded from the file: it holds that version
+                written = None if receiver.dirty or not path.exists() else receiver.version
             report = receiver.pull()
-            if report.version is not None and (report.changed or not path.exists()):
+            if report.version is not None and (
+                report.changed or report.version != written or not path.exists()
+            ):
                 _write(
                     path,
                     receiver.tensors,
@@ -430,6 +442,7 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                     args.shard,
                     report.run_id,
                 )
+                written = report.version
             if last_error is not None:
                 _say(f"deltasync pull: recovered after {failures} failed attempt(s)")
             if report.changed or done == 0 or last_error is not None:
