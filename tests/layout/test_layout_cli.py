@@ -147,3 +147,39 @@ def test_split_of_a_checkpoint_that_does_not_fit_its_config_fails_with_a_named_t
     assert rc == 2
     assert "LayoutError" in err and "mlp.gate_proj.weight" in err
     assert not (tmp_path / "out" / "shards.json").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["fifo checkpoint", "out is a file", "out under a file"])
+def test_split_inputs_and_outputs_that_are_not_what_they_should_be_are_named(
+    tmp_path, capsys, case
+):
+    # a FIFO blocked the loader forever; an --out that cannot be a directory was a traceback
+    write_checkpoint(tmp_path, "dense_tied")
+    ckpt, out = tmp_path / "full.safetensors", tmp_path / "out"
+    if case == "fifo checkpoint":
+        ckpt = tmp_path / "fifo.safetensors"
+        os.mkfifo(ckpt)
+    else:
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" if case == "out is a file" else tmp_path / "afile" / "sub"
+    argv = ["--config", str(tmp_path / "config.json"), "--checkpoint", str(ckpt)]
+    rc, err = run_in_process(capsys, *argv, "--engine", "vllm", "--tp", "2", "--out", str(out))
+    assert rc == 2 and err.startswith("deltasync: error: LayoutError: "), err
+    assert ("not a regular file" if case == "fifo checkpoint" else str(out)) in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("listing", ["[]", '[{"id": "tp0", "tp_rank": Infinity, "ep_rank": 0}]'])
+def test_merge_of_a_listing_with_no_shard_or_a_rank_out_of_range_is_named(
+    tmp_path, capsys, listing
+):
+    write_checkpoint(tmp_path, "dense_tied")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "shards.json").write_text(listing)
+    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
+    rc = main([*argv, "--out", str(tmp_path / "m.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("deltasync: error: LayoutError: "), err
+    assert "shards.json" in err

@@ -311,8 +311,9 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
     app = import_app("deltasync_examples.cluster_job", "cluster-worker")
     model = dict(app.TINY_QWEN3)
     if args.config:
-        with open(args.config) as f:
-            model = json.load(f)
+        from deltasync.layout.files import load_config_dict
+
+        model = load_config_dict(args.config)  # LayoutError naming the file, never a hang
     job = app.ClusterJob(
         model=model,
         tp=args.tp,

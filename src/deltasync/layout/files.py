@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -118,16 +119,10 @@ def load_canonical_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Read a full checkpoint (file, index or directory) and check it holds exactly the
     canonical bf16 tensors, each once, where its index says."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for f in checkpoint_files(path):
-        try:
-            part = load_file(str(f))
-        except (OSError, SafetensorError) as exc:
-            raise LayoutError(f"cannot read checkpoint {str(f)!r}: {exc}") from exc
+        part = _load_safetensors(f, "checkpoint")
         for name, t in part.items():
             if name in tensors:
                 raise LayoutError(
@@ -165,6 +160,35 @@ def load_canonical_checkpoint(
     return tensors
 
 
+def _load_safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path``, else LayoutError naming it. Only a
+    regular file is opened: a FIFO would block the loader forever, a device read without end."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        kind = os.stat(path).st_mode
+    except OSError as exc:
+        raise LayoutError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(kind):
+        raise LayoutError(f"{what} {str(path)!r} is not a regular file")
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise LayoutError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+
+
+def _write_out(path: Path, write: Any, what: str) -> None:
+    """``write_atomic(path, write)``, its failures a LayoutError naming ``path``."""
+    try:
+        write_atomic(path, write)
+    except Exception as exc:  # a directory there, no such parent, a full disk
+        raise LayoutError(
+            f"cannot write {what} {str(path)!r} ({type(exc).__name__}: {exc}); pass an --out "
+            "this command may create"
+        ) from exc
+
+
 def _layout(
     spec: ModelSpec, engine: str, tp: int, ep: int, layout_file: str | os.PathLike[str] | None
 ) -> ReceiverLayout:
@@ -177,7 +201,9 @@ def _layout(
         raise LayoutError(
             f"layout file {str(layout_file)!r} was made for other tensors than this config's"
         )
-    parallel = key.get("parallel", {})
+    parallel = key.get("parallel", {}) if isinstance(key, dict) else None
+    if not isinstance(parallel, dict):
+        raise LayoutError(f"layout file {str(layout_file)!r}: its key is not a layout key")
     return ReceiverLayout(
         spec=spec,
         engine=str(key.get("engine", "probed")),
@@ -218,21 +244,33 @@ def split_checkpoint(
     shards = layout.split(full)
     del full
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, or under a file
+        raise LayoutError(
+            f"cannot create the output directory {str(out_dir)!r}: {exc.strerror or exc}; pass "
+            "a directory (created if missing)"
+        ) from None
     for info in layout.shards():
         tensors = {n: t.contiguous() for n, t in shards.pop(info.id).items()}
-        write_atomic(out_dir / f"{info.id}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
+        target = out_dir / f"{info.id}.safetensors"
+        _write_out(target, lambda p, t=tensors: save_file(t, str(p)), "shard file")
     listing = json.dumps([s.to_json() for s in layout.shards()], indent=1) + "\n"
-    write_atomic(out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"))
+    _write_out(
+        out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"), "shard listing"
+    )
     return layout.shards()
 
 
 def _read_listing(shards_dir: Path) -> list[ShardInfo]:
     listing = read_json_file(shards_dir / SHARDS_FILE, limit=MAX_JSON_BYTES, what="shard listing")
     try:
-        return [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
-    except (KeyError, TypeError, ValueError) as exc:
+        shards = [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise LayoutError(f"cannot read {str(shards_dir / SHARDS_FILE)!r}: {exc}") from exc
+    if not shards:
+        raise LayoutError(f"{str(shards_dir / SHARDS_FILE)!r} lists no shard")
+    return shards
 
 
 def merge_checkpoint(
@@ -259,8 +297,7 @@ def merge_checkpoint(
     Returns:
         ``{"tensors": count, "elements": count, "shards": [ids]}``.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     spec = load_config(config)
     src = Path(shards_dir)
@@ -275,12 +312,11 @@ def merge_checkpoint(
         )
     shards: dict[str, Mapping[str, torch.Tensor]] = {}
     for s in listing:
-        try:
-            shards[s.id] = load_file(str(src / f"{s.id}.safetensors"))
-        except (OSError, SafetensorError) as exc:
-            raise LayoutError(f"cannot read shard file {s.id}.safetensors: {exc}") from exc
+        shards[s.id] = _load_safetensors(src / f"{s.id}.safetensors", "shard file")
     full = {n: t.contiguous() for n, t in layout.merge(shards).items()}
-    write_atomic(Path(out), lambda p: save_file(full, str(p), metadata={"format": "pt"}))
+    _write_out(
+        Path(out), lambda p: save_file(full, str(p), metadata={"format": "pt"}), "merged checkpoint"
+    )
     return {
         "tensors": len(full),
         "elements": sum(t.numel() for t in full.values()),

@@ -158,7 +158,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
                     cols=c,
                 )
                 placements.setdefault(str(name), []).append(Placement(str(sid), str(local), block))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise LayoutError(f"layout file is malformed: {type(exc).__name__}: {exc}") from exc
     if {s.id for s in shards} != set(locals_):
         raise LayoutError("layout file: 'shards' and 'locals' name different shards")
