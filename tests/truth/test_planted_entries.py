@@ -4,16 +4,19 @@ hint, never stops a reader or a writer. Every version is still published and pul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
 import pytest
-from truth_kit import Rig, assert_same_bits, rconfig
+from truth_kit import CountingStore, Rig, assert_same_bits, rconfig
 
 from deltasync import LocalStore, names
 from deltasync.commit import Catalog, collect_garbage, decode_latest
-from deltasync.errors import StoreError
+from deltasync.errors import BlobLimitError, StoreError
+from deltasync.format import TensorSpec
 from deltasync.receiver import Receiver
+from deltasync.receiver.staging import blob_bound, open_version
 from deltasync.store.local import TMP_MARK
 
 
@@ -181,3 +184,21 @@ def test_a_record_that_cannot_be_read_counts_as_absent_for_every_reader(rig):
         catalog = Catalog(_OneFailedRead(rig.store, key))
         assert "junk" not in catalog.receivers() and "junk" not in catalog.acks(1)
         assert "rec" in catalog.receivers()
+
+
+@pytest.mark.timeout(60)
+def test_a_blob_listed_larger_than_its_shard_can_need_is_refused_unread(rig):
+    # on an unsigned store the manifest's size field is all that bounds a read: a 2 GiB entry
+    # for a 100 KiB shard made a receiver allocate 4 GiB before the digest refused it
+    manifest = Catalog(rig.store).manifest(1)
+    specs = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in rig.tensors.items()}
+    bound = blob_bound(specs)
+    huge = tuple(
+        dataclasses.replace(b, size=bound + 1) if b.shard == rig.shard else b
+        for b in manifest.blobs
+    )
+    counting = CountingStore(rig.store)
+    with pytest.raises(BlobLimitError, match=f"more than any blob of shard {rig.shard!r}"):
+        open_version(counting, dataclasses.replace(manifest, blobs=huge), rig.shard, specs)
+    assert not [k for k in counting.reads if k.endswith(".blob")]
+    assert bound < 20 * sum(t.numel() * t.element_size() for t in rig.tensors.values())

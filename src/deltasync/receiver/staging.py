@@ -21,7 +21,10 @@ knows manifests, blobs and TensorUpdate; it never touches live tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+
+import torch
 
 from deltasync.commit import BlobEntry, Manifest, blob_digest
 from deltasync.errors import (
@@ -102,6 +105,17 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     return data
 
 
+def blob_bound(specs: Mapping[str, TensorSpec]) -> int:
+    """The most bytes a blob for the local tensors ``specs`` can take, compressed or not:
+    each element at most once, with its value and an 8-byte index, each tensor's record head
+    (name, shape), and the blob's framing."""
+    elements = sum(
+        math.prod(s.shape) * (torch.empty((), dtype=s.dtype).element_size() + 8)
+        for s in specs.values()
+    )
+    return elements + 4096 * len(specs) + (1 << 20)
+
+
 def open_version(
     store: Store,
     manifest: Manifest,
@@ -117,8 +131,19 @@ def open_version(
     out: list[BlobRecords] = []
     fetched = 0
     base = -1 if manifest.kind == "anchor" else manifest.base_version
+    bound = blob_bound(specs)
+    max_decompressed_bytes = min(max_decompressed_bytes, bound)
     for entry in manifest.blobs_for(shard):
         where = f"version {manifest.version} blob {entry.key!r}"
+        if entry.size > bound:
+            # the manifest's size is all an unsigned store vouches for: never read more than
+            # a blob of this shard can hold
+            raise BlobLimitError(
+                f"{where} is listed at {entry.size} bytes, more than any blob of shard "
+                f"{shard!r} can hold ({bound} bytes: every element once, with its index); "
+                "not read, nothing was applied. The manifest or the layout is not this "
+                "receiver's"
+            )
         data = fetch_blob(store, manifest, entry)
         fetched += len(data)
         try:
