@@ -143,6 +143,9 @@ def _rounds_line(path: str, per_round: dict[str, list]) -> str:
     return f"  {path}, deltasync per round: {'; '.join(parts)}"
 
 
+SYSTEMS = ("dense", "snapshot", "deltasync")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise SystemExit(f"--threads must be at least 1, got {args.threads}")
@@ -153,6 +156,13 @@ def main(args: argparse.Namespace) -> int:
     links = args.link_gbps or pre["links"]
     steps = args.steps or pre["steps"]
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise SystemExit(
+            f"--systems: unknown system(s) {unknown} (choose from {', '.join(SYSTEMS)})"
+            if unknown
+            else "--systems names no system"
+        )
     paths = [] if args.no_unthrottled else [PathSpec(kind="store")]
     paths += [PathSpec(kind="store", gbps=g) for g in links]
     if not args.no_cluster:

@@ -211,6 +211,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.tensors < 1 or args.elements < args.tensors:
+        raise SystemExit(f"--elements ({args.elements}) must be >= --tensors ({args.tensors}) >= 1")
     cfg = DetectBenchConfig(
         elements=args.elements,
         tensors=args.tensors,
