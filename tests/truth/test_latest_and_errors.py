@@ -115,6 +115,16 @@ def test_a_pull_to_a_given_version_takes_exactly_it_or_refuses_before_any_write(
     rig.check(rig.rec.pull())  # and on to the newest
 
 
+def _version_2_without_a_verdict(store, tmp_path) -> Rig:
+    """Versions 0 and 1 published on ``store``; version 2's publish ends without a verdict."""
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    with pytest.raises(OutcomeUnknownError):
+        rig.publish(2)
+    return rig
+
+
 class _Outage:
     """A store whose manifest write of version 2 ends without a verdict (never applied) and
     whose LATEST writes fail while ``latest_down`` is set."""
@@ -144,11 +154,7 @@ def test_past_a_skipped_number_and_a_stale_latest_the_publisher_continues_on_its
     # from LATEST stops at the gap. The publisher committed v3 itself: v4 is a delta on it in
     # the same lineage, not an anchor of a new one.
     store = _Outage(LocalStore(tmp_path / "store", durable=False))
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    rig.publish(1)
-    with pytest.raises(OutcomeUnknownError):
-        rig.publish(2)
+    rig = _version_2_without_a_verdict(store, tmp_path)
     store.latest_down = True
     assert rig.trainer.sync.next_version() == 3
     assert rig.publish(3).base_version == 1
@@ -183,12 +189,9 @@ def test_an_own_attempt_that_landed_after_all_is_the_base_of_the_next_delta(tmp_
     # writer and lineage. v3 is a delta on v2 in the same lineage, not an anchor of a new one:
     # the changes kept since v1, with the params v2 sent whole (an element v2 changed may be
     # back at its v1 bits by v3, where the receivers hold v2's)
-    store = _LostReply(LocalStore(tmp_path / "store", durable=False))
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    rig.publish(1)
-    with pytest.raises(OutcomeUnknownError):
-        rig.publish(2)
+    rig = _version_2_without_a_verdict(
+        _LostReply(LocalStore(tmp_path / "store", durable=False)), tmp_path
+    )
     run = rig.trainer.pub.run_id
     assert rig.trainer.pub.committed() == 2 and rig.trainer.sync.next_version() == 3
     report = rig.publish(3)
