@@ -151,3 +151,21 @@ def test_a_get_holds_the_object_once_not_a_buffer_and_a_copy(tmp_path: Path) -> 
     assert got == payload and ranged == payload[1:-1]
     # both objects alive at the end: 2 x size; a read through a buffer copied to bytes: 3 x
     assert peak < 2.25 * size, peak / size
+
+
+def test_an_object_read_in_parts_is_held_once(tmp_path: Path, monkeypatch) -> None:
+    # Linux returns at most ~2 GiB per read: a larger object (an anchor of a large shard) is
+    # read in parts, here 1 MiB ones; joining the parts held it twice at the peak
+    monkeypatch.setattr("deltasync.store.local._MAX_PREAD", 1 << 20)
+    size = (5 << 20) + 123
+    payload = os.urandom(size)
+    store = LocalStore(tmp_path / "s", durable=False)
+    store.put("v/blob", payload)
+    tracemalloc.start()
+    try:
+        got = store.get("v/blob")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == payload and len(got) == size
+    assert peak < 1.25 * size, peak / size

@@ -63,8 +63,9 @@ class Store(Protocol):
     """Byte storage under string keys relative to one run prefix."""
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """Whole object. Raises KeyNotFoundError if absent, ObjectTooLargeError if it is
-        larger than ``max_bytes`` (None: no bound)."""
+        """Whole object (bytes-like: ``LocalStore`` returns an object over 2 GiB as the
+        bytearray it read it into). Raises KeyNotFoundError if absent, ObjectTooLargeError if
+        it is larger than ``max_bytes`` (None: no bound)."""
         ...
 
     def get_range(self, key: str, start: int, length: int) -> bytes:

@@ -234,21 +234,31 @@ class LocalStore:
     def _read(self, key: str, fd: int, start: int, length: int) -> bytes:
         # One allocation: ``os.pread`` returns the bytes object it read into (a bytearray filled
         # and then copied to ``bytes`` would hold the object twice at the peak). Linux reads a
-        # regular file whole in one call up to ~2 GiB; a short read continues in parts.
-        parts: list[bytes] = []
-        done = 0
+        # regular file whole in one call up to ~2 GiB; a larger object (an anchor of a large
+        # shard) is read into one bytearray in parts, and returned as that bytearray: joining
+        # the parts into ``bytes`` would hold it twice.
         try:
+            if length <= _MAX_PREAD:
+                data = os.pread(fd, length, start)
+                if len(data) == length:
+                    return data
+                buf, done = bytearray(length), len(data)  # a short read: go on in place
+                buf[:done] = data
+                del data
+            else:
+                buf, done = bytearray(length), 0
+            view = memoryview(buf)
             while done < length:
-                part = os.pread(fd, min(length - done, _MAX_PREAD), start + done)
-                if not part:
+                n = os.preadv(fd, [view[done : done + _MAX_PREAD]], start + done)
+                if not n:
                     break
-                parts.append(part)
-                done += len(part)
+                done += n
+            view.release()
         except OSError as exc:
             raise self._fail("reading", key, exc) from exc
         if done != length:  # the file shrank under us: only possible if someone edits it
             raise StoreError(f"short read of {key!r} in {self!r}: {done} of {length} bytes")
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return buf
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_max_bytes(key, max_bytes)
