@@ -135,19 +135,27 @@ def test_open_store_rejects_bad_urls_with_a_config_error(url, kwargs, match) -> 
         open_store(url, **kwargs)
 
 
-def test_a_get_holds_the_object_once_not_a_buffer_and_a_copy(tmp_path: Path) -> None:
-    """A receiver's pull peaks with each fetched blob in memory: the read must not double it."""
-    size = 16 * 2**20
+def _read_back(tmp_path: Path, size: int, read):
+    """``size`` random bytes stored at ``v/blob``, what ``read(store)`` returns and the peak
+    of memory traced while it ran."""
     payload = os.urandom(size)
     store = LocalStore(tmp_path / "s", durable=False)
     store.put("v/blob", payload)
     tracemalloc.start()
     try:
-        got = store.get("v/blob")
-        ranged = store.get_range("v/blob", 1, size - 2)
+        got = read(store)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    return payload, got, peak
+
+
+def test_a_get_holds_the_object_once_not_a_buffer_and_a_copy(tmp_path: Path) -> None:
+    """A receiver's pull peaks with each fetched blob in memory: the read must not double it."""
+    size = 16 * 2**20
+    payload, (got, ranged), peak = _read_back(
+        tmp_path, size, lambda s: (s.get("v/blob"), s.get_range("v/blob", 1, size - 2))
+    )
     assert got == payload and ranged == payload[1:-1]
     # both objects alive at the end: 2 x size; a read through a buffer copied to bytes: 3 x
     assert peak < 2.25 * size, peak / size
@@ -158,14 +166,6 @@ def test_an_object_read_in_parts_is_held_once(tmp_path: Path, monkeypatch) -> No
     # read in parts, here 1 MiB ones; joining the parts held it twice at the peak
     monkeypatch.setattr("deltasync.store.local._MAX_PREAD", 1 << 20)
     size = (5 << 20) + 123
-    payload = os.urandom(size)
-    store = LocalStore(tmp_path / "s", durable=False)
-    store.put("v/blob", payload)
-    tracemalloc.start()
-    try:
-        got = store.get("v/blob")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    payload, got, peak = _read_back(tmp_path, size, lambda s: s.get("v/blob"))
     assert got == payload and len(got) == size
     assert peak < 1.25 * size, peak / size

@@ -151,13 +151,6 @@ class Verdict:
     anchor_required: bool
 
 
-def _who(plan: RolePlan, rank: int) -> str:
-    role = plan.role(rank)
-    if isinstance(role, WriterRole):
-        return f"rank {rank} (writer {role.writer_id})"
-    return f"rank {rank} (receiver {role.shard} replica {role.replica})"
-
-
 def _show(v: int) -> str:
     return "?" if v == UNKNOWN else str(v)
 
@@ -181,7 +174,7 @@ def judge(votes: Sequence[CommitRow], plan: RolePlan) -> Verdict:
     writer_rows = [a for a in votes if isinstance(plan.role(a.rank), WriterRole)]
     sent = writer_rows[0] if writer_rows else None
     what = f"version {_show(sent.version)}" if sent else "this version"
-    lines = "; ".join(f"{_who(plan, r)}: {m}" for r, m in sorted(failures.items()))
+    lines = "; ".join(f"{plan.who(r)}: {m}" for r, m in sorted(failures.items()))
     return Verdict(
         ok=False,
         message=f"joint commit of {what} aborted, nothing committed: {lines}",

@@ -372,9 +372,9 @@ def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None
     first, waits, late = found
     writers = [r for r in rows if r.role == WRITER]
     version = f"version {_show(writers[0].version)}" if writers else "this version"
-    names = ", ".join(f"rank {r} ({_who(plan, r)}, {ms / 1000:.1f} s)" for r, ms in late)
+    names = ", ".join(f"{plan.who(r)} ({ms / 1000:.1f} s after it)" for r, ms in late)
     raise ExchangeTimeoutError(
-        f"preflight of {version}: {names} arrived after rank {first} ({_who(plan, first)}) had "
+        f"preflight of {version}: {names} arrived after {plan.who(first)} had "
         f"stopped waiting (it waits {waits / 1000:g} s there): rank {first} gave up and "
         "raised; no payload moved, nothing was written. Re-create the process group, and "
         "start every rank's sync within that time (writers wait exchange.timeout_s in the "
@@ -382,23 +382,9 @@ def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None
     )
 
 
-def _who(plan: RolePlan, rank: int) -> str:
-    role = plan.role(rank)
-    if isinstance(role, ReceiverRole):
-        return f"receiver {role.shard} replica {role.replica}"
-    return f"writer {role.writer_id}"
-
-
 def _each(plan: RolePlan, whys: dict[int, str]) -> str:
-    """``rank R (receiver S) why; ...`` in rank order, for a refusal naming receivers."""
-    return "; ".join(
-        f"rank {rank} (receiver {_shard(plan, rank)}) {why}" for rank, why in sorted(whys.items())
-    )
-
-
-def _shard(plan: RolePlan, rank: int) -> str:
-    role = plan.role(rank)
-    return f"{role.shard} replica {role.replica}" if isinstance(role, ReceiverRole) else "?"
+    """``rank R (receiver S replica P) why; ...`` in rank order, for a refusal naming ranks."""
+    return "; ".join(f"{plan.who(rank)} {why}" for rank, why in sorted(whys.items()))
 
 
 def preflight(

@@ -243,6 +243,13 @@ class RolePlan:
     def role(self, rank: int) -> Role:
         return self._by_rank[_rank(rank, self.world_size, "RolePlan.role")]
 
+    def who(self, rank: int) -> str:
+        """``rank R (writer w00000)`` or ``rank R (receiver tp0 replica 0)``, for messages."""
+        role = self.role(rank)
+        if isinstance(role, WriterRole):
+            return f"rank {rank} (writer {role.writer_id})"
+        return f"rank {rank} (receiver {role.shard} replica {role.replica})"
+
     def writer(self, rank: int) -> WriterRole:
         role = self.role(rank)
         if not isinstance(role, WriterRole):

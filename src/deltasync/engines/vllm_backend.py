@@ -373,9 +373,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """Every TP rank's ``(shard, error)``, for the ranks whose pull failed."""
         gather = None
         if self.shard.place.tp > 1:
-            from vllm.distributed import get_tp_group
-
-            gather = group_gather(get_tp_group().cpu_group, self.shard.place.tp)
+            gather = group_gather(_tp_cpu_group(), self.shard.place.tp)
         return failed_ranks(self.shard.shard, error, gather)
 
     def _fail(
