@@ -626,6 +626,36 @@ def run_trainer_late(rank: int, setup: Setup, late_s: float) -> dict:
     return out
 
 
+def run_receiver_late(rank: int, setup: Setup, late_s: float) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; then receiver rank 2 comes to version
+    1's preflight ``late_s`` after the others, past the writer's wait there (``timeout_s``),
+    within the receivers' (``wait_for_version_s``). Every rank reports what it raised."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        out["fault"] = _attempt(lambda: sender.sync(1))
+        time.sleep(late_s)  # the trainer lives on: no connection closes under the receivers
+        return out
+    receiver = ClusterReceiver(
+        empty_shard(setup, setup.plan().receiver(rank).shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    receiver.sync()
+    if rank == 2:
+        time.sleep(late_s)
+    out["fault"] = _attempt(receiver.sync)
+    out["version_after"] = receiver.version
+    return out
+
+
 def one_process_roles(
     full: dict[str, torch.Tensor],
     plan: RolePlan,

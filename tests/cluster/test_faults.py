@@ -13,6 +13,7 @@ from cluster_testkit import (
     Setup,
     run_death_in_retry,
     run_faults,
+    run_receiver_late,
     run_replacement_writer,
     run_stall_in_round_one,
     run_trainer_late,
@@ -180,6 +181,23 @@ def test_receivers_waiting_for_a_late_trainer_name_the_version_they_hold() -> No
         ), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
         assert results[rank]["version_after"] == 0  # still the version it holds
+
+
+@pytest.mark.timeout(150)
+def test_a_receiver_late_for_the_preflight_is_named_not_the_writer_that_gave_up() -> None:
+    # The writer waits 3 s in the preflight and gives up; receiver rank 2 comes 6 s late and
+    # the all_gather still completes on the receivers with the writer's row. They refuse there,
+    # naming the late receiver, instead of timing out in round 1 and blaming the writer.
+    setup = Setup(timeout_s=3.0)
+    results = spawn(run_receiver_late, 3, setup, 6.0, timeout_s=100)
+    assert results[0]["fault"]["error"] == "ExchangeTimeoutError", results[0]
+    for rank in (1, 2):
+        fault = results[rank]["fault"]
+        assert fault["error"] == "ExchangeTimeoutError", fault
+        assert "rank 2 (receiver tp1 replica 0)" in fault["message"], fault
+        assert "rank 0 (writer w00000) had stopped waiting" in fault["message"], fault
+        assert "died or stopped responding" not in fault["message"], fault
+        assert results[rank]["version_after"] == 0
 
 
 @pytest.mark.timeout(150)
