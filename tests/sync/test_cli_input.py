@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deltasync.cli import main
+from deltasync.commit import Catalog
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.trainer import SnapshotTracker
 
@@ -447,8 +448,13 @@ def test_pull_reports_a_shard_file_it_cannot_write_and_the_loop_writes_it_later(
     rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))
     assert rc == 2 and "ApplyError: could not write version 2" in err and str(file) in err, err
     assert not file.exists()
+    # the store never shows the sidecar at a version its file does not hold
+    catalog = Catalog(scratch_store(work / "store"))
+    assert catalog.acks(2) == {} and catalog.receivers() == {}
     calls.clear()
     argv = _pull(work, "--dir", str(out), "--interval", "0.05", "--iterations", "2")
     rc, _, err = _cli(capsys, *argv)
     assert rc == 0 and "could not write version 2" in err, err
     assert len(calls) == 2 and file.is_file()
+    assert list(catalog.acks(2)) == [f"pull-{SHARD}"]
+    assert {r.version for r in catalog.receivers().values()} == {2}

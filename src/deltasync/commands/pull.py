@@ -14,7 +14,9 @@ The sidecar holds the shard in memory as a :class:`~deltasync.receiver.Receiver`
 from the newest anchor, then deltas), and after each new verified version writes the file
 atomically (temporary file, fsync, rename, directory fsync; mode from the umask, so the
 engine's user can read it) with the version, run id and state digest in its safetensors
-metadata. Only the file is durable: on start the sidecar loads it and its metadata, verifies
+metadata, before it acks or registers that version: the store never shows the sidecar at a
+version its file does not hold (a write that fails is retried by the next pull, and until it
+lands the records keep the version the file holds). Only the file is durable: on start the sidecar loads it and its metadata, verifies
 the digest, and continues from there (a crash between a pull and the file write just repeats
 that pull).
 
@@ -320,6 +322,10 @@ def _start(args, store, config, configured, stop: _Stop):
     state_dir = out_dir / f".{args.shard}.deltasync"
     StateDir(state_dir).clear_journal()
     StateDir(state_dir).write_state(state)
+
+    def persist(tensors, held) -> None:  # before the ack: the file is what engines read
+        _write(path, tensors, held.version, held.state_digest, args.shard, held.run_id)
+
     receiver = Receiver(
         store,
         shard=args.shard,
@@ -329,6 +335,7 @@ def _start(args, store, config, configured, stop: _Stop):
         specs=specs,
         layout=layout,
         register=False,
+        persist=persist,
     )
     if receiver.dirty:
         _say(f"{path}: contents do not match its recorded version; restoring an anchor")
@@ -420,7 +427,6 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
     receiver = path = None
     done = failures = 0
     last_error = None
-    written = None  # the version the shard file holds, as this loop wrote it
     while not stop.event.is_set():
         try:
             if receiver is None:  # the start is retried like a pull: a damaged store heals
@@ -428,12 +434,8 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
-                # the in-memory tensors were loaded from the file: it holds that version
-                written = None if receiver.dirty or not path.exists() else receiver.version
-            report = receiver.pull()
-            if report.version is not None and (
-                report.changed or report.version != written or not path.exists()
-            ):
+            report = receiver.pull()  # writes the file (persist) before acking the version
+            if report.version is not None and not path.exists():  # removed under the sidecar
                 _write(
                     path,
                     receiver.tensors,
@@ -442,7 +444,6 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                     args.shard,
                     report.run_id,
                 )
-                written = report.version
             if last_error is not None:
                 _say(f"deltasync pull: recovered after {failures} failed attempt(s)")
             if report.changed or done == 0 or last_error is not None:

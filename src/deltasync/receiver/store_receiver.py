@@ -56,6 +56,7 @@ from deltasync.commit.catalog import Catalog
 from deltasync.commit.model import LayoutRecord, specs_fingerprint
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import (
+    ApplyError,
     ConfigError,
     DeltaSyncError,
     FormatError,
@@ -185,7 +186,16 @@ class Receiver:
     in place; ``state_dir`` is this receiver's own durable directory.
 
     ``pause`` is the engine's "stop reading weights" context, entered only around the scatter;
-    ``on_tensor_written(name)`` is called after each tensor is written (progress, tests)."""
+    ``on_tensor_written(name)`` is called after each tensor is written (progress, tests).
+
+    ``persist(tensors, state)``, when given, is called once the tensors hold a newly verified
+    version, before anything records it (state file, ack, registration): a sidecar writes the
+    copy its engine reads there (``deltasync pull``). The version a receiver reports is then
+    the one persisted: while ``persist`` fails, the pull raises its error (an
+    :class:`~deltasync.errors.ApplyError` unless it raised a deltasync error), every record
+    keeps the version before, and the next pull calls it again before anything else. The
+    journal stays until it succeeds, so a receiver restarted meanwhile replays the version
+    into what it loads and persists it then."""
 
     def __init__(
         self,
@@ -200,6 +210,7 @@ class Receiver:
         on_tensor_written: Callable[[str], None] | None = None,
         layout: ReceiverLayout | None = None,
         register: bool = True,
+        persist: Callable[[Mapping[str, torch.Tensor], LocalState], None] | None = None,
     ) -> None:
         try:
             self.shard = names.check_token("shard", shard)
@@ -225,6 +236,9 @@ class Receiver:
         self._placements_fp = shard_record.placements if shard_record is not None else None
         self._pause = pause or contextlib.nullcontext
         self._on_tensor = on_tensor_written
+        self._persist = persist
+        # a version the tensors hold that persist has not taken yet: its state and its ack
+        self._unpersisted: tuple[LocalState, AckRecord] | None = None
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
         self.dir = StateDir(state_dir, durable=config.durable)
         self._pending_ack: AckRecord | None = None
@@ -556,6 +570,8 @@ class Receiver:
         if version is not None:
             names.check_version(version)
         t0 = time.perf_counter()
+        if self._unpersisted is not None:
+            self._settle()  # raises while persist still fails; records the version once not
         journal = self.dir.read_journal()
         if journal is not None:  # an earlier pull of this process failed after its journal
             # Replayed first, then on to the newest version like any pull: a caller asking
@@ -782,18 +798,12 @@ class Receiver:
                 "wrote the live tensors during the pause); marked dirty, the next pull restores "
                 "the newest anchor"
             )
-        # From here the tensors hold the target version. The state file, the ack and the
-        # registration are three independent durable records of that one fact, written at
-        # once (their fsyncs overlap: ~0.7 ms of every pull). The journal goes once the state
-        # file is durable; killed before that, the next start replays the journaled chain,
-        # which writes what the tensors already hold. A failed state file write raises with
-        # the journal kept (the next pull replays it); an ack that went out meanwhile states
-        # what the tensors hold.
+        # From here the tensors hold the target version: persisted (when the receiver has a
+        # persist), then recorded.
         held = self._state_with(
             version=target.version, state_digest=expected, dirty=False, run_id=target.run_id
         )
-        self._ack_undecided = False  # a later version's ack and registration supersede it
-        self._pending_ack = AckRecord(
+        ack = AckRecord(
             version=target.version,
             receiver=self.config.receiver_id,
             shard=self.shard,
@@ -803,18 +813,11 @@ class Receiver:
             pause_s=pause_s,
             total_s=time.perf_counter() - t0,
         )
-        local = InBackground(self._record_state, held, name="deltasync-receiver-state")
-        try:
-            self._flush_records(holding=held)
-        finally:
-            error = local.wait()
-        if error is not None:
-            if self._state is not held:
-                # The state file still records the version before this pull, which the
-                # tensors no longer hold: no version until the journal is replayed (in memory:
-                # the journal on disk says the same to a restart).
-                self._state = self._state_with(dirty=True)
-            raise error
+        if self._persist is None:
+            self._record(held, ack)
+        else:
+            self._unpersisted = (held, ack)
+            self._settle()
         return self._report(
             t0,
             previous_version=previous,
@@ -827,6 +830,46 @@ class Receiver:
             verify_s=verify_s,
             pause_s=pause_s,
         )
+
+    def _settle(self) -> None:
+        """Persist the version the tensors hold, then record it; while persist raises, raise
+        (every record keeps the version before, the journal stays)."""
+        held, ack = self._unpersisted
+        try:
+            self._persist(self.tensors, held)
+        except Exception as exc:
+            if isinstance(exc, DeltaSyncError):
+                raise
+            raise ApplyError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: persisting "
+                f"version {held.version} failed ({type(exc).__name__}: {exc}); it reports "
+                f"version {self.version} until the next pull persists it"
+            ) from exc
+        self._unpersisted = None
+        self._record(held, ack)
+
+    def _record(self, held: LocalState, ack: AckRecord) -> None:
+        """Record the version the tensors hold. The state file, the ack and the registration
+        are three independent durable records of that one fact, written at once (their
+        fsyncs overlap: ~0.7 ms of every pull). The journal goes once the state file is
+        durable; killed before that, the next start replays the journaled chain, which writes
+        what the tensors already hold. A failed state file write raises with the journal kept
+        (the next pull replays it); an ack that went out meanwhile states what the tensors
+        hold."""
+        self._ack_undecided = False  # a later version's ack and registration supersede it
+        self._pending_ack = ack
+        local = InBackground(self._record_state, held, name="deltasync-receiver-state")
+        try:
+            self._flush_records(holding=held)
+        finally:
+            error = local.wait()
+        if error is not None:
+            if self._state is not held:
+                # The state file still records the version before this pull, which the
+                # tensors no longer hold: no version until the journal is replayed (in memory:
+                # the journal on disk says the same to a restart).
+                self._state = self._state_with(dirty=True)
+            raise error
 
     def _interrupted(
         self, exc: BaseException, writing: bool, repaired: bool, versions: list[int]

@@ -1,0 +1,105 @@
+"""A receiver with ``persist`` (a sidecar writing the copy its engine reads): no record of a
+version (ack, registration, state file) before persist has taken it, and a failed persist is
+retried by the next pull, or replayed by a receiver restarted meanwhile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kit import assert_same_bits, rconfig, tiny_layouts
+
+from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync.commit import Catalog
+from deltasync.errors import ApplyError
+
+SHARD = "tp0"
+
+
+class Copy:
+    """The persisted copy: fails while ``full`` is set, as a full disk would."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.version = None
+        self.tensors = None
+
+    def __call__(self, tensors, state) -> None:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        self.tensors = {n: t.clone() for n, t in tensors.items()}
+        self.version = state.version
+
+
+@pytest.fixture
+def published():
+    _, tl, rl = tiny_layouts()
+    gen = torch.Generator().manual_seed(5)
+    params = {
+        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for n, s in tl.param_shapes().items()
+    }
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
+    pub.publish(0, [], params, anchor=True)
+    return store, pub, params, tl, rl
+
+
+def _next(pub, params, version: int) -> None:
+    name = next(iter(params))
+    params[name].view(-1)[:9] += 1
+    idx = torch.arange(9, dtype=torch.int64)
+    pub.publish(version, [(name, idx, params[name].view(-1)[:9].clone())], params)
+
+
+def _receiver(store, rl, tmp_path, copy):
+    tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(SHARD).items()}
+    state_dir = str(tmp_path / "rec")
+    return Receiver.for_layout(store, rl, SHARD, tensors, state_dir, rconfig("rec"), persist=copy)
+
+
+def test_a_failed_persist_records_nothing_and_the_next_pull_persists_then_acks(tmp_path, published):
+    store, pub, params, tl, rl = published
+    copy = Copy()
+    rec = _receiver(store, rl, tmp_path, copy)
+    assert rec.pull().version == 0 and copy.version == 0
+    _next(pub, params, 1)
+    catalog = Catalog(store)
+    copy.full = True
+    with pytest.raises(ApplyError, match=r"persisting version 1 failed .*reports version 0"):
+        rec.pull()
+    # the live tensors hold version 1; nothing says so until the copy does
+    assert_same_bits(rec.tensors, rl.split(tl.to_canonical(params))[SHARD])
+    assert rec.version == 0 and copy.version == 0
+    assert catalog.acks(1) == {} and catalog.receivers()["rec"].version == 0
+    with pytest.raises(ApplyError):  # retried first, still failing
+        rec.pull()
+    assert catalog.acks(1) == {}
+    copy.full = False
+    _next(pub, params, 2)
+    report = rec.pull()  # persists version 1, records it, then pulls on to 2
+    assert report.version == 2 and copy.version == 2 and rec.version == 2
+    assert set(catalog.acks(1)) == {"rec"} and set(catalog.acks(2)) == {"rec"}
+    assert catalog.receivers()["rec"].version == 2
+    assert_same_bits(copy.tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+def test_a_receiver_restarted_before_persisting_replays_the_version_and_persists_it(
+    tmp_path, published
+):
+    store, pub, params, tl, rl = published
+    copy = Copy()
+    rec = _receiver(store, rl, tmp_path, copy)
+    rec.pull()
+    _next(pub, params, 1)
+    copy.full = True
+    with pytest.raises(ApplyError):
+        rec.pull()
+    # restarted from the persisted copy (version 0), on the same state dir
+    copy.full = False
+    restarted = {n: t.clone() for n, t in copy.tensors.items()}
+    again = Receiver.for_layout(
+        store, rl, SHARD, restarted, str(tmp_path / "rec"), rconfig("rec"), persist=copy
+    )
+    assert again.last_repair is not None and again.last_repair.version == 1
+    assert copy.version == 1 and set(Catalog(store).acks(1)) == {"rec"}
+    assert_same_bits(copy.tensors, rl.split(tl.to_canonical(params))[SHARD])
