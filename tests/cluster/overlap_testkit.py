@@ -49,6 +49,7 @@ from kit import HFTrainer
 from deltasync.cluster import ClusterReceiver, ClusterSender
 from deltasync.errors import DeltaSyncError, ExchangeError
 from deltasync.exchange import init_from_env
+from deltasync.exchange.notes import group_store
 from deltasync.layout import TrainerLayout
 from deltasync.trainer import AdamWTracker
 from deltasync.trainer.positions import Positions
@@ -219,6 +220,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         assert pending.wait_detected(30)  # the carry is the capture from here on
         out.setdefault("carry", []).append((sender.pending_elements, sender.carry_bytes))
         settle(v)
+    out["keys_after_3"] = group_store(None).num_keys()  # every rank has committed 3 by now
 
     # 4: the background reads the params slowly; the next optimizer step must wait for it.
     w.hf.step()
@@ -251,6 +253,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     out["after_failure"]["version_after"] = sender.version
     pending = sender.sync(7)  # the retry: 7's changes and 6's carry
     settle(7)
+    out["keys_after_7"] = group_store(None).num_keys()
 
     # 8: an anchor (or, streamed, a delta in parts) in 32-byte chunks (thousands of
     # messages); rank 2 dies inside it.

@@ -260,3 +260,13 @@ def test_the_inline_and_unoverlapped_payloads_hash_their_digests_in_detection(mo
     sender.payloads_for_version(1)
     assert given == [0] and digested[-1] == truth
     sender.close()
+
+
+@pytest.mark.timeout(180)
+def test_the_groups_store_holds_only_the_marks_of_the_version_every_rank_runs(overlap) -> None:
+    # Each of the 3 ranks leaves an arrival mark per exchange and one at the joint commit.
+    # Versions 5 (detection failed: streamed, inside its exchanges) and 6 (commit aborted) in
+    # between: once 7 committed, only 7's marks are left, as only 3's were after 3.
+    writer = overlap[0]
+    marks = {v: 3 * (writer["versions"][v]["exchanges"] + 1) for v in (3, 7)}
+    assert writer["keys_after_7"] - marks[7] == writer["keys_after_3"] - marks[3]

@@ -23,15 +23,35 @@ def test_a_streamed_versions_part_names_the_rank_that_stalled_in_an_earlier_part
         assert unaware.culprit(None)[0] is None
 
 
-def test_a_rank_keeps_only_the_arrival_marks_of_the_version_it_runs() -> None:
+def _marks(store) -> list[str]:
+    keys = [
+        f"deltasync/{attempt}-{part}/{kind}/0"
+        for attempt in ("a1", "a2", "a3", "a4")
+        for part in ("x1", "x1.1", "x1.2", "x2", "commit")
+        for kind in ("in", "fail")
+    ]
+    return [k.removeprefix("deltasync/") for k in keys if store.check([k])]
+
+
+def test_a_rank_keeps_only_the_marks_of_the_attempt_it_runs() -> None:
+    # a1 committed; a2 streamed three parts and failed in its last one (a note there), before
+    # any joint commit; a3 failed in its first exchange; a4 commits: a1-a3 are gone then.
     with one_rank_mesh():
         store = group_store(None)
         ledger = NoteLedger()
-        for version in (1, 2, 3):
-            tags = [f"v{version}-x1", f"v{version}-commit"]
-            for tag in tags:
-                FailureNotes(None, tag=tag, rank=0, world=1).arrive()
-            ledger.add(tags)
-            ledger.keep_only(tags, None, 0)  # what the joint commit does once every row is in
-            marks = [k for k in ("1", "2", "3") if store.check([f"deltasync/v{k}-x1/in/0"])]
-            assert marks == [str(version)]
+
+        def enter(attempt: str, *parts: str) -> None:
+            ledger.begin(attempt)
+            for part in parts:
+                FailureNotes(None, tag=f"{attempt}-{part}", rank=0, world=1).arrive()
+
+        enter("a1", "x1", "commit")
+        ledger.settle(None, 0)  # what the joint commit does once every row is in
+        assert _marks(store) == ["a1-x1/in/0", "a1-commit/in/0"]
+        enter("a2", "x1", "x1.1", "x1.2")
+        FailureNotes(None, tag="a2-x1.2", rank=0, world=1).post(None, "send timed out")
+        enter("a3", "x1")
+        assert len(_marks(store)) == 7
+        enter("a4", "x1", "x2", "commit")
+        ledger.settle(None, 0)
+        assert _marks(store) == ["a4-x1/in/0", "a4-x2/in/0", "a4-commit/in/0"]

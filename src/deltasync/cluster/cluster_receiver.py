@@ -334,6 +334,7 @@ class ClusterReceiver:
         if cleared is None:
             cleared = self._preflight()
         tag = cleared.tag
+        self._notes.begin(tag)
         # one exchange, or one per part while the writers stream (cluster.streaming)
         tags: list[str] = []
         with naming(f"version {cleared.version}"):

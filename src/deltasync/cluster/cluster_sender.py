@@ -105,7 +105,7 @@ from deltasync.cluster.joint_commit import encode_commit_row, joint_commit, shar
 from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, GroupHealth, RolePlan, check_group, resolve_rank
-from deltasync.cluster.streaming import PartStream, part_tag
+from deltasync.cluster.streaming import PartStream
 from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
@@ -117,7 +117,7 @@ from deltasync.errors import (
     VersionError,
 )
 from deltasync.exchange import exchange
-from deltasync.exchange.notes import NoteLedger, naming
+from deltasync.exchange.notes import NoteLedger, naming, part_tag
 from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
 from deltasync.layout import ReceiverLayout, TrainerLayout
@@ -674,6 +674,7 @@ class ClusterSender:
             if failure is not None:
                 raise exc from failure
             raise
+        self._notes.begin(cleared.tag)
         return cleared.tag
 
     def _forward(self, tag: str) -> None:

@@ -237,11 +237,9 @@ def joint_commit(
     """Gather ``row`` from every rank and judge. Raises ExchangeTimeoutError / ExchangeError
     (naming the joint commit, and with ``tag`` the rank that never arrived: see
     ``exchange.notes``) when a rank does not arrive in time or is dead. ``ledger``: this
-    rank's arrival marks of earlier versions are deleted once every row is in."""
+    rank's marks of earlier version attempts are deleted once every row is in."""
     world = dist.get_world_size(group)
     earlier = list(earlier)
-    if ledger is not None and tag is not None:
-        ledger.add([*earlier, tag])
     notes = None
     if tag is not None:
         notes = FailureNotes(
@@ -267,6 +265,6 @@ def joint_commit(
     except RuntimeError as exc:  # posting fails when a peer is already gone
         err = ExchangeError(f"joint commit could not start: {exc}")
         raise (err if notes is None else ExchangeError(blame(notes, None, str(err)))) from exc
-    if ledger is not None and tag is not None:
-        ledger.keep_only([*earlier, tag], group, dist.get_rank(group))
+    if ledger is not None:
+        ledger.settle(group, dist.get_rank(group))
     return judge(decode_commit_rows(torch.stack(gathered)), plan)

@@ -44,14 +44,10 @@ from deltasync.cluster.envelope import framed_first, join_parts
 from deltasync.cluster.staging import as_cpu_bytes
 from deltasync.errors import ExchangeError
 from deltasync.exchange import ExchangeConfig, exchange
+from deltasync.exchange.notes import part_tag
 from deltasync.native.loader import HeapRelease
 
 JOIN_RELEASE_BYTES = 8 << 20  # copied between two releases of the parts' freed pages
-
-
-def part_tag(tag: str, k: int) -> str:
-    """The tag of a version's exchange ``k`` (0: the one every version has)."""
-    return f"{tag}-x1" if k == 0 else f"{tag}-x1.{k}"
 
 
 @dataclass(frozen=True)

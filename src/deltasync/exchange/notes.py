@@ -262,32 +262,56 @@ class FailureNotes:
             time.sleep(0.02)
 
 
+def part_tag(tag: str, k: int) -> str:
+    """The tag of exchange ``k`` of the version attempt ``tag`` (0: the one every version has;
+    a streamed version has one per part, ``cluster.streaming``)."""
+    return f"{tag}-x1" if k == 0 else f"{tag}-x1.{k}"
+
+
 class NoteLedger:
-    """The tags under which this rank left arrival marks that are still in the group's store.
-    A version's marks are read only while that version runs (its exchanges and its joint
-    commit), so once a later version's joint commit has gathered every rank's row they can go:
-    without that the store (torchrun's agent's) grows by a key per rank and exchange for as
-    long as the job runs."""
+    """The version attempts (their tags, ``Cleared.tag``) under which this rank left marks in
+    the group's store: an arrival mark for every exchange and joint commit it entered, and a
+    note for one it failed in. A version's marks are read only while that version runs, so
+    once a later version's joint commit has gathered every rank's row they can go, also those
+    of attempts that failed before their joint commit: without that the store (torchrun's
+    agent's) grows by a key per rank and exchange for as long as the job runs."""
 
     def __init__(self) -> None:
         self._tags: list[str] = []
 
-    def add(self, tags: Iterable[str]) -> None:
-        self._tags.extend(tags)
+    def begin(self, tag: str) -> None:
+        """This rank starts the exchanges of the attempt ``tag`` (its preflight passed)."""
+        if tag not in self._tags:
+            self._tags.append(tag)
 
-    def keep_only(self, tags: Iterable[str], group: dist.ProcessGroup | None, rank: int) -> None:
-        """Delete this rank's marks under every tag but ``tags``; a store that cannot delete
-        keeps them."""
-        keep = list(tags)
+    def settle(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        """Every rank has finished the attempts before the newest one begun: delete this
+        rank's marks under them. A store that cannot delete keeps them."""
         store = group_store(group)
-        for tag in self._tags:
-            if tag in keep or store is None:
-                continue
-            try:
-                store.delete_key(f"deltasync/{tag}/in/{rank}")
-            except Exception:
-                store = None
-        self._tags = keep
+        if store is None or not self._tags:
+            return
+        *done, current = self._tags
+        try:
+            for tag in done:
+                _delete_marks(store, tag, rank)
+        except Exception:
+            return  # kept, and retried at the next settle
+        self._tags = [current]
+
+
+def _delete_marks(store: Any, tag: str, rank: int) -> None:
+    """Delete ``rank``'s marks under the attempt ``tag``: its exchanges' (entered in order, so
+    the first one it never entered ends them), the forwarding round's and the joint commit's."""
+    k = 0
+    while True:
+        exchange = part_tag(tag, k)
+        store.delete_key(f"deltasync/{exchange}/fail/{rank}")
+        if not store.delete_key(f"deltasync/{exchange}/in/{rank}"):
+            break
+        k += 1
+    for last in (f"{tag}-x2", f"{tag}-commit"):
+        store.delete_key(f"deltasync/{last}/in/{rank}")
+        store.delete_key(f"deltasync/{last}/fail/{rank}")
 
 
 def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
