@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deltasync import AdamWTracker, SnapshotTracker
+from deltasync.errors import UnsupportedOptimizerError
 
 IMPLS = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
@@ -606,3 +607,65 @@ def test_capture_hands_over_a_chunked_parameters_values_up_to_values_max(threads
     assert all(v is None for *_, v in tracker.iter_capture(0))  # positions only by default
     with pytest.raises(ValueError, match="values_max"):
         list(tracker.iter_capture(0, values_max=-1))
+
+
+def test_a_compiled_step_with_fp32_bias_corrections_misses_nothing():
+    # Compiled, Adam evaluates 1 - beta**t in fp32 tensors: for beta2 = 0.999999 that is off
+    # by ~1e-2 at small t, far beyond the bound's 2^-10 margin on the update term.
+    ps = _params([(20000,)], scale=0.05, seed=11)
+    opt = torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.999999), weight_decay=0.01)
+    step = torch.compile(opt.step)
+    opt.step = step  # what _run calls
+    _run(ps, opt, versions=8)
+
+
+def test_the_update_term_grows_only_where_fp32_bias_corrections_need_it():
+    from deltasync.trainer.adamw_bound import REL_U, StepHyper, invertible, kernel_scalars
+
+    def rel_u(beta2: float, step: int) -> float:
+        h = StepHyper(
+            lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0, decoupled=True, step=step
+        )
+        return kernel_scalars(h).rel_u if invertible(h) else float("inf")
+
+    assert rel_u(0.999, 1) == REL_U and rel_u(0.95, 1) == REL_U and rel_u(0.999, 7) == REL_U
+    assert rel_u(0.999999, 1) > 0.01  # beta2 = 0.999999 rounds to fp32 at ~6e-8 of 1e-6
+    assert rel_u(0.999999, 100_000) > 0.01  # t * (beta rounded) still moves beta**t by 3%
+    assert rel_u(0.999999, 50_000_000) == REL_U  # converged: beta**t is ~0 either way
+    assert rel_u(1.0 - 2.0**-30, 1) == float("inf")  # 1 - beta rounds to 0 in fp32: no bound
+
+
+def test_a_non_contiguous_parameter_under_fused_adam_takes_the_snapshot_path():
+    # torch's fused kernel steps a column slice by its storage: other elements than the
+    # parameter's change, so the step is not the update the bound inverts.
+    g = torch.Generator().manual_seed(12)
+    buf = torch.randn(64, 128, generator=g) * 0.05
+    sliced = torch.nn.Parameter(buf[:, :64])
+    whole = torch.nn.Parameter(torch.randn(64, 64, generator=g) * 0.05)
+    assert not sliced.is_contiguous()
+    opt = torch.optim.AdamW([sliced, whole], lr=1e-3, weight_decay=0.01, fused=True)
+    with pytest.raises(UnsupportedOptimizerError, match="p0: fused=True steps a non-contiguous"):
+        AdamWTracker(opt, [("p0", sliced), ("p1", whole)], strict=True)
+    tracker = AdamWTracker(opt, [("p0", sliced), ("p1", whole)])
+    assert set(tracker.fallback) == {"p0"} and "non-contiguous" in tracker.fallback["p0"].reason
+    tracker.close()
+    _run([sliced, whole], opt, versions=3)
+
+
+def test_fused_set_on_a_group_after_construction_sends_a_non_contiguous_parameter_whole():
+    g = torch.Generator().manual_seed(13)
+    buf = torch.randn(64, 128, generator=g) * 0.05
+    sliced = torch.nn.Parameter(buf[:, :64])
+    opt = torch.optim.AdamW([sliced], lr=1e-4, weight_decay=0.01)
+    tracker = AdamWTracker(opt, [("p", sliced)])
+    assert tracker.fallback == {}
+    opt.param_groups[0]["fused"] = True  # e.g. an optimizer state dict saved with it
+    truth = SnapshotTracker([("p", sliced)])
+    for _ in range(3):
+        sliced.grad = torch.randn(64, 64, generator=g)
+        opt.step()
+        assert truth.changed()["p"].numel() > 0
+        assert torch.equal(tracker.changed()["p"], torch.arange(64 * 64))  # whole: no bound
+        tracker.clear()
+        truth.clear()
+    tracker.close()

@@ -35,10 +35,21 @@ We compute, in fp32, with the same scalars rounded to fp32 (``detect.c`` / ``det
                  <= (2**-20 |s| + 2**-10 |û|) / c + A =: E
 
 The two lines leave a factor of >= 1.7 on the |s| term (16u against 9u including the two
-roundings of ``r ± E`` below) and of >= 30 on the |û| term, which also absorbs bias
-corrections evaluated in double versus fp32 at small ``t`` for ``β2 <= 0.9999``. ``A`` covers
-subnormal arithmetic, including flush-to-zero/denormals-are-zero modes in which a subnormal
-``m`` or intermediate may be flushed: ``A = 2**-126 * 4 * (1 + step_size/eps) / c``.
+roundings of ``r ± E`` below) and of >= 500 on the |û| term (16384u against 28u). ``A``
+covers subnormal arithmetic, including flush-to-zero/denormals-are-zero modes in which a
+subnormal ``m`` or intermediate may be flushed: ``A = 2**-126 * 4 * (1 + step_size/eps) / c``.
+
+Bias corrections. The above takes ``bc1`` and ``bc2`` as the optimizer's doubles. A step
+compiled with ``torch.compile`` (and a tensor ``β``) evaluates them in fp32 tensors instead:
+``β`` rounded to fp32, raised to ``t`` and subtracted from 1 in fp32. Against the double,
+``1 - β**t`` is then off by at most ``d = |fl32(β)**t - β**t| + 8u max(...) + u`` (the
+rounded ``β``'s power computed exactly in double, a pow within 8 ulp, the subtraction), a
+relative ``δ = d / (bc - d)`` that for ``β2 = 0.999999`` reaches ~1e-2 at small ``t``, far
+past the slack. ``U`` depends on them through ``1/bc1`` and ``sqrt(bc2)``, at most a relative
+``sqrt(1 + δ2) / (1 - δ1) - 1``. The |û| term is therefore ``max(2**-10, 2 (28u + that))``:
+the margin above holds it for common betas (``δ2 < 6e-4`` for ``β2 <= 0.999`` at every
+``t``), and it grows only for extreme ones. Where it would pass ``MAX_REL_U`` the step is not
+inverted (:func:`invertible`): the caller sends the whole tensor.
 
 The true ``θ_{t-1}`` therefore lies in ``[r - E, r + E]``; computing ``fl(r - E)`` and
 ``fl(r + E)`` moves each end by at most ``u|r|``, which the slack above covers. BF16 rounding
@@ -64,6 +75,9 @@ from dataclasses import dataclass
 REL_S = 2.0**-20  # bound on |θ_{t-1} - r| per unit of |s|/c
 REL_U = 2.0**-10  # bound per unit of |û|/c
 _TINY = 2.0**-126
+_U = 2.0**-24
+MAX_REL_U = 0.25  # beyond it a step is not inverted: its tensor is sent whole
+_UPDATE_ROUNDINGS = 28  # the |û| term's roundings in the argument above (12 + 12 + 1 + 3)
 
 
 def _f32(x: float) -> float:
@@ -99,6 +113,34 @@ class KernelScalars:
     abs_e: float
 
 
+def fp32_correction_error(beta: float, step: int) -> float:
+    """Relative error, at most, of ``1 - beta**step`` evaluated in fp32 tensors (a compiled
+    step) against the double the kernel's scalars use; ``inf`` where it is no bound at all."""
+    exact = beta**step
+    rounded = _f32(beta) ** step  # the fp32 beta's power, in double
+    d = abs(rounded - exact) + 8.0 * _U * max(rounded, exact) + _U  # pow 8 ulp, then 1 - x
+    bc = 1.0 - exact
+    return d / (bc - d) if bc > d else math.inf
+
+
+def rel_u(h: StepHyper) -> float:
+    """The |û| term's factor for this step: ``REL_U``, or more where bias corrections
+    evaluated in fp32 may be further off (module docstring); ``inf`` where nothing bounds
+    them."""
+    d1 = fp32_correction_error(h.beta1, h.step)
+    d2 = fp32_correction_error(h.beta2, h.step)
+    if not d1 < 1.0:
+        return math.inf
+    return max(REL_U, 2.0 * (_UPDATE_ROUNDINGS * _U + math.sqrt(1.0 + d2) / (1.0 - d1) - 1.0))
+
+
+def invertible(h: StepHyper) -> bool:
+    """Whether the bound holds for this step: a positive weight-decay factor and bias
+    corrections whose fp32 evaluation keeps the |û| term within ``MAX_REL_U``."""
+    c = 1.0 - h.lr * h.weight_decay if (h.decoupled and h.weight_decay != 0) else 1.0
+    return c > 0.0 and math.isfinite(c) and rel_u(h) <= MAX_REL_U
+
+
 def kernel_scalars(h: StepHyper) -> KernelScalars:
     bc1 = 1.0 - h.beta1**h.step
     bc2 = 1.0 - h.beta2**h.step
@@ -108,6 +150,9 @@ def kernel_scalars(h: StepHyper) -> KernelScalars:
         # lr*wd >= 1 zeroes or flips the weights; inversion is meaningless. The caller checks
         # this before using the kernel and falls back to a snapshot.
         raise ValueError(f"weight-decay factor 1 - lr*wd = {c} is not positive")
+    factor = rel_u(h)
+    if not factor <= MAX_REL_U:  # the caller checks invertible() first
+        raise ValueError(f"bias corrections at step {h.step} have no useful fp32 bound")
     inv_c = _f32(1.0 / c)
     abs_e = _TINY * 4.0 * (1.0 + step_size / h.eps) / c if h.eps > 0 else math.inf
     return KernelScalars(
@@ -116,6 +161,6 @@ def kernel_scalars(h: StepHyper) -> KernelScalars:
         step_size=_f32(step_size),
         inv_c=inv_c,
         rel_s=REL_S,
-        rel_u=REL_U,
+        rel_u=_f32(factor),
         abs_e=_f32(abs_e) if math.isfinite(abs_e) and abs_e < 3.0e38 else math.inf,
     )

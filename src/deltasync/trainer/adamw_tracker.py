@@ -48,7 +48,7 @@ import torch
 from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.loader import overlapping
 from deltasync.native.ops import bf16_at
-from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
+from deltasync.trainer.adamw_bound import StepHyper, invertible, kernel_scalars
 from deltasync.trainer.detect import (
     GROUP_ELEMENTS,
     GROUP_NUMEL,
@@ -122,6 +122,16 @@ def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     if lr * wd >= 1.0:
         return f"lr*weight_decay={lr * wd} >= 1"
+    return None
+
+
+def _param_unsupported(group: dict, p: torch.Tensor) -> str | None:
+    """Why the bound does not cover this parameter of a covered group, or None. torch's fused
+    kernel steps a parameter's storage from its first element, ignoring strides: for one
+    that is not contiguous (a column slice of a wider buffer) it updates other elements than
+    the parameter's, and writes memory outside it."""
+    if group.get("fused") and not local_of(p).is_contiguous():
+        return "fused=True steps a non-contiguous parameter by its storage, not its strides"
     return None
 
 
@@ -380,7 +390,8 @@ class AdamWTracker:
             elif p.dtype != torch.float32:
                 reason = f"dtype {p.dtype} is not float32"
             else:
-                reason = _group_unsupported(optimizer, optimizer.param_groups[gi])
+                group = optimizer.param_groups[gi]
+                reason = _group_unsupported(optimizer, group) or _param_unsupported(group, p)
             if reason is None:
                 self._covered[name] = (p, gi)
             else:
@@ -400,8 +411,9 @@ class AdamWTracker:
             listed = "; ".join(f"{n}: {r}" for n, r in list(reasons.items())[:5])
             raise UnsupportedOptimizerError(
                 f"{len(reasons)} parameter(s) are outside the AdamW bound ({listed}); use "
-                "torch.optim.AdamW/Adam with fp32 parameters, capturable=False, eps > 0, or "
-                "pass strict=False to snapshot them (2 bytes per element)"
+                "torch.optim.AdamW/Adam with fp32 parameters, capturable=False, eps > 0, "
+                "contiguous parameters under fused=True, or pass strict=False to snapshot them "
+                "(2 bytes per element)"
             )
         self.constant: tuple[str, ...] = tuple(constant)
         self._stepped_count = len(group_of)  # params in the optimizer (see _check_groups)
@@ -460,6 +472,10 @@ class AdamWTracker:
     def local_params(self) -> dict[str, torch.Tensor]:
         """Per param, the plain tensor the indices refer to (a DTensor's local shard)."""
         return {n: w.local() for n, w in self._watched.items()}
+
+    def tracked_params(self) -> dict[str, torch.Tensor]:
+        """Per param, the tensor this tracker was given (a DTensor under FSDP2)."""
+        return {n: w.param for n, w in self._watched.items()}
 
     # -- versions ----------------------------------------------------------------------------
 
@@ -587,9 +603,17 @@ class AdamWTracker:
             group, bad = group_hyper[gi]
             v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
             m, v = state.get("exp_avg"), state.get(v_key)
-            ok = bad is None and _state_usable(local_of(p), m, v) and after == int(after)
+            ok = (
+                bad is None
+                and _param_unsupported(group, p) is None  # fused may be set since (a reload)
+                and _state_usable(local_of(p), m, v)
+                and after == int(after)
+            )
+            hyper = _hyper(opt, group, int(after)) if ok else None
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
-            self._pending.append((name, _hyper(opt, group, int(after)) if ok else None, v_key))
+            if hyper is not None and not invertible(hyper):
+                hyper = ok = None
+            self._pending.append((name, hyper, v_key))
             if ok:
                 self._seals[name] = _Seal.of(m, v)
         # The step's own writes are not out of band, and only the params it stepped are
