@@ -122,3 +122,26 @@ def test_publish_role_one_writer_for_replicated_state_every_shard_rank_for_shard
     partial = {**sharded, "embed": LocalShard(global_shape=(8, 2), row_start=0, row_stop=8)}
     with pytest.raises(ConfigError, match=r"1 param\(s\) are not sharded \('embed'\)"):
         publish_role(partial)
+
+
+@pytest.mark.parametrize("through", ["dtensor", "local"])
+def test_a_write_through_the_dtensor_while_a_version_reads_its_local_shard_is_refused(
+    mesh, through
+):
+    # An overlapped sender reads the local shards (tracker.local_params()); an in-place op on
+    # the DTensor moves the DTensor's counter only, not the local shard's.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from deltasync.errors import ParamsEditedError
+    from deltasync.trainer.params import ReadWindow
+
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(40, 30) * 0.02, mesh, [Shard(0)]))
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    tracker = AdamWTracker(opt, [("w", p)], strict=True)
+    params = tracker.local_params()
+    window = ReadWindow(params, 4, window="test", tracker=tracker)
+    with torch.no_grad():
+        (p if through == "dtensor" else p.to_local()).mul_(0.5)
+    with pytest.raises(ParamsEditedError, match=r"version 4 .*'w'"):
+        window.refuse_if_written(params)
+    tracker.close()

@@ -456,3 +456,26 @@ def test_the_snapshot_tracker_takes_marks_too():
     assert tracker.changed()["b.bias"].numel() == params["b.bias"].numel()
     with pytest.raises(KeyError):
         tracker.mark_changed("nope")
+
+
+def test_a_swap_tensors_load_whose_counters_match_is_reported_in_full():
+    # load_state_dict(assign=True) under swap-tensors loading swaps each parameter's whole
+    # tensor, version counter included: a freshly initialised parameter and a loaded tensor
+    # are both at version 1, so the counter alone does not move.
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    named = list(model.named_parameters())
+    tracker, truth = AdamWTracker(opt, named, strict=True), SnapshotTracker(named)
+    loaded = {k: (v * 1.5).clone() for k, v in model.state_dict().items()}
+    for t in loaded.values():
+        t.add_(0)  # a loaded tensor's counter, as torch.load leaves it: 1
+    assert {p._version for p in model.parameters()} == {t._version for t in loaded.values()}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(loaded, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    changed = tracker.changed()
+    assert set(changed) == {n for n, _ in named} and _missed(changed, truth.changed()) == 0
+    tracker.close()

@@ -69,26 +69,17 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def version_of(t: torch.Tensor) -> Version:
-    """The in-place write counters of ``t`` (and of its local shard, for a DTensor)."""
+    """The in-place write counters of ``t`` (and of its local shard, for a DTensor), with the
+    address of the memory it holds: swapping a tensor's contents (``torch.utils.swap_tensors``,
+    as ``load_state_dict(assign=True)`` does under swap-tensors loading) swaps its counter too,
+    which may then equal the old one, but never keeps the address."""
     if is_dtensor(t):
         inner = getattr(t, "_local_tensor", None)
         if inner is None:
             with torch.no_grad():
                 inner = t.to_local()  # type: ignore[attr-defined]
-        return (t._version, inner._version)
-    return (t._version,)
-
-
-def counters_of(params: Mapping[str, torch.Tensor]) -> dict[str, Version]:
-    """Every param's version counters (~1-3 us each)."""
-    return {name: version_of(p) for name, p in params.items()}
-
-
-def edited_since(
-    counters: Mapping[str, Version], params: Mapping[str, torch.Tensor]
-) -> tuple[str, ...]:
-    """The params written in place since ``counters`` were taken, in ``params`` order."""
-    return tuple(n for n, p in params.items() if n in counters and version_of(p) != counters[n])
+        return (t._version, inner._version, inner.data_ptr())
+    return (t._version, t.data_ptr())
 
 
 def _phrase(names: tuple[str, ...], most: int = 5) -> str:
@@ -101,7 +92,9 @@ def _phrase(names: tuple[str, ...], most: int = 5) -> str:
 class ReadWindow:
     """An overlapped sender's version that reads the params after the sender's call returned
     (until the next optimizer step), and the writes it can see there: every param's version
-    counters from when its reads began.
+    counters from when its reads began, of the tensor the version reads and of the one the
+    tracker was given (an FSDP2 DTensor: an in-place op through it moves its own counter, not
+    its local shard's, which is what a sender reads).
 
     ``refuse_if_written`` is the sender's check once the version reads nothing more (a write
     by then may have mixed old and new bits into what it read); ``settle``, once it is done and
@@ -126,7 +119,9 @@ class ReadWindow:
             state (its ``seal_state``) has that state watched too.
         """
         self.version, self.window = version, window
-        self.counters = counters_of(params)
+        tracked = getattr(tracker, "tracked_params", None)
+        self._tracked = tracked() if callable(tracked) else {}
+        self.counters = self._counters(params)
         seal = getattr(tracker, "seal_state", None)
         self._state = seal() if callable(seal) else None
         # mark_changed() calls from here on: writes the counters cannot see (through .data)
@@ -134,11 +129,20 @@ class ReadWindow:
         self._marks_from = marks() if callable(marks) else None
         self._marked_since = getattr(tracker, "marked_since", None)
 
+    def _counters(self, params: Mapping[str, torch.Tensor]) -> dict[str, Version]:
+        """Every param's version counters (~1-3 us each), with its tracked tensor's."""
+        tracked = self._tracked
+        return {
+            n: version_of(p) + (version_of(tracked[n]) if n in tracked else ())
+            for n, p in params.items()
+        }
+
     def _written(self, params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], str]:
         """The params written since (or marked changed by the caller since), with the
         optimizer state of params replaced or written since (in ``params`` order), and what
         was written, for messages."""
-        edited = edited_since(self.counters, params)
+        now, then = self._counters(params), self.counters
+        edited = tuple(n for n in params if n in then and now[n] != then[n])
         marked: set[str] = set()
         if self._marks_from is not None and callable(self._marked_since):
             marked = self._marked_since(self._marks_from)

@@ -61,6 +61,10 @@ class SnapshotTracker:
         """Per param, the plain tensor the indices refer to (a DTensor's local shard)."""
         return {n: w.local() for n, w in self._watched.items()}
 
+    def tracked_params(self) -> dict[str, torch.Tensor]:
+        """Per param, the tensor this tracker was given (a DTensor under FSDP2)."""
+        return {n: w.param for n, w in self._watched.items()}
+
     def snapshot_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._snap.values())
 
