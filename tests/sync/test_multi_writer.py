@@ -300,6 +300,122 @@ def test_an_adopted_version_whose_changes_went_back_since_is_still_exact(tmp_pat
         assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
 
 
+@pytest.mark.timeout(90)
+def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_changed_ones(
+    tmp_path,
+):
+    # Version 1 changes every other param, and writer 1 adopts it. By version 2 those params
+    # are back at their version-0 bits, so writer 1's tracker (diffing against version 0)
+    # reports none of them, only the params in between: the params its adopted attempt sent
+    # go out whole, each at its own place between the changed ones, as the router requires.
+    store = scratch_store(tmp_path / "store")
+    _, tl, rl = layouts()
+    syncs, trainers = _ranks([SlowManifest(store, 1), store], marker_timeout_s=1.0)
+    receivers = {
+        shard: Receiver.for_layout(
+            store, rl, shard, zero_tensors(rl, shard), str(tmp_path / shard), rconfig(shard)
+        )
+        for shard in ("tp0", "tp1")
+    }
+
+    def every_receiver_holds(version: int) -> None:
+        want = expected_shards(trainers[0].params, tl, rl)
+        for shard, rec in receivers.items():
+            assert rec.pull().version == version
+            assert_same_bits(rec.tensors, want[shard], f"v{version} {shard}")
+
+    _everyone(lambda r: syncs[r].step_published(0))
+    every_receiver_holds(0)
+    at_0 = [{n: p.detach().clone() for n, p in t.params.items()} for t in trainers]
+    alternate = list(trainers[0].params)[::2]
+    for t, old in zip(trainers, at_0, strict=True):
+        t.step()
+        for n in alternate:  # unchanged in version 1
+            t.params[n].detach().copy_(old[n])
+    first = _everyone(lambda r: syncs[r].step_published(1))
+    assert isinstance(first[1], CommitTimeoutError), first[1]
+    assert Catalog(store).versions() == [0, 1]
+    every_receiver_holds(1)
+    for t, old in zip(trainers, at_0, strict=True):
+        t.step()
+        for n in set(old) - set(alternate):  # version 1's params: back to version 0's bits
+            t.params[n].detach().copy_(old[n])
+    for v in (2, 3):
+        if v == 3:
+            for t in trainers:
+                t.step()
+        assert [s.next_version() for s in syncs] == [v, v]
+        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+        assert Catalog(store).manifest(v).base_version == v - 1
+        every_receiver_holds(v)
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touched(tmp_path):
+    # Publisher calls with touched: writer 1 adopts version 1, whose only change (element 0
+    # of the first param on each rank) is undone by version 2. Writer 1's touched names its
+    # own changes since version 0 (the last param only); the first param goes out whole
+    # beside them, and touched does not refuse it.
+    store = scratch_store(tmp_path / "store")
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, seed=7)
+    local = [  # each rank's rows, views that follow the edits below
+        {n: p.detach()[slice(*_rows(p, r)[:2])] for n, p in trainer.params.items()}
+        for r in range(WORLD)
+    ]
+    pubs = [
+        Publisher(
+            s,
+            receiver_layout=rl,
+            config=PublisherConfig(
+                writer_rank=r,
+                num_writers=WORLD,
+                session="s1",
+                poll_interval_s=0.02,
+                marker_timeout_s=1.0,
+            ),
+        )
+        for r, s in enumerate([SlowManifest(store, 1), store])
+    ]
+    first, last = next(iter(trainer.params)), list(trainer.params)[-1]
+
+    def bump(name: str) -> None:  # element 0 of each rank's rows
+        with torch.no_grad():
+            for part in local:
+                part[name].view(-1)[0] += 1.0
+
+    def publish(v: int, changed: dict[int, list[str]]) -> list:
+        def call(r):
+            changes = [
+                (n, torch.tensor([0]), local[r][n].reshape(-1)[:1].to(torch.bfloat16))
+                for n in changed[r]
+            ]
+            return pubs[r].publish(
+                v, changes, local[r], full_state=trainer.params, touched=set(changed[r])
+            )
+
+        return _everyone(call)
+
+    publish_anchor = _everyone(
+        lambda r: pubs[r].publish(0, [], local[r], anchor=True, full_state=trainer.params)
+    )
+    assert all(not isinstance(x, Exception) for x in publish_anchor), publish_anchor
+    at_0 = trainer.params[first].detach().clone()
+    bump(first)
+    adopted = publish(1, {0: [first], 1: [first]})
+    assert isinstance(adopted[1], CommitTimeoutError), adopted[1]
+    trainer.params[first].detach().copy_(at_0)
+    bump(last)
+    reports = publish(2, {0: [first, last], 1: [last]})
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert Catalog(store).manifest(2).base_version == 1
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path, shard)
+        assert report.version == 2
+        assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)[shard])
+
+
 class SlowManifest:
     """A store whose manifest write of ``version`` takes 2 s longer (an overloaded server)."""
 

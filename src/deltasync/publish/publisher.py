@@ -497,6 +497,10 @@ class Publisher:
             source = checked_changes(changes, lazy=(Positions,))
             if self._resend_whole:
                 source = _whole(source, self._resend_whole, params)
+                # The caller's touched names its own changes, not the params resent whole, and
+                # it keeps no digest here: the adopted base's state was never hashed by this
+                # publisher (_kept_entries), so every digest is computed afresh.
+                touched = None
         if source is not None:
             source = _names_into(source, self._sent_names.setdefault(version, set()))
 
@@ -924,15 +928,25 @@ def _names_into(changes: Iterable[Change], names: set[str]) -> Iterator[Change]:
 
 def _whole(changes: Iterable[Change], whole: set[str], params: Params) -> Iterator[Change]:
     """``changes`` with every element of the params in ``whole`` (``{"*"}``: all of them), each
-    in place of its own item, or after the stream where it had none."""
-    every = "*" in whole
-    seen: set[str] = set()
+    in place of its own item, or where it had none at its own place in ``params`` order: the
+    router takes a stream in that order only, and a param that must go out whole may have no
+    change at all (it went back to its baseline bits, or never moved), before a changed one.
+    Each param's indices exist only while its item passes, as in ``changes`` itself."""
+    order = {name: i for i, name in enumerate(params)}
+    resend = [name for name in params if "*" in whole or name in whole]  # in params order
+    due = 0  # resend[:due] have gone out
     for item in changes:
-        name = item[0]
-        if every or name in whole:
-            seen.add(name)
-            yield from every_element_stream({name: params[name]})
+        at = order.get(item[0])
+        if at is None:  # not a param: yielded as is, for the router to name it
+            yield item
+            continue
+        while due < len(resend) and order[resend[due]] < at:
+            yield from every_element_stream({resend[due]: params[resend[due]]})
+            due += 1
+        if due < len(resend) and resend[due] == item[0]:
+            yield from every_element_stream({item[0]: params[item[0]]})
+            due += 1
         else:
             yield item
-    rest = {n: p for n, p in params.items() if (every or n in whole) and n not in seen}
-    yield from every_element_stream(rest)
+    for name in resend[due:]:
+        yield from every_element_stream({name: params[name]})
