@@ -352,6 +352,44 @@ def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_
 
 
 @pytest.mark.timeout(60)
+def test_a_writer_whose_attempt_fails_after_an_adoption_goes_on_with_deltas(tmp_path):
+    # Writer 1 adopts version 1, then its attempt at version 2 fails (a marker write refused).
+    # Its TrainerSync still gives its changes relative to version 0, the publisher's base is
+    # version 1: those changes cover version 1, so version 3 is a delta like writer 0's (it
+    # built an anchor beside writer 0's delta, refused as another version, for good).
+    store = scratch_store(tmp_path / "store")
+    _, tl, rl = layouts()
+    refusing = FailingMarker(store)
+    syncs, trainers = _ranks([SlowManifest(store, 1), refusing], marker_timeout_s=1.0)
+    receivers = {
+        shard: Receiver.for_layout(
+            store, rl, shard, zero_tensors(rl, shard), str(tmp_path / shard), rconfig(shard)
+        )
+        for shard in ("tp0", "tp1")
+    }
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    first = _everyone(lambda r: syncs[r].step_published(1))
+    assert isinstance(first[1], CommitTimeoutError), first[1]
+    refusing.armed = True
+    for t in trainers:
+        t.step()
+    failed = _everyone(lambda r: syncs[r].step_published(2))
+    assert all(isinstance(x, Exception) for x in failed), failed
+    for v in (3, 4):
+        for t in trainers:
+            t.step()
+        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+        assert Catalog(store).manifest(v).kind == "delta"
+        want = expected_shards(trainers[0].params, tl, rl)
+        for shard, rec in receivers.items():
+            assert rec.pull().version == v
+            assert_same_bits(rec.tensors, want[shard], f"v{v} {shard}")
+
+
+@pytest.mark.timeout(60)
 def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touched(tmp_path):
     # Publisher calls with touched: writer 1 adopts version 1, whose only change (element 0
     # of the first param on each rank) is undone by version 2. Writer 1's touched names its
@@ -414,6 +452,22 @@ def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touche
         rec, report = _fresh_pull(store, rl, tmp_path, shard)
         assert report.version == 2
         assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)[shard])
+
+
+class FailingMarker:
+    """A store that refuses the next writer-marker write once ``armed``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data):
+        if self.armed and "/writers/" in key:
+            self.armed = False
+            raise StoreError("marker write refused")
+        return self.inner.put(key, data)
 
 
 class SlowManifest:

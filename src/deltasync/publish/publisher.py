@@ -207,6 +207,9 @@ class Publisher:
         # must send whole after adopting such an attempt (see _adopts)
         self._sent_names: dict[int, set[str]] = {}
         self._resend_whole: set[str] = set()
+        # The baseline before an adoption, while nothing this writer committed follows it: a
+        # caller whose attempt failed since still gives its changes relative to it
+        self._adopted_since: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
         self._router = GroupRouter(
@@ -310,6 +313,7 @@ class Publisher:
         return True
 
     def _set_baseline(self, manifest: Manifest | None) -> None:
+        self._adopted_since = None
         self.baseline = None if manifest is None else manifest.version
         self.run_id = None if manifest is None else manifest.run_id
         self._baseline_digests = None if manifest is None else dict(manifest.shard_digests)
@@ -462,6 +466,8 @@ class Publisher:
             head, committed, anchor = None, self.catalog.latest(), True
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
+        if since is not None and since == self._adopted_since:
+            since = self.baseline  # its changes since then cover the adopted versions
         if since is not None and since == self.baseline and self._adopts(head):
             since = self.baseline
         if unreadable is None and self.catalog.has_manifest(version):
@@ -757,7 +763,9 @@ class Publisher:
             head.version + 1,
             head.version,
         )
+        before = self.baseline if self._adopted_since is None else self._adopted_since
         self._set_baseline(head)
+        self._adopted_since = before
         return True
 
     def _anchor_reason(
