@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -17,6 +18,7 @@ from kit import same_bits
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobMismatchError,
+    ConfigError,
     DigestMismatchError,
     FormatError,
     TruncatedBlobError,
@@ -244,6 +246,32 @@ def test_a_frame_declaring_more_than_its_blocks_hold_raises_before_allocating():
 def test_a_shape_beyond_2_pow_62_elements_is_rejected():
     rec = record("b", shape=(1 << 40, 1 << 40), nnz=0)
     assert_rejected(craft(rec, 1), BlobLimitError, "2\\^62", layout=False)
+
+
+@pytest.mark.parametrize("shape", [(1 << 63, 0), (0, (1 << 62) + 1), ((1 << 64) - 1, 0, 3)])
+def test_a_dim_beyond_2_pow_62_is_rejected_although_the_tensor_has_no_elements(shape):
+    # the element count is 0, in range: only the dim itself can be refused (torch cannot hold it)
+    rec = record("b", shape=shape, nnz=0)
+    assert_rejected(craft(rec, 1), BlobLimitError, "dim above 2\\^62", layout=False)
+
+
+def test_a_dim_of_2_pow_62_in_a_tensor_of_no_elements_is_accepted():
+    (update,) = decode_blob(craft(record("b", shape=(1 << 62, 0), nnz=0), 1)).updates
+    assert update.shape == (1 << 62, 0) and update.nnz == 0
+    assert torch.zeros(update.shape, dtype=update.dtype).numel() == 0
+
+
+def test_a_blob_in_a_strided_view_or_not_a_buffer_is_a_config_error_naming_it():
+    blob = good_blob()
+    spaced = bytes(b for pair in zip(blob, bytes(len(blob)), strict=True) for b in pair)
+    for view in (memoryview(spaced)[::2], np.frombuffer(spaced, np.uint8)[::2]):
+        with pytest.raises(ConfigError, match="non-contiguous view"):
+            decode_blob(view)
+        with pytest.raises(ConfigError, match="non-contiguous view"):
+            BlobRecords(view)
+        assert len(decode_blob(bytes(view)).updates) == 2  # the same bytes, contiguous
+    with pytest.raises(ConfigError, match="got str"):
+        decode_blob("not a blob")  # type: ignore[arg-type]
 
 
 def test_more_records_than_the_section_can_hold_are_rejected():

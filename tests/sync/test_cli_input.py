@@ -458,3 +458,208 @@ def test_pull_reports_a_shard_file_it_cannot_write_and_the_loop_writes_it_later(
     assert len(calls) == 2 and file.is_file()
     assert list(catalog.acks(2)) == [f"pull-{SHARD}"]
     assert {r.version for r in catalog.receivers().values()} == {2}
+
+
+# ------------------------------------------------- 9: blobs a manifest lists, read by the commands
+
+_PEAK_RSS = (
+    "import resource, sys\n"
+    "from deltasync.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _peak_rss(cwd: Path, *argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI in a fresh interpreter, and its peak RSS in MiB (the last line of stderr)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    *_, last = done.stderr.splitlines()
+    return done, int(last) / 1024
+
+
+def _relist(store: Path, version: int, edit) -> None:
+    """Rewrite ``version``'s manifest through ``edit`` (as anyone who can write an unsigned
+    store can)."""
+    path = store / f"v{version:08d}" / "MANIFEST.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _entry(manifest: dict) -> dict:
+    return next(b for b in manifest["blobs"] if b["shard"] == SHARD)
+
+
+def _sparse_blob(store: Path, version: int, size: int) -> str:
+    """SHARD's blob of ``version`` replaced by a sparse file of ``size`` bytes (no disk used)
+    and listed at that size; its key."""
+    keys = []
+
+    def edit(manifest: dict) -> None:
+        entry = _entry(manifest)
+        with open(store / entry["key"], "r+b") as f:
+            f.truncate(size)
+        entry["size"] = size
+        keys.append(entry["key"])
+
+    _relist(store, version, edit)
+    return keys[0]
+
+
+def _numel_bound(store: Path, version: int) -> int:
+    from deltasync.receiver.staging import numel_blob_bound
+
+    path = store / f"v{version:08d}" / "MANIFEST.json"
+    return numel_blob_bound(json.loads(path.read_text())["layout"]["shards"][SHARD]["numel"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("listed", ["beyond the layout's bound", "at the layout's bound"])
+def test_inspect_checks_a_blob_listed_at_any_size_in_bounded_memory(work, published, listed):
+    # a blob the manifest lists larger than its shard can hold is not read; one within that
+    # bound is hashed in chunks: neither is ever held whole
+    store = work / "store"
+    bound = _numel_bound(store, 2)
+    beyond = listed.startswith("beyond")
+    key = _sparse_blob(store, 2, 1 << 30 if beyond else bound)
+    done, peak = _peak_rss(work, "inspect", str(store), "--json", "--last", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, baseline = _peak_rss(work, "inspect", str(published[0]), "--json", "--last", "0")
+    rows = json.loads(done.stdout)["rows"]
+    (row,) = [r for r in rows if r["version"] == 2 and r["shard"] == SHARD]
+    assert row["status"] == "corrupt" and key in row["reason"], row
+    if beyond:
+        assert f"more than any blob of shard {SHARD!r}" in row["reason"], row
+        assert "not read" in row["reason"], row
+    else:
+        assert "does not match the manifest's digest" in row["reason"], row
+    assert all(r["status"] == "ok" for r in rows if r is not row), rows
+    assert peak - baseline < 64, f"peak RSS {peak:.0f} MiB, {baseline:.0f} MiB without the blob"
+
+
+@pytest.mark.timeout(60)
+def test_inspect_hashing_in_chunks_tells_ok_corrupt_truncated_and_missing_blobs_apart(
+    work, capsys, monkeypatch
+):
+    from deltasync.commands import inspect_store
+
+    monkeypatch.setattr(inspect_store, "HASH_CHUNK", 1000)  # every blob of the store is larger
+    store = work / "store"
+
+    def statuses() -> dict[int, tuple[str, str]]:
+        rc, out, _ = _cli(capsys, "inspect", str(store), "--json", "--last", "0")
+        assert rc == 0
+        rows = json.loads(out)["rows"]
+        return {r["version"]: (r["status"], r["reason"]) for r in rows if r["shard"] == SHARD}
+
+    assert {s for s, _ in statuses().values()} == {"ok"}
+    keys = {
+        v: _entry(json.loads((store / f"v{v:08d}/MANIFEST.json").read_text()))["key"]
+        for v in range(3)
+    }
+    for v in range(3):
+        assert (store / keys[v]).stat().st_size > 1000
+    blob = store / keys[0]
+    data = bytearray(blob.read_bytes())
+    data[-1500] ^= 1  # in the second-to-last chunk
+    blob.write_bytes(bytes(data))
+    (store / keys[1]).write_bytes((store / keys[1]).read_bytes()[:-1])
+    (store / keys[2]).unlink()
+    got = statuses()
+    assert got[0][0] == "corrupt" and "digest" in got[0][1], got
+    assert got[1][0] == "truncated", got
+    assert got[2][0] == "missing blob", got
+
+
+@pytest.mark.timeout(300)
+def test_pull_without_config_refuses_an_anchor_blob_its_layout_record_cannot_hold_unread(
+    work, published
+):
+    store = work / "store"
+    key = _sparse_blob(store, 0, 1 << 30)
+    shutil.copytree(published[0], work / "pristine")
+    out = work / "out"
+    done, peak = _peak_rss(work, *_pull(work, "--dir", str(out), "--once"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("deltasync: error: BlobLimitError: anchor version 0 blob")
+    assert key in done.stderr and "pass --config" in done.stderr
+    assert not out.exists()
+    pristine = _pull(work, "--dir", str(work / "out2"), "--once", store=work / "pristine")
+    ok, baseline = _peak_rss(work, *pristine)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert peak - baseline < 64, f"peak RSS {peak:.0f} MiB, {baseline:.0f} MiB without the blob"
+
+
+@pytest.mark.timeout(60)
+def test_pull_without_config_refuses_an_anchor_without_a_layout_record(work, capsys):
+    # nothing bounds its blobs' sizes then: --config says what the shard holds
+    _relist(work / "store", 0, lambda m: m.pop("layout"))
+    _refused(
+        capsys,
+        work,
+        *_pull(work, "--dir", str(work / "out"), "--once"),
+        names="records no layout for shard 'tp1'",
+    )
+
+
+def _with_record(blob: bytes, record: bytes) -> bytes:
+    """``blob`` with one more segment holding ``record``, resealed (its writer's doing)."""
+    import xxhash
+    import zstandard
+
+    from deltasync.format.wire import DIGEST_SIZE, FLAG_ZSTD, HEADER, SEGMENT, TRAILER
+
+    flags = HEADER.unpack_from(blob)[2]
+    section = zstandard.ZstdCompressor().compress(record) if flags & FLAG_ZSTD else record
+    segment = SEGMENT.pack(len(section), len(record), 1) + section
+    end = len(blob) - DIGEST_SIZE - TRAILER.size
+    magic, segments, records, raw, body = TRAILER.unpack_from(blob, end)
+    trailer = TRAILER.pack(magic, segments + 1, records + 1, raw + len(record), body + len(segment))
+    out = blob[:end] + segment + trailer
+    return out + xxhash.xxh3_128_digest(out)
+
+
+@pytest.mark.timeout(60)
+def test_pull_without_config_refuses_an_anchor_tensor_with_a_dim_no_tensor_can_have(work, capsys):
+    # (2^63, 0) holds no element, so its element count is in range; torch cannot make it
+    import struct
+    from types import SimpleNamespace
+
+    import torch
+
+    from deltasync.commit import blob_digest
+    from deltasync.commit.model import specs_fingerprint
+    from deltasync.format import TensorSpec, decode_blob
+    from deltasync.format.wire import RECORD
+
+    store = work / "store"
+
+    def edit(manifest: dict) -> None:
+        entry = _entry(manifest)
+        blob = (store / entry["key"]).read_bytes()
+        specs = {u.name: TensorSpec(u.shape, u.dtype) for u in decode_blob(blob).updates}
+        evil = RECORD.pack(4, 1, 0, 2, 0, 0, 0, 0) + b"evil" + struct.pack("<2Q", 1 << 63, 0)
+        blob = _with_record(blob, evil)
+        (store / entry["key"]).write_bytes(blob)
+        entry["size"], entry["digest"] = len(blob), blob_digest(blob)
+        # the layout record agrees, so only the shape itself can be refused
+        specs["evil"] = SimpleNamespace(shape=(1 << 63, 0), dtype=torch.bfloat16)  # unbuildable
+        manifest["layout"]["shards"][SHARD]["specs"] = specs_fingerprint(specs)
+
+    _relist(store, 0, edit)
+    err = _refused(
+        capsys,
+        work,
+        *_pull(work, "--dir", str(work / "out"), "--once"),
+        names="tensor 'evil'",
+        error="BlobLimitError",
+    )
+    assert "dim above 2^62" in err

@@ -31,7 +31,8 @@ The layout is checked against the store before anything is fetched: the manifest
 engine, TP, EP and model fingerprint they were built for. With ``--config`` the tensor specs
 come from that model's layout; without it from the newest anchor's blobs, read as a receiver
 reads them (size and digest against the manifest, decompression capped relative to the blob
-size, every tensor complete).
+size, every tensor complete), each refused unread when the manifest lists it larger than a
+blob of the shard's recorded element count can be.
 
 Every argument is checked before anything is written (the store, ``--dir``, the state
 directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, the shard and
@@ -61,7 +62,13 @@ from deltasync.commands.inspect_store import (
     open_store_from_args,
     read_key,
 )
-from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, LayoutMismatchError
+from deltasync.errors import (
+    ApplyError,
+    BlobLimitError,
+    ConfigError,
+    DeltaSyncError,
+    LayoutMismatchError,
+)
 
 META_VERSION = "deltasync_version"
 META_DIGEST = "deltasync_state_digest"
@@ -126,13 +133,37 @@ def _config_layout(args):
 
 
 def _specs(args, store, catalog, head, configured):
+    """(None, the shard's specs) learned from the newest anchor's blobs, or ``configured``.
+
+    Nothing is known of the shard but what the anchor's manifest records, so each blob is
+    read only up to what a shard of the layout record's element count can hold
+    (:func:`~deltasync.receiver.staging.numel_blob_bound`); an anchor without that record
+    cannot be bounded and is refused.
+    """
     from deltasync.commit.model import specs_fingerprint
     from deltasync.format import TensorSpec, decode_blob
-    from deltasync.receiver.staging import fetch_blob
+    from deltasync.receiver.staging import fetch_blob, numel_blob_bound
 
     if configured is not None:
         return configured
     anchor = catalog.shard_chain(args.shard, None, head)[0]
+    rec = anchor.layout.shards.get(args.shard) if anchor.layout is not None else None
+    if rec is None:
+        raise ConfigError(
+            f"anchor version {anchor.version} records no layout for shard {args.shard!r}, so "
+            "the size of its blobs cannot be bounded before they are read; nothing was "
+            "fetched: pass --config"
+        )
+    bound = numel_blob_bound(rec.numel)
+    for entry in anchor.blobs_for(args.shard):
+        if entry.size > bound:
+            # the manifest's size is what fetch_blob reads: bound it before anything is read
+            raise BlobLimitError(
+                f"anchor version {anchor.version} blob {entry.key!r} is listed at {entry.size} "
+                f"bytes, more than any blob of shard {args.shard!r} of {rec.numel} elements "
+                f"can hold ({bound} bytes by the manifest's layout record); nothing was "
+                "fetched. The manifest is damaged or not the publisher's: pass --config"
+            )
     specs: dict[str, TensorSpec] = {}
     budget = 0  # bytes the anchor's blobs may decompress to, in all
     for entry in anchor.blobs_for(args.shard):
@@ -164,8 +195,7 @@ def _specs(args, store, catalog, head, configured):
             f"anchor version {anchor.version} declares {numel} elements for shard {args.shard!r}, "
             "more than its blobs can hold; refusing to allocate them (pass --config)"
         )
-    rec = anchor.layout.shards.get(args.shard) if anchor.layout is not None else None
-    if rec is not None and (rec.numel != numel or rec.specs != specs_fingerprint(specs)):
+    if rec.numel != numel or rec.specs != specs_fingerprint(specs):
         raise ConfigError(
             f"anchor version {anchor.version}'s blobs for shard {args.shard!r} ({numel} "
             f"elements) disagree with its manifest's layout record ({rec.numel} elements): a "

@@ -59,7 +59,19 @@ REFETCH = "fetch it again"  # the advice of a blob check; a caller that knows be
 
 
 def _bytes_view(blob: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(blob)
+    """The blob's bytes as one flat view, never copied: a strided view (``memoryview(b)[::2]``,
+    a numpy slice) is refused, since neither the digest nor the reads can take it whole."""
+    try:
+        view = memoryview(blob)
+    except TypeError:
+        raise ConfigError(
+            f"blob must be bytes, a bytearray or a memoryview, got {type(blob).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ConfigError(
+            f"blob is a non-contiguous view (strides {view.strides}): pass contiguous bytes "
+            "(e.g. bytes(view)); nothing was decoded"
+        )
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
     return view

@@ -1,8 +1,9 @@
 """Parse and validate the decompressed record section into TensorUpdates.
 
 Every declared length is compared with the bytes that remain BEFORE anything of that length is
-read or allocated; the shape's element count is bounded by MAX_NUMEL; indices are proven
-strictly increasing and in range without trusting int64 arithmetic (see ``_check_and_sum``).
+read or allocated; each dim of a shape, and its element count, is bounded by MAX_NUMEL; indices
+are proven strictly increasing and in range without trusting int64 arithmetic (see
+``_check_and_sum``).
 Payload planes are read straight into the output arrays, chunk by chunk. A BF16/FP16 sparse
 record of a section held whole is decoded in one C pass instead (``decode_sparse``: a small
 blob in ~40% less CPU), which applies the same rules and declines a record that breaks one:
@@ -114,6 +115,10 @@ def _record(
         raise BlobLimitError(f"{what}: {ndim} dims exceed the limit of {MAX_NDIM}; {_MALFORMED}")
     dims = shape_struct(ndim)
     shape = dims.unpack(reader.read(dims.size, f"tensor {name!r} shape"))
+    if max(shape, default=0) > MAX_NUMEL:
+        # a zero-element tensor keeps the product in range with any dim: bound each one too,
+        # or the shape reaches callers (torch.zeros) that cannot hold a dim of 2^63
+        raise BlobLimitError(f"{what}: shape {shape} has a dim above 2^62; {_MALFORMED}")
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
         raise BlobLimitError(f"{what}: shape {shape} has more than 2^62 elements; {_MALFORMED}")

@@ -45,6 +45,8 @@ def check_shape(shape: object, what: str, error: type[Exception]) -> tuple[int, 
     for d in dims:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
             raise error(f"{what}: shape {dims!r} must hold non-negative ints")
+        if d > MAX_NUMEL:  # a zero-element shape keeps the product in range with any dim
+            raise error(f"{what}: shape {dims!r} has a dim above 2^62")
     if math.prod(dims) > MAX_NUMEL:
         raise error(f"{what}: shape {dims!r} has more than 2^62 elements")
     return dims

@@ -138,6 +138,8 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     buffer ``out``; returns that view of ``out``, flat. The C kernel runs on kernel-ready
     tensors whose values it can round exactly; otherwise (NaN, fp32 subnormals, strided or
     device tensors) torch casts."""
+    check_readable("cast_bf16_into src", src)
+    check_readable("cast_bf16_into out", out)
     n = src.numel()
     if out.dtype != torch.bfloat16 or out.dim() != 1 or out.numel() < n:
         raise TensorInputError(
@@ -211,6 +213,13 @@ def _check_base(op: str, base: object, target: torch.Tensor) -> None:
         raise TensorInputError(
             f"{op}: base {base} + {target.numel()} elements passes {_MAX_BASE}; nothing was written"
         )
+
+
+def _check_int(op: str, name: str, value: object) -> None:
+    """``value`` must be an int (ctypes refuses a float with an untyped ArgumentError, and
+    the range checks before the kernel call would take one)."""
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        raise TensorInputError(f"{op}: {name} must be an int, got {value!r}; nothing was done")
 
 
 def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:
@@ -388,8 +397,11 @@ def join_planes(
     (when ``width > 1``) and ``last`` are contiguous 1-D uint8 arrays.
 
     Raises:
-        TensorInputError: planes that do not cover the words asked for (nothing written).
+        TensorInputError: planes that do not cover the words asked for, or a ``width`` or
+            ``start`` that is not an int (nothing written).
     """
+    _check_int("join_planes", "width", width)
+    _check_int("join_planes", "start", start)
     n, m = out.size, last.size
     need = (width - 1) * n
     planes = [last] if lower is None else [lower, last]
@@ -434,7 +446,12 @@ def decode_sparse(
         kernel cannot take the arguments (no compiler, a big-endian host, sizes that do not
         fit) or the payload breaks a rule. The caller then decodes the record on its checked
         path, which names the fault.
+
+    Raises:
+        TensorInputError: ``n``, ``first``, ``width`` or ``numel`` is not an int.
     """
+    for name, value in (("n", n), ("first", first), ("width", width), ("numel", numel)):
+        _check_int("decode_sparse", name, value)
     words = np.dtype(index_dtype)
     if (
         n < 1

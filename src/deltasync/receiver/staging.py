@@ -4,7 +4,9 @@
   base is the local version) and every later step builds on the one before; a wrong base is
   refused here, before anything is fetched;
 - :func:`fetch_blob`: one blob's bytes, checked against its manifest entry (present, exact
-  size, digest), as ``pull`` and ``inspect`` read them too;
+  size, digest), as ``pull`` and ``inspect`` read them too; it reads the size the manifest
+  lists, so every caller first bounds that size (:func:`blob_bound` of the local tensors, or
+  :func:`numel_blob_bound` of the shard's size in the layout record);
 - :func:`open_version`: fetch this shard's blobs of one version and verify each against the
   manifest (present, exact size, xxh3-128 digest) and then its own digest, header and trailer
   (:class:`deltasync.format.decode.BlobRecords` with the shard's expected tensor specs,
@@ -42,6 +44,7 @@ from deltasync.errors import (
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
 from deltasync.format.decode import REFETCH, BlobRecords
 from deltasync.format.merge import check_anchor_complete
+from deltasync.format.wire import MAX_RECORDS
 from deltasync.store import Store
 
 
@@ -105,6 +108,14 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     return data
 
 
+# What blob_bound allows beyond the elements: a record head (name, shape) per tensor, and
+# the blob's framing (header, ids, segment heads, trailer, digest).
+_RECORD_HEAD_BYTES = 4096
+_FRAMING_BYTES = 1 << 20
+# The widest value a record holds (fp32), for a bound that does not know the dtypes.
+_WIDEST_VALUE_BYTES = 4
+
+
 def blob_bound(specs: Mapping[str, TensorSpec]) -> int:
     """The most bytes a blob for the local tensors ``specs`` can take, compressed or not:
     each element at most once, with its value and an 8-byte index, each tensor's record head
@@ -113,7 +124,17 @@ def blob_bound(specs: Mapping[str, TensorSpec]) -> int:
         math.prod(s.shape) * (torch.empty((), dtype=s.dtype).element_size() + 8)
         for s in specs.values()
     )
-    return elements + 4096 * len(specs) + (1 << 20)
+    return elements + _RECORD_HEAD_BYTES * len(specs) + _FRAMING_BYTES
+
+
+def numel_blob_bound(numel: int) -> int:
+    """:func:`blob_bound` for a shard known only by its element count (a manifest's layout
+    record), as readers that have no tensor specs know it: every element at the widest
+    value with its index, and a record head per tensor, of which a blob holds at most one
+    per element and at most MAX_RECORDS. Looser than :func:`blob_bound` of the same shard, and
+    never below it when each of the shard's tensors holds an element."""
+    heads = _RECORD_HEAD_BYTES * min(numel, MAX_RECORDS)
+    return numel * (_WIDEST_VALUE_BYTES + 8) + heads + _FRAMING_BYTES
 
 
 def open_version(
