@@ -121,3 +121,25 @@ def test_an_ack_still_owed_is_dropped_when_the_receiver_goes_dirty(tmp_path):
     with pytest.raises(IntegrityError):
         rec.pull()
     assert rec.dirty and "rec" not in Catalog(store).acks(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_rerun_that_reaches_the_same_state_after_a_reset_counts_the_receiver_again(rig):
+    # A deterministic re-run on the wiped store publishes the same states under a new run id:
+    # the receiver's v4 is the new v4 bit for bit. Recorded under the old run, it counted as
+    # holding nothing of the new one, and a bounded-staleness trainer waited for it for good.
+    old_run = _holds_old_v4(rig)
+    wipe(rig.store)
+    rig.trainer = Trainer(rig.store, rig.rl, rig.tl, rig.spec, seed=0)  # the Rig's seed
+    for v in range(5):
+        rig.trainer.publish(v, rig.oracle, step=v > 0)
+    new_run = rig.trainer.pub.run_id
+    assert new_run != old_run
+    catalog = Catalog(rig.store)
+    assert catalog.manifest(4).shard_digests[rig.shard] == rig.rec.state_digest
+    report = rig.rec.pull()
+    assert not report.changed and report.version == 4 and report.run_id == new_run
+    rig.check(report)
+    assert catalog.receivers()["rec"].version_in(new_run) == 4
+    assert catalog.acks(4)["rec"].run_id == new_run
+    assert wait_for_staleness(catalog, 4, max_staleness=0, ttl_s=60, **WAIT) < WAIT["timeout_s"]

@@ -620,6 +620,8 @@ class Receiver:
             report = self._pull(t0, target)  # dirty now: restores the newest anchor
             return replace(report, previous_version=previous, scrubbed=True, drifted=True)
         if idle:
+            if head is not None and head.run_id != self._state.run_id:
+                self._relabel(head)
             self._flush_records()
             return self._report(t0, previous_version=previous)
         self._check_layout(head)
@@ -650,6 +652,32 @@ class Receiver:
         else:
             start = previous
         return self._run(manifests, start, t0, repaired=False)
+
+    def _relabel(self, head: Manifest) -> None:
+        """The head is the held version's number and this shard's state digest under another
+        lineage (a store reset, then a deterministic re-run): the tensors hold that version as
+        it is, so the receiver records it under the head's run id and owes its ack. Kept
+        under the old run id, its registration would count as nothing of the head's lineage,
+        and a bounded-staleness trainer would wait for it for good."""
+        log.info(
+            "receiver %r shard %r: version %d of run %s is the state it holds (run %s): "
+            "recorded under that run",
+            self.config.receiver_id,
+            self.shard,
+            head.version,
+            head.run_id,
+            self._state.run_id,
+        )
+        self._set_state(run_id=head.run_id)
+        self._ack_undecided = False
+        self._pending_ack = AckRecord(
+            version=head.version,
+            receiver=self.config.receiver_id,
+            shard=self.shard,
+            state_digest=self._state.state_digest,
+            created_at=time.time(),
+            run_id=head.run_id,
+        )
 
     def _check_layout(self, manifest: Manifest) -> None:
         """Refuse, before any fetch, a version built for another layout than this shard's."""
