@@ -15,7 +15,7 @@ import torch
 from kit import assert_same_bits, rconfig, tiny_layouts
 
 from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver, names
-from deltasync.errors import IntegrityError
+from deltasync.errors import IntegrityError, StoreError
 from deltasync.receiver import mapped_shard_tensors
 
 SHARD = "tp0"
@@ -123,3 +123,51 @@ def test_a_refused_chain_leaves_no_journal_and_the_tensors_untouched(tmp_path, m
     monkeypatch.undo()
     assert rx.pull().version == 2
     assert_same_bits(rx.tensors, trainer.states[2], "after the healed pull")
+
+
+class Outage:
+    """The store refuses every call while ``down`` (a network outage)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.down:
+                raise StoreError("connection refused")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_restarted_with_a_journal_during_an_outage_starts_and_repairs_later(tmp_path):
+    # Killed mid-apply, restarted while the store is unreachable: it starts (the engine may
+    # serve on), holds no version, and its first pull once the store is back replays the chain.
+    _, tl, rl = tiny_layouts()
+    store = MemoryStore()
+    trainer = Trainer(store, tl, rl)
+    assert _receiver(store, rl, tmp_path).pull().version == 0
+    trainer.publish(1)
+    trainer.publish(2)
+    child = mp.get_context("fork").Process(
+        target=_killed_in_verify, args=(store, rl, tmp_path, None)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    outage = Outage(store)
+    outage.down = True
+    again = _receiver(outage, rl, tmp_path)
+    assert again.last_repair is None and again.dirty  # reports no version
+    assert (tmp_path / "state" / names.JOURNAL_FILE).exists()
+    with pytest.raises(StoreError):
+        again.pull()
+    outage.down = False
+    report = again.pull()
+    assert report.repaired and report.version == 2 and not again.dirty
+    assert_same_bits(again.tensors, trainer.states[2], "after the deferred replay")

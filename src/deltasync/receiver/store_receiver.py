@@ -269,7 +269,21 @@ class Receiver:
             # chain for it, and a journaled chain it deleted meanwhile means the repair
             # restores the newest anchor instead).
             self._register_as(self._state_with(dirty=True))
-            self.last_repair = self._repair(journal)
+            try:
+                self.last_repair = self._repair(journal)
+            except StoreError as exc:
+                if isinstance(exc, KeyNotFoundError):
+                    raise
+                # The store is unreachable (an outage): the engine may still start. The
+                # tensors hold no version meanwhile, and the next pull repairs first.
+                log.warning(
+                    "receiver %r shard %r: the journal of an interrupted apply could not be "
+                    "replayed now (%s); it holds no version until a pull replays it",
+                    config.receiver_id,
+                    self.shard,
+                    exc,
+                )
+                self._state = self._state_with(dirty=True)
         else:
             if (
                 config.verify_on_open
