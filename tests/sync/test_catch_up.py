@@ -169,3 +169,26 @@ def test_bounded_staleness_blocks_publishing_while_a_live_receiver_lags_too_far(
     record = ReceiverRecord(receiver="gone", shard="tp0", version=0, updated_at=time.time() - 999)
     rig.store.put(names.receiver_key("gone"), record.to_json())
     rig.publish(3)
+
+
+@pytest.mark.timeout(60)
+def test_an_ack_that_lands_after_its_version_was_collected_goes_with_the_next_gc(tmp_path):
+    # A receiver writes its ack beside its registration: a gc that read the registration first
+    # collects the version, and the ack lands under a version nothing lists any more.
+    rig = Rig(tmp_path, anchor_every=2, keep_versions=1)
+    follower = rig.receiver("follow")
+    for v in range(5):
+        rig.publish(v)
+        follower.pull()
+        rig.pub.gc()
+    assert rig.pub.catalog.versions() == [4]
+    from deltasync.commit import AckRecord
+
+    stray = AckRecord(
+        version=1, receiver="follow", shard="tp0", state_digest="0" * 32, created_at=time.time()
+    )
+    rig.store.put(stray.key, stray.to_json())
+    keep = rig.store.list(names.acks_prefix(4))
+    plan = rig.pub.gc()
+    assert stray.key in plan.keys and not rig.store.exists(stray.key)
+    assert rig.store.list("acks/") == keep  # the kept version's acks stay

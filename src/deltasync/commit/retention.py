@@ -149,6 +149,7 @@ def collect_garbage(
     land and name their keys."""
     latest = catalog.latest()
     version_keys = catalog.version_dirs()
+    listed = set(version_keys)  # every version directory, verified or not
     manifests: dict[int, Manifest] = {}
 
     def load(v: int) -> None:
@@ -197,7 +198,20 @@ def collect_garbage(
             continue
         keys.append(names.manifest_key(v))
         load(v)
-    ack_keys = {v: store.list(names.acks_prefix(v)) for v in manifests}
+    # Every ack in one listing. An ack may land after its version was collected (a receiver
+    # writes it beside its registration, which a gc may read first): with no version
+    # directory left and a newer version committed, nothing will read it again.
+    ack_keys: dict[int, list[str]] = {}
+    for key in store.list("acks/"):
+        v = _ack_version(key)
+        if v is not None:
+            ack_keys.setdefault(v, []).append(key)
+    orphaned = [
+        key
+        for v, keys in sorted(ack_keys.items())
+        if v not in listed and committed is not None and v < committed
+        for key in keys
+    ]
     run_id = manifests[committed].run_id if committed in manifests else None
     live = [
         r.version if run_id is None else r.version_in(run_id)
@@ -219,6 +233,8 @@ def collect_garbage(
             orphan_grace_s,
         )
         plan = replace(plan, deferred=tuple(sorted(deferred)))
+    if orphaned:
+        plan = replace(plan, keys=plan.keys + tuple(orphaned))
     if not dry_run:
         for key in plan.keys:
             store.delete(key)
