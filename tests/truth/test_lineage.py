@@ -13,7 +13,10 @@ import uuid
 import pytest
 from truth_kit import Rig, Trainer, wipe
 
-from deltasync import LocalStore
+from deltasync import LocalStore, names
+from deltasync.commit import Catalog
+from deltasync.commit.catalog import wait_for_acks
+from deltasync.errors import AckTimeoutError
 
 
 @pytest.fixture
@@ -86,6 +89,41 @@ def test_a_store_restored_from_an_older_copy_is_followed_back_to_its_anchor(rig,
     assert restarted.publish(3, rig.oracle).kind == "delta"
     report = rig.rec.pull()  # held v5 is not on the restored chain: back to its anchor
     assert report.chain == (0, 1, 2, 3) and report.from_anchor
+    rig.check(report)
+
+
+@pytest.mark.parametrize("left", ["registration and acks", "acks"])
+@pytest.mark.timeout(120)
+def test_a_checkpoint_resumed_where_the_runs_later_versions_were_lost_starts_a_new_run(
+    tmp_path, left
+):
+    # Only the version keys were restored from an older copy: the receiver's registration
+    # (version 4 of the run) and its acks of 3 and 4 stayed. Continuing the run from 2 would
+    # give 3 and 4 to other states under the same run id: a trainer would count the receiver
+    # at the old 4 as holding the new 3.
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    for v in range(3):
+        rig.publish(v)
+        rig.check(rig.rec.pull())
+    checkpoint = copy.deepcopy(rig.trainer.model)
+    for v in range(3, 5):
+        rig.publish(v)
+        rig.check(rig.rec.pull())
+    run = rig.trainer.pub.run_id
+    for v in (3, 4):
+        for key in rig.store.list(names.version_prefix(v)):
+            rig.store.delete(key)
+    rig.store.delete("LATEST")
+    if left == "acks":
+        rig.rec.deregister()
+    restarted = Trainer(rig.store, rig.rl, rig.tl, rig.spec, model=checkpoint)
+    assert not restarted.sync.resume(2) and restarted.sync.next_version() == 3
+    report = restarted.publish(3, rig.oracle)
+    assert report.kind == "anchor" and restarted.pub.run_id != run
+    with pytest.raises(AckTimeoutError, match="rec"):
+        wait_for_acks(Catalog(rig.store), 3, ["rec"], timeout_s=0.3, poll_s=0.02)
+    report = rig.rec.pull()
+    assert report.chain == (3,) and report.from_anchor
     rig.check(report)
 
 

@@ -309,8 +309,42 @@ class Publisher:
                 manifest.run_id,
             )
             return False
+        beyond = self._run_went_past(manifest)
+        if beyond is not None:
+            log.warning(
+                "writer %s: resume from version %d: %s, past the store's newest version of that "
+                "run: the store was restored from an older copy, and the numbers after %d "
+                "already name other states; the next version is an anchor of a new run",
+                self.writer,
+                version,
+                beyond,
+                version,
+            )
+            return False
         self._set_baseline(manifest)
         return True
+
+    def _run_went_past(self, manifest: Manifest) -> str | None:
+        """What shows that ``manifest``'s run went on past it in a store that no longer holds
+        those versions (restored from an older copy), or None. Continuing the run from it
+        would publish new states under numbers its receivers and acks already give to others
+        (a trainer would count a receiver holding the old version 5 as holding the new 4).
+        The evidence: an ack of a later version that has no manifest, and (one writer: what
+        several writers read must not differ between them, and registrations move) a
+        receiver registered at a later version of the run."""
+        for key in self.store.list("acks/"):
+            try:
+                acked, receiver = names.parse_ack_key(key)
+            except ManifestError:
+                continue
+            if acked > manifest.version and not self.catalog.has_manifest(acked):
+                return f"receiver {receiver!r} acked version {acked}"
+        if self.config.num_writers > 1:
+            return None
+        for rid, rec in self.catalog.receivers().items():
+            if rec.run_id == manifest.run_id and (rec.version or -1) > manifest.version:
+                return f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
+        return None
 
     def _set_baseline(self, manifest: Manifest | None) -> None:
         self._adopted_since = None
