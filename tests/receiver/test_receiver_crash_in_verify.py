@@ -75,12 +75,9 @@ def _killed_in_verify(store, rl, tmp_path, staged) -> None:
     _receiver(store, rl, tmp_path, staged).pull()
 
 
-# None: the tiny chain is decoded once and held; 0: it is streamed (decoded on a thread)
-@pytest.mark.parametrize("staged", [None, 0])
-@pytest.mark.timeout(120)
-def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exact_target(
-    tmp_path, staged
-):
+def _killed_applying_two_versions(tmp_path, staged):
+    """A receiver at version 0 killed in its pull of versions 1 and 2 after the journal:
+    (store, layout, trainer)."""
     _, tl, rl = tiny_layouts()
     store = MemoryStore()
     trainer = Trainer(store, tl, rl)
@@ -93,6 +90,16 @@ def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exa
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
+    return store, rl, trainer
+
+
+# None: the tiny chain is decoded once and held; 0: it is streamed (decoded on a thread)
+@pytest.mark.parametrize("staged", [None, 0])
+@pytest.mark.timeout(120)
+def test_killed_in_verify_after_the_journal_the_next_receiver_replays_to_the_exact_target(
+    tmp_path, staged
+):
+    store, rl, trainer = _killed_applying_two_versions(tmp_path, staged)
     assert (tmp_path / "state" / names.JOURNAL_FILE).exists()  # durable before the kill
     again = _receiver(store, rl, tmp_path, staged)
     assert again.last_repair is not None and again.last_repair.repaired
@@ -148,18 +155,7 @@ class Outage:
 def test_a_receiver_restarted_with_a_journal_during_an_outage_starts_and_repairs_later(tmp_path):
     # Killed mid-apply, restarted while the store is unreachable: it starts (the engine may
     # serve on), holds no version, and its first pull once the store is back replays the chain.
-    _, tl, rl = tiny_layouts()
-    store = MemoryStore()
-    trainer = Trainer(store, tl, rl)
-    assert _receiver(store, rl, tmp_path).pull().version == 0
-    trainer.publish(1)
-    trainer.publish(2)
-    child = mp.get_context("fork").Process(
-        target=_killed_in_verify, args=(store, rl, tmp_path, None)
-    )
-    child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    store, rl, trainer = _killed_applying_two_versions(tmp_path, None)
     outage = Outage(store)
     outage.down = True
     again = _receiver(outage, rl, tmp_path)
