@@ -127,41 +127,12 @@ def is_store(store) -> bool:
     )
 
 
-def _hash_in_chunks(store, manifest, entry) -> None:
-    """Check one blob as :func:`~deltasync.receiver.staging.fetch_blob` does (present, the
-    listed size, the listed digest), holding at most ``HASH_CHUNK`` of its bytes at a time:
-    inspect only needs the digest, and the listed size is whatever the manifest says."""
-    from deltasync.commit.model import blob_hasher
-    from deltasync.errors import FormatError, MissingBlobError
-
-    where = f"version {manifest.version} blob {entry.key!r}"
-    try:
-        size = store.size(entry.key)
-        if size != entry.size:
-            cls = TruncatedBlobError if size < entry.size else FormatError
-            raise cls(
-                f"{where} is {size} bytes but the manifest says {entry.size}: "
-                f"{'truncated' if size < entry.size else 'extended'} in storage, or replaced "
-                "by another blob"
-            )
-        h = blob_hasher()
-        for start in range(0, size, HASH_CHUNK):
-            h.update(store.get_range(entry.key, start, min(HASH_CHUNK, size - start)))
-    except KeyNotFoundError:
-        raise MissingBlobError(f"{where} is listed in the manifest but missing") from None
-    if h.hexdigest() != entry.digest:
-        raise DigestMismatchError(
-            f"{where} does not match the manifest's digest {entry.digest}: corrupted, or "
-            "replaced by another blob"
-        )
-
-
 def _blob_status(store, manifest, shard: str) -> tuple[str, str]:
     """(status, reason) of ``shard``'s blobs in ``manifest``, each read and checked as a
     receiver would (size, digest), never decoded: a blob the manifest lists larger than its
     layout record's shard can hold is not read, a large one is hashed in chunks."""
     from deltasync.errors import MissingBlobError
-    from deltasync.receiver.staging import fetch_blob, numel_blob_bound
+    from deltasync.receiver.staging import check_blob_in_parts, fetch_blob, numel_blob_bound
 
     rec = manifest.layout.shards.get(shard) if manifest.layout is not None else None
     bound = None if rec is None else numel_blob_bound(rec.numel)
@@ -175,7 +146,7 @@ def _blob_status(store, manifest, shard: str) -> tuple[str, str]:
             if entry.size <= HASH_CHUNK:
                 fetch_blob(store, manifest, entry)
             else:
-                _hash_in_chunks(store, manifest, entry)
+                check_blob_in_parts(store, manifest, entry, HASH_CHUNK)
         except MissingBlobError:
             return "missing blob", f"{entry.key} is not in the store"
         except StoreError as exc:  # refused or unreachable: says nothing about the bytes

@@ -342,7 +342,9 @@ class Publisher:
         if self.config.num_writers > 1:
             return None
         for rid, rec in self.catalog.receivers().items():
-            if rec.run_id == manifest.run_id and (rec.version or -1) > manifest.version:
+            if rec.run_id == manifest.run_id and (
+                rec.version is not None and rec.version > manifest.version
+            ):
                 return f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
         return None
 

@@ -7,6 +7,7 @@
   size, digest), as ``pull`` and ``inspect`` read them too; it reads the size the manifest
   lists, so every caller first bounds that size (:func:`blob_bound` of the local tensors, or
   :func:`numel_blob_bound` of the shard's size in the layout record);
+  :func:`check_blob_in_parts` makes the same checks a part at a time, keeping no bytes;
 - :func:`open_version`: fetch this shard's blobs of one version and verify each against the
   manifest (present, exact size, xxh3-128 digest) and then its own digest, header and trailer
   (:class:`deltasync.format.decode.BlobRecords` with the shard's expected tensor specs,
@@ -29,6 +30,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltasync.commit import BlobEntry, Manifest, blob_digest
+from deltasync.commit.model import blob_hasher
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobLimitError,
@@ -94,18 +96,46 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
             "or replaced by another blob; not read, nothing was applied"
         ) from None
     if len(data) != entry.size:
-        cls = TruncatedBlobError if len(data) < entry.size else FormatError
-        raise cls(
-            f"{where} is {len(data)} bytes but the manifest says {entry.size}: "
-            f"{'truncated' if len(data) < entry.size else 'extended'} in storage or "
-            "transit, or replaced by another blob; nothing was applied"
-        )
+        raise _wrong_size(where, len(data), entry.size)
     if blob_digest(data) != entry.digest:
-        raise DigestMismatchError(
-            f"{where} does not match the manifest's digest {entry.digest}: corrupted, or "
-            "replaced by another blob (a replay or a racing publisher); nothing was applied"
-        )
+        raise _wrong_digest(where, entry.digest)
     return data
+
+
+def check_blob_in_parts(store: Store, manifest: Manifest, entry: BlobEntry, part: int) -> None:
+    """:func:`fetch_blob`'s checks, reading the blob ``part`` bytes at a time and keeping
+    none of them (``deltasync inspect`` only needs the digest)."""
+    where = f"version {manifest.version} blob {entry.key!r}"
+    try:
+        size = store.size(entry.key)
+        if size != entry.size:
+            raise _wrong_size(where, size, entry.size)
+        h = blob_hasher()
+        for start in range(0, size, part):
+            h.update(store.get_range(entry.key, start, min(part, size - start)))
+    except KeyNotFoundError:
+        raise MissingBlobError(
+            f"{where} is listed in the committed manifest but missing from the store "
+            "(deleted by retention or never uploaded); nothing was applied"
+        ) from None
+    if h.hexdigest() != entry.digest:
+        raise _wrong_digest(where, entry.digest)
+
+
+def _wrong_size(where: str, size: int, listed: int) -> FormatError:
+    cls = TruncatedBlobError if size < listed else FormatError
+    return cls(
+        f"{where} is {size} bytes but the manifest says {listed}: "
+        f"{'truncated' if size < listed else 'extended'} in storage or transit, or replaced "
+        "by another blob; nothing was applied"
+    )
+
+
+def _wrong_digest(where: str, listed: str) -> DigestMismatchError:
+    return DigestMismatchError(
+        f"{where} does not match the manifest's digest {listed}: corrupted, or replaced by "
+        "another blob (a replay or a racing publisher); nothing was applied"
+    )
 
 
 # What blob_bound allows beyond the elements: a record head (name, shape) per tensor, and

@@ -317,14 +317,18 @@ class Receiver:
             return
         self._ack_undecided = False
         if committed:
-            self._pending_ack = AckRecord(
-                version=self._state.version,
-                receiver=self.config.receiver_id,
-                shard=self.shard,
-                state_digest=self._state.state_digest,
-                created_at=time.time(),
-                run_id=self._state.run_id,
-            )
+            self._pending_ack = self._ack_of_held()
+
+    def _ack_of_held(self) -> AckRecord:
+        """An ack of the version the local state records, written now."""
+        return AckRecord(
+            version=self._state.version,
+            receiver=self.config.receiver_id,
+            shard=self.shard,
+            state_digest=self._state.state_digest,
+            created_at=time.time(),
+            run_id=self._state.run_id,
+        )
 
     def _still_committed(self) -> bool | None:
         """Is the held version committed in the store as this receiver holds it: a manifest
@@ -684,14 +688,7 @@ class Receiver:
         )
         self._set_state(run_id=head.run_id)
         self._ack_undecided = False
-        self._pending_ack = AckRecord(
-            version=head.version,
-            receiver=self.config.receiver_id,
-            shard=self.shard,
-            state_digest=self._state.state_digest,
-            created_at=time.time(),
-            run_id=head.run_id,
-        )
+        self._pending_ack = self._ack_of_held()
 
     def _check_layout(self, manifest: Manifest) -> None:
         """Refuse, before any fetch, a version built for another layout than this shard's."""
