@@ -526,6 +526,15 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     return out
 
 
+def _anchor_then_delta(setup: Setup) -> dict:
+    """The writer (rank 0): anchor 0, a training step, then what its sync of delta 1 raised."""
+    trainer = Trainer(setup, 0)
+    sender = trainer.sender(setup)
+    sender.sync(0, anchor=True)
+    trainer.step()
+    return _attempt(lambda: sender.sync(1))
+
+
 def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
     """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0; in delta 1 rank 2 stops (SIGSTOP)
     inside round 1 of the exchange, after marking its arrival, and is SIGKILLed ``stall_s``
@@ -536,11 +545,7 @@ def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        trainer = Trainer(setup, rank)
-        sender = trainer.sender(setup)
-        sender.sync(0, anchor=True)
-        trainer.step()
-        out["fault"] = _attempt(lambda: sender.sync(1))
+        out["fault"] = _anchor_then_delta(setup)
         return out
     receiver = corrupting_receiver(setup, rank)
     receiver.sync()
@@ -634,20 +639,10 @@ def run_receiver_late(rank: int, setup: Setup, late_s: float) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        trainer = Trainer(setup, rank)
-        sender = trainer.sender(setup)
-        sender.sync(0, anchor=True)
-        trainer.step()
-        out["fault"] = _attempt(lambda: sender.sync(1))
+        out["fault"] = _anchor_then_delta(setup)
         time.sleep(late_s)  # the trainer lives on: no connection closes under the receivers
         return out
-    receiver = ClusterReceiver(
-        empty_shard(setup, setup.plan().receiver(rank).shard),
-        plan=setup.plan(),
-        layout=receiver_layout(setup),
-        version=None,
-        config=setup.config(),
-    )
+    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
     receiver.sync()
     if rank == 2:
         time.sleep(late_s)

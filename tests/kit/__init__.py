@@ -150,6 +150,31 @@ def rconfig(receiver_id: str, **kwargs: object) -> ReceiverConfig:
 # ---------------------------------------------------------------------- trainers
 
 
+def anchored_bf16(store, *, seed: int):
+    """Random BF16 params of the tiny model, published to ``store`` as anchor 0 by a publisher
+    that sends deltas after it: (trainer layout, receiver layout, params, publisher)."""
+    from deltasync import Publisher, PublisherConfig
+
+    _, tl, rl = tiny_layouts()
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for n, s in tl.param_shapes().items()
+    }
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
+    pub.publish(0, [], params, anchor=True)
+    return tl, rl, params, pub
+
+
+def publish_edit(pub, params: dict[str, torch.Tensor], version: int, count: int) -> None:
+    """Add 1 to the first ``count`` elements of the first param and publish them as
+    ``version``."""
+    name = next(iter(params))
+    params[name].view(-1)[:count] += 1
+    idx = torch.arange(count, dtype=torch.int64)
+    pub.publish(version, [(name, idx, params[name].view(-1)[:count].clone())], params)
+
+
 class TinyTrainer:
     """fp32 master params with TrainerLayout names, AdamW(lr) on a masked quadratic loss.
     ``device`` holds params and optimizer state; the random draws are made on the CPU, so the

@@ -3,10 +3,9 @@ receiver must not go on reporting the version before it, which the tensors no lo
 
 from __future__ import annotations
 
-import torch
-from kit import assert_same_bits, rconfig, tiny_layouts
+from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
-from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync import MemoryStore, Receiver
 from deltasync.errors import LocalStateError
 from deltasync.receiver.journal import StateDir
 
@@ -18,22 +17,12 @@ def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_repla
 ):
     # It reported version 0, not dirty (so a vLLM worker's weight_version said 0) while its
     # tensors held version 1.
-    _, tl, rl = tiny_layouts()
-    gen = torch.Generator().manual_seed(3)
-    params = {
-        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-        for n, s in tl.param_shapes().items()
-    }
     store = MemoryStore()
-    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
-    pub.publish(0, [], params, anchor=True)
-    tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(SHARD).items()}
+    tl, rl, params, pub = anchored_bf16(store, seed=3)
+    tensors = zero_tensors(rl, SHARD)
     rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
     assert rec.pull().version == 0
-    name = next(iter(params))
-    params[name].view(-1)[:7] += 1
-    idx = torch.arange(7, dtype=torch.int64)
-    pub.publish(1, [(name, idx, params[name].view(-1)[:7].clone())], params)
+    publish_edit(pub, params, 1, 7)
     v1 = rl.split(tl.to_canonical(params))[SHARD]
 
     def fails(self, state):

@@ -5,10 +5,9 @@ retried by the next pull, or replayed by a receiver restarted meanwhile."""
 from __future__ import annotations
 
 import pytest
-import torch
-from kit import assert_same_bits, rconfig, tiny_layouts
+from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
-from deltasync import MemoryStore, Publisher, PublisherConfig, Receiver
+from deltasync import MemoryStore, Receiver
 from deltasync.commit import Catalog
 from deltasync.errors import ApplyError
 
@@ -32,27 +31,13 @@ class Copy:
 
 @pytest.fixture
 def published():
-    _, tl, rl = tiny_layouts()
-    gen = torch.Generator().manual_seed(5)
-    params = {
-        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-        for n, s in tl.param_shapes().items()
-    }
     store = MemoryStore()
-    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
-    pub.publish(0, [], params, anchor=True)
+    tl, rl, params, pub = anchored_bf16(store, seed=5)
     return store, pub, params, tl, rl
 
 
-def _next(pub, params, version: int) -> None:
-    name = next(iter(params))
-    params[name].view(-1)[:9] += 1
-    idx = torch.arange(9, dtype=torch.int64)
-    pub.publish(version, [(name, idx, params[name].view(-1)[:9].clone())], params)
-
-
 def _receiver(store, rl, tmp_path, copy):
-    tensors = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in rl.local_specs(SHARD).items()}
+    tensors = zero_tensors(rl, SHARD)
     state_dir = str(tmp_path / "rec")
     return Receiver.for_layout(store, rl, SHARD, tensors, state_dir, rconfig("rec"), persist=copy)
 
@@ -62,7 +47,7 @@ def test_a_failed_persist_records_nothing_and_the_next_pull_persists_then_acks(t
     copy = Copy()
     rec = _receiver(store, rl, tmp_path, copy)
     assert rec.pull().version == 0 and copy.version == 0
-    _next(pub, params, 1)
+    publish_edit(pub, params, 1, 9)
     catalog = Catalog(store)
     copy.full = True
     with pytest.raises(ApplyError, match=r"persisting version 1 failed .*reports version 0"):
@@ -75,7 +60,7 @@ def test_a_failed_persist_records_nothing_and_the_next_pull_persists_then_acks(t
         rec.pull()
     assert catalog.acks(1) == {}
     copy.full = False
-    _next(pub, params, 2)
+    publish_edit(pub, params, 2, 9)
     report = rec.pull()  # persists version 1, records it, then pulls on to 2
     assert report.version == 2 and copy.version == 2 and rec.version == 2
     assert set(catalog.acks(1)) == {"rec"} and set(catalog.acks(2)) == {"rec"}
@@ -90,7 +75,7 @@ def test_a_receiver_restarted_before_persisting_replays_the_version_and_persists
     copy = Copy()
     rec = _receiver(store, rl, tmp_path, copy)
     rec.pull()
-    _next(pub, params, 1)
+    publish_edit(pub, params, 1, 9)
     copy.full = True
     with pytest.raises(ApplyError):
         rec.pull()

@@ -205,6 +205,15 @@ def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, 
     return syncs, trainers
 
 
+def _delta_on_the_one_before(syncs, store, version: int) -> None:
+    """Every rank publishes ``version``, its own next version, and it commits on the one
+    before."""
+    assert [s.next_version() for s in syncs] == [version] * len(syncs)
+    reports = _everyone(lambda r: syncs[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert Catalog(store).manifest(version).base_version == version - 1
+
+
 def _everyone(call, world=WORLD) -> list:
     """``call(rank)`` on every rank at once (threads); each result or DeltaSyncError."""
     out: list = [None] * world
@@ -261,10 +270,7 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
     for v in (2, 3):
         for t in trainers:
             t.step()
-        assert [s.next_version() for s in syncs] == [v, v]
-        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
-        assert all(not isinstance(x, Exception) for x in reports), reports
-        assert Catalog(store).manifest(v).base_version == v - 1
+        _delta_on_the_one_before(syncs, store, v)
     for shard in ("tp0", "tp1"):
         rec, report = _fresh_pull(store, rl, tmp_path, shard)
         assert report.version == 3
@@ -344,10 +350,7 @@ def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_
         if v == 3:
             for t in trainers:
                 t.step()
-        assert [s.next_version() for s in syncs] == [v, v]
-        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
-        assert all(not isinstance(x, Exception) for x in reports), reports
-        assert Catalog(store).manifest(v).base_version == v - 1
+        _delta_on_the_one_before(syncs, store, v)
         every_receiver_holds(v)
 
 
