@@ -130,6 +130,32 @@ class _Signed:
             self.KIND, canonical_json(self._fields()), self.mac, signing_key, what=what
         )
 
+    @classmethod
+    def _parse_dated(
+        cls,
+        data: bytes | str,
+        *,
+        required: set[str],
+        optional: set[str],
+        dated: str,
+        signing_key: bytes | None,
+        now: float | None,
+        what: str,
+    ):
+        """An ack or a registration from JSON: fields checked, ``receiver``, ``shard`` and
+        ``run_id`` strings, the ``dated`` time not in the future (``now``: the reader's clock),
+        then the MAC with ``signing_key``."""
+        with parsing(what):
+            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
+            expect_fields(obj, what=what, required=required, optional=optional | {"mac"})
+            _strings(obj, ("receiver", "shard"), what=what)
+            if obj.get("run_id") is not None:
+                _strings(obj, ("run_id",), what=what)
+            record = cls(**obj)
+            _check_not_future(getattr(record, dated), what=f"{what} {dated}", now=now)
+        record.verify(signing_key, what=what)
+        return record
+
 
 @dataclass(frozen=True, kw_only=True)
 class WriterMarker(_Signed):
@@ -289,21 +315,15 @@ class AckRecord(_Signed):
     ) -> AckRecord:
         """Parse and validate (``now``: the reader's clock, for the future-date check); with
         ``signing_key``, also require a valid MAC."""
-        with parsing(what):
-            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
-            expect_fields(
-                obj,
-                what=what,
-                required={"version", "receiver", "shard", "state_digest", "created_at"},
-                optional={"run_id", "pause_s", "total_s", "mac"},
-            )
-            _strings(obj, ("receiver", "shard"), what=what)
-            if obj.get("run_id") is not None:
-                _strings(obj, ("run_id",), what=what)
-            ack = cls(**obj)
-            _check_not_future(ack.created_at, what=f"{what} created_at", now=now)
-        ack.verify(signing_key, what=what)
-        return ack
+        return cls._parse_dated(
+            data,
+            required={"version", "receiver", "shard", "state_digest", "created_at"},
+            optional={"run_id", "pause_s", "total_s"},
+            dated="created_at",
+            signing_key=signing_key,
+            now=now,
+            what=what,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,18 +399,12 @@ class ReceiverRecord(_Signed):
     ) -> ReceiverRecord:
         """Parse and validate (``now``: the reader's clock, for the future-date check); with
         ``signing_key``, also require a valid MAC."""
-        with parsing(what):
-            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
-            expect_fields(
-                obj,
-                what=what,
-                required={"receiver", "shard", "version", "updated_at"},
-                optional={"run_id", "mac"},
-            )
-            _strings(obj, ("receiver", "shard"), what=what)
-            if obj.get("run_id") is not None:
-                _strings(obj, ("run_id",), what=what)
-            rec = cls(**obj)
-            _check_not_future(rec.updated_at, what=f"{what} updated_at", now=now)
-        rec.verify(signing_key, what=what)
-        return rec
+        return cls._parse_dated(
+            data,
+            required={"receiver", "shard", "version", "updated_at"},
+            optional={"run_id"},
+            dated="updated_at",
+            signing_key=signing_key,
+            now=now,
+            what=what,
+        )
