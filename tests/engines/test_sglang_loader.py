@@ -283,6 +283,34 @@ def test_after_a_store_reset_the_same_version_number_is_pulled_not_answered_as_h
     assert take_version(model, _request(tmp_path, 2), tp_rank=0, tp=1) is None  # now held
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_update_weights_from_disk_the_held_version_is_restored_not_answered_as_held(
+    tmp_path, tp
+):
+    # SGLang's update_weights_from_disk loads a checkpoint into the same model object, so the
+    # shard and its receiver survive it: asked for the version it held before, a rank
+    # answered "already there" (success) while serving the checkpoint's weights. Here the
+    # version-0 checkpoint goes back into rank 0 only; every rank ends at version 2, exact.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
+    trainer.publish(0)
+    v0 = trainer.split()
+    models = _models(v0, tp)
+    for version in (1, 2):
+        trainer.step()
+        trainer.publish(version)
+        _take_all(models, _request(tmp_path, version))
+    with torch.no_grad():
+        for n, p in models[0].named_parameters():
+            p.copy_(v0["tp0"][n])
+    reports = _take_all(models, _request(tmp_path, 2))
+    assert reports[0] is not None and reports[0].version == 2 and reports[0].from_anchor
+    assert reports[1:] == [None] * (tp - 1)  # the other ranks still hold it
+    split = trainer.split()
+    for r, model in enumerate(models):
+        assert _same(model, split[f"tp{r}"]), r
+    assert _take_all(models, _request(tmp_path, 2)) == [None] * tp  # held now
+
+
 def test_a_version_one_rank_refuses_is_taken_by_no_rank_and_every_rank_raises(tmp_path):
     # Only tp1's blob is corrupted. Rank 0 took the version and answered success (the answer
     # SGLang returns to the caller, recording the new weight version) while rank 1 stayed at

@@ -202,3 +202,45 @@ def test_a_tied_lm_head_packed_from_a_packed_embedding_computes_with_each_versio
         expected = trainer.split()["tp0"]["model.embed_tokens.weight"]
         assert bits_equal(model.lm_head.served_weight(), expected), version
         assert bits_equal(model.model.embed_tokens.weight.data, expected), version
+
+
+def _reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """What vLLM's ``reload_weights`` does: each parameter's values replaced in its own
+    storage, then every linear layer's post-load processing run again (a packing kernel
+    copies the new weight into a buffer of its own)."""
+    with torch.no_grad():
+        for name, t in tensors.items():
+            layer = model.get_submodule(name.rpartition(".")[0])
+            if isinstance(layer, FakeLinear) and layer.weight.numel() == 0:
+                layer.weight = torch.nn.Parameter(t.to(layer.weight.dtype), requires_grad=False)
+            else:
+                dict(model.named_parameters())[name].data.copy_(t)
+    for module in model.modules():
+        if isinstance(module, FakeLinear):
+            module.process_weights_after_loading(module)
+
+
+@pytest.mark.parametrize("packs, dtype", [(True, None), (False, torch.float32)])
+def test_weights_the_engine_reloaded_are_found_and_restored_not_trusted(tmp_path, packs, dtype):
+    # The BF16 masters still hash to the version held after the engine's own loader put other
+    # weights into what it computes with: only the engine side tells. The shard names what
+    # drifted, the receiver stops holding the version, and the next pull restores it.
+    synced = _sync(tmp_path, packs=packs, dtype=dtype, versions=1)
+    split0 = next(synced)[1]
+    _, split, ranks, _ = next(synced)
+    model, shard, receiver, touched = ranks[0]
+    assert shard.path == "repack" and shard.drifted() == []
+    _reload(model, split0["tp0"])
+    drifted = shard.drifted()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in drifted
+    if dtype is torch.float32:  # every target a master: they alone say it holds the version
+        assert receiver.scrub()
+    receiver.invalidate("reloaded by the engine's own loader")
+    assert receiver.dirty
+    touched.clear()
+    report = receiver.pull()
+    shard.refresh(touched)
+    assert report.version == 1 and report.from_anchor
+    assert shard.drifted() == []
+    for name in shard.targets:
+        assert bits_equal(_served(model, name), split["tp0"][name].to(_served(model, name).dtype))

@@ -56,6 +56,22 @@ def test_scrub_keeps_a_held_state_and_drops_a_drifted_one(rig):
 
 
 @pytest.mark.timeout(60)
+def test_invalidate_drops_a_version_the_tensors_still_hash_to_and_a_restart_holds_nothing(rig):
+    # The caller knows better than the hash (an engine that reloaded the weights it computes
+    # with from elsewhere): no record names the version any more, durably.
+    rig.check(rig.rec.pull())
+    assert rig.rec.scrub()  # the tensors hash to version 2
+    rig.rec.invalidate("reloaded by the engine's own loader")
+    assert rig.rec.dirty
+    assert Catalog(rig.store).receivers()["rec"].version is None
+    restarted = rig.receiver()  # the same state dir
+    assert restarted.dirty
+    report = restarted.pull()  # the head has not moved: restored from the newest anchor
+    assert report.from_anchor and report.chain == (0, 1, 2)
+    rig.check(report)
+
+
+@pytest.mark.timeout(60)
 def test_scrub_of_a_receiver_holding_nothing_hashes_nothing(rig, monkeypatch):
     from deltasync.receiver import store_receiver
 

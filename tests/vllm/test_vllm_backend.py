@@ -62,6 +62,7 @@ def run(request, tmp_path_factory):
         config=CONFIG,
         apply_fail_check=True,
         reinit_check=True,
+        foreign_reload_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -139,6 +140,29 @@ def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_no
         # what vLLM computes with (non-empty parameters: packed kernels keep theirs apart)
         served = {n: t.to(torch.bfloat16) for n, t in live.items() if t.numel()}
         assert served and same_bits(served, {n: split[n] for n in served}) == [], state["shard"]
+
+
+def test_weights_reloaded_by_vllms_own_loader_are_restored_not_reported_as_held(run):
+    """vLLM's ``reload_weights`` put the version-0 checkpoint back into the engine. The
+    version the workers held was then asked for again: it was answered as held, a success
+    naming weights the engine no longer served (float32: the BF16 masters still hashed to
+    it; a re-init trusted them too). Each time the workers restore it, bit for bit."""
+    synced = run["synced"]
+    held = synced["foreign_held"]
+    assert synced["foreign_gen_reloaded"] != synced["foreign_gen_before"]  # it did reload
+    assert synced["foreign_after_reinit"] == [None]  # a re-init no longer trusts them
+    for when in ("after_send", "after_resend"):
+        states, lives = synced[f"foreign_{when}"], synced[f"foreign_live_{when}"]
+        for state, live in zip(states, lives, strict=True):
+            split = synced["foreign_splits"][state["shard"]]
+            assert state["weight_version"] == held, when
+            assert same_bits(state["tensors"], split) == [], (when, state["shard"])
+            # what vLLM computes with, widened from BF16 exactly (packed kernels: empty)
+            served = {n: t for n, t in live.items() if t.numel()}
+            widened = {n: split[n].to(t.dtype) for n, t in served.items()}
+            assert served and same_bits(served, widened) == [], (when, state["shard"])
+        assert synced[f"foreign_gen_{when}"] == synced["foreign_gen_before"], when
+    assert synced["foreign_version_api"] == str(held)
 
 
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):

@@ -348,6 +348,30 @@ def synced(spec: dict) -> dict:
         out["after_reinit_states"] = llm.collective_rpc(worker_state)
         out["after_reinit_live"] = llm.collective_rpc(live_tensors)
         out["after_reinit_splits"] = layout.split(canonical())
+    if spec.get("foreign_reload_check"):
+        # vLLM's own loader puts the version-0 checkpoint back: the engine no longer computes
+        # with the version its workers took. Asked for that version again, and again after a
+        # trainer restart (a re-init), every worker restores it instead of answering "held".
+        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        out["foreign_held"] = held
+        out["foreign_gen_before"] = generate(llm, prompts, max_tokens)
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+        out["foreign_gen_reloaded"] = generate(llm, prompts, max_tokens)
+        engine.send_weights(held)
+        out["foreign_after_send"] = llm.collective_rpc(worker_state)
+        out["foreign_live_after_send"] = llm.collective_rpc(live_tensors)
+        out["foreign_gen_after_send"] = generate(llm, prompts, max_tokens)
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+        engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
+        out["foreign_after_reinit"] = [
+            s["weight_version"] for s in llm.collective_rpc(worker_state)
+        ]
+        engine.send_weights(held)
+        out["foreign_after_resend"] = llm.collective_rpc(worker_state)
+        out["foreign_live_after_resend"] = llm.collective_rpc(live_tensors)
+        out["foreign_gen_after_resend"] = generate(llm, prompts, max_tokens)
+        out["foreign_version_api"] = llm.get_weight_version()
+        out["foreign_splits"] = layout.split(canonical())
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes

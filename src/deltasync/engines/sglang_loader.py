@@ -318,17 +318,22 @@ class SglangShard:
 
     def _holds(self, receiver: Receiver, version: int) -> bool:
         """Does the rank verifiably hold ``version`` as the store commits it now: the same
-        number, this shard's state digest and lineage in the manifest read afresh? After a
-        store reset (a new lineage) the same number names other weights, which a rank still
-        holding the old ones must pull, not answer as taken."""
+        number, this shard's state digest and lineage in the manifest read afresh, and the
+        live tensors hashing to it? After a store reset (a new lineage) the same number names
+        other weights, which a rank still holding the old ones must pull, not answer as
+        taken; after ``update_weights_from_disk`` (SGLang loads into the same model, so this
+        shard and its receiver live on) the tensors hold the checkpoint's weights, and the
+        scrub that finds it marks the receiver dirty, so the pull restores the version."""
         if receiver.dirty or receiver.version != version:
             return False
         try:
             manifest = receiver.catalog.manifest(version, fresh=True)
         except DeltaSyncError:  # not committed (any more), or unreadable: pull decides
             return False
-        return manifest.shard_digests.get(self.shard) == receiver.state_digest and (
-            receiver.run_id in (None, manifest.run_id)
+        return (
+            manifest.shard_digests.get(self.shard) == receiver.state_digest
+            and receiver.run_id in (None, manifest.run_id)
+            and receiver.scrub()
         )
 
 

@@ -252,9 +252,21 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def _build(self, init_info: DeltaSyncInitInfo, place: ShardPlace) -> tuple[VllmShard, Receiver]:
         """This worker's shard and its receiver, replacing nothing yet. The shard this worker
-        has is kept when it was built alike (a restarted trainer): its BF16 masters hold the
-        packed kernels' values, which a new shard could not read back from them."""
-        if self.shard is not None and self._shard_key == (init_info.layout, init_info.path, place):
+        has is kept when it was built alike (a restarted trainer) and the engine still
+        computes with what it last wrote: its BF16 masters hold the packed kernels' values,
+        which a new shard could not read back from them. When something else wrote the
+        engine's weights meanwhile (vLLM's ``reload_weights``), a new shard is built from the
+        engine as it is, and its receiver holds no version until an update restores one."""
+        same = self._shard_key == (init_info.layout, init_info.path, place)
+        drifted = self.shard.drifted() if self.shard is not None and same else []
+        if drifted:
+            log.warning(
+                "deltasync shard %s: the engine no longer computes with the weights it last "
+                "took (%s, ...: reloaded by something else); building the shard anew",
+                self.shard.shard,
+                ", ".join(drifted[:3]),
+            )
+        if self.shard is not None and same and not drifted:
             shard = self.shard
         else:
             eager = bool(getattr(self.model_config, "enforce_eager", False))
@@ -469,9 +481,27 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     ) -> PullReport:
         # One pull at a time per worker: the apply call joins a staged thread before it pulls.
         # Exactly ``version``, even if a newer one commits while it is staged.
+        self._check_engine(receiver, version)
         self._gate = gate
         self._touched.clear()
         return receiver.pull(version=version)
+
+    def _check_engine(self, receiver: Receiver, version: int) -> None:
+        """Before a pull trusts the version held: the engine still computes with it. Weights
+        written by something else (vLLM's ``reload_weights``) leave BF16 masters that still
+        hash to it (:meth:`VllmShard.drifted` looks at the engine side) and, asked for the
+        version held, a receiver that would answer "nothing new" without reading a tensor (a
+        scrub hashes them). Either way the receiver stops holding it and the pull restores
+        the newest anchor, then the chain to ``version``."""
+        drifted = self.shard.drifted()
+        if drifted:
+            receiver.invalidate(
+                f"the engine no longer computes with the weights of {', '.join(drifted[:3])}"
+                f"{', ...' if len(drifted) > 3 else ''} as last written (reloaded by something "
+                "else)"
+            )
+        elif receiver.version == version and not receiver.dirty:
+            receiver.scrub()
 
     def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
         staged = _StagedPull(version)

@@ -30,6 +30,13 @@ Where a write lands (:attr:`VllmShard.path`):
 Which linear layers are packed is measured, not assumed (:func:`kernel_reads_weight`). A packed CPU
 engine must run with ``enforce_eager=True``: a compiled graph keeps the kernel it captured.
 
+The masters are the receiver's record of what the engine computes with, so anything else that
+writes the engine's weights (vLLM's own ``reload_weights``, which re-runs the post-load
+processing of every layer) makes them stale while they still hash to the version held.
+:meth:`VllmShard.drifted` finds that before an update or a re-init trusts them: a packed layer
+whose kernel is not the one the shard last built, an engine tensor whose values differ from
+its master, an expert parameter whose bytes differ from those the shard last prepacked.
+
 This module imports vLLM only inside functions that run in a worker. It knows the model's
 modules and the receiver layout; nothing about stores, versions or the weight-transfer API.
 """
@@ -45,6 +52,7 @@ import torch
 
 from deltasync import ModelSpec, ReceiverLayout
 from deltasync.errors import ConfigError
+from deltasync.layout.digest import tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +165,10 @@ class VllmShard:
         self._mirrors = {}
         # local name -> (the expert parameter vLLM's CPU MoE kernel reads, its prepack ISA)
         self._moe: dict[str, tuple[torch.Tensor, str]] = {}
+        # local name -> the bytes' digest of its expert parameter as last prepacked here
+        self._moe_digests: dict[str, bytes] = {}
+        # id(layer) -> (layer, the packed kernel it computes with, as built or last rebuilt)
+        self._kernels: dict[int, tuple[torch.nn.Module, Any]] = {}
         self._lost = False
         for name, spec in self.specs.items():
             p = live[name].data
@@ -206,6 +218,8 @@ class VllmShard:
             self._mirrors[name] = (p if p.numel() else None, p.dtype, [layer] if packed else [])
         self._tied: dict[str, list[torch.nn.Module]] = {}
         self._add_tied_kernels(model)
+        for layer in self._packed_layers():
+            self._kernels[id(layer)] = (layer, layer.cpu_linear)
         if path == "auto":
             path = "repack" if self._mirrors or self._moe else "inplace"
         if path == "inplace" and (self._mirrors or self._moe):
@@ -274,6 +288,36 @@ class VllmShard:
         holds no version until a full one (an anchor) is written."""
         return self._lost
 
+    def _packed_layers(self) -> Iterable[torch.nn.Module]:
+        for _, _, layers in self._mirrors.values():
+            yield from layers
+        for layers in self._tied.values():
+            yield from layers
+
+    def drifted(self) -> list[str]:
+        """Targets whose engine side no longer holds what this shard last wrote there: a
+        packed layer computing with a kernel this shard did not build, an engine tensor that
+        differs from its BF16 master, an expert parameter whose bytes changed since this
+        shard prepacked it. Empty on the in-place path (the receiver hashes the very tensors
+        the engine computes with). Reads every mirrored engine tensor that keeps values,
+        a chunk at a time; the rest is O(layers)."""
+        out = set()
+        for name, (engine_tensor, _, layers) in self._mirrors.items():
+            if self._rebuilt_elsewhere(layers) or (
+                engine_tensor is not None and not _holds(engine_tensor, self.targets[name])
+            ):
+                out.add(name)
+        out.update(name for name, layers in self._tied.items() if self._rebuilt_elsewhere(layers))
+        for name, (param, _) in self._moe.items():
+            seen = self._moe_digests.get(name)
+            if seen is not None and tensor_digest(param) != seen:
+                out.add(name)
+        return sorted(out)
+
+    def _rebuilt_elsewhere(self, layers: list[torch.nn.Module]) -> bool:
+        """Whether a packed layer computes with a kernel this shard did not build."""
+        return any(self._kernels[id(layer)][1] is not layer.cpu_linear for layer in layers)
+
     def refresh(self, names: Iterable[str]) -> int:
         """Bring the engine's tensors and kernels up to date with the masters in ``names``:
         widen into the engine tensor, and re-run vLLM's post-load processing for packed
@@ -285,6 +329,7 @@ class VllmShard:
                     param, isa = self._moe[name]
                     # vLLM's own prepack (cpu_prepack_moe_weight), into the parameter's storage
                     torch.ops._C.prepack_moe_weight(self.targets[name].contiguous(), param, isa)
+                    self._moe_digests[name] = tensor_digest(param)
                     done += 1
                 if name in self._mirrors:
                     engine_tensor, dtype, layers = self._mirrors[name]
@@ -294,10 +339,12 @@ class VllmShard:
                     for layer in layers:
                         weight = engine_tensor if engine_tensor is not None else master.to(dtype)
                         _repack(layer, weight)
+                        self._kernels[id(layer)] = (layer, layer.cpu_linear)
                     done += 1
                 # after the engine tensor holds the new values: tied kernels pack from it
                 for layer in self._tied.get(name, ()):
                     _repack(layer, layer.weight)
+                    self._kernels[id(layer)] = (layer, layer.cpu_linear)
                     done += 1
         return done
 
@@ -331,6 +378,21 @@ def _moe_prepack_isa(layer: torch.nn.Module, engine_name: str) -> str | None:
     if getattr(experts, "_use_zentorch", False):
         return None
     return experts.isa
+
+
+_COMPARE_ELEMENTS = 1 << 20  # a chunk of :func:`_holds`: 4 MiB of a float32 engine tensor
+
+
+def _holds(engine_tensor: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether ``engine_tensor`` holds exactly ``master``'s BF16 values, widened to its
+    dtype (the master widened a chunk at a time: narrowing the engine's values instead would
+    round away a difference)."""
+    flat, want = engine_tensor.reshape(-1), master.reshape(-1)
+    for lo in range(0, flat.numel(), _COMPARE_ELEMENTS):
+        hi = lo + _COMPARE_ELEMENTS
+        if not torch.equal(flat[lo:hi], want[lo:hi].to(flat.dtype)):
+            return False
+    return True
 
 
 def _is_packed(layer: torch.nn.Module, p: torch.Tensor) -> bool:

@@ -455,18 +455,36 @@ class Receiver:
             return False
         if state_digest(self.tensors) == held[1]:
             return True
+        self.invalidate(
+            f"the live tensors no longer hash to version {held[0]} (written by something else "
+            "since it was verified)"
+        )
+        return False
+
+    def invalidate(self, why: str) -> None:
+        """Stop holding the verified version: the caller knows the weights the engine computes
+        with are no longer it (``why``: a reload by the engine's own loader, kernels rebuilt
+        from other weights), though the tensors this receiver writes may still hash to it.
+
+        The state is marked dirty (durably: a receiver restarted on this state dir holds
+        nothing either), the registration says no version, an ack still owed is dropped, a
+        warning names the receiver, shard, version and ``why``, and the next pull restores
+        the newest anchor. Nothing verified held: nothing changes. Not to be called while a
+        pull runs."""
+        held = self._held()
+        if held is None:
+            return
         log.warning(
-            "receiver %r shard %r: the live tensors no longer hash to version %d (written by "
-            "something else since it was verified); marked dirty, the next pull restores the "
+            "receiver %r shard %r: %s; version %d marked dirty, the next pull restores the "
             "newest anchor",
             self.config.receiver_id,
             self.shard,
+            why,
             held[0],
         )
         self._set_state(dirty=True)
         self._pending_ack = None
         self._register_as(self._state)
-        return False
 
     def _scrub_due(self) -> bool:
         """Count a pull that found nothing new; True on every ``scrub_every``-th."""
