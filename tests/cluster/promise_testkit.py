@@ -37,7 +37,17 @@ from deltasync.exchange import init_from_env
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.trainer import AdamWTracker, SnapshotTracker
 
-from cluster_testkit import TINY, CorruptingReceiver
+from cluster_testkit import (
+    TINY,
+    CorruptingReceiver,
+    Setup,
+    Trainer,
+    broadcast_truth,
+    empty_shard,
+    expected_shard,
+    mismatched,
+    receiver_layout,
+)
 
 
 def outcome(call) -> dict:
@@ -430,6 +440,22 @@ def run_failure(rank: int, victim: int, how: str, timeout_s: float, standby: int
 # ---------------------------------------------------------------------- a slow rank in the commit
 
 
+def _stall_before_joint_commit(module, stall_s: float) -> None:
+    """The next joint commit ``module`` (the sender's or the receiver's) enters starts with
+    this process stopped (SIGSTOP) for ``stall_s``, as a GC pause or a slow host would; it is
+    continued from outside, since a stopped process runs no timer."""
+    real = module.joint_commit
+
+    def stall(*args, **kwargs):
+        module.joint_commit = real
+        pid = os.getpid()
+        subprocess.Popen(["sh", "-c", f"sleep {stall_s}; kill -CONT {pid}"], start_new_session=True)
+        os.kill(pid, signal.SIGSTOP)
+        return real(*args, **kwargs)
+
+    module.joint_commit = stall
+
+
 def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
     """Ranks 0 (writer), 1, 2 (TP=2 receivers). Anchor 0 and delta 1 commit; in delta 2 rank 2
     is stopped (SIGSTOP) just before the joint commit for ``stall_s`` > ``commit_timeout_s``,
@@ -485,17 +511,7 @@ def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
     step()
     step()
     if rank == 2:
-        real = cluster_receiver.joint_commit
-
-        def stall(*args, **kwargs):
-            cluster_receiver.joint_commit = real
-            pid = os.getpid()
-            cont = f"sleep {stall_s}; kill -CONT {pid}"
-            subprocess.Popen(["sh", "-c", cont], start_new_session=True)
-            os.kill(pid, signal.SIGSTOP)
-            return real(*args, **kwargs)
-
-        cluster_receiver.joint_commit = stall
+        _stall_before_joint_commit(cluster_receiver, stall_s)
     step()
     dist.destroy_process_group()
     join("group2")
@@ -506,4 +522,71 @@ def run_slow_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
     bits = share_truth(None, tl)
     out["exact"] = exact(receiver.tensors, bits, tl, rl, shard)
     out["version"] = receiver.version
+    return out
+
+
+def run_late_writer_in_commit(rank: int, stall_s: float, timeout_s: float) -> dict:
+    """Ranks 0, 1 (FSDP writers, snapshot trackers over their dim-0 halves), 2 (a TP=1
+    receiver), digests on. Anchor 0 and delta 1 commit; in delta 2 writer 1 is stopped just
+    before the joint commit for ``stall_s`` > ``commit_timeout_s``, then continues: writer 0 and
+    the receiver give up without a verdict, writer 1 completes the all_gather from their rows
+    and gets the abort for lateness. Every rank then re-forms the group, the trainers take one
+    more step and every rank follows the recovery recipe (``sync()``; if that is refused,
+    ``sync(anchor=True)`` on the writers and ``sync()`` on the receiver), two rounds at most.
+    Every rank reports each step and its version; the receiver whether it holds the trainer's
+    bits at the end."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
+    setup = Setup(num_writers=2, tp=1, tracker="snapshot", digest_every=1, timeout_s=timeout_s)
+    out: dict = {"rank": rank, "steps": []}
+    _join_group(store, "group1", rank)
+    if rank < 2:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        out["steps"].append(outcome(lambda: sender.sync(0, anchor=True)))
+        trainer.step()
+        out["steps"].append(outcome(lambda: sender.sync(1)))
+        trainer.step()
+        if rank == 1:
+            _stall_before_joint_commit(cluster_sender, stall_s)
+        out["steps"].append(outcome(lambda: sender.sync(2)))
+        dist.destroy_process_group()
+        _join_group(store, "group2", rank)
+        sender.use_group(dist.group.WORLD)
+        trainer.step()
+        for _ in range(2):
+            out["steps"].append(outcome(sender.sync))
+            if out["steps"][-1]["error"] is None:
+                break
+            out["steps"].append(outcome(lambda: sender.sync(anchor=True)))
+            if out["steps"][-1]["error"] is None:
+                break
+        out["version"] = sender.version
+        broadcast_truth(trainer.canonical_bits() if rank == 0 else None)
+        return out
+    shard = setup.plan().receiver(rank).shard
+    receiver = ClusterReceiver(
+        empty_shard(setup, shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    for _ in range(3):
+        out["steps"].append(outcome(receiver.sync))
+    dist.destroy_process_group()
+    _join_group(store, "group2", rank)
+    receiver.use_group(dist.group.WORLD)
+    for _ in range(4):  # as many as the writers' calls: each ends the same on every rank
+        out["steps"].append(outcome(receiver.sync))
+        if out["steps"][-1]["error"] is None:
+            break
+    out["version"] = receiver.version
+    bits = broadcast_truth(None)
+    out["exact"] = not mismatched(receiver.tensors, expected_shard(bits, setup, shard))
     return out

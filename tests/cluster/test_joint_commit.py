@@ -110,6 +110,7 @@ def test_any_failure_or_disagreement_aborts_naming_the_rank(name: str) -> None:
     assert text in verdict.message
     assert verdict.message.startswith("joint commit of version 5 aborted, nothing committed")
     assert verdict.anchor_required is anchor
+    assert not verdict.unsettled  # every rank got this verdict: the number may be sent again
 
 
 def test_a_row_from_another_protocol_step_is_an_exchange_error() -> None:
@@ -148,6 +149,8 @@ def test_a_receiver_that_came_after_a_writer_stopped_waiting_does_not_commit_alo
     stamped[:, PATIENCE] = 2000
     verdict = judge(decode_commit_rows(stamped), PLAN)
     assert not verdict.ok and not verdict.anchor_required  # the retry covers the applied attempt
+    # The writer that gave up retires version 5's number: so must every writer with this verdict.
+    assert verdict.unsettled
     assert list(verdict.failures) == [0]
     assert "rank 5 arrived (3.5 s after it)" in verdict.message
     stamped[5, ARRIVED] = 1000 + 2000 + 900  # within the clocks' allowance: a commit

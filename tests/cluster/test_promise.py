@@ -10,6 +10,7 @@ from promise_testkit import (
     FAULT_AFTER_S,
     RetrySetup,
     run_failure,
+    run_late_writer_in_commit,
     run_preflight,
     run_retry,
     run_slow_commit,
@@ -158,3 +159,22 @@ def test_a_version_a_slow_receiver_committed_alone_is_never_sent_again_as_anothe
             states.setdefault(version, set()).add(digest)
         assert all(len(d) == 1 for d in states.values()), (r["rank"], r["seen"])
         assert r["exact"] and r["version"] == writer["version"], r
+
+
+@pytest.mark.timeout(200)
+def test_two_writers_split_by_a_late_writer_in_the_commit_converge_by_the_recovery_recipe() -> None:
+    # Writer 1 stalls past the commit timeout before its commit row. Writer 0 and the receiver
+    # give up without a verdict, so writer 0 never sends version 2 again; writer 1, continuing,
+    # completes the all_gather and gets the abort for lateness. It must retire version 2 too:
+    # otherwise its sync() picks 2 and writer 0's picks 3, and every preflight of the recipe
+    # refuses the pair ("the writers send different versions"), anchors included.
+    writer, late, receiver = spawn(run_late_writer_in_commit, 3, 6.0, 2.0, timeout_s=150)
+    assert writer["steps"][2]["error"] == "ExchangeTimeoutError", writer["steps"][2]
+    assert receiver["steps"][2]["error"] == "ExchangeTimeoutError", receiver["steps"][2]
+    stalled = late["steps"][2]
+    assert stalled["error"] == "SyncAbortedError" and "stopped waiting" in stalled["message"]
+    for r in (writer, late, receiver):
+        assert [s["error"] for s in r["steps"][3:]] == [None], (r["rank"], r["steps"][3:])
+        assert r["version"] == 3
+    assert receiver["exact"]
+    assert "version 2 is not sent again (sync() picks 3)" in stalled["message"]

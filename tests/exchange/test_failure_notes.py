@@ -1,12 +1,18 @@
 """Failure notes read from the group's store (``exchange.notes``): whom a survivor names, and
-which marks a rank leaves there. The other ranks' notes are written into the one-rank group's
-store by hand, as they would have left them."""
+which marks a rank leaves there, and how long it looks. The other ranks' notes are written into
+the one-rank group's store by hand, as they would have left them; the time the notes module sees
+is a fake clock, so how long a survivor waits is counted, not timed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
+import pytest
 from kit import one_rank_mesh
 
-from deltasync.exchange.notes import FailureNotes, NoteLedger, group_store
+from deltasync.exchange import notes as notes_module
+from deltasync.exchange.notes import GRACE_S, FailureNotes, NoteLedger, group_store
 
 
 def test_a_streamed_versions_part_names_the_rank_that_stalled_in_an_earlier_part() -> None:
@@ -55,3 +61,78 @@ def test_a_rank_keeps_only_the_marks_of_the_attempt_it_runs() -> None:
         enter("a4", "x1", "x2", "commit")
         ledger.settle(None, 0)
         assert _marks(store) == ["a4-x1/in/0", "a4-x2/in/0", "a4-commit/in/0"]
+
+
+class FakeClock:
+    """Stands in for the ``time`` module in ``exchange.notes``: ``sleep`` moves ``monotonic``
+    on at once and then writes what a peer had left in the store by then (a late note)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due: list[tuple[float, Callable[[], None]]] = []
+
+    def at(self, t: float, write: Callable[[], None]) -> None:
+        self._due.append((t, write))
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        for due in [d for d in self._due if d[0] <= self.now]:
+            self._due.remove(due)
+            due[1]()
+
+
+# Rank 0 of 3 failed a wait with ``suspect`` and reads the notes under the tag "t" (a joint
+# commit after the exchange "t-x1"). Each mark: (seconds after rank 0's wait failed, key, value).
+# -> the rank it must name, and text its trail must hold.
+GRACE_CASES = {
+    "a rank that never arrived": (
+        None,
+        [(0.0, "t/in/0", "1"), (0.0, "t/in/1", "1"), (0.1, "t/fail/1", "-1|commit timed out")],
+        2,
+        [],
+    ),
+    "a rank stopped inside the collective, a peer's note late": (
+        None,
+        [(0.0, f"t/in/{r}", "1") for r in range(3)] + [(0.3, "t/fail/1", "-1|commit timed out")],
+        2,
+        [],
+    ),
+    "a chain whose middle note comes late": (
+        1,
+        [(0.3, "t/fail/1", "2|receive from rank 2 timed out")],
+        2,
+        ["rank 1 reported: receive from rank 2 timed out"],
+    ),
+    "two never arrived, one failed alive in the exchange before, its note late": (
+        None,
+        [(0.0, "t/in/0", "1"), (0.3, "t-x1/fail/1", "2|send to rank 2 timed out")],
+        2,
+        ["rank 1 reported: send to rank 2 timed out"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GRACE_CASES))
+def test_a_survivor_names_the_culprit_within_one_grace_in_all(name: str, monkeypatch) -> None:
+    # docs/cluster.md: every survivor raises within its timeout plus one 0.5 s grace. Waiting
+    # for the arrivals and then for the note of the rank that never arrived, or for each note
+    # of a chain, one grace each, took up to twice that; a note left within the grace still
+    # counts (each of these cases has one come late).
+    suspect, marks, named, trail = GRACE_CASES[name]
+    clock = FakeClock()
+    monkeypatch.setattr(notes_module, "time", clock)
+    with one_rank_mesh():
+        store = group_store(None)
+        for at, key, value in marks:
+            write = partial(store.set, f"deltasync/{key}", value)
+            if at == 0.0:
+                write()
+            else:
+                clock.at(at, write)
+        notes = FailureNotes(None, tag="t", rank=0, world=3, earlier=["t-x1"])
+        notes.post(suspect, "this rank's wait failed")
+        assert notes.culprit(suspect) == (named, trail)
+    assert clock.now <= GRACE_S + 0.05, f"waited {clock.now:.2f} s for notes"

@@ -233,6 +233,8 @@ class ClusterSender:
         # The newest version whose joint commit ended here without a verdict: other ranks may
         # have completed it from the rows already sent and committed it, so its number is
         # never sent again (another state under it would be two states under one number).
+        # Also one aborted for lateness (``Verdict.unsettled``): a rank that gave up on it
+        # retired the number, so every writer does, and all number the retry alike.
         self._unsettled: int | None = None
         self._notes = NoteLedger()  # this rank's arrival marks in the group's store
         self.last_report: SendReport | None = None  # of the newest version settled by wait()
@@ -501,8 +503,8 @@ class ClusterSender:
         if self._unsettled is not None and version <= self._unsettled:
             raise VersionError(
                 f"version {version} cannot be sent: the joint commit of version "
-                f"{self._unsettled} ended on this writer without a verdict (a rank died or "
-                "timed out in it), and the ranks that completed it may have committed it; send "
+                f"{self._unsettled} did not settle on this writer (a rank died or timed out in "
+                "it), and the ranks that completed it may have committed it; send "
                 f"version {self._unsettled + 1} or later (sync() without a version picks it)"
             )
         if anchor:
@@ -609,6 +611,10 @@ class ClusterSender:
             anchor = True
         return version, anchor
 
+    def _retire(self, version: int) -> None:
+        """Never send ``version``'s number again: its joint commit did not settle here."""
+        self._unsettled = max(version, -1 if self._unsettled is None else self._unsettled)
+
     def _send(
         self,
         version: int,
@@ -713,12 +719,19 @@ class ClusterSender:
         except ExchangeError:
             # No verdict here; a late rank may still complete the all_gather from the rows
             # already sent and commit (a stalled receiver does).
-            self._unsettled = max(version, -1 if self._unsettled is None else self._unsettled)
+            self._retire(version)
             raise
         commit_s = time.perf_counter() - t
         if not verdict.ok:
+            message = verdict.message
+            if verdict.unsettled:
+                # A rank stopped waiting before this one arrived: if it is a writer, it retired
+                # the number above. Every writer holding this verdict retires it as well, so
+                # the writers' next sync() numbers the retry alike.
+                self._retire(version)
+                message += f"; version {version} is not sent again (sync() picks {version + 1})"
             raise SyncAbortedError(
-                verdict.message, failures=verdict.failures, anchor_required=verdict.anchor_required
+                message, failures=verdict.failures, anchor_required=verdict.anchor_required
             )
         # Every receiver holds the version: only now may the baseline move (an overlapped
         # version's tracker moved at its capture; its carry is dropped here).

@@ -22,6 +22,8 @@ A rank that arrives after another rank stopped waiting (a receiver whose verify 
 longer than ``commit_timeout_s``) completes the gather with the row that rank sent, but that
 rank raised and commits nothing: the verdict is then an abort on every rank that has the rows,
 so the late rank does not commit alone (its journal keeps the attempt, which the retry covers).
+Such a verdict is ``unsettled``: a writer that raised there retires the version's number, so
+every writer holding the verdict retires it too, and all of them number the retry alike.
 
 :func:`judge` is a pure function of the gathered rows and the role plan, so every rank reaches
 the same verdict: commit, or abort with the same message naming every failed rank. Beyond the
@@ -145,10 +147,18 @@ def decode_commit_rows(rows: torch.Tensor) -> list[CommitRow]:
 
 @dataclass(frozen=True)
 class Verdict:
+    """What every rank that gathered the rows decides.
+
+    unsettled: the abort is for lateness (some rank had stopped waiting before the last one
+    arrived). That rank raised without a verdict, and a writer that does so never sends the
+    version's number again; a writer holding this verdict must retire it too, or the writers
+    pick different numbers for the retry and every preflight refuses it."""
+
     ok: bool
     message: str
     failures: dict[int, str]
     anchor_required: bool
+    unsettled: bool = False
 
 
 def _show(v: int) -> str:
@@ -180,6 +190,7 @@ def judge(votes: Sequence[CommitRow], plan: RolePlan) -> Verdict:
         message=f"joint commit of {what} aborted, nothing committed: {lines}",
         failures=failures,
         anchor_required=any(a.anchor_required for a in votes),
+        unsettled=gone is not None,
     )
 
 

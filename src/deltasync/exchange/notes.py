@@ -54,7 +54,7 @@ from deltasync.errors import ExchangeError, ExchangeTimeoutError
 log = logging.getLogger(__name__)
 
 _TEXT_LIMIT = 2000
-GRACE_S = 0.5  # how long a failing rank waits for its suspect's note before blaming it
+GRACE_S = 0.5  # how long in all a failing rank polls arrivals and notes before blaming
 _TIMEOUT_WORDS = ("timed out", "timeout")
 _CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
@@ -190,26 +190,27 @@ class FailureNotes:
         """Follow suspects from this rank's own through the notes.
 
         Returns the rank at the end of the chain (one that left no note: dead or hung; None
-        when nobody can tell) and the notes passed on the way, as text.
+        when nobody can tell) and the notes passed on the way, as text. Every wait here polls
+        up to one shared deadline, ``GRACE_S`` from the call: a survivor raises within its
+        timeout plus one grace, however many steps it takes (waiting for arrivals, then for a
+        note that the rank that never arrived cannot have left, would be two graces).
         """
         if self._store is None:
             return suspect, []
+        deadline = time.monotonic() + GRACE_S
         trail: list[str] = []
         seen = {self.rank}
         current = suspect
         if current is None:
-            missing = self._never_arrived()
-            if len(missing) > 1:
-                missing, trail = self._failed_earlier(missing)
+            missing, trail = self._never_arrived(deadline)
             if not missing and not trail:
-                missing = self._silent()
+                missing = self._silent(deadline)
             if len(missing) == 1:
                 current = missing[0]
             elif missing:
                 return None, [f"ranks {missing} never arrived"]
         while current is not None and current not in seen:
             note = self._note(current)
-            deadline = time.monotonic() + GRACE_S
             while note is None and time.monotonic() < deadline:
                 time.sleep(0.02)  # its own wait may fail a moment after ours
                 note = self._note(current)
@@ -223,42 +224,40 @@ class FailureNotes:
             current = nxt
         return None, trail
 
-    def _failed_earlier(self, missing: list[int]) -> tuple[list[int], list[str]]:
-        """``missing`` without the ranks that left a note in an earlier exchange (waiting up
-        to the grace while more than one is left), and those notes as text."""
+    def _never_arrived(self, deadline: float) -> tuple[list[int], list[str]]:
+        """The ranks that had not arrived by ``deadline`` (polling while any is missing) and,
+        when several had not, without those that left a note in an earlier exchange (failed
+        there, alive; read during the same wait), with those notes as text."""
         notes: dict[int, str] = {}
-        deadline = time.monotonic() + GRACE_S
-        while self._earlier:
-            for r in missing:
-                for prefix in self._earlier:
-                    note = None if r in notes else self._note(r, prefix)
-                    if note is not None:
-                        notes[r] = note[1]
-            left = [r for r in missing if r not in notes]
-            if len(left) <= 1 or time.monotonic() >= deadline:
+        while True:
+            missing = [r for r in range(self.world) if self._get(f"in/{r}") is None]
+            if len(missing) > 1:
+                self._read_earlier(missing, notes)
+            if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
+        if len(missing) <= 1:
+            return missing, []
         left = [r for r in missing if r not in notes]
-        return left, [f"rank {r} reported: {text}" for r, text in sorted(notes.items())]
+        return left, [f"rank {r} reported: {notes[r]}" for r in sorted(notes) if r in missing]
 
-    def _silent(self) -> list[int]:
-        """Every rank arrived: the one other rank that left no note within the grace, as a
-        list (empty when none or several did). A rank that gave up on the collective leaves
-        its note before closing anything; one that died or stopped inside it cannot, and a
-        rank that finished it leaves none either, so only a single silent rank is named."""
-        deadline = time.monotonic() + GRACE_S
+    def _read_earlier(self, ranks: list[int], notes: dict[int, str]) -> None:
+        """Add to ``notes`` the note each of ``ranks`` left in an earlier exchange, if any."""
+        for r in ranks:
+            for prefix in self._earlier:
+                note = None if r in notes else self._note(r, prefix)
+                if note is not None:
+                    notes[r] = note[1]
+
+    def _silent(self, deadline: float) -> list[int]:
+        """Every rank arrived: the one other rank that left no note by ``deadline``, as a list
+        (empty when none or several did). A rank that gave up on the collective leaves its
+        note before closing anything; one that died or stopped inside it cannot, and a rank
+        that finished it leaves none either, so only a single silent rank is named."""
         while True:
             silent = [r for r in range(self.world) if r != self.rank and self._note(r) is None]
             if len(silent) <= 1 or time.monotonic() >= deadline:
                 return silent if len(silent) == 1 else []
-            time.sleep(0.02)
-
-    def _never_arrived(self) -> list[int]:
-        deadline = time.monotonic() + GRACE_S
-        while True:
-            missing = [r for r in range(self.world) if self._get(f"in/{r}") is None]
-            if not missing or time.monotonic() >= deadline:
-                return missing
             time.sleep(0.02)
 
 
