@@ -1,7 +1,9 @@
 """Merge and fold of decoded updates (pure): several writers' blobs, and a chain of versions.
 
 - :func:`merge_writers`: one update per local tensor from the blobs of several writers of one
-  version (their elements are disjoint; an overlap is a publisher bug and refused);
+  version (their elements are disjoint; an overlap is a publisher bug and refused; the records
+  of a 0-element tensor, e.g. an EP rank's experts when EP exceeds the expert count, cover
+  nothing and are disjoint whatever their encoding);
 - :func:`fold_chain`: one update per local tensor for a whole chain: later values win; an
   anchor defines the full state (elements it does not list are zero, e.g. vLLM's vocabulary
   padding), so the result is dense from there on.
@@ -31,8 +33,8 @@ def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> l
             by_name.setdefault(u.name, []).append(u)
     out = []
     for name, ups in by_name.items():
-        if len(ups) == 1:
-            out.append(ups[0])
+        if len(ups) == 1 or _cover_nothing(ups):
+            out.append(ups[0])  # a 0-element tensor's records hold nothing: keep one
             continue
         if any(u.is_dense for u in ups):
             raise BlobMismatchError(
@@ -52,6 +54,15 @@ def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> l
             TensorUpdate(name=name, shape=u0.shape, dtype=u0.dtype, indices=idx, values=vals[order])
         )
     return out
+
+
+def _cover_nothing(ups: Sequence[TensorUpdate]) -> bool:
+    """Whether every one of ``ups`` is of a 0-element tensor: each writer of an anchor sends a
+    record for a tensor no element of the trainer reaches (``padding_updates``), and the
+    encoder writes an empty record of a 0-element tensor as dense (it names every element),
+    so several writers' records of it are several dense ones, which cover nothing and so
+    cannot overlap. A record of a non-empty tensor among them keeps the disjointness check."""
+    return all(u.numel == 0 for u in ups)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -184,7 +195,7 @@ ChainStep = tuple[int, str, Sequence[RecordStream]]
 
 
 def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> None:
-    if len(ups) < 2:
+    if len(ups) < 2 or _cover_nothing(ups):
         return
     if any(u.is_dense for u in ups):
         raise BlobMismatchError(

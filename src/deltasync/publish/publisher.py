@@ -531,8 +531,7 @@ class Publisher:
         run_id = head.run_id if on_lineage and head is not None else secrets.token_hex(8)
         base_digests = self._baseline_digests if kind == "delta" else None
         self.trainer_layout.check_tied_once(params)
-        if cfg.num_writers > 1:
-            self._check_shards(params)
+        self._check_shards(params)
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
@@ -742,8 +741,24 @@ class Publisher:
     def _check_shards(self, params: Params) -> None:
         """Each of this writer's parameters is its rank's dim-0 shard for ``num_writers``
         writers: a writer configured for another world size would place its rows at the wrong
-        offsets (a smaller shard fits inside the range, so the indices alone cannot tell)."""
+        offsets (a smaller shard fits inside the range, so the indices alone cannot tell).
+        One writer's params are the whole model (the shard digests are computed from them),
+        so it holds every parameter, each whole (e.g. not a tensor-parallel trainer's shard).
+
+        Raises:
+            ConfigError: naming the parameter, its shape here and the one expected, and the
+                remedy; before anything is written."""
         cfg = self.config
+        one = cfg.num_writers == 1
+        if one:
+            missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
+            if missing:
+                raise ConfigError(
+                    f"writer {self.writer}: params have no {missing[:5]} ({len(missing)} of the "
+                    "model's parameters missing); a one-writer publisher computes the shard "
+                    "digests from params, so pass every parameter of the model (as "
+                    "model.named_parameters() lists them). Nothing was written"
+                )
         for name, t in params.items():
             local = local_of(t)
             key = (name, tuple(local.shape))
@@ -753,14 +768,23 @@ class Publisher:
                 want = self.trainer_layout.shard_shape(name, cfg.writer_rank, cfg.num_writers)
             except (KeyError, LayoutError):
                 continue  # not a layout parameter: named where its changes are routed
-            if tuple(local.shape) != want:
+            if tuple(local.shape) == want:
+                self._shards_ok.add(key)
+                continue
+            if one:
                 raise ConfigError(
                     f"writer {self.writer}: parameter {name!r} is {tuple(local.shape)} here, but "
-                    f"rank {cfg.writer_rank}'s dim-0 shard among num_writers={cfg.num_writers} "
-                    f"is {want}; give every writer the trainer's world size as num_writers and "
-                    "its own rank as writer_rank. Nothing was written"
+                    f"the model's is {want}; a one-writer publisher takes every parameter "
+                    "whole: gather a tensor-parallel trainer's shards first, or give FSDP ranks "
+                    "that publish their own dim-0 shards num_writers (the world size) and "
+                    "writer_rank. Nothing was written"
                 )
-            self._shards_ok.add(key)
+            raise ConfigError(
+                f"writer {self.writer}: parameter {name!r} is {tuple(local.shape)} here, but "
+                f"rank {cfg.writer_rank}'s dim-0 shard among num_writers={cfg.num_writers} "
+                f"is {want}; give every writer the trainer's world size as num_writers and "
+                "its own rank as writer_rank. Nothing was written"
+            )
 
     def _adopts(self, head: Manifest | None) -> bool:
         """Whether every version committed since this writer's baseline names this writer and

@@ -1,0 +1,70 @@
+"""A one-writer publisher's params are the whole model: the shard digests are computed from
+them. A parameter of the wrong shape (a tensor-parallel trainer's shard) or a missing one is
+refused with a ConfigError naming it and the remedy, before anything is written, on a delta as
+on an anchor; as several writers' shards are checked against their rank's dim-0 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.errors import ConfigError
+from deltasync.publish import Publisher, PublisherConfig
+
+from sync_kit import layouts, scratch_store
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def _params(tl) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in tl.param_shapes().items()}
+
+
+def _tp_row_shard(params):
+    """A Megatron-style TP rank's rows of q_proj in place of the whole parameter."""
+    return {**params, Q: params[Q][: params[Q].shape[0] // 2]}
+
+
+def _without_embed(params):
+    return {n: p for n, p in params.items() if n != EMBED}
+
+
+CASES = [
+    pytest.param(_tp_row_shard, rf"{Q!r} is \(\d+, \d+\) here, but the model's is", id="tp-shard"),
+    pytest.param(_without_embed, rf"params have no \[{EMBED!r}\]", id="missing"),
+]
+
+
+@pytest.mark.parametrize("bad, match", CASES)
+def test_a_one_writer_delta_with_a_wrong_or_missing_parameter_is_refused_before_any_write(
+    tmp_path, bad, match
+):
+    _spec, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
+    params = _params(tl)
+    pub.publish(0, [], params, anchor=True)
+    before = sorted(store.list(""))
+    idx = torch.tensor([0, 5])
+    ps = bad(params)
+    change = (Q, idx, ps[Q].reshape(-1)[idx].to(torch.bfloat16))
+    with pytest.raises(ConfigError, match=match) as err:
+        pub.publish(1, [change], ps)
+    assert "Nothing was written" in str(err.value)
+    assert sorted(store.list("")) == before
+    assert pub.committed() == 0
+    assert pub.publish(1, [change], params).kind == "delta"  # the whole params go on
+
+
+@pytest.mark.parametrize("bad, match", CASES)
+def test_a_one_writer_anchor_with_a_wrong_or_missing_parameter_is_refused_before_any_write(
+    tmp_path, bad, match
+):
+    _spec, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
+    with pytest.raises(ConfigError, match=match):
+        pub.publish(0, [], bad(_params(tl)), anchor=True)
+    assert store.list("") == []
