@@ -183,3 +183,71 @@ def test_merge_of_a_listing_with_no_shard_or_a_rank_out_of_range_is_named(
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("deltasync: error: LayoutError: "), err
     assert "shards.json" in err
+
+
+def _split_into(capsys, tmp_path: Path, ckpt: Path, out: Path) -> tuple[int, str]:
+    argv = ["--config", str(tmp_path / "config.json"), "--checkpoint", str(ckpt)]
+    return run_in_process(capsys, *argv, "--engine", "vllm", "--tp", "2", "--out", str(out))
+
+
+def _merge(capsys, tmp_path: Path, shards: Path) -> tuple[int, str]:
+    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
+    rc = main([*argv, "--out", str(tmp_path / "merged.safetensors")])
+    return rc, capsys.readouterr().err
+
+
+def _second_checkpoint(tmp_path: Path, spec: ModelSpec, full: dict) -> Path:
+    """Another checkpoint of the same model whose replicated tensors (norms) are the first's:
+    a merge's replica check cannot tell the two apart."""
+    other = random_state(spec, seed=32)
+    other = {n: full[n] if "norm" in n else t for n, t in other.items()}
+    save_file(other, str(tmp_path / "other.safetensors"))
+    return tmp_path / "other.safetensors"
+
+
+@pytest.mark.timeout(120)
+def test_a_split_that_stops_part_way_over_an_earlier_one_leaves_nothing_merge_accepts(
+    tmp_path, capsys, monkeypatch
+):
+    # The disk filled on the second shard file of a re-split: the new tp0 beside the earlier
+    # split's tp1 and listing, which merge joined into a checkpoint that was neither (rc 0).
+    import errno
+
+    import safetensors.torch
+
+    spec, full = write_checkpoint(tmp_path, "dense_untied")
+    out = tmp_path / "out"
+    assert _split_into(capsys, tmp_path, tmp_path / "full.safetensors", out)[0] == 0
+    real, calls = safetensors.torch.save_file, []
+
+    def fills_up(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
+    rc, err = _split_into(capsys, tmp_path, _second_checkpoint(tmp_path, spec, full), out)
+    assert rc == 2 and "No space left" in err, err
+    monkeypatch.undo()
+    rc, err = _merge(capsys, tmp_path, out)
+    assert rc == 2 and "shards.json" in err, err
+    assert not (tmp_path / "merged.safetensors").exists()
+
+
+@pytest.mark.timeout(120)
+def test_merge_refuses_shard_files_of_two_splits(tmp_path, capsys):
+    spec, full = write_checkpoint(tmp_path, "dense_untied")
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert _split_into(capsys, tmp_path, tmp_path / "full.safetensors", first)[0] == 0
+    other = _second_checkpoint(tmp_path, spec, full)
+    assert _split_into(capsys, tmp_path, other, second)[0] == 0
+    (second / "tp1.safetensors").write_bytes((first / "tp1.safetensors").read_bytes())
+    rc, err = _merge(capsys, tmp_path, second)
+    assert rc == 2 and "different splits" in err and "deltasync_split" in err, err
+    assert not (tmp_path / "merged.safetensors").exists()
+    (second / "tp1.safetensors").unlink()  # split again: merges back bitwise
+    assert _split_into(capsys, tmp_path, other, second)[0] == 0
+    assert _merge(capsys, tmp_path, second)[0] == 0
+    merged, want = load_file(str(tmp_path / "merged.safetensors")), load_file(str(other))
+    assert merged.keys() == want.keys() and all(bitwise_equal(merged[n], want[n]) for n in want)

@@ -7,7 +7,13 @@ checkpoint-format (canonical) names (one ``.safetensors`` file, a sharded checkp
 ``<out>/<shard id>.safetensors`` per distinct shard (the engine's local parameter names) plus
 ``<out>/shards.json`` (``[{"id", "tp_rank", "ep_rank"}, ...]``). ``merge_checkpoint`` is its
 inverse: the shard files back into one full checkpoint, replicated copies checked bit for bit.
-Each file is written to a temporary name and renamed, so a reader never sees half a file.
+Each file is written to a temporary name and renamed, so a reader never sees half a file. A
+split is one set of files, not only one file at a time: it removes an earlier listing before
+its first shard file and writes its own last, and every shard file it writes carries the
+split's id in its safetensors metadata (``deltasync_split``). A split that stops part-way over
+an earlier one's directory leaves no listing, and ``merge`` refuses shard files of different
+splits (a file without the id, e.g. one rewritten by hand, is not compared), so it never
+joins two checkpoints into one that is neither.
 
 The whole checkpoint is held in memory while splitting or merging (this serves anchors, dense
 baselines and tests, not the sparse sync path). This module is the file I/O of
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +44,7 @@ from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
 
 SHARDS_FILE = "shards.json"
+SPLIT_KEY = "deltasync_split"  # safetensors metadata: the id of the split that wrote a shard file
 INDEX_FILE = "model.safetensors.index.json"
 # A transformers config.json is a few KiB (tens with a big label map); a bigger file is not one.
 MAX_CONFIG_BYTES = 4 << 20
@@ -163,8 +171,12 @@ def load_canonical_checkpoint(
 def _load_safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path``, else LayoutError naming it. Only a
     regular file is opened: a FIFO would block the loader forever, a device read without end."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    return _read_safetensors(path, what)[0]
+
+
+def _read_safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`_load_safetensors` with the file's metadata (empty when it has none)."""
+    from safetensors import SafetensorError, safe_open
 
     try:
         kind = os.stat(path).st_mode
@@ -173,7 +185,9 @@ def _load_safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     if not stat.S_ISREG(kind):
         raise LayoutError(f"{what} {str(path)!r} is not a regular file")
     try:
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            names = f.keys()  # a safe_open handle is not iterable
+            return {k: f.get_tensor(k) for k in names}, dict(f.metadata() or {})
     except (OSError, SafetensorError) as exc:
         raise LayoutError(f"cannot read {what} {str(path)!r}: {exc}") from exc
 
@@ -251,10 +265,18 @@ def split_checkpoint(
             f"cannot create the output directory {str(out_dir)!r}: {exc.strerror or exc}; pass "
             "a directory (created if missing)"
         ) from None
+    try:  # an earlier split's listing must not name this one's files while they are written
+        (out_dir / SHARDS_FILE).unlink(missing_ok=True)
+    except OSError as exc:
+        raise LayoutError(
+            f"cannot remove the earlier shard listing {str(out_dir / SHARDS_FILE)!r}: "
+            f"{exc.strerror or exc}; nothing was written"
+        ) from None
+    metadata = {"format": "pt", SPLIT_KEY: secrets.token_hex(8)}
     for info in layout.shards():
         tensors = {n: t.contiguous() for n, t in shards.pop(info.id).items()}
         target = out_dir / f"{info.id}.safetensors"
-        _write_out(target, lambda p, t=tensors: save_file(t, str(p)), "shard file")
+        _write_out(target, lambda p, t=tensors: save_file(t, str(p), metadata), "shard file")
     listing = json.dumps([s.to_json() for s in layout.shards()], indent=1) + "\n"
     _write_out(
         out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"), "shard listing"
@@ -311,8 +333,16 @@ def merge_checkpoint(
             f"the {layout.engine} layout at tp={tp} ep={ep} has {[s.id for s in layout.shards()]}"
         )
     shards: dict[str, Mapping[str, torch.Tensor]] = {}
+    splits: dict[str, str | None] = {}
     for s in listing:
-        shards[s.id] = _load_safetensors(src / f"{s.id}.safetensors", "shard file")
+        shards[s.id], metadata = _read_safetensors(src / f"{s.id}.safetensors", "shard file")
+        splits[s.id] = metadata.get(SPLIT_KEY)
+    if len({split for split in splits.values() if split is not None}) > 1:
+        raise LayoutError(
+            f"the shard files in {str(src)!r} come from different splits ({SPLIT_KEY} "
+            f"{splits}): a split stopped part-way over an earlier one, or files were copied "
+            "in from elsewhere. Split the checkpoint again into an empty directory"
+        )
     full = {n: t.contiguous() for n, t in layout.merge(shards).items()}
     _write_out(
         Path(out), lambda p: save_file(full, str(p), metadata={"format": "pt"}), "merged checkpoint"
