@@ -103,3 +103,71 @@ def test_the_demo_store_is_throttled_only_when_a_link_is_asked_for(tmp_path) -> 
     assert isinstance(open_demo_store(str(tmp_path), 0), LocalStore)
     linked = open_demo_store(str(tmp_path), 1.0)
     assert isinstance(linked, ThrottledStore) and linked.config.gbps == 1.0
+
+
+@pytest.mark.parametrize("store", ["s3://my-bucket/run", "file:///tmp/run", "memory://x", ""])
+@pytest.mark.parametrize("config", ["demo", "rl"])
+def test_the_demos_store_must_be_a_local_directory(store, config) -> None:
+    from deltasync.errors import ConfigError
+    from deltasync_examples.demo.run import DemoConfig
+    from deltasync_examples.rl import RLConfig
+
+    make = DemoConfig if config == "demo" else RLConfig
+    with pytest.raises(ConfigError, match=r"store \(--store\) takes a local directory"):
+        make(store=store)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["demo", "rl-demo"])
+@pytest.mark.parametrize("store", ["s3://my-bucket/run", ""])
+def test_the_demos_refuse_a_store_url_or_an_empty_store_and_create_nothing(
+    tmp_path, command, store
+) -> None:
+    work, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    done = subprocess.run(
+        [DELTASYNC, command, "--steps", "1", "--store", store],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        cwd=work,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "ConfigError" in done.stderr and "takes a local directory" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list(work.iterdir()) and not list(tmp.iterdir()), "the demo created something"
+
+
+@pytest.mark.timeout(120)
+def test_rl_demo_refuses_a_used_store_up_front_as_demo_does(tmp_path) -> None:
+    import time
+
+    from deltasync.errors import ConfigError
+    from deltasync_examples.rl import RLConfig, run_rl
+
+    used = tmp_path / "run"
+    (used / "store").mkdir(parents=True)
+    (used / "store" / "LATEST").write_text('{"version": 1}')  # an earlier run's
+    cfg = RLConfig(
+        steps=1, workers=1, prompts_per_step=2, group_size=2, timeout_s=20.0, store=str(used)
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"is not empty \(it holds an earlier demo run\)"):
+        run_rl(cfg, log=lambda _line: None)
+    assert time.monotonic() - t0 < 5, "it did not refuse up front"
+    assert [p.name for p in used.rglob("*")] == ["store", "LATEST"], "it wrote into the store"
+
+
+@pytest.mark.timeout(120)
+def test_rl_demo_removes_the_temporary_run_directory_it_made(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    from deltasync_examples.rl import RLConfig, run_rl
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = RLConfig(steps=1, workers=1, prompts_per_step=2, group_size=2, timeout_s=60.0)
+    assert run_rl(cfg, log=lambda _line: None)["probe_exact"] is True
+    assert not list(tmp_path.glob("deltasync-rl-*")), "the temporary run directory was left behind"

@@ -15,9 +15,7 @@ refit of a model this small costs no more than a delta.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +25,7 @@ from safetensors.torch import save as st_save
 from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig, RolloutConfig, build_policy, pg_step
 from deltasync_examples.demo.receiver_proc import open_demo_store, receiver_main
+from deltasync_examples.demo.run_dir import check_store_dir, run_dir
 from deltasync_examples.harness import spawn
 from deltasync_examples.oracle import dense_digests, dense_shards
 
@@ -36,7 +35,7 @@ class DemoConfig:
     steps: int = 12
     lr: float = 3e-6
     tp: int = 2
-    store: str | None = None  # a directory; default: a fresh temporary one
+    store: str | None = None  # a local directory, absent or empty; default: a temporary one
     link_gbps: float = 1.0  # each process's link to the store (emulated); 0: none
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -51,9 +50,17 @@ class DemoConfig:
             raise ConfigError(
                 f"DemoConfig.link_gbps must be a number >= 0 (0: no emulated link), got {gbps!r}"
             )
+        check_store_dir("DemoConfig.store", self.store)
 
 
 def run(cfg: DemoConfig, console=None) -> dict:
+    """Run the demo in its run directory (``cfg.store``, or a temporary one removed at the
+    end); return the summary the CLI prints as one JSON line."""
+    with run_dir(cfg.store, prefix="deltasync-demo-") as root:
+        return _run(cfg, root, console)
+
+
+def _run(cfg: DemoConfig, root: str, console) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -69,17 +76,7 @@ def run(cfg: DemoConfig, console=None) -> dict:
 
     if console is None:  # wide enough for the tables even when stdout is not a terminal
         console = Console() if Console().is_terminal else Console(width=150)
-    root = cfg.store or tempfile.mkdtemp(prefix="deltasync-demo-")
     store_root = os.path.join(root, "store")
-    if cfg.store and os.path.isdir(root) and os.listdir(root):
-        # A used store holds another run's versions and receiver states: the demo's exactness
-        # check compares against this run only, so refuse instead of reporting a false mismatch.
-        from deltasync.errors import ConfigError
-
-        raise ConfigError(
-            f"--store {cfg.store!r} is not empty (it holds an earlier demo run); pass an empty "
-            "or new directory, or omit --store for a fresh temporary one"
-        )
     hf_config = cfg.policy.hf_config()
     spec = ModelSpec.from_hf_config(hf_config)
     rlayout = ReceiverLayout.build(spec, engine="vllm", tp=cfg.tp)
@@ -218,8 +215,6 @@ def run(cfg: DemoConfig, console=None) -> dict:
     finally:
         for c in conns:
             c.close()
-        if cfg.store is None:  # a temporary store of this run only (--store keeps one)
-            shutil.rmtree(root, ignore_errors=True)
     console.print(table)
     med = {
         k: statistics.median(r[k] for r in rows)

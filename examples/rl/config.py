@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig
+from deltasync_examples.demo.run_dir import check_store_dir
 from deltasync_examples.models import TINY_QWEN3
 from deltasync_examples.rl.task import ReverseTask
 
@@ -36,7 +37,9 @@ class RLConfig:
     - ``kill_worker_at``: fault injection: SIGKILL worker 0 after publishing this version and
       restart it ``restart_after`` versions later; it must catch up from the store and stay
       exact;
-    - ``timeout_s``: the longest any single wait (a worker's answer, a version) may take.
+    - ``timeout_s``: the longest any single wait (a worker's answer, a version) may take;
+    - ``store``: the run directory (a local path, absent or empty); None: a temporary one,
+      removed at the end.
     """
 
     steps: int = 40
@@ -85,6 +88,7 @@ class RLConfig:
             if self.workers < 2:
                 raise ConfigError("RLConfig.kill_worker_at needs workers >= 2 (one keeps serving)")
         _int("restart_after", self.restart_after, 0)
+        check_store_dir("RLConfig.store", self.store)
         self.policy()  # validates the model dimensions
 
     def policy(self) -> PolicyConfig:

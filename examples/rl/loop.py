@@ -22,7 +22,6 @@ This module knows the RL protocol and the sync calls; processes live in :mod:`.f
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import DeltaSyncError, IntegrityError
+from deltasync_examples.demo.run_dir import run_dir
 from deltasync_examples.rl.config import RLConfig
 from deltasync_examples.rl.fleet import Fleet, WorkerGone
 from deltasync_examples.rl.grpo import Batch, grpo_step
@@ -94,10 +94,16 @@ class _Trainer:
 
 
 def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> dict:
-    """Run the loop; return the summary (the CLI prints it as one JSON line)."""
+    """Run the loop in its run directory (``cfg.store``, refused when an earlier run used it,
+    or a temporary one removed at the end); return the summary (the CLI prints it as one JSON
+    line)."""
+    with run_dir(cfg.store, prefix="deltasync-rl-") as root:
+        return _run(cfg, root, log)
+
+
+def _run(cfg: RLConfig, root: str, log: Callable[[str], None]) -> dict:
     torch.set_num_threads(1)  # the reference must use the workers' kernels and thread count
     t_start = time.perf_counter()
-    root = cfg.store or tempfile.mkdtemp(prefix="deltasync-rl-")
     trainer = _Trainer(cfg, root)
     task, gen = cfg.task, torch.Generator().manual_seed(cfg.seed)
     trainer.publish(0)

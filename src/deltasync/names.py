@@ -51,6 +51,9 @@ def version_prefix(version: int) -> str:
 
 MANIFEST_FILE = "MANIFEST.json"
 VERSIONS_PREFIX = "v"  # list prefix under which every version directory lives
+# The same keys as ten narrower list prefixes (``v0`` ... ``v9``): together they cover every
+# version directory, and a local listing never walks a tree such as ``venv/`` or ``var/``.
+VERSION_DIGIT_PREFIXES = tuple(f"{VERSIONS_PREFIX}{d}" for d in range(10))
 
 
 def manifest_key(version: int) -> str:

@@ -104,7 +104,12 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--lr", type=float, default=3e-6)
-    p.add_argument("--store", default=None, help="directory for the store (default: a temp dir)")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="a local directory, absent or empty, for the store and the receivers' state "
+        "(kept; default: a temp dir, removed at exit; a URL is refused)",
+    )
     p.add_argument(
         "--link-gbps",
         type=float,
@@ -226,7 +231,12 @@ def _register_rl_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--restart-after", type=int, default=2, help="versions later the killed worker is restarted"
     )
-    p.add_argument("--store", default=None, help="run directory (default: a fresh temp dir)")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="run directory: a local directory, absent or empty (kept; default: a fresh temp "
+        "dir, removed at exit; a URL is refused)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="longest single wait, seconds")
     p.add_argument("--quiet", action="store_true", help="print only the JSON line")
     p.set_defaults(func=_run_rl_demo)

@@ -1,7 +1,7 @@
 """``deltasync gc STORE``: delete what retention allows, from outside the trainer.
 
-    deltasync gc STORE [--keep N] [--receiver-ttl S] [--orphan-grace S] [--dry-run] [--json]
-        [--key-file F] [--s3-endpoint URL ...]
+    deltasync gc STORE [--keep N] [--receiver-ttl S] [--orphan-grace S]
+        [--forget-receivers-after S] [--dry-run] [--json] [--key-file F] [--s3-endpoint URL ...]
 
 Runs the retention a publisher's ``gc()`` runs (:func:`deltasync.commit.collect_garbage`):
 never a version a live receiver still needs, never the newest anchor and the chain after it,
@@ -12,7 +12,10 @@ never committed is deleted only once its newest key is ``--orphan-grace`` second
 trainer's manifest write whose outcome it could not learn may still land and name its blobs
 (the store's clock says when a key was written; a store that cannot say keeps them). ``--keep``,
 ``--receiver-ttl`` and ``--orphan-grace`` default to :class:`~deltasync.PublisherConfig`'s; pass
-the trainer's own values. ``--dry-run`` prints the plan and deletes nothing. A path that is not a deltasync store
+the trainer's own values. The registrations of receivers without a heartbeat for
+``--forget-receivers-after`` seconds (a day by default; never less than ``--receiver-ttl`` and
+``--orphan-grace``) are deleted too: a receiver that comes back registers again on its next
+pull. ``--dry-run`` prints the plan and deletes nothing. A path that is not a deltasync store
 is refused (rc 2), as by ``inspect``.
 """
 
@@ -44,6 +47,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--orphan-grace must be a finite number of seconds >= 0, got {args.orphan_grace}"
         )
+    if not args.forget_receivers_after > 0:  # also NaN; inf: never
+        raise ConfigError(
+            "--forget-receivers-after must be a number of seconds > 0 (inf: never), got "
+            f"{args.forget_receivers_after}"
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -61,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         receiver_ttl_s=args.receiver_ttl,
         dry_run=args.dry_run,
         orphan_grace_s=args.orphan_grace,
+        forget_receivers_after_s=args.forget_receivers_after,
     )
     if args.json:
         emit_json_line(
@@ -70,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
                 "versions": list(plan.versions),
                 "keys": list(plan.keys),
                 "deferred": list(plan.deferred),
+                "receivers": list(plan.receivers),
             },
             sort_keys=True,
         )
@@ -85,18 +95,31 @@ def _run(args: argparse.Namespace) -> int:
             f"kept attempt(s) that never committed, younger than {args.orphan_grace:g} s: "
             f"version(s) {kept}"
         )
+    if plan.receivers:
+        print(
+            f"{'would forget' if args.dry_run else 'forgot'} {len(plan.receivers)} "
+            "registration(s) of receivers without a heartbeat for over "
+            f"{max(args.forget_receivers_after, args.receiver_ttl, args.orphan_grace):g} s: "
+            + ", ".join(plan.receivers)
+        )
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from deltasync.commit.retention import KEEP_VERSIONS, ORPHAN_GRACE_S, RECEIVER_TTL_S
+    from deltasync.commit.retention import (
+        FORGET_RECEIVERS_AFTER_S,
+        KEEP_VERSIONS,
+        ORPHAN_GRACE_S,
+        RECEIVER_TTL_S,
+    )
 
     p = sub.add_parser(
         "gc",
         help="delete what retention allows (old versions, abandoned attempts) from a store",
         description="Delete what retention allows from a deltasync store: versions no live "
-        "receiver needs beyond the newest --keep, and leftovers of attempts that never "
-        "committed. Refuses a path that is not a store.",
+        "receiver needs beyond the newest --keep, leftovers of attempts that never "
+        "committed, and registrations of receivers dead for --forget-receivers-after. "
+        "Refuses a path that is not a store.",
     )
     add_store_arguments(p)
     p.add_argument(
@@ -118,6 +141,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=ORPHAN_GRACE_S,
         help="delete an attempt that never committed only once its newest key is this many "
         f"seconds old: its manifest may still land (default: {ORPHAN_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--forget-receivers-after",
+        type=float,
+        default=FORGET_RECEIVERS_AFTER_S,
+        help="delete the registration of a receiver without a heartbeat for this many seconds "
+        "(never less than --receiver-ttl and --orphan-grace; it registers again on its next "
+        f"pull; inf: never; default: {FORGET_RECEIVERS_AFTER_S:g})",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON line instead")

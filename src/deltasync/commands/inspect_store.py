@@ -64,17 +64,19 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
 
 def local_path(url: str) -> Path | None:
     """The directory of a local store URL (None for other schemes)."""
-    if url.startswith("file://"):
+    from deltasync.store.factory import url_scheme
+
+    scheme = url_scheme(url)
+    if scheme == "file":
         return Path(unquote(urlsplit(url).path))
-    if "://" in url:
-        return None
-    return Path(url)
+    return Path(url) if scheme == "" else None
 
 
 def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
     """The store the arguments name; ``must_exist`` refuses a local path that is not an
     existing directory instead of creating it."""
     from deltasync.store import S3Config, open_store
+    from deltasync.store.factory import url_scheme
 
     path = local_path(args.store)
     if must_exist and path is not None and not path.is_dir():
@@ -82,7 +84,7 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
             f"{args.store!r} is not a directory: not a deltasync store (nothing was created)"
         )
     s3 = None
-    if args.store.startswith("s3://"):
+    if url_scheme(args.store) == "s3":  # as open_store routes it (``S3://`` too)
         s3 = S3Config(
             endpoint_url=args.s3_endpoint,
             region=args.s3_region,
@@ -117,14 +119,29 @@ def _human(n: int) -> str:
 
 
 def is_store(store) -> bool:
-    """Does ``store`` hold anything deltasync writes (LATEST, a version, a registration)?"""
-    from deltasync import names
+    """Does ``store`` hold anything deltasync writes (LATEST, a version, a registration)?
 
-    return bool(
-        store.exists(names.LATEST)
-        or store.list(names.VERSIONS_PREFIX)
-        or store.list(names.RECEIVERS_PREFIX)
-    )
+    Only keys that parse as deltasync's count: a directory holding ``venv/`` or
+    ``vacation.txt`` is not a store. Versions are listed under ``v0`` ... ``v9`` rather than
+    ``v``, so a local listing never walks an unrelated tree (``gc /`` must not read ``/var``)."""
+    from deltasync import names
+    from deltasync.errors import ManifestError
+
+    def parses(parse, key: str) -> bool:
+        try:
+            parse(key)
+        except ManifestError:
+            return False
+        return True
+
+    if store.exists(names.LATEST):
+        return True
+    for prefix in names.VERSION_DIGIT_PREFIXES:
+        for key in store.list(prefix):
+            vdir, sep, _ = key.partition("/")
+            if sep and parses(names.parse_version_dir, vdir):
+                return True
+    return any(parses(names.parse_receiver_key, k) for k in store.list(names.RECEIVERS_PREFIX))
 
 
 def _blob_status(store, manifest, shard: str) -> tuple[str, str]:

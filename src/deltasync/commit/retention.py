@@ -17,10 +17,18 @@ retries) may still land and name those blobs. Its age is the store's (``Store.mo
 store that cannot tell keeps such attempts. The publisher also passes the numbers it knows had
 no verdict (``may_land``), kept whatever their age while they have no manifest.
 
+A receiver's registration (``receivers/{id}.json``) is deleted once its heartbeat is older
+than ``forget_receivers_after_s`` (a day by default), and never before it is older than both
+the receiver TTL and the orphan grace: such a receiver is long dead (a rollout pod that came
+and went), and without this every reader of registrations (bounded staleness, retention,
+inspect) would read them all forever. A receiver that comes back writes its registration again
+on its next heartbeat (every pull), so a gc racing with that heartbeat costs at most one
+heartbeat's absence. A registration that does not parse or verify is left alone.
+
 Deletion order: a version's manifest goes first, so the version disappears atomically for
-readers, then its blobs and markers, then its acks. :func:`collect_garbage` reads what the
-plan needs from a store and deletes it (``Publisher.gc`` and ``deltasync gc`` both run it).
-This module knows keys and manifests.
+readers, then its blobs and markers, then its acks; registrations of dead receivers last.
+:func:`collect_garbage` reads what the plan needs from a store and deletes it
+(``Publisher.gc`` and ``deltasync gc`` both run it). This module knows keys and manifests.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from deltasync.store.base import written_at
 
 if TYPE_CHECKING:
     from deltasync.commit.catalog import Catalog
+    from deltasync.commit.records import ReceiverRecord
     from deltasync.store import Store
 
 log = logging.getLogger(__name__)
@@ -49,6 +58,9 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2
 RECEIVER_TTL_S = 120.0
 ORPHAN_GRACE_S = 600.0
+# ``deltasync gc --forget-receivers-after``'s default: a registration whose heartbeat is a day
+# old belongs to a receiver that is gone (a live one heartbeats on every pull).
+FORGET_RECEIVERS_AFTER_S = 86400.0
 
 
 def _version_of(key: str) -> int | None:
@@ -90,6 +102,17 @@ class GcPlan:
     keys: tuple[str, ...]  # every key to delete, in order (manifests first)
     # attempts that never committed, kept for now: their manifest may still land
     deferred: tuple[int, ...] = ()
+    # receivers whose registrations are deleted (their keys end ``keys``): dead for long enough
+    receivers: tuple[str, ...] = ()
+
+
+def plan_forgotten_receivers(
+    records: Mapping[str, ReceiverRecord], *, now: float, after_s: float
+) -> tuple[str, ...]:
+    """The receivers (sorted) whose last heartbeat is more than ``after_s`` seconds before
+    ``now``. Pure; the caller makes ``after_s`` at least the receiver TTL, so a live receiver
+    is never among them (a heartbeat from the future is not old either)."""
+    return tuple(sorted(r for r, rec in records.items() if now - rec.updated_at > after_s))
 
 
 def plan_deletions(
@@ -140,13 +163,16 @@ def collect_garbage(
     dry_run: bool = False,
     may_land: Collection[int] = (),
     orphan_grace_s: float = ORPHAN_GRACE_S,
+    forget_receivers_after_s: float = FORGET_RECEIVERS_AFTER_S,
 ) -> GcPlan:
     """Plan retention from what ``store`` holds now and delete it in order (``dry_run``: plan
     only). Live receivers are the records younger than ``receiver_ttl_s``. An attempt that
     never committed stays while its newest key is younger than ``orphan_grace_s`` (or its age
     is unknown), and so do the versions in ``may_land`` (manifest writes that ended without a
     verdict, which the caller's publisher knows) while they have no manifest: it may still
-    land and name their keys."""
+    land and name their keys. A registration whose heartbeat is older than
+    ``max(forget_receivers_after_s, receiver_ttl_s, orphan_grace_s)`` is deleted too
+    (``math.inf``: never)."""
     latest = catalog.latest()
     version_keys = catalog.version_dirs()
     listed = set(version_keys)  # every version directory, verified or not
@@ -213,10 +239,16 @@ def collect_garbage(
         for key in keys
     ]
     run_id = manifests[committed].run_id if committed in manifests else None
+    records = catalog.receivers()  # every registration that parses and verifies
+    now = time.time()  # again: the reads above take time, and heartbeats are judged by it
     live = [
         r.version if run_id is None else r.version_in(run_id)
-        for r in catalog.live_receivers(receiver_ttl_s).values()
+        for r in records.values()
+        if r.is_live(now, receiver_ttl_s)
     ]
+    # Never a live receiver (TTL), nor one paused for less than an attempt's grace.
+    forget_after_s = max(forget_receivers_after_s, receiver_ttl_s, orphan_grace_s)
+    forgotten = plan_forgotten_receivers(records, now=now, after_s=forget_after_s)
     plan = plan_deletions(
         version_keys=version_keys,
         manifests=manifests,
@@ -235,6 +267,19 @@ def collect_garbage(
         plan = replace(plan, deferred=tuple(sorted(deferred)))
     if orphaned:
         plan = replace(plan, keys=plan.keys + tuple(orphaned))
+    if forgotten:
+        log.info(
+            "retention: forgetting %d receiver registration(s) without a heartbeat for over "
+            "%gs (e.g. %r); a receiver that comes back registers again on its next pull",
+            len(forgotten),
+            forget_after_s,
+            forgotten[0],
+        )
+        plan = replace(
+            plan,
+            keys=plan.keys + tuple(names.receiver_key(r) for r in forgotten),
+            receivers=forgotten,
+        )
     if not dry_run:
         for key in plan.keys:
             store.delete(key)

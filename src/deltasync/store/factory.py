@@ -25,6 +25,13 @@ _named_memory: dict[str, MemoryStore] = {}
 _named_lock = threading.Lock()
 
 
+def url_scheme(url: str) -> str:
+    """The lowercased scheme of a store URL (``S3://b`` is ``s3``), ``""`` for a plain path:
+    the one parse every caller that routes by scheme uses, so they all agree with
+    :func:`open_store`."""
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
 def open_store(
     url: str,
     *,
@@ -35,7 +42,7 @@ def open_store(
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty string, got {url!r}")
     store: Store
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    scheme = url_scheme(url)
     if scheme in ("", "file"):
         if scheme == "file":
             parts = urlsplit(url)
@@ -50,13 +57,13 @@ def open_store(
             raise ConfigError(f"store URL {url!r} has no path")
         store = LocalStore(path, durable=durable)
     elif scheme == "s3":
-        rest = url[len("s3://") :]
+        rest = url.split("://", 1)[1]
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise ConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
         store = S3Store(bucket, prefix, config=s3)
     elif scheme == "memory":
-        name = url[len("memory://") :]
+        name = url.split("://", 1)[1]
         if not name:
             store = MemoryStore()
         else:

@@ -19,11 +19,14 @@ boto3 is imported when an S3Store is created, so the package imports without it,
 :class:`S3Config` can be built, validated and printed without boto3 installed (botocore is
 imported only inside the classifiers, which run only after a boto3 call failed). Credentials
 come from :class:`S3Config`; when left unset, boto3's own default chain is used; an endpoint URL
-with user info is refused, and reprs never show secrets. Nothing here knows what the bytes mean.
+with user info, a query string or a fragment is refused, reprs never show secrets, and every
+error built from a botocore exception (or botocore's refusal of the settings, a ConfigError
+naming the field) shows the endpoint redacted. Nothing here knows what the bytes mean.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -71,6 +74,12 @@ TRANSIENT_CODES = {
     "503",
     "504",
 }
+
+
+# botocore's own check of a region name (``botocore.utils.validate_region_name``): a DNS label
+# of letters, digits and inner hyphens, not all digits. Checked here so a bad region is a
+# ConfigError naming the field, before any client is built.
+_REGION = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)")
 
 
 def redact_url(url: str) -> str:
@@ -133,8 +142,20 @@ class S3Config:
                 raise ConfigError(
                     f"S3Config.endpoint_url {redact_url(self.endpoint_url)!r} has no host"
                 )
-        if not isinstance(self.region, str) or not self.region:
-            raise ConfigError(f"S3Config.region must be a non-empty string, got {self.region!r}")
+            if "?" in self.endpoint_url or "#" in self.endpoint_url:
+                # botocore cannot use one, and a query is where presigned tokens live: it
+                # would be printed back verbatim in botocore's own error message.
+                raise ConfigError(
+                    f"S3Config.endpoint_url {redact_url(self.endpoint_url)!r} has a query "
+                    "string or fragment (not shown); give the endpoint as scheme://host[:port]"
+                    "[/path] and credentials as access_key_id / secret_access_key / "
+                    "session_token"
+                )
+        if not isinstance(self.region, str) or not _REGION.fullmatch(self.region):
+            raise ConfigError(
+                f"S3Config.region must be a region name such as 'us-east-1' (letters, digits "
+                f"and inner hyphens, at most 63, not all digits), got {self.region!r}"
+            )
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError(
                 "S3Config.access_key_id and S3Config.secret_access_key must be given together "
@@ -186,30 +207,61 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def scrub_endpoint(text: str, endpoint_url: str | None) -> str:
+    """``text`` with every copy of ``endpoint_url`` (and of its query and fragment) replaced by
+    :func:`redact_url`'s form: what botocore's messages may repeat verbatim."""
+    if not endpoint_url:
+        return text
+    text = text.replace(endpoint_url, redact_url(endpoint_url))
+    try:
+        parts = urlsplit(endpoint_url)
+    except ValueError:
+        return text
+    for secret in (parts.query, parts.fragment):
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
 def make_client(config: S3Config) -> Any:
+    """A boto3 S3 client for ``config``; ConfigError when botocore refuses the settings."""
     try:
         import boto3
         from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, InvalidRegionError
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ConfigError(
             "S3 storage needs boto3: pip install 'deltasync[s3]' (boto3==1.43.117)"
         ) from exc
-    session = boto3.session.Session(
-        aws_access_key_id=config.access_key_id,
-        aws_secret_access_key=config.secret_access_key,
-        aws_session_token=config.session_token,
-        region_name=config.region,
-    )
-    client_config = Config(
-        # One attempt per call inside botocore: retries are ours, so they are bounded by
-        # S3Config.retry and put_if_absent can tell a lost reply from a lost race.
-        retries={"total_max_attempts": 1, "mode": "standard"},
-        connect_timeout=config.connect_timeout_s,
-        read_timeout=config.read_timeout_s,
-        max_pool_connections=config.max_pool_connections,
-        s3={"addressing_style": config.addressing_style},
-    )
-    return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
+    try:
+        session = boto3.session.Session(
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            aws_session_token=config.session_token,
+            region_name=config.region,
+        )
+        client_config = Config(
+            # One attempt per call inside botocore: retries are ours, so they are bounded by
+            # S3Config.retry and put_if_absent can tell a lost reply from a lost race.
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.read_timeout_s,
+            max_pool_connections=config.max_pool_connections,
+            s3={"addressing_style": config.addressing_style},
+        )
+        return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
+    except InvalidRegionError as exc:
+        raise ConfigError(
+            f"S3Config.region {config.region!r} is refused by botocore: {exc}"
+        ) from None
+    except (BotoCoreError, ValueError) as exc:
+        # e.g. "Invalid endpoint: URL": botocore repeats the URL, so it is scrubbed, and the
+        # cause is dropped for the same reason (a traceback would print it again).
+        why = scrub_endpoint(f"{type(exc).__name__}: {exc}", config.endpoint_url)
+        raise ConfigError(
+            f"S3 client could not be built from {config!r} (check S3Config.endpoint_url, "
+            f"region and addressing_style): {why}"
+        ) from None
 
 
 def _read_at_most(body: Any, limit: int) -> bytes:
@@ -289,13 +341,18 @@ class S3Store:
                 ) from last
             raise StoreError(
                 f"S3 {what} of {self._url(key)} failed after {exc.attempts} attempts over "
-                f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {last}. Is the server reachable? "
-                "Raise S3Config.retry to wait longer"
+                f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {self._scrub(last)}. Is the "
+                "server reachable? Raise S3Config.retry to wait longer"
             ) from last
         except ClientError as exc:
             raise self._map_client_error(what, key, exc) from exc
         except BotoCoreError as exc:
-            raise StoreError(f"S3 {what} of {self._url(key)} failed: {exc}") from exc
+            raise StoreError(f"S3 {what} of {self._url(key)} failed: {self._scrub(exc)}") from exc
+
+    def _scrub(self, exc: BaseException) -> str:
+        """``str(exc)`` of a botocore exception, with the endpoint as :func:`redact_url` prints
+        it (S3Config refuses a query string; this is the backstop for what botocore echoes)."""
+        return scrub_endpoint(str(exc), self.config.endpoint_url)
 
     def _map_client_error(self, what: str, key: str, exc: BaseException) -> StoreError:
         code, status = error_code(exc)
@@ -319,7 +376,9 @@ class S3Store:
                 "expired or is not valid. Renew the credentials (a new S3Config, or boto3's "
                 "default chain with a source that refreshes them)"
             )
-        return StoreError(f"S3 {what} of {self._url(key)} failed: {code or status}: {exc}")
+        return StoreError(
+            f"S3 {what} of {self._url(key)} failed: {code or status}: {self._scrub(exc)}"
+        )
 
     # --- reads --------------------------------------------------------------------------
 

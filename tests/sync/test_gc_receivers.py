@@ -1,0 +1,137 @@
+"""``deltasync gc`` (and retention under it) forgets the registrations of receivers that are
+long dead, and never those of a live or briefly paused receiver: a registration goes once its
+heartbeat is older than ``--forget-receivers-after`` (a day by default), and never before it
+is older than both ``--receiver-ttl`` and ``--orphan-grace``. A receiver that comes back
+registers again on its next pull."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from deltasync import names
+from deltasync.cli import main
+from deltasync.commit import Catalog, ReceiverRecord, collect_garbage
+from deltasync.publish import Publisher, PublisherConfig, TrainerSync
+from deltasync.receiver import Receiver
+from deltasync.trainer import SnapshotTracker
+
+from sync_kit import TinyTrainer, layouts, rconfig, scratch_store, zero_tensors
+
+DAY = 86400.0
+
+
+def _published_store(tmp_path, versions: int = 3):
+    spec, _, rl = layouts()
+    path = tmp_path / "store"
+    store = scratch_store(path)
+    trainer = TinyTrainer(spec, density=0.02)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=10))
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    for v in range(versions):
+        if v:
+            trainer.step()
+        sync.step_published(v)
+    return path, store, rl
+
+
+def _register(store, receiver: str, age_s: float, version: int = 1) -> str:
+    rec = ReceiverRecord(
+        receiver=receiver, shard="tp0", version=version, updated_at=time.time() - age_s
+    )
+    store.put(rec.key, rec.to_json())
+    return rec.key
+
+
+@pytest.mark.timeout(60)
+def test_gc_forgets_registrations_dead_for_a_day_and_a_dry_run_only_lists_them(tmp_path, capsys):
+    path, store, _ = _published_store(tmp_path)
+    dead = [_register(store, f"pod-{i}", age_s=DAY + 60) for i in range(5)]
+    kept = {
+        _register(store, "live", age_s=1),
+        _register(store, "paused-for-an-hour", age_s=3600),
+        _register(store, "skewed-clock", age_s=-5),
+    }
+    before = sorted(store.list(""))
+
+    assert main(["gc", str(path), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sorted(store.list("")) == before, "a dry run deleted something"
+    assert plan["receivers"] == [f"pod-{i}" for i in range(5)]
+    assert set(dead) <= set(plan["keys"]) and not kept & set(plan["keys"])
+
+    assert main(["gc", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "forgot 5 registration(s) of receivers without a heartbeat for over 86400 s" in out
+    assert sorted(store.list(names.RECEIVERS_PREFIX)) == sorted(kept)
+
+    # a shorter threshold, asked for: the receiver paused for an hour goes too
+    assert main(["gc", str(path), "--forget-receivers-after", "1800", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["receivers"] == ["paused-for-an-hour"]
+    assert not store.exists(names.receiver_key("paused-for-an-hour"))
+    assert store.exists(names.receiver_key("live"))
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_is_never_forgotten_before_its_ttl_and_the_orphan_grace_have_passed(
+    tmp_path, capsys
+):
+    path, store, _ = _published_store(tmp_path)
+    _register(store, "paused-past-ttl", age_s=300)  # not live (ttl 120), within the grace
+    _register(store, "paused-within-ttl", age_s=100)
+    argv = ["gc", str(path), "--forget-receivers-after", "1", "--json"]
+    assert main([*argv, "--receiver-ttl", "120", "--orphan-grace", "600"]) == 0
+    assert json.loads(capsys.readouterr().out)["receivers"] == []
+    assert main([*argv, "--receiver-ttl", "120", "--orphan-grace", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["receivers"] == ["paused-past-ttl"]
+    assert store.exists(names.receiver_key("paused-within-ttl"))
+
+
+@pytest.mark.timeout(60)
+def test_a_forgotten_receiver_registers_again_on_its_next_pull(tmp_path, capsys):
+    path, store, rl = _published_store(tmp_path)
+    rec = Receiver.for_layout(
+        store, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("sleeper")
+    )
+    assert rec.pull().version == 2
+    key = names.receiver_key("sleeper")
+    assert Catalog(store).receivers()["sleeper"].version == 2
+    # it sleeps for two days: its last heartbeat is that old when gc runs
+    stale = ReceiverRecord(
+        receiver="sleeper", shard="tp0", version=2, updated_at=time.time() - 2 * DAY
+    )
+    store.put(key, stale.to_json())
+    assert main(["gc", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["receivers"] == ["sleeper"]
+    assert not store.exists(key)
+
+    report = rec.pull()
+    assert report.version == 2 and not report.records_pending
+    back = Catalog(store).receivers()["sleeper"]
+    assert back.version == 2 and time.time() - back.updated_at < 60
+
+
+@pytest.mark.timeout(60)
+def test_retention_keeps_every_registration_when_forgetting_is_off(tmp_path):
+    _, store, _ = _published_store(tmp_path)
+    key = _register(store, "ancient", age_s=365 * DAY)
+    plan = collect_garbage(
+        store,
+        Catalog(store),
+        keep_versions=1,
+        receiver_ttl_s=120,
+        forget_receivers_after_s=math.inf,
+    )
+    assert plan.receivers == () and key not in plan.keys and store.exists(key)
+    plan = collect_garbage(store, Catalog(store), keep_versions=1, receiver_ttl_s=120)
+    assert plan.receivers == ("ancient",) and plan.keys[-1] == key and not store.exists(key)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan"])
+def test_the_forget_threshold_must_be_a_positive_number_of_seconds(tmp_path, capsys, bad):
+    path, _, _ = _published_store(tmp_path, versions=1)
+    assert main(["gc", str(path), f"--forget-receivers-after={bad}"]) == 2
+    assert "--forget-receivers-after must be a number of seconds > 0" in capsys.readouterr().err
