@@ -32,12 +32,13 @@ from sync_kit import (
 
 
 class Rig:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, signing_key=None):
         self.spec, self.tl, self.rl = layouts()
         self.path = tmp_path / "store"
         self.store = scratch_store(self.path)
         self.trainer = TinyTrainer(self.spec, density=0.02)
-        pub = Publisher(self.store, receiver_layout=self.rl, config=PublisherConfig(anchor_every=3))
+        config = PublisherConfig(anchor_every=3, signing_key=signing_key)
+        pub = Publisher(self.store, receiver_layout=self.rl, config=config)
         self.sync = TrainerSync(
             SnapshotTracker(self.trainer.named_parameters()), pub, self.trainer.params
         )
@@ -223,3 +224,31 @@ def test_pull_keeps_a_safetensors_file_equal_to_the_split_across_restarts(tmp_pa
     assert _pull(rig, tmp_path, "--once") == 0
     assert "restoring an anchor" in capsys.readouterr().out
     assert_same_bits(load_file(str(file)), want["tp1"])
+
+
+@pytest.mark.timeout(60)
+def test_gc_that_verifies_no_committed_version_says_so_instead_of_collecting_nothing(
+    tmp_path, capsys
+):
+    # With the wrong key nothing verifies, so retention deletes no version, ever: gc exited 0
+    # reporting LATEST as committed, and a store silently stopped being collected.
+    signing, wrong = b"k" * 32, b"w" * 32
+    rig = Rig(tmp_path, signing_key=signing)
+    rig.publish(6)
+    keys = {}
+    for name, key in (("right", signing), ("wrong", wrong)):
+        keys[name] = tmp_path / name
+        keys[name].write_bytes(key)
+        keys[name].chmod(0o600)
+    before = sorted(rig.store.list(""))
+    gc = ["gc", str(rig.path), "--keep", "1"]
+    assert main([*gc, "--key-file", str(keys["wrong"])]) == 2
+    err = capsys.readouterr().err
+    assert "SignatureError" in err and "LATEST names version 5" in err and "--key-file" in err
+    assert sorted(rig.store.list("")) == before
+    assert main([*gc, "--key-file", str(keys["right"]), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["committed"] == 5 and plan["versions"] == [0, 1, 2]
+    # a key file that cannot be read is named before the store is opened
+    assert main(["gc", str(tmp_path / "nowhere"), "--key-file", str(tmp_path / "nokey")]) == 2
+    assert "key file" in capsys.readouterr().err

@@ -31,7 +31,7 @@ from deltasync.commands.inspect_store import (
     open_deltasync_store,
     read_key,
 )
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, SignatureError
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -58,10 +58,11 @@ def _run(args: argparse.Namespace) -> int:
     from deltasync.commit import Catalog, collect_garbage
 
     _check(args)
+    key = read_key(args)  # a bad key file is named before the store is touched
     store = open_deltasync_store(args, "gc")
     if store is None:
         return EXIT_NOT_A_STORE  # nothing was deleted
-    catalog = Catalog(store, signing_key=read_key(args))
+    catalog = Catalog(store, signing_key=key)
     plan = collect_garbage(
         store,
         catalog,
@@ -71,11 +72,26 @@ def _run(args: argparse.Namespace) -> int:
         orphan_grace_s=args.orphan_grace,
         forget_receivers_after_s=args.forget_receivers_after,
     )
+    latest = catalog.latest()
+    if latest is not None and plan.committed is None:
+        # Retention plans from verified manifests only: none verifies, so nothing a version
+        # holds was deleted, and never will be. Said, not hidden behind a log line and rc 0.
+        raise SignatureError(
+            f"no committed version of {args.store!r} verifies (LATEST names version {latest})"
+            + (
+                " under the key in --key-file: a wrong key, or a store signed with another"
+                if key is not None
+                else ": its manifests do not parse (damaged, or written by another release)"
+            )
+            + f". No version is deleted until one does; {len(plan.keys)} key(s) "
+            + ("would be" if args.dry_run else "were")
+            + " deleted (registrations of receivers gone for long)"
+        )
     if args.json:
         emit_json_line(
             {
                 "dry_run": args.dry_run,
-                "committed": catalog.latest(),
+                "committed": plan.committed,
                 "versions": list(plan.versions),
                 "keys": list(plan.keys),
                 "deferred": list(plan.deferred),

@@ -327,10 +327,11 @@ def open_deltasync_store(args: argparse.Namespace, command: str):
 def _run(args: argparse.Namespace) -> int:
     if args.last < 0:
         raise ConfigError(f"--last must be >= 0, got {args.last}")
+    key = read_key(args)  # a bad key file is named before the store is touched
     store = open_deltasync_store(args, "inspect")
     if store is None:
         return EXIT_NOT_A_STORE
-    info = collect(store, last=args.last, signing_key=read_key(args))
+    info = collect(store, last=args.last, signing_key=key)
     try:
         if args.json:
             emit_json_line(info, sort_keys=True)

@@ -104,6 +104,9 @@ class GcPlan:
     deferred: tuple[int, ...] = ()
     # receivers whose registrations are deleted (their keys end ``keys``): dead for long enough
     receivers: tuple[str, ...] = ()
+    # the newest committed version whose manifest verifies, which the plan starts from (None:
+    # none does, and no version is deleted)
+    committed: int | None = None
 
 
 def plan_forgotten_receivers(
@@ -257,6 +260,7 @@ def collect_garbage(
         live_versions=live,
         keep_versions=keep_versions,
     )
+    plan = replace(plan, committed=committed)
     if deferred:
         log.info(
             "retention: attempt(s) at version(s) %s never committed and are kept for now: a "
