@@ -99,3 +99,26 @@ def test_inspect_takes_s3_endpoint_with_an_upper_case_scheme(
     assert main([*argv, "--json"]) == 0, capsys.readouterr().err
     info = json.loads(capsys.readouterr().out)
     assert [r["receiver"] for r in info["receivers"]] == ["pull-tp0"]
+
+
+def test_the_cli_sets_the_s3_read_timeout_and_retry_deadline_its_errors_tell_to_raise(tmp_path):
+    # "Raise S3Config.retry to wait longer" could not be acted on from the command line.
+    import argparse
+
+    from deltasync.commands.inspect_store import add_store_arguments, open_store_from_args
+
+    parser = argparse.ArgumentParser()
+    add_store_arguments(parser)
+    endpoint = ["--s3-endpoint", "http://127.0.0.1:9"]
+    tuned = ["--s3-read-timeout", "7.5", "--s3-retry-deadline", "120"]
+    args = parser.parse_args(["s3://bkt/run", *endpoint, *tuned])
+    store = open_store_from_args(args)
+    assert store.config.read_timeout_s == 7.5 and store.config.retry.deadline_s == 120
+    store.close()
+    for flag, value in (("--s3-read-timeout", "-1"), ("--s3-retry-deadline", "nan")):
+        bad = parser.parse_args(["s3://bkt/run", flag, value])
+        with pytest.raises(ConfigError):
+            open_store_from_args(bad)
+        local = parser.parse_args([str(tmp_path), flag, "5"])
+        with pytest.raises(ConfigError, match=f"{flag} only appl"):
+            open_store_from_args(local)

@@ -60,6 +60,19 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "path", "virtual"),
         help="S3 addressing style (default: auto; path for most self-hosted servers)",
     )
+    p.add_argument(
+        "--s3-read-timeout",
+        type=float,
+        metavar="S",
+        help="seconds one S3 read may stall before it fails (S3Config.read_timeout_s; default 60)",
+    )
+    p.add_argument(
+        "--s3-retry-deadline",
+        type=float,
+        metavar="S",
+        help="seconds from an S3 call's first attempt within which failed attempts are retried "
+        "(S3Config.retry.deadline_s; default 30)",
+    )
 
 
 def local_path(url: str) -> Path | None:
@@ -76,6 +89,7 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
     """The store the arguments name; ``must_exist`` refuses a local path that is not an
     existing directory instead of creating it."""
     from deltasync.store import S3Config, open_store
+    from deltasync.store.base import RetryPolicy
     from deltasync.store.factory import url_scheme
 
     path = local_path(args.store)
@@ -84,14 +98,29 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
             f"{args.store!r} is not a directory: not a deltasync store (nothing was created)"
         )
     s3 = None
+    given = {
+        flag: value
+        for flag, value in (
+            ("--s3-endpoint", args.s3_endpoint),
+            ("--s3-read-timeout", args.s3_read_timeout),
+            ("--s3-retry-deadline", args.s3_retry_deadline),
+        )
+        if value is not None
+    }
     if url_scheme(args.store) == "s3":  # as open_store routes it (``S3://`` too)
+        tuned: dict = {}
+        if args.s3_read_timeout is not None:
+            tuned["read_timeout_s"] = args.s3_read_timeout
+        if args.s3_retry_deadline is not None:
+            tuned["retry"] = RetryPolicy(deadline_s=args.s3_retry_deadline)
         s3 = S3Config(
             endpoint_url=args.s3_endpoint,
             region=args.s3_region,
             addressing_style=args.s3_addressing_style,
+            **tuned,
         )
-    elif args.s3_endpoint:
-        raise ConfigError("--s3-endpoint is only meaningful with an s3:// store URL")
+    elif given:
+        raise ConfigError(f"{', '.join(given)} only apply to an s3:// store URL")
     return open_store(args.store, s3=s3)
 
 
