@@ -12,7 +12,10 @@ alone), ``latency_s`` (= ``total_s``: end of the optimizer step -> every receive
 v), ``floor_s`` and ``latency_over_floor`` (see ``compare/floor.py``), ``bytes``, and the peak
 memory of each role (``trainer_overhead_bytes`` above model + optimizer,
 ``receiver_peak_rss_bytes``, ``receiver_overhead_bytes`` above interpreter + torch). Every
-version is checked exact: each receiver's state digest against the trainer's dense split.
+version is checked exact: each receiver's state digest against the trainer's dense split, and
+every system (every round) must have run on the same versions: the digests of that dense split
+at each version equal across them. A version that is not exact, warm-up included, marks its
+system's rows and per-path JSON ``exact`` false and is named in the JSON's ``failures``.
 """
 
 from __future__ import annotations
@@ -99,12 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _floor(res: dict[str, dict], model_bytes: int, gbps: float | None, memory_gbps: float):
     """The path's floor from its measured medians: the fewest bytes any system sent, and the
-    busiest shard's changed elements (the exact change set where a system reports it)."""
+    busiest shard's changed elements (the fewest any system reports: snapshot's exact change
+    set, deltasync's; none when neither ran)."""
     payload = min(m["bytes"] for m in res.values())
     per_shard = [m["max_shard_elements"] for m in res.values() if m.get("max_shard_elements")]
-    changed = [m["changed_elements"] for m in res.values() if m.get("changed_elements")]
     shard_elements = int(max(m["shard_bytes"] for m in res.values()) // 2)
-    scatter = min(per_shard) if per_shard else (min(changed) if changed else 0)
+    scatter = min(per_shard) if per_shard else 0
     return floor_of(
         trainer_elements=model_bytes // 2,
         payload_bytes=payload,
@@ -143,6 +146,33 @@ def _rounds_line(path: str, per_round: dict[str, list]) -> str:
     return f"  {path}, deltasync per round: {'; '.join(parts)}"
 
 
+def _version_mismatches(by_round: list[dict[str, SystemRun]]) -> list[tuple[str, str]]:
+    """``(system, message)`` for every system run whose trainer's BF16 params (the digests of
+    their dense split) differ at some version from the first run's: systems are compared on
+    the same versions, or not at all. Versions a failed run never reached are not compared."""
+    runs = [
+        (f"{s} (round {r + 1})" if len(by_round) > 1 else s, s, one)
+        for r, got in enumerate(by_round)
+        for s, one in got.items()
+    ]
+    if not runs:
+        return []
+    ref_label, _, ref = runs[0]
+    out = []
+    for label, system, one in runs[1:]:
+        for version in sorted(one.expected.keys() & ref.expected.keys()):
+            if one.expected[version] != ref.expected[version]:
+                out.append(
+                    (
+                        system,
+                        f"{label} v{version}: the trainer's BF16 params differ from "
+                        f"{ref_label}'s (the systems did not run on the same versions)",
+                    )
+                )
+                break
+    return out
+
+
 SYSTEMS = ("dense", "snapshot", "deltasync")
 
 
@@ -174,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
         f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s on "
         f"{args.fwd_bwd_on}"
     )
-    runs, all_exact, headline = [], True, None
+    runs, all_exact, headline, failures = [], True, None, []
     for model in models:
         lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
         for lr in lrs:
@@ -212,6 +242,11 @@ def main(args: argparse.Namespace) -> int:
                     pooled.model_bf16_bytes = one.model_bf16_bytes
                     pooled.records += one.records
                     pooled.exact &= one.exact
+                    failures += one.failures
+            for s, message in _version_mismatches(by_round):
+                print(f"  NOT EXACT: {message}", flush=True)
+                sys_runs[s].exact = False
+                failures.append(message)
             model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
             changed = [
                 r.changed_elements
@@ -223,14 +258,23 @@ def main(args: argparse.Namespace) -> int:
                 res = {}
                 for s, sr in sys_runs.items():
                     recs = [r for r in sr.records if r.path == path.label]
+                    all_exact &= sr.exact
+                    if not recs:  # its run ended before this path (see NOT EXACT above)
+                        print(f"  {s}: no version measured on {path.label}", flush=True)
+                        continue
                     m = medians(recs)
                     m["changed_fraction"] = (
                         (sorted(changed)[len(changed) // 2] / (model_bytes / 2))
                         if changed
                         else None
                     )
+                    # not exact: any of its versions on this path, or any before (warm-up
+                    # included), since every later version builds on it
+                    m["exact"] = m["exact"] and sr.exact
                     res[s] = m
-                    all_exact &= sr.exact and m["exact"]
+                    all_exact &= m["exact"]
+                if not res:
+                    continue
                 fl = _floor(res, model_bytes, path.gbps, memory_gbps)
                 floors[path.label] = fl.total_s
                 for m in res.values():
@@ -277,5 +321,5 @@ def main(args: argparse.Namespace) -> int:
             "link_gbps": r0["link_gbps"],
             "results": r0["results"],
         }
-    emit_json({**(headline or {}), "exact": all_exact, "runs": runs})
+    emit_json({**(headline or {}), "exact": all_exact, "failures": failures, "runs": runs})
     return 0 if all_exact else 1

@@ -20,8 +20,11 @@ width and ``--layers`` decoder layers (the embedding, the trainer's memory peak,
 
 Memory is reported as a fraction of the BF16 model (the issue's unit). ``--profile`` runs the
 last version's background thread under cProfile and prints the top functions by cumulative
-time (the digest and upload threads are not in it). Ends with one JSON line; every version's
-receiver-visible state is checked against the manifest's digests (``exact``).
+time (the digest and upload threads are not in it). Ends with one JSON line. Every version is
+checked as published: after the timed part a real ``Receiver`` per shard pulls it from the
+store, and its tensors must equal a dense split of the trainer's BF16 params bit for bit
+(``exact``; a refused pull counts as not exact). A run that is not exact prints ``exact: NO``
+and exits 1.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pstats
 import resource
 import tempfile
 import time
+from contextlib import ExitStack
 
 import torch
 
@@ -42,13 +46,15 @@ from deltasync import (
     ModelSpec,
     Publisher,
     PublisherConfig,
+    Receiver,
+    ReceiverConfig,
     ReceiverLayout,
     TrainerLayout,
     TrainerSync,
 )
-from deltasync.layout.digest import state_digests
 from deltasync_bench.compare.memory import current_rss, peak_rss, reset_peak, trim
 from deltasync_bench.compare.workload import Workload, build_trainer
+from deltasync_examples.oracle import dense_shards, same_bits
 
 
 def _args() -> argparse.Namespace:
@@ -73,7 +79,25 @@ def _args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def main() -> None:
+def _pulled_exact(receivers: dict, live: dict, truth: dict, version: int) -> bool:
+    """Every receiver pulls ``version`` from the store; exact when each reached it and holds
+    ``truth`` (the dense split of the trainer's BF16 params) bit for bit. A refused pull (the
+    receiver's own digest check) is reported and counts as not exact."""
+    exact = True
+    for shard, rx in receivers.items():
+        try:
+            got = rx.pull().version
+        except Exception as exc:  # the receiver refused what was published
+            print(f"v{version} {shard}: pull refused: {type(exc).__name__}: {exc}", flush=True)
+            exact = False
+            continue
+        if got != version or not same_bits(live[shard], truth[shard]):
+            print(f"v{version} {shard}: reached v{got}, not bit-exact vs a dense split")
+            exact = False
+    return exact
+
+
+def main() -> int:
     a = _args()
     torch.set_num_threads(a.threads)
     w = Workload(
@@ -90,7 +114,9 @@ def main() -> None:
     tracker = AdamWTracker(trainer.opt, trainer.named)
     rows = []
     exact = True
-    with tempfile.TemporaryDirectory() as root:
+    with ExitStack() as stack:
+        root = stack.enter_context(tempfile.TemporaryDirectory())
+        rx_root = stack.enter_context(tempfile.TemporaryDirectory())
         store = LocalStore(root)
         pub = Publisher(
             store,
@@ -108,6 +134,25 @@ def main() -> None:
         )
         sync.step_published(0, anchor=True)
         sync.wait()
+        # The checking receivers (untimed): one per shard, pulling each version after its row.
+        live = {
+            s.id: {
+                n: torch.zeros(p.shape, dtype=p.dtype) for n, p in rlayout.local_specs(s.id).items()
+            }
+            for s in rlayout.shards()
+        }
+        receivers = {
+            sid: Receiver.for_layout(
+                store,
+                rlayout,
+                sid,
+                tensors,
+                f"{rx_root}/{sid}",
+                ReceiverConfig(receiver_id=f"rx-{sid}"),
+            )
+            for sid, tensors in live.items()
+        }
+        exact = _pulled_exact(receivers, live, dense_shards(params, tlayout, rlayout), 0)
         for v in range(1, a.versions + 1):
             trainer.step(v)
             trim()
@@ -166,9 +211,9 @@ def main() -> None:
                 upload_s=rep.upload_s,
                 commit_s=rep.commit_s,
             )
-            manifest = pub.catalog.manifest(v)
-            truth = state_digests(params, trainer_layout=tlayout, receiver_layout=rlayout)
-            exact = exact and truth == dict(manifest.shard_digests)
+            truth = dense_shards(params, tlayout, rlayout)
+            row["exact"] = _pulled_exact(receivers, live, truth, v)
+            exact = exact and row["exact"]
             rows.append(row)
             print(
                 " ".join(
@@ -182,6 +227,7 @@ def main() -> None:
                 pstats.Stats(prof).sort_stats(a.sort).print_stats(a.top)
         sync.close()
         pub.close()
+    print("exact:", "yes" if exact else "NO")
     print(
         json.dumps(
             dict(
@@ -194,7 +240,8 @@ def main() -> None:
             )
         )
     )
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,8 +11,10 @@ the 155 M-element embedding included, is hit evenly). Timed:
 
 Throughput counts canonical changed elements (an element held by several shards counts once).
 Checked after timing: on a smaller model with the same per-tensor tables (same dims, fewer
-layers) the routed indices of the timed run are compared with a dense ``split`` of random
-weights, element by element, and ``route_changes`` output is checked sorted and complete.
+layers) the timed runs' outputs are compared with a dense ``split`` of labelled weights,
+element by element: ``route``'s local indices and source positions, ``route_values``' local
+indices and values, and ``route_changes``' merged indices and values per local tensor (which
+must also be sorted and complete on the whole model).
 
     python bench/route_bench.py [--tp 4] [--fraction 0.01] [--repeat 3]
 
@@ -80,14 +82,16 @@ def best_of(fn, repeat: int) -> tuple[float, object]:
     return best, out
 
 
-def verify(cfg: dict, tp: int, routed: dict, merged: dict, changes: dict) -> int:
-    """Check the timed run's routing of a 1-layer model's tensors against a dense split.
+def verify(cfg: dict, tp: int, routed: dict, merged: dict, changes: dict, valued: dict) -> int:
+    """Check the timed runs' routing of a 1-layer model's tensors against a dense split.
 
     Splitting ``arange(1, numel + 1)`` labels every local element with the canonical element it
     holds (0 for padding), so for each local tensor the expected routed set is exactly the
-    labelled elements whose canonical index changed; the timed ``route`` output must equal it,
-    with ``indices[positions]`` naming the same canonical elements, and ``route_changes`` must
-    agree with ``route`` per local tensor.
+    labelled elements whose canonical index changed, and each one's value is that canonical
+    element's changed value. The timed ``route`` output must equal the set, with
+    ``indices[positions]`` naming the same canonical elements; ``route_values`` (``valued``)
+    must give the same local indices with their values, and ``route_changes`` (``merged``) the
+    whole sorted set per local tensor with its values, bit for bit.
     """
     small = ModelSpec.from_hf_config(dict(cfg, num_hidden_layers=1))
     layout = ReceiverLayout.build(small, "vllm", tp)
@@ -106,8 +110,10 @@ def verify(cfg: dict, tp: int, routed: dict, merged: dict, changes: dict) -> int
         }
     )
     changed = torch.zeros(total + 1, dtype=torch.bool)  # label 0 (padding) is never changed
+    value_of = torch.zeros(total + 1, dtype=torch.int16)  # each changed label's value bits
     for name in shapes:
         changed[changes[name][0] + (offsets[name] + 1)] = True
+        value_of[changes[name][0] + (offsets[name] + 1)] = changes[name][1].view(torch.int16)
     checked = 0
     for shard, tensors in shards.items():
         for local, lab in tensors.items():
@@ -124,6 +130,17 @@ def verify(cfg: dict, tp: int, routed: dict, merged: dict, changes: dict) -> int
                     raise SystemExit(
                         f"route_bench: {name} -> {shard}/{local}: elements routed to the wrong place"
                     )
+                v_idx, v_vals = valued[name].get(shard, {}).get(local, (None, None))
+                if v_idx is None or not torch.equal(v_idx, local_idx):
+                    raise SystemExit(
+                        f"route_bench: route_values {name} -> {shard}/{local}: indices differ "
+                        "from route's"
+                    )
+                want = value_of.index_select(0, lab.index_select(0, local_idx))
+                if not torch.equal(v_vals.view(torch.int16), want):
+                    raise SystemExit(
+                        f"route_bench: route_values {name} -> {shard}/{local}: wrong values"
+                    )
                 got.append(local_idx)
             got_all = torch.sort(torch.cat(got)).values if got else expected[:0]
             if not torch.equal(got_all, expected):
@@ -131,6 +148,16 @@ def verify(cfg: dict, tp: int, routed: dict, merged: dict, changes: dict) -> int
                     f"route_bench: {shard}/{local}: routed {got_all.numel()} elements, "
                     f"the dense split says {expected.numel()}"
                 )
+            if expected.numel():
+                m_idx, m_vals = merged.get(shard, {}).get(local, (expected[:0], None))
+                want = value_of.index_select(0, lab.index_select(0, expected))
+                if not torch.equal(m_idx, expected) or not torch.equal(
+                    m_vals.view(torch.int16), want
+                ):
+                    raise SystemExit(
+                        f"route_bench: route_changes {shard}/{local}: indices or values differ "
+                        "from the dense split"
+                    )
             checked += expected.numel()
     counts: dict[tuple[str, str], int] = {}
     for per_shard in routed.values():
@@ -172,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     n_changed = sum(idx.numel() for idx, _ in changes.values())
 
     timings: dict[int, dict[str, float]] = {}
-    routed = merged = None
+    routed = merged = valued = None
     for threads in thread_counts:
         torch.set_num_threads(threads)
         route_s, routed = best_of(lambda: run_route(layout, changes), args.repeat)
-        values_s, _ = best_of(lambda: run_route_values(layout, changes), args.repeat)
+        values_s, valued = best_of(lambda: run_route_values(layout, changes), args.repeat)
         changes_s, merged = best_of(lambda: layout.route_changes(changes), args.repeat)
         timings[threads] = {"route": route_s, "route_values": values_s, "route_changes": changes_s}
     torch.set_num_threads(default_threads)
@@ -184,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         li.numel() for per in routed.values() for d in per.values() for li, _ in d.values()
     )
 
-    checked = verify(QWEN3_06B, args.tp, routed, merged, changes)
+    checked = verify(QWEN3_06B, args.tp, routed, merged, changes, valued)
     # Floor: routing reads an index and writes (local index, position) per routed copy.
     gbps = memory_read_gbps(1 << 28)
     floor = gbps * 1e9 / (8 + 16 * n_local / n_changed)

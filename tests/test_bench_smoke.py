@@ -109,7 +109,8 @@ def _module_json(module: str, *args: str, timeout: float) -> dict:
 @pytest.mark.timeout(240)
 def test_publish_probe_on_a_small_model_is_exact() -> None:
     """The one-process store-path probe (TrainerSync(overlap=True) + Publisher, as users run it)
-    checks the receiver-visible state against the manifest's digests itself."""
+    checks what it published itself: a Receiver per shard pulls every version, bit for bit
+    against a dense split of the trainer's BF16 params."""
     out = _module_json(
         "deltasync_bench.publish_probe",
         *("--model", "qwen3-small", "--layers", "1", "--versions", "2", "--pre-steps", "1"),

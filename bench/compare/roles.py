@@ -64,7 +64,9 @@ class _Link:
 
     A system keeps one publisher or receiver (thread pools, caches, journal, its verified
     baseline) across versions and paths, as a deployment does; only the emulated link rate
-    changes between paths. Metadata calls stay free, as in ThrottledStore."""
+    changes between paths. The link is full duplex (ThrottledStore's default: the rate each
+    way, reads and writes in buckets of their own, like a real NIC), one per role process.
+    Metadata calls stay free, as in ThrottledStore."""
 
     def __init__(self, root: str) -> None:
         from deltasync import LocalStore
@@ -149,7 +151,7 @@ def trainer_main(spec: RoleSpec, conn) -> None:
             trainer.step(
                 version
             )  # the optimizer step (deltasync: its pre-step hook is the barrier)
-            detect_s = side.detect_alone()  # changes nothing: the sync detects again
+            detect_s = side.detect_alone(path)  # changes nothing: the sync detects again
             trim()  # free heap kept from earlier steps is not this sync's memory
             if hasattr(side, "last_bytes"):
                 side.last_bytes = None  # an overlapped sync sets it at settle: this version's

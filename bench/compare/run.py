@@ -4,7 +4,11 @@ Per (system, learning rate) it spawns one trainer and one receiver per distinct 
 a gloo group, on a fresh local store. After a bootstrap (version 0, untimed) and warm-up
 versions, it runs ``steps`` measured versions on each path: the shared store unthrottled, behind
 each emulated link rate, and in-cluster. Every receiver's state digest must equal the trainer's
-expected digest of ``split(bf16(trainer))`` at every version, or the run is not exact.
+expected digest of ``split(bf16(trainer))`` at every version, or the run is not exact; those
+expected digests are kept per version (``SystemRun.expected``) so that the caller can check
+that every system ran on the same versions. A version whose roles fail (a receiver refusing
+it, a trainer error) is recorded as not exact and ends that system's run, which returns what
+it measured so far.
 
 This module knows processes and bookkeeping; it knows nothing about what systems ship.
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 
 from deltasync_bench.compare.roles import RoleSpec, receiver_main, trainer_main
 from deltasync_bench.compare.workload import Workload
-from deltasync_examples.harness import recv_all, spawn
+from deltasync_examples.harness import ChildFailedError, ChildGoneError, recv_all, spawn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +83,7 @@ class SyncRecord:
     # keeps between versions, and heap it could not give back): the rest is the sync's own
     trainer_kept_bytes: int = 0
     max_shard_elements: int | None = None  # elements sent to the busiest receiver shard
+    expected: dict[str, str] = field(default_factory=dict)  # {shard: digest} of the truth
     # Where the latency went, seconds from the end of the optimizer step (store path: the
     # version visible, the slowest receiver's stage / verify / pause; see _timeline).
     timeline: dict | None = None
@@ -90,6 +95,15 @@ class SystemRun:
     model_bf16_bytes: int = 0
     records: list[SyncRecord] = field(default_factory=list)
     exact: bool = True
+    # {version: {shard: digest}} of the dense split of the trainer's BF16 params after each
+    # version (0: the bootstrap): every system must have run on the same ones
+    expected: dict[int, dict[str, str]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # what made it not exact, one line each
+
+    def fail(self, message: str, log=print) -> None:
+        self.exact = False
+        self.failures.append(message)
+        log(f"  NOT EXACT: {message}")
 
 
 def _free_port() -> int:
@@ -154,22 +168,42 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
         try:
             boot = roles.call(0, "bootstrap")
             out.model_bf16_bytes = boot["model_bf16_bytes"]
+            out.expected[0] = boot["expected"]
             for r in range(1, 1 + n_receivers):
                 got = roles.call(r, "bootstrap")
                 if got["digest"] != boot["expected"][got["shard"]]:
-                    raise RuntimeError(f"{system}: receiver {got['shard']} wrong after bootstrap")
+                    out.fail(f"{system} v0 (bootstrap): receiver {got['shard']} wrong", log)
+            if not out.exact:
+                return out
             version = 0
             plan = [(PathSpec(kind="store"), False)] * cfg.warmup
             for path in cfg.paths:
                 plan += [(path, True)] * cfg.steps
             for path, measured in plan:
                 version += 1  # noqa: SIM113 - numbering runs on across systems
-                rec = _one_version(roles, system, path, version, n_receivers)
-                out.exact &= rec.exact
+                try:
+                    rec = _one_version(roles, system, path, version, n_receivers)
+                except (ChildFailedError, ChildGoneError, TimeoutError) as exc:
+                    # a receiver refused the version, or a role failed: the roles' state is
+                    # unknown from here, so this system's run ends with what it measured
+                    log(f"  {system} v{version} ({path.label}): {exc}")
+                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    where = path.label + ("" if measured else ", warm-up")
+                    out.fail(f"{system} v{version} ({where}): failed: {first}", log)
+                    break
+                out.expected[version] = rec.expected
+                if not rec.exact:
+                    out.fail(
+                        f"{system} v{version} ({path.label}{'' if measured else ', warm-up'}): "
+                        "receiver state differs from the dense split of the trainer's BF16 params",
+                        log,
+                    )
                 if measured:
                     out.records.append(rec)
+                if measured or not rec.exact:
                     log(
-                        f"  {system:9s} {path.label:22s} v{version:<3d} total {rec.total_s:7.3f}s "
+                        f"  {system:9s} {path.label + ('' if measured else ' warm-up'):22s} "
+                        f"v{version:<3d} total {rec.total_s:7.3f}s "
                         f"stall {rec.trainer_stall_s:6.3f}s pause {rec.receiver_pause_s:6.3f}s "
                         f"{rec.bytes / 2**20:9.2f} MiB exact={rec.exact} trainer +mem "
                         f"{rec.trainer_overhead_bytes / 2**20:.1f} MiB (kept "
@@ -226,6 +260,7 @@ def _one_version(roles: _Roles, system: str, path: PathSpec, version: int, n: in
         barrier_s=tr["barrier_s"],
         max_shard_elements=tr.get("shard_elements"),
         timeline=timeline,
+        expected=expected,
     )
 
 

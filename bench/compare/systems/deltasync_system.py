@@ -40,6 +40,7 @@ from deltasync import (
     names,
 )
 from deltasync.cluster import RolePlan
+from deltasync.trainer.handoff import VALUES_IN_FLIGHT
 from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live, wait_for_key
 
 
@@ -94,11 +95,18 @@ class DeltasyncTrainer:
         self.sync.step_published(0, anchor=True)
         return sum(r.bytes_sent for r in self.sync.wait() or [])
 
-    def detect_alone(self) -> float | None:
-        """The tracker's detection pass (indices and values) on the current step; asking
-        again gives the same answer, so the sync right after detects it again."""
+    def detect_alone(self, path: str) -> float | None:
+        """The tracker's pass on the current step as the overlapped sync's capture runs it
+        (``iter_capture``): positions, the values of a chunked parameter's at most
+        ``VALUES_IN_FLIGHT`` changed elements, and on the store path a small delta's values
+        up to ``inline_below`` changed elements (the store path's sync passes no such budget
+        when it expects a large delta, so this reads a little more than it then). The
+        background reads the other values later, inside the latency; the shard digests the
+        capture can feed are not detection and are not hashed here. Asking again gives the
+        same answer, so the sync right after detects it again."""
+        budget = 0 if path == "cluster" or self.sync is None else self.sync.inline_below
         t = time.perf_counter()
-        for _ in self.tracker.iter_changes():
+        for _ in self.tracker.iter_capture(budget, values_max=VALUES_IN_FLIGHT):
             pass
         return time.perf_counter() - t
 

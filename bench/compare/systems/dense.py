@@ -44,7 +44,7 @@ class DenseTrainer:
     def bootstrap(self, store: Store) -> int:
         return self.store_sync(0, store)
 
-    def detect_alone(self) -> float | None:
+    def detect_alone(self, path: str) -> float | None:
         return None  # a dense refit detects nothing
 
     def settle(self) -> float:

@@ -44,7 +44,7 @@ class SnapshotTrainer:
                 changes[name] = (idx, flat.index_select(0, idx))
         return changes
 
-    def detect_alone(self) -> float | None:
+    def detect_alone(self, path: str) -> float | None:
         """Its detection: cast to BF16 and diff against the retained copy (nothing kept)."""
         t = time.perf_counter()
         self._diff(canonical_bf16(self.params, self.tlayout))
@@ -59,6 +59,10 @@ class SnapshotTrainer:
         self.prev = {n: t.reshape(-1) for n, t in cur.items()}
         self.last_changed_elements = sum(int(i.numel()) for i, _ in changes.values())
         routed = self.rlayout.route_changes(changes)
+        # the busiest shard's changed elements (the floor's scatter), from the exact change set
+        self.last_shard_elements = max(
+            (sum(int(i.numel()) for i, _ in per.values()) for per in routed.values()), default=0
+        )
         specs = {s.id: self.rlayout.local_specs(s.id) for s in self.rlayout.shards()}
         out = {}
         for shard in specs:

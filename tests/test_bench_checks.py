@@ -1,0 +1,354 @@
+"""The benchmarks' own checks catch what they claim to: each test feeds a benchmark one wrong
+element (a fake tracker that misses a change, a wrong anchor, a wrong routed value, a system on
+other versions, a refused version) and expects ``exact`` false and a non-zero exit, not a
+clean report. Small inputs: each runs in seconds."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from deltasync import AdamWTracker
+from deltasync.trainer.positions import Positions
+
+
+class _MissingTracker(AdamWTracker):
+    """A tracker with a bug: it misses the last changed element of the first parameter with
+    more than one (both in what it publishes and in what it reports)."""
+
+    def _miss_one(self, items):
+        missed = False
+        for name, x, *rest in items:
+            if not missed and len(x) > 1:
+                missed = True
+                x = Positions.of(x.indices()[:-1]) if isinstance(x, Positions) else x[:-1]
+                rest = [v if v is None else v[:-1] for v in rest]
+            yield (name, x, *rest)
+
+    def iter_capture(self, values_below, *, values_max=0, sink=None):
+        return self._miss_one(super().iter_capture(values_below, values_max=values_max, sink=sink))
+
+    def iter_changes(self, *, sink=None):
+        return self._miss_one(super().iter_changes(sink=sink))
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_publish_probe_reports_versions_its_receivers_refuse_as_not_exact(
+    monkeypatch, capsys
+) -> None:
+    from deltasync_bench import publish_probe
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(publish_probe, "AdamWTracker", _MissingTracker)
+    argv = ["publish_probe", "--model", "qwen3-small", "--layers", "1", "--versions", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--pre-steps", "1", "--threads", "1"])
+    try:
+        rc = publish_probe.main()
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 1 and "exact: NO" in out
+    assert _last_json(out)["exact"] is False
+
+
+@pytest.mark.timeout(120)
+def test_detect_dtensor_fails_when_detection_misses_a_changed_element() -> None:
+    """The plain and DTensor runs share the tracker's bug, so only the bitwise truth sees it."""
+    head = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["detect_dtensor", "--params", "2", "--rows", "64", "--cols", "64",
+                    "--repeat", "1"]
+        from deltasync_bench import detect_dtensor
+        from deltasync import AdamWTracker
+        from deltasync.trainer.positions import Positions
+        """
+    )
+    tail = (
+        "detect_dtensor.AdamWTracker = _MissingTracker\nraise SystemExit(detect_dtensor.main())\n"
+    )
+    code = head + inspect.getsource(_MissingTracker) + tail
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, check=False
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    out = _last_json(done.stdout)
+    assert out["exact"] is False and out["plain_missed"] == 1 and out["dtensor_missed"] == 1
+
+
+def test_format_bench_dense_fails_on_a_wrong_anchor(monkeypatch, capsys) -> None:
+    from deltasync_bench import format_bench
+
+    real = format_bench.apply_updates
+
+    def apply_with_a_wrong_anchor(updates, live):
+        written = real(updates, live)
+        if all(u.indices is None for u in updates):  # the anchor: one bit of one value wrong
+            next(iter(live.values())).view(-1).view(torch.int16)[0] ^= 1
+        return written
+
+    monkeypatch.setattr(format_bench, "apply_updates", apply_with_a_wrong_anchor)
+    argv = ["format_bench", "--elements", "200000", "--tensors", "2", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--dense"])
+    with pytest.raises(SystemExit) as failed:
+        format_bench.main()
+    assert failed.value.code not in (0, None)
+    out = capsys.readouterr().out
+    assert "exact: NO" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["exact"] is False and result["anchor_exact"] is False
+
+
+def _routed_small_model():
+    from deltasync.layout import ModelSpec, ReceiverLayout
+    from deltasync_bench import route_bench
+
+    cfg = dict(route_bench.QWEN3_06B, vocab_size=1000, hidden_size=256, intermediate_size=512)
+    spec = ModelSpec.from_hf_config(dict(cfg, num_hidden_layers=1))
+    layout = ReceiverLayout.build(spec, "vllm", 2)
+    changes = route_bench.change_sets(spec, 0.05, seed=0)
+    routed = route_bench.run_route(layout, changes)
+    valued = route_bench.run_route_values(layout, changes)
+    merged = layout.route_changes(changes)
+    return cfg, routed, merged, changes, valued
+
+
+def _flip_one_value(per_shard: dict) -> None:
+    shard = next(iter(per_shard))
+    local, (idx, vals) = next((k, v) for k, v in per_shard[shard].items() if v[1].numel())
+    vals = vals.clone()
+    vals.view(torch.int16)[-1] ^= 1
+    per_shard[shard][local] = (idx, vals)
+
+
+def test_route_bench_verify_checks_the_routed_values_against_a_dense_split() -> None:
+    from deltasync_bench import route_bench
+
+    cfg, routed, merged, changes, valued = _routed_small_model()
+    assert route_bench.verify(cfg, 2, routed, merged, changes, valued) > 0
+    _flip_one_value(merged)  # route_changes gives one wrong value
+    with pytest.raises(SystemExit, match="route_changes"):
+        route_bench.verify(cfg, 2, routed, merged, changes, valued)
+    cfg, routed, merged, changes, valued = _routed_small_model()
+    _flip_one_value(valued["model.embed_tokens.weight"])  # route_values gives one wrong value
+    with pytest.raises(SystemExit, match="route_values"):
+        route_bench.verify(cfg, 2, routed, merged, changes, valued)
+
+
+def test_snapshot_reports_its_busiest_shards_changed_elements_for_the_floor() -> None:
+    """Without deltasync in --systems the floor's scatter is still the busiest shard's count."""
+    from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+    from deltasync.store import MemoryStore
+    from deltasync_bench.compare.systems.base import canonical_bf16
+    from deltasync_bench.compare.systems.snapshot import SnapshotTrainer
+    from deltasync_bench.compare.workload import Workload, build_trainer
+
+    w = Workload(model="qwen3-tiny", lr=1e-4, pre_steps=1)
+    trainer = build_trainer(w)
+    trainer.step(-1)
+    spec = ModelSpec.from_hf_config(w.hf_config())
+    tlayout, rlayout = TrainerLayout.build(spec), ReceiverLayout.build(spec, engine="vllm", tp=2)
+    side = SnapshotTrainer(params=trainer.params(), tlayout=tlayout, rlayout=rlayout, timeout_s=9)
+    store = MemoryStore()
+    side.bootstrap(store)
+    before = canonical_bf16(trainer.params(), tlayout)
+    trainer.step(1)
+    side.store_sync(1, store)
+    after = canonical_bf16(trainer.params(), tlayout)
+    changes = {}
+    for name, t in after.items():  # the bitwise truth, routed to the shards
+        new, old = t.reshape(-1).view(torch.int16), before[name].reshape(-1).view(torch.int16)
+        idx = torch.nonzero(new != old).reshape(-1)
+        changes[name] = (idx, t.reshape(-1)[idx])
+    busiest = max(
+        sum(int(i.numel()) for i, _ in per.values())
+        for per in rlayout.route_changes(changes).values()
+    )
+    assert side.last_shard_elements == busiest
+    assert 0 < busiest < side.last_changed_elements  # TP=2: a shard holds part of the change
+
+
+# --- deltasync bench (compare): the orchestrator and main, with fake roles and runs ---------
+
+
+def _tr(version: int) -> dict:
+    t = float(version)
+    return dict(
+        t0=t,
+        t_exchange=t + 0.01,
+        t1=t + 0.01,
+        t_commit=t + 0.02,
+        t_fb=t + 0.03,
+        stall_s=0.01,
+        detect_s=0.001,
+        fwd_bwd_cpu_s=0.01,
+        sync_cpu_s=0.01,
+        fwd_bwd_with_s=0.01,
+        barrier_s=0.0,
+        overhead_s=0.01,
+        bytes=1000,
+        peak_rss=10,
+        overhead_bytes=1,
+        kept_bytes=0,
+    )
+
+
+def _rx(version: int, shard: str, digest: str) -> dict:
+    return dict(
+        t_recv=version + 0.01,
+        t_done=version + 0.05,
+        transfer_s=0.01,
+        pause_s=0.001,
+        cpu_s=0.01,
+        digest=digest,
+        shard=shard,
+        shard_bytes=100,
+        rss_base=1,
+        peak_rss=2,
+    )
+
+
+class _FakeRoles:
+    """Roles that answer like the real ones: receiver tp0 holds a wrong element at version
+    ``wrong``, and refuses version ``refused`` (the receiver's IntegrityError)."""
+
+    wrong, refused = 1, 3
+
+    def __init__(self, *_a, **_k) -> None:
+        self.version = 0
+
+    def _truth(self, version: int) -> dict[str, str]:
+        return {"tp0": f"a{version}", "tp1": f"b{version}"}
+
+    def call(self, rank: int, op: str, *args) -> dict:
+        if op == "bootstrap":
+            if rank == 0:
+                return {"model_bf16_bytes": 400, "expected": self._truth(0)}
+            shard = f"tp{rank - 1}"
+            return {"digest": self._truth(0)[shard], "shard": shard}
+        assert op == "expected"
+        return {"expected": self._truth(self.version)}
+
+    def send(self, rank: int, op: str, version: int, *args) -> None:
+        self.version = version
+
+    def recv_all(self, ranks) -> list[dict]:
+        from deltasync_examples.harness import ChildFailedError
+
+        v = self.version
+        if v == self.refused:
+            raise ChildFailedError("bench deltasync receiver rank 1 failed: IntegrityError: x")
+        truth = self._truth(v)
+        rx0 = "wrong" if v == self.wrong else truth["tp0"]
+        return [_tr(v), _rx(v, "tp0", rx0), _rx(v, "tp1", truth["tp1"])]
+
+    def close(self) -> None:
+        pass
+
+
+def test_run_system_records_a_wrong_warm_up_and_a_refused_version_as_not_exact(
+    monkeypatch,
+) -> None:
+    from deltasync_bench.compare import run
+    from deltasync_bench.compare.workload import Workload
+
+    monkeypatch.setattr(run, "_Roles", _FakeRoles)
+    cfg = run.RunConfig(
+        workload=Workload(model="qwen3-tiny"),
+        paths=(run.PathSpec(kind="store"), run.PathSpec(kind="store", gbps=1.0)),
+        warmup=1,
+        steps=1,
+    )
+    lines: list[str] = []
+    got = run.run_system(cfg, "deltasync", 2, log=lines.append)  # no exception: a report
+    assert got.exact is False
+    assert [r.version for r in got.records] == [2]  # v3 was refused: the run ended there
+    assert any("v1" in f and "warm-up" in f for f in got.failures), got.failures
+    assert any("v3" in f and "IntegrityError" in f for f in got.failures), got.failures
+    assert any("v1" in line and "exact=False" in line for line in lines), lines
+    assert sorted(got.expected) == [0, 1, 2]
+
+
+def _system_run(system: str, *, exact: bool = True, differ_at: int | None = None):
+    from deltasync_bench.compare.run import SyncRecord, SystemRun
+
+    one = SystemRun(system=system, model_bf16_bytes=400, exact=exact)
+    one.expected = {v: {"tp0": f"a{v}" + ("x" if v == differ_at else "")} for v in range(3)}
+    for v, path in ((1, "store @ 1 Gbit/s"),):
+        one.records.append(
+            SyncRecord(
+                system=system,
+                path=path,
+                version=v,
+                total_s=0.1,
+                trainer_stall_s=0.01,
+                transfer_s=0.01,
+                receiver_pause_s=0.01,
+                bytes=1000,
+                trainer_peak_rss_bytes=1,
+                trainer_overhead_bytes=1,
+                receiver_peak_rss_bytes=1,
+                receiver_overhead_bytes=1,
+                shard_bytes=200,
+                exact=True,
+                changed_elements=10,
+                max_shard_elements=6 if system != "dense" else None,
+            )
+        )
+    if not exact:
+        one.failures.append(f"{system} v1 (store (unthrottled), warm-up): differs")
+    return one
+
+
+def _compare_main(monkeypatch, tmp_path, capsys, runs: dict) -> tuple[int, dict, str]:
+    import argparse
+
+    from deltasync_bench import compare_bench
+
+    monkeypatch.setattr(compare_bench, "measure_memory_gbps", lambda: 10.0)
+    monkeypatch.setattr(compare_bench, "run_system", lambda cfg, s, n: runs[s])
+    p = argparse.ArgumentParser()
+    compare_bench.add_arguments(p)
+    args = p.parse_args(
+        [
+            *("--model", "qwen3-tiny", "--steps", "1", "--link-gbps", "1", "--no-unthrottled"),
+            *("--no-cluster", "--systems", ",".join(runs), "--out", str(tmp_path)),
+        ]
+    )
+    rc = compare_bench.main(args)
+    out = capsys.readouterr().out
+    return rc, _last_json(out), out
+
+
+def test_compare_marks_a_system_with_a_wrong_warm_up_not_exact_in_its_rows(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    runs = {"dense": _system_run("dense", exact=False), "snapshot": _system_run("snapshot")}
+    rc, out, _ = _compare_main(monkeypatch, tmp_path, capsys, runs)
+    assert rc == 1 and out["exact"] is False
+    assert out["results"]["dense"]["exact"] is False  # its measured versions were all exact
+    assert out["results"]["snapshot"]["exact"] is True
+    assert any("dense v1" in f for f in out["failures"])
+    # the floor's scatter: the busiest shard's changed elements, without deltasync too
+    assert out["floor"]["scatter_elements"] == 6
+
+
+def test_compare_fails_when_systems_ran_on_different_versions(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    runs = {"dense": _system_run("dense"), "snapshot": _system_run("snapshot", differ_at=2)}
+    rc, out, text = _compare_main(monkeypatch, tmp_path, capsys, runs)
+    assert rc == 1 and out["exact"] is False
+    assert out["results"]["snapshot"]["exact"] is False
+    assert any("snapshot v2" in f and "same versions" in f for f in out["failures"])
+    assert "NOT EXACT: snapshot v2" in text
