@@ -518,9 +518,8 @@ class TrainerSync:
                 except Exception:
                     pass
             raise
-        # The carry first: an interrupt inside clear() then costs extra elements, never lost ones
-        self._carry = captured
         self.tracker.clear()
+        self._carry = captured
         self._expect_large = not anchor and count >= self.inline_below
         pending.captured_s = time.perf_counter() - t
         pending._end_detection(t)
@@ -594,8 +593,8 @@ class TrainerSync:
             return
         finally:
             items.close()  # the tracker's pass ends here, on this thread
-        self._carry = captured  # before clear(), as on the caller's thread
         self.tracker.clear()
+        self._carry = captured
         self._expect_large = sum(len(p) for p in captured.values()) >= self.inline_below
         pending._end_detection(started)
         handoff.close()
@@ -666,7 +665,6 @@ class TrainerSync:
             fed = fed_entries
         elif feed is not None:
             fed = feed.entries()
-        before = [pub.baseline for pub in self.publishers]
         try:
             reports = []
             for i, pub in enumerate(self.publishers):
@@ -701,16 +699,6 @@ class TrainerSync:
             pending.committed = True  # whatever the ack wait below does
             self._wait_acks(pending.version)
             return reports
-        except BaseException:
-            # Committed by every publisher before the failure (an interrupt while LATEST was
-            # advanced): reported as committed, as the version is.
-            if not pending.committed and all(
-                pub.baseline == pending.version != was
-                for pub, was in zip(self.publishers, before, strict=True)
-            ):
-                self.baseline = pending.version
-                pending.committed = True
-            raise
         finally:
             pending.finished_at = time.time()
 
@@ -793,7 +781,6 @@ class TrainerSync:
             committed = pending.committed
             if committed:
                 self._carry = {}
-                self._baseline_counters = pending.counters
             else:
                 log.warning(
                     "version %d did not commit (%s: %s); its changes go out with the next "
@@ -806,8 +793,7 @@ class TrainerSync:
             raise PublishFailedError(
                 f"version {pending.version} "
                 + (
-                    "committed, but what follows a commit failed (advancing LATEST, or the wait "
-                    "for acknowledgements); the baseline is this version"
+                    "committed, but waiting for its acknowledgements failed"
                     if committed
                     else "did not commit; its changes are kept and go out with the next version: "
                     "call step_published again"
