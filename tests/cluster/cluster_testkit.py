@@ -614,8 +614,9 @@ def run_trainer_late(rank: int, setup: Setup, late_s: float) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        trainer = Trainer(setup, rank)
-        trainer.sender(setup).sync(0, anchor=True)
+        sender = Trainer(setup, rank).sender(setup)
+        dist.barrier()  # built on every rank: only the wait after the anchor is timed
+        sender.sync(0, anchor=True)
         time.sleep(late_s)  # still alive: the receivers' wait times out, no connection closes
         return out
     receiver = ClusterReceiver(
@@ -625,6 +626,7 @@ def run_trainer_late(rank: int, setup: Setup, late_s: float) -> dict:
         version=None,
         config=replace(setup.config(), wait_for_version_s=setup.timeout_s),
     )
+    dist.barrier()
     receiver.sync()
     out["fault"] = _attempt(receiver.sync)
     out["version_after"] = receiver.version

@@ -337,13 +337,31 @@ def run_overlap(rank: int, setup: Setup, notes: str) -> dict:
     return {"rank": rank, **_run_receiver(rank, setup, notes)}
 
 
-def _run_edit_writer(setup: Setup) -> dict:
-    w = _Writer(setup)
-    sender = w.sender(setup, None)
+def _anchored(setup: Setup, writer: _Writer) -> ClusterSender:
+    """``writer``'s sender with version 0 (the anchor) settled and checked, and one step taken."""
+    sender = writer.sender(setup, None)
     sender.sync(0, anchor=True)
     sender.wait()
-    broadcast_truth(w.bits())
-    w.hf.step()
+    broadcast_truth(writer.bits())
+    writer.hf.step()
+    return sender
+
+
+def _retried(writer: _Writer, sender: ClusterSender, out: dict) -> dict:
+    """After version 1 failed: one more step, then version 1 again (both steps' changes)."""
+    out["failed"]["version_after"] = sender.version
+    writer.hf.step()
+    sender.sync(1)
+    report = sender.wait()
+    out["retry"] = {"version": report.version, "elements": report.elements}
+    broadcast_truth(writer.bits())
+    sender.close()
+    return out
+
+
+def _run_edit_writer(setup: Setup) -> dict:
+    w = _Writer(setup)
+    sender = _anchored(setup, w)
     victim = list(w.hf.params)[-1]
     if isinstance(w.tracker, HoldingTracker):
         w.tracker.gate = gate = threading.Event()  # detection starts after the write
@@ -354,19 +372,14 @@ def _run_edit_writer(setup: Setup) -> dict:
         w.hf.params[victim].mul_(1.5)
     if isinstance(w.tracker, HoldingTracker):
         gate.set()
-    out = {"edited": _outcome(sender.wait), "victim": victim}
-    out["edited"]["version_after"] = sender.version
+    out = {"failed": _outcome(sender.wait), "victim": victim}
     out["marked"] = list(w.tracker.inner.out_of_band)
-    w.hf.step()
-    sender.sync(1)  # steps 1 and 2 and the write
-    report = sender.wait()
-    out["retry"] = {"version": report.version, "elements": report.elements}
-    broadcast_truth(w.bits())
-    sender.close()
-    return out
+    return _retried(w, sender, out)
 
 
-def _run_edit_receiver(rank: int, setup: Setup) -> dict:
+def _run_retry_receiver(rank: int, setup: Setup) -> dict:
+    """The anchor, a version 1 that fails on every rank, then version 1 again; each committed
+    version checked against the trainer's broadcast bits."""
     receiver = corrupting_receiver(setup, rank)
     role = setup.plan().receiver(rank)
     out: dict = {"versions": {}}
@@ -377,8 +390,8 @@ def _run_edit_receiver(rank: int, setup: Setup) -> dict:
 
     receiver.sync()
     check()
-    out["edited"] = _outcome(receiver.sync)
-    out["edited"]["version_after"] = receiver.version
+    out["failed"] = _outcome(receiver.sync)
+    out["failed"]["version_after"] = receiver.version
     receiver.sync()
     check()
     return out
@@ -392,4 +405,41 @@ def run_edit(rank: int, setup: Setup) -> dict:
     init_from_env(timeout_s=60)
     if rank == 0:
         return {"rank": 0, **_run_edit_writer(setup)}
-    return {"rank": rank, **_run_edit_receiver(rank, setup)}
+    return {"rank": rank, **_run_retry_receiver(rank, setup)}
+
+
+class _CtrlCAfterClear(CountingTracker):
+    """A CountingTracker whose next ``clear()`` is followed by a Ctrl-C, once armed."""
+
+    armed = False
+
+    def clear(self) -> None:
+        super().clear()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def _run_interrupted_writer(setup: Setup) -> dict:
+    w = _Writer(setup)
+    w.tracker = tracker = _CtrlCAfterClear(w.tracker.inner)
+    sender = _anchored(setup, w)
+    tracker.armed = True
+    out: dict = {"interrupted": False}
+    try:
+        sender.sync(1)
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    out["failed"] = _outcome(sender.wait)  # returns: nothing waits for the capture forever
+    return _retried(w, sender, out)
+
+
+def run_interrupted(rank: int, setup: Setup) -> dict:
+    """1 overlapped writer (rank 0) whose ``sync(1)`` is interrupted right after the tracker's
+    ``clear()``, + vLLM TP=2 receivers (ranks 1, 2): version 1 fails on every rank, and sent
+    again it holds both steps' changes, bit-exact."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    if rank == 0:
+        return {"rank": 0, **_run_interrupted_writer(setup)}
+    return {"rank": rank, **_run_retry_receiver(rank, setup)}

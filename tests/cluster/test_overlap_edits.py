@@ -24,14 +24,14 @@ BEFORE = Setup(timeout_s=5.0, digest_every=1)
 def test_a_write_while_the_version_reads_refuses_it_everywhere_and_the_retry_is_exact(setup):
     writer, *receivers = spawn(run_edit, 3, setup, timeout_s=150)
     victim = writer["victim"]
-    edited = writer["edited"]
+    edited = writer["failed"]
     assert edited["error"] == "SendFailedError" and edited["version"] == 1
     assert "ParamsEditedError" in edited["message"] and repr(victim) in edited["message"]
     assert edited["version_after"] == 0  # nothing committed
     assert writer["marked"] == [victim]  # sent in full with the retry
     assert writer["retry"]["version"] == 1
     for r in receivers:
-        assert r["edited"]["error"] == "PeerFailedError", r["edited"]
-        assert "written in place" in r["edited"]["message"]
-        assert r["edited"]["version_after"] == 0
+        assert r["failed"]["error"] == "PeerFailedError", r["failed"]
+        assert "written in place" in r["failed"]["message"]
+        assert r["failed"]["version_after"] == 0
         assert r["versions"] == {0: [], 1: []}  # bit-exact, nothing mismatched

@@ -867,18 +867,27 @@ class ClusterSender:
             pending.captured_s = time.perf_counter() - t0
             background.submit(pending, work)
             return pending
-        background.submit(pending, work)
-        if background.held:
-            # The tracker holds the optimizer's steps behind the barrier: detection goes on
-            # on a thread of its own and sync returns now.
-            if self._detector is None:
-                self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
-            device = current_cuda_device()
-            self._detector.submit(self._capture, handoff, params, pending, device, feed)
-            pending.captured_s = time.perf_counter() - t0
-            return pending
+        detecting_elsewhere = False
         try:
+            background.submit(pending, work)
+            if background.held:
+                # The tracker holds the optimizer's steps behind the barrier: detection goes on
+                # on a thread of its own and sync returns now.
+                if self._detector is None:
+                    self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
+                device = current_cuda_device()
+                self._detector.submit(self._capture, handoff, params, pending, device, feed)
+                detecting_elsewhere = True
+                return pending
             self._capture(handoff, params, pending, feed=feed)
+        except BaseException as exc:
+            # An interrupt before the capture settled the handoff: the background stops at it
+            # (every rank then raises) instead of waiting for parameters that never come. A
+            # capture running on the detection thread settles it itself.
+            if not detecting_elsewhere:
+                handoff.fail(exc)
+                pending.end_detection()
+            raise
         finally:
             pending.captured_s = time.perf_counter() - t0
         return pending
@@ -937,18 +946,18 @@ class ClusterSender:
             for name, pos, vals in handed:
                 captured[name] = pos
                 hand_over(handoff, name, pos, vals)
+            # The tracker's baseline moves now (only the capture touches the tracker); until
+            # the version commits, what it reported is the carry, sent again by every retry.
+            # The carry first: an interrupt from here on costs extra elements, never lost ones.
+            self._pending = captured  # the one copy: routed, and carried
+            self.tracker.clear()
+            pending.end_detection()
+            handoff.close()
         except BaseException as exc:
-            handoff.fail(exc)
+            handoff.fail(exc)  # nothing once closed: the version then goes on to its commit
             pending.end_detection()
             if not isinstance(exc, Exception):  # an interrupt: the caller sees it now too
                 raise
-            return
-        # The tracker's baseline moves now (only the capture touches the tracker); until the
-        # version commits, what it reported is the carry, sent again by every retry.
-        self.tracker.clear()
-        self._pending = captured  # the one copy: routed, and carried
-        pending.end_detection()
-        handoff.close()
 
     @property
     def in_flight(self) -> PendingSend | None:

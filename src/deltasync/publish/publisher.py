@@ -194,6 +194,7 @@ class Publisher:
         self.baseline: int | None = None
         self.run_id: str | None = None
         self._baseline_digests: dict[str, str] | None = None  # its shard digests
+        self._stored: Manifest | None = None  # the manifest the commit in progress stored
         self.layout_record = LayoutRecord.of(receiver_layout)
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         # Versions whose number this publisher never publishes again: with several writers,
@@ -633,18 +634,24 @@ class Publisher:
             num_writers=cfg.num_writers,
         )
         self.store.put(marker.key, marker.to_json(cfg.signing_key))  # MAC'd when keyed
+        self._stored = None
         try:
             manifest, ours = self._commit(
                 marker, kind, base, digests, run_id, base_digests, entries
             )
         except BaseException:
-            if cfg.num_writers > 1:
+            stored = self._stored
+            if stored is not None and stored.version == version:
+                # Committed: what failed came after (advancing LATEST, which readers skip
+                # past and the next commit repairs). The baseline is this version, as the
+                # caller sees it in ``baseline``; its per-tensor digests are not kept.
+                self._settle(stored)
+                self._entries = None
+            elif cfg.num_writers > 1:
                 self._withdraw(marker)
             raise
         commit_s = time.perf_counter() - t
-        self._set_baseline(manifest)
-        self._sent_names.clear()
-        self._resend_whole = set()
+        self._settle(manifest)
         # this state's per-tensor digests, for the next delta's unchanged tensors
         self._entries = (version, tensor_entries) if tensor_entries is not None and ours else None
         return PublishReport(
@@ -665,6 +672,12 @@ class Publisher:
             staleness_wait_s=waited,
             total_s=time.perf_counter() - t0,
         )
+
+    def _settle(self, manifest: Manifest) -> None:
+        """``manifest`` is committed: this writer's baseline from now on."""
+        self._set_baseline(manifest)
+        self._sent_names.clear()
+        self._resend_whole = set()
 
     def _commit(
         self,
@@ -714,6 +727,7 @@ class Publisher:
                 raise
             if not ours:  # an equivalent manifest was committed first: its lineage is ours
                 manifest = self.catalog.manifest(version)
+            self._stored = manifest  # committed from here on, whatever follows
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
             return manifest, ours
         manifest = commit_mod.wait_for_manifest(

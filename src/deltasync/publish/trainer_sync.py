@@ -87,6 +87,7 @@ from deltasync.errors import (
     CaptureAbandonedError,
     ConfigError,
     PublishFailedError,
+    SendInterruptedError,
 )
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
@@ -462,7 +463,8 @@ class TrainerSync:
         detected: dict[str, Change] = {}
         count = 0
         handoff: Handoff[Handed] | None = None
-        pending = PendingVersion(version, Future(), 0.0)
+        unsubmitted: Future = Future()  # the version's future until a thread takes it
+        pending = PendingVersion(version, unsubmitted, 0.0)
         pending.reads = ReadWindow(  # the version reads params from here on
             params,
             version,
@@ -482,10 +484,10 @@ class TrainerSync:
             params,
             encode=False,
         )
-        if at_once:
-            handoff = Handoff(VALUES_IN_FLIGHT)
-            return self._detect_in_background(items, captured, handoff, pending, params, t)
         try:
+            if at_once:
+                handoff = Handoff(VALUES_IN_FLIGHT)
+                return self._detect_in_background(items, captured, handoff, pending, params, t)
             for name, pos, change in items:
                 captured[name] = pos
                 count += len(pos)
@@ -508,47 +510,56 @@ class TrainerSync:
                     pending._future = self._submit(pending, captured, params, anchor, handoff)
                 elif change is not None:
                     detected[name] = change
+            # The carry first: an interrupt from here on costs extra elements, never lost ones
+            self._carry = captured
+            self.tracker.clear()
+            self._expect_large = not anchor and count >= self.inline_below
+            pending.captured_s = time.perf_counter() - t
+            pending._end_detection(t)
+            self._inflight = pending
+            if handoff is not None:
+                handoff.close()
+                return pending
+            if not anchor and count < self.inline_below:
+                # A version this small publishes in a few tens of milliseconds: handing it to
+                # a thread that then competes with the forward/backward for the cores costs
+                # more latency than the caller waiting for it here. Same contract: errors
+                # surface at the next call, the carry stays until it is settled.
+                changes = [
+                    detected.get(name) or with_values((name, pos), params)
+                    for name, pos in captured.items()
+                ]
+                try:
+                    run_into(
+                        pending._future,
+                        lambda: self._background(pending, captured, params, anchor, None, changes),
+                        f"the publish of version {version}",
+                    )
+                finally:
+                    pending.reads = None  # nothing of it reads params after the return
+                return pending
+            del detected
+            for n, p in captured.items():  # kept until the commit, beside the background
+                captured[n] = p.compact()
+            pending._future = self._submit(pending, captured, params, anchor, None)
         except BaseException as exc:
-            # Nothing of this version may commit: the background stops at its next item, and
-            # the tracker and the carry stay as they were (the next call detects again).
+            # Nothing of this version commits unless its handoff was closed before the
+            # interrupt: the background stops at its next item. Before the tracker's clear()
+            # the tracker and the carry stay as they were (the next call detects again); after
+            # it the carry holds the whole capture. A version no thread took yet fails here,
+            # so that wait() reports it instead of waiting for it.
             if handoff is not None:
                 handoff.fail(exc)
+            if pending._future is not unsubmitted:
                 try:
                     pending.result()
                 except Exception:
                     pass
-            raise
-        self.tracker.clear()
-        self._carry = captured
-        self._expect_large = not anchor and count >= self.inline_below
-        pending.captured_s = time.perf_counter() - t
-        pending._end_detection(t)
-        self._inflight = pending
-        if handoff is not None:
-            handoff.close()
-            return pending
-        if not anchor and count < self.inline_below:
-            # A version this small publishes in a few tens of milliseconds: handing it to a
-            # thread that then competes with the forward/backward for the cores costs more
-            # latency than the caller waiting for it here. Same contract: errors surface at
-            # the next call, the carry stays until it is settled.
-            changes = [
-                detected.get(name) or with_values((name, pos), params)
-                for name, pos in captured.items()
-            ]
-            try:
-                run_into(
-                    pending._future,
-                    lambda: self._background(pending, captured, params, anchor, None, changes),
-                    f"the publish of version {version}",
+            elif not unsubmitted.done():
+                unsubmitted.set_exception(
+                    SendInterruptedError.of(exc, f"the capture of version {version}")
                 )
-            finally:
-                pending.reads = None  # nothing of it reads params after the return
-            return pending
-        del detected
-        for n, p in captured.items():  # kept until the commit, beside the background
-            captured[n] = p.compact()
-        pending._future = self._submit(pending, captured, params, anchor, None)
+            raise
         return pending
 
     def _detect_in_background(
@@ -593,8 +604,8 @@ class TrainerSync:
             return
         finally:
             items.close()  # the tracker's pass ends here, on this thread
+        self._carry = captured  # before clear(), as on the caller's thread
         self.tracker.clear()
-        self._carry = captured
         self._expect_large = sum(len(p) for p in captured.values()) >= self.inline_below
         pending._end_detection(started)
         handoff.close()
@@ -665,6 +676,7 @@ class TrainerSync:
             fed = fed_entries
         elif feed is not None:
             fed = feed.entries()
+        before = [pub.baseline for pub in self.publishers]
         try:
             reports = []
             for i, pub in enumerate(self.publishers):
@@ -699,6 +711,16 @@ class TrainerSync:
             pending.committed = True  # whatever the ack wait below does
             self._wait_acks(pending.version)
             return reports
+        except BaseException:
+            # Committed by every publisher before the failure (an interrupt while LATEST was
+            # advanced): reported as committed, as the version is.
+            if not pending.committed and all(
+                pub.baseline == pending.version != was
+                for pub, was in zip(self.publishers, before, strict=True)
+            ):
+                self.baseline = pending.version
+                pending.committed = True
+            raise
         finally:
             pending.finished_at = time.time()
 
@@ -781,6 +803,7 @@ class TrainerSync:
             committed = pending.committed
             if committed:
                 self._carry = {}
+                self._baseline_counters = pending.counters
             else:
                 log.warning(
                     "version %d did not commit (%s: %s); its changes go out with the next "
@@ -793,7 +816,8 @@ class TrainerSync:
             raise PublishFailedError(
                 f"version {pending.version} "
                 + (
-                    "committed, but waiting for its acknowledgements failed"
+                    "committed, but what follows a commit failed (advancing LATEST, or the wait "
+                    "for acknowledgements); the baseline is this version"
                     if committed
                     else "did not commit; its changes are kept and go out with the next version: "
                     "call step_published again"

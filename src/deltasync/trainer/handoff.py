@@ -77,14 +77,20 @@ class Handoff(Generic[T]):
         self._items.put((name, item, weight))
 
     def close(self) -> None:
-        """Everything is put: the iteration ends."""
-        self._settled.set()
-        self._items.put(self._END)
+        """Everything is put: the iteration ends. A handoff that already failed stays failed."""
+        self._settle(None)
 
     def fail(self, exc: BaseException) -> None:
-        """The producer failed: the iteration raises once it reaches this point."""
-        self.error = exc
-        self._settled.set()
+        """The producer failed: the iteration raises once it reaches this point. A handoff
+        already closed stays closed (what it held goes on to its commit)."""
+        self._settle(exc)
+
+    def _settle(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._settled.is_set():
+                return  # the first of close() and fail() decides
+            self.error = error
+            self._settled.set()
         self._items.put(self._END)
 
     def _raise_if_failed(self) -> None:

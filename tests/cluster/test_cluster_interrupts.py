@@ -1,0 +1,25 @@
+"""A Ctrl-C on the overlapped in-cluster sender's thread right after the tracker's ``clear()``:
+the version's changes must stay in the carry (else the retry misses them) and the background
+must not wait forever for a capture that ended (else every rank hangs in the exchange)."""
+
+from __future__ import annotations
+
+import pytest
+from overlap_testkit import run_interrupted
+
+from deltasync.exchange import spawn
+
+from cluster_testkit import Setup
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_right_after_clear_fails_the_version_everywhere_and_the_retry_is_exact():
+    writer, *receivers = spawn(run_interrupted, 3, Setup(timeout_s=5.0), timeout_s=150)
+    assert writer["interrupted"]
+    failed = writer["failed"]
+    assert failed["error"] == "SendFailedError" and failed["version"] == 1, failed
+    assert failed["version_after"] == 0  # nothing committed
+    assert writer["retry"]["version"] == 1 and writer["retry"]["elements"] > 0
+    for r in receivers:
+        assert r["failed"]["error"] is not None and r["failed"]["version_after"] == 0, r
+        assert r["versions"] == {0: [], 1: []}  # bit-exact, nothing mismatched
