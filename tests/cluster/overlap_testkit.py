@@ -354,6 +354,7 @@ def _retried(writer: _Writer, sender: ClusterSender, out: dict) -> dict:
     sender.sync(1)
     report = sender.wait()
     out["retry"] = {"version": report.version, "elements": report.elements}
+    out["retry"]["anchor"] = report.anchor
     broadcast_truth(writer.bits())
     sender.close()
     return out
@@ -420,26 +421,41 @@ class _CtrlCAfterClear(CountingTracker):
             raise KeyboardInterrupt
 
 
-def _run_interrupted_writer(setup: Setup) -> dict:
+def _run_interrupted_writer(setup: Setup, anchor: bool) -> dict:
     w = _Writer(setup)
     w.tracker = tracker = _CtrlCAfterClear(w.tracker.inner)
     sender = _anchored(setup, w)
     tracker.armed = True
     out: dict = {"interrupted": False}
     try:
-        sender.sync(1)
+        sender.sync(1, anchor=anchor)
     except KeyboardInterrupt:
         out["interrupted"] = True
     out["failed"] = _outcome(sender.wait)  # returns: nothing waits for the capture forever
     return _retried(w, sender, out)
 
 
-def run_interrupted(rank: int, setup: Setup) -> dict:
+def _run_anchor_receiver(rank: int, setup: Setup) -> dict:
+    """The anchor, then the next version (an interrupted anchor attempt sent nothing)."""
+    receiver = corrupting_receiver(setup, rank)
+    role = setup.plan().receiver(rank)
+    out: dict = {"versions": {}}
+    for _ in range(2):
+        receiver.sync()
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        out["versions"][receiver.version] = mismatched(receiver.tensors, truth)
+    return out
+
+
+def run_interrupted(rank: int, setup: Setup, anchor: bool) -> dict:
     """1 overlapped writer (rank 0) whose ``sync(1)`` is interrupted right after the tracker's
-    ``clear()``, + vLLM TP=2 receivers (ranks 1, 2): version 1 fails on every rank, and sent
-    again it holds both steps' changes, bit-exact."""
+    ``clear()``, + vLLM TP=2 receivers (ranks 1, 2). A delta's version 1 fails on every rank,
+    and sent again it holds both steps' changes, bit-exact; an anchor's attempt sends nothing,
+    and the retry (asked as a delta) goes out as an anchor."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
     if rank == 0:
-        return {"rank": 0, **_run_interrupted_writer(setup)}
+        return {"rank": 0, **_run_interrupted_writer(setup, anchor)}
+    if anchor:
+        return {"rank": rank, **_run_anchor_receiver(rank, setup)}
     return {"rank": rank, **_run_retry_receiver(rank, setup)}

@@ -14,7 +14,7 @@ from cluster_testkit import Setup
 
 @pytest.mark.timeout(180)
 def test_a_ctrl_c_right_after_clear_fails_the_version_everywhere_and_the_retry_is_exact():
-    writer, *receivers = spawn(run_interrupted, 3, Setup(timeout_s=5.0), timeout_s=150)
+    writer, *receivers = spawn(run_interrupted, 3, Setup(timeout_s=5.0), False, timeout_s=150)
     assert writer["interrupted"]
     failed = writer["failed"]
     assert failed["error"] == "SendFailedError" and failed["version"] == 1, failed
@@ -23,3 +23,14 @@ def test_a_ctrl_c_right_after_clear_fails_the_version_everywhere_and_the_retry_i
     for r in receivers:
         assert r["failed"]["error"] is not None and r["failed"]["version_after"] == 0, r
         assert r["versions"] == {0: [], 1: []}  # bit-exact, nothing mismatched
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_right_after_an_anchors_clear_makes_the_retry_an_anchor():
+    writer, *receivers = spawn(run_interrupted, 3, Setup(timeout_s=5.0), True, timeout_s=150)
+    assert writer["interrupted"]
+    assert writer["failed"]["error"] is None  # nothing was sent: nothing in flight
+    assert writer["failed"]["version_after"] == 0
+    assert writer["retry"]["version"] == 1 and writer["retry"]["anchor"], writer["retry"]
+    for r in receivers:
+        assert r["versions"] == {0: [], 1: []}, r  # bit-exact, nothing mismatched

@@ -7,11 +7,13 @@ commit")."""
 from __future__ import annotations
 
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from kit import bits_equal, expected_shards, rconfig, tiny_layouts, zero_tensors
 
+from deltasync import names
 from deltasync.errors import PublishFailedError
 from deltasync.publish import Publisher, TrainerSync
 from deltasync.receiver import Receiver
@@ -43,8 +45,23 @@ class _CtrlCAt:
         return self.inner.put(key, data)
 
 
+class _CtrlCAsTheManifestIsStored(_CtrlCAt):
+    """A store that delivers SIGINT as the write of version ``version``'s manifest (the commit
+    point) returns, once armed."""
+
+    def __init__(self, inner, version: int) -> None:
+        super().__init__(inner, names.manifest_key(version))
+
+    def put_if_absent(self, key, data):
+        done = self.inner.put_if_absent(key, data)
+        if self.armed and key == self.key:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return done
+
+
 class _Rig:
-    def __init__(self, tmp_path, *, store_key: str | None = None, **sync_options) -> None:
+    def __init__(self, tmp_path, *, store=None, **sync_options) -> None:
         _, self.tl, self.rl = tiny_layouts()
         g = torch.Generator().manual_seed(0)
         self.params = {
@@ -53,7 +70,7 @@ class _Rig:
         }
         self.opt = torch.optim.AdamW(self.params.values(), lr=1e-3)
         inner = LocalStore(tmp_path / "store", durable=False)
-        self.store = _CtrlCAt(inner, store_key) if store_key else inner
+        self.store = store(inner) if store else inner
         self.tracker = AdamWTracker(self.opt, list(self.params.items()))
         pub = Publisher(self.store, receiver_layout=self.rl, trainer_layout=self.tl)
         self.sync = TrainerSync(
@@ -121,8 +138,13 @@ def test_ctrl_c_right_after_the_trackers_clear_loses_no_change(tmp_path, options
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_while_latest_advances_reports_the_committed_version_as_committed(tmp_path):
-    rig = _Rig(tmp_path, store_key="LATEST")
+@pytest.mark.parametrize(
+    "store",
+    [lambda inner: _CtrlCAt(inner, "LATEST"), lambda inner: _CtrlCAsTheManifestIsStored(inner, 1)],
+    ids=["while-latest-advances", "as-the-manifest-write-returns"],
+)
+def test_ctrl_c_after_the_commit_point_reports_the_committed_version_as_committed(tmp_path, store):
+    rig = _Rig(tmp_path, store=store)
     rig.sync.step_published(0, anchor=True)
     rig.sync.wait()
     rig.step()
@@ -171,3 +193,63 @@ def test_ctrl_c_before_a_thread_takes_the_version_leaves_nothing_to_wait_for_for
     rig.sync.step_published(version)
     rig.sync.wait()
     rig.check(version)
+
+
+class _CtrlCOnSubmit:
+    """An executor whose next ``submit`` is preceded by a Ctrl-C, as if it landed in the
+    statements that start a thread's work."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, True
+
+    def submit(self, *args, **kwargs):
+        if self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return self.inner.submit(*args, **kwargs)
+
+    def shutdown(self, *args, **kwargs):
+        return self.inner.shutdown(*args, **kwargs)
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_ctrl_c_while_detection_is_handed_to_its_thread_leaves_nothing_waiting_forever(tmp_path):
+    # a large delta whose detection goes on on the detection thread after the return
+    rig = _Rig(tmp_path, inline_below=0)
+    rig.sync.step_published(0, anchor=True)
+    rig.sync.wait()
+    rig.step()
+    rig.sync._detector = _CtrlCOnSubmit(ThreadPoolExecutor(1))
+    with pytest.raises(KeyboardInterrupt):
+        rig.sync.step_published(1)
+    try:
+        rig.sync.wait()  # returns: the version in flight is one whose detection runs
+    except PublishFailedError as exc:
+        assert "version 1 did not commit" in str(exc), exc
+    rig.step()  # the barrier lets the step through
+    version = rig.sync.next_version()
+    rig.sync.step_published(version)
+    rig.sync.wait()
+    rig.check(version)
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_ctrl_c_while_an_upload_starts_leaks_no_upload_thread(tmp_path):
+    rig = _Rig(tmp_path)  # a small delta: published, and its uploads started, on this thread
+    rig.sync.step_published(0, anchor=True)
+    rig.sync.wait()
+    pub = rig.sync.publishers[0]
+    pub._pool = _CtrlCOnSubmit(pub._pool)  # the first blob's upload of the next version
+    rig.step()
+    with pytest.raises(KeyboardInterrupt):
+        rig.sync.step_published(1)
+    try:
+        rig.sync.wait()
+    except PublishFailedError as exc:
+        assert "version 1 did not commit" in str(exc), exc
+    for _ in range(3):  # a leaked upload thread would leave later blobs waiting forever
+        rig.step()
+        version = rig.sync.next_version()
+        rig.sync.step_published(version)
+        rig.sync.wait()
+        rig.check(version)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
@@ -56,3 +57,44 @@ def test_weights_balance_across_threads():
     assert [i for _, i in handoff] == list(range(n))
     t.join()
     assert handoff.room(1 << 40)  # everything taken: nothing left counted
+
+
+class _CtrlCOnPut:
+    """A queue whose next ``put`` is preceded by a Ctrl-C, as if it landed right there."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def put(self, item) -> None:
+        signal.raise_signal(signal.SIGINT)
+        self.inner.put(item)
+
+    def get(self):
+        return self.inner.get()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["close", "fail"])
+def test_a_ctrl_c_as_the_handoff_settles_still_ends_the_consumer(end) -> None:
+    handoff: Handoff[int] = Handoff()
+    handoff.put("a", 1)
+    handoff._items = _CtrlCOnPut(handoff._items)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            handoff.close() if end == "close" else handoff.fail(RuntimeError("detection"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    got: list = []
+    consumer = threading.Thread(target=lambda: got.append(_consume(handoff)), daemon=True)
+    consumer.start()
+    consumer.join(10)
+    assert not consumer.is_alive(), "the consumer waits for an end that was never queued"
+    assert got == [["a"] if end == "close" else "CaptureAbandonedError"]
+
+
+def _consume(handoff: Handoff) -> list[str] | str:
+    try:
+        return [name for name, _ in handoff]
+    except CaptureAbandonedError as exc:
+        return type(exc).__name__

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltasync.cluster.reports import SendReport
+from deltasync.interrupts import interrupts_deferred
 from deltasync.trainer.handoff import run_into
 
 if TYPE_CHECKING:
@@ -149,8 +150,9 @@ class Background:
                 pending.release()  # a failure before the release must not hold the barrier
                 pending.finished_at = time.time()
 
-        pending._future = self._pool.submit(run)
-        self._inflight = pending
+        with interrupts_deferred():  # what runs is what is in flight
+            pending._future = self._pool.submit(run)
+            self._inflight = pending
 
     def run_here(self, pending: PendingSend, work: Callable[[PendingSend], SendReport]) -> None:
         """Run ``work(pending)`` on the caller's thread, with :meth:`submit`'s contract: its

@@ -120,6 +120,7 @@ from deltasync.exchange import exchange
 from deltasync.exchange.notes import NoteLedger, naming, part_tag
 from deltasync.exchange.status_row import describe
 from deltasync.format import encode_blobs
+from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
@@ -861,8 +862,10 @@ class ClusterSender:
 
         if handoff is None:
             if failure is None:  # an anchor: every element, nothing to capture
-                self.tracker.clear()
+                # the anchor pending first: an interrupt before the clear() ends costs a
+                # repeated anchor, never the step's changes
                 self._pending_anchor = True
+                self.tracker.clear()
             pending.end_detection()
             pending.captured_s = time.perf_counter() - t0
             background.submit(pending, work)
@@ -876,8 +879,9 @@ class ClusterSender:
                 if self._detector is None:
                     self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
                 device = current_cuda_device()
-                self._detector.submit(self._capture, handoff, params, pending, device, feed)
-                detecting_elsewhere = True
+                with interrupts_deferred():  # a capture started is one that settles itself
+                    self._detector.submit(self._capture, handoff, params, pending, device, feed)
+                    detecting_elsewhere = True
                 return pending
             self._capture(handoff, params, pending, feed=feed)
         except BaseException as exc:

@@ -70,6 +70,7 @@ from deltasync.errors import (
     VersionError,
 )
 from deltasync.format import full_updates
+from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import (
     TensorEntries,
@@ -719,15 +720,19 @@ class Publisher:
                 layout=self.layout_record,
                 signing_key=cfg.signing_key,
             )
-            try:
-                ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
-            except OutcomeUnknownError:
-                self._failed.add(version)  # no verdict: the store may apply it later
-                self._may_land.add(version)
-                raise
-            if not ours:  # an equivalent manifest was committed first: its lineage is ours
-                manifest = self.catalog.manifest(version)
-            self._stored = manifest  # committed from here on, whatever follows
+            # The commit point and the record of it are one step for an interrupt (held for
+            # one small write, bounded by the store's timeouts): else a Ctrl-C as the write
+            # returns would leave a committed version reported as not committed.
+            with interrupts_deferred():
+                try:
+                    ours = commit_mod.commit_manifest(self.store, self.catalog, manifest)
+                except OutcomeUnknownError:
+                    self._failed.add(version)  # no verdict: the store may apply it later
+                    self._may_land.add(version)
+                    raise
+                if not ours:  # an equivalent manifest was committed first: its lineage is ours
+                    manifest = self.catalog.manifest(version)
+                self._stored = manifest  # committed from here on, whatever follows
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
             return manifest, ours
         manifest = commit_mod.wait_for_manifest(

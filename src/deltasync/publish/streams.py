@@ -35,6 +35,7 @@ from deltasync.commit.model import blob_hasher
 from deltasync.errors import StreamAborted
 from deltasync.format import BlobWriter, TensorUpdate
 from deltasync.format.updates import PartedUpdate
+from deltasync.interrupts import interrupts_deferred
 from deltasync.native.loader import HeapRelease
 from deltasync.store import Store
 
@@ -104,8 +105,9 @@ class ShardStreams:
     def _open(self, shard: str) -> _Stream:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
         chunks: queue.Queue = queue.Queue(maxsize=self._queued)
-        upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
-        stream = self._streams[shard] = _Stream(key, [], chunks, upload)
+        with interrupts_deferred():  # an upload started is one abort() ends
+            upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
+            stream = self._streams[shard] = _Stream(key, [], chunks, upload)
         # Segments are open (wire FLAG_OPEN_SEGMENTS): a large one's frame comes to the sink
         # as zstd produces it and goes to the upload every FLUSH_BYTES, so not even the
         # compressed embedding shard (~9 MiB at 0.6B) is held whole.

@@ -89,6 +89,7 @@ from deltasync.errors import (
     PublishFailedError,
     SendInterruptedError,
 )
+from deltasync.interrupts import interrupts_deferred
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.native.loader import release_free_heap
@@ -332,8 +333,10 @@ class TrainerSync:
             version: the version recorded in the checkpoint (None: unknown).
 
         Returns:
-            True when every publisher verified it: the next version is a delta on it. False
-            when a store lost it or holds another state: the next version is an anchor (a new
+            True when every publisher verified it: the run continues its lineage, the next
+            version a delta on it while it is the newest committed version (an anchor of the
+            same lineage when later versions were committed after the checkpoint). False when
+            a store lost it or holds another state: the next version is an anchor (a new
             lineage), so no receiver ever applies a delta on a foreign base.
         """
         params = self._params() if callable(self._params) else self._params
@@ -507,7 +510,8 @@ class TrainerSync:
                         return self._detect_in_background(
                             items, captured, handoff, pending, params, t
                         )
-                    pending._future = self._submit(pending, captured, params, anchor, handoff)
+                    with interrupts_deferred():  # what runs is what fails or is waited for
+                        pending._future = self._submit(pending, captured, params, anchor, handoff)
                 elif change is not None:
                     detected[name] = change
             # The carry first: an interrupt from here on costs extra elements, never lost ones
@@ -541,7 +545,8 @@ class TrainerSync:
             del detected
             for n, p in captured.items():  # kept until the commit, beside the background
                 captured[n] = p.compact()
-            pending._future = self._submit(pending, captured, params, anchor, None)
+            with interrupts_deferred():
+                pending._future = self._submit(pending, captured, params, anchor, None)
         except BaseException as exc:
             # Nothing of this version commits unless its handoff was closed before the
             # interrupt: the background stops at its next item. Before the tracker's clear()
@@ -573,11 +578,13 @@ class TrainerSync:
     ) -> PendingVersion:
         """Start the publish on what ``handoff`` holds and the rest of detection on the
         detection thread; return the pending version."""
-        pending._future = self._submit(pending, captured, params, False, handoff)
-        self._inflight = pending
-        if self._detector is None:
-            self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
-        self._detector.submit(self._detect_rest, items, captured, handoff, pending, started)
+        # One step for an interrupt: a version in flight is one whose detection runs
+        with interrupts_deferred():
+            pending._future = self._submit(pending, captured, params, False, handoff)
+            self._inflight = pending
+            if self._detector is None:
+                self._detector = ThreadPoolExecutor(1, thread_name_prefix="ds-detect")
+            self._detector.submit(self._detect_rest, items, captured, handoff, pending, started)
         pending.captured_s = time.perf_counter() - started
         return pending
 

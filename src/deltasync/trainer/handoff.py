@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 import torch
 
 from deltasync.errors import CaptureAbandonedError, SendInterruptedError
+from deltasync.interrupts import interrupts_deferred
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -86,12 +87,13 @@ class Handoff(Generic[T]):
         self._settle(exc)
 
     def _settle(self, error: BaseException | None) -> None:
-        with self._lock:
+        # one step for an interrupt: settled is a consumer's end queued
+        with interrupts_deferred(), self._lock:
             if self._settled.is_set():
                 return  # the first of close() and fail() decides
             self.error = error
             self._settled.set()
-        self._items.put(self._END)
+            self._items.put(self._END)
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
