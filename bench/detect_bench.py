@@ -221,5 +221,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     res = run(cfg)
+    exact = res["missed"] == 0 and res["exact"]
+    print("exact:", "yes" if exact else "NO")
     emit_json(res)
-    return 0 if res["missed"] == 0 and res["exact"] else 1
+    return 0 if exact else 1

@@ -15,6 +15,7 @@ from deltasync.commands.inspect_store import local_path
 from deltasync.commit import ReceiverRecord
 from deltasync.errors import ConfigError, StoreError
 from deltasync.store import S3Config, S3Store
+from deltasync.store.s3 import make_client
 
 SECRET = "SECRET123"
 LEAKY = f"http://h/?X-Amz-Security-Token={SECRET}"
@@ -122,3 +123,12 @@ def test_the_cli_sets_the_s3_read_timeout_and_retry_deadline_its_errors_tell_to_
         local = parser.parse_args([str(tmp_path), flag, "5"])
         with pytest.raises(ConfigError, match=f"{flag} only appl"):
             open_store_from_args(local)
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_the_endpoint_is_the_configs_alone_never_one_from_the_environment(monkeypatch, variable):
+    monkeypatch.setenv(variable, "http://127.0.0.1:9")  # a server the config never named
+    aws = make_client(S3Config(region="us-east-1", **CREDS))
+    assert aws.meta.endpoint_url == "https://s3.amazonaws.com", aws.meta.endpoint_url
+    named = make_client(S3Config(endpoint_url="http://127.0.0.1:7", **CREDS))
+    assert named.meta.endpoint_url == "http://127.0.0.1:7"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -252,3 +254,50 @@ def test_gc_that_verifies_no_committed_version_says_so_instead_of_collecting_not
     # a key file that cannot be read is named before the store is opened
     assert main(["gc", str(tmp_path / "nowhere"), "--key-file", str(tmp_path / "nokey")]) == 2
     assert "key file" in capsys.readouterr().err
+
+
+def _with_the_reader_gone(*args: str) -> subprocess.CompletedProcess:
+    """``deltasync args`` with its stdout a pipe whose reader left at once (``| head -0``)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "deltasync", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.timeout(240)
+def test_gc_and_the_sidecar_outlive_a_log_reader_that_went_away(tmp_path):
+    rig = Rig(tmp_path)
+    rig.publish(6)
+    before = set(rig.store.list(""))
+    for extra in (["--json"], []):  # the plan's line, then the listing
+        done = _with_the_reader_gone("gc", str(rig.path), "--keep", "2", *extra)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert set(rig.store.list("")) < before  # collected, whatever became of the listing
+    weights = tmp_path / "weights"
+    done = _with_the_reader_gone(
+        "pull", str(rig.path), "--engine", "vllm", "--tp", "2", "--shard", "tp1",
+        "--dir", str(weights), "--once",
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert (weights / "tp1.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pull_with_another_models_config_is_refused_before_it_writes_anything(tmp_path, capsys):
+    rig = Rig(tmp_path)
+    rig.publish(2)
+    config = tmp_path / "other.json"
+    config.write_text(json.dumps({**TINY, "num_hidden_layers": TINY["num_hidden_layers"] + 1}))
+    assert _pull(rig, tmp_path, "--config", str(config), "--once") == 2
+    err = capsys.readouterr().err
+    assert "LayoutMismatchError" in err and "Nothing was fetched or written" in err, err
+    assert not (tmp_path / "weights").exists()  # no --dir, no state file: as it says

@@ -48,7 +48,9 @@ def test_a_scatter_stopped_midway_reports_no_version_until_the_next_pull_repairs
     with pytest.raises(type(exc)):
         rig.rec.pull()
     monkeypatch.undo()
-    assert rig.rec.dirty  # torn: neither 2 nor 3 (version is the last verified, 2)
+    assert rig.rec.dirty  # torn: neither 2 nor 3
+    assert rig.rec.version is None and rig.rec.state_digest is None and rig.rec.run_id is None
+    assert rig.rec.verified_version == 2
     if isinstance(exc, Exception):  # the registration says so too
         assert Catalog(rig.store).receivers()["rec"].version is None
     rig.publish(4)

@@ -30,6 +30,7 @@ from deltasync.commands.inspect_store import (
     add_store_arguments,
     open_deltasync_store,
     read_key,
+    reader_may_leave,
 )
 from deltasync.errors import ConfigError, SignatureError
 
@@ -88,18 +89,25 @@ def _run(args: argparse.Namespace) -> int:
             + " deleted (registrations of receivers gone for long)"
         )
     if args.json:
-        emit_json_line(
-            {
-                "dry_run": args.dry_run,
-                "committed": plan.committed,
-                "versions": list(plan.versions),
-                "keys": list(plan.keys),
-                "deferred": list(plan.deferred),
-                "receivers": list(plan.receivers),
-            },
-            sort_keys=True,
-        )
+        with reader_may_leave():
+            emit_json_line(
+                {
+                    "dry_run": args.dry_run,
+                    "committed": plan.committed,
+                    "versions": list(plan.versions),
+                    "keys": list(plan.keys),
+                    "deferred": list(plan.deferred),
+                    "receivers": list(plan.receivers),
+                },
+                sort_keys=True,
+            )
         return 0
+    with reader_may_leave():  # `gc | head`: what was deleted is deleted, rc 0
+        _print_plan(args, plan)
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, plan) -> None:
     verb = "would delete" if args.dry_run else "deleted"
     versions = ", ".join(map(str, plan.versions)) or "none"
     print(f"{verb} {len(plan.keys)} key(s); versions removed whole: {versions}")
@@ -118,7 +126,6 @@ def _run(args: argparse.Namespace) -> int:
             f"{max(args.forget_receivers_after, args.receiver_ttl, args.orphan_grace):g} s: "
             + ", ".join(plan.receivers)
         )
-    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -26,9 +26,11 @@ pull``. A closed output pipe ends it quietly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -361,16 +363,26 @@ def _run(args: argparse.Namespace) -> int:
     if store is None:
         return EXIT_NOT_A_STORE
     info = collect(store, last=args.last, signing_key=key)
-    try:
+    with reader_may_leave():
         if args.json:
             emit_json_line(info, sort_keys=True)
         else:
             _print_table(info)
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. `| head`: the reader is gone, and so is our output
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
     return 0
+
+
+@contextlib.contextmanager
+def reader_may_leave(stream=None) -> Iterator[None]:
+    """Output to a reader that went away (``| head``) is dropped, not a ``BrokenPipeError``
+    traceback: what the command did stands, and the rest of its output goes to /dev/null."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        yield
+        stream.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -61,6 +61,7 @@ from deltasync.commands.inspect_store import (
     local_path,
     open_store_from_args,
     read_key,
+    reader_may_leave,
 )
 from deltasync.errors import (
     ApplyError,
@@ -314,13 +315,18 @@ def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: s
 
 
 def _say(line: str, *, err: bool = False) -> None:
-    print(line, file=sys.stderr if err else sys.stdout, flush=True)
+    """One line of the sidecar's log. A log reader that went away costs the log, not the
+    sidecar: its real output is the file and the acks."""
+    stream = sys.stderr if err else sys.stdout
+    with reader_may_leave(stream):
+        print(line, file=stream, flush=True)
 
 
 def _start(args, store, config, configured, stop: _Stop):
     """Wait for the first commit, check the layout, load the file: the Receiver."""
     from deltasync.commit import Catalog
     from deltasync.receiver import Receiver, StateDir
+    from deltasync.receiver.store_receiver import check_published_for
 
     catalog = Catalog(store, signing_key=config.signing_key)
     waited = False
@@ -337,6 +343,7 @@ def _start(args, store, config, configured, stop: _Stop):
             return None, None
     _check_layout(args, head)
     layout, specs = _specs(args, store, catalog, head, configured)
+    check_published_for(head, args.shard, specs, layout)  # --config's model, before any write
     out_dir = Path(args.dir)
     path = out_dir / f"{args.shard}.safetensors"
     tensors, state = _load(path, specs, receiver_id=config.receiver_id, shard=args.shard)

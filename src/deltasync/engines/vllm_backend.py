@@ -240,7 +240,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         assert built is not None
         self.shard, self.receiver = built
         self._shard_key = (init_info.layout, init_info.path, place)
-        self.weight_version = None if self.receiver.dirty else self.receiver.version
+        self.weight_version = self.receiver.version
         log.info(
             "deltasync receiver %s on %s: shard %s, path %s, at version %s",
             self.receiver.config.receiver_id,
@@ -366,7 +366,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_update_s = time.perf_counter() - t0
         self.last_report = report
         if report.version != version:
-            self.weight_version = None if receiver.dirty else receiver.version  # as in _fail
+            self.weight_version = receiver.version  # as in _fail
             raise VersionError(
                 f"shard {self.shard.shard!r} now holds version {report.version} (verified), not "
                 f"the requested {version}: the store committed a newer version meanwhile"
@@ -406,7 +406,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # What the tensors hold now, whatever the trainer does next: vLLM drops the session
         # of a failed update, so finish_weight_update (which records it otherwise) may never
         # come, and the version reported must not be the one from before a torn write.
-        self.weight_version = None if receiver.dirty else receiver.version
+        self.weight_version = receiver.version
         state = (
             "some ranks wrote part or all of it and then failed; they report no version until "
             "the next update repairs them"
@@ -437,7 +437,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     "finish_weight_update with a staged update that was never applied: call "
                     "update_weights with phase 'apply' first; nothing was written"
                 )
-            self.weight_version = None if receiver.dirty else receiver.version
+            self.weight_version = receiver.version
 
     @contextlib.contextmanager
     def _entry(self, call: str, place: ShardPlace | None = None) -> Iterator[None]:

@@ -384,19 +384,26 @@ class Receiver:
 
     @property
     def version(self) -> int | None:
-        """The last verified version (see :attr:`dirty`: while dirty, the tensors do not
-        hold it and a pull reports no version)."""
+        """The version the tensors hold, verified: None before the first, and while
+        :attr:`dirty` (the tensors are known not to hold the last verified one, which
+        :attr:`verified_version` still names)."""
+        return None if self._state.dirty else self._state.version
+
+    @property
+    def verified_version(self) -> int | None:
+        """The last version verified and recorded, whether or not the tensors still hold it
+        (they do not while :attr:`dirty`)."""
         return self._state.version
 
     @property
     def state_digest(self) -> str | None:
-        """The digest of :attr:`version`'s state, as verified."""
-        return self._state.state_digest
+        """The digest of :attr:`version`'s state, as verified (None when it is None)."""
+        return None if self._state.dirty else self._state.state_digest
 
     @property
     def run_id(self) -> str | None:
-        """The lineage of :attr:`version`."""
-        return self._state.run_id
+        """The lineage of :attr:`version` (None when it is None)."""
+        return None if self._state.dirty else self._state.run_id
 
     @property
     def dirty(self) -> bool:
@@ -665,7 +672,7 @@ class Receiver:
         if manifests[0].kind == "anchor":
             why = (
                 "it holds no verified version"
-                if self.version is None
+                if self.verified_version is None
                 else "its state is dirty"
                 if self.dirty
                 else f"the store regressed below its version {held[0]}"
@@ -710,36 +717,14 @@ class Receiver:
 
     def _check_layout(self, manifest: Manifest) -> None:
         """Refuse, before any fetch, a version built for another layout than this shard's."""
-        rec = manifest.layout
-        if rec is None:
-            return
-        mine = rec.shards.get(self.shard)
-        if mine is None:
-            raise LayoutMismatchError(
-                f"version {manifest.version} was published for {rec.describe()}, shards "
-                f"{list(rec.shards)[:8]}; this receiver holds shard {self.shard!r} of "
-                f"{self._layout_desc}. Nothing was fetched or written: build the receiver for "
-                "the publisher's layout (or publish for this one)"
-            )
-        if mine.specs != self._specs_fp:
-            numel = sum(_numel(s.shape) for s in self.specs.values())
-            raise LayoutMismatchError(
-                f"version {manifest.version} was published for {rec.describe()}: shard "
-                f"{self.shard!r} has {mine.numel} elements (specs {mine.specs}); this receiver "
-                f"holds {self._layout_desc}: {len(self.specs)} tensors, {numel} elements "
-                f"(specs {self._specs_fp}). Nothing was fetched or written: the publisher and "
-                "this receiver use different model configs, engines or TP/EP"
-            )
-        if None not in (mine.placements, self._placements_fp) and (
-            mine.placements != self._placements_fp
-        ):
-            raise LayoutMismatchError(
-                f"version {manifest.version} was published for {rec.describe()}: shard "
-                f"{self.shard!r} holds the same tensors but places canonical elements "
-                f"differently (placements {mine.placements}; this receiver's "
-                f"{self._placements_fp}). Nothing was fetched or written: give the publisher "
-                "and this receiver the same layout (e.g. the same probed layout file)"
-            )
+        _refuse_another_layout(
+            manifest,
+            self.shard,
+            self.specs,
+            self._specs_fp,
+            self._placements_fp,
+            self._layout_desc,
+        )
 
     def _stage(self, manifests: list[Manifest], from_version: int | None):
         """Fetch and check the chain's blobs; decode them now when small (``staged``), else
@@ -1090,3 +1075,63 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _refuse_another_layout(
+    manifest: Manifest,
+    shard: str,
+    specs: Mapping[str, TensorSpec],
+    specs_fp: str,
+    placements_fp: str | None,
+    layout_desc: str,
+) -> None:
+    rec = manifest.layout
+    if rec is None:
+        return
+    mine = rec.shards.get(shard)
+    if mine is None:
+        raise LayoutMismatchError(
+            f"version {manifest.version} was published for {rec.describe()}, shards "
+            f"{list(rec.shards)[:8]}; this receiver holds shard {shard!r} of "
+            f"{layout_desc}. Nothing was fetched or written: build the receiver for "
+            "the publisher's layout (or publish for this one)"
+        )
+    if mine.specs != specs_fp:
+        numel = sum(_numel(s.shape) for s in specs.values())
+        raise LayoutMismatchError(
+            f"version {manifest.version} was published for {rec.describe()}: shard "
+            f"{shard!r} has {mine.numel} elements (specs {mine.specs}); this receiver "
+            f"holds {layout_desc}: {len(specs)} tensors, {numel} elements "
+            f"(specs {specs_fp}). Nothing was fetched or written: the publisher and "
+            "this receiver use different model configs, engines or TP/EP"
+        )
+    if None not in (mine.placements, placements_fp) and (mine.placements != placements_fp):
+        raise LayoutMismatchError(
+            f"version {manifest.version} was published for {rec.describe()}: shard "
+            f"{shard!r} holds the same tensors but places canonical elements "
+            f"differently (placements {mine.placements}; this receiver's "
+            f"{placements_fp}). Nothing was fetched or written: give the publisher "
+            "and this receiver the same layout (e.g. the same probed layout file)"
+        )
+
+
+def check_published_for(
+    manifest: Manifest,
+    shard: str,
+    specs: Mapping[str, TensorSpec],
+    layout: ReceiverLayout | None = None,
+) -> None:
+    """Refuse (:class:`~deltasync.errors.LayoutMismatchError`) ``manifest`` when it was
+    published for another layout than ``shard`` with ``specs`` (and ``layout``'s placements):
+    the check a :class:`Receiver` makes before any fetch, for a caller that must make it before
+    it writes anything of its own (the ``pull`` sidecar)."""
+    record = LayoutRecord.of(layout) if layout is not None else None
+    shard_record = record.shards.get(shard) if record is not None else None
+    _refuse_another_layout(
+        manifest,
+        shard,
+        specs,
+        specs_fingerprint(specs),
+        shard_record.placements if shard_record is not None else None,
+        record.describe() if record is not None else "the tensors it was given",
+    )

@@ -248,6 +248,9 @@ def make_client(config: S3Config) -> Any:
             read_timeout=config.read_timeout_s,
             max_pool_connections=config.max_pool_connections,
             s3={"addressing_style": config.addressing_style},
+            # the endpoint is the config's alone (None: AWS), never $AWS_ENDPOINT_URL or a
+            # profile's endpoint_url, which botocore would otherwise apply unseen
+            ignore_configured_endpoint_urls=True,
         )
         return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
     except InvalidRegionError as exc:
