@@ -16,12 +16,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "deltasync"
 # Layers, bottom to top. A package may import its own layer's foundations listed here and
 # anything in a lower layer; the two sides (publish | receiver | cluster + exchange) never
 # import each other: they share through commit, layout, format and store.
-BASE = {"errors", "names", "validate", "atomic"}
+BASE = {"errors", "names", "validate", "atomic", "interrupts"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "names": {"errors"},
     "validate": {"errors"},
     "atomic": {"errors"},
+    "interrupts": set(),
     "native": BASE,
     "trainer": BASE | {"native"},
     "format": BASE | {"native"},
