@@ -18,6 +18,7 @@ def test_a_ctrl_c_right_after_clear_fails_the_version_everywhere_and_the_retry_i
     assert writer["interrupted"]
     failed = writer["failed"]
     assert failed["error"] == "SendFailedError" and failed["version"] == 1, failed
+    assert "KeyboardInterrupt" in failed["message"], failed  # what stopped it, named
     assert failed["version_after"] == 0  # nothing committed
     assert writer["retry"]["version"] == 1 and writer["retry"]["elements"] > 0
     for r in receivers:

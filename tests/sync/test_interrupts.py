@@ -14,7 +14,7 @@ import torch
 from kit import bits_equal, expected_shards, rconfig, tiny_layouts, zero_tensors
 
 from deltasync import names
-from deltasync.errors import PublishFailedError
+from deltasync.errors import PublishFailedError, SendInterruptedError
 from deltasync.publish import Publisher, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.store import LocalStore
@@ -222,10 +222,12 @@ def test_ctrl_c_while_detection_is_handed_to_its_thread_leaves_nothing_waiting_f
     rig.sync._detector = _CtrlCOnSubmit(ThreadPoolExecutor(1))
     with pytest.raises(KeyboardInterrupt):
         rig.sync.step_published(1)
-    try:
-        rig.sync.wait()  # returns: the version in flight is one whose detection runs
-    except PublishFailedError as exc:
-        assert "version 1 did not commit" in str(exc), exc
+    # returns: the version in flight is one whose detection runs; named as interrupted
+    with pytest.raises(PublishFailedError, match="version 1 did not commit") as info:
+        rig.sync.wait()
+    assert "interrupted (KeyboardInterrupt)" in str(info.value), info.value
+    assert isinstance(info.value.__cause__, SendInterruptedError)
+    assert isinstance(info.value.__cause__.__cause__, KeyboardInterrupt)
     rig.step()  # the barrier lets the step through
     version = rig.sync.next_version()
     rig.sync.step_published(version)

@@ -804,7 +804,10 @@ class TrainerSync:
             # detection that went on after the return failed: that error is the one to name
             exc = failure
             if isinstance(failure, CaptureAbandonedError) and failure.__cause__ is not None:
-                exc = failure.__cause__
+                # an interrupt is named as one, the SendInterruptedError the docs promise
+                exc = SendInterruptedError.of(
+                    failure.__cause__, f"the capture of version {pending.version}"
+                )
             # Only the ack wait failed? Not "the baseline is this version": it already was
             # when a version committed earlier is published again, and refused.
             committed = pending.committed

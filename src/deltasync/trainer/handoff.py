@@ -96,11 +96,16 @@ class Handoff(Generic[T]):
             self._items.put(self._END)
 
     def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise CaptureAbandonedError(
-                f"detection failed while this version was being sent ({type(self.error).__name__}"
-                f": {self.error}); nothing of it was committed"
-            ) from self.error
+        if self.error is None:
+            return
+        what = (
+            f"failed ({type(self.error).__name__}: {self.error})"
+            if isinstance(self.error, Exception)
+            else f"was interrupted ({type(self.error).__name__}) on the caller's thread"
+        )
+        raise CaptureAbandonedError(
+            f"detection {what} while this version was being sent; nothing of it was committed"
+        ) from self.error
 
     def __iter__(self) -> Iterator[tuple[str, T]]:
         while True:
