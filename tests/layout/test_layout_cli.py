@@ -149,6 +149,22 @@ def test_split_of_a_checkpoint_that_does_not_fit_its_config_fails_with_a_named_t
     assert not (tmp_path / "out" / "shards.json").exists()
 
 
+@pytest.mark.timeout(120)
+def test_split_of_an_fp32_checkpoint_names_the_dtype_it_needs_and_writes_nothing(tmp_path, capsys):
+    # the refusal said "the config says torch.bfloat16" of a config that says float32
+    _, full = write_checkpoint(tmp_path, "dense_untied", torch_dtype="float32")
+    save_file({n: t.float() for n, t in full.items()}, str(tmp_path / "full.safetensors"))
+    rc, err = run_in_process(
+        capsys,
+        *("--config", str(tmp_path / "config.json")),
+        *("--checkpoint", str(tmp_path / "full.safetensors")),
+        *("--tp", "2", "--out", str(tmp_path / "out")),
+    )
+    assert rc == 2 and "LayoutError" in err and "is torch.float32" in err, err
+    assert "engines are synced in torch.bfloat16" in err and "config says" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["fifo checkpoint", "out is a file", "out under a file"])
 def test_split_inputs_and_outputs_that_are_not_what_they_should_be_are_named(

@@ -256,6 +256,41 @@ def test_gc_that_verifies_no_committed_version_says_so_instead_of_collecting_not
     assert "key file" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_inspect_with_a_key_names_as_committed_only_what_verifies_with_it(tmp_path, capsys):
+    # With the wrong key every row said "bad signature" while the header still read
+    # "newest committed=5": the version a receiver given that key would never take.
+    signing = b"k" * 32
+    rig = Rig(tmp_path, signing_key=signing)
+    rig.publish(6)
+    keys = {}
+    for name, key in (("right", signing), ("wrong", b"w" * 32)):
+        keys[name] = tmp_path / name
+        keys[name].write_bytes(key)
+        keys[name].chmod(0o600)
+
+    def inspect(key: str) -> dict:
+        assert main(["inspect", str(rig.path), "--json", "--key-file", str(keys[key])]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    info = inspect("wrong")
+    assert {r["status"] for r in info["rows"]} == {"bad signature"}
+    assert info["newest_committed"] is None and info["newest_listed"] == 5
+    assert main(["inspect", str(rig.path), "--key-file", str(keys["wrong"])]) == 0
+    table = capsys.readouterr().out
+    assert "newest committed=None" in table and "no manifest verifies with this key" in table
+    assert inspect("right")["newest_committed"] == 5
+    # the newest manifest rewritten without the key: the newest that verifies is named
+    manifest = names.manifest_key(5)
+    rig.store.put(manifest, rig.store.get(manifest).replace(b'"kind"', b'"kind" ', 1))
+    info = inspect("right")
+    assert info["newest_committed"] == 4 and info["newest_listed"] == 5
+    assert main(["inspect", str(rig.path), "--key-file", str(keys["right"])]) == 0
+    assert "the newest that verifies with this key is version 4" in capsys.readouterr().out
+    assert main(["inspect", str(rig.path), "--json"]) == 0  # without a key: what is listed
+    assert json.loads(capsys.readouterr().out)["newest_committed"] == 5
+
+
 def _with_the_reader_gone(*args: str) -> subprocess.CompletedProcess:
     """``deltasync args`` with its stdout a pipe whose reader left at once (``| head -0``)."""
     read, write = os.pipe()

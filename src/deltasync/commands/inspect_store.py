@@ -17,6 +17,10 @@ decoded) and the receivers that acknowledged it; then the registered receivers. 
   nothing is known about its bytes);
 - ``uncommitted``: a version directory without a manifest (an attempt in flight, or a crash).
 
+With ``--key-file`` the header's newest committed version is the newest whose manifest
+verifies with that key (what a receiver given it would follow), and a line says so when a
+newer manifest is listed; without a key it is the newest manifest listed, unverified.
+
 ``--json`` prints one JSON line instead. Blobs are read to check their sizes and digests, at
 most 16 MiB at a time, and one listed larger than its shard's layout record allows is not read
 at all (``corrupt``); nothing is written. The store options here are shared with ``deltasync
@@ -219,6 +223,7 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     shown = every[-last:] if last else every
     rows = []
     head_layout = head_run = None
+    verified = _newest_verified(catalog, committed) if signing_key is not None else None
     for v in shown:
         if v not in committed:
             rows.append(
@@ -284,9 +289,13 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
         }
         for r in catalog.receivers().values()
     ]
+    newest_listed = committed[-1] if committed else None
     return {
         "latest": catalog.read_latest(),
-        "newest_committed": committed[-1] if committed else None,
+        # with a key, committed means what a receiver holding that key would take
+        "newest_committed": newest_listed if signing_key is None else verified,
+        "newest_listed": newest_listed,
+        "verified_with_key": signing_key is not None,
         "versions": len(committed),
         "layout": head_layout,
         "run_id": head_run,
@@ -295,11 +304,35 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     }
 
 
+def _newest_verified(catalog, committed: list[int]) -> int | None:
+    """The newest version whose manifest verifies with the catalog's key (None: no manifest
+    does): the version a receiver given that key would follow."""
+    for v in reversed(committed):
+        try:
+            catalog.manifest(v)
+        except (DeltaSyncError, KeyNotFoundError):
+            continue
+        return v
+    return None
+
+
 def _print_table(info: dict) -> None:
     print(
         f"LATEST={info['latest']}  newest committed={info['newest_committed']}  "
         f"committed versions stored={info['versions']}  run={info['run_id']}"
     )
+    if info["verified_with_key"] and info["newest_committed"] != info["newest_listed"]:
+        newest = info["newest_committed"]
+        print(
+            f"warning: the newest manifest listed is version {info['newest_listed']}, but "
+            + (
+                "no manifest verifies with this key"
+                if newest is None
+                else f"the newest that verifies with this key is version {newest}"
+            )
+            + ": receivers given this key follow only manifests that verify (check the key "
+            "file, or what wrote the store)"
+        )
     lay = info["layout"]
     if lay is not None:
         print(

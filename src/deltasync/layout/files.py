@@ -160,10 +160,15 @@ def load_canonical_checkpoint(
         )
     for name, shape in shapes.items():
         t = tensors[name]
-        if tuple(t.shape) != shape or t.dtype != spec.dtype:
+        if tuple(t.shape) != shape:
             raise LayoutError(
-                f"checkpoint tensor {name!r} is {tuple(t.shape)} {t.dtype}; "
-                f"the config says {shape} {spec.dtype}"
+                f"checkpoint tensor {name!r} is {tuple(t.shape)}; the config says {shape}"
+            )
+        if t.dtype != spec.dtype:
+            raise LayoutError(
+                f"checkpoint tensor {name!r} is {t.dtype}; engines are synced in "
+                f"{spec.dtype}, so the checkpoint must hold it (save the model cast to it, "
+                f"e.g. model.to({spec.dtype}).save_pretrained(...))"
             )
     return tensors
 
