@@ -74,3 +74,51 @@ def test_an_error_in_the_block_restores_the_handler(handler) -> None:
         with interrupts_deferred():
             raise ValueError("inside")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.fixture
+def term_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    yield lambda h: signal.signal(signal.SIGTERM, h)
+    signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def test_a_sigterm_a_python_handler_takes_is_held_like_a_ctrl_c(term_handler) -> None:
+    term_handler(_raise_terminated)
+    ran = []
+    with pytest.raises(Terminated):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGTERM)
+            ran.append("after the signal")
+    assert ran == ["after the signal"]
+    assert signal.getsignal(signal.SIGTERM) is _raise_terminated
+
+
+def test_a_sigterm_with_the_default_action_is_not_held(term_handler) -> None:
+    term_handler(signal.SIG_DFL)
+    with interrupts_deferred():
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_ctrl_c_and_a_sigterm_held_together_both_reach_their_handlers(
+    handler, term_handler
+) -> None:
+    handler(signal.default_int_handler)
+    got = []
+    term_handler(lambda signum, frame: got.append(signum))
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+    for _ in range(1000):  # the SIGTERM, sent again, is handled at the next check
+        if got:
+            break
+    assert got == [signal.SIGTERM]
