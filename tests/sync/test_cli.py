@@ -257,6 +257,49 @@ def test_gc_that_verifies_no_committed_version_says_so_instead_of_collecting_not
 
 
 @pytest.mark.timeout(60)
+def test_gc_without_the_key_of_a_signed_store_refuses_and_deletes_nothing(tmp_path, capsys):
+    # Without a key every manifest that parses counted: an unsigned anchor planted as the
+    # newest by anyone with write access made gc delete the versions keyed receivers needed.
+    from dataclasses import replace
+
+    from deltasync.commit import Catalog
+
+    signing = b"k" * 32
+    rig = Rig(tmp_path, signing_key=signing)
+    rig.publish(6)
+    real = Catalog(rig.store, signing_key=signing).manifest(5)
+    forged = replace(
+        real.unsigned(),
+        version=50,
+        blobs=(),
+        run_id="ffffffffffffffff",
+        kind="anchor",
+        base_version=None,
+        base_digests={},
+    )
+    rig.store.put(names.manifest_key(50), forged.to_json())
+    rig.store.put(names.LATEST, json.dumps({"version": 50}).encode())
+    before = sorted(rig.store.list(""))
+    assert main(["gc", str(rig.path), "--keep", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "signed manifests (version 5)" in err, err
+    assert "--key-file" in err and "Nothing was deleted" in err
+    assert sorted(rig.store.list("")) == before
+    key_file = tmp_path / "key"
+    key_file.write_bytes(signing)
+    key_file.chmod(0o600)
+    argv = ["gc", str(rig.path), "--keep", "1", "--key-file", str(key_file), "--dry-run"]
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["committed"] == 5 and names.manifest_key(50) not in plan["keys"]
+    # a store that was never signed is collected without a key, as before
+    plain = Rig(tmp_path / "plain")
+    plain.publish(4)
+    assert main(["gc", str(plain.path), "--keep", "1", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["committed"] == 3
+
+
+@pytest.mark.timeout(60)
 def test_inspect_with_a_key_names_as_committed_only_what_verifies_with_it(tmp_path, capsys):
     # With the wrong key every row said "bad signature" while the header still read
     # "newest committed=5": the version a receiver given that key would never take.

@@ -7,7 +7,8 @@ Runs the retention a publisher's ``gc()`` runs (:func:`deltasync.commit.collect_
 never a version a live receiver still needs, never the newest anchor and the chain after it,
 never the newest committed version; plus the leftovers no manifest vouches for (losing
 attempts, versions older than the newest committed one that were never committed). Manifests
-that do not verify (with ``--key-file``: also unsigned ones) are never touched. An attempt that
+that do not verify (with ``--key-file``: also unsigned ones) are never touched, and a store
+holding signed manifests is refused without ``--key-file`` (rc 2, nothing deleted). An attempt that
 never committed is deleted only once its newest key is ``--orphan-grace`` seconds old: a
 trainer's manifest write whose outcome it could not learn may still land and name its blobs
 (the store's clock says when a key was written; a store that cannot say keeps them). ``--keep``,
@@ -64,6 +65,8 @@ def _run(args: argparse.Namespace) -> int:
     if store is None:
         return EXIT_NOT_A_STORE  # nothing was deleted
     catalog = Catalog(store, signing_key=key)
+    if key is None:
+        _refuse_a_signed_store_without_its_key(args, catalog)
     plan = collect_garbage(
         store,
         catalog,
@@ -105,6 +108,25 @@ def _run(args: argparse.Namespace) -> int:
     with reader_may_leave():  # `gc | head`: what was deleted is deleted, rc 0
         _print_plan(args, plan)
     return 0
+
+
+def _refuse_a_signed_store_without_its_key(args: argparse.Namespace, catalog) -> None:
+    """Without a key every manifest that parses counts, so one planted by anyone who can write
+    to the store (an unsigned anchor named newest) would plan the deletion of versions the
+    keyed receivers still need. A store whose manifests are signed is collected with its key."""
+    from deltasync.errors import DeltaSyncError, KeyNotFoundError
+
+    for version in reversed(catalog.versions()):
+        try:
+            signed = catalog.manifest(version).signature is not None
+        except (DeltaSyncError, KeyNotFoundError):
+            continue  # not planned from either
+        if signed:
+            raise ConfigError(
+                f"{args.store!r} holds signed manifests (version {version}): pass the "
+                "trainer's --key-file, so gc plans only from manifests that verify (without it, "
+                "a manifest anyone with write access planted would count). Nothing was deleted"
+            )
 
 
 def _print_plan(args: argparse.Namespace, plan) -> None:
