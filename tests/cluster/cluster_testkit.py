@@ -702,3 +702,60 @@ def one_process_roles(
         for r in plan.receivers
     }
     return senders, receivers
+
+
+def run_unreadable_payload(rank: int, setup: Setup, streamed: bool) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2): anchor 0, then version 1 with rank 2's payload
+    replaced on the wire by 10 bytes that cannot hold an envelope's framing (``streamed``:
+    every part to rank 2 dropped but a 10-byte last one), then every rank retries version 1
+    and checks its tensors bitwise. The writer's module-level ``exchange`` is wrapped in this
+    process only: what a faulty sender would put on the wire."""
+    import deltasync.cluster.cluster_sender as sender_module
+    import deltasync.cluster.streaming as streaming_module
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank, "steps": []}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        module = streaming_module if streamed else sender_module
+        real, armed = module.exchange, [False]
+
+        def faulty(payloads, **kwargs):
+            if armed[0] and 2 in payloads:
+                payloads = dict(payloads)
+                if kwargs.get("more"):
+                    del payloads[2]
+                else:
+                    payloads[2], armed[0] = b"garbage!!!", False
+            return real(payloads, **kwargs)
+
+        module.exchange = faulty
+
+        def sync(version: int, *, fault: bool = False) -> None:
+            armed[0] = fault
+            result = _attempt(lambda: (sender.sync(version, anchor=version == 0), sender.wait()))
+            result.update(version_after=sender.version)
+            out["steps"].append(result)
+            broadcast_truth(trainer.canonical_bits())
+
+        sync(0)
+        trainer.step()
+        sync(1, fault=True)
+        sync(1)
+        return out
+    role = setup.plan().receiver(rank)
+    receiver = ClusterReceiver(
+        empty_shard(setup, role.shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    for _ in range(3):
+        result = _attempt(receiver.sync)
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        result.update(version_after=receiver.version, exact=not mismatched(receiver.tensors, truth))
+        out["steps"].append(result)
+    return out

@@ -4,6 +4,7 @@ an aborted attempt applied by one receiver, a receiver killed mid-exchange. Ever
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from cluster_testkit import (
     run_replacement_writer,
     run_stall_in_round_one,
     run_trainer_late,
+    run_unreadable_payload,
     run_writer_death,
 )
 
@@ -71,6 +73,10 @@ def test_a_corrupted_payload_aborts_the_version_on_every_rank_and_the_trainer_ke
     assert trainer["version_after"] == 2
     corrupt = faults[2]["corrupt payload"]
     assert corrupt["error"] == "DigestMismatchError"  # the storage path's error for a bad blob
+    # named where it came from, with the in-cluster remedy (not the storage path's refetch)
+    assert corrupt["message"].startswith("receiver tp1 replica 0 (rank 2): payload from rank 0: ")
+    assert "retry the version (sync on every rank)" in corrupt["message"]
+    assert "fetch it again" not in corrupt["message"]
     assert corrupt["unchanged"] and corrupt["version_after"] == 2
     assert corrupt["journal"].applying is None  # refused before the journal: nothing written
     other = faults[1]["corrupt payload"]
@@ -224,3 +230,35 @@ def test_a_replacement_writer_never_reuses_a_number_the_receivers_committed() ->
             states.setdefault(version, set()).add(digest)
         assert all(len(d) == 1 for d in states.values()), (r["rank"], r["seen"])
         assert r["mismatched"] == [], r
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_payload_too_short_for_its_framing_is_voted_and_every_rank_fails_promptly(
+    streamed,
+) -> None:
+    # The receiver raised while joining it, outside the joint commit: the others waited the
+    # whole commit timeout, blamed it as dead and broke the group; a retry at once aborted
+    # the writer's process in gloo (a preflight meeting a joint commit).
+    commit_s = 8.0
+    setup = Setup(timeout_s=commit_s, overlap=streamed)
+    if streamed:
+        setup = replace(setup, part_bytes=1024)
+    results = spawn(run_unreadable_payload, 3, setup, streamed, timeout_s=120)
+    failed = {rank: r["steps"][1] for rank, r in enumerate(results)}
+    where = "receiver tp1 replica 0 (rank 2): version 1: payload from rank 0"
+    assert failed[2]["error"] == "EnvelopeError", failed[2]
+    assert failed[2]["message"].startswith(where) and "48-byte framing" in failed[2]["message"]
+    assert failed[2]["version_after"] == 0
+    # overlapped, the writer's wait() names the joint commit's error as its cause
+    writer = "SendFailedError" if streamed else "SyncAbortedError"
+    assert failed[0]["error"] == writer, failed[0]
+    assert failed[1]["error"] == "SyncAbortedError", failed[1]
+    for rank in (0, 1):  # promptly, and the group stays usable: the retry below converges
+        assert f"rank 2 (receiver tp1 replica 0): EnvelopeError: {where}" in failed[rank]["message"]
+        assert failed[rank]["elapsed_s"] < commit_s / 2
+    assert results[0]["steps"][2]["error"] is None
+    assert results[0]["steps"][2]["version_after"] == 1
+    for rank in (1, 2):
+        retry = results[rank]["steps"][2]
+        assert retry["error"] is None and retry["exact"] and retry["version_after"] == 1, retry

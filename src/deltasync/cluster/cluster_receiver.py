@@ -103,7 +103,7 @@ from deltasync.cluster.staging import (
     stage_payloads,
     state_digest_after,
 )
-from deltasync.cluster.streaming import receive_parts
+from deltasync.cluster.streaming import join_payloads, receive_parts
 from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
@@ -135,12 +135,14 @@ class Incoming(dict[int, torch.Tensor]):
         forward_s: float,
         cleared: Cleared | None = None,
         tags: tuple[str, ...] = (),
+        error: Exception | None = None,
     ) -> None:
         super().__init__(items)
         self.wait_s = wait_s  # the preflight (waiting for the trainer) and the first exchange
         self.forward_s = forward_s  # the second exchange (forward mode)
         self.cleared = cleared  # what the preflight agreed on
         self.tags = tags  # the failure-notes tag of each exchange, in order
+        self.error = error  # a payload that could not be read: raised by apply_payload
 
 
 class _Diverged(Exception):
@@ -338,15 +340,31 @@ class ClusterReceiver:
         # one exchange, or one per part while the writers stream (cluster.streaming)
         tags: list[str] = []
         with naming(f"version {cleared.version}"):
-            got = receive_parts(group=self.group, config=self.config.exchange, tag=tag, tags=tags)
+            parts = receive_parts(group=self.group, config=self.config.exchange, tag=tag, tags=tags)
         wait_s = time.perf_counter() - t
+        # From here every failure is this version's, voted in the joint commit with the
+        # others: a rank that raised now would skip the collectives they wait in.
+        error: Exception | None = None
+        got: dict[int, torch.Tensor] = {}
+        try:
+            got = join_payloads(
+                parts, where=f"{self._who} (rank {self.rank}): version {cleared.version}"
+            )
+        except Exception as exc:
+            error = exc
+        del parts
         if self.plan.exchanges == 1:
-            return Incoming(got, wait_s=wait_s, forward_s=0.0, cleared=cleared, tags=tuple(tags))
+            return Incoming(
+                got, wait_s=wait_s, forward_s=0.0, cleared=cleared, tags=tuple(tags), error=error
+            )
         t = time.perf_counter()
         targets = self.plan.forward_targets(self.rank)
-        bundle = (
-            pack_envelope([as_view(got[s]) for s in sorted(got)], nested=True) if targets else b""
-        )
+        bundle = b""  # nothing to forward (then each replica votes its payload missing)
+        if targets and error is None:
+            try:
+                bundle = pack_envelope([as_view(got[s]) for s in sorted(got)], nested=True)
+            except Exception as exc:
+                error = exc
         with naming(f"version {cleared.version} (forwarding to the shard's replicas)"):
             forwarded = exchange(
                 {t: bundle for t in targets},
@@ -361,6 +379,7 @@ class ClusterReceiver:
             forward_s=time.perf_counter() - t,
             cleared=cleared,
             tags=(*tags, f"{tag}-x2"),
+            error=error,
         )
 
     # ------------------------------------------------------------------ steps 3-5
@@ -371,6 +390,9 @@ class ClusterReceiver:
         """Stage, journal, apply and verify one version's payloads; no collective. Raises a
         typed error; before the journal entry nothing has been written. ``window``: the
         writers' attempt window the preflight agreed on (recorded with the apply)."""
+        error = getattr(received, "error", None)
+        if error is not None:
+            raise error
         if window is None:
             cleared = getattr(received, "cleared", None)
             window = 0 if cleared is None else cleared.window

@@ -44,7 +44,13 @@ from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import flatten
 from deltasync.cluster.roles import RolePlan
 from deltasync.cluster.writer_digests import Piece, feed_bf16, writer_pieces
-from deltasync.errors import BlobMismatchError, EnvelopeError, MissingBlobError
+from deltasync.errors import (
+    BlobLimitError,
+    BlobMismatchError,
+    EnvelopeError,
+    FormatError,
+    MissingBlobError,
+)
 from deltasync.format import (
     BlobRecords,
     Records,
@@ -53,6 +59,7 @@ from deltasync.format import (
     TensorUpdate,
     iter_chain,
 )
+from deltasync.format.decode import REFETCH
 from deltasync.format.merge import RecordStream
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.blocks import as_2d
@@ -144,25 +151,35 @@ def stage_payloads(
     items, total = [], 0
     for src in sorted(received):
         got = flatten(received[src], where=f"{where}: payload from rank {src}")
-        items.extend(got)
+        items.extend((src, *item) for item in got)
         total += sum(len(b) for b, _, _ in got)
-    digests = {d for _, d, part in items if d is not None and not part}
+    digests = {d for _, _, d, part in items if d is not None and not part}
     if len(digests) > 1:
         raise EnvelopeError(f"{where}: the payloads carry {len(digests)} different state digests")
 
     per_writer: dict[str, BlobRecords] = {}
     part_digests: dict[str, str] = {}
     version = base = None
-    for blob, digest, part in items:
-        records = BlobRecords(  # digest, header and trailer; the records stay compressed
-            blob,
-            expected=specs,
-            version=version,
-            base_version=base,
-            shard=role.shard,
-            max_decompressed_bytes=max_decompressed_bytes,
-            narrow_indices=True,  # 6 bytes per decoded element instead of 10
-        )
+    for src, blob, digest, part in items:
+        try:
+            records = BlobRecords(  # digest, header and trailer; the records stay compressed
+                blob,
+                expected=specs,
+                version=version,
+                base_version=base,
+                shard=role.shard,
+                max_decompressed_bytes=max_decompressed_bytes,
+                narrow_indices=True,  # 6 bytes per decoded element instead of 10
+            )
+        except BlobLimitError:
+            raise  # a limit of this receiver's (max_decompressed_bytes), named as such
+        except FormatError as exc:
+            # in-cluster there is nothing to fetch again: the version is sent again
+            why = str(exc).removesuffix(f": {REFETCH}")
+            raise type(exc)(
+                f"{where}: payload from rank {src}: {why}; nothing was applied: retry the "
+                "version (sync on every rank)"
+            ) from exc
         h = records.header
         if version is None:
             version, base = h.version, h.base_version

@@ -21,9 +21,11 @@ exchange's status: every rank raises the same PeerFailedError, as from the prefl
 nothing is applied anywhere (receivers only stage at the end). A writer done before the others
 takes part in their remaining exchanges with nothing to send.
 
-Receiver (:func:`receive_parts`): exchanges while any rank says more follows and joins each
-source's parts into one payload, framing in front (``envelope.join_parts``); a payload that
-came in one exchange framing first (a writer that did not stream) is used as it arrived.
+Receiver (:func:`receive_parts`): exchanges while any rank says more follows; then
+(:func:`join_payloads`, apart, so a payload that cannot be read still leaves the receiver in
+step with every exchange and its joint commit) joins each source's parts into one payload,
+framing in front (``envelope.join_parts``); a payload that came in one exchange framing first
+(a writer that did not stream) is used as it arrived.
 
 Exchange ``k`` of a version is tagged ``part_tag(tag, k)`` on every rank (the first keeps the
 unstreamed exchange's tag). This module knows exchanges, threads and byte buffers; nothing
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from deltasync.cluster.envelope import framed_first, join_parts
 from deltasync.cluster.staging import as_cpu_bytes
-from deltasync.errors import ExchangeError
+from deltasync.errors import EnvelopeError, ExchangeError
 from deltasync.exchange import ExchangeConfig, exchange
 from deltasync.exchange.notes import part_tag
 from deltasync.native.loader import HeapRelease
@@ -193,9 +195,10 @@ def receive_parts(
     config: ExchangeConfig,
     tag: str,
     tags: list[str] | None = None,
-) -> dict[int, torch.Tensor]:
-    """A receiver's side of one version's exchanges: ``{source rank: payload}``, every
-    payload one envelope framing first (CPU). ``tags``: each exchange's tag is appended."""
+) -> dict[int, list[torch.Tensor]]:
+    """A receiver's side of one version's exchanges: ``{source rank: [part, ...]}`` in order
+    (CPU), for :func:`join_payloads`. ``tags``: each exchange's tag is appended. Raises only
+    what an exchange raises: once it returns, this rank took part in every exchange."""
     tags = [] if tags is None else tags
     tags.append(part_tag(tag, 0))
     got = exchange({}, group=group, config=config, tag=tags[-1])
@@ -209,17 +212,26 @@ def receive_parts(
         tags.append(part_tag(tag, k))
         got = exchange({}, group=group, config=config, tag=tags[-1], earlier=tags[:-1])
         k += 1
-    del got
+    return parts
+
+
+def join_payloads(parts: dict[int, list[torch.Tensor]], *, where: str) -> dict[int, torch.Tensor]:
+    """``{source rank: payload}``, each source's parts joined into one payload, framing in
+    front; ``parts`` is emptied as it is joined. A payload that cannot be one (too short for its
+    framing) is an EnvelopeError naming ``where`` and the source rank."""
     out = {}
     # each part's pages handed back every few MiB as they are copied, so the payload is never
     # resident twice (with the parts' pages kept, a 0.6B receiver's peak read 1.11x its
     # shard instead of 1.10x)
     release = HeapRelease(JOIN_RELEASE_BYTES)
-    for src in list(parts):
+    for src in sorted(parts):
         pieces = parts.pop(src)
         if len(pieces) == 1 and framed_first(pieces[0]):
             out[src] = pieces[0]
-        else:
+            continue
+        try:
             out[src] = join_parts(pieces, on_copied=release.count)
+        except EnvelopeError as exc:
+            raise EnvelopeError(f"{where}: payload from rank {src}: {exc}") from exc
         del pieces
     return out
