@@ -233,32 +233,40 @@ def test_a_replacement_writer_never_reuses_a_number_the_receivers_committed() ->
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-def test_a_payload_too_short_for_its_framing_is_voted_and_every_rank_fails_promptly(
-    streamed,
-) -> None:
+@pytest.mark.parametrize("case", ["whole", "streamed", "forwarded"])
+def test_a_payload_too_short_for_its_framing_is_voted_and_every_rank_fails_promptly(case) -> None:
     # The receiver raised while joining it, outside the joint commit: the others waited the
     # whole commit timeout, blamed it as dead and broke the group; a retry at once aborted
     # the writer's process in gloo (a preflight meeting a joint commit).
     commit_s = 8.0
-    setup = Setup(timeout_s=commit_s, overlap=streamed)
-    if streamed:
+    setup = Setup(timeout_s=commit_s, overlap=case == "streamed")
+    if case == "streamed":
         setup = replace(setup, part_bytes=1024)
-    results = spawn(run_unreadable_payload, 3, setup, streamed, timeout_s=120)
+    if case == "forwarded":  # rank 2 forwards to its replica, rank 4: it forwards nothing
+        setup = replace(setup, replicas=2, dp_mode="forward")
+    ranks = 1 + setup.tp * setup.replicas
+    results = spawn(run_unreadable_payload, ranks, setup, case == "streamed", timeout_s=120)
     failed = {rank: r["steps"][1] for rank, r in enumerate(results)}
     where = "receiver tp1 replica 0 (rank 2): version 1: payload from rank 0"
     assert failed[2]["error"] == "EnvelopeError", failed[2]
     assert failed[2]["message"].startswith(where) and "48-byte framing" in failed[2]["message"]
     assert failed[2]["version_after"] == 0
+    if case == "forwarded":
+        assert (
+            failed[4]["error"] == "MissingBlobError"
+            and "no payload from ranks [2]" in (failed[4]["message"])
+        )
     # overlapped, the writer's wait() names the joint commit's error as its cause
-    writer = "SendFailedError" if streamed else "SyncAbortedError"
+    writer = "SendFailedError" if case == "streamed" else "SyncAbortedError"
     assert failed[0]["error"] == writer, failed[0]
-    assert failed[1]["error"] == "SyncAbortedError", failed[1]
-    for rank in (0, 1):  # promptly, and the group stays usable: the retry below converges
+    others = (0, 1, 3) if case == "forwarded" else (0, 1)
+    for rank in others:  # promptly; the group stays usable: the retry below converges
+        if rank:
+            assert failed[rank]["error"] == "SyncAbortedError", failed[rank]
         assert f"rank 2 (receiver tp1 replica 0): EnvelopeError: {where}" in failed[rank]["message"]
         assert failed[rank]["elapsed_s"] < commit_s / 2
     assert results[0]["steps"][2]["error"] is None
     assert results[0]["steps"][2]["version_after"] == 1
-    for rank in (1, 2):
+    for rank in range(1, ranks):
         retry = results[rank]["steps"][2]
         assert retry["error"] is None and retry["exact"] and retry["version_after"] == 1, retry
