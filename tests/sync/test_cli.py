@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from safetensors import safe_open
@@ -103,6 +104,18 @@ def test_inspect_lists_versions_kinds_bytes_density_and_acks(tmp_path, capsys):
     )
     assert 0 < delta["density"] < 1 and delta["density"] == delta["elements"] / numel
     assert delta["bytes"] > 0
+
+    # an ack naming another state than the manifest's is not counted: listed apart
+    from deltasync.commit import AckRecord
+
+    ack = AckRecord.from_json(rig.store.get(names.ack_key(2, "watcher")))
+    other = replace(ack, state_digest="0" * len(ack.state_digest))
+    rig.store.put(names.ack_key(2, "watcher"), other.to_json())
+    assert main(["inspect", str(rig.path), "--json", "--last", "2"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][1]
+    assert (row["shard"], row["acks"], row["acks_wrong_digest"]) == ("tp1", [], ["watcher"])
+    assert main(["inspect", str(rig.path), "--last", "2"]) == 0
+    assert "- (another state digest: watcher)" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,9 @@ refuses a path that is not a deltasync store (rc 2, nothing created), then print
 version's layout (engine, TP, EP, model fingerprint) and lineage (run id), and one row per
 (version, receiver shard): a status with its reason, kind, base, run id, blob bytes, elements
 sent, density (elements sent / the shard's elements, both from the manifest: no blob is
-decoded) and the receivers that acknowledged it; then the registered receivers. Statuses:
+decoded) and the receivers that acknowledged it (an ack naming another state digest than the
+manifest's is listed apart: a trainer does not count it); then the registered receivers.
+Statuses:
 
 - ``ok``: the manifest verifies and every blob is present with its size and digest;
 - ``corrupt`` / ``truncated`` / ``missing blob``: a blob does not match its manifest entry;
@@ -270,11 +272,7 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
                     "bytes": sum(b.size for b in blobs),
                     "elements": elements,
                     "density": density,
-                    "acks": sorted(
-                        r
-                        for r, a in acks.items()
-                        if a.shard == shard and a.run_id in (None, m.run_id)
-                    ),
+                    **_acks_of(acks, m, shard),
                     "signed": m.signature is not None,
                 }
             )
@@ -301,6 +299,23 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
         "run_id": head_run,
         "rows": rows,
         "receivers": receivers,
+    }
+
+
+def _acks_of(acks: dict, manifest, shard: str) -> dict[str, list[str]]:
+    """The receivers that acknowledged ``shard`` of ``manifest``'s version in its lineage:
+    ``acks``, those whose state digest is the manifest's (the ones a trainer counts), and
+    ``acks_wrong_digest``, those that name another state (a receiver on another layout, or
+    broken)."""
+    expected = manifest.shard_digests.get(shard)
+    ours = [
+        (r, a.state_digest == expected)
+        for r, a in acks.items()
+        if a.shard == shard and a.run_id in (None, manifest.run_id)
+    ]
+    return {
+        "acks": sorted(r for r, same in ours if same),
+        "acks_wrong_digest": sorted(r for r, same in ours if not same),
     }
 
 
@@ -353,6 +368,8 @@ def _print_table(info: dict) -> None:
         dens = "?" if d is None else f"{100 * d:.2f}%"
         elems = "?" if row["elements"] is None else str(row["elements"])
         acks = ",".join(row["acks"]) or "-"
+        if row["acks_wrong_digest"]:
+            acks += f" (another state digest: {','.join(row['acks_wrong_digest'])})"
         print(
             f"{row['version']:>8}  {row['kind']:<6}  {base:>6}  {row['shard']:<12}  "
             f"{_human(row['bytes']):>10}  {elems:>9}  {dens:>8}  {row['status']:<12}  {acks}"
