@@ -135,3 +135,36 @@ def test_the_forget_threshold_must_be_a_positive_number_of_seconds(tmp_path, cap
     path, _, _ = _published_store(tmp_path, versions=1)
     assert main(["gc", str(path), f"--forget-receivers-after={bad}"]) == 2
     assert "--forget-receivers-after must be a number of seconds > 0" in capsys.readouterr().err
+
+
+class _ComesBackDuringDeletes:
+    """A store on which receiver ``who`` registers again as the first version key is deleted
+    (between retention's read of the registrations and its deletion of them)."""
+
+    def __init__(self, inner, who: str) -> None:
+        self.inner, self.who, self.done = inner, who, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, key: str) -> None:
+        if not self.done and key.startswith("v"):
+            self.done = True
+            _register(self.inner, self.who, age_s=0, version=4)
+        self.inner.delete(key)
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_registers_again_while_gc_deletes_keeps_its_registration(tmp_path):
+    # The plan read its day-old heartbeat; the deletions of versions before took time, and it
+    # came back meanwhile: its fresh registration was deleted with the planned ones.
+    _, store, _ = _published_store(tmp_path, versions=12)  # anchors at 0 and 10
+    _register(store, "back", age_s=DAY + 60)
+    _register(store, "gone", age_s=DAY + 60)
+    racing = _ComesBackDuringDeletes(store, "back")
+    plan = collect_garbage(racing, Catalog(racing), keep_versions=1, receiver_ttl_s=60)
+    assert racing.done and plan.versions, "no version was deleted before the registrations"
+    assert plan.receivers == ("gone",)
+    assert names.receiver_key("back") not in plan.keys
+    assert sorted(store.list(names.RECEIVERS_PREFIX)) == [names.receiver_key("back")]
+    assert Catalog(store).receivers()["back"].version == 4

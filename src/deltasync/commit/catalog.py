@@ -311,16 +311,26 @@ class Catalog:
         for key in self.store.list(names.RECEIVERS_PREFIX):
             try:
                 receiver = names.parse_receiver_key(key)
-                data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
-                rec = ReceiverRecord.from_json(data, signing_key=self._key, what=f"record {key!r}")
-            except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
+            except ManifestError:
                 continue
-            except StoreError as exc:
-                _unreadable(key, exc)
-                continue
-            if rec.receiver == receiver:
+            rec = self.receiver(receiver)
+            if rec is not None:
                 out[receiver] = rec
         return out
+
+    def receiver(self, receiver: str) -> ReceiverRecord | None:
+        """``receiver``'s registration, or None when it has none that parses, verifies and
+        names it."""
+        key = names.receiver_key(receiver)
+        try:
+            data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
+            rec = ReceiverRecord.from_json(data, signing_key=self._key, what=f"record {key!r}")
+        except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
+            return None
+        except StoreError as exc:
+            _unreadable(key, exc)
+            return None
+        return rec if rec.receiver == receiver else None
 
     def live_receivers(self, ttl_s: float, now: float | None = None) -> dict[str, ReceiverRecord]:
         now = time.time() if now is None else now

@@ -22,7 +22,9 @@ than ``forget_receivers_after_s`` (a day by default), and never before it is old
 the receiver TTL and the orphan grace: such a receiver is long dead (a rollout pod that came
 and went), and without this every reader of registrations (bounded staleness, retention,
 inspect) would read them all forever. A receiver that comes back writes its registration again
-on its next heartbeat (every pull), so a gc racing with that heartbeat costs at most one
+on its next heartbeat (every pull). Each planned registration is read again right before its
+deletion and kept if its heartbeat is fresh again (it came back while the versions were being
+deleted), so only a heartbeat landing between that read and the delete is lost, costing one
 heartbeat's absence. A registration that does not parse or verify is left alone.
 
 Deletion order: a version's manifest goes first, so the version disappears atomically for
@@ -285,11 +287,35 @@ def collect_garbage(
             receivers=forgotten,
         )
     if not dry_run:
+        forgotten_at = {names.receiver_key(r): r for r in plan.receivers}
+        kept: set[str] = set()
         for key in plan.keys:
+            receiver = forgotten_at.get(key)
+            if receiver is not None and _came_back(catalog, receiver, forget_after_s):
+                kept.add(receiver)
+                continue
             store.delete(key)
         for v in plan.versions:
             catalog.forget(v)
+        if kept:  # what was done, not what was planned
+            plan = replace(
+                plan,
+                keys=tuple(k for k in plan.keys if forgotten_at.get(k) not in kept),
+                receivers=tuple(r for r in plan.receivers if r not in kept),
+            )
     return plan
+
+
+def _came_back(catalog, receiver: str, after_s: float) -> bool:
+    """Whether ``receiver``, planned to be forgotten, registered again since the plan read its
+    record (the versions' deletions before take time): its registration is then kept."""
+    rec = catalog.receiver(receiver)
+    if rec is None or time.time() - rec.updated_at > after_s:
+        return False
+    log.info(
+        "retention: receiver %r registered again meanwhile; its registration is kept", receiver
+    )
+    return True
 
 
 def _may_still_commit(store: Store, keys: Iterable[str], grace_s: float, now: float) -> bool:
