@@ -17,7 +17,7 @@ from deltasync.cluster import (
     cluster_receiver,
 )
 from deltasync.cluster.cluster_journal import ClusterJournal, JournalState
-from deltasync.cluster.envelope import pack_envelope
+from deltasync.cluster.envelope import flatten, pack_envelope
 from deltasync.errors import (
     BaseVersionMismatchError,
     DigestMismatchError,
@@ -323,6 +323,26 @@ def test_several_writers_without_the_full_state_send_part_digests_that_catch_dri
         rec.apply_payload(inbox[2])
     assert world.unchanged_since(before)  # verified before the first live write
     assert rec.journal.state.dirty and rec.version is None
+
+
+def test_a_writer_that_sends_no_part_digest_beside_one_that_does_is_refused_unwritten() -> None:
+    # Its part went unchecked: a drift there was written and committed unseen.
+    world = World(writers=2, digest_every=1, full_state=False)
+    world.sync(0, anchor=True)
+    world.step()
+    inbox = world.payloads(1)
+    rec = world.receivers[2]
+    ((blob, digest, part),) = flatten(inbox[2][1], where="test")
+    assert digest is not None and part  # writer 1's part digest, dropped below
+    name = "model.layers.1.mlp.down_proj.weight"  # row-parallel: rows split by the writers
+    rec.tensors[name].view(torch.int16)[-1, 0] ^= 1  # drift in writer 1's part
+    before = world.snapshot()
+    with pytest.raises(EnvelopeError, match=r"writers \['w00001'\] did not") as info:
+        rec.apply_payload({0: inbox[2][0], 1: pack_envelope([blob])})
+    assert "version 1" in str(info.value) and "digest_every" in str(info.value)
+    assert world.unchanged_since(before)
+    state = rec.journal.state
+    assert (state.committed, state.applying, state.dirty) == (0, None, False)
 
 
 @pytest.mark.parametrize("writers", [1, 2])

@@ -456,7 +456,7 @@ class ClusterReceiver:
     def _verify(self, staged: Staged) -> tuple[str | None, tuple[str, ...] | None, int]:
         """Read ``staged`` to the end once; the digests the tensors will have after it against
         what the writers sent. Returns the resulting state digest (one writer; None without
-        one), every writer's part digest when every writer sent its own and they all matched
+        one), every writer's part digest when the writers sent theirs and they all matched
         (else None), and the elements the scatter will write; raises ``_Diverged`` on a
         mismatch, or the records' own typed errors."""
         if staged.state_digest is not None:
@@ -474,15 +474,14 @@ class ClusterReceiver:
             bad = [
                 names.writer_id(k)
                 for k in range(count)
-                if staged.part_digests.get(names.writer_id(k), mine[k]) != mine[k]
+                if staged.part_digests[names.writer_id(k)] != mine[k]
             ]
             if bad:
                 raise _Diverged(
                     f"would not match the part digests of writers {bad} in the parts they own"
                 )
-            ids = [names.writer_id(k) for k in range(count)]
-            every = all(i in staged.part_digests for i in ids)  # else some part is unchecked
-            return None, tuple(mine[k] for k in range(count)) if every else None, elements
+            # staging refused a version where only some writers sent theirs
+            return None, tuple(mine[k] for k in range(count)), elements
         return None, None, check_staged(staged, self.specs)
 
     def _diverged(self, version: int, why: str) -> NoReturn:

@@ -204,6 +204,13 @@ def stage_payloads(
             f"{sorted(writers - set(per_writer))}; "
             "nothing was applied"
         )
+    if part_digests and set(part_digests) != writers:
+        raise EnvelopeError(
+            f"{where}: version {version}: writers {sorted(set(part_digests))} sent their part "
+            f"digests, writers {sorted(writers - set(part_digests))} did not, so their parts "
+            "could not be verified: the writers run with different digest settings "
+            "(ClusterConfig.digest_every, full_state); nothing was applied"
+        )
     assert version is not None and base is not None  # at least one writer, so one blob
     raw = sum(r.raw_len for r in per_writer.values())
     held = raw * _DECODED_PER_RAW <= max_staged_bytes
