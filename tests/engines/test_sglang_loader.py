@@ -311,6 +311,33 @@ def test_after_update_weights_from_disk_the_held_version_is_restored_not_answere
     assert _take_all(models, _request(tmp_path, 2)) == [None] * tp  # held now
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_update_weights_from_disk_a_new_version_is_taken_by_restoring_the_anchor(
+    tmp_path, tp
+):
+    # Asked for the next version instead, the reloaded rank refused it with an IntegrityError
+    # (its delta's base was gone) and every rank raised; only the request after restored it.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
+    trainer.publish(0)
+    v0 = trainer.split()
+    models = _models(v0, tp)
+    for version in (1, 2):
+        trainer.step()
+        trainer.publish(version)
+        _take_all(models, _request(tmp_path, version))
+    with torch.no_grad():
+        for n, p in models[0].named_parameters():
+            p.copy_(v0["tp0"][n])
+    trainer.step()
+    trainer.publish(3)
+    reports = _take_all(models, _request(tmp_path, 3))
+    assert reports[0].version == 3 and reports[0].drifted and reports[0].from_anchor, reports
+    assert all(r.version == 3 and not r.drifted for r in reports[1:]), reports
+    split = trainer.split()
+    for r, model in enumerate(models):
+        assert _same(model, split[f"tp{r}"]), r
+
+
 def test_a_version_one_rank_refuses_is_taken_by_no_rank_and_every_rank_raises(tmp_path):
     # Only tp1's blob is corrupted. Rank 0 took the version and answered success (the answer
     # SGLang returns to the caller, recording the new weight version) while rank 1 stayed at

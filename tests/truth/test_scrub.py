@@ -11,7 +11,7 @@ from truth_kit import Rig
 
 from deltasync import LocalStore, Receiver
 from deltasync.commit import Catalog
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, IntegrityError
 
 
 @pytest.fixture
@@ -105,3 +105,59 @@ def test_every_nth_idle_pull_scrubs_and_repairs_a_drift_in_the_same_pull(rig):
 def test_scrub_every_must_be_a_non_negative_int(every):
     with pytest.raises(ConfigError, match="scrub_every"):
         rconfig("rec", scrub_every=every)
+
+
+def _restoring(rig, restore: bool) -> Receiver:
+    return Receiver.for_layout(
+        rig.store,
+        rig.rl,
+        rig.shard,
+        rig.tensors,
+        str(rig.tmp / f"rec-restore-{restore}"),
+        rconfig("rec", restore_drift=restore),
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restore", [False, True])
+def test_a_delta_onto_drifted_tensors_is_refused_or_with_restore_drift_restored_at_once(
+    rig, restore
+):
+    # An engine that reloaded its own weights (vLLM's reload_weights, SGLang's
+    # update_weights_from_disk) and then asked for the next version was refused; the restore
+    # came only with the request after.
+    rec = _restoring(rig, restore)
+    rig.check(rec.pull())
+    _stray_write(rec.tensors)
+    rig.publish(3)
+    if not restore:
+        with pytest.raises(IntegrityError, match="no verified version"):
+            rec.pull(version=3)
+        assert rec.dirty and rec.version is None
+        return
+    report = rec.pull(version=3)
+    assert report.drifted and report.from_anchor and report.chain == (0, 1, 2, 3)
+    assert report.previous_version == 2 and report.version == 3 and not rec.dirty
+    for name, want in rig.expected(report).items():
+        assert torch.equal(rec.tensors[name].view(torch.int16), want.view(torch.int16)), name
+
+
+@pytest.mark.timeout(60)
+def test_restore_drift_does_not_repeat_a_refused_anchor(rig, monkeypatch):
+    # An anchor whose result is not the manifest's (not a drift: the tensors are overwritten
+    # whole) is refused once, not restored into again.
+    from deltasync.receiver import store_receiver
+
+    rec = _restoring(rig, True)
+    calls = []
+    real = store_receiver.chain_state_digest
+
+    def wrong(*args, **kwargs):
+        calls.append(1)
+        real(*args, **kwargs)
+        return "0" * 32
+
+    monkeypatch.setattr(store_receiver, "chain_state_digest", wrong)
+    with pytest.raises(IntegrityError):
+        rec.pull()
+    assert len(calls) == 1 and rec.version is None

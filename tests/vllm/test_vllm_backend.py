@@ -165,6 +165,24 @@ def test_weights_reloaded_by_vllms_own_loader_are_restored_not_reported_as_held(
     assert synced["foreign_version_api"] == str(held)
 
 
+def test_weights_reloaded_by_vllms_own_loader_take_the_next_version_in_one_update(run):
+    """Reloaded, then asked for the next version: on the in-place path (BF16) the update was
+    refused ("every rank stays at its previous verified version", while the worker held none
+    and vLLM still named the old version); the workers now restore the anchor and the chain
+    in that same update, bit for bit."""
+    synced = run["synced"]
+    assert synced["foreign_next_error"] is None, synced["foreign_next_error"]
+    nxt = synced["foreign_held"] + 1
+    for state, live in zip(synced["foreign_next_states"], synced["foreign_next_live"], strict=True):
+        split = synced["foreign_next_splits"][state["shard"]]
+        assert state["weight_version"] == nxt and state["report"]["from_anchor"], state["report"]
+        assert same_bits(state["tensors"], split) == [], state["shard"]
+        served = {n: t for n, t in live.items() if t.numel()}
+        widened = {n: split[n].to(t.dtype) for n, t in served.items()}
+        assert served and same_bits(served, widened) == [], state["shard"]
+    assert synced["foreign_next_version_api"] == str(nxt)
+
+
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):
     synced = run["synced"]
     assert synced["corrupt_error"] is not None

@@ -372,6 +372,20 @@ def synced(spec: dict) -> dict:
         out["foreign_gen_after_resend"] = generate(llm, prompts, max_tokens)
         out["foreign_version_api"] = llm.get_weight_version()
         out["foreign_splits"] = layout.split(canonical())
+        # Reloaded again, then asked for the next version: its delta's base is gone from the
+        # engine, so the workers restore the newest anchor and the chain in that same update.
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+        train_step()
+        trainer.publish(held + 1)
+        try:
+            engine.send_weights(held + 1)
+            out["foreign_next_error"] = None
+        except Exception as exc:  # recorded for the test to judge
+            out["foreign_next_error"] = f"{type(exc).__name__}: {exc}"
+        out["foreign_next_states"] = llm.collective_rpc(worker_state)
+        out["foreign_next_live"] = llm.collective_rpc(live_tensors)
+        out["foreign_next_splits"] = layout.split(canonical())
+        out["foreign_next_version_api"] = llm.get_weight_version()
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes

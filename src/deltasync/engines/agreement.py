@@ -39,14 +39,35 @@ def group_gather(group: Any, size: int) -> Gather:
     return gather
 
 
+# Ends the error of a rank left holding no verified version (its weights were changed by
+# something else and could not be restored): no rank wrote, yet not every rank stays where it was.
+UNVERIFIED_NOTE = " (this rank now holds no verified version)"
+# What an update refused before any write says instead of NOTHING_WRITTEN_STATE when a rank
+# failed with UNVERIFIED_NOTE (without NOTHING_WRITTEN: the weights served are not a version).
+UNVERIFIED_STATE = (
+    "nothing of it was written, but ranks whose weights something else had changed hold no "
+    "verified version until the next update restores them"
+)
+
+
 def failed_ranks(
-    shard: str, error: BaseException | None, gather: Gather | None
+    shard: str, error: BaseException | None, gather: Gather | None, *, unverified: bool = False
 ) -> list[tuple[str, str]]:
     """Every rank's ``(shard, error)``, for the ranks that failed; ``gather`` None: this rank
-    alone (TP = 1)."""
+    alone (TP = 1). ``unverified``: this rank holds no verified version now (its error then
+    ends with :data:`UNVERIFIED_NOTE`)."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
+    if mine is not None and unverified:
+        mine += UNVERIFIED_NOTE
     outcomes = [(shard, mine)] if gather is None else gather((shard, mine))
     return [(s, err) for s, err in outcomes if err is not None]
+
+
+def unwritten_state(failed: Sequence[tuple[str, str]]) -> str:
+    """What the ranks hold after an update refused before any write."""
+    if any(err.endswith(UNVERIFIED_NOTE) for _, err in failed):
+        return UNVERIFIED_STATE
+    return NOTHING_WRITTEN_STATE
 
 
 def refused(version: int, failed: Sequence[tuple[str, str]], state: str) -> ApplyError:

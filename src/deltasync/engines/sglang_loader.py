@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,11 @@ from deltasync import (
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.engines.agreement import (
-    NOTHING_WRITTEN_STATE,
     Gather,
     failed_ranks,
     group_gather,
     refused,
+    unwritten_state,
 )
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 
@@ -154,15 +154,22 @@ class _Agreement:
     version from it, so no rank writes unless all can, and every rank fails the request when
     any rank failed (:mod:`.agreement`)."""
 
-    def __init__(self, shard: str, version: int, gather: Gather | None) -> None:
+    def __init__(
+        self,
+        shard: str,
+        version: int,
+        gather: Gather | None,
+        unverified: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.shard = shard
         self.version = version
         self._gather = gather
+        self._unverified = unverified  # does this rank hold no verified version now?
         self.staged = False  # the first decision was made
 
     def _round(self, error: BaseException | None) -> list[tuple[str, str]]:
         try:
-            return failed_ranks(self.shard, error, self._gather)
+            return failed_ranks(self.shard, error, self._gather, unverified=self._unverified())
         except Exception as exc:  # a rank died or the group timed out
             raise ApplyError(
                 f"shard {self.shard!r}: the TP ranks could not agree on taking version "
@@ -177,7 +184,7 @@ class _Agreement:
         self.staged = True
         failed = self._round(None)
         if failed:
-            raise refused(self.version, failed, NOTHING_WRITTEN_STATE)
+            raise refused(self.version, failed, unwritten_state(failed))
 
     def finish(self, error: BaseException | None) -> None:
         """The decisions this rank has not made yet, with its outcome; raises if any rank
@@ -190,7 +197,7 @@ class _Agreement:
         if error is not None:
             raise error
         if before:
-            raise refused(self.version, before, NOTHING_WRITTEN_STATE)
+            raise refused(self.version, before, unwritten_state(before))
         if before is None and after:  # it wrote: what the ranks that failed afterwards say
             raise refused(
                 self.version,
@@ -268,7 +275,12 @@ class SglangShard:
             self.shard,
             self.targets,
             str(state_dir),
-            ReceiverConfig(receiver_id=rid, signing_key=key_bytes, durable=request.durable),
+            ReceiverConfig(
+                receiver_id=rid,
+                signing_key=key_bytes,
+                durable=request.durable,
+                restore_drift=True,  # after update_weights_from_disk: restored, not refused
+            ),
             pause=self._pause,
         )
         self.opened = request.opening()
@@ -281,7 +293,12 @@ class SglangShard:
         Every rank of a TP > 1 engine must take the same request with it: no rank writes
         unless every rank staged and verified the version, and every rank raises when one
         failed (SGLang replies with rank 0's result)."""
-        agreement = _Agreement(self.shard, request.version, gather)
+        agreement = _Agreement(
+            self.shard,
+            request.version,
+            gather,
+            unverified=lambda: self.receiver is not None and self.receiver.dirty,
+        )
         self._agreement = agreement
         try:
             report = self._take(request)

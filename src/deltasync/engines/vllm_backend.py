@@ -58,10 +58,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, open_store
 from deltasync.engines.agreement import (
-    NOTHING_WRITTEN_STATE,
     failed_ranks,
     group_gather,
     refused,
+    unwritten_state,
 )
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, VersionError
@@ -293,7 +293,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             shard.targets,
             str(state_dir),
             ReceiverConfig(
-                receiver_id=rid, signing_key=init_info.signing_key(), durable=init_info.durable
+                receiver_id=rid,
+                signing_key=init_info.signing_key(),
+                durable=init_info.durable,
+                restore_drift=True,  # weights vLLM reloaded itself are restored, not refused
             ),
             pause=functools.partial(self._pause, shard),  # this shard's kernels, refreshed
             on_tensor_written=self._touched.add,
@@ -386,7 +389,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         gather = None
         if self.shard.place.tp > 1:
             gather = group_gather(_tp_cpu_group(), self.shard.place.tp)
-        return failed_ranks(self.shard.shard, error, gather)
+        unverified = self._receiver().dirty
+        return failed_ranks(self.shard.shard, error, gather, unverified=unverified)
 
     def _fail(
         self,
@@ -407,12 +411,13 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # of a failed update, so finish_weight_update (which records it otherwise) may never
         # come, and the version reported must not be the one from before a torn write.
         self.weight_version = receiver.version
-        state = (
-            "some ranks wrote part or all of it and then failed; they report no version until "
-            "the next update repairs them"
-            if written
-            else NOTHING_WRITTEN_STATE
-        )
+        if written:
+            state = (
+                "some ranks wrote part or all of it and then failed; they report no version "
+                "until the next update repairs them"
+            )
+        else:
+            state = unwritten_state(failed)
         error = refused(version, failed, state)
         if self.shard.place.tp == 1 and own is not None:
             raise error from own

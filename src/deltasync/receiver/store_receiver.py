@@ -116,6 +116,12 @@ class ReceiverConfig:
       newest anchor. 0 (the default): never. A pull that applies a version verifies the whole
       resulting state from the live tensors anyway, so this matters while the head does not
       move (training paused or over, the engine serving on).
+    - ``restore_drift``: a pull whose verify finds that the live tensors no longer hold the
+      recorded version (something else wrote them: an engine's own weight reload) restores
+      the newest anchor and the chain in that same pull, logged and reported as
+      ``PullReport.drifted``, instead of raising :class:`IntegrityError` and leaving the
+      restore to the next pull. Off by default: outside an engine that reloads its own
+      weights, such a write is a fault to see. The engine hooks turn it on.
     """
 
     receiver_id: str
@@ -127,6 +133,7 @@ class ReceiverConfig:
     durable: bool = True
     max_staged_bytes: int | None = None
     scrub_every: int = 0
+    restore_drift: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -134,7 +141,7 @@ class ReceiverConfig:
         except ManifestError as exc:
             raise ConfigError(f"ReceiverConfig.receiver_id: {exc}") from None
         check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
-        for name in ("verify_on_open", "verify_after_write", "durable"):
+        for name in ("verify_on_open", "verify_after_write", "durable", "restore_drift"):
             check_bool(_OWNER, name, getattr(self, name))
         check_instance(_OWNER, "limits", self.limits, ManifestLimits)
         check_int(_OWNER, "max_decompressed_bytes", self.max_decompressed_bytes, lo=1)
@@ -163,7 +170,9 @@ class PullReport:
     pause_s: float = 0.0  # scatter into the live tensors: the engine must not read them
     total_s: float = 0.0
     scrubbed: bool = False  # the live tensors were hashed first (ReceiverConfig.scrub_every)
-    drifted: bool = False  # ... and no longer held the version: this pull restored an anchor
+    # the live tensors no longer held the version (found by the scrub, or with restore_drift
+    # by the verify of a delta): this pull restored an anchor
+    drifted: bool = False
 
     @property
     def changed(self) -> bool:
@@ -171,6 +180,12 @@ class PullReport:
 
 
 log = logging.getLogger(__name__)
+
+
+class _Drifted(IntegrityError):
+    """A chain refused before any write because the live tensors no longer hold the version
+    it builds on (``ReceiverConfig.restore_drift`` restores the anchor in the same pull)."""
+
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
@@ -694,7 +709,20 @@ class Receiver:
             start = None
         else:
             start = previous
-        return self._run(manifests, start, t0, repaired=False)
+        try:
+            return self._run(manifests, start, t0, repaired=False)
+        except _Drifted:
+            if not self.config.restore_drift or start is None:
+                raise
+        log.warning(
+            "receiver %r shard %r: the live tensors no longer hold version %s (written by "
+            "something else); restoring the newest anchor in this pull (restore_drift)",
+            self.config.receiver_id,
+            self.shard,
+            previous,
+        )
+        report = self._pull(t0, target)  # dirty now: restores the newest anchor
+        return replace(report, previous_version=previous, drifted=True)
 
     def _relabel(self, head: Manifest) -> None:
         """The head is the held version's number and this shard's state digest under another
@@ -977,7 +1005,7 @@ class Receiver:
             if still and held is not None
             else "no verified version (the next pull restores the newest anchor)"
         )
-        raise IntegrityError(
+        raise (IntegrityError if still else _Drifted)(
             f"receiver {self.config.receiver_id!r} shard {self.shard!r}: applying versions "
             f"{versions} (from {from_version}) would give state digest {digest}, but manifest "
             f"{versions[-1]} says {expected}. Refused before any write: the tensors still hold "
