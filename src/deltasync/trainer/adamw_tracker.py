@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.loader import overlapping
@@ -319,6 +320,23 @@ def _closure_then(args: tuple, kwargs: dict, check: Callable[[], None]) -> tuple
     return args, {**kwargs, "closure": closure_then_check}
 
 
+# torch keeps Adam's step count in float32: from here ``count + 1 == count``.
+_STEP_COUNT_EXACT = 2**24
+
+
+def _any_optimizer_post_hook(tracker: AdamWTracker) -> Any:
+    """A hook after every optimizer's step, in this process, that tells ``tracker`` (held
+    weakly: a tracker dropped without ``close()`` is not kept alive by it)."""
+    ref = weakref.ref(tracker)
+
+    def hook(opt, args, kwargs) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._foreign_step(opt)
+
+    return register_optimizer_step_post_hook(hook)
+
+
 def _first_post_hook(opt: torch.optim.Optimizer, hook: Callable) -> Any:
     """Register ``hook`` to run first after each step, right after the update: a post-hook
     registered earlier that writes a parameter or changes a hyperparameter then acts after
@@ -416,7 +434,10 @@ class AdamWTracker:
                 "(2 bytes per element)"
             )
         self.constant: tuple[str, ...] = tuple(constant)
-        self._stepped_count = len(group_of)  # params in the optimizer (see _check_groups)
+        # constants the optimizer steps since (add_param_group after this tracker was built):
+        # sent in full for every step of theirs, seen by their step counts (see _check_groups)
+        self._adopted: list[str] = []
+        self._name_of = {id(w.param): n for n, w in self._watched.items()}
         self._snapshot = SnapshotTracker({n: self._watched[n] for n in self._order if n in reasons})
         self.fallback: dict[str, Fallback] = {
             n: Fallback(r, self._watched[n].local_bytes()) for n, r in reasons.items()
@@ -457,9 +478,11 @@ class AdamWTracker:
         self._hold_keys = itertools.count()
         self._window_checked = True  # set by the check right before each update
         self._warned_unchecked = False
+        self._warned_step_count = False
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             _first_post_hook(optimizer, self._post_step),
+            _any_optimizer_post_hook(self),
         ]
 
     # -- where things are --------------------------------------------------------------------
@@ -540,6 +563,8 @@ class AdamWTracker:
         self._finalize()  # the state is about to change: invert the previous step now
         for name, (p, _) in self._covered.items():
             self._steps_before[name] = _step_count(opt.state.get(p, {}))
+        for name in self._adopted:
+            self._steps_before[name] = _step_count(opt.state.get(self._watched[name].param, {}))
         self._window_checked = False
         if not self._covered:
             return None  # every parameter on the snapshot path: its bits are compared
@@ -556,17 +581,22 @@ class AdamWTracker:
         self._window_checked = True
 
     def _check_groups(self, opt: torch.optim.Optimizer) -> None:
-        """Warn once about constants the optimizer now steps (``add_param_group`` after this
-        tracker was built, e.g. progressive unfreezing): their counters move at every step,
-        so they are sent in full every version; a new tracker detects them sparsely."""
-        count = sum(len(g["params"]) for g in opt.param_groups)
-        if count == self._stepped_count:
-            return
-        self._stepped_count = count
-        ids = {id(p) for g in opt.param_groups for p in g["params"]}
-        added = [n for n in self.constant if id(self._watched[n].param) in ids]
+        """Where each parameter is in the optimizer's param groups now, before its step reads
+        them: a parameter moved to another group (``add_param_group`` after removing it
+        elsewhere, a group deleted) is inverted with its new group's hyperparameters, one no
+        longer in any group is not this optimizer's to step, and a constant the optimizer now
+        steps (``add_param_group`` after this tracker was built: progressive unfreezing) is
+        sent in full for every step of it (warned once; a new tracker detects it sparsely). Its
+        step count says when, not its version counter: a fused step does not move that."""
+        group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+        for name, (p, gi) in self._covered.items():
+            now = group_of.get(id(p))
+            if now != gi:
+                self._covered[name] = (p, now)
+        added = [n for n in self.constant if id(self._watched[n].param) in group_of]
         if added:
             self.constant = tuple(n for n in self.constant if n not in added)
+            self._adopted.extend(added)
             log.warning(
                 "AdamWTracker: %d frozen parameter(s) were added to the optimizer after the "
                 "tracker was built (%s): each is reported changed in full for every version "
@@ -575,6 +605,17 @@ class AdamWTracker:
                 len(added),
                 ", ".join(repr(n) for n in added[:5]),
             )
+
+    def _foreign_step(self, opt: torch.optim.Optimizer) -> None:
+        """Another optimizer stepped: each tracked parameter in its groups is reported changed
+        in full (its version counter would say so, but a fused step does not move it)."""
+        if opt is self._opt:
+            return
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = self._name_of.get(id(p))
+                if name is not None:
+                    self._oob.mark(name, "stepped by another optimizer than the tracked one")
 
     def _post_step(self, opt, args, kwargs) -> None:
         if self._covered and not self._window_checked:
@@ -590,12 +631,25 @@ class AdamWTracker:
                 )
             self._oob.check()
         stepped = []
+        for name in self._adopted:
+            after = _step_count(opt.state.get(self._watched[name].param, {}))
+            if after is not None and after != self._steps_before.get(name):
+                stepped.append(name)
+                self._oob.mark(name, "stepped by the optimizer, which the tracker does not cover")
         group_hyper: dict[int, tuple[dict, str | None]] = {}
         for name, (p, gi) in self._covered.items():
+            if gi is None:
+                continue  # in no param group now: not this optimizer's to step
             state = opt.state.get(p, {})
             after = _step_count(state)
             if after is None or after == self._steps_before.get(name):
-                continue  # no gradient or a skipped (inf/nan) step: the param did not move
+                if after is None or after < _STEP_COUNT_EXACT or p.grad is None:
+                    continue  # no gradient or a skipped (inf/nan) step: the param did not move
+                # past 2^24 a float32 step count no longer moves: it may have stepped
+                self._warn_step_count()
+                stepped.append(name)
+                self._pending.append((name, None, "exp_avg_sq"))
+                continue
             stepped.append(name)
             if gi not in group_hyper:
                 group = opt.param_groups[gi]
@@ -621,12 +675,22 @@ class AdamWTracker:
         # after this tracker was built, a step hook's edit) is seen at the next check.
         self._oob.record(stepped)
 
+    def _warn_step_count(self) -> None:
+        if not self._warned_step_count:
+            self._warned_step_count = True
+            log.warning(
+                "AdamWTracker: the optimizer's step count reached 2^24, where a float32 count "
+                "no longer moves: a step cannot be told from a skipped one, so every parameter "
+                "with a gradient is reported changed in full"
+            )
+
     def _moments(self, name: str, v_key: str | None = None) -> tuple[object, object]:
         """``name``'s ``exp_avg`` and denominator state as the optimizer holds them now (None
         where it holds none)."""
         p, gi = self._covered[name]
         if v_key is None:
-            amsgrad = self._opt.param_groups[gi].get("amsgrad", False)
+            groups = self._opt.param_groups
+            amsgrad = gi is not None and gi < len(groups) and groups[gi].get("amsgrad", False)
             v_key = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
         state = self._opt.state.get(p, {})
         return state.get("exp_avg"), state.get(v_key)

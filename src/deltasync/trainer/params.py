@@ -366,13 +366,13 @@ class OutOfBandWatch:
                 if name not in self._flags:
                     self._flag(name, f"modified outside the optimizer (version {before} -> {now})")
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, why: str = "marked changed by the caller") -> None:
         """Flag ``name`` as changed outside the optimizer (a write the counter cannot see).
         Any name is counted among the marks (a read window needs them all: a parameter whose
         bits a snapshot compares was written too); only a watched one is flagged."""
         self.marks.add(name)
         if name in self._watched and name not in self._flags:
-            self._flag(name, "marked changed by the caller")
+            self._flag(name, why)
 
     def _flag(self, name: str, why: str) -> None:
         self._flags[name] = why
