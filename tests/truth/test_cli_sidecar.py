@@ -329,3 +329,42 @@ def test_pull_backs_off_a_damaged_store_with_one_line_and_recovers_when_it_is_re
     assert_same_bits(
         load_file(str(tmp_path / "w" / "tp0.safetensors")), rig.oracle[(run, 1)]["tp0"]
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_running_pull_rewrites_its_file_when_it_is_edited_behind_it(store_path, tmp_path):
+    # Only a restart or the next version restored it: until then the engine reloaded a file
+    # that was not the version its metadata and the acks named.
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    rig = Rig(LocalStore(store_path, durable=False), tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    weights = tmp_path / "weights"
+    file = weights / "tp0.safetensors"
+    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+    proc = _cli(*argv, "--dir", str(weights), "--interval", "0.05")
+    want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
+    try:
+        deadline = time.monotonic() + 60
+        while not (file.exists() and load_file(str(file)).keys() == want.keys()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        tensors = load_file(str(file))
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata()
+        first = sorted(tensors)[0]
+        tensors[first].view(torch.int16).view(-1)[0] ^= 1  # metadata kept: still "version 1"
+        save_file(tensors, str(file), metadata=meta)
+        while True:
+            got = load_file(str(file))
+            if all(torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "never rewritten"
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "edited, replaced or removed behind the sidecar; rewritten with version 1" in out, err

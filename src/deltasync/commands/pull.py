@@ -290,6 +290,33 @@ def _load(path: Path, specs, *, receiver_id: str, shard: str):
     return tensors, state
 
 
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a file replaced or written since: device, inode, size and modification
+    time in nanoseconds (None: no file there)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _ShardFile:
+    """The sidecar's file, and the identity it had when the sidecar last wrote or read it:
+    a file edited, replaced or removed behind the sidecar is told by its identity and
+    rewritten from the verified tensors in memory, not left wrong until the next version."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.known = _identity(path)
+
+    def write(self, tensors, version: int, digest: str, shard: str, run_id: str | None) -> None:
+        _write(self.path, tensors, version, digest, shard, run_id)
+        self.known = _identity(self.path)
+
+    def changed(self) -> bool:
+        return _identity(self.path) != self.known
+
+
 def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: str | None):
     from safetensors.torch import save_file
 
@@ -347,6 +374,7 @@ def _start(args, store, config, configured, stop: _Stop):
     out_dir = Path(args.dir)
     path = out_dir / f"{args.shard}.safetensors"
     tensors, state = _load(path, specs, receiver_id=config.receiver_id, shard=args.shard)
+    file = _ShardFile(path)  # what was loaded: its identity from here
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a parent that is a file, no permission (checked early; raced)
@@ -361,7 +389,7 @@ def _start(args, store, config, configured, stop: _Stop):
     StateDir(state_dir).write_state(state)
 
     def persist(tensors, held) -> None:  # before the ack: the file is what engines read
-        _write(path, tensors, held.version, held.state_digest, args.shard, held.run_id)
+        file.write(tensors, held.version, held.state_digest, args.shard, held.run_id)
 
     receiver = Receiver(
         store,
@@ -380,7 +408,7 @@ def _start(args, store, config, configured, stop: _Stop):
         f"deltasync pull: {path} for shard {args.shard!r} of {head.layout.describe() if head.layout else 'an unrecorded layout'}"
         f" (run {head.run_id}); engines reload it from disk (see `deltasync pull --help`)"
     )
-    return receiver, path
+    return receiver, file
 
 
 def _check_args(args: argparse.Namespace):
@@ -461,25 +489,28 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
     if store is None:
         _say("deltasync pull: stopped before the store was created")
         return 0
-    receiver = path = None
+    receiver = file = None
     done = failures = 0
     last_error = None
     while not stop.event.is_set():
         try:
             if receiver is None:  # the start is retried like a pull: a damaged store heals
-                receiver, path = _start(args, store, config, configured, stop)
+                receiver, file = _start(args, store, config, configured, stop)
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
             report = receiver.pull()  # writes the file (persist) before acking the version
-            if report.version is not None and not path.exists():  # removed under the sidecar
-                _write(
-                    path,
+            if report.version is not None and file.changed():  # written behind the sidecar
+                file.write(
                     receiver.tensors,
                     report.version,
                     receiver.state_digest,
                     args.shard,
                     report.run_id,
+                )
+                _say(
+                    f"{file.path}: edited, replaced or removed behind the sidecar; rewritten "
+                    f"with version {report.version}"
                 )
             if last_error is not None:
                 _say(f"deltasync pull: recovered after {failures} failed attempt(s)")
@@ -488,7 +519,7 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                     f"version {report.version} (from {report.previous_version}, applied "
                     f"{list(report.chain)}): {report.bytes_fetched} bytes, "
                     f"{report.elements_written} elements, pause {report.pause_s * 1e3:.2f} ms, "
-                    f"total {report.total_s * 1e3:.1f} ms -> {path}"
+                    f"total {report.total_s * 1e3:.1f} ms -> {file.path}"
                 )
             failures, last_error = 0, None
         except (LayoutMismatchError, ConfigError):
