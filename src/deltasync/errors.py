@@ -253,11 +253,15 @@ class PublishFailedError(DeltaSyncError):
     Raised at the next call, naming the version; its changed positions are kept and go out
     with the next version, so nothing is lost: call ``step_published`` again.
 
-    ``version`` is the version that failed; the original error is the ``__cause__``."""
+    ``version`` is the version that failed; the original error is the ``__cause__``.
+    ``committed``: True when the version did commit and only what follows a commit failed
+    (advancing LATEST, the wait for acknowledgements); False when it did not; None when its
+    manifest write got no verdict and may still land (its number is not published again)."""
 
-    def __init__(self, message: str, *, version: int) -> None:
+    def __init__(self, message: str, *, version: int, committed: bool | None = False) -> None:
         super().__init__(message)
         self.version = version
+        self.committed = committed
 
 
 class ParamsEditedError(DeltaSyncError):

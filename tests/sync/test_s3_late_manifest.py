@@ -231,3 +231,64 @@ def test_a_committed_version_behind_a_gap_and_a_stale_latest_is_never_overwritte
     rig.sync.step_published(4)
     assert rig.rec.pull().version == 4
     assert_same_bits(rig.rec.tensors, rig.expected())
+
+
+class LostReply:
+    """A store on which the manifest write of ``version`` lands, and then its reply is lost
+    (``OutcomeUnknownError`` as S3Store raises for a timed-out conditional PUT); with
+    ``lands=False`` it is lost before it lands and never does."""
+
+    def __init__(self, inner, version: int, *, lands: bool) -> None:
+        self.inner, self.key, self.lands = inner, names.manifest_key(version), lands
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key != self.key:
+            return self.inner.put_if_absent(key, data)
+        self.key = None
+        if self.lands:
+            self.inner.put_if_absent(key, data)
+        raise OutcomeUnknownError(f"injected: the reply to the PUT of {key!r} was lost")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("lands", [True, False])
+def test_a_manifest_write_without_a_verdict_is_read_back_before_it_is_called_failed(
+    tmp_path, lands
+):
+    # It landed, yet TrainerSync said "version 1 did not commit" and kept its baseline at 0,
+    # so the restart recipe (checkpoint the baseline) lost the lineage.
+    from deltasync import LocalStore
+    from deltasync.errors import PublishFailedError
+    from deltasync.trainer import AdamWTracker
+
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec)
+    inner = LocalStore(tmp_path / "store", durable=False)
+    pub = Publisher(LostReply(inner, 1, lands=lands), receiver_layout=rl)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
+    sync.step_published(0)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1, anchor=True)  # on the publish thread: the failure is raised later
+    rec = Receiver.for_layout(
+        inner, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+    )
+    if lands:
+        assert sync.wait() is not None and sync.baseline == 1
+        assert rec.pull().version == 1
+        assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
+        return
+    with pytest.raises(PublishFailedError, match="no verdict on its manifest write") as info:
+        sync.wait()
+    assert info.value.committed is None and info.value.version == 1
+    assert isinstance(info.value.__cause__, OutcomeUnknownError)
+    assert sync.baseline == 0 and sync.next_version() == 2
+    trainer.step()
+    sync.step_published(2)
+    sync.wait()
+    assert rec.pull().version == 2
+    assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])

@@ -35,6 +35,8 @@ from deltasync.errors import (
     KeyNotFoundError,
     ManifestError,
     MissingWritersError,
+    ObjectTooLargeError,
+    OutcomeUnknownError,
     StoreError,
 )
 from deltasync.format import FORMAT_VERSION
@@ -165,12 +167,24 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
     """Write the manifest if absent. True: we committed it; False: an equivalent manifest (same
     resulting shard states) was already committed. CommitConflictError otherwise."""
     key = names.manifest_key(manifest.version)
+    data = manifest.to_json()
     try:
-        store.put_if_absent(key, manifest.to_json())
+        store.put_if_absent(key, data)
         catalog.forget(manifest.version)
         return True
     except CommitConflictError:
         pass
+    except OutcomeUnknownError:
+        # No verdict (a reply lost past the retries): read the key back once. Our bytes there
+        # mean it landed, committed; none there, it may still land (the caller retires the
+        # number); another manifest there lost us the race, as a conflict would have said.
+        landed = _stored_as(store, key, data)
+        if landed is None:
+            raise
+        catalog.forget(manifest.version)
+        if landed:
+            log.info("version %d: the manifest write had no verdict, but landed", manifest.version)
+            return True
     catalog.forget(manifest.version)
     try:
         existing = catalog.manifest(manifest.version)
@@ -189,6 +203,17 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
         "them) and LATEST was not touched. Publish the next version after resyncing, or stop "
         "the second publisher"
     )
+
+
+def _stored_as(store: Store, key: str, data: bytes) -> bool | None:
+    """Whether ``key`` holds exactly ``data`` (False: other bytes); None when it holds nothing
+    or cannot be read now."""
+    try:
+        return store.get(key, max_bytes=len(data)) == data
+    except ObjectTooLargeError:
+        return False
+    except StoreError:  # absent (KeyNotFoundError) or unreachable: nothing is known
+        return None
 
 
 def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | None = None) -> bool:

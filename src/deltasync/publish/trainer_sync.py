@@ -86,6 +86,7 @@ import torch
 from deltasync.errors import (
     CaptureAbandonedError,
     ConfigError,
+    OutcomeUnknownError,
     PublishFailedError,
     SendInterruptedError,
 )
@@ -222,6 +223,16 @@ def with_values(item: tuple[str, Positions], params: Params) -> Change:
     local = _local(params[name])
     idx = positions.indices().to(local.device)
     return name, idx, bf16_at(local, idx, trusted=True)
+
+
+def _no_verdict(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a write that got no verdict."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, OutcomeUnknownError):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 class TrainerSync:
@@ -823,17 +834,23 @@ class TrainerSync:
                     exc,
                     len(self._carry),
                 )
+            unknown = not committed and _no_verdict(exc)
             raise PublishFailedError(
                 f"version {pending.version} "
                 + (
                     "committed, but what follows a commit failed (advancing LATEST, or the wait "
                     "for acknowledgements); the baseline is this version"
                     if committed
+                    else "got no verdict on its manifest write, which may still land (its "
+                    "number is not published again: call step_published with next_version()); "
+                    "its changes are kept and go out with the next version"
+                    if unknown
                     else "did not commit; its changes are kept and go out with the next version: "
                     "call step_published again"
                 )
                 + f" ({type(exc).__name__}: {exc})",
                 version=pending.version,
+                committed=None if unknown else committed,
             ) from exc
         # Detection may outlive a publish that read none of it (an anchor, a version found
         # committed already): it clears the tracker and sets the carry when it ends, so it
