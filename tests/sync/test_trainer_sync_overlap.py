@@ -149,6 +149,25 @@ def test_step_published_returns_before_the_commit_and_the_baseline_waits_for_it(
     sync.close()
 
 
+def test_next_version_is_above_the_version_in_flight(tmp_path):
+    # step_published(sync.next_version()) evaluates it before that call waits for the version
+    # in flight: it named that version again, which then committed, and the new call's own
+    # publish of the same number was a CommitConflictError.
+    gate = ManifestGate(1)
+    trainer, _, sync, pub, receivers, lay = _setup(tmp_path, gate)
+    _anchor_then_step(sync, trainer)
+    sync.step_published(sync.next_version())
+    assert gate.reached.wait(30) and pub.committed() == 0
+    assert sync.next_version() == 2  # 1 is in flight
+    gate.release()
+    trainer.step()
+    sync.step_published(sync.next_version())
+    sync.wait()
+    assert pub.committed() == 2
+    _assert_receivers_exact(receivers, trainer, lay, 2)
+    sync.close()
+
+
 def _step_held_back(trainer, before) -> tuple[threading.Thread, threading.Event]:
     """Start the next optimizer step on a thread and check that it is held back (its
     pre-step hook waits for the sync) with the params still bitwise ``before``."""

@@ -359,8 +359,12 @@ class TrainerSync:
 
     def next_version(self) -> int:
         """The version to publish next: one above the newest committed on every publisher
-        (never a number some store already holds)."""
-        return max(pub.next_version() for pub in self.publishers)
+        (never a number some store already holds) and above the version in flight, which
+        may still commit (``step_published(sync.next_version())`` evaluates it before that
+        call waits for the version in flight)."""
+        newest = max(pub.next_version() for pub in self.publishers)
+        pending = self._inflight
+        return newest if pending is None else max(newest, pending.version + 1)
 
     def step_published(
         self, version: int, *, anchor: bool = False
