@@ -245,6 +245,15 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
     assert out["gen_after_corrupt"] == out["gen"][VERSIONS]
 
 
+def test_a_version_out_of_range_is_refused_before_any_request_and_the_next_update_lands(served):
+    # 2**64 reached vLLM as an HTTP 400 that left the update session open: every later
+    # update failed ("a weight update is already active")
+    out = served["served"]
+    error = out["huge_version_error"]
+    assert error is not None and error.startswith("ConfigError") and "version" in error, error
+    assert out["weight_info_after_huge"] == {"weight_version": str(VERSIONS + 2)}
+
+
 @pytest.fixture(scope="module", params=["qwen3-moe", "tp2"])
 def variant(request, tmp_path_factory):
     """Qwen3-MoE (vLLM 0.32 names its experts ``mlp.experts.routed_experts.w13_weight``) and
@@ -264,11 +273,12 @@ def variant(request, tmp_path_factory):
         config=MOE_CONFIG if moe else CONFIG,
         tp=tp,
         probe_layout=True,
+        race_check=not moe,
     )
     return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
 
 
-def test_qwen3_moe_and_tp2_engines_take_versions_exactly_and_refuse_a_corrupted_one(variant):
+def test_qwen3_moe_and_tp2_engines_take_versions_exactly_refuse_a_corrupted_one_and_races(variant):
     synced, fresh = variant["synced"], variant["fresh"]
     assert synced["gen"][2] == fresh["gen"]  # tokens and logprobs, exact
     assert synced["gen"][0] != synced["gen"][2]
@@ -283,6 +293,15 @@ def test_qwen3_moe_and_tp2_engines_take_versions_exactly_and_refuse_a_corrupted_
     for after in synced["states_after_corrupt"]:
         assert after["weight_version"] == 2
         assert same_bits(after["tensors"], synced["splits"][after["shard"]]) == [], after["shard"]
+    if variant["tp"] > 1:
+        # vLLM's executor re-raised the worker's error as a RuntimeError
+        assert synced["corrupt_error"].startswith("ApplyError"), synced["corrupt_error"]
+        # two threads sending the next version to the one engine: one of them waited forever
+        assert not synced["race_hung"] and synced["race_errors"] == [], synced["race_errors"]
+        for state in synced["race_states"]:
+            assert state["weight_version"] == 4
+            assert same_bits(state["tensors"], synced["race_splits"][state["shard"]]) == []
+        assert synced["race_version_api"] == "4"
 
 
 def test_the_layout_probed_from_every_worker_equals_the_hand_written_table(variant):

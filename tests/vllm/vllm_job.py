@@ -386,6 +386,31 @@ def synced(spec: dict) -> dict:
         out["foreign_next_live"] = llm.collective_rpc(live_tensors)
         out["foreign_next_splits"] = layout.split(canonical())
         out["foreign_next_version_api"] = llm.get_weight_version()
+    if spec.get("race_check"):
+        # Two threads send the next version to the one engine: their calls interleaved at the
+        # workers and one waited forever (TP > 1). The trainer engine takes them in turn.
+        import threading
+
+        train_step()
+        trainer.publish(n + 2, anchor=True)  # past the corrupted version n + 1
+        errors: list[str] = []
+
+        def send() -> None:
+            try:
+                engine.send_weights(n + 2)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=send) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        out["race_hung"] = any(t.is_alive() for t in threads)
+        out["race_errors"] = errors
+        out["race_states"] = llm.collective_rpc(worker_state)
+        out["race_splits"] = layout.split(canonical())
+        out["race_version_api"] = llm.get_weight_version()
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes
@@ -407,6 +432,7 @@ def served(spec: dict) -> dict:
         DeltaSyncTrainerInitInfo,
         HTTPClient,
     )
+    from deltasync.errors import ApplyError
 
     tmp = Path(spec["tmp"])
     trainer = Trainer(spec)
@@ -519,11 +545,23 @@ def served(spec: dict) -> dict:
         try:
             engine.send_weights(n + 1)
             out["corrupt_error"] = None
-        except requests.HTTPError as exc:
-            out["corrupt_error"] = f"HTTP {exc.response.status_code}: {exc.response.text[:500]}"
+        except ApplyError as exc:  # the HTTP error its cause
+            http = exc.__cause__
+            out["corrupt_error"] = f"HTTP {http.response.status_code}: {http.response.text[:500]}"
         out["paused_after_corrupt"] = requests.get(f"{url}/is_paused", timeout=10).json()
         out["gen_after_corrupt"] = complete()
         out["weight_info_after_corrupt"] = requests.get(f"{url}/weight_info", timeout=10).json()
+        # A version out of range is refused before any request (it was an HTTP 400 that left
+        # the update open, so every later update failed); the next update lands.
+        try:
+            engine.send_weights(2**64)
+            out["huge_version_error"] = None
+        except Exception as exc:
+            out["huge_version_error"] = f"{type(exc).__name__}: {exc}"
+        trainer.step()
+        trainer.publish(n + 2, anchor=True)
+        engine.send_weights(n + 2)
+        out["weight_info_after_huge"] = requests.get(f"{url}/weight_info", timeout=10).json()
     finally:
         server.terminate()
         try:

@@ -66,6 +66,7 @@ from deltasync.engines.agreement import (
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, VersionError
 from deltasync.layout.probed import load_receiver_layout
+from deltasync.names import MAX_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,10 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         v = self.version
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"DeltaSyncUpdateInfo.version must be an int >= 0, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_VERSION:
+            raise ConfigError(
+                f"DeltaSyncUpdateInfo.version must be an int in 0..{MAX_VERSION}, got {v!r}"
+            )
         if self.phase not in PHASES:
             raise ConfigError(
                 f"DeltaSyncUpdateInfo.phase must be one of {PHASES}, got {self.phase!r}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
@@ -41,7 +42,8 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from deltasync.engines.agreement import NOTHING_WRITTEN
 from deltasync.engines.vllm_backend import DeltaSyncInitInfo
-from deltasync.errors import ConfigError
+from deltasync.errors import ApplyError, ConfigError, DeltaSyncError
+from deltasync.names import MAX_VERSION
 from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,9 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         super().__init__(client=client, source=None, is_sender=is_sender)
         self.pause_mode = pause_mode
         self.last_timings: dict[str, float] = {}
+        # One update at a time: two threads' calls interleaved at the workers (vLLM's
+        # multiprocess executor then leaves a reply unread and the other call waits forever).
+        self._lock = threading.RLock()
 
     @classmethod
     def trainer_init(
@@ -133,25 +138,39 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         Args:
             version: a version ``TrainerSync.step_published`` has committed; the newest one.
         """
-        self.stage(version)
-        self.apply(version)
+        with self._lock:
+            self.stage(version)
+            self.apply(version)
 
     def stage(self, version: int) -> None:
-        """Open an update and let the workers fetch and verify ``version`` while serving."""
-        check_int("DeltaSyncTrainerEngine.stage", "version", version, lo=0)  # before any RPC
+        """Open an update and let the workers fetch and verify ``version`` while serving.
+        A failed stage closes the update it opened (nothing was written), so the next call
+        can open one."""
+        _check_version("DeltaSyncTrainerEngine.stage", version)  # before any RPC
         if not self.is_sender:
             return
-        t0 = time.perf_counter()
-        self.client.start_weight_update()
-        self.client.update_weights({"version": version, "phase": "stage"})
-        self.last_timings = {"stage_call_s": time.perf_counter() - t0}
+        with self._lock:
+            t0 = time.perf_counter()
+            self.client.start_weight_update()
+            try:
+                self.client.update_weights({"version": version, "phase": "stage"})
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
+                _raise_typed(exc, version, "stage")
+                raise
+            self.last_timings = {"stage_call_s": time.perf_counter() - t0}
 
     def apply(self, version: int) -> None:
         """Write the staged ``version`` (the engine's pause), finish, reset the prefix cache.
         Raises what a worker raised; the workers then hold their previous verified version."""
-        check_int("DeltaSyncTrainerEngine.apply", "version", version, lo=0)  # before any RPC
+        _check_version("DeltaSyncTrainerEngine.apply", version)  # before any RPC
         if not self.is_sender:
             return
+        with self._lock:
+            self._apply(version)
+
+    def _apply(self, version: int) -> None:
         t0 = time.perf_counter()
         pause = getattr(self.client, "pause", None) if self.pause_mode else None
         if pause is not None:
@@ -168,6 +187,8 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                     self.client.finish_weight_update()
                 if NOTHING_WRITTEN not in _failure_text(exc):
                     self._unverified(version)
+                if isinstance(exc, Exception):
+                    _raise_typed(exc, version, "apply")
                 raise
             apply_s = time.perf_counter() - t1
             self.client.finish_weight_update(weight_version=str(version))
@@ -199,6 +220,21 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 exc,
                 version,
             )
+
+
+def _check_version(owner: str, version: object) -> None:
+    check_int(owner, "version", version, lo=0, hi=MAX_VERSION)
+
+
+def _raise_typed(exc: Exception, version: int, phase: str) -> None:
+    """A failed update as the caller catches it: anything but deltasync's own error (vLLM's
+    executor re-raising a worker's error as ``RuntimeError`` at TP > 1, an HTTP error with the
+    worker's error in its body) is raised as an :class:`ApplyError` with that text; deltasync's
+    own is left to the caller to re-raise as it is."""
+    if not isinstance(exc, DeltaSyncError):
+        raise ApplyError(
+            f"version {version} was not taken ({phase}): {type(exc).__name__}: {_failure_text(exc)}"
+        ) from exc
 
 
 def _failure_text(exc: BaseException) -> str:
