@@ -121,3 +121,21 @@ def test_a_config_without_kv_heads_takes_its_config_class_default(model_type):
         cfg.update(num_experts=4, moe_intermediate_size=8)
     built = transformers.AutoConfig.for_model(**cfg)
     assert ModelSpec.from_hf_config(cfg).num_key_value_heads == built.num_key_value_heads
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("mlp_only_layers", 1, "must be a list of layer indices"),
+        ("mlp_only_layers", ["0"], "must be a list of layer indices"),
+        ("num_hidden_layers", 2**63, "above the"),
+        ("num_experts", 2**40, "above the"),
+    ],
+)
+def test_config_fields_a_model_cannot_have_are_layout_errors_not_crashes_or_endless_loops(
+    field, value, message
+):
+    # mlp_only_layers=1 was a TypeError; 2**63 layers were enumerated until memory ran out
+    cfg = dict(CONFIGS["moe_tied"], **{field: value})
+    with pytest.raises(LayoutError, match=f"{field}.*{message}"):
+        ModelSpec.from_hf_config(cfg)

@@ -258,3 +258,8 @@ def test_a_corrupted_layout_file_is_a_layout_error():
     del bad["placements"]["model.norm.weight"]
     with pytest.raises(LayoutError, match=r"model.norm.weight"):
         layout_from_json(bad)
+    # a dimension no tensor can have: loaded, it crashed a split with torch's TypeError
+    bad = json.loads(json.dumps(doc))
+    bad["locals"]["tp0"]["model.norm.weight"] = [2**63]
+    with pytest.raises(LayoutError, match=r"locals\['tp0'\]\['model.norm.weight'\].*2\^62"):
+        layout_from_json(bad)

@@ -38,10 +38,30 @@ _KV_HEADS_DEFAULT = {"qwen3": 32, "qwen3_moe": 4, "qwen2": 32, "mistral": 8, "ge
 _TIED_DEFAULT = {"gemma": True}
 
 
-def _pos_int(name: str, value: Any) -> int:
+# A count the shapes are built from one by one (layers, experts): far above any model, so a
+# config holding a number like 2**63 is refused instead of enumerated until memory runs out.
+MAX_COUNT = 1 << 20
+
+
+def _pos_int(name: str, value: Any, *, hi: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LayoutError(f"model config field {name!r} must be a positive integer, got {value!r}")
+    if hi is not None and value > hi:
+        raise LayoutError(f"model config field {name!r} is {value}, above the {hi} supported")
     return value
+
+
+def _layer_list(name: str, value: Any) -> set[int]:
+    """A config's list of layer indices (None: empty)."""
+    if value is None:
+        return set()
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise LayoutError(
+            f"model config field {name!r} must be a list of layer indices, got {value!r}"
+        )
+    return set(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +106,9 @@ class ModelSpec:
             "head_dim",
             "intermediate_size",
         ):
-            _pos_int(name, getattr(self, name))
+            _pos_int(
+                name, getattr(self, name), hi=MAX_COUNT if name == "num_hidden_layers" else None
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise LayoutError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -100,7 +122,7 @@ class ModelSpec:
                     f"a {self.model_type!r} (dense) config cannot have experts or MoE layers"
                 )
         else:
-            _pos_int("num_experts", self.num_experts)
+            _pos_int("num_experts", self.num_experts, hi=MAX_COUNT)
             _pos_int("moe_intermediate_size", self.moe_intermediate_size)
         if self.mlp_bias and self.model_type != "llama":
             raise LayoutError(f"mlp_bias is a Llama option; {self.model_type!r} has no MLP biases")
@@ -175,10 +197,10 @@ class ModelSpec:
             num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             if num_experts is None:
                 raise LayoutError("model config has no 'num_experts' (required for qwen3_moe)")
-            num_experts = _pos_int("num_experts", num_experts)
+            num_experts = _pos_int("num_experts", num_experts, hi=MAX_COUNT)
             step = _pos_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1) or 1)
-            mlp_only = set(cfg.get("mlp_only_layers") or ())
-            n_layers = _pos_int("num_hidden_layers", kwargs["num_hidden_layers"])
+            mlp_only = _layer_list("mlp_only_layers", cfg.get("mlp_only_layers"))
+            n_layers = _pos_int("num_hidden_layers", kwargs["num_hidden_layers"], hi=MAX_COUNT)
             # Same rule as Qwen3MoeDecoderLayer (transformers) and vLLM's qwen3_moe.py.
             kwargs.update(
                 num_experts=num_experts,

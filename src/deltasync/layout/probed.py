@@ -31,6 +31,7 @@ from typing import Any
 
 from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
+from deltasync.format.updates import check_shape
 from deltasync.layout.blocks import Block
 from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
 from deltasync.layout.probe_blocks import assemble_table
@@ -102,11 +103,9 @@ def layout_to_json(
 
 
 def _shape(value: Any, what: str) -> Shape:
-    if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
-    ):
+    if not isinstance(value, list):
         raise LayoutError(f"layout file: {what} must be a list of non-negative integers")
-    return tuple(value)
+    return check_shape(value, f"layout file: {what}", LayoutError)
 
 
 def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
