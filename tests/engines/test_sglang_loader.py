@@ -283,14 +283,9 @@ def test_after_a_store_reset_the_same_version_number_is_pulled_not_answered_as_h
     assert take_version(model, _request(tmp_path, 2), tp_rank=0, tp=1) is None  # now held
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_after_update_weights_from_disk_the_held_version_is_restored_not_answered_as_held(
-    tmp_path, tp
-):
-    # SGLang's update_weights_from_disk loads a checkpoint into the same model object, so the
-    # shard and its receiver survive it: asked for the version it held before, a rank
-    # answered "already there" (success) while serving the checkpoint's weights. Here the
-    # version-0 checkpoint goes back into rank 0 only; every rank ends at version 2, exact.
+def _at_version_2_then_rank_0_reloads_version_0(tmp_path, tp: int):
+    """Every rank takes versions 0-2; then ``update_weights_from_disk`` puts the version-0
+    checkpoint back into rank 0's model (the same object, so its shard and receiver live on)."""
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
     trainer.publish(0)
     v0 = trainer.split()
@@ -302,6 +297,18 @@ def test_after_update_weights_from_disk_the_held_version_is_restored_not_answere
     with torch.no_grad():
         for n, p in models[0].named_parameters():
             p.copy_(v0["tp0"][n])
+    return trainer, models
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_update_weights_from_disk_the_held_version_is_restored_not_answered_as_held(
+    tmp_path, tp
+):
+    # SGLang's update_weights_from_disk loads a checkpoint into the same model object, so the
+    # shard and its receiver survive it: asked for the version it held before, a rank
+    # answered "already there" (success) while serving the checkpoint's weights. Here the
+    # version-0 checkpoint goes back into rank 0 only; every rank ends at version 2, exact.
+    trainer, models = _at_version_2_then_rank_0_reloads_version_0(tmp_path, tp)
     reports = _take_all(models, _request(tmp_path, 2))
     assert reports[0] is not None and reports[0].version == 2 and reports[0].from_anchor
     assert reports[1:] == [None] * (tp - 1)  # the other ranks still hold it
@@ -317,17 +324,7 @@ def test_after_update_weights_from_disk_a_new_version_is_taken_by_restoring_the_
 ):
     # Asked for the next version instead, the reloaded rank refused it with an IntegrityError
     # (its delta's base was gone) and every rank raised; only the request after restored it.
-    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=tp)
-    trainer.publish(0)
-    v0 = trainer.split()
-    models = _models(v0, tp)
-    for version in (1, 2):
-        trainer.step()
-        trainer.publish(version)
-        _take_all(models, _request(tmp_path, version))
-    with torch.no_grad():
-        for n, p in models[0].named_parameters():
-            p.copy_(v0["tp0"][n])
+    trainer, models = _at_version_2_then_rank_0_reloads_version_0(tmp_path, tp)
     trainer.step()
     trainer.publish(3)
     reports = _take_all(models, _request(tmp_path, 3))

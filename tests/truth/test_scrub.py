@@ -22,14 +22,15 @@ def rig(tmp_path):
     return rig
 
 
-def _scrubbing(rig, every: int) -> Receiver:
+def _configured(rig, **config) -> Receiver:
+    """A receiver of the rig's shard with its own state dir and ``config``."""
     return Receiver.for_layout(
         rig.store,
         rig.rl,
         rig.shard,
         rig.tensors,
-        str(rig.tmp / "rec-scrub"),
-        rconfig("rec", scrub_every=every),
+        str(rig.tmp / "-".join(["rec", *(f"{k}={v}" for k, v in sorted(config.items()))])),
+        rconfig("rec", **config),
     )
 
 
@@ -85,7 +86,7 @@ def test_scrub_of_a_receiver_holding_nothing_hashes_nothing(rig, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_every_nth_idle_pull_scrubs_and_repairs_a_drift_in_the_same_pull(rig):
-    rec = _scrubbing(rig, 2)
+    rec = _configured(rig, scrub_every=2)
     rig.check(first := rec.pull())
     assert not first.scrubbed  # applied a chain: its verify read the whole state anyway
     assert not rec.pull().scrubbed  # first idle pull
@@ -107,17 +108,6 @@ def test_scrub_every_must_be_a_non_negative_int(every):
         rconfig("rec", scrub_every=every)
 
 
-def _restoring(rig, restore: bool) -> Receiver:
-    return Receiver.for_layout(
-        rig.store,
-        rig.rl,
-        rig.shard,
-        rig.tensors,
-        str(rig.tmp / f"rec-restore-{restore}"),
-        rconfig("rec", restore_drift=restore),
-    )
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("restore", [False, True])
 def test_a_delta_onto_drifted_tensors_is_refused_or_with_restore_drift_restored_at_once(
@@ -126,7 +116,7 @@ def test_a_delta_onto_drifted_tensors_is_refused_or_with_restore_drift_restored_
     # An engine that reloaded its own weights (vLLM's reload_weights, SGLang's
     # update_weights_from_disk) and then asked for the next version was refused; the restore
     # came only with the request after.
-    rec = _restoring(rig, restore)
+    rec = _configured(rig, restore_drift=restore)
     rig.check(rec.pull())
     _stray_write(rec.tensors)
     rig.publish(3)
@@ -148,7 +138,7 @@ def test_restore_drift_does_not_repeat_a_refused_anchor(rig, monkeypatch):
     # whole) is refused once, not restored into again.
     from deltasync.receiver import store_receiver
 
-    rec = _restoring(rig, True)
+    rec = _configured(rig, restore_drift=True)
     calls = []
     real = store_receiver.chain_state_digest
 
