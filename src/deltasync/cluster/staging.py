@@ -59,7 +59,7 @@ from deltasync.format import (
     TensorUpdate,
     iter_chain,
 )
-from deltasync.format.decode import REFETCH
+from deltasync.format.decode import restated
 from deltasync.format.merge import RecordStream
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.blocks import as_2d
@@ -175,10 +175,10 @@ def stage_payloads(
             raise  # a limit of this receiver's (max_decompressed_bytes), named as such
         except FormatError as exc:
             # in-cluster there is nothing to fetch again: the version is sent again
-            why = str(exc).removesuffix(f": {REFETCH}")
-            raise type(exc)(
-                f"{where}: payload from rank {src}: {why}; nothing was applied: retry the "
-                "version (sync on every rank)"
+            raise restated(
+                exc,
+                f"{where}: payload from rank {src}",
+                "; nothing was applied: retry the version (sync on every rank)",
             ) from exc
         h = records.header
         if version is None:

@@ -58,6 +58,12 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")  # same rule as names.c
 REFETCH = "fetch it again"  # the advice of a blob check; a caller that knows better drops it
 
 
+def restated(exc: FormatError, where: str, remedy: str) -> FormatError:
+    """A blob check's error again, of its own type, said at ``where`` with the caller's
+    ``remedy`` in place of the advice to fetch it again (which that caller knows is wrong)."""
+    return type(exc)(f"{where}: {str(exc).removesuffix(f': {REFETCH}')}{remedy}")
+
+
 def _bytes_view(blob: bytes | bytearray | memoryview) -> memoryview:
     """The blob's bytes as one flat view, never copied: a strided view (``memoryview(b)[::2]``,
     a numpy slice) is refused, since neither the digest nor the reads can take it whole."""

@@ -44,7 +44,7 @@ from deltasync.errors import (
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
-from deltasync.format.decode import REFETCH, BlobRecords
+from deltasync.format.decode import BlobRecords, restated
 from deltasync.format.merge import check_anchor_complete
 from deltasync.format.wire import MAX_RECORDS
 from deltasync.store import Store
@@ -211,11 +211,12 @@ def open_version(
             raise  # a limit of this receiver's (max_decompressed_bytes), named as such
         except FormatError as exc:
             # Its bytes are the ones the manifest lists: fetching it again gives them again.
-            why = str(exc).removesuffix(f": {REFETCH}")
-            raise type(exc)(
-                f"{where}: {why}. These bytes match the manifest's digest, so the publisher (or "
-                "someone who rewrote the manifest too) stored them so: the version cannot be "
-                "applied; nothing was applied"
+            raise restated(
+                exc,
+                where,
+                ". These bytes match the manifest's digest, so the publisher (or someone who "
+                "rewrote the manifest too) stored them so: the version cannot be applied; "
+                "nothing was applied",
             ) from exc
         if records.header.writer != entry.writer:
             raise BlobMismatchError(
