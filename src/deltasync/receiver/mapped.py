@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -46,8 +47,7 @@ def mapped_shard_tensors(
     if not p.exists():
         if not create:
             raise ConfigError(f"mapped shard file {str(p)!r} does not exist")
-        with open(p, "wb") as f:
-            f.truncate(size)
+        _create(p, size)
     actual = p.stat().st_size
     if actual != size:
         raise ConfigError(
@@ -59,3 +59,20 @@ def mapped_shard_tensors(
         name: raw[off : off + nbytes].view(specs[name].dtype).view(specs[name].shape)
         for name, (off, nbytes) in offsets.items()
     }
+
+
+def _create(path: Path, size: int) -> None:
+    """``path`` as a zero-filled file of ``size`` bytes, appearing whole or not at all: a
+    process killed between creating it and sizing it would leave an empty file that every
+    restart refuses as made for another layout. Sized under a temporary name, then linked into
+    place (never over a file another process created meanwhile: that one is used)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
