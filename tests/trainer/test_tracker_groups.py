@@ -136,3 +136,50 @@ def test_past_2_pow_24_steps_a_step_is_not_taken_for_a_skipped_one(impl, caplog)
     assert float(opt.state[params["w"]]["step"]) == 2.0**24  # it really did not move
     assert changed["w"].numel() == params["w"].numel() and tracker.out_of_band == ()
     assert "reached 2^24" in caplog.text and "modified outside" not in caplog.text
+
+
+def test_groups_changed_by_a_pre_step_hook_registered_after_the_tracker_are_read_as_the_update_read_them():
+    # The tracker read the groups in its own pre-step hook; a later hook moved a parameter to
+    # a group with 10x the lr (inverted with the old lr: elements missed) and added a frozen
+    # one under fused=True (its first step missed whole).
+    params = _params("a", "b", "frozen")
+    params["frozen"].requires_grad_(False)
+    opt = torch.optim.AdamW(
+        [{"params": [params["a"]], "lr": 1e-4}, {"params": [params["b"]], "lr": 1e-3}],
+        fused=True,
+    )
+    tracker = AdamWTracker(opt, params.items(), strict=True)
+    truth = SnapshotTracker(params.items())
+    _grads(params, 1)
+    opt.step()
+    _check(tracker, truth)
+
+    def regroup(optimizer, args, kwargs):
+        optimizer.param_groups[0]["params"].remove(params["a"])
+        optimizer.add_param_group({"params": [params["a"]], "lr": 1e-2})
+        params["frozen"].requires_grad_(True)
+        optimizer.add_param_group({"params": [params["frozen"]], "lr": 1e-3})
+
+    handle = opt.register_step_pre_hook(regroup)
+    _grads(params, 2)
+    params["frozen"].grad = torch.full_like(params["frozen"], 1e-3)  # for the step it joins
+    opt.step()
+    handle.remove()
+    changed = _check(tracker, truth)
+    assert changed["frozen"].numel() == params["frozen"].numel()
+    assert 0 < changed["a"].numel() < params["a"].numel()
+
+
+def test_a_parameter_listed_in_two_groups_is_stepped_twice_and_sent_in_full():
+    # torch steps it once per group it is listed in; the inversion of one step missed some
+    params = _params("a", "b")
+    opt = torch.optim.AdamW([{"params": [params["a"]]}, {"params": [params["b"]]}], lr=1e-5)
+    tracker = AdamWTracker(opt, params.items(), strict=True)
+    truth = SnapshotTracker(params.items())
+    opt.param_groups[1]["params"].append(params["a"])
+    _grads(params, 1)
+    opt.step()
+    assert float(opt.state[params["a"]]["step"]) == 2.0  # two updates in one step()
+    changed = _check(tracker, truth)
+    assert changed["a"].numel() == params["a"].numel()
+    assert changed["b"].numel() < params["b"].numel()

@@ -322,6 +322,8 @@ def _closure_then(args: tuple, kwargs: dict, check: Callable[[], None]) -> tuple
 
 # torch keeps Adam's step count in float32: from here ``count + 1 == count``.
 _STEP_COUNT_EXACT = 2**24
+# The group index of a parameter listed twice in the param groups (stepped twice a step()).
+_LISTED_TWICE = -1
 
 
 def _any_optimizer_post_hook(tracker: AdamWTracker) -> Any:
@@ -581,14 +583,20 @@ class AdamWTracker:
         self._window_checked = True
 
     def _check_groups(self, opt: torch.optim.Optimizer) -> None:
-        """Where each parameter is in the optimizer's param groups now, before its step reads
-        them: a parameter moved to another group (``add_param_group`` after removing it
-        elsewhere, a group deleted) is inverted with its new group's hyperparameters, one no
-        longer in any group is not this optimizer's to step, and a constant the optimizer now
-        steps (``add_param_group`` after this tracker was built: progressive unfreezing) is
-        sent in full for every step of it (warned once; a new tracker detects it sparsely). Its
-        step count says when, not its version counter: a fused step does not move that."""
-        group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+        """Where each parameter is in the optimizer's param groups now: before a step (for
+        the step counts) and right after its update (the groups the update read: a pre-step
+        hook registered after this tracker, or the closure, may have changed them since). A
+        parameter moved to another group (``add_param_group`` after removing it elsewhere, a
+        group deleted) is inverted with its new group's hyperparameters; one in no group is not
+        this optimizer's to step; one listed twice (``_LISTED_TWICE``) is stepped twice a
+        step, which no inversion of one step covers; and a constant the optimizer now steps
+        (``add_param_group`` after this tracker was built: progressive unfreezing) is sent in
+        full for every step of it (warned once; a new tracker detects it sparsely). Its step
+        count says when, not its version counter: a fused step does not move that."""
+        group_of: dict[int, int] = {}
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                group_of[id(p)] = _LISTED_TWICE if id(p) in group_of else gi
         for name, (p, gi) in self._covered.items():
             now = group_of.get(id(p))
             if now != gi:
@@ -630,6 +638,7 @@ class AdamWTracker:
                     "is reported changed in full; let the hook pass on the closure it was given"
                 )
             self._oob.check()
+        self._check_groups(opt)  # as the update read them: nothing ran between the two
         stepped = []
         for name in self._adopted:
             after = _step_count(opt.state.get(self._watched[name].param, {}))
@@ -651,6 +660,10 @@ class AdamWTracker:
                 self._pending.append((name, None, "exp_avg_sq"))
                 continue
             stepped.append(name)
+            if gi == _LISTED_TWICE or after - (self._steps_before.get(name) or 0) != 1:
+                # more than one update in this step(): not a step the bound can invert
+                self._pending.append((name, None, "exp_avg_sq"))
+                continue
             if gi not in group_hyper:
                 group = opt.param_groups[gi]
                 group_hyper[gi] = (group, _group_unsupported(opt, group))
@@ -690,7 +703,7 @@ class AdamWTracker:
         p, gi = self._covered[name]
         if v_key is None:
             groups = self._opt.param_groups
-            amsgrad = gi is not None and gi < len(groups) and groups[gi].get("amsgrad", False)
+            amsgrad = gi is not None and 0 <= gi < len(groups) and groups[gi].get("amsgrad", False)
             v_key = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
         state = self._opt.state.get(p, {})
         return state.get("exp_avg"), state.get(v_key)
