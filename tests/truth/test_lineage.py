@@ -128,6 +128,29 @@ def test_a_checkpoint_resumed_where_the_runs_later_versions_were_lost_starts_a_n
 
 
 @pytest.mark.timeout(90)
+def test_a_checkpoint_resumed_behind_versions_the_store_still_holds_is_verified(tmp_path):
+    # The ordinary restart: the trainer committed 3 and 4 after its checkpoint at 2 and died;
+    # a receiver is registered at 4. resume(2) said False ("restored from an older copy")
+    # although the store holds 3 and 4. It is True; the next version is an anchor (a new
+    # lineage: its base is not 2), and the receiver takes it exactly.
+    rig = Rig(LocalStore(tmp_path / "store", durable=False), tmp_path)
+    for v in range(3):
+        rig.publish(v)
+    checkpoint = copy.deepcopy(rig.trainer.model)
+    for v in range(3, 5):
+        rig.publish(v)
+    rig.check(rig.rec.pull())
+    assert Catalog(rig.store).receivers()["rec"].version == 4
+    restarted = Trainer(rig.store, rig.rl, rig.tl, rig.spec, model=checkpoint)
+    assert restarted.sync.resume(2) and restarted.sync.next_version() == 5
+    report = restarted.publish(5, rig.oracle)
+    assert report.kind == "anchor"
+    pulled = rig.rec.pull()
+    assert pulled.chain == (5,) and pulled.from_anchor
+    rig.check(pulled)
+
+
+@pytest.mark.timeout(90)
 def test_a_restarted_publisher_continues_with_a_delta_only_after_resume_verified_its_baseline(rig):
     for v in range(3):
         rig.publish(v)

@@ -333,7 +333,8 @@ class Publisher:
         (a trainer would count a receiver holding the old version 5 as holding the new 4).
         The evidence: an ack of a later version that has no manifest, and (one writer: what
         several writers read must not differ between them, and registrations move) a
-        receiver registered at a later version of the run."""
+        receiver registered at a later version of the run that has none. Later versions the
+        store still holds are the ordinary restart (the trainer went on past its checkpoint)."""
         for key in self.store.list("acks/"):
             try:
                 acked, receiver = names.parse_ack_key(key)
@@ -344,8 +345,11 @@ class Publisher:
         if self.config.num_writers > 1:
             return None
         for rid, rec in self.catalog.receivers().items():
-            if rec.run_id == manifest.run_id and (
-                rec.version is not None and rec.version > manifest.version
+            if (
+                rec.run_id == manifest.run_id
+                and rec.version is not None
+                and rec.version > manifest.version
+                and not self.catalog.has_manifest(rec.version)  # held: the run went on here
             ):
                 return f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
         return None

@@ -344,9 +344,9 @@ class TrainerSync:
             version: the version recorded in the checkpoint (None: unknown).
 
         Returns:
-            True when every publisher verified it: the run continues its lineage, the next
-            version a delta on it while it is the newest committed version (an anchor of the
-            same lineage when later versions were committed after the checkpoint). False when
+            True when every publisher verified it: the next version is a delta on it while
+            it is the newest committed version (the run continues its lineage), an anchor of a
+            new lineage when later versions were committed after the checkpoint. False when
             a store lost it or holds another state: the next version is an anchor (a new
             lineage), so no receiver ever applies a delta on a foreign base.
         """
