@@ -70,3 +70,60 @@ def test_a_shard_file_of_another_size_is_refused_and_left_alone(tmp_path):
     assert path.read_bytes() == b"x" * 10
     with pytest.raises(ConfigError, match="does not exist"):
         mapped_shard_tensors(tmp_path / "missing.bin", rl.local_specs("tp0"), create=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_killed_mid_scatter_leaves_a_registration_naming_no_version(tmp_path):
+    # Its registration still named the version before, heartbeat fresh, while the shared
+    # tensors (which outlive it, and an engine serves from) held neither version, until a
+    # successor started or the heartbeat aged past the TTL.
+    from kit import TinyTrainer, expected_shards, rconfig
+
+    from deltasync import LocalStore, Publisher, PublisherConfig, Receiver, TrainerSync
+    from deltasync.commit import Catalog
+    from deltasync.layout.digest import state_digest
+    from deltasync.trainer import AdamWTracker
+
+    spec, tl, rl = tiny_layouts()
+    store = LocalStore(tmp_path / "store", durable=False)
+    model = TinyTrainer(spec, seed=0, density=0.5)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    sync = TrainerSync(AdamWTracker(model.opt, model.named_parameters()), pub, model.params)
+    specs = rl.local_specs("tp0")
+    held = {}
+
+    def agent(kill_after: int | None = None) -> Receiver:
+        written: list[str] = []
+
+        def on_tensor(name: str) -> None:
+            written.append(name)
+            if len(written) == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        tensors = mapped_shard_tensors(tmp_path / "shard.bin", specs)
+        state = str(tmp_path / "rx")
+        return Receiver.for_layout(
+            store, rl, "tp0", tensors, state, rconfig("rx"), on_tensor_written=on_tensor
+        )
+
+    for version in (0, 1):
+        if version:
+            model.step()
+        sync.step_published(version)
+        held[version] = state_digest(expected_shards(model.params, tl, rl)["tp0"])
+    assert agent().pull(version=0).version == 0
+    assert Catalog(store).receiver("rx").version == 0
+    pid = os.fork()
+    if pid == 0:
+        try:
+            agent(kill_after=2).pull()  # SIGKILLed after two of its tensors were written
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    live = state_digest(mapped_shard_tensors(tmp_path / "shard.bin", specs, create=False))
+    assert live not in held.values()  # torn: neither version
+    assert Catalog(store).receiver("rx").version is None
+    restarted = agent()  # replays the journal, then on to the newest
+    assert restarted.pull().version == 1 and restarted.state_digest == held[1]
+    assert Catalog(store).receiver("rx").version == 1

@@ -801,7 +801,7 @@ class Receiver:
         # or, for a chain verify would have refused, fails its replay and restores an anchor.)
         # A repair replays the journal it found: that one stays until the replay has ended.
         journal = InBackground(
-            (lambda _: None) if repaired else self.dir.write_journal,
+            (lambda _: None) if repaired else self._journal_then_withdraw,
             Journal(
                 receiver=self.config.receiver_id,
                 shard=self.shard,
@@ -908,6 +908,8 @@ class Receiver:
         try:
             self._persist(self.tensors, held)
         except Exception as exc:
+            # what the persisted copy holds, the version before, is what the records name
+            self._register_as(self._state)
             if isinstance(exc, DeltaSyncError):
                 raise
             raise ApplyError(
@@ -952,6 +954,8 @@ class Receiver:
         if not writing:
             if not repaired:
                 self.dir.clear_journal()
+                if isinstance(exc, Exception):
+                    self._register_as(self._state)  # withdrawn for the write that never came
             return
         log.error(
             "receiver %r shard %r: the scatter of versions %s stopped midway (%s); the "
@@ -972,11 +976,23 @@ class Receiver:
         self._state = state
         self.dir.clear_journal()
 
+    def _journal_then_withdraw(self, journal: Journal) -> None:
+        """What must be on record before the first live write: the journal (durable), then a
+        registration naming no version, since the tensors hold none from the first write to
+        the last (a process killed in the scatter leaves tensors that outlive it holding
+        neither version, and its registration, heartbeat fresh, must not name one). On its
+        thread, beside the verify pass; a failed registration write is retried as any."""
+        self.dir.write_journal(journal)
+        self._register_as(self._state_with(dirty=True))
+
     def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
-        """Nothing was written: remove the journal the background write left (if it wrote).
-        A repair's journal is the crash's and stays (the repair decides what follows)."""
+        """Nothing was written: remove the journal the background write left (if it wrote),
+        and register again the version the tensors still hold. A repair's journal is the
+        crash's and stays (the repair decides what follows)."""
         if journal.wait() is None and not repaired:
             self.dir.clear_journal()
+        if not repaired:
+            self._register_as(self._state)
 
     def _refused(
         self, versions: list[int], digest: str, expected: str, from_version: int | None
