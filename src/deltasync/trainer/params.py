@@ -329,8 +329,9 @@ class Marks:
         self._at[name] = self.count
 
     def since(self, count: int) -> set[str]:
-        """The parameters marked after the ``count``-th mark."""
-        return {n for n, at in self._at.items() if at > count}
+        """The parameters marked after the ``count``-th mark (a read window asks on its own
+        thread while marks are added: it reads a copy, taken in one call)."""
+        return {n for n, at in list(self._at.items()) if at > count}
 
 
 class OutOfBandWatch:
