@@ -650,18 +650,16 @@ class AdamWTracker:
             if gi is None:
                 continue  # in no param group now: not this optimizer's to step
             state = opt.state.get(p, {})
-            after = _step_count(state)
-            if after is None or after == self._steps_before.get(name):
+            after, before = _step_count(state), self._steps_before.get(name)
+            if after is None or after == before:
                 if after is None or after < _STEP_COUNT_EXACT or p.grad is None:
                     continue  # no gradient or a skipped (inf/nan) step: the param did not move
-                # past 2^24 a float32 step count no longer moves: it may have stepped
-                self._warn_step_count()
-                stepped.append(name)
-                self._pending.append((name, None, "exp_avg_sq"))
-                continue
+                self._warn_step_count()  # past 2^24 a float32 count no longer moves
+                whole = True  # it may have stepped
+            else:  # more than one update in this step(): not a step the bound can invert
+                whole = gi == _LISTED_TWICE or after - (before or 0) != 1
             stepped.append(name)
-            if gi == _LISTED_TWICE or after - (self._steps_before.get(name) or 0) != 1:
-                # more than one update in this step(): not a step the bound can invert
+            if whole:
                 self._pending.append((name, None, "exp_avg_sq"))
                 continue
             if gi not in group_hyper:
