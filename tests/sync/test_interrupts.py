@@ -16,6 +16,7 @@ from kit import bits_equal, expected_shards, rconfig, tiny_layouts, zero_tensors
 from deltasync import names
 from deltasync.errors import PublishFailedError, SendInterruptedError
 from deltasync.publish import Publisher, TrainerSync
+from deltasync.publish import publisher as publisher_mod
 from deltasync.receiver import Receiver
 from deltasync.store import LocalStore
 from deltasync.trainer import AdamWTracker
@@ -236,8 +237,11 @@ def test_ctrl_c_while_detection_is_handed_to_its_thread_leaves_nothing_waiting_f
 
 
 @pytest.mark.timeout(120, method="thread")
-def test_ctrl_c_while_an_upload_starts_leaks_no_upload_thread(tmp_path):
-    rig = _Rig(tmp_path)  # a small delta: published, and its uploads started, on this thread
+def test_ctrl_c_while_an_upload_starts_leaks_no_upload_thread(tmp_path, monkeypatch):
+    # a small delta, published on this thread, with its blobs streamed to upload threads
+    # (not held whole): the uploads start on this thread
+    monkeypatch.setattr(publisher_mod, "HELD_BELOW", 0)
+    rig = _Rig(tmp_path)
     rig.sync.step_published(0, anchor=True)
     rig.sync.wait()
     pub = rig.sync.publishers[0]
@@ -255,3 +259,27 @@ def test_ctrl_c_while_an_upload_starts_leaks_no_upload_thread(tmp_path):
         rig.sync.step_published(version)
         rig.sync.wait()
         rig.check(version)
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_ctrl_c_while_a_held_blob_is_stored_commits_nothing_and_loses_no_change(tmp_path):
+    # a small delta's blobs are held and stored whole on this thread: Ctrl-C in the second
+    # shard's put leaves the first shard's blob without a manifest, never a committed version
+    version = 1
+    rig = _Rig(tmp_path, store=lambda inner: _CtrlCAt(inner, ""))
+    rig.sync.step_published(0, anchor=True)
+    rig.sync.wait()
+    rig.store.key = names.blob_key(version, "tp1", rig.sync.publishers[0].writer)
+    rig.step()
+    rig.store.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        rig.sync.step_published(version)
+    assert not rig.store.armed, "the held blob was not stored through put"
+    with pytest.raises(PublishFailedError, match="version 1 did not commit"):
+        rig.sync.wait()
+    assert not rig.store.exists(names.manifest_key(version))
+    rig.step()
+    version = rig.sync.next_version()
+    rig.sync.step_published(version)  # carries version 1's changes
+    rig.sync.wait()
+    rig.check(version)

@@ -47,7 +47,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +142,43 @@ log = logging.getLogger(__name__)
 # put ~25 MiB of transients beside the 0.6B's ~28 MiB of captured positions; 2^19 -> 2^18 took
 # 4-5 MiB off the 0.6B's peak at the same CPU time, publish_probe --threads 1).
 SEGMENT_ELEMENTS = 1 << 18
+
+# Fewer changed elements than this in a detected list: a small delta, published on the
+# caller's thread with its blobs held whole (a few hundred KiB; see Publisher._publish).
+HELD_BELOW = SEGMENT_ELEMENTS
+
+
+def _small(changes: object) -> bool:
+    """Whether ``changes`` is a list of fewer than HELD_BELOW changed elements (anything else,
+    a malformed item included, is not: the checks in the stream name it)."""
+    if not isinstance(changes, (list, tuple)):
+        return False
+    total = 0
+    for item in changes:
+        idx = item[1] if isinstance(item, tuple) and len(item) == 3 else None
+        if isinstance(idx, torch.Tensor):
+            total += idx.numel()
+        elif isinstance(idx, Positions):
+            total += len(idx)
+        else:
+            return False
+        if total >= HELD_BELOW:
+            return False
+    return True
+
+
+class _Later:
+    """A digest job run on the caller's thread when its result is asked for."""
+
+    def __init__(self, fn: Callable[[], TensorEntries]) -> None:
+        self._fn = fn
+
+    def result(self) -> TensorEntries:
+        return self._fn()
+
+    def cancel(self) -> bool:
+        return True
+
 
 # The most versions a writer that waited in vain adopts at once (see Publisher._adopts).
 _ADOPT_MAX = 64
@@ -552,11 +589,15 @@ class Publisher:
             source = _names_into(source, self._sent_names.setdefault(version, set()))
 
         t = time.perf_counter()
-        digest_job = None
+        # A small delta detected already: its blobs are held and stored whole, and its digest
+        # pass runs after the routing, all on this thread (hand-overs to threads that compete
+        # with the trainer for the cores cost more than they overlap).
+        held = source is not None and _small(changes)
+        digest_job: Future | _Later | None = None
         if cfg.is_committer and not (kind == "anchor" and cfg.num_writers == 1):
             # The full-state digest pass only reads the params: run it beside detection,
             # routing and encoding (casts and hashing release the GIL), not after them.
-            if self._digest_pool is None:
+            if self._digest_pool is None and not held:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
             full = self._resolve_full(params, full_state)
             given = None if full_state is not None else fed
@@ -570,14 +611,21 @@ class Publisher:
                 )
                 return self._tensor_entries(full, keep)
 
-            digest_job = self._digest_pool.submit(entries)
+            if held:
+                digest_job = _Later(entries)
+            else:
+                assert self._digest_pool is not None
+                digest_job = self._digest_pool.submit(entries)
         shards = len(self.layout.shards())
         threads = cfg.upload_threads or min(32, shards)
-        if self._pool is None:
+        # A list (or a Ready stream) was detected already: a prefetch thread would only add a
+        # hop.
+        detected = isinstance(changes, (list, tuple, Ready))
+        if self._pool is None and not held:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-upload")
         streams = ShardStreams(
             self.store,
-            self._pool,
+            None if held else self._pool,
             version=version,
             base_version=-1 if base is None else base,
             writer=self.writer,
@@ -595,11 +643,8 @@ class Publisher:
                     digests = shard_digests(state)
                 del state
             else:
-                # A list (or a Ready stream) was detected already: a prefetch thread would
-                # only add a hop.
                 # Detected already, so no upload waits for detection: consecutive small
                 # groups go out as one segment (fewer routing calls, zstd frames and writes).
-                detected = isinstance(changes, (list, tuple, Ready))
                 self._router.stream(
                     streams,
                     source,

@@ -55,12 +55,13 @@ class _Stream:
     key: str
     pending: list[bytes]  # the writer's sink: bytes of the segment being written
     chunks: queue.Queue  # segments (and an open segment's pieces), waiting for the upload
-    upload: Future
+    upload: Future | None  # None: held in memory, stored whole by finish()
     writer: BlobWriter = field(init=False)
     pending_bytes: int = 0
     elements: int = 0
     # The manifest's digest of the blob (BLAKE2b-256), over exactly the bytes uploaded.
     hasher: Any = field(default_factory=blob_hasher)
+    held: list[bytes] = field(default_factory=list)  # a held blob's bytes (no upload)
 
 
 def _drain(chunks: queue.Queue) -> Iterator[bytes]:
@@ -85,7 +86,7 @@ class ShardStreams:
     def __init__(
         self,
         store: Store,
-        pool: ThreadPoolExecutor,
+        pool: ThreadPoolExecutor | None,
         *,
         version: int,
         base_version: int,
@@ -95,7 +96,11 @@ class ShardStreams:
     ) -> None:
         """``queued``: segments each blob may hold waiting for its upload before ``add``
         waits (0: unbounded). Bound it only when every blob has an upload thread of its own:
-        a blob whose upload waits for a thread would make ``add`` wait forever."""
+        a blob whose upload waits for a thread would make ``add`` wait forever.
+
+        ``pool`` None: every blob is held in memory and stored whole by ``finish`` on the
+        caller's thread (a small delta, whose few hundred KiB cost less to hold than the
+        hand-overs to upload threads that compete with the trainer for the cores)."""
         self.store, self._pool = store, pool
         self._queued = queued
         self._head = dict(version=version, base_version=base_version, writer=writer, level=level)
@@ -105,9 +110,12 @@ class ShardStreams:
     def _open(self, shard: str) -> _Stream:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
         chunks: queue.Queue = queue.Queue(maxsize=self._queued)
-        with interrupts_deferred():  # an upload started is one abort() ends
-            upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
-            stream = self._streams[shard] = _Stream(key, [], chunks, upload)
+        if self._pool is None:
+            stream = self._streams[shard] = _Stream(key, [], chunks, None)
+        else:
+            with interrupts_deferred():  # an upload started is one abort() ends
+                upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
+                stream = self._streams[shard] = _Stream(key, [], chunks, upload)
         # Segments are open (wire FLAG_OPEN_SEGMENTS): a large one's frame comes to the sink
         # as zstd produces it and goes to the upload every FLUSH_BYTES, so not even the
         # compressed embedding shard (~9 MiB at 0.6B) is held whole.
@@ -126,6 +134,10 @@ class ShardStreams:
     def _put(stream: _Stream, item: object) -> None:
         """Queue ``item`` for the upload, waiting while the queue is full (backpressure); an
         upload that ended meanwhile (it failed: before _END nothing else ends it) raises."""
+        if stream.upload is None:
+            if item is not _END:
+                stream.held.extend(item)  # type: ignore[call-overload]
+            return
         while True:
             try:
                 stream.chunks.put(item, timeout=_WAIT_S)
@@ -158,7 +170,9 @@ class ShardStreams:
             if not ups:
                 continue
             stream = self._streams.get(shard) or self._open(shard)
-            if stream.upload.done():  # before _END only a failed upload is done: fail fast
+            if (
+                stream.upload is not None and stream.upload.done()
+            ):  # before _END only a failed upload is done: fail fast
                 raise stream.upload.exception() or RuntimeError(f"upload of {stream.key} ended")
             stream.writer.segment(ups)
             self._flush(stream)
@@ -174,7 +188,11 @@ class ShardStreams:
             self._flush(stream)
             self._put(stream, _END)
         self.encode_s += time.perf_counter() - t
-        errors = [s.upload.exception() for s in self._streams.values()]
+        for stream in self._streams.values():
+            if stream.upload is None:
+                self.store.put(stream.key, b"".join(stream.held))
+                stream.held.clear()
+        errors = [s.upload.exception() for s in self._streams.values() if s.upload is not None]
         for exc in errors:
             if exc is not None:
                 raise exc
@@ -198,6 +216,8 @@ class ShardStreams:
 
     def abort(self) -> None:
         """End every upload without storing it; waits for the upload threads."""
+        for shard in [k for k, s in self._streams.items() if s.upload is None]:
+            self._streams.pop(shard).held.clear()  # never stored
         for stream in self._streams.values():
             # Drop what is still queued (it must not be stored anyway), so that _ABORT fits.
             while not stream.upload.done():
