@@ -393,3 +393,56 @@ def test_a_missing_bucket_is_an_error_naming_it_not_a_missing_key(s3_server) -> 
     assert not store.exists("LATEST")  # a missing key in a bucket that exists
     store.put("LATEST", b"1")
     assert store.exists("LATEST") and store.size("LATEST") == 1
+
+
+class _Body:
+    """A canned HTTP body for botocore's parser."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, **_):
+        yield self.data
+
+
+def _no_conditional_writes(store) -> list[int]:
+    """Make ``store``'s server answer as one without conditional writes: a PutObject with
+    If-None-Match gets 501 NotImplemented (the other requests reach the server). Returns the
+    list each refused request's status is appended to."""
+    from botocore.awsrequest import AWSResponse
+
+    refused: list[int] = []
+    body = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code><Message>A '
+        b"header you provided implies functionality that is not implemented</Message></Error>"
+    )
+
+    def answer(request, **_):
+        if request.headers.get("If-None-Match") in ("*", b"*"):
+            refused.append(501)
+            return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, _Body(body))
+        return None
+
+    store._client.meta.events.register("before-send.s3.PutObject", answer)
+    return refused
+
+
+def test_a_server_without_conditional_writes_is_refused_at_once_naming_the_remedy(
+    s3_store,
+) -> None:
+    # 501 is a refusal no retry changes, not an outage: one attempt, nothing stored, and the
+    # error says what the server lacks (not "may hold these bytes", not "is it reachable?")
+    s3_store.config = replace(s3_store.config, retry=PATIENT)
+    refused = _no_conditional_writes(s3_store)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as info:
+        s3_store.put_if_absent("v00000001/MANIFEST.json", b"m1")
+    assert time.monotonic() - t0 < 2.0
+    assert refused == [501], refused
+    assert not isinstance(info.value, OutcomeUnknownError), info.value
+    message = str(info.value)
+    assert "v00000001/MANIFEST.json" in message and "If-None-Match" in message, message
+    assert "conditional writes" in message, message
+    assert not s3_store.exists("v00000001/MANIFEST.json")
+    s3_store.put("v00000001/tp0/w00000.blob", b"blob")  # plain writes still work
+    assert s3_store.get("v00000001/tp0/w00000.blob") == b"blob"

@@ -61,6 +61,10 @@ NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 CONFLICT = {"PreconditionFailed", "412"}
 IN_FLIGHTCONFLICT = {"ConditionalRequestConflict", "409"}
 EXPIRED = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}  # a session token's end
+# What the server does not implement (a server without conditional writes answers a PutObject
+# with If-None-Match so): refused, nothing stored, and refused again on every retry.
+UNSUPPORTED = {"NotImplemented", "501"}
+UNSUPPORTED_STATUS = {501, 505}
 TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
@@ -203,6 +207,8 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, ClientError):
         code, status = error_code(exc)
+        if code in UNSUPPORTED or status in UNSUPPORTED_STATUS:
+            return False  # a refusal that no retry changes
         return code in TRANSIENT_CODES or code in IN_FLIGHTCONFLICT or status >= 500
     return False
 
@@ -372,6 +378,17 @@ class S3Store:
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             return StoreError(
                 f"S3 {what} of {self._url(key)} was refused ({code}); check S3Config credentials"
+            )
+        if code in UNSUPPORTED or status in UNSUPPORTED_STATUS:
+            need = (
+                " deltasync commits a version with a conditional write (PutObject with "
+                "If-None-Match: *); use an S3 server that supports conditional writes"
+                if what == "put_if_absent"
+                else ""
+            )
+            return StoreError(
+                f"S3 {what} of {self._url(key)} was refused: the server does not implement "
+                f"this request ({code or status}); nothing was stored.{need}"
             )
         if code in EXPIRED:
             return StoreError(
