@@ -407,6 +407,7 @@ def preflight(
         work,
         timeout_s=timeout_s,
         what=f"preflight (all_gather of the fingerprint rows of all {world} ranks; {what})",
-        peers="some rank of the group (not started, still busy, or dead)",
+        peers="some rank of the group (not started, still busy, or dead: the preflight cannot "
+        "tell which; the launcher's log names a rank that exited)",
     )
     return judge(decode_preflight_rows(torch.stack(gathered)), plan)
