@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from deltasync import names
+from deltasync.errors import StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
@@ -120,3 +121,36 @@ def test_a_receiver_does_not_go_back_on_a_lagging_listing_and_an_unreadable_late
     report = rec.pull()
     assert report.version == 1 and report.chain == (), "the receiver went back to version 0"
     assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
+
+
+class _LatestUnreadable(LaggingListing):
+    """A lagging listing whose reads of LATEST fail (a timed-out GET) while ``failing``."""
+
+    failing = False
+
+    def get(self, key, **kwargs):
+        if self.failing and key == names.LATEST:
+            raise StoreError(f"injected: the read of {key!r} timed out")
+        return self.inner.get(key, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_a_publisher_started_while_latest_cannot_be_read_does_not_lower_it(s3_store):
+    # Unknown is not absent: with LATEST unreadable and the listing behind, the listing's
+    # newest is below the committed version 2 (number 1 never committed): LATEST stays
+    spec, _, rl = layouts()
+    store = _LatestUnreadable(s3_store)
+    trainer = TinyTrainer(spec)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
+    sync.step_published(0)
+    trainer.step()
+    store.freeze_before_commit = True  # the listing will show version 0's manifest only
+    sync.step_published(2)  # number 1 retired, as a failed attempt's is
+    assert pub.catalog.read_latest() == 2
+    store.failing = True
+    Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    store.failing = False
+    assert pub.catalog.read_latest() == 2, "LATEST was lowered below a committed version"
+    restarted = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
+    assert restarted.committed() == 2 and restarted.next_version() == 3

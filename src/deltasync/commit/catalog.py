@@ -84,7 +84,7 @@ class Catalog:
 
     # --- versions ---------------------------------------------------------------------
 
-    def _latest_bytes(self) -> bytes | None:
+    def _latest_bytes(self, *, strict: bool = False) -> bytes | None:
         try:
             return self.store.get(names.LATEST, max_bytes=MAX_LATEST_BYTES)
         except KeyNotFoundError:
@@ -93,16 +93,20 @@ class Catalog:
             log.warning("LATEST is larger than %d bytes: treated as absent", MAX_LATEST_BYTES)
             return None
         except StoreError as exc:
+            if strict:
+                raise
             # LATEST is a hint: a link, a special file or a directory planted there, or a read
             # that failed, must not stop every reader and writer. The manifests are the truth
             # (the newest one is found by listing), and the next commit rewrites LATEST.
             log.warning("LATEST could not be read (%s): treated as absent", exc)
             return None
 
-    def read_latest(self) -> int | None:
+    def read_latest(self, *, strict: bool = False) -> int | None:
         """What ``LATEST`` says, or None if it does not exist yet. A malformed ``LATEST`` is a
-        hint nobody can use: treated as absent (the next commit overwrites it)."""
-        data = self._latest_bytes()
+        hint nobody can use: treated as absent (the next commit overwrites it). ``strict``: a
+        read that failed (not a missing or oversized LATEST) raises its StoreError instead of
+        counting as absent."""
+        data = self._latest_bytes(strict=strict)
         try:
             return None if data is None else decode_latest(data)
         except ManifestError as exc:

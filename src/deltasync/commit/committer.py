@@ -249,7 +249,15 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
     (LATEST names a version with no manifest: asked of the store itself, not of its listing);
     returns that version (None: nothing committed, LATEST left alone)."""
     newest = catalog.newest_committed()
-    current = catalog.read_latest()
+    try:
+        current = catalog.read_latest(strict=True)
+    except StoreError as exc:
+        # Unknown is not absent: the listing's newest could be below what LATEST says (a
+        # listing that lags), and writing it would lower LATEST under a committed version.
+        log.warning(
+            "LATEST could not be read (%s): not repaired now; the next commit rewrites it", exc
+        )
+        return newest
     # LATEST naming a version the listing does not show: a listing that lags behind the writes
     # (an eventually consistent store) must not lower it when its manifest is there
     lagging = current is not None and (newest is None or current > newest)
