@@ -263,3 +263,8 @@ def test_a_corrupted_layout_file_is_a_layout_error():
     bad["locals"]["tp0"]["model.norm.weight"] = [2**63]
     with pytest.raises(LayoutError, match=r"locals\['tp0'\]\['model.norm.weight'\].*2\^62"):
         layout_from_json(bad)
+    # a shard listed twice: loaded, a split wrote both files, then crashed with a KeyError
+    bad = json.loads(json.dumps(doc))
+    bad["shards"].append(dict(bad["shards"][0]))
+    with pytest.raises(LayoutError, match=r"\['tp0'\] more than once"):
+        layout_from_json(bad)

@@ -159,7 +159,14 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
                 placements.setdefault(str(name), []).append(Placement(str(sid), str(local), block))
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise LayoutError(f"layout file is malformed: {type(exc).__name__}: {exc}") from exc
-    if {s.id for s in shards} != set(locals_):
+    ids = [s.id for s in shards]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise LayoutError(
+            f"layout file: 'shards' lists shard id(s) {twice} more than once; each shard is "
+            "listed once (write the file again with `deltasync layout probe`, or fix it by hand)"
+        )
+    if set(ids) != set(locals_):
         raise LayoutError("layout file: 'shards' and 'locals' name different shards")
     table = LayoutTable(
         src_shapes=canonical, dst_shapes=locals_, placements=placements, aliases=aliases
