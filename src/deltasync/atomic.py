@@ -42,6 +42,7 @@ import os
 import queue
 import stat
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -123,6 +124,40 @@ def read_json(
 def temp_path_for(path: Path) -> Path:
     """A fresh hidden temp name next to ``path``, unique across processes and threads."""
     return path.parent / f".{path.name}{TMP_MARK}{uuid.uuid4().hex}"
+
+
+STALE_TEMP_S = 300.0  # a temp file untouched this long is a killed write's, not a slow one's
+
+
+def sweep_stale_temps(
+    paths: Iterable[Path], *, older_than_s: float = STALE_TEMP_S, now: float | None = None
+) -> int:
+    """Remove the temp files :func:`write_atomic` left next to ``paths`` (a process killed
+    mid-write leaves one each time, a whole shard file's for the pull sidecar) that nothing
+    has written for ``older_than_s``: a write in progress keeps its file's mtime fresh, so a
+    second process writing there (a misconfiguration, not a crash) keeps its own. Returns how
+    many were removed; what cannot be listed or removed is left as it is."""
+    now = time.time() if now is None else now
+    removed = 0
+    by_dir: dict[Path, list[str]] = {}
+    for path in paths:
+        by_dir.setdefault(path.parent, []).append(f".{path.name}{TMP_MARK}")
+    for directory, prefixes in by_dir.items():
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.name.startswith(tuple(prefixes)):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than_s:
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:
+                continue
+    return removed
 
 
 def fsync_dir(directory: Path) -> None:

@@ -368,3 +368,59 @@ def test_a_running_pull_rewrites_its_file_when_it_is_edited_behind_it(store_path
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert "edited, replaced or removed behind the sidecar; rewritten with version 1" in out, err
+
+
+_SLOW_WRITE = """
+import sys, time
+from deltasync.atomic import write_atomic
+
+def chunks():
+    yield b"x" * 4096
+    print("writing", flush=True)
+    time.sleep(600)  # killed here, its temp file half written
+    yield b"y"
+
+write_atomic(sys.argv[1], chunks())
+"""
+
+
+def _killed_mid_write(path: Path) -> Path:
+    """Write ``path`` atomically in a child process and SIGKILL it mid-write: the temp file it
+    leaves (a real kill's leftover), dated an hour back."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITE, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.kill()
+        child.wait()
+    (left,) = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.tmp-")]
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    return left
+
+
+def test_pull_removes_what_killed_writes_left_and_keeps_a_write_in_progress(store_path, tmp_path):
+    # every kill mid-write left a temp file (a whole shard file's, in --dir) that nothing
+    # removed: a crash-looping sidecar filled its disk
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    out = tmp_path / "w"
+    state = out / ".tp1.deltasync"
+    state.mkdir(parents=True)
+    left = [
+        _killed_mid_write(out / "tp1.safetensors"),
+        _killed_mid_write(state / names.STATE_FILE),
+        _killed_mid_write(state / names.JOURNAL_FILE),
+    ]
+    in_progress = out / ".tp1.safetensors.tmp-0123456789abcdef"  # fresh: another writer's
+    in_progress.write_bytes(b"x")
+    args = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp1"]
+    assert main([*args, "--dir", str(out), "--once"]) == 0
+    assert not any(p.exists() for p in left), [p.name for p in left if p.exists()]
+    assert in_progress.exists()
+    assert_same_bits(
+        load_file(str(out / "tp1.safetensors")), rig.oracle[(rig.trainer.pub.run_id, 0)]["tp1"]
+    )

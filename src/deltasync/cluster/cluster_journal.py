@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deltasync.atomic import REMEDY, encode_record, read_record, write_record
+from deltasync.atomic import REMEDY, encode_record, read_record, sweep_stale_temps, write_record
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError, VersionError
 from deltasync.format import BlobBaseMismatchError
 
@@ -141,6 +141,7 @@ class ClusterJournal:
         self._verified: tuple[int, str | None, tuple[str, ...] | None] | None = None
         self.reopened = False  # the state was read from an existing file
         if self.path is not None:
+            sweep_stale_temps([self.path])  # killed writes' leftovers
             obj = read_record(self.path)
             if obj is None:
                 self._write(self._state)

@@ -55,7 +55,7 @@ import sys
 import threading
 from pathlib import Path
 
-from deltasync.atomic import write_atomic
+from deltasync.atomic import sweep_stale_temps, write_atomic
 from deltasync.commands.inspect_store import (
     add_store_arguments,
     local_path,
@@ -385,6 +385,7 @@ def _start(args, store, config, configured, stop: _Stop):
     # The in-memory tensors are exactly the file: seed the receiver's state from it and drop
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
     state_dir = out_dir / f".{args.shard}.deltasync"
+    sweep_stale_temps([path])  # a shard file's worth per write a kill cut short
     StateDir(state_dir).clear_journal()
     StateDir(state_dir).write_state(state)
 

@@ -33,6 +33,7 @@ from deltasync.atomic import (
     encode_record,
     read_record,
     remove_record,
+    sweep_stale_temps,
     write_record,
 )
 from deltasync.commit import Manifest
@@ -203,6 +204,7 @@ class StateDir:
             raise LocalStateError(
                 f"cannot create receiver state dir {str(self.path)!r}: {exc}"
             ) from exc
+        sweep_stale_temps((self.state_path, self.journal_path))  # killed writes' leftovers
 
     @property
     def state_path(self) -> Path:
