@@ -759,3 +759,33 @@ def run_unreadable_payload(rank: int, setup: Setup, streamed: bool) -> dict:
         result.update(version_after=receiver.version, exact=not mismatched(receiver.tensors, truth))
         out["steps"].append(result)
     return out
+
+
+def run_death_between_versions(rank: int, setup: Setup) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0 and delta 1 commit; then receiver rank 2
+    is SIGKILLed before version 2's preflight. The others report what they raised there."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        sender.sync(1)
+        trainer.step()
+        t = time.monotonic()
+        out["fault"] = _attempt(lambda: sender.sync(2))
+        out["elapsed_s"] = time.monotonic() - t
+        out["version_after"] = sender.version
+        return out
+    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
+    receiver.sync()
+    receiver.sync()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = time.monotonic()
+    out["fault"] = _attempt(receiver.sync)
+    out["elapsed_s"] = time.monotonic() - t
+    out["version_after"] = receiver.version
+    return out

@@ -12,6 +12,7 @@ from deltasync.exchange import spawn
 
 from cluster_testkit import (
     Setup,
+    run_death_between_versions,
     run_death_in_retry,
     run_faults,
     run_receiver_late,
@@ -158,6 +159,23 @@ def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor() -> None
         assert fault["message"].startswith("version 2: rank 1 died or stopped responding"), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
         assert results[rank]["version_after"] == 1  # nothing applied, nothing committed
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_preflight() -> None:
+    # The preflight is the version's first collective: every rank marks its arrival under a
+    # tag derived from the last version all of them began, so the one that never came is named
+    # (it said "some rank of the group", and a kill between versions lands there most often)
+    setup = Setup(timeout_s=20.0)
+    results = spawn(run_death_between_versions, 3, setup, timeout_s=100, may_die={2})
+    assert results[2] is None
+    for rank in (0, 1):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert "rank 2 died or stopped responding" in fault["message"], fault
+        assert "preflight" in fault["message"], fault
+        assert fault["elapsed_s"] < 5.0, fault  # the closed connection, not the timeout
+        assert results[rank]["version_after"] == 1
 
 
 @pytest.mark.timeout(150)

@@ -276,6 +276,7 @@ class ClusterReceiver:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group
         self._health.reset()
+        self._notes.new_group()
 
     def _check_group(self) -> None:
         check_group(self.group, self.plan, self.rank)
@@ -319,14 +320,19 @@ class ClusterReceiver:
             dirty=s.dirty,
             failure=failure,
         )
-        return preflight(
-            row,
-            plan=self.plan,
-            group=self.group,
-            timeout_s=self.config.wait_for_version_s,
-            what=f"{self._who} holds {held}: waiting for the trainer's next version "
-            "(wait_for_version_s)",
-        )
+        try:
+            return preflight(
+                row,
+                plan=self.plan,
+                group=self.group,
+                timeout_s=self.config.wait_for_version_s,
+                what=f"{self._who} holds {held}: waiting for the trainer's next version "
+                "(wait_for_version_s)",
+                tag=self._notes.preflight_tag(),
+            )
+        except BaseException:
+            self._notes.new_group()
+            raise
 
     def receive(self, cleared: Cleared | None = None) -> Incoming:
         """The preflight (unless ``cleared`` is given) and the exchange(s) of one version:

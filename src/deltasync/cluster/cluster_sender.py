@@ -261,6 +261,7 @@ class ClusterSender:
         overlap, call it only when nothing is in flight (after :meth:`wait` raised)."""
         self.group = group
         self._health.reset()
+        self._notes.new_group()
 
     @property
     def overlap(self) -> bool:
@@ -676,9 +677,11 @@ class ClusterSender:
                 group=self.group,
                 timeout_s=self.config.exchange.timeout_s,
                 what="waiting for every rank to arrive",
+                tag=self._notes.preflight_tag(),
             )
-        except DeltaSyncError as exc:
-            if failure is not None:
+        except BaseException as exc:
+            self._notes.new_group()
+            if failure is not None and isinstance(exc, DeltaSyncError):
                 raise exc from failure
             raise
         self._notes.begin(cleared.tag)

@@ -65,7 +65,7 @@ from deltasync.errors import (
     SyncAbortedError,
 )
 from deltasync.exchange import group_device, status_row
-from deltasync.exchange.notes import wait
+from deltasync.exchange.notes import FailureNotes, blame, wait
 from deltasync.layout import ReceiverLayout
 
 MAGIC = status_row.magic(b"dsclpf02")
@@ -394,20 +394,34 @@ def preflight(
     group: dist.ProcessGroup | None,
     timeout_s: float,
     what: str,
+    tag: str | None = None,
 ) -> Cleared:
-    """Gather ``row`` from every rank of ``group`` and judge; ``what`` names the wait."""
+    """Gather ``row`` from every rank of ``group`` and judge; ``what`` names the wait.
+    ``tag`` (the same on every rank, fresh for each preflight; ``NoteLedger.preflight_tag``):
+    every rank marks its arrival under it, so that a gather whose connection closed names the
+    rank that never came (one that died between versions) instead of "some rank"."""
     world = dist.get_world_size(group)
+    notes = None
+    if tag is not None:
+        notes = FailureNotes(group, tag=tag, rank=dist.get_rank(group), world=world)
+        notes.arrive()
     stamped = row.clone()
     stamped[ARRIVED] = status_row.now_ms()
     stamped[PATIENCE] = round(timeout_s * 1000)
     mine = stamped.to(group_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    wait(
-        work,
-        timeout_s=timeout_s,
-        what=f"preflight (all_gather of the fingerprint rows of all {world} ranks; {what})",
-        peers="some rank of the group (not started, still busy, or dead: the preflight cannot "
-        "tell which; the launcher's log names a rank that exited)",
-    )
+    try:
+        wait(
+            work,
+            timeout_s=timeout_s,
+            what=f"preflight (all_gather of the fingerprint rows of all {world} ranks; {what})",
+            peers="some rank of the group (not started, still busy, or dead)",
+        )
+    except ExchangeError as exc:
+        # A connection that closed: a rank died (gloo tells its peers at once). A timeout
+        # names no one here: a rank still training or generating is late, not dead.
+        if notes is None or isinstance(exc, ExchangeTimeoutError):
+            raise
+        raise ExchangeError(blame(notes, None, str(exc))) from exc
     return judge(decode_preflight_rows(torch.stack(gathered)), plan)

@@ -277,11 +277,31 @@ class NoteLedger:
 
     def __init__(self) -> None:
         self._tags: list[str] = []
+        self._preflights = 0  # preflights entered since the newest tag began (or the group)
+        self._fresh_group = True  # no preflight passed on the current group yet
 
     def begin(self, tag: str) -> None:
         """This rank starts the exchanges of the attempt ``tag`` (its preflight passed)."""
         if tag not in self._tags:
             self._tags.append(tag)
+        self._preflights = 0
+        self._fresh_group = False
+
+    def preflight_tag(self) -> str | None:
+        """The tag of the preflight this rank enters now, the same on every rank of the group:
+        derived from the newest attempt every rank began (a preflight's verdict is the same
+        on all) and the preflights entered since (every rank enters each, a refusal
+        included). None on a group where no preflight passed yet (a replacement process has
+        no tag to share): that preflight's failure names no rank."""
+        if self._fresh_group or not self._tags:
+            return None
+        self._preflights += 1
+        return f"{self._tags[-1]}-pre{self._preflights}"
+
+    def new_group(self) -> None:
+        """This rank syncs over another group from now on, or its preflight failed (the ranks
+        may then disagree on whether it passed): no preflight tag until one passes."""
+        self._fresh_group = True
 
     def settle(self, group: dist.ProcessGroup | None, rank: int) -> None:
         """Every rank has finished the attempts before the newest one begun: delete this
@@ -311,6 +331,10 @@ def _delete_marks(store: Any, tag: str, rank: int) -> None:
     for last in (f"{tag}-x2", f"{tag}-commit"):
         store.delete_key(f"deltasync/{last}/in/{rank}")
         store.delete_key(f"deltasync/{last}/fail/{rank}")
+    k = 1  # the preflights entered after this attempt began, in order
+    while store.delete_key(f"deltasync/{tag}-pre{k}/in/{rank}"):
+        store.delete_key(f"deltasync/{tag}-pre{k}/fail/{rank}")
+        k += 1
 
 
 def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
