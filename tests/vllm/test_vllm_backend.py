@@ -63,6 +63,7 @@ def run(request, tmp_path_factory):
         apply_fail_check=True,
         reinit_check=True,
         foreign_reload_check=True,
+        stage_reload_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -181,6 +182,37 @@ def test_weights_reloaded_by_vllms_own_loader_take_the_next_version_in_one_updat
         widened = {n: split[n].to(t.dtype) for n, t in served.items()}
         assert served and same_bits(served, widened) == [], state["shard"]
     assert synced["foreign_next_version_api"] == str(nxt)
+
+
+def test_weights_reloaded_between_stage_and_apply_are_staged_again_not_written_over(run):
+    """vLLM's ``reload_weights`` ran after the workers staged (fetched and verified) a
+    version and before its apply: the delta was written onto the reloaded weights, and the
+    workers, the receiver and vLLM all named the version. The apply now stages again."""
+    synced = run["synced"]
+    version = synced["stage_reload_version"]
+    for key in ("stage_reload", "stage_reload_held"):
+        for state, live in zip(synced[f"{key}_states"], synced[f"{key}_live"], strict=True):
+            split = synced["stage_reload_splits"][state["shard"]]
+            assert state["weight_version"] == version, (key, state["report"])
+            assert state["report"]["from_anchor"], (key, state["report"])
+            assert same_bits(state["tensors"], split) == [], (key, state["shard"])
+            served = {n: t for n, t in live.items() if t.numel()}
+            widened = {n: split[n].to(t.dtype) for n, t in served.items()}
+            assert served and same_bits(served, widened) == [], (key, state["shard"])
+        assert synced[f"{key}_version_api"] == str(version), key
+
+
+def test_a_staged_update_abandoned_by_finish_closes_vllms_session(run):
+    """finish_weight_update with a staged, never applied update was refused, which left
+    vLLM's session open: every later update failed with vLLM's untyped RuntimeError. It now
+    drops the staged update (nothing written) and the next update lands."""
+    synced = run["synced"]
+    version = synced["stage_reload_version"]
+    assert synced["abandoned_states"] == [version] * len(synced["abandoned_states"])
+    assert synced["abandoned_error"] is None, synced["abandoned_error"]
+    for state in synced["abandoned_after"]:
+        assert state["weight_version"] == version + 1, state["report"]
+        assert same_bits(state["tensors"], synced["abandoned_splits"][state["shard"]]) == []
 
 
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):

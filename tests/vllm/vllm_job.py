@@ -178,6 +178,13 @@ def reload_checkpoint(worker, path: str) -> None:
     worker.model_runner.reload_weights(weights_path=path)
 
 
+def staged_and_waiting(worker) -> bool:
+    """Runs inside the worker: wait until the staged pull has fetched and verified its version
+    and waits for the apply (before its first write)."""
+    staged = worker.weight_transfer_engine._staged
+    return staged is None or staged.staged.wait(120)
+
+
 def fail_state_writes(worker, on: bool) -> bool:
     """Make the worker receiver's state-file writes fail (a full disk), or stop that."""
     from deltasync.errors import LocalStateError
@@ -386,6 +393,38 @@ def synced(spec: dict) -> dict:
         out["foreign_next_live"] = llm.collective_rpc(live_tensors)
         out["foreign_next_splits"] = layout.split(canonical())
         out["foreign_next_version_api"] = llm.get_weight_version()
+    if spec.get("stage_reload_check"):
+        # vLLM's own loader writes the weights after the workers staged the next version and
+        # before the apply: the delta was written onto the reloaded weights and every record
+        # named the version. The apply stages again (anchor and chain), bit for bit; so does
+        # the version already held, staged and reloaded alike.
+        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        train_step()
+        trainer.publish(held + 1)
+        for key in ("stage_reload", "stage_reload_held"):
+            engine.stage(held + 1)
+            llm.collective_rpc(staged_and_waiting)
+            llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+            engine.apply(held + 1)
+            out[f"{key}_states"] = llm.collective_rpc(worker_state)
+            out[f"{key}_live"] = llm.collective_rpc(live_tensors)
+            out[f"{key}_version_api"] = llm.get_weight_version()
+        out["stage_reload_version"] = held + 1
+        out["stage_reload_splits"] = layout.split(canonical())
+        # A staged update the client abandons with vLLM's finish_weight_update: the finish
+        # was refused, vLLM's session stayed open, and every later update failed untyped.
+        train_step()
+        trainer.publish(held + 2)
+        engine.stage(held + 2)
+        llm.finish_weight_update()
+        out["abandoned_states"] = [s["weight_version"] for s in llm.collective_rpc(worker_state)]
+        try:
+            engine.send_weights(held + 2)
+            out["abandoned_error"] = None
+        except Exception as exc:
+            out["abandoned_error"] = f"{type(exc).__name__}: {exc}"
+        out["abandoned_after"] = llm.collective_rpc(worker_state)
+        out["abandoned_splits"] = layout.split(canonical())
     if spec.get("race_check"):
         # Two threads send the next version to the one engine: their calls interleaved at the
         # workers and one waited forever (TP > 1). The trainer engine takes them in turn.

@@ -163,6 +163,7 @@ class _StagedPull:
 
     def __init__(self, version: int) -> None:
         self.version = version
+        self.written: tuple[int, tuple[int | None, ...]] | None = None  # _written_stamp at start
         self.staged = threading.Event()
         self._go = threading.Event()
         self._cancelled = False
@@ -209,6 +210,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._gate: _StagedPull | None = None  # the staged pull whose scatter waits for apply
         self._touched: set[str] = set()
         self._active = False
+        _count_loads(model)
 
     # --- phase 1 --------------------------------------------------------------------------
 
@@ -353,6 +355,20 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if staged is None:  # nothing staged while serving: stage now, inside this call
             staged = self._start_staging(receiver, version)
         staged.staged.wait()  # fetched and verified (held before its first write) or failed
+        if staged.error is None and staged.written != self._written_stamp():
+            # Something wrote the engine's weights after the staging began (vLLM's
+            # reload_weights, another backend): what it verified is not what the engine holds.
+            # Staged again, from a receiver that holds no version: the newest anchor and the
+            # chain, verified against the weights as they are now. (RPCs run one at a time on
+            # this thread, so nothing writes them between this check and the release.)
+            staged.cancel()
+            staged.thread.join()
+            receiver.invalidate(
+                f"the engine's weights were written by something else after version "
+                f"{version} was staged"
+            )
+            staged = self._start_staging(receiver, version)
+            staged.staged.wait()
         # Every TP rank writes, or none does: each rank's staging outcome is gathered over
         # vLLM's own CPU group. (Every rank makes exactly these two collectives per apply, so
         # none can hang on a rank that returned early.)
@@ -440,10 +456,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             receiver = self._receiver()
             self._active = False  # the session ends here either way
             if self._staged is not None:
+                # The update is abandoned, not refused: vLLM closes its session only when this
+                # returns (a raise here left every later start_weight_update refused).
+                staged = self._staged.version
                 self._cancel_staged()
-                raise ApplyError(
-                    "finish_weight_update with a staged update that was never applied: call "
-                    "update_weights with phase 'apply' first; nothing was written"
+                log.warning(
+                    "deltasync shard %s: finish_weight_update with version %d staged and never "
+                    "applied: the staged update is dropped, nothing was written; the engine "
+                    "stays at version %s",
+                    self.shard.shard if self.shard is not None else "?",
+                    staged,
+                    receiver.version,
                 )
             self.weight_version = receiver.version
 
@@ -511,8 +534,21 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         elif receiver.version == version and not receiver.dirty:
             receiver.scrub()
 
+    def _written_stamp(self) -> tuple[int, tuple[int | None, ...]]:
+        """What moves when anything writes the weights: the model's ``load_weights`` calls
+        (every vLLM loader, ``reload_weights`` included, writes through it, often into
+        ``param.data``, which no version counter sees) and the version counters of the
+        engine's parameters and of this shard's targets (``param.copy_``, a kernel-format
+        reload). The receiver's own scatter moves neither (its kernels write raw memory), and
+        only between staging and apply is it compared."""
+        tensors = list(self.model.parameters())
+        if self.receiver is not None:
+            tensors.extend(self.receiver.tensors.values())
+        return _loads_of(self.model), tuple(_version_of(t) for t in tensors)
+
     def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
         staged = _StagedPull(version)
+        staged.written = self._written_stamp()
 
         def run() -> None:
             try:
@@ -546,6 +582,44 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             # engine may compute again (vLLM's post-load processing; see vllm_shard).
             shard.refresh(self._touched)
             self.last_pause_s = time.perf_counter() - t
+
+
+_LOADS = "_deltasync_loads"  # the model attribute counting its load_weights calls
+
+
+def _count_loads(model: torch.nn.Module) -> None:
+    """Count the calls of ``model.load_weights`` from now on (once per model: a re-init keeps
+    the count), on entry and on return: a load under way when a stamp is taken moves it
+    either way."""
+    if getattr(model, _LOADS, None) is not None:
+        return
+    load = getattr(model, "load_weights", None)
+    if not callable(load):
+        return
+    count = [0]
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        try:
+            return load(*args, **kwargs)
+        finally:
+            count[0] += 1
+
+    model.load_weights = load_weights
+    setattr(model, _LOADS, count)
+
+
+def _loads_of(model: torch.nn.Module) -> int:
+    count = getattr(model, _LOADS, None)
+    return count[0] if count is not None else 0
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for a tensor without one (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class _Answered(Exception):

@@ -151,7 +151,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             return
         with self._lock:
             t0 = time.perf_counter()
-            self.client.start_weight_update()
+            try:
+                self.client.start_weight_update()
+            except Exception as exc:
+                _raise_typed(exc, version, "start")
+                raise
             try:
                 self.client.update_weights({"version": version, "phase": "stage"})
             except Exception as exc:
