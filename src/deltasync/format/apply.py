@@ -27,7 +27,7 @@ import torch
 from deltasync.errors import ApplyError
 from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
-from deltasync.native.loader import overlaps_itself
+from deltasync.native.loader import outside_storage, overlaps, overlaps_itself
 from deltasync.native.ops import scatter16
 
 SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
@@ -62,6 +62,20 @@ def _check(
             f"{what}: the target's strides {target.stride()} let elements share memory (an "
             "expanded view?); pass the tensor that owns the memory. Nothing was written"
         )
+    if update.nnz and target.is_meta:
+        raise ApplyError(
+            f"{what}: the target is on the meta device and holds no values; pass the "
+            "materialized tensor. Nothing was written"
+        )
+    outside = outside_storage(target) if update.nnz else None
+    if outside is not None:
+        raise ApplyError(f"{what}: the target {outside}. Nothing was written")
+    for part, t in (("values", update.values), ("indices", update.indices)):
+        if update.nnz and t is not None and overlaps(target, t):
+            raise ApplyError(
+                f"{what}: the update's {part} share memory with the target (writing it would "
+                "change what is being written); pass a copy. Nothing was written"
+            )
     if update.indices is None or update.indices.numel() == 0:
         return
     idx = update.indices

@@ -19,7 +19,7 @@ import torch
 
 from deltasync.errors import ConfigError, InvalidUpdateError
 from deltasync.format.wire import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
-from deltasync.native.loader import overlapping, overlaps_itself
+from deltasync.native.loader import outside_storage, overlapping, overlaps_itself
 
 # Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact
 # inverse; values are always moved as integer bit patterns so -0.0 and NaN payloads survive.
@@ -261,6 +261,12 @@ def check_tensors_match(
             raise ConfigError(
                 f"{what}: tensor {name!r} is on the meta device and holds no values; pass the "
                 "engine's materialized tensor"
+            )
+        outside = outside_storage(t)
+        if outside is not None:
+            raise ConfigError(
+                f"{what}: tensor {name!r} {outside}; pass the engine's tensor while it holds "
+                "its values"
             )
         # The scatter writes one tensor at a time after the whole version is verified, so a
         # target it would refuse mid-way (elements sharing memory) is refused here, up front.

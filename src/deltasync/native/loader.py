@@ -328,10 +328,31 @@ def check_readable(
         raise TensorInputError(f"{name} has layout {t.layout}; only dense (strided) tensors")
     if t.is_meta or t.device.type == "meta":
         raise TensorInputError(f"{name} is on the meta device and holds no values")
+    outside = outside_storage(t)
+    if outside is not None:
+        raise TensorInputError(f"{name} {outside}; pass a tensor that holds its values")
     if dtypes is not None and t.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TensorInputError(f"{name} has dtype {t.dtype}; expected {want}")
     return t
+
+
+def outside_storage(t: torch.Tensor) -> str | None:
+    """Why ``t``'s elements do not all lie inside its storage (a storage freed or shrunk after
+    the view was made: FSDP's resharding ``resize_(0)``, offloading), or None when they do.
+    Every path that reads or writes ``t`` element by element needs this: the kernels read
+    raw memory past the end, and torch fails untyped or writes past it too."""
+    if t.numel() == 0 or t.is_meta:
+        return None
+    need = t.storage_offset() * t.element_size() + _extent(t)
+    have = t.untyped_storage().nbytes()
+    if need <= have:
+        return None
+    return (
+        f"does not lie inside its storage: its view needs {need} bytes, the storage holds "
+        f"{have} (freed or resized after the view was made, e.g. by FSDP's resharding or "
+        "offloading)"
+    )
 
 
 def kernel_ready(t: torch.Tensor) -> bool:

@@ -81,17 +81,21 @@ def bf16_at(
     kernel), the order and bounds are checked first, since the C gather does not bounds-check.
     The result lives on the CPU: in the first ``len(indices)`` elements of ``out`` when given
     (a reused 1-D BF16 CPU buffer), else in a new tensor."""
-    if out is not None and (
-        out.dtype != torch.bfloat16
-        or out.dim() != 1
-        or out.numel() < indices.numel()
-        or out.device.type != "cpu"
-    ):
-        raise TensorInputError(
-            f"bf16_at: out must be a 1-D bfloat16 CPU tensor of at least {indices.numel()} elements"
-        )
     check_readable("bf16_at values", values, dtypes=(torch.float32, torch.bfloat16))
     check_readable("bf16_at indices", indices, dtypes=_INT)
+    if out is not None:
+        check_readable("bf16_at out", out)
+        if (
+            out.dtype != torch.bfloat16
+            or out.dim() != 1
+            or out.numel() < indices.numel()
+            or out.device.type != "cpu"
+        ):
+            raise TensorInputError(
+                "bf16_at: out must be a 1-D bfloat16 CPU tensor of at least "
+                f"{indices.numel()} elements"
+            )
+        _check_out("bf16_at", out, values, indices)
     n = indices.numel()
     total = values.numel()
     if indices.dim() != 1:
@@ -145,6 +149,7 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise TensorInputError(
             f"cast_bf16_into: out must be a 1-D bfloat16 tensor of at least {n} elements"
         )
+    _check_out("cast_bf16_into", out, src)
     dst = out[:n]
     if n == 0:
         return dst
@@ -159,11 +164,13 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         and src.stride(1) == 1
         and src.device.type == "cpu"
         and type(src) is torch.Tensor
+        and not src.is_neg()  # a lazy negation or conjugation: raw memory is not the values
+        and not src.is_conj()
         and src.data_ptr() % 4 == 0
         and native.usable(out)
     ):
         # Rows contiguous, apart by a stride (a column slice): row by row in the kernel. The
-        # view lies inside its storage (torch checked that when it was made).
+        # view lies inside its storage (check_readable above).
         lib = native.load()
         assert lib is not None
         rows, cols = src.shape
@@ -177,12 +184,36 @@ _TWO_BYTE = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32, torch.int64)
 
 
+def _check_out(op: str, out: torch.Tensor, *inputs: torch.Tensor) -> None:
+    """``out`` must be writable element by element and overlap none of ``inputs`` (a kernel
+    would read an input after writing over it; torch refuses some such calls untyped)."""
+    if native.overlaps_itself(out):
+        raise TensorInputError(
+            f"{op}: out has strides {out.stride()} that let elements share memory (an expanded "
+            "view?); pass a buffer that owns its memory. Nothing was written"
+        )
+    for t in inputs:
+        if native.overlaps(out, t):
+            raise TensorInputError(
+                f"{op}: out overlaps an input in memory; pass a separate buffer. Nothing was "
+                "written"
+            )
+
+
 def _two_byte_writable(
     op: str, target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *others
 ) -> bool:
     """Whether the 2-byte kernels can write ``values`` at ``indices`` of ``target`` (reading
     ``others`` too): contiguous CPU tensors, a 2-byte dtype, 1-D int32/int64 indices, and
     ``target`` overlapping none of the others. Mismatched values are an error, not a decline."""
+    named = [("target", target), ("indices", indices), ("values", values)]
+    named += [(f"input {k + 1}", t) for k, t in enumerate(others)]
+    for name, t in named:  # any tensor the torch path takes too (a subclass: it declines)
+        if not isinstance(t, torch.Tensor):
+            raise TensorInputError(f"{op}: {name} must be a torch.Tensor, got {native.describe(t)}")
+        outside = native.outside_storage(t)
+        if outside is not None:
+            raise TensorInputError(f"{op}: {name} {outside}. Nothing was written")
     if values.numel() != indices.numel() or values.dtype != target.dtype:
         raise TensorInputError(
             f"{op}: {values.numel()} {values.dtype} values for {indices.numel()} indices into a "
@@ -526,6 +557,7 @@ def patched_digests16(
         compiler, xxhash's C API not reachable) or a position breaks a rule. The caller
         hashes what it was not given in Python, which names any fault.
     """
+    _check_int("patched_digests16", "chunk", chunk)
     fns = _xxh3_checked()
     if fns is None or chunk < 1 or scratch.element_size() != 2 or not native.kernel_ready(scratch):
         return None

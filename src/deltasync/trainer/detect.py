@@ -26,6 +26,7 @@ import mmap
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from numbers import Integral
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -276,8 +277,8 @@ def _detect_torch(
 
 def bits_to_indices(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted int64 positions of the set bits among the first ``numel`` bits."""
-    if numel < 0:
-        raise TensorInputError(f"bits_to_indices: numel {numel} is negative")
+    if not isinstance(numel, Integral) or isinstance(numel, bool) or numel < 0:
+        raise TensorInputError(f"bits_to_indices: numel must be a non-negative int, got {numel!r}")
     check_bitset("bits", bits, numel)
     nbytes = bitset_bytes(numel)
     if numel == 0:
@@ -477,6 +478,7 @@ def chunk_items(
     if not (math.isfinite(k.abs_e) and native.usable(p, m, v)):
 
         def whole() -> Chunk | CastChunk:  # the bitset path (torch where the kernel cannot read)
+            check_state(p, m, v)  # as they are now: it runs later, maybe on another thread
             bits = torch.zeros(bitset_bytes(n), dtype=torch.uint8, device=p.device)
             detect_adamw_(p, m, v, k, bits, threads=1)
             idx = bits_to_indices(bits, n)
@@ -489,8 +491,23 @@ def chunk_items(
     pp, mp, vp = p.data_ptr(), m.data_ptr(), v.data_ptr()
     flat = p.view(-1)
 
+    def still() -> None:
+        """The tensors as they were checked, when a chunk runs (later, maybe on another
+        thread): a storage freed or swapped since would be read through stale pointers."""
+        if not native.usable(p, m, v) or (p.data_ptr(), m.data_ptr(), v.data_ptr()) != (
+            pp,
+            mp,
+            vp,
+        ):
+            raise TensorInputError(
+                f"a parameter of {n} elements (or its exp_avg / exp_avg_sq) was freed, resized "
+                "or moved while its chunks were detected (e.g. resharded by FSDP in the "
+                "middle of a step): detection reads a step's tensors as they are until it ends"
+            )
+
     def listed(kernel: Callable[..., int], start: int, cnt: int, *outs: int | None) -> int:
         """A list kernel over one chunk; ``outs``: its output pointers."""
+        still()
         off = start * 4
         return kernel(pp + off, mp + off, vp + off, cnt, *_scalars(k), start, *outs)
 
@@ -519,6 +536,7 @@ def chunk_items(
                 if found >= 0:
                     return ibuf[:found].clone(), vbuf[:found].clone()
             # a flagged NaN or subnormal: the bitset path below, and torch casts the values
+        still()
         out = _chunk_indices(lib, k, pp, mp, vp, start, cnt)
         if not values:
             return out, None
