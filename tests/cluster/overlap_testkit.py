@@ -221,6 +221,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
         out.setdefault("carry", []).append((sender.pending_elements, sender.carry_bytes))
         settle(v)
     out["keys_after_3"] = group_store(None).num_keys()  # every rank has committed 3 by now
+    dist.barrier()  # counted before a receiver's next preflight marks its arrival
 
     # 4: the background reads the params slowly; the next optimizer step must wait for it.
     w.hf.step()
@@ -254,6 +255,7 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     pending = sender.sync(7)  # the retry: 7's changes and 6's carry
     settle(7)
     out["keys_after_7"] = group_store(None).num_keys()
+    dist.barrier()
 
     # 8: an anchor (or, streamed, a delta in parts) in 32-byte chunks (thousands of
     # messages); rank 2 dies inside it.
@@ -307,6 +309,8 @@ def _run_receiver(rank: int, setup: Setup, notes: str) -> dict:
             continue  # nothing committed: the trainer broadcasts nothing
         receiver.sync()
         check()
+        if v in (3, 7):
+            dist.barrier()  # while the writer counts the group store's keys
 
     slow = replace(setup, max_chunk_bytes=32)
     receiver = ClusterReceiver(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -405,10 +407,12 @@ class _Body:
         yield self.data
 
 
-def _no_conditional_writes(store) -> list[int]:
-    """Make ``store``'s server answer as one without conditional writes: a PutObject with
-    If-None-Match gets 501 NotImplemented (the other requests reach the server). Returns the
-    list each refused request's status is appended to."""
+@contextlib.contextmanager
+def _no_conditional_writes(store) -> Iterator[list[int]]:
+    """While open, ``store``'s server answers as one without conditional writes: a PutObject
+    with If-None-Match gets 501 NotImplemented (the other requests reach the server). Yields
+    the list each refused request's status is appended to. The client is the session's, shared
+    by every S3 test: the handler goes when the block ends."""
     from botocore.awsrequest import AWSResponse
 
     refused: list[int] = []
@@ -423,8 +427,12 @@ def _no_conditional_writes(store) -> list[int]:
             return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, _Body(body))
         return None
 
-    store._client.meta.events.register("before-send.s3.PutObject", answer)
-    return refused
+    events = store._client.meta.events
+    events.register("before-send.s3.PutObject", answer)
+    try:
+        yield refused
+    finally:
+        events.unregister("before-send.s3.PutObject", answer)
 
 
 def test_a_server_without_conditional_writes_is_refused_at_once_naming_the_remedy(
@@ -433,16 +441,17 @@ def test_a_server_without_conditional_writes_is_refused_at_once_naming_the_remed
     # 501 is a refusal no retry changes, not an outage: one attempt, nothing stored, and the
     # error says what the server lacks (not "may hold these bytes", not "is it reachable?")
     s3_store.config = replace(s3_store.config, retry=PATIENT)
-    refused = _no_conditional_writes(s3_store)
-    t0 = time.monotonic()
-    with pytest.raises(StoreError) as info:
-        s3_store.put_if_absent("v00000001/MANIFEST.json", b"m1")
-    assert time.monotonic() - t0 < 2.0
-    assert refused == [501], refused
-    assert not isinstance(info.value, OutcomeUnknownError), info.value
-    message = str(info.value)
-    assert "v00000001/MANIFEST.json" in message and "If-None-Match" in message, message
-    assert "conditional writes" in message, message
-    assert not s3_store.exists("v00000001/MANIFEST.json")
-    s3_store.put("v00000001/tp0/w00000.blob", b"blob")  # plain writes still work
-    assert s3_store.get("v00000001/tp0/w00000.blob") == b"blob"
+    with _no_conditional_writes(s3_store) as refused:
+        t0 = time.monotonic()
+        with pytest.raises(StoreError) as info:
+            s3_store.put_if_absent("v00000001/MANIFEST.json", b"m1")
+        assert time.monotonic() - t0 < 2.0
+        assert refused == [501], refused
+        assert not isinstance(info.value, OutcomeUnknownError), info.value
+        message = str(info.value)
+        assert "v00000001/MANIFEST.json" in message and "If-None-Match" in message, message
+        assert "conditional writes" in message, message
+        assert not s3_store.exists("v00000001/MANIFEST.json")
+        s3_store.put("v00000001/tp0/w00000.blob", b"blob")  # plain writes still work
+        assert s3_store.get("v00000001/tp0/w00000.blob") == b"blob"
+    s3_store.put_if_absent("v00000001/MANIFEST.json", b"m1")  # the handler is gone
