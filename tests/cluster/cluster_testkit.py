@@ -489,6 +489,17 @@ def run_death_in_retry(rank: int, setup: Setup) -> dict:
     return out
 
 
+def _two_versions_sent(setup: Setup, rank: int) -> ClusterSender:
+    """Writer ``rank``'s sender after anchor 0 and delta 1, its trainer one step past 1."""
+    trainer = Trainer(setup, rank)
+    sender = trainer.sender(setup)
+    sender.sync(0, anchor=True)
+    trainer.step()
+    sender.sync(1)
+    trainer.step()
+    return sender
+
+
 def run_writer_death(rank: int, setup: Setup) -> dict:
     """Writers 0, 1 (snapshot trackers over their FSDP halves), TP=2 receivers (ranks 2, 3).
     Anchor 0 and delta 1 commit; in delta 2 writer 1 is SIGKILLed between the two rounds of
@@ -501,12 +512,7 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank < setup.num_writers:
-        trainer = Trainer(setup, rank)
-        sender = trainer.sender(setup)
-        sender.sync(0, anchor=True)
-        trainer.step()
-        sender.sync(1)
-        trainer.step()
+        sender = _two_versions_sent(setup, rank)
         if rank == 1:
             real = rounds.run_schedule
 
@@ -768,12 +774,7 @@ def run_death_between_versions(rank: int, setup: Setup) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        trainer = Trainer(setup, rank)
-        sender = trainer.sender(setup)
-        sender.sync(0, anchor=True)
-        trainer.step()
-        sender.sync(1)
-        trainer.step()
+        sender = _two_versions_sent(setup, rank)
         t = time.monotonic()
         out["fault"] = _attempt(lambda: sender.sync(2))
         out["elapsed_s"] = time.monotonic() - t

@@ -77,17 +77,24 @@ def test_gc_on_a_lagging_listing_keeps_the_blobs_of_a_version_committed_meanwhil
     assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)["tp0"])
 
 
-@pytest.mark.timeout(60)
-def test_a_publisher_started_on_a_lagging_listing_keeps_latest(s3_store, tmp_path):
-    spec, tl, rl = layouts()
-    store = LaggingListing(s3_store)
+def _committed_past_the_listing(store, spec, rl, version: int):
+    """A trainer and its publisher that committed version 0, then ``version`` with the listing
+    frozen before its manifest (it shows version 0's only)."""
     trainer = TinyTrainer(spec)
     pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
     sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
     sync.step_published(0)
     trainer.step()
-    store.freeze_before_commit = True  # the listing will not show version 1's manifest
-    sync.step_published(1)
+    store.freeze_before_commit = True
+    sync.step_published(version)
+    return trainer, pub
+
+
+@pytest.mark.timeout(60)
+def test_a_publisher_started_on_a_lagging_listing_keeps_latest(s3_store, tmp_path):
+    spec, tl, rl = layouts()
+    store = LaggingListing(s3_store)
+    trainer, pub = _committed_past_the_listing(store, spec, rl, 1)
     assert names.manifest_key(1) not in store.list("v")
     restarted = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
     assert restarted.committed() == 1
@@ -140,13 +147,7 @@ def test_a_publisher_started_while_latest_cannot_be_read_does_not_lower_it(s3_st
     # newest is below the committed version 2 (number 1 never committed): LATEST stays
     spec, _, rl = layouts()
     store = _LatestUnreadable(s3_store)
-    trainer = TinyTrainer(spec)
-    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
-    sync = TrainerSync(SnapshotTracker(trainer.named_parameters()), pub, trainer.params)
-    sync.step_published(0)
-    trainer.step()
-    store.freeze_before_commit = True  # the listing will show version 0's manifest only
-    sync.step_published(2)  # number 1 retired, as a failed attempt's is
+    _, pub = _committed_past_the_listing(store, spec, rl, 2)  # 1 retired (failed)
     assert pub.catalog.read_latest() == 2
     store.failing = True
     Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
