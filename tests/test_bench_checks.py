@@ -203,14 +203,13 @@ def _tr(version: int) -> dict:
     )
 
 
-def _rx(version: int, shard: str, digest: str) -> dict:
+def _rx(version: int, shard: str) -> dict:
     return dict(
         t_recv=version + 0.01,
         t_done=version + 0.05,
         transfer_s=0.01,
         pause_s=0.001,
         cpu_s=0.01,
-        digest=digest,
         shard=shard,
         shard_bytes=100,
         rss_base=1,
@@ -236,8 +235,13 @@ class _FakeRoles:
                 return {"model_bf16_bytes": 400, "expected": self._truth(0)}
             shard = f"tp{rank - 1}"
             return {"digest": self._truth(0)[shard], "shard": shard}
+        truth = self._truth(self.version)
+        if op == "check":  # a receiver's own digest, asked for after the timed part
+            shard = f"tp{rank - 1}"
+            wrong = shard == "tp0" and self.version == self.wrong
+            return {"digest": "wrong" if wrong else truth[shard]}
         assert op == "expected"
-        return {"expected": self._truth(self.version)}
+        return {"expected": truth}
 
     def send(self, rank: int, op: str, version: int, *args) -> None:
         self.version = version
@@ -248,9 +252,7 @@ class _FakeRoles:
         v = self.version
         if v == self.refused:
             raise ChildFailedError("bench deltasync receiver rank 1 failed: IntegrityError: x")
-        truth = self._truth(v)
-        rx0 = "wrong" if v == self.wrong else truth["tp0"]
-        return [_tr(v), _rx(v, "tp0", rx0), _rx(v, "tp1", truth["tp1"])]
+        return [_tr(v), _rx(v, "tp0"), _rx(v, "tp1")]
 
     def close(self) -> None:
         pass
@@ -352,3 +354,39 @@ def test_compare_fails_when_systems_ran_on_different_versions(
     assert out["results"]["snapshot"]["exact"] is False
     assert any("snapshot v2" in f and "same versions" in f for f in out["failures"])
     assert "NOT EXACT: snapshot v2" in text
+
+
+def test_the_bench_oracle_fills_vllm_shards_apart_from_the_layout_tables() -> None:
+    # The oracle split the checkpoint with the very layout under test: a table with k and v
+    # swapped inside qkv_proj made receivers and oracle agree on the wrong weights ("exact").
+    from dataclasses import replace
+
+    from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
+    from deltasync.layout.table import LayoutTable
+    from deltasync_bench.compare.workload import Workload, build_trainer
+    from deltasync_examples.oracle import dense_shards, reference_shards, same_bits
+
+    w = Workload(model="qwen3-small")
+    params = build_trainer(w).params()
+    spec = ModelSpec.from_hf_config(w.hf_config())
+    tl, rl = TrainerLayout.build(spec), ReceiverLayout.build(spec, engine="vllm", tp=2)
+    good = reference_shards(params, tl, rl)
+    assert all(same_bits(good[s], t) for s, t in dense_shards(params, tl, rl).items())
+
+    k, v = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    placements = dict(rl.table.placements)
+    rows = {n: [p.block.dst_row for p in placements[n]] for n in (k, v)}
+    for name, other in ((k, v), (v, k)):
+        placements[name] = [
+            replace(p, block=replace(p.block, dst_row=row))
+            for p, row in zip(placements[name], rows[other], strict=True)
+        ]
+    table = LayoutTable(
+        src_shapes=rl.table.src_shapes,
+        dst_shapes=rl.table.dst_shapes,
+        placements=placements,
+        aliases=rl.table.aliases,
+    )
+    swapped = ReceiverLayout(spec=spec, engine="vllm", tp=2, ep=1, table=table, shards=rl.shards())
+    wrong = dense_shards(params, tl, swapped)  # what receivers on that table would hold
+    assert not all(same_bits(wrong[s], t) for s, t in reference_shards(params, tl, swapped).items())
