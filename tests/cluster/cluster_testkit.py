@@ -790,3 +790,32 @@ def run_death_between_versions(rank: int, setup: Setup) -> dict:
     out["elapsed_s"] = time.monotonic() - t
     out["version_after"] = receiver.version
     return out
+
+
+def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after_s: float) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0 and delta 1 commit; the writer then
+    replaces its ClusterSender with a new one on the same group and comes to version 2's
+    preflight ``late_s`` later; receiver rank 2 is SIGKILLed ``die_after_s`` into its wait
+    there. The others report what they raised."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        sender.sync(0, anchor=True)
+        trainer.step()
+        sender.sync(1)
+        sender.close()
+        sender = trainer.sender(setup, version=1)  # the replacement, on the same group
+        trainer.step()
+        time.sleep(late_s)
+        out["fault"] = _attempt(lambda: sender.sync(2))
+        return out
+    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
+    receiver.sync()
+    receiver.sync()
+    if rank == 2:
+        threading.Timer(die_after_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    out["fault"] = _attempt(receiver.sync)
+    return out

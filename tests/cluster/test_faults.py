@@ -16,6 +16,7 @@ from cluster_testkit import (
     run_death_in_retry,
     run_faults,
     run_receiver_late,
+    run_replacement_then_death,
     run_replacement_writer,
     run_stall_in_round_one,
     run_trainer_late,
@@ -176,6 +177,21 @@ def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_prefli
         assert "preflight" in fault["message"], fault
         assert fault["elapsed_s"] < 5.0, fault  # the closed connection, not the timeout
         assert results[rank]["version_after"] == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_sender_on_the_same_group_is_not_named_for_a_receiver_that_died() -> None:
+    # A new ClusterSender took no preflight tag (its ledger was fresh): it marked no arrival,
+    # and the surviving receiver named the healthy, merely late writer instead of rank 2. It
+    # now takes up its rank's record in the group's store.
+    results = spawn(
+        run_replacement_then_death, 3, Setup(timeout_s=20.0), 4.0, 1.5, timeout_s=120, may_die={2}
+    )
+    assert results[2] is None
+    fault = results[1]["fault"]
+    assert fault["exchange_error"], fault
+    assert "rank 2 died or stopped responding" in fault["message"], fault
+    assert "rank 0 died" not in fault["message"], fault
 
 
 @pytest.mark.timeout(150)

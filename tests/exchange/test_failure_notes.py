@@ -33,7 +33,7 @@ def _marks(store) -> list[str]:
     keys = [
         f"deltasync/{attempt}-{part}/{kind}/0"
         for attempt in ("a1", "a2", "a3", "a4")
-        for part in ("x1", "x1.1", "x1.2", "x2", "commit")
+        for part in ("x1", "x1.1", "x1.2", "x2", "commit", "pre1")
         for kind in ("in", "fail")
     ]
     return [k.removeprefix("deltasync/") for k in keys if store.check([k])]
@@ -47,7 +47,10 @@ def test_a_rank_keeps_only_the_marks_of_the_attempt_it_runs() -> None:
         ledger = NoteLedger()
 
         def enter(attempt: str, *parts: str) -> None:
-            ledger.begin(attempt)
+            pre = ledger.preflight_tag(None, 0)  # the preflight, under the last attempt begun
+            if pre is not None:
+                FailureNotes(None, tag=pre, rank=0, world=1).arrive()
+            ledger.begin(attempt, None, 0)
             for part in parts:
                 FailureNotes(None, tag=f"{attempt}-{part}", rank=0, world=1).arrive()
 
@@ -57,7 +60,10 @@ def test_a_rank_keeps_only_the_marks_of_the_attempt_it_runs() -> None:
         enter("a2", "x1", "x1.1", "x1.2")
         FailureNotes(None, tag="a2-x1.2", rank=0, world=1).post(None, "send timed out")
         enter("a3", "x1")
-        assert len(_marks(store)) == 7
+        assert len(_marks(store)) == 9  # a1's 2, a1-pre1, a2's 3 and its note, a2-pre1, a3's 1
+        # a new ledger of this rank on the same group (a replacement sender) takes up its
+        # rank's record: the same preflight tag as the one it replaces would have used
+        assert NoteLedger().preflight_tag(None, 0) == "a3-pre1"
         enter("a4", "x1", "x2", "commit")
         ledger.settle(None, 0)
         assert _marks(store) == ["a4-x1/in/0", "a4-x2/in/0", "a4-commit/in/0"]

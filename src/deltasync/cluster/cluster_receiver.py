@@ -211,7 +211,7 @@ class ClusterReceiver:
         self.fingerprint = fingerprint(layout, plan, lineage=lineage)
         self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
-        self.use_group(group)
+        self.group = group  # a group in use: the first preflight takes this rank's record
         if self.journal.reopened:
             self._check_reopened()
 
@@ -276,7 +276,7 @@ class ClusterReceiver:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group
         self._health.reset()
-        self._notes.new_group()
+        self._notes.new_group(group, self.rank)
 
     def _check_group(self) -> None:
         check_group(self.group, self.plan, self.rank)
@@ -328,10 +328,10 @@ class ClusterReceiver:
                 timeout_s=self.config.wait_for_version_s,
                 what=f"{self._who} holds {held}: waiting for the trainer's next version "
                 "(wait_for_version_s)",
-                tag=self._notes.preflight_tag(),
+                tag=self._notes.preflight_tag(self.group, self.rank),
             )
         except BaseException:
-            self._notes.new_group()
+            self._notes.new_group(self.group, self.rank)
             raise
 
     def receive(self, cleared: Cleared | None = None) -> Incoming:
@@ -342,7 +342,7 @@ class ClusterReceiver:
         if cleared is None:
             cleared = self._preflight()
         tag = cleared.tag
-        self._notes.begin(tag)
+        self._notes.begin(tag, self.group, self.rank)
         # one exchange, or one per part while the writers stream (cluster.streaming)
         tags: list[str] = []
         with naming(f"version {cleared.version}"):

@@ -254,14 +254,14 @@ class ClusterSender:
         self._detector: ThreadPoolExecutor | None = None  # detection after sync returns
         self.inline_below = inline_below
         self._expect_small = False  # this writer's last committed delta was below inline_below
-        self.use_group(group)
+        self.group = group  # a group in use: the first preflight takes this rank's record
 
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure). With
         overlap, call it only when nothing is in flight (after :meth:`wait` raised)."""
         self.group = group
         self._health.reset()
-        self._notes.new_group()
+        self._notes.new_group(group, self.rank)
 
     @property
     def overlap(self) -> bool:
@@ -677,14 +677,14 @@ class ClusterSender:
                 group=self.group,
                 timeout_s=self.config.exchange.timeout_s,
                 what="waiting for every rank to arrive",
-                tag=self._notes.preflight_tag(),
+                tag=self._notes.preflight_tag(self.group, self.rank),
             )
         except BaseException as exc:
-            self._notes.new_group()
+            self._notes.new_group(self.group, self.rank)
             if failure is not None and isinstance(exc, DeltaSyncError):
                 raise exc from failure
             raise
-        self._notes.begin(cleared.tag)
+        self._notes.begin(cleared.tag, self.group, self.rank)
         return cleared.tag
 
     def _forward(self, tag: str) -> None:

@@ -279,29 +279,67 @@ class NoteLedger:
         self._tags: list[str] = []
         self._preflights = 0  # preflights entered since the newest tag began (or the group)
         self._fresh_group = True  # no preflight passed on the current group yet
+        self._adopt = True  # a new role object takes its rank's record on its first preflight
 
-    def begin(self, tag: str) -> None:
+    def begin(self, tag: str, group: dist.ProcessGroup | None, rank: int) -> None:
         """This rank starts the exchanges of the attempt ``tag`` (its preflight passed)."""
         if tag not in self._tags:
             self._tags.append(tag)
         self._preflights = 0
         self._fresh_group = False
+        self._adopt = False
+        self._record(group, rank)
 
-    def preflight_tag(self) -> str | None:
+    def preflight_tag(self, group: dist.ProcessGroup | None, rank: int) -> str | None:
         """The tag of the preflight this rank enters now, the same on every rank of the group:
         derived from the newest attempt every rank began (a preflight's verdict is the same
         on all) and the preflights entered since (every rank enters each, a refusal
-        included). None on a group where no preflight passed yet (a replacement process has
-        no tag to share): that preflight's failure names no rank."""
+        included). A role object made on a group already in use (a replacement sender in the
+        same process) takes up where its rank's last one left off: the record in the group's
+        store, ``deltasync/preflight/{rank}``. None on a group where no preflight passed yet
+        (a new group starts on a fresh store prefix): that preflight's failure names no rank."""
+        if self._adopt:
+            self._adopt = False
+            self._take_record(group, rank)
         if self._fresh_group or not self._tags:
             return None
         self._preflights += 1
+        self._record(group, rank)
         return f"{self._tags[-1]}-pre{self._preflights}"
 
-    def new_group(self) -> None:
-        """This rank syncs over another group from now on, or its preflight failed (the ranks
-        may then disagree on whether it passed): no preflight tag until one passes."""
+    def new_group(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        """This rank syncs over another group from now on (``group``), or its preflight
+        failed (the ranks may then disagree on whether it passed): no preflight tag until one
+        passes."""
         self._fresh_group = True
+        self._adopt = False
+        self._record(group, rank)
+
+    def _record(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        """This rank's preflight state in the group's store, for the next object of its rank."""
+        store = group_store(group)
+        if store is None:
+            return
+        state = "-" if self._fresh_group or not self._tags else self._tags[-1]
+        try:
+            store.set(f"deltasync/preflight/{rank}", f"{state}|{self._preflights}")
+        except Exception:
+            return  # no record: a later object of this rank starts without a tag
+
+    def _take_record(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        store = group_store(group)
+        key = f"deltasync/preflight/{rank}"
+        try:
+            if store is None or not store.check([key]):
+                return
+            tag, _, count = store.get(key).decode("utf-8", "replace").rpartition("|")
+            preflights = int(count)
+        except Exception:
+            return
+        if tag and tag != "-":
+            self._tags = [tag]
+            self._preflights = preflights
+            self._fresh_group = False
 
     def settle(self, group: dist.ProcessGroup | None, rank: int) -> None:
         """Every rank has finished the attempts before the newest one begun: delete this
