@@ -25,7 +25,13 @@ from deltasync.engines.sglang_loader import (
     sglang_layout,
     take_version,
 )
-from deltasync.errors import ApplyError, ConfigError, DigestMismatchError, VersionError
+from deltasync.errors import (
+    ApplyError,
+    ConfigError,
+    DigestMismatchError,
+    LocalStateError,
+    VersionError,
+)
 
 from engines_helpers import ENGINE_CONFIG, StoreTrainer, corrupt_one_blob, module_tree
 
@@ -76,7 +82,7 @@ def _take_all(models: list, named: list) -> list:
             results[r] = take_version(
                 models[r], named, tp_rank=r, tp=tp, gather=group.gather(r) if tp > 1 else None
             )
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt on one rank too
             results[r] = exc
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
@@ -370,3 +376,94 @@ def test_a_tp_engine_without_the_ranks_gather_is_refused(tmp_path):
     models = _models(trainer.split(), 2)
     with pytest.raises(ConfigError, match="gather"):
         take_version(models[0], _request(tmp_path, 0), tp_rank=0, tp=2)
+
+
+def test_a_rank_replaying_a_journal_then_failing_the_request_stops_every_rank_writing(tmp_path):
+    # Rank 1's state file failed after its write of version 2 (a journal stays). Asked for 3,
+    # whose tp1 blob is corrupt, it agreed "ready" at the replay's write and then failed: rank
+    # 0 wrote 3, rank 1 stayed at 2. The replay now comes before the agreement.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
+    trainer.publish(0)
+    models = _models(trainer.split(), 2)
+    _take_all(models, _request(tmp_path, 0))
+    trainer.step()
+    trainer.publish(2)
+    state = models[1]._deltasync_shard.receiver.dir
+
+    def full(_state):
+        del state.write_state  # once
+        raise LocalStateError("cannot write the state file: No space left on device")
+
+    state.write_state = full
+    results = _take_all(models, _request(tmp_path, 2))
+    assert isinstance(results[1], LocalStateError), results  # rank 0 took it, and says so
+    assert isinstance(results[0], ApplyError) and "this rank took it" in str(results[0])
+    assert state.read_journal() is not None
+    split2 = trainer.split()
+    trainer.step()
+    trainer.publish(3)
+    corrupt_one_blob(tmp_path / "store", 3, "tp1")
+    results = _take_all(models, _request(tmp_path, 3))
+    assert isinstance(results[1], DigestMismatchError), results
+    assert isinstance(results[0], ApplyError) and "version 3 was not taken" in str(results[0])
+    for r, model in enumerate(models):
+        assert _same(model, split2[f"tp{r}"]), r
+        assert model._deltasync_shard.receiver.version == 2, r
+
+
+def test_an_interrupt_on_one_rank_is_every_ranks_failure_and_the_group_stays_usable(tmp_path):
+    # A SystemExit in one rank's verify never reached the agreement: the others waited out the
+    # group's timeout, and every later request failed on the broken pairing.
+    import deltasync.receiver.store_receiver as store_receiver
+
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
+    trainer.publish(0)
+    models = _models(trainer.split(), 2)
+    _take_all(models, _request(tmp_path, 0))
+    trainer.step()
+    trainer.publish(1)
+    real = store_receiver.chain_state_digest
+    hit: list[int] = []
+
+    def interrupted(tensors, chain):
+        if not hit and tensors is models[1]._deltasync_shard.receiver.tensors:
+            hit.append(1)
+            raise SystemExit("stopped in verify")
+        return real(tensors, chain)
+
+    store_receiver.chain_state_digest = interrupted
+    try:
+        results = _take_all(models, _request(tmp_path, 1))
+    finally:
+        store_receiver.chain_state_digest = real
+    assert hit and isinstance(results[1], SystemExit), results
+    assert isinstance(results[0], ApplyError) and "version 1 was not taken" in str(results[0])
+    for r, report in enumerate(_take_all(models, _request(tmp_path, 1))):
+        assert report.version == 1 and _same(models[r], trainer.split()[f"tp{r}"]), r
+
+
+def test_a_mistyped_store_is_refused_uncreated_and_does_not_pin_the_engine(tmp_path):
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    typo = SglangRequest(
+        store=str(tmp_path / "stroe"),
+        receiver_id="sgl0",
+        state_dir=str(tmp_path / "state"),
+        version=0,
+        durable=False,
+    )
+    with pytest.raises(ConfigError, match=r"stroe.*check the path"):
+        take_version(model, request_tensors(typo), tp_rank=0, tp=1)
+    assert not (tmp_path / "stroe").exists()
+    assert take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1).version == 0
+
+
+@pytest.mark.parametrize("receiver_id", ["../outside", "/abs/evil", "a/b"])
+def test_a_receiver_id_that_is_not_a_name_is_refused_before_any_directory_is_made(
+    tmp_path, receiver_id
+):
+    fields = dict(store=str(tmp_path / "store"), state_dir=str(tmp_path / "state"), version=0)
+    with pytest.raises(ConfigError, match=r"receiver_id.*not a safe name"):
+        SglangRequest(receiver_id=receiver_id, **fields)
+    assert not (tmp_path / "state").exists() and not (tmp_path / "outside").exists()

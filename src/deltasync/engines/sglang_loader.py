@@ -45,6 +45,7 @@ from deltasync import (
     ReceiverConfig,
     ReceiverLayout,
     S3Config,
+    names,
     open_store,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
@@ -82,6 +83,10 @@ class SglangRequest:
         for name in ("store", "receiver_id", "state_dir"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"SglangRequest.{name} must be a non-empty string")
+        try:  # a path component of the state dir: never a way out of it
+            names.check_token("SglangRequest.receiver_id", self.receiver_id)
+        except DeltaSyncError as exc:
+            raise ConfigError(str(exc)) from None
         v = self.version
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"SglangRequest.version must be an int >= 0, got {v!r}")
@@ -234,6 +239,7 @@ class SglangShard:
         self.receiver: Receiver | None = None
         self.opened: dict[str, Any] | None = None  # the request fields it was opened with
         self._agreement: _Agreement | None = None  # the request being taken
+        self._wrote = False  # the request being taken reached a write
 
     @contextlib.contextmanager
     def _pause(self) -> Iterator[None]:
@@ -241,6 +247,7 @@ class SglangShard:
         first (a repair on opening or a second chain in the same pull proceeds as agreed)."""
         if self._agreement is not None:
             self._agreement.before_write()
+        self._wrote = True
         yield
 
     def open(self, request: SglangRequest) -> Receiver:
@@ -266,11 +273,26 @@ class SglangShard:
         except TypeError as exc:
             raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
         rid = f"{request.receiver_id}-{self.shard}"
+        # a receiver reads the store the trainer made: a path that is not there is a typo, not
+        # a store to create (and to be held to for the engine's life)
+        try:
+            store = open_store(request.store, s3=s3, durable=request.durable, create=False)
+        except DeltaSyncError as exc:
+            raise ConfigError(
+                f"SglangRequest.store {request.store!r}: {exc}. A receiver reads the store its "
+                "trainer made: check the path. Nothing was created"
+            ) from None
         state_dir = Path(request.state_dir) / rid
-        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"SglangRequest.state_dir {request.state_dir!r}: cannot create {str(state_dir)!r} "
+                f"({exc.strerror or exc}); pass a directory the engine may write"
+            ) from None
         key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
         self.receiver = Receiver.for_layout(
-            open_store(request.store, s3=s3, durable=request.durable),
+            store,
             self.layout,
             self.shard,
             self.targets,
@@ -299,14 +321,25 @@ class SglangShard:
             gather,
             unverified=lambda: self.receiver is not None and self.receiver.dirty,
         )
-        self._agreement = agreement
+        first = self.receiver is None
+        self._wrote = False
         try:
+            receiver = self.open(request)
+            # The journal of an earlier failed pull is this rank's own business: replayed
+            # before the agreement, which is about the first write of the requested version
+            # (agreeing at the replay's write let the others write while this rank went on to
+            # fail the version it was asked for).
+            receiver.replay_journal()
+            self._agreement = agreement
             report = self._take(request)
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the other ranks wait for this answer
+            self._agreement = None
+            if first and not self._wrote:
+                # a first request that failed before any write fixes nothing for the next
+                self.receiver, self.opened = None, None
             agreement.finish(exc)
             raise
-        finally:
-            self._agreement = None
+        self._agreement = None
         agreement.finish(None)
         return report
 
@@ -315,6 +348,11 @@ class SglangShard:
         if self._holds(receiver, request.version):
             return None
         latest = receiver.catalog.latest()
+        if latest is None:
+            raise VersionError(
+                f"SGLang rank shard {self.shard!r}: the store {request.store!r} holds no committed "
+                "version; check the path, or publish first. Nothing was written"
+            )
         if latest != request.version:
             raise VersionError(
                 f"SGLang rank shard {self.shard!r}: version {request.version} is not the store's "
@@ -377,7 +415,7 @@ def take_version(
     if shard is None:
         try:
             shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
-        except Exception as exc:  # the other ranks are waiting for this one's answer
+        except BaseException as exc:  # the other ranks are waiting for this one's answer
             _Agreement(f"tp{tp_rank}", request.version, gather).finish(exc)
             raise
         model._deltasync_shard = shard

@@ -609,6 +609,16 @@ class Receiver:
 
     # --- pull -------------------------------------------------------------------------
 
+    def replay_journal(self) -> PullReport | None:
+        """Replay the journal an interrupted pull left (what the next pull does first), and
+        return its report; None when there is none. For a caller that must agree with others
+        on the first write of the version it asks for (an engine's TP ranks): the replay is
+        this receiver's own repair, done before that agreement."""
+        if self._unpersisted is not None:
+            self._settle()
+        journal = self.dir.read_journal()
+        return None if journal is None else self._repair(journal)
+
     def pull(self, version: int | None = None) -> PullReport:
         """Bring the tensors to the newest committed version (or to exactly ``version``, e.g.
         the one an engine was told to take, even if a newer one commits meanwhile); see the

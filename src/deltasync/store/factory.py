@@ -38,6 +38,7 @@ def open_store(
     s3: S3Config | None = None,
     durable: bool = True,
     throttle_gbps: float | None = None,
+    create: bool = True,
 ) -> Store:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty string, got {url!r}")
@@ -55,7 +56,7 @@ def open_store(
             path = url
         if not path:
             raise ConfigError(f"store URL {url!r} has no path")
-        store = LocalStore(path, durable=durable)
+        store = LocalStore(path, durable=durable, create=create)
     elif scheme == "s3":
         rest = url.split("://", 1)[1]
         bucket, _, prefix = rest.partition("/")
