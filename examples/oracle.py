@@ -4,8 +4,8 @@
 maps them to canonical (HF checkpoint) tensors and splits those into every receiver shard with
 the layouts: exactly what a full refit would write. ``reference_shards`` fills vLLM shards the
 way vLLM's own weight loaders do (``VllmReferenceLoader``, written apart from the layout
-tables), so that a wrong table cannot agree with itself. ``dense_digests`` and
-``reference_digests`` hash each shard with :func:`bits_digest`, which the demo's and the
+tables), so that a wrong table cannot agree with itself. ``reference_digests`` hashes each
+shard with :func:`bits_digest`, which the demo's and the
 benchmark's receiver processes apply to their live tensors: the comparison never goes through
 the product's own digests or expectations.
 
@@ -91,18 +91,6 @@ def bits_digest(tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def dense_digests(
-    params: Mapping[str, torch.Tensor],
-    trainer_layout: TrainerLayout,
-    receiver_layout: ReceiverLayout,
-) -> dict[str, str]:
-    """``{shard: bits_digest}`` of :func:`dense_shards`."""
-    return {
-        shard: bits_digest(tensors)
-        for shard, tensors in dense_shards(params, trainer_layout, receiver_layout).items()
-    }
 
 
 def reference_digests(

@@ -378,16 +378,22 @@ def test_a_tp_engine_without_the_ranks_gather_is_refused(tmp_path):
         take_version(models[0], _request(tmp_path, 0), tp_rank=0, tp=2)
 
 
-def test_a_rank_replaying_a_journal_then_failing_the_request_stops_every_rank_writing(tmp_path):
-    # Rank 1's state file failed after its write of version 2 (a journal stays). Asked for 3,
-    # whose tp1 blob is corrupt, it agreed "ready" at the replay's write and then failed: rank
-    # 0 wrote 3, rank 1 stayed at 2. The replay now comes before the agreement.
+def _two_ranks_at_0_then_published(tmp_path, version: int):
+    """A TP=2 engine's models at version 0, and the trainer one step on, ``version`` published."""
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
     trainer.publish(0)
     models = _models(trainer.split(), 2)
     _take_all(models, _request(tmp_path, 0))
     trainer.step()
-    trainer.publish(2)
+    trainer.publish(version)
+    return trainer, models
+
+
+def test_a_rank_replaying_a_journal_then_failing_the_request_stops_every_rank_writing(tmp_path):
+    # Rank 1's state file failed after its write of version 2 (a journal stays). Asked for 3,
+    # whose tp1 blob is corrupt, it agreed "ready" at the replay's write and then failed: rank
+    # 0 wrote 3, rank 1 stayed at 2. The replay now comes before the agreement.
+    trainer, models = _two_ranks_at_0_then_published(tmp_path, 2)
     state = models[1]._deltasync_shard.receiver.dir
 
     def full(_state):
@@ -416,12 +422,7 @@ def test_an_interrupt_on_one_rank_is_every_ranks_failure_and_the_group_stays_usa
     # group's timeout, and every later request failed on the broken pairing.
     import deltasync.receiver.store_receiver as store_receiver
 
-    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
-    trainer.publish(0)
-    models = _models(trainer.split(), 2)
-    _take_all(models, _request(tmp_path, 0))
-    trainer.step()
-    trainer.publish(1)
+    trainer, models = _two_ranks_at_0_then_published(tmp_path, 1)
     real = store_receiver.chain_state_digest
     hit: list[int] = []
 
