@@ -133,6 +133,11 @@ def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_no
         assert after["weight_version"] == held["weight_version"]  # the staged one not applied
         assert same_bits(after["tensors"], held["tensors"]) == [], after["shard"]
     assert "ConfigError" in synced["bad_init_error"], synced["bad_init_error"]
+    assert (
+        "stroe" in synced["bad_inits"]["store"] and "check the path" in synced["bad_inits"]["store"]
+    )
+    assert "not a safe name" in synced["bad_inits"]["receiver_id"], synced["bad_inits"]
+    assert synced["bad_inits_created"] == []
     taken = synced["reinit_held"][0]["weight_version"] + 1
     for state, live in zip(synced["after_reinit_states"], synced["after_reinit_live"], strict=True):
         split = synced["after_reinit_splits"][state["shard"]]

@@ -351,6 +351,21 @@ def synced(spec: dict) -> dict:
             out["bad_init_error"] = None
         except Exception as exc:
             out["bad_init_error"] = f"{type(exc).__name__}: {exc}"
+        # a mistyped store (created empty before, and registered into) and a receiver id that
+        # is not a name (a directory outside the state dir before): refused, nothing created
+        out["bad_inits"] = {}
+        for key, bad in (
+            ("store", dataclasses.replace(info, store=str(tmp / "stroe"))),
+            ("receiver_id", dataclasses.replace(info, receiver_id="../outside")),
+        ):
+            try:
+                DeltaSyncTrainerEngine.trainer_init(bad, client=LLMClient(llm))
+                out["bad_inits"][key] = None
+            except Exception as exc:
+                out["bad_inits"][key] = f"{type(exc).__name__}: {exc}"
+        out["bad_inits_created"] = [
+            p.name for p in (tmp / "stroe", tmp / "outside-tp0") if p.exists()
+        ]
         engine.send_weights(nxt)
         out["after_reinit_states"] = llm.collective_rpc(worker_state)
         out["after_reinit_live"] = llm.collective_rpc(live_tensors)

@@ -46,7 +46,6 @@ from deltasync import (
     ReceiverLayout,
     S3Config,
     names,
-    open_store,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.engines.agreement import (
@@ -57,6 +56,7 @@ from deltasync.engines.agreement import (
     unwritten_state,
 )
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
+from deltasync.store.factory import open_existing_store
 
 log = logging.getLogger(__name__)
 
@@ -273,23 +273,10 @@ class SglangShard:
         except TypeError as exc:
             raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
         rid = f"{request.receiver_id}-{self.shard}"
-        # a receiver reads the store the trainer made: a path that is not there is a typo, not
-        # a store to create (and to be held to for the engine's life)
-        try:
-            store = open_store(request.store, s3=s3, durable=request.durable, create=False)
-        except DeltaSyncError as exc:
-            raise ConfigError(
-                f"SglangRequest.store {request.store!r}: {exc}. A receiver reads the store its "
-                "trainer made: check the path. Nothing was created"
-            ) from None
-        state_dir = Path(request.state_dir) / rid
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"SglangRequest.state_dir {request.state_dir!r}: cannot create {str(state_dir)!r} "
-                f"({exc.strerror or exc}); pass a directory the engine may write"
-            ) from None
+        store = open_existing_store(
+            request.store, s3=s3, durable=request.durable, what="SglangRequest.store"
+        )
+        state_dir = Path(request.state_dir) / rid  # made by the receiver (a typed error)
         key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
         self.receiver = Receiver.for_layout(
             store,

@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, open_store
+from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, names
 from deltasync.engines.agreement import (
     failed_ranks,
     group_gather,
@@ -64,9 +64,10 @@ from deltasync.engines.agreement import (
     unwritten_state,
 )
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
-from deltasync.errors import ApplyError, ConfigError, VersionError
+from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.layout.probed import load_receiver_layout
 from deltasync.names import MAX_VERSION
+from deltasync.store.factory import open_existing_store
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"DeltaSyncInitInfo.{name} must be a non-empty string")
+        try:  # a path component of the state dir: never a way out of it
+            names.check_token("DeltaSyncInitInfo.receiver_id", self.receiver_id)
+        except DeltaSyncError as exc:
+            raise ConfigError(str(exc)) from None
         if self.s3 is not None and not isinstance(self.s3, dict):
             raise ConfigError("DeltaSyncInitInfo.s3 must be a dict of S3Config fields or None")
         if not isinstance(self.durable, bool):
@@ -287,10 +292,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
         except TypeError as exc:
             raise ConfigError(f"DeltaSyncInitInfo.s3: not S3Config fields ({exc})") from None
-        store = open_store(init_info.store, s3=s3, durable=init_info.durable)
+        store = open_existing_store(
+            init_info.store, s3=s3, durable=init_info.durable, what="DeltaSyncInitInfo.store"
+        )
         rid = f"{init_info.receiver_id}-{shard.shard}"
-        state_dir = Path(init_info.state_dir) / rid
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir = Path(init_info.state_dir) / rid  # made by the receiver (a typed error)
         receiver = Receiver.for_layout(
             store,
             shard.layout,

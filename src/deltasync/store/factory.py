@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from urllib.parse import unquote, urlsplit
 
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, DeltaSyncError
 from deltasync.store.base import Store
 from deltasync.store.emulated import MemoryStore, ThrottledStore
 from deltasync.store.local import LocalStore
@@ -79,3 +79,19 @@ def open_store(
     if throttle_gbps is not None:
         store = ThrottledStore(store, throttle_gbps)
     return store
+
+
+def open_existing_store(
+    url: str, *, s3: S3Config | None = None, durable: bool = True, what: str = "store"
+) -> Store:
+    """:func:`open_store` for a reader of a store its trainer made (an engine's receivers): a
+    local path where no store directory exists is a ConfigError naming ``what`` and the path,
+    and nothing is created (a mistyped path would otherwise become an empty store the receiver
+    registers into and waits on)."""
+    try:
+        return open_store(url, s3=s3, durable=durable, create=False)
+    except DeltaSyncError as exc:
+        raise ConfigError(
+            f"{what} {url!r}: {exc}. A receiver reads the store its trainer made: check the "
+            "path. Nothing was created"
+        ) from None
