@@ -248,14 +248,16 @@ def main(args: argparse.Namespace) -> int:
                 sys_runs[s].exact = False
                 failures.append(message)
             model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
-            changed = [
-                r.changed_elements
-                for r in sys_runs.get("snapshot", sys_runs[systems[0]]).records
-                if r.changed_elements is not None
-            ]
+            # the exact change set where snapshot ran (its bitwise diff), per path
+            truth = sys_runs.get("snapshot", sys_runs[systems[0]]).records
             by_path, floors = {}, {}
             for path in paths:
                 res = {}
+                changed = [
+                    r.changed_elements
+                    for r in truth
+                    if r.path == path.label and r.changed_elements is not None
+                ]
                 for s, sr in sys_runs.items():
                     recs = [r for r in sr.records if r.path == path.label]
                     all_exact &= sr.exact

@@ -312,7 +312,9 @@ def _system_run(system: str, *, exact: bool = True, differ_at: int | None = None
     return one
 
 
-def _compare_main(monkeypatch, tmp_path, capsys, runs: dict) -> tuple[int, dict, str]:
+def _compare_main(
+    monkeypatch, tmp_path, capsys, runs: dict, *, unthrottled: bool = False
+) -> tuple[int, dict, str]:
     import argparse
 
     from deltasync_bench import compare_bench
@@ -323,7 +325,8 @@ def _compare_main(monkeypatch, tmp_path, capsys, runs: dict) -> tuple[int, dict,
     compare_bench.add_arguments(p)
     args = p.parse_args(
         [
-            *("--model", "qwen3-tiny", "--steps", "1", "--link-gbps", "1", "--no-unthrottled"),
+            *("--model", "qwen3-tiny", "--steps", "1", "--link-gbps", "1"),
+            *(() if unthrottled else ("--no-unthrottled",)),
             *("--no-cluster", "--systems", ",".join(runs), "--out", str(tmp_path)),
         ]
     )
@@ -390,3 +393,17 @@ def test_the_bench_oracle_fills_vllm_shards_apart_from_the_layout_tables() -> No
     swapped = ReceiverLayout(spec=spec, engine="vllm", tp=2, ep=1, table=table, shards=rl.shards())
     wrong = dense_shards(params, tl, swapped)  # what receivers on that table would hold
     assert not all(same_bits(wrong[s], t) for s, t in reference_shards(params, tl, swapped).items())
+
+
+def test_each_paths_changed_fraction_is_that_paths_own(monkeypatch, tmp_path, capsys) -> None:
+    # it was the median over every path's versions, the same number on each path
+    from dataclasses import replace
+
+    runs = {"snapshot": _system_run("snapshot")}
+    (rec,) = runs["snapshot"].records
+    runs["snapshot"].records.append(
+        replace(rec, path="store (unthrottled)", version=2, changed_elements=30)
+    )
+    _, out, _ = _compare_main(monkeypatch, tmp_path, capsys, runs, unthrottled=True)
+    got = {r["path"]: r["results"]["snapshot"]["changed_fraction"] for r in out["runs"]}
+    assert got == {"store (unthrottled)": 30 / 200, "store @ 1 Gbit/s": 10 / 200}, got
