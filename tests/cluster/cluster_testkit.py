@@ -489,15 +489,14 @@ def run_death_in_retry(rank: int, setup: Setup) -> dict:
     return out
 
 
-def _two_versions_sent(setup: Setup, rank: int) -> ClusterSender:
-    """Writer ``rank``'s sender after anchor 0 and delta 1, its trainer one step past 1."""
+def _two_versions_sent(setup: Setup, rank: int) -> tuple[Trainer, ClusterSender]:
+    """Writer ``rank``'s trainer and sender after anchor 0 and delta 1."""
     trainer = Trainer(setup, rank)
     sender = trainer.sender(setup)
     sender.sync(0, anchor=True)
     trainer.step()
     sender.sync(1)
-    trainer.step()
-    return sender
+    return trainer, sender
 
 
 def run_writer_death(rank: int, setup: Setup) -> dict:
@@ -512,7 +511,8 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank < setup.num_writers:
-        sender = _two_versions_sent(setup, rank)
+        trainer, sender = _two_versions_sent(setup, rank)
+        trainer.step()
         if rank == 1:
             real = rounds.run_schedule
 
@@ -774,7 +774,8 @@ def run_death_between_versions(rank: int, setup: Setup) -> dict:
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        sender = _two_versions_sent(setup, rank)
+        trainer, sender = _two_versions_sent(setup, rank)
+        trainer.step()
         t = time.monotonic()
         out["fault"] = _attempt(lambda: sender.sync(2))
         out["elapsed_s"] = time.monotonic() - t
@@ -801,11 +802,7 @@ def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
-        trainer = Trainer(setup, rank)
-        sender = trainer.sender(setup)
-        sender.sync(0, anchor=True)
-        trainer.step()
-        sender.sync(1)
+        trainer, sender = _two_versions_sent(setup, rank)
         sender.close()
         sender = trainer.sender(setup, version=1)  # the replacement, on the same group
         trainer.step()

@@ -615,7 +615,7 @@ class Receiver:
         on the first write of the version it asks for (an engine's TP ranks): the replay is
         this receiver's own repair, done before that agreement."""
         if self._unpersisted is not None:
-            self._settle()
+            self._settle()  # raises while persist still fails; records the version once not
         journal = self.dir.read_journal()
         return None if journal is None else self._repair(journal)
 
@@ -638,17 +638,15 @@ class Receiver:
         if version is not None:
             names.check_version(version)
         t0 = time.perf_counter()
-        if self._unpersisted is not None:
-            self._settle()  # raises while persist still fails; records the version once not
-        journal = self.dir.read_journal()
-        if journal is not None:  # an earlier pull of this process failed after its journal
-            # Replayed first, then on to the newest version like any pull: a caller asking
-            # for the head must get it, not the version the failed pull was going to.
-            repair = self._repair(journal)
-            if repair.version is None:
-                return repair
-            return _then(repair, self._pull(time.perf_counter(), version))
-        return self._pull(t0, version)
+        # An earlier pull's journal (it failed after writing it) is replayed first, then on
+        # to the newest version like any pull: a caller asking for the head must get it, not
+        # the version the failed pull was going to.
+        repair = self.replay_journal()
+        if repair is None:
+            return self._pull(t0, version)
+        if repair.version is None:
+            return repair
+        return _then(repair, self._pull(time.perf_counter(), version))
 
     def _target(self, version: int) -> Manifest:
         """The committed manifest of ``version``, read afresh (VersionError if none)."""
