@@ -70,17 +70,18 @@ class _TPGroup:
         return gather
 
 
-def _take_all(models: list, named: list) -> list:
-    """Every rank takes ``named`` at once, as SGLang calls the loader on each TP rank: the
-    report (or None) or the exception of each rank."""
+def _take_all(models: list, named: list, *, per_rank: list | None = None) -> list:
+    """Every rank takes ``named`` (or its own of ``per_rank``) at once, as SGLang calls the
+    loader on each TP rank: the report (or None) or the exception of each rank."""
     tp = len(models)
     group = _TPGroup(tp)
     results: list = [None] * tp
 
     def run(r: int) -> None:
+        mine = named if per_rank is None else per_rank[r]
         try:
             results[r] = take_version(
-                models[r], named, tp_rank=r, tp=tp, gather=group.gather(r) if tp > 1 else None
+                models[r], mine, tp_rank=r, tp=tp, gather=group.gather(r) if tp > 1 else None
             )
         except BaseException as exc:  # an interrupt on one rank too
             results[r] = exc
@@ -468,3 +469,21 @@ def test_a_receiver_id_that_is_not_a_name_is_refused_before_any_directory_is_mad
     with pytest.raises(ConfigError, match=r"receiver_id.*not a safe name"):
         SglangRequest(receiver_id=receiver_id, **fields)
     assert not (tmp_path / "state").exists() and not (tmp_path / "outside").exists()
+
+
+def test_ranks_asked_for_different_versions_all_refuse_and_none_writes(tmp_path):
+    # Rank 0 held version 1 and was asked for 1, rank 1 was asked for 2: each did what it was
+    # asked and both answered success, and the engine served half of each version.
+    trainer, models = _two_ranks_at_0_then_published(tmp_path, 1)
+    _take_all(models, _request(tmp_path, 1))
+    split1 = trainer.split()
+    trainer.step()
+    trainer.publish(2)
+    results = _take_all(models, [], per_rank=[_request(tmp_path, 1), _request(tmp_path, 2)])
+    for r, result in enumerate(results):
+        assert isinstance(result, ApplyError), results
+        assert "asked for different updates" in str(result) and "version 2 of" in str(result)
+        assert _same(models[r], split1[f"tp{r}"]), r
+        assert models[r]._deltasync_shard.receiver.version == 1, r
+    for r, report in enumerate(_take_all(models, _request(tmp_path, 2))):
+        assert report.version == 2 and _same(models[r], trainer.split()[f"tp{r}"]), r

@@ -51,16 +51,34 @@ UNVERIFIED_STATE = (
 
 
 def failed_ranks(
-    shard: str, error: BaseException | None, gather: Gather | None, *, unverified: bool = False
+    shard: str,
+    error: BaseException | None,
+    gather: Gather | None,
+    *,
+    unverified: bool = False,
+    asked: str | None = None,
 ) -> list[tuple[str, str]]:
     """Every rank's ``(shard, error)``, for the ranks that failed; ``gather`` None: this rank
     alone (TP = 1). ``unverified``: this rank holds no verified version now (its error then
-    ends with :data:`UNVERIFIED_NOTE`)."""
+    ends with :data:`UNVERIFIED_NOTE`). ``asked``: what this rank was asked to take; ranks
+    asked for different things all fail (:data:`ASKED_OTHERWISE`), since each alone would
+    take what it was asked and the engine would serve a mix."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
     if mine is not None and unverified:
         mine += UNVERIFIED_NOTE
-    outcomes = [(shard, mine)] if gather is None else gather((shard, mine))
-    return [(s, err) for s, err in outcomes if err is not None]
+    outcomes = [(shard, mine, asked)] if gather is None else gather((shard, mine, asked))
+    if len({a for _, _, a in outcomes}) > 1:
+        outcomes = [(s, _asked_otherwise(err, a), a) for s, err, a in outcomes]
+    return [(s, err) for s, err, _ in outcomes if err is not None]
+
+
+# Why each rank fails an update its ranks were asked for differently.
+ASKED_OTHERWISE = "the TP ranks were asked for different updates"
+
+
+def _asked_otherwise(err: str | None, asked: str | None) -> str:
+    why = f"{ASKED_OTHERWISE}; this one for {asked}"
+    return why if err is None else f"{err} ({why})"
 
 
 def unwritten_state(failed: Sequence[tuple[str, str]]) -> str:

@@ -29,6 +29,7 @@ the loader contract and the request, nothing of chains or digests.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -111,6 +112,15 @@ class SglangRequest:
         del fields["version"]
         return fields
 
+    def asked(self) -> str:
+        """What the TP ranks compare before any writes: the version and store by name, every
+        field by a digest (the signing key is never shown)."""
+        data = json.dumps(asdict(self), sort_keys=True).encode()
+        return (
+            f"version {self.version} of {self.store!r} "
+            f"(request {hashlib.sha256(data).hexdigest()[:12]})"
+        )
+
 
 def request_tensors(request: SglangRequest) -> list[tuple[str, torch.Tensor]]:
     """The ``named_tensors`` of an ``update_weights_from_tensor`` call for :data:`LOADER`.
@@ -165,16 +175,21 @@ class _Agreement:
         version: int,
         gather: Gather | None,
         unverified: Callable[[], bool] = lambda: False,
+        *,
+        asked: str | None = None,
     ) -> None:
         self.shard = shard
         self.version = version
         self._gather = gather
+        self._asked = asked  # what this rank was asked: every rank must be asked the same
         self._unverified = unverified  # does this rank hold no verified version now?
         self.staged = False  # the first decision was made
 
     def _round(self, error: BaseException | None) -> list[tuple[str, str]]:
         try:
-            return failed_ranks(self.shard, error, self._gather, unverified=self._unverified())
+            return failed_ranks(
+                self.shard, error, self._gather, unverified=self._unverified(), asked=self._asked
+            )
         except Exception as exc:  # a rank died or the group timed out
             raise ApplyError(
                 f"shard {self.shard!r}: the TP ranks could not agree on taking version "
@@ -299,14 +314,15 @@ class SglangShard:
         """Pull ``request.version`` (the store's newest); None if already there.
 
         ``gather``: an all-gather over the engine's TP ranks (None: this rank alone, TP = 1).
-        Every rank of a TP > 1 engine must take the same request with it: no rank writes
-        unless every rank staged and verified the version, and every rank raises when one
-        failed (SGLang replies with rank 0's result)."""
+        Every rank of a TP > 1 engine takes the request with it: no rank writes unless every
+        rank staged and verified the version, every rank raises when one failed (SGLang
+        replies with rank 0's result), and ranks handed different requests all raise."""
         agreement = _Agreement(
             self.shard,
             request.version,
             gather,
             unverified=lambda: self.receiver is not None and self.receiver.dirty,
+            asked=request.asked(),
         )
         first = self.receiver is None
         self._wrote = False
@@ -403,7 +419,7 @@ def take_version(
         try:
             shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
         except BaseException as exc:  # the other ranks are waiting for this one's answer
-            _Agreement(f"tp{tp_rank}", request.version, gather).finish(exc)
+            _Agreement(f"tp{tp_rank}", request.version, gather, asked=request.asked()).finish(exc)
             raise
         model._deltasync_shard = shard
     return shard.take(request, gather)

@@ -378,7 +378,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # Every TP rank writes, or none does: each rank's staging outcome is gathered over
         # vLLM's own CPU group. (Every rank makes exactly these two collectives per apply, so
         # none can hang on a rank that returned early.)
-        failures = self._gather_failures(staged.error)
+        failures = self._gather_failures(staged.error, version)
         if failures:
             staged.cancel()
             staged.thread.join()
@@ -386,7 +386,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             return
         staged.release()
         staged.thread.join()
-        failures = self._gather_failures(staged.error)  # after the first write: dirty ranks
+        failures = self._gather_failures(staged.error, version)  # after the first write
         if failures:
             self._fail(version, failures, staged.error, written=True)
             return
@@ -409,13 +409,16 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.last_pause_s,
         )
 
-    def _gather_failures(self, error: BaseException | None) -> list[tuple[str, str]]:
-        """Every TP rank's ``(shard, error)``, for the ranks whose pull failed."""
+    def _gather_failures(self, error: BaseException | None, version: int) -> list[tuple[str, str]]:
+        """Every TP rank's ``(shard, error)``, for the ranks whose pull failed (every rank,
+        when the ranks were asked for different versions)."""
         gather = None
         if self.shard.place.tp > 1:
             gather = group_gather(_tp_cpu_group(), self.shard.place.tp)
         unverified = self._receiver().dirty
-        return failed_ranks(self.shard.shard, error, gather, unverified=unverified)
+        return failed_ranks(
+            self.shard.shard, error, gather, unverified=unverified, asked=f"version {version}"
+        )
 
     def _fail(
         self,
