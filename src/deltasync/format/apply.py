@@ -57,25 +57,8 @@ def _check(
             f"{what}: update is {update.shape} {update.dtype}, target is {tuple(target.shape)} "
             f"{target.dtype}; the update and the receiver's layout disagree. Nothing was written"
         )
-    if not target.is_contiguous() and update.nnz and overlaps_itself(target):
-        raise ApplyError(
-            f"{what}: the target's strides {target.stride()} let elements share memory (an "
-            "expanded view?); pass the tensor that owns the memory. Nothing was written"
-        )
-    if update.nnz and target.is_meta:
-        raise ApplyError(
-            f"{what}: the target is on the meta device and holds no values; pass the "
-            "materialized tensor. Nothing was written"
-        )
-    outside = outside_storage(target) if update.nnz else None
-    if outside is not None:
-        raise ApplyError(f"{what}: the target {outside}. Nothing was written")
-    for part, t in (("values", update.values), ("indices", update.indices)):
-        if update.nnz and t is not None and overlaps(target, t):
-            raise ApplyError(
-                f"{what}: the update's {part} share memory with the target (writing it would "
-                "change what is being written); pass a copy. Nothing was written"
-            )
+    if update.nnz:
+        _check_writable(what, target, update)
     if update.indices is None or update.indices.numel() == 0:
         return
     idx = update.indices
@@ -90,6 +73,29 @@ def _check(
             f"{what}: indices are not strictly increasing; sort them and drop duplicates. "
             "Nothing was written"
         )
+
+
+def _check_writable(what: str, target: torch.Tensor, update: TensorUpdate) -> None:
+    """Refuse a target that writing ``update`` would corrupt or could not reach."""
+    if not target.is_contiguous() and overlaps_itself(target):
+        raise ApplyError(
+            f"{what}: the target's strides {target.stride()} let elements share memory (an "
+            "expanded view?); pass the tensor that owns the memory. Nothing was written"
+        )
+    if target.is_meta:
+        raise ApplyError(
+            f"{what}: the target is on the meta device and holds no values; pass the "
+            "materialized tensor. Nothing was written"
+        )
+    outside = outside_storage(target)
+    if outside is not None:
+        raise ApplyError(f"{what}: the target {outside}. Nothing was written")
+    for part, t in (("values", update.values), ("indices", update.indices)):
+        if t is not None and overlaps(target, t):
+            raise ApplyError(
+                f"{what}: the update's {part} share memory with the target (writing it would "
+                "change what is being written); pass a copy. Nothing was written"
+            )
 
 
 def _write(

@@ -54,7 +54,8 @@ RELEASE_EVERY_BYTES = 4 << 20  # uploaded between two releases of the heap's fre
 class _Stream:
     key: str
     pending: list[bytes]  # the writer's sink: bytes of the segment being written
-    chunks: queue.Queue  # segments (and an open segment's pieces), waiting for the upload
+    # segments (and an open segment's pieces), waiting for the upload; None for a held blob
+    chunks: queue.Queue | None
     upload: Future | None  # None: held in memory, stored whole by finish()
     writer: BlobWriter = field(init=False)
     pending_bytes: int = 0
@@ -109,10 +110,10 @@ class ShardStreams:
 
     def _open(self, shard: str) -> _Stream:
         key = names.blob_key(self._head["version"], shard, self._head["writer"])
-        chunks: queue.Queue = queue.Queue(maxsize=self._queued)
         if self._pool is None:
-            stream = self._streams[shard] = _Stream(key, [], chunks, None)
+            stream = self._streams[shard] = _Stream(key, [], None, None)
         else:
+            chunks: queue.Queue = queue.Queue(maxsize=self._queued)
             with interrupts_deferred():  # an upload started is one abort() ends
                 upload = self._pool.submit(self.store.put_stream, key, _drain(chunks))
                 stream = self._streams[shard] = _Stream(key, [], chunks, upload)
