@@ -320,6 +320,31 @@ def test_pull_refuses_a_directory_in_place_of_the_shard_file(work, capsys):
     assert "remove it" in err
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other", ["names", "shapes", "dtypes"])
+def test_pull_refuses_a_file_of_another_shard_or_model_and_writes_nothing(
+    work, published, capsys, other
+):
+    # Other shapes were refused only by the receiver, after the sidecar had written its state
+    # directory beside the file.
+    import torch
+
+    out = work / "out"
+    out.mkdir()
+    file = out / f"{SHARD}.safetensors"
+    tensors = {n: t.clone() for n, t in published[1][SHARD].items()}
+    first = sorted(tensors)[0]
+    if other == "names":
+        tensors["model.extra.weight"] = tensors[first].clone()
+    elif other == "shapes":
+        tensors[first] = tensors[first].reshape(-1)[:-1].clone()
+    else:
+        tensors[first] = tensors[first].float()
+    save_file(tensors, str(file))
+    err = _refused(capsys, work, *_pull(work, "--dir", str(out), "--once"), names=str(file))
+    assert "another shard or model" in err and "Nothing was written" in err
+
+
 # ---------------------------------------------------------------------- 7: config and layout files
 
 

@@ -240,12 +240,14 @@ def _load(path: Path, specs, *, receiver_id: str, shard: str):
     the file. The metadata is checked by building the LocalState here, as the state file is
     checked when read: a version the store cannot name or an unsafe run id is the same as no
     metadata, not an error every restart would repeat. Only a file holding other tensors than
-    the shard's layout is refused: it may be another model's weights, not ours to overwrite.
+    the shard's layout (names, shapes or dtypes) is refused, before anything is written: it may
+    be another model's weights, not ours to overwrite.
     """
     import torch
     from safetensors import SafetensorError, safe_open
 
     from deltasync.errors import ManifestError
+    from deltasync.format.updates import check_tensors_match
     from deltasync.receiver import LocalState
 
     nothing = LocalState(receiver=receiver_id, shard=shard, version=None, state_digest=None)
@@ -266,11 +268,13 @@ def _load(path: Path, specs, *, receiver_id: str, shard: str):
     except (SafetensorError, OSError) as exc:
         _unusable(path, f"not a readable safetensors file ({exc})")
         return zeros(), nothing
-    if set(tensors) != set(specs):
+    try:  # names, shapes and dtypes, before anything (the state directory) is written
+        check_tensors_match(tensors, specs, what=repr(str(path)), hint="the shard's names")
+    except ConfigError as exc:
         raise ConfigError(
-            f"{str(path)!r} holds tensors {sorted(set(tensors) ^ set(specs))[:5]} that the "
-            "shard's layout does not (or lacks them): it belongs to another shard or model"
-        )
+            f"{exc}: the file belongs to another shard or model; move it away or pass another "
+            "--dir. Nothing was written"
+        ) from None
     if META_VERSION not in meta:
         return tensors, nothing  # not written by the sidecar: verified from an anchor
     try:
