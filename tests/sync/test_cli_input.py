@@ -327,7 +327,6 @@ def test_pull_refuses_a_file_of_another_shard_or_model_and_writes_nothing(
 ):
     # Other shapes were refused only by the receiver, after the sidecar had written its state
     # directory beside the file.
-    import torch
 
     out = work / "out"
     out.mkdir()
