@@ -1053,6 +1053,45 @@ def test_a_param_that_detection_missed_entirely_never_keeps_its_old_digest(tmp_p
     sync.close()
 
 
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_a_stepped_param_that_detection_missed_never_keeps_its_old_digest(tmp_path, impl):
+    # A fused update moves no version counter: a stepped parameter lost by detection kept the
+    # digest of the last commit, and every receiver verified and reported a version whose
+    # bits it did not hold. The tracker's count of the updates it saw moves for both. The bug
+    # stood in for: the tracker loses the parameter's step (its pending inversion).
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.5, seed=5)
+    trainer.opt = torch.optim.AdamW(trainer.params.values(), lr=1e-3, **impl)
+    lost = "model.layers.0.mlp.down_proj.weight"
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
+    receivers = {
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
+        )
+        for s in rl.shards()
+    }
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)  # nothing lost yet
+    before = trainer.params[lost].detach().to(torch.bfloat16)
+    trainer.step()
+    assert not torch.equal(trainer.params[lost].detach().to(torch.bfloat16), before)
+    tracker._pending = [step for step in tracker._pending if step[0] != lost]
+    sync.step_published(2)
+    sync.wait()
+    for rx in receivers.values():  # the manifest's digest is the real state's: refused
+        with pytest.raises(IntegrityError):
+            rx.pull()
+        assert rx.version == 1
+    sync.close()
+
+
 def test_a_committed_version_published_again_after_a_step_keeps_the_steps_changes(tmp_path):
     # v1 committed; the trainer steps and publishes v1 again (it believed v1 failed). The
     # publisher refuses it (another state under a committed number), and that step's changes,

@@ -479,3 +479,50 @@ def test_a_swap_tensors_load_whose_counters_match_is_reported_in_full():
     changed = tracker.changed()
     assert set(changed) == {n for n, _ in named} and _missed(changed, truth.changed()) == 0
     tracker.close()
+
+
+def _interrupted_after_the_update(opt, model, seed: int) -> None:
+    """A step whose fused update ran and whose post-step hooks did not: a KeyboardInterrupt
+    (Ctrl-C, a preemption handler raising) delivered as the kernel returns."""
+    real = torch._fused_adamw_
+
+    def update_then_interrupt(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    torch._fused_adamw_ = update_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _step(model, opt, seed)
+    finally:
+        torch._fused_adamw_ = real
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_fused_step_interrupted_after_its_update_is_reported_in_full(first, caplog):
+    # The update was in the params and the step counts had moved, but no post-step hook
+    # recorded the step and a fused update moves no version counter: every element missed,
+    # in this version and the next.
+    model, opt, tracker, truth = _setup(fused=True)
+    if not first:  # the first step creates the moments; a later one steps existing ones
+        _step(model, opt, 0)
+        _check(tracker, truth, set())
+        tracker.clear(), truth.clear()
+    _interrupted_after_the_update(opt, model, 1)
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        _check(tracker, truth, {n for n, _ in model.named_parameters()})
+    assert "without the tracker seeing the step" in caplog.text
+    _step(model, opt, 2)  # the loop goes on: still in full, then the next step sparsely
+    _check(tracker, truth, {n for n, _ in model.named_parameters()})
+    tracker.clear(), truth.clear()
+    _step(model, opt, 3)
+    _check(tracker, truth, set())
+
+
+def test_a_fused_step_interrupted_then_stepped_again_before_detection_misses_nothing():
+    model, opt, tracker, truth = _setup(fused=True)
+    _step(model, opt, 0)
+    tracker.changed(), tracker.clear(), truth.clear()
+    _interrupted_after_the_update(opt, model, 1)
+    _step(model, opt, 2)  # the pre-step hook finds the step it never saw
+    _check(tracker, truth, {n for n, _ in model.named_parameters()})

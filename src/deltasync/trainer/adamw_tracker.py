@@ -101,6 +101,19 @@ def _step_count(state: dict) -> float | None:
     return float(step.item() if isinstance(step, torch.Tensor) else step)
 
 
+@dataclass(frozen=True)
+class _Count:
+    """A parameter's optimizer step count and the identity of its ``exp_avg`` (None: none)."""
+
+    step: float | None
+    moments: int | None
+
+    @classmethod
+    def of(cls, state: dict) -> _Count:
+        m = state.get("exp_avg")
+        return cls(_step_count(state), id(m) if isinstance(m, torch.Tensor) else None)
+
+
 # torch's own Adam/AdamW update (the class attribute is wrapped by the hook machinery)
 _ADAM_STEPS = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)}
 
@@ -467,6 +480,10 @@ class AdamWTracker:
         self._bits: dict[str, torch.Tensor] = {}
         self._clean: set[str] = set()
         self._steps_before: dict[str, float | None] = {}
+        # Each covered (and adopted) parameter's step count and moments as the last step this
+        # tracker saw left them (see _unseen_steps), and how many of its updates it saw.
+        self._seen: dict[str, _Count] = {n: self._count_of(n) for n in self._covered}
+        self._updates: dict[str, int] = dict.fromkeys(self._watched, 0)
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
         self._seals: dict[str, _Seal] = {}  # the state each pending step left (see _vouch)
@@ -508,6 +525,7 @@ class AdamWTracker:
     def out_of_band(self) -> tuple[str, ...]:
         """Parameters changed outside the optimizer since the last ``clear()`` (reported in
         full), in ``named_params`` order."""
+        self._unseen_steps()
         self._oob.check()
         marked = self._snapshot.marked
         return tuple(n for n in self._order if n in self._oob or n in marked)
@@ -559,14 +577,13 @@ class AdamWTracker:
             wait()
         self._check_groups(opt)
         # Edits since the last step or clear() must be seen before this step moves the
-        # counters again (a param edited, then stepped).
+        # counters again (a param edited, then stepped); so must a step never seen.
+        self._unseen_steps()
         self._oob.check()
         self._vouch()
         self._finalize()  # the state is about to change: invert the previous step now
-        for name, (p, _) in self._covered.items():
-            self._steps_before[name] = _step_count(opt.state.get(p, {}))
-        for name in self._adopted:
-            self._steps_before[name] = _step_count(opt.state.get(self._watched[name].param, {}))
+        for name in (*self._covered, *self._adopted):
+            self._steps_before[name] = self._seen[name].step
         self._window_checked = False
         if not self._covered:
             return None  # every parameter on the snapshot path: its bits are compared
@@ -605,6 +622,8 @@ class AdamWTracker:
         if added:
             self.constant = tuple(n for n in self.constant if n not in added)
             self._adopted.extend(added)
+            for name in added:
+                self._seen[name] = self._count_of(name)
             log.warning(
                 "AdamWTracker: %d frozen parameter(s) were added to the optimizer after the "
                 "tracker was built (%s): each is reported changed in full for every version "
@@ -641,7 +660,8 @@ class AdamWTracker:
         self._check_groups(opt)  # as the update read them: nothing ran between the two
         stepped = []
         for name in self._adopted:
-            after = _step_count(opt.state.get(self._watched[name].param, {}))
+            self._seen[name] = seen = self._count_of(name)
+            after = seen.step
             if after is not None and after != self._steps_before.get(name):
                 stepped.append(name)
                 self._oob.mark(name, "stepped by the optimizer, which the tracker does not cover")
@@ -650,7 +670,8 @@ class AdamWTracker:
             if gi is None:
                 continue  # in no param group now: not this optimizer's to step
             state = opt.state.get(p, {})
-            after, before = _step_count(state), self._steps_before.get(name)
+            self._seen[name] = _Count.of(state)
+            after, before = self._seen[name].step, self._steps_before.get(name)
             if after is None or after == before:
                 if after is None or after < _STEP_COUNT_EXACT or p.grad is None:
                     continue  # no gradient or a skipped (inf/nan) step: the param did not move
@@ -685,6 +706,37 @@ class AdamWTracker:
         # written by it: any other counter that moved (a frozen param added to the optimizer
         # after this tracker was built, a step hook's edit) is seen at the next check.
         self._oob.record(stepped)
+        for name in stepped:
+            self._updates[name] += 1
+
+    def _count_of(self, name: str) -> _Count:
+        covered = self._covered.get(name)
+        p = covered[0] if covered is not None else self._watched[name].param
+        return _Count.of(self._opt.state.get(p, {}))
+
+    def _unseen_steps(self) -> None:
+        """Flag in full each parameter the optimizer stepped since the last step this tracker
+        saw: a step interrupted between its update and the post-step hooks (Ctrl-C, a
+        preemption handler's exception, an error in a later param group). Its pending step
+        was never recorded, and a fused update moves no version counter; the step count
+        moves. A flag, not a mark: found by detection itself, it is in the version read."""
+        for name in (*self._covered, *self._adopted):
+            now, was = self._count_of(name), self._seen.get(name)
+            self._seen[name] = now
+            if was is None or now.step == was.step:
+                continue
+            if was.moments is not None and now.moments != was.moments:
+                continue  # other moments (optimizer.load_state_dict): no update of the param
+            self._oob.flag(
+                name,
+                f"stepped by the optimizer without the tracker seeing the step (step count "
+                f"{was.step} -> {now.step}: a step interrupted after its update?)",
+            )
+
+    def updates_seen(self, name: str) -> int:
+        """How many optimizer updates of ``name`` this tracker has seen (never reset): a read
+        window's record of a parameter, since a fused update moves no version counter."""
+        return self._updates.get(name, 0)
 
     def _warn_step_count(self) -> None:
         if not self._warned_step_count:
@@ -816,6 +868,7 @@ class AdamWTracker:
         ``sink``: such a parameter, held whole and wanted by it, also has every chunk cast
         to BF16 by the kernel that tests it, handed to ``sink`` in order (see
         :meth:`iter_capture`)."""
+        self._unseen_steps()
         self._oob.check()
         self._vouch()
         pending = {e[0]: e for e in self._pending}

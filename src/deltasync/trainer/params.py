@@ -121,6 +121,9 @@ class ReadWindow:
         self.version, self.window = version, window
         tracked = getattr(tracker, "tracked_params", None)
         self._tracked = tracked() if callable(tracked) else {}
+        # the optimizer updates the tracker saw of each param: a fused one moves no counter
+        updates = getattr(tracker, "updates_seen", None)
+        self._updates = updates if callable(updates) else None
         self.counters = self._counters(params)
         seal = getattr(tracker, "seal_state", None)
         self._state = seal() if callable(seal) else None
@@ -130,10 +133,13 @@ class ReadWindow:
         self._marked_since = getattr(tracker, "marked_since", None)
 
     def _counters(self, params: Mapping[str, torch.Tensor]) -> dict[str, Version]:
-        """Every param's version counters (~1-3 us each), with its tracked tensor's."""
-        tracked = self._tracked
+        """Every param's version counters (~1-3 us each), with its tracked tensor's and the
+        count of its optimizer updates the tracker saw."""
+        tracked, updates = self._tracked, self._updates
         return {
-            n: version_of(p) + (version_of(tracked[n]) if n in tracked else ())
+            n: version_of(p)
+            + (version_of(tracked[n]) if n in tracked else ())
+            + ((updates(n),) if updates is not None else ())
             for n, p in params.items()
         }
 
@@ -372,6 +378,12 @@ class OutOfBandWatch:
         Any name is counted among the marks (a read window needs them all: a parameter whose
         bits a snapshot compares was written too); only a watched one is flagged."""
         self.marks.add(name)
+        if name in self._watched and name not in self._flags:
+            self._flag(name, why)
+
+    def flag(self, name: str, why: str) -> None:
+        """Flag ``name`` changed in full for this version (not counted among the marks: what
+        detection itself finds, in the version it reads)."""
         if name in self._watched and name not in self._flags:
             self._flag(name, why)
 
