@@ -268,3 +268,11 @@ def test_a_corrupted_layout_file_is_a_layout_error():
     bad["shards"].append(dict(bad["shards"][0]))
     with pytest.raises(LayoutError, match=r"\['tp0'\] more than once"):
         layout_from_json(bad)
+
+
+def test_a_probe_cache_under_home_is_the_users_not_a_tilde_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cache = ProbeCache("~/.cache/deltasync/layouts")
+    assert cache.root == tmp_path / "home" / ".cache" / "deltasync" / "layouts"
+    assert not (tmp_path / "~").exists()

@@ -168,6 +168,22 @@ def test_files_and_directories_get_the_configured_modes_whatever_the_umask(
         LocalStore(tmp_path / "bad", file_mode=0o1777)
 
 
+def test_the_root_it_creates_gets_the_configured_mode_under_a_strict_umask(tmp_path: Path) -> None:
+    # mkdir's mode went through the umask: 0o700 under umask 077, a root that the receivers,
+    # other users of the store's group, could not enter.
+    (tmp_path / "theirs").mkdir(mode=0o755)
+    old = os.umask(0o077)
+    try:
+        LocalStore(tmp_path / "store").put("v00000001/MANIFEST.json", b"x")
+        LocalStore(tmp_path / "theirs")  # an existing directory: its mode is its owner's
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
+    assert mode(tmp_path / "store") == 0o750
+    assert mode(tmp_path / "store" / "v00000001") == 0o750
+    assert mode(tmp_path / "theirs") == 0o755
+
+
 def test_a_directory_swapped_for_a_link_mid_write_is_refused_not_followed(
     tmp_path: Path, outside: Path
 ) -> None:

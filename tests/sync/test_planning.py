@@ -215,11 +215,14 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
         (dict(prefetch=-1), "prefetch"),
         (dict(orphan_grace_s=-1.0), "orphan_grace_s"),
         (dict(orphan_grace_s=float("inf")), "orphan_grace_s"),
+        (dict(session="run/42"), r"PublisherConfig.session 'run/42'"),  # was a ManifestError
+        (dict(session="a" * 122), r"at most 121 characters"),
     ],
 )
 def test_publisher_config_rejects_bad_fields_naming_them(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         PublisherConfig(**kwargs)
+    assert PublisherConfig(session="a" * 121).session == "a" * 121
 
 
 @pytest.mark.parametrize("engine, tp", [("vllm", 2), ("hf", 1)])

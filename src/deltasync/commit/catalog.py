@@ -95,7 +95,7 @@ class Catalog:
         except StoreError as exc:
             if strict:
                 raise
-            # LATEST is a hint: a link, a special file or a directory planted there, or a read
+            # LATEST is a hint: a link or a special file planted there, or a read
             # that failed, must not stop every reader and writer. The manifests are the truth
             # (the newest one is found by listing), and the next commit rewrites LATEST.
             log.warning("LATEST could not be read (%s): treated as absent", exc)

@@ -250,7 +250,7 @@ class ProbeCache:
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
+        self.root = Path(root).expanduser()  # "~/.cache/...": the user's, not ./~
         try:
             st = os.stat(self.root)
         except FileNotFoundError:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from deltasync import names
 from deltasync.commit.retention import KEEP_VERSIONS, ORPHAN_GRACE_S, RECEIVER_TTL_S
 from deltasync.commit.signing import MIN_KEY_BYTES
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, ManifestError
 from deltasync.validate import check_int, check_number, check_seconds, check_signing_key
 
 _OWNER = "PublisherConfig"
@@ -78,7 +78,14 @@ class PublisherConfig:
                     "one attempt must pass the same token (e.g. the launcher's run id)"
                 )
             object.__setattr__(self, "session", secrets.token_hex(4))
-        names.check_token("session", f"w00000-{self.session}")
+        try:  # a part of every writer's name, w<index>-<session>
+            names.check_token("session", f"w00000-{self.session}")
+        except ManifestError:
+            raise ConfigError(
+                f"PublisherConfig.session {self.session!r} cannot be part of a writer's name "
+                "(w<index>-<session>): use at most 121 characters from [A-Za-z0-9_.=-], "
+                "without '..'"
+            ) from None
         check_int(_OWNER, "anchor_every", self.anchor_every, lo=1)
         check_signing_key(_OWNER, self.signing_key, min_bytes=MIN_KEY_BYTES)
         check_int(_OWNER, "level", self.level, lo=0, hi=22)

@@ -89,9 +89,10 @@ class LocalStore:
         self.durable = durable
         self.file_mode = check_int("LocalStore", "file_mode", file_mode, lo=0, hi=0o777)
         self.dir_mode = check_int("LocalStore", "dir_mode", dir_mode, lo=0, hi=0o777)
-        if create:
+        if create and not self.root.is_dir():
             try:
                 self.root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+                os.chmod(self.root, dir_mode)  # mkdir's mode is filtered by the umask
             except OSError as exc:
                 raise StoreError(
                     f"cannot create local store root {str(self.root)!r}: {exc}"
