@@ -25,7 +25,7 @@ def test_the_step_waits_for_detection_after_a_send_that_failed_at_once() -> None
     p.grad = torch.ones(8)
     settled: list[int] = []
     background = Background(
-        opt, thread_name="ds-test", settle=lambda pd: settled.append(pd.version)
+        [opt], thread_name="ds-test", settle=lambda pd: settled.append(pd.version)
     )
     pending = PendingSend(3, 0.0)
     background.submit(pending, _failing_at_once)
@@ -56,7 +56,7 @@ def test_an_interrupt_on_the_callers_thread_leaves_a_failed_version_in_flight() 
     p = torch.nn.Parameter(torch.ones(8))
     opt = torch.optim.AdamW([p], lr=1e-3)
     p.grad = torch.ones(8)
-    background = Background(opt, thread_name="ds-test")
+    background = Background([opt], thread_name="ds-test")
     pending = PendingSend(4, 0.0)
     with pytest.raises(KeyboardInterrupt):
         background.run_here(pending, _interrupted)

@@ -73,6 +73,16 @@ class ManifestGate:
         self._open.set()
 
 
+def _receivers(store, rl, tmp_path, *, prefix: str = "rx-") -> dict[str, Receiver]:
+    """A receiver of every shard of ``rl``, from zeros, its state under ``tmp_path``."""
+    return {
+        s.id: Receiver.for_layout(
+            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(prefix + s.id)
+        )
+        for s in rl.shards()
+    }
+
+
 def _setup(tmp_path, gate, *, density=0.05, seed=0, inline_below=0, **config):
     spec, tl, rl = layouts()
     trainer = TinyTrainer(spec, lr=1e-3, density=density, seed=seed)
@@ -84,12 +94,7 @@ def _setup(tmp_path, gate, *, density=0.05, seed=0, inline_below=0, **config):
     sync = TrainerSync(
         tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
     )
-    receivers = {
-        s.id: Receiver.for_layout(
-            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
-        )
-        for s in rl.shards()
-    }
+    receivers = _receivers(store, rl, tmp_path)
     return trainer, tracker, sync, pub, receivers, (tl, rl)
 
 
@@ -566,12 +571,7 @@ def test_a_large_version_routes_the_values_detection_handed_over(tmp_path, monke
     sync = TrainerSync(
         tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=0
     )
-    receivers = {
-        s.id: Receiver.for_layout(
-            pub.store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(s.id)
-        )
-        for s in rl.shards()
-    }
+    receivers = _receivers(pub.store, rl, tmp_path, prefix="")
     _anchor_then_step(sync, trainer)
     sync.step_published(1)
     sync.wait()
@@ -827,12 +827,7 @@ def test_the_digests_come_from_the_detection_pass_not_a_second_read(tmp_path, mo
         optimizer=trainer.opt,
         inline_below=1 << 30 if mode == "inline" else 0,
     )
-    receivers = {
-        s.id: Receiver.for_layout(
-            pub.store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(s.id)
-        )
-        for s in rl.shards()
-    }
+    receivers = _receivers(pub.store, rl, tmp_path, prefix="")
     tensors = sum(len(rl.local_specs(s.id)) for s in rl.shards())
     _anchor_then_step(sync, trainer)
     for version in (1, 2):
@@ -1029,12 +1024,7 @@ def test_a_param_that_detection_missed_entirely_never_keeps_its_old_digest(tmp_p
     sync = TrainerSync(
         tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
     )
-    receivers = {
-        s.id: Receiver.for_layout(
-            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
-        )
-        for s in rl.shards()
-    }
+    receivers = _receivers(store, rl, tmp_path)
     sync.step_published(0, anchor=True)
     sync.wait()
     trainer.step()
@@ -1067,12 +1057,7 @@ def test_a_stepped_param_that_detection_missed_never_keeps_its_old_digest(tmp_pa
     store = MemoryStore()
     pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
     sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
-    receivers = {
-        s.id: Receiver.for_layout(
-            store, rl, s.id, zero_tensors(rl, s.id), str(tmp_path / s.id), rconfig(f"rx-{s.id}")
-        )
-        for s in rl.shards()
-    }
+    receivers = _receivers(store, rl, tmp_path)
     sync.step_published(0, anchor=True)
     sync.wait()
     trainer.step()
@@ -1271,3 +1256,53 @@ def test_a_later_publisher_routes_the_whole_capture_when_the_first_sends_an_anch
         assert rx.version == 2
         assert_same_bits(rx.tensors, want[rx.shard], f"v2 {rx.shard}")
     sync.close()
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_every_optimizer_passed_waits_for_the_version_in_flight(tmp_path, both):
+    # Two optimizers (SGD on the matrices, as Muon would be, AdamW on the rest), the untracked
+    # one stepped first: passed too, its step waits and every version commits first time;
+    # left out, its step lands while the version reads, and that version is refused.
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05, seed=4)
+    matrices = [p for p in trainer.params.values() if p.dim() == 2]
+    rest = [p for p in trainer.params.values() if p.dim() != 2]
+    adamw = torch.optim.AdamW(rest, lr=1e-3)
+    sgd = torch.optim.SGD(matrices, lr=1e-2)
+    tracker = AdamWTracker(adamw, trainer.named_parameters())
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
+    with pytest.raises(ConfigError, match=r"TrainerSync.optimizer holds a str"):
+        TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=[adamw, "sgd"])
+    sync = TrainerSync(
+        tracker,
+        pub,
+        trainer.params,
+        overlap=True,
+        optimizer=[adamw, sgd] if both else adamw,
+        inline_below=0,
+    )
+    receivers = _receivers(store, rl, tmp_path)
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    refused = 0
+    for version in range(1, 5):
+        for p in trainer.params.values():
+            g = torch.Generator().manual_seed(version)
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+        sgd.step()
+        adamw.step()
+        pending = sync.step_published(version)
+        for p in trainer.params.values():  # the next forward/backward, as the version reads
+            p.grad = None
+        sgd.step(), adamw.step()  # no gradient: moves nothing, but runs the barrier
+        try:
+            sync.wait()
+        except PublishFailedError as exc:
+            assert isinstance(exc.__cause__, ParamsEditedError)
+            refused += 1
+            continue
+        assert pending.result()[0].version == version
+        _assert_receivers_exact(receivers, trainer, (tl, rl), version)
+    sync.close()
+    assert (refused == 0) if both else (refused > 0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ import torch
 from deltasync.cluster.reports import SendReport
 from deltasync.interrupts import interrupts_deferred
 from deltasync.trainer.handoff import run_into
+from deltasync.trainer.step_barrier import Hold, StepBarrier
 
 if TYPE_CHECKING:
     from deltasync.trainer.params import ReadWindow
@@ -99,15 +100,14 @@ def current_cuda_device() -> int | None:
 
 
 class Background:
-    """One worker thread for the versions of one sender, and the barrier on ``optimizer``."""
+    """One worker thread for the versions of one sender, and the barrier on ``optimizers``."""
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[torch.optim.Optimizer],
         *,
         thread_name: str,
-        hold: Callable[[torch.optim.Optimizer, Callable[[], None]], Callable[[], None] | None]
-        | None = None,
+        hold: Hold | None = None,
         settle: Callable[[PendingSend], None] | None = None,
     ) -> None:
         """``hold``: a tracker's ``hold_steps``, when it offers one: the barrier then runs
@@ -119,17 +119,12 @@ class Background:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._inflight: PendingSend | None = None
         self.barrier_wait_s = 0.0  # how long the last optimizer step waited for the background
-        self._unhold = None if hold is None else hold(optimizer, self.barrier)
-        self._hook = (
-            optimizer.register_step_pre_hook(lambda *_: self.barrier())
-            if self._unhold is None
-            else None
-        )
+        self._steps = StepBarrier(optimizers, self.barrier, hold)
 
     @property
     def held(self) -> bool:
         """Whether the tracker runs the barrier before its own pre-step hook."""
-        return self._unhold is not None
+        return self._steps.held
 
     @property
     def in_flight(self) -> PendingSend | None:
@@ -189,8 +184,5 @@ class Background:
             self._inflight = None
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        if self._unhold is not None:
-            self._unhold()
+        self._steps.remove()
         self._pool.shutdown(wait=True)

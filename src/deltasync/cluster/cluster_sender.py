@@ -77,7 +77,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -130,6 +130,7 @@ from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, h
 from deltasync.trainer.params import ReadWindow
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import takes_sink
+from deltasync.trainer.step_barrier import optimizers_of
 
 Params = Mapping[str, torch.Tensor]
 
@@ -156,7 +157,8 @@ class ClusterSender:
     lineage: the run id of the model's lineage, if the job has one; part of the fingerprint
         every rank must agree on.
     overlap: return from ``sync`` once the changes are captured and send in the background
-        (see the module docstring); needs ``optimizer``, whose next step is the barrier.
+        (see the module docstring); needs ``optimizer``, whose next step is the barrier (a
+        sequence: every optimizer that steps the parameters, e.g. Muon and AdamW).
     detect_in_background: with a tracker that holds the optimizer's steps, capture on a
         thread of its own and return at once (default); False captures before the return
         (lower latency where the forward/backward runs on the same CPU cores).
@@ -185,7 +187,7 @@ class ClusterSender:
         full_state: Params | Callable[[], Params] | None = None,
         lineage: str | None = None,
         overlap: bool = False,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         detect_in_background: bool = True,
         inline_below: int = INLINE_BELOW,
     ) -> None:
@@ -196,11 +198,12 @@ class ClusterSender:
             raise ConfigError(
                 f"ClusterSender.inline_below must be a non-negative int, got {inline_below!r}"
             )
-        if overlap and optimizer is None:
+        optimizers = optimizers_of(optimizer, "ClusterSender")
+        if overlap and not optimizers:
             raise ConfigError(
                 "ClusterSender.optimizer is required with overlap=True: its next step must wait "
                 "until the version sent in the background no longer reads the parameters (pass "
-                "the optimizer the tracker watches)"
+                "the optimizer the tracker watches, and every other optimizer that steps params)"
             )
         self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
@@ -243,12 +246,12 @@ class ClusterSender:
         self._feeds: DigestFeed | None = None  # the digest feed's plan (overlapped deltas)
         self._background = (
             Background(
-                optimizer,
+                optimizers,
                 thread_name=f"ds-send-{self.role.writer_id}",
                 hold=getattr(tracker, "hold_steps", None) if detect_in_background else None,
                 settle=self._settle_edits,
             )
-            if overlap and optimizer is not None
+            if overlap
             else None
         )
         self._detector: ThreadPoolExecutor | None = None  # detection after sync returns

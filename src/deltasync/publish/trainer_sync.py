@@ -109,6 +109,7 @@ from deltasync.trainer.handoff import (
 from deltasync.trainer.params import ReadWindow, Version
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import sink_kwargs, takes_sink
+from deltasync.trainer.step_barrier import StepBarrier, optimizers_of
 from deltasync.validate import check_bool
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,9 @@ class TrainerSync:
     that state against its store (after a restart: :meth:`resume`). None makes the first
     publish an anchor (a version already committed with the same state is recognised instead,
     see :meth:`Publisher.publish`). ``overlap=True`` publishes in the background (see the
-    module docstring) and needs the ``optimizer`` whose next step is the barrier; a delta with
+    module docstring) and needs the ``optimizer`` whose next step is the barrier (a sequence:
+    every optimizer that steps ``params``, e.g. Muon and AdamW; one left out steps while the
+    version reads, which is then refused and sent again); a delta with
     fewer than ``inline_below`` changed elements (a small model) is published on the caller's
     thread before ``step_published`` returns, because a background thread competing with the
     forward/backward would only delay it (0: always in the background).
@@ -279,7 +282,7 @@ class TrainerSync:
         ack_receivers: Sequence[str] | None = None,
         ack_timeout_s: float = 60.0,
         overlap: bool = False,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         inline_below: int = INLINE_BELOW,
         detect_in_background: bool = True,
         digests_in_detection: bool = True,
@@ -287,11 +290,12 @@ class TrainerSync:
         pubs = [publishers] if isinstance(publishers, Publisher) else list(publishers)
         if not pubs:
             raise ConfigError("TrainerSync needs at least one publisher")
-        if overlap and optimizer is None:
+        optimizers = optimizers_of(optimizer, "TrainerSync")
+        if overlap and not optimizers:
             raise ConfigError(
                 "TrainerSync.optimizer is required with overlap=True: its next step must wait "
                 "for the version publishing in the background (pass the optimizer the tracker "
-                "hooks)"
+                "hooks, and every other optimizer that steps params)"
             )
         self.tracker = tracker
         self.publishers = pubs
@@ -321,17 +325,16 @@ class TrainerSync:
         self._small_delta = False
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
-        self._hook = None
         # A tracker that holds the optimizer's steps for us (its own pre-step hook calls the
         # barrier first) lets a large delta's detection go on after step_published returns.
         check_bool("TrainerSync", "detect_in_background", detect_in_background)
         self.digests_in_detection = check_bool(
             "TrainerSync", "digests_in_detection", digests_in_detection
         )
-        hold = getattr(tracker, "hold_steps", None) if overlap and detect_in_background else None
-        self._unhold = hold(optimizer, self._barrier) if callable(hold) else None
-        if overlap and optimizer is not None and self._unhold is None:
-            self._hook = optimizer.register_step_pre_hook(lambda *_: self._barrier())
+        hold = getattr(tracker, "hold_steps", None) if detect_in_background else None
+        self._steps = StepBarrier(
+            optimizers if overlap else (), self._barrier, hold if callable(hold) else None
+        )
 
     # --- the synchronous path -----------------------------------------------------------
 
@@ -490,7 +493,7 @@ class TrainerSync:
             tracker=self.tracker,
         )
         pending.counters = pending.reads.counters
-        at_once = not anchor and self._unhold is not None and self._expect_large
+        at_once = not anchor and self._steps.held and self._expect_large
         budget = 0 if anchor or at_once else self.inline_below
         values_max = 0 if anchor else VALUES_IN_FLIGHT
         pending.feed = None if anchor else self._digest_feed(params)
@@ -521,7 +524,7 @@ class TrainerSync:
                     for n, p in captured.items():
                         captured[n] = p = p.compact()  # kept until the commit
                         _hand_over(handoff, n, p, detected.pop(n, None))
-                    if self._unhold is not None:
+                    if self._steps.held:
                         return self._detect_in_background(
                             items, captured, handoff, pending, params, t
                         )
@@ -879,12 +882,7 @@ class TrainerSync:
             self.wait()
         finally:
             self._closed = True
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-            if self._unhold is not None:
-                self._unhold()
-                self._unhold = None
+            self._steps.remove()
             self._stop_threads()
 
     def _stop_threads(self) -> None:
