@@ -1306,3 +1306,27 @@ def test_every_optimizer_passed_waits_for_the_version_in_flight(tmp_path, both):
         _assert_receivers_exact(receivers, trainer, (tl, rl), version)
     sync.close()
     assert (refused == 0) if both else (refused > 0)
+
+
+def test_closing_the_tracker_waits_for_a_detection_still_reading_it(tmp_path):
+    # close() removed the hook that holds the steps while an overlapped version's detection
+    # still ran on its thread: the next step then moved θ, m and v under it.
+    trainer, tracker, sync, _pub, receivers, lay = _setup(tmp_path, lambda op, key: None)
+    _anchor_then_step(sync, trainer)
+    sync.step_published(1)
+    sync.wait()
+    trainer.step()
+    real = tracker.iter_capture
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        yield from real(*args, **kwargs)
+
+    tracker.iter_capture = slow
+    pending = sync.step_published(2)
+    assert not pending.detected()  # detection goes on after the return
+    tracker.close()
+    assert pending.detected()
+    sync.wait()
+    sync.close()
+    _assert_receivers_exact(receivers, trainer, lay, 2)

@@ -1224,7 +1224,11 @@ class AdamWTracker:
         self._oob.clear()
 
     def close(self) -> None:
-        """Remove the optimizer hooks."""
+        """Remove the optimizer hooks, once a detection still reading this tracker on another
+        thread (an overlapped sender's, which holds the steps) has ended: without the hooks
+        the next step would not wait for it."""
+        for wait in list(self._holds.values()):
+            wait()
         for h in self._hooks:
             h.remove()
         self._hooks = []
