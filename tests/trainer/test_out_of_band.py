@@ -526,3 +526,27 @@ def test_a_fused_step_interrupted_then_stepped_again_before_detection_misses_not
     _interrupted_after_the_update(opt, model, 1)
     _step(model, opt, 2)  # the pre-step hook finds the step it never saw
     _check(tracker, truth, {n for n, _ in model.named_parameters()})
+
+
+def test_an_interrupt_inside_the_trackers_own_post_step_hook_misses_nothing(monkeypatch):
+    # Stopped between recording a parameter's step count and its pending step, the tracker
+    # took that step as seen and never detected it.
+    import deltasync.trainer.adamw_tracker as adamw_tracker
+
+    model, opt, tracker, truth = _setup(fused=True)
+    _step(model, opt, 0)
+    tracker.changed(), tracker.clear(), truth.clear()
+    real, calls = adamw_tracker._state_usable, []
+
+    def second_interrupts(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(adamw_tracker, "_state_usable", second_interrupts)
+    with pytest.raises(KeyboardInterrupt):
+        _step(model, opt, 1)
+    monkeypatch.setattr(adamw_tracker, "_state_usable", real)
+    changed = tracker.changed()
+    assert _missed(changed, truth.changed()) == 0

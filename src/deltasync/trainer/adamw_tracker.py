@@ -659,8 +659,11 @@ class AdamWTracker:
             self._oob.check()
         self._check_groups(opt)  # as the update read them: nothing ran between the two
         stepped = []
+        # Recorded as seen once every stepped parameter's step is pending: an interrupt in
+        # this hook leaves the counts as they were, so the next check sends them in full.
+        counts: dict[str, _Count] = {}
         for name in self._adopted:
-            self._seen[name] = seen = self._count_of(name)
+            counts[name] = seen = self._count_of(name)
             after = seen.step
             if after is not None and after != self._steps_before.get(name):
                 stepped.append(name)
@@ -670,8 +673,8 @@ class AdamWTracker:
             if gi is None:
                 continue  # in no param group now: not this optimizer's to step
             state = opt.state.get(p, {})
-            self._seen[name] = _Count.of(state)
-            after, before = self._seen[name].step, self._steps_before.get(name)
+            counts[name] = seen = _Count.of(state)
+            after, before = seen.step, self._steps_before.get(name)
             if after is None or after == before:
                 if after is None or after < _STEP_COUNT_EXACT or p.grad is None:
                     continue  # no gradient or a skipped (inf/nan) step: the param did not move
@@ -708,6 +711,7 @@ class AdamWTracker:
         self._oob.record(stepped)
         for name in stepped:
             self._updates[name] += 1
+        self._seen.update(counts)
 
     def _count_of(self, name: str) -> _Count:
         covered = self._covered.get(name)
