@@ -123,6 +123,26 @@ def test_a_config_without_kv_heads_takes_its_config_class_default(model_type):
     assert ModelSpec.from_hf_config(cfg).num_key_value_heads == built.num_key_value_heads
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma"])
+def test_a_null_kv_head_count_is_read_as_its_config_class_reads_it(model_type):
+    # An explicit null took the family's default for a missing field (32 for Qwen3), where
+    # Qwen3Config, Qwen2Config and LlamaConfig read it as num_attention_heads; the others
+    # refuse it.
+    import transformers
+
+    cfg = dict(CONFIGS["dense_tied"], num_key_value_heads=None)
+    cfg.update(model_type=model_type, num_attention_heads=8, hidden_size=64, head_dim=8)
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=4, moe_intermediate_size=8)
+    try:
+        built = transformers.AutoConfig.for_model(**cfg)
+    except Exception:  # the config class refuses a null
+        with pytest.raises(LayoutError, match="num_key_value_heads null"):
+            ModelSpec.from_hf_config(cfg)
+        return
+    assert ModelSpec.from_hf_config(cfg).num_key_value_heads == built.num_key_value_heads == 8
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from deltasync.errors import LayoutProbeError
+from deltasync.errors import LayoutError, LayoutProbeError
 from deltasync.layout import ModelSpec, ShardInfo
 from deltasync.layout.hf_model import build_hf_table
 from deltasync.layout.probe import (
@@ -276,3 +276,33 @@ def test_a_probe_cache_under_home_is_the_users_not_a_tilde_directory(tmp_path, m
     cache = ProbeCache("~/.cache/deltasync/layouts")
     assert cache.root == tmp_path / "home" / ".cache" / "deltasync" / "layouts"
     assert not (tmp_path / "~").exists()
+
+
+def test_ep_ranks_past_the_experts_hold_empty_expert_tensors_when_probed_too():
+    # The probe left out the 0-row w13/w2 of EP ranks without experts, which the rules (and
+    # vLLM) hold: a receiver on a probed layout refused a publisher on the rules.
+    cfg = dict(CONFIGS["moe_tied"], num_experts=3, num_experts_per_tok=2)
+    spec = ModelSpec.from_hf_config(cfg)
+    probed, _ = probe_vllm_reference(spec, 1, 4)
+    hand = build_vllm_table(spec, 1, 4)
+    assert probed.dst_shapes == hand.dst_shapes
+    assert table_key(probed) == table_key(hand)
+
+
+@pytest.mark.parametrize(
+    "change, tp, message",
+    [
+        (dict(model_type="qwen3", attention_bias=True), 2, "o_proj has no bias"),
+        (dict(num_experts=6, num_experts_per_tok=2), 8, "greater than the number of experts"),
+        (dict(mlp_only_layers=[0, 1, 2]), 1, "without a sparse layer"),
+    ],
+)
+def test_the_reference_loader_refuses_what_vllm_refuses_to_build(change, tp, message):
+    # It laid these out (a layout file a publisher then wrote versions for) while the rules,
+    # and vLLM, refuse them.
+    base = CONFIGS["dense_tied"] if change.get("model_type") == "qwen3" else CONFIGS["moe_tied"]
+    spec = ModelSpec.from_hf_config(dict(base, **change))
+    with pytest.raises(LayoutError, match=message):
+        VllmReferenceLoader(spec, tp=tp)
+    with pytest.raises(LayoutError, match=message):
+        build_vllm_table(spec, tp, 1)

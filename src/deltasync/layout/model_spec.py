@@ -35,6 +35,9 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256}  # others: hidden_size // num_attention_heads
 # num_key_value_heads: each config class's own default (llama: num_attention_heads)
 _KV_HEADS_DEFAULT = {"qwen3": 32, "qwen3_moe": 4, "qwen2": 32, "mistral": 8, "gemma": 16}
+# the families whose config class reads an explicit null num_key_value_heads as
+# num_attention_heads (the others refuse it)
+_KV_HEADS_NULL_IS_HEADS = ("qwen3", "qwen2", "llama")
 _TIED_DEFAULT = {"gemma": True}
 
 
@@ -175,7 +178,14 @@ class ModelSpec:
         if head_dim is None:
             head_dim = _HEAD_DIM_DEFAULT.get(model_type, hidden // heads)
         kv_heads = cfg.get("num_key_value_heads")
-        if kv_heads is None:
+        if kv_heads is None and "num_key_value_heads" in cfg:  # null, not absent
+            if model_type not in _KV_HEADS_NULL_IS_HEADS:
+                raise LayoutError(
+                    f"model config has num_key_value_heads null, which transformers refuses "
+                    f"for model_type {model_type!r}: give the number of kv heads"
+                )
+            kv_heads = heads
+        elif kv_heads is None:
             kv_heads = _KV_HEADS_DEFAULT.get(model_type, heads)
         kwargs: dict[str, Any] = {
             "model_type": model_type,

@@ -348,7 +348,8 @@ class _ShardProber:
         placements: dict[str, list[tuple[str, Block]]] = {}
         padding: dict[str, int] = {}
         for local, t in params.items():
-            if not t.numel():
+            if not t.numel():  # an EP rank past the experts: 0 rows, held as the rules hold it
+                padding[local] = 0
                 continue
             blocks = merge_runs(runs.get(local, Runs()), self.names, self.canonical, tuple(t.shape))
             held = 0
@@ -368,8 +369,8 @@ class _ShardProber:
                 + "; ".join(f"{n}: {why}" for n, why in too_many.items()),
                 too_many,
             )
-        local_shapes = {n: tuple(t.shape) for n, t in params.items() if t.numel()}
-        untouched = [n for n, pad in padding.items() if pad == numel(local_shapes[n])]
+        local_shapes = {n: tuple(t.shape) for n, t in params.items()}
+        untouched = [n for n, pad in padding.items() if pad and pad == numel(local_shapes[n])]
         if untouched:
             log.info(
                 "probe: %d parameter(s) received no checkpoint element: %s",

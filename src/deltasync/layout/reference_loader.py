@@ -19,8 +19,10 @@ slice of the fused parameter, the way vLLM's layers do (read in vLLM's source, n
 - everything else (norms, the MoE router ``mlp.gate``) is replicated (``default_weight_loader``).
 
 It is the hand-written reference the probe is checked against (its tables must equal the
-``vllm`` rules) and a stand-in engine where vLLM is not installed. It knows checkpoint names,
-head counts and the vocabulary; it does not know layout tables or blocks.
+``vllm`` rules) and a stand-in engine where vLLM is not installed; for the Qwen3 families it
+refuses the sizes the rules refuse (:func:`~deltasync.layout.vllm_rules.check_parallelism`:
+what vLLM refuses to build). It knows checkpoint names, head counts and the vocabulary; it
+does not know layout tables or blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from deltasync.errors import LayoutError
+from deltasync.layout.vllm_rules import RULE_MODEL_TYPES, check_parallelism
 
 VOCAB_PADDING = 64
 
@@ -86,6 +89,8 @@ class VllmReferenceLoader:
             raise LayoutError(f"rank tp{tp_rank}/ep{ep_rank} is outside tp={tp}, ep={ep}")
         self.spec, self.tp, self.tp_rank, self.ep, self.ep_rank = spec, tp, tp_rank, ep, ep_rank
         _check_sizes(spec, tp, ep)
+        if spec.model_type in RULE_MODEL_TYPES:  # what vLLM's Qwen3 families refuse besides
+            check_parallelism(spec, tp, ep)
         self._params: dict[str, torch.Tensor] = {}
         self._loaders: dict[str, Loader] = {}
         self._aliases: dict[str, str] = {}

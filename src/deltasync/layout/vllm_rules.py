@@ -91,7 +91,12 @@ def check_parallelism(spec: ModelSpec, tp: int, ep: int) -> None:
             raise LayoutError(
                 f"ep ({ep}) must be a multiple of tp ({tp}): vLLM's EP spans tp*dp ranks"
             )
-    if spec.is_moe and spec.moe_layers:
+    if spec.is_moe and not spec.moe_layers:
+        raise LayoutError(
+            "a Qwen3-MoE config without a sparse layer (mlp_only_layers or decoder_sparse_step "
+            "leave none): vLLM's Qwen3MoeForCausalLM refuses to build it"
+        )
+    if spec.is_moe:
         if tp > spec.num_experts:
             raise LayoutError(
                 f"tp ({tp}) is greater than the number of experts ({spec.num_experts})"
