@@ -176,9 +176,12 @@ def test_the_root_it_creates_gets_the_configured_mode_under_a_strict_umask(tmp_p
     try:
         LocalStore(tmp_path / "store").put("v00000001/MANIFEST.json", b"x")
         LocalStore(tmp_path / "theirs")  # an existing directory: its mode is its owner's
+        LocalStore(tmp_path / "theirs" / "runs" / "run42")  # parents made for it: dir_mode
     finally:
         os.umask(old)
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
+    assert mode(tmp_path / "theirs" / "runs") == mode(tmp_path / "theirs" / "runs" / "run42")
+    assert mode(tmp_path / "theirs" / "runs") == 0o750
     assert mode(tmp_path / "store") == 0o750
     assert mode(tmp_path / "store" / "v00000001") == 0o750
     assert mode(tmp_path / "theirs") == 0o755

@@ -550,3 +550,54 @@ def test_an_interrupt_inside_the_trackers_own_post_step_hook_misses_nothing(monk
     monkeypatch.setattr(adamw_tracker, "_state_usable", real)
     changed = tracker.changed()
     assert _missed(changed, truth.changed()) == 0
+
+
+def test_an_interrupt_while_detection_flags_an_unseen_step_misses_nothing(monkeypatch):
+    # The count was taken as seen before the flag: a second Ctrl-C between the two lost the
+    # interrupted step for good.
+    from deltasync.trainer.params import OutOfBandWatch
+
+    model, opt, tracker, truth = _setup(fused=True)
+    _step(model, opt, 0)
+    tracker.changed(), tracker.clear(), truth.clear()
+    _interrupted_after_the_update(opt, model, 1)
+    real, calls = OutOfBandWatch.flag, []
+
+    def first_interrupts(self, name, why):
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, name, why)
+
+    monkeypatch.setattr(OutOfBandWatch, "flag", first_interrupts)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.changed()
+    monkeypatch.setattr(OutOfBandWatch, "flag", real)
+    _check(tracker, truth, {n for n, _ in model.named_parameters()})
+
+
+def _checkpoint_after_steps(steps: int):
+    model, opt, _tracker, _truth = _setup(fused=True)
+    _tracker.close()
+    for seed in range(steps):
+        _step(model, opt, seed)
+    return {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_optimizer_state_loaded_after_the_tracker_is_built_is_no_step(interrupted):
+    # Resuming (tracker built, then the optimizer's state loaded) moved every step count: each
+    # parameter was sent in full. An interrupted step before a load is still seen.
+    import copy
+
+    weights, state = _checkpoint_after_steps(3)
+    model, opt, tracker, truth = _setup(fused=True)
+    model.load_state_dict(weights)
+    tracker.changed(), tracker.clear(), truth.clear()
+    if interrupted:  # a step seen, then one interrupted: moments exist, then are replaced
+        _step(model, opt, 6)
+        tracker.changed(), tracker.clear(), truth.clear()
+        _interrupted_after_the_update(opt, model, 7)
+    opt.load_state_dict(copy.deepcopy(state))
+    _step(model, opt, 3)
+    _check(tracker, truth, {n for n, _ in model.named_parameters()} if interrupted else set())

@@ -90,13 +90,7 @@ class LocalStore:
         self.file_mode = check_int("LocalStore", "file_mode", file_mode, lo=0, hi=0o777)
         self.dir_mode = check_int("LocalStore", "dir_mode", dir_mode, lo=0, hi=0o777)
         if create and not self.root.is_dir():
-            try:
-                self.root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
-                os.chmod(self.root, dir_mode)  # mkdir's mode is filtered by the umask
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create local store root {str(self.root)!r}: {exc}"
-                ) from exc
+            self._make_root()
         if not self.root.is_dir():
             raise StoreError(
                 f"local store root {str(self.root)!r} is not a directory; create it first"
@@ -174,6 +168,24 @@ class LocalStore:
             self._chmod_dir(key, dfd, name)
             self._fsync(dfd)  # a new directory entry is durable only once its parent is
         raise StoreError(f"directory {name!r} of {key!r} in {self!r} keeps vanishing")
+
+    def _make_root(self) -> None:
+        """Create the root and its missing parents with ``dir_mode`` exactly (mkdir's mode is
+        filtered by the umask: 0o700 under 077, world-writable under 000). A directory another
+        process made meanwhile is theirs: its mode is left alone."""
+        missing, path = [], self.root
+        while not path.is_dir() and path.parent != path:
+            missing.append(path)
+            path = path.parent
+        try:
+            for path in reversed(missing):
+                try:
+                    path.mkdir(mode=self.dir_mode)
+                except FileExistsError:
+                    continue
+                os.chmod(path, self.dir_mode)
+        except OSError as exc:
+            raise StoreError(f"cannot create local store root {str(self.root)!r}: {exc}") from exc
 
     def _chmod_dir(self, key: str, dfd: int, name: str) -> None:
         # mkdir's mode is filtered by the umask; set it exactly (through a descriptor, so a

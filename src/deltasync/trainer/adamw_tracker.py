@@ -101,19 +101,6 @@ def _step_count(state: dict) -> float | None:
     return float(step.item() if isinstance(step, torch.Tensor) else step)
 
 
-@dataclass(frozen=True)
-class _Count:
-    """A parameter's optimizer step count and the identity of its ``exp_avg`` (None: none)."""
-
-    step: float | None
-    moments: int | None
-
-    @classmethod
-    def of(cls, state: dict) -> _Count:
-        m = state.get("exp_avg")
-        return cls(_step_count(state), id(m) if isinstance(m, torch.Tensor) else None)
-
-
 # torch's own Adam/AdamW update (the class attribute is wrapped by the hook machinery)
 _ADAM_STEPS = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)}
 
@@ -480,9 +467,9 @@ class AdamWTracker:
         self._bits: dict[str, torch.Tensor] = {}
         self._clean: set[str] = set()
         self._steps_before: dict[str, float | None] = {}
-        # Each covered (and adopted) parameter's step count and moments as the last step this
-        # tracker saw left them (see _unseen_steps), and how many of its updates it saw.
-        self._seen: dict[str, _Count] = {n: self._count_of(n) for n in self._covered}
+        # Each covered (and adopted) parameter's step count as the last step this tracker saw
+        # (or a load_state_dict) left it (see _unseen_steps), and how many updates it saw.
+        self._seen: dict[str, float | None] = {n: self._count_of(n) for n in self._covered}
         self._updates: dict[str, int] = dict.fromkeys(self._watched, 0)
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
@@ -502,6 +489,8 @@ class AdamWTracker:
             optimizer.register_step_pre_hook(self._pre_step),
             _first_post_hook(optimizer, self._post_step),
             _any_optimizer_post_hook(self),
+            optimizer.register_load_state_dict_pre_hook(self._before_load),
+            optimizer.register_load_state_dict_post_hook(self._after_load),
         ]
 
     # -- where things are --------------------------------------------------------------------
@@ -583,7 +572,7 @@ class AdamWTracker:
         self._vouch()
         self._finalize()  # the state is about to change: invert the previous step now
         for name in (*self._covered, *self._adopted):
-            self._steps_before[name] = self._seen[name].step
+            self._steps_before[name] = self._seen[name]
         self._window_checked = False
         if not self._covered:
             return None  # every parameter on the snapshot path: its bits are compared
@@ -622,8 +611,7 @@ class AdamWTracker:
         if added:
             self.constant = tuple(n for n in self.constant if n not in added)
             self._adopted.extend(added)
-            for name in added:
-                self._seen[name] = self._count_of(name)
+            self._seen.update({n: self._count_of(n) for n in added})
             log.warning(
                 "AdamWTracker: %d frozen parameter(s) were added to the optimizer after the "
                 "tracker was built (%s): each is reported changed in full for every version "
@@ -661,10 +649,9 @@ class AdamWTracker:
         stepped = []
         # Recorded as seen once every stepped parameter's step is pending: an interrupt in
         # this hook leaves the counts as they were, so the next check sends them in full.
-        counts: dict[str, _Count] = {}
+        counts: dict[str, float | None] = {}
         for name in self._adopted:
-            counts[name] = seen = self._count_of(name)
-            after = seen.step
+            counts[name] = after = self._count_of(name)
             if after is not None and after != self._steps_before.get(name):
                 stepped.append(name)
                 self._oob.mark(name, "stepped by the optimizer, which the tracker does not cover")
@@ -673,8 +660,8 @@ class AdamWTracker:
             if gi is None:
                 continue  # in no param group now: not this optimizer's to step
             state = opt.state.get(p, {})
-            counts[name] = seen = _Count.of(state)
-            after, before = seen.step, self._steps_before.get(name)
+            counts[name] = after = _step_count(state)
+            before = self._steps_before.get(name)
             if after is None or after == before:
                 if after is None or after < _STEP_COUNT_EXACT or p.grad is None:
                     continue  # no gradient or a skipped (inf/nan) step: the param did not move
@@ -713,29 +700,40 @@ class AdamWTracker:
             self._updates[name] += 1
         self._seen.update(counts)
 
-    def _count_of(self, name: str) -> _Count:
+    def _count_of(self, name: str) -> float | None:
         covered = self._covered.get(name)
         p = covered[0] if covered is not None else self._watched[name].param
-        return _Count.of(self._opt.state.get(p, {}))
+        return _step_count(self._opt.state.get(p, {}))
 
     def _unseen_steps(self) -> None:
         """Flag in full each parameter the optimizer stepped since the last step this tracker
         saw: a step interrupted between its update and the post-step hooks (Ctrl-C, a
         preemption handler's exception, an error in a later param group). Its pending step
         was never recorded, and a fused update moves no version counter; the step count
-        moves. A flag, not a mark: found by detection itself, it is in the version read."""
-        for name in (*self._covered, *self._adopted):
-            now, was = self._count_of(name), self._seen.get(name)
-            self._seen[name] = now
-            if was is None or now.step == was.step:
-                continue
-            if was.moments is not None and now.moments != was.moments:
-                continue  # other moments (optimizer.load_state_dict): no update of the param
-            self._oob.flag(
-                name,
-                f"stepped by the optimizer without the tracker seeing the step (step count "
-                f"{was.step} -> {now.step}: a step interrupted after its update?)",
-            )
+        moves. A flag, not a mark: found by detection itself, it is in the version read.
+        (``optimizer.load_state_dict`` moves the counts without an update: its hooks check
+        before the load and take the loaded counts after it. A count gone, the state
+        cleared, is no update either.) The counts are taken as seen once every flag is
+        made: an interrupt in between leaves them to the next check."""
+        counts = {name: self._count_of(name) for name in (*self._covered, *self._adopted)}
+        for name, now in counts.items():
+            was = self._seen.get(name)
+            if name in self._seen and now is not None and now != was:
+                self._oob.flag(
+                    name,
+                    f"stepped by the optimizer without the tracker seeing the step (step "
+                    f"count {was} -> {now}: a step interrupted after its update?)",
+                )
+        self._seen.update(counts)
+
+    def _before_load(self, opt, state_dict) -> None:
+        """``optimizer.load_state_dict`` is about to replace the step counts: a step not seen
+        before it is flagged now (the loaded counts would hide it)."""
+        self._unseen_steps()
+
+    def _after_load(self, opt) -> None:
+        """The loaded step counts are the ones the next step starts from."""
+        self._seen.update({n: self._count_of(n) for n in (*self._covered, *self._adopted)})
 
     def updates_seen(self, name: str) -> int:
         """How many optimizer updates of ``name`` this tracker has seen (never reset): a read
