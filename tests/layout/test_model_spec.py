@@ -150,6 +150,7 @@ def test_a_null_kv_head_count_is_read_as_its_config_class_reads_it(model_type):
         ("mlp_only_layers", ["0"], "must be a list of layer indices"),
         ("num_hidden_layers", 2**63, "above the"),
         ("num_experts", 2**40, "above the"),
+        ("decoder_sparse_step", 0, "must be a positive integer"),  # was read as 1
     ],
 )
 def test_config_fields_a_model_cannot_have_are_layout_errors_not_crashes_or_endless_loops(

@@ -208,7 +208,8 @@ class ModelSpec:
             if num_experts is None:
                 raise LayoutError("model config has no 'num_experts' (required for qwen3_moe)")
             num_experts = _pos_int("num_experts", num_experts, hi=MAX_COUNT)
-            step = _pos_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1) or 1)
+            step = cfg.get("decoder_sparse_step")  # 0 divides by zero in transformers and vLLM
+            step = _pos_int("decoder_sparse_step", 1 if step is None else step)
             mlp_only = _layer_list("mlp_only_layers", cfg.get("mlp_only_layers"))
             n_layers = _pos_int("num_hidden_layers", kwargs["num_hidden_layers"], hi=MAX_COUNT)
             # Same rule as Qwen3MoeDecoderLayer (transformers) and vLLM's qwen3_moe.py.
