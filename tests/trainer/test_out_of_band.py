@@ -519,6 +519,16 @@ def test_a_fused_step_interrupted_after_its_update_is_reported_in_full(first, ca
     _check(tracker, truth, set())
 
 
+def test_a_fused_step_interrupted_then_its_optimizer_state_cleared_misses_nothing():
+    # The count gone (optimizer.state.clear()) was taken for no update: every element missed.
+    model, opt, tracker, truth = _setup(fused=True)
+    _step(model, opt, 0)
+    tracker.changed(), tracker.clear(), truth.clear()
+    _interrupted_after_the_update(opt, model, 1)
+    opt.state.clear()
+    _check(tracker, truth, {n for n, _ in model.named_parameters()})
+
+
 def test_a_fused_step_interrupted_then_stepped_again_before_detection_misses_nothing():
     model, opt, tracker, truth = _setup(fused=True)
     _step(model, opt, 0)

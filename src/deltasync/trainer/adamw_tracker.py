@@ -712,17 +712,22 @@ class AdamWTracker:
         was never recorded, and a fused update moves no version counter; the step count
         moves. A flag, not a mark: found by detection itself, it is in the version read.
         (``optimizer.load_state_dict`` moves the counts without an update: its hooks check
-        before the load and take the loaded counts after it. A count gone, the state
-        cleared, is no update either.) The counts are taken as seen once every flag is
-        made: an interrupt in between leaves them to the next check."""
+        before the load and take the loaded counts after it. A count gone, the state cleared,
+        is flagged too, unless the step the tracker saw last is still pending (its seal sends
+        it whole): a step may have come before the clear.) The counts are taken as seen
+        once every flag is made: an interrupt in between leaves them to the next check."""
         counts = {name: self._count_of(name) for name in (*self._covered, *self._adopted)}
+        pending = {entry[0] for entry in self._pending}  # a clear after them: the seal's
         for name, now in counts.items():
             was = self._seen.get(name)
-            if name in self._seen and now is not None and now != was:
+            if name in self._seen and now != was and (now is not None or name not in pending):
                 self._oob.flag(
                     name,
                     f"stepped by the optimizer without the tracker seeing the step (step "
-                    f"count {was} -> {now}: a step interrupted after its update?)",
+                    f"count {was} -> {now}: a step interrupted after its update?)"
+                    if now is not None
+                    else "left without optimizer state (cleared after a step the tracker may "
+                    "not have seen)",
                 )
         self._seen.update(counts)
 
