@@ -73,3 +73,33 @@ def test_an_interrupt_on_the_callers_thread_leaves_a_failed_version_in_flight() 
     background.settled(pending)
     assert background.in_flight is None
     background.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_two_optimizers_the_step_that_waited_keeps_its_wait_on_record() -> None:
+    # The second optimizer's barrier found the version released and wrote ~0 over the first
+    # one's wait: the sender reported no barrier wait however long the step was held.
+    import time
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    sgd, adamw = torch.optim.SGD([a], lr=0.1), torch.optim.AdamW([b], lr=0.1)
+    settled: list[int] = []
+    background = Background(
+        [sgd, adamw], thread_name="ds-test", settle=lambda pd: settled.append(pd.version)
+    )
+    pending = PendingSend(1, 0.0)
+    pending.end_detection()
+
+    def reading(p: PendingSend):
+        time.sleep(0.5)  # the version still reads the parameters
+        p.release()
+
+    background.submit(pending, reading)
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    sgd.step()  # held until the release
+    adamw.step()
+    assert background.barrier_wait_s >= 0.25
+    assert settled == [1]  # settled once, by the step that waited
+    pending.result(30)
+    background.settled(pending)
+    background.close()

@@ -119,6 +119,7 @@ class Background:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._inflight: PendingSend | None = None
         self.barrier_wait_s = 0.0  # how long the last optimizer step waited for the background
+        self._waited: PendingSend | None = None  # the version the barrier last waited for
         self._steps = StepBarrier(optimizers, self.barrier, hold)
 
     @property
@@ -171,10 +172,13 @@ class Background:
         if pending is None:
             self.barrier_wait_s = 0.0
             return
+        if pending is self._waited:  # another optimizer's step after the one that waited
+            return
         t = time.perf_counter()
         pending.wait_released()
         pending.wait_detected()
         self.barrier_wait_s = time.perf_counter() - t
+        self._waited = pending
         if self._settle is not None:
             self._settle(pending)
 

@@ -325,6 +325,7 @@ class TrainerSync:
         self._small_delta = False
         self.last_reports: list[PublishReport] = []  # of the newest committed version
         self.barrier_wait_s = 0.0  # how long the last barrier waited for the background
+        self._waited: PendingVersion | None = None  # the version the barrier last waited for
         # A tracker that holds the optimizer's steps for us (its own pre-step hook calls the
         # barrier first) lets a large delta's detection go on after step_published returns.
         check_bool("TrainerSync", "detect_in_background", detect_in_background)
@@ -786,7 +787,7 @@ class TrainerSync:
         digests read them). A background that failed early does not stop a detection still
         running. Errors wait for the next call."""
         pending = self._inflight
-        if pending is None:
+        if pending is None or pending is self._waited:  # waited for by another optimizer
             return
         t = time.perf_counter()
         try:
@@ -795,6 +796,7 @@ class TrainerSync:
             pass
         pending.wait_detected()
         self.barrier_wait_s = time.perf_counter() - t
+        self._waited = pending
         self._settle_edits(pending)
 
     def wait(self) -> list[PublishReport] | None:
