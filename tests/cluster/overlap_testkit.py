@@ -463,3 +463,68 @@ def run_interrupted(rank: int, setup: Setup, anchor: bool) -> dict:
     if anchor:
         return {"rank": rank, **_run_anchor_receiver(rank, setup)}
     return {"rank": rank, **_run_retry_receiver(rank, setup)}
+
+
+def _run_commit_interrupted_writer(setup: Setup) -> dict:
+    import deltasync.cluster.cluster_sender as cluster_sender
+
+    w = _Writer(setup)
+    sender = _anchored(setup, w)
+    sender.sync(1)  # in the background; the next delta, below inline_below, runs inline
+    sender.wait()
+    w.hf.step()
+    real = cluster_sender.joint_commit
+
+    def committed_then_interrupted(*args, **kwargs):
+        cluster_sender.joint_commit = real
+        real(*args, **kwargs)  # every rank has the verdict: the receivers commit
+        raise KeyboardInterrupt  # before this writer records it
+
+    cluster_sender.joint_commit = committed_then_interrupted
+    out: dict = {"interrupted": False, "attempts": []}
+    try:
+        sender.sync(2)
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    out["failed"] = _outcome(sender.wait)
+    anchor = False
+    for _ in range(2):  # the errors' remedies: sync again, then with anchor=True if asked
+        try:
+            sender.sync(anchor=anchor)
+            report = sender.wait()
+            out["attempts"].append(("ok", report.version))
+        except DeltaSyncError as exc:
+            anchor = any(getattr(e, "anchor_required", False) for e in (exc, exc.__cause__))
+            out["attempts"].append(("failed", f"{type(exc).__name__}: {exc}"))
+    out["version"] = sender.version
+    broadcast_truth(w.bits())
+    sender.close()
+    return out
+
+
+def _run_commit_interrupted_receiver(rank: int, setup: Setup) -> dict:
+    receiver = corrupting_receiver(setup, rank)
+    role = setup.plan().receiver(rank)
+    receiver.sync()
+    out: dict = {"versions": [receiver.version]}
+    out["mismatched"] = mismatched(
+        receiver.tensors, expected_shard(broadcast_truth(None), setup, role.shard)
+    )
+    for _ in range(4):  # 1, 2 (the writer interrupted), a refused delta, the anchor
+        outcome = _outcome(receiver.sync)
+        out["versions"].append(receiver.version if outcome["error"] is None else None)
+    truth = expected_shard(broadcast_truth(None), setup, role.shard)
+    out["mismatched"] += mismatched(receiver.tensors, truth)
+    return out
+
+
+def run_commit_interrupted(rank: int, setup: Setup) -> dict:
+    """1 overlapped writer (rank 0) interrupted right after the joint commit of version 2
+    (inline, on its thread) gave every rank the verdict, + vLLM TP=2 receivers: the receivers
+    hold 2, the writer never sends the number 2 again and, following its errors' remedies,
+    commits again, every receiver exact."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    if rank == 0:
+        return {"rank": 0, **_run_commit_interrupted_writer(setup)}
+    return {"rank": rank, **_run_commit_interrupted_receiver(rank, setup)}

@@ -5,7 +5,7 @@ must not wait forever for a capture that ended (else every rank hangs in the exc
 from __future__ import annotations
 
 import pytest
-from overlap_testkit import run_interrupted
+from overlap_testkit import run_commit_interrupted, run_interrupted
 
 from deltasync.exchange import spawn
 
@@ -35,3 +35,18 @@ def test_a_ctrl_c_right_after_an_anchors_clear_makes_the_retry_an_anchor():
     assert writer["retry"]["version"] == 1 and writer["retry"]["anchor"], writer["retry"]
     for r in receivers:
         assert r["versions"] == {0: [], 1: []}, r  # bit-exact, nothing mismatched
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_after_the_joint_commit_retires_the_number_the_receivers_hold():
+    # The writer retired a version's number only on an ExchangeError: interrupted once every
+    # rank had the verdict, it sent the number 2 again (refused: the receivers hold 2) and its
+    # errors' remedies never committed again.
+    setup = Setup(timeout_s=5.0, inline_below=(1 << 18,))
+    writer, *receivers = spawn(run_commit_interrupted, 3, setup, timeout_s=150)
+    assert writer["interrupted"], writer
+    assert writer["attempts"][-1] == ("ok", 3), writer["attempts"]
+    assert writer["version"] == 3
+    for r in receivers:
+        assert r["versions"][:3] == [0, 1, 2] and r["versions"][-1] == 3, r
+        assert r["mismatched"] == [], r

@@ -723,7 +723,7 @@ class ClusterSender:
                 + ([f"{tag}-x2"] if self.plan.exchanges == 2 else []),
                 ledger=self._notes,
             )
-        except ExchangeError:
+        except BaseException:  # an ExchangeError, or an interrupt while it waits
             # No verdict here; a late rank may still complete the all_gather from the rows
             # already sent and commit (a stalled receiver does).
             self._retire(version)
