@@ -611,3 +611,30 @@ def test_optimizer_state_loaded_after_the_tracker_is_built_is_no_step(interrupte
     opt.load_state_dict(copy.deepcopy(state))
     _step(model, opt, 3)
     _check(tracker, truth, {n for n, _ in model.named_parameters()} if interrupted else set())
+
+
+def test_another_optimizers_fused_step_interrupted_after_its_update_is_reported_in_full():
+    # Seen only by a hook after every optimizer's step: cut short before it (Ctrl-C as the
+    # kernel returned), the update of a second optimizer (a layer unfrozen with an optimizer
+    # of its own) moved no counter and no tracked step count, and every element was missed.
+    model, opt, tracker, truth = _setup(fused=True)
+    _step(model, opt, 0)
+    tracker.changed(), tracker.clear(), truth.clear()
+    head = torch.optim.AdamW(model.b.parameters(), lr=1e-3, fused=True)
+    real = torch._fused_adamw_
+
+    def update_then_interrupt(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    torch._fused_adamw_ = update_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _step(model, head, 1)
+    finally:
+        torch._fused_adamw_ = real
+    _check(tracker, truth, {"b.weight", "b.bias"})
+    _step(model, head, 2)  # finished: marked by the hook after it, as before
+    tracker.clear(), truth.clear()
+    _step(model, opt, 3)
+    _check(tracker, truth, set())

@@ -44,7 +44,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from deltasync.errors import UnsupportedOptimizerError
 from deltasync.native.loader import overlapping
@@ -326,17 +329,22 @@ _STEP_COUNT_EXACT = 2**24
 _LISTED_TWICE = -1
 
 
-def _any_optimizer_post_hook(tracker: AdamWTracker) -> Any:
-    """A hook after every optimizer's step, in this process, that tells ``tracker`` (held
-    weakly: a tracker dropped without ``close()`` is not kept alive by it)."""
+def _any_optimizer_hooks(tracker: AdamWTracker) -> list[Any]:
+    """Hooks before and after every optimizer's step, in this process, that tell ``tracker``
+    (held weakly: a tracker dropped without ``close()`` is not kept alive by them)."""
     ref = weakref.ref(tracker)
 
-    def hook(opt, args, kwargs) -> None:
+    def before(opt, args, kwargs) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._foreign_starts(opt)
+
+    def after(opt, args, kwargs) -> None:
         alive = ref()
         if alive is not None:
             alive._foreign_step(opt)
 
-    return register_optimizer_step_post_hook(hook)
+    return [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
 
 def _first_post_hook(opt: torch.optim.Optimizer, hook: Callable) -> Any:
@@ -471,6 +479,8 @@ class AdamWTracker:
         # (or a load_state_dict) left it (see _unseen_steps), and how many updates it saw.
         self._seen: dict[str, float | None] = {n: self._count_of(n) for n in self._covered}
         self._updates: dict[str, int] = dict.fromkeys(self._watched, 0)
+        # id(optimizer) -> its tracked params, from its pre-step hook to its post-step hook
+        self._foreign_open: dict[int, list[str]] = {}
         # (name, hyper, key of the denominator state); hyper None means: mark every element
         self._pending: list[tuple[str, StepHyper | None, str]] = []
         self._seals: dict[str, _Seal] = {}  # the state each pending step left (see _vouch)
@@ -488,7 +498,7 @@ class AdamWTracker:
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             _first_post_hook(optimizer, self._post_step),
-            _any_optimizer_post_hook(self),
+            *_any_optimizer_hooks(self),
             optimizer.register_load_state_dict_pre_hook(self._before_load),
             optimizer.register_load_state_dict_post_hook(self._after_load),
         ]
@@ -621,16 +631,27 @@ class AdamWTracker:
                 ", ".join(repr(n) for n in added[:5]),
             )
 
+    def _tracked_in(self, opt: torch.optim.Optimizer) -> list[str]:
+        """The tracked parameters in ``opt``'s param groups."""
+        names = (self._name_of.get(id(p)) for g in opt.param_groups for p in g["params"])
+        return [n for n in names if n is not None]
+
+    def _foreign_starts(self, opt: torch.optim.Optimizer) -> None:
+        """Another optimizer is about to step: its tracked parameters stay on record until
+        its post-step hook marks them (a step interrupted between its update and that hook
+        is then still seen, by :meth:`_unseen_steps`). A record, not a mark: the step may
+        yet wait for a version in flight (its barrier runs after this global hook)."""
+        if opt is not self._opt:
+            self._foreign_open[id(opt)] = self._tracked_in(opt)
+
     def _foreign_step(self, opt: torch.optim.Optimizer) -> None:
         """Another optimizer stepped: each tracked parameter in its groups is reported changed
         in full (its version counter would say so, but a fused step does not move it)."""
         if opt is self._opt:
             return
-        for group in opt.param_groups:
-            for p in group["params"]:
-                name = self._name_of.get(id(p))
-                if name is not None:
-                    self._oob.mark(name, "stepped by another optimizer than the tracked one")
+        for name in self._tracked_in(opt):
+            self._oob.mark(name, "stepped by another optimizer than the tracked one")
+        self._foreign_open.pop(id(opt), None)
 
     def _post_step(self, opt, args, kwargs) -> None:
         if self._covered and not self._window_checked:
@@ -716,6 +737,10 @@ class AdamWTracker:
         is flagged too, unless the step the tracker saw last is still pending (its seal sends
         it whole): a step may have come before the clear.) The counts are taken as seen
         once every flag is made: an interrupt in between leaves them to the next check."""
+        for names in list(self._foreign_open.values()):  # another optimizer's step cut short
+            for name in names:
+                self._oob.flag(name, "stepped by another optimizer whose step did not finish")
+        self._foreign_open.clear()
         counts = {name: self._count_of(name) for name in (*self._covered, *self._adopted)}
         pending = {entry[0] for entry in self._pending}  # a clear after them: the seal's
         for name, now in counts.items():
