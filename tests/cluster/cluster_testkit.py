@@ -767,15 +767,26 @@ def run_unreadable_payload(rank: int, setup: Setup, streamed: bool) -> dict:
     return out
 
 
-def run_death_between_versions(rank: int, setup: Setup) -> dict:
-    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0 and delta 1 commit; then receiver rank 2
-    is SIGKILLed before version 2's preflight. The others report what they raised there."""
+def run_death_between_versions(rank: int, setup: Setup, refused_first: bool = False) -> dict:
+    """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0 and delta 1 commit (``refused_first``:
+    then version 2 is refused in its preflight, the writer's detection having failed); then
+    receiver rank 2 is SIGKILLed before version 2's preflight. The others report what they
+    raised there."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
     if rank == 0:
         trainer, sender = _two_versions_sent(setup, rank)
         trainer.step()
+        if refused_first:
+            real = sender.payloads_for_version
+
+            def failing(*args, **kwargs):
+                sender.payloads_for_version = real
+                raise RuntimeError("injected: detection failed")
+
+            sender.payloads_for_version = failing
+            out["refused"] = _attempt(lambda: sender.sync(2))
         t = time.monotonic()
         out["fault"] = _attempt(lambda: sender.sync(2))
         out["elapsed_s"] = time.monotonic() - t
@@ -784,6 +795,8 @@ def run_death_between_versions(rank: int, setup: Setup) -> dict:
     receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
     receiver.sync()
     receiver.sync()
+    if refused_first:
+        out["refused"] = _attempt(receiver.sync)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     t = time.monotonic()

@@ -465,7 +465,10 @@ def run_interrupted(rank: int, setup: Setup, anchor: bool) -> dict:
     return {"rank": rank, **_run_retry_receiver(rank, setup)}
 
 
-def _run_commit_interrupted_writer(setup: Setup) -> dict:
+def _interrupted_after(setup: Setup, step: str) -> tuple[_Writer, ClusterSender, dict]:
+    """``setup``'s writer with versions 0 and 1 committed, whose inline version 2 is
+    interrupted (a Ctrl-C) right after ``cluster_sender``'s ``step`` (``preflight``,
+    ``joint_commit``) returned on every rank; ``{"interrupted", "failed"}``."""
     import deltasync.cluster.cluster_sender as cluster_sender
 
     w = _Writer(setup)
@@ -473,20 +476,58 @@ def _run_commit_interrupted_writer(setup: Setup) -> dict:
     sender.sync(1)  # in the background; the next delta, below inline_below, runs inline
     sender.wait()
     w.hf.step()
-    real = cluster_sender.joint_commit
+    real = getattr(cluster_sender, step)
 
-    def committed_then_interrupted(*args, **kwargs):
-        cluster_sender.joint_commit = real
-        real(*args, **kwargs)  # every rank has the verdict: the receivers commit
-        raise KeyboardInterrupt  # before this writer records it
+    def done_then_interrupted(*args, **kwargs):
+        setattr(cluster_sender, step, real)
+        result = real(*args, **kwargs)  # every rank has gone through it
+        raise KeyboardInterrupt  # before this writer goes on
+        return result
 
-    cluster_sender.joint_commit = committed_then_interrupted
-    out: dict = {"interrupted": False, "attempts": []}
+    setattr(cluster_sender, step, done_then_interrupted)
+    out: dict = {"interrupted": False}
     try:
         sender.sync(2)
     except KeyboardInterrupt:
         out["interrupted"] = True
     out["failed"] = _outcome(sender.wait)
+    return w, sender, out
+
+
+def _run_preflight_interrupted_writer(setup: Setup) -> dict:
+    _w, sender, out = _interrupted_after(setup, "preflight")
+    out["after"] = _outcome(sender.sync)  # the receivers are in round 1: never a preflight
+    sender.close()
+    return out
+
+
+def _run_preflight_interrupted_receiver(rank: int, setup: Setup) -> dict:
+    receiver = corrupting_receiver(setup, rank)
+    receiver.sync()
+    broadcast_truth(None)
+    receiver.sync()
+    out = {"stalled": _outcome(receiver.sync)}  # round 1 of 2: the writer never comes
+    out["after"] = _outcome(receiver.sync)
+    out["version"] = receiver.version
+    return out
+
+
+def run_preflight_interrupted(rank: int, setup: Setup) -> dict:
+    """1 overlapped writer (rank 0) interrupted right after version 2's preflight (inline, on
+    its thread), + vLLM TP=2 receivers gone on to the exchange: the writer's group is broken,
+    and no rank posts a collective the others do not (a preflight meeting round 1 aborted a
+    receiver's process in gloo)."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    if rank == 0:
+        return {"rank": 0, **_run_preflight_interrupted_writer(setup)}
+    return {"rank": rank, **_run_preflight_interrupted_receiver(rank, setup)}
+
+
+def _run_commit_interrupted_writer(setup: Setup) -> dict:
+    w, sender, out = _interrupted_after(setup, "joint_commit")
+    out["attempts"] = []
+    sender.use_group(dist.new_group(list(range(setup.world_size()))))  # the error's remedy
     anchor = False
     for _ in range(2):  # the errors' remedies: sync again, then with anchor=True if asked
         try:
@@ -510,7 +551,11 @@ def _run_commit_interrupted_receiver(rank: int, setup: Setup) -> dict:
     out["mismatched"] = mismatched(
         receiver.tensors, expected_shard(broadcast_truth(None), setup, role.shard)
     )
-    for _ in range(4):  # 1, 2 (the writer interrupted), a refused delta, the anchor
+    for _ in range(2):  # 1, 2 (the writer interrupted)
+        receiver.sync()
+        out["versions"].append(receiver.version)
+    receiver.use_group(dist.new_group(list(range(setup.world_size()))))
+    for _ in range(2):  # a refused delta, the anchor
         outcome = _outcome(receiver.sync)
         out["versions"].append(receiver.version if outcome["error"] is None else None)
     truth = expected_shard(broadcast_truth(None), setup, role.shard)
@@ -519,10 +564,10 @@ def _run_commit_interrupted_receiver(rank: int, setup: Setup) -> dict:
 
 
 def run_commit_interrupted(rank: int, setup: Setup) -> dict:
-    """1 overlapped writer (rank 0) interrupted right after the joint commit of version 2
-    (inline, on its thread) gave every rank the verdict, + vLLM TP=2 receivers: the receivers
-    hold 2, the writer never sends the number 2 again and, following its errors' remedies,
-    commits again, every receiver exact."""
+    """1 overlapped writer (rank 0) interrupted in the joint commit of version 2 (inline, on
+    its thread) once every rank had the verdict, + vLLM TP=2 receivers: the receivers hold 2;
+    the writer's group is broken, and on a new one it never sends the number 2 again and,
+    following its errors' remedies, commits again, every receiver exact."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
     if rank == 0:

@@ -5,7 +5,7 @@ must not wait forever for a capture that ended (else every rank hangs in the exc
 from __future__ import annotations
 
 import pytest
-from overlap_testkit import run_commit_interrupted, run_interrupted
+from overlap_testkit import run_commit_interrupted, run_interrupted, run_preflight_interrupted
 
 from deltasync.exchange import spawn
 
@@ -45,8 +45,24 @@ def test_a_ctrl_c_after_the_joint_commit_retires_the_number_the_receivers_hold()
     setup = Setup(timeout_s=5.0, inline_below=(1 << 18,))
     writer, *receivers = spawn(run_commit_interrupted, 3, setup, timeout_s=150)
     assert writer["interrupted"], writer
+    assert writer["failed"]["group_broken"] is True, writer["failed"]
     assert writer["attempts"][-1] == ("ok", 3), writer["attempts"]
     assert writer["version"] == 3
     for r in receivers:
         assert r["versions"][:3] == [0, 1, 2] and r["versions"][-1] == 3, r
         assert r["mismatched"] == [], r
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_inside_the_versions_collectives_breaks_the_writers_group():
+    # Interrupted after the preflight, the writer kept its group ("call sync again on every
+    # rank"): its next preflight met the receivers' round 1 and gloo aborted a receiver.
+    setup = Setup(timeout_s=5.0, inline_below=(1 << 18,))
+    writer, *receivers = spawn(run_preflight_interrupted, 3, setup, timeout_s=150)
+    assert writer["interrupted"], writer
+    assert writer["failed"]["group_broken"] is True, writer["failed"]
+    assert "use_group" in writer["failed"]["message"], writer["failed"]
+    assert "process group broke" in writer["after"]["message"], writer["after"]
+    for r in receivers:
+        assert r["stalled"]["exchange_error"] and r["version"] == 1, r
+        assert "process group broke" in r["after"]["message"], r

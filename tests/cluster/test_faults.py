@@ -163,13 +163,21 @@ def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor() -> None
 
 
 @pytest.mark.timeout(150)
-def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_preflight() -> None:
+@pytest.mark.parametrize("refused_first", [False, True])
+def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_preflight(
+    refused_first: bool,
+) -> None:
     # The preflight is the version's first collective: every rank marks its arrival under a
     # tag derived from the last version all of them began, so the one that never came is named
-    # (it said "some rank of the group", and a kill between versions lands there most often)
+    # (it said "some rank of the group", and a kill between versions lands there most often).
+    # A version refused in its preflight is a verdict every rank holds: it started the tags
+    # over as a failed gather does, and the death after it was "some rank" again.
     setup = Setup(timeout_s=20.0)
-    results = spawn(run_death_between_versions, 3, setup, timeout_s=100, may_die={2})
+    results = spawn(run_death_between_versions, 3, setup, refused_first, timeout_s=100, may_die={2})
     assert results[2] is None
+    if refused_first:
+        for rank in (0, 1):
+            assert results[rank]["refused"]["peer_failed"], results[rank]["refused"]
     for rank in (0, 1):
         fault = results[rank]["fault"]
         assert fault["exchange_error"] and not fault["peer_failed"], fault

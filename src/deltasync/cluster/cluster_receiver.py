@@ -81,6 +81,7 @@ from deltasync.cluster.envelope import as_view, pack_envelope
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit
 from deltasync.cluster.preflight import (
     RECEIVER,
+    VERDICTS,
     Cleared,
     encode_preflight_row,
     fingerprint,
@@ -330,8 +331,9 @@ class ClusterReceiver:
                 "(wait_for_version_s)",
                 tag=self._notes.preflight_tag(self.group, self.rank),
             )
-        except BaseException:
-            self._notes.new_group(self.group, self.rank)
+        except BaseException as exc:
+            if not isinstance(exc, VERDICTS):  # a verdict every rank holds keeps the tags
+                self._notes.new_group(self.group, self.rank)
             raise
 
     def receive(self, cleared: Cleared | None = None) -> Incoming:
@@ -530,7 +532,8 @@ class ClusterReceiver:
         """
         self._health.check()
         try:
-            return self._sync()
+            with self._health.collectives("the last sync"):
+                return self._sync()
         except Exception as exc:
             self._health.note(exc, "the last sync")
             raise

@@ -102,7 +102,13 @@ from deltasync.cluster.envelope import (
     seal_envelope,
 )
 from deltasync.cluster.joint_commit import encode_commit_row, joint_commit, shards_digest
-from deltasync.cluster.preflight import WRITER, encode_preflight_row, fingerprint, preflight
+from deltasync.cluster.preflight import (
+    VERDICTS,
+    WRITER,
+    encode_preflight_row,
+    fingerprint,
+    preflight,
+)
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, GroupHealth, RolePlan, check_group, resolve_rank
 from deltasync.cluster.streaming import PartStream
@@ -634,6 +640,19 @@ class ClusterSender:
         the joint commit. ``captured_s`` is None when the caller waits for all of it (the
         tracker is cleared here on commit), else the capture time of an overlapped version (the
         tracker was cleared at the capture and the carry recorded)."""
+        with self._health.collectives(f"version {version}"):
+            return self._send_steps(version, anchor, out, failure, t0=t0, captured_s=captured_s)
+
+    def _send_steps(
+        self,
+        version: int,
+        anchor: bool,
+        out: Outgoing | None,
+        failure: Exception | None,
+        *,
+        t0: float,
+        captured_s: float | None,
+    ) -> SendReport:
         tag = self._preflight(version, None if out is None else out.base, failure)
         assert out is not None  # a failure raised PeerFailedError in the preflight
         if captured_s is None:
@@ -683,7 +702,8 @@ class ClusterSender:
                 tag=self._notes.preflight_tag(self.group, self.rank),
             )
         except BaseException as exc:
-            self._notes.new_group(self.group, self.rank)
+            if not isinstance(exc, VERDICTS):  # a verdict every rank holds keeps the tags
+                self._notes.new_group(self.group, self.rank)
             if failure is not None and isinstance(exc, DeltaSyncError):
                 raise exc from failure
             raise
@@ -1003,7 +1023,8 @@ class ClusterSender:
             pending.wait_detected()
             self._settle_edits(pending)
             background.settled(pending)
-            broken = self._health.note(exc, f"version {pending.version}")
+            self._health.note(exc, f"version {pending.version}")
+            broken = self._health.broken is not None  # an interrupt inside too (collectives)
             needs_anchor = self._pending_anchor or bool(getattr(exc, "anchor_required", False))
             log.warning(
                 "writer %s: version %d did not commit (%s: %s); its changes (%d element(s)) go "

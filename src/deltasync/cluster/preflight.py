@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from deltasync.cluster.roles import ReceiverRole, RolePlan
 from deltasync.errors import (
+    ConfigError,
     ExchangeError,
     ExchangeTimeoutError,
     FingerprintMismatchError,
@@ -385,6 +386,12 @@ def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None
 def _each(plan: RolePlan, whys: dict[int, str]) -> str:
     """``rank R (receiver S replica P) why; ...`` in rank order, for a refusal naming ranks."""
     return "; ".join(f"{plan.who(rank)} {why}" for rank, why in sorted(whys.items()))
+
+
+# What the preflight's judgement raises, identically on every rank once the gather completed
+# (a refusal, a failed rank's report, a mismatched build): the ranks still agree on where the
+# protocol is, unlike a gather that failed or was interrupted.
+VERDICTS = (PeerFailedError, ConfigError)
 
 
 def preflight(

@@ -28,7 +28,8 @@ wire beyond the counts it is given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deltasync import names
@@ -380,6 +381,18 @@ class GroupHealth:
 
     def reset(self) -> None:
         self.broken = None
+
+    @contextlib.contextmanager
+    def collectives(self, what: str) -> Iterator[None]:
+        """Around a version's collectives: an interrupt (``KeyboardInterrupt``, ``SystemExit``)
+        inside leaves an operation posted, or the other ranks in the next one, so it breaks
+        the group as a failed wait does (an error is :meth:`note`'s to judge)."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.broken = f"{what}: interrupted ({type(exc).__name__})"
+            raise
 
 
 def resolve_rank(rank: int | None, group) -> int:
