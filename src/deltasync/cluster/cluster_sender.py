@@ -641,44 +641,32 @@ class ClusterSender:
         tracker is cleared here on commit), else the capture time of an overlapped version (the
         tracker was cleared at the capture and the carry recorded)."""
         with self._health.collectives(f"version {version}"):
-            return self._send_steps(version, anchor, out, failure, t0=t0, captured_s=captured_s)
-
-    def _send_steps(
-        self,
-        version: int,
-        anchor: bool,
-        out: Outgoing | None,
-        failure: Exception | None,
-        *,
-        t0: float,
-        captured_s: float | None,
-    ) -> SendReport:
-        tag = self._preflight(version, None if out is None else out.base, failure)
-        assert out is not None  # a failure raised PeerFailedError in the preflight
-        if captured_s is None:
-            self.mark_sent(out)
-        t = time.perf_counter()
-        got = exchange(
-            out.payloads, group=self.group, config=self.config.exchange, tag=part_tag(tag, 0)
-        )
-        sent, exchanges = got.stats.bytes_sent, 1
-        while got.more:  # other writers still stream their parts: take part, send nothing
+            tag = self._preflight(version, None if out is None else out.base, failure)
+            assert out is not None  # a failure raised PeerFailedError in the preflight
+            if captured_s is None:
+                self.mark_sent(out)
+            t = time.perf_counter()
             got = exchange(
-                {}, group=self.group, config=self.config.exchange, tag=part_tag(tag, exchanges)
+                out.payloads, group=self.group, config=self.config.exchange, tag=part_tag(tag, 0)
             )
-            sent, exchanges = sent + got.stats.bytes_sent, exchanges + 1
-        self._forward(tag)
-        return self._commit(
-            version,
-            anchor,
-            out,
-            sent,
-            time.perf_counter() - t,
-            tag,
-            t0=t0,
-            captured_s=captured_s,
-            exchanges=exchanges,
-        )
+            sent, exchanges = got.stats.bytes_sent, 1
+            while got.more:  # other writers still stream their parts: take part, send nothing
+                got = exchange(
+                    {}, group=self.group, config=self.config.exchange, tag=part_tag(tag, exchanges)
+                )
+                sent, exchanges = sent + got.stats.bytes_sent, exchanges + 1
+            self._forward(tag)
+            return self._commit(
+                version,
+                anchor,
+                out,
+                sent,
+                time.perf_counter() - t,
+                tag,
+                t0=t0,
+                captured_s=captured_s,
+                exchanges=exchanges,
+            )
 
     def _preflight(self, version: int, base: int | None, failure: BaseException | None) -> str:
         """Step 4; returns the version's exchange tag. Raises what every rank agreed on."""
