@@ -480,9 +480,8 @@ def _interrupted_after(setup: Setup, step: str) -> tuple[_Writer, ClusterSender,
 
     def done_then_interrupted(*args, **kwargs):
         setattr(cluster_sender, step, real)
-        result = real(*args, **kwargs)  # every rank has gone through it
+        real(*args, **kwargs)  # every rank has gone through it
         raise KeyboardInterrupt  # before this writer goes on
-        return result
 
     setattr(cluster_sender, step, done_then_interrupted)
     out: dict = {"interrupted": False}

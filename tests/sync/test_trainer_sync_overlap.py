@@ -117,6 +117,28 @@ def _nothing_left_then_retried_exactly(sync, pub, trainer, receivers, lay) -> No
     sync.close()
 
 
+def _two_versions_exact(sync, trainer, receivers, lay) -> None:
+    """Anchor 0, one step, delta 1: both committed and every receiver exact at 1."""
+    sync.step_published(0, anchor=True)
+    sync.wait()
+    trainer.step()
+    sync.step_published(1)
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, lay, 1)
+
+
+def _version_2_refused_by_every_receiver(sync, receivers) -> None:
+    """Publish 2: the manifest's digest is the real state's, so every receiver refuses it and
+    stays at 1."""
+    sync.step_published(2)
+    sync.wait()
+    for rx in receivers.values():
+        with pytest.raises(IntegrityError):
+            rx.pull()
+        assert rx.version == 1
+    sync.close()
+
+
 def _refused_then_retried_exactly(sync, trainer, receivers, lay) -> None:
     """Version 1 was refused after its reads: version 1 again after one more step is a delta
     on version 0 (steps 1, 2 and whatever the refusal sent in full) and exact."""
@@ -1025,22 +1047,11 @@ def test_a_param_that_detection_missed_entirely_never_keeps_its_old_digest(tmp_p
         tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt, inline_below=inline_below
     )
     receivers = _receivers(store, rl, tmp_path)
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
-    sync.step_published(1)
-    sync.wait()
-    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)  # nothing lost yet
+    _two_versions_exact(sync, trainer, receivers, (tl, rl))  # nothing lost yet
     trainer.step()
     with torch.no_grad():
         trainer.params[lost].add_(0.5)  # seen by the tracker, lost by the wrapper
-    sync.step_published(2)
-    sync.wait()
-    for rx in receivers.values():  # the manifest's digest is the real state's: refused
-        with pytest.raises(IntegrityError):
-            rx.pull()
-        assert rx.version == 1
-    sync.close()
+    _version_2_refused_by_every_receiver(sync, receivers)
 
 
 @pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
@@ -1058,23 +1069,12 @@ def test_a_stepped_param_that_detection_missed_never_keeps_its_old_digest(tmp_pa
     pub = Publisher(store, receiver_layout=rl, trainer_layout=tl, config=PublisherConfig())
     sync = TrainerSync(tracker, pub, trainer.params, overlap=True, optimizer=trainer.opt)
     receivers = _receivers(store, rl, tmp_path)
-    sync.step_published(0, anchor=True)
-    sync.wait()
-    trainer.step()
-    sync.step_published(1)
-    sync.wait()
-    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)  # nothing lost yet
+    _two_versions_exact(sync, trainer, receivers, (tl, rl))  # nothing lost yet
     before = trainer.params[lost].detach().to(torch.bfloat16)
     trainer.step()
     assert not torch.equal(trainer.params[lost].detach().to(torch.bfloat16), before)
     tracker._pending = [step for step in tracker._pending if step[0] != lost]
-    sync.step_published(2)
-    sync.wait()
-    for rx in receivers.values():  # the manifest's digest is the real state's: refused
-        with pytest.raises(IntegrityError):
-            rx.pull()
-        assert rx.version == 1
-    sync.close()
+    _version_2_refused_by_every_receiver(sync, receivers)
 
 
 def test_a_committed_version_published_again_after_a_step_keeps_the_steps_changes(tmp_path):

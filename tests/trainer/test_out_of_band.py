@@ -621,18 +621,7 @@ def test_another_optimizers_fused_step_interrupted_after_its_update_is_reported_
     _step(model, opt, 0)
     tracker.changed(), tracker.clear(), truth.clear()
     head = torch.optim.AdamW(model.b.parameters(), lr=1e-3, fused=True)
-    real = torch._fused_adamw_
-
-    def update_then_interrupt(*args, **kwargs):
-        real(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    torch._fused_adamw_ = update_then_interrupt
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _step(model, head, 1)
-    finally:
-        torch._fused_adamw_ = real
+    _interrupted_after_the_update(head, model, 1)
     _check(tracker, truth, {"b.weight", "b.bias"})
     _step(model, head, 2)  # finished: marked by the hook after it, as before
     tracker.clear(), truth.clear()
