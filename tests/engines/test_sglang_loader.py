@@ -217,6 +217,19 @@ def test_sglangs_wider_vocab_padding_at_a_tp_that_vllm_refuses_is_refused_by_nam
     assert sglang_layout(ModelSpec.from_hf_config(ENGINE_CONFIG), tp=2).tp == 2
 
 
+def test_a_model_parameter_no_tensor_of_the_layout_writes_is_refused_naming_it(tmp_path):
+    # it was never written: the rank reported each version while computing with it as loaded
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    split = trainer.split()
+    extra = "model.layers.0.mlp.shared_expert_gate.weight"
+    split["tp0"][extra] = torch.zeros(1, ENGINE_CONFIG["hidden_size"], dtype=torch.bfloat16)
+    (model,) = _models(split, 1)
+    with pytest.raises(ConfigError, match=rf"SGLang model has parameters \['{extra}'\]"):
+        take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
+    assert not (tmp_path / "state").exists()
+
+
 def test_a_rank_refuses_a_request_that_would_change_how_it_was_opened(tmp_path):
     # Opened without a key, a rank asked with one must not go on without checking signatures
     # (it did: unsigned manifests were applied); the same for another state dir or store.

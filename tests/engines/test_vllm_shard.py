@@ -165,6 +165,18 @@ def test_a_model_that_is_not_the_layouts_is_refused_naming_the_tensor(tmp_path):
         )  # a TP=2 shard served as TP=1
 
 
+def test_an_engine_parameter_no_tensor_of_the_layout_writes_is_refused_naming_it(tmp_path):
+    # e.g. the shared expert vLLM builds for a Qwen3-MoE config that asks for one: the
+    # receiver would report each version while the engine computed with it as loaded
+    split = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "s", durable=False)).split()["tp0"]
+    extra = "model.layers.0.mlp.shared_expert_gate.weight"
+    split[extra] = torch.zeros(1, ENGINE_CONFIG["hidden_size"], dtype=torch.bfloat16)
+    with pytest.raises(
+        ConfigError, match=rf"vLLM model has parameters \['{extra}'\] \(1 in all\) that no tensor"
+    ):
+        VllmShard(module_tree(split), ENGINE_CONFIG, ShardPlace(0, 1))
+
+
 def _tied_packed_model(tensors: dict) -> torch.nn.Module:
     """vLLM's tied Qwen3 on a packing CPU: ``embed_tokens`` (the embedding method packs it
     too, keeping its weight) and ``lm_head``, another module whose weight *is* embed_tokens'

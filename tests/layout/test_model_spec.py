@@ -160,3 +160,17 @@ def test_config_fields_a_model_cannot_have_are_layout_errors_not_crashes_or_endl
     cfg = dict(CONFIGS["moe_tied"], **{field: value})
     with pytest.raises(LayoutError, match=f"{field}.*{message}"):
         ModelSpec.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("size", [None, 0, 16])
+def test_a_shared_expert_vllm_would_build_and_no_tensor_of_ours_holds_is_refused(size):
+    # vLLM's qwen3_moe.py builds shared_expert + shared_expert_gate from this field;
+    # transformers' Qwen3-MoE (the trainer) has neither, so it would never be synced
+    cfg = dict(CONFIGS["moe_tied"])
+    if size is not None:
+        cfg["shared_expert_intermediate_size"] = size
+    if not size:
+        assert ModelSpec.from_hf_config(cfg).num_experts == cfg["num_experts"]
+        return
+    with pytest.raises(LayoutError, match=r"shared_expert_intermediate_size 16.*never be synced"):
+        ModelSpec.from_hf_config(cfg)

@@ -28,7 +28,7 @@ stores, versions or how updates are produced.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -50,6 +50,23 @@ class EngineAdapter(Protocol):
     def params(self) -> Mapping[str, torch.Tensor]: ...
 
     def apply(self, updates: Sequence[TensorUpdate]) -> int: ...
+
+
+def check_every_parameter_written(
+    engine: str, params: Iterable[str], written: Iterable[str], shard: str
+) -> None:
+    """Refuse an engine model with parameters that no tensor of its receiver shard writes
+    (``params``: the model's parameter names; ``written``: the names the shard's targets
+    are). A version taken would leave them as loaded while the engine reports it, as with
+    the shared expert vLLM builds for a Qwen3-MoE config that asks for one."""
+    uncovered = sorted(set(params) - set(written))
+    if uncovered:
+        raise ConfigError(
+            f"the {engine} model has parameters {uncovered[:4]} ({len(uncovered)} in all) that "
+            f"no tensor of receiver shard {shard!r} writes: the engine would report each "
+            "version while computing with them as loaded. Serve a model whose every weight "
+            "the trainer's checkpoint has, with a config deltasync's layouts cover"
+        )
 
 
 def load_dense(params: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:

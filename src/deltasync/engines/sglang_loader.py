@@ -49,6 +49,7 @@ from deltasync import (
     names,
 )
 from deltasync.commit.signing import MIN_KEY_BYTES
+from deltasync.engines.adapters import check_every_parameter_written
 from deltasync.engines.agreement import (
     Gather,
     failed_ranks,
@@ -58,6 +59,7 @@ from deltasync.engines.agreement import (
 )
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.store.factory import open_existing_store
+from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,7 @@ class SglangRequest:
             names.check_token("SglangRequest.receiver_id", self.receiver_id)
         except DeltaSyncError as exc:
             raise ConfigError(str(exc)) from None
-        v = self.version
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"SglangRequest.version must be an int >= 0, got {v!r}")
+        check_int("SglangRequest", "version", self.version, lo=0, hi=names.MAX_VERSION)
         if self.signing_key_hex is not None:
             try:
                 key = bytes.fromhex(self.signing_key_hex)
@@ -251,6 +251,7 @@ class SglangShard:
                     f"shard {self.shard!r} says {spec.shape} {spec.dtype} (serve in bfloat16)"
                 )
             self.targets[name] = p.data
+        check_every_parameter_written("SGLang", live, self.targets, self.shard)
         self.receiver: Receiver | None = None
         self.opened: dict[str, Any] | None = None  # the request fields it was opened with
         self._agreement: _Agreement | None = None  # the request being taken

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from deltasync import ModelSpec, ReceiverLayout
+from deltasync.engines.adapters import check_every_parameter_written
 from deltasync.errors import ConfigError
 from deltasync.layout.digest import tensor_digest
 
@@ -158,6 +159,7 @@ class VllmShard:
                 f"the vLLM model has no parameters {missing[:4]} of receiver shard "
                 f"{self.shard!r}; is this the model of the store, served with tp={place.tp}?"
             )
+        check_every_parameter_written("vLLM", params, self.engine_names.values(), self.shard)
         self.targets: dict[str, torch.Tensor] = {}
         # local name -> the engine tensor a BF16 master mirrors (None: packing dropped it),
         # its dtype, and the layers whose packed kernels are built from it

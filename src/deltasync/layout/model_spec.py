@@ -211,6 +211,14 @@ class ModelSpec:
             step = cfg.get("decoder_sparse_step")  # 0 divides by zero in transformers and vLLM
             step = _pos_int("decoder_sparse_step", 1 if step is None else step)
             mlp_only = _layer_list("mlp_only_layers", cfg.get("mlp_only_layers"))
+            shared = cfg.get("shared_expert_intermediate_size")
+            if shared:  # vLLM's qwen3_moe.py builds a shared expert from it; transformers none
+                raise LayoutError(
+                    f"model config has shared_expert_intermediate_size {shared!r}: vLLM builds "
+                    "a shared expert for each MoE layer from it, which transformers' Qwen3-MoE "
+                    "and deltasync's tensors do not have, so it would never be synced; remove "
+                    "the field (or set it to 0) to serve the model the trainer has"
+                )
             n_layers = _pos_int("num_hidden_layers", kwargs["num_hidden_layers"], hi=MAX_COUNT)
             # Same rule as Qwen3MoeDecoderLayer (transformers) and vLLM's qwen3_moe.py.
             kwargs.update(
