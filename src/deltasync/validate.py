@@ -15,15 +15,18 @@ import math
 from deltasync.errors import ConfigError
 
 
-def check_int(owner: str, field: str, value: object, *, lo: int, hi: int | None = None) -> int:
+def check_int(
+    owner: str, field: str, value: object, *, lo: int, hi: int | None = None, hint: str = ""
+) -> int:
     """Return ``value`` if it is an int in ``[lo, hi]`` (no upper bound when ``hi`` is None).
 
     Args:
-        owner: the config class name, e.g. ``"PublisherConfig"``.
+        owner: the config class name, e.g. ``"PublisherConfig"``, or the method's.
         field: the field name.
         value: the value given.
         lo: smallest accepted value.
         hi: largest accepted value, or None.
+        hint: the remedy, appended to the error.
 
     Returns:
         ``value``, unchanged.
@@ -32,7 +35,9 @@ def check_int(owner: str, field: str, value: object, *, lo: int, hi: int | None 
     if ok and value >= lo and (hi is None or value <= hi):
         return value
     accepted = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-    raise ConfigError(f"{owner}.{field} must be an int {accepted}, got {value!r}")
+    raise ConfigError(
+        f"{owner}.{field} must be an int {accepted}, got {value!r}" + (f": {hint}" if hint else "")
+    )
 
 
 def check_number(

@@ -503,6 +503,36 @@ def test_positions_with_gaps_too_wide_for_a_byte_stay_exact():
     )
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_version_argument_that_is_no_version_number_is_refused_at_the_call_losing_nothing(
+    tmp_path, overlap
+):
+    # With overlap one was accepted: detection ran, the tracker was cleared, and the error came
+    # at the next call as "version None did not commit"; next_version() meanwhile raised a
+    # TypeError or named a version past the largest. Without overlap it was a ManifestError.
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, lr=1e-3, density=0.05)
+    tracker = AdamWTracker(trainer.opt, trainer.named_parameters())
+    store = MemoryStore()
+    pub = Publisher(store, receiver_layout=rl, trainer_layout=tl)
+    sync = TrainerSync(
+        tracker, pub, trainer.params, overlap=overlap, optimizer=trainer.opt, inline_below=0
+    )
+    receivers = _receivers(store, rl, tmp_path)
+    _anchor_then_step(sync, trainer)
+    for bad in (None, "1", 1.0, True, -1, names.MAX_VERSION + 1):
+        with pytest.raises(
+            ConfigError,
+            match=r"step_published\.version must be an int in \[0, \d+\], got .*: publish sync\.next_version\(\)$",
+        ):
+            sync.step_published(bad)
+        assert sync.next_version() == 1 and pub.committed() == 0
+    sync.step_published(sync.next_version())
+    sync.wait()
+    _assert_receivers_exact(receivers, trainer, (tl, rl), 1)
+    sync.close()
+
+
 def test_overlap_without_the_optimizer_is_refused_naming_it():
     spec, tl, rl = layouts()
     trainer = TinyTrainer(spec)

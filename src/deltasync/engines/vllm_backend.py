@@ -68,6 +68,7 @@ from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionErr
 from deltasync.layout.probed import load_receiver_layout
 from deltasync.names import MAX_VERSION
 from deltasync.store.factory import open_existing_store
+from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,7 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     extra: dict[str, Any] = field(default_factory=dict)  # ignored; room for later fields
 
     def __post_init__(self) -> None:
-        v = self.version
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_VERSION:
-            raise ConfigError(
-                f"DeltaSyncUpdateInfo.version must be an int in 0..{MAX_VERSION}, got {v!r}"
-            )
+        check_int("DeltaSyncUpdateInfo", "version", self.version, lo=0, hi=MAX_VERSION)
         if self.phase not in PHASES:
             raise ConfigError(
                 f"DeltaSyncUpdateInfo.phase must be one of {PHASES}, got {self.phase!r}"

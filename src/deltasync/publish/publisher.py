@@ -93,6 +93,7 @@ from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
 from deltasync.trainer.params import local_of
 from deltasync.trainer.positions import Positions
+from deltasync.validate import check_int
 
 
 def _joined(kept: TensorEntries | None, fed: TensorEntries | None) -> TensorEntries | None:
@@ -465,7 +466,14 @@ class Publisher:
                 already failed on this writer; with one, its manifest write ended without a
                 verdict and the store does not hold that manifest (see :meth:`next_version`).
         """
-        names.check_version(version)
+        check_int(
+            "Publisher.publish",
+            "version",
+            version,
+            lo=0,
+            hi=names.MAX_VERSION,
+            hint="publish publisher.next_version()",
+        )
         several = self.config.num_writers > 1
         if version in self._failed and (several or not self._manifest_landed(version)):
             raise VersionError(self._not_reused(version, several))
