@@ -3,8 +3,10 @@ and open_store's URL parsing."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
+import stat
 import tracemalloc
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from deltasync import names
 from deltasync.atomic import TMP_MARK
-from deltasync.errors import CommitConflictError, ConfigError, StoreError
+from deltasync.errors import CommitConflictError, ConfigError, OutcomeUnknownError, StoreError
 from deltasync.store import LocalStore, MemoryStore, S3Config, S3Store, ThrottledStore, open_store
 
 
@@ -169,3 +171,31 @@ def test_an_object_read_in_parts_is_held_once(tmp_path: Path, monkeypatch) -> No
     payload, got, peak = _read_back(tmp_path, size, lambda s: s.get("v/blob"))
     assert got == payload and len(got) == size
     assert peak < 1.25 * size, peak / size
+
+
+def _failing_directory_fsyncs(monkeypatch) -> None:
+    """Every fsync of a directory fails with EIO (a disk error: files still fsync)."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr("deltasync.store.local.os.fsync", fsync)
+
+
+def test_a_failed_directory_fsync_is_a_typed_error_and_a_published_key_possibly_written(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # It escaped as a bare OSError, after put_if_absent's link had made the key visible.
+    store = LocalStore(tmp_path / "s", durable=True)
+    store.put("v1/a", b"old")
+    _failing_directory_fsyncs(monkeypatch)
+    with pytest.raises(OutcomeUnknownError, match=r"'v1/MANIFEST' .* possibly written"):
+        store.put_if_absent("v1/MANIFEST", b"m")
+    assert store.get("v1/MANIFEST") == b"m"  # in place: a reader may have seen it
+    with pytest.raises(OutcomeUnknownError, match="'v1/a'"):
+        store.put("v1/a", b"new")
+    with pytest.raises(StoreError, match=r"creating a directory of 'v2/b' .* failed: OSError: .*Input/output error"):
+        store.put("v2/b", b"x")

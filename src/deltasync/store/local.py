@@ -40,7 +40,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from deltasync.atomic import TMP_MARK
-from deltasync.errors import CommitConflictError, KeyNotFoundError, StoreError
+from deltasync.errors import (
+    CommitConflictError,
+    KeyNotFoundError,
+    OutcomeUnknownError,
+    StoreError,
+)
 from deltasync.store.base import (
     MAX_KEY_LENGTH,
     Bytes,
@@ -166,7 +171,10 @@ class LocalStore:
             except OSError as exc:
                 raise self._fail("creating a directory of", key, exc) from exc
             self._chmod_dir(key, dfd, name)
-            self._fsync(dfd)  # a new directory entry is durable only once its parent is
+            try:
+                self._fsync(dfd)  # a new directory entry is durable only once its parent is
+            except OSError as exc:
+                raise self._fail("creating a directory of", key, exc) from exc
         raise StoreError(f"directory {name!r} of {key!r} in {self!r} keeps vanishing")
 
     def _make_root(self) -> None:
@@ -414,7 +422,15 @@ class LocalStore:
             finally:
                 if exclusive:
                     self._unlink_quietly(dfd, tmp)
-            self._fsync(dfd)
+            try:
+                self._fsync(dfd)
+            except OSError as exc:
+                # The key is in place, and readers may see it already; a crash may still lose it.
+                raise OutcomeUnknownError(
+                    f"publishing {key!r} in {self!r}: the key is in place but the fsync of its "
+                    f"directory failed ({type(exc).__name__}: {exc}), so a crash may still "
+                    "lose it: treat it as possibly written"
+                ) from exc
         return written
 
     def _write_temp(self, key: str, dfd: int, tmp: str, chunks: Iterable[Bytes]) -> int:
