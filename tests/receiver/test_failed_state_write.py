@@ -3,6 +3,9 @@ receiver must not go on reporting the version before it, which the tensors no lo
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
 from deltasync import MemoryStore, Receiver
@@ -30,15 +33,47 @@ def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_repla
 
     with monkeypatch.context() as m:
         m.setattr(StateDir, "write_state", fails)
-        try:
+        with pytest.raises(LocalStateError) as failed:
             rec.pull()
-        except LocalStateError:
-            pass
-        else:
-            raise AssertionError("the failed state file write did not raise")
+    # the version, the shard, what holds meanwhile and the remedy (it named the file only)
+    assert re.search(
+        r"version 1 was written to receiver shard 'tp0' but not recorded: cannot write .*"
+        r"No space left on device\. It reports no version until a pull replays the journal: "
+        r"free space in the state dir .* and pull again$",
+        str(failed.value),
+    ), failed.value
     assert_same_bits(tensors, v1, "the scatter ended")
     assert rec.dirty, "tensors at version 1, recorded version 0: it must report no version"
     assert rec.version is None and rec.verified_version == 0  # the record moves with the file
     report = rec.pull()  # the journal is replayed
     assert report.repaired and report.version == 1 and not rec.dirty
     assert_same_bits(tensors, v1)
+
+
+def test_a_failed_journal_write_writes_nothing_and_names_the_version_and_the_remedy(
+    tmp_path, monkeypatch
+):
+    store = MemoryStore()
+    tl, rl, params, pub = anchored_bf16(store, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    v0 = {n: t.clone() for n, t in tensors.items()}
+    publish_edit(pub, params, 1, 7)
+
+    def fails(self, journal):
+        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(StateDir, "write_journal", fails)
+        with pytest.raises(LocalStateError) as failed:
+            rec.pull()
+    assert re.search(
+        r"version 1 not taken by receiver shard 'tp0': cannot write .* No space left on "
+        r"device\. Nothing was written .* free space in the state dir .* and pull again$",
+        str(failed.value),
+    ), failed.value
+    assert_same_bits(tensors, v0, "nothing written")
+    assert rec.version == 0 and not rec.dirty
+    assert rec.pull().version == 1
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])

@@ -837,6 +837,13 @@ class Receiver:
                 self.catalog.forget(m.version)
             self._refused(versions, digest, expected, from_version)
         error = journal.wait()  # durable before the first live write
+        if isinstance(error, LocalStateError):
+            raise LocalStateError(
+                f"version {target.version} not taken by receiver shard {self.shard!r}: "
+                f"{error}. Nothing was written (the tensors hold what they held); free space "
+                f"in the state dir {str(self.dir.path)!r} (or let this process write there) "
+                "and pull again"
+            ) from error
         if error is not None:
             raise error
         # The same records again (the blobs' bytes are immutable and fully checked above),
@@ -949,6 +956,14 @@ class Receiver:
                 # tensors no longer hold: no version until the journal is replayed (in memory:
                 # the journal on disk says the same to a restart).
                 self._state = self._state_with(dirty=True)
+                if isinstance(error, LocalStateError):
+                    raise LocalStateError(
+                        f"version {held.version} was written to receiver shard {self.shard!r} "
+                        f"but not recorded: {error}. It reports no version until a pull "
+                        f"replays the journal: free space in the state dir "
+                        f"{str(self.dir.path)!r} (or let this process write there) and pull "
+                        "again"
+                    ) from error
             raise error
 
     def _interrupted(
