@@ -1,5 +1,8 @@
-"""A pull whose scatter ended but whose state file could not be written (disk full): the
-receiver must not go on reporting the version before it, which the tensors no longer hold."""
+"""A pull whose state dir cannot take the journal or the state file (disk full): nothing is
+written without the journal, and a receiver whose scatter ended but whose state file could not
+be written must not go on reporting the version before it, which the tensors no longer hold.
+Either error names the version, the shard, what the tensors hold meanwhile and the remedy (it
+named the file only)."""
 
 from __future__ import annotations
 
@@ -15,33 +18,42 @@ from deltasync.receiver.journal import StateDir
 SHARD = "tp0"
 
 
-def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_replayed(
-    tmp_path, monkeypatch
-):
-    # It reported version 0, not dirty (so a vLLM worker's weight_version said 0) while its
-    # tensors held version 1.
+def _version_1_pulled_with_a_full_state_dir(tmp_path, monkeypatch, record: str):
+    """A receiver at version 0; version 1 published; its pull with ``StateDir.<record>``
+    failing as on a full disk. Returns the receiver, its tensors, version 0's and version 1's
+    expected tensors, and the error's text."""
     store = MemoryStore()
     tl, rl, params, pub = anchored_bf16(store, seed=3)
     tensors = zero_tensors(rl, SHARD)
     rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
     assert rec.pull().version == 0
+    v0 = rl.split(tl.to_canonical(params))[SHARD]
     publish_edit(pub, params, 1, 7)
-    v1 = rl.split(tl.to_canonical(params))[SHARD]
 
-    def fails(self, state):
+    def fails(self, _record):
         raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(StateDir, "write_state", fails)
+        m.setattr(StateDir, record, fails)
         with pytest.raises(LocalStateError) as failed:
             rec.pull()
-    # the version, the shard, what holds meanwhile and the remedy (it named the file only)
+    return rec, tensors, v0, rl.split(tl.to_canonical(params))[SHARD], str(failed.value)
+
+
+def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_replayed(
+    tmp_path, monkeypatch
+):
+    # It reported version 0, not dirty (so a vLLM worker's weight_version said 0) while its
+    # tensors held version 1.
+    rec, tensors, _, v1, error = _version_1_pulled_with_a_full_state_dir(
+        tmp_path, monkeypatch, "write_state"
+    )
     assert re.search(
         r"version 1 was written to receiver shard 'tp0' but not recorded: cannot write .*"
         r"No space left on device\. It reports no version until a pull replays the journal: "
         r"free space in the state dir .* and pull again$",
-        str(failed.value),
-    ), failed.value
+        error,
+    ), error
     assert_same_bits(tensors, v1, "the scatter ended")
     assert rec.dirty, "tensors at version 1, recorded version 0: it must report no version"
     assert rec.version is None and rec.verified_version == 0  # the record moves with the file
@@ -53,27 +65,15 @@ def test_a_failed_state_file_write_reports_no_version_until_the_journal_is_repla
 def test_a_failed_journal_write_writes_nothing_and_names_the_version_and_the_remedy(
     tmp_path, monkeypatch
 ):
-    store = MemoryStore()
-    tl, rl, params, pub = anchored_bf16(store, seed=3)
-    tensors = zero_tensors(rl, SHARD)
-    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
-    assert rec.pull().version == 0
-    v0 = {n: t.clone() for n, t in tensors.items()}
-    publish_edit(pub, params, 1, 7)
-
-    def fails(self, journal):
-        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
-
-    with monkeypatch.context() as m:
-        m.setattr(StateDir, "write_journal", fails)
-        with pytest.raises(LocalStateError) as failed:
-            rec.pull()
+    rec, tensors, v0, v1, error = _version_1_pulled_with_a_full_state_dir(
+        tmp_path, monkeypatch, "write_journal"
+    )
     assert re.search(
         r"version 1 not taken by receiver shard 'tp0': cannot write .* No space left on "
         r"device\. Nothing was written .* free space in the state dir .* and pull again$",
-        str(failed.value),
-    ), failed.value
+        error,
+    ), error
     assert_same_bits(tensors, v0, "nothing written")
     assert rec.version == 0 and not rec.dirty
     assert rec.pull().version == 1
-    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+    assert_same_bits(tensors, v1)
