@@ -197,5 +197,7 @@ def test_a_failed_directory_fsync_is_a_typed_error_and_a_published_key_possibly_
     assert store.get("v1/MANIFEST") == b"m"  # in place: a reader may have seen it
     with pytest.raises(OutcomeUnknownError, match="'v1/a'"):
         store.put("v1/a", b"new")
-    with pytest.raises(StoreError, match=r"creating a directory of 'v2/b' .* failed: OSError: .*Input/output error"):
+    with pytest.raises(
+        StoreError, match=r"creating a directory of 'v2/b' .* failed: OSError: .*Input/output error"
+    ):
         store.put("v2/b", b"x")

@@ -454,9 +454,26 @@ class S3Store:
                 if error_code(exc)[0] == "InvalidRange":
                     return b""  # starts past the end: reported below like a short range
                 raise
-            return response["Body"].read()
+            body = response["Body"]
+            try:
+                # A server that ignores Range answers 200 with the whole object: refused
+                # before its body is read (a 16-byte read must not buffer a 1 GB blob).
+                if not response.get("ContentRange"):
+                    raise StoreError(
+                        f"get_range({key!r}, {start}, {length}) of {self._url(key)}: the server "
+                        "answered without a Content-Range, i.e. ignored the Range header; "
+                        "deltasync needs an S3 server that serves byte ranges"
+                    )
+                return body.read(length + 1)  # a longer part is reported below
+            finally:
+                body.close()
 
         data = self._call("get_range", key, op)
+        if len(data) > length:
+            raise StoreError(
+                f"get_range({key!r}, {start}, {length}) of {self._url(key)}: the server sent "
+                "more bytes than the range asked for"
+            )
         if len(data) != length:
             raise StoreError(
                 f"get_range({key!r}, {start}, {length}) reads past the end of {self._url(key)} "
@@ -521,10 +538,25 @@ class S3Store:
 
         def op(_: int) -> list[str]:
             keys = []
+            tokens: set[str] = set()
             paginator = self._client.get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
                 for obj in page.get("Contents", ()):
+                    if not obj["Key"].startswith(full_prefix):
+                        raise StoreError(
+                            f"S3 list of {self._url(prefix)}: the server listed "
+                            f"{obj['Key']!r}, which is not under the prefix asked for; the "
+                            "server does not implement ListObjectsV2's Prefix"
+                        )
                     keys.append(obj["Key"][strip:])
+                token = page.get("NextContinuationToken")
+                if token is not None and token in tokens:
+                    raise StoreError(
+                        f"S3 list of {self._url(prefix)}: the server's continuation tokens "
+                        f"loop (token {token[:40]!r} again after {len(tokens)} pages); the "
+                        "listing would never end"
+                    )
+                tokens.add(token)
             return keys
 
         keys = self._call("list", prefix or "(all)", op)

@@ -1,0 +1,70 @@
+"""S3Store against a server that lies (``lying_s3.LyingS3``, a proxy in front of the session's
+real moto server): a typed StoreError at once, never a listing that walks forever, a key from
+outside the store's prefix taken for one of its own, or a 16-byte ranged read that buffers the
+whole object."""
+
+from __future__ import annotations
+
+import pytest
+from botocore.response import StreamingBody
+from lying_s3 import LyingS3
+
+from deltasync.errors import StoreError
+from deltasync.store import RetryPolicy, S3Store
+
+
+@pytest.fixture
+def lying(s3_server):
+    proxy = LyingS3(s3_server.port)
+    fast = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.05, deadline_s=5.0)
+    config = s3_server.config(endpoint_url=proxy.endpoint, retry=fast)
+    store = S3Store(s3_server.new_bucket(), "run42", config=config)
+    yield proxy, store
+    store.close()
+    proxy.close()
+
+
+def test_a_listing_whose_continuation_tokens_loop_is_a_store_error_not_an_endless_walk(lying):
+    # tokens A, B, A, ...: botocore only stops a token repeated at once; the list never ended
+    # and its keys grew without bound
+    proxy, store = lying
+    store.put("v00000001/MANIFEST.json", b"m")
+    proxy.mode = "loops-tokens"
+    with pytest.raises(StoreError, match=r"continuation tokens loop \(token 'A' again"):
+        store.list("v")
+    assert proxy.pages == 3
+    proxy.mode = "honest"
+    assert store.list("v") == ["v00000001/MANIFEST.json"]
+
+
+def test_a_listed_key_outside_the_prefix_is_a_store_error_never_a_key_of_this_store(lying):
+    # the prefix was cut off every listed key unchecked: run43's version 9 read as run42's
+    proxy, store = lying
+    store.put("acks/r1", b"a")
+    proxy.mode = "lists-outside-prefix"
+    proxy.foreign_key = "run43/v00000009/MANIFEST.json"
+    with pytest.raises(StoreError, match=r"listed 'run43/v00000009/MANIFEST.json', which is not"):
+        store.list("")
+    proxy.mode = "honest"
+    assert store.list("") == ["acks/r1"]
+
+
+def test_a_server_that_ignores_range_is_refused_before_the_body_is_read(lying, monkeypatch):
+    # the whole object was read into memory, then reported as "reads past the end"
+    proxy, store = lying
+    store.put("v00000001/tp0/w00000.blob", b"x" * (4 << 20))
+    asked: list = []
+    read = StreamingBody.read
+
+    def counted(self, amt=None):
+        asked.append(amt)
+        return read(self, amt)
+
+    monkeypatch.setattr(StreamingBody, "read", counted)
+    assert store.get_range("v00000001/tp0/w00000.blob", 10, 16) == b"x" * 16
+    assert asked == [17]  # the range and one byte more, never the rest of the object
+    asked.clear()
+    proxy.mode = "ignores-range"
+    with pytest.raises(StoreError, match=r"answered without a Content-Range, i\.e\. ignored the"):
+        store.get_range("v00000001/tp0/w00000.blob", 10, 16)
+    assert asked == []
