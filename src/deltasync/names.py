@@ -96,7 +96,8 @@ def receiver_key(receiver: str) -> str:
 
 
 def parse_version_dir(component: str) -> int:
-    m = re.fullmatch(rf"v(\d{{{_VERSION_DIGITS}}})", component)
+    # [0-9], not \d: \d also takes other scripts' digits, which int() reads ("v٠٠٠٠٠٠٠١" was 1)
+    m = re.fullmatch(rf"v([0-9]{{{_VERSION_DIGITS}}})", component)
     if not m:
         raise ManifestError(f"{component!r} is not a version directory (expected v########)")
     return int(m.group(1))
@@ -112,7 +113,7 @@ def _parse(kind: str, key: str, pattern: str) -> tuple[str, ...]:
     return m.groups()
 
 
-_V = rf"(v\d{{{_VERSION_DIGITS}}})"
+_V = rf"(v[0-9]{{{_VERSION_DIGITS}}})"
 _T = r"([^/]+)"
 
 

@@ -229,6 +229,21 @@ def test_key_parsers_invert_the_builders() -> None:
         (names.parse_ack_key, "acks/v00000012/../../x.json"),
         (names.parse_receiver_key, "receivers/.hidden.json"),
         (names.parse_writer_marker_key, "v00000012/writers/sub/w.json"),
+        # other scripts' digits, which \\d matches and int() reads: gc deleted such keys
+        (
+            names.parse_manifest_key,
+            "v\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661/MANIFEST.json",
+        ),
+        (
+            names.parse_manifest_key,
+            "v\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff11/MANIFEST.json",
+        ),
+        (names.parse_ack_key, "acks/v\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661/r.json"),
+        (
+            names.parse_writer_marker_key,
+            "v\u0966\u0966\u0966\u0966\u0966\u0966\u0966\u0967/writers/w.json",
+        ),
+        (names.parse_version_dir, "v\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661"),
     ],
 )
 def test_key_parsers_reject_anything_the_builders_would_not_produce(parse, key) -> None:
