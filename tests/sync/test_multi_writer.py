@@ -14,6 +14,7 @@ import torch
 from deltasync import names
 from deltasync.commit import Catalog
 from deltasync.errors import (
+    CommitConflictError,
     CommitTimeoutError,
     ConfigError,
     DeltaSyncError,
@@ -509,6 +510,31 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     assert Catalog(store).versions() == [0, 3, 4]
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.chain == (0, 3, 4)
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(90)
+def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_version_is_exact(
+    tmp_path,
+):
+    # Writer 1, handed version 1 again (committed, with its blobs) while the committer
+    # published 2, took it as its own and cleared a step's changes: version 3 committed, and
+    # every receiver refused it (its state digest is the full state's, its blobs lack them).
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
+    _delta_on_the_one_before(syncs, store, 1)
+    for t in trainers:
+        t.step()
+    out = _everyone(lambda r: syncs[r].step_published(2 if r == 0 else 1))
+    assert isinstance(out[0], MissingWritersError), out[0]
+    assert isinstance(out[1], CommitConflictError), out[1]
+    assert "version 1 is already committed" in str(out[1]) and "keeps them" in str(out[1])
+    for t in trainers:
+        t.step()
+    version = max(s.next_version() for s in syncs)  # the documented all-reduce MAX
+    reports = _everyone(lambda r: syncs[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.version == version
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 

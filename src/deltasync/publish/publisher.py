@@ -989,15 +989,28 @@ class Publisher:
                 "and it has no manifest to compare with; publish under a version above "
                 f"{committed}"
             ) from None
+        if not self.config.is_committer and full_state is None:
+            # It cannot hash the resulting state, and nothing else proves that its changes
+            # since its baseline are in that version (another session's late commit, a stale
+            # number, or steps taken since an attempt of its own that landed): taking the
+            # version lost them. Its next version adopts the attempts that landed with its
+            # blobs and anchors after anyone else's.
+            raise CommitConflictError(
+                f"version {version} is already committed (writers {list(manifest.writers)}); "
+                f"writer {self.writer!r}, which does not commit, cannot tell without the full "
+                f"state whether its changes since version {self.baseline} are in it, and keeps "
+                "them. Publish next_version() on every writer, or give every writer full_state "
+                "so that a retried or replayed version is compared as the committer compares it"
+            )
+        digests = self._digests(self._resolve_full(params, full_state))
+        if digests != dict(manifest.shard_digests):
+            raise CommitConflictError(
+                f"version {version} is already committed (writers {list(manifest.writers)}) "
+                "with a different state than this trainer's; this publisher diverged from "
+                f"what receivers hold. Publish under a version above {committed} (it will be "
+                "an anchor)"
+            )
         if self.config.is_committer:
-            digests = self._digests(self._resolve_full(params, full_state))
-            if digests != dict(manifest.shard_digests):
-                raise CommitConflictError(
-                    f"version {version} is already committed (writers {list(manifest.writers)}) "
-                    "with a different state than this trainer's; this publisher diverged from "
-                    f"what receivers hold. Publish under a version above {committed} (it will be "
-                    "an anchor)"
-                )
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
         self._set_baseline(manifest)
         return PublishReport(
