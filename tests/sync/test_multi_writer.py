@@ -177,11 +177,14 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 
-def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, **config):
+def _ranks(
+    stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, keys=None, **config
+):
     """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
     deterministic training), rank ``r`` publishing to ``stores[r]``; ``num_writers`` per
     rank (default: the world size); ``full_state(trainer)``: the committer's full state;
-    ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2)."""
+    ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2); ``keys``: each rank's
+    signing key (default: none)."""
     spec, _tl, rl = lay or layouts()
     syncs, trainers = [], []
     for rank in range(world):
@@ -192,7 +195,12 @@ def _ranks(stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, 
             local[name] = p.detach()[start:stop]
         writers = world if num_writers is None else num_writers[rank]
         cfg = PublisherConfig(
-            writer_rank=rank, num_writers=writers, session="s1", poll_interval_s=0.02, **config
+            writer_rank=rank,
+            num_writers=writers,
+            session="s1",
+            poll_interval_s=0.02,
+            signing_key=None if keys is None else keys[rank],
+            **config,
         )
         pub = Publisher(stores[rank], receiver_layout=rl, config=cfg)
         tracker = RankTracker(
@@ -536,6 +544,20 @@ def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_versi
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == version
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_committer_without_the_writers_signing_key_commits_nothing(tmp_path):
+    # It committed writer 1's signed part unsigned: receivers holding the key refused that
+    # version and every one after it, and no error named the keys.
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks([store] * 2, keys=[None, b"k" * 32], marker_timeout_s=0.5)
+    out = _everyone(lambda r: syncs[r].step_published(0))
+    assert isinstance(out[0], MissingWritersError), out[0]
+    assert "w00001-s1 was refused: it is signed, and this committer has no signing key" in str(
+        out[0]
+    )
+    assert Catalog(store).versions() == []
 
 
 @pytest.mark.timeout(60)

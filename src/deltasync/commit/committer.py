@@ -147,6 +147,14 @@ def wait_for_markers(
                     f"it describes writer {marker.writer!r} version {marker.version}: misplaced"
                 )
                 continue
+            if signing_key is None and marker.mac is not None:
+                # Committed unsigned, the version would be refused by every receiver that
+                # holds the writer's key, and so would every version after it.
+                rejected[writer] = (
+                    "it is signed, and this committer has no signing key: give every writer "
+                    "the same PublisherConfig.signing_key"
+                )
+                continue
             found[writer] = marker
             rejected.pop(writer, None)
         missing = [w for w in writers if w not in found]
