@@ -475,11 +475,11 @@ class FailingMarker:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def put(self, key, data):
+    def put_if_absent(self, key, data):
         if self.armed and "/writers/" in key:
             self.armed = False
             raise StoreError("marker write refused")
-        return self.inner.put(key, data)
+        return self.inner.put_if_absent(key, data)
 
 
 class SlowManifest:
@@ -558,6 +558,28 @@ def test_a_committer_without_the_writers_signing_key_commits_nothing(tmp_path):
         out[0]
     )
     assert Catalog(store).versions() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_second_process_running_as_the_same_writer_is_refused_naming_it(tmp_path):
+    # Its marker overwrote the first one's, and the committer joined whichever it read: the
+    # first process was told that "another publisher attempt won the commit".
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks([store] * 2, marker_timeout_s=5.0)
+    twins, _ = _ranks([store] * 2)
+    first = threading.Thread(target=syncs[1].step_published, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not store.exists(names.writer_marker_key(0, "w00001-s1")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    marker = store.get(names.writer_marker_key(0, "w00001-s1"))
+    with pytest.raises(ConfigError, match=r"writer 'w00001-s1' already stored its marker from"):
+        twins[1].step_published(0)
+    assert store.get(names.writer_marker_key(0, "w00001-s1")) == marker
+    syncs[0].step_published(0)
+    first.join(30)
+    assert Catalog(store).versions() == [0]
 
 
 @pytest.mark.timeout(60)

@@ -31,6 +31,7 @@ from deltasync.commit.signing import sign
 from deltasync.errors import (
     CommitConflictError,
     CommitTimeoutError,
+    ConfigError,
     DeltaSyncError,
     KeyNotFoundError,
     ManifestError,
@@ -169,6 +170,28 @@ def wait_for_markers(
                 f"(with a new session) or raise PublisherConfig.marker_timeout_s{why}"
             )
         time.sleep(poll_s)
+
+
+def store_marker(store: Store, marker: WriterMarker, data: bytes) -> None:
+    """Store a writer's marker of a version, once: a marker already there (other bytes) is
+    another process's, running as the same writer id (a rank handed out twice, or an old
+    incarnation still alive), and is never overwritten. ConfigError then, naming the writer."""
+    try:
+        store.put_if_absent(marker.key, data)
+        return
+    except CommitConflictError:
+        pass
+    except OutcomeUnknownError:
+        if _stored_as(store, marker.key, data) is None:
+            raise
+    if _stored_as(store, marker.key, data):
+        return  # our own bytes: a write whose reply was lost
+    raise ConfigError(
+        f"version {marker.version}: writer {marker.writer!r} already stored its marker from "
+        "another process: two trainer processes run as that writer (the same writer_rank and "
+        "session). Give each rank its own writer_rank, and a restarted job a new session; "
+        "this attempt is not committed, and receivers refuse a version built from both"
+    )
 
 
 def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:

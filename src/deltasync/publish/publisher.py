@@ -691,7 +691,7 @@ class Publisher:
             base_version=-1 if base is None else base,
             num_writers=cfg.num_writers,
         )
-        self.store.put(marker.key, marker.to_json(cfg.signing_key))  # MAC'd when keyed
+        commit_mod.store_marker(self.store, marker, marker.to_json(cfg.signing_key))  # MAC'd
         self._stored = None
         try:
             manifest, ours = self._commit(
