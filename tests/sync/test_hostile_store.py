@@ -22,6 +22,7 @@ from deltasync.errors import (
     ManifestError,
     SignatureError,
     TruncatedBlobError,
+    VersionError,
 )
 from deltasync.format import encode_blob, sparse_update
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
@@ -208,6 +209,30 @@ def test_a_store_that_regressed_below_the_receiver_restores_its_newest_anchor(ri
     report = rig.rec.pull()  # its v2 is on no chain of the store any more
     assert report.version == 1 and report.chain == (0, 1) and report.from_anchor
     assert_same_bits(rig.rec.tensors, rig.states[1]["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_keyed_receiver_is_not_rolled_back_by_deleting_its_runs_newest_manifests(tmp_path):
+    # Deleting needs no key: deleting version 2's manifest made a receiver with the key
+    # re-apply 0 -> 1 and report version 1 (any older signed version, deleting more).
+    r = Rig(tmp_path, key=KEY)
+    for v in range(3):
+        r.publish(v)
+    assert r.rec.pull().version == 2
+    r.store.delete(names.manifest_key(2))
+    r.store.put(names.LATEST, encode_latest(1))
+    for _ in range(2):
+        with pytest.raises(VersionError, match=r"holds version 2 of run .* now 1: .* It keeps"):
+            r.rec.pull()
+        r.assert_untouched(2)
+    r.publish(3)  # the trainer's next version: a delta on the version it holds
+    report = r.rec.pull()
+    assert report.version == 3 and report.chain == (3,)
+    assert_same_bits(r.rec.tensors, r.states[3]["tp0"])
+    r.store.delete(names.manifest_key(3))
+    r.rec.invalidate("the operator rolled the store back")  # follows it back on request
+    assert r.rec.pull().version == 1
+    assert_same_bits(r.rec.tensors, r.states[1]["tp0"])
 
 
 @pytest.mark.timeout(60)

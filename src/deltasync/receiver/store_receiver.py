@@ -425,6 +425,22 @@ class Receiver:
         """True when the tensors are known not to hold :attr:`version`."""
         return self._state.dirty
 
+    def _refuse_regression(self, held: int, head: Manifest) -> None:
+        """With a key, the store's newest version of the held version's own run below it
+        (its manifests above were deleted) is never followed down: deleting objects needs no
+        key, so that would let anyone who can delete roll the engine back to any older signed
+        version. Another run (a store reset, a new lineage) is followed as without a key."""
+        if head.run_id is None or head.run_id != self._state.run_id:
+            return
+        raise VersionError(
+            f"receiver {self.config.receiver_id!r} shard {self.shard!r} holds version {held} "
+            f"of run {head.run_id!r}, and the store's newest version of that run is now "
+            f"{head.version}: the manifests above it were removed (by someone who can delete "
+            "but needs no key, or an operator). It keeps version "
+            f"{held}: nothing was fetched or written. The trainer's next version is taken as "
+            "usual; to follow the store back, call invalidate() and pull"
+        )
+
     def _held_manifest(self, held: tuple[int, str]) -> Manifest | None:
         """The manifest of the held version when the store still holds it, with this shard's
         digest: a head older than the held version is then a view that lags (an unreadable
@@ -671,6 +687,8 @@ class Receiver:
                     f"{held[0]}, newer than the version {target} asked for, and a receiver never "
                     "goes back: take the newest. Nothing was fetched or written"
                 )
+            if kept is None and self.config.signing_key is not None:
+                self._refuse_regression(held[0], head)
             head = kept or head
         idle = head is None or (
             held is not None
