@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "deltasync"
 BASE = {"errors", "names", "validate", "atomic", "interrupts"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "names": {"errors"},
+    "names": {"errors", "validate"},  # a version argument is checked as any int argument
     "validate": {"errors"},
     "atomic": {"errors"},
     "interrupts": set(),

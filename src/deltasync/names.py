@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from deltasync.errors import ManifestError
+from deltasync.validate import check_int
 
 LATEST = "LATEST"
 _VERSION_DIGITS = 8
@@ -38,6 +39,13 @@ def check_version(version: int) -> int:
     if not 0 <= version <= MAX_VERSION:
         raise ManifestError(f"version {version!r} is out of range 0..{MAX_VERSION}")
     return version
+
+
+def check_version_arg(owner: str, version: object, *, hint: str = "") -> int:
+    """``version`` as a caller passed it to ``owner`` (a method or request field): an int in
+    ``0..MAX_VERSION``, else a ConfigError naming it, with ``hint`` as the remedy. (A version
+    read from the store is :func:`check_version`'s: a ManifestError.)"""
+    return check_int(owner, "version", version, lo=0, hi=MAX_VERSION, hint=hint)
 
 
 def version_dir(version: int) -> str:

@@ -131,14 +131,13 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.layout.routing import every_element, padding_updates, shard_updates
-from deltasync.names import MAX_VERSION
+from deltasync.names import check_version_arg
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.params import ReadWindow
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import takes_sink
 from deltasync.trainer.step_barrier import optimizers_of
-from deltasync.validate import check_int
 
 Params = Mapping[str, torch.Tensor]
 
@@ -511,13 +510,8 @@ class ClusterSender:
             self._pending = carry_of(out.sent_indices)
 
     def _base(self, version: int, anchor: bool) -> int:
-        check_int(
-            "ClusterSender.sync",
-            "version",
-            version,
-            lo=0,
-            hi=MAX_VERSION,
-            hint="sync() without a version picks the next",
+        check_version_arg(
+            "ClusterSender.sync", version, hint="sync() without a version picks the next"
         )
         if self._unsettled is not None and version <= self._unsettled:
             raise VersionError(

@@ -59,7 +59,6 @@ from deltasync.engines.agreement import (
 )
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.store.factory import open_existing_store
-from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class SglangRequest:
             names.check_token("SglangRequest.receiver_id", self.receiver_id)
         except DeltaSyncError as exc:
             raise ConfigError(str(exc)) from None
-        check_int("SglangRequest", "version", self.version, lo=0, hi=names.MAX_VERSION)
+        names.check_version_arg("SglangRequest", self.version)
         if self.signing_key_hex is not None:
             try:
                 key = bytes.fromhex(self.signing_key_hex)

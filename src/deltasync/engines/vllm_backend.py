@@ -66,9 +66,8 @@ from deltasync.engines.agreement import (
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.layout.probed import load_receiver_layout
-from deltasync.names import MAX_VERSION
+from deltasync.names import check_version_arg
 from deltasync.store.factory import open_existing_store
-from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     extra: dict[str, Any] = field(default_factory=dict)  # ignored; room for later fields
 
     def __post_init__(self) -> None:
-        check_int("DeltaSyncUpdateInfo", "version", self.version, lo=0, hi=MAX_VERSION)
+        check_version_arg("DeltaSyncUpdateInfo", self.version)
         if self.phase not in PHASES:
             raise ConfigError(
                 f"DeltaSyncUpdateInfo.phase must be one of {PHASES}, got {self.phase!r}"

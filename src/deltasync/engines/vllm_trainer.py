@@ -43,8 +43,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from deltasync.engines.agreement import NOTHING_WRITTEN
 from deltasync.engines.vllm_backend import DeltaSyncInitInfo
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError
-from deltasync.names import MAX_VERSION
-from deltasync.validate import check_int
+from deltasync.names import check_version_arg
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         """Open an update and let the workers fetch and verify ``version`` while serving.
         A failed stage closes the update it opened (nothing was written), so the next call
         can open one."""
-        _check_version("DeltaSyncTrainerEngine.stage", version)  # before any RPC
+        check_version_arg("DeltaSyncTrainerEngine.stage", version)  # before any RPC
         if not self.is_sender:
             return
         with self._lock:
@@ -168,7 +167,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
     def apply(self, version: int) -> None:
         """Write the staged ``version`` (the engine's pause), finish, reset the prefix cache.
         Raises what a worker raised; the workers then hold their previous verified version."""
-        _check_version("DeltaSyncTrainerEngine.apply", version)  # before any RPC
+        check_version_arg("DeltaSyncTrainerEngine.apply", version)  # before any RPC
         if not self.is_sender:
             return
         with self._lock:
@@ -224,10 +223,6 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 exc,
                 version,
             )
-
-
-def _check_version(owner: str, version: object) -> None:
-    check_int(owner, "version", version, lo=0, hi=MAX_VERSION)
 
 
 def _raise_typed(exc: Exception, version: int, phase: str) -> None:

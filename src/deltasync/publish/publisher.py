@@ -93,7 +93,6 @@ from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
 from deltasync.trainer.params import local_of
 from deltasync.trainer.positions import Positions
-from deltasync.validate import check_int
 
 
 def _joined(kept: TensorEntries | None, fed: TensorEntries | None) -> TensorEntries | None:
@@ -466,13 +465,8 @@ class Publisher:
                 already failed on this writer; with one, its manifest write ended without a
                 verdict and the store does not hold that manifest (see :meth:`next_version`).
         """
-        check_int(
-            "Publisher.publish",
-            "version",
-            version,
-            lo=0,
-            hi=names.MAX_VERSION,
-            hint="publish publisher.next_version()",
+        names.check_version_arg(
+            "Publisher.publish", version, hint="publish publisher.next_version()"
         )
         several = self.config.num_writers > 1
         if version in self._failed and (several or not self._manifest_landed(version)):
@@ -691,7 +685,11 @@ class Publisher:
             base_version=-1 if base is None else base,
             num_writers=cfg.num_writers,
         )
-        commit_mod.store_marker(self.store, marker, marker.to_json(cfg.signing_key))  # MAC'd
+        data = marker.to_json(cfg.signing_key)  # MAC'd when keyed
+        if cfg.num_writers > 1:  # a number is never retried there: its marker is stored once
+            commit_mod.store_marker(self.store, marker, data)
+        else:  # one writer retries a number that did not commit, rewriting its own marker
+            self.store.put(marker.key, data)
         self._stored = None
         try:
             manifest, ours = self._commit(

@@ -93,7 +93,7 @@ from deltasync.errors import (
 from deltasync.interrupts import interrupts_deferred
 from deltasync.layout.digest import TensorEntries
 from deltasync.layout.digest_feed import DigestFeed
-from deltasync.names import MAX_VERSION
+from deltasync.names import check_version_arg
 from deltasync.native.loader import release_free_heap
 from deltasync.native.ops import bf16_at
 from deltasync.publish.publisher import Publisher, PublishReport
@@ -111,7 +111,7 @@ from deltasync.trainer.params import ReadWindow, Version
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import sink_kwargs, takes_sink
 from deltasync.trainer.step_barrier import StepBarrier, optimizers_of
-from deltasync.validate import check_bool, check_int
+from deltasync.validate import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -390,14 +390,7 @@ class TrainerSync:
             One :class:`PublishReport` per publisher, in order; with overlap, the
             :class:`PendingVersion` whose ``result()`` gives them.
         """
-        check_int(
-            "TrainerSync.step_published",
-            "version",
-            version,
-            lo=0,
-            hi=MAX_VERSION,
-            hint="publish sync.next_version()",
-        )
+        check_version_arg("TrainerSync.step_published", version, hint="publish sync.next_version()")
         if self.overlap and not self._closed:
             return self._step_overlapped(version, anchor)
         if self._carry:
