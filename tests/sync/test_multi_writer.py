@@ -178,13 +178,21 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
 
 
 def _ranks(
-    stores, *, world=WORLD, num_writers=None, full_state=None, lay=None, keys=None, **config
+    stores,
+    *,
+    world=WORLD,
+    num_writers=None,
+    full_state=None,
+    lay=None,
+    keys=None,
+    session="s1",
+    **config,
 ):
     """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
     deterministic training), rank ``r`` publishing to ``stores[r]``; ``num_writers`` per
     rank (default: the world size); ``full_state(trainer)``: the committer's full state;
     ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2); ``keys``: each rank's
-    signing key (default: none)."""
+    signing key (default: none); ``session``: the job's."""
     spec, _tl, rl = lay or layouts()
     syncs, trainers = [], []
     for rank in range(world):
@@ -197,7 +205,7 @@ def _ranks(
         cfg = PublisherConfig(
             writer_rank=rank,
             num_writers=writers,
-            session="s1",
+            session=session,
             poll_interval_s=0.02,
             signing_key=None if keys is None else keys[rank],
             **config,
@@ -544,6 +552,40 @@ def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_versi
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == version
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(90)
+def test_writers_replaying_a_committed_version_under_a_new_session_converge_on_an_anchor(
+    tmp_path,
+):
+    # A restarted job replays version 2. The committer takes it by its digests, writer 1
+    # (no full state) cannot: the committer then sent deltas beside writer 1's anchors, and
+    # nothing committed until a multiple of anchor_every.
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
+    _delta_on_the_one_before(syncs, store, 1)
+    for t in trainers:
+        t.step()
+    _delta_on_the_one_before(syncs, store, 2)
+    syncs, trainers = _ranks([store] * 2, session="s2", marker_timeout_s=1.0)
+    for _ in range(2):
+        for t in trainers:
+            t.step()
+    replayed = _everyone(lambda r: syncs[r].step_published(2))
+    assert replayed[0][0].already_committed, replayed
+    assert isinstance(replayed[1], CommitConflictError), replayed
+    for t in trainers:
+        t.step()
+    version = max(s.next_version() for s in syncs)
+    reports = _everyone(lambda r: syncs[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert [x[0].kind for x in reports] == ["anchor", "anchor"]
+    assert "taken by its digests from other writers" in reports[0][0].anchor_reason
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.version == version
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+    for t in trainers:
+        t.step()
+    _delta_on_the_one_before(syncs, store, version + 1)
 
 
 @pytest.mark.timeout(60)

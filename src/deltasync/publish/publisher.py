@@ -249,6 +249,10 @@ class Publisher:
         # The baseline before an adoption, while nothing this writer committed follows it: a
         # caller whose attempt failed since still gives its changes relative to it
         self._adopted_since: int | None = None
+        # With several writers: the baseline is a version other writers committed (a
+        # replayed trainer's, taken by its digests), which a writer without the full state
+        # cannot take or adopt and so anchors after: this one anchors too, until a commit
+        self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
         self._router = GroupRouter(
@@ -734,6 +738,7 @@ class Publisher:
         self._set_baseline(manifest)
         self._sent_names.clear()
         self._resend_whole = set()
+        self._foreign_baseline = None
 
     def _commit(
         self,
@@ -917,6 +922,11 @@ class Publisher:
                 f"the changes are relative to version {since}, but the newest committed version "
                 f"is {committed}"
             )
+        if self._foreign_baseline == committed:
+            return (
+                f"version {committed} was taken by its digests from other writers (a replayed "
+                "trainer's): a writer without the full state cannot take it, and anchors"
+            )
         if not self._on_lineage(head):
             return (
                 f"this publisher has not verified that its baseline is the stored version "
@@ -1011,6 +1021,8 @@ class Publisher:
         if self.config.is_committer:
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
         self._set_baseline(manifest)
+        if self.config.num_writers > 1 and self.writer not in manifest.writers:
+            self._foreign_baseline = version
         return PublishReport(
             version=version,
             kind=manifest.kind,
