@@ -212,7 +212,7 @@ class ModelSpec:
             step = _pos_int("decoder_sparse_step", 1 if step is None else step)
             mlp_only = _layer_list("mlp_only_layers", cfg.get("mlp_only_layers"))
             shared = cfg.get("shared_expert_intermediate_size")
-            if shared:  # vLLM's qwen3_moe.py builds a shared expert from it; transformers none
+            if shared not in (None, 0):  # vLLM's qwen3_moe.py builds a shared expert from it
                 raise LayoutError(
                     f"model config has shared_expert_intermediate_size {shared!r}: vLLM builds "
                     "a shared expert for each MoE layer from it, which transformers' Qwen3-MoE "
