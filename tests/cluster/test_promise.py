@@ -149,7 +149,7 @@ def test_a_version_a_slow_receiver_committed_alone_is_never_sent_again_as_anothe
     # commits version 2. The writer cannot know; the version it failed must not be sent again
     # under the same number with the next step's weights, or rank 2 reports version 2 for two
     # different states.
-    results = spawn(run_slow_commit, 3, 5.0, 2.0, timeout_s=150)
+    results = spawn(run_slow_commit, 3, 8.0, 2.0, timeout_s=150)  # past 2 s + WAIT_BEYOND_S
     writer, receivers = results[0], results[1:]
     assert writer["steps"][0]["error"] == "ExchangeTimeoutError", writer["steps"][0]
     assert "version 2" in writer["steps"][0]["message"]
@@ -162,13 +162,27 @@ def test_a_version_a_slow_receiver_committed_alone_is_never_sent_again_as_anothe
 
 
 @pytest.mark.timeout(200)
+def test_a_rank_late_to_the_commit_within_the_clocks_allowance_commits_on_every_rank() -> None:
+    # Rank 2 reaches the joint commit 0.5 s after the others' commit_timeout_s. The verdict
+    # takes that as on time (the clocks' allowance), so the others must still be waiting:
+    # they had given up, and rank 2 committed version 2 alone.
+    results = spawn(run_slow_commit, 3, 2.5, 2.0, timeout_s=150)
+    writer, receivers = results[0], results[1:]
+    assert writer["steps"][0]["error"] is None, writer["steps"][0]
+    for r in receivers:
+        assert r["steps"][2]["error"] is None, (r["rank"], r["steps"][2])
+        assert [v for v, _ in r["seen"]][:3] == [0, 1, 2], r["seen"]
+        assert r["exact"] and r["version"] == writer["version"] == 3, r
+
+
+@pytest.mark.timeout(200)
 def test_two_writers_split_by_a_late_writer_in_the_commit_converge_by_the_recovery_recipe() -> None:
     # Writer 1 stalls past the commit timeout before its commit row. Writer 0 and the receiver
     # give up without a verdict, so writer 0 never sends version 2 again; writer 1, continuing,
     # completes the all_gather and gets the abort for lateness. It must retire version 2 too:
     # otherwise its sync() picks 2 and writer 0's picks 3, and every preflight of the recipe
     # refuses the pair ("the writers send different versions"), anchors included.
-    writer, late, receiver = spawn(run_late_writer_in_commit, 3, 6.0, 2.0, timeout_s=150)
+    writer, late, receiver = spawn(run_late_writer_in_commit, 3, 8.0, 2.0, timeout_s=150)
     assert writer["steps"][2]["error"] == "ExchangeTimeoutError", writer["steps"][2]
     assert receiver["steps"][2]["error"] == "ExchangeTimeoutError", receiver["steps"][2]
     stalled = late["steps"][2]

@@ -267,7 +267,7 @@ def joint_commit(
         work = dist.all_gather(gathered, mine, group=group, async_op=True)
         wait(
             work,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s + status_row.WAIT_BEYOND_S,
             what=f"joint commit (all_gather of the commit rows of all {world} ranks)",
             peers="some rank of the group (a receiver still applying, or a dead rank)",
         )

@@ -421,7 +421,7 @@ def preflight(
     try:
         wait(
             work,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s + status_row.WAIT_BEYOND_S,
             what=f"preflight (all_gather of the fingerprint rows of all {world} ranks; {what})",
             peers="some rank of the group (not started, still busy, or dead)",
         )

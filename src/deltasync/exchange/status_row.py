@@ -59,6 +59,11 @@ MESSAGE_WORDS = MESSAGE_BYTES // 8
 # taken to have stopped waiting only when the last arrival came this much after its wait ended,
 # so a collective every rank completes is never judged late because of the clocks.
 CLOCK_SKEW_S = 1.0
+# How much longer than the patience it stamps a rank waits in a judged gather. The judges take
+# a row stamped within patience + CLOCK_SKEW_S of a rank's arrival as on time, i.e. up to
+# 2 * CLOCK_SKEW_S later in true time: a rank still waiting then gets it (with 0.5 s for the
+# row's way), so it never gives up on a gather that the others complete and commit.
+WAIT_BEYOND_S = 2 * CLOCK_SKEW_S + 0.5
 
 
 def now_ms() -> int:
