@@ -43,19 +43,6 @@ def test_an_uncommitted_apply_still_accepts_the_retry_on_the_same_base() -> None
     assert j.state == JournalState(committed=5)
 
 
-def test_a_delta_over_an_uncommitted_apply_of_another_attempt_window_needs_an_anchor() -> None:
-    # The preflight refused it, but apply_payload (no collective) took it: the journal did
-    # not check the window, though the docs said it does.
-    j = ClusterJournal(version=4)
-    j.begin(5, 4, window=7)
-    j.accepts(version=5, base=4, where="t", window=7)  # the same window's retry
-    with pytest.raises(AnchorRequiredError, match="attempt of version 5 that this send's"):
-        j.accepts(version=5, base=4, where="t", window=8)
-    j.accepts(version=5, base=-1, where="t", window=8)
-    j.commit(5)
-    j.accepts(version=6, base=5, where="t", window=8)  # nothing pending: any window
-
-
 def test_a_dirty_receiver_accepts_only_an_anchor_until_one_commits() -> None:
     j = ClusterJournal(version=4)
     j.begin(5, 4)

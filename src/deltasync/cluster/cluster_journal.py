@@ -153,10 +153,8 @@ class ClusterJournal:
     def state(self) -> JournalState:
         return self._state
 
-    def accepts(self, *, version: int, base: int, where: str, window: int | None = None) -> None:
-        """Raise unless a blob bringing ``version`` on ``base`` (-1: anchor) may be applied;
-        ``window``: the writers' attempt window it comes from (None: not known here, as in
-        the preflight's own check, which compares the windows itself)."""
+    def accepts(self, *, version: int, base: int, where: str) -> None:
+        """Raise unless a blob bringing ``version`` on ``base`` (-1: anchor) may be applied."""
         s = self._state
         if s.committed is not None and version <= s.committed:
             raise VersionError(
@@ -182,13 +180,6 @@ class ClusterJournal:
                 f"{where}: version {version} applies on base {base}, this receiver holds "
                 f"version {s.committed}; refused before any write (send an anchor, or the "
                 "version this receiver is missing)"
-            )
-        if window is not None and s.applying is not None and s.window != window:
-            raise AnchorRequiredError(
-                f"{where}: delta version {version} on base {base} refused before any write: "
-                f"this receiver applied an attempt of version {s.applying[0]} that this send's "
-                "attempt window does not cover (a writer restarted or lost the record of its "
-                "uncommitted attempts); the writers must send an anchor (sync(anchor=True))"
             )
 
     def begin(self, version: int, base: int, *, window: int = 0) -> None:

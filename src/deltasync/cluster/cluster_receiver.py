@@ -413,7 +413,6 @@ class ClusterReceiver:
             journal=self.journal,
             max_decompressed_bytes=self.config.max_decompressed_bytes,
             max_staged_bytes=self.max_staged_bytes,
-            window=window,
         )
         stage_s = time.perf_counter() - t
 

@@ -117,7 +117,6 @@ def stage_payloads(
     journal: ClusterJournal,
     max_decompressed_bytes: int = 1 << 36,
     max_staged_bytes: int = 0,
-    window: int | None = None,
 ) -> Staged:
     """Check a version's payloads for receiver ``rank`` up to their records; raise a typed
     error (and write nothing) on any problem.
@@ -129,8 +128,6 @@ def stage_payloads(
         max_decompressed_bytes: a blob declaring a larger record section is refused.
         max_staged_bytes: decode the version now and hold it when its decoded records are
             estimated within this many bytes (0: never; read it one tensor at a time).
-        window: the writers' attempt window the payloads come from; a delta over an
-            uncommitted apply of another window is refused (None: the caller checked).
 
     Returns:
         The :class:`Staged` version; its records are checked when :meth:`Staged.chain` is read.
@@ -186,7 +183,7 @@ def stage_payloads(
         h = records.header
         if version is None:
             version, base = h.version, h.base_version
-            journal.accepts(version=version, base=base, where=where, window=window)
+            journal.accepts(version=version, base=base, where=where)
         if h.writer in per_writer:
             raise BlobMismatchError(
                 f"{where}: two blobs of version {version} from writer {h.writer!r}; nothing "
