@@ -186,13 +186,15 @@ def _ranks(
     lay=None,
     keys=None,
     session="s1",
+    full_everywhere=False,
     **config,
 ):
     """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
     deterministic training), rank ``r`` publishing to ``stores[r]``; ``num_writers`` per
     rank (default: the world size); ``full_state(trainer)``: the committer's full state;
     ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2); ``keys``: each rank's
-    signing key (default: none); ``session``: the job's."""
+    signing key (default: none); ``session``: the job's; ``full_everywhere``: every rank
+    gets its trainer's full state (resume() needs it on every writer)."""
     spec, _tl, rl = lay or layouts()
     syncs, trainers = [], []
     for rank in range(world):
@@ -214,7 +216,7 @@ def _ranks(
         tracker = RankTracker(
             SnapshotTracker(trainer.named_parameters()), trainer.params, rank, world
         )
-        full = None
+        full = trainer.params if full_everywhere else None
         if rank == 0:
             full = trainer.params if full_state is None else full_state(trainer)
         syncs.append(TrainerSync(tracker, pub, local, full_state=full))
@@ -579,7 +581,40 @@ def test_writers_replaying_a_committed_version_under_a_new_session_converge_on_a
     reports = _everyone(lambda r: syncs[r].step_published(version))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
-    assert "taken by its digests from other writers" in reports[0][0].anchor_reason
+    assert "was taken from other writers (another session" in reports[0][0].anchor_reason
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.version == version
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+    for t in trainers:
+        t.step()
+    _delta_on_the_one_before(syncs, store, version + 1)
+
+
+@pytest.mark.timeout(90)
+def test_writers_resumed_from_another_sessions_version_agree_whatever_numbers_they_are_given(
+    tmp_path,
+):
+    # After resume(2) under a new session, writer 1 handed the replayed 2 took it by its
+    # digests and anchored next; the committer, whose baseline came from resume(), sent
+    # deltas: nothing committed until a multiple of anchor_every.
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
+    _delta_on_the_one_before(syncs, store, 1)
+    for t in trainers:
+        t.step()
+    _delta_on_the_one_before(syncs, store, 2)
+    syncs, trainers = _ranks([store] * 2, session="s2", full_everywhere=True, marker_timeout_s=1.0)
+    for _ in range(2):
+        for t in trainers:
+            t.step()
+    assert _everyone(lambda r: syncs[r].resume(2)) == [True, True]
+    first = _everyone(lambda r: syncs[r].step_published(3 if r == 0 else 2))
+    assert isinstance(first[0], MissingWritersError) and first[1][0].already_committed, first
+    for t in trainers:
+        t.step()
+    version = max(s.next_version() for s in syncs)
+    reports = _everyone(lambda r: syncs[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert [x[0].kind for x in reports] == ["anchor", "anchor"]
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == version
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])

@@ -249,9 +249,10 @@ class Publisher:
         # The baseline before an adoption, while nothing this writer committed follows it: a
         # caller whose attempt failed since still gives its changes relative to it
         self._adopted_since: int | None = None
-        # With several writers: the baseline is a version other writers committed (a
-        # replayed trainer's, taken by its digests), which a writer without the full state
-        # cannot take or adopt and so anchors after: this one anchors too, until a commit
+        # With several writers: the baseline is a version other writers committed (another
+        # session's, taken by resume() or, replayed, by its digests), which a writer without
+        # the full state cannot take or adopt and so anchors after: this one anchors too,
+        # until a commit
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
@@ -365,6 +366,11 @@ class Publisher:
             )
             return False
         self._set_baseline(manifest)
+        if self.config.num_writers > 1 and self.writer not in manifest.writers:
+            # Another session's version, as a replayed one taken by its digests: every writer
+            # that takes one anchors next, so writers that resumed and writers that replayed
+            # (or could not) agree.
+            self._foreign_baseline = manifest.version
         return True
 
     def _run_went_past(self, manifest: Manifest) -> str | None:
@@ -924,8 +930,9 @@ class Publisher:
             )
         if self._foreign_baseline == committed:
             return (
-                f"version {committed} was taken by its digests from other writers (a replayed "
-                "trainer's): a writer without the full state cannot take it, and anchors"
+                f"version {committed} was taken from other writers (another session's, by "
+                "resume() or by its digests): a writer without the full state cannot take it, "
+                "and anchors"
             )
         if not self._on_lineage(head):
             return (
