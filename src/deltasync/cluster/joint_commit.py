@@ -175,7 +175,7 @@ def judge(votes: Sequence[CommitRow], plan: RolePlan) -> Verdict:
         failures[first] = (
             f"stopped waiting after {waits / 1000:g} s, before "
             + ", ".join(f"rank {r} arrived ({ms / 1000:.1f} s after it)" for r, ms in late)
-            + "; it raised and commits nothing, so no rank may"
+            + "; a rank whose wait has ended commits nothing, so no rank may"
         )
     if not failures:
         failures = _disagreements(votes, plan)
