@@ -531,6 +531,36 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 
+def _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path):
+    """After one more step, every writer publishes the documented all-reduce MAX of
+    next_version(): it commits, and a fresh receiver holds it bit-exactly. Returns the
+    version and every writer's reports."""
+    for t in trainers:
+        t.step()
+    version = max(s.next_version() for s in syncs)
+    reports = _everyone(lambda r: syncs[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    rec, report = _fresh_pull(store, rl, tmp_path)
+    assert report.version == version
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+    return version, reports
+
+
+def _restarted_at_version_2(tmp_path, **config):
+    """Versions 0-2 committed by session s1; then session s2's ranks (``config`` to
+    :func:`_ranks`), whose deterministic training replayed two steps: version 2's state."""
+    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
+    _delta_on_the_one_before(syncs, store, 1)
+    for t in trainers:
+        t.step()
+    _delta_on_the_one_before(syncs, store, 2)
+    syncs, trainers = _ranks([store] * 2, session="s2", marker_timeout_s=1.0, **config)
+    for _ in range(2):
+        for t in trainers:
+            t.step()
+    return store, tl, rl, syncs, trainers
+
+
 @pytest.mark.timeout(90)
 def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_version_is_exact(
     tmp_path,
@@ -546,14 +576,7 @@ def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_versi
     assert isinstance(out[0], MissingWritersError), out[0]
     assert isinstance(out[1], CommitConflictError), out[1]
     assert "version 1 is already committed" in str(out[1]) and "keeps them" in str(out[1])
-    for t in trainers:
-        t.step()
-    version = max(s.next_version() for s in syncs)  # the documented all-reduce MAX
-    reports = _everyone(lambda r: syncs[r].step_published(version))
-    assert all(not isinstance(x, Exception) for x in reports), reports
-    rec, report = _fresh_pull(store, rl, tmp_path)
-    assert report.version == version
-    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+    _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path)
 
 
 @pytest.mark.timeout(90)
@@ -563,28 +586,13 @@ def test_writers_replaying_a_committed_version_under_a_new_session_converge_on_a
     # A restarted job replays version 2. The committer takes it by its digests, writer 1
     # (no full state) cannot: the committer then sent deltas beside writer 1's anchors, and
     # nothing committed until a multiple of anchor_every.
-    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
-    _delta_on_the_one_before(syncs, store, 1)
-    for t in trainers:
-        t.step()
-    _delta_on_the_one_before(syncs, store, 2)
-    syncs, trainers = _ranks([store] * 2, session="s2", marker_timeout_s=1.0)
-    for _ in range(2):
-        for t in trainers:
-            t.step()
+    store, tl, rl, syncs, trainers = _restarted_at_version_2(tmp_path)
     replayed = _everyone(lambda r: syncs[r].step_published(2))
     assert replayed[0][0].already_committed, replayed
     assert isinstance(replayed[1], CommitConflictError), replayed
-    for t in trainers:
-        t.step()
-    version = max(s.next_version() for s in syncs)
-    reports = _everyone(lambda r: syncs[r].step_published(version))
-    assert all(not isinstance(x, Exception) for x in reports), reports
+    version, reports = _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path)
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
     assert "was taken from other writers (another session" in reports[0][0].anchor_reason
-    rec, report = _fresh_pull(store, rl, tmp_path)
-    assert report.version == version
-    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
     for t in trainers:
         t.step()
     _delta_on_the_one_before(syncs, store, version + 1)
@@ -597,27 +605,12 @@ def test_writers_resumed_from_another_sessions_version_agree_whatever_numbers_th
     # After resume(2) under a new session, writer 1 handed the replayed 2 took it by its
     # digests and anchored next; the committer, whose baseline came from resume(), sent
     # deltas: nothing committed until a multiple of anchor_every.
-    store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
-    _delta_on_the_one_before(syncs, store, 1)
-    for t in trainers:
-        t.step()
-    _delta_on_the_one_before(syncs, store, 2)
-    syncs, trainers = _ranks([store] * 2, session="s2", full_everywhere=True, marker_timeout_s=1.0)
-    for _ in range(2):
-        for t in trainers:
-            t.step()
+    store, tl, rl, syncs, trainers = _restarted_at_version_2(tmp_path, full_everywhere=True)
     assert _everyone(lambda r: syncs[r].resume(2)) == [True, True]
     first = _everyone(lambda r: syncs[r].step_published(3 if r == 0 else 2))
     assert isinstance(first[0], MissingWritersError) and first[1][0].already_committed, first
-    for t in trainers:
-        t.step()
-    version = max(s.next_version() for s in syncs)
-    reports = _everyone(lambda r: syncs[r].step_published(version))
-    assert all(not isinstance(x, Exception) for x in reports), reports
+    version, reports = _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path)
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
-    rec, report = _fresh_pull(store, rl, tmp_path)
-    assert report.version == version
-    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
     for t in trainers:
         t.step()
     _delta_on_the_one_before(syncs, store, version + 1)
