@@ -365,12 +365,7 @@ class Publisher:
                 version,
             )
             return False
-        self._set_baseline(manifest)
-        if self.config.num_writers > 1 and self.writer not in manifest.writers:
-            # Another session's version, as a replayed one taken by its digests: every writer
-            # that takes one anchors next, so writers that resumed and writers that replayed
-            # (or could not) agree.
-            self._foreign_baseline = manifest.version
+        self._take_committed(manifest)
         return True
 
     def _run_went_past(self, manifest: Manifest) -> str | None:
@@ -400,6 +395,15 @@ class Publisher:
             ):
                 return f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
         return None
+
+    def _take_committed(self, manifest: Manifest) -> None:
+        """Take a version committed without this call (``resume``, or a version found
+        committed already) as the baseline. With several writers, another session's version
+        makes the next one an anchor on every writer that takes one (``_foreign_baseline``),
+        so writers that resumed, replayed or could not take it agree."""
+        self._set_baseline(manifest)
+        if self.config.num_writers > 1 and self.writer not in manifest.writers:
+            self._foreign_baseline = manifest.version
 
     def _set_baseline(self, manifest: Manifest | None) -> None:
         self._adopted_since = None
@@ -1027,9 +1031,7 @@ class Publisher:
             )
         if self.config.is_committer:
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
-        self._set_baseline(manifest)
-        if self.config.num_writers > 1 and self.writer not in manifest.writers:
-            self._foreign_baseline = version
+        self._take_committed(manifest)
         return PublishReport(
             version=version,
             kind=manifest.kind,
