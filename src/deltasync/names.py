@@ -83,6 +83,11 @@ def writer_marker_key(version: int, writer: str) -> str:
     return f"{writers_prefix(version)}{check_token('writer', writer)}.json"
 
 
+def writer_claim_key(version: int, writer: str) -> str:
+    """A writer's claim of a version (several writers): stored once, before its first blob."""
+    return f"{writers_prefix(version)}{check_token('writer', writer)}.claim"
+
+
 def writers_prefix(version: int) -> str:
     return f"{version_dir(version)}/writers/"
 
@@ -141,6 +146,11 @@ def parse_blob_key(key: str) -> tuple[int, str, str]:
 
 def parse_writer_marker_key(key: str) -> tuple[int, str]:
     vdir, writer = _parse("writer marker", key, rf"{_V}/writers/{_T}\.json")
+    return parse_version_dir(vdir), check_token("writer", writer)
+
+
+def parse_writer_claim_key(key: str) -> tuple[int, str]:
+    vdir, writer = _parse("writer claim", key, rf"{_V}/writers/{_T}\.claim")
     return parse_version_dir(vdir), check_token("writer", writer)
 
 

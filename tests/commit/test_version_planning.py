@@ -212,6 +212,7 @@ def test_key_parsers_invert_the_builders() -> None:
         "w00003",
     )
     assert names.parse_writer_marker_key(names.writer_marker_key(12, "w00003")) == (12, "w00003")
+    assert names.parse_writer_claim_key(names.writer_claim_key(12, "w00003")) == (12, "w00003")
     assert names.parse_ack_key(names.ack_key(12, "rcv-7")) == (12, "rcv-7")
     assert names.parse_receiver_key(names.receiver_key("rcv-7")) == "rcv-7"
     assert names.manifest_key(12).startswith(names.version_prefix(12))
@@ -229,6 +230,8 @@ def test_key_parsers_invert_the_builders() -> None:
         (names.parse_ack_key, "acks/v00000012/../../x.json"),
         (names.parse_receiver_key, "receivers/.hidden.json"),
         (names.parse_writer_marker_key, "v00000012/writers/sub/w.json"),
+        (names.parse_writer_claim_key, "v00000012/writers/w.json"),
+        (names.parse_writer_claim_key, "v00000012/writers/../w.claim"),
         # other scripts' digits, which \\d matches and int() reads: gc deleted such keys
         (
             names.parse_manifest_key,

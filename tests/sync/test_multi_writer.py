@@ -5,6 +5,7 @@ writer is named in the committer's error and nothing is committed."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -519,7 +520,9 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     split = _everyone(lambda r: syncs[r].step_published(1 + r))
     assert all(isinstance(x, DeltaSyncError) for x in split), split
     assert [s.next_version() for s in syncs] == [2, 3]
-    assert not any(store.list(f"v{v:08d}/writers/") for v in (1, 2))  # withdrawn
+    left = [k for v in (1, 2) for k in store.list(names.writers_prefix(v))]
+    assert left == [names.writer_claim_key(1, "w00000-s1"), names.writer_claim_key(2, "w00001-s1")]
+    # the markers were withdrawn; the claims stay until gc (these numbers are never reused)
     for v in (3, 4):
         for t in trainers:
             t.step()
@@ -631,25 +634,36 @@ def test_a_committer_without_the_writers_signing_key_commits_nothing(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_second_process_running_as_the_same_writer_is_refused_naming_it(tmp_path):
+def test_a_second_process_running_as_the_same_writer_is_refused_before_it_writes_a_blob(
+    tmp_path,
+):
     # Its marker overwrote the first one's, and the committer joined whichever it read: the
-    # first process was told that "another publisher attempt won the commit".
+    # first process was told that "another publisher attempt won the commit". Refused at the
+    # marker, its blobs (another state here) still overwrote the first one's, and every
+    # receiver refused the version they committed.
     store = scratch_store(tmp_path / "store")
-    syncs, _ = _ranks([store] * 2, marker_timeout_s=5.0)
-    twins, _ = _ranks([store] * 2)
+    syncs, trainers = _ranks([store] * 2, marker_timeout_s=5.0)
+    twins, twin_trainers = _ranks([store] * 2)
+    twin_trainers[1].step()
     first = threading.Thread(target=syncs[1].step_published, args=(0,))
     first.start()
     deadline = time.monotonic() + 30
     while not store.exists(names.writer_marker_key(0, "w00001-s1")):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    marker = store.get(names.writer_marker_key(0, "w00001-s1"))
-    with pytest.raises(ConfigError, match=r"writer 'w00001-s1' already stored its marker from"):
+    stored = {k: store.get(k) for k in store.list(names.version_prefix(0))}
+    claimed = rf"writer 'w00001-s1' was claimed by another process \(host '.+', pid {os.getpid()}\)"
+    with pytest.raises(ConfigError, match=claimed):
         twins[1].step_published(0)
-    assert store.get(names.writer_marker_key(0, "w00001-s1")) == marker
+    assert {k: store.get(k) for k in store.list(names.version_prefix(0))} == stored
     syncs[0].step_published(0)
     first.join(30)
     assert Catalog(store).versions() == [0]
+    _spec, tl, rl = layouts()
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path / shard, shard=shard)
+        assert report.version == 0
+        assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
 
 
 @pytest.mark.timeout(60)

@@ -19,7 +19,11 @@ This module knows keys, records and manifests; it knows nothing about tensors or
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping, Sequence
 
@@ -44,6 +48,8 @@ from deltasync.format import FORMAT_VERSION
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
+
+MAX_CLAIM_BYTES = 1024  # a claim's record is read only to name its process
 
 
 def build_manifest(
@@ -170,6 +176,50 @@ def wait_for_markers(
                 f"(with a new session) or raise PublisherConfig.marker_timeout_s{why}"
             )
         time.sleep(poll_s)
+
+
+def claim_version(store: Store, version: int, writer: str, claim: bytes) -> None:
+    """Claim ``version`` for this process as ``writer`` (several writers), before its first
+    blob: blob keys are named by version, shard and writer, so a second process running as the
+    same writer id would overwrite the first one's blobs, and the version those parts commit
+    would be refused by every receiver. ``claim`` is this process's own token (the same bytes
+    on every call); a claim already there with other bytes is another process's: ConfigError
+    naming the writer and that process, before anything is written."""
+    key = names.writer_claim_key(version, writer)
+    try:
+        store.put_if_absent(key, claim)
+        return
+    except CommitConflictError:
+        pass
+    except OutcomeUnknownError:
+        if _stored_as(store, key, claim) is None:
+            raise
+    if _stored_as(store, key, claim):
+        return  # ours: a retry, or a write whose reply was lost
+    raise ConfigError(
+        f"version {version}: writer {writer!r} was claimed by another process "
+        f"({_claimant(store, key)}): two trainer processes run as that writer (the same "
+        "writer_rank and session). Give each rank its own writer_rank, and a restarted job a "
+        "new session; this process wrote nothing for the version"
+    )
+
+
+def _claimant(store: Store, key: str) -> str:
+    """Who holds a claim, as its record says (a store's bytes: shown, never trusted)."""
+    try:
+        record = json.loads(store.get(key, max_bytes=MAX_CLAIM_BYTES))
+        host, pid = record["host"], record["pid"]
+    except (StoreError, ValueError, TypeError, KeyError):
+        return "its claim is unreadable"
+    if not isinstance(host, str) or type(pid) is not int:
+        return "its claim is unreadable"
+    return f"host {host[:64]!r}, pid {pid}"
+
+
+def claim_record() -> bytes:
+    """A new claim token of this process: unique, and naming where it runs."""
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(16)}
+    return json.dumps(record, sort_keys=True).encode()
 
 
 def store_marker(store: Store, marker: WriterMarker, data: bytes) -> None:

@@ -67,7 +67,13 @@ FORGET_RECEIVERS_AFTER_S = 86400.0
 
 def _version_of(key: str) -> int | None:
     """The version a deltasync version-directory key belongs to, or None for any other key."""
-    for parse in (names.parse_manifest_key, names.parse_writer_marker_key, names.parse_blob_key):
+    parsers = (
+        names.parse_manifest_key,
+        names.parse_writer_marker_key,
+        names.parse_writer_claim_key,
+        names.parse_blob_key,
+    )
+    for parse in parsers:
         try:
             parsed = parse(key)
         except ManifestError:

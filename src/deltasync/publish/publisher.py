@@ -256,6 +256,7 @@ class Publisher:
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
+        self._claim = commit_mod.claim_record()  # this process's, as its writer, per version
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
             receiver_layout=receiver_layout,
@@ -591,6 +592,8 @@ class Publisher:
         base_digests = self._baseline_digests if kind == "delta" else None
         self.trainer_layout.check_tied_once(params)
         self._check_shards(params)
+        if cfg.num_writers > 1:  # before any blob of this version is written
+            commit_mod.claim_version(self.store, version, self.writer, self._claim)
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
