@@ -10,6 +10,8 @@ publishes versions with TrainerSync; every rank's model gets the loader call SGL
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from deltasync.errors import (
     LocalStateError,
     VersionError,
 )
+from deltasync.receiver import store_receiver
 
 from engines_helpers import ENGINE_CONFIG, StoreTrainer, corrupt_one_blob, module_tree
 
@@ -263,11 +266,15 @@ def test_a_rank_refuses_a_request_that_would_change_how_it_was_opened(tmp_path):
         (dict(signing_key_hex="ab"), "signing_key_hex"),
         (dict(s3=[1, 2]), "s3"),
         (dict(durable="no"), "durable"),
+        (dict(state_dir="/s/a\x00b"), "state_dir"),
+        (dict(store="d\x00"), "store"),
     ],
 )
 def test_bad_request_fields_are_config_errors_naming_them(fields, named):
     with pytest.raises(ConfigError, match=named):
-        SglangRequest(store="d", receiver_id="x", state_dir="/s", version=1, **fields)
+        SglangRequest(
+            **{"store": "d", "receiver_id": "x", "state_dir": "/s", "version": 1, **fields}
+        )
 
 
 def test_a_tp_rank_outside_tp_is_a_config_error(tmp_path):
@@ -500,3 +507,172 @@ def test_ranks_asked_for_different_versions_all_refuse_and_none_writes(tmp_path)
         assert models[r]._deltasync_shard.receiver.version == 1, r
     for r, report in enumerate(_take_all(models, _request(tmp_path, 2))):
         assert report.version == 2 and _same(models[r], trainer.split()[f"tp{r}"]), r
+
+
+def test_the_request_never_shows_its_signing_key_or_s3_credentials():
+    request = SglangRequest(
+        store="s3://bucket/run",
+        receiver_id="sgl0",
+        state_dir="/s",
+        version=1,
+        signing_key_hex="ab" * 32,
+        s3={"access_key_id": "AKIA", "secret_access_key": "hidden-secret"},
+    )
+    shown = repr(request) + request.asked()
+    assert "ab" * 32 not in shown and "hidden-secret" not in shown and "AKIA" not in shown
+    assert "sgl0" in repr(request) and "version=1" in repr(request)
+
+
+def test_a_store_path_that_holds_no_store_gets_nothing_written_into_it(tmp_path):
+    # /data instead of /data/run: the rank registered into that directory (receivers/...),
+    # then said "Nothing was written".
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "data" / "run", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    parent = SglangRequest(
+        store=str(tmp_path / "data"),
+        receiver_id="sgl0",
+        state_dir=str(tmp_path / "state"),
+        version=0,
+        durable=False,
+    )
+    for _ in range(2):
+        with pytest.raises(VersionError, match=r"holds no committed version.*Nothing was written"):
+            take_version(model, request_tensors(parent), tp_rank=0, tp=1)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["run"]
+    assert not (tmp_path / "state").exists()
+    run = SglangRequest(**{**asdict(parent), "store": str(tmp_path / "data" / "run")})
+    assert take_version(model, request_tensors(run), tp_rank=0, tp=1).version == 0
+
+
+def test_a_path_the_filesystem_refuses_is_a_typed_error(tmp_path):
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    long_store = SglangRequest(
+        store=str(tmp_path / ("s" * 300) / "run"),
+        receiver_id="sgl0",
+        state_dir=str(tmp_path / "state"),
+        version=0,
+        durable=False,
+    )
+    with pytest.raises(ConfigError, match=r"SglangRequest.store .*File name too long"):
+        take_version(model, request_tensors(long_store), tp_rank=0, tp=1)
+    long_id = SglangRequest(
+        store=str(tmp_path / "store"),
+        receiver_id="r" * 127,
+        state_dir=str(tmp_path / "state"),
+        version=0,
+        durable=False,
+    )
+    with pytest.raises(ConfigError, match=r"SglangRequest.receiver_id .* too long for this rank"):
+        take_version(model, request_tensors(long_id), tp_rank=0, tp=1)
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_request_one_rank_cannot_read_fails_every_rank_at_once(tmp_path):
+    # The rank raised before the agreement, and the others waited in the TP group's gather
+    # until it timed out (30 min in SGLang), then "could not agree".
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2)
+    trainer.publish(0)
+    split0 = trainer.split()
+    models = _models(split0, 2)
+    _take_all(models, _request(tmp_path, 0))
+    trainer.step()
+    trainer.publish(1)
+    unreadable = [(REQUEST_NAME, torch.frombuffer(bytearray(b"\xff not json"), dtype=torch.uint8))]
+    t = time.monotonic()
+    results = _take_all(models, [], per_rank=[_request(tmp_path, 1), unreadable])
+    assert time.monotonic() - t < 30
+    assert isinstance(results[1], ConfigError), results
+    assert isinstance(results[0], ApplyError), results
+    assert "asked for different updates" in str(results[0])
+    assert "could not agree" not in str(results[0])
+    for r in range(2):
+        assert models[r]._deltasync_shard.receiver.version == 0
+        assert _same(models[r], split0[f"tp{r}"]), r
+    for r, report in enumerate(_take_all(models, _request(tmp_path, 1))):
+        assert report.version == 1 and _same(models[r], trainer.split()[f"tp{r}"]), r
+
+
+def test_two_callers_on_one_rank_take_their_versions_one_after_the_other(tmp_path, monkeypatch):
+    # Thread B replayed thread A's journal as a crash's, wrote and recorded version 2; A
+    # then finished writing version 1 over it and recorded 1: the rank reported version 1
+    # and held neither.
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
+    trainer.step()
+    trainer.publish(1)
+    splits = {1: trainer.split()["tp0"]}
+    real = store_receiver.apply_pieces
+    a_writes, b_started = threading.Event(), threading.Event()
+
+    def apply_pieces(*args, **kwargs):
+        if threading.current_thread().name == "A" and not a_writes.is_set():
+            a_writes.set()
+            b_started.wait(30)
+            time.sleep(0.3)  # B is in its call now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "apply_pieces", apply_pieces)
+    results = {}
+
+    def run(name, version):
+        if name == "B":
+            b_started.set()
+        try:
+            results[name] = take_version(model, _request(tmp_path, version), tp_rank=0, tp=1)
+        except BaseException as exc:
+            results[name] = exc
+
+    a = threading.Thread(target=run, args=("A", 1), name="A")
+    a.start()
+    assert a_writes.wait(30)
+    trainer.step()
+    trainer.publish(2)
+    splits[2] = trainer.split()["tp0"]
+    b = threading.Thread(target=run, args=("B", 2), name="B")
+    b.start()
+    a.join(60)
+    b.join(60)
+    assert results["A"].version == 1 and results["B"].version == 2, results
+    assert model._deltasync_shard.receiver.version == 2
+    assert _same(model, splits[2])
+
+
+def test_a_receiver_refuses_a_second_threads_pull_while_one_runs(tmp_path, monkeypatch):
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
+    trainer.step()
+    trainer.publish(1)
+    receiver = model._deltasync_shard.receiver
+    real = store_receiver.apply_pieces
+    writing, refused = threading.Event(), []
+
+    def apply_pieces(*args, **kwargs):
+        if not writing.is_set():
+            writing.set()
+            for call in (receiver.pull, receiver.scrub, receiver.replay_journal):
+                other = threading.Thread(target=lambda c=call: _record(refused, c))
+                other.start()
+                other.join(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "apply_pieces", apply_pieces)
+    assert receiver.pull().version == 1
+    assert [type(e).__name__ for e in refused] == ["ConfigError"] * 3, refused
+    assert "another thread's pull" in str(refused[0])
+    assert receiver.version == 1 and _same(model, trainer.split()["tp0"])
+
+
+def _record(out: list, call) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        out.append(exc)
+    else:
+        out.append(None)

@@ -32,8 +32,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from deltasync import (
     S3Config,
     names,
 )
+from deltasync.commit.catalog import Catalog
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.engines.adapters import check_every_parameter_written
 from deltasync.engines.agreement import (
@@ -65,6 +67,9 @@ log = logging.getLogger(__name__)
 LOADER = "deltasync.engines.sglang_loader.load_deltasync"
 REQUEST_NAME = "deltasync.request"
 _VOCAB_PAD = 64
+_SHARD = "_deltasync_shard"  # the model attributes holding its shard and its update lock
+_LOCK = "_deltasync_lock"
+_UNREADABLE = "a request it could not read"  # what a rank was asked, for the other ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,14 +82,17 @@ class SglangRequest:
     receiver_id: str
     state_dir: str
     version: int
-    signing_key_hex: str | None = None
-    s3: dict[str, Any] | None = None
+    signing_key_hex: str | None = field(default=None, repr=False)
+    s3: dict[str, Any] | None = field(default=None, repr=False)  # may hold credentials
     durable: bool = True
 
     def __post_init__(self) -> None:
         for name in ("store", "receiver_id", "state_dir"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"SglangRequest.{name} must be a non-empty string")
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or "\x00" in value:
+                raise ConfigError(
+                    f"SglangRequest.{name} must be a non-empty string without NUL bytes"
+                )
         try:  # a path component of the state dir: never a way out of it
             names.check_token("SglangRequest.receiver_id", self.receiver_id)
         except DeltaSyncError as exc:
@@ -171,7 +179,7 @@ class _Agreement:
     def __init__(
         self,
         shard: str,
-        version: int,
+        version: int | None,
         gather: Gather | None,
         unverified: Callable[[], bool] = lambda: False,
         *,
@@ -190,10 +198,10 @@ class _Agreement:
                 self.shard, error, self._gather, unverified=self._unverified(), asked=self._asked
             )
         except Exception as exc:  # a rank died or the group timed out
+            what = "the update" if self.version is None else f"version {self.version}"
             raise ApplyError(
-                f"shard {self.shard!r}: the TP ranks could not agree on taking version "
-                f"{self.version} ({type(exc).__name__}: {exc}); restart the engine if a "
-                "rank is gone"
+                f"shard {self.shard!r}: the TP ranks could not agree on taking {what} "
+                f"({type(exc).__name__}: {exc}); restart the engine if a rank is gone"
             ) from exc
 
     def before_write(self) -> None:
@@ -288,11 +296,25 @@ class SglangShard:
         except TypeError as exc:
             raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
         rid = f"{request.receiver_id}-{self.shard}"
+        try:
+            names.check_token("receiver", rid)
+        except DeltaSyncError:
+            raise ConfigError(
+                f"SglangRequest.receiver_id {request.receiver_id!r} is too long for this rank: "
+                f"its receiver id {rid!r} must be at most 128 characters. Nothing was written"
+            ) from None
         store = open_existing_store(
             request.store, s3=s3, durable=request.durable, what="SglangRequest.store"
         )
-        state_dir = Path(request.state_dir) / rid  # made by the receiver (a typed error)
         key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
+        if Catalog(store, signing_key=key_bytes).latest() is None:
+            # before the receiver registers: a path to a directory that is no store (its
+            # parent, a typo) gets nothing written into it
+            raise VersionError(
+                f"SGLang rank shard {self.shard!r}: the store {request.store!r} holds no committed "
+                "version; check the path, or publish first. Nothing was written"
+            )
+        state_dir = Path(request.state_dir) / rid  # made by the receiver (a typed error)
         self.receiver = Receiver.for_layout(
             store,
             self.layout,
@@ -413,16 +435,22 @@ def take_version(
             f"tp={tp}: take_version needs the TP ranks' gather (load_deltasync passes SGLang's "
             "TP CPU group), so that no rank takes a version another rank refused"
         )
-    request = parse_request(named_tensors)
-    shard = getattr(model, "_deltasync_shard", None)
-    if shard is None:
+    # One update at a time per model: two callers' pulls would interleave their writes
+    # (SGLang runs one weight update per rank at a time; a direct caller may not).
+    with model.__dict__.setdefault(_LOCK, threading.Lock()):
+        request: SglangRequest | None = None
+        shard = getattr(model, _SHARD, None)
         try:
-            shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
+            request = parse_request(named_tensors)
+            if shard is None:
+                shard = SglangShard(model, model.config, tp_rank=tp_rank, tp=tp)
         except BaseException as exc:  # the other ranks are waiting for this one's answer
-            _Agreement(f"tp{tp_rank}", request.version, gather, asked=request.asked()).finish(exc)
+            asked = _UNREADABLE if request is None else request.asked()
+            version = None if request is None else request.version
+            _Agreement(f"tp{tp_rank}", version, gather, asked=asked).finish(exc)
             raise
-        model._deltasync_shard = shard
-    return shard.take(request, gather)
+        setattr(model, _SHARD, shard)
+        return shard.take(request, gather)
 
 
 def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:

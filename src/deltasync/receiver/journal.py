@@ -200,7 +200,7 @@ class StateDir:
         self.durable = durable  # False skips fsync: scratch directories in tests only
         try:
             self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)  # private
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise LocalStateError(
                 f"cannot create receiver state dir {str(self.path)!r}: {exc}"
             ) from exc

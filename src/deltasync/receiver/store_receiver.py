@@ -42,7 +42,9 @@ whole decoded chain).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -196,6 +198,26 @@ _DECODED_PER_RAW = 2
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
+def _one_at_a_time(method):
+    """A receiver method that refuses to run beside another thread's call of one: ConfigError
+    naming the receiver, before anything is read or written (same-thread nesting is fine)."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._busy.acquire(blocking=False):
+            raise ConfigError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: {method.__name__}() "
+                "was called while another thread's pull, scrub or invalidate runs on it. A "
+                "receiver takes one call at a time: serialize them. Nothing was written"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded
+
+
 class Receiver:
     """One receiver shard. ``tensors`` are the live local tensors (storage names, BF16), written
     in place; ``state_dir`` is this receiver's own durable directory.
@@ -265,6 +287,9 @@ class Receiver:
         # register=False: no registration until this receiver holds a verified version
         # (a sidecar that must not stall a bounded-staleness trainer before its first pull).
         self._register = register
+        # one call at a time: a second thread's pull would replay this one's journal as a
+        # crash's and record whichever version finished last over the other's writes
+        self._busy = threading.RLock()
         state = self.dir.read_state()
         mine = (config.receiver_id, self.shard)
         if state is not None and (state.receiver, state.shard) != mine:
@@ -478,6 +503,7 @@ class Receiver:
 
     # --- records in the store (after the local state, never instead of it) -------------
 
+    @_one_at_a_time
     def scrub(self) -> bool:
         """Hash the live tensors (a full read of the shard) and compare with the digest of the
         version held: True when they hold it.
@@ -499,6 +525,7 @@ class Receiver:
         )
         return False
 
+    @_one_at_a_time
     def invalidate(self, why: str) -> None:
         """Stop holding the verified version: the caller knows the weights the engine computes
         with are no longer it (``why``: a reload by the engine's own loader, kernels rebuilt
@@ -625,6 +652,7 @@ class Receiver:
 
     # --- pull -------------------------------------------------------------------------
 
+    @_one_at_a_time
     def replay_journal(self) -> PullReport | None:
         """Replay the journal an interrupted pull left (what the next pull does first), and
         return its report; None when there is none. For a caller that must agree with others
@@ -635,6 +663,7 @@ class Receiver:
         journal = self.dir.read_journal()
         return None if journal is None else self._repair(journal)
 
+    @_one_at_a_time
     def pull(self, version: int | None = None) -> PullReport:
         """Bring the tensors to the newest committed version (or to exactly ``version``, e.g.
         the one an engine was told to take, even if a newer one commits meanwhile); see the

@@ -94,9 +94,15 @@ class LocalStore:
         self.durable = durable
         self.file_mode = check_int("LocalStore", "file_mode", file_mode, lo=0, hi=0o777)
         self.dir_mode = check_int("LocalStore", "dir_mode", dir_mode, lo=0, hi=0o777)
-        if create and not self.root.is_dir():
-            self._make_root()
-        if not self.root.is_dir():
+        try:
+            if create and not self.root.is_dir():
+                self._make_root()
+            is_dir = self.root.is_dir()
+        except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+            raise StoreError(
+                f"local store root {str(self.root)!r} cannot be used: {type(exc).__name__}: {exc}"
+            ) from None
+        if not is_dir:
             raise StoreError(
                 f"local store root {str(self.root)!r} is not a directory; create it first"
             )
