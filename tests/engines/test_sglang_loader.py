@@ -9,8 +9,10 @@ publishes versions with TrainerSync; every rank's model gets the loader call SGL
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import types
 from dataclasses import asdict
 
 import pytest
@@ -22,6 +24,8 @@ from deltasync.engines.sglang_loader import (
     LOADER,
     REQUEST_NAME,
     SglangRequest,
+    check_taken,
+    load_deltasync,
     parse_request,
     request_tensors,
     sglang_layout,
@@ -30,6 +34,7 @@ from deltasync.engines.sglang_loader import (
 from deltasync.errors import (
     ApplyError,
     ConfigError,
+    DeltaSyncError,
     DigestMismatchError,
     LocalStateError,
     VersionError,
@@ -676,3 +681,76 @@ def _record(out: list, call) -> None:
         out.append(exc)
     else:
         out.append(None)
+
+
+def _as_sglang_rank(monkeypatch, rank: int = 0, tp: int = 1) -> None:
+    """What ``load_deltasync`` asks SGLang (its TP rank and size; SGLang cannot be installed
+    here): ``sglang.srt.distributed``'s three functions."""
+    dist = types.ModuleType("sglang.srt.distributed")
+    dist.get_tensor_model_parallel_rank = lambda: rank
+    dist.get_tensor_model_parallel_world_size = lambda: tp
+    dist.get_tp_group = lambda: None
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed", dist)
+
+
+def test_sglangs_loader_call_never_raises_a_refusal_and_check_taken_tells_the_caller(
+    tmp_path, monkeypatch, caplog
+):
+    # SGLang calls a custom loader without a try and answers success whatever it returns; an
+    # exception ends its scheduler and the server. A refused version killed the engine.
+    _as_sglang_rank(monkeypatch)
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
+    trainer.publish(0)
+    (model,) = _models(trainer.split(), 1)
+    request = SglangRequest(**{**asdict(_parsed(tmp_path, 0)), "version": 0})
+    load_deltasync(model, request_tensors(request))
+    check_taken(request)
+    split0 = trainer.split()["tp0"]
+    trainer.step()
+    trainer.publish(1)
+    trainer.step()
+    trainer.publish(2)
+    stale = SglangRequest(**{**asdict(request), "version": 1})  # not the newest: refused
+    with caplog.at_level("ERROR", logger="deltasync.engines.sglang_loader"):
+        load_deltasync(model, request_tensors(stale))
+    assert "deltasync SGLang TP rank 0: the update was not taken" in caplog.text
+    assert "not the store's newest committed version" in caplog.text
+    assert _same(model, split0)
+    with pytest.raises(
+        ApplyError, match=r"'sgl0' did not take version 1: shard 'tp0' holds version 0"
+    ):
+        check_taken(stale)
+    newest = SglangRequest(**{**asdict(request), "version": 2})
+    load_deltasync(model, request_tensors(newest))
+    check_taken(newest)
+    assert _same(model, trainer.split()["tp0"])
+    with pytest.raises(VersionError, match="version 3 is not committed"):
+        check_taken(SglangRequest(**{**asdict(request), "version": 3}))
+
+
+def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_commits(tmp_path):
+    import shutil
+
+    _, models = _two_ranks_at_0_then_published(tmp_path, 1)
+    corrupt_one_blob(tmp_path / "store", 1, "tp1")
+    results = _take_all(models, _request(tmp_path, 1))
+    assert all(isinstance(r, DeltaSyncError) for r in results), results
+    with pytest.raises(ApplyError) as failed:
+        check_taken(_parsed(tmp_path, 1))
+    assert "shard 'tp0' holds version 0; shard 'tp1' holds version 0" in str(failed.value)
+    check_taken(_parsed(tmp_path, 0))
+    for path in (tmp_path / "store").iterdir():  # a new run: its own version 0
+        if path.name != "receivers":  # the ranks' registrations stay
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    fresh = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2, seed=1)
+    fresh.publish(0)
+    with pytest.raises(ApplyError, match=r"shard 'tp0' holds version 0 of another lineage"):
+        check_taken(_parsed(tmp_path, 0))
+    _take_all(models, _request(tmp_path, 0))
+    check_taken(_parsed(tmp_path, 0))
+
+
+def _parsed(tmp_path, version: int) -> SglangRequest:
+    return parse_request(_request(tmp_path, version))

@@ -8,10 +8,17 @@ the named tensors :func:`request_tensors` builds. SGLang then calls
 ``load_deltasync(model, named_tensors)`` on every TP rank's model runner; the tensors carry
 only a small JSON request (store, receiver id, state dir, version). Each rank opens (once) a
 :class:`~deltasync.Receiver` over its model's own parameters as targets and pulls the
-version: staging, journal, scatter in place (O(changed)), digest check. A failure raises
-(SGLang answers ``success: false`` with the message) and leaves the rank at its previous
-verified version. ``update_weights_from_disk`` is a full reload through SGLang's model loader
-(O(model), what deltasync avoids); use it only to restart from a dense checkpoint.
+version: staging, journal, scatter in place (O(changed)), digest check. A failure leaves the
+rank at its previous verified version (or at none, as its registration then says).
+
+SGLang calls a custom loader without a ``try`` and answers ``success: True`` whatever it
+returns, and an exception there ends its scheduler (``Scheduler hit an exception``, then the
+whole server). So :func:`load_deltasync` never raises a refusal: it logs it on the rank, and
+the caller asks the store what every rank holds with :func:`check_taken` after each call
+(every rank records the version it holds before its loader call returns). :func:`take_version`,
+the same call with the rank given, raises. ``update_weights_from_disk`` is a full reload
+through SGLang's model loader (O(model), what deltasync avoids); use it only to restart from a
+dense checkpoint.
 
 SGLang's Qwen3 / Qwen3-MoE conventions are vLLM's (its ``linear.py`` and
 ``vocab_parallel_embedding.py`` descend from vLLM's): fused ``qkv_proj`` (per rank q, k, v
@@ -59,7 +66,13 @@ from deltasync.engines.agreement import (
     refused,
     unwritten_state,
 )
-from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
+from deltasync.errors import (
+    ApplyError,
+    ConfigError,
+    DeltaSyncError,
+    KeyNotFoundError,
+    VersionError,
+)
 from deltasync.store.factory import open_existing_store
 
 log = logging.getLogger(__name__)
@@ -156,6 +169,52 @@ def parse_request(named_tensors: list[tuple[str, Any]]) -> SglangRequest:
         return SglangRequest(**fields)
     except (ValueError, TypeError, RecursionError) as exc:  # deep nesting: RecursionError
         raise ConfigError(f"{REQUEST_NAME!r} does not hold a deltasync request: {exc}") from None
+
+
+def check_taken(request: SglangRequest) -> None:
+    """After ``update_weights_from_tensor`` with :func:`request_tensors` of ``request``: return
+    when every TP rank of the engine holds ``request.version``, as each rank's registration in
+    the store says (written before its loader call returned, MAC-checked with the request's
+    key), of the lineage the store commits under that number now.
+
+    Raises:
+        ApplyError: naming each shard that does not hold it and what it holds instead; the
+            reason is in the engine's log (``deltasync SGLang ...``). The next request brings
+            every rank to the newest version.
+        VersionError: ``request.version`` is not committed in the store.
+    """
+    try:
+        s3 = S3Config(**request.s3) if request.s3 is not None else None
+    except TypeError as exc:
+        raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
+    store = open_existing_store(
+        request.store, s3=s3, durable=request.durable, what="SglangRequest.store"
+    )
+    key = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
+    catalog = Catalog(store, signing_key=key)
+    try:
+        manifest = catalog.manifest(request.version, fresh=True)
+    except KeyNotFoundError:
+        raise VersionError(
+            f"version {request.version} is not committed in the store {request.store!r}; no "
+            "engine can hold it"
+        ) from None
+    shards = sorted(manifest.layout.shards if manifest.layout else manifest.shard_digests)
+    missing = []
+    for shard in shards:
+        record = catalog.receiver(f"{request.receiver_id}-{shard}")
+        held = None if record is None else record.version_in(manifest.run_id)
+        if held != request.version:
+            what = "no registration" if record is None else f"version {record.version}"
+            if record is not None and held is None and record.version is not None:
+                what += " of another lineage"
+            missing.append(f"shard {shard!r} holds {what}")
+    if missing:
+        raise ApplyError(
+            f"receiver {request.receiver_id!r} did not take version {request.version}: "
+            f"{'; '.join(missing)}. Why is in the engine's log (lines 'deltasync SGLang'); the "
+            "next request brings every rank to the newest version"
+        )
 
 
 def sglang_layout(spec: ModelSpec, tp: int, ep: int = 1) -> ReceiverLayout:
@@ -456,6 +515,10 @@ def take_version(
 def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     """SGLang custom weight loader (``--custom-weight-loader`` and ``load_format``).
 
+    Never raises a refusal (an interrupt still propagates): SGLang would end its scheduler.
+    The rank logs it, stays at its previous verified version (or at none, as its registration
+    says), and the caller learns it from :func:`check_taken`.
+
     Args:
         model: the rank's model (SGLang passes ``model_runner.model``).
         named_tensors: :func:`request_tensors` output.
@@ -467,12 +530,15 @@ def load_deltasync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]])
     )
 
     tp = get_tensor_model_parallel_world_size()
+    rank = get_tensor_model_parallel_rank()
     gather = group_gather(get_tp_group().cpu_group, tp) if tp > 1 else None
-
-    take_version(
-        model,
-        named_tensors,
-        tp_rank=get_tensor_model_parallel_rank(),
-        tp=tp,
-        gather=gather,
-    )
+    try:
+        take_version(model, named_tensors, tp_rank=rank, tp=tp, gather=gather)
+    except Exception as exc:  # raised, it would end SGLang's scheduler (module docstring)
+        log.error(
+            "deltasync SGLang TP rank %d: the update was not taken (the caller's check_taken "
+            "says so): %s: %s",
+            rank,
+            type(exc).__name__,
+            exc,
+        )
