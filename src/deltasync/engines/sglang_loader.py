@@ -53,7 +53,6 @@ from deltasync import (
     Receiver,
     ReceiverConfig,
     ReceiverLayout,
-    S3Config,
     names,
 )
 from deltasync.commit.catalog import Catalog
@@ -73,7 +72,8 @@ from deltasync.errors import (
     KeyNotFoundError,
     VersionError,
 )
-from deltasync.store.factory import open_existing_store
+from deltasync.store import Store
+from deltasync.store.factory import open_engine_store
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ class SglangRequest:
             raise ConfigError("SglangRequest.s3 must be a dict of S3Config fields or None")
         if not isinstance(self.durable, bool):
             raise ConfigError(f"SglangRequest.durable must be a bool, got {self.durable!r}")
+
+    def signing_key(self) -> bytes | None:
+        return bytes.fromhex(self.signing_key_hex) if self.signing_key_hex else None
+
+    def open_store(self) -> Store:
+        """The store it names, which must exist (ConfigError otherwise, nothing created)."""
+        return open_engine_store(self.store, self.s3, durable=self.durable, what="SglangRequest")
 
     def opening(self) -> dict[str, Any]:
         """Every field but the version: what a rank's receiver is opened with."""
@@ -183,15 +190,7 @@ def check_taken(request: SglangRequest) -> None:
             every rank to the newest version.
         VersionError: ``request.version`` is not committed in the store.
     """
-    try:
-        s3 = S3Config(**request.s3) if request.s3 is not None else None
-    except TypeError as exc:
-        raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
-    store = open_existing_store(
-        request.store, s3=s3, durable=request.durable, what="SglangRequest.store"
-    )
-    key = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
-    catalog = Catalog(store, signing_key=key)
+    catalog = Catalog(request.open_store(), signing_key=request.signing_key())
     try:
         manifest = catalog.manifest(request.version, fresh=True)
     except KeyNotFoundError:
@@ -350,10 +349,6 @@ class SglangShard:
                     "life: restart it to change them"
                 )
             return self.receiver
-        try:
-            s3 = S3Config(**request.s3) if request.s3 is not None else None
-        except TypeError as exc:
-            raise ConfigError(f"SglangRequest.s3 does not hold S3Config fields: {exc}") from None
         rid = f"{request.receiver_id}-{self.shard}"
         try:
             names.check_token("receiver", rid)
@@ -362,10 +357,8 @@ class SglangShard:
                 f"SglangRequest.receiver_id {request.receiver_id!r} is too long for this rank: "
                 f"its receiver id {rid!r} must be at most 128 characters. Nothing was written"
             ) from None
-        store = open_existing_store(
-            request.store, s3=s3, durable=request.durable, what="SglangRequest.store"
-        )
-        key_bytes = bytes.fromhex(request.signing_key_hex) if request.signing_key_hex else None
+        store = request.open_store()
+        key_bytes = request.signing_key()
         if Catalog(store, signing_key=key_bytes).latest() is None:
             # before the receiver registers: a path to a directory that is no store (its
             # parent, a typo) gets nothing written into it

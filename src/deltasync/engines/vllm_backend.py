@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, S3Config, names
+from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, names
 from deltasync.engines.agreement import (
     failed_ranks,
     group_gather,
@@ -67,7 +67,7 @@ from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.layout.probed import load_receiver_layout
 from deltasync.names import check_version_arg
-from deltasync.store.factory import open_existing_store
+from deltasync.store.factory import open_engine_store
 
 log = logging.getLogger(__name__)
 
@@ -284,12 +284,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             shard = VllmShard(
                 self.model, hf_config, place, layout=layout, path=init_info.path, eager=eager
             )
-        try:
-            s3 = S3Config(**init_info.s3) if init_info.s3 is not None else None
-        except TypeError as exc:
-            raise ConfigError(f"DeltaSyncInitInfo.s3: not S3Config fields ({exc})") from None
-        store = open_existing_store(
-            init_info.store, s3=s3, durable=init_info.durable, what="DeltaSyncInitInfo.store"
+        store = open_engine_store(
+            init_info.store, init_info.s3, durable=init_info.durable, what="DeltaSyncInitInfo"
         )
         rid = f"{init_info.receiver_id}-{shard.shard}"
         state_dir = Path(init_info.state_dir) / rid  # made by the receiver (a typed error)

@@ -13,6 +13,8 @@ URLs; it knows nothing about what is stored.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from deltasync.errors import ConfigError, DeltaSyncError
@@ -95,3 +97,16 @@ def open_existing_store(
             f"{what} {url!r}: {exc}. A receiver reads the store its trainer made: check the "
             "path. Nothing was created"
         ) from None
+
+
+def open_engine_store(
+    url: str, s3_fields: Mapping[str, Any] | None, *, durable: bool, what: str
+) -> Store:
+    """:func:`open_existing_store` for an engine hook, whose request carries its S3 settings
+    as a dict of :class:`S3Config` fields; ``what`` names the request (``what.s3``,
+    ``what.store``) in a ConfigError."""
+    try:
+        s3 = S3Config(**s3_fields) if s3_fields is not None else None
+    except TypeError as exc:
+        raise ConfigError(f"{what}.s3 does not hold S3Config fields: {exc}") from None
+    return open_existing_store(url, s3=s3, durable=durable, what=f"{what}.store")
