@@ -93,6 +93,15 @@ def test_a_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 # --- open_store ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("create", [True, False])
+def test_a_root_the_filesystem_refuses_is_a_store_error_naming_it(tmp_path: Path, create) -> None:
+    # Path.is_dir() raised a bare OSError (a name too long) or ValueError (a NUL byte).
+    for root in (tmp_path / ("s" * 300) / "run", f"{tmp_path}/a\x00b"):
+        with pytest.raises(StoreError, match=r"local store root .* (cannot be used|is not a dir)"):
+            LocalStore(root, create=create)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_open_store_maps_paths_and_file_urls_to_local_stores(tmp_path: Path) -> None:
     plain = open_store(str(tmp_path / "a"))
     assert isinstance(plain, LocalStore) and plain.root == tmp_path / "a"

@@ -345,3 +345,9 @@ def test_a_journal_over_tensors_a_power_cut_tore_is_refused_by_the_verify_and_an
     assert repaired.version == 1 and not rig.rec.dirty
     rig.check(repaired)  # bit-identical to version 1 again
     assert state_dir.read_journal() is None
+
+
+def test_a_state_dir_path_with_a_nul_byte_is_a_local_state_error(tmp_path) -> None:
+    # it was a bare ValueError from mkdir
+    with pytest.raises(LocalStateError, match="cannot create receiver state dir"):
+        StateDir(f"{tmp_path}/state\x00x")
