@@ -314,8 +314,8 @@ def write_record(
     """
     try:
         write_atomic(path, encode_record(obj), durable=durable, mode=RECORD_MODE, sync_dir=sync_dir)
-    except OSError as exc:
-        raise LocalStateError(f"cannot write {str(path)!r}: {exc}") from exc
+    except OSError as exc:  # strerror: the temp file's random name would make each message new
+        raise LocalStateError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
 
 
 class InBackground:

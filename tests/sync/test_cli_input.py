@@ -32,6 +32,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from deltasync import LocalStore, names
 from deltasync.cli import main
 from deltasync.commit import Catalog
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
@@ -179,13 +180,24 @@ def test_an_empty_key_file_path_is_refused_not_taken_for_no_key(work, capsys, co
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("flag", "value"),
-    [("--receiver-id", "bad id"), ("--receiver-id", "../up"), ("--shard", "../tp1")],
+    ("flag", "value", "named"),
+    [
+        ("--receiver-id", "bad id", "'bad id'"),
+        ("--receiver-id", "../up", "'../up'"),
+        ("--shard", "../tp1", "'../tp1'"),
+        # an unset variable in a script: it silently became the default id, and --tp/--ep 0
+        # waited on a store that has no commit yet
+        ("--receiver-id", "", "--receiver-id is empty"),
+        ("--tp", "0", "--tp must be >= 1"),
+        ("--ep", "-1", "--ep must be >= 1"),
+    ],
 )
-def test_pull_checks_the_receiver_id_and_shard_before_writing_state(work, capsys, flag, value):
+def test_pull_checks_the_receiver_id_and_shard_before_writing_state(
+    work, capsys, flag, value, named
+):
     # a later --shard overrides _pull's
     argv = _pull(work, flag, value, "--dir", str(work / "out"), "--once")
-    _refused(capsys, work, *argv, names=repr(value))
+    _refused(capsys, work, *argv, names=named)
     assert not (work / "out").exists()
 
 
@@ -208,8 +220,7 @@ def test_pull_reads_config_before_touching_the_store_or_dir(work, capsys):
         capsys,
         work,
         *_pull(work, "--dir", str(work / "out"), "--once", "--config", str(binary)),
-        names=str(binary),
-        error="LayoutError",
+        names=f"--config {str(binary)!r}",
     )
 
 
@@ -344,6 +355,48 @@ def test_pull_refuses_a_file_of_another_shard_or_model_and_writes_nothing(
     assert "another shard or model" in err and "Nothing was written" in err
 
 
+@pytest.mark.timeout(60)
+def test_pull_registers_a_version_its_file_claims_only_once_the_store_confirms_it(
+    work, published, capsys
+):
+    # The file's metadata named version 99 (its tensors hashing to the digest beside it), and
+    # "holds version 99" was registered at start, before the store was asked; a pull that
+    # then failed left it there.
+    out = work / "out"
+    assert _cli(capsys, *_pull(work, "--dir", str(out), "--once"))[0] == 0
+    file = out / f"{SHARD}.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    save_file(load_file(str(file)), str(file), metadata={**meta, "deltasync_version": "99"})
+    store = LocalStore(work / "store")
+    store.delete(names.receiver_key(f"pull-{SHARD}"))
+    for key in store.list("v"):  # nothing this shard could be restored from
+        if f"/{SHARD}/" in key:
+            store.delete(key)
+    config = str(work / "config.json")  # the specs from it: the shard's blobs are gone
+    rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once", "--config", config))
+    assert rc == 2 and "MissingBlobError" in err, err
+    assert not store.exists(names.receiver_key(f"pull-{SHARD}"))
+
+
+@pytest.mark.timeout(60)
+def test_pull_refuses_another_shards_file_and_registers_nothing(work, published, capsys):
+    # TP ranks' files have the same names and shapes: tp1's file at tp0's place hashed to its
+    # own metadata, and "pull-tp0 holds version 1" was registered before the store was asked.
+    other = "tp1" if SHARD != "tp1" else "tp0"
+    source = work / "other"
+    assert _cli(capsys, *_pull(work, "--dir", str(source), "--once", "--shard", other))[0] == 0
+    out = work / "out"
+    out.mkdir()
+    shutil.copy(source / f"{other}.safetensors", out / f"{SHARD}.safetensors")
+    before = LocalStore(work / "store").exists(names.receiver_key(f"pull-{SHARD}"))
+    err = _refused(
+        capsys, work, *_pull(work, "--dir", str(out), "--once"), names=f"holds shard {other!r}"
+    )
+    assert "another sidecar's file" in err
+    assert not before and not LocalStore(work / "store").exists(names.receiver_key(f"pull-{SHARD}"))
+
+
 # ---------------------------------------------------------------------- 7: config and layout files
 
 
@@ -456,17 +509,18 @@ def test_pull_reports_a_shard_file_it_cannot_write_and_the_loop_writes_it_later(
 ):
     # a full disk under --dir: a typed error naming the file and the version, no traceback;
     # the loop retries the write until it lands, though the pull has nothing new by then
-    import safetensors.torch
+    from deltasync.commands import pull
 
-    real, calls = safetensors.torch.save_file, []
+    real, calls = pull._safetensors_chunks, []
 
-    def save_file(*args, **kwargs):
+    def chunks(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
+            yield b"\0" * 4096
             raise OSError(28, "No space left on device")
-        return real(*args, **kwargs)
+        yield from real(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(pull, "_safetensors_chunks", chunks)
     out = work / "out"
     file = out / f"{SHARD}.safetensors"
     rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))

@@ -424,3 +424,101 @@ def test_pull_removes_what_killed_writes_left_and_keeps_a_write_in_progress(stor
     assert_same_bits(
         load_file(str(out / "tp1.safetensors")), rig.oracle[(rig.trainer.pub.run_id, 0)]["tp1"]
     )
+
+
+def _registered(store, receiver: str = "pull-tp0"):
+    from deltasync.commit import Catalog
+
+    return Catalog(store).receiver(receiver)
+
+
+def _holds(file: Path, want) -> bool:
+    import torch
+
+    try:
+        got = load_file(str(file))
+    except Exception:  # missing, or being replaced
+        return False
+    return got.keys() == want.keys() and all(
+        torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want
+    )
+
+
+def _wait(predicate, proc, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(180)
+def test_a_running_pull_whose_file_cannot_be_rewritten_withdraws_its_registration(
+    store_path, tmp_path
+):
+    # The file was damaged behind the sidecar and every rewrite failed (a full disk): each
+    # retry heartbeat "holds version 1" while the file held garbage, and the error said the
+    # file "still holds what it held".
+    import resource
+
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
+    weights = tmp_path / "weights"
+    file = weights / "tp0.safetensors"
+    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+    proc = _cli(*argv, "--dir", str(weights), "--interval", "0.05")
+    try:
+        _wait(lambda: (r := _registered(store)) is not None and r.version == 1, proc, "v1")
+        os.kill(proc.pid, signal.SIGSTOP)
+        with open(file, "r+b") as f:  # damaged in place
+            f.seek(-256, os.SEEK_END)
+            f.write(b"\x7f" * 256)
+        hard = resource.prlimit(proc.pid, resource.RLIMIT_FSIZE)[1]
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16384, hard))  # no room for it
+        os.kill(proc.pid, signal.SIGCONT)
+        _wait(lambda: _registered(store) is None, proc, "the registration was never withdrawn")
+        time.sleep(1.0)  # retries meanwhile: none registers again
+        assert _registered(store) is None and not _holds(file, want)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        _wait(lambda: _holds(file, want), proc, "never rewritten once the disk had room")
+        _wait(lambda: (r := _registered(store)) is not None and r.version == 1, proc, "again")
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "no longer holds version 1" in err and "registration is withdrawn" in err, err
+    assert err.count("no longer holds version 1") == 1, err  # one line per change of state
+    assert "rewritten with version 1" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version(
+    store_path, tmp_path
+):
+    # After rm -rf of --dir every write failed (the file and the state dir were made only at
+    # start), so the file never came back and no later version was taken until a restart.
+    import shutil
+
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    run = rig.trainer.pub.run_id
+    weights = tmp_path / "weights"
+    file = weights / "tp0.safetensors"
+    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+    proc = _cli(*argv, "--dir", str(weights), "--interval", "0.05")
+    try:
+        _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "v1")
+        shutil.rmtree(weights)
+        _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "never remade")
+        rig.publish(2)
+        _wait(lambda: _holds(file, rig.oracle[(run, 2)]["tp0"]), proc, "v2 never taken")
+        _wait(lambda: (r := _registered(store)) is not None and r.version == 2, proc, "v2")
+        assert (weights / ".tp0.deltasync" / names.STATE_FILE).is_file()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err

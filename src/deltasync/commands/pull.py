@@ -16,9 +16,15 @@ atomically (temporary file, fsync, rename, directory fsync; mode from the umask,
 engine's user can read it) with the version, run id and state digest in its safetensors
 metadata, before it acks or registers that version: the store never shows the sidecar at a
 version its file does not hold (a write that fails is retried by the next pull, and until it
-lands the records keep the version the file holds). Only the file is durable: on start the sidecar loads it and its metadata, verifies
-the digest, and continues from there (a crash between a pull and the file write just repeats
-that pull).
+lands the records keep the version the file holds). The file is written by the sidecar itself
+(the safetensors format: a header, then each tensor's bytes, no copy of the shard), so a kill
+mid-write leaves only its own temporary file, which the next start sweeps. A file edited,
+replaced or removed behind the sidecar (``--dir`` too) is rewritten from the verified tensors
+in memory before the next pull; while that rewrite fails (a full disk), the sidecar's
+registration is withdrawn, since the file no longer holds the version it names. Only the file
+is durable: on start the sidecar loads it and its metadata, verifies the digest, and continues
+from there (a crash between a pull and the file write just repeats that pull); the version the
+metadata claims is registered only once the store commits it as held (or a pull verified it).
 
 Started before the trainer's first commit (the normal order), it waits (for a local store, also
 for its directory to appear: the sidecar never creates it; with ``--once`` a missing store is
@@ -35,18 +41,22 @@ size, every tensor complete), each refused unread when the manifest lists it lar
 blob of the shard's recorded element count can be.
 
 Every argument is checked before anything is written (the store, ``--dir``, the state
-directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, the shard and
-receiver ids safe names, the key file readable, ``--dir`` a directory or missing, and
-``DIR/<shard>.safetensors`` not a directory; a refusal is a ConfigError (rc 2) naming the
-argument. A ``DIR/<shard>.safetensors`` that cannot be used (truncated, not safetensors, a
+directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, ``--tp``
+and ``--ep`` >= 1, the shard and receiver ids safe names (an empty ``--receiver-id`` is
+refused, not defaulted), the key file readable, ``--config`` a model config, ``--dir`` a
+directory or missing, and ``DIR/<shard>.safetensors`` not a directory; a refusal is a
+ConfigError (rc 2) naming the argument. A ``DIR/<shard>.safetensors`` that cannot be used (truncated, not safetensors, a
 symlink or other non-file, metadata out of range) is the sidecar's own file gone bad: it is
-reported on stderr and replaced from the newest anchor. One holding another layout's tensors
-is refused (it may be another model's weights, not the sidecar's to overwrite).
+reported on stderr and replaced from the newest anchor. One holding another layout's tensors,
+or another shard's (its metadata names it: TP ranks' files have the same names and shapes), is
+refused (it may be another model's weights or another sidecar's file, not this one's to
+overwrite).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -129,8 +139,13 @@ def _config_layout(args):
     from deltasync.layout import ReceiverLayout
     from deltasync.layout.files import load_config
 
-    layout = ReceiverLayout.build(load_config(args.config), args.engine, args.tp, args.ep)
-    return layout, layout.local_specs(args.shard)
+    try:
+        layout = ReceiverLayout.build(load_config(args.config), args.engine, args.tp, args.ep)
+        return layout, layout.local_specs(args.shard)
+    except ConfigError:
+        raise
+    except DeltaSyncError as exc:
+        raise ConfigError(f"--config {args.config!r}: {exc}") from None
 
 
 def _specs(args, store, catalog, head, configured):
@@ -275,6 +290,12 @@ def _load(path: Path, specs, *, receiver_id: str, shard: str):
             f"{exc}: the file belongs to another shard or model; move it away or pass another "
             "--dir. Nothing was written"
         ) from None
+    if meta.get(META_SHARD, shard) != shard:  # same names and shapes: another TP rank's
+        raise ConfigError(
+            f"{str(path)!r} holds shard {meta[META_SHARD][:128]!r}, not {shard!r} (its "
+            "deltasync metadata): it is another sidecar's file; move it away or pass another "
+            "--dir. Nothing was written"
+        )
     if META_VERSION not in meta:
         return tensors, nothing  # not written by the sidecar: verified from an anchor
     try:
@@ -320,28 +341,80 @@ class _ShardFile:
     def changed(self) -> bool:
         return _identity(self.path) != self.known
 
+    def keep(self, receiver, shard: str) -> bool:
+        """Rewrite the file from the verified tensors in memory if it was edited, replaced or
+        removed behind the sidecar (True: it was). A rewrite that fails withdraws the
+        sidecar's registration first (the file no longer holds the version it names; a
+        heartbeat of it would keep a trainer counting this receiver as current) and raises;
+        the next pull retries it before anything else."""
+        version = receiver.version
+        if version is None or not self.changed():
+            return False
+        try:
+            self.write(receiver.tensors, version, receiver.state_digest, shard, receiver.run_id)
+        except ApplyError as exc:
+            receiver.deregister()
+            raise ApplyError(
+                f"{self.path} no longer holds version {version} (edited, replaced or removed "
+                f"behind the sidecar), and rewriting it failed: {exc.__cause__ or exc}. The "
+                "sidecar's registration is withdrawn until the rewrite lands; it retries"
+            ) from exc
+        return True
+
+
+_SAFETENSORS_DTYPES = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.int16": "I16",
+    "torch.int32": "I32",
+    "torch.int64": "I64",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.float32": "F32",
+    "torch.float64": "F64",
+}
+
+
+def _safetensors_chunks(tensors, meta: dict[str, str]):
+    """The safetensors file of ``tensors`` as chunks: its header, then each tensor's bytes
+    as a view of its memory (no copy of the shard, and no temp file of safetensors' own,
+    which a kill would leave where no sweep looks)."""
+    import torch
+
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[str(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)  # the tensors start 8-byte aligned
+    yield len(data).to_bytes(8, "little") + data
+    for name in sorted(tensors):
+        yield tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().data
+
 
 def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: str | None):
-    from safetensors.torch import save_file
-
     meta = {META_VERSION: str(version), META_DIGEST: digest, META_SHARD: shard}
     if run_id is not None:
         meta[META_RUN] = run_id
-    contiguous = {n: t.contiguous() for n, t in tensors.items()}
     umask = os.umask(0)
     os.umask(umask)
-
-    def save(tmp) -> None:
-        save_file(contiguous, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o666 & ~umask)  # readable by the engine's user, as the umask allows
-
     try:
-        write_atomic(path, save)
-    except Exception as exc:  # a full disk, permissions (OSError, safetensors' own error)
+        path.parent.mkdir(parents=True, exist_ok=True)  # --dir removed behind the sidecar
+        # readable by the engine's user, as the umask allows
+        write_atomic(path, _safetensors_chunks(tensors, meta), mode=0o666 & ~umask)
+    except OSError as exc:  # a full disk, permissions, a directory that cannot be made
         raise ApplyError(
             f"could not write version {version} of shard {shard!r} to {path} "
-            f"({type(exc).__name__}: {exc}); the file still holds what it held. Free space or "
-            "fix the directory's permissions: the sidecar retries"
+            f"({type(exc).__name__}: {exc.strerror or exc}). Free space or fix the "
+            "directory's permissions: the sidecar retries"
         ) from exc
 
 
@@ -442,6 +515,15 @@ def _check_args(args: argparse.Namespace):
         names.check_token("--shard", args.shard)
     except ManifestError as exc:
         raise ConfigError(str(exc)) from None
+    for flag, value in (("--tp", args.tp), ("--ep", args.ep)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (the publisher's {flag}), got {value}")
+    if args.receiver_id is not None and not args.receiver_id.strip():
+        # an unset variable in a script (--receiver-id "$ID") must not become the default id
+        raise ConfigError(
+            "--receiver-id is empty: give the id this sidecar acks as, or leave the flag out "
+            f"for the default pull-{args.shard}"
+        )
     config = ReceiverConfig(
         receiver_id=args.receiver_id or f"pull-{args.shard}", signing_key=read_key(args)
     )
@@ -504,15 +586,10 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
+            # The file first: the pull heartbeats the registration of the version held
+            rewritten = file.keep(receiver, args.shard)
             report = receiver.pull()  # writes the file (persist) before acking the version
-            if report.version is not None and file.changed():  # written behind the sidecar
-                file.write(
-                    receiver.tensors,
-                    report.version,
-                    receiver.state_digest,
-                    args.shard,
-                    report.run_id,
-                )
+            if file.keep(receiver, args.shard) or rewritten:  # also written during the pull
                 _say(
                     f"{file.path}: edited, replaced or removed behind the sidecar; rewritten "
                     f"with version {report.version}"

@@ -224,6 +224,7 @@ class StateDir:
             raise LocalStateError(f"{str(self.state_path)!r}: {exc}") from exc
 
     def write_state(self, state: LocalState) -> None:
+        self._remake()
         write_record(self.state_path, json.loads(state.to_json()), durable=self.durable)
 
     def read_journal(self) -> Journal | None:
@@ -236,7 +237,18 @@ class StateDir:
             raise LocalStateError(f"{str(self.journal_path)!r}: {exc}") from exc
 
     def write_journal(self, journal: Journal) -> None:
+        self._remake()
         write_record(self.journal_path, json.loads(journal.to_json()), durable=self.durable)
+
+    def _remake(self) -> None:
+        """The directory again, if something removed it behind a running receiver (a cleanup
+        job, an emptied volume): its records are written there from then on."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+        except OSError as exc:
+            raise LocalStateError(
+                f"cannot create receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
+            ) from exc
 
     def clear_journal(self) -> None:
         # Not fsynced: the state file written before it is what must survive a crash. A

@@ -284,9 +284,11 @@ class Receiver:
         # Restarted while the store could not say whether the held version is committed as
         # held: whether its ack is owed is decided on the next flush of the records.
         self._ack_undecided = False
-        # register=False: no registration until this receiver holds a verified version
-        # (a sidecar that must not stall a bounded-staleness trainer before its first pull).
-        self._register = register
+        # register=False: no registration until the store confirms a version this receiver
+        # holds (a pull verified it against the head, or the store commits the version it
+        # opened with as held): a sidecar must not stall a bounded-staleness trainer before
+        # its first pull, nor name a version its file's metadata merely claims.
+        self._confirmed = register
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
@@ -358,6 +360,7 @@ class Receiver:
         self._ack_undecided = False
         if committed:
             self._pending_ack = self._ack_of_held()
+            self._confirmed = True
 
     def _ack_of_held(self) -> AckRecord:
         """An ack of the version the local state records, written now."""
@@ -578,7 +581,7 @@ class Receiver:
             updated_at=time.time(),
             run_id=state.run_id if held else None,
         )
-        if rec.version is None and not self._register:
+        if not self._confirmed:
             return True
         try:
             self.store.put(rec.key, rec.to_json(self.config.signing_key))
@@ -726,6 +729,7 @@ class Receiver:
         )
         if idle and held is not None and self._scrub_due():
             if self.scrub():
+                self._confirmed = True
                 self._flush_records()
                 return self._report(t0, previous_version=previous, scrubbed=True)
             if head is None:  # nothing committed to restore from
@@ -735,6 +739,7 @@ class Receiver:
         if idle:
             if head is not None and head.run_id != self._state.run_id:
                 self._relabel(head)
+            self._confirmed = self._confirmed or (held is not None and head is not None)
             self._flush_records()
             return self._report(t0, previous_version=previous)
         self._check_layout(head)
@@ -992,6 +997,7 @@ class Receiver:
         hold."""
         self._ack_undecided = False  # a later version's ack and registration supersede it
         self._pending_ack = ack
+        self._confirmed = True
         local = InBackground(self._record_state, held, name="deltasync-receiver-state")
         try:
             self._flush_records(holding=held)
