@@ -452,6 +452,18 @@ def _wait(predicate, proc, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _pulling_at_version_1(store_path, tmp_path):
+    """Versions 0 and 1 published, and a sidecar of shard tp0 running (polling every 50 ms):
+    the store, the rig, the shard file's path and the sidecar's process."""
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    rig.publish(1)
+    file = tmp_path / "weights" / "tp0.safetensors"
+    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+    return store, rig, file, _cli(*argv, "--dir", str(file.parent), "--interval", "0.05")
+
+
 @pytest.mark.timeout(180)
 def test_a_running_pull_whose_file_cannot_be_rewritten_withdraws_its_registration(
     store_path, tmp_path
@@ -461,15 +473,8 @@ def test_a_running_pull_whose_file_cannot_be_rewritten_withdraws_its_registratio
     # file "still holds what it held".
     import resource
 
-    store = LocalStore(store_path, durable=False)
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    rig.publish(1)
+    store, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
     want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
-    weights = tmp_path / "weights"
-    file = weights / "tp0.safetensors"
-    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
-    proc = _cli(*argv, "--dir", str(weights), "--interval", "0.05")
     try:
         _wait(lambda: (r := _registered(store)) is not None and r.version == 1, proc, "v1")
         os.kill(proc.pid, signal.SIGSTOP)
@@ -501,15 +506,9 @@ def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version
     # start), so the file never came back and no later version was taken until a restart.
     import shutil
 
-    store = LocalStore(store_path, durable=False)
-    rig = Rig(store, tmp_path)
-    rig.publish(0)
-    rig.publish(1)
+    store, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
     run = rig.trainer.pub.run_id
-    weights = tmp_path / "weights"
-    file = weights / "tp0.safetensors"
-    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
-    proc = _cli(*argv, "--dir", str(weights), "--interval", "0.05")
+    weights = file.parent
     try:
         _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "v1")
         shutil.rmtree(weights)
