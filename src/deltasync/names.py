@@ -179,3 +179,4 @@ def writer_id(rank: int) -> str:
 # Local (receiver-side) files.
 JOURNAL_FILE = "journal.json"
 STATE_FILE = "state.json"
+LOCK_FILE = "lock"  # held (a POSIX lock) by the one process whose receiver uses the directory

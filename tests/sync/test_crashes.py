@@ -249,6 +249,7 @@ def test_a_receiver_whose_journaled_versions_are_gone_restores_the_newest_anchor
     assert report.chain == (6,) and report.from_anchor and not rec.dirty
     assert_same_bits(rec.tensors, states[6])
     # and straight from the journal: the constructor's repair falls back to the anchor itself
+    rec.close()  # its process ends; another one is killed mid-apply on that state dir
     publish(7), publish(8)
     _kill_receiver_mid_apply(tmp_path, stop_after=3)
     store.delete(Catalog(store).manifest(7).blobs_for("tp0")[0].key)

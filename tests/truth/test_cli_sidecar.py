@@ -320,9 +320,10 @@ def test_pull_backs_off_a_damaged_store_with_one_line_and_recovers_when_it_is_re
         "--interval",
         "0.01",
     ]
-    assert main([*args, "--iterations", "4"]) == 0
+    assert main([*args, "--iterations", "4"]) == 1  # every pull failed: a script sees it
     err = capsys.readouterr().err
-    assert err.count("ManifestError") == 1 and "retrying with backoff" in err
+    assert err.count("retrying with backoff") == 1 and "ManifestError" in err, err
+    assert "stopped after 4 pull(s), the last 4 of them failed (ManifestError" in err, err
     store.put(key, good)
     assert main([*args, "--iterations", "1"]) == 0
     run = rig.trainer.pub.run_id
@@ -521,3 +522,24 @@ def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(180)
+def test_a_second_sidecar_on_the_same_file_is_refused_naming_the_first(store_path, tmp_path):
+    # Two sidecars on one --dir and shard rewrote the file in turn, and each replayed the
+    # other's journal as a crash's.
+    _, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
+    want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
+    try:
+        _wait(lambda: _holds(file, want), proc, "v1")
+        second = _cli(
+            "pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
+            "--dir", str(file.parent), "--once",
+        )  # fmt: skip
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert f"in use by another process (pid {proc.pid})" in err, err
+        assert _holds(file, want) and proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -163,7 +163,7 @@ def _kill_after_scatter(tmp_path, hang_in):
     ready = tmp_path / "ready"
     proc = mp.get_context("fork").Process(
         target=_receiver_child,
-        args=(str(tmp_path / "store"), str(tmp_path / "rec"), str(mapped), str(ready), hang_in),
+        args=(str(tmp_path / "store"), str(tmp_path / "killed"), str(mapped), str(ready), hang_in),
         daemon=True,
     )
     proc.start()
@@ -181,7 +181,9 @@ def _kill_after_scatter(tmp_path, hang_in):
 def test_a_receiver_sigkilled_between_scatter_and_ack_restarts_at_the_verified_version(tmp_path):
     store, rig, tensors = _kill_after_scatter(tmp_path, "ack")
     assert not store.exists(names.ack_key(0, "rec"))
-    rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
+    rec = Receiver.for_layout(
+        store, rig.rl, "tp0", tensors, str(tmp_path / "killed"), rconfig("rec")
+    )
     assert rec.version == 0 and not rec.dirty and rec.last_repair is None
     assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
     # the restarted receiver owes the ack of what it verifiably holds, and writes it
@@ -194,15 +196,17 @@ def test_a_receiver_sigkilled_while_its_state_file_is_written_replays_its_journa
     # Killed before the state file is durable (the ack, written beside it, may be out): the
     # journal is still there, and the restart replays it to the version the tensors hold.
     store, rig, tensors = _kill_after_scatter(tmp_path, "state")
-    assert StateDir(tmp_path / "rec").read_state() is None
-    assert StateDir(tmp_path / "rec").read_journal() is not None
+    assert StateDir(tmp_path / "killed").read_state() is None
+    assert StateDir(tmp_path / "killed").read_journal() is not None
     if store.exists(names.ack_key(0, "rec")):  # it states what the tensors hold
         assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
-    rec = Receiver.for_layout(store, rig.rl, "tp0", tensors, str(tmp_path / "rec"), rconfig("rec"))
+    rec = Receiver.for_layout(
+        store, rig.rl, "tp0", tensors, str(tmp_path / "killed"), rconfig("rec")
+    )
     repaired = rec.last_repair
     assert repaired is not None and repaired.repaired and repaired.version == 0
     assert rec.version == 0 and not rec.dirty
-    assert StateDir(tmp_path / "rec").read_journal() is None
+    assert StateDir(tmp_path / "killed").read_journal() is None
     assert_same_bits(tensors, rig.oracle[(rig.trainer.pub.run_id, 0)]["tp0"])
     assert AckRecord.from_json(store.get(names.ack_key(0, "rec"))).version == 0
     assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version == 0
@@ -351,3 +355,53 @@ def test_a_state_dir_path_with_a_nul_byte_is_a_local_state_error(tmp_path) -> No
     # it was a bare ValueError from mkdir
     with pytest.raises(LocalStateError, match="cannot create receiver state dir"):
         StateDir(f"{tmp_path}/state\x00x")
+
+
+def _holding_child(store_path, state_dir, ready):
+    from truth_kit import tiny_layouts
+
+    _, _, rl = tiny_layouts()
+    tensors = {n: torch.zeros(sp.shape, dtype=sp.dtype) for n, sp in rl.local_specs("tp0").items()}
+    rec = Receiver.for_layout(
+        LocalStore(store_path, durable=False), rl, "tp0", tensors, state_dir, rconfig("rec")
+    )
+    rec.pull()
+    open(ready, "w").close()
+    time.sleep(600)  # killed by the parent
+
+
+@pytest.mark.timeout(90)
+def test_a_second_process_cannot_open_a_state_dir_a_live_receiver_holds(tmp_path):
+    # Two engine replicas given one receiver id and state dir: each replayed the other's
+    # journal as a crash's and overwrote its state file.
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    ready = tmp_path / "ready"
+    proc = mp.get_context("fork").Process(
+        target=_holding_child,
+        args=(str(tmp_path / "store"), str(tmp_path / "replica"), str(ready)),
+        daemon=True,
+    )
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+        state = (tmp_path / "replica" / names.STATE_FILE).read_bytes()
+        with pytest.raises(LocalStateError, match=rf"in use by another process \(pid {proc.pid}\)"):
+            _replica(rig, tmp_path, rig.tensors)
+        assert (tmp_path / "replica" / names.STATE_FILE).read_bytes() == state
+    finally:
+        proc.kill()
+        proc.join(10)
+    rec = _replica(rig, tmp_path, {n: t.clone() for n, t in rig.tensors.items()})
+    assert rec.pull().version == 0  # its holder is gone
+    assert _replica(rig, tmp_path, rec.tensors).version == 0  # reopened in one process
+
+
+def _replica(rig, tmp_path, tensors) -> Receiver:
+    return Receiver.for_layout(
+        rig.store, rig.rl, "tp0", tensors, str(tmp_path / "replica"), rconfig("rec")
+    )

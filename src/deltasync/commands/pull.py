@@ -31,7 +31,10 @@ for its directory to appear: the sidecar never creates it; with ``--once`` a mis
 refused). It registers with the
 store only once it holds a verified version (and removes its registration if its first pull
 fails), so a bounded-staleness trainer never waits on it; repeated errors back off (up to 60 s)
-with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls.
+with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls, and
+``--iterations K`` ends it after K pulls (rc 1 when the last one failed). One sidecar (one
+process) keeps a state dir: a second one started on the same ``--dir`` and shard waits, with
+one line naming the first one's pid, until that one is gone.
 
 The layout is checked against the store before anything is fetched: the manifests record the
 engine, TP, EP and model fingerprint they were built for. With ``--config`` the tensor specs
@@ -461,10 +464,11 @@ def _start(args, store, config, configured, stop: _Stop):
         ) from None
     # The in-memory tensors are exactly the file: seed the receiver's state from it and drop
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
-    state_dir = out_dir / f".{args.shard}.deltasync"
+    state_dir = StateDir(out_dir / f".{args.shard}.deltasync")
+    state_dir.lock(f"this sidecar of {str(path)!r}")  # before anything of it is written
     sweep_stale_temps([path])  # a shard file's worth per write a kill cut short
-    StateDir(state_dir).clear_journal()
-    StateDir(state_dir).write_state(state)
+    state_dir.clear_journal()
+    state_dir.write_state(state)
 
     def persist(tensors, held) -> None:  # before the ack: the file is what engines read
         file.write(tensors, held.version, held.state_digest, args.shard, held.run_id)
@@ -473,7 +477,7 @@ def _start(args, store, config, configured, stop: _Stop):
         store,
         shard=args.shard,
         tensors=tensors,
-        state_dir=str(state_dir),
+        state_dir=str(state_dir.path),
         config=config,
         specs=specs,
         layout=layout,
@@ -628,6 +632,14 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
             break
     if stop.signal is not None:
         _say(f"deltasync pull: stopped by signal {signal.Signals(stop.signal).name}")
+        return 0
+    if last_error is not None:  # --iterations ran out while failing: a script must see it
+        _say(
+            f"deltasync pull: stopped after {done} pull(s), the last {failures} of them failed "
+            f"({last_error})",
+            err=True,
+        )
+        return 1
     return 0
 
 
@@ -660,5 +672,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help=f"seconds between pulls, > 0 and at most {MAX_INTERVAL_S:.0f} (a day); default 5",
     )
-    p.add_argument("--iterations", type=int, default=0, help="stop after K >= 0 pulls (0 = never)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=0,
+        help="stop after K >= 0 pulls (0 = never); exit 1 if the last one failed",
+    )
     p.set_defaults(func=_run)

@@ -21,8 +21,11 @@ and durably). This module knows the records' fields; it knows nothing about stor
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +195,26 @@ class Journal:
         )
 
 
+# State dirs this process holds: their lock file's real path -> [the pid that locked it (a
+# forked child holds none of its parent's POSIX locks), its descriptor, the StateDirs of it].
+_LOCKS: dict[str, list[int]] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _unlock(key: str, pid: int) -> None:
+    """One ``StateDir`` holding ``key`` is gone; the last one's going releases the lock."""
+    if pid != os.getpid():  # a forked child's copy of its parent's StateDir
+        return
+    with _LOCKS_GUARD:
+        held = _LOCKS.get(key)
+        if held is None or held[0] != pid:
+            return
+        held[2] -= 1
+        if held[2] == 0:
+            del _LOCKS[key]
+            os.close(held[1])  # the process's lock on the file goes with it
+
+
 class StateDir:
     """The state directory of one receiver: ``state.json`` and ``journal.json``."""
 
@@ -239,6 +262,55 @@ class StateDir:
     def write_journal(self, journal: Journal) -> None:
         self._remake()
         write_record(self.journal_path, json.loads(journal.to_json()), durable=self.durable)
+
+    def lock(self, owner: str) -> None:
+        """Hold this directory for this process (``owner``: the receiver, for the message of
+        one refused): a second process whose receiver opened the same state dir would replay
+        this one's journal as a crash's and overwrite its state file. LocalStateError naming
+        the holder's pid if another process holds it; nothing is written then.
+
+        A POSIX lock on :data:`~deltasync.names.LOCK_FILE`, owned by the process: receivers
+        of one process reopening the directory (a restart modelled in-process, an engine's
+        reload) share it, and it ends with the process, however it ends, or once no
+        ``StateDir`` of the process that locked it is left. One descriptor per directory is
+        kept open until then (closing any descriptor of the file drops the process's lock)."""
+        path = self.path / names.LOCK_FILE
+        key = os.path.realpath(path)
+        with _LOCKS_GUARD:
+            held = _LOCKS.get(key)
+            if held is not None and held[0] == os.getpid():
+                held[2] += 1
+                self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
+                return
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise LocalStateError(
+                    f"cannot open the lock of receiver state dir {str(self.path)!r}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise LocalStateError(
+                    f"receiver state dir {str(self.path)!r} is in use by another process "
+                    f"(pid {holder[:16] or 'unknown'}); {owner} cannot share it. Each receiver "
+                    "needs its own state dir: give engine replicas distinct receiver ids (or "
+                    "state dirs), and stop the other process first when restarting. Nothing "
+                    "was written"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _LOCKS[key] = [os.getpid(), fd, 1]  # the descriptor stays open: see above
+            self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
+
+    def unlock(self) -> None:
+        """This ``StateDir``'s hold of :meth:`lock` ends now (as when it is collected)."""
+        release = getattr(self, "_unlock", None)
+        if release is not None:
+            release()
 
     def _remake(self) -> None:
         """The directory again, if something removed it behind a running receiver (a cleanup
