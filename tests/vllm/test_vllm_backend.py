@@ -64,6 +64,8 @@ def run(request, tmp_path_factory):
         reinit_check=True,
         foreign_reload_check=True,
         stage_reload_check=True,
+        failed_reload_check=True,
+        store_reset_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -220,6 +222,33 @@ def test_a_staged_update_abandoned_by_finish_closes_vllms_session(run):
         assert same_bits(state["tensors"], synced["abandoned_splits"][state["shard"]]) == []
 
 
+def test_weights_reloaded_before_an_update_that_fails_early_are_not_reported_as_a_version(run):
+    # between stage and apply, and between versions: the update failed before any verify, and
+    # the worker, vLLM and the error went on naming the version verified before the reload
+    synced = run["synced"]
+    for case, got in synced["failed_reload"].items():
+        assert got["error"] is not None and got["error"].startswith("ApplyError"), (case, got)
+        assert "no rank wrote anything; every rank stays" not in got["error"], (case, got)
+        assert got["versions"] == [None], (case, got)
+        assert got["version_api"] == "unverified", (case, got)
+    for state, live in zip(
+        synced["failed_reload_states"], synced["failed_reload_live"], strict=True
+    ):
+        assert state["weight_version"] == synced["failed_reload_version"]
+        assert same_bits(live, synced["failed_reload_splits"][state["shard"]]) == []
+
+
+def test_a_version_staged_before_a_store_reset_is_neither_written_nor_reported(run):
+    # the apply wrote the dead run's version and reported a number the store did not hold
+    synced = run["synced"]
+    assert synced["reset_error"] is not None and "not committed" in synced["reset_error"]
+    (live,) = synced["reset_live"]
+    assert same_bits(live, synced["reset_held_splits"]["tp0"]) == []
+    for state in synced["reset_after"]:  # the new run's versions are taken from its anchor
+        assert state["weight_version"] == 1
+        assert same_bits(state["tensors"], synced["reset_after_splits"][state["shard"]]) == []
+
+
 def test_a_corrupted_blob_raises_through_vllms_api_and_leaves_the_previous_version(run):
     synced = run["synced"]
     assert synced["corrupt_error"] is not None
@@ -311,6 +340,7 @@ def variant(request, tmp_path_factory):
         tp=tp,
         probe_layout=True,
         race_check=not moe,
+        order_check=not moe,
     )
     return {"synced": synced, "fresh": _fresh(tmp, 2, "bfloat16", tp=tp), "tp": tp}
 
@@ -339,6 +369,25 @@ def test_qwen3_moe_and_tp2_engines_take_versions_exactly_refuse_a_corrupted_one_
             assert state["weight_version"] == 4
             assert same_bits(state["tensors"], synced["race_splits"][state["shard"]]) == []
         assert synced["race_version_api"] == "4"
+        # calls vLLM refuses on every rank: the replies stayed in step, every update lands
+        assert synced["order_bad_init"].startswith("ConfigError"), synced["order_bad_init"]
+        assert "not a safe name" in synced["order_bad_init"], synced["order_bad_init"]
+        unstaged = synced["order_apply_unstaged"]
+        assert unstaged.startswith("ConfigError") and "no update is staged" in unstaged, unstaged
+        assert synced["order_apply"] is None, synced["order_apply"]
+        assert synced["order_version_api"] == str(synced["order_version"])
+        for state in synced["order_states"]:
+            assert state["weight_version"] == synced["order_version"]
+            assert same_bits(state["tensors"], synced["order_splits"][state["shard"]]) == []
+        # rank 0 torn mid-scatter, then a version it cannot stage: no rank writes it (rank 0
+        # replays its journal first, on its own)
+        assert synced["torn_error"] is not None
+        assert "DigestMismatchError" in synced["replay_error"], synced["replay_error"]
+        for state, live in zip(synced["replay_states"], synced["replay_live"], strict=True):
+            assert same_bits(live, synced["replay_torn_splits"][state["shard"]]) == [], state
+        for state in synced["order_final_states"]:
+            assert state["weight_version"] == synced["order_final_version"]
+            assert same_bits(state["tensors"], synced["order_final_splits"][state["shard"]]) == []
 
 
 def test_the_layout_probed_from_every_worker_equals_the_hand_written_table(variant):

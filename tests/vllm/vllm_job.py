@@ -185,6 +185,33 @@ def staged_and_waiting(worker) -> bool:
     return staged is None or staged.staged.wait(120)
 
 
+def interrupt_scatter(worker, rank: int, after: int) -> bool:
+    """Runs inside the worker: on TP rank ``rank``, the next scatter raises once ``after``
+    tensors are written (an engine killed mid-write, its journal kept)."""
+    if worker.weight_transfer_engine.shard.place.tp_rank != rank:
+        return False
+    receiver = worker.weight_transfer_engine.receiver
+    real, written = receiver._on_tensor, [0]
+
+    def on_tensor(name: str) -> None:
+        real(name)
+        written[0] += 1
+        if written[0] == after:
+            receiver._on_tensor = real
+            raise RuntimeError(f"the scatter stopped on TP rank {rank}")
+
+    receiver._on_tensor = on_tensor
+    return True
+
+
+def _error_of(call) -> str | None:
+    try:
+        call()
+    except Exception as exc:  # recorded for the test to judge
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def fail_state_writes(worker, on: bool) -> bool:
     """Make the worker receiver's state-file writes fail (a full disk), or stop that."""
     from deltasync.errors import LocalStateError
@@ -440,6 +467,65 @@ def synced(spec: dict) -> dict:
             out["abandoned_error"] = f"{type(exc).__name__}: {exc}"
         out["abandoned_after"] = llm.collective_rpc(worker_state)
         out["abandoned_splits"] = layout.split(canonical())
+    if spec.get("failed_reload_check"):
+        # vLLM's own loader rewrites the weights, and the update then fails before any verify
+        # (a corrupted blob): between stage and apply, and between versions. The worker, vLLM
+        # and the error went on naming the version verified before, the reloaded weights live.
+        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        cases = {}
+        for case, nxt in (("between_stage_and_apply", held + 1), ("between_versions", held + 3)):
+            if case == "between_versions":
+                train_step()
+                trainer.publish(held + 2, anchor=True)  # past the corrupted one
+                engine.send_weights(held + 2)
+            train_step()
+            trainer.publish(nxt)
+            corrupt_blob(store_dir, nxt)
+            if case == "between_stage_and_apply":
+                engine.stage(nxt)
+                llm.collective_rpc(staged_and_waiting)
+                llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+                error = _error_of(lambda v=nxt: engine.apply(v))
+            else:
+                llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+                error = _error_of(lambda v=nxt: engine.send_weights(v))
+            cases[case] = {
+                "error": error,
+                "versions": [s["weight_version"] for s in llm.collective_rpc(worker_state)],
+                "version_api": llm.get_weight_version(),
+            }
+        train_step()
+        trainer.publish(held + 4, anchor=True)
+        engine.send_weights(held + 4)
+        out["failed_reload"] = cases
+        out["failed_reload_states"] = llm.collective_rpc(worker_state)
+        out["failed_reload_live"] = llm.collective_rpc(live_tensors)
+        out["failed_reload_splits"] = layout.split(canonical())
+        out["failed_reload_version"] = held + 4
+    if spec.get("store_reset_check"):
+        # The store is reset while a version is staged, and the new run has committed less:
+        # the apply wrote the dead run's version and reported it, a version the store does not
+        # hold. Last: the store holds another run from here on.
+        import shutil
+
+        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        held_split = layout.split(canonical())
+        train_step()
+        trainer.publish(held + 1)
+        engine.stage(held + 1)
+        llm.collective_rpc(staged_and_waiting)
+        shutil.rmtree(store_dir)
+        trainer.start(layout)  # a new run (lineage): its version 0 only
+        trainer.publish(0)
+        out["reset_error"] = _error_of(lambda: engine.apply(held + 1))
+        out["reset_versions"] = [s["weight_version"] for s in llm.collective_rpc(worker_state)]
+        out["reset_live"] = llm.collective_rpc(live_tensors)
+        out["reset_held_splits"] = held_split
+        train_step()
+        trainer.publish(1)
+        engine.send_weights(1)
+        out["reset_after"] = llm.collective_rpc(worker_state)
+        out["reset_after_splits"] = layout.split(canonical())
     if spec.get("race_check"):
         # Two threads send the next version to the one engine: their calls interleaved at the
         # workers and one waited forever (TP > 1). The trainer engine takes them in turn.
@@ -465,6 +551,47 @@ def synced(spec: dict) -> dict:
         out["race_states"] = llm.collective_rpc(worker_state)
         out["race_splits"] = layout.split(canonical())
         out["race_version_api"] = llm.get_weight_version()
+    if spec.get("order_check"):
+        # TP > 1. vLLM's worker refuses a call out of order on every rank, before the backend,
+        # and its executor then read each later call's reply from the call before: after one
+        # refused init through vLLM's own API, or one apply without a stage, every later update
+        # failed or reported another call's outcome.
+        v = llm.collective_rpc(worker_state)[0]["weight_version"]
+        bad = {"store": str(store_dir), "receiver_id": "../outside", "state_dir": str(tmp)}
+        out["order_bad_init"] = _error_of(
+            lambda: llm.init_weight_transfer_engine({"init_info": bad})
+        )
+        train_step()
+        trainer.publish(v + 1)
+        out["order_apply_unstaged"] = _error_of(lambda: engine.apply(v + 1))
+        engine.stage(v + 1)
+        engine.stage(v + 1)  # the first one is closed, nothing written
+        out["order_apply"] = _error_of(lambda: engine.apply(v + 1))
+        out["order_states"] = llm.collective_rpc(worker_state)
+        out["order_splits"] = layout.split(canonical())
+        out["order_version"] = v + 1
+        out["order_version_api"] = llm.get_weight_version()
+        # Rank 0's scatter of the next version stops midway (its journal kept); then the
+        # version after it is corrupted on rank 0. The agreement was spent on rank 0's replay
+        # of the journal: rank 1 wrote the version rank 0 could not stage.
+        train_step()
+        trainer.publish(v + 2)
+        llm.collective_rpc(interrupt_scatter, args=(0, 3))
+        out["torn_error"] = _error_of(lambda: engine.send_weights(v + 2))
+        torn_split = layout.split(canonical())
+        train_step()
+        trainer.publish(v + 3)
+        corrupt_blob(store_dir, v + 3)
+        out["replay_error"] = _error_of(lambda: engine.send_weights(v + 3))
+        out["replay_states"] = llm.collective_rpc(worker_state)
+        out["replay_live"] = llm.collective_rpc(live_tensors)
+        out["replay_torn_splits"] = torn_split
+        train_step()
+        trainer.publish(v + 4, anchor=True)
+        engine.send_weights(v + 4)
+        out["order_final_states"] = llm.collective_rpc(worker_state)
+        out["order_final_splits"] = layout.split(canonical())
+        out["order_final_version"] = v + 4
     if spec.get("reload_check"):
         # vLLM's own loader reads the last good version's dense checkpoint into the live
         # model: if every delta landed where vLLM puts each element, nothing changes

@@ -165,6 +165,7 @@ class _StagedPull:
     def __init__(self, version: int) -> None:
         self.version = version
         self.written: tuple[int, tuple[int | None, ...]] | None = None  # _written_stamp at start
+        self.committed: tuple[str, str | None] | None = None  # (run id, shard digest) staged
         self.staged = threading.Event()
         self._go = threading.Event()
         self._cancelled = False
@@ -211,12 +212,27 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._gate: _StagedPull | None = None  # the staged pull whose scatter waits for apply
         self._touched: set[str] = set()
         self._active = False
+        # _written_stamp when this worker last verified what it holds (an init, an apply):
+        # moved since, something else wrote the weights (vLLM's reload_weights between
+        # versions), and the version held is no longer what the engine computes with
+        self._verified: tuple[int, tuple[int | None, ...]] | None = None
         _count_loads(model)
 
     # --- phase 1 --------------------------------------------------------------------------
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> DeltaSyncInitInfo | _Refused:
+        """vLLM's worker parses the init info before :meth:`init_transfer_engine`, outside it:
+        raised there, a refusal comes from every TP rank, and vLLM's multiprocess executor
+        then reads each later call's reply from the call before (every update fails, or
+        reports another call's outcome, for the engine's life). So a refusal is carried into
+        :meth:`init_transfer_engine`, which raises it from the last rank only."""
+        try:
+            return super().parse_init_info(init_dict)
+        except Exception as exc:
+            return _Refused(exc)
+
     @_rpc
-    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo | _Refused) -> None:
         """Build this worker's shard and its receiver. Args: ``init_info``, see
         :class:`DeltaSyncInitInfo`. Again on a worker that has them (a restarted trainer):
         a staged update is cancelled first (nothing of it was written), and an init refused
@@ -226,6 +242,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         place = ShardPlace.from_vllm(self.parallel_config)
         built, error = None, None
         try:
+            if isinstance(init_info, _Refused):
+                if isinstance(init_info.error, DeltaSyncError):
+                    raise init_info.error
+                raise ConfigError(f"init_weight_transfer_engine: {init_info.error}")
             built = self._build(init_info, place)
         except Exception as exc:
             error = exc
@@ -247,6 +267,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.shard, self.receiver = built
         self._shard_key = (init_info.layout, init_info.path, place)
         self.weight_version = self.receiver.version
+        self._verified = self._written_stamp()
         log.info(
             "deltasync receiver %s on %s: shard %s, path %s, at version %s",
             self.receiver.config.receiver_id,
@@ -353,7 +374,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if staged is None:  # nothing staged while serving: stage now, inside this call
             staged = self._start_staging(receiver, version)
         staged.staged.wait()  # fetched and verified (held before its first write) or failed
-        if staged.error is None and staged.written != self._written_stamp():
+        if staged.committed != self._committed_as(receiver, version):
+            # The store was reset under the staged version (another run's version N, or none):
+            # what was staged is not what the store commits as N now. Staged again, from what
+            # the store holds now (a version no longer the newest is refused by name).
+            staged.cancel()
+            staged.thread.join()
+            staged = self._start_staging(receiver, version)
+            staged.staged.wait()
+        if staged.written != self._written_stamp():
             # Something wrote the engine's weights after the staging began (vLLM's
             # reload_weights, another backend): what it verified is not what the engine holds.
             # Staged again, from a receiver that holds no version: the newest anchor and the
@@ -382,6 +411,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if failures:
             self._fail(version, failures, staged.error, written=True)
             return
+        self._verified = self._written_stamp()
         report = staged.report
         self.last_update_s = time.perf_counter() - t0
         self.last_report = report
@@ -494,6 +524,16 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     # --- the pull -------------------------------------------------------------------------
 
+    def _committed_as(self, receiver: Receiver, version: int) -> tuple[str, str | None] | None:
+        """``version`` as the store commits it now: its lineage and this shard's state digest
+        (None: not committed, or unreadable)."""
+        try:
+            manifest = receiver.catalog.manifest(version, fresh=True)
+        except DeltaSyncError:
+            return None
+        assert self.shard is not None
+        return manifest.run_id, manifest.shard_digests.get(self.shard.shard)
+
     @staticmethod
     def _check_newest(receiver: Receiver, version: int) -> None:
         latest = receiver.catalog.latest()
@@ -514,6 +554,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # One pull at a time per worker: the apply call joins a staged thread before it pulls.
         # Exactly ``version``, even if a newer one commits while it is staged.
         self._check_engine(receiver, version)
+        # The journal of an interrupted write is this rank's own repair, replayed before the
+        # gate: the ranks' agreement is about the first write of the requested version (at the
+        # replay's write the others were let write while this rank then failed to stage it).
+        self._gate = None
+        self._touched.clear()
+        receiver.replay_journal()
         self._gate = gate
         self._touched.clear()
         return receiver.pull(version=version)
@@ -531,6 +577,13 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 f"the engine no longer computes with the weights of {', '.join(drifted[:3])}"
                 f"{', ...' if len(drifted) > 3 else ''} as last written (reloaded by something "
                 "else)"
+            )
+        elif self._verified is not None and self._written_stamp() != self._verified:
+            # a load_weights call or an in-place write since this worker last verified them:
+            # noticed here, not only by a verify pass that a failed fetch never reaches
+            receiver.invalidate(
+                "the engine's weights were written by something else (vLLM's reload_weights, "
+                "a load_weights call) since it last verified them"
             )
         elif receiver.version == version and not receiver.dirty:
             receiver.scrub()
@@ -556,6 +609,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if self.device.type == "cuda":  # a new thread starts on device 0
                     torch.cuda.set_device(self.device)
                 self._check_newest(receiver, version)
+                staged.committed = self._committed_as(receiver, version)
                 staged.report = self._pull(receiver, version, staged)
             except BaseException as exc:  # re-raised on the worker thread by the apply call
                 staged.error = exc
@@ -621,6 +675,13 @@ def _version_of(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Init info that :class:`DeltaSyncInitInfo` refused, carried to the init call."""
+
+    error: Exception
 
 
 class _Answered(Exception):

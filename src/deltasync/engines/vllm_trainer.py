@@ -19,6 +19,15 @@ split it, so a trainer can stage, keep training, and apply later. An apply that 
 worker's first write sets vLLM's weight version to :data:`UNVERIFIED`; one refused before any
 write (a corrupted blob, a failed verify) leaves it naming the version the workers hold.
 
+vLLM's worker refuses a call out of order (an apply with no update open, a second update
+opened) on every TP rank, before the backend runs, and its multiprocess executor then reads
+each later call's reply from the call before. So this engine keeps the update it opened:
+:meth:`~DeltaSyncTrainerEngine.apply` without a staged update is a ConfigError before any
+RPC, and a second :meth:`~DeltaSyncTrainerEngine.stage` closes the first one (dropped, nothing
+written) before it opens its own. A trainer restarted while its predecessor's update was
+open (killed between stage and apply) cannot see it: vLLM offers no query. Call the
+client's ``finish_weight_update()`` once before its first update, or restart the engines.
+
 Only the sender (trainer rank 0) touches the client; every rank may call the methods. This
 module imports vLLM (its base classes); it knows the control-plane order, nothing of stores.
 """
@@ -102,6 +111,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         # One update at a time: two threads' calls interleaved at the workers (vLLM's
         # multiprocess executor then leaves a reply unread and the other call waits forever).
         self._lock = threading.RLock()
+        # The version staged in the update this engine opened (None: none open). vLLM's worker
+        # refuses an update call out of order on every TP rank, before the backend can answer
+        # from the last rank only, and its executor then reads each later call's reply from
+        # the call before: so an out-of-order call never reaches vLLM.
+        self._open: int | None = None
 
     @classmethod
     def trainer_init(
@@ -150,6 +164,14 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             return
         with self._lock:
             t0 = time.perf_counter()
+            if self._open is not None:  # staged and never applied: dropped, nothing written
+                log.warning(
+                    "staging version %d drops version %d, staged and never applied",
+                    version,
+                    self._open,
+                )
+                self._open = None
+                self.client.finish_weight_update()
             try:
                 self.client.start_weight_update()
             except Exception as exc:
@@ -162,6 +184,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                     self.client.finish_weight_update()
                 _raise_typed(exc, version, "stage")
                 raise
+            self._open = version
             self.last_timings = {"stage_call_s": time.perf_counter() - t0}
 
     def apply(self, version: int) -> None:
@@ -171,6 +194,13 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         if not self.is_sender:
             return
         with self._lock:
+            if self._open is None:
+                raise ConfigError(
+                    f"DeltaSyncTrainerEngine.apply({version}): no update is staged on this "
+                    f"engine; call stage({version}) first, or send_weights({version}) for both. "
+                    "Nothing was sent to the engines"
+                )
+            self._open = None  # closed by the apply, whatever it answers
             self._apply(version)
 
     def _apply(self, version: int) -> None:
