@@ -204,6 +204,14 @@ def interrupt_scatter(worker, rank: int, after: int) -> bool:
     return True
 
 
+def newest(store_dir: Path) -> int:
+    """The store's newest committed version (the trainer publishes above it next)."""
+    from deltasync import LocalStore
+    from deltasync.commit import Catalog
+
+    return Catalog(LocalStore(store_dir, durable=False)).latest()
+
+
 def _error_of(call) -> str | None:
     try:
         call()
@@ -471,7 +479,8 @@ def synced(spec: dict) -> dict:
         # vLLM's own loader rewrites the weights, and the update then fails before any verify
         # (a corrupted blob): between stage and apply, and between versions. The worker, vLLM
         # and the error went on naming the version verified before, the reloaded weights live.
-        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        held = newest(store_dir)
+        engine.send_weights(held)  # every worker verified at the newest version first
         cases = {}
         for case, nxt in (("between_stage_and_apply", held + 1), ("between_versions", held + 3)):
             if case == "between_versions":
@@ -508,7 +517,8 @@ def synced(spec: dict) -> dict:
         # hold. Last: the store holds another run from here on.
         import shutil
 
-        held = llm.collective_rpc(worker_state)[0]["weight_version"]
+        held = newest(store_dir)
+        engine.send_weights(held)
         held_split = layout.split(canonical())
         train_step()
         trainer.publish(held + 1)
@@ -556,7 +566,8 @@ def synced(spec: dict) -> dict:
         # and its executor then read each later call's reply from the call before: after one
         # refused init through vLLM's own API, or one apply without a stage, every later update
         # failed or reported another call's outcome.
-        v = llm.collective_rpc(worker_state)[0]["weight_version"]
+        v = newest(store_dir)
+        engine.send_weights(v)
         bad = {"store": str(store_dir), "receiver_id": "../outside", "state_dir": str(tmp)}
         out["order_bad_init"] = _error_of(
             lambda: llm.init_weight_transfer_engine({"init_info": bad})

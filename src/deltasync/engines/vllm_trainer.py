@@ -27,6 +27,8 @@ RPC, and a second :meth:`~DeltaSyncTrainerEngine.stage` closes the first one (dr
 written) before it opens its own. A trainer restarted while its predecessor's update was
 open (killed between stage and apply) cannot see it: vLLM offers no query. Call the
 client's ``finish_weight_update()`` once before its first update, or restart the engines.
+Closing this engine's update behind it (the client's own ``finish_weight_update``) is the
+mirror case: at TP > 1 the close that the next stage sends is then refused on every rank.
 
 Only the sender (trainer rank 0) touches the client; every rank may call the methods. This
 module imports vLLM (its base classes); it knows the control-plane order, nothing of stores.
@@ -171,7 +173,10 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                     self._open,
                 )
                 self._open = None
-                self.client.finish_weight_update()
+                # best effort: a client that closed it behind this engine (vLLM's own
+                # finish_weight_update) gets a refusal here, and the stage goes on
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
             try:
                 self.client.start_weight_update()
             except Exception as exc:
