@@ -37,6 +37,7 @@ from deltasync.errors import (
     DeltaSyncError,
     DigestMismatchError,
     LocalStateError,
+    StoreError,
     VersionError,
 )
 from deltasync.receiver import store_receiver
@@ -137,13 +138,19 @@ def test_each_rank_takes_each_version_in_place_through_the_loader_call(tmp_path,
     assert _take_all(models, _request(tmp_path, 3)) == [None] * tp
 
 
-def test_a_corrupted_blob_raises_and_leaves_the_rank_at_its_previous_version(tmp_path):
+def _one_rank_at_0_then_published(tmp_path):
+    """A TP=1 engine's model at version 0, and the trainer one step on, version 1 published."""
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
     take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
     trainer.step()
     trainer.publish(1)
+    return trainer, model
+
+
+def test_a_corrupted_blob_raises_and_leaves_the_rank_at_its_previous_version(tmp_path):
+    _, model = _one_rank_at_0_then_published(tmp_path)
     corrupt_one_blob(tmp_path / "store", 1, "tp0")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(DigestMismatchError):
@@ -241,12 +248,7 @@ def test_a_model_parameter_no_tensor_of_the_layout_writes_is_refused_naming_it(t
 def test_a_rank_refuses_a_request_that_would_change_how_it_was_opened(tmp_path):
     # Opened without a key, a rank asked with one must not go on without checking signatures
     # (it did: unsigned manifests were applied); the same for another state dir or store.
-    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
-    trainer.publish(0)
-    (model,) = _models(trainer.split(), 1)
-    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
-    trainer.step()
-    trainer.publish(1)
+    trainer, model = _one_rank_at_0_then_published(tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     base = dict(
         store=str(tmp_path / "store"), receiver_id="sgl0", state_dir=str(tmp_path / "state")
@@ -604,12 +606,7 @@ def test_two_callers_on_one_rank_take_their_versions_one_after_the_other(tmp_pat
     # Thread B replayed thread A's journal as a crash's, wrote and recorded version 2; A
     # then finished writing version 1 over it and recorded 1: the rank reported version 1
     # and held neither.
-    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
-    trainer.publish(0)
-    (model,) = _models(trainer.split(), 1)
-    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
-    trainer.step()
-    trainer.publish(1)
+    trainer, model = _one_rank_at_0_then_published(tmp_path)
     splits = {1: trainer.split()["tp0"]}
     real = store_receiver.apply_pieces
     a_writes, b_started = threading.Event(), threading.Event()
@@ -648,12 +645,7 @@ def test_two_callers_on_one_rank_take_their_versions_one_after_the_other(tmp_pat
 
 
 def test_a_receiver_refuses_a_second_threads_pull_while_one_runs(tmp_path, monkeypatch):
-    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
-    trainer.publish(0)
-    (model,) = _models(trainer.split(), 1)
-    take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1)
-    trainer.step()
-    trainer.publish(1)
+    trainer, model = _one_rank_at_0_then_published(tmp_path)
     receiver = model._deltasync_shard.receiver
     real = store_receiver.apply_pieces
     writing, refused = threading.Event(), []
@@ -754,3 +746,27 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
 
 def _parsed(tmp_path, version: int) -> SglangRequest:
     return parse_request(_request(tmp_path, version))
+
+
+def test_check_taken_agrees_once_a_registration_whose_write_failed_is_written_again(
+    tmp_path, monkeypatch
+):
+    # The rank took the version but its registration write failed; asked again, the request
+    # was answered as held without writing it, so check_taken failed until the next version.
+    trainer, model = _one_rank_at_0_then_published(tmp_path)
+    real, failed = LocalStore.put, []
+
+    def put(self, key, data, *args, **kwargs):
+        if key.startswith("receivers/") and failed is not None:
+            failed.append(key)
+            raise StoreError("the connection was reset")
+        return real(self, key, data, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "put", put)
+    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
+    assert failed and _same(model, trainer.split()["tp0"])
+    failed = None  # the store answers again
+    with pytest.raises(ApplyError, match="shard 'tp0' holds version 0"):
+        check_taken(_parsed(tmp_path, 1))
+    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
+    check_taken(_parsed(tmp_path, 1))

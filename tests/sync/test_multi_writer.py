@@ -666,6 +666,40 @@ def test_a_second_process_running_as_the_same_writer_is_refused_before_it_writes
         assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
 
 
+class _UnreadableStore:
+    """A store whose reads fail (a timeout), its writes going through."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key, *args, **kwargs):
+        raise StoreError(f"reading {key!r} timed out")
+
+
+def test_a_claim_or_marker_that_cannot_be_read_back_is_a_store_error_not_another_process(
+    tmp_path,
+):
+    # The reply of our own write was lost and the read that tells whose it is failed once:
+    # "another process runs as this writer", naming this very process, a fatal ConfigError.
+    from deltasync.commit import WriterMarker
+    from deltasync.commit import committer as commit_mod
+
+    store = scratch_store(tmp_path / "store")
+    claim = commit_mod.claim_record()
+    commit_mod.claim_version(store, 5, "w00001-s", claim)
+    with pytest.raises(StoreError, match=r"claim is stored, and reading it back .* failed"):
+        commit_mod.claim_version(_UnreadableStore(store), 5, "w00001-s", claim)
+    commit_mod.claim_version(store, 5, "w00001-s", claim)  # read once the store answers
+    marker = WriterMarker(version=5, writer="w00001-s", blobs=(), created_at=1.0, base_version=4)
+    data = marker.to_json()
+    commit_mod.store_marker(store, marker, data)
+    with pytest.raises(StoreError, match=r"marker is stored, and reading it back .* failed"):
+        commit_mod.store_marker(_UnreadableStore(store), marker, data)
+
+
 @pytest.mark.timeout(60)
 def test_a_writer_configured_for_another_world_size_is_refused_and_nothing_commits(tmp_path):
     # Three ranks hold world-3 shards; rank 1 was told num_writers=2. Its smaller shard fits

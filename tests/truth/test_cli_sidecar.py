@@ -453,6 +453,18 @@ def _wait(predicate, proc, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _remove_under(proc, directory: Path) -> None:
+    """``rm -rf directory`` behind a running sidecar (stopped meanwhile: a walk racing its
+    writes would fail, not the sidecar)."""
+    import shutil
+
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        shutil.rmtree(directory)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
 def _pulling_at_version_1(store_path, tmp_path):
     """Versions 0 and 1 published, and a sidecar of shard tp0 running (polling every 50 ms):
     the store, the rig, the shard file's path and the sidecar's process."""
@@ -505,14 +517,13 @@ def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version
 ):
     # After rm -rf of --dir every write failed (the file and the state dir were made only at
     # start), so the file never came back and no later version was taken until a restart.
-    import shutil
 
     store, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
     run = rig.trainer.pub.run_id
     weights = file.parent
     try:
         _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "v1")
-        shutil.rmtree(weights)
+        _remove_under(proc, weights)
         _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "never remade")
         rig.publish(2)
         _wait(lambda: _holds(file, rig.oracle[(run, 2)]["tp0"]), proc, "v2 never taken")
@@ -528,18 +539,27 @@ def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version
 def test_a_second_sidecar_on_the_same_file_is_refused_naming_the_first(store_path, tmp_path):
     # Two sidecars on one --dir and shard rewrote the file in turn, and each replayed the
     # other's journal as a crash's.
+
     _, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
     want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
     try:
         _wait(lambda: _holds(file, want), proc, "v1")
-        second = _cli(
-            "pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0",
-            "--dir", str(file.parent), "--once",
-        )  # fmt: skip
+        argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+        argv += ["--dir", str(file.parent)]
+        second = _cli(*argv, "--once")
         _, err = second.communicate(timeout=120)
         assert second.returncode == 2, err
         assert f"in use by another process (pid {proc.pid})" in err, err
+        assert "Stop the other sidecar, or pass another --dir" in err, err
         assert _holds(file, want) and proc.poll() is None
+        # --dir removed behind the first: it remakes it and holds it again, so a second one
+        # is still refused (the lock had gone with the old directory)
+        _remove_under(proc, file.parent)
+        lock = file.parent / f".{file.stem}.deltasync" / names.LOCK_FILE
+        _wait(lambda: _holds(file, want) and lock.exists(), proc, "never remade")
+        second = _cli(*argv, "--once")
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2 and f"(pid {proc.pid})" in err, err
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -405,3 +408,56 @@ def _replica(rig, tmp_path, tensors) -> Receiver:
     return Receiver.for_layout(
         rig.store, rig.rl, "tp0", tensors, str(tmp_path / "replica"), rconfig("rec")
     )
+
+
+def _lock_elsewhere(state_dir) -> str:
+    """What another process is told when it asks for ``state_dir``'s lock."""
+    code = (
+        "import sys\n"
+        "from deltasync.errors import LocalStateError\n"
+        "from deltasync.receiver import StateDir\n"
+        "try:\n"
+        "    StateDir(sys.argv[1]).lock('another receiver')\n"
+        "except LocalStateError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('locked')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(state_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_state_dir_removed_behind_a_receiver_is_held_again_when_it_is_remade(tmp_path):
+    # The lock went with the removed directory's lock file while the receiver went on
+    # writing its records into the remade one: a second process was let in.
+    import shutil
+
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, tmp_path)
+    rig.publish(0)
+    assert rig.rec.pull().version == 0
+    assert "in use by another process" in _lock_elsewhere(tmp_path / "rec")
+    shutil.rmtree(tmp_path / "rec")
+    rig.publish(1)
+    assert rig.rec.pull().version == 1
+    assert f"(pid {os.getpid()})" in _lock_elsewhere(tmp_path / "rec")
+    rig.rec.close()
+    assert _lock_elsewhere(tmp_path / "rec").strip() == "locked"
+
+
+def test_a_lock_that_cannot_be_stamped_is_a_local_state_error_and_leaves_no_descriptor(
+    tmp_path, monkeypatch
+):
+    # a full disk: a bare OSError, and the locked descriptor was left open and untracked
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(LocalStateError, match=r"cannot write the lock .* No space left"):
+        StateDir(tmp_path / "rec").lock("receiver 'r'")
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -465,7 +465,9 @@ def _start(args, store, config, configured, stop: _Stop):
     # The in-memory tensors are exactly the file: seed the receiver's state from it and drop
     # any journal of an earlier sidecar process (its half-applied tensors died with it).
     state_dir = StateDir(out_dir / f".{args.shard}.deltasync")
-    state_dir.lock(f"this sidecar of {str(path)!r}")  # before anything of it is written
+    state_dir.lock(  # before anything of it is written
+        f"this sidecar of {str(path)!r}", "Stop the other sidecar, or pass another --dir"
+    )
     sweep_stale_temps([path])  # a shard file's worth per write a kill cut short
     state_dir.clear_journal()
     state_dir.write_state(state)

@@ -186,16 +186,8 @@ def claim_version(store: Store, version: int, writer: str, claim: bytes) -> None
     on every call); a claim already there with other bytes is another process's: ConfigError
     naming the writer and that process, before anything is written."""
     key = names.writer_claim_key(version, writer)
-    try:
-        store.put_if_absent(key, claim)
+    if _stored_once(store, key, claim, f"version {version}: writer {writer!r}'s claim"):
         return
-    except CommitConflictError:
-        pass
-    except OutcomeUnknownError:
-        if _stored_as(store, key, claim) is None:
-            raise
-    if _stored_as(store, key, claim):
-        return  # ours: a retry, or a write whose reply was lost
     raise ConfigError(
         f"version {version}: writer {writer!r} was claimed by another process "
         f"({_claimant(store, key)}): two trainer processes run as that writer (the same "
@@ -226,16 +218,10 @@ def store_marker(store: Store, marker: WriterMarker, data: bytes) -> None:
     """Store a writer's marker of a version, once: a marker already there (other bytes) is
     another process's, running as the same writer id (a rank handed out twice, or an old
     incarnation still alive), and is never overwritten. ConfigError then, naming the writer."""
-    try:
-        store.put_if_absent(marker.key, data)
+    if _stored_once(
+        store, marker.key, data, f"version {marker.version}: writer {marker.writer!r}'s marker"
+    ):
         return
-    except CommitConflictError:
-        pass
-    except OutcomeUnknownError:
-        if _stored_as(store, marker.key, data) is None:
-            raise
-    if _stored_as(store, marker.key, data):
-        return  # our own bytes: a write whose reply was lost
     raise ConfigError(
         f"version {marker.version}: writer {marker.writer!r} already stored its marker from "
         "another process: two trainer processes run as that writer (the same writer_rank and "
@@ -284,6 +270,28 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
         "them) and LATEST was not touched. Publish the next version after resyncing, or stop "
         "the second publisher"
     )
+
+
+def _stored_once(store: Store, key: str, data: bytes, what: str) -> bool:
+    """``put_if_absent`` of ``data`` at ``key``: True when ``key`` holds our bytes (written
+    now, or by an earlier attempt of ours whose reply was lost), False when it holds another
+    writer's. A store that cannot say which is a StoreError naming ``what`` (retryable), never
+    taken for another writer's."""
+    try:
+        store.put_if_absent(key, data)
+        return True
+    except CommitConflictError:
+        pass
+    except OutcomeUnknownError:
+        if _stored_as(store, key, data) is None:
+            raise
+    ours = _stored_as(store, key, data)
+    if ours is None:
+        raise StoreError(
+            f"{what} is stored, and reading it back to tell whose it is failed; retry the "
+            "publish (a later read answers it)"
+        )
+    return ours
 
 
 def _stored_as(store: Store, key: str, data: bytes) -> bool | None:

@@ -423,6 +423,9 @@ class SglangShard:
     def _take(self, request: SglangRequest) -> PullReport | None:
         receiver = self.open(request)
         if self._holds(receiver, request.version):
+            # its registration again: one whose write failed before would leave check_taken
+            # failing for a version the rank holds until the next one
+            receiver.heartbeat()
             return None
         latest = receiver.catalog.latest()
         if latest is None:

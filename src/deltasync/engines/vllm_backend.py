@@ -559,7 +559,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # replay's write the others were let write while this rank then failed to stage it).
         self._gate = None
         self._touched.clear()
-        receiver.replay_journal()
+        if receiver.replay_journal() is not None and gate is not None:
+            gate.written = self._written_stamp()  # the replay's own writes are not foreign
         self._gate = gate
         self._touched.clear()
         return receiver.pull(version=version)

@@ -195,6 +195,12 @@ class Journal:
         )
 
 
+# What a refused receiver is told to do.
+_SHARE_REMEDY = (
+    "Each receiver needs its own state dir: give engine replicas distinct receiver ids (or "
+    "state dirs), and stop the other process first when restarting"
+)
+
 # State dirs this process holds: their lock file's real path -> [the pid that locked it (a
 # forked child holds none of its parent's POSIX locks), its descriptor, the StateDirs of it].
 _LOCKS: dict[str, list[int]] = {}
@@ -247,7 +253,7 @@ class StateDir:
             raise LocalStateError(f"{str(self.state_path)!r}: {exc}") from exc
 
     def write_state(self, state: LocalState) -> None:
-        self._remake()
+        self.ensure()
         write_record(self.state_path, json.loads(state.to_json()), durable=self.durable)
 
     def read_journal(self) -> Journal | None:
@@ -260,14 +266,15 @@ class StateDir:
             raise LocalStateError(f"{str(self.journal_path)!r}: {exc}") from exc
 
     def write_journal(self, journal: Journal) -> None:
-        self._remake()
+        self.ensure()
         write_record(self.journal_path, json.loads(journal.to_json()), durable=self.durable)
 
-    def lock(self, owner: str) -> None:
-        """Hold this directory for this process (``owner``: the receiver, for the message of
-        one refused): a second process whose receiver opened the same state dir would replay
-        this one's journal as a crash's and overwrite its state file. LocalStateError naming
-        the holder's pid if another process holds it; nothing is written then.
+    def lock(self, owner: str, remedy: str = _SHARE_REMEDY) -> None:
+        """Hold this directory for this process (``owner``: the receiver, and ``remedy``,
+        for the message of one refused): a second process whose receiver opened the same
+        state dir would replay this one's journal as a crash's and overwrite its state file.
+        LocalStateError naming the holder's pid if another process holds it; nothing is
+        written then.
 
         A POSIX lock on :data:`~deltasync.names.LOCK_FILE`, owned by the process: receivers
         of one process reopening the directory (a restart modelled in-process, an engine's
@@ -281,30 +288,46 @@ class StateDir:
             if held is not None and held[0] == os.getpid():
                 held[2] += 1
                 self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
+                self._owner = (owner, remedy)
                 return
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise LocalStateError(
-                    f"cannot open the lock of receiver state dir {str(self.path)!r}: "
-                    f"{exc.strerror or exc}"
-                ) from exc
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                os.close(fd)
-                raise LocalStateError(
-                    f"receiver state dir {str(self.path)!r} is in use by another process "
-                    f"(pid {holder[:16] or 'unknown'}); {owner} cannot share it. Each receiver "
-                    "needs its own state dir: give engine replicas distinct receiver ids (or "
-                    "state dirs), and stop the other process first when restarting. Nothing "
-                    "was written"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            fd = self._take_lock(owner, remedy)
             _LOCKS[key] = [os.getpid(), fd, 1]  # the descriptor stays open: see above
             self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
+            self._owner = (owner, remedy)
+
+    def _take_lock(self, owner: str, remedy: str) -> int:
+        """Open, lock and stamp (our pid) the lock file: its descriptor, or LocalStateError
+        naming the holder; nothing is left open on a refusal."""
+        path = self.path / names.LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise LocalStateError(
+                f"cannot open the lock of receiver state dir {str(self.path)!r}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            raise LocalStateError(
+                f"receiver state dir {str(self.path)!r} is in use by another process (pid "
+                f"{holder[:16] or 'unknown'}); {owner} cannot share it. {remedy}. Nothing was "
+                "written"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the pid is only for the message of a refusal
+            os.close(fd)
+            raise LocalStateError(
+                f"cannot write the lock of receiver state dir {str(self.path)!r}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        return fd
 
     def unlock(self) -> None:
         """This ``StateDir``'s hold of :meth:`lock` ends now (as when it is collected)."""
@@ -312,15 +335,39 @@ class StateDir:
         if release is not None:
             release()
 
-    def _remake(self) -> None:
+    def ensure(self) -> None:
         """The directory again, if something removed it behind a running receiver (a cleanup
-        job, an emptied volume): its records are written there from then on."""
+        job, an emptied volume): its records are written there from then on, and this
+        process's hold of it is taken again there (the lock it held went with the old
+        directory's lock file)."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+            os.mkdir(self.path, STATE_DIR_MODE)
+        except FileExistsError:
+            return  # every write but the first after a removal: one system call
+        except FileNotFoundError:  # its parent went too
+            try:
+                self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+            except OSError as exc:
+                raise LocalStateError(
+                    f"cannot create receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
+                ) from exc
         except OSError as exc:
             raise LocalStateError(
                 f"cannot create receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
             ) from exc
+        self._relock()
+
+    def _relock(self) -> None:
+        """Lock the remade directory's new lock file, if this process held the old one."""
+        key = os.path.realpath(self.path / names.LOCK_FILE)
+        with _LOCKS_GUARD:
+            held = _LOCKS.get(key)
+            owner = getattr(self, "_owner", None)
+            if held is None or held[0] != os.getpid() or owner is None:
+                return
+            fd = self._take_lock(*owner)  # another process may have taken it meanwhile
+            os.close(held[1])  # the old directory's file: its lock means nothing now
+            held[1] = fd
 
     def clear_journal(self) -> None:
         # Not fsynced: the state file written before it is what must survive a crash. A

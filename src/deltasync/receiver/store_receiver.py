@@ -696,6 +696,7 @@ class Receiver:
         if version is not None:
             names.check_version(version)
         t0 = time.perf_counter()
+        self.dir.ensure()  # removed behind it: made again, and held again by this process
         # An earlier pull's journal (it failed after writing it) is replayed first, then on
         # to the newest version like any pull: a caller asking for the head must get it, not
         # the version the failed pull was going to.
