@@ -108,15 +108,20 @@ def _same(model: torch.nn.Module, expected: dict) -> bool:
     return same_bits({n: p.data for n, p in model.named_parameters()}, expected)
 
 
-def _request(tmp_path, version: int) -> list:
-    req = SglangRequest(
+def _parsed(tmp_path, version: int, **fields) -> SglangRequest:
+    """The request of ``version`` from ``tmp_path/store`` (``fields``: others instead)."""
+    base = dict(
         store=str(tmp_path / "store"),
         receiver_id="sgl0",
         state_dir=str(tmp_path / "state"),
         version=version,
         durable=False,
     )
-    return request_tensors(req)
+    return SglangRequest(**{**base, **fields})
+
+
+def _request(tmp_path, version: int, **fields) -> list:
+    return request_tensors(_parsed(tmp_path, version, **fields))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -475,15 +480,8 @@ def test_a_mistyped_store_is_refused_uncreated_and_does_not_pin_the_engine(tmp_p
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
-    typo = SglangRequest(
-        store=str(tmp_path / "stroe"),
-        receiver_id="sgl0",
-        state_dir=str(tmp_path / "state"),
-        version=0,
-        durable=False,
-    )
     with pytest.raises(ConfigError, match=r"stroe.*check the path"):
-        take_version(model, request_tensors(typo), tp_rank=0, tp=1)
+        take_version(model, _request(tmp_path, 0, store=str(tmp_path / "stroe")), tp_rank=0, tp=1)
     assert not (tmp_path / "stroe").exists()
     assert take_version(model, _request(tmp_path, 0), tp_rank=0, tp=1).version == 0
 
@@ -536,13 +534,7 @@ def test_a_store_path_that_holds_no_store_gets_nothing_written_into_it(tmp_path)
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "data" / "run", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
-    parent = SglangRequest(
-        store=str(tmp_path / "data"),
-        receiver_id="sgl0",
-        state_dir=str(tmp_path / "state"),
-        version=0,
-        durable=False,
-    )
+    parent = _parsed(tmp_path, 0, store=str(tmp_path / "data"))
     for _ in range(2):
         with pytest.raises(VersionError, match=r"holds no committed version.*Nothing was written"):
             take_version(model, request_tensors(parent), tp_rank=0, tp=1)
@@ -556,24 +548,12 @@ def test_a_path_the_filesystem_refuses_is_a_typed_error(tmp_path):
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
-    long_store = SglangRequest(
-        store=str(tmp_path / ("s" * 300) / "run"),
-        receiver_id="sgl0",
-        state_dir=str(tmp_path / "state"),
-        version=0,
-        durable=False,
-    )
+    long_store = _request(tmp_path, 0, store=str(tmp_path / ("s" * 300) / "run"))
     with pytest.raises(ConfigError, match=r"SglangRequest.store .*File name too long"):
-        take_version(model, request_tensors(long_store), tp_rank=0, tp=1)
-    long_id = SglangRequest(
-        store=str(tmp_path / "store"),
-        receiver_id="r" * 127,
-        state_dir=str(tmp_path / "state"),
-        version=0,
-        durable=False,
-    )
+        take_version(model, long_store, tp_rank=0, tp=1)
+    long_id = _request(tmp_path, 0, receiver_id="r" * 127)
     with pytest.raises(ConfigError, match=r"SglangRequest.receiver_id .* too long for this rank"):
-        take_version(model, request_tensors(long_id), tp_rank=0, tp=1)
+        take_version(model, long_id, tp_rank=0, tp=1)
     assert not (tmp_path / "state").exists()
 
 
@@ -696,7 +676,7 @@ def test_sglangs_loader_call_never_raises_a_refusal_and_check_taken_tells_the_ca
     trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False))
     trainer.publish(0)
     (model,) = _models(trainer.split(), 1)
-    request = SglangRequest(**{**asdict(_parsed(tmp_path, 0)), "version": 0})
+    request = _parsed(tmp_path, 0)
     load_deltasync(model, request_tensors(request))
     check_taken(request)
     split0 = trainer.split()["tp0"]
@@ -742,10 +722,6 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
         check_taken(_parsed(tmp_path, 0))
     _take_all(models, _request(tmp_path, 0))
     check_taken(_parsed(tmp_path, 0))
-
-
-def _parsed(tmp_path, version: int) -> SglangRequest:
-    return parse_request(_request(tmp_path, version))
 
 
 def test_check_taken_agrees_once_a_registration_whose_write_failed_is_written_again(
