@@ -386,8 +386,8 @@ def _safetensors_chunks(tensors, meta: dict[str, str]):
     import torch
 
     header: dict[str, object] = {"__metadata__": meta}
-    offset = 0
-    for name in sorted(tensors):
+    offset, order = 0, sorted(tensors)
+    for name in order:
         t = tensors[name]
         size = t.numel() * t.element_size()
         header[name] = {
@@ -399,7 +399,7 @@ def _safetensors_chunks(tensors, meta: dict[str, str]):
     data = json.dumps(header, separators=(",", ":")).encode()
     data += b" " * (-len(data) % 8)  # the tensors start 8-byte aligned
     yield len(data).to_bytes(8, "little") + data
-    for name in sorted(tensors):
+    for name in order:
         yield tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 

@@ -191,6 +191,12 @@ class _StagedPull:
         self._cancelled = True
         self._go.set()
 
+    def stop(self) -> None:
+        """Cancel it and wait for its thread to end (nothing of it is written after)."""
+        self.cancel()
+        assert self.thread is not None
+        self.thread.join()
+
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
     """The worker side of backend ``"deltasync"``; see the module docstring."""
@@ -368,8 +374,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         t0 = time.perf_counter()
         staged, self._staged = self._staged, None
         if staged is not None and staged.version != version:
-            staged.cancel()
-            staged.thread.join()
+            staged.stop()
             staged = None
         if staged is None:  # nothing staged while serving: stage now, inside this call
             staged = self._start_staging(receiver, version)
@@ -378,31 +383,26 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             # The store was reset under the staged version (another run's version N, or none):
             # what was staged is not what the store commits as N now. Staged again, from what
             # the store holds now (a version no longer the newest is refused by name).
-            staged.cancel()
-            staged.thread.join()
-            staged = self._start_staging(receiver, version)
-            staged.staged.wait()
+            staged = self._restage(staged, receiver, version)
         if staged.written != self._written_stamp():
             # Something wrote the engine's weights after the staging began (vLLM's
             # reload_weights, another backend): what it verified is not what the engine holds.
             # Staged again, from a receiver that holds no version: the newest anchor and the
             # chain, verified against the weights as they are now. (RPCs run one at a time on
             # this thread, so nothing writes them between this check and the release.)
-            staged.cancel()
-            staged.thread.join()
-            receiver.invalidate(
-                f"the engine's weights were written by something else after version "
-                f"{version} was staged"
+            staged = self._restage(
+                staged,
+                receiver,
+                version,
+                drifted=f"the engine's weights were written by something else after version "
+                f"{version} was staged",
             )
-            staged = self._start_staging(receiver, version)
-            staged.staged.wait()
         # Every TP rank writes, or none does: each rank's staging outcome is gathered over
         # vLLM's own CPU group. (Every rank makes exactly these two collectives per apply, so
         # none can hang on a rank that returned early.)
         failures = self._gather_failures(staged.error, version)
         if failures:
-            staged.cancel()
-            staged.thread.join()
+            staged.stop()
             self._fail(version, failures, staged.error, written=False)
             return
         staged.release()
@@ -621,11 +621,22 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         staged.thread.start()
         return staged
 
+    def _restage(
+        self, staged: _StagedPull, receiver: Receiver, version: int, drifted: str | None = None
+    ) -> _StagedPull:
+        """``staged`` dropped and ``version`` staged again, waited for (``drifted``: why the
+        receiver no longer holds its version, for :meth:`Receiver.invalidate` first)."""
+        staged.stop()
+        if drifted is not None:
+            receiver.invalidate(drifted)
+        staged = self._start_staging(receiver, version)
+        staged.staged.wait()
+        return staged
+
     def _cancel_staged(self) -> None:
         staged, self._staged = self._staged, None
         if staged is not None:
-            staged.cancel()
-            staged.thread.join()
+            staged.stop()
 
     @contextlib.contextmanager
     def _pause(self, shard: VllmShard) -> Iterator[None]:

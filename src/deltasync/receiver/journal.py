@@ -227,12 +227,7 @@ class StateDir:
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.path = Path(path)
         self.durable = durable  # False skips fsync: scratch directories in tests only
-        try:
-            self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)  # private
-        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-            raise LocalStateError(
-                f"cannot create receiver state dir {str(self.path)!r}: {exc}"
-            ) from exc
+        self._make()
         sweep_stale_temps((self.state_path, self.journal_path))  # killed writes' leftovers
 
     @property
@@ -281,19 +276,18 @@ class StateDir:
         reload) share it, and it ends with the process, however it ends, or once no
         ``StateDir`` of the process that locked it is left. One descriptor per directory is
         kept open until then (closing any descriptor of the file drops the process's lock)."""
-        path = self.path / names.LOCK_FILE
-        key = os.path.realpath(path)
+        key = self._lock_key()
         with _LOCKS_GUARD:
             held = _LOCKS.get(key)
             if held is not None and held[0] == os.getpid():
                 held[2] += 1
-                self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
-                self._owner = (owner, remedy)
-                return
-            fd = self._take_lock(owner, remedy)
-            _LOCKS[key] = [os.getpid(), fd, 1]  # the descriptor stays open: see above
+            else:  # the descriptor stays open: see above
+                _LOCKS[key] = [os.getpid(), self._take_lock(owner, remedy), 1]
             self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
             self._owner = (owner, remedy)
+
+    def _lock_key(self) -> str:
+        return os.path.realpath(self.path / names.LOCK_FILE)
 
     def _take_lock(self, owner: str, remedy: str) -> int:
         """Open, lock and stamp (our pid) the lock file: its descriptor, or LocalStateError
@@ -344,22 +338,23 @@ class StateDir:
             os.mkdir(self.path, STATE_DIR_MODE)
         except FileExistsError:
             return  # every write but the first after a removal: one system call
-        except FileNotFoundError:  # its parent went too
-            try:
-                self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
-            except OSError as exc:
-                raise LocalStateError(
-                    f"cannot create receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
-                ) from exc
-        except OSError as exc:
-            raise LocalStateError(
-                f"cannot create receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
-            ) from exc
+        except OSError:  # its parent went too, or an error to name
+            self._make()
         self._relock()
+
+    def _make(self) -> None:
+        """Create the directory and its missing parents (private), or LocalStateError."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+            why = getattr(exc, "strerror", None) or exc
+            raise LocalStateError(
+                f"cannot create receiver state dir {str(self.path)!r}: {why}"
+            ) from exc
 
     def _relock(self) -> None:
         """Lock the remade directory's new lock file, if this process held the old one."""
-        key = os.path.realpath(self.path / names.LOCK_FILE)
+        key = self._lock_key()
         with _LOCKS_GUARD:
             held = _LOCKS.get(key)
             owner = getattr(self, "_owner", None)

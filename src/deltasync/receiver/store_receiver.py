@@ -278,80 +278,85 @@ class Receiver:
         self._unpersisted: tuple[LocalState, AckRecord] | None = None
         self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
         self.dir = StateDir(state_dir, durable=config.durable)
+        self._pending_ack: AckRecord | None = None
+        self._heartbeat_owed = False
+        self._idle_pulls = 0  # pulls that found nothing new, toward scrub_every
+        # Restarted while the store could not say whether the held version is committed as
+        # held: whether its ack is owed is decided on the next flush of the records.
+        self._ack_undecided = False
+        # register=False: no registration until the store confirms a version this receiver
+        # holds (a pull verified it against the head, or the store commits the version it
+        # opened with as held): a sidecar must not stall a bounded-staleness trainer before
+        # its first pull, nor name a version its file's metadata merely claims.
+        self._confirmed = register
+        # one call at a time: a second thread's pull would replay this one's journal as a
+        # crash's and record whichever version finished last over the other's writes
+        self._busy = threading.RLock()
+        self.last_repair: PullReport | None = None
         self.dir.lock(f"receiver {config.receiver_id!r} shard {self.shard!r}")
         try:
-            self._pending_ack: AckRecord | None = None
-            self._heartbeat_owed = False
-            self._idle_pulls = 0  # pulls that found nothing new, toward scrub_every
-            # Restarted while the store could not say whether the held version is committed as
-            # held: whether its ack is owed is decided on the next flush of the records.
-            self._ack_undecided = False
-            # register=False: no registration until the store confirms a version this receiver
-            # holds (a pull verified it against the head, or the store commits the version it
-            # opened with as held): a sidecar must not stall a bounded-staleness trainer before
-            # its first pull, nor name a version its file's metadata merely claims.
-            self._confirmed = register
-            # one call at a time: a second thread's pull would replay this one's journal as a
-            # crash's and record whichever version finished last over the other's writes
-            self._busy = threading.RLock()
-            state = self.dir.read_state()
-            mine = (config.receiver_id, self.shard)
-            if state is not None and (state.receiver, state.shard) != mine:
-                raise LocalStateError(
-                    f"state dir {str(self.dir.path)!r} belongs to receiver {state.receiver!r} shard "
-                    f"{state.shard!r}, not {config.receiver_id!r} shard {self.shard!r}"
-                )
-            self._state = state or LocalState(
-                receiver=config.receiver_id, shard=self.shard, version=None, state_digest=None
-            )
-            self.last_repair: PullReport | None = None
-            journal = self.dir.read_journal()
-            if journal is not None:
-                # Killed mid-scatter: the tensors hold no version until the repair has replayed
-                # the journal, so the registration says so (a trainer waiting for acks or for
-                # staleness must not count a torn receiver; retention keeps the fresh-receiver
-                # chain for it, and a journaled chain it deleted meanwhile means the repair
-                # restores the newest anchor instead).
-                self._register_as(self._state_with(dirty=True))
-                try:
-                    self.last_repair = self._repair(journal)
-                except StoreError as exc:
-                    if isinstance(exc, KeyNotFoundError):
-                        raise
-                    # The store is unreachable (an outage): the engine may still start. The
-                    # tensors hold no version meanwhile, and the next pull repairs first.
-                    log.warning(
-                        "receiver %r shard %r: the journal of an interrupted apply could not be "
-                        "replayed now (%s); it holds no version until a pull replays it",
-                        config.receiver_id,
-                        self.shard,
-                        exc,
-                    )
-                    self._state = self._state_with(dirty=True)
-            else:
-                if (
-                    config.verify_on_open
-                    and self._state.version is not None
-                    and not self._state.dirty
-                    and state_digest(self.tensors) != self._state.state_digest
-                ):
-                    log.warning(
-                        "receiver %r shard %r: the tensors do not hash to version %d as recorded; "
-                        "marked dirty, the next pull restores the newest anchor",
-                        config.receiver_id,
-                        self.shard,
-                        self._state.version,
-                    )
-                    self._set_state(dirty=True)
-                elif config.verify_on_open and self._held() is not None:
-                    # Verified what it holds: owe the ack of it once the store shows that version
-                    # committed as held (a process killed between its scatter and its ack comes
-                    # back here, and the trainer's wait completes, also after an outage).
-                    self._ack_undecided = True
-                self._flush_records()
+            self._open()
         except BaseException:  # never constructed: the state dir is not held by it
             self.dir.unlock()
             raise
+
+    def _open(self) -> None:
+        """The state dir's records and the tensors, as the constructor finds them: a journal
+        replayed, else the held version verified (and its ack owed once the store commits it)."""
+        state = self.dir.read_state()
+        mine = (self.config.receiver_id, self.shard)
+        if state is not None and (state.receiver, state.shard) != mine:
+            raise LocalStateError(
+                f"state dir {str(self.dir.path)!r} belongs to receiver {state.receiver!r} shard "
+                f"{state.shard!r}, not {self.config.receiver_id!r} shard {self.shard!r}"
+            )
+        self._state = state or LocalState(
+            receiver=self.config.receiver_id, shard=self.shard, version=None, state_digest=None
+        )
+        journal = self.dir.read_journal()
+        if journal is not None:
+            # Killed mid-scatter: the tensors hold no version until the repair has replayed
+            # the journal, so the registration says so (a trainer waiting for acks or for
+            # staleness must not count a torn receiver; retention keeps the fresh-receiver
+            # chain for it, and a journaled chain it deleted meanwhile means the repair
+            # restores the newest anchor instead).
+            self._register_as(self._state_with(dirty=True))
+            try:
+                self.last_repair = self._repair(journal)
+            except StoreError as exc:
+                if isinstance(exc, KeyNotFoundError):
+                    raise
+                # The store is unreachable (an outage): the engine may still start. The
+                # tensors hold no version meanwhile, and the next pull repairs first.
+                log.warning(
+                    "receiver %r shard %r: the journal of an interrupted apply could not be "
+                    "replayed now (%s); it holds no version until a pull replays it",
+                    self.config.receiver_id,
+                    self.shard,
+                    exc,
+                )
+                self._state = self._state_with(dirty=True)
+        else:
+            if (
+                self.config.verify_on_open
+                and self._state.version is not None
+                and not self._state.dirty
+                and state_digest(self.tensors) != self._state.state_digest
+            ):
+                log.warning(
+                    "receiver %r shard %r: the tensors do not hash to version %d as recorded; "
+                    "marked dirty, the next pull restores the newest anchor",
+                    self.config.receiver_id,
+                    self.shard,
+                    self._state.version,
+                )
+                self._set_state(dirty=True)
+            elif self.config.verify_on_open and self._held() is not None:
+                # Verified what it holds: owe the ack of it once the store shows that version
+                # committed as held (a process killed between its scatter and its ack comes
+                # back here, and the trainer's wait completes, also after an outage).
+                self._ack_undecided = True
+            self._flush_records()
 
     def _decide_owed_ack(self) -> None:
         """After a restart: owe the ack of the held version if the store commits it as held;
