@@ -286,12 +286,23 @@ def read_record(path: Path) -> Any:
     Returns:
         The decoded JSON value (the caller checks its fields), or None.
     """
-    try:
-        data = path.read_bytes()
+    try:  # O_NONBLOCK: a FIFO put there opens at once and is refused below, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise LocalStateError(f"cannot read {str(path)!r}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LocalStateError(
+                f"{str(path)!r} is not a regular file, so not a deltasync record: {REMEDY}"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
     except OSError as exc:
         raise LocalStateError(f"cannot read {str(path)!r}: {exc}") from exc
+    finally:
+        os.close(fd)
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:

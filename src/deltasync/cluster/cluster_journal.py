@@ -31,7 +31,12 @@ recorded digests always describe ``committed``: a version committed without dige
 None, and the next verified one records its digests again. Journals written before the digests
 existed read as None (unknown), as those written before windows read window 0.
 
-This module knows files and versions; it knows nothing about tensors or processes.
+One process at a time: a journal file is held by the process that opened it
+(:class:`~deltasync.exclusive.FileHold` of ``<journal>.lock``), so two receiver ranks given one
+path, or a replacement started while the process it replaces still runs, are refused by name
+before either reads or writes the other's record.
+
+This module knows files and versions; it knows nothing about tensors.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Any
 
 from deltasync.atomic import REMEDY, encode_record, read_record, sweep_stale_temps, write_record
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError, VersionError
+from deltasync.exclusive import FileHold
 from deltasync.format import BlobBaseMismatchError
 
 
@@ -118,6 +124,11 @@ class JournalState:
 
 
 _OPTIONAL = {"window", "digest", "part_digests"}  # fields later versions of the format added
+LOCK_SUFFIX = ".lock"  # the journal file's lock, beside it (one process per journal)
+_SHARE_REMEDY = (
+    "Each receiver rank needs its own journal_path, and a replacement starts once the process "
+    "it replaces has ended"
+)
 
 
 class ClusterJournal:
@@ -129,7 +140,13 @@ class ClusterJournal:
     (``ClusterReceiver`` hashes them against the recorded digests and marks the journal dirty
     when they do not match or cannot be checked)."""
 
-    def __init__(self, *, version: int | None, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        version: int | None,
+        path: str | os.PathLike[str] | None = None,
+        owner: str = "this receiver",
+    ) -> None:
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, int) or version < 0
         ):
@@ -140,7 +157,15 @@ class ClusterJournal:
         # until its commit writes them: (version, digest, part digests)
         self._verified: tuple[int, str | None, tuple[str, ...] | None] | None = None
         self.reopened = False  # the state was read from an existing file
+        self._hold: FileHold | None = None
         if self.path is not None:
+            # before anything is read: another live process's journal is not this one's
+            self._hold = FileHold(
+                self.path.with_name(self.path.name + LOCK_SUFFIX),
+                what=f"cluster receiver journal {str(self.path)!r}",
+                owner=owner,
+                remedy=_SHARE_REMEDY,
+            )
             sweep_stale_temps([self.path])  # killed writes' leftovers
             obj = read_record(self.path)
             if obj is None:
@@ -152,6 +177,11 @@ class ClusterJournal:
     @property
     def state(self) -> JournalState:
         return self._state
+
+    def close(self) -> None:
+        """Release this journal's hold of its file (as when it is collected); idempotent."""
+        if self._hold is not None:
+            self._hold.release()
 
     def accepts(self, *, version: int, base: int, where: str) -> None:
         """Raise unless a blob bringing ``version`` on ``base`` (-1: anchor) may be applied."""

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -115,6 +116,7 @@ from deltasync.errors import (
 from deltasync.exchange import exchange
 from deltasync.exchange.notes import NoteLedger, naming
 from deltasync.exchange.status_row import describe
+from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import apply_pieces, check_tensors_match
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
@@ -152,6 +154,9 @@ class _Diverged(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+
+
+_one_at_a_time = one_call_at_a_time("a receiver rank", "sync, receive or apply_payload")
 
 
 class ClusterReceiver:
@@ -207,14 +212,28 @@ class ClusterReceiver:
         self.max_staged_bytes = check_int(
             "ClusterReceiver", "max_staged_bytes", max_staged_bytes, lo=0
         )
-        self.journal = ClusterJournal(version=version, path=journal_path)
         self._notes = NoteLedger()  # this rank's arrival marks in the group's store
         self.fingerprint = fingerprint(layout, plan, lineage=lineage)
         self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
         self.group = group  # a group in use: the first preflight takes this rank's record
-        if self.journal.reopened:
-            self._check_reopened()
+        # one call at a time: two threads' collectives on one rank are paired with other
+        # rounds of the other ranks, and gloo aborts their processes
+        self._busy = threading.RLock()
+        self.journal = ClusterJournal(
+            version=version, path=journal_path, owner=f"{self._who} (rank {self.rank})"
+        )
+        try:
+            if self.journal.reopened:
+                self._check_reopened()
+        except BaseException:  # never constructed: the journal is not held by it
+            self.journal.close()
+            raise
+
+    def close(self) -> None:
+        """Release the journal file for another process (a replacement of this one); also
+        done when the receiver is collected or the process ends."""
+        self.journal.close()
 
     def _check_reopened(self) -> None:
         """Mark the reopened journal dirty unless the tensors provably hold its committed
@@ -336,6 +355,7 @@ class ClusterReceiver:
                 self._notes.new_group(self.group, self.rank)
             raise
 
+    @_one_at_a_time
     def receive(self, cleared: Cleared | None = None) -> Incoming:
         """The preflight (unless ``cleared`` is given) and the exchange(s) of one version:
         ``{source rank: payload}`` for this rank (CPU). Only the preflight waits up to
@@ -392,6 +412,7 @@ class ClusterReceiver:
 
     # ------------------------------------------------------------------ steps 3-5
 
+    @_one_at_a_time
     def apply_payload(
         self, received: Mapping[int, object], *, window: int | None = None
     ) -> ApplyReport:
@@ -514,6 +535,7 @@ class ClusterReceiver:
 
     # ------------------------------------------------------------------ the whole version
 
+    @_one_at_a_time
     def sync(self) -> ReceiveReport:
         """Receive, apply and jointly commit the version the writers send.
 

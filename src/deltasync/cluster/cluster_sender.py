@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -125,6 +126,7 @@ from deltasync.errors import (
 from deltasync.exchange import exchange
 from deltasync.exchange.notes import NoteLedger, naming, part_tag
 from deltasync.exchange.status_row import describe
+from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import encode_blobs
 from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout, TrainerLayout
@@ -134,7 +136,7 @@ from deltasync.layout.routing import every_element, padding_updates, shard_updat
 from deltasync.names import check_version_arg
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
-from deltasync.trainer.params import ReadWindow
+from deltasync.trainer.params import ReadWindow, local_of
 from deltasync.trainer.positions import Handed, Positions
 from deltasync.trainer.protocol import takes_sink
 from deltasync.trainer.step_barrier import optimizers_of
@@ -146,6 +148,9 @@ log = logging.getLogger(__name__)
 
 def _new_window() -> int:
     return secrets.randbits(62) | 1  # never 0 ("no window")
+
+
+_one_at_a_time = one_call_at_a_time("a writer rank", "sync, wait or close", "Nothing was sent")
 
 
 class ClusterSender:
@@ -215,6 +220,10 @@ class ClusterSender:
         self.rank = resolve_rank(rank, group)
         self.role = plan.writer(self.rank)
         self._health = GroupHealth(f"writer {self.role.writer_id}")
+        self._who = f"writer {self.role.writer_id} (rank {self.rank})"
+        # one call at a time: two threads' collectives on one rank are paired with other
+        # rounds of the other ranks, and gloo aborts their processes
+        self._busy = threading.RLock()
         plan.check_shards(s.id for s in receiver_layout.shards())
         if trainer_layout.spec != receiver_layout.spec:
             raise ConfigError(
@@ -230,7 +239,7 @@ class ClusterSender:
         self.fingerprint = fingerprint(receiver_layout, plan, lineage=lineage)
         self._params = params
         if not callable(params):
-            trainer_layout.check_tied_once(params)
+            self._check_params(params)
         self._full_state = full_state
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, int) or version < 0
@@ -324,8 +333,27 @@ class ClusterSender:
         if not callable(self._params):
             return self._params
         params = self._params()
-        self.trainer_layout.check_tied_once(params)
+        self._check_params(params)
         return params
+
+    def _check_params(self, params: Params) -> None:
+        """ConfigError before anything is sent: a tied tensor named twice, or a parameter that
+        is not this writer's dim-0 shard of the model's (a matrix stored transposed has the
+        same size, and its digests would be computed from the same misread rows)."""
+        self.trainer_layout.check_tied_once(params)
+        wrong = self.trainer_layout.misshapen(
+            ((n, tuple(local_of(t).shape)) for n, t in params.items()),
+            self.role.index,
+            self.role.count,
+        )
+        if wrong is not None:
+            name, shape, want = wrong
+            raise ConfigError(
+                f"{self._who}: parameter {name!r} is {shape} here, but writer "
+                f"{self.role.index}'s dim-0 shard among the plan's {self.role.count} writer(s) is "
+                f"{want}; pass each parameter as the model's class holds it (not transposed; "
+                "under FSDP this rank's dim-0 shard). Nothing was sent"
+            )
 
     def _build(
         self,
@@ -561,6 +589,7 @@ class ClusterSender:
 
     # ------------------------------------------------------------------ the whole version
 
+    @_one_at_a_time
     def sync(self, version: int | None = None, *, anchor: bool = False) -> SendReport | PendingSend:
         """Send ``version`` to every receiver and commit it jointly.
 
@@ -989,6 +1018,7 @@ class ClusterSender:
         """How long the optimizer's last step waited for the background (overlap mode)."""
         return 0.0 if self._background is None else self._background.barrier_wait_s
 
+    @_one_at_a_time
     def wait(self) -> SendReport | None:
         """Wait for the version in flight (overlap mode) and settle it.
 
@@ -1045,6 +1075,7 @@ class ClusterSender:
         self._expect_small = not report.anchor and report.elements < self.inline_below
         return report
 
+    @_one_at_a_time
     def close(self) -> None:
         """Wait for the version in flight, remove the optimizer hook, stop the thread (overlap
         mode; a no-op otherwise). Later ``sync`` calls block, as without overlap.

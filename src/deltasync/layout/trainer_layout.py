@@ -54,6 +54,8 @@ class TrainerLayout:
             self._aliases = dict(TIED_ALIASES) if spec.tie_word_embeddings else {}
         else:
             self._aliases = dict(next(iter(self._forward.aliases.values()), {}))
+        # (name, local shape, rank, world size) that misshapen() found right, once each
+        self._shapes_ok: set[tuple[str, tuple[int, ...], int, int]] = set()
 
     @classmethod
     def build(cls, spec: ModelSpec) -> TrainerLayout:
@@ -138,6 +140,28 @@ class TrainerLayout:
         shape = self._table.src_shapes[self.resolve(param_name)]
         start, stop = fsdp_dim0_rows(shape[0], rank, world_size)
         return (stop - start, *shape[1:])
+
+    def misshapen(
+        self, shapes: Iterable[tuple[str, tuple[int, ...]]], rank: int = 0, world_size: int = 1
+    ) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+        """The first of ``shapes`` (parameter name, its local shape) that is not writer
+        ``rank``'s dim-0 shard among ``world_size``: ``(name, its shape, the expected)``, or
+        None. A shape of the same size is not enough: a matrix stored transposed (``x @ W``)
+        would be routed as the layout's rows and scramble every receiver's copy, and a digest
+        computed from the same params would not see it. Names outside the layout are skipped
+        (they are named where their changes are routed)."""
+        for name, shape in shapes:
+            key = (name, shape, rank, world_size)
+            if key in self._shapes_ok:
+                continue
+            try:
+                want = self.shard_shape(name, rank, world_size)
+            except (KeyError, LayoutError):
+                continue
+            if shape != want:
+                return name, shape, want
+            self._shapes_ok.add(key)
+        return None
 
     # ------------------------------------------------------------------ sparse
 

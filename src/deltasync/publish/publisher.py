@@ -255,7 +255,6 @@ class Publisher:
         # until a commit
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
-        self._shards_ok: set[tuple[str, tuple[int, ...]]] = set()  # (param, local shape)
         self._claim = commit_mod.claim_record()  # this process's, as its writer, per version
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
@@ -851,28 +850,24 @@ class Publisher:
                     "digests from params, so pass every parameter of the model (as "
                     "model.named_parameters() lists them). Nothing was written"
                 )
-        for name, t in params.items():
-            local = local_of(t)
-            key = (name, tuple(local.shape))
-            if key in self._shards_ok:
-                continue
-            try:
-                want = self.trainer_layout.shard_shape(name, cfg.writer_rank, cfg.num_writers)
-            except (KeyError, LayoutError):
-                continue  # not a layout parameter: named where its changes are routed
-            if tuple(local.shape) == want:
-                self._shards_ok.add(key)
-                continue
+        wrong = self.trainer_layout.misshapen(
+            ((n, tuple(local_of(t).shape)) for n, t in params.items()),
+            cfg.writer_rank,
+            cfg.num_writers,
+        )
+        if wrong is not None:
+            name, shape, want = wrong
             if one:
                 raise ConfigError(
-                    f"writer {self.writer}: parameter {name!r} is {tuple(local.shape)} here, but "
+                    f"writer {self.writer}: parameter {name!r} is {shape} here, but "
                     f"the model's is {want}; a one-writer publisher takes every parameter "
-                    "whole: gather a tensor-parallel trainer's shards first, or give FSDP ranks "
+                    "whole, as the model's class holds it (not transposed; a tensor-parallel "
+                    "trainer's shards gathered first), or give FSDP ranks "
                     "that publish their own dim-0 shards num_writers (the world size) and "
                     "writer_rank. Nothing was written"
                 )
             raise ConfigError(
-                f"writer {self.writer}: parameter {name!r} is {tuple(local.shape)} here, but "
+                f"writer {self.writer}: parameter {name!r} is {shape} here, but "
                 f"rank {cfg.writer_rank}'s dim-0 shard among num_writers={cfg.num_writers} "
                 f"is {want}; give every writer the trainer's world size as num_writers and "
                 "its own rank as writer_rank. Nothing was written"

@@ -21,11 +21,8 @@ and durably). This module knows the records' fields; it knows nothing about stor
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +39,7 @@ from deltasync.atomic import (
 from deltasync.commit import Manifest
 from deltasync.commit.canonical import check_blob_digest, check_digest, check_int
 from deltasync.errors import LocalStateError, ManifestError
+from deltasync.exclusive import FileHold
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,25 +199,6 @@ _SHARE_REMEDY = (
     "state dirs), and stop the other process first when restarting"
 )
 
-# State dirs this process holds: their lock file's real path -> [the pid that locked it (a
-# forked child holds none of its parent's POSIX locks), its descriptor, the StateDirs of it].
-_LOCKS: dict[str, list[int]] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def _unlock(key: str, pid: int) -> None:
-    """One ``StateDir`` holding ``key`` is gone; the last one's going releases the lock."""
-    if pid != os.getpid():  # a forked child's copy of its parent's StateDir
-        return
-    with _LOCKS_GUARD:
-        held = _LOCKS.get(key)
-        if held is None or held[0] != pid:
-            return
-        held[2] -= 1
-        if held[2] == 0:
-            del _LOCKS[key]
-            os.close(held[1])  # the process's lock on the file goes with it
-
 
 class StateDir:
     """The state directory of one receiver: ``state.json`` and ``journal.json``."""
@@ -269,65 +248,21 @@ class StateDir:
         for the message of one refused): a second process whose receiver opened the same
         state dir would replay this one's journal as a crash's and overwrite its state file.
         LocalStateError naming the holder's pid if another process holds it; nothing is
-        written then.
-
-        A POSIX lock on :data:`~deltasync.names.LOCK_FILE`, owned by the process: receivers
-        of one process reopening the directory (a restart modelled in-process, an engine's
-        reload) share it, and it ends with the process, however it ends, or once no
-        ``StateDir`` of the process that locked it is left. One descriptor per directory is
-        kept open until then (closing any descriptor of the file drops the process's lock)."""
-        key = self._lock_key()
-        with _LOCKS_GUARD:
-            held = _LOCKS.get(key)
-            if held is not None and held[0] == os.getpid():
-                held[2] += 1
-            else:  # the descriptor stays open: see above
-                _LOCKS[key] = [os.getpid(), self._take_lock(owner, remedy), 1]
-            self._unlock = weakref.finalize(self, _unlock, key, os.getpid())
-            self._owner = (owner, remedy)
-
-    def _lock_key(self) -> str:
-        return os.path.realpath(self.path / names.LOCK_FILE)
-
-    def _take_lock(self, owner: str, remedy: str) -> int:
-        """Open, lock and stamp (our pid) the lock file: its descriptor, or LocalStateError
-        naming the holder; nothing is left open on a refusal."""
-        path = self.path / names.LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise LocalStateError(
-                f"cannot open the lock of receiver state dir {str(self.path)!r}: "
-                f"{exc.strerror or exc}"
-            ) from exc
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            finally:
-                os.close(fd)
-            raise LocalStateError(
-                f"receiver state dir {str(self.path)!r} is in use by another process (pid "
-                f"{holder[:16] or 'unknown'}); {owner} cannot share it. {remedy}. Nothing was "
-                "written"
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as exc:  # a full disk: the pid is only for the message of a refusal
-            os.close(fd)
-            raise LocalStateError(
-                f"cannot write the lock of receiver state dir {str(self.path)!r}: "
-                f"{exc.strerror or exc}"
-            ) from exc
-        return fd
+        written then. A :class:`~deltasync.exclusive.FileHold` of
+        :data:`~deltasync.names.LOCK_FILE`: receivers of one process reopening the directory
+        share it, and it ends with the process or once no ``StateDir`` of it is left."""
+        self._hold = FileHold(
+            self.path / names.LOCK_FILE,
+            what=f"receiver state dir {str(self.path)!r}",
+            owner=owner,
+            remedy=remedy,
+        )
 
     def unlock(self) -> None:
         """This ``StateDir``'s hold of :meth:`lock` ends now (as when it is collected)."""
-        release = getattr(self, "_unlock", None)
-        if release is not None:
-            release()
+        hold = getattr(self, "_hold", None)
+        if hold is not None:
+            hold.release()
 
     def ensure(self) -> None:
         """The directory again, if something removed it behind a running receiver (a cleanup
@@ -354,15 +289,9 @@ class StateDir:
 
     def _relock(self) -> None:
         """Lock the remade directory's new lock file, if this process held the old one."""
-        key = self._lock_key()
-        with _LOCKS_GUARD:
-            held = _LOCKS.get(key)
-            owner = getattr(self, "_owner", None)
-            if held is None or held[0] != os.getpid() or owner is None:
-                return
-            fd = self._take_lock(*owner)  # another process may have taken it meanwhile
-            os.close(held[1])  # the old directory's file: its lock means nothing now
-            held[1] = fd
+        hold = getattr(self, "_hold", None)
+        if hold is not None:
+            hold.retake()  # another process may have taken it meanwhile
 
     def clear_journal(self) -> None:
         # Not fsynced: the state file written before it is what must survive a crash. A

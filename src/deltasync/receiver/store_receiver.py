@@ -42,7 +42,6 @@ whole decoded chain).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -71,6 +70,7 @@ from deltasync.errors import (
     StoreError,
     VersionError,
 )
+from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import (
     Records,
     TensorSpec,
@@ -198,24 +198,7 @@ _DECODED_PER_RAW = 2
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
-def _one_at_a_time(method):
-    """A receiver method that refuses to run beside another thread's call of one: ConfigError
-    naming the receiver, before anything is read or written (same-thread nesting is fine)."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        if not self._busy.acquire(blocking=False):
-            raise ConfigError(
-                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: {method.__name__}() "
-                "was called while another thread's pull, scrub or invalidate runs on it. A "
-                "receiver takes one call at a time: serialize them. Nothing was written"
-            )
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy.release()
-
-    return guarded
+_one_at_a_time = one_call_at_a_time("a receiver", "pull, scrub or invalidate")
 
 
 class Receiver:
@@ -292,8 +275,9 @@ class Receiver:
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
+        self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
-        self.dir.lock(f"receiver {config.receiver_id!r} shard {self.shard!r}")
+        self.dir.lock(self._who)
         try:
             self._open()
         except BaseException:  # never constructed: the state dir is not held by it

@@ -1,0 +1,157 @@
+"""Holding something for one user at a time.
+
+- :class:`FileHold`: a file held for this process (a receiver's state dir, an in-cluster
+  receiver's journal). A second process that would replay the first one's journal as a
+  crash's, or overwrite its records, is refused by name before it writes anything;
+- :func:`one_call_at_a_time`: an object's methods that refuse a second thread's call while one
+  runs (two threads posting one rank's collectives abort another process in gloo; two pulls
+  replay each other's journals).
+
+The file hold is a POSIX lock (``lockf``), owned by the process: holders of one process share
+it (a restart modelled in-process, an engine's reload reopening the same directory), and it
+ends with the process, however it ends, or once the last holder of the process releases it or
+is collected. One descriptor per file stays open until then: closing any descriptor of the
+file drops the process's lock, so the registry below is the only place that opens one.
+
+This module knows files, processes and threads; nothing about versions or tensors.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from deltasync.errors import ConfigError, LocalStateError
+
+# Files this process holds: the lock file's real path -> [the pid that locked it (a forked
+# child holds none of its parent's POSIX locks), its descriptor, how many holders share it].
+_HELD: dict[str, list[int]] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _release(key: str, pid: int) -> None:
+    """One holder of ``key`` is gone; the last one's going releases the lock."""
+    if pid != os.getpid():  # a forked child's copy of its parent's holder
+        return
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is None or held[0] != pid:
+            return
+        held[2] -= 1
+        if held[2] == 0:
+            del _HELD[key]
+            os.close(held[1])  # the process's lock on the file goes with it
+
+
+class FileHold:
+    """This process's hold of the lock file ``path``, on behalf of ``owner``.
+
+    ``what`` names the thing held in messages (``receiver state dir '/x'``), ``remedy`` says
+    what a refused user should do. Raises LocalStateError naming the holder's pid when another
+    process holds it, or naming ``what`` when the lock file cannot be opened or stamped;
+    nothing is left open or written then.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, what: str, owner: str, remedy: str) -> None:
+        self.path = Path(path)
+        self.what = what
+        self.owner = owner
+        self.remedy = remedy
+        key = self._key()
+        with _HELD_GUARD:
+            held = _HELD.get(key)
+            if held is not None and held[0] == os.getpid():
+                held[2] += 1
+            else:  # the descriptor stays open: see the module docstring
+                _HELD[key] = [os.getpid(), self._take(), 1]
+            self._release = weakref.finalize(self, _release, key, os.getpid())
+
+    def _key(self) -> str:
+        try:
+            return os.path.realpath(self.path)
+        except ValueError as exc:  # a NUL byte in the path
+            raise LocalStateError(f"cannot hold {self.what}: {exc}") from None
+
+    def _take(self) -> int:
+        """Open, lock and stamp (our pid) the lock file: its descriptor."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise LocalStateError(
+                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
+            ) from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            raise LocalStateError(
+                f"{self.what} is in use by another process (pid {holder[:16] or 'unknown'}); "
+                f"{self.owner} cannot share it. {self.remedy}. Nothing was written"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the pid is only for the message of a refusal
+            os.close(fd)
+            raise LocalStateError(
+                f"cannot write the lock of {self.what}: {exc.strerror or exc}"
+            ) from exc
+        return fd
+
+    def release(self) -> None:
+        """This holder's share ends now (as when it is collected); idempotent."""
+        self._release()
+
+    def retake(self) -> None:
+        """Lock the file again where it is now, after something removed it (and the
+        directory it was in) behind this process: the lock held went with the old file.
+        LocalStateError if another process took the new one meanwhile."""
+        key = self._key()
+        with _HELD_GUARD:
+            held = _HELD.get(key)
+            if not self._release.alive or held is None or held[0] != os.getpid():
+                return
+            fd = self._take()
+            os.close(held[1])  # the old file's: its lock means nothing now
+            held[1] = fd
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_call_at_a_time(
+    kind: str, calls: str, untouched: str = "Nothing was written"
+) -> Callable[[F], F]:
+    """Make a method refuse to run beside another thread's call of any method so marked on
+    the same object: ConfigError before anything is read, sent or written. Same-thread
+    nesting is fine. The object has ``_busy`` (a ``threading.RLock``) and ``_who`` (its name
+    in messages); ``kind`` names what it is (``a receiver``), ``calls`` the marked methods,
+    ``untouched`` what the refusal left alone.
+    """
+
+    def mark(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._busy.acquire(blocking=False):
+                raise ConfigError(
+                    f"{self._who}: {method.__name__}() was called while another thread's "
+                    f"{calls} runs on it. {kind[0].upper()}{kind[1:]} takes one call at a "
+                    f"time: serialize them. {untouched}"
+                )
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._busy.release()
+
+        return guarded  # type: ignore[return-value]
+
+    return mark
