@@ -37,6 +37,7 @@ This module knows files and JSON: nothing about keys, versions, stores or tensor
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import queue
@@ -223,6 +224,7 @@ def write_atomic(
     durable: bool = True,
     mode: int | None = None,
     sync_dir: bool = True,
+    over_files_only: bool = False,
 ) -> int:
     """Atomically and durably replace ``path`` with ``data``.
 
@@ -235,11 +237,32 @@ def write_atomic(
         sync_dir: with ``durable``, also fsync the directory. False: after a power loss
             ``path`` holds the new bytes or the old ones, whole either way (for a record
             whose loss only costs a repair; the next durable write there syncs it too).
+        over_files_only: refuse (OSError EEXIST, before anything is written) a ``path`` that
+            exists and is not a regular file: a user's ``--out /dev/null`` must not replace the
+            device (as root it would, for every process of the machine), nor a symlink the
+            file it points to.
 
     Returns:
         The number of bytes now in ``path``.
     """
     path = Path(path)
+    if over_files_only:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                kind = (
+                    "a symlink"
+                    if stat.S_ISLNK(st.st_mode)
+                    else "a directory"
+                    if stat.S_ISDIR(st.st_mode)
+                    else "a device, FIFO or socket"
+                )
+                raise FileExistsError(
+                    errno.EEXIST, f"{kind} is there, not a file to replace", str(path)
+                )
     if callable(data):
         tmp = temp_path_for(path)
         try:

@@ -180,3 +180,6 @@ def writer_id(rank: int) -> str:
 JOURNAL_FILE = "journal.json"
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"  # held (a POSIX lock) by the one process whose receiver uses the directory
+# safetensors metadata: the receiver shard a file holds (its TP/EP ranks' files have the same
+# tensor names and shapes, so only this tells them apart)
+META_SHARD = "deltasync_shard"

@@ -267,3 +267,81 @@ def test_merge_refuses_shard_files_of_two_splits(tmp_path, capsys):
     assert _merge(capsys, tmp_path, second)[0] == 0
     merged, want = load_file(str(tmp_path / "merged.safetensors")), load_file(str(other))
     assert merged.keys() == want.keys() and all(bitwise_equal(merged[n], want[n]) for n in want)
+
+
+@pytest.mark.timeout(120)
+def test_merge_refuses_shard_files_put_under_each_others_names(tmp_path, capsys):
+    # TP ranks' files have the same tensor names and shapes, and the only replicated tensors
+    # (the norms) agree: swapped files merged into another checkpoint (rc 0).
+    write_checkpoint(tmp_path, "dense_untied")
+    out = tmp_path / "out"
+    assert _split_into(capsys, tmp_path, tmp_path / "full.safetensors", out)[0] == 0
+    tp0, tp1 = (out / "tp0.safetensors").read_bytes(), (out / "tp1.safetensors").read_bytes()
+    (out / "tp0.safetensors").write_bytes(tp1)
+    (out / "tp1.safetensors").write_bytes(tp0)
+    rc, err = _merge(capsys, tmp_path, out)
+    assert rc == 2 and "tp0.safetensors' holds shard 'tp1', not 'tp0'" in err, err
+    assert not (tmp_path / "merged.safetensors").exists()
+
+    (out / "tp0.safetensors").write_bytes(tp0)
+    (out / "tp1.safetensors").write_bytes(tp1)
+    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(out)]
+    assert main([*argv, "--out", str(out / "tp1.safetensors")]) == 2  # over its own input
+    err = capsys.readouterr().err
+    assert "is one of the shard files it merges" in err, err
+    assert (out / "tp1.safetensors").read_bytes() == tp1
+    rc, err = _merge(capsys, tmp_path, out)
+    merged = load_file(str(tmp_path / "merged.safetensors"))
+    full = load_file(str(tmp_path / "full.safetensors"))
+    assert rc == 0 and all(bitwise_equal(merged[n], full[n]) for n in full), err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("node", ["fifo", "symlink", "directory"])
+def test_an_out_that_is_not_a_file_is_refused_and_left_as_it_was(tmp_path, capsys, node):
+    # `--out /dev/null` run as root replaced the machine's null device with a regular file
+    write_checkpoint(tmp_path, "dense_untied")
+    shards = tmp_path / "shards"
+    assert _split_into(capsys, tmp_path, tmp_path / "full.safetensors", shards)[0] == 0
+    target = tmp_path / "target"
+    if node == "fifo":
+        os.mkfifo(target)
+    elif node == "symlink":
+        (tmp_path / "pointed").write_bytes(b"kept")
+        target.symlink_to(tmp_path / "pointed")
+    else:
+        target.mkdir()
+    before = os.lstat(target)
+    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
+    assert main([*argv, "--out", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deltasync: error: LayoutError: cannot write merged checkpoint"), err
+    assert "not a file to replace" in err, err
+    after = os.lstat(target)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no temp file left
+
+
+@pytest.mark.timeout(60)
+def test_a_path_too_long_to_look_at_is_a_typed_error(tmp_path, capsys):
+    write_checkpoint(tmp_path, "dense_untied")
+    long = tmp_path / ("s" * 300) / "config.json"
+    for flag, value in (("--config", long), ("--checkpoint", tmp_path / ("c" * 300))):
+        argv = {
+            "--config": str(tmp_path / "config.json"),
+            "--checkpoint": str(tmp_path / "full.safetensors"),
+        }
+        argv[flag] = str(value)
+        rc, err = run_in_process(
+            capsys,
+            *[x for kv in argv.items() for x in kv],
+            "--engine",
+            "vllm",
+            "--tp",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        )
+        assert rc == 2 and err.startswith("deltasync: error: LayoutError: cannot read"), err
+        assert "File name too long" in err, err
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from importlib.metadata import distributions
 from pathlib import Path
 
@@ -281,3 +283,56 @@ def test_probing_real_vllm_without_vllm_installed_names_the_remedy(tmp_path, cap
     assert rc == 2
     assert "needs vLLM" in err and "vllm-reference" in err
     assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("key", "abc", "'key' is a str, not an object"),
+        ("tp", "two", "key.parallel.tp is 'two'"),
+        ("tp", 0, "key.parallel.tp is 0"),
+        ("ep", 1.5, "key.parallel.ep is 1.5"),
+    ],
+)
+def test_a_layout_file_with_a_malformed_key_is_a_typed_error(tmp_path, capsys, field, value, said):
+    # a key that was not an object, or a size that was not an int, was a ValueError traceback
+    _spec, full = write_config(tmp_path, LLAMA)
+    save_file(full, str(tmp_path / "full.safetensors"))
+    config, layout = str(tmp_path / "config.json"), tmp_path / "layout.json"
+    assert cli(capsys, "probe", "--config", config, "--tp", "2", "--out", str(layout))[0] == 0
+    doc = json.loads(layout.read_text())
+    if field == "key":
+        doc["key"] = value
+    else:
+        doc["key"]["parallel"][field] = value
+    layout.write_text(json.dumps(doc))
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        config,
+        "--checkpoint",
+        str(tmp_path / "full.safetensors"),
+        "--layout",
+        str(layout),
+        "--out",
+        str(tmp_path / "shards"),
+    )
+    assert rc == 2 and err.startswith("deltasync: error: LayoutError: "), err
+    assert said in err, err
+    assert not (tmp_path / "shards").exists()
+
+
+@pytest.mark.timeout(60)
+def test_probe_out_on_a_device_node_leaves_it_a_device(tmp_path, capsys):
+    _spec, _full = write_config(tmp_path, LLAMA)
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # the null device's numbers
+    except PermissionError:
+        os.mkfifo(node)  # not root: a FIFO is as much "not a file to replace"
+    kind = stat.S_IFMT(os.lstat(node).st_mode)
+    rc, _, err = cli(capsys, "probe", "--config", str(tmp_path / "config.json"), "--out", str(node))
+    assert rc == 2 and "not a file to replace" in err, err
+    assert stat.S_IFMT(os.lstat(node).st_mode) == kind

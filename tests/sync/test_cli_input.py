@@ -156,6 +156,32 @@ def test_pull_once_refuses_a_missing_store_without_creating_it(work, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_s3_flags_with_a_url_that_is_not_s3_are_refused_before_a_pull_loop_waits(work, capsys):
+    # `s3:/bucket` (one slash short) is a relative local path: the loop waited for it forever
+    argv = _pull(work, "--dir", str(work / "out"), "--s3-endpoint", "http://127.0.0.1:9")
+    argv[1] = "s3:/bucket/run"
+    _refused(capsys, work, *argv, names="--s3-endpoint only apply to an s3:// store URL")
+    assert not (work / "s3:").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["inspect", "gc", "pull --once", "pull"])
+def test_a_store_path_too_long_to_look_at_is_refused_not_a_traceback(work, capsys, command):
+    # Path.is_dir() lets ENAMETOOLONG through; os.path.lexists() says False, so a pull loop
+    # would wait for the path forever
+    store = work / ("s" * 300) / "store"
+    if command.startswith("pull"):
+        argv = _pull(work, "--dir", str(work / "out"), *command.split()[1:], store=store)
+        err = _refused(capsys, work, *argv, names=str(store))
+    else:  # inspect and gc print their errors as "deltasync COMMAND: ..."
+        before = _tree(work)
+        rc, out, err = _cli(capsys, command, str(store))
+        assert rc == 2 and err.startswith(f"deltasync {command}: {str(store)!r}"), out + err
+        assert _tree(work) == before
+    assert "cannot be a store directory (File name too long)" in err, err
+
+
+@pytest.mark.timeout(60)
 def test_pull_reads_the_key_file_before_opening_the_store(work, capsys):
     missing = work / "nostore"  # a loop would wait for it: the key is refused first
     argv = _pull(

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -93,6 +94,49 @@ def local_path(url: str) -> Path | None:
     return Path(url) if scheme == "" else None
 
 
+def local_store_exists(args: argparse.Namespace) -> bool:
+    """Whether the local store directory ``args.store`` names is there yet (False: nothing
+    there). ConfigError for a path that cannot be one (a name too long, a parent that is a
+    file, no permission, something else in its place): waiting for it would be forever."""
+    path = local_path(args.store)
+    assert path is not None, "a local store URL"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte
+        raise ConfigError(
+            f"{args.store!r} cannot be a store directory ({getattr(exc, 'strerror', None) or exc}); "
+            "nothing was created"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(
+            f"{args.store!r} is not a directory: not a deltasync store (nothing was created)"
+        )
+    return True
+
+
+def check_store_flags(args: argparse.Namespace) -> None:
+    """ConfigError for ``--s3-*`` flags given with a store URL that is not ``s3://`` (a
+    ``s3:/bucket`` one slash short would be a local directory waited for forever)."""
+    from deltasync.store.factory import url_scheme
+
+    given = [
+        flag
+        for flag, value in (
+            ("--s3-endpoint", args.s3_endpoint),
+            ("--s3-read-timeout", args.s3_read_timeout),
+            ("--s3-retry-deadline", args.s3_retry_deadline),
+        )
+        if value is not None
+    ]
+    if given and url_scheme(args.store) != "s3":  # as open_store routes it (``S3://`` too)
+        raise ConfigError(
+            f"{', '.join(given)} only apply to an s3:// store URL, and {args.store!r} is not "
+            "one (s3://BUCKET/PREFIX)"
+        )
+
+
 def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
     """The store the arguments name; ``must_exist`` refuses a local path that is not an
     existing directory instead of creating it."""
@@ -100,21 +144,12 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
     from deltasync.store.base import RetryPolicy
     from deltasync.store.factory import url_scheme
 
-    path = local_path(args.store)
-    if must_exist and path is not None and not path.is_dir():
+    check_store_flags(args)
+    if must_exist and local_path(args.store) is not None and not local_store_exists(args):
         raise ConfigError(
             f"{args.store!r} is not a directory: not a deltasync store (nothing was created)"
         )
     s3 = None
-    given = {
-        flag: value
-        for flag, value in (
-            ("--s3-endpoint", args.s3_endpoint),
-            ("--s3-read-timeout", args.s3_read_timeout),
-            ("--s3-retry-deadline", args.s3_retry_deadline),
-        )
-        if value is not None
-    }
     if url_scheme(args.store) == "s3":  # as open_store routes it (``S3://`` too)
         tuned: dict = {}
         if args.s3_read_timeout is not None:
@@ -127,8 +162,6 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
             addressing_style=args.s3_addressing_style,
             **tuned,
         )
-    elif given:
-        raise ConfigError(f"{', '.join(given)} only apply to an s3:// store URL")
     return open_store(args.store, s3=s3)
 
 

@@ -68,10 +68,13 @@ import sys
 import threading
 from pathlib import Path
 
+from deltasync import names
 from deltasync.atomic import sweep_stale_temps, write_atomic
 from deltasync.commands.inspect_store import (
     add_store_arguments,
+    check_store_flags,
     local_path,
+    local_store_exists,
     open_store_from_args,
     read_key,
     reader_may_leave,
@@ -86,7 +89,6 @@ from deltasync.errors import (
 
 META_VERSION = "deltasync_version"
 META_DIGEST = "deltasync_state_digest"
-META_SHARD = "deltasync_shard"
 META_RUN = "deltasync_run_id"
 MAX_BACKOFF_S = 60.0
 # The longest --interval: a sidecar that pulls less than daily is a mistake (a typo'd unit, or
@@ -293,9 +295,9 @@ def _load(path: Path, specs, *, receiver_id: str, shard: str):
             f"{exc}: the file belongs to another shard or model; move it away or pass another "
             "--dir. Nothing was written"
         ) from None
-    if meta.get(META_SHARD, shard) != shard:  # same names and shapes: another TP rank's
+    if meta.get(names.META_SHARD, shard) != shard:  # same names and shapes: another TP rank's
         raise ConfigError(
-            f"{str(path)!r} holds shard {meta[META_SHARD][:128]!r}, not {shard!r} (its "
+            f"{str(path)!r} holds shard {meta[names.META_SHARD][:128]!r}, not {shard!r} (its "
             "deltasync metadata): it is another sidecar's file; move it away or pass another "
             "--dir. Nothing was written"
         )
@@ -404,7 +406,7 @@ def _safetensors_chunks(tensors, meta: dict[str, str]):
 
 
 def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: str | None):
-    meta = {META_VERSION: str(version), META_DIGEST: digest, META_SHARD: shard}
+    meta = {META_VERSION: str(version), META_DIGEST: digest, names.META_SHARD: shard}
     if run_id is not None:
         meta[META_RUN] = run_id
     umask = os.umask(0)
@@ -517,6 +519,7 @@ def _check_args(args: argparse.Namespace):
         raise ConfigError(
             f"--iterations must be >= 0 (0 = pull until stopped), got {args.iterations}"
         )
+    check_store_flags(args)
     try:
         names.check_token("--shard", args.shard)
     except ManifestError as exc:
@@ -557,10 +560,9 @@ def _open_store(args: argparse.Namespace, stop: _Stop):
     sidecar waiting on it forever. With ``--once`` a missing directory is refused; a loop
     (started before the trainer, the normal order) waits for the trainer to create it.
     """
-    path = local_path(args.store)
-    if path is not None and not args.once and not os.path.lexists(path):
+    if local_path(args.store) is not None and not args.once and not local_store_exists(args):
         _say(f"deltasync pull: waiting for the store directory {args.store} to be created")
-        while not os.path.lexists(path):
+        while not local_store_exists(args):
             if stop.event.wait(args.interval):
                 return None
     return open_store_from_args(args, must_exist=True)

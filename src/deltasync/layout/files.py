@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from deltasync import names
 from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
@@ -60,10 +61,23 @@ def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str) -> An
     return read_json(path, limit=limit, what=what, error=LayoutError)
 
 
+def _is_dir(path: Path, what: str) -> bool:
+    """Whether the user's ``path`` is a directory; a path that cannot be looked at (a name
+    too long, no permission) is a LayoutError naming it, not an OSError traceback."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # read as a file next, and refused by name there
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte
+        raise LayoutError(
+            f"cannot read {what} {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+
+
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``config.json`` as a dict (a directory means its ``config.json``)."""
     p = Path(path)
-    if p.is_dir():
+    if _is_dir(p, "model config"):
         p = p / "config.json"
     cfg = read_json_file(p, limit=MAX_CONFIG_BYTES, what="model config")
     if not isinstance(cfg, dict):
@@ -82,7 +96,7 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
     names; a directory without one, every ``*.safetensors`` file in it.
     """
     p = Path(path)
-    if p.is_dir():
+    if _is_dir(p, "checkpoint"):
         if (p / SHARDS_FILE).exists():
             raise LayoutError(
                 f"{str(p)!r} holds receiver shards ({SHARDS_FILE}), not a checkpoint: "
@@ -103,17 +117,17 @@ def _index_files(index: Path) -> list[Path]:
     doc = read_json_file(index, limit=MAX_JSON_BYTES, what="checkpoint index")
     try:
         weight_map = doc["weight_map"]
-        names = list(dict.fromkeys(str(v) for v in weight_map.values()))
+        files = list(dict.fromkeys(str(v) for v in weight_map.values()))
     except (KeyError, TypeError, AttributeError) as exc:
         raise LayoutError(f"cannot read checkpoint index {str(index)!r}: {exc}") from exc
-    for n in names:
+    for n in files:
         if Path(n).name != n:
             raise LayoutError(f"checkpoint index {str(index)!r} names a file outside it: {n!r}")
-    return [index.parent / n for n in names]
+    return [index.parent / n for n in files]
 
 
 def _index_map(path: Path) -> dict[str, str] | None:
-    index = path / INDEX_FILE if path.is_dir() else path
+    index = path / INDEX_FILE if _is_dir(path, "checkpoint") else path
     if not index.name.endswith(".index.json") or not index.exists():
         return None
     return {
@@ -191,20 +205,28 @@ def _read_safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], d
         raise LayoutError(f"{what} {str(path)!r} is not a regular file")
     try:
         with safe_open(str(path), framework="pt") as f:
-            names = f.keys()  # a safe_open handle is not iterable
-            return {k: f.get_tensor(k) for k in names}, dict(f.metadata() or {})
+            keys = f.keys()  # a safe_open handle is not iterable
+            return {k: f.get_tensor(k) for k in keys}, dict(f.metadata() or {})
     except (OSError, SafetensorError) as exc:
         raise LayoutError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either missing (or unnameable): not one file
+        return False
 
 
 def _write_out(path: Path, write: Any, what: str) -> None:
     """``write_atomic(path, write)``, its failures a LayoutError naming ``path``."""
     try:
-        write_atomic(path, write)
-    except Exception as exc:  # a directory there, no such parent, a full disk
+        write_atomic(path, write, over_files_only=True)
+    except Exception as exc:  # a device or directory there, no such parent, a full disk
+        why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
         raise LayoutError(
-            f"cannot write {what} {str(path)!r} ({type(exc).__name__}: {exc}); pass an --out "
-            "this command may create"
+            f"cannot write {what} {str(path)!r} ({why}); pass an --out this command may "
+            "create or replace"
         ) from exc
 
 
@@ -220,14 +242,26 @@ def _layout(
         raise LayoutError(
             f"layout file {str(layout_file)!r} was made for other tensors than this config's"
         )
-    parallel = key.get("parallel", {}) if isinstance(key, dict) else None
+    parallel = key.get("parallel", {})
     if not isinstance(parallel, dict):
         raise LayoutError(f"layout file {str(layout_file)!r}: its key is not a layout key")
+    sizes = {}
+    for field, ranks in (("tp", [s.tp_rank for s in shards]), ("ep", [s.ep_rank for s in shards])):
+        size = parallel.get(field)
+        if size is None:
+            size = 1 + max(ranks, default=0)
+        if type(size) is not int or size <= max(ranks, default=0):
+            raise LayoutError(
+                f"layout file {str(layout_file)!r}: key.parallel.{field} is {size!r}, not a "
+                f"size above every shard's {field} rank (write the file again with "
+                "`deltasync layout probe`)"
+            )
+        sizes[field] = size
     return ReceiverLayout(
         spec=spec,
         engine=str(key.get("engine", "probed")),
-        tp=int(parallel.get("tp", 1 + max(s.tp_rank for s in shards))),
-        ep=int(parallel.get("ep", 1 + max(s.ep_rank for s in shards))),
+        tp=sizes["tp"],
+        ep=sizes["ep"],
         table=table,
         shards=shards,
     )
@@ -277,11 +311,12 @@ def split_checkpoint(
             f"cannot remove the earlier shard listing {str(out_dir / SHARDS_FILE)!r}: "
             f"{exc.strerror or exc}; nothing was written"
         ) from None
-    metadata = {"format": "pt", SPLIT_KEY: secrets.token_hex(8)}
+    split = secrets.token_hex(8)
     for info in layout.shards():
         tensors = {n: t.contiguous() for n, t in shards.pop(info.id).items()}
         target = out_dir / f"{info.id}.safetensors"
-        _write_out(target, lambda p, t=tensors: save_file(t, str(p), metadata), "shard file")
+        metadata = {"format": "pt", SPLIT_KEY: split, names.META_SHARD: info.id}
+        _write_out(target, lambda p, t=tensors, m=metadata: save_file(t, str(p), m), "shard file")
     listing = json.dumps([s.to_json() for s in layout.shards()], indent=1) + "\n"
     _write_out(
         out_dir / SHARDS_FILE, lambda p: p.write_text(listing, encoding="utf-8"), "shard listing"
@@ -337,11 +372,23 @@ def merge_checkpoint(
             f"{str(src / SHARDS_FILE)!r} lists shards {[s.id for s in listing]}; "
             f"the {layout.engine} layout at tp={tp} ep={ep} has {[s.id for s in layout.shards()]}"
         )
+    inputs = [src / f"{s.id}.safetensors" for s in listing]
+    if any(_same_file(Path(out), p) for p in inputs):
+        raise LayoutError(
+            f"--out {str(out)!r} is one of the shard files it merges; pass another path"
+        )
     shards: dict[str, Mapping[str, torch.Tensor]] = {}
     splits: dict[str, str | None] = {}
-    for s in listing:
-        shards[s.id], metadata = _read_safetensors(src / f"{s.id}.safetensors", "shard file")
+    for s, path in zip(listing, inputs, strict=True):
+        shards[s.id], metadata = _read_safetensors(path, "shard file")
         splits[s.id] = metadata.get(SPLIT_KEY)
+        held = metadata.get(names.META_SHARD, s.id)  # files split before it was recorded: s.id
+        if held != s.id:  # another TP rank's file has the same names and shapes
+            raise LayoutError(
+                f"shard file {str(path)!r} holds shard {held[:64]!r}, not {s.id!r}: the files "
+                "were renamed or copied over each other. Put each file back under its own "
+                "shard's name, or split the checkpoint again; nothing was written"
+            )
     if len({split for split in splits.values() if split is not None}) > 1:
         raise LayoutError(
             f"the shard files in {str(src)!r} come from different splits ({SPLIT_KEY} "

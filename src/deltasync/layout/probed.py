@@ -171,7 +171,10 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
     table = LayoutTable(
         src_shapes=canonical, dst_shapes=locals_, placements=placements, aliases=aliases
     )
-    return table, shards, dict(doc.get("key", {}))
+    key = doc.get("key", {})
+    if not isinstance(key, dict):
+        raise LayoutError(f"layout file: 'key' is a {type(key).__name__}, not an object")
+    return table, shards, dict(key)
 
 
 def save_layout(
@@ -188,7 +191,7 @@ def save_layout(
     """
     text = json.dumps(layout_to_json(table, shards, key), indent=1) + "\n"
     try:
-        write_atomic(path, text.encode(), durable=False)
+        write_atomic(path, text.encode(), durable=False, over_files_only=True)
     except OSError as exc:
         raise LayoutError(
             f"cannot write layout file {str(path)!r}: {exc.strerror or exc}; pass a file path "
