@@ -19,7 +19,8 @@ _VERSION_DIGITS = 8
 MAX_VERSION = 10**_VERSION_DIGITS - 1  # the largest version a key can name
 
 # Shard ids and writer ids are short, path-safe tokens (no '/', no '..', no leading dot).
-_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}")
+MAX_TOKEN = 128  # the longest id or name check_token accepts
+_TOKEN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.=-]{{0,{MAX_TOKEN - 1}}}")
 
 
 def check_token(kind: str, value: str) -> str:

@@ -92,6 +92,22 @@ def test_a_vocabulary_of_1010_padded_like_1000_has_another_fingerprint() -> None
     assert "rank 0: writer: qwen3 V=1000" in str(info.value)
 
 
+def test_a_receiver_built_to_verify_refuses_writers_that_send_no_digests() -> None:
+    # The receivers' own digest_every had no effect: one writer built with digest_every=0
+    # turned verification off on every receiver, and writers of two policies were refused at
+    # staging on every version, after the bytes moved.
+    none = fingerprint(layout(), PLAN, digest_every=0)
+    with pytest.raises(FingerprintMismatchError, match=r"differ in digests\)") as info:
+        verdict(writer(fp=none), writer(fp=none), receiver(), receiver())
+    assert "digest policy (ClusterConfig.digest_every)" in str(info.value)
+    assert "rank 0: writer: " in str(info.value) and "digests none" in str(info.value)
+    assert "rank 2: receiver: " in str(info.value) and "digests every 1" in str(info.value)
+    with pytest.raises(FingerprintMismatchError, match=r"differ in digests\)"):
+        verdict(writer(fp=none), writer(), receiver(fp=none), receiver(fp=none))
+    # one policy on every rank, verification off included, clears
+    assert verdict(writer(fp=none), writer(fp=none), receiver(fp=none), receiver(fp=none))
+
+
 def test_a_failed_writer_is_named_on_every_rank_before_anything_moves() -> None:
     with pytest.raises(
         PeerFailedError, match=r"rank 1 failed before sending \(rank 1: RuntimeError: x\)"

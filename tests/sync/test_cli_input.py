@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from deltasync import LocalStore, names
 from deltasync.cli import main
+from deltasync.commands.pull import default_receiver_id
 from deltasync.commit import Catalog
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.trainer import SnapshotTracker
@@ -395,14 +396,33 @@ def test_pull_registers_a_version_its_file_claims_only_once_the_store_confirms_i
         meta = f.metadata()
     save_file(load_file(str(file)), str(file), metadata={**meta, "deltasync_version": "99"})
     store = LocalStore(work / "store")
-    store.delete(names.receiver_key(f"pull-{SHARD}"))
+    store.delete(names.receiver_key(default_receiver_id(SHARD, out)))
     for key in store.list("v"):  # nothing this shard could be restored from
         if f"/{SHARD}/" in key:
             store.delete(key)
     config = str(work / "config.json")  # the specs from it: the shard's blobs are gone
     rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once", "--config", config))
     assert rc == 2 and "MissingBlobError" in err, err
-    assert not store.exists(names.receiver_key(f"pull-{SHARD}"))
+    assert not store.exists(names.receiver_key(default_receiver_id(SHARD, out)))
+
+
+@pytest.mark.timeout(120)
+def test_replicas_of_one_shard_register_and_ack_under_their_own_default_ids(
+    work, published, capsys
+):
+    # Every sidecar of a shard defaulted to pull-<shard>: replicas overwrote each other's
+    # registration and acks, and a lagging one was hidden behind another's heartbeat.
+    first, second = work / "replica-a", work / "replica-b"
+    for out in (first, second, first):  # the first again: a restart keeps its id
+        assert _cli(capsys, *_pull(work, "--dir", str(out), "--once"))[0] == 0
+    ids = {default_receiver_id(SHARD, first), default_receiver_id(SHARD, second)}
+    assert len(ids) == 2 and all(i.startswith(f"pull-{SHARD}-") for i in ids)
+    catalog = Catalog(LocalStore(work / "store"))
+    held = {r: (rec.shard, rec.version) for r, rec in catalog.receivers().items()}
+    newest = catalog.head().version
+    assert held == dict.fromkeys(ids, (SHARD, newest))
+    assert set(catalog.acks(newest)) == ids
+    assert default_receiver_id(SHARD, str(first) + "/") == default_receiver_id(SHARD, first)
 
 
 @pytest.mark.timeout(60)
@@ -415,12 +435,13 @@ def test_pull_refuses_another_shards_file_and_registers_nothing(work, published,
     out = work / "out"
     out.mkdir()
     shutil.copy(source / f"{other}.safetensors", out / f"{SHARD}.safetensors")
-    before = LocalStore(work / "store").exists(names.receiver_key(f"pull-{SHARD}"))
+    registration = names.receiver_key(default_receiver_id(SHARD, out))
+    before = LocalStore(work / "store").exists(registration)
     err = _refused(
         capsys, work, *_pull(work, "--dir", str(out), "--once"), names=f"holds shard {other!r}"
     )
     assert "another sidecar's file" in err
-    assert not before and not LocalStore(work / "store").exists(names.receiver_key(f"pull-{SHARD}"))
+    assert not before and not LocalStore(work / "store").exists(registration)
 
 
 # ---------------------------------------------------------------------- 7: config and layout files
@@ -560,7 +581,7 @@ def test_pull_reports_a_shard_file_it_cannot_write_and_the_loop_writes_it_later(
     rc, _, err = _cli(capsys, *argv)
     assert rc == 0 and "could not write version 2" in err, err
     assert len(calls) == 2 and file.is_file()
-    assert list(catalog.acks(2)) == [f"pull-{SHARD}"]
+    assert list(catalog.acks(2)) == [default_receiver_id(SHARD, out)]
     assert {r.version for r in catalog.receivers().values()} == {2}
 
 

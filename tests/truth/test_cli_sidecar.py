@@ -20,6 +20,7 @@ from truth_kit import Rig, assert_same_bits
 
 from deltasync import LocalStore, names
 from deltasync.cli import main
+from deltasync.commands.pull import default_receiver_id
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +94,8 @@ def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_
         os.umask(umask)
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask
         deadline = time.monotonic() + 30
-        while names.receiver_key("pull-tp0") not in store.list(names.RECEIVERS_PREFIX):
+        registration = names.receiver_key(default_receiver_id("tp0", weights))
+        while registration not in store.list(names.RECEIVERS_PREFIX):
             assert time.monotonic() < deadline, "the sidecar never registered"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -427,10 +429,11 @@ def test_pull_removes_what_killed_writes_left_and_keeps_a_write_in_progress(stor
     )
 
 
-def _registered(store, receiver: str = "pull-tp0"):
+def _registered(store, file: Path):
+    """The registration of the sidecar writing ``file`` (under its default id)."""
     from deltasync.commit import Catalog
 
-    return Catalog(store).receiver(receiver)
+    return Catalog(store).receiver(default_receiver_id("tp0", file.parent))
 
 
 def _holds(file: Path, want) -> bool:
@@ -489,7 +492,7 @@ def test_a_running_pull_whose_file_cannot_be_rewritten_withdraws_its_registratio
     store, rig, file, proc = _pulling_at_version_1(store_path, tmp_path)
     want = rig.oracle[(rig.trainer.pub.run_id, 1)]["tp0"]
     try:
-        _wait(lambda: (r := _registered(store)) is not None and r.version == 1, proc, "v1")
+        _wait(lambda: (r := _registered(store, file)) is not None and r.version == 1, proc, "v1")
         os.kill(proc.pid, signal.SIGSTOP)
         with open(file, "r+b") as f:  # damaged in place
             f.seek(-256, os.SEEK_END)
@@ -497,12 +500,14 @@ def test_a_running_pull_whose_file_cannot_be_rewritten_withdraws_its_registratio
         hard = resource.prlimit(proc.pid, resource.RLIMIT_FSIZE)[1]
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16384, hard))  # no room for it
         os.kill(proc.pid, signal.SIGCONT)
-        _wait(lambda: _registered(store) is None, proc, "the registration was never withdrawn")
+        _wait(
+            lambda: _registered(store, file) is None, proc, "the registration was never withdrawn"
+        )
         time.sleep(1.0)  # retries meanwhile: none registers again
-        assert _registered(store) is None and not _holds(file, want)
+        assert _registered(store, file) is None and not _holds(file, want)
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
         _wait(lambda: _holds(file, want), proc, "never rewritten once the disk had room")
-        _wait(lambda: (r := _registered(store)) is not None and r.version == 1, proc, "again")
+        _wait(lambda: (r := _registered(store, file)) is not None and r.version == 1, proc, "again")
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
@@ -527,7 +532,7 @@ def test_a_running_pull_remakes_its_removed_directory_and_takes_the_next_version
         _wait(lambda: _holds(file, rig.oracle[(run, 1)]["tp0"]), proc, "never remade")
         rig.publish(2)
         _wait(lambda: _holds(file, rig.oracle[(run, 2)]["tp0"]), proc, "v2 never taken")
-        _wait(lambda: (r := _registered(store)) is not None and r.version == 2, proc, "v2")
+        _wait(lambda: (r := _registered(store, file)) is not None and r.version == 2, proc, "v2")
         assert (weights / ".tp0.deltasync" / names.STATE_FILE).is_file()
     finally:
         proc.terminate()

@@ -213,7 +213,9 @@ class ClusterReceiver:
             "ClusterReceiver", "max_staged_bytes", max_staged_bytes, lo=0
         )
         self._notes = NoteLedger()  # this rank's arrival marks in the group's store
-        self.fingerprint = fingerprint(layout, plan, lineage=lineage)
+        self.fingerprint = fingerprint(
+            layout, plan, lineage=lineage, digest_every=self.config.digest_every
+        )
         self._who = f"receiver {self.shard} replica {self.role.replica}"
         self._pause = pause or contextlib.nullcontext
         self.group = group  # a group in use: the first preflight takes this rank's record

@@ -236,7 +236,9 @@ class ClusterSender:
         self.receiver_layout = receiver_layout
         self.config = config or ClusterConfig()
         self.lineage = lineage
-        self.fingerprint = fingerprint(receiver_layout, plan, lineage=lineage)
+        self.fingerprint = fingerprint(
+            receiver_layout, plan, lineage=lineage, digest_every=self.config.digest_every
+        )
         self._params = params
         if not callable(params):
             self._check_params(params)

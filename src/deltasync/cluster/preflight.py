@@ -71,7 +71,7 @@ from deltasync.layout import ReceiverLayout
 
 MAGIC = status_row.magic(b"dsclpf02")
 UNKNOWN = -(1 << 62)
-FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage")
+FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage", "digests")
 _HEAD = 10
 ARRIVED, PATIENCE = 8, 9
 _F = len(FINGERPRINT_PARTS)
@@ -118,9 +118,14 @@ class Fingerprint:
 
 
 def fingerprint(
-    layout: ReceiverLayout, plan: RolePlan, *, lineage: str | None = None
+    layout: ReceiverLayout, plan: RolePlan, *, lineage: str | None = None, digest_every: int = 1
 ) -> Fingerprint:
-    """The fingerprint of a rank built with ``layout`` and ``plan`` (computed once per rank)."""
+    """The fingerprint of a rank built with ``layout`` and ``plan`` (computed once per rank).
+
+    ``digest_every`` (``ClusterConfig.digest_every``) is the job's verification policy: part of
+    it, so a receiver built to verify every version refuses writers that send no digests (one
+    writer with digests off would otherwise turn verification off on every receiver), and
+    writers of different policies are refused before any payload moves."""
     spec = layout.spec
     model = {
         k: (str(v) if isinstance(v, torch.dtype) else v)
@@ -134,6 +139,7 @@ def fingerprint(
         "writers": str(len(plan.writers)),
         "layout": layout_hex,
         "lineage": lineage or "",
+        "digests": f"every {digest_every}" if digest_every else "none",
     }
     experts = f" E={spec.num_experts}x{spec.moe_intermediate_size}" if spec.num_experts else ""
     summary = (
@@ -142,7 +148,7 @@ def fingerprint(
         f"I={spec.intermediate_size}{experts}{' tied' if spec.tie_word_embeddings else ''}; "
         f"{parts['engine']}; {plan.dp_mode}, {len(plan.writers)} writer(s), "
         f"{len(plan.receivers)} receiver(s), {plan.world_size} ranks; layout {layout_hex[:12]}; "
-        f"lineage {lineage or '-'}"
+        f"lineage {lineage or '-'}; digests {parts['digests']}"
     )
     return Fingerprint(parts=parts, summary=summary)
 
@@ -273,8 +279,8 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
         raise FingerprintMismatchError(
             f"the ranks were built for different models or plans (they differ in "
             f"{', '.join(differ)}); refused on every rank before any payload moved, nothing was "
-            f"written. Build every rank from the same model config, engine, TP/EP, role plan and "
-            f"layout. Each rank: {each}"
+            f"written. Build every rank from the same model config, engine, TP/EP, role plan, "
+            f"layout and digest policy (ClusterConfig.digest_every). Each rank: {each}"
         )
     failed = [r for r in rows if not r.ok]
     if failed:

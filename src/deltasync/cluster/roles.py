@@ -57,6 +57,8 @@ class ClusterConfig:
         digest; several writers each send the digest of the part of every shard they own
         (``cluster.writer_digests``), or writer 0 the whole-state digests when given
         ``full_state``. A receiver always checks what it is sent, before it acknowledges.
+        Part of every rank's fingerprint: writers and receivers are built with the same value
+        (a receiver built to verify refuses writers that send no digests).
     max_decompressed_bytes: a receiver refuses a blob that declares a larger record section.
     encode_threads: how many of a version's per-shard blobs are encoded at once (1 = one
         after another, the default). More helps a node with cores to spare and several shards;

@@ -36,6 +36,13 @@ with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between 
 process) keeps a state dir: a second one started on the same ``--dir`` and shard waits, with
 one line naming the first one's pid, until that one is gone.
 
+Its default receiver id, ``pull-<shard>-<host>-<hash>`` (:func:`default_receiver_id`; the hash
+is of the host and the real path of ``--dir``), names this sidecar alone: replicas of one shard
+on other hosts or directories get their own, so none overwrites another's registration and
+acks (under one id, a lagging replica was hidden behind another's heartbeat, and a
+bounded-staleness trainer did not wait for it). It is the same at every restart on that host
+and directory.
+
 The layout is checked against the store before anything is fetched: the manifests record the
 engine, TP, EP and model fingerprint they were built for. With ``--config`` the tensor specs
 come from that model's layout; without it from the newest anchor's blobs, read as a receiver
@@ -59,10 +66,13 @@ overwrite).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import re
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -497,6 +507,24 @@ def _start(args, store, config, configured, stop: _Stop):
     return receiver, file
 
 
+def default_receiver_id(shard: str, directory: str | os.PathLike[str]) -> str:
+    """The id a sidecar of ``shard`` writing into ``directory`` acks and registers as when
+    ``--receiver-id`` is not given: unique to this host and directory, the same at every
+    restart there (see the module docstring)."""
+    host = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()).strip("-")[:32] or "host"
+    try:
+        where = os.path.realpath(directory)
+    except ValueError:  # a NUL byte: --dir is refused by name later
+        where = str(directory)
+    place = f"{socket.gethostname()}\0{where}"
+    tag = hashlib.blake2b(place.encode(errors="surrogateescape"), digest_size=4).hexdigest()
+    name = f"pull-{shard}-{host}-{tag}"
+    if len(name) > names.MAX_TOKEN:  # a long shard id: the hash names the shard too
+        whole = f"{shard}\0{place}".encode(errors="surrogateescape")
+        name = f"pull-{hashlib.blake2b(whole, digest_size=8).hexdigest()}"
+    return name
+
+
 def _check_args(args: argparse.Namespace):
     """Check every argument before anything is written: (the ReceiverConfig, ``--config``'s
     layout and specs or None).
@@ -531,10 +559,11 @@ def _check_args(args: argparse.Namespace):
         # an unset variable in a script (--receiver-id "$ID") must not become the default id
         raise ConfigError(
             "--receiver-id is empty: give the id this sidecar acks as, or leave the flag out "
-            f"for the default pull-{args.shard}"
+            f"for the default {default_receiver_id(args.shard, args.dir)}"
         )
     config = ReceiverConfig(
-        receiver_id=args.receiver_id or f"pull-{args.shard}", signing_key=read_key(args)
+        receiver_id=args.receiver_id or default_receiver_id(args.shard, args.dir),
+        signing_key=read_key(args),
     )
     remedy = (
         f"pass the directory that holds (or will hold) {args.shard}.safetensors; it is "
@@ -668,7 +697,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--config",
         help="transformers config.json (checks the layout; a regular file of at most 4 MiB)",
     )
-    p.add_argument("--receiver-id", help="id in acks and registrations (default pull-<shard>)")
+    p.add_argument(
+        "--receiver-id",
+        help="id in acks and registrations (default pull-<shard>-<host>-<hash of host and --dir>)",
+    )
     p.add_argument("--once", action="store_true", help="pull once and exit")
     p.add_argument(
         "--interval",
