@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,32 @@ def test_a_damaged_journal_file_is_refused(tmp_path: Path) -> None:
     path.write_text('{"committed": "two"}')
     with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
         ClusterJournal(version=None, path=path)
+
+
+@pytest.mark.parametrize(
+    ("committed", "applying"),
+    [
+        (2, [-5, -7]),  # no version is negative
+        (2, [3, 1]),  # a delta on a base other than the committed version
+        (2, [2, -1]),  # an anchor at a number already committed
+        (None, [3, 2]),  # a delta on a base never committed
+        (2, [3, 2, 1]),
+        (2, [3.0, 2]),
+    ],
+)
+def test_an_apply_no_receiver_could_have_begun_is_refused(
+    tmp_path: Path, committed, applying
+) -> None:
+    # such a record was taken as written: a retry "on the same base" of an apply that was
+    # never possible
+    path = tmp_path / "journal.json"
+    record = {"committed": committed, "applying": applying, "dirty": False}
+    path.write_text(json.dumps(record))
+    with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
+        ClusterJournal(version=None, path=path)
+    record["applying"] = [3, -1] if committed is None else [committed + 1, committed]
+    path.write_text(json.dumps(record))
+    assert ClusterJournal(version=None, path=path).state.applying == tuple(record["applying"])
 
 
 def test_a_commit_records_the_digests_verified_for_that_version_and_only_those(

@@ -102,10 +102,7 @@ class JournalState:
                 and (digest is None or type(digest) is str)
                 and (parts is None or (type(parts) is list and all(type(d) is str for d in parts)))
                 and (committed is None or (type(committed) is int and committed >= 0))
-                and (
-                    applying is None
-                    or (len(applying) == 2 and all(type(v) is int for v in applying))
-                )
+                and (applying is None or _possible_apply(applying, committed))
                 and type(dirty) is bool
             )
         except (TypeError, KeyError):
@@ -121,6 +118,18 @@ class JournalState:
             digest=digest,
             part_digests=None if parts is None else tuple(parts),
         )
+
+
+def _possible_apply(applying: Any, committed: Any) -> bool:
+    """Whether ``applying`` is an apply :meth:`ClusterJournal.begin` could have recorded: a
+    version above the committed one, on the committed one or as an anchor (base -1)."""
+    if type(applying) is not list or len(applying) != 2:
+        return False
+    version, base = applying
+    if type(version) is not int or type(base) is not int or version < 0:
+        return False
+    above = committed is None or version > committed
+    return above and (base == -1 or base == committed)
 
 
 _OPTIONAL = {"window", "digest", "part_digests"}  # fields later versions of the format added
