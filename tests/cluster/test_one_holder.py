@@ -4,14 +4,12 @@ engine gets wrong is refused by name before anything is sent, written or posted 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from kit import bits, tiny_layouts
+from kit import bits, tiny_layouts, told_in_another_process
 
 from deltasync.cluster import ClusterConfig, ClusterReceiver, ClusterSender, RolePlan
 from deltasync.cluster.cluster_journal import ClusterJournal
@@ -206,22 +204,11 @@ def test_two_threads_syncing_one_rank_of_a_real_group_get_one_refusal_not_an_abo
 
 def _hold_elsewhere(path: Path) -> str:
     """What another process is told when it opens the cluster journal ``path``."""
-    code = (
-        "import sys\n"
-        "from deltasync.errors import LocalStateError\n"
-        "from deltasync.cluster.cluster_journal import ClusterJournal\n"
-        "try:\n"
-        "    ClusterJournal(version=None, path=sys.argv[1], owner='another rank')\n"
-        "except LocalStateError as exc:\n"
-        "    print(exc)\n"
-        "else:\n"
-        "    print('opened')\n"
+    return told_in_another_process(
+        "from deltasync.cluster.cluster_journal import ClusterJournal",
+        "ClusterJournal(version=None, path=path, owner='another rank')",
+        path,
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def _journal_receiver(path: Path) -> ClusterReceiver:

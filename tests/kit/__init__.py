@@ -326,6 +326,32 @@ def in_fresh_process(target, *args: object, timeout_s: float = 240.0):
     return got
 
 
+def told_in_another_process(imports: str, opens: str, path) -> str:
+    """What another process is told when it runs ``opens`` (an expression of ``path``, bound
+    to the name ``path`` there, after ``imports``): the text of the LocalStateError it
+    raised, or ``"opened"``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from deltasync.errors import LocalStateError\n"
+        f"{imports}\n"
+        "path = sys.argv[1]\n"
+        "try:\n"
+        f"    {opens}\n"
+        "except LocalStateError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('opened')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def spy_digest_pass(monkeypatch, module) -> list[int]:
     """Wrap ``module.state_tensor_digests`` (the digest pass a sender calls); returns the list
     that receives, per call, how many receiver tensors' entries the pass was given (``keep``:

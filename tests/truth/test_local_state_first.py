@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 import torch
+from kit import told_in_another_process
 from truth_kit import FailingPuts, Rig, assert_same_bits, rconfig, wipe
 
 from deltasync import LocalStore, Receiver, names
@@ -412,22 +411,11 @@ def _replica(rig, tmp_path, tensors) -> Receiver:
 
 def _lock_elsewhere(state_dir) -> str:
     """What another process is told when it asks for ``state_dir``'s lock."""
-    code = (
-        "import sys\n"
-        "from deltasync.errors import LocalStateError\n"
-        "from deltasync.receiver import StateDir\n"
-        "try:\n"
-        "    StateDir(sys.argv[1]).lock('another receiver')\n"
-        "except LocalStateError as exc:\n"
-        "    print(exc)\n"
-        "else:\n"
-        "    print('locked')\n"
+    return told_in_another_process(
+        "from deltasync.receiver import StateDir",
+        "StateDir(path).lock('another receiver')",
+        state_dir,
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(state_dir)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.mark.timeout(90)
@@ -446,7 +434,7 @@ def test_a_state_dir_removed_behind_a_receiver_is_held_again_when_it_is_remade(t
     assert rig.rec.pull().version == 1
     assert f"(pid {os.getpid()})" in _lock_elsewhere(tmp_path / "rec")
     rig.rec.close()
-    assert _lock_elsewhere(tmp_path / "rec").strip() == "locked"
+    assert _lock_elsewhere(tmp_path / "rec").strip() == "opened"
 
 
 def test_a_lock_that_cannot_be_stamped_is_a_local_state_error_and_leaves_no_descriptor(
