@@ -238,9 +238,9 @@ def write_atomic(
             ``path`` holds the new bytes or the old ones, whole either way (for a record
             whose loss only costs a repair; the next durable write there syncs it too).
         over_files_only: refuse (OSError EEXIST, before anything is written) a ``path`` that
-            exists and is not a regular file: a user's ``--out /dev/null`` must not replace the
-            device (as root it would, for every process of the machine), nor a symlink the
-            file it points to.
+            exists and is neither a regular file nor a symlink: a user's ``--out /dev/null``
+            must not replace the device (as root it would, for every process of the machine),
+            nor a FIFO or a directory. A symlink is replaced by the file, its target untouched.
 
     Returns:
         The number of bytes now in ``path``.
@@ -252,14 +252,8 @@ def write_atomic(
         except FileNotFoundError:
             pass
         else:
-            if not stat.S_ISREG(st.st_mode):
-                kind = (
-                    "a symlink"
-                    if stat.S_ISLNK(st.st_mode)
-                    else "a directory"
-                    if stat.S_ISDIR(st.st_mode)
-                    else "a device, FIFO or socket"
-                )
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
                 raise FileExistsError(
                     errno.EEXIST, f"{kind} is there, not a file to replace", str(path)
                 )

@@ -32,7 +32,20 @@ from deltasync.errors import ConfigError, LocalStateError
 # Files this process holds: the lock file's real path -> [the pid that locked it (a forked
 # child holds none of its parent's POSIX locks), its descriptor, how many holders share it].
 _HELD: dict[str, list[int]] = {}
-_HELD_GUARD = threading.Lock()
+# Re-entrant: a holder collected in a reference cycle runs its finalizer (``_release``) on
+# whatever thread the collection starts on, possibly inside a ``FileHold`` call of this very
+# thread that holds the guard.
+_HELD_GUARD = threading.RLock()
+
+
+def _new_guard_after_fork() -> None:
+    """A forked child starts with a free guard: the thread that held it (if one did at the
+    fork) does not exist there, and none of the parent's POSIX locks is the child's."""
+    global _HELD_GUARD
+    _HELD_GUARD = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_guard_after_fork)
 
 
 def _release(key: str, pid: int) -> None:
@@ -107,6 +120,11 @@ class FileHold:
             ) from exc
         return fd
 
+    @property
+    def held(self) -> bool:
+        """Whether this holder still holds the file (not released nor collected)."""
+        return self._release.alive
+
     def release(self) -> None:
         """This holder's share ends now (as when it is collected); idempotent."""
         self._release()
@@ -120,9 +138,21 @@ class FileHold:
             held = _HELD.get(key)
             if not self._release.alive or held is None or held[0] != os.getpid():
                 return
+            if _still(self.path, held[1]):  # not replaced after all (another holder retook
+                return  # it first): opening and closing it again would drop the lock
             fd = self._take()
             os.close(held[1])  # the old file's: its lock means nothing now
             held[1] = fd
+
+
+def _still(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    was = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -133,9 +163,10 @@ def one_call_at_a_time(
 ) -> Callable[[F], F]:
     """Make a method refuse to run beside another thread's call of any method so marked on
     the same object: ConfigError before anything is read, sent or written. Same-thread
-    nesting is fine. The object has ``_busy`` (a ``threading.RLock``) and ``_who`` (its name
-    in messages); ``kind`` names what it is (``a receiver``), ``calls`` the marked methods,
-    ``untouched`` what the refusal left alone.
+    nesting is fine. The object has ``_busy`` (a ``threading.RLock``), ``_who`` (its name in
+    messages) and ``_closed`` (set by its ``close``: every marked method but ``close`` is then
+    refused too, since what it would write is no longer held); ``kind`` names what it is (``a
+    receiver``), ``calls`` the marked methods, ``untouched`` what the refusal left alone.
     """
 
     def mark(method: F) -> F:
@@ -148,6 +179,11 @@ def one_call_at_a_time(
                     f"time: serialize them. {untouched}"
                 )
             try:
+                if self._closed and method.__name__ != "close":
+                    raise ConfigError(
+                        f"{self._who}: {method.__name__}() after close(): what it holds was "
+                        f"let go (another process may have it now). Build a new one. {untouched}"
+                    )
                 return method(self, *args, **kwargs)
             finally:
                 self._busy.release()

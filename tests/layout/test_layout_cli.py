@@ -297,7 +297,7 @@ def test_merge_refuses_shard_files_put_under_each_others_names(tmp_path, capsys)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("node", ["fifo", "symlink", "directory"])
+@pytest.mark.parametrize("node", ["fifo", "directory"])
 def test_an_out_that_is_not_a_file_is_refused_and_left_as_it_was(tmp_path, capsys, node):
     # `--out /dev/null` run as root replaced the machine's null device with a regular file
     write_checkpoint(tmp_path, "dense_untied")
@@ -306,9 +306,6 @@ def test_an_out_that_is_not_a_file_is_refused_and_left_as_it_was(tmp_path, capsy
     target = tmp_path / "target"
     if node == "fifo":
         os.mkfifo(target)
-    elif node == "symlink":
-        (tmp_path / "pointed").write_bytes(b"kept")
-        target.symlink_to(tmp_path / "pointed")
     else:
         target.mkdir()
     before = os.lstat(target)
@@ -345,3 +342,19 @@ def test_a_path_too_long_to_look_at_is_a_typed_error(tmp_path, capsys):
         assert rc == 2 and err.startswith("deltasync: error: LayoutError: cannot read"), err
         assert "File name too long" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_an_out_that_is_a_symlink_becomes_the_file_and_its_target_is_left_alone(tmp_path, capsys):
+    # e.g. a Hugging Face cache snapshot's model.safetensors -> ../../blobs/<sha>
+    write_checkpoint(tmp_path, "dense_untied")
+    shards = tmp_path / "shards"
+    assert _split_into(capsys, tmp_path, tmp_path / "full.safetensors", shards)[0] == 0
+    (tmp_path / "blob").write_bytes(b"kept")
+    link = tmp_path / "snapshot.safetensors"
+    link.symlink_to(tmp_path / "blob")
+    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
+    assert main([*argv, "--out", str(link)]) == 0, capsys.readouterr().err
+    assert not link.is_symlink() and (tmp_path / "blob").read_bytes() == b"kept"
+    merged, full = load_file(str(link)), load_file(str(tmp_path / "full.safetensors"))
+    assert all(bitwise_equal(merged[n], full[n]) for n in full)

@@ -417,12 +417,26 @@ def test_replicas_of_one_shard_register_and_ack_under_their_own_default_ids(
         assert _cli(capsys, *_pull(work, "--dir", str(out), "--once"))[0] == 0
     ids = {default_receiver_id(SHARD, first), default_receiver_id(SHARD, second)}
     assert len(ids) == 2 and all(i.startswith(f"pull-{SHARD}-") for i in ids)
+    # the id recorded in --dir: another container on the same volume takes over its own
+    assert default_receiver_id(SHARD, first) == default_receiver_id(SHARD, first)
     catalog = Catalog(LocalStore(work / "store"))
     held = {r: (rec.shard, rec.version) for r, rec in catalog.receivers().items()}
     newest = catalog.head().version
     assert held == dict.fromkeys(ids, (SHARD, newest))
     assert set(catalog.acks(newest)) == ids
     assert default_receiver_id(SHARD, str(first) + "/") == default_receiver_id(SHARD, first)
+
+
+@pytest.mark.timeout(60)
+def test_a_sidecar_that_ran_under_the_former_default_id_keeps_it(work, published, capsys):
+    # a new id at the upgrade would leave the old registration counted as a lagging receiver
+    out = work / "out"
+    argv = _pull(work, "--dir", str(out), "--once")
+    assert _cli(capsys, *argv, "--receiver-id", f"pull-{SHARD}")[0] == 0
+    assert default_receiver_id(SHARD, out) == f"pull-{SHARD}"
+    assert _cli(capsys, *argv)[0] == 0
+    receivers = Catalog(LocalStore(work / "store")).receivers()
+    assert list(receivers) == [f"pull-{SHARD}"]
 
 
 @pytest.mark.timeout(60)
@@ -435,13 +449,12 @@ def test_pull_refuses_another_shards_file_and_registers_nothing(work, published,
     out = work / "out"
     out.mkdir()
     shutil.copy(source / f"{other}.safetensors", out / f"{SHARD}.safetensors")
-    registration = names.receiver_key(default_receiver_id(SHARD, out))
-    before = LocalStore(work / "store").exists(registration)
+    registered = LocalStore(work / "store").list(names.RECEIVERS_PREFIX)
     err = _refused(
         capsys, work, *_pull(work, "--dir", str(out), "--once"), names=f"holds shard {other!r}"
     )
     assert "another sidecar's file" in err
-    assert not before and not LocalStore(work / "store").exists(registration)
+    assert LocalStore(work / "store").list(names.RECEIVERS_PREFIX) == registered
 
 
 # ---------------------------------------------------------------------- 7: config and layout files

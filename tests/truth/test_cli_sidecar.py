@@ -94,8 +94,9 @@ def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_
         os.umask(umask)
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask
         deadline = time.monotonic() + 30
-        registration = names.receiver_key(default_receiver_id("tp0", weights))
-        while registration not in store.list(names.RECEIVERS_PREFIX):
+        while names.receiver_key(default_receiver_id("tp0", weights)) not in store.list(
+            names.RECEIVERS_PREFIX
+        ):
             assert time.monotonic() < deadline, "the sidecar never registered"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)

@@ -20,7 +20,7 @@ from truth_kit import FailingPuts, Rig, assert_same_bits, rconfig, wipe
 
 from deltasync import LocalStore, Receiver, names
 from deltasync.commit import AckRecord, ReceiverRecord
-from deltasync.errors import LocalStateError
+from deltasync.errors import ConfigError, LocalStateError
 from deltasync.receiver import StateDir, mapped_shard_tensors
 from deltasync.store import RetryPolicy, S3Store
 
@@ -435,6 +435,13 @@ def test_a_state_dir_removed_behind_a_receiver_is_held_again_when_it_is_remade(t
     assert f"(pid {os.getpid()})" in _lock_elsewhere(tmp_path / "rec")
     rig.rec.close()
     assert _lock_elsewhere(tmp_path / "rec").strip() == "opened"
+    # closed: its records would go into a directory another process may hold now
+    state = (tmp_path / "rec" / names.STATE_FILE).read_bytes()
+    rig.publish(2)
+    for call in (rig.rec.pull, rig.rec.scrub, rig.rec.invalidate):
+        with pytest.raises(ConfigError, match=r"after close\(\)"):
+            call()
+    assert (tmp_path / "rec" / names.STATE_FILE).read_bytes() == state
 
 
 def test_a_lock_that_cannot_be_stamped_is_a_local_state_error_and_leaves_no_descriptor(

@@ -168,20 +168,35 @@ class ClusterJournal:
         self.reopened = False  # the state was read from an existing file
         self._hold: FileHold | None = None
         if self.path is not None:
-            # before anything is read: another live process's journal is not this one's
+            # Before anything is read: another live process's journal is not this one's. Beside
+            # the real file, so a symlink to it is held by the same lock.
+            try:
+                real = Path(os.path.realpath(self.path))
+            except ValueError as exc:  # a NUL byte in the path
+                raise LocalStateError(
+                    f"cannot hold cluster receiver journal {str(self.path)!r}: {exc}"
+                ) from None
             self._hold = FileHold(
-                self.path.with_name(self.path.name + LOCK_SUFFIX),
+                real.with_name(real.name + LOCK_SUFFIX),
                 what=f"cluster receiver journal {str(self.path)!r}",
                 owner=owner,
                 remedy=_SHARE_REMEDY,
             )
-            sweep_stale_temps([self.path])  # killed writes' leftovers
-            obj = read_record(self.path)
-            if obj is None:
-                self._write(self._state)
-            else:
-                self._state = JournalState.from_obj(obj, repr(str(self.path)))
-                self.reopened = True
+            try:
+                self._open()
+            except BaseException:  # never opened: nothing of it is held
+                self._hold.release()
+                raise
+
+    def _open(self) -> None:
+        assert self.path is not None
+        sweep_stale_temps([self.path])  # killed writes' leftovers
+        obj = read_record(self.path)
+        if obj is None:
+            self._write(self._state)
+        else:
+            self._state = JournalState.from_obj(obj, repr(str(self.path)))
+            self.reopened = True
 
     @property
     def state(self) -> JournalState:
@@ -268,5 +283,10 @@ class ClusterJournal:
         self._state = state
 
     def _write(self, state: JournalState, *, sync_dir: bool = True) -> None:
-        assert self.path is not None
+        assert self.path is not None and self._hold is not None
+        if not self._hold.held:  # closed: the file may be another process's by now
+            raise LocalStateError(
+                f"cluster receiver journal {str(self.path)!r} was closed; its receiver "
+                "writes nothing more"
+            )
         write_record(self.path, state.to_obj(), sync_dir=sync_dir)

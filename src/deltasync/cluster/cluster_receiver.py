@@ -156,7 +156,7 @@ class _Diverged(Exception):
         self.why = why
 
 
-_one_at_a_time = one_call_at_a_time("a receiver rank", "sync, receive or apply_payload")
+_one_at_a_time = one_call_at_a_time("a receiver rank", "sync, receive, apply_payload or close")
 
 
 class ClusterReceiver:
@@ -222,6 +222,7 @@ class ClusterReceiver:
         # one call at a time: two threads' collectives on one rank are paired with other
         # rounds of the other ranks, and gloo aborts their processes
         self._busy = threading.RLock()
+        self._closed = False
         self.journal = ClusterJournal(
             version=version, path=journal_path, owner=f"{self._who} (rank {self.rank})"
         )
@@ -232,9 +233,13 @@ class ClusterReceiver:
             self.journal.close()
             raise
 
+    @_one_at_a_time
     def close(self) -> None:
         """Release the journal file for another process (a replacement of this one); also
-        done when the receiver is collected or the process ends."""
+        done when the receiver is collected or the process ends. Every later call but
+        ``close`` is refused (ConfigError): its journal writes would land in a file another
+        process may hold."""
+        self._closed = True
         self.journal.close()
 
     def _check_reopened(self) -> None:

@@ -224,6 +224,7 @@ class ClusterSender:
         # one call at a time: two threads' collectives on one rank are paired with other
         # rounds of the other ranks, and gloo aborts their processes
         self._busy = threading.RLock()
+        self._closed = False  # close() ends the overlap only: sync goes on blocking after it
         plan.check_shards(s.id for s in receiver_layout.shards())
         if trainer_layout.spec != receiver_layout.spec:
             raise ConfigError(

@@ -71,7 +71,7 @@ from deltasync.layout import ReceiverLayout
 
 MAGIC = status_row.magic(b"dsclpf02")
 UNKNOWN = -(1 << 62)
-FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage", "digests")
+FINGERPRINT_PARTS = ("model", "engine", "plan", "writers", "layout", "lineage")
 _HEAD = 10
 ARRIVED, PATIENCE = 8, 9
 _F = len(FINGERPRINT_PARTS)
@@ -122,24 +122,27 @@ def fingerprint(
 ) -> Fingerprint:
     """The fingerprint of a rank built with ``layout`` and ``plan`` (computed once per rank).
 
-    ``digest_every`` (``ClusterConfig.digest_every``) is the job's verification policy: part of
-    it, so a receiver built to verify every version refuses writers that send no digests (one
-    writer with digests off would otherwise turn verification off on every receiver), and
-    writers of different policies are refused before any payload moves."""
+    ``digest_every`` (``ClusterConfig.digest_every``) is the job's verification policy, part
+    of its ``plan``: a receiver built to verify every version refuses writers that send no
+    digests (one writer with digests off would otherwise turn verification off on every
+    receiver), and writers of different policies are refused before any payload moves. In the
+    plan's word rather than a word of its own, so that the row keeps its size: a rank of a
+    release before it (a rolling upgrade) meets a row of its own size and both are refused by
+    name, instead of a collective of two sizes aborting one of them in gloo."""
     spec = layout.spec
     model = {
         k: (str(v) if isinstance(v, torch.dtype) else v)
         for k, v in dataclasses.asdict(spec).items()
     }
     layout_hex = layout_digest(layout)
+    digests = f"every {digest_every}" if digest_every else "none"
     parts = {
         "model": json.dumps(model, sort_keys=True, default=list),
         "engine": f"{layout.engine} tp={layout.tp} ep={layout.ep}",
-        "plan": plan.describe(),
+        "plan": f"{plan.describe()}; digests {digests}",
         "writers": str(len(plan.writers)),
         "layout": layout_hex,
         "lineage": lineage or "",
-        "digests": f"every {digest_every}" if digest_every else "none",
     }
     experts = f" E={spec.num_experts}x{spec.moe_intermediate_size}" if spec.num_experts else ""
     summary = (
@@ -148,7 +151,7 @@ def fingerprint(
         f"I={spec.intermediate_size}{experts}{' tied' if spec.tie_word_embeddings else ''}; "
         f"{parts['engine']}; {plan.dp_mode}, {len(plan.writers)} writer(s), "
         f"{len(plan.receivers)} receiver(s), {plan.world_size} ranks; layout {layout_hex[:12]}; "
-        f"lineage {lineage or '-'}; digests {parts['digests']}"
+        f"lineage {lineage or '-'}; digests {digests}"
     )
     return Fingerprint(parts=parts, summary=summary)
 
@@ -279,8 +282,8 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
         raise FingerprintMismatchError(
             f"the ranks were built for different models or plans (they differ in "
             f"{', '.join(differ)}); refused on every rank before any payload moved, nothing was "
-            f"written. Build every rank from the same model config, engine, TP/EP, role plan, "
-            f"layout and digest policy (ClusterConfig.digest_every). Each rank: {each}"
+            f"written. Build every rank from the same model config, engine, TP/EP, role plan "
+            f"and digest policy (ClusterConfig.digest_every), and layout. Each rank: {each}"
         )
     failed = [r for r in rows if not r.ok]
     if failed:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import stat
 import sys
@@ -94,10 +95,16 @@ def local_path(url: str) -> Path | None:
     return Path(url) if scheme == "" else None
 
 
-def local_store_exists(args: argparse.Namespace) -> bool:
+# Why a path can never become a store directory, however long one waits for it.
+_NEVER = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR, errno.EINVAL})
+
+
+def local_store_exists(args: argparse.Namespace, *, waiting: bool = False) -> bool:
     """Whether the local store directory ``args.store`` names is there yet (False: nothing
     there). ConfigError for a path that cannot be one (a name too long, a parent that is a
-    file, no permission, something else in its place): waiting for it would be forever."""
+    file, something else in its place): waiting for it would be forever. ``waiting``: an error
+    a wait may cure (a network filesystem's EIO or ESTALE, a permission being fixed) also
+    reads as not there yet."""
     path = local_path(args.store)
     assert path is not None, "a local store URL"
     try:
@@ -105,6 +112,8 @@ def local_store_exists(args: argparse.Namespace) -> bool:
     except FileNotFoundError:
         return False
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte
+        if waiting and isinstance(exc, OSError) and exc.errno not in _NEVER:
+            return False
         raise ConfigError(
             f"{args.store!r} cannot be a store directory ({getattr(exc, 'strerror', None) or exc}); "
             "nothing was created"

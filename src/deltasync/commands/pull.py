@@ -36,12 +36,13 @@ with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between 
 process) keeps a state dir: a second one started on the same ``--dir`` and shard waits, with
 one line naming the first one's pid, until that one is gone.
 
-Its default receiver id, ``pull-<shard>-<host>-<hash>`` (:func:`default_receiver_id`; the hash
-is of the host and the real path of ``--dir``), names this sidecar alone: replicas of one shard
-on other hosts or directories get their own, so none overwrites another's registration and
-acks (under one id, a lagging replica was hidden behind another's heartbeat, and a
-bounded-staleness trainer did not wait for it). It is the same at every restart on that host
-and directory.
+Its default receiver id (:func:`default_receiver_id`) is ``pull-<shard>-<random>``, made at its
+first start and recorded in its state dir in ``--dir``: replicas of one shard (each with its own
+``--dir``) get their own, so none overwrites another's registration and acks (under one id, a
+lagging replica was hidden behind another's heartbeat, and a bounded-staleness trainer did not
+wait for it), and a restarted sidecar, in a new container too, takes over its own. Where
+``--dir`` does not survive a restart, pass ``--receiver-id``: a new id at each start leaves the
+old one's registration counted as a lagging receiver until ``receiver_ttl_s`` passes.
 
 The layout is checked against the store before anything is fetched: the manifests record the
 engine, TP, EP and model fingerprint they were built for. With ``--config`` the tensor specs
@@ -66,13 +67,11 @@ overwrite).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import re
+import secrets
 import signal
-import socket
 import stat
 import sys
 import threading
@@ -508,21 +507,33 @@ def _start(args, store, config, configured, stop: _Stop):
 
 
 def default_receiver_id(shard: str, directory: str | os.PathLike[str]) -> str:
-    """The id a sidecar of ``shard`` writing into ``directory`` acks and registers as when
-    ``--receiver-id`` is not given: unique to this host and directory, the same at every
-    restart there (see the module docstring)."""
-    host = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()).strip("-")[:32] or "host"
-    try:
-        where = os.path.realpath(directory)
-    except ValueError:  # a NUL byte: --dir is refused by name later
-        where = str(directory)
-    place = f"{socket.gethostname()}\0{where}"
-    tag = hashlib.blake2b(place.encode(errors="surrogateescape"), digest_size=4).hexdigest()
-    name = f"pull-{shard}-{host}-{tag}"
-    if len(name) > names.MAX_TOKEN:  # a long shard id: the hash names the shard too
-        whole = f"{shard}\0{place}".encode(errors="surrogateescape")
-        name = f"pull-{hashlib.blake2b(whole, digest_size=8).hexdigest()}"
+    """The id the sidecar of ``shard`` writing into ``directory`` acks and registers as when
+    ``--receiver-id`` is not given: the one its state dir there records (a restarted sidecar,
+    in a new container too, takes over its own registration; one that ran under the former
+    default ``pull-<shard>`` keeps it), else a new ``pull-<shard>-<random>``, recorded there by
+    its first start. See the module docstring."""
+    recorded = _recorded_receiver(Path(directory) / f".{shard}.deltasync", shard)
+    if recorded is not None:
+        return recorded
+    name = f"pull-{shard}-{secrets.token_hex(4)}"
+    if len(name) > names.MAX_TOKEN:  # a long shard id
+        name = f"pull-{secrets.token_hex(8)}"
     return name
+
+
+def _recorded_receiver(state_dir: Path, shard: str) -> str | None:
+    """The receiver id ``state_dir``'s state file records for ``shard``, if one can be read
+    (read only: nothing is written before every argument is checked)."""
+    from deltasync.atomic import read_record
+    from deltasync.errors import LocalStateError, ManifestError
+
+    try:
+        obj = read_record(state_dir / names.STATE_FILE)
+        if not isinstance(obj, dict) or obj.get("shard") != shard:
+            return None
+        return names.check_token("receiver", obj.get("receiver"))
+    except (LocalStateError, ManifestError, OSError):
+        return None
 
 
 def _check_args(args: argparse.Namespace):
@@ -591,7 +602,7 @@ def _open_store(args: argparse.Namespace, stop: _Stop):
     """
     if local_path(args.store) is not None and not args.once and not local_store_exists(args):
         _say(f"deltasync pull: waiting for the store directory {args.store} to be created")
-        while not local_store_exists(args):
+        while not local_store_exists(args, waiting=True):
             if stop.event.wait(args.interval):
                 return None
     return open_store_from_args(args, must_exist=True)
@@ -699,7 +710,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--receiver-id",
-        help="id in acks and registrations (default pull-<shard>-<host>-<hash of host and --dir>)",
+        help="id in acks and registrations (default pull-<shard>-<random>, made at the first "
+        "start and kept in --dir)",
     )
     p.add_argument("--once", action="store_true", help="pull once and exit")
     p.add_argument(

@@ -198,7 +198,7 @@ _DECODED_PER_RAW = 2
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
-_one_at_a_time = one_call_at_a_time("a receiver", "pull, scrub or invalidate")
+_one_at_a_time = one_call_at_a_time("a receiver", "pull, scrub, invalidate or close")
 
 
 class Receiver:
@@ -275,6 +275,7 @@ class Receiver:
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
+        self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
         self.dir.lock(self._who)
@@ -500,9 +501,12 @@ class Receiver:
 
     # --- records in the store (after the local state, never instead of it) -------------
 
+    @_one_at_a_time
     def close(self) -> None:
         """Let go of the state dir (another process may open it from now on: a restarted
-        engine's receiver). Nothing else changes; a closed receiver is not used again."""
+        engine's receiver). Nothing else changes; every later call but ``close`` is refused
+        (ConfigError): its records would go into a directory another process may hold."""
+        self._closed = True
         self.dir.unlock()
 
     @_one_at_a_time
