@@ -16,15 +16,23 @@ version is checked exact: each receiver's state digest against the trainer's den
 every system (every round) must have run on the same versions: the digests of that dense split
 at each version equal across them. A version that is not exact, warm-up included, marks its
 system's rows and per-path JSON ``exact`` false and is named in the JSON's ``failures``.
+
+Every flag is checked before anything is written or measured (``--out`` is created only
+then): a bad value is a ConfigError (exit 2) naming the flag, never a run that measures
+nothing and reports success. ``--link-gbps`` takes rates > 0 (the unthrottled store path runs
+by default; ``--no-unthrottled`` skips it); a rate given twice runs once.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from dataclasses import asdict
 
+from deltasync.errors import ConfigError
+from deltasync.layout import ModelSpec, ReceiverLayout
 from deltasync_bench.common import emit_json
 from deltasync_bench.compare.floor import floor_of, measure_memory_gbps
 from deltasync_bench.compare.report import plot, table
@@ -176,38 +184,65 @@ def _version_mismatches(by_round: list[dict[str, SystemRun]]) -> list[tuple[str,
 SYSTEMS = ("dense", "snapshot", "deltasync")
 
 
+def _flag_int(flag: str, value: int, lo: int) -> int:
+    if value < lo:
+        raise ConfigError(f"{flag} must be an int >= {lo}, got {value}")
+    return value
+
+
+def _flag_number(flag: str, value: float, *, zero_ok: bool = False, hint: str = "") -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(
+            f"{flag} must be a finite number {bound}, got {value}" + (f"; {hint}" if hint else "")
+        )
+    return value
+
+
+def _check_out(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} exists and is not a directory; pass a directory")
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    # Every flag first: nothing is created or measured for a run that cannot start.
+    _flag_int("--threads", args.threads, 1)
+    _flag_int("--rounds", args.rounds, 1)
+    _flag_int("--tp", args.tp, 1)
     pre = dict(PRESETS[args.preset])
-    models = args.model or pre["models"]
-    links = args.link_gbps or pre["links"]
-    steps = args.steps or pre["steps"]
+    models = list(dict.fromkeys(args.model or pre["models"]))
+    links = list(dict.fromkeys(args.link_gbps or pre["links"]))  # a rate given twice runs once
+    for g in links:
+        _flag_number(
+            "--link-gbps",
+            g,
+            hint="the unthrottled store path runs by default (--no-unthrottled skips it)",
+        )
+    steps = pre["steps"] if args.steps is None else _flag_int("--steps", args.steps, 1)
+    warmup = pre["warmup"] if args.warmup is None else _flag_int("--warmup", args.warmup, 0)
+    if args.pre_steps is not None:
+        _flag_int("--pre-steps", args.pre_steps, 0)
+    for lr in args.lr or ():
+        _flag_number("--lr", lr)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        raise SystemExit(
+        raise ConfigError(
             f"--systems: unknown system(s) {unknown} (choose from {', '.join(SYSTEMS)})"
             if unknown
             else "--systems names no system"
         )
+    fwd_bwd_s = pre["fwd_bwd_s"] if args.fwd_bwd_s is None else args.fwd_bwd_s
+    _flag_number("--fwd-bwd-s", fwd_bwd_s, zero_ok=True)
+    _check_out(args.out)
     paths = [] if args.no_unthrottled else [PathSpec(kind="store")]
     paths += [PathSpec(kind="store", gbps=g) for g in links]
     if not args.no_cluster:
         paths.append(PathSpec(kind="cluster"))
-    fwd_bwd_s = pre["fwd_bwd_s"] if args.fwd_bwd_s is None else args.fwd_bwd_s
-    os.makedirs(args.out, exist_ok=True)
-    memory_gbps = measure_memory_gbps()
-    print(
-        f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s on "
-        f"{args.fwd_bwd_on}"
-    )
-    runs, all_exact, headline, failures = [], True, None, []
+    plan = []  # (model, lr, workload, run config), every one valid before anything runs
     for model in models:
         lrs = args.lr or (pre.get("moe_lrs", pre["lrs"]) if "moe" in model else pre["lrs"])
-        for lr in lrs:
+        for lr in dict.fromkeys(lrs):
             extra = {} if args.pre_steps is None else {"pre_steps": args.pre_steps}
             wl = Workload(model=model, lr=lr, **extra)
             cfg = RunConfig(
@@ -216,109 +251,113 @@ def main(args: argparse.Namespace) -> int:
                 paths=tuple(paths),
                 tp=args.tp,
                 steps=steps,
-                warmup=pre["warmup"] if args.warmup is None else args.warmup,
+                warmup=warmup,
                 fwd_bwd_s=fwd_bwd_s,
                 fwd_bwd_on=args.fwd_bwd_on,
                 threads=args.threads,
             )
-            print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
-            from deltasync.layout import ModelSpec, ReceiverLayout
-
-            n_rx = len(
-                ReceiverLayout.build(
-                    ModelSpec.from_hf_config(wl.hf_config()), engine="vllm", tp=args.tp
-                ).shards()
+            # the receivers' shards: a TP the model cannot be split by is refused here
+            rlayout = ReceiverLayout.build(
+                ModelSpec.from_hf_config(wl.hf_config()), engine="vllm", tp=args.tp
             )
-            sys_runs = {s: SystemRun(system=s) for s in systems}
-            by_round: list[dict[str, SystemRun]] = []
-            for r in range(args.rounds):
-                order = systems if r % 2 == 0 else systems[::-1]
-                if args.rounds > 1:
-                    print(f"-- round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
-                got = {s: run_system(cfg, s, n_rx) for s in order}
-                by_round.append(got)
-                for s, one in got.items():
-                    pooled = sys_runs[s]
-                    pooled.model_bf16_bytes = one.model_bf16_bytes
-                    pooled.records += one.records
-                    pooled.exact &= one.exact
-                    failures += one.failures
-            for s, message in _version_mismatches(by_round):
-                print(f"  NOT EXACT: {message}", flush=True)
-                sys_runs[s].exact = False
-                failures.append(message)
-            model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
-            # the exact change set where snapshot ran (its bitwise diff), per path
-            truth = sys_runs.get("snapshot", sys_runs[systems[0]]).records
-            by_path, floors = {}, {}
-            for path in paths:
-                res = {}
-                changed = [
-                    r.changed_elements
-                    for r in truth
-                    if r.path == path.label and r.changed_elements is not None
-                ]
-                for s, sr in sys_runs.items():
-                    recs = [r for r in sr.records if r.path == path.label]
-                    all_exact &= sr.exact
-                    if not recs:  # its run ended before this path (see NOT EXACT above)
-                        print(f"  {s}: no version measured on {path.label}", flush=True)
-                        continue
-                    m = medians(recs)
-                    m["changed_fraction"] = (
-                        (sorted(changed)[len(changed) // 2] / (model_bytes / 2))
-                        if changed
-                        else None
-                    )
-                    # not exact: any of its versions on this path, or any before (warm-up
-                    # included), since every later version builds on it
-                    m["exact"] = m["exact"] and sr.exact
-                    res[s] = m
-                    all_exact &= m["exact"]
-                if not res:
+            plan.append((model, lr, wl, cfg, len(rlayout.shards())))
+    os.makedirs(args.out, exist_ok=True)
+    memory_gbps = measure_memory_gbps()
+    print(
+        f"memory read bandwidth {memory_gbps:.1f} GB/s; forward/backward {fwd_bwd_s:g} s on "
+        f"{args.fwd_bwd_on}"
+    )
+    runs, all_exact, headline, failures = [], True, None, []
+    for model, lr, wl, cfg, n_rx in plan:
+        print(f"== {model} lr={lr:g} TP={args.tp}: {', '.join(systems)}", flush=True)
+        sys_runs = {s: SystemRun(system=s) for s in systems}
+        by_round: list[dict[str, SystemRun]] = []
+        for r in range(args.rounds):
+            order = systems if r % 2 == 0 else systems[::-1]
+            if args.rounds > 1:
+                print(f"-- round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+            got = {s: run_system(cfg, s, n_rx) for s in order}
+            by_round.append(got)
+            for s, one in got.items():
+                pooled = sys_runs[s]
+                pooled.model_bf16_bytes = one.model_bf16_bytes
+                pooled.records += one.records
+                pooled.exact &= one.exact
+                failures += one.failures
+        for s, message in _version_mismatches(by_round):
+            print(f"  NOT EXACT: {message}", flush=True)
+            sys_runs[s].exact = False
+            failures.append(message)
+        model_bytes = next(iter(sys_runs.values())).model_bf16_bytes
+        # the exact change set where snapshot ran (its bitwise diff), per path
+        truth = sys_runs.get("snapshot", sys_runs[systems[0]]).records
+        by_path, floors = {}, {}
+        for path in paths:
+            res = {}
+            changed = [
+                r.changed_elements
+                for r in truth
+                if r.path == path.label and r.changed_elements is not None
+            ]
+            for s, sr in sys_runs.items():
+                recs = [r for r in sr.records if r.path == path.label]
+                all_exact &= sr.exact
+                if not recs:  # its run ended before this path (see NOT EXACT above)
+                    print(f"  {s}: no version measured on {path.label}", flush=True)
                     continue
-                fl = _floor(res, model_bytes, path.gbps, memory_gbps)
-                floors[path.label] = fl.total_s
-                for m in res.values():
-                    m["floor_s"] = fl.total_s
-                    m["latency_over_floor"] = m["total_s"] / fl.total_s if fl.total_s else None
-                by_path[path.label] = res
-                table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes, fl.total_s)
-                per_round = _round_latencies(by_round, path.label)
-                if args.rounds > 1:
-                    print(_rounds_line(path.label, per_round), flush=True)
-                runs.append(
-                    {
-                        "model": model,
-                        "lr": lr,
-                        "path": path.label,
-                        "link_gbps": path.gbps,
-                        "model_bf16_bytes": model_bytes,
-                        "floor": fl.to_json(),
-                        "results": res,
-                        "round_latency_s": per_round,
-                    }
+                m = medians(recs)
+                m["changed_fraction"] = (
+                    (sorted(changed)[len(changed) // 2] / (model_bytes / 2)) if changed else None
                 )
-                if path.gbps == links[0] and (headline is None or not headline["preferred"]):
-                    # lr 3e-6 on the first emulated link; until one comes (another --lr, a
-                    # failed run), the first run on that link, in the same shape
-                    headline = {
-                        "preferred": lr == 3e-6,
-                        "workload": {**asdict(wl), "tp": args.tp, "model_bf16_bytes": model_bytes},
-                        "link_gbps": path.gbps,
-                        "floor": fl.to_json(),
-                        "fwd_bwd_s": fwd_bwd_s,
-                        "fwd_bwd_on": args.fwd_bwd_on,
-                        "results": res,
-                    }
-            png = plot(
-                by_path,
-                os.path.join(args.out, f"bench_{model}_lr{lr:g}.png"),
-                f"{model}, lr={lr:g}, vLLM TP={args.tp}",
-                floors,
+                # not exact: any of its versions on this path, or any before (warm-up
+                # included), since every later version builds on it
+                m["exact"] = m["exact"] and sr.exact
+                res[s] = m
+                all_exact &= m["exact"]
+            if not res:
+                continue
+            fl = _floor(res, model_bytes, path.gbps, memory_gbps)
+            floors[path.label] = fl.total_s
+            for m in res.values():
+                m["floor_s"] = fl.total_s
+                m["latency_over_floor"] = m["total_s"] / fl.total_s if fl.total_s else None
+            by_path[path.label] = res
+            table(f"{model}, lr={lr:g}, {path.label}", res, model_bytes, fl.total_s)
+            per_round = _round_latencies(by_round, path.label)
+            if args.rounds > 1:
+                print(_rounds_line(path.label, per_round), flush=True)
+            runs.append(
+                {
+                    "model": model,
+                    "lr": lr,
+                    "path": path.label,
+                    "link_gbps": path.gbps,
+                    "model_bf16_bytes": model_bytes,
+                    "floor": fl.to_json(),
+                    "results": res,
+                    "round_latency_s": per_round,
+                }
             )
-            if png:
-                print(f"plot: {png}")
+            if path.gbps == links[0] and (headline is None or not headline["preferred"]):
+                # lr 3e-6 on the first emulated link; until one comes (another --lr, a
+                # failed run), the first run on that link, in the same shape
+                headline = {
+                    "preferred": lr == 3e-6,
+                    "workload": {**asdict(wl), "tp": args.tp, "model_bf16_bytes": model_bytes},
+                    "link_gbps": path.gbps,
+                    "floor": fl.to_json(),
+                    "fwd_bwd_s": fwd_bwd_s,
+                    "fwd_bwd_on": args.fwd_bwd_on,
+                    "results": res,
+                }
+        png = plot(
+            by_path,
+            os.path.join(args.out, f"bench_{model}_lr{lr:g}.png"),
+            f"{model}, lr={lr:g}, vLLM TP={args.tp}",
+            floors,
+        )
+        if png:
+            print(f"plot: {png}")
     if headline is None:  # no run on the first emulated link: the fields stay, empty
         headline = dict.fromkeys(("workload", "link_gbps", "floor", "fwd_bwd_s", "fwd_bwd_on"))
         headline["results"] = {}

@@ -6,6 +6,7 @@ STREAM-like memory read bandwidth, AdamWTracker detection (the kernel alone and 
 with index extraction), the SnapshotTracker, the same detection in plain torch (the naive
 baseline), and encode/decode/apply of the resulting sparse update. It checks ``missed == 0``
 against the bitwise truth and that decode+apply reproduces the new BF16 weights exactly.
+Every flag is checked first (a ConfigError naming it, exit 2), before anything is allocated.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from deltasync.errors import ConfigError
 from deltasync.trainer import AdamWTracker, SnapshotTracker
 from deltasync.trainer.adamw_bound import kernel_scalars
 from deltasync.trainer.detect import bitset_bytes, detect_adamw_
+from deltasync.validate import check_int, check_number
 from deltasync_bench.common import emit_json, memory_read_gbps, print_table, timed
 
 
@@ -32,8 +35,13 @@ class DetectBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.elements < self.tensors or self.tensors < 1:
-            raise ValueError("elements must be >= tensors >= 1")
+        check_int("DetectBenchConfig", "tensors", self.tensors, lo=1)
+        check_int("DetectBenchConfig", "elements", self.elements, lo=self.tensors)
+        # AdamW's own range; an infinite lr makes every param inf/NaN, which nothing detects
+        check_number("DetectBenchConfig", "lr", self.lr)
+        check_number("DetectBenchConfig", "weight_decay", self.weight_decay, positive=False)
+        check_int("DetectBenchConfig", "warmup_steps", self.warmup_steps, lo=0)
+        check_int("DetectBenchConfig", "seed", self.seed, lo=0)
 
 
 def run(cfg: DetectBenchConfig) -> dict:
@@ -212,8 +220,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.tensors < 1 or args.elements < args.tensors:
-        raise SystemExit(f"--elements ({args.elements}) must be >= --tensors ({args.tensors}) >= 1")
-    cfg = DetectBenchConfig(
+        raise ConfigError(
+            f"--elements ({args.elements}) must be >= --tensors ({args.tensors}) >= 1"
+        )
+    cfg = DetectBenchConfig(  # --lr, --weight-decay, --seed: ConfigError naming the field
         elements=args.elements,
         tensors=args.tensors,
         lr=args.lr,

@@ -6,7 +6,11 @@ built on :func:`serve` answers ``{"ok": True, **handler(op, *args)}``, or, when 
 raised, ``{"ok": False, "error", "trace"}`` and returns (the parent decides what happens next);
 ``("exit",)`` ends it. Children are spawned (each starts clean, whatever the parent imported),
 and each has a pipe of its own: a shared queue would stay locked for everyone when a child
-holding its lock is SIGKILLed.
+holding its lock is SIGKILLed. Children ignore SIGINT from birth: a Ctrl-C reaches the whole
+foreground process group, and the parent alone owns the shutdown (it stops its children in its
+``finally`` blocks, :func:`close_all`), so a child neither dies mid-command nor prints a
+``KeyboardInterrupt`` traceback. A child that dies or stops answering is a typed error
+(:class:`ChildGoneError`, :class:`ChildTimeoutError`) naming it and how it ended.
 
 The demo's receivers, the benchmark's roles and the RL demo's rollout workers run on it (the
 RL workers speak their own messages on the same pipes, see ``rl/fleet.py``).
@@ -19,19 +23,32 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from deltasync.errors import DeltaSyncError
 
-class ChildFailedError(RuntimeError):
+# How long a failed or interrupted run waits for each child to take its stop command before
+# killing it: a child in the middle of a command (a pull waiting for a version that will not
+# come) answers only when that command ends.
+FAILED_JOIN_S = 1.0
+
+
+class ChildFailedError(DeltaSyncError, RuntimeError):
     """A child answered that its command failed; the message carries its error and trace."""
 
 
-class ChildGoneError(RuntimeError):
+class ChildGoneError(DeltaSyncError, RuntimeError):
     """A child's pipe closed before it answered (it exited or was killed)."""
+
+
+class ChildTimeoutError(DeltaSyncError, TimeoutError):
+    """A child did not answer in time; the message names it and the wait."""
 
 
 class Child:
@@ -44,19 +61,38 @@ class Child:
     def pid(self) -> int | None:
         return self.process.pid
 
+    def ended(self) -> str:
+        """How the process ended, for an error about it (``killed by SIGKILL``, ``exit code
+        1``); waits a moment to reap a child whose pipe just closed."""
+        self.process.join(1.0)
+        code = self.process.exitcode
+        if code is None:
+            return "its pipe closed; still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def gone(self) -> ChildGoneError:
+        """The error for this child's closed pipe."""
+        return ChildGoneError(f"{self.name} (pid {self.pid}) is gone ({self.ended()})")
+
     def send(self, *cmd: Any) -> None:
-        self.conn.send(cmd)
+        try:
+            self.conn.send(cmd)
+        except OSError:  # BrokenPipeError: the child is gone
+            raise self.gone() from None
 
     def recv(self, timeout_s: float | None = 600.0) -> dict:
         """The child's next answer; raises when it failed, closed its pipe, or stayed silent."""
         if timeout_s is not None and not self.conn.poll(timeout_s):
-            raise TimeoutError(f"{self.name} did not answer within {timeout_s} s")
+            raise ChildTimeoutError(f"{self.name} did not answer within {timeout_s} s")
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
-            raise ChildGoneError(
-                f"{self.name} is gone (exit code {self.process.exitcode})"
-            ) from None
+            raise self.gone() from None
         if isinstance(msg, dict) and msg.get("ok") is False:
             raise ChildFailedError(
                 f"{self.name} failed: {msg.get('error')}\n{msg.get('trace', '')}"
@@ -76,15 +112,27 @@ class Child:
 
     def close(self, stop: tuple = ("exit",), join_s: float = 10.0) -> None:
         """Ask the child to stop, wait for it, and kill it if it does not."""
+        close_all([self], stop, join_s)
+
+
+def close_all(children: list[Child], stop: tuple = ("exit",), join_s: float = 10.0) -> None:
+    """Ask every child to stop, wait up to ``join_s`` for all of them together, then kill the
+    ones still running (so a run ends within ``join_s`` + a few seconds however many children
+    are stuck in a command). Pipes are closed only once their child is dead: a child never
+    writes to a closed pipe."""
+    for child in children:
         try:
-            self.conn.send(stop)
+            child.conn.send(stop)
         except OSError:
             pass  # already gone
-        self.process.join(join_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self.conn.close()
+    deadline = time.monotonic() + join_s
+    for child in children:
+        child.process.join(max(deadline - time.monotonic(), 0.0))
+    for child in children:
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(5)
+        child.conn.close()
 
 
 def recv_all(children: list[Child], timeout_s: float | None = 600.0) -> list[dict]:
@@ -98,7 +146,7 @@ def recv_all(children: list[Child], timeout_s: float | None = 600.0) -> list[dic
         ready = [conn for conn in wait([c for c, i in by_conn.items() if i not in answers], left)]
         if not ready:
             silent = [children[i].name for i in range(len(children)) if i not in answers]
-            raise TimeoutError(f"{', '.join(silent)} did not answer within {timeout_s} s")
+            raise ChildTimeoutError(f"{', '.join(silent)} did not answer within {timeout_s} s")
         for conn in ready:
             i = by_conn[conn]
             answers[i] = children[i].recv(None)
@@ -121,9 +169,29 @@ def spawn(target: Callable[..., None], *args: Any, name: str, daemon: bool = Tru
     proc = mp.get_context("spawn").Process(
         target=target, args=(*args, child), daemon=daemon, name=name
     )
-    proc.start()
+    with _sigint_ignored_in_children():
+        proc.start()
     child.close()  # only the child holds it now: the parent sees EOF when the child dies
     return Child(proc, parent, name)
+
+
+@contextmanager
+def _sigint_ignored_in_children() -> Iterator[None]:
+    """Children started in this block ignore SIGINT for life (an ignored signal stays ignored
+    across exec, and Python then installs no KeyboardInterrupt handler), from their first
+    instruction on, not only once their imports are done. SIGINT is blocked meanwhile, so a
+    Ctrl-C in the block is delivered to the parent as it ends instead of being discarded (the
+    children inherit the mask too: blocked and ignored, as they should be)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change handlers; such a child inherits the parent's
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def failure(exc: BaseException) -> dict:
@@ -135,20 +203,23 @@ def serve(conn: Connection, handler: Callable[..., dict], *, ready: Callable[[],
     """A child's loop: build with ``ready()`` (its answer is the first message), then answer
     every command with ``handler(op, *args)`` until ``("exit",)``; stop after a failure."""
     try:
-        conn.send({"ok": True, **ready()})
-    except BaseException as exc:  # report, then die: the parent tears the run down
-        conn.send(failure(exc))
-        return
-    while True:
         try:
-            cmd = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if cmd[0] == "exit":
-            conn.send({"ok": True})
-            return
-        try:
-            conn.send({"ok": True, **handler(*cmd)})
-        except BaseException as exc:
+            conn.send({"ok": True, **ready()})
+        except BaseException as exc:  # report, then die: the parent tears the run down
             conn.send(failure(exc))
             return
+        while True:
+            try:
+                cmd = conn.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone
+            if cmd[0] == "exit":
+                conn.send({"ok": True})
+                return
+            try:
+                conn.send({"ok": True, **handler(*cmd)})
+            except BaseException as exc:
+                conn.send(failure(exc))
+                return
+    except OSError:
+        return  # the parent closed the pipe or is gone: nobody is left to tell

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -254,7 +255,7 @@ class _FakeRoles:
             raise ChildFailedError("bench deltasync receiver rank 1 failed: IntegrityError: x")
         return [_tr(v), _rx(v, "tp0"), _rx(v, "tp1")]
 
-    def close(self) -> None:
+    def close(self, join_s: float = 10.0) -> None:
         pass
 
 
@@ -407,3 +408,142 @@ def test_each_paths_changed_fraction_is_that_paths_own(monkeypatch, tmp_path, ca
     _, out, _ = _compare_main(monkeypatch, tmp_path, capsys, runs, unthrottled=True)
     got = {r["path"]: r["results"]["snapshot"]["changed_fraction"] for r in out["runs"]}
     assert got == {"store (unthrottled)": 30 / 200, "store @ 1 Gbit/s": 10 / 200}, got
+
+
+# --- deltasync bench: every flag checked before anything is written or measured ---------------
+
+
+def _bench_cli(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, str]:
+    """``deltasync bench ARGV`` in this process, with the memory measurement and the runs
+    replaced by ones that fail the test: a refused flag must reach neither."""
+    from deltasync import cli
+    from deltasync_bench import compare_bench
+
+    def measured(*_a, **_k):
+        raise AssertionError("the benchmark measured something before refusing a flag")
+
+    monkeypatch.setattr(compare_bench, "measure_memory_gbps", measured)
+    monkeypatch.setattr(compare_bench, "run_system", measured)
+    rc = cli.main(["bench", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--steps", "-1"], "--steps must be an int >= 1"),
+        (["--steps", "0"], "--steps must be an int >= 1"),
+        (["--warmup", "-1"], "--warmup must be an int >= 0"),
+        (["--lr", "-1"], "--lr must be a finite number > 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--link-gbps", "-1"], "--link-gbps must be a finite number > 0"),
+        (["--link-gbps", "nan"], "--link-gbps must be a finite number > 0"),
+        (["--fwd-bwd-s", "-5"], "--fwd-bwd-s must be a finite number >= 0"),
+        (["--tp", "0"], "--tp must be an int >= 1"),
+        (["--threads", "0"], "--threads must be an int >= 1"),
+        (["--rounds", "0"], "--rounds must be an int >= 1"),
+        (["--systems", "foo"], "unknown system"),
+        (["--out", "FILE"], "exists and is not a directory"),
+    ],
+)
+def test_a_bad_bench_flag_is_a_config_error_before_anything_is_written(
+    monkeypatch, tmp_path, capsys, flags, says
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = tmp_path / "out"
+    flags = [str(afile) if f == "FILE" else f for f in flags]
+    argv = ["--model", "qwen3-tiny", "--no-cluster", "--out", str(out), *flags]
+    rc, stdout, stderr = _bench_cli(monkeypatch, capsys, argv)
+    assert rc == 2, stdout[-2000:] + stderr[-2000:]
+    assert stderr.startswith("deltasync: error: ConfigError: ") and says in stderr, stderr
+    assert not out.exists(), "--out was created for a run that could not start"
+    assert stdout == ""  # nothing ran: no table, no JSON line
+
+
+def test_bench_link_gbps_0_is_refused_and_points_at_the_unthrottled_path(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    from deltasync.errors import ConfigError
+    from deltasync_bench.compare.run import PathSpec
+
+    argv = ["--model", "qwen3-tiny", "--link-gbps", "0", "--out", str(tmp_path / "out")]
+    rc, _, stderr = _bench_cli(monkeypatch, capsys, argv)
+    assert rc == 2 and "--link-gbps must be a finite number > 0, got 0.0" in stderr
+    assert "the unthrottled store path runs by default" in stderr
+    with pytest.raises(ConfigError, match=r"PathSpec\.gbps"):
+        PathSpec(kind="store", gbps=0)  # it was labelled "store (unthrottled)", a second time
+    assert PathSpec(kind="store").label == "store (unthrottled)"
+
+
+def test_bench_runs_a_link_rate_given_twice_once(monkeypatch, tmp_path, capsys) -> None:
+    import argparse
+
+    from deltasync_bench import compare_bench
+
+    monkeypatch.setattr(compare_bench, "measure_memory_gbps", lambda: 10.0)
+    paths = []
+
+    def run_system(cfg, system, n):
+        paths.append([p.label for p in cfg.paths])
+        return _system_run(system)
+
+    monkeypatch.setattr(compare_bench, "run_system", run_system)
+    p = argparse.ArgumentParser()
+    compare_bench.add_arguments(p)
+    argv = ["--model", "qwen3-tiny", "--steps", "1", "--link-gbps", "1", "--link-gbps", "1"]
+    argv += ["--no-unthrottled", "--no-cluster", "--systems", "snapshot", "--out", str(tmp_path)]
+    assert compare_bench.main(p.parse_args(argv)) == 0
+    assert paths == [["store @ 1 Gbit/s"]]
+    assert [r["path"] for r in _last_json(capsys.readouterr().out)["runs"]] == ["store @ 1 Gbit/s"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--lr", "-1"], "DetectBenchConfig.lr must be a finite number > 0"),
+        (["--lr", "inf"], "DetectBenchConfig.lr must be a finite number > 0"),
+        (["--weight-decay", "nan"], "DetectBenchConfig.weight_decay must be a finite number >= 0"),
+        (["--tensors", "0"], "--tensors"),
+    ],
+)
+def test_a_bad_detect_bench_flag_is_a_config_error(capsys, flags, says) -> None:
+    from deltasync import cli
+
+    rc = cli.main(["bench", "detect", "--elements", "200000", "--tensors", "4", *flags])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.startswith("deltasync: error: ConfigError: ") and says in captured.err
+
+
+def test_the_bench_removes_every_roles_state_with_its_temporary_directory(
+    monkeypatch, tmp_path
+) -> None:
+    # The deltasync receivers kept their state in <tmp>/deltasync-bench-...-rx-tpN, beside the
+    # run's temporary directory instead of inside it: two directories left by every run.
+    import tempfile
+
+    from deltasync import ModelSpec, ReceiverLayout
+    from deltasync_bench.compare import run
+    from deltasync_bench.compare.systems.deltasync_system import DeltasyncReceiver
+    from deltasync_bench.compare.workload import Workload
+
+    w = Workload(model="qwen3-tiny")
+    rlayout = ReceiverLayout.build(ModelSpec.from_hf_config(w.hf_config()), engine="vllm", tp=2)
+
+    class RolesThatKeepState(_FakeRoles):
+        def __init__(self, cfg, system, store_root, n) -> None:
+            super().__init__()
+            os.makedirs(store_root, exist_ok=True)  # what the trainer's store does
+            for shard in ("tp0", "tp1"):  # what each receiver's Receiver does
+                rx = DeltasyncReceiver(
+                    rlayout=rlayout, shard=shard, store_root=store_root, timeout_s=1.0
+                )
+                os.makedirs(rx.state_dir)
+
+    monkeypatch.setattr(run, "_Roles", RolesThatKeepState)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = run.RunConfig(workload=w, paths=(run.PathSpec(kind="store"),), warmup=0, steps=1)
+    run.run_system(cfg, "deltasync", 2, log=lambda _line: None)
+    assert not list(tmp_path.iterdir()), "the run left something in the temp dir"

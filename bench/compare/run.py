@@ -1,7 +1,8 @@
 """The orchestrator: for each system, spawn its roles, sync the same versions, verify, collect.
 
 Per (system, learning rate) it spawns one trainer and one receiver per distinct shard, joined in
-a gloo group, on a fresh local store. After a bootstrap (version 0, untimed) and warm-up
+a gloo group, on a fresh local store in a temporary directory that also holds every role's
+state and is removed when the run ends, however it ends. After a bootstrap (version 0, untimed) and warm-up
 versions, it runs ``steps`` measured versions on each path: the shared store unthrottled, behind
 each emulated link rate, and in-cluster. Every receiver's state digest must equal the trainer's
 expected digest of ``split(bf16(trainer))`` at every version, or the run is not exact; those
@@ -21,21 +22,38 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 
+from deltasync.errors import ConfigError
+from deltasync.validate import check_int, check_number
 from deltasync_bench.compare.roles import RoleSpec, receiver_main, trainer_main
 from deltasync_bench.compare.workload import Workload
-from deltasync_examples.harness import ChildFailedError, ChildGoneError, recv_all, spawn
+from deltasync_examples.harness import (
+    FAILED_JOIN_S,
+    ChildFailedError,
+    ChildGoneError,
+    close_all,
+    recv_all,
+    spawn,
+)
+
+PATH_KINDS = ("store", "cluster")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PathSpec:
     kind: str  # "store" or "cluster"
-    gbps: float | None = None
+    gbps: float | None = None  # the store's emulated link; None: unthrottled
+
+    def __post_init__(self) -> None:
+        if self.kind not in PATH_KINDS:
+            raise ConfigError(f"PathSpec.kind must be one of {PATH_KINDS}, got {self.kind!r}")
+        if self.gbps is not None:
+            check_number("PathSpec", "gbps", self.gbps)  # None, not 0, is "unthrottled"
 
     @property
     def label(self) -> str:
         if self.kind == "cluster":
             return "in-cluster (gloo)"
-        return f"store @ {self.gbps:g} Gbit/s" if self.gbps else "store (unthrottled)"
+        return "store (unthrottled)" if self.gbps is None else f"store @ {self.gbps:g} Gbit/s"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +74,24 @@ class RunConfig:
     timeout_s: float = 1800.0
     fwd_bwd_s: float = 0.5  # the stand-in forward/backward after each sync
     fwd_bwd_on: str = "cpu"  # "cpu": it computes; "device": the host waits (a GPU trainer)
+
+    def __post_init__(self) -> None:
+        check_int("RunConfig", "steps", self.steps, lo=1)
+        check_int("RunConfig", "warmup", self.warmup, lo=0)
+        check_int("RunConfig", "tp", self.tp, lo=1)
+        check_int("RunConfig", "ep", self.ep, lo=1)
+        check_int("RunConfig", "threads", self.threads, lo=1)
+        check_number("RunConfig", "timeout_s", self.timeout_s, unit="seconds")
+        check_number("RunConfig", "fwd_bwd_s", self.fwd_bwd_s, positive=False, unit="seconds")
+        if self.fwd_bwd_on not in ("cpu", "device"):
+            raise ConfigError(
+                f"RunConfig.fwd_bwd_on must be 'cpu' or 'device', got {self.fwd_bwd_on!r}"
+            )
+        if not self.systems:
+            raise ConfigError("RunConfig.systems names no system")
+        labels = [p.label for p in self.paths]
+        if len(set(labels)) != len(labels):  # records are matched to their path by label
+            raise ConfigError(f"RunConfig.paths repeats a path: {labels}")
 
 
 @dataclass
@@ -156,15 +192,16 @@ class _Roles:
     def recv_all(self, ranks: range) -> list[dict]:
         return recv_all([self.children[r] for r in ranks], self.timeout_s)
 
-    def close(self) -> None:
-        for child in self.children:
-            child.close()
+    def close(self, join_s: float = 10.0) -> None:
+        close_all(self.children, join_s=join_s)
 
 
 def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> SystemRun:
     out = SystemRun(system=system)
     with tempfile.TemporaryDirectory(prefix=f"deltasync-bench-{system}-") as root:
-        roles = _Roles(cfg, system, root, n_receivers)
+        # the store one level down: the systems keep their roles' state beside it, in ``root``
+        roles = _Roles(cfg, system, os.path.join(root, "store"), n_receivers)
+        finished = False
         try:
             boot = roles.call(0, "bootstrap")
             out.model_bf16_bytes = boot["model_bf16_bytes"]
@@ -212,8 +249,9 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                         + " |"
                         + "".join(f" {k} {v:.3f}s" for k, v in (rec.timeline or {}).items())
                     )
-        finally:
-            roles.close()
+            finished = True
+        finally:  # a Ctrl-C or SIGTERM (raised by the CLI) lands here too: stop, then remove
+            roles.close(join_s=10.0 if finished else FAILED_JOIN_S)
     return out
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltasync.errors import ConfigError
+from deltasync.validate import check_int, check_number
 from deltasync_examples.models import TINY_QWEN3, SyntheticTrainer
 from deltasync_examples.models import build_model as build_hf_model
 
@@ -92,9 +94,12 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
-            raise ValueError(f"Workload.model {self.model!r} is not one of {sorted(MODELS)}")
-        if not self.lr > 0:
-            raise ValueError("Workload.lr must be positive")
+            raise ConfigError(f"Workload.model {self.model!r} is not one of {sorted(MODELS)}")
+        check_number("Workload", "lr", self.lr)
+        check_number("Workload", "weight_decay", self.weight_decay, positive=False)
+        check_number("Workload", "grad_std", self.grad_std)
+        check_int("Workload", "pre_steps", self.pre_steps, lo=0)
+        check_int("Workload", "seed", self.seed, lo=0)
 
     def hf_config(self) -> dict:
         cfg = dict(MODELS[self.model])

@@ -10,6 +10,11 @@ compares the two on the same run. Every process reaches the store through an emu
 (``link_gbps``, 1 Gbit/s by default: ``ThrottledStore``, the benchmark's link), as a trainer and
 rollout workers on different hosts do; 0 uses the local disk at memory speed, where a dense
 refit of a model this small costs no more than a delta.
+
+A run that ends early (a receiver process dies or fails: :class:`ChildGoneError` /
+:class:`ChildFailedError`, typed; a Ctrl-C) stops its receivers and removes its temporary run
+directory on the way out, and the exception carries the summary so far as ``summary``
+(``exact`` false, ``steps_done``), for the CLI's final JSON line.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from deltasync.errors import ConfigError
 from deltasync_examples.demo.policy import PolicyConfig, RolloutConfig, build_policy, pg_step
 from deltasync_examples.demo.receiver_proc import open_demo_store, receiver_main
 from deltasync_examples.demo.run_dir import check_store_dir, run_dir
-from deltasync_examples.harness import spawn
+from deltasync_examples.harness import FAILED_JOIN_S, close_all, spawn
 from deltasync_examples.oracle import dense_shards, reference_digests
 
 
@@ -108,46 +113,48 @@ def _run(cfg: DemoConfig, root: str, console) -> dict:
     )
     sync.step_published(0, anchor=True)  # version 0: the anchor receivers bootstrap from
 
-    conns = [
-        spawn(
-            receiver_main,
-            store_root,
-            cfg.link_gbps,
-            os.path.join(root, f"rx-{shard}"),
-            hf_config,
-            cfg.tp,
-            shard,
-            name=f"demo receiver {shard}",
-        )
-        for shard in shards
-    ]
-    for c in conns:
-        c.recv()
-    for c in conns:
-        c.call("pull", 0)
-
-    def expected() -> dict[str, str]:
-        # bf16(trainer) as vLLM's own loaders place it: apart from the layout under test
-        return reference_digests(params, tlayout, rlayout)
-
-    table = Table(title="per step")
-    for h in [
-        "step",
-        "reward",
-        "changed",
-        "sent",
-        "dense",
-        "stall s",
-        "pull s",
-        "pause ms",
-        "dense s",
-        "verified",
-    ]:
-        table.add_column(h, justify="right")
-    gen = torch.Generator().manual_seed(cfg.policy.seed)
-    rows = []
-    all_ok = True
+    rows: list[dict] = []
+    conns = []
+    finished = False
     try:
+        for shard in shards:  # one at a time: a failed start still stops the ones before
+            conns.append(
+                spawn(
+                    receiver_main,
+                    store_root,
+                    cfg.link_gbps,
+                    os.path.join(root, f"rx-{shard}"),
+                    hf_config,
+                    cfg.tp,
+                    shard,
+                    name=f"demo receiver {shard}",
+                )
+            )
+        for c in conns:
+            c.recv()
+        for c in conns:
+            c.call("pull", 0)
+
+        def expected() -> dict[str, str]:
+            # bf16(trainer) as vLLM's own loaders place it: apart from the layout under test
+            return reference_digests(params, tlayout, rlayout)
+
+        table = Table(title="per step")
+        for h in [
+            "step",
+            "reward",
+            "changed",
+            "sent",
+            "dense",
+            "stall s",
+            "pull s",
+            "pause ms",
+            "dense s",
+            "verified",
+        ]:
+            table.add_column(h, justify="right")
+        gen = torch.Generator().manual_seed(cfg.policy.seed)
+        all_ok = True
         for v in range(1, cfg.steps + 1):
             stats = pg_step(model, opt, cfg.rollout, cfg.policy.vocab_size, gen)
             t0 = time.perf_counter()
@@ -213,24 +220,16 @@ def _run(cfg: DemoConfig, root: str, console) -> dict:
                 f"pull {pull_wall:.3f}s  pause {1e3 * row['pause_s']:.1f} ms  "
                 f"{'bit-exact' if ok else 'MISMATCH'}"
             )
+        finished = True
+    except BaseException as exc:
+        # whatever ends the run early (a receiver gone, a Ctrl-C) carries what it measured
+        exc.summary = _summary(cfg, rows, exact=False)
+        raise
     finally:
-        for c in conns:
-            c.close()
+        close_all(conns, join_s=10.0 if finished else FAILED_JOIN_S)
     console.print(table)
-    med = {
-        k: statistics.median(r[k] for r in rows)
-        for k in [
-            "bytes",
-            "dense_bytes",
-            "stall_s",
-            "pull_s",
-            "pause_s",
-            "dense_s",
-            "dense_pause_s",
-            "total_s",
-            "changed_frac",
-        ]
-    }
+    out = _summary(cfg, rows, exact=all_ok)
+    med = out["medians"]
     summary = Table(title=f"summary (medians per step; the store through {link})")
     for h in ["", "deltasync", "dense refit", "ratio"]:
         summary.add_column(h, justify="right")
@@ -255,10 +254,29 @@ def _run(cfg: DemoConfig, root: str, console) -> dict:
     summary.add_row("changed elements", f"{100 * med['changed_frac']:.2f}%", "100%", "")
     summary.add_row("every receiver bit-exact", "yes" if all_ok else "NO", "", "")
     console.print(summary)
+    return out
+
+
+_MEDIANS = (
+    "bytes",
+    "dense_bytes",
+    "stall_s",
+    "pull_s",
+    "pause_s",
+    "dense_s",
+    "dense_pause_s",
+    "total_s",
+    "changed_frac",
+)
+
+
+def _summary(cfg: DemoConfig, rows: list[dict], *, exact: bool) -> dict:
+    """The run's summary over the steps done (``rows``; None where none was)."""
     return {
         "steps": cfg.steps,
-        "exact": all_ok,
-        "medians": med,
-        "reward_first": rows[0]["reward"],
-        "reward_last": rows[-1]["reward"],
+        "steps_done": len(rows),
+        "exact": exact,
+        "medians": {k: statistics.median(r[k] for r in rows) for k in _MEDIANS} if rows else None,
+        "reward_first": rows[0]["reward"] if rows else None,
+        "reward_last": rows[-1]["reward"] if rows else None,
     }

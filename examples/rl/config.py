@@ -6,6 +6,7 @@ This module knows settings only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from deltasync.errors import ConfigError
@@ -22,9 +23,13 @@ def _int(name: str, value: object, lo: int) -> None:
         raise ConfigError(f"RLConfig.{name} must be an int >= {lo}, got {value!r}")
 
 
-def _pos(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"RLConfig.{name} must be a number > 0, got {value!r}")
+def _pos(name: str, value: object, *, finite: bool = True) -> None:
+    # inf is refused where it would reach the arithmetic (lr inf trains the policy to NaN);
+    # a timeout may be inf (wait forever)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or (finite and not math.isfinite(value)):
+        what = "a finite number" if finite else "a number"
+        raise ConfigError(f"RLConfig.{name} must be {what} > 0, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +81,9 @@ class RLConfig:
         _int("max_staleness", self.max_staleness, 0)
         _int("prompts_per_step", self.prompts_per_step, 1)
         _int("group_size", self.group_size, 2)
-        for name in ("lr", "temperature", "clip", "timeout_s"):
+        for name in ("lr", "temperature", "clip"):
             _pos(name, getattr(self, name))
+        _pos("timeout_s", self.timeout_s, finite=False)
         _int("seed", self.seed, 0)
         if self.kill_worker_at is not None:
             _int("kill_worker_at", self.kill_worker_at, 1)

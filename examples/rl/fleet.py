@@ -18,16 +18,16 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from deltasync_examples.harness import Child, spawn
+from deltasync_examples.harness import Child, close_all, spawn
 from deltasync_examples.rl.worker import WorkerArgs, worker_main
 
 
 class WorkerGone(Exception):
     """Internal: the pipe of a worker closed (it exited or was killed)."""
 
-    def __init__(self, index: int) -> None:
-        super().__init__(f"rollout worker {index} is gone")
-        self.index = index
+    def __init__(self, index: int, ended: str = "") -> None:
+        super().__init__(f"rollout worker {index} is gone" + (f" ({ended})" if ended else ""))
+        self.index, self.ended = index, ended
 
 
 class Fleet:
@@ -65,9 +65,9 @@ class Fleet:
     def alive(self) -> list[int]:
         return sorted(self._children)
 
-    def stop(self) -> None:
-        for child in self._children.values():
-            child.close(stop=("stop",))
+    def stop(self, join_s: float = 10.0) -> None:
+        """Stop every worker: ask, wait up to ``join_s`` for all together, kill the rest."""
+        close_all(list(self._children.values()), stop=("stop",), join_s=join_s)
         self._children.clear()
 
     # --- messages ---------------------------------------------------------------------
@@ -98,7 +98,7 @@ class Fleet:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                raise WorkerGone(index) from None
+                raise WorkerGone(index, self._children[index].ended()) from None
             if msg["kind"] == "trajectories":
                 msg["request"] = self.held.get(index, {}).pop(msg["id"], None)
             out.append(msg)

@@ -13,7 +13,9 @@ computes: the usual one-step-off-policy pipeline.
 
 Exactness: every worker compares its probe logits with the reference at every version it
 generates from, and at the end (and after a restart) on request; one mismatch fails the run
-(:class:`ProbeMismatchError`). Fault injection (``kill_worker_at``) SIGKILLs worker 0 and
+(:class:`ProbeMismatchError`). Whatever ends a run early (that, a worker that dies or fails:
+:class:`RolloutError`, a Ctrl-C) stops the workers and carries the summary so far as
+``summary``. Fault injection (``kill_worker_at``) SIGKILLs worker 0 and
 restarts it later; it must catch up from the store and prove the version it reached.
 
 This module knows the RL protocol and the sync calls; processes live in :mod:`.fleet`.
@@ -30,6 +32,7 @@ import torch
 
 from deltasync.errors import DeltaSyncError, IntegrityError
 from deltasync_examples.demo.run_dir import run_dir
+from deltasync_examples.harness import FAILED_JOIN_S
 from deltasync_examples.rl.config import RLConfig
 from deltasync_examples.rl.fleet import Fleet, WorkerGone
 from deltasync_examples.rl.grpo import Batch, grpo_step
@@ -47,7 +50,11 @@ class ProbeMismatchError(IntegrityError):
 
 
 class RolloutError(DeltaSyncError):
-    """A rollout worker failed, died unexpectedly or did not answer in time."""
+    """A rollout worker failed, died unexpectedly or did not answer in time.
+
+    ``summary`` holds the run's summary up to the failure, as for ProbeMismatchError."""
+
+    summary: dict | None = None
 
 
 class _Trainer:
@@ -133,7 +140,9 @@ def _run(cfg: RLConfig, root: str, log: Callable[[str], None]) -> dict:
             try:
                 msgs = fleet.receive(0.2)
             except WorkerGone as gone:
-                raise RolloutError(f"rollout worker {gone.index} died while {what}") from None
+                raise RolloutError(
+                    f"rollout worker {gone.index} died ({gone.ended}) while {what}"
+                ) from None
             if not msgs and time.monotonic() > deadline:
                 raise RolloutError(f"no answer within {cfg.timeout_s}s while {what}")
             state["inbox"].extend(msgs)
@@ -190,6 +199,7 @@ def _run(cfg: RLConfig, root: str, log: Callable[[str], None]) -> dict:
         )
 
     history: list[dict] = []
+    finished = False
     try:
         fleet.start_all(dict(trainer.refs))
         for _ in range(cfg.workers):
@@ -254,11 +264,12 @@ def _run(cfg: RLConfig, root: str, log: Callable[[str], None]) -> dict:
                 )
         for index in fleet.alive():  # every worker proves the final version
             prove(index, cfg.steps)
-    except ProbeMismatchError as exc:
+        finished = True
+    except BaseException as exc:  # a mismatch, a worker gone, a Ctrl-C: report what ran
         exc.summary = _summary(cfg, history, state, time.perf_counter() - t_start, fleet.restarts)
         raise
     finally:
-        fleet.stop()
+        fleet.stop(join_s=10.0 if finished else FAILED_JOIN_S)
     return _summary(cfg, history, state, time.perf_counter() - t_start, fleet.restarts)
 
 

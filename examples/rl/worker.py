@@ -13,8 +13,8 @@ The worker's engine starts with zero tensors; the only way weights get into it i
 
 The worker talks to the trainer over its own pipe. Trainer -> worker: ``("ref", version,
 bits)``, ``("request", {...})``, ``("check", version)`` (pull to at least that version and run
-the probe now: used after a restart and at the end, so every worker proves the final
-version), ``("stop",)``. Worker -> trainer: dicts with a ``kind``: ``ready``, ``probe``,
+the probe now, answered every time, also for a version already proven: used after a restart
+and at the end, so every worker proves the final version), ``("stop",)``. Worker -> trainer: dicts with a ``kind``: ``ready``, ``probe``,
 ``trajectories``, ``error``. Tensors travel as numpy arrays. This module knows the worker's side of that protocol; the
 trainer's side lives in :mod:`deltasync_examples.rl.fleet` and :mod:`deltasync_examples.rl.loop`.
 """
@@ -118,10 +118,13 @@ class _Worker:
             return ("ref",)
         return msg
 
-    def check_probe(self, version: int) -> None:
+    def check_probe(self, version: int, *, asked: bool = False) -> None:
+        """Prove ``version`` (the one held) once, before generating from it; when the trainer
+        ``asked`` (a ``check``), always: it waits for the answer, also for a version this
+        worker proved already (a worker restarted at the last step proves it twice)."""
         from deltasync_examples.rl.sampling import logits_bits
 
-        if version in self.checked:
+        if version in self.checked and not asked:
             return
         deadline = time.monotonic() + self.args.timeout_s
         while version not in self.refs:
@@ -167,7 +170,7 @@ class _Worker:
             if msg[0] == "stop":
                 return
             if msg[0] == "check":  # prove exactness at >= this version now, without a request
-                self.check_probe(self.sync(msg[1]))
+                self.check_probe(self.sync(msg[1]), asked=True)
                 continue
             req = msg[1]
             version = self.sync(req["min_version"])
@@ -199,12 +202,15 @@ def worker_main(args: WorkerArgs, conn) -> None:
     except SystemExit:
         raise
     except BaseException as exc:  # report, then die: the trainer decides what happens next
-        conn.send(
-            {
-                "kind": "error",
-                "worker": args.index,
-                "error": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc(),
-            }
-        )
+        try:
+            conn.send(
+                {
+                    "kind": "error",
+                    "worker": args.index,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc(),
+                }
+            )
+        except OSError:  # the trainer closed the pipe or is gone: nobody is left to tell
+            return
         raise

@@ -3,7 +3,8 @@
 Each subcommand module under :mod:`deltasync.commands` exposes ``register(subparsers)``
 (``apps`` registers the application commands: demo, bench, rl-demo, cluster-worker); this
 module only wires them together and turns typed errors into a
-one-line message and a non-zero exit status. It knows nothing about what the commands do.
+one-line message and a non-zero exit status (2), and a Ctrl-C that a command does not handle
+itself into one line and status 130. It knows nothing about what the commands do.
 """
 
 from __future__ import annotations
@@ -38,4 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except DeltaSyncError as exc:
         print(f"deltasync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the finally blocks on the way here have run
+        print(f"deltasync {args.command}: interrupted", file=sys.stderr)
+        return 130
     return int(rc or 0)

@@ -111,3 +111,60 @@ def test_cli_with_the_hf_engine_ends_with_one_json_line(tmp_path, capsys):
     assert out["steps"] == 2 and out["versions"] == [0, 1, 2] and out["engine"] == "hf"
     assert out["probe_exact"] is True and out["max_staleness"] == 0
     assert len(lines) == 3  # one line per step, then the JSON line
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_restarted_at_the_last_step_proves_it_again_and_the_run_ends(tmp_path):
+    # The restart (kill at 1, restart 2 later: past the end) happens at the last step; the
+    # final "every worker proves the final version" asks the restarted worker for the version
+    # it just proved, and it must answer (it stayed silent: the run waited out its timeout).
+    cfg = RLConfig(
+        steps=2,
+        workers=2,
+        kill_worker_at=1,
+        restart_after=2,
+        store=str(tmp_path),
+        **{**SMALL, "timeout_s": 30.0},
+    )
+    out = run_rl(cfg, log=lambda _line: None)
+    assert out["probe_exact"] is True and out["rejoined_at"] == 2
+    assert out["probe_versions"]["0.1"] == [2, 2]  # after the restart, and at the end
+
+
+@pytest.mark.parametrize("field", ["lr", "temperature", "clip"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_rl_config_refuses_a_non_finite_rate(field, value):
+    from deltasync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"RLConfig\.{field} must be a finite number > 0"):
+        RLConfig(**{field: value})
+    assert RLConfig(timeout_s=float("inf")).timeout_s == float("inf")  # wait forever: allowed
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_run_ends_the_cli_with_the_summary_and_a_typed_error(
+    tmp_path, monkeypatch, capsys
+):
+    import os
+    import signal
+
+    from deltasync import cli
+    from deltasync_examples.rl import fleet
+
+    broadcast = fleet.Fleet.broadcast_ref
+
+    def broadcast_then_kill(self, version, bits):
+        broadcast(self, version, bits)
+        if version == 1:  # from outside, as the OOM killer would
+            os.kill(self._children[1].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(fleet.Fleet, "broadcast_ref", broadcast_then_kill)
+    argv = ["rl-demo", "--steps", "4", "--workers", "2", "--prompts-per-step", "4"]
+    argv += ["--group-size", "2", "--timeout", "30", "--store", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["probe_exact"] is False and out["steps"] == 4
+    assert "rollout worker 1" in out["error"] and "killed by SIGKILL" in out["error"]
+    assert captured.err.startswith("deltasync: error: ")
+    assert "rollout worker 1" in captured.err and "Traceback" not in captured.err

@@ -190,6 +190,7 @@ class DeltasyncReceiver:
     ) -> None:
         self.rlayout, self.shard, self.timeout_s = rlayout, shard, timeout_s
         self._live = empty_live(rlayout, shard)
+        # beside the store, inside the run's temporary directory (run.py), removed with it
         self.state_dir = f"{store_root}-rx-{shard}"
         self._rx: dict[int, Receiver] = {}
         self.cluster: ClusterReceiver | None = None

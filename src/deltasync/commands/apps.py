@@ -9,6 +9,15 @@ with a typed error that says how to get it, instead of an ImportError traceback.
 
 Every command ends with one machine-readable JSON line (:func:`emit_json_line`), which tests,
 benchmarks and users' scripts parse, also when several ranks of one job share a stdout pipe.
+``demo``, ``rl-demo`` and ``bench`` end with it also when their run fails or is stopped
+(:func:`_run_app`): the summary so far, marked failed (``exact`` / ``probe_exact`` false) with
+an ``error``, or ``"interrupted": true`` and the ``signal``. Only a refused configuration
+(``ConfigError``: nothing ran) prints none.
+
+Exit statuses: 0 done (and exact); 1 ran, not exact; 2 a typed error (a bad flag, a process
+of the run gone or failed); 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal,
+as a shell reports a process the signal killed), after the run stopped its processes and
+removed its temporary directory.
 
     deltasync demo [--steps N] [--lr LR] [--store DIR] [--link-gbps G] [--small]
     deltasync rl-demo [--steps N] [--workers W] [--engine tp|hf] [--tp T] ...
@@ -24,12 +33,16 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
-from deltasync.errors import ApplicationMissingError
+from deltasync.errors import ApplicationMissingError, ConfigError, DeltaSyncError
 
 _FOLDERS = {"deltasync_examples": "examples/", "deltasync_bench": "bench/"}
 
@@ -87,6 +100,89 @@ def emit_json_line(obj: Any, *, sort_keys: bool = False) -> None:
         view = view[os.write(fd, view) :]
 
 
+class _Stop:
+    """SIGINT/SIGTERM during an application's run: recorded, then raised in the main thread as
+    ``KeyboardInterrupt``, so that every ``finally`` on the way out runs (the run's processes
+    stopped, its temporary directory removed) before the command reports the stop. Under
+    Python's default action a SIGTERM ends the process where it lands, with none of that."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.signum is None:  # the first signal is the one reported
+            self.signum = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[_Stop]:
+    stop = _Stop()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only it may set handlers
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, stop)
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_app(
+    command: str,
+    body: Callable[[], int],
+    *,
+    base: dict,
+    failed: dict,
+    sort_keys: bool = False,
+) -> int:
+    """Run an application (``body``, returning the exit status) so that it always ends with
+    one JSON line.
+
+    A typed error (other than a ConfigError: nothing ran) prints the summary the error carries
+    (``.summary``, else ``base``) updated with ``failed`` and the ``error``, then propagates
+    (exit 2). SIGINT or SIGTERM stops the run: its cleanup runs, one line on stderr says so,
+    the JSON line says ``"interrupted": true`` and the ``signal``, and the status is 128 + the
+    signal (130, 143). A ``failures`` list in the summary gets the error's line too.
+
+    Args:
+        command: the command's name, in the messages.
+        body: the run.
+        base: the summary when the error carries none.
+        failed: fields that mark the summary failed (``{"exact": False}``).
+        sort_keys: as the command's own JSON line.
+
+    Returns:
+        ``body``'s status, or 128 + the signal that stopped it.
+    """
+    with _stop_on_signals() as stop:
+        try:
+            return body()
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and stop.signum is None:
+                stop.signum = signal.SIGINT  # raised before the handler was in place
+            if stop.signum is None and (
+                not isinstance(exc, DeltaSyncError) or isinstance(exc, ConfigError)
+            ):
+                raise
+            summary = {**base, **(getattr(exc, "summary", None) or {}), **failed}
+            if stop.signum is not None:  # whatever surfaced, the signal is why the run ended
+                name = signal.Signals(stop.signum).name
+                line = f"stopped by signal {name}"
+                summary.update(interrupted=True, signal=name, error=line)
+            else:
+                line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                summary["error"] = line
+            if isinstance(summary.get("failures"), list):
+                summary["failures"] = [*summary["failures"], line]
+            emit_json_line(summary, sort_keys=sort_keys)
+            if stop.signum is None:
+                raise
+            print(f"deltasync {command}: {line}", file=sys.stderr, flush=True)
+            return 128 + stop.signum
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``demo``, ``bench``, ``rl-demo`` and ``cluster-worker`` to the CLI's subparsers."""
     _register_demo(sub)
@@ -126,17 +222,22 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     demo = import_app("deltasync_examples.demo.run", "demo")
     policy = demo.PolicyConfig.small() if args.small else demo.PolicyConfig()
-    res = demo.run(
-        demo.DemoConfig(
-            steps=args.steps,
-            lr=args.lr,
-            store=args.store,
-            link_gbps=args.link_gbps,
-            policy=policy,
-        )
+    cfg = demo.DemoConfig(
+        steps=args.steps,
+        lr=args.lr,
+        store=args.store,
+        link_gbps=args.link_gbps,
+        policy=policy,
     )
-    emit_json_line(res, sort_keys=True)
-    return 0 if res["exact"] else 1
+
+    def body() -> int:
+        res = demo.run(cfg)
+        emit_json_line(res, sort_keys=True)
+        return 0 if res["exact"] else 1
+
+    return _run_app(
+        "demo", body, base={"steps": cfg.steps}, failed={"exact": False}, sort_keys=True
+    )
 
 
 # --- deltasync bench [compare|detect]: the benchmark programs of deltasync_bench --------------
@@ -174,10 +275,24 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
             q.set_defaults(func=_raiser(module))
             continue
         module.add_arguments(q)
-        q.set_defaults(func=module.main)
+        q.set_defaults(func=_bench_runner(module))
     # plain `deltasync bench [--preset ...]` runs the comparison
     compare.add_arguments(p)
-    p.set_defaults(func=compare.main)
+    p.set_defaults(func=_bench_runner(compare))
+
+
+def _bench_runner(module: ModuleType):
+    # A benchmark's JSON line is sorted, with ``exact`` and (compare) ``failures``.
+    def run(args: argparse.Namespace) -> int:
+        return _run_app(
+            "bench",
+            lambda: module.main(args),
+            base={"failures": []},
+            failed={"exact": False},
+            sort_keys=True,
+        )
+
+    return run
 
 
 def _raiser(exc: ApplicationMissingError):
@@ -193,8 +308,9 @@ def _raiser(exc: ApplicationMissingError):
 def _register_rl_demo(sub: argparse._SubParsersAction) -> None:
     # Prints one line per step and ends with one JSON line: ``steps``, ``versions``,
     # ``reward_first``, ``reward_last``, ``probe_exact``, ``max_staleness`` (observed), and
-    # details. Exit status 0 when every probe was bit-exact; on a mismatch the JSON line
-    # (``probe_exact`` false) is still printed, then the error, and the status is 2.
+    # details. Exit status 0 when every probe was bit-exact; on a mismatch, a worker gone or
+    # failed, the JSON line (``probe_exact`` false, ``error``) is still printed, then the
+    # error, and the status is 2; stopped by SIGINT/SIGTERM: 130/143 (see the module doc).
     p = sub.add_parser(
         "rl-demo",
         help="online GRPO on a toy task; rollout workers pull deltas and prove exact logits",
@@ -266,16 +382,15 @@ def _run_rl_demo(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(line, flush=True)
 
-    try:
+    def body() -> int:
         summary = rl.run_rl(cfg, log=log)
-    except rl.ProbeMismatchError as exc:
-        emit_json_line(exc.summary)
-        raise
-    emit_json_line(summary)
-    if not summary["probe_exact"]:
-        print("deltasync rl-demo: probe logits were not bit-exact", file=sys.stderr)
-        return 2
-    return 0
+        emit_json_line(summary)
+        if not summary["probe_exact"]:
+            print("deltasync rl-demo: probe logits were not bit-exact", file=sys.stderr)
+            return 2
+        return 0
+
+    return _run_app("rl-demo", body, base={"steps": cfg.steps}, failed={"probe_exact": False})
 
 
 # --- deltasync cluster-worker: one rank of an in-cluster sync job, under torchrun ------------

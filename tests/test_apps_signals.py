@@ -1,0 +1,204 @@
+"""The application commands (``demo``, ``rl-demo``, ``bench``) stopped by a signal or failed
+by a process of theirs: they clean up, say so in one line, end with their JSON line, and exit
+with a status that tells the cases apart (130 SIGINT, 143 SIGTERM, 2 a typed error; 1 stays
+"ran, not exact").
+
+The signal tests run the real CLI in a fresh interpreter whose run is replaced, just inside
+its run directory (or the bench's temporary directory), by a stand-in that signals its own
+process: the command's own handling is what runs, in a second or two, and a SIGTERM that
+the command did not handle kills only that interpreter. The harness tests spawn real children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deltasync_examples.harness import ChildGoneError, serve, spawn
+
+# Runs the CLI (argv after the script) with one function of an application replaced by a
+# stand-in that sends SIGNAL to this process and waits for it to land. SIGINT gets Python's
+# own handler first, as in a terminal (a background job inherits SIGINT ignored).
+STOPPED_RUN = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def stand_in(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.{signal})
+    time.sleep(60)  # the signal lands here
+    raise AssertionError("the signal did not stop the run")
+
+import {module} as app
+app.{name} = stand_in
+import deltasync_bench.compare_bench as bench
+bench.measure_memory_gbps = lambda: 10.0  # the bench's first measurement, skipped
+from deltasync.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+# (command line, module and function replaced, prefix of the temporary directory it makes)
+APPS = {
+    "demo": (["demo", "--small", "--steps", "3"], "deltasync_examples.demo.run", "_run", "demo"),
+    "rl-demo": (["rl-demo", "--steps", "3"], "deltasync_examples.rl.loop", "_run", "rl"),
+    "bench": (
+        [
+            "bench",
+            "--model",
+            "qwen3-tiny",
+            "--steps",
+            "1",
+            "--no-cluster",
+            "--systems",
+            "deltasync",
+        ],
+        "deltasync_bench.compare.run",
+        "_Roles",
+        "bench",
+    ),
+}
+
+
+def _stopped(
+    tmp_path, app: str, signum: signal.Signals
+) -> tuple[subprocess.CompletedProcess, dict]:
+    argv, module, name, _ = APPS[app]
+    if app == "bench":
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    script = STOPPED_RUN.format(signal=signum.name, module=module, name=name)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-3000:]
+    return done, json.loads(lines[-1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_a_sigterm_stops_the_app_removes_its_temporary_directory_and_exits_143(
+    tmp_path, app
+) -> None:
+    done, out = _stopped(tmp_path, app, signal.SIGTERM)
+    assert done.returncode == 143, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stderr.strip() == f"deltasync {app}: stopped by signal SIGTERM", done.stderr
+    assert out["interrupted"] is True and out["signal"] == "SIGTERM"
+    assert out["exact" if app != "rl-demo" else "probe_exact"] is False
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("deltasync-")]
+    assert not left, f"left behind: {left}"
+    if app == "bench":
+        assert out["failures"] == ["stopped by signal SIGTERM"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("app", ["demo", "rl-demo"])
+def test_a_ctrl_c_prints_one_line_and_a_json_line_and_exits_130(tmp_path, app) -> None:
+    done, out = _stopped(tmp_path, app, signal.SIGINT)
+    assert done.returncode == 130, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"deltasync {app}: stopped by signal SIGINT", done.stderr
+    assert out["interrupted"] is True and out["signal"] == "SIGINT" and out["steps"] == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("deltasync-")]
+
+
+def test_a_ctrl_c_in_another_command_is_one_line_and_130(monkeypatch, capsys) -> None:
+    import types
+
+    from deltasync import cli
+
+    def interrupted(args) -> int:
+        raise KeyboardInterrupt
+
+    def register(sub) -> None:
+        sub.add_parser("interrupted").set_defaults(func=interrupted)
+
+    module = types.ModuleType("deltasync.commands.interrupted")
+    module.register = register
+    monkeypatch.setitem(sys.modules, "deltasync.commands.interrupted", module)
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "interrupted"))
+    try:
+        rc = cli.main(["interrupted"])
+    except KeyboardInterrupt:  # it would end the whole pytest session
+        pytest.fail("the KeyboardInterrupt escaped cli.main")
+    assert rc == 130
+    assert capsys.readouterr().err == "deltasync interrupted: interrupted\n"
+
+
+@pytest.mark.parametrize("app", ["demo", "rl-demo"])
+def test_a_process_of_the_run_gone_ends_with_the_summary_a_typed_error_and_2(
+    monkeypatch, capsys, app
+) -> None:
+    import importlib
+
+    from deltasync import cli
+
+    summary = {"steps": 3, "steps_done": 1, "exact": True, "probe_exact": True}
+
+    def gone(*_args, **_kwargs):
+        exc = ChildGoneError("demo receiver tp0 (pid 7) is gone (killed by SIGKILL)")
+        exc.summary = summary  # what the run measured before it ended
+        raise exc
+
+    _, module, name, _ = APPS[app]
+    monkeypatch.setattr(importlib.import_module(module), name, gone)
+    assert cli.main(APPS[app][0]) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["exact" if app == "demo" else "probe_exact"] is False
+    assert out["steps_done"] == 1
+    assert out["error"].startswith("ChildGoneError: demo receiver tp0")
+    assert captured.err.strip().endswith("is gone (killed by SIGKILL)")
+    assert "Traceback" not in captured.err
+
+
+# --- the harness: children ignore Ctrl-C; a dead child is a typed error naming it -----------
+
+
+def _child(conn) -> None:
+    """A harness child that reports its SIGINT handler and answers pings."""
+    serve(
+        conn,
+        lambda op, *args: {"pid": os.getpid()},
+        ready=lambda: {"sigint": repr(signal.getsignal(signal.SIGINT))},
+    )
+
+
+@pytest.mark.timeout(60)
+def test_harness_children_ignore_sigint_so_only_the_parent_handles_a_ctrl_c() -> None:
+    child = spawn(_child, name="test child")
+    try:
+        assert child.recv(30)["sigint"] == repr(signal.SIG_IGN)
+        os.kill(child.pid, signal.SIGINT)  # what a Ctrl-C sends the whole process group
+        time.sleep(0.2)
+        assert child.call("ping", timeout_s=30)["pid"] == child.pid
+    finally:
+        child.close()
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's is restored
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_harness_child_is_a_typed_error_naming_it_and_how_it_ended() -> None:
+    from deltasync.errors import DeltaSyncError
+
+    child = spawn(_child, name="test child")
+    try:
+        child.recv(30)
+        os.kill(child.pid, signal.SIGKILL)
+        child.process.join(10)
+        with pytest.raises(ChildGoneError, match=r"test child \(pid \d+\) is gone") as exc:
+            child.call("ping", timeout_s=10)
+        assert isinstance(exc.value, DeltaSyncError)
+        assert "killed by SIGKILL" in str(exc.value)
+    finally:
+        child.close()
