@@ -175,16 +175,23 @@ def _child(conn) -> None:
 
 @pytest.mark.timeout(60)
 def test_harness_children_ignore_sigint_so_only_the_parent_handles_a_ctrl_c() -> None:
-    child = spawn(_child, name="test child")
+    # The parent's own handler, whatever this process inherited (a background job of a
+    # non-interactive shell starts with SIGINT ignored).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        assert child.recv(30)["sigint"] == repr(signal.SIG_IGN)
-        os.kill(child.pid, signal.SIGINT)  # what a Ctrl-C sends the whole process group
-        time.sleep(0.2)
-        assert child.call("ping", timeout_s=30)["pid"] == child.pid
+        child = spawn(_child, name="test child")
+        try:
+            assert child.recv(30)["sigint"] == repr(signal.SIG_IGN)
+            os.kill(child.pid, signal.SIGINT)  # what a Ctrl-C sends the whole process group
+            time.sleep(0.2)
+            assert child.call("ping", timeout_s=30)["pid"] == child.pid
+        finally:
+            child.close()
+        # the parent's handler is restored, and SIGINT unblocked
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
     finally:
-        child.close()
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's is restored
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        signal.signal(signal.SIGINT, inherited)
 
 
 @pytest.mark.timeout(60)
