@@ -201,14 +201,19 @@ def test_merge_of_a_listing_with_no_shard_or_a_rank_out_of_range_is_named(
     assert "shards.json" in err
 
 
-def _split_into(capsys, tmp_path: Path, ckpt: Path, out: Path) -> tuple[int, str]:
-    argv = ["--config", str(tmp_path / "config.json"), "--checkpoint", str(ckpt)]
+def _split_into(
+    capsys, tmp_path: Path, ckpt: Path, out: Path, config: Path | None = None
+) -> tuple[int, str]:
+    config = tmp_path / "config.json" if config is None else config
+    argv = ["--config", str(config), "--checkpoint", str(ckpt)]
     return run_in_process(capsys, *argv, "--engine", "vllm", "--tp", "2", "--out", str(out))
 
 
-def _merge(capsys, tmp_path: Path, shards: Path) -> tuple[int, str]:
+def _merge(capsys, tmp_path: Path, shards: Path, out: Path | None = None) -> tuple[int, str]:
+    """``layout merge`` of ``shards`` into ``out`` (default ``merged.safetensors``)."""
+    out = tmp_path / "merged.safetensors" if out is None else out
     argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
-    rc = main([*argv, "--out", str(tmp_path / "merged.safetensors")])
+    rc = main([*argv, "--out", str(out)])
     return rc, capsys.readouterr().err
 
 
@@ -285,10 +290,8 @@ def test_merge_refuses_shard_files_put_under_each_others_names(tmp_path, capsys)
 
     (out / "tp0.safetensors").write_bytes(tp0)
     (out / "tp1.safetensors").write_bytes(tp1)
-    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(out)]
-    assert main([*argv, "--out", str(out / "tp1.safetensors")]) == 2  # over its own input
-    err = capsys.readouterr().err
-    assert "is one of the shard files it merges" in err, err
+    rc, err = _merge(capsys, tmp_path, out, out / "tp1.safetensors")  # over its own input
+    assert rc == 2 and "is one of the shard files it merges" in err, err
     assert (out / "tp1.safetensors").read_bytes() == tp1
     rc, err = _merge(capsys, tmp_path, out)
     merged = load_file(str(tmp_path / "merged.safetensors"))
@@ -309,10 +312,10 @@ def test_an_out_that_is_not_a_file_is_refused_and_left_as_it_was(tmp_path, capsy
     else:
         target.mkdir()
     before = os.lstat(target)
-    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
-    assert main([*argv, "--out", str(target)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("deltasync: error: LayoutError: cannot write merged checkpoint"), err
+    rc, err = _merge(capsys, tmp_path, shards, target)
+    assert rc == 2 and err.startswith(
+        "deltasync: error: LayoutError: cannot write merged checkpoint"
+    ), err
     assert "not a file to replace" in err, err
     after = os.lstat(target)
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
@@ -322,23 +325,12 @@ def test_an_out_that_is_not_a_file_is_refused_and_left_as_it_was(tmp_path, capsy
 @pytest.mark.timeout(60)
 def test_a_path_too_long_to_look_at_is_a_typed_error(tmp_path, capsys):
     write_checkpoint(tmp_path, "dense_untied")
-    long = tmp_path / ("s" * 300) / "config.json"
-    for flag, value in (("--config", long), ("--checkpoint", tmp_path / ("c" * 300))):
-        argv = {
-            "--config": str(tmp_path / "config.json"),
-            "--checkpoint": str(tmp_path / "full.safetensors"),
-        }
-        argv[flag] = str(value)
-        rc, err = run_in_process(
-            capsys,
-            *[x for kv in argv.items() for x in kv],
-            "--engine",
-            "vllm",
-            "--tp",
-            "2",
-            "--out",
-            str(tmp_path / "out"),
-        )
+    too_long = tmp_path / ("s" * 300)
+    for config, ckpt in (
+        (too_long / "config.json", tmp_path / "full.safetensors"),
+        (tmp_path / "config.json", too_long / "full.safetensors"),
+    ):
+        rc, err = _split_into(capsys, tmp_path, ckpt, tmp_path / "out", config)
         assert rc == 2 and err.startswith("deltasync: error: LayoutError: cannot read"), err
         assert "File name too long" in err, err
     assert not (tmp_path / "out").exists()
@@ -353,8 +345,8 @@ def test_an_out_that_is_a_symlink_becomes_the_file_and_its_target_is_left_alone(
     (tmp_path / "blob").write_bytes(b"kept")
     link = tmp_path / "snapshot.safetensors"
     link.symlink_to(tmp_path / "blob")
-    argv = ["layout", "merge", "--config", str(tmp_path / "config.json"), "--shards", str(shards)]
-    assert main([*argv, "--out", str(link)]) == 0, capsys.readouterr().err
+    rc, err = _merge(capsys, tmp_path, shards, link)
+    assert rc == 0, err
     assert not link.is_symlink() and (tmp_path / "blob").read_bytes() == b"kept"
     merged, full = load_file(str(link)), load_file(str(tmp_path / "full.safetensors"))
     assert all(bitwise_equal(merged[n], full[n]) for n in full)

@@ -53,6 +53,13 @@ def write_config(tmp_path: Path, cfg: dict) -> tuple[ModelSpec, dict[str, torch.
     return spec, random_state(spec, seed=5)
 
 
+def _split_by(capsys, tmp_path: Path, layout: Path) -> tuple[int, str, str]:
+    """``layout split`` of ``full.safetensors`` by the probed ``layout`` into ``shards``."""
+    argv = ["--config", str(tmp_path / "config.json"), "--layout", str(layout)]
+    checkpoint = ["--checkpoint", str(tmp_path / "full.safetensors")]
+    return cli(capsys, "split", *argv, *checkpoint, "--out", str(tmp_path / "shards"))
+
+
 def write_sharded(tmp_path: Path, full: dict[str, torch.Tensor], parts: int = 3) -> Path:
     """A sharded HF checkpoint: ``parts`` files and model.safetensors.index.json."""
     ckpt = tmp_path / "ckpt"
@@ -166,18 +173,7 @@ def test_a_probed_layout_file_splits_and_merges_a_family_without_hand_written_ru
         capsys, "probe", "--config", config, "--tp", "2", "--out", str(tmp_path / "layout.json")
     )
     assert rc == 0, err
-    rc, _, err = cli(
-        capsys,
-        "split",
-        "--config",
-        config,
-        "--checkpoint",
-        str(tmp_path / "full.safetensors"),
-        "--layout",
-        str(tmp_path / "layout.json"),
-        "--out",
-        str(tmp_path / "shards"),
-    )
+    rc, _, err = _split_by(capsys, tmp_path, tmp_path / "layout.json")
     assert rc == 0, err
     tp1 = load_file(str(tmp_path / "shards" / "tp1.safetensors"))
     assert "model.layers.0.self_attn.qkv_proj.bias" in tp1
@@ -307,18 +303,7 @@ def test_a_layout_file_with_a_malformed_key_is_a_typed_error(tmp_path, capsys, f
     else:
         doc["key"]["parallel"][field] = value
     layout.write_text(json.dumps(doc))
-    rc, _, err = cli(
-        capsys,
-        "split",
-        "--config",
-        config,
-        "--checkpoint",
-        str(tmp_path / "full.safetensors"),
-        "--layout",
-        str(layout),
-        "--out",
-        str(tmp_path / "shards"),
-    )
+    rc, _, err = _split_by(capsys, tmp_path, layout)
     assert rc == 2 and err.startswith("deltasync: error: LayoutError: "), err
     assert said in err, err
     assert not (tmp_path / "shards").exists()

@@ -526,14 +526,13 @@ def _recorded_receiver(state_dir: Path, shard: str) -> str | None:
     (read only: nothing is written before every argument is checked)."""
     from deltasync.atomic import read_record
     from deltasync.errors import LocalStateError, ManifestError
+    from deltasync.receiver import LocalState
 
     try:
-        obj = read_record(state_dir / names.STATE_FILE)
-        if not isinstance(obj, dict) or obj.get("shard") != shard:
-            return None
-        return names.check_token("receiver", obj.get("receiver"))
-    except (LocalStateError, ManifestError, OSError):
+        state = LocalState.from_obj(read_record(state_dir / names.STATE_FILE))
+    except (LocalStateError, ManifestError, OSError):  # none yet, or not one to trust
         return None
+    return state.receiver if state.shard == shard else None
 
 
 def _check_args(args: argparse.Namespace):
