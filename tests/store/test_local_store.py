@@ -77,6 +77,41 @@ def test_deleting_the_last_key_of_a_directory_prunes_it_but_not_the_root(tmp_pat
     assert (tmp_path / "root").is_dir()
 
 
+def test_a_write_whose_directory_is_pruned_meanwhile_starts_over(tmp_path: Path) -> None:
+    """A delete of a directory's last key prunes the directory; a put that had opened it
+    just before writes again instead of failing (a receiver's registration beside another's
+    deregister, gc beside a first ack)."""
+    store = LocalStore(tmp_path / "root")
+    write_temp = store._write_temp
+    pruned = []
+
+    def pruned_first(key, dfd, tmp, chunks):
+        if not pruned:
+            os.rmdir(tmp_path / "root" / "receivers")  # what the racing delete does
+            pruned.append(key)
+        return write_temp(key, dfd, tmp, chunks)
+
+    store._write_temp = pruned_first
+    store.put("receivers/rx-a.json", b"mine")
+    assert pruned == ["receivers/rx-a.json"]
+    assert store.get("receivers/rx-a.json") == b"mine"
+    assert store.list("receivers/") == ["receivers/rx-a.json"]
+
+
+def test_a_write_whose_directory_keeps_being_pruned_is_a_store_error(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "root")
+    write_temp = store._write_temp
+
+    def always_pruned(key, dfd, tmp, chunks):
+        os.rmdir(tmp_path / "root" / "receivers")
+        return write_temp(key, dfd, tmp, chunks)
+
+    store._write_temp = always_pruned
+    with pytest.raises(StoreError, match="keeps being removed"):
+        store.put("receivers/rx-a.json", b"mine")
+    assert not store.exists("receivers/rx-a.json")
+
+
 def test_a_key_below_an_existing_file_is_a_store_error(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     store.put("LATEST", b"1")

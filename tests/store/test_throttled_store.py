@@ -19,7 +19,10 @@ def _rate(fn, nbytes: int) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_puts_and_gets_move_bytes_at_the_configured_rate_within_20_percent() -> None:
+def test_puts_and_gets_move_bytes_at_the_configured_rate() -> None:
+    """Never faster than the rate (+20%: the burst), and not far slower: a throttle that
+    charged a byte twice would read 0.5x. A loaded machine only makes a run slower, so the
+    lower bound leaves it room (0.6x) where the upper one holds exactly."""
     gbps = 0.4  # 50 MB/s: 20 MiB take ~0.42 s each way
     store = ThrottledStore(MemoryStore(), gbps, burst_bytes=64 * 1024)
     target = gbps * 1e9 / 8
@@ -30,7 +33,7 @@ def test_puts_and_gets_move_bytes_at_the_configured_rate_within_20_percent() -> 
     get_rate = _rate(lambda: [store.get(f"k{i}") for i in range(n)], n * MiB)
     stream_rate = _rate(lambda: store.put_stream("s", (payload for _ in range(n))), n * MiB)
     for name, rate in (("put", put_rate), ("get", get_rate), ("put_stream", stream_rate)):
-        assert 0.8 * target <= rate <= 1.2 * target, (
+        assert 0.6 * target <= rate <= 1.2 * target, (
             f"{name}: {rate / 1e6:.1f} MB/s vs {target / 1e6:.1f}"
         )
 

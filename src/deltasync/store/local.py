@@ -69,6 +69,11 @@ class _Missing(Exception):
     pass
 
 
+class _DirGone(Exception):
+    """The directory a write had opened was removed before its file was created in it (a
+    delete of that directory's last key pruned it meanwhile): the write starts over."""
+
+
 class _LinkRefused(StoreError):
     """A path through a link or a special file (FIFO, socket, device): never a key of this
     store; ``exists`` and ``list`` do not see it, reads and writes name it."""
@@ -409,6 +414,22 @@ class LocalStore:
         # The temp name must fit NAME_MAX too: keep at most 100 bytes of the key's name.
         stem = name.encode("utf-8")[:100].decode("utf-8", "ignore")
         tmp = f".{stem}{TMP_MARK}{uuid.uuid4().hex}"
+        # A directory pruned between its open and the create starts the write over (no chunk
+        # has been read by then).
+        for _ in range(3):
+            try:
+                return self._publish_in(key, parts, tmp, chunks, exclusive=exclusive)
+            except _DirGone:
+                continue
+        raise StoreError(
+            f"cannot store {key!r} in {self!r}: its directory keeps being removed (a concurrent "
+            "delete of that directory's last key); write it again"
+        )
+
+    def _publish_in(
+        self, key: str, parts: list[str], tmp: str, chunks: Iterable[Bytes], *, exclusive: bool
+    ) -> int:
+        name = parts[-1]
         with self._dirs(key, parts[:-1], create=True) as fds:
             dfd = fds[-1]
             written = self._write_temp(key, dfd, tmp, chunks)
@@ -442,6 +463,8 @@ class LocalStore:
     def _write_temp(self, key: str, dfd: int, tmp: str, chunks: Iterable[Bytes]) -> int:
         try:
             fd = os.open(tmp, _CREATE, self.file_mode, dir_fd=dfd)
+        except FileNotFoundError:
+            raise _DirGone from None  # the opened directory was removed (nothing written)
         except OSError as exc:
             raise self._fail("writing", key, exc) from exc
         written = 0
