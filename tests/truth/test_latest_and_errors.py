@@ -195,6 +195,41 @@ class _LostReply:
                 self.held = None
 
 
+class _AppliedThenFailed:
+    """A store that breaks its contract once: the manifest write of version 2 is applied, then
+    fails as if nothing was stored (a plain StoreError)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        self.inner.put_if_absent(key, data)
+        if key == names.manifest_key(2):
+            raise StoreError(f"injected: the write of {key!r} failed after it was applied")
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_that_landed_before_its_write_failed_is_committed_not_reused(tmp_path):
+    # Receivers can pull version 2 the moment its manifest lands; had the publisher taken
+    # the failure at its word, it would publish another state as version 2 (or 3 on top of
+    # a v1 baseline the receivers no longer hold).
+    rig = Rig(_AppliedThenFailed(LocalStore(tmp_path / "store", durable=False)), tmp_path)
+    for v in (0, 1):
+        rig.publish(v)
+    report = rig.publish(2)
+    assert report.version == 2
+    assert rig.trainer.pub.committed() == 2 and rig.trainer.sync.next_version() == 3
+    assert decode_latest(rig.store.get(names.LATEST)) == 2
+    pulled = rig.rec.pull()
+    assert pulled.version == 2
+    rig.check(pulled)
+    assert rig.publish(3).base_version == 2
+    rig.check(rig.rec.pull())
+
+
 @pytest.mark.timeout(60)
 def test_an_own_attempt_that_landed_after_all_is_the_base_of_the_next_delta(tmp_path):
     # v2's manifest landed, but the publisher got no verdict: v2 is committed with its own

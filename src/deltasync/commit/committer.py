@@ -241,16 +241,25 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
         return True
     except CommitConflictError:
         pass
-    except OutcomeUnknownError:
-        # No verdict (a reply lost past the retries): read the key back once. Our bytes there
-        # mean it landed, committed; none there, it may still land (the caller retires the
-        # number); another manifest there lost us the race, as a conflict would have said.
+    except StoreError as exc:
+        # No verdict (a reply lost past the retries), or a failure from a store that applied
+        # the write before it failed (the contract says a failure stored nothing; not every
+        # store keeps it): read the key back once. Our bytes there mean it landed, committed
+        # (receivers may hold it already); none there, a failure stored nothing, and a lost
+        # reply may still land (the caller retires the number); another manifest there lost
+        # us the race, as a conflict would have said.
         landed = _stored_as(store, key, data)
         if landed is None:
             raise
         catalog.forget(manifest.version)
         if landed:
-            log.info("version %d: the manifest write had no verdict, but landed", manifest.version)
+            verdict = "had no verdict" if isinstance(exc, OutcomeUnknownError) else "failed"
+            log.info(
+                "version %d: the manifest write %s (%s), but landed",
+                manifest.version,
+                verdict,
+                exc,
+            )
             return True
     catalog.forget(manifest.version)
     try:
