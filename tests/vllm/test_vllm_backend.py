@@ -148,6 +148,9 @@ def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_no
     )
     assert "not a safe name" in synced["bad_inits"]["receiver_id"], synced["bad_inits"]
     assert synced["bad_inits_created"] == []
+    unknown = synced["unknown_update_field"]
+    assert unknown.startswith("ConfigError") and "'hint'" in unknown, unknown
+    assert "version, phase, extra" in unknown, unknown
     taken = synced["reinit_held"][0]["weight_version"] + 1
     for state, live in zip(synced["after_reinit_states"], synced["after_reinit_live"], strict=True):
         split = synced["after_reinit_splits"][state["shard"]]
@@ -374,6 +377,8 @@ def test_qwen3_moe_and_tp2_engines_take_versions_exactly_refuse_a_corrupted_one_
         # calls vLLM refuses on every rank: the replies stayed in step, every update lands
         # (vLLM's own API: its executor re-raises the last rank's ConfigError as RuntimeError)
         assert "not a safe name" in synced["order_bad_init"], synced["order_bad_init"]
+        one_rank = synced["order_init_one_rank"]
+        assert one_rank.startswith("ConfigError") and "engine0-tp1" in one_rank, one_rank
         unstaged = synced["order_apply_unstaged"]
         assert unstaged.startswith("ConfigError") and "no update is staged" in unstaged, unstaged
         assert synced["order_apply"] is None, synced["order_apply"]

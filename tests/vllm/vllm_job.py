@@ -402,6 +402,13 @@ def synced(spec: dict) -> dict:
             p.name for p in (tmp / "stroe", tmp / "outside-tp0") if p.exists()
         ]
         engine.send_weights(nxt)
+        # an update_info field the backend does not take, through vLLM's own API: a
+        # ConfigError before anything is fetched or written (vLLM's parser: a bare ValueError)
+        llm.start_weight_update()
+        out["unknown_update_field"] = _error_of(
+            lambda: llm.update_weights({"update_info": {"version": nxt, "hint": "x"}})
+        )
+        _error_of(llm.finish_weight_update)  # vLLM's worker closed the session on the error
         out["after_reinit_states"] = llm.collective_rpc(worker_state)
         out["after_reinit_live"] = llm.collective_rpc(live_tensors)
         out["after_reinit_splits"] = layout.split(canonical())
@@ -575,6 +582,16 @@ def synced(spec: dict) -> dict:
         train_step()
         trainer.publish(v + 1)
         out["order_apply_unstaged"] = _error_of(lambda: engine.apply(v + 1))
+        # rank 1 alone cannot build its receiver (a file where its state dir goes): both
+        # ranks keep theirs, and the trainer gets a deltasync error, not vLLM's RuntimeError
+        blocked = tmp / "blocked-state"
+        blocked.mkdir()
+        (blocked / f"{info.receiver_id}-tp1").write_text("not a directory")
+        out["order_init_one_rank"] = _error_of(
+            lambda: DeltaSyncTrainerEngine.trainer_init(
+                dataclasses.replace(info, state_dir=str(blocked)), client=LLMClient(llm)
+            )
+        )
         engine.stage(v + 1)
         engine.stage(v + 1)  # the first one is closed, nothing written
         out["order_apply"] = _error_of(lambda: engine.apply(v + 1))

@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +236,24 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             return super().parse_init_info(init_dict)
         except Exception as exc:
             return _Refused(exc)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaSyncUpdateInfo:
+        """:class:`DeltaSyncUpdateInfo` from the request's dict; a dict it does not take (an
+        unknown or missing field, another type than a dict) is a ConfigError naming the
+        fields it takes, as for the init info (vLLM's own parser raises a bare ValueError)."""
+        if not isinstance(update_dict, dict):
+            raise ConfigError(
+                f"update_weights: update_info must be a dict, got {type(update_dict).__name__}"
+            )
+        try:
+            return DeltaSyncUpdateInfo(**update_dict)
+        except TypeError as exc:
+            taken = ", ".join(f.name for f in fields(DeltaSyncUpdateInfo))
+            raise ConfigError(
+                f"update_weights: update_info {sorted(update_dict)} is not a "
+                f"DeltaSyncUpdateInfo ({exc}); its fields are {taken} (later ones go in "
+                "'extra'). Nothing was written"
+            ) from None
 
     @_rpc
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo | _Refused) -> None:

@@ -144,7 +144,17 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             pause_mode=init_info.pause_mode,
         )
         if engine.is_sender:
-            client.init_weight_transfer_engine(init_info.worker_init_info())
+            try:
+                client.init_weight_transfer_engine(init_info.worker_init_info())
+            except Exception as exc:
+                if isinstance(exc, DeltaSyncError):
+                    raise
+                # vLLM's multiprocess executor re-raises a worker's error as RuntimeError, HTTP
+                # as a status 500: typed as a refused init (the workers keep what they had)
+                raise ConfigError(
+                    f"init_weight_transfer_engine was refused: {type(exc).__name__}: "
+                    f"{_failure_text(exc)}; every worker kept its previous receiver"
+                ) from exc
         return engine
 
     def send_weights(self, version: int) -> None:  # type: ignore[override]
