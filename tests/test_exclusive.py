@@ -161,3 +161,23 @@ def test_a_closed_cluster_receiver_refuses_every_call_and_writes_nothing(tmp_pat
     with pytest.raises(LocalStateError, match="was closed"):
         receiver.journal.begin(0, -1)
     assert path.read_bytes() == record
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    # the pid stamp truncated and wrote whatever the link named (as root: any file)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "lock").symlink_to(victim)
+    with pytest.raises(LocalStateError, match="symbolic link") as refused:
+        FileHold(tmp_path / "state" / "lock", what="state dir", owner="rx", remedy="r")
+    assert "state/lock" in str(refused.value)
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.timeout(30)
+def test_a_lock_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "lock"
+    os.mkfifo(fifo)
+    with pytest.raises(LocalStateError, match="not a regular file"):
+        FileHold(fifo, what="state dir", owner="rx", remedy="r")

@@ -18,9 +18,11 @@ This module knows files, processes and threads; nothing about versions or tensor
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -93,12 +95,26 @@ class FileHold:
 
     def _take(self) -> int:
         """Open, lock and stamp (our pid) the lock file: its descriptor."""
+        # Never through a link, never a special file: the pid stamp below truncates and
+        # writes what it opened (a link planted there would aim that at any file this
+        # process may write; a FIFO would block the open).
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
+            why = exc.strerror or str(exc)
+            if exc.errno == errno.ELOOP:
+                why = "it is a symbolic link (a lock file is never followed)"
             raise LocalStateError(
-                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
+                f"cannot open the lock of {self.what} ({str(self.path)!r}): {why}; remove "
+                "it (it is recreated). Nothing was written"
             ) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LocalStateError(
+                f"the lock of {self.what} ({str(self.path)!r}) is not a regular file; remove "
+                "it (it is recreated). Nothing was written"
+            )
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -158,8 +174,11 @@ def _still(path: Path, fd: int) -> bool:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_REFUSE = object()
+
+
 def one_call_at_a_time(
-    kind: str, calls: str, untouched: str = "Nothing was written"
+    kind: str, calls: str, untouched: str = "Nothing was written", *, busy: object = _REFUSE
 ) -> Callable[[F], F]:
     """Make a method refuse to run beside another thread's call of any method so marked on
     the same object: ConfigError before anything is read, sent or written. Same-thread
@@ -167,12 +186,16 @@ def one_call_at_a_time(
     messages) and ``_closed`` (set by its ``close``: every marked method but ``close`` is then
     refused too, since what it would write is no longer held); ``kind`` names what it is (``a
     receiver``), ``calls`` the marked methods, ``untouched`` what the refusal left alone.
+    ``busy``, when given, is returned instead of the refusal (a call that the running one
+    makes redundant, such as a heartbeat beside a pull that records the state itself).
     """
 
     def mark(method: F) -> F:
         @functools.wraps(method)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._busy.acquire(blocking=False):
+                if busy is not _REFUSE:
+                    return busy
                 raise ConfigError(
                     f"{self._who}: {method.__name__}() was called while another thread's "
                     f"{calls} runs on it. {kind[0].upper()}{kind[1:]} takes one call at a "

@@ -11,7 +11,8 @@ import re
 import pytest
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
-from deltasync import MemoryStore, Receiver
+from deltasync import MemoryStore, Receiver, names
+from deltasync.commit import ReceiverRecord
 from deltasync.errors import LocalStateError
 from deltasync.receiver.journal import StateDir
 
@@ -77,3 +78,41 @@ def test_a_failed_journal_write_writes_nothing_and_names_the_version_and_the_rem
     assert rec.version == 0 and not rec.dirty
     assert rec.pull().version == 1
     assert_same_bits(tensors, v1)
+
+
+@pytest.mark.parametrize("call", ["scrub", "invalidate"])
+def test_tensors_known_drifted_on_a_full_state_dir_report_and_register_no_version(
+    tmp_path, monkeypatch, call
+):
+    # The state file write raised first, and the receiver went on reporting and registering
+    # version 0 over tensors it had just found changed; the next pulls saw nothing new.
+    store = MemoryStore()
+    tl, rl, params, _pub = anchored_bf16(store, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    v0 = rl.split(tl.to_canonical(params))[SHARD]
+    name = sorted(tensors)[-1]
+    tensors[name].view(-1)[-1] += 1  # a stray write into the live tensors
+
+    def fails(self, _record):
+        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(StateDir, "write_state", fails)
+        with pytest.raises(LocalStateError) as failed:
+            if call == "scrub":
+                rec.scrub()
+            else:
+                rec.invalidate("the engine reloaded its weights")
+    assert re.search(
+        r"its tensors no longer hold version 0\. It reports no version now and its "
+        r"registration is withdrawn, but its state file could not say so .*No space left on "
+        r"device.*: free space in the state dir .* and pull, which restores the newest anchor",
+        str(failed.value),
+    ), failed.value
+    assert rec.dirty and rec.version is None
+    assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version is None
+    report = rec.pull()  # space freed: the newest anchor, bit for bit
+    assert report.version == 0 and report.from_anchor
+    assert_same_bits(tensors, v0, "restored")

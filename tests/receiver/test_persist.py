@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
+from safetensors.torch import load_file
 
-from deltasync import MemoryStore, Receiver
-from deltasync.commit import Catalog
+from deltasync import MemoryStore, Receiver, names
+from deltasync.commit import Catalog, ReceiverRecord
 from deltasync.errors import ApplyError
 
 SHARD = "tp0"
@@ -88,3 +89,48 @@ def test_a_receiver_restarted_before_persisting_replays_the_version_and_persists
     assert again.last_repair is not None and again.last_repair.version == 1
     assert copy.version == 1 and set(Catalog(store).acks(1)) == {"rec"}
     assert_same_bits(copy.tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+def test_a_sidecar_file_removed_while_its_next_version_waits_to_be_persisted_is_not_relabelled(
+    tmp_path,
+):
+    # Persisting version 1 failed (a full --dir), the operator removed the file to free
+    # space, and the sidecar rewrote it from the tensors in memory, which held version 1,
+    # labelled version 0: a file and a registration naming a version it did not hold.
+    from safetensors import safe_open
+
+    from deltasync.commands.pull import META_VERSION, _ShardFile
+
+    store = MemoryStore()
+    tl, rl, params, pub = anchored_bf16(store, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    file = _ShardFile(tmp_path / "out" / "tp0.safetensors")
+    full = [False]
+
+    def persist(live, held):
+        if full[0]:
+            raise ApplyError("could not write: No space left on device")
+        file.write(live, held.version, held.state_digest, SHARD, held.run_id)
+
+    rec = Receiver.for_layout(
+        store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"), persist=persist
+    )
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    v1 = rl.split(tl.to_canonical(params))[SHARD]
+    full[0] = True
+    with pytest.raises(ApplyError, match="No space left"):
+        rec.pull()
+    assert rec.version == 0 and rec.unpersisted_version == 1
+    file.path.unlink()  # the operator frees space
+    full[0] = False
+    assert file.keep(rec, SHARD) is False  # nothing rewritten under version 0's name
+    assert not file.path.exists()
+    assert rec.version is None and rec.unpersisted_version is None
+    assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version is None
+    report = rec.pull()  # the journal replayed, version 1 persisted under its own name
+    assert report.version == 1 and report.repaired
+    with safe_open(str(file.path), framework="pt") as f:
+        assert f.metadata()[META_VERSION] == "1"
+    assert_same_bits(load_file(str(file.path)), v1, "the file")
+    assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version == 1

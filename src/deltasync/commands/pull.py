@@ -360,9 +360,22 @@ class _ShardFile:
         removed behind the sidecar (True: it was). A rewrite that fails withdraws the
         sidecar's registration first (the file no longer holds the version it names; a
         heartbeat of it would keep a trainer counting this receiver as current) and raises;
-        the next pull retries it before anything else."""
+        the next pull retries it before anything else.
+
+        While the tensors hold a newer version that persisting failed to write, they cannot
+        rewrite the version the file named: the receiver is invalidated instead (it reports
+        no version, its registration withdrawn), and the next pull replays that version's
+        journal and writes the file with it."""
         version = receiver.version
         if version is None or not self.changed():
+            return False
+        pending = receiver.unpersisted_version
+        if pending is not None:
+            receiver.invalidate(
+                f"{self.path} no longer holds version {version} (edited, replaced or removed "
+                f"behind the sidecar) while the tensors hold version {pending}, not yet "
+                "written there"
+            )
             return False
         try:
             self.write(receiver.tensors, version, receiver.state_digest, shard, receiver.run_id)

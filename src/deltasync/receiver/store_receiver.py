@@ -198,7 +198,11 @@ _DECODED_PER_RAW = 2
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
-_one_at_a_time = one_call_at_a_time("a receiver", "pull, scrub, invalidate or close")
+_CALLS = "pull, scrub, invalidate, heartbeat, deregister or close"
+_one_at_a_time = one_call_at_a_time("a receiver", _CALLS)
+# A heartbeat beside another thread's call is skipped: that call registers what the tensors
+# hold when it ends (mid-scatter they hold no version, and a heartbeat would name the last).
+_unless_busy = one_call_at_a_time("a receiver", _CALLS, busy=False)
 
 
 class Receiver:
@@ -482,9 +486,28 @@ class Receiver:
         return self.version, self.state_digest
 
     def _set_state(self, **changes) -> None:
+        """Record ``changes`` durably, then hold them. Marking the state dirty goes the other
+        way round: in memory first, and the registration withdrawn whether or not the state
+        file can say so (a full disk), so that a receiver never goes on reporting a version
+        its tensors are known not to hold."""
         new = self._state_with(**changes)
-        self.dir.write_state(new)
-        self._state = new
+        if not new.dirty or self._state.dirty:
+            self.dir.write_state(new)
+            self._state = new
+            return
+        held, self._state = self._state.version, new
+        try:
+            self.dir.write_state(new)
+        except LocalStateError as exc:
+            self._pending_ack, self._ack_undecided = None, False
+            self._register_as(new)  # best effort (a store error is logged)
+            raise LocalStateError(
+                f"{self._who}: its tensors no longer hold version {held}. It reports no "
+                f"version now and its registration is withdrawn, but its state file could not "
+                f"say so ({exc}): free space in the state dir {str(self.dir.path)!r} (or let "
+                "this process write there) and pull, which restores the newest anchor. A "
+                "process restarted before then trusts the file only with verify_on_open"
+            ) from exc
 
     def _state_with(self, **changes) -> LocalState:
         """The local state with ``changes`` (not written)."""
@@ -540,8 +563,10 @@ class Receiver:
         The state is marked dirty (durably: a receiver restarted on this state dir holds
         nothing either), the registration says no version, an ack still owed is dropped, a
         warning names the receiver, shard, version and ``why``, and the next pull restores
-        the newest anchor. Nothing verified held: nothing changes. Not to be called while a
-        pull runs."""
+        the newest anchor. A version the tensors hold that ``persist`` has not taken yet is
+        dropped too (the next pull replays its journal instead). Nothing verified held:
+        nothing else changes. Not to be called while a pull runs."""
+        self._unpersisted = None  # not held either: never recorded by a later pull
         held = self._held()
         if held is None:
             return
@@ -553,8 +578,8 @@ class Receiver:
             why,
             held[0],
         )
-        self._set_state(dirty=True)
         self._pending_ack = None
+        self._set_state(dirty=True)
         self._register_as(self._state)
 
     def _scrub_due(self) -> bool:
@@ -568,10 +593,20 @@ class Receiver:
         self._idle_pulls = 0
         return True
 
+    @_unless_busy
     def heartbeat(self) -> bool:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
-        failure is logged and retried on the next pull; returns whether it was written."""
+        failure is logged and retried on the next pull; returns whether it was written (False
+        also while another thread's call runs on this receiver: that call registers what the
+        tensors hold when it ends)."""
         return self._register_as(self._state)
+
+    @property
+    def unpersisted_version(self) -> int | None:
+        """A version the tensors hold that ``persist`` has not taken yet (its failure raised
+        from the pull; the next pull calls it again first), else None. The receiver reports
+        the version before it until then."""
+        return None if self._unpersisted is None else self._unpersisted[0].version
 
     def _register_as(self, state: LocalState) -> bool:
         """:meth:`heartbeat` with the version ``state`` records (the one a pull is recording
@@ -600,6 +635,7 @@ class Receiver:
         self._heartbeat_owed = False
         return True
 
+    @_one_at_a_time
     def deregister(self) -> None:
         """Remove this receiver's registration (best effort): e.g. a sidecar whose first pull
         failed, so that no trainer waits on a receiver that holds nothing."""
