@@ -71,6 +71,14 @@ def test_a_flattened_parameter_is_refused_too() -> None:
         _sender(params)
 
 
+def test_params_that_leave_out_a_parameter_are_refused_by_name() -> None:
+    # An anchor without it cannot restore a shard; a delta would never send its changes.
+    params = _params()
+    del params["lm_head.weight"]
+    with pytest.raises(ConfigError, match=r"params have no \['lm_head.weight'\]"):
+        _sender(params)
+
+
 def _pausing_world():
     """One writer and two receivers in one process; the first receiver's scatter waits for
     ``release`` once ``inside`` is set."""

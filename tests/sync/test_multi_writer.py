@@ -6,6 +6,7 @@ writer is named in the committer's error and nothing is committed."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -22,7 +23,7 @@ from deltasync.errors import (
     StoreError,
     VersionError,
 )
-from deltasync.layout import fsdp_dim0_rows
+from deltasync.layout import ReceiverLayout, fsdp_dim0_rows
 from deltasync.publish import MissingWritersError, Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
@@ -188,6 +189,8 @@ def _ranks(
     keys=None,
     session="s1",
     full_everywhere=False,
+    receiver_layouts=None,
+    left_out=(),
     **config,
 ):
     """One TrainerSync per rank (threads of this process, each on its dim-0 rows of the same
@@ -195,13 +198,17 @@ def _ranks(
     rank (default: the world size); ``full_state(trainer)``: the committer's full state;
     ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2); ``keys``: each rank's
     signing key (default: none); ``session``: the job's; ``full_everywhere``: every rank
-    gets its trainer's full state (resume() needs it on every writer)."""
+    gets its trainer's full state (resume() needs it on every writer); ``receiver_layouts``:
+    each rank's receiver layout (default: ``lay``'s); ``left_out``: parameter names no
+    rank's params hold."""
     spec, _tl, rl = lay or layouts()
     syncs, trainers = [], []
     for rank in range(world):
         trainer = TinyTrainer(spec, seed=7)
         local = {}
         for name, p in trainer.params.items():
+            if name in left_out:
+                continue
             start, stop, _ = _rows(p, rank, world)
             local[name] = p.detach()[start:stop]
         writers = world if num_writers is None else num_writers[rank]
@@ -213,7 +220,8 @@ def _ranks(
             signing_key=None if keys is None else keys[rank],
             **config,
         )
-        pub = Publisher(stores[rank], receiver_layout=rl, config=cfg)
+        own = rl if receiver_layouts is None else receiver_layouts[rank]
+        pub = Publisher(stores[rank], receiver_layout=own, config=cfg)
         tracker = RankTracker(
             SnapshotTracker(trainer.named_parameters()), trainer.params, rank, world
         )
@@ -730,6 +738,57 @@ def test_the_committer_never_joins_parts_built_for_another_base(tmp_path):
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == 2
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_writers_routing_for_different_receiver_layouts_commit_nothing(tmp_path):
+    # Writer 1 built for vLLM TP=1, the committer for TP=2: the committer joined writer 1's
+    # tp0 blob (the shard names alone were compared) and committed a version every receiver
+    # refused, which every later delta then built on.
+    spec, _, rl = layouts()
+    other = ReceiverLayout.build(spec, engine="vllm", tp=1)
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks([store, store], receiver_layouts=[rl, other], marker_timeout_s=0.5)
+    out = _everyone(lambda r: syncs[r].step_published(0))
+    assert isinstance(out[0], VersionError), out[0]
+    assert re.search(
+        r"w00000-s1: anchor, num_writers=2, layout [0-9a-f]{12}; w00001-s1", str(out[0])
+    )
+    assert "receiver layout" in str(out[0])
+    assert isinstance(out[1], DeltaSyncError), out[1]  # it waited for a manifest in vain
+    assert Catalog(store).versions() == []
+
+
+@pytest.mark.timeout(60)
+def test_writers_whose_params_leave_out_a_parameter_are_refused_before_any_blob(tmp_path):
+    # Each rank's params lacked lm_head.weight (a model whose embeddings are tied, with a
+    # layout that unties them): an anchor without it was committed, which no receiver could
+    # restore, and every delta after it would never have sent that parameter's changes.
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks([store, store], left_out={"lm_head.weight"}, marker_timeout_s=0.5)
+    out = _everyone(lambda r: syncs[r].step_published(0))
+    for rank, error in enumerate(out):
+        assert isinstance(error, ConfigError), (rank, error)
+        assert "params have no ['lm_head.weight']" in str(error)
+        assert "dim-0 shard of every parameter" in str(error)
+    assert Catalog(store).versions() == []
+    assert store.list(names.version_prefix(0)) == []  # not a blob, claim or marker
+
+
+@pytest.mark.timeout(60)
+def test_a_committer_whose_full_state_leaves_out_a_parameter_is_refused_by_name(tmp_path):
+    # It failed with a bare KeyError while hashing; the others waited out every version.
+    store = scratch_store(tmp_path / "store")
+    syncs, _ = _ranks(
+        [store, store],
+        full_state=lambda t: {n: p for n, p in t.params.items() if n != "lm_head.weight"},
+        marker_timeout_s=0.5,
+    )
+    out = _everyone(lambda r: syncs[r].step_published(0))
+    assert isinstance(out[0], ConfigError), out[0]
+    assert "full_state has no ['lm_head.weight']" in str(out[0])
+    assert isinstance(out[1], DeltaSyncError), out[1]
+    assert Catalog(store).versions() == []
 
 
 @pytest.mark.timeout(60)

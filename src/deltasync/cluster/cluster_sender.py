@@ -340,10 +340,21 @@ class ClusterSender:
         return params
 
     def _check_params(self, params: Params) -> None:
-        """ConfigError before anything is sent: a tied tensor named twice, or a parameter that
-        is not this writer's dim-0 shard of the model's (a matrix stored transposed has the
-        same size, and its digests would be computed from the same misread rows)."""
+        """ConfigError before anything is sent: a tied tensor named twice, a parameter of the
+        model missing (an anchor without it cannot restore a shard, a delta would never send
+        its changes), or a parameter that is not this writer's dim-0 shard of the model's (a
+        matrix stored transposed has the same size, and its digests would be computed from the
+        same misread rows)."""
         self.trainer_layout.check_tied_once(params)
+        missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
+        if missing:
+            raise ConfigError(
+                f"{self._who}: params have no {missing[:5]} ({len(missing)} of the model's "
+                "parameters missing); every writer passes every parameter (under FSDP this "
+                "rank's dim-0 shard of each, as model.named_parameters() lists them; a model "
+                "whose embeddings are tied needs a layout built from its own config). Nothing "
+                "was sent"
+            )
         wrong = self.trainer_layout.misshapen(
             ((n, tuple(local_of(t).shape)) for n, t in params.items()),
             self.role.index,

@@ -172,8 +172,9 @@ def wait_for_markers(
             raise MissingWritersError(
                 f"version {version}: waited {timeout_s:.1f} s for the markers of writers "
                 f"{missing} (have {sorted(found)}); those trainer ranks crashed or are stuck "
-                "before finishing their blobs. Nothing was committed; restart the attempt "
-                f"(with a new session) or raise PublisherConfig.marker_timeout_s{why}"
+                "before finishing their blobs. Nothing was committed; publish "
+                "next_version() on every writer (their largest, if they differ) once they "
+                f"run again, or raise PublisherConfig.marker_timeout_s{why}"
             )
         time.sleep(poll_s)
 

@@ -300,6 +300,11 @@ class LayoutRecord:
     def describe(self) -> str:
         return f"engine {self.engine} tp={self.tp} ep={self.ep} model {self.model[:12]}"
 
+    def fingerprint(self, **also: Any) -> str:
+        """Fingerprint of this record (and of ``also``, e.g. the trainer's parameter shapes):
+        what writers that must agree on the layout compare."""
+        return _fingerprint({"layout": self.to_dict(), **also})
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "engine": self.engine,

@@ -161,7 +161,8 @@ class _Signed:
 class WriterMarker(_Signed):
     """Writer ``writer`` has stored all its blobs of ``version``; ``blobs`` may be empty.
 
-    ``base_version`` (-1: an anchor) and ``num_writers`` say what the writer built its blobs
+    ``base_version`` (-1: an anchor), ``num_writers`` and ``layout`` (the fingerprint of the
+    receiver layout and trainer parameters it routed for) say what the writer built its blobs
     for, so the committer never joins the parts of writers that disagree (None: not stated,
     as by a hand-made marker; the publisher always states them)."""
 
@@ -173,10 +174,13 @@ class WriterMarker(_Signed):
     created_at: float
     base_version: int | None = None
     num_writers: int | None = None
+    layout: str | None = None
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="writer marker version", lo=0, hi=names.MAX_VERSION)
+        if self.layout is not None:
+            check_digest(self.layout, what="writer marker layout fingerprint")
         names.check_token("writer", self.writer)
         if self.base_version is not None:
             check_int(
@@ -222,6 +226,8 @@ class WriterMarker(_Signed):
             out["base_version"] = self.base_version
         if self.num_writers is not None:
             out["num_writers"] = self.num_writers
+        if self.layout is not None:
+            out["layout"] = self.layout
         return out
 
     @classmethod
@@ -235,7 +241,7 @@ class WriterMarker(_Signed):
                 obj,
                 what=what,
                 required={"version", "writer", "created_at", "blobs"},
-                optional={"mac", "base_version", "num_writers"},
+                optional={"mac", "base_version", "num_writers", "layout"},
             )
             if not isinstance(obj["blobs"], list):
                 raise ManifestError(f"{what} blobs must be a JSON list")
@@ -246,6 +252,7 @@ class WriterMarker(_Signed):
                 created_at=obj["created_at"],
                 base_version=obj.get("base_version"),
                 num_writers=obj.get("num_writers"),
+                layout=obj.get("layout"),
                 blobs=tuple(
                     BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
                 ),

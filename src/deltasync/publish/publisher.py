@@ -186,24 +186,29 @@ _ADOPT_MAX = 64
 Params = Mapping[str, torch.Tensor]
 
 
+def _built_for(m: WriterMarker) -> tuple[int | None, int | None, str | None]:
+    return m.base_version, m.num_writers, m.layout
+
+
 def _check_agreement(markers: Iterable[WriterMarker], own: WriterMarker) -> None:
     """Raise VersionError (nothing is committed) unless every writer built its blobs for the
-    committer's base and writer count: one writer's anchor beside another's delta, or shards
-    cut for another world size, make a version no receiver can apply."""
-    differ = [
-        m for m in markers if (m.base_version, m.num_writers) != (own.base_version, own.num_writers)
-    ]
-    if not differ:
+    committer's base, writer count and layout: one writer's anchor beside another's delta,
+    shards cut for another world size, or blobs routed for another receiver layout or model
+    make a version no receiver can apply."""
+    markers = sorted(markers, key=lambda m: m.writer)
+    if all(_built_for(m) == _built_for(own) for m in markers):
         return
+    layouts = len({m.layout for m in markers}) > 1  # named only where they differ
     each = "; ".join(
         f"{m.writer}: {'anchor' if m.base_version == -1 else f'base {m.base_version}'}, "
-        f"num_writers={m.num_writers}"
-        for m in sorted(markers, key=lambda m: m.writer)
+        f"num_writers={m.num_writers}" + (f", layout {str(m.layout)[:12]}" if layouts else "")
+        for m in markers
     )
     raise VersionError(
-        f"version {own.version}: the writers built their parts for different versions or "
-        f"world sizes ({each}); nothing was committed. Give every writer the same num_writers "
-        "and publish next_version() on every writer"
+        f"version {own.version}: the writers built their parts for different versions, world "
+        f"sizes or layouts ({each}); nothing was committed. Give every writer the same "
+        "num_writers, receiver layout, trainer layout and model config, and publish "
+        "next_version() on every writer"
     )
 
 
@@ -234,6 +239,10 @@ class Publisher:
         self._baseline_digests: dict[str, str] | None = None  # its shard digests
         self._stored: Manifest | None = None  # the manifest the commit in progress stored
         self.layout_record = LayoutRecord.of(receiver_layout)
+        # what this writer routes for, in its markers: writers that differ never commit
+        self._layout_fp = self.layout_record.fingerprint(
+            params=sorted([n, list(s)] for n, s in self.trainer_layout.param_shapes().items())
+        )
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
         # Versions whose number this publisher never publishes again: with several writers,
         # every one that failed on this writer; with one, those whose manifest write ended
@@ -700,6 +709,7 @@ class Publisher:
             created_at=time.time(),
             base_version=-1 if base is None else base,
             num_writers=cfg.num_writers,
+            layout=self._layout_fp,
         )
         data = marker.to_json(cfg.signing_key)  # MAC'd when keyed
         if cfg.num_writers > 1:  # a number is never retried there: its marker is stored once
@@ -841,15 +851,22 @@ class Publisher:
                 remedy; before anything is written."""
         cfg = self.config
         one = cfg.num_writers == 1
-        if one:
-            missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
-            if missing:
-                raise ConfigError(
-                    f"writer {self.writer}: params have no {missing[:5]} ({len(missing)} of the "
-                    "model's parameters missing); a one-writer publisher computes the shard "
-                    "digests from params, so pass every parameter of the model (as "
-                    "model.named_parameters() lists them). Nothing was written"
-                )
+        missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
+        if missing:
+            why = (
+                "a one-writer publisher computes the shard digests from params, so pass every "
+                "parameter of the model"
+                if one
+                else "each of several writers sends its rank's dim-0 shard of every parameter "
+                "(an anchor without one cannot restore a shard, a delta would never send its "
+                "changes), so pass every parameter's local shard"
+            )
+            raise ConfigError(
+                f"writer {self.writer}: params have no {missing[:5]} ({len(missing)} of the "
+                f"model's parameters missing); {why} (as model.named_parameters() lists "
+                "them; a model whose embeddings are tied needs a layout built from its own "
+                "config). Nothing was written"
+            )
         wrong = self.trainer_layout.misshapen(
             ((n, tuple(local_of(t).shape)) for n, t in params.items()),
             cfg.writer_rank,
@@ -993,7 +1010,25 @@ class Publisher:
                 "the committing writer of a multi-writer publisher needs full_state (the full "
                 "parameters or a callable gathering them) to compute the shard digests"
             )
-        return full_state() if callable(full_state) else full_state
+        full = full_state() if callable(full_state) else full_state
+        missing = [n for n in self.trainer_layout.param_shapes() if n not in full]
+        if missing:
+            raise ConfigError(
+                f"writer {self.writer}: full_state has no {missing[:5]} ({len(missing)} of the "
+                "model's parameters missing); the committer computes every shard's digest from "
+                "it, so it holds every parameter of the model, whole. Nothing was committed"
+            )
+        wrong = self.trainer_layout.misshapen(
+            ((n, tuple(local_of(t).shape)) for n, t in full.items()), 0, 1
+        )
+        if wrong is not None:
+            name, shape, want = wrong
+            raise ConfigError(
+                f"writer {self.writer}: full_state's {name!r} is {shape}, but the model's is "
+                f"{want}; full_state holds every parameter whole (gathered, not a rank's "
+                "shard). Nothing was committed"
+            )
+        return full
 
     def _already_committed(
         self, version: int, committed: int, params: Params, full_state, t0: float
