@@ -1,6 +1,7 @@
-"""Another thread's calls on a receiver while its pull scatters: the tensors are torn then
-(the pull withdrew the registration before its first write), so nothing may register the
-version before it or touch the records the pull is about to write."""
+"""Calls on a receiver while its pull scatters: the tensors are torn then (the pull withdrew
+the registration before its first write), so the receiver reports no version meanwhile and
+nothing may register the version before it or touch the records the pull is about to write,
+from another thread or from the pull's own callbacks."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdra
         seen.append(_registered(store))
         seen.append(_from_another_thread(lambda: rec.heartbeat()))
         seen.append(_from_another_thread(lambda: rec.deregister()))
+        seen.append((rec.version, rec.dirty, rec.heartbeat()))  # this thread: the callback's
         seen.append(_registered(store))
 
     rec = Receiver.for_layout(
@@ -67,8 +69,9 @@ def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdra
     assert _registered(store) == 0
     publish_edit(pub, params, 1, 7)
     assert rec.pull().version == 1
-    before, beat, dereg, after = seen
+    before, beat, dereg, here, after = seen
     assert before is None and after is None, seen
+    assert here == (None, True, True), here  # torn: no version, and registered as none
     assert beat == {"returned": False}, beat
     assert isinstance(dereg.get("raised"), ConfigError), dereg
     assert "while another thread's pull" in str(dereg["raised"])

@@ -945,16 +945,23 @@ class Receiver:
         t = time.perf_counter()
         written = 0
         writing = False
+        before = self._state
         try:
             with self._pause():
                 for item in iter_chain(steps, self.specs, check=False):
-                    writing = True
+                    if not writing:
+                        # Torn from the first write until the last: no version, in memory
+                        # (the journal says so on disk), for whatever asks meanwhile (a
+                        # progress callback, the engine's pause, a heartbeat).
+                        writing = True
+                        self._state = self._state_with(dirty=True)
                     written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
                     if self._on_tensor is not None:
                         self._on_tensor(item.name)
         except BaseException as exc:
             self._interrupted(exc, writing, repaired, versions)
             raise
+        self._state = before  # the version before, until persisted and recorded below
         pause_s = time.perf_counter() - t
         del steps
 
