@@ -13,6 +13,7 @@ from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_ten
 from deltasync import MemoryStore, Receiver, names
 from deltasync.commit import ReceiverRecord
 from deltasync.errors import ConfigError
+from deltasync.receiver import store_receiver
 
 SHARD = "tp0"
 
@@ -78,3 +79,60 @@ def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdra
     assert _registered(store) == 1
     assert rec.heartbeat() is True  # no call beside it: written
     assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+class _SlowRegistrations:
+    """A store whose registration writes wait for ``release`` once ``entered`` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.hold = False
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data):
+        if self.hold and key == names.receiver_key("rec"):
+            self.entered.set()
+            assert self.release.wait(30)
+        return self.inner.put(key, data)
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_written_after(
+    tmp_path, monkeypatch
+):
+    # The heartbeat held the receiver's guard: a pull from another thread was refused with a
+    # ConfigError (which a sidecar takes for a permanent fault); and a heartbeat skipped beside
+    # a scrub that found the tensors intact was never written.
+    inner = MemoryStore()
+    store = _SlowRegistrations(inner)
+    tl, rl, params, pub = anchored_bf16(inner, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    store.hold = True
+    beat = threading.Thread(target=rec.heartbeat)
+    beat.start()
+    assert store.entered.wait(30)  # the heartbeat's write is in flight
+    store.hold = False
+    threading.Timer(0.3, store.release.set).start()
+    pulled = _from_another_thread(lambda: rec.pull())
+    beat.join(30)
+    assert pulled.get("returned") is not None and pulled["returned"].version == 1, pulled
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+    inner.delete(names.receiver_key("rec"))  # (gone, as after a gc of a long silence)
+    seen = []
+    digest = store_receiver.state_digest
+
+    def hashing(tensors):  # the scrub's read, with a heartbeat from another thread inside it
+        seen.append(_from_another_thread(lambda: rec.heartbeat()))
+        return digest(tensors)
+
+    monkeypatch.setattr(store_receiver, "state_digest", hashing)
+    assert rec.scrub() is True  # intact: the scrub itself registers nothing
+    assert seen == [{"returned": False}], seen
+    assert _registered(inner) == 1  # the skipped heartbeat, written as the scrub ended

@@ -5,11 +5,14 @@ whole object."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from botocore.response import StreamingBody
 from lying_s3 import LyingS3
+from urllib3.response import HTTPResponse
 
-from deltasync.errors import StoreError
+from deltasync.errors import OutcomeUnknownError, StoreError
 from deltasync.store import RetryPolicy, S3Store
 
 
@@ -54,17 +57,66 @@ def test_a_server_that_ignores_range_is_refused_before_the_body_is_read(lying, m
     proxy, store = lying
     store.put("v00000001/tp0/w00000.blob", b"x" * (4 << 20))
     asked: list = []
-    read = StreamingBody.read
+    read, read1 = StreamingBody.read, HTTPResponse.read1
 
     def counted(self, amt=None):
         asked.append(amt)
         return read(self, amt)
 
+    def counted1(self, amt=None):
+        asked.append(amt)
+        return read1(self, amt)
+
     monkeypatch.setattr(StreamingBody, "read", counted)
+    monkeypatch.setattr(HTTPResponse, "read1", counted1)
     assert store.get_range("v00000001/tp0/w00000.blob", 10, 16) == b"x" * 16
-    assert asked == [17]  # the range and one byte more, never the rest of the object
+    # the range and one byte more, never the rest of the object
+    assert asked and all(amt is not None and amt <= 17 for amt in asked), asked
     asked.clear()
     proxy.mode = "ignores-range"
     with pytest.raises(StoreError, match=r"answered without a Content-Range, i\.e\. ignored the"):
         store.get_range("v00000001/tp0/w00000.blob", 10, 16)
     assert asked == []
+
+
+@pytest.mark.timeout(60)
+def test_a_body_sent_a_byte_at_a_time_is_cut_off_at_the_calls_deadline(s3_server):
+    # Each byte came inside the read timeout, so the read never timed out: a get of a few
+    # hundred bytes ran for minutes past the retries' deadline.
+    proxy = LyingS3(s3_server.port)
+    policy = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, deadline_s=1.5)
+    config = s3_server.config(endpoint_url=proxy.endpoint, retry=policy, read_timeout_s=1.0)
+    store = S3Store(s3_server.new_bucket(), "run42", config=config)
+    try:
+        store.put("LATEST", b"7" * 400)
+        proxy.mode = "drips"
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match=r"LATEST.*the body was still arriving"):
+            store.get("LATEST")
+        with pytest.raises(StoreError, match="still arriving"):
+            store.get("LATEST", max_bytes=1000)
+        assert time.monotonic() - t0 < 10  # 2 x (deadline + one read), not 2 x 80 s
+        proxy.mode = "honest"
+        assert store.get("LATEST") == b"7" * 400
+    finally:
+        store.close()
+        proxy.close()
+
+
+def test_a_server_that_redirects_to_itself_is_a_store_error_naming_the_loop(lying):
+    # botocore follows a redirect by calling itself: a bare RecursionError after ~80 requests
+    proxy, store = lying
+    store.put("v00000002/MANIFEST.json", b"m")
+    proxy.mode = "redirects"
+    for call in (
+        lambda: store.exists("v00000002/MANIFEST.json"),
+        lambda: store.get("v00000002/MANIFEST.json"),
+        lambda: store.put_if_absent("v00000003/MANIFEST.json", b"m"),
+        lambda: store.list("v"),
+    ):
+        with pytest.raises(StoreError, match="kept redirecting the request") as info:
+            call()
+        assert not isinstance(info.value, OutcomeUnknownError)  # a redirect applies nothing
+    assert proxy.redirects > 0
+    proxy.mode = "honest"
+    assert not store.exists("v00000003/MANIFEST.json")

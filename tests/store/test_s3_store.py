@@ -125,6 +125,80 @@ def test_a_failed_stream_aborts_its_multipart_upload_and_stores_nothing(s3_store
     assert uploads.get("Uploads", []) == []
 
 
+class _CompleteReplyLost:
+    """complete_multipart_upload's first request is applied (``applied``) or not, and its
+    reply lost; every retry is answered NoSuchUpload, as MinIO and AWS answer an upload that
+    was completed (or aborted) already."""
+
+    def __init__(self, client, *, applied: bool) -> None:
+        self._client, self.applied, self.calls = client, applied, 0
+
+    def complete_multipart_upload(self, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            if self.applied:
+                self._client.complete_multipart_upload(**kwargs)
+            raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+        raise ClientError(
+            {"Error": {"Code": "NoSuchUpload"}, "ResponseMetadata": {"HTTPStatusCode": 404}},
+            "CompleteMultipartUpload",
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_completed_upload_whose_reply_was_lost_is_told_by_its_etag(s3_store, applied) -> None:
+    # The retry's NoSuchUpload was mapped to KeyNotFoundError ("key not found") for a blob
+    # that was stored intact, and the publish failed.
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    store._client = _CompleteReplyLost(store._client, applied=applied)
+    chunks = [bytes([i]) * (2**20 + 7) for i in range(11)]
+    if applied:
+        assert store.put_stream("v00000001/tp0/w00000.blob", iter(chunks)) == sum(map(len, chunks))
+        assert store.get("v00000001/tp0/w00000.blob") == b"".join(chunks)
+    else:
+        with pytest.raises(StoreError, match="no longer knows the upload") as info:
+            store.put_stream("v00000001/tp0/w00000.blob", iter(chunks))
+        assert not isinstance(info.value, KeyNotFoundError)
+        assert not store.exists("v00000001/tp0/w00000.blob")
+    assert store._client.calls == 2
+
+
+class _Answers:
+    """A client whose named calls answer ``reply`` (a reply missing fields S3 always sends)."""
+
+    def __init__(self, client, **replies) -> None:
+        self._client, self.replies = client, replies
+
+    def __getattr__(self, name):
+        if name in self.replies:
+            return lambda **kwargs: self.replies[name]
+        return getattr(self._client, name)
+
+
+def test_replies_missing_the_fields_s3_always_sends_are_store_errors(s3_store) -> None:
+    # A bare KeyError ('ETag', 'UploadId', 'ContentLength', 'LastModified') escaped.
+    store = s3_store
+    store.put("k", b"v")
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    real = store._client
+    big = [b"x" * (6 * 2**20)]
+    for replies, call, field in (
+        ({"create_multipart_upload": {}}, lambda: store.put_stream("b", iter(big)), "UploadId"),
+        ({"upload_part": {}}, lambda: store.put_stream("b", iter(big)), "ETag"),
+        ({"head_object": {}}, lambda: store.size("k"), "ContentLength"),
+        ({"head_object": {"ContentLength": 1}}, lambda: store.modified("k"), "LastModified"),
+    ):
+        store._client = _Answers(real, **replies)
+        with pytest.raises(StoreError, match=f"the server's reply has no {field}"):
+            call()
+    store._client = real
+    assert not store.exists("b")
+
+
 class _ReplyLost:
     """A client wrapper whose first put_object loses its connection: after the request
     reached the server (``delivered=True``) or before (``delivered=False``). The caller cannot

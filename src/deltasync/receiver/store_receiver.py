@@ -42,6 +42,7 @@ whole decoded chain).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -199,10 +200,34 @@ _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
 _CALLS = "pull, scrub, invalidate, heartbeat, deregister or close"
-_one_at_a_time = one_call_at_a_time("a receiver", _CALLS)
-# A heartbeat beside another thread's call is skipped: that call registers what the tensors
-# hold when it ends (mid-scatter they hold no version, and a heartbeat would name the last).
-_unless_busy = one_call_at_a_time("a receiver", _CALLS, busy=False)
+_guard = one_call_at_a_time("a receiver", _CALLS)
+
+
+def _one_at_a_time(method):
+    """One call at a time (see :func:`~deltasync.exclusive.one_call_at_a_time`), which then
+    writes a heartbeat another thread asked for meanwhile (skipped, and owed to this call)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self._beat_owed and not self._closed:
+                self._beat_owed = False
+                self._register_as(self._state)
+
+    return _guard(call)
+
+
+def _owe_beat(receiver: Receiver) -> bool:
+    """A heartbeat beside another thread's call: written when that call ends (mid-scatter the
+    tensors hold no version, and a heartbeat then would name the last); False meanwhile."""
+    receiver._beat_owed = True
+    return False
+
+
+# Light: a pull beside a heartbeat waits for it instead of refusing.
+_light = one_call_at_a_time("a receiver", _CALLS, when_busy=_owe_beat)
 
 
 class Receiver:
@@ -279,6 +304,7 @@ class Receiver:
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
+        self._beat_owed = False  # a heartbeat skipped beside a call, written as it ends
         self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
@@ -593,12 +619,13 @@ class Receiver:
         self._idle_pulls = 0
         return True
 
-    @_unless_busy
+    @_light
     def heartbeat(self) -> bool:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
-        failure is logged and retried on the next pull; returns whether it was written (False
-        also while another thread's call runs on this receiver: that call registers what the
-        tensors hold when it ends)."""
+        failure is logged and retried on the next pull; returns whether it was written. Beside
+        another thread's call on this receiver it returns False at once, and that call writes
+        the registration of what the tensors hold when it ends; a call from another thread
+        beside a heartbeat waits for it."""
         return self._register_as(self._state)
 
     @property

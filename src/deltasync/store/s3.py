@@ -26,7 +26,9 @@ naming the field) shows the endpoint redacted. Nothing here knows what the bytes
 
 from __future__ import annotations
 
+import hashlib
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -273,17 +275,57 @@ def make_client(config: S3Config) -> Any:
         ) from None
 
 
-def _read_at_most(body: Any, limit: int) -> bytes:
-    """Up to ``limit`` bytes of a response body, until it ends (one read may return fewer)."""
+_READ_CHUNK = 1 << 20  # the most one socket read of a body asks for
+_NO_LIMIT = 1 << 62
+
+
+def _read_at_most(body: Any, limit: int, deadline: float) -> bytes:
+    """Up to ``limit`` bytes of a response body, until it ends, and not past ``deadline``
+    (``time.monotonic()``). A read timeout bounds each socket read only: a server that sends
+    a byte inside every one would keep a plain read going for days. So the body is read a
+    socket read at a time (the raw stream's ``read1`` where it has one) and cut off at the
+    call's deadline with a read timeout, which the retries then judge."""
+    raw = getattr(body, "_raw_stream", None)
+    read = getattr(raw, "read1", None) or body.read
     chunks: list[bytes] = []
     n = 0
     while n < limit:
-        chunk = body.read(limit - n)
+        if time.monotonic() > deadline:
+            raise _body_deadline(n)
+        chunk = read(min(limit - n, _READ_CHUNK))
         if not chunk:
             break
         chunks.append(chunk)
         n += len(chunk)
     return b"".join(chunks)
+
+
+def _body_deadline(read: int) -> Exception:
+    """A read timeout (transient) that says the body outlasted the call's deadline."""
+    from botocore.exceptions import ReadTimeoutError
+
+    class BodyDeadline(ReadTimeoutError):
+        fmt = "the body was still arriving at the call's deadline ({read} bytes read)"
+
+    return BodyDeadline(endpoint_url="", read=read)
+
+
+def _field(response: Any, name: str, what: str, url: str) -> Any:
+    """``response[name]``; a reply without it is a StoreError (not an S3 server's reply)."""
+    try:
+        return response[name]
+    except (KeyError, TypeError):
+        raise StoreError(
+            f"S3 {what} of {url}: the server's reply has no {name}; it does not answer as S3 "
+            "does (check the endpoint, or a proxy in front of it)"
+        ) from None
+
+
+def multipart_etag(part_etags: Iterable[str]) -> str:
+    """The ETag S3 gives an object completed from parts with these ETags (each the MD5 of its
+    part): the MD5 of their digests end to end, a dash and their count, quoted."""
+    digests = [bytes.fromhex(e.strip('"')) for e in part_etags]
+    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
 
 
 T = TypeVar("T")
@@ -357,6 +399,17 @@ class S3Store:
             raise self._map_client_error(what, key, exc) from exc
         except BotoCoreError as exc:
             raise StoreError(f"S3 {what} of {self._url(key)} failed: {self._scrub(exc)}") from exc
+        except RecursionError:
+            # botocore follows a redirect by calling itself: a server that redirects to
+            # itself ends here (a redirect answers a request without applying it)
+            raise StoreError(
+                f"S3 {what} of {self._url(key)} failed: the server kept redirecting the "
+                "request (a redirect loop); check S3Config.endpoint_url and region"
+            ) from None
+
+    def _deadline(self) -> float:
+        """When a call starting now must have ended (its retries' deadline)."""
+        return time.monotonic() + self.config.retry.deadline_s
 
     def _scrub(self, exc: BaseException) -> str:
         """``str(exc)`` of a botocore exception, with the endpoint as :func:`redact_url` prints
@@ -365,6 +418,12 @@ class S3Store:
 
     def _map_client_error(self, what: str, key: str, exc: BaseException) -> StoreError:
         code, status = error_code(exc)
+        if code == "NoSuchUpload":  # a 404 of a multipart upload, not of the key
+            return StoreError(
+                f"S3 {what} of {self._url(key)}: the server no longer knows the multipart "
+                "upload (completed, aborted, or reaped by the bucket's lifecycle rules); "
+                "write the key again"
+            )
         if code in NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
             return KeyNotFoundError(f"key {key!r} not found: {self._url(key)}")
         if code in CONFLICT or status == 412:
@@ -405,20 +464,23 @@ class S3Store:
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         full = self._full(check_key(key))
         check_max_bytes(key, max_bytes)
+        deadline = self._deadline()
 
         def op(_: int) -> bytes:
             response = self._client.get_object(Bucket=self.bucket, Key=full)
-            body = response["Body"]
+            body = _field(response, "Body", "get", self._url(key))
             try:
                 # The object's size comes with the response headers: refuse before the body.
                 size = response.get("ContentLength")
                 if max_bytes is not None and isinstance(size, int) and size > max_bytes:
                     raise too_large(key, self, size, max_bytes)
-                if max_bytes is None:
-                    return body.read()  # inside op: a connection drop mid-body is retried
-                # A server that under-reports the length still cannot make us read more.
-                data = _read_at_most(body, max_bytes + 1)
-                if len(data) > max_bytes:
+                # Read inside op (a connection drop mid-body is retried), and never more than
+                # the bound: a server that under-reports the length cannot make us read more.
+                # Without a bound or a length (a chunked reply): to its end.
+                bound = max_bytes if max_bytes is not None else size
+                limit = bound + 1 if isinstance(bound, int) else _NO_LIMIT
+                data = _read_at_most(body, limit, deadline)
+                if max_bytes is not None and len(data) > max_bytes:
                     raise too_large(key, self, f"more than {max_bytes}", max_bytes)
                 if isinstance(size, int) and len(data) != size:
                     # The body ended before its length: a connection dropped mid-transfer
@@ -454,7 +516,7 @@ class S3Store:
                 if error_code(exc)[0] == "InvalidRange":
                     return b""  # starts past the end: reported below like a short range
                 raise
-            body = response["Body"]
+            body = _field(response, "Body", "get_range", self._url(key))
             try:
                 # A server that ignores Range answers 200 with the whole object: refused
                 # before its body is read (a 16-byte read must not buffer a 1 GB blob).
@@ -464,10 +526,11 @@ class S3Store:
                         "answered without a Content-Range, i.e. ignored the Range header; "
                         "deltasync needs an S3 server that serves byte ranges"
                     )
-                return body.read(length + 1)  # a longer part is reported below
+                return _read_at_most(body, length + 1, deadline)  # longer: reported below
             finally:
                 body.close()
 
+        deadline = self._deadline()
         data = self._call("get_range", key, op)
         if len(data) > length:
             raise StoreError(
@@ -489,12 +552,21 @@ class S3Store:
         return True
 
     def size(self, key: str) -> int:
-        return int(self._head("size", key)["ContentLength"])
+        size = _field(self._head("size", key), "ContentLength", "size", self._url(key))
+        if not isinstance(size, int) or size < 0:
+            raise StoreError(f"S3 size of {self._url(key)}: the server gave {size!r} bytes")
+        return size
 
     def modified(self, key: str) -> float:
         """When the object was last written (POSIX seconds, the server's ``LastModified``:
         its clock, to the second). Raises KeyNotFoundError if absent."""
-        return self._head("modified", key)["LastModified"].timestamp()
+        stamp = _field(self._head("modified", key), "LastModified", "modified", self._url(key))
+        try:
+            return stamp.timestamp()
+        except (AttributeError, OverflowError, OSError, ValueError):
+            raise StoreError(
+                f"S3 modified of {self._url(key)}: the server gave {stamp!r} as LastModified"
+            ) from None
 
     def _head(self, what: str, key: str) -> dict:
         full = self._full(check_key(key))
@@ -639,15 +711,17 @@ class S3Store:
         failure is raised, for the caller's retries to judge."""
         from botocore.exceptions import ClientError
 
+        deadline = self._deadline()
         try:
-            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            response = self._client.get_object(Bucket=self.bucket, Key=full)
         except ClientError as exc:
             code, status = error_code(exc)
             if code in NOT_FOUND or (status == 404 and code != "NoSuchBucket"):
                 return None
             raise
+        body = _field(response, "Body", "read back", f"s3://{self.bucket}/{full}")
         try:
-            return body.read(expected + 1)
+            return _read_at_most(body, expected + 1, deadline)
         finally:
             body.close()
 
@@ -668,7 +742,8 @@ class S3Store:
                     Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=data
                 ),
             )
-            parts.append({"PartNumber": number, "ETag": response["ETag"]})
+            etag = _field(response, "ETag", "upload_part", self._url(key))
+            parts.append({"PartNumber": number, "ETag": etag})
 
         try:
             for chunk in chunks:
@@ -677,12 +752,15 @@ class S3Store:
                 buf += view
                 while len(buf) >= part_bytes:
                     if upload_id is None:
-                        upload_id = self._call(
+                        started = self._call(
                             "create_multipart_upload",
                             key,
                             lambda _: self._client.create_multipart_upload(
                                 Bucket=self.bucket, Key=full
-                            )["UploadId"],
+                            ),
+                        )
+                        upload_id = _field(
+                            started, "UploadId", "create_multipart_upload", self._url(key)
                         )
                     upload(bytes(buf[:part_bytes]))
                     del buf[:part_bytes]
@@ -691,16 +769,7 @@ class S3Store:
                 return total
             if buf or not parts:
                 upload(bytes(buf))
-            self._call(
-                "complete_multipart_upload",
-                key,
-                lambda _: self._client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                ),
-            )
+            self._complete(key, full, upload_id, parts)
         except BaseException:
             if upload_id is not None:
                 try:
@@ -711,6 +780,51 @@ class S3Store:
                     pass  # the bucket's lifecycle rules reap uploads we cannot abort now
             raise
         return total
+
+    def _complete(self, key: str, full: str, upload_id: str, parts: list[dict]) -> None:
+        """CompleteMultipartUpload, retried. A retry answered NoSuchUpload after an attempt
+        that may have reached the server (its reply lost) means the upload was completed or
+        aborted: the object is ours if its ETag is the one these parts make, else the
+        upload's outcome is a StoreError (never "key not found", which it is not)."""
+        from botocore.exceptions import ClientError
+
+        sent = False
+
+        def op(_: int) -> None:
+            nonlocal sent
+            try:
+                self._client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except Exception as exc:
+                if is_transient(exc):
+                    sent = True
+                raise
+
+        try:
+            self._call("complete_multipart_upload", key, op)
+        except StoreError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, ClientError) and error_code(cause)[0] == "NoSuchUpload"):
+                raise
+            if sent and self._etag(key) == multipart_etag(p["ETag"] for p in parts):
+                return  # completed by the attempt whose reply was lost
+            raise StoreError(
+                f"S3 complete_multipart_upload of {self._url(key)}: the server no longer knows "
+                "the upload (NoSuchUpload), and the key does not hold the object its parts "
+                "make; write it again"
+            ) from exc
+
+    def _etag(self, key: str) -> str | None:
+        """The object's ETag, or None where there is none (or it cannot be read now)."""
+        try:
+            etag = self._head("etag", key).get("ETag")
+        except StoreError:
+            return None
+        return etag if isinstance(etag, str) else None
 
     def delete(self, key: str) -> None:
         full = self._full(check_key(key))
