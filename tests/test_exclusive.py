@@ -181,3 +181,15 @@ def test_a_lock_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(LocalStateError, match="not a regular file"):
         FileHold(fifo, what="state dir", owner="rx", remedy="r")
+
+
+def test_a_lock_link_to_a_file_this_process_holds_is_refused_too(tmp_path):
+    # the registry is keyed by the real path: the link was taken for a second holder of the
+    # file it names, never opened, so the refusal above never ran
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    held = FileHold(tmp_path / "a" / "lock", what="state dir a", owner="rx-a", remedy="r")
+    (tmp_path / "b" / "lock").symlink_to(tmp_path / "a" / "lock")
+    with pytest.raises(LocalStateError, match="symbolic link"):
+        FileHold(tmp_path / "b" / "lock", what="state dir b", owner="rx-b", remedy="r")
+    held.release()

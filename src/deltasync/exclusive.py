@@ -79,6 +79,7 @@ class FileHold:
         self.owner = owner
         self.remedy = remedy
         key = self._key()
+        self._refuse_special()  # also where this process holds what a link points to
         with _HELD_GUARD:
             held = _HELD.get(key)
             if held is not None and held[0] == os.getpid():
@@ -93,11 +94,30 @@ class FileHold:
         except ValueError as exc:  # a NUL byte in the path
             raise LocalStateError(f"cannot hold {self.what}: {exc}") from None
 
+    def _refused(self, why: str) -> LocalStateError:
+        return LocalStateError(
+            f"cannot hold the lock of {self.what} ({str(self.path)!r}): {why}; remove it (it "
+            "is recreated). Nothing was written"
+        )
+
+    def _refuse_special(self) -> None:
+        """A lock file is a regular file or nothing yet: never a link (the pid stamp would
+        truncate what it names) nor a special file (a FIFO would block the open)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._refused(exc.strerror or str(exc)) from exc
+        if stat.S_ISLNK(mode):
+            raise self._refused("it is a symbolic link (a lock file is never followed)")
+        if not stat.S_ISREG(mode):
+            raise self._refused("it is not a regular file")
+
     def _take(self) -> int:
         """Open, lock and stamp (our pid) the lock file: its descriptor."""
-        # Never through a link, never a special file: the pid stamp below truncates and
-        # writes what it opened (a link planted there would aim that at any file this
-        # process may write; a FIFO would block the open).
+        # Never through a link, never a special file, also if one is put there after the
+        # check above (the open itself refuses a link; the descriptor is checked).
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o600)
@@ -105,16 +125,10 @@ class FileHold:
             why = exc.strerror or str(exc)
             if exc.errno == errno.ELOOP:
                 why = "it is a symbolic link (a lock file is never followed)"
-            raise LocalStateError(
-                f"cannot open the lock of {self.what} ({str(self.path)!r}): {why}; remove "
-                "it (it is recreated). Nothing was written"
-            ) from exc
+            raise self._refused(why) from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise LocalStateError(
-                f"the lock of {self.what} ({str(self.path)!r}) is not a regular file; remove "
-                "it (it is recreated). Nothing was written"
-            )
+            raise self._refused("it is not a regular file")
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,19 @@ def test_a_journal_without_digest_fields_reads_as_unknown_digests(tmp_path: Path
     path.write_text('{"applying":null,"committed":3,"dirty":false,"digest":7}')
     with pytest.raises(LocalStateError, match="not a deltasync cluster journal"):
         ClusterJournal(version=None, path=path)
+
+
+def test_a_dirty_mark_the_disk_refuses_still_leaves_no_version_in_memory(tmp_path: Path) -> None:
+    # The file was written first: when it failed (a full disk, a directory gone) the journal
+    # went on reporting version 3 over tensors the receiver had just found changed.
+    directory = tmp_path / "jdir"
+    directory.mkdir()
+    journal = ClusterJournal(version=None, path=directory / "journal.json", owner="test")
+    journal.begin(3, base=-1)
+    journal.commit(3)
+    shutil.rmtree(directory)  # the journal and its lock
+    directory.write_text("a file where the journal's directory was: every write fails")
+    with pytest.raises(LocalStateError):
+        journal.mark_dirty()
+    assert journal.state.dirty and journal.state.applying is None
+    journal.close()

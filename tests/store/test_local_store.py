@@ -98,6 +98,30 @@ def test_a_write_whose_directory_is_pruned_meanwhile_starts_over(tmp_path: Path)
     assert store.list("receivers/") == ["receivers/rx-a.json"]
 
 
+def test_a_write_whose_parent_directory_is_pruned_meanwhile_starts_over(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # acks/ pruned (its last ack deleted) between its open and the mkdir of acks/v00000005:
+    # the mkdir failed, and so did the put
+    store = LocalStore(tmp_path / "root")
+    root = tmp_path / "root"
+    mkdir = os.mkdir
+    pruned = []
+
+    def pruned_first(path, mode=0o777, *, dir_fd=None):
+        if not pruned and path == "v00000005":
+            os.rmdir(root / "acks")
+            pruned.append(path)
+        return mkdir(path, mode, dir_fd=dir_fd)
+
+    (root / "acks").mkdir()
+    monkeypatch.setattr(os, "mkdir", pruned_first)
+    store.put("acks/v00000005/rx.json", b"ack")
+    monkeypatch.undo()
+    assert pruned == ["v00000005"]
+    assert store.get("acks/v00000005/rx.json") == b"ack"
+
+
 def test_a_write_whose_directory_keeps_being_pruned_is_a_store_error(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "root")
     write_temp = store._write_temp

@@ -68,3 +68,17 @@ def test_a_one_writer_anchor_with_a_wrong_or_missing_parameter_is_refused_before
     with pytest.raises(ConfigError, match=match):
         pub.publish(0, [], bad(_params(tl)), anchor=True)
     assert store.list("") == []
+
+
+@pytest.mark.parametrize("bad, match", CASES)
+def test_a_resume_with_a_wrong_or_missing_parameter_is_refused_by_name(tmp_path, bad, match):
+    # resume() hashed what it was given: a bare KeyError for a missing parameter, and a
+    # rank's shard hashed as if it were the whole parameter.
+    _spec, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    params = _params(tl)
+    Publisher(store, receiver_layout=rl, config=PublisherConfig()).publish(0, [], params)
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
+    with pytest.raises(ConfigError, match=match):
+        pub.resume(0, bad(params))
+    assert pub.resume(0, params) is True

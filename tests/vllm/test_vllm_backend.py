@@ -151,6 +151,8 @@ def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_no
     unknown = synced["unknown_update_field"]
     assert unknown.startswith("ConfigError") and "'hint'" in unknown, unknown
     assert "version, phase, extra" in unknown, unknown
+    mixed = synced["mixed_update_keys"]
+    assert mixed.startswith("ConfigError") and "'1'" in mixed, mixed
     taken = synced["reinit_held"][0]["weight_version"] + 1
     for state, live in zip(synced["after_reinit_states"], synced["after_reinit_live"], strict=True):
         split = synced["after_reinit_splits"][state["shard"]]

@@ -409,6 +409,11 @@ def synced(spec: dict) -> dict:
             lambda: llm.update_weights({"update_info": {"version": nxt, "hint": "x"}})
         )
         _error_of(llm.finish_weight_update)  # vLLM's worker closed the session on the error
+        llm.start_weight_update()  # keys of mixed types (the in-process API passes them on)
+        out["mixed_update_keys"] = _error_of(
+            lambda: llm.update_weights({"update_info": {"version": nxt, 1: "x"}})
+        )
+        _error_of(llm.finish_weight_update)
         out["after_reinit_states"] = llm.collective_rpc(worker_state)
         out["after_reinit_live"] = llm.collective_rpc(live_tensors)
         out["after_reinit_splits"] = layout.split(canonical())

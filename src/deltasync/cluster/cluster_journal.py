@@ -268,8 +268,13 @@ class ClusterJournal:
         )
 
     def mark_dirty(self) -> None:
+        """No version from now on: in memory first, so that a journal file the disk refuses
+        (its error raised) never leaves the receiver reporting a version its tensors are
+        known not to hold."""
         self._verified = None
-        self._set(replace(self._state, applying=None, dirty=True, window=0))
+        self._state = replace(self._state, applying=None, dirty=True, window=0)
+        if self.path is not None:
+            self._write(self._state)
 
     def restore(self, state: JournalState) -> None:
         """Put back ``state``, recorded before a ``begin`` whose apply never wrote a byte (its

@@ -250,7 +250,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         except TypeError as exc:
             taken = ", ".join(f.name for f in fields(DeltaSyncUpdateInfo))
             raise ConfigError(
-                f"update_weights: update_info {sorted(update_dict)} is not a "
+                f"update_weights: update_info {sorted(map(str, update_dict))} is not a "
                 f"DeltaSyncUpdateInfo ({exc}); its fields are {taken} (later ones go in "
                 "'extra'). Nothing was written"
             ) from None

@@ -349,9 +349,12 @@ class Publisher:
                 "Publisher.resume with num_writers > 1 needs full_state on every writer (each "
                 "checks the same digests, so all writers agree on delta or anchor)"
             )
+        self._check_shards(params)
         full = (
             params if full_state is None else (full_state() if callable(full_state) else full_state)
         )
+        if full_state is not None:
+            self._check_full(full)
         if self._digests(full) != dict(manifest.shard_digests):
             log.warning(
                 "writer %s: resume from version %d: the stored version %d (run %s) holds another "
@@ -1011,11 +1014,16 @@ class Publisher:
                 "parameters or a callable gathering them) to compute the shard digests"
             )
         full = full_state() if callable(full_state) else full_state
+        self._check_full(full)
+        return full
+
+    def _check_full(self, full: Params) -> None:
+        """ConfigError unless ``full`` (a ``full_state``) holds every parameter, whole."""
         missing = [n for n in self.trainer_layout.param_shapes() if n not in full]
         if missing:
             raise ConfigError(
                 f"writer {self.writer}: full_state has no {missing[:5]} ({len(missing)} of the "
-                "model's parameters missing); the committer computes every shard's digest from "
+                "model's parameters missing); every shard's digest is computed from "
                 "it, so it holds every parameter of the model, whole. Nothing was committed"
             )
         wrong = self.trainer_layout.misshapen(
@@ -1028,7 +1036,6 @@ class Publisher:
                 f"{want}; full_state holds every parameter whole (gathered, not a rank's "
                 "shard). Nothing was committed"
             )
-        return full
 
     def _already_committed(
         self, version: int, committed: int, params: Params, full_state, t0: float

@@ -70,8 +70,9 @@ class _Missing(Exception):
 
 
 class _DirGone(Exception):
-    """The directory a write had opened was removed before its file was created in it (a
-    delete of that directory's last key pruned it meanwhile): the write starts over."""
+    """A directory a write had opened was removed before the write created its file or
+    subdirectory in it (a delete of that directory's last key pruned it meanwhile): the write
+    starts over."""
 
 
 class _LinkRefused(StoreError):
@@ -179,6 +180,10 @@ class LocalStore:
                 os.mkdir(name, self.dir_mode, dir_fd=dfd)
             except FileExistsError:
                 continue  # a racing writer made it; open it on the next round
+            except FileNotFoundError:
+                # the directory it goes in was pruned after its open (a concurrent delete of
+                # its last key): a write starts over from the root
+                raise _DirGone from None
             except OSError as exc:
                 raise self._fail("creating a directory of", key, exc) from exc
             self._chmod_dir(key, dfd, name)
