@@ -108,7 +108,9 @@ class FileHold:
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise self._refused(exc.strerror or str(exc)) from exc
+            raise LocalStateError(
+                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
+            ) from exc
         if stat.S_ISLNK(mode):
             raise self._refused("it is a symbolic link (a lock file is never followed)")
         if not stat.S_ISREG(mode):
@@ -122,10 +124,13 @@ class FileHold:
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
-            why = exc.strerror or str(exc)
             if exc.errno == errno.ELOOP:
-                why = "it is a symbolic link (a lock file is never followed)"
-            raise self._refused(why) from exc
+                raise self._refused(
+                    "it is a symbolic link (a lock file is never followed)"
+                ) from None
+            raise LocalStateError(
+                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
+            ) from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise self._refused("it is not a regular file")
