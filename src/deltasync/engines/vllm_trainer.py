@@ -150,10 +150,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 if isinstance(exc, DeltaSyncError):
                     raise
                 # vLLM's multiprocess executor re-raises a worker's error as RuntimeError, HTTP
-                # as a status 500: typed as a refused init (the workers keep what they had)
+                # as a status 500; a transport error may have reached no worker or some
                 raise ConfigError(
-                    f"init_weight_transfer_engine was refused: {type(exc).__name__}: "
-                    f"{_failure_text(exc)}; every worker kept its previous receiver"
+                    f"init_weight_transfer_engine failed: {type(exc).__name__}: "
+                    f"{_failure_text(exc)}. An init a worker refused leaves every worker's "
+                    "receiver as it was; after a lost connection, init again"
                 ) from exc
         return engine
 
