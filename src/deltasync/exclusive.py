@@ -193,17 +193,8 @@ def _still(path: Path, fd: int) -> bool:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-# How long a call waits for a light one (a heartbeat: one store write, within its retries'
-# deadline) instead of refusing.
-LIGHT_WAIT_S = 120.0
-
-
 def one_call_at_a_time(
-    kind: str,
-    calls: str,
-    untouched: str = "Nothing was written",
-    *,
-    when_busy: Callable[[Any], Any] | None = None,
+    kind: str, calls: str, untouched: str = "Nothing was written"
 ) -> Callable[[F], F]:
     """Make a method refuse to run beside another thread's call of any method so marked on
     the same object: ConfigError before anything is read, sent or written. Same-thread
@@ -211,45 +202,25 @@ def one_call_at_a_time(
     messages) and ``_closed`` (set by its ``close``: every marked method but ``close`` is then
     refused too, since what it would write is no longer held); ``kind`` names what it is (``a
     receiver``), ``calls`` the marked methods, ``untouched`` what the refusal left alone.
-
-    ``when_busy`` marks a light method (a heartbeat): beside another thread's call it is not
-    refused but answered by ``when_busy(obj)`` (which may leave it owed to that call), and
-    the other calls wait for a light one to end (up to :data:`LIGHT_WAIT_S`) instead of
-    refusing, so that a heartbeat thread never makes a pull fail.
     """
-    light = when_busy is not None
 
     def mark(method: F) -> F:
         @functools.wraps(method)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._busy.acquire(blocking=False):
-                if light:
-                    return when_busy(self)
-                waited = getattr(self, "_light_runs", False) and self._busy.acquire(
-                    timeout=LIGHT_WAIT_S
+                raise ConfigError(
+                    f"{self._who}: {method.__name__}() was called while another thread's "
+                    f"{calls} runs on it. {kind[0].upper()}{kind[1:]} takes one call at a "
+                    f"time: serialize them. {untouched}"
                 )
-                if not waited:
-                    raise ConfigError(
-                        f"{self._who}: {method.__name__}() was called while another thread's "
-                        f"{calls} runs on it. {kind[0].upper()}{kind[1:]} takes one call at a "
-                        f"time: serialize them. {untouched}"
-                    )
-            depth = getattr(self, "_calls_in", 0)  # this thread's calls under way (held)
-            self._calls_in = depth + 1
-            outer = light and depth == 0  # a heartbeat inside a pull is that pull's
             try:
                 if self._closed and method.__name__ != "close":
                     raise ConfigError(
                         f"{self._who}: {method.__name__}() after close(): what it holds was "
                         f"let go (another process may have it now). Build a new one. {untouched}"
                     )
-                if outer:
-                    self._light_runs = True
                 return method(self, *args, **kwargs)
             finally:
-                if outer:
-                    self._light_runs = False
-                self._calls_in = depth
                 self._busy.release()
 
         return guarded  # type: ignore[return-value]

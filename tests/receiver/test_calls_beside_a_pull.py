@@ -5,6 +5,7 @@ from another thread or from the pull's own callbacks."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -72,7 +73,7 @@ def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdra
     assert rec.pull().version == 1
     before, beat, dereg, here, after = seen
     assert before is None and after is None, seen
-    assert here == (None, True, True), here  # torn: no version, and registered as none
+    assert here == (None, True, False), here  # torn: no version, and nothing registered
     assert beat == {"returned": False}, beat
     assert isinstance(dereg.get("raised"), ConfigError), dereg
     assert "while another thread's pull" in str(dereg["raised"])
@@ -103,9 +104,9 @@ class _SlowRegistrations:
 def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_written_after(
     tmp_path, monkeypatch
 ):
-    # The heartbeat held the receiver's guard: a pull from another thread was refused with a
-    # ConfigError (which a sidecar takes for a permanent fault); and a heartbeat skipped beside
-    # a scrub that found the tensors intact was never written.
+    # A heartbeat must not make a pull from another thread fail (a ConfigError, which a
+    # sidecar takes for a permanent fault), nor be lost beside a call that registers nothing
+    # (a scrub that finds the tensors intact).
     inner = MemoryStore()
     store = _SlowRegistrations(inner)
     tl, rl, params, pub = anchored_bf16(inner, seed=3)
@@ -134,5 +135,32 @@ def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_w
 
     monkeypatch.setattr(store_receiver, "state_digest", hashing)
     assert rec.scrub() is True  # intact: the scrub itself registers nothing
-    assert seen == [{"returned": False}], seen
-    assert _registered(inner) == 1  # the skipped heartbeat, written as the scrub ended
+    assert seen == [{"returned": True}], seen
+    assert _registered(inner) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(tmp_path):
+    # The tensors still hold version 0 there, but the pull withdrew the registration for the
+    # scatter about to start: a heartbeat naming version 0 then outlives a kill mid-scatter.
+    store = MemoryStore()
+    tl, rl, params, pub = anchored_bf16(store, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    seen = []
+
+    @contextlib.contextmanager
+    def pause():  # entered after the withdrawal, right before the first write
+        seen.append((_registered(store), _from_another_thread(lambda: rec.heartbeat())))
+        seen.append(_registered(store))
+        yield
+
+    rec = Receiver.for_layout(
+        store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"), pause=pause
+    )
+    assert rec.pull().version == 0
+    seen.clear()
+    publish_edit(pub, params, 1, 7)
+    assert rec.pull().version == 1
+    assert seen == [(None, {"returned": False}), None], seen
+    assert _registered(store) == 1 and rec.heartbeat() is True
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])

@@ -1,9 +1,8 @@
 """An S3-compatible server that lies: an HTTP proxy in front of the session's real moto server
 that, per ``mode``, ignores ``Range`` (answers 200 with the whole object), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
-same twice in a row, which botocore's own check misses), redirects every request to itself,
-or sends a body one byte at a time (``drip_s`` apart, each inside any read timeout). Every
-other request passes through unchanged."""
+same twice in a row, which botocore's own check misses), or redirects every request to
+itself. Every other request passes through unchanged."""
 
 from __future__ import annotations
 
@@ -16,16 +15,14 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 class LyingS3:
     """``mode``: "honest", "ignores-range", "lists-outside-prefix" (adds ``foreign_key``, a
-    whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped),
-    "redirects" (307 to the same URL; ``redirects`` counts them) or "drips" (GET bodies)."""
+    whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped) or
+    "redirects" (307 to the same URL; ``redirects`` counts them)."""
 
     def __init__(self, upstream_port: int, *, foreign_key: str = "other-run/v00000009/x") -> None:
         self.mode = "honest"
         self.foreign_key = foreign_key
         self.pages = 0
         self.redirects = 0
-        self.drip_s = 0.2
-        self.stop = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,13 +77,7 @@ class LyingS3:
                         self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command == "GET" and proxy.mode == "drips":
-                    for i in range(len(data)):
-                        if proxy.stop.wait(proxy.drip_s):
-                            return
-                        self.wfile.write(data[i : i + 1])
-                        self.wfile.flush()
-                elif self.command != "HEAD":
+                if self.command != "HEAD":
                     self.wfile.write(data)
 
             do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _forward
@@ -100,6 +91,5 @@ class LyingS3:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def close(self) -> None:
-        self.stop.set()
         self._server.shutdown()
         self._server.server_close()

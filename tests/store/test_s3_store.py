@@ -22,6 +22,7 @@ from deltasync.errors import (
     StoreError,
 )
 from deltasync.store import RetryPolicy, S3Config, S3Store
+from deltasync.store.s3 import multipart_etag
 
 PATIENT = RetryPolicy(max_attempts=40, base_delay_s=0.05, max_delay_s=0.3, deadline_s=15.0)
 
@@ -165,6 +166,45 @@ def test_a_completed_upload_whose_reply_was_lost_is_told_by_its_etag(s3_store, a
         assert not isinstance(info.value, KeyNotFoundError)
         assert not store.exists("v00000001/tp0/w00000.blob")
     assert store._client.calls == 2
+
+
+def test_part_etags_that_are_not_md5s_make_no_multipart_etag() -> None:
+    assert multipart_etag(['"0123456789abcdef0123456789abcdef"']) is not None
+    for etags in (['"not-hex"'], ['"abcd"'], [None]):
+        assert multipart_etag(etags) is None  # judged not written, never a ValueError
+
+
+class _ShortReadBack:
+    """The first put_object is delivered and its reply lost; the retry gets 412; the first
+    read back of the key is cut short (its connection dropped mid-body)."""
+
+    def __init__(self, client) -> None:
+        self._inner = _ReplyLost(client, delivered=True)
+        self.reads = 0
+
+    def put_object(self, **kwargs):
+        return self._inner.put_object(**kwargs)
+
+    def get_object(self, **kwargs):
+        self.reads += 1
+        response = self._inner.get_object(**kwargs)
+        if self.reads == 1:
+            data = response["Body"].read()
+            response["Body"] = StreamingBody(io.BytesIO(data[:3]), len(data))
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3_store) -> None:
+    # A prefix of our own bytes read back was judged another writer's: CommitConflictError,
+    # and the publisher took its own commit for a lost race.
+    _few_retries(s3_store)
+    s3_store._client = _ShortReadBack(s3_store._client)
+    s3_store.put_if_absent("v00000011/MANIFEST.json", b"ours, a few bytes long")
+    assert s3_store._client.reads >= 2
+    assert s3_store.get("v00000011/MANIFEST.json") == b"ours, a few bytes long"
 
 
 class _Answers:

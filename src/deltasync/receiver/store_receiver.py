@@ -42,7 +42,6 @@ whole decoded chain).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -199,35 +198,7 @@ _DECODED_PER_RAW = 2
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
 
-_CALLS = "pull, scrub, invalidate, heartbeat, deregister or close"
-_guard = one_call_at_a_time("a receiver", _CALLS)
-
-
-def _one_at_a_time(method):
-    """One call at a time (see :func:`~deltasync.exclusive.one_call_at_a_time`), which then
-    writes a heartbeat another thread asked for meanwhile (skipped, and owed to this call)."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            if self._beat_owed and not self._closed:
-                self._beat_owed = False
-                self._register_as(self._state)
-
-    return _guard(call)
-
-
-def _owe_beat(receiver: Receiver) -> bool:
-    """A heartbeat beside another thread's call: written when that call ends (mid-scatter the
-    tensors hold no version, and a heartbeat then would name the last); False meanwhile."""
-    receiver._beat_owed = True
-    return False
-
-
-# Light: a pull beside a heartbeat waits for it instead of refusing.
-_light = one_call_at_a_time("a receiver", _CALLS, when_busy=_owe_beat)
+_one_at_a_time = one_call_at_a_time("a receiver", "pull, scrub, invalidate, deregister or close")
 
 
 class Receiver:
@@ -304,7 +275,11 @@ class Receiver:
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
-        self._beat_owed = False  # a heartbeat skipped beside a call, written as it ends
+        # Registration writes in order: a pull's withdrawal (before its first live write)
+        # is never overtaken by a heartbeat naming the version before; ``_withdrawn`` lasts
+        # until the pull registers again (whatever its outcome).
+        self._records = threading.Lock()
+        self._withdrawn = False
         self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
@@ -619,14 +594,18 @@ class Receiver:
         self._idle_pulls = 0
         return True
 
-    @_light
     def heartbeat(self) -> bool:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
-        failure is logged and retried on the next pull; returns whether it was written. Beside
-        another thread's call on this receiver it returns False at once, and that call writes
-        the registration of what the tensors hold when it ends; a call from another thread
-        beside a heartbeat waits for it."""
-        return self._register_as(self._state)
+        failure is logged and retried on the next pull; returns whether it was written. Any
+        thread may call it, beside a pull too: from a pull's withdrawal of the registration
+        (before its first live write) until that pull registers again, it writes nothing and
+        returns False. ConfigError after close()."""
+        if self._closed:
+            raise ConfigError(
+                f"{self._who}: heartbeat() after close(): what it holds was let go (another "
+                "process may have it now). Build a new one. Nothing was written"
+            )
+        return self._register_as(self._state, beat=True)
 
     @property
     def unpersisted_version(self) -> int | None:
@@ -635,9 +614,20 @@ class Receiver:
         the version before it until then."""
         return None if self._unpersisted is None else self._unpersisted[0].version
 
-    def _register_as(self, state: LocalState) -> bool:
+    def _register_as(
+        self, state: LocalState, *, withdraw: bool = False, beat: bool = False
+    ) -> bool:
         """:meth:`heartbeat` with the version ``state`` records (the one a pull is recording
-        while its state file is being written)."""
+        while its state file is being written). ``withdraw``: a pull's withdrawal before its
+        first live write (``state`` names no version), which a ``beat`` (a heartbeat) never
+        overtakes until the pull registers again."""
+        with self._records:
+            if beat and self._withdrawn:
+                return False
+            self._withdrawn = withdraw
+            return self._register_now(state)
+
+    def _register_now(self, state: LocalState) -> bool:
         held = not state.dirty and state.version is not None
         rec = ReceiverRecord(
             receiver=self.config.receiver_id,
@@ -1133,7 +1123,7 @@ class Receiver:
         neither version, and its registration, heartbeat fresh, must not name one). On its
         thread, beside the verify pass; a failed registration write is retried as any."""
         self.dir.write_journal(journal)
-        self._register_as(self._state_with(dirty=True))
+        self._register_as(self._state_with(dirty=True), withdraw=True)
 
     def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
         """Nothing was written: remove the journal the background write left (if it wrote),

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -275,39 +274,17 @@ def make_client(config: S3Config) -> Any:
         ) from None
 
 
-_READ_CHUNK = 1 << 20  # the most one socket read of a body asks for
-_NO_LIMIT = 1 << 62
-
-
-def _read_at_most(body: Any, limit: int, deadline: float) -> bytes:
-    """Up to ``limit`` bytes of a response body, until it ends, and not past ``deadline``
-    (``time.monotonic()``). A read timeout bounds each socket read only: a server that sends
-    a byte inside every one would keep a plain read going for days. So the body is read a
-    socket read at a time (the raw stream's ``read1`` where it has one) and cut off at the
-    call's deadline with a read timeout, which the retries then judge."""
-    raw = getattr(body, "_raw_stream", None)
-    read = getattr(raw, "read1", None) or body.read
+def _read_at_most(body: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a response body, until it ends (one read may return fewer)."""
     chunks: list[bytes] = []
     n = 0
     while n < limit:
-        if time.monotonic() > deadline:
-            raise _body_deadline(n)
-        chunk = read(min(limit - n, _READ_CHUNK))
+        chunk = body.read(limit - n)
         if not chunk:
             break
         chunks.append(chunk)
         n += len(chunk)
     return b"".join(chunks)
-
-
-def _body_deadline(read: int) -> Exception:
-    """A read timeout (transient) that says the body outlasted the call's deadline."""
-    from botocore.exceptions import ReadTimeoutError
-
-    class BodyDeadline(ReadTimeoutError):
-        fmt = "the body was still arriving at the call's deadline ({read} bytes read)"
-
-    return BodyDeadline(endpoint_url="", read=read)
 
 
 def _field(response: Any, name: str, what: str, url: str) -> Any:
@@ -321,10 +298,16 @@ def _field(response: Any, name: str, what: str, url: str) -> Any:
         ) from None
 
 
-def multipart_etag(part_etags: Iterable[str]) -> str:
+def multipart_etag(part_etags: Iterable[str]) -> str | None:
     """The ETag S3 gives an object completed from parts with these ETags (each the MD5 of its
-    part): the MD5 of their digests end to end, a dash and their count, quoted."""
-    digests = [bytes.fromhex(e.strip('"')) for e in part_etags]
+    part): the MD5 of their digests end to end, a dash and their count, quoted. None when a
+    part's ETag is not an MD5 (a server that names parts otherwise)."""
+    try:
+        digests = [bytes.fromhex(e.strip('"')) for e in part_etags]
+    except (AttributeError, ValueError):
+        return None
+    if any(len(d) != 16 for d in digests):
+        return None
     return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
 
 
@@ -407,10 +390,6 @@ class S3Store:
                 "request (a redirect loop); check S3Config.endpoint_url and region"
             ) from None
 
-    def _deadline(self) -> float:
-        """When a call starting now must have ended (its retries' deadline)."""
-        return time.monotonic() + self.config.retry.deadline_s
-
     def _scrub(self, exc: BaseException) -> str:
         """``str(exc)`` of a botocore exception, with the endpoint as :func:`redact_url` prints
         it (S3Config refuses a query string; this is the backstop for what botocore echoes)."""
@@ -464,7 +443,6 @@ class S3Store:
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         full = self._full(check_key(key))
         check_max_bytes(key, max_bytes)
-        deadline = self._deadline()
 
         def op(_: int) -> bytes:
             response = self._client.get_object(Bucket=self.bucket, Key=full)
@@ -474,13 +452,11 @@ class S3Store:
                 size = response.get("ContentLength")
                 if max_bytes is not None and isinstance(size, int) and size > max_bytes:
                     raise too_large(key, self, size, max_bytes)
-                # Read inside op (a connection drop mid-body is retried), and never more than
-                # the bound: a server that under-reports the length cannot make us read more.
-                # Without a bound or a length (a chunked reply): to its end.
-                bound = max_bytes if max_bytes is not None else size
-                limit = bound + 1 if isinstance(bound, int) else _NO_LIMIT
-                data = _read_at_most(body, limit, deadline)
-                if max_bytes is not None and len(data) > max_bytes:
+                if max_bytes is None:
+                    return body.read()  # inside op: a connection drop mid-body is retried
+                # A server that under-reports the length still cannot make us read more.
+                data = _read_at_most(body, max_bytes + 1)
+                if len(data) > max_bytes:
                     raise too_large(key, self, f"more than {max_bytes}", max_bytes)
                 if isinstance(size, int) and len(data) != size:
                     # The body ended before its length: a connection dropped mid-transfer
@@ -526,11 +502,10 @@ class S3Store:
                         "answered without a Content-Range, i.e. ignored the Range header; "
                         "deltasync needs an S3 server that serves byte ranges"
                     )
-                return _read_at_most(body, length + 1, deadline)  # longer: reported below
+                return body.read(length + 1)  # a longer part is reported below
             finally:
                 body.close()
 
-        deadline = self._deadline()
         data = self._call("get_range", key, op)
         if len(data) > length:
             raise StoreError(
@@ -711,7 +686,6 @@ class S3Store:
         failure is raised, for the caller's retries to judge."""
         from botocore.exceptions import ClientError
 
-        deadline = self._deadline()
         try:
             response = self._client.get_object(Bucket=self.bucket, Key=full)
         except ClientError as exc:
@@ -721,9 +695,17 @@ class S3Store:
             raise
         body = _field(response, "Body", "read back", f"s3://{self.bucket}/{full}")
         try:
-            return _read_at_most(body, expected + 1, deadline)
+            held = _read_at_most(body, expected + 1)
         finally:
             body.close()
+        size = response.get("ContentLength")
+        if isinstance(size, int) and len(held) < min(size, expected + 1):
+            # cut short (a bounded read does not check the length itself): never judged as
+            # another writer's bytes; retried like a dropped connection
+            from botocore.exceptions import IncompleteReadError
+
+            raise IncompleteReadError(actual_bytes=len(held), expected_bytes=size)
+        return held
 
     def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
         full = self._full(check_key(key))
@@ -810,7 +792,8 @@ class S3Store:
             cause = exc.__cause__
             if not (isinstance(cause, ClientError) and error_code(cause)[0] == "NoSuchUpload"):
                 raise
-            if sent and self._etag(key) == multipart_etag(p["ETag"] for p in parts):
+            made = multipart_etag(p["ETag"] for p in parts)
+            if sent and made is not None and self._etag(key) == made:
                 return  # completed by the attempt whose reply was lost
             raise StoreError(
                 f"S3 complete_multipart_upload of {self._url(key)}: the server no longer knows "
