@@ -23,6 +23,14 @@ def _registered(store) -> int | None:
     return ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version
 
 
+def _anchored():
+    """A store with version 0 published: the store, the layouts, the params, the publisher
+    and a receiver shard's (zero) tensors."""
+    store = MemoryStore()
+    tl, rl, params, pub = anchored_bf16(store, seed=3)
+    return store, tl, rl, params, pub, zero_tensors(rl, SHARD)
+
+
 def _from_another_thread(call):
     """``call()`` on a thread of its own: what it returned or raised."""
     out = {}
@@ -43,9 +51,7 @@ def _from_another_thread(call):
 def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdrawn(tmp_path):
     # The heartbeat re-registered version 0 over the torn tensors (a kill then left a torn
     # receiver counted as holding it for the whole TTL).
-    store = MemoryStore()
-    tl, rl, params, pub = anchored_bf16(store, seed=3)
-    tensors = zero_tensors(rl, SHARD)
+    store, tl, rl, params, pub, tensors = _anchored()
     seen = []
 
     def mid_scatter(_name):
@@ -143,9 +149,7 @@ def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_w
 def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(tmp_path):
     # The tensors still hold version 0 there, but the pull withdrew the registration for the
     # scatter about to start: a heartbeat naming version 0 then outlives a kill mid-scatter.
-    store = MemoryStore()
-    tl, rl, params, pub = anchored_bf16(store, seed=3)
-    tensors = zero_tensors(rl, SHARD)
+    store, tl, rl, params, pub, tensors = _anchored()
     seen = []
 
     @contextlib.contextmanager

@@ -346,7 +346,7 @@ class ClusterSender:
         matrix stored transposed has the same size, and its digests would be computed from the
         same misread rows)."""
         self.trainer_layout.check_tied_once(params)
-        missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
+        missing = self.trainer_layout.missing(params)
         if missing:
             raise ConfigError(
                 f"{self._who}: params have no {missing[:5]} ({len(missing)} of the model's "

@@ -103,6 +103,11 @@ class TrainerLayout:
         """Parameter names and full shapes, as ``model.named_parameters()`` lists them."""
         return dict(self._table.src_shapes)
 
+    def missing(self, names: Iterable[str] | Mapping[str, object]) -> list[str]:
+        """The model's parameters (:meth:`param_shapes`) that ``names`` does not hold."""
+        have = names if isinstance(names, Mapping) else set(names)
+        return [n for n in self._table.src_shapes if n not in have]
+
     def aliases(self) -> dict[str, str]:
         """Tied names that ``state_dict()`` lists but ``named_parameters()`` does not."""
         return dict(self._aliases)

@@ -854,7 +854,7 @@ class Publisher:
                 remedy; before anything is written."""
         cfg = self.config
         one = cfg.num_writers == 1
-        missing = [n for n in self.trainer_layout.param_shapes() if n not in params]
+        missing = self.trainer_layout.missing(params)
         if missing:
             why = (
                 "a one-writer publisher computes the shard digests from params, so pass every "
@@ -1019,7 +1019,7 @@ class Publisher:
 
     def _check_full(self, full: Params) -> None:
         """ConfigError unless ``full`` (a ``full_state``) holds every parameter, whole."""
-        missing = [n for n in self.trainer_layout.param_shapes() if n not in full]
+        missing = self.trainer_layout.missing(full)
         if missing:
             raise ConfigError(
                 f"writer {self.writer}: full_state has no {missing[:5]} ({len(missing)} of the "
