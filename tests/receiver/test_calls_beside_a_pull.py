@@ -14,7 +14,7 @@ from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_ten
 from deltasync import MemoryStore, Receiver, names
 from deltasync.commit import ReceiverRecord
 from deltasync.errors import ConfigError
-from deltasync.receiver import store_receiver
+from deltasync.receiver import StateDir, store_receiver
 
 SHARD = "tp0"
 
@@ -168,3 +168,78 @@ def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(t
     assert seen == [(None, {"returned": False}), None], seen
     assert _registered(store) == 1 and rec.heartbeat() is True
     assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_while_the_new_version_is_recorded_never_names_the_one_before(
+    tmp_path, monkeypatch
+):
+    # After the scatter the receiver reports the version before until the new state file is
+    # written; a heartbeat then wrote version 0 over the pull's registration of version 1.
+    store, _, rl, params, pub, tensors = _anchored()
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    write_state = StateDir.write_state
+    seen = []
+
+    def slow(self, state):
+        if state.version == 1 and not seen:
+            seen.append(_from_another_thread(lambda: rec.heartbeat()))
+        return write_state(self, state)
+
+    monkeypatch.setattr(StateDir, "write_state", slow)
+    assert rec.pull().version == 1
+    assert seen == [{"returned": False}], seen
+    assert _registered(store) == 1
+    assert rec.heartbeat() is True and _registered(store) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_interrupted_before_its_first_write_leaves_heartbeats_working(tmp_path):
+    # The withdrawal outlived an interrupt: every heartbeat after it wrote nothing, and the
+    # receiver, holding version 0 intact, went stale in the store.
+    store, _, rl, params, pub, tensors = _anchored()
+    interrupt = []
+
+    @contextlib.contextmanager
+    def pause():
+        if interrupt:
+            raise KeyboardInterrupt
+        yield
+
+    rec = Receiver.for_layout(
+        store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"), pause=pause
+    )
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    interrupt.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        rec.pull()
+    assert rec.version == 0
+    assert rec.heartbeat() is True and _registered(store) == 0
+
+
+@pytest.mark.timeout(60)
+def test_deregister_and_close_come_after_a_heartbeat_in_flight(tmp_path):
+    # A heartbeat in flight landed after deregister() returned (the registration back) or
+    # after close() (over the records of a receiver that may hold the state dir by then).
+    inner = MemoryStore()
+    store = _SlowRegistrations(inner)
+    _, rl, _, _ = anchored_bf16(inner, seed=3)
+    tensors = zero_tensors(rl, SHARD)
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    assert rec.pull().version == 0
+    for end in (rec.deregister, rec.close):
+        store.hold, store.release = True, threading.Event()
+        store.entered.clear()
+        beat = threading.Thread(target=rec.heartbeat)
+        beat.start()
+        assert store.entered.wait(30)  # the heartbeat's write is in flight
+        store.hold = False
+        threading.Timer(0.3, store.release.set).start()
+        end()
+        beat.join(30)
+        if end == rec.deregister:
+            assert not inner.exists(names.receiver_key("rec"))  # not brought back
+    assert _registered(inner) == 0  # the last heartbeat landed before close returned

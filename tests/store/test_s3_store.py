@@ -207,6 +207,33 @@ def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3
     assert s3_store.get("v00000011/MANIFEST.json") == b"ours, a few bytes long"
 
 
+class _FirstRangeCutShort:
+    """The first ranged get_object's body is cut short (its connection dropped mid-body)."""
+
+    def __init__(self, client) -> None:
+        self._client, self.reads = client, 0
+
+    def get_object(self, **kwargs):
+        response = self._client.get_object(**kwargs)
+        self.reads += 1
+        if self.reads == 1 and "Range" in kwargs:
+            data = response["Body"].read()
+            response["Body"] = StreamingBody(io.BytesIO(data[:5]), len(data))
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_ranged_read_cut_short_is_retried_not_reported_past_the_end(s3_store) -> None:
+    # One attempt, then "reads past the end" for a range inside the object.
+    _few_retries(s3_store)
+    s3_store.put("v00000001/tp0/w00000.blob", bytes(range(200)))
+    s3_store._client = _FirstRangeCutShort(s3_store._client)
+    assert s3_store.get_range("v00000001/tp0/w00000.blob", 10, 64) == bytes(range(10, 74))
+    assert s3_store._client.reads == 2
+
+
 class _Answers:
     """A client whose named calls answer ``reply`` (a reply missing fields S3 always sends)."""
 

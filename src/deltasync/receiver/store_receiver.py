@@ -45,7 +45,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -275,11 +275,14 @@ class Receiver:
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
-        # Registration writes in order: a pull's withdrawal (before its first live write)
-        # is never overtaken by a heartbeat naming the version before; ``_withdrawn`` lasts
-        # until the pull registers again (whatever its outcome).
-        self._records = threading.Lock()
-        self._withdrawn = False
+        # Registration writes one at a time (re-entrant: a signal handler's heartbeat on a
+        # thread already writing one does not deadlock). While a pull or a record of a new
+        # version runs (``_quiet``), the state in memory is not what the tensors hold at
+        # every moment (withdrawn before the first write, the version before until the state
+        # file of the new one is written): heartbeats write nothing then, and the call
+        # registers what the tensors hold as it ends.
+        self._records = threading.RLock()
+        self._quiet = 0
         self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
@@ -530,7 +533,8 @@ class Receiver:
         """Let go of the state dir (another process may open it from now on: a restarted
         engine's receiver). Nothing else changes; every later call but ``close`` is refused
         (ConfigError): its records would go into a directory another process may hold."""
-        self._closed = True
+        with self._records:  # no heartbeat lands after this returns
+            self._closed = True
         self.dir.unlock()
 
     @_one_at_a_time
@@ -600,12 +604,27 @@ class Receiver:
         thread may call it, beside a pull too: from a pull's withdrawal of the registration
         (before its first live write) until that pull registers again, it writes nothing and
         returns False. ConfigError after close()."""
-        if self._closed:
-            raise ConfigError(
-                f"{self._who}: heartbeat() after close(): what it holds was let go (another "
-                "process may have it now). Build a new one. Nothing was written"
-            )
-        return self._register_as(self._state, beat=True)
+        with self._records:
+            if self._closed:
+                raise ConfigError(
+                    f"{self._who}: heartbeat() after close(): what it holds was let go "
+                    "(another process may have it now). Build a new one. Nothing was written"
+                )
+            if self._quiet:
+                return False
+            return self._register_now(self._state)
+
+    @contextlib.contextmanager
+    def _heartbeats_held(self) -> Iterator[None]:
+        """Heartbeats write nothing inside (a pull, a record of a new version): see
+        ``_records`` in the constructor."""
+        with self._records:
+            self._quiet += 1
+        try:
+            yield
+        finally:
+            with self._records:
+                self._quiet -= 1
 
     @property
     def unpersisted_version(self) -> int | None:
@@ -614,17 +633,10 @@ class Receiver:
         the version before it until then."""
         return None if self._unpersisted is None else self._unpersisted[0].version
 
-    def _register_as(
-        self, state: LocalState, *, withdraw: bool = False, beat: bool = False
-    ) -> bool:
+    def _register_as(self, state: LocalState) -> bool:
         """:meth:`heartbeat` with the version ``state`` records (the one a pull is recording
-        while its state file is being written). ``withdraw``: a pull's withdrawal before its
-        first live write (``state`` names no version), which a ``beat`` (a heartbeat) never
-        overtakes until the pull registers again."""
+        while its state file is being written)."""
         with self._records:
-            if beat and self._withdrawn:
-                return False
-            self._withdrawn = withdraw
             return self._register_now(state)
 
     def _register_now(self, state: LocalState) -> bool:
@@ -657,7 +669,8 @@ class Receiver:
         """Remove this receiver's registration (best effort): e.g. a sidecar whose first pull
         failed, so that no trainer waits on a receiver that holds nothing."""
         try:
-            self.store.delete(names.receiver_key(self.config.receiver_id))
+            with self._records:  # after a heartbeat in flight, never before it
+                self.store.delete(names.receiver_key(self.config.receiver_id))
         except StoreError as exc:
             log.warning("receiver %r: registration not removed (%s)", self.config.receiver_id, exc)
 
@@ -900,6 +913,12 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
+        with self._heartbeats_held():
+            return self._apply(manifests, from_version, t0, repaired=repaired)
+
+    def _apply(
+        self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
+    ) -> PullReport:
         previous = None if self.dirty else self.version
         target = manifests[-1]
         versions = [m.version for m in manifests]
@@ -1035,6 +1054,10 @@ class Receiver:
     def _settle(self) -> None:
         """Persist the version the tensors hold, then record it; while persist raises, raise
         (every record keeps the version before, the journal stays)."""
+        with self._heartbeats_held():
+            self._persist_and_record()
+
+    def _persist_and_record(self) -> None:
         held, ack = self._unpersisted
         try:
             self._persist(self.tensors, held)
@@ -1123,7 +1146,7 @@ class Receiver:
         neither version, and its registration, heartbeat fresh, must not name one). On its
         thread, beside the verify pass; a failed registration write is retried as any."""
         self.dir.write_journal(journal)
-        self._register_as(self._state_with(dirty=True), withdraw=True)
+        self._register_as(self._state_with(dirty=True))
 
     def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
         """Nothing was written: remove the journal the background write left (if it wrote),

@@ -502,9 +502,17 @@ class S3Store:
                         "answered without a Content-Range, i.e. ignored the Range header; "
                         "deltasync needs an S3 server that serves byte ranges"
                     )
-                return body.read(length + 1)  # a longer part is reported below
+                data = _read_at_most(body, length + 1)  # a longer part is reported below
             finally:
                 body.close()
+            sent = response.get("ContentLength")
+            if isinstance(sent, int) and len(data) < min(sent, length + 1):
+                # cut short (a bounded read does not check the length itself): retried like
+                # a dropped connection, never reported as a range past the end
+                from botocore.exceptions import IncompleteReadError
+
+                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=sent)
+            return data
 
         data = self._call("get_range", key, op)
         if len(data) > length:
