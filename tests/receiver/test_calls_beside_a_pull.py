@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import replace
 
 import pytest
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
 from deltasync import MemoryStore, Receiver, names
 from deltasync.commit import ReceiverRecord
-from deltasync.errors import ConfigError
+from deltasync.errors import ConfigError, LocalStateError
 from deltasync.receiver import StateDir, store_receiver
 
 SHARD = "tp0"
@@ -243,3 +244,70 @@ def test_deregister_and_close_come_after_a_heartbeat_in_flight(tmp_path):
         if end == rec.deregister:
             assert not inner.exists(names.receiver_key("rec"))  # not brought back
     assert _registered(inner) == 0  # the last heartbeat landed before close returned
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_after_the_scatter_leaves_no_version_claimed(tmp_path, monkeypatch):
+    # The receiver went back to reporting version 0 at the end of the scatter; interrupted
+    # in the hash after it (verify_after_write), a heartbeat then registered version 0 over
+    # tensors that held version 1.
+    store, tl, rl, params, pub, tensors = _anchored()
+    config = replace(rconfig("rec"), verify_after_write=True)
+    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), config)
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    digest = store_receiver.state_digest
+
+    def interrupted(live):
+        monkeypatch.setattr(store_receiver, "state_digest", digest)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_receiver, "state_digest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rec.pull()
+    assert rec.version is None and rec.dirty
+    rec.heartbeat()
+    assert _registered(store) is None  # never version 0 over version 1's tensors
+    report = rec.pull()  # the journal, replayed
+    assert report.version == 1 and report.repaired
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_in_a_running_process_withdraws_the_registration_before_it_writes(
+    tmp_path, monkeypatch
+):
+    # A failed state file write leaves the journal and a registration of version 1 (which the
+    # tensors hold); the next pull replays the journal (an anchor: every element rewritten)
+    # under that registration, and a kill mid-replay left a torn receiver counted as current.
+    store, tl, rl, params, pub, tensors = _anchored()
+    at_write = []
+
+    def first_write(_name):
+        if not at_write:
+            at_write.append(_registered(store))
+
+    rec = Receiver.for_layout(
+        store,
+        rl,
+        SHARD,
+        tensors,
+        str(tmp_path / "rec"),
+        rconfig("rec"),
+        on_tensor_written=first_write,
+    )
+    publish_edit(pub, params, 1, 7)
+
+    def full(self, _state):
+        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(StateDir, "write_state", full)
+        with pytest.raises(LocalStateError):
+            rec.pull()
+    at_write.clear()
+    report = rec.pull()
+    assert report.repaired and report.version == 1
+    assert at_write == [None], at_write  # withdrawn before the replay's first write
+    assert _registered(store) == 1
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])

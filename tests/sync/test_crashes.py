@@ -178,8 +178,9 @@ def test_a_receiver_killed_mid_apply_repairs_on_restart_and_ends_bit_identical(t
     assert rec.version == 2 and not rec.dir.journal_path.exists()
     assert_same_bits(rec.tensors, states[2])
     assert Catalog(store).acks(2)["victim"].state_digest == rec.state_digest
-    # torn while the repair ran: registered as holding nothing, then as holding version 2
-    assert registered.versions == [None, 2]
+    # torn while the repair ran: registered as holding nothing (at the start, and again by
+    # the replay before its first write), then as holding version 2
+    assert registered.versions == [None, None, 2]
 
 
 class RecordedRegistrations:

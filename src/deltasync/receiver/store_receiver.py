@@ -937,7 +937,7 @@ class Receiver:
         # or, for a chain verify would have refused, fails its replay and restores an anchor.)
         # A repair replays the journal it found: that one stays until the replay has ended.
         journal = InBackground(
-            (lambda _: None) if repaired else self._journal_then_withdraw,
+            self._withdraw if repaired else self._journal_then_withdraw,
             Journal(
                 receiver=self.config.receiver_id,
                 shard=self.shard,
@@ -997,7 +997,12 @@ class Receiver:
         except BaseException as exc:
             self._interrupted(exc, writing, repaired, versions)
             raise
-        self._state = before  # the version before, until persisted and recorded below
+        if self._persist is not None:
+            # The version a receiver with a persist reports is the one persisted: the one
+            # before, until persist takes the new one (below). Without one the state stays
+            # dirty in memory until the record below names the new version, so that an
+            # interrupt in between leaves no version claimed (the journal on disk says so).
+            self._state = before
         pause_s = time.perf_counter() - t
         del steps
 
@@ -1146,6 +1151,11 @@ class Receiver:
         neither version, and its registration, heartbeat fresh, must not name one). On its
         thread, beside the verify pass; a failed registration write is retried as any."""
         self.dir.write_journal(journal)
+        self._withdraw(journal)
+
+    def _withdraw(self, _journal: Journal) -> None:
+        """A registration naming no version, before the first live write (a replay's too:
+        its journal may be this process's own, left by a failed record, not a crash's)."""
         self._register_as(self._state_with(dirty=True))
 
     def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
