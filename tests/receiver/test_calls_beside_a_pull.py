@@ -32,6 +32,12 @@ def _anchored():
     return store, tl, rl, params, pub, zero_tensors(rl, SHARD)
 
 
+def _receiver(store, rl, tensors, tmp_path, config=None, **kwargs) -> Receiver:
+    """The receiver "rec" of shard tp0 on ``tensors``, its state dir under ``tmp_path``."""
+    config = config or rconfig("rec")
+    return Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), config, **kwargs)
+
+
 def _from_another_thread(call):
     """``call()`` on a thread of its own: what it returned or raised."""
     out = {}
@@ -64,15 +70,7 @@ def test_a_heartbeat_and_a_deregister_mid_scatter_leave_the_registration_withdra
         seen.append((rec.version, rec.dirty, rec.heartbeat()))  # this thread: the callback's
         seen.append(_registered(store))
 
-    rec = Receiver.for_layout(
-        store,
-        rl,
-        SHARD,
-        tensors,
-        str(tmp_path / "rec"),
-        rconfig("rec"),
-        on_tensor_written=mid_scatter,
-    )
+    rec = _receiver(store, rl, tensors, tmp_path, on_tensor_written=mid_scatter)
     assert rec.pull().version == 0
     seen.clear()
     assert _registered(store) == 0
@@ -108,7 +106,7 @@ class _SlowRegistrations:
 
 
 @pytest.mark.timeout(60)
-def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_written_after(
+def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_one_beside_a_scrub_is_written(
     tmp_path, monkeypatch
 ):
     # A heartbeat must not make a pull from another thread fail (a ConfigError, which a
@@ -118,7 +116,7 @@ def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_a_skipped_one_is_w
     store = _SlowRegistrations(inner)
     tl, rl, params, pub = anchored_bf16(inner, seed=3)
     tensors = zero_tensors(rl, SHARD)
-    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    rec = _receiver(store, rl, tensors, tmp_path)
     assert rec.pull().version == 0
     publish_edit(pub, params, 1, 7)
     store.hold = True
@@ -159,9 +157,7 @@ def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(t
         seen.append(_registered(store))
         yield
 
-    rec = Receiver.for_layout(
-        store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"), pause=pause
-    )
+    rec = _receiver(store, rl, tensors, tmp_path, pause=pause)
     assert rec.pull().version == 0
     seen.clear()
     publish_edit(pub, params, 1, 7)
@@ -178,7 +174,7 @@ def test_a_heartbeat_while_the_new_version_is_recorded_never_names_the_one_befor
     # After the scatter the receiver reports the version before until the new state file is
     # written; a heartbeat then wrote version 0 over the pull's registration of version 1.
     store, _, rl, params, pub, tensors = _anchored()
-    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    rec = _receiver(store, rl, tensors, tmp_path)
     assert rec.pull().version == 0
     publish_edit(pub, params, 1, 7)
     write_state = StateDir.write_state
@@ -209,9 +205,7 @@ def test_a_pull_interrupted_before_its_first_write_leaves_heartbeats_working(tmp
             raise KeyboardInterrupt
         yield
 
-    rec = Receiver.for_layout(
-        store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"), pause=pause
-    )
+    rec = _receiver(store, rl, tensors, tmp_path, pause=pause)
     assert rec.pull().version == 0
     publish_edit(pub, params, 1, 7)
     interrupt.append(True)
@@ -229,7 +223,7 @@ def test_deregister_and_close_come_after_a_heartbeat_in_flight(tmp_path):
     store = _SlowRegistrations(inner)
     _, rl, _, _ = anchored_bf16(inner, seed=3)
     tensors = zero_tensors(rl, SHARD)
-    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), rconfig("rec"))
+    rec = _receiver(store, rl, tensors, tmp_path)
     assert rec.pull().version == 0
     for end in (rec.deregister, rec.close):
         store.hold, store.release = True, threading.Event()
@@ -253,7 +247,7 @@ def test_an_interrupt_after_the_scatter_leaves_no_version_claimed(tmp_path, monk
     # tensors that held version 1.
     store, tl, rl, params, pub, tensors = _anchored()
     config = replace(rconfig("rec"), verify_after_write=True)
-    rec = Receiver.for_layout(store, rl, SHARD, tensors, str(tmp_path / "rec"), config)
+    rec = _receiver(store, rl, tensors, tmp_path, config)
     assert rec.pull().version == 0
     publish_edit(pub, params, 1, 7)
     digest = store_receiver.state_digest
@@ -287,15 +281,7 @@ def test_a_replay_in_a_running_process_withdraws_the_registration_before_it_writ
         if not at_write:
             at_write.append(_registered(store))
 
-    rec = Receiver.for_layout(
-        store,
-        rl,
-        SHARD,
-        tensors,
-        str(tmp_path / "rec"),
-        rconfig("rec"),
-        on_tensor_written=first_write,
-    )
+    rec = _receiver(store, rl, tensors, tmp_path, on_tensor_written=first_write)
     publish_edit(pub, params, 1, 7)
 
     def full(self, _state):

@@ -601,9 +601,10 @@ class Receiver:
     def heartbeat(self) -> bool:
         """Register (or refresh) this receiver and the version it verifiably holds. A store
         failure is logged and retried on the next pull; returns whether it was written. Any
-        thread may call it, beside a pull too: from a pull's withdrawal of the registration
-        (before its first live write) until that pull registers again, it writes nothing and
-        returns False. ConfigError after close()."""
+        thread may call it, beside a pull too: while a pull applies or records a version
+        (from the withdrawal of the registration before its first live write until its
+        records are written) it writes nothing and returns False, and the pull registers what
+        the tensors hold as it ends. ConfigError after close()."""
         with self._records:
             if self._closed:
                 raise ConfigError(

@@ -287,6 +287,19 @@ def _read_at_most(body: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _read_whole(response: Any, body: Any, limit: int) -> bytes:
+    """:func:`_read_at_most` of a reply's body, which must not end before the reply's
+    ``ContentLength`` does (a bounded read does not check it): a body cut short raises
+    IncompleteReadError, which the retries take as a dropped connection."""
+    data = _read_at_most(body, limit)
+    size = response.get("ContentLength")
+    if isinstance(size, int) and len(data) < min(size, limit):
+        from botocore.exceptions import IncompleteReadError
+
+        raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
+    return data
+
+
 def _field(response: Any, name: str, what: str, url: str) -> Any:
     """``response[name]``; a reply without it is a StoreError (not an S3 server's reply)."""
     try:
@@ -502,17 +515,11 @@ class S3Store:
                         "answered without a Content-Range, i.e. ignored the Range header; "
                         "deltasync needs an S3 server that serves byte ranges"
                     )
-                data = _read_at_most(body, length + 1)  # a longer part is reported below
+                # cut short: retried, never reported as a range past the end; a longer part
+                # is reported below
+                return _read_whole(response, body, length + 1)
             finally:
                 body.close()
-            sent = response.get("ContentLength")
-            if isinstance(sent, int) and len(data) < min(sent, length + 1):
-                # cut short (a bounded read does not check the length itself): retried like
-                # a dropped connection, never reported as a range past the end
-                from botocore.exceptions import IncompleteReadError
-
-                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=sent)
-            return data
 
         data = self._call("get_range", key, op)
         if len(data) > length:
@@ -703,17 +710,9 @@ class S3Store:
             raise
         body = _field(response, "Body", "read back", f"s3://{self.bucket}/{full}")
         try:
-            held = _read_at_most(body, expected + 1)
+            return _read_whole(response, body, expected + 1)  # cut short: never another's
         finally:
             body.close()
-        size = response.get("ContentLength")
-        if isinstance(size, int) and len(held) < min(size, expected + 1):
-            # cut short (a bounded read does not check the length itself): never judged as
-            # another writer's bytes; retried like a dropped connection
-            from botocore.exceptions import IncompleteReadError
-
-            raise IncompleteReadError(actual_bytes=len(held), expected_bytes=size)
-        return held
 
     def put_stream(self, key: str, chunks: Iterable[Bytes]) -> int:
         full = self._full(check_key(key))
