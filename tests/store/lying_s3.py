@@ -1,5 +1,6 @@
 """An S3-compatible server that lies: an HTTP proxy in front of the session's real moto server
-that, per ``mode``, ignores ``Range`` (answers 200 with the whole object), lists keys outside
+that, per ``mode``, ignores ``Range`` (answers 200 with the whole object), serves another
+range of the same length (the object's first bytes), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
 same twice in a row, which botocore's own check misses), or redirects every request to
 itself. Every other request passes through unchanged."""
@@ -14,7 +15,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 
 class LyingS3:
-    """``mode``: "honest", "ignores-range", "lists-outside-prefix" (adds ``foreign_key``, a
+    """``mode``: "honest", "ignores-range", "shifts-range", "lists-outside-prefix" (adds ``foreign_key``, a
     whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped) or
     "redirects" (307 to the same URL; ``redirects`` counts them)."""
 
@@ -45,6 +46,9 @@ class LyingS3:
                 headers = {k: v for k, v in self.headers.items()}
                 if proxy.mode == "ignores-range":
                     headers.pop("Range", None)
+                if proxy.mode == "shifts-range" and "Range" in headers:
+                    first, last = map(int, headers["Range"].removeprefix("bytes=").split("-"))
+                    headers["Range"] = f"bytes=0-{last - first}"
                 if listing and proxy.mode == "loops-tokens":
                     query.pop("continuation-token", None)
                 path = parts.path + ("?" + urlencode(query, doseq=True) if query else "")

@@ -77,6 +77,17 @@ def test_a_server_that_ignores_range_is_refused_before_the_body_is_read(lying, m
     assert asked == []
 
 
+def test_a_server_that_serves_another_range_is_refused_not_read_as_the_one_asked(lying):
+    # the right length from the wrong place was returned as the range asked for
+    proxy, store = lying
+    store.put("v00000001/tp0/w00000.blob", bytes(range(256)) * 64)
+    assert store.get_range("v00000001/tp0/w00000.blob", 100, 16) == bytes(range(100, 116))
+    proxy.mode = "shifts-range"
+    with pytest.raises(StoreError, match=r"Content-Range 'bytes 0-15/16384', not a part of bytes"):
+        store.get_range("v00000001/tp0/w00000.blob", 100, 16)
+    assert store.get_range("v00000001/tp0/w00000.blob", 0, 16) == bytes(range(16))
+
+
 def test_a_server_that_redirects_to_itself_is_a_store_error_naming_the_loop(lying):
     # botocore follows a redirect by calling itself: a bare RecursionError after ~80 requests
     proxy, store = lying

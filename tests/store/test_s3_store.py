@@ -22,6 +22,7 @@ from deltasync.errors import (
     StoreError,
 )
 from deltasync.store import RetryPolicy, S3Config, S3Store
+from deltasync.store import s3 as s3_module
 from deltasync.store.s3 import multipart_etag
 
 PATIENT = RetryPolicy(max_attempts=40, base_delay_s=0.05, max_delay_s=0.3, deadline_s=15.0)
@@ -536,6 +537,25 @@ def test_a_missing_bucket_is_an_error_naming_it_not_a_missing_key(s3_server) -> 
     assert not store.exists("LATEST")  # a missing key in a bucket that exists
     store.put("LATEST", b"1")
     assert store.exists("LATEST") and store.size("LATEST") == 1
+
+
+def test_a_bucket_deleted_under_a_waiting_reader_is_named_once_its_sighting_is_stale(
+    s3_server, monkeypatch
+) -> None:
+    # once seen, a bucket stood forever: after it was deleted, every poll for the next
+    # manifest answered "not there yet" and a receiver waited without end
+    bucket = f"ds-gone-{uuid.uuid4().hex[:12]}"
+    store = S3Store(bucket, "run", config=s3_server.config())
+    store.ensure_bucket()
+    store.put("LATEST", b"1")
+    assert store.exists("LATEST") and not store.exists("v00000002/MANIFEST.json")
+    store.delete("LATEST")
+    store._client.delete_bucket(Bucket=bucket)
+    assert not store.exists("v00000002/MANIFEST.json")  # the sighting still stands
+    clock = time.monotonic() + s3_module.BUCKET_RECHECK_S + 1
+    monkeypatch.setattr(s3_module.time, "monotonic", lambda: clock)
+    with pytest.raises(StoreError, match=rf"bucket '{bucket}' does not exist"):
+        store.exists("v00000002/MANIFEST.json")
 
 
 class _Body:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -84,6 +85,8 @@ TRANSIENT_CODES = {
 # botocore's own check of a region name (``botocore.utils.validate_region_name``): a DNS label
 # of letters, digits and inner hyphens, not all digits. Checked here so a bad region is a
 # ConfigError naming the field, before any client is built.
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
+BUCKET_RECHECK_S = 30.0  # how long a bucket seen stands for a HEAD that answers 404
 _REGION = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)")
 
 
@@ -300,6 +303,17 @@ def _read_whole(response: Any, body: Any, limit: int) -> bytes:
     return data
 
 
+def _check_served(served: str, start: int, length: int, what: str) -> None:
+    """A ranged reply's Content-Range must start where the range asked and end inside it: a
+    server (or proxy) that serves another part of the object is refused, never read as it."""
+    match = _CONTENT_RANGE.fullmatch(served.strip())
+    if match is None or int(match[1]) != start or not start <= int(match[2]) < start + length:
+        raise StoreError(
+            f"{what}: the server answered Content-Range {served!r}, not a part of bytes "
+            f"{start}-{start + length - 1}; check the endpoint, or a proxy in front of it"
+        )
+
+
 def _field(response: Any, name: str, what: str, url: str) -> Any:
     """``response[name]``; a reply without it is a StoreError (not an S3 server's reply)."""
     try:
@@ -340,7 +354,9 @@ class S3Store:
         self.prefix = prefix
         self.config = config or S3Config()
         self._client = make_client(self.config)
-        self._bucket_seen = False  # a HEAD 404 cannot tell a missing key from a missing bucket
+        # A HEAD 404 cannot tell a missing key from a missing bucket: when the bucket was last
+        # seen (monotonic seconds), so a bucket deleted under a waiting receiver is named.
+        self._bucket_seen_at: float | None = None
 
     def __repr__(self) -> str:
         return f"S3Store('s3://{self.bucket}/{self.prefix}'{self._at()})"
@@ -359,7 +375,7 @@ class S3Store:
         child.prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
         child.config = self.config
         child._client = self._client
-        child._bucket_seen = self._bucket_seen
+        child._bucket_seen_at = self._bucket_seen_at
         return child
 
     def close(self) -> None:
@@ -509,12 +525,14 @@ class S3Store:
             try:
                 # A server that ignores Range answers 200 with the whole object: refused
                 # before its body is read (a 16-byte read must not buffer a 1 GB blob).
-                if not response.get("ContentRange"):
+                served = response.get("ContentRange")
+                if not served:
                     raise StoreError(
                         f"get_range({key!r}, {start}, {length}) of {self._url(key)}: the server "
                         "answered without a Content-Range, i.e. ignored the Range header; "
                         "deltasync needs an S3 server that serves byte ranges"
                     )
+                _check_served(served, start, length, f"get_range({key!r}, {start}, {length})")
                 # cut short: retried, never reported as a range past the end; a longer part
                 # is reported below
                 return _read_whole(response, body, length + 1)
@@ -569,14 +587,16 @@ class S3Store:
         except KeyNotFoundError:
             self._check_bucket(key)
             raise
-        self._bucket_seen = True
+        self._bucket_seen_at = time.monotonic()
         return head
 
     def _check_bucket(self, key: str) -> None:
         """After a HEAD answered 404 (which carries no error code): a missing bucket is a
         StoreError naming it, never "no such key" (a receiver would wait forever for a version
-        in a bucket name with a typo). Asked once per store, until the bucket was seen."""
-        if self._bucket_seen:
+        in a bucket name with a typo, or in a bucket deleted while it waits). Asked again once
+        the bucket was last seen more than BUCKET_RECHECK_S ago."""
+        seen = self._bucket_seen_at
+        if seen is not None and time.monotonic() - seen < BUCKET_RECHECK_S:
             return
 
         def op(_: int) -> None:
@@ -591,7 +611,7 @@ class S3Store:
             ) from None
         except StoreError:
             return  # the bucket question itself failed: the key's answer stands, asked again
-        self._bucket_seen = True
+        self._bucket_seen_at = time.monotonic()
 
     def list(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
