@@ -58,6 +58,14 @@ def version_prefix(version: int) -> str:
     return f"{version_dir(version)}/"
 
 
+# Short-lived keys a store writes to learn what its server honours (nothing else reads them).
+PROBES_PREFIX = "probes/"
+
+
+def probe_key(token: str) -> str:
+    return f"{PROBES_PREFIX}{check_token('probe', token)}"
+
+
 MANIFEST_FILE = "MANIFEST.json"
 VERSIONS_PREFIX = "v"  # list prefix under which every version directory lives
 # The same keys as ten narrower list prefixes (``v0`` ... ``v9``): together they cover every

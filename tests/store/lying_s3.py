@@ -1,6 +1,7 @@
 """An S3-compatible server that lies: an HTTP proxy in front of the session's real moto server
 that, per ``mode``, ignores ``Range`` (answers 200 with the whole object), serves another
-range of the same length (the object's first bytes), lists keys outside
+range of the same length (the object's first bytes), drops ``If-None-Match`` (a conditional
+write replaces the key), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
 same twice in a row, which botocore's own check misses), or redirects every request to
 itself. Every other request passes through unchanged."""
@@ -15,7 +16,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 
 class LyingS3:
-    """``mode``: "honest", "ignores-range", "shifts-range", "lists-outside-prefix" (adds ``foreign_key``, a
+    """``mode``: "honest", "ignores-range", "shifts-range", "ignores-if-none-match",
+    "lists-outside-prefix" (adds ``foreign_key``, a
     whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped) or
     "redirects" (307 to the same URL; ``redirects`` counts them)."""
 
@@ -46,6 +48,8 @@ class LyingS3:
                 headers = {k: v for k, v in self.headers.items()}
                 if proxy.mode == "ignores-range":
                     headers.pop("Range", None)
+                if proxy.mode == "ignores-if-none-match":
+                    headers.pop("If-None-Match", None)
                 if proxy.mode == "shifts-range" and "Range" in headers:
                     first, last = map(int, headers["Range"].removeprefix("bytes=").split("-"))
                     headers["Range"] = f"bytes=0-{last - first}"

@@ -88,6 +88,22 @@ def test_a_server_that_serves_another_range_is_refused_not_read_as_the_one_asked
     assert store.get_range("v00000001/tp0/w00000.blob", 0, 16) == bytes(range(16))
 
 
+def test_a_server_that_ignores_if_none_match_is_refused_before_a_conditional_write(lying):
+    # a second commit of one version number replaced the first manifest, and both succeeded
+    proxy, store = lying
+    proxy.mode = "ignores-if-none-match"
+    with pytest.raises(StoreError, match=r"ignores If-None-Match.*nothing was written") as info:
+        store.put_if_absent("v00000001/MANIFEST.json", b"m1")
+    assert not isinstance(info.value, OutcomeUnknownError)
+    assert store.list("") == []  # neither the key nor the probe
+    proxy.mode = "honest"
+    store.put_if_absent("v00000001/MANIFEST.json", b"m1")
+    proxy.mode = "ignores-if-none-match"  # the server was checked once per client
+    child = store.with_prefix("sub")
+    child.put_if_absent("v00000001/MANIFEST.json", b"m1")
+    assert store.list("") == ["sub/v00000001/MANIFEST.json", "v00000001/MANIFEST.json"]
+
+
 def test_a_server_that_redirects_to_itself_is_a_store_error_naming_the_loop(lying):
     # botocore follows a redirect by calling itself: a bare RecursionError after ~80 requests
     proxy, store = lying

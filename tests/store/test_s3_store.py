@@ -202,6 +202,7 @@ def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3
     # A prefix of our own bytes read back was judged another writer's: CommitConflictError,
     # and the publisher took its own commit for a lost race.
     _few_retries(s3_store)
+    s3_store._check_conditional_writes()  # the server's probe, before the faults begin
     s3_store._client = _ShortReadBack(s3_store._client)
     s3_store.put_if_absent("v00000011/MANIFEST.json", b"ours, a few bytes long")
     assert s3_store._client.reads >= 2

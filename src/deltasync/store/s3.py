@@ -26,9 +26,12 @@ naming the field) shows the endpoint redacted. Nothing here knows what the bytes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,6 +44,7 @@ from deltasync.errors import (
     OutcomeUnknownError,
     StoreError,
 )
+from deltasync.names import probe_key
 from deltasync.store.base import (
     Bytes,
     RetriesExhausted,
@@ -357,6 +361,8 @@ class S3Store:
         # A HEAD 404 cannot tell a missing key from a missing bucket: when the bucket was last
         # seen (monotonic seconds), so a bucket deleted under a waiting receiver is named.
         self._bucket_seen_at: float | None = None
+        # set once the server refused a second conditional write (shared with with_prefix)
+        self._conditional_honoured = threading.Event()
 
     def __repr__(self) -> str:
         return f"S3Store('s3://{self.bucket}/{self.prefix}'{self._at()})"
@@ -376,6 +382,7 @@ class S3Store:
         child.config = self.config
         child._client = self._client
         child._bucket_seen_at = self._bucket_seen_at
+        child._conditional_honoured = self._conditional_honoured
         return child
 
     def close(self) -> None:
@@ -666,6 +673,7 @@ class S3Store:
 
         full = self._full(check_key(key))
         body = bytes(as_bytes(data))
+        self._check_conditional_writes()
         maybe_landed = False  # an attempt's request may have reached the server
 
         def op(attempt: int) -> None:
@@ -714,6 +722,38 @@ class S3Store:
                 f"{exc}. An earlier attempt may have reached the server, which can still store "
                 f"it: {self._url(key)} may hold these bytes now or later"
             ) from exc
+
+    def _check_conditional_writes(self) -> None:
+        """Before this client's first conditional write: the server must refuse a second
+        ``PutObject`` with ``If-None-Match: *`` on a key that exists. A server that ignores
+        the header would let a manifest be overwritten (two states under one version number);
+        it is refused before anything of the caller's is written. The probe key is deleted."""
+        if self._conditional_honoured.is_set():
+            return
+        key = probe_key(uuid.uuid4().hex)
+        full = self._full(key)
+        self.put(key, b"probe")
+        try:
+            self._call(
+                "put_if_absent",
+                key,
+                lambda _: self._client.put_object(
+                    Bucket=self.bucket, Key=full, Body=b"probe again", IfNoneMatch="*"
+                ),
+            )
+        except CommitConflictError:
+            self._conditional_honoured.set()
+        else:
+            raise StoreError(
+                f"the S3 server at {self._url(key)} ignores If-None-Match: a PutObject with "
+                "If-None-Match: * replaced a key that exists. deltasync commits each version "
+                "with such a conditional write, so on this server two trainers could commit "
+                "one version number twice; nothing was written. Use an S3 server that honours "
+                "conditional writes (or a proxy in front of it that passes the header on)"
+            )
+        finally:
+            with contextlib.suppress(StoreError):
+                self.delete(key)  # a probe left behind is harmless: nothing reads probes/
 
     def _read_back(self, full: str, expected: int) -> bytes | None:
         """At most ``expected + 1`` bytes of the object (enough to tell it from ours; a huge
