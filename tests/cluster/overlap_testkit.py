@@ -227,6 +227,8 @@ def _run_writer(setup: Setup, notes: str) -> dict:
     w.hf.step()
     w.slow_next_read = True
     pending = sender.sync(4)
+    # another group while 4 is in flight on this one: refused, the group kept
+    out["use_group_in_flight"] = _outcome(lambda: sender.use_group(None))
     bits4 = w.bits()  # reading alongside the background is fine; the step would change them
     w.step_saw_released.clear()
     w.hf.step()  # its pre-step hook is the barrier

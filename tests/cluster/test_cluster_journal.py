@@ -10,7 +10,7 @@ import pytest
 
 from deltasync.cluster import AnchorRequiredError
 from deltasync.cluster.cluster_journal import ClusterJournal, JournalState
-from deltasync.errors import BaseVersionMismatchError, VersionError
+from deltasync.errors import BaseVersionMismatchError, ConfigError, VersionError
 from deltasync.receiver import LocalStateError
 
 
@@ -77,6 +77,32 @@ def test_a_damaged_journal_file_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "record",
+    [
+        {"committed": 2**64, "applying": None, "dirty": False},
+        {"committed": 10**8, "applying": None, "dirty": False},
+        {"committed": 2, "applying": [3, 2], "dirty": False, "window": 2**64},
+        {"committed": 2, "applying": [3, 2], "dirty": False, "window": -1},
+    ],
+)
+def test_a_journal_naming_a_version_or_window_out_of_range_is_refused(
+    tmp_path: Path, record
+) -> None:
+    # taken as written: the receiver's preflight row then raised a bare OverflowError on
+    # this rank alone, and every other rank waited out its timeout
+    path = tmp_path / "journal.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(LocalStateError, match=r"journal\.json' is not a deltasync cluster"):
+        ClusterJournal(version=None, path=path)
+
+
+@pytest.mark.parametrize("version", [2**64, 10**8, -1])
+def test_a_version_no_key_can_name_is_refused_when_the_journal_is_built(version) -> None:
+    with pytest.raises(ConfigError, match=rf"0\.\.99999999, got {version}"):
+        ClusterJournal(version=version)
+
+
+@pytest.mark.parametrize(
     ("committed", "applying"),
     [
         (2, [-5, -7]),  # no version is negative
@@ -85,6 +111,7 @@ def test_a_damaged_journal_file_is_refused(tmp_path: Path) -> None:
         (None, [3, 2]),  # a delta on a base never committed
         (2, [3, 2, 1]),
         (2, [3.0, 2]),
+        (2, [2**64, 2]),  # no int64 holds it (the preflight row crashed on it)
     ],
 )
 def test_an_apply_no_receiver_could_have_begun_is_refused(

@@ -66,6 +66,22 @@ def test_a_damaged_envelope_is_refused_naming_what_is_wrong(damage, match: str) 
         unpack_envelope(damage(data), where="payload from rank 3")
 
 
+@pytest.mark.parametrize("payload", ["not a payload", None, 12, [1, 2]])
+def test_a_payload_that_is_not_bytes_is_an_envelope_error(payload) -> None:
+    # a bare TypeError from memoryview
+    with pytest.raises(EnvelopeError, match="must be bytes or a 1-D uint8 tensor"):
+        unpack_envelope(payload, where="payload from rank 0")
+
+
+def test_a_strided_payload_tensor_reads_as_its_bytes() -> None:
+    packed = pack_envelope([b"ab", b"cde"], state_digest=DIGEST)
+    flat = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    strided = torch.stack([flat, torch.zeros_like(flat)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    got = unpack_envelope(strided, where="p")
+    assert [bytes(p) for p in got.parts] == [b"ab", b"cde"] and got.state_digest == DIGEST
+
+
 def test_a_bundle_forwarded_twice_is_refused() -> None:
     inner = pack_envelope([pack_envelope([b"x"])], nested=True)
     with pytest.raises(EnvelopeError, match="nested twice"):

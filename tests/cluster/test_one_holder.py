@@ -251,6 +251,9 @@ def test_a_journal_a_live_process_holds_is_refused_to_another_until_it_is_closed
     assert "in use by another process" in _hold_elsewhere(path)  # `again` still holds it
     again.close()
     assert _hold_elsewhere(path).strip() == "opened"
+    # a closed receiver holds no journal to sync over another group
+    with pytest.raises(ConfigError, match=r"use_group\(\) after close\(\)"):
+        again.use_group(None)
 
 
 def test_a_journal_path_the_filesystem_refuses_is_a_typed_error_naming_it(tmp_path: Path) -> None:

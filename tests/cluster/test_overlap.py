@@ -76,6 +76,10 @@ def test_the_optimizer_step_waits_until_the_background_no_longer_reads_the_param
 ) -> None:
     barrier = overlap[0]["barrier"]
     assert barrier["step_saw_released"] == [True]
+    # the group could not be swapped under the version in flight
+    refused = overlap[0]["use_group_in_flight"]
+    assert refused["error"] == "ConfigError"
+    assert "version 4 is in flight on the current group" in refused["message"]
     # it waited (the forward/backward before the step is far shorter than the slowed read)
     assert barrier["barrier_wait_s"] > SLOW_READ_S / 10
 

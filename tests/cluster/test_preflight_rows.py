@@ -12,6 +12,7 @@ from deltasync.cluster.preflight import (
     PATIENCE,
     RECEIVER,
     ROW_LENGTH,
+    UNKNOWN,
     WRITER,
     combined_window,
     decode_preflight_rows,
@@ -115,6 +116,15 @@ def test_the_row_keeps_the_size_of_the_release_before() -> None:
     # Same-size rows of two releases are told apart by the magic or refused by fingerprint.
     # Growing the row needs a new magic and a note in docs/cluster.md; then update this size.
     assert ROW_LENGTH == 145
+
+
+def test_a_rank_refused_for_a_version_no_int64_holds_still_reports_its_failure() -> None:
+    # the row raised a bare OverflowError on the failing rank, which then never arrived: every
+    # other rank waited out its timeout and was told nothing
+    bad = writer(v=2**64, b=None, window=2**70, failure="ConfigError: version 2**64")
+    assert decode_preflight_rows(bad[None])[0].version == UNKNOWN
+    with pytest.raises(PeerFailedError, match=r"rank 1 failed before sending .*version 2\*\*64"):
+        verdict(writer(), bad, receiver(), receiver())
 
 
 def test_a_failed_writer_is_named_on_every_rank_before_anything_moves() -> None:

@@ -51,6 +51,7 @@ from deltasync.atomic import REMEDY, encode_record, read_record, sweep_stale_tem
 from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError, VersionError
 from deltasync.exclusive import FileHold
 from deltasync.format import BlobBaseMismatchError
+from deltasync.names import MAX_VERSION
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,12 @@ class JournalState:
             ok = (
                 set(obj) - _OPTIONAL == {"committed", "applying", "dirty"}
                 and type(window) is int
+                and 0 <= window <= MAX_WINDOW
                 and (digest is None or type(digest) is str)
                 and (parts is None or (type(parts) is list and all(type(d) is str for d in parts)))
-                and (committed is None or (type(committed) is int and committed >= 0))
+                and (
+                    committed is None or (type(committed) is int and 0 <= committed <= MAX_VERSION)
+                )
                 and (applying is None or _possible_apply(applying, committed))
                 and type(dirty) is bool
             )
@@ -126,13 +130,14 @@ def _possible_apply(applying: Any, committed: Any) -> bool:
     if type(applying) is not list or len(applying) != 2:
         return False
     version, base = applying
-    if type(version) is not int or type(base) is not int or version < 0:
+    if type(version) is not int or type(base) is not int or not 0 <= version <= MAX_VERSION:
         return False
     above = committed is None or version > committed
     return above and (base == -1 or base == committed)
 
 
 _OPTIONAL = {"window", "digest", "part_digests"}  # fields later versions of the format added
+MAX_WINDOW = 2**63 - 1  # a window token travels in one int64 word of the preflight row
 LOCK_SUFFIX = ".lock"  # the journal file's lock, beside it (one process per journal)
 _SHARE_REMEDY = (
     "Each receiver rank needs its own journal_path, and a replacement starts once the process "
@@ -157,9 +162,13 @@ class ClusterJournal:
         owner: str = "this receiver",
     ) -> None:
         if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 0
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
         ):
-            raise ConfigError(f"journal version must be None or an int >= 0, got {version!r}")
+            raise ConfigError(
+                f"journal version must be None or an int in 0..{MAX_VERSION}, got {version!r}"
+            )
         self.path = None if path is None else Path(path)
         self._state = JournalState(committed=version)
         # the digests the verify before write found for the version being applied, in memory

@@ -156,7 +156,9 @@ class _Diverged(Exception):
         self.why = why
 
 
-_one_at_a_time = one_call_at_a_time("a receiver rank", "sync, receive, apply_payload or close")
+_one_at_a_time = one_call_at_a_time(
+    "a receiver rank", "sync, receive, apply_payload, use_group or close"
+)
 
 
 class ClusterReceiver:
@@ -299,6 +301,7 @@ class ClusterReceiver:
             hint="pass storage names only; tied aliases share storage and need no entry",
         )
 
+    @_one_at_a_time
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
         self.group = group

@@ -133,7 +133,7 @@ from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
 from deltasync.layout.routing import every_element, padding_updates, shard_updates
-from deltasync.names import check_version_arg
+from deltasync.names import MAX_VERSION, check_version_arg
 from deltasync.trainer import Tracker
 from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT, Handoff, hand_over
 from deltasync.trainer.params import ReadWindow, local_of
@@ -150,7 +150,9 @@ def _new_window() -> int:
     return secrets.randbits(62) | 1  # never 0 ("no window")
 
 
-_one_at_a_time = one_call_at_a_time("a writer rank", "sync, wait or close", "Nothing was sent")
+_one_at_a_time = one_call_at_a_time(
+    "a writer rank", "sync, wait, use_group or close", "Nothing was sent"
+)
 
 
 class ClusterSender:
@@ -245,9 +247,14 @@ class ClusterSender:
             self._check_params(params)
         self._full_state = full_state
         if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 0
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
         ):
-            raise ConfigError(f"ClusterSender version must be None or an int >= 0, got {version!r}")
+            raise ConfigError(
+                f"ClusterSender version must be None or an int in 0..{MAX_VERSION} (the "
+                f"version the receivers hold), got {version!r}"
+            )
         self.version = version
         # The union of what uncommitted attempts since the baseline sent (see the docstring).
         self._window = _new_window()
@@ -278,9 +285,18 @@ class ClusterSender:
         self._expect_small = False  # this writer's last committed delta was below inline_below
         self.group = group  # a group in use: the first preflight takes this rank's record
 
+    @_one_at_a_time
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure). With
-        overlap, call it only when nothing is in flight (after :meth:`wait` raised)."""
+        overlap, only when nothing is in flight (after :meth:`wait` raised); a version in
+        flight is a ConfigError, and the group is not changed."""
+        background = self._background
+        if background is not None and background.in_flight is not None:
+            raise ConfigError(
+                f"writer {self.role.writer_id}: version {background.in_flight.version} is in "
+                "flight on the current group; call wait() (it raises if the version failed), "
+                "then use_group()"
+            )
         self.group = group
         self._health.reset()
         self._notes.new_group(group, self.rank)

@@ -173,14 +173,22 @@ def join_parts(
 
 
 def as_view(payload: Bytes | torch.Tensor) -> memoryview:
-    """A flat byte view of a payload as the exchange returns it (a uint8 CPU tensor) or bytes."""
+    """A flat byte view of a payload as the exchange returns it (a uint8 CPU tensor) or bytes;
+    anything else is an EnvelopeError."""
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise EnvelopeError(
                 f"payload tensor must be 1-D uint8, got {payload.dtype} {tuple(payload.shape)}"
             )
-        return memoryview(payload.cpu().numpy()).cast("B")
-    return memoryview(payload).cast("B")
+        return memoryview(payload.cpu().contiguous().numpy()).cast("B")
+    if isinstance(payload, str):
+        raise EnvelopeError("a payload must be bytes or a 1-D uint8 tensor, got a str")
+    try:
+        return memoryview(payload).cast("B")
+    except (TypeError, ValueError):
+        raise EnvelopeError(
+            f"a payload must be bytes or a 1-D uint8 tensor, got {type(payload).__name__}"
+        ) from None
 
 
 def unpack_envelope(payload: Bytes | torch.Tensor, *, where: str) -> Envelope:

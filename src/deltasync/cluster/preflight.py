@@ -172,6 +172,16 @@ class PreflightRow:
     patience_ms: int = UNKNOWN
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _word(value: int | None) -> int:
+    """``value`` as a row word; UNKNOWN for None and for a value no int64 holds (only a rank
+    reporting its failure carries one, e.g. the version argument it was refused for: the row
+    must still reach every rank, or they would wait for it until their timeout)."""
+    return UNKNOWN if value is None or not _INT64_MIN <= value <= _INT64_MAX else value
+
+
 def encode_preflight_row(
     *,
     role: int,
@@ -194,10 +204,10 @@ def encode_preflight_row(
         MAGIC,
         status_row.status(failure),
         role,
-        UNKNOWN if version is None else version,
-        UNKNOWN if base is None else base,
-        window,
-        attempt if attempt is not None else UNKNOWN if applying_base is None else applying_base,
+        _word(version),
+        _word(base),
+        _word(window),
+        _word(attempt if attempt is not None else applying_base),
         _DIRTY if dirty else 0,
         UNKNOWN,  # arrived and patience: stamped by preflight()
         UNKNOWN,
