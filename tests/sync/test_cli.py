@@ -313,6 +313,29 @@ def test_gc_without_the_key_of_a_signed_store_refuses_and_deletes_nothing(tmp_pa
 
 
 @pytest.mark.timeout(60)
+def test_inspect_calls_a_delta_on_an_unreadable_base_manifest_a_gap(tmp_path, capsys):
+    # the delta was "ok" while no receiver below it could apply it: its base's manifest
+    # did not parse (only a base without any manifest was a gap)
+    rig = Rig(tmp_path)
+    rig.publish(3)  # 0 anchor, 1 and 2 deltas
+    rig.store.put(names.manifest_key(1), b"{not json")
+
+    def statuses(*last: str) -> dict:
+        assert main(["inspect", str(rig.path), "--json", *last]) == 0
+        return {
+            (r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]
+        }
+
+    for last in ((), ("--last", "1")):  # the base among the rows shown, and below them
+        rows = statuses(*last)
+        assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"gap"}
+        assert "base version 1's manifest does not verify or read" in rows[(2, "tp0")]["reason"]
+    rows = statuses()
+    assert rows[(1, None)]["status"] == "unreadable"
+    assert {rows[(0, s)]["status"] for s in ("tp0", "tp1")} == {"ok"}
+
+
+@pytest.mark.timeout(60)
 def test_inspect_with_a_key_names_as_committed_only_what_verifies_with_it(tmp_path, capsys):
     # With the wrong key every row said "bad signature" while the header still read
     # "newest committed=5": the version a receiver given that key would never take.

@@ -12,8 +12,8 @@ Statuses:
 
 - ``ok``: the manifest verifies and every blob is present with its size and digest;
 - ``corrupt`` / ``truncated`` / ``missing blob``: a blob does not match its manifest entry;
-- ``gap``: a delta whose base version has no manifest in the store (receivers below it
-  restore an anchor);
+- ``gap``: a delta whose base version has no manifest in the store, or one that does not
+  verify or cannot be read (receivers below it restore an anchor);
 - ``unsigned`` / ``bad signature`` (with ``--key-file``), ``unreadable``: the manifest;
   ``unreadable`` also for a blob the store did not return (access refused, unreachable:
   nothing is known about its bytes);
@@ -268,6 +268,22 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     rows = []
     head_layout = head_run = None
     verified = _newest_verified(catalog, committed) if signing_key is not None else None
+    failed: dict[int, str] = {}  # versions whose manifest did not read or verify: why
+
+    def base_gap(base: int) -> str | None:
+        """Why a delta on ``base`` cannot be applied here, or None (a base above the shown
+        rows was read already; one below them is read once)."""
+        if base not in committed:
+            return f"base version {base} has no manifest"
+        if base not in failed and base < shown[0]:
+            try:
+                catalog.manifest(base)
+            except (DeltaSyncError, KeyNotFoundError) as exc:
+                failed[base] = f"{type(exc).__name__}: {exc}"
+        if base in failed:
+            return f"base version {base}'s manifest does not verify or read: {failed[base]}"
+        return None
+
     for v in shown:
         if v not in committed:
             rows.append(
@@ -283,19 +299,21 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
         except SignatureError as exc:
             status = "unsigned" if "unsigned" in str(exc) else "bad signature"
             rows.append({"version": v, "status": status, "reason": str(exc)})
+            failed[v] = f"{type(exc).__name__}: {exc}"
             continue
         except (DeltaSyncError, KeyNotFoundError) as exc:
             rows.append({"version": v, "status": "unreadable", "reason": str(exc)})
+            failed[v] = f"{type(exc).__name__}: {exc}"
             continue
         head_layout = m.layout.to_dict() if m.layout is not None else None
         head_run = m.run_id
         acks = catalog.acks(v)
-        gap = m.kind == "delta" and m.base_version not in committed
+        gap = base_gap(m.base_version) if m.kind == "delta" else None
         for shard in m.shards:
             blobs = m.blobs_for(shard)
             status, reason = _blob_status(store, m, shard)
-            if status == "ok" and gap:
-                status, reason = "gap", f"base version {m.base_version} has no manifest"
+            if status == "ok" and gap is not None:
+                status, reason = "gap", gap
             counts = [b.elements for b in blobs]
             elements = None if any(c is None for c in counts) else sum(counts)
             numel = None
