@@ -5,6 +5,7 @@ held before a torn write, and the next pull repairs and goes on to the newest ve
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 from kit import same_bits
@@ -58,6 +59,37 @@ def test_a_scatter_stopped_midway_reports_no_version_until_the_next_pull_repairs
     assert report.repaired and report.chain == (3, 4) and report.previous_version is None
     rig.check(report)
     assert Catalog(rig.store).receivers()["rec"].version == 4
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_the_journal_is_written_leaves_no_journal_behind(rig, monkeypatch):
+    # the journal's thread went on after the pull raised: its file landed afterwards, beside
+    # whatever this receiver did next, naming a chain the tensors never took
+    real_write = rig.rec.dir.write_journal
+
+    def slow_write(journal):
+        time.sleep(0.3)
+        real_write(journal)
+
+    class Interrupted(store_receiver.InBackground):
+        def wait(self):
+            if self.name == "deltasync-receiver-record":
+                raise KeyboardInterrupt
+            return super().wait()
+
+    monkeypatch.setattr(rig.rec.dir, "write_journal", slow_write)
+    monkeypatch.setattr(store_receiver, "InBackground", Interrupted)
+    rig.publish(3)
+    before = snapshot(rig.rec.tensors)
+    with pytest.raises(KeyboardInterrupt):
+        rig.rec.pull()
+    monkeypatch.undo()
+    time.sleep(0.5)  # longer than the slowed write: nothing of that pull is still running
+    assert not rig.rec.dir.journal_path.exists()
+    assert rig.rec.version == 2 and same_bits(rig.rec.tensors, before)
+    report = rig.rec.pull()
+    assert not report.repaired and report.chain == (3,)
+    rig.check(report)
 
 
 @pytest.mark.timeout(60)

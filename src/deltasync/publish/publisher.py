@@ -207,8 +207,9 @@ def _check_agreement(markers: Iterable[WriterMarker], own: WriterMarker) -> None
     raise VersionError(
         f"version {own.version}: the writers built their parts for different versions, world "
         f"sizes or layouts ({each}); nothing was committed. Give every writer the same "
-        "num_writers, receiver layout, trainer layout and model config, and publish "
-        "next_version() on every writer"
+        "num_writers, receiver layout, trainer layout and model config (and the same deltasync "
+        "release: the layout fingerprint's definition may differ between releases), and "
+        "publish next_version() on every writer"
     )
 
 

@@ -78,6 +78,7 @@ from deltasync.format import (
     check_tensors_match,
     iter_chain,
 )
+from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.layout.verify import chain_state_digest
@@ -937,6 +938,7 @@ class Receiver:
         # (Killed in between, the next start replays a chain that writes what verify checked,
         # or, for a chain verify would have refused, fails its replay and restores an anchor.)
         # A repair replays the journal it found: that one stays until the replay has ended.
+        journaled = threading.Event()  # the journal file's write has ended (or none is due)
         journal = InBackground(
             self._withdraw if repaired else self._journal_then_withdraw,
             Journal(
@@ -945,6 +947,7 @@ class Receiver:
                 from_version=from_version,
                 steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
             ),
+            journaled,
             name="deltasync-receiver-record",
         )
         try:
@@ -955,17 +958,21 @@ class Receiver:
             digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
             verify_s = time.perf_counter() - t
         except BaseException as exc:
-            self._drop_journal(journal, repaired)
+            self._drop_journal(journal, journaled, repaired)
             if isinstance(exc, DeltaSyncError):
                 for m in manifests:
                     self.catalog.forget(m.version)
             raise
         if digest != expected:
-            self._drop_journal(journal, repaired)
+            self._drop_journal(journal, journaled, repaired)
             for m in manifests:
                 self.catalog.forget(m.version)
             self._refused(versions, digest, expected, from_version)
-        error = journal.wait()  # durable before the first live write
+        try:
+            error = journal.wait()  # durable before the first live write
+        except BaseException:  # an interrupt: nothing was written
+            self._drop_journal(journal, journaled, repaired)
+            raise
         if isinstance(error, LocalStateError):
             raise LocalStateError(
                 f"version {target.version} not taken by receiver shard {self.shard!r}: "
@@ -1145,27 +1152,40 @@ class Receiver:
         self._state = state
         self.dir.clear_journal()
 
-    def _journal_then_withdraw(self, journal: Journal) -> None:
+    def _journal_then_withdraw(self, journal: Journal, journaled: threading.Event) -> None:
         """What must be on record before the first live write: the journal (durable), then a
         registration naming no version, since the tensors hold none from the first write to
         the last (a process killed in the scatter leaves tensors that outlive it holding
         neither version, and its registration, heartbeat fresh, must not name one). On its
         thread, beside the verify pass; a failed registration write is retried as any."""
-        self.dir.write_journal(journal)
-        self._withdraw(journal)
+        try:
+            self.dir.write_journal(journal)
+        finally:
+            journaled.set()
+        self._withdraw(journal, journaled)
 
-    def _withdraw(self, _journal: Journal) -> None:
+    def _withdraw(self, _journal: Journal, journaled: threading.Event) -> None:
         """A registration naming no version, before the first live write (a replay's too:
         its journal may be this process's own, left by a failed record, not a crash's)."""
+        journaled.set()  # a replay writes no journal: its crash's is on disk
         self._register_as(self._state_with(dirty=True))
 
-    def _drop_journal(self, journal: InBackground, repaired: bool) -> None:
+    def _drop_journal(
+        self, journal: InBackground, journaled: threading.Event, repaired: bool
+    ) -> None:
         """Nothing was written: remove the journal the background write left (if it wrote),
         and register again the version the tensors still hold. A repair's journal is the
-        crash's and stays (the repair decides what follows)."""
-        if journal.wait() is None and not repaired:
-            self.dir.clear_journal()
+        crash's and stays (the repair decides what follows).
+
+        The journal file's write (milliseconds of fsyncs) is waited out with interrupts held,
+        whatever stopped the pull, so that it never lands after the removal or beside this
+        receiver's next call; the withdrawal's store write after it stays interruptible (a
+        withdrawal that lands late names no version: it claims less, never more)."""
+        with interrupts_deferred():
+            journaled.wait()
         if not repaired:
+            self.dir.clear_journal()
+            journal.wait()  # the withdrawal first, then the version the tensors still hold
             self._register_as(self._state)
 
     def _refused(
