@@ -304,10 +304,14 @@ def read_record(path: Path) -> Any:
         The decoded JSON value (the caller checks its fields), or None.
     """
     try:  # O_NONBLOCK: a FIFO put there opens at once and is refused below, not waited on
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        if getattr(exc, "errno", None) == errno.ELOOP:  # a link where a record goes
+            raise LocalStateError(
+                f"{str(path)!r} is a symbolic link, so not a deltasync record: {REMEDY}"
+            ) from None
         raise LocalStateError(f"cannot read {str(path)!r}: {exc}") from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -153,6 +153,9 @@ def test_a_trainer_restart_cancels_a_staged_update_and_a_refused_init_changes_no
     assert "version, phase, extra" in unknown, unknown
     mixed = synced["mixed_update_keys"]
     assert mixed.startswith("ConfigError") and "'1'" in mixed, mixed
+    shown = synced["init_info_repr"]  # the signing key and S3 secrets were printed
+    assert "engine0" in shown and "ab" * 32 not in shown, shown
+    assert "hidden-secret" not in shown and "AKIA-not-shown" not in shown, shown
     taken = synced["reinit_held"][0]["weight_version"] + 1
     for state, live in zip(synced["after_reinit_states"], synced["after_reinit_live"], strict=True):
         split = synced["after_reinit_splits"][state["shard"]]

@@ -414,6 +414,17 @@ def synced(spec: dict) -> dict:
             lambda: llm.update_weights({"update_info": {"version": nxt, 1: "x"}})
         )
         _error_of(llm.finish_weight_update)
+        from deltasync.engines.vllm_backend import DeltaSyncInitInfo
+
+        out["init_info_repr"] = repr(
+            DeltaSyncInitInfo(
+                store=str(tmp / "store"),
+                receiver_id="engine0",
+                state_dir=str(tmp / "state"),
+                signing_key_hex="ab" * 32,
+                s3={"access_key_id": "AKIA-not-shown", "secret_access_key": "hidden-secret"},
+            )
+        )
         out["after_reinit_states"] = llm.collective_rpc(worker_state)
         out["after_reinit_live"] = llm.collective_rpc(live_tensors)
         out["after_reinit_splits"] = layout.split(canonical())

@@ -95,8 +95,9 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     store: str
     receiver_id: str
     state_dir: str
-    signing_key_hex: str | None = None
-    s3: dict[str, Any] | None = None
+    # secrets: never in the repr (it lands in vLLM's logs and tracebacks)
+    signing_key_hex: str | None = field(default=None, repr=False)
+    s3: dict[str, Any] | None = field(default=None, repr=False)
     path: str = "auto"
     durable: bool = True
     layout: str | None = None

@@ -33,6 +33,7 @@ This module knows how to build and call the kernels; it knows nothing about opti
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
 import logging
@@ -452,6 +453,35 @@ def overlapping(items: Iterable[tuple[str, torch.Tensor, object]]) -> dict[str, 
             out.setdefault(reach[3], name)
         if reach is None or reach[0] != device or end > reach[1]:
             reach = (device, end, owner, name)
+    return out
+
+
+def touching(
+    items: Iterable[tuple[str, torch.Tensor]], others: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, str]:
+    """``{name: a name of others}`` for every item whose memory span intersects one of
+    ``others``' spans (conservative: by extent); items are not compared with each other."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for name, t in others:
+        if t.numel() and t.device.type != "meta":
+            start = t.data_ptr()
+            spans.setdefault(str(t.device), []).append((start, start + _extent(t), name))
+    reach: dict[str, tuple[list[int], list[tuple[int, str]]]] = {}
+    for device, found in spans.items():
+        found.sort()
+        furthest: list[tuple[int, str]] = []  # the furthest end among the spans up to each
+        for _, end, name in found:
+            furthest.append(max(furthest[-1], (end, name)) if furthest else (end, name))
+        reach[device] = ([s for s, _, _ in found], furthest)
+    out: dict[str, str] = {}
+    for name, t in items:
+        if not t.numel() or t.device.type == "meta" or str(t.device) not in reach:
+            continue
+        starts, furthest = reach[str(t.device)]
+        start = t.data_ptr()
+        below = bisect.bisect_left(starts, start + _extent(t))  # the spans starting before its end
+        if below and furthest[below - 1][0] > start:
+            out[name] = furthest[below - 1][1]
     return out
 
 

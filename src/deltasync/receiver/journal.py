@@ -21,8 +21,10 @@ and durably). This module knows the records' fields; it knows nothing about stor
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +209,7 @@ class StateDir:
         self.path = Path(path)
         self.durable = durable  # False skips fsync: scratch directories in tests only
         self._make()
+        self._check()
         sweep_stale_temps((self.state_path, self.journal_path))  # killed writes' leftovers
 
     @property
@@ -275,17 +278,56 @@ class StateDir:
             return  # every write but the first after a removal: one system call
         except OSError:  # its parent went too, or an error to name
             self._make()
+        self._check()
         self._relock()
 
     def _make(self) -> None:
         """Create the directory and its missing parents (private), or LocalStateError."""
         try:
             self.path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+        except FileExistsError:
+            return  # something else is there: _check names it
         except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
             why = getattr(exc, "strerror", None) or exc
             raise LocalStateError(
                 f"cannot create receiver state dir {str(self.path)!r}: {why}"
             ) from exc
+
+    def _check(self) -> None:
+        """The directory itself (its last component, never followed) is a directory this user
+        owns, private (group and other bits, e.g. of a ``mkdir`` under umask 002, are removed),
+        else LocalStateError: a link planted there would take this receiver's records, lock
+        and journal removals to its target, and whoever else may write there could rewrite the
+        record of what the tensors hold."""
+        why = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise LocalStateError(
+                    f"cannot open receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
+                ) from exc
+            why = "a symbolic link" if os.path.islink(self.path) else "not a directory"
+        else:
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid():
+                    why = f"owned by uid {st.st_uid}, not by this process's user ({os.geteuid()})"
+                elif stat.S_IMODE(st.st_mode) & 0o077:
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)  # the owner's bits kept
+            except OSError as exc:
+                raise LocalStateError(
+                    f"cannot make receiver state dir {str(self.path)!r} private: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+            finally:
+                os.close(fd)
+        if why is not None:
+            raise LocalStateError(
+                f"receiver state dir {str(self.path)!r} is {why}; nothing was written. Give the "
+                "receiver a state dir of its own (deltasync creates a missing one, mode 0700), "
+                "or remove this one"
+            )
 
     def _relock(self) -> None:
         """Lock the remade directory's new lock file, if this process held the old one."""

@@ -50,7 +50,7 @@ from torch.optim.optimizer import (
 )
 
 from deltasync.errors import UnsupportedOptimizerError
-from deltasync.native.loader import overlapping
+from deltasync.native.loader import overlapping, touching
 from deltasync.native.ops import bf16_at
 from deltasync.trainer.adamw_bound import StepHyper, invertible, kernel_scalars
 from deltasync.trainer.detect import (
@@ -434,6 +434,16 @@ class AdamWTracker:
             reasons[name] = (
                 f"shares memory with parameter {other!r}, which the optimizer also steps: "
                 "each one's update writes the other"
+            )
+        # a constant that is a view of a stepped parameter: a fused step writes it without
+        # moving the version counter that would have told its edits
+        stepped = [(n, w.local()) for n, w in self._watched.items() if id(w.param) in group_of]
+        aliased = touching(((n, self._watched[n].local()) for n in constant), stepped)
+        for name, other in aliased.items():
+            constant.remove(name)
+            reasons[name] = (
+                f"frozen, but shares memory with parameter {other!r}, which the optimizer "
+                "steps (a fused step writes it without moving its version counter)"
             )
         if strict and reasons:
             listed = "; ".join(f"{n}: {r}" for n, r in list(reasons.items())[:5])
