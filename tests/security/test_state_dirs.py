@@ -15,6 +15,7 @@ from kit import TinyTrainer, tiny_layouts
 from deltasync import LocalStore, Publisher, PublisherConfig, SnapshotTracker, TrainerSync
 from deltasync.errors import LocalStateError
 from deltasync.receiver import StateDir
+from deltasync.receiver.journal import Journal
 
 
 def _victim(tmp_path):
@@ -30,6 +31,16 @@ def test_a_link_planted_at_the_state_dir_is_refused_and_its_target_left_alone(tm
     planted.symlink_to(victim)
     with pytest.raises(LocalStateError, match=r"'.*state' is a symbolic link; nothing was"):
         StateDir(planted)
+    assert sorted(os.listdir(victim)) == ["journal.json"]
+
+
+def test_a_link_swapped_in_for_the_state_dir_after_it_was_opened_is_refused(tmp_path):
+    state = StateDir(tmp_path / "state")
+    victim = _victim(tmp_path)
+    os.rename(tmp_path / "state", tmp_path / "moved")
+    (tmp_path / "state").symlink_to(victim)
+    with pytest.raises(LocalStateError, match=r"is a symbolic link; nothing was written"):
+        state.write_journal(Journal(receiver="r", shard="tp0", from_version=None, steps=()))
     assert sorted(os.listdir(victim)) == ["journal.json"]
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
 
 from deltasync import names
 from deltasync.commit import Manifest, blob_digest, encode_latest, sign
+from deltasync.commit.model import new_run_id, run_started_ms
 from deltasync.errors import (
     BaseVersionMismatchError,
     BlobMismatchError,
@@ -233,6 +235,43 @@ def test_a_keyed_receiver_is_not_rolled_back_by_deleting_its_runs_newest_manifes
     r.rec.invalidate("the operator rolled the store back")  # follows it back on request
     assert r.rec.pull().version == 1
     assert_same_bits(r.rec.tensors, r.states[1]["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_keyed_receiver_is_not_rolled_back_to_an_older_run_by_deleting_the_newer_one(tmp_path):
+    # A publisher restarted without resume() starts a new run in the same store, signed with
+    # the same key. Deleting the new run's manifests (no key needed) made the receiver follow
+    # the older run down: "another run" read as a store reset.
+    r = Rig(tmp_path, key=KEY)
+    for v in range(3):
+        r.publish(v)
+    old_run = r.manifest(2).run_id
+    r.pub = Publisher(
+        r.store, receiver_layout=r.rl, config=PublisherConfig(anchor_every=100, signing_key=KEY)
+    )
+    r.sync = TrainerSync(SnapshotTracker(r.trainer.named_parameters()), r.pub, r.trainer.params)
+    r.publish(3), r.publish(4)
+    new_run = r.manifest(4).run_id
+    assert new_run != old_run and run_started_ms(new_run) > run_started_ms(old_run)
+    assert r.rec.pull().version == 4
+    for v in (3, 4):
+        r.store.delete(names.manifest_key(v))
+    r.store.delete(names.LATEST)
+    with pytest.raises(VersionError, match=r"holds version 4 of run .* now 2 of run .* started"):
+        r.rec.pull()
+    r.assert_untouched(4)
+    r.rec.invalidate("the operator rolled the store back")  # follows it back on request
+    assert r.rec.pull().version == 2
+    assert_same_bits(r.rec.tensors, r.states[2]["tp0"])
+
+
+def test_a_new_run_starts_after_the_run_it_follows_whatever_this_clock_says():
+    later = f"r{(time.time_ns() // 1_000_000) + 3_600_000:012x}-{'0' * 16}"  # an hour ahead
+    fresh = new_run_id(after=later)
+    assert run_started_ms(fresh) == run_started_ms(later) + 1
+    assert run_started_ms(new_run_id()) <= run_started_ms(later)
+    assert run_started_ms("0123456789abcdef") is None  # a run id of the releases before
+    assert new_run_id(after="0123456789abcdef") != new_run_id(after="0123456789abcdef")
 
 
 @pytest.mark.timeout(60)

@@ -335,38 +335,52 @@ def test_params_that_share_memory_take_the_snapshot_path_and_are_never_missed():
 
 
 @pytest.mark.parametrize("impl", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
-def test_a_frozen_view_of_a_stepped_param_takes_the_snapshot_path_and_is_never_missed(impl):
+@pytest.mark.parametrize("stepper", ["this", "another", "this, added later"])
+def test_a_frozen_view_of_a_stepped_param_takes_the_snapshot_path_and_is_never_missed(
+    impl, stepper
+):
     # a constant (frozen, in no group) is checked by its version counter alone, which a fused
-    # step writing the memory it shares does not move: all its changes were missed
+    # step writing the memory it shares does not move: all its changes were missed, whether
+    # the tracked optimizer, another one, or the tracked one after add_param_group stepped it
     torch.manual_seed(0)
     stepped = torch.nn.Parameter(torch.randn(64) * 0.02)
     frozen = torch.nn.Parameter(stepped.detach()[:16], requires_grad=False)
     alone = torch.nn.Parameter(torch.randn(8), requires_grad=False)
-    opt = torch.optim.AdamW([stepped], lr=1e-2, **impl)
-    named = [("stepped", stepped), ("frozen", frozen), ("alone", alone)]
+    other = torch.nn.Parameter(torch.randn(8))
+    tracked = [stepped] if stepper == "this" else [other]
+    opt = torch.optim.AdamW(tracked, lr=1e-2, **impl)
+    named = [("stepped", stepped), ("frozen", frozen), ("alone", alone), ("other", other)]
     tracker = AdamWTracker(opt, named)
-    assert tracker.constant == ("alone",) and set(tracker.fallback) == {"frozen"}
+    assert tracker.constant == ("alone",) and "frozen" in tracker.fallback
     assert "shares memory with parameter 'stepped'" in tracker.fallback["frozen"].reason
     truth = SnapshotTracker(named)
+    if stepper == "another":
+        stepper_opt = torch.optim.AdamW([stepped], lr=1e-2, **impl)
+    else:
+        stepper_opt = opt
+        if stepper == "this, added later":
+            opt.add_param_group({"params": [stepped]})
     stepped.grad = torch.randn_like(stepped)
-    opt.step()
+    stepper_opt.step()
     seen = truth.changed()
     assert seen["frozen"].numel() > 0 and _missed(tracker.changed(), seen) == 0
     with pytest.raises(UnsupportedOptimizerError, match="frozen, but shares memory"):
-        AdamWTracker(opt, named, strict=True)
+        AdamWTracker(torch.optim.AdamW([stepped], lr=1e-2), named[:3], strict=True)
 
 
-def test_memory_spans_touching_others_are_found_beside_a_wider_span_of_their_own_kind():
-    # an item inside a wider item that overlaps a third tensor: only item-other pairs count
+def test_memory_spans_touching_others_are_found_beside_spans_of_their_own_owner():
+    # an item inside a wider span of its own owner that overlaps a third tensor: the third
+    # is found, the item itself never is
     base = torch.zeros(100)
     wide, inner, other = base[0:100], base[10:20], base[15:18]
     far = torch.zeros(4)
-    found = touching([("wide", wide), ("inner", inner), ("far", far)], [("other", other)])
-    assert found == {"wide": "other", "inner": "other"}
-    assert touching([("inner", base[30:40])], [("a", base[0:10]), ("b", base[5:35])]) == {
-        "inner": "b"
-    }
-    assert touching([("edge", base[10:20])], [("before", base[0:10])]) == {}
+    everything = [("wide", wide, "w"), ("inner", inner, "i"), ("other", other, "o")]
+    found = touching([("wide", wide, "w"), ("inner", inner, "i"), ("far", far, "f")], everything)
+    assert found["inner"] in ("wide", "other") and found["wide"] in ("inner", "other")
+    mine = [("wide", wide, "w"), ("inner", inner, "w"), ("other", other, "o")]
+    assert touching([("inner", inner, "w")], mine) == {"inner": "other"}
+    assert touching([("inner", inner, "w")], [("wide", wide, "w")]) == {}  # one tensor, two names
+    assert touching([("edge", base[10:20], "e")], [("before", base[0:10], "b")]) == {}
 
 
 def test_tied_weights_under_two_names_stay_on_the_bound():

@@ -5,6 +5,8 @@ held before a torn write, and the next pull repairs and goes on to the newest ve
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -90,6 +92,35 @@ def test_an_interrupt_while_the_journal_is_written_leaves_no_journal_behind(rig,
     report = rig.rec.pull()
     assert not report.repaired and report.chain == (3,)
     rig.check(report)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_ctrl_c_while_the_journal_is_written_still_leaves_no_journal(rig):
+    # the second SIGINT, held while the journal's write was waited out, was delivered before
+    # the file was removed: the next pull replayed a chain the tensors never took
+    real_write = rig.rec.dir.write_journal
+
+    def interrupted_write(journal):
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)  # the pull waits for this write (or verifies)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # held until the file is written and removed
+        time.sleep(0.2)
+        real_write(journal)
+
+    rig.publish(3)
+    before = snapshot(rig.rec.tensors)
+    rig.rec.dir.write_journal = interrupted_write
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rig.rec.pull()
+    finally:
+        del rig.rec.dir.write_journal
+    time.sleep(0.5)
+    assert not rig.rec.dir.journal_path.exists()
+    assert rig.rec.version == 2 and same_bits(rig.rec.tensors, before)
+    assert rig.rec.pull(2).version == 2  # held: nothing replayed
+    rig.check(rig.rec.pull())
 
 
 @pytest.mark.timeout(60)

@@ -8,9 +8,11 @@ meant it to.
 
 A version is known by its lineage as well as its number:
 
-- ``run_id``: a random token chosen when a lineage starts (the first anchor of a store, or an
+- ``run_id``: a token chosen when a lineage starts (the first anchor of a store, or an
   anchor of a publisher that could not verify its baseline against the store), carried by
-  every later version of that lineage;
+  every later version of that lineage. It names when the lineage started
+  (:func:`new_run_id`: ``r`` + milliseconds + ``-`` + a random part), so runs are ordered
+  (:func:`run_started_ms`; None for a run id of the releases before, which were random);
 - ``base_digests`` (deltas): each shard's state digest of the base version, i.e. the exact
   state the delta applies to. A receiver uses its local state as the base only when its
   version AND its digest are the ones named here.
@@ -34,6 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
+import secrets
+import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -148,6 +153,28 @@ class BlobEntry:
             digest=obj["digest"],
             elements=obj.get("elements"),
         )
+
+
+_RUN_ID = re.compile(r"r([0-9a-f]{12})-[0-9a-f]{16}")
+
+
+def new_run_id(after: str | None = None) -> str:
+    """A new lineage's run id: ``r``, the start in milliseconds since the epoch (12 hex
+    digits), ``-`` and 16 random hex digits. ``after``: the run id the store's newest version
+    carries, if one was read; the new run starts after it even where this machine's clock is
+    behind the one that started it (runs stay ordered by their start)."""
+    start = time.time_ns() // 1_000_000
+    before = run_started_ms(after) if after is not None else None
+    if before is not None:
+        start = max(start, before + 1)
+    return f"r{start:012x}-{secrets.token_hex(8)}"
+
+
+def run_started_ms(run_id: str) -> int | None:
+    """When the run of ``run_id`` started (ms since the epoch), or None for a run id that
+    does not say (one of the releases before :func:`new_run_id`)."""
+    match = _RUN_ID.fullmatch(run_id)
+    return None if match is None else int(match[1], 16)
 
 
 def _fingerprint(obj: Any) -> str:

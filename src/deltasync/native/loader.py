@@ -457,31 +457,49 @@ def overlapping(items: Iterable[tuple[str, torch.Tensor, object]]) -> dict[str, 
 
 
 def touching(
-    items: Iterable[tuple[str, torch.Tensor]], others: Iterable[tuple[str, torch.Tensor]]
+    items: Iterable[tuple[str, torch.Tensor, object]],
+    others: Iterable[tuple[str, torch.Tensor, object]],
 ) -> dict[str, str]:
-    """``{name: a name of others}`` for every item whose memory span intersects one of
-    ``others``' spans (conservative: by extent); items are not compared with each other."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for name, t in others:
+    """``{name: a name of others}`` for every item whose memory span intersects the span of
+    one of ``others`` with another ``owner`` (conservative: by extent); entries with equal
+    owners (one tensor under two names, or an item and itself) never count."""
+    spans: dict[str, list[tuple[int, int, object, str]]] = {}
+    for name, t, owner in others:
         if t.numel() and t.device.type != "meta":
             start = t.data_ptr()
-            spans.setdefault(str(t.device), []).append((start, start + _extent(t), name))
-    reach: dict[str, tuple[list[int], list[tuple[int, str]]]] = {}
+            spans.setdefault(str(t.device), []).append((start, start + _extent(t), owner, name))
+    Reach = tuple[int, object, str]  # (end, owner, name)
+    reach: dict[str, tuple[list[int], list[tuple[Reach, Reach | None]]]] = {}
     for device, found in spans.items():
-        found.sort()
-        furthest: list[tuple[int, str]] = []  # the furthest end among the spans up to each
-        for _, end, name in found:
-            furthest.append(max(furthest[-1], (end, name)) if furthest else (end, name))
-        reach[device] = ([s for s, _, _ in found], furthest)
+        found.sort(key=lambda e: e[:2])
+        # per prefix of the spans by start: the furthest-reaching one, and the furthest of
+        # another owner than that one's
+        best: list[tuple[Reach, Reach | None]] = []
+        first: Reach | None = None
+        second: Reach | None = None
+        for _, end, owner, name in found:
+            span = (end, owner, name)
+            if first is None or end > first[0]:
+                if first is not None and owner != first[1]:
+                    second = first
+                first = span
+            elif owner != first[1] and (second is None or end > second[0]):
+                second = span
+            best.append((first, second))
+        reach[device] = ([e[0] for e in found], best)
     out: dict[str, str] = {}
-    for name, t in items:
+    for name, t, owner in items:
         if not t.numel() or t.device.type == "meta" or str(t.device) not in reach:
             continue
-        starts, furthest = reach[str(t.device)]
+        starts, best = reach[str(t.device)]
         start = t.data_ptr()
         below = bisect.bisect_left(starts, start + _extent(t))  # the spans starting before its end
-        if below and furthest[below - 1][0] > start:
-            out[name] = furthest[below - 1][1]
+        if not below:
+            continue
+        first, second = best[below - 1]
+        other = first if first[1] != owner else second
+        if other is not None and other[0] > start:
+            out[name] = other[2]
     return out
 
 

@@ -44,7 +44,6 @@ the modules it calls.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,7 +55,7 @@ from deltasync import names
 from deltasync.commit import AckRecord, BlobEntry, Manifest, WriterMarker, should_anchor
 from deltasync.commit import committer as commit_mod
 from deltasync.commit.catalog import Catalog, wait_for_acks, wait_for_staleness
-from deltasync.commit.model import LayoutRecord
+from deltasync.commit.model import LayoutRecord, new_run_id
 from deltasync.commit.records import ReceiverRecord
 from deltasync.commit.retention import GcPlan, collect_garbage
 from deltasync.errors import (
@@ -600,7 +599,10 @@ class Publisher:
         base = committed if kind == "delta" else None
         # A lineage continues only on a base this publisher verified; otherwise a new one.
         on_lineage = self._on_lineage(head)
-        run_id = head.run_id if on_lineage and head is not None else secrets.token_hex(8)
+        if on_lineage and head is not None:
+            run_id = head.run_id
+        else:  # a new lineage, started after the one the store's newest version carries
+            run_id = new_run_id(after=None if head is None else head.run_id)
         base_digests = self._baseline_digests if kind == "delta" else None
         self.trainer_layout.check_tied_once(params)
         self._check_shards(params)

@@ -275,7 +275,8 @@ class StateDir:
         try:
             os.mkdir(self.path, STATE_DIR_MODE)
         except FileExistsError:
-            return  # every write but the first after a removal: one system call
+            self._check()  # a link swapped in for it since is refused, never written through
+            return
         except OSError:  # its parent went too, or an error to name
             self._make()
         self._check()

@@ -54,7 +54,7 @@ from deltasync import names
 from deltasync.atomic import InBackground
 from deltasync.commit import AckRecord, Manifest, ManifestLimits, ReceiverRecord
 from deltasync.commit.catalog import Catalog
-from deltasync.commit.model import LayoutRecord, specs_fingerprint
+from deltasync.commit.model import LayoutRecord, run_started_ms, specs_fingerprint
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import (
     ApplyError,
@@ -458,12 +458,29 @@ class Receiver:
         return self._state.dirty
 
     def _refuse_regression(self, held: int, head: Manifest) -> None:
-        """With a key, the store's newest version of the held version's own run below it
-        (its manifests above were deleted) is never followed down: deleting objects needs no
-        key, so that would let anyone who can delete roll the engine back to any older signed
-        version. Another run (a store reset, a new lineage) is followed as without a key."""
-        if head.run_id is None or head.run_id != self._state.run_id:
+        """With a key, the store's newest version below the held one is never followed down
+        when it is of the held version's own run (its manifests above were deleted), nor of a
+        run that started before it (the held run's manifests were deleted, down to an older
+        lineage the same key signed): deleting objects needs no key, so that would let anyone
+        who can delete roll the engine back to any older signed version. A run that started
+        later (a store reset, a new lineage), or whose start is not known (a run id of the
+        releases before), is followed as without a key."""
+        mine = self._state.run_id
+        if head.run_id is None or mine is None:
             return
+        if head.run_id != mine:
+            started, held_started = run_started_ms(head.run_id), run_started_ms(mine)
+            if started is None or held_started is None or started > held_started:
+                return
+            raise VersionError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r} holds version "
+                f"{held} of run {mine!r}, and the store's newest version is now "
+                f"{head.version} of run {head.run_id!r}, which started before it: the newer "
+                "run's manifests were removed (by someone who can delete but needs no key, or "
+                f"an operator). It keeps version {held}: nothing was fetched or written. The "
+                "trainer's next version is taken as usual; to follow the store back, call "
+                "invalidate() and pull"
+            )
         raise VersionError(
             f"receiver {self.config.receiver_id!r} shard {self.shard!r} holds version {held} "
             f"of run {head.run_id!r}, and the store's newest version of that run is now "
@@ -1177,14 +1194,15 @@ class Receiver:
         and register again the version the tensors still hold. A repair's journal is the
         crash's and stays (the repair decides what follows).
 
-        The journal file's write (milliseconds of fsyncs) is waited out with interrupts held,
-        whatever stopped the pull, so that it never lands after the removal or beside this
-        receiver's next call; the withdrawal's store write after it stays interruptible (a
+        The journal file's write (milliseconds of fsyncs) and its removal run with interrupts
+        held, whatever stopped the pull, so that the file never lands after the removal or
+        beside this receiver's next call, nor stays for a second Ctrl-C; the withdrawal's store write after it stays interruptible (a
         withdrawal that lands late names no version: it claims less, never more)."""
         with interrupts_deferred():
             journaled.wait()
+            if not repaired:
+                self.dir.clear_journal()
         if not repaired:
-            self.dir.clear_journal()
             journal.wait()  # the withdrawal first, then the version the tensors still hold
             self._register_as(self._state)
 

@@ -435,15 +435,18 @@ class AdamWTracker:
                 f"shares memory with parameter {other!r}, which the optimizer also steps: "
                 "each one's update writes the other"
             )
-        # a constant that is a view of a stepped parameter: a fused step writes it without
-        # moving the version counter that would have told its edits
-        stepped = [(n, w.local()) for n, w in self._watched.items() if id(w.param) in group_of]
-        aliased = touching(((n, self._watched[n].local()) for n in constant), stepped)
+        # a constant that shares memory with another parameter: whatever steps that one (this
+        # optimizer, another, or this one after add_param_group) writes the constant, and a
+        # fused step does so without moving the version counter that would have told
+        aliased = touching(
+            ((n, self._watched[n].local(), id(self._watched[n].param)) for n in constant),
+            ((n, w.local(), id(w.param)) for n, w in self._watched.items()),
+        )
         for name, other in aliased.items():
             constant.remove(name)
             reasons[name] = (
-                f"frozen, but shares memory with parameter {other!r}, which the optimizer "
-                "steps (a fused step writes it without moving its version counter)"
+                f"frozen, but shares memory with parameter {other!r}, which an optimizer may "
+                "step (a fused step writes it without moving its version counter)"
             )
         if strict and reasons:
             listed = "; ".join(f"{n}: {r}" for n, r in list(reasons.items())[:5])
