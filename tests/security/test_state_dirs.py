@@ -1,6 +1,7 @@
-"""A receiver's state directory is its own: a link planted where it goes is refused (its
-target untouched), so is a directory another user owns; one of ours that group or others may
-read or write is made private; a record file that is a link is never read through."""
+"""A receiver's state directory is its own: a link another user planted where it goes is
+refused (its target untouched), as is a directory another user owns (a link this user made is
+followed); one of ours that group or others may read or write is made private; a record file
+that is a link is never read through."""
 
 from __future__ import annotations
 
@@ -25,22 +26,44 @@ def _victim(tmp_path):
     return victim
 
 
-def test_a_link_planted_at_the_state_dir_is_refused_and_its_target_left_alone(tmp_path):
+def _plant(link, target) -> None:
+    """A link at ``link`` made by another user (as root: given away)."""
+    link.symlink_to(target)
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a link to another user here")
+    os.lchown(link, 54321, 54321)
+
+
+def test_a_link_another_user_planted_at_the_state_dir_is_refused_and_its_target_untouched(
+    tmp_path,
+):
     victim = _victim(tmp_path)
     planted = tmp_path / "state"
-    planted.symlink_to(victim)
-    with pytest.raises(LocalStateError, match=r"'.*state' is a symbolic link; nothing was"):
+    _plant(planted, victim)
+    with pytest.raises(LocalStateError, match=r"'.*state' is a symbolic link of uid 54321"):
         StateDir(planted)
     assert sorted(os.listdir(victim)) == ["journal.json"]
+
+
+def test_a_link_this_user_made_to_a_dir_of_its_own_is_followed(tmp_path):
+    elsewhere = tmp_path / "volume" / "state"
+    elsewhere.mkdir(parents=True, mode=0o700)
+    (tmp_path / "state").symlink_to(elsewhere)
+    StateDir(tmp_path / "state").write_journal(_journal())
+    assert os.listdir(elsewhere) == ["journal.json"]
+
+
+def _journal() -> Journal:
+    return Journal(receiver="r", shard="tp0", from_version=None, steps=())
 
 
 def test_a_link_swapped_in_for_the_state_dir_after_it_was_opened_is_refused(tmp_path):
     state = StateDir(tmp_path / "state")
     victim = _victim(tmp_path)
     os.rename(tmp_path / "state", tmp_path / "moved")
-    (tmp_path / "state").symlink_to(victim)
-    with pytest.raises(LocalStateError, match=r"is a symbolic link; nothing was written"):
-        state.write_journal(Journal(receiver="r", shard="tp0", from_version=None, steps=()))
+    _plant(tmp_path / "state", victim)
+    with pytest.raises(LocalStateError, match=r"is a symbolic link of uid 54321"):
+        state.write_journal(_journal())
     assert sorted(os.listdir(victim)) == ["journal.json"]
 
 
@@ -93,7 +116,7 @@ def test_the_pull_sidecar_refuses_a_link_planted_at_its_state_dir(tmp_path):
     victim = _victim(tmp_path)
     out = tmp_path / "weights"
     out.mkdir()
-    (out / ".tp0.deltasync").symlink_to(victim)
+    _plant(out / ".tp0.deltasync", victim)
     argv = ["pull", str(tmp_path / "store"), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
     done = subprocess.run(
         [sys.executable, "-m", "deltasync", *argv, "--dir", str(out), "--once"],
@@ -102,6 +125,6 @@ def test_the_pull_sidecar_refuses_a_link_planted_at_its_state_dir(tmp_path):
         timeout=110,
     )
     assert done.returncode == 2, done.stderr
-    assert "is a symbolic link; nothing was written" in done.stderr, done.stderr
+    assert "is a symbolic link of uid 54321" in done.stderr, done.stderr
     assert sorted(os.listdir(victim)) == ["journal.json"]
     assert not (out / "tp0.safetensors").exists()

@@ -295,34 +295,36 @@ class StateDir:
             ) from exc
 
     def _check(self) -> None:
-        """The directory itself (its last component, never followed) is a directory this user
-        owns, private (group and other bits, e.g. of a ``mkdir`` under umask 002, are removed),
-        else LocalStateError: a link planted there would take this receiver's records, lock
-        and journal removals to its target, and whoever else may write there could rewrite the
-        record of what the tensors hold."""
+        """The directory is one this user owns, private (group and other bits, e.g. of a
+        ``mkdir`` under umask 002, are removed), else LocalStateError. A link there is
+        followed only when this user made it (a state dir placed on another volume); one
+        planted by another user would take this receiver's records, lock and journal removals
+        to its target, and whoever else may write the directory could rewrite the record of
+        what the tensors hold."""
         why = None
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            link = os.lstat(self.path)
+            if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+                why = f"a symbolic link of uid {link.st_uid}, not of this process's user"
+            else:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                    if st.st_uid != os.geteuid():
+                        why = (
+                            f"owned by uid {st.st_uid}, not by this process's user ({os.geteuid()})"
+                        )
+                    elif stat.S_IMODE(st.st_mode) & 0o077:
+                        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)  # the owner's bits kept
+                finally:
+                    os.close(fd)
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            if exc.errno != errno.ENOTDIR:
                 raise LocalStateError(
-                    f"cannot open receiver state dir {str(self.path)!r}: {exc.strerror or exc}"
-                ) from exc
-            why = "a symbolic link" if os.path.islink(self.path) else "not a directory"
-        else:
-            try:
-                st = os.fstat(fd)
-                if st.st_uid != os.geteuid():
-                    why = f"owned by uid {st.st_uid}, not by this process's user ({os.geteuid()})"
-                elif stat.S_IMODE(st.st_mode) & 0o077:
-                    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)  # the owner's bits kept
-            except OSError as exc:
-                raise LocalStateError(
-                    f"cannot make receiver state dir {str(self.path)!r} private: "
+                    f"cannot open receiver state dir {str(self.path)!r} or make it private: "
                     f"{exc.strerror or exc}"
                 ) from exc
-            finally:
-                os.close(fd)
+            why = "not a directory"
         if why is not None:
             raise LocalStateError(
                 f"receiver state dir {str(self.path)!r} is {why}; nothing was written. Give the "
