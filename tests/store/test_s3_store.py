@@ -617,3 +617,11 @@ def test_a_server_without_conditional_writes_is_refused_at_once_naming_the_remed
         s3_store.put("v00000001/tp0/w00000.blob", b"blob")  # plain writes still work
         assert s3_store.get("v00000001/tp0/w00000.blob") == b"blob"
     s3_store.put_if_absent("v00000001/MANIFEST.json", b"m1")  # the handler is gone
+
+
+def test_a_served_range_is_checked_against_the_one_asked_whatever_the_units_case() -> None:
+    s3_module._check_served("bytes 100-115/16384", 100, 16, "get_range")
+    s3_module._check_served("Bytes 100-107/108", 100, 16, "get_range")  # ends at the object's end
+    for served in ("bytes 0-15/16384", "bytes 100-116/16384", "bytes 100-99/16384", "items 1-2/3"):
+        with pytest.raises(StoreError, match=r"not a part of bytes 100-115"):
+            s3_module._check_served(served, 100, 16, "get_range")

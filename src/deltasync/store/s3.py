@@ -89,7 +89,7 @@ TRANSIENT_CODES = {
 # botocore's own check of a region name (``botocore.utils.validate_region_name``): a DNS label
 # of letters, digits and inner hyphens, not all digits. Checked here so a bad region is a
 # ConfigError naming the field, before any client is built.
-_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)", re.IGNORECASE)  # RFC 9110
 BUCKET_RECHECK_S = 30.0  # how long a bucket seen stands for a HEAD that answers 404
 _REGION = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)")
 
