@@ -294,17 +294,20 @@ def encode_record(obj: dict[str, Any]) -> bytes:
     ).encode("ascii")
 
 
-def read_record(path: Path) -> Any:
+def read_record(path: Path, *, follow_links: bool = True) -> Any:
     """The JSON value stored at ``path``, or None when there is no file.
 
     Args:
         path: the record file.
+        follow_links: False refuses a link at ``path`` (LocalStateError): a record in a
+            directory of deltasync's own, where only someone else could have put one.
 
     Returns:
         The decoded JSON value (the caller checks its fields), or None.
     """
     try:  # O_NONBLOCK: a FIFO put there opens at once and is refused below, not waited on
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+        nofollow = 0 if follow_links else os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | nofollow)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path

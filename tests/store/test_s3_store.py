@@ -625,3 +625,40 @@ def test_a_served_range_is_checked_against_the_one_asked_whatever_the_units_case
     for served in ("bytes 0-15/16384", "bytes 100-116/16384", "bytes 100-99/16384", "items 1-2/3"):
         with pytest.raises(StoreError, match=r"not a part of bytes 100-115"):
             s3_module._check_served(served, 100, 16, "get_range")
+
+
+class _RecursionInTheHttpClient:
+    """Every request ends as a redirect loop does when the caller's stack was already deep:
+    the recursion runs out inside the HTTP client, which wraps it."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.calls = 0
+
+    def _loop(self, **kwargs):
+        from botocore.exceptions import HTTPClientError
+
+        self.calls += 1
+        raise HTTPClientError(error=RecursionError("maximum recursion depth exceeded"))
+
+    get_object = head_object = put_object = list_objects_v2 = _loop
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_redirect_loop_the_http_client_wrapped_is_named_not_retried(s3_store) -> None:
+    # it was retried as a dropped connection, then reported as an unreachable server (an
+    # OutcomeUnknownError for a conditional write, which a redirect never applies)
+    s3_store._check_conditional_writes()
+    s3_store._client = _RecursionInTheHttpClient(s3_store._client)
+    for call in (
+        lambda: s3_store.get("v00000001/MANIFEST.json"),
+        lambda: s3_store.exists("v00000001/MANIFEST.json"),
+        lambda: s3_store.put_if_absent("v00000001/MANIFEST.json", b"m"),
+    ):
+        before = s3_store._client.calls
+        with pytest.raises(StoreError, match="kept redirecting the request") as info:
+            call()
+        assert not isinstance(info.value, OutcomeUnknownError)
+        assert s3_store._client.calls == before + 1  # never retried

@@ -542,7 +542,7 @@ def _recorded_receiver(state_dir: Path, shard: str) -> str | None:
     from deltasync.receiver import LocalState
 
     try:
-        state = LocalState.from_obj(read_record(state_dir / names.STATE_FILE))
+        state = LocalState.from_obj(read_record(state_dir / names.STATE_FILE, follow_links=False))
     except (LocalStateError, ManifestError, OSError):  # none yet, or not one to trust
         return None
     return state.receiver if state.shard == shard else None

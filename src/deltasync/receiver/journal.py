@@ -221,7 +221,7 @@ class StateDir:
         return self.path / names.JOURNAL_FILE
 
     def read_state(self) -> LocalState | None:
-        obj = read_record(self.state_path)
+        obj = read_record(self.state_path, follow_links=False)
         if obj is None:
             return None
         try:
@@ -234,7 +234,7 @@ class StateDir:
         write_record(self.state_path, json.loads(state.to_json()), durable=self.durable)
 
     def read_journal(self) -> Journal | None:
-        obj = read_record(self.journal_path)
+        obj = read_record(self.journal_path, follow_links=False)
         if obj is None:
             return None
         try:

@@ -203,6 +203,17 @@ def error_code(exc: BaseException) -> tuple[str, int]:
     return code, status
 
 
+def redirect_loop(exc: BaseException) -> bool:
+    """Whether ``exc`` is botocore following a redirect to itself until the stack ran out:
+    a bare RecursionError, or one the HTTP client wrapped (where the caller's stack was
+    already deep, the recursion ends inside the HTTP client)."""
+    from botocore.exceptions import HTTPClientError
+
+    if isinstance(exc, HTTPClientError):
+        exc = getattr(exc, "kwargs", {}).get("error")
+    return isinstance(exc, RecursionError)
+
+
 def is_transient(exc: BaseException) -> bool:
     from botocore.exceptions import (
         ClientError,
@@ -211,6 +222,8 @@ def is_transient(exc: BaseException) -> bool:
         IncompleteReadError,
     )
 
+    if redirect_loop(exc):
+        return False  # a redirect answers a request without applying it: no retry changes it
     if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
         return True
     if isinstance(exc, ClientError):
@@ -416,9 +429,11 @@ class S3Store:
             ) from last
         except ClientError as exc:
             raise self._map_client_error(what, key, exc) from exc
-        except BotoCoreError as exc:
-            raise StoreError(f"S3 {what} of {self._url(key)} failed: {self._scrub(exc)}") from exc
-        except RecursionError:
+        except (BotoCoreError, RecursionError) as exc:
+            if not redirect_loop(exc):
+                raise StoreError(
+                    f"S3 {what} of {self._url(key)} failed: {self._scrub(exc)}"
+                ) from exc
             # botocore follows a redirect by calling itself: a server that redirects to
             # itself ends here (a redirect answers a request without applying it)
             raise StoreError(
