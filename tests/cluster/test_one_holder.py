@@ -29,7 +29,7 @@ def _params() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) * 0.05 for n, s in TRAINER.param_shapes().items()}
 
 
-def _sender(params, **options) -> ClusterSender:
+def _sender(params, version=None, **options) -> ClusterSender:
     plan = RolePlan.contiguous(num_writers=1, shards=[s.id for s in RECEIVERS.shards()])
     tracked = params() if callable(params) else params
     return ClusterSender(
@@ -39,9 +39,18 @@ def _sender(params, **options) -> ClusterSender:
         rank=0,
         trainer_layout=TRAINER,
         receiver_layout=RECEIVERS,
-        version=None,
+        version=version,
         **options,
     )
+
+
+@pytest.mark.parametrize("version", [2**64, 10**8, -1, True])
+def test_a_writer_built_at_a_version_no_key_can_name_is_refused(version) -> None:
+    # 2**64 was taken; its first sync then raised a bare OverflowError building the
+    # preflight row on this rank alone, and every other rank waited out its timeout
+    params = {n: torch.zeros(s) for n, s in TRAINER.param_shapes().items()}
+    with pytest.raises(ConfigError, match=r"ClusterSender version must be None or an int in"):
+        _sender(params, version=version)
 
 
 def test_a_matrix_stored_transposed_is_refused_by_name_before_anything_is_sent() -> None:
