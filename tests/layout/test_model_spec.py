@@ -61,6 +61,10 @@ def test_defaults_follow_transformers_when_fields_are_missing():
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_key_value_heads": 3}, "multiple of"),
         ({"vocab_size": None}, "vocab_size"),
+        # bool("false") is True: an untied model read as tied lost its lm_head in a split
+        ({"tie_word_embeddings": "false"}, r"'tie_word_embeddings' must be true or false"),
+        ({"attention_bias": "false"}, r"'attention_bias' must be true or false"),
+        ({"mlp_bias": 0}, r"'mlp_bias' must be true or false \(a JSON boolean\), got 0"),
     ],
 )
 def test_unsupported_or_invalid_configs_raise_a_layout_error_naming_the_field(change, message):

@@ -46,6 +46,20 @@ _TIED_DEFAULT = {"gemma": True}
 MAX_COUNT = 1 << 20
 
 
+def _flag(name: str, cfg: Mapping[str, Any], default: bool) -> bool:
+    """``cfg[name]`` as a JSON boolean (absent or null: ``default``); anything else, such as
+    the string ``"false"`` that ``bool()`` reads as true, is a LayoutError naming it."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise LayoutError(
+            f"model config field {name!r} must be true or false (a JSON boolean), got "
+            f"{value!r}; fix the config"
+        )
+    return value
+
+
 def _pos_int(name: str, value: Any, *, hi: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LayoutError(f"model config field {name!r} must be a positive integer, got {value!r}")
@@ -196,11 +210,11 @@ class ModelSpec:
             "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "intermediate_size": need("intermediate_size"),
-            "tie_word_embeddings": bool(
-                cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False))
+            "tie_word_embeddings": _flag(
+                "tie_word_embeddings", cfg, _TIED_DEFAULT.get(model_type, False)
             ),
-            "attention_bias": bool(cfg.get("attention_bias", False)),
-            "mlp_bias": bool(cfg.get("mlp_bias", False)),
+            "attention_bias": _flag("attention_bias", cfg, False),
+            "mlp_bias": _flag("mlp_bias", cfg, False),
         }
         if model_type == "qwen3_moe":
             # transformers 5.x serialises the expert count as num_local_experts (attribute_map).
