@@ -19,7 +19,7 @@ import pytest
 import torch
 from kit import same_bits
 
-from deltasync import LocalStore, ModelSpec, Receiver
+from deltasync import LocalStore, ModelSpec, Receiver, names
 from deltasync.engines.sglang_loader import (
     LOADER,
     REQUEST_NAME,
@@ -724,12 +724,14 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
     check_taken(_parsed(tmp_path, 0))
 
 
-def test_check_taken_agrees_once_a_registration_whose_write_failed_is_written_again(
+def test_a_rank_whose_registration_names_its_version_and_cannot_be_withdrawn_writes_nothing(
     tmp_path, monkeypatch
 ):
-    # The rank took the version but its registration write failed; asked again, the request
-    # was answered as held without writing it, so check_taken failed until the next version.
+    # The registration write failed and the rank wrote anyway: the store went on saying it
+    # held version 0 (check_taken of 0 passed) over tensors that held 1, or, stopped midway,
+    # neither. Now nothing is written until the registration can be withdrawn.
     trainer, model = _one_rank_at_0_then_published(tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     real, failed = LocalStore.put, []
 
     def put(self, key, data, *args, **kwargs):
@@ -739,10 +741,50 @@ def test_check_taken_agrees_once_a_registration_whose_write_failed_is_written_ag
         return real(self, key, data, *args, **kwargs)
 
     monkeypatch.setattr(LocalStore, "put", put)
-    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
-    assert failed and _same(model, trainer.split()["tp0"])
+    with pytest.raises(StoreError, match="could not be withdrawn before the first write"):
+        take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1)
+    assert failed and _same(model, before)
+    assert model._deltasync_shard.receiver.version == 0
+    check_taken(_parsed(tmp_path, 0))  # true: it holds 0
     failed = None  # the store answers again
-    with pytest.raises(ApplyError, match="shard 'tp0' holds version 0"):
-        check_taken(_parsed(tmp_path, 1))
+    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
+    assert _same(model, trainer.split()["tp0"])
+    check_taken(_parsed(tmp_path, 1))
+
+
+def test_a_retried_request_writes_the_ack_a_failed_write_left_owed(tmp_path, monkeypatch):
+    # Asked again for the version it held, the rank rewrote only its registration: the ack a
+    # failed write left owed was never written, and a trainer waiting for it timed out
+    _, model = _one_rank_at_0_then_published(tmp_path)
+    real, failed = LocalStore.put, []
+
+    def put(self, key, data, *args, **kwargs):
+        if key.startswith("acks/") and failed is not None:
+            failed.append(key)
+            raise StoreError("the connection was reset")
+        return real(self, key, data, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "put", put)
+    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
+    acks = LocalStore(tmp_path / "store", durable=False)
+    assert failed and not acks.list(names.acks_prefix(1))
+    failed = None
+    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
+    assert acks.list(names.acks_prefix(1))
+    check_taken(_parsed(tmp_path, 1))
     assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
     check_taken(_parsed(tmp_path, 1))
+
+
+def test_arguments_that_are_not_what_sglang_passes_are_config_errors(tmp_path):
+    # a ZeroDivisionError, a TypeError and a ManifestError before
+    _, model = _one_rank_at_0_then_published(tmp_path)
+    with pytest.raises(ConfigError, match=r"take_version.*tp"):
+        take_version(model, _request(tmp_path, 1), tp_rank=0, tp=0)
+    with pytest.raises(ConfigError, match=r"tp_rank"):
+        take_version(model, _request(tmp_path, 1), tp_rank=1, tp=1)
+    with pytest.raises(ConfigError, match=r"\(name, tensor\) pairs"):
+        parse_request([b"not a pair"])
+    with pytest.raises(ConfigError, match=r"too long for shard 'tp0'"):
+        check_taken(_parsed(tmp_path, 1, receiver_id="r" * 126))
+    assert model._deltasync_shard.receiver.version == 0

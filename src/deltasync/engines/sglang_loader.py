@@ -74,6 +74,7 @@ from deltasync.errors import (
 )
 from deltasync.store import Store
 from deltasync.store.factory import open_engine_store
+from deltasync.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,13 @@ def request_tensors(request: SglangRequest) -> list[tuple[str, torch.Tensor]]:
 
 def parse_request(named_tensors: list[tuple[str, Any]]) -> SglangRequest:
     """The request in ``named_tensors`` (raises ConfigError naming what is wrong)."""
-    found = [t for n, t in named_tensors if n == REQUEST_NAME]
+    try:
+        found = [t for n, t in named_tensors if n == REQUEST_NAME]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"load_format {LOADER!r} expects named tensors as (name, tensor) pairs (build them "
+            "with deltasync.engines.sglang_loader.request_tensors)"
+        ) from None
     if len(found) != 1 or not isinstance(found[0], torch.Tensor) or found[0].dtype != torch.uint8:
         raise ConfigError(
             f"load_format {LOADER!r} expects exactly one {REQUEST_NAME!r} uint8 tensor "
@@ -201,7 +208,15 @@ def check_taken(request: SglangRequest) -> None:
     shards = sorted(manifest.layout.shards if manifest.layout else manifest.shard_digests)
     missing = []
     for shard in shards:
-        record = catalog.receiver(f"{request.receiver_id}-{shard}")
+        rid = f"{request.receiver_id}-{shard}"
+        try:
+            names.check_token("receiver", rid)
+        except DeltaSyncError:
+            raise ConfigError(
+                f"SglangRequest.receiver_id {request.receiver_id!r} is too long for shard "
+                f"{shard!r}: its receiver id {rid!r} must be at most 128 characters"
+            ) from None
+        record = catalog.receiver(rid)
         held = None if record is None else record.version_in(manifest.run_id)
         if held != request.version:
             what = "no registration" if record is None else f"version {record.version}"
@@ -423,9 +438,9 @@ class SglangShard:
     def _take(self, request: SglangRequest) -> PullReport | None:
         receiver = self.open(request)
         if self._holds(receiver, request.version):
-            # its registration again: one whose write failed before would leave check_taken
-            # failing for a version the rank holds until the next one
-            receiver.heartbeat()
+            # its ack and registration again: one whose write failed before would leave
+            # check_taken failing (and a trainer waiting for acks) for a version the rank holds
+            receiver.flush_records()
             return None
         latest = receiver.catalog.latest()
         if latest is None:
@@ -485,6 +500,10 @@ def take_version(
     ``gather``: the all-gather over the engine's TP ranks that :meth:`SglangShard.take`
     agrees with (required when ``tp > 1``). The shard is kept on the model object, so its
     receiver (journal, verified version) lives as long as the model runner."""
+    check_int("take_version", "tp", tp, lo=1)
+    check_int("take_version", "tp_rank", tp_rank, lo=0)
+    if not 0 <= tp_rank < tp:  # also for a model whose shard was opened at another rank
+        raise ConfigError(f"tp_rank {tp_rank} is not a rank of tp={tp}: 0 <= tp_rank < tp")
     if tp > 1 and gather is None:
         raise ConfigError(
             f"tp={tp}: take_version needs the TP ranks' gather (load_deltasync passes SGLang's "

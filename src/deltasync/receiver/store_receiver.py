@@ -90,6 +90,9 @@ from deltasync.validate import check_bool, check_instance, check_int, check_sign
 _OWNER = "ReceiverConfig"
 
 
+_UNWRITTEN = object()  # no registration written by this process yet
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReceiverConfig:
     """- ``receiver_id``: this receiver's name in acks and registrations (data-parallel
@@ -273,6 +276,11 @@ class Receiver:
         # opened with as held): a sidecar must not stall a bounded-staleness trainer before
         # its first pull, nor name a version its file's metadata merely claims.
         self._confirmed = register
+        # The version the registration this process last wrote names (None: none, withdrawn
+        # or removed; _UNWRITTEN: none written yet, so whatever the store holds is not this
+        # process's to vouch for). A write begins only once a registration of ours naming a
+        # version is withdrawn.
+        self._registered: int | object | None = _UNWRITTEN
         # one call at a time: a second thread's pull would replay this one's journal as a
         # crash's and record whichever version finished last over the other's writes
         self._busy = threading.RLock()
@@ -671,6 +679,7 @@ class Receiver:
             return True
         try:
             self.store.put(rec.key, rec.to_json(self.config.signing_key))
+            self._registered = rec.version
         except StoreError as exc:
             self._heartbeat_owed = True
             log.warning(
@@ -690,6 +699,7 @@ class Receiver:
         try:
             with self._records:  # after a heartbeat in flight, never before it
                 self.store.delete(names.receiver_key(self.config.receiver_id))
+                self._registered = None
         except StoreError as exc:
             log.warning("receiver %r: registration not removed (%s)", self.config.receiver_id, exc)
 
@@ -742,6 +752,14 @@ class Receiver:
         )
 
     # --- pull -------------------------------------------------------------------------
+
+    @_one_at_a_time
+    def flush_records(self) -> bool:
+        """Write what a store failure left owed (the ack of the version held, the
+        registration), as every pull does first; True when nothing is owed any more. For a
+        caller that holds the version it was asked for and must not pull (an engine's retried
+        request)."""
+        return self._flush_records()
 
     @_one_at_a_time
     def replay_journal(self) -> PullReport | None:
@@ -990,6 +1008,8 @@ class Receiver:
         except BaseException:  # an interrupt: nothing was written
             self._drop_journal(journal, journaled, repaired)
             raise
+        if error is not None:  # nothing was written: no journal left, the registration again
+            self._drop_journal(journal, journaled, repaired)
         if isinstance(error, LocalStateError):
             raise LocalStateError(
                 f"version {target.version} not taken by receiver shard {self.shard!r}: "
@@ -1183,9 +1203,29 @@ class Receiver:
 
     def _withdraw(self, _journal: Journal, journaled: threading.Event) -> None:
         """A registration naming no version, before the first live write (a replay's too:
-        its journal may be this process's own, left by a failed record, not a crash's)."""
+        its journal may be this process's own, left by a failed record, not a crash's). One
+        the store refused, over a registration this process wrote naming a version that the
+        store may still hold, is a StoreError: the write does not begin, since that
+        registration would go on naming the version before over tensors that hold neither. (A
+        registration this process never wrote, one that failed at its start, is not made
+        worse by the write.)"""
         journaled.set()  # a replay writes no journal: its crash's is on disk
-        self._register_as(self._state_with(dirty=True))
+        withdrawn = self._register_as(self._state_with(dirty=True))
+        if not withdrawn and self._registered not in (None, _UNWRITTEN) and self._named():
+            raise StoreError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: its registration "
+                "could not be withdrawn before the first write (the store refused the write: "
+                "see the warning before this); nothing was written. Pull again once the store "
+                "takes writes"
+            )
+
+    def _named(self) -> bool:
+        """Whether the store holds a registration of this receiver naming a version, as its
+        readers read it now (one no reader can read, an outage's too, names nothing to them;
+        the scatter after it then goes ahead as before, and a registration that reappears
+        after a crash ages out with its heartbeat)."""
+        rec = self.catalog.receiver(self.config.receiver_id)
+        return rec is not None and rec.version is not None
 
     def _drop_journal(
         self, journal: InBackground, journaled: threading.Event, repaired: bool
