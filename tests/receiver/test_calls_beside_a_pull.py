@@ -10,11 +10,12 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
 from deltasync import MemoryStore, Receiver, names
 from deltasync.commit import ReceiverRecord
-from deltasync.errors import ConfigError, LocalStateError
+from deltasync.errors import ConfigError, LocalStateError, StoreError
 from deltasync.receiver import StateDir, store_receiver
 
 SHARD = "tp0"
@@ -297,3 +298,63 @@ def test_a_replay_in_a_running_process_withdraws_the_registration_before_it_writ
     assert at_write == [None], at_write  # withdrawn before the replay's first write
     assert _registered(store) == 1
     assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+class _RegistrationWrites:
+    """``mode``: None (the store's own answer), "lost reply" (a registration naming a
+    version lands, then fails: its reply lost) or "refused" (every registration write)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.mode = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data, *args, **kwargs):
+        if key == names.receiver_key("rec") and self.mode == "refused":
+            raise StoreError("the registration write was refused")
+        out = self.inner.put(key, data, *args, **kwargs)
+        landed = key == names.receiver_key("rec") and self.mode == "lost reply"
+        if landed and ReceiverRecord.from_json(data).version is not None:
+            raise StoreError("the connection was reset after the write landed")
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_whose_reply_was_lost_still_stops_a_write_it_cannot_withdraw(tmp_path):
+    # a write that landed and then failed was taken as never written: the next pull, whose
+    # withdrawal the store refused, wrote while the store named the version before
+    inner, _tl, rl, params, pub, tensors = _anchored()
+    store = _RegistrationWrites(inner)
+    rec = _receiver(store, rl, tensors, tmp_path)
+    assert rec.pull().version == 0 and _registered(inner) == 0
+    publish_edit(pub, params, 1, 7)
+    store.mode = "lost reply"
+    assert rec.pull().version == 1 and _registered(inner) == 1
+    publish_edit(pub, params, 2, 9)
+    store.mode = "refused"
+    before = {n: t.clone() for n, t in tensors.items()}
+    with pytest.raises(StoreError, match="could not be withdrawn before the first write"):
+        rec.pull()
+    assert rec.version == 1 and all(torch.equal(tensors[n], t) for n, t in before.items())
+    store.mode = None
+    assert rec.pull().version == 2 and _registered(inner) == 2
+
+
+@pytest.mark.timeout(60)
+def test_flush_records_inside_a_pull_writes_nothing(tmp_path):
+    # called from the engine's progress callback after the withdrawal, it registered the
+    # version before again: the first write ran while the store named it
+    store, _tl, rl, params, pub, tensors = _anchored()
+    seen = []
+
+    def on_tensor(_name):
+        if not seen:
+            seen.append((rec.flush_records(), _registered(store)))
+
+    rec = _receiver(store, rl, tensors, tmp_path, on_tensor_written=on_tensor)
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    assert rec.pull().version == 1
+    assert seen == [(False, None)]  # withdrawn, and left so
+    assert rec.flush_records() and _registered(store) == 1

@@ -485,9 +485,10 @@ class Receiver:
                 f"{held} of run {mine!r}, and the store's newest version is now "
                 f"{head.version} of run {head.run_id!r}, which started before it: the newer "
                 "run's manifests were removed (by someone who can delete but needs no key, or "
-                f"an operator). It keeps version {held}: nothing was fetched or written. The "
-                "trainer's next version is taken as usual; to follow the store back, call "
-                "invalidate() and pull"
+                f"an operator), or a trainer whose clock is behind started it after a store "
+                f"reset. It keeps version {held}: nothing was fetched or written. A version "
+                f"above {held} is taken as usual; to follow the store back, call invalidate() "
+                "and pull"
             )
         raise VersionError(
             f"receiver {self.config.receiver_id!r} shard {self.shard!r} holds version {held} "
@@ -681,6 +682,8 @@ class Receiver:
             self.store.put(rec.key, rec.to_json(self.config.signing_key))
             self._registered = rec.version
         except StoreError as exc:
+            if rec.version is not None:  # its reply may be what was lost: it may stand
+                self._registered = rec.version
             self._heartbeat_owed = True
             log.warning(
                 "receiver %r shard %r: registration not written (%s); retried on the next pull",
@@ -703,14 +706,14 @@ class Receiver:
         except StoreError as exc:
             log.warning("receiver %r: registration not removed (%s)", self.config.receiver_id, exc)
 
-    def _flush_records(self, holding: LocalState | None = None) -> bool:
+    def _flush_records(self, holding: LocalState | None = None, *, inline: bool = False) -> bool:
         """Write the owed ack (if any) and the registration (of ``holding``, the state a
         pull is recording meanwhile, else the recorded one); True when nothing is owed.
 
         The two are independent records (a trainer waiting for acks counts either), so the
         registration is written on a thread while the ack is written here: their durable
         writes overlap (two store round trips, four fsyncs on a local store: ~1.7 -> ~0.9 ms
-        of every pull here)."""
+        of every pull here). ``inline``: both on the caller's thread, one after the other."""
         state = self._state if holding is None else holding
         if state.dirty:  # it holds no version now: an ack still owed would say otherwise
             self._pending_ack, self._ack_undecided = None, False
@@ -719,7 +722,11 @@ class Receiver:
         ack = self._pending_ack
         if ack is None:
             return self._register_as(state)
-        beat = InBackground(self._register_as, state, name="deltasync-receiver-heartbeat")
+        beat = (
+            None
+            if inline
+            else InBackground(self._register_as, state, name="deltasync-receiver-heartbeat")
+        )
         try:
             self.store.put(ack.key, ack.to_json(self.config.signing_key))
             self._pending_ack = None
@@ -733,7 +740,11 @@ class Receiver:
                 exc,
             )
         finally:
-            error = beat.wait()
+            if beat is None:
+                self._register_as(state)
+                error = None
+            else:
+                error = beat.wait()
         if error is not None:
             raise error
         return not self._heartbeat_owed and self._pending_ack is None and not self._ack_undecided
@@ -758,8 +769,14 @@ class Receiver:
         """Write what a store failure left owed (the ack of the version held, the
         registration), as every pull does first; True when nothing is owed any more. For a
         caller that holds the version it was asked for and must not pull (an engine's retried
-        request)."""
-        return self._flush_records()
+        request). Inside a pull (its own callbacks, from the withdrawal before its first
+        write until its records are written) it writes nothing and returns False, as
+        :meth:`heartbeat` does; its writes run on the caller's thread (a signal handler's
+        call beside a registration write in flight does not wait on itself)."""
+        with self._records:
+            if self._quiet:
+                return False
+        return self._flush_records(inline=True)
 
     @_one_at_a_time
     def replay_journal(self) -> PullReport | None:
@@ -974,18 +991,21 @@ class Receiver:
         # or, for a chain verify would have refused, fails its replay and restores an anchor.)
         # A repair replays the journal it found: that one stays until the replay has ended.
         journaled = threading.Event()  # the journal file's write has ended (or none is due)
-        journal = InBackground(
-            self._withdraw if repaired else self._journal_then_withdraw,
-            Journal(
-                receiver=self.config.receiver_id,
-                shard=self.shard,
-                from_version=from_version,
-                steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
-            ),
-            journaled,
-            name="deltasync-receiver-record",
+        record = Journal(
+            receiver=self.config.receiver_id,
+            shard=self.shard,
+            from_version=from_version,
+            steps=tuple(JournalStep.of(m, self.shard) for m in manifests),
         )
+        journal: InBackground | None = None
         try:
+            with interrupts_deferred():  # handed off and named together: never one alone
+                journal = InBackground(
+                    self._withdraw if repaired else self._journal_then_withdraw,
+                    record,
+                    journaled,
+                    name="deltasync-receiver-record",
+                )
             # Verify before write: one full read of the chain's records (every record's
             # structure and every writer/anchor check) and of the resulting state, tensor by
             # tensor; nothing is written until it has finished.
@@ -993,7 +1013,8 @@ class Receiver:
             digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
             verify_s = time.perf_counter() - t
         except BaseException as exc:
-            self._drop_journal(journal, journaled, repaired)
+            if journal is not None:
+                self._drop_journal(journal, journaled, repaired)
             if isinstance(exc, DeltaSyncError):
                 for m in manifests:
                     self.catalog.forget(m.version)
@@ -1207,8 +1228,8 @@ class Receiver:
         the store refused, over a registration this process wrote naming a version that the
         store may still hold, is a StoreError: the write does not begin, since that
         registration would go on naming the version before over tensors that hold neither. (A
-        registration this process never wrote, one that failed at its start, is not made
-        worse by the write.)"""
+        registration this process never wrote, e.g. an earlier process's when every write of
+        this one failed, does not stop the pull: it ages out with that process's heartbeat.)"""
         journaled.set()  # a replay writes no journal: its crash's is on disk
         withdrawn = self._register_as(self._state_with(dirty=True))
         if not withdrawn and self._registered not in (None, _UNWRITTEN) and self._named():
