@@ -724,6 +724,22 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
     check_taken(_parsed(tmp_path, 0))
 
 
+class _FailingPuts:
+    """``LocalStore.put`` of keys under ``prefix`` fails (the connection reset) while
+    ``armed``; ``failed`` lists the keys refused."""
+
+    def __init__(self, monkeypatch, prefix: str) -> None:
+        real, self.armed, self.failed = LocalStore.put, True, []
+
+        def put(store, key, data, *args, **kwargs):
+            if key.startswith(prefix) and self.armed:
+                self.failed.append(key)
+                raise StoreError("the connection was reset")
+            return real(store, key, data, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStore, "put", put)
+
+
 def test_a_rank_whose_registration_names_its_version_and_cannot_be_withdrawn_writes_nothing(
     tmp_path, monkeypatch
 ):
@@ -732,21 +748,13 @@ def test_a_rank_whose_registration_names_its_version_and_cannot_be_withdrawn_wri
     # neither. Now nothing is written until the registration can be withdrawn.
     trainer, model = _one_rank_at_0_then_published(tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    real, failed = LocalStore.put, []
-
-    def put(self, key, data, *args, **kwargs):
-        if key.startswith("receivers/") and failed is not None:
-            failed.append(key)
-            raise StoreError("the connection was reset")
-        return real(self, key, data, *args, **kwargs)
-
-    monkeypatch.setattr(LocalStore, "put", put)
+    puts = _FailingPuts(monkeypatch, "receivers/")
     with pytest.raises(StoreError, match="could not be withdrawn before the first write"):
         take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1)
-    assert failed and _same(model, before)
+    assert puts.failed and _same(model, before)
     assert model._deltasync_shard.receiver.version == 0
     check_taken(_parsed(tmp_path, 0))  # true: it holds 0
-    failed = None  # the store answers again
+    puts.armed = False  # the store answers again
     assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
     assert _same(model, trainer.split()["tp0"])
     check_taken(_parsed(tmp_path, 1))
@@ -756,23 +764,13 @@ def test_a_retried_request_writes_the_ack_a_failed_write_left_owed(tmp_path, mon
     # Asked again for the version it held, the rank rewrote only its registration: the ack a
     # failed write left owed was never written, and a trainer waiting for it timed out
     _, model = _one_rank_at_0_then_published(tmp_path)
-    real, failed = LocalStore.put, []
-
-    def put(self, key, data, *args, **kwargs):
-        if key.startswith("acks/") and failed is not None:
-            failed.append(key)
-            raise StoreError("the connection was reset")
-        return real(self, key, data, *args, **kwargs)
-
-    monkeypatch.setattr(LocalStore, "put", put)
+    puts = _FailingPuts(monkeypatch, "acks/")
     assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
     acks = LocalStore(tmp_path / "store", durable=False)
-    assert failed and not acks.list(names.acks_prefix(1))
-    failed = None
+    assert puts.failed and not acks.list(names.acks_prefix(1))
+    puts.armed = False
     assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
     assert acks.list(names.acks_prefix(1))
-    check_taken(_parsed(tmp_path, 1))
-    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
     check_taken(_parsed(tmp_path, 1))
 
 
