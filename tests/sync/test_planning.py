@@ -178,7 +178,10 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     keys[9] = [names.blob_key(9, "tp0", "w00000")]  # in flight: newer than committed, no manifest
     keys[2].append(names.writer_marker_key(2, "w00000"))
     keys[2].append(names.writer_claim_key(2, "w00000"))
-    keys[7].append(names.writer_claim_key(7, "w00000"))  # kept version: its claim is spent
+    # a kept version: its writers' claims stay (one deleted let a second process running as
+    # that writer claim the version and overwrite its committed blobs); a claim of a writer
+    # its manifest does not name is a losing attempt's
+    keys[7] += [names.writer_claim_key(7, "w00000"), names.writer_claim_key(7, "w00009")]
     keys[9].append(names.writer_claim_key(9, "w00000"))
     plan = plan_deletions(
         version_keys=keys,
@@ -190,7 +193,8 @@ def test_retention_keeps_what_live_receivers_need_and_deletes_manifests_first():
     )
     assert plan.versions == (0, 1, 2, 3, 4)
     assert names.writer_claim_key(2, "w00000") in plan.keys
-    assert names.writer_claim_key(7, "w00000") in plan.keys
+    assert names.writer_claim_key(7, "w00009") in plan.keys
+    assert names.writer_claim_key(7, "w00000") not in plan.keys
     assert names.manifest_key(7) not in plan.keys
     manifest_keys = [k for k in plan.keys if k.endswith("MANIFEST.json")]
     assert plan.keys[: len(manifest_keys)] == tuple(manifest_keys), "manifests go first"

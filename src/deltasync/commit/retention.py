@@ -161,6 +161,9 @@ def plan_deletions(
             continue  # newer: an attempt may still be in flight
         keep = {names.manifest_key(v), *(b.key for b in m.blobs)}
         keep.update(names.writer_marker_key(v, w) for w in m.writers)
+        # the writers' claims too: one deleted would let a second process running as that
+        # writer claim the version and overwrite its committed blobs
+        keep.update(names.writer_claim_key(v, w) for w in m.writers)
         rest.extend(k for k in keys if k not in keep)  # a losing attempt's leftovers
     return GcPlan(tuple(doomed), tuple(first + rest))
 
