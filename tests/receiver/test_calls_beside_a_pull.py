@@ -113,10 +113,8 @@ def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_one_beside_a_scrub
     # A heartbeat must not make a pull from another thread fail (a ConfigError, which a
     # sidecar takes for a permanent fault), nor be lost beside a call that registers nothing
     # (a scrub that finds the tensors intact).
-    inner = MemoryStore()
+    inner, tl, rl, params, pub, tensors = _anchored()
     store = _SlowRegistrations(inner)
-    tl, rl, params, pub = anchored_bf16(inner, seed=3)
-    tensors = zero_tensors(rl, SHARD)
     rec = _receiver(store, rl, tensors, tmp_path)
     assert rec.pull().version == 0
     publish_edit(pub, params, 1, 7)
@@ -220,10 +218,8 @@ def test_a_pull_interrupted_before_its_first_write_leaves_heartbeats_working(tmp
 def test_deregister_and_close_come_after_a_heartbeat_in_flight(tmp_path):
     # A heartbeat in flight landed after deregister() returned (the registration back) or
     # after close() (over the records of a receiver that may hold the state dir by then).
-    inner = MemoryStore()
+    inner, _tl, rl, _params, _pub, tensors = _anchored()
     store = _SlowRegistrations(inner)
-    _, rl, _, _ = anchored_bf16(inner, seed=3)
-    tensors = zero_tensors(rl, SHARD)
     rec = _receiver(store, rl, tensors, tmp_path)
     assert rec.pull().version == 0
     for end in (rec.deregister, rec.close):

@@ -175,27 +175,23 @@ def test_part_etags_that_are_not_md5s_make_no_multipart_etag() -> None:
         assert multipart_etag(etags) is None  # judged not written, never a ValueError
 
 
-class _ShortReadBack:
-    """The first put_object is delivered and its reply lost; the retry gets 412; the first
-    read back of the key is cut short (its connection dropped mid-body)."""
+class _FirstBodyCutShort:
+    """The first get_object's body (with ``ranged``: only if that one is ranged) is cut
+    short to ``keep`` bytes, its connection dropped mid-body."""
 
-    def __init__(self, client) -> None:
-        self._inner = _ReplyLost(client, delivered=True)
-        self.reads = 0
-
-    def put_object(self, **kwargs):
-        return self._inner.put_object(**kwargs)
+    def __init__(self, client, *, keep: int, ranged: bool = False) -> None:
+        self._client, self.keep, self.ranged, self.reads = client, keep, ranged, 0
 
     def get_object(self, **kwargs):
+        response = self._client.get_object(**kwargs)
         self.reads += 1
-        response = self._inner.get_object(**kwargs)
-        if self.reads == 1:
+        if self.reads == 1 and (not self.ranged or "Range" in kwargs):
             data = response["Body"].read()
-            response["Body"] = StreamingBody(io.BytesIO(data[:3]), len(data))
+            response["Body"] = StreamingBody(io.BytesIO(data[: self.keep]), len(data))
         return response
 
     def __getattr__(self, name):
-        return getattr(self._inner, name)
+        return getattr(self._client, name)
 
 
 def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3_store) -> None:
@@ -203,35 +199,18 @@ def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3
     # and the publisher took its own commit for a lost race.
     _few_retries(s3_store)
     s3_store._check_conditional_writes()  # the server's probe, before the faults begin
-    s3_store._client = _ShortReadBack(s3_store._client)
+    # the first put_object delivered and its reply lost, the retry 412, the read-back cut short
+    s3_store._client = _FirstBodyCutShort(_ReplyLost(s3_store._client, delivered=True), keep=3)
     s3_store.put_if_absent("v00000011/MANIFEST.json", b"ours, a few bytes long")
     assert s3_store._client.reads >= 2
     assert s3_store.get("v00000011/MANIFEST.json") == b"ours, a few bytes long"
-
-
-class _FirstRangeCutShort:
-    """The first ranged get_object's body is cut short (its connection dropped mid-body)."""
-
-    def __init__(self, client) -> None:
-        self._client, self.reads = client, 0
-
-    def get_object(self, **kwargs):
-        response = self._client.get_object(**kwargs)
-        self.reads += 1
-        if self.reads == 1 and "Range" in kwargs:
-            data = response["Body"].read()
-            response["Body"] = StreamingBody(io.BytesIO(data[:5]), len(data))
-        return response
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
 
 def test_a_ranged_read_cut_short_is_retried_not_reported_past_the_end(s3_store) -> None:
     # One attempt, then "reads past the end" for a range inside the object.
     _few_retries(s3_store)
     s3_store.put("v00000001/tp0/w00000.blob", bytes(range(200)))
-    s3_store._client = _FirstRangeCutShort(s3_store._client)
+    s3_store._client = _FirstBodyCutShort(s3_store._client, keep=5, ranged=True)
     assert s3_store.get_range("v00000001/tp0/w00000.blob", 10, 64) == bytes(range(10, 74))
     assert s3_store._client.reads == 2
 

@@ -438,22 +438,8 @@ def overlapping(items: Iterable[tuple[str, torch.Tensor, object]]) -> dict[str, 
     """``{name: another name}`` for every entry whose memory span intersects another's
     (conservative: by extent), from ``(name, tensor, owner)`` items; entries with equal
     ``owner`` (one tensor under two names) never count against each other."""
-    spans = []
-    for name, t, owner in items:
-        if t.numel() == 0 or t.device.type == "meta":
-            continue
-        start = t.data_ptr()
-        spans.append((str(t.device), start, start + _extent(t), owner, name))
-    spans.sort(key=lambda e: e[:2])
-    out: dict[str, str] = {}
-    reach = None  # (device, end, owner, name) of the furthest-reaching span so far
-    for device, start, end, owner, name in spans:
-        if reach is not None and reach[0] == device and start < reach[1] and owner != reach[2]:
-            out.setdefault(name, reach[3])
-            out.setdefault(reach[3], name)
-        if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, owner, name)
-    return out
+    items = list(items)
+    return touching(items, items)
 
 
 def touching(

@@ -1215,7 +1215,8 @@ class Receiver:
         registration naming no version, since the tensors hold none from the first write to
         the last (a process killed in the scatter leaves tensors that outlive it holding
         neither version, and its registration, heartbeat fresh, must not name one). On its
-        thread, beside the verify pass; a failed registration write is retried as any."""
+        thread, beside the verify pass; :meth:`_withdraw` says when a refused withdrawal
+        stops the write."""
         try:
             self.dir.write_journal(journal)
         finally:
@@ -1257,8 +1258,9 @@ class Receiver:
 
         The journal file's write (milliseconds of fsyncs) and its removal run with interrupts
         held, whatever stopped the pull, so that the file never lands after the removal or
-        beside this receiver's next call, nor stays for a second Ctrl-C; the withdrawal's store write after it stays interruptible (a
-        withdrawal that lands late names no version: it claims less, never more)."""
+        beside this receiver's next call, nor stays for a second Ctrl-C; the withdrawal's
+        store write after it stays interruptible (a withdrawal that lands late names no
+        version: it claims less, never more)."""
         with interrupts_deferred():
             journaled.wait()
             if not repaired:
