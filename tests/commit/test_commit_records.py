@@ -146,6 +146,23 @@ def test_acks_and_registrations_carry_their_lineage_under_the_mac() -> None:
     )
 
 
+def test_a_registration_carries_the_engine_request_it_was_written_for_under_the_mac() -> None:
+    key = b"k" * 32
+    rec = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0, request="req-a")
+    signed = rec.to_json(key)
+    assert ReceiverRecord.from_json(signed, signing_key=key) == rec
+    with pytest.raises(ManifestError):  # a registration of another request is not made
+        ReceiverRecord.from_json(signed.replace(b"req-a", b"req-b"), signing_key=key)
+    d = json.loads(rec.to_json())
+    for bad in (7, "../x", ""):
+        with pytest.raises(ManifestError, match="request"):
+            ReceiverRecord.from_json(json.dumps(dict(d, request=bad)))
+    # registrations of receivers no engine request reached name none, as before requests
+    legacy = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0)
+    assert b"request" not in legacy.to_json()
+    assert ReceiverRecord.from_json(legacy.to_json()).request is None
+
+
 def test_a_registration_holds_a_version_only_of_its_own_lineage() -> None:
     rec = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0, run_id="run-a")
     assert rec.version_in("run-a") == 4

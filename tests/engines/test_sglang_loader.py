@@ -9,17 +9,19 @@ publishes versions with TrainerSync; every rank's model gets the loader call SGL
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
 import types
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 from kit import same_bits
 
 from deltasync import LocalStore, ModelSpec, Receiver, names
+from deltasync.commit.catalog import Catalog
 from deltasync.engines.sglang_loader import (
     LOADER,
     REQUEST_NAME,
@@ -280,6 +282,8 @@ def test_a_rank_refuses_a_request_that_would_change_how_it_was_opened(tmp_path):
         (dict(durable="no"), "durable"),
         (dict(state_dir="/s/a\x00b"), "state_dir"),
         (dict(store="d\x00"), "store"),
+        (dict(request_id="../x"), "request_id"),
+        (dict(request_id=""), "request_id"),
     ],
 )
 def test_bad_request_fields_are_config_errors_naming_them(fields, named):
@@ -355,6 +359,56 @@ def test_after_update_weights_from_disk_the_held_version_is_restored_not_answere
     for r, model in enumerate(models):
         assert _same(model, split[f"tp{r}"]), r
     assert _take_all(models, _request(tmp_path, 2)) == [None] * tp  # held now
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_check_taken_does_not_answer_a_request_with_a_registration_an_earlier_one_left(
+    tmp_path, tp
+):
+    # After update_weights_from_disk, a request for the version the ranks held that never
+    # reached them (or that SGLang never ran) passed check_taken: every registration still
+    # named that version, written for the request before, while rank 0 served the checkpoint.
+    trainer, models = _at_version_2_then_rank_0_reloads_version_0(tmp_path, tp)
+    lost = _parsed(tmp_path, 2)
+    with pytest.raises(ApplyError) as failed:
+        check_taken(lost)
+    for r in range(tp):
+        assert f"shard 'tp{r}' registered version 2 for another request, not this one" in str(
+            failed.value
+        )
+    assert not _same(models[0], trainer.split()["tp0"])
+    _take_all(models, request_tensors(lost))  # sent again, it arrives: rank 0 is restored
+    check_taken(lost)
+    for r, model in enumerate(models):
+        assert _same(model, trainer.split()[f"tp{r}"]), r
+
+
+def test_every_registration_of_a_request_names_it_and_a_request_without_an_id_is_taken(
+    tmp_path,
+):
+    _, model = _one_rank_at_0_then_published(tmp_path)
+    asked = _parsed(tmp_path, 1)
+    take_version(model, request_tensors(asked), tp_rank=0, tp=1)
+    catalog = Catalog(LocalStore(tmp_path / "store", durable=False))
+    record = catalog.receiver("sgl0-tp0")
+    assert (record.version, record.request) == (1, asked.request_id)
+    model._deltasync_shard.receiver.heartbeat()  # later registrations keep naming it
+    assert catalog.receiver("sgl0-tp0").request == asked.request_id
+    # a caller that names no request (an older client's JSON): the same id, None, on every
+    # rank, and check_taken by version and lineage alone
+    legacy = json.loads(request_tensors(asked)[0][1].numpy().tobytes())
+    del legacy["request_id"]
+    named = [
+        (REQUEST_NAME, torch.frombuffer(bytearray(json.dumps(legacy).encode()), dtype=torch.uint8))
+    ]
+    assert parse_request(named).request_id is None
+    assert take_version(model, named, tp_rank=0, tp=1) is None  # held
+    assert catalog.receiver("sgl0-tp0").request is None
+    check_taken(replace(asked, request_id=None))
+    assert asked.request_id != _parsed(tmp_path, 1).request_id  # fresh for every request
+    assert "request_id" not in asked.opening()  # not a field the receiver is opened with
+    with pytest.raises(ConfigError, match=r"answering\(\).*'\.\./x' is not a safe name"):
+        model._deltasync_shard.receiver.answering("../x")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -707,21 +761,24 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
 
     _, models = _two_ranks_at_0_then_published(tmp_path, 1)
     corrupt_one_blob(tmp_path / "store", 1, "tp1")
-    results = _take_all(models, _request(tmp_path, 1))
+    asked = _parsed(tmp_path, 1)
+    results = _take_all(models, request_tensors(asked))
     assert all(isinstance(r, DeltaSyncError) for r in results), results
     with pytest.raises(ApplyError) as failed:
-        check_taken(_parsed(tmp_path, 1))
-    assert "shard 'tp0' holds version 0; shard 'tp1' holds version 0" in str(failed.value)
-    check_taken(_parsed(tmp_path, 0))
+        check_taken(asked)
+    # both refused, and both registered what they hold for this request
+    assert "shard 'tp0' holds version 0; shard 'tp1' holds version 0." in str(failed.value)
+    check_taken(replace(asked, version=0))  # true: they hold 0
     for path in (tmp_path / "store").iterdir():  # a new run: its own version 0
         if path.name != "receivers":  # the ranks' registrations stay
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     fresh = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2, seed=1)
     fresh.publish(0)
-    with pytest.raises(ApplyError, match=r"shard 'tp0' holds version 0 of another lineage"):
-        check_taken(_parsed(tmp_path, 0))
-    _take_all(models, _request(tmp_path, 0))
-    check_taken(_parsed(tmp_path, 0))
+    with pytest.raises(ApplyError, match=r"shard 'tp0' holds version 0 of another lineage;"):
+        check_taken(replace(asked, version=0))
+    asked = _parsed(tmp_path, 0)
+    _take_all(models, request_tensors(asked))
+    check_taken(asked)
 
 
 class _FailingPuts:
@@ -749,15 +806,18 @@ def test_a_rank_whose_registration_names_its_version_and_cannot_be_withdrawn_wri
     trainer, model = _one_rank_at_0_then_published(tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     puts = _FailingPuts(monkeypatch, "receivers/")
+    asked = _parsed(tmp_path, 1)
     with pytest.raises(StoreError, match="could not be withdrawn before the first write"):
-        take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1)
+        take_version(model, request_tensors(asked), tp_rank=0, tp=1)
     assert puts.failed and _same(model, before)
     assert model._deltasync_shard.receiver.version == 0
-    check_taken(_parsed(tmp_path, 0))  # true: it holds 0
+    # true: it holds 0, and it could not register since this request came
+    with pytest.raises(ApplyError, match=r"holds version 0 \(registered for another request\)"):
+        check_taken(asked)
     puts.armed = False  # the store answers again
-    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
+    assert take_version(model, request_tensors(asked), tp_rank=0, tp=1).version == 1
     assert _same(model, trainer.split()["tp0"])
-    check_taken(_parsed(tmp_path, 1))
+    check_taken(asked)
 
 
 def test_a_retried_request_writes_the_ack_a_failed_write_left_owed(tmp_path, monkeypatch):
@@ -765,13 +825,17 @@ def test_a_retried_request_writes_the_ack_a_failed_write_left_owed(tmp_path, mon
     # failed write left owed was never written, and a trainer waiting for it timed out
     _, model = _one_rank_at_0_then_published(tmp_path)
     puts = _FailingPuts(monkeypatch, "acks/")
-    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1).version == 1
+    asked = _parsed(tmp_path, 1)
+    assert take_version(model, request_tensors(asked), tp_rank=0, tp=1).version == 1
     acks = LocalStore(tmp_path / "store", durable=False)
     assert puts.failed and not acks.list(names.acks_prefix(1))
     puts.armed = False
-    assert take_version(model, _request(tmp_path, 1), tp_rank=0, tp=1) is None  # held
+    again = _parsed(tmp_path, 1)
+    assert take_version(model, request_tensors(again), tp_rank=0, tp=1) is None  # held
     assert acks.list(names.acks_prefix(1))
-    check_taken(_parsed(tmp_path, 1))
+    check_taken(again)
+    with pytest.raises(ApplyError, match="registered version 1 for another request, not this one"):
+        check_taken(asked)  # answered, then superseded by the request after it
 
 
 def test_arguments_that_are_not_what_sglang_passes_are_config_errors(tmp_path):

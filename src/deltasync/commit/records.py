@@ -142,15 +142,16 @@ class _Signed:
         now: float | None,
         what: str,
     ):
-        """An ack or a registration from JSON: fields checked, ``receiver``, ``shard`` and
-        ``run_id`` strings, the ``dated`` time not in the future (``now``: the reader's clock),
+        """An ack or a registration from JSON: fields checked, ``receiver``, ``shard``,
+        ``run_id`` and ``request`` strings, the ``dated`` time not in the future (``now``: the reader's clock),
         then the MAC with ``signing_key``."""
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
             expect_fields(obj, what=what, required=required, optional=optional | {"mac"})
             _strings(obj, ("receiver", "shard"), what=what)
-            if obj.get("run_id") is not None:
-                _strings(obj, ("run_id",), what=what)
+            _strings(
+                obj, tuple(f for f in ("run_id", "request") if obj.get(f) is not None), what=what
+            )
             record = cls(**obj)
             _check_not_future(getattr(record, dated), what=f"{what} {dated}", now=now)
         record.verify(signing_key, what=what)
@@ -337,7 +338,10 @@ class AckRecord(_Signed):
 class ReceiverRecord(_Signed):
     """A registered receiver: which shard it holds, the version it has (None before its
     first version) and that version's lineage ``run_id``, and when it last said so (its
-    heartbeat).
+    heartbeat). ``request``: the id of the engine request it was last handed
+    (:meth:`~deltasync.Receiver.answering`), so that the request's sender can tell a
+    registration written since the request reached the receiver from an older one (SGLang's
+    ``check_taken``); None where no engine hook names requests.
 
     A store reset starts a new lineage whose version numbers repeat the old one's; a receiver
     still holding the old lineage's version says so truthfully, and the lineage tells a reader
@@ -351,6 +355,7 @@ class ReceiverRecord(_Signed):
     version: int | None
     updated_at: float
     run_id: str | None = None
+    request: str | None = None
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -360,6 +365,8 @@ class ReceiverRecord(_Signed):
             check_int(self.version, what="receiver version", lo=0, hi=names.MAX_VERSION)
         if self.run_id is not None:
             names.check_token("receiver run_id", self.run_id)
+        if self.request is not None:
+            names.check_token("receiver request", self.request)
         object.__setattr__(
             self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
         )
@@ -393,6 +400,8 @@ class ReceiverRecord(_Signed):
         }
         if self.run_id is not None:
             obj["run_id"] = self.run_id
+        if self.request is not None:
+            obj["request"] = self.request
         return obj
 
     @classmethod
@@ -409,7 +418,7 @@ class ReceiverRecord(_Signed):
         return cls._parse_dated(
             data,
             required={"receiver", "shard", "version", "updated_at"},
-            optional={"run_id"},
+            optional={"run_id", "request"},
             dated="updated_at",
             signing_key=signing_key,
             now=now,

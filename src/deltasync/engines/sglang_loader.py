@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -86,11 +87,23 @@ _LOCK = "_deltasync_lock"
 _UNREADABLE = "a request it could not read"  # what a rank was asked, for the other ranks
 
 
+def new_request_id() -> str:
+    """A fresh :attr:`SglangRequest.request_id` (128 random bits, hex)."""
+    return secrets.token_hex(16)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SglangRequest:
     """What one ``update_weights_from_tensor`` call asks every rank to do: take ``version``
     from ``store``; ranks ack as ``{receiver_id}-{shard}`` and keep their state in
-    ``{state_dir}/{receiver_id}-{shard}``."""
+    ``{state_dir}/{receiver_id}-{shard}``.
+
+    ``request_id`` names this one request (fresh for every request built; pass it again only
+    to resend the same request): every rank's registration written while it takes the
+    request names it, and :func:`check_taken` accepts only those, so a registration left
+    from an earlier request (the ranks reloaded since, or this request never reached them)
+    is not taken for an answer. None (a request from a caller that names none) is checked
+    by version and lineage alone."""
 
     store: str
     receiver_id: str
@@ -99,6 +112,7 @@ class SglangRequest:
     signing_key_hex: str | None = field(default=None, repr=False)
     s3: dict[str, Any] | None = field(default=None, repr=False)  # may hold credentials
     durable: bool = True
+    request_id: str | None = field(default_factory=new_request_id)
 
     def __post_init__(self) -> None:
         for name in ("store", "receiver_id", "state_dir"):
@@ -112,6 +126,11 @@ class SglangRequest:
         except DeltaSyncError as exc:
             raise ConfigError(str(exc)) from None
         names.check_version_arg("SglangRequest", self.version)
+        if self.request_id is not None:
+            try:
+                names.check_token("SglangRequest.request_id", self.request_id)
+            except DeltaSyncError as exc:
+                raise ConfigError(str(exc)) from None
         if self.signing_key_hex is not None:
             try:
                 key = bytes.fromhex(self.signing_key_hex)
@@ -135,9 +154,10 @@ class SglangRequest:
         return open_engine_store(self.store, self.s3, durable=self.durable, what="SglangRequest")
 
     def opening(self) -> dict[str, Any]:
-        """Every field but the version: what a rank's receiver is opened with."""
+        """Every field but the version and the request's id: what a rank's receiver is
+        opened with."""
         fields = asdict(self)
-        del fields["version"]
+        del fields["version"], fields["request_id"]
         return fields
 
     def asked(self) -> str:
@@ -180,6 +200,8 @@ def parse_request(named_tensors: list[tuple[str, Any]]) -> SglangRequest:
         )
     try:
         fields = json.loads(bytes(found[0].cpu().numpy().tobytes()).decode())
+        if isinstance(fields, dict):  # a caller that names no request: every rank alike
+            fields.setdefault("request_id", None)
         return SglangRequest(**fields)
     except (ValueError, TypeError, RecursionError) as exc:  # deep nesting: RecursionError
         raise ConfigError(f"{REQUEST_NAME!r} does not hold a deltasync request: {exc}") from None
@@ -189,12 +211,14 @@ def check_taken(request: SglangRequest) -> None:
     """After ``update_weights_from_tensor`` with :func:`request_tensors` of ``request``: return
     when every TP rank of the engine holds ``request.version``, as each rank's registration in
     the store says (written before its loader call returned, MAC-checked with the request's
-    key), of the lineage the store commits under that number now.
+    key), written while the rank took this request (``request.request_id``), of the lineage
+    the store commits under that number now.
 
     Raises:
-        ApplyError: naming each shard that does not hold it and what it holds instead; the
-            reason is in the engine's log (``deltasync SGLang ...``). The next request brings
-            every rank to the newest version.
+        ApplyError: naming each shard that does not hold it and what it holds instead, or
+            whose registration predates the request (the request did not reach the rank, or
+            the rank could not register); the reason is in the engine's log (``deltasync
+            SGLang ...``). The next request brings every rank to the newest version.
         VersionError: ``request.version`` is not committed in the store.
     """
     catalog = Catalog(request.open_store(), signing_key=request.signing_key())
@@ -218,11 +242,22 @@ def check_taken(request: SglangRequest) -> None:
             ) from None
         record = catalog.receiver(rid)
         held = None if record is None else record.version_in(manifest.run_id)
+        # written while the rank took this request (not one left from an earlier request)
+        answered = record is None or request.request_id in (None, record.request)
         if held != request.version:
             what = "no registration" if record is None else f"version {record.version}"
             if record is not None and held is None and record.version is not None:
                 what += " of another lineage"
+            if not answered:
+                what += " (registered for another request)"
             missing.append(f"shard {shard!r} holds {what}")
+        elif not answered:
+            missing.append(
+                f"shard {shard!r} registered version {held} for another request, not this "
+                "one: an earlier one (this request did not reach it, or it could not register "
+                "since; it may hold other weights now, e.g. after update_weights_from_disk) "
+                "or a later one"
+            )
     if missing:
         raise ApplyError(
             f"receiver {request.receiver_id!r} did not take version {request.version}: "
@@ -415,8 +450,10 @@ class SglangShard:
         )
         first = self.receiver is None
         self._wrote = False
+        receiver: Receiver | None = None
         try:
             receiver = self.open(request)
+            receiver.answering(request.request_id)
             # The journal of an earlier failed pull is this rank's own business: replayed
             # before the agreement, which is about the first write of the requested version
             # (agreeing at the replay's write let the others write while this rank went on to
@@ -429,11 +466,28 @@ class SglangShard:
             if first and not self._wrote:
                 # a first request that failed before any write fixes nothing for the next
                 self.receiver, self.opened = None, None
+            elif receiver is not None and isinstance(exc, Exception):
+                self._answer_refused(receiver)
             agreement.finish(exc)
             raise
         self._agreement = None
         agreement.finish(None)
         return report
+
+    def _answer_refused(self, receiver: Receiver) -> None:
+        """After a refused request: the registration names the request and what the rank
+        holds now, so that check_taken says which version instead of "not answered" (the
+        pull may have refused before writing any record). Best effort: the refusal is the
+        request's answer already."""
+        try:
+            receiver.flush_records()
+        except Exception as exc:
+            log.warning(
+                "deltasync SGLang shard %s: registration after the refusal not written: %s: %s",
+                self.shard,
+                type(exc).__name__,
+                exc,
+            )
 
     def _take(self, request: SglangRequest) -> PullReport | None:
         receiver = self.open(request)

@@ -292,6 +292,7 @@ class Receiver:
         # registers what the tensors hold as it ends.
         self._records = threading.RLock()
         self._quiet = 0
+        self._request: str | None = None  # the engine request handed over last (answering)
         self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
@@ -675,6 +676,7 @@ class Receiver:
             version=state.version if held else None,
             updated_at=time.time(),
             run_id=state.run_id if held else None,
+            request=self._request,
         )
         if not self._confirmed:
             return True
@@ -694,6 +696,22 @@ class Receiver:
             return False
         self._heartbeat_owed = False
         return True
+
+    def answering(self, request: str | None) -> None:
+        """Name the engine request this receiver is being handed (None: none). Every
+        registration it writes from now on carries the name (``ReceiverRecord.request``),
+        together with the version it holds as that registration is written: the request's
+        sender tells a registration written since its request arrived from an older one,
+        which may name the version asked for while the tensors were reloaded by other means
+        since (SGLang's ``check_taken``). Writes nothing itself; the call that takes the
+        request (``pull``, ``flush_records``) registers."""
+        if request is not None:
+            try:
+                names.check_token("engine request", request)
+            except ManifestError as exc:
+                raise ConfigError(f"{self._who}: answering(): {exc}. Nothing was written") from None
+        with self._records:  # after a registration write in flight, never during it
+            self._request = request
 
     @_one_at_a_time
     def deregister(self) -> None:
