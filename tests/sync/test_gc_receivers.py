@@ -2,12 +2,18 @@
 long dead, and never those of a live or briefly paused receiver: a registration goes once its
 heartbeat is older than ``--forget-receivers-after`` (a day by default), and never before it
 is older than both ``--receiver-ttl`` and ``--orphan-grace``. A receiver that comes back
-registers again on its next pull."""
+registers again on its next pull.
+
+It also deletes the conditional-write probes a killed S3 client left under ``probes/`` once
+they are older than the orphan grace, and never one young enough to be a probe in flight
+(deleting it would let that client's second write pass, and the client would refuse the
+server), nor a key there that is not a probe's name."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -15,6 +21,7 @@ import pytest
 from deltasync import names
 from deltasync.cli import main
 from deltasync.commit import Catalog, ReceiverRecord, collect_garbage
+from deltasync.commit.retention import PROBE_MIN_AGE_S
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
@@ -168,3 +175,36 @@ def test_a_receiver_that_registers_again_while_gc_deletes_keeps_its_registration
     assert names.receiver_key("back") not in plan.keys
     assert sorted(store.list(names.RECEIVERS_PREFIX)) == [names.receiver_key("back")]
     assert Catalog(store).receivers()["back"].version == 4
+
+
+def _probe(store, path, token: str, age_s: float) -> str:
+    key = names.probe_key(token)
+    store.put(key, b"probe")
+    at = time.time() - age_s
+    os.utime(path / key, (at, at))
+    return key
+
+
+@pytest.mark.timeout(60)
+def test_gc_deletes_probes_older_than_the_grace_and_leaves_young_and_foreign_keys(tmp_path, capsys):
+    path, store, _ = _published_store(tmp_path)
+    old = [_probe(store, path, f"{i:032x}", age_s=700) for i in range(3)]
+    young = _probe(store, path, "f" * 32, age_s=300)  # within the grace (600 s)
+    in_flight = _probe(store, path, "e" * 32, age_s=1)
+    store.put("probes/not a probe", b"someone else's")
+
+    assert main(["gc", str(path), "--dry-run", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["keys"]
+    assert set(old) <= set(planned) and store.exists(old[0]), "a dry run deleted a probe"
+
+    assert main(["gc", str(path), "--json"]) == 0
+    capsys.readouterr()
+    assert sorted(store.list(names.PROBES_PREFIX)) == sorted(
+        [young, in_flight, "probes/not a probe"]
+    )
+    # an orphan grace of 0 asks for every leftover, but a probe younger than the floor may
+    # be one in flight: it stays
+    assert main(["gc", str(path), "--orphan-grace", "0", "--json"]) == 0
+    capsys.readouterr()
+    assert sorted(store.list(names.PROBES_PREFIX)) == sorted([in_flight, "probes/not a probe"])
+    assert PROBE_MIN_AGE_S > 1

@@ -27,6 +27,11 @@ deletion and kept if its heartbeat is fresh again (it came back while the versio
 deleted), so only a heartbeat landing between that read and the delete is lost, costing one
 heartbeat's absence. A registration that does not parse or verify is left alone.
 
+The conditional-write probes an S3 client writes and deletes before its first commit
+(``probes/``) are deleted once older than the orphan grace (and never younger than
+``PROBE_MIN_AGE_S``): only a client killed mid-probe leaves one, and a younger one may be a
+probe in flight, which would pass its second write if its key were gone.
+
 Deletion order: a version's manifest goes first, so the version disappears atomically for
 readers, then its blobs and markers, then its acks; registrations of dead receivers last.
 :func:`collect_garbage` reads what the plan needs from a store and deletes it
@@ -63,6 +68,9 @@ ORPHAN_GRACE_S = 600.0
 # ``deltasync gc --forget-receivers-after``'s default: a registration whose heartbeat is a day
 # old belongs to a receiver that is gone (a live one heartbeats on every pull).
 FORGET_RECEIVERS_AFTER_S = 86400.0
+# The youngest leftover probe gc deletes, whatever the orphan grace: a probe takes a client's
+# first seconds (two writes and a delete).
+PROBE_MIN_AGE_S = 60.0
 
 
 def _version_of(key: str) -> int | None:
@@ -252,6 +260,7 @@ def collect_garbage(
         if v not in listed and committed is not None and v < committed
         for key in keys
     ]
+    probes = _left_probes(store, max(orphan_grace_s, PROBE_MIN_AGE_S), time.time())
     run_id = manifests[committed].run_id if committed in manifests else None
     records = catalog.receivers()  # every registration that parses and verifies
     now = time.time()  # again: the reads above take time, and heartbeats are judged by it
@@ -280,8 +289,8 @@ def collect_garbage(
             orphan_grace_s,
         )
         plan = replace(plan, deferred=tuple(sorted(deferred)))
-    if orphaned:
-        plan = replace(plan, keys=plan.keys + tuple(orphaned))
+    if orphaned or probes:
+        plan = replace(plan, keys=plan.keys + tuple(orphaned) + tuple(probes))
     if forgotten:
         log.info(
             "retention: forgetting %d receiver registration(s) without a heartbeat for over "
@@ -325,6 +334,24 @@ def _came_back(catalog, receiver: str, after_s: float) -> bool:
         "retention: receiver %r registered again meanwhile; its registration is kept", receiver
     )
     return True
+
+
+def _left_probes(store: Store, min_age_s: float, now: float) -> list[str]:
+    """The conditional-write probes (``probes/{token}``) written at least ``min_age_s`` before
+    ``now``. A key there that is not a probe's name, or whose age the store cannot tell, is
+    left alone."""
+    left = []
+    for key in store.list(names.PROBES_PREFIX):
+        token = key[len(names.PROBES_PREFIX) :]
+        try:
+            if names.probe_key(token) != key:
+                continue
+            at = written_at(store, key)
+        except (ManifestError, KeyNotFoundError):  # not a probe's name; deleted meanwhile
+            continue
+        if at is not None and now - at >= min_age_s:
+            left.append(key)
+    return left
 
 
 def _may_still_commit(store: Store, keys: Iterable[str], grace_s: float, now: float) -> bool:
