@@ -94,8 +94,17 @@ def test_an_interrupt_while_the_journal_is_written_leaves_no_journal_behind(rig,
     rig.check(report)
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in the test, whatever handler the process inherited (a
+    background job of a non-interactive shell, and its test workers, start with it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.timeout(60)
-def test_a_second_ctrl_c_while_the_journal_is_written_still_leaves_no_journal(rig):
+def test_a_second_ctrl_c_while_the_journal_is_written_still_leaves_no_journal(rig, ctrl_c_raises):
     # the second SIGINT, held while the journal's write was waited out, was delivered before
     # the file was removed: the next pull replayed a chain the tensors never took
     real_write = rig.rec.dir.write_journal
