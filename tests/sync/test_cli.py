@@ -336,6 +336,40 @@ def test_inspect_calls_a_delta_on_an_unreadable_base_manifest_a_gap(tmp_path, ca
 
 
 @pytest.mark.timeout(60)
+def test_inspect_calls_a_delta_whose_base_the_store_did_not_return_unreadable(
+    tmp_path, capsys, monkeypatch
+):
+    # a connection reset on the base's manifest made every delta above it a "gap", as if
+    # receivers below it had to restore an anchor, where nothing was known either way
+    from deltasync.errors import StoreError
+    from deltasync.store import LocalStore
+
+    rig = Rig(tmp_path)
+    rig.publish(3)  # 0 anchor, 1 and 2 deltas
+    real_get = LocalStore.get
+
+    def get(store, key, **kwargs):
+        if key == names.manifest_key(1):
+            raise StoreError("the connection was reset")
+        return real_get(store, key, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get", get)
+    for last in ((), ("--last", "1")):  # the base among the rows shown, and below them
+        assert main(["inspect", str(rig.path), "--json", *last]) == 0
+        rows = {
+            (r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]
+        }
+        assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"unreadable"}
+        reason = rows[(2, "tp0")]["reason"]
+        assert "base version 1's manifest could not be read" in reason
+        assert "the connection was reset" in reason
+    assert rows.get((1, None)) is None  # --last 1: only version 2 shown
+    assert main(["inspect", str(rig.path), "--json"]) == 0
+    rows = {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows[(1, None)]["status"] == "unreadable"
+
+
+@pytest.mark.timeout(60)
 def test_inspect_with_a_key_names_as_committed_only_what_verifies_with_it(tmp_path, capsys):
     # With the wrong key every row said "bad signature" while the header still read
     # "newest committed=5": the version a receiver given that key would never take.

@@ -13,10 +13,11 @@ Statuses:
 - ``ok``: the manifest verifies and every blob is present with its size and digest;
 - ``corrupt`` / ``truncated`` / ``missing blob``: a blob does not match its manifest entry;
 - ``gap``: a delta whose base version has no manifest in the store, or one that does not
-  verify or cannot be read (receivers below it restore an anchor);
+  parse or verify (receivers below it restore an anchor);
 - ``unsigned`` / ``bad signature`` (with ``--key-file``), ``unreadable``: the manifest;
   ``unreadable`` also for a blob the store did not return (access refused, unreachable:
-  nothing is known about its bytes);
+  nothing is known about its bytes), and for a delta whose base manifest it did not return
+  (nothing is known of the chain below);
 - ``uncommitted``: a version directory without a manifest (an attempt in flight, or a crash).
 
 With ``--key-file`` the header's newest committed version is the newest whose manifest
@@ -269,19 +270,33 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
     head_layout = head_run = None
     verified = _newest_verified(catalog, committed) if signing_key is not None else None
     failed: dict[int, str] = {}  # versions whose manifest did not read or verify: why
+    unreached: set[int] = set()  # of those, the ones the store did not return (an outage)
 
-    def base_gap(base: int) -> str | None:
-        """Why a delta on ``base`` cannot be applied here, or None (a base above the shown
-        rows was read already; one below them is read once)."""
+    def manifest_failed(v: int, exc: BaseException) -> None:
+        failed[v] = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, StoreError) and not isinstance(exc, KeyNotFoundError):
+            unreached.add(v)  # a manifest gone since the listing is missing: a gap
+
+    def base_status(base: int) -> tuple[str, str] | None:
+        """(status, reason) of a delta on ``base`` that cannot be vouched for: a ``gap`` when
+        the base's manifest is missing, does not parse or does not verify (receivers below
+        it restore an anchor), ``unreadable`` when the store did not return it (refused,
+        unreachable: nothing is known of the chain below). None when it reads and verifies
+        (a base above the shown rows was read already; one below them is read once)."""
         if base not in committed:
-            return f"base version {base} has no manifest"
+            return "gap", f"base version {base} has no manifest"
         if base not in failed and base < shown[0]:
             try:
                 catalog.manifest(base)
             except (DeltaSyncError, KeyNotFoundError) as exc:
-                failed[base] = f"{type(exc).__name__}: {exc}"
+                manifest_failed(base, exc)
+        if base in unreached:
+            return "unreadable", (
+                f"base version {base}'s manifest could not be read from the store, so nothing "
+                f"is known of the chain below: {failed[base]}"
+            )
         if base in failed:
-            return f"base version {base}'s manifest does not verify or read: {failed[base]}"
+            return "gap", f"base version {base}'s manifest does not verify or read: {failed[base]}"
         return None
 
     for v in shown:
@@ -299,21 +314,21 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
         except SignatureError as exc:
             status = "unsigned" if "unsigned" in str(exc) else "bad signature"
             rows.append({"version": v, "status": status, "reason": str(exc)})
-            failed[v] = f"{type(exc).__name__}: {exc}"
+            manifest_failed(v, exc)
             continue
         except (DeltaSyncError, KeyNotFoundError) as exc:
             rows.append({"version": v, "status": "unreadable", "reason": str(exc)})
-            failed[v] = f"{type(exc).__name__}: {exc}"
+            manifest_failed(v, exc)
             continue
         head_layout = m.layout.to_dict() if m.layout is not None else None
         head_run = m.run_id
         acks = catalog.acks(v)
-        gap = base_gap(m.base_version) if m.kind == "delta" else None
+        below = base_status(m.base_version) if m.kind == "delta" else None
         for shard in m.shards:
             blobs = m.blobs_for(shard)
             status, reason = _blob_status(store, m, shard)
-            if status == "ok" and gap is not None:
-                status, reason = "gap", gap
+            if status == "ok" and below is not None:
+                status, reason = below
             counts = [b.elements for b in blobs]
             elements = None if any(c is None for c in counts) else sum(counts)
             numel = None
