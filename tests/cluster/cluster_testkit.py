@@ -55,6 +55,8 @@ class Setup:
     # per writer index: ClusterSender.inline_below (none given: 0, every overlapped version in
     # the background, however small this tiny model's deltas are)
     inline_below: tuple[int, ...] = ()
+    # per writer index: ClusterSender.expect_small (none given: False)
+    expect_small: tuple[bool, ...] = ()
 
     def world_size(self) -> int:
         return self.num_writers + self.tp * self.replicas
@@ -136,6 +138,7 @@ class Trainer:
             overlap=setup.overlap,
             optimizer=self.opt if setup.overlap else None,
             inline_below=setup.inline_below[self.index] if setup.inline_below else 0,
+            expect_small=setup.expect_small[self.index] if setup.expect_small else False,
         )
 
 

@@ -193,6 +193,18 @@ def test_detection_stays_on_the_callers_thread_unless_the_tracker_holds_the_step
         _one_writer(trainer, optimizer=trainer.opt, detect_in_background="yes")
 
 
+def test_expect_small_must_be_a_bool_and_means_nothing_when_every_version_is_backgrounded() -> None:
+    trainer = HFTrainer()
+    told = _one_writer(trainer, optimizer=trainer.opt, expect_small=True)
+    assert told._expect_small
+    told.close()
+    always = _one_writer(trainer, optimizer=trainer.opt, expect_small=True, inline_below=0)
+    assert not always._expect_small  # inline_below=0: every version in the background
+    always.close()
+    with pytest.raises(ConfigError, match="expect_small must be a bool"):
+        _one_writer(trainer, optimizer=trainer.opt, expect_small=1)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_inline_below_must_be_a_non_negative_int(bad) -> None:
     trainer = HFTrainer()

@@ -189,6 +189,36 @@ def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exa
 
 
 @pytest.mark.timeout(150)
+def test_a_writer_told_to_expect_a_small_delta_sends_its_first_one_inline_and_meets_exactly(
+    tp2_run,
+) -> None:
+    # A new sender took its first delta to the background whatever the caller knew of its
+    # size (the benchmark's first in-cluster version after the store path's small ones took
+    # 1.6-2x the next one's time). Writer 0 is told; writer 1, not told, still meets it.
+    setup = Setup(
+        num_writers=2,
+        tracker="snapshot",
+        versions=3,
+        digest_every=1,
+        overlap=True,
+        part_bytes=2048,
+        inline_below=(1 << 30, 1 << 30),
+        expect_small=(True, False),
+    )
+    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    writers, receivers = results[:2], results[2:]
+    assert [w["versions"] for w in writers] == [list(range(4))] * 2
+    # an anchor is never inline; writer 0's first delta is, writer 1's only after it
+    assert [r.inline for r in writers[0]["reports"]] == [False, True, True, True]
+    assert [r.inline for r in writers[1]["reports"]] == [False, False, True, True]
+    assert all(r.stall_s == r.total_s for r in writers[0]["reports"][1:])
+    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == one_writer[i][:4]
+
+
+@pytest.mark.timeout(150)
 def test_an_inline_version_that_fails_is_raised_at_the_next_call_and_its_carry_repairs() -> None:
     setup = Setup(digest_every=1, overlap=True, inline_below=(1 << 30,))
     writer, *receivers = spawn(run_inline, setup.world_size(), setup, timeout_s=110)

@@ -40,7 +40,7 @@ from deltasync import (
     names,
 )
 from deltasync.cluster import RolePlan
-from deltasync.trainer.handoff import VALUES_IN_FLIGHT
+from deltasync.trainer.handoff import INLINE_BELOW, VALUES_IN_FLIGHT
 from deltasync_bench.compare.systems.base import ClusterSent, SyncTimes, empty_live, wait_for_key
 
 
@@ -153,6 +153,10 @@ class DeltasyncTrainer:
                 config=_cluster_config(self.timeout_s),
                 overlap=True,
                 optimizer=self.opt,
+                # the store path's last delta on this tracker: a small one's successor is
+                # sent whole on this thread from the first version on, as TrainerSync did
+                expect_small=self.last_changed_elements is not None
+                and self.last_changed_elements < INLINE_BELOW,
             )
         pending = self.sender.sync(version)
         self._version = version

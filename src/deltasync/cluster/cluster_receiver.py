@@ -215,6 +215,9 @@ class ClusterReceiver:
             "ClusterReceiver", "max_staged_bytes", max_staged_bytes, lo=0
         )
         self._notes = NoteLedger()  # this rank's arrival marks in the group's store
+        # A joint commit gathered every row since the marks of the attempts before it were
+        # last deleted: the next sync deletes them before its preflight (_settle_marks).
+        self._settle_due = False
         self.fingerprint = fingerprint(
             layout, plan, lineage=lineage, digest_every=self.config.digest_every
         )
@@ -304,6 +307,9 @@ class ClusterReceiver:
     @_one_at_a_time
     def use_group(self, group: dist.ProcessGroup | None) -> None:
         """Sync over ``group`` from now on (e.g. a new group after a round-2 failure)."""
+        # The old group's store is not written again (it may be the broken one): the marks
+        # a settle was due to delete there stay, as those of an attempt that failed on it do.
+        self._settle_due = False
         self.group = group
         self._health.reset()
         self._notes.new_group(group, self.rank)
@@ -570,8 +576,21 @@ class ClusterReceiver:
             self._health.note(exc, "the last sync")
             raise
 
+    def _settle_marks(self) -> None:
+        """Delete this rank's marks of the attempts before the last one whose joint commit
+        gathered every row (``NoteLedger.settle``), if not done since."""
+        if self._settle_due:
+            self._settle_due = False
+            self._notes.settle(self.group, self.rank)
+
     def _sync(self) -> ReceiveReport:
         t0 = time.perf_counter()
+        # Here, not in the joint commit: the deletes (a store round trip each, ~2 ms a
+        # version on the small preset) come before the preflight, where this rank waits for
+        # the trainer's next version anyway, and not between the commit and the return, where
+        # they delayed every version's end. No rank reads those marks once every rank's commit
+        # row is in, so deleting them one version later changes nothing else.
+        self._settle_marks()
         previous = self.version
         received = self.receive()
 
@@ -608,8 +627,8 @@ class ClusterReceiver:
                 timeout_s=self.config.commit_timeout_s,
                 tag=f"{cleared.tag}-commit",
                 earlier=tags,
-                ledger=self._notes,
             )
+        self._settle_due = True  # every row is in: see _settle_marks
         commit_s = time.perf_counter() - t
         if failure is not None:
             raise failure
