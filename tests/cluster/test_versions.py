@@ -156,6 +156,30 @@ def test_an_overlapped_writer_detecting_after_sync_returns_gives_the_blocking_st
         assert r["digests"] == tp2_run[1 + i]["digests"][:7]
 
 
+def _two_writers_meet(tp2_run: list[dict], versions: int, **fields) -> list[dict]:
+    """Two overlapped writers (snapshot trackers, deltas streamed in 2 KiB parts) and TP=2
+    receivers, ``fields`` the rest of the Setup: every version commits on both writers, and
+    each receiver ends where tp2_run's single writer left it, version for version. Returns
+    the writers' results."""
+    setup = Setup(
+        num_writers=2,
+        tracker="snapshot",
+        versions=versions,
+        digest_every=1,
+        overlap=True,
+        part_bytes=2048,
+        **fields,
+    )
+    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
+    writers, receivers = results[:2], results[2:]
+    assert [w["versions"] for w in writers] == [list(range(versions + 1))] * 2
+    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
+    for i, r in enumerate(receivers):
+        assert r["bad"] == []
+        assert r["digests"] == one_writer[i][: versions + 1]
+    return writers
+
+
 @pytest.mark.timeout(150)
 def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exactly(
     tp2_run,
@@ -163,18 +187,7 @@ def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exa
     # Writer 0 runs every version after a small delta on its own thread (inline_below above
     # the tiny model's deltas) in one exchange, writer 1 in the background in 2 KiB parts:
     # the inline writer must take part, sending nothing, in the rest of writer 1's parts.
-    setup = Setup(
-        num_writers=2,
-        tracker="snapshot",
-        versions=6,
-        digest_every=1,
-        overlap=True,
-        part_bytes=2048,
-        inline_below=(1 << 30, 0),
-    )
-    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
-    writers, receivers = results[:2], results[2:]
-    assert [w["versions"] for w in writers] == [list(range(7))] * 2
+    writers = _two_writers_meet(tp2_run, 6, inline_below=(1 << 30, 0))
     # the anchor and the first delta (no small delta seen yet) in the background
     assert [r.inline for r in writers[0]["reports"]] == [False, False] + [True] * 5
     assert not any(r.inline for r in writers[1]["reports"])
@@ -182,10 +195,6 @@ def test_writers_sending_small_deltas_inline_or_in_the_background_still_meet_exa
         assert min(r.exchanges for r in w["reports"][1:]) > 5
     inline = writers[0]["reports"][2:]
     assert all(r.overlapped and r.stall_s == r.total_s for r in inline)
-    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
-    for i, r in enumerate(receivers):
-        assert r["bad"] == []
-        assert r["digests"] == one_writer[i][:7]
 
 
 @pytest.mark.timeout(150)
@@ -194,28 +203,15 @@ def test_a_writer_told_to_expect_a_small_delta_sends_its_first_one_inline_and_me
 ) -> None:
     # A new sender took its first delta to the background whatever the caller knew of its
     # size (the benchmark's first in-cluster version after the store path's small ones took
-    # 1.6-2x the next one's time). Writer 0 is told; writer 1, not told, still meets it.
-    setup = Setup(
-        num_writers=2,
-        tracker="snapshot",
-        versions=3,
-        digest_every=1,
-        overlap=True,
-        part_bytes=2048,
-        inline_below=(1 << 30, 1 << 30),
-        expect_small=(True, False),
+    # 1.6-2x the next one's time), and an anchor reset what it knew. Writer 0 is told;
+    # writer 1, not told, still meets it.
+    writers = _two_writers_meet(
+        tp2_run, 3, inline_below=(1 << 30, 1 << 30), expect_small=(True, False)
     )
-    results = spawn(run_versions, setup.world_size(), setup, timeout_s=110)
-    writers, receivers = results[:2], results[2:]
-    assert [w["versions"] for w in writers] == [list(range(4))] * 2
-    # an anchor is never inline; writer 0's first delta is, writer 1's only after it
+    # an anchor is never inline; writer 0's first delta after it is, writer 1's only later
     assert [r.inline for r in writers[0]["reports"]] == [False, True, True, True]
     assert [r.inline for r in writers[1]["reports"]] == [False, False, True, True]
     assert all(r.stall_s == r.total_s for r in writers[0]["reports"][1:])
-    one_writer = {r["rank"] - 1: r["digests"] for r in tp2_run[1:]}
-    for i, r in enumerate(receivers):
-        assert r["bad"] == []
-        assert r["digests"] == one_writer[i][:4]
 
 
 @pytest.mark.timeout(150)
