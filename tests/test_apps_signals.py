@@ -61,6 +61,13 @@ APPS = {
         "_Roles",
         "bench",
     ),
+    # one rank of a torchrun job, stopped by its launcher (no temporary directory of its own)
+    "cluster-worker": (
+        ["cluster-worker", "--versions", "1"],
+        "deltasync_examples.cluster_job",
+        "run_cluster_sync",
+        "cluster",
+    ),
 }
 
 

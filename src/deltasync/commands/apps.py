@@ -9,10 +9,10 @@ with a typed error that says how to get it, instead of an ImportError traceback.
 
 Every command ends with one machine-readable JSON line (:func:`emit_json_line`), which tests,
 benchmarks and users' scripts parse, also when several ranks of one job share a stdout pipe.
-``demo``, ``rl-demo`` and ``bench`` end with it also when their run fails or is stopped
-(:func:`_run_app`): the summary so far, marked failed (``exact`` / ``probe_exact`` false) with
-an ``error``, or ``"interrupted": true`` and the ``signal``. Only a refused configuration
-(``ConfigError``: nothing ran) prints none.
+``demo``, ``rl-demo``, ``bench`` and ``cluster-worker`` end with it also when their run fails
+or is stopped (:func:`_run_app`): the summary so far, marked failed (``exact`` /
+``probe_exact`` false) with an ``error``, or ``"interrupted": true`` and the ``signal``. Only
+a refused configuration (``ConfigError``: nothing ran) prints none.
 
 Exit statuses: 0 done (and exact); 1 ran, not exact; 2 a typed error (a bad flag, a process
 of the run gone or failed); 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal,
@@ -456,29 +456,51 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
             part_bytes=args.part_kib << 10,
         ),
     )
-    summary = app.run_cluster_sync(None, job)
-    summary.pop("reports")
-    emit_json_line(summary)
-    if summary["rank"] == 0:
-        med = summary["median_delta"]
-        # What the trainer waited for: with the overlapped sender only the capture and the
-        # next step's barrier (median_step), not the exchange and commit behind them.
-        step = summary.get("median_step") or {}
-        if "overhead_s" in step:
-            waited = step["overhead_s"]
-        else:
-            waited = sum(med[k] for k in ("detect_s", "build_s", "encode_s"))
-        print(
-            f"cluster-worker: {job.versions} deltas, {job.writers} writer(s) -> tp={job.tp} x "
-            f"{job.replicas} replica(s) ({summary['dp_mode']}): "
-            f"median sync {med['total_s'] * 1e3:.1f} ms "
-            f"(trainer waited {waited * 1e3:.1f} ms, "
-            f"transfer {med['transfer_s'] * 1e3:.1f} ms, commit {med['commit_s'] * 1e3:.1f} ms)",
-            file=sys.stderr,
-        )
+
+    def run() -> int:
+        summary = app.run_cluster_sync(None, job)
+        summary.pop("reports")
+        emit_json_line(summary)
+        if summary["rank"] == 0:
+            med = summary["median_delta"]
+            # What the trainer waited for: with the overlapped sender only the capture and the
+            # next step's barrier (median_step), not the exchange and commit behind them.
+            step = summary.get("median_step") or {}
+            if "overhead_s" in step:
+                waited = step["overhead_s"]
+            else:
+                waited = sum(med[k] for k in ("detect_s", "build_s", "encode_s"))
+            print(
+                f"cluster-worker: {job.versions} deltas, {job.writers} writer(s) -> tp={job.tp} x "
+                f"{job.replicas} replica(s) ({summary['dp_mode']}): "
+                f"median sync {med['total_s'] * 1e3:.1f} ms "
+                f"(trainer waited {waited * 1e3:.1f} ms, "
+                f"transfer {med['transfer_s'] * 1e3:.1f} ms, commit {med['commit_s'] * 1e3:.1f} ms)",
+                file=sys.stderr,
+            )
+        return 0 if summary["exact"] in (True, None) else 1
+
+    # A SIGTERM (a launcher stopping the job: torchrun when another rank failed, a scheduler)
+    # or Ctrl-C ends the run through its cleanup, with the JSON line marked interrupted, as
+    # the other applications do; a typed error prints its JSON line too.
+    status = _run_app(
+        "cluster-worker",
+        run,
+        base={"rank": _launcher_rank(), "exact": None},
+        failed={"exact": False},
+    )
     # Done on every rank: skip the interpreter's teardown, where the still-open gloo group's
     # threads made a finished, exact run abort now and then ("terminate called without an
     # active exception", seen about once in five runs on a 2-core VM).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if summary["exact"] in (True, None) else 1)
+    os._exit(status)
+
+
+def _launcher_rank() -> int | None:
+    """This process's rank as its launcher set it (``RANK``), for a JSON line written before
+    the group exists; None when unset or not a number."""
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
