@@ -245,6 +245,7 @@ class ClusterReceiver:
         ``close`` is refused (ConfigError): its journal writes would land in a file another
         process may hold."""
         self._closed = True
+        self._settle_marks()  # the last commit's leftovers, while the group's store is there
         self.journal.close()
 
     def _check_reopened(self) -> None:
@@ -578,7 +579,8 @@ class ClusterReceiver:
 
     def _settle_marks(self) -> None:
         """Delete this rank's marks of the attempts before the last one whose joint commit
-        gathered every row (``NoteLedger.settle``), if not done since."""
+        gathered every row (``NoteLedger.settle``), if not done since. A store that cannot
+        be reached or cannot delete keeps them."""
         if self._settle_due:
             self._settle_due = False
             self._notes.settle(self.group, self.rank)
