@@ -373,7 +373,7 @@ def test_check_taken_does_not_answer_a_request_with_a_registration_an_earlier_on
     with pytest.raises(ApplyError) as failed:
         check_taken(lost)
     for r in range(tp):
-        assert f"shard 'tp{r}' registered version 2 for another request, not this one" in str(
+        assert f"shard 'tp{r}' registered version 2 without answering this request" in str(
             failed.value
         )
     assert not _same(models[0], trainer.split()["tp0"])
@@ -381,6 +381,30 @@ def test_check_taken_does_not_answer_a_request_with_a_registration_an_earlier_on
     check_taken(lost)
     for r, model in enumerate(models):
         assert _same(model, trainer.split()[f"tp{r}"]), r
+
+
+def test_a_request_refused_before_the_rank_checked_its_weights_is_not_answered(
+    tmp_path, monkeypatch
+):
+    # After update_weights_from_disk, a request for the version the rank held met a store
+    # outage before the rank re-hashed its tensors: the refusal's registration named the
+    # request with that version, and check_taken passed while the rank served the checkpoint.
+    trainer, models = _at_version_2_then_rank_0_reloads_version_0(tmp_path, 1)
+    asked = _parsed(tmp_path, 2)
+    real_get = LocalStore.get
+
+    def unreachable(store, key, **kwargs):
+        raise StoreError("the connection was reset")
+
+    monkeypatch.setattr(LocalStore, "get", unreachable)
+    with pytest.raises(StoreError):
+        take_version(models[0], request_tensors(asked), tp_rank=0, tp=1)
+    monkeypatch.setattr(LocalStore, "get", real_get)
+    with pytest.raises(ApplyError, match="registered version 2 without answering this request"):
+        check_taken(asked)
+    assert take_version(models[0], request_tensors(asked), tp_rank=0, tp=1).version == 2
+    check_taken(asked)  # resent, it re-hashed the tensors and restored the version
+    assert _same(models[0], trainer.split()["tp0"])
 
 
 def test_every_registration_of_a_request_names_it_and_a_request_without_an_id_is_taken(
@@ -766,15 +790,18 @@ def test_check_taken_names_a_rank_that_failed_and_a_lineage_the_store_no_longer_
     assert all(isinstance(r, DeltaSyncError) for r in results), results
     with pytest.raises(ApplyError) as failed:
         check_taken(asked)
-    # both refused, and both registered what they hold for this request
-    assert "shard 'tp0' holds version 0; shard 'tp1' holds version 0." in str(failed.value)
-    check_taken(replace(asked, version=0))  # true: they hold 0
+    # both refused, and both registered what they hold: not for this request, which never
+    # had them check it
+    held = "holds version 0 (not registered for this request)"
+    assert f"shard 'tp0' {held}; shard 'tp1' {held}." in str(failed.value)
+    with pytest.raises(ApplyError, match="registered version 0 without answering this request"):
+        check_taken(replace(asked, version=0))
     for path in (tmp_path / "store").iterdir():  # a new run: its own version 0
         if path.name != "receivers":  # the ranks' registrations stay
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     fresh = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=2, seed=1)
     fresh.publish(0)
-    with pytest.raises(ApplyError, match=r"shard 'tp0' holds version 0 of another lineage;"):
+    with pytest.raises(ApplyError, match=r"shard 'tp0' holds version 0 of another lineage"):
         check_taken(replace(asked, version=0))
     asked = _parsed(tmp_path, 0)
     _take_all(models, request_tensors(asked))
@@ -812,7 +839,7 @@ def test_a_rank_whose_registration_names_its_version_and_cannot_be_withdrawn_wri
     assert puts.failed and _same(model, before)
     assert model._deltasync_shard.receiver.version == 0
     # true: it holds 0, and it could not register since this request came
-    with pytest.raises(ApplyError, match=r"holds version 0 \(registered for another request\)"):
+    with pytest.raises(ApplyError, match=r"holds version 0 \(not registered for this request\)"):
         check_taken(asked)
     puts.armed = False  # the store answers again
     assert take_version(model, request_tensors(asked), tp_rank=0, tp=1).version == 1
@@ -834,7 +861,7 @@ def test_a_retried_request_writes_the_ack_a_failed_write_left_owed(tmp_path, mon
     assert take_version(model, request_tensors(again), tp_rank=0, tp=1) is None  # held
     assert acks.list(names.acks_prefix(1))
     check_taken(again)
-    with pytest.raises(ApplyError, match="registered version 1 for another request, not this one"):
+    with pytest.raises(ApplyError, match="registered version 1 without answering this request"):
         check_taken(asked)  # answered, then superseded by the request after it
 
 

@@ -338,10 +338,11 @@ class AckRecord(_Signed):
 class ReceiverRecord(_Signed):
     """A registered receiver: which shard it holds, the version it has (None before its
     first version) and that version's lineage ``run_id``, and when it last said so (its
-    heartbeat). ``request``: the id of the engine request it was last handed
-    (:meth:`~deltasync.Receiver.answering`), so that the request's sender can tell a
-    registration written since the request reached the receiver from an older one (SGLang's
-    ``check_taken``); None where no engine hook names requests.
+    heartbeat). ``request``: the engine request it was last handed
+    (:meth:`~deltasync.Receiver.answering`) when the record names no version or one verified
+    since that request came, so that the request's sender can tell a registration that
+    answers it from one an earlier request left (SGLang's ``check_taken``); else None, as
+    where no engine hook names requests.
 
     A store reset starts a new lineage whose version numbers repeat the old one's; a receiver
     still holding the old lineage's version says so truthfully, and the lineage tells a reader

@@ -99,10 +99,11 @@ class SglangRequest:
     ``{state_dir}/{receiver_id}-{shard}``.
 
     ``request_id`` names this one request (fresh for every request built; pass it again only
-    to resend the same request): every rank's registration written while it takes the
-    request names it, and :func:`check_taken` accepts only those, so a registration left
-    from an earlier request (the ranks reloaded since, or this request never reached them)
-    is not taken for an answer. None (a request from a caller that names none) is checked
+    to resend the same request): a rank's registration names it once the rank has verified,
+    while taking the request, the version it registers (:meth:`Receiver.answering`), and
+    :func:`check_taken` accepts only those, so a registration left from an earlier request
+    (the ranks reloaded since, or this request never reached them) is not taken for an
+    answer. None (a request from a caller that names none) is checked
     by version and lineage alone."""
 
     store: str
@@ -211,8 +212,8 @@ def check_taken(request: SglangRequest) -> None:
     """After ``update_weights_from_tensor`` with :func:`request_tensors` of ``request``: return
     when every TP rank of the engine holds ``request.version``, as each rank's registration in
     the store says (written before its loader call returned, MAC-checked with the request's
-    key), written while the rank took this request (``request.request_id``), of the lineage
-    the store commits under that number now.
+    key), naming this request (``request.request_id``: the rank applied or re-hashed the
+    version while taking it), of the lineage the store commits under that number now.
 
     Raises:
         ApplyError: naming each shard that does not hold it and what it holds instead, or
@@ -242,21 +243,22 @@ def check_taken(request: SglangRequest) -> None:
             ) from None
         record = catalog.receiver(rid)
         held = None if record is None else record.version_in(manifest.run_id)
-        # written while the rank took this request (not one left from an earlier request)
+        # the rank verified what it names while taking this request (not a registration an
+        # earlier request left, nor one a refusal wrote before any check: Receiver.answering)
         answered = record is None or request.request_id in (None, record.request)
         if held != request.version:
             what = "no registration" if record is None else f"version {record.version}"
             if record is not None and held is None and record.version is not None:
                 what += " of another lineage"
             if not answered:
-                what += " (registered for another request)"
+                what += " (not registered for this request)"
             missing.append(f"shard {shard!r} holds {what}")
         elif not answered:
             missing.append(
-                f"shard {shard!r} registered version {held} for another request, not this "
-                "one: an earlier one (this request did not reach it, or it could not register "
-                "since; it may hold other weights now, e.g. after update_weights_from_disk) "
-                "or a later one"
+                f"shard {shard!r} registered version {held} without answering this request: "
+                "the request did not reach it, it could not check or register the version "
+                "while taking it, or a later request came (it may hold other weights now, "
+                "e.g. after update_weights_from_disk)"
             )
     if missing:
         raise ApplyError(
@@ -475,9 +477,10 @@ class SglangShard:
         return report
 
     def _answer_refused(self, receiver: Receiver) -> None:
-        """After a refused request: the registration names the request and what the rank
-        holds now, so that check_taken says which version instead of "not answered" (the
-        pull may have refused before writing any record). Best effort: the refusal is the
+        """After a refused request: the registration says what the rank holds now (the pull
+        may have refused before writing any record), naming the request only if the rank
+        verified that version while taking it (:meth:`Receiver.answering`), so that
+        check_taken says which version the rank holds. Best effort: the refusal is the
         request's answer already."""
         try:
             receiver.flush_records()

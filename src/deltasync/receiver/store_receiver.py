@@ -293,6 +293,9 @@ class Receiver:
         self._records = threading.RLock()
         self._quiet = 0
         self._request: str | None = None  # the engine request handed over last (answering)
+        # The version held was verified (applied by a pull, or hashed by a scrub) since that
+        # request came: only then does a registration naming a version name the request too.
+        self._vouched = False
         self._closed = False
         self._who = f"receiver {config.receiver_id!r} shard {self.shard!r}"
         self.last_repair: PullReport | None = None
@@ -580,6 +583,7 @@ class Receiver:
         if held is None:
             return False
         if state_digest(self.tensors) == held[1]:
+            self._vouch()
             return True
         self.invalidate(
             f"the live tensors no longer hash to version {held[0]} (written by something else "
@@ -676,7 +680,9 @@ class Receiver:
             version=state.version if held else None,
             updated_at=time.time(),
             run_id=state.run_id if held else None,
-            request=self._request,
+            # a version named for a request only once verified since it came; naming none
+            # claims nothing, whenever it is written
+            request=self._request if self._vouched or not held else None,
         )
         if not self._confirmed:
             return True
@@ -698,20 +704,30 @@ class Receiver:
         return True
 
     def answering(self, request: str | None) -> None:
-        """Name the engine request this receiver is being handed (None: none). Every
-        registration it writes from now on carries the name (``ReceiverRecord.request``),
-        together with the version it holds as that registration is written: the request's
-        sender tells a registration written since its request arrived from an older one,
+        """Name the engine request this receiver is being handed (None: none), so that its
+        sender can tell a registration that answers it from one an earlier request left,
         which may name the version asked for while the tensors were reloaded by other means
-        since (SGLang's ``check_taken``). Writes nothing itself; the call that takes the
-        request (``pull``, ``flush_records``) registers."""
+        since (SGLang's ``check_taken``).
+
+        From now on a registration names the request (``ReceiverRecord.request``) when it
+        names no version, or once the version it names has been verified since this call: a
+        pull applied it, or :meth:`scrub` hashed the tensors to it. Until then a registration
+        naming a version names no request (a refusal before any such check vouches for
+        nothing). Every call starts over, the same name again too: a request resent after a
+        reload is answered only by a new check. Writes nothing itself; the call that takes the
+        request (``pull``, ``scrub`` then ``flush_records``) registers."""
         if request is not None:
             try:
                 names.check_token("engine request", request)
             except ManifestError as exc:
                 raise ConfigError(f"{self._who}: answering(): {exc}. Nothing was written") from None
         with self._records:  # after a registration write in flight, never during it
-            self._request = request
+            self._request, self._vouched = request, False
+
+    def _vouch(self) -> None:
+        """The version held was verified just now (applied, or hashed to its digest)."""
+        with self._records:
+            self._vouched = True
 
     @_one_at_a_time
     def deregister(self) -> None:
@@ -1174,6 +1190,7 @@ class Receiver:
         self._ack_undecided = False  # a later version's ack and registration supersede it
         self._pending_ack = ack
         self._confirmed = True
+        self._vouch()  # verified before its first write, written whole
         local = InBackground(self._record_state, held, name="deltasync-receiver-state")
         try:
             self._flush_records(holding=held)
