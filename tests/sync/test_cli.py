@@ -341,6 +341,7 @@ def test_inspect_calls_a_delta_whose_base_the_store_did_not_return_unreadable(
 ):
     # a connection reset on the base's manifest made every delta above it a "gap", as if
     # receivers below it had to restore an anchor, where nothing was known either way
+    from deltasync.commit.model import ManifestLimits
     from deltasync.errors import StoreError
     from deltasync.store import LocalStore
 
@@ -367,6 +368,13 @@ def test_inspect_calls_a_delta_whose_base_the_store_did_not_return_unreadable(
     assert main(["inspect", str(rig.path), "--json"]) == 0
     rows = {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows[(1, None)]["status"] == "unreadable"
+    # a base the store returned as too large to be a manifest does not parse: still a gap
+    monkeypatch.setattr(LocalStore, "get", real_get)
+    with open(rig.path / names.manifest_key(1), "r+b") as f:  # sparse: no disk cost
+        f.truncate(ManifestLimits().max_manifest_bytes + 1024)
+    assert main(["inspect", str(rig.path), "--json"]) == 0
+    rows = {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"gap"}
 
 
 @pytest.mark.timeout(60)

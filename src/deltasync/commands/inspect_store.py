@@ -49,6 +49,7 @@ from deltasync.errors import (
     DeltaSyncError,
     DigestMismatchError,
     KeyNotFoundError,
+    ObjectTooLargeError,
     SignatureError,
     StoreError,
     TruncatedBlobError,
@@ -274,8 +275,12 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
 
     def manifest_failed(v: int, exc: BaseException) -> None:
         failed[v] = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, StoreError) and not isinstance(exc, KeyNotFoundError):
-            unreached.add(v)  # a manifest gone since the listing is missing: a gap
+        # a manifest gone since the listing is missing, one too large to be one does not
+        # parse: both a gap
+        if isinstance(exc, StoreError) and not isinstance(
+            exc, (KeyNotFoundError, ObjectTooLargeError)
+        ):
+            unreached.add(v)
 
     def base_status(base: int) -> tuple[str, str] | None:
         """(status, reason) of a delta on ``base`` that cannot be vouched for: a ``gap`` when

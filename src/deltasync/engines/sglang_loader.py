@@ -533,14 +533,17 @@ class SglangShard:
         scrub that finds it marks the receiver dirty, so the pull restores the version."""
         if receiver.dirty or receiver.version != version:
             return False
+        # The tensors first: local, so a reload since is found whatever the store answers
+        # (a manifest read that failed once skipped it, and the pull then found the version
+        # held and wrote nothing over the checkpoint's weights).
+        if not receiver.scrub():
+            return False
         try:
             manifest = receiver.catalog.manifest(version, fresh=True)
         except DeltaSyncError:  # not committed (any more), or unreadable: pull decides
             return False
-        return (
-            manifest.shard_digests.get(self.shard) == receiver.state_digest
-            and receiver.run_id in (None, manifest.run_id)
-            and receiver.scrub()
+        return manifest.shard_digests.get(self.shard) == receiver.state_digest and (
+            receiver.run_id in (None, manifest.run_id)
         )
 
 
