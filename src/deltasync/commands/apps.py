@@ -499,8 +499,7 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
 
 def _launcher_rank() -> int | None:
     """This process's rank as its launcher set it (``RANK``), for a JSON line written before
-    the group exists; None when unset or not a number."""
-    try:
-        return int(os.environ["RANK"])
-    except (KeyError, ValueError):
-        return None
+    the group exists; None when unset or not a plain decimal number (``int`` would also take
+    ``"1_0"`` or ``" 1"``)."""
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isascii() and value.isdigit() else None
