@@ -312,6 +312,12 @@ def test_gc_without_the_key_of_a_signed_store_refuses_and_deletes_nothing(tmp_pa
     assert json.loads(capsys.readouterr().out)["committed"] == 3
 
 
+def _inspected(path, capsys, *args: str) -> dict:
+    """``deltasync inspect PATH --json *args``'s rows by (version, shard)."""
+    assert main(["inspect", str(path), "--json", *args]) == 0
+    return {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
+
+
 @pytest.mark.timeout(60)
 def test_inspect_calls_a_delta_on_an_unreadable_base_manifest_a_gap(tmp_path, capsys):
     # the delta was "ok" while no receiver below it could apply it: its base's manifest
@@ -320,17 +326,11 @@ def test_inspect_calls_a_delta_on_an_unreadable_base_manifest_a_gap(tmp_path, ca
     rig.publish(3)  # 0 anchor, 1 and 2 deltas
     rig.store.put(names.manifest_key(1), b"{not json")
 
-    def statuses(*last: str) -> dict:
-        assert main(["inspect", str(rig.path), "--json", *last]) == 0
-        return {
-            (r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]
-        }
-
     for last in ((), ("--last", "1")):  # the base among the rows shown, and below them
-        rows = statuses(*last)
+        rows = _inspected(rig.path, capsys, *last)
         assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"gap"}
         assert "base version 1's manifest does not verify or read" in rows[(2, "tp0")]["reason"]
-    rows = statuses()
+    rows = _inspected(rig.path, capsys)
     assert rows[(1, None)]["status"] == "unreadable"
     assert {rows[(0, s)]["status"] for s in ("tp0", "tp1")} == {"ok"}
 
@@ -356,24 +356,19 @@ def test_inspect_calls_a_delta_whose_base_the_store_did_not_return_unreadable(
 
     monkeypatch.setattr(LocalStore, "get", get)
     for last in ((), ("--last", "1")):  # the base among the rows shown, and below them
-        assert main(["inspect", str(rig.path), "--json", *last]) == 0
-        rows = {
-            (r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]
-        }
+        rows = _inspected(rig.path, capsys, *last)
         assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"unreadable"}
         reason = rows[(2, "tp0")]["reason"]
         assert "base version 1's manifest could not be read" in reason
         assert "the connection was reset" in reason
     assert rows.get((1, None)) is None  # --last 1: only version 2 shown
-    assert main(["inspect", str(rig.path), "--json"]) == 0
-    rows = {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    rows = _inspected(rig.path, capsys)
     assert rows[(1, None)]["status"] == "unreadable"
     # a base the store returned as too large to be a manifest does not parse: still a gap
     monkeypatch.setattr(LocalStore, "get", real_get)
     with open(rig.path / names.manifest_key(1), "r+b") as f:  # sparse: no disk cost
         f.truncate(ManifestLimits().max_manifest_bytes + 1024)
-    assert main(["inspect", str(rig.path), "--json"]) == 0
-    rows = {(r["version"], r.get("shard")): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    rows = _inspected(rig.path, capsys)
     assert {rows[(2, s)]["status"] for s in ("tp0", "tp1")} == {"gap"}
 
 

@@ -143,8 +143,8 @@ class _Signed:
         what: str,
     ):
         """An ack or a registration from JSON: fields checked, ``receiver``, ``shard``,
-        ``run_id`` and ``request`` strings, the ``dated`` time not in the future (``now``: the reader's clock),
-        then the MAC with ``signing_key``."""
+        ``run_id`` and ``request`` strings, the ``dated`` time not in the future (``now``: the
+        reader's clock), then the MAC with ``signing_key``."""
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
             expect_fields(obj, what=what, required=required, optional=optional | {"mac"})

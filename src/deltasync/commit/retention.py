@@ -342,10 +342,8 @@ def _left_probes(store: Store, min_age_s: float, now: float) -> list[str]:
     left alone."""
     left = []
     for key in store.list(names.PROBES_PREFIX):
-        token = key[len(names.PROBES_PREFIX) :]
         try:
-            if names.probe_key(token) != key:
-                continue
+            names.probe_key(key[len(names.PROBES_PREFIX) :])  # a probe's name, or ManifestError
             at = written_at(store, key)
         except (ManifestError, KeyNotFoundError):  # not a probe's name; deleted meanwhile
             continue

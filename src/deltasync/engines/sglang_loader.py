@@ -103,8 +103,8 @@ class SglangRequest:
     while taking the request, the version it registers (:meth:`Receiver.answering`), and
     :func:`check_taken` accepts only those, so a registration left from an earlier request
     (the ranks reloaded since, or this request never reached them) is not taken for an
-    answer. None (a request from a caller that names none) is checked
-    by version and lineage alone."""
+    answer. None (a request from a caller that names none) is checked by version and lineage
+    alone."""
 
     store: str
     receiver_id: str
@@ -153,6 +153,19 @@ class SglangRequest:
     def open_store(self) -> Store:
         """The store it names, which must exist (ConfigError otherwise, nothing created)."""
         return open_engine_store(self.store, self.s3, durable=self.durable, what="SglangRequest")
+
+    def shard_receiver(self, shard: str, *, where: str) -> str:
+        """The receiver id of ``shard``'s rank, ``{receiver_id}-{shard}``; ConfigError when
+        it is too long to be a name (``where``: the rank or shard, in the message)."""
+        rid = f"{self.receiver_id}-{shard}"
+        try:
+            names.check_token("receiver", rid)
+        except DeltaSyncError:
+            raise ConfigError(
+                f"SglangRequest.receiver_id {self.receiver_id!r} is too long for {where}: its "
+                f"receiver id {rid!r} must be at most 128 characters. Nothing was written"
+            ) from None
+        return rid
 
     def opening(self) -> dict[str, Any]:
         """Every field but the version and the request's id: what a rank's receiver is
@@ -217,9 +230,10 @@ def check_taken(request: SglangRequest) -> None:
 
     Raises:
         ApplyError: naming each shard that does not hold it and what it holds instead, or
-            whose registration predates the request (the request did not reach the rank, or
-            the rank could not register); the reason is in the engine's log (``deltasync
-            SGLang ...``). The next request brings every rank to the newest version.
+            whose registration does not answer the request (it did not reach the rank, the
+            rank could not check or register the version while taking it, or a later request
+            came); the reason is in the engine's log (``deltasync SGLang ...``). The next
+            request brings every rank to the newest version.
         VersionError: ``request.version`` is not committed in the store.
     """
     catalog = Catalog(request.open_store(), signing_key=request.signing_key())
@@ -233,15 +247,7 @@ def check_taken(request: SglangRequest) -> None:
     shards = sorted(manifest.layout.shards if manifest.layout else manifest.shard_digests)
     missing = []
     for shard in shards:
-        rid = f"{request.receiver_id}-{shard}"
-        try:
-            names.check_token("receiver", rid)
-        except DeltaSyncError:
-            raise ConfigError(
-                f"SglangRequest.receiver_id {request.receiver_id!r} is too long for shard "
-                f"{shard!r}: its receiver id {rid!r} must be at most 128 characters"
-            ) from None
-        record = catalog.receiver(rid)
+        record = catalog.receiver(request.shard_receiver(shard, where=f"shard {shard!r}"))
         held = None if record is None else record.version_in(manifest.run_id)
         # the rank verified what it names while taking this request (not a registration an
         # earlier request left, nor one a refusal wrote before any check: Receiver.answering)
@@ -401,14 +407,7 @@ class SglangShard:
                     "life: restart it to change them"
                 )
             return self.receiver
-        rid = f"{request.receiver_id}-{self.shard}"
-        try:
-            names.check_token("receiver", rid)
-        except DeltaSyncError:
-            raise ConfigError(
-                f"SglangRequest.receiver_id {request.receiver_id!r} is too long for this rank: "
-                f"its receiver id {rid!r} must be at most 128 characters. Nothing was written"
-            ) from None
+        rid = request.shard_receiver(self.shard, where="this rank")
         store = request.open_store()
         key_bytes = request.signing_key()
         if Catalog(store, signing_key=key_bytes).latest() is None:
