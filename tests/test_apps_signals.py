@@ -168,6 +168,48 @@ def test_a_process_of_the_run_gone_ends_with_the_summary_a_typed_error_and_2(
     assert "Traceback" not in captured.err
 
 
+# A cluster-worker rank whose run fails while a thread that never ends is still up, as the
+# gloo group's are after a peer died: the rank still exits at once, with its status.
+FAILED_RANK = """
+import sys, threading, time
+threading.Thread(target=time.sleep, args=(3600,)).start()  # not a daemon: teardown waits
+
+def failed(*_args, **_kwargs):
+    if sys.argv[-1] == "typed":
+        from deltasync.errors import ExchangeError
+        raise ExchangeError("rank 1 sent nothing in 1.0 s (timeout_s)")
+    raise RuntimeError("[gloo] Connection closed by peer")
+
+import deltasync_examples.cluster_job as app
+app.run_cluster_sync = failed
+from deltasync.cli import main
+raise SystemExit(main(["cluster-worker", "--versions", "1"]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("how", "status"), [("typed", 2), ("defect", 1)])
+def test_a_failed_cluster_worker_rank_exits_with_its_status_while_threads_are_up(
+    how, status
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FAILED_RANK, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "RANK": "1"},
+    )
+    assert done.returncode == status, done.stdout[-2000:] + done.stderr[-3000:]
+    if how == "typed":
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out == {"rank": 1, "exact": False, "error": out["error"]}
+        assert out["error"] == "ExchangeError: rank 1 sent nothing in 1.0 s (timeout_s)"
+        assert done.stderr.strip() == f"deltasync: error: {out['error']}"
+    else:
+        assert "RuntimeError: [gloo] Connection closed by peer" in done.stderr
+
+
 # --- the harness: children ignore Ctrl-C; a dead child is a typed error naming it -----------
 
 

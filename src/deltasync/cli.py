@@ -31,13 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(exc: DeltaSyncError) -> str:
+    """The one line a command's typed error prints on stderr before the status 2."""
+    return f"deltasync: error: {type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
     except DeltaSyncError as exc:
-        print(f"deltasync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the finally blocks on the way here have run
         print(f"deltasync {args.command}: interrupted", file=sys.stderr)

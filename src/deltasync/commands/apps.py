@@ -36,11 +36,13 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from deltasync.cli import error_line
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
 from deltasync.errors import ApplicationMissingError, ConfigError, DeltaSyncError
 
@@ -483,15 +485,23 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
     # A SIGTERM (a launcher stopping the job: torchrun when another rank failed, a scheduler)
     # or Ctrl-C ends the run through its cleanup, with the JSON line marked interrupted, as
     # the other applications do; a typed error prints its JSON line too.
-    status = _run_app(
-        "cluster-worker",
-        run,
-        base={"rank": _launcher_rank(), "exact": None},
-        failed={"exact": False},
-    )
-    # Done on every rank: skip the interpreter's teardown, where the still-open gloo group's
-    # threads made a finished, exact run abort now and then ("terminate called without an
-    # active exception", seen about once in five runs on a 2-core VM).
+    try:
+        status = _run_app(
+            "cluster-worker",
+            run,
+            base={"rank": _launcher_rank(), "exact": None},
+            failed={"exact": False},
+        )
+    except DeltaSyncError as exc:  # its JSON line is out; the CLI's line and status
+        print(error_line(exc), file=sys.stderr)
+        status = 2
+    except BaseException:  # a defect, not a typed error: its traceback, then the same exit
+        traceback.print_exc()
+        status = 1
+    # Done on every rank, however the run ended: skip the interpreter's teardown, where the
+    # still-open gloo group's threads made a finished, exact run abort now and then
+    # ("terminate called without an active exception", seen about once in five runs on a
+    # 2-core VM) and a rank that failed wait on them.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
