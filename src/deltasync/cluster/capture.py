@@ -240,7 +240,10 @@ def route_positions(
         )
         for canon, pair in routed.items():
             if canon in canonical:  # the trainer table is a bijection; two params never share one
-                raise LayoutError(f"canonical tensor {canon!r} is reached from two params")
+                raise LayoutError(
+                    f"canonical tensor {canon!r} is reached from two params; pass each tied "
+                    "parameter once (as model.named_parameters() lists them)"
+                )
             canonical[canon] = pair
     return route_to_shards(canonical, receiver_layout=receiver_layout)
 

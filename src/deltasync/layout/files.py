@@ -70,7 +70,8 @@ def _is_dir(path: Path, what: str) -> bool:
         return False  # read as a file next, and refused by name there
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte
         raise LayoutError(
-            f"cannot read {what} {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+            f"cannot read {what} {str(path)!r}: {getattr(exc, 'strerror', None) or exc}; pass "
+            "a path that exists and that this user may read"
         ) from None
 
 
@@ -81,7 +82,10 @@ def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
         p = p / "config.json"
     cfg = read_json_file(p, limit=MAX_CONFIG_BYTES, what="model config")
     if not isinstance(cfg, dict):
-        raise LayoutError(f"model config {str(p)!r} is not a JSON object")
+        raise LayoutError(
+            f"model config {str(p)!r} is not a JSON object; pass the model's transformers "
+            "config.json (or the directory holding it)"
+        )
     return cfg
 
 
@@ -106,7 +110,10 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
             return _index_files(p / INDEX_FILE)
         files = sorted(p.glob("*.safetensors"))
         if not files:
-            raise LayoutError(f"checkpoint directory {str(p)!r} has no .safetensors files")
+            raise LayoutError(
+                f"checkpoint directory {str(p)!r} has no .safetensors files; pass the directory "
+                "the model was saved to with save_pretrained (safetensors weights), or one file"
+            )
         return files
     if p.name.endswith(".index.json"):
         return _index_files(p)
@@ -119,10 +126,17 @@ def _index_files(index: Path) -> list[Path]:
         weight_map = doc["weight_map"]
         files = list(dict.fromkeys(str(v) for v in weight_map.values()))
     except (KeyError, TypeError, AttributeError) as exc:
-        raise LayoutError(f"cannot read checkpoint index {str(index)!r}: {exc}") from exc
+        raise LayoutError(
+            f"cannot read checkpoint index {str(index)!r}: {exc}; it must be a JSON object whose "
+            '"weight_map" maps each tensor name to its .safetensors file, as save_pretrained '
+            "writes it"
+        ) from exc
     for n in files:
         if Path(n).name != n:
-            raise LayoutError(f"checkpoint index {str(index)!r} names a file outside it: {n!r}")
+            raise LayoutError(
+                f"checkpoint index {str(index)!r} names a file outside it: {n!r}; put the "
+                "checkpoint's files next to the index and name them without a directory"
+            )
     return [index.parent / n for n in files]
 
 
@@ -148,7 +162,8 @@ def load_canonical_checkpoint(
         for name, t in part.items():
             if name in tensors:
                 raise LayoutError(
-                    f"checkpoint tensor {name!r} is in both {where[name]!r} and {f.name!r}"
+                    f"checkpoint tensor {name!r} is in both {where[name]!r} and {f.name!r}; "
+                    "remove the stray file, or pass the checkpoint's index to read only its files"
                 )
             tensors[name], where[name] = t, f.name
     index = _index_map(Path(path))
@@ -158,7 +173,8 @@ def load_canonical_checkpoint(
             n = (wrong or sorted(set(where) - set(index)))[0]
             raise LayoutError(
                 f"checkpoint index {str(path)!r} does not match its files: {n!r} is in "
-                f"{where.get(n)!r}, the index says {index.get(n)!r}"
+                f"{where.get(n)!r}, the index says {index.get(n)!r}; save the checkpoint again "
+                "(save_pretrained) or fix the index's weight_map"
             )
     if spec.tie_word_embeddings:
         # Like vLLM's loader: with tied embeddings a checkpoint's lm_head.weight is skipped.
@@ -170,13 +186,15 @@ def load_canonical_checkpoint(
         raise LayoutError(
             f"checkpoint {str(path)!r} does not match its config: missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
-            f"{' ...' if len(extra) > 5 else ''}"
+            f"{' ...' if len(extra) > 5 else ''}; pass the config.json saved with this "
+            "checkpoint"
         )
     for name, shape in shapes.items():
         t = tensors[name]
         if tuple(t.shape) != shape:
             raise LayoutError(
-                f"checkpoint tensor {name!r} is {tuple(t.shape)}; the config says {shape}"
+                f"checkpoint tensor {name!r} is {tuple(t.shape)}; the config says {shape}: "
+                "pass the config.json saved with this checkpoint"
             )
         if t.dtype != spec.dtype:
             raise LayoutError(
@@ -193,6 +211,14 @@ def _load_safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     return _read_safetensors(path, what)[0]
 
 
+# What to do when a safetensors file cannot be read, by what it was read as.
+_REMEDY = {
+    "checkpoint": "pass a .safetensors file, a model.safetensors.index.json or a directory "
+    "holding them, as save_pretrained writes them",
+    "shard file": "split the checkpoint again with 'deltasync layout split'",
+}
+
+
 def _read_safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """:func:`_load_safetensors` with the file's metadata (empty when it has none)."""
     from safetensors import SafetensorError, safe_open
@@ -200,15 +226,17 @@ def _read_safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], d
     try:
         kind = os.stat(path).st_mode
     except OSError as exc:
-        raise LayoutError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+        raise LayoutError(
+            f"cannot read {what} {str(path)!r}: {exc.strerror or exc}; {_REMEDY[what]}"
+        ) from None
     if not stat.S_ISREG(kind):
-        raise LayoutError(f"{what} {str(path)!r} is not a regular file")
+        raise LayoutError(f"{what} {str(path)!r} is not a regular file; {_REMEDY[what]}")
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = f.keys()  # a safe_open handle is not iterable
             return {k: f.get_tensor(k) for k in keys}, dict(f.metadata() or {})
     except (OSError, SafetensorError) as exc:
-        raise LayoutError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+        raise LayoutError(f"cannot read {what} {str(path)!r}: {exc}; {_REMEDY[what]}") from exc
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -240,11 +268,16 @@ def _layout(
     table, shards, key = load_layout(layout_file)
     if table.src_shapes != spec.canonical_shapes():
         raise LayoutError(
-            f"layout file {str(layout_file)!r} was made for other tensors than this config's"
+            f"layout file {str(layout_file)!r} was made for other tensors than this config's; "
+            "pass the config it was probed from, or probe this config with "
+            "`deltasync layout probe --config ... --out ...`"
         )
     parallel = key.get("parallel", {})
     if not isinstance(parallel, dict):
-        raise LayoutError(f"layout file {str(layout_file)!r}: its key is not a layout key")
+        raise LayoutError(
+            f"layout file {str(layout_file)!r}: its key is not a layout key (write the file "
+            "again with `deltasync layout probe`)"
+        )
     sizes = {}
     for field, ranks in (("tp", [s.tp_rank for s in shards]), ("ep", [s.ep_rank for s in shards])):
         size = parallel.get(field)
@@ -329,9 +362,15 @@ def _read_listing(shards_dir: Path) -> list[ShardInfo]:
     try:
         shards = [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
-        raise LayoutError(f"cannot read {str(shards_dir / SHARDS_FILE)!r}: {exc}") from exc
+        raise LayoutError(
+            f"cannot read {str(shards_dir / SHARDS_FILE)!r}: {exc}; pass a directory "
+            "'deltasync layout split' wrote, or split the checkpoint again"
+        ) from exc
     if not shards:
-        raise LayoutError(f"{str(shards_dir / SHARDS_FILE)!r} lists no shard")
+        raise LayoutError(
+            f"{str(shards_dir / SHARDS_FILE)!r} lists no shard; pass a directory "
+            "'deltasync layout split' wrote, or split the checkpoint again"
+        )
     return shards
 
 
@@ -370,7 +409,8 @@ def merge_checkpoint(
     if [s.id for s in layout.shards()] != [s.id for s in listing]:
         raise LayoutError(
             f"{str(src / SHARDS_FILE)!r} lists shards {[s.id for s in listing]}; "
-            f"the {layout.engine} layout at tp={tp} ep={ep} has {[s.id for s in layout.shards()]}"
+            f"the {layout.engine} layout at tp={tp} ep={ep} has {[s.id for s in layout.shards()]}; "
+            "pass the --engine or --layout the shards were split with"
         )
     inputs = [src / f"{s.id}.safetensors" for s in listing]
     if any(_same_file(Path(out), p) for p in inputs):

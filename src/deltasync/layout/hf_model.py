@@ -156,7 +156,9 @@ class TransformersLoader:
         problems = {k: v for k, v in problems.items() if v}
         if problems or info.error_msgs:
             raise LayoutError(
-                f"transformers could not load {sorted(state)[:3]}...: {problems} {info.error_msgs}"
+                f"transformers could not load {sorted(state)[:3]}...: {problems} "
+                f"{info.error_msgs}; the installed transformers builds other tensors for this "
+                "config than deltasync does: check the model config's fields"
             )
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()

@@ -62,9 +62,13 @@ def _flag(name: str, cfg: Mapping[str, Any], default: bool) -> bool:
 
 def _pos_int(name: str, value: Any, *, hi: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise LayoutError(f"model config field {name!r} must be a positive integer, got {value!r}")
+        raise LayoutError(
+            f"model config field {name!r} must be a positive integer, got {value!r}; fix the config"
+        )
     if hi is not None and value > hi:
-        raise LayoutError(f"model config field {name!r} is {value}, above the {hi} supported")
+        raise LayoutError(
+            f"model config field {name!r} is {value}, above the {hi} supported; fix the config"
+        )
     return value
 
 
@@ -76,7 +80,8 @@ def _layer_list(name: str, value: Any) -> set[int]:
         isinstance(i, int) and not isinstance(i, bool) for i in value
     ):
         raise LayoutError(
-            f"model config field {name!r} must be a list of layer indices, got {value!r}"
+            f"model config field {name!r} must be a list of layer indices, got {value!r}; "
+            "fix the config (e.g. [] or [0, 3])"
         )
     return set(value)
 
@@ -129,20 +134,27 @@ class ModelSpec:
         if self.num_attention_heads % self.num_key_value_heads:
             raise LayoutError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
+                f"num_key_value_heads ({self.num_key_value_heads}); fix the model config"
             )
         if self.dtype != torch.bfloat16:
-            raise LayoutError(f"dtype must be torch.bfloat16 (BF16 sync only), got {self.dtype}")
+            raise LayoutError(
+                f"dtype must be torch.bfloat16 (BF16 sync only), got {self.dtype}; leave dtype "
+                "at its default"
+            )
         if self.model_type != "qwen3_moe":
             if self.num_experts or self.moe_layers:
                 raise LayoutError(
-                    f"a {self.model_type!r} (dense) config cannot have experts or MoE layers"
+                    f"a {self.model_type!r} (dense) config cannot have experts or MoE layers; "
+                    "leave num_experts and moe_layers unset, or use model_type 'qwen3_moe'"
                 )
         else:
             _pos_int("num_experts", self.num_experts, hi=MAX_COUNT)
             _pos_int("moe_intermediate_size", self.moe_intermediate_size)
         if self.mlp_bias and self.model_type != "llama":
-            raise LayoutError(f"mlp_bias is a Llama option; {self.model_type!r} has no MLP biases")
+            raise LayoutError(
+                f"mlp_bias is a Llama option; {self.model_type!r} has no MLP biases: remove "
+                "mlp_bias from the config (or set it to false)"
+            )
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad or list(self.moe_layers) != sorted(set(self.moe_layers)):
             raise LayoutError(
@@ -182,7 +194,8 @@ class ModelSpec:
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
                 raise LayoutError(
-                    f"model config has no {key!r} (required for model_type {model_type!r})"
+                    f"model config has no {key!r} (required for model_type {model_type!r}); "
+                    "pass the config.json the model was saved with (save_pretrained writes it)"
                 )
             return cfg[key]
 
@@ -220,7 +233,10 @@ class ModelSpec:
             # transformers 5.x serialises the expert count as num_local_experts (attribute_map).
             num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             if num_experts is None:
-                raise LayoutError("model config has no 'num_experts' (required for qwen3_moe)")
+                raise LayoutError(
+                    "model config has no 'num_experts' (required for qwen3_moe); set "
+                    "num_experts (or num_local_experts) in the model config"
+                )
             num_experts = _pos_int("num_experts", num_experts, hi=MAX_COUNT)
             step = cfg.get("decoder_sparse_step")  # 0 divides by zero in transformers and vLLM
             step = _pos_int("decoder_sparse_step", 1 if step is None else step)

@@ -145,7 +145,8 @@ def loader_params(loader: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     else:
         raise LayoutError(
             f"{type(loader).__name__} has neither named_parameters() nor params(): "
-            "the probe cannot read its weights back"
+            "the probe cannot read its weights back; pass the engine's model (an nn.Module) or "
+            "a loader with params()"
         )
     params: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}

@@ -41,6 +41,9 @@ from deltasync.names import shard_id
 
 log = logging.getLogger(__name__)
 
+# What to do about a layout file that cannot be read as one.
+_REWRITE = "write the file again with `deltasync layout probe`"
+
 LAYOUT_FORMAT = "deltasync-layout"
 LAYOUT_FORMAT_VERSION = 1
 # Bumped when what the probe computes changes, so stale cache entries are not reused.
@@ -104,7 +107,9 @@ def layout_to_json(
 
 def _shape(value: Any, what: str) -> Shape:
     if not isinstance(value, list):
-        raise LayoutError(f"layout file: {what} must be a list of non-negative integers")
+        raise LayoutError(
+            f"layout file: {what} must be a list of non-negative integers; {_REWRITE}"
+        )
     return check_shape(value, f"layout file: {what}", LayoutError)
 
 
@@ -118,7 +123,10 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
         LayoutError: not a layout file, a malformed field (named), or an invalid table.
     """
     if not isinstance(doc, Mapping) or doc.get("format") != LAYOUT_FORMAT:
-        raise LayoutError(f"not a deltasync layout file (format is not {LAYOUT_FORMAT!r})")
+        raise LayoutError(
+            f"not a deltasync layout file (format is not {LAYOUT_FORMAT!r}); pass a file "
+            "`deltasync layout probe --out` wrote"
+        )
     if doc.get("format_version") != LAYOUT_FORMAT_VERSION:
         raise LayoutError(
             f"layout file format_version {doc.get('format_version')!r} is not supported "
@@ -141,11 +149,15 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
         for name, rows in doc["placements"].items():
             for row in rows:
                 if len(row) != 10 or not all(isinstance(x, int) for x in row[2:]):
-                    raise LayoutError(f"layout file: a placement of {name!r} is malformed: {row!r}")
+                    raise LayoutError(
+                        f"layout file: a placement of {name!r} is malformed: {row!r}; {_REWRITE}"
+                    )
                 sid, local, *nums = row
                 sc, dc, sr, dr, r, scol, dcol, c = nums
                 if min(nums) < 0 or scol + c > sc or dcol + c > dc:
-                    raise LayoutError(f"layout file: a block of {name!r} is out of range: {row!r}")
+                    raise LayoutError(
+                        f"layout file: a block of {name!r} is out of range: {row!r}; {_REWRITE}"
+                    )
                 block = Block(
                     src_cols=sc,
                     dst_cols=dc,
@@ -158,7 +170,9 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
                 )
                 placements.setdefault(str(name), []).append(Placement(str(sid), str(local), block))
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        raise LayoutError(f"layout file is malformed: {type(exc).__name__}: {exc}") from exc
+        raise LayoutError(
+            f"layout file is malformed: {type(exc).__name__}: {exc}; {_REWRITE}"
+        ) from exc
     ids = [s.id for s in shards]
     twice = sorted({i for i in ids if ids.count(i) > 1})
     if twice:
@@ -167,13 +181,15 @@ def layout_from_json(doc: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInf
             "listed once (write the file again with `deltasync layout probe`, or fix it by hand)"
         )
     if set(ids) != set(locals_):
-        raise LayoutError("layout file: 'shards' and 'locals' name different shards")
+        raise LayoutError(f"layout file: 'shards' and 'locals' name different shards; {_REWRITE}")
     table = LayoutTable(
         src_shapes=canonical, dst_shapes=locals_, placements=placements, aliases=aliases
     )
     key = doc.get("key", {})
     if not isinstance(key, dict):
-        raise LayoutError(f"layout file: 'key' is a {type(key).__name__}, not an object")
+        raise LayoutError(
+            f"layout file: 'key' is a {type(key).__name__}, not an object; {_REWRITE}"
+        )
     return table, shards, dict(key)
 
 
@@ -343,9 +359,14 @@ def probe_receiver_layout(
     """
     for name, v in (("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+            raise LayoutError(
+                f"{name} must be a positive integer, got {v!r}; pass --{name} 1 or more"
+            )
     if ep > 1 and ep % tp:
-        raise LayoutError(f"ep ({ep}) must be a multiple of tp ({tp}): EP spans tp*dp ranks")
+        raise LayoutError(
+            f"ep ({ep}) must be a multiple of tp ({tp}): EP spans tp*dp ranks; pass an --ep "
+            "that is a multiple of --tp"
+        )
     if ep == 1:
         shards = [ShardInfo(shard_id(t), t, 0) for t in range(tp)]
     else:
@@ -366,11 +387,14 @@ def probe_receiver_layout(
         base = model_config if model_config is not None else dataclasses.asdict(spec)
         table, cached = cache.get_or_probe(probe_key(base, engine, {"tp": tp, "ep": ep}), run)
         if [s.id for s in cached] != [s.id for s in shards]:
-            raise LayoutError(f"cached layout for {engine} tp={tp} ep={ep} names other shards")
+            raise LayoutError(
+                f"cached layout for {engine} tp={tp} ep={ep} names other shards: remove it from "
+                f"the cache {str(cache.root)!r}"
+            )
         if table.src_shapes != canonical:
             raise LayoutError(
                 f"cached layout for {engine} tp={tp} ep={ep} was probed for other tensors "
-                "than this model's: remove it from the cache"
+                f"than this model's: remove it from the cache {str(cache.root)!r}"
             )
     return ReceiverLayout(spec=spec, engine=engine, tp=tp, ep=ep, table=table, shards=shards)
 
@@ -416,7 +440,8 @@ def probe_engine_layout(
     elif engine == "transformers":
         if tp != 1 or ep != 1:
             raise LayoutError(
-                f"engine 'transformers' is one shard: tp and ep must be 1 (got {tp}, {ep})"
+                f"engine 'transformers' is one shard: tp and ep must be 1 (got {tp}, {ep}); "
+                "probe sharded layouts with --engine vllm-reference"
             )
         from deltasync.layout.hf_model import TransformersLoader, empty_model
 

@@ -81,11 +81,15 @@ class ReceiverLayout:
     ) -> ReceiverLayout:
         for name, v in (("tp", tp), ("ep", ep)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+                raise LayoutError(
+                    f"{name} must be a positive integer, got {v!r}; pass --{name} 1 or more"
+                )
         if engine == "hf":
             if tp != 1 or ep != 1:
                 raise LayoutError(
-                    f"engine 'hf' holds the whole model in one shard: tp and ep must be 1 (got tp={tp}, ep={ep})"
+                    "engine 'hf' holds the whole model in one shard: tp and ep must be 1 "
+                    f"(got tp={tp}, ep={ep}); pass --tp 1 --ep 1, or use --engine vllm for "
+                    "a sharded receiver"
                 )
             return cls(
                 spec=spec,
@@ -114,7 +118,8 @@ class ReceiverLayout:
             return self._by_id[shard_id]
         except KeyError:
             raise LayoutError(
-                f"shard {shard_id!r} is not in this layout; shards: {list(self._by_id)}"
+                f"shard {shard_id!r} is not in this layout; shards: {list(self._by_id)}: pass "
+                "one of them, or the --tp/--ep whose layout has it"
             ) from None
 
     def canonical_specs(self) -> dict[str, TensorSpec]:
@@ -148,7 +153,10 @@ class ReceiverLayout:
         tensor (several shards for replicated or split tensors; one local tensor may hold
         several canonical ones, e.g. fused ``qkv_proj``)."""
         if canonical_name not in self.table.placements:
-            raise LayoutError(f"{canonical_name!r} is not a tensor of this layout")
+            raise LayoutError(
+                f"{canonical_name!r} is not a tensor of this layout; pass a checkpoint (canonical) "
+                "tensor name of the model the layout was built for"
+            )
         return tuple(
             dict.fromkeys((p.shard, p.local) for p in self.table.placements[canonical_name])
         )

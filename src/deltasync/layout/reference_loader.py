@@ -67,10 +67,15 @@ def _check_sizes(spec, tp: int, ep: int) -> None:
         else:
             checks.append((spec.moe_intermediate_size % tp == 0, "moe_intermediate_size"))
     elif ep > 1:
-        raise LayoutError(f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts")
+        raise LayoutError(
+            f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts: pass --ep 1"
+        )
     for ok, what in checks:
         if not ok:
-            raise LayoutError(f"{what} does not split over tp={tp} the way vLLM's layers need")
+            raise LayoutError(
+                f"{what} does not split over tp={tp} the way vLLM's layers need; pass a --tp "
+                "that fits it"
+            )
 
 
 class VllmReferenceLoader:

@@ -163,7 +163,10 @@ def canonical_changes(
         routed = trainer_layout.route_values(name, idx, vals, rank=rank, world_size=world_size)
         for canon, pair in routed.items():
             if canon in out:  # the trainer table is a bijection; two params never share one
-                raise LayoutError(f"canonical tensor {canon!r} is reached from two params")
+                raise LayoutError(
+                    f"canonical tensor {canon!r} is reached from two params; pass each tied "
+                    "parameter once (as model.named_parameters() lists them)"
+                )
             out[canon] = pair
     return out
 

@@ -37,6 +37,10 @@ from deltasync.layout.blocks import (
 from deltasync.native.ops import first_not_increasing
 
 Shape = tuple[int, ...]
+# A table that fails validation comes from user input only through a layout file; what to do then.
+_REPROBE = "if the table was read from a layout file, write it again with `deltasync layout probe`"
+# Merge input that does not fit the table: shard tensors that are not what split produced.
+_RESPLIT = "pass every shard as split wrote it (shard files: split the checkpoint again)"
 Routed = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
@@ -99,25 +103,29 @@ class LayoutTable:
     def _validate(self) -> None:
         for name in self.src_shapes:
             if not self.placements.get(name):
-                raise LayoutError(f"layout table has no placement for tensor {name!r}")
+                raise LayoutError(f"layout table has no placement for tensor {name!r}; {_REPROBE}")
         dst_blocks: dict[tuple[str, str], list[Block]] = {}
         for name, pls in self.placements.items():
             if name not in self.src_shapes:
-                raise LayoutError(f"layout table places unknown source tensor {name!r}")
+                raise LayoutError(f"layout table places unknown source tensor {name!r}; {_REPROBE}")
             shape = self.src_shapes[name]
             rects: dict[tuple[int, int, int, int], None] = {}
             for p in pls:
                 dshape = self.dst_shapes.get(p.shard, {}).get(p.local)
                 if dshape is None:
                     raise LayoutError(
-                        f"{name!r} is placed into unknown tensor {p.local!r} of shard {p.shard!r}"
+                        f"{name!r} is placed into unknown tensor {p.local!r} of shard "
+                        f"{p.shard!r}; {_REPROBE}"
                     )
                 b = p.block
                 if b.src_cols != view_cols(shape) or b.src_row + b.rows > view_rows(shape):
-                    raise LayoutError(f"block {b} does not fit source {name!r} of shape {shape}")
+                    raise LayoutError(
+                        f"block {b} does not fit source {name!r} of shape {shape}; {_REPROBE}"
+                    )
                 if b.dst_cols != view_cols(dshape) or b.dst_row + b.rows > view_rows(dshape):
                     raise LayoutError(
-                        f"block {b} of {name!r} does not fit {p.shard}/{p.local} of shape {dshape}"
+                        f"block {b} of {name!r} does not fit {p.shard}/{p.local} of shape "
+                        f"{dshape}; {_REPROBE}"
                     )
                 if b.size:
                     rects[b.src_rect()] = None
@@ -126,21 +134,27 @@ class LayoutTable:
             clash = find_overlap(distinct)
             if clash is not None:
                 raise LayoutError(
-                    f"{name!r}: blocks {distinct[clash[0]]} and {distinct[clash[1]]} overlap"
+                    f"{name!r}: blocks {distinct[clash[0]]} and {distinct[clash[1]]} overlap; "
+                    f"{_REPROBE}"
                 )
             if sum(r[1] * r[3] for r in distinct) != numel(shape):
-                raise LayoutError(f"{name!r}: the table does not cover every element of {shape}")
+                raise LayoutError(
+                    f"{name!r}: the table does not cover every element of {shape}; {_REPROBE}"
+                )
         for (shard, local), blocks in dst_blocks.items():
             # Replicas of one source block never target the same destination tensor twice.
             rects2 = [(b.dst_row, b.rows, b.dst_col, b.cols) for b in blocks]
             clash = find_overlap(rects2)
             if clash is not None:
-                raise LayoutError(f"{shard}/{local}: two source blocks write the same elements")
+                raise LayoutError(
+                    f"{shard}/{local}: two source blocks write the same elements; {_REPROBE}"
+                )
         for shard, amap in self.aliases.items():
             for alias, target in amap.items():
                 if target not in self.dst_shapes[shard] or alias in self.dst_shapes[shard]:
                     raise LayoutError(
-                        f"shard {shard!r}: alias {alias!r} -> {target!r} is not a tied name"
+                        f"shard {shard!r}: alias {alias!r} -> {target!r} is not a tied name; "
+                        f"{_REPROBE}"
                     )
 
     def uncovered(self, shard: str) -> list[str]:
@@ -153,7 +167,10 @@ class LayoutTable:
 
     def _check_indices(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         if name not in self.src_shapes:
-            raise LayoutError(f"tensor {name!r} is not in this layout")
+            raise LayoutError(
+                f"tensor {name!r} is not in this layout; pass one of its source tensors "
+                "(the names the layout was built for)"
+            )
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise LayoutError(f"indices for {name!r} must be a 1-D tensor")
         if indices.dtype != torch.int64:
@@ -215,7 +232,10 @@ class LayoutTable:
     def route_values(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> Routed:
         """Like :meth:`route`, but with the values gathered: ``{shard: {local: (idx, values)}}``."""
         if values.shape != indices.shape:
-            raise LayoutError(f"{name!r}: {values.numel()} values for {indices.numel()} indices")
+            raise LayoutError(
+                f"{name!r}: {values.numel()} values for {indices.numel()} indices; pass one "
+                "value per index"
+            )
         out: Routed = {}
         for _, targets, dst, pos in self._select(name, indices):
             vals = gather(values, pos)
@@ -233,7 +253,8 @@ class LayoutTable:
         for name, (indices, values) in changes.items():
             if values.shape != indices.shape:
                 raise LayoutError(
-                    f"{name!r}: {values.numel()} values for {indices.numel()} indices"
+                    f"{name!r}: {values.numel()} values for {indices.numel()} indices; pass "
+                    "one value per index"
                 )
             for block, targets, dst, pos in self._select(name, indices):
                 vals = gather(values, pos)
@@ -303,7 +324,10 @@ def split_dense(
     missing = [n for n in table.src_shapes if n not in full]
     extra = [n for n in full if n not in table.src_shapes]
     if missing or extra:
-        raise LayoutError(f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
+        raise LayoutError(
+            f"split: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}; pass exactly "
+            "the table's source tensors (the model config's full checkpoint)"
+        )
     first = next(iter(full.values()), None)
     dtype = first.dtype if first is not None else torch.bfloat16
     device = first.device if first is not None else torch.device("cpu")
@@ -312,7 +336,8 @@ def split_dense(
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
             raise LayoutError(
                 f"split: {name!r} is {tuple(t.shape)} {t.dtype} on {t.device}, "
-                f"expected {shape} {dtype} on {device}"
+                f"expected {shape} {dtype} on {device}; pass every tensor with the table's "
+                "shape, in one dtype on one device"
             )
     out = {
         s: {n: torch.zeros(shape, dtype=dtype, device=device) for n, shape in locs.items()}
@@ -328,27 +353,31 @@ def split_dense(
 def _check_shards(table: LayoutTable, shards: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
     extra = [s for s in shards if s not in table.dst_shapes]
     if extra:
-        raise LayoutError(f"merge: unexpected shards {extra}")
+        raise LayoutError(f"merge: unexpected shards {extra}; {_RESPLIT}")
     dtype = None
     for s, locs in table.dst_shapes.items():
         got = shards.get(s)
         if got is None:
-            raise LayoutError(f"merge: shard {s!r} is missing")
+            raise LayoutError(f"merge: shard {s!r} is missing; {_RESPLIT}")
         for n, shape in locs.items():
             t = got.get(n)
             if t is None or tuple(t.shape) != shape:
-                raise LayoutError(f"merge: {s}/{n} is missing or not of shape {shape}")
+                raise LayoutError(f"merge: {s}/{n} is missing or not of shape {shape}; {_RESPLIT}")
             dtype = dtype or t.dtype
             if t.dtype != dtype:  # copy_ would cast silently
-                raise LayoutError(f"merge: {s}/{n} is {t.dtype}, other tensors are {dtype}")
+                raise LayoutError(
+                    f"merge: {s}/{n} is {t.dtype}, other tensors are {dtype}; {_RESPLIT}"
+                )
         for n, t in got.items():
             if n in locs:
                 continue
             target = table.aliases[s].get(n)
             if target is None:
-                raise LayoutError(f"merge: shard {s!r} has unexpected tensor {n!r}")
+                raise LayoutError(f"merge: shard {s!r} has unexpected tensor {n!r}; {_RESPLIT}")
             if t.shape != got[target].shape or not torch.equal(bits(t), bits(got[target])):
-                raise LayoutError(f"merge: {s}/{n} is tied to {target!r} but differs from it")
+                raise LayoutError(
+                    f"merge: {s}/{n} is tied to {target!r} but differs from it; {_RESPLIT}"
+                )
 
 
 def merge_dense(
@@ -372,7 +401,7 @@ def merge_dense(
             elif not torch.equal(bits(p.block.src_view(res2d)), bits(piece)):
                 raise LayoutError(
                     f"merge: replicas of {name!r} disagree ({p.shard}/{p.local} differs "
-                    "from another shard holding the same elements)"
+                    f"from another shard holding the same elements); {_RESPLIT}"
                 )
         out[name] = res
     return out

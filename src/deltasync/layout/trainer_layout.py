@@ -31,7 +31,10 @@ _MODEL = HF_SHARD  # the probed table has the hf receiver layout's one shard
 def fsdp_dim0_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rows [start, stop) of dim 0 that FSDP2 gives ``rank`` of ``world_size`` (may be empty)."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise LayoutError(f"rank {rank} is not in a world of size {world_size}")
+        raise LayoutError(
+            f"rank {rank} is not in a world of size {world_size}; pass the trainer's rank and "
+            "world size (0 <= rank < world_size)"
+        )
     chunk = -(-dim0 // world_size)
     start = min(rank * chunk, dim0)
     return start, min(start + chunk, dim0)
@@ -48,7 +51,10 @@ class TrainerLayout:
         self.spec = spec
         self._forward: LayoutTable = build_hf_table(spec) if table is None else table
         if len(self._forward.dst_shapes) != 1:
-            raise LayoutError("a trainer layout table maps into exactly one shard (the model)")
+            raise LayoutError(
+                "a trainer layout table maps into exactly one shard (the model); pass the table "
+                "TrainerLayout.from_transformers builds, or none"
+            )
         self._table: LayoutTable = self._forward.inverse(shard=_CANON)  # params → canonical
         if table is None:
             self._aliases = dict(TIED_ALIASES) if spec.tie_word_embeddings else {}
@@ -93,7 +99,8 @@ class TrainerLayout:
             diff = sorted(set(own) ^ set(table.dst_shapes[_MODEL]))[:3]
             raise LayoutError(
                 f"{type(model).__name__}'s parameters differ from its class built from its "
-                f"config (e.g. {diff}): the trainer layout cannot be probed for it"
+                f"config (e.g. {diff}): the trainer layout cannot be probed for it; pass the "
+                "bare transformers model (no DDP, torch.compile or adapter wrapper)"
             )
         return cls(spec, table=table)
 
@@ -132,7 +139,8 @@ class TrainerLayout:
         name = self._aliases.get(param_name, param_name)
         if name not in self._table.src_shapes:
             raise LayoutError(
-                f"{param_name!r} is not a parameter of this {self.spec.model_type} model"
+                f"{param_name!r} is not a parameter of this {self.spec.model_type} model; pass "
+                "the names model.named_parameters() gives for the model the config describes"
             )
         return name
 
@@ -190,7 +198,9 @@ class TrainerLayout:
             int(indices[0]) < 0 or int(indices[-1]) >= (stop - start) * per_row
         ):
             raise LayoutError(
-                f"indices for {name!r} fall outside rank {rank}'s shard of {(stop - start) * per_row} elements"
+                f"indices for {name!r} fall outside rank {rank}'s shard of "
+                f"{(stop - start) * per_row} elements; pass flat indices into this rank's local "
+                "shard, with the rank and world size it was sharded over"
             )
         offset = start * per_row
         return indices + offset if offset else indices
@@ -236,7 +246,10 @@ class TrainerLayout:
                 if target in state_dict and not torch.equal(
                     bits(t.detach()), bits(state_dict[target].detach())
                 ):
-                    raise LayoutError(f"{name!r} is tied to {target!r} but differs from it")
+                    raise LayoutError(
+                        f"{name!r} is tied to {target!r} but differs from it; pass {target!r} "
+                        "once (as model.named_parameters() does), or tie the weights again"
+                    )
                 continue
             params[name] = t.detach()
         return self._table.split(params)[_CANON]

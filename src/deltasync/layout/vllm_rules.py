@@ -58,7 +58,7 @@ def expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
 def check_parallelism(spec: ModelSpec, tp: int, ep: int) -> None:
     """Raise LayoutError naming the first TP/EP size vLLM would refuse for this model."""
     if tp < 1 or ep < 1:
-        raise LayoutError(f"tp ({tp}) and ep ({ep}) must be >= 1")
+        raise LayoutError(f"tp ({tp}) and ep ({ep}) must be >= 1; pass --tp and --ep of 1 or more")
     if spec.model_type not in RULE_MODEL_TYPES:
         raise LayoutError(
             f"the hand-written vLLM rules cover {', '.join(RULE_MODEL_TYPES)}, not "
@@ -66,44 +66,57 @@ def check_parallelism(spec: ModelSpec, tp: int, ep: int) -> None:
         )
     if spec.attention_bias:
         raise LayoutError(
-            "vLLM's Qwen3 o_proj has no bias: a checkpoint with attention_bias=True cannot be held"
+            "vLLM's Qwen3 o_proj has no bias: a checkpoint with attention_bias=True cannot be "
+            "held; sync it to an --engine hf receiver instead"
         )
     if spec.num_attention_heads % tp:
         raise LayoutError(
-            f"num_attention_heads ({spec.num_attention_heads}) is not divisible by tp ({tp})"
+            f"num_attention_heads ({spec.num_attention_heads}) is not divisible by tp ({tp}); "
+            "pass a --tp that divides it"
         )
     kv = spec.num_key_value_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-        raise LayoutError(f"num_key_value_heads ({kv}) and tp ({tp}): one must divide the other")
+        raise LayoutError(
+            f"num_key_value_heads ({kv}) and tp ({tp}): one must divide the other; pass a --tp "
+            "that divides it or is a multiple of it"
+        )
     if pad_vocab(spec.vocab_size) % tp:
         raise LayoutError(
-            f"padded vocabulary ({pad_vocab(spec.vocab_size)}) is not divisible by tp ({tp})"
+            f"padded vocabulary ({pad_vocab(spec.vocab_size)}) is not divisible by tp ({tp}); "
+            "pass a --tp that divides it"
         )
     dense_layers = spec.num_hidden_layers - len(spec.moe_layers)
     if dense_layers and spec.intermediate_size % tp:
         raise LayoutError(
-            f"intermediate_size ({spec.intermediate_size}) is not divisible by tp ({tp})"
+            f"intermediate_size ({spec.intermediate_size}) is not divisible by tp ({tp}); "
+            "pass a --tp that divides it"
         )
     if ep > 1:
         if not spec.is_moe:
-            raise LayoutError(f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts")
+            raise LayoutError(
+                f"ep={ep} needs a MoE model; {spec.model_type!r} has no experts: pass --ep 1"
+            )
         if ep % tp:
             raise LayoutError(
-                f"ep ({ep}) must be a multiple of tp ({tp}): vLLM's EP spans tp*dp ranks"
+                f"ep ({ep}) must be a multiple of tp ({tp}): vLLM's EP spans tp*dp ranks; pass "
+                "an --ep that is a multiple of --tp"
             )
     if spec.is_moe and not spec.moe_layers:
         raise LayoutError(
             "a Qwen3-MoE config without a sparse layer (mlp_only_layers or decoder_sparse_step "
-            "leave none): vLLM's Qwen3MoeForCausalLM refuses to build it"
+            "leave none): vLLM's Qwen3MoeForCausalLM refuses to build it; fix those fields in "
+            "the model config"
         )
     if spec.is_moe:
         if tp > spec.num_experts:
             raise LayoutError(
-                f"tp ({tp}) is greater than the number of experts ({spec.num_experts})"
+                f"tp ({tp}) is greater than the number of experts ({spec.num_experts}); pass a "
+                "smaller --tp"
             )
         if ep == 1 and spec.moe_intermediate_size % tp:
             raise LayoutError(
-                f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by tp ({tp})"
+                f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by tp "
+                f"({tp}); pass a --tp that divides it, or shard the experts with --ep"
             )
 
 
