@@ -81,3 +81,36 @@ def test_canonical_checkpoint_loads_back_through_transformers_own_converter_bitw
     assert theirs.keys() == ours.keys()
     for name, param in ours.items():
         assert bitwise_equal(theirs[name].detach(), param.detach()), name
+
+
+@pytest.mark.parametrize(
+    ("installed", "found"),
+    [
+        ("5.15.2", "transformers 5.15.2 is installed"),
+        ("4.57.6", "transformers 4.57.6 is installed"),
+    ],
+)
+def test_a_transformers_release_older_than_the_loader_needs_is_a_layout_error(
+    monkeypatch, installed, found
+) -> None:
+    import sys
+
+    from deltasync.errors import LayoutError
+    from deltasync.layout.hf_model import TransformersLoader, meta_model
+
+    model = meta_model(transformers.AutoConfig.for_model(**CONFIGS["dense_tied"]))
+    # the module an import finds now (transformers swaps its own for a lazy one on import)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", installed)
+    with pytest.raises(LayoutError, match=f"{found}.*5.16 or later: pip install"):
+        TransformersLoader(model)
+
+
+def test_transformers_missing_is_a_layout_error_naming_the_install(monkeypatch) -> None:
+    import sys
+
+    from deltasync.errors import LayoutError
+    from deltasync.layout.probed import probe_engine_layout
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    with pytest.raises(LayoutError, match=r"this needs transformers .*pip install 'transformers"):
+        probe_engine_layout(CONFIGS["dense_tied"], "transformers")

@@ -36,7 +36,7 @@ import torch
 from deltasync.errors import ApplyError, ConfigError
 from deltasync.format import TensorUpdate, apply_updates, check_tensors_match
 from deltasync.layout import ModelSpec, ReceiverLayout
-from deltasync.layout.hf_model import HF_SHARD
+from deltasync.layout.hf_model import HF_SHARD, require_transformers
 
 UNLOADED = -1
 
@@ -108,6 +108,7 @@ _CONFIG_ONLY_KEYS = ("model_type", "architectures", "torch_dtype", "dtype")
 
 def build_hf_model(hf_config: Mapping[str, Any], *, dtype: torch.dtype = torch.bfloat16):
     """A config-built (randomly initialised) transformers causal LM in ``dtype``, eval mode."""
+    require_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(hf_config)

@@ -30,7 +30,8 @@ hand-written table is the cross-check. ``checkpoint_shapes`` gives the checkpoin
 shapes a model saves, from its state dict and the reverse of the same mapping, without
 materialising weights (meta device).
 
-``transformers`` is imported lazily. This module knows the transformers classes' parameters;
+``transformers`` is imported lazily, and only at a release whose loader takes the arguments
+passed here (:func:`require_transformers`: 5.16 or later). This module knows the transformers classes' parameters;
 it knows no inference engine's layout and does no file I/O.
 """
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -50,6 +52,29 @@ from deltasync.names import shard_id
 
 HF_SHARD = shard_id(0)
 TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
+# The first transformers release whose core_model_loading takes no tp_plan (what is called here).
+MIN_TRANSFORMERS = (5, 16)
+_INSTALL = "pip install 'transformers>=5.16,<6' (deltasync's models extra)"
+
+
+def require_transformers() -> ModuleType:
+    """``transformers``, at :data:`MIN_TRANSFORMERS` or later.
+
+    Raises:
+        LayoutError: it is missing or older, naming the version found and the install command.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise LayoutError(f"this needs transformers ({exc}); {_INSTALL}") from None
+    found = transformers.__version__
+    parts = re.match(r"(\d+)\.(\d+)", found)
+    if parts is None or (int(parts[1]), int(parts[2])) < MIN_TRANSFORMERS:
+        raise LayoutError(
+            f"transformers {found} is installed; deltasync's transformers loader needs "
+            f"{'.'.join(map(str, MIN_TRANSFORMERS))} or later: {_INSTALL}"
+        )
+    return transformers
 
 
 def hf_param_shapes(spec: ModelSpec) -> dict[str, Shape]:
@@ -105,6 +130,7 @@ class TransformersLoader:
     """``load_weights`` / ``named_parameters`` / ``probe_groups`` over a transformers model."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        require_transformers()
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         self.model = model
@@ -171,6 +197,7 @@ def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     Tied aliases (``lm_head.weight`` with tied embeddings) are left out: checkpoints of tied
     models carry the embedding once. Works on a meta-device model (no weights are read).
     """
+    require_transformers()
     from transformers.core_model_loading import revert_weight_conversion
 
     params = dict(model.named_parameters())
@@ -186,7 +213,7 @@ def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 def meta_model(config: Any) -> torch.nn.Module:
     """A transformers causal LM built from ``config`` on the meta device (no memory, no init)."""
-    import transformers
+    transformers = require_transformers()
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

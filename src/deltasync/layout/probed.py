@@ -33,6 +33,7 @@ from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.format.updates import check_shape
 from deltasync.layout.blocks import Block
+from deltasync.layout.hf_model import require_transformers
 from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
 from deltasync.layout.probe_blocks import assemble_table
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
@@ -403,8 +404,7 @@ PROBE_ENGINES = ("transformers", "vllm-reference")
 
 
 def _hf_config(model_config: Mapping[str, Any]) -> Any:
-    import transformers
-
+    transformers = require_transformers()
     return transformers.AutoConfig.for_model(**dict(model_config))
 
 
