@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from deltasync.layout.probed import (
     assemble_table,
     layout_from_json,
     layout_to_json,
+    load_layout,
     probe_key,
 )
 from deltasync.layout.reference_loader import VllmReferenceLoader
@@ -268,6 +270,38 @@ def test_a_corrupted_layout_file_is_a_layout_error():
     bad["shards"].append(dict(bad["shards"][0]))
     with pytest.raises(LayoutError, match=r"\['tp0'\] more than once"):
         layout_from_json(bad)
+
+
+def test_a_damaged_layout_file_names_the_file_and_a_damaged_cache_entry_is_probed_again(
+    tmp_path, caplog
+):
+    spec = ModelSpec.from_hf_config(CONFIGS["dense_tied"])
+    shards = [ShardInfo("tp0", 0, 0), ShardInfo("tp1", 1, 0)]
+    key = probe_key(CONFIGS["dense_tied"], "vllm-reference", {"tp": 2, "ep": 1})
+    doc = layout_to_json(build_vllm_table(spec, 2, 1), shards, key)
+    doc["placements"]["model.norm.weight"][0][6] = 999  # rows beyond the tensor
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(LayoutError, match=rf"^layout file {re.escape(repr(str(path)))}: "):
+        load_layout(path)
+
+    cache = ProbeCache(tmp_path / "cache")
+    entry = cache.path(key)
+    entry.parent.mkdir()
+    entry.write_text(json.dumps(doc))  # a damaged entry under the right name
+    calls = []
+
+    def run():
+        calls.append(1)
+        return build_vllm_table(spec, 2, 1), shards
+
+    with caplog.at_level("WARNING", logger="deltasync.layout.probed"):
+        table, got = cache.get_or_probe(key, run)
+    assert calls == [1] and got == shards
+    assert table_key(table) == table_key(build_vllm_table(spec, 2, 1))
+    assert str(entry) in caplog.text and "probing again" in caplog.text
+    cache.get_or_probe(key, run)  # the entry was replaced: a hit
+    assert calls == [1]
 
 
 def test_a_probe_cache_under_home_is_the_users_not_a_tilde_directory(tmp_path, monkeypatch):

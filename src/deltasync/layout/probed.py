@@ -220,10 +220,15 @@ def load_layout(
     path: str | os.PathLike[str],
 ) -> tuple[LayoutTable, list[ShardInfo], dict[str, Any]]:
     """Read a layout file; only a regular file of at most ``MAX_LAYOUT_BYTES`` is read (see
-    :func:`~deltasync.atomic.read_json`): ``--layout`` may name anything."""
-    return layout_from_json(
-        read_json(path, limit=MAX_LAYOUT_BYTES, what="layout file", error=LayoutError)
-    )
+    :func:`~deltasync.atomic.read_json`): ``--layout`` may name anything.
+
+    Raises:
+        LayoutError: unreadable, or not a valid layout file (the message names the file)."""
+    doc = read_json(path, limit=MAX_LAYOUT_BYTES, what="layout file", error=LayoutError)
+    try:
+        return layout_from_json(doc)
+    except LayoutError as exc:
+        raise LayoutError(f"layout file {str(path)!r}: {exc}") from None
 
 
 def save_receiver_layout(
@@ -290,11 +295,17 @@ class ProbeCache:
         return self.root / f"{key_digest(key)}.json"
 
     def get(self, key: Mapping[str, Any]) -> tuple[LayoutTable, list[ShardInfo]] | None:
-        """The cached layout for ``key``, or None. A file whose stored key differs is ignored."""
+        """The cached layout for ``key``, or None. A file whose stored key differs, or that
+        cannot be read as a layout file (damaged, or written by another release), is ignored:
+        the layout is probed again and the entry replaced."""
         p = self.path(key)
         if not p.exists():
             return None
-        table, shards, stored = load_layout(p)
+        try:
+            table, shards, stored = load_layout(p)
+        except LayoutError as exc:
+            log.warning("probe cache: %s; probing again", exc)
+            return None
         if stored != json.loads(json.dumps(dict(key))):
             log.warning("probe cache: %s holds another key; probing again", p)
             return None
