@@ -144,6 +144,31 @@ def test_a_pull_beside_a_heartbeat_in_flight_waits_for_it_and_one_beside_a_scrub
 
 
 @pytest.mark.timeout(60)
+def test_a_heartbeat_while_a_pull_fetches_is_written(tmp_path, monkeypatch):
+    # The tensors hold the version before all along the fetch: a heartbeat then (an engine's
+    # keepalive beside a fetch longer than receiver_ttl_s) must keep the receiver live, else
+    # retention takes it for dead and deletes the chain it is fetching. It wrote nothing.
+    store, tl, rl, params, pub, tensors = _anchored()
+    rec = _receiver(store, rl, tensors, tmp_path)
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    store.delete(names.receiver_key("rec"))  # (as after a gc: only a heartbeat writes it back)
+    fetch = store_receiver.open_version
+    seen = []
+
+    def fetching(*args, **kwargs):
+        seen.append(_from_another_thread(lambda: rec.heartbeat()))
+        seen.append(_registered(store))
+        return fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "open_version", fetching)
+    assert rec.pull().version == 1
+    assert seen == [{"returned": True}, 0], seen
+    assert _registered(store) == 1
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+@pytest.mark.timeout(60)
 def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(tmp_path):
     # The tensors still hold version 0 there, but the pull withdrew the registration for the
     # scatter about to start: a heartbeat naming version 0 then outlives a kill mid-scatter.

@@ -270,6 +270,34 @@ def test_gc_that_verifies_no_committed_version_says_so_instead_of_collecting_not
 
 
 @pytest.mark.timeout(60)
+def test_gc_beside_a_trainers_first_commit_is_no_signature_error(tmp_path, capsys, monkeypatch):
+    # gc planned while the store held version 0's blobs and no manifest (nothing to delete),
+    # the trainer committed version 0, and gc, reading LATEST again, reported a store where
+    # nothing verifies (SignatureError, rc 2) though version 0 verifies.
+    import deltasync.commit as commit
+
+    rig = Rig(tmp_path)
+    rig.publish(1)
+    manifest = rig.store.get(names.manifest_key(0))
+    latest = rig.store.get(names.LATEST)
+    rig.store.delete(names.manifest_key(0))
+    rig.store.delete(names.LATEST)  # the blobs of version 0, its manifest not written yet
+    collect = commit.collect_garbage
+
+    def then_the_commit_lands(*args, **kwargs):
+        plan = collect(*args, **kwargs)
+        rig.store.put_if_absent(names.manifest_key(0), manifest)
+        rig.store.put(names.LATEST, latest)
+        return plan
+
+    monkeypatch.setattr(commit, "collect_garbage", then_the_commit_lands)
+    assert main(["gc", str(rig.path), "--json"]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["committed"] is None and plan["keys"] == []
+    assert rig.store.exists(names.manifest_key(0))
+
+
+@pytest.mark.timeout(60)
 def test_gc_without_the_key_of_a_signed_store_refuses_and_deletes_nothing(tmp_path, capsys):
     # Without a key every manifest that parses counted: an unsigned anchor planted as the
     # newest by anyone with write access made gc delete the versions keyed receivers needed.

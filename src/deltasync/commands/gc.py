@@ -33,7 +33,7 @@ from deltasync.commands.inspect_store import (
     read_key,
     reader_may_leave,
 )
-from deltasync.errors import ConfigError, SignatureError
+from deltasync.errors import ConfigError, KeyNotFoundError, ManifestError, SignatureError
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         forget_receivers_after_s=args.forget_receivers_after,
     )
     latest = catalog.latest()
-    if latest is not None and plan.committed is None:
+    if latest is not None and plan.committed is None and not _verifies(catalog, latest):
         # Retention plans from verified manifests only: none verifies, so nothing a version
         # holds was deleted, and never will be. Said, not hidden behind a log line and rc 0.
         raise SignatureError(
@@ -108,6 +108,17 @@ def _run(args: argparse.Namespace) -> int:
     with reader_may_leave():  # `gc | head`: what was deleted is deleted, rc 0
         _print_plan(args, plan)
     return 0
+
+
+def _verifies(catalog, version: int) -> bool:
+    """Whether ``version``'s manifest verifies now. LATEST is read again after the plan: a
+    version committed while gc ran (a trainer's first commit, after the plan found none) is
+    no sign of a store where nothing verifies. A store failure is raised as itself."""
+    try:
+        catalog.manifest(version, fresh=True)
+    except (ManifestError, KeyNotFoundError):
+        return False
+    return True
 
 
 def _refuse_a_signed_store_without_its_key(args: argparse.Namespace, catalog) -> None:

@@ -1001,11 +1001,21 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
-        with self._heartbeats_held():
-            return self._apply(manifests, from_version, t0, repaired=repaired)
+        # Heartbeats are held from the end of the fetch (before the journal's thread may
+        # withdraw the registration) to the end of the record, not during the fetch: the
+        # tensors hold the version before all along it, and a heartbeat (a keepalive beside a
+        # long fetch) keeps this receiver live, so retention keeps the chain it is fetching.
+        with contextlib.ExitStack() as quiet:
+            return self._apply(manifests, from_version, t0, repaired=repaired, quiet=quiet)
 
     def _apply(
-        self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
+        self,
+        manifests: list[Manifest],
+        from_version: int | None,
+        t0: float,
+        *,
+        repaired: bool,
+        quiet: contextlib.ExitStack,
     ) -> PullReport:
         previous = None if self.dirty else self.version
         target = manifests[-1]
@@ -1019,6 +1029,7 @@ class Receiver:
             for m in manifests:  # a repaired store heals on the next pull
                 self.catalog.forget(m.version)
             raise
+        quiet.enter_context(self._heartbeats_held())  # before the withdrawal can start
         # The journal's fsyncs overlap the verify pass (they release the GIL): it only has to
         # be durable before the first live write, and a refused or failed verify removes it.
         # (Killed in between, the next start replays a chain that writes what verify checked,
