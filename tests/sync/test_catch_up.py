@@ -192,3 +192,64 @@ def test_an_ack_that_lands_after_its_version_was_collected_goes_with_the_next_gc
     plan = rig.pub.gc()
     assert stray.key in plan.keys and not rig.store.exists(stray.key)
     assert rig.store.list("acks/") == keep  # the kept version's acks stay
+
+
+def _retention_after_a_newer_anchor(rig) -> None:
+    """Versions 2 and 3 deleted, as retention deletes them once anchor 4 (and 5) committed."""
+    for v in (0, 1, 2, 3):
+        for key in rig.store.list(f"v{v:08d}/"):
+            rig.store.delete(key)
+
+
+@pytest.mark.timeout(60)
+def test_a_chain_deleted_after_the_head_was_read_is_taken_from_the_newer_anchor(
+    tmp_path, monkeypatch
+):
+    # The receiver read head 3, then retention deleted 2 and 3 (a newer anchor 4 and 5 had
+    # committed): the walk back from 3 found a gap and the pull raised VersionError asking
+    # for an anchor that was already there.
+    rig = Rig(tmp_path, anchor_every=100)
+    rx = rig.receiver("rx")
+    for v in range(4):
+        rig.publish(v)
+        if v == 1:
+            assert rx.pull().version == 1
+    stale = rx.catalog.head()
+    assert stale.version == 3
+    rig.trainer.step()
+    rig.sync.step_published(4, anchor=True)
+    rig.publish(5)
+    _retention_after_a_newer_anchor(rig)
+    head = type(rx.catalog).head
+    calls = []
+
+    def first_stale(catalog, *args, **kwargs):
+        calls.append(1)
+        return stale if len(calls) == 1 else head(catalog, *args, **kwargs)
+
+    monkeypatch.setattr(type(rx.catalog), "head", first_stale)
+    report = rx.pull()
+    assert report.version == 5 and report.from_anchor and report.chain == (4, 5)
+    assert_same_bits(rx.tensors, rig.states[5]["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_head_manifest_deleted_after_latest_was_read_is_followed_by_the_newest(
+    tmp_path, monkeypatch
+):
+    rig = Rig(tmp_path, anchor_every=100)
+    for v in range(4):
+        rig.publish(v)
+    rig.trainer.step()
+    rig.sync.step_published(4, anchor=True)
+    rig.publish(5)
+    catalog = rig.receiver("rx").catalog
+    _retention_after_a_newer_anchor(rig)
+    latest = type(catalog).latest
+    answers = iter([3])  # LATEST read while 3 was the newest; then the store as it is
+
+    def first_stale(cat, *args, **kwargs):
+        return next(answers, None) or latest(cat, *args, **kwargs)
+
+    monkeypatch.setattr(type(catalog), "latest", first_stale)
+    assert catalog.head().version == 5

@@ -222,9 +222,18 @@ class Catalog:
 
     def head(self, known: int | None = None) -> Manifest | None:
         """The newest committed manifest, read from the store (never only from the cache);
-        ``known`` as :meth:`latest` takes it."""
+        ``known`` as :meth:`latest` takes it. A manifest deleted between the two reads (by
+        retention, once newer versions committed) is followed by the newest one."""
         v = self.latest(known)
-        return None if v is None else self.manifest(v, fresh=True)
+        if v is None:
+            return None
+        try:
+            return self.manifest(v, fresh=True)
+        except KeyNotFoundError:
+            newer = self.latest()
+            if newer is None or newer <= v:
+                raise
+            return self.manifest(newer, fresh=True)
 
     def forget(self, version: int) -> None:
         """Drop ``version`` from the cache (it failed to stage or verify)."""

@@ -901,7 +901,15 @@ class Receiver:
             self._flush_records()
             return self._report(t0, previous_version=previous)
         self._check_layout(head)
-        manifests = self.catalog.shard_chain(self.shard, held, head)
+        try:
+            manifests = self.catalog.shard_chain(self.shard, held, head)
+        except VersionError:
+            # a gap on the way: retention deleted it once a newer version (and the anchor it
+            # keeps) committed after the head was read; that version is the one to take
+            newer = None if target is not None else self.catalog.head()
+            if newer is None or newer.version <= head.version:
+                raise
+            return self._pull(t0)
         if manifests[0].kind == "anchor":
             why = (
                 "it holds no verified version"
