@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,7 +104,8 @@ def test_an_ack_round_trips_and_rejects_bad_digests_and_names() -> None:
         ("receiver", "../x"),
         ("pause_s", -1),
         ("total_s", float("nan")),
-        ("surprise", 1),
+        ("Surprise", 1),  # a later release's field is named as ours are
+        ("mac2 ", 1),
     ):
         bad = dict(d, **{field: value})
         with pytest.raises(ManifestError):
@@ -161,6 +163,32 @@ def test_a_registration_carries_the_engine_request_it_was_written_for_under_the_
     legacy = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0)
     assert b"request" not in legacy.to_json()
     assert ReceiverRecord.from_json(legacy.to_json()).request is None
+
+
+@pytest.mark.parametrize("cls", [AckRecord, ReceiverRecord])
+def test_fields_of_a_later_release_are_kept_under_the_mac_and_ignored(cls) -> None:
+    # A registration that a later release's receiver wrote with a new field was refused, so
+    # every reader of this release counted that receiver as absent (and retention stopped
+    # keeping what it holds).
+    key = b"k" * 32
+    if cls is AckRecord:
+        record = AckRecord(version=4, receiver="r", shard="tp0", state_digest=D1, created_at=1.0)
+    else:
+        record = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0)
+    later = {"engine_epoch": 3, "notes": {"a": [1, 2]}}
+    newer = replace(record, later=later)
+    signed = newer.to_json(key)
+    read = cls.from_json(signed, signing_key=key)
+    assert read == record and read.version == 4 and read.later == later
+    assert read.to_json(key) == signed  # written again as read, MAC and all
+    with pytest.raises(ManifestError):  # the later fields are signed with the rest
+        cls.from_json(signed.replace(b'"engine_epoch":3', b'"engine_epoch":4'), signing_key=key)
+    with pytest.raises(ManifestError):  # a record's own field is never a later one
+        replace(record, later={"version": 5})
+    with pytest.raises(ManifestError, match="at most 16"):
+        cls.from_json(
+            json.dumps(dict(json.loads(record.to_json()), **{f"f{i}": i for i in range(17)}))
+        )
 
 
 def test_a_registration_holds_a_version_only_of_its_own_lineage() -> None:

@@ -17,6 +17,13 @@ The store may be shared with someone hostile, so:
   store can forge them, see docs/security.md);
 - timestamps in the future (beyond :data:`MAX_CLOCK_SKEW_S`) are refused: a heartbeat dated
   next year must not keep a receiver "live" forever;
+- acks and registrations keep the fields a later release added (:data:`MAX_LATER_FIELDS`
+  at most, named like this module's own; the MAC covers them) and this release ignores them,
+  so a store written to by receivers of the next release is still read right (a registration
+  refused for a new field would count as absent, and retention would stop protecting what
+  that receiver holds). A later release adds to these two records only fields that are safe
+  to ignore; anything else is a new record. Manifests, writer markers and ``LATEST`` refuse
+  unknown fields: what they say decides what is written;
 - every parse error is a ManifestError naming the record; sizes are bounded
   (:data:`MAX_RECORD_BYTES`, :data:`MAX_MARKER_BYTES`, :data:`MAX_LATEST_BYTES`; pass them as
   ``Store.get(..., max_bytes=...)``) and numbers range-checked before use.
@@ -27,7 +34,9 @@ callers put and get the bytes.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +62,9 @@ MAX_MARKER_BYTES = 16 * 2**20  # a writer marker lists one entry per shard it se
 # A record may be dated this far ahead of the reader's clock (hosts' clocks differ a little);
 # anything later is refused, so a future heartbeat cannot stay live or pin retention.
 MAX_CLOCK_SKEW_S = 300.0
+# Fields of a later release an ack or a registration may carry (kept, signed, ignored here).
+MAX_LATER_FIELDS = 16
+_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def encode_latest(version: int, run_id: str | None = None) -> bytes:
@@ -99,14 +111,41 @@ def _strings(obj: dict[str, Any], fields: tuple[str, ...], *, what: str) -> None
             raise ManifestError(f"{what} {f} must be a string, got {show(obj[f])}")
 
 
+def _check_later(later: Mapping[str, Any], known: set[str], *, what: str) -> None:
+    """Fields of a later release: named like ours, none of ours, at most MAX_LATER_FIELDS."""
+    if len(later) > MAX_LATER_FIELDS:
+        raise ManifestError(
+            f"{what} has {len(later)} fields this release does not know (at most "
+            f"{MAX_LATER_FIELDS}): {show(sorted(later)[:MAX_LATER_FIELDS])}"
+        )
+    for name in later:
+        if not isinstance(name, str) or not _FIELD_NAME.fullmatch(name) or name in known:
+            raise ManifestError(
+                f"{what} field {show(name)} is not a field name (lower-case letters, digits "
+                "and _, at most 64) or is one of the record's own"
+            )
+
+
 class _Signed:
-    """What the three records share: a ``mac`` over the canonical JSON of the other fields."""
+    """What the three records share: a ``mac`` over the canonical JSON of the other fields.
+
+    Acks and registrations also carry ``later``: fields a later release wrote, kept as read
+    (under the MAC, in the JSON again) and otherwise ignored."""
 
     KIND = ""
+    FIELDS: frozenset[str] = frozenset()  # the JSON fields this release knows, "mac" included
     mac: str | None
 
     def _fields(self) -> dict[str, Any]:  # the JSON object without ``mac``
         raise NotImplementedError
+
+    def _keep_later(self) -> None:
+        """``later`` checked, and held as a copy of its own."""
+        later = getattr(self, "later", {})
+        if not isinstance(later, Mapping):
+            raise ManifestError(f"{self.KIND} later must be a mapping, got {show(later)}")
+        _check_later(later, set(self.FIELDS), what=self.KIND)
+        object.__setattr__(self, "later", dict(later))
 
     def _check_mac_field(self) -> None:
         if self.mac is not None:
@@ -136,7 +175,6 @@ class _Signed:
         data: bytes | str,
         *,
         required: set[str],
-        optional: set[str],
         dated: str,
         signing_key: bytes | None,
         now: float | None,
@@ -144,15 +182,19 @@ class _Signed:
     ):
         """An ack or a registration from JSON: fields checked, ``receiver``, ``shard``,
         ``run_id`` and ``request`` strings, the ``dated`` time not in the future (``now``: the
-        reader's clock), then the MAC with ``signing_key``."""
+        reader's clock), then the MAC with ``signing_key`` (over the fields of a later
+        release too, kept in ``later``)."""
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
-            expect_fields(obj, what=what, required=required, optional=optional | {"mac"})
+            later = {}
+            if isinstance(obj, dict):
+                later = {k: obj.pop(k) for k in [k for k in obj if k not in cls.FIELDS]}
+            expect_fields(obj, what=what, required=required, optional=cls.FIELDS - required)
             _strings(obj, ("receiver", "shard"), what=what)
             _strings(
                 obj, tuple(f for f in ("run_id", "request") if obj.get(f) is not None), what=what
             )
-            record = cls(**obj)
+            record = cls(**obj, later=later)
             _check_not_future(getattr(record, dated), what=f"{what} {dated}", now=now)
         record.verify(signing_key, what=what)
         return record
@@ -270,6 +312,10 @@ class AckRecord(_Signed):
     ``run_id`` is None in acks written before lineages were recorded in them."""
 
     KIND = "ack"
+    FIELDS = frozenset(
+        {"version", "receiver", "shard", "state_digest", "created_at", "run_id", "pause_s"}
+        | {"total_s", "mac"}
+    )
 
     version: int
     receiver: str
@@ -280,6 +326,7 @@ class AckRecord(_Signed):
     pause_s: float | None = None
     total_s: float | None = None
     mac: str | None = field(default=None, compare=False)
+    later: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="ack version", lo=0, hi=names.MAX_VERSION)
@@ -293,6 +340,7 @@ class AckRecord(_Signed):
             value = getattr(self, f)
             if value is not None:
                 object.__setattr__(self, f, check_time(value, what=f"ack {f}"))
+        self._keep_later()
         self._check_mac_field()
 
     @property
@@ -310,7 +358,7 @@ class AckRecord(_Signed):
         for f in ("run_id", "pause_s", "total_s"):
             if getattr(self, f) is not None:
                 obj[f] = getattr(self, f)
-        return obj
+        return {**self.later, **obj}
 
     @classmethod
     def from_json(
@@ -326,7 +374,6 @@ class AckRecord(_Signed):
         return cls._parse_dated(
             data,
             required={"version", "receiver", "shard", "state_digest", "created_at"},
-            optional={"run_id", "pause_s", "total_s"},
             dated="created_at",
             signing_key=signing_key,
             now=now,
@@ -350,6 +397,7 @@ class ReceiverRecord(_Signed):
     written before lineages were recorded in them (and when ``version`` is None)."""
 
     KIND = "receiver record"
+    FIELDS = frozenset({"receiver", "shard", "version", "updated_at", "run_id", "request", "mac"})
 
     receiver: str
     shard: str
@@ -358,6 +406,7 @@ class ReceiverRecord(_Signed):
     run_id: str | None = None
     request: str | None = None
     mac: str | None = field(default=None, compare=False)
+    later: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         names.check_token("receiver", self.receiver)
@@ -371,6 +420,7 @@ class ReceiverRecord(_Signed):
         object.__setattr__(
             self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
         )
+        self._keep_later()
         self._check_mac_field()
 
     @property
@@ -403,7 +453,7 @@ class ReceiverRecord(_Signed):
             obj["run_id"] = self.run_id
         if self.request is not None:
             obj["request"] = self.request
-        return obj
+        return {**self.later, **obj}
 
     @classmethod
     def from_json(
@@ -419,7 +469,6 @@ class ReceiverRecord(_Signed):
         return cls._parse_dated(
             data,
             required={"receiver", "shard", "version", "updated_at"},
-            optional={"run_id", "request"},
             dated="updated_at",
             signing_key=signing_key,
             now=now,
