@@ -616,6 +616,8 @@ def _xxh3_checked() -> np.ndarray | None:
     if _xxh3_table is _UNCHECKED:
         fns = native.xxh3_functions()
         lib = native.load()
+        if lib is None:  # no kernels now (disable(), or none built): asked again next time
+            return None
         table = None
         if fns is not None and lib is not None and sys.byteorder == "little":
             table = np.array(fns, dtype=np.int64)
