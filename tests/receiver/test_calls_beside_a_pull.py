@@ -169,6 +169,36 @@ def test_a_heartbeat_while_a_pull_fetches_is_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("every", [0.05, 0.0])
+def test_a_long_fetch_refreshes_the_registration_on_its_own(tmp_path, monkeypatch, every):
+    # A fetch longer than the receivers' TTL (a large anchor over a slow link) left the
+    # registration as old as the pull before it: retention took the receiver for dead and
+    # could delete the chain it was fetching, every time.
+    store, tl, rl, params, pub, tensors = _anchored()
+    rec = _receiver(store, rl, tensors, tmp_path, replace(rconfig("rec"), fetch_heartbeat_s=every))
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    store.delete(names.receiver_key("rec"))
+    monkeypatch.setattr(store_receiver, "FETCH_HEARTBEAT_MIN_BYTES", 0)  # this one is large
+    fetch = store_receiver.open_version
+    seen = []
+
+    def slow(*args, **kwargs):
+        deadline = threading.Event()
+        deadline.wait(0.4)  # the fetch takes 8 beats
+        seen.append(_registered(store) if store.exists(names.receiver_key("rec")) else None)
+        return fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "open_version", slow)
+    threads = threading.active_count()
+    assert rec.pull().version == 1
+    assert seen == ([0] if every else [None])
+    assert threading.active_count() == threads  # the beat's thread ended with the fetch
+    assert _registered(store) == 1
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])
+
+
+@pytest.mark.timeout(60)
 def test_a_heartbeat_between_the_withdrawal_and_the_first_write_writes_nothing(tmp_path):
     # The tensors still hold version 0 there, but the pull withdrew the registration for the
     # scatter about to start: a heartbeat naming version 0 then outlives a kill mid-scatter.

@@ -85,7 +85,13 @@ from deltasync.layout.verify import chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, open_version
 from deltasync.store import Store
-from deltasync.validate import check_bool, check_instance, check_int, check_signing_key
+from deltasync.validate import (
+    check_bool,
+    check_instance,
+    check_int,
+    check_number,
+    check_signing_key,
+)
 
 _OWNER = "ReceiverConfig"
 
@@ -128,6 +134,11 @@ class ReceiverConfig:
       ``PullReport.drifted``, instead of raising :class:`IntegrityError` and leaving the
       restore to the next pull. Off by default: outside an engine that reloads its own
       weights, such a write is a fault to see. The engine hooks turn it on.
+    - ``fetch_heartbeat_s``: while a pull fetches more than ``FETCH_HEARTBEAT_MIN_BYTES``
+      (a large anchor, a slow link) the registration is refreshed this often, so that the
+      receiver stays live to retention (``receiver_ttl_s``, 120 s by default, must exceed
+      it) and the chain it fetches is kept; the tensors hold the version before all along
+      the fetch. 0: refreshed only as the pull ends.
     """
 
     receiver_id: str
@@ -140,6 +151,7 @@ class ReceiverConfig:
     max_staged_bytes: int | None = None
     scrub_every: int = 0
     restore_drift: bool = False
+    fetch_heartbeat_s: float = 30.0
 
     def __post_init__(self) -> None:
         try:
@@ -154,6 +166,7 @@ class ReceiverConfig:
         if self.max_staged_bytes is not None:
             check_int(_OWNER, "max_staged_bytes", self.max_staged_bytes, lo=0)
         check_int(_OWNER, "scrub_every", self.scrub_every, lo=0)
+        check_number(_OWNER, "fetch_heartbeat_s", self.fetch_heartbeat_s, positive=False, unit="s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +208,9 @@ class _Drifted(IntegrityError):
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
+# A fetch of more than this (for one shard) refreshes the registration while it runs
+# (ReceiverConfig.fetch_heartbeat_s); a smaller one is over long before a heartbeat is due.
+FETCH_HEARTBEAT_MIN_BYTES = 64 << 20
 # Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
 # BF16 values (4 + 2 for 1 + 2 bytes) is 2x; int64 indices (tensors above 2^31 elements) 3.3x.
 _DECODED_PER_RAW = 2
@@ -987,24 +1003,53 @@ class Receiver:
         for m in manifests:
             self._check_layout(m)
         steps, fetched, raw = [], 0, 0
-        for m in manifests:
-            blobs, n = open_version(
-                self.store,
-                m,
-                self.shard,
-                self.specs,
-                max_decompressed_bytes=self.config.max_decompressed_bytes,
-                narrow_indices=True,  # 6 bytes per decoded element instead of 10
-            )
-            steps.append((m.version, m.kind, blobs))
-            fetched += n
-            raw += sum(b.raw_len for b in blobs)
+        size = sum(b.size for m in manifests for b in m.blobs_for(self.shard))
+        with self._heartbeats_while_fetching(size):
+            for m in manifests:
+                blobs, n = open_version(
+                    self.store,
+                    m,
+                    self.shard,
+                    self.specs,
+                    max_decompressed_bytes=self.config.max_decompressed_bytes,
+                    narrow_indices=True,  # 6 bytes per decoded element instead of 10
+                )
+                steps.append((m.version, m.kind, blobs))
+                fetched += n
+                raw += sum(b.raw_len for b in blobs)
         budget = self.config.max_staged_bytes
         if budget is None:
             budget = max(self._shard_bytes // 16, MIN_STAGED_BYTES)
         if raw * _DECODED_PER_RAW <= budget:
             steps = [(v, kind, [Records(list(b)) for b in blobs]) for v, kind, blobs in steps]
         return steps, fetched
+
+    @contextlib.contextmanager
+    def _heartbeats_while_fetching(self, size: int) -> Iterator[None]:
+        """A fetch of ``size`` bytes, with the registration refreshed every
+        ``fetch_heartbeat_s`` on a thread of its own when it is large (a store failure is
+        logged by the heartbeat and tried again at the next beat)."""
+        every = self.config.fetch_heartbeat_s
+        if not every or size <= FETCH_HEARTBEAT_MIN_BYTES:
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(every):
+                try:
+                    self.heartbeat()
+                except Exception:  # the pull goes on; it registers as it ends
+                    log.exception("receiver %r: a heartbeat during a fetch failed", self._who)
+
+        thread = threading.Thread(target=beat, name="deltasync-receiver-fetch-heartbeat")
+        thread.daemon = True  # never keeps the process alive; joined below
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()  # at most one registration write in flight
 
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
