@@ -110,7 +110,8 @@ _ADAM_STEPS = {inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim
 
 def _group_unsupported(opt: torch.optim.Optimizer, group: dict) -> str | None:
     """Why the bound does not cover this param group, or None if it does."""
-    if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
+    # (AdamW subclasses Adam from torch 2.7; both are named for the releases before)
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return f"optimizer {type(opt).__name__} is not torch.optim.Adam/AdamW"
     if inspect.unwrap(type(opt).step) not in _ADAM_STEPS:
         return (
