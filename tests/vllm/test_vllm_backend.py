@@ -66,6 +66,7 @@ def run(request, tmp_path_factory):
         stage_reload_check=True,
         failed_reload_check=True,
         store_reset_check=True,
+        reload_report_check=True,
     )
     return {"dtype": dtype, "synced": synced, "fresh": _fresh(tmp, VERSIONS, dtype)}
 
@@ -246,6 +247,23 @@ def test_weights_reloaded_before_an_update_that_fails_early_are_not_reported_as_
         assert state["weight_version"] == synced["failed_reload_version"]
         split = synced["failed_reload_splits"][state["shard"]]
         assert same_bits(state["tensors"], split) == [] and _serves(live, split)
+
+
+def test_weights_reloaded_by_vllms_own_loader_are_not_reported_as_held_until_restored(run):
+    """A reload with no update after it (between versions, or while a staged update that the
+    client then abandons waits): the worker stops reporting the version at once."""
+    synced = run["synced"]
+    assert synced["reload_report_between"] == [(None, None)]
+    assert synced["reload_report_abandoned"] == [(None, None)]
+    held = synced["reload_report_version"] - 1
+    assert synced["reload_report_restored"] == [(held, held)]
+    for state, live in zip(
+        synced["reload_report_after"], synced["reload_report_live"], strict=True
+    ):
+        assert state["weight_version"] == synced["reload_report_version"]
+        split = synced["reload_report_splits"][state["shard"]]
+        assert same_bits(state["tensors"], split) == []
+        assert _serves(live, split)  # what vLLM computes with
 
 
 def test_a_version_staged_before_a_store_reset_is_neither_written_nor_reported(run):

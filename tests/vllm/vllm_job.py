@@ -559,6 +559,34 @@ def synced(spec: dict) -> dict:
         engine.send_weights(1)
         out["reset_after"] = llm.collective_rpc(worker_state)
         out["reset_after_splits"] = layout.split(canonical())
+    if spec.get("reload_report_check"):
+        # vLLM's own loader rewrites the weights and no update follows at once: between
+        # versions, and while a version is staged that the client then abandons. The worker
+        # went on reporting the version it took (weight_version, the receiver's version, its
+        # state file and registration) over weights that were no longer it.
+        held = newest(store_dir)
+        engine.send_weights(held)
+
+        def held_now(worker) -> tuple:
+            engine_ = worker.weight_transfer_engine
+            return engine_.weight_version, engine_.receiver.version
+
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+        out["reload_report_between"] = llm.collective_rpc(held_now)
+        engine.send_weights(held)  # restored
+        out["reload_report_restored"] = llm.collective_rpc(held_now)
+        train_step()
+        trainer.publish(held + 1)
+        engine.stage(held + 1)
+        llm.collective_rpc(staged_and_waiting)
+        llm.collective_rpc(reload_checkpoint, args=(str(tmp / "v0"),))
+        llm.finish_weight_update()  # the client abandons the staged update
+        out["reload_report_abandoned"] = llm.collective_rpc(held_now)
+        engine.send_weights(held + 1)
+        out["reload_report_after"] = llm.collective_rpc(worker_state)
+        out["reload_report_live"] = llm.collective_rpc(live_tensors)
+        out["reload_report_splits"] = layout.split(canonical())
+        out["reload_report_version"] = held + 1
     if spec.get("race_check"):
         # Two threads send the next version to the one engine: their calls interleaved at the
         # workers and one waited forever (TP > 1). The trainer engine takes them in turn.

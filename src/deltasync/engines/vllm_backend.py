@@ -223,7 +223,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # moved since, something else wrote the weights (vLLM's reload_weights between
         # versions), and the version held is no longer what the engine computes with
         self._verified: tuple[int, tuple[int | None, ...]] | None = None
-        _count_loads(model)
+        _count_loads(model, self._after_load)
 
     # --- phase 1 --------------------------------------------------------------------------
 
@@ -510,6 +510,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 # returns (a raise here left every later start_weight_update refused).
                 staged = self._staged.version
                 self._cancel_staged()
+                self._forget_if_reloaded()  # a reload while it was staged: nothing is held
                 log.warning(
                     "deltasync shard %s: finish_weight_update with version %d staged and never "
                     "applied: the staged update is dropped, nothing was written; the engine "
@@ -519,6 +520,44 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     receiver.version,
                 )
             self.weight_version = receiver.version
+
+    def _after_load(self) -> None:
+        """After each call of the model's ``load_weights`` (vLLM's ``reload_weights``): the
+        engine no longer computes with the version this worker verified, so it stops reporting
+        it at once, not only at the next update (its ``weight_version``, and the receiver's
+        version, state file and registration, which a trainer counts). With a pull staged on
+        its thread the receiver is busy: the apply stages again (its written stamp moved), and
+        a ``finish_weight_update`` that drops it stops holding the version then."""
+        if self.receiver is None:
+            return
+        self.weight_version = None
+        self._forget_if_reloaded()
+        if self._staged is None:
+            self.weight_version = self.receiver.version
+
+    def _forget_if_reloaded(self) -> None:
+        """Stop holding the verified version when ``load_weights`` ran since this worker last
+        verified what it holds (nothing staged: the receiver is this thread's). Never raises:
+        a reload must not fail on deltasync's records (a failure is logged; the next update
+        finds the load count moved and restores the newest anchor anyway)."""
+        receiver = self.receiver
+        if receiver is None or self._staged is not None or self._verified is None:
+            return
+        if _loads_of(self.model) == self._verified[0]:
+            return
+        try:
+            receiver.invalidate(
+                "vLLM's load_weights (reload_weights) wrote the engine's weights since this "
+                "worker last verified them"
+            )
+        except Exception as exc:
+            log.warning(
+                "deltasync shard %s: could not mark the version held dirty after a reload "
+                "(%s: %s); the next update restores the newest anchor",
+                self.shard.shard if self.shard is not None else "?",
+                type(exc).__name__,
+                exc,
+            )
 
     @contextlib.contextmanager
     def _entry(self, call: str, place: ShardPlace | None = None) -> Iterator[None]:
@@ -673,26 +712,38 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 _LOADS = "_deltasync_loads"  # the model attribute counting its load_weights calls
 
 
-def _count_loads(model: torch.nn.Module) -> None:
+_AFTER_LOAD = "_deltasync_after_load"  # the model attribute: [the callback after each load]
+
+
+def _count_loads(model: torch.nn.Module, after: Callable[[], None] | None = None) -> None:
     """Count the calls of ``model.load_weights`` from now on (once per model: a re-init keeps
     the count), on entry and on return: a load under way when a stamp is taken moves it
-    either way."""
-    if getattr(model, _LOADS, None) is not None:
-        return
-    load = getattr(model, "load_weights", None)
-    if not callable(load):
-        return
-    count = [0]
+    either way. ``after`` is called once each load has returned (or raised): the engine
+    that registered last (a re-init's), never one that is gone; what it raises is logged."""
+    if getattr(model, _LOADS, None) is None:
+        load = getattr(model, "load_weights", None)
+        if not callable(load):
+            return
+        count = [0]
+        hooks: list[Callable[[], None]] = []
 
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        try:
-            return load(*args, **kwargs)
-        finally:
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
             count[0] += 1
+            try:
+                return load(*args, **kwargs)
+            finally:
+                count[0] += 1
+                for hook in list(hooks):
+                    try:
+                        hook()
+                    except Exception:  # never the reload's failure
+                        log.exception("deltasync: the check after load_weights failed")
 
-    model.load_weights = load_weights
-    setattr(model, _LOADS, count)
+        model.load_weights = load_weights
+        setattr(model, _LOADS, count)
+        setattr(model, _AFTER_LOAD, hooks)
+    if after is not None:
+        getattr(model, _AFTER_LOAD)[:] = [after]
 
 
 def _loads_of(model: torch.nn.Module) -> int:
