@@ -361,6 +361,49 @@ def test_after_update_weights_from_disk_the_held_version_is_restored_not_answere
     assert _take_all(models, _request(tmp_path, 2)) == [None] * tp  # held now
 
 
+def _with_load_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a ``load_weights`` as SGLang's models have one (what its
+    ``update_weights_from_disk`` calls on the same model): ``(name, tensor)`` pairs copied in."""
+
+    def load_weights(weights) -> None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+    model.load_weights = load_weights
+    return model
+
+
+def test_a_reload_through_the_models_load_weights_stops_the_version_held_at_once(tmp_path):
+    # update_weights_from_disk left the rank's receiver, its state file and its registration
+    # naming version 2 over the checkpoint's weights until a next request came: check_taken
+    # of the request that brought version 2 still passed, and so did every reader of the
+    # registration (retention, staleness).
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=1)
+    trainer.publish(0)
+    v0 = trainer.split()
+    model = _with_load_weights(_models(v0, 1)[0])
+    for version in (1, 2):
+        trainer.step()
+        trainer.publish(version)
+        taken = _parsed(tmp_path, version)
+        assert take_version(model, request_tensors(taken), tp_rank=0, tp=1).version == version
+    check_taken(taken)
+    shard = model._deltasync_shard
+    model.load_weights(list(v0["tp0"].items()))  # the version-0 checkpoint, from disk
+    assert shard.receiver.version is None and shard.receiver.dirty
+    registered = Catalog(LocalStore(tmp_path / "store")).receiver("sgl0-tp0")
+    assert registered is not None and registered.version is None
+    with pytest.raises(ApplyError, match="shard 'tp0' holds version None"):
+        check_taken(taken)
+    again = _parsed(tmp_path, 2)  # the next request restores it
+    report = take_version(model, request_tensors(again), tp_rank=0, tp=1)
+    assert report is not None and report.version == 2 and report.from_anchor
+    check_taken(again)
+    assert _same(model, trainer.split()["tp0"])
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_check_taken_does_not_answer_a_request_with_a_registration_an_earlier_one_left(
     tmp_path, tp

@@ -84,6 +84,7 @@ REQUEST_NAME = "deltasync.request"
 _VOCAB_PAD = 64
 _SHARD = "_deltasync_shard"  # the model attributes holding its shard and its update lock
 _LOCK = "_deltasync_lock"
+_WATCHED = "_deltasync_watched"  # marks a load_weights that already stops the version held
 _UNREADABLE = "a request it could not read"  # what a rank was asked, for the other ranks
 
 
@@ -379,6 +380,47 @@ class SglangShard:
         self.opened: dict[str, Any] | None = None  # the request fields it was opened with
         self._agreement: _Agreement | None = None  # the request being taken
         self._wrote = False  # the request being taken reached a write
+        self._watch_loads(model)
+
+    def _watch_loads(self, model: torch.nn.Module) -> None:
+        """Stop holding the version as soon as SGLang's own loader writes the weights
+        (``update_weights_from_disk`` runs the model's ``load_weights`` on this same model):
+        until the next request the receiver's version and registration would otherwise name
+        the version the reload overwrote. deltasync itself never calls ``load_weights``."""
+        load = getattr(model, "load_weights", None)
+        if not callable(load) or getattr(load, _WATCHED, False):
+            return
+
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return load(*args, **kwargs)
+            finally:
+                shard = getattr(model, _SHARD, None)  # the model's shard, whichever it is now
+                if shard is not None:
+                    shard._reloaded()
+
+        setattr(load_weights, _WATCHED, True)
+        model.load_weights = load_weights
+
+    def _reloaded(self) -> None:
+        """After a ``load_weights`` call: the version held is no longer what the rank computes
+        with. Never raises (the reload must not fail on deltasync's records): a failure is
+        logged, and the next request's check of the tensors finds the reload anyway."""
+        receiver = self.receiver
+        if receiver is None:
+            return
+        try:
+            receiver.invalidate(
+                "SGLang's load_weights (update_weights_from_disk) wrote the rank's weights"
+            )
+        except Exception as exc:
+            log.warning(
+                "deltasync SGLang shard %s: could not mark the version held dirty after a "
+                "reload (%s: %s); the next request finds the reload when it checks the tensors",
+                self.shard,
+                type(exc).__name__,
+                exc,
+            )
 
     @contextlib.contextmanager
     def _pause(self) -> Iterator[None]:
