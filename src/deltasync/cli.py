@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, error_line
 
 # (module under deltasync.commands) -- order is the order shown in --help.
 _COMMAND_MODULES = ("apps", "layout", "inspect_store", "gc", "pull")
@@ -29,11 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     for mod_name in _COMMAND_MODULES:
         importlib.import_module(f"deltasync.commands.{mod_name}").register(sub)
     return parser
-
-
-def error_line(exc: DeltaSyncError) -> str:
-    """The one line a command's typed error prints on stderr before the status 2."""
-    return f"deltasync: error: {type(exc).__name__}: {exc}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,11 @@ class DeltaSyncError(Exception):
     """Base class of every deltasync error."""
 
 
+def error_line(exc: DeltaSyncError) -> str:
+    """The one line the command line prints on stderr for a typed error (then status 2)."""
+    return f"deltasync: error: {type(exc).__name__}: {exc}"
+
+
 # --- configuration ------------------------------------------------------------------------
 
 

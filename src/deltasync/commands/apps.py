@@ -42,9 +42,8 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from deltasync.cli import error_line
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
-from deltasync.errors import ApplicationMissingError, ConfigError, DeltaSyncError
+from deltasync.errors import ApplicationMissingError, ConfigError, DeltaSyncError, error_line
 
 _FOLDERS = {"deltasync_examples": "examples/", "deltasync_bench": "bench/"}
 
