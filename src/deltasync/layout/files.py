@@ -54,11 +54,14 @@ MAX_CONFIG_BYTES = 4 << 20
 MAX_JSON_BYTES = 256 << 20
 
 
-def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str) -> Any:
-    """The JSON value in the regular file ``path``, else LayoutError naming it
-    (:func:`deltasync.atomic.read_json`: never blocks on a FIFO, never reads a device without
-    end, refuses a binary file)."""
-    return read_json(path, limit=limit, what=what, error=LayoutError)
+def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str, remedy: str) -> Any:
+    """The JSON value in the regular file ``path``, else LayoutError naming it and ending with
+    ``remedy`` (:func:`deltasync.atomic.read_json`: never blocks on a FIFO, never reads a
+    device without end, refuses a binary file)."""
+    try:
+        return read_json(path, limit=limit, what=what, error=LayoutError)
+    except LayoutError as exc:
+        raise LayoutError(f"{exc}; {remedy}") from None
 
 
 def _is_dir(path: Path, what: str) -> bool:
@@ -80,7 +83,12 @@ def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if _is_dir(p, "model config"):
         p = p / "config.json"
-    cfg = read_json_file(p, limit=MAX_CONFIG_BYTES, what="model config")
+    cfg = read_json_file(
+        p,
+        limit=MAX_CONFIG_BYTES,
+        what="model config",
+        remedy="pass the model's transformers config.json (or the directory holding it)",
+    )
     if not isinstance(cfg, dict):
         raise LayoutError(
             f"model config {str(p)!r} is not a JSON object; pass the model's transformers "
@@ -121,7 +129,12 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _index_files(index: Path) -> list[Path]:
-    doc = read_json_file(index, limit=MAX_JSON_BYTES, what="checkpoint index")
+    doc = read_json_file(
+        index,
+        limit=MAX_JSON_BYTES,
+        what="checkpoint index",
+        remedy="pass the index save_pretrained wrote, or the checkpoint's directory",
+    )
     try:
         weight_map = doc["weight_map"]
         files = list(dict.fromkeys(str(v) for v in weight_map.values()))
@@ -358,7 +371,12 @@ def split_checkpoint(
 
 
 def _read_listing(shards_dir: Path) -> list[ShardInfo]:
-    listing = read_json_file(shards_dir / SHARDS_FILE, limit=MAX_JSON_BYTES, what="shard listing")
+    listing = read_json_file(
+        shards_dir / SHARDS_FILE,
+        limit=MAX_JSON_BYTES,
+        what="shard listing",
+        remedy="pass a directory 'deltasync layout split' wrote, or split the checkpoint again",
+    )
     try:
         shards = [ShardInfo(str(e["id"]), int(e["tp_rank"]), int(e["ep_rank"])) for e in listing]
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
