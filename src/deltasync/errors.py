@@ -183,6 +183,13 @@ class IntegrityError(DeltaSyncError):
     """After an apply, a receiver's state digest does not match the committed manifest."""
 
 
+class DriftError(IntegrityError):
+    """A chain refused before any write: the live tensors no longer hold the version it builds
+    on (something else wrote them: an engine's own reload). The receiver holds no version
+    now; its next pull restores the newest anchor (``ReceiverConfig.restore_drift``: the same
+    pull)."""
+
+
 class LocalStateError(IntegrityError):
     """The receiver's local state directory (state file, journal) is unreadable or belongs to
     another receiver or shard."""

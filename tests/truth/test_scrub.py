@@ -11,7 +11,7 @@ from truth_kit import Rig
 
 from deltasync import LocalStore, Receiver
 from deltasync.commit import Catalog
-from deltasync.errors import ConfigError, IntegrityError
+from deltasync.errors import ConfigError, DriftError, IntegrityError
 
 
 @pytest.fixture
@@ -121,8 +121,9 @@ def test_a_delta_onto_drifted_tensors_is_refused_or_with_restore_drift_restored_
     _stray_write(rec.tensors)
     rig.publish(3)
     if not restore:
-        with pytest.raises(IntegrityError, match="no verified version"):
+        with pytest.raises(IntegrityError, match="no verified version") as refused:
             rec.pull(version=3)
+        assert type(refused.value) is DriftError  # a public name (it was the private _Drifted)
         assert rec.dirty and rec.version is None
         return
     report = rec.pull(version=3)

@@ -60,6 +60,7 @@ from deltasync.errors import (
     ApplyError,
     ConfigError,
     DeltaSyncError,
+    DriftError,
     FormatError,
     IntegrityError,
     KeyNotFoundError,
@@ -199,11 +200,6 @@ class PullReport:
 
 
 log = logging.getLogger(__name__)
-
-
-class _Drifted(IntegrityError):
-    """A chain refused before any write because the live tensors no longer hold the version
-    it builds on (``ReceiverConfig.restore_drift`` restores the anchor in the same pull)."""
 
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
@@ -538,20 +534,23 @@ class Receiver:
 
     def _set_state(self, **changes) -> None:
         """Record ``changes`` durably, then hold them. Marking the state dirty goes the other
-        way round: in memory first, and the registration withdrawn whether or not the state
-        file can say so (a full disk), so that a receiver never goes on reporting a version
-        its tensors are known not to hold."""
+        way round: in memory first, then the registration withdrawn, then the state file
+        (whether or not it can say so: a full disk), so that a receiver never goes on
+        reporting a version its tensors are known not to hold, killed in between too."""
         new = self._state_with(**changes)
         if not new.dirty or self._state.dirty:
             self.dir.write_state(new)
             self._state = new
             return
         held, self._state = self._state.version, new
+        # Withdrawn before the state file says so: a process killed between the two leaves a
+        # registration naming no version (it claims less, never more); the other way round it
+        # left one naming the version the tensors were found not to hold, heartbeat fresh.
+        self._pending_ack, self._ack_undecided = None, False
+        self._register_as(new)  # best effort (a store error is logged)
         try:
             self.dir.write_state(new)
         except LocalStateError as exc:
-            self._pending_ack, self._ack_undecided = None, False
-            self._register_as(new)  # best effort (a store error is logged)
             raise LocalStateError(
                 f"{self._who}: its tensors no longer hold version {held}. It reports no "
                 f"version now and its registration is withdrawn, but its state file could not "
@@ -953,7 +952,7 @@ class Receiver:
             start = previous
         try:
             return self._run(manifests, start, t0, repaired=False)
-        except _Drifted:
+        except DriftError:
             if not self.config.restore_drift or start is None:
                 raise
         log.warning(
@@ -1395,7 +1394,7 @@ class Receiver:
             if still and held is not None
             else "no verified version (the next pull restores the newest anchor)"
         )
-        raise (IntegrityError if still else _Drifted)(
+        raise (IntegrityError if still else DriftError)(
             f"receiver {self.config.receiver_id!r} shard {self.shard!r}: applying versions "
             f"{versions} (from {from_version}) would give state digest {digest}, but manifest "
             f"{versions[-1]} says {expected}. Refused before any write: the tensors still hold "
