@@ -29,11 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltasync.atomic import write_atomic
+from deltasync.atomic import read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.format.updates import check_shape
 from deltasync.layout.blocks import Block
-from deltasync.layout.files import read_json_file
 from deltasync.layout.hf_model import require_transformers
 from deltasync.layout.probe import ProbeConfig, ShardProbe, probe_shard
 from deltasync.layout.probe_blocks import assemble_table
@@ -225,12 +224,10 @@ def load_layout(
 
     Raises:
         LayoutError: unreadable, or not a valid layout file (the message names the file)."""
-    doc = read_json_file(
-        path,
-        limit=MAX_LAYOUT_BYTES,
-        what="layout file",
-        remedy="pass a file `deltasync layout probe --out` wrote",
-    )
+    try:
+        doc = read_json(path, limit=MAX_LAYOUT_BYTES, what="layout file", error=LayoutError)
+    except LayoutError as exc:
+        raise LayoutError(f"{exc}; pass a file `deltasync layout probe --out` wrote") from None
     try:
         return layout_from_json(doc)
     except LayoutError as exc:
