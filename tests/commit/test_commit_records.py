@@ -191,6 +191,28 @@ def test_fields_of_a_later_release_are_kept_under_the_mac_and_ignored(cls) -> No
         )
 
 
+@pytest.mark.parametrize("cls", [AckRecord, ReceiverRecord])
+@pytest.mark.parametrize("key", [None, b"k" * 32])
+def test_a_later_field_canonical_json_cannot_write_is_a_malformed_record(cls, key) -> None:
+    # The later fields are written again for the MAC: 1e999 parses as inf, and nesting just
+    # under the parser's depth limit parses, but canonical JSON writes neither. That raised
+    # ValueError / RecursionError out of from_json, past the readers that skip malformed
+    # records (Catalog.receiver, Catalog.acks), instead of a ManifestError.
+    if cls is AckRecord:
+        record = AckRecord(version=4, receiver="r", shard="tp0", state_digest=D1, created_at=1.0)
+    else:
+        record = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0)
+    good = record.to_json(key).decode()
+    bad = ["1e999", "-1e999"] + ["[" * d + "]" * d for d in range(900, 1001)]
+    for value in bad:
+        try:
+            cls.from_json(good[:-1] + ',"zz":' + value + "}", signing_key=key)
+        except ManifestError:
+            pass
+    with pytest.raises(ManifestError, match="canonical JSON"):
+        replace(record, later={"zz": float("inf")})
+
+
 def test_a_registration_holds_a_version_only_of_its_own_lineage() -> None:
     rec = ReceiverRecord(receiver="r", shard="tp0", version=4, updated_at=1.0, run_id="run-a")
     assert rec.version_in("run-a") == 4

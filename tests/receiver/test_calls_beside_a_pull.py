@@ -409,3 +409,41 @@ def test_flush_records_inside_a_pull_writes_nothing(tmp_path):
     assert rec.pull().version == 1
     assert seen == [(False, None)]  # withdrawn, and left so
     assert rec.flush_records() and _registered(store) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_keepalive_during_a_crash_repairs_fetch_names_no_version(tmp_path, monkeypatch):
+    # A receiver restarted on a journal (killed mid-scatter) replays it; the replay's fetch is
+    # outside the held heartbeats, and the keepalive of a large fetch registered the state
+    # file's version (the one before the crash) over torn tensors.
+    store, tl, rl, params, pub, tensors = _anchored()
+    armed = []
+
+    def killed_mid_scatter(_name):
+        if armed:
+            armed.clear()
+            raise RuntimeError("killed mid-scatter")
+
+    config = replace(rconfig("rec"), fetch_heartbeat_s=0.05)
+    rec = _receiver(store, rl, tensors, tmp_path, config, on_tensor_written=killed_mid_scatter)
+    assert rec.pull().version == 0
+    publish_edit(pub, params, 1, 7)
+    armed.append(True)
+    with pytest.raises(RuntimeError):
+        rec.pull()
+    rec.close()
+    monkeypatch.setattr(store_receiver, "FETCH_HEARTBEAT_MIN_BYTES", 0)  # this one is large
+    fetch = store_receiver.open_version
+    seen = []
+
+    def slow(*args, **kwargs):
+        threading.Event().wait(0.4)  # the fetch takes 8 beats
+        seen.append(_registered(store))
+        return fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "open_version", slow)
+    restarted = _receiver(store, rl, tensors, tmp_path, config)
+    assert restarted.last_repair is not None and restarted.last_repair.version == 1
+    assert seen == [None], seen  # live, naming no version, until the replay is recorded
+    assert _registered(store) == 1
+    assert_same_bits(tensors, rl.split(tl.to_canonical(params))[SHARD])

@@ -124,6 +124,17 @@ def _check_later(later: Mapping[str, Any], known: set[str], *, what: str) -> Non
                 f"{what} field {show(name)} is not a field name (lower-case letters, digits "
                 "and _, at most 64) or is one of the record's own"
             )
+    if later:
+        # kept to be written again under the MAC: a value JSON parses but canonical JSON
+        # cannot write (1e999 parses as inf; nesting just under the parser's depth limit)
+        # is a malformed record, never a ValueError or RecursionError from its reader
+        try:
+            canonical_json(dict(later))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise ManifestError(
+                f"{what} fields {show(sorted(later))} cannot be written as canonical JSON "
+                f"({type(exc).__name__}: {show(str(exc))})"
+            ) from None
 
 
 class _Signed:
@@ -196,7 +207,8 @@ class _Signed:
             )
             record = cls(**obj, later=later)
             _check_not_future(getattr(record, dated), what=f"{what} {dated}", now=now)
-        record.verify(signing_key, what=what)
+            # inside: its canonical JSON is written again here (a SignatureError stays one)
+            record.verify(signing_key, what=what)
         return record
 
 

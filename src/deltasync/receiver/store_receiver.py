@@ -337,8 +337,11 @@ class Receiver:
             # the journal, so the registration says so (a trainer waiting for acks or for
             # staleness must not count a torn receiver; retention keeps the fresh-receiver
             # chain for it, and a journaled chain it deleted meanwhile means the repair
-            # restores the newest anchor instead).
-            self._register_as(self._state_with(dirty=True))
+            # restores the newest anchor instead). In memory too (the journal says so on
+            # disk): a heartbeat during the replay's fetch (the keepalive of a large one)
+            # registers what self._state says, which must not be the version before the crash.
+            self._state = self._state_with(dirty=True)
+            self._register_as(self._state)
             try:
                 self.last_repair = self._repair(journal)
             except StoreError as exc:
