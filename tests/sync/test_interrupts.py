@@ -223,12 +223,19 @@ def test_ctrl_c_while_detection_is_handed_to_its_thread_leaves_nothing_waiting_f
     rig.sync._detector = _CtrlCOnSubmit(ThreadPoolExecutor(1))
     with pytest.raises(KeyboardInterrupt):
         rig.sync.step_published(1)
-    # returns: the version in flight is one whose detection runs; named as interrupted
-    with pytest.raises(PublishFailedError, match="version 1 did not commit") as info:
+    # returns: the version in flight is one whose detection runs; named as interrupted,
+    # unless the detection thread closed its handoff before the held Ctrl-C was delivered
+    # (the interrupt lands at the end of the hand-off's statements; a tiny model's
+    # detection may be done by then), in which case it commits whole
+    try:
         rig.sync.wait()
-    assert "interrupted (KeyboardInterrupt)" in str(info.value), info.value
-    assert isinstance(info.value.__cause__, SendInterruptedError)
-    assert isinstance(info.value.__cause__.__cause__, KeyboardInterrupt)
+    except PublishFailedError as failed:
+        assert "version 1 did not commit" in str(failed), failed
+        assert "interrupted (KeyboardInterrupt)" in str(failed), failed
+        assert isinstance(failed.__cause__, SendInterruptedError)
+        assert isinstance(failed.__cause__.__cause__, KeyboardInterrupt)
+    else:
+        rig.check(1)
     rig.step()  # the barrier lets the step through
     version = rig.sync.next_version()
     rig.sync.step_published(version)
