@@ -72,16 +72,12 @@ def test_a_shard_file_of_another_size_is_refused_and_left_alone(tmp_path):
         mapped_shard_tensors(tmp_path / "missing.bin", rl.local_specs("tp0"), create=False)
 
 
-@pytest.mark.timeout(120)
-def test_a_receiver_killed_mid_scatter_leaves_a_registration_naming_no_version(tmp_path):
-    # Its registration still named the version before, heartbeat fresh, while the shared
-    # tensors (which outlive it, and an engine serves from) held neither version, until a
-    # successor started or the heartbeat aged past the TTL.
-    from kit import TinyTrainer, expected_shards, rconfig
+def _tiny_publisher(tmp_path):
+    """A tiny model under AdamW publishing to a local store: the layouts, the store, the
+    model and its sync."""
+    from kit import TinyTrainer
 
-    from deltasync import LocalStore, Publisher, PublisherConfig, Receiver, TrainerSync
-    from deltasync.commit import Catalog
-    from deltasync.layout.digest import state_digest
+    from deltasync import LocalStore, Publisher, PublisherConfig, TrainerSync
     from deltasync.trainer import AdamWTracker
 
     spec, tl, rl = tiny_layouts()
@@ -89,6 +85,21 @@ def test_a_receiver_killed_mid_scatter_leaves_a_registration_naming_no_version(t
     model = TinyTrainer(spec, seed=0, density=0.5)
     pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=100))
     sync = TrainerSync(AdamWTracker(model.opt, model.named_parameters()), pub, model.params)
+    return tl, rl, store, model, sync
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_killed_mid_scatter_leaves_a_registration_naming_no_version(tmp_path):
+    # Its registration still named the version before, heartbeat fresh, while the shared
+    # tensors (which outlive it, and an engine serves from) held neither version, until a
+    # successor started or the heartbeat aged past the TTL.
+    from kit import expected_shards, rconfig
+
+    from deltasync import Receiver
+    from deltasync.commit import Catalog
+    from deltasync.layout.digest import state_digest
+
+    tl, rl, store, model, sync = _tiny_publisher(tmp_path)
     specs = rl.local_specs("tp0")
     held = {}
 
@@ -127,3 +138,53 @@ def test_a_receiver_killed_mid_scatter_leaves_a_registration_naming_no_version(t
     restarted = agent()  # replays the journal, then on to the newest
     assert restarted.pull().version == 1 and restarted.state_digest == held[1]
     assert Catalog(store).receiver("rx").version == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_scrub_killed_after_its_dirty_state_file_leaves_no_version_registered(tmp_path):
+    # It wrote the dirty state file before withdrawing its registration: SIGKILLed between
+    # the two, the registration (heartbeat fresh, over tensors that outlive it) named the
+    # version they were found not to hold.
+    from kit import rconfig
+
+    from deltasync import Receiver
+    from deltasync.commit import Catalog
+    from deltasync.receiver.journal import StateDir
+
+    _, rl, store, _, sync = _tiny_publisher(tmp_path)
+    sync.step_published(0)
+    specs = rl.local_specs("tp0")
+
+    def agent() -> Receiver:
+        tensors = mapped_shard_tensors(tmp_path / "shard.bin", specs)
+        return Receiver.for_layout(store, rl, "tp0", tensors, str(tmp_path / "rx"), rconfig("rx"))
+
+    rec = agent()
+    assert rec.pull().version == 0
+    rec.close()
+    assert Catalog(store).receiver("rx").version == 0
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            child = agent()
+            name = next(iter(child.tensors))
+            child.tensors[name].view(torch.int16).view(-1)[0] ^= 0x5555  # a stray write
+            real = StateDir.write_state
+
+            def write_state(self, state):
+                real(self, state)
+                if state.dirty:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            StateDir.write_state = write_state
+            child.scrub()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert StateDir(tmp_path / "rx").read_state().dirty  # it had found the drift
+    assert Catalog(store).receiver("rx").version is None
+    restarted = agent()  # the next pull restores the anchor
+    assert restarted.version is None
+    assert restarted.pull().version == 0
+    assert Catalog(store).receiver("rx").version == 0
