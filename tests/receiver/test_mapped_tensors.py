@@ -1,5 +1,7 @@
 """``mapped_shard_tensors``: the shared file a receiver's tensors live in appears whole or not
-at all, so a process killed while creating it leaves nothing a restart refuses."""
+at all, so a process killed while creating it leaves nothing a restart refuses; and a receiver
+killed over it (mid-scatter, or right after it found a drift) leaves no registration naming a
+version the file does not hold."""
 
 from __future__ import annotations
 
