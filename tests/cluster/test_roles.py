@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltasync.cluster import ReceiverRole, RolePlan, WriterRole
-from deltasync.errors import ConfigError
+from deltasync.cluster.roles import GroupHealth
+from deltasync.errors import ConfigError, ExchangeError, FormatError, PeerFailedError
 
 SHARDS = ["tp0", "tp1"]
 
@@ -117,3 +118,28 @@ def test_asking_a_writer_for_its_receiver_role_is_a_config_error() -> None:
         plan.receiver(0)
     with pytest.raises(ConfigError, match="not a writer"):
         plan.writer(1)
+
+
+@pytest.mark.parametrize(
+    ("raised", "broken"),
+    [
+        (KeyboardInterrupt(), True),  # an interrupt leaves an operation posted
+        (MemoryError(), True),  # so may any error deltasync did not raise
+        (RuntimeError("[gloo] Connection closed by peer"), True),
+        (FormatError("a payload that does not decode"), False),  # typed: note()'s to judge
+        (PeerFailedError("rank 2 reported a failure"), False),
+    ],
+)
+def test_collectives_a_raise_deltasync_did_not_make_breaks_the_group(raised, broken) -> None:
+    # A MemoryError inside a receiver's receive left its group in use: the caller's retry
+    # waited out wait_for_version_s on a group whose operations were still posted.
+    health = GroupHealth("receiver rank 1")
+    with pytest.raises(type(raised)):
+        with health.collectives("version 3"):
+            raise raised
+    assert (health.broken is not None) is broken
+    if broken:
+        with pytest.raises(ExchangeError, match=r"version 3: .*use_group"):
+            health.check()
+    else:
+        health.check()

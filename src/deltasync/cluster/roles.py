@@ -33,7 +33,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deltasync import names
-from deltasync.errors import ConfigError, ExchangeError, ManifestError, PeerFailedError
+from deltasync.errors import (
+    ConfigError,
+    DeltaSyncError,
+    ExchangeError,
+    ManifestError,
+    PeerFailedError,
+)
 from deltasync.exchange import ExchangeConfig
 from deltasync.validate import check_bool, check_int, check_seconds
 
@@ -387,13 +393,16 @@ class GroupHealth:
     @contextlib.contextmanager
     def collectives(self, what: str) -> Iterator[None]:
         """Around a version's collectives: an interrupt (``KeyboardInterrupt``, ``SystemExit``)
-        inside leaves an operation posted, or the other ranks in the next one, so it breaks
-        the group as a failed wait does (an error is :meth:`note`'s to judge)."""
+        or an error deltasync did not raise (a ``MemoryError``, a backend's own exception)
+        inside may leave an operation posted, or the other ranks in the next one, so it
+        breaks the group as a failed wait does; a typed error is :meth:`note`'s to judge."""
         try:
             yield
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 self.broken = f"{what}: interrupted ({type(exc).__name__})"
+            elif not isinstance(exc, DeltaSyncError):
+                self.broken = f"{what}: {type(exc).__name__} ({str(exc)[:200]})"
             raise
 
 
