@@ -3,14 +3,19 @@ that, per ``mode``, ignores ``Range`` (answers 200 with the whole object), serve
 range of the same length (the object's first bytes), drops ``If-None-Match`` (a conditional
 write replaces the key), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
-same twice in a row, which botocore's own check misses), or redirects every request to
-itself. Every other request passes through unchanged."""
+same twice in a row, which botocore's own check misses), redirects every request to
+itself, or cuts the body of the next error reply short (the connection closes after half of
+the announced Content-Length, then a reset). Every other request passes through unchanged."""
 
 from __future__ import annotations
 
 import http.client
+import io
 import re
+import socket
+import struct
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -18,14 +23,19 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 class LyingS3:
     """``mode``: "honest", "ignores-range", "shifts-range", "ignores-if-none-match",
     "lists-outside-prefix" (adds ``foreign_key``, a
-    whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped) or
-    "redirects" (307 to the same URL; ``redirects`` counts them)."""
+    whole key of the bucket), "loops-tokens" (``pages`` counts the listings it looped),
+    "redirects" (307 to the same URL; ``redirects`` counts them) or "cuts-error-body-once"
+    (the next reply of status 400 or more sends half its body, then the connection is reset;
+    the mode then returns to "honest"; ``cut`` counts them) or "stalls-error-body-once" (the
+    same, with ``stall_s`` seconds between the half body and the reset)."""
 
     def __init__(self, upstream_port: int, *, foreign_key: str = "other-run/v00000009/x") -> None:
         self.mode = "honest"
         self.foreign_key = foreign_key
         self.pages = 0
         self.redirects = 0
+        self.cut = 0
+        self.stall_s = 1.0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,6 +89,30 @@ class LyingS3:
                         + b"</Key><Size>1</Size><StorageClass>STANDARD</StorageClass></Contents>"
                     )
                     data = re.sub(rb"(</ListBucketResult>)", extra + rb"\1", data)
+                if (
+                    proxy.mode in ("cuts-error-body-once", "stalls-error-body-once")
+                    and response.status >= 400
+                    and self.command != "HEAD"
+                    and len(data) > 1
+                ):
+                    stall = proxy.mode == "stalls-error-body-once"
+                    proxy.mode = "honest"
+                    proxy.cut += 1
+                    self.send_response(response.status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    if stall:
+                        time.sleep(proxy.stall_s)
+                    # a reset, not a clean close: the client's read of the rest fails
+                    self.connection.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
+                    self.connection.close()
+                    self.close_connection = True
+                    self.wfile = io.BytesIO()  # what the handler writes after goes nowhere
+                    return
                 self.send_response(response.status)
                 for name, value in response.getheaders():
                     if name.lower() not in ("content-length", "transfer-encoding", "connection"):

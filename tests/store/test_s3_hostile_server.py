@@ -10,7 +10,7 @@ from botocore.response import StreamingBody
 from lying_s3 import LyingS3
 from urllib3.response import HTTPResponse
 
-from deltasync.errors import OutcomeUnknownError, StoreError
+from deltasync.errors import KeyNotFoundError, OutcomeUnknownError, StoreError
 from deltasync.store import RetryPolicy, S3Store
 
 
@@ -121,3 +121,40 @@ def test_a_server_that_redirects_to_itself_is_a_store_error_naming_the_loop(lyin
     assert proxy.redirects > 0
     proxy.mode = "honest"
     assert not store.exists("v00000003/MANIFEST.json")
+
+
+def test_an_error_reply_cut_short_is_retried_never_a_bare_urllib3_error(lying):
+    # GetObject's error reply (404 NoSuchKey) is read while botocore parses it, outside its
+    # own wrapping: a body cut short escaped as urllib3's ProtocolError, an untyped error
+    # from Catalog.latest() (a LATEST not written yet), and was never retried
+    proxy, store = lying
+    store.put("v00000001/tp0/w00000.blob", b"x" * 64)
+    for call in (
+        lambda: store.get("LATEST", max_bytes=64),
+        lambda: store.get("LATEST"),
+        lambda: store.get_range("missing", 0, 4),
+    ):
+        proxy.mode = "cuts-error-body-once"
+        with pytest.raises(KeyNotFoundError):
+            call()
+        assert proxy.mode == "honest"  # the cut reply was retried, and the retry answered
+    assert proxy.cut == 3
+    proxy.mode = "cuts-error-body-once"
+    assert store.get("v00000001/tp0/w00000.blob") == b"x" * 64  # a 200 passes untouched
+
+
+def test_an_error_reply_that_stalls_mid_body_is_retried_never_a_bare_urllib3_error(s3_server):
+    # the same read, timed out instead of reset: urllib3's ReadTimeoutError escaped
+    proxy = LyingS3(s3_server.port)
+    fast = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.05, deadline_s=5.0)
+    config = s3_server.config(endpoint_url=proxy.endpoint, retry=fast, read_timeout_s=0.3)
+    store = S3Store(s3_server.new_bucket(), "run42", config=config)
+    try:
+        proxy.stall_s = 0.6
+        proxy.mode = "stalls-error-body-once"
+        with pytest.raises(KeyNotFoundError):
+            store.get("LATEST", max_bytes=64)
+        assert proxy.cut == 1 and proxy.mode == "honest"
+    finally:
+        store.close()
+        proxy.close()

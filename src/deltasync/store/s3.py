@@ -214,6 +214,18 @@ def redirect_loop(exc: BaseException) -> bool:
     return isinstance(exc, RecursionError)
 
 
+def _urllib3_dropped(exc: BaseException) -> bool:
+    """Whether ``exc`` is urllib3's own error for a connection dropped (or timed out) while a
+    reply's body was read where botocore does not wrap it: the error reply of a streaming
+    operation (a GetObject answered 404 or 500) is read while botocore parses it, so a body
+    cut short there surfaces as a bare ``urllib3.exceptions.ProtocolError``."""
+    try:
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError
+    except ImportError:  # pragma: no cover - urllib3 comes with botocore
+        return False
+    return isinstance(exc, (ProtocolError, ReadTimeoutError))
+
+
 def is_transient(exc: BaseException) -> bool:
     from botocore.exceptions import (
         ClientError,
@@ -225,6 +237,8 @@ def is_transient(exc: BaseException) -> bool:
     if redirect_loop(exc):
         return False  # a redirect answers a request without applying it: no retry changes it
     if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
+        return True
+    if _urllib3_dropped(exc):
         return True
     if isinstance(exc, ClientError):
         code, status = error_code(exc)
