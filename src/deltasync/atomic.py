@@ -104,13 +104,25 @@ def read_regular(
 
 
 def read_json(
-    path: str | os.PathLike[str], *, limit: int, what: str, error: type[Exception]
+    path: str | os.PathLike[str],
+    *,
+    limit: int,
+    what: str,
+    error: type[Exception],
+    remedy: str | None = None,
 ) -> Any:
     """The JSON value in the regular file ``path`` (read as :func:`read_regular` reads it).
 
     Strict UTF-8: a binary file is ``error`` naming it, not a UnicodeDecodeError; so is JSON
-    nested too deeply for the parser (RecursionError)."""
-    data, _ = read_regular(path, limit=limit, what=what, error=error)
+    nested too deeply for the parser (RecursionError). Every such error ends with ``remedy``
+    when one is given (what the caller's user can do)."""
+    tail = f"; {remedy}" if remedy else ""
+    try:
+        data, _ = read_regular(path, limit=limit, what=what, error=error)
+    except error as exc:
+        if not tail:
+            raise
+        raise error(f"{exc}{tail}") from None
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -119,7 +131,7 @@ def read_json(
         reason = "JSON nested too deeply"
     except ValueError as exc:  # json.JSONDecodeError
         reason = f"not valid JSON ({exc})"
-    raise error(f"cannot read {what} {str(path)!r}: {reason}")
+    raise error(f"cannot read {what} {str(path)!r}: {reason}{tail}")
 
 
 def temp_path_for(path: Path) -> Path:

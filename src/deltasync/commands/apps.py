@@ -491,7 +491,7 @@ def _run_cluster_worker(args: argparse.Namespace) -> int:
             base={"rank": _launcher_rank(), "exact": None},
             failed={"exact": False},
         )
-    except DeltaSyncError as exc:  # its JSON line is out; the CLI's line and status
+    except DeltaSyncError as exc:  # its JSON line is out (none for a refused config)
         print(error_line(exc), file=sys.stderr)
         status = 2
     except BaseException:  # a defect, not a typed error: its traceback, then the same exit

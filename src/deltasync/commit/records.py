@@ -111,7 +111,7 @@ def _strings(obj: dict[str, Any], fields: tuple[str, ...], *, what: str) -> None
             raise ManifestError(f"{what} {f} must be a string, got {show(obj[f])}")
 
 
-def _check_later(later: Mapping[str, Any], known: set[str], *, what: str) -> None:
+def _check_later(later: Mapping[str, Any], known: frozenset[str], *, what: str) -> None:
     """Fields of a later release: named like ours, none of ours, at most MAX_LATER_FIELDS."""
     if len(later) > MAX_LATER_FIELDS:
         raise ManifestError(
@@ -155,7 +155,7 @@ class _Signed:
         later = getattr(self, "later", {})
         if not isinstance(later, Mapping):
             raise ManifestError(f"{self.KIND} later must be a mapping, got {show(later)}")
-        _check_later(later, set(self.FIELDS), what=self.KIND)
+        _check_later(later, self.FIELDS, what=self.KIND)
         object.__setattr__(self, "later", dict(later))
 
     def _check_mac_field(self) -> None:
@@ -325,8 +325,17 @@ class AckRecord(_Signed):
 
     KIND = "ack"
     FIELDS = frozenset(
-        {"version", "receiver", "shard", "state_digest", "created_at", "run_id", "pause_s"}
-        | {"total_s", "mac"}
+        {
+            "version",
+            "receiver",
+            "shard",
+            "state_digest",
+            "created_at",
+            "run_id",
+            "pause_s",
+            "total_s",
+            "mac",
+        }
     )
 
     version: int

@@ -66,6 +66,7 @@ from deltasync.engines.agreement import (
     refused,
     unwritten_state,
 )
+from deltasync.engines.reloads import watch_loads
 from deltasync.errors import (
     ApplyError,
     ConfigError,
@@ -84,7 +85,6 @@ REQUEST_NAME = "deltasync.request"
 _VOCAB_PAD = 64
 _SHARD = "_deltasync_shard"  # the model attributes holding its shard and its update lock
 _LOCK = "_deltasync_lock"
-_WATCHED = "_deltasync_watched"  # marks a load_weights that already stops the version held
 _UNREADABLE = "a request it could not read"  # what a rank was asked, for the other ranks
 
 
@@ -380,27 +380,9 @@ class SglangShard:
         self.opened: dict[str, Any] | None = None  # the request fields it was opened with
         self._agreement: _Agreement | None = None  # the request being taken
         self._wrote = False  # the request being taken reached a write
-        self._watch_loads(model)
-
-    def _watch_loads(self, model: torch.nn.Module) -> None:
-        """Stop holding the version as soon as SGLang's own loader writes the weights
-        (``update_weights_from_disk`` runs the model's ``load_weights`` on this same model):
-        until the next request the receiver's version and registration would otherwise name
-        the version the reload overwrote. deltasync itself never calls ``load_weights``."""
-        load = getattr(model, "load_weights", None)
-        if not callable(load) or getattr(load, _WATCHED, False):
-            return
-
-        def load_weights(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return load(*args, **kwargs)
-            finally:
-                shard = getattr(model, _SHARD, None)  # the model's shard, whichever it is now
-                if shard is not None:
-                    shard._reloaded()
-
-        setattr(load_weights, _WATCHED, True)
-        model.load_weights = load_weights
+        # SGLang's update_weights_from_disk runs the model's load_weights on this same model:
+        # the rank stops holding its version as that returns, not at the next request
+        watch_loads(model, self._reloaded)
 
     def _reloaded(self) -> None:
         """After a ``load_weights`` call: the version held is no longer what the rank computes

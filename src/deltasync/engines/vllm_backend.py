@@ -63,6 +63,7 @@ from deltasync.engines.agreement import (
     refused,
     unwritten_state,
 )
+from deltasync.engines.reloads import loads_of, watch_loads
 from deltasync.engines.vllm_shard import ShardPlace, VllmShard
 from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionError
 from deltasync.layout.probed import load_receiver_layout
@@ -223,7 +224,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # moved since, something else wrote the weights (vLLM's reload_weights between
         # versions), and the version held is no longer what the engine computes with
         self._verified: tuple[int, tuple[int | None, ...]] | None = None
-        _count_loads(model, self._after_load)
+        watch_loads(model, self._after_load)
 
     # --- phase 1 --------------------------------------------------------------------------
 
@@ -543,7 +544,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         receiver = self.receiver
         if receiver is None or self._staged is not None or self._verified is None:
             return
-        if _loads_of(self.model) == self._verified[0]:
+        if loads_of(self.model) == self._verified[0]:
             return
         try:
             receiver.invalidate(
@@ -657,7 +658,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         tensors = list(self.model.parameters())
         if self.receiver is not None:
             tensors.extend(self.receiver.tensors.values())
-        return _loads_of(self.model), tuple(_version_of(t) for t in tensors)
+        return loads_of(self.model), tuple(_version_of(t) for t in tensors)
 
     def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
         staged = _StagedPull(version)
@@ -707,48 +708,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             # engine may compute again (vLLM's post-load processing; see vllm_shard).
             shard.refresh(self._touched)
             self.last_pause_s = time.perf_counter() - t
-
-
-_LOADS = "_deltasync_loads"  # the model attribute counting its load_weights calls
-
-
-_AFTER_LOAD = "_deltasync_after_load"  # the model attribute: [the callback after each load]
-
-
-def _count_loads(model: torch.nn.Module, after: Callable[[], None] | None = None) -> None:
-    """Count the calls of ``model.load_weights`` from now on (once per model: a re-init keeps
-    the count), on entry and on return: a load under way when a stamp is taken moves it
-    either way. ``after`` is called once each load has returned (or raised): the engine
-    that registered last (a re-init's), never one that is gone; what it raises is logged."""
-    if getattr(model, _LOADS, None) is None:
-        load = getattr(model, "load_weights", None)
-        if not callable(load):
-            return
-        count = [0]
-        hooks: list[Callable[[], None]] = []
-
-        def load_weights(*args: Any, **kwargs: Any) -> Any:
-            count[0] += 1
-            try:
-                return load(*args, **kwargs)
-            finally:
-                count[0] += 1
-                for hook in list(hooks):
-                    try:
-                        hook()
-                    except Exception:  # never the reload's failure
-                        log.exception("deltasync: the check after load_weights failed")
-
-        model.load_weights = load_weights
-        setattr(model, _LOADS, count)
-        setattr(model, _AFTER_LOAD, hooks)
-    if after is not None:
-        getattr(model, _AFTER_LOAD)[:] = [after]
-
-
-def _loads_of(model: torch.nn.Module) -> int:
-    count = getattr(model, _LOADS, None)
-    return count[0] if count is not None else 0
 
 
 def _version_of(t: torch.Tensor) -> int | None:

@@ -58,10 +58,7 @@ def read_json_file(path: str | os.PathLike[str], *, limit: int, what: str, remed
     """The JSON value in the regular file ``path``, else LayoutError naming it and ending with
     ``remedy`` (:func:`deltasync.atomic.read_json`: never blocks on a FIFO, never reads a
     device without end, refuses a binary file)."""
-    try:
-        return read_json(path, limit=limit, what=what, error=LayoutError)
-    except LayoutError as exc:
-        raise LayoutError(f"{exc}; {remedy}") from None
+    return read_json(path, limit=limit, what=what, error=LayoutError, remedy=remedy)
 
 
 def _is_dir(path: Path, what: str) -> bool:

@@ -31,8 +31,8 @@ shapes a model saves, from its state dict and the reverse of the same mapping, w
 materialising weights (meta device).
 
 ``transformers`` is imported lazily, and only at a release whose loader takes the arguments
-passed here (:func:`require_transformers`: 5.16 or later). This module knows the transformers classes' parameters;
-it knows no inference engine's layout and does no file I/O.
+passed here (:func:`require_transformers`: 5.16 or later). This module knows the transformers
+classes' parameters; it knows no inference engine's layout and does no file I/O.
 """
 
 from __future__ import annotations

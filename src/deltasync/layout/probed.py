@@ -224,10 +224,13 @@ def load_layout(
 
     Raises:
         LayoutError: unreadable, or not a valid layout file (the message names the file)."""
-    try:
-        doc = read_json(path, limit=MAX_LAYOUT_BYTES, what="layout file", error=LayoutError)
-    except LayoutError as exc:
-        raise LayoutError(f"{exc}; pass a file `deltasync layout probe --out` wrote") from None
+    doc = read_json(
+        path,
+        limit=MAX_LAYOUT_BYTES,
+        what="layout file",
+        error=LayoutError,
+        remedy="pass a file `deltasync layout probe --out` wrote",
+    )
     try:
         return layout_from_json(doc)
     except LayoutError as exc:

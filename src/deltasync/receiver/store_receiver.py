@@ -1056,35 +1056,36 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
+        try:
+            t = time.perf_counter()
+            staged = self._stage(manifests, from_version)
+            stage_s = time.perf_counter() - t
+        except DeltaSyncError:
+            for m in manifests:  # a repaired store heals on the next pull
+                self.catalog.forget(m.version)
+            raise
         # Heartbeats are held from the end of the fetch (before the journal's thread may
         # withdraw the registration) to the end of the record, not during the fetch: the
         # tensors hold the version before all along it, and a heartbeat (a keepalive beside a
         # long fetch) keeps this receiver live, so retention keeps the chain it is fetching.
-        with contextlib.ExitStack() as quiet:
-            return self._apply(manifests, from_version, t0, repaired=repaired, quiet=quiet)
+        with self._heartbeats_held():
+            return self._apply(manifests, from_version, t0, staged, stage_s, repaired=repaired)
 
     def _apply(
         self,
         manifests: list[Manifest],
         from_version: int | None,
         t0: float,
+        staged: tuple[list, int],
+        stage_s: float,
         *,
         repaired: bool,
-        quiet: contextlib.ExitStack,
     ) -> PullReport:
         previous = None if self.dirty else self.version
         target = manifests[-1]
         versions = [m.version for m in manifests]
         expected = target.shard_digests[self.shard]
-        try:
-            t = time.perf_counter()
-            steps, fetched = self._stage(manifests, from_version)
-            stage_s = time.perf_counter() - t
-        except DeltaSyncError:
-            for m in manifests:  # a repaired store heals on the next pull
-                self.catalog.forget(m.version)
-            raise
-        quiet.enter_context(self._heartbeats_held())  # before the withdrawal can start
+        steps, fetched = staged
         # The journal's fsyncs overlap the verify pass (they release the GIL): it only has to
         # be durable before the first live write, and a refused or failed verify removes it.
         # (Killed in between, the next start replays a chain that writes what verify checked,
