@@ -197,3 +197,20 @@ def test_a_target_whose_elements_share_memory_is_refused_before_any_sync() -> No
     tensors[name] = torch.zeros(spec.shape[1], dtype=spec.dtype).expand(spec.shape)
     with pytest.raises(ConfigError, match=rf"{name}.*share memory"):
         ClusterReceiver(tensors, plan=PLAN, layout=RECEIVERS, rank=ROLE.rank, version=0)
+
+
+@BUDGETS
+def test_a_live_tensor_freed_after_construction_is_refused_before_any_write(budget: int) -> None:
+    # checked only at construction before: an anchor's scatter wrote every tensor before the
+    # freed one, then failed on it
+    rec = _receiver(budget, version=None)
+    per_writer = _split(torch.Generator().manual_seed(6), 0.3)
+    want = _after({n: torch.zeros_like(t) for n, t in rec.tensors.items()}, per_writer)
+    victim = list(SPECS)[-1]  # the last tensor the scatter writes
+    rec.tensors[victim].untyped_storage().resize_(0)
+    before = {n: t.clone() for n, t in rec.tensors.items() if n != victim}
+    state = rec.journal.state
+    with pytest.raises(ConfigError, match=rf"{victim!r} does not lie inside its storage"):
+        rec.apply_payload(_payload(per_writer, base=-1, digest=state_digest(want)))
+    assert_same_bits({n: rec.tensors[n] for n in before}, before, "after a refused version")
+    assert rec.journal.state == state  # no apply was journaled

@@ -17,7 +17,14 @@ from kit import anchored_bf16, rconfig, zero_tensors
 from deltasync import MemoryStore, Receiver
 from deltasync.errors import ApplyError, ConfigError, TensorInputError
 from deltasync.format import TensorUpdate, apply_updates
-from deltasync.native.ops import bf16_at, cast_bf16_into, patched_digests16, scatter16
+from deltasync.native.ops import (
+    bf16_at,
+    cast_bf16_into,
+    column_block,
+    patch16,
+    patched_digests16,
+    scatter16,
+)
 from deltasync.trainer.detect import bits_to_indices
 
 BF = torch.bfloat16
@@ -107,6 +114,40 @@ def test_a_receiver_is_refused_a_live_tensor_whose_storage_was_freed(tmp_path):
         Receiver.for_layout(store, rl, "tp0", tensors, str(tmp_path / "r"), rconfig("r"))
 
 
+def test_a_live_tensor_freed_after_construction_is_refused_before_any_write(tmp_path):
+    # checked only at construction before: the anchor's scatter wrote every tensor before the
+    # freed one, then raised ApplyError with the receiver dirty and a journal to replay
+    store = MemoryStore()
+    _, rl, _, _ = anchored_bf16(store, seed=4)
+    tensors = zero_tensors(rl, "tp0")
+    rx = Receiver.for_layout(store, rl, "tp0", tensors, str(tmp_path / "r"), rconfig("r"))
+    victim = list(tensors)[-1]  # the last tensor the scatter writes
+    tensors[victim].untyped_storage().resize_(0)
+    with pytest.raises(ConfigError, match=rf"{victim!r} does not lie inside its storage"):
+        rx.pull()
+    assert all(int(t.view(torch.int16).abs().sum()) == 0 for n, t in tensors.items() if n != victim)
+    assert rx.version is None and not rx.dirty
+    assert not (tmp_path / "r" / "journal.json").exists()
+    tensors[victim].untyped_storage().resize_(tensors[victim].numel() * 2)  # back (an anchor)
+    assert rx.pull().version == 0
+
+
+@pytest.mark.parametrize("layout, config", [(None, True), ("vllm", True), (True, None)])
+def test_a_receiver_given_something_else_than_a_layout_or_config_is_refused_unwritten(
+    tmp_path, layout, config
+):
+    # untyped AttributeErrors ("... has no attribute 'local_specs' / 'signing_key'") before
+    store = MemoryStore()
+    _, rl, _, _ = anchored_bf16(store, seed=5)
+    layout = rl if layout is True else layout
+    config = rconfig("r") if config is True else config
+    with pytest.raises(ConfigError, match=r"must be a Receiver(Layout|Config)"):
+        Receiver.for_layout(
+            store, layout, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), config
+        )
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_row_wise_cast_honours_a_lazy_negation():
     # a lazily negated column slice (negation of a view of a complex tensor, or
     # torch._neg_view) holds the values un-negated in memory: the kernel gave every sign wrong
@@ -165,3 +206,30 @@ def test_arguments_ctypes_would_take_untyped_are_typed_errors():
         bits_to_indices(torch.zeros(2, dtype=torch.uint8), 13.0)
     with pytest.raises(TensorInputError, match="chunk must be an int"):
         patched_digests16([(target, None, None)], torch.empty(10, dtype=torch.int16), 50.0)
+
+
+def test_ints_outside_int64_are_refused_not_wrapped_by_ctypes():
+    # ctypes wraps an int outside int64 modulo 2^64: the kernel mapped src_cols=2^64+8 as 8
+    idx = torch.arange(40)
+    for bad in ({"src_cols": 2**64 + 8}, {"dst_cols": 2**64 + 3}, {"cols": (2, 2**64 + 5)}):
+        args = {"src_cols": 8, "cols": (2, 5), "dst_cols": 3, "shift": 1, "pos_base": 0} | bad
+        with pytest.raises(TensorInputError, match="outside int64"):
+            column_block(idx, **args)
+    with pytest.raises(TensorInputError, match=r"chunk -\d+ is outside int64"):
+        target = torch.zeros(10, dtype=BF)
+        patched_digests16([(target, None, None)], torch.empty(10, dtype=torch.int16), -(2**63) - 1)
+
+
+def test_patch16_refuses_a_source_that_is_not_a_tensor():
+    target = torch.zeros(4, dtype=BF)
+    with pytest.raises(TensorInputError, match=r"source must be a torch\.Tensor"):
+        patch16(target, [0.0] * 4, torch.tensor([1]), torch.ones(1, dtype=BF))
+    assert int(target.view(torch.int16).abs().sum()) == 0
+
+
+def test_a_cast_into_a_strided_buffer_gives_nan_the_bits_of_a_plain_cast():
+    # a strided out took torch's strided copy, whose NaN is 0x7FC0 where .to() gives 0xFFFF
+    src = torch.tensor([float("nan"), 1.0, -float("nan"), 2.5] * 16)
+    want = src.to(BF).view(torch.int16)
+    for out in (torch.empty(64, dtype=BF), torch.empty(128, dtype=BF)[::2]):
+        assert torch.equal(cast_bf16_into(src, out).view(torch.int16), want)

@@ -82,3 +82,25 @@ def test_a_resume_with_a_wrong_or_missing_parameter_is_refused_by_name(tmp_path,
     with pytest.raises(ConfigError, match=match):
         pub.resume(0, bad(params))
     assert pub.resume(0, params) is True
+
+
+def test_a_meta_parameter_is_refused_by_name_before_any_write(tmp_path):
+    # torch's untyped NotImplementedError ("Cannot copy out of meta tensor") escaped before
+    _spec, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig())
+    params = _params(tl)
+    params[Q] = params[Q].to("meta")
+    with pytest.raises(ConfigError, match=rf"param {Q!r} is on the meta device"):
+        pub.publish(0, [], params, anchor=True)
+    assert store.list("") == []
+
+
+@pytest.mark.parametrize("layout", [None, "vllm", {"tp": 2}], ids=["none", "str", "dict"])
+def test_a_publisher_given_something_else_than_a_receiver_layout_is_refused(tmp_path, layout):
+    # an untyped AttributeError ("'NoneType' object has no attribute 'spec'") before
+    with pytest.raises(ConfigError, match="receiver_layout must be a ReceiverLayout"):
+        Publisher(scratch_store(tmp_path / "store"), receiver_layout=layout)
+    _spec, _tl, rl = layouts()
+    with pytest.raises(ConfigError, match="trainer_layout must be a TrainerLayout"):
+        Publisher(scratch_store(tmp_path / "store"), receiver_layout=rl, trainer_layout=rl)

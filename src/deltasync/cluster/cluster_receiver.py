@@ -117,7 +117,7 @@ from deltasync.exchange import exchange
 from deltasync.exchange.notes import NoteLedger, naming
 from deltasync.exchange.status_row import describe
 from deltasync.exclusive import one_call_at_a_time
-from deltasync.format import apply_pieces, check_tensors_match
+from deltasync.format import apply_pieces, check_tensors_match, check_tensors_still_match
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.validate import check_int
@@ -442,6 +442,9 @@ class ClusterReceiver:
         if window is None:
             cleared = getattr(received, "cleared", None)
             window = 0 if cleared is None else cleared.window
+        # before anything is journaled or written: a tensor freed or resized since
+        # construction is refused here, every tensor untouched, not midway through a scatter
+        check_tensors_still_match(self.tensors, self.specs, what=f"receiver shard {self.shard!r}")
         t = time.perf_counter()
         staged = stage_payloads(
             received,

@@ -31,6 +31,7 @@ from deltasync.format.updates import (
     TensorSpec,
     TensorUpdate,
     check_tensors_match,
+    check_tensors_still_match,
 )
 from deltasync.format.wire import FORMAT_VERSION
 
@@ -50,6 +51,7 @@ __all__ = [
     "apply_pieces",
     "apply_updates",
     "check_tensors_match",
+    "check_tensors_still_match",
     "decode_blob",
     "encode_blob",
     "encode_blobs",

@@ -250,24 +250,7 @@ def check_tensors_match(
         )
     for name, spec in specs.items():
         t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{what}: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise ConfigError(
-                f"{what}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
-                f"{spec.shape} {spec.dtype}"
-            )
-        if t.is_meta:
-            raise ConfigError(
-                f"{what}: tensor {name!r} is on the meta device and holds no values; pass the "
-                "engine's materialized tensor"
-            )
-        outside = outside_storage(t)
-        if outside is not None:
-            raise ConfigError(
-                f"{what}: tensor {name!r} {outside}; pass the engine's tensor while it holds "
-                "its values"
-            )
+        _check_holds(name, t, spec, what)
         # The scatter writes one tensor at a time after the whole version is verified, so a
         # target it would refuse mid-way (elements sharing memory) is refused here, up front.
         if not t.is_contiguous() and overlaps_itself(t):
@@ -282,4 +265,36 @@ def check_tensors_match(
             f"{what}: tensors {name!r} and {shared[name]!r} share memory, so writing one "
             "changes the other; give each name its own storage (tied weights: the layout "
             "leaves the alias out)"
+        )
+
+
+def check_tensors_still_match(
+    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, what: str
+) -> None:
+    """:func:`check_tensors_match`'s checks of each tensor alone (shape, dtype, values inside
+    its storage: metadata only, microseconds a tensor), again before a sync: an engine may have
+    freed, resized or replaced a tensor since it handed it over (FSDP's resharding,
+    offloading), and the scatter, which writes one tensor at a time, would find it only after
+    writing the ones before it."""
+    for name, spec in specs.items():
+        _check_holds(name, tensors.get(name), spec, what)
+
+
+def _check_holds(name: str, t: object, spec: TensorSpec, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{what}: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+        raise ConfigError(
+            f"{what}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
+            f"{spec.shape} {spec.dtype}"
+        )
+    if t.is_meta:
+        raise ConfigError(
+            f"{what}: tensor {name!r} is on the meta device and holds no values; pass the "
+            "engine's materialized tensor"
+        )
+    outside = outside_storage(t)
+    if outside is not None:
+        raise ConfigError(
+            f"{what}: tensor {name!r} {outside}; pass the engine's tensor while it holds its values"
         )

@@ -58,6 +58,11 @@ def check_param(name: str, p: torch.Tensor) -> torch.Tensor:
             f"param {name!r} is {p.dtype}; deltasync sends BF16 cast from an fp32 master or BF16 "
             "params (a cast from another dtype would not be what the trainer's BF16 copy holds)"
         )
+    if p.is_meta:
+        raise ConfigError(
+            f"param {name!r} is on the meta device and holds no values; pass the materialized "
+            "parameter (e.g. after to_empty() and loading its weights)"
+        )
     return p.detach()
 
 

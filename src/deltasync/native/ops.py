@@ -176,6 +176,11 @@ def cast_bf16_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows, cols = src.shape
         if lib.ds_cast_bf16_rows(src.data_ptr(), rows, cols, src.stride(0), dst.data_ptr()) == n:
             return dst
+    if not dst.is_contiguous():
+        # a strided buffer: torch's strided fp32 -> BF16 copy gives NaN another bit pattern
+        # (0x7FC0) than .to(torch.bfloat16) (0xFFFF here); cast densely, then copy the bits
+        dst.copy_(src.reshape(-1).to(torch.bfloat16))
+        return dst
     dst.view(src.shape).copy_(src) if src.is_contiguous() else dst.copy_(src.reshape(-1))
     return dst
 
@@ -247,10 +252,13 @@ def _check_base(op: str, base: object, target: torch.Tensor) -> None:
 
 
 def _check_int(op: str, name: str, value: object) -> None:
-    """``value`` must be an int (ctypes refuses a float with an untyped ArgumentError, and
-    the range checks before the kernel call would take one)."""
+    """``value`` must be an int inside int64 (ctypes refuses a float with an untyped
+    ArgumentError, and wraps an int outside int64 modulo 2^64: the kernel would then work
+    with another value than the one passed)."""
     if not isinstance(value, Integral) or isinstance(value, bool):
         raise TensorInputError(f"{op}: {name} must be an int, got {value!r}; nothing was done")
+    if not -(1 << 63) <= value < (1 << 63):
+        raise TensorInputError(f"{op}: {name} {value} is outside int64; nothing was done")
 
 
 def _written(op: str, rc: int, target: torch.Tensor, indices: torch.Tensor, base: int) -> bool:
@@ -312,6 +320,11 @@ def patch16(
         TensorInputError: an index outside ``[base, base + target.numel())`` (nothing
             written) or values that do not match the indices.
     """
+    if not isinstance(source, torch.Tensor):
+        raise TensorInputError(
+            f"patch16: source must be a torch.Tensor, got {native.describe(source)}; nothing "
+            "was written"
+        )
     if (
         source.dtype != target.dtype
         or source.numel() != target.numel()
@@ -364,7 +377,20 @@ def column_block(
     Returns:
         The pair, or None when the kernel cannot take ``indices`` (not a 1-D contiguous int64
         CPU tensor, or no compiler): the caller then maps them with torch.
+
+    Raises:
+        TensorInputError: a geometry argument that is not an int in int64's range (ctypes
+            would wrap it modulo 2^64 and the kernel would map with another geometry).
     """
+    for name, value in (
+        ("src_cols", src_cols),
+        ("cols[0]", cols[0]),
+        ("cols[1]", cols[1]),
+        ("dst_cols", dst_cols),
+        ("shift", shift),
+        ("pos_base", pos_base),
+    ):
+        _check_int("column_block", name, value)
     if (
         indices.dtype != torch.int64
         or indices.dim() != 1

@@ -225,6 +225,17 @@ class Publisher:
         trainer_layout: TrainerLayout | None = None,
         config: PublisherConfig | None = None,
     ) -> None:
+        if not isinstance(receiver_layout, ReceiverLayout):
+            raise ConfigError(
+                f"Publisher.receiver_layout must be a ReceiverLayout, got "
+                f"{type(receiver_layout).__name__}: build it with ReceiverLayout.build(spec, "
+                "engine, tp) or load the probed one"
+            )
+        if trainer_layout is not None and not isinstance(trainer_layout, TrainerLayout):
+            raise ConfigError(
+                f"Publisher.trainer_layout must be a TrainerLayout or None, got "
+                f"{type(trainer_layout).__name__}"
+            )
         self.store = store
         self.layout = receiver_layout
         self.trainer_layout = trainer_layout or TrainerLayout(receiver_layout.spec)

@@ -77,6 +77,7 @@ from deltasync.format import (
     TensorSpec,
     apply_pieces,
     check_tensors_match,
+    check_tensors_still_match,
     iter_chain,
 )
 from deltasync.interrupts import interrupts_deferred
@@ -248,6 +249,15 @@ class Receiver:
         register: bool = True,
         persist: Callable[[Mapping[str, torch.Tensor], LocalState], None] | None = None,
     ) -> None:
+        if not isinstance(config, ReceiverConfig):
+            raise ConfigError(
+                f"Receiver config must be a ReceiverConfig, got {type(config).__name__}: pass "
+                "ReceiverConfig(receiver_id=...)"
+            )
+        if layout is not None and not isinstance(layout, ReceiverLayout):
+            raise ConfigError(
+                f"Receiver layout must be a ReceiverLayout or None, got {type(layout).__name__}"
+            )
         try:
             self.shard = names.check_token("shard", shard)
         except ManifestError as exc:
@@ -435,6 +445,12 @@ class Receiver:
         **kwargs,
     ) -> Receiver:
         """A receiver whose expected tensors are ``layout``'s local specs of ``shard``."""
+        if not isinstance(layout, ReceiverLayout):
+            raise ConfigError(
+                f"Receiver.for_layout: layout must be a ReceiverLayout, got "
+                f"{type(layout).__name__}: build it with ReceiverLayout.build(spec, engine, tp) "
+                "or load the probed one"
+            )
         return cls(
             store,
             shard=shard,
@@ -860,6 +876,9 @@ class Receiver:
         """
         if version is not None:
             names.check_version(version)
+        # before anything is fetched, journaled or written: a tensor freed or resized since
+        # construction is refused here, every tensor untouched, not midway through a scatter
+        check_tensors_still_match(self.tensors, self.specs, what=f"receiver shard {self.shard!r}")
         t0 = time.perf_counter()
         self.dir.ensure()  # removed behind it: made again, and held again by this process
         # An earlier pull's journal (it failed after writing it) is replayed first, then on
