@@ -14,7 +14,7 @@ import pytest
 import torch
 from kit import anchored_bf16, rconfig, zero_tensors
 
-from deltasync import MemoryStore, Receiver
+from deltasync import MemoryStore, Publisher, Receiver
 from deltasync.errors import ApplyError, ConfigError, TensorInputError
 from deltasync.format import TensorUpdate, apply_updates
 from deltasync.native.ops import (
@@ -146,6 +146,20 @@ def test_a_receiver_given_something_else_than_a_layout_or_config_is_refused_unwr
             store, layout, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), config
         )
     assert not (tmp_path / "r").exists()
+
+
+def test_a_path_given_in_place_of_the_store_is_refused_with_the_remedy(tmp_path):
+    # untyped AttributeErrors ("'str' object has no attribute 'list'") before, and the
+    # receiver's state directory made
+    _, rl, _, _ = anchored_bf16(MemoryStore(), seed=6)
+    where = str(tmp_path / "store")
+    with pytest.raises(ConfigError, match=r"Publisher: store must be a Store.*open_store"):
+        Publisher(where, receiver_layout=rl)
+    with pytest.raises(ConfigError, match=r"Receiver: store must be a Store.*open_store"):
+        Receiver.for_layout(
+            where, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "r"), rconfig("r")
+        )
+    assert not (tmp_path / "r").exists() and not (tmp_path / "store").exists()
 
 
 def test_the_row_wise_cast_honours_a_lazy_negation():

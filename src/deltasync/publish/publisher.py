@@ -90,6 +90,7 @@ from deltasync.publish.config import PublisherConfig
 from deltasync.publish.segments import GroupRouter, Ready
 from deltasync.publish.streams import QUEUED_SEGMENTS, ShardStreams
 from deltasync.store import Store
+from deltasync.store.base import check_store
 from deltasync.trainer.params import local_of
 from deltasync.trainer.positions import Positions
 
@@ -236,7 +237,7 @@ class Publisher:
                 f"Publisher.trainer_layout must be a TrainerLayout or None, got "
                 f"{type(trainer_layout).__name__}"
             )
-        self.store = store
+        self.store = check_store("Publisher", store)
         self.layout = receiver_layout
         self.trainer_layout = trainer_layout or TrainerLayout(receiver_layout.spec)
         self.config = config or PublisherConfig()

@@ -87,6 +87,7 @@ from deltasync.layout.verify import chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, open_version
 from deltasync.store import Store
+from deltasync.store.base import check_store
 from deltasync.validate import (
     check_bool,
     check_instance,
@@ -249,6 +250,7 @@ class Receiver:
         register: bool = True,
         persist: Callable[[Mapping[str, torch.Tensor], LocalState], None] | None = None,
     ) -> None:
+        check_store("Receiver", store)
         if not isinstance(config, ReceiverConfig):
             raise ConfigError(
                 f"Receiver config must be a ReceiverConfig, got {type(config).__name__}: pass "

@@ -35,6 +35,7 @@ above it (see :mod:`deltasync.commit`), nor about S3 or HTTP.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -97,6 +98,27 @@ class Store(Protocol):
     def size(self, key: str) -> int:
         """Object size in bytes. Raises KeyNotFoundError if absent."""
         ...
+
+
+def check_store(owner: str, store: object) -> Store:
+    """``store`` if it has the Store methods (looked up as a call would: a wrapper forwarding
+    them through ``__getattr__`` passes), else a ConfigError naming ``owner`` and the remedy;
+    a path or URL handed in the store's place is the usual case."""
+    missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
+    if missing:
+        hint = (
+            "; a path or URL is opened with deltasync.open_store(...)"
+            if isinstance(store, str | bytes | os.PathLike)
+            else ""
+        )
+        raise ConfigError(
+            f"{owner}: store must be a Store (LocalStore, S3Store, open_store(url)), got "
+            f"{type(store).__name__} without {', '.join(missing[:3])}{hint}"
+        )
+    return store  # type: ignore[return-value]
+
+
+_STORE_METHODS = ("get", "get_range", "put", "put_stream", "put_if_absent", "exists", "list")
 
 
 def written_at(store: object, key: str) -> float | None:
