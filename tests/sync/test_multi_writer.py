@@ -20,6 +20,7 @@ from deltasync.errors import (
     CommitTimeoutError,
     ConfigError,
     DeltaSyncError,
+    OutcomeUnknownError,
     StoreError,
     VersionError,
 )
@@ -842,3 +843,150 @@ def test_a_shard_holding_only_vocabulary_padding_takes_the_writers_sparse_anchor
         rec = Receiver.for_layout(store, rl, s.id, live, str(tmp_path / s.id), rconfig(s.id))
         assert rec.pull().chain == (0, 1)
         assert_same_bits(rec.tensors, want[s.id], s.id)
+
+
+class LateManifest:
+    """A store whose manifest write of ``version`` ends without a verdict (an S3 PUT that
+    timed out past its retries) and is applied by the server 0.3 s later."""
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.key = inner, names.manifest_key(version)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == self.key:
+            threading.Timer(0.3, self.inner.put_if_absent, args=(key, data)).start()
+            raise OutcomeUnknownError(f"the PUT of {key!r} timed out")
+        return self.inner.put_if_absent(key, data)
+
+
+def _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path, steps=2) -> None:
+    """``steps`` more versions, each the all-reduce MAX of next_version(), commit as deltas
+    on the one before on every writer; fresh receivers hold the last one bit-exactly."""
+    for _ in range(steps):
+        for t in trainers:
+            t.step()
+        version = max(s.next_version() for s in syncs)
+        reports = _everyone(lambda r, v=version: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+        assert [x[0].kind for x in reports] == ["delta", "delta"], reports
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path, shard)
+        assert report.version == version
+        assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "late, failing, error",
+    [(SlowManifest, 1, CommitTimeoutError), (LateManifest, 0, OutcomeUnknownError)],
+    ids=["writer-gave-up", "no-verdict"],
+)
+def test_a_first_version_that_failed_on_one_writer_yet_committed_is_adopted(
+    tmp_path, late, failing, error
+):
+    # A job's first version (an anchor) commits while one writer's attempt failed: writer 1
+    # gave up on a slow manifest write, or the committer's own write ended without a verdict
+    # and landed. That writer has no baseline, so it never adopted the anchor: it anchored
+    # beside the others' deltas, and nothing committed until a multiple of anchor_every.
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([late(store, 0), store], marker_timeout_s=1.0)
+    first = _everyone(lambda r: syncs[r].step_published(0))
+    assert isinstance(first[failing], error), first
+    assert not isinstance(first[1 - failing], Exception), first
+    time.sleep(0.5)  # the late write has landed
+    assert Catalog(store).versions() == [0]
+    _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_an_anchor_of_a_new_lineage_that_a_writer_gave_up_on_is_adopted(tmp_path):
+    # The job committed version 0, another session version 1; the job's version 2 is then an
+    # anchor of a new lineage, and writer 1 gives up on its slow manifest write: the same
+    # disagreement as at a first version (its baseline is of another lineage).
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([SlowManifest(store, 2), store], marker_timeout_s=1.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    others, other_trainers = _ranks([store, store], session="s9", marker_timeout_s=1.0)
+    for t in other_trainers:
+        t.step()
+    assert all(
+        not isinstance(x, Exception) for x in _everyone(lambda r: others[r].step_published(1))
+    )
+    for t in trainers:
+        t.step()
+    anchored = _everyone(lambda r: syncs[r].step_published(2))
+    assert isinstance(anchored[1], CommitTimeoutError), anchored
+    assert anchored[0][0].kind == "anchor", anchored
+    assert Catalog(store).versions() == [0, 1, 2]
+    _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
+
+
+class AfterClaim:
+    """A store whose manifest write of ``version`` waits until ``writer`` has claimed that
+    version: the other job's committer is then past its check for a committed version and
+    meets this manifest at its own exclusive write."""
+
+    def __init__(self, inner, version: int, writer: str) -> None:
+        self.inner, self.key = inner, names.manifest_key(version)
+        self.claim = names.writer_claim_key(version, writer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == self.key:
+            deadline = time.monotonic() + 30
+            while not self.inner.exists(self.claim) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return self.inner.put_if_absent(key, data)
+
+
+class AfterManifest:
+    """A store whose manifest write of ``version`` waits until another's is stored."""
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.key = inner, names.manifest_key(version)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == self.key:
+            deadline = time.monotonic() + 30
+            while not self.inner.exists(key) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return self.inner.put_if_absent(key, data)
+
+
+@pytest.mark.timeout(90)
+def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_writers(
+    tmp_path,
+):
+    # A restarted job (s2) publishes version 0 beside its old incarnation (s1), with equal
+    # states. s1 commits first; s2's committer meets it at its exclusive manifest write, finds
+    # the same digests and takes it; its other writer, its blobs not listed, cannot. The
+    # committer then sent a delta beside that writer's anchor: nothing committed until a
+    # multiple of anchor_every.
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    full = {"full_everywhere": True, "marker_timeout_s": 2.0}
+    old, _ = _ranks([AfterClaim(store, 0, "w00000-s2"), store], session="s1", **full)
+    new, trainers = _ranks([AfterManifest(store, 0), store], session="s2", **full)
+    both = old + new
+    out = _everyone(lambda r: both[r].step_published(0), world=4)
+    assert all(not isinstance(x, Exception) for x in out[:3]), out
+    assert Catalog(store).manifest(0).writers == ("w00000-s1", "w00001-s1")
+    assert out[2][0].already_committed, out[2]
+    assert isinstance(out[3], CommitConflictError), out[3]
+    for t in trainers:
+        t.step()
+    version = max(s.next_version() for s in new)
+    reports = _everyone(lambda r: new[r].step_published(version))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert [x[0].kind for x in reports] == ["anchor", "anchor"]
+    _deltas_commit_exactly(store, tl, rl, new, trainers, tmp_path)

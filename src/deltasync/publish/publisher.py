@@ -182,6 +182,8 @@ class _Later:
 
 # The most versions a writer that waited in vain adopts at once (see Publisher._adopts).
 _ADOPT_MAX = 64
+# Publisher._adopted_since of a writer that adopted its first version (its baseline unknown)
+_UNKNOWN_BASE = object()
 
 Params = Mapping[str, torch.Tensor]
 
@@ -269,7 +271,7 @@ class Publisher:
         self._resend_whole: set[str] = set()
         # The baseline before an adoption, while nothing this writer committed follows it: a
         # caller whose attempt failed since still gives its changes relative to it
-        self._adopted_since: int | None = None
+        self._adopted_since: int | object | None = None
         # With several writers: the baseline is a version other writers committed (another
         # session's, taken by resume() or, replayed, by its digests), which a writer without
         # the full state cannot take or adopt and so anchors after: this one anchors too,
@@ -587,7 +589,9 @@ class Publisher:
             return self._already_committed(version, committed, params, full_state, t0)
         if since is not None and since == self._adopted_since:
             since = self.baseline  # its changes since then cover the adopted versions
-        if since is not None and since == self.baseline and self._adopts(head):
+        elif since is None and self._adopted_since is _UNKNOWN_BASE:
+            since = self.baseline  # it adopted its first version: every param goes out whole
+        if since == self.baseline and self._adopts(head):  # None: its first version's attempt
             since = self.baseline
         if unreadable is None and self.catalog.has_manifest(version):
             # committed, though the head stops short of it (a LATEST that could not be moved
@@ -774,11 +778,17 @@ class Publisher:
         )
 
     def _settle(self, manifest: Manifest) -> None:
-        """``manifest`` is committed: this writer's baseline from now on."""
+        """``manifest`` is committed: this writer's baseline from now on. With several
+        writers it may be another session's: an equal state that won the race for the number
+        (``commit_manifest`` found the same digests), taken by its digests as a replayed
+        version is, so the next version is an anchor, as on the writers that could not take
+        it (see :meth:`_take_committed`)."""
         self._set_baseline(manifest)
         self._sent_names.clear()
         self._resend_whole = set()
         self._foreign_baseline = None
+        if self.config.num_writers > 1 and self.writer not in manifest.writers:
+            self._foreign_baseline = manifest.version
 
     def _commit(
         self,
@@ -915,20 +925,36 @@ class Publisher:
         waiting while the committer joined its blobs). It takes the newest as its baseline and
         goes on with deltas (its changes are kept since its baseline, and the params those
         attempts sent go out whole: below), instead of an anchor of a new lineage, or, with
-        several writers, an anchor of its own beside the others' deltas."""
-        if head is None or self.baseline is None:
+        several writers, an anchor of its own beside the others' deltas. With several writers
+        the newest version is adopted also when it is an anchor of this publisher's own
+        attempt, whatever came before it (no baseline, or another lineage)."""
+        if head is None:
             return False
-        if not self.baseline < head.version <= self.baseline + _ADOPT_MAX:
-            return False
-        adopted: list[int] = []
-        for v in range(self.baseline + 1, head.version + 1):
-            try:
-                m = head if v == head.version else self.catalog.manifest(v)
-            except KeyNotFoundError:
-                continue  # a number never committed
-            if m.run_id != self.run_id or self.writer not in m.writers:
+        if (
+            self.config.num_writers > 1
+            and head.kind == "anchor"
+            and self.writer in head.writers
+            and head.version in self._sent_names  # this publisher's own attempt
+            and (self.baseline is None or head.version > self.baseline)
+        ):
+            # An anchor of its own (with several writers, the others take it as their base)
+            # whatever came before it: no baseline (a fresh or restarted job) or a new lineage.
+            # It sent every param, and they all go out whole next.
+            adopted = [head.version]
+        else:
+            if self.baseline is None:
                 return False
-            adopted.append(v)
+            if not self.baseline < head.version <= self.baseline + _ADOPT_MAX:
+                return False
+            adopted = []
+            for v in range(self.baseline + 1, head.version + 1):
+                try:
+                    m = head if v == head.version else self.catalog.manifest(v)
+                except KeyNotFoundError:
+                    continue  # a number never committed
+                if m.run_id != self.run_id or self.writer not in m.writers:
+                    return False
+                adopted.append(v)
         # Its changes are what differs from its baseline now: an element an adopted version
         # changed that has gone back to its baseline bits since is not among them (a snapshot
         # tracker's diff), yet the receivers hold the adopted value. The params those
@@ -936,16 +962,17 @@ class Publisher:
         sent = [self._sent_names.get(v) for v in adopted]
         self._resend_whole = set().union(*sent) if all(s is not None for s in sent) else {"*"}
         log.info(
-            "writer %s: versions %d..%d were committed with its blobs while it waited; its "
-            "changes since version %d cover them: version %d's base is %d",
+            "writer %s: versions %s were committed with its blobs while it waited; its "
+            "changes since %s cover them: version %d's base is %d",
             self.writer,
-            self.baseline + 1,
-            head.version,
-            self.baseline,
+            adopted,
+            "its start" if self.baseline is None else f"version {self.baseline}",
             head.version + 1,
             head.version,
         )
-        before = self.baseline if self._adopted_since is None else self._adopted_since
+        before = self._adopted_since
+        if before is None:
+            before = _UNKNOWN_BASE if self.baseline is None else self.baseline
         self._set_baseline(head)
         self._adopted_since = before
         return True
