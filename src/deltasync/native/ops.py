@@ -252,12 +252,17 @@ def _check_base(op: str, base: object, target: torch.Tensor) -> None:
 
 
 def _check_int(op: str, name: str, value: object) -> None:
-    """``value`` must be an int inside int64 (ctypes refuses a float with an untyped
-    ArgumentError, and wraps an int outside int64 modulo 2^64: the kernel would then work
-    with another value than the one passed)."""
+    """``value`` must be an int (ctypes refuses a float with an untyped ArgumentError, and
+    the range checks before the kernel call would take one)."""
     if not isinstance(value, Integral) or isinstance(value, bool):
         raise TensorInputError(f"{op}: {name} must be an int, got {value!r}; nothing was done")
-    if not -(1 << 63) <= value < (1 << 63):
+
+
+def _check_int64(op: str, name: str, value: object) -> None:
+    """``value`` must be an int inside int64: ctypes wraps one outside it modulo 2^64, and the
+    kernel would then work with another value than the one passed."""
+    _check_int(op, name, value)
+    if not -(1 << 63) <= value < (1 << 63):  # type: ignore[operator]
         raise TensorInputError(f"{op}: {name} {value} is outside int64; nothing was done")
 
 
@@ -390,7 +395,7 @@ def column_block(
         ("shift", shift),
         ("pos_base", pos_base),
     ):
-        _check_int("column_block", name, value)
+        _check_int64("column_block", name, value)
     if (
         indices.dtype != torch.int64
         or indices.dim() != 1
