@@ -97,6 +97,12 @@ def writer_claim_key(version: int, writer: str) -> str:
     return f"{writers_prefix(version)}{check_token('writer', writer)}.claim"
 
 
+def writer_abandoned_key(version: int, writer: str) -> str:
+    """A writer's notice that its attempt at a version failed (several writers): the others
+    stop waiting for it instead of waiting out their timeout."""
+    return f"{writers_prefix(version)}{check_token('writer', writer)}.abandoned"
+
+
 def writers_prefix(version: int) -> str:
     return f"{version_dir(version)}/writers/"
 
@@ -160,6 +166,11 @@ def parse_writer_marker_key(key: str) -> tuple[int, str]:
 
 def parse_writer_claim_key(key: str) -> tuple[int, str]:
     vdir, writer = _parse("writer claim", key, rf"{_V}/writers/{_T}\.claim")
+    return parse_version_dir(vdir), check_token("writer", writer)
+
+
+def parse_writer_abandoned_key(key: str) -> tuple[int, str]:
+    vdir, writer = _parse("writer abandoned", key, rf"{_V}/writers/{_T}\.abandoned")
     return parse_version_dir(vdir), check_token("writer", writer)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deltasync import names
-from deltasync.commit import Catalog
+from deltasync.commit import Catalog, WriterAbandoned, collect_garbage
 from deltasync.errors import (
     CommitConflictError,
     CommitTimeoutError,
@@ -530,8 +530,14 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     assert all(isinstance(x, DeltaSyncError) for x in split), split
     assert [s.next_version() for s in syncs] == [2, 3]
     left = [k for v in (1, 2) for k in store.list(names.writers_prefix(v))]
-    assert left == [names.writer_claim_key(1, "w00000-s1"), names.writer_claim_key(2, "w00001-s1")]
-    # the markers were withdrawn; the claims stay until gc (these numbers are never reused)
+    assert left == [
+        names.writer_abandoned_key(1, "w00000-s1"),
+        names.writer_claim_key(1, "w00000-s1"),
+        names.writer_abandoned_key(2, "w00001-s1"),
+        names.writer_claim_key(2, "w00001-s1"),
+    ]
+    # the markers were withdrawn; the claims and the notices of the failed attempts stay until
+    # gc (these numbers are never reused)
     for v in (3, 4):
         for t in trainers:
             t.step()
@@ -990,3 +996,67 @@ def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
     _deltas_commit_exactly(store, tl, rl, new, trainers, tmp_path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failing", [0, 1], ids=["committer", "writer"])
+def test_a_writer_whose_attempt_failed_tells_the_others_who_stop_waiting(tmp_path, failing):
+    # One rank's failed upload left every other rank waiting out marker_timeout_s (120 s by
+    # default) for a marker or manifest that could no longer come.
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    uploads = FailingUploads(store, 1)
+    stores = [store, store]
+    stores[failing] = uploads
+    syncs, trainers = _ranks(stores, marker_timeout_s=60)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    uploads.armed = True
+    t0 = time.monotonic()
+    failed = _everyone(lambda r: syncs[r].step_published(1))
+    assert time.monotonic() - t0 < 20  # not the 60 s timeout
+    other = failed[1 - failing]
+    assert isinstance(failed[failing], StoreError), failed
+    if failing == 1:
+        assert isinstance(other, MissingWritersError), other
+        assert "['w00001-s1'] abandoned their attempt (w00001-s1: StoreError: injected" in str(
+            other
+        )
+    else:
+        assert isinstance(other, CommitTimeoutError), other
+        assert "the committing writer w00000-s1 abandoned its attempt" in str(other)
+    assert store.exists(names.writer_abandoned_key(1, f"w0000{failing}-s1"))
+    _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
+    collect_garbage(store, Catalog(store), keep_versions=5, receiver_ttl_s=60, orphan_grace_s=0)
+    assert store.list(names.version_dir(1)) == []  # the failed attempt, its notice included
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_notice_without_the_signing_key_is_ignored_a_signed_one_taken(tmp_path):
+    # A notice is a write to the store: with a signing key, one nobody holding the key wrote
+    # (forged, or a writer configured without it) cannot make a version fail.
+    # A signed one, a failed writer's own, still ends the wait at once.
+    store = scratch_store(tmp_path / "store")
+    key = b"k" * 32
+    uploads = FailingUploads(store, 2)
+    syncs, trainers = _ranks([store, uploads], keys=[key, key], marker_timeout_s=60)
+    _everyone(lambda r: syncs[r].step_published(0))
+    forged = WriterAbandoned(version=1, writer="w00001-s1", reason="forged", created_at=time.time())
+    store.put(forged.key, forged.to_json())  # unsigned
+    for t in trainers:
+        t.step()
+    reports = _everyone(lambda r: syncs[r].step_published(1))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert Catalog(store).versions() == [0, 1]
+    for t in trainers:
+        t.step()
+    uploads.armed = True
+    t0 = time.monotonic()
+    failed = _everyone(lambda r: syncs[r].step_published(2))
+    assert time.monotonic() - t0 < 20  # not the 60 s timeout
+    assert isinstance(failed[0], MissingWritersError) and "abandoned" in str(failed[0]), failed
+    notice = WriterAbandoned.from_json(
+        store.get(names.writer_abandoned_key(2, "w00001-s1")), signing_key=key
+    )
+    assert notice.reason.startswith("StoreError: injected")

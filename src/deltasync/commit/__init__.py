@@ -19,6 +19,7 @@ from deltasync.commit.planning import VersionInfo, plan_chain, plan_retention, s
 from deltasync.commit.records import (
     AckRecord,
     ReceiverRecord,
+    WriterAbandoned,
     WriterMarker,
     decode_latest,
     encode_latest,
@@ -36,6 +37,7 @@ __all__ = [
     "ManifestLimits",
     "ReceiverRecord",
     "VersionInfo",
+    "WriterAbandoned",
     "WriterMarker",
     "blob_digest",
     "check_signature",

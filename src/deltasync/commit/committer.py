@@ -30,7 +30,14 @@ from collections.abc import Mapping, Sequence
 from deltasync import names
 from deltasync.commit.catalog import Catalog
 from deltasync.commit.model import LayoutRecord, Manifest
-from deltasync.commit.records import MAX_MARKER_BYTES, WriterMarker, encode_latest
+from deltasync.commit.records import (
+    MAX_MARKER_BYTES,
+    MAX_REASON_CHARS,
+    MAX_RECORD_BYTES,
+    WriterAbandoned,
+    WriterMarker,
+    encode_latest,
+)
 from deltasync.commit.signing import sign
 from deltasync.errors import (
     CommitConflictError,
@@ -131,6 +138,7 @@ def wait_for_markers(
             )
         found[own.writer] = own
     rejected: dict[str, str] = {}
+    abandoned: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
         for writer in writers:
@@ -143,6 +151,9 @@ def wait_for_markers(
                     data, signing_key=signing_key, what=f"writer marker {key!r}"
                 )
             except KeyNotFoundError:
+                reason = abandoned_reason(store, version, writer, signing_key=signing_key)
+                if reason is not None:
+                    abandoned[writer] = reason
                 continue
             except DeltaSyncError as exc:
                 if writer not in rejected:
@@ -167,16 +178,69 @@ def wait_for_markers(
         missing = [w for w in writers if w not in found]
         if not missing:
             return [found[w] for w in writers]
+        refused = "".join(f"; the marker of {w} was refused: {r}" for w, r in rejected.items())
+        if abandoned:
+            why = "; ".join(f"{w}: {r}" for w, r in abandoned.items())
+            raise MissingWritersError(
+                f"version {version}: writers {sorted(abandoned)} abandoned their attempt "
+                f"({why}). Nothing was committed; publish next_version() on every "
+                f"writer{refused}"
+            )
         if time.monotonic() >= deadline:
-            why = "".join(f"; the marker of {w} was refused: {r}" for w, r in rejected.items())
             raise MissingWritersError(
                 f"version {version}: waited {timeout_s:.1f} s for the markers of writers "
                 f"{missing} (have {sorted(found)}); those trainer ranks crashed or are stuck "
                 "before finishing their blobs. Nothing was committed; publish "
                 "next_version() on every writer (their largest, if they differ) once they "
-                f"run again, or raise PublisherConfig.marker_timeout_s{why}"
+                f"run again, or raise PublisherConfig.marker_timeout_s{refused}"
             )
         time.sleep(poll_s)
+
+
+def abandon_version(
+    store: Store, version: int, writer: str, reason: str, *, signing_key: bytes | None = None
+) -> None:
+    """Store ``writer``'s notice that its attempt at ``version`` failed, so that the committer
+    (and the writers waiting for the committer's manifest) stop waiting for it. Best effort: a
+    store that refuses it leaves them to their timeout, as before the notice existed. Call it
+    only while ``version`` is not committed and cannot be (no manifest write of it without a
+    verdict)."""
+    notice = WriterAbandoned(
+        version=version,
+        writer=writer,
+        reason=reason[:MAX_REASON_CHARS],
+        created_at=time.time(),
+    )
+    try:
+        store.put(notice.key, notice.to_json(signing_key))
+    except StoreError as exc:
+        log.warning(
+            "writer %s: the notice that its attempt at version %d failed could not be stored "
+            "(%s); the other writers wait out their timeout",
+            writer,
+            version,
+            exc,
+        )
+
+
+def abandoned_reason(
+    store: Store, version: int, writer: str, *, signing_key: bytes | None = None
+) -> str | None:
+    """Why ``writer`` abandoned its attempt at ``version``, or None when it has not (no notice,
+    or one that cannot be read or, with ``signing_key``, does not verify: ignored, so that
+    nobody without the key can make a version fail)."""
+    key = names.writer_abandoned_key(version, writer)
+    try:
+        data = store.get(key, max_bytes=MAX_RECORD_BYTES)
+        notice = WriterAbandoned.from_json(data, signing_key=signing_key, what=f"notice {key!r}")
+    except KeyNotFoundError:
+        return None
+    except DeltaSyncError as exc:
+        log.warning("version %d: ignoring the abandoned notice at %r: %s", version, key, exc)
+        return None
+    if notice.version != version or notice.writer != writer:
+        return None  # misplaced
+    return notice.reason
 
 
 def claim_version(store: Store, version: int, writer: str, claim: bytes) -> None:
@@ -374,11 +438,28 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
 
 
 def wait_for_manifest(
-    catalog: Catalog, version: int, *, timeout_s: float, poll_s: float
+    catalog: Catalog,
+    version: int,
+    *,
+    timeout_s: float,
+    poll_s: float,
+    committer: str | None = None,
+    signing_key: bytes | None = None,
 ) -> Manifest:
-    """A non-committing writer waits for the committer's manifest of ``version``."""
+    """A non-committing writer waits for the committer's manifest of ``version``; it stops
+    when the ``committer`` writer abandoned its attempt (its notice: the manifest never
+    comes)."""
     deadline = time.monotonic() + timeout_s
     while not catalog.has_manifest(version):
+        reason = None
+        if committer is not None:
+            reason = abandoned_reason(catalog.store, version, committer, signing_key=signing_key)
+        if reason is not None and not catalog.has_manifest(version):
+            raise CommitTimeoutError(
+                f"version {version}: the committing writer {committer} abandoned its attempt "
+                f"({reason}); nothing was committed. This writer's changes are kept (its "
+                "tracker is not cleared); publish next_version() on every writer"
+            )
         if time.monotonic() >= deadline:
             raise CommitTimeoutError(
                 f"version {version}: waited {timeout_s:.1f} s for the committing writer (rank 0) "

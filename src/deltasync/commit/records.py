@@ -4,6 +4,9 @@
 - writer marker (``v{n}/writers/{writer}.json``): writer ``w`` finished every blob it sends
   for version n (possibly none), listing them, so the committer can build the manifest
   without listing the store and without trusting blobs nobody vouched for;
+- abandoned notice (``v{n}/writers/{writer}.abandoned``, several writers): writer w's attempt
+  at version n failed and will not be finished; the committer, and the writers waiting on the
+  committer's, stop waiting instead of waiting out their timeout;
 - ack (``acks/v{n}/{receiver}.json``): receiver r applied version n and its shard digest
   matched;
 - receiver registration (``receivers/{receiver}.json``): a live receiver, its shard and the
@@ -64,6 +67,8 @@ MAX_MARKER_BYTES = 16 * 2**20  # a writer marker lists one entry per shard it se
 MAX_CLOCK_SKEW_S = 300.0
 # Fields of a later release an ack or a registration may carry (kept, signed, ignored here).
 MAX_LATER_FIELDS = 16
+# An abandoned notice's reason (the error that ended the attempt, cut to this length).
+MAX_REASON_CHARS = 1000
 _FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
@@ -315,6 +320,63 @@ class WriterMarker(_Signed):
             )
         marker.verify(signing_key, what=what)
         return marker
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterAbandoned(_Signed):
+    """Writer ``writer``'s attempt at ``version`` failed (``reason``) and will not be finished:
+    no marker of it counts from now on. Written only while that version is not committed."""
+
+    KIND = "writer abandoned"
+
+    version: int
+    writer: str
+    reason: str
+    created_at: float
+    mac: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_int(self.version, what="abandoned notice version", lo=0, hi=names.MAX_VERSION)
+        names.check_token("writer", self.writer)
+        if not isinstance(self.reason, str) or len(self.reason) > MAX_REASON_CHARS:
+            raise ManifestError(
+                f"abandoned notice reason must be a string of at most {MAX_REASON_CHARS} "
+                f"characters, got {show(self.reason)}"
+            )
+        object.__setattr__(
+            self, "created_at", check_time(self.created_at, what="abandoned notice created_at")
+        )
+        self._check_mac_field()
+
+    @property
+    def key(self) -> str:
+        return names.writer_abandoned_key(self.version, self.writer)
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "writer": self.writer,
+            "reason": self.reason,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_json(
+        cls, data: bytes | str, *, signing_key: bytes | None = None, what: str = "abandoned notice"
+    ) -> WriterAbandoned:
+        """Parse and validate; with ``signing_key``, also require a valid MAC."""
+        with parsing(what):
+            obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
+            expect_fields(
+                obj,
+                what=what,
+                required={"version", "writer", "reason", "created_at"},
+                optional={"mac"},
+            )
+            _strings(obj, ("writer", "reason"), what=what)
+            notice = cls(**obj)
+        notice.verify(signing_key, what=what)
+        return notice
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,7 @@ def _version_of(key: str) -> int | None:
         names.parse_manifest_key,
         names.parse_writer_marker_key,
         names.parse_writer_claim_key,
+        names.parse_writer_abandoned_key,
         names.parse_blob_key,
     )
     for parse in parsers:

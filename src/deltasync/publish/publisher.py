@@ -716,10 +716,11 @@ class Publisher:
             t = time.perf_counter()
             entries, shard_bytes, shard_elements = streams.finish()
             upload_s = time.perf_counter() - t
-        except BaseException:
+        except BaseException as exc:
             streams.abort()  # no partial blob lands under a blob key; nothing is committed
             if digest_job is not None:
                 digest_job.cancel()
+            self._abandon(version, exc)
             raise
         encode_s = streams.encode_s
 
@@ -743,7 +744,7 @@ class Publisher:
             manifest, ours = self._commit(
                 marker, kind, base, digests, run_id, base_digests, entries
             )
-        except BaseException:
+        except BaseException as exc:
             stored = self._stored
             if stored is not None and stored.version == version:
                 # Committed: what failed came after (advancing LATEST, which readers skip
@@ -753,6 +754,7 @@ class Publisher:
                 self._entries = None
             elif cfg.num_writers > 1:
                 self._withdraw(marker)
+                self._abandon(version, exc)
             raise
         commit_s = time.perf_counter() - t
         self._settle(manifest)
@@ -846,7 +848,12 @@ class Publisher:
             commit_mod.advance_latest(self.store, self.catalog, version, manifest.run_id)
             return manifest, ours
         manifest = commit_mod.wait_for_manifest(
-            self.catalog, version, timeout_s=cfg.marker_timeout_s, poll_s=cfg.poll_interval_s
+            self.catalog,
+            version,
+            timeout_s=cfg.marker_timeout_s,
+            poll_s=cfg.poll_interval_s,
+            committer=cfg.writer_id(0),
+            signing_key=cfg.signing_key,
         )
         self._check_listed(manifest, entries)
         return manifest, True
@@ -866,6 +873,28 @@ class Publisher:
                 marker.version,
                 exc,
             )
+
+    def _abandon(self, version: int, exc: BaseException) -> None:
+        """After this writer's attempt at ``version`` failed with several writers: tell the
+        others (its notice), so the committer, or the writers waiting on the committer, stop
+        waiting for it, unless the version is or may yet be committed (a manifest stored, or
+        a manifest write without a verdict), or an interrupt ended it (nothing more is
+        written then)."""
+        if self.config.num_writers == 1 or not isinstance(exc, Exception):
+            return
+        if version in self._may_land:
+            return
+        try:
+            if not self.catalog.has_manifest(version):
+                commit_mod.abandon_version(
+                    self.store,
+                    version,
+                    self.writer,
+                    f"{type(exc).__name__}: {exc}",
+                    signing_key=self.config.signing_key,
+                )
+        except Exception:  # the error that ended the attempt is what the caller must see
+            log.exception("writer %s: no notice of its failed version %d", self.writer, version)
 
     def _check_shards(self, params: Params) -> None:
         """Each of this writer's parameters is its rank's dim-0 shard for ``num_writers``
