@@ -76,9 +76,22 @@ def check_number(
     raise ConfigError(f"{owner}.{field} must be a {what} {bound}, got {value!r}")
 
 
+# The longest duration a config may give (~31.7 years). A wait's timeout becomes a
+# ``timedelta``, int64 milliseconds in the collectives' status rows and int64 nanoseconds in
+# the backends: a larger finite value overflows there, mid-version and on every rank, as an
+# untyped ValueError / OverflowError that also breaks the process group.
+MAX_SECONDS = 10**9
+
+
 def check_seconds(owner: str, field: str, value: object) -> float:
-    """``check_number`` for a duration that must be > 0 seconds."""
-    return check_number(owner, field, value, unit="seconds")
+    """``check_number`` for a duration that must be > 0 seconds, at most ``MAX_SECONDS``."""
+    check_number(owner, field, value, unit="seconds")
+    if value > MAX_SECONDS:
+        raise ConfigError(
+            f"{owner}.{field} must be at most {MAX_SECONDS} seconds (~31 years), got {value!r}: "
+            "a wait that long overflows the collectives' timeouts; pass a real bound"
+        )
+    return value
 
 
 def check_bool(owner: str, field: str, value: object) -> bool:

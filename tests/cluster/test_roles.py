@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deltasync.cluster import ReceiverRole, RolePlan, WriterRole
+from deltasync.cluster import ClusterConfig, ReceiverRole, RolePlan, WriterRole
 from deltasync.cluster.roles import GroupHealth
 from deltasync.errors import ConfigError, ExchangeError, FormatError, PeerFailedError
+from deltasync.exchange import ExchangeConfig
+from deltasync.publish import PublisherConfig
+from deltasync.validate import MAX_SECONDS
 
 SHARDS = ["tp0", "tp1"]
 
@@ -143,3 +146,21 @@ def test_collectives_a_raise_deltasync_did_not_make_breaks_the_group(raised, bro
             health.check()
     else:
         health.check()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: ExchangeConfig(timeout_s=t),
+        lambda t: ClusterConfig(wait_for_version_s=t),
+        lambda t: ClusterConfig(commit_timeout_s=t),
+        lambda t: PublisherConfig(marker_timeout_s=t),
+    ],
+    ids=["exchange", "wait_for_version", "commit", "publisher"],
+)
+def test_a_finite_timeout_too_long_to_wait_on_is_refused_at_construction(make) -> None:
+    # 1e300 s was taken, and the first sync() failed on every rank holding it with an untyped
+    # "Overflow when unpacking long long" (int64 milliseconds), breaking the group
+    with pytest.raises(ConfigError, match=r"at most 1000000000 seconds"):
+        make(1e300)
+    make(MAX_SECONDS)
