@@ -57,6 +57,10 @@ from deltasync.store import Store
 log = logging.getLogger(__name__)
 
 MAX_CLAIM_BYTES = 1024  # a claim's record is read only to name its process
+# How often the waits for markers and for the manifest also read the writers' abandoned
+# notices: far less often than they poll (a notice saves a timeout of minutes; a request per
+# poll per waiting writer would double the store's load while it waits).
+NOTICE_POLL_S = 0.5
 
 
 def build_manifest(
@@ -140,7 +144,11 @@ def wait_for_markers(
     rejected: dict[str, str] = {}
     abandoned: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
+    notices_at = time.monotonic() + NOTICE_POLL_S
     while True:
+        notices = time.monotonic() >= notices_at
+        if notices:
+            notices_at = time.monotonic() + NOTICE_POLL_S
         for writer in writers:
             if writer in found:
                 continue
@@ -151,9 +159,10 @@ def wait_for_markers(
                     data, signing_key=signing_key, what=f"writer marker {key!r}"
                 )
             except KeyNotFoundError:
-                reason = abandoned_reason(store, version, writer, signing_key=signing_key)
-                if reason is not None:
-                    abandoned[writer] = reason
+                if notices:
+                    reason = abandoned_reason(store, version, writer, signing_key=signing_key)
+                    if reason is not None:
+                        abandoned[writer] = reason
                 continue
             except DeltaSyncError as exc:
                 if writer not in rejected:
@@ -450,9 +459,11 @@ def wait_for_manifest(
     when the ``committer`` writer abandoned its attempt (its notice: the manifest never
     comes)."""
     deadline = time.monotonic() + timeout_s
+    notices_at = time.monotonic() + NOTICE_POLL_S
     while not catalog.has_manifest(version):
         reason = None
-        if committer is not None:
+        if committer is not None and time.monotonic() >= notices_at:
+            notices_at = time.monotonic() + NOTICE_POLL_S
             reason = abandoned_reason(catalog.store, version, committer, signing_key=signing_key)
         if reason is not None and not catalog.has_manifest(version):
             raise CommitTimeoutError(
