@@ -101,10 +101,12 @@ def check_bool(owner: str, field: str, value: object) -> bool:
     return value
 
 
-def check_instance(owner: str, field: str, value: object, kind: type) -> object:
-    """Return ``value`` if it is an instance of ``kind``."""
+def check_instance(owner: str, field: str, value: object, kind: type | tuple[type, ...]) -> object:
+    """Return ``value`` if it is an instance of ``kind`` (one of them, for a tuple)."""
     if not isinstance(value, kind):
-        raise ConfigError(f"{owner}.{field} must be a {kind.__name__}, got {type(value).__name__}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        want = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{owner}.{field} must be a {want}, got {type(value).__name__}")
     return value
 
 

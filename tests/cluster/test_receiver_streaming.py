@@ -214,3 +214,14 @@ def test_a_live_tensor_freed_after_construction_is_refused_before_any_write(budg
         rec.apply_payload(_payload(per_writer, base=-1, digest=state_digest(want)))
     assert_same_bits({n: rec.tensors[n] for n in before}, before, "after a refused version")
     assert rec.journal.state == state  # no apply was journaled
+
+
+def test_a_list_of_tensors_or_a_number_for_the_journal_is_refused_naming_it(tmp_path) -> None:
+    # a ValueError from dict() and a TypeError from Path() before
+    tensors = random_tensors(SPECS, torch.Generator().manual_seed(0))
+    args = {"plan": PLAN, "layout": RECEIVERS, "rank": ROLE.rank, "version": 0}
+    with pytest.raises(ConfigError, match=r"ClusterReceiver\.tensors must be a Mapping, got list"):
+        ClusterReceiver(list(tensors.values()), **args)
+    with pytest.raises(ConfigError, match=r"journal_path must be a str or PathLike, got int"):
+        ClusterReceiver(tensors, journal_path=5, **args)
+    ClusterReceiver(tensors, journal_path=tmp_path / "journal.json", **args)

@@ -148,6 +148,25 @@ def test_a_receiver_given_something_else_than_a_layout_or_config_is_refused_unwr
     assert not (tmp_path / "r").exists()
 
 
+def test_a_receiver_given_a_list_of_tensors_or_a_number_for_its_dir_is_refused(tmp_path):
+    # a ValueError from dict() and a TypeError from the path functions before
+    store = MemoryStore()
+    _, rl, _, _ = anchored_bf16(store, seed=7)
+    tensors = zero_tensors(rl, "tp0")
+    where = str(tmp_path / "r")
+    with pytest.raises(ConfigError, match=r"Receiver\.tensors must be a Mapping, got list"):
+        Receiver.for_layout(store, rl, "tp0", list(tensors.values()), where, rconfig("r"))
+    with pytest.raises(
+        ConfigError, match=r"Receiver\.state_dir must be a str or PathLike, got int"
+    ):
+        Receiver.for_layout(store, rl, "tp0", tensors, 5, rconfig("r"))
+    assert not (tmp_path / "r").exists()
+    assert (
+        Receiver.for_layout(store, rl, "tp0", tensors, tmp_path / "r", rconfig("r")).pull().version
+        == 0
+    )
+
+
 def test_a_path_given_in_place_of_the_store_is_refused_with_the_remedy(tmp_path):
     # untyped AttributeErrors ("'str' object has no attribute 'list'") before, and the
     # receiver's state directory made

@@ -52,6 +52,7 @@ from deltasync.errors import AnchorRequiredError, ConfigError, LocalStateError, 
 from deltasync.exclusive import FileHold
 from deltasync.format import BlobBaseMismatchError
 from deltasync.names import MAX_VERSION
+from deltasync.validate import check_instance
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ class ClusterJournal:
             raise ConfigError(
                 f"journal version must be None or an int in 0..{MAX_VERSION}, got {version!r}"
             )
+        if path is not None:
+            check_instance("ClusterReceiver", "journal_path", path, (str, os.PathLike))
         self.path = None if path is None else Path(path)
         self._state = JournalState(committed=version)
         # the digests the verify before write found for the version being applied, in memory

@@ -120,7 +120,7 @@ from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import apply_pieces, check_tensors_match, check_tensors_still_match
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
-from deltasync.validate import check_int
+from deltasync.validate import check_instance, check_int
 
 PauseContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -205,7 +205,7 @@ class ClusterReceiver:
         self.shard = self.role.shard
         self._health = GroupHealth(f"receiver of shard {self.shard} (rank {self.rank})")
         self.specs = layout.local_specs(self.shard)
-        self.tensors = dict(tensors)
+        self.tensors = dict(check_instance("ClusterReceiver", "tensors", tensors, Mapping))
         self._check_tensors()
         self.config = config or ClusterConfig()
         if max_staged_bytes is None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -251,6 +252,8 @@ class Receiver:
         persist: Callable[[Mapping[str, torch.Tensor], LocalState], None] | None = None,
     ) -> None:
         check_store("Receiver", store)
+        check_instance("Receiver", "tensors", tensors, Mapping)
+        check_instance("Receiver", "state_dir", state_dir, (str, os.PathLike))
         if not isinstance(config, ReceiverConfig):
             raise ConfigError(
                 f"Receiver config must be a ReceiverConfig, got {type(config).__name__}: pass "
