@@ -15,6 +15,7 @@ import torch
 
 from deltasync import names
 from deltasync.commit import Catalog, WriterAbandoned, collect_garbage
+from deltasync.commit import committer as commit_mod
 from deltasync.errors import (
     CommitConflictError,
     CommitTimeoutError,
@@ -296,6 +297,8 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
     assert isinstance(first[1], CommitTimeoutError), first[1]
     assert not isinstance(first[0], Exception), first[0]
     assert Catalog(store).versions() == [0, 1]
+    # its notice landed after the committer had read its marker: the version still commits
+    assert store.exists(names.writer_abandoned_key(1, "w00001-s1"))
     for v in (2, 3):
         for t in trainers:
             t.step()
@@ -700,7 +703,6 @@ def test_a_claim_or_marker_that_cannot_be_read_back_is_a_store_error_not_another
     # The reply of our own write was lost and the read that tells whose it is failed once:
     # "another process runs as this writer", naming this very process, a fatal ConfigError.
     from deltasync.commit import WriterMarker
-    from deltasync.commit import committer as commit_mod
 
     store = scratch_store(tmp_path / "store")
     claim = commit_mod.claim_record()
@@ -905,6 +907,8 @@ def test_a_first_version_that_failed_on_one_writer_yet_committed_is_adopted(
     assert not isinstance(first[1 - failing], Exception), first
     time.sleep(0.5)  # the late write has landed
     assert Catalog(store).versions() == [0]
+    # a writer that gave up leaves a notice; a committer whose manifest may still land never
+    assert store.exists(names.writer_abandoned_key(0, f"w0000{failing}-s1")) == (failing == 1)
     _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
 
 
@@ -1060,3 +1064,40 @@ def test_an_abandoned_notice_without_the_signing_key_is_ignored_a_signed_one_tak
         store.get(names.writer_abandoned_key(2, "w00001-s1")), signing_key=key
     )
     assert notice.reason.startswith("StoreError: injected")
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_that_does_not_verify_is_logged_once_per_wait(tmp_path, caplog):
+    # ignored, but logged at every poll of a wait: a planted file flooded every rank's log for
+    # the whole marker_timeout_s
+    store = scratch_store(tmp_path / "store")
+    forged = WriterAbandoned(version=3, writer="w00000-s1", reason="forged", created_at=time.time())
+    store.put(forged.key, forged.to_json())  # unsigned
+    with caplog.at_level("WARNING", logger="deltasync.commit.committer"):
+        with pytest.raises(CommitTimeoutError, match=r"waited 1\.5 s"):
+            commit_mod.wait_for_manifest(
+                Catalog(store),
+                3,
+                timeout_s=1.5,
+                poll_s=0.01,
+                committer="w00000-s1",
+                signing_key=b"k" * 32,
+            )
+    assert sum("ignoring the abandoned notice" in r.message for r in caplog.records) == 1
+
+
+def test_a_store_without_every_store_method_is_refused(tmp_path):
+    # the check's own list left delete and size out: a failed multi-writer attempt's
+    # withdrawal then raised AttributeError over the error that ended it
+    class NoDelete:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name == "delete":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    _, _, rl = layouts()
+    with pytest.raises(ConfigError, match="without delete"):
+        Publisher(NoDelete(scratch_store(tmp_path / "store")), receiver_layout=rl)

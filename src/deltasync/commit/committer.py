@@ -143,6 +143,7 @@ def wait_for_markers(
         found[own.writer] = own
     rejected: dict[str, str] = {}
     abandoned: dict[str, str] = {}
+    ignored: set[str] = set()
     deadline = time.monotonic() + timeout_s
     notices_at = time.monotonic() + NOTICE_POLL_S
     while True:
@@ -160,7 +161,9 @@ def wait_for_markers(
                 )
             except KeyNotFoundError:
                 if notices:
-                    reason = abandoned_reason(store, version, writer, signing_key=signing_key)
+                    reason = abandoned_reason(
+                        store, version, writer, signing_key=signing_key, ignored=ignored
+                    )
                     if reason is not None:
                         abandoned[writer] = reason
                 continue
@@ -187,21 +190,21 @@ def wait_for_markers(
         missing = [w for w in writers if w not in found]
         if not missing:
             return [found[w] for w in writers]
-        refused = "".join(f"; the marker of {w} was refused: {r}" for w, r in rejected.items())
+        refused = "".join(f" The marker of {w} was refused: {r}." for w, r in rejected.items())
         if abandoned:
             why = "; ".join(f"{w}: {r}" for w, r in abandoned.items())
             raise MissingWritersError(
                 f"version {version}: writers {sorted(abandoned)} abandoned their attempt "
-                f"({why}). Nothing was committed; publish next_version() on every "
-                f"writer{refused}"
+                f"({why}).{refused} Nothing was committed; publish next_version() on every "
+                "writer"
             )
         if time.monotonic() >= deadline:
             raise MissingWritersError(
                 f"version {version}: waited {timeout_s:.1f} s for the markers of writers "
                 f"{missing} (have {sorted(found)}); those trainer ranks crashed or are stuck "
-                "before finishing their blobs. Nothing was committed; publish "
+                f"before finishing their blobs.{refused} Nothing was committed; publish "
                 "next_version() on every writer (their largest, if they differ) once they "
-                f"run again, or raise PublisherConfig.marker_timeout_s{refused}"
+                "run again, or raise PublisherConfig.marker_timeout_s"
             )
         time.sleep(poll_s)
 
@@ -233,11 +236,17 @@ def abandon_version(
 
 
 def abandoned_reason(
-    store: Store, version: int, writer: str, *, signing_key: bytes | None = None
+    store: Store,
+    version: int,
+    writer: str,
+    *,
+    signing_key: bytes | None = None,
+    ignored: set[str] | None = None,
 ) -> str | None:
     """Why ``writer`` abandoned its attempt at ``version``, or None when it has not (no notice,
     or one that cannot be read or, with ``signing_key``, does not verify: ignored, so that
-    nobody without the key can make a version fail)."""
+    nobody without the key can make a version fail). A wait passes ``ignored``, the keys it
+    logged as ignored already, so that a planted notice is logged once, not at every poll."""
     key = names.writer_abandoned_key(version, writer)
     try:
         data = store.get(key, max_bytes=MAX_RECORD_BYTES)
@@ -245,7 +254,10 @@ def abandoned_reason(
     except KeyNotFoundError:
         return None
     except DeltaSyncError as exc:
-        log.warning("version %d: ignoring the abandoned notice at %r: %s", version, key, exc)
+        if ignored is None or key not in ignored:
+            log.warning("version %d: ignoring the abandoned notice at %r: %s", version, key, exc)
+            if ignored is not None:
+                ignored.add(key)
         return None
     if notice.version != version or notice.writer != writer:
         return None  # misplaced
@@ -460,11 +472,14 @@ def wait_for_manifest(
     comes)."""
     deadline = time.monotonic() + timeout_s
     notices_at = time.monotonic() + NOTICE_POLL_S
+    ignored: set[str] = set()
     while not catalog.has_manifest(version):
         reason = None
         if committer is not None and time.monotonic() >= notices_at:
             notices_at = time.monotonic() + NOTICE_POLL_S
-            reason = abandoned_reason(catalog.store, version, committer, signing_key=signing_key)
+            reason = abandoned_reason(
+                catalog.store, version, committer, signing_key=signing_key, ignored=ignored
+            )
         if reason is not None and not catalog.has_manifest(version):
             raise CommitTimeoutError(
                 f"version {version}: the committing writer {committer} abandoned its attempt "

@@ -273,9 +273,10 @@ def check_tensors_still_match(
 ) -> None:
     """:func:`check_tensors_match`'s checks of each tensor alone (shape, dtype, values inside
     its storage: metadata only, microseconds a tensor), again before a sync: an engine may have
-    freed, resized or replaced a tensor since it handed it over (FSDP's resharding,
+    freed or resized a tensor's storage in place since it handed it over (FSDP's resharding,
     offloading), and the scatter, which writes one tensor at a time, would find it only after
-    writing the ones before it."""
+    writing the ones before it. (The receivers hold the tensor objects they were given: one
+    the engine replaced in its own mapping is not seen here.)"""
     for name, spec in specs.items():
         _check_holds(name, tensors.get(name), spec, what)
 

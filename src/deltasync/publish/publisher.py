@@ -495,7 +495,9 @@ class Publisher:
                 returns. Ignored with ``full_state`` (the digests then come from that).
             before_commit: called once every read of ``params`` (and of ``full_state``) has
                 ended, before the blobs' last bytes are stored and anything is committed; it
-                may raise to refuse the version (nothing is then stored or committed).
+                may raise to refuse the version (nothing is then committed; with several
+                writers the claim is stored already, and a notice of the refusal is stored
+                for the other writers).
 
         Returns:
             A :class:`PublishReport` with the version's kind, blobs, sizes and timings.
@@ -991,11 +993,10 @@ class Publisher:
         sent = [self._sent_names.get(v) for v in adopted]
         self._resend_whole = set().union(*sent) if all(s is not None for s in sent) else {"*"}
         log.info(
-            "writer %s: versions %s were committed with its blobs while it waited; its "
-            "changes since %s cover them: version %d's base is %d",
+            "writer %s: versions %s were committed with its blobs while its attempt failed; "
+            "version %d is a delta on %d, with every param those versions sent whole",
             self.writer,
             adopted,
-            "its start" if self.baseline is None else f"version {self.baseline}",
             head.version + 1,
             head.version,
         )

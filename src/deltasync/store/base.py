@@ -118,7 +118,7 @@ def check_store(owner: str, store: object) -> Store:
     return store  # type: ignore[return-value]
 
 
-_STORE_METHODS = ("get", "get_range", "put", "put_stream", "put_if_absent", "exists", "list")
+_STORE_METHODS = tuple(n for n, f in vars(Store).items() if not n.startswith("_") and callable(f))
 
 
 def written_at(store: object, key: str) -> float | None:
