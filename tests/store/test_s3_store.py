@@ -127,6 +127,44 @@ def test_a_failed_stream_aborts_its_multipart_upload_and_stores_nothing(s3_store
     assert uploads.get("Uploads", []) == []
 
 
+class _AbortSlowDownOnce:
+    """abort_multipart_upload's first request is answered 503 SlowDown, unapplied."""
+
+    def __init__(self, client) -> None:
+        self._client, self.aborts = client, 0
+
+    def abort_multipart_upload(self, **kwargs):
+        self.aborts += 1
+        if self.aborts == 1:
+            raise ClientError(
+                {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+                "AbortMultipartUpload",
+            )
+        return self._client.abort_multipart_upload(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_failed_streams_abort_is_retried_so_no_upload_stays_open(s3_store) -> None:
+    # The abort was sent once, outside the retries: one 503 left the upload open, and a
+    # CompleteMultipartUpload of the failed write still in flight could land later, over a
+    # newer write of the key.
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    store._client = _AbortSlowDownOnce(store._client)
+
+    def chunks():
+        yield b"x" * (6 * 2**20)
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError, match="encoder failed"):
+        store.put_stream("blob", chunks())
+    assert store._client.aborts == 2
+    uploads = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert uploads.get("Uploads", []) == []
+
+
 class _CompleteReplyLost:
     """complete_multipart_upload's first request is applied (``applied``) or not, and its
     reply lost; every retry is answered NoSuchUpload, as MinIO and AWS answer an upload that

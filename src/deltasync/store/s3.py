@@ -13,7 +13,8 @@
   byte-identical payloads can both succeed; both then agree on the stored bytes.) When it
   fails after such an attempt, it raises OutcomeUnknownError: the server may still apply
   the request later, so the key may hold our bytes now or later.
-- ``put_stream`` uses multipart upload above one part size, aborting the upload on failure.
+- ``put_stream`` uses multipart upload above one part size, aborting the upload on failure
+  (the abort retried).
 
 boto3 is imported when an S3Store is created, so the package imports without it, and an
 :class:`S3Config` can be built, validated and printed without boto3 installed (botocore is
@@ -848,16 +849,28 @@ class S3Store:
             if buf or not parts:
                 upload(bytes(buf))
             self._complete(key, full, upload_id, parts)
-        except BaseException:
+        except BaseException as exc:
             if upload_id is not None:
-                try:
-                    self._client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=full, UploadId=upload_id
-                    )
-                except Exception:
-                    pass  # the bucket's lifecycle rules reap uploads we cannot abort now
+                self._abort(key, full, upload_id, retried=isinstance(exc, Exception))
             raise
         return total
+
+    def _abort(self, key: str, full: str, upload_id: str, *, retried: bool) -> None:
+        """AbortMultipartUpload, ``retried`` like any call (not after an interrupt, which is
+        not held up by a store's retry deadline): a transient failure (a 503 SlowDown) must
+        not leave the upload open, where a CompleteMultipartUpload of it still in flight could
+        land later, over a newer write of the key. An abort that still fails (or finds the
+        upload gone: completed or aborted already) is left to the bucket's lifecycle rules;
+        the caller's error stands."""
+
+        def op(_: int) -> None:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+
+        with contextlib.suppress(Exception):  # the caller's error stands, whatever this is
+            if retried:
+                self._call("abort_multipart_upload", key, op)
+            else:
+                op(0)
 
     def _complete(self, key: str, full: str, upload_id: str, parts: list[dict]) -> None:
         """CompleteMultipartUpload, retried. A retry answered NoSuchUpload after an attempt
