@@ -291,7 +291,7 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
     # delta on 1, as the committer's is, never an anchor beside it (a version no receiver
     # could apply).
     store, tl, rl, syncs, trainers = _stepped_past_version_0(
-        tmp_path, lambda store: [SlowManifest(store, 1), store], marker_timeout_s=1.0
+        tmp_path, lambda store: [ManifestWrite(store, 1, _slow), store], marker_timeout_s=1.0
     )
     first = _everyone(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
@@ -317,7 +317,7 @@ def test_an_adopted_version_whose_changes_went_back_since_is_still_exact(tmp_pat
     # params its adopted attempt sent go out whole with version 2.
     store = scratch_store(tmp_path / "store")
     _, tl, rl = layouts()
-    syncs, trainers = _ranks([SlowManifest(store, 1), store], marker_timeout_s=1.0)
+    syncs, trainers = _ranks([ManifestWrite(store, 1, _slow), store], marker_timeout_s=1.0)
     _everyone(lambda r: syncs[r].step_published(0))
     at_0 = [{n: p.detach().clone() for n, p in t.params.items()} for t in trainers]
     for t in trainers:
@@ -348,7 +348,7 @@ def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_
     # go out whole, each at its own place between the changed ones, as the router requires.
     store = scratch_store(tmp_path / "store")
     _, tl, rl = layouts()
-    syncs, trainers = _ranks([SlowManifest(store, 1), store], marker_timeout_s=1.0)
+    syncs, trainers = _ranks([ManifestWrite(store, 1, _slow), store], marker_timeout_s=1.0)
     receivers = {
         shard: Receiver.for_layout(
             store, rl, shard, zero_tensors(rl, shard), str(tmp_path / shard), rconfig(shard)
@@ -395,7 +395,7 @@ def test_a_writer_whose_attempt_fails_after_an_adoption_goes_on_with_deltas(tmp_
     store = scratch_store(tmp_path / "store")
     _, tl, rl = layouts()
     refusing = FailingMarker(store)
-    syncs, trainers = _ranks([SlowManifest(store, 1), refusing], marker_timeout_s=1.0)
+    syncs, trainers = _ranks([ManifestWrite(store, 1, _slow), refusing], marker_timeout_s=1.0)
     receivers = {
         shard: Receiver.for_layout(
             store, rl, shard, zero_tensors(rl, shard), str(tmp_path / shard), rconfig(shard)
@@ -449,7 +449,7 @@ def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touche
                 marker_timeout_s=1.0,
             ),
         )
-        for r, s in enumerate([SlowManifest(store, 1), store])
+        for r, s in enumerate([ManifestWrite(store, 1, _slow), store])
     ]
     first, last = next(iter(trainer.params)), list(trainer.params)[-1]
 
@@ -505,19 +505,44 @@ class FailingMarker:
         return self.inner.put_if_absent(key, data)
 
 
-class SlowManifest:
-    """A store whose manifest write of ``version`` takes 2 s longer (an overloaded server)."""
+class ManifestWrite:
+    """A store whose manifest write of ``version`` is ``write(inner, key, data)`` instead."""
 
-    def __init__(self, inner, version: int) -> None:
-        self.inner, self.key = inner, names.manifest_key(version)
+    def __init__(self, inner, version: int, write) -> None:
+        self.inner, self.key, self.write = inner, names.manifest_key(version), write
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def put_if_absent(self, key, data):
         if key == self.key:
-            time.sleep(2.0)
+            return self.write(self.inner, key, data)
         return self.inner.put_if_absent(key, data)
+
+
+def _slow(inner, key, data):
+    """A write 2 s late (an overloaded server)."""
+    time.sleep(2.0)
+    return inner.put_if_absent(key, data)
+
+
+def _late(inner, key, data):
+    """A write without a verdict (an S3 PUT timed out past its retries), applied by the
+    server 0.3 s later."""
+    threading.Timer(0.3, inner.put_if_absent, args=(key, data)).start()
+    raise OutcomeUnknownError(f"the PUT of {key!r} timed out")
+
+
+def _once(ready):
+    """A write once ``ready(inner)`` (at most 30 s)."""
+
+    def write(inner, key, data):
+        deadline = time.monotonic() + 30
+        while not ready(inner) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return inner.put_if_absent(key, data)
+
+    return write
 
 
 @pytest.mark.timeout(90)
@@ -853,23 +878,6 @@ def test_a_shard_holding_only_vocabulary_padding_takes_the_writers_sparse_anchor
         assert_same_bits(rec.tensors, want[s.id], s.id)
 
 
-class LateManifest:
-    """A store whose manifest write of ``version`` ends without a verdict (an S3 PUT that
-    timed out past its retries) and is applied by the server 0.3 s later."""
-
-    def __init__(self, inner, version: int) -> None:
-        self.inner, self.key = inner, names.manifest_key(version)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_if_absent(self, key, data):
-        if key == self.key:
-            threading.Timer(0.3, self.inner.put_if_absent, args=(key, data)).start()
-            raise OutcomeUnknownError(f"the PUT of {key!r} timed out")
-        return self.inner.put_if_absent(key, data)
-
-
 def _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path, steps=2) -> None:
     """``steps`` more versions, each the all-reduce MAX of next_version(), commit as deltas
     on the one before on every writer; fresh receivers hold the last one bit-exactly."""
@@ -889,7 +897,7 @@ def _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path, steps=2) ->
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "late, failing, error",
-    [(SlowManifest, 1, CommitTimeoutError), (LateManifest, 0, OutcomeUnknownError)],
+    [(_slow, 1, CommitTimeoutError), (_late, 0, OutcomeUnknownError)],
     ids=["writer-gave-up", "no-verdict"],
 )
 def test_a_first_version_that_failed_on_one_writer_yet_committed_is_adopted(
@@ -901,7 +909,7 @@ def test_a_first_version_that_failed_on_one_writer_yet_committed_is_adopted(
     # beside the others' deltas, and nothing committed until a multiple of anchor_every.
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
-    syncs, trainers = _ranks([late(store, 0), store], marker_timeout_s=1.0)
+    syncs, trainers = _ranks([ManifestWrite(store, 0, late), store], marker_timeout_s=1.0)
     first = _everyone(lambda r: syncs[r].step_published(0))
     assert isinstance(first[failing], error), first
     assert not isinstance(first[1 - failing], Exception), first
@@ -919,7 +927,7 @@ def test_an_anchor_of_a_new_lineage_that_a_writer_gave_up_on_is_adopted(tmp_path
     # disagreement as at a first version (its baseline is of another lineage).
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
-    syncs, trainers = _ranks([SlowManifest(store, 2), store], marker_timeout_s=1.0)
+    syncs, trainers = _ranks([ManifestWrite(store, 2, _slow), store], marker_timeout_s=1.0)
     _everyone(lambda r: syncs[r].step_published(0))
     others, other_trainers = _ranks([store, store], session="s9", marker_timeout_s=1.0)
     for t in other_trainers:
@@ -936,43 +944,6 @@ def test_an_anchor_of_a_new_lineage_that_a_writer_gave_up_on_is_adopted(tmp_path
     _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
 
 
-class AfterClaim:
-    """A store whose manifest write of ``version`` waits until ``writer`` has claimed that
-    version: the other job's committer is then past its check for a committed version and
-    meets this manifest at its own exclusive write."""
-
-    def __init__(self, inner, version: int, writer: str) -> None:
-        self.inner, self.key = inner, names.manifest_key(version)
-        self.claim = names.writer_claim_key(version, writer)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_if_absent(self, key, data):
-        if key == self.key:
-            deadline = time.monotonic() + 30
-            while not self.inner.exists(self.claim) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return self.inner.put_if_absent(key, data)
-
-
-class AfterManifest:
-    """A store whose manifest write of ``version`` waits until another's is stored."""
-
-    def __init__(self, inner, version: int) -> None:
-        self.inner, self.key = inner, names.manifest_key(version)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_if_absent(self, key, data):
-        if key == self.key:
-            deadline = time.monotonic() + 30
-            while not self.inner.exists(key) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return self.inner.put_if_absent(key, data)
-
-
 @pytest.mark.timeout(90)
 def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_writers(
     tmp_path,
@@ -985,8 +956,10 @@ def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     full = {"full_everywhere": True, "marker_timeout_s": 2.0}
-    old, _ = _ranks([AfterClaim(store, 0, "w00000-s2"), store], session="s1", **full)
-    new, trainers = _ranks([AfterManifest(store, 0), store], session="s2", **full)
+    claimed = _once(lambda inner: inner.exists(names.writer_claim_key(0, "w00000-s2")))
+    old, _ = _ranks([ManifestWrite(store, 0, claimed), store], session="s1", **full)
+    stored = _once(lambda inner: inner.exists(names.manifest_key(0)))
+    new, trainers = _ranks([ManifestWrite(store, 0, stored), store], session="s2", **full)
     both = old + new
     out = _everyone(lambda r: both[r].step_published(0), world=4)
     assert all(not isinstance(x, Exception) for x in out[:3]), out
