@@ -279,6 +279,7 @@ class Publisher:
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
         self._claim = commit_mod.claim_record()  # this process's, as its writer, per version
+        self._claimed: int | None = None  # the version this attempt claimed (several writers)
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
             receiver_layout=receiver_layout,
@@ -513,6 +514,7 @@ class Publisher:
         several = self.config.num_writers > 1
         if version in self._failed and (several or not self._manifest_landed(version)):
             raise VersionError(self._not_reused(version, several))
+        self._claimed = None
         try:
             return self._publish(
                 version,
@@ -525,9 +527,11 @@ class Publisher:
                 fed=fed,
                 before_commit=before_commit,
             )
-        except BaseException:
+        except BaseException as exc:
             if several:
                 self._failed.add(version)
+                if self._claimed == version:  # wrote for it: the other writers are told
+                    self._abandon(version, exc)
             raise
 
     def _manifest_landed(self, version: int) -> bool:
@@ -626,6 +630,7 @@ class Publisher:
         self._check_shards(params)
         if cfg.num_writers > 1:  # before any blob of this version is written
             commit_mod.claim_version(self.store, version, self.writer, self._claim)
+            self._claimed = version
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
         else:
@@ -718,11 +723,10 @@ class Publisher:
             t = time.perf_counter()
             entries, shard_bytes, shard_elements = streams.finish()
             upload_s = time.perf_counter() - t
-        except BaseException as exc:
+        except BaseException:
             streams.abort()  # no partial blob lands under a blob key; nothing is committed
             if digest_job is not None:
                 digest_job.cancel()
-            self._abandon(version, exc)
             raise
         encode_s = streams.encode_s
 
@@ -746,7 +750,7 @@ class Publisher:
             manifest, ours = self._commit(
                 marker, kind, base, digests, run_id, base_digests, entries
             )
-        except BaseException as exc:
+        except BaseException:
             stored = self._stored
             if stored is not None and stored.version == version:
                 # Committed: what failed came after (advancing LATEST, which readers skip
@@ -756,7 +760,6 @@ class Publisher:
                 self._entries = None
             elif cfg.num_writers > 1:
                 self._withdraw(marker)
-                self._abandon(version, exc)
             raise
         commit_s = time.perf_counter() - t
         self._settle(manifest)
