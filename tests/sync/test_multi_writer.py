@@ -1120,3 +1120,29 @@ def test_a_failure_anywhere_after_the_claim_leaves_a_notice(tmp_path, where):
     assert all(isinstance(x, DeltaSyncError) for x in failed), failed
     assert "abandoned" in str(failed[1 - failing]), failed
     assert store.exists(names.writer_abandoned_key(1, f"w0000{failing}-s1"))
+
+
+@pytest.mark.timeout(90)
+def test_a_late_manifest_behind_a_gap_is_found_by_its_committer(tmp_path):
+    # Version 1 failed (a gap), the committer's manifest write of 2 got no verdict and landed
+    # while writer 1 waited (its base: 2). LATEST stayed at 0, and the committer's probe from
+    # it stopped at the gap: it built deltas on 0 beside writer 1's on 2, and nothing
+    # committed again (nothing in the job moves LATEST).
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    uploads = FailingUploads(store, 1)
+    syncs, trainers = _ranks([ManifestWrite(store, 2, _late), uploads], marker_timeout_s=4.0)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    uploads.armed = True
+    assert all(
+        isinstance(x, DeltaSyncError) for x in _everyone(lambda r: syncs[r].step_published(1))
+    )
+    for t in trainers:
+        t.step()
+    late = _everyone(lambda r: syncs[r].step_published(2))
+    assert isinstance(late[0], OutcomeUnknownError) and late[1][0].version == 2, late
+    assert Catalog(store).versions() == [0, 2] and Catalog(store).read_latest() == 0
+    _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
+    assert Catalog(store).manifest(3).base_version == 2

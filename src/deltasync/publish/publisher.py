@@ -583,7 +583,7 @@ class Publisher:
         try:
             # from this publisher's own commit where LATEST lags behind it (its LATEST write
             # failed after a skipped number): a delta on it, not an anchor on a new lineage
-            head = self.catalog.head(known=self.baseline)
+            head = self.catalog.head(known=self._own_newest())
             committed = None if head is None else head.version
         except ManifestError as exc:
             # The newest manifest is unreadable (torn, tampered): nothing vouches for a base,
@@ -878,6 +878,20 @@ class Publisher:
                 marker.version,
                 exc,
             )
+
+    def _own_newest(self) -> int | None:
+        """This publisher's newest version the store holds: its baseline, or a version above
+        it whose manifest write ended without a verdict and has landed since. LATEST may lag
+        behind both, below a number never committed, where the probe from it stops; with
+        several writers, the others took a landed one as their base (they saw it while they
+        waited), so this one must find it too."""
+        known = self.baseline
+        for v in sorted(self._may_land, reverse=True):
+            if known is not None and v <= known:
+                break
+            if self.catalog.has_manifest(v):
+                return v
+        return known
 
     def _abandon(self, version: int, exc: BaseException) -> None:
         """After this writer's attempt at ``version`` failed with several writers: tell the
