@@ -1076,27 +1076,27 @@ def test_a_store_without_every_store_method_is_refused(tmp_path):
         Publisher(NoDelete(scratch_store(tmp_path / "store")), receiver_layout=rl)
 
 
-class _RefusedMarker:
-    """A store that refuses writer 1's marker of version 1 before it lands."""
+class _Refused:
+    """A store that refuses the exclusive write of ``key`` before it lands."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
+    def __init__(self, inner, key: str) -> None:
+        self.inner, self.key = inner, key
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def put_if_absent(self, key, data):
-        if key == names.writer_marker_key(1, "w00001-s1"):
+        if key == self.key:
             raise StoreError(f"{key!r} was refused")
         return self.inner.put_if_absent(key, data)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("where", ["marker", "full-state"])
+@pytest.mark.parametrize("where", ["claim", "marker", "full-state"])
 def test_a_failure_anywhere_after_the_claim_leaves_a_notice(tmp_path, where):
-    # The notice was stored only by the failures of the uploads and of the commit: a marker
-    # write refused, or the committer's full_state gather failing, between the claim and those,
-    # left the other rank waiting out marker_timeout_s.
+    # The notice was stored only by the failures of the uploads and of the commit: a claim or
+    # marker write refused, or the committer's full_state gather failing, around those, left
+    # the other rank waiting out marker_timeout_s.
     gathers = []
 
     def full_state(trainer):
@@ -1108,12 +1108,16 @@ def test_a_failure_anywhere_after_the_claim_leaves_a_notice(tmp_path, where):
 
         return gather
 
-    stores = (lambda s: [s, _RefusedMarker(s)]) if where == "marker" else (lambda s: [s, s])
+    refused = {
+        "claim": names.writer_claim_key(1, "w00001-s1"),
+        "marker": names.writer_marker_key(1, "w00001-s1"),
+    }.get(where)
+    stores = (lambda s: [s, _Refused(s, refused)]) if refused else (lambda s: [s, s])
     extra = {"full_state": full_state} if where == "full-state" else {}
     store, _tl, _rl, syncs, _ = _stepped_past_version_0(
         tmp_path, stores, marker_timeout_s=60, **extra
     )
-    failing = 1 if where == "marker" else 0
+    failing = 0 if where == "full-state" else 1
     t0 = time.monotonic()
     failed = _everyone(lambda r: syncs[r].step_published(1))
     assert time.monotonic() - t0 < 20  # not the 60 s timeout

@@ -61,6 +61,7 @@ from deltasync.commit.retention import GcPlan, collect_garbage
 from deltasync.errors import (
     CommitConflictError,
     ConfigError,
+    DeltaSyncError,
     KeyNotFoundError,
     LayoutError,
     ManifestError,
@@ -629,7 +630,11 @@ class Publisher:
         self.trainer_layout.check_tied_once(params)
         self._check_shards(params)
         if cfg.num_writers > 1:  # before any blob of this version is written
-            commit_mod.claim_version(self.store, version, self.writer, self._claim)
+            try:
+                commit_mod.claim_version(self.store, version, self.writer, self._claim)
+            except StoreError:  # not another process's claim: the other writers are told
+                self._claimed = version
+                raise
             self._claimed = version
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
@@ -880,17 +885,23 @@ class Publisher:
             )
 
     def _own_newest(self) -> int | None:
-        """This publisher's newest version the store holds: its baseline, or a version above
-        it whose manifest write ended without a verdict and has landed since. LATEST may lag
-        behind both, below a number never committed, where the probe from it stops; with
-        several writers, the others took a landed one as their base (they saw it while they
-        waited), so this one must find it too."""
+        """This publisher's newest version the store holds: its baseline, or a newer attempt
+        of its own reported failed whose manifest, listing this writer, landed after all (a
+        manifest write without a verdict, applied later; a writer that gave up waiting for a
+        slow one). LATEST may lag behind both, below a number never committed, where the probe
+        from it stops; with several writers, the others took such a version as their base
+        (they saw it while they waited), so this one must find it too."""
         known = self.baseline
-        for v in sorted(self._may_land, reverse=True):
+        for v in sorted(self._failed, reverse=True):
             if known is not None and v <= known:
                 break
-            if self.catalog.has_manifest(v):
-                return v
+            if known is not None and v > known + _ADOPT_MAX:
+                continue  # too far to adopt (see _adopts)
+            try:
+                if self.catalog.has_manifest(v) and self.writer in self.catalog.manifest(v).writers:
+                    return v
+            except DeltaSyncError:  # unknown now: the probe from the baseline decides
+                return known
         return known
 
     def _abandon(self, version: int, exc: BaseException) -> None:
