@@ -101,12 +101,16 @@ def check_bool(owner: str, field: str, value: object) -> bool:
     return value
 
 
-def check_instance(owner: str, field: str, value: object, kind: type | tuple[type, ...]) -> object:
-    """Return ``value`` if it is an instance of ``kind`` (one of them, for a tuple)."""
+def check_instance(
+    owner: str, field: str, value: object, kind: type | tuple[type, ...], *, remedy: str = ""
+) -> object:
+    """Return ``value`` if it is an instance of ``kind`` (one of them, for a tuple); the error
+    ends with ``remedy`` when one is given."""
     if not isinstance(value, kind):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         want = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{owner}.{field} must be a {want}, got {type(value).__name__}")
+        tail = f": {remedy}" if remedy else ""
+        raise ConfigError(f"{owner}.{field} must be a {want}, got {type(value).__name__}{tail}")
     return value
 
 

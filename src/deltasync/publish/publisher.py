@@ -94,6 +94,7 @@ from deltasync.store import Store
 from deltasync.store.base import check_store
 from deltasync.trainer.params import local_of
 from deltasync.trainer.positions import Positions
+from deltasync.validate import check_instance
 
 
 def _joined(kept: TensorEntries | None, fed: TensorEntries | None) -> TensorEntries | None:
@@ -229,17 +230,15 @@ class Publisher:
         trainer_layout: TrainerLayout | None = None,
         config: PublisherConfig | None = None,
     ) -> None:
-        if not isinstance(receiver_layout, ReceiverLayout):
-            raise ConfigError(
-                f"Publisher.receiver_layout must be a ReceiverLayout, got "
-                f"{type(receiver_layout).__name__}: build it with ReceiverLayout.build(spec, "
-                "engine, tp) or load the probed one"
-            )
-        if trainer_layout is not None and not isinstance(trainer_layout, TrainerLayout):
-            raise ConfigError(
-                f"Publisher.trainer_layout must be a TrainerLayout or None, got "
-                f"{type(trainer_layout).__name__}"
-            )
+        check_instance(
+            "Publisher",
+            "receiver_layout",
+            receiver_layout,
+            ReceiverLayout,
+            remedy="build it with ReceiverLayout.build(spec, engine, tp) or load the probed one",
+        )
+        if trainer_layout is not None:
+            check_instance("Publisher", "trainer_layout", trainer_layout, TrainerLayout)
         self.store = check_store("Publisher", store)
         self.layout = receiver_layout
         self.trainer_layout = trainer_layout or TrainerLayout(receiver_layout.spec)

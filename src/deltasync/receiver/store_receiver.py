@@ -254,15 +254,15 @@ class Receiver:
         check_store("Receiver", store)
         check_instance("Receiver", "tensors", tensors, Mapping)
         check_instance("Receiver", "state_dir", state_dir, (str, os.PathLike))
-        if not isinstance(config, ReceiverConfig):
-            raise ConfigError(
-                f"Receiver config must be a ReceiverConfig, got {type(config).__name__}: pass "
-                "ReceiverConfig(receiver_id=...)"
-            )
-        if layout is not None and not isinstance(layout, ReceiverLayout):
-            raise ConfigError(
-                f"Receiver layout must be a ReceiverLayout or None, got {type(layout).__name__}"
-            )
+        check_instance(
+            "Receiver",
+            "config",
+            config,
+            ReceiverConfig,
+            remedy="pass ReceiverConfig(receiver_id=...)",
+        )
+        if layout is not None:
+            check_instance("Receiver", "layout", layout, ReceiverLayout)
         try:
             self.shard = names.check_token("shard", shard)
         except ManifestError as exc:
@@ -450,12 +450,13 @@ class Receiver:
         **kwargs,
     ) -> Receiver:
         """A receiver whose expected tensors are ``layout``'s local specs of ``shard``."""
-        if not isinstance(layout, ReceiverLayout):
-            raise ConfigError(
-                f"Receiver.for_layout: layout must be a ReceiverLayout, got "
-                f"{type(layout).__name__}: build it with ReceiverLayout.build(spec, engine, tp) "
-                "or load the probed one"
-            )
+        check_instance(
+            "Receiver.for_layout",
+            "layout",
+            layout,
+            ReceiverLayout,
+            remedy="build it with ReceiverLayout.build(spec, engine, tp) or load the probed one",
+        )
         return cls(
             store,
             shard=shard,
