@@ -339,6 +339,54 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
     assert out["gen_after_corrupt"] == out["gen"][VERSIONS]
 
 
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The trainer engine over a client whose pause or finish fails in transport once, and an
+    update taken while a request is in flight (a 300-token prompt in the prefix cache)."""
+    tmp = tmp_path_factory.mktemp("vllm-client-faults")
+    config = dict(CONFIG, max_position_embeddings=512)  # room for the cached prompt
+    return run_job(
+        tmp, "faults", kind="client_faults", tmp=str(tmp), dtype="bfloat16", lr=1e-2, config=config
+    )
+
+
+def test_an_update_with_a_request_in_flight_leaves_no_kv_of_the_old_weights_in_the_cache(faults):
+    """vLLM refuses to reset its prefix cache while running requests hold blocks: the reset
+    after the update was ignored, and a request sharing the cached prompt computed with the
+    previous version's KV under the new version's tag."""
+    assert faults["inflight_error"] is None
+    assert faults["inflight_version_api"] == "1"
+    assert faults["inflight_after"] == faults["inflight_truth"]  # exact floats
+
+
+def test_a_failed_pause_closes_the_update_it_opened_and_the_next_one_lands(faults):
+    """The pause failed after the stage opened vLLM's update session: the session stayed open
+    and every later update was refused ("a weight update is already active"), with an untyped
+    error first."""
+    assert faults["pause_error"].startswith("ApplyError"), faults["pause_error"]
+    assert "version 2 was not taken" in faults["pause_error"]
+    assert faults["pause_held"] == [(1, 1)]  # nothing written
+    assert faults["pause_version_api"] == "1"
+    assert faults["after_pause_error"] is None
+    assert faults["after_pause_version_api"] == "2"
+
+
+def test_a_failed_finish_after_the_write_reports_the_version_written(faults):
+    """The finish failed after every rank wrote and verified version 3: the workers and vLLM's
+    own tag went on naming version 2, and the session left open refused every later update."""
+    assert faults["finish_error"].startswith("ApplyError"), faults["finish_error"]
+    assert "version 3 was written and verified" in faults["finish_error"]
+    assert faults["finish_held"] == [(3, 3)]
+    assert faults["finish_version_api"] == "3"
+    (state,) = faults["finish_states"]
+    assert same_bits(state["tensors"], faults["finish_splits"][state["shard"]]) == []
+    assert faults["after_finish_error"] is None
+    assert faults["after_finish_version_api"] == "4"
+    (state,) = faults["after_finish_states"]
+    assert state["weight_version"] == 4
+    assert same_bits(state["tensors"], faults["after_finish_splits"][state["shard"]]) == []
+
+
 def test_a_version_out_of_range_is_refused_before_any_request_and_the_next_update_lands(served):
     # 2**64 reached vLLM as an HTTP 400 that left the update session open: every later
     # update failed ("a weight update is already active")

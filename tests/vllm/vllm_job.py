@@ -16,7 +16,10 @@
   loader reads the last good version's checkpoint into the live model and the live tensors
   and generations after it are recorded. Saves generations, the worker's tensors, the dense
   split and checkpoint of the last good version, and timings to ``spec["out"]``;
-- ``"served"``: the same trainer driving ``vllm serve`` over HTTP.
+- ``"served"``: the same trainer driving ``vllm serve`` over HTTP;
+- ``"client_faults"``: the trainer engine over a client whose calls fail as a real one's can
+  (a pause or a finish lost in transport), and an update while a request is in flight with
+  the prefix cache on; what each left the engine reporting and computing with is recorded.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch
 
 
-def start_llm(spec: dict, checkpoint: str, *, backend: bool):
+def start_llm(spec: dict, checkpoint: str, *, backend: bool, **extra):
     from vllm import LLM
 
     kwargs = {"weight_transfer_config": {"backend": "deltasync"}} if backend else {}
@@ -43,11 +46,12 @@ def start_llm(spec: dict, checkpoint: str, *, backend: bool):
         skip_tokenizer_init=True,
         dtype=spec["dtype"],
         enforce_eager=True,  # packed CPU kernels are rebuilt after updates
-        max_model_len=64,
+        max_model_len=extra.pop("max_model_len", 64),
         max_num_seqs=8,
         seed=0,
         tensor_parallel_size=spec.get("tp", 1),
         **kwargs,
+        **extra,
     )
 
 
@@ -826,6 +830,114 @@ def served(spec: dict) -> dict:
     return out
 
 
+def client_faults(spec: dict) -> dict:
+    from vllm import SamplingParams
+
+    from deltasync.engines.vllm_trainer import (
+        DeltaSyncTrainerEngine,
+        DeltaSyncTrainerInitInfo,
+        LLMClient,
+    )
+
+    class FaultyClient(LLMClient):
+        """An offline engine's client with the HTTP client's pause and resume; the next
+        ``pause`` or weight-version ``finish`` fails in transport while its flag is set."""
+
+        fail_pause = fail_finish = False
+
+        def pause(self, mode: str = "keep") -> None:
+            if self.fail_pause:
+                self.fail_pause = False
+                raise ConnectionError("POST /pause: connection reset by peer")
+
+        def resume(self) -> None:
+            pass
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            if weight_version is not None and self.fail_finish:
+                self.fail_finish = False
+                raise ConnectionError("POST /finish_weight_update: connection reset by peer")
+            super().finish_weight_update(weight_version)
+
+    tmp = Path(spec["tmp"])
+    trainer = Trainer(spec)
+    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
+    llm = start_llm(spec, str(tmp / "v0"), backend=True, max_model_len=512)
+    trainer.start()
+    trainer.publish(0)
+    client = FaultyClient(llm)
+    info = DeltaSyncTrainerInitInfo(
+        rank=0,
+        store=str(trainer.store_dir),
+        receiver_id="engine0",
+        state_dir=str(tmp / "engine-state"),
+        durable=False,
+    )
+    engine = DeltaSyncTrainerEngine.trainer_init(info, client=client)
+    out: dict = {}
+
+    def held(worker) -> tuple:
+        engine_ = worker.weight_transfer_engine
+        return engine_.weight_version, engine_.receiver.version
+
+    # A request in flight, holding KV blocks, while version 1 is taken: the prefix cache must
+    # not keep the long prompt's version-0 KV for the requests after the update.
+    prompt = [(i * 37 + 11) % 200 + 1 for i in range(300)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, detokenize=False)
+
+    def long_prompt() -> tuple:
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+        steps = result.outputs[0].logprobs
+        logprobs = [{tok: lp.logprob for tok, lp in step.items()} for step in steps]
+        return list(result.outputs[0].token_ids), logprobs
+
+    long_prompt()  # its version-0 KV is in the prefix cache now
+    llm.llm_engine.add_request(
+        "in-flight",
+        {"prompt_token_ids": [5, 6, 7, 8]},
+        SamplingParams(temperature=0.0, max_tokens=30, detokenize=False),
+    )
+    llm.llm_engine.step()
+    trainer.step()
+    trainer.publish(1)
+    out["inflight_error"] = _error_of(lambda: engine.send_weights(1))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    out["inflight_version_api"] = llm.get_weight_version()
+    out["inflight_after"] = long_prompt()
+    llm.reset_prefix_cache()  # nothing runs now: version 1 computed from scratch
+    out["inflight_truth"] = long_prompt()
+
+    # The pause fails before any write: the update this engine opened is closed, so the next
+    # update is not refused as "already active".
+    trainer.step()
+    trainer.publish(2)
+    client.fail_pause = True
+    out["pause_error"] = _error_of(lambda: engine.send_weights(2))
+    out["pause_held"] = llm.collective_rpc(held)
+    out["pause_version_api"] = llm.get_weight_version()
+    out["after_pause_error"] = _error_of(lambda: engine.send_weights(2))
+    out["after_pause_version_api"] = llm.get_weight_version()
+
+    # The finish fails after every rank wrote and verified version 3: the workers and vLLM's
+    # weight version name 3, and the next update closes the session the finish left open.
+    trainer.step()
+    trainer.publish(3)
+    client.fail_finish = True
+    out["finish_error"] = _error_of(lambda: engine.send_weights(3))
+    out["finish_held"] = llm.collective_rpc(held)
+    out["finish_version_api"] = llm.get_weight_version()
+    out["finish_states"] = llm.collective_rpc(worker_state)
+    out["finish_splits"] = trainer.layout.split(trainer.canonical())
+    trainer.step()
+    trainer.publish(4)
+    out["after_finish_error"] = _error_of(lambda: engine.send_weights(4))
+    out["after_finish_version_api"] = llm.get_weight_version()
+    out["after_finish_states"] = llm.collective_rpc(worker_state)
+    out["after_finish_splits"] = trainer.layout.split(trainer.canonical())
+    return out
+
+
 def main(path: str) -> None:
     spec = json.loads(Path(path).read_text())
     if spec["kind"] == "fresh":
@@ -833,6 +945,8 @@ def main(path: str) -> None:
         out = {"gen": generate(llm, spec["prompts"], spec["max_tokens"])}
     elif spec["kind"] == "served":
         out = served(spec)
+    elif spec["kind"] == "client_faults":
+        out = client_faults(spec)
     else:
         out = synced(spec)
     torch.save(out, spec["out"])

@@ -441,6 +441,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 f"shard {self.shard.shard!r} now holds version {report.version} (verified), not "
                 f"the requested {version}: the store committed a newer version meanwhile"
             )
+        # Held and verified from here on, whether or not finish_weight_update ever comes (a
+        # trainer killed or a request lost after the apply): never the version before it.
+        self.weight_version = receiver.version
         log.info(
             "deltasync shard %s: version %s -> %s (chain %s, %d elements, pause %.3f s)",
             self.shard.shard,

@@ -118,6 +118,9 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         # from the last rank only, and its executor then reads each later call's reply from
         # the call before: so an out-of-order call never reaches vLLM.
         self._open: int | None = None
+        # An apply whose finish_weight_update failed: vLLM's session may still be open, so the
+        # next stage closes it first (as it closes a staged update never applied).
+        self._unfinished = False
 
     @classmethod
     def trainer_init(
@@ -177,13 +180,17 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             return
         with self._lock:
             t0 = time.perf_counter()
-            if self._open is not None:  # staged and never applied: dropped, nothing written
-                log.warning(
-                    "staging version %d drops version %d, staged and never applied",
-                    version,
-                    self._open,
-                )
+            if self._open is not None or self._unfinished:
+                # staged and never applied: dropped, nothing written; or an applied update
+                # whose finish failed
+                if self._open is not None:
+                    log.warning(
+                        "staging version %d drops version %d, staged and never applied",
+                        version,
+                        self._open,
+                    )
                 self._open = None
+                self._unfinished = False
                 # best effort: a client that closed it behind this engine (vLLM's own
                 # finish_weight_update) gets a refusal here, and the stage goes on
                 with contextlib.suppress(Exception):
@@ -223,7 +230,22 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         t0 = time.perf_counter()
         pause = getattr(self.client, "pause", None) if self.pause_mode else None
         if pause is not None:
-            pause(self.pause_mode)
+            try:
+                pause(self.pause_mode)
+            except BaseException as exc:
+                # Before any write, with the update this engine opened still open in vLLM:
+                # close it (the staged version is dropped) or every later start is refused.
+                # The pause may have landed with its reply lost: resume either way.
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
+                with contextlib.suppress(Exception):
+                    self.client.resume()
+                if isinstance(exc, Exception):
+                    raise ApplyError(
+                        f"version {version} was not taken (pause; {NOTHING_WRITTEN}): "
+                        f"{type(exc).__name__}: {_failure_text(exc)}"
+                    ) from exc
+                raise
         try:
             t1 = time.perf_counter()
             try:
@@ -240,10 +262,31 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                     _raise_typed(exc, version, "apply")
                 raise
             apply_s = time.perf_counter() - t1
-            self.client.finish_weight_update(weight_version=str(version))
+            try:
+                self.client.finish_weight_update(weight_version=str(version))
+                finish_error = None
+            except Exception as exc:
+                # Every rank holds the version now: vLLM's weight version must name it, and the
+                # session it may have left open is closed by the next stage.
+                finish_error = exc
+                self._unfinished = True
+                with contextlib.suppress(Exception):
+                    self.client.update_weight_version(str(version))
             reset = getattr(self.client, "reset_prefix_cache", None)
-            if reset is not None:
-                reset()
+            if reset is not None and reset() is False:
+                # vLLM keeps its prefix cache while running requests hold blocks: later
+                # requests would reuse KV computed with the previous version's weights
+                raise ApplyError(
+                    f"version {version} was taken, but vLLM did not reset its prefix cache: "
+                    "cached KV blocks computed with the previous weights may be reused; reset "
+                    "it (reset_prefix_cache) before serving"
+                )
+            if finish_error is not None:
+                raise ApplyError(
+                    f"version {version} was written and verified on every rank, but "
+                    f"finish_weight_update failed: {type(finish_error).__name__}: "
+                    f"{_failure_text(finish_error)}. The next update closes vLLM's session"
+                ) from finish_error
         finally:
             if pause is not None:
                 self.client.resume()
@@ -313,16 +356,27 @@ class LLMClient:
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
 
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Reset vLLM's prefix cache; requests in flight are preempted (their KV blocks were
+        computed with the old weights and would keep the cache alive). Returns vLLM's answer."""
+        return bool(self.llm.reset_prefix_cache(reset_running_requests=True))
 
 
 class HTTPClient(HTTPVLLMWeightSyncClient):
     """vLLM's HTTP client plus the routes this backend's sequence uses (all mounted by
     ``VLLM_SERVER_DEV_MODE=1``): ``/reset_prefix_cache``, ``/pause``, ``/resume``."""
 
-    def reset_prefix_cache(self) -> None:
-        self._post("reset_prefix_cache")
+    def reset_prefix_cache(self) -> bool:
+        """Reset the server's prefix cache, preempting requests in flight (their KV blocks were
+        computed with the old weights and would keep the cache alive). Returns its answer."""
+        import requests
+
+        response = requests.post(
+            f"{self.base_url}/reset_prefix_cache?reset_running_requests=true",
+            timeout=self.timeout,
+        )
+        response.raise_for_status()
+        return bool(response.json().get("success", False))
 
     def update_weight_version(self, new_version: str) -> None:
         self._post("update_weight_version", {"new_version": new_version})
