@@ -341,8 +341,9 @@ def test_vllm_serve_answers_http_500_for_a_corrupted_blob_and_keeps_serving_the_
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
-    """The trainer engine over a client whose pause or finish fails in transport once, and an
-    update taken while a request is in flight (a 300-token prompt in the prefix cache)."""
+    """The trainer engine over a client whose pause, finish, cache reset or resume fails in
+    transport once, and an update taken while a request is in flight (a 300-token prompt in
+    the prefix cache)."""
     tmp = tmp_path_factory.mktemp("vllm-client-faults")
     config = dict(CONFIG, max_position_embeddings=512)  # room for the cached prompt
     return run_job(
@@ -385,6 +386,16 @@ def test_a_failed_finish_after_the_write_reports_the_version_written(faults):
     (state,) = faults["after_finish_states"]
     assert state["weight_version"] == 4
     assert same_bits(state["tensors"], faults["after_finish_splits"][state["shard"]]) == []
+
+
+def test_a_failed_cache_reset_or_resume_is_typed_and_never_hides_the_updates_own_error(faults):
+    assert faults["reset_error"].startswith("ApplyError"), faults["reset_error"]
+    assert "version 5 was taken, but vLLM did not reset its prefix cache" in faults["reset_error"]
+    assert faults["reset_version_api"] == "5"
+    # the corrupted blob's refusal, not the ConnectionError of the resume after it
+    assert faults["resume_error"].startswith("ApplyError"), faults["resume_error"]
+    assert "does not match the manifest's digest" in faults["resume_error"]
+    assert faults["resume_held"] == [(5, 5)]
 
 
 def test_a_version_out_of_range_is_refused_before_any_request_and_the_next_update_lands(served):

@@ -843,7 +843,7 @@ def client_faults(spec: dict) -> dict:
         """An offline engine's client with the HTTP client's pause and resume; the next
         ``pause`` or weight-version ``finish`` fails in transport while its flag is set."""
 
-        fail_pause = fail_finish = False
+        fail_pause = fail_finish = fail_reset = fail_resume = False
 
         def pause(self, mode: str = "keep") -> None:
             if self.fail_pause:
@@ -851,7 +851,15 @@ def client_faults(spec: dict) -> dict:
                 raise ConnectionError("POST /pause: connection reset by peer")
 
         def resume(self) -> None:
-            pass
+            if self.fail_resume:
+                self.fail_resume = False
+                raise ConnectionError("POST /resume: connection reset by peer")
+
+        def reset_prefix_cache(self) -> bool:
+            if self.fail_reset:
+                self.fail_reset = False
+                raise ConnectionError("POST /reset_prefix_cache: connection reset by peer")
+            return super().reset_prefix_cache()
 
         def finish_weight_update(self, weight_version: str | None = None) -> None:
             if weight_version is not None and self.fail_finish:
@@ -935,6 +943,20 @@ def client_faults(spec: dict) -> dict:
     out["after_finish_version_api"] = llm.get_weight_version()
     out["after_finish_states"] = llm.collective_rpc(worker_state)
     out["after_finish_splits"] = trainer.layout.split(trainer.canonical())
+
+    # The reset fails after the write: the error says the version was taken. Then a corrupted
+    # blob's refusal is the error raised, not the failed resume after it.
+    trainer.step()
+    trainer.publish(5)
+    client.fail_reset = True
+    out["reset_error"] = _error_of(lambda: engine.send_weights(5))
+    out["reset_version_api"] = llm.get_weight_version()
+    trainer.step()
+    trainer.publish(6)
+    corrupt_blob(trainer.store_dir, 6)
+    client.fail_resume = True
+    out["resume_error"] = _error_of(lambda: engine.send_weights(6))
+    out["resume_held"] = llm.collective_rpc(held)
     return out
 
 

@@ -238,8 +238,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 # The pause may have landed with its reply lost: resume either way.
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
-                with contextlib.suppress(Exception):
-                    self.client.resume()
+                self._resume_after_failure(version)
                 if isinstance(exc, Exception):
                     raise ApplyError(
                         f"version {version} was not taken (pause; {NOTHING_WRITTEN}): "
@@ -273,25 +272,60 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                 with contextlib.suppress(Exception):
                     self.client.update_weight_version(str(version))
             reset = getattr(self.client, "reset_prefix_cache", None)
-            if reset is not None and reset() is False:
-                # vLLM keeps its prefix cache while running requests hold blocks: later
-                # requests would reuse KV computed with the previous version's weights
-                raise ApplyError(
-                    f"version {version} was taken, but vLLM did not reset its prefix cache: "
-                    "cached KV blocks computed with the previous weights may be reused; reset "
-                    "it (reset_prefix_cache) before serving"
-                )
+            if reset is not None:
+                # vLLM keeps its prefix cache while running requests hold blocks (the clients
+                # preempt them): later requests would reuse KV computed with the previous
+                # version's weights
+                try:
+                    failed, cause = reset() is False, None
+                except Exception as exc:
+                    failed, cause = True, exc
+                if failed:
+                    why = (
+                        ""
+                        if cause is None
+                        else f" ({type(cause).__name__}: {_failure_text(cause)})"
+                    )
+                    raise ApplyError(
+                        f"version {version} was taken, but vLLM did not reset its prefix "
+                        f"cache{why}: cached KV blocks computed with the previous weights may "
+                        "be reused; reset it (reset_prefix_cache) before serving"
+                    ) from cause
             if finish_error is not None:
                 raise ApplyError(
                     f"version {version} was written and verified on every rank, but "
                     f"finish_weight_update failed: {type(finish_error).__name__}: "
                     f"{_failure_text(finish_error)}. The next update closes vLLM's session"
                 ) from finish_error
-        finally:
+        except BaseException:
             if pause is not None:
+                self._resume_after_failure(version)  # the apply's own error is the one raised
+            raise
+        if pause is not None:
+            try:
                 self.client.resume()
+            except Exception as exc:
+                raise ApplyError(
+                    f"version {version} was taken by every rank, but the engine did not resume "
+                    f"after its pause: {type(exc).__name__}: {_failure_text(exc)}. Resume it "
+                    "(/resume) before serving"
+                ) from exc
         self.last_timings.update(apply_call_s=apply_s, apply_total_s=time.perf_counter() - t0)
         log.info("engines took version %d (apply %.3f s)", version, apply_s)
+
+    def _resume_after_failure(self, version: int) -> None:
+        """Resume the engine after a failed apply (a pause whose reply was lost may have
+        landed), without letting a failed resume replace the apply's own error: logged."""
+        try:
+            self.client.resume()
+        except Exception as exc:
+            log.error(
+                "the engine did not resume after the failed apply of version %d (%s: %s); "
+                "resume it (/resume) before serving",
+                version,
+                type(exc).__name__,
+                _failure_text(exc),
+            )
 
     def _unverified(self, version: int) -> None:
         """After a failed apply that does not say no rank wrote anything, a worker may hold
