@@ -319,21 +319,30 @@ class Catalog:
                 out[receiver] = ack
         return out
 
-    def receivers(self) -> dict[str, ReceiverRecord]:
+    def receivers(self, *, unreadable: list[str] | None = None) -> dict[str, ReceiverRecord]:
+        """Every registration that parses, verifies and names its receiver. One the store
+        would not return (an outage) counts as absent, or, given ``unreadable``, has its
+        receiver id appended there: a reader that acts on every live receiver (retention,
+        bounded staleness, the default ack wait) must not take it for none."""
         out = {}
         for key in self.store.list(names.RECEIVERS_PREFIX):
             try:
                 receiver = names.parse_receiver_key(key)
             except ManifestError:
                 continue
-            rec = self.receiver(receiver)
+            try:
+                rec = self.receiver(receiver, strict=unreadable is not None)
+            except StoreError as exc:
+                _unreadable(key, exc)
+                unreadable.append(receiver)
+                continue
             if rec is not None:
                 out[receiver] = rec
         return out
 
-    def receiver(self, receiver: str) -> ReceiverRecord | None:
+    def receiver(self, receiver: str, *, strict: bool = False) -> ReceiverRecord | None:
         """``receiver``'s registration, or None when it has none that parses, verifies and
-        names it."""
+        names it (``strict``: a ``StoreError`` reading it is raised)."""
         key = names.receiver_key(receiver)
         try:
             data = self.store.get(key, max_bytes=MAX_RECORD_BYTES)
@@ -341,13 +350,19 @@ class Catalog:
         except (ManifestError, KeyNotFoundError, ObjectTooLargeError):
             return None
         except StoreError as exc:
+            if strict:
+                raise
             _unreadable(key, exc)
             return None
         return rec if rec.receiver == receiver else None
 
-    def live_receivers(self, ttl_s: float, now: float | None = None) -> dict[str, ReceiverRecord]:
-        now = time.time() if now is None else now
-        return {r: rec for r, rec in self.receivers().items() if rec.is_live(now, ttl_s)}
+    def live_receivers(
+        self, ttl_s: float, now: float | None = None, *, unreadable: list[str] | None = None
+    ) -> dict[str, ReceiverRecord]:
+        """:meth:`receivers` whose heartbeat is younger than ``ttl_s``."""
+        records = self.receivers(unreadable=unreadable)
+        now = time.time() if now is None else now  # after the reads, which take time
+        return {r: rec for r, rec in records.items() if rec.is_live(now, ttl_s)}
 
 
 log = logging.getLogger(__name__)
@@ -355,10 +370,13 @@ log = logging.getLogger(__name__)
 
 def _lagging(
     catalog: Catalog, committed: int, max_staleness: int, ttl_s: float
-) -> dict[str, int | None]:
+) -> dict[str, int | str | None]:
     run_id = catalog.manifest(committed).run_id
-    out = {}
-    for rid, rec in catalog.live_receivers(ttl_s).items():
+    unreadable: list[str] = []
+    live = catalog.live_receivers(ttl_s, unreadable=unreadable)
+    # a registration the store would not return may be a live receiver far behind: waited for
+    out: dict[str, int | str | None] = dict.fromkeys(unreadable, "unreadable")
+    for rid, rec in live.items():
         version = rec.version_in(run_id)  # a version of another lineage is nothing of this one
         held = -1 if version is None else version  # nothing yet: behind everything
         if committed - held > max_staleness:
@@ -439,16 +457,18 @@ def wait_for_acks(
     deadline = time.monotonic() + timeout_s
     while True:
         acks = catalog.acks(version)
-        records = None
         for rid in wanted:
             if rid in done:
                 continue
             ack = acks.get(rid)
             if ack is not None and ack.run_id not in (None, manifest.run_id):
                 ack = None
-            if records is None:
-                records = catalog.receivers()
-            rec = records.get(rid)
+            try:
+                rec = catalog.receiver(rid, strict=True)
+            except StoreError as exc:
+                # it may say the receiver lost the version since its ack: asked again
+                log.warning("record of receiver %r could not be read (%s); asked again", rid, exc)
+                continue
             if ack is not None:
                 expected = manifest.shard_digests.get(ack.shard)
                 if expected != ack.state_digest:

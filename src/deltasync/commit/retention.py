@@ -25,7 +25,9 @@ inspect) would read them all forever. A receiver that comes back writes its regi
 on its next heartbeat (every pull). Each planned registration is read again right before its
 deletion and kept if its heartbeat is fresh again (it came back while the versions were being
 deleted), so only a heartbeat landing between that read and the delete is lost, costing one
-heartbeat's absence. A registration that does not parse or verify is left alone.
+heartbeat's absence. A registration that does not parse or verify is left alone; one the
+store would not return (an outage) stops the pass before anything is deleted: taken for
+absent, a live receiver's versions would be deleted on a guess.
 
 The conditional-write probes an S3 client writes and deletes before its first commit
 (``probes/``) are deleted once older than the orphan grace (and never younger than
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING
 from deltasync import names
 from deltasync.commit.model import Manifest
 from deltasync.commit.planning import plan_retention
-from deltasync.errors import KeyNotFoundError, ManifestError
+from deltasync.errors import KeyNotFoundError, ManifestError, StoreError
 from deltasync.store.base import written_at
 
 if TYPE_CHECKING:
@@ -263,7 +265,17 @@ def collect_garbage(
     ]
     probes = _left_probes(store, max(orphan_grace_s, PROBE_MIN_AGE_S), time.time())
     run_id = manifests[committed].run_id if committed in manifests else None
-    records = catalog.receivers()  # every registration that parses and verifies
+    # Every registration that parses and verifies; one the store would not return stops the
+    # plan (as an unreadable manifest does): counted as absent, a live receiver's versions
+    # would be deleted on a guess.
+    unreadable: list[str] = []
+    records = catalog.receivers(unreadable=unreadable)
+    if unreadable:
+        raise StoreError(
+            f"retention: the registrations of receivers {unreadable} could not be read; a live "
+            "one would lose the versions it needs, so nothing was deleted. Run gc again once "
+            "the store answers"
+        )
     now = time.time()  # again: the reads above take time, and heartbeats are judged by it
     live = [
         r.version if run_id is None else r.version_in(run_id)
@@ -327,8 +339,17 @@ def collect_garbage(
 
 def _came_back(catalog, receiver: str, after_s: float) -> bool:
     """Whether ``receiver``, planned to be forgotten, registered again since the plan read its
-    record (the versions' deletions before take time): its registration is then kept."""
-    rec = catalog.receiver(receiver)
+    record (the versions' deletions before take time): its registration is then kept, as is
+    one the store would not return now."""
+    try:
+        rec = catalog.receiver(receiver, strict=True)
+    except StoreError as exc:
+        log.warning(
+            "retention: the registration of receiver %r could not be read again (%s); kept",
+            receiver,
+            exc,
+        )
+        return True
     if rec is None or time.time() - rec.updated_at > after_s:
         return False
     log.info(

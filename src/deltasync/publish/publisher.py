@@ -59,6 +59,7 @@ from deltasync.commit.model import LayoutRecord, new_run_id
 from deltasync.commit.records import ReceiverRecord
 from deltasync.commit.retention import GcPlan, collect_garbage
 from deltasync.errors import (
+    AckTimeoutError,
     CommitConflictError,
     ConfigError,
     DeltaSyncError,
@@ -383,13 +384,10 @@ class Publisher:
         beyond = self._run_went_past(manifest)
         if beyond is not None:
             log.warning(
-                "writer %s: resume from version %d: %s, past the store's newest version of that "
-                "run: the store was restored from an older copy, and the numbers after %d "
-                "already name other states; the next version is an anchor of a new run",
+                "writer %s: resume from version %d: %s; the next version is an anchor of a new run",
                 self.writer,
                 version,
                 beyond,
-                version,
             )
             return False
         self._take_committed(manifest)
@@ -410,17 +408,25 @@ class Publisher:
             except ManifestError:
                 continue
             if acked > manifest.version and not self.catalog.has_manifest(acked):
-                return f"receiver {receiver!r} acked version {acked}"
+                return _restored(manifest, f"receiver {receiver!r} acked version {acked}")
         if self.config.num_writers > 1:
             return None
-        for rid, rec in self.catalog.receivers().items():
+        unreadable: list[str] = []
+        registrations = self.catalog.receivers(unreadable=unreadable)
+        if unreadable:  # the evidence may be in them: the run is not continued on a guess
+            return (
+                f"the registrations of receivers {unreadable} could not be read, so whether "
+                "the store was restored from an older copy cannot be told"
+            )
+        for rid, rec in registrations.items():
             if (
                 rec.run_id == manifest.run_id
                 and rec.version is not None
                 and rec.version > manifest.version
                 and not self.catalog.has_manifest(rec.version)  # held: the run went on here
             ):
-                return f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
+                held = f"receiver {rid!r} holds version {rec.version} of run {manifest.run_id}"
+                return _restored(manifest, held)
         return None
 
     def _take_committed(self, manifest: Manifest) -> None:
@@ -1208,16 +1214,35 @@ class Publisher:
         Args:
             version: the version to wait for.
             receivers: receiver ids (default: every live registered one).
-            timeout: seconds; AckTimeoutError then names the receivers still missing.
+            timeout: seconds; AckTimeoutError then names the receivers still missing (or,
+                with the default, those whose registration the store would not return).
 
         Returns:
             ``{receiver: its ack of exactly version, or None if it registered a later one}``.
         """
         if receivers is None:
-            receivers = list(self.catalog.live_receivers(self.config.receiver_ttl_s))
+            receivers, timeout = self._live_ids(version, timeout)
         return wait_for_acks(
             self.catalog, version, receivers, timeout_s=timeout, poll_s=self.config.poll_interval_s
         )
+
+    def _live_ids(self, version: int, timeout: float) -> tuple[list[str], float]:
+        """The live receivers' ids and what is left of ``timeout``. A registration the store
+        would not return may be a live receiver's, never left out on a guess: read again until
+        every one reads (AckTimeoutError naming them at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            unreadable: list[str] = []
+            live = self.catalog.live_receivers(self.config.receiver_ttl_s, unreadable=unreadable)
+            if not unreadable:
+                return list(live), max(0.0, deadline - time.monotonic())
+            if time.monotonic() >= deadline:
+                raise AckTimeoutError(
+                    f"version {version}: waited {timeout:.1f} s to read the registrations of "
+                    f"receivers {unreadable}, which the store would not return, to tell which "
+                    "receivers are live. The version stays committed"
+                )
+            time.sleep(self.config.poll_interval_s)
 
     def live_receivers(self) -> dict[str, ReceiverRecord]:
         return self.catalog.live_receivers(self.config.receiver_ttl_s)
@@ -1265,3 +1290,10 @@ def _whole(changes: Iterable[Change], whole: set[str], params: Params) -> Iterat
             yield item
     for name in resend[due:]:
         yield from every_element_stream({name: params[name]})
+
+
+def _restored(manifest: Manifest, evidence: str) -> str:
+    return (
+        f"{evidence}, past the store's newest version of that run: the store was restored from "
+        f"an older copy, and the numbers after {manifest.version} already name other states"
+    )

@@ -1369,11 +1369,25 @@ class Receiver:
             )
 
     def _named(self) -> bool:
-        """Whether the store holds a registration of this receiver naming a version, as its
-        readers read it now (one no reader can read, an outage's too, names nothing to them;
-        the scatter after it then goes ahead as before, and a registration that reappears
-        after a crash ages out with its heartbeat)."""
-        rec = self.catalog.receiver(self.config.receiver_id)
+        """Whether the store may hold a registration of this receiver naming a version (one
+        that does not parse or verify names nothing to its readers, nor does a key no reader
+        can see: something planted in its place). One the store holds but would not return
+        now (an outage) may: its readers read it again once the outage is over, and a crash
+        in the scatter would leave it naming the version before, heartbeat fresh, over
+        tensors that hold neither."""
+        try:
+            rec = self.catalog.receiver(self.config.receiver_id, strict=True)
+        except StoreError as exc:
+            log.warning(
+                "receiver %r shard %r: its registration could not be read (%s)",
+                self.config.receiver_id,
+                self.shard,
+                exc,
+            )
+            try:
+                return self.store.exists(names.receiver_key(self.config.receiver_id))
+            except StoreError:
+                return True
         return rec is not None and rec.version is not None
 
     def _drop_journal(
