@@ -22,11 +22,12 @@ from deltasync import names
 from deltasync.cli import main
 from deltasync.commit import Catalog, ReceiverRecord, collect_garbage
 from deltasync.commit.retention import PROBE_MIN_AGE_S
+from deltasync.errors import StoreError
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
 from deltasync.receiver import Receiver
 from deltasync.trainer import SnapshotTracker
 
-from sync_kit import TinyTrainer, layouts, rconfig, scratch_store, zero_tensors
+from sync_kit import TinyTrainer, _Wrapper, layouts, rconfig, scratch_store, zero_tensors
 
 DAY = 86400.0
 
@@ -208,3 +209,40 @@ def test_gc_deletes_probes_older_than_the_grace_and_leaves_young_and_foreign_key
     capsys.readouterr()
     assert sorted(store.list(names.PROBES_PREFIX)) == sorted([in_flight, "probes/not a probe"])
     assert PROBE_MIN_AGE_S > 1
+
+
+class _FailingDeletes(_Wrapper):
+    """Deletions of the keys in ``failing`` fail (a store error past the retries)."""
+
+    def __init__(self, inner, failing: set[str]) -> None:
+        super().__init__(inner)
+        self.failing = failing
+
+    def get(self, key, **kwargs):
+        return self.inner.get(key, **kwargs)
+
+    def delete(self, key):
+        if key in self.failing:
+            raise StoreError(f"injected: delete {key!r} failed")
+        return self.inner.delete(key)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_deletion_neither_stops_the_pass_nor_strands_a_committed_version(tmp_path):
+    """A pass stopped at its first failed deletion, so under steady transient errors gc fell
+    behind for good. It now goes on and raises at the end; a version whose manifest could not
+    be deleted keeps every key its manifest names."""
+    _, store, _ = _published_store(tmp_path, versions=12)  # anchors 0 and 10: 0-9 doomed
+    blob_of_2 = next(k for k in store.list(names.version_prefix(2)) if k.endswith(".blob"))
+    failing = {names.manifest_key(1), blob_of_2}
+    flaky = _FailingDeletes(store, failing)
+
+    with pytest.raises(StoreError, match=r"2 of \d+ deletions failed.*versions \[1\] stay"):
+        collect_garbage(flaky, Catalog(flaky), keep_versions=1, receiver_ttl_s=120)
+    assert store.list(names.version_prefix(0)) == []  # the pass went on past both failures
+    assert store.list(names.version_prefix(2)) == [blob_of_2]
+    version_1 = store.list(names.version_prefix(1))
+    assert names.manifest_key(1) in version_1 and any(k.endswith(".blob") for k in version_1)
+    flaky.failing = set()
+    collect_garbage(flaky, Catalog(flaky), keep_versions=1, receiver_ttl_s=120, orphan_grace_s=0)
+    assert store.list(names.version_prefix(1)) == store.list(names.version_prefix(2)) == []

@@ -35,7 +35,10 @@ The conditional-write probes an S3 client writes and deletes before its first co
 probe in flight, which would pass its second write if its key were gone.
 
 Deletion order: a version's manifest goes first, so the version disappears atomically for
-readers, then its blobs and markers, then its acks; registrations of dead receivers last.
+readers, then its blobs and markers, then its acks; registrations of dead receivers last. A
+failed deletion does not stop the pass (under steady transient errors it would fall behind for
+good): the rest goes on, except the keys of a version whose manifest could not be deleted,
+which stays committed whole, and the pass then raises a ``StoreError`` counting the failures.
 :func:`collect_garbage` reads what the plan needs from a store and deletes it
 (``Publisher.gc`` and ``deltasync gc`` both run it). This module knows keys and manifests.
 """
@@ -320,14 +323,33 @@ def collect_garbage(
     if not dry_run:
         forgotten_at = {names.receiver_key(r): r for r in plan.receivers}
         kept: set[str] = set()
+        failed: list[tuple[str, StoreError]] = []
+        standing: set[int] = set()  # doomed versions whose manifest could not be deleted
         for key in plan.keys:
             receiver = forgotten_at.get(key)
             if receiver is not None and _came_back(catalog, receiver, forget_after_s):
                 kept.add(receiver)
                 continue
-            store.delete(key)
+            if standing and (_version_of(key) in standing or _ack_version(key) in standing):
+                continue  # still committed: its manifest vouches for these keys
+            try:
+                store.delete(key)
+            except StoreError as exc:
+                # One failed deletion does not stop the pass: under steady transient errors a
+                # pass that stopped at the first one would fall behind for good.
+                failed.append((key, exc))
+                if _is_manifest(key):
+                    standing.add(_version_of(key))
         for v in plan.versions:
-            catalog.forget(v)
+            if v not in standing:
+                catalog.forget(v)
+        if failed:
+            key, exc = failed[0]
+            raise StoreError(
+                f"retention: {len(failed)} of {len(plan.keys)} deletions failed (first: {key!r}: "
+                f"{exc}); every other planned key was deleted, and versions {sorted(standing)} "
+                "stay committed whole. Run gc again once the store answers"
+            ) from exc
         if kept:  # what was done, not what was planned
             plan = replace(
                 plan,
@@ -335,6 +357,14 @@ def collect_garbage(
                 receivers=tuple(r for r in plan.receivers if r not in kept),
             )
     return plan
+
+
+def _is_manifest(key: str) -> bool:
+    try:
+        names.parse_manifest_key(key)
+    except ManifestError:
+        return False
+    return True
 
 
 def _came_back(catalog, receiver: str, after_s: float) -> bool:
