@@ -832,3 +832,85 @@ def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after
         threading.Timer(die_after_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     out["fault"] = _attempt(receiver.sync)
     return out
+
+
+class EnginePause:
+    """An engine's pause hook (``ClusterReceiver(pause=...)``) that fails as engines' hooks do:
+    with ``refuse`` set its entry raises a RuntimeError (not a deltasync error) once; with
+    ``swallow`` set its exit logs and suppresses what the writes inside it raised."""
+
+    def __init__(self) -> None:
+        self.refuse = self.swallow = False
+
+    def __call__(self) -> EnginePause:
+        return self
+
+    def __enter__(self) -> None:
+        if self.refuse:
+            self.refuse = False
+            raise RuntimeError("the engine refuses to pause")
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        return self.swallow and exc is not None
+
+
+def run_engine_pause_faults(rank: int, setup: Setup) -> dict:
+    """1 writer, TP=2 receivers. Anchor 0; delta 1, which rank 2's pause hook refuses (a
+    RuntimeError), then its retry; delta 2, whose scatter on rank 2 raises at the second
+    tensor inside a pause hook that suppresses it, then its retry."""
+    import deltasync.cluster.cluster_receiver as cluster_receiver
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    plan = setup.plan()
+    out: dict = {"rank": rank, "steps": []}
+    # (step, version, whether the trainer steps before it)
+    steps = (
+        ("anchor", 0, False),
+        ("pause refused", 1, True),
+        ("retry", 1, False),
+        ("scatter error suppressed", 2, True),
+        ("retry 2", 2, False),
+    )
+    if rank == 0:
+        trainer = Trainer(setup, rank)
+        sender = trainer.sender(setup)
+        for name, version, train in steps:
+            if train:
+                trainer.step()
+            result = _attempt(lambda: sender.sync(version, anchor=version == 0))  # noqa: B023
+            out["steps"].append({**result, "name": name, "version_after": sender.version})
+            broadcast_truth(trainer.canonical_bits())
+        return out
+    role = plan.receiver(rank)
+    pause = EnginePause()
+    receiver = ClusterReceiver(
+        empty_shard(setup, role.shard),
+        plan=plan,
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+        pause=pause,
+    )
+    scatter = cluster_receiver.apply_pieces
+    for name, _, _ in steps:
+        pause.refuse = rank == 2 and name == "pause refused"
+        pause.swallow = rank == 2 and name == "scatter error suppressed"
+        calls = [0]
+
+        def failing_scatter(*args, **kwargs):
+            calls[0] += 1  # noqa: B023
+            if calls[0] == 2:  # noqa: B023
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return scatter(*args, **kwargs)
+
+        cluster_receiver.apply_pieces = failing_scatter if pause.swallow else scatter
+        result = _attempt(receiver.sync)
+        truth = expected_shard(broadcast_truth(None), setup, role.shard)
+        result.update(
+            name=name,
+            version_after=receiver.version,
+            exact=not mismatched(receiver.tensors, truth),
+        )
+        out["steps"].append(result)
+    return out

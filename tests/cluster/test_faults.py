@@ -15,6 +15,7 @@ from cluster_testkit import (
     Setup,
     run_death_between_versions,
     run_death_in_retry,
+    run_engine_pause_faults,
     run_faults,
     run_receiver_late,
     run_replacement_then_death,
@@ -48,7 +49,7 @@ def test_a_failed_detection_makes_every_rank_raise_the_same_peer_failed_error_pr
     steps = [faults[r]["detection fails"] for r in (0, 1)]
     assert {s["error"] for s in steps} == {"PeerFailedError"}
     assert len({s["message"] for s in steps}) == 1
-    assert "rank 0 failed before sending" in steps[0]["message"]
+    assert "preflight of version 2: rank 0 failed before sending" in steps[0]["message"]
     assert "change detection blew up on purpose" in steps[0]["message"]
     assert all(s["elapsed_s"] < 2.0 for s in steps)
     assert faults[0]["detection fails"]["version_after"] == 1  # baseline not advanced
@@ -314,3 +315,23 @@ def test_a_payload_too_short_for_its_framing_is_voted_and_every_rank_fails_promp
     for rank in range(1, ranks):
         retry = results[rank]["steps"][2]
         assert retry["error"] is None and retry["exact"] and retry["version_after"] == 1, retry
+
+
+@pytest.mark.timeout(150)
+def test_an_engine_pause_that_refuses_or_hides_a_failed_scatter_fails_the_version_typed() -> None:
+    """A RuntimeError from rank 2's pause hook was voted, then re-raised raw on that rank,
+    which marked its group broken: the retry failed on every rank. A hook that suppressed the
+    scatter's error let rank 2 vote ok and report version 2 over tensors holding part of it."""
+    results = spawn(run_engine_pause_faults, 3, SETUP, timeout_s=120)
+    steps = [{s["name"]: s for s in r["steps"]} for r in results]
+    assert [steps[r]["pause refused"]["error"] for r in (0, 1, 2)] == ["SyncAbortedError"] * 3
+    assert "the engine refuses to pause" in steps[0]["pause refused"]["message"]
+    suppressed = [steps[r]["scatter error suppressed"]["error"] for r in (0, 1, 2)]
+    assert suppressed == ["SyncAbortedError", "SyncAbortedError", "IntegrityError"]
+    assert "suppressed the error" in steps[2]["scatter error suppressed"]["message"]
+    assert steps[2]["scatter error suppressed"]["version_after"] is None  # holds no version
+    for name, version in (("retry", 1), ("retry 2", 2)):
+        assert steps[0][name]["error"] is None and steps[0][name]["version_after"] == version
+        for rank in (1, 2):
+            step = steps[rank][name]
+            assert step["error"] is None and step["exact"] and step["version_after"] == version

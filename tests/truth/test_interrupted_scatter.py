@@ -15,6 +15,7 @@ from truth_kit import Rig, snapshot
 
 from deltasync import LocalStore
 from deltasync.commit import Catalog
+from deltasync.errors import IntegrityError
 from deltasync.receiver import store_receiver
 
 
@@ -153,5 +154,33 @@ def test_a_pause_that_refuses_before_the_first_write_leaves_nothing_to_repair(ri
     rig.publish(4)
     report = rec.pull()
     assert not report.repaired and report.chain == (3, 4)
+    rig.rec = rec
+    rig.check(report)
+
+
+@pytest.mark.timeout(60)
+def test_a_pause_that_suppresses_an_error_midway_does_not_make_a_torn_write_a_version(
+    rig, monkeypatch
+):
+    # an engine's hook that logs what failed inside it and resumes: the receiver went on to
+    # record version 3 (state file, ack, registration) over tensors holding part of it
+    class LoggingPause:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            return exc is not None  # logged by the engine, not re-raised
+
+    rec = rig.receiver(pause=LoggingPause)
+    rig.publish(3)
+    monkeypatch.setattr(store_receiver, "apply_pieces", _stopping_after(2, RuntimeError("OOM")))
+    with pytest.raises(IntegrityError, match="suppressed the error"):
+        rec.pull()
+    monkeypatch.undo()
+    assert rec.dirty and rec.version is None
+    assert Catalog(rig.store).receivers()[rec.config.receiver_id].version is None
+    assert rec.config.receiver_id not in Catalog(rig.store).acks(3)
+    report = rec.pull()  # the journal first: version 3 whole
+    assert report.repaired and report.version == 3
     rig.rec = rec
     rig.check(report)

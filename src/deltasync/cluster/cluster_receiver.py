@@ -69,7 +69,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NoReturn
 
 import torch
@@ -109,6 +109,7 @@ from deltasync.cluster.streaming import join_payloads, receive_parts
 from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
+    DeltaSyncError,
     ExchangeError,
     IntegrityError,
     SyncAbortedError,
@@ -117,12 +118,16 @@ from deltasync.exchange import exchange
 from deltasync.exchange.notes import NoteLedger, naming
 from deltasync.exchange.status_row import describe
 from deltasync.exclusive import one_call_at_a_time
-from deltasync.format import apply_pieces, check_tensors_match, check_tensors_still_match
+from deltasync.format import (
+    PauseContext,
+    apply_pieces,
+    check_tensors_match,
+    check_tensors_still_match,
+    inside_pause,
+)
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
 from deltasync.validate import check_instance, check_int
-
-PauseContext = Callable[[], contextlib.AbstractContextManager]
 
 log = logging.getLogger(__name__)
 
@@ -487,7 +492,8 @@ class ClusterReceiver:
         # The same records again (the received bytes are immutable and were fully checked
         # above), one tensor at a time: the decoder proved every index sorted and in range.
         t = time.perf_counter()
-        with self._pause():
+        # (a pause that suppressed an error midway raises: the journal's apply stays)
+        with inside_pause(self._pause, f"version {staged.version} on rank {self.rank}"):
             for item in staged.chain(self.specs, check=False):
                 apply_pieces(item, self.tensors, ordered=True)
         pause_s = time.perf_counter() - t
@@ -635,8 +641,15 @@ class ClusterReceiver:
             )
         self._settle_due = True  # every row is in: see _settle_marks
         commit_s = time.perf_counter() - t
-        if failure is not None:
+        if isinstance(failure, DeltaSyncError):
             raise failure
+        if failure is not None:
+            # Not deltasync's own (an engine's pause hook, a MemoryError in the scatter): it was
+            # voted above, so the group still carries the protocol; raised as the verdict every
+            # rank holds, not as a backend's error that would break the group (sync's health).
+            raise SyncAbortedError(
+                verdict.message, failures=verdict.failures, anchor_required=verdict.anchor_required
+            ) from failure
         if not verdict.ok:
             raise SyncAbortedError(
                 verdict.message, failures=verdict.failures, anchor_required=verdict.anchor_required

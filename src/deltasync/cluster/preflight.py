@@ -278,6 +278,12 @@ def _show(v: int) -> str:
     return "none" if v == UNKNOWN else str(v)
 
 
+def _version_text(rows: Sequence[PreflightRow]) -> str:
+    """The version the (first) writer's row names, for a refusal every rank raises alike."""
+    writers = [r for r in rows if r.role == WRITER]
+    return f"version {_show(writers[0].version)}" if writers else "this version"
+
+
 def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     """The verdict every rank reaches from the same rows: what moves, or the same error.
     Fingerprints first: a rank built for another plan may also have failed its group check, and
@@ -299,10 +305,11 @@ def judge(rows: Sequence[PreflightRow], plan: RolePlan) -> Cleared:
     if failed:
         reasons = "; ".join(f"rank {r.rank}: {r.message or '(no message)'}" for r in failed)
         noun = "rank" if len(failed) == 1 else "ranks"
+        ranks = ", ".join(str(r.rank) for r in failed)
         raise PeerFailedError(
-            f"preflight of this version: {noun} {', '.join(str(r.rank) for r in failed)} failed "
-            f"before sending ({reasons}); no payload was sent, nothing was written, and the "
-            "group is still usable"
+            f"preflight of {_version_text(rows)}: {noun} {ranks} failed before sending "
+            f"({reasons}); no payload was sent, nothing was written, and the group is still "
+            "usable"
         )
     writers = [r for r in rows if r.role == WRITER]
     receivers = [r for r in rows if r.role == RECEIVER]
@@ -390,8 +397,7 @@ def _refuse_if_one_gave_up(rows: Sequence[PreflightRow], plan: RolePlan) -> None
     if found is None:
         return
     first, waits, late = found
-    writers = [r for r in rows if r.role == WRITER]
-    version = f"version {_show(writers[0].version)}" if writers else "this version"
+    version = _version_text(rows)
     names = ", ".join(f"{plan.who(r)} ({ms / 1000:.1f} s after it)" for r, ms in late)
     raise ExchangeTimeoutError(
         f"preflight of {version}: {names} arrived after {plan.who(first)} had "

@@ -182,7 +182,7 @@ class _StagedPull:
         if self._cancelled:
             raise ApplyError(
                 f"the staged update to version {self.version} was cancelled before its first "
-                "write; nothing was written (the journal is replayed by the next update)"
+                "write; nothing was written, and nothing is left to replay"
             )
         yield
 

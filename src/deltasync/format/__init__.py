@@ -20,7 +20,7 @@ The package knows nothing about storage, manifests, layouts of models or process
 """
 
 from deltasync.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
-from deltasync.format.apply import apply_pieces, apply_updates
+from deltasync.format.apply import PauseContext, apply_pieces, apply_updates, inside_pause
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import BlobRecords, decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob, encode_blobs
@@ -44,6 +44,7 @@ __all__ = [
     "BlobWriter",
     "DecodedBlob",
     "InvalidUpdateError",
+    "PauseContext",
     "Records",
     "TensorPieces",
     "TensorSpec",
@@ -57,6 +58,7 @@ __all__ = [
     "encode_blobs",
     "fold_chain",
     "full_updates",
+    "inside_pause",
     "iter_chain",
     "merge_writers",
     "sparse_update",

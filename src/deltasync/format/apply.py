@@ -20,17 +20,40 @@ journals (the receiver records progress before calling it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from deltasync.errors import ApplyError
+from deltasync.errors import ApplyError, IntegrityError
 from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
 from deltasync.native.loader import outside_storage, overlaps, overlaps_itself
 from deltasync.native.ops import scatter16
 
 SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
+
+# The engine's pause: a factory of the context the writes into the live tensors run inside
+# (the engine must not read them meanwhile).
+PauseContext = Callable[[], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def inside_pause(pause: PauseContext, what: str) -> Iterator[None]:
+    """``pause()`` around the writes, which must run to their end: an error raised among them
+    that the pause's exit suppressed (a hook that logs and resumes) would leave the tensors
+    holding part of ``what`` while the receiver went on to report it whole. It is an
+    IntegrityError here, raised after the pause has ended."""
+    finished = False
+    with pause():
+        yield
+        finished = True
+    if not finished:
+        raise IntegrityError(
+            f"the writes of {what} stopped midway, and the engine's pause suppressed the error "
+            "on its exit: the tensors hold part of it, and the receiver no version until the "
+            "next sync repairs it. Let the pause re-raise what it catches"
+        )
 
 
 def _check(

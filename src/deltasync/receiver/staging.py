@@ -127,15 +127,24 @@ def _wrong_size(where: str, size: int, listed: int) -> FormatError:
     return cls(
         f"{where} is {size} bytes but the manifest says {listed}: "
         f"{'truncated' if size < listed else 'extended'} in storage or transit, or replaced "
-        "by another blob; nothing was applied"
+        f"by another blob; nothing was applied. {_REMEDY}"
     )
 
 
 def _wrong_digest(where: str, listed: str) -> DigestMismatchError:
     return DigestMismatchError(
         f"{where} does not match the manifest's digest {listed}: corrupted, or replaced by "
-        "another blob (a replay or a racing publisher); nothing was applied"
+        f"another blob (a replay or a racing publisher); nothing was applied. {_REMEDY}"
     )
+
+
+# What to do about a damaged blob: damage in transit is gone at the next pull; damage in
+# storage stays in every chain through the version until an anchor after it.
+_REMEDY = (
+    "Pull again (damage in transit); damaged in storage, the blob keeps every receiver below "
+    "this version until the trainer publishes an anchor past it (step_published(v, "
+    "anchor=True)) or the blob is restored"
+)
 
 
 # What blob_bound allows beyond the elements: a record head (name, shape) per tensor, and

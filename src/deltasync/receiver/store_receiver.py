@@ -74,11 +74,13 @@ from deltasync.errors import (
 )
 from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import (
+    PauseContext,
     Records,
     TensorSpec,
     apply_pieces,
     check_tensors_match,
     check_tensors_still_match,
+    inside_pause,
     iter_chain,
 )
 from deltasync.interrupts import interrupts_deferred
@@ -205,7 +207,6 @@ class PullReport:
 log = logging.getLogger(__name__)
 
 
-PauseContext = Callable[[], contextlib.AbstractContextManager]
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
 # A fetch of more than this (for one shard) refreshes the registration while it runs
 # (ReceiverConfig.fetch_heartbeat_s); a smaller one is over long before a heartbeat is due.
@@ -1175,7 +1176,8 @@ class Receiver:
         writing = False
         before = self._state
         try:
-            with self._pause():
+            # (a pause that suppressed an error midway raises: torn, as after any error here)
+            with inside_pause(self._pause, f"versions {versions} on shard {self.shard!r}"):
                 for item in iter_chain(steps, self.specs, check=False):
                     if not writing:
                         # Torn from the first write until the last: no version, in memory
