@@ -330,6 +330,8 @@ def test_an_engine_pause_that_refuses_or_hides_a_failed_scatter_fails_the_versio
     assert suppressed == ["SyncAbortedError", "SyncAbortedError", "IntegrityError"]
     assert "suppressed the error" in steps[2]["scatter error suppressed"]["message"]
     assert steps[2]["scatter error suppressed"]["version_after"] is None  # holds no version
+    # torn, not drifted: the journal's attempt is repaired by the retry's union, no anchor
+    assert [steps[r]["scatter error suppressed"]["anchor_required"] for r in (0, 1)] == [False] * 2
     for name, version in (("retry", 1), ("retry 2", 2)):
         assert steps[0][name]["error"] is None and steps[0][name]["version_after"] == version
         for rank in (1, 2):

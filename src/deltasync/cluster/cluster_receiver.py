@@ -112,6 +112,7 @@ from deltasync.errors import (
     DeltaSyncError,
     ExchangeError,
     IntegrityError,
+    LocalStateError,
     SyncAbortedError,
 )
 from deltasync.exchange import exchange
@@ -625,7 +626,9 @@ class ClusterReceiver:
                 version=None,
                 base=None,
                 failure=describe(failure),
-                anchor_required=isinstance(failure, (AnchorRequiredError, IntegrityError))
+                # a drift marked the journal dirty; a torn write a pause hid (IntegrityError
+                # too) left it applying: the retry's union repairs that, no anchor needed
+                anchor_required=isinstance(failure, (AnchorRequiredError, LocalStateError))
                 or state.dirty
                 or state.committed is None,
             )

@@ -333,7 +333,7 @@ class Catalog:
             try:
                 rec = self.receiver(receiver, strict=unreadable is not None)
             except StoreError as exc:
-                _unreadable(key, exc)
+                log.warning("record %r could not be read (%s); reported unreadable", key, exc)
                 unreadable.append(receiver)
                 continue
             if rec is not None:
@@ -419,11 +419,23 @@ def wait_for_staleness(
             )
             logged = True
         if time.monotonic() - t0 >= timeout_s:
+            unread = sorted(r for r, v in lagging.items() if v == "unreadable")
+            behind = {r: v for r, v in lagging.items() if v != "unreadable"}
+            why = []
+            if behind:
+                why.append(
+                    f"receivers {behind} (receiver: version held) are still more than "
+                    f"{max_staleness} versions behind committed version {committed} (waited for "
+                    "until they catch up or their heartbeat expires: receiver_ttl_s)"
+                )
+            if unread:
+                why.append(
+                    f"the registrations of receivers {unread} could not be read (a live one may "
+                    "be behind: waited for until the store returns them)"
+                )
             raise StalenessTimeoutError(
-                f"bounded staleness {max_staleness}: after {timeout_s:.1f} s receivers "
-                f"{lagging} (receiver: version held) are still more than {max_staleness} "
-                f"versions behind committed version {committed}; nothing was published. Check "
-                "those receivers, or let their heartbeat expire (receiver_ttl_s) to drop them"
+                f"bounded staleness {max_staleness}: after {timeout_s:.1f} s "
+                f"{'; '.join(why)}; nothing was published. Check those receivers"
             )
         time.sleep(poll_s)
 
@@ -497,6 +509,6 @@ def wait_for_acks(
 
 def _unreadable(key: str, exc: StoreError) -> None:
     """A record that cannot be read (planted with no read permission, an outage) counts as
-    absent, as a malformed one does: one such key must not stop every reader of records
-    (acks, bounded staleness, retention, inspect)."""
+    absent, as a malformed one does, for a reader that does not ask for it (acks, inspect);
+    the readers that act on every live receiver do (:meth:`Catalog.receivers`)."""
     log.warning("record %r could not be read (%s); treated as absent", key, exc)

@@ -348,7 +348,8 @@ def collect_garbage(
             raise StoreError(
                 f"retention: {len(failed)} of {len(plan.keys)} deletions failed (first: {key!r}: "
                 f"{exc}); every other planned key was deleted, and versions {sorted(standing)} "
-                "stay committed whole. Run gc again once the store answers"
+                "keep every key their manifest names (the older versions of their chains may "
+                "be gone). Run gc again once the store answers"
             ) from exc
         if kept:  # what was done, not what was planned
             plan = replace(

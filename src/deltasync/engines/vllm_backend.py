@@ -212,7 +212,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.shard: VllmShard | None = None
         self._shard_key: tuple[Any, ...] | None = None  # what self.shard was built from
         self.receiver: Receiver | None = None
-        self.weight_version: int | None = None  # recorded by finish_weight_update
+        self.weight_version: int | None = None  # recorded by the apply, and the finish
         self.last_report: PullReport | None = None
         self.last_update_s = 0.0  # wall time of the last apply call (this worker)
         self.last_pause_s = 0.0  # the scatter and kernel refresh (this worker)

@@ -286,6 +286,12 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
                         if cause is None
                         else f" ({type(cause).__name__}: {_failure_text(cause)})"
                     )
+                    if finish_error is not None:  # named here too: this error replaces it
+                        why += (
+                            f", and finish_weight_update failed ({type(finish_error).__name__}: "
+                            f"{_failure_text(finish_error)}; the next update closes vLLM's "
+                            "session)"
+                        )
                     raise ApplyError(
                         f"version {version} was taken, but vLLM did not reset its prefix "
                         f"cache{why}: cached KV blocks computed with the previous weights may "
@@ -409,7 +415,11 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
             f"{self.base_url}/reset_prefix_cache?reset_running_requests=true",
             timeout=self.timeout,
         )
+        if response.status_code == 409:  # releases that check: running requests kept it
+            return False
         response.raise_for_status()
+        if not response.content:  # releases that answer an empty 200 (they do not check)
+            return True
         return bool(response.json().get("success", False))
 
     def update_weight_version(self, new_version: str) -> None:

@@ -44,16 +44,20 @@ def inside_pause(pause: PauseContext, what: str) -> Iterator[None]:
     that the pause's exit suppressed (a hook that logs and resumes) would leave the tensors
     holding part of ``what`` while the receiver went on to report it whole. It is an
     IntegrityError here, raised after the pause has ended."""
-    finished = False
+    finished, hidden = False, None
     with pause():
-        yield
+        try:
+            yield
+        except BaseException as exc:
+            hidden = exc
+            raise
         finished = True
     if not finished:
         raise IntegrityError(
-            f"the writes of {what} stopped midway, and the engine's pause suppressed the error "
-            "on its exit: the tensors hold part of it, and the receiver no version until the "
-            "next sync repairs it. Let the pause re-raise what it catches"
-        )
+            f"the writes of {what} stopped midway ({type(hidden).__name__}: {hidden}), and the "
+            "engine's pause suppressed the error on its exit: the tensors hold part of it. Let "
+            "the pause re-raise what it catches"
+        ) from hidden
 
 
 def _check(

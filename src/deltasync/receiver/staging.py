@@ -93,7 +93,7 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     except ObjectTooLargeError:
         raise FormatError(
             f"{where} is larger than the manifest's {entry.size} bytes: extended in storage, "
-            "or replaced by another blob; not read, nothing was applied"
+            f"or replaced by another blob; not read, nothing was applied. {_REMEDY}"
         ) from None
     if len(data) != entry.size:
         raise _wrong_size(where, len(data), entry.size)
