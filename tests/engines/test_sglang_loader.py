@@ -938,3 +938,29 @@ def test_arguments_that_are_not_what_sglang_passes_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"too long for shard 'tp0'"):
         check_taken(_parsed(tmp_path, 1, receiver_id="r" * 126))
     assert model._deltasync_shard.receiver.version == 0
+
+
+def test_check_taken_says_unknown_not_refused_while_a_registration_cannot_be_read(
+    tmp_path, monkeypatch
+):
+    # an outage on the registration read was reported as "shard 'tp0' holds no registration":
+    # the caller was told the rank refused a version it had taken
+    trainer = StoreTrainer(ENGINE_CONFIG, LocalStore(tmp_path / "store", durable=False), tp=1)
+    trainer.publish(0)
+    model = _models(trainer.split(), 1)[0]
+    trainer.step()
+    trainer.publish(1)
+    taken = _parsed(tmp_path, 1)
+    assert take_version(model, request_tensors(taken), tp_rank=0, tp=1).version == 1
+    read = LocalStore.get
+
+    def outage(store, key, **kwargs):
+        if key.startswith(names.RECEIVERS_PREFIX):
+            raise StoreError(f"injected: {key!r} could not be read")
+        return read(store, key, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get", outage)
+    with pytest.raises(StoreError, match="whether it took version 1 is unknown"):
+        check_taken(taken)
+    monkeypatch.undo()
+    check_taken(taken)

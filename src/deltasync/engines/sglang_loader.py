@@ -72,6 +72,7 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     KeyNotFoundError,
+    StoreError,
     VersionError,
 )
 from deltasync.store import Store
@@ -236,6 +237,8 @@ def check_taken(request: SglangRequest) -> None:
             came); the reason is in the engine's log (``deltasync SGLang ...``). The next
             request brings every rank to the newest version.
         VersionError: ``request.version`` is not committed in the store.
+        StoreError: a rank's registration could not be read (an outage): whether it took
+            the version is unknown, not refused.
     """
     catalog = Catalog(request.open_store(), signing_key=request.signing_key())
     try:
@@ -248,7 +251,15 @@ def check_taken(request: SglangRequest) -> None:
     shards = sorted(manifest.layout.shards if manifest.layout else manifest.shard_digests)
     missing = []
     for shard in shards:
-        record = catalog.receiver(request.shard_receiver(shard, where=f"shard {shard!r}"))
+        receiver = request.shard_receiver(shard, where=f"shard {shard!r}")
+        try:
+            record = catalog.receiver(receiver, strict=True)
+        except StoreError as exc:  # not "no registration": nothing is known of that rank
+            raise StoreError(
+                f"receiver {request.receiver_id!r} shard {shard!r}: its registration could not "
+                f"be read ({exc}), so whether it took version {request.version} is unknown; ask "
+                "again (check_taken) once the store answers"
+            ) from exc
         held = None if record is None else record.version_in(manifest.run_id)
         # the rank verified what it names while taking this request (not a registration an
         # earlier request left, nor one a refusal wrote before any check: Receiver.answering)
