@@ -669,3 +669,38 @@ def test_fused_set_on_a_group_after_construction_sends_a_non_contiguous_paramete
         tracker.clear()
         truth.clear()
     tracker.close()
+
+
+def test_fused_adam_over_a_non_contiguous_optimizer_state_sends_the_parameter_whole():
+    # A checkpoint of a channels_last model resumed into a contiguous one: the loaded
+    # exp_avg / exp_avg_sq keep their channels_last strides, and torch's fused kernel walks
+    # them by storage, pairing each element with another one's moments.
+    g = torch.Generator().manual_seed(14)
+    p = torch.nn.Parameter(torch.randn(16, 8, 3, 3, generator=g) * 0.05)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
+    p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        opt.state[p][key] = opt.state[p][key].contiguous(memory_format=torch.channels_last)
+    tracker = AdamWTracker(opt, [("p", p)])
+    truth = SnapshotTracker([("p", p)])
+    for _ in range(3):
+        p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        missed, _, true = _compare(_check_values(tracker, [("p", p)]), truth.changed())
+        assert true > 0 and missed == 0
+        tracker.clear()
+        truth.clear()
+    tracker.close()
+
+
+def test_a_negative_lr_set_by_hand_keeps_the_subnormal_allowance_positive():
+    # torch's constructor refuses lr < 0; an edit of param_groups (gradient ascent) is not
+    # checked. A negative allowance dropped the slack for subnormal rounding: misses.
+    from deltasync.trainer.adamw_bound import StepHyper, kernel_scalars
+
+    for lr in (-5e-9, -1e-8, -1e-3):
+        h = StepHyper(
+            lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, step=3
+        )
+        assert kernel_scalars(h).abs_e > 0

@@ -677,3 +677,53 @@ def test_another_optimizers_fused_step_interrupted_after_its_update_is_reported_
     tracker.clear(), truth.clear()
     _step(model, opt, 3)
     _check(tracker, truth, set())
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_a_param_sharing_memory_with_one_another_optimizer_steps_takes_the_snapshot_path(impl):
+    # the critic's parameter is a view of the actor's trunk: a fused step of the critic's
+    # optimizer writes the trunk without moving its counter, and its hook names the critic's
+    # parameter only
+    torch.manual_seed(0)
+    trunk = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    critic = torch.nn.Parameter(trunk.detach()[:16])
+    actor_opt = torch.optim.AdamW([trunk], lr=1e-3, **impl)
+    critic_opt = torch.optim.AdamW([critic], lr=1e-3, **impl)
+    named = [("trunk", trunk), ("critic", critic)]
+    tracker = AdamWTracker(actor_opt, named)
+    assert "shares memory with parameter 'critic'" in tracker.fallback["trunk"].reason
+    truth = SnapshotTracker(named)
+    for _ in range(2):
+        trunk.grad = torch.randn_like(trunk)
+        actor_opt.step()
+        critic.grad = torch.randn_like(critic)
+        critic_opt.step()
+        seen = truth.changed()
+        assert seen["trunk"].numel() > 0 and _missed(tracker.changed(), seen) == 0
+        tracker.clear()
+        truth.clear()
+    tracker.close()
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_moments_shared_between_params_send_both_in_full(impl):
+    # model surgery: a shallow copy of one parameter's state for another, its own step count;
+    # the second update rewrites the moments after the first one used them
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    b = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    opt = torch.optim.AdamW([a, b], lr=1e-3, **impl)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    opt.state[b] = {**opt.state[a], "step": opt.state[a]["step"].clone()}
+    named = [("a", a), ("b", b)]
+    tracker = AdamWTracker(opt, named)
+    truth = SnapshotTracker(named)
+    for _ in range(2):
+        a.grad, b.grad = torch.randn_like(a), torch.randn_like(b) * 100
+        opt.step()
+        seen = truth.changed()
+        assert seen["a"].numel() > 0 and _missed(tracker.changed(), seen) == 0
+        tracker.clear()
+        truth.clear()
+    tracker.close()

@@ -154,7 +154,9 @@ def kernel_scalars(h: StepHyper) -> KernelScalars:
     if not factor <= MAX_REL_U:  # the caller checks invertible() first
         raise ValueError(f"bias corrections at step {h.step} have no useful fp32 bound")
     inv_c = _f32(1.0 / c)
-    abs_e = _TINY * 4.0 * (1.0 + step_size / h.eps) / c if h.eps > 0 else math.inf
+    # |step_size|: a negative lr (set by hand: only the constructor refuses one) must not
+    # turn the subnormal allowance negative
+    abs_e = _TINY * 4.0 * (1.0 + abs(step_size) / h.eps) / c if h.eps > 0 else math.inf
     return KernelScalars(
         bc2s=_f32(math.sqrt(bc2)),
         eps=_f32(h.eps),

@@ -140,6 +140,20 @@ def _param_unsupported(group: dict, p: torch.Tensor) -> str | None:
     return None
 
 
+def _state_unsupported(group: dict, state: dict) -> str | None:
+    """Why the bound does not cover the step that left ``state``, or None. torch's fused
+    kernel walks the optimizer state by its storage too, ignoring its strides: a state laid
+    out otherwise than contiguously (a checkpoint of a channels_last model loaded into a
+    contiguous one) pairs each element with another element's moments, while the inversion
+    reads them in logical order."""
+    if group.get("fused") and any(
+        isinstance(t, torch.Tensor) and t.dim() > 0 and not local_of(t).is_contiguous()
+        for t in state.values()
+    ):
+        return "fused=True steps a non-contiguous optimizer state by its storage, not its strides"
+    return None
+
+
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
@@ -436,6 +450,24 @@ class AdamWTracker:
                 f"shares memory with parameter {other!r}, which the optimizer also steps: "
                 "each one's update writes the other"
             )
+        # one that shares memory with a parameter off the bound (a snapshot-path one another
+        # optimizer steps, or a constant): whatever steps that one writes this one, and a fused
+        # step does so without moving a version counter or naming this parameter
+        beside = touching(
+            ((n, self._watched[n].local(), id(p)) for n, (p, _) in self._covered.items()),
+            (
+                (n, w.local(), id(w.param))
+                for n, w in self._watched.items()
+                if n not in self._covered
+            ),
+        )
+        for name, other in beside.items():
+            del self._covered[name]
+            reasons[name] = (
+                f"shares memory with parameter {other!r}, which is off the bound (another "
+                "optimizer may step it: a fused step writes this one without moving its version "
+                "counter)"
+            )
         # a constant that shares memory with another parameter: whatever steps that one (this
         # optimizer, another, or this one after add_param_group) writes the constant, and a
         # fused step does so without moving the version counter that would have told
@@ -717,6 +749,7 @@ class AdamWTracker:
             ok = (
                 bad is None
                 and _param_unsupported(group, p) is None  # fused may be set since (a reload)
+                and _state_unsupported(group, state) is None
                 and _state_usable(local_of(p), m, v)
                 and after == int(after)
             )
@@ -727,6 +760,21 @@ class AdamWTracker:
             self._pending.append((name, hyper, v_key))
             if ok:
                 self._seals[name] = _Seal.of(m, v)
+        # Moments shared between parameters (a shallow copy of one's state for another in model
+        # surgery): a later parameter's update rewrote them after an earlier one's used them,
+        # so the state no longer holds what either step used: both go in full.
+        holder: dict[tuple[torch.device, int], str] = {}
+        shared: set[str] = set()
+        for name in stepped:
+            if name in self._covered:
+                for t in opt.state.get(self._covered[name][0], {}).values():
+                    if isinstance(t, torch.Tensor) and t.dim() > 0:
+                        t = local_of(t)
+                        first = holder.setdefault((t.device, t.data_ptr()), name)
+                        if first != name:
+                            shared.update((first, name))
+        if shared:
+            self._pending[:] = [(n, None if n in shared else h, k) for n, h, k in self._pending]
         # The step's own writes are not out of band, and only the params it stepped are
         # written by it: any other counter that moved (a frozen param added to the optimizer
         # after this tracker was built, a step hook's edit) is seen at the next check.
