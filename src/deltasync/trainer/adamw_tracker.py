@@ -75,6 +75,7 @@ from deltasync.trainer.params import (
     OutOfBandWatch,
     Version,
     Watched,
+    is_dtensor,
     local_of,
     version_of,
     watch,
@@ -763,16 +764,28 @@ class AdamWTracker:
         # Moments shared between parameters (a shallow copy of one's state for another in model
         # surgery): a later parameter's update rewrote them after an earlier one's used them,
         # so the state no longer holds what either step used: both go in full.
-        holder: dict[tuple[torch.device, int], str] = {}
-        shared: set[str] = set()
-        for name in stepped:
-            if name in self._covered:
-                for t in opt.state.get(self._covered[name][0], {}).values():
+        # Keyed by storage, then by extent (views at other offsets overlap too); one tensor
+        # under two names (tied weights) has one state: the same owner never counts. A
+        # parameter off the bound or not tracked at all steps the moments it shares as well.
+        stepped_ids = {id(self._covered[n][0]) for n in stepped if n in self._covered}
+        covered_ids = {id(p) for p, _ in self._covered.values()}
+        by_storage: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor, int]]] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in stepped_ids and (id(p) in covered_ids or p.grad is None):
+                    continue  # not stepped by this step (one off the bound: by its gradient)
+                for t in opt.state.get(p, {}).values():
                     if isinstance(t, torch.Tensor) and t.dim() > 0:
-                        t = local_of(t)
-                        first = holder.setdefault((t.device, t.data_ptr()), name)
-                        if first != name:
-                            shared.update((first, name))
+                        t = local_of(t) if is_dtensor(t) else t
+                        key = (t.device, t.untyped_storage().data_ptr())
+                        by_storage.setdefault(key, []).append((str(id(p)), t, id(p)))
+        owners: set[str] = set()
+        for found in by_storage.values():
+            if len({owner for _, _, owner in found}) > 1:
+                owners.update(overlapping(found))
+        shared = {
+            n for n in stepped if n in self._covered and str(id(self._covered[n][0])) in owners
+        }
         if shared:
             self._pending[:] = [(n, None if n in shared else h, k) for n, h, k in self._pending]
         # The step's own writes are not out of band, and only the params it stepped are
