@@ -96,7 +96,9 @@ class LayoutProbeError(LayoutError):
 
 
 class ApplyError(DeltaSyncError):
-    """An update cannot be applied to the given target tensors; nothing was written."""
+    """An update cannot be applied to the given target tensors, or an engine did not take a
+    version as asked. Refused before the first write, nothing was written; an engine's step
+    that failed after the write (a finish, a cache reset, a resume) says so in the message."""
 
 
 # --- versions and storage -----------------------------------------------------------------
