@@ -806,3 +806,76 @@ def test_tied_weights_under_two_names_are_not_taken_for_shared_moments(impl):
         assert 0 < sent["embed.weight"].numel() < embed.weight.numel()
         tracker.clear()
     tracker.close()
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_shared_moments_of_scalar_parameters_send_both_in_full(impl):
+    # learnable scalars (a logit scale): their moments are 0-dim like the step count, and were
+    # left out of the check
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(1.0 + torch.randn(()) * 0.02) for _ in range(50)]
+    b = [torch.nn.Parameter(1.0 + torch.randn(()) * 0.02) for _ in range(50)]
+    opt = torch.optim.AdamW([*a, *b], lr=1e-3, **impl)
+    for p in (*a, *b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for x, y in zip(a, b, strict=True):
+        opt.state[y] = {**opt.state[x], "step": opt.state[x]["step"].clone()}
+
+    def grads():
+        for x, y in zip(a, b, strict=True):
+            x.grad, y.grad = torch.randn_like(x), torch.randn_like(y) * 100
+
+    named = [(f"a{i}", x) for i, x in enumerate(a)] + [(f"b{i}", y) for i, y in enumerate(b)]
+    assert _misses_over_steps(opt, named, grads) == 0
+
+
+def test_moments_shared_with_another_optimizers_state_send_the_tracked_one_whole():
+    # a value head's optimizer handed a shallow copy of a policy parameter's state: its fused
+    # step after the tracked one rewrites the moments without moving their version counters
+    # (a single-tensor step moves them, and the seal sees it)
+    impl = dict(fused=True)
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    head = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    opt = torch.optim.AdamW([a], lr=1e-3, **impl)
+    head_opt = torch.optim.AdamW([head], lr=1e-3, **impl)
+    a.grad = torch.randn_like(a)
+    opt.step()
+    head_opt.state[head] = {**opt.state[a], "step": opt.state[a]["step"].clone()}
+    tracker = AdamWTracker(opt, [("a", a)])
+    truth = SnapshotTracker([("a", a)])
+    for _ in range(3):
+        a.grad, head.grad = torch.randn_like(a), torch.randn_like(head) * 100
+        opt.step()
+        head_opt.step()
+        seen = truth.changed()
+        assert seen["a"].numel() > 0 and _missed(tracker.changed(), seen) == 0
+        tracker.clear()
+        truth.clear()
+    tracker.close()
+
+
+def test_an_optimizer_whose_state_has_no_storage_still_steps():
+    # sparse momentum (or a wrapper subclass, as quantized optimizer states are): the shared
+    # state check read every state tensor's storage, and every step after the first raised
+    w = torch.nn.Parameter(torch.randn(16, 16))
+
+    class SparseMomentumSGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=1e-3))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["momentum"] = p.grad.to_sparse()
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    opt = SparseMomentumSGD([w])
+    tracker = AdamWTracker(opt, [("w", w)])  # not Adam: the snapshot path
+    for _ in range(2):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert tracker.changed()["w"].numel() > 0
+    tracker.close()

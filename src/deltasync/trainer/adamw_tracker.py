@@ -155,6 +155,15 @@ def _state_unsupported(group: dict, state: dict) -> str | None:
     return None
 
 
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Where ``t``'s storage is, or None for a tensor without a readable one (sparse, mkldnn,
+    a wrapper subclass such as torchao's quantized optimizer states)."""
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError, TypeError):
+        return None
+
+
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
@@ -696,9 +705,81 @@ class AdamWTracker:
         in full (its version counter would say so, but a fused step does not move it)."""
         if opt is self._opt:
             return
+        self._foreign_moments(opt)
         for name in self._tracked_in(opt):
             self._oob.mark(name, "stepped by another optimizer than the tracked one")
         self._foreign_open.pop(id(opt), None)
+
+    def _foreign_moments(self, opt: torch.optim.Optimizer) -> None:
+        """Another optimizer stepped: a pending step whose moments share memory with that
+        optimizer's state (a shallow copy of one's state into the other) was rewritten since
+        its inversion's state was taken, and a fused step moves no version counter that the
+        seal would see: it goes in full."""
+        pending = {n for n, h, _ in self._pending if h is not None and n in self._covered}
+        if not pending:
+            return
+        ours: list[tuple[str, torch.Tensor, object]] = []
+        for n in pending:
+            for k, t in self._opt.state.get(self._covered[n][0], {}).items():
+                if isinstance(t, torch.Tensor) and k != "step":
+                    t = local_of(t) if is_dtensor(t) else t
+                    if _storage_key(t) is not None:
+                        ours.append((n, t, "ours"))
+        theirs: list[tuple[str, torch.Tensor, object]] = []
+        opaque = False
+        for group in opt.param_groups:
+            for q in group["params"]:
+                for k, t in opt.state.get(q, {}).items():
+                    if isinstance(t, torch.Tensor) and (t.dim() > 0 or k != "step"):
+                        t = local_of(t) if is_dtensor(t) else t
+                        if _storage_key(t) is None:
+                            opaque = True
+                        else:
+                            theirs.append((str(id(q)), t, "theirs"))
+        hit = pending if opaque else set(touching(ours, theirs))
+        if hit:
+            self._pending[:] = [(n, None if n in hit else h, k) for n, h, k in self._pending]
+
+    def _sharing_state(self, opt: torch.optim.Optimizer, stepped) -> set[str]:
+        """The stepped names on the bound whose optimizer state overlaps another parameter's
+        that this step wrote (a shallow copy or a slice of one's state for another in model
+        surgery): with the single-tensor and fused paths a later parameter's update rewrote
+        it after an earlier one's used it, so the state no longer holds what either step
+        used, and both go in full. Keyed by storage, then by extent (views at other offsets
+        overlap too); one tensor under two names (tied weights) has one state and never
+        counts; a parameter off the bound or not tracked at all writes the state it shares as
+        well (when it has a gradient); a state tensor without a readable storage may overlap
+        anything."""
+        stepped_ids = {id(self._covered[n][0]) for n in stepped if n in self._covered}
+        if not stepped_ids:
+            return set()
+        covered_ids = {id(p) for p, _ in self._covered.values()}
+        by_storage: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor, int]]] = {}
+        opaque: set[int] = set()  # owners of state tensors without a readable storage
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in stepped_ids and (id(p) in covered_ids or p.grad is None):
+                    continue  # not stepped by this step (one off the bound: by its gradient)
+                for k, t in opt.state.get(p, {}).items():
+                    # every moment, 0-dim ones too (a scalar parameter's); not the step count
+                    if isinstance(t, torch.Tensor) and (t.dim() > 0 or k != "step"):
+                        t = local_of(t) if is_dtensor(t) else t
+                        key = _storage_key(t)
+                        if key is None:
+                            opaque.add(id(p))
+                            continue
+                        by_storage.setdefault(key, []).append((str(id(p)), t, id(p)))
+        owners: set[str] = set()
+        for found in by_storage.values():
+            if len({owner for _, _, owner in found}) > 1:
+                owners.update(overlapping(found))
+        shared = set()
+        for n in stepped:
+            if n in self._covered:
+                p = self._covered[n][0]
+                if str(id(p)) in owners or opaque - {id(p)}:
+                    shared.add(n)
+        return shared
 
     def _post_step(self, opt, args, kwargs) -> None:
         if self._covered and not self._window_checked:
@@ -761,31 +842,7 @@ class AdamWTracker:
             self._pending.append((name, hyper, v_key))
             if ok:
                 self._seals[name] = _Seal.of(m, v)
-        # Moments shared between parameters (a shallow copy of one's state for another in model
-        # surgery): a later parameter's update rewrote them after an earlier one's used them,
-        # so the state no longer holds what either step used: both go in full.
-        # Keyed by storage, then by extent (views at other offsets overlap too); one tensor
-        # under two names (tied weights) has one state: the same owner never counts. A
-        # parameter off the bound or not tracked at all steps the moments it shares as well.
-        stepped_ids = {id(self._covered[n][0]) for n in stepped if n in self._covered}
-        covered_ids = {id(p) for p, _ in self._covered.values()}
-        by_storage: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor, int]]] = {}
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) not in stepped_ids and (id(p) in covered_ids or p.grad is None):
-                    continue  # not stepped by this step (one off the bound: by its gradient)
-                for t in opt.state.get(p, {}).values():
-                    if isinstance(t, torch.Tensor) and t.dim() > 0:
-                        t = local_of(t) if is_dtensor(t) else t
-                        key = (t.device, t.untyped_storage().data_ptr())
-                        by_storage.setdefault(key, []).append((str(id(p)), t, id(p)))
-        owners: set[str] = set()
-        for found in by_storage.values():
-            if len({owner for _, _, owner in found}) > 1:
-                owners.update(overlapping(found))
-        shared = {
-            n for n in stepped if n in self._covered and str(id(self._covered[n][0])) in owners
-        }
+        shared = self._sharing_state(opt, stepped)
         if shared:
             self._pending[:] = [(n, None if n in shared else h, k) for n, h, k in self._pending]
         # The step's own writes are not out of band, and only the params it stepped are
