@@ -370,18 +370,19 @@ log = logging.getLogger(__name__)
 
 def _lagging(
     catalog: Catalog, committed: int, max_staleness: int, ttl_s: float
-) -> dict[str, int | str | None]:
+) -> tuple[dict[str, int | None], list[str]]:
+    """The live receivers too far behind (receiver: version held), and those whose
+    registration the store would not return (a live one far behind, perhaps: waited for)."""
     run_id = catalog.manifest(committed).run_id
     unreadable: list[str] = []
     live = catalog.live_receivers(ttl_s, unreadable=unreadable)
-    # a registration the store would not return may be a live receiver far behind: waited for
-    out: dict[str, int | str | None] = dict.fromkeys(unreadable, "unreadable")
+    out: dict[str, int | None] = {}
     for rid, rec in live.items():
         version = rec.version_in(run_id)  # a version of another lineage is nothing of this one
         held = -1 if version is None else version  # nothing yet: behind everything
         if committed - held > max_staleness:
             out[rid] = rec.version
-    return out
+    return out, unreadable
 
 
 def wait_for_staleness(
@@ -400,8 +401,8 @@ def wait_for_staleness(
     t0 = time.monotonic()
     logged = False
     while True:
-        lagging = _lagging(catalog, committed, max_staleness, ttl_s)
-        if not lagging:
+        behind, unread = _lagging(catalog, committed, max_staleness, ttl_s)
+        if not behind and not unread:
             if logged:
                 log.info(
                     "bounded staleness: receivers caught up after %.1f s", time.monotonic() - t0
@@ -410,17 +411,17 @@ def wait_for_staleness(
         if not logged:
             log.info(
                 "bounded staleness %d: waiting (up to %.0f s) for receivers %s (receiver: version "
-                "held) to come within %d versions of committed version %d",
+                "held) to come within %d versions of committed version %d, and for the "
+                "registrations of %s to read",
                 max_staleness,
                 timeout_s,
-                lagging,
+                behind,
                 max_staleness,
                 committed,
+                unread,
             )
             logged = True
         if time.monotonic() - t0 >= timeout_s:
-            unread = sorted(r for r, v in lagging.items() if v == "unreadable")
-            behind = {r: v for r, v in lagging.items() if v != "unreadable"}
             why = []
             if behind:
                 why.append(

@@ -164,6 +164,15 @@ def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
         return None
 
 
+def _moments(state: dict) -> Iterator[tuple[torch.Tensor, tuple[torch.device, int] | None]]:
+    """Each local tensor of an optimizer state but its step count (0-dim moments too: a scalar
+    parameter's), with its :func:`_storage_key`."""
+    for key, t in state.items():
+        if isinstance(t, torch.Tensor) and (t.dim() > 0 or key != "step"):
+            t = local_of(t) if is_dtensor(t) else t
+            yield t, _storage_key(t)
+
+
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
     beta1, beta2 = group["betas"]
     return StepHyper(
@@ -718,24 +727,21 @@ class AdamWTracker:
         pending = {n for n, h, _ in self._pending if h is not None and n in self._covered}
         if not pending:
             return
-        ours: list[tuple[str, torch.Tensor, object]] = []
-        for n in pending:
-            for k, t in self._opt.state.get(self._covered[n][0], {}).items():
-                if isinstance(t, torch.Tensor) and k != "step":
-                    t = local_of(t) if is_dtensor(t) else t
-                    if _storage_key(t) is not None:
-                        ours.append((n, t, "ours"))
+        ours = [
+            (n, t, "ours")
+            for n in pending
+            for t, key in _moments(self._opt.state.get(self._covered[n][0], {}))
+            if key is not None
+        ]
         theirs: list[tuple[str, torch.Tensor, object]] = []
         opaque = False
         for group in opt.param_groups:
             for q in group["params"]:
-                for k, t in opt.state.get(q, {}).items():
-                    if isinstance(t, torch.Tensor) and (t.dim() > 0 or k != "step"):
-                        t = local_of(t) if is_dtensor(t) else t
-                        if _storage_key(t) is None:
-                            opaque = True
-                        else:
-                            theirs.append((str(id(q)), t, "theirs"))
+                for t, key in _moments(opt.state.get(q, {})):
+                    if key is None:
+                        opaque = True
+                    else:
+                        theirs.append((str(id(q)), t, "theirs"))
         hit = pending if opaque else set(touching(ours, theirs))
         if hit:
             self._pending[:] = [(n, None if n in hit else h, k) for n, h, k in self._pending]
@@ -760,14 +766,10 @@ class AdamWTracker:
             for p in group["params"]:
                 if id(p) not in stepped_ids and (id(p) in covered_ids or p.grad is None):
                     continue  # not stepped by this step (one off the bound: by its gradient)
-                for k, t in opt.state.get(p, {}).items():
-                    # every moment, 0-dim ones too (a scalar parameter's); not the step count
-                    if isinstance(t, torch.Tensor) and (t.dim() > 0 or k != "step"):
-                        t = local_of(t) if is_dtensor(t) else t
-                        key = _storage_key(t)
-                        if key is None:
-                            opaque.add(id(p))
-                            continue
+                for t, key in _moments(opt.state.get(p, {})):
+                    if key is None:
+                        opaque.add(id(p))
+                    else:
                         by_storage.setdefault(key, []).append((str(id(p)), t, id(p)))
         owners: set[str] = set()
         for found in by_storage.values():
