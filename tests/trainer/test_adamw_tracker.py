@@ -704,3 +704,71 @@ def test_a_negative_lr_set_by_hand_keeps_the_subnormal_allowance_positive():
             lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, step=3
         )
         assert kernel_scalars(h).abs_e > 0
+
+
+def _whole_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "reported changed in full for" in r.message]
+
+
+def test_a_step_sent_whole_says_why_once_per_cause_naming_the_parameter(caplog):
+    # fused set on a group after the tracker was built (a state dict saved with it): the
+    # sliced parameter goes in full every step, and the operator learns why, once
+    g = torch.Generator().manual_seed(15)
+    buf = torch.randn(64, 128, generator=g) * 0.05
+    sliced = torch.nn.Parameter(buf[:, :64])
+    plain = torch.nn.Parameter(torch.randn(32, 32, generator=g) * 0.05)
+    opt = torch.optim.AdamW([sliced, plain], lr=1e-4, weight_decay=0.01)
+    tracker = AdamWTracker(opt, [("sliced", sliced), ("plain", plain)])
+    opt.param_groups[0]["fused"] = True
+    caplog.set_level("WARNING", logger="deltasync.trainer.adamw_tracker")
+    for _ in range(3):
+        sliced.grad = torch.randn(64, 64, generator=g)
+        plain.grad = torch.randn(32, 32, generator=g)
+        opt.step()
+        tracker.changed()
+        tracker.clear()
+    tracker.close()
+    (message,) = _whole_warnings(caplog)
+    assert "1 parameter(s)" in message and "'sliced'" in message and "'plain'" not in message
+    assert "non-contiguous parameter" in message
+
+
+def test_shared_moments_are_named_once_as_the_cause_of_a_whole_send(caplog):
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    b = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    c = torch.nn.Parameter(torch.randn(8, 8) * 0.02)
+    opt = torch.optim.AdamW([a, b, c], lr=1e-6, foreach=False)
+    for p in (a, b, c):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[b] = {**opt.state[a], "step": opt.state[a]["step"].clone()}  # model surgery
+    tracker = AdamWTracker(opt, [("a", a), ("b", b), ("c", c)])
+    caplog.set_level("WARNING", logger="deltasync.trainer.adamw_tracker")
+    for _ in range(2):
+        for p in (a, b, c):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        changed = tracker.changed()
+        assert changed["a"].numel() == a.numel() and changed["b"].numel() == b.numel()
+        assert changed["c"].numel() < c.numel()
+        tracker.clear()
+    tracker.close()
+    (shared,) = _whole_warnings(caplog)
+    assert "2 parameter(s)" in shared and "('a', 'b')" in shared and "share memory" in shared
+
+
+def test_steps_the_bound_inverts_log_nothing(caplog):
+    caplog.set_level("WARNING", logger="deltasync.trainer.adamw_tracker")
+    for impl in IMPLS.values():
+        torch.manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(32, 16) * 0.02)
+        opt = torch.optim.AdamW([p], lr=1e-6, weight_decay=0.01, **impl)
+        tracker = AdamWTracker(opt, [("p", p)])
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+            assert tracker.changed()["p"].numel() < p.numel()
+            tracker.clear()
+        tracker.close()
+    assert _whole_warnings(caplog) == []

@@ -39,7 +39,7 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -171,6 +171,23 @@ def _moments(state: dict) -> Iterator[tuple[torch.Tensor, tuple[torch.device, in
         if isinstance(t, torch.Tensor) and (t.dim() > 0 or key != "step"):
             t = local_of(t) if is_dtensor(t) else t
             yield t, _storage_key(t)
+
+
+_UNUSABLE_STATE = (
+    "its Adam moments are not fp32 tensors of its local shape on its device (offloaded, "
+    "low-precision or missing)"
+)
+
+
+def _note(why: dict[str, tuple[str, list[str]]], cause: str, detail: str, name: str) -> None:
+    """Record that ``name`` goes in full for ``cause`` (the first ``detail`` kept)."""
+    why.setdefault(cause, (detail, []))[1].append(name)
+
+
+def _hyper_text(group: dict, step: float) -> str:
+    """A param group's step hyperparameters, for messages."""
+    keys = ("lr", "betas", "eps", "weight_decay")
+    return ", ".join(f"{k}={group.get(k)}" for k in keys) + f", step={step:g}"
 
 
 def _hyper(opt: torch.optim.Optimizer, group: dict, step: int) -> StepHyper:
@@ -560,6 +577,7 @@ class AdamWTracker:
         self._window_checked = True  # set by the check right before each update
         self._warned_unchecked = False
         self._warned_step_count = False
+        self._warned_whole: set[str] = set()  # the causes of whole sends logged so far
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             _first_post_hook(optimizer, self._post_step),
@@ -745,6 +763,9 @@ class AdamWTracker:
         hit = pending if opaque else set(touching(ours, theirs))
         if hit:
             self._pending[:] = [(n, None if n in hit else h, k) for n, h, k in self._pending]
+            self._warn_whole(
+                {"foreign state": ("its moments share memory with another optimizer's", hit)}
+            )
 
     def _sharing_state(self, opt: torch.optim.Optimizer, stepped) -> set[str]:
         """The stepped names on the bound whose optimizer state overlaps another parameter's
@@ -807,6 +828,7 @@ class AdamWTracker:
                 stepped.append(name)
                 self._oob.mark(name, "stepped by the optimizer, which the tracker does not cover")
         group_hyper: dict[int, tuple[dict, str | None]] = {}
+        whole_why: dict[str, tuple[str, list[str]]] = {}  # cause -> (first detail, names)
         for name, (p, gi) in self._covered.items():
             if gi is None:
                 continue  # in no param group now: not this optimizer's to step
@@ -822,6 +844,15 @@ class AdamWTracker:
                 whole = gi == _LISTED_TWICE or after - (before or 0) != 1
             stepped.append(name)
             if whole:
+                if gi == _LISTED_TWICE:
+                    _note(whole_why, "listed twice", "it is listed in two param groups", name)
+                elif after != before:  # (past 2^24, where it cannot move, warned above)
+                    _note(
+                        whole_why,
+                        "count jumped",
+                        f"its step count went from {before or 0:g} to {after:g} in one step()",
+                        name,
+                    )
                 self._pending.append((name, None, "exp_avg_sq"))
                 continue
             if gi not in group_hyper:
@@ -830,23 +861,30 @@ class AdamWTracker:
             group, bad = group_hyper[gi]
             v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
             m, v = state.get("exp_avg"), state.get(v_key)
-            ok = (
-                bad is None
-                and _param_unsupported(group, p) is None  # fused may be set since (a reload)
-                and _state_unsupported(group, state) is None
-                and _state_usable(local_of(p), m, v)
-                and after == int(after)
+            why = (
+                bad
+                or _param_unsupported(group, p)  # fused may be set since (a reload)
+                or _state_unsupported(group, state)
+                or (None if _state_usable(local_of(p), m, v) else _UNUSABLE_STATE)
+                or (None if after == int(after) else f"its step count {after} is not whole")
             )
+            ok = why is None
             hyper = _hyper(opt, group, int(after)) if ok else None
             # Anything the bound cannot vouch for is marked entirely changed: never a miss.
             if hyper is not None and not invertible(hyper):
                 hyper = ok = None
+                why = f"its step leaves the error bound no margin ({_hyper_text(group, after)})"
+            if why is not None:  # one cause per text before a value: a scheduled lr is one
+                _note(whole_why, why.split("=")[0], why, name)
             self._pending.append((name, hyper, v_key))
             if ok:
                 self._seals[name] = _Seal.of(m, v)
         shared = self._sharing_state(opt, stepped)
         if shared:
             self._pending[:] = [(n, None if n in shared else h, k) for n, h, k in self._pending]
+            for name in sorted(shared):
+                _note(whole_why, "shared state", "its moments share memory with another's", name)
+        self._warn_whole(whole_why)
         # The step's own writes are not out of band, and only the params it stepped are
         # written by it: any other counter that moved (a frozen param added to the optimizer
         # after this tracker was built, a step hook's edit) is seen at the next check.
@@ -903,6 +941,24 @@ class AdamWTracker:
         """How many optimizer updates of ``name`` this tracker has seen (never reset): a read
         window's record of a parameter, since a fused update moves no version counter."""
         return self._updates.get(name, 0)
+
+    def _warn_whole(self, why: Mapping[str, tuple[str, Collection[str]]]) -> None:
+        """Log, once per cause, that parameters were sent in full for a step the bound cannot
+        invert: exact still, but their every element goes out, and an operator wondering why
+        a version grew to dense size needs the cause and the names."""
+        for cause, (detail, names) in why.items():
+            if cause in self._warned_whole:
+                continue
+            self._warned_whole.add(cause)
+            shown = sorted(names)
+            log.warning(
+                "AdamWTracker: %d parameter(s) reported changed in full for this step because "
+                "%s (%s%s); the sync stays exact, only larger. Logged once per cause",
+                len(shown),
+                detail,
+                ", ".join(repr(n) for n in shown[:5]),
+                ", ..." if len(shown) > 5 else "",
+            )
 
     def _warn_step_count(self) -> None:
         if not self._warned_step_count:
