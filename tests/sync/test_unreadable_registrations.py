@@ -143,3 +143,12 @@ def test_a_resume_that_cannot_read_the_registrations_does_not_continue_the_run(r
     assert publisher.resume(1, params) is False
     store.down = False
     assert publisher.resume(1, params) is True
+
+
+def test_live_receivers_lists_a_registration_it_cannot_read_where_asked(run):
+    store, _, _, pub, _ = run
+    assert set(pub.live_receivers()) == {RID}
+    store.down = True
+    unreadable: list[str] = []
+    assert pub.live_receivers(unreadable=unreadable) == {} and unreadable == [RID]
+    assert pub.live_receivers() == {}  # informational: left out, with a warning

@@ -1244,8 +1244,12 @@ class Publisher:
                 )
             time.sleep(self.config.poll_interval_s)
 
-    def live_receivers(self) -> dict[str, ReceiverRecord]:
-        return self.catalog.live_receivers(self.config.receiver_ttl_s)
+    def live_receivers(self, *, unreadable: list[str] | None = None) -> dict[str, ReceiverRecord]:
+        """The receivers whose heartbeat is younger than ``receiver_ttl_s``. A registration
+        the store would not return (an outage, a throttled prefix) is left out with a warning,
+        or, given ``unreadable``, has its receiver id appended there: a caller that acts on
+        every live receiver must not take it for none."""
+        return self.catalog.live_receivers(self.config.receiver_ttl_s, unreadable=unreadable)
 
     def gc(self) -> GcPlan:
         """Delete what retention allows (see :mod:`deltasync.commit.retention`)."""
