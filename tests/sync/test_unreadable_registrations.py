@@ -152,3 +152,30 @@ def test_live_receivers_lists_a_registration_it_cannot_read_where_asked(run):
     unreadable: list[str] = []
     assert pub.live_receivers(unreadable=unreadable) == {} and unreadable == [RID]
     assert pub.live_receivers() == {}  # informational: left out, with a warning
+
+
+def test_waits_end_at_their_timeout_not_a_polling_interval_later(run):
+    import time
+
+    store, rl, params, _, _ = run
+    pub = Publisher(
+        store,
+        receiver_layout=rl,
+        config=PublisherConfig(poll_interval_s=30.0, max_staleness=0, staleness_timeout_s=0.3),
+    )
+    pub.resume(1, params)
+    publish_edit(
+        pub,
+        params,
+        2,
+        5,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(AckTimeoutError, match=RID):
+        pub.wait_for_acks(2, timeout=0.3)
+    store.down = True  # the default list waits for the registration to read
+    with pytest.raises(AckTimeoutError, match=RID):
+        pub.wait_for_acks(2, timeout=0.3)
+    with pytest.raises(StalenessTimeoutError, match=RID):
+        publish_edit(pub, params, 3, 5)
+    assert time.monotonic() - t0 < 20  # three waits of 0.3 s, not of a 30 s poll each

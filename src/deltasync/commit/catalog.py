@@ -438,7 +438,14 @@ def wait_for_staleness(
                 f"bounded staleness {max_staleness}: after {timeout_s:.1f} s "
                 f"{'; '.join(why)}; nothing was published. Check those receivers"
             )
-        time.sleep(poll_s)
+        poll_pause(t0 + timeout_s, poll_s)
+
+
+def poll_pause(deadline: float, poll_s: float) -> None:
+    """Sleep between two polls of a wait that ends at ``deadline`` (``time.monotonic()``):
+    ``poll_s``, or less so that the last poll runs at the deadline rather than a whole
+    interval after it."""
+    time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def _since_lost(rec: ReceiverRecord | None, ack: AckRecord, run_id: str) -> bool:
@@ -505,7 +512,7 @@ def wait_for_acks(
                 f"receivers {missing} (acknowledged: {sorted(done)}); they are down, slow, or "
                 "failing to apply (see their logs). The version stays committed"
             )
-        time.sleep(poll_s)
+        poll_pause(deadline, poll_s)
 
 
 def _unreadable(key: str, exc: StoreError) -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from deltasync import names
-from deltasync.commit.catalog import Catalog
+from deltasync.commit.catalog import Catalog, poll_pause
 from deltasync.commit.model import LayoutRecord, Manifest
 from deltasync.commit.records import (
     MAX_MARKER_BYTES,
@@ -206,7 +206,7 @@ def wait_for_markers(
                 "next_version() on every writer (their largest, if they differ) once they "
                 "run again, or raise PublisherConfig.marker_timeout_s"
             )
-        time.sleep(poll_s)
+        poll_pause(deadline, poll_s)
 
 
 def abandon_version(
@@ -492,5 +492,5 @@ def wait_for_manifest(
                 "to write the manifest; it crashed or is stuck. This writer's changes are kept "
                 "(its tracker is not cleared); publish next_version() on every writer"
             )
-        time.sleep(poll_s)
+        poll_pause(deadline, poll_s)
     return catalog.manifest(version)

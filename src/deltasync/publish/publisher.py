@@ -54,7 +54,7 @@ import torch
 from deltasync import names
 from deltasync.commit import AckRecord, BlobEntry, Manifest, WriterMarker, should_anchor
 from deltasync.commit import committer as commit_mod
-from deltasync.commit.catalog import Catalog, wait_for_acks, wait_for_staleness
+from deltasync.commit.catalog import Catalog, poll_pause, wait_for_acks, wait_for_staleness
 from deltasync.commit.model import LayoutRecord, new_run_id
 from deltasync.commit.records import ReceiverRecord
 from deltasync.commit.retention import GcPlan, collect_garbage
@@ -1242,7 +1242,7 @@ class Publisher:
                     f"receivers {unreadable}, which the store would not return, to tell which "
                     "receivers are live. The version stays committed"
                 )
-            time.sleep(self.config.poll_interval_s)
+            poll_pause(deadline, self.config.poll_interval_s)
 
     def live_receivers(self, *, unreadable: list[str] | None = None) -> dict[str, ReceiverRecord]:
         """The receivers whose heartbeat is younger than ``receiver_ttl_s``. A registration
