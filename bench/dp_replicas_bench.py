@@ -15,9 +15,9 @@ Prints a table and ends with one JSON line. Every run ends with the bitwise chec
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 
 from deltasync.cluster import ClusterConfig
@@ -95,8 +95,18 @@ def run(model: dict, lr: float, replicas: int, mode: str, versions: int) -> dict
     }
 
 
-def main() -> None:
-    versions = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m deltasync_bench.dp_replicas_bench",
+        description="In-cluster DP replicas over gloo: one send per replica (direct) or a "
+        "receiver-side forward, per payload size and replica count; ends with one JSON line.",
+    )
+    parser.add_argument(
+        "versions", nargs="?", type=int, default=6, help="delta versions per run (default 6)"
+    )
+    versions = parser.parse_args(argv).versions
+    if versions < 1:
+        parser.error(f"versions must be >= 1, got {versions}")
     rows = []
     print(
         f"{'case':16} {'R':>2} {'mode':8} {'sync ms':>8} {'w.xfer ms':>9} {'fwd ms':>7} "

@@ -118,6 +118,13 @@ def run_cluster_sync(rank: int | None, job: ClusterJob) -> dict:
         init_from_env()
     rank = dist.get_rank() if rank is None else rank
     plan = job.plan()
+    if dist.get_world_size() != plan.world_size:  # every rank alike, before any collective
+        raise ConfigError(
+            f"this job has {plan.world_size} ranks ({job.writers} writer(s) + "
+            f"{plan.world_size - job.writers} receiver(s): tp={job.tp} x {job.replicas} "
+            f"replica(s)), but the process group has {dist.get_world_size()}: start it with "
+            f"torchrun --nproc-per-node {plan.world_size} (or change --writers/--tp/--replicas)"
+        )
     tl, rl = job.layouts()
     role = plan.role(rank)
     reports: list = []

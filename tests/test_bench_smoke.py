@@ -136,3 +136,28 @@ def test_gpu_sync_bench_dry_runs_both_modes_on_the_cpu_and_checks_every_version(
         assert len(mode["versions"]) == 2
         for row in mode["versions"]:
             assert row["elements"] > 0 and 0 < row["stall_s"] <= row["commit_s"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "module",
+    [
+        "publish_probe",
+        "route_bench",
+        "exchange_bench",
+        "format_bench",
+        "dp_replicas_bench",
+        "detect_dtensor",
+        "probe_bench",
+    ],
+)
+def test_every_benchmark_program_docs_list_answers_help_with_its_usage(module) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", f"deltasync_bench.{module}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage:") and "Traceback" not in done.stderr

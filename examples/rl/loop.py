@@ -88,9 +88,11 @@ class _Trainer:
         self.sync = TrainerSync(AdamWTracker(self.opt, named), publisher, self.params)
         self.probe = probe_batch(self.hf_config["vocab_size"])
         self.refs: dict[int, np.ndarray] = {}
+        self.published: list[int] = []  # versions published, in order (the summary's)
 
     def publish(self, version: int) -> None:
         self.sync.step_published(version, anchor=version == 0)
+        self.published.append(version)
         bf16 = {n: t.to(torch.bfloat16) for n, t in self.params.items()}
         engine = RolloutEngine.from_canonical(
             self.cfg.engine, self.hf_config, self.cfg.tp, self.tlayout.to_canonical(bf16)
@@ -131,7 +133,14 @@ def _run(cfg: RLConfig, root: str, log: Callable[[str], None]) -> dict:
             for i in range(cfg.workers)
         ]
     )
-    state = {"next_id": 0, "probes": [], "killed": None, "rejoined": None, "inbox": []}
+    state = {
+        "next_id": 0,
+        "probes": [],
+        "killed": None,
+        "rejoined": None,
+        "inbox": [],
+        "published": trainer.published,
+    }
 
     def wait(pred: Callable[[dict], bool], what: str) -> dict:
         """Handle messages until one satisfies ``pred``; fail loudly on errors and deaths."""
@@ -279,7 +288,7 @@ def _summary(cfg: RLConfig, history: list[dict], state: dict, wall_s: float, res
     probes = state["probes"]
     return {
         "steps": cfg.steps,
-        "versions": list(range(cfg.steps + 1)),
+        "versions": list(state["published"]),  # a run stopped early published fewer
         "reward_first": sum(rewards[:k]) / len(rewards[:k]),
         "reward_last": sum(rewards[-k:]) / len(rewards[-k:]),
         "probe_exact": bool(probes) and all(p["exact"] for p in probes),

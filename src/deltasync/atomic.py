@@ -191,6 +191,19 @@ def unlink_quietly(path: Path) -> None:
         path.unlink()
 
 
+def process_umask() -> int:
+    """This process's umask, for a file meant to get the mode a plain ``open`` would give
+    it. Read from ``/proc/self/status`` (Linux) without changing it: setting and restoring
+    it, the only portable way, widens for that instant every file another thread creates."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o077)  # (the narrow mask meanwhile: a race makes a file too private)
+    os.umask(umask)
+    return umask
+
+
 def write_temp(
     path: Path, chunks: Chunks, *, durable: bool = True, mode: int = 0o644
 ) -> tuple[Path, int]:

@@ -350,3 +350,25 @@ def test_an_out_that_is_a_symlink_becomes_the_file_and_its_target_is_left_alone(
     assert not link.is_symlink() and (tmp_path / "blob").read_bytes() == b"kept"
     merged, full = load_file(str(link)), load_file(str(tmp_path / "full.safetensors"))
     assert all(bitwise_equal(merged[n], full[n]) for n in full)
+
+
+def test_split_and_merge_write_files_an_engine_of_another_user_may_read_as_the_umask_allows(
+    tmp_path, capsys
+):
+    write_checkpoint(tmp_path, "dense_tied")
+    old = os.umask(0o022)
+    try:
+        rc, err = run_in_process(
+            capsys,
+            *("--config", str(tmp_path / "config.json"), "--checkpoint"),
+            *(str(tmp_path / "full.safetensors"), "--tp", "2", "--out", str(tmp_path / "sp")),
+        )
+        assert rc == 0, err
+        config, shards = str(tmp_path / "config.json"), str(tmp_path / "sp")
+        out = str(tmp_path / "merged.safetensors")
+        rc = main(["layout", "merge", "--config", config, "--shards", shards, "--out", out])
+        assert rc == 0, capsys.readouterr().err
+    finally:
+        os.umask(old)
+    for path in [*sorted((tmp_path / "sp").glob("*.safetensors")), tmp_path / "merged.safetensors"]:
+        assert path.stat().st_mode & 0o777 == 0o644, (path.name, oct(path.stat().st_mode))

@@ -321,3 +321,43 @@ def test_probe_out_on_a_device_node_leaves_it_a_device(tmp_path, capsys):
     rc, _, err = cli(capsys, "probe", "--config", str(tmp_path / "config.json"), "--out", str(node))
     assert rc == 2 and "not a file to replace" in err, err
     assert stat.S_IFMT(os.lstat(node).st_mode) == kind
+
+
+@pytest.mark.parametrize("value", ["2^25", "33554432", "2^10"])
+def test_round_elements_takes_the_default_as_help_and_the_readme_write_it(tmp_path, capsys, value):
+    write_config(tmp_path, CONFIGS["dense_tied"])
+    rc, out, err = cli(
+        capsys, "probe", "--config", str(tmp_path / "config.json"), "--round-elements", value
+    )
+    assert rc == 0, err
+    assert json.loads(out)["format"] == "deltasync-layout"
+
+
+def test_merge_with_an_engine_that_cannot_hold_the_split_names_engine_or_layout_not_tp(
+    tmp_path, capsys
+):
+    _, full = write_config(tmp_path, CONFIGS["dense_tied"])
+    save_file(full, str(tmp_path / "full.safetensors"))
+    config, shards = str(tmp_path / "config.json"), str(tmp_path / "sp")
+    checkpoint = str(tmp_path / "full.safetensors")
+    rc, _, err = cli(
+        capsys,
+        "split",
+        "--config",
+        config,
+        "--checkpoint",
+        checkpoint,
+        "--tp",
+        "2",
+        "--out",
+        shards,
+    )
+    assert rc == 0, err
+    out = tmp_path / "merged.safetensors"
+    rc, _, err = cli(
+        capsys, "merge", "--config", config, "--shards", shards, "--engine", "hf", "--out", str(out)
+    )
+    assert rc == 2 and "LayoutError" in err
+    assert "pass the --engine or --layout the shards were split with" in err
+    assert "--tp 1" not in err  # merge takes no --tp/--ep: they come from shards.json
+    assert not out.exists()

@@ -73,6 +73,25 @@ def test_a_reference_that_differs_by_one_bit_fails_the_run_loudly(tmp_path, monk
 
 
 @pytest.mark.timeout(90)
+def test_a_run_stopped_early_lists_only_the_versions_it_published(tmp_path, monkeypatch):
+    from deltasync_examples.rl import loop
+
+    original = loop._Trainer.publish
+
+    def publish_then_ctrl_c(self, version):
+        original(self, version)
+        if version == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop._Trainer, "publish", publish_then_ctrl_c)
+    cfg = RLConfig(steps=6, workers=1, max_staleness=0, store=str(tmp_path), **SMALL)
+    with pytest.raises(KeyboardInterrupt) as exc:
+        run_rl(cfg, log=lambda _line: None)
+    assert exc.value.summary["versions"] == [0, 1, 2]
+    assert exc.value.summary["steps"] == 6
+
+
+@pytest.mark.timeout(90)
 def test_cli_with_the_hf_engine_ends_with_one_json_line(tmp_path, capsys):
     from deltasync.commands import apps
 

@@ -62,3 +62,22 @@ def test_write_atomic_sets_the_exact_mode_asked_for(tmp_path):
     assert _mode(tmp_path / "shared") == 0o644
     assert _mode(tmp_path / "private") == 0o600
     assert _mode(tmp_path / "made") == 0o640
+
+
+def test_the_process_umask_is_read_without_being_changed(monkeypatch):
+    from deltasync.atomic import process_umask
+
+    old = os.umask(0o027)
+    try:
+        assert process_umask() == 0o027
+        assert os.umask(0o027) == 0o027  # still set: nothing widened it meanwhile
+        # without /proc (another OS): set and restored
+        monkeypatch.setattr("deltasync.atomic.Path.read_text", _no_proc)
+        assert process_umask() == 0o027
+        assert os.umask(0o027) == 0o027
+    finally:
+        os.umask(old)
+
+
+def _no_proc(self, *args, **kwargs):
+    raise FileNotFoundError(str(self))

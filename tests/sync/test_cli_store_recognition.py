@@ -5,6 +5,8 @@ store"), and recognising it never walks such unrelated trees."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from deltasync import names
@@ -84,3 +86,49 @@ def test_any_one_key_of_deltasync_makes_a_store(tmp_path, key):
         data = data.to_json()
     LocalStore(tmp_path).put(key, data)
     assert is_store(ListingLog(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["gc", "--dry-run"], ["inspect"], ["pull", "--shard", "tp0", "--dir", "OUT", "--once"]],
+)
+def test_a_demo_run_directory_is_refused_with_the_path_of_the_store_inside_it(
+    tmp_path, capsys, command
+):
+    run = tmp_path / "run1"  # `deltasync demo --store run1`: run1/store, run1/rx-tp0, ...
+    inner = LocalStore(run / "store")
+    inner.put(names.receiver_key("demo-tp0"), b"{}")
+    (run / "rx-tp0").mkdir()
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    assert main([argv[0], str(run), *argv[1:]]) == 2
+    assert f"its store is {str(run / 'store')!r}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["gc", "--dry-run"], ["inspect"], ["pull", "--shard", "tp0", "--dir", "OUT", "--once"]],
+)
+def test_a_file_url_one_slash_short_is_refused_as_naming_a_host_not_waited_for(
+    tmp_path, capsys, command
+):
+    LocalStore(tmp_path / "store").put(names.receiver_key("demo-tp0"), b"{}")
+    url = "file:/" + str(tmp_path / "store")  # file://tmp/...: 'tmp' is the URL's host
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    assert main([argv[0], url, *argv[1:]]) == 2
+    assert "names host" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_pull_loop_refuses_a_file_url_naming_a_host_before_waiting_for_it(tmp_path):
+    from deltasync.commands.inspect_store import check_store_flags
+    from deltasync.errors import ConfigError
+
+    args = argparse.Namespace(
+        store="file://tmp" + str(tmp_path),
+        s3_endpoint=None,
+        s3_read_timeout=None,
+        s3_retry_deadline=None,
+    )
+    with pytest.raises(ConfigError, match="names host 'tmp'"):
+        check_store_flags(args)  # what `pull` checks before it waits for a store directory

@@ -204,8 +204,9 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store",
         default=None,
-        help="a local directory, absent or empty, for the store and the receivers' state "
-        "(kept; default: a temp dir, removed at exit; a URL is refused)",
+        help="run directory: a local directory, absent or empty, for the store (DIR/store, "
+        "what `deltasync inspect` and `pull` take) and the receivers' state (kept; default: a "
+        "temp dir, removed at exit; a URL is refused)",
     )
     p.add_argument(
         "--link-gbps",
@@ -351,8 +352,8 @@ def _register_rl_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store",
         default=None,
-        help="run directory: a local directory, absent or empty (kept; default: a fresh temp "
-        "dir, removed at exit; a URL is refused)",
+        help="run directory: a local directory, absent or empty, the store its DIR/store "
+        "(kept; default: a fresh temp dir, removed at exit; a URL is refused)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="longest single wait, seconds")
     p.add_argument("--quiet", action="store_true", help="print only the JSON line")

@@ -93,7 +93,13 @@ def local_path(url: str) -> Path | None:
 
     scheme = url_scheme(url)
     if scheme == "file":
-        return Path(unquote(urlsplit(url).path))
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):  # as open_store refuses it: never a directory
+            raise ConfigError(
+                f"file URL {url!r} names host {parts.netloc!r}; use file:///abs/path (three "
+                "slashes) or a plain path"
+            )
+        return Path(unquote(parts.path))
     return Path(url) if scheme == "" else None
 
 
@@ -146,6 +152,7 @@ def check_store_flags(args: argparse.Namespace) -> None:
             f"{', '.join(given)} only apply to an s3:// store URL, and {args.store!r} is not "
             "one (s3://BUCKET/PREFIX)"
         )
+    local_path(args.store)  # a file:// URL naming a host: refused before anything waits on it
 
 
 def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
@@ -478,11 +485,28 @@ def open_deltasync_store(args: argparse.Namespace, command: str):
     if not is_store(store):
         print(
             f"deltasync {command}: {args.store!r} holds no LATEST, version or registration: not "
-            "a deltasync store (or an empty one)",
+            f"a deltasync store (or an empty one){run_dir_hint(args)}",
             file=sys.stderr,
         )
         return None
     return store
+
+
+def run_dir_hint(args: argparse.Namespace) -> str:
+    """For a local path that is not a store but whose ``store/`` is one (the run directory of
+    ``deltasync demo --store DIR`` or ``rl-demo --store DIR``): where the store is."""
+    path = local_path(args.store)
+    if path is None:
+        return ""
+    from deltasync.store import LocalStore
+
+    inner = path / "store"
+    try:
+        if not inner.is_dir() or not is_store(LocalStore(inner, create=False)):
+            return ""
+    except (OSError, DeltaSyncError):
+        return ""
+    return f"; it is a run directory: its store is {str(inner)!r}"
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -24,6 +24,20 @@ import sys
 
 from deltasync.layout.receiver_layout import ENGINES
 
+
+def _count(text: str) -> int:
+    """An element count as --help and the README write it: ``33554432`` or ``2^25``."""
+    base, caret, exp = text.strip().partition("^")
+    try:
+        if not caret:
+            return int(base)
+        if base.strip() == "2" and exp.strip().isdigit() and int(exp) <= 62:
+            return 2 ** int(exp)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not an element count (an int, or 2^N)")
+
+
 PROBE_ENGINES = ("transformers", "vllm-reference", "vllm")
 
 
@@ -139,9 +153,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--cache", help="probe cache directory (one file per config/engine/sizes)")
     pr.add_argument(
         "--round-elements",
-        type=int,
+        type=_count,
         default=1 << 25,
-        help="checkpoint elements fed per probe round; bounds memory (default: 2^25)",
+        help="checkpoint elements fed per probe round, an int or 2^N; bounds memory "
+        "(default: 2^25)",
     )
     pr.set_defaults(func=_probe)
 

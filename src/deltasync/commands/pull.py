@@ -78,7 +78,7 @@ import threading
 from pathlib import Path
 
 from deltasync import names
-from deltasync.atomic import sweep_stale_temps, write_atomic
+from deltasync.atomic import process_umask, sweep_stale_temps, write_atomic
 from deltasync.commands.inspect_store import (
     add_store_arguments,
     check_store_flags,
@@ -87,6 +87,7 @@ from deltasync.commands.inspect_store import (
     open_store_from_args,
     read_key,
     reader_may_leave,
+    run_dir_hint,
 )
 from deltasync.errors import (
     ApplyError,
@@ -431,8 +432,7 @@ def _write(path: Path, tensors, version: int, digest: str, shard: str, run_id: s
     meta = {META_VERSION: str(version), META_DIGEST: digest, names.META_SHARD: shard}
     if run_id is not None:
         meta[META_RUN] = run_id
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = process_umask()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # --dir removed behind the sidecar
         # readable by the engine's user, as the umask allows
@@ -466,9 +466,14 @@ def _start(args, store, config, configured, stop: _Stop):
         if head is not None:
             break
         if args.once:
-            raise ConfigError("the store has no committed version yet (nothing to pull)")
+            raise ConfigError(
+                f"the store has no committed version yet (nothing to pull){run_dir_hint(args)}"
+            )
         if not waited:
-            _say(f"deltasync pull: waiting for the first committed version in {args.store}")
+            _say(
+                f"deltasync pull: waiting for the first committed version in {args.store}"
+                f"{run_dir_hint(args)}"
+            )
             waited = True
         if stop.event.wait(args.interval):
             return None, None

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from deltasync import names
-from deltasync.atomic import read_json, write_atomic
+from deltasync.atomic import process_umask, read_json, write_atomic
 from deltasync.errors import LayoutError
 from deltasync.layout.model_spec import ModelSpec
 from deltasync.layout.receiver_layout import ReceiverLayout, ShardInfo
@@ -257,9 +257,14 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _write_out(path: Path, write: Any, what: str) -> None:
-    """``write_atomic(path, write)``, its failures a LayoutError naming ``path``."""
+    """``write_atomic(path, write)``, its failures a LayoutError naming ``path``.
+
+    The file's mode is ``0666 & ~umask``, as a plain ``open`` would make it: the shard files
+    and the merged checkpoint are read by engines that may run as another user
+    (``safetensors.save_file`` alone leaves them 0600)."""
+    umask = process_umask()
     try:
-        write_atomic(path, write, over_files_only=True)
+        write_atomic(path, write, mode=0o666 & ~umask, over_files_only=True)
     except Exception as exc:  # a device or directory there, no such parent, a full disk
         why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
         raise LayoutError(
@@ -420,7 +425,17 @@ def merge_checkpoint(
     listing = _read_listing(src)
     tp = 1 + max(s.tp_rank for s in listing)
     ep = 1 + max(s.ep_rank for s in listing) if any("-ep" in s.id for s in listing) else 1
-    layout = _layout(spec, engine, tp, ep, layout_file)
+    try:
+        layout = _layout(spec, engine, tp, ep, layout_file)
+    except LayoutError as exc:
+        if layout_file is not None:
+            raise
+        # merge takes no --tp/--ep: the sizes are the split's, so the engine is what is wrong
+        raise LayoutError(
+            f"{str(src / SHARDS_FILE)!r} lists {len(listing)} shard(s) (tp={tp} ep={ep}), "
+            f"which engine {engine!r} cannot hold ({str(exc).split(';')[0]}); pass the "
+            "--engine or --layout the shards were split with"
+        ) from None
     if [s.id for s in layout.shards()] != [s.id for s in listing]:
         raise LayoutError(
             f"{str(src / SHARDS_FILE)!r} lists shards {[s.id for s in listing]}; "
