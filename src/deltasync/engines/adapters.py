@@ -34,7 +34,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from deltasync.errors import ApplyError, ConfigError
-from deltasync.format import TensorUpdate, apply_updates, check_tensors_match
+from deltasync.format import (
+    TensorUpdate,
+    apply_updates,
+    check_targets_writable,
+    check_tensors_match,
+)
 from deltasync.layout import ModelSpec, ReceiverLayout
 from deltasync.layout.hf_model import HF_SHARD, require_transformers
 
@@ -84,6 +89,8 @@ def load_dense(params: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.T
                 f"dense load: {name!r} is {tuple(t.shape)} {t.dtype}, the engine holds "
                 f"{tuple(p.shape)} {p.dtype}. Nothing was written"
             )
+    # a copy into read-only memory would kill the process midway through the load
+    check_targets_writable(((name, params[name]) for name in tensors), "dense load: ")
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t)

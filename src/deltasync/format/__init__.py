@@ -20,7 +20,13 @@ The package knows nothing about storage, manifests, layouts of models or process
 """
 
 from deltasync.errors import BlobBaseMismatchError, BlobLimitError, InvalidUpdateError
-from deltasync.format.apply import PauseContext, apply_pieces, apply_updates, inside_pause
+from deltasync.format.apply import (
+    PauseContext,
+    apply_pieces,
+    apply_updates,
+    check_targets_writable,
+    inside_pause,
+)
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import BlobRecords, decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob, encode_blobs
@@ -51,6 +57,7 @@ __all__ = [
     "TensorUpdate",
     "apply_pieces",
     "apply_updates",
+    "check_targets_writable",
     "check_tensors_match",
     "check_tensors_still_match",
     "decode_blob",

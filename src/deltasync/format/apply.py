@@ -2,7 +2,8 @@
 
 Three phases, so that a bad update leaves every target bit-identical:
 1. validate every update against every target (name, shape, dtype, index range and order,
-   target memory that does not overlap itself);
+   target memory that does not overlap itself and that this process can write: a tensor over
+   a read-only mapping is refused here, not a SIGSEGV on its first write);
 2. stage indices and values on each target's device (allocations that may fail happen here);
 3. write. Contiguous targets (including slices with a storage offset) get
    ``target.view(-1).index_copy_``; non-contiguous targets (transposed or strided views) get the
@@ -21,7 +22,7 @@ journals (the receiver records progress before calling it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ from deltasync.format.merge import TensorPieces
 from deltasync.format.updates import TensorUpdate
 from deltasync.native.loader import outside_storage, overlaps, overlaps_itself
 from deltasync.native.ops import scatter16
+from deltasync.native.writable import READ_ONLY_REMEDY, first_read_only, is_read_only
 
 SLICE = 1 << 18  # int32 indices widened to int64 this many at a time (2 MiB)
 
@@ -125,6 +127,15 @@ def _check_writable(what: str, target: torch.Tensor, update: TensorUpdate) -> No
             )
 
 
+def check_targets_writable(named: Iterable[tuple[str, torch.Tensor]], what: str = "") -> None:
+    """Raise ApplyError if a target of ``named`` (name, tensor) lies in read-only memory (see
+    :mod:`deltasync.native.writable`): its first write would kill the process, after the
+    targets before it were written. ``what`` prefixes the message (the caller's step)."""
+    name = first_read_only(named)
+    if name is not None:
+        raise ApplyError(f"{what}tensor {name!r}: the target {READ_ONLY_REMEDY}")
+
+
 def _write(
     target: torch.Tensor, update: TensorUpdate, idx: torch.Tensor | None, values: torch.Tensor
 ) -> None:
@@ -147,6 +158,7 @@ def apply_updates(updates: Sequence[TensorUpdate], targets: Mapping[str, torch.T
     seen: set[str] = set()
     for update in updates:
         _check(update, targets, seen)
+    check_targets_writable((u.name, targets[u.name]) for u in updates if u.nnz)
 
     staged = []
     for update in updates:
@@ -183,6 +195,8 @@ def apply_pieces(
         _check(piece, targets, seen, ordered=ordered)
     if target is None:  # no pieces: nothing was checked against a target
         raise ApplyError(f"tensor {tensor.name!r}: no target of this name. Nothing was written")
+    if is_read_only(target):  # its first write (a zero_ or a scatter) would be a SIGSEGV
+        raise ApplyError(f"tensor {tensor.name!r}: the target {READ_ONLY_REMEDY}")
     start = tensor.start()
     pieces = tensor.pieces[start:]
     written = 0

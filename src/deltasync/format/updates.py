@@ -20,6 +20,7 @@ import torch
 from deltasync.errors import ConfigError, InvalidUpdateError
 from deltasync.format.wire import MAX_NAME_BYTES, MAX_NDIM, MAX_NUMEL
 from deltasync.native.loader import outside_storage, overlapping, overlaps_itself
+from deltasync.native.writable import READ_ONLY_REMEDY, first_read_only
 
 # Wire dtype code <-> torch dtype <-> the integer dtype whose bits we copy. The table has an exact
 # inverse; values are always moved as integer bit patterns so -0.0 and NaN payloads survive.
@@ -238,9 +239,10 @@ def check_tensors_match(
     tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, what: str, hint: str
 ) -> None:
     """Raise ConfigError unless ``tensors`` holds exactly the tensors ``specs`` describes (names,
-    shapes, dtypes). Receivers and engines run it before their first sync, so a layout/engine
-    mismatch is refused before anything is fetched or written, never half-applied. ``what``
-    names the holder, ``hint`` says how to fix a name mismatch."""
+    shapes, dtypes), each in memory this process can write. Receivers and engines run it
+    before their first sync, so a layout/engine mismatch is refused before anything is fetched
+    or written, never half-applied. ``what`` names the holder, ``hint`` says how to fix a name
+    mismatch."""
     missing = [n for n in specs if n not in tensors]
     extra = [n for n in tensors if n not in specs]
     if missing or extra:
@@ -258,6 +260,7 @@ def check_tensors_match(
                 f"{what}: tensor {name!r} has strides {t.stride()} that let elements share "
                 "memory (an expanded view?); pass the tensor that owns the memory"
             )
+    _check_memory_writable(tensors, specs, what)
     shared = overlapping((n, tensors[n], n) for n in specs)
     if shared:
         name = next(iter(shared))
@@ -272,13 +275,27 @@ def check_tensors_still_match(
     tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *, what: str
 ) -> None:
     """:func:`check_tensors_match`'s checks of each tensor alone (shape, dtype, values inside
-    its storage: metadata only, microseconds a tensor), again before a sync: an engine may have
-    freed or resized a tensor's storage in place since it handed it over (FSDP's resharding,
-    offloading), and the scatter, which writes one tensor at a time, would find it only after
-    writing the ones before it. (The receivers hold the tensor objects they were given: one
-    the engine replaced in its own mapping is not seen here.)"""
+    its storage: metadata only, microseconds a tensor; memory writable: a probe of the mapped
+    memory torch did not allocate, see :mod:`deltasync.native.writable`), again before a sync:
+    an engine may have freed or resized a tensor's storage in place since it handed it over
+    (FSDP's resharding, offloading), or a mapping may have been made read-only, and the
+    scatter, which writes one tensor at a time, would find it only after writing the ones
+    before it (a read-only one: as a SIGSEGV). (The receivers hold the tensor objects they
+    were given: one the engine replaced in its own mapping is not seen here.)"""
     for name, spec in specs.items():
         _check_holds(name, tensors.get(name), spec, what)
+    # a mapping may have been made read-only since (mprotect, a file mapped again read-only)
+    _check_memory_writable(tensors, specs, what)
+
+
+def _check_memory_writable(
+    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], what: str
+) -> None:
+    """Refuse a tensor in read-only memory: the scatter's first write into it would kill the
+    process (SIGSEGV), after the tensors before it were written."""
+    name = first_read_only((n, tensors[n]) for n in specs)
+    if name is not None:
+        raise ConfigError(f"{what}: tensor {name!r} {READ_ONLY_REMEDY}")
 
 
 def _check_holds(name: str, t: object, spec: TensorSpec, what: str) -> None:

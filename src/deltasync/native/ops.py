@@ -45,6 +45,7 @@ import xxhash
 from deltasync.errors import ConfigError, TensorInputError
 from deltasync.native import loader as native
 from deltasync.native.loader import check_readable
+from deltasync.native.writable import READ_ONLY_REMEDY, is_read_only
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,9 @@ def _two_byte_writable(
 ) -> bool:
     """Whether the 2-byte kernels can write ``values`` at ``indices`` of ``target`` (reading
     ``others`` too): contiguous CPU tensors, a 2-byte dtype, 1-D int32/int64 indices, and
-    ``target`` overlapping none of the others. Mismatched values are an error, not a decline."""
+    ``target`` overlapping none of the others. Mismatched values, and a target in read-only
+    memory (which any write, the kernel's or torch's, would fault on), are an error, not a
+    decline."""
     named = [("target", target), ("indices", indices), ("values", values)]
     named += [(f"input {k + 1}", t) for k, t in enumerate(others)]
     for name, t in named:  # any tensor the torch path takes too (a subclass: it declines)
@@ -219,6 +222,8 @@ def _two_byte_writable(
         outside = native.outside_storage(t)
         if outside is not None:
             raise TensorInputError(f"{op}: {name} {outside}. Nothing was written")
+    if is_read_only(target):  # its write would be a SIGSEGV
+        raise TensorInputError(f"{op}: target {READ_ONLY_REMEDY}")
     if values.numel() != indices.numel() or values.dtype != target.dtype:
         raise TensorInputError(
             f"{op}: {values.numel()} {values.dtype} values for {indices.numel()} indices into a "
@@ -290,8 +295,8 @@ def scatter16(
         writes with torch: device or strided tensors, other dtypes, no compiler).
 
     Raises:
-        TensorInputError: an index outside ``[base, base + target.numel())`` (nothing written)
-            or values that do not match the indices.
+        TensorInputError: an index outside ``[base, base + target.numel())``, values that do
+            not match the indices, or a target in read-only memory (nothing written).
     """
     if not _two_byte_writable("scatter16", target, indices, values):
         return False
@@ -322,8 +327,8 @@ def patch16(
         caller copies and scatters with torch).
 
     Raises:
-        TensorInputError: an index outside ``[base, base + target.numel())`` (nothing
-            written) or values that do not match the indices.
+        TensorInputError: an index outside ``[base, base + target.numel())``, values that do
+            not match the indices, or a target in read-only memory (nothing written).
     """
     if not isinstance(source, torch.Tensor):
         raise TensorInputError(
