@@ -18,13 +18,15 @@ metadata, before it acks or registers that version: the store never shows the si
 version its file does not hold (a write that fails is retried by the next pull, and until it
 lands the records keep the version the file holds). The file is written by the sidecar itself
 (the safetensors format: a header, then each tensor's bytes, no copy of the shard), so a kill
-mid-write leaves only its own temporary file, which the next start sweeps. A file edited,
-replaced or removed behind the sidecar (``--dir`` too) is rewritten from the verified tensors
-in memory before the next pull; while that rewrite fails (a full disk), the sidecar's
-registration is withdrawn, since the file no longer holds the version it names. Only the file
-is durable: on start the sidecar loads it and its metadata, verifies the digest, and continues
-from there (a crash between a pull and the file write just repeats that pull); the version the
-metadata claims is registered only once the store commits it as held (or a pull verified it).
+mid-write leaves only its own temporary file, which the next sidecar on that file sweeps once
+nothing has written it for 5 minutes (at its start and before every pull: a younger one may be
+a write in progress). A file edited, replaced or removed behind the sidecar (``--dir`` too)
+is rewritten from the verified tensors in memory before the next pull; while that rewrite
+fails (a full disk), the sidecar's registration is withdrawn, since the file no longer holds
+the version it names. Only the file is durable: on start the sidecar loads it and its
+metadata, verifies the digest, and continues from there (a crash between a pull and the file
+write just repeats that pull); the version the metadata claims is registered only once the
+store commits it as held (or a pull verified it).
 
 Started before the trainer's first commit (the normal order), it waits (for a local store, also
 for its directory to appear: the sidecar never creates it; with ``--once`` a missing store is
@@ -651,6 +653,10 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                 if receiver is None:
                     _say("deltasync pull: stopped before the first commit")
                     return 0
+            # Temp files of writes killed shortly before this start (kept then: they could be
+            # a write in progress) go once they are STALE_TEMP_S old; otherwise each would
+            # hold a shard's worth of --dir for as long as this sidecar runs.
+            sweep_stale_temps([file.path])
             # The file first: the pull heartbeats the registration of the version held
             rewritten = file.keep(receiver, args.shard)
             report = receiver.pull()  # writes the file (persist) before acking the version

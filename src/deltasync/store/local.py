@@ -23,8 +23,10 @@ directory operation, followed by an fsync of the directory:
 
 Temporary files start with '.', a prefix :func:`check_key` forbids, so no key can name one and
 ``list`` never returns one. A crash can leave temporary files behind; they are invisible and
-``sweep_temp_files`` removes them. The root itself is the caller's choice and may be reached
-through links; only what lies below it is held to these rules.
+``sweep_temp_files`` removes them; ``delete`` of a directory's last key also removes those
+nothing has written for :data:`DEAD_TEMP_S` with the directory (gc of a version a killed
+trainer was uploading to leaves nothing behind). The root itself is the caller's choice and
+may be reached through links; only what lies below it is held to these rules.
 
 This module knows nothing about what the bytes mean.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -63,6 +66,10 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_PREAD = 0x7FFFF000  # the most one read(2) returns on Linux
+# A temp file nothing has written for this long is a killed writer's: deleting a directory's
+# last key removes such files with the directory (far beyond any write's pause, and beyond the
+# orphan grace after which gc deletes an attempt that never committed).
+DEAD_TEMP_S = 3600.0
 
 
 class _Missing(Exception):
@@ -526,9 +533,55 @@ class LocalStore:
         for i in range(len(parts) - 2, -1, -1):
             try:
                 os.rmdir(parts[i], dir_fd=fds[i])
-            except OSError:
-                return  # not empty (or already gone): stop climbing
+            except OSError as exc:
+                # Not empty: a key is left (stop climbing), or only what writers killed
+                # mid-write left there (their temp files: keys deleted, e.g. by gc, would
+                # otherwise leave the directory and a blob's worth of temp file forever).
+                if exc.errno != errno.ENOTEMPTY or not self._drop_dead_temps(fds[i + 1]):
+                    return
+                try:
+                    os.rmdir(parts[i], dir_fd=fds[i])
+                except OSError:
+                    return
             self._fsync(fds[i])
+
+    def _drop_dead_temps(self, dfd: int, depth: int = 2) -> bool:
+        """Remove the temp files of dead writes in the directory ``dfd`` (and in directories
+        below it, ``depth`` levels, removed once empty), but only when nothing else is there:
+        True when it is empty now. A temp file is a dead write's once nothing has written it
+        for :data:`DEAD_TEMP_S` (a write in progress keeps its mtime fresh); any key, link,
+        younger temp file or other entry keeps everything."""
+        now = time.time()
+        dead: list[str] = []
+        try:
+            with os.scandir(dfd) as it:
+                entries = list(it)
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and depth > 0:
+                    sub = os.open(entry.name, _DIR, dir_fd=dfd)
+                    try:
+                        emptied = self._drop_dead_temps(sub, depth - 1)
+                    finally:
+                        os.close(sub)
+                    if not emptied:
+                        return False
+                    os.rmdir(entry.name, dir_fd=dfd)
+                elif (
+                    stat.S_ISREG(st.st_mode)
+                    and entry.name.startswith(".")
+                    and TMP_MARK in entry.name
+                    and now - st.st_mtime > DEAD_TEMP_S
+                ):
+                    dead.append(entry.name)
+                else:
+                    return False
+            for name in dead:
+                os.unlink(name, dir_fd=dfd)
+        except OSError:
+            return False  # raced with a writer or a delete: leave it for the next pass
+        self._fsync(dfd)
+        return True
 
     def sweep_temp_files(self) -> int:
         """Remove temporary files left by crashed writers; returns how many were removed.
