@@ -141,6 +141,54 @@ def test_a_ctrl_c_in_another_command_is_one_line_and_130(monkeypatch, capsys) ->
     assert capsys.readouterr().err == "deltasync interrupted: interrupted\n"
 
 
+def test_importing_the_package_loads_no_torch() -> None:
+    # what lets the command answer a Ctrl-C while it starts: the package root is light
+    code = "import sys, deltasync; assert 'torch' not in sys.modules, 'torch loaded'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from deltasync import Publisher  # and the flat names still resolve
+
+    assert Publisher.__module__ == "deltasync.publish.publisher"
+
+
+@pytest.mark.parametrize("command", ["demo", "gc"])
+def test_a_ctrl_c_while_the_command_loads_is_one_line_and_130(command, monkeypatch, capsys):
+    from deltasync import cli
+
+    def loading() -> None:
+        raise KeyboardInterrupt  # as while torch imports
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    try:
+        rc = cli.main([command, "--steps", "2"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped cli.main")
+    out, err = capsys.readouterr()
+    assert rc == 130
+    assert err == f"deltasync {command}: stopped by signal SIGINT while starting\n"
+    if command == "demo":  # the JSON line the README promises
+        assert json.loads(out.splitlines()[-1])["interrupted"] is True
+    else:
+        assert out == ""
+
+
+def test_a_real_ctrl_c_half_a_second_after_start_exits_130_with_a_json_line(tmp_path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltasync", "demo", "--small", "--steps", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    time.sleep(0.5)  # the interpreter is up; the command's imports are under way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert json.loads(out.splitlines()[-1])["interrupted"] is True
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("deltasync-")]
+
+
 @pytest.mark.parametrize("app", ["demo", "rl-demo"])
 def test_a_process_of_the_run_gone_ends_with_the_summary_a_typed_error_and_2(
     monkeypatch, capsys, app

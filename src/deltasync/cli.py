@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from deltasync.errors import DeltaSyncError, error_line
@@ -31,8 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the commands whose last line is JSON in every case but a refused flag (README)
+_JSON_COMMANDS = ("demo", "bench", "rl-demo")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports every command's modules: torch, seconds of it
+    except KeyboardInterrupt:
+        return _interrupted_while_starting(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
@@ -43,3 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deltasync {args.command}: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)
+
+
+def _interrupted_while_starting(argv: list[str]) -> int:
+    """A Ctrl-C before the command began (while its modules load): one line on stderr and,
+    for the commands that end with a JSON line, that line, as for a Ctrl-C later on."""
+    command = next((a for a in argv if not a.startswith("-")), "")
+    line = "stopped by signal SIGINT"
+    if command in _JSON_COMMANDS:
+        doc = {"interrupted": True, "signal": "SIGINT", "error": line}
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    name = f"deltasync {command}" if command else "deltasync"
+    print(f"{name}: {line} while starting", file=sys.stderr)
+    return 130
