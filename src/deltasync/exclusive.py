@@ -108,13 +108,18 @@ class FileHold:
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise LocalStateError(
-                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
-            ) from exc
+            raise self._unopenable(exc) from exc
         if stat.S_ISLNK(mode):
             raise self._refused("it is a symbolic link (a lock file is never followed)")
         if not stat.S_ISREG(mode):
             raise self._refused("it is not a regular file")
+
+    def _unopenable(self, exc: OSError) -> LocalStateError:
+        return LocalStateError(
+            f"cannot open the lock {str(self.path)!r} of {self.what}: {exc.strerror or exc}. "
+            "Free space or inodes on its volume, or make its directory exist and writable; "
+            "nothing was written"
+        )
 
     def _take(self) -> int:
         """Open, lock and stamp (our pid) the lock file: its descriptor."""
@@ -128,9 +133,7 @@ class FileHold:
                 raise self._refused(
                     "it is a symbolic link (a lock file is never followed)"
                 ) from None
-            raise LocalStateError(
-                f"cannot open the lock of {self.what}: {exc.strerror or exc}"
-            ) from exc
+            raise self._unopenable(exc) from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise self._refused("it is not a regular file")

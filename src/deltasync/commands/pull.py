@@ -1,6 +1,6 @@
 """``deltasync pull``: a sidecar keeping ``DIR/<shard>.safetensors`` at the newest version.
 
-    deltasync pull STORE --engine E --tp N [--ep M] --shard ID --dir DIR [--config CONFIG.json]
+    deltasync pull STORE --shard ID --dir DIR [--engine E] [--tp N] [--ep M] [--config CONFIG.json]
         [--receiver-id ID] [--key-file F] [--once | --interval S [--iterations K]]
 
 For engines that reload weights from disk. The file holds the shard's tensors under the
