@@ -100,3 +100,68 @@ def test_a_system_that_refuses_the_probe_skips_it_and_says_so_once(
         assert writable.first_read_only([("ro", ro)]) is None
         assert writable.first_read_only([("ro", ro)]) is None
     assert len([r for r in caplog.records if "cannot" in r.getMessage()]) == 1
+
+
+def _numpy_backed(value: int) -> torch.Tensor:
+    """A bf16 tensor over memory torch was handed (probed), every element's bits ``value``."""
+    import numpy as np
+
+    return torch.from_numpy(np.full(8, value, np.int16)).view(torch.bfloat16)
+
+
+def test_an_interrupt_between_the_probes_two_calls_leaves_no_bytes_for_the_next_probe(
+    monkeypatch,
+):
+    a, b = _numpy_backed(0x1111), _numpy_backed(0x2222)
+    before_a, before_b = a.view(torch.int16).clone(), b.view(torch.int16).clone()
+    real_readv = os.readv
+
+    def interrupted(fd, bufs):  # Ctrl-C lands after the writev, before the bytes come back
+        monkeypatch.setattr(os, "readv", real_readv)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "readv", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writable.first_read_only([("a", a)])
+    assert writable.first_read_only([("b", b)]) is None
+    assert torch.equal(b.view(torch.int16), before_b)  # not a's bytes read back into b
+    assert torch.equal(a.view(torch.int16), before_a)
+
+
+def test_a_fork_while_another_thread_probes_leaves_the_child_free_to_probe():
+    import threading
+
+    t = _numpy_backed(0x3333)
+    inside, release = threading.Event(), threading.Event()
+    real_writev = os.writev
+
+    def slow_writev(fd, bufs):
+        if threading.current_thread().name == "prober":
+            inside.set()
+            release.wait()
+        return real_writev(fd, bufs)
+
+    prober = threading.Thread(
+        target=writable.first_read_only, args=([("t", t)],), name="prober", daemon=True
+    )
+    os.writev = slow_writev
+    try:
+        prober.start()
+        assert inside.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: a hung probe is killed by the alarm (exit by SIGALRM)
+            try:
+                import signal
+
+                signal.alarm(5)
+                os.writev = real_writev
+                ok = writable.first_read_only([("t", t)]) is None
+                os._exit(0 if ok else 2)
+            finally:
+                os._exit(4)
+    finally:
+        release.set()
+        os.writev = real_writev
+    prober.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -772,3 +772,26 @@ def test_steps_the_bound_inverts_log_nothing(caplog):
             tracker.clear()
         tracker.close()
     assert _whole_warnings(caplog) == []
+
+
+def test_a_cause_whose_text_carries_a_changing_value_is_still_logged_once(caplog):
+    # a checkpoint with a fractional step count: every step goes whole (exact), and the
+    # warning that says so names the count, which moves each step; it is one cause
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(32, 16) * 0.02)
+    opt = torch.optim.AdamW([p], lr=1e-6, weight_decay=0.01)
+    tracker = AdamWTracker(opt, [("p", p)])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    tracker.changed()
+    tracker.clear()
+    opt.state[p]["step"] = torch.tensor(1.5)
+    caplog.set_level("WARNING", logger="deltasync.trainer.adamw_tracker")
+    for _ in range(4):
+        p.grad = torch.randn_like(p)
+        opt.step()
+        assert tracker.changed()["p"].numel() == p.numel()
+        tracker.clear()
+    tracker.close()
+    (message,) = _whole_warnings(caplog)
+    assert "is not whole" in message and "'p'" in message

@@ -118,8 +118,15 @@ def _first_unwritable(cells: list[ctypes.Array]) -> int | None:
                 bad = _first_fault(cells[lo : lo + _BATCH])
                 if bad is not None:
                     return lo + bad
-        except OSError as exc:  # refused (seccomp's EPERM/ENOSYS): no answer, not an error
+        except BaseException as exc:
+            # The pipe may hold bytes not yet read back (an interrupt, KeyboardInterrupt
+            # included, between the writev and the readv): the next probe would read them
+            # into its own cells. Closed, it is opened empty again. The memory itself is as it
+            # was: the readv writes back only the bytes it read from the same cells.
             _close_pipe()
+            if not isinstance(exc, OSError):
+                raise
+            # refused (seccomp's EPERM/ENOSYS): no answer, not an error
             if not _refused:
                 _refused = True
                 log.warning(
@@ -185,6 +192,19 @@ def _open_pipe() -> tuple[int, int] | None:
             return None
         _pipe = (os.getpid(), r, w)
     return _pipe[1], _pipe[2]
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread was probing leaves the child that thread's ``_lock``
+    held forever (and the parent's pipe): the child starts with a free lock, and its first
+    probe opens its own pipe."""
+    global _lock
+    _lock = threading.Lock()
+    _close_pipe()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_pipe() -> None:

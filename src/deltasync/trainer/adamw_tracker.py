@@ -34,10 +34,12 @@ This module knows optimizers, hooks and bitsets; it knows nothing about layouts 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
 import math
+import re
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -177,6 +179,18 @@ _UNUSABLE_STATE = (
     "its Adam moments are not fp32 tensors of its local shape on its device (offloaded, "
     "low-precision or missing)"
 )
+
+
+# the values in a cause's text (a scheduled lr, a step count): the warning is once per cause
+_VALUES = re.compile(r"=\S*|\d+(?:\.\d*)?(?:e[+-]?\d+)?")
+
+
+@functools.lru_cache(maxsize=256)
+def _cause(why: str) -> str:
+    """The cause ``why`` names, its values left out: the key its warning is logged once for
+    (a text before the first '=' is not one: a non-integer step count's names its count, and
+    the two fused texts share theirs)."""
+    return _VALUES.sub("", why)
 
 
 def _note(why: dict[str, tuple[str, list[str]]], cause: str, detail: str, name: str) -> None:
@@ -874,8 +888,8 @@ class AdamWTracker:
             if hyper is not None and not invertible(hyper):
                 hyper = ok = None
                 why = f"its step leaves the error bound no margin ({_hyper_text(group, after)})"
-            if why is not None:  # one cause per text before a value: a scheduled lr is one
-                _note(whole_why, why.split("=")[0], why, name)
+            if why is not None:  # one cause per text without its values: a scheduled lr is one
+                _note(whole_why, _cause(why), why, name)
             self._pending.append((name, hyper, v_key))
             if ok:
                 self._seals[name] = _Seal.of(m, v)
