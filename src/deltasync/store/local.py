@@ -546,11 +546,12 @@ class LocalStore:
             self._fsync(fds[i])
 
     def _drop_dead_temps(self, dfd: int, depth: int = 2) -> bool:
-        """Remove the temp files of dead writes in the directory ``dfd`` (and in directories
-        below it, ``depth`` levels, removed once empty), but only when nothing else is there:
-        True when it is empty now. A temp file is a dead write's once nothing has written it
-        for :data:`DEAD_TEMP_S` (a write in progress keeps its mtime fresh); any key, link,
-        younger temp file or other entry keeps everything."""
+        """Empty the directory ``dfd`` of dead writes' temp files: True when it is empty now.
+        Subdirectories (``depth`` levels) holding nothing else are removed as the scan meets
+        them; the temp files at this level go only when nothing else is here. A temp file is
+        a dead write's once nothing has written it for :data:`DEAD_TEMP_S` (a write in
+        progress keeps its mtime fresh); a key, link, younger temp file or other entry keeps
+        its own directory and the directories above it."""
         now = time.time()
         dead: list[str] = []
         try:
