@@ -177,6 +177,27 @@ def test_plan_retention_table(name, available, live, kwargs, expected) -> None:
         assert plan_chain(held, latest, remaining) == before
 
 
+def test_plan_retention_keeps_the_anchor_a_live_receiver_restores_and_every_version_after_it() -> (
+    None
+):
+    # Anchors at 0, 4, 8; a receiver without a version began restoring anchor 4 before 8
+    # committed. Keeping only the newest anchor's chain deleted 4 under its fetch, and a
+    # trainer anchoring faster than it fetched starved it.
+    available = history(10, {0, 4, 8})
+    assert plan_retention(available, [None], restoring=[4]) == [0, 1, 2, 3]
+    # restoring 4 while holding 1 of another lineage (version_in: None) is the same case
+    assert plan_retention(available, [None, None], restoring=[4, 4]) == [0, 1, 2, 3]
+    # what it planned when 7 was the head is still there, and it goes on from 7 by deltas
+    kept = [a for a in available if a[0] >= 4]
+    assert plan_chain(None, 7, [a for a in kept if a[0] <= 7]) == [4, 5, 6, 7]
+    assert plan_chain(7, 10, kept) == [8, 9, 10]
+    # its registration expired (or it holds a version now): only the newest anchor's chain
+    assert plan_retention(available, [None]) == [0, 1, 2, 3, 4, 5, 6, 7]
+    # beside keep_latest, LATEST and the other receivers' needs
+    assert plan_retention(available, [2], restoring=[8], latest=9) == [0, 1, 2]
+    assert plan_retention(available, [], restoring=[0]) == []
+
+
 def test_plan_retention_rejects_keeping_nothing() -> None:
     with pytest.raises(ConfigError, match="keep_latest"):
         plan_retention(history(3, {0}), [], keep_latest=0)

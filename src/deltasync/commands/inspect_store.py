@@ -7,8 +7,8 @@ version's layout (engine, TP, EP, model fingerprint) and lineage (run id), and o
 (version, receiver shard): a status with its reason, kind, base, run id, blob bytes, elements
 sent, density (elements sent / the shard's elements, both from the manifest: no blob is
 decoded) and the receivers that acknowledged it (an ack naming another state digest than the
-manifest's is listed apart: a trainer does not count it); then the registered receivers.
-Statuses:
+manifest's is listed apart: a trainer does not count it); then the registered receivers
+(with the anchor each is restoring, if one). Statuses:
 
 - ``ok``: the manifest verifies and every blob is present with its size and digest;
 - ``corrupt`` / ``truncated`` / ``missing blob``: a blob does not match its manifest entry;
@@ -371,6 +371,8 @@ def collect(store, *, last: int, signing_key: bytes | None) -> dict:
             "version": r.version,
             "run_id": r.run_id,
             "age_s": round(now - r.updated_at, 1),
+            # the anchor it is restoring (retention keeps it and every version after it)
+            "restoring": r.restoring,
         }
         for r in catalog.receivers().values()
     ]
@@ -471,6 +473,7 @@ def _print_table(info: dict) -> None:
                 f"  {r['receiver']:<20} shard={r['shard']:<10} version={r['version']} "
                 f"heartbeat {r['age_s']:.1f} s ago"
                 + (f" (of run {r['run_id']}, not this store's lineage)" if other else "")
+                + (f", restoring anchor {r['restoring']}" if r["restoring"] is not None else "")
             )
 
 

@@ -13,7 +13,9 @@ here is a table-tested function:
   newer (a version may be committed before ``LATEST`` advances), never the newest keep_latest,
   never the chain a fresh receiver needs (newest anchor and the deltas after it), and never
   anything a live receiver still needs: every version above the one it holds (it may be in
-  the middle of replaying them) plus its planned chain;
+  the middle of replaying them) plus its planned chain, and the anchor it is restoring (its
+  registration names it: an older one than the newest, when anchors came during a slow
+  fetch) with every version after it;
 - :func:`should_anchor` is the publisher's every-K rule.
 
 Nothing here does I/O or knows about tensors.
@@ -159,11 +161,13 @@ def plan_retention(
     *,
     keep_latest: int = 1,
     latest: int | None = None,
+    restoring: Iterable[int] = (),
 ) -> list[int]:
     """Sorted versions that are safe to delete (see the module docstring for what is kept).
 
     ``latest`` defaults to the newest available version; ``live_receiver_versions`` holds the
-    version each live receiver has (None for a receiver that has none yet).
+    version each live receiver has (None for a receiver that has none yet); ``restoring`` the
+    anchors live receivers are restoring (one per such receiver).
     """
     if not isinstance(keep_latest, int) or isinstance(keep_latest, bool) or keep_latest < 1:
         raise ConfigError(f"keep_latest must be an int >= 1, got {keep_latest!r}")
@@ -194,6 +198,12 @@ def plan_retention(
             keep.update(_walk(held, latest, by_version))
         except VersionError:
             pass  # it cannot reach latest anyway; what it might still read is kept above
+    for anchor in restoring:
+        # Its fetch of that anchor may be under way, and the versions after it take it to
+        # latest; a newer anchor does not help it: it would start over, and a trainer that
+        # anchors faster than it fetches would starve it. (A number that is no anchor here
+        # keeps no more than a registration holding the version before it would.)
+        keep.update(v for v in ordered if anchor <= v <= latest)
     return [v for v in ordered if v not in keep]
 
 

@@ -9,8 +9,9 @@
   committer's, stop waiting instead of waiting out their timeout;
 - ack (``acks/v{n}/{receiver}.json``): receiver r applied version n and its shard digest
   matched;
-- receiver registration (``receivers/{receiver}.json``): a live receiver, its shard and the
-  version it holds, refreshed as a heartbeat; retention keeps what these still need.
+- receiver registration (``receivers/{receiver}.json``): a live receiver, its shard, the
+  version it holds and, while it restores one, the anchor it is fetching, refreshed as a
+  heartbeat; retention keeps what these still need.
 
 The store may be shared with someone hostile, so:
 
@@ -197,9 +198,9 @@ class _Signed:
         what: str,
     ):
         """An ack or a registration from JSON: fields checked, ``receiver``, ``shard``,
-        ``run_id`` and ``request`` strings, the ``dated`` time not in the future (``now``: the
-        reader's clock), then the MAC with ``signing_key`` (over the fields of a later
-        release too, kept in ``later``)."""
+        ``run_id``, ``request`` and ``restoring_run_id`` strings, the ``dated`` time not in
+        the future (``now``: the reader's clock), then the MAC with ``signing_key`` (over the
+        fields of a later release too, kept in ``later``)."""
         with parsing(what):
             obj = strict_loads(data, what=what, max_bytes=MAX_RECORD_BYTES)
             later = {}
@@ -208,7 +209,11 @@ class _Signed:
             expect_fields(obj, what=what, required=required, optional=cls.FIELDS - required)
             _strings(obj, ("receiver", "shard"), what=what)
             _strings(
-                obj, tuple(f for f in ("run_id", "request") if obj.get(f) is not None), what=what
+                obj,
+                tuple(
+                    f for f in ("run_id", "request", "restoring_run_id") if obj.get(f) is not None
+                ),
+                what=what,
             )
             record = cls(**obj, later=later)
             _check_not_future(getattr(record, dated), what=f"{what} {dated}", now=now)
@@ -477,10 +482,30 @@ class ReceiverRecord(_Signed):
     A store reset starts a new lineage whose version numbers repeat the old one's; a receiver
     still holding the old lineage's version says so truthfully, and the lineage tells a reader
     that it holds nothing of the new one (:meth:`version_in`). ``run_id`` is None in records
-    written before lineages were recorded in them (and when ``version`` is None)."""
+    written before lineages were recorded in them (and when ``version`` is None).
+
+    ``restoring`` and ``restoring_run_id``: the anchor (version and lineage) the receiver is
+    restoring, from the start of that restore until it holds the version it leads to (or the
+    pull fails); both None otherwise, and in records of releases before them. Retention keeps
+    that anchor and every version after it while the registration is live
+    (:meth:`restoring_in`), so that a slow fetch is not deleted under the receiver by anchors
+    published meanwhile. They say nothing about the version held: bounded staleness and acks
+    read ``version`` only."""
 
     KIND = "receiver record"
-    FIELDS = frozenset({"receiver", "shard", "version", "updated_at", "run_id", "request", "mac"})
+    FIELDS = frozenset(
+        {
+            "receiver",
+            "shard",
+            "version",
+            "updated_at",
+            "run_id",
+            "request",
+            "restoring",
+            "restoring_run_id",
+            "mac",
+        }
+    )
 
     receiver: str
     shard: str
@@ -488,6 +513,8 @@ class ReceiverRecord(_Signed):
     updated_at: float
     run_id: str | None = None
     request: str | None = None
+    restoring: int | None = None
+    restoring_run_id: str | None = None
     mac: str | None = field(default=None, compare=False)
     later: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -500,6 +527,14 @@ class ReceiverRecord(_Signed):
             names.check_token("receiver run_id", self.run_id)
         if self.request is not None:
             names.check_token("receiver request", self.request)
+        if (self.restoring is None) != (self.restoring_run_id is None):
+            raise ManifestError(
+                "receiver restoring and restoring_run_id name an anchor together: both or "
+                f"neither, got {show(self.restoring)} and {show(self.restoring_run_id)}"
+            )
+        if self.restoring is not None:
+            check_int(self.restoring, what="receiver restoring", lo=0, hi=names.MAX_VERSION)
+            names.check_token("receiver restoring_run_id", self.restoring_run_id)
         object.__setattr__(
             self, "updated_at", check_time(self.updated_at, what="receiver updated_at")
         )
@@ -525,6 +560,13 @@ class ReceiverRecord(_Signed):
             return None
         return self.version
 
+    def restoring_in(self, run_id: str) -> int | None:
+        """The anchor of lineage ``run_id`` this receiver is restoring: None when it restores
+        none, or one of another lineage (nothing of ``run_id`` it needs)."""
+        if self.restoring_run_id != run_id:
+            return None
+        return self.restoring
+
     def _fields(self) -> dict[str, Any]:
         obj: dict[str, Any] = {
             "receiver": self.receiver,
@@ -536,6 +578,9 @@ class ReceiverRecord(_Signed):
             obj["run_id"] = self.run_id
         if self.request is not None:
             obj["request"] = self.request
+        if self.restoring is not None:
+            obj["restoring"] = self.restoring
+            obj["restoring_run_id"] = self.restoring_run_id
         return {**self.later, **obj}
 
     @classmethod

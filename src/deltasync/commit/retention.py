@@ -1,8 +1,9 @@
 """Retention: which stored keys are safe to delete, and deleting them in a safe order.
 
 :func:`plan_deletions` is pure. It applies :func:`deltasync.commit.plan_retention` (never a
-version a live receiver still needs, never the newest anchor and the chain after it, never the
-newest committed version or anything newer) and also removes leftovers that no manifest
+version a live receiver still needs, never the anchor a live receiver is restoring nor any
+version after it, never the newest anchor and the chain after it, never the newest committed
+version or anything newer) and also removes leftovers that no manifest
 vouches for: blobs and markers of losing attempts in committed versions, and everything of
 uncommitted versions older than the newest committed one (newer ones may still be in flight).
 
@@ -148,7 +149,11 @@ def plan_deletions(
     committed: int | None,
     live_versions: Iterable[int | None],
     keep_versions: int,
+    restoring: Iterable[int] = (),
 ) -> GcPlan:
+    """The plan for what the store holds: ``live_versions`` (each live receiver's version of
+    the committed lineage, None: none) and ``restoring`` (the anchors of that lineage live
+    receivers are restoring) go to :func:`plan_retention`."""
     if committed is None or not manifests:
         return GcPlan((), ())
     doomed = plan_retention(
@@ -156,6 +161,7 @@ def plan_deletions(
         list(live_versions),
         keep_latest=keep_versions,
         latest=committed,
+        restoring=list(restoring),
     )
     first: list[str] = []
     rest: list[str] = []
@@ -280,10 +286,14 @@ def collect_garbage(
             "the store answers"
         )
     now = time.time()  # again: the reads above take time, and heartbeats are judged by it
-    live = [
-        r.version if run_id is None else r.version_in(run_id)
-        for r in records.values()
-        if r.is_live(now, receiver_ttl_s)
+    live_records = [r for r in records.values() if r.is_live(now, receiver_ttl_s)]
+    live = [r.version if run_id is None else r.version_in(run_id) for r in live_records]
+    # The anchors live receivers are fetching (of this lineage: an older lineage's anchor is
+    # nothing a receiver can reach the head from). Without a verified head nothing is deleted.
+    restoring = [
+        a
+        for a in (r.restoring_in(run_id) for r in live_records if run_id is not None)
+        if a is not None
     ]
     # Never a live receiver (TTL), nor one paused for less than an attempt's grace.
     forget_after_s = max(forget_receivers_after_s, receiver_ttl_s, orphan_grace_s)
@@ -295,6 +305,7 @@ def collect_garbage(
         committed=committed,
         live_versions=live,
         keep_versions=keep_versions,
+        restoring=restoring,
     )
     plan = replace(plan, committed=committed)
     if deferred:

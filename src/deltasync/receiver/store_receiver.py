@@ -9,10 +9,13 @@
    that regressed or was renumbered) the newest anchor of the current lineage is restored;
 2. check the layout the manifests were built for against this receiver's tensors, before
    anything is fetched;
-3. stage (the engine keeps serving): verify each manifest (signature when a key is set) and
-   the chain's bases, fetch every blob and verify its size, digest, header and trailer
-   (:mod:`deltasync.receiver.staging`); decode it here only when the decoded chain is small
-   (``max_staged_bytes``);
+3. stage (the engine keeps serving): a chain that starts at an anchor is registered first
+   (``ReceiverRecord.restoring``, refreshed by the fetch's heartbeats, gone once the version
+   it leads to is recorded), so that retention keeps that anchor and the versions after it
+   even when newer anchors commit during a slow fetch; verify each manifest (signature when
+   a key is set) and the chain's bases, fetch every blob and verify its size, digest, header
+   and trailer (:mod:`deltasync.receiver.staging`); decode it here only when the decoded
+   chain is small (``max_staged_bytes``);
 4. verify before write: read the chain one tensor at a time (:func:`deltasync.format.iter_chain`:
    every record checked, writers disjoint, an anchor complete) and hash each tensor as it
    WILL be after its pieces, chunk by chunk (:mod:`deltasync.layout.verify`); compare with the
@@ -321,6 +324,10 @@ class Receiver:
         self._records = threading.RLock()
         self._quiet = 0
         self._request: str | None = None  # the engine request handed over last (answering)
+        # The anchor (version, run id) a restore under way fetches: its registrations name it
+        # (ReceiverRecord.restoring) so that retention keeps it, and the versions after it,
+        # until the receiver holds what it leads to; None outside such a restore.
+        self._restoring: tuple[int, str] | None = None
         # The version held was verified (applied by a pull, or hashed by a scrub) since that
         # request came: only then does a registration naming a version name the request too.
         self._vouched = False
@@ -724,6 +731,8 @@ class Receiver:
             # a version named for a request only once verified since it came; naming none
             # claims nothing, whenever it is written
             request=self._request if self._vouched or not held else None,
+            restoring=None if self._restoring is None else self._restoring[0],
+            restoring_run_id=None if self._restoring is None else self._restoring[1],
         )
         if not self._confirmed:
             return True
@@ -1082,20 +1091,41 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
+        if manifests[0].kind == "anchor":
+            self._restore_starts(manifests[0])
         try:
-            t = time.perf_counter()
-            staged = self._stage(manifests, from_version)
-            stage_s = time.perf_counter() - t
-        except DeltaSyncError:
-            for m in manifests:  # a repaired store heals on the next pull
-                self.catalog.forget(m.version)
-            raise
-        # Heartbeats are held from the end of the fetch (before the journal's thread may
-        # withdraw the registration) to the end of the record, not during the fetch: the
-        # tensors hold the version before all along it, and a heartbeat (a keepalive beside a
-        # long fetch) keeps this receiver live, so retention keeps the chain it is fetching.
-        with self._heartbeats_held():
-            return self._apply(manifests, from_version, t0, staged, stage_s, repaired=repaired)
+            try:
+                t = time.perf_counter()
+                staged = self._stage(manifests, from_version)
+                stage_s = time.perf_counter() - t
+            except DeltaSyncError:
+                for m in manifests:  # a repaired store heals on the next pull
+                    self.catalog.forget(m.version)
+                raise
+            # Heartbeats are held from the end of the fetch (before the journal's thread may
+            # withdraw the registration) to the end of the record, not during the fetch: the
+            # tensors hold the version before all along it, and a heartbeat (a keepalive
+            # beside a long fetch) keeps this receiver live, so retention keeps the chain it
+            # is fetching.
+            with self._heartbeats_held():
+                return self._apply(manifests, from_version, t0, staged, stage_s, repaired=repaired)
+        finally:
+            # Recorded, the new version's registration named no anchor already (_record);
+            # failed, the next pull plans afresh (and names the anchor it restores then).
+            # A registration left naming this one pins it until its heartbeat expires.
+            with self._records:
+                self._restoring = None
+
+    def _restore_starts(self, anchor: Manifest) -> None:
+        """Register, before the fetch, the anchor about to be restored: retention keeps, for
+        a receiver that holds nothing usable, only the newest anchor's chain otherwise, and a
+        trainer anchoring faster than this receiver fetches would delete every anchor under
+        it in turn. The fetch's heartbeats keep the registration fresh. A store failure is
+        logged and the fetch goes on (unprotected, as before this record field)."""
+        with self._records:
+            self._restoring = (anchor.version, anchor.run_id)
+            if not self._quiet:
+                self._register_now(self._state)
 
     def _apply(
         self,
@@ -1283,6 +1313,8 @@ class Receiver:
         hold."""
         self._ack_undecided = False  # a later version's ack and registration supersede it
         self._pending_ack = ack
+        with self._records:  # it holds what the anchor led to: nothing left to keep for it
+            self._restoring = None
         self._confirmed = True
         self._vouch()  # verified before its first write, written whole
         local = InBackground(self._record_state, held, name="deltasync-receiver-state")
