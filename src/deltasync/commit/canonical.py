@@ -43,6 +43,18 @@ def show(value: Any) -> str:
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
 
+_NAMES_SHOWN = 8  # field names quoted in an error, at most
+
+
+def show_names(names: Any) -> str:
+    """The field names of an error, each cut like :func:`show`, at most ``_NAMES_SHOWN`` of
+    them (a hostile object may hold many): ``'a', 'b' and 3 more``."""
+    names = sorted(names, key=str)
+    shown = ", ".join(show(n) for n in names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return shown if more <= 0 else f"{shown} and {more} more"
+
+
 def canonical_json(obj: Any) -> bytes:
     return json.dumps(
         obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
@@ -112,7 +124,7 @@ def expect_fields(
         raise ManifestError(f"{what} must be a JSON object, got {type(obj).__name__}")
     unknown = set(obj) - required - optional
     if unknown:
-        raise ManifestError(f"{what} has unknown field(s) {show(sorted(unknown))}")
+        raise ManifestError(f"{what} has unknown field(s) {show_names(unknown)}")
     missing = required - set(obj)
     if missing:
         raise ManifestError(f"{what} is missing field(s) {sorted(missing)}")

@@ -54,6 +54,7 @@ from deltasync.commit.canonical import (
     expect_fields,
     parsing,
     show,
+    show_names,
     strict_loads,
 )
 from deltasync.commit.model import BlobEntry
@@ -122,7 +123,7 @@ def _check_later(later: Mapping[str, Any], known: frozenset[str], *, what: str) 
     if len(later) > MAX_LATER_FIELDS:
         raise ManifestError(
             f"{what} has {len(later)} fields this release does not know (at most "
-            f"{MAX_LATER_FIELDS}): {show(sorted(later)[:MAX_LATER_FIELDS])}"
+            f"{MAX_LATER_FIELDS}): {show_names(later)}"
         )
     for name in later:
         if not isinstance(name, str) or not _FIELD_NAME.fullmatch(name) or name in known:
@@ -138,7 +139,7 @@ def _check_later(later: Mapping[str, Any], known: frozenset[str], *, what: str) 
             canonical_json(dict(later))
         except (ValueError, TypeError, RecursionError) as exc:
             raise ManifestError(
-                f"{what} fields {show(sorted(later))} cannot be written as canonical JSON "
+                f"{what} fields {show_names(later)} cannot be written as canonical JSON "
                 f"({type(exc).__name__}: {show(str(exc))})"
             ) from None
 

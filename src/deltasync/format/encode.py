@@ -299,7 +299,8 @@ class BlobWriter:
     ``sink`` receives the blob's bytes in order (header, then each segment, then trailer and
     digest); the writer keeps nothing of a segment once it is handed over, so a blob of any size
     streams in the memory of its largest segment. ``size`` and ``digest`` (hex xxh3-128 of the
-    whole blob, what the manifest lists) are final after :meth:`finish`. A tensor may appear in
+    whole blob, trailer digest included; the manifest lists the BLAKE2b-256
+    ``commit.blob_digest`` instead) are final after :meth:`finish`. A tensor may appear in
     one segment only: the decoder refuses a name seen twice.
 
     With ``open_segments`` (and compression) a segment whose frame is streamed (a record
@@ -416,8 +417,8 @@ class BlobWriter:
             )
 
     def finish(self) -> str:
-        """Write the trailer and the digest; returns the blob digest (hex xxh3-128 of every
-        byte, what the manifest lists)."""
+        """Write the trailer and the digest; returns the blob's hex xxh3-128 of every byte (a
+        transit check; the manifest lists the BLAKE2b-256 ``commit.blob_digest``)."""
         self._check_whole()
         if self.digest is None:
             self._put(

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from deltasync.errors import ConfigError, DeltaSyncError
+from deltasync.errors import ConfigError, DeltaSyncError, StoreError
 from deltasync.store.base import Store
 from deltasync.store.emulated import MemoryStore, ThrottledStore
 from deltasync.store.local import LocalStore
@@ -58,7 +58,14 @@ def open_store(
             path = url
         if not path:
             raise ConfigError(f"store URL {url!r} has no path")
-        store = LocalStore(path, durable=durable, create=create)
+        try:
+            store = LocalStore(path, durable=durable, create=create)
+        except StoreError as exc:
+            if create:
+                raise
+            # create=False: a path that is not a store's directory is the caller's setting
+            # (a typo, a store not made yet), refused as one; nothing was created
+            raise ConfigError(f"{exc} (nothing was created)") from None
     elif scheme == "s3":
         rest = url.split("://", 1)[1]
         bucket, _, prefix = rest.partition("/")
