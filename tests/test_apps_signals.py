@@ -180,7 +180,8 @@ def test_a_real_ctrl_c_half_a_second_after_start_exits_130_with_a_json_line(tmp_
         text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
-    time.sleep(0.5)  # the interpreter is up; the command's imports are under way
+    _wait_for_python_handler(proc.pid, signal.SIGINT)
+    time.sleep(0.3)  # the interpreter is up; the command's imports (torch) are under way
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
@@ -306,3 +307,43 @@ def test_a_dead_harness_child_is_a_typed_error_naming_it_and_how_it_ended() -> N
         assert "killed by SIGKILL" in str(exc.value)
     finally:
         child.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "marks"),
+    [
+        ("demo", {"exact": False}),
+        ("bench", {"exact": False, "failures": ["stopped by signal SIGINT"]}),
+        ("rl-demo", {"probe_exact": False}),
+        ("cluster-worker", {"exact": False, "rank": 3}),
+    ],
+)
+def test_a_ctrl_c_while_an_app_loads_ends_with_its_json_line_marked_failed_as_a_later_one(
+    command, marks, monkeypatch, capsys
+) -> None:
+    from deltasync import cli
+
+    def loading() -> None:
+        raise KeyboardInterrupt  # as while torch imports
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    monkeypatch.setenv("RANK", "3")
+    assert cli.main([command]) == 130
+    out, err = capsys.readouterr()
+    doc = json.loads(out.splitlines()[-1])
+    assert doc["interrupted"] is True and doc["signal"] == "SIGINT"
+    assert {k: doc.get(k) for k in marks} == marks
+    assert err == f"deltasync {command}: stopped by signal SIGINT while starting\n"
+
+
+def _wait_for_python_handler(pid: int, signum: int, timeout_s: float = 60.0) -> None:
+    """Until the process catches ``signum`` (the interpreter installed its handler: before
+    that, the signal's default action would end it however deltasync handles a Ctrl-C)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+        if int(caught.split()[1], 16) >> (signum - 1) & 1:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} never installed a handler for signal {signum}")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import os
 import sys
 
 from deltasync.errors import DeltaSyncError, error_line
+from deltasync.interrupts import interrupts_deferred
 
 # (module under deltasync.commands) -- order is the order shown in --help.
 _COMMAND_MODULES = ("apps", "layout", "inspect_store", "gc", "pull")
@@ -32,13 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# the commands whose last line is JSON in every case but a refused flag (README)
-_JSON_COMMANDS = ("demo", "bench", "rl-demo")
+# The commands whose last line is JSON in every case but a refused flag (README; apps.py:
+# cluster-worker too), with what marks that line failed, as a later Ctrl-C's (apps._run_app).
+_JSON_COMMANDS = {
+    "demo": {"exact": False},
+    "bench": {"exact": False, "failures": True},
+    "rl-demo": {"probe_exact": False},
+    "cluster-worker": {"exact": False},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()  # imports every command's modules: torch, seconds of it
+        # Imports every command's modules: torch, seconds of it. A Ctrl-C is held until they
+        # are loaded: one landing inside torch's C++ import code aborts the process.
+        with interrupts_deferred():
+            parser = build_parser()
     except KeyboardInterrupt:
         return _interrupted_while_starting(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -58,10 +68,17 @@ def _interrupted_while_starting(argv: list[str]) -> int:
     for the commands that end with a JSON line, that line, as for a Ctrl-C later on."""
     command = next((a for a in argv if not a.startswith("-")), "")
     line = "stopped by signal SIGINT"
-    if command in _JSON_COMMANDS:
-        doc = {"interrupted": True, "signal": "SIGINT", "error": line}
-        sys.stdout.write(json.dumps(doc) + "\n")
-        sys.stdout.flush()
+    marks = _JSON_COMMANDS.get(command)
+    if marks is not None:
+        doc: dict = {**marks, "interrupted": True, "signal": "SIGINT", "error": line}
+        if command == "cluster-worker":  # its line names its rank (several share a stdout)
+            rank = os.environ.get("RANK", "")
+            doc["rank"] = int(rank) if rank.isascii() and rank.isdigit() else None
+        if marks.get("failures"):
+            doc["failures"] = [line]
+        from deltasync.commands.apps import emit_json_line  # loaded: the interrupt was held
+
+        emit_json_line(doc, sort_keys=command in ("demo", "bench"))
     name = f"deltasync {command}" if command else "deltasync"
     print(f"{name}: {line} while starting", file=sys.stderr)
     return 130

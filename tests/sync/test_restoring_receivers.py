@@ -136,3 +136,60 @@ def test_an_expired_registration_no_longer_keeps_the_anchor_it_was_restoring(tmp
     register(time.time())
     collect_garbage(store, Catalog(store), keep_versions=2, receiver_ttl_s=120)
     assert _committed(store, range(7)) == [2, 3, 4, 5, 6]
+
+
+class CtrlCOnRegistration(_Wrapper):
+    """Its next registration write, once ``armed``, raises KeyboardInterrupt (a Ctrl-C)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.armed = False
+
+    def get(self, key, **kwargs):
+        return self.inner.get(key, **kwargs)
+
+    def put(self, key, data):
+        if self.armed and key.startswith("receivers/"):
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.inner.put(key, data)
+
+    def put_if_absent(self, key, data):
+        return self.inner.put_if_absent(key, data)
+
+    def put_stream(self, key, chunks):
+        return self.inner.put_stream(key, chunks)
+
+
+def test_a_ctrl_c_while_registering_the_anchor_to_restore_leaves_no_later_heartbeat_naming_it(
+    tmp_path,
+) -> None:
+    store = scratch_store(tmp_path / "store")
+    tl, rl, params, pub = anchored_bf16(store, seed=13)
+    view = CtrlCOnRegistration(store)
+    rx = Receiver.for_layout(
+        view, rl, "tp0", zero_tensors(rl, "tp0"), str(tmp_path / "rx"), rconfig(RID)
+    )
+    view.armed = True  # the write naming anchor 0, before its fetch
+    try:
+        rx.pull()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the registration write was not interrupted")
+    assert rx.heartbeat()  # the engine's heartbeat thread, later on
+    rec = Catalog(store).receiver(RID)
+    assert rec.version is None and rec.restoring is None
+    for v in range(1, 5):
+        if v % 2 == 0:
+            pub.publish(v, [], params, anchor=True)
+        else:
+            publish_edit(pub, params, v, 5)
+    doomed = collect_garbage(
+        store, Catalog(store), keep_versions=2, receiver_ttl_s=120, dry_run=True
+    ).versions
+    assert doomed == (0, 1, 2)  # the newest anchor's chain only: nothing pinned by anchor 0
+    report = rx.pull()  # and the receiver still reaches the head, bit-exact
+    assert report.version == 4 and rec.restoring is None
+    assert_same_bits(rx.tensors, expected_shards(params, tl, rl)["tp0"], "at the head")
+    assert Catalog(store).receiver(RID).restoring is None

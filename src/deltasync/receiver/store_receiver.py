@@ -1091,9 +1091,11 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
-        if manifests[0].kind == "anchor":
-            self._restore_starts(manifests[0])
         try:
+            if manifests[0].kind == "anchor":
+                # inside: an interrupt during its registration write must not leave the
+                # anchor named by every later heartbeat (the finally below forgets it)
+                self._restore_starts(manifests[0])
             try:
                 t = time.perf_counter()
                 staged = self._stage(manifests, from_version)
