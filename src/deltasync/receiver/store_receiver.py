@@ -1111,6 +1111,13 @@ class Receiver:
             # is fetching.
             with self._heartbeats_held():
                 return self._apply(manifests, from_version, t0, staged, stage_s, repaired=repaired)
+        except Exception:
+            # The restore failed (its fetch, or the refused withdrawal before its first
+            # write): the registration this pull wrote last names the anchor, heartbeat
+            # fresh, and would keep it and every version after it until that heartbeat
+            # expires. Registered again without it (best effort: a store error is logged).
+            self._restore_ends()
+            raise
         finally:
             # Recorded, the new version's registration named no anchor already (_record);
             # failed, the next pull plans afresh (and names the anchor it restores then).
@@ -1127,6 +1134,23 @@ class Receiver:
         with self._records:
             self._restoring = (anchor.version, anchor.run_id)
             if not self._quiet:
+                self._register_now(self._state)
+
+    def _restore_ends(self) -> None:
+        """A restore under way stopped without recording its version: register what
+        ``self._state`` says, naming no anchor. A torn scatter (its journal on disk) is
+        not over: the next pull replays it, naming the anchor again."""
+        with self._records:
+            if self._restoring is None:
+                return
+            self._restoring = None
+            if self._quiet:
+                return
+            try:
+                torn = self.dir.read_journal() is not None
+            except Exception:  # unreadable: the next pull deals with it
+                torn = True
+            if not torn:
                 self._register_now(self._state)
 
     def _apply(
