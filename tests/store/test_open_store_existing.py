@@ -26,3 +26,14 @@ def test_open_store_without_create_opens_an_existing_store(tmp_path):
     LocalStore(tmp_path / "run42").put("LATEST", b'{"version":0}')
     store = open_store(str(tmp_path / "run42"), create=False)
     assert store.get("LATEST") == b'{"version":0}'
+
+
+def test_a_receivers_missing_store_says_nothing_was_created_once(tmp_path):
+    from deltasync.store.factory import open_existing_store
+
+    with pytest.raises(ConfigError) as raised:
+        open_existing_store(str(tmp_path / "missing"), what="engine store")
+    message = str(raised.value)
+    assert message.lower().count("nothing was created") == 1, message
+    assert "engine store" in message and "check the path" in message
+    assert not (tmp_path / "missing").exists()

@@ -100,9 +100,10 @@ def open_existing_store(
     try:
         return open_store(url, s3=s3, durable=durable, create=False)
     except DeltaSyncError as exc:
+        said = "nothing was created" in str(exc)  # open_store's refusal of a missing root
         raise ConfigError(
             f"{what} {url!r}: {exc}. A receiver reads the store its trainer made: check the "
-            "path. Nothing was created"
+            f"path{'' if said else '. Nothing was created'}"
         ) from None
 
 
