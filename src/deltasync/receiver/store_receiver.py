@@ -1120,8 +1120,9 @@ class Receiver:
             raise
         finally:
             # Recorded, the new version's registration named no anchor already (_record);
-            # failed, the next pull plans afresh (and names the anchor it restores then).
-            # A registration left naming this one pins it until its heartbeat expires.
+            # failed, _restore_ends registered again without it. An interrupt skips that
+            # write: the registration names the anchor until the next one (a pull or a
+            # heartbeat) or until it expires.
             with self._records:
                 self._restoring = None
 

@@ -187,9 +187,9 @@ _VALUES = re.compile(r"=\S*|\d+(?:\.\d*)?(?:e[+-]?\d+)?")
 
 @functools.lru_cache(maxsize=256)
 def _cause(why: str) -> str:
-    """The cause ``why`` names, its values left out: the key its warning is logged once for
-    (a text before the first '=' is not one: a non-integer step count's names its count, and
-    the two fused texts share theirs)."""
+    """The cause ``why`` names, its numbers and ``=values`` left out: the key its warning is
+    logged once for, so that a scheduled lr or a step count does not make a new cause each
+    step, while two texts that differ in words (the two fused ones) stay two causes."""
     return _VALUES.sub("", why)
 
 
