@@ -480,3 +480,26 @@ def test_pull_with_another_models_config_is_refused_before_it_writes_anything(tm
     err = capsys.readouterr().err
     assert "LayoutMismatchError" in err and "Nothing was fetched or written" in err, err
     assert not (tmp_path / "weights").exists()  # no --dir, no state file: as it says
+
+
+def test_inspect_shows_the_anchor_a_receiver_is_restoring(tmp_path, capsys):
+    from deltasync.commit import Catalog, ReceiverRecord
+
+    rig = Rig(tmp_path)
+    rig.publish(1)
+    run_id = Catalog(rig.store).manifest(0).run_id
+    rec = ReceiverRecord(
+        receiver="slow",
+        shard="tp0",
+        version=None,
+        updated_at=time.time(),
+        restoring=0,
+        restoring_run_id=run_id,
+    )
+    rig.store.put(rec.key, rec.to_json(None))
+    assert main(["inspect", str(rig.path)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "slow" in x]
+    assert "restoring anchor 0" in line
+    assert main(["inspect", str(rig.path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["receivers"]
+    assert [(r["receiver"], r["restoring"]) for r in listed] == [("slow", 0)]
