@@ -413,14 +413,15 @@ def test_inspect_with_a_key_names_as_committed_only_what_verifies_with_it(tmp_pa
         keys[name].write_bytes(key)
         keys[name].chmod(0o600)
 
-    def inspect(key: str) -> dict:
-        assert main(["inspect", str(rig.path), "--json", "--key-file", str(keys[key])]) == 0
+    def inspect(key: str, rc: int = 0) -> dict:
+        assert main(["inspect", str(rig.path), "--json", "--key-file", str(keys[key])]) == rc
         return json.loads(capsys.readouterr().out)
 
-    info = inspect("wrong")
+    # nothing verifies with the key: everything printed, and rc 3 tells a script so
+    info = inspect("wrong", rc=3)
     assert {r["status"] for r in info["rows"]} == {"bad signature"}
     assert info["newest_committed"] is None and info["newest_listed"] == 5
-    assert main(["inspect", str(rig.path), "--key-file", str(keys["wrong"])]) == 0
+    assert main(["inspect", str(rig.path), "--key-file", str(keys["wrong"])]) == 3
     table = capsys.readouterr().out
     assert "newest committed=None" in table and "no manifest verifies with this key" in table
     assert inspect("right")["newest_committed"] == 5

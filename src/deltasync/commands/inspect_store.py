@@ -24,7 +24,9 @@ With ``--key-file`` the header's newest committed version is the newest whose ma
 verifies with that key (what a receiver given it would follow), and a line says so when a
 newer manifest is listed; without a key it is the newest manifest listed, unverified.
 
-``--json`` prints one JSON line instead. Blobs are read to check their sizes and digests, at
+``--json`` prints one JSON line instead. The exit status is 0, 2 for a path that is not a
+store, and 3 when ``--key-file`` is given, manifests are listed and none verifies with it
+(everything is still printed). Blobs are read to check their sizes and digests, at
 most 16 MiB at a time, and one listed larger than its shard's layout record allows is not read
 at all (``corrupt``); nothing is written. The store options here are shared with ``deltasync
 pull``. A closed output pipe ends it quietly.
@@ -56,6 +58,9 @@ from deltasync.errors import (
 )
 
 EXIT_NOT_A_STORE = 2
+# With --key-file: manifests are listed and none verifies with the key (a wrong key, or a store
+# another trainer signed): everything is still printed, and a script learns of it.
+EXIT_NOTHING_VERIFIES = 3
 # A blob above this is hashed from ranges of this size, so inspect's memory does not follow the
 # sizes a manifest lists (one request per chunk on S3; a blob below it is one request).
 HASH_CHUNK = 16 << 20
@@ -525,6 +530,9 @@ def _run(args: argparse.Namespace) -> int:
             emit_json_line(info, sort_keys=True)
         else:
             _print_table(info)
+    if info["verified_with_key"] and info["newest_committed"] is None:
+        if info["newest_listed"] is not None:
+            return EXIT_NOTHING_VERIFIES
     return 0
 
 
