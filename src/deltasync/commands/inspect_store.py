@@ -530,9 +530,9 @@ def _run(args: argparse.Namespace) -> int:
             emit_json_line(info, sort_keys=True)
         else:
             _print_table(info)
-    if info["verified_with_key"] and info["newest_committed"] is None:
-        if info["newest_listed"] is not None:
-            return EXIT_NOTHING_VERIFIES
+    nothing_verifies = info["verified_with_key"] and info["newest_committed"] is None
+    if nothing_verifies and info["newest_listed"] is not None:
+        return EXIT_NOTHING_VERIFIES
     return 0
 
 

@@ -210,6 +210,39 @@ class PullReport:
 log = logging.getLogger(__name__)
 
 
+class _Outage:
+    """How one record's failed writes are logged: the first as a warning, the repeats of an
+    outage at debug level with one warning a :data:`REMIND_S` (a store that stays full or
+    down fails every pull, and a line a pull buried what an operator needs to see), and the
+    first write after it at info level with the count."""
+
+    REMIND_S = 60.0
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failed = 0
+        self.last: BaseException | None = None  # the newest failure, for errors that follow
+        self._warned_at = 0.0
+
+    def failure(self, who: str, exc: BaseException) -> None:
+        self.failed += 1
+        self.last = exc
+        now = time.monotonic()
+        if self.failed == 1 or now - self._warned_at >= self.REMIND_S:
+            self._warned_at = now
+            again = "" if self.failed == 1 else f" ({self.failed} failed writes so far)"
+            log.warning(
+                "%s: %s not written (%s)%s; retried on the next pull", who, self.what, exc, again
+            )
+        else:
+            log.debug("%s: %s not written again (%s)", who, self.what, exc)
+
+    def success(self, who: str) -> None:
+        if self.failed:
+            log.info("%s: %s written again after %d failed writes", who, self.what, self.failed)
+            self.failed = 0
+
+
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
 # A fetch of more than this (for one shard) refreshes the registration while it runs
 # (ReceiverConfig.fetch_heartbeat_s); a smaller one is over long before a heartbeat is due.
@@ -298,6 +331,8 @@ class Receiver:
         self.dir = StateDir(state_dir, durable=config.durable)
         self._pending_ack: AckRecord | None = None
         self._heartbeat_owed = False
+        self._registration_outage = _Outage("registration")
+        self._ack_outage = _Outage("ack")
         self._idle_pulls = 0  # pulls that found nothing new, toward scrub_every
         # Restarted while the store could not say whether the held version is committed as
         # held: whether its ack is owed is decided on the next flush of the records.
@@ -743,14 +778,10 @@ class Receiver:
             if rec.version is not None:  # its reply may be what was lost: it may stand
                 self._registered = rec.version
             self._heartbeat_owed = True
-            log.warning(
-                "receiver %r shard %r: registration not written (%s); retried on the next pull",
-                self.config.receiver_id,
-                self.shard,
-                exc,
-            )
+            self._registration_outage.failure(self._who, exc)
             return False
         self._heartbeat_owed = False
+        self._registration_outage.success(self._who)
         return True
 
     def answering(self, request: str | None) -> None:
@@ -814,15 +845,9 @@ class Receiver:
         try:
             self.store.put(ack.key, ack.to_json(self.config.signing_key))
             self._pending_ack = None
+            self._ack_outage.success(self._who)
         except StoreError as exc:
-            log.warning(
-                "receiver %r shard %r: ack of version %d not written (%s); retried on the "
-                "next pull",
-                self.config.receiver_id,
-                self.shard,
-                ack.version,
-                exc,
-            )
+            self._ack_outage.failure(f"{self._who}, version {ack.version}", exc)
         finally:
             if beat is None:
                 self._register_as(state)
@@ -1424,9 +1449,9 @@ class Receiver:
         if not withdrawn and self._registered not in (None, _UNWRITTEN) and self._named():
             raise StoreError(
                 f"receiver {self.config.receiver_id!r} shard {self.shard!r}: its registration "
-                "could not be withdrawn before the first write (the store refused the write: "
-                "see the warning before this); nothing was written. Pull again once the store "
-                "takes writes"
+                f"could not be withdrawn before the first write (the store refused the write: "
+                f"{self._registration_outage.last}); nothing was written. Pull again once the "
+                "store takes writes"
             )
 
     def _named(self) -> bool:
