@@ -15,7 +15,9 @@ vLLM's four-phase weight-transfer API calls, on every worker:
      engine keeps serving; the thread then waits before its first write (its errors are
      raised by the apply call);
    - ``{"version": N}`` (phase ``"apply"``) waits for the staged pull (or stages now if
-     nothing was staged), then the TP ranks agree (one flag each, reduced over vLLM's TP CPU
+     nothing was staged), at most ``DeltaSyncInitInfo.stage_timeout_s`` (a store that does not
+     answer fails the update, every rank's, instead of holding vLLM's RPC loop), then the TP
+     ranks agree (one flag each, reduced over vLLM's TP CPU
      group): if any rank failed to stage, no rank writes; otherwise each writes: journal,
      scatter in place, post-load refresh of packed CPU kernels, digest check. vLLM runs this
      RPC between model steps, so this call is the engine's pause; with ``"stage"`` first it
@@ -69,10 +71,17 @@ from deltasync.errors import ApplyError, ConfigError, DeltaSyncError, VersionErr
 from deltasync.layout.probed import load_receiver_layout
 from deltasync.names import check_version_arg
 from deltasync.store.factory import open_engine_store
+from deltasync.validate import check_seconds
 
 log = logging.getLogger(__name__)
 
 PHASES = ("stage", "apply")
+
+# How long a cancelled staging thread is waited for (at most; the stage timeout if shorter)
+# before it is left behind: one parked at its gate ends at once, one inside a store call that
+# does not return must not hold vLLM's RPC loop. The next staging waits for it (on its own
+# thread) before it touches the receiver, which takes one pull at a time.
+STOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -90,7 +99,12 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     - ``durable``: fsync the journal and state file (False only on scratch disks);
     - ``layout``: a layout file the publisher uses too (probed from this engine's own loader:
       :func:`~deltasync.engines.vllm_probe.probe_vllm_layout`, or ``deltasync layout probe``);
-      None: the ``vllm`` convention's table (hand-written for Qwen3/Qwen3-MoE).
+      None: the ``vllm`` convention's table (hand-written for Qwen3/Qwen3-MoE);
+    - ``stage_timeout_s``: the longest an apply waits for its staged pull to be fetched and
+      verified, and again for its write to end: a store that does not answer (an endpoint
+      that accepts the connection and never replies, a hung NFS read, a ``Store`` without
+      timeouts) then fails the update on every TP rank, nothing written, instead of holding
+      vLLM's worker forever. Give it the time a full anchor of one shard takes to fetch.
     """
 
     store: str
@@ -102,6 +116,7 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     path: str = "auto"
     durable: bool = True
     layout: str | None = None
+    stage_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("store", "receiver_id", "state_dir"):
@@ -118,6 +133,7 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
             raise ConfigError("DeltaSyncInitInfo.durable must be a bool")
         if self.layout is not None and (not isinstance(self.layout, str) or not self.layout):
             raise ConfigError("DeltaSyncInitInfo.layout must be a layout file's path or None")
+        check_seconds("DeltaSyncInitInfo", "stage_timeout_s", self.stage_timeout_s)
 
     def signing_key(self) -> bytes | None:
         if self.signing_key_hex is None:
@@ -162,10 +178,14 @@ class _StagedPull:
     """One pull on its own thread, held before its first write until :meth:`release`.
 
     The Receiver enters :meth:`gate` right before its scatter (after the journal is written);
-    the gate waits there until the worker thread, inside ``update_weights``, releases it."""
+    the gate waits there until the worker thread, inside ``update_weights``, releases it. Once
+    cancelled it never writes: a thread that reaches the gate (or a journal's replay) after
+    that, however late its store call returns, is refused there."""
 
     def __init__(self, version: int) -> None:
         self.version = version
+        self.started = time.monotonic()
+        self.waiting_for: _StagedPull | None = None  # an older pull still in the receiver
         self.written: tuple[int, tuple[int | None, ...]] | None = None  # _written_stamp at start
         self.committed: tuple[str, str | None] | None = None  # (run id, shard digest) staged
         self.staged = threading.Event()
@@ -179,25 +199,34 @@ class _StagedPull:
     def gate(self) -> Iterator[None]:
         self.staged.set()
         self._go.wait()
+        self.refuse_if_cancelled()
+        yield
+
+    def refuse_if_cancelled(self) -> None:
         if self._cancelled:
             raise ApplyError(
                 f"the staged update to version {self.version} was cancelled before its first "
                 "write; nothing was written, and nothing is left to replay"
             )
-        yield
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
 
     def release(self) -> None:
         self._go.set()
 
     def cancel(self) -> None:
-        self._cancelled = True
+        self._cancelled = True  # before the gate opens: whoever passes it sees the flag
         self._go.set()
 
-    def stop(self) -> None:
-        """Cancel it and wait for its thread to end (nothing of it is written after)."""
+    def stop(self, wait_s: float) -> bool:
+        """Cancel it and wait up to ``wait_s`` for its thread to end; True when it has. Either
+        way nothing of it is written after (it is never released once cancelled)."""
         self.cancel()
         assert self.thread is not None
-        self.thread.join()
+        self.thread.join(wait_s)
+        return not self.thread.is_alive()
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
@@ -217,7 +246,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_update_s = 0.0  # wall time of the last apply call (this worker)
         self.last_pause_s = 0.0  # the scatter and kernel refresh (this worker)
         self._staged: _StagedPull | None = None
-        self._gate: _StagedPull | None = None  # the staged pull whose scatter waits for apply
+        # Per staging thread: its pull (``staged``) and, once its journal's replay is done,
+        # the gate its scatter waits at (``gate``). Kept on the thread, not the engine: a
+        # pull left inside a store call must find its own, cancelled, pull when it returns.
+        self._local = threading.local()
+        # Pulls cancelled while their thread was still inside the receiver (a store call that
+        # did not return): the next staging waits for them before it touches the receiver.
+        self._left: list[_StagedPull] = []
+        self._stage_timeout_s = DeltaSyncInitInfo.stage_timeout_s  # the init's, once given
         self._touched: set[str] = set()
         self._active = False
         # _written_stamp when this worker last verified what it holds (an init, an apply):
@@ -272,6 +308,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if isinstance(init_info.error, DeltaSyncError):
                     raise init_info.error
                 raise ConfigError(f"init_weight_transfer_engine: {init_info.error}")
+            self._refuse_while_inside("init_weight_transfer_engine")
             built = self._build(init_info, place)
         except Exception as exc:
             error = exc
@@ -292,6 +329,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         assert built is not None
         self.shard, self.receiver = built
         self._shard_key = (init_info.layout, init_info.path, place)
+        self._stage_timeout_s = init_info.stage_timeout_s
         self.weight_version = self.receiver.version
         self._verified = self._written_stamp()
         log.info(
@@ -392,44 +430,70 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._staged = self._start_staging(receiver, version)
             return
         t0 = time.perf_counter()
+        # Every wait of this call (vLLM's RPC loop: the engine serves nothing meanwhile) ends
+        # by this deadline; one that runs out fails the update like a failed staging.
+        deadline = time.monotonic() + self._stage_timeout_s
         staged, self._staged = self._staged, None
         if staged is not None and staged.version != version:
-            staged.stop()
+            self._drop(staged)
             staged = None
         if staged is None:  # nothing staged while serving: stage now, inside this call
             staged = self._start_staging(receiver, version)
-        staged.staged.wait()  # fetched and verified (held before its first write) or failed
-        if staged.committed != self._committed_as(receiver, version):
+        # fetched and verified (held before its first write), failed, or out of time
+        error = self._await(staged, deadline)
+        # (A pull left inside the store still holds the receiver: staging again would only
+        # wait for it again, and this one's error names it.)
+        settled = error is None and not self._still_inside()
+        committed = self._committed_before(receiver, version, deadline) if settled else None
+        if isinstance(committed, ApplyError):
+            error = committed
+        elif settled and staged.committed != committed:
             # The store was reset under the staged version (another run's version N, or none):
             # what was staged is not what the store commits as N now. Staged again, from what
             # the store holds now (a version no longer the newest is refused by name).
-            staged = self._restage(staged, receiver, version)
-        if staged.written != self._written_stamp():
+            staged, error = self._restage(staged, receiver, version, deadline)
+        if settled and error is None and staged.written != self._written_stamp():
             # Something wrote the engine's weights after the staging began (vLLM's
             # reload_weights, another backend): what it verified is not what the engine holds.
             # Staged again, from a receiver that holds no version: the newest anchor and the
             # chain, verified against the weights as they are now. (RPCs run one at a time on
             # this thread, so nothing writes them between this check and the release.)
-            staged = self._restage(
+            staged, error = self._restage(
                 staged,
                 receiver,
                 version,
+                deadline,
                 drifted=f"the engine's weights were written by something else after version "
                 f"{version} was staged",
             )
+        if error is None:
+            error = staged.error
         # Every TP rank writes, or none does: each rank's staging outcome is gathered over
         # vLLM's own CPU group. (Every rank makes exactly these two collectives per apply, so
-        # none can hang on a rank that returned early.)
-        failures = self._gather_failures(staged.error, version)
+        # none can hang on a rank that returned early; every wait before each is bounded.)
+        failures = self._gather_failures(error, version)
         if failures:
-            staged.stop()
-            self._fail(version, failures, staged.error, written=False)
+            self._drop(staged)  # never released: whenever its thread reaches the gate, refused
+            self._fail(version, failures, error, written=False)
             return
         staged.release()
-        staged.thread.join()
-        failures = self._gather_failures(staged.error, version)  # after the first write
+        # The scatter is local, but the records after it (ack, registration) go to the store:
+        # bounded as the staging was, and a thread still inside then is left (and waited for
+        # by the next staging) with the update failed as one that wrote.
+        staged.thread.join(self._stage_timeout_s)
+        error = staged.error
+        if staged.thread.is_alive():
+            self._left.append(staged)
+            error = ApplyError(
+                f"version {version} on shard {self.shard.shard!r}: the write was released but "
+                f"its pull had not ended {self._stage_timeout_s:.1f} s later (DeltaSyncInitInfo"
+                ".stage_timeout_s; after the scatter it records the version in the store, "
+                "which does not answer): the shard may hold part or all of it and reports "
+                "only what it verified; check the store, then update again"
+            )
+        failures = self._gather_failures(error, version)  # after the first write
         if failures:
-            self._fail(version, failures, staged.error, written=True)
+            self._fail(version, failures, error, written=True)
             return
         self._verified = self._written_stamp()
         report = staged.report
@@ -536,7 +600,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             return
         self.weight_version = None
         self._forget_if_reloaded()
-        if self._staged is None:
+        if self._staged is None and not self._still_inside():
             self.weight_version = self.receiver.version
 
     def _forget_if_reloaded(self) -> None:
@@ -613,17 +677,18 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _pull(
         self, receiver: Receiver, version: int, gate: _StagedPull | None = None
     ) -> PullReport:
-        # One pull at a time per worker: the apply call joins a staged thread before it pulls.
-        # Exactly ``version``, even if a newer one commits while it is staged.
+        # One pull at a time per worker: a staging thread waits for the pulls cancelled before
+        # it to end (``_outlive``) before it pulls. Exactly ``version``, even if a newer one
+        # commits while it is staged.
         self._check_engine(receiver, version)
         # The journal of an interrupted write is this rank's own repair, replayed before the
         # gate: the ranks' agreement is about the first write of the requested version (at the
         # replay's write the others were let write while this rank then failed to stage it).
-        self._gate = None
+        self._local.staged, self._local.gate = gate, None
         self._touched.clear()
         if receiver.replay_journal() is not None and gate is not None:
             gate.written = self._written_stamp()  # the replay's own writes are not foreign
-        self._gate = gate
+        self._local.gate = gate
         self._touched.clear()
         return receiver.pull(version=version)
 
@@ -663,14 +728,22 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             tensors.extend(self.receiver.tensors.values())
         return loads_of(self.model), tuple(_version_of(t) for t in tensors)
 
-    def _start_staging(self, receiver: Receiver, version: int) -> _StagedPull:
+    def _start_staging(
+        self, receiver: Receiver, version: int, drifted: str | None = None
+    ) -> _StagedPull:
+        """``version`` staged on a thread of its own (``drifted``: why the receiver no longer
+        holds its version, for :meth:`Receiver.invalidate` first, on that thread)."""
         staged = _StagedPull(version)
         staged.written = self._written_stamp()
+        older = self._still_inside()
 
         def run() -> None:
             try:
                 if self.device.type == "cuda":  # a new thread starts on device 0
                     torch.cuda.set_device(self.device)
+                self._outlive(staged, older)
+                if drifted is not None:
+                    receiver.invalidate(drifted)
                 self._check_newest(receiver, version)
                 staged.committed = self._committed_as(receiver, version)
                 staged.report = self._pull(receiver, version, staged)
@@ -684,26 +757,141 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         return staged
 
     def _restage(
-        self, staged: _StagedPull, receiver: Receiver, version: int, drifted: str | None = None
-    ) -> _StagedPull:
-        """``staged`` dropped and ``version`` staged again, waited for (``drifted``: why the
-        receiver no longer holds its version, for :meth:`Receiver.invalidate` first)."""
-        staged.stop()
-        if drifted is not None:
-            receiver.invalidate(drifted)
-        staged = self._start_staging(receiver, version)
-        staged.staged.wait()
-        return staged
+        self,
+        staged: _StagedPull,
+        receiver: Receiver,
+        version: int,
+        deadline: float,
+        drifted: str | None = None,
+    ) -> tuple[_StagedPull, ApplyError | None]:
+        """``staged`` dropped and ``version`` staged again, waited for until ``deadline``
+        (``drifted``: why the receiver no longer holds its version, for
+        :meth:`Receiver.invalidate` first); the new pull and the error of a wait that ran
+        out (None: it staged or failed)."""
+        self._drop(staged)
+        staged = self._start_staging(receiver, version, drifted)
+        return staged, self._await(staged, deadline)
+
+    def _await(self, staged: _StagedPull, deadline: float) -> ApplyError | None:
+        """Wait until ``staged`` is held at its gate or failed, at most until ``deadline``;
+        out of time, it is cancelled (whenever its thread reaches the gate, it is refused
+        there: nothing of it is ever written) and left, and the error says why."""
+        if staged.staged.wait(max(0.0, deadline - time.monotonic())):
+            return None
+        self._drop(staged, wait_s=0.0)
+        older = staged.waiting_for
+        why = (
+            "it was still waiting for the pull of version "
+            f"{older.version} cancelled before it, whose store call has not returned"
+            if older is not None
+            else "a store call has not returned (an endpoint that accepts the connection and "
+            "never answers, a hung network filesystem, a Store without timeouts)"
+        )
+        return self._out_of_time(staged.version, why)
+
+    def _out_of_time(self, version: int, why: str) -> ApplyError:
+        receiver = self._receiver()
+        return ApplyError(
+            f"version {version} on shard {self.shard.shard!r}: not staged within "
+            f"{self._stage_timeout_s:.1f} s (DeltaSyncInitInfo.stage_timeout_s): {why}. The "
+            "staged pull is cancelled and never writes: nothing was written, the shard stays "
+            f"at version {receiver.version}. Check the store (endpoint, network, mount), or "
+            "raise stage_timeout_s for a slower one, then update again"
+        )
+
+    def _committed_before(
+        self, receiver: Receiver, version: int, deadline: float
+    ) -> tuple[str, str | None] | ApplyError | None:
+        """:meth:`_committed_as`, read on a thread of its own and waited for until
+        ``deadline``: an ApplyError when the store did not answer by then."""
+        answer: list[Any] = []
+        read = threading.Thread(
+            target=lambda: answer.append(self._committed_as(receiver, version)),
+            name="deltasync-read",
+            daemon=True,
+        )
+        read.start()
+        read.join(max(0.0, deadline - time.monotonic()))
+        if answer:
+            return answer[0]
+        return self._out_of_time(
+            version, "its manifest, read again before the ranks agree, has not come back"
+        )
+
+    def _outlive(self, staged: _StagedPull, older: list[_StagedPull]) -> None:
+        """On ``staged``'s thread, before it touches the receiver: wait for the pulls
+        cancelled before it whose thread is still inside the receiver (a Receiver takes one
+        call at a time and refuses a second), at most the stage timeout; ApplyError naming
+        the one still inside after that. Stops early once ``staged`` is cancelled too."""
+        deadline = time.monotonic() + self._stage_timeout_s
+        for old in older:
+            staged.waiting_for = old
+            while old.thread.is_alive() and not staged.cancelled:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ApplyError(
+                        f"version {staged.version}: the pull of version {old.version} (cancelled, "
+                        f"begun {time.monotonic() - old.started:.1f} s ago) is still inside its "
+                        f"store call after this one waited {self._stage_timeout_s:.1f} s for it "
+                        "(DeltaSyncInitInfo.stage_timeout_s), and a receiver takes one pull at "
+                        "a time: nothing was fetched or written. The store does not answer: "
+                        "check it (endpoint, network, mount), then update again; restart the "
+                        "engine if it never returns"
+                    )
+                old.thread.join(min(left, 0.5))
+            staged.refuse_if_cancelled()
+        staged.waiting_for = None
+
+    def _still_inside(self) -> list[_StagedPull]:
+        """The pulls cancelled and left whose thread has not ended yet."""
+        self._left = [p for p in self._left if p.thread.is_alive()]
+        return list(self._left)
+
+    def _refuse_while_inside(self, call: str) -> None:
+        inside = self._still_inside()
+        if inside:
+            old = inside[-1]
+            raise ApplyError(
+                f"{call}: the pull of version {old.version} (cancelled, begun "
+                f"{time.monotonic() - old.started:.1f} s ago) is still inside the receiver (a "
+                "fetch still running, or a store call that has not returned), and a new "
+                "receiver would share the state dir with it; nothing was changed. Call again "
+                "once it has ended; if the store does not answer, check it (endpoint, network, "
+                "mount), or restart the engine"
+            )
+
+    def _drop(self, staged: _StagedPull, wait_s: float | None = None) -> None:
+        """Cancel ``staged`` (it never writes after) and wait for its thread a bounded time
+        (``wait_s``; default :data:`STOP_WAIT_S`, or the stage timeout if shorter); a thread
+        still inside a store call then is left, and the next staging waits for it."""
+        if any(p is staged for p in self._left):
+            return
+        if wait_s is None:
+            wait_s = min(STOP_WAIT_S, self._stage_timeout_s)
+        if staged.stop(wait_s):
+            return
+        self._left.append(staged)
+        log.warning(
+            "deltasync shard %s: the staged pull of version %d is cancelled but its thread is "
+            "still inside the receiver (a fetch still running, or a store call that has not "
+            "returned); it never writes, and the next staging waits for it",
+            self.shard.shard if self.shard is not None else "?",
+            staged.version,
+        )
 
     def _cancel_staged(self) -> None:
         staged, self._staged = self._staged, None
         if staged is not None:
-            staged.stop()
+            self._drop(staged)
 
     @contextlib.contextmanager
     def _pause(self, shard: VllmShard) -> Iterator[None]:
-        """The receiver's pause: entered right before the scatter, left after it."""
-        gate, self._gate = self._gate, None
+        """The receiver's pause: entered right before the scatter, left after it (a journal's
+        replay too: refused, as the gate refuses, once the pull is cancelled)."""
+        staged = getattr(self._local, "staged", None)
+        gate, self._local.gate = getattr(self._local, "gate", None), None
+        if staged is not None:
+            staged.refuse_if_cancelled()
         with gate.gate() if gate is not None else contextlib.nullcontext():
             t = time.perf_counter()
             yield

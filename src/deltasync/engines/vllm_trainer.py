@@ -80,6 +80,7 @@ class DeltaSyncTrainerInitInfo(TrainerInitInfo):
     path: str = "auto"
     durable: bool = True
     layout: str | None = None
+    stage_timeout_s: float = 600.0
     pause_mode: str | None = "keep"
 
     def worker_init_info(self) -> dict[str, Any]:
