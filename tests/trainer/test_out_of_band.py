@@ -531,6 +531,30 @@ def test_a_swap_tensors_load_whose_counters_match_is_reported_in_full():
     tracker.close()
 
 
+def test_parameters_the_tracker_is_not_given_can_still_be_swap_loaded():
+    # the tracker looks at the memory of every optimizer's parameters it was not given (a
+    # critic's, or its own optimizer's extras): holding even a weak reference to one makes
+    # torch.utils.swap_tensors refuse it, and with it every swap-tensors load of that model
+    model, critic = Model(), torch.nn.Linear(8, 8)
+    extra = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW([*model.parameters(), *extra.parameters()], lr=1e-4)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-4, fused=True)
+    tracker = AdamWTracker(opt, model.named_parameters(), strict=True)
+    for p in (*model.parameters(), *extra.parameters(), *critic.parameters()):
+        p.grad = torch.randn_like(p)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})
+    opt.step()
+    critic_opt.step()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for module in (critic, extra):
+            module.load_state_dict({k: v * 2 for k, v in module.state_dict().items()}, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    tracker.close()
+
+
 def _interrupted_after_the_update(opt, model, seed: int) -> None:
     """A step whose fused update ran and whose post-step hooks did not: a KeyboardInterrupt
     (Ctrl-C, a preemption handler raising) delivered as the kernel returns."""
@@ -703,6 +727,90 @@ def test_a_param_sharing_memory_with_one_another_optimizer_steps_takes_the_snaps
         tracker.clear()
         truth.clear()
     tracker.close()
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_a_view_another_optimizer_steps_that_the_tracker_is_not_given_is_never_missed(impl):
+    # the critic's parameter is a view of the actor's trunk, and only the actor's parameters
+    # are tracked: the critic's fused step wrote the trunk without moving its counter, and
+    # the critic's hook named no tracked parameter, so every element it changed was missed
+    torch.manual_seed(0)
+    trunk = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    head = torch.nn.Parameter(torch.randn(8) * 0.02)
+    critic = torch.nn.Parameter(trunk.detach()[:16])
+    actor_opt = torch.optim.AdamW([trunk, head], lr=1e-3, **impl)
+    critic_opt = torch.optim.AdamW([critic], lr=1e-2, **impl)
+    named = [("trunk", trunk), ("head", head)]
+    tracker = AdamWTracker(actor_opt, named, strict=True)
+    truth = SnapshotTracker(named)
+    for _ in range(2):
+        trunk.grad, head.grad = torch.randn_like(trunk), torch.randn_like(head)
+        actor_opt.step()
+        critic.grad = torch.randn_like(critic)
+        critic_opt.step()
+        seen = truth.changed()
+        changed = tracker.changed()
+        assert seen["trunk"].numel() > 0 and _missed(changed, seen) == 0
+        assert changed["trunk"].numel() == trunk.numel()  # the critic's step: in full
+        tracker.clear()
+        truth.clear()
+    tracker.close()
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_a_view_the_tracked_optimizer_steps_that_the_tracker_is_not_given_takes_the_snapshot_path(
+    impl,
+):
+    # the view's update writes the tracked parameter inside the same step: the counter it
+    # moves was taken as the step's own (a fused update moves none), and the inversion of the
+    # tracked parameter's own step missed elements the view's update changed
+    torch.manual_seed(0)
+    base = torch.nn.Parameter(torch.randn(8, 8) * 0.02)
+    frozen = torch.nn.Parameter(torch.randn(8, 8) * 0.02, requires_grad=False)
+    views = [torch.nn.Parameter(base.detach()[:4]), torch.nn.Parameter(frozen.detach()[4:])]
+    opt = torch.optim.AdamW([base, *views], lr=1e-3, **impl)
+    named = [("base", base), ("frozen", frozen)]
+    tracker = AdamWTracker(opt, named)
+    assert set(tracker.fallback) == {"base", "frozen"} and tracker.constant == ()
+    assert "not given to the tracker" in tracker.fallback["base"].reason
+    truth = SnapshotTracker(named)
+    for _ in range(3):
+        base.grad = torch.randn_like(base)
+        for v in views:
+            v.grad = torch.randn_like(v) * 100
+        opt.step()
+        assert _missed(tracker.changed(), truth.changed()) == 0
+        tracker.clear()
+        truth.clear()
+    with pytest.raises(UnsupportedOptimizerError, match="not given to the tracker"):
+        AdamWTracker(opt, named, strict=True)
+
+
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_a_view_added_to_the_tracked_optimizer_later_sends_what_it_writes_in_full(impl, caplog):
+    torch.manual_seed(0)
+    base = torch.nn.Parameter(torch.randn(8, 8) * 0.02)
+    frozen = torch.nn.Parameter(torch.randn(8, 8) * 0.02, requires_grad=False)
+    alone = torch.nn.Parameter(torch.randn(64) * 0.02)
+    opt = torch.optim.AdamW([base, alone], lr=1e-3, **impl)
+    named = [("base", base), ("frozen", frozen), ("alone", alone)]
+    tracker = AdamWTracker(opt, named, strict=True)
+    truth = SnapshotTracker(named)
+    views = [torch.nn.Parameter(base.detach()[:4]), torch.nn.Parameter(frozen.detach()[4:])]
+    opt.add_param_group({"params": views})
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        for _ in range(3):
+            base.grad, alone.grad = torch.randn_like(base), torch.randn_like(alone) * 1e-3
+            for v in views:
+                v.grad = torch.randn_like(v) * 100
+            opt.step()
+            seen, changed = truth.changed(), tracker.changed()
+            assert seen["frozen"].numel() > 0 and _missed(changed, seen) == 0
+            assert changed["base"].numel() == base.numel()
+            assert changed["frozen"].numel() == frozen.numel()
+            tracker.clear()
+            truth.clear()
+    assert "share memory with a parameter added to the optimizer" in caplog.text
 
 
 # (foreach=True updates every moment before any parameter: both steps use the final moments,

@@ -118,6 +118,33 @@ def test_a_second_optimizer_stepping_tracked_parameters_is_seen_fused_or_not(imp
         assert tracker.changed() == {}
 
 
+@pytest.mark.parametrize("impl", [dict(foreach=False), dict(fused=True)])
+def test_past_2_pow_24_steps_a_frozen_parameter_added_later_is_still_sent_in_full(impl, caplog):
+    # an adopted constant was reported only when its step count moved: at 2^24 it does not,
+    # and a fused step moves no version counter either, so every element it changed was missed
+    params = _params("body", "head")
+    params["head"].requires_grad_(False)
+    opt = torch.optim.AdamW([params["body"]], lr=1e-3, **impl)
+    tracker = AdamWTracker(opt, params.items(), strict=True)
+    truth = SnapshotTracker(params.items())
+    params["head"].requires_grad_(True)
+    opt.add_param_group({"params": [params["head"]]})
+    _grads(params, 1)
+    opt.step()
+    _check(tracker, truth)
+    opt.state[params["head"]]["step"].fill_(2.0**24)  # a state resumed from a long run
+    _grads(params, 2)
+    opt.step()  # (the count jumped: sent in full as a step not seen)
+    _check(tracker, truth)
+    _grads(params, 3)
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        opt.step()
+        changed = _check(tracker, truth)
+    assert float(opt.state[params["head"]]["step"]) == 2.0**24  # it really did not move
+    assert changed["head"].numel() == params["head"].numel()
+    assert "reached 2^24" in caplog.text
+
+
 @pytest.mark.parametrize("impl", [dict(foreach=True), dict(fused=True)])
 def test_past_2_pow_24_steps_a_step_is_not_taken_for_a_skipped_one(impl, caplog):
     # float32: 2^24 + 1 == 2^24, so the count did not move and the step was taken as skipped
