@@ -165,6 +165,38 @@ def test_a_failed_streams_abort_is_retried_so_no_upload_stays_open(s3_store) -> 
     assert uploads.get("Uploads", []) == []
 
 
+class _CreateReplyLost:
+    """create_multipart_upload's first request is applied (an upload is opened) and its reply
+    lost, as when the connection drops after the server answered."""
+
+    def __init__(self, client) -> None:
+        self._client, self.creates = client, 0
+
+    def create_multipart_upload(self, **kwargs):
+        self.creates += 1
+        reply = self._client.create_multipart_upload(**kwargs)
+        if self.creates == 1:
+            raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_an_upload_opened_by_a_create_whose_reply_was_lost_does_not_stay_open(s3_store) -> None:
+    # The retried create opened a second upload and the stream completed it; the first one,
+    # whose id was never learned, stayed open for good (found by the S3 fault fuzz).
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    store._client = _CreateReplyLost(store._client)
+    chunks = [bytes([i]) * (2**20 + 7) for i in range(11)]
+    assert store.put_stream("v00000001/tp0/w00000.blob", iter(chunks)) == sum(map(len, chunks))
+    assert store.get("v00000001/tp0/w00000.blob") == b"".join(chunks)
+    assert store._client.creates == 2
+    uploads = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert uploads.get("Uploads", []) == []
+
+
 class _CompleteReplyLost:
     """complete_multipart_upload's first request is applied (``applied``) or not, and its
     reply lost; every retry is answered NoSuchUpload, as MinIO and AWS answer an upload that
@@ -236,7 +268,7 @@ def test_a_read_back_cut_short_is_retried_not_taken_for_another_writers_bytes(s3
     # A prefix of our own bytes read back was judged another writer's: CommitConflictError,
     # and the publisher took its own commit for a lost race.
     _few_retries(s3_store)
-    s3_store._check_conditional_writes()  # the server's probe, before the faults begin
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     # the first put_object delivered and its reply lost, the retry 412, the read-back cut short
     s3_store._client = _FirstBodyCutShort(_ReplyLost(s3_store._client, delivered=True), keep=3)
     s3_store.put_if_absent("v00000011/MANIFEST.json", b"ours, a few bytes long")
@@ -308,6 +340,7 @@ class _ReplyLost:
 
 
 def test_put_if_absent_whose_reply_was_lost_recognises_its_own_commit(s3_store) -> None:
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     s3_store._client = _ReplyLost(s3_store._client, delivered=True)
     s3_store.put_if_absent("v00000004/MANIFEST.json", b"ours")
     assert s3_store._client.calls == 2  # the retry got 412 and found our bytes
@@ -315,6 +348,7 @@ def test_put_if_absent_whose_reply_was_lost_recognises_its_own_commit(s3_store) 
 
 
 def test_put_if_absent_after_a_lost_reply_still_loses_to_a_different_winner(s3_store) -> None:
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     s3_store._client = _ReplyLost(s3_store._client, delivered=False)
     s3_store.put("v00000005/MANIFEST.json", b"theirs")  # another publisher, meanwhile
     with pytest.raises(CommitConflictError):
@@ -349,6 +383,7 @@ def _few_retries(store) -> None:
 
 def test_put_if_absent_that_may_have_landed_says_its_outcome_is_unknown(s3_store) -> None:
     _few_retries(s3_store)
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     s3_store._client = _NoReply(s3_store._client, delivered=True, error=ConnectionClosedError)
     with pytest.raises(OutcomeUnknownError, match=r"v00000007/MANIFEST.json.*may hold"):
         s3_store.put_if_absent("v00000007/MANIFEST.json", b"ours")
@@ -414,6 +449,7 @@ def test_a_409_after_an_attempt_that_may_have_landed_is_an_unknown_outcome(s3_st
     # nothing behind it, and a publisher would reuse the number and overwrite the blobs a late
     # manifest names.
     _few_retries(s3_store)
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     s3_store._client = _LostThenInFlight(s3_store._client)
     with pytest.raises(OutcomeUnknownError, match="may be ours"):
         s3_store.put_if_absent("v00000009/MANIFEST.json", b"ours")
@@ -441,6 +477,7 @@ class _ReadBackFails:
 
 def test_a_412_whose_read_back_fails_is_an_unknown_outcome_not_a_conflict(s3_store) -> None:
     _few_retries(s3_store)
+    s3_store._check_conditional_writes("probe")  # the server's probe, before the faults begin
     real = s3_store._client
     s3_store._client = _ReadBackFails(real)
     with pytest.raises(OutcomeUnknownError, match="may hold"):
@@ -667,7 +704,7 @@ class _RecursionInTheHttpClient:
 def test_a_redirect_loop_the_http_client_wrapped_is_named_not_retried(s3_store) -> None:
     # it was retried as a dropped connection, then reported as an unreachable server (an
     # OutcomeUnknownError for a conditional write, which a redirect never applies)
-    s3_store._check_conditional_writes()
+    s3_store._check_conditional_writes("probe")
     s3_store._client = _RecursionInTheHttpClient(s3_store._client)
     for call in (
         lambda: s3_store.get("v00000001/MANIFEST.json"),

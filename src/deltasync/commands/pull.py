@@ -31,8 +31,10 @@ store commits it as held (or a pull verified it).
 Started before the trainer's first commit (the normal order), it waits (for a local store, also
 for its directory to appear: the sidecar never creates it; with ``--once`` a missing store is
 refused). It registers with the
-store only once it holds a verified version (and removes its registration if its first pull
-fails), so a bounded-staleness trainer never waits on it; repeated errors back off (up to 60 s)
+store only once it holds a verified version, and while it restores an anchor (naming the
+anchor and no version, so that gc keeps what it fetches; a bounded-staleness trainer waits for
+that restore as for any receiver's); a failed restore or first pull removes its registration,
+so a bounded-staleness trainer never waits on a sidecar that cannot pull; repeated errors back off (up to 60 s)
 with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls, and
 ``--iterations K`` ends it after K pulls (rc 1 when the last one failed). One sidecar (one
 process) keeps a state dir: a second one started on the same ``--dir`` and shard waits, with

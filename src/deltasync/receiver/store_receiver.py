@@ -340,7 +340,9 @@ class Receiver:
         # register=False: no registration until the store confirms a version this receiver
         # holds (a pull verified it against the head, or the store commits the version it
         # opened with as held): a sidecar must not stall a bounded-staleness trainer before
-        # its first pull, nor name a version its file's metadata merely claims.
+        # its first pull, nor name a version its file's metadata merely claims. Only while
+        # it restores an anchor is it registered (the anchor, no version), so that gc keeps
+        # the anchor under its fetch; a restore that fails withdraws it.
         self._confirmed = register
         # The version the registration this process last wrote names (None: none, withdrawn
         # or removed; _UNWRITTEN: none written yet, so whatever the store holds is not this
@@ -756,7 +758,11 @@ class Receiver:
             return self._register_now(state)
 
     def _register_now(self, state: LocalState) -> bool:
-        held = not state.dirty and state.version is not None
+        if not self._confirmed and self._restoring is None:
+            return True
+        # Unconfirmed, it registers only while it restores an anchor, naming the anchor and
+        # no version (its file's metadata merely claims one): gc keeps what it fetches.
+        held = self._confirmed and not state.dirty and state.version is not None
         rec = ReceiverRecord(
             receiver=self.config.receiver_id,
             shard=self.shard,
@@ -769,8 +775,6 @@ class Receiver:
             restoring=None if self._restoring is None else self._restoring[0],
             restoring_run_id=None if self._restoring is None else self._restoring[1],
         )
-        if not self._confirmed:
-            return True
         try:
             self.store.put(rec.key, rec.to_json(self.config.signing_key))
             self._registered = rec.version
@@ -1176,8 +1180,21 @@ class Receiver:
                 torn = self.dir.read_journal() is not None
             except Exception:  # unreadable: the next pull deals with it
                 torn = True
-            if not torn:
+            if torn:
+                return
+            if self._confirmed:
                 self._register_now(self._state)
+                return
+            # unconfirmed: registered for the restore alone, so it is withdrawn with it
+            try:
+                self.store.delete(names.receiver_key(self.config.receiver_id))
+                self._registered = None
+            except StoreError as exc:
+                log.warning(
+                    "receiver %r: registration of a failed restore not removed (%s)",
+                    self.config.receiver_id,
+                    exc,
+                )
 
     def _apply(
         self,

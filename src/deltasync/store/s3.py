@@ -14,7 +14,7 @@
   fails after such an attempt, it raises OutcomeUnknownError: the server may still apply
   the request later, so the key may hold our bytes now or later.
 - ``put_stream`` uses multipart upload above one part size, aborting the upload on failure
-  (the abort retried).
+  (the abort retried), and the upload a create whose reply was lost left open.
 
 boto3 is imported when an S3Store is created, so the package imports without it, and an
 :class:`S3Config` can be built, validated and printed without boto3 installed (botocore is
@@ -703,7 +703,7 @@ class S3Store:
 
         full = self._full(check_key(key))
         body = bytes(as_bytes(data))
-        self._check_conditional_writes()
+        self._check_conditional_writes(key)
         maybe_landed = False  # an attempt's request may have reached the server
 
         def op(attempt: int) -> None:
@@ -753,17 +753,19 @@ class S3Store:
                 f"it: {self._url(key)} may hold these bytes now or later"
             ) from exc
 
-    def _check_conditional_writes(self) -> None:
-        """Before this client's first conditional write: the server must refuse a second
-        ``PutObject`` with ``If-None-Match: *`` on a key that exists. A server that ignores
-        the header would let a manifest be overwritten (two states under one version number);
-        it is refused before anything of the caller's is written. The probe key is deleted."""
+    def _check_conditional_writes(self, for_key: str) -> None:
+        """Before this client's first conditional write (of ``for_key``): the server must
+        refuse a second ``PutObject`` with ``If-None-Match: *`` on a key that exists. A server
+        that ignores the header would let a manifest be overwritten (two states under one
+        version number); it is refused before anything of the caller's is written. The probe
+        key is deleted. A probe that fails (a server that refuses the header, an outage) is a
+        StoreError naming ``for_key`` too: nothing of it was written."""
         if self._conditional_honoured.is_set():
             return
         key = probe_key(uuid.uuid4().hex)
         full = self._full(key)
-        self.put(key, b"probe")
         try:
+            self.put(key, b"probe")
             self._call(
                 "put_if_absent",
                 key,
@@ -773,6 +775,12 @@ class S3Store:
             )
         except CommitConflictError:
             self._conditional_honoured.set()
+        except StoreError as exc:
+            raise StoreError(
+                f"S3 put_if_absent of {self._url(for_key)}: nothing was stored; the check that "
+                "the server honours conditional writes (If-None-Match: *, on a probe key under "
+                f"probes/), made before this client's first one, failed: {exc}"
+            ) from exc
         else:
             raise StoreError(
                 f"the S3 server at {self._url(key)} ignores If-None-Match: a PutObject with "
@@ -831,16 +839,7 @@ class S3Store:
                 buf += view
                 while len(buf) >= part_bytes:
                     if upload_id is None:
-                        started = self._call(
-                            "create_multipart_upload",
-                            key,
-                            lambda _: self._client.create_multipart_upload(
-                                Bucket=self.bucket, Key=full
-                            ),
-                        )
-                        upload_id = _field(
-                            started, "UploadId", "create_multipart_upload", self._url(key)
-                        )
+                        upload_id = self._create_upload(key, full)
                     upload(bytes(buf[:part_bytes]))
                     del buf[:part_bytes]
             if upload_id is None:
@@ -854,6 +853,53 @@ class S3Store:
                 self._abort(key, full, upload_id, retried=isinstance(exc, Exception))
             raise
         return total
+
+    def _create_upload(self, key: str, full: str) -> str:
+        """CreateMultipartUpload, retried; the new upload's id. An attempt whose reply was lost
+        (the connection dropped or timed out after the request was sent) may have opened an
+        upload whose id this call never learns: nobody would complete or abort it, and it would
+        stay open until the bucket's lifecycle rules reap it. So after such an attempt the
+        key's other uploads opened while this call ran are aborted (best effort; a blob key is
+        written by one writer, so they are this call's own)."""
+        from botocore.exceptions import ConnectionError as NotConnected
+
+        maybe_opened = False  # an attempt's request may have reached the server
+        began = time.monotonic()
+
+        def op(_: int) -> Any:
+            nonlocal maybe_opened
+            try:
+                return self._client.create_multipart_upload(Bucket=self.bucket, Key=full)
+            except Exception as exc:
+                # a connection that never opened sent nothing
+                if is_transient(exc) and not isinstance(exc, NotConnected):
+                    maybe_opened = True
+                raise
+
+        started = self._call("create_multipart_upload", key, op)
+        upload_id = _field(started, "UploadId", "create_multipart_upload", self._url(key))
+        if maybe_opened:
+            self._abort_strays(key, full, upload_id, window_s=time.monotonic() - began + 1.0)
+        return upload_id
+
+    def _abort_strays(self, key: str, full: str, upload_id: str, *, window_s: float) -> None:
+        """Abort the uploads of ``full`` other than ``upload_id`` opened at most ``window_s``
+        seconds from it, by the server's clock (both times come from one listing, so clocks
+        never disagree; the server's are whole seconds, hence the caller's slack). A failure
+        leaves them to the bucket's lifecycle rules."""
+
+        def op(_: int) -> list[dict]:
+            listed = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full)
+            return [u for u in listed.get("Uploads", ()) if u.get("Key") == full]
+
+        with contextlib.suppress(Exception):  # the write itself stands, whatever this is
+            uploads = self._call("list_multipart_uploads", key, op)
+            ours = next(u["Initiated"] for u in uploads if u.get("UploadId") == upload_id)
+            for stray in uploads:
+                if stray.get("UploadId") == upload_id:
+                    continue
+                if abs((stray["Initiated"] - ours).total_seconds()) <= window_s:
+                    self._abort(key, full, stray["UploadId"], retried=True)
 
     def _abort(self, key: str, full: str, upload_id: str, *, retried: bool) -> None:
         """AbortMultipartUpload, ``retried`` like any call (not after an interrupt, which is
