@@ -37,7 +37,8 @@ BOUND_S = 30.0  # every call of the backend below returns well within this, or t
 class HangingStore:
     """Forwards to ``inner``; ``get``/``get_range``/``list`` block while ``answering`` is
     clear (``entered`` is set when one does), and so does a ``put`` of an ack while
-    ``acks_answered`` is clear (the record a receiver writes after its scatter)."""
+    ``acks_answered`` is clear (the record a receiver writes after its scatter), and one of a
+    registration while ``registrations_answered`` is clear."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -45,12 +46,18 @@ class HangingStore:
         self.answering.set()
         self.acks_answered = threading.Event()
         self.acks_answered.set()
+        self.registrations_answered = threading.Event()
+        self.registrations_answered.set()
         self.entered = threading.Event()
+        self.manifest_error: BaseException | None = None  # raised by a get of a manifest
 
     def put(self, key, data):
         if key.startswith("acks/") and not self.acks_answered.is_set():
             self.entered.set()
             self.acks_answered.wait()
+        if key.startswith("receivers/") and not self.registrations_answered.is_set():
+            self.entered.set()
+            self.registrations_answered.wait()
         return self.inner.put(key, data)
 
     def _wait(self) -> None:
@@ -60,6 +67,8 @@ class HangingStore:
 
     def get(self, key, **kwargs):
         self._wait()
+        if key.endswith("MANIFEST.json") and self.manifest_error is not None:
+            raise self.manifest_error
         return self.inner.get(key, **kwargs)
 
     def get_range(self, key, start, length):
@@ -321,6 +330,137 @@ def test_a_write_whose_records_hang_in_the_store_fails_bounded_as_written_and_na
     assert engine.weight_version == 1
     split = trainer.split()["tp0"]
     assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+
+
+def test_weights_reloaded_while_a_left_pull_holds_the_receiver_are_never_reported_as_held(
+    tp1_group, tmp_path, monkeypatch
+):
+    """vLLM's ``reload_weights`` ran while a pull left by its apply (its ack hung in the store)
+    still held the receiver: the receiver refused the reload's invalidate (one call at a
+    time), and the finish, the next failed apply (its error: "stays at version 1", and the
+    pull it waited for "cancelled", though it wrote), and every call after the pull ended
+    named the version from before the reload, which the engine no longer held."""
+    from deltasync import LocalStore
+    from deltasync.errors import ApplyError
+
+    inner = LocalStore(tmp_path / "store", durable=False)
+    trainer = StoreTrainer(ENGINE_CONFIG, inner)
+    trainer.publish(0)
+    store = HangingStore(inner)
+    model = module_tree(trainer.split()["tp0"])
+
+    def load_weights(weights=()):  # a reload: other values than the version held
+        for p in model.parameters():
+            p.data.add_(1.0)
+
+    model.load_weights = load_weights
+    engine = _engine(model, store, tmp_path, 1.5, monkeypatch)
+    engine.start_weight_update()
+    engine.update_weights({"version": 0})
+    engine.finish_weight_update()
+    assert engine.weight_version == 0
+    trainer.step()
+    trainer.publish(1)
+    store.acks_answered.clear()  # the scatter is local; the ack after it never comes back
+    engine.start_weight_update()
+    assert isinstance(
+        _within(lambda: engine.update_weights({"version": 1})).get("error"), ApplyError
+    )
+    assert engine._still_inside()
+    model.load_weights()  # while the left pull still holds the receiver
+    assert engine.weight_version is None
+    engine.finish_weight_update()
+    assert engine.weight_version is None  # never the version from before the reload
+    engine.start_weight_update()
+    out = _within(lambda: engine.update_weights({"version": 1}))
+    assert isinstance(out.get("error"), ApplyError), out
+    text = str(out["error"])
+    assert "written, its records not yet in the store" in text  # not "cancelled": it wrote
+    assert "holds no verified version" in text and "stays at version 1" not in text
+    assert engine.weight_version is None
+    engine.finish_weight_update()
+    assert engine.weight_version is None
+    store.acks_answered.set()
+    for left in engine._still_inside():
+        left.thread.join(BOUND_S)
+    engine.start_weight_update()
+    engine.finish_weight_update()  # the pull has ended: still none held
+    assert engine.weight_version is None
+    engine.start_weight_update()
+    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
+    engine.finish_weight_update()
+    assert engine.weight_version == 1
+    split = trainer.split()["tp0"]
+    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+
+
+def test_weights_written_by_something_else_while_the_restage_waits_are_never_reported_as_held(
+    tp1_group, tmp_path, monkeypatch
+):
+    """Something else wrote the engine's weights between stage and apply; the apply's restage
+    dropped the staged pull, whose thread, refused at its gate, hung re-registering in the
+    store: the restage (and its invalidate, now on its thread) waited for it and ran out of
+    time, and the failed update named version 0, which the engine no longer held."""
+    from deltasync.errors import ApplyError
+
+    trainer, engine, store = _backend(tmp_path, monkeypatch, stage_timeout_s=1.5)
+    trainer.step()
+    trainer.publish(1)
+    engine.start_weight_update()
+    engine.update_weights({"version": 1, "phase": "stage"})
+    assert engine._staged.staged.wait(BOUND_S) and engine._staged.error is None
+    with torch.no_grad():  # another backend's write: the version counter moves
+        next(engine.model.parameters()).add_(1.0)
+    store.registrations_answered.clear()
+    out = _within(lambda: engine.update_weights({"version": 1}))
+    assert isinstance(out.get("error"), ApplyError), out
+    assert "stays at version 0" not in str(out["error"])
+    assert engine.weight_version is None  # never the version the weights no longer hold
+    engine.finish_weight_update()
+    assert engine.weight_version is None
+    store.registrations_answered.set()
+    for left in engine._still_inside():
+        left.thread.join(BOUND_S)
+    engine.start_weight_update()
+    engine.finish_weight_update()  # the pull has ended: still none held
+    assert engine.weight_version is None
+    engine.start_weight_update()
+    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
+    engine.finish_weight_update()
+    assert engine.weight_version == 1
+    split = trainer.split()["tp0"]
+    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+
+
+def test_a_manifest_re_read_that_raises_fails_the_update_naming_its_error_not_a_timeout(
+    tp1_group, tmp_path, monkeypatch
+):
+    """The manifest's re-read before the ranks agree raised at once (a custom Store's own
+    exception, not a StoreError): the update failed as "not staged within 600.0 s ... has not
+    come back", a timeout that never happened, and the store's error was lost."""
+    from deltasync.errors import ApplyError
+
+    trainer, engine, store = _backend(tmp_path, monkeypatch, stage_timeout_s=None)  # 600 s
+    trainer.step()
+    trainer.publish(1)
+    before = _snapshot(engine)
+    engine.start_weight_update()
+    engine.update_weights({"version": 1, "phase": "stage"})
+    assert engine._staged.staged.wait(BOUND_S) and engine._staged.error is None
+    store.manifest_error = ConnectionResetError("connection reset by peer")
+    out = _within(lambda: engine.update_weights({"version": 1}))
+    error = out.get("error")
+    assert isinstance(error, ApplyError), out
+    text = str(error)
+    assert "connection reset by peer" in text and "ConnectionResetError" in text, text
+    assert "not staged within" not in text and "no rank wrote anything" in text
+    assert _unchanged(engine, before) and engine.weight_version == 0
+    engine.finish_weight_update()
+    store.manifest_error = None
+    engine.start_weight_update()
+    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
+    engine.finish_weight_update()
+    assert engine.weight_version == 1
 
 
 def test_a_stage_timeout_that_is_not_a_positive_number_of_seconds_is_a_config_error():

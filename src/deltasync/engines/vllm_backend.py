@@ -213,6 +213,12 @@ class _StagedPull:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    @property
+    def left_as(self) -> str:
+        """How it was left, for a message: cancelled (it never writes), or released (it wrote)
+        with the records after its scatter still going to the store."""
+        return "cancelled" if self._cancelled else "written, its records not yet in the store"
+
     def release(self) -> None:
         self._go.set()
 
@@ -445,7 +451,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # wait for it again, and this one's error names it.)
         settled = error is None and not self._still_inside()
         committed = self._committed_before(receiver, version, deadline) if settled else None
-        if isinstance(committed, ApplyError):
+        if isinstance(committed, BaseException):
             error = committed
         elif settled and staged.committed != committed:
             # The store was reset under the staged version (another run's version N, or none):
@@ -547,7 +553,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # What the tensors hold now, whatever the trainer does next: vLLM drops the session
         # of a failed update, so finish_weight_update (which records it otherwise) may never
         # come, and the version reported must not be the one from before a torn write.
-        self.weight_version = receiver.version
+        self.weight_version = self._held_version(receiver)
         if written:
             state = (
                 "some ranks wrote part or all of it and then failed; they report no version "
@@ -587,7 +593,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     staged,
                     receiver.version,
                 )
-            self.weight_version = receiver.version
+            self.weight_version = self._held_version(receiver)
 
     def _after_load(self) -> None:
         """After each call of the model's ``load_weights`` (vLLM's ``reload_weights``): the
@@ -601,7 +607,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.weight_version = None
         self._forget_if_reloaded()
         if self._staged is None and not self._still_inside():
-            self.weight_version = self.receiver.version
+            self.weight_version = self._held_version(self.receiver)
+
+    def _held_version(self, receiver: Receiver) -> int | None:
+        """The version to report: the receiver's, or None when something wrote the engine's
+        weights since this worker last verified what it holds (``load_weights``, another
+        backend) and the receiver may not have been told (a pull left inside it refused the
+        invalidate, or kept a restage from running it): it would still name the version from
+        before that write. The next pull restores it."""
+        if self._verified is not None and self._written_stamp() != self._verified:
+            return None
+        return receiver.version
 
     def _forget_if_reloaded(self) -> None:
         """Stop holding the verified version when ``load_weights`` ran since this worker last
@@ -781,8 +797,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._drop(staged, wait_s=0.0)
         older = staged.waiting_for
         why = (
-            "it was still waiting for the pull of version "
-            f"{older.version} cancelled before it, whose store call has not returned"
+            f"it was still waiting for the pull of version {older.version} left before it "
+            f"({older.left_as}), whose store call has not returned"
             if older is not None
             else "a store call has not returned (an endpoint that accepts the connection and "
             "never answers, a hung network filesystem, a Store without timeouts)"
@@ -790,26 +806,31 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         return self._out_of_time(staged.version, why)
 
     def _out_of_time(self, version: int, why: str) -> ApplyError:
-        receiver = self._receiver()
+        held = self._held_version(self._receiver())
+        stays = "holds no verified version" if held is None else f"stays at version {held}"
         return ApplyError(
             f"version {version} on shard {self.shard.shard!r}: not staged within "
             f"{self._stage_timeout_s:.1f} s (DeltaSyncInitInfo.stage_timeout_s): {why}. The "
-            "staged pull is cancelled and never writes: nothing was written, the shard stays "
-            f"at version {receiver.version}. Check the store (endpoint, network, mount), or "
+            f"staged pull is cancelled and never writes: nothing was written, the shard {stays}"
+            ". Check the store (endpoint, network, mount), or "
             "raise stage_timeout_s for a slower one, then update again"
         )
 
     def _committed_before(
         self, receiver: Receiver, version: int, deadline: float
-    ) -> tuple[str, str | None] | ApplyError | None:
+    ) -> tuple[str, str | None] | BaseException | None:
         """:meth:`_committed_as`, read on a thread of its own and waited for until
-        ``deadline``: an ApplyError when the store did not answer by then."""
+        ``deadline``: an ApplyError when the store did not answer by then, or what the read
+        raised (a ``Store``'s own error: failed like a staging, naming it, not as a timeout)."""
         answer: list[Any] = []
-        read = threading.Thread(
-            target=lambda: answer.append(self._committed_as(receiver, version)),
-            name="deltasync-read",
-            daemon=True,
-        )
+
+        def run() -> None:
+            try:
+                answer.append(self._committed_as(receiver, version))
+            except BaseException as exc:  # raised by the apply call, as a staging's error
+                answer.append(exc)
+
+        read = threading.Thread(target=run, name="deltasync-read", daemon=True)
         read.start()
         read.join(max(0.0, deadline - time.monotonic()))
         if answer:
@@ -830,8 +851,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ApplyError(
-                        f"version {staged.version}: the pull of version {old.version} (cancelled, "
-                        f"begun {time.monotonic() - old.started:.1f} s ago) is still inside its "
+                        f"version {staged.version}: the pull of version {old.version} "
+                        f"({old.left_as}, begun {time.monotonic() - old.started:.1f} s ago) is "
+                        "still inside its "
                         f"store call after this one waited {self._stage_timeout_s:.1f} s for it "
                         "(DeltaSyncInitInfo.stage_timeout_s), and a receiver takes one pull at "
                         "a time: nothing was fetched or written. The store does not answer: "
@@ -843,7 +865,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         staged.waiting_for = None
 
     def _still_inside(self) -> list[_StagedPull]:
-        """The pulls cancelled and left whose thread has not ended yet."""
+        """The pulls left (cancelled, or released and still recording) whose thread has not
+        ended yet."""
         self._left = [p for p in self._left if p.thread.is_alive()]
         return list(self._left)
 
@@ -852,7 +875,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if inside:
             old = inside[-1]
             raise ApplyError(
-                f"{call}: the pull of version {old.version} (cancelled, begun "
+                f"{call}: the pull of version {old.version} ({old.left_as}, begun "
                 f"{time.monotonic() - old.started:.1f} s ago) is still inside the receiver (a "
                 "fetch still running, or a store call that has not returned), and a new "
                 "receiver would share the state dir with it; nothing was changed. Call again "
