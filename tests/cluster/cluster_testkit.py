@@ -809,6 +809,37 @@ def run_death_between_versions(rank: int, setup: Setup, refused_first: bool = Fa
     return out
 
 
+def run_writer_death_in_preflight(rank: int, setup: Setup) -> dict:
+    """Writers 0, 1 (snapshot trackers over their FSDP halves), TP=2 receivers (ranks 2, 3).
+    Anchor 0 and delta 1 commit; in delta 2 writer 1 marks its arrival in the preflight and is
+    SIGKILLed before its row goes out. In the 4-rank all_gather only its ring neighbours see
+    the connection close; the others report what they raised."""
+    from deltasync.cluster import preflight as preflight_module
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank < setup.num_writers:
+        trainer, sender = _two_versions_sent(setup, rank)
+        trainer.step()
+        if rank == 1:
+            real = preflight_module.FailureNotes.arrive
+
+            def arrive_then_die(notes) -> None:
+                real(notes)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            preflight_module.FailureNotes.arrive = arrive_then_die
+        out["fault"] = _attempt(lambda: sender.sync(2))
+        return out
+    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
+    receiver.sync()
+    receiver.sync()
+    out["fault"] = _attempt(receiver.sync)
+    out["version_after"] = receiver.version
+    return out
+
+
 def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after_s: float) -> dict:
     """1 writer, TP=2 receivers (ranks 1, 2). Anchor 0 and delta 1 commit; the writer then
     replaces its ClusterSender with a new one on the same group and comes to version 2's

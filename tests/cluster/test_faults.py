@@ -24,6 +24,7 @@ from cluster_testkit import (
     run_trainer_late,
     run_unreadable_payload,
     run_writer_death,
+    run_writer_death_in_preflight,
 )
 
 SETUP = Setup(timeout_s=3.0)
@@ -186,6 +187,22 @@ def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_prefli
         assert "rank 2 died or stopped responding" in fault["message"], fault
         assert "preflight" in fault["message"], fault
         assert fault["elapsed_s"] < 5.0, fault  # the closed connection, not the timeout
+        assert results[rank]["version_after"] == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_writer_killed_inside_the_preflight_of_four_ranks_is_named_by_every_survivor() -> None:
+    # Every rank arrived, so the dead writer is the one silent rank, but only its two ring
+    # neighbours see its connection close: the fourth rank still waited inside the all_gather
+    # without a note, and the neighbours named no one ("some rank of the group").
+    setup = Setup(num_writers=2, tracker="snapshot", timeout_s=20.0)
+    results = spawn(run_writer_death_in_preflight, 4, setup, timeout_s=100, may_die={1})
+    assert results[1] is None  # it really died
+    for rank in (0, 2, 3):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert "rank 1 died or stopped responding" in fault["message"], fault
+    for rank in (2, 3):
         assert results[rank]["version_after"] == 1
 
 

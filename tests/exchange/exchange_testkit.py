@@ -121,6 +121,32 @@ def die_in_round_two(rank: int, dying_rank: int, death_after_s: float, timeout_s
     return result
 
 
+def die_inside_round_one(rank: int, dying_rank: int, timeout_s: float) -> dict:
+    """Every rank arrives at round 1 (its mark in the store); ``dying_rank`` is SIGKILLed
+    before its row goes out. Its two ring neighbours see the closed connection at once, while
+    the other ranks still wait inside the all_gather."""
+    import signal
+
+    from deltasync.exchange import rounds
+
+    init_from_env(timeout_s=30)
+    if rank == dying_rank:
+        real = rounds._round_one
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)  # not reached
+
+        rounds._round_one = die
+    dist.barrier()
+    start = time.monotonic()
+    w = dist.get_world_size()
+    config = ExchangeConfig(timeout_s=timeout_s)
+    result = _outcome(lambda: exchange({(rank + 1) % w: b"abcd"}, config=config, tag="t1"))
+    result["elapsed_s"] = time.monotonic() - start
+    return result
+
+
 def never_call_round_one(rank: int, timeout_s: float) -> dict:
     """Rank 1 never calls exchange(); the others must time out in round 1."""
     init_from_env(timeout_s=30)

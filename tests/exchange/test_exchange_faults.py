@@ -10,6 +10,7 @@ from deltasync.exchange import spawn
 
 from exchange_testkit import (
     die_in_round_two,
+    die_inside_round_one,
     fail_before_round_one,
     never_call_round_one,
     unmatched_messages,
@@ -82,6 +83,20 @@ def test_a_rank_dying_in_round_two_makes_every_other_rank_fail_within_seconds() 
     assert max(batches) > 1, batches
     # A rank that talked to the dead one learns of it from the closed connection, not a timeout.
     assert any("rank 3" in results[r]["message"] for r in range(3))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [4, 5])
+def test_a_rank_killed_inside_round_one_after_arriving_is_named_by_every_survivor(world) -> None:
+    # Only the dead rank's ring neighbours see a closed connection; the other survivors still
+    # wait inside the all_gather and leave no note until those neighbours give up. Every
+    # rank arrived, so the neighbours must tell the dead rank from the live waiters.
+    results = spawn(die_inside_round_one, world, 1, 5.0, timeout_s=45, may_die={1})
+    assert results[1] is None  # it really died
+    for rank in (r for r in range(world) if r != 1):
+        outcome = results[rank]
+        assert outcome["error"] in ("ExchangeError", "ExchangeTimeoutError"), outcome
+        assert outcome["message"].startswith("rank 1 died or stopped responding"), outcome
 
 
 @pytest.mark.timeout(30)

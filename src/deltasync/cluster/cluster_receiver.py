@@ -417,11 +417,14 @@ class ClusterReceiver:
             except Exception as exc:
                 error = exc
         with naming(f"version {cleared.version} (forwarding to the shard's replicas)"):
+            # a rank missing here that left a note in the version's first exchange(s) failed
+            # there, alive (the writer, replica 0): passed over, as in the joint commit
             forwarded = exchange(
                 {t: bundle for t in targets},
                 group=self.group,
                 config=self.config.exchange,
                 tag=f"{tag}-x2",
+                earlier=tags,
             )
         mine = got if self.role.replica == 0 else as_cpu_bytes(forwarded)
         return Incoming(

@@ -741,7 +741,7 @@ class ClusterSender:
                     {}, group=self.group, config=self.config.exchange, tag=part_tag(tag, exchanges)
                 )
                 sent, exchanges = sent + got.stats.bytes_sent, exchanges + 1
-            self._forward(tag)
+            self._forward(tag, exchanges)
             return self._commit(
                 version,
                 anchor,
@@ -784,9 +784,16 @@ class ClusterSender:
         self._notes.begin(cleared.tag, self.group, self.rank)
         return cleared.tag
 
-    def _forward(self, tag: str) -> None:
+    def _forward(self, tag: str, exchanges: int) -> None:
         if self.plan.exchanges == 2:  # the replicas forward; a writer sends nothing
-            exchange({}, group=self.group, config=self.config.exchange, tag=f"{tag}-x2")
+            # ranks that failed alive in the version's first exchanges are passed over there
+            exchange(
+                {},
+                group=self.group,
+                config=self.config.exchange,
+                tag=f"{tag}-x2",
+                earlier=[part_tag(tag, k) for k in range(exchanges)],
+            )
 
     def _commit(
         self,
@@ -894,7 +901,7 @@ class ClusterSender:
         t = time.perf_counter()
         parts.finish()
         assert parts.tag is not None  # finish raised if the preflight did not pass
-        self._forward(parts.tag)
+        self._forward(parts.tag, parts.exchanges)
         return self._commit(
             version,
             anchor=False,

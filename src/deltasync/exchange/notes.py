@@ -24,9 +24,11 @@ too and would blame it. Each rank writes its note *before* it closes anything, s
 as "rank 1 suspects rank 0; rank 0's note suspects rank 2; rank 2 left none" ends at the
 culprit whoever reads it. For collectives (round 1, the joint commit) a rank cannot tell which
 peer is missing; every rank marks its arrival instead, and a rank that never arrived is named
-(when all arrived, the single rank that left no note while the others gave up is).
+(when all arrived, the single rank that left no note while the others gave up is; of several
+silent ones, the one whose process on this machine is gone or stopped).
 
-Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived) and
+Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived: ``pid start-time
+machine``, see ``_process_mark``) and
 ``deltasync/{tag}/fail/{rank}`` holding ``"{suspect}|{text}"`` (suspect -1: unknown). ``tag``
 is chosen by the caller, the same on every rank and fresh for each exchange (the in-cluster sync
 uses its preflight's window token, the version, a fresh token of the attempt and the step),
@@ -35,12 +37,15 @@ are ever read. The store is the one the group was created with (torchrun's agent
 ``exchange.spawn``'s); when there is none to reach, notes are skipped and an error names only
 the peer this rank waited on.
 
-This module knows works, store keys and text; it knows nothing about payloads or schedules.
+This module knows works, store keys and text (and, to tell a dead peer on this machine from
+a waiting one, /proc); it knows nothing about payloads or schedules.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -168,8 +173,9 @@ class FailureNotes:
             return None
 
     def arrive(self) -> None:
-        """Mark that this rank entered the exchange (read by ranks whose collective fails)."""
-        self._set(f"in/{self.rank}", "1")
+        """Mark that this rank entered the exchange (read by ranks whose collective fails),
+        with where its process runs (``_process_mark``)."""
+        self._set(f"in/{self.rank}", _process_mark())
 
     def post(self, suspect: int | None, text: str) -> None:
         """Leave this rank's note; call before closing any connection."""
@@ -253,12 +259,64 @@ class FailureNotes:
         """Every rank arrived: the one other rank that left no note by ``deadline``, as a list
         (empty when none or several did). A rank that gave up on the collective leaves its
         note before closing anything; one that died or stopped inside it cannot, and a rank
-        that finished it leaves none either, so only a single silent rank is named."""
+        that finished it leaves none either, so only a single silent rank is named.
+
+        Several silent ranks: in a ring all_gather only the dead rank's two neighbours see its
+        connection close, while the other live ranks still wait inside the collective (and
+        leave their notes only once those neighbours give up). Of silent ranks whose arrival
+        mark shows a process on this machine (``_process_mark``), the one whose process is gone
+        or stopped is named, when it is the only such one."""
         while True:
             silent = [r for r in range(self.world) if r != self.rank and self._note(r) is None]
-            if len(silent) <= 1 or time.monotonic() >= deadline:
-                return silent if len(silent) == 1 else []
+            if len(silent) <= 1:
+                return silent
+            gone = [r for r in silent if _process_gone(self._get(f"in/{r}"))]
+            if len(gone) == 1 and time.monotonic() >= deadline:
+                return gone
+            if time.monotonic() >= deadline:
+                return []
             time.sleep(0.02)
+
+
+@functools.cache
+def _machine() -> str:
+    """This process's machine and PID namespace (a pid means one process only within both)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""  # no /proc: nothing to compare a peer's mark with
+
+
+def _start_time(pid: int) -> tuple[str, str] | None:
+    """``(state, start time)`` of process ``pid`` from ``/proc``, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+def _process_mark() -> str:
+    """An arrival mark's value: ``pid start-time machine`` ("1" where /proc is missing)."""
+    machine = _machine()
+    here = _start_time(os.getpid()) if machine else None
+    return "1" if here is None else f"{os.getpid()} {here[1]} {machine}"
+
+
+def _process_gone(mark: str | None) -> bool:
+    """Whether the process that left arrival ``mark`` runs on this machine and has ended (or
+    is a zombie, or is stopped): False whenever that cannot be told."""
+    parts = (mark or "").split(" ")
+    if len(parts) != 3 or not parts[2] or parts[2] != _machine():
+        return False
+    try:
+        now = _start_time(int(parts[0]))
+    except ValueError:
+        return False
+    return now is None or now[1] != parts[1] or now[0] in ("Z", "X", "T", "t")
 
 
 def part_tag(tag: str, k: int) -> str:
