@@ -5,6 +5,13 @@ is a fake clock, so how long a survivor waits is counted, not timed."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -142,3 +149,65 @@ def test_a_survivor_names_the_culprit_within_one_grace_in_all(name: str, monkeyp
         notes.post(suspect, "this rank's wait failed")
         assert notes.culprit(suspect) == (named, trail)
     assert clock.now <= GRACE_S + 0.05, f"waited {clock.now:.2f} s for notes"
+
+
+def _child_mark(child) -> str:
+    """The arrival mark ``child``'s own ``arrive()`` would write."""
+    with open(f"/proc/{child.pid}/stat") as f:
+        started = f.read().rpartition(")")[2].split()[19]
+    return f"{child.pid} {started} {notes_module._machine()}"
+
+
+@pytest.mark.timeout(60)
+def test_a_live_rank_a_sampling_profiler_pauses_is_not_taken_for_a_stopped_one() -> None:
+    # py-spy (its default) ptrace-stops the process it samples for a few ms a sample: a live
+    # rank waiting in the collective, looked at that way, was named "died or stopped
+    # responding" whenever a check fell in a pause (37 of 200 checks).
+    if not notes_module._machine():
+        pytest.skip("no /proc")
+    libc = ctypes.CDLL(None, use_errno=True)
+    attach, detach = 16, 17  # PTRACE_ATTACH, PTRACE_DETACH
+    loop = "import time\nwhile True: time.sleep(0.001)"
+    child = subprocess.Popen([sys.executable, "-c", loop])
+    stop = threading.Event()
+    attached: list[bool] = []
+
+    def sampler() -> None:  # ~100 samples a second, each holding the process ~2 ms
+        while not stop.is_set():
+            if libc.ptrace(attach, child.pid, None, None) == 0:
+                attached.append(True)
+                os.waitpid(child.pid, 0)
+                time.sleep(0.002)
+                libc.ptrace(detach, child.pid, None, None)
+            time.sleep(0.008)
+
+    try:
+        time.sleep(0.2)
+        mark = _child_mark(child)
+        thread = threading.Thread(target=sampler)
+        thread.start()
+        try:
+            named = 0
+            for k in range(100):
+                named += notes_module._process_gone(mark)
+                time.sleep(0.003 + 0.0007 * (k % 17))
+        finally:
+            stop.set()
+            thread.join()
+        if not attached:
+            pytest.skip("ptrace is not allowed here")
+        assert named == 0
+        child.send_signal(signal.SIGSTOP)  # stopped for good: named
+        time.sleep(0.1)
+        assert notes_module._process_gone(mark)
+        child.send_signal(signal.SIGCONT)
+        time.sleep(0.1)
+        assert not notes_module._process_gone(mark)
+        child.kill()  # a zombie until reaped, then gone: named either way
+        time.sleep(0.1)
+        assert notes_module._process_gone(mark)
+        child.wait()
+        assert notes_module._process_gone(mark)
+    finally:
+        child.kill()
+        child.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import threading
 import time
@@ -195,6 +196,83 @@ def test_an_upload_opened_by_a_create_whose_reply_was_lost_does_not_stay_open(s3
     assert store._client.creates == 2
     uploads = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
     assert uploads.get("Uploads", []) == []
+
+
+class _StampedUploads(_CreateReplyLost):
+    """Like _CreateReplyLost, and once the retried create has opened its upload another
+    client opens one of the same key. moto lists every upload with one constant
+    ``Initiated``, so each upload is stamped with when it was created, as AWS lists it."""
+
+    def __init__(self, client, other) -> None:
+        super().__init__(client)
+        self._other, self.stamps, self.others = other, {}, []
+
+    def _stamped(self, client, **kwargs):
+        reply = client.create_multipart_upload(**kwargs)
+        self.stamps[reply["UploadId"]] = datetime.datetime.now(datetime.UTC)
+        return reply
+
+    def create_multipart_upload(self, **kwargs):
+        self.creates += 1
+        reply = self._stamped(self._client, **kwargs)
+        if self.creates == 1:
+            raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+        time.sleep(0.3)  # ours is open; the other client's comes after it
+        self.others.append(self._stamped(self._other, **kwargs)["UploadId"])
+        return reply
+
+    def list_multipart_uploads(self, **kwargs):
+        listed = self._client.list_multipart_uploads(**kwargs)
+        for upload in listed.get("Uploads", ()):
+            upload["Initiated"] = self.stamps.get(upload["UploadId"], upload["Initiated"])
+        return listed
+
+
+def test_the_strays_aborted_after_a_lost_create_reply_are_never_uploads_opened_after_ours(
+    s3_store, s3_server
+) -> None:
+    # Every upload of the key within the window either side of ours was aborted, so another
+    # client's upload opened after ours (streaming the same key) was pulled from under it.
+    store = s3_store
+    other = S3Store(store.bucket, config=s3_server.config())
+    full = store._full("v00000001/tp0/w00000.blob")
+    store._client = faulty = _StampedUploads(store._client, other._client)
+    try:
+        store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+        chunks = [bytes([i]) * (2**20 + 7) for i in range(6)]
+        assert store.put_stream("v00000001/tp0/w00000.blob", iter(chunks)) == sum(map(len, chunks))
+        listed = other._client.list_multipart_uploads(Bucket=store.bucket, Prefix=full)
+        open_ids = [u["UploadId"] for u in listed.get("Uploads", []) if u["Key"] == full]
+        assert open_ids == faulty.others  # the lost one aborted, the other client's open
+    finally:
+        for upload_id in faulty.others:
+            other._client.abort_multipart_upload(Bucket=store.bucket, Key=full, UploadId=upload_id)
+        other.close()
+
+
+class _InterruptedListing(_CreateReplyLost):
+    """Like _CreateReplyLost, and Ctrl-C arrives while the strays are listed."""
+
+    def list_multipart_uploads(self, **kwargs):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_the_strays_are_listed_leaves_only_the_lost_upload_open(
+    s3_store,
+) -> None:
+    # The retried create's own upload, whose id put_stream had not been handed yet, stayed
+    # open: put_stream's abort on an interrupt had no id to abort.
+    store = s3_store
+    store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
+    real = store._client
+    store._client = _InterruptedListing(real)
+    chunks = [bytes([i]) * (2**20 + 7) for i in range(6)]
+    with pytest.raises(KeyboardInterrupt):
+        store.put_stream("v00000001/tp0/w00000.blob", iter(chunks))
+    full = store._full("v00000001/tp0/w00000.blob")
+    uploads = real.list_multipart_uploads(Bucket=store.bucket, Prefix=full).get("Uploads", [])
+    assert len(uploads) == 1  # the lost create's (its id never learned: lifecycle rules)
+    real.abort_multipart_upload(Bucket=store.bucket, Key=full, UploadId=uploads[0]["UploadId"])
 
 
 class _CompleteReplyLost:

@@ -34,7 +34,9 @@ refused). It registers with the
 store only once it holds a verified version, and while it restores an anchor (naming the
 anchor and no version, so that gc keeps what it fetches; a bounded-staleness trainer waits for
 that restore as for any receiver's); a failed restore or first pull removes its registration,
-so a bounded-staleness trainer never waits on a sidecar that cannot pull; repeated errors back off (up to 60 s)
+so a bounded-staleness trainer waits on a sidecar that cannot pull only while each restore
+attempt runs (one SIGKILLed mid-restore: until its registration expires); repeated errors back
+off (up to 60 s)
 with one line per change of state; SIGINT/SIGTERM end it cleanly (rc 0) between pulls, and
 ``--iterations K`` ends it after K pulls (rc 1 when the last one failed). One sidecar (one
 process) keeps a state dir: a second one started on the same ``--dir`` and shard waits, with

@@ -270,11 +270,9 @@ class FailureNotes:
             silent = [r for r in range(self.world) if r != self.rank and self._note(r) is None]
             if len(silent) <= 1:
                 return silent
-            gone = [r for r in silent if _process_gone(self._get(f"in/{r}"))]
-            if len(gone) == 1 and time.monotonic() >= deadline:
-                return gone
             if time.monotonic() >= deadline:
-                return []
+                gone = _processes_gone({r: self._get(f"in/{r}") for r in silent})
+                return gone if len(gone) == 1 else []
             time.sleep(0.02)
 
 
@@ -306,17 +304,41 @@ def _process_mark() -> str:
     return "1" if here is None else f"{os.getpid()} {here[1]} {machine}"
 
 
+# How long a process must stay stopped to count as stopped: a sampling profiler (py-spy's
+# default) ptrace-stops a live one for a few ms a sample, a debugger's breakpoint for good.
+STOPPED_FOR_S = 0.25
+
+
+def _processes_gone(marks: dict[int, str | None]) -> list[int]:
+    """The ranks whose arrival mark names a process on this machine that has ended (or is a
+    zombie, or stays stopped for ``STOPPED_FOR_S``, all watched at once: a stopped one costs
+    the caller that long once). A rank whose process cannot be told is never one."""
+    pids: dict[int, tuple[int, str]] = {}
+    for rank, mark in marks.items():
+        parts = (mark or "").split(" ")
+        if len(parts) == 3 and parts[2] and parts[2] == _machine() and parts[0].isdigit():
+            pids[rank] = (int(parts[0]), parts[1])
+    gone: list[int] = []
+    until = time.monotonic() + STOPPED_FOR_S
+    while pids:
+        for rank, (pid, started) in list(pids.items()):
+            now = _start_time(pid)
+            if now is None or now[1] != started or now[0] in ("Z", "X"):
+                gone.append(rank)
+            elif now[0] in ("T", "t") and time.monotonic() < until:
+                continue  # stopped so far: watched again
+            elif now[0] in ("T", "t"):
+                gone.append(rank)  # stopped throughout (SIGSTOP, a debugger's breakpoint)
+            del pids[rank]
+        if pids:
+            time.sleep(0.005)
+    return sorted(gone)
+
+
 def _process_gone(mark: str | None) -> bool:
     """Whether the process that left arrival ``mark`` runs on this machine and has ended (or
-    is a zombie, or is stopped): False whenever that cannot be told."""
-    parts = (mark or "").split(" ")
-    if len(parts) != 3 or not parts[2] or parts[2] != _machine():
-        return False
-    try:
-        now = _start_time(int(parts[0]))
-    except ValueError:
-        return False
-    return now is None or now[1] != parts[1] or now[0] in ("Z", "X", "T", "t")
+    is a zombie, or stays stopped): False whenever that cannot be told."""
+    return bool(_processes_gone({0: mark}))
 
 
 def part_tag(tag: str, k: int) -> str:

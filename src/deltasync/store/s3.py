@@ -860,8 +860,8 @@ class S3Store:
         (the connection dropped or timed out after the request was sent) may have opened an
         upload whose id this call never learns: nobody would complete or abort it, and it would
         stay open until the bucket's lifecycle rules reap it. So after such an attempt the
-        key's other uploads opened while this call ran are aborted (best effort; a blob key is
-        written by one writer, so they are this call's own)."""
+        key's other uploads opened while this call ran, before the new one, are aborted (best
+        effort; a blob key is written by one writer, so they are this call's own)."""
         from botocore.exceptions import ConnectionError as NotConnected
 
         maybe_opened = False  # an attempt's request may have reached the server
@@ -880,14 +880,20 @@ class S3Store:
         started = self._call("create_multipart_upload", key, op)
         upload_id = _field(started, "UploadId", "create_multipart_upload", self._url(key))
         if maybe_opened:
-            self._abort_strays(key, full, upload_id, window_s=time.monotonic() - began + 1.0)
+            try:
+                self._abort_strays(key, full, upload_id, window_s=time.monotonic() - began + 1.0)
+            except BaseException:  # an interrupt: the caller never learns this upload's id
+                self._abort(key, full, upload_id, retried=False)
+                raise
         return upload_id
 
     def _abort_strays(self, key: str, full: str, upload_id: str, *, window_s: float) -> None:
         """Abort the uploads of ``full`` other than ``upload_id`` opened at most ``window_s``
-        seconds from it, by the server's clock (both times come from one listing, so clocks
-        never disagree; the server's are whole seconds, hence the caller's slack). A failure
-        leaves them to the bucket's lifecycle rules."""
+        seconds before it, by the server's clock (both times come from one listing, so clocks
+        never disagree; the server's are whole seconds, hence the caller's slack). One opened
+        after it is not this call's (a lost attempt's request was sent before the retry's):
+        another client streaming the key, whose upload must not be pulled from under it. A
+        failure leaves them to the bucket's lifecycle rules."""
 
         def op(_: int) -> list[dict]:
             listed = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full)
@@ -899,7 +905,7 @@ class S3Store:
             for stray in uploads:
                 if stray.get("UploadId") == upload_id:
                     continue
-                if abs((stray["Initiated"] - ours).total_seconds()) <= window_s:
+                if 0 <= (ours - stray["Initiated"]).total_seconds() <= window_s:
                     self._abort(key, full, stray["UploadId"], retried=True)
 
     def _abort(self, key: str, full: str, upload_id: str, *, retried: bool) -> None:
