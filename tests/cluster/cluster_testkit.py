@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -571,6 +572,59 @@ def run_stall_in_round_one(rank: int, setup: Setup, stall_s: float) -> dict:
 
         rounds._round_one = stall
     out["fault"] = _attempt(receiver.sync)
+    return out
+
+
+def run_forwarder_death(rank: int, setup: Setup) -> dict:
+    """1 writer, TP=2 receivers in 2 replicas, dp_mode "forward": ranks 1, 2 are replica 0
+    (they receive the writer's payloads and forward them), ranks 3, 4 replica 1 (they send
+    and receive nothing in the first exchange). In the anchor rank 1 (a forwarder) is
+    SIGKILLed between the rounds of the first exchange (round 1 done, no payload received),
+    once ranks 3 and 4 have arrived in the forward exchange. The writer's send to rank 1 fails
+    and it leaves its note in the first exchange; with ``setup.max_chunk_bytes`` below a
+    shard's anchor it never sends rank 2 its later chunks, so rank 2 fails there too (after
+    the writer's note, when the writer's connections close). Neither arrives in the forward
+    exchange, where ranks 3, 4 wait in a ring all_gather that rank 1 has no part in: rank 3
+    fails when rank 2 closes its connections (after its note), rank 4 when the writer does (rank
+    2's note follows within moments: both react to the writer's closing). The others report
+    what they raised."""
+    from deltasync.exchange import rounds
+    from deltasync.exchange.notes import group_store
+
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    out: dict = {"rank": rank}
+    if rank == 0:
+        sender = Trainer(setup, rank).sender(setup)
+        dist.barrier()  # every rank built: the preflight waits for none of them
+        out["fault"] = _attempt(lambda: sender.sync(0, anchor=True))
+        return out
+    receiver = ClusterReceiver(
+        empty_shard(setup, setup.plan().receiver(rank).shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    dist.barrier()
+    if rank != 1:
+        out["fault"] = _attempt(receiver.sync)
+        return out
+    cleared = receiver._preflight()
+    # The replicas' arrival marks in the forward exchange (exchange.notes' keys): waiting for
+    # them, not for a time, makes the kill land while they wait there on every run.
+    arrived = [f"deltasync/{cleared.tag}-x2/in/{r}" for r in (3, 4)]
+    real = rounds.run_schedule
+
+    def die(*args, **kwargs):
+        try:
+            group_store(None).wait(arrived, timedelta(seconds=30))
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)  # not reached
+
+    rounds.run_schedule = die
+    receiver.receive(cleared)  # not returned from
     return out
 
 

@@ -17,6 +17,7 @@ from cluster_testkit import (
     run_death_in_retry,
     run_engine_pause_faults,
     run_faults,
+    run_forwarder_death,
     run_receiver_late,
     run_replacement_then_death,
     run_replacement_writer,
@@ -233,6 +234,35 @@ def test_a_rank_stopped_inside_round_one_after_arriving_is_named() -> None:
         assert fault["error"] == "ExchangeTimeoutError", fault
         assert fault["message"].startswith("version 1: rank 2 died or stopped responding"), fault
         assert fault["elapsed_s"] < setup.timeout_s + 2.0, fault
+
+
+@pytest.mark.timeout(150)
+def test_a_forwarder_killed_in_the_first_exchange_is_named_in_the_forward_exchange() -> None:
+    # Forward mode: rank 1 (replica 0 of tp0) dies in the anchor's first exchange while ranks
+    # 3, 4 (replica 1) wait in the forward exchange, where the writer and rank 2, which failed
+    # alive in the first exchange (their notes there say so), never arrive either. The forward
+    # exchange passes those two over, as the joint commit does, and names rank 1; without the
+    # first exchange's tags there, ranks 3, 4 said "ranks [0, 1, 2] never arrived". Where each
+    # rank fails is forced (a wait for the replicas' arrival marks, the chunking), not timed;
+    # each survivor fails on a connection that a failed rank closed after leaving its note, and
+    # reads the other notes within the notes' grace. The timeout only bounds a run gone wrong
+    # (no wait here runs to it). The writer's side of the fix (ClusterSender._forward) is not
+    # reached: the writer fails in the first exchange.
+    setup = Setup(replicas=2, dp_mode="forward", timeout_s=20.0, max_chunk_bytes=4096)
+    results = spawn(run_forwarder_death, 5, setup, timeout_s=100, may_die={1})
+    assert results[1] is None  # it really died
+    for rank in (0, 2, 3, 4):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert "never arrived" not in fault["message"], fault
+    for rank in (0, 2):  # they failed in the first exchange, as the scenario needs
+        message = results[rank]["fault"]["message"]
+        assert message.startswith("version 0: rank 1 died or stopped responding"), message
+    for rank in (3, 4):  # where the fix acts
+        message = results[rank]["fault"]["message"]
+        assert message.startswith(
+            "version 0 (forwarding to the shard's replicas): rank 1 died or stopped responding"
+        ), message
 
 
 @pytest.mark.timeout(150)
