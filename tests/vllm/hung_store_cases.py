@@ -105,6 +105,30 @@ def _within(call, bound: float = BOUND_S):
     return out
 
 
+def _takes_version_1(engine, trainer) -> None:
+    """An update to version 1 returns within the bound, and the worker then holds and names
+    it, bit for bit."""
+    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
+    engine.finish_weight_update()
+    assert engine.weight_version == 1
+    split = trainer.split()["tp0"]
+    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+
+
+def _once_the_store_answers(engine, trainer, answered: threading.Event) -> None:
+    """The hung store call answers (``answered`` set) and the left pull ends: the worker still
+    reports no version (the weights were written by something else since it verified them),
+    and the next update takes version 1 exactly."""
+    answered.set()
+    for left in engine._still_inside():
+        left.thread.join(BOUND_S)
+    engine.start_weight_update()
+    engine.finish_weight_update()  # the pull has ended: still none held
+    assert engine.weight_version is None
+    engine.start_weight_update()
+    _takes_version_1(engine, trainer)
+
+
 @pytest.fixture(scope="module")
 def tp1_group():
     """vLLM's parallel state for one worker (TP = 1) over gloo, as a CPU worker has."""
@@ -221,11 +245,7 @@ def test_an_apply_on_a_hung_store_fails_typed_within_its_timeout_and_nothing_is_
     assert not left.thread.is_alive() and isinstance(left.error, ApplyError)
     assert _unchanged(engine, before) and engine.weight_version == 0
     # and the next update takes the version, bit for bit
-    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
-    engine.finish_weight_update()
-    assert engine.weight_version == 1
-    split = trainer.split()["tp0"]
-    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+    _takes_version_1(engine, trainer)
 
 
 def test_a_stage_while_an_abandoned_pull_is_still_inside_the_store_refuses_it_by_name(
@@ -283,7 +303,6 @@ def test_a_staged_update_dropped_while_its_pull_is_inside_a_hung_store_never_hol
     trainer, engine, store = _backend(tmp_path, monkeypatch, stage_timeout_s=None)  # default
     trainer.step()
     trainer.publish(1)
-    before = _snapshot(engine)
     store.answering.clear()
     engine.start_weight_update()
     engine.update_weights({"version": 1, "phase": "stage"})
@@ -299,11 +318,7 @@ def test_a_staged_update_dropped_while_its_pull_is_inside_a_hung_store_never_hol
     assert "error" not in out
     assert "error" not in _within(lambda: engine.update_weights({"version": 1, "phase": "stage"}))
     store.answering.set()  # the store answers: the dropped pull is refused at its gate
-    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
-    engine.finish_weight_update()
-    assert engine.weight_version == 1 and not _unchanged(engine, before)
-    split = trainer.split()["tp0"]
-    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+    _takes_version_1(engine, trainer)
 
 
 def test_a_write_whose_records_hang_in_the_store_fails_bounded_as_written_and_names_the_truth(
@@ -328,11 +343,7 @@ def test_a_write_whose_records_hang_in_the_store_fails_bounded_as_written_and_na
         left.thread.join(BOUND_S)
     engine.finish_weight_update()
     engine.start_weight_update()
-    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
-    engine.finish_weight_update()
-    assert engine.weight_version == 1
-    split = trainer.split()["tp0"]
-    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+    _takes_version_1(engine, trainer)
 
 
 def test_weights_reloaded_while_a_left_pull_holds_the_receiver_are_never_reported_as_held(
@@ -383,18 +394,7 @@ def test_weights_reloaded_while_a_left_pull_holds_the_receiver_are_never_reporte
     assert engine.weight_version is None
     engine.finish_weight_update()
     assert engine.weight_version is None
-    store.acks_answered.set()
-    for left in engine._still_inside():
-        left.thread.join(BOUND_S)
-    engine.start_weight_update()
-    engine.finish_weight_update()  # the pull has ended: still none held
-    assert engine.weight_version is None
-    engine.start_weight_update()
-    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
-    engine.finish_weight_update()
-    assert engine.weight_version == 1
-    split = trainer.split()["tp0"]
-    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+    _once_the_store_answers(engine, trainer, store.acks_answered)
 
 
 def test_weights_written_by_something_else_while_the_restage_waits_are_never_reported_as_held(
@@ -421,18 +421,7 @@ def test_weights_written_by_something_else_while_the_restage_waits_are_never_rep
     assert engine.weight_version is None  # never the version the weights no longer hold
     engine.finish_weight_update()
     assert engine.weight_version is None
-    store.registrations_answered.set()
-    for left in engine._still_inside():
-        left.thread.join(BOUND_S)
-    engine.start_weight_update()
-    engine.finish_weight_update()  # the pull has ended: still none held
-    assert engine.weight_version is None
-    engine.start_weight_update()
-    assert "error" not in _within(lambda: engine.update_weights({"version": 1}))
-    engine.finish_weight_update()
-    assert engine.weight_version == 1
-    split = trainer.split()["tp0"]
-    assert all(bits_equal(engine.shard.targets[n], split[n]) for n in split)
+    _once_the_store_answers(engine, trainer, store.registrations_answered)
 
 
 def test_a_manifest_re_read_that_raises_fails_the_update_naming_its_error_not_a_timeout(
