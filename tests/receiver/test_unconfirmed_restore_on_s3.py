@@ -1,8 +1,8 @@
 """A receiver that registers only once a version is confirmed (``register=False``: the
 ``deltasync pull`` sidecar) restoring its first anchor from S3 (the loopback moto server)
 while the trainer anchors again and runs gc: its registration names the anchor it restores,
-so gc keeps it. It named nothing, and the restore failed with MissingBlobError (found by the
-S3 fault fuzz: the sidecar's first restore, with a gc pass beside it). A restore that fails
+so gc keeps it. It named nothing, and the restore failed with MissingBlobError (the sidecar's
+first restore, with a gc pass beside it). A restore that fails
 takes that registration back."""
 
 from __future__ import annotations

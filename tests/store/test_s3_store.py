@@ -186,7 +186,7 @@ class _CreateReplyLost:
 
 def test_an_upload_opened_by_a_create_whose_reply_was_lost_does_not_stay_open(s3_store) -> None:
     # The retried create opened a second upload and the stream completed it; the first one,
-    # whose id was never learned, stayed open for good (found by the S3 fault fuzz).
+    # whose id was never learned, stayed open for good.
     store = s3_store
     store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
     store._client = _CreateReplyLost(store._client)
