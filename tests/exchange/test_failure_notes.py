@@ -211,3 +211,30 @@ def test_a_live_rank_a_sampling_profiler_pauses_is_not_taken_for_a_stopped_one()
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_live_rank_whose_proc_entry_is_hidden_is_not_taken_for_a_dead_one(monkeypatch) -> None:
+    # /proc mounted with hidepid hides another user's processes: their entries read as
+    # missing, and a live rank of another user was taken for one that had ended.
+    if not notes_module._machine():
+        pytest.skip("no /proc")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        mark = _child_mark(child)
+        real_open = open
+
+        def hidden(path, *args, **kwargs):
+            if str(path) == f"/proc/{child.pid}/stat":
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(notes_module, "open", hidden, raising=False)
+        assert not notes_module._process_gone(mark)
+        child.kill()
+        child.wait()  # reaped: kill(pid, 0) finds no process
+        assert notes_module._process_gone(mark)
+    finally:
+        child.kill()
+        child.wait()

@@ -287,13 +287,25 @@ def _machine() -> str:
         return ""  # no /proc: nothing to compare a peer's mark with
 
 
+# _start_time's answer for a process that exists but whose /proc entry cannot be read
+_UNTOLD = ("?", "?")
+
+
 def _start_time(pid: int) -> tuple[str, str] | None:
-    """``(state, start time)`` of process ``pid`` from ``/proc``, or None when it is gone."""
+    """``(state, start time)`` of process ``pid`` from ``/proc``; None when it is gone, and
+    :data:`_UNTOLD` when its entry cannot be read while the process exists (``/proc`` mounted
+    with ``hidepid`` hides another user's processes; ``kill(pid, 0)`` still tells)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
     except OSError:
-        return None
+        try:
+            os.kill(pid, 0)  # no signal sent: only whether the process exists
+        except ProcessLookupError:
+            return None
+        except OSError:  # EPERM: another user's process, alive
+            return _UNTOLD
+        return _UNTOLD
     return fields[0], fields[19]
 
 
@@ -323,7 +335,9 @@ def _processes_gone(marks: dict[int, str | None]) -> list[int]:
     while pids:
         for rank, (pid, started) in list(pids.items()):
             now = _start_time(pid)
-            if now is None or now[1] != started or now[0] in ("Z", "X"):
+            if now is _UNTOLD:
+                pass  # exists, and nothing more can be told: never named
+            elif now is None or now[1] != started or now[0] in ("Z", "X"):
                 gone.append(rank)
             elif now[0] in ("T", "t") and time.monotonic() < until:
                 continue  # stopped so far: watched again
