@@ -23,16 +23,19 @@ import pytest
 from deltasync_examples.harness import ChildGoneError, serve, spawn
 
 # Runs the CLI (argv after the script) with one function of an application replaced by a
-# stand-in that sends SIGNAL to this process and waits for it to land. SIGINT gets Python's
-# own handler first, as in a terminal (a background job inherits SIGINT ignored).
+# stand-in that sends SIGNAL to this process and waits WAIT_S for it to land. SIGINT gets
+# Python's own handler first, as in a terminal (a background job inherits SIGINT ignored),
+# unless SIGINT_HANDLER says otherwise.
 STOPPED_RUN = """
 import os, signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGINT, signal.{sigint_handler})
 
 def stand_in(*_args, **_kwargs):
     os.kill(os.getpid(), signal.{signal})
-    time.sleep(60)  # the signal lands here
-    raise AssertionError("the signal did not stop the run")
+    time.sleep({wait_s})  # the signal lands here
+    from deltasync.errors import DeltaSyncError  # a typed error: the JSON line says it
+
+    raise DeltaSyncError("the signal did not stop the run")
 
 import {module} as app
 app.{name} = stand_in
@@ -72,12 +75,18 @@ APPS = {
 
 
 def _stopped(
-    tmp_path, app: str, signum: signal.Signals
+    tmp_path,
+    app: str,
+    signum: signal.Signals,
+    sigint_handler: str = "default_int_handler",
+    wait_s: float = 60,
 ) -> tuple[subprocess.CompletedProcess, dict]:
     argv, module, name, _ = APPS[app]
     if app == "bench":
         argv = [*argv, "--out", str(tmp_path / "out")]
-    script = STOPPED_RUN.format(signal=signum.name, module=module, name=name)
+    script = STOPPED_RUN.format(
+        signal=signum.name, module=module, name=name, sigint_handler=sigint_handler, wait_s=wait_s
+    )
     done = subprocess.run(
         [sys.executable, "-c", script, *argv],
         capture_output=True,
@@ -115,6 +124,17 @@ def test_a_ctrl_c_prints_one_line_and_a_json_line_and_exits_130(tmp_path, app) -
     assert "Traceback" not in done.stderr
     assert done.stderr.strip() == f"deltasync {app}: stopped by signal SIGINT", done.stderr
     assert out["interrupted"] is True and out["signal"] == "SIGINT" and out["steps"] == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("deltasync-")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("app", ["demo", "rl-demo"])
+def test_a_sigint_the_app_was_started_with_ignored_stays_ignored(tmp_path, app) -> None:
+    # as a script's background job starts (``deltasync demo &``): the script's Ctrl-C is not its
+    done, out = _stopped(tmp_path, app, signal.SIGINT, sigint_handler="SIG_IGN", wait_s=1)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert out["error"] == "DeltaSyncError: the signal did not stop the run"
+    assert "interrupted" not in out and "stopped by signal" not in done.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("deltasync-")]
 
 
@@ -179,6 +199,9 @@ def test_a_real_ctrl_c_half_a_second_after_start_exits_130_with_a_json_line(tmp_
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
+        # a terminal's foreground job gets SIGINT at its default action, whatever this
+        # process inherited (a test run in a script's background job has it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     _wait_for_python_handler(proc.pid, signal.SIGINT)
     time.sleep(0.3)  # the interpreter is up; the command's imports (torch) are under way

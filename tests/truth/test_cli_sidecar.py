@@ -109,6 +109,63 @@ def test_pull_started_before_the_first_commit_waits_registers_late_and_stops_on_
             proc.kill()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("started_with", ["default", "ignored"])
+def test_pull_stops_on_sigint_unless_it_was_started_with_sigint_ignored(
+    store_path, tmp_path, started_with
+):
+    # ignored: as a script's background job starts (``deltasync pull ... &``), whose parent's
+    # Ctrl-C is not meant for it; SIGTERM still stops it
+    action = signal.SIG_IGN if started_with == "ignored" else signal.SIG_DFL
+    LocalStore(store_path, durable=False)
+    out_file = tmp_path / "out.txt"
+    with open(out_file, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deltasync",
+                "pull",
+                str(store_path),
+                "--engine",
+                "vllm",
+                "--tp",
+                "1",
+                "--shard",
+                "tp0",
+                "--dir",
+                str(tmp_path / "w"),
+                "--interval",
+                "0.05",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, action),
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "waiting for the first committed version" not in out_file.read_text():
+            assert proc.poll() is None, out_file.read_text()
+            assert time.monotonic() < deadline, "the sidecar never said it waits"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        if started_with == "default":
+            assert proc.wait(timeout=30) == 0, out_file.read_text()
+            assert "deltasync pull: stopped before the first commit" in out_file.read_text()
+        else:
+            time.sleep(1.0)  # twenty polls
+            assert proc.poll() is None, out_file.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, out_file.read_text()
+            assert "deltasync pull: stopped before the first commit" in out_file.read_text()
+        assert "Traceback" not in out_file.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.timeout(60)
 def test_pull_refuses_another_layout_before_fetching_and_leaves_no_registration(
     store_path, tmp_path, capsys

@@ -105,7 +105,9 @@ class _Stop:
     """SIGINT/SIGTERM during an application's run: recorded, then raised in the main thread as
     ``KeyboardInterrupt``, so that every ``finally`` on the way out runs (the run's processes
     stopped, its temporary directory removed) before the command reports the stop. Under
-    Python's default action a SIGTERM ends the process where it lands, with none of that."""
+    Python's default action a SIGTERM ends the process where it lands, with none of that.
+    A signal the process started with ignored (SIGINT in a script's background job) stays
+    ignored, as it is while the command's modules load."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -122,7 +124,8 @@ def _stop_on_signals() -> Iterator[_Stop]:
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only it may set handlers
         for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, stop)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored from the start: stays so
+                previous[signum] = signal.signal(signum, stop)
     try:
         yield stop
     finally:

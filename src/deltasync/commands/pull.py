@@ -116,7 +116,8 @@ MAX_EXPANSION = 256
 
 
 class _Stop:
-    """SIGINT/SIGTERM set this; the loop ends between pulls."""
+    """SIGINT/SIGTERM set this; the loop ends between pulls. A signal the process started
+    with ignored (SIGINT in a script's background job) stays ignored."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -130,7 +131,8 @@ class _Stop:
         old = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, self)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored from the start: stays so
+                    old[sig] = signal.signal(sig, self)
         return old
 
 
