@@ -402,9 +402,15 @@ class InBackground:
             self._error = exc
         self._fn = self._args = None
 
-    def wait(self) -> BaseException | None:
-        self._done.wait()
+    def wait(self, timeout_s: float | None = None) -> BaseException | None:
+        """What the job raised (None: nothing), once it ends; with ``timeout_s``, at most that
+        long (:attr:`finished` then says whether it did)."""
+        self._done.wait(timeout_s)
         return self._error
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
 
 
 MAX_PARKED = 4  # idle InBackground workers kept for the next jobs

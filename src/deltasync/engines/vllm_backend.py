@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync import ModelSpec, PullReport, Receiver, ReceiverConfig, names
+from deltasync.atomic import InBackground
 from deltasync.engines.agreement import (
     failed_ranks,
     group_gather,
@@ -819,22 +820,16 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _committed_before(
         self, receiver: Receiver, version: int, deadline: float
     ) -> tuple[str, str | None] | BaseException | None:
-        """:meth:`_committed_as`, read on a thread of its own and waited for until
-        ``deadline``: an ApplyError when the store did not answer by then, or what the read
-        raised (a ``Store``'s own error: failed like a staging, naming it, not as a timeout)."""
-        answer: list[Any] = []
-
-        def run() -> None:
-            try:
-                answer.append(self._committed_as(receiver, version))
-            except BaseException as exc:  # raised by the apply call, as a staging's error
-                answer.append(exc)
-
-        read = threading.Thread(target=run, name="deltasync-read", daemon=True)
-        read.start()
-        read.join(max(0.0, deadline - time.monotonic()))
-        if answer:
-            return answer[0]
+        """:meth:`_committed_as`, read on a worker thread and waited for until ``deadline``:
+        an ApplyError when the store did not answer by then, or what the read raised (a
+        ``Store``'s own error: failed like a staging, naming it, not as a timeout)."""
+        answer: list[tuple[str, str | None] | None] = []
+        read = InBackground(
+            lambda: answer.append(self._committed_as(receiver, version)), name="deltasync-read"
+        )
+        error = read.wait(max(0.0, deadline - time.monotonic()))
+        if read.finished:
+            return error if error is not None else answer[0]
         return self._out_of_time(
             version, "its manifest, read again before the ranks agree, has not come back"
         )

@@ -818,12 +818,17 @@ class Receiver:
     def deregister(self) -> None:
         """Remove this receiver's registration (best effort): e.g. a sidecar whose first pull
         failed, so that no trainer waits on a receiver that holds nothing."""
+        self._remove_registration("registration")
+
+    def _remove_registration(self, what: str) -> None:
+        """Delete this receiver's registration, best effort (a failure is logged as ``what``
+        not removed)."""
         try:
             with self._records:  # after a heartbeat in flight, never before it
                 self.store.delete(names.receiver_key(self.config.receiver_id))
                 self._registered = None
         except StoreError as exc:
-            log.warning("receiver %r: registration not removed (%s)", self.config.receiver_id, exc)
+            log.warning("receiver %r: %s not removed (%s)", self.config.receiver_id, what, exc)
 
     def _flush_records(self, holding: LocalState | None = None, *, inline: bool = False) -> bool:
         """Write the owed ack (if any) and the registration (of ``holding``, the state a
@@ -1186,15 +1191,7 @@ class Receiver:
                 self._register_now(self._state)
                 return
             # unconfirmed: registered for the restore alone, so it is withdrawn with it
-            try:
-                self.store.delete(names.receiver_key(self.config.receiver_id))
-                self._registered = None
-            except StoreError as exc:
-                log.warning(
-                    "receiver %r: registration of a failed restore not removed (%s)",
-                    self.config.receiver_id,
-                    exc,
-                )
+            self._remove_registration("registration of a failed restore")
 
     def _apply(
         self,

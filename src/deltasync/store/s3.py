@@ -249,6 +249,15 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _may_have_arrived(exc: BaseException) -> bool:
+    """Whether the request of an attempt that failed with ``exc`` (not a ClientError: no
+    answer came) may have reached the server, which may apply it later: a transient failure
+    but a connection that never opened, which sent nothing."""
+    from botocore.exceptions import ConnectionError as NotConnected
+
+    return is_transient(exc) and not isinstance(exc, NotConnected)
+
+
 def scrub_endpoint(text: str, endpoint_url: str | None) -> str:
     """``text`` with every copy of ``endpoint_url`` (and of its query and fragment) replaced by
     :func:`redact_url`'s form: what botocore's messages may repeat verbatim."""
@@ -700,7 +709,6 @@ class S3Store:
 
     def put_if_absent(self, key: str, data: Bytes) -> None:
         from botocore.exceptions import ClientError
-        from botocore.exceptions import ConnectionError as NotConnected
 
         full = self._full(check_key(key))
         body = bytes(as_bytes(data))
@@ -728,9 +736,7 @@ class S3Store:
                     maybe_landed = True  # (a 409 is a refusal: this request stored nothing)
                 raise
             except Exception as exc:
-                # a connection that never opened sent nothing
-                if is_transient(exc) and not isinstance(exc, NotConnected):
-                    maybe_landed = True
+                maybe_landed = maybe_landed or _may_have_arrived(exc)
                 raise
 
         try:
@@ -862,8 +868,6 @@ class S3Store:
         stay open until the bucket's lifecycle rules reap it. So after such an attempt the
         key's other uploads opened while this call ran, before the new one, are aborted (best
         effort; a blob key is written by one writer, so they are this call's own)."""
-        from botocore.exceptions import ConnectionError as NotConnected
-
         maybe_opened = False  # an attempt's request may have reached the server
         began = time.monotonic()
 
@@ -872,9 +876,7 @@ class S3Store:
             try:
                 return self._client.create_multipart_upload(Bucket=self.bucket, Key=full)
             except Exception as exc:
-                # a connection that never opened sent nothing
-                if is_transient(exc) and not isinstance(exc, NotConnected):
-                    maybe_opened = True
+                maybe_opened = maybe_opened or _may_have_arrived(exc)
                 raise
 
         started = self._call("create_multipart_upload", key, op)
