@@ -161,6 +161,20 @@ def test_rl_demo_refuses_a_used_store_up_front_as_demo_does(tmp_path) -> None:
     assert [p.name for p in used.rglob("*")] == ["store", "LATEST"], "it wrote into the store"
 
 
+def test_a_store_holding_something_else_is_refused_naming_what_it_holds(tmp_path) -> None:
+    from deltasync.errors import ConfigError
+    from deltasync_examples.demo.run_dir import run_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    with (
+        pytest.raises(ConfigError, match=r"not empty \(it holds 2 entries, 'data' first\)"),
+        run_dir(str(tmp_path), prefix="deltasync-demo-"),
+    ):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+
+
 @pytest.mark.timeout(120)
 def test_rl_demo_removes_the_temporary_run_directory_it_made(tmp_path, monkeypatch) -> None:
     import tempfile

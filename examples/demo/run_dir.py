@@ -52,12 +52,18 @@ def run_dir(store: str | None, *, prefix: str) -> Iterator[str]:
         return
     if os.path.exists(store) and not os.path.isdir(store):
         raise ConfigError(f"--store {store!r} is not a directory; pass an empty or new directory")
-    if os.path.isdir(store) and os.listdir(store):
+    entries = sorted(os.listdir(store)) if os.path.isdir(store) else []
+    if entries:
         # A used store holds another run's versions and receiver states: the demo's exactness
         # check compares against this run only, so refuse instead of reporting a false mismatch
         # (or, in rl-demo, waiting for references of the old run's versions).
+        held = (
+            "an earlier demo run"
+            if "store" in entries
+            else f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {entries[0]!r} first"
+        )
         raise ConfigError(
-            f"--store {store!r} is not empty (it holds an earlier demo run); pass an empty or "
-            "new directory, or omit --store for a fresh temporary one"
+            f"--store {store!r} is not empty (it holds {held}); pass an empty or new "
+            "directory, or omit --store for a fresh temporary one"
         )
     yield store
