@@ -229,3 +229,82 @@ def test_the_run_identity_is_inside_the_signed_bytes(tmp_path):
     store.put(names.manifest_key(0), other)
     with pytest.raises(SignatureError, match="does not verify"):
         Catalog(store, signing_key=KEY).manifest(0)
+
+
+def test_a_manifest_listing_many_writers_blobs_is_refused_before_any_is_read(tmp_path):
+    # Each blob passes its own bound (a whole shard's worth), but a pull holds every blob of a
+    # version at once: 16 copies of the shard under 16 writer ids would cost 16 shards of memory.
+    import json
+
+    from deltasync.commit import blob_digest
+    from deltasync.commit.model import Manifest
+    from deltasync.format import encode_blob
+    from deltasync.format.build import full_updates
+
+    _, tl, rl = tiny_layouts(vocab_size=65536)  # tp0: ~4.2 M elements, 8 MiB of BF16
+    store = LocalStore(tmp_path / "store", durable=False)
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tl.param_shapes().items()}
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
+    pub.publish(0, [], params, anchor=True)
+    genuine = json.loads(store.get(names.manifest_key(0)))
+    shard = zero_tensors(rl, "tp0")
+    blobs = []
+    for i in range(16):
+        writer = f"x{i:04d}"
+        data = encode_blob(
+            full_updates(shard), version=1, base_version=-1, shard="tp0", writer=writer, level=0
+        )
+        key = names.blob_key(1, "tp0", writer)
+        store.put(key, data)
+        blobs.append(
+            {"digest": blob_digest(data), "key": key, "shard": "tp0", "size": len(data)}
+            | {"writer": writer}
+        )
+    planted = dict(genuine, version=1, blobs=blobs, writers=[b["writer"] for b in blobs])
+    store.put(names.manifest_key(1), Manifest.from_json(json.dumps(planted)).to_json())
+    read: list[str] = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def get(self, key, *, max_bytes=None):
+            read.append(key)
+            return store.get(key, max_bytes=max_bytes)
+
+    rec = Receiver.for_layout(Watched(), rl, "tp0", shard, str(tmp_path / "r"), rconfig("r"))
+    with pytest.raises(DeltaSyncError, match="lists 16 blobs of shard 'tp0'"):
+        rec.pull()
+    assert not [k for k in read if k.endswith(".blob")]
+    assert rec.version is None
+
+
+@pytest.mark.timeout(120)
+def test_with_a_key_a_manifest_and_latest_planted_above_the_head_stop_neither_side(tmp_path):
+    # Two unsigned writes: any bytes at the largest version a key can name, and LATEST naming
+    # it. Taken as the newest committed version by existence, they stopped the trainer (no
+    # version above it can exist) and failed every keyed receiver's pull, for good.
+    store = LocalStore(tmp_path / "store", durable=False)
+    rig = Rig(store, key=KEY)
+    for v in range(3):
+        rig.publish(v)
+    rec = Receiver.for_layout(
+        store,
+        rig.rl,
+        "tp0",
+        zero_tensors(rig.rl, "tp0"),
+        str(tmp_path / "r"),
+        rconfig("r", signing_key=KEY),
+    )
+    assert rec.pull().version == 2
+    store.put(names.manifest_key(names.MAX_VERSION), b"{}")
+    store.put(names.LATEST, b'{"version":%d}' % names.MAX_VERSION)
+    with pytest.raises(SignatureError, match=r"v99999999/MANIFEST\.json"):
+        rec.pull()  # named, until the trainer publishes past it
+    assert rec.version == 2
+    assert rig.pub.next_version() == 3
+    assert Catalog(store, signing_key=KEY).head(verified=True).version == 2
+    rig.publish(3)
+    assert rec.pull().version == 3
+    assert same_bits(rec.tensors, expected_shards(rig.trainer.params, rig.tl, rig.rl)["tp0"])
+    assert b'"version":3' in store.get(names.LATEST)  # moved off the planted one

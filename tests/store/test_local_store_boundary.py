@@ -228,3 +228,21 @@ def test_missing_keys_and_paths_through_files_are_key_not_found(tmp_path: Path) 
             store.get(key)
         assert not store.exists(key)
         store.delete(key)  # missing: not an error
+
+
+def test_a_put_refused_by_a_directory_at_its_key_leaves_no_temporary_file(tmp_path: Path) -> None:
+    # A directory planted at LATEST or at a registration fails every write of that key (the
+    # rename cannot replace it); each failed write must not leave its full copy behind.
+    root = tmp_path / "store"
+    store = LocalStore(root, durable=False)
+    (root / "LATEST" / "x").mkdir(parents=True)
+    (root / "receivers" / "r0.json" / "x").mkdir(parents=True)
+    for _ in range(3):
+        with pytest.raises(StoreError, match="'LATEST'"):
+            store.put("LATEST", b'{"version":1}')
+        with pytest.raises(StoreError, match=r"'receivers/r0\.json'"):
+            store.put_stream("receivers/r0.json", [b"{", b"}"])
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "receivers"]
+    assert sorted(p.name for p in (root / "receivers").iterdir()) == ["r0.json"]
+    store.put("receivers/r1.json", b"{}")  # the directory is still usable
+    assert store.list("receivers/") == ["receivers/r1.json"]

@@ -1150,3 +1150,48 @@ def test_a_late_manifest_behind_a_gap_is_found_by_its_committer(tmp_path):
     assert Catalog(store).versions() == [0, 2] and Catalog(store).read_latest() == 0
     _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
     assert Catalog(store).manifest(3).base_version == 2
+
+
+@pytest.mark.timeout(60)
+def test_with_a_key_a_claim_or_marker_planted_at_a_future_version_cannot_make_it_fail(tmp_path):
+    # Someone who can write the store but holds no key knows the next version's claim and
+    # marker keys (the session is in every key). Taken for another process's, each failed
+    # the version on every writer: a fatal ConfigError blaming writer_rank/session, and the
+    # committer waiting out marker_timeout_s.
+    key = b"k" * 32
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], keys=[key, key], marker_timeout_s=30)
+    _everyone(lambda r: syncs[r].step_published(0))
+    store.put(names.writer_claim_key(1, "w00001-s1"), b'{"host":"evil","pid":1,"token":"x"}')
+    store.put(names.writer_marker_key(2, "w00001-s1"), b"{}")
+    for v in (1, 2):
+        for t in trainers:
+            t.step()
+        t0 = time.monotonic()
+        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+        assert time.monotonic() - t0 < 20
+    assert Catalog(store, signing_key=key).versions() == [0, 1, 2]
+    rec = Receiver.for_layout(
+        store,
+        rl,
+        "tp0",
+        zero_tensors(rl, "tp0"),
+        str(tmp_path / "r"),
+        rconfig("r", signing_key=key),
+    )
+    assert rec.pull().version == 2
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+def test_with_a_key_a_claim_another_key_holder_stored_is_still_another_process():
+    from deltasync.store import MemoryStore
+
+    key = b"k" * 32
+    store = MemoryStore()
+    commit_mod.claim_version(store, 3, "w00001-s", commit_mod.claim_record(key), signing_key=key)
+    with pytest.raises(ConfigError, match="claimed by another process"):
+        commit_mod.claim_version(
+            store, 3, "w00001-s", commit_mod.claim_record(key), signing_key=key
+        )

@@ -121,12 +121,16 @@ class Catalog:
         except ManifestError:
             return None
 
-    def latest(self, known: int | None = None) -> int | None:
+    def latest(self, known: int | None = None, *, verified: bool = False) -> int | None:
         """The newest committed version: ``LATEST``, then any manifests right after it.
         A ``LATEST`` naming a version that has no manifest is treated as absent. ``known``: a
         version the caller committed itself; the probe starts there when LATEST is behind it
         and its manifest is stored (a LATEST write that failed after a number that was never
-        committed would otherwise stop the probe below it)."""
+        committed would otherwise stop the probe below it). ``verified`` (a publisher): with a
+        key, a manifest that does not verify counts as none, so one planted above the head
+        (with LATEST naming it) is never taken for the newest version; a receiver reads the
+        newest manifest and refuses it by name instead."""
+        exists = self.is_committed if verified else self._stored
         hint = self.read_latest()
         if (
             known is not None
@@ -134,25 +138,31 @@ class Catalog:
             and self.store.exists(names.manifest_key(known))
         ):
             hint = known
-        if hint is not None and not self.store.exists(names.manifest_key(hint)):
-            newest = self.newest_committed()
+        if hint is not None and not exists(hint):
+            newest = self.newest_committed(verified=verified)
             log.warning(
-                "LATEST names version %d, which has no manifest (a store restored out of "
+                "LATEST names version %d, which has no manifest%s (a store restored out of "
                 "order, or a stray write); using the newest committed manifest (%s) instead",
                 hint,
+                " that verifies" if verified and self._key is not None else "",
                 newest,
             )
             hint = newest
         if hint is None:
-            return self.newest_committed()
-        v = hint
+            return self.newest_committed(verified=verified)
+        v = newest = hint
         for _ in range(_PROBE_LIMIT):
-            if v >= names.MAX_VERSION or not self.store.exists(names.manifest_key(v + 1)):
-                return v
+            if v >= names.MAX_VERSION or not self._stored(v + 1):
+                return newest
             v += 1
+            if not verified or self.verifies(v):  # one that does not verify is walked over
+                newest = v
         raise ManifestError(
             f"more than {_PROBE_LIMIT} manifests follow LATEST={hint}: the store is broken"
         )
+
+    def _stored(self, version: int) -> bool:
+        return self.store.exists(names.manifest_key(version))
 
     def versions(self) -> list[int]:
         """Every version with a manifest, by listing (cost grows with the stored keys)."""
@@ -177,12 +187,32 @@ class Catalog:
             out.setdefault(v, []).append(key)
         return out
 
-    def newest_committed(self) -> int | None:
-        found = self.versions()
-        return found[-1] if found else None
+    def newest_committed(self, *, verified: bool = False) -> int | None:
+        """The newest listed manifest (``verified``: with a key, the newest that verifies)."""
+        for version in reversed(self.versions()):
+            if not verified or self.verifies(version):
+                return version
+        return None
 
     def has_manifest(self, version: int) -> bool:
         return version in self._cache or self.store.exists(names.manifest_key(version))
+
+    def verifies(self, version: int) -> bool:
+        """Without a key True; with a key, whether ``version``'s manifest verifies (read once,
+        then cached): a store writer without the key can plant a manifest, never commit a
+        version. A read that fails otherwise (an outage) raises."""
+        if self._key is None:
+            return True
+        try:
+            self.manifest(version)
+        except (KeyNotFoundError, ObjectTooLargeError, ManifestError):
+            return False
+        return True
+
+    def is_committed(self, version: int) -> bool:
+        """Whether the store holds ``version``'s manifest (asked of the store itself) and,
+        with a key, it verifies."""
+        return self.store.exists(names.manifest_key(version)) and self.verifies(version)
 
     # --- manifests --------------------------------------------------------------------
 
@@ -220,17 +250,18 @@ class Catalog:
         self._cache[version] = m
         return m
 
-    def head(self, known: int | None = None) -> Manifest | None:
+    def head(self, known: int | None = None, *, verified: bool = False) -> Manifest | None:
         """The newest committed manifest, read from the store (never only from the cache);
-        ``known`` as :meth:`latest` takes it. A manifest deleted between the two reads (by
-        retention, once newer versions committed) is followed by the newest one."""
-        v = self.latest(known)
+        ``known`` and ``verified`` as :meth:`latest` takes them. A manifest deleted between
+        the two reads (by retention, once newer versions committed) is followed by the newest
+        one."""
+        v = self.latest(known, verified=verified)
         if v is None:
             return None
         try:
             return self.manifest(v, fresh=True)
         except KeyNotFoundError:
-            newer = self.latest()
+            newer = self.latest(verified=verified)
             if newer is None or newer <= v:
                 raise
             return self.manifest(newer, fresh=True)

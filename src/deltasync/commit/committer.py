@@ -25,9 +25,10 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from deltasync import names
+from deltasync.commit.canonical import canonical_json
 from deltasync.commit.catalog import Catalog, poll_pause
 from deltasync.commit.model import LayoutRecord, Manifest
 from deltasync.commit.records import (
@@ -38,7 +39,7 @@ from deltasync.commit.records import (
     WriterMarker,
     encode_latest,
 )
-from deltasync.commit.signing import sign
+from deltasync.commit.signing import check_record_mac, record_mac, sign
 from deltasync.errors import (
     CommitConflictError,
     CommitTimeoutError,
@@ -264,15 +265,21 @@ def abandoned_reason(
     return notice.reason
 
 
-def claim_version(store: Store, version: int, writer: str, claim: bytes) -> None:
+def claim_version(
+    store: Store, version: int, writer: str, claim: bytes, *, signing_key: bytes | None = None
+) -> None:
     """Claim ``version`` for this process as ``writer`` (several writers), before its first
     blob: blob keys are named by version, shard and writer, so a second process running as the
     same writer id would overwrite the first one's blobs, and the version those parts commit
     would be refused by every receiver. ``claim`` is this process's own token (the same bytes
-    on every call); a claim already there with other bytes is another process's: ConfigError
-    naming the writer and that process, before anything is written."""
+    on every call, :func:`claim_record`); a claim already there with other bytes is another
+    process's: ConfigError naming the writer and that process, before anything is written.
+    With ``signing_key`` only a claim carrying its MAC is another process's: one that does
+    not verify was planted by someone without the key, and is replaced."""
     key = names.writer_claim_key(version, writer)
-    if _stored_once(store, key, claim, f"version {version}: writer {writer!r}'s claim"):
+    what = f"version {version}: writer {writer!r}'s claim"
+    verifies = (lambda held: _claim_verifies(held, signing_key)) if signing_key else None
+    if _stored_once(store, key, claim, what, verifies=verifies):
         return
     raise ConfigError(
         f"version {version}: writer {writer!r} was claimed by another process "
@@ -294,19 +301,48 @@ def _claimant(store: Store, key: str) -> str:
     return f"host {host[:64]!r}, pid {pid}"
 
 
-def claim_record() -> bytes:
-    """A new claim token of this process: unique, and naming where it runs."""
+def claim_record(signing_key: bytes | None = None) -> bytes:
+    """A new claim token of this process: unique, and naming where it runs (with
+    ``signing_key``, MAC'd: a claim only a key holder can have written)."""
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(16)}
+    if signing_key is not None:
+        record["mac"] = record_mac(_CLAIM, canonical_json(record), signing_key)
     return json.dumps(record, sort_keys=True).encode()
 
 
-def store_marker(store: Store, marker: WriterMarker, data: bytes) -> None:
+_CLAIM = "writer claim"
+
+
+def _claim_verifies(data: bytes, signing_key: bytes) -> bool:
+    """Whether a stored claim carries a valid MAC under ``signing_key``."""
+    try:
+        record = json.loads(data)
+        mac = record.pop("mac")
+        check_record_mac(_CLAIM, canonical_json(record), mac, signing_key, what="claim")
+    except (ValueError, TypeError, AttributeError, KeyError, DeltaSyncError):
+        return False
+    return True
+
+
+def _marker_verifies(data: bytes, signing_key: bytes) -> bool:
+    try:
+        WriterMarker.from_json(data, signing_key=signing_key, what="writer marker")
+    except DeltaSyncError:
+        return False
+    return True
+
+
+def store_marker(
+    store: Store, marker: WriterMarker, data: bytes, *, signing_key: bytes | None = None
+) -> None:
     """Store a writer's marker of a version, once: a marker already there (other bytes) is
     another process's, running as the same writer id (a rank handed out twice, or an old
-    incarnation still alive), and is never overwritten. ConfigError then, naming the writer."""
-    if _stored_once(
-        store, marker.key, data, f"version {marker.version}: writer {marker.writer!r}'s marker"
-    ):
+    incarnation still alive), and is never overwritten. ConfigError then, naming the writer.
+    With ``signing_key`` only a marker that verifies is another process's: one that does not
+    was planted by someone without the key, and is replaced."""
+    verifies = (lambda held: _marker_verifies(held, signing_key)) if signing_key else None
+    what = f"version {marker.version}: writer {marker.writer!r}'s marker"
+    if _stored_once(store, marker.key, data, what, verifies=verifies):
         return
     raise ConfigError(
         f"version {marker.version}: writer {marker.writer!r} already stored its marker from "
@@ -367,26 +403,57 @@ def commit_manifest(store: Store, catalog: Catalog, manifest: Manifest) -> bool:
     )
 
 
-def _stored_once(store: Store, key: str, data: bytes, what: str) -> bool:
+def _stored_once(
+    store: Store,
+    key: str,
+    data: bytes,
+    what: str,
+    *,
+    verifies: Callable[[bytes], bool] | None = None,
+    planted: int = 3,
+) -> bool:
     """``put_if_absent`` of ``data`` at ``key``: True when ``key`` holds our bytes (written
     now, or by an earlier attempt of ours whose reply was lost), False when it holds another
     writer's. A store that cannot say which is a StoreError naming ``what`` (retryable), never
-    taken for another writer's."""
-    try:
-        store.put_if_absent(key, data)
-        return True
-    except CommitConflictError:
-        pass
-    except OutcomeUnknownError:
-        if _stored_as(store, key, data) is None:
-            raise
-    ours = _stored_as(store, key, data)
-    if ours is None:
-        raise StoreError(
-            f"{what} is stored, and reading it back to tell whose it is failed; retry the "
-            "publish (a later read answers it)"
+    taken for another writer's. ``verifies(bytes)`` (with a signing key): whether other bytes
+    there are a key holder's; those that are not were planted by someone who can write the
+    store but has no key (they would fail every writer of the version), and are deleted and
+    the write tried again, up to ``planted`` times."""
+    for _ in range(planted + 1):
+        try:
+            store.put_if_absent(key, data)
+            return True
+        except CommitConflictError:
+            pass
+        except OutcomeUnknownError:
+            if _stored_as(store, key, data) is None:
+                raise
+        try:
+            held = store.get(key, max_bytes=max(len(data), MAX_CLAIM_BYTES, MAX_MARKER_BYTES))
+        except ObjectTooLargeError:
+            held = b""  # no claim or marker of ours is that large
+        except KeyNotFoundError:
+            continue  # deleted meanwhile: try again
+        except StoreError:
+            held = None
+        if held is None:
+            raise StoreError(
+                f"{what} is stored, and reading it back to tell whose it is failed; retry the "
+                "publish (a later read answers it)"
+            )
+        if held == data:
+            return True
+        if verifies is None or verifies(held):
+            return False
+        log.warning(
+            "%s: %r holds bytes that do not verify under the signing key (planted by someone "
+            "who can write the store, not a writer of this run); deleting them and writing "
+            "it again",
+            what,
+            key,
         )
-    return ours
+        store.delete(key)
+    return False
 
 
 def _stored_as(store: Store, key: str, data: bytes) -> bool | None:
@@ -402,9 +469,10 @@ def _stored_as(store: Store, key: str, data: bytes) -> bool | None:
 
 def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | None = None) -> bool:
     """Point LATEST at ``version`` unless it already names that or a newer committed
-    version (a LATEST naming a version without a manifest does not hold it back)."""
+    version (a LATEST naming a version without a manifest, or with a key one whose manifest
+    does not verify, does not hold it back)."""
     current = catalog.read_latest()
-    if current is not None and current >= version and store.exists(names.manifest_key(current)):
+    if current is not None and current >= version and catalog.is_committed(current):
         return False
     return _put_latest(store, version, run_id)
 
@@ -432,7 +500,7 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
     """Point LATEST at the newest committed manifest, up (a crash after the commit) or down
     (LATEST names a version with no manifest: asked of the store itself, not of its listing);
     returns that version (None: nothing committed, LATEST left alone)."""
-    newest = catalog.newest_committed()
+    newest = catalog.newest_committed(verified=True)
     try:
         current = catalog.read_latest(strict=True)
     except StoreError as exc:
@@ -445,7 +513,7 @@ def repair_latest(store: Store, catalog: Catalog) -> int | None:
     # LATEST naming a version the listing does not show: a listing that lags behind the writes
     # (an eventually consistent store) must not lower it when its manifest is there
     lagging = current is not None and (newest is None or current > newest)
-    if lagging and catalog.has_manifest(current):
+    if lagging and catalog.has_manifest(current) and catalog.verifies(current):
         newest = current
     if newest is None:
         return None

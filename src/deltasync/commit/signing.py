@@ -41,6 +41,7 @@ _RECORD_DOMAINS = {
     "ack": b"deltasync-ack-hmac-sha256-v1\n",
     "receiver record": b"deltasync-receiver-record-hmac-sha256-v1\n",
     "writer abandoned": b"deltasync-writer-abandoned-hmac-sha256-v1\n",
+    "writer claim": b"deltasync-writer-claim-hmac-sha256-v1\n",
 }
 MIN_KEY_BYTES = 16
 # In canonical JSON the signature is never the first field ("base_version" sorts before it),

@@ -279,7 +279,8 @@ class Publisher:
         # until a commit
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
-        self._claim = commit_mod.claim_record()  # this process's, as its writer, per version
+        # this process's, as its writer, per version (MAC'd when keyed)
+        self._claim = commit_mod.claim_record(self.config.signing_key)
         self._claimed: int | None = None  # the version this attempt claimed (several writers)
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,
@@ -295,8 +296,9 @@ class Publisher:
     # --- store state ------------------------------------------------------------------
 
     def committed(self) -> int | None:
-        """The newest committed version in the store (LATEST, then the manifests after it)."""
-        return self.catalog.latest()
+        """The newest committed version in the store (LATEST, then the manifests after it;
+        with a key, only manifests that verify count)."""
+        return self.catalog.latest(verified=True)
 
     def repair_latest(self) -> int | None:
         """Point LATEST at the newest committed manifest, up (a crash can leave it behind) or
@@ -589,14 +591,14 @@ class Publisher:
         try:
             # from this publisher's own commit where LATEST lags behind it (its LATEST write
             # failed after a skipped number): a delta on it, not an anchor on a new lineage
-            head = self.catalog.head(known=self._own_newest())
+            head = self.catalog.head(known=self._own_newest(), verified=True)
             committed = None if head is None else head.version
         except ManifestError as exc:
             # The newest manifest is unreadable (torn, tampered): nothing vouches for a base,
             # so this version is an anchor of a new lineage above it.
             unreadable = f"the newest committed manifest is unreadable: {exc}"
             log.warning("writer %s: version %d is an anchor: %s", self.writer, version, exc)
-            head, committed, anchor = None, self.catalog.latest(), True
+            head, committed, anchor = None, self.catalog.latest(verified=True), True
         if committed is not None and version <= committed:
             return self._already_committed(version, committed, params, full_state, t0)
         if since is not None and since == self._adopted_since:
@@ -636,7 +638,9 @@ class Publisher:
         self._check_shards(params)
         if cfg.num_writers > 1:  # before any blob of this version is written
             try:
-                commit_mod.claim_version(self.store, version, self.writer, self._claim)
+                commit_mod.claim_version(
+                    self.store, version, self.writer, self._claim, signing_key=cfg.signing_key
+                )
             except StoreError:  # not another process's claim: the other writers are told
                 self._claimed = version
                 raise
@@ -752,7 +756,7 @@ class Publisher:
         )
         data = marker.to_json(cfg.signing_key)  # MAC'd when keyed
         if cfg.num_writers > 1:  # a number is never retried there: its marker is stored once
-            commit_mod.store_marker(self.store, marker, data)
+            commit_mod.store_marker(self.store, marker, data, signing_key=cfg.signing_key)
         else:  # one writer retries a number that did not commit, rewriting its own marker
             self.store.put(marker.key, data)
         self._stored = None

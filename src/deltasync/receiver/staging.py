@@ -166,6 +166,16 @@ def blob_bound(specs: Mapping[str, TensorSpec]) -> int:
     return elements + _RECORD_HEAD_BYTES * len(specs) + _FRAMING_BYTES
 
 
+def version_blob_bound(specs: Mapping[str, TensorSpec], blobs: int) -> int:
+    """The most bytes ``blobs`` blobs of one version for the local tensors ``specs`` can take
+    together: the writers of a version list disjoint elements (each element once in all, as
+    :func:`blob_bound` counts it), and each blob has its own record heads and framing. Each
+    blob is held until the version's blobs are all read, so their sum is what a pull holds."""
+    return blob_bound(specs) + max(blobs - 1, 0) * (
+        _RECORD_HEAD_BYTES * len(specs) + _FRAMING_BYTES
+    )
+
+
 def numel_blob_bound(numel: int) -> int:
     """:func:`blob_bound` for a shard known only by its element count (a manifest's layout
     record), as readers that have no tensor specs know it: every element at the widest
@@ -193,7 +203,19 @@ def open_version(
     base = -1 if manifest.kind == "anchor" else manifest.base_version
     bound = blob_bound(specs)
     max_decompressed_bytes = min(max_decompressed_bytes, bound)
-    for entry in manifest.blobs_for(shard):
+    entries = manifest.blobs_for(shard)
+    listed, total = sum(e.size for e in entries), version_blob_bound(specs, len(entries))
+    if listed > total:
+        # each blob below passes its own bound, but all of them are held at once: an unsigned
+        # manifest listing many writers' blobs would otherwise cost that many shards of memory
+        raise BlobLimitError(
+            f"version {manifest.version} lists {len(entries)} blobs of shard {shard!r} "
+            f"totalling {listed} bytes, more than the blobs of one version can hold together "
+            f"({total} bytes: every element once, with its index, and each blob's framing); "
+            "none was read, nothing was applied. The manifest or the layout is not this "
+            "receiver's"
+        )
+    for entry in entries:
         where = f"version {manifest.version} blob {entry.key!r}"
         if entry.size > bound:
             # the manifest's size is all an unsigned store vouches for: never read more than

@@ -457,6 +457,10 @@ class LocalStore:
                     f"key {key!r} already exists in {self!r}; another writer committed it first"
                 ) from None
             except OSError as exc:
+                if not exclusive:
+                    # a rename that failed (a directory planted at the key) leaves the temp
+                    # file: one per attempt, each a full copy of the data, for good
+                    self._unlink_quietly(dfd, tmp)
                 raise self._fail("publishing", key, exc) from exc
             finally:
                 if exclusive:
