@@ -314,6 +314,21 @@ def test_a_receiver_with_a_key_rejects_unsigned_forged_and_foreign_key_manifests
 
 
 @pytest.mark.timeout(60)
+def test_a_receiver_without_the_key_of_a_signed_store_refuses_its_manifests(tmp_path):
+    # it could not tell the trainer's from unsigned ones planted beside them
+    r = Rig(tmp_path, key=KEY)
+    r.publish(0)
+    keyless = Receiver.for_layout(
+        r.store, r.rl, "tp0", zero_tensors(r.rl, "tp0"), str(tmp_path / "keyless"), rconfig("k")
+    )
+    with pytest.raises(SignatureError, match=r"is signed, and this receiver has no signing key"):
+        keyless.pull()
+    assert keyless.version is None and not keyless.store.list(names.acks_prefix(0))
+    assert all(not t.view(torch.int16).any() for t in keyless.tensors.values())
+    assert r.rec.pull().version == 0  # with the key: taken
+
+
+@pytest.mark.timeout(60)
 def test_two_publishers_racing_for_one_version_one_wins_the_other_gets_commit_conflict(tmp_path):
     spec, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")

@@ -55,6 +55,7 @@ from deltasync.errors import (
     KeyNotFoundError,
     ManifestError,
     ObjectTooLargeError,
+    SignatureError,
     StalenessTimeoutError,
     StoreError,
     VersionError,
@@ -76,9 +77,13 @@ class Catalog:
         *,
         signing_key: bytes | None = None,
         limits: ManifestLimits | None = None,
+        signed_needs_key: bool = False,
     ) -> None:
         self.store = store
         self._key = signing_key
+        # a reader that applies what it reads (a receiver): without a key it refuses signed
+        # manifests, as it could not tell them from unsigned ones anyone with write access plants
+        self._signed_needs_key = signed_needs_key
         self._limits = limits or ManifestLimits()
         self._cache: dict[int, Manifest] = {}  # committed manifests never change
 
@@ -235,6 +240,13 @@ class Catalog:
                 f"{key} (version {version}): {exc}. Nothing was applied from it; repair or "
                 "re-publish that version (receivers re-read it on their next pull)"
             ) from None
+        if self._key is None and self._signed_needs_key and m.signature is not None:
+            raise SignatureError(
+                f"{key} (version {version}) is signed, and this receiver has no signing key: "
+                "it could not tell the trainer's manifests from unsigned ones anyone with write "
+                "access to the store plants. Pass the trainer's key (ReceiverConfig.signing_key, "
+                "--key-file, DeltaSyncInitInfo.signing_key_hex). Nothing was applied from it"
+            )
         if m.format_version != FORMAT_VERSION:
             raise ManifestError(
                 f"{key} (version {version}) declares wire format {m.format_version}; this "

@@ -113,6 +113,8 @@ class ReceiverConfig:
     """- ``receiver_id``: this receiver's name in acks and registrations (data-parallel
       replicas of one shard need distinct ids);
     - ``signing_key``: when set, every manifest must carry a valid HMAC-SHA256 signature;
+      without it a signed manifest is refused (``SignatureError``: the trainer signs, so
+      this receiver needs its key);
     - ``verify_on_open``: hash the live tensors at construction and compare with the digest
       of the version the state file records; a mismatch marks the state dirty (the next pull
       restores the newest anchor);
@@ -327,7 +329,9 @@ class Receiver:
         self._persist = persist
         # a version the tensors hold that persist has not taken yet: its state and its ack
         self._unpersisted: tuple[LocalState, AckRecord] | None = None
-        self.catalog = Catalog(store, signing_key=config.signing_key, limits=config.limits)
+        self.catalog = Catalog(
+            store, signing_key=config.signing_key, limits=config.limits, signed_needs_key=True
+        )
         self.dir = StateDir(state_dir, durable=config.durable)
         self._pending_ack: AckRecord | None = None
         self._heartbeat_owed = False
