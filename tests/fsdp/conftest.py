@@ -22,6 +22,10 @@ STORE_JOBS = [
 ]
 
 
+# full_state as a gathering callable: a launch of its own, so a hang there fails only itself
+GATHER_JOBS = [("qwen3", "foreach", "gather"), ("qwen3", "fused", "gather_overlap")]
+FOUR_RANK_GATHER_JOBS = [("qwen3", "foreach", "cluster_gather")]
+
 FOUR_RANK_JOBS = [("none", "foreach", "hsdp"), ("qwen3", "fused", "cluster")]
 
 
@@ -37,3 +41,17 @@ def two_ranks(tmp_path_factory):
     yield done
     for procs, _ in done.receivers.values():
         stop(procs)
+
+
+@pytest.fixture(scope="session")
+def gather_ranks(tmp_path_factory):
+    done = launch(tmp_path_factory.mktemp("fsdp-gather"), 2, GATHER_JOBS, timeout=150)
+    yield done
+    for procs, _ in done.receivers.values():
+        stop(procs)
+
+
+@pytest.fixture(scope="session")
+def four_ranks_gather(tmp_path_factory):
+    done = launch(tmp_path_factory.mktemp("fsdp4-gather"), 4, FOUR_RANK_GATHER_JOBS, timeout=150)
+    yield done

@@ -8,6 +8,9 @@
   ones, anchors at 0 and 3, an in-place edit outside the optimizer at version 4) go through a
   local store in DIR to the receivers the test started. Rank 0 writes each version's oracle
   (a dense split of the gathered full state) before publishing it.
+- ``gather`` / ``gather_overlap``: as ``fsdp``, but ``full_state`` is a callable that gathers
+  (``p.full_tensor()``, a collective over the ranks), as docs/integration.md writes it,
+  without and with ``TrainerSync(overlap=True)``.
 - ``ddp``: the same model under DistributedDataParallel; one rank (0) writes.
 - ``tracker``: a small ``nn.Sequential`` under ``fully_shard`` whose dim-0 sizes split
   unevenly over the ranks (one rank's shard of a 1-row weight is empty): the tracker's
@@ -19,6 +22,8 @@
 - ``cluster`` (4 ranks): ranks 0-1 train under FSDP2 on their own mesh and are the cluster
   writers, ranks 2-3 are the TP=2 receivers, in one process group; every version is checked
   against rank 0's gathered canonical state, broadcast to all.
+- ``cluster_gather`` (4 ranks): the same, with ``full_state`` a callable that gathers over the
+  writers' mesh (a collective): ``sync`` runs it on both writers.
 
 Every rank also checks its tracker against an exact snapshot of the same params: zero missed
 elements at every version. Exits non-zero (a failed assertion) on any miss or mismatch.
@@ -137,7 +142,7 @@ def oracle(model_name: str, full: dict[str, torch.Tensor]) -> dict[str, dict[str
 def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(model_name)
-    if mode == "fsdp":
+    if mode in ("fsdp", "gather", "gather_overlap"):
         from torch.distributed.device_mesh import init_device_mesh
 
         shard_fsdp(model, init_device_mesh("cpu", (world,)))
@@ -163,8 +168,17 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
             marker_timeout_s=60,
         )
         pub = Publisher(LocalStore(out / "store", durable=False), receiver_layout=rl, config=config)
+        overlap = mode == "gather_overlap"
         sync = TrainerSync(
-            train.tracker, pub, train.tracker.local_params, full_state=lambda: holder["full"]
+            train.tracker,
+            pub,
+            train.tracker.local_params,
+            # a gathering callable is a collective: TrainerSync calls it on every writer
+            full_state=(lambda: full_state(train.model))
+            if mode.startswith("gather")
+            else (lambda: holder["full"]),
+            overlap=overlap,
+            optimizer=train.opt if overlap else None,
         )
     for v in range(VERSIONS):
         if v:
@@ -177,11 +191,17 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
             (out / "oracle").mkdir(exist_ok=True)
             torch.save(oracle(model_name, full), out / "oracle" / f"v{v}.pt")
         holder["full"] = full
-        if sync is not None:
+        if sync is not None and sync.overlap:
+            assert sync.step_published(v).version == v
+        elif sync is not None:
             report = sync.step_published(v)[0]
             assert report.version == v
         else:
             train.tracker.clear()  # a non-writing replica keeps no backlog
+    if sync is not None:
+        reports = sync.wait()  # overlap: the last version settled
+        assert sync.overlap == (reports is not None) and sync.baseline == VERSIONS - 1
+        sync.close()
     print(f"rank {rank} {model_name}:{impl}:{mode} published {VERSIONS} versions", flush=True)
 
 
@@ -196,7 +216,7 @@ def _assert_replicas_identical(full: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(g, gathered[0]) for g in gathered), "DDP replicas diverged"
 
 
-def run_cluster(model_name: str, impl: str, out: Path) -> None:
+def run_cluster(model_name: str, impl: str, out: Path, gather: bool = False) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4
     spec, rl = layouts(model_name)
@@ -225,7 +245,7 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
             receiver_layout=rl,
             version=None,
             config=config,
-            full_state=lambda: holder["full"],
+            full_state=(lambda: full_state(train.model)) if gather else (lambda: holder["full"]),
         )
     else:
         shard = plan.receiver(rank).shard
@@ -266,7 +286,9 @@ def run_cluster(model_name: str, impl: str, out: Path) -> None:
                 if not torch.equal(t.view(torch.int16), want[n].view(torch.int16))
             ]
             assert not bad, f"receiver {shard} v{v}: differs in {bad[:5]}"
-    print(f"rank {rank} cluster {model_name}:{impl} synced {VERSIONS} versions", flush=True)
+    (sender if rank < 2 else receiver).close()  # its threads end before the group does
+    what = "cluster_gather" if gather else "cluster"
+    print(f"rank {rank} {what} {model_name}:{impl} synced {VERSIONS} versions", flush=True)
 
 
 def run_tracker(impl: str, out: Path) -> None:
@@ -380,8 +402,8 @@ def main() -> None:
     try:
         for spec in args.job:
             model_name, impl, mode, out = spec.split(":", 3)
-            if mode == "cluster":
-                run_cluster(model_name, impl, Path(out))
+            if mode in ("cluster", "cluster_gather"):
+                run_cluster(model_name, impl, Path(out), gather=mode == "cluster_gather")
             elif mode == "tracker":
                 run_tracker(impl, Path(out))
             elif mode == "hsdp":

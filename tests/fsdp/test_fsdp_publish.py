@@ -46,3 +46,23 @@ def test_fsdp2_writers_sync_every_version_exactly_to_receivers_in_the_same_proce
     for rank in range(4):
         assert f"rank {rank} cluster qwen3:fused synced" in four_ranks.stdout, four_ranks.log
     assert four_ranks.returncode == 0, four_ranks.log
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["gather", "gather_overlap"])
+def test_a_full_state_callable_that_gathers_publishes_every_version_exactly(gather_ranks, mode):
+    # docs/integration.md: the committer's full_state is a callable gathering the full
+    # parameters; that gather is a collective, so every writer must run it (with overlap too)
+    impl = {"gather": "foreach", "gather_overlap": "fused"}[mode]
+    _check_job(gather_ranks, ("qwen3", impl, mode))
+
+
+@pytest.mark.timeout(200)
+def test_cluster_writers_with_a_full_state_callable_that_gathers_sync_every_version_exactly(
+    four_ranks_gather,
+):
+    # every writer runs the callable: a gather over the writers run by writer 0 alone hangs
+    done = four_ranks_gather
+    for rank in range(4):
+        assert f"rank {rank} cluster_gather qwen3:foreach synced" in done.stdout, done.log
+    assert done.returncode == 0, done.log

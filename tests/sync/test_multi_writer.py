@@ -191,6 +191,7 @@ def _ranks(
     keys=None,
     session="s1",
     full_everywhere=False,
+    gather=None,
     receiver_layouts=None,
     left_out=(),
     **config,
@@ -200,7 +201,8 @@ def _ranks(
     rank (default: the world size); ``full_state(trainer)``: the committer's full state;
     ``lay``: the layouts (default: the tiny Qwen3's, vLLM TP=2); ``keys``: each rank's
     signing key (default: none); ``session``: the job's; ``full_everywhere``: every rank
-    gets its trainer's full state (resume() needs it on every writer); ``receiver_layouts``:
+    gets its trainer's full state (resume() needs it on every writer); ``gather(trainer)``:
+    every rank's ``full_state`` (a callable, e.g. a fake collective); ``receiver_layouts``:
     each rank's receiver layout (default: ``lay``'s); ``left_out``: parameter names no
     rank's params hold."""
     spec, _tl, rl = lay or layouts()
@@ -230,6 +232,8 @@ def _ranks(
         full = trainer.params if full_everywhere else None
         if rank == 0:
             full = trainer.params if full_state is None else full_state(trainer)
+        if gather is not None:
+            full = gather(trainer)
         syncs.append(TrainerSync(tracker, pub, local, full_state=full))
         trainers.append(trainer)
     return syncs, trainers
@@ -486,6 +490,52 @@ def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touche
     for shard in ("tp0", "tp1"):
         rec, report = _fresh_pull(store, rl, tmp_path, shard)
         assert report.version == 2
+        assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)[shard])
+
+
+@pytest.mark.timeout(60)
+def test_an_anchor_the_publisher_chooses_streams_every_param_whatever_touched_names(tmp_path):
+    # anchor_every makes version 2 an anchor of a caller that captured a delta (an overlapped
+    # TrainerSync passes touched: the params it captured, and those whose counters moved;
+    # under FSDP2 a foreach AdamW step moves no counter). The anchor streams every param of
+    # every writer, whatever touched names.
+    store = scratch_store(tmp_path / "store")
+    spec, tl, rl = layouts()
+    trainer = TinyTrainer(spec, seed=7)
+    local = [
+        {n: p.detach()[slice(*_rows(p, r)[:2])] for n, p in trainer.params.items()}
+        for r in range(WORLD)
+    ]
+    pubs = [
+        Publisher(
+            store,
+            receiver_layout=rl,
+            config=PublisherConfig(
+                writer_rank=r, num_writers=WORLD, session="s1", anchor_every=2, poll_interval_s=0.02
+            ),
+        )
+        for r in range(WORLD)
+    ]
+    last = list(trainer.params)[-1]
+
+    def publish(v: int) -> list:
+        with torch.no_grad():
+            for part in local:
+                part[last].view(-1)[0] += 1.0
+
+        def call(r):
+            change = (last, torch.tensor([0]), local[r][last].reshape(-1)[:1].to(torch.bfloat16))
+            return pubs[r].publish(v, [change], local[r], full_state=trainer.params, touched={last})
+
+        return _everyone(call)
+
+    for v in range(3):
+        reports = publish(v)
+        assert all(not isinstance(x, Exception) for x in reports), (v, reports)
+        assert reports[0].kind == ("anchor" if v % 2 == 0 else "delta"), reports[0]
+    for shard in ("tp0", "tp1"):
+        rec, report = _fresh_pull(store, rl, tmp_path, shard)
+        assert report.version == 2 and report.chain == (2,)
         assert_same_bits(rec.tensors, expected_shards(trainer.params, tl, rl)[shard])
 
 
@@ -1124,6 +1174,40 @@ def test_a_failure_anywhere_after_the_claim_leaves_a_notice(tmp_path, where):
     assert all(isinstance(x, DeltaSyncError) for x in failed), failed
     assert "abandoned" in str(failed[1 - failing]), failed
     assert store.exists(names.writer_abandoned_key(1, f"w0000{failing}-s1"))
+
+
+@pytest.mark.timeout(60)
+def test_a_full_state_callable_that_gathers_across_the_writers_is_called_on_every_writer(
+    tmp_path,
+):
+    # A gathering full_state (FSDP's p.full_tensor(), as docs/integration.md has it) is a
+    # collective every writer must join: called by the committer alone, inside its publish, it
+    # would wait for the other writer, which waits for the manifest.
+    met = threading.Barrier(WORLD, timeout=10)  # the collective: every rank, or none
+    calls = [0] * WORLD
+
+    def gather(trainer):
+        def full():
+            calls[trainers.index(trainer)] += 1
+            met.wait()
+            return trainer.params
+
+        return full
+
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], gather=gather, marker_timeout_s=20)
+    for version in range(3):
+        if version:
+            for t in trainers:
+                t.step()
+        reports = _everyone(lambda r, v=version: syncs[r].step_published(v))
+        assert all(not isinstance(x, Exception) for x in reports), reports
+    assert calls == [3, 3]
+    _, tl, rl = layouts()
+    for shard in ("tp0", "tp1"):
+        rec, _ = _fresh_pull(store, rl, tmp_path, shard)
+        assert rec.version == 2
+        assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)[shard])
 
 
 @pytest.mark.timeout(90)

@@ -647,6 +647,10 @@ class Publisher:
             self._claimed = version
         if kind == "anchor":  # a full version from the full state, never from the changes
             source = None if cfg.num_writers == 1 else every_element_stream(params)
+            # The caller's touched names the changes of the delta it captured, not every
+            # parameter an anchor (this publisher's choice: anchor_every, a new lineage)
+            # streams, and an anchor keeps no digest: each is computed afresh.
+            touched = None
         else:
             source = checked_changes(changes, lazy=(Positions,))
             if self._resend_whole:

@@ -61,9 +61,13 @@ Two modes:
   could not see it by itself. A write still running while a publisher compares cannot be
   seen there: that version may commit bits the receivers' verify refuses, and the next one
   repairs it. The barrier also waits for detection to end, not only for the background: a
-  publish that failed early does not stop a detection still reading θ, m and v. A ``full_state``
-  callable runs on the background thread too, so one that runs collectives (an FSDP
-  full-state gather) must not be combined with overlap: use ``overlap=False`` there.
+  publish that failed early does not stop a detection still reading θ, m and v.
+
+A ``full_state`` callable is called once per ``step_published``, first, on the caller's thread
+and on every writer (not only by the committer, the one publisher that reads it): a callable
+that gathers over the trainer's ranks (an FSDP ``full_tensor()`` or full-state-dict gather) is
+a collective every rank must join, and one issued by the committer alone, or from the
+background thread beside FSDP's own collectives, would hang the ranks.
 
 ``synchronous=True`` also waits for the acknowledgements of the given receivers after each
 commit (synchronous RL); the version stays committed if that wait times out.
@@ -134,6 +138,9 @@ class PendingVersion:
         self._future = future
         self.finished_at: float | None = None  # time.time() when the commit (or failure) ended
         self.detect_s: float | None = None  # from the call to the end of detection
+        # the full parameters the publishers digest (a full_state callable's result, taken
+        # on the caller's thread); dropped once the version is settled
+        self.full_state: Params | Callable[[], Params] | None = None
         self.feed: DigestFeed | None = None  # the receivers' tensors hashed by detection
         # the writes to params it can see while it reads them; None once settled
         self.reads: ReadWindow | None = None
@@ -391,12 +398,13 @@ class TrainerSync:
             :class:`PendingVersion` whose ``result()`` gives them.
         """
         check_version_arg("TrainerSync.step_published", version, hint="publish sync.next_version()")
+        full = self._gather_full_state()
         if self.overlap and not self._closed:
-            return self._step_overlapped(version, anchor)
+            return self._step_overlapped(version, anchor, full)
         if self._carry:
             # After close(), a version that failed in flight left its capture: it goes out
             # with this one, through the same path, and this call waits for the commit.
-            self._step_overlapped(version, anchor)
+            self._step_overlapped(version, anchor, full)
             try:
                 reports = self.wait()
             finally:
@@ -419,7 +427,7 @@ class TrainerSync:
         # one is encoded and uploading.
         fed = None if feed is None else functools.partial(_entries_once_ended, feed, ended)
         try:
-            reports = self._publish_all(version, changes, params, anchor, fed)
+            reports = self._publish_all(version, changes, params, anchor, full, fed)
         finally:
             ended.set()  # a publish that stopped early leaves no digest pass waiting
         # Committed everywhere: the new baseline is this version's state.
@@ -430,16 +438,37 @@ class TrainerSync:
         self._wait_acks(version)
         return reports
 
+    def _gather_full_state(self) -> Params | Callable[[], Params] | None:
+        """A ``full_state`` callable's result, taken first, on every writer, before anything
+        that could raise on one rank only: it may be a collective (see the module docstring).
+        Its failure is raised where the publisher reads the state, after the version's
+        claim, so that the committer's failure is told to the other writers (its notice).
+        One writer reads its own parameters, never the callable: not called then."""
+        gather = self._full_state
+        if not callable(gather) or all(p.config.num_writers == 1 for p in self.publishers):
+            return gather
+        try:
+            return gather()
+        except Exception as exc:
+            error = exc  # ``exc`` is unbound once the except clause ends
+
+            def failed() -> Params:
+                raise error
+
+            return failed
+
     def _publish_all(
         self,
         version: int,
         changes,
         params: Params,
         anchor: bool,
+        full: Params | Callable[[], Params] | None,
         fed: Callable[[], TensorEntries] | None = None,
     ):
-        """Every publisher's publish of ``changes``; ``fed``: the first publisher's entries
-        hashed by the detection pass (``_digest_feed`` plans it for that one)."""
+        """Every publisher's publish of ``changes``; ``full``: the full state, resolved;
+        ``fed``: the first publisher's entries hashed by the detection pass
+        (``_digest_feed`` plans it for that one)."""
         return [
             pub.publish(
                 version,
@@ -447,7 +476,7 @@ class TrainerSync:
                 params,
                 anchor=anchor,
                 since=self.baseline,
-                full_state=self._full_state,
+                full_state=full,
                 fed=fed if i == 0 else None,
             )
             for i, pub in enumerate(self.publishers)
@@ -460,7 +489,9 @@ class TrainerSync:
 
     # --- the overlapped path ------------------------------------------------------------
 
-    def _step_overlapped(self, version: int, anchor: bool) -> PendingVersion:
+    def _step_overlapped(
+        self, version: int, anchor: bool, full: Params | Callable[[], Params] | None = None
+    ) -> PendingVersion:
         self.wait()  # the barrier; raises the failed version's error (its carry is kept)
         t = time.perf_counter()
         params = self._params() if callable(self._params) else self._params
@@ -489,6 +520,7 @@ class TrainerSync:
         handoff: Handoff[Handed] | None = None
         unsubmitted: Future = Future()  # the version's future until a thread takes it
         pending = PendingVersion(version, unsubmitted, 0.0)
+        pending.full_state = full
         pending.reads = ReadWindow(  # the version reads params from here on
             params,
             version,
@@ -727,7 +759,7 @@ class TrainerSync:
                         params,
                         anchor=anchor,
                         since=self.baseline,
-                        full_state=self._full_state,
+                        full_state=pending.full_state,
                         touched=touched,
                         fed=fed if i == 0 else None,
                         before_commit=functools.partial(self._refuse_if_edited, pending, params),
@@ -751,6 +783,7 @@ class TrainerSync:
             raise
         finally:
             pending.finished_at = time.time()
+            pending.full_state = None  # a model-sized gather: not kept past the publish
 
     def _moved_since_baseline(self, pending: PendingVersion, params: Params) -> frozenset[str]:
         """The params written in place (by anything: the optimizer included) between the

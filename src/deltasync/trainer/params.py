@@ -21,7 +21,9 @@ optimizer step, ``clear()``) and, when asked to check, flags every parameter who
 moved since: such a parameter must be reported changed in full for the current version,
 because nothing bounds what the write did. Flags stick until :meth:`OutOfBandWatch.clear`. Each
 flag is logged once, as an operator must know a full send happened. Writes through ``.data``
-and other non-view aliases are invisible; :meth:`OutOfBandWatch.mark` is the caller's remedy.
+and other non-view aliases are invisible, and so are ``torch._foreach_*_`` in-place ops on
+DTensors (torch 2.13 moves neither counter for them); :meth:`OutOfBandWatch.mark` is the
+caller's remedy.
 
 This module knows tensors, DTensor placements and names; nothing about optimizers, bits or
 publishing.
