@@ -390,3 +390,20 @@ def test_a_version_without_changes_still_sends_one_empty_blob_per_writer_and_com
     assert all(rep.payload_bytes > 0 for rep in reports.values())  # the writers did report
     world.commit(1, reports)
     assert world.mismatches() == []
+
+
+def test_close_ends_the_digest_thread_of_a_blocking_sender() -> None:
+    import threading
+
+    world = World(digest_every=1, full_state=False)
+    world.sync(0, anchor=True)
+    world.step()
+    world.sync(1)
+    assert not world.mismatches()
+    digest_threads = [t for t in threading.enumerate() if t.name.startswith("ds-cluster-digest")]
+    assert digest_threads, "the delta's digest pass ran on no thread of its own"
+    for sender in world.senders:
+        sender.close()
+    for t in digest_threads:
+        t.join(timeout=10)
+        assert not t.is_alive(), f"{t.name} outlived close()"

@@ -62,8 +62,11 @@ holds a part or two instead of every shard's whole blob; a failure after the pre
 next part's status, and every rank raises as from the preflight. The collectives of an
 overlapped version run off the caller's thread, one thread at a time (the stream thread's,
 then the background's): the exchange's group must be one the
-trainer's own collectives (FSDP) do not use, and a ``full_state`` callable that runs
-collectives must not be combined with overlap.
+trainer's own collectives (FSDP) do not use. A ``full_state`` callable is called by ``sync`` on
+every writer, on the caller's thread, before anything of the version is built (for the
+versions that send digests): one that gathers over the trainer's ranks is a collective every
+writer must join, though only writer 0 reads its result; a failure of it is this rank's
+status in the preflight.
 
 ``payloads_for_version`` is steps 1-3 alone, with no collective (benchmarks time it). After an
 ExchangeError that is not a PeerFailedError the group is broken: re-create it and pass the new
@@ -262,6 +265,8 @@ class ClusterSender:
         if not callable(params):
             self._check_params(params)
         self._full_state = full_state
+        # a full_state callable's result for the version being sent (see _gather_full)
+        self._full_now: Params | None = None
         if version is not None and (
             isinstance(version, bool)
             or not isinstance(version, int)
@@ -618,7 +623,10 @@ class ClusterSender:
         if self.role.count == 1 or self._full_state is not None:
             if self.role.index != 0:
                 return {}, False  # writer 0 sends the whole-state digests
-            full = params if self.role.count == 1 else self._full_state
+            if self.role.count == 1:
+                full = params
+            else:
+                full = self._full_state if self._full_now is None else self._full_now
             full = full() if callable(full) else full
             entries = state_tensor_digests(
                 full,
@@ -634,6 +642,18 @@ class ClusterSender:
             index=self.role.index,
             count=self.role.count,
         ), True
+
+    def _gather_full(self, version: int, anchor: bool) -> None:
+        """Call a ``full_state`` callable on every writer, on the caller's thread, when this
+        version sends digests that need it: it may gather over the trainer's ranks (a
+        collective), so writer 0 alone, or the background thread, must not run it."""
+        self._full_now = None
+        if (
+            callable(self._full_state)
+            and self.role.count > 1
+            and self.config.sends_digest(version, anchor=anchor)
+        ):
+            self._full_now = self._full_state()
 
     # ------------------------------------------------------------------ the whole version
 
@@ -674,6 +694,7 @@ class ClusterSender:
         out, failure = None, None
         try:
             check_group(self.group, self.plan, self.rank)
+            self._gather_full(version, anchor)
             out = self.payloads_for_version(version, anchor=anchor)
         except Exception as exc:
             failure = exc
@@ -683,6 +704,8 @@ class ClusterSender:
         except Exception as exc:
             self._health.note(exc, f"version {version}")
             raise
+        finally:
+            self._full_now = None  # a model-sized gather: not kept past the version
         self._learn_size(report)
         return report
 
@@ -928,6 +951,7 @@ class ClusterSender:
         try:
             check_group(self.group, self.plan, self.rank)
             base = self._base(version, anchor)
+            self._gather_full(version, anchor)  # read by this version's build only
         except Exception as exc:
             failure = exc
         pending = PendingSend(version, 0.0)
@@ -953,6 +977,12 @@ class ClusterSender:
             feed = self._digest_feed(version, params)
 
         def work(p: PendingSend) -> SendReport:
+            try:
+                return send(p)
+            finally:
+                self._full_now = None  # a model-sized gather: not kept past the version
+
+        def send(p: PendingSend) -> SendReport:
             if failure is None and handoff is not None and self.config.part_bytes:
                 return self._send_in_parts(version, base, handoff, p, t0=t0, feed=feed)
             out, err = None, failure
@@ -1028,6 +1058,7 @@ class ClusterSender:
         except Exception as exc:
             failure = exc
         finally:
+            self._full_now = None  # read by the build only: not kept past it
             pending.end_detection()
             pending.release()  # the parameters are read no more
         pending.captured_s = time.perf_counter() - t0 if out is None else out.detect_s
@@ -1139,19 +1170,20 @@ class ClusterSender:
 
     @_one_at_a_time
     def close(self) -> None:
-        """Wait for the version in flight, remove the optimizer hook, stop the thread (overlap
-        mode; a no-op otherwise). Later ``sync`` calls block, as without overlap.
+        """Wait for the version in flight, remove the optimizer hook, stop the threads (the
+        background's in overlap mode; the digest pass's in either). Later ``sync`` calls
+        block, as without overlap.
 
         Raises:
             SendFailedError: the version in flight did not commit.
         """
-        if self._background is None:
-            return
         try:
-            self.wait()
+            if self._background is not None:
+                self.wait()
         finally:
-            self._background.close()
-            self._background = None
+            if self._background is not None:
+                self._background.close()
+                self._background = None
             if self._detector is not None:
                 self._detector.shutdown(wait=True)
                 self._detector = None
