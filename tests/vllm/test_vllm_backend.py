@@ -492,3 +492,64 @@ def test_the_layout_probed_from_every_worker_equals_the_hand_written_table(varia
     if tp == 1:  # the MoE engine: vLLM's live expert names, the rules' geometry
         got = as_rule_names(got)
     assert got == table_key(build_vllm_table(ModelSpec.from_hf_config(config), tp, 1))
+
+
+def test_an_update_sent_before_the_init_is_refused_by_name_and_every_later_reply_is_its_own(
+    tmp_path,
+):
+    # TP 2, an engine whose backend was never initialised (a vllm serve restarted under a
+    # running trainer): one rank refuses, so the trainer's next init and every later call get
+    # their own replies (vLLM's executor would read a refusal of every rank as the next reply)
+    out = run_job(
+        tmp_path,
+        "uninitialised",
+        kind="uninitialised",
+        tmp=str(tmp_path),
+        dtype="bfloat16",
+        lr=1e-3,
+        config=CONFIG,
+        tp=2,
+    )
+    refused = out["uninit_error"]
+    assert refused is not None and "not initialised" in refused, refused
+    assert "call finish_weight_update once" in refused, refused  # what vLLM's API users do
+    assert out["uninit_init_error"] is None, out["uninit_init_error"]
+    for version in (0, 1):
+        assert out[f"uninit_send_error_{version}"] is None, out[f"uninit_send_error_{version}"]
+        states = out[f"uninit_states_{version}"]
+        assert [s["shard"] for s in states] == ["tp0", "tp1"]  # this call's replies
+        for state in states:
+            assert state["weight_version"] == version
+            split = out[f"uninit_splits_{version}"][state["shard"]]
+            assert same_bits(state["tensors"], split) == [], state["shard"]
+    assert out["uninit_version_api"] == "1"
+    # through vLLM's own API: the refusal says to close the session the other ranks kept
+    # (without it their next start is refused first and every reply shifts by one call)
+    raw = out["raw_refused"]
+    assert "VersionError" in raw and "call finish_weight_update once" in raw, raw
+    assert out["raw_next"] is None, out["raw_next"]
+    for state in out["raw_states"]:
+        assert state["weight_version"] == 2
+        assert same_bits(state["tensors"], out["raw_splits"][state["shard"]]) == []
+
+
+def test_pipeline_parallelism_is_refused_by_name_and_later_calls_get_their_own_replies(
+    tmp_path,
+):
+    # two pipeline stages: one worker refuses, so the next collective_rpc gets its own reply,
+    # not the init's refusal
+    out = run_job(
+        tmp_path,
+        "pipeline",
+        kind="pipeline",
+        tmp=str(tmp_path),
+        dtype="bfloat16",
+        lr=1e-3,
+        config=CONFIG,
+        pp=2,
+    )
+    refused = out["pp_init_error"]
+    assert refused.startswith("ConfigError") and "pipeline_parallel_size" in refused, refused
+    for call in (1, 2):
+        assert out[f"pp_ranks_error_{call}"] is None, out[f"pp_ranks_error_{call}"]
+        assert out[f"pp_ranks_{call}"] == [0, 1]

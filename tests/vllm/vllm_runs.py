@@ -48,7 +48,7 @@ def run_job(where: Path, name: str, **spec) -> dict:
     (where / f"{name}.json").write_text(json.dumps(spec))
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(JOB), str(where / f"{name}.json")],
-        env=vllm_env(spec.get("tp", 1)),
+        env=vllm_env(spec.get("tp", 1) * spec.get("pp", 1)),
         capture_output=True,
         text=True,
         timeout=600,

@@ -84,6 +84,14 @@ PHASES = ("stage", "apply")
 # thread) before it touches the receiver, which takes one pull at a time.
 STOP_WAIT_S = 10.0
 
+# Ends a refusal of start_weight_update / update_weights raised at TP > 1 (by the last rank
+# only): the ranks that returned keep vLLM's session open, so a caller of vLLM's own API must
+# close it before the next start (DeltaSyncTrainerEngine does), or the executor's replies shift.
+SESSION_NOTE = (
+    " (TP > 1: call finish_weight_update once before the next start_weight_update; the other "
+    "ranks keep vLLM's session of this update open, and this rank refuses that call)"
+)
+
 
 @dataclass
 class DeltaSyncInitInfo(WeightTransferInitInfo):
@@ -308,9 +316,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         on any TP rank keeps the shard and receiver every rank had."""
         self._cancel_staged()
         self._active = False
-        place = ShardPlace.from_vllm(self.parallel_config)
         built, error = None, None
         try:
+            place = ShardPlace.from_vllm(self.parallel_config)
+        except DeltaSyncError as exc:  # pipeline parallelism: refused alike on every worker
+            place, error = _tp_place(), exc
+        try:
+            if error is not None:
+                raise error
             if isinstance(init_info, _Refused):
                 if isinstance(init_info.error, DeltaSyncError):
                     raise init_info.error
@@ -573,7 +586,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 error,
             )
             return
-        raise error
+        raise ApplyError(f"{error}{SESSION_NOTE if self.shard.place.tp > 1 else ''}")
 
     @_rpc
     def finish_weight_update(self) -> None:
@@ -647,19 +660,28 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     @contextlib.contextmanager
     def _entry(self, call: str, place: ShardPlace | None = None) -> Iterator[None]:
         """An RPC's checks that fail alike on every TP rank (its input, the session's state):
-        raised by the last rank only, logged by the others. vLLM 0.32's multiprocess executor
+        raised by the last rank (of the last pipeline stage) only, logged by the others, also
+        before the first init. vLLM 0.32's multiprocess executor
         stops reading replies at the first rank that failed and the next RPC reads the rest,
         so an error raised on every rank would be read as the reply of the calls after it (a
         later failure hidden behind a stale success), as in :meth:`_fail`."""
         try:
             yield
         except Exception as exc:
-            if place is None and self.shard is not None:
-                place = self.shard.place
-            if place is None or place.tp == 1 or place.tp_rank == place.tp - 1:
-                raise
-            log.error("deltasync %s on TP rank %d: %s", call, place.tp_rank, exc)
-            raise _Answered from exc
+            if place is None:
+                # before the first init too (an engine restarted under a running trainer):
+                # raised on every rank, the refusal would shift every later reply by one
+                place = self.shard.place if self.shard is not None else _tp_place()
+            if place.tp_rank != place.tp - 1 or not _last_stage():
+                log.error("deltasync %s on TP rank %d: %s", call, place.tp_rank, exc)
+                raise _Answered from exc
+            if (
+                place.tp > 1
+                and call in ("start_weight_update", "update_weights")
+                and isinstance(exc, ConfigError)
+            ):
+                raise type(exc)(f"{exc}{SESSION_NOTE}") from exc
+            raise
 
     def shutdown(self) -> None:
         self._cancel_staged()
@@ -937,6 +959,27 @@ class _Refused:
 class _Answered(Exception):
     """Raised out of an RPC's check on a TP rank that is not the last: its :func:`_rpc`
     wrapper returns normally there (the last rank raises the error)."""
+
+
+def _tp_place() -> ShardPlace:
+    """This worker's TP rank and size from vLLM's parallel state (no shard built yet)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return ShardPlace(
+        tp_rank=get_tensor_model_parallel_rank(), tp=get_tensor_model_parallel_world_size()
+    )
+
+
+def _last_stage() -> bool:
+    """Whether this worker is in the last pipeline stage (vLLM's executor reads the replies of
+    the stages in order, the last one last; PP > 1 is refused, by that stage only)."""
+    from vllm.distributed import get_pp_group
+
+    group = get_pp_group()
+    return group.rank_in_group == group.world_size - 1
 
 
 def _tp_cpu_group() -> Any:

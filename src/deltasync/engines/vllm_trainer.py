@@ -199,6 +199,11 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             try:
                 self.client.start_weight_update()
             except Exception as exc:
+                # With TP > 1 a refusal (an engine whose backend is not initialised) comes from
+                # the last rank only, and the others opened vLLM's session: closed here, or
+                # every later start is refused there
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
                 _raise_typed(exc, version, "start")
                 raise
             try:
