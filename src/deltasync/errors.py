@@ -172,6 +172,11 @@ class SignatureError(ManifestError):
     """A manifest is unsigned or its signature does not verify with the configured key."""
 
 
+class KeyRequiredError(SignatureError, ConfigError):
+    """A manifest is signed and the receiver reading it has no key: a configuration to fix
+    (give it the trainer's key), not a manifest to wait out."""
+
+
 class LayoutMismatchError(ManifestError):
     """A version was published for another receiver layout (engine, TP/EP, model config) than
     the receiver's; refused before anything is fetched, naming both layouts."""

@@ -21,6 +21,7 @@ from deltasync.errors import (
     CommitConflictError,
     DigestMismatchError,
     IntegrityError,
+    KeyRequiredError,
     ManifestError,
     SignatureError,
     TruncatedBlobError,
@@ -321,7 +322,7 @@ def test_a_receiver_without_the_key_of_a_signed_store_refuses_its_manifests(tmp_
     keyless = Receiver.for_layout(
         r.store, r.rl, "tp0", zero_tensors(r.rl, "tp0"), str(tmp_path / "keyless"), rconfig("k")
     )
-    with pytest.raises(SignatureError, match=r"is signed, and this receiver has no signing key"):
+    with pytest.raises(KeyRequiredError, match=r"is signed, and this receiver has no signing key"):
         keyless.pull()
     assert keyless.version is None and not keyless.store.list(names.acks_prefix(0))
     assert all(not t.view(torch.int16).any() for t in keyless.tensors.values())

@@ -228,6 +228,22 @@ def test_pull_without_config_takes_the_specs_from_a_verified_anchor(store_path, 
 
 
 @pytest.mark.timeout(60)
+def test_pull_without_a_key_on_a_signed_store_stops_at_once_with_2(store_path, tmp_path, capsys):
+    # the operator forgot --key-file: waiting does not change it, so the sidecar ends
+    store = LocalStore(store_path, durable=False)
+    rig = Rig(store, tmp_path, key=b"k" * 32)
+    rig.publish(0)
+    argv = ["pull", str(store_path), "--engine", "vllm", "--tp", "2", "--shard", "tp0"]
+    rc = main([*argv, "--dir", str(tmp_path / "w"), "--interval", "0.05", "--iterations", "20"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "KeyRequiredError" in err and "has no signing key" in err and "--key-file" in err
+    assert not (tmp_path / "w" / "tp0.safetensors").exists()
+    sidecar = names.receiver_key(default_receiver_id("tp0", tmp_path / "w"))
+    assert sidecar not in store.list(names.RECEIVERS_PREFIX), "registered holding nothing"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["missing", "empty-dir", "checkpoint-dir"])
 def test_inspect_refuses_a_path_that_is_not_a_store_and_creates_nothing(tmp_path, kind, capsys):
     path = tmp_path / "x"

@@ -53,9 +53,9 @@ from deltasync.errors import (
     AckTimeoutError,
     IntegrityError,
     KeyNotFoundError,
+    KeyRequiredError,
     ManifestError,
     ObjectTooLargeError,
-    SignatureError,
     StalenessTimeoutError,
     StoreError,
     VersionError,
@@ -241,7 +241,7 @@ class Catalog:
                 "re-publish that version (receivers re-read it on their next pull)"
             ) from None
         if self._key is None and self._signed_needs_key and m.signature is not None:
-            raise SignatureError(
+            raise KeyRequiredError(
                 f"{key} (version {version}) is signed, and this receiver has no signing key: "
                 "it could not tell the trainer's manifests from unsigned ones anyone with write "
                 "access to the store plants. Pass the trainer's key (ReceiverConfig.signing_key, "

@@ -113,8 +113,8 @@ class ReceiverConfig:
     """- ``receiver_id``: this receiver's name in acks and registrations (data-parallel
       replicas of one shard need distinct ids);
     - ``signing_key``: when set, every manifest must carry a valid HMAC-SHA256 signature;
-      without it a signed manifest is refused (``SignatureError``: the trainer signs, so
-      this receiver needs its key);
+      without it a signed manifest is refused (``KeyRequiredError``, a ``SignatureError``
+      and a ``ConfigError``: the trainer signs, so this receiver needs its key);
     - ``verify_on_open``: hash the live tensors at construction and compare with the digest
       of the version the state file records; a mismatch marks the state dirty (the next pull
       restores the newest anchor);
