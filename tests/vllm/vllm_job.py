@@ -966,9 +966,9 @@ def client_faults(spec: dict) -> dict:
 
 def uninitialised(spec: dict) -> dict:
     """An update sent to an engine whose backend was never initialised (a ``vllm serve``
-    restarted under a running trainer): refused, then the init and the updates after it. At
-    TP > 1 the refusal came from every rank, and vLLM's executor then read each later call's
-    reply from the call before (the init failed with the refusal, states were stale)."""
+    restarted under a running trainer): refused, then the init and the updates after it, each
+    of which must get its own reply (at TP > 1 vLLM's executor would read a refusal raised by
+    every rank as the reply of the call after it)."""
     from deltasync.engines.vllm_trainer import (
         DeltaSyncTrainerEngine,
         DeltaSyncTrainerInitInfo,
@@ -1026,8 +1026,8 @@ def uninitialised(spec: dict) -> dict:
 
 def pipeline(spec: dict) -> dict:
     """An engine with two pipeline stages (refused by the backend): the init's refusal, then
-    whether vLLM's later calls still get their own replies (it was raised by every stage, and
-    vLLM's executor then read each later call's reply from the call before)."""
+    whether vLLM's later calls still get their own replies (a refusal raised by every stage
+    would be read as the reply of the call after it)."""
     from deltasync.engines.vllm_trainer import (
         DeltaSyncTrainerEngine,
         DeltaSyncTrainerInitInfo,
