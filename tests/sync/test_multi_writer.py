@@ -5,6 +5,7 @@ writer is named in the committer's error and nothing is committed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -1279,3 +1280,104 @@ def test_with_a_key_a_claim_another_key_holder_stored_is_still_another_process()
         commit_mod.claim_version(
             store, 3, "w00001-s", commit_mod.claim_record(key), signing_key=key
         )
+
+
+class _SlowSecondReader:
+    """A store where two processes (threads ``A`` and ``B``) both read ``key``'s planted bytes
+    first, and ``B`` goes on only once ``A`` has deleted them and written its own claim."""
+
+    def __init__(self, store, key):
+        self.store, self.key = store, key
+        self.first_reads = threading.Barrier(2, timeout=10)
+        self.a_wrote = threading.Event()
+        self.seen: set[str] = set()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def get(self, key, **kw):
+        out = self.store.get(key, **kw)
+        me = threading.current_thread().name
+        if key == self.key and me not in self.seen:
+            self.seen.add(me)
+            self.first_reads.wait()
+            if me == "B":
+                self.a_wrote.wait(10)
+        return out
+
+    def put_if_absent(self, key, data):
+        self.store.put_if_absent(key, data)
+        if key == self.key and threading.current_thread().name == "A":
+            self.a_wrote.set()
+
+
+@pytest.mark.timeout(60)
+def test_two_key_holders_replacing_one_planted_claim_never_both_hold_the_writer():
+    # The same writer id run twice (what claims catch) meets a claim planted without the key:
+    # both read the planted bytes; the one that replaces it first keeps its claim, and the
+    # other, slower one, finds that claim (it verifies) instead of deleting it.
+    from deltasync.store import MemoryStore
+
+    key = b"k" * 32
+    claim = names.writer_claim_key(1, "w00001-s1")
+    inner = MemoryStore()
+    inner.put(claim, b'{"host":"evil","pid":1,"token":"x"}')
+    store = _SlowSecondReader(inner, claim)
+    out: dict[str, object] = {}
+
+    def run(who):
+        try:
+            record = commit_mod.claim_record(key)
+            commit_mod.claim_version(store, 1, "w00001-s1", record, signing_key=key)
+            out[who] = record
+        except ConfigError as exc:
+            out[who] = exc
+
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(out["B"], ConfigError), out
+    assert "claimed by another process" in str(out["B"])
+    token = json.loads(out["A"])["token"]
+    assert json.loads(inner.get(claim))["token"] == token  # A's claim, kept
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("record", ["claim", "marker"])
+def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_make_it_fail(
+    tmp_path, record
+):
+    # Without the key, a store writer can still copy a record that verifies: another writer's
+    # claim of version 0, or this writer's own marker of version 0, to writer 1's key of
+    # version 1. Its MAC covers neither that version nor that writer: taken for another
+    # process's, it failed version 1 on every writer.
+    key = b"k" * 32
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], keys=[key, key], marker_timeout_s=30)
+    _everyone(lambda r: syncs[r].step_published(0))
+    if record == "claim":
+        copied = store.get(names.writer_claim_key(0, "w00000-s1"))
+        store.put(names.writer_claim_key(1, "w00001-s1"), copied)
+    else:
+        copied = store.get(names.writer_marker_key(0, "w00001-s1"))
+        store.put(names.writer_marker_key(1, "w00001-s1"), copied)
+    for t in trainers:
+        t.step()
+    t0 = time.monotonic()
+    reports = _everyone(lambda r: syncs[r].step_published(1))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    assert time.monotonic() - t0 < 20
+    assert Catalog(store, signing_key=key).versions() == [0, 1]
+    rec = Receiver.for_layout(
+        store,
+        rl,
+        "tp0",
+        zero_tensors(rl, "tp0"),
+        str(tmp_path / "r"),
+        rconfig("r", signing_key=key),
+    )
+    assert rec.pull().version == 1
+    assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])

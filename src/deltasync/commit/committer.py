@@ -274,11 +274,14 @@ def claim_version(
     would be refused by every receiver. ``claim`` is this process's own token (the same bytes
     on every call, :func:`claim_record`); a claim already there with other bytes is another
     process's: ConfigError naming the writer and that process, before anything is written.
-    With ``signing_key`` only a claim carrying its MAC is another process's: one that does
-    not verify was planted by someone without the key, and is replaced."""
+    With ``signing_key`` only a claim carrying its MAC for this key (its version and writer)
+    is another process's: one that does not verify was planted by someone without the key (a
+    copy of a genuine claim stored under another key included), and is replaced."""
     key = names.writer_claim_key(version, writer)
     what = f"version {version}: writer {writer!r}'s claim"
-    verifies = (lambda held: _claim_verifies(held, signing_key)) if signing_key else None
+    verifies = (lambda held: _claim_verifies(held, key, signing_key)) if signing_key else None
+    if signing_key:
+        claim = _bound_claim(claim, key, signing_key)
     if _stored_once(store, key, claim, what, verifies=verifies):
         return
     raise ConfigError(
@@ -303,7 +306,8 @@ def _claimant(store: Store, key: str) -> str:
 
 def claim_record(signing_key: bytes | None = None) -> bytes:
     """A new claim token of this process: unique, and naming where it runs (with
-    ``signing_key``, MAC'd: a claim only a key holder can have written)."""
+    ``signing_key``, MAC'd: a claim only a key holder can have written; :func:`claim_version`
+    MACs it again for the key it is stored at)."""
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(16)}
     if signing_key is not None:
         record["mac"] = record_mac(_CLAIM, canonical_json(record), signing_key)
@@ -313,23 +317,35 @@ def claim_record(signing_key: bytes | None = None) -> bytes:
 _CLAIM = "writer claim"
 
 
-def _claim_verifies(data: bytes, signing_key: bytes) -> bool:
-    """Whether a stored claim carries a valid MAC under ``signing_key``."""
+def _bound_claim(claim: bytes, key: str, signing_key: bytes) -> bytes:
+    """``claim`` MAC'd for ``key``, the version and writer it claims: the same bytes on every
+    call, and a copy stored under another version's or writer's key does not verify."""
+    record = json.loads(claim)
+    record.pop("mac", None)
+    record["mac"] = record_mac(_CLAIM, canonical_json({**record, "key": key}), signing_key)
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def _claim_verifies(data: bytes, key: str, signing_key: bytes) -> bool:
+    """Whether a claim stored at ``key`` carries a valid MAC for that key."""
     try:
         record = json.loads(data)
         mac = record.pop("mac")
-        check_record_mac(_CLAIM, canonical_json(record), mac, signing_key, what="claim")
+        body = canonical_json({**record, "key": key})
+        check_record_mac(_CLAIM, body, mac, signing_key, what="claim")
     except (ValueError, TypeError, AttributeError, KeyError, DeltaSyncError):
         return False
     return True
 
 
-def _marker_verifies(data: bytes, signing_key: bytes) -> bool:
+def _marker_verifies(data: bytes, marker: WriterMarker, signing_key: bytes) -> bool:
+    """Whether a marker stored at ``marker``'s key verifies and is of its version and writer
+    (a copy of a genuine marker of another version or writer is not)."""
     try:
-        WriterMarker.from_json(data, signing_key=signing_key, what="writer marker")
+        held = WriterMarker.from_json(data, signing_key=signing_key, what="writer marker")
     except DeltaSyncError:
         return False
-    return True
+    return (held.version, held.writer) == (marker.version, marker.writer)
 
 
 def store_marker(
@@ -338,9 +354,10 @@ def store_marker(
     """Store a writer's marker of a version, once: a marker already there (other bytes) is
     another process's, running as the same writer id (a rank handed out twice, or an old
     incarnation still alive), and is never overwritten. ConfigError then, naming the writer.
-    With ``signing_key`` only a marker that verifies is another process's: one that does not
-    was planted by someone without the key, and is replaced."""
-    verifies = (lambda held: _marker_verifies(held, signing_key)) if signing_key else None
+    With ``signing_key`` only a marker that verifies, of this version and writer, is another
+    process's: one that does not was planted by someone without the key (a copy of another
+    version's marker included), and is replaced."""
+    verifies = (lambda held: _marker_verifies(held, marker, signing_key)) if signing_key else None
     what = f"version {marker.version}: writer {marker.writer!r}'s marker"
     if _stored_once(store, marker.key, data, what, verifies=verifies):
         return
@@ -428,14 +445,9 @@ def _stored_once(
         except OutcomeUnknownError:
             if _stored_as(store, key, data) is None:
                 raise
-        try:
-            held = store.get(key, max_bytes=max(len(data), MAX_CLAIM_BYTES, MAX_MARKER_BYTES))
-        except ObjectTooLargeError:
-            held = b""  # no claim or marker of ours is that large
-        except KeyNotFoundError:
+        held = _held(store, key, len(data))
+        if held is _GONE:
             continue  # deleted meanwhile: try again
-        except StoreError:
-            held = None
         if held is None:
             raise StoreError(
                 f"{what} is stored, and reading it back to tell whose it is failed; retry the "
@@ -452,8 +464,28 @@ def _stored_once(
             what,
             key,
         )
-        store.delete(key)
+        # Read again right before the delete: another holder of the key (the same writer id
+        # twice) may have replaced the planted bytes since; its claim is never deleted. The
+        # Store has no compare-and-delete, so this narrows the window, it does not close it.
+        if _held(store, key, len(data)) == held:
+            store.delete(key)
     return False
+
+
+_GONE = b"\0gone"  # _held's answer for a key that holds nothing (never a claim's or marker's)
+
+
+def _held(store: Store, key: str, size: int) -> bytes | None:
+    """What ``key`` holds (``b""``: more than any claim or marker of ours, ``_GONE``: nothing),
+    None when it cannot be read now."""
+    try:
+        return store.get(key, max_bytes=max(size, MAX_CLAIM_BYTES, MAX_MARKER_BYTES))
+    except ObjectTooLargeError:
+        return b""  # no claim or marker of ours is that large
+    except KeyNotFoundError:
+        return _GONE
+    except StoreError:
+        return None
 
 
 def _stored_as(store: Store, key: str, data: bytes) -> bool | None:
