@@ -6,6 +6,7 @@ writer is named in the committer's error and nothing is committed."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -1381,3 +1382,24 @@ def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_
     )
     assert rec.pull().version == 1
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_full_state_that_fails_on_a_writer_that_does_not_commit_is_said_there(tmp_path, caplog):
+    # only the committer reads the state, so nothing raises a non-committer's failure later
+    def gather(trainer):
+        def full():
+            if trainers.index(trainer) == 1:
+                raise RuntimeError("gather lost rank 1's peer")
+            return trainer.params
+
+        return full
+
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store, store], gather=gather, marker_timeout_s=20)
+    with caplog.at_level(logging.WARNING, logger="deltasync.publish.trainer_sync"):
+        reports = _everyone(lambda r: syncs[r].step_published(0))
+    assert all(not isinstance(x, Exception) for x in reports), reports
+    said = [r.getMessage() for r in caplog.records if "full_state raised" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: gather lost rank 1's peer" in said[0], said
+    assert syncs[1].publishers[0].writer in said[0]

@@ -451,6 +451,15 @@ class TrainerSync:
             return gather()
         except Exception as exc:
             error = exc  # ``exc`` is unbound once the except clause ends
+            if not any(p.config.is_committer for p in self.publishers):
+                # only a committer reads the state: said here, as nothing raises it later
+                log.warning(
+                    "writer %s: full_state raised %s: %s (only the committer reads it; this "
+                    "writer publishes on, and a gather that failed here may fail or hang there)",
+                    self.publishers[0].writer,
+                    type(exc).__name__,
+                    exc,
+                )
 
             def failed() -> Params:
                 raise error
