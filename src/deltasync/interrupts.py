@@ -15,6 +15,9 @@ uploads, waits) stays interruptible.
 Only the main thread runs Python's signal handlers, so elsewhere the block is a no-op; a
 handler Python did not install (``signal.getsignal`` is ``None``) is left alone too.
 
+:func:`stops_handled_by` is the commands' other use of signals: SIGINT and SIGTERM handed to
+a command's own stop handler for its run, one the process was started with ignored left so.
+
 This module knows signals and threads: nothing about trackers, versions or stores.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -54,6 +57,24 @@ def interrupts_deferred() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _deliver_all([(previous[n], n, frame) for n, frame in held.items()])
+
+
+@contextmanager
+def stops_handled_by(handler: Callable[[int, FrameType | None], object]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` for the block, then back to what they were. Only
+    the main thread may set handlers: elsewhere a no-op. A signal ignored when the block
+    starts (SIGINT in a script's background job, which inherits it ignored) stays ignored: a
+    Ctrl-C meant for the script is not the command's."""
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def _deliver_all(held: list[tuple[object, int, FrameType | None]]) -> None:

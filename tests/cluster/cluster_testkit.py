@@ -21,6 +21,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -511,6 +512,22 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     receivers (failing in round 2) never arrive."""
     from deltasync.exchange import rounds
 
+    real = rounds.run_schedule
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)  # not reached
+
+    def arm() -> None:
+        rounds.run_schedule = die
+
+    return _writer_1_killed_in_delta_2(rank, setup, arm)
+
+
+def _writer_1_killed_in_delta_2(rank: int, setup: Setup, arm: Callable[[], None]) -> dict:
+    """Writers 0, 1 and TP=2 receivers: anchor 0 and delta 1 commit, then writer 1 runs
+    ``arm`` (which makes it SIGKILL itself somewhere in delta 2) and every rank syncs delta 2,
+    reporting what it raised and the version it holds after."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
@@ -518,17 +535,11 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
         trainer, sender = _two_versions_sent(setup, rank)
         trainer.step()
         if rank == 1:
-            real = rounds.run_schedule
-
-            def die(*args, **kwargs):
-                os.kill(os.getpid(), signal.SIGKILL)
-                return real(*args, **kwargs)  # not reached
-
-            rounds.run_schedule = die
+            arm()
         out["fault"] = _attempt(lambda: sender.sync(2))
         out["version_after"] = sender.version
         return out
-    receiver = corrupting_receiver(setup, rank)
+    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
     receiver.sync()
     receiver.sync()
     out["fault"] = _attempt(receiver.sync)
@@ -870,28 +881,16 @@ def run_writer_death_in_preflight(rank: int, setup: Setup) -> dict:
     the connection close; the others report what they raised."""
     from deltasync.cluster import preflight as preflight_module
 
-    torch.set_num_threads(1)
-    init_from_env(timeout_s=60)
-    out: dict = {"rank": rank}
-    if rank < setup.num_writers:
-        trainer, sender = _two_versions_sent(setup, rank)
-        trainer.step()
-        if rank == 1:
-            real = preflight_module.FailureNotes.arrive
+    real = preflight_module.FailureNotes.arrive
 
-            def arrive_then_die(notes) -> None:
-                real(notes)
-                os.kill(os.getpid(), signal.SIGKILL)
+    def arrive_then_die(notes) -> None:
+        real(notes)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-            preflight_module.FailureNotes.arrive = arrive_then_die
-        out["fault"] = _attempt(lambda: sender.sync(2))
-        return out
-    receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
-    receiver.sync()
-    receiver.sync()
-    out["fault"] = _attempt(receiver.sync)
-    out["version_after"] = receiver.version
-    return out
+    def arm() -> None:
+        preflight_module.FailureNotes.arrive = arrive_then_die
+
+    return _writer_1_killed_in_delta_2(rank, setup, arm)
 
 
 def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after_s: float) -> dict:

@@ -161,8 +161,8 @@ def _child_mark(child) -> str:
 @pytest.mark.timeout(60)
 def test_a_live_rank_a_sampling_profiler_pauses_is_not_taken_for_a_stopped_one() -> None:
     # py-spy (its default) ptrace-stops the process it samples for a few ms a sample: a live
-    # rank waiting in the collective, looked at that way, was named "died or stopped
-    # responding" whenever a check fell in a pause (37 of 200 checks).
+    # rank waiting in the collective, judged by one look at its state, would be named "died or
+    # stopped responding" whenever a check fell in a pause.
     if not notes_module._machine():
         pytest.skip("no /proc")
     libc = ctypes.CDLL(None, use_errno=True)
@@ -216,7 +216,7 @@ def test_a_live_rank_a_sampling_profiler_pauses_is_not_taken_for_a_stopped_one()
 @pytest.mark.timeout(60)
 def test_a_live_rank_whose_proc_entry_is_hidden_is_not_taken_for_a_dead_one(monkeypatch) -> None:
     # /proc mounted with hidepid hides another user's processes: their entries read as
-    # missing, and a live rank of another user was taken for one that had ended.
+    # missing, though such a live rank has not ended.
     if not notes_module._machine():
         pytest.skip("no /proc")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

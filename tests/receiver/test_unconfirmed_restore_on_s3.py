@@ -1,9 +1,9 @@
 """A receiver that registers only once a version is confirmed (``register=False``: the
 ``deltasync pull`` sidecar) restoring its first anchor from S3 (the loopback moto server)
 while the trainer anchors again and runs gc: its registration names the anchor it restores,
-so gc keeps it. It named nothing, and the restore failed with MissingBlobError (the sidecar's
-first restore, with a gc pass beside it). A restore that fails
-takes that registration back."""
+so gc keeps it (a registration naming nothing would let a gc pass beside the sidecar's first
+restore delete the anchor under it: MissingBlobError). A restore that fails takes that
+registration back."""
 
 from __future__ import annotations
 

@@ -282,8 +282,8 @@ def test_a_manifest_listing_many_writers_blobs_is_refused_before_any_is_read(tmp
 @pytest.mark.timeout(120)
 def test_with_a_key_a_manifest_and_latest_planted_above_the_head_stop_neither_side(tmp_path):
     # Two unsigned writes: any bytes at the largest version a key can name, and LATEST naming
-    # it. Taken as the newest committed version by existence, they stopped the trainer (no
-    # version above it can exist) and failed every keyed receiver's pull, for good.
+    # it. Taken as the newest committed version by existence, they would stop the trainer (no
+    # version above it can exist) and fail every keyed receiver's pull, for good.
     store = LocalStore(tmp_path / "store", durable=False)
     rig = Rig(store, key=KEY)
     for v in range(3):

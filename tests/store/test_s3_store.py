@@ -185,8 +185,8 @@ class _CreateReplyLost:
 
 
 def test_an_upload_opened_by_a_create_whose_reply_was_lost_does_not_stay_open(s3_store) -> None:
-    # The retried create opened a second upload and the stream completed it; the first one,
-    # whose id was never learned, stayed open for good.
+    # The retried create opens a second upload and the stream completes it; the first one,
+    # whose id the client never learns, must not stay open for good.
     store = s3_store
     store.config = replace(store.config, multipart_part_bytes=5 * 2**20)
     store._client = _CreateReplyLost(store._client)
@@ -231,8 +231,8 @@ class _StampedUploads(_CreateReplyLost):
 def test_the_strays_aborted_after_a_lost_create_reply_are_never_uploads_opened_after_ours(
     s3_store, s3_server
 ) -> None:
-    # Every upload of the key within the window either side of ours was aborted, so another
-    # client's upload opened after ours (streaming the same key) was pulled from under it.
+    # Only uploads opened before ours within the window are a lost create's: another client's
+    # upload opened after ours (streaming the same key) must not be pulled from under it.
     store = s3_store
     other = S3Store(store.bucket, config=s3_server.config())
     full = store._full("v00000001/tp0/w00000.blob")

@@ -280,9 +280,14 @@ def _stepped_past_version_0(tmp_path, stores=lambda store: [store, store], **con
     return store, tl, rl, syncs, trainers
 
 
-def _fresh_pull(store, rl, tmp_path, shard="tp0"):
+def _fresh_pull(store, rl, tmp_path, shard="tp0", key=None):
     rec = Receiver.for_layout(
-        store, rl, shard, zero_tensors(rl, shard), str(tmp_path / f"fresh-{shard}"), rconfig("f")
+        store,
+        rl,
+        shard,
+        zero_tensors(rl, shard),
+        str(tmp_path / f"fresh-{shard}"),
+        rconfig("f", signing_key=key),
     )
     return rec, rec.pull()
 
@@ -1241,7 +1246,7 @@ def test_a_late_manifest_behind_a_gap_is_found_by_its_committer(tmp_path):
 @pytest.mark.timeout(60)
 def test_with_a_key_a_claim_or_marker_planted_at_a_future_version_cannot_make_it_fail(tmp_path):
     # Someone who can write the store but holds no key knows the next version's claim and
-    # marker keys (the session is in every key). Taken for another process's, each failed
+    # marker keys (the session is in every key). Taken for another process's, each would fail
     # the version on every writer: a fatal ConfigError blaming writer_rank/session, and the
     # committer waiting out marker_timeout_s.
     key = b"k" * 32
@@ -1259,15 +1264,8 @@ def test_with_a_key_a_claim_or_marker_planted_at_a_future_version_cannot_make_it
         assert all(not isinstance(x, Exception) for x in reports), reports
         assert time.monotonic() - t0 < 20
     assert Catalog(store, signing_key=key).versions() == [0, 1, 2]
-    rec = Receiver.for_layout(
-        store,
-        rl,
-        "tp0",
-        zero_tensors(rl, "tp0"),
-        str(tmp_path / "r"),
-        rconfig("r", signing_key=key),
-    )
-    assert rec.pull().version == 2
+    rec, report = _fresh_pull(store, rl, tmp_path, key=key)
+    assert report.version == 2
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 
@@ -1276,11 +1274,9 @@ def test_with_a_key_a_claim_another_key_holder_stored_is_still_another_process()
 
     key = b"k" * 32
     store = MemoryStore()
-    commit_mod.claim_version(store, 3, "w00001-s", commit_mod.claim_record(key), signing_key=key)
+    commit_mod.claim_version(store, 3, "w00001-s", commit_mod.claim_record(), signing_key=key)
     with pytest.raises(ConfigError, match="claimed by another process"):
-        commit_mod.claim_version(
-            store, 3, "w00001-s", commit_mod.claim_record(key), signing_key=key
-        )
+        commit_mod.claim_version(store, 3, "w00001-s", commit_mod.claim_record(), signing_key=key)
 
 
 class _SlowSecondReader:
@@ -1328,7 +1324,7 @@ def test_two_key_holders_replacing_one_planted_claim_never_both_hold_the_writer(
 
     def run(who):
         try:
-            record = commit_mod.claim_record(key)
+            record = commit_mod.claim_record()
             commit_mod.claim_version(store, 1, "w00001-s1", record, signing_key=key)
             out[who] = record
         except ConfigError as exc:
@@ -1352,8 +1348,8 @@ def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_
 ):
     # Without the key, a store writer can still copy a record that verifies: another writer's
     # claim of version 0, or this writer's own marker of version 0, to writer 1's key of
-    # version 1. Its MAC covers neither that version nor that writer: taken for another
-    # process's, it failed version 1 on every writer.
+    # version 1. A MAC that covered neither that version nor that writer would let it pass for
+    # another process's, failing version 1 on every writer.
     key = b"k" * 32
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
@@ -1372,15 +1368,8 @@ def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert time.monotonic() - t0 < 20
     assert Catalog(store, signing_key=key).versions() == [0, 1]
-    rec = Receiver.for_layout(
-        store,
-        rl,
-        "tp0",
-        zero_tensors(rl, "tp0"),
-        str(tmp_path / "r"),
-        rconfig("r", signing_key=key),
-    )
-    assert rec.pull().version == 1
+    rec, report = _fresh_pull(store, rl, tmp_path, key=key)
+    assert report.version == 1
     assert_same_bits(rec.tensors, expected_shards(trainers[0].params, tl, rl)["tp0"])
 
 

@@ -834,14 +834,32 @@ def served(spec: dict) -> dict:
     return out
 
 
+def _engine_at_v0(spec: dict, **extra):
+    """A trainer that published version 0, an engine started from that version's checkpoint
+    with the deltasync backend (``extra``: more engine arguments), not initialised yet, and the
+    trainer-side init info that initialises it."""
+    from deltasync.engines.vllm_trainer import DeltaSyncTrainerInitInfo
+
+    tmp = Path(spec["tmp"])
+    trainer = Trainer(spec)
+    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
+    llm = start_llm(spec, str(tmp / "v0"), backend=True, **extra)
+    trainer.start()
+    trainer.publish(0)
+    info = DeltaSyncTrainerInitInfo(
+        rank=0,
+        store=str(trainer.store_dir),
+        receiver_id="engine0",
+        state_dir=str(tmp / "engine-state"),
+        durable=False,
+    )
+    return trainer, llm, info
+
+
 def client_faults(spec: dict) -> dict:
     from vllm import SamplingParams
 
-    from deltasync.engines.vllm_trainer import (
-        DeltaSyncTrainerEngine,
-        DeltaSyncTrainerInitInfo,
-        LLMClient,
-    )
+    from deltasync.engines.vllm_trainer import DeltaSyncTrainerEngine, LLMClient
 
     class FaultyClient(LLMClient):
         """An offline engine's client with the HTTP client's pause and resume; the next
@@ -871,20 +889,8 @@ def client_faults(spec: dict) -> dict:
                 raise ConnectionError("POST /finish_weight_update: connection reset by peer")
             super().finish_weight_update(weight_version)
 
-    tmp = Path(spec["tmp"])
-    trainer = Trainer(spec)
-    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
-    llm = start_llm(spec, str(tmp / "v0"), backend=True, max_model_len=512)
-    trainer.start()
-    trainer.publish(0)
+    trainer, llm, info = _engine_at_v0(spec, max_model_len=512)
     client = FaultyClient(llm)
-    info = DeltaSyncTrainerInitInfo(
-        rank=0,
-        store=str(trainer.store_dir),
-        receiver_id="engine0",
-        state_dir=str(tmp / "engine-state"),
-        durable=False,
-    )
     engine = DeltaSyncTrainerEngine.trainer_init(info, client=client)
     out: dict = {}
 
@@ -969,25 +975,9 @@ def uninitialised(spec: dict) -> dict:
     restarted under a running trainer): refused, then the init and the updates after it, each
     of which must get its own reply (at TP > 1 vLLM's executor would read a refusal raised by
     every rank as the reply of the call after it)."""
-    from deltasync.engines.vllm_trainer import (
-        DeltaSyncTrainerEngine,
-        DeltaSyncTrainerInitInfo,
-        LLMClient,
-    )
+    from deltasync.engines.vllm_trainer import DeltaSyncTrainerEngine, LLMClient
 
-    tmp = Path(spec["tmp"])
-    trainer = Trainer(spec)
-    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
-    llm = start_llm(spec, str(tmp / "v0"), backend=True)
-    trainer.start()
-    trainer.publish(0)
-    info = DeltaSyncTrainerInitInfo(
-        rank=0,
-        store=str(trainer.store_dir),
-        receiver_id="engine0",
-        state_dir=str(tmp / "engine-state"),
-        durable=False,
-    )
+    trainer, llm, info = _engine_at_v0(spec)
     out: dict = {}
     never_initialised = DeltaSyncTrainerEngine(client=LLMClient(llm))
     out["uninit_error"] = _error_of(lambda: never_initialised.send_weights(0))
@@ -1028,21 +1018,9 @@ def pipeline(spec: dict) -> dict:
     """An engine with two pipeline stages (refused by the backend): the init's refusal, then
     whether vLLM's later calls still get their own replies (a refusal raised by every stage
     would be read as the reply of the call after it)."""
-    from deltasync.engines.vllm_trainer import (
-        DeltaSyncTrainerEngine,
-        DeltaSyncTrainerInitInfo,
-        LLMClient,
-    )
+    from deltasync.engines.vllm_trainer import DeltaSyncTrainerEngine, LLMClient
 
-    tmp = Path(spec["tmp"])
-    trainer = Trainer(spec)
-    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
-    llm = start_llm(spec, str(tmp / "v0"), backend=True)
-    trainer.start()
-    trainer.publish(0)
-    info = DeltaSyncTrainerInitInfo(
-        rank=0, store=str(trainer.store_dir), receiver_id="engine0", state_dir=str(tmp / "st")
-    )
+    _, llm, info = _engine_at_v0(spec)
     out: dict = {}
     out["pp_init_error"] = _error_of(
         lambda: DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))

@@ -35,15 +35,14 @@ import json
 import os
 import signal
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from deltasync.cluster.roles import DEFAULT_DP_MODE, DP_MODES
 from deltasync.errors import ApplicationMissingError, ConfigError, DeltaSyncError, error_line
+from deltasync.interrupts import stops_handled_by
 
 _FOLDERS = {"deltasync_examples": "examples/", "deltasync_bench": "bench/"}
 
@@ -118,21 +117,6 @@ class _Stop:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-@contextmanager
-def _stop_on_signals() -> Iterator[_Stop]:
-    stop = _Stop()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # only it may set handlers
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored from the start: stays so
-                previous[signum] = signal.signal(signum, stop)
-    try:
-        yield stop
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def _run_app(
     command: str,
     body: Callable[[], int],
@@ -160,7 +144,8 @@ def _run_app(
     Returns:
         ``body``'s status, or 128 + the signal that stopped it.
     """
-    with _stop_on_signals() as stop:
+    stop = _Stop()
+    with stops_handled_by(stop):
         try:
             return body()
         except BaseException as exc:

@@ -102,6 +102,7 @@ from deltasync.errors import (
     DeltaSyncError,
     LayoutMismatchError,
 )
+from deltasync.interrupts import stops_handled_by
 
 META_VERSION = "deltasync_version"
 META_DIGEST = "deltasync_state_digest"
@@ -126,14 +127,6 @@ class _Stop:
     def __call__(self, signum, frame) -> None:
         self.signal = signum
         self.event.set()
-
-    def install(self) -> dict:
-        old = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored from the start: stays so
-                    old[sig] = signal.signal(sig, self)
-        return old
 
 
 def _check_layout(args, head) -> None:
@@ -636,12 +629,8 @@ def _open_store(args: argparse.Namespace, stop: _Stop):
 def _run(args: argparse.Namespace) -> int:
     config, configured = _check_args(args)
     stop = _Stop()
-    old = stop.install()
-    try:
+    with stops_handled_by(stop):
         return _loop(args, config, configured, stop)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:

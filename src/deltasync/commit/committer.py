@@ -304,13 +304,10 @@ def _claimant(store: Store, key: str) -> str:
     return f"host {host[:64]!r}, pid {pid}"
 
 
-def claim_record(signing_key: bytes | None = None) -> bytes:
-    """A new claim token of this process: unique, and naming where it runs (with
-    ``signing_key``, MAC'd: a claim only a key holder can have written; :func:`claim_version`
-    MACs it again for the key it is stored at)."""
+def claim_record() -> bytes:
+    """A new claim token of this process: unique, and naming where it runs (with a signing
+    key, :func:`claim_version` MACs it for the key it is stored at)."""
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(16)}
-    if signing_key is not None:
-        record["mac"] = record_mac(_CLAIM, canonical_json(record), signing_key)
     return json.dumps(record, sort_keys=True).encode()
 
 
@@ -321,7 +318,6 @@ def _bound_claim(claim: bytes, key: str, signing_key: bytes) -> bytes:
     """``claim`` MAC'd for ``key``, the version and writer it claims: the same bytes on every
     call, and a copy stored under another version's or writer's key does not verify."""
     record = json.loads(claim)
-    record.pop("mac", None)
     record["mac"] = record_mac(_CLAIM, canonical_json({**record, "key": key}), signing_key)
     return json.dumps(record, sort_keys=True).encode()
 
@@ -472,10 +468,10 @@ def _stored_once(
     return False
 
 
-_GONE = b"\0gone"  # _held's answer for a key that holds nothing (never a claim's or marker's)
+_GONE = object()  # _held's answer for a key that holds nothing
 
 
-def _held(store: Store, key: str, size: int) -> bytes | None:
+def _held(store: Store, key: str, size: int) -> bytes | object | None:
     """What ``key`` holds (``b""``: more than any claim or marker of ours, ``_GONE``: nothing),
     None when it cannot be read now."""
     try:
@@ -491,12 +487,8 @@ def _held(store: Store, key: str, size: int) -> bytes | None:
 def _stored_as(store: Store, key: str, data: bytes) -> bool | None:
     """Whether ``key`` holds exactly ``data`` (False: other bytes); None when it holds nothing
     or cannot be read now."""
-    try:
-        return store.get(key, max_bytes=len(data)) == data
-    except ObjectTooLargeError:
-        return False
-    except StoreError:  # absent (KeyNotFoundError) or unreachable: nothing is known
-        return None
+    held = _held(store, key, len(data))
+    return None if held is None or held is _GONE else held == data
 
 
 def advance_latest(store: Store, catalog: Catalog, version: int, run_id: str | None = None) -> bool:

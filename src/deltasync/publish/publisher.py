@@ -279,8 +279,7 @@ class Publisher:
         # until a commit
         self._foreign_baseline: int | None = None
         self._digest_pool: ThreadPoolExecutor | None = None  # the committer's digest pass
-        # this process's, as its writer, per version (MAC'd when keyed)
-        self._claim = commit_mod.claim_record(self.config.signing_key)
+        self._claim = commit_mod.claim_record()  # this process's, as its writer, per version
         self._claimed: int | None = None  # the version this attempt claimed (several writers)
         self._router = GroupRouter(
             trainer_layout=self.trainer_layout,

@@ -445,6 +445,7 @@ class LocalStore:
         with self._dirs(key, parts[:-1], create=True) as fds:
             dfd = fds[-1]
             written = self._write_temp(key, dfd, tmp, chunks)
+            renamed = False  # the temp name is removed unless a rename moved it
             try:
                 if exclusive:
                     # link() never replaces an existing name (not even a link), and the file
@@ -452,18 +453,15 @@ class LocalStore:
                     os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                 else:
                     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    renamed = True
             except FileExistsError:
                 raise CommitConflictError(
                     f"key {key!r} already exists in {self!r}; another writer committed it first"
                 ) from None
             except OSError as exc:
-                if not exclusive:
-                    # a rename that failed (a directory planted at the key) leaves the temp
-                    # file: one per attempt, each a full copy of the data, for good
-                    self._unlink_quietly(dfd, tmp)
                 raise self._fail("publishing", key, exc) from exc
             finally:
-                if exclusive:
+                if not renamed:  # linked, or failed (a directory planted at the key)
                     self._unlink_quietly(dfd, tmp)
             try:
                 self._fsync(dfd)
