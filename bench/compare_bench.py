@@ -283,6 +283,10 @@ def main(args: argparse.Namespace) -> int:
                 pooled.model_bf16_bytes = one.model_bf16_bytes
                 pooled.records += one.records
                 pooled.exact &= one.exact
+                if one.bootstrap_rx_mem is not None:
+                    pooled.bootstrap_rx_mem = max(
+                        one.bootstrap_rx_mem, pooled.bootstrap_rx_mem or 0.0
+                    )
                 failures += one.failures
         for s, message in _version_mismatches(by_round):
             print(f"  NOT EXACT: {message}", flush=True)
@@ -312,6 +316,7 @@ def main(args: argparse.Namespace) -> int:
                 # not exact: any of its versions on this path, or any before (warm-up
                 # included), since every later version builds on it
                 m["exact"] = m["exact"] and sr.exact
+                m["bootstrap_rx_mem_over_shard"] = sr.bootstrap_rx_mem
                 res[s] = m
                 all_exact &= m["exact"]
             if not res:

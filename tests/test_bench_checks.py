@@ -235,7 +235,14 @@ class _FakeRoles:
             if rank == 0:
                 return {"model_bf16_bytes": 400, "expected": self._truth(0)}
             shard = f"tp{rank - 1}"
-            return {"digest": self._truth(0)[shard], "shard": shard}
+            # receiver tp1's first pull peaks higher: the run keeps the largest
+            over = 300 if shard == "tp0" else 500
+            return {
+                "digest": self._truth(0)[shard],
+                "shard": shard,
+                "overhead_bytes": over,
+                "shard_bytes": 200,
+            }
         truth = self._truth(self.version)
         if op == "check":  # a receiver's own digest, asked for after the timed part
             shard = f"tp{rank - 1}"
@@ -280,6 +287,7 @@ def test_run_system_records_a_wrong_warm_up_and_a_refused_version_as_not_exact(
     assert any("v3" in f and "IntegrityError" in f for f in got.failures), got.failures
     assert any("v1" in line and "exact=False" in line for line in lines), lines
     assert sorted(got.expected) == [0, 1, 2]
+    assert got.bootstrap_rx_mem == 2.5  # 500 bytes above the interpreter, a 200-byte shard
 
 
 def _system_run(system: str, *, exact: bool = True, differ_at: int | None = None):
@@ -340,8 +348,12 @@ def test_compare_marks_a_system_with_a_wrong_warm_up_not_exact_in_its_rows(
     monkeypatch, tmp_path, capsys
 ) -> None:
     runs = {"dense": _system_run("dense", exact=False), "snapshot": _system_run("snapshot")}
-    rc, out, _ = _compare_main(monkeypatch, tmp_path, capsys, runs)
+    runs["snapshot"].bootstrap_rx_mem = 2.25
+    rc, out, text = _compare_main(monkeypatch, tmp_path, capsys, runs)
     assert rc == 1 and out["exact"] is False
+    assert out["results"]["snapshot"]["bootstrap_rx_mem_over_shard"] == 2.25
+    assert out["results"]["dense"]["bootstrap_rx_mem_over_shard"] is None
+    assert "rx first pull" in text and "2.25x" in text
     assert out["results"]["dense"]["exact"] is False  # its measured versions were all exact
     assert out["results"]["snapshot"]["exact"] is True
     assert any("dense v1" in f for f in out["failures"])

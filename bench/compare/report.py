@@ -19,6 +19,10 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def table(path: str, results: dict[str, dict], model_bytes: int, floor_s: float | None) -> None:
     rows = []
     d, s = results.get("dense"), results.get("snapshot")
@@ -40,6 +44,7 @@ def table(path: str, results: dict[str, dict], model_bytes: int, floor_s: float 
                 f"{100 * r['trainer_overhead_bytes'] / model_bytes:.1f}%",
                 f"{r['receiver_peak_rss_bytes'] / 2**20:.0f}",
                 f"{r['receiver_overhead_bytes'] / max(r['shard_bytes'], 1):.2f}x",
+                _x(r.get("bootstrap_rx_mem_over_shard")),
                 vs_d,
                 vs_s,
                 "yes" if r["exact"] else "NO",
@@ -60,6 +65,7 @@ def table(path: str, results: dict[str, dict], model_bytes: int, floor_s: float 
             "trainer +mem",
             "rx peak MiB",
             "rx +mem/shard",
+            "rx first pull",
             "vs dense",
             "vs snapshot",
             "exact",

@@ -237,10 +237,19 @@ def receiver_main(spec: RoleSpec, conn) -> None:
     def handle(op, *args) -> dict:
         side, shard = st["side"], st["shard"]
         if op == "bootstrap":
+            # A receiver's first pull: version 0 whole (deltasync: the anchor restore every
+            # receiver starting or restarting makes), its peak measured as a pull's is
+            reset_peak()
             side.bootstrap(_store(spec, None))
+            peak = peak_rss()
             digest = bits_digest(side.live())
             trim()  # the anchor's freed buffers are not the next pull's memory
-            return {"digest": digest, "shard": shard}
+            return {
+                "digest": digest,
+                "shard": shard,
+                "overhead_bytes": peak - st["rss_base"],
+                "shard_bytes": st["shard_bytes"],
+            }
         if op == "pull":
             version, path, gbps = args
             rss0 = current_rss()

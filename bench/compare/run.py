@@ -135,6 +135,9 @@ class SystemRun:
     # version (0: the bootstrap): every system must have run on the same ones
     expected: dict[int, dict[str, str]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # what made it not exact, one line each
+    # the largest receiver's peak above interpreter + torch in its first pull (version 0
+    # whole), over its shard's bytes; the largest of the rounds once pooled
+    bootstrap_rx_mem: float | None = None
 
     def fail(self, message: str, log=print) -> None:
         self.exact = False
@@ -210,6 +213,8 @@ def run_system(cfg: RunConfig, system: str, n_receivers: int, log=print) -> Syst
                 got = roles.call(r, "bootstrap")
                 if got["digest"] != boot["expected"][got["shard"]]:
                     out.fail(f"{system} v0 (bootstrap): receiver {got['shard']} wrong", log)
+                mem = got["overhead_bytes"] / max(got["shard_bytes"], 1)
+                out.bootstrap_rx_mem = max(mem, out.bootstrap_rx_mem or 0.0)
             if not out.exact:
                 return out
             version = 0

@@ -54,7 +54,9 @@ def layouts(model: str) -> tuple[ModelSpec, ReceiverLayout]:
 
 def torchrun(nproc: int, *args: str, timeout: float = 100.0) -> subprocess.CompletedProcess:
     """Run ``fsdp_worker.py args`` on ``nproc`` local gloo ranks (CPU), killed at ``timeout``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT, SIGSEGV) prints every Python thread's
+    # stack to the stderr the test shows, so an abort is diagnosed from the log of one run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [
         sys.executable,
         "-m",
