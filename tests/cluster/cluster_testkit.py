@@ -998,3 +998,62 @@ def run_engine_pause_faults(rank: int, setup: Setup) -> dict:
         )
         out["steps"].append(result)
     return out
+
+
+def run_refused_writer_with_gathering_full_state(rank: int, setup: Setup) -> dict:
+    """Writers 0, 1 (snapshot trackers over their FSDP halves) given a ``full_state`` callable
+    that runs a collective over the two writers (an all_reduce on their own group, as a
+    ``full_tensor()`` gather does), TP=2 receivers. Anchor 0 commits; then writer 0 sends
+    version 1 and writer 1, refusing (its own check: version 0 is not after its committed 0),
+    sends version 0. Each rank reports what it raised and after how long."""
+    torch.set_num_threads(1)
+    init_from_env(timeout_s=60)
+    writers = dist.new_group([0, 1], timeout=timedelta(seconds=60))  # every rank joins this
+    role = setup.plan().role(rank)
+    out: dict = {"rank": rank}
+    if rank < setup.num_writers:
+        trainer = Trainer(setup, rank)
+        calls = []
+
+        def gathering() -> dict[str, torch.Tensor]:
+            calls.append(time.monotonic())
+            dist.all_reduce(torch.ones(1), group=writers)  # a collective every writer joins
+            return trainer.named
+
+        sender = ClusterSender(
+            trainer.tracker,
+            trainer.params,
+            plan=setup.plan(),
+            trainer_layout=trainer.layout,
+            receiver_layout=receiver_layout(setup),
+            version=None,
+            config=setup.config(),
+            full_state=gathering,
+            overlap=setup.overlap,
+            optimizer=trainer.opt if setup.overlap else None,
+        )
+        sender.sync(0, anchor=True)
+        if setup.overlap:
+            sender.wait()
+        trainer.step()
+
+        def refused_or_sent() -> None:
+            sender.sync(0 if rank == 1 else 1)
+            if setup.overlap:
+                sender.wait()
+
+        out["fault"] = _attempt(refused_or_sent)
+        out["gathers"] = len(calls)
+        sender.close()
+        return out
+    receiver = ClusterReceiver(
+        empty_shard(setup, role.shard),
+        plan=setup.plan(),
+        layout=receiver_layout(setup),
+        version=None,
+        config=setup.config(),
+    )
+    receiver.sync()
+    out["fault"] = _attempt(receiver.sync)
+    out["version_after"] = receiver.version
+    return out

@@ -19,6 +19,7 @@ from cluster_testkit import (
     run_faults,
     run_forwarder_death,
     run_receiver_late,
+    run_refused_writer_with_gathering_full_state,
     run_replacement_then_death,
     run_replacement_writer,
     run_stall_in_round_one,
@@ -384,3 +385,27 @@ def test_an_engine_pause_that_refuses_or_hides_a_failed_scatter_fails_the_versio
         for rank in (1, 2):
             step = steps[rank][name]
             assert step["error"] is None and step["exact"] and step["version_after"] == version
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_a_writer_that_refuses_a_version_still_joins_a_gathering_full_state(overlap) -> None:
+    # The full_state callable gathers over the writers (a collective). Writer 1 refuses the
+    # version in its own checks; if it skipped the gather, writer 0 would wait in it until its
+    # group's timeout instead of hearing of the refusal in the preflight.
+    setup = Setup(
+        num_writers=2, tracker="snapshot", timeout_s=20.0, overlap=overlap, digest_every=1
+    )
+    results = spawn(run_refused_writer_with_gathering_full_state, 4, setup, timeout_s=100)
+    for rank in (0, 1):
+        assert results[rank]["gathers"] == 2, results[rank]  # the anchor's and this version's
+    refusal = "rank 1 failed before sending (rank 1: VersionError: version 0 is not after"
+    for rank in range(4):
+        fault = results[rank]["fault"]
+        # an overlapped writer's wait() raises SendFailedError naming the preflight's verdict
+        writer_overlapped = overlap and rank < 2
+        assert fault["error"] == ("SendFailedError" if writer_overlapped else "PeerFailedError")
+        assert refusal in fault["message"], fault
+        assert fault["elapsed_s"] < 10.0, fault  # the preflight's verdict, not a timeout
+    for rank in (2, 3):
+        assert results[rank]["version_after"] == 0

@@ -643,17 +643,29 @@ class ClusterSender:
             count=self.role.count,
         ), True
 
-    def _gather_full(self, version: int, anchor: bool) -> None:
+    def _gather_full(
+        self, version: int, anchor: bool, failure: Exception | None
+    ) -> Exception | None:
         """Call a ``full_state`` callable on every writer, on the caller's thread, when this
         version sends digests that need it: it may gather over the trainer's ranks (a
-        collective), so writer 0 alone, or the background thread, must not run it."""
+        collective), so writer 0 alone, or the background thread, must not run it. A writer
+        whose own checks refused the version (``failure``) joins it all the same, or the other
+        writers would wait in the gather instead of hearing of the refusal in the preflight;
+        it keeps nothing. Returns the version's failure: ``failure``, else the call's error."""
         self._full_now = None
-        if (
+        if not (
             callable(self._full_state)
             and self.role.count > 1
             and self.config.sends_digest(version, anchor=anchor)
         ):
-            self._full_now = self._full_state()
+            return failure
+        try:
+            full = self._full_state()
+        except Exception as exc:
+            return failure or exc
+        if failure is None:
+            self._full_now = full
+        return failure
 
     # ------------------------------------------------------------------ the whole version
 
@@ -694,10 +706,14 @@ class ClusterSender:
         out, failure = None, None
         try:
             check_group(self.group, self.plan, self.rank)
-            self._gather_full(version, anchor)
-            out = self.payloads_for_version(version, anchor=anchor)
         except Exception as exc:
             failure = exc
+        failure = self._gather_full(version, anchor, failure)
+        if failure is None:
+            try:
+                out = self.payloads_for_version(version, anchor=anchor)
+            except Exception as exc:
+                failure = exc
         try:
             with naming(f"version {version}"):
                 report = self._send(version, anchor, out, failure, t0=t0, captured_s=None)
@@ -951,9 +967,9 @@ class ClusterSender:
         try:
             check_group(self.group, self.plan, self.rank)
             base = self._base(version, anchor)
-            self._gather_full(version, anchor)  # read by this version's build only
         except Exception as exc:
             failure = exc
+        failure = self._gather_full(version, anchor, failure)  # read by this version's build
         pending = PendingSend(version, 0.0)
         if failure is None and not anchor and self._expect_small:
             # RL deltas keep their size from step to step: after a small one, this version
