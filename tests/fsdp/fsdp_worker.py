@@ -9,8 +9,9 @@
   local store in DIR to the receivers the test started. Rank 0 writes each version's oracle
   (a dense split of the gathered full state) before publishing it.
 - ``gather`` / ``gather_overlap``: as ``fsdp``, but ``full_state`` is a callable that gathers
-  (``p.full_tensor()``, a collective over the ranks), as docs/integration.md writes it,
-  without and with ``TrainerSync(overlap=True)``.
+  (a collective over the ranks): without overlap ``p.full_tensor()`` of the fp32 masters, as
+  docs/integration.md writes it; with ``TrainerSync(overlap=True)`` the library's
+  ``gather_bf16`` kept by rank 0 alone (the other ranks' calls return ``{}``).
 - ``ddp``: the same model under DistributedDataParallel; one rank (0) writes.
 - ``tracker``: a small ``nn.Sequential`` under ``fully_shard`` whose dim-0 sizes split
   unevenly over the ranks (one rank's shard of a 1-row weight is empty): the tracker's
@@ -58,7 +59,7 @@ from deltasync import (
     TrainerSync,
 )
 from deltasync.cluster import RolePlan
-from deltasync.trainer import publish_role
+from deltasync.trainer import gather_bf16, publish_role
 
 IMPLS = {"foreach": dict(foreach=True), "single": dict(foreach=False), "fused": dict(fused=True)}
 
@@ -174,9 +175,7 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
             pub,
             train.tracker.local_params,
             # a gathering callable is a collective: TrainerSync calls it on every writer
-            full_state=(lambda: full_state(train.model))
-            if mode.startswith("gather")
-            else (lambda: holder["full"]),
+            full_state=_gathering(mode, train.model, rank, holder),
             overlap=overlap,
             optimizer=train.opt if overlap else None,
         )
@@ -203,6 +202,16 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
         assert sync.overlap == (reports is not None) and sync.baseline == VERSIONS - 1
         sync.close()
     print(f"rank {rank} {model_name}:{impl}:{mode} published {VERSIONS} versions", flush=True)
+
+
+def _gathering(mode: str, model: torch.nn.Module, rank: int, holder: dict):
+    """``gather``: the fp32 gather docs/integration.md shows first; ``gather_overlap``: the
+    library's BF16 gather, kept by the committer alone; else the version's gathered state."""
+    if mode == "gather":
+        return lambda: full_state(model)
+    if mode == "gather_overlap":
+        return gather_bf16(model.named_parameters(), keep=rank == 0)
+    return lambda: holder["full"]
 
 
 def _assert_replicas_identical(full: dict[str, torch.Tensor]) -> None:

@@ -52,7 +52,9 @@ def test_fsdp2_writers_sync_every_version_exactly_to_receivers_in_the_same_proce
 @pytest.mark.parametrize("mode", ["gather", "gather_overlap"])
 def test_a_full_state_callable_that_gathers_publishes_every_version_exactly(gather_ranks, mode):
     # docs/integration.md: the committer's full_state is a callable gathering the full
-    # parameters; that gather is a collective, so every writer must run it (with overlap too)
+    # parameters; that gather is a collective, so every writer must run it (with overlap too).
+    # gather_overlap gathers with gather_bf16, kept by rank 0 alone; the receivers are checked
+    # against an oracle from the fp32 masters
     impl = {"gather": "foreach", "gather_overlap": "fused"}[mode]
     _check_job(gather_ranks, ("qwen3", impl, mode))
 

@@ -170,3 +170,41 @@ def test_another_optimizers_dtensor_params_are_located_without_to_local_at_each_
         critic_opt.step()
     assert calls == []
     tracker.close()
+
+
+def test_gather_bf16_gives_each_whole_param_in_bf16_and_nothing_where_not_kept(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from deltasync.trainer import gather_bf16
+
+    full = torch.randn(5, 3)
+    s = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    plain = torch.nn.Parameter(torch.randn(4))
+    named = [("s", s), ("plain", plain)]
+    got = gather_bf16(named)()
+    assert list(got) == ["s", "plain"]
+    for name, want in (("s", full), ("plain", plain.detach())):
+        t = got[name]
+        assert t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.shape == want.shape
+        assert torch.equal(t.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), name
+    assert gather_bf16(named, keep=False)() == {}
+    with pytest.raises(ConfigError, match="given none"):
+        gather_bf16([])
+    with pytest.raises(ConfigError, match=r"\['s'\] more than once"):
+        gather_bf16([("s", s), ("s", s)])
+
+
+def test_shard_digests_of_a_bf16_gather_equal_those_of_the_fp32_masters():
+    # the cast is elementwise: casting each shard before the gather hashes the same bits
+    from kit import tiny_layouts
+
+    from deltasync.layout.digest import state_digests
+    from deltasync.trainer import gather_bf16
+
+    _, tl, rl = tiny_layouts()
+    gen = torch.Generator().manual_seed(5)
+    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in tl.param_shapes().items()}
+    gathered = gather_bf16(masters.items())()
+    assert all(t.dtype == torch.bfloat16 for t in gathered.values())
+    want = state_digests(masters, trainer_layout=tl, receiver_layout=rl)
+    assert state_digests(gathered, trainer_layout=tl, receiver_layout=rl) == want

@@ -1,6 +1,7 @@
 """Trainer side: find which BF16 elements changed, without a snapshot of the previous model."""
 
 from deltasync.trainer.adamw_tracker import AdamWTracker, Fallback
+from deltasync.trainer.gather import gather_bf16
 from deltasync.trainer.protocol import LocalShard, PublishRole, Tracker, publish_role
 from deltasync.trainer.snapshot_tracker import SnapshotTracker
 
@@ -11,5 +12,6 @@ __all__ = [
     "PublishRole",
     "SnapshotTracker",
     "Tracker",
+    "gather_bf16",
     "publish_role",
 ]
