@@ -559,3 +559,85 @@ def test_the_bench_removes_every_roles_state_with_its_temporary_directory(
     cfg = run.RunConfig(workload=w, paths=(run.PathSpec(kind="store"),), warmup=0, steps=1)
     run.run_system(cfg, "deltasync", 2, log=lambda _line: None)
     assert not list(tmp_path.iterdir()), "the run left something in the temp dir"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--ranks", "1"], "--ranks must be an int in [2, 16]"),
+        (["--hidden", "192"], "--hidden must be a multiple of 128"),
+        (["--versions", "1"], "--versions must be an int in [2, 1000]"),
+        (["--lr", "0"], "--lr must be a finite number > 0"),
+    ],
+)
+def test_a_bad_fsdp_bench_flag_is_a_config_error_before_any_rank_starts(capsys, flags, says):
+    from deltasync import cli
+
+    rc = cli.main(["bench", "fsdp", *flags])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.startswith("deltasync: error: ConfigError: ") and says in captured.err
+
+
+def test_the_fsdp_bench_check_compares_each_receiver_shard_bit_for_bit() -> None:
+    from types import SimpleNamespace
+
+    from kit import tiny_layouts
+
+    from deltasync_bench import fsdp_bench
+
+    _, tl, rl = tiny_layouts()
+    gen = torch.Generator().manual_seed(3)
+    full = {n: torch.randn(s, generator=gen) for n, s in tl.param_shapes().items()}
+    want = rl.split(tl.to_canonical({n: t.to(torch.bfloat16) for n, t in full.items()}))
+
+    def receivers(flip: bool) -> dict:
+        out = {}
+        for shard, tensors in want.items():
+            tensors = {n: t.clone() for n, t in tensors.items()}
+            if flip and shard == "tp1":
+                t = next(iter(tensors.values()))
+                t.view(-1).view(torch.int16)[-1] ^= 1  # one bit of one element
+            out[shard] = SimpleNamespace(tensors=tensors, pull=lambda: None)
+        return out
+
+    assert fsdp_bench._pulled_exactly(receivers(False), tl, rl, full)
+    assert not fsdp_bench._pulled_exactly(receivers(True), tl, rl, full)
+
+
+def test_the_fsdp_bench_reports_a_version_that_is_not_exact_and_exits_1(capsys) -> None:
+    from deltasync_bench import fsdp_bench
+
+    def version(v: int, exact: bool) -> dict:
+        times = dict(blocked_s=0.2, gather_s=0.15, detect_s=0.05, commit_s=0.3)
+        return dict(version=v, **times, mem_bytes=100, mem_rank0_bytes=100, exact=exact)
+
+    out = {
+        "ranks": 2,
+        "model_bf16_bytes": 1000,
+        "phases": {"fp32": [version(1, True)], "bf16": [version(1, False), version(2, True)]},
+    }
+    assert fsdp_bench._report(out) == 1
+    got = _last_json(capsys.readouterr().out)
+    assert got["exact"] is False and got["medians"]["fp32"]["exact"] is True
+    assert got["medians"]["bf16"]["blocked_over_detect"] == pytest.approx(4.0)
+
+
+@pytest.mark.timeout(240)
+def test_the_fsdp_bench_runs_two_gloo_ranks_exactly_and_ends_with_its_json_line() -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "deltasync", "bench", "fsdp"),
+            *("--layers", "1", "--hidden", "128", "--vocab", "256", "--versions", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    got = _last_json(done.stdout)
+    assert got["exact"] is True and got["ranks"] == 2
+    for phase in ("fp32", "bf16"):
+        (one,) = got["versions"][phase]  # version 1: the anchor is not measured
+        assert one["version"] == 1 and one["exact"] is True
+        assert 0 < one["gather_s"] <= one["blocked_s"] <= one["commit_s"], one
