@@ -361,6 +361,18 @@ def read_record(path: Path, *, follow_links: bool = True) -> Any:
         ) from exc
 
 
+# A write refused for room: the filesystem (or the user's quota on it) is full.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def full_disk_remedy(exc: BaseException, directory: Path) -> str:
+    """The remedy a message about a failed write ends with when ``exc`` says the filesystem
+    (or a quota) is full: free space where the write goes; '' for any other error."""
+    if getattr(exc, "errno", None) not in FULL_ERRNOS:
+        return ""
+    return f" (its filesystem is full: free space in {str(directory)!r}, then try again)"
+
+
 def write_record(
     path: Path, obj: dict[str, Any], *, durable: bool = True, sync_dir: bool = True
 ) -> None:
@@ -375,7 +387,9 @@ def write_record(
     try:
         write_atomic(path, encode_record(obj), durable=durable, mode=RECORD_MODE, sync_dir=sync_dir)
     except OSError as exc:  # strerror: the temp file's random name would make each message new
-        raise LocalStateError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
+        raise LocalStateError(
+            f"cannot write {str(path)!r}: {exc.strerror or exc}{full_disk_remedy(exc, path.parent)}"
+        ) from exc
 
 
 class InBackground:

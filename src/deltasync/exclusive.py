@@ -153,8 +153,15 @@ class FileHold:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:  # a full disk: the pid is only for the message of a refusal
             os.close(fd)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # as atomic.full_disk_remedy says
+            remedy = (
+                f" (its filesystem is full: free space in {str(self.path.parent)!r}, then try "
+                "again)"
+                if full
+                else ""
+            )
             raise LocalStateError(
-                f"cannot write the lock of {self.what}: {exc.strerror or exc}"
+                f"cannot write the lock of {self.what}: {exc.strerror or exc}{remedy}"
             ) from exc
         return fd
 

@@ -21,13 +21,17 @@ tiny config, one synthetic trainer and one oracle.
   (tiny tensors; forked children must not inherit a busy OpenMP pool: on a shared 2-core
   machine it made small AdamW steps ~10x slower);
 - ``one_rank_mesh()``: a one-rank gloo group and its CPU device mesh in this process, so real
-  DTensors can be built without spawning.
+  DTensors can be built without spawning;
+- ``mounted_tmpfs(path)``: a small tmpfs mounted at ``path`` (skips where mounting is not
+  permitted), unmounted on exit; ``fill_up(path)`` fills it to its last page, so the next
+  write there meets a real ENOSPC.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,6 +53,8 @@ __all__ = [
     "bits_equal",
     "build_model",
     "expected_shards",
+    "fill_up",
+    "mounted_tmpfs",
     "one_rank_mesh",
     "one_torch_thread",
     "rconfig",
@@ -367,3 +373,39 @@ def spy_digest_pass(monkeypatch, module) -> list[int]:
 
     monkeypatch.setattr(module, "state_tensor_digests", spying)
     return given
+
+
+# ---------------------------------------------------------------------- a full filesystem
+
+
+@contextmanager
+def mounted_tmpfs(path, size: str = "1m") -> Iterator[object]:
+    """A tmpfs of ``size`` mounted at ``path`` (created); skips the test where mounting is not
+    permitted (not root, a container without CAP_SYS_ADMIN); always unmounted on exit."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_up(path, leave: int = 0) -> None:
+    """Write ``path/FILLER`` until the filesystem is full (a real ENOSPC), then give ``leave``
+    bytes back (a tmpfs counts whole pages: pass multiples of 4096); remove the file to free
+    the space again."""
+    fd = os.open(path / "FILLER", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == 28, exc  # ENOSPC
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
+    finally:
+        os.close(fd)

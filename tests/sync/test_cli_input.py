@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import fill_up, mounted_tmpfs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -561,6 +562,25 @@ def test_probe_cache_that_is_a_file_is_refused_before_probing(work, capsys, wher
         names=str(work / where),
         error="LayoutError",
     )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leave", [0, 4096])  # nothing: the lock's pid; a page: the state file
+def test_pull_on_a_full_dir_is_refused_naming_the_file_and_to_free_space(
+    work, published, capsys, leave
+):
+    # It said only "cannot write ...: No space left on device".
+    with mounted_tmpfs(work / "mnt") as mnt:
+        out = mnt / "out"
+        out.mkdir()
+        fill_up(mnt, leave=leave)
+        rc, _, err = _cli(capsys, *_pull(work, "--dir", str(out), "--once"))
+        assert rc == 2 and err.startswith("deltasync: error: LocalStateError: cannot write "), err
+        assert "No space left on device (its filesystem is full: free space in " in err, err
+        assert not (out / f"{SHARD}.safetensors").exists()
+        os.unlink(mnt / "FILLER")
+        assert _cli(capsys, *_pull(work, "--dir", str(out), "--once"))[0] == 0
+        assert_same_bits(load_file(str(out / f"{SHARD}.safetensors")), published[1][SHARD])
 
 
 @pytest.mark.timeout(60)

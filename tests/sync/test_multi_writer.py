@@ -1066,6 +1066,65 @@ def test_a_writer_whose_attempt_failed_tells_the_others_who_stop_waiting(tmp_pat
     assert store.list(names.version_dir(1)) == []  # the failed attempt, its notice included
 
 
+class FullFromMarker:
+    """A store that fills up at writer ``writer``'s marker of ``version`` (written once the
+    committer's marker is there, so the committer is waiting for it): from then on every
+    write is refused for room, as on a full disk, until a delete gives room back."""
+
+    def __init__(self, inner, version: int, writer: str, committer: str) -> None:
+        self.inner, self.armed, self.full = inner, False, False
+        self.marker = names.writer_marker_key(version, writer)
+        self.committers = names.writer_marker_key(version, committer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _write(self, op, key, *args):
+        if self.armed and key == self.marker:
+            deadline = time.monotonic() + 20
+            while not self.inner.exists(self.committers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.armed, self.full = False, True
+        if self.full:
+            raise StoreError(f"writing {key!r} failed: OSError: [Errno 28] No space left on device")
+        return getattr(self.inner, op)(key, *args)
+
+    def put(self, key, data):
+        return self._write("put", key, data)
+
+    def put_if_absent(self, key, data):
+        return self._write("put_if_absent", key, data)
+
+    def put_stream(self, key, chunks):
+        return self._write("put_stream", key, chunks)
+
+    def delete(self, key):
+        self.inner.delete(key)
+        self.full = False  # room again
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_whose_marker_meets_a_full_disk_frees_its_blobs_so_its_notice_lands(tmp_path):
+    # Its blobs kept the room, so its notice was refused too, and the committer waited out
+    # marker_timeout_s (120 s by default) and blamed ranks that "crashed or are stuck".
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    full = FullFromMarker(store, 1, "w00001-s1", "w00000-s1")
+    syncs, trainers = _ranks([store, full], marker_timeout_s=30)
+    _everyone(lambda r: syncs[r].step_published(0))
+    for t in trainers:
+        t.step()
+    full.armed = True
+    t0 = time.monotonic()
+    failed = _everyone(lambda r: syncs[r].step_published(1))
+    assert time.monotonic() - t0 < 20  # not the 30 s timeout
+    assert isinstance(failed[1], StoreError) and "No space left" in str(failed[1]), failed
+    assert isinstance(failed[0], MissingWritersError), failed
+    assert "['w00001-s1'] abandoned their attempt (w00001-s1: StoreError: " in str(failed[0])
+    assert not [k for k in store.list(names.version_dir(1)) if "w00001-s1.blob" in k]
+    _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
+
+
 @pytest.mark.timeout(60)
 def test_an_abandoned_notice_without_the_signing_key_is_ignored_a_signed_one_taken(tmp_path):
     # A notice is a write to the store: with a signing key, one nobody holding the key wrote

@@ -740,10 +740,12 @@ class Publisher:
             t = time.perf_counter()
             entries, shard_bytes, shard_elements = streams.finish()
             upload_s = time.perf_counter() - t
-        except BaseException:
+        except BaseException as exc:
             streams.abort()  # no partial blob lands under a blob key; nothing is committed
             if digest_job is not None:
                 digest_job.cancel()
+            if isinstance(exc, Exception):  # an interrupt writes nothing more
+                self._drop_unnamed(version, streams.stored_keys())
             raise
         encode_s = streams.encode_s
 
@@ -758,10 +760,17 @@ class Publisher:
             layout=self._layout_fp,
         )
         data = marker.to_json(cfg.signing_key)  # MAC'd when keyed
-        if cfg.num_writers > 1:  # a number is never retried there: its marker is stored once
-            commit_mod.store_marker(self.store, marker, data, signing_key=cfg.signing_key)
-        else:  # one writer retries a number that did not commit, rewriting its own marker
-            self.store.put(marker.key, data)
+        try:
+            if cfg.num_writers > 1:  # a number is never retried there: its marker is stored once
+                commit_mod.store_marker(self.store, marker, data, signing_key=cfg.signing_key)
+            else:  # one writer retries a number that did not commit, rewriting its own marker
+                self.store.put(marker.key, data)
+        except StoreError as exc:
+            # Refused (a full disk): nothing names the blobs. A write that may have landed
+            # (no verdict, or a marker there after all) may be joined by the committer.
+            if not isinstance(exc, OutcomeUnknownError) and not self._marker_there(marker):
+                self._drop_unnamed(version, [e.key for e in entries])
+            raise
         self._stored = None
         try:
             manifest, ours = self._commit(
@@ -879,6 +888,33 @@ class Publisher:
         )
         self._check_listed(manifest, entries)
         return manifest, True
+
+    def _marker_there(self, marker: WriterMarker) -> bool:
+        """Whether the store may hold ``marker``'s key after its write failed (one that cannot
+        be asked may)."""
+        try:
+            return self.store.exists(marker.key)
+        except StoreError:
+            return True
+
+    def _drop_unnamed(self, version: int, keys: Sequence[str]) -> None:
+        """Delete the blobs this attempt at ``version`` stored before it failed ahead of its
+        marker: no marker lists them, so no manifest can name them, and on a full disk their
+        room is what the next attempt needs, and with several writers the notice that tells
+        the others to stop waiting (else they wait out ``marker_timeout_s``). Best effort:
+        what cannot be deleted is left to gc."""
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except StoreError as exc:
+                log.warning(
+                    "writer %s: blob %r of its failed version %d could not be deleted (%s); "
+                    "gc removes it once a later version is committed",
+                    self.writer,
+                    key,
+                    version,
+                    exc,
+                )
 
     def _withdraw(self, marker: WriterMarker) -> None:
         """After this writer's attempt failed with several writers: remove its marker, so the

@@ -106,6 +106,7 @@ class ShardStreams:
         self._queued = queued
         self._head = dict(version=version, base_version=base_version, writer=writer, level=level)
         self._streams: dict[str, _Stream] = {}
+        self._held_stored: list[str] = []  # held blobs finish() stored whole
         self.encode_s = 0.0  # time spent encoding segments and handing them over
 
     def _open(self, shard: str) -> _Stream:
@@ -192,6 +193,7 @@ class ShardStreams:
         for stream in self._streams.values():
             if stream.upload is None:
                 self.store.put(stream.key, b"".join(stream.held))
+                self._held_stored.append(stream.key)
                 stream.held.clear()
         errors = [s.upload.exception() for s in self._streams.values() if s.upload is not None]
         for exc in errors:
@@ -230,3 +232,13 @@ class ShardStreams:
                         stream.chunks.get_nowait()
         for stream in self._streams.values():
             stream.upload.exception()  # StreamAborted (or the store's own error): expected
+
+    def stored_keys(self) -> list[str]:
+        """The keys of the blobs stored whole so far; after :meth:`abort`, those whose upload
+        had ended before it (a failed attempt's: the publisher deletes them)."""
+        uploaded = [
+            s.key
+            for s in self._streams.values()
+            if s.upload is not None and s.upload.done() and s.upload.exception() is None
+        ]
+        return self._held_stored + uploaded

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from deltasync.atomic import TMP_MARK
+from deltasync.atomic import FULL_ERRNOS, TMP_MARK
 from deltasync.errors import (
     CommitConflictError,
     KeyNotFoundError,
@@ -126,7 +126,13 @@ class LocalStore:
     # --- walking below the root ---------------------------------------------------------
 
     def _fail(self, what: str, key: str, exc: BaseException) -> StoreError:
-        return StoreError(f"{what} {key!r} in {self!r} failed: {type(exc).__name__}: {exc}")
+        remedy = ""
+        if getattr(exc, "errno", None) in FULL_ERRNOS:  # nothing is stored under the key
+            remedy = (
+                f". The store's filesystem is full: free space under {str(self.root)!r} "
+                "(`deltasync gc` deletes the versions no receiver needs), then write again"
+            )
+        return StoreError(f"{what} {key!r} in {self!r} failed: {type(exc).__name__}: {exc}{remedy}")
 
     def _refuse_link(self, key: str, dfd: int, name: str) -> None:
         """Raise StoreError if ``name`` in ``dfd`` is a link or other non-directory entry
