@@ -4,8 +4,8 @@ range of the same length (the object's first bytes), drops ``If-None-Match`` (a 
 write replaces the key), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
 same twice in a row, which botocore's own check misses), redirects every request to
-itself, or cuts the body of the next error reply short (the connection closes after half of
-the announced Content-Length, then a reset). Every other request passes through unchanged."""
+itself, cuts the body of the next error reply short (the connection closes after half of
+the announced Content-Length, then a reset), or flips a byte of a GET's body. Every other request passes through unchanged."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ class LyingS3:
     "redirects" (307 to the same URL; ``redirects`` counts them) or "cuts-error-body-once"
     (the next reply of status 400 or more sends half its body, then the connection is reset;
     the mode then returns to "honest"; ``cut`` counts them) or "stalls-error-body-once" (the
-    same, with ``stall_s`` seconds between the half body and the reset)."""
+    same, with ``stall_s`` seconds between the half body and the reset), "flips-body-once" (the
+    next GET answered 200 has its first byte flipped, the length intact, then "honest") or
+    "flips-body" (every one; ``flipped`` counts them)."""
 
     def __init__(self, upstream_port: int, *, foreign_key: str = "other-run/v00000009/x") -> None:
         self.mode = "honest"
@@ -35,6 +37,7 @@ class LyingS3:
         self.pages = 0
         self.redirects = 0
         self.cut = 0
+        self.flipped = 0
         self.stall_s = 1.0
         proxy = self
 
@@ -89,6 +92,16 @@ class LyingS3:
                         + b"</Key><Size>1</Size><StorageClass>STANDARD</StorageClass></Contents>"
                     )
                     data = re.sub(rb"(</ListBucketResult>)", extra + rb"\1", data)
+                if (
+                    proxy.mode in ("flips-body-once", "flips-body")
+                    and self.command == "GET"
+                    and response.status == 200
+                    and data
+                ):
+                    proxy.flipped += 1
+                    if proxy.mode == "flips-body-once":
+                        proxy.mode = "honest"
+                    data = bytes([data[0] ^ 0x40]) + data[1:]  # the length intact
                 if (
                     proxy.mode in ("cuts-error-body-once", "stalls-error-body-once")
                     and response.status >= 400

@@ -158,3 +158,18 @@ def test_an_error_reply_that_stalls_mid_body_is_retried_never_a_bare_urllib3_err
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_body_damaged_on_the_way_is_read_again_and_damage_that_stays_is_named(lying):
+    # botocore's check of the body against the server's checksum was final: one flipped byte
+    # in transit failed the read at once ("Expected checksum ... did not match"), unretried
+    proxy, store = lying
+    store.put("v00000001/tp0/w00000.blob", b"0123456789" * 1000)
+    proxy.mode = "flips-body-once"
+    assert store.get("v00000001/tp0/w00000.blob") == b"0123456789" * 1000
+    assert proxy.flipped == 1
+    proxy.mode = "flips-body"
+    with pytest.raises(StoreError, match=r"did not match the checksum the server sent") as info:
+        store.get("v00000001/tp0/w00000.blob", max_bytes=10_000)
+    assert "w00000.blob" in str(info.value) and "on each of 2 attempts" in str(info.value)
+    assert proxy.flipped == 3

@@ -198,6 +198,34 @@ def test_an_upload_opened_by_a_create_whose_reply_was_lost_does_not_stay_open(s3
     assert uploads.get("Uploads", []) == []
 
 
+class _EveryCreateReplyLost(_CreateReplyLost):
+    """Every create_multipart_upload is applied (an upload opened) and its reply lost."""
+
+    def create_multipart_upload(self, **kwargs):
+        self.creates += 1
+        self._client.create_multipart_upload(**kwargs)
+        raise ConnectionClosedError(endpoint_url="http://fake-lost-reply")
+
+
+def test_uploads_opened_by_creates_whose_replies_were_all_lost_do_not_stay_open(s3_store) -> None:
+    # Every attempt opened an upload and none learned its id; the call failed, and the sweep
+    # ran only after a create that succeeded: all of them stayed open for good.
+    store = s3_store
+    store.config = replace(
+        store.config,
+        multipart_part_bytes=5 * 2**20,
+        retry=RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, deadline_s=5.0),
+    )
+    store._client = _EveryCreateReplyLost(store._client)
+    chunks = [bytes([i]) * (2**20 + 7) for i in range(6)]
+    with pytest.raises(StoreError, match=r"create_multipart_upload of s3://.*w00000\.blob"):
+        store.put_stream("v00000001/tp0/w00000.blob", iter(chunks))
+    assert store._client.creates == 3
+    uploads = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert uploads.get("Uploads", []) == []
+    assert not store.exists("v00000001/tp0/w00000.blob")
+
+
 class _StampedUploads(_CreateReplyLost):
     """Like _CreateReplyLost, and once the retried create has opened its upload another
     client opens one of the same key. moto lists every upload with one constant

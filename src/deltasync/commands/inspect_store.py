@@ -90,6 +90,12 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds from an S3 call's first attempt within which failed attempts are retried "
         "(S3Config.retry.deadline_s; default 30)",
     )
+    p.add_argument(
+        "--s3-ca-bundle",
+        metavar="PEM",
+        help="CA certificates to verify an https:// endpoint against, for a server with a "
+        "private CA (S3Config.ca_bundle; default: botocore's bundle)",
+    )
 
 
 def local_path(url: str) -> Path | None:
@@ -149,6 +155,7 @@ def check_store_flags(args: argparse.Namespace) -> None:
             ("--s3-endpoint", args.s3_endpoint),
             ("--s3-read-timeout", args.s3_read_timeout),
             ("--s3-retry-deadline", args.s3_retry_deadline),
+            ("--s3-ca-bundle", args.s3_ca_bundle),
         )
         if value is not None
     ]
@@ -179,6 +186,8 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = False):
             tuned["read_timeout_s"] = args.s3_read_timeout
         if args.s3_retry_deadline is not None:
             tuned["retry"] = RetryPolicy(deadline_s=args.s3_retry_deadline)
+        if args.s3_ca_bundle is not None:
+            tuned["ca_bundle"] = args.s3_ca_bundle
         s3 = S3Config(
             endpoint_url=args.s3_endpoint,
             region=args.s3_region,

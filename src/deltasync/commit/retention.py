@@ -35,6 +35,9 @@ The conditional-write probes an S3 client writes and deletes before its first co
 ``PROBE_MIN_AGE_S``): only a client killed mid-probe leaves one, and a younger one may be a
 probe in flight, which would pass its second write if its key were gone.
 
+A store that has ``abort_uploads`` (S3) is asked, after the deletions, to abort the multipart
+uploads still open under each version deleted whole: nothing will complete them.
+
 Deletion order: a version's manifest goes first, so the version disappears atomically for
 readers, then its blobs and markers, then its acks; registrations of dead receivers last. A
 failed deletion does not stop the pass (under steady transient errors it would fall behind for
@@ -354,6 +357,14 @@ def collect_garbage(
         for v in plan.versions:
             if v not in standing:
                 catalog.forget(v)
+        # Versions now gone whole (retired, or attempts that never committed): a multipart
+        # upload still open under one (S3: a create applied after its call ended) is
+        # nobody's, and would stay open for good. Only S3 has such uploads.
+        abort_uploads = getattr(store, "abort_uploads", None)
+        if abort_uploads is not None:
+            gone = {_version_of(k) for k in plan.keys} - standing - set(manifests)
+            for v in sorted((gone | set(plan.versions)) - standing - {None}):
+                abort_uploads(names.version_dir(v) + "/")
         if failed:
             key, exc = failed[0]
             raise StoreError(

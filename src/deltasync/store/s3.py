@@ -5,7 +5,7 @@
   A 409 ``ConditionalRequestConflict`` (another conditional write in flight) is retried; if it
   persists it is reported as a commit conflict.
 - Transient failures (connection refused or reset while a server restarts, timeouts, 5xx,
-  throttling) are retried with backoff (:mod:`deltasync.store.base`); every other failure
+  throttling, a body that does not match the server's checksum) are retried with backoff (:mod:`deltasync.store.base`); every other failure
   becomes a StoreError that names the endpoint, bucket and key.
 - A retried ``put_if_absent`` whose first attempt may have landed (the connection dropped
   after the request was sent) reads the key back when it gets 412: if it holds exactly our
@@ -14,7 +14,13 @@
   fails after such an attempt, it raises OutcomeUnknownError: the server may still apply
   the request later, so the key may hold our bytes now or later.
 - ``put_stream`` uses multipart upload above one part size, aborting the upload on failure
-  (the abort retried), and the upload a create whose reply was lost left open.
+  (the abort retried), and the upload a create whose reply was lost left open;
+  ``abort_uploads`` aborts what is still open under a prefix (retention calls it for each
+  version it deletes: a create the server applied after its call had ended).
+- An ``https://`` endpoint is verified against ``S3Config.ca_bundle`` (botocore's bundle when
+  unset); a TLS connection no retry can make (a certificate not verified, a server that does
+  not speak TLS there, a CA bundle that cannot be read) is a StoreError at once, saying what
+  to give or change.
 
 boto3 is imported when an S3Store is created, so the package imports without it, and an
 :class:`S3Config` can be built, validated and printed without boto3 installed (botocore is
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import threading
 import time
@@ -61,6 +68,7 @@ from deltasync.store.base import (
 from deltasync.validate import check_instance, check_int, check_number
 
 _OWNER = "S3Config"
+log = logging.getLogger(__name__)
 
 MIN_PART = 5 * 2**20  # S3's minimum size of every part but the last
 MAX_PART = 5 * 2**30
@@ -124,6 +132,9 @@ class S3Config:
     max_pool_connections: int = 32
     multipart_part_bytes: int = 64 * 2**20
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # PEM file of the CA certificates an https:// endpoint's certificate is verified against
+    # (a self-hosted server with a private CA); None: botocore's (certifi's) bundle
+    ca_bundle: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None and not (
@@ -186,6 +197,13 @@ class S3Config:
             _OWNER, "multipart_part_bytes", self.multipart_part_bytes, lo=MIN_PART, hi=MAX_PART
         )
         check_instance(_OWNER, "retry", self.retry, RetryPolicy)
+        if self.ca_bundle is not None and not (
+            isinstance(self.ca_bundle, str) and self.ca_bundle.strip()
+        ):
+            raise ConfigError(
+                f"S3Config.ca_bundle must be the path of a PEM file of CA certificates (or None "
+                f"for botocore's bundle), got {self.ca_bundle!r}"
+            )
 
     def __repr__(self) -> str:
         # Secrets are never shown; the endpoint only without query or fragment.
@@ -227,6 +245,56 @@ def _urllib3_dropped(exc: BaseException) -> bool:
     return isinstance(exc, (ProtocolError, ReadTimeoutError))
 
 
+# ssl's reasons for a handshake with a server that does not speak TLS on that port (an
+# http:// server behind an https:// URL): its reply is not a TLS record.
+_NOT_TLS = {"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+
+
+def tls_refusal(exc: BaseException) -> str | None:
+    """Why the TLS connection of ``exc`` (botocore's SSLError) can never be made by a retry,
+    and what to do, or None (a handshake cut short by a reset is transient): a certificate
+    not verified (an unknown CA, a host name it does not name), a server that does not speak
+    TLS there, a CA bundle that cannot be loaded."""
+    import ssl
+
+    from botocore.exceptions import SSLError
+
+    if not isinstance(exc, SSLError):
+        return None
+    cause = getattr(exc, "kwargs", {}).get("error")  # urllib3's SSLError, wrapping the reason
+    reason = next((a for a in getattr(cause, "args", ()) if isinstance(a, BaseException)), cause)
+    if isinstance(reason, ssl.SSLCertVerificationError) or (
+        isinstance(reason, ValueError) and type(reason).__name__ == "CertificateError"
+    ):  # (urllib3's own host-name check of an IP address raises its CertificateError)
+        return (
+            "the server's certificate was not verified. Give the CA that signed it as "
+            "S3Config.ca_bundle (--s3-ca-bundle on the command line), and an endpoint host "
+            "that the certificate names"
+        )
+    if isinstance(reason, ssl.SSLError) and getattr(reason, "reason", None) in _NOT_TLS:
+        return (
+            "the server does not speak TLS at this address. Use http:// for a plain-HTTP "
+            "server, or the port where it serves https"
+        )
+    if isinstance(reason, OSError) and (
+        not isinstance(reason, ssl.SSLError) or getattr(reason, "library", None) in ("X509", "PEM")
+    ):
+        return (
+            "the CA bundle could not be loaded. Give S3Config.ca_bundle (--s3-ca-bundle, or "
+            "$AWS_CA_BUNDLE when it is unset) as a readable PEM file of CA certificates"
+        )
+    return None
+
+
+def checksum_mismatch(exc: BaseException) -> bool:
+    """Whether ``exc`` is botocore's check of a reply body against the checksum the server sent
+    with it (an object written whole): a body damaged on the way, which a retry reads again
+    (one damaged in storage fails every attempt)."""
+    from botocore.exceptions import FlexibleChecksumError
+
+    return isinstance(exc, FlexibleChecksumError) and "did not match" in str(exc)
+
+
 def is_transient(exc: BaseException) -> bool:
     from botocore.exceptions import (
         ClientError,
@@ -237,9 +305,11 @@ def is_transient(exc: BaseException) -> bool:
 
     if redirect_loop(exc):
         return False  # a redirect answers a request without applying it: no retry changes it
+    if tls_refusal(exc) is not None:
+        return False  # a certificate or a protocol no retry changes; nothing was sent
     if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
         return True
-    if _urllib3_dropped(exc):
+    if _urllib3_dropped(exc) or checksum_mismatch(exc):
         return True
     if isinstance(exc, ClientError):
         code, status = error_code(exc)
@@ -303,7 +373,9 @@ def make_client(config: S3Config) -> Any:
             # profile's endpoint_url, which botocore would otherwise apply unseen
             ignore_configured_endpoint_urls=True,
         )
-        return session.client("s3", endpoint_url=config.endpoint_url, config=client_config)
+        return session.client(
+            "s3", endpoint_url=config.endpoint_url, config=client_config, verify=config.ca_bundle
+        )
     except InvalidRegionError as exc:
         raise ConfigError(
             f"S3Config.region {config.region!r} is refused by botocore: {exc}"
@@ -408,6 +480,10 @@ class S3Store:
         endpoint = self.config.endpoint_url
         return f" at {redact_url(endpoint)}" if endpoint else ""
 
+    def _endpoint(self) -> str:
+        endpoint = self.config.endpoint_url
+        return redact_url(endpoint) if endpoint else "AWS S3"
+
     def with_prefix(self, prefix: str) -> S3Store:
         """A store for ``{self.prefix}/{prefix}`` sharing this one's client and connections
         (creating a boto3 client costs ~0.1-0.3 s)."""
@@ -446,6 +522,13 @@ class S3Store:
                     f"S3 {what} of {self._url(key)}: another conditional write kept conflicting "
                     f"for {exc.attempts} attempts; treat the key as taken"
                 ) from last
+            if checksum_mismatch(last):
+                raise StoreError(
+                    f"S3 {what} of {self._url(key)}: the body did not match the checksum the "
+                    f"server sent with it, on each of {exc.attempts} attempts over "
+                    f"{exc.elapsed_s:.1f} s ({last}): the object is damaged in storage, or "
+                    "something on the way (a proxy) alters it; check the server and the path"
+                ) from last
             raise StoreError(
                 f"S3 {what} of {self._url(key)} failed after {exc.attempts} attempts over "
                 f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {self._scrub(last)}. Is the "
@@ -455,6 +538,12 @@ class S3Store:
         except ClientError as exc:
             raise self._map_client_error(what, key, exc) from exc
         except (BotoCoreError, RecursionError) as exc:
+            why = tls_refusal(exc)
+            if why is not None:
+                raise StoreError(
+                    f"S3 {what} of {self._url(key)} failed, not retried: no TLS connection to "
+                    f"{self._endpoint()}: {why} ({self._scrub(exc)}); nothing was sent"
+                ) from exc
             if not redirect_loop(exc):
                 raise StoreError(
                     f"S3 {what} of {self._url(key)} failed: {self._scrub(exc)}"
@@ -867,7 +956,8 @@ class S3Store:
         upload whose id this call never learns: nobody would complete or abort it, and it would
         stay open until the bucket's lifecycle rules reap it. So after such an attempt the
         key's other uploads opened while this call ran, before the new one, are aborted (best
-        effort; a blob key is written by one writer, so they are this call's own)."""
+        effort; a blob key is written by one writer, so they are this call's own), and so
+        are those opened while it ran when every attempt failed."""
         maybe_opened = False  # an attempt's request may have reached the server
         began = time.monotonic()
 
@@ -879,7 +969,12 @@ class S3Store:
                 maybe_opened = maybe_opened or _may_have_arrived(exc)
                 raise
 
-        started = self._call("create_multipart_upload", key, op)
+        try:
+            started = self._call("create_multipart_upload", key, op)
+        except Exception:
+            if maybe_opened:  # every attempt failed, and one may have opened an upload anyway
+                self._abort_strays(key, full, None, window_s=time.monotonic() - began + 1.0)
+            raise
         upload_id = _field(started, "UploadId", "create_multipart_upload", self._url(key))
         if maybe_opened:
             try:
@@ -889,13 +984,14 @@ class S3Store:
                 raise
         return upload_id
 
-    def _abort_strays(self, key: str, full: str, upload_id: str, *, window_s: float) -> None:
+    def _abort_strays(self, key: str, full: str, upload_id: str | None, *, window_s: float) -> None:
         """Abort the uploads of ``full`` other than ``upload_id`` opened at most ``window_s``
         seconds before it, by the server's clock (both times come from one listing, so clocks
         never disagree; the server's are whole seconds, hence the caller's slack). One opened
         after it is not this call's (a lost attempt's request was sent before the retry's):
-        another client streaming the key, whose upload must not be pulled from under it. A
-        failure leaves them to the bucket's lifecycle rules."""
+        another client streaming the key, whose upload must not be pulled from under it.
+        ``upload_id`` None (the create failed: no upload is ours) measures from the key's newest
+        upload, and aborts it too. A failure leaves them to the bucket's lifecycle rules."""
 
         def op(_: int) -> list[dict]:
             listed = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full)
@@ -903,7 +999,10 @@ class S3Store:
 
         with contextlib.suppress(Exception):  # the write itself stands, whatever this is
             uploads = self._call("list_multipart_uploads", key, op)
-            ours = next(u["Initiated"] for u in uploads if u.get("UploadId") == upload_id)
+            if upload_id is None:
+                ours = max(u["Initiated"] for u in uploads) if uploads else None
+            else:
+                ours = next(u["Initiated"] for u in uploads if u.get("UploadId") == upload_id)
             for stray in uploads:
                 if stray.get("UploadId") == upload_id:
                     continue
@@ -926,6 +1025,46 @@ class S3Store:
                 self._call("abort_multipart_upload", key, op)
             else:
                 op(0)
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort every multipart upload still open of a key under ``prefix`` (a version's
+        directory that retention deleted: nothing will complete them), returning how many. An
+        upload whose create the server applied after its call had ended (so after put_stream's
+        own sweep) stays open otherwise, until the bucket's lifecycle rules reap it. Best
+        effort: a listing or an abort that fails leaves the rest to those rules."""
+        check_prefix(prefix)
+        full_prefix = self._full(prefix) if self.prefix else prefix
+
+        def op(_: int) -> list[tuple[str, str]]:
+            found: list[tuple[str, str]] = []
+            marker: dict[str, str] = {}
+            for _page in range(1000):  # a server whose markers never end is not followed
+                listed = self._client.list_multipart_uploads(
+                    Bucket=self.bucket, Prefix=full_prefix, **marker
+                )
+                found.extend(
+                    (u["Key"], u["UploadId"])
+                    for u in listed.get("Uploads", ())
+                    if isinstance(u.get("Key"), str) and u["Key"].startswith(full_prefix)
+                )
+                if not listed.get("IsTruncated"):
+                    break
+                marker = {
+                    "KeyMarker": listed.get("NextKeyMarker", ""),
+                    "UploadIdMarker": listed.get("NextUploadIdMarker", ""),
+                }
+            return found
+
+        try:
+            uploads = self._call("list_multipart_uploads", prefix or "(all)", op)
+        except StoreError as exc:
+            log.warning("S3 multipart uploads under %s not swept: %s", self._url(prefix), exc)
+            return 0
+        for full, upload_id in uploads:
+            self._abort(
+                full[len(self.prefix) + 1 :] if self.prefix else full, full, upload_id, retried=True
+            )
+        return len(uploads)
 
     def _complete(self, key: str, full: str, upload_id: str, parts: list[dict]) -> None:
         """CompleteMultipartUpload, retried. A retry answered NoSuchUpload after an attempt
