@@ -173,3 +173,18 @@ def test_a_body_damaged_on_the_way_is_read_again_and_damage_that_stays_is_named(
         store.get("v00000001/tp0/w00000.blob", max_bytes=10_000)
     assert "w00000.blob" in str(info.value) and "on each of 2 attempts" in str(info.value)
     assert proxy.flipped == 3
+
+
+def test_a_retried_error_whose_text_ends_a_sentence_reads_as_one_sentence(lying):
+    # botocore's "... total bytes expected is 2." was followed by ". Is the server reachable?"
+    from botocore.exceptions import IncompleteReadError
+
+    _, store = lying
+
+    def cut(_attempt: int) -> None:
+        raise IncompleteReadError(actual_bytes=1, expected_bytes=2)
+
+    with pytest.raises(StoreError) as failed:
+        store._call("get", "v00000001/tp0/w00000.blob", cut)
+    message = str(failed.value)
+    assert "expected is 2. Is the server reachable?" in message and ".." not in message, message

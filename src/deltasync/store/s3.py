@@ -531,7 +531,8 @@ class S3Store:
                 ) from last
             raise StoreError(
                 f"S3 {what} of {self._url(key)} failed after {exc.attempts} attempts over "
-                f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {self._scrub(last)}. Is the "
+                f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {self._scrub(last).rstrip('.')}. "
+                "Is the "
                 "server reachable? Raise S3Config.retry's deadline_s (--s3-retry-deadline on "
                 "the command line) to wait longer"
             ) from last
