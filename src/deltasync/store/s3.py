@@ -532,9 +532,8 @@ class S3Store:
             raise StoreError(
                 f"S3 {what} of {self._url(key)} failed after {exc.attempts} attempts over "
                 f"{exc.elapsed_s:.1f} s: {type(last).__name__}: {self._scrub(last).rstrip('.')}. "
-                "Is the "
-                "server reachable? Raise S3Config.retry's deadline_s (--s3-retry-deadline on "
-                "the command line) to wait longer"
+                "Is the server reachable? Raise S3Config.retry's deadline_s (--s3-retry-deadline "
+                "on the command line) to wait longer"
             ) from last
         except ClientError as exc:
             raise self._map_client_error(what, key, exc) from exc
