@@ -1,14 +1,15 @@
-"""``deltasync bench fsdp``: the store path from FSDP2 writers, where every version's shard
-digests need the full parameters (``full_state``), gathered on every writer's caller thread.
+"""``deltasync bench fsdp``: the store path from FSDP2 writers: every version's shard digests
+from the full parameters (``full_state``, gathered on every writer's caller thread), against
+parts digests (no ``full_state``: each writer hashes its own rows, nothing is gathered).
 
 Launches ``--ranks`` gloo ranks on the CPU (``torch.distributed.run``); each wraps a
 config-built transformers Qwen3 in ``fully_shard`` (per decoder layer, then the root), trains
 it with AdamW on random tokens and publishes its dim-0 shard through
-``TrainerSync(overlap=True)`` (writer ``rank`` of ``--ranks``; rank 0 commits). Two phases in
-one launch, each on a fresh local store and starting with an anchor (not measured): the
-``full_state`` callable gathers the fp32 masters on every rank (``p.full_tensor()``, the
-recipe docs/integration.md shows second), then ``deltasync.trainer.gather_bf16`` kept by
-rank 0 alone. Per version, on every rank: ``blocked_s`` (the ``step_published`` call),
+``TrainerSync(overlap=True)`` (writer ``rank`` of ``--ranks``; rank 0 commits). Three phases
+in one launch, each on a fresh local store and starting with an anchor (not measured): the
+``full_state`` callable gathers the fp32 masters on every rank (``p.full_tensor()``), then
+``deltasync.trainer.gather_bf16`` kept by rank 0 alone, then ``parts``: no ``full_state``
+(the manifest lists parts digests; ``gather_s`` is 0). Per version, on every rank: ``blocked_s`` (the ``step_published`` call),
 ``gather_s`` (the callable alone, inside it), ``detect_s`` (the tracker's pass,
 ``PendingVersion.detect_s``), ``commit_s`` (from the call to the commit on every writer) and
 the rank's peak RSS above its RSS before the call, over the BF16 model's bytes. A table per
@@ -41,7 +42,7 @@ from deltasync.errors import ConfigError
 from deltasync.validate import check_int, check_number
 from deltasync_bench.common import emit_json, print_table
 
-PHASES = ("fp32", "bf16")  # the full_state callable of each phase, in run order
+PHASES = ("fp32", "bf16", "parts")  # the full_state of each phase (parts: none), in run order
 _OWNER = "deltasync bench fsdp"
 
 
@@ -130,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
 def _report(out: dict) -> int:
     model_bytes = out["model_bf16_bytes"]
     summary = {}
-    for phase in PHASES:
+    for phase in (p for p in PHASES if p in out["phases"]):
         rows, per_version = [], out["phases"][phase]
         for v in per_version:
             rows.append(
@@ -146,7 +147,12 @@ def _report(out: dict) -> int:
                 ]
             )
         print_table(
-            f"FSDP writers, full_state gathered in {phase} (largest rank per version)",
+            (
+                "FSDP writers, no full_state: parts digests"
+                if phase == "parts"
+                else f"FSDP writers, full_state gathered in {phase}"
+            )
+            + " (largest rank per version)",
             [
                 "version",
                 "blocked s",
@@ -287,7 +293,7 @@ def _phase(args: argparse.Namespace, store_dir: Path, phase: str, rank: int, wor
         tracker,
         Publisher(store, receiver_layout=rl, config=config),
         tracker.local_params,
-        full_state=full_state,
+        full_state=None if phase == "parts" else full_state,
         overlap=True,
         optimizer=opt,
     )

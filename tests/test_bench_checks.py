@@ -641,3 +641,5 @@ def test_the_fsdp_bench_runs_two_gloo_ranks_exactly_and_ends_with_its_json_line(
         (one,) = got["versions"][phase]  # version 1: the anchor is not measured
         assert one["version"] == 1 and one["exact"] is True
         assert 0 < one["gather_s"] <= one["blocked_s"] <= one["commit_s"], one
+    (one,) = got["versions"]["parts"]  # no full_state: parts digests, nothing gathered
+    assert one["version"] == 1 and one["exact"] is True and one["gather_s"] == 0, one

@@ -16,8 +16,8 @@ from test_cluster_single_process import World
 from deltasync.atomic import write_record
 from deltasync.cluster import AnchorRequiredError, ClusterReceiver
 from deltasync.cluster.cluster_journal import ClusterJournal
-from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.layout.digest import state_digest
+from deltasync.layout.part_digests import receiver_part_digests
 
 
 def _with_journals(world: World, tmp_path: Path) -> dict[int, Path]:

@@ -17,10 +17,10 @@ from deltasync import ClusterReceiver
 from deltasync.cluster import RolePlan
 from deltasync.cluster.cluster_journal import JournalState
 from deltasync.cluster.envelope import pack_envelope
-from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import BlobMismatchError, ConfigError, IntegrityError
 from deltasync.format import TensorUpdate, apply_updates, encode_blob, merge_writers
 from deltasync.layout.digest import state_digest
+from deltasync.layout.part_digests import receiver_part_digests
 
 SPEC, TRAINER, RECEIVERS = tiny_layouts(engine="vllm", tp=2)
 PLAN = RolePlan.contiguous(num_writers=2, shards=["tp0", "tp1"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltasync.cluster.writer_digests import iter_pieces, receiver_part_digests, writer_part_digests
 from deltasync.format import TensorUpdate, apply_updates
 from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.layout.part_digests import iter_pieces, receiver_part_digests, writer_part_digests
 
 CONFIG = dict(
     model_type="qwen3",

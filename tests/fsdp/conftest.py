@@ -24,6 +24,8 @@ STORE_JOBS = [
 
 # full_state as a gathering callable: a launch of its own, so a hang there fails only itself
 GATHER_JOBS = [("qwen3", "foreach", "gather"), ("qwen3", "fused", "gather_overlap")]
+# no full_state at all (parts digests): in the same launch
+PARTS_JOBS = [("qwen3", "fused", "parts"), ("qwen3_moe", "foreach", "parts")]
 FOUR_RANK_GATHER_JOBS = [("qwen3", "foreach", "cluster_gather")]
 
 FOUR_RANK_JOBS = [("none", "foreach", "hsdp"), ("qwen3", "fused", "cluster")]
@@ -45,7 +47,7 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gather_ranks(tmp_path_factory):
-    done = launch(tmp_path_factory.mktemp("fsdp-gather"), 2, GATHER_JOBS, timeout=150)
+    done = launch(tmp_path_factory.mktemp("fsdp-gather"), 2, GATHER_JOBS + PARTS_JOBS, timeout=200)
     yield done
     for procs, _ in done.receivers.values():
         stop(procs)

@@ -163,7 +163,7 @@ def launch(root: Path, nproc: int, jobs: list[tuple[str, str, str]], timeout: fl
         for model, impl, mode in jobs:
             out = root / f"{model}-{impl}-{mode}"
             out.mkdir()
-            if mode in ("fsdp", "ddp", "gather", "gather_overlap"):
+            if mode in ("fsdp", "ddp", "gather", "gather_overlap", "parts"):
                 receivers[f"{model}:{impl}:{mode}"] = (
                     start_receivers(out / "store", model, out),
                     out,

@@ -12,6 +12,9 @@
   (a collective over the ranks): without overlap ``p.full_tensor()`` of the fp32 masters, as
   docs/integration.md writes it; with ``TrainerSync(overlap=True)`` the library's
   ``gather_bf16`` kept by rank 0 alone (the other ranks' calls return ``{}``).
+- ``parts``: as ``fsdp`` with ``TrainerSync(overlap=True)`` and no ``full_state`` at all:
+  every writer states its part digests, the manifests list parts digests, nothing is gathered
+  for the publish (rank 0 still gathers the state for the oracle, outside the publish).
 - ``ddp``: the same model under DistributedDataParallel; one rank (0) writes.
 - ``tracker``: a small ``nn.Sequential`` under ``fully_shard`` whose dim-0 sizes split
   unevenly over the ranks (one rank's shard of a 1-row weight is empty): the tracker's
@@ -59,6 +62,7 @@ from deltasync import (
     TrainerSync,
 )
 from deltasync.cluster import RolePlan
+from deltasync.commit import Catalog
 from deltasync.trainer import gather_bf16, publish_role
 
 IMPLS = {"foreach": dict(foreach=True), "single": dict(foreach=False), "fused": dict(fused=True)}
@@ -143,7 +147,7 @@ def oracle(model_name: str, full: dict[str, torch.Tensor]) -> dict[str, dict[str
 def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(model_name)
-    if mode in ("fsdp", "gather", "gather_overlap"):
+    if mode in ("fsdp", "gather", "gather_overlap", "parts"):
         from torch.distributed.device_mesh import init_device_mesh
 
         shard_fsdp(model, init_device_mesh("cpu", (world,)))
@@ -169,13 +173,13 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
             marker_timeout_s=60,
         )
         pub = Publisher(LocalStore(out / "store", durable=False), receiver_layout=rl, config=config)
-        overlap = mode == "gather_overlap"
+        overlap = mode in ("gather_overlap", "parts")
         sync = TrainerSync(
             train.tracker,
             pub,
             train.tracker.local_params,
             # a gathering callable is a collective: TrainerSync calls it on every writer
-            full_state=_gathering(mode, train.model, rank, holder),
+            full_state=None if mode == "parts" else _gathering(mode, train.model, rank, holder),
             overlap=overlap,
             optimizer=train.opt if overlap else None,
         )
@@ -201,6 +205,11 @@ def run_store(model_name: str, impl: str, mode: str, out: Path) -> None:
         reports = sync.wait()  # overlap: the last version settled
         assert sync.overlap == (reports is not None) and sync.baseline == VERSIONS - 1
         sync.close()
+    if mode == "parts" and rank == 0:  # no full_state: every version lists parts digests
+        catalog = Catalog(LocalStore(out / "store", durable=False))
+        for v in range(VERSIONS):
+            listed = catalog.manifest(v).shard_digests.values()
+            assert all(d.startswith(f"w{world}:") for d in listed), (v, listed)
     print(f"rank {rank} {model_name}:{impl}:{mode} published {VERSIONS} versions", flush=True)
 
 

@@ -48,7 +48,7 @@ def test_fsdp2_writers_sync_every_version_exactly_to_receivers_in_the_same_proce
     assert four_ranks.returncode == 0, four_ranks.log
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(250)
 @pytest.mark.parametrize("mode", ["gather", "gather_overlap"])
 def test_a_full_state_callable_that_gathers_publishes_every_version_exactly(gather_ranks, mode):
     # docs/integration.md: the committer's full_state is a callable gathering the full
@@ -57,6 +57,16 @@ def test_a_full_state_callable_that_gathers_publishes_every_version_exactly(gath
     # against an oracle from the fp32 masters
     impl = {"gather": "foreach", "gather_overlap": "fused"}[mode]
     _check_job(gather_ranks, ("qwen3", impl, mode))
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("job", [("qwen3", "fused", "parts"), ("qwen3_moe", "foreach", "parts")])
+def test_fsdp2_writers_without_full_state_publish_parts_digests_every_version_exactly(
+    gather_ranks, job
+):
+    # no rank gathers for the publish: each writer states its part digests, the manifests list
+    # parts digests (asserted on rank 0), the receivers verify them and are checked bit-exact
+    _check_job(gather_ranks, job)
 
 
 @pytest.mark.timeout(200)

@@ -15,7 +15,7 @@ Data flow of one version, by module::
     roles.py     who writes which trainer shard, who holds which receiver shard, who sends to
                  whom (DP replicas: "direct" sends or a receiver-side "forward")      (pure)
     cluster_sender.py  tracker.iter_changes() (united with uncommitted attempts) ->
-                 layout.routing -> format (blobs) -> envelope.py (+ writer_digests.py)
+                 layout.routing -> format (blobs) -> envelope.py (+ layout.part_digests)
     preflight.py every rank's fingerprint, versions and status in one all_gather: refused
                  everywhere before any payload moves, or cleared
     cluster_receiver.py  exchange -> staging.py (verify the blobs, base check; the writers'

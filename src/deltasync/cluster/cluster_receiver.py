@@ -19,7 +19,7 @@
 4. verify before write (still serving): read the writers' blobs in lockstep one tensor at a
    time (every record checked, writers disjoint, an anchor complete) and hash the state the
    shard WILL have (one writer, :mod:`deltasync.layout.verify`) or every writer's part digest
-   of it (several, :mod:`deltasync.cluster.writer_digests`), against what the writers sent,
+   of it (several, :mod:`deltasync.layout.part_digests`), against what the writers sent,
    chunk by chunk with the tensor's pieces patched into a small scratch copy; a mismatch
    refuses the version with nothing written and marks the journal dirty (the base has drifted
    from the trainer's: only an anchor is accepted from then on);
@@ -106,7 +106,6 @@ from deltasync.cluster.staging import (
     state_digest_after,
 )
 from deltasync.cluster.streaming import join_payloads, receive_parts
-from deltasync.cluster.writer_digests import receiver_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
     DeltaSyncError,
@@ -128,6 +127,7 @@ from deltasync.format import (
 )
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import state_digest
+from deltasync.layout.part_digests import receiver_part_digests
 from deltasync.validate import check_instance, check_int
 
 log = logging.getLogger(__name__)

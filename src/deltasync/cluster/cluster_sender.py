@@ -11,7 +11,7 @@
    base version, shard, writer ``w{index:05d}``), framed in an envelope per destination, with
    the expected digests (``config.digest_every``: each shard's state digest from a single
    writer, or each writer's digest of the part of each shard it owns, see
-   :mod:`deltasync.cluster.writer_digests`);
+   :mod:`deltasync.layout.part_digests`);
 4. the preflight (:mod:`deltasync.cluster.preflight`): every rank's fingerprint, versions and
    status in one all_gather. If 1-3 raised here, or any rank was built for another model, plan
    or layout, or some receiver cannot take this delta, every rank raises the same error before
@@ -116,7 +116,6 @@ from deltasync.cluster.preflight import (
 from deltasync.cluster.reports import Outgoing, SendReport
 from deltasync.cluster.roles import ClusterConfig, GroupHealth, RolePlan, check_group, resolve_rank
 from deltasync.cluster.streaming import PartStream
-from deltasync.cluster.writer_digests import writer_part_digests
 from deltasync.errors import (
     AnchorRequiredError,
     ConfigError,
@@ -135,6 +134,7 @@ from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.digest import TensorEntries, combine_entries, state_tensor_digests
 from deltasync.layout.digest_feed import DigestFeed
+from deltasync.layout.part_digests import writer_part_digests
 from deltasync.layout.routing import every_element, padding_updates, shard_updates
 from deltasync.names import MAX_VERSION, check_version_arg
 from deltasync.trainer import Tracker

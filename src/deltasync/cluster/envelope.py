@@ -3,7 +3,7 @@
 A writer sends each receiver one envelope holding its one blob and, when configured, an
 expected digest: the shard's state digest (from writer 0 of a single writer, or of writers
 given the full state), or this writer's digest of the part of the shard it owns (several
-writers, see ``writer_digests``); a forwarding replica sends each of its
+writers, see ``layout.part_digests``); a forwarding replica sends each of its
 shard's other replicas one envelope holding every envelope it received, unopened (so
 forwarding never fails on, or hides, a damaged payload: each replica checks for itself).
 Blobs carry their own header and xxh3-128 digest; the envelope only frames them. Layout,

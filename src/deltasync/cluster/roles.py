@@ -61,7 +61,7 @@ class ClusterConfig:
     digest_every: expected digests go with every K-th version and with every anchor; 0 =
         never. On by default (every version): a single writer sends each receiver shard's state
         digest; several writers each send the digest of the part of every shard they own
-        (``cluster.writer_digests``), or writer 0 the whole-state digests when given
+        (``layout.part_digests``), or writer 0 the whole-state digests when given
         ``full_state``. A receiver always checks what it is sent, before it acknowledges.
         Part of every rank's fingerprint: writers and receivers are built with the same value
         (a receiver built to verify refuses writers that send no digests).

@@ -21,7 +21,7 @@ proven disjoint (the refusal of ``format.merge_writers``), an anchor proven comp
 defines the whole state: elements it does not list are zero). Verify before write consumes
 that stream to the end: :func:`state_digest_after` (the shard's state digest, one writer or a
 writer given the full state), :func:`part_digests_after` (every writer's part digest of it,
-``cluster.writer_digests``), or :func:`check_staged` (no digest sent). So a version whose
+``layout.part_digests``), or :func:`check_staged` (no digest sent). So a version whose
 records, writers or digests do not hold up is refused with nothing written. The received
 bytes stay the only copy of the payload; the extra memory is one tensor's decoded records (per
 writer) and a few MiB of scratch, never the version's whole decoded change set (unless it fits
@@ -38,12 +38,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from deltasync.cluster.cluster_journal import ClusterJournal
 from deltasync.cluster.envelope import flatten
 from deltasync.cluster.roles import RolePlan
-from deltasync.cluster.writer_digests import Piece, feed_bf16, writer_pieces
 from deltasync.errors import (
     BlobLimitError,
     BlobMismatchError,
@@ -62,14 +60,13 @@ from deltasync.format import (
 from deltasync.format.decode import restated
 from deltasync.format.merge import RecordStream
 from deltasync.layout import ReceiverLayout
-from deltasync.layout.blocks import as_2d
+from deltasync.layout.part_digests import chain_part_digests
 from deltasync.layout.verify import chain_state_digest
 
 MIN_STAGED_BYTES = 4 << 20  # the default max_staged_bytes of a small shard
 # Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
 # BF16 values (4 + 2 for 1 + 2 bytes) is 2x (as the storage path estimates it).
 _DECODED_PER_RAW = 2
-_ROW_ELEMENTS = 1 << 21  # elements per row chunk of a part digest: ~4 MiB of BF16
 
 
 def default_staged_bytes(shard_bytes: int) -> int:
@@ -289,93 +286,14 @@ def part_digests_after(
     count: int,
 ) -> tuple[dict[int, str], int]:
     """``{writer index: part digest}`` of ``shard`` as it will be after ``staged`` is written
-    (what ``writer_digests.receiver_part_digests`` gives after the scatter), and the elements
-    the scatter will write; ``tensors`` are not written.
-
-    A part digest is one stream over the writer's pieces in the shard's tensor order, so the
-    tensors are hashed in that order: a tensor no writer lists is hashed from its live values
-    when its turn comes, a listed one when its pieces arrive (held only if a writer lists its
-    tensors in another order, which one publisher's writers never do)."""
-    order = sorted(layout.local_specs(shard), key=lambda n: layout.local_position(shard, n))
-    by_tensor: list[dict[str, list[Piece]]] = []
-    for k in range(count):
-        mine: dict[str, list[Piece]] = {}
-        for p in writer_pieces(layout, k, count)[shard]:  # digest order within a tensor too
-            mine.setdefault(p.local, []).append(p)
-        by_tensor.append(mine)
-    hashers = [xxhash.xxh3_128() for _ in range(count)]
-    listed = staged.names()
-    arrived: dict[str, TensorPieces] = {}
-    at = 0
-
-    def advance() -> None:
-        nonlocal at
-        while at < len(order):
-            name = order[at]
-            item = arrived.pop(name, None)
-            if item is None and name in listed:
-                return  # its pieces have not been read yet
-            base, sparse = _after(as_2d(tensors[name].detach()), item)
-            for k in range(count):
-                for p in by_tensor[k].get(name, ()):
-                    _feed_rows(hashers[k], base, p, sparse)
-            at += 1
-
+    (what ``layout.part_digests.receiver_part_digests`` gives after the scatter; computed by
+    ``layout.part_digests.chain_part_digests``), and the elements the scatter will write;
+    ``tensors`` are not written."""
     counted = _Counted(staged.chain(specs=layout.local_specs(shard)))
-    for item in counted:
-        arrived[item.name] = item
-        advance()
-    advance()
-    assert at == len(order) and not arrived, (at, list(arrived))
-    return {k: h.hexdigest() for k, h in enumerate(hashers)}, counted.elements
-
-
-Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # (sorted flat indices, values) on the CPU
-
-
-def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor, Sparse]:
-    """A tensor (2-D view) as it will be: the base its pieces start from (the live values,
-    the last dense piece's values, or zeros for an anchor) and the sparse pieces on top."""
-    if item is None:
-        return live, []
-    pieces = item.pieces[item.start() :]
-    if pieces and pieces[0].is_dense:
-        base = as_2d(pieces[0].values.reshape(item.shape))
-        pieces = pieces[1:]
-    elif item.from_zero:  # an anchor: elements it does not list are zero (no buffer)
-        base = torch.zeros((), dtype=item.dtype).expand(live.shape)
-    else:
-        base = live
-    return base, [(p.indices.cpu(), p.values.cpu()) for p in pieces if p.nnz]  # type: ignore[union-attr]
-
-
-def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
-    """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top, a few MiB of rows
-    at a time: rows no piece touches are fed from ``base`` as they are; touched rows are
-    copied whole into a scratch chunk, patched there by flat index (``index_copy_``: an
-    anchor patches every element) and the piece's columns fed from it. ``base`` is never
-    written. (xxh3 fed in pieces equals xxh3 of the whole, so the chunking is free.)"""
-    width = base.shape[1]
-    step = max(1, _ROW_ELEMENTS // max(1, width))
-    stop = p.local_row + p.rows
-    cols = slice(p.local_col, p.local_col + p.cols)
-    for r0 in range(p.local_row, stop, step):
-        r1 = min(stop, r0 + step)
-        hits = []
-        for idx, vals in sparse:
-            bounds = torch.tensor([r0 * width, r1 * width], dtype=idx.dtype)
-            lo, hi = torch.searchsorted(idx, bounds).tolist()
-            if hi > lo:
-                hits.append((idx[lo:hi], vals[lo:hi]))
-        if not hits:
-            feed_bf16(h, base[r0:r1, cols])  # nothing written in these rows
-            continue
-        chunk = torch.empty((r1 - r0, width), dtype=base.dtype)
-        chunk.copy_(base[r0:r1])  # a copy, never the live bits (also from a device)
-        flat = chunk.view(-1)
-        for idx, vals in hits:
-            flat.index_copy_(0, idx.to(torch.int64) - r0 * width, vals)
-        feed_bf16(h, chunk[:, cols])
+    digests = chain_part_digests(
+        tensors, counted, listed=staged.names(), layout=layout, shard=shard, count=count
+    )
+    return digests, counted.elements
 
 
 def _numel(shape: tuple[int, ...]) -> int:

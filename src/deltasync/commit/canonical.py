@@ -23,6 +23,10 @@ from deltasync.errors import DeltaSyncError, ManifestError
 
 # ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
 DIGEST_RE = re.compile(r"[0-9a-f]{32}\Z")
+# A shard's parts digest (several writers without the full state; defined with the state
+# digest in deltasync.layout.digest): "w{W}:" + 32 hex, W plain decimal 2..65536.
+PARTS_DIGEST_RE = re.compile(r"w([1-9][0-9]{0,4}):[0-9a-f]{32}\Z")
+MAX_PARTS_WRITERS = 65536
 BLOB_DIGEST_RE = re.compile(r"[0-9a-f]{64}\Z")
 SIGNATURE_RE = re.compile(r"[0-9a-f]{64}\Z")
 # Seconds since the epoch (or durations): 10**11 s is ~3000 years, beyond any real clock.
@@ -153,12 +157,18 @@ def check_time(value: Any, *, what: str) -> float:
     return float(value)
 
 
-def check_digest(value: Any, *, what: str) -> str:
-    if not isinstance(value, str) or not DIGEST_RE.match(value):
-        raise ManifestError(
-            f"{what} must be 32 lowercase hex characters (xxh3-128), got {show(value)}"
-        )
-    return value
+def check_digest(value: Any, *, what: str, parts: bool = True) -> str:
+    """A state digest (32 lowercase hex, xxh3-128) or, with ``parts``, a shard's parts digest
+    (``w{W}:`` and 32 lowercase hex, W from 2 to 65536 in plain decimal)."""
+    if isinstance(value, str) and DIGEST_RE.match(value):
+        return value
+    m = PARTS_DIGEST_RE.match(value) if parts and isinstance(value, str) else None
+    if m is not None and 2 <= int(m.group(1)) <= MAX_PARTS_WRITERS:
+        return value
+    forms = "32 lowercase hex characters (xxh3-128)"
+    if parts:
+        forms += f", or w<writers 2..{MAX_PARTS_WRITERS}>: and 32 lowercase hex (a parts digest)"
+    raise ManifestError(f"{what} must be {forms}, got {show(value)}")
 
 
 def check_blob_digest(value: Any, *, what: str) -> str:

@@ -255,16 +255,20 @@ class LayoutRecord:
         names.check_token("layout engine", self.engine)
         check_int(self.tp, what="layout tp", lo=1, hi=2**20)
         check_int(self.ep, what="layout ep", lo=1, hi=2**20)
-        check_digest(self.model, what="layout model fingerprint")
+        check_digest(self.model, what="layout model fingerprint", parts=False)
         if not isinstance(self.shards, Mapping) or not self.shards:
             raise ManifestError("layout shards must be a non-empty object")
         for shard, rec in self.shards.items():
             names.check_token("shard", shard)
             if not isinstance(rec, ShardRecord):
                 raise ManifestError(f"layout shard {shard!r} is not a ShardRecord")
-            check_digest(rec.specs, what=f"layout shard {shard!r} specs fingerprint")
+            check_digest(rec.specs, what=f"layout shard {shard!r} specs fingerprint", parts=False)
             if rec.placements is not None:
-                check_digest(rec.placements, what=f"layout shard {shard!r} placements fingerprint")
+                check_digest(
+                    rec.placements,
+                    what=f"layout shard {shard!r} placements fingerprint",
+                    parts=False,
+                )
             check_int(rec.numel, what=f"layout shard {shard!r} numel", lo=0, hi=_MAX_SIZE)
         object.__setattr__(
             self, "shards", types.MappingProxyType(dict(sorted(self.shards.items())))

@@ -230,7 +230,12 @@ class WriterMarker(_Signed):
     ``base_version`` (-1: an anchor), ``num_writers`` and ``layout`` (the fingerprint of the
     receiver layout and trainer parameters it routed for) say what the writer built its blobs
     for, so the committer never joins the parts of writers that disagree (None: not stated,
-    as by a hand-made marker; the publisher always states them)."""
+    as by a hand-made marker; the publisher always states them).
+
+    ``part_digests`` (``{shard: 32 hex}``, every shard of the layout): this writer's part
+    digest of each receiver shard (:mod:`deltasync.layout.part_digests`) as the version
+    leaves it, stated by each of several writers publishing without the full state; the
+    committer joins them into each shard's parts digest. None: not stated."""
 
     KIND = "writer marker"
 
@@ -241,12 +246,26 @@ class WriterMarker(_Signed):
     base_version: int | None = None
     num_writers: int | None = None
     layout: str | None = None
+    part_digests: Mapping[str, str] | None = None
     mac: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_int(self.version, what="writer marker version", lo=0, hi=names.MAX_VERSION)
+        if self.part_digests is not None:
+            if not isinstance(self.part_digests, Mapping) or not self.part_digests:
+                raise ManifestError(
+                    f"writer marker of {self.writer!r} part_digests must be a non-empty object, "
+                    f"got {show(self.part_digests)}"
+                )
+            parts = {}
+            for shard, digest in self.part_digests.items():
+                names.check_token("shard", shard)
+                parts[shard] = check_digest(
+                    digest, what=f"writer marker part_digests[{shard!r}]", parts=False
+                )
+            object.__setattr__(self, "part_digests", dict(sorted(parts.items())))
         if self.layout is not None:
-            check_digest(self.layout, what="writer marker layout fingerprint")
+            check_digest(self.layout, what="writer marker layout fingerprint", parts=False)
         names.check_token("writer", self.writer)
         if self.base_version is not None:
             check_int(
@@ -294,6 +313,8 @@ class WriterMarker(_Signed):
             out["num_writers"] = self.num_writers
         if self.layout is not None:
             out["layout"] = self.layout
+        if self.part_digests is not None:
+            out["part_digests"] = dict(self.part_digests)
         return out
 
     @classmethod
@@ -307,10 +328,12 @@ class WriterMarker(_Signed):
                 obj,
                 what=what,
                 required={"version", "writer", "created_at", "blobs"},
-                optional={"mac", "base_version", "num_writers", "layout"},
+                optional={"mac", "base_version", "num_writers", "layout", "part_digests"},
             )
             if not isinstance(obj["blobs"], list):
                 raise ManifestError(f"{what} blobs must be a JSON list")
+            if "part_digests" in obj and not isinstance(obj["part_digests"], dict):
+                raise ManifestError(f"{what} part_digests must be a JSON object")
             _strings(obj, ("writer",), what=what)
             marker = cls(
                 version=obj["version"],
@@ -319,6 +342,7 @@ class WriterMarker(_Signed):
                 base_version=obj.get("base_version"),
                 num_writers=obj.get("num_writers"),
                 layout=obj.get("layout"),
+                part_digests=obj.get("part_digests"),
                 blobs=tuple(
                     BlobEntry.from_dict(b, what=f"blobs[{i}]") for i, b in enumerate(obj["blobs"])
                 ),

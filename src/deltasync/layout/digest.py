@@ -15,6 +15,16 @@ little-endian. Raw bytes of contiguous CPU tensors are hashed in place (no copy)
 non-contiguous tensor is made contiguous first (one copy of that tensor), and device tensors
 are copied to host in chunks of at most 64 MiB.
 
+With several FSDP writers and no full state, a manifest lists a shard's *parts digest*
+instead (:mod:`deltasync.layout.part_digests`: writer k's part digest hashes the shard's
+elements that come from its dim-0 rows):
+
+    parts_digest(W, shard) = "w{W}:" + hex(xxh3_128(concat over writers k = 0..W-1 in
+                                                     order of part_digest(k, shard) 16 bytes)))
+
+W is written in plain decimal (2..65536, no leading zeros); the hex is 32 lowercase digits.
+The ``w`` prefix tells the two forms apart: a state digest is bare hex.
+
 ``shard_state_digests(table, full)`` equals ``{s: state_digest(table.split(full)[s])}`` (what
 the manifest lists and a receiver recomputes from its live tensors) but feeds the hash with the
 canonical bytes each local tensor is made of, in local row-major order: row blocks are hashed in
@@ -29,8 +39,9 @@ manifests or transports.
 
 from __future__ import annotations
 
+import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -99,6 +110,40 @@ def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return combine_digests(
         (name, dtype_name(t), tuple(t.shape), tensor_digest(t)) for name, t in tensors.items()
     )
+
+
+MAX_PARTS_WRITERS = 65536
+_PARTS_RE = re.compile(r"w([1-9][0-9]{0,4}):([0-9a-f]{32})\Z")
+
+
+def parts_digest(parts: Sequence[str]) -> str:
+    """The parts digest of one shard from its W part digests (hex), in writer index order."""
+    if not 2 <= len(parts) <= MAX_PARTS_WRITERS:
+        raise ManifestError(
+            f"a parts digest joins 2 to {MAX_PARTS_WRITERS} writers' part digests, got {len(parts)}"
+        )
+    h = xxhash.xxh3_128()
+    for k, part in enumerate(parts):
+        if not isinstance(part, str) or not re.fullmatch(r"[0-9a-f]{32}", part):
+            raise ManifestError(
+                f"part digest of writer {k} must be 32 lowercase hex characters, got {part!r:.80}"
+            )
+        h.update(bytes.fromhex(part))
+    return f"w{len(parts)}:{h.hexdigest()}"
+
+
+def parse_parts_digest(value: str) -> tuple[int, str] | None:
+    """``(W, hex)`` of a parts digest; None for any other string (a state digest)."""
+    m = _PARTS_RE.match(value) if isinstance(value, str) else None
+    if m is None:
+        return None
+    count = int(m.group(1))
+    return (count, m.group(2)) if 2 <= count <= MAX_PARTS_WRITERS else None
+
+
+def is_parts_digest(value: str) -> bool:
+    """Whether ``value`` is a parts digest (else it is, if valid, a whole-state digest)."""
+    return parse_parts_digest(value) is not None
 
 
 _ZEROS = bytes(1 << 20)

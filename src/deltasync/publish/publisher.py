@@ -18,9 +18,10 @@
    next group runs while the previous one uploads), each group routed
    (:mod:`deltasync.layout.routing`) and appended as one segment to every shard's blob that it
    touches; then store this writer's marker, also when it sent nothing;
-5. the committer (rank 0) computes every shard's digest from the full state, waits for all
-   markers and commits (:mod:`deltasync.commit.committer`); the other writers wait for the
-   manifest and check it lists their blobs.
+5. the committer (rank 0) computes every shard's digest from the full state (or joins the
+   writers' part digests from their markers), waits for all markers and commits
+   (:mod:`deltasync.commit.committer`); the other writers wait for the manifest and check it
+   lists their blobs.
 
 Nothing in the store changes what a receiver sees until step 5 commits the manifest, so a
 crash anywhere leaves the previous version in force; a retry overwrites and re-commits.
@@ -31,10 +32,12 @@ newest committed version (a periodic anchor) and starts a new lineage (a fresh r
 otherwise. The manifest also records the receiver layout (:class:`LayoutRecord`) and each
 blob's element count (density for ``inspect``).
 
-Shard digests need the full state. A single writer has it. With several writers (each holding
-a dim-0 shard), the committer must be given it (``full_state``: the full parameters, or a
-callable that gathers them, e.g. an FSDP full-state-dict gather); no writer can compute a local
-tensor's digest alone, since e.g. ``qkv_proj`` rows come from several trainer ranks.
+State digests need the full state. A single writer has it. With several writers (each holding
+a dim-0 shard) no writer can compute a local tensor's digest alone, since e.g. ``qkv_proj``
+rows come from several trainer ranks: given ``full_state`` (the full parameters, or a callable
+that gathers them), the committer lists state digests; without it, every writer states its
+part digest of every shard in its marker (``layout.part_digests``, from its own rows, no
+gather) and the committer lists each shard's parts digest (``layout.digest.parts_digest``).
 
 :class:`PublishReport` (what one ``publish`` did, with its timings) lives here with it. This
 class knows the protocol order and who does what; planning, encoding and commit records live in
@@ -72,14 +75,17 @@ from deltasync.errors import (
 )
 from deltasync.format import full_updates
 from deltasync.interrupts import interrupts_deferred
-from deltasync.layout import ReceiverLayout, TrainerLayout
+from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
 from deltasync.layout.digest import (
     TensorEntries,
     combine_entries,
+    parse_parts_digest,
+    parts_digest,
     shard_digests,
     state_digests,
     state_tensor_digests,
 )
+from deltasync.layout.part_digests import parts_param_shapes, writer_part_digests
 from deltasync.layout.routing import (
     Change,
     ShardTensors,
@@ -259,6 +265,9 @@ class Publisher:
             params=sorted([n, list(s)] for n, s in self.trainer_layout.param_shapes().items())
         )
         self._pool: ThreadPoolExecutor | None = None  # uploads; started on first use
+        # whether part digests are defined over this trainer layout (None: not checked yet)
+        self._parts_layout_ok: bool | None = None
+        self._parts_odd: list[str] = []  # the parameters that differ, when it is False
         # Versions whose number this publisher never publishes again: with several writers,
         # every one that failed on this writer; with one, those whose manifest write ended
         # without a verdict (the store may still apply it later)
@@ -372,7 +381,7 @@ class Publisher:
         )
         if full_state is not None:
             self._check_full(full)
-        if self._digests(full) != dict(manifest.shard_digests):
+        if self._digests_like(full, manifest.shard_digests) != dict(manifest.shard_digests):
             log.warning(
                 "writer %s: resume from version %d: the stored version %d (run %s) holds another "
                 "state than this checkpoint; the next version is an anchor",
@@ -489,6 +498,8 @@ class Publisher:
                 publisher last committed); None when unknown, which makes this an anchor.
             full_state: the FULL parameters (or a callable returning them) when this rank
                 holds a shard of them: the committer hashes the resulting state from them.
+                Without it, several writers list parts digests (each writer hashes its
+                own rows; no gather), which receivers check with their layout.
             touched: when known up front, every parameter ``changes`` names (an overlapped
                 sender's capture): the receiver tensors no other parameter feeds keep the
                 digests this publisher computed when it committed ``since`` (their bytes are
@@ -635,6 +646,10 @@ class Publisher:
         base_digests = self._baseline_digests if kind == "delta" else None
         self.trainer_layout.check_tied_once(params)
         self._check_shards(params)
+        # Several writers without the full state state part digests, where they are defined
+        # (the committer needs them: it refuses here, before anything is written; another
+        # writer without them may have a committer given full_state, which needs none)
+        parts = cfg.num_writers > 1 and full_state is None and self._parts_defined()
         if cfg.num_writers > 1:  # before any blob of this version is written
             try:
                 commit_mod.claim_version(
@@ -667,7 +682,22 @@ class Publisher:
         # with the trainer for the cores cost more than they overlap).
         held = source is not None and _small(changes)
         digest_job: Future | _Later | None = None
-        if cfg.is_committer and not (kind == "anchor" and cfg.num_writers == 1):
+        # Several writers without the full state: each hashes its own parts of every shard
+        # (its marker states them; the committer joins them into parts digests), beside the
+        # uploads as the committer's full-state pass runs, and no rank gathers the model.
+        parts_job: Future | _Later | None = None
+        if parts:
+
+            def mine() -> dict[str, str]:
+                return self._part_digests(params, cfg.writer_rank)
+
+            if held:
+                parts_job = _Later(mine)  # type: ignore[arg-type]
+            else:
+                if self._digest_pool is None:
+                    self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ds-digest")
+                parts_job = self._digest_pool.submit(mine)
+        elif cfg.is_committer and not (kind == "anchor" and cfg.num_writers == 1):
             # The full-state digest pass only reads the params: run it beside detection,
             # routing and encoding (casts and hashing release the GIL), not after them.
             if self._digest_pool is None and not held:
@@ -731,9 +761,12 @@ class Publisher:
             build_s = time.perf_counter() - t - streams.encode_s
             t = time.perf_counter()
             tensor_entries = None
+            own_parts: dict[str, str] | None = None
             if digest_job is not None:  # overlaps with the uploads still running
                 tensor_entries = digest_job.result()
                 digests = combine_entries(tensor_entries)
+            if parts_job is not None:
+                own_parts = parts_job.result()
             digest_s = time.perf_counter() - t
             if before_commit is not None:  # nothing reads params from here on
                 before_commit()
@@ -742,8 +775,9 @@ class Publisher:
             upload_s = time.perf_counter() - t
         except BaseException as exc:
             streams.abort()  # no partial blob lands under a blob key; nothing is committed
-            if digest_job is not None:
-                digest_job.cancel()
+            for job in (digest_job, parts_job):
+                if job is not None:
+                    job.cancel()
             if isinstance(exc, Exception):  # an interrupt writes nothing more
                 self._drop_unnamed(version, streams.stored_keys())
             raise
@@ -758,6 +792,7 @@ class Publisher:
             base_version=-1 if base is None else base,
             num_writers=cfg.num_writers,
             layout=self._layout_fp,
+            part_digests=own_parts,
         )
         data = marker.to_json(cfg.signing_key)  # MAC'd when keyed
         try:
@@ -838,7 +873,6 @@ class Publisher:
         whether this attempt's blobs are the committed ones."""
         cfg, version = self.config, marker.version
         if cfg.is_committer:
-            assert digests is not None
             # Our own marker from memory: the store's copy may have been rewritten since.
             markers = commit_mod.wait_for_markers(
                 self.store,
@@ -850,6 +884,8 @@ class Publisher:
                 signing_key=cfg.signing_key,
             )
             _check_agreement(markers, marker)
+            if digests is None:  # several writers without the full state: their parts
+                digests = self._joined_parts(markers, version)
             manifest = commit_mod.build_manifest(
                 version=version,
                 kind=kind,
@@ -1148,6 +1184,87 @@ class Publisher:
     def _digests(self, full: Params) -> dict[str, str]:
         return state_digests(full, trainer_layout=self.trainer_layout, receiver_layout=self.layout)
 
+    def _part_digests(self, params: Params, index: int) -> dict[str, str]:
+        """``{shard: part digest}`` of writer ``index`` from its dim-0 shards ``params``."""
+        return writer_part_digests(
+            params,
+            trainer_layout=self.trainer_layout,
+            receiver_layout=self.layout,
+            index=index,
+            count=self.config.num_writers,
+        )
+
+    def _parts_defined(self) -> bool:
+        """Whether part digests are defined over this trainer's parameters: the transformers
+        ones (``hf_model``'s table: receivers derive each writer's rows from it, knowing
+        nothing of the trainer's layout). If not, ConfigError on the committer (before anything
+        is written); another writer states none (its committer may be given full_state)."""
+        if self._parts_layout_ok is None:
+            want = parts_param_shapes(self.layout)
+            have = {n: tuple(s) for n, s in self.trainer_layout.param_shapes().items()}
+            self._parts_layout_ok = have == want
+            self._parts_odd = sorted(set(have) ^ set(want)) or sorted(
+                n for n in have if have[n] != want[n]
+            )
+        if not self._parts_layout_ok and self.config.is_committer:
+            odd = self._parts_odd
+            raise ConfigError(
+                f"writer {self.writer}: without full_state, several writers state part digests "
+                "over the transformers model's parameters, and this trainer layout's differ "
+                f"(e.g. {odd[:3]}); nothing was written. Give the committer full_state"
+            )
+        return self._parts_layout_ok
+
+    def _digests_like(self, full: Params, listed: Mapping[str, str]) -> dict[str, str]:
+        """Every shard's digest of the FULL state ``full`` in the form ``listed`` uses: the
+        state digests, or (several writers' parts digests) each writer's parts of ``full``'s
+        dim-0 rows joined as the committer joins the writers' markers."""
+        count = next((p[0] for d in listed.values() if (p := parse_parts_digest(d))), None)
+        if count is None:
+            return self._digests(full)
+        per_writer = []
+        for k in range(count):
+            rows = {}
+            for name, t in full.items():
+                t = local_of(t)
+                rows[name] = t[slice(*fsdp_dim0_rows(t.shape[0], k, count))] if t.dim() else t
+            per_writer.append(
+                writer_part_digests(
+                    rows,
+                    trainer_layout=self.trainer_layout,
+                    receiver_layout=self.layout,
+                    index=k,
+                    count=count,
+                )
+            )
+        return {s: parts_digest([per_writer[k][s] for k in range(count)]) for s in per_writer[0]}
+
+    def _joined_parts(self, markers: Sequence[WriterMarker], version: int) -> dict[str, str]:
+        """Every shard's parts digest from the writers' markers (writer index order). A marker
+        without part digests (its writer was given full_state) or with another set of shards
+        is refused by name: nothing is committed."""
+        cfg = self.config
+        by_writer = {m.writer: m for m in markers}
+        shards = sorted(s.id for s in self.layout.shards())
+        ordered = []
+        for k in range(cfg.num_writers):
+            m = by_writer[cfg.writer_id(k)]
+            if m.part_digests is None:
+                raise VersionError(
+                    f"version {version}: writer {m.writer}'s marker states no part digests (it "
+                    "was given full_state), and the committer, given none, needs every writer's "
+                    "to list each shard's digest; nothing was committed. Give full_state to the "
+                    "committer (or to no writer)"
+                )
+            if sorted(m.part_digests) != shards:
+                raise VersionError(
+                    f"version {version}: writer {m.writer}'s marker states part digests of "
+                    f"shards {sorted(m.part_digests)[:8]}, the receiver layout has {shards[:8]}; "
+                    "nothing was committed. Give every writer the same receiver layout"
+                )
+            ordered.append(m.part_digests)
+        return {s: parts_digest([p[s] for p in ordered]) for s in shards}
+
     def _full_state_shards(self, params: Params) -> ShardTensors:
         return full_shard_tensors(
             params, trainer_layout=self.trainer_layout, receiver_layout=self.layout
@@ -1196,7 +1313,7 @@ class Publisher:
                 "and it has no manifest to compare with; publish under a version above "
                 f"{committed}"
             ) from None
-        if not self.config.is_committer and full_state is None:
+        if full_state is None and (not self.config.is_committer or self.config.num_writers > 1):
             # It cannot hash the resulting state, and nothing else proves that its changes
             # since its baseline are in that version (another session's late commit, a stale
             # number, or steps taken since an attempt of its own that landed): taking the
@@ -1204,13 +1321,13 @@ class Publisher:
             # blobs and anchors after anyone else's.
             raise CommitConflictError(
                 f"version {version} is already committed (writers {list(manifest.writers)}); "
-                f"writer {self.writer!r}, which does not commit, cannot tell without the full "
+                f"writer {self.writer!r}, one of several, cannot tell without the full "
                 f"state whether its changes since version {self.baseline} are in it, and keeps "
                 "them. Publish next_version() on every writer, or give every writer full_state "
                 "so that a retried or replayed version is compared as the committer compares it"
             )
-        digests = self._digests(self._resolve_full(params, full_state))
-        if digests != dict(manifest.shard_digests):
+        full = self._resolve_full(params, full_state)
+        if self._digests_like(full, manifest.shard_digests) != dict(manifest.shard_digests):
             raise CommitConflictError(
                 f"version {version} is already committed (writers {list(manifest.writers)}) "
                 "with a different state than this trainer's; this publisher diverged from "

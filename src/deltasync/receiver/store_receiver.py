@@ -19,7 +19,9 @@
 4. verify before write: read the chain one tensor at a time (:func:`deltasync.format.iter_chain`:
    every record checked, writers disjoint, an anchor complete) and hash each tensor as it
    WILL be after its pieces, chunk by chunk (:mod:`deltasync.layout.verify`); compare with the
-   manifest's shard digest. A mismatch refuses the pull with every live element untouched.
+   manifest's shard digest (a parts digest, from several writers without the full state: the
+   shard's part digests as they will be, :mod:`deltasync.layout.part_digests`, which needs the
+   receiver's layout). A mismatch refuses the pull with every live element untouched.
    The journal is written durably meanwhile, on a thread, and waited for before step 5;
 5. scatter into the live tensors: the pause, and only that (the records read again and
    decoded one tensor at a time, unless the chain is held);
@@ -80,15 +82,18 @@ from deltasync.format import (
     PauseContext,
     Records,
     TensorSpec,
+    TensorUpdate,
     apply_pieces,
     check_tensors_match,
     check_tensors_still_match,
     inside_pause,
     iter_chain,
 )
+from deltasync.format.merge import RecordStream
 from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout
-from deltasync.layout.digest import state_digest
+from deltasync.layout.digest import parse_parts_digest, parts_digest, state_digest
+from deltasync.layout.part_digests import chain_part_digests, receiver_part_digests
 from deltasync.layout.verify import chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, open_version
@@ -252,6 +257,9 @@ FETCH_HEARTBEAT_MIN_BYTES = 64 << 20
 # Decoded bytes per decompressed section byte, at most: int32 indices from 1-byte gaps plus
 # BF16 values (4 + 2 for 1 + 2 bytes) is 2x; int64 indices (tensors above 2^31 elements) 3.3x.
 _DECODED_PER_RAW = 2
+# Decoded bytes per listed element a verify of a parts digest holds: an int32 index and a
+# BF16 value (int64 indices, above 2^31 elements, hold 10; the budget is a bound, not a count)
+_HELD_BYTES_PER_ELEMENT = 6
 # Errors that mean "the journaled chain cannot be replayed from the store any more".
 _UNREPLAYABLE = (KeyNotFoundError, FormatError, ManifestError, VersionError)
 
@@ -319,6 +327,7 @@ class Receiver:
         self._check_tensors()
         self._specs_fp = specs_fingerprint(self.specs)
         self._shard_bytes = sum(_numel(sp.shape) * sp.dtype.itemsize for sp in self.specs.values())
+        self._layout = layout  # what a parts digest (several writers' parts) is checked with
         record = LayoutRecord.of(layout) if layout is not None else None
         self._layout_desc = record.describe() if record is not None else "the tensors it was given"
         # where this shard's elements come from (None: built from tensors alone, not checked)
@@ -426,7 +435,8 @@ class Receiver:
                 self.config.verify_on_open
                 and self._state.version is not None
                 and not self._state.dirty
-                and state_digest(self.tensors) != self._state.state_digest
+                and self._live_digest(self._state.state_digest, self._state.version)
+                != self._state.state_digest
             ):
                 log.warning(
                     "receiver %r shard %r: the tensors do not hash to version %d as recorded; "
@@ -671,7 +681,7 @@ class Receiver:
         held = self._held()
         if held is None:
             return False
-        if state_digest(self.tensors) == held[1]:
+        if self._live_digest(held[1], held[0]) == held[1]:
             self._vouch()
             return True
         self.invalidate(
@@ -1092,12 +1102,16 @@ class Receiver:
                 steps.append((m.version, m.kind, blobs))
                 fetched += n
                 raw += sum(b.raw_len for b in blobs)
+        if raw * _DECODED_PER_RAW <= self._staged_budget():
+            steps = [(v, kind, [Records(list(b)) for b in blobs]) for v, kind, blobs in steps]
+        return steps, fetched
+
+    def _staged_budget(self) -> int:
+        """Decoded bytes a pull may hold beside the live tensors (``max_staged_bytes``)."""
         budget = self.config.max_staged_bytes
         if budget is None:
             budget = max(self._shard_bytes // 16, MIN_STAGED_BYTES)
-        if raw * _DECODED_PER_RAW <= budget:
-            steps = [(v, kind, [Records(list(b)) for b in blobs]) for v, kind, blobs in steps]
-        return steps, fetched
+        return budget
 
     @contextlib.contextmanager
     def _heartbeats_while_fetching(self, size: int) -> Iterator[None]:
@@ -1237,7 +1251,7 @@ class Receiver:
             # structure and every writer/anchor check) and of the resulting state, tensor by
             # tensor; nothing is written until it has finished.
             t = time.perf_counter()
-            digest = chain_state_digest(self.tensors, iter_chain(steps, self.specs))
+            digest = self._chain_digest(steps, expected, target.version)
             verify_s = time.perf_counter() - t
         except BaseException as exc:
             if journal is not None:
@@ -1300,7 +1314,10 @@ class Receiver:
         pause_s = time.perf_counter() - t
         del steps
 
-        if self.config.verify_after_write and state_digest(self.tensors) != expected:
+        if (
+            self.config.verify_after_write
+            and self._live_digest(expected, target.version) != expected
+        ):
             log.error(
                 "receiver %r shard %r: the tensors changed during the scatter of version %d; "
                 "marked dirty, the next pull restores the newest anchor",
@@ -1514,13 +1531,68 @@ class Receiver:
             journal.wait()  # the withdrawal first, then the version the tensors still hold
             self._register_as(self._state)
 
+    # --- digests ----------------------------------------------------------------------
+
+    def _live_digest(self, listed: str, version: int) -> str:
+        """The live tensors' digest in the form of ``listed`` (a manifest's digest of this
+        shard, of ``version``): the state digest, or the parts digest of several writers."""
+        parsed = parse_parts_digest(listed)
+        if parsed is None:
+            return state_digest(self.tensors)
+        count = parsed[0]
+        parts = receiver_part_digests(
+            self.tensors, layout=self._parts_layout(version), shard=self.shard, count=count
+        )
+        return parts_digest([parts[k] for k in range(count)])
+
+    def _chain_digest(self, steps: list, listed: str, version: int) -> str:
+        """The digest the tensors will have after the chain ``steps`` (to ``version``), in
+        the form of ``listed``, read one tensor at a time; the tensors are not written."""
+        parsed = parse_parts_digest(listed)
+        if parsed is None:
+            return chain_state_digest(self.tensors, iter_chain(steps, self.specs))
+        count = parsed[0]
+        layout = self._parts_layout(version)
+        # the record headers are read once here, for the chain's reading order too
+        steps = [(v, kind, [_NamesOnce(s) for s in streams]) for v, kind, streams in steps]
+        names_listed = {n for _, _, streams in steps for stream in streams for n in stream.names()}
+        parts = chain_part_digests(
+            self.tensors,
+            iter_chain(steps, self.specs),
+            listed=names_listed,
+            layout=layout,
+            shard=self.shard,
+            count=count,
+            # tensors listed ahead of their turn are held up to the staging budget (at least
+            # the shard's largest tensor, as a chain read holds about one tensor's pieces),
+            # the rest read again (checked already by the first read)
+            again=lambda: iter_chain(steps, self.specs, check=False),
+            max_held=max(
+                self._staged_budget() // _HELD_BYTES_PER_ELEMENT,
+                max((_numel(sp.shape) for sp in self.specs.values()), default=0),
+            ),
+        )
+        return parts_digest([parts[k] for k in range(count)])
+
+    def _parts_layout(self, version: int) -> ReceiverLayout:
+        """The layout a parts digest is checked with; ConfigError (nothing written) without."""
+        if self._layout is None:
+            raise ConfigError(
+                f"receiver {self.config.receiver_id!r} shard {self.shard!r}: version {version} "
+                "lists a parts digest of this shard (several writers published it without the "
+                "full state), which is checked with the receiver layout, and this Receiver was "
+                "built without one. Nothing was written: build it with Receiver.for_layout(store, "
+                "layout, shard, ...) (or pass layout=)"
+            )
+        return self._layout
+
     def _refused(
         self, versions: list[int], digest: str, expected: str, from_version: int | None
     ) -> None:
         """The chain does not lead to the manifest's state: refuse it, nothing written. If
         the live tensors no longer hash to the recorded version either, they are dirty."""
         held = self._held()
-        still = held is None or state_digest(self.tensors) == held[1]
+        still = held is None or self._live_digest(held[1], held[0]) == held[1]
         if not still:
             self._set_state(dirty=True)
             self._flush_records()
@@ -1615,6 +1687,23 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
+
+
+class _NamesOnce:
+    """A blob's records whose tensor names are read once (``names()`` of a blob that stays
+    compressed decompresses its whole record section); the bytes are immutable."""
+
+    def __init__(self, records: RecordStream) -> None:
+        self.records = records
+        self._names: list[str] | None = None
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return iter(self.records)
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = self.records.names()
+        return list(self._names)
 
 
 def _then(first: PullReport, then: PullReport) -> PullReport:

@@ -1,6 +1,6 @@
 """Writer part digests: with several FSDP writers, each writer digests the part of every
 receiver shard it owns, and each receiver hashes the same parts of its live tensors, so that a
-divergence is caught after every version without any rank holding the full model.
+shard's state is checked without any rank holding the full model.
 
 A writer's *part* of a receiver shard is every rectangle of every local tensor whose source
 elements live in the writer's FSDP dim-0 rows. The pieces are derived from metadata alone (the
@@ -14,20 +14,23 @@ the parameter rectangle. The part digest of (writer, shard) is one xxh3-128 stre
 bytes of the writer's pieces of that shard in a fixed order (local tensor order, then rectangle
 start), each rectangle in row-major order: the writer feeds its fp32 masters cast to BF16 a few
 MiB of rows at a time; a receiver feeds its local rectangles (full-width ones in place), or,
-to verify before it writes, the rectangles as they WILL be after a version's updates (a chunk of
-rows with updated elements is copied, patched and hashed; never a copy of the shard).
+to verify before it writes, the rectangles as they WILL be after a chain of updates
+(:func:`chain_part_digests`: a chunk of rows with updated elements is copied, patched and
+hashed; never a copy of the shard).
 
-It is a transit check for the in-cluster path, built from the same xxh3-128 primitive as the
-one shard-state digest (:mod:`deltasync.layout.digest`), which stays what a receiver reports
-and what replicas of a shard compare in the joint commit. Elements no writer owns (vLLM's
-vocabulary padding) are in no part; an anchor writes them zero and deltas never touch them.
+Both paths use them: the in-cluster path as a transit check per writer, the storage path
+through the *parts digest* a manifest lists for a multi-writer version published without the
+full state (:func:`deltasync.layout.digest.parts_digest` over the W part digests). Elements no
+writer owns (vLLM's vocabulary padding) are in no part; an anchor writes them zero and deltas
+never touch them.
 
-This module knows tables, blocks and bytes; it knows nothing about processes or envelopes.
+This module knows tables, blocks and bytes; it knows nothing about processes, envelopes,
+stores or manifests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -35,11 +38,14 @@ import torch
 import xxhash
 
 from deltasync.format import TensorUpdate
-from deltasync.layout import ReceiverLayout, TrainerLayout, fsdp_dim0_rows
+from deltasync.format.merge import TensorPieces
 from deltasync.layout.blocks import as_2d, view_rows
 from deltasync.layout.hf_model import build_hf_table
+from deltasync.layout.receiver_layout import ReceiverLayout
+from deltasync.layout.trainer_layout import TrainerLayout, fsdp_dim0_rows
 
 _CAST_ELEMENTS = 1 << 21  # elements per cast chunk: ~4 MiB of BF16
+_ROW_ELEMENTS = 1 << 21  # elements per row chunk of a part digest after a chain: ~4 MiB of BF16
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,14 @@ def _owned_rows(shape: tuple[int, ...], index: int, count: int) -> tuple[int, in
 def _overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
     lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
     return lo, max(0, hi - lo)
+
+
+def parts_param_shapes(layout: ReceiverLayout) -> dict[str, tuple[int, ...]]:
+    """The trainer parameters (full shapes) part digests are defined over: the transformers
+    model's (``hf_model``), which a writer's params must be dim-0 shards of."""
+    hf = build_hf_table(layout.spec)
+    (hf_shard,) = hf.dst_shapes
+    return {n: tuple(s) for n, s in hf.dst_shapes[hf_shard].items()}
 
 
 def writer_pieces(layout: ReceiverLayout, index: int, count: int) -> dict[str, list[Piece]]:
@@ -246,3 +260,128 @@ def iter_pieces(layout: ReceiverLayout, count: int) -> Iterator[Piece]:
     for k in range(count):
         for pieces in writer_pieces(layout, k, count).values():
             yield from pieces
+
+
+def chain_part_digests(
+    tensors: Mapping[str, torch.Tensor],
+    chain: Iterable[TensorPieces],
+    *,
+    listed: Collection[str],
+    layout: ReceiverLayout,
+    shard: str,
+    count: int,
+    again: Callable[[], Iterable[TensorPieces]] | None = None,
+    max_held: int = 0,
+) -> dict[int, str]:
+    """``{writer index: part digest}`` of ``shard`` as it will be after ``apply_pieces`` of
+    every item of ``chain`` (``format.iter_chain``: at most one per tensor), consuming it one
+    tensor at a time; ``tensors`` are not written.
+
+    A part digest is one stream over the writer's pieces in the shard's tensor order, so the
+    tensors are hashed in that order: a tensor the chain does not list (``listed``: every
+    name it lists, from the record headers) is hashed from its live values when its turn
+    comes, a listed one when its pieces arrive. One that arrives before its turn (the chain
+    lists tensors in the trainer's parameter order, e.g. ``lm_head`` last where a vLLM shard
+    holds it second) is held until then; given ``again`` (the same chain read afresh), only
+    while the held pieces list at most ``max_held`` elements: the rest are dropped and read
+    again in another pass (each pass hashes at least the next tensor in turn), so the memory
+    stays bounded at the cost of reading the chain again. ``chain`` is always read to its end
+    first (its checks then have run).
+
+    Returns:
+        What :func:`receiver_part_digests` gives after the writes.
+    """
+    order = sorted(layout.local_specs(shard), key=lambda n: layout.local_position(shard, n))
+    position = {name: i for i, name in enumerate(order)}
+    by_tensor: list[dict[str, list[Piece]]] = []
+    for k in range(count):
+        mine: dict[str, list[Piece]] = {}
+        for p in writer_pieces(layout, k, count)[shard]:  # digest order within a tensor too
+            mine.setdefault(p.local, []).append(p)
+        by_tensor.append(mine)
+    hashers = [xxhash.xxh3_128() for _ in range(count)]
+    arrived: dict[str, TensorPieces] = {}
+    held = 0  # elements the held items' pieces list
+    at = 0
+
+    def advance() -> None:
+        nonlocal at, held
+        while at < len(order):
+            name = order[at]
+            item = arrived.pop(name, None)
+            if item is None and name in listed:
+                return  # its pieces have not been read yet
+            if item is not None:
+                held -= item.nnz
+            base, sparse = _after(as_2d(tensors[name].detach()), item)
+            for k in range(count):
+                for p in by_tensor[k].get(name, ()):
+                    _feed_rows(hashers[k], base, p, sparse)
+            at += 1
+
+    source = chain
+    while True:
+        began = at
+        for item in source:
+            turn = position[item.name]
+            if turn < at or item.name in arrived:
+                continue  # hashed, or held, in an earlier pass
+            if turn > at and again is not None and held + item.nnz > max_held:
+                continue  # ahead of its turn and over the budget: read again later
+            arrived[item.name] = item
+            held += item.nnz
+            advance()
+        advance()
+        if at == len(order) or again is None or at == began:
+            break  # done; or a pass that hashed nothing (the chain lacks a listed tensor)
+        source = again()
+    assert at == len(order) and not arrived, (at, list(arrived))
+    return {k: h.hexdigest() for k, h in enumerate(hashers)}
+
+
+Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # (sorted flat indices, values) on the CPU
+
+
+def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor, Sparse]:
+    """A tensor (2-D view) as it will be: the base its pieces start from (the live values,
+    the last dense piece's values, or zeros for an anchor) and the sparse pieces on top."""
+    if item is None:
+        return live, []
+    pieces = item.pieces[item.start() :]
+    if pieces and pieces[0].is_dense:
+        base = as_2d(pieces[0].values.reshape(item.shape))
+        pieces = pieces[1:]
+    elif item.from_zero:  # an anchor: elements it does not list are zero (no buffer)
+        base = torch.zeros((), dtype=item.dtype).expand(live.shape)
+    else:
+        base = live
+    return base, [(p.indices.cpu(), p.values.cpu()) for p in pieces if p.nnz]  # type: ignore[union-attr]
+
+
+def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
+    """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top, a few MiB of rows
+    at a time: rows no piece touches are fed from ``base`` as they are; touched rows are
+    copied whole into a scratch chunk, patched there by flat index (``index_copy_``: an
+    anchor patches every element) and the piece's columns fed from it. ``base`` is never
+    written. (xxh3 fed in pieces equals xxh3 of the whole, so the chunking is free.)"""
+    width = base.shape[1]
+    step = max(1, _ROW_ELEMENTS // max(1, width))
+    stop = p.local_row + p.rows
+    cols = slice(p.local_col, p.local_col + p.cols)
+    for r0 in range(p.local_row, stop, step):
+        r1 = min(stop, r0 + step)
+        hits = []
+        for idx, vals in sparse:
+            bounds = torch.tensor([r0 * width, r1 * width], dtype=idx.dtype)
+            lo, hi = torch.searchsorted(idx, bounds).tolist()
+            if hi > lo:
+                hits.append((idx[lo:hi], vals[lo:hi]))
+        if not hits:
+            feed_bf16(h, base[r0:r1, cols])  # nothing written in these rows
+            continue
+        chunk = torch.empty((r1 - r0, width), dtype=base.dtype)
+        chunk.copy_(base[r0:r1])  # a copy, never the live bits (also from a device)
+        flat = chunk.view(-1)
+        for idx, vals in hits:
+            flat.index_copy_(0, idx.to(torch.int64) - r0 * width, vals)
+        feed_bf16(h, chunk[:, cols])
