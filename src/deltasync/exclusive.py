@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from deltasync.atomic import full_disk_remedy
 from deltasync.errors import ConfigError, LocalStateError
 
 # Files this process holds: the lock file's real path -> [the pid that locked it (a forked
@@ -153,13 +154,7 @@ class FileHold:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:  # a full disk: the pid is only for the message of a refusal
             os.close(fd)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # as atomic.full_disk_remedy says
-            remedy = (
-                f" (its filesystem is full: free space in {str(self.path.parent)!r}, then try "
-                "again)"
-                if full
-                else ""
-            )
+            remedy = full_disk_remedy(exc, self.path.parent)
             raise LocalStateError(
                 f"cannot write the lock of {self.what}: {exc.strerror or exc}{remedy}"
             ) from exc

@@ -5,7 +5,8 @@ write replaces the key), lists keys outside
 the prefix asked for, hands out continuation tokens that loop (A, B, A, B, ...: never the
 same twice in a row, which botocore's own check misses), redirects every request to
 itself, cuts the body of the next error reply short (the connection closes after half of
-the announced Content-Length, then a reset), or flips a byte of a GET's body. Every other request passes through unchanged."""
+the announced Content-Length, then a reset), flips a byte of a GET's body, or lists
+multipart uploads without their ids. Every other request passes through unchanged."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class LyingS3:
     the mode then returns to "honest"; ``cut`` counts them) or "stalls-error-body-once" (the
     same, with ``stall_s`` seconds between the half body and the reset), "flips-body-once" (the
     next GET answered 200 has its first byte flipped, the length intact, then "honest") or
-    "flips-body" (every one; ``flipped`` counts them)."""
+    "flips-body" (every one; ``flipped`` counts them), "drops-upload-ids" (a listing of
+    multipart uploads whose entries have no ``UploadId``)."""
 
     def __init__(self, upstream_port: int, *, foreign_key: str = "other-run/v00000009/x") -> None:
         self.mode = "honest"
@@ -85,6 +87,8 @@ class LyingS3:
                         + nxt
                         + b"</NextContinuationToken></ListBucketResult>",
                     )
+                elif proxy.mode == "drops-upload-ids" and "uploads" in query:
+                    data = re.sub(rb"<UploadId>[^<]*</UploadId>", b"", data)
                 elif listing and proxy.mode == "lists-outside-prefix":
                     extra = (
                         b"<Contents><Key>"

@@ -188,3 +188,14 @@ def test_a_retried_error_whose_text_ends_a_sentence_reads_as_one_sentence(lying)
         store._call("get", "v00000001/tp0/w00000.blob", cut)
     message = str(failed.value)
     assert "expected is 2. Is the server reachable?" in message and ".." not in message, message
+
+
+def test_uploads_listed_without_their_ids_are_left_never_a_bare_key_error(lying):
+    # abort_uploads (gc, for each version it deletes) is best effort, but a listing whose
+    # entries had no UploadId raised KeyError out of it, and gc ended in a traceback
+    proxy, store = lying
+    store._client.create_multipart_upload(Bucket=store.bucket, Key="run42/v00000000/tp0/w.blob")
+    proxy.mode = "drops-upload-ids"
+    assert store.abort_uploads("v00000000/") == 0
+    proxy.mode = "honest"
+    assert store.abort_uploads("v00000000/") == 1

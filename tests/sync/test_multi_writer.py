@@ -1451,3 +1451,41 @@ def test_a_full_state_that_fails_on_a_writer_that_does_not_commit_is_said_there(
     said = [r.getMessage() for r in caplog.records if "full_state raised" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: gather lost rank 1's peer" in said[0], said
     assert syncs[1].publishers[0].writer in said[0]
+
+
+def _gather_bf16(keep_on):
+    """``_ranks``' ``gather``: the docs' FSDP recipe, ``gather_bf16(..., keep=rank in keep_on)``
+    (plain tensors here: each rank's full state, as the gather would have it)."""
+    from deltasync.trainer import gather_bf16
+
+    ranks = iter(range(WORLD))
+    return lambda trainer: gather_bf16(trainer.params.items(), keep=next(ranks) in keep_on)
+
+
+@pytest.mark.timeout(90)
+def test_the_recipes_gather_kept_by_the_committer_alone_resumes_only_where_kept_everywhere(
+    tmp_path,
+):
+    # A writer given gather_bf16(keep=False) gets {}: resume() (which compares the state on
+    # every writer) blamed that full_state for "missing" every parameter, naming no remedy,
+    # and a committed version handed to it was a ConfigError, not the CommitConflictError
+    # that keeps its changes, as without full_state.
+    store, _, _, syncs, trainers = _stepped_past_version_0(
+        tmp_path, gather=_gather_bf16({0}), marker_timeout_s=1.0
+    )
+    _delta_on_the_one_before(syncs, store, 1)
+    for t in trainers:
+        t.step()
+    out = _everyone(lambda r: syncs[r].step_published(2 if r == 0 else 1))
+    assert isinstance(out[1], CommitConflictError), out[1]
+    assert "version 1 is already committed" in str(out[1]) and "keeps them" in str(out[1])
+    for kept, want in (({0}, ConfigError), ({0, 1}, True)):
+        again, _ = _ranks([store] * 2, session=f"s{len(kept)}", gather=_gather_bf16(kept))
+        resumed = _everyone(lambda r, s=again: s[r].resume(0))
+        assert resumed[0] is True, resumed
+        if want is True:
+            assert resumed[1] is True, resumed
+        else:
+            assert isinstance(resumed[1], ConfigError), resumed
+            assert "full_state returned no parameters" in str(resumed[1]), resumed
+            assert "gather_bf16(..., keep=True)" in str(resumed[1]), resumed

@@ -938,19 +938,24 @@ class Publisher:
         marker: no marker lists them, so no manifest can name them, and on a full disk their
         room is what the next attempt needs, and with several writers the notice that tells
         the others to stop waiting (else they wait out ``marker_timeout_s``). Best effort:
-        what cannot be deleted is left to gc."""
-        for key in keys:
+        what cannot be deleted is left to gc, and so is the rest after the first delete that
+        fails (a store that does not answer, the usual cause of the failure, would hold the
+        caller for a retry deadline per blob)."""
+        for i, key in enumerate(keys):
             try:
                 self.store.delete(key)
             except StoreError as exc:
                 log.warning(
                     "writer %s: blob %r of its failed version %d could not be deleted (%s); "
-                    "gc removes it once a later version is committed",
+                    "gc removes it, and the %d after it not tried, once a later version is "
+                    "committed",
                     self.writer,
                     key,
                     version,
                     exc,
+                    len(keys) - i - 1,
                 )
+                return
 
     def _withdraw(self, marker: WriterMarker) -> None:
         """After this writer's attempt failed with several writers: remove its marker, so the
@@ -1284,6 +1289,14 @@ class Publisher:
 
     def _check_full(self, full: Params) -> None:
         """ConfigError unless ``full`` (a ``full_state``) holds every parameter, whole."""
+        if not full:
+            raise ConfigError(
+                f"writer {self.writer}: full_state returned no parameters (as "
+                "gather_bf16(keep=False) does: enough for a writer that does not commit to "
+                "publish), and this writer hashes the whole state from it (it commits, or "
+                "resume() compares the state on every writer). Give it a full_state that keeps "
+                "the state here: gather_bf16(..., keep=True)"
+            )
         missing = self.trainer_layout.missing(full)
         if missing:
             raise ConfigError(
@@ -1313,7 +1326,12 @@ class Publisher:
                 "and it has no manifest to compare with; publish under a version above "
                 f"{committed}"
             ) from None
-        if full_state is None and (not self.config.is_committer or self.config.num_writers > 1):
+        if self.config.is_committer:
+            empty = full_state is None and self.config.num_writers > 1
+        else:  # None given, or a gather that keeps nothing here (gather_bf16(keep=False))
+            full_state = full_state() if callable(full_state) else full_state
+            empty = not full_state
+        if empty:
             # It cannot hash the resulting state, and nothing else proves that its changes
             # since its baseline are in that version (another session's late commit, a stale
             # number, or steps taken since an attempt of its own that landed): taking the
@@ -1324,7 +1342,8 @@ class Publisher:
                 f"writer {self.writer!r}, one of several, cannot tell without the full "
                 f"state whether its changes since version {self.baseline} are in it, and keeps "
                 "them. Publish next_version() on every writer, or give every writer full_state "
-                "so that a retried or replayed version is compared as the committer compares it"
+                "that keeps the state (gather_bf16(..., keep=True)) so that a retried or replayed "
+                "version is compared as the committer compares it"
             )
         full = self._resolve_full(params, full_state)
         if self._digests_like(full, manifest.shard_digests) != dict(manifest.shard_digests):

@@ -1045,7 +1045,9 @@ class S3Store:
                 found.extend(
                     (u["Key"], u["UploadId"])
                     for u in listed.get("Uploads", ())
-                    if isinstance(u.get("Key"), str) and u["Key"].startswith(full_prefix)
+                    if isinstance(u.get("Key"), str)
+                    and u["Key"].startswith(full_prefix)
+                    and isinstance(u.get("UploadId"), str)  # none: nothing to abort it by
                 )
                 if not listed.get("IsTruncated"):
                     break

@@ -41,9 +41,11 @@ def gather_bf16(
     Args:
         named_params: the trainer's parameters, e.g. ``model.named_parameters()``.
         keep: whether this rank keeps what it gathered. Only the committing writer (writer 0)
-            reads the state; a rank with ``keep=False`` joins every gather and returns ``{}``.
-            A non-committing writer that retries a version already committed compares its
-            digests from this state, so without it that retry raises ``ConfigError``.
+            reads the state when it publishes; a rank with ``keep=False`` joins every gather
+            and returns ``{}``. ``resume()`` compares the state's digests on every writer, so
+            a job that resumes keeps it on every rank (``ConfigError`` naming this otherwise);
+            a non-committing writer without it handed a version already committed cannot
+            compare it (``CommitConflictError``, its changes kept, as without ``full_state``).
         device: where the gathered tensors go, one at a time (default: the host).
 
     Raises:
