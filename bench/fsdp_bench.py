@@ -110,18 +110,26 @@ def main(args: argparse.Namespace) -> int:
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         print(f"launching {args.ranks} gloo ranks (FSDP2, CPU)", flush=True)
+        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            done = subprocess.run(cmd, env=env, timeout=args.timeout_s, capture_output=True)
+            stdout, stderr = launcher.communicate(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
+            # SIGTERM first: the launcher stops its ranks (a SIGKILL would leave them running)
+            launcher.terminate()
+            try:
+                launcher.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.communicate()
             print(f"the ranks did not finish in {args.timeout_s:g} s", file=sys.stderr)
             emit_json({"exact": False, "failures": ["timed out"]})
             return 1
         result = Path(root) / "result.json"
-        if done.returncode != 0 or not result.exists():
-            said = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+        if launcher.returncode != 0 or not result.exists():
+            said = stdout.decode(errors="replace") + stderr.decode(errors="replace")
             sys.stderr.write(said[-8000:])
             errors = [line for line in said.splitlines() if line.startswith("deltasync: error:")]
-            why = f"the ranks exited {done.returncode}" + (f": {errors[0]}" if errors else "")
+            why = f"the ranks exited {launcher.returncode}" + (f": {errors[0]}" if errors else "")
             emit_json({"exact": False, "failures": [why]})
             return 1
         out = json.loads(result.read_text())
