@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from deltasync.errors import LocalStateError
+from deltasync.errors import LocalStateError, full_disk_remedy
 
 TMP_MARK = ".tmp-"  # every temp file's name holds this after a leading '.'
 
@@ -359,18 +359,6 @@ def read_record(path: Path, *, follow_links: bool = True) -> Any:
             f"{str(path)!r} is not valid JSON ({exc}); it was not written by deltasync or was "
             f"damaged: {REMEDY}"
         ) from exc
-
-
-# A write refused for room: the filesystem (or the user's quota on it) is full.
-FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def full_disk_remedy(exc: BaseException, directory: Path) -> str:
-    """The remedy a message about a failed write ends with when ``exc`` says the filesystem
-    (or a quota) is full: free space where the write goes; '' for any other error."""
-    if getattr(exc, "errno", None) not in FULL_ERRNOS:
-        return ""
-    return f" (its filesystem is full: free space in {str(directory)!r}, then try again)"
 
 
 def write_record(

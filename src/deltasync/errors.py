@@ -12,6 +12,8 @@ kinds.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Mapping
 
 
@@ -22,6 +24,18 @@ class DeltaSyncError(Exception):
 def error_line(exc: DeltaSyncError) -> str:
     """The one line the command line prints on stderr for a typed error (then status 2)."""
     return f"deltasync: error: {type(exc).__name__}: {exc}"
+
+
+# A write refused for room: the filesystem (or the user's quota on it) is full.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def full_disk_remedy(exc: BaseException, directory: str | os.PathLike[str]) -> str:
+    """The remedy a message about a failed write ends with when ``exc`` says the filesystem
+    (or a quota) is full: free space where the write goes; '' for any other error."""
+    if getattr(exc, "errno", None) not in FULL_ERRNOS:
+        return ""
+    return f" (its filesystem is full: free space in {os.fspath(directory)!r}, then try again)"
 
 
 # --- configuration ------------------------------------------------------------------------

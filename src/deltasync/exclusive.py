@@ -29,8 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltasync.atomic import full_disk_remedy
-from deltasync.errors import ConfigError, LocalStateError
+from deltasync.errors import ConfigError, LocalStateError, full_disk_remedy
 
 # Files this process holds: the lock file's real path -> [the pid that locked it (a forked
 # child holds none of its parent's POSIX locks), its descriptor, how many holders share it].

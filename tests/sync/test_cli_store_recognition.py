@@ -129,6 +129,7 @@ def test_the_pull_loop_refuses_a_file_url_naming_a_host_before_waiting_for_it(tm
         s3_endpoint=None,
         s3_read_timeout=None,
         s3_retry_deadline=None,
+        s3_ca_bundle=None,
     )
     with pytest.raises(ConfigError, match="names host 'tmp'"):
         check_store_flags(args)  # what `pull` checks before it waits for a store directory

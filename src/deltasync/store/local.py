@@ -42,8 +42,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from deltasync.atomic import FULL_ERRNOS, TMP_MARK
+from deltasync.atomic import TMP_MARK
 from deltasync.errors import (
+    FULL_ERRNOS,
     CommitConflictError,
     KeyNotFoundError,
     OutcomeUnknownError,
