@@ -504,12 +504,13 @@ def _two_versions_sent(setup: Setup, rank: int) -> tuple[Trainer, ClusterSender]
     return trainer, sender
 
 
-def run_writer_death(rank: int, setup: Setup) -> dict:
-    """Writers 0, 1 (snapshot trackers over their FSDP halves), TP=2 receivers (ranks 2, 3).
+def run_writer_death(rank: int, setup: Setup, linger_s: float = 0.0) -> dict:
+    """``setup.num_writers`` writers (snapshot trackers over their FSDP slices), TP=2 receivers.
     Anchor 0 and delta 1 commit; in delta 2 writer 1 is SIGKILLed between the two rounds of
     the exchange (round 1 done, none of its payloads sent). The others report what they
-    raised: writer 0 may finish its own round 2 and wait in the joint commit, where the
-    receivers (failing in round 2) never arrive."""
+    raised: a writer may finish its own round 2 and wait in the joint commit, where the
+    receivers (failing in round 2) never arrive. Every survivor stays up ``linger_s`` after
+    its failure, keeping its connections open as an engine's process does."""
     from deltasync.exchange import rounds
 
     real = rounds.run_schedule
@@ -521,13 +522,16 @@ def run_writer_death(rank: int, setup: Setup) -> dict:
     def arm() -> None:
         rounds.run_schedule = die
 
-    return _writer_1_killed_in_delta_2(rank, setup, arm)
+    return _writer_1_killed_in_delta_2(rank, setup, arm, linger_s)
 
 
-def _writer_1_killed_in_delta_2(rank: int, setup: Setup, arm: Callable[[], None]) -> dict:
-    """Writers 0, 1 and TP=2 receivers: anchor 0 and delta 1 commit, then writer 1 runs
-    ``arm`` (which makes it SIGKILL itself somewhere in delta 2) and every rank syncs delta 2,
-    reporting what it raised and the version it holds after."""
+def _writer_1_killed_in_delta_2(
+    rank: int, setup: Setup, arm: Callable[[], None], linger_s: float = 0.0
+) -> dict:
+    """Writers (rank 1 among them) and TP=2 receivers: anchor 0 and delta 1 commit, then
+    writer 1 runs ``arm`` (which makes it SIGKILL itself somewhere in delta 2) and every rank
+    syncs delta 2, reporting what it raised and the version it holds after; every survivor then
+    stays up ``linger_s``, its connections open, as a trainer's or engine's process does."""
     torch.set_num_threads(1)
     init_from_env(timeout_s=60)
     out: dict = {"rank": rank}
@@ -538,12 +542,14 @@ def _writer_1_killed_in_delta_2(rank: int, setup: Setup, arm: Callable[[], None]
             arm()
         out["fault"] = _attempt(lambda: sender.sync(2))
         out["version_after"] = sender.version
+        time.sleep(linger_s)
         return out
     receiver = corrupting_receiver(setup, rank)  # never armed: a plain ClusterReceiver
     receiver.sync()
     receiver.sync()
     out["fault"] = _attempt(receiver.sync)
     out["version_after"] = receiver.version
+    time.sleep(linger_s)
     return out
 
 
@@ -874,11 +880,11 @@ def run_death_between_versions(rank: int, setup: Setup, refused_first: bool = Fa
     return out
 
 
-def run_writer_death_in_preflight(rank: int, setup: Setup) -> dict:
+def run_writer_death_in_preflight(rank: int, setup: Setup, linger_s: float = 0.0) -> dict:
     """Writers 0, 1 (snapshot trackers over their FSDP halves), TP=2 receivers (ranks 2, 3).
     Anchor 0 and delta 1 commit; in delta 2 writer 1 marks its arrival in the preflight and is
     SIGKILLed before its row goes out. In the 4-rank all_gather only its ring neighbours see
-    the connection close; the others report what they raised."""
+    the connection close; the others report what they raised, then stay up ``linger_s``."""
     from deltasync.cluster import preflight as preflight_module
 
     real = preflight_module.FailureNotes.arrive
@@ -890,7 +896,7 @@ def run_writer_death_in_preflight(rank: int, setup: Setup) -> dict:
     def arm() -> None:
         preflight_module.FailureNotes.arrive = arrive_then_die
 
-    return _writer_1_killed_in_delta_2(rank, setup, arm)
+    return _writer_1_killed_in_delta_2(rank, setup, arm, linger_s)
 
 
 def run_replacement_then_death(rank: int, setup: Setup, late_s: float, die_after_s: float) -> dict:

@@ -168,6 +168,26 @@ def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor() -> None
 
 
 @pytest.mark.timeout(150)
+def test_a_writer_killed_between_its_rounds_is_named_by_every_survivor_of_four_writers() -> None:
+    # World 6: round 2 takes two batches. Writer 1 dies after round 1; the receivers fail in
+    # batch 1 and stay up, so writer 0 is held in its batch-2 send to rank 5 until its timeout,
+    # leaving no note, while writers 2, 3 finished sending and wait in the joint commit. There
+    # ranks 0 and 1 both never arrived, and rank 2 named no one ("the failing rank could not
+    # be determined (ranks [0, 1] never arrived)"): of those, the one whose process is gone is
+    # named.
+    setup = Setup(num_writers=4, tracker="snapshot", timeout_s=2.0)
+    results = spawn(run_writer_death, 6, setup, setup.timeout_s, timeout_s=100, may_die={1})
+    assert results[1] is None
+    for rank in (0, 2, 3, 4, 5):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert fault["message"].startswith("version 2: rank 1 died or stopped responding"), fault
+        # the joint commit waits commit_timeout_s + WAIT_BEYOND_S, then the notes' grace
+        assert fault["elapsed_s"] < setup.timeout_s + WAIT_BEYOND_S + 1.0, fault
+        assert results[rank]["version_after"] == 1  # nothing applied, nothing committed
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("refused_first", [False, True])
 def test_a_rank_killed_between_versions_is_named_by_every_survivor_in_the_preflight(
     refused_first: bool,
@@ -205,6 +225,26 @@ def test_a_writer_killed_inside_the_preflight_of_four_ranks_is_named_by_every_su
         assert fault["exchange_error"] and not fault["peer_failed"], fault
         assert "rank 1 died or stopped responding" in fault["message"], fault
     for rank in (2, 3):
+        assert results[rank]["version_after"] == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_writer_killed_inside_the_preflight_of_four_writers_fails_every_survivor_promptly() -> (
+    None
+):
+    # World 6, every survivor staying up after its error (its connections open). Only the dead
+    # writer's ring neighbours (ranks 0, 2) saw the connection close; writer 3 waited out its
+    # timeout naming no one and the receivers their wait_for_version_s (60 s here, 600 s by
+    # default), though every rank had arrived. A rank that fails there now closes its other
+    # connections once its note is left, so the failure goes round the ring at once.
+    setup = Setup(num_writers=4, tracker="snapshot", timeout_s=3.0)
+    results = spawn(run_writer_death_in_preflight, 6, setup, 5.0, timeout_s=100, may_die={1})
+    assert results[1] is None  # it really died
+    for rank in (0, 2, 3, 4, 5):
+        fault = results[rank]["fault"]
+        assert fault["exchange_error"] and not fault["peer_failed"], fault
+        assert "rank 1 died or stopped responding" in fault["message"], fault
+        assert fault["elapsed_s"] < 2.0, fault  # the closed connections, not a timeout
         assert results[rank]["version_after"] == 1
 
 

@@ -151,6 +151,38 @@ def test_a_survivor_names_the_culprit_within_one_grace_in_all(name: str, monkeyp
     assert clock.now <= GRACE_S + 0.05, f"waited {clock.now:.2f} s for notes"
 
 
+def test_of_two_ranks_that_never_arrived_without_a_note_the_one_whose_process_is_gone_is_named(
+    monkeypatch,
+) -> None:
+    # Rank 0 of 4 fails in a joint commit ("t") after the exchange "t-x1". Rank 1 died between
+    # the exchange's rounds; rank 3 is alive, still held in a send of that exchange to a
+    # receiver that gave up (no note until its own timeout). Both never arrived: it said "the
+    # failing rank could not be determined (ranks [1, 3] never arrived)" (4 writers, TP=2).
+    if not notes_module._machine():
+        pytest.skip("no /proc")
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.1)
+        marks = {1: _child_mark(dead), 3: _child_mark(live)}
+        dead.kill()
+        dead.wait()
+        clock = FakeClock()
+        monkeypatch.setattr(notes_module, "time", clock)
+        with one_rank_mesh():
+            store = group_store(None)
+            for rank in range(4):
+                store.set(f"deltasync/t-x1/in/{rank}", marks.get(rank, "1"))
+            store.set("deltasync/t/in/0", "1")
+            store.set("deltasync/t/in/2", "1")
+            notes = FailureNotes(None, tag="t", rank=0, world=4, earlier=["t-x1"])
+            notes.post(None, "commit: connection closed")
+            assert notes.culprit(None) == (1, [])
+    finally:
+        live.kill()
+        live.wait()
+
+
 def _child_mark(child) -> str:
     """The arrival mark ``child``'s own ``arrive()`` would write."""
     with open(f"/proc/{child.pid}/stat") as f:

@@ -66,7 +66,7 @@ from deltasync.errors import (
     SyncAbortedError,
 )
 from deltasync.exchange import group_device, status_row
-from deltasync.exchange.notes import FailureNotes, blame, wait
+from deltasync.exchange.notes import FailureNotes, blame, close_pairs, wait
 from deltasync.layout import ReceiverLayout
 
 MAGIC = status_row.magic(b"dsclpf02")
@@ -455,5 +455,8 @@ def preflight(
         # names no one here: a rank still training or generating is late, not dead.
         if notes is None or isinstance(exc, ExchangeTimeoutError):
             raise
-        raise ExchangeError(blame(notes, None, str(exc))) from exc
+        # Only the dead rank's ring neighbours see its connection close; the others would wait
+        # here for their own timeout (a receiver's is wait_for_version_s): pass it on.
+        text = blame(notes, None, str(exc), then=lambda: close_pairs(group))
+        raise ExchangeError(text) from exc
     return judge(decode_preflight_rows(torch.stack(gathered)), plan)

@@ -25,7 +25,8 @@ as "rank 1 suspects rank 0; rank 0's note suspects rank 2; rank 2 left none" end
 culprit whoever reads it. For collectives (round 1, the joint commit) a rank cannot tell which
 peer is missing; every rank marks its arrival instead, and a rank that never arrived is named
 (when all arrived, the single rank that left no note while the others gave up is; of several
-silent ones, the one whose process on this machine is gone or stopped).
+silent ones, the one whose process on this machine is gone or stopped; of several that never
+arrived, likewise by their arrival marks in the exchanges before).
 
 Keys, under the group's store: ``deltasync/{tag}/in/{rank}`` (arrived: ``pid start-time
 machine``, see ``_process_mark``) and
@@ -47,11 +48,12 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from deltasync.errors import ExchangeError, ExchangeTimeoutError
@@ -211,6 +213,12 @@ class FailureNotes:
             missing, trail = self._never_arrived(deadline)
             if not missing and not trail:
                 missing = self._silent(deadline)
+            if len(missing) > 1:
+                # A rank held in an earlier exchange (a send to a receiver that gave up there,
+                # alive) leaves no note until its own wait ends: of the ranks that never
+                # arrived, the one whose process is gone is the one to name.
+                gone = _processes_gone({r: self._earlier_mark(r) for r in missing})
+                missing = gone if len(gone) == 1 else missing
             if len(missing) == 1:
                 current = missing[0]
             elif missing:
@@ -246,6 +254,14 @@ class FailureNotes:
             return missing, []
         left = [r for r in missing if r not in notes]
         return left, [f"rank {r} reported: {notes[r]}" for r in sorted(notes) if r in missing]
+
+    def _earlier_mark(self, rank: int) -> str | None:
+        """``rank``'s arrival mark in the latest earlier exchange it entered, if any."""
+        for prefix in reversed(self._earlier):
+            mark = self._get(f"in/{rank}", prefix)
+            if mark is not None:
+                return mark
+        return None
 
     def _read_earlier(self, ranks: list[int], notes: dict[int, str]) -> None:
         """Add to ``notes`` the note each of ``ranks`` left in an earlier exchange, if any."""
@@ -469,11 +485,40 @@ def _delete_marks(store: Any, tag: str, rank: int) -> None:
         k += 1
 
 
-def blame(notes: FailureNotes | None, suspect: int | None, text: str) -> str:
-    """Post this rank's note and return the text naming the culprit to put in its error."""
+def close_pairs(group: dist.ProcessGroup | None) -> None:
+    """Close this rank's gloo connections to every other rank of ``group`` (a receive from each
+    abandoned at once, see :func:`abandon`). After a collective failed on a closed connection:
+    in a ring all_gather only the dead rank's neighbours see it close, and the other ranks would
+    wait there for their own timeout; closing passes the failure on around the ring."""
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend:
+        return
+    me = dist.get_rank()
+    for peer in dist.get_process_group_ranks(group or dist.group.WORLD):
+        if peer == me:
+            continue
+        try:
+            work = dist.irecv(torch.empty(1, dtype=torch.uint8), src=peer, group=group)
+        except RuntimeError:
+            continue  # that connection is already gone
+        abandon([work], backend=backend)
+
+
+def blame(
+    notes: FailureNotes | None,
+    suspect: int | None,
+    text: str,
+    *,
+    then: Callable[[], None] | None = None,
+) -> str:
+    """Post this rank's note and return the text naming the culprit to put in its error.
+    ``then``: run once the note is posted, before the others' notes are read (e.g.
+    :func:`close_pairs`: a note goes before any connection closes)."""
     if notes is None:
         return text
     notes.post(suspect, text)
+    if then is not None:
+        then()
     culprit, trail = notes.culprit(suspect)
     if culprit is None and not trail:
         return text
