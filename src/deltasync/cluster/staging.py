@@ -51,10 +51,10 @@ from deltasync.errors import (
 )
 from deltasync.format import (
     BlobRecords,
+    NamedOnce,
     Records,
     TensorPieces,
     TensorSpec,
-    TensorUpdate,
     iter_chain,
 )
 from deltasync.format.decode import restated
@@ -212,7 +212,7 @@ def stage_payloads(
     raw = sum(r.raw_len for r in per_writer.values())
     held = raw * _DECODED_PER_RAW <= max_staged_bytes
     streams: list[RecordStream] = [
-        Records(list(per_writer[w])) if held else _Listed(per_writer[w])  # held: decoded once
+        Records(list(per_writer[w])) if held else NamedOnce(per_writer[w])  # held: decoded once
         for w in sorted(per_writer)
     ]
     return Staged(
@@ -224,24 +224,6 @@ def stage_payloads(
         payload_bytes=total,
         held=held,
     )
-
-
-class _Listed:
-    """A blob's records whose tensor names are read once: ``names()`` decompresses the whole
-    record section, and several writers' blobs are read in lockstep by those names in both
-    passes (verify, then the scatter inside the pause); the bytes are immutable."""
-
-    def __init__(self, records: BlobRecords) -> None:
-        self.records = records
-        self._names: list[str] | None = None
-
-    def __iter__(self) -> Iterator[TensorUpdate]:
-        return iter(self.records)
-
-    def names(self) -> list[str]:
-        if self._names is None:
-            self._names = self.records.names()
-        return list(self._names)
 
 
 class _Counted:

@@ -30,7 +30,14 @@ from deltasync.format.apply import (
 from deltasync.format.build import full_updates, sparse_update
 from deltasync.format.decode import BlobRecords, decode_blob
 from deltasync.format.encode import BlobWriter, encode_blob, encode_blobs
-from deltasync.format.merge import Records, TensorPieces, fold_chain, iter_chain, merge_writers
+from deltasync.format.merge import (
+    NamedOnce,
+    Records,
+    TensorPieces,
+    fold_chain,
+    iter_chain,
+    merge_writers,
+)
 from deltasync.format.updates import (
     BlobHeader,
     DecodedBlob,
@@ -50,6 +57,7 @@ __all__ = [
     "BlobWriter",
     "DecodedBlob",
     "InvalidUpdateError",
+    "NamedOnce",
     "PauseContext",
     "Records",
     "TensorPieces",

@@ -163,6 +163,25 @@ class Records:
         return [u.name for u in self.updates]
 
 
+class NamedOnce:
+    """A blob's records (a :class:`RecordStream`) whose tensor names are read once:
+    ``names()`` of a blob that stays compressed decompresses its whole record section, and a
+    chain read in lockstep by those names, or read twice, asks for them again (the bytes are
+    immutable)."""
+
+    def __init__(self, records: RecordStream) -> None:
+        self.records = records
+        self._names: list[str] | None = None
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return iter(self.records)
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = self.records.names()
+        return list(self._names)
+
+
 @dataclass(frozen=True, eq=False)
 class TensorPieces:
     """Everything a chain writes into one tensor, in chain order: the tensor starts from its

@@ -79,17 +79,16 @@ from deltasync.errors import (
 )
 from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import (
+    NamedOnce,
     PauseContext,
     Records,
     TensorSpec,
-    TensorUpdate,
     apply_pieces,
     check_tensors_match,
     check_tensors_still_match,
     inside_pause,
     iter_chain,
 )
-from deltasync.format.merge import RecordStream
 from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import parse_parts_digest, parts_digest, state_digest
@@ -1554,7 +1553,7 @@ class Receiver:
         count = parsed[0]
         layout = self._parts_layout(version)
         # the record headers are read once here, for the chain's reading order too
-        steps = [(v, kind, [_NamesOnce(s) for s in streams]) for v, kind, streams in steps]
+        steps = [(v, kind, [NamedOnce(s) for s in streams]) for v, kind, streams in steps]
         names_listed = {n for _, _, streams in steps for stream in streams for n in stream.names()}
         parts = chain_part_digests(
             self.tensors,
@@ -1687,23 +1686,6 @@ class Receiver:
             head.version,
         )
         return self._run(manifests, None, t0, repaired=True)
-
-
-class _NamesOnce:
-    """A blob's records whose tensor names are read once (``names()`` of a blob that stays
-    compressed decompresses its whole record section); the bytes are immutable."""
-
-    def __init__(self, records: RecordStream) -> None:
-        self.records = records
-        self._names: list[str] | None = None
-
-    def __iter__(self) -> Iterator[TensorUpdate]:
-        return iter(self.records)
-
-    def names(self) -> list[str]:
-        if self._names is None:
-            self._names = self.records.names()
-        return list(self._names)
 
 
 def _then(first: PullReport, then: PullReport) -> PullReport:
