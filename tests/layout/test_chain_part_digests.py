@@ -8,23 +8,13 @@ import random
 
 import pytest
 import torch
+from kit import tiny_spec
 
 from deltasync.format import TensorPieces, TensorUpdate
-from deltasync.layout import ModelSpec, ReceiverLayout, TrainerLayout
+from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.part_digests import chain_part_digests, receiver_part_digests
 
-CONFIG = dict(
-    model_type="qwen3",
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=251,
-    tie_word_embeddings=False,
-)
-SPEC = ModelSpec.from_hf_config(CONFIG)
+SPEC = tiny_spec(intermediate_size=96)  # test_writer_digests.py's model
 LAYOUT = ReceiverLayout.build(SPEC, "vllm", tp=2)
 SHARD = "tp1"
 

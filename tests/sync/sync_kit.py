@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from kit import (  # noqa: F401 - the shared kit, re-exported for the tests of t
     zero_tensors,
 )
 
-from deltasync.errors import StoreError
+from deltasync.errors import DeltaSyncError, StoreError
 from deltasync.store import LocalStore
 
 TINY = TINY_QWEN3
@@ -179,6 +180,24 @@ def fork_child(fn: Callable, *args) -> mp.Process:
     proc = mp.get_context("fork").Process(target=_child_main, args=(fn, args), daemon=True)
     proc.start()
     return proc
+
+
+def every_rank(call: Callable, world: int = 2) -> list:
+    """``call(rank)`` on every rank at once (threads); each result or DeltaSyncError."""
+    out: list = [None] * world
+
+    def run(rank):
+        try:
+            out[rank] = call(rank)
+        except DeltaSyncError as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

@@ -36,6 +36,7 @@ from crash_kit import replay_version
 from sync_kit import (
     TinyTrainer,
     assert_same_bits,
+    every_rank,
     expected_shards,
     fork_child,
     layouts,
@@ -161,7 +162,7 @@ def test_a_failed_version_number_is_never_reused_and_the_next_one_converges(tmp_
     store = scratch_store(tmp_path / "store")
     failing = FailingUploads(store, 1)
     syncs, trainers = _ranks([failing, store], marker_timeout_s=2)
-    everyone = _everyone
+    everyone = every_rank
 
     everyone(lambda r: syncs[r].step_published(0))
     for trainer in trainers:
@@ -245,27 +246,9 @@ def _delta_on_the_one_before(syncs, store, version: int) -> None:
     """Every rank publishes ``version``, its own next version, and it commits on the one
     before."""
     assert [s.next_version() for s in syncs] == [version] * len(syncs)
-    reports = _everyone(lambda r: syncs[r].step_published(version))
+    reports = every_rank(lambda r: syncs[r].step_published(version))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert Catalog(store).manifest(version).base_version == version - 1
-
-
-def _everyone(call, world=WORLD) -> list:
-    """``call(rank)`` on every rank at once (threads); each result or DeltaSyncError."""
-    out: list = [None] * world
-
-    def run(rank):
-        try:
-            out[rank] = call(rank)
-        except DeltaSyncError as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def _stepped_past_version_0(tmp_path, stores=lambda store: [store, store], **config):
@@ -274,7 +257,7 @@ def _stepped_past_version_0(tmp_path, stores=lambda store: [store, store], **con
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks(stores(store), **config)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
     return store, tl, rl, syncs, trainers
@@ -304,7 +287,7 @@ def test_a_writer_that_timed_out_while_the_committer_joined_its_blobs_adopts_the
     store, tl, rl, syncs, trainers = _stepped_past_version_0(
         tmp_path, lambda store: [ManifestWrite(store, 1, _slow), store], marker_timeout_s=1.0
     )
-    first = _everyone(lambda r: syncs[r].step_published(1))
+    first = every_rank(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
     assert not isinstance(first[0], Exception), first[0]
     assert Catalog(store).versions() == [0, 1]
@@ -329,18 +312,18 @@ def test_an_adopted_version_whose_changes_went_back_since_is_still_exact(tmp_pat
     store = scratch_store(tmp_path / "store")
     _, tl, rl = layouts()
     syncs, trainers = _ranks([ManifestWrite(store, 1, _slow), store], marker_timeout_s=1.0)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     at_0 = [{n: p.detach().clone() for n, p in t.params.items()} for t in trainers]
     for t in trainers:
         t.step()
-    first = _everyone(lambda r: syncs[r].step_published(1))
+    first = every_rank(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
     assert Catalog(store).versions() == [0, 1]
     for t, old in zip(trainers, at_0, strict=True):
         for n, p in t.params.items():  # back to version 0's bits, then one more step
             p.detach().copy_(old[n])
         t.step()
-    reports = _everyone(lambda r: syncs[r].step_published(2))
+    reports = every_rank(lambda r: syncs[r].step_published(2))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert Catalog(store).manifest(2).base_version == 1
     for shard in ("tp0", "tp1"):
@@ -373,7 +356,7 @@ def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_
             assert rec.pull().version == version
             assert_same_bits(rec.tensors, want[shard], f"v{version} {shard}")
 
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     every_receiver_holds(0)
     at_0 = [{n: p.detach().clone() for n, p in t.params.items()} for t in trainers]
     alternate = list(trainers[0].params)[::2]
@@ -381,7 +364,7 @@ def test_params_resent_whole_after_an_adoption_go_out_in_params_order_among_the_
         t.step()
         for n in alternate:  # unchanged in version 1
             t.params[n].detach().copy_(old[n])
-    first = _everyone(lambda r: syncs[r].step_published(1))
+    first = every_rank(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
     assert Catalog(store).versions() == [0, 1]
     every_receiver_holds(1)
@@ -413,20 +396,20 @@ def test_a_writer_whose_attempt_fails_after_an_adoption_goes_on_with_deltas(tmp_
         )
         for shard in ("tp0", "tp1")
     }
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
-    first = _everyone(lambda r: syncs[r].step_published(1))
+    first = every_rank(lambda r: syncs[r].step_published(1))
     assert isinstance(first[1], CommitTimeoutError), first[1]
     refusing.armed = True
     for t in trainers:
         t.step()
-    failed = _everyone(lambda r: syncs[r].step_published(2))
+    failed = every_rank(lambda r: syncs[r].step_published(2))
     assert all(isinstance(x, Exception) for x in failed), failed
     for v in (3, 4):
         for t in trainers:
             t.step()
-        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        reports = every_rank(lambda r, v=v: syncs[r].step_published(v))
         assert all(not isinstance(x, Exception) for x in reports), reports
         assert Catalog(store).manifest(v).kind == "delta"
         want = expected_shards(trainers[0].params, tl, rl)
@@ -479,9 +462,9 @@ def test_a_writer_that_adopted_a_version_may_name_only_its_own_changes_as_touche
                 v, changes, local[r], full_state=trainer.params, touched=set(changed[r])
             )
 
-        return _everyone(call)
+        return every_rank(call)
 
-    publish_anchor = _everyone(
+    publish_anchor = every_rank(
         lambda r: pubs[r].publish(0, [], local[r], anchor=True, full_state=trainer.params)
     )
     assert all(not isinstance(x, Exception) for x in publish_anchor), publish_anchor
@@ -534,7 +517,7 @@ def test_an_anchor_the_publisher_chooses_streams_every_param_whatever_touched_na
             change = (last, torch.tensor([0]), local[r][last].reshape(-1)[:1].to(torch.bfloat16))
             return pubs[r].publish(v, [change], local[r], full_state=trainer.params, touched={last})
 
-        return _everyone(call)
+        return every_rank(call)
 
     for v in range(3):
         reports = publish(v)
@@ -611,7 +594,7 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     # none of them tried, and the abandoned attempts' markers were withdrawn, so the version
     # joins no stale part.
     store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
-    split = _everyone(lambda r: syncs[r].step_published(1 + r))
+    split = every_rank(lambda r: syncs[r].step_published(1 + r))
     assert all(isinstance(x, DeltaSyncError) for x in split), split
     assert [s.next_version() for s in syncs] == [2, 3]
     left = [k for v in (1, 2) for k in store.list(names.writers_prefix(v))]
@@ -626,7 +609,7 @@ def test_writers_that_published_different_numbers_converge_on_the_largest_next_v
     for v in (3, 4):
         for t in trainers:
             t.step()
-        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        reports = every_rank(lambda r, v=v: syncs[r].step_published(v))
         assert all(not isinstance(x, Exception) for x in reports), reports
     assert Catalog(store).versions() == [0, 3, 4]
     rec, report = _fresh_pull(store, rl, tmp_path)
@@ -641,7 +624,7 @@ def _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path):
     for t in trainers:
         t.step()
     version = max(s.next_version() for s in syncs)
-    reports = _everyone(lambda r: syncs[r].step_published(version))
+    reports = every_rank(lambda r: syncs[r].step_published(version))
     assert all(not isinstance(x, Exception) for x in reports), reports
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == version
@@ -675,7 +658,7 @@ def test_a_writer_handed_a_committed_number_keeps_its_changes_and_the_next_versi
     _delta_on_the_one_before(syncs, store, 1)
     for t in trainers:
         t.step()
-    out = _everyone(lambda r: syncs[r].step_published(2 if r == 0 else 1))
+    out = every_rank(lambda r: syncs[r].step_published(2 if r == 0 else 1))
     assert isinstance(out[0], MissingWritersError), out[0]
     assert isinstance(out[1], CommitConflictError), out[1]
     assert "version 1 is already committed" in str(out[1]) and "keeps them" in str(out[1])
@@ -690,7 +673,7 @@ def test_writers_replaying_a_committed_version_under_a_new_session_converge_on_a
     # (no full state) cannot: the committer then sent deltas beside writer 1's anchors, and
     # nothing committed until a multiple of anchor_every.
     store, tl, rl, syncs, trainers = _restarted_at_version_2(tmp_path)
-    replayed = _everyone(lambda r: syncs[r].step_published(2))
+    replayed = every_rank(lambda r: syncs[r].step_published(2))
     assert replayed[0][0].already_committed, replayed
     assert isinstance(replayed[1], CommitConflictError), replayed
     version, reports = _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path)
@@ -709,8 +692,8 @@ def test_writers_resumed_from_another_sessions_version_agree_whatever_numbers_th
     # digests and anchored next; the committer, whose baseline came from resume(), sent
     # deltas: nothing committed until a multiple of anchor_every.
     store, tl, rl, syncs, trainers = _restarted_at_version_2(tmp_path, full_everywhere=True)
-    assert _everyone(lambda r: syncs[r].resume(2)) == [True, True]
-    first = _everyone(lambda r: syncs[r].step_published(3 if r == 0 else 2))
+    assert every_rank(lambda r: syncs[r].resume(2)) == [True, True]
+    first = every_rank(lambda r: syncs[r].step_published(3 if r == 0 else 2))
     assert isinstance(first[0], MissingWritersError) and first[1][0].already_committed, first
     version, reports = _the_next_version_commits_exactly(store, tl, rl, syncs, trainers, tmp_path)
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
@@ -725,7 +708,7 @@ def test_a_committer_without_the_writers_signing_key_commits_nothing(tmp_path):
     # version and every one after it, and no error named the keys.
     store = scratch_store(tmp_path / "store")
     syncs, _ = _ranks([store] * 2, keys=[None, b"k" * 32], marker_timeout_s=0.5)
-    out = _everyone(lambda r: syncs[r].step_published(0))
+    out = every_rank(lambda r: syncs[r].step_published(0))
     assert isinstance(out[0], MissingWritersError), out[0]
     assert "w00001-s1 was refused: it is signed, and this committer has no signing key" in str(
         out[0]
@@ -805,7 +788,7 @@ def test_a_writer_configured_for_another_world_size_is_refused_and_nothing_commi
     # inside a world-2 shard's range, so only its shapes can tell.
     store = scratch_store(tmp_path / "store")
     syncs, _ = _ranks([store] * 3, world=3, num_writers=[3, 2, 3], marker_timeout_s=0.5)
-    out = _everyone(lambda r: syncs[r].step_published(0), world=3)
+    out = every_rank(lambda r: syncs[r].step_published(0), world=3)
     assert isinstance(out[1], ConfigError), out[1]
     assert "rank 1's dim-0 shard among num_writers=2" in str(out[1])
     assert isinstance(out[0], MissingWritersError), out[0]
@@ -817,14 +800,14 @@ def test_the_committer_never_joins_parts_built_for_another_base(tmp_path):
     # Writer 1 publishes an anchor of version 1 while the committer publishes a delta on 0:
     # refused by the committer, nothing committed, then a version both build alike commits.
     store, tl, rl, syncs, trainers = _stepped_past_version_0(tmp_path, marker_timeout_s=1.0)
-    out = _everyone(lambda r: syncs[r].step_published(1, anchor=r == 1))
+    out = every_rank(lambda r: syncs[r].step_published(1, anchor=r == 1))
     assert isinstance(out[0], VersionError), out[0]
     message = str(out[0])
     assert "w00000-s1: base 0, num_writers=2; w00001-s1: anchor, num_writers=2" in message
     assert Catalog(store).versions() == [0]
     for t in trainers:
         t.step()
-    reports = _everyone(lambda r: syncs[r].step_published(syncs[r].next_version()))
+    reports = every_rank(lambda r: syncs[r].step_published(syncs[r].next_version()))
     assert all(not isinstance(x, Exception) for x in reports), reports
     rec, report = _fresh_pull(store, rl, tmp_path)
     assert report.version == 2
@@ -840,7 +823,7 @@ def test_writers_routing_for_different_receiver_layouts_commit_nothing(tmp_path)
     other = ReceiverLayout.build(spec, engine="vllm", tp=1)
     store = scratch_store(tmp_path / "store")
     syncs, _ = _ranks([store, store], receiver_layouts=[rl, other], marker_timeout_s=0.5)
-    out = _everyone(lambda r: syncs[r].step_published(0))
+    out = every_rank(lambda r: syncs[r].step_published(0))
     assert isinstance(out[0], VersionError), out[0]
     assert re.search(
         r"w00000-s1: anchor, num_writers=2, layout [0-9a-f]{12}; w00001-s1", str(out[0])
@@ -857,7 +840,7 @@ def test_writers_whose_params_leave_out_a_parameter_are_refused_before_any_blob(
     # restore, and every delta after it would never have sent that parameter's changes.
     store = scratch_store(tmp_path / "store")
     syncs, _ = _ranks([store, store], left_out={"lm_head.weight"}, marker_timeout_s=0.5)
-    out = _everyone(lambda r: syncs[r].step_published(0))
+    out = every_rank(lambda r: syncs[r].step_published(0))
     for rank, error in enumerate(out):
         assert isinstance(error, ConfigError), (rank, error)
         assert "params have no ['lm_head.weight']" in str(error)
@@ -875,7 +858,7 @@ def test_a_committer_whose_full_state_leaves_out_a_parameter_is_refused_by_name(
         full_state=lambda t: {n: p for n, p in t.params.items() if n != "lm_head.weight"},
         marker_timeout_s=0.5,
     )
-    out = _everyone(lambda r: syncs[r].step_published(0))
+    out = every_rank(lambda r: syncs[r].step_published(0))
     assert isinstance(out[0], ConfigError), out[0]
     assert "full_state has no ['lm_head.weight']" in str(out[0])
     assert isinstance(out[1], DeltaSyncError), out[1]
@@ -921,10 +904,10 @@ def test_a_shard_holding_only_vocabulary_padding_takes_the_writers_sparse_anchor
     assert rl.table.uncovered("tp0") == []
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([store, store], lay=lay)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
-    _everyone(lambda r: syncs[r].step_published(1))
+    every_rank(lambda r: syncs[r].step_published(1))
     want = expected_shards(trainers[0].params, tl, rl)
     for s in rl.shards():
         live = zero_tensors(rl, s.id)
@@ -942,7 +925,7 @@ def _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path, steps=2) ->
         for t in trainers:
             t.step()
         version = max(s.next_version() for s in syncs)
-        reports = _everyone(lambda r, v=version: syncs[r].step_published(v))
+        reports = every_rank(lambda r, v=version: syncs[r].step_published(v))
         assert all(not isinstance(x, Exception) for x in reports), reports
         assert [x[0].kind for x in reports] == ["delta", "delta"], reports
     for shard in ("tp0", "tp1"):
@@ -967,7 +950,7 @@ def test_a_first_version_that_failed_on_one_writer_yet_committed_is_adopted(
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([ManifestWrite(store, 0, late), store], marker_timeout_s=1.0)
-    first = _everyone(lambda r: syncs[r].step_published(0))
+    first = every_rank(lambda r: syncs[r].step_published(0))
     assert isinstance(first[failing], error), first
     assert not isinstance(first[1 - failing], Exception), first
     time.sleep(0.5)  # the late write has landed
@@ -985,16 +968,16 @@ def test_an_anchor_of_a_new_lineage_that_a_writer_gave_up_on_is_adopted(tmp_path
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([ManifestWrite(store, 2, _slow), store], marker_timeout_s=1.0)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     others, other_trainers = _ranks([store, store], session="s9", marker_timeout_s=1.0)
     for t in other_trainers:
         t.step()
     assert all(
-        not isinstance(x, Exception) for x in _everyone(lambda r: others[r].step_published(1))
+        not isinstance(x, Exception) for x in every_rank(lambda r: others[r].step_published(1))
     )
     for t in trainers:
         t.step()
-    anchored = _everyone(lambda r: syncs[r].step_published(2))
+    anchored = every_rank(lambda r: syncs[r].step_published(2))
     assert isinstance(anchored[1], CommitTimeoutError), anchored
     assert anchored[0][0].kind == "anchor", anchored
     assert Catalog(store).versions() == [0, 1, 2]
@@ -1018,7 +1001,7 @@ def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_
     stored = _once(lambda inner: inner.exists(names.manifest_key(0)))
     new, trainers = _ranks([ManifestWrite(store, 0, stored), store], session="s2", **full)
     both = old + new
-    out = _everyone(lambda r: both[r].step_published(0), world=4)
+    out = every_rank(lambda r: both[r].step_published(0), world=4)
     assert all(not isinstance(x, Exception) for x in out[:3]), out
     assert Catalog(store).manifest(0).writers == ("w00000-s1", "w00001-s1")
     assert out[2][0].already_committed, out[2]
@@ -1026,7 +1009,7 @@ def test_a_committer_that_lost_the_race_to_an_equal_state_anchors_next_with_its_
     for t in trainers:
         t.step()
     version = max(s.next_version() for s in new)
-    reports = _everyone(lambda r: new[r].step_published(version))
+    reports = every_rank(lambda r: new[r].step_published(version))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert [x[0].kind for x in reports] == ["anchor", "anchor"]
     _deltas_commit_exactly(store, tl, rl, new, trainers, tmp_path)
@@ -1043,12 +1026,12 @@ def test_a_writer_whose_attempt_failed_tells_the_others_who_stop_waiting(tmp_pat
     stores = [store, store]
     stores[failing] = uploads
     syncs, trainers = _ranks(stores, marker_timeout_s=60)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
     uploads.armed = True
     t0 = time.monotonic()
-    failed = _everyone(lambda r: syncs[r].step_published(1))
+    failed = every_rank(lambda r: syncs[r].step_published(1))
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     other = failed[1 - failing]
     assert isinstance(failed[failing], StoreError), failed
@@ -1111,12 +1094,12 @@ def test_a_writer_whose_marker_meets_a_full_disk_frees_its_blobs_so_its_notice_l
     store = scratch_store(tmp_path / "store")
     full = FullFromMarker(store, 1, "w00001-s1", "w00000-s1")
     syncs, trainers = _ranks([store, full], marker_timeout_s=30)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
     full.armed = True
     t0 = time.monotonic()
-    failed = _everyone(lambda r: syncs[r].step_published(1))
+    failed = every_rank(lambda r: syncs[r].step_published(1))
     assert time.monotonic() - t0 < 20  # not the 30 s timeout
     assert isinstance(failed[1], StoreError) and "No space left" in str(failed[1]), failed
     assert isinstance(failed[0], MissingWritersError), failed
@@ -1134,19 +1117,19 @@ def test_an_abandoned_notice_without_the_signing_key_is_ignored_a_signed_one_tak
     key = b"k" * 32
     uploads = FailingUploads(store, 2)
     syncs, trainers = _ranks([store, uploads], keys=[key, key], marker_timeout_s=60)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     forged = WriterAbandoned(version=1, writer="w00001-s1", reason="forged", created_at=time.time())
     store.put(forged.key, forged.to_json())  # unsigned
     for t in trainers:
         t.step()
-    reports = _everyone(lambda r: syncs[r].step_published(1))
+    reports = every_rank(lambda r: syncs[r].step_published(1))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert Catalog(store).versions() == [0, 1]
     for t in trainers:
         t.step()
     uploads.armed = True
     t0 = time.monotonic()
-    failed = _everyone(lambda r: syncs[r].step_published(2))
+    failed = every_rank(lambda r: syncs[r].step_published(2))
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     assert isinstance(failed[0], MissingWritersError) and "abandoned" in str(failed[0]), failed
     notice = WriterAbandoned.from_json(
@@ -1235,7 +1218,7 @@ def test_a_failure_anywhere_after_the_claim_leaves_a_notice(tmp_path, where):
     )
     failing = 0 if where == "full-state" else 1
     t0 = time.monotonic()
-    failed = _everyone(lambda r: syncs[r].step_published(1))
+    failed = every_rank(lambda r: syncs[r].step_published(1))
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     assert all(isinstance(x, DeltaSyncError) for x in failed), failed
     assert "abandoned" in str(failed[1 - failing]), failed
@@ -1266,7 +1249,7 @@ def test_a_full_state_callable_that_gathers_across_the_writers_is_called_on_ever
         if version:
             for t in trainers:
                 t.step()
-        reports = _everyone(lambda r, v=version: syncs[r].step_published(v))
+        reports = every_rank(lambda r, v=version: syncs[r].step_published(v))
         assert all(not isinstance(x, Exception) for x in reports), reports
     assert calls == [3, 3]
     _, tl, rl = layouts()
@@ -1286,16 +1269,16 @@ def test_a_late_manifest_behind_a_gap_is_found_by_its_committer(tmp_path):
     store = scratch_store(tmp_path / "store")
     uploads = FailingUploads(store, 1)
     syncs, trainers = _ranks([ManifestWrite(store, 2, _late), uploads], marker_timeout_s=4.0)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     for t in trainers:
         t.step()
     uploads.armed = True
     assert all(
-        isinstance(x, DeltaSyncError) for x in _everyone(lambda r: syncs[r].step_published(1))
+        isinstance(x, DeltaSyncError) for x in every_rank(lambda r: syncs[r].step_published(1))
     )
     for t in trainers:
         t.step()
-    late = _everyone(lambda r: syncs[r].step_published(2))
+    late = every_rank(lambda r: syncs[r].step_published(2))
     assert isinstance(late[0], OutcomeUnknownError) and late[1][0].version == 2, late
     assert Catalog(store).versions() == [0, 2] and Catalog(store).read_latest() == 0
     _deltas_commit_exactly(store, tl, rl, syncs, trainers, tmp_path)
@@ -1312,14 +1295,14 @@ def test_with_a_key_a_claim_or_marker_planted_at_a_future_version_cannot_make_it
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([store, store], keys=[key, key], marker_timeout_s=30)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     store.put(names.writer_claim_key(1, "w00001-s1"), b'{"host":"evil","pid":1,"token":"x"}')
     store.put(names.writer_marker_key(2, "w00001-s1"), b"{}")
     for v in (1, 2):
         for t in trainers:
             t.step()
         t0 = time.monotonic()
-        reports = _everyone(lambda r, v=v: syncs[r].step_published(v))
+        reports = every_rank(lambda r, v=v: syncs[r].step_published(v))
         assert all(not isinstance(x, Exception) for x in reports), reports
         assert time.monotonic() - t0 < 20
     assert Catalog(store, signing_key=key).versions() == [0, 1, 2]
@@ -1413,7 +1396,7 @@ def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_
     _, tl, rl = layouts()
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([store, store], keys=[key, key], marker_timeout_s=30)
-    _everyone(lambda r: syncs[r].step_published(0))
+    every_rank(lambda r: syncs[r].step_published(0))
     if record == "claim":
         copied = store.get(names.writer_claim_key(0, "w00000-s1"))
         store.put(names.writer_claim_key(1, "w00001-s1"), copied)
@@ -1423,7 +1406,7 @@ def test_with_a_key_a_genuine_claim_or_marker_copied_to_a_future_version_cannot_
     for t in trainers:
         t.step()
     t0 = time.monotonic()
-    reports = _everyone(lambda r: syncs[r].step_published(1))
+    reports = every_rank(lambda r: syncs[r].step_published(1))
     assert all(not isinstance(x, Exception) for x in reports), reports
     assert time.monotonic() - t0 < 20
     assert Catalog(store, signing_key=key).versions() == [0, 1]
@@ -1446,7 +1429,7 @@ def test_a_full_state_that_fails_on_a_writer_that_does_not_commit_is_said_there(
     store = scratch_store(tmp_path / "store")
     syncs, trainers = _ranks([store, store], gather=gather, marker_timeout_s=20)
     with caplog.at_level(logging.WARNING, logger="deltasync.publish.trainer_sync"):
-        reports = _everyone(lambda r: syncs[r].step_published(0))
+        reports = every_rank(lambda r: syncs[r].step_published(0))
     assert all(not isinstance(x, Exception) for x in reports), reports
     said = [r.getMessage() for r in caplog.records if "full_state raised" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: gather lost rank 1's peer" in said[0], said
@@ -1476,12 +1459,12 @@ def test_the_recipes_gather_kept_by_the_committer_alone_resumes_only_where_kept_
     _delta_on_the_one_before(syncs, store, 1)
     for t in trainers:
         t.step()
-    out = _everyone(lambda r: syncs[r].step_published(2 if r == 0 else 1))
+    out = every_rank(lambda r: syncs[r].step_published(2 if r == 0 else 1))
     assert isinstance(out[1], CommitConflictError), out[1]
     assert "version 1 is already committed" in str(out[1]) and "keeps them" in str(out[1])
     for kept, want in (({0}, ConfigError), ({0, 1}, True)):
         again, _ = _ranks([store] * 2, session=f"s{len(kept)}", gather=_gather_bf16(kept))
-        resumed = _everyone(lambda r, s=again: s[r].resume(0))
+        resumed = every_rank(lambda r, s=again: s[r].resume(0))
         assert resumed[0] is True, resumed
         if want is True:
             assert resumed[1] is True, resumed

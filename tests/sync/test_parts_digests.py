@@ -6,7 +6,6 @@ write, verify_on_open, scrub, after a write) from their own tensors. No rank gat
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
@@ -15,7 +14,6 @@ from deltasync.commit import Catalog
 from deltasync.errors import (
     CommitConflictError,
     ConfigError,
-    DeltaSyncError,
     IntegrityError,
     VersionError,
 )
@@ -30,6 +28,7 @@ from sync_kit import (
     KEY,
     TinyTrainer,
     assert_same_bits,
+    every_rank,
     expected_shards,
     layouts,
     rconfig,
@@ -88,26 +87,8 @@ def _ranks(stores, world, *, full_state_for=(), session="s1", **config):
     return syncs, trainers
 
 
-def _everyone(call, world) -> list:
-    """``call(rank)`` on every rank at once (threads); each result or DeltaSyncError."""
-    out: list = [None] * world
-
-    def run(rank):
-        try:
-            out[rank] = call(rank)
-        except DeltaSyncError as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def _published(syncs, version):
-    out = _everyone(lambda r: syncs[r].step_published(version), len(syncs))
+    out = every_rank(lambda r: syncs[r].step_published(version), len(syncs))
     assert all(not isinstance(x, Exception) for x in out), out
     return out
 
@@ -248,7 +229,7 @@ def test_a_receiver_built_without_its_layout_refuses_a_parts_digest_by_name(tmp_
 def test_a_committer_without_the_full_state_names_a_writer_that_stated_no_part_digests(tmp_path):
     store = scratch_store(tmp_path / "store")
     syncs, _ = _ranks([store] * 2, 2, full_state_for=(1,), marker_timeout_s=2)
-    out = _everyone(lambda r: syncs[r].step_published(0), 2)
+    out = every_rank(lambda r: syncs[r].step_published(0), 2)
     assert isinstance(out[0], VersionError), out
     assert "w00001-s1's marker states no part digests" in str(out[0])
     assert Catalog(store).versions() == []
@@ -277,8 +258,8 @@ def test_writers_resumed_with_the_full_state_recognise_a_parts_digest_version(tm
     again, replay = _ranks([store] * 2, 2, full_state_for=(0, 1), session="s2")
     for t in replay:
         t.step()
-    assert _everyone(lambda r: again[r].resume(1), 2) == [True, True]
-    assert _everyone(lambda r: again[r].resume(0), 2) == [False, False]  # another state
+    assert every_rank(lambda r: again[r].resume(1), 2) == [True, True]
+    assert every_rank(lambda r: again[r].resume(0), 2) == [False, False]  # another state
 
 
 @pytest.mark.timeout(90)
@@ -334,7 +315,7 @@ def test_writers_without_the_full_state_replaying_a_committed_version_keep_their
     again, replay = _ranks([store] * 2, 2, session="s2")
     for t in replay:
         t.step()
-    out = _everyone(lambda r: again[r].step_published(1), 2)
+    out = every_rank(lambda r: again[r].step_published(1), 2)
     assert all(isinstance(x, CommitConflictError) and "keeps them" in str(x) for x in out), out
     for t in replay:
         t.step()
@@ -383,7 +364,7 @@ def test_a_writer_whose_layout_has_no_parts_still_publishes_to_a_committer_given
         "parts_param_shapes",
         lambda layout: {("model." + n if "embed" in n else n): s for n, s in real(layout).items()},
     )
-    out = _everyone(lambda r: syncs[r].step_published(0), 2)
+    out = every_rank(lambda r: syncs[r].step_published(0), 2)
     assert all(isinstance(x, list) and x[0].version == 0 for x in out), out
     manifest = Catalog(store).manifest(0)
     assert not any(is_parts_digest(d) for d in manifest.shard_digests.values())
@@ -402,7 +383,7 @@ def test_with_a_signing_key_a_rewritten_part_digest_is_never_committed(tmp_path)
     _published(syncs, 0)
     for t in trainers:
         t.step()
-    out = _everyone(lambda r: syncs[r].step_published(1), 2)
+    out = every_rank(lambda r: syncs[r].step_published(1), 2)
     assert isinstance(out[0], MissingWritersError) and "w00001-s1" in str(out[0]), out
     assert Catalog(store).versions() == [0]
     rec = Receiver.for_layout(
