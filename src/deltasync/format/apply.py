@@ -28,6 +28,7 @@ import torch
 
 from deltasync.errors import ApplyError, IntegrityError
 from deltasync.format.merge import TensorPieces
+from deltasync.format.reader import decoded_in_place
 from deltasync.format.updates import TensorUpdate
 from deltasync.native.loader import outside_storage, overlaps, overlaps_itself
 from deltasync.native.ops import scatter16
@@ -68,6 +69,7 @@ def _check(
     seen: set[str],
     *,
     ordered: bool = False,
+    in_place: bool = False,
 ) -> None:
     if not isinstance(update, TensorUpdate):
         raise ApplyError(f"apply_updates: {update!r} is not a TensorUpdate; nothing was written")
@@ -87,7 +89,7 @@ def _check(
             f"{target.dtype}; the update and the receiver's layout disagree. Nothing was written"
         )
     if update.nnz:
-        _check_writable(what, target, update)
+        _check_writable(what, target, update, in_place=in_place)
     if update.indices is None or update.indices.numel() == 0:
         return
     idx = update.indices
@@ -104,8 +106,11 @@ def _check(
         )
 
 
-def _check_writable(what: str, target: torch.Tensor, update: TensorUpdate) -> None:
-    """Refuse a target that writing ``update`` would corrupt or could not reach."""
+def _check_writable(
+    what: str, target: torch.Tensor, update: TensorUpdate, *, in_place: bool = False
+) -> None:
+    """Refuse a target that writing ``update`` would corrupt or could not reach (``in_place``:
+    the update's values are the target's own elements, decoded into it; nothing to copy)."""
     if not target.is_contiguous() and overlaps_itself(target):
         raise ApplyError(
             f"{what}: the target's strides {target.stride()} let elements share memory (an "
@@ -120,6 +125,8 @@ def _check_writable(what: str, target: torch.Tensor, update: TensorUpdate) -> No
     if outside is not None:
         raise ApplyError(f"{what}: the target {outside}. Nothing was written")
     for part, t in (("values", update.values), ("indices", update.indices)):
+        if in_place and part == "values":
+            continue
         if t is not None and overlaps(target, t):
             raise ApplyError(
                 f"{what}: the update's {part} share memory with the target (writing it would "
@@ -190,9 +197,15 @@ def apply_pieces(
     skipped (the O(1) checks of name, shape, dtype and index span still run)."""
     target = targets.get(tensor.name)
     seen: set[str] = set()
-    for piece in tensor.pieces:
+    # a dense piece decoded straight into the target (BlobRecords.writing_into) is written
+    # already: never copied onto itself (its values ARE the target's memory)
+    own = [
+        target is not None and p.indices is None and decoded_in_place(p.values, target)
+        for p in tensor.pieces
+    ]
+    for piece, in_place in zip(tensor.pieces, own, strict=True):
         seen.clear()  # the pieces of one tensor share its name by construction
-        _check(piece, targets, seen, ordered=ordered)
+        _check(piece, targets, seen, ordered=ordered, in_place=in_place)
     if target is None:  # no pieces: nothing was checked against a target
         raise ApplyError(f"tensor {tensor.name!r}: no target of this name. Nothing was written")
     if is_read_only(target):  # its first write (a zero_ or a scatter) would be a SIGSEGV
@@ -204,8 +217,14 @@ def apply_pieces(
         if tensor.from_zero and not (pieces and pieces[0].is_dense):
             target.zero_()  # an anchor defines the whole tensor: unlisted elements are zero
             written += target.numel()
-        for piece in pieces:
+        for piece, in_place in zip(pieces, own[start:], strict=True):
             if piece.nnz == 0:
+                continue
+            if in_place:
+                # Decoded into the target as it was read: only the first dense piece of the
+                # pieces written (start) can be; any later piece overwrites it below.
+                assert piece is pieces[0], tensor.name
+                written += piece.nnz
                 continue
             compact = piece.indices is not None and piece.indices.dtype != torch.int64
             if (

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 
+import torch
 import xxhash
 
 from deltasync.errors import (
@@ -35,6 +36,7 @@ from deltasync.errors import (
 )
 from deltasync.format import section
 from deltasync.format.reader import iter_records
+from deltasync.format.section import FileSpan
 from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
 from deltasync.format.wire import (
     DIGEST_SIZE,
@@ -83,9 +85,10 @@ def _bytes_view(blob: bytes | bytearray | memoryview) -> memoryview:
     return view
 
 
-def _trailer(view: memoryview) -> tuple[bytes, int, int, int, int]:
+def _trailer(view: memoryview | FileSpan) -> tuple[bytes, int, int, int, int]:
     """(end magic, segment_count, record_count, raw_len, body_len) of the (unverified) trailer."""
-    return TRAILER.unpack_from(view, len(view) - DIGEST_SIZE - TRAILER.size)
+    at = len(view) - DIGEST_SIZE - TRAILER.size
+    return TRAILER.unpack(bytes(view[at : at + TRAILER.size]))
 
 
 def _declared_size(view: memoryview) -> int | None:
@@ -128,9 +131,10 @@ def _check_digest(view: memoryview) -> None:
     )
 
 
-def _read_header(view: memoryview) -> tuple[BlobHeader, int, int]:
+def _read_header(view: memoryview | FileSpan) -> tuple[BlobHeader, int, int]:
     """Header fields after the digest matched: (header, flags, offset of the first segment)."""
-    magic, fmt, flags, version, base, shard_len, writer_len, reserved = HEADER.unpack_from(view)
+    fields = HEADER.unpack(bytes(view[: HEADER.size]))
+    magic, fmt, flags, version, base, shard_len, writer_len, reserved = fields
     if magic != MAGIC:
         raise FormatError(f"not a deltasync blob: magic is {bytes(magic)!r}, expected {MAGIC!r}")
     if fmt != FORMAT_VERSION:
@@ -198,6 +202,11 @@ def _check_wanted(
 class BlobRecords:
     """A blob whose digest, header and trailer are verified, read record by record.
 
+    ``blob`` is its bytes, or a :class:`~deltasync.format.section.FileSpan` of a private
+    file this process wrote the blob into and checked its digest as it wrote it (a
+    receiver's spill of a large blob): its digest is not computed again (check 1 is its
+    size alone), checks 2-4 run as for bytes, and the records are read from the file.
+
     Construction runs checks 1-4 of the module docstring up to the first segment; each
     iteration decodes the records afresh, segment by segment (checks 4-5 as it goes, the
     totals at the end), so a caller can hold one record at a time instead of the whole blob.
@@ -209,7 +218,7 @@ class BlobRecords:
 
     def __init__(
         self,
-        blob: bytes | bytearray | memoryview,
+        blob: bytes | bytearray | memoryview | FileSpan,
         *,
         expected: Mapping[str, TensorSpec] | None = None,
         version: int | None = None,
@@ -222,8 +231,19 @@ class BlobRecords:
             raise ConfigError(
                 f"max_decompressed_bytes must be an int >= 0, got {max_decompressed_bytes!r}"
             )
-        view = _bytes_view(blob)
-        _check_digest(view)
+        if isinstance(blob, FileSpan):
+            # Not hashed again: the process that spilled it hashed every byte as it wrote
+            # them, against the manifest's digest, and the file is private (unlinked, this
+            # process's fd alone), so what is read here is what was checked.
+            view: memoryview | FileSpan = blob
+            if len(view) < MIN_BLOB_SIZE:
+                raise TruncatedBlobError(
+                    f"blob is {len(view)} bytes, shorter than the {MIN_BLOB_SIZE}-byte minimum "
+                    f"(header, ids, trailer and digest); it was cut short: {REFETCH}"
+                )
+        else:
+            view = _bytes_view(blob)
+            _check_digest(view)
         header, flags, at = _read_header(view)
         _check_wanted(header, version, base_version, shard)
         where = f"blob {header.shard}/{header.writer} v{header.version}"
@@ -264,12 +284,21 @@ class BlobRecords:
     def __iter__(self) -> Iterator[TensorUpdate]:
         return self._records(headers_only=False)
 
+    def writing_into(self, targets: Mapping[str, torch.Tensor]) -> DecodedInto:
+        """These records, read with each dense one decoded straight into its tensor of
+        ``targets`` where it can be (see :func:`deltasync.format.reader.iter_records`): the
+        write pass of a caller that has read them all once already (the first read proves
+        them; the bytes are immutable, so the second is the same records)."""
+        return DecodedInto(self, targets)
+
     def names(self) -> list[str]:
         """The tensor names in record order, from the record headers alone (payloads are
         decompressed but not decoded; they are checked when the records are iterated)."""
         return [name for name, _ in self._records(headers_only=True)]
 
-    def _records(self, *, headers_only: bool) -> Iterator:
+    def _records(
+        self, *, headers_only: bool, into: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator:
         view, end, where = self._view, self._end, self._where
         at = self._start
         seen: set[str] = set()
@@ -278,7 +307,7 @@ class BlobRecords:
             seg = f"{where} segment {k}"
             if at + SEGMENT.size > end:
                 raise TruncatedBlobError(f"{seg}: its header runs past the segments' end")
-            section_len, seg_raw, seg_count = SEGMENT.unpack_from(view, at)
+            section_len, seg_raw, seg_count = SEGMENT.unpack(bytes(view[at : at + SEGMENT.size]))
             at += SEGMENT.size
             if section_len == OPEN_LEN and self._flags & FLAG_OPEN_SEGMENTS:
                 section_len = section.frame_size(view[at:end], seg)  # the frame ends it
@@ -303,6 +332,7 @@ class BlobRecords:
                 seen=seen,
                 headers_only=headers_only,
                 narrow=self._narrow,
+                into=into,
             )
             del body  # one segment's decompressed section at a time
             at += section_len
@@ -314,6 +344,20 @@ class BlobRecords:
                 f"{left_count} records unaccounted for; the trailer says they end at {end}: do "
                 "not apply it"
             )
+
+
+class DecodedInto:
+    """A :class:`BlobRecords` read with its dense records decoded into ``targets``: a
+    record stream (:class:`deltasync.format.merge.RecordStream`) of the same records."""
+
+    def __init__(self, records: BlobRecords, targets: Mapping[str, torch.Tensor]) -> None:
+        self.records, self.targets = records, targets
+
+    def __iter__(self) -> Iterator[TensorUpdate]:
+        return self.records._records(headers_only=False, into=self.targets)
+
+    def names(self) -> list[str]:
+        return self.records.names()
 
 
 def decode_blob(

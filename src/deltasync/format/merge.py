@@ -248,32 +248,51 @@ def iter_chain(
         raise BlobMismatchError("an anchor in the middle of a chain: plan it first")
     from_zero = bool(steps) and steps[0][1] == "anchor"
     flat = [(version, stream) for version, _, streams in steps for stream in streams]
-    if len(flat) == 1:
-        grouped = ((u.name, [(flat[0][0], u)]) for u in flat[0][1])
-    else:
-        grouped = _lockstep(flat)
+    grouped = _alone(*flat[0]) if len(flat) == 1 else _lockstep(flat)
     given: set[str] = set()
+    # No reference to a tensor's pieces outlives its turn (``del`` below, and in the
+    # groupers): a dense record (an anchor's embedding: a large part of a shard) must be
+    # freed before the next one is decoded, or a pull holds two.
     for name, pieces in grouped:
         spec = specs.get(name)
         if spec is None:  # the streams check names against the specs; this guards Records
             raise BlobMismatchError(f"tensor {name!r} is not one of the shard's tensors")
         if check:
-            by_version: dict[int, list[TensorUpdate]] = {}
-            for version, u in pieces:
-                by_version.setdefault(version, []).append(u)
-            for version, ups in by_version.items():
-                _check_disjoint(version, name, ups)
+            _check_writers(name, pieces)
         if from_zero and pieces[0][0] == steps[0][0]:
             given.add(name)
-        yield TensorPieces(
+        item = TensorPieces(
             name=name,
             shape=spec.shape,
             dtype=spec.dtype,
             from_zero=from_zero,
             pieces=tuple(u for _, u in pieces),
         )
+        del pieces
+        yield item
+        del item
     if check and from_zero:
         check_anchor_complete(steps[0][0], given, specs)
+
+
+def _check_writers(name: str, pieces: Sequence[tuple[int, TensorUpdate]]) -> None:
+    """The pieces of one version (several writers' records of ``name``) are disjoint."""
+    by_version: dict[int, list[TensorUpdate]] = {}
+    for version, u in pieces:
+        by_version.setdefault(version, []).append(u)
+    for version, ups in by_version.items():
+        _check_disjoint(version, name, ups)
+
+
+def _alone(
+    version: int, stream: RecordStream
+) -> Iterator[tuple[str, list[tuple[int, TensorUpdate]]]]:
+    """One stream's records, each as its tensor's only piece."""
+    for u in stream:
+        name, pieces = u.name, [(version, u)]
+        del u  # the record is the caller's alone while the next one is read
+        yield name, pieces
+        del pieces
 
 
 def check_anchor_complete(
@@ -322,7 +341,9 @@ def _lockstep(
                 else:
                     ahead[s][nxt.name] = nxt
             pieces.append((flat[s][0], u))
+        u = nxt = None  # the pieces are the caller's alone while the next tensor is read
         yield name, pieces
+        del pieces
     for it in iters:  # run each stream's end-of-blob checks
         for extra in it:
             raise AssertionError(f"record {extra.name!r} not in the stream's headers")

@@ -41,6 +41,7 @@ from deltasync.format.wire import (
     shape_struct,
 )
 from deltasync.native.ops import decode_sparse, prefix_sum_
+from deltasync.native.writable import is_read_only
 
 _MALFORMED = (
     "the blob is malformed although its digest matched, so its writer produced it this way: "
@@ -58,6 +59,7 @@ def iter_records(
     seen: set[str] | None = None,
     headers_only: bool = False,
     narrow: bool = False,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator:
     """The ``count`` records of ``reader``, one at a time; ``seen`` (names of earlier
     segments' records, updated here) makes a name repeated anywhere in the blob an error.
@@ -65,10 +67,13 @@ def iter_records(
     Yields TensorUpdates, or with ``headers_only`` ``(name, nnz)`` pairs whose payloads are
     skipped unread (their lengths are still checked against what remains). With ``narrow``,
     the indices of a tensor of at most 2^31 elements come as int32 (6 bytes per decoded
-    element instead of 10)."""
+    element instead of 10). With ``into`` (tensors by name), a dense record of a tensor there
+    that is contiguous, on the CPU and of the record's dtype is decoded straight into it, and
+    its update's values are that tensor (see :func:`decoded_in_place`): for a caller that
+    writes these records into those tensors anyway, after proving them by a first read."""
     seen = set() if seen is None else seen
     for k in range(count):
-        yield _record(reader, k, seen, expected, headers_only, narrow)
+        yield _record(reader, k, seen, expected, headers_only, narrow, into)
     reader.finish()
 
 
@@ -90,6 +95,7 @@ def _record(
     expected: Mapping[str, TensorSpec] | None,
     headers_only: bool = False,
     narrow: bool = False,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> TensorUpdate | tuple[str, int]:
     where = reader.where
     head = reader.read(RECORD.size, f"record {k} header")
@@ -145,6 +151,10 @@ def _record(
             reader.skip(numel * itemsize, f"tensor {name!r} values")
             return name, numel
         reader.check(numel * itemsize, f"tensor {name!r} values")
+        out = _live_words(into, name, shape, dtype, value_dtype)
+        if out is not None:
+            read_words(reader.read_into, out, itemsize, f"tensor {name!r} values")
+            return _update(name, shape, dtype, None, out)
         return _update(name, shape, dtype, None, _values(reader, numel, value_dtype, name))
 
     if width not in GAP_WIDTHS:
@@ -180,6 +190,43 @@ def _record(
     )
     _check_and_sum(indices, width, numel, what)
     return _update(name, shape, dtype, indices, _values(reader, nnz, value_dtype, name))
+
+
+def _live_words(
+    into: Mapping[str, torch.Tensor] | None,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    value_dtype: np.dtype,
+) -> np.ndarray | None:
+    """The flat words of ``into[name]`` to decode a dense record into, when that tensor can
+    take them as they are (contiguous, writable, on the CPU, the record's shape and dtype),
+    else None."""
+    target = None if into is None else into.get(name)
+    if (
+        target is None
+        or target.device.type != "cpu"
+        or target.dtype != dtype
+        or tuple(target.shape) != shape
+        or not target.is_contiguous()
+        or target.numel() == 0
+        or is_read_only(target)  # apply_pieces refuses it by name (a decode would SIGSEGV)
+    ):
+        return None
+    return target.detach().view(-1).view(BITS_DTYPES[dtype]).numpy().view(value_dtype)
+
+
+def decoded_in_place(values: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether ``values`` (a dense update's) are ``target``'s own elements: decoded into it
+    by a read with ``into`` (there is nothing left to write)."""
+    return (
+        target.is_contiguous()
+        and values.device == target.device
+        and values.dtype == target.dtype
+        and values.numel() == target.numel()
+        and values.numel() > 0
+        and values.data_ptr() == target.data_ptr()
+    )
 
 
 def _values(reader: SectionReader, n: int, dtype: np.dtype, name: str) -> np.ndarray:

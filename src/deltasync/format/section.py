@@ -32,6 +32,7 @@ records, no tensors, no error messages about tensors (callers validate and name 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -142,20 +143,79 @@ class SectionWriter:
         return self.chunks
 
 
-def frame_size(section: memoryview, where: str) -> int:
+# The most bytes a zstd frame header takes (magic, descriptor, window, dict id, content size).
+_FRAME_HEADER_MAX = 18
+
+
+class FileSpan:
+    """``length`` bytes of an open file from ``start``: a blob a receiver spilled to a private
+    file, or a section of one. Read by ``os.pread``, never mapped (the touched pages of a
+    mapping count in the process's RSS, which is what the spill saves). Slicing gives a span
+    (nothing is read); ``bytes(span)`` reads it; :meth:`read` reads it front to back from
+    its own position (what zstd's ``stream_reader`` takes as a source).
+
+    The file object, not its number, is held: read after the file was closed, a span raises
+    (ValueError) instead of reading whatever file reused the number."""
+
+    def __init__(self, file, start: int = 0, length: int | None = None) -> None:
+        self.file, self.start = file, start
+        self.length = os.fstat(file.fileno()).st_size - start if length is None else length
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: int | slice) -> FileSpan | int:
+        if isinstance(key, slice):
+            a, b, step = key.indices(self.length)
+            assert step == 1, key  # sections are read front to back
+            return FileSpan(self.file, self.start + a, max(b - a, 0))
+        if not 0 <= key < self.length:
+            raise IndexError(key)
+        return self.pread(key, 1)[0]
+
+    def __bytes__(self) -> bytes:
+        return self.pread(0, self.length)
+
+    def pread(self, at: int, n: int) -> bytes:
+        """``n`` bytes from ``at`` (relative to the span); the file holds them: it was written
+        whole and checked before any span of it was read."""
+        fd = self.file.fileno()  # ValueError once closed
+        parts, got = [], 0
+        while got < n:
+            part = os.pread(fd, n - got, self.start + at + got)
+            if not part:
+                raise TruncatedBlobError(
+                    f"the spilled blob file ends {n - got} bytes early at offset "
+                    f"{self.start + at + got}: it changed after it was checked; pull again"
+                )
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read(self, n: int = -1) -> bytes:
+        """The next ``n`` bytes of the span (all that remain when ``n`` < 0), fewer at its end."""
+        left = self.length - self._pos
+        n = left if n < 0 else min(n, left)
+        data = self.pread(self._pos, n) if n else b""
+        self._pos += n
+        return data
+
+
+def frame_size(section: memoryview | FileSpan, where: str) -> int:
     """Bytes taken by the zstd frame that starts ``section``, found by walking its block headers
     (one step per 128 KiB block, not per byte)."""
     return frame_extent(section, where)[0]
 
 
-def frame_extent(section: memoryview, where: str) -> tuple[int, int]:
+def frame_extent(section: memoryview | FileSpan, where: str) -> tuple[int, int]:
     """(bytes taken by the zstd frame that starts ``section``, the most content its blocks can
     regenerate). A raw or RLE block regenerates the size its header states, a compressed one
     at most ``BLOCK_MAX`` bytes (the format's block limit): a frame's declared content size
     above that bound is a lie, refused before anything is allocated for it."""
     n = len(section)
     try:
-        pos = zstandard.frame_header_size(section)
+        pos = zstandard.frame_header_size(bytes(section[:_FRAME_HEADER_MAX]))
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: the record section is not a zstd frame ({e})") from None
     if pos > n:
@@ -165,7 +225,7 @@ def frame_extent(section: memoryview, where: str) -> tuple[int, int]:
     while True:
         if pos + 3 > n:
             raise TruncatedBlobError(f"{where}: the zstd frame ends before its last block")
-        block = int.from_bytes(section[pos : pos + 3], "little")
+        block = int.from_bytes(bytes(section[pos : pos + 3]), "little")
         pos += 3
         block_type = (block >> 1) & 0x3
         if block_type == 3:
@@ -186,9 +246,15 @@ def frame_extent(section: memoryview, where: str) -> tuple[int, int]:
 
 
 class SectionReader:
-    """Reads exactly ``raw_len`` bytes of a record section, front to back."""
+    """Reads exactly ``raw_len`` bytes of a record section, front to back.
 
-    def __init__(self, section: memoryview, raw_len: int, compressed: bool, where: str) -> None:
+    A section in a file (:class:`FileSpan`) is checked as one in memory; a streamed one is
+    decompressed from the file as it is read, the others are read into memory whole (one
+    segment's section at a time, as a one-shot section is decompressed whole)."""
+
+    def __init__(
+        self, section: memoryview | FileSpan, raw_len: int, compressed: bool, where: str
+    ) -> None:
         self.left, self.where = raw_len, where
         self._raw, self._pos, self._zstd = section, 0, None
         if not compressed:
@@ -197,9 +263,11 @@ class SectionReader:
                     f"{where}: uncompressed record section is {len(section)} bytes, header "
                     f"says {raw_len}"
                 )
+            if isinstance(section, FileSpan):
+                self._raw = memoryview(bytes(section))
             return
         try:
-            declared = zstandard.frame_content_size(section)
+            declared = zstandard.frame_content_size(bytes(section[:_FRAME_HEADER_MAX]))
         except zstandard.ZstdError as e:
             raise FormatError(f"{where}: the record section is not a zstd frame ({e})") from None
         if declared != raw_len:
@@ -224,6 +292,8 @@ class SectionReader:
                 section, read_across_frames=False, closefd=False
             )
             return
+        if isinstance(section, FileSpan):
+            section = memoryview(bytes(section))  # its frame is checked: at most its blocks
         try:
             raw = _one_shot_decompressor().decompress(section)
         except zstandard.ZstdError as e:

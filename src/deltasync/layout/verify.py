@@ -291,6 +291,7 @@ def chain_state_digest(
                 digests[item.name] = pieces_tensor_digest(t, item, chunk=chunk, scratch=scratch)
             else:
                 batch.add(item.name, t, item, piece)
+        del item, t  # a dense record is freed before the chain decodes the next one
     for name, t in tensors.items():
         if name not in listed:  # no update touches it: hashed as it is
             batch.add(name, t, None, None)

@@ -8,6 +8,11 @@
   lists, so every caller first bounds that size (:func:`blob_bound` of the local tensors, or
   :func:`numel_blob_bound` of the shard's size in the layout record);
   :func:`check_blob_in_parts` makes the same checks a part at a time, keeping no bytes;
+- :func:`spill_plan`, :func:`spill_blob`: a chain whose blobs exceed the pull's staged
+  budget keeps its largest blobs out of memory: each is fetched in ranges into a private
+  unlinked file (its size and digest checked as it streams; then read by the pull from that
+  file alone, never from the store again), or held in memory as before when the file cannot
+  be written;
 - :func:`open_version`: fetch this shard's blobs of one version and verify each against the
   manifest (present, exact size, xxh3-128 digest) and then its own digest, header and trailer
   (:class:`deltasync.format.decode.BlobRecords` with the shard's expected tensor specs,
@@ -24,8 +29,11 @@ knows manifests, blobs and TensorUpdate; it never touches live tensors.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -46,8 +54,13 @@ from deltasync.errors import (
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
 from deltasync.format.decode import BlobRecords, restated
 from deltasync.format.merge import check_anchor_complete
+from deltasync.format.section import FileSpan
 from deltasync.format.wire import MAX_RECORDS
 from deltasync.store import Store
+
+log = logging.getLogger(__name__)
+
+SPILL_PART = 4 << 20  # bytes per ranged read of a blob being spilled to its file
 
 
 def check_chain(manifests: Sequence[Manifest], from_version: int | None, shard: str) -> None:
@@ -86,15 +99,9 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
     try:
         data = store.get(entry.key, max_bytes=entry.size)  # refused by its size, unread
     except KeyNotFoundError:
-        raise MissingBlobError(
-            f"{where} is listed in the committed manifest but missing from the store "
-            "(deleted by retention or never uploaded); nothing was applied"
-        ) from None
+        raise _missing(where) from None
     except ObjectTooLargeError:
-        raise FormatError(
-            f"{where} is larger than the manifest's {entry.size} bytes: extended in storage, "
-            f"or replaced by another blob; not read, nothing was applied. {_REMEDY}"
-        ) from None
+        raise _too_large(where, entry.size) from None
     if len(data) != entry.size:
         raise _wrong_size(where, len(data), entry.size)
     if blob_digest(data) != entry.digest:
@@ -120,6 +127,115 @@ def check_blob_in_parts(store: Store, manifest: Manifest, entry: BlobEntry, part
         ) from None
     if h.hexdigest() != entry.digest:
         raise _wrong_digest(where, entry.digest)
+
+
+def spill_plan(blobs: Sequence[BlobEntry], budget: int) -> set[str]:
+    """Keys of the ``blobs`` (a chain's, of one shard) that a pull spills to files: none when
+    they fit ``budget`` bytes together (the in-memory path, unchanged); else the largest,
+    one after another, until the blobs left in memory fit it."""
+    held = sum(b.size for b in blobs)
+    out: set[str] = set()
+    for b in sorted(blobs, key=lambda b: b.size, reverse=True):
+        if held <= budget:
+            break
+        out.add(b.key)
+        held -= b.size
+    return out
+
+
+class _SpillFailed(Exception):
+    """The spill file could not be written (ENOSPC, EDQUOT, a read-only dir): the cause."""
+
+
+def spill_blob(
+    store: Store,
+    manifest: Manifest,
+    entry: BlobEntry,
+    directory: str,
+    files: contextlib.ExitStack,
+    *,
+    part: int | None = None,
+) -> FileSpan | bytes:
+    """One blob of ``manifest``, with :func:`fetch_blob`'s checks (same errors), fetched
+    ``part`` bytes (default SPILL_PART) at a time into a private unlinked file in
+    ``directory``, whose closing ``files`` owns: the store's object is read once, and the
+    pull reads the file this process wrote and hashed, so a store object changed meanwhile
+    cannot reach the tensors.
+    A file that cannot be written falls back to :func:`fetch_blob` (in memory, as a pull
+    within budget), with a warning naming the dir and the remedy."""
+    try:
+        # O_TMPFILE where the file system has it: the file never has a name; else unlinked at
+        # once. Unbuffered: a write error (ENOSPC) is raised by the write that meets it.
+        f = tempfile.TemporaryFile(dir=directory, buffering=0)  # noqa: SIM115 (the pull owns it)
+    except OSError as exc:
+        return _held_instead(store, manifest, entry, directory, exc)
+    try:
+        _stream_into(store, manifest, entry, f, SPILL_PART if part is None else part)
+    except _SpillFailed as exc:
+        f.close()
+        return _held_instead(store, manifest, entry, directory, exc.__cause__)
+    except BaseException:
+        f.close()
+        raise
+    files.callback(f.close)
+    return FileSpan(f, 0, entry.size)
+
+
+def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: int) -> None:
+    where = f"version {manifest.version} blob {entry.key!r}"
+    h = blob_hasher()
+    try:
+        size = store.size(entry.key)
+        if size > entry.size:
+            raise _too_large(where, entry.size)
+        for start in range(0, size, part):
+            n = min(part, size - start)
+            data = store.get_range(entry.key, start, n)
+            if len(data) != n:  # a store that answers a short range: the object shrank
+                raise _wrong_size(where, start + len(data), entry.size)
+            h.update(data)
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[f.write(view) :]
+            except OSError as exc:
+                raise _SpillFailed() from exc
+    except KeyNotFoundError:
+        raise _missing(where) from None
+    if size != entry.size:
+        raise _wrong_size(where, size, entry.size)
+    if h.hexdigest() != entry.digest:
+        raise _wrong_digest(where, entry.digest)
+
+
+def _held_instead(
+    store: Store, manifest: Manifest, entry: BlobEntry, directory: str, exc: BaseException | None
+) -> bytes:
+    log.warning(
+        "version %d blob %r: cannot spill it to a temporary file in %r (%s); holding it in "
+        "memory instead (%d more bytes at the pull's peak). Free space in that dir (the "
+        "receiver's state dir), or let this process write there",
+        manifest.version,
+        entry.key,
+        directory,
+        exc,
+        entry.size,
+    )
+    return fetch_blob(store, manifest, entry)
+
+
+def _missing(where: str) -> MissingBlobError:
+    return MissingBlobError(
+        f"{where} is listed in the committed manifest but missing from the store "
+        "(deleted by retention or never uploaded); nothing was applied"
+    )
+
+
+def _too_large(where: str, listed: int) -> FormatError:
+    return FormatError(
+        f"{where} is larger than the manifest's {listed} bytes: extended in storage, "
+        f"or replaced by another blob; not read, nothing was applied. {_REMEDY}"
+    )
 
 
 def _wrong_size(where: str, size: int, listed: int) -> FormatError:
@@ -194,10 +310,15 @@ def open_version(
     *,
     max_decompressed_bytes: int = 1 << 36,
     narrow_indices: bool = False,
+    spill: Collection[str] = (),
+    spill_dir: str | None = None,
+    files: contextlib.ExitStack | None = None,
 ) -> tuple[list[BlobRecords], int]:
     """This shard's blobs of ``manifest``, fetched and verified (size, digest, header, trailer,
     writer id) but not decoded: their records are read by iterating them (against ``specs``;
-    with ``narrow_indices``, int32 indices where a tensor allows), and the bytes fetched."""
+    with ``narrow_indices``, int32 indices where a tensor allows), and the bytes fetched.
+    The blobs whose keys are in ``spill`` are fetched into private files in ``spill_dir``
+    (:func:`spill_blob`), closed by ``files``."""
     out: list[BlobRecords] = []
     fetched = 0
     base = -1 if manifest.kind == "anchor" else manifest.base_version
@@ -226,7 +347,11 @@ def open_version(
                 "not read, nothing was applied. The manifest or the layout is not this "
                 "receiver's"
             )
-        data = fetch_blob(store, manifest, entry)
+        if entry.key in spill:
+            assert spill_dir is not None and files is not None, "a spill needs a dir and owner"
+            data: FileSpan | bytes = spill_blob(store, manifest, entry, spill_dir, files)
+        else:
+            data = fetch_blob(store, manifest, entry)
         fetched += len(data)
         try:
             records = BlobRecords(

@@ -79,6 +79,7 @@ from deltasync.errors import (
 )
 from deltasync.exclusive import one_call_at_a_time
 from deltasync.format import (
+    BlobRecords,
     NamedOnce,
     PauseContext,
     Records,
@@ -95,7 +96,7 @@ from deltasync.layout.digest import parse_parts_digest, parts_digest, state_dige
 from deltasync.layout.part_digests import chain_part_digests, receiver_part_digests
 from deltasync.layout.verify import chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
-from deltasync.receiver.staging import check_chain, open_version
+from deltasync.receiver.staging import check_chain, open_version, spill_plan
 from deltasync.store import Store
 from deltasync.store.base import check_store
 from deltasync.validate import (
@@ -1080,14 +1081,20 @@ class Receiver:
             self._layout_desc,
         )
 
-    def _stage(self, manifests: list[Manifest], from_version: int | None):
+    def _stage(
+        self, manifests: list[Manifest], from_version: int | None, files: contextlib.ExitStack
+    ):
         """Fetch and check the chain's blobs; decode them now when small (``staged``), else
-        leave them to be read one tensor at a time by verify and again by the scatter."""
+        leave them to be read one tensor at a time by verify and again by the scatter. Blobs
+        above the staged budget together: the largest are spilled to private files in the
+        state dir (:func:`spill_plan`), which ``files`` closes when the pull ends."""
         check_chain(manifests, from_version, self.shard)
         for m in manifests:
             self._check_layout(m)
         steps, fetched, raw = [], 0, 0
-        size = sum(b.size for m in manifests for b in m.blobs_for(self.shard))
+        entries = [b for m in manifests for b in m.blobs_for(self.shard)]
+        size = sum(b.size for b in entries)
+        spill = spill_plan(entries, self._staged_budget())
         with self._heartbeats_while_fetching(size):
             for m in manifests:
                 blobs, n = open_version(
@@ -1097,6 +1104,9 @@ class Receiver:
                     self.specs,
                     max_decompressed_bytes=self.config.max_decompressed_bytes,
                     narrow_indices=True,  # 6 bytes per decoded element instead of 10
+                    spill=spill,
+                    spill_dir=str(self.dir.path),
+                    files=files,
                 )
                 steps.append((m.version, m.kind, blobs))
                 fetched += n
@@ -1142,6 +1152,20 @@ class Receiver:
     def _run(
         self, manifests: list[Manifest], from_version: int | None, t0: float, *, repaired: bool
     ) -> PullReport:
+        # the spill files of large blobs: closed (and so gone, being unlinked) however the
+        # pull ends
+        with contextlib.ExitStack() as files:
+            return self._run_staged(manifests, from_version, t0, files, repaired=repaired)
+
+    def _run_staged(
+        self,
+        manifests: list[Manifest],
+        from_version: int | None,
+        t0: float,
+        files: contextlib.ExitStack,
+        *,
+        repaired: bool,
+    ) -> PullReport:
         try:
             if manifests[0].kind == "anchor":
                 # inside: an interrupt during its registration write must not leave the
@@ -1149,7 +1173,7 @@ class Receiver:
                 self._restore_starts(manifests[0])
             try:
                 t = time.perf_counter()
-                staged = self._stage(manifests, from_version)
+                staged = self._stage(manifests, from_version, files)
                 stage_s = time.perf_counter() - t
             except DeltaSyncError:
                 for m in manifests:  # a repaired store heals on the next pull
@@ -1288,9 +1312,25 @@ class Receiver:
         written = 0
         writing = False
         before = self._state
+        # The first step's dense records (an anchor's every tensor) are decoded straight into
+        # their live tensors by the chain read itself, not into a new array copied after: a
+        # live write inside the iterator, before apply_pieces sees the tensor. Only the first
+        # step's: its piece comes first in chain order, so whenever the read (read ahead in
+        # lockstep, too) decodes it, no piece of that tensor was written before it, and the
+        # later steps' pieces overwrite it in apply_pieces (their dense records stay arrays
+        # of their own: a read ahead of one must not write the tensor before its turn).
+        first_version, first_kind, first_streams = steps[0]
+        direct = bool(first_streams) and all(isinstance(b, BlobRecords) for b in first_streams)
+        if direct:
+            into = [b.writing_into(self.tensors) for b in first_streams]
+            steps = [(first_version, first_kind, into), *steps[1:]]
         try:
             # (a pause that suppressed an error midway raises: torn, as after any error here)
             with inside_pause(self._pause, f"versions {versions} on shard {self.shard!r}"):
+                if direct:
+                    # torn from before the iteration: its reads write the live tensors
+                    writing = True
+                    self._state = self._state_with(dirty=True)
                 for item in iter_chain(steps, self.specs, check=False):
                     if not writing:
                         # Torn from the first write until the last: no version, in memory

@@ -1,0 +1,325 @@
+"""A receiver's first pull (an anchor restore) whose blobs exceed its staged budget spills the
+large blobs to private unlinked files in its state dir, reads the records from there, and
+decodes the anchor's dense records straight into the live tensors.
+
+Bit-exact with and without deltas after the anchor; the files are closed (so gone) however the
+pull ends; a blob changed in the store after it was spilled cannot reach the tensors; a spill
+dir that cannot be written falls back to the in-memory pull with a warning; and the first
+pull's RSS peak stays well under what holding the blobs and the decoded tensors took.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+from kit import (
+    assert_same_bits,
+    in_fresh_process,
+    rconfig,
+    settled_rss,
+    status_kib,
+    tiny_layouts,
+    zero_tensors,
+)
+
+from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
+from deltasync.errors import DigestMismatchError, StoreError
+from deltasync.receiver import staging
+
+BUDGET = 0  # max_staged_bytes: every blob of the chain is spilled (the deltas too)
+
+
+def _publish(store, versions: int, seed: int = 0, **shape):
+    """Anchor 0 and ``versions`` 1% deltas of random BF16 params: (receiver layout, the
+    shard's tensors as the last version leaves them)."""
+    _, tl, rl = tiny_layouts(tp=1, **shape)
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for n, s in tl.param_shapes().items()
+    }
+    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1000))
+    pub.publish(0, [], params, anchor=True)
+    for v in range(1, versions + 1):
+        changes = []
+        for n, p in params.items():
+            flat = p.view(-1)
+            k = max(1, flat.numel() // 100)
+            idx = torch.randperm(flat.numel(), generator=gen)[:k].sort().values
+            flat[idx] = (torch.randn(k, generator=gen) * 0.02).to(torch.bfloat16)
+            changes.append((n, idx, flat[idx].clone()))
+        pub.publish(v, changes, params)
+    return rl, rl.split(tl.to_canonical(params))["tp0"]
+
+
+class Spills:
+    """Records every file ``spill_blob`` hands a pull (a spy: the real function runs)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.files: list = []
+        real = staging.spill_blob
+
+        def spy(*args, **kwargs):
+            got = real(*args, **kwargs)
+            if isinstance(got, staging.FileSpan):
+                self.files.append(got.file)
+            return got
+
+        monkeypatch.setattr(staging, "spill_blob", spy)
+
+
+def _open_under(path) -> list[str]:
+    """Targets of this process's fds to unlinked files under ``path`` (one shows as its dir's
+    path plus a ``(deleted)`` or an O_TMPFILE ``#inode`` name; the state dir's lock is not)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)) and ("(deleted)" in target or "/#" in target):
+            out.append(target)
+    return out
+
+
+def _receiver(store, rl, tmp_path, **kwargs):
+    tensors = zero_tensors(rl, "tp0")
+    rx = Receiver.for_layout(
+        store,
+        rl,
+        "tp0",
+        tensors,
+        str(tmp_path / "rx"),
+        rconfig("rx", max_staged_bytes=BUDGET),
+        **kwargs,
+    )
+    return rx, tensors
+
+
+@pytest.mark.parametrize("versions", [0, 3])
+def test_a_first_pull_that_spills_is_bit_exact_and_leaves_no_file(
+    tmp_path, monkeypatch, versions
+) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, versions)
+    spills = Spills(monkeypatch)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    assert rx.pull().version == versions
+    assert_same_bits(tensors, expected)
+    assert len(spills.files) == versions + 1  # every blob of the chain went through a file
+    assert all(f.closed for f in spills.files)
+    assert _open_under(tmp_path / "rx") == []
+    assert not [n for n in os.listdir(tmp_path / "rx") if n.startswith("tmp")]
+
+
+def test_a_first_pull_from_s3_spills_in_ranges_bit_exactly(s3_store, tmp_path, monkeypatch) -> None:
+    # the loopback moto server: each spilled blob is read by ranged GETs, in parts
+    monkeypatch.setattr(staging, "SPILL_PART", 4096)
+    rl, expected = _publish(s3_store, 2)
+    spills = Spills(monkeypatch)
+    rx, tensors = _receiver(s3_store, rl, tmp_path)
+    assert rx.pull().version == 2
+    assert_same_bits(tensors, expected)
+    assert len(spills.files) == 3 and all(f.closed for f in spills.files)
+
+
+def test_a_refused_chain_closes_the_files_it_spilled(tmp_path, monkeypatch) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, _ = _publish(store, 2)
+    (last,) = store.list("v00000002/tp0/")  # fetched after the chain's other blobs
+    data = bytearray(store.get(last))
+    data[len(data) // 2] ^= 0xFF
+    store.put(last, bytes(data))
+    spills = Spills(monkeypatch)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    with pytest.raises(DigestMismatchError):
+        rx.pull()
+    assert len(spills.files) >= 1  # the anchor (and a delta) were spilled before the refusal
+    assert all(f.closed for f in spills.files)
+    assert _open_under(tmp_path / "rx") == []
+    assert all(not t.any() for t in tensors.values())  # nothing was written
+    assert rx.version is None
+
+
+def test_an_exception_mid_write_closes_the_files(tmp_path, monkeypatch) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 1)
+    spills = Spills(monkeypatch)
+    seen = []
+
+    def stop(name: str) -> None:
+        seen.append(name)
+        if len(seen) == 3:
+            raise RuntimeError("the engine's callback failed")
+
+    rx, _ = _receiver(store, rl, tmp_path, on_tensor_written=stop)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        rx.pull()
+    assert spills.files and all(f.closed for f in spills.files)
+    assert _open_under(tmp_path / "rx") == []
+    assert rx.version is None and rx.dirty  # torn: the next pull restores the anchor
+    rx2, tensors2 = _receiver(store, rl, tmp_path)
+    assert rx2.pull().version == 1
+    assert_same_bits(tensors2, expected)
+
+
+class FailingStore(LocalStore):
+    """A store whose ranged reads of one key fail midway (an outage during the fetch)."""
+
+    failing = ""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if key == self.failing:
+            raise StoreError(f"get_range({key!r}): connection reset")
+        return super().get_range(key, start, length)
+
+
+def test_a_store_failure_mid_fetch_closes_the_files_already_spilled(tmp_path, monkeypatch) -> None:
+    store = FailingStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 2)
+    (store.failing,) = store.list("v00000002/tp0/")  # the last blob: the others are spilled
+    spills = Spills(monkeypatch)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    with pytest.raises(StoreError, match="connection reset"):
+        rx.pull()
+    assert len(spills.files) == 2 and all(f.closed for f in spills.files)
+    assert _open_under(tmp_path / "rx") == []
+    assert all(not t.any() for t in tensors.values()) and rx.version is None
+    store.failing = ""
+    assert rx.pull().version == 2  # the outage is over: the next pull restores
+    assert_same_bits(tensors, expected)
+
+
+def test_a_blob_changed_in_the_store_after_its_spill_cannot_reach_the_tensors(
+    tmp_path, monkeypatch
+) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 1)
+    real = staging.spill_blob
+    changed = []
+
+    def spill_then_change(store_, manifest, entry, *args, **kwargs):
+        got = real(store_, manifest, entry, *args, **kwargs)
+        data = bytearray(store.get(entry.key))
+        for at in range(64, len(data) - 64, 4099):  # every record section is hit
+            data[at] ^= 0x5A
+        store.put(entry.key, bytes(data))  # same size: only a second read could see it
+        changed.append(entry.key)
+        return got
+
+    monkeypatch.setattr(staging, "spill_blob", spill_then_change)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    assert rx.pull().version == 1
+    assert len(changed) == 2
+    assert_same_bits(tensors, expected)  # what was verified is what was written
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_a_spill_dir_that_cannot_be_written_falls_back_to_memory(
+    tmp_path, monkeypatch, caplog, where
+) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 2)
+    real_open = staging.tempfile.TemporaryFile
+
+    class Full:
+        """A file system that takes a few bytes, then is full."""
+
+        def __init__(self, f) -> None:
+            self.f, self.took = f, 0
+
+        def write(self, data) -> int:
+            if self.took + len(data) > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.took += len(data)
+            return self.f.write(data)
+
+        def fileno(self) -> int:
+            return self.f.fileno()
+
+        def close(self) -> None:
+            self.f.close()
+
+    opened = []
+
+    def full(*args, **kwargs):
+        if where == "open":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        f = Full(real_open(*args, **kwargs))
+        opened.append(f)
+        return f
+
+    monkeypatch.setattr(staging.tempfile, "TemporaryFile", full)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="deltasync.receiver.staging"):
+        assert rx.pull().version == 2
+    assert_same_bits(tensors, expected)
+    warned = [r.getMessage() for r in caplog.records if "cannot spill" in r.getMessage()]
+    assert len(warned) == 3 and str(tmp_path / "rx") in warned[0]  # each blob fell back
+    assert "Free space" in warned[0]
+    assert all(f.f.closed for f in opened)
+    assert _open_under(tmp_path / "rx") == []
+
+
+def test_a_pull_within_its_budget_spills_nothing(tmp_path, monkeypatch) -> None:
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 2)
+    spills = Spills(monkeypatch)
+    tensors = zero_tensors(rl, "tp0")
+    rx = Receiver.for_layout(
+        store, rl, "tp0", tensors, str(tmp_path / "rx"), rconfig("rx", max_staged_bytes=1 << 30)
+    )
+    assert rx.pull().version == 2
+    assert_same_bits(tensors, expected)
+    assert spills.files == []
+
+
+def test_spill_plan_keeps_the_small_blobs_in_memory() -> None:
+    class E:
+        def __init__(self, key: str, size: int) -> None:
+            self.key, self.size = key, size
+
+    blobs = [E("a", 100), E("d1", 5), E("d2", 7), E("d3", 6)]
+    assert staging.spill_plan(blobs, 200) == set()  # all fit: today's path
+    assert staging.spill_plan(blobs, 20) == {"a"}
+    assert staging.spill_plan(blobs, 12) == {"a", "d2"}
+    assert staging.spill_plan(blobs, 0) == {"a", "d1", "d2", "d3"}
+
+
+# ---------------------------------------------------------------- memory
+
+MEM_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    vocab_size=8000,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+
+
+def _first_pull_peak(root: str) -> tuple[int, int]:
+    """(RSS peak of a fresh receiver's anchor restore above a settled base, shard bytes)."""
+    store = LocalStore(root + "/store", durable=False)
+    rl, expected = _publish(store, 0, **MEM_SHAPE)
+    tensors = zero_tensors(rl, "tp0")
+    shard = sum(t.numel() * t.element_size() for t in tensors.values())
+    rx = Receiver.for_layout(store, rl, "tp0", tensors, root + "/rx", rconfig("rx"))
+    del expected
+    base = settled_rss()
+    assert rx.pull().version == 0
+    return status_kib("VmHWM") * 1024 - base, shard
+
+
+def test_a_first_pull_holds_neither_its_blob_nor_a_second_copy_of_a_tensor(tmp_path) -> None:
+    peak, shard = in_fresh_process(_first_pull_peak, str(tmp_path))
+    # Measured here: 0.37x the shard above the live tensors (the largest tensor, 0.12x, decoded
+    # by the verify pass, its low byte plane held while the high one streams, and zstd's
+    # streaming context), against 1.1x before (the whole blob, ~0.9x of BF16 that compresses
+    # little, and decoded tensors): 1.07x before this change.
+    assert peak < 0.6 * shard, (peak / shard, shard)
