@@ -22,7 +22,11 @@
   the prefix cache on; what each left the engine reporting and computing with is recorded;
 - ``"uninitialised"``: an update sent before the backend's init, then the init and two
   versions (``uninitialised``);
-- ``"pipeline"``: the init refused on a two-stage pipeline, then vLLM's next calls.
+- ``"pipeline"``: the init refused on a two-stage pipeline, then vLLM's next calls;
+- ``"parts"``: two FSDP writers (threads, each its dim-0 rows of the trainer's params)
+  publish WITHOUT the full state (each shard's digest a parts digest); the engine takes every
+  version through vLLM's API, then one whose writer-1 marker states a wrong part digest of
+  ``tp0`` (the error and the tensors after it are recorded), then the next good one.
 """
 
 from __future__ import annotations
@@ -1033,6 +1037,170 @@ def pipeline(spec: dict) -> dict:
     return out
 
 
+class _RankTracker:
+    """One writer's view of a whole-model tracker: changed indices local to its dim-0 rows."""
+
+    def __init__(self, inner, params, rank: int, world: int) -> None:
+        self.inner, self.params, self.rank, self.world = inner, params, rank, world
+
+    def iter_changes(self):
+        from deltasync.layout import fsdp_dim0_rows
+
+        for name, idx, vals in self.inner.iter_changes():
+            p = self.params[name]
+            start, stop = fsdp_dim0_rows(p.shape[0], self.rank, self.world)
+            row = p[0].numel() if p.dim() > 1 else 1
+            mine = (idx >= start * row) & (idx < stop * row)
+            if bool(mine.any()):
+                yield name, idx[mine] - start * row, vals[mine]
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+class _WrongPart:
+    """Writer 1's store: its marker of ``version`` goes in with the part digest of shard
+    ``tp0`` replaced (an unsigned store: anyone who can write it can do this)."""
+
+    def __init__(self, inner, version: int, writer: str) -> None:
+        from deltasync import names
+
+        self.inner, self.key = inner, names.writer_marker_key(version, writer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key, data):
+        if key == self.key:
+            obj = json.loads(data)
+            obj["part_digests"]["tp0"] = "0" * 32
+            data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+        return self.inner.put_if_absent(key, data)
+
+
+def parts(spec: dict) -> dict:
+    import threading
+
+    from deltasync import LocalStore, Publisher, PublisherConfig, ReceiverLayout, TrainerSync
+    from deltasync.commit import Catalog
+    from deltasync.engines.vllm_trainer import (
+        DeltaSyncTrainerEngine,
+        DeltaSyncTrainerInitInfo,
+        LLMClient,
+    )
+    from deltasync.layout import fsdp_dim0_rows
+    from deltasync.trainer import SnapshotTracker
+
+    tmp = Path(spec["tmp"])
+    trainer = Trainer(spec)
+    save_checkpoint(tmp / "v0", spec["config"], trainer.canonical())
+    llm = start_llm(spec, str(tmp / "v0"), backend=True)
+    layout = ReceiverLayout.build(trainer.mspec, engine="vllm", tp=spec.get("tp", 1))
+    n, world = spec["versions"], 2
+    wrong = n + 1  # the version whose writer-1 marker is tampered with
+    store = LocalStore(trainer.store_dir, durable=False)
+    syncs = []
+    for rank in range(world):
+        local = {
+            name: p.detach()[slice(*fsdp_dim0_rows(p.shape[0], rank, world))]
+            for name, p in trainer.params.items()
+        }
+        config = PublisherConfig(
+            writer_rank=rank,
+            num_writers=world,
+            session="s1",
+            poll_interval_s=0.02,
+            marker_timeout_s=120,
+            anchor_every=3,
+        )
+        mine = store if rank == 0 else _WrongPart(store, wrong, "w00001-s1")
+        tracker = _RankTracker(
+            SnapshotTracker(trainer.model.named_parameters()), trainer.params, rank, world
+        )
+        pub = Publisher(mine, receiver_layout=layout, config=config)
+        syncs.append(TrainerSync(tracker, pub, local, full_state=None))
+
+    def publish(version: int) -> None:
+        errors: list = []
+
+        def one(rank: int) -> None:
+            try:
+                syncs[rank].step_published(version)
+            except BaseException as exc:  # re-raised below, named
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    publish(0)
+    info = DeltaSyncTrainerInitInfo(
+        rank=0,
+        store=str(trainer.store_dir),
+        receiver_id="engine0",
+        state_dir=str(tmp / "engine-state"),
+        durable=False,
+    )
+    engine = DeltaSyncTrainerEngine.trainer_init(info, client=LLMClient(llm))
+    catalog = Catalog(store)
+    out: dict = {"listed": {}, "states": {}, "splits": {}}
+    for version in range(1, n + 1):
+        trainer.step()
+        publish(version)
+        engine.send_weights(version)
+        out["listed"][version] = dict(catalog.manifest(version).shard_digests)
+        out["states"][version] = llm.collective_rpc(worker_state)
+        out["splits"][version] = layout.split(trainer.canonical())
+    trainer.step()
+    publish(wrong)  # committed: the committer cannot tell a wrong part digest
+    out["listed"][wrong] = dict(catalog.manifest(wrong).shard_digests)
+    try:
+        engine.send_weights(wrong)
+        out["wrong_error"] = None
+    except Exception as exc:  # recorded for the test to judge
+        out["wrong_error"] = f"{type(exc).__name__}: {exc}"
+    out["states_after_wrong"] = llm.collective_rpc(worker_state)
+    out["weight_version_api_after_wrong"] = llm.get_weight_version()
+    trainer.step()
+    publish(wrong + 1)  # an anchor (every 3): the engine takes it past the refused version
+    engine.send_weights(wrong + 1)
+    out["states_after_next"] = llm.collective_rpc(worker_state)
+    out["splits_after_next"] = layout.split(trainer.canonical())
+
+    # A padding row of the engine's embedding (in no writer's part) scribbled through raw
+    # memory: the check before the delta sees it, and the engine (restore_drift) restores
+    # the newest anchor under the delta instead of applying the delta over the garbage.
+    out["scribbled"] = llm.collective_rpc(_scribble_padding, args=(spec["config"]["vocab_size"],))
+    trainer.step()
+    publish(wrong + 2)  # a delta
+    try:
+        engine.send_weights(wrong + 2)
+        out["padding_error"] = None
+    except Exception as exc:  # recorded for the test to judge
+        out["padding_error"] = f"{type(exc).__name__}: {exc}"
+    out["states_after_padding"] = llm.collective_rpc(worker_state)
+    out["splits_after_padding"] = layout.split(trainer.canonical())
+    return out
+
+
+def _scribble_padding(worker, vocab: int) -> bool:
+    """Runs inside the worker: write BF16 1.0 into a padding row of the embedding the backend
+    writes, through raw memory (a stray kernel or a bad restore: no version counter moves, so
+    only a check of the values can see it); whether the row was padding."""
+    import ctypes
+
+    embed = worker.weight_transfer_engine.shard.targets["model.embed_tokens.weight"]
+    if embed.shape[0] <= vocab or embed.dtype != torch.bfloat16 or embed.device.type != "cpu":
+        return False
+    where = embed.data_ptr() + embed.stride(0) * vocab * embed.element_size()
+    ctypes.memmove(where, (0x3F80).to_bytes(2, "little"), 2)
+    return bool(embed[vocab, 0].item() == 1.0)
+
+
 def _rank(worker) -> int:
     """Runs inside the worker: its rank in the engine (a reply that can only be this call's)."""
     return worker.rank
@@ -1051,6 +1219,8 @@ def main(path: str) -> None:
         out = uninitialised(spec)
     elif spec["kind"] == "pipeline":
         out = pipeline(spec)
+    elif spec["kind"] == "parts":
+        out = parts(spec)
     else:
         out = synced(spec)
     torch.save(out, spec["out"])

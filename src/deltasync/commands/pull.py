@@ -55,7 +55,11 @@ engine, TP, EP and model fingerprint they were built for. With ``--config`` the 
 come from that model's layout; without it from the newest anchor's blobs, read as a receiver
 reads them (size and digest against the manifest, decompression capped relative to the blob
 size, every tensor complete), each refused unread when the manifest lists it larger than a
-blob of the shard's recorded element count can be.
+blob of the shard's recorded element count can be. A version listing a parts digest of the
+shard (several writers published it without the full state) is checked with the receiver
+layout, which only ``--config`` gives (the store records the model's fingerprint, not its
+config): without it the sidecar refuses such a store before anything is fetched (ConfigError,
+rc 2, naming ``--config``), and a running one stops the same way when such a version appears.
 
 Every argument is checked before anything is written (the store, ``--dir``, the state
 directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, ``--tp``
@@ -162,6 +166,26 @@ def _config_layout(args):
         raise
     except DeltaSyncError as exc:
         raise ConfigError(f"--config {args.config!r}: {exc}") from None
+
+
+def _check_parts(args, head, configured) -> None:
+    """Refuse, before any fetch, a version whose digest of the shard is a parts digest
+    (several writers published it without the full state) when no ``--config`` was given:
+    a parts digest is checked with the receiver layout, which only the model config gives
+    (the store records its fingerprint, not the config)."""
+    from deltasync.layout.digest import is_parts_digest
+
+    listed = head.shard_digests.get(args.shard)
+    if configured is None and listed is not None and is_parts_digest(listed):
+        raise ConfigError(_PARTS_NEED_CONFIG.format(version=head.version, shard=args.shard))
+
+
+_PARTS_NEED_CONFIG = (
+    "version {version} lists a parts digest of shard {shard!r} (several writers published it "
+    "without the full state), which is checked with the receiver layout; the store records "
+    "only the model's fingerprint, so the sidecar needs the model: nothing was fetched or "
+    "written. Pass --config (the model's config.json)"
+)
 
 
 def _specs(args, store, catalog, head, configured):
@@ -479,6 +503,7 @@ def _start(args, store, config, configured, stop: _Stop):
         if stop.event.wait(args.interval):
             return None, None
     _check_layout(args, head)
+    _check_parts(args, head, configured)
     layout, specs = _specs(args, store, catalog, head, configured)
     check_published_for(head, args.shard, specs, layout)  # --config's model, before any write
     out_dir = Path(args.dir)
@@ -670,8 +695,16 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                     f"total {report.total_s * 1e3:.1f} ms -> {file.path}"
                 )
             failures, last_error = 0, None
-        except (LayoutMismatchError, ConfigError):
-            raise  # another layout, a bad argument: waiting does not change it
+        except ConfigError as exc:
+            if configured is None and receiver is not None and "parts digest" in str(exc):
+                # a later version a receiver without the layout cannot check: name the flag
+                raise ConfigError(
+                    f"{exc}. For this sidecar: nothing was written; restart it with --config "
+                    "(the model's config.json)"
+                ) from None
+            raise  # a bad argument: waiting does not change it
+        except LayoutMismatchError:
+            raise  # another layout: waiting does not change it
         except DeltaSyncError as exc:
             if receiver is not None and (receiver.version is None or receiver.dirty):
                 receiver.deregister()  # never leave a registration without a verified version

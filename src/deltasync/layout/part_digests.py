@@ -22,7 +22,11 @@ Both paths use them: the in-cluster path as a transit check per writer, the stor
 through the *parts digest* a manifest lists for a multi-writer version published without the
 full state (:func:`deltasync.layout.digest.parts_digest` over the W part digests). Elements no
 writer owns (vLLM's vocabulary padding) are in no part; an anchor writes them zero and deltas
-never touch them.
+never touch them. So a receiver's check also proves them zero (bit patterns) in the state it
+checks: the rectangles no piece covers are derived from the pieces (:func:`unowned_rects`), and
+a nonzero element there makes every part digest of the shard one that cannot match (the stream
+digest extended by the names of the tensors concerned), with a warning naming them: the
+callers' mismatch paths (refused before any write, marked dirty) then apply unchanged.
 
 This module knows tables, blocks and bytes; it knows nothing about processes, envelopes,
 stores or manifests.
@@ -30,22 +34,30 @@ stores or manifests.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import torch
 import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
-from deltasync.layout.blocks import as_2d, view_rows
+from deltasync.layout.blocks import as_2d, view_cols, view_rows
 from deltasync.layout.hf_model import build_hf_table
 from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.trainer_layout import TrainerLayout, fsdp_dim0_rows
 
 _CAST_ELEMENTS = 1 << 21  # elements per cast chunk: ~4 MiB of BF16
 _ROW_ELEMENTS = 1 << 21  # elements per row chunk of a part digest after a chain: ~4 MiB of BF16
+# An integer dtype of each element size: "zero" is the bit pattern (-0.0 is not an anchor's 0)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+log = logging.getLogger(__name__)
+
+Rect = tuple[int, int, int, int]  # (row, col, rows, cols) of a local tensor's 2-D view
 
 
 @dataclass(frozen=True)
@@ -225,7 +237,9 @@ def receiver_part_digests(
 ) -> dict[int, str]:
     """``{writer index: part digest}`` of receiver shard ``shard`` from its live tensors, or,
     given ``updates`` (at most one per tensor, a folded version), of the tensors as they will be
-    after ``apply_updates(updates, tensors)``, without writing them (verify before write).
+    after ``apply_updates(updates, tensors)``, without writing them (verify before write). An
+    element no writer owns that is nonzero in that state makes every digest one that cannot
+    match (see the module docstring).
 
     Args:
         tensors: the live local tensors (read only).
@@ -252,7 +266,21 @@ def receiver_part_digests(
         else:
             feed_bf16(h, v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols])
 
-    return {k: _digest(writer_pieces(layout, k, count)[shard], feed_piece) for k in range(count)}
+    digests = {k: _digest(writer_pieces(layout, k, count)[shard], feed_piece) for k in range(count)}
+    nonzero = [
+        name
+        for name, rects in unowned_rects(layout, shard, count).items()
+        if name in views
+        and any(
+            _any_bits(block)
+            for r, c, n, w in rects
+            for block in _blocks_after(
+                views[name], r, c, n, w, [sparse[name]] if name in sparse else []
+            )
+        )
+    ]
+    what = "the tensors as they will be after the update" if updates else "the live tensors"
+    return _poisoned(digests, shard, nonzero, what)
 
 
 def iter_pieces(layout: ReceiverLayout, count: int) -> Iterator[Piece]:
@@ -260,6 +288,85 @@ def iter_pieces(layout: ReceiverLayout, count: int) -> Iterator[Piece]:
     for k in range(count):
         for pieces in writer_pieces(layout, k, count).values():
             yield from pieces
+
+
+@lru_cache(maxsize=64)
+def unowned_rects(layout: ReceiverLayout, shard: str, count: int) -> dict[str, tuple[Rect, ...]]:
+    """``{local tensor: rectangles}`` of ``shard`` that no piece of any of ``count`` writers
+    covers (vLLM's vocabulary padding), in the shard's tensor order; tensors fully covered are
+    left out. The complement of the pieces, which tile what the writers own exactly once."""
+    owned: dict[str, list[Rect]] = {}
+    for k in range(count):
+        for p in _pieces(layout, k, count)[shard]:
+            owned.setdefault(p.local, []).append((p.local_row, p.local_col, p.rows, p.cols))
+    out: dict[str, tuple[Rect, ...]] = {}
+    for name, spec in layout.local_specs(shard).items():
+        shape = tuple(spec.shape)
+        gaps = _complement(owned.get(name, []), view_rows(shape), view_cols(shape))
+        if gaps:
+            out[name] = tuple(gaps)
+    return out
+
+
+def _complement(rects: list[Rect], rows: int, cols: int) -> list[Rect]:
+    """The rectangles of a ``rows x cols`` grid that none of ``rects`` (disjoint) covers: per
+    band of rows between rectangle edges, the column gaps; a gap continuing the same columns
+    of the band above extends that rectangle. A sweep over the rows (the rectangles covering
+    a band are the few that started and have not ended: thousands of expert pieces stay
+    cheap)."""
+    starts = sorted((r, c, c + w, r + n) for r, c, n, w in rects if n and w)
+    edges = sorted({0, rows, *(r for r, _, _, _ in starts), *(e for _, _, _, e in starts)})
+    out: list[Rect] = []
+    open_at: dict[tuple[int, int], int] = {}  # (col, cols) -> index in out, ending at the band
+    active: list[tuple[int, int, int]] = []  # (col, col end, row end) covering the band
+    nxt = 0
+    for lo, hi in pairwise(edges):
+        active = [a for a in active if a[2] > lo]
+        while nxt < len(starts) and starts[nxt][0] <= lo:
+            active.append(starts[nxt][1:])
+            nxt += 1
+        gaps, at = [], 0
+        for c0, c1, _ in sorted(active):
+            if c0 > at:
+                gaps.append((at, c0 - at))
+            at = max(at, c1)
+        if at < cols:
+            gaps.append((at, cols - at))
+        still: dict[tuple[int, int], int] = {}
+        for gap in gaps:
+            i = open_at.get(gap)
+            if i is not None and out[i][0] + out[i][2] == lo:
+                out[i] = (out[i][0], gap[0], out[i][2] + hi - lo, gap[1])
+            else:
+                i = len(out)
+                out.append((lo, gap[0], hi - lo, gap[1]))
+            still[gap] = i
+        open_at = still
+    return out
+
+
+def _any_bits(block: torch.Tensor) -> bool:
+    """Whether any element of ``block`` has a nonzero bit pattern (any strides, any device)."""
+    return block.numel() > 0 and bool(block.view(_INT_OF_SIZE[block.element_size()]).any())
+
+
+def _poisoned(digests: dict[int, str], shard: str, nonzero: list[str], what: str) -> dict[int, str]:
+    """``digests`` as they are, or, when elements no writer owns are nonzero in the tensors
+    ``nonzero``, digests no writer's can equal (a writer digests none of those elements, so an
+    exact state has them zero): each extended by those names, so that every check of the state
+    fails the way a mismatch does; a warning names them."""
+    if not nonzero:
+        return digests
+    log.warning(
+        "shard %r: %s hold nonzero elements in no writer's part (padding, e.g. vLLM's "
+        "vocabulary padding) in %s; those elements must be zero (an anchor writes them zero, "
+        "deltas never touch them), so this state does not match its parts digest",
+        shard,
+        what,
+        ", ".join(repr(n) for n in nonzero),
+    )
+    mark = ("nonzero padding: " + ",".join(sorted(nonzero))).encode()
+    return {k: xxhash.xxh3_128(bytes.fromhex(d) + mark).hexdigest() for k, d in digests.items()}
 
 
 def chain_part_digests(
@@ -289,7 +396,8 @@ def chain_part_digests(
     first (its checks then have run).
 
     Returns:
-        What :func:`receiver_part_digests` gives after the writes.
+        What :func:`receiver_part_digests` gives after the writes (digests that cannot match
+        where an element no writer owns will be nonzero).
     """
     order = sorted(layout.local_specs(shard), key=lambda n: layout.local_position(shard, n))
     position = {name: i for i, name in enumerate(order)}
@@ -300,6 +408,8 @@ def chain_part_digests(
             mine.setdefault(p.local, []).append(p)
         by_tensor.append(mine)
     hashers = [xxhash.xxh3_128() for _ in range(count)]
+    unowned = unowned_rects(layout, shard, count)
+    nonzero: list[str] = []  # tensors with a nonzero element no writer owns, after the chain
     arrived: dict[str, TensorPieces] = {}
     held = 0  # elements the held items' pieces list
     at = 0
@@ -317,6 +427,12 @@ def chain_part_digests(
             for k in range(count):
                 for p in by_tensor[k].get(name, ()):
                     _feed_rows(hashers[k], base, p, sparse)
+            if any(
+                _any_bits(block)
+                for r, c, n, w in unowned.get(name, ())
+                for block in _blocks_after(base, r, c, n, w, sparse)
+            ):
+                nonzero.append(name)
             at += 1
 
     source = chain
@@ -336,7 +452,8 @@ def chain_part_digests(
             break  # done; or a pass that hashed nothing (the chain lacks a listed tensor)
         source = again()
     assert at == len(order) and not arrived, (at, list(arrived))
-    return {k: h.hexdigest() for k, h in enumerate(hashers)}
+    digests = {k: h.hexdigest() for k, h in enumerate(hashers)}
+    return _poisoned(digests, shard, nonzero, "the tensors as they will be after the chain")
 
 
 Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # (sorted flat indices, values) on the CPU
@@ -359,16 +476,26 @@ def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor,
 
 
 def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
-    """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top, a few MiB of rows
-    at a time: rows no piece touches are fed from ``base`` as they are; touched rows are
-    copied whole into a scratch chunk, patched there by flat index (``index_copy_``: an
-    anchor patches every element) and the piece's columns fed from it. ``base`` is never
-    written. (xxh3 fed in pieces equals xxh3 of the whole, so the chunking is free.)"""
+    """Feed piece ``p`` of ``base`` (2-D) with ``sparse`` written on top (see
+    :func:`_blocks_after`). (xxh3 fed in pieces equals xxh3 of the whole, so the chunking is
+    free.)"""
+    for block in _blocks_after(base, p.local_row, p.local_col, p.rows, p.cols, sparse):
+        feed_bf16(h, block)
+
+
+def _blocks_after(
+    base: torch.Tensor, row: int, col: int, rows: int, cols: int, sparse: Sparse
+) -> Iterator[torch.Tensor]:
+    """The rectangle ``rows x cols`` at (``row``, ``col``) of ``base`` (2-D) with ``sparse``
+    written on top, a few MiB of rows at a time: rows nothing touches are views of ``base``
+    as they are; touched rows are copied whole into a scratch chunk, patched there by flat
+    index (``index_copy_``: an anchor patches every element) and the rectangle's columns of
+    it given. ``base`` is never written."""
     width = base.shape[1]
     step = max(1, _ROW_ELEMENTS // max(1, width))
-    stop = p.local_row + p.rows
-    cols = slice(p.local_col, p.local_col + p.cols)
-    for r0 in range(p.local_row, stop, step):
+    stop = row + rows
+    span = slice(col, col + cols)
+    for r0 in range(row, stop, step):
         r1 = min(stop, r0 + step)
         hits = []
         for idx, vals in sparse:
@@ -377,11 +504,11 @@ def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse)
             if hi > lo:
                 hits.append((idx[lo:hi], vals[lo:hi]))
         if not hits:
-            feed_bf16(h, base[r0:r1, cols])  # nothing written in these rows
+            yield base[r0:r1, span]  # nothing written in these rows
             continue
         chunk = torch.empty((r1 - r0, width), dtype=base.dtype)
         chunk.copy_(base[r0:r1])  # a copy, never the live bits (also from a device)
         flat = chunk.view(-1)
         for idx, vals in hits:
             flat.index_copy_(0, idx.to(torch.int64) - r0 * width, vals)
-        feed_bf16(h, chunk[:, cols])
+        yield chunk[:, span]
