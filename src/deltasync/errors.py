@@ -186,6 +186,13 @@ class SignatureError(ManifestError):
     """A manifest is unsigned or its signature does not verify with the configured key."""
 
 
+class ReceiverLayoutRequiredError(ConfigError):
+    """A version lists a parts digest of the receiver's shard (several writers published it
+    without the full state), which is checked with the receiver layout, and the receiver has
+    none: build it with ``Receiver.for_layout`` (``deltasync pull``: pass ``--config``). Nothing
+    was written."""
+
+
 class KeyRequiredError(SignatureError, ConfigError):
     """A manifest is signed and the receiver reading it has no key: a configuration to fix
     (give it the trainer's key), not a manifest to wait out."""

@@ -15,6 +15,7 @@ from deltasync.errors import (
     CommitConflictError,
     ConfigError,
     IntegrityError,
+    ReceiverLayoutRequiredError,
     VersionError,
 )
 from deltasync.layout import fsdp_dim0_rows
@@ -219,7 +220,7 @@ def test_a_receiver_built_without_its_layout_refuses_a_parts_digest_by_name(tmp_
     rec = Receiver(
         store, shard="tp0", tensors=tensors, state_dir=str(tmp_path / "r"), config=rconfig("r")
     )
-    with pytest.raises(ConfigError, match=r"version 0 .*Receiver.for_layout"):
+    with pytest.raises(ReceiverLayoutRequiredError, match=r"version 0 .*Receiver.for_layout"):
         rec.pull()
     assert rec.version is None
     assert all(not t.any() for t in tensors.values())  # nothing written

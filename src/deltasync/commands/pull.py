@@ -58,8 +58,9 @@ size, every tensor complete), each refused unread when the manifest lists it lar
 blob of the shard's recorded element count can be. A version listing a parts digest of the
 shard (several writers published it without the full state) is checked with the receiver
 layout, which only ``--config`` gives (the store records the model's fingerprint, not its
-config): without it the sidecar refuses such a store before anything is fetched (ConfigError,
-rc 2, naming ``--config``), and a running one stops the same way when such a version appears.
+config): without it the sidecar refuses such a store before anything is fetched
+(ReceiverLayoutRequiredError, rc 2, naming ``--config``), and a running one stops the same way
+when such a version appears.
 
 Every argument is checked before anything is written (the store, ``--dir``, the state
 directory): ``--interval`` finite, > 0 and at most a day, ``--iterations`` >= 0, ``--tp``
@@ -105,6 +106,7 @@ from deltasync.errors import (
     ConfigError,
     DeltaSyncError,
     LayoutMismatchError,
+    ReceiverLayoutRequiredError,
 )
 from deltasync.interrupts import stops_handled_by
 
@@ -177,7 +179,9 @@ def _check_parts(args, head, configured) -> None:
 
     listed = head.shard_digests.get(args.shard)
     if configured is None and listed is not None and is_parts_digest(listed):
-        raise ConfigError(_PARTS_NEED_CONFIG.format(version=head.version, shard=args.shard))
+        raise ReceiverLayoutRequiredError(
+            _PARTS_NEED_CONFIG.format(version=head.version, shard=args.shard)
+        )
 
 
 _PARTS_NEED_CONFIG = (
@@ -695,13 +699,13 @@ def _loop(args: argparse.Namespace, config, configured, stop: _Stop) -> int:
                     f"total {report.total_s * 1e3:.1f} ms -> {file.path}"
                 )
             failures, last_error = 0, None
-        except ConfigError as exc:
-            if configured is None and receiver is not None and "parts digest" in str(exc):
-                # a later version a receiver without the layout cannot check: name the flag
-                raise ConfigError(
-                    f"{exc}. For this sidecar: nothing was written; restart it with --config "
-                    "(the model's config.json)"
-                ) from None
+        except ReceiverLayoutRequiredError as exc:
+            # a later version a receiver without the layout cannot check: name the flag
+            raise ReceiverLayoutRequiredError(
+                f"{exc}. For this sidecar: nothing was written; restart it with --config "
+                "(the model's config.json)"
+            ) from None
+        except ConfigError:
             raise  # a bad argument: waiting does not change it
         except LayoutMismatchError:
             raise  # another layout: waiting does not change it

@@ -74,6 +74,7 @@ from deltasync.errors import (
     LocalStateError,
     ManifestError,
     ObjectTooLargeError,
+    ReceiverLayoutRequiredError,
     StoreError,
     VersionError,
 )
@@ -1616,7 +1617,7 @@ class Receiver:
     def _parts_layout(self, version: int) -> ReceiverLayout:
         """The layout a parts digest is checked with; ConfigError (nothing written) without."""
         if self._layout is None:
-            raise ConfigError(
+            raise ReceiverLayoutRequiredError(
                 f"receiver {self.config.receiver_id!r} shard {self.shard!r}: version {version} "
                 "lists a parts digest of this shard (several writers published it without the "
                 "full state), which is checked with the receiver layout, and this Receiver was "
