@@ -643,3 +643,75 @@ def test_the_fsdp_bench_runs_two_gloo_ranks_exactly_and_ends_with_its_json_line(
         assert 0 < one["gather_s"] <= one["blocked_s"] <= one["commit_s"], one
     (one,) = got["versions"]["parts"]  # no full_state: parts digests, nothing gathered
     assert one["version"] == 1 and one["exact"] is True and one["gather_s"] == 0, one
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--hidden", "192"], "--hidden must be a multiple of 128"),
+        (["--tp", "3"], "--tp 3 does not divide"),
+        (["--changed", "1.5"], "--changed is a fraction in (0, 1]"),
+        (["--repeat", "0"], "--repeat must be an int in [1, 100]"),
+    ],
+)
+def test_a_bad_first_pull_bench_flag_is_a_config_error_before_anything_runs(capsys, flags, says):
+    from deltasync import cli
+
+    rc = cli.main(["bench", "first-pull", *flags])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.startswith("deltasync: error: ConfigError: ") and says in captured.err
+
+
+def test_the_first_pull_bench_compares_bit_for_bit_and_exits_1_on_a_difference(capsys) -> None:
+    from deltasync_bench import first_pull_bench
+
+    gen = torch.Generator().manual_seed(5)
+    want = {n: torch.randn(64, generator=gen).to(torch.bfloat16) for n in ("a", "b")}
+    got = {n: t.clone() for n, t in want.items()}
+    assert first_pull_bench._same_bits(got, want)
+    got["b"].view(torch.int16)[7] ^= 1  # one bit of one element
+    assert not first_pull_bench._same_bits(got, want)
+    assert not first_pull_bench._same_bits({"a": want["a"]}, want)  # a tensor missing
+
+    def run(case: str, exact: bool, peak: float) -> dict:
+        times = dict(wall_s=1.0, stage_s=0.3, verify_s=0.4, pause_s=0.2)
+        return dict(
+            case=case,
+            exact=exact,
+            chain=[0],
+            shard_bytes=1 << 20,
+            **times,
+            bytes_fetched=1 << 19,
+            peak_bytes=int(peak * (1 << 20)),
+            peak_over_shard=peak,
+        )
+
+    runs = {"anchor": [run("anchor", True, 1.05)], "catch-up": [run("catch-up", False, 1.2)]}
+    assert first_pull_bench._report(runs) == 1
+    out = _last_json(capsys.readouterr().out)
+    assert out["exact"] is False and out["failures"] == ["catch-up: the receiver's tensors differ"]
+    assert out["first_pull_peak_over_shard"] == pytest.approx(1.2) and out["met"] is False
+
+
+@pytest.mark.timeout(240)
+def test_the_first_pull_bench_pulls_exactly_and_ends_with_its_json_line() -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "deltasync", "bench", "first-pull", "--layers", "1"),
+            *("--hidden", "128", "--vocab", "512", "--deltas", "2", "--repeat", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    got = _last_json(done.stdout)
+    assert got["exact"] is True and got["failures"] == []
+    anchor, catch_up = got["cases"]
+    assert (anchor["case"], anchor["versions"]) == ("anchor", 1), anchor
+    assert (catch_up["case"], catch_up["versions"]) == ("catch-up", 3), catch_up
+    for case in (anchor, catch_up):
+        # the shard itself is counted: a pull that wrote every element peaks above it
+        assert case["exact"] is True and case["peak_over_shard"] >= 1.0, case
+    assert got["first_pull_peak_over_shard"] == max(c["peak_over_shard"] for c in got["cases"])

@@ -21,7 +21,7 @@ removed its temporary directory.
 
     deltasync demo [--steps N] [--lr LR] [--store DIR] [--link-gbps G] [--small]
     deltasync rl-demo [--steps N] [--workers W] [--engine tp|hf] [--tp T] ...
-    deltasync bench [compare|detect|fsdp] ...
+    deltasync bench [compare|detect|fsdp|first-pull] ...
     torchrun --standalone --nproc-per-node=3 -m deltasync cluster-worker --tp 2
 
 This module knows the applications' names and flags, nothing about what they do inside.
@@ -230,13 +230,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
 
 
-# --- deltasync bench [compare|detect|fsdp]: the benchmark programs of deltasync_bench --------------
+# --- deltasync bench [compare|detect|fsdp|first-pull]: the benchmark programs of deltasync_bench --------------
 
 # name -> (module under deltasync_bench, help)
 _BENCHES = {
     "compare": ("compare_bench", "dense refit vs snapshot delta vs deltasync (the default)"),
     "detect": ("detect_bench", "detection + codec throughput vs the memory-bandwidth floor"),
     "fsdp": ("fsdp_bench", "FSDP2 writers on the store path: the full_state gather per version"),
+    "first-pull": ("first_pull_bench", "a receiver's first pull: peak memory over its shard"),
 }
 
 
