@@ -18,7 +18,9 @@ import pytest
 import torch
 from kit import (
     assert_same_bits,
+    fill_up,
     in_fresh_process,
+    mounted_tmpfs,
     rconfig,
     settled_rss,
     status_kib,
@@ -27,7 +29,7 @@ from kit import (
 )
 
 from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
-from deltasync.errors import DigestMismatchError, StoreError
+from deltasync.errors import DigestMismatchError, StoreError, TruncatedBlobError
 from deltasync.receiver import staging
 
 BUDGET = 0  # max_staged_bytes: every blob of the chain is spilled (the deltas too)
@@ -143,6 +145,52 @@ def test_a_refused_chain_closes_the_files_it_spilled(tmp_path, monkeypatch) -> N
     assert _open_under(tmp_path / "rx") == []
     assert all(not t.any() for t in tensors.values())  # nothing was written
     assert rx.version is None
+
+
+def test_a_blob_cut_short_in_the_store_mid_spill_is_a_truncated_blob_naming_it(
+    tmp_path, monkeypatch
+) -> None:
+    # Every store raises StoreError for a range past an object's end (none answers short): a
+    # blob replaced by a shorter object between its size and a later part was reported as a
+    # store fault naming neither the version nor the blob, unlike the in-memory fetch.
+    monkeypatch.setattr(staging, "SPILL_PART", 4096)
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, _ = _publish(store, 0)
+    real = store.get_range
+
+    def get_range(key, start, length):
+        data = real(key, start, length)
+        if start == 0:  # replaced by a shorter object once its first part is read
+            store.put(key, store.get(key)[:8192])
+        return data
+
+    monkeypatch.setattr(store, "get_range", get_range)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    with pytest.raises(TruncatedBlobError, match=r"version 0 blob .* is 8192 bytes"):
+        rx.pull()
+    assert all(not t.any() for t in tensors.values())  # nothing was written
+    assert rx.version is None
+    assert _open_under(tmp_path / "rx") == []
+
+
+def test_a_spill_leaves_the_room_the_pull_needs_for_its_journal(tmp_path, monkeypatch) -> None:
+    # A state dir with room for the anchor's spill file but for nothing after it: the spill
+    # filled it to the page, and the pull then failed at its journal write on every retry
+    # (LocalStateError), where holding the blob in memory pulls.
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 0)
+    (key,) = store.list("v00000000/tp0/")
+    spills = Spills(monkeypatch)
+    with mounted_tmpfs(tmp_path / "mnt", size="4m") as mnt:
+        tensors = zero_tensors(rl, "tp0")
+        rx = Receiver.for_layout(
+            store, rl, "tp0", tensors, str(mnt / "rx"), rconfig("rx", max_staged_bytes=BUDGET)
+        )
+        fill_up(mnt, leave=-(-store.size(key) // 4096) * 4096)  # the spill file, to the page
+        assert rx.pull().version == 0
+        assert_same_bits(tensors, expected)
+        assert spills.files == []  # held in memory instead
+        rx.close()
 
 
 def test_an_exception_mid_write_closes_the_files(tmp_path, monkeypatch) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import tempfile
 from collections.abc import Collection, Mapping, Sequence
 
@@ -49,6 +50,7 @@ from deltasync.errors import (
     ManifestError,
     MissingBlobError,
     ObjectTooLargeError,
+    StoreError,
     TruncatedBlobError,
 )
 from deltasync.format import TensorSpec, TensorUpdate, merge_writers
@@ -61,6 +63,10 @@ from deltasync.store import Store
 log = logging.getLogger(__name__)
 
 SPILL_PART = 4 << 20  # bytes per ranged read of a blob being spilled to its file
+# Room a spill leaves free in its dir: the pull writes its journal there after the spill (and
+# the state file before the spill files close); a spill that took that room would fail every
+# retry of the pull at its journal, where holding the blob in memory succeeds.
+SPILL_HEADROOM = 1 << 20
 
 
 def check_chain(manifests: Sequence[Manifest], from_version: int | None, shard: str) -> None:
@@ -161,8 +167,18 @@ def spill_blob(
     ``directory``, whose closing ``files`` owns: the store's object is read once, and the
     pull reads the file this process wrote and hashed, so a store object changed meanwhile
     cannot reach the tensors.
-    A file that cannot be written falls back to :func:`fetch_blob` (in memory, as a pull
-    within budget), with a warning naming the dir and the remedy."""
+    A file that cannot be written, or a dir without room for it and SPILL_HEADROOM more (the
+    pull's journal and state file are written there while the file is open), falls back to
+    :func:`fetch_blob` (in memory, as a pull within budget), with a warning naming the dir and
+    the remedy."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        return _held_instead(store, manifest, entry, directory, exc)
+    free = st.f_bavail * st.f_frsize
+    if free < entry.size + SPILL_HEADROOM:
+        why = f"{free} bytes free, fewer than the blob's {entry.size} and {SPILL_HEADROOM} to spare"
+        return _held_instead(store, manifest, entry, directory, why)
     try:
         # O_TMPFILE where the file system has it: the file never has a name; else unlinked at
         # once. Unbuffered: a write error (ENOSPC) is raised by the write that meets it.
@@ -190,7 +206,18 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
             raise _too_large(where, entry.size)
         for start in range(0, size, part):
             n = min(part, size - start)
-            data = store.get_range(entry.key, start, n)
+            try:
+                data = store.get_range(entry.key, start, n)
+            except KeyNotFoundError:
+                raise
+            except StoreError as exc:
+                # A range past the object's end (every store raises that, never answers
+                # short): the object changed size since it was measured, replaced or cut
+                # short in storage; named as fetch_blob names it, not as a store fault.
+                now = store.size(entry.key)
+                if now == size:
+                    raise
+                raise _wrong_size(where, now, entry.size) from exc
             if len(data) != n:  # a store that answers a short range: the object shrank
                 raise _wrong_size(where, start + len(data), entry.size)
             h.update(data)
@@ -209,7 +236,11 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
 
 
 def _held_instead(
-    store: Store, manifest: Manifest, entry: BlobEntry, directory: str, exc: BaseException | None
+    store: Store,
+    manifest: Manifest,
+    entry: BlobEntry,
+    directory: str,
+    exc: BaseException | str | None,
 ) -> bytes:
     log.warning(
         "version %d blob %r: cannot spill it to a temporary file in %r (%s); holding it in "
