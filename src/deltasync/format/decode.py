@@ -37,7 +37,7 @@ from deltasync.errors import (
 from deltasync.format import section
 from deltasync.format.reader import iter_records
 from deltasync.format.section import FileSpan
-from deltasync.format.updates import BlobHeader, DecodedBlob, TensorSpec, TensorUpdate
+from deltasync.format.updates import BlobHeader, DecodedBlob, LazyDense, TensorSpec, TensorUpdate
 from deltasync.format.wire import (
     DIGEST_SIZE,
     END_MAGIC,
@@ -57,6 +57,10 @@ from deltasync.format.wire import (
 )
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")  # same rule as names.check_token
+# Dense records from this many value bytes up are read lazily by a verify pass
+# (:meth:`BlobRecords.lazily`): smaller ones cost less held whole than a second decompression
+# cursor; an anchor's embedding (tens of MiB) is hashed a chunk at a time.
+LAZY_MIN = 4 << 20
 REFETCH = "fetch it again"  # the advice of a blob check; a caller that knows better drops it
 
 
@@ -204,8 +208,8 @@ class BlobRecords:
 
     ``blob`` is its bytes, or a :class:`~deltasync.format.section.FileSpan` of a private
     file this process wrote the blob into and checked its digest as it wrote it (a
-    receiver's spill of a large blob): its digest is not computed again (check 1 is its
-    size alone), checks 2-4 run as for bytes, and the records are read from the file.
+    receiver's spill of a large blob, ``receiver.staging.spill_blob``): its digest is not
+    computed again (check 1 is its size alone), checks 2-4 run as for bytes, and the records are read from the file.
 
     Construction runs checks 1-4 of the module docstring up to the first segment; each
     iteration decodes the records afresh, segment by segment (checks 4-5 as it goes, the
@@ -233,8 +237,9 @@ class BlobRecords:
             )
         if isinstance(blob, FileSpan):
             # Not hashed again: the process that spilled it hashed every byte as it wrote
-            # them, against the manifest's digest, and the file is private (unlinked, this
-            # process's fd alone), so what is read here is what was checked.
+            # them, against the manifest's digest and against its own (the trailer's), and
+            # the file is private (unlinked, this process's fd alone), so what is read here
+            # is what was checked.
             view: memoryview | FileSpan = blob
             if len(view) < MIN_BLOB_SIZE:
                 raise TruncatedBlobError(
@@ -291,13 +296,31 @@ class BlobRecords:
         them; the bytes are immutable, so the second is the same records)."""
         return DecodedInto(self, targets)
 
+    @property
+    def in_file(self) -> bool:
+        """Whether the records are read from a file (a receiver's spill of a large blob)."""
+        return isinstance(self._view, FileSpan)
+
+    def lazily(self, min_bytes: int = LAZY_MIN) -> ReadLazily:
+        """These records, with each dense BF16/FP16 one of at least ``min_bytes`` value bytes
+        as a :class:`~deltasync.format.updates.LazyDense` (see
+        :func:`deltasync.format.reader.iter_records`): for a verify pass that hashes a large
+        record chunk by chunk instead of holding it whole. Every check runs as in a plain
+        read: a lazy record's bytes are still decompressed and counted, and the end-of-blob
+        checks still run when the iteration ends."""
+        return ReadLazily(self, min_bytes)
+
     def names(self) -> list[str]:
         """The tensor names in record order, from the record headers alone (payloads are
         decompressed but not decoded; they are checked when the records are iterated)."""
         return [name for name, _ in self._records(headers_only=True)]
 
     def _records(
-        self, *, headers_only: bool, into: Mapping[str, torch.Tensor] | None = None
+        self,
+        *,
+        headers_only: bool,
+        into: Mapping[str, torch.Tensor] | None = None,
+        lazy_min: int | None = None,
     ) -> Iterator:
         view, end, where = self._view, self._end, self._where
         at = self._start
@@ -333,6 +356,7 @@ class BlobRecords:
                 headers_only=headers_only,
                 narrow=self._narrow,
                 into=into,
+                lazy_min=lazy_min,
             )
             del body  # one segment's decompressed section at a time
             at += section_len
@@ -355,6 +379,21 @@ class DecodedInto:
 
     def __iter__(self) -> Iterator[TensorUpdate]:
         return self.records._records(headers_only=False, into=self.targets)
+
+    def names(self) -> list[str]:
+        return self.records.names()
+
+
+class ReadLazily:
+    """A :class:`BlobRecords` read with its large dense records as
+    :class:`~deltasync.format.updates.LazyDense`: a record stream
+    (:class:`deltasync.format.merge.RecordStream`) of the same records."""
+
+    def __init__(self, records: BlobRecords, min_bytes: int) -> None:
+        self.records, self.min_bytes = records, min_bytes
+
+    def __iter__(self) -> Iterator[TensorUpdate | LazyDense]:
+        return self.records._records(headers_only=False, lazy_min=self.min_bytes)
 
     def names(self) -> list[str]:
         return self.records.names()

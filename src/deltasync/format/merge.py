@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from deltasync.errors import BlobMismatchError
-from deltasync.format.updates import TensorSpec, TensorUpdate
+from deltasync.format.updates import TensorSpec, TensorUpdate, materialized
 
 
 def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> list[TensorUpdate]:
@@ -339,7 +339,8 @@ def _lockstep(
                 if nxt.name == name:
                     u = nxt
                 else:
-                    ahead[s][nxt.name] = nxt
+                    # read whole: a lazy record is unreadable once its stream moves on
+                    ahead[s][nxt.name] = materialized(nxt)
             pieces.append((flat[s][0], u))
         u = nxt = None  # the pieces are the caller's alone while the next tensor is read
         yield name, pieces

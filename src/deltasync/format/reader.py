@@ -23,11 +23,18 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobLimitError, BlobMismatchError, FormatError
-from deltasync.format.section import SectionReader, read_gaps_as_indices, read_words, sum_gaps
+from deltasync.format.section import (
+    SectionReader,
+    read_gaps_as_indices,
+    read_words,
+    read_words_in_place,
+    sum_gaps,
+)
 from deltasync.format.updates import (
     BITS_DTYPES,
     CODE_DTYPES,
     INT32_NUMEL,
+    LazyDense,
     TensorSpec,
     TensorUpdate,
 )
@@ -60,6 +67,7 @@ def iter_records(
     headers_only: bool = False,
     narrow: bool = False,
     into: Mapping[str, torch.Tensor] | None = None,
+    lazy_min: int | None = None,
 ) -> Iterator:
     """The ``count`` records of ``reader``, one at a time; ``seen`` (names of earlier
     segments' records, updated here) makes a name repeated anywhere in the blob an error.
@@ -70,10 +78,13 @@ def iter_records(
     element instead of 10). With ``into`` (tensors by name), a dense record of a tensor there
     that is contiguous, on the CPU and of the record's dtype is decoded straight into it, and
     its update's values are that tensor (see :func:`decoded_in_place`): for a caller that
-    writes these records into those tensors anyway, after proving them by a first read."""
+    writes these records into those tensors anyway, after proving them by a first read.
+    With ``lazy_min``, a dense BF16/FP16 record of at least that many value bytes comes as a
+    :class:`~deltasync.format.updates.LazyDense`: its values are read when asked, chunk by
+    chunk, and only before the next record is read (the reader skips them if nobody asks)."""
     seen = set() if seen is None else seen
     for k in range(count):
-        yield _record(reader, k, seen, expected, headers_only, narrow, into)
+        yield _record(reader, k, seen, expected, headers_only, narrow, into, lazy_min)
     reader.finish()
 
 
@@ -96,7 +107,8 @@ def _record(
     headers_only: bool = False,
     narrow: bool = False,
     into: Mapping[str, torch.Tensor] | None = None,
-) -> TensorUpdate | tuple[str, int]:
+    lazy_min: int | None = None,
+) -> TensorUpdate | LazyDense | tuple[str, int]:
     where = reader.where
     head = reader.read(RECORD.size, f"record {k} header")
     name_len, code, encoding, ndim, width, reserved, nnz, first = RECORD.unpack(head)
@@ -153,8 +165,14 @@ def _record(
         reader.check(numel * itemsize, f"tensor {name!r} values")
         out = _live_words(into, name, shape, dtype, value_dtype)
         if out is not None:
-            read_words(reader.read_into, out, itemsize, f"tensor {name!r} values")
+            if itemsize == 2:  # BF16/FP16: no low-plane scratch beside the live tensor
+                read_words_in_place(reader.read_into, out, f"tensor {name!r} values")
+            else:
+                read_words(reader.read_into, out, itemsize, f"tensor {name!r} values")
             return _update(name, shape, dtype, None, out)
+        if lazy_min is not None and itemsize == 2 and numel * itemsize >= lazy_min:
+            words = reader.lazy_words(numel, f"tensor {name!r} values")
+            return LazyDense(name=name, shape=shape, dtype=dtype, source=words)
         return _update(name, shape, dtype, None, _values(reader, numel, value_dtype, name))
 
     if width not in GAP_WIDTHS:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import zstandard
@@ -257,6 +257,10 @@ class SectionReader:
     ) -> None:
         self.left, self.where = raw_len, where
         self._raw, self._pos, self._zstd = section, 0, None
+        self._raw_len, self._section = raw_len, section
+        # the second cursor (see :meth:`read_at_into`) and the lazy words waiting to be read
+        self._second, self._second_at = None, 0
+        self._pending: LazyPlanes | None = None
         if not compressed:
             if len(section) != raw_len:
                 raise FormatError(
@@ -311,9 +315,18 @@ class SectionReader:
                 "apply it; re-publish this version from a fixed writer"
             )
 
+    @property
+    def offset(self) -> int:
+        """Bytes of the section read so far (the position of the next byte)."""
+        return self._raw_len - self.left
+
     def skip(self, n: int, what: str) -> None:
         """Pass over the next ``n`` bytes (a one-shot section moves its position; a stream is
         decompressed through a bounded scratch buffer)."""
+        self._settle()
+        self._skip(n, what)
+
+    def _skip(self, n: int, what: str) -> None:
         self.check(n, what)
         if self._zstd is None:
             self._pos += n
@@ -322,7 +335,7 @@ class SectionReader:
         scratch = memoryview(bytearray(min(n, _SKIP_CHUNK)))
         while n:
             step = min(n, len(scratch))
-            self.read_into(scratch[:step], what)
+            self._read_into(scratch[:step], what)
             n -= step
 
     def held(self, n: int) -> np.ndarray | None:
@@ -340,6 +353,10 @@ class SectionReader:
 
     def read_into(self, buf: memoryview, what: str) -> None:
         """Fill ``buf`` (a writable byte view) with the next ``len(buf)`` bytes."""
+        self._settle()
+        self._read_into(buf, what)
+
+    def _read_into(self, buf: memoryview, what: str) -> None:
         n = len(buf)
         self.check(n, what)
         if self._zstd is None:
@@ -359,8 +376,66 @@ class SectionReader:
                 raise FormatError(f"{self.where}: {what} does not decompress ({e})") from None
         self.left -= n
 
+    def lazy_words(self, n: int, what: str) -> LazyPlanes:
+        """The next ``n`` 2-byte words (two byte planes: ``n`` low bytes, then ``n`` high ones),
+        read only when asked (:class:`LazyPlanes`); the reader moves past them before its
+        next read. The caller has checked that ``2 * n`` bytes remain."""
+        self._settle()
+        self._pending = LazyPlanes(self, n, what)
+        return self._pending
+
+    def read_at_into(self, buf: memoryview, at: int, what: str) -> None:
+        """Fill ``buf`` with the section's bytes ``[at, at + len(buf))`` through a second
+        cursor, which only moves forward (``at`` at or past where its last read ended): a
+        held section is sliced, a streamed one decompressed a second time by a stream of
+        its own over the same immutable bytes (a copy of a :class:`FileSpan`, for its own
+        read position), so the section is decompressed about twice in all, not once per
+        read. The primary cursor proves the bytes: this one never runs past what it checked
+        would be there (``at + len(buf) <= raw_len``)."""
+        n = len(buf)
+        assert self._second_at <= at and at + n <= self._raw_len, (self._second_at, at, n)
+        if self._zstd is None:
+            buf[:] = self._raw[at : at + n]
+            self._second_at = at + n
+            return
+        if self._second is None:
+            section = self._section
+            source = section[0 : len(section)] if isinstance(section, FileSpan) else section
+            self._second = zstandard.ZstdDecompressor().stream_reader(
+                source, read_across_frames=False, closefd=False
+            )
+        scratch = None
+        try:
+            while self._second_at < at:  # forward to ``at``, through a bounded scratch buffer
+                if scratch is None:
+                    scratch = memoryview(bytearray(min(at - self._second_at, _SKIP_CHUNK)))
+                step = min(at - self._second_at, len(scratch))
+                self._second_at += self._fill(scratch[:step], what)
+            self._second_at += self._fill(buf, what)
+        except zstandard.ZstdError as e:
+            raise FormatError(f"{self.where}: {what} does not decompress ({e})") from None
+
+    def _fill(self, buf: memoryview, what: str) -> int:
+        got = 0
+        while got < len(buf):
+            step = self._second.readinto(buf[got:])  # type: ignore[union-attr]
+            if step == 0:
+                raise TruncatedBlobError(
+                    f"{self.where}: the zstd frame ends inside {what}; do not apply it"
+                )
+            got += step
+        return got
+
+    def _settle(self) -> None:
+        """Move past the lazy words nobody finished reading, before the next read: they can
+        no longer be read (:class:`LazyPlanes` raises)."""
+        lazy, self._pending = self._pending, None
+        if lazy is not None:
+            self._skip(lazy.unread(), lazy.what)
+
     def finish(self) -> None:
         """Check that the section holds nothing after the last byte read."""
+        self._settle()
         if self.left:
             raise FormatError(
                 f"{self.where}: {self.left} bytes follow the last record; the blob is malformed "
@@ -373,6 +448,70 @@ class SectionReader:
                 raise FormatError(f"{self.where}: the zstd frame is corrupt ({e})") from None
             if extra:
                 raise FormatError(f"{self.where}: the zstd frame holds more than the header says")
+
+
+class LazyPlanes:
+    """``n`` 2-byte words of a section (BF16/FP16 values: ``n`` low bytes, then ``n`` high
+    ones), read when asked, in element order, without holding a plane: the section's own
+    (primary) cursor reads the low plane chunk by chunk while a second cursor
+    (:meth:`SectionReader.read_at_into`) reads the same chunk of the high plane; then the
+    primary moves past the high plane. Memory: a chunk of words and its two planes.
+
+    Readable once, and only while its reader has not moved on: a read after the reader read
+    anything else (the next record), or after a first read, raises (FormatError) instead of
+    returning other bytes."""
+
+    def __init__(self, reader: SectionReader, n: int, what: str) -> None:
+        self.n, self.what = n, what
+        self._reader: SectionReader | None = reader
+        self._at = reader.offset  # the low plane's first byte
+        self._low = 0  # low-plane bytes the primary cursor has read
+
+    def unread(self) -> int:
+        """Section bytes of these words the primary cursor has not read yet."""
+        return 2 * self.n - self._low
+
+    def _take(self) -> SectionReader:
+        reader, self._reader = self._reader, None  # one read only
+        if reader is None or reader._pending is not self:
+            raise FormatError(
+                f"{self.what}: read after its record section moved on (a lazily read record "
+                "is readable once, before the next record is read); read it in its turn"
+            )
+        return reader
+
+    def chunks(self, m: int) -> Iterator[np.ndarray]:
+        """The words in order, ``m`` at a time (the last chunk shorter), as int16 arrays
+        that are reused: each is valid until the next one is asked for."""
+        reader, n = self._take(), self.n
+        low = np.empty(min(n, m), dtype=np.uint8)
+        high = np.empty(min(n, m), dtype=np.uint8)
+        words = np.empty(min(n, m), dtype="<i2")
+        join = can_join_planes(words, 2)
+        for a in range(0, n, m):
+            k = min(m, n - a)
+            if reader._pending is not self:
+                raise FormatError(f"{self.what}: read after its record section moved on")
+            reader._read_into(memoryview(low[:k]), self.what)
+            self._low += k
+            reader.read_at_into(memoryview(high[:k]), self._at + n + a, self.what)
+            out = words[:k]
+            if join:
+                join_planes(out, 2, low[:k], high[:k], 0)
+            else:
+                bits = out.view(np.uint16)
+                np.left_shift(high[:k], 8, out=bits, dtype=np.uint16)
+                np.bitwise_or(bits, low[:k], out=bits)
+            yield out
+        if reader._pending is self:
+            reader._settle()  # past the high plane: the section's next bytes
+
+    def read(self) -> np.ndarray:
+        """All the words, as a new int16 array (no plane held beside it)."""
+        out = np.empty(self.n, dtype="<i2")
+        for a, words in zip(range(0, self.n, CHUNK), self.chunks(CHUNK), strict=True):
+            out[a : a + words.size] = words
+        return out
 
 
 CHUNK = 1 << 18  # elements per plane chunk: 256 KiB of plane bytes, stays in L2
@@ -477,6 +616,36 @@ def read_words(source: Source, out: np.ndarray, width: int, what: str) -> None:
         m = min(CHUNK, n - a)
         source(memoryview(buf[:m]), what)
         join_planes(out, width, lower, buf[:m], a)
+
+
+def read_words_in_place(source: Source, out: np.ndarray, what: str) -> None:
+    """Fill the contiguous 1-D 2-byte integer array ``out`` (n words) from the next ``2 * n``
+    section bytes (its low plane, then its high one) without a plane-sized scratch: the low
+    plane is read into the upper half of ``out``'s own bytes (``[n, 2n)``), then the words
+    are joined front to back a chunk at a time, each chunk's low bytes copied out first.
+    Words ``[a, b)`` take bytes ``[2a, 2b)``, and ``2b <= n + b`` for ``b <= n``: a write
+    never reaches a low byte not yet copied. Memory: three chunks (:func:`read_words` holds
+    the n-byte low plane). For a decode into a live tensor that is written anyway; a failed
+    read leaves ``out`` half written."""
+    n = out.size
+    assert out.dtype.itemsize == 2 and out.flags.c_contiguous and out.flags.writeable, out.dtype
+    if n == 0:
+        return
+    planes = out.view(np.uint8)
+    source(memoryview(planes[n:]), what)
+    low = np.empty(min(n, CHUNK), dtype=np.uint8)
+    high = np.empty(min(n, CHUNK), dtype=np.uint8)
+    join = can_join_planes(out, 2)
+    for a in range(0, n, CHUNK):
+        m = min(CHUNK, n - a)
+        low[:m] = planes[n + a : n + a + m]  # before words [a, a + m) overwrite it
+        source(memoryview(high[:m]), what)
+        if join:
+            join_planes(out[a : a + m], 2, low[:m], high[:m], 0)
+        else:
+            bits = out[a : a + m].view(np.uint16)
+            np.left_shift(high[:m], 8, out=bits, dtype=np.uint16)
+            np.bitwise_or(bits, low[:m], out=bits)
 
 
 def read_gaps_as_indices(

@@ -12,9 +12,11 @@ This module knows no bytes, no compression and no target tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from deltasync.errors import ConfigError, InvalidUpdateError
@@ -142,6 +144,69 @@ class TensorUpdate:
     @property
     def is_dense(self) -> bool:
         return self.indices is None
+
+
+class WordSource(Protocol):
+    """A dense record's 2-byte words, read once, in element order (a
+    :class:`deltasync.format.section.LazyPlanes`)."""
+
+    n: int
+
+    def chunks(self, m: int) -> Iterator[np.ndarray]: ...
+
+    def read(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, eq=False)
+class LazyDense:
+    """A dense update (every element, BF16/FP16) whose values are read from its blob only
+    when asked, ``chunk`` elements at a time (:meth:`chunks`), so that a large record (an
+    anchor's embedding) is hashed without being held whole. Its words are readable once,
+    and only before the blob's next record is read (a later read raises FormatError); a
+    reader that keeps the record past that takes :meth:`materialized` first. Only a verify
+    pass reads records this way (:meth:`deltasync.format.decode.BlobRecords.lazily`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: WordSource
+
+    indices = None  # dense: every element, in row-major order
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return self.numel
+
+    @property
+    def is_dense(self) -> bool:
+        return True
+
+    def chunks(self, m: int) -> Iterator[torch.Tensor]:
+        """The values, ``m`` elements at a time, as tensors of ``dtype`` valid until the next
+        one is asked for (one buffer is reused)."""
+        for words in self.source.chunks(m):
+            yield torch.from_numpy(words).view(self.dtype)
+
+    def materialized(self) -> TensorUpdate:
+        """This record read whole, as an update that outlives the blob's next record."""
+        values = torch.from_numpy(self.source.read()).view(self.dtype)
+        return TensorUpdate(
+            name=self.name, shape=self.shape, dtype=self.dtype, indices=None, values=values
+        )
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The values read whole (a reader that does not stream them); readable once."""
+        return self.materialized().values
+
+
+def materialized(record: TensorUpdate | LazyDense) -> TensorUpdate:
+    """``record`` as an update that outlives its blob's next record."""
+    return record.materialized() if isinstance(record, LazyDense) else record
 
 
 # One part of a PartedUpdate: sorted int64 indices (1-D) and their values (1-D, the update's

@@ -33,6 +33,7 @@ import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
+from deltasync.format.updates import LazyDense
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
 from deltasync.native.ops import patch16, patched_digests16, scatter16
 
@@ -129,14 +130,18 @@ def pieces_tensor_digest(
         return h.digest()
     first = tensor.start()
     pieces = tensor.pieces[first:]
-    dense = None
-    if pieces and pieces[0].is_dense:
+    dense = lazy = None
+    if pieces and isinstance(pieces[0], LazyDense):
+        # read chunk by chunk in element order, in step with the loop below (never whole)
+        lazy = pieces[0].chunks(chunk)
+        pieces = pieces[1:]
+    elif pieces and pieces[0].is_dense:
         dense = pieces[0].values.to("cpu")
         pieces = pieces[1:]
-    zeros = tensor.from_zero and dense is None
+    zeros = tensor.from_zero and dense is None and lazy is None
     if scratch is None or scratch.chunk != chunk:
         scratch = Scratch(chunk)
-    if n <= chunk and dense is None and not zeros:  # one chunk: skip the chunk bookkeeping
+    if n <= chunk and dense is None and lazy is None and not zeros:  # one chunk: no bookkeeping
         piece = scratch.take(n, flat.dtype)
         touched: Touched = [
             (p.indices.to("cpu"), p.values.to("cpu"), 0, p.nnz)  # type: ignore[union-attr]
@@ -161,15 +166,20 @@ def pieces_tensor_digest(
         if start >= end:
             break
         touched = [(idx, vals, b[i], b[i + 1]) for idx, vals, b in sparse if b[i + 1] > b[i]]
+        if lazy is not None:
+            base = next(lazy)  # elements [start, end) of the dense piece
+        elif zeros:
+            base = None
+        else:
+            base = (dense if dense is not None else flat)[start:end]
         if not touched and not zeros:
-            if dense is not None:
-                h.update(_bytes(dense[start:end]))  # the new values themselves
+            if dense is not None or lazy is not None:
+                h.update(_bytes(base))  # the new values themselves
                 continue
             if on_cpu:
-                h.update(_bytes(flat[start:end]))  # untouched: hashed in place
+                h.update(_bytes(base))  # untouched: hashed in place
                 continue
         piece = buffer[: end - start]
-        base = None if zeros else (dense if dense is not None else flat)[start:end]
         _fill(piece, base, touched, start)
         h.update(_bytes(piece))
     return h.digest()
@@ -251,6 +261,14 @@ class _Batch:
         return pieces_tensor_digest(live, item, chunk=self.scratch.chunk, scratch=self.scratch)
 
 
+def _lazy_digest(record: LazyDense, chunk: int) -> bytes:
+    """``tensor_digest`` of a dense record's values, read and hashed ``chunk`` at a time."""
+    h = xxhash.xxh3_128()
+    for values in record.chunks(chunk):
+        h.update(_bytes(values))
+    return h.digest()
+
+
 def chain_state_digest(
     tensors: Mapping[str, torch.Tensor],
     chain: Iterable[TensorPieces],
@@ -283,6 +301,8 @@ def chain_state_digest(
         listed.add(item.name)
         if not item.pieces or (item.nnz == 0 and not item.from_zero):
             batch.add(item.name, t, None, None)
+        elif isinstance(item.pieces[-1], LazyDense):  # the whole new tensor, read in chunks
+            digests[item.name] = _lazy_digest(item.pieces[-1], chunk)
         elif item.pieces[-1].is_dense:
             digests[item.name] = tensor_digest(item.pieces[-1].values)  # the whole new tensor
         else:

@@ -37,6 +37,7 @@ import tempfile
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+import xxhash
 
 from deltasync.commit import BlobEntry, Manifest, blob_digest
 from deltasync.commit.model import blob_hasher
@@ -57,7 +58,7 @@ from deltasync.format import TensorSpec, TensorUpdate, merge_writers
 from deltasync.format.decode import BlobRecords, restated
 from deltasync.format.merge import check_anchor_complete
 from deltasync.format.section import FileSpan
-from deltasync.format.wire import MAX_RECORDS
+from deltasync.format.wire import DIGEST_SIZE, MAX_RECORDS
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
@@ -186,20 +187,30 @@ def spill_blob(
     except OSError as exc:
         return _held_instead(store, manifest, entry, directory, exc)
     try:
-        _stream_into(store, manifest, entry, f, SPILL_PART if part is None else part)
+        sealed = _stream_into(store, manifest, entry, f, SPILL_PART if part is None else part)
     except _SpillFailed as exc:
         f.close()
         return _held_instead(store, manifest, entry, directory, exc.__cause__)
     except BaseException:
         f.close()
         raise
+    if not sealed:
+        # Its own trailer digest does not match though the manifest's did (the writer's
+        # fault): the checked bytes, in memory, whose checks name the fault as for a blob
+        # fetched in memory (a blob read from its file is not hashed again).
+        with f:
+            return bytes(FileSpan(f, 0, entry.size))
     files.callback(f.close)
     return FileSpan(f, 0, entry.size)
 
 
-def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: int) -> None:
+def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: int) -> bool:
+    """Fetch the blob into ``f`` with fetch_blob's checks (raised as it raises them); return
+    whether the blob's own digest (xxh3-128 of all but its last DIGEST_SIZE bytes, which hold
+    it) matches too, computed in the same pass."""
     where = f"version {manifest.version} blob {entry.key!r}"
     h = blob_hasher()
+    own, tail = xxhash.xxh3_128(), b""
     try:
         size = store.size(entry.key)
         if size > entry.size:
@@ -221,6 +232,9 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
             if len(data) != n:  # a store that answers a short range: the object shrank
                 raise _wrong_size(where, start + len(data), entry.size)
             h.update(data)
+            sealed_at = size - DIGEST_SIZE  # the blob's own digest covers the bytes before it
+            own.update(memoryview(data)[: max(0, sealed_at - start)])
+            tail += data[max(0, sealed_at - start) :]
             view = memoryview(data)
             try:
                 while view:
@@ -233,6 +247,7 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
         raise _wrong_size(where, size, entry.size)
     if h.hexdigest() != entry.digest:
         raise _wrong_digest(where, entry.digest)
+    return size >= DIGEST_SIZE and own.digest() == tail
 
 
 def _held_instead(

@@ -1590,7 +1590,14 @@ class Receiver:
         the form of ``listed``, read one tensor at a time; the tensors are not written."""
         parsed = parse_parts_digest(listed)
         if parsed is None:
-            return chain_state_digest(self.tensors, iter_chain(steps, self.specs))
+            # A blob spilled to a file (a first pull's anchor) has its large dense records
+            # hashed a chunk at a time, never held whole; blobs held in memory (the small
+            # pulls) are read as they are. (The parts digest below reads records whole.)
+            lazy = [
+                (v, kind, [s.lazily() if _in_file(s) else s for s in streams])
+                for v, kind, streams in steps
+            ]
+            return chain_state_digest(self.tensors, iter_chain(lazy, self.specs))
         count = parsed[0]
         layout = self._parts_layout(version)
         # the record headers are read once here, for the chain's reading order too
@@ -1744,6 +1751,10 @@ def _then(first: PullReport, then: PullReport) -> PullReport:
         pause_s=first.pause_s + then.pause_s,
         total_s=first.total_s + then.total_s,
     )
+
+
+def _in_file(stream: object) -> bool:
+    return isinstance(stream, BlobRecords) and stream.in_file
 
 
 def _numel(shape: tuple[int, ...]) -> int:
