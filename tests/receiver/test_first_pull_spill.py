@@ -407,3 +407,30 @@ def test_a_spilled_blob_whose_own_digest_fails_is_named_as_one_fetched_in_memory
     assert "match the manifest's digest" in message, message
     assert rx.version is None and not spills.files  # handed over in memory, never as a file
     assert all(not t.view(torch.int16).any() for t in tensors.values())  # nothing written
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_publishers_anchor_and_deltas_list_their_tensors_in_one_order(
+    tmp_path, monkeypatch, streamed
+) -> None:
+    # A receiver restoring an anchor and catching up in one pull reads the blobs in lockstep:
+    # a delta listing a tensor earlier than the anchor makes it hold the records in between
+    # (and the anchor listing one earlier, its decoded dense records). A delta held whole
+    # (small) and one streamed group by group (large) list them as the anchor does.
+    from deltasync import names
+    from deltasync.commit import Manifest
+    from deltasync.format.decode import BlobRecords
+    from deltasync.publish import publisher
+
+    if streamed:  # every delta goes out group by group, one segment each, as a large one does
+        monkeypatch.setattr(publisher, "HELD_BELOW", 0)
+        monkeypatch.setattr(publisher, "SEGMENT_ELEMENTS", 1)
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    _publish(store, 2)
+    orders = []
+    for v in range(3):
+        m = Manifest.from_json(store.get(names.manifest_key(v)))
+        (entry,) = m.blobs_for("tp0")
+        orders.append(BlobRecords(store.get(entry.key)).names())
+    assert orders[1] == orders[0] and orders[2] == orders[0], orders
+    assert orders[0][0] == "model.embed_tokens.weight" and orders[0][-1] == "lm_head.weight"

@@ -9,7 +9,7 @@ import torch
 from kit import bits_equal, build_model, tiny_layouts, tiny_qwen3
 
 from deltasync.format import encode_blob
-from deltasync.layout.routing import gather_bf16, row_pieces, shard_updates
+from deltasync.layout.routing import gather_bf16, row_pieces, shard_updates, stream_rank
 from deltasync.publish.segments import GroupRouter
 from deltasync.trainer.positions import Positions
 
@@ -50,6 +50,10 @@ def test_groups_routed_one_by_one_give_the_updates_of_routing_them_together(
         for shard, ups in added.items():
             got.setdefault(shard, []).extend(ups)
     for shard, ups in whole.items():
+        # one routing lists a shard's tensors in its local order; a segment lists them in the
+        # parameters' order, the one every blob of the publisher follows
+        rank = stream_rank(rl, shard)
+        ups = sorted(ups, key=lambda u, rank=rank: rank[u.name])
         mine = got.get(shard, [])
         if batch_elements == 1:  # a segment per group, in params order: compare by name
             order = {u.name: i for i, u in enumerate(ups)}

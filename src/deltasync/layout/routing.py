@@ -27,6 +27,7 @@ blobs, keys or stores.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -609,6 +610,33 @@ def full_shard_tensors(
     """Every receiver shard's complete BF16 state from the FULL trainer params (all names,
     full shapes): what a dense refit writes, vLLM vocabulary padding zero."""
     return receiver_layout.split(canonical_bf16(params, trainer_layout=trainer_layout))
+
+
+def in_stream_order(
+    receiver_layout: ReceiverLayout, shard: str, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (local tensors of ``shard``) in the order a delta routed parameter by
+    parameter lists them: by the first canonical tensor (in the layout's order) each holds
+    elements of. An anchor written in this order is read in lockstep with the deltas after it
+    without reading any of their records ahead (a streamed delta lists ``lm_head`` last, where
+    the shard's own order has it second: a receiver restoring the anchor and catching up in
+    one pull held every delta's other records meanwhile)."""
+    rank = stream_rank(receiver_layout, shard)
+    return dict(sorted(tensors.items(), key=lambda item: rank.get(item[0], len(rank))))
+
+
+@functools.lru_cache(maxsize=64)
+def stream_rank(receiver_layout: ReceiverLayout, shard: str) -> dict[str, int]:
+    """``{local tensor of shard: its place}`` in the order a stream of the canonical tensors
+    (in the layout's order, as a trainer's parameters come) first reaches each: the order
+    every blob of one publisher lists its records in (anchors, and each segment of a delta;
+    the segments themselves come in parameter order)."""
+    rank: dict[str, int] = {}
+    for name in receiver_layout.canonical_specs():
+        for s, local in receiver_layout.holders(name):
+            if s == shard:
+                rank.setdefault(local, len(rank))
+    return rank
 
 
 def count_elements(updates: list[TensorUpdate]) -> int:

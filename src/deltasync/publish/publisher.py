@@ -92,6 +92,7 @@ from deltasync.layout.routing import (
     checked_changes,
     every_element_stream,
     full_shard_tensors,
+    in_stream_order,
     padding_updates,
 )
 from deltasync.publish.config import PublisherConfig
@@ -741,7 +742,12 @@ class Publisher:
             digests = None
             if source is None:
                 state = self._full_state_shards(params)
-                streams.add({s: full_updates(tensors) for s, tensors in state.items()})
+                streams.add(
+                    {
+                        s: full_updates(in_stream_order(self.layout, s, tensors))
+                        for s, tensors in state.items()
+                    }
+                )
                 if cfg.is_committer:
                     digests = shard_digests(state)
                 del state

@@ -41,7 +41,13 @@ from deltasync.format import TensorUpdate
 from deltasync.format.updates import INT32_NUMEL
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
-from deltasync.layout.routing import RowPiece, parted_pieces, row_pieces, shard_updates
+from deltasync.layout.routing import (
+    RowPiece,
+    parted_pieces,
+    row_pieces,
+    shard_updates,
+    stream_rank,
+)
 from deltasync.native.loader import HeapRelease
 from deltasync.native.ops import bf16_at
 from deltasync.publish.streams import ShardStreams
@@ -122,7 +128,6 @@ class GroupRouter:
             # encoded. A receiver tensor is fed by one group only, so routing the groups one
             # by one gives the same updates as routing them together.
             out: dict[str, list[TensorUpdate]] = {}
-            several = len(changes) > 1
             while changes:
                 group = changes.pop(0)
                 changed, given, routed_positions = {}, {}, []
@@ -151,9 +156,14 @@ class GroupRouter:
                 for shard, ups in routed.items():
                     out.setdefault(shard, []).extend(_narrow(u) for u in ups)
                 del routed
-            if several:  # each shard's records in its tensor order, as one routing gives
-                for shard, ups in out.items():
-                    ups.sort(key=lambda u, s=shard: self.receiver_layout.local_position(s, u.name))
+            # Each shard's records in stream order (a parameter's before a later one's), as
+            # the segments come: one publisher's blobs, anchors too, list their tensors in one
+            # order however they were cut into segments, so a receiver reads an anchor and
+            # the deltas after it in lockstep without reading ahead (one routing gives the
+            # shard's local order, which lists lm_head second).
+            for shard, ups in out.items():
+                rank = stream_rank(self.receiver_layout, shard)
+                ups.sort(key=lambda u, rank=rank: rank.get(u.name, len(rank)))
             streams.add(out)
 
         def flush(g: int | None) -> None:
