@@ -193,6 +193,20 @@ class FileSpan:
             got += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def pread_into(self, buf: memoryview, at: int) -> None:
+        """Fill ``buf`` (a writable byte view) with the span's bytes from ``at``, read
+        straight into it (no bytes object of that size beside it)."""
+        fd = self.file.fileno()  # ValueError once closed
+        got, n = 0, len(buf)
+        while got < n:
+            step = os.preadv(fd, [buf[got:]], self.start + at + got)
+            if not step:
+                raise TruncatedBlobError(
+                    f"the spilled blob file ends {n - got} bytes early at offset "
+                    f"{self.start + at + got}: it changed after it was checked; pull again"
+                )
+            got += step
+
     def read(self, n: int = -1) -> bytes:
         """The next ``n`` bytes of the span (all that remain when ``n`` < 0), fewer at its end."""
         left = self.length - self._pos
@@ -249,8 +263,9 @@ class SectionReader:
     """Reads exactly ``raw_len`` bytes of a record section, front to back.
 
     A section in a file (:class:`FileSpan`) is checked as one in memory; a streamed one is
-    decompressed from the file as it is read, the others are read into memory whole (one
-    segment's section at a time, as a one-shot section is decompressed whole)."""
+    decompressed from the file as it is read, and an uncompressed one is read from the file
+    as it is read too (never whole: at level 0 one section can hold a whole anchor); a
+    one-shot one (at most READ_ONE_SHOT_MAX) is read into memory and decompressed whole."""
 
     def __init__(
         self, section: memoryview | FileSpan, raw_len: int, compressed: bool, where: str
@@ -267,8 +282,6 @@ class SectionReader:
                     f"{where}: uncompressed record section is {len(section)} bytes, header "
                     f"says {raw_len}"
                 )
-            if isinstance(section, FileSpan):
-                self._raw = memoryview(bytes(section))
             return
         try:
             declared = zstandard.frame_content_size(bytes(section[:_FRAME_HEADER_MAX]))
@@ -340,11 +353,21 @@ class SectionReader:
 
     def held(self, n: int) -> np.ndarray | None:
         """The next ``n`` bytes as a read-only uint8 view, without moving past them, when the
-        section is held whole (decompressed in one call, or raw); None for a streamed one.
+        section is held whole (decompressed in one call, or raw in memory); None for a streamed
+        one or one read from its file.
         The caller has checked that ``n`` bytes remain."""
-        if self._zstd is not None:
+        if self._zstd is not None or isinstance(self._raw, FileSpan):
             return None
         return np.frombuffer(self._raw, dtype=np.uint8, count=n, offset=self._pos)
+
+    def _raw_into(self, buf: memoryview, at: int) -> None:
+        """Fill ``buf`` with bytes ``[at, at + len(buf))`` of a section held uncompressed:
+        copied from memory, or read from its file straight into ``buf`` (an uncompressed
+        section in a file is never read whole, nor a record's plane beside its tensor)."""
+        if isinstance(self._raw, FileSpan):
+            self._raw.pread_into(buf, at)
+        else:
+            buf[:] = self._raw[at : at + len(buf)]
 
     def read(self, n: int, what: str) -> bytes:
         buf = bytearray(n)
@@ -360,7 +383,7 @@ class SectionReader:
         n = len(buf)
         self.check(n, what)
         if self._zstd is None:
-            buf[:] = self._raw[self._pos : self._pos + n]
+            self._raw_into(buf, self._pos)
             self._pos += n
         else:
             got = 0
@@ -395,7 +418,7 @@ class SectionReader:
         n = len(buf)
         assert self._second_at <= at and at + n <= self._raw_len, (self._second_at, at, n)
         if self._zstd is None:
-            buf[:] = self._raw[at : at + n]
+            self._raw_into(buf, at)
             self._second_at = at + n
             return
         if self._second is None:

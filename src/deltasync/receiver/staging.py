@@ -64,6 +64,7 @@ from deltasync.store import Store
 log = logging.getLogger(__name__)
 
 SPILL_PART = 4 << 20  # bytes per ranged read of a blob being spilled to its file
+SPILL_MIN = 1 << 20  # a pull that spills spills every blob from this size (a file each)
 # Room a spill leaves free in its dir: the pull writes its journal there after the spill (and
 # the state file before the spill files close); a spill that took that room would fail every
 # retry of the pull at its journal, where holding the blob in memory succeeds.
@@ -138,15 +139,21 @@ def check_blob_in_parts(store: Store, manifest: Manifest, entry: BlobEntry, part
 
 def spill_plan(blobs: Sequence[BlobEntry], budget: int) -> set[str]:
     """Keys of the ``blobs`` (a chain's, of one shard) that a pull spills to files: none when
-    they fit ``budget`` bytes together (the in-memory path, unchanged); else the largest,
-    one after another, until the blobs left in memory fit it."""
+    they fit ``budget`` bytes together (the in-memory path, unchanged); else every blob of
+    SPILL_MIN bytes or more (a catch-up's deltas too: held, they were the largest part of its
+    peak after the anchor's), and then the largest of the smaller ones until those left in
+    memory fit the budget."""
     held = sum(b.size for b in blobs)
-    out: set[str] = set()
+    if held <= budget:
+        return set()
+    out = {b.key for b in blobs if b.size >= SPILL_MIN}
+    held -= sum(b.size for b in blobs if b.key in out)
     for b in sorted(blobs, key=lambda b: b.size, reverse=True):
         if held <= budget:
             break
-        out.add(b.key)
-        held -= b.size
+        if b.key not in out:
+            out.add(b.key)
+            held -= b.size
     return out
 
 
