@@ -53,6 +53,23 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
             print(" | ".join(str(c) for c in r))
 
 
+def qwen3_config(*, layers: int, hidden: int, vocab: int) -> dict:
+    """A config-built Qwen3 of ``layers`` decoder layers and ``hidden`` width (heads of 64,
+    half as many KV heads, an MLP three times as wide): the benchmarks' sized models."""
+    from deltasync_examples.models import tiny_qwen3
+
+    heads = hidden // 64
+    return tiny_qwen3(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        intermediate_size=3 * hidden,
+        vocab_size=vocab,
+    )
+
+
 def emit_json(obj: dict) -> None:
     """The last stdout line of every benchmark."""
     emit_json_line(obj, sort_keys=True)

@@ -33,7 +33,7 @@ import torch
 
 from deltasync.errors import ConfigError
 from deltasync.validate import check_int, check_number
-from deltasync_bench.common import emit_json, print_table
+from deltasync_bench.common import emit_json, print_table, qwen3_config
 
 CASES = ("anchor", "catch-up")
 TARGET = 1.1  # #15: a receiver's peak, its shard included
@@ -74,20 +74,9 @@ def _check(args: argparse.Namespace) -> None:
 
 def _layouts(args: argparse.Namespace):
     from deltasync import ModelSpec, ReceiverLayout, TrainerLayout
-    from deltasync_examples.models import tiny_qwen3
 
-    heads = args.hidden // 64
-    spec = ModelSpec.from_hf_config(
-        tiny_qwen3(
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=heads,
-            num_key_value_heads=max(1, heads // 2),
-            head_dim=64,
-            intermediate_size=3 * args.hidden,
-            vocab_size=args.vocab,
-        )
-    )
+    config = qwen3_config(layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+    spec = ModelSpec.from_hf_config(config)
     return TrainerLayout(spec), ReceiverLayout.build(spec, "vllm", args.tp)
 
 

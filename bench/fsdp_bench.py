@@ -40,7 +40,7 @@ import torch
 
 from deltasync.errors import ConfigError
 from deltasync.validate import check_int, check_number
-from deltasync_bench.common import emit_json, print_table
+from deltasync_bench.common import emit_json, print_table, qwen3_config
 
 PHASES = ("fp32", "bf16", "parts")  # the full_state of each phase (parts: none), in run order
 _OWNER = "deltasync bench fsdp"
@@ -70,18 +70,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _hf_config(args: argparse.Namespace) -> dict:
-    from deltasync_examples.models import tiny_qwen3
-
-    heads = args.hidden // 64
-    return tiny_qwen3(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=64,
-        intermediate_size=3 * args.hidden,
-        vocab_size=args.vocab,
-    )
+    return qwen3_config(layers=args.layers, hidden=args.hidden, vocab=args.vocab)
 
 
 # ---------------------------------------------------------------------- the launcher
