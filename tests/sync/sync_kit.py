@@ -212,3 +212,25 @@ def kill(proc: mp.Process) -> None:
     proc.kill()  # SIGKILL
     proc.join(10)
     assert proc.exitcode == -9, f"child exit code {proc.exitcode}, expected SIGKILL"
+
+
+class RankTracker:
+    """One FSDP writer's view of a whole-model tracker: the changed indices in its dim-0 rows
+    (``fsdp_dim0_rows`` of ``rank`` in ``world``), local to them."""
+
+    def __init__(self, inner, params, rank: int, world: int) -> None:
+        self.inner, self.params, self.rank, self.world = inner, params, rank, world
+
+    def iter_changes(self):
+        from deltasync.layout import fsdp_dim0_rows
+
+        for name, idx, vals in self.inner.iter_changes():
+            p = self.params[name]
+            start, stop = fsdp_dim0_rows(p.shape[0], self.rank, self.world)
+            row = p[0].numel() if p.dim() > 1 else 1
+            mine = (idx >= start * row) & (idx < stop * row)
+            if bool(mine.any()):
+                yield name, idx[mine] - start * row, vals[mine]
+
+    def clear(self) -> None:
+        self.inner.clear()

@@ -34,6 +34,7 @@ from deltasync.trainer import SnapshotTracker
 
 from crash_kit import replay_version
 from sync_kit import (
+    RankTracker,
     TinyTrainer,
     assert_same_bits,
     every_rank,
@@ -55,23 +56,6 @@ def _rows(p: torch.Tensor, rank: int, world: int = WORLD) -> tuple[int, int, int
     return start, stop, (p[0].numel() if p.dim() > 1 else 1)
 
 
-class RankTracker:
-    """This rank's view of a whole-model tracker: changed indices local to its rows."""
-
-    def __init__(self, inner, params, rank, world=WORLD):
-        self.inner, self.params, self.rank, self.world = inner, params, rank, world
-
-    def iter_changes(self):
-        for name, idx, vals in self.inner.iter_changes():
-            start, stop, row = _rows(self.params[name], self.rank, self.world)
-            mine = (idx >= start * row) & (idx < stop * row)
-            if bool(mine.any()):
-                yield name, idx[mine] - start * row, vals[mine]
-
-    def clear(self):
-        self.inner.clear()
-
-
 def writer(path, rank: int, session: str) -> None:
     """One trainer rank: the same deterministic training, publishing its shard of each step."""
     spec, _tl, rl = layouts()
@@ -84,7 +68,7 @@ def writer(path, rank: int, session: str) -> None:
         writer_rank=rank, num_writers=WORLD, session=session, anchor_every=3, marker_timeout_s=30
     )
     pub = Publisher(scratch_store(path), receiver_layout=rl, config=config)
-    tracker = RankTracker(SnapshotTracker(trainer.named_parameters()), trainer.params, rank)
+    tracker = RankTracker(SnapshotTracker(trainer.named_parameters()), trainer.params, rank, WORLD)
     sync = TrainerSync(tracker, pub, local, full_state=trainer.params if rank == 0 else None)
     for v in range(VERSIONS):
         if v:

@@ -27,6 +27,7 @@ from deltasync.trainer import SnapshotTracker
 
 from sync_kit import (
     KEY,
+    RankTracker,
     TinyTrainer,
     assert_same_bits,
     every_rank,
@@ -39,25 +40,6 @@ from sync_kit import (
 )
 
 SHARDS = ("tp0", "tp1")
-
-
-class RankTracker:
-    """This rank's view of a whole-model tracker: changed indices local to its dim-0 rows."""
-
-    def __init__(self, inner, params, rank, world):
-        self.inner, self.params, self.rank, self.world = inner, params, rank, world
-
-    def iter_changes(self):
-        for name, idx, vals in self.inner.iter_changes():
-            p = self.params[name]
-            start, stop = fsdp_dim0_rows(p.shape[0], self.rank, self.world)
-            row = p[0].numel() if p.dim() > 1 else 1
-            mine = (idx >= start * row) & (idx < stop * row)
-            if bool(mine.any()):
-                yield name, idx[mine] - start * row, vals[mine]
-
-    def clear(self):
-        self.inner.clear()
 
 
 def _ranks(stores, world, *, full_state_for=(), session="s1", **config):
