@@ -29,6 +29,7 @@ from kit import (
 )
 
 from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
+from deltasync.commit import Catalog
 from deltasync.errors import DigestMismatchError, StoreError, TruncatedBlobError
 from deltasync.receiver import staging
 
@@ -172,6 +173,29 @@ def test_a_blob_cut_short_in_the_store_mid_spill_is_a_truncated_blob_naming_it(
     assert all(not t.any() for t in tensors.values())  # nothing was written
     assert rx.version is None
     assert _open_under(tmp_path / "rx") == []
+
+
+def test_a_blob_checked_in_parts_and_cut_short_mid_read_is_a_truncated_blob_naming_it(
+    tmp_path, monkeypatch
+) -> None:
+    # `deltasync inspect` hashes a large blob in parts through the spill's reads (without the
+    # file): an object cut short between parts was reported as "unreadable", a store fault
+    # naming neither the version nor the blob, where a whole read says "truncated".
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    _publish(store, 0)
+    manifest = Catalog(store).manifest(0)
+    (entry,) = manifest.blobs_for("tp0")
+    real = store.get_range
+
+    def get_range(key, start, length):
+        data = real(key, start, length)
+        if start == 0:  # replaced by a shorter object once its first part is read
+            store.put(key, store.get(key)[:8192])
+        return data
+
+    monkeypatch.setattr(store, "get_range", get_range)
+    with pytest.raises(TruncatedBlobError, match=r"version 0 blob .* is 8192 bytes"):
+        staging.check_blob_in_parts(store, manifest, entry, 4096)
 
 
 def test_a_spill_leaves_the_room_the_pull_needs_for_its_journal(tmp_path, monkeypatch) -> None:

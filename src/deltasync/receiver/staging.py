@@ -7,7 +7,8 @@
   size, digest), as ``pull`` and ``inspect`` read them too; it reads the size the manifest
   lists, so every caller first bounds that size (:func:`blob_bound` of the local tensors, or
   :func:`numel_blob_bound` of the shard's size in the layout record);
-  :func:`check_blob_in_parts` makes the same checks a part at a time, keeping no bytes;
+  :func:`check_blob_in_parts` makes the same checks a part at a time, keeping no bytes
+  (the reads of a spill, below, without the file);
 - :func:`spill_plan`, :func:`spill_blob`: a chain whose blobs exceed the pull's staged
   budget keeps its largest blobs out of memory: each is fetched in ranges into a private
   unlinked file (its size and digest checked as it streams; then read by the pull from that
@@ -35,6 +36,7 @@ import math
 import os
 import tempfile
 from collections.abc import Collection, Mapping, Sequence
+from typing import BinaryIO
 
 import torch
 import xxhash
@@ -118,23 +120,9 @@ def fetch_blob(store: Store, manifest: Manifest, entry: BlobEntry) -> bytes:
 
 
 def check_blob_in_parts(store: Store, manifest: Manifest, entry: BlobEntry, part: int) -> None:
-    """:func:`fetch_blob`'s checks, reading the blob ``part`` bytes at a time and keeping
-    none of them (``deltasync inspect`` only needs the digest)."""
-    where = f"version {manifest.version} blob {entry.key!r}"
-    try:
-        size = store.size(entry.key)
-        if size != entry.size:
-            raise _wrong_size(where, size, entry.size)
-        h = blob_hasher()
-        for start in range(0, size, part):
-            h.update(store.get_range(entry.key, start, min(part, size - start)))
-    except KeyNotFoundError:
-        raise MissingBlobError(
-            f"{where} is listed in the committed manifest but missing from the store "
-            "(deleted by retention or never uploaded); nothing was applied"
-        ) from None
-    if h.hexdigest() != entry.digest:
-        raise _wrong_digest(where, entry.digest)
+    """:func:`fetch_blob`'s checks (same errors), reading the blob ``part`` bytes at a time and
+    keeping none of them (``deltasync inspect`` only needs the digest)."""
+    _stream_into(store, manifest, entry, part, None)
 
 
 def spill_plan(blobs: Sequence[BlobEntry], budget: int) -> set[str]:
@@ -194,7 +182,7 @@ def spill_blob(
     except OSError as exc:
         return _held_instead(store, manifest, entry, directory, exc)
     try:
-        sealed = _stream_into(store, manifest, entry, f, SPILL_PART if part is None else part)
+        sealed = _stream_into(store, manifest, entry, SPILL_PART if part is None else part, f)
     except _SpillFailed as exc:
         f.close()
         return _held_instead(store, manifest, entry, directory, exc.__cause__)
@@ -211,10 +199,13 @@ def spill_blob(
     return FileSpan(f, 0, entry.size)
 
 
-def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: int) -> bool:
-    """Fetch the blob into ``f`` with fetch_blob's checks (raised as it raises them); return
-    whether the blob's own digest (xxh3-128 of all but its last DIGEST_SIZE bytes, which hold
-    it) matches too, computed in the same pass."""
+def _stream_into(
+    store: Store, manifest: Manifest, entry: BlobEntry, part: int, f: BinaryIO | None
+) -> bool:
+    """Read the blob ``part`` bytes at a time with fetch_blob's checks (raised as it raises
+    them), writing it into ``f`` unless None; return whether the blob's own digest (xxh3-128
+    of all but its last DIGEST_SIZE bytes, which hold it) matches too, computed in the same
+    pass (True without ``f``: a blob only checked is never decoded from these bytes)."""
     where = f"version {manifest.version} blob {entry.key!r}"
     h = blob_hasher()
     own, tail = xxhash.xxh3_128(), b""
@@ -239,6 +230,8 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
             if len(data) != n:  # a store that answers a short range: the object shrank
                 raise _wrong_size(where, start + len(data), entry.size)
             h.update(data)
+            if f is None:
+                continue
             sealed_at = size - DIGEST_SIZE  # the blob's own digest covers the bytes before it
             own.update(memoryview(data)[: max(0, sealed_at - start)])
             tail += data[max(0, sealed_at - start) :]
@@ -254,7 +247,7 @@ def _stream_into(store: Store, manifest: Manifest, entry: BlobEntry, f, part: in
         raise _wrong_size(where, size, entry.size)
     if h.hexdigest() != entry.digest:
         raise _wrong_digest(where, entry.digest)
-    return size >= DIGEST_SIZE and own.digest() == tail
+    return f is None or (size >= DIGEST_SIZE and own.digest() == tail)
 
 
 def _held_instead(
