@@ -263,9 +263,22 @@ def test_words_decoded_in_place_equal_read_words(n, join, monkeypatch):
     assert np.array_equal(got, want) and np.array_equal(got, words)
 
 
+# (elements, chunk asked for): every size against chunks of a page, CHUNK and beyond, and tiny
+# chunks against tiny records and across one CHUNK boundary (7 does not divide CHUNK); tiny
+# chunks over the largest records only repeated those crossings, a Python call per element
+SIZES_AND_CHUNKS = [
+    *(
+        (n, m)
+        for n in (1, 3, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5)
+        for m in (4096, CHUNK, 3 * CHUNK)
+    ),
+    *((n, m) for n in (1, 3) for m in (1, 7)),
+    (CHUNK + 1, 7),
+]
+
+
 @pytest.mark.parametrize("join", [True, False])
-@pytest.mark.parametrize("n", [1, 3, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 5])
-@pytest.mark.parametrize("m", [1, 7, 4096, CHUNK, 3 * CHUNK])
+@pytest.mark.parametrize(("n", "m"), SIZES_AND_CHUNKS)
 def test_lazy_words_equal_read_words(n, m, join, monkeypatch):
     if not join:
         monkeypatch.setattr(section, "can_join_planes", lambda out, width: False)

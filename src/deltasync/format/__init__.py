@@ -14,7 +14,8 @@ Data flow through this package::
                 apply_pieces writes one tensor's pieces of a chain
 
 wire.py holds the byte layout (documented byte by byte in docs/wire-format.md), updates.py the
-in-memory records, section.py the numpy plane kernels and the zstd frame handling.
+in-memory records, section.py the numpy plane kernels and the zstd frame handling, stash.py
+the unlinked file a verify parks a chain's large sparse pieces in.
 
 The package knows nothing about storage, manifests, layouts of models or processes.
 """

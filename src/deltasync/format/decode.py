@@ -307,7 +307,10 @@ class BlobRecords:
         :func:`deltasync.format.reader.iter_records`): for a verify pass that hashes a large
         record chunk by chunk instead of holding it whole. Every check runs as in a plain
         read: a lazy record's bytes are still decompressed and counted, and the end-of-blob
-        checks still run when the iteration ends."""
+        checks still run when the iteration ends. Every compressed section is streamed (its
+        window held, not the section: a chain read in lockstep holds one section per blob);
+        a sparse BF16/FP16 record's payload up to ``reader.PAYLOAD_MAX`` is read out whole
+        for the C decode."""
         return ReadLazily(self, min_bytes)
 
     def names(self) -> list[str]:
@@ -346,7 +349,11 @@ class BlobRecords:
                     "segment holds at least one record); do not apply it"
                 )
             body = section.SectionReader(
-                view[at : at + section_len], seg_raw, bool(self._flags & FLAG_ZSTD), seg
+                view[at : at + section_len],
+                seg_raw,
+                bool(self._flags & FLAG_ZSTD),
+                seg,
+                stream=lazy_min is not None,  # a verify's lockstep read: see lazily()
             )
             yield from iter_records(
                 body,

@@ -15,13 +15,14 @@ about stores, manifests or live tensors.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from deltasync.errors import BlobMismatchError
+from deltasync.format.stash import StashedPiece
 from deltasync.format.updates import TensorSpec, TensorUpdate, materialized
 
 
@@ -221,7 +222,7 @@ def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> Non
             f"version {version}: tensor {name!r} has a dense update and another update from "
             "a second writer; writers' elements must be disjoint (publisher bug)"
         )
-    idx = torch.sort(torch.cat([u.indices for u in ups])).values  # type: ignore[misc]
+    idx = torch.sort(torch.cat([_indices(u) for u in ups])).values
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
         raise BlobMismatchError(
             f"version {version}: two writers sent the same element of tensor {name!r}; "
@@ -230,7 +231,11 @@ def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> Non
 
 
 def iter_chain(
-    steps: Sequence[ChainStep], specs: Mapping[str, TensorSpec], *, check: bool = True
+    steps: Sequence[ChainStep],
+    specs: Mapping[str, TensorSpec],
+    *,
+    check: bool = True,
+    keep: Callable[[TensorUpdate], TensorUpdate] | None = None,
 ) -> Iterator[TensorPieces]:
     """The chain's updates one tensor at a time (tensors no step touches are not yielded).
 
@@ -242,13 +247,17 @@ def iter_chain(
     tensor is yielded: a caller that consumes the whole iterator before writing anything has
     every check behind it.
 
+    ``keep`` (several streams only) takes each record as it is read, before the next one is
+    decoded, and returns what the tensor's pieces hold in its place (e.g.
+    :meth:`deltasync.format.stash.Stash.keep`: a large sparse piece parked in a file).
+
     Raises BlobMismatchError (an incomplete anchor, overlapping writers); the streams raise
     their own FormatErrors."""
     if any(kind == "anchor" for _, kind, _ in steps[1:]):
         raise BlobMismatchError("an anchor in the middle of a chain: plan it first")
     from_zero = bool(steps) and steps[0][1] == "anchor"
     flat = [(version, stream) for version, _, streams in steps for stream in streams]
-    grouped = _alone(*flat[0]) if len(flat) == 1 else _lockstep(flat)
+    grouped = _alone(*flat[0]) if len(flat) == 1 else _lockstep(flat, keep)
     given: set[str] = set()
     # No reference to a tensor's pieces outlives its turn (``del`` below, and in the
     # groupers): a dense record (an anchor's embedding: a large part of a shard) must be
@@ -295,6 +304,15 @@ def _alone(
         del pieces
 
 
+def _kept(keep: Callable[[TensorUpdate], TensorUpdate] | None, u: TensorUpdate) -> TensorUpdate:
+    return u if keep is None else keep(u)
+
+
+def _indices(u: TensorUpdate) -> torch.Tensor:
+    """A sparse piece's indices, read back when it was stashed (:class:`StashedPiece`)."""
+    return u.read_indices() if isinstance(u, StashedPiece) else u.indices  # type: ignore[return-value]
+
+
 def check_anchor_complete(
     version: int, given: Collection[str], specs: Mapping[str, TensorSpec], shard: str | None = None
 ) -> None:
@@ -317,6 +335,7 @@ def check_anchor_complete(
 
 def _lockstep(
     flat: Sequence[tuple[int, RecordStream]],
+    keep: Callable[[TensorUpdate], TensorUpdate] | None = None,
 ) -> Iterator[tuple[str, list[tuple[int, TensorUpdate]]]]:
     """Group several streams' records per tensor, reading every stream front to back once."""
     listed = [stream.names() for _, stream in flat]
@@ -340,9 +359,12 @@ def _lockstep(
                     u = nxt
                 else:
                     # read whole: a lazy record is unreadable once its stream moves on
-                    ahead[s][nxt.name] = materialized(nxt)
-            pieces.append((flat[s][0], u))
-        u = nxt = None  # the pieces are the caller's alone while the next tensor is read
+                    ahead[s][nxt.name] = _kept(keep, materialized(nxt))
+            pieces.append((flat[s][0], _kept(keep, u)))
+            # Dropped before the next stream's record is decoded (a kept, stashed, piece's
+            # arrays are freed here), and so the pieces are the caller's alone while the
+            # next tensor is read.
+            u = nxt = None
         yield name, pieces
         del pieces
     for it in iters:  # run each stream's end-of-blob checks

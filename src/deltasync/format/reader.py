@@ -56,6 +56,10 @@ _MALFORMED = (
 )
 _LAYOUT = "writer and receiver disagree on the layout: check both use the same layout table"
 _VALUE_NP = {torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4")}
+# A BF16/FP16 sparse record's payload (gaps and values) up to this many bytes is read out of a
+# streamed section into a buffer for the C decode (its decoded arrays are larger: 6 bytes an
+# element from at most 4); a larger one is decoded plane by plane from the stream.
+PAYLOAD_MAX = 4 << 20
 
 
 def iter_records(
@@ -196,18 +200,41 @@ def _record(
         reader.skip(size, f"tensor {name!r} gaps and values")
         return name, nnz
     small = narrow and numel <= INT32_NUMEL and width <= 4
-    # BF16/FP16 from a section held whole: one C pass; what it declines takes the checked path
+    # BF16/FP16: one C pass over the payload, from a section held whole, or (a verify's
+    # read, whose sections stream) read out of the stream into a buffer of its own when it
+    # is at most PAYLOAD_MAX bytes (smaller than the arrays it decodes to); what the C pass
+    # declines takes the checked path
     payload = reader.held(size) if itemsize == 2 else None
+    source: SectionReader | _Payload = reader
+    if payload is None and itemsize == 2 and lazy_min is not None and size <= PAYLOAD_MAX:
+        payload = np.empty(size, dtype=np.uint8)
+        reader.read_into(memoryview(payload), f"tensor {name!r} gaps and values")
+        source = _Payload(payload)  # the checked path reads the buffer, not the section
     words = np.int32 if small else np.int64
     decoded = None if payload is None else decode_sparse(payload, nnz, first, width, numel, words)
     if decoded is not None:
-        reader.skip(size, f"tensor {name!r} gaps and values")
+        if source is reader:
+            reader.skip(size, f"tensor {name!r} gaps and values")
         return _update(name, shape, dtype, *decoded)
     indices = read_gaps_as_indices(
-        reader.read_into, first, nnz, width, f"tensor {name!r} gaps", words
+        source.read_into, first, nnz, width, f"tensor {name!r} gaps", words
     )
     _check_and_sum(indices, width, numel, what)
-    return _update(name, shape, dtype, indices, _values(reader, nnz, value_dtype, name))
+    return _update(name, shape, dtype, indices, _values(source, nnz, value_dtype, name))
+
+
+class _Payload:
+    """A sparse record's payload bytes read out of a streamed section, as the source its
+    checked decode reads (the section has moved past them)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.at = data, 0
+
+    def read_into(self, buf: memoryview, what: str) -> None:
+        n = len(buf)
+        assert self.at + n <= self.data.size, what  # the record's sizes were checked
+        buf[:] = memoryview(self.data[self.at : self.at + n])
+        self.at += n
 
 
 def _live_words(
@@ -247,7 +274,7 @@ def decoded_in_place(values: torch.Tensor, target: torch.Tensor) -> bool:
     )
 
 
-def _values(reader: SectionReader, n: int, dtype: np.dtype, name: str) -> np.ndarray:
+def _values(reader: SectionReader | _Payload, n: int, dtype: np.dtype, name: str) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
     read_words(reader.read_into, out, dtype.itemsize, f"tensor {name!r} values")
     return out

@@ -265,10 +265,20 @@ class SectionReader:
     A section in a file (:class:`FileSpan`) is checked as one in memory; a streamed one is
     decompressed from the file as it is read, and an uncompressed one is read from the file
     as it is read too (never whole: at level 0 one section can hold a whole anchor); a
-    one-shot one (at most READ_ONE_SHOT_MAX) is read into memory and decompressed whole."""
+    one-shot one (at most READ_ONE_SHOT_MAX) is read into memory and decompressed whole.
+    With ``stream`` a compressed section streams whatever its size: a verify reads a spilled
+    chain in lockstep, one section per blob at a time, and held whole a catch-up's deltas
+    held one decompressed section each (up to READ_ONE_SHOT_MAX) together, where a stream
+    holds its window (512 KiB at the publisher's level) and the record being decoded."""
 
     def __init__(
-        self, section: memoryview | FileSpan, raw_len: int, compressed: bool, where: str
+        self,
+        section: memoryview | FileSpan,
+        raw_len: int,
+        compressed: bool,
+        where: str,
+        *,
+        stream: bool = False,
     ) -> None:
         self.left, self.where = raw_len, where
         self._raw, self._pos, self._zstd = section, 0, None
@@ -304,7 +314,7 @@ class SectionReader:
                 f"hold at most {most}; the blob is malformed although its digest matched: do "
                 "not apply it; re-publish this version from a fixed writer"
             )
-        if raw_len > READ_ONE_SHOT_MAX:
+        if raw_len > READ_ONE_SHOT_MAX or stream:
             self._zstd = zstandard.ZstdDecompressor().stream_reader(
                 section, read_across_frames=False, closefd=False
             )
@@ -344,12 +354,24 @@ class SectionReader:
         if self._zstd is None:
             self._pos += n
             self.left -= n
+            self._release_if_read()
             return
         scratch = memoryview(bytearray(min(n, _SKIP_CHUNK)))
         while n:
             step = min(n, len(scratch))
             self._read_into(scratch[:step], what)
             n -= step
+
+    def _release_if_read(self) -> None:
+        """Drop a held section once its last byte is read: a chain read in lockstep keeps
+        each stream's reader until that stream's next record is asked for, and a section
+        decompressed whole (up to READ_ONE_SHOT_MAX) would stay beside the record decoded
+        from it (a catch-up's deltas: one such section per version, held together while
+        the tensor they end with is gathered). Records decoded from it own their arrays
+        (the C decode and the checked path copy out); a caller still holding a
+        :meth:`held` view keeps the bytes alive through it."""
+        if not self.left and self._raw is not self._section:
+            self._raw = memoryview(b"")
 
     def held(self, n: int) -> np.ndarray | None:
         """The next ``n`` bytes as a read-only uint8 view, without moving past them, when the
@@ -385,18 +407,20 @@ class SectionReader:
         if self._zstd is None:
             self._raw_into(buf, self._pos)
             self._pos += n
-        else:
-            got = 0
-            try:
-                while got < n:
-                    step = self._zstd.readinto(buf[got:])
-                    if step == 0:
-                        raise TruncatedBlobError(
-                            f"{self.where}: the zstd frame ends inside {what}; do not apply it"
-                        )
-                    got += step
-            except zstandard.ZstdError as e:
-                raise FormatError(f"{self.where}: {what} does not decompress ({e})") from None
+            self.left -= n
+            self._release_if_read()
+            return
+        got = 0
+        try:
+            while got < n:
+                step = self._zstd.readinto(buf[got:])
+                if step == 0:
+                    raise TruncatedBlobError(
+                        f"{self.where}: the zstd frame ends inside {what}; do not apply it"
+                    )
+                got += step
+        except zstandard.ZstdError as e:
+            raise FormatError(f"{self.where}: {what} does not decompress ({e})") from None
         self.left -= n
 
     def lazy_words(self, n: int, what: str) -> LazyPlanes:

@@ -18,7 +18,8 @@ so the value is exactly ``state_digest`` of the tensors after a scatter.
 A chain of several versions is verified the same way without folding it first: each tensor's
 pieces (:class:`deltasync.format.merge.TensorPieces`) patch each chunk in chain order, and a
 caller that streams them (:func:`chain_state_digest` over ``iter_chain``) holds one tensor's
-pieces at a time.
+pieces at a time; a piece parked in a file (:class:`deltasync.format.stash.StashedPiece`) is
+read back a chunk's share at a time instead.
 
 This module knows tensors, TensorUpdate and the digest definition; it knows nothing about
 stores, manifests or journals.
@@ -33,6 +34,7 @@ import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
+from deltasync.format.stash import StashedPiece
 from deltasync.format.updates import LazyDense
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
 from deltasync.native.ops import patch16, patched_digests16, scatter16
@@ -72,6 +74,22 @@ def _fill(piece: torch.Tensor, base: torch.Tensor | None, touched: Touched, star
         piece.copy_(base)
     for idx, vals, lo, hi in touched:
         _patch(piece, idx[lo:hi], vals[lo:hi], start)
+
+
+def _whole(p: TensorUpdate | StashedPiece) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse piece's (indices, values) on the CPU (a stashed one read back)."""
+    if isinstance(p, StashedPiece):
+        return p.span(0, p.nnz)
+    return p.indices.to("cpu"), p.values.to("cpu")  # type: ignore[union-attr]
+
+
+def _touched(
+    src: torch.Tensor | StashedPiece, vals: torch.Tensor | None, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A ``Touched`` entry: elements ``[lo, hi)`` of a piece (a stashed one's read back)."""
+    if isinstance(src, StashedPiece):
+        return (*src.span(lo, hi), 0, hi - lo)
+    return src, vals, lo, hi  # type: ignore[return-value]
 
 
 def patched_tensor_digest(
@@ -143,18 +161,19 @@ def pieces_tensor_digest(
         scratch = Scratch(chunk)
     if n <= chunk and dense is None and lazy is None and not zeros:  # one chunk: no bookkeeping
         piece = scratch.take(n, flat.dtype)
-        touched: Touched = [
-            (p.indices.to("cpu"), p.values.to("cpu"), 0, p.nnz)  # type: ignore[union-attr]
-            for p in pieces
-            if p.nnz
-        ]
+        touched: Touched = [(*_whole(p), 0, p.nnz) for p in pieces if p.nnz]
         _fill(piece, flat, touched, 0)
         h.update(_bytes(piece))
         return h.digest()
     starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
-    sparse = []  # (indices, values, chunk bounds) of each sparse piece, chain order
+    # (indices, values, chunk bounds) of each sparse piece, chain order; a stashed piece's
+    # (indices, values) are read back a chunk at a time below, never whole
+    sparse: list[tuple[torch.Tensor | StashedPiece, torch.Tensor | None, list[int]]] = []
     for p in pieces:
         if p.nnz == 0:
+            continue
+        if isinstance(p, StashedPiece):
+            sparse.append((p, None, p.bounds(starts)))
             continue
         idx = p.indices.to("cpu")  # type: ignore[union-attr]
         bounds = torch.searchsorted(idx, starts.to(idx.dtype)).tolist()
@@ -165,7 +184,9 @@ def pieces_tensor_digest(
         start, end = int(starts[i]), int(starts[i + 1])
         if start >= end:
             break
-        touched = [(idx, vals, b[i], b[i + 1]) for idx, vals, b in sparse if b[i + 1] > b[i]]
+        touched = [
+            _touched(src, vals, b[i], b[i + 1]) for src, vals, b in sparse if b[i + 1] > b[i]
+        ]
         if lazy is not None:
             base = next(lazy)  # elements [start, end) of the dense piece
         elif zeros:
@@ -213,8 +234,8 @@ def _one_sparse_piece(item: TensorPieces) -> TensorUpdate | None:
     if item.from_zero or item.start():
         return None
     touched = [p for p in item.pieces if p.nnz]
-    if len(touched) != 1 or touched[0].is_dense:
-        return None
+    if len(touched) != 1 or not isinstance(touched[0], TensorUpdate) or touched[0].is_dense:
+        return None  # a stashed piece is hashed chunk by chunk (pieces_tensor_digest)
     return touched[0]
 
 

@@ -24,7 +24,7 @@
    receiver's layout). A mismatch refuses the pull with every live element untouched.
    The journal is written durably meanwhile, on a thread, and waited for before step 5;
 5. scatter into the live tensors: the pause, and only that (the records read again and
-   decoded one tensor at a time, unless the chain is held);
+   decoded version by version, one tensor at a time, unless the chain is held);
 6. record the new verified version, true from the end of the scatter, three ways at once: the
    state file, the ack and the registration (independent durable writes); clear the journal
    once the state file is durable. A failed ack or heartbeat is logged and retried on the
@@ -84,6 +84,7 @@ from deltasync.format import (
     NamedOnce,
     PauseContext,
     Records,
+    TensorPieces,
     TensorSpec,
     apply_pieces,
     check_tensors_match,
@@ -91,6 +92,7 @@ from deltasync.format import (
     inside_pause,
     iter_chain,
 )
+from deltasync.format.stash import Stash
 from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import parse_parts_digest, parts_digest, state_digest
@@ -273,7 +275,9 @@ class Receiver:
     in place; ``state_dir`` is this receiver's own durable directory.
 
     ``pause`` is the engine's "stop reading weights" context, entered only around the scatter;
-    ``on_tensor_written(name)`` is called after each tensor is written (progress, tests).
+    ``on_tensor_written(name)`` is called once per tensor a pull writes, once it holds its new
+    values (progress, tests; a chain of several versions is written version by version: the
+    tensors its last version lists as they are written, the others after that).
 
     ``persist(tensors, state)``, when given, is called once the tensors hold a newly verified
     version, before anything records it (state file, ack, registration): a sidecar writes the
@@ -1332,7 +1336,10 @@ class Receiver:
                     # torn from before the iteration: its reads write the live tensors
                     writing = True
                     self._state = self._state_with(dirty=True)
-                for item in iter_chain(steps, self.specs, check=False):
+                # Tensors written by a step before the last: each may be written again by a
+                # later one, so each is reported once the last step's writes end.
+                earlier: dict[str, None] = {}
+                for last, item in _step_by_step(steps, self.specs):
                     if not writing:
                         # Torn from the first write until the last: no version, in memory
                         # (the journal says so on disk), for whatever asks meanwhile (a
@@ -1340,8 +1347,15 @@ class Receiver:
                         writing = True
                         self._state = self._state_with(dirty=True)
                     written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
-                    if self._on_tensor is not None:
+                    if not last:
+                        earlier[item.name] = None
+                    elif self._on_tensor is not None:
+                        earlier.pop(item.name, None)
                         self._on_tensor(item.name)
+                    del item  # a record is freed before the next one is decoded
+                if self._on_tensor is not None:
+                    for name in earlier:
+                        self._on_tensor(name)
         except BaseException as exc:
             self._interrupted(exc, writing, repaired, versions)
             raise
@@ -1597,7 +1611,15 @@ class Receiver:
                 (v, kind, [s.lazily() if _in_file(s) else s for s in streams])
                 for v, kind, streams in steps
             ]
-            return chain_state_digest(self.tensors, iter_chain(lazy, self.specs))
+            if len(steps) < 2 or not any(_in_file(s) for _, _, ss in steps for s in ss):
+                return chain_state_digest(self.tensors, iter_chain(lazy, self.specs))
+            # A spilled chain of several versions (a catch-up) parks each large sparse
+            # piece, as it is read, in an unlinked file beside the spills: a large tensor's
+            # pieces of every version are hashed together, a chunk at a time, never all
+            # held decoded at once (see deltasync.format.stash).
+            with Stash(str(self.dir.path)) as stash:
+                chain = iter_chain(lazy, self.specs, keep=stash.keep)
+                return chain_state_digest(self.tensors, chain)
         count = parsed[0]
         layout = self._parts_layout(version)
         # the record headers are read once here, for the chain's reading order too
@@ -1751,6 +1773,23 @@ def _then(first: PullReport, then: PullReport) -> PullReport:
         pause_s=first.pause_s + then.pause_s,
         total_s=first.total_s + then.total_s,
     )
+
+
+def _step_by_step(
+    steps: list, specs: Mapping[str, TensorSpec]
+) -> Iterator[tuple[bool, TensorPieces]]:
+    """The write pass's reading of a verified chain: each step's records in turn, each
+    tensor's pieces of that step alone, in chain order, with whether the step is the last. Written in this order the tensors
+    end as :func:`iter_chain` over the whole chain leaves them (each element holds the last
+    step's value that lists it: later steps are written later), while only one step's
+    records of a tensor are held at a time: grouped over the whole chain, a catch-up held
+    every version's piece of a large tensor (the embedding) together, each beside the
+    section it was decoded from. The first step is the anchor, if any (``from_zero``: its
+    tensors start from zeros); the verify pass proved every step before this one reads it."""
+    for i, step in enumerate(steps):
+        for item in iter_chain([step], specs, check=False):
+            yield i == len(steps) - 1, item
+            del item
 
 
 def _in_file(stream: object) -> bool:
