@@ -36,7 +36,7 @@ import torch
 
 from deltasync.errors import ConfigError, LayoutError
 from deltasync.format import TensorUpdate
-from deltasync.format.updates import Part, PartedUpdate
+from deltasync.format.updates import INT32_NUMEL, Part, PartedUpdate
 from deltasync.layout.blocks import numel
 from deltasync.layout.receiver_layout import ReceiverLayout
 from deltasync.layout.trainer_layout import TrainerLayout
@@ -175,6 +175,16 @@ def canonical_changes(
                 )
             out[canon] = pair
     return out
+
+
+def narrowed(u: TensorUpdate) -> TensorUpdate:
+    """``u`` with int32 indices where its tensor has fewer than 2^31 elements (half the bytes
+    while routed updates wait for their encoding; the encoder writes the same record)."""
+    if u.indices is None or u.indices.dtype != torch.int64 or u.numel > INT32_NUMEL:
+        return u
+    return TensorUpdate(
+        name=u.name, shape=u.shape, dtype=u.dtype, indices=u.indices.int(), values=u.values
+    )
 
 
 def route_to_shards(

@@ -38,11 +38,11 @@ import torch
 
 from deltasync.errors import ConfigError
 from deltasync.format import TensorUpdate
-from deltasync.format.updates import INT32_NUMEL
 from deltasync.layout import ReceiverLayout, TrainerLayout
 from deltasync.layout.groups import ParamGroup, param_groups
 from deltasync.layout.routing import (
     RowPiece,
+    narrowed,
     parted_pieces,
     row_pieces,
     shard_updates,
@@ -65,16 +65,6 @@ PIECES_FROM = 1 << 18
 def _local(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-
-
-def _narrow(u: TensorUpdate) -> TensorUpdate:
-    """``u`` with int32 indices where its tensor has fewer than 2^31 elements (half the bytes
-    while a batch waits for its encoding; the encoder writes the same record)."""
-    if u.indices is None or u.indices.dtype != torch.int64 or u.numel > INT32_NUMEL:
-        return u
-    return TensorUpdate(
-        name=u.name, shape=u.shape, dtype=u.dtype, indices=u.indices.int(), values=u.values
-    )
 
 
 class GroupRouter:
@@ -154,7 +144,7 @@ class GroupRouter:
                 for pos in routed_positions:  # routed: from now on only a retry reads them
                     pos.pack()
                 for shard, ups in routed.items():
-                    out.setdefault(shard, []).extend(_narrow(u) for u in ups)
+                    out.setdefault(shard, []).extend(narrowed(u) for u in ups)
                 del routed
             # Each shard's records in stream order (a parameter's before a later one's), as
             # the segments come: one publisher's blobs, anchors too, list their tensors in one
