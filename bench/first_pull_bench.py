@@ -3,7 +3,10 @@ starting or restarting receiver makes), its peak memory against its shard, and i
 
 Publishes a config-built Qwen3's BF16 weights (random, std 0.02) into a fresh local store:
 an anchor (version 0), then ``--deltas`` versions that each rewrite ``--changed`` of every
-tensor's elements. Then, per case, a fresh process takes its RSS as the base, builds the
+tensor's elements. With ``--writers N`` (above 1) every version is published by N
+FSDP writers, each from its own dim-0 rows of every parameter (one ``Publisher`` per rank,
+``writer_rank``/``num_writers``, on threads of this process, without ``full_state``): the
+manifests then list parts digests, which the receiver checks with its layout. Then, per case, a fresh process takes its RSS as the base, builds the
 receiver's live tensors (zeros) and the receiver, and pulls with
 ``Receiver.for_layout(...).pull(target)``, as users run it (default ``ReceiverConfig``
 but the receiver id): ``anchor`` pulls version 0 alone, ``catch-up`` the anchor and every
@@ -26,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="the receivers' TP (shard tp0 is pulled)")
     p.add_argument("--deltas", type=int, default=8, help="versions after the anchor")
     p.add_argument("--changed", type=float, default=0.01, help="fraction rewritten per delta")
+    p.add_argument(
+        "--writers", type=int, default=1, help="FSDP dim-0 writers per version (parts digests)"
+    )
     p.add_argument("--repeat", type=int, default=2, help="pulls per case, fresh processes")
     p.add_argument("--timeout-s", type=float, default=600.0, help="each pull's process")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # (root, case) of one pull
@@ -68,6 +75,7 @@ def _check(args: argparse.Namespace) -> None:
     check_number(_OWNER, "--changed", args.changed)
     if args.changed > 1:
         raise ConfigError(f"{_OWNER}: --changed is a fraction in (0, 1], got {args.changed!r}")
+    check_int(_OWNER, "--writers", args.writers, lo=1, hi=8)
     check_int(_OWNER, "--repeat", args.repeat, lo=1, hi=100)
     check_number(_OWNER, "--timeout-s", args.timeout_s, unit="seconds")
 
@@ -105,12 +113,12 @@ def main(args: argparse.Namespace) -> int:
                     emit_json({"exact": False, "failures": [f"the {case} pull failed"]})
                     return 1
                 runs[case].append(got)
-    return _report(runs)
+    return _report(runs, writers=args.writers)
 
 
 def _publish(args: argparse.Namespace, root: Path) -> int:
     """Publish the anchor and the deltas; save the receiver shard each case must end at."""
-    from deltasync import LocalStore, Publisher, PublisherConfig
+    from deltasync import LocalStore
 
     tl, rl = _layouts(args)
     gen = torch.Generator().manual_seed(0)
@@ -119,8 +127,8 @@ def _publish(args: argparse.Namespace, root: Path) -> int:
         for name, shape in tl.param_shapes().items()
     }
     store = LocalStore(str(root / "store"), durable=False)
-    pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1 << 20))
-    pub.publish(0, [], params, anchor=True)
+    publish = _publishers(args, store, rl, params)
+    publish(0, [], anchor=True)
     torch.save(rl.split(tl.to_canonical(params))["tp0"], root / "anchor.pt")
     for version in range(1, args.deltas + 1):
         changes = []
@@ -130,16 +138,71 @@ def _publish(args: argparse.Namespace, root: Path) -> int:
             idx = torch.randperm(flat.numel(), generator=gen)[:n].sort().values
             flat[idx] = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
             changes.append((name, idx, flat[idx].clone()))
-        pub.publish(version, changes, params)
+        publish(version, changes)
     torch.save(rl.split(tl.to_canonical(params))["tp0"], root / "catch-up.pt")
     return sum(store.size(key) for key in store.list() if key.endswith(".blob"))
+
+
+def _publishers(args: argparse.Namespace, store, rl, params: dict[str, torch.Tensor]):
+    """``publish(version, changes, anchor=False)`` of the ``--writers`` publishers: one
+    ``Publisher`` over ``params`` (one writer), or one per FSDP rank over its dim-0 rows of
+    every parameter (views: ``params`` written in place is what each rank publishes next),
+    each given its part of ``changes`` (full-parameter flat indices) in its own flat indices,
+    all at once on threads (a version commits once every writer's marker is stored)."""
+    from deltasync import Publisher, PublisherConfig
+    from deltasync.layout import fsdp_dim0_rows
+
+    world = args.writers
+    if world == 1:
+        pub = Publisher(store, receiver_layout=rl, config=PublisherConfig(anchor_every=1 << 20))
+        return lambda version, changes, anchor=False: pub.publish(
+            version, changes, params, anchor=anchor
+        )
+    pubs, rows = [], []
+    for rank in range(world):
+        config = PublisherConfig(
+            writer_rank=rank, num_writers=world, session="bench", anchor_every=1 << 20
+        )
+        pubs.append(Publisher(store, receiver_layout=rl, config=config))
+        rows.append({n: fsdp_dim0_rows(p.shape[0], rank, world) for n, p in params.items()})
+    local = [{n: p[slice(*rows[k][n])] for n, p in params.items()} for k in range(world)]
+
+    def own(rank: int, changes: list) -> list:
+        out = []
+        for name, idx, values in changes:
+            per = params[name].numel() // max(1, params[name].shape[0])
+            lo, hi = (r * per for r in rows[rank][name])
+            keep = (idx >= lo) & (idx < hi)
+            if bool(keep.any()):
+                out.append((name, idx[keep] - lo, values[keep]))
+        return out
+
+    def publish(version: int, changes: list, anchor: bool = False) -> None:
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                pubs[rank].publish(version, own(rank, changes), local[rank], anchor=anchor)
+            except BaseException as exc:  # re-raised on the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    return publish
 
 
 def _launch(args: argparse.Namespace, root: Path, case: str, k: int) -> dict | None:
     cmd = [sys.executable, "-m", "deltasync", "bench", "first-pull"]
     cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden)]
     cmd += ["--vocab", str(args.vocab), "--tp", str(args.tp), "--deltas", str(args.deltas)]
-    cmd += ["--changed", repr(args.changed), "--worker", str(root), f"{case}"]
+    cmd += ["--changed", repr(args.changed), "--writers", str(args.writers)]
+    cmd += ["--worker", str(root), f"{case}"]
     env = {**os.environ, "DELTASYNC_BENCH_RUN": str(k)}
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, timeout=args.timeout_s)
@@ -206,7 +269,7 @@ def _same_bits(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     )
 
 
-def _report(runs: dict[str, list[dict]]) -> int:
+def _report(runs: dict[str, list[dict]], *, writers: int = 1) -> int:
     rows, cases = [], []
     for case, got in runs.items():
         worst = max(got, key=lambda r: r["peak_over_shard"])
@@ -240,7 +303,8 @@ def _report(runs: dict[str, list[dict]]) -> int:
             }
         )
     print_table(
-        f"a receiver's first pull (peak RSS with its shard, target <= {TARGET}x)",
+        f"a receiver's first pull, {writers} writer(s) (peak RSS with its shard, target <= "
+        f"{TARGET}x)",
         [
             "case",
             "versions",
@@ -260,6 +324,7 @@ def _report(runs: dict[str, list[dict]]) -> int:
         {
             "exact": exact,
             "failures": failures,
+            "writers": writers,
             "cases": cases,
             "first_pull_peak_over_shard": worst,
             "target_peak_over_shard": TARGET,

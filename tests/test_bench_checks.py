@@ -652,6 +652,8 @@ def test_the_fsdp_bench_runs_two_gloo_ranks_exactly_and_ends_with_its_json_line(
         (["--tp", "3"], "--tp 3 does not divide"),
         (["--changed", "1.5"], "--changed is a fraction in (0, 1]"),
         (["--repeat", "0"], "--repeat must be an int in [1, 100]"),
+        (["--writers", "0"], "--writers must be an int in [1, 8]"),
+        (["--writers", "9"], "--writers must be an int in [1, 8]"),
     ],
 )
 def test_a_bad_first_pull_bench_flag_is_a_config_error_before_anything_runs(capsys, flags, says):
@@ -715,3 +717,21 @@ def test_the_first_pull_bench_pulls_exactly_and_ends_with_its_json_line() -> Non
         # the shard itself is counted: a pull that wrote every element peaks above it
         assert case["exact"] is True and case["peak_over_shard"] >= 1.0, case
     assert got["first_pull_peak_over_shard"] == max(c["peak_over_shard"] for c in got["cases"])
+
+
+@pytest.mark.timeout(240)
+def test_the_first_pull_bench_publishes_from_several_writers_with_parts_digests() -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "deltasync", "bench", "first-pull", "--layers", "1"),
+            *("--hidden", "128", "--vocab", "500", "--deltas", "1", "--repeat", "1"),
+            *("--writers", "3"),  # uneven rows, and vocabulary padding no writer owns
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    got = _last_json(done.stdout)
+    assert got["exact"] is True and got["writers"] == 3, got
+    assert [(c["case"], c["versions"]) for c in got["cases"]] == [("anchor", 1), ("catch-up", 2)]

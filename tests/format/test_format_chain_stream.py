@@ -190,3 +190,62 @@ def test_the_c_scatter_writes_what_torchs_index_copy_writes(monkeypatch):
         loader.enable()
     assert_same_bits(kernel, torch_path, "C scatter vs index_copy_")
     assert_same_bits(kernel, _folded(live, steps), "streamed vs folded")
+
+
+def _rows(name: str, blocks: list[tuple[int, int]], gen) -> TensorUpdate:
+    """An update of ``name`` listing the elements of the flat ranges ``blocks`` (a writer's
+    row blocks of a fused tensor, interleaved with another writer's)."""
+    idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in blocks])
+    vals = torch.randn(idx.numel(), generator=gen).to(SPECS[name].dtype)
+    return TensorUpdate(
+        name=name, shape=SPECS[name].shape, dtype=SPECS[name].dtype, indices=idx, values=vals
+    )
+
+
+# "a" is 64 x 32: two writers' row blocks interleave like a fused qkv tensor's
+_W0 = [(0, 320), (1024, 1344), (1536, 1600)]
+_W1 = [(320, 1024), (1344, 1536), (1600, 2048)]
+
+
+@pytest.mark.parametrize(
+    ("w0", "w1"),
+    [
+        ([*_W0, (700, 701)], _W1),  # one element inside the other's first block
+        (_W0, [(319, 1024), *_W1[1:]]),  # a block's first element on the other's last
+        (_W0, [*_W1[:2], (1599, 2048)]),  # the last block's first element, near the end
+        ([(0, 2047)], [(2046, 2048)]),  # all but the last element, and the last two
+    ],
+)
+def test_interleaved_writers_sharing_one_element_are_refused_wherever_it_lies(w0, w1, monkeypatch):
+    import deltasync.format.merge as merge
+
+    monkeypatch.setattr(merge, "_CHECK_CHUNK", 100)  # many chunks over a small tensor
+    gen = torch.Generator().manual_seed(11)
+    b0 = _blob(1, 0, [_rows("a", sorted(set(w0)), gen)])
+    b1 = _blob(1, 0, [_rows("a", sorted(set(w1)), gen)], "w00001")
+    with pytest.raises(BlobMismatchError, match="same element"):
+        list(iter_chain([(1, "delta", [_records(b0), _records(b1)])], SPECS))
+    with pytest.raises(BlobMismatchError, match="same element"):
+        list(iter_chain([(1, "delta", [_records_list(b0), _records_list(b1)])], SPECS))
+
+
+def test_interleaved_disjoint_writers_of_an_anchor_restore_it_exactly(monkeypatch):
+    import deltasync.format.merge as merge
+
+    monkeypatch.setattr(merge, "_CHECK_CHUNK", 100)
+    gen = torch.Generator().manual_seed(12)
+    live = _live(gen)
+    w0 = [_rows("a", _W0, gen), _sparse("b", gen, 1.0), _sparse("c", gen, 1.0)]
+    w1 = [_rows("a", _W1, gen)]
+    steps = [(0, "anchor", [_blob(0, -1, w0), _blob(0, -1, w1, "w00001")])]
+    assert_same_bits(_streamed(live, steps, _records), _folded(live, steps), "interleaved")
+
+
+def test_writers_sharing_an_element_are_refused_even_from_unsorted_indices():
+    from deltasync.format.merge import _share_an_element
+
+    # in-memory updates the decoder did not read (sorted order unproven): the sort decides
+    assert _share_an_element([torch.tensor([9, 3, 5]), torch.tensor([4, 5])])
+    assert not _share_an_element([torch.tensor([9, 3, 5]), torch.tensor([4, 6])])
+    assert _share_an_element([torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2, 7])])
+    assert not _share_an_element([torch.tensor([1, 3], dtype=torch.int32), torch.tensor([2, 7])])
