@@ -24,7 +24,8 @@ tiny config, one synthetic trainer and one oracle.
   DTensors can be built without spawning;
 - ``mounted_tmpfs(path)``: a small tmpfs mounted at ``path`` (skips where mounting is not
   permitted), unmounted on exit; ``fill_up(path)`` fills it to its last page, so the next
-  write there meets a real ENOSPC.
+  write there meets a real ENOSPC;
+- ``unlinked_fds_under(path)``: the unlinked files under ``path`` this process holds open.
 """
 
 from __future__ import annotations
@@ -409,3 +410,18 @@ def fill_up(path, leave: int = 0) -> None:
         os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
     finally:
         os.close(fd)
+
+
+def unlinked_fds_under(path) -> list[str]:
+    """Targets of this process's fds to unlinked files under ``path`` (a pull's spill and stash
+    files: each shows as its dir's path plus a ``(deleted)`` or an O_TMPFILE ``#inode`` name;
+    the state dir's lock does not)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)) and ("(deleted)" in target or "/#" in target):
+            out.append(target)
+    return out

@@ -7,13 +7,12 @@ version's values.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from kit import (
     assert_same_bits,
     rconfig,
     tiny_layouts,
+    unlinked_fds_under,
     zero_tensors,
 )
 
@@ -51,19 +50,6 @@ def _publish(store, versions: int, *, last_only: str | None = None, **shape):
             before[n] = idx[torch.randperm(idx.numel(), generator=gen)]
         pub.publish(v, changes, params)
     return rl, rl.split(tl.to_canonical(params))["tp0"]
-
-
-def _open_under(path) -> list[str]:
-    """This process's fds to unlinked files under ``path``."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(path)) and ("(deleted)" in target or "/#" in target):
-            out.append(target)
-    return out
 
 
 class Stashes:
@@ -111,7 +97,7 @@ def test_a_spilled_catch_up_is_bit_exact_stashes_its_large_pieces_and_leaves_no_
     assert len(stashes.stashes) == 1 and stashes.pieces  # the verify parked its pieces
     assert {p.name for p in stashes.pieces} <= set(tensors)
     assert sorted(written) == sorted(tensors)  # each tensor reported once, not per version
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
     rx.close()
 
 

@@ -25,6 +25,7 @@ from kit import (
     settled_rss,
     status_kib,
     tiny_layouts,
+    unlinked_fds_under,
     zero_tensors,
 )
 
@@ -76,20 +77,6 @@ class Spills:
         monkeypatch.setattr(staging, "spill_blob", spy)
 
 
-def _open_under(path) -> list[str]:
-    """Targets of this process's fds to unlinked files under ``path`` (one shows as its dir's
-    path plus a ``(deleted)`` or an O_TMPFILE ``#inode`` name; the state dir's lock is not)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(path)) and ("(deleted)" in target or "/#" in target):
-            out.append(target)
-    return out
-
-
 def _receiver(store, rl, tmp_path, **kwargs):
     tensors = zero_tensors(rl, "tp0")
     rx = Receiver.for_layout(
@@ -116,7 +103,7 @@ def test_a_first_pull_that_spills_is_bit_exact_and_leaves_no_file(
     assert_same_bits(tensors, expected)
     assert len(spills.files) == versions + 1  # every blob of the chain went through a file
     assert all(f.closed for f in spills.files)
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
     assert not [n for n in os.listdir(tmp_path / "rx") if n.startswith("tmp")]
 
 
@@ -144,9 +131,23 @@ def test_a_refused_chain_closes_the_files_it_spilled(tmp_path, monkeypatch) -> N
         rx.pull()
     assert len(spills.files) >= 1  # the anchor (and a delta) were spilled before the refusal
     assert all(f.closed for f in spills.files)
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
     assert all(not t.any() for t in tensors.values())  # nothing was written
     assert rx.version is None
+
+
+def _cut_short_once_its_first_part_is_read(store, monkeypatch) -> None:
+    """Every blob read in parts is replaced by its first 8192 bytes once its first part is
+    read (an object replaced by a shorter one in storage between two ranged reads)."""
+    real = store.get_range
+
+    def get_range(key, start, length):
+        data = real(key, start, length)
+        if start == 0:
+            store.put(key, store.get(key)[:8192])
+        return data
+
+    monkeypatch.setattr(store, "get_range", get_range)
 
 
 def test_a_blob_cut_short_in_the_store_mid_spill_is_a_truncated_blob_naming_it(
@@ -158,21 +159,13 @@ def test_a_blob_cut_short_in_the_store_mid_spill_is_a_truncated_blob_naming_it(
     monkeypatch.setattr(staging, "SPILL_PART", 4096)
     store = LocalStore(str(tmp_path / "store"), durable=False)
     rl, _ = _publish(store, 0)
-    real = store.get_range
-
-    def get_range(key, start, length):
-        data = real(key, start, length)
-        if start == 0:  # replaced by a shorter object once its first part is read
-            store.put(key, store.get(key)[:8192])
-        return data
-
-    monkeypatch.setattr(store, "get_range", get_range)
+    _cut_short_once_its_first_part_is_read(store, monkeypatch)
     rx, tensors = _receiver(store, rl, tmp_path)
     with pytest.raises(TruncatedBlobError, match=r"version 0 blob .* is 8192 bytes"):
         rx.pull()
     assert all(not t.any() for t in tensors.values())  # nothing was written
     assert rx.version is None
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
 
 
 def test_a_blob_checked_in_parts_and_cut_short_mid_read_is_a_truncated_blob_naming_it(
@@ -185,15 +178,7 @@ def test_a_blob_checked_in_parts_and_cut_short_mid_read_is_a_truncated_blob_nami
     _publish(store, 0)
     manifest = Catalog(store).manifest(0)
     (entry,) = manifest.blobs_for("tp0")
-    real = store.get_range
-
-    def get_range(key, start, length):
-        data = real(key, start, length)
-        if start == 0:  # replaced by a shorter object once its first part is read
-            store.put(key, store.get(key)[:8192])
-        return data
-
-    monkeypatch.setattr(store, "get_range", get_range)
+    _cut_short_once_its_first_part_is_read(store, monkeypatch)
     with pytest.raises(TruncatedBlobError, match=r"version 0 blob .* is 8192 bytes"):
         staging.check_blob_in_parts(store, manifest, entry, 4096)
 
@@ -233,7 +218,7 @@ def test_an_exception_mid_write_closes_the_files(tmp_path, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="callback failed"):
         rx.pull()
     assert spills.files and all(f.closed for f in spills.files)
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
     assert rx.version is None and rx.dirty  # torn: the next pull restores the anchor
     rx2, tensors2 = _receiver(store, rl, tmp_path)
     assert rx2.pull().version == 1
@@ -260,7 +245,7 @@ def test_a_store_failure_mid_fetch_closes_the_files_already_spilled(tmp_path, mo
     with pytest.raises(StoreError, match="connection reset"):
         rx.pull()
     assert len(spills.files) == 2 and all(f.closed for f in spills.files)
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
     assert all(not t.any() for t in tensors.values()) and rx.version is None
     store.failing = ""
     assert rx.pull().version == 2  # the outage is over: the next pull restores
@@ -335,7 +320,7 @@ def test_a_spill_dir_that_cannot_be_written_falls_back_to_memory(
     assert len(warned) == 3 and str(tmp_path / "rx") in warned[0]  # each blob fell back
     assert "Free space" in warned[0]
     assert all(f.f.closed for f in opened)
-    assert _open_under(tmp_path / "rx") == []
+    assert unlinked_fds_under(tmp_path / "rx") == []
 
 
 def test_a_pull_within_its_budget_spills_nothing(tmp_path, monkeypatch) -> None:
