@@ -16,12 +16,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "deltasync"
 # Layers, bottom to top. A package may import its own layer's foundations listed here and
 # anything in a lower layer; the two sides (publish | receiver | cluster + exchange) never
 # import each other: they share through commit, layout, format and store.
-BASE = {"errors", "names", "validate", "atomic", "interrupts", "exclusive"}
+BASE = {"errors", "names", "validate", "atomic", "scratch", "interrupts", "exclusive"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "names": {"errors", "validate"},  # a version argument is checked as any int argument
     "validate": {"errors"},
     "atomic": {"errors"},
+    "scratch": set(),
     "interrupts": set(),
     "exclusive": {"errors"},
     "native": BASE,

@@ -11,7 +11,9 @@ as a verify reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import tempfile
 import tracemalloc
 
@@ -19,7 +21,8 @@ import pytest
 import torch
 from kit import assert_same_bits, random_update
 
-from deltasync.errors import BlobMismatchError
+from deltasync import scratch
+from deltasync.errors import BlobMismatchError, LocalStateError
 from deltasync.format import (
     BlobRecords,
     TensorSpec,
@@ -140,13 +143,17 @@ def _verify_chain(steps, read):
     return [(v, kind, [read(b).lazily(1) for b in blobs]) for v, kind, blobs in steps]
 
 
-def test_a_chain_verified_with_its_pieces_stashed_hashes_to_the_state_it_leaves(tmp_path, read):
+@pytest.mark.parametrize("stash_chunk", [CHUNK, 700], ids=["bounds-kept", "bounds-read-back"])
+def test_a_chain_verified_with_its_pieces_stashed_hashes_to_the_state_it_leaves(
+    tmp_path, read, stash_chunk
+):
     steps = _chain(1)
     live = _live(2)
     want = state_digest(_folded(live, steps))
     held = chain_state_digest(live, iter_chain(_verify_chain(steps, read), SPECS), chunk=CHUNK)
     kept = []
-    with Stash(str(tmp_path), min_bytes=1) as stash:
+    # a stash for another chunk than the verify's reads each piece's bounds back
+    with Stash(str(tmp_path), chunk=stash_chunk, min_bytes=1) as stash:
 
         def keep(u):
             kept.append(stash.keep(u))
@@ -180,19 +187,25 @@ def test_overlapping_writers_are_refused_with_their_pieces_stashed(tmp_path):
         (2, "delta", [_blob(2, 1, [a], "w00000"), _blob(2, 1, [b], "w00001")]),
     ]
     chain = [(v, kind, [BlobRecords(x, expected=SPECS) for x in blobs]) for v, kind, blobs in steps]
-    with Stash(str(tmp_path), min_bytes=1) as stash:
+    with Stash(str(tmp_path), chunk=CHUNK, min_bytes=1) as stash:
         with pytest.raises(BlobMismatchError, match="version 2: two writers sent the same element"):
             list(iter_chain(chain, SPECS, keep=stash.keep))
 
 
-def test_a_stash_that_cannot_write_keeps_its_pieces_in_memory_and_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("why", ["no-dir", "no-room"])
+def test_a_stash_that_cannot_write_keeps_its_pieces_in_memory_and_says_so(
+    tmp_path, monkeypatch, caplog, why
+):
+    where = tmp_path / "no-such-dir" if why == "no-dir" else tmp_path
+    if why == "no-room":  # the room a stash leaves beside it: more than any disk has free
+        monkeypatch.setattr(scratch, "HEADROOM", 1 << 62)
     steps = _chain(6)
     live = _live(7)
     records = [
         (v, kind, [BlobRecords(b, expected=SPECS) for b in blobs]) for v, kind, blobs in steps
     ]
     with caplog.at_level(logging.WARNING, logger="deltasync.format.stash"):
-        with Stash(str(tmp_path / "no-such-dir"), min_bytes=1) as stash:
+        with Stash(str(where), chunk=CHUNK, min_bytes=1) as stash:
             kept = []
 
             def keep(u):
@@ -202,7 +215,9 @@ def test_a_stash_that_cannot_write_keeps_its_pieces_in_memory_and_says_so(tmp_pa
             got = chain_state_digest(live, iter_chain(records, SPECS, keep=keep), chunk=CHUNK)
     assert got == state_digest(_folded(live, steps))
     assert kept and not any(isinstance(p, StashedPiece) for p in kept)
-    assert "no-such-dir" in caplog.text
+    assert str(where) in caplog.text and "Free space in that dir" in caplog.text
+    if why == "no-room":
+        assert "bytes free" in caplog.text and list(tmp_path.iterdir()) == []
 
 
 def test_a_held_section_is_let_go_once_its_last_record_is_read():
@@ -228,3 +243,54 @@ def test_a_held_section_is_let_go_once_its_last_record_is_read():
     assert held < decoded + section // 2, (held, decoded, section)
     assert torch.equal(got.indices.to(torch.int64), idx)
     assert list(records) == []
+
+
+def _stashed(stash: Stash, kind: str = "scattered") -> tuple[TensorUpdate, StashedPiece]:
+    gen = torch.Generator().manual_seed(9)
+    u = random_update(SPECS, "emb", gen, 0.4)
+    idx = u.indices.to(torch.int32)
+    if kind == "run":  # every index from 1000 to 9999: a writer's whole rows
+        idx = torch.arange(1000, 10000, dtype=torch.int32)
+    vals = torch.randn(idx.numel(), generator=gen).to(u.dtype)
+    u = TensorUpdate(u.name, u.shape, u.dtype, idx, vals)
+    p = stash.keep(u)
+    assert isinstance(p, StashedPiece) and p.run == (kind == "run")
+    return u, p
+
+
+@pytest.mark.parametrize("kind", ["scattered", "run"])
+def test_a_stashed_piece_reads_back_as_the_piece_it_parked(tmp_path, monkeypatch, kind):
+    reads = []
+    real_read = StashedPiece._read
+
+    def counted(self, count, dtype, offset):
+        reads.append(dtype)
+        return real_read(self, count, dtype, offset)
+
+    monkeypatch.setattr(StashedPiece, "_read", counted)
+    with Stash(str(tmp_path), chunk=CHUNK, min_bytes=1) as stash:
+        u, p = _stashed(stash, kind)
+        on_file = os.fstat(p.file.fileno()).st_size
+        assert on_file == u.nnz * (2 if kind == "run" else 6)  # a run: its values alone
+        for lo, hi in [(0, u.nnz), (0, 1), (17, 900), (u.nnz - 3, u.nnz), (5, 5)]:
+            for got, want in zip(p.span(lo, hi), u.span(lo, hi), strict=True):
+                assert got.dtype == want.dtype and torch.equal(got.view(-1), want.view(-1))
+        assert torch.equal(p.all_indices(), u.indices)
+        assert p.index_range() == u.index_range()
+        starts = torch.tensor([0, 999, 1000, 1001, 5000, 9999, 10000, 10001, 19200])
+        assert p.locate(starts) == u.locate(starts)
+        reads.clear()
+        assert p.chunk_bounds(CHUNK) == u.chunk_bounds(CHUNK)
+        assert reads == []  # found as the piece was written: nothing read back
+        assert p.chunk_bounds(700) == u.chunk_bounds(700)
+        assert (reads == []) == (kind == "run")  # another chunk: read back, or counted out
+
+
+def test_a_stash_that_cannot_be_read_back_names_the_tensor_and_its_dir(tmp_path):
+    with Stash(str(tmp_path), chunk=CHUNK, min_bytes=1) as stash:
+        _, p = _stashed(stash)
+        with open(os.devnull, "wb") as write_only:  # a real EBADF on read
+            broken = dataclasses.replace(p, file=write_only)
+            with pytest.raises(LocalStateError, match=r"tensor 'emb'.*Nothing was written") as e:
+                broken.span(0, 10)
+    assert str(tmp_path) in str(e.value) and isinstance(e.value.__cause__, OSError)

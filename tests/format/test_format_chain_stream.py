@@ -218,8 +218,10 @@ _W1 = [(320, 1024), (1344, 1536), (1600, 2048)]
 )
 def test_interleaved_writers_sharing_one_element_are_refused_wherever_it_lies(w0, w1, monkeypatch):
     import deltasync.format.merge as merge
+    import deltasync.format.updates as updates
 
     monkeypatch.setattr(merge, "_CHECK_CHUNK", 100)  # many chunks over a small tensor
+    monkeypatch.setattr(updates, "ORDER_CHUNK", 100)
     gen = torch.Generator().manual_seed(11)
     b0 = _blob(1, 0, [_rows("a", sorted(set(w0)), gen)])
     b1 = _blob(1, 0, [_rows("a", sorted(set(w1)), gen)], "w00001")
@@ -231,8 +233,10 @@ def test_interleaved_writers_sharing_one_element_are_refused_wherever_it_lies(w0
 
 def test_interleaved_disjoint_writers_of_an_anchor_restore_it_exactly(monkeypatch):
     import deltasync.format.merge as merge
+    import deltasync.format.updates as updates
 
     monkeypatch.setattr(merge, "_CHECK_CHUNK", 100)
+    monkeypatch.setattr(updates, "ORDER_CHUNK", 100)
     gen = torch.Generator().manual_seed(12)
     live = _live(gen)
     w0 = [_rows("a", _W0, gen), _sparse("b", gen, 1.0), _sparse("c", gen, 1.0)]
@@ -244,8 +248,18 @@ def test_interleaved_disjoint_writers_of_an_anchor_restore_it_exactly(monkeypatc
 def test_writers_sharing_an_element_are_refused_even_from_unsorted_indices():
     from deltasync.format.merge import _share_an_element
 
+    bf16 = torch.bfloat16
+
+    def pieces(*indices):
+        return [
+            TensorUpdate("x", (16,), bf16, i, torch.zeros(i.numel(), dtype=bf16)) for i in indices
+        ]
+
     # in-memory updates the decoder did not read (sorted order unproven): the sort decides
-    assert _share_an_element([torch.tensor([9, 3, 5]), torch.tensor([4, 5])])
-    assert not _share_an_element([torch.tensor([9, 3, 5]), torch.tensor([4, 6])])
-    assert _share_an_element([torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2, 7])])
-    assert not _share_an_element([torch.tensor([1, 3], dtype=torch.int32), torch.tensor([2, 7])])
+    assert _share_an_element(pieces(torch.tensor([9, 3, 5]), torch.tensor([4, 5])))
+    assert not _share_an_element(pieces(torch.tensor([9, 3, 5]), torch.tensor([4, 6])))
+    int32 = torch.tensor([1, 2], dtype=torch.int32)
+    assert _share_an_element(pieces(int32, torch.tensor([2, 7])))
+    assert not _share_an_element(
+        pieces(int32 + torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 7]))
+    )

@@ -7,6 +7,10 @@ version's values.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
+import pytest
 import torch
 from kit import (
     assert_same_bits,
@@ -17,6 +21,7 @@ from kit import (
 )
 
 from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
+from deltasync.errors import LocalStateError
 from deltasync.format import stash as stash_module
 from deltasync.receiver import store_receiver
 
@@ -142,4 +147,40 @@ def test_a_catch_up_within_its_budget_stashes_nothing(tmp_path, monkeypatch) -> 
     assert rx.pull().version == 3
     assert_same_bits(tensors, expected)
     assert stashes.stashes == []
+    rx.close()
+
+
+def test_a_stash_that_cannot_be_read_back_fails_the_pull_before_any_write(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(stash_module, "STASH_MIN", 64)
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 3)
+    broken: list = []
+
+    class Unreadable(stash_module.Stash):
+        """Hands back its first stashed piece on a write-only file (a real EBADF on read)."""
+
+        def keep(self, record):
+            got = super().keep(record)
+            if isinstance(got, stash_module.StashedPiece) and not broken:
+                broken.append(open(os.devnull, "wb"))  # noqa: SIM115 (closed below)
+                got = dataclasses.replace(got, file=broken[0])
+            return got
+
+    monkeypatch.setattr(store_receiver, "Stash", Unreadable)
+    tensors = zero_tensors(rl, "tp0")
+    before = {n: t.clone() for n, t in tensors.items()}
+    rx = Receiver.for_layout(
+        store, rl, "tp0", tensors, str(tmp_path / "rx"), rconfig("rx", max_staged_bytes=0)
+    )
+    with pytest.raises(LocalStateError, match=r"cannot read them back.*Nothing was written"):
+        rx.pull()
+    broken[0].close()
+    assert rx.version is None
+    assert_same_bits(tensors, before, "untouched by the refused pull")
+    monkeypatch.setattr(store_receiver, "Stash", stash_module.Stash)
+    assert rx.pull().version == 3  # the next pull takes the chain
+    assert_same_bits(tensors, expected)
+    assert unlinked_fds_under(tmp_path / "rx") == []
     rx.close()

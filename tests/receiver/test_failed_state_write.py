@@ -6,12 +6,14 @@ named the file only)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 
 import pytest
 from kit import anchored_bf16, assert_same_bits, publish_edit, rconfig, zero_tensors
 
-from deltasync import MemoryStore, Receiver, names
+from deltasync import MemoryStore, Receiver, atomic, names
 from deltasync.commit import ReceiverRecord
 from deltasync.errors import LocalStateError
 from deltasync.receiver.journal import StateDir
@@ -19,10 +21,17 @@ from deltasync.receiver.journal import StateDir
 SHARD = "tp0"
 
 
-def _version_1_pulled_with_a_full_state_dir(tmp_path, monkeypatch, record: str):
+def _no_room(*_args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _version_1_pulled_with_a_full_state_dir(
+    tmp_path, monkeypatch, record: str, *, full: bool = False
+):
     """A receiver at version 0; version 1 published; its pull with ``StateDir.<record>``
-    failing as on a full disk. Returns the receiver, its tensors, version 0's and version 1's
-    expected tensors, and the error's text."""
+    failing as on a full disk (``full``: the record write itself meets ENOSPC, and its error
+    names the full disk's remedy). Returns the receiver, its tensors, version 0's and version
+    1's expected tensors, and the error's text."""
     store = MemoryStore()
     tl, rl, params, pub = anchored_bf16(store, seed=3)
     tensors = zero_tensors(rl, SHARD)
@@ -31,8 +40,14 @@ def _version_1_pulled_with_a_full_state_dir(tmp_path, monkeypatch, record: str):
     v0 = rl.split(tl.to_canonical(params))[SHARD]
     publish_edit(pub, params, 1, 7)
 
-    def fails(self, _record):
-        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+    real = getattr(StateDir, record)
+
+    def fails(self, obj):
+        if not full:
+            raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+        with monkeypatch.context() as m:
+            m.setattr(atomic.os, "fchmod", _no_room)  # the temp file cannot be made
+            real(self, obj)
 
     with monkeypatch.context() as m:
         m.setattr(StateDir, record, fails)
@@ -116,3 +131,18 @@ def test_tensors_known_drifted_on_a_full_state_dir_report_and_register_no_versio
     report = rec.pull()  # space freed: the newest anchor, bit for bit
     assert report.version == 0 and report.from_anchor
     assert_same_bits(tensors, v0, "restored")
+
+
+@pytest.mark.parametrize("record", ["write_journal", "write_state"])
+def test_a_full_disk_remedy_is_given_once(tmp_path, monkeypatch, record):
+    # The record write's error names the full disk's remedy; the pull's message around it
+    # said "free space in the state dir" a second time.
+    rec, tensors, _, v1, error = _version_1_pulled_with_a_full_state_dir(
+        tmp_path, monkeypatch, record, full=True
+    )
+    assert error.lower().count("free space") == 1, error
+    assert re.search(
+        r"filesystem is full: free space in '.*'.*once there is room, pull again$", error
+    ), error
+    assert rec.pull().version == 1  # room again: the journal replayed, or the version taken
+    assert_same_bits(tensors, v1)

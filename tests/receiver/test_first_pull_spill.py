@@ -29,7 +29,7 @@ from kit import (
     zero_tensors,
 )
 
-from deltasync import LocalStore, Publisher, PublisherConfig, Receiver
+from deltasync import LocalStore, Publisher, PublisherConfig, Receiver, scratch
 from deltasync.commit import Catalog
 from deltasync.errors import DigestMismatchError, StoreError, TruncatedBlobError
 from deltasync.receiver import staging
@@ -282,7 +282,7 @@ def test_a_spill_dir_that_cannot_be_written_falls_back_to_memory(
 ) -> None:
     store = LocalStore(str(tmp_path / "store"), durable=False)
     rl, expected = _publish(store, 2)
-    real_open = staging.tempfile.TemporaryFile
+    real_open = scratch.tempfile.TemporaryFile
 
     class Full:
         """A file system that takes a few bytes, then is full."""
@@ -311,7 +311,7 @@ def test_a_spill_dir_that_cannot_be_written_falls_back_to_memory(
         opened.append(f)
         return f
 
-    monkeypatch.setattr(staging.tempfile, "TemporaryFile", full)
+    monkeypatch.setattr(scratch.tempfile, "TemporaryFile", full)
     rx, tensors = _receiver(store, rl, tmp_path)
     with caplog.at_level(logging.WARNING, logger="deltasync.receiver.staging"):
         assert rx.pull().version == 2
@@ -320,6 +320,25 @@ def test_a_spill_dir_that_cannot_be_written_falls_back_to_memory(
     assert len(warned) == 3 and str(tmp_path / "rx") in warned[0]  # each blob fell back
     assert "Free space" in warned[0]
     assert all(f.f.closed for f in opened)
+    assert unlinked_fds_under(tmp_path / "rx") == []
+
+
+def test_a_spill_dir_without_room_beside_the_blob_holds_it_in_memory(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    # The room a spill must leave for the pull's journal and state file (scratch.HEADROOM):
+    # with more than any file system has free, each blob is fetched into memory instead.
+    store = LocalStore(str(tmp_path / "store"), durable=False)
+    rl, expected = _publish(store, 2)
+    monkeypatch.setattr(scratch, "HEADROOM", 1 << 62)
+    spills = Spills(monkeypatch)
+    rx, tensors = _receiver(store, rl, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="deltasync.receiver.staging"):
+        assert rx.pull().version == 2
+    assert_same_bits(tensors, expected)
+    warned = [r.getMessage() for r in caplog.records if "cannot spill" in r.getMessage()]
+    assert len(warned) == 3 and all("bytes free" in w for w in warned)
+    assert spills.files == []
     assert unlinked_fds_under(tmp_path / "rx") == []
 
 

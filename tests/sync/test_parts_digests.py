@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kit import unlinked_fds_under
 
 from deltasync import names
 from deltasync.commit import Catalog
@@ -18,11 +19,12 @@ from deltasync.errors import (
     ReceiverLayoutRequiredError,
     VersionError,
 )
+from deltasync.format import stash as stash_module
 from deltasync.layout import fsdp_dim0_rows
 from deltasync.layout.digest import is_parts_digest, parts_digest, state_digest
 from deltasync.layout.part_digests import receiver_part_digests
 from deltasync.publish import Publisher, PublisherConfig, TrainerSync
-from deltasync.receiver import Receiver
+from deltasync.receiver import Receiver, store_receiver
 from deltasync.trainer import SnapshotTracker
 
 from sync_kit import (
@@ -126,6 +128,74 @@ def test_writers_without_the_full_state_commit_versions_every_receiver_holds_bit
     fresh = _receivers(store, rl, tmp_path, "f")
     assert fresh["tp1"].pull().chain == (3, 4)
     assert_same_bits(fresh["tp1"].tensors, expected_shards(trainers[0].params, tl, rl)["tp1"])
+
+
+@pytest.mark.timeout(120)
+def test_a_spilled_first_pull_from_several_writers_parks_their_pieces_and_is_exact(
+    tmp_path, monkeypatch
+):
+    # Each writer's sparse piece of a tensor is parked in the state dir as it is read (a
+    # stash), and the parts digest reads it back a row chunk's share at a time: an anchor
+    # alone, and a catch-up (anchor and delta) in one pull.
+    monkeypatch.setattr(stash_module, "STASH_MIN", 64)  # the tiny model's pieces too
+    parked: list = []
+
+    class Spy(stash_module.Stash):
+        def keep(self, record):
+            got = super().keep(record)
+            if isinstance(got, stash_module.StashedPiece):
+                parked.append(got.name)
+            return got
+
+    monkeypatch.setattr(store_receiver, "Stash", Spy)
+    held: list[int] = []  # pieces of each item the write pass writes
+    real_apply = store_receiver.apply_pieces
+
+    def apply(item, *args, **kwargs):
+        held.append(len(item.pieces))
+        return real_apply(item, *args, **kwargs)
+
+    monkeypatch.setattr(store_receiver, "apply_pieces", apply)
+    _, tl, rl = layouts()
+    store = scratch_store(tmp_path / "store")
+    syncs, trainers = _ranks([store] * 2, 2, anchor_every=3)
+    for v in range(5):  # anchor, delta, delta, anchor, delta
+        if v:
+            for t in trainers:
+                t.step()
+        _published(syncs, v)
+        if v not in (0, 4):
+            continue  # an anchor alone, then the newest anchor and a delta
+        want = expected_shards(trainers[0].params, tl, rl)
+        for s in SHARDS:
+            tensors = zero_tensors(rl, s)
+            seen: dict = {}
+
+            def written(name, tensors=tensors, seen=seen):
+                assert name not in seen, f"{name} reported twice"
+                seen[name] = tensors[name].clone()
+
+            rx = Receiver.for_layout(
+                store,
+                rl,
+                s,
+                tensors,
+                str(tmp_path / f"a{v}-{s}"),
+                rconfig(f"a{v}{s}", max_staged_bytes=0),
+                on_tensor_written=written,
+            )
+            parked.clear()
+            held.clear()
+            assert rx.pull().chain == ((0,) if v == 0 else (3, 4))
+            # written a writer's piece at a time, never every writer's of a tensor together
+            assert held and set(held) == {1}, held
+            assert_same_bits(tensors, want[s], f"v{v} {s}")
+            assert len(set(parked)) > 3, parked  # several tensors' pieces were parked
+            # each tensor reported once, when every writer's piece of it was written
+            assert_same_bits(seen, want[s], f"v{v} {s} as each tensor was reported")
+            assert unlinked_fds_under(tmp_path / f"a{v}-{s}") == []
+            assert rx.scrub()
+            rx.close()
 
 
 @pytest.mark.timeout(90)

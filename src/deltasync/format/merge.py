@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobMismatchError
-from deltasync.format.stash import StashedPiece
 from deltasync.format.updates import TensorSpec, TensorUpdate, materialized
 
 
@@ -223,7 +222,7 @@ def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> Non
             f"version {version}: tensor {name!r} has a dense update and another update from "
             "a second writer; writers' elements must be disjoint (publisher bug)"
         )
-    if _share_an_element([_indices(u) for u in ups if u.nnz]):
+    if _share_an_element([u for u in ups if u.nnz]):
         raise BlobMismatchError(
             f"version {version}: two writers sent the same element of tensor {name!r}; "
             "writers' elements must be disjoint (publisher bug)"
@@ -233,43 +232,32 @@ def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> Non
 _CHECK_CHUNK = 1 << 16  # indices per step of the disjointness check (stays in cache)
 
 
-def _share_an_element(indices: Sequence[torch.Tensor]) -> bool:
-    """Whether two of ``indices`` (1-D, one per writer) hold the same element, in memory of
+def _share_an_element(pieces: Sequence[TensorUpdate]) -> bool:
+    """Whether two of ``pieces`` (sparse, one per writer) hold the same element, in memory of
     a chunk, not of the indices (a sort of their concatenation held ~24 bytes an element of
     an anchor's largest tensor: several times the tensor, and most of a multi-writer
-    anchor's verify time). Each writer's indices are strictly increasing when the decoder
-    read them; the check is exact for any input all the same: one that is not sorted is
-    checked by that sort. Writers of dim-0 rows usually hold index ranges that do not even
-    overlap (decided from the first and last index); where they interleave (a fused tensor's
-    row blocks), each pair is checked chunk by chunk: the chunk's index range cut out of the
+    anchor's verify time). A piece's indices are strictly increasing when the decoder read
+    them; the check is exact for any input all the same: a piece whose order is not proven
+    (``index_range()`` None) is checked by that sort. Writers of dim-0 rows usually hold
+    index ranges that do not even overlap (decided from the first and last index, without
+    reading a stashed piece's indices back); where they interleave (a fused tensor's row
+    blocks), each pair is checked chunk by chunk: the chunk's index range cut out of the
     other side, and each index of the chunk looked up there (``searchsorted``)."""
-    if len(indices) < 2:
+    if len(pieces) < 2:
         return False
-    arrays = [i.detach().cpu().numpy() for i in indices]
-    if not all(_increasing(a) for a in arrays):
-        idx = torch.sort(torch.cat(list(indices))).values
+    ranges = [p.index_range() for p in pieces]
+    if any(r is None for r in ranges):
+        idx = torch.sort(torch.cat([p.all_indices().to(torch.int64) for p in pieces])).values
         return idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all())
-    spans = sorted((int(a[0]), int(a[-1]), k) for k, a in enumerate(arrays))
+    spans = sorted((*r, k) for k, r in enumerate(ranges))  # type: ignore[misc]
     for at, (_lo, hi, k) in enumerate(spans):
         for lo2, _hi2, k2 in spans[at + 1 :]:
             if lo2 > hi:
                 break  # sorted by first index: no later range reaches back into this one
-            if _pair_shares(arrays[k], arrays[k2]):
+            x, y = (pieces[j].all_indices().detach().cpu().numpy() for j in (k, k2))
+            if _pair_shares(x, y):
                 return True
     return False
-
-
-def _increasing(idx: np.ndarray) -> bool:
-    """Whether ``idx`` is strictly increasing (a chunk at a time: no full-size temporary)."""
-    n = idx.size
-    out = np.empty(min(max(n - 1, 0), _CHECK_CHUNK), dtype=bool)
-    for a in range(0, n - 1, _CHECK_CHUNK):
-        b = min(n, a + _CHECK_CHUNK + 1)
-        got = out[: b - a - 1]
-        np.greater(idx[a + 1 : b], idx[a : b - 1], out=got)
-        if not got.all():
-            return False
-    return True
 
 
 def _pair_shares(x: np.ndarray, y: np.ndarray) -> bool:
@@ -371,11 +359,6 @@ def _alone(
 
 def _kept(keep: Callable[[TensorUpdate], TensorUpdate] | None, u: TensorUpdate) -> TensorUpdate:
     return u if keep is None else keep(u)
-
-
-def _indices(u: TensorUpdate) -> torch.Tensor:
-    """A sparse piece's indices, read back when it was stashed (:class:`StashedPiece`)."""
-    return u.read_indices() if isinstance(u, StashedPiece) else u.indices  # type: ignore[return-value]
 
 
 def check_anchor_complete(

@@ -12,8 +12,18 @@ back a chunk at a time (:meth:`StashedPiece.span`). The pieces of one tensor the
 decoded piece (the one being read) plus a chunk's share of each, in memory; the file holds
 them until the stash closes, in the page cache, not in the process.
 
-A piece the file cannot take (no room for it and :data:`HEADROOM` more, a failed write) is
-kept in memory, as without a stash, and the stash takes no further piece.
+A stashed piece answers a verify's calls as a sparse TensorUpdate does (``span``,
+``locate``, ``chunk_bounds``, ``index_range``, ``all_indices``), so a verify reads both the
+same way. Its chunk bounds for the stash's ``chunk`` and its first and last index are found
+as it is written, from the indices in hand: a verify that asks for them (a chunked digest,
+the writers' disjointness check) reads nothing back. A piece whose indices are one run
+(``first`` to ``last``, every one: an FSDP writer's whole rows of an anchor) has its values
+alone written (2 bytes an element, not 6), its indices counted out as they are read.
+
+A piece the file cannot take (no room for it and :data:`deltasync.scratch.HEADROOM` more,
+a failed write) is kept in memory, as without a stash, and the stash takes no further piece.
+A file that cannot be read back fails the verify, before anything is written, with a
+:class:`~deltasync.errors.LocalStateError` naming the tensor and the directory.
 
 This module knows TensorUpdate, numpy and files; it knows nothing about blobs, digests,
 stores or receivers (the caller names the directory and closes the stash).
@@ -24,29 +34,28 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
 
-from deltasync.format.updates import TensorUpdate
+from deltasync.errors import LocalStateError
+from deltasync.format.updates import TensorUpdate, chunk_starts
+from deltasync.scratch import check_room, scratch_file
 
 log = logging.getLogger(__name__)
 
 STASH_MIN = 1 << 18  # decoded bytes from which a sparse piece is stashed (smaller: held)
-# Room a stash leaves free in its directory: a receiver writes its journal there while its
-# verify runs (a stash that took that room would fail the pull at the journal).
-HEADROOM = 1 << 20
 _BLOCK = 1 << 18  # indices read back this many at a time when locating chunk bounds (1 MiB)
 
 
 @dataclass(frozen=True, eq=False)
 class StashedPiece:
     """A sparse piece (strictly increasing flat ``nnz`` indices, their values) whose arrays
-    lie in its stash's file: indices (``index_dtype``) from byte ``at``, then values. Valid
-    while the stash is open; read back with :meth:`span` and :meth:`bounds`."""
+    lie in its stash's file: indices (``index_dtype``) from byte ``at``, then values (a
+    ``run``, every index from ``first`` to ``last``, has its values alone there), and where
+    each ``chunk``-element block of the tensor starts among them (``bounds``). Valid while
+    the stash is open; read back as a sparse TensorUpdate is (:meth:`span`)."""
 
     name: str
     shape: tuple[int, ...]
@@ -55,6 +64,12 @@ class StashedPiece:
     index_dtype: torch.dtype
     at: int
     file: BinaryIO
+    directory: str
+    chunk: int
+    bounds: tuple[int, ...]
+    first: int
+    last: int
+    run: bool  # every index from first to last (a writer's whole rows): only values on file
 
     @property
     def numel(self) -> int:
@@ -68,28 +83,46 @@ class StashedPiece:
         out = torch.empty(count, dtype=dtype)
         view = memoryview(out.view(torch.uint8).numpy())  # any dtype, BF16 too
         fd, got = self.file.fileno(), 0
-        while got < len(view):
-            step = os.preadv(fd, [view[got:]], offset + got)
-            if step <= 0:
-                raise OSError(f"stash of tensor {self.name!r}: the file ends early")
-            got += step
+        try:
+            while got < len(view):
+                step = os.preadv(fd, [view[got:]], offset + got)
+                if step <= 0:
+                    raise OSError(f"the file ends {len(view) - got} bytes early")
+                got += step
+        except OSError as exc:
+            raise LocalStateError(
+                f"tensor {self.name!r}: its verify parked its decoded elements in an unlinked "
+                f"file in the state dir {self.directory!r} and cannot read them back ({exc}). "
+                "Nothing was written (the verify runs before the first live write): check the "
+                "disk under that dir and pull again"
+            ) from exc
         return out
 
+    def _indices(self, lo: int, hi: int) -> torch.Tensor:
+        if self.run:
+            return torch.arange(self.first + lo, self.first + hi, dtype=self.index_dtype)
+        return self._read(hi - lo, self.index_dtype, self.at + lo * self.index_dtype.itemsize)
+
     def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elements ``[lo, hi)`` of the piece: (indices, values), read from the file into new
-        tensors."""
-        isize, vsize = self.index_dtype.itemsize, self.dtype.itemsize
-        idx = self._read(hi - lo, self.index_dtype, self.at + lo * isize)
-        vals = self._read(hi - lo, self.dtype, self.at + self.nnz * isize + lo * vsize)
-        return idx, vals
+        """Elements ``[lo, hi)`` of the piece: (indices, values), read from the file (a run's
+        indices counted out) into new tensors."""
+        on_file = 0 if self.run else self.nnz * self.index_dtype.itemsize
+        vals = self._read(hi - lo, self.dtype, self.at + on_file + lo * self.dtype.itemsize)
+        return self._indices(lo, hi), vals
 
-    def read_indices(self) -> torch.Tensor:
-        """Every index at once (a check of several writers' pieces of one version)."""
-        return self._read(self.nnz, self.index_dtype, self.at)
+    def all_indices(self) -> torch.Tensor:
+        """Every index at once (a check of interleaved writers' pieces of one version)."""
+        return self._indices(0, self.nnz)
 
-    def bounds(self, starts: torch.Tensor) -> list[int]:
-        """``torch.searchsorted(indices, starts).tolist()``, read back a block at a time: the
-        count of indices below each start, summed over blocks (the indices are sorted)."""
+    def index_range(self) -> tuple[int, int]:
+        """(first, last) index, kept as the piece was written (its order proven then)."""
+        return self.first, self.last
+
+    def locate(self, starts: torch.Tensor) -> list[int]:
+        """As :meth:`TensorUpdate.locate`, the indices read back a block at a time: the count
+        of indices below each start, summed over blocks (the indices are sorted)."""
+        if self.run:  # the indices below start s: s - first of them, within [0, nnz]
+            return (starts.to(torch.int64) - self.first).clamp_(0, self.nnz).tolist()
         out = torch.zeros(starts.numel(), dtype=torch.int64)
         isize = self.index_dtype.itemsize
         for a in range(0, self.nnz, _BLOCK):
@@ -97,13 +130,23 @@ class StashedPiece:
             out += torch.searchsorted(idx, starts.to(idx.dtype))
         return out.tolist()
 
+    def chunk_bounds(self, chunk: int) -> list[int]:
+        """As :meth:`TensorUpdate.chunk_bounds`: the bounds found as the piece was written
+        for the stash's chunk (nothing read back), else :meth:`locate`."""
+        if chunk == self.chunk:
+            return list(self.bounds)
+        return self.locate(chunk_starts(self.numel, chunk))
+
 
 class Stash:
     """An unlinked file in ``directory`` that takes the large sparse pieces handed to
-    :meth:`keep` (a context manager: the file is closed, and its blocks freed, on exit)."""
+    :meth:`keep` (a context manager: the file is closed, and its blocks freed, on exit).
+    ``chunk``: the block size of the verify that reads the pieces back (each piece's bounds
+    for it are found as the piece is written)."""
 
-    def __init__(self, directory: str, *, min_bytes: int | None = None) -> None:
+    def __init__(self, directory: str, *, chunk: int, min_bytes: int | None = None) -> None:
         self.directory = directory
+        self.chunk = chunk
         self.min_bytes = STASH_MIN if min_bytes is None else min_bytes
         self._file: BinaryIO | None = None
         self._end = 0
@@ -135,21 +178,29 @@ class Stash:
         size = idx.numel() * idx.element_size() + vals.numel() * vals.element_size()
         if size < self.min_bytes:
             return record
+        span = record.index_range()
+        if span is None:  # order not proven: its checks read it whole (kept in memory)
+            return record
+        run = span[1] - span[0] + 1 == record.nnz  # its indices are first..last: not written
+        arrays = (vals,) if run else (idx, vals)
+        size = sum(t.numel() * t.element_size() for t in arrays)
         try:
-            if shutil.disk_usage(self.directory).free < size + HEADROOM:
-                raise OSError(f"fewer than {size + HEADROOM} bytes free")
             if self._file is None:
                 # closed by close(): the file outlives this call (its pieces are read back)
-                self._file = tempfile.TemporaryFile(dir=self.directory)  # noqa: SIM115
+                self._file = scratch_file(self.directory, size)
+            else:
+                check_room(self.directory, size)
             at = self._end
             self._file.seek(at)
-            for t in (idx, vals):
+            for t in arrays:
                 self._file.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
             self._file.flush()
         except OSError as e:
             self._off = True
             log.warning(
-                "a verify keeps its large pieces in memory: its stash in %r failed (%s)",
+                "a verify keeps its large decoded pieces in memory: its stash file in %r "
+                "failed (%s). Free space in that dir (the receiver's state dir), or let this "
+                "process write there",
                 self.directory,
                 e,
             )
@@ -163,4 +214,10 @@ class Stash:
             index_dtype=idx.dtype,
             at=at,
             file=self._file,
+            directory=self.directory,
+            chunk=self.chunk,
+            bounds=tuple(record.chunk_bounds(self.chunk)),
+            first=span[0],
+            last=span[1],
+            run=run,
         )

@@ -145,6 +145,59 @@ class TensorUpdate:
     def is_dense(self) -> bool:
         return self.indices is None
 
+    # A sparse update's elements as a verify reads them, a chunk's share at a time; a piece
+    # parked in a file (deltasync.format.stash.StashedPiece) answers the same calls.
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elements ``[lo, hi)`` of a sparse update: (indices, values) on the CPU (views of
+        its own arrays where they lie there)."""
+        return self.indices[lo:hi].cpu(), self.values[lo:hi].cpu()  # type: ignore[index]
+
+    def all_indices(self) -> torch.Tensor:
+        """Every index of a sparse update."""
+        return self.indices  # type: ignore[return-value]
+
+    def index_range(self) -> tuple[int, int] | None:
+        """(first, last) index of a sparse update whose indices are strictly increasing
+        (checked a chunk at a time), else None: its elements' range is not known."""
+        idx = self.indices.detach().cpu().numpy()  # type: ignore[union-attr]
+        if not idx.size or not strictly_increasing(idx):
+            return None
+        return int(idx[0]), int(idx[-1])
+
+    def locate(self, starts: torch.Tensor) -> list[int]:
+        """``searchsorted(indices, starts)`` of a sparse update (sorted indices): how many of
+        its elements lie below each start."""
+        idx = self.indices
+        return torch.searchsorted(idx, starts.to(device=idx.device, dtype=idx.dtype)).tolist()  # type: ignore[arg-type, union-attr]
+
+    def chunk_bounds(self, chunk: int) -> list[int]:
+        """Where each ``chunk``-element block of the tensor starts among a sparse update's
+        elements: ``locate(chunk_starts(numel, chunk))`` (the last: nnz)."""
+        return self.locate(chunk_starts(self.numel, chunk))
+
+
+ORDER_CHUNK = 1 << 16  # indices per step of a strict-order check (stays in cache)
+
+
+def strictly_increasing(idx: np.ndarray) -> bool:
+    """Whether ``idx`` is strictly increasing (a chunk at a time: no full-size temporary)."""
+    n = idx.size
+    out = np.empty(min(max(n - 1, 0), ORDER_CHUNK), dtype=bool)
+    for a in range(0, n - 1, ORDER_CHUNK):
+        b = min(n, a + ORDER_CHUNK + 1)
+        got = out[: b - a - 1]
+        np.greater(idx[a + 1 : b], idx[a : b - 1], out=got)
+        if not got.all():
+            return False
+    return True
+
+
+def chunk_starts(numel: int, chunk: int) -> torch.Tensor:
+    """The first element of each ``chunk``-element block of a tensor of ``numel`` elements,
+    then ``numel``: ``[0, chunk, 2 * chunk, ..., numel]`` (int64)."""
+    return torch.arange(0, numel + chunk, chunk, dtype=torch.int64).clamp_(max=numel)
+
 
 class WordSource(Protocol):
     """A dense record's 2-byte words, read once, in element order (a

@@ -156,29 +156,6 @@ def feed_bf16(h: xxhash.xxh3_128, block: torch.Tensor) -> None:
         h.update(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _feed_patched(
-    h: xxhash.xxh3_128, live: torch.Tensor, p: Piece, idx: torch.Tensor, vals: torch.Tensor
-) -> None:
-    """Feed piece ``p`` of the 2-D ``live`` tensor as it will be once ``vals`` are written at
-    the sorted flat ``idx`` (CPU int64), a few MiB of rows at a time; ``live`` is not written."""
-    width = live.shape[1]
-    step = max(1, _CAST_ELEMENTS // max(1, p.cols))
-    stop = p.local_row + p.rows
-    for r0 in range(p.local_row, stop, step):
-        r1 = min(stop, r0 + step)
-        piece = live[r0:r1, p.local_col : p.local_col + p.cols]
-        lo, hi = torch.searchsorted(idx, torch.tensor([r0 * width, r1 * width])).tolist()
-        if lo == hi:
-            feed_bf16(h, piece)  # no update in these rows
-            continue
-        piece = piece.clone(memory_format=torch.contiguous_format)  # never the live bits
-        hits = idx[lo:hi]
-        rows, cols = hits // width - r0, hits % width - p.local_col
-        inside = (cols >= 0) & (cols < p.cols)
-        piece[rows[inside], cols[inside]] = vals[lo:hi][inside]
-        feed_bf16(h, piece)
-
-
 def _digest(pieces: list[Piece], feed_piece: Callable[[xxhash.xxh3_128, Piece], None]) -> str:
     h = xxhash.xxh3_128()
     for p in pieces:
@@ -250,21 +227,17 @@ def receiver_part_digests(
         What :func:`writer_part_digests` gives each writer for ``shard`` when the state is exact.
     """
     views = {n: as_2d(t.detach()) for n, t in tensors.items()}
-    sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    sparse: dict[str, Sparse] = {}
     for u in updates:
         if not u.nnz:
             continue
         if u.indices is None:  # dense: the values are the whole new tensor
             views[u.name] = as_2d(u.values.reshape(tuple(u.shape)))
         else:
-            sparse[u.name] = (u.indices.to("cpu", torch.int64), u.values.to("cpu"))
+            sparse[u.name] = [u]
 
     def feed_piece(h: xxhash.xxh3_128, p: Piece) -> None:
-        v = views[p.local]
-        if p.local in sparse:
-            _feed_patched(h, v, p, *sparse[p.local])
-        else:
-            feed_bf16(h, v[p.local_row : p.local_row + p.rows, p.local_col : p.local_col + p.cols])
+        _feed_rows(h, views[p.local], p, sparse.get(p.local, []))
 
     digests = {k: _digest(writer_pieces(layout, k, count)[shard], feed_piece) for k in range(count)}
     nonzero = [
@@ -274,9 +247,7 @@ def receiver_part_digests(
         and any(
             _any_bits(block)
             for r, c, n, w in rects
-            for block in _blocks_after(
-                views[name], r, c, n, w, [sparse[name]] if name in sparse else []
-            )
+            for block in _blocks_after(views[name], r, c, n, w, sparse.get(name, []))
         )
     ]
     what = "the tensors as they will be after the update" if updates else "the live tensors"
@@ -456,7 +427,9 @@ def chain_part_digests(
     return _poisoned(digests, shard, nonzero, "the tensors as they will be after the chain")
 
 
-Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # (sorted flat indices, values) on the CPU
+# A tensor's sparse pieces in chain order: sorted flat indices and their values, read a row
+# chunk's share at a time (``locate``, ``span``: a TensorUpdate, or a piece parked in a file)
+Sparse = list[TensorUpdate]
 
 
 def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor, Sparse]:
@@ -472,7 +445,7 @@ def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor,
         base = torch.zeros((), dtype=item.dtype).expand(live.shape)
     else:
         base = live
-    return base, [(p.indices.cpu(), p.values.cpu()) for p in pieces if p.nnz]  # type: ignore[union-attr]
+    return base, [p for p in pieces if p.nnz]
 
 
 def _feed_rows(h: xxhash.xxh3_128, base: torch.Tensor, p: Piece, sparse: Sparse) -> None:
@@ -490,19 +463,22 @@ def _blocks_after(
     written on top, a few MiB of rows at a time: rows nothing touches are views of ``base``
     as they are; touched rows are copied whole into a scratch chunk, patched there by flat
     index (``index_copy_``: an anchor patches every element) and the rectangle's columns of
-    it given. ``base`` is never written."""
+    it given. ``base`` is never written; each piece's elements are read a chunk of rows'
+    share at a time (a piece parked in a file never whole)."""
     width = base.shape[1]
     step = max(1, _ROW_ELEMENTS // max(1, width))
     stop = row + rows
     span = slice(col, col + cols)
-    for r0 in range(row, stop, step):
+    firsts = range(row, stop, step)
+    bounds = []
+    if sparse:
+        starts = torch.tensor([r * width for r in firsts] + [stop * width], dtype=torch.int64)
+        bounds = [p.locate(starts) for p in sparse]
+    for i, r0 in enumerate(firsts):
         r1 = min(stop, r0 + step)
-        hits = []
-        for idx, vals in sparse:
-            bounds = torch.tensor([r0 * width, r1 * width], dtype=idx.dtype)
-            lo, hi = torch.searchsorted(idx, bounds).tolist()
-            if hi > lo:
-                hits.append((idx[lo:hi], vals[lo:hi]))
+        hits = [
+            p.span(b[i], b[i + 1]) for p, b in zip(sparse, bounds, strict=True) if b[i + 1] > b[i]
+        ]
         if not hits:
             yield base[r0:r1, span]  # nothing written in these rows
             continue

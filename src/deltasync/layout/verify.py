@@ -18,8 +18,8 @@ so the value is exactly ``state_digest`` of the tensors after a scatter.
 A chain of several versions is verified the same way without folding it first: each tensor's
 pieces (:class:`deltasync.format.merge.TensorPieces`) patch each chunk in chain order, and a
 caller that streams them (:func:`chain_state_digest` over ``iter_chain``) holds one tensor's
-pieces at a time; a piece parked in a file (:class:`deltasync.format.stash.StashedPiece`) is
-read back a chunk's share at a time instead.
+pieces at a time. Every sparse piece is read a chunk's share at a time (``span``), a piece
+parked in a file (:class:`deltasync.format.stash.StashedPiece`) from its file, never whole.
 
 This module knows tensors, TensorUpdate and the digest definition; it knows nothing about
 stores, manifests or journals.
@@ -34,8 +34,7 @@ import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
-from deltasync.format.stash import StashedPiece
-from deltasync.format.updates import LazyDense
+from deltasync.format.updates import LazyDense, chunk_starts
 from deltasync.layout.digest import combine_digests, dtype_name, tensor_digest
 from deltasync.native.ops import patch16, patched_digests16, scatter16
 
@@ -57,39 +56,23 @@ def _patch(piece: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, start: in
         piece.index_copy_(0, (idx - start).to(torch.int64), vals)
 
 
-Touched = list[tuple[torch.Tensor, torch.Tensor, int, int]]  # (indices, values, lo, hi)
+Touched = list[tuple[torch.Tensor, torch.Tensor]]  # (indices, values) of a chunk, on the CPU
 
 
 def _fill(piece: torch.Tensor, base: torch.Tensor | None, touched: Touched, start: int) -> None:
-    """``piece`` = ``base`` (zeros where None) with each touched piece's ``[lo, hi)`` elements
-    written, in chain order: the chunk as the update leaves it. One sparse piece over a CPU
-    base is copied and patched in one C pass."""
+    """``piece`` = ``base`` (zeros where None) with each touched piece's elements written, in
+    chain order: the chunk as the update leaves it. One sparse piece over a CPU base is
+    copied and patched in one C pass."""
     if len(touched) == 1 and base is not None:
-        idx, vals, lo, hi = touched[0]
-        if patch16(piece, base, idx[lo:hi], vals[lo:hi], base=start):
+        idx, vals = touched[0]
+        if patch16(piece, base, idx, vals, base=start):
             return
     if base is None:
         piece.zero_()
     else:
         piece.copy_(base)
-    for idx, vals, lo, hi in touched:
-        _patch(piece, idx[lo:hi], vals[lo:hi], start)
-
-
-def _whole(p: TensorUpdate | StashedPiece) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sparse piece's (indices, values) on the CPU (a stashed one read back)."""
-    if isinstance(p, StashedPiece):
-        return p.span(0, p.nnz)
-    return p.indices.to("cpu"), p.values.to("cpu")  # type: ignore[union-attr]
-
-
-def _touched(
-    src: torch.Tensor | StashedPiece, vals: torch.Tensor | None, lo: int, hi: int
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """A ``Touched`` entry: elements ``[lo, hi)`` of a piece (a stashed one's read back)."""
-    if isinstance(src, StashedPiece):
-        return (*src.span(lo, hi), 0, hi - lo)
-    return src, vals, lo, hi  # type: ignore[return-value]
+    for idx, vals in touched:
+        _patch(piece, idx, vals, start)
 
 
 def patched_tensor_digest(
@@ -159,33 +142,24 @@ def pieces_tensor_digest(
     zeros = tensor.from_zero and dense is None and lazy is None
     if scratch is None or scratch.chunk != chunk:
         scratch = Scratch(chunk)
+    sparse = [p for p in pieces if p.nnz]
     if n <= chunk and dense is None and lazy is None and not zeros:  # one chunk: no bookkeeping
         piece = scratch.take(n, flat.dtype)
-        touched: Touched = [(*_whole(p), 0, p.nnz) for p in pieces if p.nnz]
-        _fill(piece, flat, touched, 0)
+        _fill(piece, flat, [p.span(0, p.nnz) for p in sparse], 0)
         h.update(_bytes(piece))
         return h.digest()
-    starts = torch.arange(0, n + chunk, chunk, dtype=torch.int64).clamp_(max=n)
-    # (indices, values, chunk bounds) of each sparse piece, chain order; a stashed piece's
-    # (indices, values) are read back a chunk at a time below, never whole
-    sparse: list[tuple[torch.Tensor | StashedPiece, torch.Tensor | None, list[int]]] = []
-    for p in pieces:
-        if p.nnz == 0:
-            continue
-        if isinstance(p, StashedPiece):
-            sparse.append((p, None, p.bounds(starts)))
-            continue
-        idx = p.indices.to("cpu")  # type: ignore[union-attr]
-        bounds = torch.searchsorted(idx, starts.to(idx.dtype)).tolist()
-        sparse.append((idx, p.values.to("cpu"), bounds))
+    starts = chunk_starts(n, chunk).tolist()
+    # each sparse piece's elements are read a chunk's share at a time below (a stashed
+    # piece's from its file, never whole), chain order
+    bounds = [p.chunk_bounds(chunk) for p in sparse]
     buffer = scratch.take(n, flat.dtype)
     on_cpu = flat.device.type == "cpu"
     for i in range(len(starts) - 1):
-        start, end = int(starts[i]), int(starts[i + 1])
+        start, end = starts[i], starts[i + 1]
         if start >= end:
             break
         touched = [
-            _touched(src, vals, b[i], b[i + 1]) for src, vals, b in sparse if b[i + 1] > b[i]
+            p.span(b[i], b[i + 1]) for p, b in zip(sparse, bounds, strict=True) if b[i + 1] > b[i]
         ]
         if lazy is not None:
             base = next(lazy)  # elements [start, end) of the dense piece

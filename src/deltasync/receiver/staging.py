@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from typing import BinaryIO
 
@@ -61,16 +59,13 @@ from deltasync.format.decode import BlobRecords, restated
 from deltasync.format.merge import check_anchor_complete
 from deltasync.format.section import FileSpan
 from deltasync.format.wire import DIGEST_SIZE, MAX_RECORDS
+from deltasync.scratch import scratch_file
 from deltasync.store import Store
 
 log = logging.getLogger(__name__)
 
 SPILL_PART = 4 << 20  # bytes per ranged read of a blob being spilled to its file
 SPILL_MIN = 1 << 20  # a pull that spills spills every blob from this size (a file each)
-# Room a spill leaves free in its dir: the pull writes its journal there after the spill (and
-# the state file before the spill files close); a spill that took that room would fail every
-# retry of the pull at its journal, where holding the blob in memory succeeds.
-SPILL_HEADROOM = 1 << 20
 
 
 def check_chain(manifests: Sequence[Manifest], from_version: int | None, shard: str) -> None:
@@ -163,22 +158,13 @@ def spill_blob(
     ``directory``, whose closing ``files`` owns: the store's object is read once, and the
     pull reads the file this process wrote and hashed, so a store object changed meanwhile
     cannot reach the tensors.
-    A file that cannot be written, or a dir without room for it and SPILL_HEADROOM more (the
-    pull's journal and state file are written there while the file is open), falls back to
-    :func:`fetch_blob` (in memory, as a pull within budget), with a warning naming the dir and
-    the remedy."""
+    A file that cannot be written, or a dir without room for it and
+    :data:`deltasync.scratch.HEADROOM` more (the pull's journal and state file are written
+    there while the file is open), falls back to :func:`fetch_blob` (in memory, as a pull
+    within budget), with a warning naming the dir and the remedy."""
     try:
-        st = os.statvfs(directory)
-    except OSError as exc:
-        return _held_instead(store, manifest, entry, directory, exc)
-    free = st.f_bavail * st.f_frsize
-    if free < entry.size + SPILL_HEADROOM:
-        why = f"{free} bytes free, fewer than the blob's {entry.size} and {SPILL_HEADROOM} to spare"
-        return _held_instead(store, manifest, entry, directory, why)
-    try:
-        # O_TMPFILE where the file system has it: the file never has a name; else unlinked at
-        # once. Unbuffered: a write error (ENOSPC) is raised by the write that meets it.
-        f = tempfile.TemporaryFile(dir=directory, buffering=0)  # noqa: SIM115 (the pull owns it)
+        # unbuffered: a write error (ENOSPC) is raised by the write that meets it
+        f = scratch_file(directory, entry.size, buffering=0)
     except OSError as exc:
         return _held_instead(store, manifest, entry, directory, exc)
     try:

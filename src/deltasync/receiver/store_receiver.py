@@ -63,6 +63,7 @@ from deltasync.commit.catalog import Catalog
 from deltasync.commit.model import LayoutRecord, run_started_ms, specs_fingerprint
 from deltasync.commit.signing import MIN_KEY_BYTES
 from deltasync.errors import (
+    FULL_ERRNOS,
     ApplyError,
     ConfigError,
     DeltaSyncError,
@@ -97,7 +98,7 @@ from deltasync.interrupts import interrupts_deferred
 from deltasync.layout import ReceiverLayout
 from deltasync.layout.digest import parse_parts_digest, parts_digest, state_digest
 from deltasync.layout.part_digests import chain_part_digests, receiver_part_digests
-from deltasync.layout.verify import chain_state_digest
+from deltasync.layout.verify import CHUNK_ELEMENTS, chain_state_digest
 from deltasync.receiver.journal import Journal, JournalStep, LocalState, StateDir
 from deltasync.receiver.staging import check_chain, open_version, spill_plan
 from deltasync.store import Store
@@ -640,13 +641,24 @@ class Receiver:
         try:
             self.dir.write_state(new)
         except LocalStateError as exc:
+            remedy = self._room_remedy(exc, "pull, which restores the newest anchor")
             raise LocalStateError(
                 f"{self._who}: its tensors no longer hold version {held}. It reports no "
                 f"version now and its registration is withdrawn, but its state file could not "
-                f"say so ({exc}): free space in the state dir {str(self.dir.path)!r} (or let "
-                "this process write there) and pull, which restores the newest anchor. A "
-                "process restarted before then trusts the file only with verify_on_open"
+                f"say so ({exc}): {remedy}. A process restarted before then trusts the file "
+                "only with verify_on_open"
             ) from exc
+
+    def _room_remedy(self, error: BaseException, then: str) -> str:
+        """The remedy that ends a message about a record the state dir did not take, ending
+        with ``then`` (the pull to run): ``error`` (a record write's) already names a full
+        disk's remedy, where that was its cause, and it is not told twice."""
+        if getattr(error.__cause__, "errno", None) in FULL_ERRNOS:
+            return f"once there is room, {then}"
+        return (
+            f"free space in the state dir {str(self.dir.path)!r} (or let this process write "
+            f"there) and {then}"
+        )
 
     def _state_with(self, **changes) -> LocalState:
         """The local state with ``changes`` (not written)."""
@@ -1303,9 +1315,8 @@ class Receiver:
         if isinstance(error, LocalStateError):
             raise LocalStateError(
                 f"version {target.version} not taken by receiver shard {self.shard!r}: "
-                f"{error}. Nothing was written (the tensors hold what they held); free space "
-                f"in the state dir {str(self.dir.path)!r} (or let this process write there) "
-                "and pull again"
+                f"{error}. Nothing was written (the tensors hold what they held); "
+                f"{self._room_remedy(error, 'pull again')}"
             ) from error
         if error is not None:
             raise error
@@ -1336,10 +1347,11 @@ class Receiver:
                     # torn from before the iteration: its reads write the live tensors
                     writing = True
                     self._state = self._state_with(dirty=True)
-                # Tensors written by a step before the last: each may be written again by a
-                # later one, so each is reported once the last step's writes end.
+                # Tensors written by a step before the last (or by one of the last step's
+                # several writers): each may be written again by a later one, so each is
+                # reported once the last step's writes end.
                 earlier: dict[str, None] = {}
-                for last, item in _step_by_step(steps, self.specs):
+                for final, item in _step_by_step(steps, self.specs):
                     if not writing:
                         # Torn from the first write until the last: no version, in memory
                         # (the journal says so on disk), for whatever asks meanwhile (a
@@ -1347,7 +1359,7 @@ class Receiver:
                         writing = True
                         self._state = self._state_with(dirty=True)
                     written += apply_pieces(item, self.tensors, ordered=True)  # decoder-proven
-                    if not last:
+                    if not final:
                         earlier[item.name] = None
                     elif self._on_tensor is not None:
                         earlier.pop(item.name, None)
@@ -1473,9 +1485,7 @@ class Receiver:
                     raise LocalStateError(
                         f"version {held.version} was written to receiver shard {self.shard!r} "
                         f"but not recorded: {error}. It reports no version until a pull "
-                        f"replays the journal: free space in the state dir "
-                        f"{str(self.dir.path)!r} (or let this process write there) and pull "
-                        "again"
+                        f"replays the journal: {self._room_remedy(error, 'pull again')}"
                     ) from error
             raise error
 
@@ -1617,30 +1627,38 @@ class Receiver:
             # piece, as it is read, in an unlinked file beside the spills: a large tensor's
             # pieces of every version are hashed together, a chunk at a time, never all
             # held decoded at once (see deltasync.format.stash).
-            with Stash(str(self.dir.path)) as stash:
+            with Stash(str(self.dir.path), chunk=CHUNK_ELEMENTS) as stash:
                 chain = iter_chain(lazy, self.specs, keep=stash.keep)
                 return chain_state_digest(self.tensors, chain)
         count = parsed[0]
         layout = self._parts_layout(version)
+        spilled = any(_in_file(s) for _, _, streams in steps for s in streams)
         # the record headers are read once here, for the chain's reading order too
         steps = [(v, kind, [NamedOnce(s) for s in streams]) for v, kind, streams in steps]
         names_listed = {n for _, _, streams in steps for stream in streams for n in stream.names()}
-        parts = chain_part_digests(
-            self.tensors,
-            iter_chain(steps, self.specs),
-            listed=names_listed,
-            layout=layout,
-            shard=self.shard,
-            count=count,
-            # tensors listed ahead of their turn are held up to the staging budget (at least
-            # the shard's largest tensor, as a chain read holds about one tensor's pieces),
-            # the rest read again (checked already by the first read)
-            again=lambda: iter_chain(steps, self.specs, check=False),
-            max_held=max(
-                self._staged_budget() // _HELD_BYTES_PER_ELEMENT,
-                max((_numel(sp.shape) for sp in self.specs.values()), default=0),
-            ),
-        )
+        with contextlib.ExitStack() as scope:
+            keep = None
+            if spilled:
+                # A spilled pull from several writers parks each writer's large sparse piece
+                # as it is read (as a catch-up does): a tensor's pieces are hashed a row
+                # chunk's share at a time, never held decoded together.
+                keep = scope.enter_context(Stash(str(self.dir.path), chunk=CHUNK_ELEMENTS)).keep
+            parts = chain_part_digests(
+                self.tensors,
+                iter_chain(steps, self.specs, keep=keep),
+                listed=names_listed,
+                layout=layout,
+                shard=self.shard,
+                count=count,
+                # tensors listed ahead of their turn are held up to the staging budget (at
+                # least the shard's largest tensor, as a chain read holds about one tensor's
+                # pieces), the rest read again (checked already by the first read)
+                again=lambda: iter_chain(steps, self.specs, check=False, keep=keep),
+                max_held=max(
+                    self._staged_budget() // _HELD_BYTES_PER_ELEMENT,
+                    max((_numel(sp.shape) for sp in self.specs.values()), default=0),
+                ),
+            )
         return parts_digest([parts[k] for k in range(count)])
 
     def _parts_layout(self, version: int) -> ReceiverLayout:
@@ -1779,17 +1797,36 @@ def _step_by_step(
     steps: list, specs: Mapping[str, TensorSpec]
 ) -> Iterator[tuple[bool, TensorPieces]]:
     """The write pass's reading of a verified chain: each step's records in turn, each
-    tensor's pieces of that step alone, in chain order, with whether the step is the last. Written in this order the tensors
-    end as :func:`iter_chain` over the whole chain leaves them (each element holds the last
-    step's value that lists it: later steps are written later), while only one step's
-    records of a tensor are held at a time: grouped over the whole chain, a catch-up held
-    every version's piece of a large tensor (the embedding) together, each beside the
-    section it was decoded from. The first step is the anchor, if any (``from_zero``: its
-    tensors start from zeros); the verify pass proved every step before this one reads it."""
-    for i, step in enumerate(steps):
-        for item in iter_chain([step], specs, check=False):
-            yield i == len(steps) - 1, item
-            del item
+    tensor's pieces of that step alone, in chain order, with whether the tensor holds its
+    final values once the item is written. Written in this order the tensors end as
+    :func:`iter_chain` over the whole chain leaves them (each element holds the last step's
+    value that lists it: later steps are written later), while only one step's records of a
+    tensor are held at a time: grouped over the whole chain, a catch-up held every version's
+    piece of a large tensor (the embedding) together, each beside the section it was
+    decoded from. The first step is the anchor, if any (``from_zero``: its tensors start
+    from zeros); the verify pass proved every step before this one reads it.
+
+    A step of several writers is read one writer's blob at a time: the verify proved their
+    elements disjoint, so in any order they leave the same tensor, and one writer's piece
+    of a tensor is held, not every writer's (an anchor's embedding from two FSDP writers:
+    two pieces of 6 bytes an element of half the rows each). An anchor's tensor starts from
+    zeros at its first writer's piece only. Such a step's tensors are final only once every
+    writer's blob is written: none of its items is final (the caller reports them after)."""
+    for i, (version, kind, streams) in enumerate(steps):
+        last = i == len(steps) - 1
+        if len(streams) < 2:
+            for item in iter_chain([(version, kind, streams)], specs, check=False):
+                yield last, item
+                del item
+            continue
+        begun: set[str] = set()
+        for stream in streams:
+            for item in iter_chain([(version, kind, [stream])], specs, check=False):
+                if item.from_zero and item.name in begun:
+                    item = replace(item, from_zero=False)  # zeroed by an earlier writer's piece
+                begun.add(item.name)
+                yield False, item
+                del item
 
 
 def _in_file(stream: object) -> bool:
