@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from deltasync.errors import BlobMismatchError
-from deltasync.format.updates import TensorSpec, TensorUpdate, materialized
+from deltasync.format.updates import SparsePiece, TensorSpec, TensorUpdate, materialized
 
 
 def merge_writers(version: int, per_blob: Sequence[Sequence[TensorUpdate]]) -> list[TensorUpdate]:
@@ -232,7 +232,7 @@ def _check_disjoint(version: int, name: str, ups: Sequence[TensorUpdate]) -> Non
 _CHECK_CHUNK = 1 << 16  # indices per step of the disjointness check (stays in cache)
 
 
-def _share_an_element(pieces: Sequence[TensorUpdate]) -> bool:
+def _share_an_element(pieces: Sequence[SparsePiece]) -> bool:
     """Whether two of ``pieces`` (sparse, one per writer) hold the same element, in memory of
     a chunk, not of the indices (a sort of their concatenation held ~24 bytes an element of
     an anchor's largest tensor: several times the tensor, and most of a multi-writer

@@ -177,6 +177,29 @@ class TensorUpdate:
         return self.locate(chunk_starts(self.numel, chunk))
 
 
+class SparsePiece(Protocol):
+    """A sparse piece as a verify reads it, a chunk's share at a time: a sparse
+    :class:`TensorUpdate`, or one parked in a file
+    (:class:`deltasync.format.stash.StashedPiece`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nnz(self) -> int: ...
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def locate(self, starts: torch.Tensor) -> list[int]: ...
+
+    def chunk_bounds(self, chunk: int) -> list[int]: ...
+
+    def index_range(self) -> tuple[int, int] | None: ...
+
+    def all_indices(self) -> torch.Tensor: ...
+
+
 ORDER_CHUNK = 1 << 16  # indices per step of a strict-order check (stays in cache)
 
 

@@ -45,6 +45,7 @@ import xxhash
 
 from deltasync.format import TensorUpdate
 from deltasync.format.merge import TensorPieces
+from deltasync.format.updates import SparsePiece
 from deltasync.layout.blocks import as_2d, view_cols, view_rows
 from deltasync.layout.hf_model import build_hf_table
 from deltasync.layout.receiver_layout import ReceiverLayout
@@ -427,9 +428,9 @@ def chain_part_digests(
     return _poisoned(digests, shard, nonzero, "the tensors as they will be after the chain")
 
 
-# A tensor's sparse pieces in chain order: sorted flat indices and their values, read a row
-# chunk's share at a time (``locate``, ``span``: a TensorUpdate, or a piece parked in a file)
-Sparse = list[TensorUpdate]
+# A tensor's sparse pieces in chain order, read a row chunk's share at a time (``locate``,
+# ``span``: a TensorUpdate, or a piece parked in a file)
+Sparse = list[SparsePiece]
 
 
 def _after(live: torch.Tensor, item: TensorPieces | None) -> tuple[torch.Tensor, Sparse]:
