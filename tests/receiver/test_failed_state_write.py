@@ -95,9 +95,10 @@ def test_a_failed_journal_write_writes_nothing_and_names_the_version_and_the_rem
     assert_same_bits(tensors, v1)
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["told", "enospc"])
 @pytest.mark.parametrize("call", ["scrub", "invalidate"])
 def test_tensors_known_drifted_on_a_full_state_dir_report_and_register_no_version(
-    tmp_path, monkeypatch, call
+    tmp_path, monkeypatch, call, full
 ):
     # The state file write raised first, and the receiver went on reporting and registering
     # version 0 over tensors it had just found changed; the next pulls saw nothing new.
@@ -110,8 +111,14 @@ def test_tensors_known_drifted_on_a_full_state_dir_report_and_register_no_versio
     name = sorted(tensors)[-1]
     tensors[name].view(-1)[-1] += 1  # a stray write into the live tensors
 
-    def fails(self, _record):
-        raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+    real = StateDir.write_state
+
+    def fails(self, obj):
+        if not full:
+            raise LocalStateError(f"cannot write {str(self.path)!r}: No space left on device")
+        with monkeypatch.context() as m:  # the record write itself meets ENOSPC
+            m.setattr(atomic.os, "fchmod", _no_room)
+            real(self, obj)
 
     with monkeypatch.context() as m:
         m.setattr(StateDir, "write_state", fails)
@@ -120,12 +127,18 @@ def test_tensors_known_drifted_on_a_full_state_dir_report_and_register_no_versio
                 rec.scrub()
             else:
                 rec.invalidate("the engine reloaded its weights")
+    remedy = (
+        r"once there is room, pull, which restores the newest anchor"
+        if full
+        else r"free space in the state dir .* and pull, which restores the newest anchor"
+    )
     assert re.search(
         r"its tensors no longer hold version 0\. It reports no version now and its "
         r"registration is withdrawn, but its state file could not say so .*No space left on "
-        r"device.*: free space in the state dir .* and pull, which restores the newest anchor",
+        rf"device.*: {remedy}",
         str(failed.value),
     ), failed.value
+    assert str(failed.value).lower().count("free space") == 1  # the remedy said once
     assert rec.dirty and rec.version is None
     assert ReceiverRecord.from_json(store.get(names.receiver_key("rec"))).version is None
     report = rec.pull()  # space freed: the newest anchor, bit for bit
